@@ -1,0 +1,47 @@
+"""Exception types shared by every layer."""
+
+
+class AcceleratorError(RuntimeError):
+    """A vendor runtime call failed, or no device can serve the request.
+
+    When the failure comes from a vendor call, ``library``, ``call``,
+    ``code`` and ``code_name`` say which library, which function, and the
+    vendor's numeric error and its name (e.g. ``cudaErrorInsufficientDriver``,
+    35).  They are None for errors raised by accel itself.
+    """
+
+    def __init__(self, message, *, library=None, call=None, code=None, code_name=None):
+        super().__init__(message)
+        self.library = library
+        self.call = call
+        self.code = code
+        self.code_name = code_name
+
+    @classmethod
+    def from_call(cls, library, call, code, code_name, description=""):
+        """Build the error for a failed vendor call with a uniform message."""
+        msg = f"{library}: {call} failed with {code_name} ({code})"
+        if description:
+            msg += f": {description}"
+        return cls(msg, library=library, call=call, code=code, code_name=code_name)
+
+
+class OutOfMemoryError(AcceleratorError):
+    """The device (or pinned host) memory request could not be satisfied.
+
+    Raised by backends when the vendor allocator reports out-of-memory; the
+    caching allocator catches it, frees its cache, retries, and re-raises it
+    with a message that gives the allocator state (as torch's).
+    """
+
+
+class DeferredCallError(AcceleratorError):
+    """A call queued with ``_lazy_call`` before initialization failed at init.
+
+    The message includes the stack of the place where the call was queued,
+    as torch's ``DeferredCudaCallError``.
+    """
+
+
+class CaptureError(AcceleratorError):
+    """An operation that is illegal while a stream is being captured."""

@@ -1,0 +1,147 @@
+"""Lazy runtime initialization, the deferred-call queue, and fork poisoning.
+
+The runtime is initialized on the first call that needs a device, never at
+import and never by queries (count, availability, seeding).  Work that must
+happen at init (seeding before init, say) is queued with :func:`lazy_call`.
+
+A process that forks after initializing a vendor runtime cannot use the
+runtime in the child (the driver's threads and contexts do not survive
+``fork``); the child gets a clear error at first device use instead of a hang.
+This mirrors ``torch/cuda/__init__.py`` and ``device_lazy_init.cpp``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import traceback
+from typing import Callable, List, Optional, Tuple
+
+from . import backends
+from ._errors import DeferredCallError
+from .backends.base import Backend
+
+_NO_DEVICE = "Cannot access accelerator device when none is available."
+
+_lock = threading.RLock()
+_tls = threading.local()
+_initialized = False
+_in_bad_fork = False
+_queued: List[Tuple[Callable[[], None], List[str]]] = []
+_seed: Optional[Tuple[Callable[[], None], List[str]]] = None
+_seed_all: Optional[Tuple[Callable[[], None], List[str]]] = None
+_reset_hooks: List[Callable[[], None]] = []
+
+
+def display_name(backend: Optional[Backend]) -> str:
+    """"CUDA", "XPU", "MPS" as vendors and torch spell them in messages."""
+    return backend.name.upper() if backend is not None else "accelerator"
+
+
+def backend() -> Backend:
+    """The selected backend, uninitialized; RuntimeError when there is none."""
+    chosen = backends.select()
+    if chosen is None:
+        raise RuntimeError(_NO_DEVICE)
+    return chosen
+
+
+def is_initialized() -> bool:
+    """True once the runtime has been initialized in this process (and not poisoned by fork)."""
+    return _initialized and not _in_bad_fork
+
+
+def is_in_bad_fork() -> bool:
+    return _in_bad_fork
+
+
+def lazy_call(fn: Callable[[], None], *, seed: bool = False, seed_all: bool = False) -> None:
+    """Run ``fn`` now if the runtime is initialized, else at initialization.
+
+    ``seed``/``seed_all`` calls keep only the latest of their kind (a later
+    ``manual_seed`` replaces an earlier one), as torch's ``_lazy_call``.
+    """
+    global _seed, _seed_all
+    with _lock:
+        if is_initialized():
+            fn()
+            return
+        entry = (fn, traceback.format_stack())
+        if seed_all:
+            _seed_all = entry
+        elif seed:
+            _seed = entry
+        else:
+            _queued.append(entry)
+
+
+def lazy_init() -> Backend:
+    """Initialize the selected backend once; return it.
+
+    Raises RuntimeError without a device or in a child forked after init,
+    AcceleratorError when the vendor runtime refuses, DeferredCallError when
+    a queued call fails.
+    """
+    global _initialized, _seed, _seed_all
+    if _initialized and not _in_bad_fork:
+        return backends.select()
+    chosen = backend()
+    if _in_bad_fork:
+        raise RuntimeError(
+            f"Cannot re-initialize {display_name(chosen)} in forked subprocess. "
+            f"To use {display_name(chosen)} with multiprocessing, you must use the 'spawn' start method")
+    with _lock:
+        if _initialized:
+            return chosen
+        if getattr(_tls, "initializing", False):
+            # A queued call asked for the device while init runs its queue.
+            return chosen
+        chosen.init()
+        _tls.initializing = True
+        try:
+            calls = [c for c in (_seed_all, _seed) if c is not None] + _queued
+            for fn, stack in calls:
+                try:
+                    fn()
+                except Exception as exc:
+                    name = display_name(chosen)
+                    raise DeferredCallError(
+                        f"{name} call failed lazily at initialization with error: {exc}\n\n"
+                        f"{name} call was originally invoked at:\n\n{''.join(stack)}") from exc
+            _queued.clear()
+            _seed = _seed_all = None
+            _initialized = True
+        finally:
+            _tls.initializing = False
+    return chosen
+
+
+def register_reset_hook(fn: Callable[[], None]) -> None:
+    """Layers with process-wide state (allocators, generators, current streams)
+    register a function that forgets it; tests call :func:`_reset_for_tests`."""
+    if fn not in _reset_hooks:
+        _reset_hooks.append(fn)
+
+
+def _reset_for_tests() -> None:
+    """Forget every piece of process state so a test can switch backend or simulator."""
+    global _initialized, _in_bad_fork, _seed, _seed_all
+    with _lock:
+        for hook in list(_reset_hooks):
+            hook()
+        _queued.clear()
+        _seed = _seed_all = None
+        _initialized = False
+        _in_bad_fork = False
+        backends.reset()
+
+
+def _after_fork_in_child() -> None:
+    global _in_bad_fork, _lock
+    # The parent may have held the lock while forking; the child gets a fresh one.
+    _lock = threading.RLock()
+    if _initialized:
+        _in_bad_fork = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,86 @@
+"""Backend registry and selection.
+
+Which runtime serves this process: ``ACCEL_BACKEND`` if set (``cuda``,
+``xpu``, ``mps``); else the backend named by ``ACCEL_SIM`` (the simulator);
+else the first of cuda, xpu, mps whose library loads and reports a device.
+Selection only counts devices, so it never initializes a runtime.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+from typing import Dict, Optional
+
+from .base import Backend, DeviceProperties
+
+__all__ = ["Backend", "DeviceProperties", "NAMES", "get", "select", "reset"]
+
+NAMES = ("cuda", "xpu", "mps")
+_MODULES = {"cuda": ".cuda", "xpu": ".xpu", "mps": ".mps"}
+
+_lock = threading.Lock()
+_instances: Dict[str, Backend] = {}
+_selected: Optional[Backend] = None
+_selected_done = False
+
+
+def get(name: str) -> Backend:
+    """The (process-wide) backend object for ``name``; constructing it opens nothing."""
+    if name not in _MODULES:
+        raise ValueError(f"unknown backend {name!r}; expected one of {', '.join(NAMES)}")
+    backend = _instances.get(name)
+    if backend is None:
+        with _lock:
+            backend = _instances.get(name)
+            if backend is None:
+                module = importlib.import_module(_MODULES[name], __name__)
+                backend = _instances[name] = module.create()
+    return backend
+
+
+def _requested() -> Optional[str]:
+    name = os.environ.get("ACCEL_BACKEND") or os.environ.get("ACCEL_SIM")
+    if not name:
+        return None
+    name = name.strip().lower()
+    if name not in NAMES:
+        raise ValueError(
+            f"ACCEL_BACKEND/ACCEL_SIM={name!r} is not a backend; expected one of {', '.join(NAMES)}")
+    return name
+
+
+def select() -> Optional[Backend]:
+    """The backend this process uses, or None when no runtime reports a device.
+
+    With ``ACCEL_BACKEND``/``ACCEL_SIM`` set, that backend is returned even
+    when it has no device, so errors and ``python -m accel`` can say why.
+    """
+    global _selected, _selected_done
+    if _selected_done:
+        return _selected
+    with _lock:
+        if _selected_done:
+            return _selected
+    requested = _requested()
+    if requested is not None:
+        chosen = get(requested)
+    else:
+        chosen = None
+        for name in NAMES:
+            backend = get(name)
+            if backend.count() > 0:
+                chosen = backend
+                break
+    with _lock:
+        _selected, _selected_done = chosen, True
+    return chosen
+
+
+def reset() -> None:
+    """Forget backend objects and the selection (tests switch simulators with this)."""
+    global _selected, _selected_done
+    with _lock:
+        _instances.clear()
+        _selected, _selected_done = None, False

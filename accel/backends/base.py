@@ -1,0 +1,209 @@
+"""The Backend protocol: the only runtime surface the layers above may use.
+
+Streams, events, graphs, the caching allocator and the RNG are written once
+against this class; each vendor runtime (``cuda.py``, ``xpu.py``, ``mps.py``)
+implements it over its own library.  Everything here speaks plain Python
+values: device pointers, streams, events, graphs and kernels are ``int``
+handles, sizes are ``int`` bytes.  Vendor failures become
+:class:`accel.AcceleratorError` (``OutOfMemoryError`` for allocation failures)
+naming the library, the call, and the vendor error name and code.
+
+Device-scoped calls (allocation, stream and event creation, mem_info,
+synchronize) act on the calling thread's *current device*, as the CUDA runtime
+does; callers switch with :meth:`set_device` first.  Handles remember their
+device, so stream/event/copy calls work from any current device.
+
+Rules every implementation keeps:
+
+* Nothing opens a library or initializes a runtime at import.
+* :meth:`count` and :meth:`report` never initialize the runtime (they must be
+  safe before ``fork``); they return 0 / a reason instead of raising when the
+  library or the driver is missing.
+* :meth:`init` may be called once per process; every other runtime method is
+  only called after it (the lazy-init layer guarantees that).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, Tuple
+
+
+@dataclass(frozen=True)
+class DeviceProperties:
+    """What :meth:`Backend.properties` returns for one device."""
+
+    index: int
+    name: str
+    total_memory: int
+    compute_capability: Tuple[int, int]  # (major, minor); (0, 0) where the vendor has none
+    multi_processor_count: int
+    supported_dtypes: frozenset  # numpy dtype names, e.g. {"float32", "float64", ...}
+    uuid: str = ""
+    unified_memory: bool = False
+    extra: dict = field(default_factory=dict, compare=False)
+
+
+# What a kernel argument list looks like: (C type, value) pairs, C types from
+# this fixed set so every backend can marshal them the same way.
+KERNEL_ARG_TYPES = ("ptr", "u32", "i32", "u64", "i64", "f32", "f64")
+KernelArgs = Sequence[Tuple[str, Any]]
+
+
+class Backend(abc.ABC):
+    """One vendor runtime.  Subclasses set ``name`` (``"cuda"``, ``"xpu"``, ``"mps"``)."""
+
+    name: str = ""
+    #: Kind of kernel source :meth:`module_load` accepts: "ptx", "msl", or None
+    #: when the backend has no kernel path (callers then use the host path + copy).
+    kernel_language: Optional[str] = None
+    #: True when the backend implements stream capture (capture_* / graph_*).
+    supports_graphs: bool = False
+
+    # -- discovery: fork-safe, never initializes the runtime ------------------
+    @abc.abstractmethod
+    def count(self) -> int:
+        """Number of visible devices, without initializing the runtime; 0 when unavailable."""
+
+    @abc.abstractmethod
+    def report(self) -> dict:
+        """Facts for ``python -m accel``: library paths and versions, how the count
+        was obtained, visible-device environment, and ``reason`` when count() is 0.
+        Never initializes the runtime and never raises."""
+
+    # -- runtime ---------------------------------------------------------------
+    @abc.abstractmethod
+    def init(self) -> None:
+        """Initialize the runtime; raises AcceleratorError when that is impossible."""
+
+    @abc.abstractmethod
+    def properties(self, index: int) -> DeviceProperties: ...
+
+    @abc.abstractmethod
+    def set_device(self, index: int) -> None:
+        """Make ``index`` the calling thread's current device."""
+
+    @abc.abstractmethod
+    def get_device(self) -> int: ...
+
+    @abc.abstractmethod
+    def device_synchronize(self) -> None:
+        """Wait for all work on the current device (all its streams)."""
+
+    @abc.abstractmethod
+    def mem_info(self) -> Tuple[int, int]:
+        """(free, total) bytes of the current device."""
+
+    # -- memory ----------------------------------------------------------------
+    @abc.abstractmethod
+    def mem_alloc(self, nbytes: int) -> int:
+        """Allocate device memory on the current device; OutOfMemoryError on failure."""
+
+    @abc.abstractmethod
+    def mem_free(self, ptr: int) -> None: ...
+
+    @abc.abstractmethod
+    def host_alloc(self, nbytes: int) -> int:
+        """Allocate pinned (page-locked) host memory; OutOfMemoryError on failure."""
+
+    @abc.abstractmethod
+    def host_free(self, ptr: int) -> None: ...
+
+    # -- streams ---------------------------------------------------------------
+    @abc.abstractmethod
+    def stream_create(self, priority: int = 0) -> int:
+        """A new non-blocking stream on the current device."""
+
+    @abc.abstractmethod
+    def stream_destroy(self, stream: int) -> None: ...
+
+    @abc.abstractmethod
+    def default_stream(self, index: int) -> int:
+        """Handle of device ``index``'s default stream (CUDA: 0, the legacy stream)."""
+
+    @abc.abstractmethod
+    def stream_synchronize(self, stream: int) -> None: ...
+
+    @abc.abstractmethod
+    def stream_query(self, stream: int) -> bool:
+        """True when all work queued on ``stream`` has completed."""
+
+    @abc.abstractmethod
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        """Work queued on ``stream`` after this call waits for ``event``'s recorded work."""
+
+    def stream_priority_range(self) -> Tuple[int, int]:
+        """(least, greatest) priority; numerically lower is higher priority, as CUDA."""
+        return (0, 0)
+
+    # -- events ----------------------------------------------------------------
+    @abc.abstractmethod
+    def event_create(self, enable_timing: bool = False, blocking: bool = False) -> int: ...
+
+    @abc.abstractmethod
+    def event_destroy(self, event: int) -> None: ...
+
+    @abc.abstractmethod
+    def event_record(self, event: int, stream: int) -> None: ...
+
+    @abc.abstractmethod
+    def event_synchronize(self, event: int) -> None: ...
+
+    @abc.abstractmethod
+    def event_query(self, event: int) -> bool: ...
+
+    @abc.abstractmethod
+    def event_elapsed_ms(self, start: int, end: int) -> float: ...
+
+    # -- copies ----------------------------------------------------------------
+    @abc.abstractmethod
+    def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """Copy between any two addresses the runtime knows (device or pinned/pageable
+        host); ordered on ``stream``.  Pageable host sources may be copied before the
+        call returns (as cudaMemcpyAsync does)."""
+
+    @abc.abstractmethod
+    def memset_async(self, ptr: int, value: int, nbytes: int, stream: int) -> None: ...
+
+    # -- graphs (only when supports_graphs) -----------------------------------
+    def capture_begin(self, stream: int, mode: str) -> None:
+        """Start capturing ``stream``; mode is "global", "thread_local" or "relaxed"."""
+        raise NotImplementedError(f"{self.name} has no stream capture")
+
+    def capture_end(self, stream: int) -> int:
+        """End capture and return the graph handle; AcceleratorError if the capture was invalidated."""
+        raise NotImplementedError(f"{self.name} has no stream capture")
+
+    def stream_is_capturing(self, stream: int) -> bool:
+        return False
+
+    def graph_instantiate(self, graph: int) -> int:
+        raise NotImplementedError(f"{self.name} has no stream capture")
+
+    def graph_launch(self, graph_exec: int, stream: int) -> None:
+        raise NotImplementedError(f"{self.name} has no stream capture")
+
+    def graph_destroy(self, graph: int) -> None:
+        raise NotImplementedError(f"{self.name} has no stream capture")
+
+    def graph_exec_destroy(self, graph_exec: int) -> None:
+        raise NotImplementedError(f"{self.name} has no stream capture")
+
+    def graph_debug_dot(self, graph: int, path: str) -> None:
+        raise NotImplementedError(f"{self.name} has no graph debug dump")
+
+    # -- kernels (only when kernel_language is not None) -----------------------
+    def module_load(self, source: bytes) -> int:
+        """Load kernel source in ``kernel_language`` (JIT-compiled by the runtime)."""
+        raise NotImplementedError(f"{self.name} has no kernel path")
+
+    def module_unload(self, module: int) -> None:
+        raise NotImplementedError(f"{self.name} has no kernel path")
+
+    def module_function(self, module: int, name: str) -> int:
+        raise NotImplementedError(f"{self.name} has no kernel path")
+
+    def launch(self, function: int, grid: Tuple[int, int, int], block: Tuple[int, int, int],
+               args: KernelArgs, shared_mem: int, stream: int) -> None:
+        raise NotImplementedError(f"{self.name} has no kernel path")
