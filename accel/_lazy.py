@@ -26,6 +26,7 @@ _NO_DEVICE = "Cannot access accelerator device when none is available."
 _lock = threading.RLock()
 _tls = threading.local()
 _initialized = False
+_initialized_backend: Optional[Backend] = None
 _in_bad_fork = False
 _queued: List[Tuple[Callable[[], None], List[str]]] = []
 _seed: Optional[Tuple[Callable[[], None], List[str]]] = None
@@ -39,8 +40,9 @@ def display_name(backend: Optional[Backend]) -> str:
 
 
 def backend() -> Backend:
-    """The selected backend, uninitialized; RuntimeError when there is none."""
-    chosen = backends.select()
+    """The process's backend, uninitialized: the selected one, else the first whose
+    library loads (so its init reports the vendor's reason); RuntimeError when none loads."""
+    chosen = backends.fallback()
     if chosen is None:
         raise RuntimeError(_NO_DEVICE)
     return chosen
@@ -82,9 +84,9 @@ def lazy_init() -> Backend:
     AcceleratorError when the vendor runtime refuses, DeferredCallError when
     a queued call fails.
     """
-    global _initialized, _seed, _seed_all
+    global _initialized, _initialized_backend, _seed, _seed_all
     if _initialized and not _in_bad_fork:
-        return backends.select()
+        return _initialized_backend
     chosen = backend()
     if _in_bad_fork:
         raise RuntimeError(
@@ -110,6 +112,7 @@ def lazy_init() -> Backend:
                         f"{name} call was originally invoked at:\n\n{''.join(stack)}") from exc
             _queued.clear()
             _seed = _seed_all = None
+            _initialized_backend = chosen
             _initialized = True
         finally:
             _tls.initializing = False
@@ -125,13 +128,14 @@ def register_reset_hook(fn: Callable[[], None]) -> None:
 
 def _reset_for_tests() -> None:
     """Forget every piece of process state so a test can switch backend or simulator."""
-    global _initialized, _in_bad_fork, _seed, _seed_all
+    global _initialized, _initialized_backend, _in_bad_fork, _seed, _seed_all
     with _lock:
         for hook in list(_reset_hooks):
             hook()
         _queued.clear()
         _seed = _seed_all = None
         _initialized = False
+        _initialized_backend = None
         _in_bad_fork = False
         backends.reset()
 

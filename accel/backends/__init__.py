@@ -15,7 +15,7 @@ from typing import Dict, Optional
 
 from .base import Backend, DeviceProperties
 
-__all__ = ["Backend", "DeviceProperties", "NAMES", "get", "select", "reset"]
+__all__ = ["Backend", "DeviceProperties", "NAMES", "get", "select", "fallback", "reset"]
 
 NAMES = ("cuda", "xpu", "mps")
 _MODULES = {"cuda": ".cuda", "xpu": ".xpu", "mps": ".mps"}
@@ -76,6 +76,19 @@ def select() -> Optional[Backend]:
     with _lock:
         _selected, _selected_done = chosen, True
     return chosen
+
+
+def fallback() -> Optional[Backend]:
+    """The backend whose runtime errors explain a missing device: the selected
+    one, else the first whose library loads, else None."""
+    chosen = select()
+    if chosen is not None:
+        return chosen
+    for name in NAMES:
+        backend = get(name)
+        if backend.loads():
+            return backend
+    return None
 
 
 def reset() -> None:

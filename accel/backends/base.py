@@ -66,6 +66,15 @@ class Backend(abc.ABC):
     def count(self) -> int:
         """Number of visible devices, without initializing the runtime; 0 when unavailable."""
 
+    def loads(self) -> bool:
+        """True when the vendor library can be opened, device or not; never initializes.
+
+        When no backend reports a device, the first one that loads is still the
+        process's accelerator *type* (as a CUDA build of torch on a machine
+        without a GPU), so device use fails with that runtime's own error.
+        """
+        return self.count() > 0
+
     @abc.abstractmethod
     def report(self) -> dict:
         """Facts for ``python -m accel``: library paths and versions, how the count

@@ -1,0 +1,140 @@
+"""The ``accel.device`` value and device-argument parsing shared by the public API.
+
+Parsing follows ``torch/accelerator/_utils.py::_get_device_index``: an int is
+an index, a string or :class:`device` must name the current accelerator, and a
+device without an index means the current device only where that is allowed.
+On top of torch, wrong types raise ``TypeError`` and indices are checked
+against the device count with a message naming the valid range.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+from . import _lazy, backends
+
+_KNOWN_TYPES = ("cuda", "xpu", "mps", "cpu")
+
+
+class device:
+    """An accelerator device: a type (``"cuda"``, ``"xpu"``, ``"mps"``) and an optional index.
+
+    ``device("cuda:1")``, ``device("cuda", 1)`` and ``device("cuda")`` as torch.device.
+    Immutable and hashable; compares equal to another device with the same type and index.
+    """
+
+    __slots__ = ("_type", "_index")
+
+    def __init__(self, type: Union[str, "device"], index: Optional[int] = None):
+        if isinstance(type, device):
+            if index is not None:
+                raise TypeError("device(device, index): give the index in the string or the device, not both")
+            type, index = type.type, type.index
+        if not isinstance(type, str):
+            raise TypeError(f"device type must be a str such as 'cuda' or 'cuda:0', got {type!r}")
+        text = type.strip()
+        kind, sep, rest = text.partition(":")
+        if sep:
+            if index is not None:
+                raise ValueError(f"device string {text!r} already has an index; do not also pass index={index}")
+            if not rest.isdigit():
+                raise ValueError(f"Invalid device string: {text!r}; expected 'type' or 'type:index' "
+                                 f"with a non-negative integer index, e.g. 'cuda:0'")
+            index = int(rest)
+        if kind not in _KNOWN_TYPES:
+            raise ValueError(f"Invalid device string: {text!r}; expected a device type in "
+                             f"{', '.join(_KNOWN_TYPES)}, optionally followed by ':index'")
+        if index is not None:
+            if isinstance(index, bool) or not isinstance(index, int):
+                raise TypeError(f"device index must be an int, got {index!r}")
+            if index < 0:
+                raise ValueError(f"Device index must not be negative, got {index}")
+        object.__setattr__(self, "_type", kind)
+        object.__setattr__(self, "_index", index)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("accel.device is immutable")
+
+    @property
+    def type(self) -> str:
+        return self._type
+
+    @property
+    def index(self) -> Optional[int]:
+        return self._index
+
+    def __eq__(self, other):
+        if isinstance(other, device):
+            return self._type == other._type and self._index == other._index
+        return NotImplemented
+
+    def __hash__(self):
+        return hash((self._type, self._index))
+
+    def __str__(self):
+        return self._type if self._index is None else f"{self._type}:{self._index}"
+
+    def __repr__(self):
+        if self._index is None:
+            return f"device(type={self._type!r})"
+        return f"device(type={self._type!r}, index={self._index})"
+
+    def __reduce__(self):
+        return (device, (self._type, self._index))
+
+
+DeviceLike = Union[int, str, device, None]
+
+
+def accelerator_type() -> Optional[str]:
+    """Name of the selected backend, or None; never initializes a runtime."""
+    chosen = backends.select()
+    return chosen.name if chosen is not None else None
+
+
+def device_index(dev: DeviceLike, optional: bool = False) -> int:
+    """Turn a device argument into an index, with torch's rules and wording.
+
+    ``optional=True`` lets None or an index-less device mean the current
+    device (which initializes the runtime, as torch does).
+    """
+    if isinstance(dev, bool):
+        raise TypeError(f"device must be an int, a string such as 'cuda:0', or accel.device; got {dev!r}")
+    if isinstance(dev, int):
+        return dev
+    if isinstance(dev, str):
+        dev = device(dev)
+    index = None
+    if isinstance(dev, device):
+        acc = accelerator_type()
+        if acc is None:
+            raise RuntimeError(_lazy._NO_DEVICE)
+        if acc != dev.type:
+            raise ValueError(f"{dev.type} doesn't match the current accelerator {acc}.")
+        index = dev.index
+    elif dev is not None:
+        raise TypeError(f"device must be an int, a string such as 'cuda:0', or accel.device; "
+                        f"got {type(dev).__name__} {dev!r}")
+    if index is None:
+        if not optional:
+            raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{dev}")
+        return _lazy.lazy_init().get_device()
+    return index
+
+
+def checked_index(dev: DeviceLike, optional: bool = True) -> int:
+    """Like :func:`device_index`, and the index must name an existing device."""
+    index = device_index(dev, optional)
+    check_range(index)
+    return index
+
+
+def check_range(index: int) -> None:
+    """ValueError naming the valid range when ``index`` is not a visible device."""
+    chosen = _lazy.backend()
+    count = chosen.count()
+    if not 0 <= index < count:
+        if count == 0:
+            raise ValueError(f"device index {index} is invalid: no {chosen.name} device is available")
+        raise ValueError(f"device index {index} is out of range: {count} {chosen.name} "
+                         f"device{'s' if count != 1 else ''} visible (valid indices 0..{count - 1})")

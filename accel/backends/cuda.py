@@ -1,0 +1,478 @@
+"""CUDA backend over libcudart (runtime API) and libnvidia-ml (counting).
+
+Counting uses NVML, which does not initialize the CUDA driver, so it is safe
+before ``fork``; the runtime is touched only by :meth:`CudaBackend.init` and
+what follows it.  With ``ACCEL_SIM=cuda`` both libraries come from
+``accel.sim`` instead; everything below the library calls is the same code.
+
+Kernels are PTX text loaded with ``cudaLibraryLoadData`` (the driver JITs it
+for the device), fetched with ``cudaLibraryGetKernel`` and launched with
+``cudaLaunchKernel`` — the runtime API alone, no nvrtc and no libcuda binding.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Optional, Tuple
+
+from .._errors import AcceleratorError, CaptureError, OutOfMemoryError
+from . import _visible
+from .base import Backend, DeviceProperties
+
+# Integer #defines from driver_types.h (CUDA 13).
+_STREAM_NON_BLOCKING = 0x01        # cudaStreamNonBlocking
+_EVENT_BLOCKING_SYNC = 0x01        # cudaEventBlockingSync
+_EVENT_DISABLE_TIMING = 0x02       # cudaEventDisableTiming
+_HOST_ALLOC_DEFAULT = 0x00         # cudaHostAllocDefault
+_MEMCPY_DEFAULT = 4                # cudaMemcpyDefault: direction inferred from unified addresses
+_CAPTURE_MODES = {"global": 0, "thread_local": 1, "relaxed": 2}  # cudaStreamCaptureMode
+_CAPTURE_STATUS_NONE = 0           # cudaStreamCaptureStatusNone
+
+# cudaError_t values with a dedicated exception type (driver_types.h).
+_ERR_MEMORY_ALLOCATION = 2
+_ERR_NOT_READY = 600
+_CAPTURE_ERRORS = frozenset(range(900, 910))  # cudaErrorStreamCapture* and cudaErrorCapturedEvent
+
+_NVML_SUCCESS = 0
+_NVML_UUID_BUFFER = 96   # NVML_DEVICE_UUID_V2_BUFFER_SIZE
+_NVML_NAME_BUFFER = 96   # NVML_DEVICE_NAME_V2_BUFFER_SIZE
+
+# cudaDeviceAttr (driver_types.h) for the few properties read one by one.
+_ATTR_COMPUTE_MAJOR = 75
+_ATTR_COMPUTE_MINOR = 76
+
+_NUMPY_DTYPES = frozenset({
+    "bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64",
+    "float16", "float32", "float64", "complex64", "complex128",
+})
+
+_ARG_CTYPES = {"ptr": "uint64_t *", "u32": "uint32_t *", "i32": "int32_t *", "u64": "uint64_t *",
+               "i64": "int64_t *", "f32": "float *", "f64": "double *"}
+
+
+def _uuid_text(raw: bytes) -> str:
+    h = raw.hex()
+    return f"GPU-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
+class CudaBackend(Backend):
+    """The CUDA runtime (libcudart) as a :class:`Backend`."""
+
+    name = "cuda"
+    kernel_language = "ptx"
+    supports_graphs = True
+
+    def __init__(self, simulated: bool):
+        self.simulated = simulated
+        self._lock = threading.Lock()
+        self._count_lock = threading.Lock()
+        self._rt = None          # (ffi, lib, path) of libcudart, opened on first use
+        self._rt_error = None    # why libcudart could not be opened
+        self._nvml = None        # (ffi, lib, path) of NVML, opened on first count
+        self._nvml_error = None
+        self._count = None
+        self._count_path = ""
+        self._count_reason = ""
+        self._handles = {}       # int handle -> cdata, so hot calls skip ffi.cast
+        self._live_modules = {}  # library handle -> PTX buffer kept alive for the runtime
+
+    # -- libraries -------------------------------------------------------------
+    def _open(self, which: str):
+        from .._ffi import open_library
+        if self.simulated:
+            from .. import sim
+            from .._ffi import _cudart, _nvml
+            ffi = _cudart.ffi if which == "cudart" else _nvml.ffi
+            return ffi, sim.open_library(which), f"accel.sim ({which})"
+        return open_library(which)
+
+    def _runtime(self):
+        rt = self._rt
+        if rt is None:
+            with self._lock:
+                if self._rt is None and self._rt_error is None:
+                    try:
+                        self._rt = self._open("cudart")
+                    except OSError as exc:
+                        self._rt_error = str(exc)
+                rt = self._rt
+            if rt is None:
+                raise AcceleratorError(f"libcudart could not be loaded: {self._rt_error}",
+                                       library="libcudart")
+            self.ffi, self.lib = rt[0], rt[1]
+        return rt
+
+    def _nvml_lib(self):
+        if self._nvml is None and self._nvml_error is None:
+            try:
+                ffi, lib, path = self._open("nvml")
+                rc = lib.nvmlInit_v2()
+                if rc != _NVML_SUCCESS:
+                    raise OSError(f"nvmlInit_v2 returned {rc} ({self._nvml_error_name(ffi, lib, rc)})")
+                self._nvml = (ffi, lib, path)
+            except OSError as exc:
+                self._nvml_error = str(exc)
+        return self._nvml
+
+    @staticmethod
+    def _nvml_error_name(ffi, lib, rc) -> str:
+        try:
+            return ffi.string(lib.nvmlErrorString(rc)).decode()
+        except Exception:
+            return "unknown NVML error"
+
+    def _check(self, rc: int, call: str) -> None:
+        if rc == 0:
+            return
+        ffi, lib = self.ffi, self.lib
+        name = ffi.string(lib.cudaGetErrorName(rc)).decode()
+        text = ffi.string(lib.cudaGetErrorString(rc)).decode()
+        if rc == _ERR_MEMORY_ALLOCATION:
+            cls = OutOfMemoryError
+        elif rc in _CAPTURE_ERRORS:
+            cls = CaptureError
+        else:
+            cls = AcceleratorError
+        raise cls.from_call("libcudart", call, rc, name, text)
+
+    def _cast(self, ctype: str, handle: int):
+        cdata = self._handles.get(handle)
+        if cdata is None:
+            cdata = self.ffi.cast(ctype, handle)
+        return cdata
+
+    def _as_int(self, cdata) -> int:
+        return int(self.ffi.cast("uintptr_t", cdata))
+
+    # -- discovery -------------------------------------------------------------
+    def loads(self) -> bool:
+        try:
+            self._runtime()
+            return True
+        except AcceleratorError:
+            return False
+
+    def count(self) -> int:
+        count = self._count
+        if count is None:
+            with self._count_lock:
+                if self._count is None:
+                    self._count = self._discover()
+                count = self._count
+        return count
+
+    def _discover(self) -> int:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        nvml = self._nvml_lib()
+        if nvml is not None:
+            ffi, lib, _ = nvml
+            n = ffi.new("unsigned int *")
+            rc = lib.nvmlDeviceGetCount_v2(n)
+            if rc == _NVML_SUCCESS:
+                ordinals = _visible.visible_ordinals(visible, n[0], lambda: self._nvml_uuids(n[0]))
+                if ordinals is not None:
+                    self._count_path = "nvml"
+                    if not ordinals:
+                        self._count_reason = ("no device visible: NVML sees "
+                                              f"{n[0]} but CUDA_VISIBLE_DEVICES={visible!r} selects none"
+                                              if n[0] else "NVML reports no NVIDIA device")
+                    return len(ordinals)
+                self._count_path = "cudart (MIG UUIDs in CUDA_VISIBLE_DEVICES need the runtime)"
+            else:
+                self._count_path = f"cudart (nvmlDeviceGetCount_v2 failed: {rc})"
+        else:
+            self._count_path = f"cudart (NVML unavailable: {self._nvml_error})"
+        # Fallback: only the runtime can count.  This initializes the driver,
+        # as torch's fallback does, so it is used only without NVML.
+        try:
+            ffi, lib, _ = self._runtime()
+        except AcceleratorError as exc:
+            self._count_reason = str(exc)
+            return 0
+        n = ffi.new("int *")
+        rc = lib.cudaGetDeviceCount(n)
+        if rc != 0:
+            name = ffi.string(lib.cudaGetErrorName(rc)).decode()
+            self._count_reason = f"cudaGetDeviceCount returned {name} ({rc})"
+            if rc == 35:
+                self._count_reason += ": no NVIDIA driver is installed (or it is older than the runtime)"
+            return 0
+        if n[0] == 0:
+            self._count_reason = "cudaGetDeviceCount reports no device"
+        return n[0]
+
+    def _nvml_uuids(self, raw_count: int):
+        ffi, lib, _ = self._nvml
+        uuids = []
+        handle = ffi.new("nvmlDevice_t *")
+        buf = ffi.new("char[]", _NVML_UUID_BUFFER)
+        for i in range(raw_count):
+            if lib.nvmlDeviceGetHandleByIndex_v2(i, handle) != _NVML_SUCCESS:
+                uuids.append("")
+                continue
+            if lib.nvmlDeviceGetUUID(handle[0], buf, _NVML_UUID_BUFFER) != _NVML_SUCCESS:
+                uuids.append("")
+                continue
+            uuids.append(ffi.string(buf).decode())
+        return uuids
+
+    def report(self) -> dict:
+        info = {"backend": self.name, "simulated": self.simulated}
+        try:
+            count = self.count()
+        except Exception as exc:  # report() never raises
+            count, self._count_reason = 0, f"counting failed: {exc}"
+        info["count"] = count
+        info["count_path"] = self._count_path
+        if self._nvml is not None:
+            ffi, lib, path = self._nvml
+            info["nvml_library"] = path
+            buf = ffi.new("char[]", 96)
+            if lib.nvmlSystemGetDriverVersion(buf, 96) == _NVML_SUCCESS:
+                info["driver_version"] = ffi.string(buf).decode()
+        else:
+            info["nvml_library"] = None
+            info["nvml_error"] = self._nvml_error
+        try:
+            ffi, lib, path = self._runtime()
+            info["library"] = path
+            v = ffi.new("int *")
+            if lib.cudaRuntimeGetVersion(v) == 0:
+                info["runtime_version"] = f"{v[0] // 1000}.{v[0] % 1000 // 10}"
+            if lib.cudaDriverGetVersion(v) == 0:  # does not initialize; 0 without a driver
+                info["driver_cuda_version"] = f"{v[0] // 1000}.{v[0] % 1000 // 10}" if v[0] else None
+        except AcceleratorError as exc:
+            info["library"] = None
+            info["library_error"] = str(exc)
+        info["env"] = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")}
+        if count == 0:
+            info["reason"] = self._count_reason or "no device"
+        return info
+
+    # -- runtime ---------------------------------------------------------------
+    def init(self) -> None:
+        ffi, lib, _ = self._runtime()
+        n = ffi.new("int *")
+        self._check(lib.cudaGetDeviceCount(n), "cudaGetDeviceCount")
+        if n[0] == 0:
+            raise AcceleratorError("libcudart: cudaGetDeviceCount reports no CUDA device",
+                                   library="libcudart", call="cudaGetDeviceCount")
+        self._runtime_count = n[0]
+
+    def properties(self, index: int) -> DeviceProperties:
+        ffi, lib = self.ffi, self.lib
+        prop = ffi.new("struct cudaDeviceProp *")
+        self._check(lib.cudaGetDeviceProperties(prop, index), "cudaGetDeviceProperties")
+        cc = (prop.major, prop.minor)
+        return DeviceProperties(
+            index=index,
+            name=ffi.string(prop.name).decode(errors="replace"),
+            total_memory=prop.totalGlobalMem,
+            compute_capability=cc,
+            multi_processor_count=prop.multiProcessorCount,
+            supported_dtypes=_NUMPY_DTYPES,
+            uuid=_uuid_text(bytes(ffi.buffer(prop.uuid.bytes, 16))),
+            unified_memory=bool(prop.integrated),
+            extra={"pci_bus_id": prop.pciBusID, "warp_size": prop.warpSize,
+                   "max_threads_per_block": prop.maxThreadsPerBlock,
+                   "l2_cache_size": prop.l2CacheSize},
+        )
+
+    def set_device(self, index: int) -> None:
+        self._check(self.lib.cudaSetDevice(index), "cudaSetDevice")
+
+    def get_device(self) -> int:
+        p = self.ffi.new("int *")
+        self._check(self.lib.cudaGetDevice(p), "cudaGetDevice")
+        return p[0]
+
+    def device_synchronize(self) -> None:
+        self._check(self.lib.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
+
+    def mem_info(self) -> Tuple[int, int]:
+        free, total = self.ffi.new("size_t *"), self.ffi.new("size_t *")
+        self._check(self.lib.cudaMemGetInfo(free, total), "cudaMemGetInfo")
+        return free[0], total[0]
+
+    # -- memory ----------------------------------------------------------------
+    def mem_alloc(self, nbytes: int) -> int:
+        p = self.ffi.new("void **")
+        self._check(self.lib.cudaMalloc(p, nbytes), "cudaMalloc")
+        return self._as_int(p[0])
+
+    def mem_free(self, ptr: int) -> None:
+        self._check(self.lib.cudaFree(self.ffi.cast("void *", ptr)), "cudaFree")
+
+    def host_alloc(self, nbytes: int) -> int:
+        p = self.ffi.new("void **")
+        self._check(self.lib.cudaHostAlloc(p, nbytes, _HOST_ALLOC_DEFAULT), "cudaHostAlloc")
+        return self._as_int(p[0])
+
+    def host_free(self, ptr: int) -> None:
+        self._check(self.lib.cudaFreeHost(self.ffi.cast("void *", ptr)), "cudaFreeHost")
+
+    # -- streams ---------------------------------------------------------------
+    def stream_create(self, priority: int = 0) -> int:
+        p = self.ffi.new("cudaStream_t *")
+        self._check(self.lib.cudaStreamCreateWithPriority(p, _STREAM_NON_BLOCKING, priority),
+                    "cudaStreamCreateWithPriority")
+        handle = self._as_int(p[0])
+        self._handles[handle] = p[0]
+        return handle
+
+    def stream_destroy(self, stream: int) -> None:
+        self._check(self.lib.cudaStreamDestroy(self._cast("cudaStream_t", stream)), "cudaStreamDestroy")
+        self._handles.pop(stream, None)
+
+    def default_stream(self, index: int) -> int:
+        return 0  # the legacy default stream; each device's is selected by the current device
+
+    def stream_priority_range(self) -> Tuple[int, int]:
+        least, greatest = self.ffi.new("int *"), self.ffi.new("int *")
+        self._check(self.lib.cudaDeviceGetStreamPriorityRange(least, greatest),
+                    "cudaDeviceGetStreamPriorityRange")
+        return least[0], greatest[0]
+
+    def stream_synchronize(self, stream: int) -> None:
+        self._check(self.lib.cudaStreamSynchronize(self._cast("cudaStream_t", stream)),
+                    "cudaStreamSynchronize")
+
+    def stream_query(self, stream: int) -> bool:
+        rc = self.lib.cudaStreamQuery(self._cast("cudaStream_t", stream))
+        if rc == _ERR_NOT_READY:
+            return False
+        self._check(rc, "cudaStreamQuery")
+        return True
+
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        self._check(self.lib.cudaStreamWaitEvent(self._cast("cudaStream_t", stream),
+                                                 self._cast("cudaEvent_t", event), 0),
+                    "cudaStreamWaitEvent")
+
+    # -- events ----------------------------------------------------------------
+    def event_create(self, enable_timing: bool = False, blocking: bool = False) -> int:
+        flags = (0 if enable_timing else _EVENT_DISABLE_TIMING) | (_EVENT_BLOCKING_SYNC if blocking else 0)
+        p = self.ffi.new("cudaEvent_t *")
+        self._check(self.lib.cudaEventCreateWithFlags(p, flags), "cudaEventCreateWithFlags")
+        handle = self._as_int(p[0])
+        self._handles[handle] = p[0]
+        return handle
+
+    def event_destroy(self, event: int) -> None:
+        self._check(self.lib.cudaEventDestroy(self._cast("cudaEvent_t", event)), "cudaEventDestroy")
+        self._handles.pop(event, None)
+
+    def event_record(self, event: int, stream: int) -> None:
+        self._check(self.lib.cudaEventRecord(self._cast("cudaEvent_t", event),
+                                             self._cast("cudaStream_t", stream)), "cudaEventRecord")
+
+    def event_synchronize(self, event: int) -> None:
+        self._check(self.lib.cudaEventSynchronize(self._cast("cudaEvent_t", event)), "cudaEventSynchronize")
+
+    def event_query(self, event: int) -> bool:
+        rc = self.lib.cudaEventQuery(self._cast("cudaEvent_t", event))
+        if rc == _ERR_NOT_READY:
+            return False
+        self._check(rc, "cudaEventQuery")
+        return True
+
+    def event_elapsed_ms(self, start: int, end: int) -> float:
+        ms = self.ffi.new("float *")
+        self._check(self.lib.cudaEventElapsedTime(ms, self._cast("cudaEvent_t", start),
+                                                  self._cast("cudaEvent_t", end)), "cudaEventElapsedTime")
+        return ms[0]
+
+    # -- copies ----------------------------------------------------------------
+    def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        cast = self.ffi.cast
+        self._check(self.lib.cudaMemcpyAsync(cast("void *", dst), cast("void *", src), nbytes,
+                                             _MEMCPY_DEFAULT, self._cast("cudaStream_t", stream)),
+                    "cudaMemcpyAsync")
+
+    def memset_async(self, ptr: int, value: int, nbytes: int, stream: int) -> None:
+        self._check(self.lib.cudaMemsetAsync(self.ffi.cast("void *", ptr), value, nbytes,
+                                             self._cast("cudaStream_t", stream)), "cudaMemsetAsync")
+
+    # -- graphs ------------------------------------------------------------------
+    def capture_begin(self, stream: int, mode: str) -> None:
+        if mode not in _CAPTURE_MODES:
+            raise ValueError(f"capture mode must be one of {', '.join(_CAPTURE_MODES)}, got {mode!r}")
+        self._check(self.lib.cudaStreamBeginCapture(self._cast("cudaStream_t", stream), _CAPTURE_MODES[mode]),
+                    "cudaStreamBeginCapture")
+
+    def capture_end(self, stream: int) -> int:
+        p = self.ffi.new("cudaGraph_t *")
+        self._check(self.lib.cudaStreamEndCapture(self._cast("cudaStream_t", stream), p),
+                    "cudaStreamEndCapture")
+        return self._as_int(p[0])
+
+    def stream_is_capturing(self, stream: int) -> bool:
+        status = self.ffi.new("enum cudaStreamCaptureStatus *")
+        self._check(self.lib.cudaStreamIsCapturing(self._cast("cudaStream_t", stream), status),
+                    "cudaStreamIsCapturing")
+        return status[0] != _CAPTURE_STATUS_NONE
+
+    def graph_instantiate(self, graph: int) -> int:
+        p = self.ffi.new("cudaGraphExec_t *")
+        self._check(self.lib.cudaGraphInstantiate(p, self.ffi.cast("cudaGraph_t", graph), 0),
+                    "cudaGraphInstantiate")
+        return self._as_int(p[0])
+
+    def graph_launch(self, graph_exec: int, stream: int) -> None:
+        self._check(self.lib.cudaGraphLaunch(self.ffi.cast("cudaGraphExec_t", graph_exec),
+                                             self._cast("cudaStream_t", stream)), "cudaGraphLaunch")
+
+    def graph_destroy(self, graph: int) -> None:
+        self._check(self.lib.cudaGraphDestroy(self.ffi.cast("cudaGraph_t", graph)), "cudaGraphDestroy")
+
+    def graph_exec_destroy(self, graph_exec: int) -> None:
+        self._check(self.lib.cudaGraphExecDestroy(self.ffi.cast("cudaGraphExec_t", graph_exec)),
+                    "cudaGraphExecDestroy")
+
+    def graph_debug_dot(self, graph: int, path: str) -> None:
+        self._check(self.lib.cudaGraphDebugDotPrint(self.ffi.cast("cudaGraph_t", graph),
+                                                    os.fsencode(path), 1),  # cudaGraphDebugDotFlagsVerbose
+                    "cudaGraphDebugDotPrint")
+
+    # -- kernels -----------------------------------------------------------------
+    def module_load(self, source: bytes) -> int:
+        if isinstance(source, str):
+            source = source.encode()
+        image = self.ffi.new("char[]", source)  # NUL-terminated, as the JIT requires for PTX
+        p = self.ffi.new("cudaLibrary_t *")
+        NULL = self.ffi.NULL
+        self._check(self.lib.cudaLibraryLoadData(p, image, NULL, NULL, 0, NULL, NULL, 0),
+                    "cudaLibraryLoadData")
+        handle = self._as_int(p[0])
+        self._live_modules[handle] = image
+        return handle
+
+    def module_unload(self, module: int) -> None:
+        self._check(self.lib.cudaLibraryUnload(self.ffi.cast("cudaLibrary_t", module)), "cudaLibraryUnload")
+        self._live_modules.pop(module, None)
+
+    def module_function(self, module: int, name: str) -> int:
+        p = self.ffi.new("cudaKernel_t *")
+        self._check(self.lib.cudaLibraryGetKernel(p, self.ffi.cast("cudaLibrary_t", module), name.encode()),
+                    "cudaLibraryGetKernel")
+        return self._as_int(p[0])
+
+    def launch(self, function, grid, block, args, shared_mem, stream) -> None:
+        ffi = self.ffi
+        try:
+            values = [ffi.new(_ARG_CTYPES[kind], value) for kind, value in args]
+        except KeyError as exc:
+            raise ValueError(f"unknown kernel argument type {exc.args[0]!r}; "
+                             f"expected one of {', '.join(_ARG_CTYPES)}") from None
+        argv = ffi.new("void *[]", [ffi.cast("void *", v) for v in values] or [ffi.NULL])
+        # cudaLaunchKernel accepts a cudaKernel_t in place of a host function pointer.
+        grid_dim = ffi.new("dim3 *", tuple(grid))[0]  # dim3 is passed by value
+        block_dim = ffi.new("dim3 *", tuple(block))[0]
+        self._check(self.lib.cudaLaunchKernel(ffi.cast("void *", function), grid_dim, block_dim,
+                                              argv, shared_mem, self._cast("cudaStream_t", stream)),
+                    "cudaLaunchKernel")
+
+
+def create() -> CudaBackend:
+    return CudaBackend(simulated=os.environ.get("ACCEL_SIM", "").strip().lower() == "cuda")
