@@ -1,0 +1,176 @@
+"""accel: the ``torch.accelerator`` API in pure Python over vendor runtimes.
+
+Device queries, streams, events, graphs, a caching allocator and Philox RNG,
+with the names and semantics of ``torch.accelerator``.  Nothing is built: the
+vendor libraries (libcudart + NVML, Level Zero, Metal) are bound at run time
+with generated cffi declarations.  ``ACCEL_SIM=cuda|xpu|mps`` runs everything
+on a simulated runtime when there is no device.
+
+Importing accel opens no library and initializes no runtime; counting devices
+does not initialize either, so a process may still ``fork`` afterwards.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+from . import _lazy
+from ._device import DeviceLike, check_range, device, device_index as _device_index
+from ._errors import AcceleratorError, CaptureError, DeferredCallError, OutOfMemoryError
+from ._lazy import is_initialized
+from .buffer import Buffer
+from .streams import Event, Stream, current_stream, default_stream, on_device as _on_device, set_stream
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AcceleratorError", "Buffer", "CaptureError", "DeferredCallError", "Event", "Graph",
+    "OutOfMemoryError", "Stream", "current_accelerator", "current_device_idx", "current_device_index",
+    "current_stream", "default_stream", "device", "device_count", "device_index",
+    "get_device_capability", "get_device_properties", "graph", "is_available", "is_initialized",
+    "memory", "random", "set_device_idx", "set_device_index", "set_stream", "synchronize",
+]
+
+# Submodules and names loaded on first use, so `import accel` stays small and numpy-free.
+_LAZY = {"memory": ("accel.memory", None), "random": ("accel.random", None),
+         "graphs": ("accel.graphs", None), "Graph": ("accel.graphs", "Graph"),
+         "graph": ("accel.graphs", "graph"), "sim": ("accel.sim", None)}
+
+
+def __getattr__(name):
+    try:
+        module_name, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'accel' has no attribute {name!r}") from None
+    import importlib
+    module = importlib.import_module(module_name)
+    value = module if attr is None else getattr(module, attr)
+    globals()[name] = value
+    return value
+
+
+def device_count() -> int:
+    """Number of devices of the current accelerator; 0 without one.  Never initializes the runtime."""
+    from . import backends
+    chosen = backends.select()
+    return chosen.count() if chosen is not None else 0
+
+
+def is_available() -> bool:
+    """True when the current accelerator has at least one device.  Never initializes the runtime."""
+    return device_count() > 0
+
+
+def current_accelerator(check_available: bool = False) -> Optional[device]:
+    """The accelerator type as ``device('cuda')`` (no index), or None.
+
+    As a CUDA build of torch on a machine without a GPU, the type is that of
+    the first runtime whose library loads even when it has no device;
+    ``check_available=True`` returns None in that case.
+    """
+    from . import backends
+    chosen = backends.select()
+    if chosen is None:
+        if check_available:
+            return None
+        chosen = backends.fallback()
+        if chosen is None:
+            return None
+    elif check_available and chosen.count() == 0:
+        return None
+    return device(chosen.name)
+
+
+def current_device_index() -> int:
+    """Index of the calling thread's current device (initializes the runtime)."""
+    return _lazy.lazy_init().get_device()
+
+
+def set_device_index(device: DeviceLike, /) -> None:
+    """Make ``device`` the calling thread's current device.  A negative index is a no-op, as torch."""
+    index = _device_index(device)
+    if index < 0:
+        return
+    backend = _lazy.lazy_init()
+    check_range(index)
+    backend.set_device(index)
+
+
+def current_device_idx() -> int:
+    """Deprecated alias of :func:`current_device_index`."""
+    warnings.warn("Use `current_device_index` instead.", FutureWarning, stacklevel=2)
+    return current_device_index()
+
+
+def set_device_idx(device: DeviceLike, /) -> None:
+    """Deprecated alias of :func:`set_device_index`."""
+    warnings.warn("Use `set_device_index` instead.", FutureWarning, stacklevel=2)
+    set_device_index(device)
+
+
+class device_index:
+    """Context manager making ``device`` current in its body and restoring the previous device.
+
+    ``device_index(None)`` does nothing.  ``__enter__`` returns None, as torch's.
+    """
+
+    def __init__(self, device: DeviceLike, /):
+        self.idx = None if device is None else _device_index(device)
+        self.prev_idx = -1
+
+    def __enter__(self) -> None:
+        if self.idx is not None and self.idx >= 0:
+            backend = _lazy.lazy_init()
+            check_range(self.idx)
+            self.prev_idx = backend.get_device()
+            if self.prev_idx != self.idx:
+                backend.set_device(self.idx)
+
+    def __exit__(self, *exc) -> None:
+        if self.idx is not None and self.prev_idx >= 0 and self.prev_idx != self.idx:
+            _lazy.lazy_init().set_device(self.prev_idx)
+
+
+_capabilities: dict = {}
+
+
+def get_device_properties(device: DeviceLike = None, /):
+    """The :class:`accel.backends.DeviceProperties` of ``device`` (initializes the runtime)."""
+    backend = _lazy.lazy_init()
+    index = _device_index(device, optional=True)
+    check_range(index)
+    return backend.properties(index)
+
+
+def get_device_capability(device: DeviceLike = None, /) -> dict:
+    """What ``device`` supports: ``supported_dtypes`` (numpy dtype names, torch's key), plus
+    ``compute_capability``, ``name``, ``total_memory`` and ``multi_processor_count``.  Cached."""
+    backend = _lazy.lazy_init()
+    index = _device_index(device, optional=True)
+    key = (backend.name, index)
+    cached = _capabilities.get(key)
+    if cached is None:
+        props = get_device_properties(index)
+        cached = _capabilities[key] = {
+            "supported_dtypes": set(props.supported_dtypes),
+            "compute_capability": props.compute_capability,
+            "name": props.name,
+            "total_memory": props.total_memory,
+            "multi_processor_count": props.multi_processor_count,
+        }
+    return {k: (set(v) if isinstance(v, set) else v) for k, v in cached.items()}
+
+
+def synchronize(device: DeviceLike = None, /) -> None:
+    """Wait for all work on ``device`` (all its streams).  A no-op before the runtime is initialized."""
+    if not _lazy.is_initialized():
+        return
+    backend = _lazy.lazy_init()
+    index = _device_index(device, optional=True)
+    check_range(index)
+    with _on_device(backend, index):
+        backend.device_synchronize()
+
+
+_lazy.register_reset_hook(_capabilities.clear)

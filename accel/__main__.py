@@ -1,0 +1,96 @@
+"""``python -m accel [--json]``: what accelerator this machine has, and why not.
+
+Prints the selected backend, each runtime's library paths and versions, how
+devices were counted, the visible-device environment, the devices and their
+properties, and for every runtime without a device the reason.  Works with
+no device and under the simulator (``ACCEL_SIM=cuda``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import accel
+from accel import backends
+
+_ENV = ("ACCEL_BACKEND", "ACCEL_SIM", "ACCEL_ALLOC_CONF", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER",
+        "ZE_AFFINITY_MASK", "ZE_FLAT_DEVICE_HIERARCHY")
+
+
+def collect() -> dict:
+    """The report as a dict (what ``--json`` prints)."""
+    result = {"accel_version": accel.__version__, "python": sys.version.split()[0],
+              "env": {k: os.environ[k] for k in _ENV if k in os.environ}}
+    try:
+        chosen = backends.select()
+    except ValueError as exc:  # a bad ACCEL_BACKEND value
+        result["error"] = str(exc)
+        return result
+    result["selected"] = chosen.name if chosen is not None else None
+    result["backends"] = {}
+    for name in backends.NAMES:
+        try:
+            result["backends"][name] = backends.get(name).report()
+        except Exception as exc:  # a report must never stop the others
+            result["backends"][name] = {"backend": name, "count": 0, "reason": f"report failed: {exc!r}"}
+    devices = []
+    if chosen is not None and chosen.count() > 0:
+        try:
+            accel._lazy.lazy_init()
+            for i in range(chosen.count()):
+                p = chosen.properties(i)
+                devices.append({"index": i, "name": p.name, "total_memory": p.total_memory,
+                                "compute_capability": list(p.compute_capability),
+                                "multi_processor_count": p.multi_processor_count, "uuid": p.uuid,
+                                "unified_memory": p.unified_memory, **p.extra})
+        except accel.AcceleratorError as exc:
+            result["init_error"] = str(exc)
+    result["devices"] = devices
+    return result
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def render(report: dict) -> str:
+    lines = [f"accel {report['accel_version']} (Python {report['python']})"]
+    if "error" in report:
+        return "\n".join(lines + [f"error: {report['error']}"])
+    selected = report["selected"]
+    lines.append(f"accelerator: {selected or 'none available'}")
+    for key, value in report["env"].items():
+        lines.append(f"  {key}={value}")
+    for name, info in report["backends"].items():
+        mark = "*" if name == selected else " "
+        lines.append(f"{mark} {name}: {info.get('count', 0)} device(s)" +
+                     (" [simulated]" if info.get("simulated") else ""))
+        for key, value in info.items():
+            if key in ("backend", "count", "simulated") or value in (None, "", {}):
+                continue
+            if isinstance(value, dict):
+                value = ", ".join(f"{k}={v}" for k, v in value.items() if v is not None) or "-"
+            lines.append(f"      {key}: {value}")
+    for d in report["devices"]:
+        cc = ".".join(map(str, d["compute_capability"]))
+        lines.append(f"  [{d['index']}] {d['name']}  {_gib(d['total_memory'])}  cc {cc}  "
+                     f"{d['multi_processor_count']} SMs/EUs  {d['uuid']}")
+    if "init_error" in report:
+        lines.append(f"  init failed: {report['init_error']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m accel", description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = parser.parse_args(argv)
+    report = collect()
+    print(json.dumps(report, indent=2, default=str) if args.json else render(report))
+    return 1 if "error" in report else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,249 @@
+"""``accel.Buffer``: an owned range of device memory, and host↔device copies.
+
+Memory comes from the device's caching allocator and goes back to it when the
+buffer is closed or collected; the allocator keeps it unused until the work
+queued on the buffer's streams has finished.  Copies are ordered on a stream;
+blocking copies return when the data has arrived, ``non_blocking`` host→device
+copies stage through pinned host memory and return at once.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from . import _lazy
+from ._device import DeviceLike, device
+from .streams import Stream, current_stream, _index_for
+
+__all__ = ["Buffer"]
+
+_CAI_LEGACY_DEFAULT_STREAM = 1  # __cuda_array_interface__ v3: 0 is disallowed, 1 means the legacy stream
+
+
+def _memory():
+    """accel.memory, imported on first buffer use so `import accel` stays small."""
+    from . import memory
+    return memory
+
+
+def _host_view(src):
+    """A read-only contiguous byte memoryview of a host object, or a clear error."""
+    try:
+        view = memoryview(src)
+    except TypeError:
+        raise TypeError(f"cannot copy from {type(src).__name__}: expected a numpy array, an accel.Buffer, "
+                        f"or a bytes-like object") from None
+    if not view.c_contiguous:
+        raise ValueError("source array is not C-contiguous; pass numpy.ascontiguousarray(a) "
+                         "(nothing was copied)")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def _address(view) -> int:
+    from ._hostmem import address_of
+    return address_of(view)
+
+
+class Buffer:
+    """``Buffer(nbytes, device=None, stream=None)``: ``nbytes`` of device memory.
+
+    ``stream`` (default: the device's current stream) is the stream the memory
+    is allocated for and that copies use by default.  ``ptr`` is the device
+    address; on CUDA the buffer exports ``__cuda_array_interface__`` (v3) so
+    CuPy, Numba or PyTorch can use it without a copy.
+    """
+
+    __slots__ = ("_backend", "_index", "_ptr", "_nbytes", "_stream", "_closed", "__weakref__")
+
+    def __init__(self, nbytes: int, device: DeviceLike = None, stream: Optional[Stream] = None):
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+            raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        backend = _lazy.lazy_init()
+        if stream is not None:
+            if not isinstance(stream, Stream):
+                raise TypeError(f"stream must be an accel.Stream or None, got {type(stream).__name__}")
+            index = stream.device_index if device is None else _index_for(device)
+            if index != stream.device_index:
+                raise ValueError(f"stream is on device {stream.device_index} but the buffer was asked "
+                                 f"for device {index}")
+        else:
+            index = _index_for(device)
+            stream = current_stream(index)
+        self._backend, self._index, self._nbytes, self._stream = backend, index, nbytes, stream
+        self._closed = True
+        self._ptr = _memory().device_allocator(index).malloc(nbytes, stream.handle) if nbytes else 0
+        self._closed = False
+
+    # -- identity ----------------------------------------------------------------
+    @property
+    def ptr(self) -> int:
+        self._live()
+        return self._ptr
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    def __len__(self) -> int:
+        return self._nbytes
+
+    @property
+    def device(self) -> device:
+        return device(self._backend.name, self._index)
+
+    @property
+    def device_index(self) -> int:
+        return self._index
+
+    @property
+    def stream(self) -> Stream:
+        return self._stream
+
+    def __repr__(self):
+        state = " closed" if self._closed else f" ptr={self._ptr:#x}"
+        return f"<accel.Buffer {self._nbytes} bytes on {self._backend.name}:{self._index}{state}>"
+
+    def _live(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self!r} was closed; allocate a new Buffer")
+
+    def _stream_for(self, stream: Optional[Stream]) -> Stream:
+        if stream is None:
+            return self._stream
+        if not isinstance(stream, Stream):
+            raise TypeError(f"stream must be an accel.Stream or None, got {type(stream).__name__}")
+        if stream.device_index != self._index:
+            raise ValueError(f"stream is on device {stream.device_index} but the buffer is on device "
+                             f"{self._index}")
+        if stream != self._stream:
+            self.record_stream(stream)
+        return stream
+
+    # -- copies ------------------------------------------------------------------
+    def copy_from(self, src, stream: Optional[Stream] = None, non_blocking: bool = False) -> "Buffer":
+        """Copy all of ``src`` (numpy array, Buffer, or bytes-like, exactly ``nbytes``) into this buffer.
+
+        Blocking copies return when the data is on the device.  With
+        ``non_blocking=True`` a host source is first copied into pinned
+        staging memory, so the call returns at once and ``src`` may be
+        reused immediately; order later work after it with the stream.
+        """
+        self._live()
+        stream = self._stream_for(stream)
+        backend = self._backend
+        if isinstance(src, Buffer):
+            src._live()
+            if src._nbytes != self._nbytes:
+                raise ValueError(f"size mismatch: source buffer has {src._nbytes} bytes, destination "
+                                 f"{self._nbytes}; nothing was copied")
+            if src._backend is not backend:
+                raise ValueError("source buffer belongs to another backend")
+            if src._stream != stream:
+                src.record_stream(stream)
+                stream.wait_stream(src._stream)
+            if self._nbytes:
+                backend.memcpy_async(self._ptr, src._ptr, self._nbytes, stream.handle)
+            if not non_blocking:
+                stream.synchronize()
+            return self
+        view = _host_view(src)
+        if view.nbytes != self._nbytes:
+            raise ValueError(f"size mismatch: source has {view.nbytes} bytes, buffer has {self._nbytes}; "
+                             f"nothing was copied")
+        if not self._nbytes:
+            return self
+        if non_blocking:
+            host = _memory().host_allocator()
+            staging = host.malloc(self._nbytes)
+            from ._hostmem import copy_into
+            copy_into(staging, view)
+            backend.memcpy_async(self._ptr, staging, self._nbytes, stream.handle)
+            host.record_stream(staging, stream.handle)
+            host.free(staging)
+        else:
+            backend.memcpy_async(self._ptr, _address(view), self._nbytes, stream.handle)
+            stream.synchronize()
+        return self
+
+    def copy_to(self, dst, stream: Optional[Stream] = None) -> None:
+        """Copy the whole buffer into the writable, contiguous host object ``dst`` (blocking)."""
+        self._live()
+        stream = self._stream_for(stream)
+        try:
+            view = memoryview(dst)
+        except TypeError:
+            raise TypeError(f"cannot copy into {type(dst).__name__}: expected a writable numpy array "
+                            f"or bytearray") from None
+        if view.readonly:
+            raise ValueError("destination is read-only; nothing was copied")
+        if not view.c_contiguous:
+            raise ValueError("destination is not C-contiguous; nothing was copied")
+        if view.nbytes != self._nbytes:
+            raise ValueError(f"size mismatch: destination has {view.nbytes} bytes, buffer has "
+                             f"{self._nbytes}; nothing was copied")
+        if self._nbytes:
+            self._backend.memcpy_async(_address(view), self._ptr, self._nbytes, stream.handle)
+            stream.synchronize()
+
+    def to_numpy(self, dtype="uint8", shape=None, stream: Optional[Stream] = None):
+        """The buffer's bytes as a new numpy array of ``dtype`` (and ``shape``), after queued work."""
+        import numpy as np
+        dtype = np.dtype(dtype)
+        if self._nbytes % dtype.itemsize:
+            raise ValueError(f"buffer of {self._nbytes} bytes is not a whole number of {dtype} items")
+        out = np.empty(self._nbytes // dtype.itemsize, dtype=dtype)
+        self.copy_to(out, stream)
+        return out.reshape(shape) if shape is not None else out
+
+    def fill_(self, value: int, stream: Optional[Stream] = None) -> "Buffer":
+        """Set every byte to ``value`` (0..255), ordered on ``stream``; returns self."""
+        self._live()
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 255:
+            raise ValueError(f"fill_ takes a byte value 0..255, got {value!r}")
+        stream = self._stream_for(stream)
+        if self._nbytes:
+            self._backend.memset_async(self._ptr, value, self._nbytes, stream.handle)
+        return self
+
+    def record_stream(self, stream: Stream) -> None:
+        """Tell the allocator the buffer is used on ``stream``, so its memory is not
+        reused before work queued there so far has completed."""
+        self._live()
+        if not isinstance(stream, Stream):
+            raise TypeError(f"record_stream expects an accel.Stream, got {type(stream).__name__}")
+        if self._nbytes and stream != self._stream:
+            _memory().device_allocator(self._index).record_stream(self._ptr, stream.handle)
+
+    # -- interop -----------------------------------------------------------------
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        if self._backend.name != "cuda":
+            raise AttributeError("__cuda_array_interface__ is only defined for CUDA buffers")
+        self._live()
+        handle = self._stream.handle
+        return {"shape": (self._nbytes,), "typestr": "|u1", "data": (self._ptr, False), "strides": None,
+                "version": 3, "stream": handle if handle else _CAI_LEGACY_DEFAULT_STREAM}
+
+    # -- lifetime ------------------------------------------------------------------
+    def close(self) -> None:
+        """Return the memory to the caching allocator.  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._nbytes:
+            _memory().device_allocator(self._index).free(self._ptr)
+
+    def __enter__(self) -> "Buffer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        if not getattr(self, "_closed", True) and _lazy.is_initialized():
+            try:
+                self.close()
+            except Exception:
+                pass

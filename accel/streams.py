@@ -1,0 +1,363 @@
+"""Streams, events, and the per-thread current stream.
+
+A :class:`Stream` is an ordered queue of device work; an :class:`Event` marks
+a point in one, so other streams (``wait_event``) or the host
+(``synchronize``) can wait for it.  Both wrap ``int`` handles of the selected
+backend, so this module is the same for every runtime.
+
+The *current stream* is kept per thread and per device, defaulting to the
+device's default stream, as in CUDA and torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Dict, Optional
+
+from . import _lazy
+from ._device import DeviceLike, check_range, device, device_index
+from .backends.base import Backend
+
+__all__ = ["Stream", "Event", "current_stream", "set_stream", "default_stream", "on_device"]
+
+_tls = threading.local()
+_defaults: Dict[int, "Stream"] = {}
+_defaults_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def on_device(backend: Backend, index: int):
+    """Make ``index`` the current device for the body, restoring the previous one."""
+    previous = backend.get_device()
+    if previous == index:
+        yield
+        return
+    backend.set_device(index)
+    try:
+        yield
+    finally:
+        backend.set_device(previous)
+
+
+def _index_for(dev: DeviceLike) -> int:
+    index = device_index(dev, optional=True)
+    if dev is not None:
+        check_range(index)
+    return index
+
+
+class Stream:
+    """An ordered queue of work on one device.
+
+    ``Stream(device=None, priority=0)`` creates a new stream on ``device``
+    (default: the current device); a lower ``priority`` number is more urgent,
+    as in CUDA.  ``with stream:`` makes it the thread's current stream (and its
+    device current) and restores both on exit, even on exception.  The stream
+    is destroyed by :meth:`close` or when garbage-collected; a closed stream
+    raises on use.
+    """
+
+    __slots__ = ("_backend", "_index", "_handle", "_owned", "_closed", "__weakref__")
+
+    def __init__(self, device: DeviceLike = None, priority: int = 0):
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority must be an int, got {priority!r}")
+        backend = _lazy.lazy_init()
+        index = _index_for(device)
+        least, greatest = backend.stream_priority_range()
+        priority = min(max(priority, greatest), least)  # CUDA clamps out-of-range priorities
+        with on_device(backend, index):
+            handle = backend.stream_create(priority)
+        self._init(backend, index, handle, owned=True)
+
+    def _init(self, backend: Backend, index: int, handle: int, owned: bool) -> None:
+        self._backend, self._index, self._handle = backend, index, handle
+        self._owned, self._closed = owned, False
+
+    @classmethod
+    def _wrap(cls, backend: Backend, index: int, handle: int) -> "Stream":
+        """A Stream object for a handle accel does not own (default streams)."""
+        self = cls.__new__(cls)
+        self._init(backend, index, handle, owned=False)
+        return self
+
+    # -- identity --------------------------------------------------------------
+    @property
+    def device(self) -> device:
+        return device(self._backend.name, self._index)
+
+    @property
+    def device_index(self) -> int:
+        return self._index
+
+    @property
+    def handle(self) -> int:
+        """The backend's stream handle as an int (CUDA: the ``cudaStream_t`` value)."""
+        self._live()
+        return self._handle
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __eq__(self, other):
+        if isinstance(other, Stream):
+            return (self._backend is other._backend and self._index == other._index
+                    and self._handle == other._handle)
+        return NotImplemented
+
+    def __hash__(self):
+        return hash((self._backend.name, self._index, self._handle))
+
+    def __repr__(self):
+        state = " closed" if self._closed else ""
+        return f"<accel.Stream device={self._backend.name}:{self._index} handle={self._handle:#x}{state}>"
+
+    def _live(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self!r} was closed; create a new Stream")
+
+    # -- work --------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Block the host until all work queued on this stream has completed."""
+        self._live()
+        self._backend.stream_synchronize(self._handle)
+
+    def query(self) -> bool:
+        """True when all work queued on this stream has completed."""
+        if self._closed:
+            self._live()
+        return self._backend.stream_query(self._handle)
+
+    def wait_event(self, event: "Event") -> None:
+        """Make work queued on this stream after now wait for ``event``'s recorded work."""
+        self._live()
+        if not isinstance(event, Event):
+            raise TypeError(f"wait_event expects an accel.Event, got {type(event).__name__}")
+        event.wait(self)
+
+    def wait_stream(self, stream: "Stream") -> None:
+        """Make work queued on this stream after now wait for all work queued on ``stream`` so far."""
+        self._live()
+        if not isinstance(stream, Stream):
+            raise TypeError(f"wait_stream expects an accel.Stream, got {type(stream).__name__}")
+        self.wait_event(stream.record_event())
+
+    def record_event(self, event: Optional["Event"] = None) -> "Event":
+        """Record ``event`` (a new one when None) on this stream and return it."""
+        self._live()
+        if event is None:
+            event = Event()
+        elif not isinstance(event, Event):
+            raise TypeError(f"record_event expects an accel.Event or None, got {type(event).__name__}")
+        event.record(self)
+        return event
+
+    # -- current-stream context -----------------------------------------------------
+    def __enter__(self) -> "Stream":
+        self._live()
+        backend = self._backend
+        saved = (backend.get_device(), current_stream(self._index))
+        stack = _tls.__dict__.setdefault("stack", [])
+        stack.append(saved)
+        set_stream(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        previous_device, previous_stream = _tls.stack.pop()
+        _current_table()[self._index] = previous_stream
+        self._backend.set_device(previous_device)
+
+    # -- lifetime ------------------------------------------------------------------
+    def close(self) -> None:
+        """Destroy the stream (queued work still completes).  Idempotent; default streams can't be closed."""
+        if not self._owned:
+            raise RuntimeError("the default stream belongs to the runtime and cannot be closed")
+        if self._closed:
+            return
+        self._closed = True
+        table = getattr(_tls, "current", None)
+        if table is not None and table.get(self._index) is self:
+            del table[self._index]
+        self._backend.stream_destroy(self._handle)
+
+    def __del__(self):
+        if getattr(self, "_owned", False) and not self._closed and _lazy.is_initialized():
+            try:
+                self._closed = True
+                self._backend.stream_destroy(self._handle)
+            except Exception:
+                pass  # interpreter shutdown or a runtime already torn down
+
+
+def _current_table() -> Dict[int, Stream]:
+    table = getattr(_tls, "current", None)
+    if table is None:
+        table = _tls.current = {}
+    return table
+
+
+def default_stream(dev: DeviceLike = None) -> Stream:
+    """The default stream of ``dev`` (the current device when None)."""
+    backend = _lazy.lazy_init()
+    index = _index_for(dev)
+    stream = _defaults.get(index)
+    if stream is None:
+        with _defaults_lock:
+            stream = _defaults.get(index)
+            if stream is None:
+                stream = _defaults[index] = Stream._wrap(backend, index, backend.default_stream(index))
+    return stream
+
+
+def current_stream(dev: DeviceLike = None) -> Stream:
+    """The calling thread's current stream on ``dev`` (the current device when None)."""
+    backend = _lazy.lazy_init()
+    if dev is None:
+        index = backend.get_device()
+    else:
+        index = _index_for(dev)
+    stream = _current_table().get(index)
+    if stream is None:
+        stream = _defaults.get(index) or default_stream(index)
+    return stream
+
+
+def set_stream(stream: Stream) -> None:
+    """Make ``stream`` the calling thread's current stream, switching the current
+    device to the stream's device first (as ``torch.accelerator.set_stream``)."""
+    if not isinstance(stream, Stream):
+        raise TypeError(f"set_stream expects an accel.Stream, got {type(stream).__name__}")
+    stream._live()
+    backend = _lazy.lazy_init()
+    if stream._backend is not backend:
+        raise RuntimeError(f"stream belongs to {stream._backend.name}, "
+                           f"but the current accelerator is {backend.name}")
+    if backend.get_device() != stream._index:
+        backend.set_device(stream._index)
+    _current_table()[stream._index] = stream
+
+
+class Event:
+    """A marker in a stream's work, for ordering streams and timing.
+
+    ``Event(enable_timing=False, blocking=False)``; the device handle is created
+    at the first :meth:`record`, on the recording stream's device.  An event
+    never recorded counts as complete (``query()`` True, ``synchronize()`` and
+    ``wait()`` return at once), as in torch.
+    """
+
+    __slots__ = ("_backend", "_index", "_handle", "enable_timing", "blocking", "_recorded", "_closed",
+                 "__weakref__")
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False):
+        self.enable_timing = bool(enable_timing)
+        self.blocking = bool(blocking)
+        self._backend = None
+        self._index = None
+        self._handle = None
+        self._recorded = False
+        self._closed = False
+
+    def __repr__(self):
+        where = f" device={self._backend.name}:{self._index}" if self._backend is not None else ""
+        return f"<accel.Event{where} recorded={self._recorded} timing={self.enable_timing}>"
+
+    @property
+    def device(self) -> Optional[device]:
+        return device(self._backend.name, self._index) if self._backend is not None else None
+
+    @property
+    def handle(self) -> Optional[int]:
+        return self._handle
+
+    def _live(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self!r} was closed; create a new Event")
+
+    def _check_device(self, stream: Stream, what: str) -> None:
+        if self._index is not None and stream._index != self._index:
+            raise ValueError(f"cannot {what}: the event belongs to device {self._index} but the stream "
+                             f"is on device {stream._index}; use an event created on the stream's device")
+
+    def record(self, stream: Optional[Stream] = None) -> None:
+        """Record the event at the current end of ``stream`` (the current stream when None)."""
+        self._live()
+        if stream is None:
+            stream = current_stream()
+        elif not isinstance(stream, Stream):
+            raise TypeError(f"record expects an accel.Stream or None, got {type(stream).__name__}")
+        stream._live()
+        self._check_device(stream, "record")
+        backend = stream._backend
+        if self._handle is None:
+            with on_device(backend, stream._index):
+                self._handle = backend.event_create(self.enable_timing, self.blocking)
+            self._backend, self._index = backend, stream._index
+        backend.event_record(self._handle, stream._handle)
+        self._recorded = True
+
+    def wait(self, stream: Optional[Stream] = None) -> None:
+        """Make ``stream`` (the current stream when None) wait for this event's recorded work."""
+        self._live()
+        if stream is None:
+            stream = current_stream()
+        elif not isinstance(stream, Stream):
+            raise TypeError(f"wait expects an accel.Stream or None, got {type(stream).__name__}")
+        stream._live()
+        if self._handle is None:
+            return
+        self._backend.stream_wait_event(stream._handle, self._handle)
+
+    def query(self) -> bool:
+        """True when the recorded work has completed (or the event was never recorded)."""
+        self._live()
+        if self._handle is None:
+            return True
+        return self._backend.event_query(self._handle)
+
+    def synchronize(self) -> None:
+        """Block the host until the recorded work has completed."""
+        self._live()
+        if self._handle is not None:
+            self._backend.event_synchronize(self._handle)
+
+    def elapsed_time(self, end_event: "Event") -> float:
+        """Milliseconds between this event and ``end_event`` (waits for both to complete)."""
+        self._live()
+        if not isinstance(end_event, Event):
+            raise TypeError(f"elapsed_time expects an accel.Event, got {type(end_event).__name__}")
+        if not (self.enable_timing and end_event.enable_timing):
+            raise ValueError("Both events must be created with argument 'enable_timing=True'.")
+        if not (self._recorded and end_event._recorded):
+            raise ValueError("Both events must be recorded before calculating elapsed time.")
+        end_event._live()
+        self.synchronize()
+        end_event.synchronize()
+        return self._backend.event_elapsed_ms(self._handle, end_event._handle)
+
+    def close(self) -> None:
+        """Destroy the device event.  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._handle is not None:
+            self._backend.event_destroy(self._handle)
+
+    def __del__(self):
+        if getattr(self, "_handle", None) is not None and not self._closed and _lazy.is_initialized():
+            try:
+                self._closed = True
+                self._backend.event_destroy(self._handle)
+            except Exception:
+                pass
+
+
+def _reset() -> None:
+    global _tls
+    _tls = threading.local()
+    _defaults.clear()
+
+
+_lazy.register_reset_hook(_reset)
