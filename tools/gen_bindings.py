@@ -145,6 +145,8 @@ ZE_OPTIONAL = {"zeInitDrivers", "zesInit", "zeCommandListHostSynchronize"}
 # objc_msgSend is declared as taking nothing and returning nothing on purpose: on
 # arm64 it must never be called variadically; callers cast it to the exact method
 # signature first, e.g. ffi.cast("id(*)(id, SEL, unsigned long)", lib.objc_msgSend).
+# MTLSize (<Metal/MTLTypes.h>) and NSRange (<Foundation/NSRange.h>) are here because
+# methods take them by value, so the casts in accel/backends/_objc.py name them.
 OBJC_CDEF = """\
 typedef void *id;
 typedef void *SEL;
@@ -152,6 +154,8 @@ typedef void *Class;
 typedef signed char BOOL;
 typedef unsigned long NSUInteger;
 typedef long NSInteger;
+typedef struct { NSUInteger width; NSUInteger height; NSUInteger depth; } MTLSize;
+typedef struct _NSRange { NSUInteger location; NSUInteger length; } NSRange;
 Class objc_getClass(const char *name);
 SEL sel_registerName(const char *str);
 const char *sel_getName(SEL sel);
