@@ -1,0 +1,276 @@
+"""Graph capture and replay (``torch.accelerator.Graph`` / ``torch.cuda.CUDAGraph``).
+
+Capture records the work queued on the current stream (and on streams that
+join it through events) into a graph instead of running it; replay launches
+the whole recorded graph with one call, which is what saves launch overhead.
+
+How the pieces fit (as ``aten/src/ATen/cuda/CUDAGraph.cpp``):
+
+* **Memory.** While capturing, the caching allocator serves the capturing
+  stream from a *private pool* identified by ``pool()``; replays reuse the same
+  addresses, so that memory stays reserved until :meth:`Graph.reset` or the
+  graph is collected.  Graphs captured with the same ``pool=`` share it.
+* **RNG.** Default generators switch to graph-safe mode during capture: the
+  captured kernels read seed and offset from device memory, and every replay
+  writes fresh values there first, so each replay draws new numbers.
+* **Illegal work.** Synchronizing a capturing stream or device, blocking host
+  copies and ``empty_cache`` raise :class:`accel.CaptureError`; the runtime then
+  invalidates the capture and :meth:`capture_end` reports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+from typing import Optional, Tuple
+
+from . import _lazy
+from ._errors import CaptureError
+from .streams import Stream, current_stream
+
+__all__ = ["Graph", "graph", "generate_graph_pool_handle", "graph_pool_handle"]
+
+_MODES = ("default", "global", "thread_local", "relaxed")
+_pool_ids = itertools.count(1)
+_pool_lock = threading.Lock()
+
+
+def generate_graph_pool_handle() -> Tuple[int, int]:
+    """A fresh pool id to pass as ``Graph(pool=...)`` so several graphs share one memory pool.
+
+    User-made ids are ``(n, 0)`` and graph-made ones ``(0, n)``, as torch's MempoolId_t.
+    """
+    with _pool_lock:
+        return (next(_pool_ids), 0)
+
+
+graph_pool_handle = generate_graph_pool_handle  # torch.cuda's name
+
+
+def _new_private_pool() -> Tuple[int, int]:
+    with _pool_lock:
+        return (0, next(_pool_ids))
+
+
+def _check_mode(mode: str) -> str:
+    if mode not in _MODES:
+        raise ValueError("Unknown capture error mode. Expected `default`, `global`, `thread_local`, "
+                         f"or `relaxed`, got {mode}")
+    return mode
+
+
+class Graph:
+    """A captured sequence of device work that can be replayed.
+
+    ``Graph(keep_graph=False, *, pool=None, capture_error_mode="default")``.
+    ``with g:`` synchronizes, empties the caches and captures the body on the
+    current stream (which must not be the legacy default stream: use
+    ``with stream, g:`` or :func:`graph`).
+    """
+
+    def __init__(self, keep_graph: bool = False, *, pool: Optional[Tuple[int, int]] = None,
+                 capture_error_mode: str = "default"):
+        self.keep_graph = bool(keep_graph)
+        self.graph_pool = pool
+        self.capture_error_mode = _check_mode(capture_error_mode)
+        self._backend = None
+        self._graph = None        # backend graph handle, kept when keep_graph
+        self._exec = None         # instantiated executable graph
+        self._pool = None         # pool id actually used
+        self._index = None        # device of the capture
+        self._stream = None       # capturing Stream while capturing
+        self._debug = False
+        self._rng = None          # graph-safe RNG state from accel.random during capture/replay
+
+    # -- capture -------------------------------------------------------------------
+    def capture_begin(self) -> None:
+        """Begin capturing work queued on the current stream into this graph."""
+        backend = _lazy.lazy_init()
+        if not backend.supports_graphs:
+            raise NotImplementedError(
+                f"graph capture is not supported on {backend.name}: its runtime has no stream capture")
+        if self._stream is not None:
+            raise RuntimeError("capture_begin called twice: this graph is already capturing")
+        if self._graph is not None or self._exec is not None:
+            raise RuntimeError("this graph already holds a capture; call reset() before capturing again")
+        mode = _check_mode(self.capture_error_mode)
+        if mode == "default":
+            mode = "global"  # CUDA's and torch's default
+        stream = current_stream()
+        if stream.handle == backend.default_stream(stream.device_index):
+            raise RuntimeError(
+                f"{backend.name} graphs must be captured on a non-default stream: use "
+                "`with accel.Stream(), graph:` or `with accel.graph(graph):` (replay may use any stream)")
+        if self.graph_pool is not None:
+            pool = tuple(self.graph_pool)
+            if len(pool) != 2 or not all(isinstance(x, int) for x in pool):
+                raise TypeError(f"pool must be a (int, int) tuple from generate_graph_pool_handle() or "
+                                f"Graph.pool(), got {self.graph_pool!r}")
+        else:
+            pool = _new_private_pool()
+        from . import memory, random
+        allocator = memory.device_allocator(stream.device_index)
+        allocator.begin_allocate_to_pool(pool, stream.handle)
+        try:
+            self._rng = random._graph_capture_begin(stream.device_index)
+            backend.capture_begin(stream.handle, mode)
+        except BaseException:
+            allocator.end_allocate_to_pool(pool)
+            allocator.release_pool(pool)
+            if self._rng is not None:
+                random._graph_capture_abort(self._rng)
+                self._rng = None
+            raise
+        self._backend, self._index, self._stream, self._pool = backend, stream.device_index, stream, pool
+
+    def capture_end(self) -> None:
+        """End the capture; instantiate it unless ``keep_graph``.
+
+        Raises :class:`accel.CaptureError` when the capture was invalidated by an
+        illegal operation (the graph is then empty and may be captured again).
+        """
+        stream = self._stream
+        if stream is None:
+            raise RuntimeError("capture_end called without a matching capture_begin")
+        if current_stream(stream.device_index) != stream:
+            raise RuntimeError("Capture must end on the same stream it began on.")
+        from . import memory, random
+        allocator = memory.device_allocator(self._index)
+        self._stream = None
+        try:
+            graph_handle = self._backend.capture_end(stream.handle)
+        except Exception:
+            allocator.end_allocate_to_pool(self._pool)
+            allocator.release_pool(self._pool)
+            if self._rng is not None:
+                random._graph_capture_abort(self._rng)
+                self._rng = None
+            self._pool = None
+            raise
+        allocator.end_allocate_to_pool(self._pool)
+        if self._rng is not None:
+            random._graph_capture_end(self._rng)
+        self._graph = graph_handle
+        if not self.keep_graph:
+            self.instantiate()
+            if not self._debug:
+                self._backend.graph_destroy(self._graph)
+                self._graph = None
+
+    def instantiate(self) -> None:
+        """Build the executable graph (done by capture_end, or by the first replay with keep_graph)."""
+        if self._graph is None:
+            raise RuntimeError("instantiate() needs a captured graph: capture one first "
+                               "(with keep_graph=False it is instantiated by capture_end)")
+        if self._exec is not None:
+            self._backend.graph_exec_destroy(self._exec)
+            self._exec = None
+        self._exec = self._backend.graph_instantiate(self._graph)
+
+    def replay(self) -> None:
+        """Launch the captured work on the current stream of the graph's device."""
+        if self._exec is None:
+            if self._graph is None:
+                raise RuntimeError("replay() called on a graph with no capture: capture one first")
+            self.instantiate()
+        if self._rng is not None:
+            from . import random
+            random._graph_replay(self._rng)
+        self._backend.graph_launch(self._exec, current_stream(self._index).handle)
+
+    def reset(self) -> None:
+        """Destroy the captured graph and release its memory pool; the graph may then be recaptured."""
+        if self._stream is not None:
+            raise RuntimeError("reset() during capture: call capture_end() first")
+        backend = self._backend
+        if backend is None:
+            return
+        if self._exec is not None:
+            backend.graph_exec_destroy(self._exec)
+            self._exec = None
+        if self._graph is not None:
+            backend.graph_destroy(self._graph)
+            self._graph = None
+        if self._pool is not None:
+            from . import memory
+            memory.device_allocator(self._index).release_pool(self._pool)
+            self._pool = None
+        self._rng = None
+
+    def pool(self) -> Tuple[int, int]:
+        """The id of this graph's memory pool, to share it: ``Graph(pool=g.pool())``."""
+        if self._pool is None:
+            raise RuntimeError("pool() is only valid after capture_begin")
+        return self._pool
+
+    # -- debugging -----------------------------------------------------------------------
+    def enable_debug_mode(self) -> None:
+        """Keep the captured graph so :meth:`debug_dump` can write it."""
+        self._debug = True
+
+    def debug_dump(self, path: str) -> None:
+        """Write the captured graph as a Graphviz DOT file (needs :meth:`enable_debug_mode` before capture)."""
+        if not self._debug:
+            raise RuntimeError("debug_dump needs enable_debug_mode() to be called before capture")
+        if self._graph is None:
+            raise RuntimeError("debug_dump: no captured graph to dump")
+        self._backend.graph_debug_dot(self._graph, str(path))
+
+    # -- context manager -----------------------------------------------------------------
+    def __enter__(self) -> None:
+        import accel
+        accel.synchronize()
+        accel.memory.empty_cache()
+        accel.memory.empty_host_cache()
+        self.capture_begin()
+
+    def __exit__(self, *exc_info) -> None:
+        self.capture_end()
+
+    def __del__(self):
+        if getattr(self, "_backend", None) is not None and self._stream is None and _lazy.is_initialized():
+            try:
+                self.reset()
+            except Exception:
+                pass
+
+
+@contextlib.contextmanager
+def graph(cuda_graph: Graph, pool: Optional[Tuple[int, int]] = None, stream: Optional[Stream] = None,
+          capture_error_mode: str = "global"):
+    """Capture the body into ``cuda_graph`` on a side stream (``torch.cuda.graph``).
+
+    The side stream (``stream``, or one kept per device) first waits for the
+    current stream, so the captured work sees everything queued before.
+    """
+    if not isinstance(cuda_graph, Graph):
+        raise TypeError(f"graph() expects an accel.Graph, got {type(cuda_graph).__name__}")
+    import accel
+    accel.synchronize()
+    accel.memory.empty_cache()
+    capture_stream = stream if stream is not None else _side_stream()
+    capture_stream.wait_stream(current_stream(capture_stream.device_index))
+    if pool is not None:
+        cuda_graph.graph_pool = pool
+    cuda_graph.capture_error_mode = _check_mode(capture_error_mode)
+    with capture_stream:
+        cuda_graph.capture_begin()
+        try:
+            yield cuda_graph
+        finally:
+            cuda_graph.capture_end()
+
+
+_side_streams = {}
+
+
+def _side_stream() -> Stream:
+    index = _lazy.lazy_init().get_device()
+    stream = _side_streams.get(index)
+    if stream is None:
+        stream = _side_streams[index] = Stream(index)
+    return stream
+
+
+_lazy.register_reset_hook(_side_streams.clear)
