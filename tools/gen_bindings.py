@@ -136,7 +136,36 @@ ZE_DEFINES = [
 
 # Functions that old libraries may lack: the loader reports them through
 # missing_symbols(); Debian's libze_loader 1.8.12 lacks all three.
-ZE_OPTIONAL = {"zeInitDrivers", "zesInit", "zeCommandListHostSynchronize"}
+# zesDriverGet/zesDeviceGet came with zesInit (API 1.5), so the same loader lacks them too.
+ZE_OPTIONAL = {"zeInitDrivers", "zeCommandListHostSynchronize", "zesInit", "zesDriverGet", "zesDeviceGet"}
+
+# Declarations of OPTIONAL functions, copied from newer Level Zero headers
+# (ze_api.h / zes_api.h v1.10+), used only when the installed headers predate
+# them (Debian's libze-dev 1.8.12 ships API 1.4).  Each entry: supporting types
+# and the prototype; ZE_SPEC_FALLBACK_DEFINES adds the constants that go with them
+# (enum values in newer headers; values from ze_api.h v1.10+).
+ZE_SPEC_FALLBACK = {
+    "zeInitDrivers": (
+        "typedef uint32_t ze_init_driver_type_flags_t;\n"
+        "typedef struct _ze_init_driver_type_desc_t {\n"
+        "    ze_structure_type_t stype;\n"
+        "    const void *pNext;\n"
+        "    ze_init_driver_type_flags_t flags;\n"
+        "} ze_init_driver_type_desc_t;\n",
+        "ze_result_t zeInitDrivers(uint32_t *pCount, ze_driver_handle_t *phDrivers,"
+        " ze_init_driver_type_desc_t *desc);"),
+    "zeCommandListHostSynchronize": (
+        "", "ze_result_t zeCommandListHostSynchronize(ze_command_list_handle_t hCommandList, uint64_t timeout);"),
+    "zesInit": ("typedef uint32_t zes_init_flags_t;\n", "ze_result_t zesInit(zes_init_flags_t flags);"),
+    "zesDriverGet": ("", "ze_result_t zesDriverGet(uint32_t *pCount, zes_driver_handle_t *phDrivers);"),
+    "zesDeviceGet": (
+        "", "ze_result_t zesDeviceGet(zes_driver_handle_t hDriver, uint32_t *pCount,"
+            " zes_device_handle_t *phDevices);"),
+}
+ZE_SPEC_FALLBACK_DEFINES = {
+    "zeInitDrivers": {"ZE_STRUCTURE_TYPE_INIT_DRIVER_TYPE_DESC": 0x00020021,
+                      "ZE_INIT_DRIVER_TYPE_FLAG_GPU": 1, "ZE_INIT_DRIVER_TYPE_FLAG_NPU": 2},
+}
 
 # No Objective-C runtime headers on Linux: these declarations are written here by
 # hand (from <objc/runtime.h>, <objc/message.h>, <Metal/MTLDevice.h>) and still go
@@ -189,6 +218,8 @@ class Library:
     include_roots: Tuple[callable, ...] = ()              # callables yielding candidate include dirs
     version_macros: List[str] = field(default_factory=list)  # macros/enum constants recorded in the header comment
     literal_cdef: Optional[str] = None                    # objc/metal: no header on Linux
+    spec_fallback: Dict[str, Tuple[str, str]] = field(default_factory=dict)  # optional fn -> (types, prototype)
+    spec_fallback_defines: Dict[str, Dict[str, int]] = field(default_factory=dict)
     source_note: str = ""
 
 
@@ -253,6 +284,7 @@ LIBRARIES: Dict[str, Library] = {
     ),
     "ze": Library(
         name="ze", module="_ze", functions=ZE_FUNCTIONS, defines=ZE_DEFINES, optional=ZE_OPTIONAL,
+        spec_fallback=ZE_SPEC_FALLBACK, spec_fallback_defines=ZE_SPEC_FALLBACK_DEFINES,
         headers=["ze_api.h", "zes_api.h"], include_roots=(_ze_roots,),
         version_macros=["ZE_API_VERSION_CURRENT"],
     ),
@@ -328,6 +360,7 @@ _PP_DEFINES = [
 ]
 
 _MARKER = "__accel_define__"
+FALLBACK_FILE = "<spec-fallback>"
 
 
 def find_compiler() -> Optional[List[str]]:
@@ -729,6 +762,7 @@ class Generated:
     structs: List[str]
     dropped: List[str]
     header_version: Optional[Dict[str, str]] = None
+    fallback: List[str] = field(default_factory=list)
 
 
 def _cffi_py_source(module: str, cdef: str) -> str:
@@ -749,6 +783,8 @@ def _struct_names(model: HeaderModel, items: List[_Item]) -> List[str]:
     c_ast = model.c_ast
     names = set()
     for it in items:
+        if it.node.coord is not None and it.node.coord.file == FALLBACK_FILE:
+            continue  # not in the installed headers, so the C layout check cannot see it
         if it.kind in ("struct", "union"):
             names.add("%s %s" % (it.kind, it.name))
         elif it.kind == "typedef":
@@ -769,6 +805,12 @@ def generate(lib: Library) -> Generated:
     macros = macro_table(lib, root)
     aliases = resolve_aliases(lib, macros)
     text = preprocess(lib, root, defines_source(lib, macros))
+    fallback_used = []
+    for fn, (types, proto) in sorted(lib.spec_fallback.items()):
+        assert fn in lib.optional, "spec fallbacks are only for OPTIONAL functions: %s" % fn
+        if not re.search(r"\b%s\s*\(" % re.escape(aliases.get(fn, fn)), text):
+            fallback_used.append(fn)
+            text += '\n# 1 "%s"\n' % FALLBACK_FILE + types + proto + "\n"
     model = HeaderModel(text)
     symbols, dropped = [], []
     for fn in lib.functions:
@@ -780,7 +822,10 @@ def generate(lib: Library) -> Generated:
     dropped += ["#define " + d for d in lib.defines if d not in macros]
     items = model.select(symbols)
     cdef = model.emit(items)
-    defines = sorted(model.defines.items())
+    defines = dict(model.defines)
+    for fn in fallback_used:
+        defines.update(lib.spec_fallback_defines.get(fn, {}))
+    defines = sorted(defines.items())
     if defines:
         cdef += "".join("#define %s %d\n" % (n, v) for n, v in defines)
     versions = {}
@@ -798,7 +843,11 @@ def generate(lib: Library) -> Generated:
     files = sorted(f for f in model.files if not f.startswith("<"))
     prov = ["headers (relative to their include root): " + ", ".join(files)]
     prov += ["%s = %s" % kv for kv in sorted(versions.items())]
-    return Generated(lib, cdef, prov, aliases, symbols, _struct_names(model, items), dropped, versions)
+    if fallback_used:
+        prov.append("not in these headers, declared from newer Level Zero headers (optional): "
+                    + ", ".join(fallback_used))
+    return Generated(lib, cdef, prov, aliases, symbols, _struct_names(model, items), dropped, versions,
+                     fallback_used)
 
 
 def _py_tuple(items) -> str:
@@ -835,6 +884,8 @@ def render(g: Generated) -> str:
             "ALIASES = " + _py_dict(g.aliases),
             "#: Symbols old libraries may lack; check with accel._ffi.has_symbol / missing_symbols.",
             "OPTIONAL_SYMBOLS = frozenset(%s)" % (repr(sorted(lib.optional)) if lib.optional else ""),
+            "#: Optional functions the headers lacked, declared from newer vendor headers.",
+            "SPEC_FALLBACK = " + _py_tuple(g.fallback),
             "#: Structs/unions declared with their full layout (checked against the C compiler in tests).",
             "STRUCTS = " + _py_tuple(g.structs),
             "#: Top-level headers (relative to their include root).",

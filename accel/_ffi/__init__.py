@@ -197,12 +197,15 @@ def has_symbol(lib, symbol: str) -> bool:
     """True when the opened ``lib`` exports ``symbol``.
 
     In cffi ABI mode a declared function is looked up in the library when the
-    attribute is first read; a missing one raises AttributeError there (and a
-    name that is not declared at all does too), so probing never crashes.
+    attribute is first read: a declared but missing one raises ``ffi.error``
+    there (not AttributeError), a name not declared at all raises AttributeError.
+    Both mean "absent", so probing never crashes.  Also works on simulator
+    objects that raise AttributeError for functions they do not provide.
     """
+    from _cffi_backend import FFI  # ffi.error is shared by every cffi FFI instance
     try:
         getattr(lib, symbol)
-    except AttributeError:
+    except (AttributeError, FFI.error):
         return False
     return True
 

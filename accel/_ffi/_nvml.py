@@ -45,6 +45,8 @@ FUNCTIONS = (
 ALIASES = {}
 #: Symbols old libraries may lack; check with accel._ffi.has_symbol / missing_symbols.
 OPTIONAL_SYMBOLS = frozenset()
+#: Optional functions the headers lacked, declared from newer vendor headers.
+SPEC_FALLBACK = ()
 #: Structs/unions declared with their full layout (checked against the C compiler in tests).
 STRUCTS = (
     'struct nvmlMemory_st',
