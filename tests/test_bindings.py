@@ -336,3 +336,50 @@ def test_real_ze_loader():
     # No Level Zero driver on the test machines: ZE_RESULT_ERROR_UNINITIALIZED.
     assert got["uninit"] == 0x78000001
     assert got["rc"] in (0, 0x78000001)
+
+
+# -- the generator on a small synthetic header (needs only a preprocessor) ------
+
+SYNTH_H = """\
+#include <stdint.h>
+#include <stddef.h>
+#define API_CALL __attribute__((visibility("default")))
+#define FOO_BUF 2*8
+#define FOO_FLAG_A (1u << 3)
+#define fooOpen fooOpen_v2
+typedef enum foo_err { FOO_OK = 0, FOO_BAD = 0x78000001, FOO_NEXT } foo_err_t;
+enum foo_kind { FOO_K0 = FOO_OK, FOO_K1 = FOO_BAD & 0xff };
+typedef struct foo_handle_st *foo_handle_t;
+struct foo_inner { uint8_t b[FOO_BUF]; };
+typedef struct foo_props { struct foo_inner inner; uint32_t n; uint64_t big; unsigned f : 3; } foo_props_t;
+typedef struct { int unused; } foo_unused_t;
+API_CALL foo_err_t fooOpen_v2(foo_handle_t *h, enum foo_kind k);
+API_CALL foo_err_t fooProps(foo_handle_t h, foo_props_t *p, size_t n);
+foo_err_t fooNotListed(foo_unused_t *u);
+"""
+
+
+def test_generator_on_synthetic_header(tool, tmp_path):
+    if tool.find_compiler() is None:
+        pytest.skip("no C preprocessor on PATH")
+    (tmp_path / "foo.h").write_text(SYNTH_H)
+    lib = tool.Library(name="foo", module="_foo", functions=["fooOpen", "fooProps", "fooMissing"],
+                       defines=["FOO_BUF", "FOO_FLAG_A", "FOO_NOPE"], headers=["foo.h"],
+                       include_roots=(lambda: iter([str(tmp_path)]),))
+    g = tool.generate(lib)
+    assert g.aliases == {"fooOpen": "fooOpen_v2"}
+    assert g.functions == ["fooOpen_v2", "fooProps"]
+    assert g.dropped == ["fooMissing", "#define FOO_NOPE"]
+    assert "fooNotListed" not in g.cdef and "foo_unused_t" not in g.cdef
+    assert "FOO_NEXT = 2013265922" in g.cdef and "FOO_K1 = 1" in g.cdef
+    assert "uint8_t b[16];" in g.cdef
+    assert "#define FOO_BUF 16\n#define FOO_FLAG_A 8\n" in g.cdef
+    assert g.structs == ["struct foo_inner", "struct foo_props"]
+    text = tool.render(g)
+    assert str(tmp_path) not in text
+    ns = {}
+    exec(compile(text.replace("accel._ffi._foo", "_foo"), "_foo.py", "exec"), ns)
+    ffi = ns["ffi"]
+    assert ffi.sizeof("foo_props_t") == 40 and ffi.offsetof("foo_props_t", "big") == 24
+    assert ns["ALIASES"] == {"fooOpen": "fooOpen_v2"} and ns["FUNCTIONS"] == ("fooOpen_v2", "fooProps")
+    assert tool.render(tool.generate(lib)) == text

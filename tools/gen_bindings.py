@@ -82,6 +82,10 @@ CUDART_DEFINES = [
     "cudaCpuDeviceId", "cudaInvalidDeviceId",
 ]
 
+# Types no listed function mentions but whose constants callers need (flag enums
+# behind plain unsigned/uint32_t parameters): "enum NAME", "struct NAME" or a typedef name.
+CUDART_TYPES = ["enum cudaGraphDebugDotFlags", "enum cudaGraphInstantiateFlags"]
+
 NVML_FUNCTIONS = [
     "nvmlInit_v2", "nvmlShutdown", "nvmlErrorString",
     "nvmlDeviceGetCount_v2", "nvmlDeviceGetHandleByIndex_v2", "nvmlDeviceGetUUID",
@@ -127,6 +131,13 @@ ZE_FUNCTIONS = [
     "zesDeviceEnumMemoryModules", "zesMemoryGetProperties", "zesMemoryGetState",
 ]
 
+ZE_TYPES = [
+    "ze_init_flag_t", "ze_device_property_flag_t", "ze_command_queue_group_property_flag_t",
+    "ze_command_queue_flag_t", "ze_command_list_flag_t", "ze_event_pool_flag_t",
+    "ze_event_scope_flag_t", "ze_device_mem_alloc_flag_t", "ze_host_mem_alloc_flag_t",
+    "ze_kernel_flag_t",
+]
+
 ZE_DEFINES = [
     "ZE_MAX_DEVICE_NAME", "ZE_MAX_DEVICE_UUID_SIZE", "ZE_MAX_DRIVER_UUID_SIZE",
     "ZE_MAX_KERNEL_UUID_SIZE", "ZE_MAX_MODULE_UUID_SIZE", "ZE_MAX_EXTENSION_NAME",
@@ -142,8 +153,7 @@ ZE_OPTIONAL = {"zeInitDrivers", "zeCommandListHostSynchronize", "zesInit", "zesD
 # Declarations of OPTIONAL functions, copied from newer Level Zero headers
 # (ze_api.h / zes_api.h v1.10+), used only when the installed headers predate
 # them (Debian's libze-dev 1.8.12 ships API 1.4).  Each entry: supporting types
-# and the prototype; ZE_SPEC_FALLBACK_DEFINES adds the constants that go with them
-# (enum values in newer headers; values from ze_api.h v1.10+).
+# and the prototype.
 ZE_SPEC_FALLBACK = {
     "zeInitDrivers": (
         "typedef uint32_t ze_init_driver_type_flags_t;\n"
@@ -162,9 +172,13 @@ ZE_SPEC_FALLBACK = {
         "", "ze_result_t zesDeviceGet(zes_driver_handle_t hDriver, uint32_t *pCount,"
             " zes_device_handle_t *phDevices);"),
 }
-ZE_SPEC_FALLBACK_DEFINES = {
-    "zeInitDrivers": {"ZE_STRUCTURE_TYPE_INIT_DRIVER_TYPE_DESC": 0x00020021,
-                      "ZE_INIT_DRIVER_TYPE_FLAG_GPU": 1, "ZE_INIT_DRIVER_TYPE_FLAG_NPU": 2},
+# Constants of newer headers (enum values there; values from ze_api.h v1.10+),
+# emitted as #defines only when the installed headers do not define them.
+ZE_CONSTANT_FALLBACK = {
+    "ZE_COMMAND_LIST_FLAG_IN_ORDER": 1 << 3,
+    "ZE_STRUCTURE_TYPE_INIT_DRIVER_TYPE_DESC": 0x00020021,
+    "ZE_INIT_DRIVER_TYPE_FLAG_GPU": 1 << 0,
+    "ZE_INIT_DRIVER_TYPE_FLAG_NPU": 1 << 1,
 }
 
 # No Objective-C runtime headers on Linux: these declarations are written here by
@@ -213,13 +227,14 @@ class Library:
     module: str                       # generated module name under accel._ffi
     functions: List[str]
     defines: List[str] = field(default_factory=list)
+    types: List[str] = field(default_factory=list)
     optional: set = field(default_factory=set)
     headers: List[str] = field(default_factory=list)      # top headers, relative to the include root
     include_roots: Tuple[callable, ...] = ()              # callables yielding candidate include dirs
     version_macros: List[str] = field(default_factory=list)  # macros/enum constants recorded in the header comment
     literal_cdef: Optional[str] = None                    # objc/metal: no header on Linux
     spec_fallback: Dict[str, Tuple[str, str]] = field(default_factory=dict)  # optional fn -> (types, prototype)
-    spec_fallback_defines: Dict[str, Dict[str, int]] = field(default_factory=dict)
+    constant_fallback: Dict[str, int] = field(default_factory=dict)
     source_note: str = ""
 
 
@@ -275,6 +290,7 @@ def _ze_roots():
 LIBRARIES: Dict[str, Library] = {
     "cudart": Library(
         name="cudart", module="_cudart", functions=CUDART_FUNCTIONS, defines=CUDART_DEFINES,
+        types=CUDART_TYPES,
         headers=["cuda_runtime_api.h"], include_roots=(_cuda_roots,),
         version_macros=["CUDART_VERSION"],
     ),
@@ -284,7 +300,8 @@ LIBRARIES: Dict[str, Library] = {
     ),
     "ze": Library(
         name="ze", module="_ze", functions=ZE_FUNCTIONS, defines=ZE_DEFINES, optional=ZE_OPTIONAL,
-        spec_fallback=ZE_SPEC_FALLBACK, spec_fallback_defines=ZE_SPEC_FALLBACK_DEFINES,
+        types=ZE_TYPES,
+        spec_fallback=ZE_SPEC_FALLBACK, constant_fallback=ZE_CONSTANT_FALLBACK,
         headers=["ze_api.h", "zes_api.h"], include_roots=(_ze_roots,),
         version_macros=["ZE_API_VERSION_CURRENT"],
     ),
@@ -631,10 +648,16 @@ class HeaderModel:
         walk(node)
         return out
 
-    def select(self, functions: Sequence[str]) -> List[_Item]:
-        """Items needed by ``functions``, in header order."""
+    def select(self, functions: Sequence[str], types: Sequence[str] = ()) -> List[_Item]:
+        """Items needed by ``functions`` and ``types``, in header order."""
         need: Dict[Tuple[str, str], _Item] = {}
         stack: List[Tuple[str, str]] = []
+        for t in types:
+            kind, _, name = t.rpartition(" ")
+            ref = (kind or "typedef", name)
+            if (self.typedefs if not kind else {k[1]: v for k, v in self.tags.items() if k[0] == kind}).get(name) is None:
+                raise SystemExit("type %r not found in the headers" % t)
+            stack.append(ref)
         for fn in functions:
             item = self.funcs[fn]
             need[("func", fn)] = item
@@ -820,11 +843,14 @@ def generate(lib: Library) -> Generated:
         else:
             dropped.append(fn)
     dropped += ["#define " + d for d in lib.defines if d not in macros]
-    items = model.select(symbols)
+    items = model.select(symbols, lib.types)
     cdef = model.emit(items)
     defines = dict(model.defines)
-    for fn in fallback_used:
-        defines.update(lib.spec_fallback_defines.get(fn, {}))
+    const_fallback = []
+    for cname, value in sorted(lib.constant_fallback.items()):
+        if cname not in model.ev.consts and cname not in macros:
+            defines[cname] = value
+            const_fallback.append(cname)
     defines = sorted(defines.items())
     if defines:
         cdef += "".join("#define %s %d\n" % (n, v) for n, v in defines)
@@ -846,6 +872,8 @@ def generate(lib: Library) -> Generated:
     if fallback_used:
         prov.append("not in these headers, declared from newer Level Zero headers (optional): "
                     + ", ".join(fallback_used))
+    if const_fallback:
+        prov.append("constants not in these headers, values from newer headers: " + ", ".join(const_fallback))
     return Generated(lib, cdef, prov, aliases, symbols, _struct_names(model, items), dropped, versions,
                      fallback_used)
 
