@@ -112,6 +112,7 @@ ZE_FUNCTIONS = [
     "zeDeviceGet", "zeDeviceGetSubDevices", "zeDeviceGetProperties",
     "zeDeviceGetComputeProperties", "zeDeviceGetMemoryProperties",
     "zeDeviceGetCommandQueueGroupProperties", "zeDeviceGetGlobalTimestamps",
+    "zeDeviceGetModuleProperties",
     "zeContextCreate", "zeContextDestroy",
     "zeMemAllocDevice", "zeMemAllocHost", "zeMemFree", "zeMemGetAllocProperties",
     "zeCommandListCreate", "zeCommandListCreateImmediate", "zeCommandListDestroy",
@@ -119,6 +120,7 @@ ZE_FUNCTIONS = [
     "zeCommandListAppendMemoryFill", "zeCommandListAppendSignalEvent",
     "zeCommandListAppendWaitOnEvents", "zeCommandListAppendBarrier",
     "zeCommandListAppendLaunchKernel", "zeCommandListHostSynchronize",
+    "zeCommandListAppendEventReset",
     "zeCommandQueueCreate", "zeCommandQueueDestroy", "zeCommandQueueExecuteCommandLists",
     "zeCommandQueueSynchronize",
     "zeEventPoolCreate", "zeEventPoolDestroy", "zeEventCreate", "zeEventDestroy",
@@ -135,7 +137,7 @@ ZE_TYPES = [
     "ze_init_flag_t", "ze_device_property_flag_t", "ze_command_queue_group_property_flag_t",
     "ze_command_queue_flag_t", "ze_command_list_flag_t", "ze_event_pool_flag_t",
     "ze_event_scope_flag_t", "ze_device_mem_alloc_flag_t", "ze_host_mem_alloc_flag_t",
-    "ze_kernel_flag_t",
+    "ze_kernel_flag_t", "ze_device_module_flag_t",
 ]
 
 ZE_DEFINES = [
@@ -176,6 +178,7 @@ ZE_SPEC_FALLBACK = {
 # emitted as #defines only when the installed headers do not define them.
 ZE_CONSTANT_FALLBACK = {
     "ZE_COMMAND_LIST_FLAG_IN_ORDER": 1 << 3,
+    "ZE_COMMAND_QUEUE_FLAG_IN_ORDER": 1 << 1,  # immediate command lists, API 1.7+
     "ZE_STRUCTURE_TYPE_INIT_DRIVER_TYPE_DESC": 0x00020021,
     "ZE_INIT_DRIVER_TYPE_FLAG_GPU": 1 << 0,
     "ZE_INIT_DRIVER_TYPE_FLAG_NPU": 1 << 1,
