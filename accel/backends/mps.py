@@ -1,0 +1,888 @@
+"""Apple MPS backend: Metal through the Objective-C runtime (libobjc + cffi).
+
+Model (what the Backend protocol's CUDA-shaped handles mean on Metal):
+
+* **Pointers.**  Metal has buffers, not device addresses.  Every allocation is
+  an ``MTLBuffer`` in shared storage (Apple GPUs have unified memory), and the
+  "device pointer" handed out is its ``contents`` address.  A sorted table of
+  base addresses resolves any interior pointer to ``(buffer, offset)`` with
+  ``bisect``, so copies, fills and kernel arguments take sub-ranges of a
+  block exactly as CUDA pointers do.  Pinned host memory is the same kind of
+  buffer (what torch's MPS pinned allocator does).
+* **Streams.**  One ``MTLCommandQueue`` per stream (handle 0 is the default
+  queue, created at init).  Each stream has one open command buffer that
+  collects work; it is committed at every point where the host or another
+  stream can observe progress: stream synchronize/query, event record,
+  device synchronize, and after ``_MAX_OPS`` commands so long asynchronous
+  sequences start running.  Command buffers within a queue, and encoders
+  within a command buffer, are ordered by Metal's hazard tracking (the
+  buffers are created with the default, tracked, hazard mode).
+* **Events.**  An ``MTLSharedEvent`` with a monotonically increasing value:
+  record encodes ``encodeSignalEvent:value:`` (value+1) at the end of the
+  stream's command buffer and commits it; another stream waits with
+  ``encodeWaitForEvent:value:``; query compares ``signaledValue``;
+  synchronize waits for the command buffer that carries the signal.
+* **Timing.**  Metal has no timestamp at a point in a queue, only per command
+  buffer ``GPUStartTime``/``GPUEndTime`` (seconds, one GPU clock).  A timing
+  event's record ends the command buffer with a 4-byte fill of a scratch
+  buffer (so the buffer always does GPU work and carries timestamps) and the
+  event's time is that buffer's ``GPUEndTime``.  ``elapsed_ms`` is the
+  difference, resolution as Metal reports it.
+* **Copies.**  Buffer to buffer: a blit ``copyFromBuffer:...``.  Pageable
+  host to buffer: the source is copied into a staging buffer before the call
+  returns (``newBufferWithBytes:length:options:``), then blitted in order.
+  To pageable host: the stream is synchronized and the bytes are copied on the
+  host (unified memory).  macOS requires blit offsets and sizes to be
+  multiples of 4; other copies and fills take the synchronize-and-copy-on-the-
+  host path.
+* **Kernels.**  Metal Shading Language compiled at run time
+  (``newLibraryWithSource:options:error:``, fast math off), one compute
+  pipeline per function.  CUDA's grid of blocks maps to
+  ``dispatchThreadgroups:threadsPerThreadgroup:``; argument ``i`` binds to
+  ``[[buffer(i)]]``: pointers with ``setBuffer:offset:atIndex:``, scalars with
+  ``setBytes:length:atIndex:``.
+* **Graphs.**  Not supported: Metal has no stream capture (work submitted to
+  a command queue cannot be recorded for replay), so ``supports_graphs`` is
+  False and the graph methods raise ``NotImplementedError`` saying so.
+
+Ownership: objects from ``new…`` methods and ``MTLCreateSystemDefaultDevice``
+are owned (+1) and released when their handle is destroyed; autoreleased
+results that are kept (command buffers) are retained; every call that makes
+autoreleased objects runs inside an autorelease pool.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import threading
+from typing import Any, Dict, List, Optional, Tuple
+
+from .._errors import AcceleratorError, OutOfMemoryError
+from . import _objc
+from ._objc import Message
+from .base import Backend, DeviceProperties, KernelArgs
+
+__all__ = ["MPSBackend", "create"]
+
+_LIBRARY = "Metal"
+
+# -- Metal constants (Metal/MTLResource.h, MTLCommandBuffer.h) ---------------
+_STORAGE_SHARED = 0  # MTLResourceStorageModeShared | CPUCacheModeDefaultCache | HazardTrackingModeDefault
+_CB_STATUS = ("MTLCommandBufferStatusNotEnqueued", "MTLCommandBufferStatusEnqueued",
+              "MTLCommandBufferStatusCommitted", "MTLCommandBufferStatusScheduled",
+              "MTLCommandBufferStatusCompleted", "MTLCommandBufferStatusError")
+_CB_COMPLETED, _CB_ERROR = 4, 5
+_CB_ERRORS = {0: "MTLCommandBufferErrorNone", 1: "MTLCommandBufferErrorInternal",
+              2: "MTLCommandBufferErrorTimeout", 3: "MTLCommandBufferErrorPageFault",
+              4: "MTLCommandBufferErrorAccessRevoked", 7: "MTLCommandBufferErrorNotPermitted",
+              8: "MTLCommandBufferErrorOutOfMemory", 9: "MTLCommandBufferErrorInvalidResource",
+              10: "MTLCommandBufferErrorMemoryless", 11: "MTLCommandBufferErrorDeviceRemoved",
+              12: "MTLCommandBufferErrorStackOverflow"}
+_MAX_OPS = 64          # commit a stream's open command buffer after this many commands
+_MAX_BUFFER_INDEX = 31  # [[buffer(0..30)]]
+
+# -- the messages this backend sends, with their exact C signatures ----------
+# (types from the Metal headers; e.g. recommendedMaxWorkingSetSize is uint64_t,
+# currentAllocatedSize NSUInteger, MTLResourceOptions/MTLCommandBufferStatus NSUInteger)
+M_NAME = Message("name", "id")
+M_REGISTRY_ID = Message("registryID", "uint64_t")
+M_RECOMMENDED_MAX = Message("recommendedMaxWorkingSetSize", "uint64_t")
+M_CURRENT_ALLOCATED = Message("currentAllocatedSize", "NSUInteger")
+M_HAS_UNIFIED = Message("hasUnifiedMemory", "BOOL")
+M_MAX_BUFFER_LENGTH = Message("maxBufferLength", "NSUInteger")
+M_NEW_QUEUE = Message("newCommandQueue", "id")
+M_NEW_BUFFER = Message("newBufferWithLength:options:", "id", "NSUInteger", "NSUInteger")
+M_NEW_BUFFER_BYTES = Message("newBufferWithBytes:length:options:", "id",
+                             "const void *", "NSUInteger", "NSUInteger")
+M_NEW_SHARED_EVENT = Message("newSharedEvent", "id")
+M_CONTENTS = Message("contents", "void *")
+M_LENGTH = Message("length", "NSUInteger")
+M_COMMAND_BUFFER = Message("commandBuffer", "id")
+M_COMMIT = Message("commit", "void")
+M_WAIT = Message("waitUntilCompleted", "void")
+M_STATUS = Message("status", "NSUInteger")
+M_ERROR = Message("error", "id")
+M_GPU_START = Message("GPUStartTime", "CFTimeInterval")
+M_GPU_END = Message("GPUEndTime", "CFTimeInterval")
+M_SIGNAL_EVENT = Message("encodeSignalEvent:value:", "void", "id", "uint64_t")
+M_WAIT_EVENT = Message("encodeWaitForEvent:value:", "void", "id", "uint64_t")
+M_SIGNALED_VALUE = Message("signaledValue", "uint64_t")
+M_BLIT_ENCODER = Message("blitCommandEncoder", "id")
+M_COPY = Message("copyFromBuffer:sourceOffset:toBuffer:destinationOffset:size:", "void",
+                 "id", "NSUInteger", "id", "NSUInteger", "NSUInteger")
+M_FILL = Message("fillBuffer:range:value:", "void", "id", "NSRange", "uint8_t")
+M_END_ENCODING = Message("endEncoding", "void")
+M_NEW_OPTIONS = Message("new", "id")
+M_SET_FAST_MATH = Message("setFastMathEnabled:", "void", "BOOL")
+M_NEW_LIBRARY = Message("newLibraryWithSource:options:error:", "id", "id", "id", "id *")
+M_NEW_FUNCTION = Message("newFunctionWithName:", "id", "id")
+M_NEW_PIPELINE = Message("newComputePipelineStateWithFunction:error:", "id", "id", "id *")
+M_MAX_THREADS = Message("maxTotalThreadsPerThreadgroup", "NSUInteger")
+M_COMPUTE_ENCODER = Message("computeCommandEncoder", "id")
+M_SET_PIPELINE = Message("setComputePipelineState:", "void", "id")
+M_SET_BUFFER = Message("setBuffer:offset:atIndex:", "void", "id", "NSUInteger", "NSUInteger")
+M_SET_BYTES = Message("setBytes:length:atIndex:", "void", "const void *", "NSUInteger", "NSUInteger")
+M_SET_THREADGROUP_MEMORY = Message("setThreadgroupMemoryLength:atIndex:", "void",
+                                   "NSUInteger", "NSUInteger")
+M_DISPATCH = Message("dispatchThreadgroups:threadsPerThreadgroup:", "void", "MTLSize", "MTLSize")
+
+# Kernel scalar argument kinds (base.KERNEL_ARG_TYPES) -> C type for setBytes.
+_SCALAR_CTYPES = {"u32": "uint32_t", "i32": "int32_t", "u64": "uint64_t", "i64": "int64_t",
+                  "f32": "float"}
+
+_SUPPORTED_DTYPES = frozenset({"bool", "uint8", "int8", "int16", "int32", "int64",
+                               "float16", "float32"})  # Metal has no float64
+
+_GRAPHS_UNSUPPORTED = (
+    "MPS has no stream capture: Metal cannot record the work submitted to a command queue "
+    "for later replay, so accel graphs (capture_begin/capture_end/replay) are not available "
+    "on the mps backend; run the work eagerly instead")
+
+
+def _simulated() -> bool:
+    return os.environ.get("ACCEL_SIM") == "mps"
+
+
+class _InvalidHandle(AcceleratorError, ValueError):
+    """A handle or pointer this backend did not hand out (or already released)."""
+
+
+def _bad(kind: str, value: Any, hint: str) -> _InvalidHandle:
+    shown = hex(value) if isinstance(value, int) and kind == "pointer" else repr(value)
+    return _InvalidHandle(f"mps: {shown} is not a live {kind} of this backend; {hint}")
+
+
+class _Libraries:
+    """The opened libobjc and Metal (real or simulated); never initializes Metal."""
+
+    def __init__(self) -> None:
+        self.objc_ffi = self.objc_lib = self.metal_lib = None
+        self.paths: Dict[str, str] = {}
+        self.reason: Optional[str] = None
+        self.simulated = _simulated()
+        try:
+            if self.simulated:
+                from accel.sim import metal as sim_metal
+                (self.objc_ffi, self.objc_lib, objc_path), (_, self.metal_lib, metal_path) = \
+                    sim_metal.open_libraries()
+            else:
+                from accel._ffi import open_library
+                self.objc_ffi, self.objc_lib, objc_path = open_library("objc")
+                _, self.metal_lib, metal_path = open_library("metal")
+            self.paths = {"objc": objc_path, "metal": metal_path}
+        except OSError as exc:  # LibraryNotFound: not macOS, or no Metal framework
+            self.objc_ffi = self.objc_lib = self.metal_lib = None
+            self.reason = (f"libobjc/Metal not found ({exc}); the mps backend needs macOS "
+                           f"with Metal (Apple silicon or a Metal-capable Mac)")
+
+    @property
+    def ok(self) -> bool:
+        return self.objc_lib is not None and self.metal_lib is not None
+
+
+class _Buffer:
+    __slots__ = ("obj", "base", "length", "host")
+
+    def __init__(self, obj: Any, base: int, length: int, host: bool):
+        self.obj, self.base, self.length, self.host = obj, base, length, host
+
+
+class _Stream:
+    __slots__ = ("handle", "queue", "cb", "ops", "inflight")
+
+    def __init__(self, handle: int, queue: Any):
+        self.handle = handle
+        self.queue = queue          # MTLCommandQueue, owned (+1)
+        self.cb = None              # open MTLCommandBuffer, retained; None when nothing pending
+        self.ops = 0                # commands encoded into cb
+        self.inflight: List[Any] = []  # committed, retained, not yet known complete
+
+
+class _Event:
+    __slots__ = ("handle", "shared", "value", "cb", "timing")
+
+    def __init__(self, handle: int, shared: Any, timing: bool):
+        self.handle = handle
+        self.shared = shared        # MTLSharedEvent, owned (+1)
+        self.value = 0              # value of the latest record; 0 = never recorded
+        self.cb = None              # retained command buffer carrying the latest signal
+        self.timing = timing
+
+
+class MPSBackend(Backend):
+    """The Metal runtime behind the Backend protocol (one device: the system default)."""
+
+    name = "mps"
+    kernel_language = "msl"
+    supports_graphs = False
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._libs: Optional[_Libraries] = None
+        self._rt: Optional[_objc.Runtime] = None
+        self._device = None
+        self._buffers: Dict[int, _Buffer] = {}
+        self._bases: List[int] = []
+        self._streams: Dict[int, _Stream] = {}
+        self._events: Dict[int, _Event] = {}
+        self._modules: Dict[int, Tuple[Any, List[int]]] = {}
+        self._functions: Dict[int, Tuple[Any, Any, int, int]] = {}
+        self._next_handle = 1
+        self._scratch: Optional[_Buffer] = None
+        self._tls = threading.local()
+
+    # -- discovery ---------------------------------------------------------------
+    def _libraries(self) -> _Libraries:
+        if self._libs is None:
+            with self._lock:
+                if self._libs is None:
+                    self._libs = _Libraries()
+        return self._libs
+
+    def loads(self) -> bool:
+        return self._libraries().ok
+
+    def count(self) -> int:
+        """1 when libobjc and Metal load (every Mac that runs them has a Metal GPU), else 0.
+
+        The device itself is created only by :meth:`init`:
+        ``MTLCreateSystemDefaultDevice`` starts Metal's services, which do not
+        survive ``fork``.  The simulator reports its configured device count
+        (at most 1).
+        """
+        libs = self._libraries()
+        if not libs.ok:
+            return 0
+        if libs.simulated:
+            from accel.sim import metal as sim_metal
+            return sim_metal.device_count()
+        return 1
+
+    def report(self) -> dict:
+        try:
+            libs = self._libraries()
+            out = {"backend": self.name, "simulated": libs.simulated, "libraries": dict(libs.paths),
+                   "count": self.count(),
+                   "count_method": ("simulator configuration" if libs.simulated else
+                                    "libobjc and Metal.framework load (the device is created at init)"),
+                   "graphs": _GRAPHS_UNSUPPORTED, "initialized": self._device is not None}
+            if libs.reason:
+                out["reason"] = libs.reason
+            elif out["count"] == 0:
+                out["reason"] = "the Metal simulator is configured with 0 devices"
+            return out
+        except Exception as exc:  # report() never raises
+            return {"backend": self.name, "count": 0, "reason": f"mps report failed: {exc!r}"}
+
+    # -- runtime ----------------------------------------------------------------
+    def init(self) -> None:
+        with self._lock:
+            if self._device is not None:
+                return
+            libs = self._libraries()
+            if not libs.ok:
+                raise AcceleratorError(f"mps: cannot initialize Metal: {libs.reason}",
+                                       library=_LIBRARY, call="MTLCreateSystemDefaultDevice")
+            rt = _objc.Runtime(libs.objc_ffi, libs.objc_lib)
+            # MTLCreateSystemDefaultDevice returns +1 (ns_returns_retained).  The
+            # real loader opens CoreGraphics first: without it the call returns
+            # nil in processes that are not apps.
+            device = libs.metal_lib.MTLCreateSystemDefaultDevice()
+            if device == rt.nil:
+                raise AcceleratorError(
+                    "mps: MTLCreateSystemDefaultDevice returned nil: this Mac exposes no Metal device "
+                    "(a VM or a headless session without GPU access?)",
+                    library=_LIBRARY, call="MTLCreateSystemDefaultDevice")
+            self._rt, self._device = rt, device
+            try:
+                with rt.pool():
+                    self._streams[0] = _Stream(0, self._new(device, M_NEW_QUEUE, "newCommandQueue"))
+                    self._scratch = self._new_buffer(4, host=False, register=False)
+            except BaseException:
+                self.close()
+                raise
+
+    def close(self) -> None:
+        """Release every Metal object this backend owns (tests use it to check for leaks).
+
+        Waits for outstanding work first.  The backend can be initialized again.
+        """
+        with self._lock:
+            if self._device is None:
+                return
+            rt = self._rt
+        try:
+            self._sync_streams(list(self._streams.values()))
+        finally:
+            with self._lock, rt.pool():
+                for fn in list(self._functions):
+                    pipeline, function, _, _ = self._functions.pop(fn)
+                    rt.release(pipeline)
+                    rt.release(function)
+                for lib, _ in self._modules.values():
+                    rt.release(lib)
+                self._modules.clear()
+                for ev in self._events.values():
+                    rt.release(ev.cb)
+                    rt.release(ev.shared)
+                self._events.clear()
+                for st in self._streams.values():
+                    rt.release(st.cb)
+                    for cb in st.inflight:
+                        rt.release(cb)
+                    rt.release(st.queue)
+                self._streams.clear()
+                for buf in self._buffers.values():
+                    rt.release(buf.obj)
+                self._buffers.clear()
+                self._bases.clear()
+                if self._scratch is not None:
+                    rt.release(self._scratch.obj)
+                    self._scratch = None
+                rt.release(self._device)
+                self._device = None
+
+    def _runtime(self) -> _objc.Runtime:
+        if self._device is None:
+            raise AcceleratorError("mps: the Metal runtime is not initialized (call init() first)",
+                                   library=_LIBRARY)
+        return self._rt
+
+    def _new(self, receiver: Any, msg: Message, what: str, *args: Any) -> Any:
+        obj = self._rt.send(receiver, msg, *args)
+        if obj == self._rt.nil:
+            raise AcceleratorError(f"mps: {what} returned nil", library=_LIBRARY, call=msg.selector)
+        return self._rt.owned(msg, obj)
+
+    def _handle(self) -> int:
+        h = self._next_handle
+        self._next_handle += 1
+        return h
+
+    def properties(self, index: int) -> DeviceProperties:
+        self._check_index(index)
+        rt = self._runtime()
+        dev = self._device
+        with rt.pool():
+            name = rt.string(rt.send(dev, M_NAME))
+            registry = int(rt.send(dev, M_REGISTRY_ID))
+            total = int(rt.send(dev, M_RECOMMENDED_MAX))
+            unified = bool(rt.send(dev, M_HAS_UNIFIED))
+            max_buffer = int(rt.send(dev, M_MAX_BUFFER_LENGTH))
+        return DeviceProperties(
+            index=0, name=name, total_memory=total, compute_capability=(0, 0),
+            multi_processor_count=0, supported_dtypes=_SUPPORTED_DTYPES,
+            uuid=f"MTL-{registry:016x}", unified_memory=unified,
+            extra={"registry_id": registry, "max_buffer_length": max_buffer,
+                   "recommended_max_working_set_size": total})
+
+    def _check_index(self, index: int) -> None:
+        if not isinstance(index, int) or isinstance(index, bool):
+            raise TypeError(f"device index must be an int, got {type(index).__name__}")
+        if index != 0:
+            raise _InvalidHandle(f"mps: invalid device index {index}; Metal exposes one device (index 0)")
+
+    def set_device(self, index: int) -> None:
+        self._check_index(index)
+
+    def get_device(self) -> int:
+        return 0
+
+    def device_synchronize(self) -> None:
+        self._runtime()
+        with self._lock:
+            streams = list(self._streams.values())
+        self._sync_streams(streams)
+
+    def mem_info(self) -> Tuple[int, int]:
+        """(recommendedMaxWorkingSetSize - currentAllocatedSize, recommendedMaxWorkingSetSize)."""
+        rt = self._runtime()
+        total = int(rt.send(self._device, M_RECOMMENDED_MAX))
+        used = int(rt.send(self._device, M_CURRENT_ALLOCATED))
+        return max(total - used, 0), total
+
+    # -- memory ---------------------------------------------------------------------
+    def _new_buffer(self, nbytes: int, host: bool, register: bool = True) -> _Buffer:
+        rt = self._rt
+        obj = rt.send(self._device, M_NEW_BUFFER, nbytes, _STORAGE_SHARED)
+        if obj == rt.nil:  # Metal's out-of-memory answer
+            used = int(rt.send(self._device, M_CURRENT_ALLOCATED))
+            limit = int(rt.send(self._device, M_RECOMMENDED_MAX))
+            raise OutOfMemoryError(
+                f"mps: newBufferWithLength:{nbytes} options:shared returned nil (out of memory; "
+                f"{used} bytes allocated, recommended working set {limit} bytes)",
+                library=_LIBRARY, call=M_NEW_BUFFER.selector)
+        buf = _Buffer(obj, rt.address(rt.send(obj, M_CONTENTS)), nbytes, host)
+        if register:
+            with self._lock:
+                self._buffers[buf.base] = buf
+                bisect.insort(self._bases, buf.base)
+        return buf
+
+    def _alloc(self, nbytes: int, host: bool) -> int:
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool):
+            raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
+        if nbytes < 0:
+            raise ValueError(f"cannot allocate a negative number of bytes ({nbytes})")
+        self._runtime()
+        if nbytes == 0:
+            return 0  # as cudaMalloc(0): a null pointer that may be freed
+        return self._new_buffer(nbytes, host).base
+
+    def _free(self, ptr: int, host: bool) -> None:
+        if ptr == 0:
+            return
+        rt = self._runtime()
+        with self._lock:
+            buf = self._buffers.get(ptr)
+            if buf is None or buf.host != host:
+                raise _bad("pointer", ptr, f"free only pointers returned by "
+                           f"{'host_alloc' if host else 'mem_alloc'}, once")
+            del self._buffers[ptr]
+            del self._bases[bisect.bisect_left(self._bases, ptr)]
+        # Command buffers retain the buffers they use: queued work still reads valid memory.
+        rt.release(buf.obj)
+
+    def mem_alloc(self, nbytes: int) -> int:
+        return self._alloc(nbytes, host=False)
+
+    def mem_free(self, ptr: int) -> None:
+        self._free(ptr, host=False)
+
+    def host_alloc(self, nbytes: int) -> int:
+        """Pinned host memory: a shared-storage MTLBuffer (the GPU reads it in place)."""
+        return self._alloc(nbytes, host=True)
+
+    def host_free(self, ptr: int) -> None:
+        self._free(ptr, host=True)
+
+    def _resolve(self, ptr: int, nbytes: int) -> Optional[Tuple[_Buffer, int]]:
+        """(buffer, offset) holding [ptr, ptr+nbytes), or None for memory Metal does not own."""
+        if not isinstance(ptr, int) or isinstance(ptr, bool):
+            raise TypeError(f"pointer must be an int, got {type(ptr).__name__}")
+        with self._lock:
+            i = bisect.bisect_right(self._bases, ptr) - 1
+            if i < 0:
+                return None
+            buf = self._buffers[self._bases[i]]
+        off = ptr - buf.base
+        if off >= buf.length:
+            return None
+        if off + nbytes > buf.length:
+            raise ValueError(f"mps: {nbytes} bytes at {ptr:#x} overrun the {buf.length}-byte "
+                             f"allocation at {buf.base:#x}")
+        return buf, off
+
+    # -- streams ---------------------------------------------------------------------
+    def _stream(self, handle: int) -> _Stream:
+        st = self._streams.get(handle)
+        if st is None:
+            if not isinstance(handle, int) or isinstance(handle, bool):
+                raise TypeError(f"stream handle must be an int, got {type(handle).__name__}")
+            raise _bad("stream", handle, "use a handle from stream_create or default_stream(0)")
+        return st
+
+    def _open_cb(self, st: _Stream) -> Any:
+        """The stream's open command buffer (created and retained on first use)."""
+        if st.cb is None:
+            st.cb = self._new(st.queue, M_COMMAND_BUFFER, "commandBuffer")
+            st.ops = 0
+        return st.cb
+
+    def _encoded(self, st: _Stream) -> None:
+        st.ops += 1
+        if st.ops >= _MAX_OPS:
+            self._commit(st)
+
+    def _commit(self, st: _Stream) -> Optional[Any]:
+        """Commit the open command buffer; returns it (still retained, now in flight)."""
+        cb = st.cb
+        if cb is None:
+            return None
+        self._rt.send(cb, M_COMMIT)
+        st.cb = None
+        # Forget buffers already known complete so the list stays short.
+        keep = []
+        for old in st.inflight:
+            if int(self._rt.send(old, M_STATUS)) == _CB_COMPLETED:
+                self._rt.release(old)
+            else:
+                keep.append(old)
+        keep.append(cb)
+        st.inflight = keep
+        return cb
+
+    def _check_cb(self, cb: Any) -> None:
+        rt = self._rt
+        if int(rt.send(cb, M_STATUS)) == _CB_ERROR:
+            with rt.pool():
+                code, text = rt.error_text(rt.send(cb, M_ERROR))
+            raise AcceleratorError.from_call(_LIBRARY, "MTLCommandBuffer", code,
+                                             _CB_ERRORS.get(code, "MTLCommandBufferError"), text)
+
+    def _sync_streams(self, streams: List[_Stream]) -> None:
+        rt = self._rt
+        with self._lock, rt.pool():
+            waits = []
+            for st in streams:
+                self._commit(st)
+                waits.append((st, list(st.inflight)))
+                for cb in st.inflight:
+                    rt.retain(cb)
+        error = None
+        for st, cbs in waits:
+            for cb in cbs:
+                rt.send(cb, M_WAIT)   # outside the lock: other threads keep encoding
+                try:
+                    self._check_cb(cb)
+                except AcceleratorError as exc:
+                    error = error or exc
+        with self._lock:
+            for st, cbs in waits:
+                done = set(rt.address(cb) for cb in cbs)
+                remaining = []
+                for cb in st.inflight:
+                    if rt.address(cb) in done:
+                        rt.release(cb)
+                    else:
+                        remaining.append(cb)
+                st.inflight = remaining
+                for cb in cbs:
+                    rt.release(cb)
+        if error is not None:
+            raise error
+
+    def stream_create(self, priority: int = 0) -> int:
+        rt = self._runtime()
+        with self._lock:
+            h = self._handle()
+            self._streams[h] = _Stream(h, self._new(self._device, M_NEW_QUEUE, "newCommandQueue"))
+        return h
+
+    def stream_destroy(self, stream: int) -> None:
+        """Commit what is queued and drop the queue; committed work still completes (as CUDA)."""
+        rt = self._runtime()
+        if stream == 0:
+            raise ValueError("mps: the default stream (0) cannot be destroyed")
+        with self._lock:
+            st = self._stream(stream)
+            self._commit(st)
+            del self._streams[stream]
+            for cb in st.inflight:
+                rt.release(cb)
+            rt.release(st.queue)
+
+    def default_stream(self, index: int) -> int:
+        self._check_index(index)
+        return 0
+
+    def stream_synchronize(self, stream: int) -> None:
+        self._runtime()
+        with self._lock:
+            st = self._stream(stream)
+        self._sync_streams([st])
+
+    def stream_query(self, stream: int) -> bool:
+        rt = self._runtime()
+        with self._lock:
+            st = self._stream(stream)
+            self._commit(st)
+            pending = []
+            for cb in st.inflight:
+                status = int(rt.send(cb, M_STATUS))
+                if status in (_CB_COMPLETED, _CB_ERROR):
+                    rt.release(cb)
+                else:
+                    pending.append(cb)
+            st.inflight = pending
+            return not pending
+
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        rt = self._runtime()
+        with self._lock, rt.pool():
+            st = self._stream(stream)
+            ev = self._event(event)
+            if ev.value == 0:
+                return  # never recorded: nothing to wait for (as cudaStreamWaitEvent)
+            rt.send(self._open_cb(st), M_WAIT_EVENT, ev.shared, ev.value)
+            self._encoded(st)
+
+    # -- events -----------------------------------------------------------------------
+    def _event(self, handle: int) -> _Event:
+        ev = self._events.get(handle)
+        if ev is None:
+            raise _bad("event", handle, "use a handle from event_create that was not destroyed")
+        return ev
+
+    def event_create(self, enable_timing: bool = False, blocking: bool = False) -> int:
+        rt = self._runtime()
+        with self._lock:
+            h = self._handle()
+            self._events[h] = _Event(h, self._new(self._device, M_NEW_SHARED_EVENT, "newSharedEvent"),
+                                     bool(enable_timing))
+        return h
+
+    def event_destroy(self, event: int) -> None:
+        rt = self._runtime()
+        with self._lock:
+            ev = self._event(event)
+            del self._events[event]
+            rt.release(ev.cb)
+            rt.release(ev.shared)
+
+    def event_record(self, event: int, stream: int) -> None:
+        rt = self._runtime()
+        with self._lock, rt.pool():
+            ev = self._event(event)
+            st = self._stream(stream)
+            cb = self._open_cb(st)
+            if ev.timing:
+                # Give the command buffer GPU work of its own so it carries timestamps.
+                self._encode_fill(cb, self._scratch, 0, 4, 0)
+            ev.value += 1
+            rt.send(cb, M_SIGNAL_EVENT, ev.shared, ev.value)
+            self._commit(st)
+            rt.release(ev.cb)
+            ev.cb = rt.retain(cb)
+
+    def event_synchronize(self, event: int) -> None:
+        rt = self._runtime()
+        with self._lock:
+            cb = rt.retain(self._event(event).cb)
+        if cb is None or cb == rt.nil:
+            return
+        try:
+            rt.send(cb, M_WAIT)
+            self._check_cb(cb)
+        finally:
+            rt.release(cb)
+
+    def event_query(self, event: int) -> bool:
+        rt = self._runtime()
+        with self._lock:
+            ev = self._event(event)
+            return ev.value == 0 or int(rt.send(ev.shared, M_SIGNALED_VALUE)) >= ev.value
+
+    def event_elapsed_ms(self, start: int, end: int) -> float:
+        """Milliseconds between the GPUEndTime of the command buffers ending at each record."""
+        rt = self._runtime()
+        with self._lock:
+            a, b = self._event(start), self._event(end)
+            for ev in (a, b):
+                if not ev.timing:
+                    raise _InvalidHandle(f"mps: event {ev.handle} was created without enable_timing; "
+                                         f"create both events with enable_timing=True")
+                if ev.cb is None:
+                    raise _InvalidHandle(f"mps: event {ev.handle} has not been recorded")
+            for ev in (a, b):
+                if int(rt.send(ev.cb, M_STATUS)) != _CB_COMPLETED:
+                    raise AcceleratorError(
+                        f"mps: event {ev.handle} has not completed; synchronize it before elapsed_time",
+                        library=_LIBRARY, call="GPUEndTime", code=600, code_name="NotReady")
+            t0 = float(rt.send(a.cb, M_GPU_END))
+            t1 = float(rt.send(b.cb, M_GPU_END))
+        return (t1 - t0) * 1000.0
+
+    # -- copies -------------------------------------------------------------------------
+    def _encode_copy(self, cb: Any, src: _Buffer, soff: int, dst: _Buffer, doff: int, n: int) -> None:
+        rt = self._rt
+        enc = rt.send(cb, M_BLIT_ENCODER)
+        rt.send(enc, M_COPY, src.obj, soff, dst.obj, doff, n)
+        rt.send(enc, M_END_ENCODING)
+
+    def _encode_fill(self, cb: Any, dst: _Buffer, off: int, n: int, value: int) -> None:
+        rt = self._rt
+        enc = rt.send(cb, M_BLIT_ENCODER)
+        rng = rt.ffi.new("NSRange *", (off, n))[0]
+        rt.send(enc, M_FILL, dst.obj, rng, value & 0xFF)
+        rt.send(enc, M_END_ENCODING)
+
+    def _host(self, ptr: int) -> Any:
+        return self._rt.ffi.cast("void *", ptr)
+
+    def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        rt = self._runtime()
+        if not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"nbytes must be a non-negative int, got {nbytes!r}")
+        if nbytes == 0:
+            return
+        d = self._resolve(dst, nbytes)
+        s = self._resolve(src, nbytes)
+        with self._lock, rt.pool():
+            st = self._stream(stream)
+            if d is not None and nbytes % 4 == 0 and d[1] % 4 == 0:
+                if s is not None and s[1] % 4 == 0:
+                    self._encode_copy(self._open_cb(st), s[0], s[1], d[0], d[1], nbytes)
+                    self._encoded(st)
+                    return
+                if s is None:
+                    # Pageable source: copied now into a staging buffer, blitted in order.
+                    staging = rt.send(self._device, M_NEW_BUFFER_BYTES, self._host(src), nbytes,
+                                      _STORAGE_SHARED)
+                    if staging == rt.nil:
+                        raise OutOfMemoryError(f"mps: no memory for a {nbytes}-byte staging buffer",
+                                               library=_LIBRARY, call=M_NEW_BUFFER_BYTES.selector)
+                    stage = _Buffer(staging, 0, nbytes, True)
+                    try:
+                        self._encode_copy(self._open_cb(st), stage, 0, d[0], d[1], nbytes)
+                    finally:
+                        rt.release(staging)  # the command buffer holds it until done
+                    self._encoded(st)
+                    return
+        # Pageable destination or unaligned range: order on the host, copy through unified memory.
+        self.stream_synchronize(stream)
+        rt.ffi.memmove(self._host(dst), self._host(src), nbytes)
+
+    def memset_async(self, ptr: int, value: int, nbytes: int, stream: int) -> None:
+        rt = self._runtime()
+        if not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"nbytes must be a non-negative int, got {nbytes!r}")
+        if nbytes == 0:
+            return
+        d = self._resolve(ptr, nbytes)
+        if d is None:
+            raise _bad("pointer", ptr, "memset needs memory from mem_alloc or host_alloc")
+        if nbytes % 4 == 0 and d[1] % 4 == 0:
+            with self._lock, rt.pool():
+                st = self._stream(stream)
+                self._encode_fill(self._open_cb(st), d[0], d[1], nbytes, value)
+                self._encoded(st)
+            return
+        self.stream_synchronize(stream)
+        rt.ffi.buffer(self._host(ptr), nbytes)[:] = bytes([value & 0xFF]) * nbytes
+
+    # -- graphs: Metal has no stream capture -----------------------------------------
+    def capture_begin(self, stream: int, mode: str) -> None:
+        raise NotImplementedError(_GRAPHS_UNSUPPORTED)
+
+    def capture_end(self, stream: int) -> int:
+        raise NotImplementedError(_GRAPHS_UNSUPPORTED)
+
+    def graph_instantiate(self, graph: int) -> int:
+        raise NotImplementedError(_GRAPHS_UNSUPPORTED)
+
+    def graph_launch(self, graph_exec: int, stream: int) -> None:
+        raise NotImplementedError(_GRAPHS_UNSUPPORTED)
+
+    def graph_destroy(self, graph: int) -> None:
+        raise NotImplementedError(_GRAPHS_UNSUPPORTED)
+
+    def graph_exec_destroy(self, graph_exec: int) -> None:
+        raise NotImplementedError(_GRAPHS_UNSUPPORTED)
+
+    def graph_debug_dot(self, graph: int, path: str) -> None:
+        raise NotImplementedError(_GRAPHS_UNSUPPORTED)
+
+    # -- kernels (Metal Shading Language, compiled at run time) -----------------------
+    def module_load(self, source: bytes) -> int:
+        rt = self._runtime()
+        if isinstance(source, str):
+            source = source.encode()
+        if not isinstance(source, (bytes, bytearray)) or b"\0" in source:
+            raise TypeError("module_load takes MSL source text (bytes without NUL)")
+        with self._lock, rt.pool():
+            options = self._new(rt.cls("MTLCompileOptions"), M_NEW_OPTIONS, "[MTLCompileOptions new]")
+            try:
+                # IEEE float semantics: the RNG transforms must match the host bit for bit.
+                rt.send(options, M_SET_FAST_MATH, 0)
+                err = rt.ffi.new("void **")
+                lib = rt.send(self._device, M_NEW_LIBRARY, rt.ns_string(bytes(source).decode()),
+                              options, err)
+            finally:
+                rt.release(options)
+            if lib == rt.nil:
+                code, text = rt.error_text(err[0])
+                raise AcceleratorError.from_call(_LIBRARY, M_NEW_LIBRARY.selector, code,
+                                                 "MTLLibraryErrorCompileFailure", text)
+            h = self._handle()
+            self._modules[h] = (lib, [])
+        return h
+
+    def module_unload(self, module: int) -> None:
+        rt = self._runtime()
+        with self._lock:
+            entry = self._modules.pop(module, None)
+            if entry is None:
+                raise _bad("module", module, "use a handle from module_load that was not unloaded")
+            lib, functions = entry
+            for fn in functions:
+                pipeline, function, _, _ = self._functions.pop(fn)
+                rt.release(pipeline)
+                rt.release(function)
+            rt.release(lib)
+
+    def module_function(self, module: int, name: str) -> int:
+        rt = self._runtime()
+        with self._lock, rt.pool():
+            entry = self._modules.get(module)
+            if entry is None:
+                raise _bad("module", module, "use a handle from module_load that was not unloaded")
+            lib, functions = entry
+            function = rt.send(lib, M_NEW_FUNCTION, rt.ns_string(name))
+            if function == rt.nil:
+                raise _InvalidHandle(f"mps: the Metal library has no kernel named {name!r}")
+            err = rt.ffi.new("void **")
+            pipeline = rt.send(self._device, M_NEW_PIPELINE, function, err)
+            if pipeline == rt.nil:
+                code, text = rt.error_text(err[0])
+                rt.release(function)
+                raise AcceleratorError.from_call(_LIBRARY, M_NEW_PIPELINE.selector, code,
+                                                 "MTLComputePipelineError", text)
+            h = self._handle()
+            self._functions[h] = (pipeline, function, module,
+                                  int(rt.send(pipeline, M_MAX_THREADS)))
+            functions.append(h)
+        return h
+
+    def launch(self, function: int, grid: Tuple[int, int, int], block: Tuple[int, int, int],
+               args: KernelArgs, shared_mem: int, stream: int) -> None:
+        rt = self._runtime()
+        grid, block = tuple(grid), tuple(block)
+        if len(grid) != 3 or len(block) != 3 or min(grid + block) < 1:
+            raise ValueError(f"grid and block must be 3 positive ints, got {grid}, {block}")
+        if len(args) > _MAX_BUFFER_INDEX:
+            raise ValueError(f"Metal binds at most {_MAX_BUFFER_INDEX} kernel arguments, got {len(args)}")
+        ffi = rt.ffi
+        with self._lock, rt.pool():
+            entry = self._functions.get(function)
+            if entry is None:
+                raise _bad("kernel", function, "use a handle from module_function")
+            pipeline, _, _, max_threads = entry
+            threads = block[0] * block[1] * block[2]
+            if threads > max_threads:
+                raise ValueError(f"block {block} has {threads} threads; this Metal pipeline allows "
+                                 f"{max_threads} per threadgroup")
+            st = self._stream(stream)
+            bindings = []
+            for i, (kind, value) in enumerate(args):
+                if kind == "ptr":
+                    if value == 0:
+                        bindings.append((M_SET_BUFFER, rt.nil, 0, i))
+                        continue
+                    r = self._resolve(value, 0)
+                    if r is None:
+                        raise _bad("pointer", value,
+                                   f"kernel argument {i} must point into mem_alloc/host_alloc memory")
+                    bindings.append((M_SET_BUFFER, r[0].obj, r[1], i))
+                elif kind in _SCALAR_CTYPES:
+                    ctype = _SCALAR_CTYPES[kind]
+                    bindings.append((M_SET_BYTES, ffi.new(ctype + " *", value), ffi.sizeof(ctype), i))
+                elif kind == "f64":
+                    raise ValueError(f"kernel argument {i}: Metal has no 64-bit float; pass f32")
+                else:
+                    raise ValueError(f"kernel argument {i}: unknown type {kind!r}")
+            enc = rt.send(self._open_cb(st), M_COMPUTE_ENCODER)
+            rt.send(enc, M_SET_PIPELINE, pipeline)
+            for msg, a, b, i in bindings:
+                rt.send(enc, msg, a, b, i)
+            if shared_mem:
+                rt.send(enc, M_SET_THREADGROUP_MEMORY, (shared_mem + 15) // 16 * 16, 0)
+            rt.send(enc, M_DISPATCH, ffi.new("MTLSize *", grid)[0], ffi.new("MTLSize *", block)[0])
+            rt.send(enc, M_END_ENCODING)
+            self._encoded(st)
+
+
+def create() -> MPSBackend:
+    """The factory accel.backends calls; constructing opens nothing."""
+    return MPSBackend()
