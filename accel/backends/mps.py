@@ -160,6 +160,7 @@ class _Libraries:
         self.objc_ffi = self.objc_lib = self.metal_lib = None
         self.paths: Dict[str, str] = {}
         self.reason: Optional[str] = None
+        self.load_error: Optional[str] = None
         self.simulated = _simulated()
         try:
             if self.simulated:
@@ -173,8 +174,10 @@ class _Libraries:
             self.paths = {"objc": objc_path, "metal": metal_path}
         except OSError as exc:  # LibraryNotFound: not macOS, or no Metal framework
             self.objc_ffi = self.objc_lib = self.metal_lib = None
-            self.reason = (f"libobjc/Metal not found ({exc}); the mps backend needs macOS "
-                           f"with Metal (Apple silicon or a Metal-capable Mac)")
+            which = getattr(exc, "name", None) or "objc"
+            self.reason = (f"libobjc/Metal not found (the {which} library did not load; load_error "
+                           f"lists the paths tried): the mps backend needs macOS with Metal")
+            self.load_error = str(exc)
 
     @property
     def ok(self) -> bool:
@@ -265,12 +268,14 @@ class MPSBackend(Backend):
             out = {"backend": self.name, "simulated": libs.simulated, "libraries": dict(libs.paths),
                    "count": self.count(),
                    "count_method": ("simulator configuration" if libs.simulated else
-                                    "libobjc and Metal.framework load (the device is created at init)"),
-                   "graphs": _GRAPHS_UNSUPPORTED, "initialized": self._device is not None}
+                                    "libobjc and Metal.framework load (the device is created at init)")}
             if libs.reason:
                 out["reason"] = libs.reason
+                out["load_error"] = libs.load_error
             elif out["count"] == 0:
-                out["reason"] = "the Metal simulator is configured with 0 devices"
+                out["reason"] = "the Metal simulator is configured with 0 devices (ACCEL_SIM_DEVICES=0)"
+            out["initialized"] = self._device is not None
+            out["graphs"] = "not supported (Metal has no stream capture)"
             return out
         except Exception as exc:  # report() never raises
             return {"backend": self.name, "count": 0, "reason": f"mps report failed: {exc!r}"}
