@@ -1,0 +1,262 @@
+"""``accel.random``: Philox4x32-10 generators per device and random fills of device buffers.
+
+Semantics of ``torch.accelerator``/``torch.cuda`` random functions: every device
+has a default :class:`Generator` with state ``(seed, offset)``;
+``get_rng_state`` returns it as 16 bytes (uint8: seed uint64, offset int64,
+little-endian, as torch's CUDA generator); ``manual_seed`` seeds the current
+device, ``manual_seed_all`` every device, and both reset the offset to 0.
+
+Generators are plain Python objects, so seeding and state queries never
+initialize a runtime (``fork`` stays safe).  Seeding before initialization is
+applied at once, to device 0's generator for the current-device calls (the
+device CUDA makes current at initialization), which is where torch's queued
+``_lazy_call`` seeding lands; queries then see it without initializing.
+Without any device the seeding calls do nothing, as ``torch.cuda.manual_seed``.
+
+Fills (``uniform_``, ``normal_``, ``randint_``, ``random_raw_``) write a whole
+:class:`accel.Buffer` on the current stream.  Number layout: element ``i``
+comes from the words of ``curand_init(seed, 0, offset)`` in cuRAND order,
+by the per-distribution rules in :mod:`accel.random._transforms`; host and
+device give bit-identical results; each fill advances the offset by its words
+rounded up to a multiple of 4.  While a graph is captured the default
+generator runs in graph-safe mode (see :mod:`accel.random.generator`).
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from typing import Dict, List
+
+from .. import _lazy
+from .generator import DEFAULT_SEED, Generator, PhiloxArgs, check_seed
+
+__all__ = [
+    "Generator", "PhiloxArgs", "DEFAULT_SEED", "default_generator", "initial_seed", "get_rng_state",
+    "set_rng_state", "get_rng_state_all", "set_rng_state_all", "manual_seed", "manual_seed_all",
+    "seed", "seed_all", "uniform_", "normal_", "randint_", "random_raw_", "register_kernel_source",
+]
+
+_lock = threading.Lock()
+_generators: Dict[int, Generator] = {}
+
+
+def _reset() -> None:
+    with _lock:
+        _generators.clear()
+
+
+_lazy.register_reset_hook(_reset)
+
+
+# -- devices, without initializing ----------------------------------------------------
+def _current_index() -> int:
+    # Before initialization every thread's current device is 0 (changing it initializes).
+    return _lazy.lazy_init().get_device() if _lazy.is_initialized() else 0
+
+
+def _device_count() -> int:
+    from .. import backends
+    chosen = backends.select()
+    return chosen.count() if chosen is not None else 0
+
+
+def _resolve(device) -> int:
+    """Index for a ``device`` argument (None: current device); never initializes."""
+    from .. import _device as D
+    if device is None:
+        index = _current_index()
+    else:
+        if isinstance(device, str):
+            device = D.device(device)
+        if isinstance(device, D.device) and device.index is None:
+            D.device_index(D.device(device.type, 0))   # checks the type against the accelerator
+            index = _current_index()
+        else:
+            index = D.device_index(device)
+    D.check_range(index)
+    return index
+
+
+def default_generator(device_index: int) -> Generator:
+    """The default generator of device ``device_index`` (created on first use; no runtime init)."""
+    gen = _generators.get(device_index)
+    if gen is not None:
+        return gen
+    if isinstance(device_index, bool) or not isinstance(device_index, int):
+        raise TypeError(f"default_generator() takes an int device index, got {device_index!r}")
+    from .._device import check_range
+    check_range(device_index)
+    with _lock:
+        gen = _generators.get(device_index)
+        if gen is None:
+            gen = _generators[device_index] = Generator(device_index)
+    return gen
+
+
+# -- torch.accelerator / torch.cuda random API -------------------------------------------
+def initial_seed(device=None, /) -> int:
+    """The seed of ``device``'s default generator (current device when None)."""
+    return default_generator(_resolve(device)).initial_seed()
+
+
+def get_rng_state(device=None, /):
+    """``device``'s generator state: numpy uint8 array of 16 bytes (seed, offset; little-endian)."""
+    return default_generator(_resolve(device)).get_state()
+
+
+def set_rng_state(new_state, device=None, /) -> None:
+    """Restore ``device``'s generator from :func:`get_rng_state` output (16 bytes) or an
+    8-byte seed (offset 0).  Errors leave the state unchanged."""
+    default_generator(_resolve(device)).set_state(new_state)
+
+
+def get_rng_state_all() -> List:
+    """States of all devices' generators, in device order."""
+    return [default_generator(i).get_state() for i in range(_device_count())]
+
+
+def set_rng_state_all(new_states) -> None:
+    """Restore every device's generator from :func:`get_rng_state_all` output.  All
+    states are checked first: on any error no generator changes."""
+    states = list(new_states)
+    count = _device_count()
+    if len(states) > count:
+        raise ValueError(f"set_rng_state_all got {len(states)} states but only {count} device(s) exist")
+    parsed = [Generator.parse_state(s) for s in states]
+    gens = [default_generator(i) for i in range(len(parsed))]
+    for gen, (seed_value, offset) in zip(gens, parsed):
+        gen.set_state(_state_of(seed_value, offset))
+
+
+def _state_of(seed_value: int, offset: int) -> bytes:
+    import struct
+    return struct.pack("<Qq", seed_value, offset)
+
+
+def manual_seed(seed, /) -> None:
+    """Seed the current device's generator (offset reset to 0).  ``seed`` is an integer in
+    [-2**63, 2**64); negatives are taken mod 2**64.  No-op without a device; never initializes."""
+    value = check_seed(seed)
+    if _device_count() == 0:
+        return
+    default_generator(_current_index()).manual_seed(value)
+
+
+def manual_seed_all(seed, /) -> None:
+    """Seed every device's generator (offset reset to 0).  Never initializes the runtime."""
+    value = check_seed(seed)
+    for i in range(_device_count()):
+        default_generator(i).manual_seed(value)
+
+
+def seed() -> int:
+    """Seed the current device's generator non-deterministically; returns the seed (0 without a device)."""
+    if _device_count() == 0:
+        return 0
+    return default_generator(_current_index()).seed()
+
+
+def seed_all() -> int:
+    """Seed every device's generator with one non-deterministic seed; returns it."""
+    value = secrets.randbits(53)
+    manual_seed_all(value)
+    return value
+
+
+# -- fills -----------------------------------------------------------------------------
+def _target(buf, generator, what: str):
+    from ..buffer import Buffer
+    if not isinstance(buf, Buffer):
+        raise TypeError(f"{what} fills an accel.Buffer, got {type(buf).__name__}")
+    if generator is None:
+        return default_generator(buf.device_index)
+    if not isinstance(generator, Generator):
+        raise TypeError(f"generator must be an accel.random.Generator or None, got {type(generator).__name__}")
+    if generator.device_index != buf.device_index:
+        raise ValueError(f"generator is for device {generator.device_index} but the buffer is on device "
+                         f"{buf.device_index}")
+    return generator
+
+
+def _run(buf, plan, generator):
+    from . import _device
+    _device.fill(buf, plan, generator)
+    return buf
+
+
+def uniform_(buf, dtype="float32", low: float = 0.0, high: float = 1.0, generator: Generator = None):
+    """Fill ``buf`` with uniform values in [low, high) of ``dtype`` (float32 or float64); returns ``buf``."""
+    from . import _fills
+    gen = _target(buf, generator, "uniform_")
+    return _run(buf, _fills.plan_uniform(buf.nbytes, dtype, low, high), gen)
+
+
+def normal_(buf, mean: float = 0.0, std: float = 1.0, dtype="float32", generator: Generator = None):
+    """Fill ``buf`` with normal values (Box–Muller) of ``dtype`` (float32 or float64); returns ``buf``."""
+    from . import _fills
+    gen = _target(buf, generator, "normal_")
+    return _run(buf, _fills.plan_normal(buf.nbytes, dtype, mean, std), gen)
+
+
+def randint_(buf, low: int, high: int, dtype="int64", generator: Generator = None):
+    """Fill ``buf`` with integers in [low, high) of ``dtype`` (int64 or int32); returns ``buf``."""
+    from . import _fills
+    gen = _target(buf, generator, "randint_")
+    return _run(buf, _fills.plan_randint(buf.nbytes, dtype, low, high), gen)
+
+
+def random_raw_(buf, generator: Generator = None):
+    """Fill ``buf`` with raw 32-bit Philox words (uint32); returns ``buf``."""
+    from . import _fills
+    gen = _target(buf, generator, "random_raw_")
+    return _run(buf, _fills.plan_raw(buf.nbytes), gen)
+
+
+def register_kernel_source(language: str, loader) -> None:
+    """Supply the Philox kernels for backends with ``kernel_language == language``
+    (``loader() -> bytes``; same kernel names and arguments as the PTX)."""
+    from . import _device
+    _device.register_kernel_source(language, loader)
+
+
+# -- graph capture hooks (called by accel.graphs) ----------------------------------------
+class _GraphRNG:
+    """The default generator of a capturing graph's device and the words one replay consumes."""
+
+    __slots__ = ("generator", "increment")
+
+    def __init__(self, generator: Generator):
+        self.generator = generator
+        self.increment = None
+
+
+def _graph_capture_begin(device_index: int) -> _GraphRNG:
+    gen = default_generator(device_index)
+    token = _GraphRNG(gen)
+    gen.register_graph(token)
+    try:
+        gen.capture_prologue()
+    except BaseException:
+        gen.unregister_graph(token)
+        raise
+    return token
+
+
+def _graph_capture_end(token: _GraphRNG) -> None:
+    token.increment = token.generator.capture_epilogue()
+
+
+def _graph_capture_abort(token: _GraphRNG) -> None:
+    gen = token.generator
+    if gen.capturing:
+        gen.capture_epilogue()
+    gen.unregister_graph(token)
+
+
+def _graph_replay(token: _GraphRNG) -> None:
+    if not token.increment:
+        return  # the graph draws no random numbers: nothing reads the device-side state
+    from ..streams import current_stream
+    gen = token.generator
+    gen.replay_prologue(token.increment, stream=current_stream(gen.device_index).handle)

@@ -1,0 +1,146 @@
+"""Running fills on a device: the kernel path, or the host path plus a copy.
+
+The backend's ``kernel_language`` picks a kernel source from
+:data:`_SOURCES` (``"ptx"``: the shipped ``kernels/philox.ptx``).  Another
+backend adds its own with :func:`register_kernel_source`: the source must
+define the kernels named in ``_fills.KERNEL_NAMES`` with the argument lists
+of ``tools/philox_kernel.cu`` and the same number layout.  Without a kernel
+source the numbers are computed on the host (bit-identical by construction)
+and copied through pinned staging memory on the current stream.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Callable, Dict, Optional, Tuple
+
+from .. import _lazy
+from .._errors import AcceleratorError, CaptureError
+from . import _fills
+
+_BLOCK = 256
+_MAX_BLOCKS = 1024   # grid-stride loops cover the rest; ~ resident blocks of a large GPU
+
+
+def _ptx_source() -> bytes:
+    from importlib import resources
+    return resources.files(__package__).joinpath("kernels").joinpath("philox.ptx").read_bytes()
+
+
+#: kernel language -> function returning the source text (bytes)
+_SOURCES: Dict[str, Callable[[], bytes]] = {"ptx": _ptx_source}
+
+_lock = threading.Lock()
+_functions: Dict[Tuple[int, int], Optional[Dict[str, int]]] = {}
+
+
+def register_kernel_source(language: str, loader: Callable[[], bytes]) -> None:
+    """Use ``loader()`` as the Philox kernel source for backends whose
+    ``kernel_language`` is ``language`` (e.g. ``"msl"``)."""
+    with _lock:
+        _SOURCES[language] = loader
+        _functions.clear()
+
+
+def _reset() -> None:
+    with _lock:
+        _functions.clear()
+
+
+_lazy.register_reset_hook(_reset)
+
+
+def kernel_functions(backend, index: int) -> Optional[Dict[str, int]]:
+    """Kernel handles by name on device ``index``, or None when the backend has no kernel path."""
+    key = (id(backend), index)
+    try:
+        return _functions[key]
+    except KeyError:
+        pass
+    with _lock:
+        if key in _functions:
+            return _functions[key]
+        loader = _SOURCES.get(backend.kernel_language or "")
+        fns = None
+        if loader is not None:
+            from ..streams import on_device
+            try:
+                with on_device(backend, index):
+                    module = backend.module_load(loader())
+                    fns = {name: backend.module_function(module, name) for name in _fills.KERNEL_NAMES}
+            except AcceleratorError as exc:
+                warnings.warn(f"accel.random: could not load the Philox {backend.kernel_language} kernels "
+                              f"on {backend.name}:{index} ({exc}); using the host path (same numbers, "
+                              f"slower, not capturable)", RuntimeWarning, stacklevel=3)
+                fns = None
+        _functions[key] = fns
+        return fns
+
+
+def _grid(counters: int) -> Tuple[int, int, int]:
+    return (max(1, min(-(-counters // _BLOCK), _MAX_BLOCKS)), 1, 1)
+
+
+def fill(buf, plan: "_fills.Plan", generator) -> None:
+    """Fill ``buf`` as ``plan`` says, drawing from ``generator`` on the current stream."""
+    from ..streams import current_stream
+    backend = _lazy.lazy_init()
+    index = buf.device_index
+    stream = current_stream(index)
+    if plan.n == 0:
+        return
+    fns = kernel_functions(backend, index)
+    capturing = backend.supports_graphs and backend.stream_is_capturing(stream.handle)
+    if capturing and fns is None:
+        raise CaptureError(
+            f"random fills cannot be captured on {backend.name}: it has no Philox kernel, and the host "
+            "path would bake one set of numbers into the graph")
+    ptr = buf.ptr
+    try:
+        args = generator.philox_args(plan.words, graph=capturing)
+    except RuntimeError as exc:
+        raise CaptureError(str(exc)) from None
+    if fns is not None:
+        kernel_args = [("ptr", ptr), ("u64", plan.n), ("u64", args.seed), ("u64", args.offset),
+                       ("ptr", args.seed_ptr), ("ptr", args.offset_ptr)] + plan.kernel_args
+        backend.launch(fns[plan.kernel], _grid(plan.counters), (_BLOCK, 1, 1), kernel_args, 0,
+                       stream.handle)
+    else:
+        values = plan.host(args.seed, args.offset)
+        _copy_to_device(backend, ptr, values, stream.handle)
+    if stream != buf.stream:
+        buf.record_stream(stream)
+
+
+def _copy_to_device(backend, dst: int, values, stream: int) -> None:
+    """Queue a copy of the numpy array ``values`` to ``dst`` on ``stream`` via pinned staging."""
+    from .. import memory
+    from .._hostmem import copy_into
+    view = memoryview(values).cast("B")
+    host = memory.host_allocator()
+    staging = host.malloc(view.nbytes)
+    try:
+        copy_into(staging, view)
+        backend.memcpy_async(dst, staging, view.nbytes, stream)
+        host.record_stream(staging, stream)
+    finally:
+        host.free(staging)
+
+
+def write_state(device_index: int, seed_ptr: int, offset_ptr: int, seed: int, offset: int,
+                stream: int) -> None:
+    """Queue writes of ``seed`` and ``offset`` (uint64 each) to device memory on ``stream``
+    (graph replay: the captured kernels read them)."""
+    backend = _lazy.lazy_init()
+    fns = kernel_functions(backend, device_index)
+    if fns is not None:
+        backend.launch(fns[_fills.STORE_STATE], (1, 1, 1), (1, 1, 1),
+                       [("ptr", seed_ptr), ("ptr", offset_ptr), ("u64", seed), ("u64", offset)], 0, stream)
+        return
+    import numpy as np
+    if offset_ptr == seed_ptr + 8:
+        _copy_to_device(backend, seed_ptr, np.array([seed, offset], dtype=np.uint64), stream)
+    else:
+        _copy_to_device(backend, seed_ptr, np.array([seed], dtype=np.uint64), stream)
+        _copy_to_device(backend, offset_ptr, np.array([offset], dtype=np.uint64), stream)

@@ -1,0 +1,310 @@
+"""``Generator``: the Philox state of one device, as torch's ``CUDAGeneratorImpl``.
+
+State is ``(seed, offset)``: a 64-bit seed and an offset counted in 32-bit
+Philox words (always a multiple of 4).  A fill reserves its words with
+:meth:`Generator.philox_args`, which returns the current offset and advances it
+by the words rounded up to a multiple of 4, so every fill draws fresh numbers.
+
+The serialized state (:meth:`get_state`) is 16 bytes: seed (uint64) then offset
+(int64), little-endian, the layout of torch's CUDA generator state.
+
+Graph-safe mode (``CUDAGeneratorImpl`` register_graph / capture_prologue /
+capture_epilogue / replay_prologue): while a graph is captured, fills do not
+bake the seed and offset into the captured kernels.  They pass pointers to a
+16-byte device buffer holding ``seed`` (at +0) and ``offset`` (at +8), and an
+*intragraph* offset that starts at 0 for the capture; the kernel uses
+``*seed_ptr`` and ``*offset_ptr + intragraph``.  Each replay first writes the
+generator's current seed and offset into that buffer (:meth:`replay_prologue`)
+and advances the offset by the whole graph's increment, so replays draw fresh
+numbers and the offsets advance exactly as if the work had run eagerly.
+
+No method needs the runtime except :meth:`register_graph` (allocates the
+buffer) and :meth:`replay_prologue` (writes it).  Generators are plain Python
+objects: seeding or querying them never initializes a device.
+"""
+
+from __future__ import annotations
+
+import operator
+import secrets
+import struct
+import threading
+from typing import Callable, NamedTuple, Optional
+
+__all__ = ["Generator", "PhiloxArgs", "DEFAULT_SEED", "check_seed"]
+
+#: torch's default_rng_seed_val: what initial_seed() reports before any seeding.
+DEFAULT_SEED = 67280421310721
+_U64 = 1 << 64
+_I64_MAX = (1 << 63) - 1
+
+
+class PhiloxArgs(NamedTuple):
+    """What a fill passes its kernel (torch's ``PhiloxCudaState``).
+
+    Eager: ``seed``/``offset`` are the values, the pointers 0.  Under capture:
+    ``seed_ptr``/``offset_ptr`` are device addresses the kernel reads, and
+    ``offset`` is the intragraph offset added to ``*offset_ptr``.
+    """
+
+    seed: int
+    offset: int
+    seed_ptr: int = 0
+    offset_ptr: int = 0
+
+    @property
+    def captured(self) -> bool:
+        return self.seed_ptr != 0
+
+
+def check_seed(seed) -> int:
+    """A seed as torch takes it: an integer in [-2**63, 2**64), negative values mod 2**64."""
+    if isinstance(seed, bool):
+        raise TypeError("seed must be an integer, got bool")
+    try:
+        value = operator.index(seed)
+    except TypeError:
+        raise TypeError(f"seed must be an integer, got {type(seed).__name__}") from None
+    if not -(1 << 63) <= value < _U64:
+        raise ValueError(f"seed {value} does not fit in 64 bits: expected an integer in "
+                         f"[-2**63, 2**64) (negative seeds are taken modulo 2**64)")
+    return value % _U64
+
+
+def _state_bytes(new_state) -> bytes:
+    """The bytes of a state array, or TypeError naming what is accepted."""
+    if isinstance(new_state, (bytes, bytearray)):
+        return bytes(new_state)
+    import numpy as np
+    if isinstance(new_state, memoryview):
+        new_state = np.asarray(new_state)
+    if not isinstance(new_state, np.ndarray):
+        if not hasattr(new_state, "__array__") and not hasattr(new_state, "__array_interface__"):
+            raise TypeError(f"RNG state must be a 1-D uint8 array (as returned by get_rng_state()), "
+                            f"got {type(new_state).__name__}")
+        new_state = np.asarray(new_state)
+    if new_state.dtype != np.uint8:
+        raise TypeError(f"RNG state must be a 1-D uint8 array (as returned by get_rng_state()), "
+                        f"got dtype {new_state.dtype}")
+    if new_state.ndim != 1:
+        raise TypeError(f"RNG state must be a 1-D uint8 array (as returned by get_rng_state()), "
+                        f"got {new_state.ndim}-D with shape {new_state.shape}")
+    return new_state.tobytes()
+
+
+class Generator:
+    """Philox4x32-10 state ``(seed, offset)`` for one device.
+
+    ``Generator(device_index=0, seed=None)``; the default generators of the
+    devices come from :func:`accel.random.default_generator`.  Thread-safe.
+    """
+
+    def __init__(self, device_index: int = 0, seed: Optional[int] = None):
+        if isinstance(device_index, bool) or not isinstance(device_index, int) or device_index < 0:
+            raise TypeError(f"device_index must be a non-negative int, got {device_index!r}")
+        self.device_index = device_index
+        self._lock = threading.RLock()
+        self._seed = DEFAULT_SEED if seed is None else check_seed(seed)
+        self._offset = 0
+        # graph-safe state
+        self._capturing = False
+        self._intragraph = 0
+        self._graph_ptrs = (0, 0)          # (seed_ptr, offset_ptr) the captured kernels read
+        self._owned_buffer = 0             # device buffer we allocated for _graph_ptrs
+        self._graphs = 0                   # registered graphs
+
+    def __repr__(self):
+        return f"<accel.random.Generator device={self.device_index} seed={self._seed} offset={self._offset}>"
+
+    # -- seeding -------------------------------------------------------------------
+    def _not_capturing(self, what: str) -> None:
+        if self._capturing:
+            raise RuntimeError(f"Cannot call {what} on the generator of device {self.device_index} "
+                               f"while a graph is being captured")
+
+    def manual_seed(self, seed) -> "Generator":
+        """Set the seed (an integer in [-2**63, 2**64); negatives mod 2**64) and reset the offset to 0."""
+        value = check_seed(seed)
+        with self._lock:
+            self._not_capturing("manual_seed")
+            self._seed, self._offset = value, 0
+        return self
+
+    def seed(self) -> int:
+        """Seed from a non-deterministic source (53 bits, as torch's CUDA generators); returns it."""
+        value = secrets.randbits(53)
+        with self._lock:
+            self._not_capturing("seed")
+            self._seed, self._offset = value, 0
+        return value
+
+    def initial_seed(self) -> int:
+        """The seed in use (the last one set), as an int in [0, 2**64)."""
+        return self._seed
+
+    @property
+    def offset(self) -> int:
+        """Words consumed so far (a multiple of 4)."""
+        return self._offset
+
+    def set_offset(self, offset: int) -> None:
+        """Set the offset (a non-negative multiple of 4 below 2**63)."""
+        offset = operator.index(offset)
+        if offset % 4:
+            raise RuntimeError("offset must be a multiple of 4")
+        if not 0 <= offset <= _I64_MAX:
+            raise RuntimeError(f"offset must be in [0, 2**63), got {offset}")
+        with self._lock:
+            self._not_capturing("set_offset")
+            self._offset = offset
+
+    # -- state ---------------------------------------------------------------------
+    def get_state(self):
+        """16 bytes (numpy uint8): seed uint64, then offset int64, little-endian."""
+        import numpy as np
+        with self._lock:
+            raw = struct.pack("<Qq", self._seed, self._offset)
+        return np.frombuffer(raw, dtype=np.uint8).copy()
+
+    def set_state(self, new_state) -> None:
+        """Restore a state from :meth:`get_state` (16 bytes), or 8 bytes (seed; offset 0).
+
+        TypeError for anything but a 1-D uint8 array (or bytes); RuntimeError
+        "RNG state is wrong size" for other lengths and "offset must be a
+        multiple of 4" for a bad offset.  The state is unchanged on error.
+        """
+        seed, offset = self.parse_state(new_state)
+        with self._lock:
+            self._not_capturing("set_state")
+            self._seed, self._offset = seed, offset
+
+    @staticmethod
+    def parse_state(new_state):
+        """``(seed, offset)`` from a state array, with set_state's checks; changes nothing."""
+        raw = _state_bytes(new_state)
+        if len(raw) == 16:
+            seed, offset = struct.unpack("<Qq", raw)
+        elif len(raw) == 8:
+            (seed,), offset = struct.unpack("<Q", raw), 0
+        else:
+            raise RuntimeError(f"RNG state is wrong size: expected 16 bytes (seed and offset) or 8 "
+                               f"(seed only), got {len(raw)}")
+        if offset % 4:
+            raise RuntimeError(f"offset must be a multiple of 4, got {offset}")
+        if offset < 0:
+            raise RuntimeError(f"offset must be non-negative, got {offset}")
+        return seed, offset
+
+    # -- drawing -------------------------------------------------------------------
+    def reserve(self, increment: int) -> int:
+        """Reserve ``increment`` words eagerly: return the offset to use and advance
+        it by ``increment`` rounded up to a multiple of 4."""
+        return self.philox_args(increment, graph=False).offset
+
+    def philox_args(self, increment: int, graph: Optional[bool] = None) -> PhiloxArgs:
+        """Reserve ``increment`` words; the seed/offset (or device pointers) a fill uses.
+
+        ``graph``: whether the fill is being captured (its stream is capturing).
+        True takes the words from the intragraph offset (the generator must be in
+        graph-safe mode); False draws eagerly even while a capture is in progress
+        elsewhere; None follows the generator's mode.
+        """
+        if increment < 0:
+            raise ValueError(f"increment must be >= 0, got {increment}")
+        step = (increment + 3) // 4 * 4
+        with self._lock:
+            if graph is None:
+                graph = self._capturing
+            if graph:
+                if not self._capturing:
+                    raise RuntimeError(
+                        f"{self!r} is not in graph-safe mode, so a captured fill would replay the same "
+                        "numbers every time; draw from the device's default generator while capturing")
+                offset = self._intragraph
+                self._intragraph += step
+                return PhiloxArgs(0, offset, *self._graph_ptrs)
+            offset = self._offset
+            if offset + step > _I64_MAX:
+                raise RuntimeError(f"generator offset would pass 2**63 (offset {offset}, +{step}); "
+                                   "reseed the generator")
+            self._offset = offset + step
+            return PhiloxArgs(self._seed, offset)
+
+    # -- graph-safe mode (torch CUDAGeneratorImpl API) -------------------------------
+    @property
+    def capturing(self) -> bool:
+        return self._capturing
+
+    def register_graph(self, graph=None, *, alloc: Optional[Callable[[int], int]] = None) -> None:
+        """A graph will capture fills from this generator: make sure the 16-byte
+        device buffer (seed, offset) exists.  Call before capture begins (the
+        allocation is not allowed during capture).  ``alloc(nbytes) -> ptr``
+        allocates on this generator's device; default: the backend's mem_alloc."""
+        with self._lock:
+            self._graphs += 1
+            if self._owned_buffer == 0:
+                if alloc is None:
+                    alloc = self._backend_alloc
+                self._owned_buffer = alloc(16)
+
+    def unregister_graph(self, graph=None) -> None:
+        with self._lock:
+            self._graphs = max(0, self._graphs - 1)
+
+    def _backend_alloc(self, nbytes: int) -> int:
+        from .. import _lazy
+        from ..streams import on_device
+        backend = _lazy.lazy_init()
+        with on_device(backend, self.device_index):
+            return backend.mem_alloc(nbytes)
+
+    def capture_prologue(self, seed_ptr: Optional[int] = None, offset_ptr: Optional[int] = None) -> None:
+        """Enter graph-safe mode: fills read ``*seed_ptr`` and ``*offset_ptr`` (8-byte device
+        words; default: the buffer made by :meth:`register_graph`) and count an intragraph offset from 0."""
+        with self._lock:
+            if self._capturing:
+                raise RuntimeError(f"the generator of device {self.device_index} is already capturing")
+            if seed_ptr is None or offset_ptr is None:
+                if self._owned_buffer == 0:
+                    raise RuntimeError("capture_prologue() without pointers needs register_graph() first")
+                seed_ptr, offset_ptr = self._owned_buffer, self._owned_buffer + 8
+            if not seed_ptr or not offset_ptr:
+                raise ValueError("seed_ptr and offset_ptr must be non-null device addresses")
+            self._graph_ptrs = (int(seed_ptr), int(offset_ptr))
+            self._intragraph = 0
+            self._capturing = True
+
+    def capture_epilogue(self) -> int:
+        """Leave graph-safe mode; return the words the captured work consumes per replay."""
+        with self._lock:
+            if not self._capturing:
+                raise RuntimeError("capture_epilogue() without capture_prologue()")
+            self._capturing = False
+            return self._intragraph
+
+    def replay_prologue(self, wholegraph_increment: int, stream: int = 0,
+                        write: Optional[Callable[[int, int, int, int, int, int], None]] = None,
+                        seed_ptr: Optional[int] = None, offset_ptr: Optional[int] = None) -> None:
+        """Before a replay on ``stream``: write the current seed and offset to the
+        device words the graph reads, then advance the offset by ``wholegraph_increment``.
+
+        ``write(device_index, seed_ptr, offset_ptr, seed, offset, stream)`` queues
+        the write on ``stream``; the default uses the store-state kernel where the
+        backend has one, else a copy from pinned memory.
+        """
+        if seed_ptr is None or offset_ptr is None:
+            seed_ptr, offset_ptr = self._graph_ptrs
+        if not seed_ptr:
+            raise RuntimeError("replay_prologue() before any capture_prologue()")
+        if write is None:
+            from . import _device
+            write = _device.write_state
+        with self._lock:
+            self._not_capturing("replay_prologue")
+            seed, offset = self._seed, self._offset
+            step = (int(wholegraph_increment) + 3) // 4 * 4
+            if offset + step > _I64_MAX:
+                raise RuntimeError(f"generator offset would pass 2**63 (offset {offset}, +{step}); "
+                                   "reseed the generator")
+            write(self.device_index, seed_ptr, offset_ptr, seed, offset, stream)
+            self._offset = offset + step
