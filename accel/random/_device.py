@@ -1,16 +1,19 @@
 """Running fills on a device: the kernel path, or the host path plus a copy.
 
 The backend's ``kernel_language`` picks a kernel source from
-:data:`_SOURCES` (``"ptx"``: the shipped ``kernels/philox.ptx``).  Another
-backend adds its own with :func:`register_kernel_source`: the source must
-define the kernels named in ``_fills.KERNEL_NAMES`` with the argument lists
-of ``tools/philox_kernel.cu`` and the same number layout.  Without a kernel
-source the numbers are computed on the host (bit-identical by construction)
-and copied through pinned staging memory on the current stream.
+:data:`_SOURCES`: ``"ptx"`` the shipped ``kernels/philox.ptx`` (CUDA),
+``"msl"`` ``kernels/philox.metal`` (Metal).  Another language is added with
+:func:`register_kernel_source`.  A source may define any subset of the
+kernels named in ``_fills.KERNEL_NAMES``, with the argument lists of
+``tools/philox_kernel.cu`` and the same number layout; a fill whose kernel is
+missing (or any fill on a backend without a source) is computed on the host
+(bit-identical by construction) and copied through pinned staging memory on
+the current stream.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 import warnings
 from typing import Callable, Dict, Optional, Tuple
@@ -23,13 +26,16 @@ _BLOCK = 256
 _MAX_BLOCKS = 1024   # grid-stride loops cover the rest; ~ resident blocks of a large GPU
 
 
-def _ptx_source() -> bytes:
-    from importlib import resources
-    return resources.files(__package__).joinpath("kernels").joinpath("philox.ptx").read_bytes()
+def _shipped(filename: str) -> Callable[[], bytes]:
+    def load() -> bytes:
+        from importlib import resources
+        return resources.files(__package__).joinpath("kernels").joinpath(filename).read_bytes()
+    load.__name__ = f"load_{filename.replace('.', '_')}"
+    return load
 
 
 #: kernel language -> function returning the source text (bytes)
-_SOURCES: Dict[str, Callable[[], bytes]] = {"ptx": _ptx_source}
+_SOURCES: Dict[str, Callable[[], bytes]] = {"ptx": _shipped("philox.ptx"), "msl": _shipped("philox.metal")}
 
 _lock = threading.Lock()
 _functions: Dict[Tuple[int, int], Optional[Dict[str, int]]] = {}
@@ -51,8 +57,16 @@ def _reset() -> None:
 _lazy.register_reset_hook(_reset)
 
 
+def defined_kernels(source: bytes) -> Tuple[str, ...]:
+    """The names of ``_fills.KERNEL_NAMES`` that ``source`` defines (PTX ``.entry``, MSL ``kernel void``)."""
+    text = source.decode("utf-8", "replace")
+    return tuple(name for name in _fills.KERNEL_NAMES
+                 if re.search(r"(\.entry|\bkernel\s+void)\s+" + name + r"\s*\(", text))
+
+
 def kernel_functions(backend, index: int) -> Optional[Dict[str, int]]:
-    """Kernel handles by name on device ``index``, or None when the backend has no kernel path."""
+    """Kernel handles by name on device ``index`` (those the source defines), or None when
+    the backend has no kernel path."""
     key = (id(backend), index)
     try:
         return _functions[key]
@@ -66,9 +80,10 @@ def kernel_functions(backend, index: int) -> Optional[Dict[str, int]]:
         if loader is not None:
             from ..streams import on_device
             try:
+                source = loader()
                 with on_device(backend, index):
-                    module = backend.module_load(loader())
-                    fns = {name: backend.module_function(module, name) for name in _fills.KERNEL_NAMES}
+                    module = backend.module_load(source)
+                    fns = {name: backend.module_function(module, name) for name in defined_kernels(source)}
             except AcceleratorError as exc:
                 warnings.warn(f"accel.random: could not load the Philox {backend.kernel_language} kernels "
                               f"on {backend.name}:{index} ({exc}); using the host path (same numbers, "
@@ -91,21 +106,21 @@ def fill(buf, plan: "_fills.Plan", generator) -> None:
     if plan.n == 0:
         return
     fns = kernel_functions(backend, index)
+    kernel = fns.get(plan.kernel) if fns else None
     capturing = backend.supports_graphs and backend.stream_is_capturing(stream.handle)
-    if capturing and fns is None:
+    if capturing and kernel is None:
         raise CaptureError(
-            f"random fills cannot be captured on {backend.name}: it has no Philox kernel, and the host "
-            "path would bake one set of numbers into the graph")
+            f"random fills of this kind cannot be captured on {backend.name}: it has no {plan.kernel} "
+            "kernel, and the host path would bake one set of numbers into the graph")
     ptr = buf.ptr
     try:
         args = generator.philox_args(plan.words, graph=capturing)
     except RuntimeError as exc:
         raise CaptureError(str(exc)) from None
-    if fns is not None:
+    if kernel is not None:
         kernel_args = [("ptr", ptr), ("u64", plan.n), ("u64", args.seed), ("u64", args.offset),
                        ("ptr", args.seed_ptr), ("ptr", args.offset_ptr)] + plan.kernel_args
-        backend.launch(fns[plan.kernel], _grid(plan.counters), (_BLOCK, 1, 1), kernel_args, 0,
-                       stream.handle)
+        backend.launch(kernel, _grid(plan.counters), (_BLOCK, 1, 1), kernel_args, 0, stream.handle)
     else:
         values = plan.host(args.seed, args.offset)
         _copy_to_device(backend, ptr, values, stream.handle)
@@ -134,7 +149,7 @@ def write_state(device_index: int, seed_ptr: int, offset_ptr: int, seed: int, of
     (graph replay: the captured kernels read them)."""
     backend = _lazy.lazy_init()
     fns = kernel_functions(backend, device_index)
-    if fns is not None:
+    if fns and _fills.STORE_STATE in fns:
         backend.launch(fns[_fills.STORE_STATE], (1, 1, 1), (1, 1, 1),
                        [("ptr", seed_ptr), ("ptr", offset_ptr), ("u64", seed), ("u64", offset)], 0, stream)
         return

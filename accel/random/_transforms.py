@@ -73,9 +73,10 @@ def offset_increment(words: int) -> int:
 # --- uniform -------------------------------------------------------------------------------
 def uniform_f32_params(low: float, high: float) -> Tuple[float, float, float]:
     """(low, scale, high) as the float32 values both paths use."""
-    lo32 = np.float32(low)
-    hi32 = np.float32(high)
-    scale = np.float32(float(high) - float(low))
+    with np.errstate(over="ignore"):   # the caller rejects values that overflow float32
+        lo32 = np.float32(low)
+        hi32 = np.float32(high)
+        scale = np.float32(float(high) - float(low))
     return lo32, scale, hi32
 
 
