@@ -57,7 +57,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from . import _engine, _memory, core, kernels
 
-__all__ = ["MetalValidationError", "open_libraries", "device_count", "state", "reset", "DECLARED"]
+__all__ = ["MetalValidationError", "open_library", "open_libraries", "device_count", "state", "reset",
+           "DECLARED"]
 
 PAGE = 16384  # Apple silicon page: Metal rounds allocations and aligns contents to it
 
@@ -1139,6 +1140,13 @@ def open_libraries():
             _libraries = ((ffi, objc, "<accel simulated libobjc>"),
                           (ffi, SimMetalLibrary(rt), "<accel simulated Metal.framework>"))
         return _libraries
+
+
+def open_library():
+    """The simulated libobjc (``accel.sim.open_library("objc")``); the mps backend uses
+    :func:`open_libraries`, which also gives the FFI whose ``cast`` of ``objc_msgSend``
+    the simulator intercepts, and the simulated Metal."""
+    return open_libraries()[0][1]
 
 
 def state() -> _State:
