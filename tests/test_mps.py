@@ -385,6 +385,24 @@ def test_threads_share_the_backend(be):
     assert not errors, errors
 
 
+def test_selectors_and_casts_are_cached(be, monkeypatch):
+    from accel.backends import mps
+    rt = be._rt
+    registered = []
+    real = rt.lib.sel_registerName
+    monkeypatch.setattr(rt.lib, "sel_registerName", lambda name: registered.append(name) or real(name))
+    p = be.mem_alloc(64)
+    with rt.pool():
+        buf = be._resolve(p, 64)[0].obj
+        assert rt.send(buf, mps.M_LENGTH) == 64
+        assert rt.send(buf, mps.M_LENGTH) == 64
+    assert registered == [b"length"]
+    # one cast per C signature, shared by every selector with that signature
+    assert rt._sender(mps.M_COMMIT) is rt._sender(mps.M_WAIT) is rt._sender(mps.M_END_ENCODING)
+    assert rt._sender(mps.M_COMMIT) is not rt._sender(mps.M_STATUS)
+    be.mem_free(p)
+
+
 # -- the simulator catches what would break on a Mac ------------------------------------------
 
 def test_sim_rejects_a_cast_that_does_not_match_the_declaration(be):
