@@ -1,0 +1,227 @@
+"""``accel.memory``: the caching allocators and ``torch.accelerator.memory``.
+
+Other layers allocate through::
+
+    alloc = accel.memory.device_allocator(device_index)   # per device, lazily created
+    ptr = alloc.malloc(nbytes, stream)                     # stream: backend stream handle
+    alloc.record_stream(ptr, other_stream); alloc.free(ptr)
+    alloc.begin_allocate_to_pool(pool_id, stream) / end_allocate_to_pool(pool_id) / release_pool(pool_id)
+    host = accel.memory.host_allocator()                   # pinned host memory, process-wide
+
+The query functions follow ``torch.accelerator.memory``: they take
+``device_index`` (an int, a string such as ``"cuda:0"``, an ``accel.device``,
+or None for the current device) positionally, and none of them initializes
+the runtime: before initialization ``memory_stats()`` is an empty
+``OrderedDict`` and the scalar queries return 0.  ``get_memory_info``
+initializes, as torch's does.
+
+The allocator is configured with ``ACCEL_ALLOC_CONF`` (PyTorch option names;
+see :mod:`accel.memory._config`).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import Any, Dict, List, Optional, Tuple
+
+from .. import _lazy
+from ._caching import DeviceCachingAllocator
+from ._host import HostCachingAllocator
+
+__all__ = [
+    "DeviceCachingAllocator", "HostCachingAllocator", "device_allocator", "host_allocator",
+    "empty_cache", "empty_host_cache", "get_memory_info", "memory_allocated", "max_memory_allocated",
+    "memory_reserved", "max_memory_reserved", "memory_stats", "reset_accumulated_memory_stats",
+    "reset_peak_memory_stats", "memory_summary", "memory_snapshot", "record_history", "dump_snapshot",
+]
+
+_lock = threading.Lock()
+_allocators: Dict[int, DeviceCachingAllocator] = {}
+_host: Optional[HostCachingAllocator] = None
+_history: Optional[Tuple[int, bool]] = None    # (max_entries, stacks) while recording
+
+
+def _reset() -> None:
+    global _host, _history
+    with _lock:
+        _allocators.clear()
+        _host = None
+        _history = None
+
+
+_lazy.register_reset_hook(_reset)
+
+
+def device_allocator(device_index: int) -> DeviceCachingAllocator:
+    """The caching allocator of device ``device_index`` (created, and the runtime
+    initialized, on first use).  ValueError for an index that names no device."""
+    alloc = _allocators.get(device_index)
+    if alloc is not None:
+        return alloc
+    if isinstance(device_index, bool) or not isinstance(device_index, int):
+        raise TypeError(f"device_allocator() takes an int device index, got {device_index!r}")
+    be = _lazy.lazy_init()
+    count = be.count()
+    if not 0 <= device_index < count:
+        raise ValueError(f"device index {device_index} is out of range: {count} {be.name} "
+                         f"device(s) visible (valid indices 0..{count - 1})")
+    with _lock:
+        alloc = _allocators.get(device_index)
+        if alloc is None:
+            alloc = DeviceCachingAllocator(be, device_index)
+            if _history is not None:
+                alloc.record_history(True, *_history)
+            _allocators[device_index] = alloc
+    return alloc
+
+
+def host_allocator() -> HostCachingAllocator:
+    """The process-wide pinned host caching allocator."""
+    global _host
+    if _host is None:
+        with _lock:
+            if _host is None:
+                _host = HostCachingAllocator()
+    return _host
+
+
+def _index(device_index) -> int:
+    from .. import _device
+    return _device.checked_index(device_index, optional=True)
+
+
+def empty_cache() -> None:
+    """Return unused cached device memory of every device to the runtime.
+
+    No-op before initialization.  ``accel.CaptureError`` while a graph capture
+    allocates from a private pool."""
+    if not _lazy.is_initialized():
+        return
+    for alloc in list(_allocators.values()):
+        alloc.empty_cache()
+
+
+def empty_host_cache() -> None:
+    """Unpin cached pinned host memory whose work has completed."""
+    if _host is not None:
+        _host.empty_cache()
+
+
+def get_memory_info(device_index=None, /) -> Tuple[int, int]:
+    """(free, total) bytes of the device, as the runtime reports them; initializes."""
+    be = _lazy.lazy_init()
+    index = _index(device_index)
+    prev = be.get_device()
+    if prev != index:
+        be.set_device(index)
+    try:
+        return tuple(be.mem_info())
+    finally:
+        if prev != index:
+            be.set_device(prev)
+
+
+def memory_stats(device_index=None, /) -> "OrderedDict[str, Any]":
+    """The allocator statistics with ``torch.cuda.memory_stats()``'s 122 keys, sorted.
+
+    ``{allocation,segment,active,inactive_split,allocated_bytes,reserved_bytes,
+    active_bytes,inactive_split_bytes,requested_bytes}.{all,small_pool,large_pool}.
+    {current,peak,allocated,freed}``, ``oversize_{allocations,segments}.*``,
+    ``num_alloc_retries``, ``num_ooms``, ``num_sync_all_streams``,
+    ``num_device_alloc``, ``num_device_free``, ``max_split_size`` (-1: unlimited).
+    An empty OrderedDict before the runtime is initialized.
+    """
+    if not _lazy.is_initialized():
+        return OrderedDict()
+    return device_allocator(_index(device_index)).stats()
+
+
+def _stat(key: str, device_index) -> int:
+    if not _lazy.is_initialized():
+        return 0
+    return memory_stats(device_index).get(key, 0)
+
+
+def memory_allocated(device_index=None, /) -> int:
+    """Bytes currently allocated (``allocated_bytes.all.current``); 0 before init."""
+    return _stat("allocated_bytes.all.current", device_index)
+
+
+def max_memory_allocated(device_index=None, /) -> int:
+    """Peak allocated bytes since start or the last reset_peak_memory_stats."""
+    return _stat("allocated_bytes.all.peak", device_index)
+
+
+def memory_reserved(device_index=None, /) -> int:
+    """Bytes held by the caching allocator (``reserved_bytes.all.current``)."""
+    return _stat("reserved_bytes.all.current", device_index)
+
+
+def max_memory_reserved(device_index=None, /) -> int:
+    """Peak reserved bytes since start or the last reset_peak_memory_stats."""
+    return _stat("reserved_bytes.all.peak", device_index)
+
+
+def reset_accumulated_memory_stats(device_index=None, /) -> None:
+    """Zero the ``allocated``/``freed`` counters and the retry/OOM/call counts."""
+    if _lazy.is_initialized():
+        device_allocator(_index(device_index)).reset_accumulated_stats()
+
+
+def reset_peak_memory_stats(device_index=None, /) -> None:
+    """Set every ``peak`` to the current value."""
+    if _lazy.is_initialized():
+        device_allocator(_index(device_index)).reset_peak_stats()
+
+
+def memory_summary(device=None, abbreviated: bool = False) -> str:
+    """A human-readable table of :func:`memory_stats` (torch's layout)."""
+    from ._summary import summary
+    if _lazy.is_initialized():
+        index = _index(device)
+        stats = device_allocator(index).stats()
+        name = _lazy.lazy_init().name
+    else:
+        index, stats = 0, {}
+        be = _lazy.backends.select()
+        name = be.name if be is not None else "accelerator"
+    return summary(stats, index, name, abbreviated)
+
+
+def record_history(enabled: bool = True, *, max_entries: int = 100_000, stacks: bool = True) -> None:
+    """Record allocation events (and Python stacks of allocations when ``stacks``)
+    on every device, for :func:`memory_snapshot` and ``python -m accel.memory viz``."""
+    global _history
+    with _lock:
+        _history = (max_entries, stacks) if enabled else None
+        allocators = list(_allocators.values())
+    for alloc in allocators:
+        alloc.record_history(enabled, max_entries, stacks)
+
+
+def _snapshot() -> dict:
+    segments: List[dict] = []
+    traces: List[list] = []
+    if _lazy.is_initialized():
+        for index in sorted(_allocators):
+            snap = _allocators[index].snapshot()
+            segments.extend(snap["segments"])
+            while len(traces) < index:
+                traces.append([])
+            traces.append(snap["device_traces"])
+    return {"segments": segments, "device_traces": traces}
+
+
+def memory_snapshot() -> List[dict]:
+    """Every segment of every device with its blocks (torch.cuda.memory_snapshot
+    layout: address, total_size, allocated_size, segment_type, blocks with state and,
+    while :func:`record_history` is on, the allocation's ``frames``)."""
+    return _snapshot()["segments"]
+
+
+def dump_snapshot(path: str) -> None:
+    """Write segments and recorded history as JSON for ``python -m accel.memory viz``."""
+    with open(path, "w") as fh:
+        json.dump(_snapshot(), fh)

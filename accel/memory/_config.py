@@ -1,0 +1,209 @@
+"""``ACCEL_ALLOC_CONF``: options of the caching allocator.
+
+The syntax and option names are PyTorch's ``PYTORCH_CUDA_ALLOC_CONF``
+(``c10/core/AllocatorConfig.cpp``): comma-separated ``key:value`` pairs, e.g.
+``max_split_size_mb:128,garbage_collection_threshold:0.8``.  ``ACCEL_ALLOC_CONF``
+wins; ``PYTORCH_ALLOC_CONF`` and ``PYTORCH_CUDA_ALLOC_CONF`` are read when it
+is unset, so a torch configuration carries over.  The string is parsed at the
+allocator's first use; an unknown key or a bad value raises ``ValueError``
+naming the option and listing the valid ones.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import NamedTuple, Optional, Tuple
+
+MiB = 1 << 20
+#: "no limit" for max_split_size, as torch's SIZE_MAX; memory_stats reports it as -1.
+UNLIMITED = (1 << 64) - 1
+#: torch keeps one roundup_power2_divisions entry per power-of-two interval from
+#: 1 MiB (2**20) to 64 GiB (2**36).
+_POW2_START = 20
+_POW2_INTERVALS = 16
+
+ENV_VARS = ("ACCEL_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+OPTIONS = {
+    "max_split_size_mb": "blocks at least this large (MiB, > 20) are never split",
+    "max_non_split_rounding_mb": "an oversize request may take a cached block up to this much larger (MiB)",
+    "garbage_collection_threshold": "release unused cached segments when reserved memory exceeds "
+                                    "this fraction (0 < t < 1) of the allowed memory",
+    "roundup_power2_divisions": "round request sizes up to one of N divisions per power of two "
+                                "(N, or a list such as [256:1,512:2,>:4] keyed by MiB)",
+    "release_threshold": "bytes (suffix K/M/G allowed) of completely free segments kept cached; "
+                         "more are returned to the device when a block is freed",
+    "expandable_segments": "True/False; needs a virtual-memory API the Backend protocol lacks, "
+                           "so True warns and falls back to ordinary segments",
+    "per_process_memory_fraction": "cap reserved memory at this fraction (0..1] of the device's total",
+    "policy": "accel (default: tight segments, release-before-grow) or torch (PyTorch's sizing rules)",
+    "backend": "native (the only allocator backend accel has)",
+    "pinned_use_background_threads": "accepted for PyTorch compatibility; no effect",
+    "pinned_use_cuda_host_register": "accepted for PyTorch compatibility; no effect",
+    "pinned_num_register_threads": "accepted for PyTorch compatibility; no effect",
+}
+
+
+class AllocConfig(NamedTuple):
+    """Parsed allocator options (defaults as PyTorch's where the option is shared)."""
+
+    max_split_size: int = UNLIMITED
+    max_non_split_rounding: int = 20 * MiB
+    garbage_collection_threshold: float = 0.0
+    #: divisions per power-of-two interval (all 0 = plain 512-byte rounding)
+    roundup_power2_divisions: Tuple[int, ...] = (0,) * _POW2_INTERVALS
+    release_threshold: Optional[int] = None
+    expandable_segments: bool = False
+    per_process_memory_fraction: float = 1.0
+    policy: str = "accel"
+    source: str = ""
+
+    def divisions_for(self, size: int) -> int:
+        """torch's ``roundup_power2_divisions(size)``: the entry for size's power-of-two interval."""
+        index = max(size.bit_length() - 1 - _POW2_START, 0)
+        return self.roundup_power2_divisions[min(index, _POW2_INTERVALS - 1)]
+
+
+def _fail(key: str, value: str, why: str, source: str) -> ValueError:
+    return ValueError(f"{source}: invalid value {value!r} for option {key!r}: {why}")
+
+
+def _parse_bool(key, value, source):
+    if value in ("True", "true", "1"):
+        return True
+    if value in ("False", "false", "0"):
+        return False
+    raise _fail(key, value, "expected True or False", source)
+
+
+def _parse_float(key, value, source, lo, hi, lo_open=True):
+    try:
+        number = float(value)
+    except ValueError:
+        raise _fail(key, value, "expected a number", source) from None
+    if not ((lo < number if lo_open else lo <= number) and number <= hi):
+        raise _fail(key, value, f"expected {lo} {'<' if lo_open else '<='} value <= {hi}", source)
+    return number
+
+
+def _parse_int(key, value, source):
+    try:
+        return int(value)
+    except ValueError:
+        raise _fail(key, value, "expected an integer", source) from None
+
+
+def _parse_bytes(key, value, source):
+    text = value.strip().upper().rstrip("B").rstrip("I")
+    scale = 1
+    if text and text[-1] in "KMGT":
+        scale = 1 << (10 * ("KMGT".index(text[-1]) + 1))
+        text = text[:-1]
+    try:
+        number = int(text)
+    except ValueError:
+        raise _fail(key, value, "expected a byte count such as 1048576, 512M or 2G", source) from None
+    if number < 0:
+        raise _fail(key, value, "must not be negative", source)
+    return number * scale
+
+
+def _parse_divisions(key, value, source):
+    def check(div_text):
+        div = _parse_int(key, div_text, source)
+        if div != 0 and (div < 1 or div & (div - 1)):
+            raise _fail(key, value, "divisions must be a power of two (or 0 to disable)", source)
+        return 1 if div == 1 else div
+
+    if not value.startswith("["):
+        return (check(value),) * _POW2_INTERVALS
+    if not value.endswith("]"):
+        raise _fail(key, value, "a list must look like [256:1,512:2,>:4]", source)
+    table = [0] * _POW2_INTERVALS
+    last = 0
+    for item in filter(None, value[1:-1].split(",")):
+        size_text, sep, div_text = item.partition(":")
+        if not sep:
+            raise _fail(key, value, f"list entry {item!r} is not size_mb:divisions", source)
+        div = check(div_text.strip())
+        size_text = size_text.strip()
+        if size_text == ">":
+            for i in range(last, _POW2_INTERVALS):
+                table[i] = div
+            last = _POW2_INTERVALS
+            continue
+        mb = _parse_int(key, size_text, source)
+        if mb <= 0 or mb & (mb - 1):
+            raise _fail(key, value, f"list key {size_text!r} must be a power-of-two MiB count", source)
+        index = min(mb.bit_length() - 1, _POW2_INTERVALS - 1)
+        for i in range(last, index + 1):
+            table[i] = div
+        last = index + 1
+    return tuple(table)
+
+
+def parse(text: str, source: str = "ACCEL_ALLOC_CONF") -> AllocConfig:
+    """Parse an option string; ValueError for unknown keys or bad values."""
+    values = {"source": source}
+    for item in text.replace(" ", "").split(","):
+        if not item:
+            continue
+        key, sep, value = item.partition(":")
+        if not sep:
+            # "key=value" is not torch syntax, but an easy slip worth a precise message.
+            raise ValueError(f"{source}: option {item!r} must be written key:value "
+                             f"(e.g. max_split_size_mb:128)")
+        if key not in OPTIONS:
+            valid = "\n".join(f"  {name}: {doc}" for name, doc in OPTIONS.items())
+            raise ValueError(f"{source}: unknown allocator option {key!r}; valid options are:\n{valid}")
+        if key == "max_split_size_mb":
+            mb = _parse_int(key, value, source)
+            if mb <= 20:
+                raise _fail(key, value, "must be > 20 (MiB), the large-buffer size", source)
+            values["max_split_size"] = mb * MiB
+        elif key == "max_non_split_rounding_mb":
+            mb = _parse_int(key, value, source)
+            if mb < 0:
+                raise _fail(key, value, "must not be negative", source)
+            values["max_non_split_rounding"] = mb * MiB
+        elif key == "garbage_collection_threshold":
+            threshold = _parse_float(key, value, source, 0.0, 1.0)
+            if threshold >= 1.0:
+                raise _fail(key, value, "expected 0 < value < 1", source)
+            values["garbage_collection_threshold"] = threshold
+        elif key == "roundup_power2_divisions":
+            values["roundup_power2_divisions"] = _parse_divisions(key, value, source)
+        elif key == "release_threshold":
+            values["release_threshold"] = _parse_bytes(key, value, source)
+        elif key == "expandable_segments":
+            values["expandable_segments"] = _parse_bool(key, value, source)
+        elif key == "per_process_memory_fraction":
+            values["per_process_memory_fraction"] = _parse_float(key, value, source, 0.0, 1.0)
+        elif key == "policy":
+            if value not in ("accel", "torch"):
+                raise _fail(key, value, "expected accel or torch", source)
+            values["policy"] = value
+        elif key == "backend":
+            if value != "native":
+                raise _fail(key, value, "accel has only the native caching allocator", source)
+        elif key in ("pinned_use_background_threads", "pinned_use_cuda_host_register"):
+            _parse_bool(key, value, source)
+        elif key == "pinned_num_register_threads":
+            _parse_int(key, value, source)
+    config = AllocConfig(**values)
+    if config.expandable_segments:
+        warnings.warn(f"{source}: expandable_segments:True needs a virtual-memory API "
+                      f"(cuMemMap-style), which the accel Backend protocol does not have; "
+                      f"falling back to ordinary segments", RuntimeWarning, stacklevel=3)
+    return config
+
+
+def from_environment() -> AllocConfig:
+    """The configuration from the first of ACCEL_ALLOC_CONF, PYTORCH_ALLOC_CONF,
+    PYTORCH_CUDA_ALLOC_CONF that is set (defaults when none is)."""
+    for name in ENV_VARS:
+        text = os.environ.get(name)
+        if text is not None:
+            return parse(text, name)
+    return AllocConfig()

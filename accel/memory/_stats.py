@@ -1,0 +1,87 @@
+"""Memory statistics with the keys of ``torch.cuda.memory_stats()``.
+
+Counters live in flat int lists indexed by ``stat + pool`` so the
+allocator's hot path is plain list arithmetic.  ``pool`` is 0 for ``all``,
+1 for ``small_pool``, 2 for ``large_pool`` (torch's StatType order).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+POOL_NAMES = ("all", "small_pool", "large_pool")
+#: Pooled stats, in torch's order; each takes three slots (all, small, large).
+POOLED = ("allocation", "segment", "active", "inactive_split", "allocated_bytes",
+          "reserved_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes")
+ALLOCATION, SEGMENT, ACTIVE, INACTIVE_SPLIT, ALLOCATED_BYTES, RESERVED_BYTES, ACTIVE_BYTES, \
+    INACTIVE_SPLIT_BYTES, REQUESTED_BYTES = range(0, 27, 3)
+OVERSIZE_ALLOCATIONS = 27
+OVERSIZE_SEGMENTS = 28
+N_STATS = 29
+
+SCALARS = ("num_alloc_retries", "num_ooms", "max_split_size", "num_sync_all_streams",
+           "num_device_alloc", "num_device_free")
+STAT_FIELDS = ("current", "peak", "allocated", "freed")
+
+
+def empty_counters():
+    """(current, peak, allocated, freed) lists, all zero."""
+    return [0] * N_STATS, [0] * N_STATS, [0] * N_STATS, [0] * N_STATS
+
+
+def flatten(current, peak, allocated, freed, scalars) -> "OrderedDict[str, int]":
+    """The 122 flat keys of torch.cuda.memory_stats(), sorted."""
+    out = {}
+    columns = (current, peak, allocated, freed)
+    for s, name in enumerate(POOLED):
+        for p, pool in enumerate(POOL_NAMES):
+            for field, column in zip(STAT_FIELDS, columns):
+                out[f"{name}.{pool}.{field}"] = column[3 * s + p]
+    for name, index in (("oversize_allocations", OVERSIZE_ALLOCATIONS),
+                        ("oversize_segments", OVERSIZE_SEGMENTS)):
+        for field, column in zip(STAT_FIELDS, columns):
+            out[f"{name}.{field}"] = column[index]
+    for name in SCALARS:
+        out[name] = scalars.get(name, 0)
+    return OrderedDict(sorted(out.items()))
+
+
+def format_size(nbytes: int) -> str:
+    """torch's ``format_size`` for OOM messages: bytes, KiB, MiB or GiB with 2 decimals."""
+    if nbytes <= 1024:
+        return f"{nbytes} bytes"
+    if nbytes <= 1 << 20:
+        return f"{nbytes / 1024:.2f} KiB"
+    if nbytes <= 1 << 30:
+        return f"{nbytes / (1 << 20):.2f} MiB"
+    return f"{nbytes / (1 << 30):.2f} GiB"
+
+
+# Packed counters.  The hot path keeps counters that always change together
+# (count, bytes, requested bytes of the "all" pool and of the block's pool) in
+# 64-bit lanes of one Python int, so one addition updates all of them, and a
+# new peak in any lane is detected with one subtraction: with the top bit of
+# every lane set in ``peak | guard``, subtracting ``cur`` clears a lane's
+# guard bit exactly when that lane of ``cur`` exceeds its peak (no lane ever
+# borrows from its neighbour because every lane stays below 2**63).
+LANE = 64
+LANE_MASK = (1 << LANE) - 1
+
+
+def guard(nlanes: int) -> int:
+    return sum(1 << (LANE * i + LANE - 1) for i in range(nlanes))
+
+
+def unpack(value: int, nlanes: int) -> list:
+    return [(value >> (LANE * i)) & LANE_MASK for i in range(nlanes)]
+
+
+def pack(values) -> int:
+    out = 0
+    for i, v in enumerate(values):
+        out |= v << (LANE * i)
+    return out
+
+
+def lane_max(a: int, b: int, nlanes: int) -> int:
+    return pack(max(x, y) for x, y in zip(unpack(a, nlanes), unpack(b, nlanes)))
