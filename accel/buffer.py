@@ -141,8 +141,9 @@ class Buffer:
             if src._backend is not backend:
                 raise ValueError("source buffer belongs to another backend")
             if src._stream != stream:
+                # Ordering against work on the source's stream is the caller's, as in torch;
+                # recording keeps the allocator from reusing the source under this copy.
                 src.record_stream(stream)
-                stream.wait_stream(src._stream)
             if self._nbytes:
                 backend.memcpy_async(self._ptr, src._ptr, self._nbytes, stream.handle)
             if not non_blocking:

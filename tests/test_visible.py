@@ -46,9 +46,9 @@ def test_sim_count_honours_visible_devices(monkeypatch, value, count):
 
 def test_sim_count_by_uuid_prefix(monkeypatch):
     from conftest import use_sim
-    from accel import backends
     use_sim(monkeypatch, "cuda")
-    uuid1 = backends.get("cuda")._nvml_uuids(2)[1]
+    uuid1 = accel.get_device_properties(1).uuid  # the runtime's view, as a user would copy it
+    assert uuid1.startswith("GPU-")
     use_sim(monkeypatch, "cuda", CUDA_VISIBLE_DEVICES=uuid1[:12])
     assert accel.device_count() == 1
 
