@@ -76,6 +76,7 @@ class CudaBackend(Backend):
         self._count_reason = ""
         self._handles = {}       # int handle -> cdata, so hot calls skip ffi.cast
         self._live_modules = {}  # library handle -> PTX buffer kept alive for the runtime
+        self._captures = 0       # stream captures underway in this process
 
     # -- libraries -------------------------------------------------------------
     def _open(self, which: str):
@@ -298,15 +299,43 @@ class CudaBackend(Backend):
     # -- memory ----------------------------------------------------------------
     def mem_alloc(self, nbytes: int) -> int:
         p = self.ffi.new("void **")
-        self._check(self.lib.cudaMalloc(p, nbytes), "cudaMalloc")
+        if self._captures:
+            # cudaMalloc is a "potentially unsafe" call that invalidates a global-mode
+            # capture; it is fine as long as the memory outlives replays, so relax the
+            # mode around it (torch's cudaMallocMaybeCapturing does the same).
+            with self._relaxed_capture_mode():
+                rc = self.lib.cudaMalloc(p, nbytes)
+        else:
+            rc = self.lib.cudaMalloc(p, nbytes)
+        self._check(rc, "cudaMalloc")
         return self._as_int(p[0])
+
+    def _relaxed_capture_mode(self):
+        backend = self
+
+        class _Relaxed:
+            def __enter__(self):
+                self.mode = backend.ffi.new("enum cudaStreamCaptureMode *", _CAPTURE_MODES["relaxed"])
+                backend._check(backend.lib.cudaThreadExchangeStreamCaptureMode(self.mode),
+                               "cudaThreadExchangeStreamCaptureMode")
+
+            def __exit__(self, *exc):
+                backend._check(backend.lib.cudaThreadExchangeStreamCaptureMode(self.mode),
+                               "cudaThreadExchangeStreamCaptureMode")
+
+        return _Relaxed()
 
     def mem_free(self, ptr: int) -> None:
         self._check(self.lib.cudaFree(self.ffi.cast("void *", ptr)), "cudaFree")
 
     def host_alloc(self, nbytes: int) -> int:
         p = self.ffi.new("void **")
-        self._check(self.lib.cudaHostAlloc(p, nbytes, _HOST_ALLOC_DEFAULT), "cudaHostAlloc")
+        if self._captures:
+            with self._relaxed_capture_mode():  # as mem_alloc
+                rc = self.lib.cudaHostAlloc(p, nbytes, _HOST_ALLOC_DEFAULT)
+        else:
+            rc = self.lib.cudaHostAlloc(p, nbytes, _HOST_ALLOC_DEFAULT)
+        self._check(rc, "cudaHostAlloc")
         return self._as_int(p[0])
 
     def host_free(self, ptr: int) -> None:
@@ -400,11 +429,15 @@ class CudaBackend(Backend):
             raise ValueError(f"capture mode must be one of {', '.join(_CAPTURE_MODES)}, got {mode!r}")
         self._check(self.lib.cudaStreamBeginCapture(self._cast("cudaStream_t", stream), _CAPTURE_MODES[mode]),
                     "cudaStreamBeginCapture")
+        self._captures += 1
 
     def capture_end(self, stream: int) -> int:
         p = self.ffi.new("cudaGraph_t *")
-        self._check(self.lib.cudaStreamEndCapture(self._cast("cudaStream_t", stream), p),
-                    "cudaStreamEndCapture")
+        try:
+            rc = self.lib.cudaStreamEndCapture(self._cast("cudaStream_t", stream), p)
+        finally:
+            self._captures -= 1
+        self._check(rc, "cudaStreamEndCapture")
         return self._as_int(p[0])
 
     def stream_is_capturing(self, stream: int) -> bool:
