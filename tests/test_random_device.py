@@ -225,3 +225,33 @@ def test_capture_with_a_non_default_generator_is_refused(sim_cuda):
         with accel.graph(g, stream=side):
             R.random_raw_(a, generator=gen)
     assert gen.offset == 0
+
+
+# -- import weight and fork ------------------------------------------------------------------
+def test_import_accel_random_does_not_import_numpy():
+    import subprocess
+    import sys
+    code = ("import sys, accel, accel.random as R; R.manual_seed; "
+            "assert 'numpy' not in sys.modules, 'numpy imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+
+
+def test_forked_child_can_seed_and_query_but_not_fill(sim_cuda):
+    from test_lazy_fork import FORK_MESSAGE, _run_forked
+    R.manual_seed(5)
+    R.random_raw_(accel.Buffer(16))                 # parent initialized the runtime
+
+    def child():
+        R.manual_seed(6)
+        R.manual_seed_all(7)
+        if struct.unpack("<Qq", R.get_rng_state(0).tobytes()) != (7, 0):
+            return 3
+        try:
+            R.random_raw_(accel.Buffer(16))
+        except RuntimeError as exc:
+            return 0 if str(exc) == FORK_MESSAGE else 4
+        return 5
+
+    assert _run_forked(child) == 0
+    assert R.initial_seed(0) == 5 and R.default_generator(0).offset == 4

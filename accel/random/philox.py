@@ -95,12 +95,35 @@ def philox4x32_10(ctr, key) -> np.ndarray:
 # 1..3 being constant within a chunk.
 # --------------------------------------------------------------------------
 
-_CHUNK = 32768  # counters per chunk: working set ~2.5 MB, near L2/L3 sweet spot here
+_CHUNK = 65536  # counters per chunk (~5 MB of scratch): fastest here; smaller ones pay ufunc-call overhead
 _MCOL = (np.array([[M0], [M1]], dtype=np.uint64), np.array([[M1], [M0]], dtype=np.uint64))
 
 
+_SH32 = np.uint64(32)
+
+
+class _Views:
+    """Views of a workspace for chunks of ``m`` counters, built once (ufunc call overhead
+    dominates small chunks, so nothing is sliced or converted inside the rounds)."""
+
+    def __init__(self, ws: "_Workspace", m: int):
+        self.m = m
+        self.base_m0 = ws.base_m0[:m]
+        self.x = ws.x[:, :m]
+        self.x0, self.x1 = self.x[0], self.x[1]
+        self.q = ws.q[:m]
+        bufs = [ws.pa[:, :m + 1], ws.pb[:, :m + 1]]
+        self.p = [b[:, 1:] for b in bufs]
+        p32 = [b.view(np.uint32) for b in bufs]
+        self.p32_cur = [v[:, 2:] for v in p32]
+        self.p32_prev = [v[::-1, 1:-1] for v in p32]   # other row, shifted one word down
+        yb = ws.y[:, :m + 1]
+        self.y = yb[:, 1:]
+        self.y32 = yb.view(np.uint32)[:, 2:]
+
+
 class _Workspace:
-    """Per-thread scratch arrays for one chunk size."""
+    """Per-thread scratch arrays for chunks of up to ``n`` counters."""
 
     def __init__(self, n: int):
         self.n = n
@@ -112,87 +135,92 @@ class _Workspace:
         self.pb = np.zeros((2, n + 1), dtype=np.uint64)
         self.y = np.zeros((2, n + 1), dtype=np.uint64)
         self.q = np.empty(n, dtype=np.uint64)
+        self.full = _Views(self, n)
+
+    def views(self, m: int) -> _Views:
+        return self.full if m == self.n else _Views(self, m)
 
 
 _tls = threading.local()
 
 
-def _workspace() -> _Workspace:
+def _workspace(need: int) -> _Workspace:
+    """This thread's workspace, grown (up to one full chunk, ~5 MB) to fit ``need`` counters."""
     ws = getattr(_tls, "ws", None)
-    if ws is None:
-        ws = _tls.ws = _Workspace(_CHUNK)
+    if ws is None or (ws.n < need and ws.n < _CHUNK):
+        size = 1024
+        while size < need and size < _CHUNK:
+            size *= 2
+        ws = _tls.ws = _Workspace(min(size, _CHUNK))
     return ws
 
 
-def _chunk(ws: _Workspace, lo_start: int, hi: int, ks, out64t: np.ndarray, m: int) -> None:
+class _Keys:
+    """Per-seed constants of the rounds, as numpy scalars/columns (no conversions in the loop)."""
+
+    def __init__(self, seed: int):
+        ks = round_keys(*split_seed(seed))
+        self.ks = ks
+        self.k1_0 = np.uint64(ks[0][1])
+        self.k0_1 = np.uint64(ks[1][0])
+        # round r >= 2 xors [k1, k0] after even rounds (rows [c2', c0']) and [k0, k1] after odd ones
+        self.cols = [None, None] + [
+            np.array([[k0], [k1]] if r & 1 else [[k1], [k0]], dtype=np.uint64) for r, (k0, k1) in
+            enumerate(ks) if r >= 2]
+
+
+def _chunk(ws: _Workspace, lo_start: int, hi: int, keys: _Keys, out64t: np.ndarray, m: int) -> None:
     """Philox outputs for counters [hi:lo_start .. hi:lo_start+m) into out64t (2, m) uint64.
 
     out64t[0, j] holds words 0,1 of counter j, out64t[1, j] words 2,3
     (little-endian), i.e. out64t is the transposed uint64 view of (m, 4) uint32.
     Requires lo_start + m <= 2**32 (counter word 1 constant).
     """
-    x = ws.x[:, :m]
-    q = ws.q[:m]
-    bufs = [ws.pa[:, :m + 1], ws.pb[:, :m + 1]]
-    yb = ws.y[:, :m + 1]
-    y, y32 = yb[:, 1:], yb.view(np.uint32)
-    x0, x1 = x[0], x[1]
+    v = ws.views(m)
+    x, x0, x1, q = v.x, v.x0, v.x1, v.q
 
     # Round 0: ctr = [lo, hi, 0, 0] -> c0' = hi^k0 (constant), c1' = 0,
     # c2' = hi(lo*M0)^k1, c3' = lo(lo*M0).
-    k0, k1 = ks[0]
-    a = hi ^ k0
-    np.add(ws.base_m0[:m], np.uint64((lo_start * M0) & ((1 << 64) - 1)), out=q)  # q = lo*M0
-    np.right_shift(q, 32, out=x0)
-    np.bitwise_xor(x0, k1, out=x0)                                                # c2'
+    a = hi ^ keys.ks[0][0]
+    np.add(v.base_m0, np.uint64((lo_start * M0) & ((1 << 64) - 1)), out=q)      # q = lo*M0
+    np.right_shift(q, _SH32, out=x0)
+    np.bitwise_xor(x0, keys.k1_0, out=x0)                                        # c2'
     # Round 1 (rows [c2', c0']): P = [c2'*M1, a*M0]; a*M0 is a constant.
-    k0, k1 = ks[1]
-    pm = bufs[0]
-    p = pm[:, 1:]
-    np.multiply(x0, M1, out=p[0])
+    p = v.p[0]
+    np.multiply(x0, np.uint64(M1), out=p[0])
     am0 = a * M0
     p[1].fill(am0)
     # Next rows [c0'', c2''] = [hi(c2'*M1) ^ 0 ^ k0, hi(a*M0) ^ lo(q) ^ k1].
-    np.right_shift(p[0], 32, out=x0)
-    np.bitwise_xor(x0, k0, out=x0)
+    np.right_shift(p[0], _SH32, out=x0)
+    np.bitwise_xor(x0, keys.k0_1, out=x0)
     np.bitwise_and(q, _U64_MASK, out=x1)
-    np.bitwise_xor(x1, (am0 >> 32) ^ k1, out=x1)
+    np.bitwise_xor(x1, np.uint64((am0 >> 32) ^ keys.ks[1][1]), out=x1)
 
-    prev32 = pm.view(np.uint32)
-    cur = 1
+    prev = 0
     for r in range(2, ROUNDS):
-        k0, k1 = ks[r]
-        odd = r & 1
-        pm = bufs[cur]
-        p = pm[:, 1:]
-        p32 = pm.view(np.uint32)
-        np.multiply(x, _MCOL[odd], out=p)
+        cur = prev ^ 1
+        np.multiply(x, _MCOL[r & 1], out=v.p[cur])
         # hi(P row i) ^ lo(previous P, other row): uint32 views offset by one word.
-        np.bitwise_xor(p32[:, 2:], prev32[::-1, 1:-1], out=y32[:, 2:])
-        np.right_shift(y, 32, out=x)
-        kc = np.array([[k0], [k1]] if odd else [[k1], [k0]], dtype=np.uint64)
-        np.bitwise_xor(x, kc, out=x)
-        if r == ROUNDS - 1:
-            # Round 10 (odd): p = [P1, P0]; x = [w0, w2]; words (w0, w1=lo P1), (w2, w3=lo P0).
-            np.left_shift(p, 32, out=y)
-            np.bitwise_or(x, y, out=out64t)
-            return
-        prev32 = p32
-        cur ^= 1
+        np.bitwise_xor(v.p32_cur[cur], v.p32_prev[prev], out=v.y32)
+        np.right_shift(v.y, _SH32, out=x)
+        np.bitwise_xor(x, keys.cols[r], out=x)
+        prev = cur
+    # Round 10 (odd): p = [P1, P0]; x = [w0, w2]; words (w0, w1 = lo P1), (w2, w3 = lo P0).
+    np.left_shift(v.p[prev], _SH32, out=v.y)
+    np.bitwise_or(x, v.y, out=out64t)
 
 
 def _fill_counters(seed: int, ctr_start: int, n_ctr: int, out: np.ndarray) -> None:
     """out: (n_ctr, 4) uint32, C-contiguous and 8-byte aligned."""
-    k0, k1 = split_seed(seed)
-    ks = round_keys(k0, k1)
-    ws = _workspace()
+    keys = _Keys(seed)
+    ws = _workspace(n_ctr)
     out64t = out.view(np.uint64).reshape(n_ctr, 2).T
     done = 0
     while done < n_ctr:
         c = (ctr_start + done) & ((1 << 64) - 1)
         lo, hi = c & _MASK32, c >> 32
         m = min(ws.n, n_ctr - done, (1 << 32) - lo)  # never cross a change of counter word 1
-        _chunk(ws, lo, hi, ks, out64t[:, done:done + m], m)
+        _chunk(ws, lo, hi, keys, out64t[:, done:done + m], m)
         done += m
 
 
