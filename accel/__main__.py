@@ -52,6 +52,36 @@ def collect() -> dict:
     return result
 
 
+def smoke() -> dict:
+    """Exercise the selected device end to end: copies, streams, events, a graph, RNG, memory stats."""
+    import numpy as np
+    checks = {}
+    s = accel.Stream()
+    data = np.arange(1 << 18, dtype=np.float32)
+    buf = accel.Buffer(data.nbytes, stream=s)
+    buf.copy_from(data, non_blocking=True)
+    checks["copy round trip (1 MiB)"] = bool(np.array_equal(buf.to_numpy(np.float32), data))
+    start, end = accel.Event(enable_timing=True), accel.Event(enable_timing=True)
+    start.record(s)
+    buf.fill_(0)
+    end.record(s)
+    checks["event timing (ms)"] = round(start.elapsed_time(end), 4)
+    if backends.select().supports_graphs:
+        g = accel.Graph()
+        with s, g:
+            buf.fill_(3)
+        g.replay()
+        s.synchronize()
+        checks["graph replay"] = bool((buf.to_numpy() == 3).all())
+    accel.random.manual_seed(0)
+    accel.random.uniform_(buf)
+    values = buf.to_numpy(np.float32)
+    checks["uniform fill mean"] = round(float(values.mean()), 4)
+    checks["memory_allocated (bytes)"] = accel.memory.memory_allocated()
+    buf.close()
+    return checks
+
+
 def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
 
@@ -73,6 +103,7 @@ def render(report: dict) -> str:
                 continue
             if isinstance(value, dict):
                 value = ", ".join(f"{k}={v}" for k, v in value.items() if v is not None) or "-"
+            value = str(value).replace("\n", "\n          ")
             lines.append(f"      {key}: {value}")
     for d in report["devices"]:
         cc = ".".join(map(str, d["compute_capability"]))
@@ -86,10 +117,42 @@ def render(report: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m accel", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--no-smoke", action="store_true",
+                        help="only report; do not exercise the device (or the simulator when there is none)")
     args = parser.parse_args(argv)
     report = collect()
-    print(json.dumps(report, indent=2, default=str) if args.json else render(report))
+    if "error" not in report and not args.no_smoke:
+        if report["devices"]:
+            report["smoke"] = smoke()
+        elif not os.environ.get("ACCEL_SIM"):
+            report["simulator"] = _smoke_on_simulator()
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        print(render(report))
+        if "smoke" in report:
+            print("smoke test on the selected device:")
+            print("\n".join(f"  {k}: {v}" for k, v in report["smoke"].items()))
+        if "simulator" in report:
+            print("no device here; the same API on the simulator (ACCEL_SIM=cuda):")
+            print("\n".join(f"  {k}: {v}" for k, v in report["simulator"].items()))
     return 1 if "error" in report else 0
+
+
+def _smoke_on_simulator() -> dict:
+    """Run the smoke test in a child process on ACCEL_SIM=cuda (this process keeps the real view)."""
+    import subprocess
+    env = {**os.environ, "ACCEL_SIM": "cuda"}
+    env.pop("ACCEL_BACKEND", None)
+    code = "import json, accel.__main__ as m; print(json.dumps(m.smoke()))"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                             timeout=120)
+    except subprocess.TimeoutExpired:
+        return {"error": "the simulator smoke test timed out"}
+    if out.returncode != 0:
+        return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else "failed"}
+    return json.loads(out.stdout)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import os
 import threading
+import warnings
 from typing import Dict, Optional
 
 from .base import Backend, DeviceProperties
@@ -51,6 +52,16 @@ def _requested() -> Optional[str]:
     return name
 
 
+def _safe_count(backend: Backend) -> int:
+    """count() for probing: a broken runtime must not hide the others."""
+    try:
+        return backend.count()
+    except Exception as exc:  # count() should never raise; say so instead of failing selection
+        warnings.warn(f"accel: counting {backend.name} devices failed ({exc!r}); treating it as 0",
+                      RuntimeWarning, stacklevel=3)
+        return 0
+
+
 def select() -> Optional[Backend]:
     """The backend this process uses, or None when no runtime reports a device.
 
@@ -70,7 +81,7 @@ def select() -> Optional[Backend]:
         chosen = None
         for name in NAMES:
             backend = get(name)
-            if backend.count() > 0:
+            if _safe_count(backend) > 0:
                 chosen = backend
                 break
     with _lock:
@@ -86,8 +97,11 @@ def fallback() -> Optional[Backend]:
         return chosen
     for name in NAMES:
         backend = get(name)
-        if backend.loads():
-            return backend
+        try:
+            if backend.loads():
+                return backend
+        except Exception:  # as _safe_count: probing never fails the caller
+            continue
     return None
 
 
