@@ -96,10 +96,10 @@ def candidates(name: str) -> List[str]:
                 out += [os.path.join(sp, "nvidia", sub, s) for s in sonames]
     elif name == "nvml":
         out += ["libnvidia-ml.so.1", "libnvidia-ml.so"]
+        # Not the toolkit's lib64/stubs/libnvidia-ml.so: it exists for linking only
+        # and fails nvmlInit at run time.  NVML ships with the driver.
         out += ["/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1", "/usr/lib64/libnvidia-ml.so.1",
                 "/usr/lib/wsl/lib/libnvidia-ml.so.1"]
-        for home in _cuda_homes() + ["/usr/local/cuda"]:
-            out.append(os.path.join(home, "lib64", "stubs", "libnvidia-ml.so"))
     elif name == "ze":
         out += ["libze_loader.so.1", "libze_loader.so", "/usr/lib/x86_64-linux-gnu/libze_loader.so.1",
                 "/usr/local/lib/libze_loader.so.1"]

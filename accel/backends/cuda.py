@@ -183,7 +183,7 @@ class CudaBackend(Backend):
             else:
                 self._count_path = f"cudart (nvmlDeviceGetCount_v2 failed: {rc})"
         else:
-            self._count_path = f"cudart (NVML unavailable: {self._nvml_error})"
+            self._count_path = "cudart (NVML unavailable: see nvml_error)"
         # Fallback: only the runtime can count.  This initializes the driver,
         # as torch's fallback does, so it is used only without NVML.
         try:
