@@ -83,7 +83,7 @@ def _parse_float(key, value, source, lo, hi, lo_open=True):
     except ValueError:
         raise _fail(key, value, "expected a number", source) from None
     if not ((lo < number if lo_open else lo <= number) and number <= hi):
-        raise _fail(key, value, f"expected {lo} {'<' if lo_open else '<='} value <= {hi}", source)
+        raise _fail(key, value, f"expected {lo:g} {'<' if lo_open else '<='} value <= {hi:g}", source)
     return number
 
 
@@ -143,10 +143,24 @@ def _parse_divisions(key, value, source):
     return tuple(table)
 
 
+def _split_options(text: str):
+    """Split on commas outside brackets ("roundup_power2_divisions:[256:1,>:4]")."""
+    depth, start = 0, 0
+    for i, ch in enumerate(text):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            yield text[start:i]
+            start = i + 1
+    yield text[start:]
+
+
 def parse(text: str, source: str = "ACCEL_ALLOC_CONF") -> AllocConfig:
     """Parse an option string; ValueError for unknown keys or bad values."""
     values = {"source": source}
-    for item in text.replace(" ", "").split(","):
+    for item in _split_options(text.replace(" ", "")):
         if not item:
             continue
         key, sep, value = item.partition(":")
