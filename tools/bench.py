@@ -104,39 +104,6 @@ def _report(text: str) -> None:
     sys.stderr.flush()
 
 
-# -- timing helpers (workers) ----------------------------------------------------------------
-def interleaved_ns(stmts: Dict[str, str], namespace: dict, *, rounds: int, batch_s: float,
-                   between: Optional[Callable[[], None]] = None) -> Dict[str, float]:
-    """Best ns per execution of each statement over ``rounds`` interleaved rounds.
-
-    Each statement is compiled inline into a timing loop (``timeit``), so the
-    accel call and its bare baseline pay the same loop overhead.  The batch
-    size per statement is calibrated to about ``batch_s`` seconds.
-    ``between`` runs untimed after every batch (e.g. drain a stream's queue).
-    """
-    import timeit
-    timers = {k: timeit.Timer(stmt, globals=namespace) for k, stmt in stmts.items()}
-    numbers = {}
-    for key, timer in timers.items():
-        n = 1
-        while True:
-            t = timer.timeit(n)
-            if between:
-                between()
-            if t >= batch_s / 4 or n >= 1 << 22:
-                break
-            n *= 4
-        numbers[key] = max(1, int(n * batch_s / max(t, 1e-9)))
-    best = {k: float("inf") for k in timers}
-    for _ in range(rounds):
-        for key, timer in timers.items():
-            t = timer.timeit(numbers[key])
-            if between:
-                between()
-            best[key] = min(best[key], t / numbers[key] * 1e9)
-    return best
-
-
 # -- group: import time (runs in the orchestrator; every sample is a fresh interpreter) ------
 _IMPORT_CMDS = {
     "pass": "pass",
@@ -227,6 +194,7 @@ def _group_import(quick: bool, progress: Callable[[str], None], pyc: str) -> Lis
 # -- group: per-call overhead on the simulator ------------------------------------------------
 def group_percall(quick: bool, progress: Callable[[str], None]) -> List[dict]:
     import accel
+    from accel._selftest_bench import interleaved_ns
     accel.current_stream()                      # initializes the backend
     be = accel.backends.get("cuda")
     lib, ffi = be.lib, be.ffi
@@ -260,6 +228,7 @@ def group_percall(quick: bool, progress: Callable[[str], None]) -> List[dict]:
 # -- group: per-call overhead on the real libcudart --------------------------------------------
 def group_percall_real(quick: bool, progress: Callable[[str], None]) -> List[dict]:
     import accel
+    from accel._selftest_bench import interleaved_ns
     from accel._errors import AcceleratorError
     be = accel.backends.get("cuda")
     try:
@@ -401,45 +370,15 @@ def group_rng(quick: bool, progress: Callable[[str], None]) -> List[dict]:
 
 # -- group: graphs ---------------------------------------------------------------------------------
 def group_graphs(quick: bool, progress: Callable[[str], None]) -> List[dict]:
-    import accel
+    from accel._selftest_bench import graph_vs_eager
     nops = 100
-    s = accel.Stream()
-    bufs = [accel.Buffer(256, stream=s) for _ in range(nops)]
-
-    def program():
-        for i, b in enumerate(bufs):
-            b.fill_(i & 0xFF, s)
-
-    program()
-    s.synchronize()
-    g = accel.Graph()
-    with s, g:
-        program()
-    s.synchronize()
-
-    def replay():
-        with s:
-            g.replay()
-
-    with s:                 # replay once and check it did the work
-        for b in bufs:
-            b.fill_(0, s)
-        g.replay()
-    s.synchronize()
-    assert all(int(b.to_numpy()[0]) == (i & 0xFF) for i, b in enumerate(bufs)), "graph replay did not fill"
-
-    ns = {"program": program, "replay": replay, "s": s}
-    stmts = {"eager": "program(); s.synchronize()", "graph": "replay(); s.synchronize()",
-             "eager/issue": "program()", "graph/issue": "replay()"}
     progress(f"graph replay vs eager, {nops} fills")
-    best = interleaved_ns(stmts, ns, rounds=3 if quick else 9, batch_s=0.01 if quick else 0.05,
-                          between=s.synchronize)
+    r = graph_vs_eager(nops, rounds=3 if quick else 9, batch_s=0.01 if quick else 0.05)
     return [
-        row(f"graph replay vs eager, {nops} fills (issue+sync)", best["graph"] / 1e3, best["eager"] / 1e3,
-            "us/iter", baseline_name=f"{nops} eager fill_ + synchronize", target="< 1x",
-            ok=best["graph"] < best["eager"]),
-        row(f"graph replay vs eager, {nops} fills (issue only)", best["graph/issue"] / 1e3,
-            best["eager/issue"] / 1e3, "us/iter", baseline_name=f"{nops} eager fill_ calls",
+        row(f"graph replay vs eager, {nops} fills (issue+sync)", r["graph_us"], r["eager_us"], "us/iter",
+            baseline_name=f"{nops} eager fill_ + synchronize", target="< 1x", ok=r["ratio"] < 1.0),
+        row(f"graph replay vs eager, {nops} fills (issue only)", r["graph_issue_us"], r["eager_issue_us"],
+            "us/iter", baseline_name=f"{nops} eager fill_ calls",
             note="host time to enqueue; the simulator runs the work on its stream thread"),
     ]
 

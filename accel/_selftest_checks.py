@@ -1,0 +1,593 @@
+"""The checks of ``python -m accel.selftest``, one function each.
+
+Every check takes a :class:`Context` and returns a dict of details (what it
+measured) or raises :class:`CheckFailed` (or any exception) to fail.  The
+self-test runs each in its own process, so a check that crashes, hangs or
+leaves the device in a sticky error state cannot affect the next one;
+``tests/test_device_real.py`` runs the same functions the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import warnings
+from typing import Callable, Dict, List, Optional, Tuple
+
+MiB = 1 << 20
+GiB = 1 << 30
+SEED = 0x5EED_1234_ABCD_0042
+
+
+class CheckFailed(AssertionError):
+    """A check's expectation did not hold; ``details`` say what was seen."""
+
+    def __init__(self, message: str, details: Optional[dict] = None):
+        super().__init__(message)
+        self.details = details or {}
+
+
+class Context:
+    """What a check runs against: ``device`` index, ``quick`` (small sizes), ``simulated``."""
+
+    def __init__(self, device: int = 0, quick: bool = False):
+        import accel
+        from . import _lazy
+        self.device = device
+        self.quick = quick
+        self.backend = _lazy.backend()
+        self.simulated = bool(getattr(self.backend, "simulated", False))
+        if device >= accel.device_count():
+            raise CheckFailed(f"device {device} does not exist: {accel.device_count()} visible")
+
+    @property
+    def max_bytes(self) -> int:
+        """Largest single transfer or buffer a check should use."""
+        if self.quick:
+            return MiB
+        return 16 * MiB if self.simulated else GiB
+
+
+def _expect(cond: bool, message: str, details: dict) -> None:
+    if not cond:
+        raise CheckFailed(message, details)
+
+
+def _pattern(nbytes: int):
+    """``nbytes`` of non-repeating-looking bytes, fast for 1 GiB (no RNG)."""
+    import numpy as np
+    words = np.arange((nbytes + 3) // 4, dtype=np.uint32)
+    words *= np.uint32(2654435761)      # Knuth's multiplicative hash: every byte lane varies
+    words ^= words >> np.uint32(13)
+    return words.view(np.uint8)[:nbytes]
+
+
+def _first_mismatch(got, want) -> Optional[int]:
+    import numpy as np
+    diff = np.flatnonzero(got != want)
+    return int(diff[0]) if diff.size else None
+
+
+def _host_available() -> int:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 4 * GiB
+
+
+# -- count and properties vs NVML --------------------------------------------------------
+def _nvml_devices(backend) -> Optional[List[dict]]:
+    """Every device NVML sees (uuid, name, total memory, compute capability), or None
+    without NVML.  Uses the CUDA backend's NVML handle (opened for counting)."""
+    opener = getattr(backend, "_nvml_lib", None)
+    nvml = opener() if opener is not None else None
+    if nvml is None:
+        return None
+    ffi, lib, _ = nvml
+    count = ffi.new("unsigned int *")
+    if lib.nvmlDeviceGetCount_v2(count) != 0:
+        return None
+    out = []
+    handle = ffi.new("nvmlDevice_t *")
+    buf = ffi.new("char[]", 96)
+    mem = ffi.new("nvmlMemory_t *")
+    major, minor = ffi.new("int *"), ffi.new("int *")
+    for i in range(count[0]):
+        info: Dict[str, object] = {"nvml_index": i}
+        if lib.nvmlDeviceGetHandleByIndex_v2(i, handle) != 0:
+            info["error"] = "nvmlDeviceGetHandleByIndex_v2 failed"
+            out.append(info)
+            continue
+        if lib.nvmlDeviceGetUUID(handle[0], buf, 96) == 0:
+            info["uuid"] = ffi.string(buf).decode()
+        if lib.nvmlDeviceGetName(handle[0], buf, 96) == 0:
+            info["name"] = ffi.string(buf).decode()
+        if lib.nvmlDeviceGetMemoryInfo(handle[0], mem) == 0:
+            info["total_memory"] = int(mem.total)
+        if lib.nvmlDeviceGetCudaComputeCapability(handle[0], major, minor) == 0:
+            info["compute_capability"] = (major[0], minor[0])
+        out.append(info)
+    return out
+
+
+def check_devices(ctx: Context) -> dict:
+    """device_count and every device's properties agree with NVML (CUDA) or are sane."""
+    import accel
+    n = accel.device_count()
+    props = [accel.get_device_properties(i) for i in range(n)]
+    free, total = accel.memory.get_memory_info(ctx.device)
+    details: dict = {"backend": ctx.backend.name, "count": n, "devices": [
+        {"index": p.index, "name": p.name, "uuid": p.uuid, "total_memory": p.total_memory,
+         "compute_capability": list(p.compute_capability), "multi_processor_count": p.multi_processor_count}
+        for p in props], "mem_info": {"free": free, "total": total}}
+    _expect(n > 0, "no device counted", details)
+    for p in props:
+        _expect(bool(p.name) and p.total_memory > 0 and p.multi_processor_count > 0,
+                f"device {p.index} has empty properties", details)
+    mine = props[ctx.device]
+    _expect(0 < free <= total and abs(total - mine.total_memory) <= total // 10,
+            "get_memory_info disagrees with the device's total memory", details)
+    if ctx.backend.name != "cuda":
+        details["nvml"] = "not a CUDA backend: properties checked for sanity only"
+        return details
+    nv = _nvml_devices(ctx.backend)
+    _expect(nv is not None, "NVML is not available, so the count cannot be cross-checked "
+            "(a machine with an NVIDIA driver has libnvidia-ml.so.1)", details)
+    details["nvml"] = nv
+    by_uuid = {d.get("uuid"): d for d in nv}
+    if os.environ.get("CUDA_VISIBLE_DEVICES") is None:
+        _expect(n == len(nv), f"device_count() {n} != NVML's {len(nv)} with CUDA_VISIBLE_DEVICES unset",
+                details)
+    else:
+        _expect(n <= len(nv), f"device_count() {n} > NVML's {len(nv)}", details)
+    problems = []
+    for p in props:
+        d = by_uuid.get(p.uuid)
+        if d is None:
+            problems.append(f"device {p.index} uuid {p.uuid} is not among NVML's")
+            continue
+        if d.get("name") != p.name:
+            problems.append(f"device {p.index} name {p.name!r} != NVML {d.get('name')!r}")
+        nv_total = d.get("total_memory", 0)
+        # the runtime reports less than NVML: the driver reserves some memory
+        if not 0.85 * nv_total <= p.total_memory <= 1.01 * nv_total:
+            problems.append(f"device {p.index} total_memory {p.total_memory} vs NVML {nv_total}")
+        if "compute_capability" in d and tuple(d["compute_capability"]) != tuple(p.compute_capability):
+            problems.append(f"device {p.index} compute capability {p.compute_capability} "
+                            f"vs NVML {d['compute_capability']}")
+    _expect(not problems, "; ".join(problems), details)
+    return details
+
+
+# -- alloc/copy round trips ----------------------------------------------------------------------
+def check_alloc_copy(ctx: Context) -> dict:
+    """Host->device, device->device, device->host (pageable and pinned staging) for
+    1 B .. 1 GiB in powers of 4 (capped by free memory), plus a few odd sizes."""
+    import accel
+    free, _ = accel.memory.get_memory_info(ctx.device)
+    cap = min(ctx.max_bytes, free // 4, _host_available() // 4)
+    sizes = [4 ** k for k in range(16) if 4 ** k <= cap] + [3, 4097, 1_000_003]
+    sizes = sorted(s for s in set(sizes) if s <= cap)
+    rows = []
+    s = accel.Stream(ctx.device)
+    for size in sizes:
+        host = _pattern(size)
+        t0 = time.perf_counter()
+        a = accel.Buffer(size, stream=s).copy_from(host)
+        t1 = time.perf_counter()
+        b = accel.Buffer(size, stream=s).copy_from(a)
+        t2 = time.perf_counter()
+        out = b.to_numpy(stream=s)
+        t3 = time.perf_counter()
+        c = accel.Buffer(size, stream=s).copy_from(host, non_blocking=True)
+        s.synchronize()
+        pinned = c.to_numpy(stream=s)
+        row = {"bytes": size}
+        if size >= 16 * MiB:
+            row.update(h2d_gbps=round(size / (t1 - t0) / 1e9, 2), d2d_gbps=round(2 * size / (t2 - t1) / 1e9, 2),
+                       d2h_gbps=round(size / (t3 - t2) / 1e9, 2))
+        rows.append(row)
+        for what, got in (("pageable round trip", out), ("pinned staging copy", pinned)):
+            bad = _first_mismatch(got, host)
+            _expect(bad is None, f"{what} of {size} bytes differs at byte {bad}",
+                    {"sizes": rows, "cap_bytes": cap})
+        for buf in (a, b, c):
+            buf.close()
+        del host, out, pinned
+    s.close()
+    return {"sizes": rows, "largest": sizes[-1], "cap_bytes": cap}
+
+
+# -- stream/event ordering -------------------------------------------------------------------------
+def check_stream_event_order(ctx: Context) -> dict:
+    """Work on one stream waits for another's through an event and through wait_stream;
+    timing events measure a positive interval; query() turns True after synchronize."""
+    import accel
+    nbytes = min(64 * MiB, ctx.max_bytes)
+    s1, s2 = accel.Stream(ctx.device), accel.Stream(ctx.device)
+    a, b = accel.Buffer(nbytes, stream=s1), accel.Buffer(nbytes, stream=s2)
+    details: dict = {"bytes": nbytes, "rounds": []}
+    for rnd in range(5):
+        b.fill_(0, s2)
+        s2.synchronize()
+        for v in range(1, 9):           # a long chain on s1, so s2 would overtake without the wait
+            a.fill_((rnd * 8 + v) & 0xFF, s1)
+        want = (rnd * 8 + 8) & 0xFF
+        if rnd % 2 == 0:
+            e = accel.Event()
+            e.record(s1)
+            s2.wait_event(e)
+            how = "wait_event"
+        else:
+            s2.wait_stream(s1)
+            how = "wait_stream"
+        b.copy_from(a, stream=s2, non_blocking=True)
+        s2.synchronize()
+        got = b.to_numpy(stream=s2)
+        ok = bool((got == want).all())
+        details["rounds"].append({"via": how, "ok": ok})
+        _expect(ok, f"copy on s2 after {how} saw {int(got[0])} (and {int((got != want).sum())} wrong "
+                f"bytes), expected {want}: stream ordering broken", details)
+    start, end = accel.Event(enable_timing=True), accel.Event(enable_timing=True)
+    start.record(s1)
+    for v in range(8):
+        a.fill_(v, s1)
+    end.record(s1)
+    end.synchronize()
+    ms = start.elapsed_time(end)
+    details["elapsed_ms_8_fills"] = ms
+    _expect(ms >= 0, f"elapsed_time {ms} < 0", details)
+    s1.synchronize()
+    _expect(s1.query() and end.query(), "query() is False after synchronize()", details)
+    for x in (a, b):
+        x.close()
+    s1.close()
+    s2.close()
+    return details
+
+
+# -- graphs -------------------------------------------------------------------------------------------
+def check_graph_capture_replay(ctx: Context) -> dict:
+    """A captured sequence of fills and copies replays with the eager effect, many times;
+    a captured Philox fill draws fresh numbers on every replay (graph-safe RNG)."""
+    import numpy as np
+
+    import accel
+    import accel.random as R
+    from accel.random import philox
+    if not ctx.backend.supports_graphs:
+        return {"skipped": f"{ctx.backend.name} has no stream capture"}
+    n = 4096
+    s = accel.Stream(ctx.device)
+    a, b = accel.Buffer(n, stream=s), accel.Buffer(n, stream=s)
+
+    def program(x, y):
+        x.fill_(1, s)
+        y.copy_from(x, s, non_blocking=True)
+        x.fill_(2, s)
+
+    a.fill_(0, s)
+    b.fill_(0, s)
+    s.synchronize()
+    g = accel.Graph()
+    with s, g:
+        program(a, b)
+    s.synchronize()
+    details: dict = {}
+    _expect(not a.to_numpy(stream=s).any() and not b.to_numpy(stream=s).any(),
+            "capture executed the work instead of recording it", details)
+    ea, eb = accel.Buffer(n, stream=s), accel.Buffer(n, stream=s)
+    program(ea, eb)
+    want_a, want_b = ea.to_numpy(stream=s), eb.to_numpy(stream=s)
+    replays = 5 if ctx.quick else 50
+    for i in range(replays):
+        a.fill_(9, s)
+        b.fill_(9, s)
+        with s:
+            g.replay()
+        s.synchronize()
+        _expect(np.array_equal(a.to_numpy(stream=s), want_a) and np.array_equal(b.to_numpy(stream=s), want_b),
+                f"replay {i} differs from eager execution", details)
+    details["replays"] = replays
+
+    # graph-safe RNG: every replay draws the words at the generator's offset then
+    R.manual_seed(SEED)
+    gen = R.default_generator(ctx.device)
+    r = accel.Buffer(4 * 1024, stream=s)
+    rg = accel.Graph()
+    with s, rg:
+        R.random_raw_(r)
+    seen = []
+    for i in range(4):
+        offset = gen.offset
+        with s:
+            rg.replay()
+        s.synchronize()
+        got = r.to_numpy("uint32", stream=s)
+        want = philox.raw_words(gen.initial_seed(), offset, 1024)
+        _expect(np.array_equal(got, want), f"captured random_raw_ replay {i} at offset {offset} is not the "
+                f"host Philox stream", details)
+        seen.append(int(got[0]))
+    _expect(len(set(seen)) == len(seen), "graph replays repeated the same random numbers", details)
+    details["rng_replays"] = len(seen)
+    for x in (a, b, ea, eb, r):
+        x.close()
+    g.reset()
+    rg.reset()
+    s.close()
+    return details
+
+
+# -- Philox kernel vs host path ------------------------------------------------------------------------
+def _rng_cases():
+    import accel.random as R
+    from accel.random import _fills
+    return {
+        "raw_u32": (lambda b: R.random_raw_(b), lambda nb: _fills.plan_raw(nb), "uint32"),
+        "uniform_f32": (lambda b: R.uniform_(b, "float32", -2.0, 3.0),
+                        lambda nb: _fills.plan_uniform(nb, "float32", -2.0, 3.0), "float32"),
+        "uniform_f64": (lambda b: R.uniform_(b, "float64"), lambda nb: _fills.plan_uniform(nb, "float64", 0.0, 1.0),
+                        "float64"),
+        "normal_f32": (lambda b: R.normal_(b, 1.0, 2.0, "float32"),
+                       lambda nb: _fills.plan_normal(nb, "float32", 1.0, 2.0), "float32"),
+        "normal_f64": (lambda b: R.normal_(b, 0.0, 1.0, "float64"),
+                       lambda nb: _fills.plan_normal(nb, "float64", 0.0, 1.0), "float64"),
+        "randint_i32": (lambda b: R.randint_(b, -7, 1000, "int32"),
+                        lambda nb: _fills.plan_randint(nb, "int32", -7, 1000), "int32"),
+        "randint_i64": (lambda b: R.randint_(b, 0, 10, "int64"),
+                        lambda nb: _fills.plan_randint(nb, "int64", 0, 10), "int64"),
+        "randint_i64_wide": (lambda b: R.randint_(b, -(2 ** 62), 2 ** 62, "int64"),
+                             lambda nb: _fills.plan_randint(nb, "int64", -(2 ** 62), 2 ** 62), "int64"),
+    }
+
+
+def check_philox_kernel(ctx: Context) -> dict:
+    """Every accel.random fill on the device is bit-equal to the host path for the same
+    (seed, offset, n); raw words equal accel.random.philox directly."""
+    import numpy as np
+
+    import accel
+    import accel.random as R
+    from accel import _lazy
+    from accel.random import _device, philox
+    be = _lazy.lazy_init()
+    details: dict = {"kernel_language": be.kernel_language}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fns = _device.kernel_functions(be, ctx.device)
+    details["warnings"] = [str(w.message) for w in caught]
+    if be.kernel_language is not None:
+        _expect(bool(fns), f"the Philox {be.kernel_language} kernels did not load on {be.name}:{ctx.device}; "
+                "fills would silently use the host path", details)
+        details["kernels"] = sorted(fns)
+    else:
+        details["kernels"] = "none: this backend fills on the host and copies"
+    counts = [1, 3, 6, 1027, 4 * 1024 * 256 + 37]       # tails of every shape, many grid-stride passes
+    if not ctx.quick and not ctx.simulated:
+        counts.append(16 * MiB + 5)
+    if ctx.quick:
+        counts = counts[:4]
+    R.manual_seed(SEED)
+    gen = R.default_generator(ctx.device)
+    mismatches = {}
+    with accel.device_index(ctx.device):
+        for kind, (fill, plan_for, dtype) in _rng_cases().items():
+            for n in counts:
+                nbytes = n * np.dtype(dtype).itemsize
+                buf = accel.Buffer(nbytes, ctx.device)
+                offset = gen.offset
+                fill(buf)
+                got = buf.to_numpy(dtype)
+                want = plan_for(nbytes).host(gen.initial_seed(), offset)
+                refs = [("", want)]
+                if kind == "raw_u32":     # and the Philox stream itself, not only the fill plan
+                    refs.append((" vs philox.raw_words", philox.raw_words(gen.initial_seed(), offset, n)))
+                for label, ref in refs:
+                    bad = np.flatnonzero(got.view(np.uint8) != ref.view(np.uint8))
+                    if bad.size:
+                        i = int(bad[0]) // got.itemsize
+                        mismatches[f"{kind}[n={n}]{label}"] = {
+                            "bytes_differing": int(bad.size), "first_element": i,
+                            "device": repr(got[i]), "host": repr(ref[i])}
+                buf.close()
+    details["cases"] = len(_rng_cases()) * len(counts)
+    details["counts"] = counts
+    details["mismatches"] = mismatches
+    _expect(not mismatches, f"device fills differ from the host path: {', '.join(mismatches)}", details)
+    return details
+
+
+# -- OOM recovery ------------------------------------------------------------------------------------------
+def check_oom_recovery(ctx: Context) -> dict:
+    """Allocate until OutOfMemoryError, free everything, and allocate again."""
+    import accel
+    free0, total = accel.memory.get_memory_info(ctx.device)
+    chunk = max(64 * MiB, (total // 32) // (2 * MiB) * (2 * MiB))
+    details: dict = {"total": total, "free_before": free0, "chunk": chunk}
+    bufs = []
+    error = None
+    limit = total // chunk + 64
+    try:
+        for _ in range(limit):
+            bufs.append(accel.Buffer(chunk, ctx.device))
+    except accel.OutOfMemoryError as exc:
+        error = exc
+    details["allocated_chunks"] = len(bufs)
+    _expect(error is not None, f"no OutOfMemoryError after {len(bufs)} chunks of {chunk} bytes", details)
+    message = str(error)
+    details["message"] = message
+    stats = accel.memory.memory_stats(ctx.device)
+    details["num_ooms"] = stats.get("num_ooms")
+    details["num_alloc_retries"] = stats.get("num_alloc_retries")
+    _expect(stats.get("num_ooms", 0) >= 1, "memory_stats()['num_ooms'] did not count the OOM", details)
+    _expect("ACCEL_ALLOC_CONF" in message, "the OOM message lacks the ACCEL_ALLOC_CONF hint", details)
+    for b in bufs:
+        b.close()
+    bufs.clear()
+    accel.memory.empty_cache()
+    free1, _ = accel.memory.get_memory_info(ctx.device)
+    details["free_after_empty_cache"] = free1
+    details["reserved_after_empty_cache"] = accel.memory.memory_reserved(ctx.device)
+    _expect(details["reserved_after_empty_cache"] == 0, "memory stays reserved after freeing everything "
+            "and empty_cache()", details)
+    _expect(free1 >= free0 - total // 50, "device memory did not come back after empty_cache()", details)
+    again = accel.Buffer(max(chunk, free1 // 2 // (2 * MiB) * (2 * MiB)), ctx.device)
+    again.fill_(0x5A)
+    tail = accel.Buffer(16, ctx.device, stream=again.stream)
+    from . import _lazy
+    # read back only the last bytes: the buffer may be far larger than host memory
+    _lazy.lazy_init().memcpy_async(tail.ptr, again.ptr + again.nbytes - 16, 16, again.stream.handle)
+    _expect(bytes(tail.to_numpy()) == bytes([0x5A] * 16), "memory allocated after the OOM is not usable",
+            details)
+    details["allocated_again"] = again.nbytes
+    again.close()
+    tail.close()
+    return details
+
+
+# -- fork rules -----------------------------------------------------------------------------------------------
+def _in_child(fn: Callable[[], str], timeout: float = 60.0) -> Tuple[str, str]:
+    """Run ``fn`` in a forked child; ("ok"|"failed"|"hung", message)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:     # child: never return into the caller's stack
+        code = 1
+        try:
+            os.close(r)
+            msg = fn()
+            code = 0
+        except BaseException as exc:  # noqa: BLE001 - report anything to the parent
+            msg = f"{type(exc).__name__}: {exc}"
+        try:
+            os.write(w, str(msg).encode(errors="replace")[:8000])
+        finally:
+            os._exit(code)
+    os.close(w)
+    deadline = time.monotonic() + timeout
+    status = None
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.02)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(r)
+        return "hung", f"child did not finish in {timeout:.0f} s"
+    chunks = []
+    while True:
+        data = os.read(r, 65536)
+        if not data:
+            break
+        chunks.append(data)
+    os.close(r)
+    text = b"".join(chunks).decode(errors="replace")
+    return ("ok" if os.waitstatus_to_exitcode(status) == 0 else "failed"), text
+
+
+def _child_uses_device() -> str:
+    import accel
+    b = accel.Buffer(64)
+    b.fill_(3)
+    if not (b.to_numpy() == 3).all():
+        raise AssertionError("child's buffer does not hold what it wrote")
+    return "child initialized and used the device"
+
+
+def _child_expects_fork_error() -> str:
+    import accel
+    try:
+        accel.Buffer(64)
+    except RuntimeError as exc:
+        if "forked subprocess" in str(exc) and "spawn" in str(exc):
+            return str(exc)
+        raise
+    raise AssertionError("a child forked after initialization used the device without an error")
+
+
+def _spawn_child(device: int) -> int:
+    import accel
+    b = accel.Buffer(64, device)
+    b.fill_(5)
+    return int(b.to_numpy().sum())
+
+
+def check_fork_rules(ctx: Context) -> dict:
+    """Fork before init: the child initializes and works.  Fork after init: the child gets
+    the clear 'Cannot re-initialize ... forked subprocess' error, never a hang.  A 'spawn'
+    child after init works."""
+    import multiprocessing
+
+    import accel
+    from accel import _lazy
+    details: dict = {}
+    accel.is_available()
+    accel.device_count()
+    _expect(not _lazy.is_initialized(), "the runtime was initialized before the check started", details)
+    status, text = _in_child(_child_uses_device)
+    details["fork_before_init"] = {"status": status, "message": text}
+    _expect(status == "ok", f"child forked before init could not use the device: {text}", details)
+    b = accel.Buffer(64, ctx.device)         # initializes the runtime here
+    b.fill_(1)
+    _expect(_lazy.is_initialized(), "allocating did not initialize the runtime", details)
+    status, text = _in_child(_child_expects_fork_error)
+    details["fork_after_init"] = {"status": status, "message": text}
+    _expect(status == "ok", f"child forked after init: {status}: {text}", details)
+    mp = multiprocessing.get_context("spawn")
+    with mp.Pool(1) as pool:
+        total = pool.apply_async(_spawn_child, (ctx.device,)).get(timeout=120)
+    details["spawn_after_init"] = {"sum": total}
+    _expect(total == 5 * 64, f"spawned child read back {total}, expected {5 * 64}", details)
+    _expect(bool((b.to_numpy() == 1).all()), "the parent's buffer changed after forking", details)
+    b.close()
+    return details
+
+
+# -- benchmarks ----------------------------------------------------------------------------------------------
+def bench_rng_bandwidth(ctx: Context) -> dict:
+    """RNG fill GB/s on the device vs its memory bandwidth (device-to-device copy, memset)."""
+    import accel
+    from . import _selftest_bench
+    free, _ = accel.memory.get_memory_info(ctx.device)
+    nbytes = min(ctx.max_bytes, free // 4) // (4 * MiB) * (4 * MiB) or MiB
+    with accel.device_index(ctx.device):
+        return _selftest_bench.rng_vs_bandwidth(nbytes, reps=2 if ctx.quick else 5, rounds=2 if ctx.quick else 3,
+                                                device=ctx.device)
+
+
+def bench_alloc(ctx: Context) -> dict:
+    """Cached 1 MiB alloc+free µs per pair vs the bare runtime allocate+free pair."""
+    from .memory import _bench
+    out = _bench.alloc_free_cost(MiB, n=2000 if ctx.quick else 20000, repeats=3 if ctx.quick else 5,
+                                 device=ctx.device)
+    out["target_cached_pair_us"] = 3.0
+    out["meets_target"] = out["cached_pair_us"] <= 3.0
+    return out
+
+
+def bench_graph(ctx: Context) -> dict:
+    """Host time per iteration: 100 small fills replayed from a graph vs issued eagerly."""
+    import accel
+    from . import _selftest_bench
+    if not ctx.backend.supports_graphs:
+        return {"skipped": f"{ctx.backend.name} has no stream capture"}
+    with accel.device_index(ctx.device):
+        return _selftest_bench.graph_vs_eager(100, rounds=3 if ctx.quick else 9,
+                                              batch_s=0.01 if ctx.quick else 0.05, device=ctx.device)
+
+
+#: name -> (function, timeout in seconds).  Order matters only for reading the report.
+CHECKS: Dict[str, Tuple[Callable[[Context], dict], float]] = {
+    "devices": (check_devices, 60),
+    "alloc_copy": (check_alloc_copy, 150),
+    "stream_event_order": (check_stream_event_order, 60),
+    "graph_capture_replay": (check_graph_capture_replay, 60),
+    "philox_kernel": (check_philox_kernel, 120),
+    "oom_recovery": (check_oom_recovery, 120),
+    "fork_rules": (check_fork_rules, 120),
+    "bench_rng_bandwidth": (bench_rng_bandwidth, 90),
+    "bench_alloc": (bench_alloc, 60),
+    "bench_graph": (bench_graph, 60),
+}
