@@ -1,0 +1,98 @@
+"""Which Level Zero devices a process sees: ``ZE_FLAT_DEVICE_HIERARCHY`` and ``ZE_AFFINITY_MASK``.
+
+Sysman (``zesDeviceGet``) always lists whole cards ("root devices") and
+ignores both variables, while the core API (``zeDeviceGet``) applies them.
+To count without initializing the core runtime, the XPU backend takes the
+cards and their tile counts from Sysman and applies the variables here the
+way Intel's driver does (compute-runtime ``ExecutionEnvironment::
+parseAffinityMask`` and ``setDeviceHierarchyMode``):
+
+* Hierarchy: ``COMPOSITE`` exposes cards (tiles are sub-devices); ``FLAT`` and
+  ``COMBINED`` expose every tile as a device (a single-tile card is one
+  device).  Any other value, or none, means the driver default, ``FLAT``.
+  The value is compared exactly (upper case), as the driver does.
+* Mask: a comma list.  In FLAT/COMBINED mode each entry ``N`` names the N-th
+  flattened device; ``X.Y`` entries are ignored.  In COMPOSITE mode ``X``
+  selects card X with all its tiles and ``X.Y`` tile Y of card X.  Entries out
+  of range or not a number are ignored; duplicates count once; the devices
+  keep their physical order, not the order of the mask.  An empty mask or
+  ``default`` selects everything.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+FLAT, COMPOSITE, COMBINED = "FLAT", "COMPOSITE", "COMBINED"
+
+#: One visible device: (card index, tile index or None for the whole card).
+Visible = Tuple[int, Optional[int]]
+
+
+def hierarchy(value: Optional[str]) -> str:
+    """The effective device hierarchy mode for a ``ZE_FLAT_DEVICE_HIERARCHY`` value."""
+    if value in (COMPOSITE, COMBINED, FLAT):
+        return value
+    return FLAT
+
+
+def _index(text: str) -> Optional[int]:
+    text = text.strip()
+    if not text.isdigit():
+        return None
+    return int(text)
+
+
+def visible_devices(tiles: Sequence[int], mask: Optional[str] = None,
+                    mode: Optional[str] = None) -> List[Visible]:
+    """The devices ``zeDeviceGet`` would return, as (card, tile) pairs in order.
+
+    ``tiles[i]`` is card i's number of sub-devices as Sysman reports it
+    (``zes_device_properties_t.numSubdevices``; 0 or 1 means one tile).
+    ``mask`` and ``mode`` are the raw environment values.  The tile is None
+    when the device is a whole card.
+    """
+    mode = hierarchy(mode)
+    flat: List[Visible] = []
+    for card, n in enumerate(tiles):
+        if mode != COMPOSITE and n > 1:
+            flat.extend((card, t) for t in range(n))
+        else:
+            flat.append((card, None))
+    if mask is None or mask.strip() in ("", "default"):
+        return flat
+    entries = [e.split(".") for e in mask.split(",")]
+    if mode != COMPOSITE:
+        chosen = set()
+        for parts in entries:
+            if len(parts) != 1:
+                continue  # X.Y has no meaning when tiles are devices
+            i = _index(parts[0])
+            if i is not None and i < len(flat):
+                chosen.add(i)
+        return [flat[i] for i in sorted(chosen)]
+    selected = {}  # card -> set of selected tiles (None: all)
+    for parts in entries:
+        card = _index(parts[0])
+        if card is None or card >= len(tiles):
+            continue
+        if len(parts) == 1:
+            selected[card] = None
+        elif len(parts) == 2:
+            tile = _index(parts[1])
+            count = max(tiles[card], 1)
+            if tile is None or tile >= count:
+                continue
+            if card not in selected:
+                selected[card] = set()
+            if selected[card] is not None:
+                selected[card].add(tile)
+    out: List[Visible] = []
+    for card in sorted(selected):
+        chosen_tiles = selected[card]
+        # A card reduced to one of several tiles behaves as that tile.
+        if chosen_tiles is not None and len(chosen_tiles) == 1 and tiles[card] > 1:
+            out.append((card, next(iter(chosen_tiles))))
+        else:
+            out.append((card, None))
+    return out

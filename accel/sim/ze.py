@@ -1,0 +1,1401 @@
+"""Simulated Level Zero loader (``libze_loader``: core ``ze*`` and Sysman ``zes*``).
+
+``ACCEL_SIM=xpu`` makes :mod:`accel.backends.xpu` use :func:`open_ze` instead
+of the real loader.  The backend calls the same functions with the same cffi
+arguments (descriptor structs and out-pointers made with the generated
+``accel._ffi._ze`` FFI) and gets the same ``ze_result_t`` codes, so the code
+above the library is the code that runs on an Intel GPU.
+
+What is simulated, and how faithfully:
+
+* **Driver and devices.** One GPU driver with ``ACCEL_SIM_DEVICES`` cards of
+  ``tiles`` tiles each.  ``zeInit`` reads ``ZE_FLAT_DEVICE_HIERARCHY`` and
+  ``ZE_AFFINITY_MASK`` as Intel's driver does (its own implementation, kept
+  independent of the backend's so tests cross-check the two); no card, or
+  ``configure(driver=False)``, makes ``zeInit`` fail with
+  ``ZE_RESULT_ERROR_UNINITIALIZED`` like a loader with no driver.  Every core
+  call before ``zeInit`` returns that code too.  ``runtime_initialized`` in
+  :func:`state` tells whether ``zeInit`` succeeded.
+* **Sysman.** ``zesInit``/``zesDriverGet``/``zesDeviceGet`` list whole cards
+  and ignore the two variables, as the real Sysman does.  Core device handles
+  also work as Sysman handles when ``ZES_ENABLE_SYSMAN=1`` was set at
+  ``zeInit`` (the legacy mode the 1.8.12 loader needs).  Each card has one
+  HBM module per tile (``onSubdevice`` when it has several) and one system
+  memory module, with free bytes tracking allocations.
+* **Loader version.** ``configure_ze(loader="1.8.12")`` (or
+  ``ACCEL_SIM_ZE_LOADER=1.8.12``) removes ``zesInit``, ``zesDriverGet``,
+  ``zesDeviceGet``, ``zeInitDrivers`` and ``zeCommandListHostSynchronize``,
+  which that loader lacks.
+* **Memory.** USM device and host allocations are host buffers at real
+  addresses (:mod:`accel.sim._memory`).  Copies and fills accept USM pointers
+  only: pageable host memory is rejected (strict, so a backend that forgets
+  to stage it is caught).  Using freed memory in queued work faults the
+  device (``ZE_RESULT_ERROR_DEVICE_LOST`` from then on).
+* **Command lists.** Immediate lists are in-order queues of the shared
+  engine (:mod:`accel.sim._engine`), with ``ACCEL_SIM_DELAY_US`` latency per
+  operation.  Regular lists record operations; ``zeCommandQueueExecuteCommandLists``
+  replays them on the queue's worker, and refuses a list the device still
+  references (the spec forbids resubmitting it before it completes).
+* **Events.** Each event counts the signals submitted for it and remembers
+  how many had been submitted at its latest reset; a wait is satisfied by
+  the first signal submitted after the reset that precedes it, so waits,
+  signals and resets keep their order exactly as in-order lists execute them,
+  without blocking a host thread.  Kernel timestamps use a ``timer_hz`` clock
+  masked to ``timestamp_bits`` (``timestamp_start`` sets its initial value,
+  to test wrap-around); ``timerResolution`` is nanoseconds per tick for
+  ``ZE_STRUCTURE_TYPE_DEVICE_PROPERTIES`` and ticks per second for
+  ``..._1_2``, as the spec says.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Dict, List, Optional, Tuple
+
+from . import _engine, _memory, core
+from .core import ffi
+
+__all__ = ["ZeConfig", "open_ze", "open_library", "configure_ze", "ze_config", "state", "reset",
+           "export_config", "import_config"]
+
+_UINT64_MAX = (1 << 64) - 1
+_VOIDP = ffi.typeof("void *")
+
+
+# -- configuration --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ZeConfig:
+    """Level Zero specifics of the simulated machine (the rest is :func:`core.config`).
+
+    ``tiles`` sub-devices per card; ``loader`` ``"new"`` or ``"1.8.12"``
+    (Debian's loader, without zesInit and friends); ``api_version`` the
+    driver's API (IN_ORDER list flags need 1.7); ``sysman_env`` whether the
+    driver honours ``ZES_ENABLE_SYSMAN=1``; the timestamp clock.
+    """
+
+    tiles: int = 1
+    loader: str = "new"
+    api_version: Tuple[int, int] = (1, 9)
+    sysman_env: bool = True
+    timer_hz: int = 19_200_000
+    timestamp_bits: int = 32
+    timestamp_start: int = 0
+    fp64: bool = True
+
+
+_ze_overrides: Dict[str, object] = {}
+_ze_config: Optional[ZeConfig] = None
+
+
+def _parse_api(text) -> Tuple[int, int]:
+    if isinstance(text, (tuple, list)) and len(text) == 2:
+        return int(text[0]), int(text[1])
+    parts = str(text).strip().split(".")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise ValueError(f"Level Zero API version {text!r} is not MAJOR.MINOR, e.g. '1.9'")
+    return int(parts[0]), int(parts[1])
+
+
+def _validate(cfg: ZeConfig) -> ZeConfig:
+    if not isinstance(cfg.tiles, int) or cfg.tiles < 1:
+        raise ValueError(f"tiles must be an integer >= 1, got {cfg.tiles!r}")
+    if cfg.loader not in ("new", "1.8.12"):
+        raise ValueError(f"loader must be 'new' or '1.8.12', got {cfg.loader!r}")
+    if cfg.timer_hz <= 0 or not 8 <= cfg.timestamp_bits <= 64:
+        raise ValueError("timer_hz must be > 0 and timestamp_bits in 8..64")
+    return cfg
+
+
+def ze_config() -> ZeConfig:
+    """The active Level Zero simulation settings (environment + :func:`configure_ze`)."""
+    global _ze_config
+    cfg = _ze_config
+    if cfg is None:
+        kw = {}
+        env = os.environ
+        if env.get("ACCEL_SIM_ZE_TILES"):
+            try:
+                kw["tiles"] = int(env["ACCEL_SIM_ZE_TILES"])
+            except ValueError:
+                raise ValueError(f"ACCEL_SIM_ZE_TILES={env['ACCEL_SIM_ZE_TILES']!r} is not an integer") from None
+        if env.get("ACCEL_SIM_ZE_LOADER"):
+            kw["loader"] = env["ACCEL_SIM_ZE_LOADER"].strip()
+        if env.get("ACCEL_SIM_ZE_API"):
+            kw["api_version"] = _parse_api(env["ACCEL_SIM_ZE_API"])
+        kw.update(_ze_overrides)
+        cfg = _ze_config = _validate(ZeConfig(**kw))
+    return cfg
+
+
+def configure_ze(**settings) -> ZeConfig:
+    """Override Level Zero simulation settings (see :class:`ZeConfig`); drops the simulated runtime."""
+    global _ze_config
+    names = {f.name for f in fields(ZeConfig)}
+    unknown = set(settings) - names
+    if unknown:
+        raise TypeError(f"configure_ze() got unknown setting(s) {sorted(unknown)}; expected some of {sorted(names)}")
+    if "api_version" in settings:
+        settings["api_version"] = _parse_api(settings["api_version"])
+    _validate(replace(ze_config(), **settings))
+    _ze_overrides.update(settings)
+    _ze_config = None
+    _drop_state()
+    return ze_config()
+
+
+def export_config() -> dict:
+    """The whole simulated machine as JSON-able data (for a counting child process)."""
+    core_cfg = asdict(core.config())
+    return {"core": core_cfg, "ze": asdict(ze_config())}
+
+
+def import_config(data: dict) -> None:
+    """Apply :func:`export_config` output in this (child) process."""
+    core.configure(**data["core"])
+    configure_ze(**data["ze"])
+
+
+# -- simulated objects ------------------------------------------------------------
+
+_handle_numbers = itertools.count(0x5E0000001000, 0x40)
+
+
+class _Obj:
+    __slots__ = ("key", "kind", "live")
+
+    def __init__(self, kind: str):
+        self.key = ffi.cast(_VOIDP, next(_handle_numbers))
+        self.kind = kind
+        self.live = True
+
+
+class _Card(_Obj):
+    """A physical device: what Sysman lists."""
+    __slots__ = ("index", "tiles", "tile_used", "uuid", "modules")
+
+    def __init__(self, index: int, tiles: int):
+        super().__init__("card")
+        self.index, self.tiles = index, tiles
+        self.tile_used = [0] * tiles
+        self.uuid = bytes([0x86, 0x80, 0x0B, 0xD5, index & 0xFF, 0xFF, 0, 0] + [0] * 8)
+        self.modules: List["_MemModule"] = []
+
+
+class _MemModule(_Obj):
+    __slots__ = ("card", "tile", "location")
+
+    def __init__(self, card: _Card, tile: Optional[int], location: int):
+        super().__init__("memmodule")
+        self.card, self.tile, self.location = card, tile, location
+
+
+class _Device(_Obj):
+    """A core device handle: a card, or one tile of it."""
+    __slots__ = ("ordinal", "card", "tiles", "is_sub", "subdevices", "uuid")
+
+    def __init__(self, ordinal: int, card: _Card, tiles: List[int], is_sub: bool):
+        super().__init__("device")
+        self.ordinal, self.card, self.tiles, self.is_sub = ordinal, card, tiles, is_sub
+        self.subdevices: List["_Device"] = []
+        uuid = bytearray(card.uuid)
+        if is_sub:
+            uuid[6], uuid[7] = 1, tiles[0]
+        self.uuid = bytes(uuid)
+
+    @property
+    def memory(self) -> int:
+        return core.config().memory * len(self.tiles)
+
+    def used(self) -> int:
+        return sum(self.card.tile_used[t] for t in self.tiles)
+
+
+class _Event(_Obj):
+    __slots__ = ("pool", "index", "eq", "signaled", "sig_submitted", "last_reset_sig", "ts")
+
+    def __init__(self, pool, index, eq):
+        super().__init__("event")
+        self.pool, self.index, self.eq = pool, index, eq
+        self.signaled = False
+        self.sig_submitted = 0     # signal operations submitted (and host signals)
+        self.last_reset_sig = 0    # sig_submitted when the latest reset was submitted
+        self.ts = (0, 0)
+
+
+class _Pool(_Obj):
+    __slots__ = ("flags", "count", "events", "context")
+
+    def __init__(self, flags, count, context):
+        super().__init__("eventpool")
+        self.flags, self.count, self.context = flags, count, context
+        self.events: Dict[int, _Event] = {}
+
+
+class _CmdList(_Obj):
+    __slots__ = ("device", "immediate", "queue", "ops", "closed", "in_order", "executing", "ordinal")
+
+    def __init__(self, device, immediate, queue, in_order, ordinal):
+        super().__init__("cmdlist")
+        self.device, self.immediate, self.queue = device, immediate, queue
+        self.ops: list = []
+        self.closed = False
+        self.in_order = in_order
+        self.executing: Optional[Tuple[object, int]] = None   # (engine queue, last seq) of the latest submission
+        self.ordinal = ordinal
+
+
+class _CmdQueue(_Obj):
+    __slots__ = ("device", "queue", "ordinal")
+
+    def __init__(self, device, queue, ordinal):
+        super().__init__("cmdqueue")
+        self.device, self.queue, self.ordinal = device, queue, ordinal
+
+
+class _Runtime:
+    """Everything the simulated driver knows; dropped on reset and in a forked child."""
+
+    def __init__(self):
+        self.cfg = core.config()
+        self.zcfg = ze_config()
+        self.C = core.constants_of("_ze")
+        self.lock = threading.RLock()
+        self.engine = _engine.Engine(self._on_error)
+        self.objects: Dict[object, _Obj] = {}
+        self.initialized = False
+        self.sysman_initialized = False
+        self.sysman_on_core = False
+        self.lost: Optional[str] = None
+        self.errors: List[str] = []
+        self.driver = _Obj("driver")
+        self.zes_driver = _Obj("zesdriver")
+        self._add(self.driver)
+        self._add(self.zes_driver)
+        self.cards = [_Card(i, self.zcfg.tiles) for i in range(self.cfg.devices)]
+        for card in self.cards:
+            self._add(card)
+            if card.tiles > 1:
+                card.modules = [_MemModule(card, t, self.C.ZES_MEM_LOC_DEVICE) for t in range(card.tiles)]
+            else:
+                card.modules = [_MemModule(card, None, self.C.ZES_MEM_LOC_DEVICE)]
+            card.modules.append(_MemModule(card, None, self.C.ZES_MEM_LOC_SYSTEM))
+            for m in card.modules:
+                self._add(m)
+        self.devices: List[_Device] = []
+        self.memory = _memory.MemoryTable()
+        self.alloc_charge: Dict[int, List[Tuple[_Card, int, int]]] = {}
+
+    def _add(self, obj: _Obj) -> _Obj:
+        self.objects[obj.key] = obj
+        return obj
+
+    def get(self, handle, kind: str):
+        obj = self.objects.get(handle)
+        if obj is None or obj.kind != kind or not obj.live:
+            return None
+        return obj
+
+    def _on_error(self, queue, exc: BaseException) -> None:
+        text = f"{queue.label}: {type(exc).__name__}: {exc}"
+        self.errors.append(text)
+        if self.lost is None:
+            self.lost = text
+
+    def ticks(self) -> int:
+        z = self.zcfg
+        return (z.timestamp_start + time.perf_counter_ns() * z.timer_hz // 1_000_000_000) & ((1 << z.timestamp_bits) - 1)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+        self.memory.close()
+
+
+_rt: Optional[_Runtime] = None
+_rt_lock = threading.Lock()
+
+
+def _runtime() -> _Runtime:
+    global _rt
+    rt = _rt
+    if rt is None:
+        with _rt_lock:
+            if _rt is None:
+                _rt = _Runtime()
+            rt = _rt
+    return rt
+
+
+def _drop_state() -> None:
+    global _rt
+    rt, _rt = _rt, None
+    if rt is not None:
+        rt.shutdown()
+
+
+def _fork_drop() -> None:
+    # In a forked child the parent's worker threads do not exist; forget everything.
+    global _rt, _rt_lock
+    _rt = None
+    _rt_lock = threading.Lock()
+
+
+def reset() -> None:
+    """Forget the simulated runtime and the Level Zero overrides (tests)."""
+    global _ze_config
+    _drop_state()
+    _ze_overrides.clear()
+    _ze_config = None
+
+
+def _full_reset() -> None:
+    reset()
+
+
+core.on_reset("ze", _full_reset, _fork_drop)
+
+
+def state() -> dict:
+    """Facts tests assert on: initialization flags, live objects, device faults."""
+    rt = _rt
+    if rt is None:
+        return {"ze_runtime_initialized": False, "ze_sysman_initialized": False, "ze_live_allocations": 0,
+                "ze_live_events": 0, "ze_live_command_lists": 0, "ze_errors": []}
+    live = [o for o in rt.objects.values() if o.live]
+    return {
+        "ze_runtime_initialized": rt.initialized,
+        "ze_sysman_initialized": rt.sysman_initialized,
+        "ze_live_allocations": len(rt.memory.all()),
+        "ze_live_events": sum(1 for o in live if o.kind == "event"),
+        "ze_live_event_pools": sum(1 for o in live if o.kind == "eventpool"),
+        "ze_live_command_lists": sum(1 for o in live if o.kind == "cmdlist"),
+        "ze_live_command_queues": sum(1 for o in live if o.kind == "cmdqueue"),
+        "ze_device_used": [d.used() for d in rt.devices],
+        "ze_errors": list(rt.errors),
+    }
+
+
+core.on_state("ze", state)
+
+
+# -- helpers ------------------------------------------------------------------------
+
+def _addr(x) -> int:
+    return _memory.addr_of(x)
+
+
+def _fill(pcount, parr, items) -> int:
+    """The usual Level Zero enumeration: count query when *pCount is 0 or the array is NULL."""
+    n = pcount[0]
+    if n == 0 or not parr:
+        pcount[0] = len(items)
+        return 0
+    k = min(n, len(items))
+    for i in range(k):
+        parr[i] = items[i].key
+    pcount[0] = k
+    return 0
+
+
+def _visible(rt: _Runtime) -> List[Tuple[_Card, List[int], bool]]:
+    """Devices zeDeviceGet returns: (card, tiles, is_sub_device), as the driver builds them."""
+    env = os.environ
+    mode = env.get("ZE_FLAT_DEVICE_HIERARCHY", "")
+    expose_tiles = mode != "COMPOSITE"
+    mask = env.get("ZE_AFFINITY_MASK", "")
+    if expose_tiles:
+        index_map = [(c, t) for c in rt.cards for t in range(c.tiles)]
+    enabled: Dict[int, set] = {}
+    if mask.strip() in ("", "default"):
+        for c in rt.cards:
+            enabled[c.index] = set(range(c.tiles))
+    else:
+        for entry in mask.split(","):
+            parts = entry.split(".")
+            try:
+                idx = int(parts[0].strip())
+            except ValueError:
+                continue
+            if expose_tiles:
+                if len(parts) > 1 or not 0 <= idx < len(index_map):
+                    continue
+                c, t = index_map[idx]
+                enabled.setdefault(c.index, set()).add(t)
+            else:
+                if not 0 <= idx < len(rt.cards):
+                    continue
+                c = rt.cards[idx]
+                if len(parts) == 1:
+                    enabled.setdefault(c.index, set()).update(range(c.tiles))
+                elif len(parts) == 2:
+                    try:
+                        sub = int(parts[1].strip())
+                    except ValueError:
+                        continue
+                    if 0 <= sub < c.tiles:
+                        enabled.setdefault(c.index, set()).add(sub)
+    out = []
+    for c in rt.cards:
+        tiles = sorted(enabled.get(c.index, ()))
+        if not tiles:
+            continue
+        if expose_tiles and c.tiles > 1:
+            out.extend((c, [t], True) for t in tiles)
+        elif len(tiles) == 1 and c.tiles > 1:
+            out.append((c, tiles, True))   # one tile of a card: that tile is the device
+        else:
+            out.append((c, tiles, False))
+    return out
+
+
+def _need_init(fn):
+    """Core calls fail with ZE_RESULT_ERROR_UNINITIALIZED before zeInit, and DEVICE_LOST after a fault."""
+    def call(*args):
+        rt = _runtime()
+        if not rt.initialized:
+            return rt.C.ZE_RESULT_ERROR_UNINITIALIZED
+        if rt.lost is not None:
+            return rt.C.ZE_RESULT_ERROR_DEVICE_LOST
+        return fn(rt, *args)
+    call.__name__ = fn.__name__
+    call.__doc__ = fn.__doc__
+    return call
+
+
+def _need_sysman(fn):
+    def call(handle, *args):
+        rt = _runtime()
+        obj = rt.objects.get(handle)
+        if obj is None or not obj.live:
+            return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE if not handle else rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+        if obj.kind in ("card", "memmodule") and rt.sysman_initialized:
+            return fn(rt, obj, *args)
+        if obj.kind == "device" and rt.sysman_on_core:
+            return fn(rt, obj, *args)
+        if obj.kind == "memmodule" and rt.sysman_on_core:
+            return fn(rt, obj, *args)
+        return rt.C.ZE_RESULT_ERROR_UNINITIALIZED
+    call.__name__ = fn.__name__
+    return call
+
+
+# -- initialization and discovery --------------------------------------------------------
+
+def zeInit(flags):
+    rt = _runtime()
+    if flags & ~3:
+        return rt.C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    if not rt.cfg.driver or not rt.cards or (flags & 3) == 2:   # VPU only: no GPU driver answers
+        return rt.C.ZE_RESULT_ERROR_UNINITIALIZED
+    with rt.lock:
+        if not rt.initialized:
+            rt.sysman_on_core = rt.zcfg.sysman_env and os.environ.get("ZES_ENABLE_SYSMAN") == "1"
+            for ordinal, (card, tiles, is_sub) in enumerate(_visible(rt)):
+                dev = rt._add(_Device(ordinal, card, tiles, is_sub))
+                if not is_sub and len(tiles) > 1:
+                    for t in tiles:
+                        dev.subdevices.append(rt._add(_Device(ordinal, card, [t], True)))
+                rt.devices.append(dev)
+            rt.initialized = True
+    return 0
+
+
+def zesInit(flags):
+    rt = _runtime()
+    if flags != 0:
+        return rt.C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    if not rt.cfg.driver or not rt.cards:
+        return rt.C.ZE_RESULT_ERROR_UNINITIALIZED
+    rt.sysman_initialized = True
+    return 0
+
+
+def zesDriverGet(pCount, phDrivers):
+    rt = _runtime()
+    if not rt.sysman_initialized:
+        return rt.C.ZE_RESULT_ERROR_UNINITIALIZED
+    return _fill(pCount, phDrivers, [rt.zes_driver])
+
+
+def zesDeviceGet(hDriver, pCount, phDevices):
+    rt = _runtime()
+    if not rt.sysman_initialized:
+        return rt.C.ZE_RESULT_ERROR_UNINITIALIZED
+    if rt.get(hDriver, "zesdriver") is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    return _fill(pCount, phDevices, rt.cards)
+
+
+@_need_init
+def zeDriverGet(rt, pCount, phDrivers):
+    return _fill(pCount, phDrivers, [rt.driver])
+
+
+@_need_init
+def zeDriverGetApiVersion(rt, hDriver, version):
+    if rt.get(hDriver, "driver") is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    major, minor = rt.zcfg.api_version
+    version[0] = (major << 16) | minor
+    return 0
+
+
+@_need_init
+def zeDriverGetProperties(rt, hDriver, props):
+    if rt.get(hDriver, "driver") is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if props.stype != rt.C.ZE_STRUCTURE_TYPE_DRIVER_PROPERTIES:
+        return rt.C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    props.uuid.id = list(b"accel-sim-ze-drv")
+    props.driverVersion = 0x01030000 | 29735
+    return 0
+
+
+@_need_init
+def zeDeviceGet(rt, hDriver, pCount, phDevices):
+    if rt.get(hDriver, "driver") is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    return _fill(pCount, phDevices, rt.devices)
+
+
+@_need_init
+def zeDeviceGetSubDevices(rt, hDevice, pCount, phSubdevices):
+    dev = rt.get(hDevice, "device")
+    if dev is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    return _fill(pCount, phSubdevices, dev.subdevices)
+
+
+def _write_core_properties(rt: _Runtime, props, dev_uuid: bytes, is_sub: bool, tile: int, tiles: int) -> int:
+    C = rt.C
+    if props.stype not in (C.ZE_STRUCTURE_TYPE_DEVICE_PROPERTIES, C.ZE_STRUCTURE_TYPE_DEVICE_PROPERTIES_1_2):
+        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    z = rt.zcfg
+    props.type = C.ZE_DEVICE_TYPE_GPU
+    props.vendorId = 0x8086
+    props.deviceId = 0x0BD5
+    props.flags = C.ZE_DEVICE_PROPERTY_FLAG_SUBDEVICE if is_sub else 0
+    props.subdeviceId = tile if is_sub else 0
+    props.coreClockRate = 1600
+    props.maxMemAllocSize = core.config().memory * tiles
+    props.maxHardwareContexts = 65536
+    props.maxCommandQueuePriority = 0
+    props.numThreadsPerEU = 8
+    props.physicalEUSimdWidth = 16
+    props.numEUsPerSubslice = 8
+    props.numSubslicesPerSlice = 8 * tiles
+    props.numSlices = 1
+    if props.stype == C.ZE_STRUCTURE_TYPE_DEVICE_PROPERTIES_1_2:
+        props.timerResolution = z.timer_hz                      # ticks per second
+    else:
+        props.timerResolution = round(1_000_000_000 / z.timer_hz)  # whole nanoseconds per tick
+    props.timestampValidBits = z.timestamp_bits
+    props.kernelTimestampValidBits = z.timestamp_bits
+    props.uuid.id = list(dev_uuid)
+    name = core.config().name.encode()[:255]
+    props.name = name
+    return 0
+
+
+@_need_init
+def zeDeviceGetProperties(rt, hDevice, props):
+    dev = rt.get(hDevice, "device")
+    if dev is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    return _write_core_properties(rt, props, dev.uuid, dev.is_sub, dev.tiles[0], len(dev.tiles))
+
+
+@_need_init
+def zeDeviceGetComputeProperties(rt, hDevice, props):
+    if rt.get(hDevice, "device") is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if props.stype != rt.C.ZE_STRUCTURE_TYPE_DEVICE_COMPUTE_PROPERTIES:
+        return rt.C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    props.maxTotalGroupSize = 1024
+    props.maxGroupSizeX = props.maxGroupSizeY = props.maxGroupSizeZ = 1024
+    props.maxGroupCountX = props.maxGroupCountY = props.maxGroupCountZ = 0xFFFFFFFF
+    props.maxSharedLocalMemory = 128 * 1024
+    props.numSubGroupSizes = 2
+    props.subGroupSizes[0], props.subGroupSizes[1] = 16, 32
+    return 0
+
+
+@_need_init
+def zeDeviceGetModuleProperties(rt, hDevice, props):
+    if rt.get(hDevice, "device") is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if props.stype != rt.C.ZE_STRUCTURE_TYPE_DEVICE_MODULE_PROPERTIES:
+        return rt.C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    props.spirvVersionSupported = (1 << 16) | 2
+    props.flags = rt.C.ZE_DEVICE_MODULE_FLAG_FP16 | (rt.C.ZE_DEVICE_MODULE_FLAG_FP64 if rt.zcfg.fp64 else 0)
+    return 0
+
+
+@_need_init
+def zeDeviceGetMemoryProperties(rt, hDevice, pCount, props):
+    dev = rt.get(hDevice, "device")
+    if dev is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if pCount[0] == 0 or not props:
+        pCount[0] = 1
+        return 0
+    if props[0].stype != rt.C.ZE_STRUCTURE_TYPE_DEVICE_MEMORY_PROPERTIES:
+        return rt.C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    props[0].flags = 0
+    props[0].maxClockRate = 3200
+    props[0].maxBusWidth = 8192
+    props[0].totalSize = dev.memory
+    props[0].name = b"HBM"
+    pCount[0] = 1
+    return 0
+
+
+# Ordinal 0 copies only and ordinal 1 computes, so a backend that assumes
+# "ordinal 0 is compute" is caught (real PVC lists compute first).
+_GROUPS = (("copy", 2), ("compute", 1))
+
+
+@_need_init
+def zeDeviceGetCommandQueueGroupProperties(rt, hDevice, pCount, props):
+    if rt.get(hDevice, "device") is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    C = rt.C
+    if pCount[0] == 0 or not props:
+        pCount[0] = len(_GROUPS)
+        return 0
+    k = min(pCount[0], len(_GROUPS))
+    for i in range(k):
+        kind, nq = _GROUPS[i]
+        if props[i].stype != C.ZE_STRUCTURE_TYPE_COMMAND_QUEUE_GROUP_PROPERTIES:
+            return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+        flags = C.ZE_COMMAND_QUEUE_GROUP_PROPERTY_FLAG_COPY
+        if kind == "compute":
+            flags |= C.ZE_COMMAND_QUEUE_GROUP_PROPERTY_FLAG_COMPUTE | C.ZE_COMMAND_QUEUE_GROUP_PROPERTY_FLAG_METRICS
+        props[i].flags = flags
+        props[i].maxMemoryFillPatternSize = 16 if kind == "compute" else 4
+        props[i].numQueues = nq
+    pCount[0] = k
+    return 0
+
+
+@_need_init
+def zeDeviceGetGlobalTimestamps(rt, hDevice, hostTimestamp, deviceTimestamp):
+    if rt.get(hDevice, "device") is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    hostTimestamp[0] = time.monotonic_ns()
+    deviceTimestamp[0] = rt.ticks()
+    return 0
+
+
+# -- contexts and memory --------------------------------------------------------------------
+
+@_need_init
+def zeContextCreate(rt, hDriver, desc, phContext):
+    if rt.get(hDriver, "driver") is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if desc.stype != rt.C.ZE_STRUCTURE_TYPE_CONTEXT_DESC:
+        return rt.C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    ctx = rt._add(_Obj("context"))
+    phContext[0] = ctx.key
+    return 0
+
+
+@_need_init
+def zeContextDestroy(rt, hContext):
+    ctx = rt.get(hContext, "context")
+    if ctx is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    ctx.live = False
+    return 0
+
+
+def _alloc_checks(rt, size, alignment) -> int:
+    if size == 0:
+        return rt.C.ZE_RESULT_ERROR_UNSUPPORTED_SIZE
+    if alignment and alignment & (alignment - 1):
+        return rt.C.ZE_RESULT_ERROR_UNSUPPORTED_ALIGNMENT
+    return 0
+
+
+@_need_init
+def zeMemAllocDevice(rt, hContext, desc, size, alignment, hDevice, pptr):
+    C = rt.C
+    if rt.get(hContext, "context") is None:
+        return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    dev = rt.get(hDevice, "device")
+    if dev is None:
+        return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if desc.stype != C.ZE_STRUCTURE_TYPE_DEVICE_MEM_ALLOC_DESC:
+        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    rc = _alloc_checks(rt, size, alignment)
+    if rc:
+        return rc
+    if size > dev.memory:
+        return C.ZE_RESULT_ERROR_UNSUPPORTED_SIZE   # above maxMemAllocSize
+    with rt.lock:
+        if core.take_oom() or dev.used() + size > dev.memory:
+            return C.ZE_RESULT_ERROR_OUT_OF_DEVICE_MEMORY
+        try:
+            a = _memory.allocate(size, _memory.DEVICE, dev.ordinal)
+        except MemoryError:
+            return C.ZE_RESULT_ERROR_OUT_OF_DEVICE_MEMORY
+        share, extra = divmod(size, len(dev.tiles))
+        charge = []
+        for i, t in enumerate(dev.tiles):
+            n = share + (extra if i == 0 else 0)
+            dev.card.tile_used[t] += n
+            charge.append((dev.card, t, n))
+        rt.alloc_charge[a.base] = charge
+        rt.memory.add(a)
+    pptr[0] = a.key
+    return 0
+
+
+@_need_init
+def zeMemAllocHost(rt, hContext, desc, size, alignment, pptr):
+    C = rt.C
+    if rt.get(hContext, "context") is None:
+        return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if desc.stype != C.ZE_STRUCTURE_TYPE_HOST_MEM_ALLOC_DESC:
+        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    rc = _alloc_checks(rt, size, alignment)
+    if rc:
+        return rc
+    if core.take_oom():
+        return C.ZE_RESULT_ERROR_OUT_OF_HOST_MEMORY
+    try:
+        a = _memory.allocate(size, _memory.HOST, -1)
+    except MemoryError:
+        return C.ZE_RESULT_ERROR_OUT_OF_HOST_MEMORY
+    rt.memory.add(a)
+    pptr[0] = a.key
+    return 0
+
+
+@_need_init
+def zeMemFree(rt, hContext, ptr):
+    if rt.get(hContext, "context") is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    with rt.lock:
+        a = rt.memory.by_key.get(ptr)
+        if a is None:
+            return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+        rt.memory.remove(a)
+        for card, t, n in rt.alloc_charge.pop(a.base, ()):
+            card.tile_used[t] -= n
+    return 0
+
+
+@_need_init
+def zeMemGetAllocProperties(rt, hContext, ptr, props, phDevice):
+    C = rt.C
+    if rt.get(hContext, "context") is None:
+        return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if props.stype != C.ZE_STRUCTURE_TYPE_MEMORY_ALLOCATION_PROPERTIES:
+        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    a = rt.memory.find(_addr(ptr))
+    if a is None:
+        props.type, props.id, props.pageSize = C.ZE_MEMORY_TYPE_UNKNOWN, 0, 0
+        if phDevice:
+            phDevice[0] = ffi.NULL
+        return 0
+    props.type = C.ZE_MEMORY_TYPE_DEVICE if a.kind == _memory.DEVICE else C.ZE_MEMORY_TYPE_HOST
+    props.id = a.base
+    props.pageSize = 65536
+    if phDevice:
+        phDevice[0] = rt.devices[a.device].key if a.kind == _memory.DEVICE else ffi.NULL
+    return 0
+
+
+# -- events ------------------------------------------------------------------------------------
+
+@_need_init
+def zeEventPoolCreate(rt, hContext, desc, numDevices, phDevices, phEventPool):
+    C = rt.C
+    ctx = rt.get(hContext, "context")
+    if ctx is None:
+        return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if desc.stype != C.ZE_STRUCTURE_TYPE_EVENT_POOL_DESC:
+        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    if desc.count == 0:
+        return C.ZE_RESULT_ERROR_INVALID_SIZE
+    if desc.flags & ~0xF:
+        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    for i in range(numDevices):
+        if rt.get(phDevices[i], "device") is None:
+            return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    pool = rt._add(_Pool(desc.flags, desc.count, ctx))
+    phEventPool[0] = pool.key
+    return 0
+
+
+@_need_init
+def zeEventPoolDestroy(rt, hEventPool):
+    pool = rt.get(hEventPool, "eventpool")
+    if pool is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if any(e.live for e in pool.events.values()):
+        return rt.C.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE
+    pool.live = False
+    return 0
+
+
+@_need_init
+def zeEventCreate(rt, hEventPool, desc, phEvent):
+    C = rt.C
+    pool = rt.get(hEventPool, "eventpool")
+    if pool is None:
+        return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if desc.stype != C.ZE_STRUCTURE_TYPE_EVENT_DESC:
+        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    if desc.index >= pool.count:
+        return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+    old = pool.events.get(desc.index)
+    if old is not None and old.live:
+        return C.ZE_RESULT_ERROR_INVALID_ARGUMENT   # index already holds an event
+    ev = rt._add(_Event(pool, desc.index, rt.engine.queue(f"event-{desc.index}")))
+    pool.events[desc.index] = ev
+    phEvent[0] = ev.key
+    return 0
+
+
+@_need_init
+def zeEventDestroy(rt, hEvent):
+    ev = rt.get(hEvent, "event")
+    if ev is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    ev.live = False
+    return 0
+
+
+def _signal_now(rt: _Runtime, ev: _Event) -> None:
+    """The device (or host) signals ``ev``: runs when the signal operation executes."""
+    t = rt.ticks()
+    ev.ts = (t, t)
+    ev.signaled = True
+    ev.eq.submit(None, work=False)   # one more executed signal: wakes waits and host syncs
+
+
+@_need_init
+def zeEventHostSignal(rt, hEvent):
+    ev = rt.get(hEvent, "event")
+    if ev is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    with rt.lock:
+        ev.sig_submitted += 1
+    _signal_now(rt, ev)
+    return 0
+
+
+@_need_init
+def zeEventHostReset(rt, hEvent):
+    ev = rt.get(hEvent, "event")
+    if ev is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    with rt.lock:
+        ev.last_reset_sig = ev.sig_submitted
+        ev.signaled = False
+    return 0
+
+
+@_need_init
+def zeEventQueryStatus(rt, hEvent):
+    ev = rt.get(hEvent, "event")
+    if ev is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    return 0 if ev.signaled else rt.C.ZE_RESULT_NOT_READY
+
+
+def _host_wait(rt: _Runtime, cond, timeout_ns: int, cv, what: str) -> int:
+    """Wait on ``cv`` (engine lock) until ``cond()``; the Level Zero timeout rules."""
+    if cond():
+        return 0
+    if timeout_ns == 0:
+        return rt.C.ZE_RESULT_NOT_READY
+    limit = core.WAIT_TIMEOUT_S if timeout_ns == _UINT64_MAX else min(timeout_ns / 1e9, core.WAIT_TIMEOUT_S)
+    deadline = time.monotonic() + limit
+    with rt.engine.lock:
+        while not cond():
+            if rt.engine.closed:
+                return rt.C.ZE_RESULT_ERROR_DEVICE_LOST
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if timeout_ns == _UINT64_MAX:
+                    raise RuntimeError(f"accel.sim: {what} waited {limit:.0f} s for work that never completes "
+                                       "(a wait on an event nothing will signal?)")
+                return rt.C.ZE_RESULT_NOT_READY
+            cv.wait(left)
+    if rt.lost is not None:
+        return rt.C.ZE_RESULT_ERROR_DEVICE_LOST
+    return 0
+
+
+@_need_init
+def zeEventHostSynchronize(rt, hEvent, timeout):
+    ev = rt.get(hEvent, "event")
+    if ev is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    return _host_wait(rt, lambda: ev.signaled or rt.lost is not None, timeout, ev.eq.cv, "zeEventHostSynchronize")
+
+
+@_need_init
+def zeEventQueryKernelTimestamp(rt, hEvent, dstptr):
+    C = rt.C
+    ev = rt.get(hEvent, "event")
+    if ev is None:
+        return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if not ev.pool.flags & C.ZE_EVENT_POOL_FLAG_KERNEL_TIMESTAMP:
+        return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+    if not ev.signaled:
+        return C.ZE_RESULT_NOT_READY
+    start, end = ev.ts
+    wall = getattr(dstptr, "global")   # a C field named like a Python keyword
+    wall.kernelStart, wall.kernelEnd = start, end
+    dstptr.context.kernelStart, dstptr.context.kernelEnd = start, end
+    return 0
+
+
+# -- command lists and queues ---------------------------------------------------------------------
+
+def _queue_desc_checks(rt, dev, ordinal) -> int:
+    if ordinal >= len(_GROUPS):
+        return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+    return 0
+
+
+@_need_init
+def zeCommandListCreateImmediate(rt, hContext, hDevice, altdesc, phCommandList):
+    C = rt.C
+    if rt.get(hContext, "context") is None:
+        return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    dev = rt.get(hDevice, "device")
+    if dev is None:
+        return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if altdesc.stype != C.ZE_STRUCTURE_TYPE_COMMAND_QUEUE_DESC:
+        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    rc = _queue_desc_checks(rt, dev, altdesc.ordinal)
+    if rc:
+        return rc
+    in_order = bool(altdesc.flags & C.ZE_COMMAND_QUEUE_FLAG_IN_ORDER)
+    if in_order and rt.zcfg.api_version < (1, 7):
+        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION   # the flag does not exist before API 1.7
+    if altdesc.mode > C.ZE_COMMAND_QUEUE_MODE_ASYNCHRONOUS:
+        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    q = rt.engine.queue(f"xpu{dev.ordinal}-immediate")
+    cl = rt._add(_CmdList(dev, True, q, in_order, altdesc.ordinal))
+    phCommandList[0] = cl.key
+    return 0
+
+
+@_need_init
+def zeCommandListCreate(rt, hContext, hDevice, desc, phCommandList):
+    C = rt.C
+    if rt.get(hContext, "context") is None:
+        return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    dev = rt.get(hDevice, "device")
+    if dev is None:
+        return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if desc.stype != C.ZE_STRUCTURE_TYPE_COMMAND_LIST_DESC:
+        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    rc = _queue_desc_checks(rt, dev, desc.commandQueueGroupOrdinal)
+    if rc:
+        return rc
+    in_order = bool(desc.flags & C.ZE_COMMAND_LIST_FLAG_IN_ORDER)
+    if in_order and rt.zcfg.api_version < (1, 7):
+        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    cl = rt._add(_CmdList(dev, False, None, in_order, desc.commandQueueGroupOrdinal))
+    phCommandList[0] = cl.key
+    return 0
+
+
+def _busy(cl: _CmdList) -> bool:
+    if cl.immediate:
+        return not cl.queue.idle()
+    return cl.executing is not None and cl.executing[0].done < cl.executing[1]
+
+
+@_need_init
+def zeCommandListDestroy(rt, hCommandList):
+    cl = rt.get(hCommandList, "cmdlist")
+    if cl is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if _busy(cl):
+        return rt.C.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE   # the device still references it
+    cl.live = False
+    if cl.queue is not None:
+        cl.queue.closed = True
+    return 0
+
+
+@_need_init
+def zeCommandListClose(rt, hCommandList):
+    cl = rt.get(hCommandList, "cmdlist")
+    if cl is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if cl.immediate:
+        return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+    cl.closed = True
+    return 0
+
+
+@_need_init
+def zeCommandListReset(rt, hCommandList):
+    cl = rt.get(hCommandList, "cmdlist")
+    if cl is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if _busy(cl):
+        return rt.C.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE
+    cl.ops.clear()
+    cl.closed = False
+    return 0
+
+
+class _Op:
+    """One command: ``fn`` (the work, may be None), the events it waits for, signals and resets."""
+    __slots__ = ("fn", "waits", "signal", "reset", "work", "label")
+
+    def __init__(self, fn, waits=(), signal=None, reset=None, work=True, label=""):
+        self.fn, self.waits, self.signal, self.reset, self.work, self.label = fn, waits, signal, reset, work, label
+
+
+def _submit(rt: _Runtime, queue, op: _Op) -> None:
+    """Put ``op`` on an engine queue; the event bookkeeping happens in submission order."""
+    with rt.lock:
+        deps = [(ev.eq, ev.last_reset_sig + 1) for ev in op.waits]
+        sig, rst, fn = op.signal, op.reset, op.fn
+        if sig is not None:
+            sig.sig_submitted += 1
+        if rst is not None:
+            rst.last_reset_sig = rst.sig_submitted
+
+        def run():
+            if fn is not None:
+                fn()
+            if rst is not None:
+                rst.signaled = False
+            if sig is not None:
+                _signal_now(rt, sig)
+        # Always a "work" operation: the engine runs markers with its lock held, and
+        # signalling an event takes that lock.
+        queue.submit(run, deps, True)
+
+
+def _events(rt, hSignalEvent, numWaitEvents, phWaitEvents):
+    """(signal event or None, wait events) or an error code."""
+    sig = None
+    if hSignalEvent:
+        sig = rt.get(hSignalEvent, "event")
+        if sig is None:
+            return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    waits = []
+    if numWaitEvents:
+        if not phWaitEvents:
+            return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
+        for i in range(numWaitEvents):
+            ev = rt.get(phWaitEvents[i], "event")
+            if ev is None:
+                return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+            waits.append(ev)
+    return sig, tuple(waits)
+
+
+def _append(rt: _Runtime, hCommandList, op: _Op) -> int:
+    cl = rt.get(hCommandList, "cmdlist")
+    if cl is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if cl.immediate:
+        _submit(rt, cl.queue, op)
+    else:
+        if cl.closed:
+            return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+        cl.ops.append(op)
+    return 0
+
+
+def _usm(rt: _Runtime, addr: int, size: int):
+    """The live USM allocation holding [addr, addr+size), or None (pageable or out of range)."""
+    a = rt.memory.find(addr)
+    if a is None or addr + size > a.base + a.size:
+        return None
+    return a
+
+
+def _checked_range(rt: _Runtime, addr: int, size: int, what: str) -> None:
+    # At execution: the memory must still be allocated (a freed buffer means a backend bug).
+    if _usm(rt, addr, size) is None:
+        raise RuntimeError(f"{what} touches {size} bytes at {addr:#x}, outside every live allocation "
+                           "(freed while queued work still used it?)")
+
+
+@_need_init
+def zeCommandListAppendMemoryCopy(rt, hCommandList, dstptr, srcptr, size, hSignalEvent, numWaitEvents, phWaitEvents):
+    got = _events(rt, hSignalEvent, numWaitEvents, phWaitEvents)
+    if isinstance(got, int):
+        return got
+    sig, waits = got
+    dst, src = _addr(dstptr), _addr(srcptr)
+    if not dst or not src:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
+    if size and (_usm(rt, dst, size) is None or _usm(rt, src, size) is None):
+        return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT   # not device-accessible USM memory
+
+    def copy():
+        if size:
+            _checked_range(rt, src, size, "memory copy source")
+            _checked_range(rt, dst, size, "memory copy destination")
+            ffi.memmove(_memory.char_ptr(dst), _memory.char_ptr(src), size)
+    return _append(rt, hCommandList, _Op(copy, waits, sig, label=f"copy {size}"))
+
+
+@_need_init
+def zeCommandListAppendMemoryFill(rt, hCommandList, ptr, pattern, pattern_size, size, hSignalEvent,
+                                  numWaitEvents, phWaitEvents):
+    got = _events(rt, hSignalEvent, numWaitEvents, phWaitEvents)
+    if isinstance(got, int):
+        return got
+    sig, waits = got
+    dst = _addr(ptr)
+    if not dst or not pattern:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
+    if pattern_size == 0 or pattern_size & (pattern_size - 1) or pattern_size > 16:
+        return rt.C.ZE_RESULT_ERROR_INVALID_SIZE
+    if size % pattern_size:
+        return rt.C.ZE_RESULT_ERROR_INVALID_SIZE
+    if size and _usm(rt, dst, size) is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+    pat = bytes(ffi.buffer(ffi.cast("char *", pattern), pattern_size))   # read at append time
+
+    def fill():
+        if size:
+            _checked_range(rt, dst, size, "memory fill")
+            ffi.buffer(_memory.char_ptr(dst), size)[:] = pat * (size // pattern_size)
+    return _append(rt, hCommandList, _Op(fill, waits, sig, label=f"fill {size}"))
+
+
+@_need_init
+def zeCommandListAppendSignalEvent(rt, hCommandList, hEvent):
+    ev = rt.get(hEvent, "event")
+    if ev is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    return _append(rt, hCommandList, _Op(None, (), ev, work=False, label="signal"))
+
+
+@_need_init
+def zeCommandListAppendWaitOnEvents(rt, hCommandList, numEvents, phEvents):
+    got = _events(rt, None, numEvents, phEvents)
+    if isinstance(got, int):
+        return got
+    return _append(rt, hCommandList, _Op(None, got[1], work=False, label="wait"))
+
+
+@_need_init
+def zeCommandListAppendEventReset(rt, hCommandList, hEvent):
+    ev = rt.get(hEvent, "event")
+    if ev is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    return _append(rt, hCommandList, _Op(None, (), None, ev, work=False, label="reset"))
+
+
+@_need_init
+def zeCommandListAppendBarrier(rt, hCommandList, hSignalEvent, numWaitEvents, phWaitEvents):
+    got = _events(rt, hSignalEvent, numWaitEvents, phWaitEvents)
+    if isinstance(got, int):
+        return got
+    return _append(rt, hCommandList, _Op(None, got[1], got[0], work=False, label="barrier"))
+
+
+@_need_init
+def zeCommandListHostSynchronize(rt, hCommandList, timeout):
+    cl = rt.get(hCommandList, "cmdlist")
+    if cl is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if not cl.immediate:
+        return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+    q = cl.queue
+    target = q.enqueued
+    return _host_wait(rt, lambda: q.done >= target or rt.lost is not None, timeout, q.cv,
+                      "zeCommandListHostSynchronize")
+
+
+@_need_init
+def zeCommandQueueCreate(rt, hContext, hDevice, desc, phCommandQueue):
+    C = rt.C
+    if rt.get(hContext, "context") is None:
+        return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    dev = rt.get(hDevice, "device")
+    if dev is None:
+        return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if desc.stype != C.ZE_STRUCTURE_TYPE_COMMAND_QUEUE_DESC:
+        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    rc = _queue_desc_checks(rt, dev, desc.ordinal)
+    if rc:
+        return rc
+    if desc.flags & C.ZE_COMMAND_QUEUE_FLAG_IN_ORDER:
+        return C.ZE_RESULT_ERROR_INVALID_ARGUMENT   # IN_ORDER is for immediate command lists only
+    cq = rt._add(_CmdQueue(dev, rt.engine.queue(f"xpu{dev.ordinal}-queue"), desc.ordinal))
+    phCommandQueue[0] = cq.key
+    return 0
+
+
+@_need_init
+def zeCommandQueueDestroy(rt, hCommandQueue):
+    cq = rt.get(hCommandQueue, "cmdqueue")
+    if cq is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if not cq.queue.idle():
+        return rt.C.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE
+    cq.live = False
+    cq.queue.closed = True
+    return 0
+
+
+@_need_init
+def zeCommandQueueExecuteCommandLists(rt, hCommandQueue, numCommandLists, phCommandLists, hFence):
+    C = rt.C
+    cq = rt.get(hCommandQueue, "cmdqueue")
+    if cq is None:
+        return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if numCommandLists == 0:
+        return C.ZE_RESULT_ERROR_INVALID_SIZE
+    if hFence:
+        return C.ZE_RESULT_ERROR_INVALID_SYNCHRONIZATION_OBJECT   # fences are not simulated
+    lists = []
+    for i in range(numCommandLists):
+        cl = rt.get(phCommandLists[i], "cmdlist")
+        if cl is None:
+            return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+        if cl.immediate:
+            return C.ZE_RESULT_ERROR_INVALID_COMMAND_LIST_TYPE
+        if not cl.closed or cl.ordinal != cq.ordinal or cl.device is not cq.device:
+            return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+        if _busy(cl):
+            return C.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE   # still referenced by a previous submission
+        lists.append(cl)
+    for cl in lists:
+        for op in cl.ops:
+            _submit(rt, cq.queue, op)
+        cl.executing = (cq.queue, cq.queue.enqueued)
+    return 0
+
+
+@_need_init
+def zeCommandQueueSynchronize(rt, hCommandQueue, timeout):
+    cq = rt.get(hCommandQueue, "cmdqueue")
+    if cq is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    q = cq.queue
+    target = q.enqueued
+    return _host_wait(rt, lambda: q.done >= target or rt.lost is not None, timeout, q.cv,
+                      "zeCommandQueueSynchronize")
+
+
+# -- Sysman -------------------------------------------------------------------------------------------
+
+def _card_of(obj) -> _Card:
+    return obj if obj.kind == "card" else obj.card
+
+
+@_need_sysman
+def zesDeviceGetProperties(rt, dev, props):
+    C = rt.C
+    if props.stype != C.ZES_STRUCTURE_TYPE_DEVICE_PROPERTIES:
+        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    card = _card_of(dev)
+    props.core.stype = C.ZE_STRUCTURE_TYPE_DEVICE_PROPERTIES
+    rc = _write_core_properties(rt, props.core, card.uuid, False, 0, card.tiles)
+    if rc:
+        return rc
+    props.numSubdevices = card.tiles if card.tiles > 1 else 0
+    props.serialNumber = b"unknown"
+    props.boardNumber = b"unknown"
+    props.brandName = b"Intel(R) Corporation (simulated)"
+    props.modelName = core.config().name.encode()[:63]
+    props.vendorName = b"Intel(R) Corporation"
+    props.driverVersion = b"1.3.29735 (accel.sim)"
+    return 0
+
+
+@_need_sysman
+def zesDeviceEnumMemoryModules(rt, dev, pCount, phMemory):
+    return _fill(pCount, phMemory, _card_of(dev).modules)
+
+
+@_need_sysman
+def zesMemoryGetProperties(rt, mod, props):
+    C = rt.C
+    if mod.kind != "memmodule":
+        return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+    if props.stype != C.ZES_STRUCTURE_TYPE_MEM_PROPERTIES:
+        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    props.type = C.ZES_MEM_TYPE_HBM if mod.location == C.ZES_MEM_LOC_DEVICE else C.ZES_MEM_TYPE_DDR5
+    props.onSubdevice = 1 if mod.tile is not None else 0
+    props.subdeviceId = mod.tile or 0
+    props.location = mod.location
+    props.physicalSize = core.config().memory if mod.location == C.ZES_MEM_LOC_DEVICE else 64 << 30
+    props.busWidth = -1
+    props.numChannels = -1
+    return 0
+
+
+@_need_sysman
+def zesMemoryGetState(rt, mod, st):
+    C = rt.C
+    if mod.kind != "memmodule":
+        return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+    if st.stype != C.ZES_STRUCTURE_TYPE_MEM_STATE:
+        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    st.health = C.ZES_MEM_HEALTH_OK
+    if mod.location != C.ZES_MEM_LOC_DEVICE:
+        st.size, st.free = 64 << 30, 48 << 30
+        return 0
+    size = core.config().memory
+    tiles = [mod.tile] if mod.tile is not None else list(range(mod.card.tiles))
+    used = sum(mod.card.tile_used[t] for t in tiles)
+    st.size = size
+    st.free = max(size - used, 0)
+    return 0
+
+
+# -- the library object ---------------------------------------------------------------------------------
+
+#: Functions Debian's libze_loader 1.8.12 does not export.
+NEW_LOADER_ONLY = ("zesInit", "zesDriverGet", "zesDeviceGet", "zeInitDrivers", "zeCommandListHostSynchronize")
+
+_FUNCTIONS = (
+    zeInit, zeDriverGet, zeDriverGetApiVersion, zeDriverGetProperties, zeDeviceGet, zeDeviceGetSubDevices,
+    zeDeviceGetProperties, zeDeviceGetComputeProperties, zeDeviceGetModuleProperties,
+    zeDeviceGetMemoryProperties, zeDeviceGetCommandQueueGroupProperties, zeDeviceGetGlobalTimestamps,
+    zeContextCreate, zeContextDestroy, zeMemAllocDevice, zeMemAllocHost, zeMemFree, zeMemGetAllocProperties,
+    zeEventPoolCreate, zeEventPoolDestroy, zeEventCreate, zeEventDestroy, zeEventHostSignal, zeEventHostReset,
+    zeEventQueryStatus, zeEventHostSynchronize, zeEventQueryKernelTimestamp,
+    zeCommandListCreateImmediate, zeCommandListCreate, zeCommandListDestroy, zeCommandListClose,
+    zeCommandListReset, zeCommandListAppendMemoryCopy, zeCommandListAppendMemoryFill,
+    zeCommandListAppendSignalEvent, zeCommandListAppendWaitOnEvents, zeCommandListAppendEventReset,
+    zeCommandListAppendBarrier, zeCommandListHostSynchronize,
+    zeCommandQueueCreate, zeCommandQueueDestroy, zeCommandQueueExecuteCommandLists, zeCommandQueueSynchronize,
+    zesInit, zesDriverGet, zesDeviceGet, zesDeviceGetProperties, zesDeviceEnumMemoryModules,
+    zesMemoryGetProperties, zesMemoryGetState,
+)
+
+
+def open_ze():
+    """The simulated ``libze_loader``: an object called like the cffi ``lib`` of the real one.
+
+    Raises OSError when ``configure(cudart=...)``-style switches say the library is
+    absent (never, today: the loader is always "installed"; no driver is
+    ``configure(driver=False)`` or ``ACCEL_SIM_DEVICES=0``).
+    """
+    zcfg = ze_config()
+    _runtime()
+    funcs = {f.__name__: f for f in _FUNCTIONS}
+    if zcfg.loader == "1.8.12":
+        for name in NEW_LOADER_ONLY:
+            funcs.pop(name, None)
+    return core.build_library("ze", funcs, constants=core.constants_of("_ze"))
+
+
+open_library = open_ze
