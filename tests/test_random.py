@@ -86,8 +86,9 @@ def test_host_words_are_curand_order(seed, offset, n):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_fast_path_equals_reference_over_chunks(threads):
+def test_fast_path_equals_reference_over_chunks(threads, monkeypatch):
     # more than one chunk and a partial one, so chunking and the thread split are exercised
+    monkeypatch.setattr(philox, "_PARALLEL_MIN", 0)
     n_ctr = 2 * philox._CHUNK + 123
     seed = 0x0123456789ABCDEF
     start = (1 << 32) - philox._CHUNK // 2              # crosses a change of counter word 1
