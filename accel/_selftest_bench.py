@@ -26,6 +26,9 @@ def interleaved_ns(stmts: Dict[str, str], namespace: dict, *, rounds: int, batch
     timers = {k: timeit.Timer(stmt, globals=namespace) for k, stmt in stmts.items()}
     numbers = {}
     for key, timer in timers.items():
+        timer.timeit(1)          # warm-up: one-time costs (lazy imports, selection) stay out of calibration
+        if between:
+            between()
         n = 1
         while True:
             t = timer.timeit(n)
