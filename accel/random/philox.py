@@ -109,8 +109,6 @@ class _Views:
     def __init__(self, ws: "_Workspace", m: int):
         self.m = m
         self.base_m0 = ws.base_m0[:m]
-        self.x = ws.x[:, :m]
-        self.x0, self.x1 = self.x[0], self.x[1]
         self.q = ws.q[:m]
         bufs = [ws.pa[:, :m + 1], ws.pb[:, :m + 1]]
         self.p = [b[:, 1:] for b in bufs]
@@ -120,6 +118,9 @@ class _Views:
         yb = ws.y[:, :m + 1]
         self.y = yb[:, 1:]
         self.y32 = yb.view(np.uint32)[:, 2:]
+        # the next round's inputs are shifted down in place, so x is y
+        self.x = self.y
+        self.x0, self.x1 = self.x[0], self.x[1]
 
 
 class _Workspace:
@@ -128,7 +129,6 @@ class _Workspace:
     def __init__(self, n: int):
         self.n = n
         self.base_m0 = np.arange(n, dtype=np.uint64) * np.uint64(M0)
-        self.x = np.empty((2, n), dtype=np.uint64)
         # Products and xor results keep one pad element in front of each row so
         # the uint32 view shifted by one word stays inside the row.
         self.pa = np.zeros((2, n + 1), dtype=np.uint64)
@@ -202,12 +202,13 @@ def _chunk(ws: _Workspace, lo_start: int, hi: int, keys: _Keys, out64t: np.ndarr
         np.multiply(x, _MCOL[r & 1], out=v.p[cur])
         # hi(P row i) ^ lo(previous P, other row): uint32 views offset by one word.
         np.bitwise_xor(v.p32_cur[cur], v.p32_prev[prev], out=v.y32)
-        np.right_shift(v.y, _SH32, out=x)
+        np.right_shift(x, _SH32, out=x)
         np.bitwise_xor(x, keys.cols[r], out=x)
         prev = cur
     # Round 10 (odd): p = [P1, P0]; x = [w0, w2]; words (w0, w1 = lo P1), (w2, w3 = lo P0).
-    np.left_shift(v.p[prev], _SH32, out=v.y)
-    np.bitwise_or(x, v.y, out=out64t)
+    p = v.p[prev ^ 1]                      # the older product buffer is free: reuse it
+    np.left_shift(v.p[prev], _SH32, out=p)
+    np.bitwise_or(x, p, out=out64t)
 
 
 def _fill_counters(seed: int, ctr_start: int, n_ctr: int, out: np.ndarray) -> None:
