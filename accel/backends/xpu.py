@@ -224,7 +224,7 @@ class XpuBackend(Backend):
         self._probe: Optional[List[str]] = None
         self._sysman_cards = None      # [(zes handle, tiles, uuid bytes)] from zesDeviceGet
         self._sysman_visible = None    # [(card, tile)] after the mask
-        self._sysman_env_set = False
+        self._sysman_legacy = False   # ZES_ENABLE_SYSMAN=1 was in effect at zeInit
         self._devices: List[_Device] = []
         self._tls = threading.local()
         self._streams: Dict[int, _Stream] = {}
@@ -466,16 +466,19 @@ class XpuBackend(Backend):
                 return
             ffi, lib, _ = self._library()
             has_zes = all(self._has(lib, s) for s in ("zesInit", "zesDriverGet", "zesDeviceGet"))
-            if not has_zes and "ZES_ENABLE_SYSMAN" not in os.environ:
-                # Legacy Sysman: core handles serve as Sysman handles when this is set before zeInit.
+            user_sysman = os.environ.get("ZES_ENABLE_SYSMAN")
+            if not has_zes and user_sysman is None:
+                # Legacy Sysman: core handles serve as Sysman handles when this is set at zeInit.
+                # The driver reads it only there, so it is removed again right after.
                 os.environ["ZES_ENABLE_SYSMAN"] = "1"
-                self._sysman_env_set = True
-            rc = lib.zeInit(lib.ZE_INIT_FLAG_GPU_ONLY)
-            if rc:
-                if self._sysman_env_set:
+            try:
+                rc = lib.zeInit(lib.ZE_INIT_FLAG_GPU_ONLY)
+            finally:
+                if not has_zes and user_sysman is None:
                     os.environ.pop("ZES_ENABLE_SYSMAN", None)
-                    self._sysman_env_set = False
+            if rc:
                 self._fail("zeInit", rc, "is an Intel GPU driver (intel-level-zero-gpu) installed?")
+            self._sysman_legacy = not has_zes and (user_sysman is None or user_sysman == "1")
             self._host_sync = self._has(lib, "zeCommandListHostSynchronize")
             devices = []
             try:
@@ -686,7 +689,7 @@ class XpuBackend(Backend):
         ffi, lib, _ = self._lib
         if dev.sysman is not None:
             handle, tile = dev.sysman, dev.sysman_tile
-        elif self._sysman_env_set or os.environ.get("ZES_ENABLE_SYSMAN") == "1":
+        elif self._sysman_legacy:
             handle, tile = dev.handle, dev.subdevice_id   # legacy: the core handle is the Sysman handle
         else:
             return None
