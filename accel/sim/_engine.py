@@ -1,0 +1,216 @@
+"""In-order work queues run by worker threads: the simulated device's streams.
+
+Every queue numbers its operations 1, 2, 3, ... (``enqueued``) and counts
+how many have completed (``done``); a point ``(queue, seq)`` is complete when
+``queue.done >= seq``.  Events, stream waits and synchronization are all
+points, so "wait for the work captured by this record" never depends on
+anything enqueued later.
+
+Why no wait can deadlock: an operation's dependencies (its predecessor in
+its own queue and any ``deps`` points) were all enqueued *before* it, under
+the engine lock, so the wait-for graph follows enqueue order and has no
+cycles; every queued operation has a worker thread (started on demand) or
+runs inline in the submitting thread.  Internal waits still time out after
+:data:`core.WAIT_TIMEOUT_S` with a RuntimeError so a simulator bug can never
+hang a test.
+
+Fast path: with no configured delay, an operation on an idle queue whose
+dependencies are complete runs inline in the calling thread, so the common
+case costs no thread hand-off.  With ``ACCEL_SIM_DELAY_US`` set, every work
+operation goes through the worker, which sleeps that long first.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Callable, Optional, Sequence, Tuple
+
+from . import core
+
+#: A worker thread with nothing to do for this long exits (a new one starts on demand).
+_IDLE_EXIT_S = 5.0
+
+Point = Tuple["Queue", int]
+
+
+class Engine:
+    """One lock for all queues of a simulated runtime, plus their error sink."""
+
+    def __init__(self, on_error: Callable[["Queue", BaseException], None]):
+        self.lock = threading.Lock()
+        self.closed = False
+        self.on_error = on_error
+        self.queues = []            # every queue ever made (for shutdown)
+
+    def queue(self, label: str, owner=None) -> "Queue":
+        q = Queue(self, label, owner)
+        with self.lock:
+            self.queues.append(q)
+        return q
+
+    def shutdown(self, join_timeout: float = 2.0) -> None:
+        """Abandon queued work, wake every waiter, stop the workers."""
+        with self.lock:
+            self.closed = True
+            workers = []
+            for q in self.queues:
+                q.ops.clear()
+                q.done = q.enqueued
+                q.cv.notify_all()
+                if q.worker is not None:
+                    workers.append(q.worker)
+        me = threading.current_thread()
+        deadline = time.monotonic() + join_timeout
+        for t in workers:
+            if t is not me:
+                t.join(max(0.0, deadline - time.monotonic()))
+
+
+class Queue:
+    """An in-order queue of operations (one simulated stream)."""
+
+    __slots__ = ("engine", "cv", "ops", "enqueued", "done", "worker", "closed", "label", "owner")
+
+    def __init__(self, engine: Engine, label: str, owner=None):
+        self.engine = engine
+        self.cv = threading.Condition(engine.lock)
+        self.ops = collections.deque()   # (seq, fn, deps, work), not yet completed
+        self.enqueued = 0
+        self.done = 0
+        self.worker: Optional[threading.Thread] = None
+        self.closed = False
+        self.label = label
+        self.owner = owner
+
+    def idle(self) -> bool:
+        return self.done >= self.enqueued
+
+    def submit(self, fn: Optional[Callable[[], None]], deps: Sequence[Point] = (), work: bool = True) -> int:
+        """Enqueue ``fn`` after everything already on this queue and after ``deps``.
+
+        ``work`` operations sleep the configured delay first; markers
+        (``work=False``) must be trivial and must not raise.  Returns the
+        operation's sequence number.
+        """
+        engine = self.engine
+        with engine.lock:
+            if engine.closed:
+                raise RuntimeError("accel.sim: the simulated runtime was reset while this call ran")
+            seq = self.enqueued + 1
+            self.enqueued = seq
+            if self.done == seq - 1 and (not work or core.delay_s == 0.0) and _complete(deps):
+                if work:
+                    return self._run_inline(seq, fn)
+                if fn is not None:
+                    fn()
+                self.done = seq
+                self.cv.notify_all()
+                return seq
+            self.ops.append((seq, fn, tuple(deps), work))
+            if self.worker is None:
+                t = threading.Thread(target=_worker, args=(self,), name=f"accel-sim-{self.label}", daemon=True)
+                self.worker = t
+                t.start()
+            else:
+                self.cv.notify_all()
+            return seq
+
+    def _run_inline(self, seq: int, fn) -> int:
+        # Called with the lock held; runs fn without it, then completes seq.
+        lock = self.engine.lock
+        lock.release()
+        try:
+            if fn is not None:
+                fn()
+        except BaseException as exc:  # the device "faulted"; report, keep going
+            self.engine.on_error(self, exc)
+        finally:
+            lock.acquire()
+            if self.ops and self.ops[0][0] == seq:
+                self.ops.popleft()
+            if self.done < seq:
+                self.done = seq
+            self.cv.notify_all()
+        return seq
+
+    def wait(self, seq: Optional[int] = None, timeout: float = None) -> None:
+        """Block the calling host thread until operation ``seq`` (default: all) completed."""
+        if seq is None:
+            seq = self.enqueued
+        if self.done >= seq:
+            return
+        with self.engine.lock:
+            _wait_locked(self, seq, timeout)
+
+
+def _wait_locked(q: Queue, seq: int, timeout: Optional[float] = None) -> None:
+    if q.done >= seq:
+        return
+    limit = core.WAIT_TIMEOUT_S if timeout is None else timeout
+    deadline = time.monotonic() + limit
+    while q.done < seq:
+        if q.engine.closed:
+            return
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RuntimeError(
+                f"accel.sim: waited {limit:.0f} s for operation {seq} of {q.label} "
+                f"(completed {q.done} of {q.enqueued}); a simulated operation is stuck or too slow")
+        q.cv.wait(left)
+
+
+def _complete(deps: Sequence[Point]) -> bool:
+    for q, seq in deps:
+        if q.done < seq:
+            return False
+    return True
+
+
+def wait_points(points: Sequence[Point], timeout: float = None) -> None:
+    """Block until every ``(queue, seq)`` point is complete."""
+    for q, seq in points:
+        if q.done < seq:
+            q.wait(seq, timeout)
+
+
+def _worker(q: Queue) -> None:
+    engine = q.engine
+    lock = engine.lock
+    while True:
+        with lock:
+            idle_until = time.monotonic() + _IDLE_EXIT_S
+            while not q.ops:
+                if engine.closed or q.closed or time.monotonic() >= idle_until:
+                    q.worker = None
+                    return
+                q.cv.wait(max(0.01, idle_until - time.monotonic()))
+            seq, fn, deps, work = q.ops[0]
+            try:
+                _wait_locked(q, seq - 1)
+                for dq, ds in deps:
+                    _wait_locked(dq, ds)
+            except RuntimeError as exc:
+                err: Optional[BaseException] = exc
+            else:
+                err = None
+            if engine.closed:
+                q.worker = None
+                return
+        if err is None:
+            if work and core.delay_s:
+                time.sleep(core.delay_s)
+            try:
+                if fn is not None:
+                    fn()
+            except BaseException as exc:
+                err = exc
+        with lock:
+            if q.ops and q.ops[0][0] == seq:
+                q.ops.popleft()
+            if q.done < seq:
+                q.done = seq
+            q.cv.notify_all()
+        if err is not None:
+            engine.on_error(q, err)

@@ -1,0 +1,447 @@
+"""Shared machinery of the simulated vendor libraries.
+
+* :class:`Config` — what is simulated (device count, memory per device,
+  compute capability, per-op latency, which libraries "exist"), read from the
+  ``ACCEL_SIM_*`` environment when a simulated library is first opened, with
+  :func:`configure` overrides for tests.
+* Fault injection — :func:`inject_error` (a named call fails with a code) and
+  :func:`inject_oom` (the Nth future allocation fails).
+* Call counters and :func:`build_library`, which turns a dict of Python
+  functions into an object that is called exactly like a cffi ``lib``.
+* Reset and fork hooks: every simulated library registers a function that
+  drops its state; :func:`reset` runs them all, and a forked child drops the
+  parent's runtime state (its worker threads do not exist in the child).
+
+Nothing here imports numpy or cffi's parser; ``ffi`` is a bare
+``_cffi_backend.FFI()`` that knows the C primitive types only, which is all
+the simulators need (structs and handles arrive as the caller's cdata).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import threading
+from dataclasses import dataclass, fields, replace
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
+
+import _cffi_backend
+
+#: Primitive-types-only FFI used for casts, buffers and memmove on any cdata.
+ffi = _cffi_backend.FFI()
+
+#: Longest any internal wait may block before it is treated as a simulator bug.
+WAIT_TIMEOUT_S = 60.0
+
+_GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Config:
+    """What the simulator pretends the machine has.
+
+    ``devices`` physical devices of ``memory`` bytes each with compute
+    capability ``compute_capability``; stream workers sleep ``delay_us``
+    microseconds before each operation.  ``nvml``/``cudart`` False make
+    opening that library fail like a missing shared library; ``driver``
+    False simulates a runtime installed without a driver
+    (cudaErrorInsufficientDriver, NVML_ERROR_DRIVER_NOT_LOADED).
+    """
+
+    devices: int = 2
+    memory: int = 8 * _GIB
+    compute_capability: Tuple[int, int] = (9, 0)
+    delay_us: float = 0.0
+    name: str = "Accel Simulated GPU"
+    nvml: bool = True
+    cudart: bool = True
+    driver: bool = True
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str, what: str = "size") -> int:
+    """``"8G"``, ``"512M"``, ``"1.5GiB"``, ``"4096"`` -> bytes (binary units)."""
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise ValueError(f"{what}={text!r} is not a size; use bytes or a number with K/M/G/T, e.g. '8G'")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+def parse_cc(text) -> Tuple[int, int]:
+    """``"9.0"`` / ``"8.6"`` / ``(9, 0)`` -> (major, minor)."""
+    if isinstance(text, (tuple, list)) and len(text) == 2:
+        major, minor = text
+    else:
+        m = re.match(r"^\s*(\d+)\.(\d+)\s*$", str(text))
+        if not m:
+            raise ValueError(f"compute capability {text!r} is not MAJOR.MINOR, e.g. '9.0'")
+        major, minor = m.groups()
+    major, minor = int(major), int(minor)
+    if major < 1 or minor < 0:
+        raise ValueError(f"compute capability {text!r} must be at least 1.0")
+    return major, minor
+
+
+def _env_config() -> Config:
+    env = os.environ
+    kw = {}
+    raw = env.get("ACCEL_SIM_DEVICES")
+    if raw is not None and raw.strip() != "":
+        try:
+            kw["devices"] = int(raw)
+        except ValueError:
+            raise ValueError(f"ACCEL_SIM_DEVICES={raw!r} is not an integer") from None
+    raw = env.get("ACCEL_SIM_MEMORY")
+    if raw:
+        kw["memory"] = parse_size(raw, "ACCEL_SIM_MEMORY")
+    raw = env.get("ACCEL_SIM_CC")
+    if raw:
+        kw["compute_capability"] = parse_cc(raw)
+    raw = env.get("ACCEL_SIM_DELAY_US")
+    if raw:
+        try:
+            kw["delay_us"] = float(raw)
+        except ValueError:
+            raise ValueError(f"ACCEL_SIM_DELAY_US={raw!r} is not a number of microseconds") from None
+    return _validated(Config(**kw))
+
+
+def _validated(cfg: Config) -> Config:
+    if not isinstance(cfg.devices, int) or cfg.devices < 0:
+        raise ValueError(f"simulated device count must be an integer >= 0, got {cfg.devices!r}")
+    if not isinstance(cfg.memory, int) or cfg.memory <= 0:
+        raise ValueError(f"simulated memory per device must be a positive byte count, got {cfg.memory!r}")
+    if cfg.delay_us < 0:
+        raise ValueError(f"delay_us must be >= 0, got {cfg.delay_us!r}")
+    if not isinstance(cfg.name, str) or not cfg.name:
+        raise ValueError(f"device name must be a non-empty str, got {cfg.name!r}")
+    return cfg
+
+
+_overrides: Dict[str, object] = {}
+_config: Optional[Config] = None
+#: Seconds to sleep before each stream operation (Config.delay_us / 1e6), read by workers.
+delay_s = 0.0
+
+
+def config() -> Config:
+    """The active configuration (environment + :func:`configure` overrides), resolved once."""
+    global _config, delay_s
+    cfg = _config
+    if cfg is None:
+        cfg = _env_config()
+        if _overrides:
+            cfg = _validated(replace(cfg, **_overrides))
+        _config = cfg
+        delay_s = cfg.delay_us / 1e6
+    return cfg
+
+
+_FIELDS = {f.name for f in fields(Config)}
+#: Changing these rebuilds the simulated machine (its runtime state is dropped).
+_STRUCTURAL = {"devices", "memory", "compute_capability", "name", "driver"}
+
+
+def configure(**settings) -> Config:
+    """Override the simulated machine for this process (tests); returns the new Config.
+
+    Keys: ``devices`` (int), ``memory`` (bytes or "8G"), ``compute_capability``
+    ("9.0" or (9, 0)), ``delay_us`` (float), ``name`` (str), ``nvml`` / ``cudart``
+    (False: the library "is not installed"), ``driver`` (False: no driver).
+
+    ``delay_us``, ``nvml`` and ``cudart`` apply immediately.  Changing the
+    machine itself (devices, memory, compute capability, name, driver) drops
+    the simulated runtime state, as if the process restarted, so call it
+    before the backend first uses the device.  :func:`reset` forgets overrides.
+    """
+    global _config
+    unknown = set(settings) - _FIELDS
+    if unknown:
+        raise TypeError(f"configure() got unknown setting(s) {sorted(unknown)}; "
+                        f"expected some of {sorted(_FIELDS)}")
+    if "memory" in settings and isinstance(settings["memory"], str):
+        settings["memory"] = parse_size(settings["memory"], "memory")
+    if "compute_capability" in settings:
+        settings["compute_capability"] = parse_cc(settings["compute_capability"])
+    if "delay_us" in settings:
+        settings["delay_us"] = float(settings["delay_us"])
+    for key in ("nvml", "cudart", "driver"):
+        if key in settings and not isinstance(settings[key], bool):
+            raise TypeError(f"configure({key}=...) takes a bool, got {settings[key]!r}")
+    new = _validated(replace(config(), **settings))
+    old = config()
+    structural = any(k in _STRUCTURAL and getattr(old, k) != getattr(new, k) for k in settings)
+    _overrides.update(settings)
+    _config = None
+    if structural:
+        for reset_fn, _fork in list(_resetters.values()):
+            reset_fn()
+    return config()
+
+
+# -- fault injection ----------------------------------------------------------
+
+_faults: Dict[str, List[int]] = {}          # call name -> [code, times left, calls to skip first]
+_oom: List[int] = []                        # [allocations to let through, failures left] or empty
+_fault_lock = threading.Lock()
+
+
+def inject_error(call_name: str, code: int, times: int = 1, after: int = 0) -> None:
+    """Make the simulated vendor function ``call_name`` return ``code``.
+
+    The call fails ``times`` times (``-1``: until :func:`clear_faults`),
+    starting after ``after`` calls that succeed normally.  A failed call
+    does nothing else: out-pointers are left untouched.
+    """
+    if not isinstance(call_name, str) or not call_name:
+        raise TypeError(f"call_name must be a vendor function name, got {call_name!r}")
+    if not isinstance(code, int) or code == 0:
+        raise ValueError(f"code must be a non-zero vendor error code, got {code!r}")
+    if times == 0 or times < -1 or after < 0:
+        raise ValueError(f"times must be >= 1 or -1 and after >= 0, got times={times}, after={after}")
+    with _fault_lock:
+        _faults[call_name] = [code, times, after]
+
+
+def inject_oom(after: int = 0, times: int = 1) -> None:
+    """Make a future device or pinned-host allocation fail with out-of-memory.
+
+    ``after`` allocations (cudaMalloc, cudaHostAlloc, or another simulator's
+    allocation call) still succeed; the next ``times`` ones fail.
+    ``inject_oom()`` fails the very next allocation.
+    """
+    if after < 0 or times < 1:
+        raise ValueError(f"after must be >= 0 and times >= 1, got after={after}, times={times}")
+    with _fault_lock:
+        _oom[:] = [after, times]
+
+
+def clear_faults() -> None:
+    """Forget every injected error and pending OOM."""
+    with _fault_lock:
+        _faults.clear()
+        _oom.clear()
+
+
+def take_fault(call_name: str) -> int:
+    """The injected code for this call of ``call_name``, or 0 to run it normally."""
+    with _fault_lock:
+        entry = _faults.get(call_name)
+        if entry is None:
+            return 0
+        if entry[2] > 0:
+            entry[2] -= 1
+            return 0
+        code = entry[0]
+        if entry[1] > 0:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del _faults[call_name]
+        return code
+
+
+def take_oom() -> bool:
+    """Called by each simulated allocation: True when this one must fail."""
+    if not _oom:
+        return False
+    with _fault_lock:
+        if not _oom:
+            return False
+        if _oom[0] > 0:
+            _oom[0] -= 1
+            return False
+        _oom[1] -= 1
+        if _oom[1] <= 0:
+            _oom.clear()
+        return True
+
+
+# -- call counting and the lib-like object ------------------------------------
+
+# name -> itertools.count: next() on it is atomic under the GIL, unlike d[k] += 1.
+_counts: Dict[str, "itertools.count"] = {}
+
+
+def _counter(name: str):
+    c = _counts.get(name)
+    if c is None:
+        c = _counts.setdefault(name, itertools.count())
+    return c
+
+
+def call_counts() -> Dict[str, int]:
+    """{vendor function name: calls since the last reset} for every function called."""
+    out = {}
+    for name, c in list(_counts.items()):
+        n = c.__reduce__()[1][0]
+        if n:
+            out[name] = n
+    return out
+
+
+def reset_call_counts() -> None:
+    """Zero every call counter (state otherwise unchanged)."""
+    _counts.clear()
+
+
+class SimLibrary:
+    """Looks like a cffi ``lib``: vendor functions as attributes, plus the
+    vendor's enum and ``#define`` constants read from the generated
+    declarations.  Unknown functions raise AttributeError, so probing with
+    ``hasattr`` works as with a real library missing a symbol."""
+
+    def __init__(self, name: str, constants=None):
+        self.__dict__["_sim_name"] = name
+        self.__dict__["_sim_constants"] = constants
+
+    def __getattr__(self, attr: str):
+        consts = self.__dict__["_sim_constants"]
+        if consts is not None and not attr.startswith("__"):
+            try:
+                value = getattr(consts, attr)
+            except Exception:
+                value = None
+            if isinstance(value, int):
+                self.__dict__[attr] = value
+                return value
+        raise AttributeError(f"the simulated {self.__dict__['_sim_name']} library has no symbol {attr!r}")
+
+    def __dir__(self):
+        return sorted(k for k in self.__dict__ if not k.startswith("_sim_"))
+
+    def __repr__(self):
+        return f"<accel.sim {self.__dict__['_sim_name']} library>"
+
+
+def counted(name: str, fn: Callable) -> Callable:
+    """``fn`` wrapped with the call counter and fault injection of vendor function ``name``."""
+    counter = _counter
+    counts = _counts
+    faults = _faults
+    take = take_fault
+
+    def call(*args):
+        next(counts.get(name) or counter(name))
+        if faults and name in faults:
+            code = take(name)
+            if code:
+                return code
+        return fn(*args)
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = fn.__doc__
+    return call
+
+
+def build_library(name: str, functions: Dict[str, Callable], *, constants=None,
+                  wrap: Callable[[str, Callable], Callable] = counted) -> SimLibrary:
+    """A :class:`SimLibrary` whose attribute ``f`` is ``wrap("f", functions["f"])``.
+
+    The default ``wrap`` is :func:`counted` (call counter + fault injection);
+    a library with extra per-call work (cudart: runtime init, last error)
+    passes its own wrapper built on the same counters (see :func:`counter_for`).
+    ``constants`` serves the int attributes that are not functions, e.g.
+    :func:`constants_of` the generated module.
+    """
+    lib = SimLibrary(name, constants)
+    for fname, fn in functions.items():
+        lib.__dict__[fname] = wrap(fname, fn)
+    return lib
+
+
+def counter_for(name: str):
+    """(counts dict, make-counter fn): ``next(counts.get(name) or make(name))`` counts one call."""
+    return _counts, _counter
+
+
+def constants_of(module_name: str):
+    """An object serving the enum/#define constants of generated module
+    ``accel._ffi.<module_name>`` without loading the vendor library."""
+    import importlib
+    try:
+        mod = importlib.import_module("accel._ffi." + module_name)
+    except ImportError:
+        return None
+    try:
+        # Constants need no symbol lookup; the process itself stands in for the library.
+        return mod.ffi.dlopen(None)
+    except OSError:
+        return None
+
+
+# -- identities shared by the simulated libraries -----------------------------
+
+def uuid_bytes(physical: int) -> bytes:
+    """The 16 UUID bytes of simulated physical device ``physical`` (stable, distinct).
+
+    The first group differs per device so short ``GPU-`` prefixes select one
+    device, while ``GPU-acce`` matches them all (an ambiguous prefix)."""
+    first = (0xACCE0000 + physical * 0x1111) & 0xFFFFFFFF
+    return (first.to_bytes(4, "big") + (physical & 0xFFFF).to_bytes(2, "big") + b"\x40\x00\x80\x00"
+            + b"SIM" + (physical & 0xFFFFFF).to_bytes(3, "big"))
+
+
+def uuid_text(physical: int) -> str:
+    """``GPU-acce0000-0000-4000-8000-53494d000000`` style, as nvmlDeviceGetUUID prints it."""
+    h = uuid_bytes(physical).hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def pci_bus(physical: int) -> int:
+    """PCI bus number of simulated physical device ``physical`` (domain 0, device 0, function 0)."""
+    return (0x18 + 0x10 * physical) & 0xFF
+
+
+# -- reset and fork -------------------------------------------------------------
+
+# name -> (full reset, runtime-state-only reset used after fork / configure)
+_resetters: Dict[str, Tuple[Callable[[], None], Callable[[], None]]] = {}
+_state_providers: Dict[str, Callable[[], dict]] = {}
+
+
+def on_reset(name: str, reset_fn: Callable[[], None], fork_fn: Optional[Callable[[], None]] = None) -> None:
+    """Register a simulated library's state dropper.
+
+    ``reset_fn`` runs on :func:`reset` (tests); ``fork_fn`` (default
+    ``reset_fn``) runs in a forked child and when :func:`configure` changes
+    the machine; it must not touch locks or threads inherited from the parent.
+    """
+    _resetters[name] = (reset_fn, fork_fn or reset_fn)
+
+
+def on_state(name: str, provider: Callable[[], dict]) -> None:
+    """Register a function whose dict is merged into :func:`accel.sim.state`."""
+    _state_providers[name] = provider
+
+
+def state_fields() -> dict:
+    out = {}
+    for provider in list(_state_providers.values()):
+        out.update(provider())
+    return out
+
+
+def reset() -> None:
+    """Drop every simulated library's state, faults, counters and overrides."""
+    global _config
+    for reset_fn, _fork in list(_resetters.values()):
+        reset_fn()
+    clear_faults()
+    reset_call_counts()
+    _overrides.clear()
+    _config = None
+
+
+def _after_fork_in_child() -> None:
+    global _fault_lock
+    _fault_lock = threading.Lock()
+    for _reset, fork_fn in list(_resetters.values()):
+        fork_fn()
+    clear_faults()
+    reset_call_counts()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
