@@ -1,0 +1,109 @@
+"""Simulated vendor libraries: run every layer of accel on a machine without a device.
+
+A backend uses the simulator when ``ACCEL_SIM`` names it; it then takes its
+library object from :func:`open_library` instead of ``accel._ffi`` and calls
+it exactly as it calls the real cffi ``lib`` (same function names, the
+caller's cdata out-pointers, the vendor's integer error codes)::
+
+    from accel import sim
+    from accel._ffi._cudart import ffi
+    lib = sim.open_library("cudart")
+    p = ffi.new("cudaStream_t *")
+    assert lib.cudaStreamCreateWithPriority(p, lib.cudaStreamNonBlocking, 0) == lib.cudaSuccess
+
+Configuration, read from the environment when a simulated library is first
+used: ``ACCEL_SIM_DEVICES`` (default 2), ``ACCEL_SIM_MEMORY`` (bytes per
+device, default 8G; "512M", "8G" accepted), ``ACCEL_SIM_CC`` (default "9.0"),
+``ACCEL_SIM_DELAY_US`` (latency of each stream operation, default 0).
+Tests use :func:`configure`, :func:`inject_error`, :func:`inject_oom`,
+:func:`clear_faults`, :func:`state` and :func:`reset`.
+
+Each simulated library lives in its own module with an ``open_library()``
+factory; :data:`LIBRARIES` maps the names accepted by :func:`open_library`
+to ``"module:factory"``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+from typing import Dict, Optional
+
+from . import core
+from .core import Config, clear_faults, configure, inject_error, inject_oom, reset_call_counts
+
+__all__ = ["LIBRARIES", "open_library", "configure", "config", "inject_error", "inject_oom", "clear_faults",
+           "state", "calls", "reset_call_counts", "reset", "Config"]
+
+#: Simulated library name -> "module:factory" (the factory returns the lib-like object).
+LIBRARIES: Dict[str, str] = {
+    "cudart": "accel.sim.cudart:open_library",
+    "nvml": "accel.sim.nvml:open_library",
+    "ze": "accel.sim.ze:open_library",
+    "objc": "accel.sim.metal:open_library",
+}
+
+
+def open_library(name: str):
+    """The simulated library ``name`` ("cudart", "nvml", "ze", "objc"), created on first use.
+
+    Raises OSError, like the real loader, when the configuration says the
+    library is not installed (``configure(nvml=False)``), and ValueError for
+    a name no simulator provides.
+    """
+    target = LIBRARIES.get(name)
+    if target is None:
+        raise ValueError(f"accel.sim has no simulated library {name!r}; expected one of {', '.join(LIBRARIES)}")
+    module_name, factory = target.split(":")
+    module = importlib.import_module(module_name)
+    return getattr(module, factory)()
+
+
+def config() -> Config:
+    """The active simulated machine (environment + :func:`configure` overrides)."""
+    return core.config()
+
+
+def state() -> types.SimpleNamespace:
+    """A snapshot of the simulators' state, for assertions in tests.
+
+    Fields (CUDA/NVML; other simulators add theirs): ``runtime_initialized``
+    (a call that initializes the CUDA runtime happened; cudaGetDeviceCount
+    counts, error strings and version queries do not), ``nvml_initialized``
+    (NVML init count > 0), ``nvml_init_calls``, ``calls`` ({function: number
+    of calls}), ``live_allocations`` / ``live_bytes`` / ``peak_bytes``
+    ({runtime device index: ...}; bytes rounded to 256), ``host_allocations``,
+    ``host_bytes``, ``streams``, ``events``, ``graphs``, ``graph_execs``,
+    ``captures`` (live counts), ``errors`` ([(queue label, traceback)] of
+    device faults), ``visible_devices`` (physical ordinals), ``config``.
+    """
+    _import_providers()
+    fields = core.state_fields()
+    fields["calls"] = core.call_counts()
+    fields["config"] = core.config()
+    return types.SimpleNamespace(**fields)
+
+
+def calls(name: Optional[str] = None):
+    """Calls of vendor function ``name`` since the last reset (all counts without a name)."""
+    counts = core.call_counts()
+    return counts if name is None else counts.get(name, 0)
+
+
+def reset() -> None:
+    """Drop all simulator state: runtimes, memory, streams (workers stopped),
+    NVML init count, faults, call counters and :func:`configure` overrides."""
+    core.reset()
+
+
+def _import_providers() -> None:
+    # state() must report cudart/NVML fields even before either was opened.
+    from . import cudart, nvml  # noqa: F401
+
+
+def _register_reset_hook() -> None:
+    from .. import _lazy
+    _lazy.register_reset_hook(reset)
+
+
+_register_reset_hook()

@@ -1,0 +1,1738 @@
+"""A simulated CUDA runtime (libcudart 13.0) over host memory and threads.
+
+Call it exactly like the cffi ``lib`` of the generated declarations:
+out-pointers are the caller's cdata, handles are pointer cdata (or ints),
+return values are ``cudaError_t`` codes.  :func:`open_library` returns the
+lib-like object; ``accel.sim`` re-exports the configuration, fault injection
+and state inspection shared with the other simulators.
+
+Semantics chosen where CUDA leaves room (see also ``accel/sim/__init__.py``):
+
+* Every call except cudaGetErrorName/String, cudaGetLastError/PeekAtLastError
+  and cudaRuntime/DriverGetVersion initializes the runtime (including
+  cudaGetDeviceCount, as in real CUDA).  Without a driver (``driver=False``)
+  or with no visible device, those calls return cudaErrorInsufficientDriver /
+  cudaErrorNoDevice (cudaGetDeviceCount also writes 0).
+* CUDA_VISIBLE_DEVICES is read once, at runtime initialization: indices and
+  ``GPU-`` UUID prefixes; parsing stops at the first invalid, unknown or
+  ambiguous entry; a repeated device makes the list empty; "" hides all.
+* Streams are in-order queues run by worker threads (``_engine``).  The
+  legacy default stream of each device (handles 0 and cudaStreamLegacy) waits
+  for all earlier work of the device's blocking streams, and blocking
+  streams wait for earlier legacy work; cudaStreamNonBlocking streams do
+  neither.  cudaStreamPerThread is a blocking stream per host thread and device.
+* Events record a point in a stream; waits capture the record current at
+  the time of the wait.  Timing events stamp ``perf_counter_ns`` when the
+  point is reached.
+* cudaFree / cudaFreeHost first wait for the device's (all devices') queued
+  work, as the real calls synchronize, so no queued copy touches freed memory.
+* A Python exception in a reference kernel (or a copy touching freed memory)
+  is a device fault: the device gets a sticky error (cudaErrorIllegalAddress
+  for out-of-range memory, else cudaErrorLaunchFailure) that every later
+  synchronize/query call on that device returns; the traceback is printed to
+  stderr and kept in ``accel.sim.state().errors``.
+* Stream capture follows the programming guide's rules (see ``_capture_*``);
+  prohibited calls return the vendor code and invalidate the capture, and
+  cudaStreamEndCapture then returns cudaErrorStreamCaptureInvalidated with a
+  NULL graph.  Pageable-memory copies during capture are refused
+  (cudaErrorStreamCaptureUnsupported).  Waits on external events
+  (cudaEventWaitExternal) are accepted and replay as no-ops.
+* Graph replay runs the captured nodes in capture order (a topological
+  order) as one operation on the launch stream, with the argument values
+  captured at record time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import sys
+import threading
+import time
+import traceback
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from . import _engine, _memory, core, kernels
+from ._cuda_strings import ERROR_STRINGS, UNRECOGNIZED
+from .core import ffi
+
+# cudaError_t values (driver_types.h, CUDA 13.0); tests check them against the generated enum.
+cudaSuccess = 0
+cudaErrorInvalidValue = 1
+cudaErrorMemoryAllocation = 2
+cudaErrorInitializationError = 3
+cudaErrorInvalidConfiguration = 9
+cudaErrorInvalidMemcpyDirection = 21
+cudaErrorInsufficientDriver = 35
+cudaErrorInvalidDeviceFunction = 98
+cudaErrorNoDevice = 100
+cudaErrorInvalidDevice = 101
+cudaErrorInvalidPtx = 218
+cudaErrorOperatingSystem = 304
+cudaErrorInvalidResourceHandle = 400
+cudaErrorIllegalState = 401
+cudaErrorSymbolNotFound = 500
+cudaErrorNotReady = 600
+cudaErrorIllegalAddress = 700
+cudaErrorLaunchFailure = 719
+cudaErrorStreamCaptureUnsupported = 900
+cudaErrorStreamCaptureInvalidated = 901
+cudaErrorStreamCaptureMerge = 902
+cudaErrorStreamCaptureUnmatched = 903
+cudaErrorStreamCaptureUnjoined = 904
+cudaErrorStreamCaptureIsolation = 905
+cudaErrorStreamCaptureImplicit = 906
+cudaErrorCapturedEvent = 907
+cudaErrorStreamCaptureWrongThread = 908
+
+RUNTIME_VERSION = 13000
+DRIVER_VERSION = 13000
+
+_STREAM_NON_BLOCKING = 0x1
+_EVENT_BLOCKING_SYNC, _EVENT_DISABLE_TIMING, _EVENT_INTERPROCESS = 0x1, 0x2, 0x4
+_EVENT_WAIT_EXTERNAL = 0x1
+_CAPTURE_GLOBAL, _CAPTURE_THREAD_LOCAL, _CAPTURE_RELAXED = 0, 1, 2
+_STATUS_NONE, _STATUS_ACTIVE, _STATUS_INVALIDATED = 0, 1, 2
+_MEMCPY_H2H, _MEMCPY_H2D, _MEMCPY_D2H, _MEMCPY_D2D, _MEMCPY_DEFAULT = 0, 1, 2, 3, 4
+_MEM_TYPE_UNREGISTERED, _MEM_TYPE_HOST, _MEM_TYPE_DEVICE = 0, 1, 2
+_INVALID_DEVICE_ID = -2
+_PRIORITY_LEAST, _PRIORITY_GREATEST = 0, -5
+
+_VOIDP = ffi.typeof("void *")
+_VOIDPP = ffi.typeof("void **")
+_CHARP = ffi.typeof("char *")
+_UINTPTR = ffi.typeof("uintptr_t")
+_NULL = ffi.cast(_VOIDP, 0)
+
+_SM_COUNT = 132
+_SHARED_PER_BLOCK = 48 * 1024
+_SHARED_PER_BLOCK_OPTIN = 227 * 1024
+_SHARED_PER_SM = 228 * 1024
+_L2 = 50 * 1024 * 1024
+
+
+class _IllegalAddress(RuntimeError):
+    """A queued copy or memset touches memory that was freed meanwhile."""
+
+
+# -- runtime objects -------------------------------------------------------------
+
+class _TLS(threading.local):
+    device = 0
+    capture_mode = _CAPTURE_GLOBAL
+    last_error = 0
+    per_thread = None   # {device: Stream} for cudaStreamPerThread
+
+
+class Device:
+    __slots__ = ("index", "physical", "used", "peak", "legacy", "queues", "blocking", "sticky", "attrs")
+
+    def __init__(self, index: int, physical: int):
+        self.index = index
+        self.physical = physical
+        self.used = 0
+        self.peak = 0
+        self.legacy: Optional[Stream] = None
+        self.queues: List[_engine.Queue] = []   # every queue of the device (device sync)
+        self.blocking: List[Stream] = []        # live streams that synchronize with the legacy stream
+        self.sticky = 0
+        self.attrs: Optional[Dict[int, int]] = None
+
+
+class Stream:
+    __slots__ = ("handle", "key", "device", "flags", "priority", "q", "capture", "destroyed", "legacy",
+                 "blocking")
+
+    def __init__(self, handle, device, flags, priority, legacy=False):
+        self.handle = handle
+        self.key = ffi.cast(_VOIDP, handle)
+        self.device = device
+        self.flags = flags
+        self.priority = priority
+        self.legacy = legacy
+        self.blocking = not legacy and not (flags & _STREAM_NON_BLOCKING)
+        self.capture: Optional[Capture] = None
+        self.destroyed = False
+        self.q: Optional[_engine.Queue] = None
+
+
+class Rec:
+    """One cudaEventRecord: a point in a stream, or a set of nodes in a capture."""
+    __slots__ = ("q", "seq", "ts", "cap", "nodes")
+
+    def __init__(self):
+        self.q = None
+        self.seq = 0
+        self.ts = 0
+        self.cap = None
+        self.nodes = ()
+
+    def stamp(self):
+        self.ts = time.perf_counter_ns()
+
+
+class Event:
+    __slots__ = ("handle", "key", "flags", "device", "rec")
+
+    def __init__(self, handle, flags, device):
+        self.handle = handle
+        self.key = ffi.cast(_VOIDP, handle)
+        self.flags = flags
+        self.device = device
+        self.rec: Optional[Rec] = None
+
+
+class Node:
+    __slots__ = ("id", "kind", "label", "fn", "deps")
+
+    def __init__(self, id, kind, label, fn, deps):
+        self.id = id
+        self.kind = kind
+        self.label = label
+        self.fn = fn
+        self.deps = deps
+
+
+class Capture:
+    __slots__ = ("id", "origin", "mode", "thread", "status", "nodes", "tails", "device", "ended")
+
+    def __init__(self, id, origin, mode, thread, device):
+        self.id = id
+        self.origin = origin
+        self.mode = mode
+        self.thread = thread
+        self.status = _STATUS_ACTIVE
+        self.nodes: List[Node] = []
+        self.tails: Dict[Stream, Tuple[int, ...]] = {origin: ()}
+        self.device = device
+        self.ended = False
+
+
+class Graph:
+    __slots__ = ("handle", "key", "nodes", "capture_id")
+
+    def __init__(self, handle, nodes, capture_id):
+        self.handle = handle
+        self.key = ffi.cast(_VOIDP, handle)
+        self.nodes = nodes
+        self.capture_id = capture_id
+
+
+class GraphExec:
+    __slots__ = ("handle", "key", "nodes", "launches")
+
+    def __init__(self, handle, nodes):
+        self.handle = handle
+        self.key = ffi.cast(_VOIDP, handle)
+        self.nodes = nodes
+        self.launches = 0
+
+
+class Library:
+    __slots__ = ("handle", "key", "names", "kernels")
+
+    def __init__(self, handle, names):
+        self.handle = handle
+        self.key = ffi.cast(_VOIDP, handle)
+        self.names = names
+        self.kernels: Dict[str, "KernelHandle"] = {}
+
+
+class KernelHandle:
+    __slots__ = ("handle", "key", "name", "library")
+
+    def __init__(self, handle, name, library):
+        self.handle = handle
+        self.key = ffi.cast(_VOIDP, handle)
+        self.name = name
+        self.library = library
+
+
+_LEGACY, _PER_THREAD = object(), object()
+
+
+class Runtime:
+    """Everything one initialized simulated runtime holds."""
+
+    def __init__(self, cfg: core.Config):
+        self.cfg = cfg
+        self.tls = _TLS()
+        self.engine = _engine.Engine(self._on_error)
+        self.lock = self.engine.lock
+        self.mlock = threading.Lock()          # device memory accounting
+        self.clock = threading.RLock()         # capture bookkeeping
+        self.mem = _memory.MemoryTable()
+        self.host_bytes = 0
+        self.handles = itertools.count(0x100000, 0x10)
+        self.capture_ids = itertools.count(1)
+        self.streams: Dict[object, object] = {}
+        for k in (None, 0, 1, ffi.cast(_VOIDP, 0), ffi.cast(_VOIDP, 1)):
+            self.streams[k] = _LEGACY
+        for k in (2, ffi.cast(_VOIDP, 2)):
+            self.streams[k] = _PER_THREAD
+        self.events: Dict[object, Event] = {}
+        self.graphs: Dict[object, Graph] = {}
+        self.execs: Dict[object, GraphExec] = {}
+        self.libraries: Dict[object, Library] = {}
+        self.kernels: Dict[object, KernelHandle] = {}
+        self.captures: set = set()
+        self.errors: List[Tuple[str, str]] = []
+        self.init_error = 0
+        self.devices: List[Device] = []
+        if not cfg.driver:
+            self.init_error = cudaErrorInsufficientDriver
+            return
+        ordinals = visible_ordinals(os.environ.get("CUDA_VISIBLE_DEVICES"), cfg.devices)
+        if not ordinals:
+            self.init_error = cudaErrorNoDevice
+            return
+        for i, phys in enumerate(ordinals):
+            d = Device(i, phys)
+            legacy = Stream(0, i, 0, 0, legacy=True)
+            legacy.q = self.engine.queue(f"cuda{i}-legacy", legacy)
+            d.legacy = legacy
+            d.queues.append(legacy.q)
+            self.devices.append(d)
+
+    # handle tables hold each object under its int handle and its void* cdata,
+    # so a lookup by whatever the caller passes is one dict access.
+    def new_handle(self) -> int:
+        return next(self.handles)
+
+    @staticmethod
+    def put(table, obj) -> None:
+        table[obj.handle] = obj
+        table[obj.key] = obj
+
+    @staticmethod
+    def drop(table, obj) -> None:
+        table.pop(obj.handle, None)
+        table.pop(obj.key, None)
+
+    def _on_error(self, q: _engine.Queue, exc: BaseException) -> None:
+        owner = q.owner
+        dev = owner.device if owner is not None else 0
+        code = cudaErrorIllegalAddress if isinstance(exc, (_IllegalAddress, kernels.MemoryRangeError)) \
+            else cudaErrorLaunchFailure
+        if 0 <= dev < len(self.devices) and not self.devices[dev].sticky:
+            self.devices[dev].sticky = code
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        self.errors.append((q.label, text))
+        try:
+            sys.stderr.write(f"accel.sim: device fault on {q.label} ({_error_name(code)}):\n{text}")
+        except Exception:
+            pass
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+        self.mem.close()
+
+
+_R: Optional[Runtime] = None
+_start_lock = threading.Lock()
+
+
+def _start() -> Runtime:
+    global _R
+    with _start_lock:
+        if _R is None:
+            _R = Runtime(core.config())
+        return _R
+
+
+def runtime() -> Optional[Runtime]:
+    """The initialized simulated runtime, or None if nothing initialized it yet."""
+    return _R
+
+
+def _reset() -> None:
+    global _R
+    with _start_lock:
+        R, _R = _R, None
+    if R is not None:
+        R.shutdown()
+
+
+def _fork_reset() -> None:
+    # In the child the workers do not exist and the locks may be held: drop, do not join.
+    global _R, _start_lock
+    _start_lock = threading.Lock()
+    R, _R = _R, None
+    if R is not None:
+        R.mem.close()
+
+
+core.on_reset("cudart", _reset, _fork_reset)
+
+
+# -- CUDA_VISIBLE_DEVICES ----------------------------------------------------------
+
+def visible_ordinals(value: Optional[str], count: int) -> List[int]:
+    """Physical ordinals the runtime exposes, in order, as the CUDA runtime parses
+    CUDA_VISIBLE_DEVICES: indices (strtoul: leading digits count) or ``GPU-``
+    UUID prefixes; stop at the first invalid entry; a repeated device empties
+    the list (MIG- entries are invalid: the simulator has no MIG)."""
+    if value is None:
+        return list(range(count))
+    out: List[int] = []
+    uuids = None
+    for raw in value.split(","):
+        item = raw.strip()
+        if item.startswith("GPU-"):
+            if uuids is None:
+                uuids = [core.uuid_text(i) for i in range(count)]
+            matches = [i for i, u in enumerate(uuids) if u.startswith(item)]
+            if len(matches) != 1:
+                break
+            idx = matches[0]
+        else:
+            m = re.match(r"\d+", item)
+            if not m:
+                break
+            idx = int(m.group(0))
+            if idx >= count:
+                break
+        if idx in out:
+            return []
+        out.append(idx)
+    return out
+
+
+# -- argument helpers --------------------------------------------------------------
+
+_addr = _memory.addr_of
+
+
+def _put_ptr(p, key) -> bool:
+    """Write pointer/handle ``key`` (void* cdata) through out-pointer ``p``; False if p is NULL."""
+    if p is None:
+        return False
+    try:
+        p[0] = key
+        return True
+    except RuntimeError:    # cffi: "cannot dereference null pointer"
+        return False
+    except TypeError:
+        a = _addr(p)
+        if not a:
+            return False
+        ffi.cast(_VOIDPP, a)[0] = key
+        return True
+
+
+def _is_null(p) -> bool:
+    return p is None or (p.__class__ is int and p == 0) or (p.__class__ is not int and p == ffi.NULL)
+
+
+def _put(p, value, ctype="int *") -> None:
+    try:
+        p[0] = value
+    except TypeError:
+        ffi.cast(ctype, _addr(p))[0] = value
+
+
+def _c_string(x) -> Optional[str]:
+    if isinstance(x, bytes):
+        return x.split(b"\0", 1)[0].decode()
+    if isinstance(x, str):
+        return x
+    if _is_null(x):
+        return None
+    return ffi.string(ffi.cast(_CHARP, x)).decode()
+
+
+def _stream(R: Runtime, x):
+    try:
+        s = R.streams.get(x)
+    except TypeError:
+        return None
+    if s.__class__ is Stream:
+        return s
+    if s is _LEGACY:
+        return R.devices[R.tls.device].legacy
+    if s is _PER_THREAD:
+        return _per_thread_stream(R)
+    return None
+
+
+def _per_thread_stream(R: Runtime) -> Stream:
+    tls = R.tls
+    d = tls.device
+    table = tls.per_thread
+    if table is None:
+        table = tls.per_thread = {}
+    s = table.get(d)
+    if s is None:
+        s = Stream(R.new_handle(), d, 0, 0)
+        s.q = R.engine.queue(f"cuda{d}-per-thread-{threading.get_ident():x}", s)
+        dev = R.devices[d]
+        with R.lock:
+            dev.queues.append(s.q)
+            dev.blocking.append(s)
+        table[d] = s
+    return s
+
+
+def _lookup(table, x):
+    try:
+        return table.get(x)
+    except TypeError:
+        return None
+
+
+# -- stream ordering and capture ------------------------------------------------------
+
+def _implicit_deps(R: Runtime, s: Stream):
+    """Legacy-stream semantics: the points a new operation on ``s`` must wait for."""
+    if s.legacy:
+        return [(b.q, b.q.enqueued) for b in R.devices[s.device].blocking if b.q.done < b.q.enqueued]
+    if s.blocking:
+        lq = R.devices[s.device].legacy.q
+        if lq.done < lq.enqueued:
+            return ((lq, lq.enqueued),)
+    return ()
+
+
+def _legacy_conflict(R: Runtime, device: int) -> int:
+    """Using the legacy stream while a blocking stream of its device captures is
+    invalid (it would depend on the capture): invalidate those captures."""
+    rc = 0
+    with R.clock:
+        for cap in list(R.captures):
+            if cap.device == device and any(st.blocking for st in cap.tails):
+                cap.status = _STATUS_INVALIDATED
+                rc = cudaErrorStreamCaptureImplicit
+    return rc
+
+
+def _unsafe_call(R: Runtime) -> int:
+    """cudaThreadExchangeStreamCaptureMode rules for "potentially unsafe" calls
+    (cudaMalloc, cudaFree, cudaHostAlloc, cudaFreeHost): 0, or the error after
+    invalidating the captures that prohibit the call."""
+    mode = R.tls.capture_mode
+    if mode == _CAPTURE_RELAXED:
+        return 0
+    me = threading.get_ident()
+    rc = 0
+    with R.clock:
+        for cap in list(R.captures):
+            if cap.thread == me:
+                hit = cap.mode != _CAPTURE_RELAXED
+            else:
+                hit = mode == _CAPTURE_GLOBAL and cap.mode == _CAPTURE_GLOBAL
+            if hit:
+                cap.status = _STATUS_INVALIDATED
+                rc = cudaErrorStreamCaptureUnsupported
+    return rc
+
+
+def _invalidate(R: Runtime, cap: Optional[Capture]) -> None:
+    if cap is not None and not cap.ended:
+        with R.clock:
+            cap.status = _STATUS_INVALIDATED
+
+
+def _enqueue(R: Runtime, s: Stream, fn, kind: str, label: str, work: bool = True):
+    """Run ``fn`` in stream order on ``s`` (or record it, if ``s`` is capturing).
+    Returns (rc, seq); seq is 0 for captured or failed operations."""
+    cap = s.capture
+    if cap is not None:
+        with R.clock:
+            if cap.status != _STATUS_ACTIVE:
+                return cudaErrorStreamCaptureInvalidated, 0
+            node = Node(len(cap.nodes), kind, label, fn, cap.tails.get(s, ()))
+            cap.nodes.append(node)
+            cap.tails[s] = (node.id,)
+        return 0, 0
+    if s.legacy and R.captures:
+        rc = _legacy_conflict(R, s.device)
+        if rc:
+            return rc, 0
+    return 0, s.q.submit(fn, _implicit_deps(R, s), work)
+
+
+def _wait_device(R: Runtime, device: int) -> None:
+    dev = R.devices[device]
+    for q in list(dev.queues):
+        q.wait()
+    # forget destroyed streams once they drained
+    if any(q.closed and q.idle() for q in dev.queues):
+        with R.lock:
+            dev.queues[:] = [q for q in dev.queues if not (q.closed and q.idle())]
+
+
+def _device_captures(R: Runtime, device: int) -> List[Capture]:
+    return [c for c in list(R.captures) if c.device == device]
+
+
+# -- error names ---------------------------------------------------------------------
+
+_strings: Dict[Tuple[str, int], object] = {}
+_names: Optional[Dict[int, str]] = None
+
+
+def _error_name(code: int) -> str:
+    global _names
+    if _names is None:
+        try:
+            from accel._ffi import _cudart as gen
+            _names = dict(gen.ffi.typeof("cudaError_t").elements)
+        except Exception:   # generated module unavailable: the codes this file knows
+            _names = {v: k for k, v in globals().items() if k.startswith("cudaError") or k == "cudaSuccess"}
+    return _names.get(code, UNRECOGNIZED)
+
+
+def _cstr(kind: str, code: int, text: str):
+    key = (kind, code)
+    c = _strings.get(key)
+    if c is None:
+        c = _strings.setdefault(key, ffi.new("char[]", text.encode()))
+    return c
+
+
+def cudaGetErrorName(error):
+    """``const char *`` name of ``error`` ("unrecognized error code" if unknown)."""
+    return _cstr("name", error, _error_name(error))
+
+
+def cudaGetErrorString(error):
+    """``const char *`` description of ``error``, the runtime's own text."""
+    return _cstr("string", error, ERROR_STRINGS.get(error, UNRECOGNIZED))
+
+
+def cudaGetLastError():
+    R = _R
+    if R is None:
+        return cudaSuccess
+    rc = R.tls.last_error
+    R.tls.last_error = 0
+    return rc
+
+
+def cudaPeekAtLastError():
+    R = _R
+    return cudaSuccess if R is None else R.tls.last_error
+
+
+def cudaRuntimeGetVersion(runtimeVersion):
+    if _is_null(runtimeVersion):
+        return cudaErrorInvalidValue
+    _put(runtimeVersion, RUNTIME_VERSION)
+    return cudaSuccess
+
+
+def cudaDriverGetVersion(driverVersion):
+    if _is_null(driverVersion):
+        return cudaErrorInvalidValue
+    _put(driverVersion, DRIVER_VERSION if core.config().driver else 0)
+    return cudaSuccess
+
+
+_NO_INIT = {
+    "cudaGetErrorName": cudaGetErrorName, "cudaGetErrorString": cudaGetErrorString,
+    "cudaGetLastError": cudaGetLastError, "cudaPeekAtLastError": cudaPeekAtLastError,
+    "cudaRuntimeGetVersion": cudaRuntimeGetVersion, "cudaDriverGetVersion": cudaDriverGetVersion,
+}
+
+
+# -- device management ------------------------------------------------------------------
+
+def cudaGetDeviceCount(R, count):
+    if _is_null(count):
+        return cudaErrorInvalidValue
+    _put(count, len(R.devices))
+    return R.init_error
+
+
+def cudaSetDevice(R, device):
+    if not (0 <= device < len(R.devices)):
+        return cudaErrorInvalidDevice
+    R.tls.device = device
+    return cudaSuccess
+
+
+def cudaGetDevice(R, device):
+    try:
+        device[0] = R.tls.device
+    except (TypeError, RuntimeError):
+        if _is_null(device):
+            return cudaErrorInvalidValue
+        _put(device, R.tls.device)
+    return cudaSuccess
+
+
+def cudaInitDevice(R, device, deviceFlags, flags):
+    if not (0 <= device < len(R.devices)):
+        return cudaErrorInvalidDevice
+    if flags & ~0x1:
+        return cudaErrorInvalidValue
+    return cudaSuccess
+
+
+def _attributes(R: Runtime, d: int) -> Dict[int, int]:
+    dev = R.devices[d]
+    if dev.attrs is None:
+        major, minor = R.cfg.compute_capability
+        dev.attrs = {
+            1: 1024, 2: 1024, 3: 1024, 4: 64, 5: 2 ** 31 - 1, 6: 65535, 7: 65535,
+            8: _SHARED_PER_BLOCK, 9: 65536, 10: 32, 11: 2 ** 31 - 1, 12: 65536, 13: 1980000,
+            14: 512, 15: 1, 16: _SM_COUNT, 17: 0, 18: 0, 19: 1, 20: 0,
+            30: 512, 31: 1, 32: 1, 33: core.pci_bus(dev.physical), 34: 0, 35: 0, 36: 2619000,
+            37: 5120, 38: _L2, 39: 2048, 40: 2, 41: 1, 50: 0, 51: 32,
+            75: major, 76: minor, 78: 1, 79: 1, 80: 1, 81: _SHARED_PER_SM, 82: 65536,
+            83: 1, 84: 0, 85: d, 86: 0, 87: 2, 88: 0, 89: 1, 90: 1, 91: 1, 95: 1,
+            97: _SHARED_PER_BLOCK_OPTIN, 98: 1, 99: 1, 100: 0, 101: 0, 106: 32, 108: _L2 // 2,
+            109: 134213632, 111: 1024, 112: 1, 113: 1, 114: 1, 115: 1, 116: 1, 117: 1, 118: 0,
+            119: 9, 120: 1 if major >= 9 else 0, 121: 1, 125: 1, 126: 4, 130: 0, 131: -1, 133: 0,
+            134: -1, 139: 0x233010DE, 140: 0x16C110DE,
+        }
+    return dev.attrs
+
+
+def cudaDeviceGetAttribute(R, value, attr, device):
+    if not (0 <= device < len(R.devices)):
+        return cudaErrorInvalidDevice
+    if _is_null(value) or not (1 <= attr <= 147):
+        return cudaErrorInvalidValue
+    _put(value, _attributes(R, device).get(attr, 0))
+    return cudaSuccess
+
+
+def _set_fields(obj, values: dict) -> None:
+    for name, v in values.items():
+        try:
+            setattr(obj, name, v)
+        except AttributeError:   # field absent from this header version
+            pass
+
+
+def cudaGetDeviceProperties(R, prop, device):
+    if not (0 <= device < len(R.devices)):
+        return cudaErrorInvalidDevice
+    if _is_null(prop):
+        return cudaErrorInvalidValue
+    cfg = R.cfg
+    dev = R.devices[device]
+    a = _attributes(R, device)
+    buf = ffi.buffer(prop)
+    buf[:] = bytes(len(buf))
+    prop.name = cfg.name.encode()[:255]
+    prop.uuid.bytes = core.uuid_bytes(dev.physical)
+    _set_fields(prop, {
+        "totalGlobalMem": cfg.memory, "sharedMemPerBlock": a[8], "regsPerBlock": a[12], "warpSize": a[10],
+        "memPitch": a[11], "maxThreadsPerBlock": a[1], "maxThreadsDim": [a[2], a[3], a[4]],
+        "maxGridSize": [a[5], a[6], a[7]], "totalConstMem": a[9],
+        "major": cfg.compute_capability[0], "minor": cfg.compute_capability[1],
+        "textureAlignment": a[14], "texturePitchAlignment": a[51], "multiProcessorCount": a[16],
+        "integrated": 0, "canMapHostMemory": 1, "surfaceAlignment": a[30], "concurrentKernels": 1,
+        "ECCEnabled": 1, "pciBusID": a[33], "pciDeviceID": 0, "pciDomainID": 0, "tccDriver": 0,
+        "asyncEngineCount": a[40], "unifiedAddressing": 1, "memoryBusWidth": a[37], "l2CacheSize": a[38],
+        "persistingL2CacheMaxSize": a[108], "maxThreadsPerMultiProcessor": a[39],
+        "streamPrioritiesSupported": 1, "globalL1CacheSupported": 1, "localL1CacheSupported": 1,
+        "sharedMemPerMultiprocessor": a[81], "regsPerMultiprocessor": a[82], "managedMemory": 1,
+        "isMultiGpuBoard": 0, "multiGpuBoardGroupID": device, "hostNativeAtomicSupported": 0,
+        "pageableMemoryAccess": 0, "concurrentManagedAccess": 1, "computePreemptionSupported": 1,
+        "canUseHostPointerForRegisteredMem": 1, "cooperativeLaunch": 1,
+        "sharedMemPerBlockOptin": a[97], "maxBlocksPerMultiProcessor": a[106],
+        "accessPolicyMaxWindowSize": a[109], "reservedSharedMemPerBlock": a[111],
+        "hostRegisterSupported": 1, "sparseCudaArraySupported": 1, "hostRegisterReadOnlySupported": 1,
+        "timelineSemaphoreInteropSupported": 1, "memoryPoolsSupported": 1, "gpuDirectRDMASupported": 1,
+        "gpuDirectRDMAFlushWritesOptions": 1, "memoryPoolSupportedHandleTypes": a[119],
+        "deferredMappingCudaArraySupported": 1, "ipcEventSupported": 1, "clusterLaunch": a[120],
+        "unifiedFunctionPointers": 1, "deviceNumaConfig": 0, "deviceNumaId": -1, "hostNumaId": -1,
+        "gpuPciDeviceID": a[139], "gpuPciSubsystemID": a[140],
+    })
+    return cudaSuccess
+
+
+def cudaDeviceGetPCIBusId(R, pciBusId, len_, device):
+    if not (0 <= device < len(R.devices)):
+        return cudaErrorInvalidDevice
+    if _is_null(pciBusId) or len_ <= 0:
+        return cudaErrorInvalidValue
+    text = b"0000:%02x:00.0" % core.pci_bus(R.devices[device].physical)
+    text = text[:len_ - 1] + b"\0"
+    ffi.memmove(ffi.cast(_CHARP, _addr(pciBusId)), text, len(text))
+    return cudaSuccess
+
+
+def cudaDeviceCanAccessPeer(R, canAccessPeer, device, peerDevice):
+    n = len(R.devices)
+    if not (0 <= device < n and 0 <= peerDevice < n):
+        return cudaErrorInvalidDevice
+    if _is_null(canAccessPeer):
+        return cudaErrorInvalidValue
+    _put(canAccessPeer, 1 if device != peerDevice else 0)
+    return cudaSuccess
+
+
+def cudaDeviceGetStreamPriorityRange(R, leastPriority, greatestPriority):
+    if not _is_null(leastPriority):
+        _put(leastPriority, _PRIORITY_LEAST)
+    if not _is_null(greatestPriority):
+        _put(greatestPriority, _PRIORITY_GREATEST)
+    return cudaSuccess
+
+
+def cudaDeviceSynchronize(R):
+    d = R.tls.device
+    if R.captures:
+        caps = _device_captures(R, d)
+        if caps:
+            for cap in caps:
+                _invalidate(R, cap)
+            return cudaErrorStreamCaptureUnsupported
+    _wait_device(R, d)
+    return R.devices[d].sticky
+
+
+def cudaDeviceReset(R):
+    """Wait for the current device, then drop its memory, streams and events."""
+    d = R.tls.device
+    dev = R.devices[d]
+    for cap in _device_captures(R, d):
+        _invalidate(R, cap)
+    _wait_device(R, d)
+    for a in R.mem.all():
+        if a.kind == _memory.DEVICE and a.device == d:
+            R.mem.remove(a)
+    with R.mlock:
+        dev.used = 0
+    for s in [s for s in set(R.streams.values()) if s.__class__ is Stream and s.device == d]:
+        _destroy_stream(R, s)
+    for e in [e for e in set(R.events.values()) if e.device == d]:
+        Runtime.drop(R.events, e)
+    dev.sticky = 0
+    return cudaSuccess
+
+
+def cudaMemGetInfo(R, free, total):
+    if _is_null(free) or _is_null(total):
+        return cudaErrorInvalidValue
+    dev = R.devices[R.tls.device]
+    _put(free, R.cfg.memory - dev.used, "size_t *")
+    _put(total, R.cfg.memory, "size_t *")
+    return cudaSuccess
+
+
+# -- memory ------------------------------------------------------------------------------
+
+def _accounted(size: int) -> int:
+    return (size + _memory.ALIGN - 1) & ~(_memory.ALIGN - 1)
+
+
+def cudaMalloc(R, devPtr, size):
+    if devPtr is None or size < 0:
+        return cudaErrorInvalidValue
+    if R.captures:
+        rc = _unsafe_call(R)
+        if rc:
+            return rc
+    if size == 0:
+        return cudaSuccess if _put_ptr(devPtr, _NULL) else cudaErrorInvalidValue
+    d = R.tls.device
+    dev = R.devices[d]
+    if core._oom and core.take_oom():
+        return cudaErrorMemoryAllocation
+    n = _accounted(size)
+    with R.mlock:
+        if dev.used + n > R.cfg.memory:
+            return cudaErrorMemoryAllocation
+        dev.used += n
+        if dev.used > dev.peak:
+            dev.peak = dev.used
+    try:
+        a = _memory.allocate(size, _memory.DEVICE, d)
+    except MemoryError:
+        with R.mlock:
+            dev.used -= n
+        return cudaErrorMemoryAllocation
+    if not _put_ptr(devPtr, a.key):
+        with R.mlock:
+            dev.used -= n
+        return cudaErrorInvalidValue
+    R.mem.add(a)
+    return cudaSuccess
+
+
+def cudaFree(R, devPtr):
+    if devPtr is None or (devPtr.__class__ is int and devPtr == 0):
+        return cudaSuccess
+    a = _lookup(R.mem.by_key, devPtr)
+    if a is None:
+        if devPtr == ffi.NULL:
+            return cudaSuccess
+        return cudaErrorInvalidValue
+    if a.kind != _memory.DEVICE:
+        return cudaErrorInvalidValue
+    if R.captures:
+        rc = _unsafe_call(R)
+        if rc:
+            return rc
+    _wait_device(R, a.device)   # cudaFree synchronizes: no queued work may still use the buffer
+    R.mem.remove(a)
+    dev = R.devices[a.device]
+    with R.mlock:
+        dev.used -= _accounted(a.size)
+    return cudaSuccess
+
+
+def cudaHostAlloc(R, pHost, size, flags):
+    if pHost is None or size < 0 or flags & ~0xF:
+        return cudaErrorInvalidValue
+    if R.captures:
+        rc = _unsafe_call(R)
+        if rc:
+            return rc
+    if size == 0:
+        return cudaSuccess if _put_ptr(pHost, _NULL) else cudaErrorInvalidValue
+    if core._oom and core.take_oom():
+        return cudaErrorMemoryAllocation
+    try:
+        a = _memory.allocate(size, _memory.HOST, R.tls.device)
+    except MemoryError:
+        return cudaErrorMemoryAllocation
+    if not _put_ptr(pHost, a.key):
+        return cudaErrorInvalidValue
+    R.mem.add(a)
+    with R.mlock:
+        R.host_bytes += _accounted(size)
+    return cudaSuccess
+
+
+def cudaMallocHost(R, ptr, size):
+    return cudaHostAlloc(R, ptr, size, 0)
+
+
+def cudaFreeHost(R, ptr):
+    if ptr is None or (ptr.__class__ is int and ptr == 0):
+        return cudaSuccess
+    a = _lookup(R.mem.by_key, ptr)
+    if a is None:
+        if ptr == ffi.NULL:
+            return cudaSuccess
+        return cudaErrorInvalidValue
+    if a.kind != _memory.HOST:
+        return cudaErrorInvalidValue
+    if R.captures:
+        rc = _unsafe_call(R)
+        if rc:
+            return rc
+    for d in range(len(R.devices)):    # pinned memory may be in use by any device's queue
+        _wait_device(R, d)
+    R.mem.remove(a)
+    with R.mlock:
+        R.host_bytes -= _accounted(a.size)
+    return cudaSuccess
+
+
+def cudaPointerGetAttributes(R, attributes, ptr):
+    if _is_null(attributes):
+        return cudaErrorInvalidValue
+    addr = _addr(ptr)
+    a = R.mem.find(addr) if addr else None
+    buf = ffi.buffer(attributes)
+    buf[:] = bytes(len(buf))
+    if a is None:
+        attributes.type = _MEM_TYPE_UNREGISTERED
+        attributes.device = _INVALID_DEVICE_ID
+        attributes.hostPointer = ffi.cast(_VOIDP, addr)
+    elif a.kind == _memory.DEVICE:
+        attributes.type = _MEM_TYPE_DEVICE
+        attributes.device = a.device
+        attributes.devicePointer = ffi.cast(_VOIDP, addr)
+    else:
+        attributes.type = _MEM_TYPE_HOST
+        attributes.device = a.device
+        attributes.devicePointer = ffi.cast(_VOIDP, addr)   # mapped: the same address (UVA)
+        attributes.hostPointer = ffi.cast(_VOIDP, addr)
+    return cudaSuccess
+
+
+# -- copies ------------------------------------------------------------------------------
+
+def _range_ok(a, addr: int, n: int) -> bool:
+    return a is None or addr + n <= a.end
+
+
+def _copy_op(dst: int, src: int, staged, n: int, da, sa):
+    def op():
+        if (da is not None and not da.live) or (sa is not None and not sa.live):
+            raise _IllegalAddress(f"copy of {n} bytes 0x{src:x} -> 0x{dst:x} touches freed memory")
+        ffi.memmove(ffi.cast(_CHARP, dst), staged if staged is not None else ffi.cast(_CHARP, src), n)
+    return op
+
+
+def _memcpy(R: Runtime, dst, src, count, kind, s: Stream, sync: bool, label: str = "memcpy") -> int:
+    if not (0 <= kind <= 4):
+        return cudaErrorInvalidMemcpyDirection
+    if count < 0:
+        return cudaErrorInvalidValue
+    staged = None
+    if isinstance(src, (bytes, bytearray, memoryview)):
+        staged = bytes(memoryview(src).cast("B")[:count])
+        if len(staged) < count:
+            return cudaErrorInvalidValue
+        sp = 0
+    else:
+        sp = _addr(src)
+    dp = _addr(dst)
+    if count == 0:
+        return cudaSuccess
+    if dp == 0 or (staged is None and sp == 0):
+        return cudaErrorInvalidValue
+    da = R.mem.find(dp)
+    sa = R.mem.find(sp) if staged is None else None
+    if not _range_ok(da, dp, count) or not _range_ok(sa, sp, count):
+        return cudaErrorInvalidValue
+    if (kind in (_MEMCPY_H2D, _MEMCPY_D2D) and da is None) or \
+       (kind in (_MEMCPY_D2H, _MEMCPY_D2D) and sa is None and staged is None):
+        return cudaErrorInvalidValue
+    pageable_dst = da is None
+    if staged is None and sa is None:
+        if s.capture is not None:   # graphs cannot replay a copy from pageable memory
+            _invalidate(R, s.capture)
+            return cudaErrorStreamCaptureUnsupported
+        # Pageable source: the runtime stages it before returning, so the
+        # caller may reuse its buffer at once.
+        staged = ffi.buffer(ffi.cast(_CHARP, sp), count)[:]
+    if pageable_dst and s.capture is not None:
+        _invalidate(R, s.capture)
+        return cudaErrorStreamCaptureUnsupported
+    rc, seq = _enqueue(R, s, _copy_op(dp, sp, staged, count, da, sa), "memcpy", label)
+    if rc:
+        return rc
+    if (sync or pageable_dst) and seq:
+        # cudaMemcpy, and copies into pageable memory, return once the copy is done.
+        s.q.wait(seq)
+        if sync:
+            return R.devices[s.device].sticky
+    return cudaSuccess
+
+
+def cudaMemcpyAsync(R, dst, src, count, kind, stream=None):
+    s = _stream(R, stream)
+    if s is None:
+        return cudaErrorInvalidResourceHandle
+    return _memcpy(R, dst, src, count, kind, s, False)
+
+
+def cudaMemcpy(R, dst, src, count, kind):
+    return _memcpy(R, dst, src, count, kind, R.devices[R.tls.device].legacy, True)
+
+
+def cudaMemcpyPeerAsync(R, dst, dstDevice, src, srcDevice, count, stream=None):
+    n = len(R.devices)
+    if not (0 <= dstDevice < n and 0 <= srcDevice < n):
+        return cudaErrorInvalidDevice
+    s = _stream(R, stream)
+    if s is None:
+        return cudaErrorInvalidResourceHandle
+    da, sa = R.mem.find(_addr(dst)), R.mem.find(_addr(src))
+    if da is None or sa is None or da.device != dstDevice or sa.device != srcDevice:
+        return cudaErrorInvalidValue
+    return _memcpy(R, dst, src, count, _MEMCPY_D2D, s, False, "memcpy-peer")
+
+
+def _memset_op(dp: int, value: int, n: int, a):
+    def op():
+        if not a.live:
+            raise _IllegalAddress(f"memset of {n} bytes at 0x{dp:x} touches freed memory")
+        import ctypes
+        ctypes.memset(dp, value, n)
+    return op
+
+
+def _memset(R: Runtime, devPtr, value, count, s: Stream, sync: bool) -> int:
+    if count < 0:
+        return cudaErrorInvalidValue
+    if count == 0:
+        return cudaSuccess
+    dp = _addr(devPtr)
+    a = R.mem.find(dp) if dp else None
+    if a is None or dp + count > a.end:
+        return cudaErrorInvalidValue
+    rc, seq = _enqueue(R, s, _memset_op(dp, value & 0xFF, count, a), "memset", "memset")
+    if rc:
+        return rc
+    if sync and seq:
+        s.q.wait(seq)
+        return R.devices[s.device].sticky
+    return cudaSuccess
+
+
+def cudaMemsetAsync(R, devPtr, value, count, stream=None):
+    s = _stream(R, stream)
+    if s is None:
+        return cudaErrorInvalidResourceHandle
+    return _memset(R, devPtr, value, count, s, False)
+
+
+def cudaMemset(R, devPtr, value, count):
+    return _memset(R, devPtr, value, count, R.devices[R.tls.device].legacy, True)
+
+
+# -- streams -------------------------------------------------------------------------------
+
+def cudaStreamCreateWithPriority(R, pStream, flags, priority):
+    if _is_null(pStream) or flags & ~_STREAM_NON_BLOCKING:
+        return cudaErrorInvalidValue
+    d = R.tls.device
+    priority = min(_PRIORITY_LEAST, max(_PRIORITY_GREATEST, priority))
+    s = Stream(R.new_handle(), d, flags, priority)
+    s.q = R.engine.queue(f"cuda{d}-stream-{s.handle:#x}", s)
+    dev = R.devices[d]
+    with R.lock:
+        dev.queues.append(s.q)
+        if s.blocking:
+            dev.blocking.append(s)
+    Runtime.put(R.streams, s)
+    _put_ptr(pStream, s.key)
+    return cudaSuccess
+
+
+def cudaStreamCreateWithFlags(R, pStream, flags):
+    return cudaStreamCreateWithPriority(R, pStream, flags, 0)
+
+
+def cudaStreamCreate(R, pStream):
+    return cudaStreamCreateWithPriority(R, pStream, 0, 0)
+
+
+def _destroy_stream(R: Runtime, s: Stream) -> None:
+    Runtime.drop(R.streams, s)
+    s.destroyed = True
+    if s.capture is not None:
+        _invalidate(R, s.capture)
+    dev = R.devices[s.device]
+    with R.lock:
+        if s in dev.blocking:
+            dev.blocking.remove(s)
+        s.q.closed = True      # the worker drains what is queued, then exits
+        s.q.cv.notify_all()
+
+
+def cudaStreamDestroy(R, stream):
+    s = _lookup(R.streams, stream)
+    if s.__class__ is not Stream:
+        return cudaErrorInvalidResourceHandle
+    _destroy_stream(R, s)
+    return cudaSuccess
+
+
+def cudaStreamQuery(R, stream):
+    s = _stream(R, stream)
+    if s is None:
+        return cudaErrorInvalidResourceHandle
+    if s.capture is not None:
+        _invalidate(R, s.capture)
+        return cudaErrorStreamCaptureUnsupported
+    if s.legacy and R.captures:
+        rc = _legacy_conflict(R, s.device)
+        if rc:
+            return rc
+    q = s.q
+    if q.done < q.enqueued:
+        return cudaErrorNotReady
+    return R.devices[s.device].sticky
+
+
+def cudaStreamSynchronize(R, stream):
+    s = _stream(R, stream)
+    if s is None:
+        return cudaErrorInvalidResourceHandle
+    if s.capture is not None:
+        _invalidate(R, s.capture)
+        return cudaErrorStreamCaptureUnsupported
+    if s.legacy and R.captures:
+        rc = _legacy_conflict(R, s.device)
+        if rc:
+            return rc
+    s.q.wait()
+    return R.devices[s.device].sticky
+
+
+def cudaStreamGetPriority(R, hStream, priority):
+    s = _stream(R, hStream)
+    if s is None:
+        return cudaErrorInvalidResourceHandle
+    _put(priority, s.priority)
+    return cudaSuccess
+
+
+def cudaStreamGetFlags(R, hStream, flags):
+    s = _stream(R, hStream)
+    if s is None:
+        return cudaErrorInvalidResourceHandle
+    _put(flags, s.flags, "unsigned int *")
+    return cudaSuccess
+
+
+def cudaStreamGetDevice(R, hStream, device):
+    s = _stream(R, hStream)
+    if s is None:
+        return cudaErrorInvalidResourceHandle
+    _put(device, s.device)
+    return cudaSuccess
+
+
+def cudaStreamWaitEvent(R, stream, event, flags=0):
+    s = _stream(R, stream)
+    e = _lookup(R.events, event)
+    if s is None or e is None:
+        return cudaErrorInvalidResourceHandle
+    if flags & ~_EVENT_WAIT_EXTERNAL:
+        return cudaErrorInvalidValue
+    r = e.rec
+    if r is None:
+        return cudaSuccess      # never recorded: the wait is a no-op
+    if r.cap is not None:
+        return _wait_captured_event(R, s, r)
+    cap = s.capture
+    if cap is not None:
+        if cap.status != _STATUS_ACTIVE:
+            return cudaErrorStreamCaptureInvalidated
+        if not flags & _EVENT_WAIT_EXTERNAL:
+            # Guide: waiting on a non-captured event from a capturing stream is invalid.
+            _invalidate(R, cap)
+            return cudaErrorStreamCaptureIsolation
+        return _enqueue(R, s, None, "event_wait", f"external wait on event {e.handle:#x}")[0]
+    if r.q.done >= r.seq:
+        return cudaSuccess      # already complete: nothing to wait for
+    if s.legacy and R.captures:
+        rc = _legacy_conflict(R, s.device)
+        if rc:
+            return rc
+    deps = list(_implicit_deps(R, s))
+    deps.append((r.q, r.seq))
+    s.q.submit(None, deps, work=False)
+    return cudaSuccess
+
+
+def _wait_captured_event(R: Runtime, s: Stream, r: Rec) -> int:
+    cap = r.cap
+    with R.clock:
+        if cap.ended:
+            return cudaSuccess
+        if s.legacy:
+            cap.status = _STATUS_INVALIDATED
+            return cudaErrorStreamCaptureImplicit
+        if s.capture is None:           # fork: s joins the capture
+            s.capture = cap
+            cap.tails[s] = tuple(r.nodes)
+            return cudaSuccess
+        if s.capture is not cap:
+            s.capture.status = _STATUS_INVALIDATED
+            cap.status = _STATUS_INVALIDATED
+            return cudaErrorStreamCaptureMerge
+        if cap.status != _STATUS_ACTIVE:
+            return cudaErrorStreamCaptureInvalidated
+        cap.tails[s] = tuple(sorted(set(cap.tails.get(s, ())) | set(r.nodes)))
+        return cudaSuccess
+
+
+# -- events --------------------------------------------------------------------------------
+
+def cudaEventCreateWithFlags(R, event, flags):
+    if _is_null(event) or flags & ~0x7 or (flags & _EVENT_INTERPROCESS and not flags & _EVENT_DISABLE_TIMING):
+        return cudaErrorInvalidValue
+    e = Event(R.new_handle(), flags, R.tls.device)
+    Runtime.put(R.events, e)
+    _put_ptr(event, e.key)
+    return cudaSuccess
+
+
+def cudaEventCreate(R, event):
+    return cudaEventCreateWithFlags(R, event, 0)
+
+
+def cudaEventDestroy(R, event):
+    e = _lookup(R.events, event)
+    if e is None:
+        return cudaErrorInvalidResourceHandle
+    Runtime.drop(R.events, e)
+    return cudaSuccess
+
+
+def cudaEventRecord(R, event, stream=None):
+    e = _lookup(R.events, event)
+    s = _stream(R, stream)
+    if e is None or s is None:
+        return cudaErrorInvalidResourceHandle
+    rec = Rec()
+    cap = s.capture
+    if cap is not None:
+        with R.clock:
+            if cap.status != _STATUS_ACTIVE:
+                return cudaErrorStreamCaptureInvalidated
+            rec.cap = cap
+            rec.nodes = cap.tails.get(s, ())
+        e.rec = rec
+        return cudaSuccess
+    if s.legacy and R.captures:
+        rc = _legacy_conflict(R, s.device)
+        if rc:
+            return rc
+    q = s.q
+    rec.q = q
+    rec.seq = q.submit(None if e.flags & _EVENT_DISABLE_TIMING else rec.stamp,
+                       _implicit_deps(R, s), work=False)
+    e.rec = rec
+    return cudaSuccess
+
+
+def cudaEventRecordWithFlags(R, event, stream=None, flags=0):
+    if flags & ~0x1:
+        return cudaErrorInvalidValue
+    return cudaEventRecord(R, event, stream)
+
+
+def _captured_event(R: Runtime, r: Rec) -> int:
+    _invalidate(R, r.cap)
+    return cudaErrorCapturedEvent
+
+
+def cudaEventQuery(R, event):
+    e = _lookup(R.events, event)
+    if e is None:
+        return cudaErrorInvalidResourceHandle
+    r = e.rec
+    if r is None:
+        return cudaSuccess
+    if r.cap is not None:
+        return _captured_event(R, r)
+    if r.q.done < r.seq:
+        return cudaErrorNotReady
+    return R.devices[r.q.owner.device].sticky
+
+
+def cudaEventSynchronize(R, event):
+    e = _lookup(R.events, event)
+    if e is None:
+        return cudaErrorInvalidResourceHandle
+    r = e.rec
+    if r is None:
+        return cudaSuccess
+    if r.cap is not None:
+        return _captured_event(R, r)
+    r.q.wait(r.seq)
+    return R.devices[r.q.owner.device].sticky
+
+
+def cudaEventElapsedTime(R, ms, start, end):
+    a, b = _lookup(R.events, start), _lookup(R.events, end)
+    if a is None or b is None:
+        return cudaErrorInvalidResourceHandle
+    if _is_null(ms):
+        return cudaErrorInvalidValue
+    if (a.flags | b.flags) & _EVENT_DISABLE_TIMING:
+        return cudaErrorInvalidResourceHandle
+    ra, rb = a.rec, b.rec
+    if ra is None or rb is None:
+        return cudaErrorInvalidResourceHandle   # never recorded
+    if ra.cap is not None or rb.cap is not None:
+        return _captured_event(R, ra if ra.cap is not None else rb)
+    if ra.q.done < ra.seq or rb.q.done < rb.seq:
+        return cudaErrorNotReady
+    _put(ms, (rb.ts - ra.ts) / 1e6, "float *")
+    return cudaSuccess
+
+
+# -- capture and graphs -----------------------------------------------------------------
+
+def cudaStreamBeginCapture(R, stream, mode):
+    s = _stream(R, stream)
+    if s is None:
+        return cudaErrorInvalidResourceHandle
+    if s.legacy:
+        return cudaErrorStreamCaptureUnsupported
+    if mode not in (_CAPTURE_GLOBAL, _CAPTURE_THREAD_LOCAL, _CAPTURE_RELAXED):
+        return cudaErrorInvalidValue
+    with R.clock:
+        if s.capture is not None:
+            return cudaErrorIllegalState
+        cap = Capture(next(R.capture_ids), s, mode, threading.get_ident(), s.device)
+        s.capture = cap
+        R.captures.add(cap)
+    return cudaSuccess
+
+
+def _unjoined(cap: Capture) -> bool:
+    """True when some stream's last captured work does not flow into the origin's tail."""
+    reach = set()
+    stack = list(cap.tails.get(cap.origin, ()))
+    while stack:
+        n = stack.pop()
+        if n not in reach:
+            reach.add(n)
+            stack.extend(cap.nodes[n].deps)
+    return any(not set(t) <= reach for st, t in cap.tails.items() if st is not cap.origin)
+
+
+def cudaStreamEndCapture(R, stream, pGraph):
+    s = _stream(R, stream)
+    if s is None:
+        return cudaErrorInvalidResourceHandle
+    if _is_null(pGraph):
+        return cudaErrorInvalidValue
+    with R.clock:
+        cap = s.capture
+        if cap is None:
+            return cudaErrorIllegalState
+        if cap.origin is not s:
+            cap.status = _STATUS_INVALIDATED
+            return cudaErrorStreamCaptureUnmatched
+        if cap.mode != _CAPTURE_RELAXED and cap.thread != threading.get_ident():
+            return cudaErrorStreamCaptureWrongThread
+        for st in cap.tails:
+            if st.capture is cap:
+                st.capture = None
+        cap.ended = True
+        R.captures.discard(cap)
+        _put_ptr(pGraph, _NULL)
+        if cap.status != _STATUS_ACTIVE:
+            return cudaErrorStreamCaptureInvalidated
+        if _unjoined(cap):
+            return cudaErrorStreamCaptureUnjoined
+        g = Graph(R.new_handle(), tuple(cap.nodes), cap.id)
+    Runtime.put(R.graphs, g)
+    _put_ptr(pGraph, g.key)
+    return cudaSuccess
+
+
+def cudaStreamIsCapturing(R, stream, pCaptureStatus):
+    s = _stream(R, stream)
+    if s is None:
+        return cudaErrorInvalidResourceHandle
+    if _is_null(pCaptureStatus):
+        return cudaErrorInvalidValue
+    if s.legacy and R.captures:
+        if any(c.device == s.device and any(st.blocking for st in c.tails) for c in list(R.captures)):
+            return cudaErrorStreamCaptureImplicit
+    cap = s.capture
+    _put(pCaptureStatus, _STATUS_NONE if cap is None else cap.status, "int *")
+    return cudaSuccess
+
+
+def cudaStreamGetCaptureInfo(R, stream, captureStatus_out, id_out=None, graph_out=None,
+                             dependencies_out=None, edgeData_out=None, numDependencies_out=None):
+    s = _stream(R, stream)
+    if s is None:
+        return cudaErrorInvalidResourceHandle
+    if _is_null(captureStatus_out):
+        return cudaErrorInvalidValue
+    if s.legacy and R.captures:
+        if any(c.device == s.device and any(st.blocking for st in c.tails) for c in list(R.captures)):
+            return cudaErrorStreamCaptureImplicit
+    cap = s.capture
+    _put(captureStatus_out, _STATUS_NONE if cap is None else cap.status, "int *")
+    if cap is not None:
+        if not _is_null(id_out):
+            _put(id_out, cap.id, "unsigned long long *")
+        if not _is_null(graph_out):
+            _put_ptr(graph_out, _NULL)      # the simulator has no graph object until EndCapture
+        if not _is_null(dependencies_out):
+            _put_ptr(dependencies_out, _NULL)
+        if not _is_null(edgeData_out):
+            _put_ptr(edgeData_out, _NULL)
+        if not _is_null(numDependencies_out):
+            _put(numDependencies_out, len(cap.tails.get(s, ())), "size_t *")
+    return cudaSuccess
+
+
+def cudaThreadExchangeStreamCaptureMode(R, mode):
+    if _is_null(mode):
+        return cudaErrorInvalidValue
+    try:
+        new = mode[0]
+    except TypeError:
+        new = ffi.cast("int *", _addr(mode))[0]
+    if new not in (_CAPTURE_GLOBAL, _CAPTURE_THREAD_LOCAL, _CAPTURE_RELAXED):
+        return cudaErrorInvalidValue
+    old = R.tls.capture_mode
+    R.tls.capture_mode = new
+    _put(mode, old, "int *")
+    return cudaSuccess
+
+
+def _replay(nodes: Sequence[Node]):
+    def run():
+        delay = core.delay_s
+        for i, node in enumerate(nodes):
+            if node.fn is not None:
+                if delay and i:
+                    time.sleep(delay)
+                node.fn()
+    return run
+
+
+def cudaGraphInstantiate(R, pGraphExec, graph, flags=0):
+    g = _lookup(R.graphs, graph)
+    if g is None:
+        return cudaErrorInvalidResourceHandle
+    if _is_null(pGraphExec):
+        return cudaErrorInvalidValue
+    x = GraphExec(R.new_handle(), g.nodes)
+    Runtime.put(R.execs, x)
+    _put_ptr(pGraphExec, x.key)
+    return cudaSuccess
+
+
+def cudaGraphInstantiateWithFlags(R, pGraphExec, graph, flags=0):
+    return cudaGraphInstantiate(R, pGraphExec, graph, flags)
+
+
+def cudaGraphLaunch(R, graphExec, stream):
+    x = _lookup(R.execs, graphExec)
+    s = _stream(R, stream)
+    if x is None or s is None:
+        return cudaErrorInvalidResourceHandle
+    x.launches += 1
+    return _enqueue(R, s, _replay(x.nodes), "graph", f"graph exec {x.handle:#x}")[0]
+
+
+def cudaGraphExecDestroy(R, graphExec):
+    x = _lookup(R.execs, graphExec)
+    if x is None:
+        return cudaErrorInvalidResourceHandle
+    Runtime.drop(R.execs, x)
+    return cudaSuccess
+
+
+def cudaGraphDestroy(R, graph):
+    g = _lookup(R.graphs, graph)
+    if g is None:
+        return cudaErrorInvalidResourceHandle
+    Runtime.drop(R.graphs, g)
+    return cudaSuccess
+
+
+def cudaGraphGetNodes(R, graph, nodes, numNodes):
+    g = _lookup(R.graphs, graph)
+    if g is None:
+        return cudaErrorInvalidResourceHandle
+    if _is_null(numNodes):
+        return cudaErrorInvalidValue
+    if not _is_null(nodes):
+        return cudaErrorInvalidValue    # node handles are not simulated; count only
+    _put(numNodes, len(g.nodes), "size_t *")
+    return cudaSuccess
+
+
+def dot_text(g: Graph, verbose: bool = False) -> str:
+    """The DOT description cudaGraphDebugDotPrint writes for ``g``."""
+    gid = f"graph_{g.capture_id}"
+    lines = ["digraph dot {", f"subgraph cluster_{g.capture_id} {{",
+             f'label="{gid}" graph[style="dashed"];']
+    for n in g.nodes:
+        label = f"{n.id}\\n{n.kind.upper()}\\n{n.label}"
+        lines.append(f'"{gid}_node_{n.id}"[style="solid" shape="rectangle" label="{label}"];')
+    for n in g.nodes:
+        for d in n.deps:
+            lines.append(f'"{gid}_node_{d}" -> "{gid}_node_{n.id}";')
+    lines += ["}", "}", ""]
+    return "\n".join(lines)
+
+
+def cudaGraphDebugDotPrint(R, graph, path, flags):
+    g = _lookup(R.graphs, graph)
+    if g is None:
+        return cudaErrorInvalidResourceHandle
+    p = _c_string(path)
+    if not p:
+        return cudaErrorInvalidValue
+    try:
+        with open(p, "w") as f:
+            f.write(dot_text(g, bool(flags & 1)))
+    except OSError:
+        return cudaErrorOperatingSystem
+    return cudaSuccess
+
+
+# -- kernels ------------------------------------------------------------------------------
+
+_ENTRY_RE = re.compile(rb"\.entry\s+([A-Za-z_$%][\w$%]*)")
+
+
+def ptx_entries(text: bytes) -> List[str]:
+    """Kernel names declared in PTX text (``.entry NAME`` / ``.visible .entry NAME(``)."""
+    return [m.decode() for m in _ENTRY_RE.findall(text)]
+
+
+def cudaLibraryLoadData(R, library, code, jitOptions=None, jitOptionsValues=None, numJitOptions=0,
+                        libraryOptions=None, libraryOptionValues=None, numLibraryOptions=0):
+    if _is_null(library) or _is_null(code):
+        return cudaErrorInvalidValue
+    if isinstance(code, (bytes, bytearray, memoryview)):
+        text = bytes(code).split(b"\0", 1)[0]
+    else:
+        text = ffi.string(ffi.cast(_CHARP, code))
+    names = ptx_entries(text)
+    if not names:
+        return cudaErrorInvalidPtx
+    lib = Library(R.new_handle(), frozenset(names))
+    Runtime.put(R.libraries, lib)
+    _put_ptr(library, lib.key)
+    return cudaSuccess
+
+
+def cudaLibraryUnload(R, library):
+    lib = _lookup(R.libraries, library)
+    if lib is None:
+        return cudaErrorInvalidResourceHandle
+    Runtime.drop(R.libraries, lib)
+    for k in lib.kernels.values():
+        Runtime.drop(R.kernels, k)
+    return cudaSuccess
+
+
+def cudaLibraryGetKernel(R, pKernel, library, name):
+    lib = _lookup(R.libraries, library)
+    if lib is None:
+        return cudaErrorInvalidResourceHandle
+    n = _c_string(name)
+    if _is_null(pKernel) or n is None:
+        return cudaErrorInvalidValue
+    if n not in lib.names:
+        return cudaErrorSymbolNotFound
+    k = lib.kernels.get(n)
+    if k is None:
+        k = lib.kernels[n] = KernelHandle(R.new_handle(), n, lib)
+        Runtime.put(R.kernels, k)
+    _put_ptr(pKernel, k.key)
+    return cudaSuccess
+
+
+def _dim3(d) -> Tuple[int, int, int]:
+    if isinstance(d, int):
+        return (d, 1, 1)
+    if isinstance(d, (tuple, list)):
+        t = tuple(int(v) for v in d) + (1, 1, 1)
+        return t[:3]
+    if isinstance(d, dict):
+        return (d.get("x", 1), d.get("y", 1), d.get("z", 1))
+    return (d.x, d.y, d.z)
+
+
+def _launch_config_ok(grid, block) -> bool:
+    if min(grid) < 1 or min(block) < 1:
+        return False
+    if block[0] > 1024 or block[1] > 1024 or block[2] > 64 or block[0] * block[1] * block[2] > 1024:
+        return False
+    return grid[0] <= 2 ** 31 - 1 and grid[1] <= 65535 and grid[2] <= 65535
+
+
+def cudaLaunchKernel(R, func, gridDim, blockDim, args, sharedMem, stream):
+    k = _lookup(R.kernels, func)
+    if k is None:
+        return cudaErrorInvalidDeviceFunction
+    s = _stream(R, stream)
+    if s is None:
+        return cudaErrorInvalidResourceHandle
+    grid, block = _dim3(gridDim), _dim3(blockDim)
+    if not _launch_config_ok(grid, block) or sharedMem > _SHARED_PER_BLOCK_OPTIN:
+        return cudaErrorInvalidConfiguration
+    ref = kernels.lookup(k.name)
+    if ref is None:
+        return cudaErrorInvalidDeviceFunction
+    try:
+        values = kernels.decode_args(ref, args)
+    except ValueError:
+        return cudaErrorInvalidValue
+    fn, view = ref.fn, kernels.view
+
+    def run():
+        fn(grid, block, view, *values)
+    return _enqueue(R, s, run, "kernel", f"{k.name} grid{grid} block{block}")[0]
+
+
+# -- the library object ----------------------------------------------------------------------
+
+_FUNCTIONS = {name: obj for name, obj in list(globals().items())
+              if name.startswith("cuda") and callable(obj) and name not in _NO_INIT}
+
+
+def _wrap(name: str, fn):
+    counts, counter = core.counter_for(name)
+    faults = core._faults
+    take = core.take_fault
+
+    def call(*args):
+        next(counts.get(name) or counter(name))
+        R = _R
+        if R is None:
+            R = _start()
+        if faults and name in faults:
+            rc = take(name)
+            if rc:
+                R.tls.last_error = rc
+                return rc
+        if R.init_error and name != "cudaGetDeviceCount":
+            rc = R.init_error
+        else:
+            rc = fn(R, *args)
+        if rc and rc != cudaErrorNotReady:
+            R.tls.last_error = rc
+        return rc
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = fn.__doc__
+    return call
+
+
+def _wrap_any(name: str, fn):
+    if name in _NO_INIT:
+        return core.counted(name, fn)
+    return _wrap(name, fn)
+
+
+_lib: Optional[core.SimLibrary] = None
+
+
+def open_library() -> core.SimLibrary:
+    """The simulated libcudart (OSError like a missing library when configured absent)."""
+    global _lib
+    if not core.config().cudart:
+        raise OSError("cannot load library 'libcudart.so.13': libcudart.so.13: cannot open shared object "
+                      "file: No such file or directory (accel.sim configured without cudart)")
+    lib = _lib
+    if lib is None:
+        lib = _lib = core.build_library("cudart", {**_NO_INIT, **_FUNCTIONS},
+                                        constants=core.constants_of("_cudart"), wrap=_wrap_any)
+    return lib
+
+
+def _state() -> dict:
+    R = _R
+    out = {"runtime_initialized": R is not None}
+    if R is None:
+        out.update(live_allocations={}, live_bytes={}, peak_bytes={}, host_allocations=0, host_bytes=0,
+                   streams=0, events=0, graphs=0, graph_execs=0, captures=0, errors=[])
+        return out
+    allocs, nbytes = {}, {}
+    host_n = 0
+    for a in R.mem.all():
+        if a.kind == _memory.DEVICE:
+            allocs[a.device] = allocs.get(a.device, 0) + 1
+            nbytes[a.device] = nbytes.get(a.device, 0) + _accounted(a.size)
+        else:
+            host_n += 1
+    uniq = lambda table, cls: len({id(v) for v in table.values() if v.__class__ is cls})
+    out.update(live_allocations=allocs, live_bytes=nbytes,
+               peak_bytes={d.index: d.peak for d in R.devices},
+               host_allocations=host_n, host_bytes=R.host_bytes,
+               streams=uniq(R.streams, Stream), events=uniq(R.events, Event), graphs=uniq(R.graphs, Graph),
+               graph_execs=uniq(R.execs, GraphExec), captures=len(R.captures), errors=list(R.errors),
+               visible_devices=[d.physical for d in R.devices])
+    return out
+
+
+core.on_state("cudart", _state)
+
+
+def device_used_bytes(physical: int) -> int:
+    """Device memory in use on simulated *physical* device ``physical`` (NVML's view)."""
+    R = _R
+    if R is None:
+        return 0
+    return sum(d.used for d in R.devices if d.physical == physical)
