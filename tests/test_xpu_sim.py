@@ -470,35 +470,47 @@ def test_capture_rules(make):
 
 
 @pytest.mark.parametrize("mode, allowed", [("global", False), ("thread_local", True), ("relaxed", True)])
-def test_capture_modes_for_other_threads(make, mode, allowed):
+def test_capture_modes_for_frees(make, mode, allowed):
+    """Frees wait for the device: CUDA's "potentially unsafe" rules apply to them."""
     be = make()
     s, other = be.stream_create(), be.stream_create()
+    pinned = [be.host_alloc(64) for _ in range(3)]
     be.capture_begin(s, mode)
     result = []
 
-    def sync_other():
+    def free_in_other_thread():
         try:
-            be.stream_synchronize(other)
+            be.host_free(pinned[0])
             result.append("ok")
         except CaptureError:
             result.append("refused")
-    t = threading.Thread(target=sync_other)
+    t = threading.Thread(target=free_in_other_thread)
     t.start()
     t.join(30)
     assert result == ["ok" if allowed else "refused"]
+    be.stream_synchronize(other)   # other streams may always be synchronized
+    assert be.event_query(be.event_create())
     if allowed:
         be.graph_destroy(be.capture_end(s))
     else:
-        with pytest.raises(CaptureError):
+        with pytest.raises(CaptureError, match="invalidated"):
             be.capture_end(s)
-    # the capturing thread itself may not sync other streams unless relaxed
+    # in the capturing thread itself, frees are refused unless the capture is relaxed
     be.capture_begin(s, mode)
     if mode == "relaxed":
-        be.stream_synchronize(other)
+        be.host_free(pinned[1])
         be.graph_destroy(be.capture_end(s))
     else:
         with pytest.raises(CaptureError):
-            be.stream_synchronize(other)
+            be.host_free(pinned[1])
+        with pytest.raises(CaptureError):
+            be.capture_end(s)
+    # synchronizing the device that captures is always refused
+    be.capture_begin(s, "relaxed")
+    with pytest.raises(CaptureError):
+        be.device_synchronize()
+    with pytest.raises(CaptureError):
+        be.capture_end(s)
 
 
 def test_graph_debug_dot(make, tmp_path):

@@ -670,7 +670,7 @@ class XpuBackend(Backend):
 
     def device_synchronize(self) -> None:
         dev = self._current()
-        self._unsafe("device_synchronize")
+        self._not_capturing("device_synchronize", [c for c in self._captures.values() if c.device is dev])
         for s in list(dev.streams.values()):
             self._sync_stream(s)
         for g in list(dev.graphs):
@@ -875,7 +875,7 @@ class XpuBackend(Backend):
 
     def stream_synchronize(self, stream: int) -> None:
         s = self._stream(stream)
-        self._unsafe("stream_synchronize", s)
+        self._not_capturing("stream_synchronize", [s.capture])
         self._sync_stream(s)
 
     def _sync_stream(self, s: _Stream) -> None:
@@ -910,7 +910,7 @@ class XpuBackend(Backend):
 
     def stream_query(self, stream: int) -> bool:
         s = self._stream(stream)
-        self._unsafe("stream_query", s)
+        self._not_capturing("stream_query", [s.capture])
         if s.done >= s.seq:
             return True
         ffi, lib, _ = self._lib
@@ -1067,7 +1067,6 @@ class XpuBackend(Backend):
         slot = e.slot
         if slot is None:
             return True
-        self._unsafe("event_query")
         if e.stream.done >= e.seq:
             return True
         lib = self._lib[1]
@@ -1084,7 +1083,6 @@ class XpuBackend(Backend):
         slot = e.slot
         if slot is None:
             return
-        self._unsafe("event_synchronize")
         if e.stream.done >= e.seq:
             return
         rc = self._lib[1].zeEventHostSynchronize(slot.event, _UINT64_MAX)
@@ -1161,7 +1159,6 @@ class XpuBackend(Backend):
                 self._deferred.append(([(s, seq)], staging))
             return
         # Pageable destination: synchronous, as CUDA makes it.
-        self._unsafe("a copy to pageable host memory", s)
         if not src_usm:
             self._sync_stream(s)
             ffi.memmove(ffi.cast("void *", dst), ffi.cast("void *", src), nbytes)
@@ -1205,17 +1202,24 @@ class XpuBackend(Backend):
             return s.seq
 
     # -- graphs -------------------------------------------------------------------------------------
-    def _unsafe(self, what: str, stream: Optional[_Stream] = None) -> None:
-        """CUDA's capture rules for calls that wait on the device ("potentially unsafe" calls)."""
+    def _not_capturing(self, what: str, captures) -> None:
+        """Waiting on work that is being captured is illegal: invalidate the capture and raise."""
+        captures = [c for c in captures if c is not None]
+        if captures:
+            for cap in captures:
+                self._invalidate(cap, what)
+            raise CaptureError(f"{what} would wait on a stream that is being captured; "
+                               f"the capture is invalidated")
+
+    def _unsafe(self, what: str) -> None:
+        """CUDA's rules for "potentially unsafe" calls during capture (cudaFree, cudaFreeHost:
+        here the frees, which wait for the device): refused in the capturing thread unless its
+        capture is relaxed, and in other threads while a global-mode capture runs."""
         if not self._captures:
             return
         me = threading.get_ident()
-        hit = []
-        for cap_stream, cap in list(self._captures.items()):
-            s = self._streams.get(cap_stream)
-            if (stream is not None and s is stream) or (cap.thread == me and cap.mode != "relaxed") \
-                    or (cap.thread != me and cap.mode == "global"):
-                hit.append(cap)
+        hit = [cap for cap in list(self._captures.values())
+               if (cap.mode != "relaxed" if cap.thread == me else cap.mode == "global")]
         if hit:
             for cap in hit:
                 self._invalidate(cap, what)
