@@ -12,7 +12,7 @@ How the Backend protocol maps onto Level Zero, and why:
   library can be found at all, the count is 0 without loading anything
   ("driver-probe"); otherwise a short-lived child process runs
   ``zeInit``/``zeDeviceGet`` and reports the number (its driver applies the
-  two variables itself) — "child-zeInit".  The path taken and the reason for
+  two variables itself) — "child-zeInit" (:mod:`._ze_count`).  The path taken and the reason for
   a zero count are in :meth:`XpuBackend.report` (``python -m accel``).
 * **Init**: ``zeInit(GPU_ONLY)``, every driver's GPU devices, one context per
   driver.  Without ``zesInit`` the backend sets ``ZES_ENABLE_SYSMAN=1``
@@ -65,22 +65,19 @@ How the Backend protocol maps onto Level Zero, and why:
 from __future__ import annotations
 
 import itertools
-import json
 import os
-import subprocess
-import sys
 import threading
 from typing import Dict, List, Optional, Tuple
 
 from .._errors import AcceleratorError, CaptureError, OutOfMemoryError
-from . import _ze_visible
+from . import _ze_count, _ze_visible
 from .base import Backend, DeviceProperties
 
 LIBRARY = "libze_loader"
 
 #: Every Level Zero function this backend calls without first checking that the
 #: loader exports it.  Debian's loader 1.8.12 must (and does) export all of these;
-#: tests check the list against the real library and against this file's calls.
+#: tests check it against the real library and against the calls in this file and _ze_count.py.
 REQUIRED_SYMBOLS = (
     "zeInit", "zeDriverGet", "zeDriverGetApiVersion", "zeDriverGetProperties",
     "zeDeviceGet", "zeDeviceGetProperties", "zeDeviceGetMemoryProperties",
@@ -100,9 +97,6 @@ REQUIRED_SYMBOLS = (
 
 #: Called only after checking the loader exports them (API 1.5/1.6 additions).
 OPTIONAL_SYMBOLS = ("zesInit", "zesDriverGet", "zesDeviceGet", "zeCommandListHostSynchronize")
-
-#: Level Zero GPU driver the 1.8 loader looks for by name (besides ZE_ENABLE_ALT_DRIVERS).
-GPU_DRIVER_NAMES = ("libze_intel_gpu.so.1",)
 
 _UINT64_MAX = (1 << 64) - 1
 _EVENTS_PER_POOL = 64
@@ -341,11 +335,11 @@ class XpuBackend(Backend):
             return len(visible)
         missing = "the loader has no zesInit (Level Zero API 1.5+), which counts without initializing"
         if not self.simulated:
-            self._probe = _probe_gpu_drivers()
+            self._probe = _ze_count.probe_gpu_drivers()
             if self._probe == []:
                 self._count_path = "driver-probe"
                 self._count_reason = (f"no Level Zero GPU driver is installed: none of "
-                                      f"{', '.join(GPU_DRIVER_NAMES)} is in the library search path "
+                                      f"{', '.join(_ze_count.GPU_DRIVER_NAMES)} is in the library search path "
                                       f"({missing})")
                 return 0
         self._count_path = "child-zeInit"
@@ -406,24 +400,11 @@ class XpuBackend(Backend):
         return self._sysman_visible
 
     def _count_in_child(self) -> Tuple[int, str]:
-        env = dict(os.environ)
+        sim_config = None
         if self.simulated:
             from ..sim import ze as sim_ze
-            env["ACCEL_XPU_CHILD_SIM"] = json.dumps(sim_ze.export_config())
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        cmd = [sys.executable, "-c", "from accel.backends.xpu import _child_main; _child_main()"]
-        try:
-            out = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, capture_output=True, timeout=120)
-        except (OSError, subprocess.SubprocessError) as exc:
-            return 0, f"the counting child process failed: {exc}"
-        lines = out.stdout.decode(errors="replace").strip().splitlines()
-        try:
-            data = json.loads(lines[-1])
-        except (IndexError, ValueError):
-            tail = out.stderr.decode(errors="replace").strip().splitlines()[-1:] or [f"exit status {out.returncode}"]
-            return 0, f"the counting child process failed: {tail[0]}"
-        return int(data.get("count", 0)), data.get("reason", "")
+            sim_config = sim_ze.export_config()
+        return _ze_count.count_in_child(sim_config)
 
     def report(self) -> dict:
         info = {"backend": self.name, "simulated": self.simulated}
@@ -968,9 +949,9 @@ class XpuBackend(Backend):
     def _acquire(self, dev: _Device, timing: bool) -> _Slot:
         key = (id(dev.ctx), timing)
         with self._lock:
-            if self._retired or self._deferred:
-                self._sweep()
             free = self._free_slots.setdefault(key, [])
+            if not free and self._retired:
+                self._sweep()   # only when needed: retired slots can pile up between syncs
             if free:
                 return free.pop()
             ffi, lib, _ = self._lib
@@ -1517,75 +1498,6 @@ def _check_ptr(ptr, what: str) -> None:
         raise TypeError(f"{what} must be an int address, got {ptr!r}")
     if ptr <= 0:
         raise ValueError(f"{what} must be a non-null address, got {ptr!r}")
-
-
-def _probe_gpu_drivers() -> Optional[List[str]]:
-    """GPU driver libraries the loader would find, or None when that cannot be told.
-
-    Looks where the dynamic linker looks for a bare soname: LD_LIBRARY_PATH,
-    the ld.so cache, and the default directories.  Unknowable (None) when
-    ZE_ENABLE_ALT_DRIVERS names other drivers or off Linux.
-    """
-    if not sys.platform.startswith("linux") or os.environ.get("ZE_ENABLE_ALT_DRIVERS"):
-        return None
-    dirs = [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d]
-    dirs += ["/lib", "/usr/lib", "/lib64", "/usr/lib64", "/usr/local/lib",
-             "/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu",
-             "/lib/aarch64-linux-gnu", "/usr/lib/aarch64-linux-gnu"]
-    try:
-        with open("/etc/ld.so.cache", "rb") as f:
-            cache = f.read()
-    except OSError:
-        cache = b""
-    found = []
-    for name in GPU_DRIVER_NAMES:
-        if name.encode() in cache or any(os.path.exists(os.path.join(d, name)) for d in dirs):
-            found.append(name)
-    return found
-
-
-def _runtime_count(ffi, lib) -> Tuple[int, str]:
-    """zeInit + zeDeviceGet: the number of GPU devices (for the counting child)."""
-    rc = lib.zeInit(lib.ZE_INIT_FLAG_GPU_ONLY)
-    if rc:
-        names = {v: k for v, k in ffi.typeof("ze_result_t").elements.items()}
-        return 0, f"zeInit failed with {names.get(rc, 'ze_result_t')} ({rc:#010x})"
-    n = ffi.new("uint32_t *", 0)
-    if lib.zeDriverGet(n, ffi.NULL) or not n[0]:
-        return 0, "zeDriverGet found no driver"
-    drivers = ffi.new("ze_driver_handle_t[]", n[0])
-    lib.zeDriverGet(n, drivers)
-    total = 0
-    for d in range(n[0]):
-        m = ffi.new("uint32_t *", 0)
-        if lib.zeDeviceGet(drivers[d], m, ffi.NULL) or not m[0]:
-            continue
-        devs = ffi.new("ze_device_handle_t[]", m[0])
-        lib.zeDeviceGet(drivers[d], m, devs)
-        for i in range(m[0]):
-            props = ffi.new("ze_device_properties_t *")
-            props.stype = lib.ZE_STRUCTURE_TYPE_DEVICE_PROPERTIES
-            if lib.zeDeviceGetProperties(devs[i], props) == 0 and props.type == lib.ZE_DEVICE_TYPE_GPU:
-                total += 1
-    return total, "" if total else "zeDeviceGet found no GPU device"
-
-
-def _child_main() -> None:
-    """Entry point of the counting child process: prints {"count": n, "reason": ...} as JSON."""
-    try:
-        cfg = os.environ.get("ACCEL_XPU_CHILD_SIM")
-        if cfg:
-            from .._ffi import _ze
-            from ..sim import ze as sim_ze
-            sim_ze.import_config(json.loads(cfg))
-            ffi, lib = _ze.ffi, sim_ze.open_ze()
-        else:
-            from .._ffi import open_library
-            ffi, lib, _ = open_library("ze")
-        count, reason = _runtime_count(ffi, lib)
-    except Exception as exc:   # the parent reads the reason; never a traceback
-        count, reason = 0, f"{type(exc).__name__}: {exc}"
-    print(json.dumps({"count": count, "reason": reason}))
 
 
 def create() -> XpuBackend:
