@@ -30,11 +30,12 @@ How the Backend protocol maps onto Level Zero, and why:
   when every stream that signalled or waited on it has provably passed that
   point (the backend numbers each stream's commands and learns completion
   from syncs and queries).  A waiter therefore always waits for the record it
-  saw, as in CUDA.  Timing events come from ``KERNEL_TIMESTAMP`` pools;
-  elapsed time is the difference of the signals' global end timestamps
-  (wrapped to ``kernelTimestampValidBits``) times the timer period, read
-  with ``ZE_STRUCTURE_TYPE_DEVICE_PROPERTIES_1_2`` (ticks per second) on API
-  1.2+ drivers and the 1.0 structure (whole nanoseconds per tick) before.
+  saw, as in CUDA.  Timing events come from ``KERNEL_TIMESTAMP`` pools and
+  are signalled by a barrier, which stamps them; elapsed time is the
+  difference of the two global end timestamps (wrapped to
+  ``kernelTimestampValidBits``) times the timer period, read with
+  ``ZE_STRUCTURE_TYPE_DEVICE_PROPERTIES_1_2`` (ticks per second) on API 1.2+
+  drivers and the 1.0 structure (whole nanoseconds per tick) before.
 * **Memory**: ``zeMemAllocDevice``/``zeMemAllocHost``; out-of-memory results
   raise :class:`accel.OutOfMemoryError`.  Level Zero forbids freeing memory
   the device may still use, so frees first wait for unfinished streams and
@@ -1352,11 +1353,17 @@ class XpuBackend(Backend):
     def _record(self, e: _Event, s: _Stream) -> None:
         """Signal a fresh event slot at the end of ``s`` for ``e``; the old slot is recycled later."""
         slot = self._acquire(s.device, e.timing)
-        lib = self._lib[1]
+        ffi, lib, _ = self._lib
         with s.lock:
             try:
-                self._append(s, "zeCommandListAppendSignalEvent", lib.zeCommandListAppendSignalEvent,
-                             s.list, slot.event)
+                if e.timing:
+                    # A barrier that signals writes the kernel timestamps (as SYCL's profiled
+                    # barrier); on an in-order list it completes after all earlier commands.
+                    self._append(s, "zeCommandListAppendBarrier", lib.zeCommandListAppendBarrier,
+                                 s.list, slot.event, 0, ffi.NULL)
+                else:
+                    self._append(s, "zeCommandListAppendSignalEvent", lib.zeCommandListAppendSignalEvent,
+                                 s.list, slot.event)
             except BaseException:
                 self._retire(slot)
                 raise
