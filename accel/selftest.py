@@ -136,7 +136,8 @@ def _print(*args) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m accel.selftest", description=__doc__.split("\n\n")[0],
+        prog="python -m accel.selftest",
+        description="Real-hardware self-test: device checks and benchmarks on one device, one JSON report.",
         epilog="checks: " + ", ".join(_check_names()))
     parser.add_argument("--json", default="accel-selftest.json", metavar="PATH",
                         help="where to write the JSON report ('-' = stdout; default %(default)s)")
@@ -184,7 +185,15 @@ def main(argv=None) -> int:
               "dry_run": bool(args.allow_sim), "quick": args.quick, "device": args.device,
               "env": {k: v for k, v in os.environ.items()
                       if k.startswith(("ACCEL_", "CUDA_VISIBLE_DEVICES", "ZE_AFFINITY_MASK"))}}
-    if not accel.is_available():
+    try:
+        available = accel.is_available()
+    except Exception as exc:  # noqa: BLE001 - a broken backend still gets a report
+        report.update(skipped=False, ok=False, checks=[], error=f"is_available() raised {type(exc).__name__}: {exc}",
+                      traceback=traceback.format_exc(), elapsed_s=round(time.time() - started, 3))
+        say(f"accel.selftest: error: {report['error']}")
+        _write(report, args.json)
+        return 1
+    if not available:
         reason = _why_unavailable()
         report.update(skipped=True, reason=reason, checks=[], elapsed_s=round(time.time() - started, 3))
         say(f"accel.selftest: skipped: {reason}")
