@@ -435,6 +435,8 @@ class XpuBackend(Backend):
             info["api_version"] = "%d.%d" % (self._devices[0].api_version >> 16, self._devices[0].api_version & 0xFFFF)
             info["stream_sync"] = "zeCommandListHostSynchronize" if self._host_sync else "event after the last command"
             info["devices"] = [d.name for d in self._devices]
+            if self._count is not None and self._count != len(self._devices):
+                info["count_before_init"] = self._count   # the count without init disagreed with zeDeviceGet
             if self._mem_info_path:
                 info["mem_info_path"] = self._mem_info_path
         if count == 0:

@@ -452,35 +452,32 @@ def _visible(rt: _Runtime) -> List[Tuple[_Card, List[int], bool]]:
     return out
 
 
-def _need_init(fn):
-    """Core calls fail with ZE_RESULT_ERROR_UNINITIALIZED before zeInit, and DEVICE_LOST after a fault."""
-    def call(*args):
-        rt = _runtime()
-        if not rt.initialized:
-            return rt.C.ZE_RESULT_ERROR_UNINITIALIZED
-        if rt.lost is not None:
-            return rt.C.ZE_RESULT_ERROR_DEVICE_LOST
-        return fn(rt, *args)
-    call.__name__ = fn.__name__
-    call.__doc__ = fn.__doc__
-    return call
+# Every simulated function takes exactly the vendor function's parameters (the
+# core's wrappers copy the signature), so the checks below are calls, not decorators.
+
+def _ready():
+    """(runtime, 0), or (None, code) for a core call before zeInit or after a device fault."""
+    rt = _runtime()
+    if not rt.initialized:
+        return None, rt.C.ZE_RESULT_ERROR_UNINITIALIZED
+    if rt.lost is not None:
+        return None, rt.C.ZE_RESULT_ERROR_DEVICE_LOST
+    return rt, 0
 
 
-def _need_sysman(fn):
-    def call(handle, *args):
-        rt = _runtime()
-        obj = rt.objects.get(handle)
-        if obj is None or not obj.live:
-            return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE if not handle else rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
-        if obj.kind in ("card", "memmodule") and rt.sysman_initialized:
-            return fn(rt, obj, *args)
-        if obj.kind == "device" and rt.sysman_on_core:
-            return fn(rt, obj, *args)
-        if obj.kind == "memmodule" and rt.sysman_on_core:
-            return fn(rt, obj, *args)
-        return rt.C.ZE_RESULT_ERROR_UNINITIALIZED
-    call.__name__ = fn.__name__
-    return call
+def _sysman(handle):
+    """(runtime, Sysman object, 0) or (None, None, code): cards and memory modules after
+    zesInit; core devices (and their modules) when ZES_ENABLE_SYSMAN=1 was set at zeInit."""
+    rt = _runtime()
+    obj = rt.objects.get(handle)
+    if obj is None or not obj.live:
+        return None, None, (rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE if not handle
+                            else rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT)
+    if obj.kind in ("card", "memmodule") and rt.sysman_initialized:
+        return rt, obj, 0
+    if obj.kind in ("device", "memmodule") and rt.sysman_on_core:
+        return rt, obj, 0
+    return None, None, rt.C.ZE_RESULT_ERROR_UNINITIALIZED
 
 
 # -- initialization and discovery --------------------------------------------------------
@@ -530,13 +527,17 @@ def zesDeviceGet(hDriver, pCount, phDevices):
     return _fill(pCount, phDevices, rt.cards)
 
 
-@_need_init
-def zeDriverGet(rt, pCount, phDrivers):
+def zeDriverGet(pCount, phDrivers):
+    rt, rc = _ready()
+    if rc:
+        return rc
     return _fill(pCount, phDrivers, [rt.driver])
 
 
-@_need_init
-def zeDriverGetApiVersion(rt, hDriver, version):
+def zeDriverGetApiVersion(hDriver, version):
+    rt, rc = _ready()
+    if rc:
+        return rc
     if rt.get(hDriver, "driver") is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     major, minor = rt.zcfg.api_version
@@ -544,8 +545,10 @@ def zeDriverGetApiVersion(rt, hDriver, version):
     return 0
 
 
-@_need_init
-def zeDriverGetProperties(rt, hDriver, props):
+def zeDriverGetProperties(hDriver, props):
+    rt, rc = _ready()
+    if rc:
+        return rc
     if rt.get(hDriver, "driver") is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     if props.stype != rt.C.ZE_STRUCTURE_TYPE_DRIVER_PROPERTIES:
@@ -555,15 +558,19 @@ def zeDriverGetProperties(rt, hDriver, props):
     return 0
 
 
-@_need_init
-def zeDeviceGet(rt, hDriver, pCount, phDevices):
+def zeDeviceGet(hDriver, pCount, phDevices):
+    rt, rc = _ready()
+    if rc:
+        return rc
     if rt.get(hDriver, "driver") is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     return _fill(pCount, phDevices, rt.devices)
 
 
-@_need_init
-def zeDeviceGetSubDevices(rt, hDevice, pCount, phSubdevices):
+def zeDeviceGetSubDevices(hDevice, pCount, phSubdevices):
+    rt, rc = _ready()
+    if rc:
+        return rc
     dev = rt.get(hDevice, "device")
     if dev is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
@@ -601,16 +608,20 @@ def _write_core_properties(rt: _Runtime, props, dev_uuid: bytes, is_sub: bool, t
     return 0
 
 
-@_need_init
-def zeDeviceGetProperties(rt, hDevice, props):
+def zeDeviceGetProperties(hDevice, props):
+    rt, rc = _ready()
+    if rc:
+        return rc
     dev = rt.get(hDevice, "device")
     if dev is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     return _write_core_properties(rt, props, dev.uuid, dev.is_sub, dev.tiles[0], len(dev.tiles))
 
 
-@_need_init
-def zeDeviceGetComputeProperties(rt, hDevice, props):
+def zeDeviceGetComputeProperties(hDevice, props):
+    rt, rc = _ready()
+    if rc:
+        return rc
     if rt.get(hDevice, "device") is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     if props.stype != rt.C.ZE_STRUCTURE_TYPE_DEVICE_COMPUTE_PROPERTIES:
@@ -624,8 +635,10 @@ def zeDeviceGetComputeProperties(rt, hDevice, props):
     return 0
 
 
-@_need_init
-def zeDeviceGetModuleProperties(rt, hDevice, props):
+def zeDeviceGetModuleProperties(hDevice, props):
+    rt, rc = _ready()
+    if rc:
+        return rc
     if rt.get(hDevice, "device") is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     if props.stype != rt.C.ZE_STRUCTURE_TYPE_DEVICE_MODULE_PROPERTIES:
@@ -635,8 +648,10 @@ def zeDeviceGetModuleProperties(rt, hDevice, props):
     return 0
 
 
-@_need_init
-def zeDeviceGetMemoryProperties(rt, hDevice, pCount, props):
+def zeDeviceGetMemoryProperties(hDevice, pCount, props):
+    rt, rc = _ready()
+    if rc:
+        return rc
     dev = rt.get(hDevice, "device")
     if dev is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
@@ -659,8 +674,10 @@ def zeDeviceGetMemoryProperties(rt, hDevice, pCount, props):
 _GROUPS = (("copy", 2), ("compute", 1))
 
 
-@_need_init
-def zeDeviceGetCommandQueueGroupProperties(rt, hDevice, pCount, props):
+def zeDeviceGetCommandQueueGroupProperties(hDevice, pCount, props):
+    rt, rc = _ready()
+    if rc:
+        return rc
     if rt.get(hDevice, "device") is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     C = rt.C
@@ -682,8 +699,10 @@ def zeDeviceGetCommandQueueGroupProperties(rt, hDevice, pCount, props):
     return 0
 
 
-@_need_init
-def zeDeviceGetGlobalTimestamps(rt, hDevice, hostTimestamp, deviceTimestamp):
+def zeDeviceGetGlobalTimestamps(hDevice, hostTimestamp, deviceTimestamp):
+    rt, rc = _ready()
+    if rc:
+        return rc
     if rt.get(hDevice, "device") is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     hostTimestamp[0] = time.monotonic_ns()
@@ -693,8 +712,10 @@ def zeDeviceGetGlobalTimestamps(rt, hDevice, hostTimestamp, deviceTimestamp):
 
 # -- contexts and memory --------------------------------------------------------------------
 
-@_need_init
-def zeContextCreate(rt, hDriver, desc, phContext):
+def zeContextCreate(hDriver, desc, phContext):
+    rt, rc = _ready()
+    if rc:
+        return rc
     if rt.get(hDriver, "driver") is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     if desc.stype != rt.C.ZE_STRUCTURE_TYPE_CONTEXT_DESC:
@@ -704,8 +725,10 @@ def zeContextCreate(rt, hDriver, desc, phContext):
     return 0
 
 
-@_need_init
-def zeContextDestroy(rt, hContext):
+def zeContextDestroy(hContext):
+    rt, rc = _ready()
+    if rc:
+        return rc
     ctx = rt.get(hContext, "context")
     if ctx is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
@@ -721,8 +744,10 @@ def _alloc_checks(rt, size, alignment) -> int:
     return 0
 
 
-@_need_init
-def zeMemAllocDevice(rt, hContext, desc, size, alignment, hDevice, pptr):
+def zeMemAllocDevice(hContext, desc, size, alignment, hDevice, pptr):
+    rt, rc = _ready()
+    if rc:
+        return rc
     C = rt.C
     if rt.get(hContext, "context") is None:
         return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
@@ -755,8 +780,10 @@ def zeMemAllocDevice(rt, hContext, desc, size, alignment, hDevice, pptr):
     return 0
 
 
-@_need_init
-def zeMemAllocHost(rt, hContext, desc, size, alignment, pptr):
+def zeMemAllocHost(hContext, desc, size, alignment, pptr):
+    rt, rc = _ready()
+    if rc:
+        return rc
     C = rt.C
     if rt.get(hContext, "context") is None:
         return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
@@ -776,8 +803,10 @@ def zeMemAllocHost(rt, hContext, desc, size, alignment, pptr):
     return 0
 
 
-@_need_init
-def zeMemFree(rt, hContext, ptr):
+def zeMemFree(hContext, ptr):
+    rt, rc = _ready()
+    if rc:
+        return rc
     if rt.get(hContext, "context") is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     with rt.lock:
@@ -790,8 +819,10 @@ def zeMemFree(rt, hContext, ptr):
     return 0
 
 
-@_need_init
-def zeMemGetAllocProperties(rt, hContext, ptr, props, phDevice):
+def zeMemGetAllocProperties(hContext, ptr, props, phDevice):
+    rt, rc = _ready()
+    if rc:
+        return rc
     C = rt.C
     if rt.get(hContext, "context") is None:
         return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
@@ -813,8 +844,10 @@ def zeMemGetAllocProperties(rt, hContext, ptr, props, phDevice):
 
 # -- events ------------------------------------------------------------------------------------
 
-@_need_init
-def zeEventPoolCreate(rt, hContext, desc, numDevices, phDevices, phEventPool):
+def zeEventPoolCreate(hContext, desc, numDevices, phDevices, phEventPool):
+    rt, rc = _ready()
+    if rc:
+        return rc
     C = rt.C
     ctx = rt.get(hContext, "context")
     if ctx is None:
@@ -833,8 +866,10 @@ def zeEventPoolCreate(rt, hContext, desc, numDevices, phDevices, phEventPool):
     return 0
 
 
-@_need_init
-def zeEventPoolDestroy(rt, hEventPool):
+def zeEventPoolDestroy(hEventPool):
+    rt, rc = _ready()
+    if rc:
+        return rc
     pool = rt.get(hEventPool, "eventpool")
     if pool is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
@@ -844,8 +879,10 @@ def zeEventPoolDestroy(rt, hEventPool):
     return 0
 
 
-@_need_init
-def zeEventCreate(rt, hEventPool, desc, phEvent):
+def zeEventCreate(hEventPool, desc, phEvent):
+    rt, rc = _ready()
+    if rc:
+        return rc
     C = rt.C
     pool = rt.get(hEventPool, "eventpool")
     if pool is None:
@@ -863,8 +900,10 @@ def zeEventCreate(rt, hEventPool, desc, phEvent):
     return 0
 
 
-@_need_init
-def zeEventDestroy(rt, hEvent):
+def zeEventDestroy(hEvent):
+    rt, rc = _ready()
+    if rc:
+        return rc
     ev = rt.get(hEvent, "event")
     if ev is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
@@ -880,8 +919,10 @@ def _signal_now(rt: _Runtime, ev: _Event) -> None:
     ev.eq.submit(None, work=False)   # one more executed signal: wakes waits and host syncs
 
 
-@_need_init
-def zeEventHostSignal(rt, hEvent):
+def zeEventHostSignal(hEvent):
+    rt, rc = _ready()
+    if rc:
+        return rc
     ev = rt.get(hEvent, "event")
     if ev is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
@@ -891,8 +932,10 @@ def zeEventHostSignal(rt, hEvent):
     return 0
 
 
-@_need_init
-def zeEventHostReset(rt, hEvent):
+def zeEventHostReset(hEvent):
+    rt, rc = _ready()
+    if rc:
+        return rc
     ev = rt.get(hEvent, "event")
     if ev is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
@@ -902,8 +945,10 @@ def zeEventHostReset(rt, hEvent):
     return 0
 
 
-@_need_init
-def zeEventQueryStatus(rt, hEvent):
+def zeEventQueryStatus(hEvent):
+    rt, rc = _ready()
+    if rc:
+        return rc
     ev = rt.get(hEvent, "event")
     if ev is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
@@ -934,16 +979,20 @@ def _host_wait(rt: _Runtime, cond, timeout_ns: int, cv, what: str) -> int:
     return 0
 
 
-@_need_init
-def zeEventHostSynchronize(rt, hEvent, timeout):
+def zeEventHostSynchronize(hEvent, timeout):
+    rt, rc = _ready()
+    if rc:
+        return rc
     ev = rt.get(hEvent, "event")
     if ev is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     return _host_wait(rt, lambda: ev.signaled or rt.lost is not None, timeout, ev.eq.cv, "zeEventHostSynchronize")
 
 
-@_need_init
-def zeEventQueryKernelTimestamp(rt, hEvent, dstptr):
+def zeEventQueryKernelTimestamp(hEvent, dstptr):
+    rt, rc = _ready()
+    if rc:
+        return rc
     C = rt.C
     ev = rt.get(hEvent, "event")
     if ev is None:
@@ -967,8 +1016,10 @@ def _queue_desc_checks(rt, dev, ordinal) -> int:
     return 0
 
 
-@_need_init
-def zeCommandListCreateImmediate(rt, hContext, hDevice, altdesc, phCommandList):
+def zeCommandListCreateImmediate(hContext, hDevice, altdesc, phCommandList):
+    rt, rc = _ready()
+    if rc:
+        return rc
     C = rt.C
     if rt.get(hContext, "context") is None:
         return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
@@ -991,8 +1042,10 @@ def zeCommandListCreateImmediate(rt, hContext, hDevice, altdesc, phCommandList):
     return 0
 
 
-@_need_init
-def zeCommandListCreate(rt, hContext, hDevice, desc, phCommandList):
+def zeCommandListCreate(hContext, hDevice, desc, phCommandList):
+    rt, rc = _ready()
+    if rc:
+        return rc
     C = rt.C
     if rt.get(hContext, "context") is None:
         return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
@@ -1018,8 +1071,10 @@ def _busy(cl: _CmdList) -> bool:
     return cl.executing is not None and cl.executing[0].done < cl.executing[1]
 
 
-@_need_init
-def zeCommandListDestroy(rt, hCommandList):
+def zeCommandListDestroy(hCommandList):
+    rt, rc = _ready()
+    if rc:
+        return rc
     cl = rt.get(hCommandList, "cmdlist")
     if cl is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
@@ -1031,8 +1086,10 @@ def zeCommandListDestroy(rt, hCommandList):
     return 0
 
 
-@_need_init
-def zeCommandListClose(rt, hCommandList):
+def zeCommandListClose(hCommandList):
+    rt, rc = _ready()
+    if rc:
+        return rc
     cl = rt.get(hCommandList, "cmdlist")
     if cl is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
@@ -1042,8 +1099,10 @@ def zeCommandListClose(rt, hCommandList):
     return 0
 
 
-@_need_init
-def zeCommandListReset(rt, hCommandList):
+def zeCommandListReset(hCommandList):
+    rt, rc = _ready()
+    if rc:
+        return rc
     cl = rt.get(hCommandList, "cmdlist")
     if cl is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
@@ -1131,8 +1190,10 @@ def _checked_range(rt: _Runtime, addr: int, size: int, what: str) -> None:
                            "(freed while queued work still used it?)")
 
 
-@_need_init
-def zeCommandListAppendMemoryCopy(rt, hCommandList, dstptr, srcptr, size, hSignalEvent, numWaitEvents, phWaitEvents):
+def zeCommandListAppendMemoryCopy(hCommandList, dstptr, srcptr, size, hSignalEvent, numWaitEvents, phWaitEvents):
+    rt, rc = _ready()
+    if rc:
+        return rc
     got = _events(rt, hSignalEvent, numWaitEvents, phWaitEvents)
     if isinstance(got, int):
         return got
@@ -1151,9 +1212,11 @@ def zeCommandListAppendMemoryCopy(rt, hCommandList, dstptr, srcptr, size, hSigna
     return _append(rt, hCommandList, _Op(copy, waits, sig, label=f"copy {size}"))
 
 
-@_need_init
-def zeCommandListAppendMemoryFill(rt, hCommandList, ptr, pattern, pattern_size, size, hSignalEvent,
+def zeCommandListAppendMemoryFill(hCommandList, ptr, pattern, pattern_size, size, hSignalEvent,
                                   numWaitEvents, phWaitEvents):
+    rt, rc = _ready()
+    if rc:
+        return rc
     got = _events(rt, hSignalEvent, numWaitEvents, phWaitEvents)
     if isinstance(got, int):
         return got
@@ -1176,40 +1239,50 @@ def zeCommandListAppendMemoryFill(rt, hCommandList, ptr, pattern, pattern_size, 
     return _append(rt, hCommandList, _Op(fill, waits, sig, label=f"fill {size}"))
 
 
-@_need_init
-def zeCommandListAppendSignalEvent(rt, hCommandList, hEvent):
+def zeCommandListAppendSignalEvent(hCommandList, hEvent):
+    rt, rc = _ready()
+    if rc:
+        return rc
     ev = rt.get(hEvent, "event")
     if ev is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     return _append(rt, hCommandList, _Op(None, (), ev, work=False, label="signal"))
 
 
-@_need_init
-def zeCommandListAppendWaitOnEvents(rt, hCommandList, numEvents, phEvents):
+def zeCommandListAppendWaitOnEvents(hCommandList, numEvents, phEvents):
+    rt, rc = _ready()
+    if rc:
+        return rc
     got = _events(rt, None, numEvents, phEvents)
     if isinstance(got, int):
         return got
     return _append(rt, hCommandList, _Op(None, got[1], work=False, label="wait"))
 
 
-@_need_init
-def zeCommandListAppendEventReset(rt, hCommandList, hEvent):
+def zeCommandListAppendEventReset(hCommandList, hEvent):
+    rt, rc = _ready()
+    if rc:
+        return rc
     ev = rt.get(hEvent, "event")
     if ev is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     return _append(rt, hCommandList, _Op(None, (), None, ev, work=False, label="reset"))
 
 
-@_need_init
-def zeCommandListAppendBarrier(rt, hCommandList, hSignalEvent, numWaitEvents, phWaitEvents):
+def zeCommandListAppendBarrier(hCommandList, hSignalEvent, numWaitEvents, phWaitEvents):
+    rt, rc = _ready()
+    if rc:
+        return rc
     got = _events(rt, hSignalEvent, numWaitEvents, phWaitEvents)
     if isinstance(got, int):
         return got
     return _append(rt, hCommandList, _Op(None, got[1], got[0], work=False, label="barrier"))
 
 
-@_need_init
-def zeCommandListHostSynchronize(rt, hCommandList, timeout):
+def zeCommandListHostSynchronize(hCommandList, timeout):
+    rt, rc = _ready()
+    if rc:
+        return rc
     cl = rt.get(hCommandList, "cmdlist")
     if cl is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
@@ -1221,8 +1294,10 @@ def zeCommandListHostSynchronize(rt, hCommandList, timeout):
                       "zeCommandListHostSynchronize")
 
 
-@_need_init
-def zeCommandQueueCreate(rt, hContext, hDevice, desc, phCommandQueue):
+def zeCommandQueueCreate(hContext, hDevice, desc, phCommandQueue):
+    rt, rc = _ready()
+    if rc:
+        return rc
     C = rt.C
     if rt.get(hContext, "context") is None:
         return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
@@ -1241,8 +1316,10 @@ def zeCommandQueueCreate(rt, hContext, hDevice, desc, phCommandQueue):
     return 0
 
 
-@_need_init
-def zeCommandQueueDestroy(rt, hCommandQueue):
+def zeCommandQueueDestroy(hCommandQueue):
+    rt, rc = _ready()
+    if rc:
+        return rc
     cq = rt.get(hCommandQueue, "cmdqueue")
     if cq is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
@@ -1253,8 +1330,10 @@ def zeCommandQueueDestroy(rt, hCommandQueue):
     return 0
 
 
-@_need_init
-def zeCommandQueueExecuteCommandLists(rt, hCommandQueue, numCommandLists, phCommandLists, hFence):
+def zeCommandQueueExecuteCommandLists(hCommandQueue, numCommandLists, phCommandLists, hFence):
+    rt, rc = _ready()
+    if rc:
+        return rc
     C = rt.C
     cq = rt.get(hCommandQueue, "cmdqueue")
     if cq is None:
@@ -1282,8 +1361,10 @@ def zeCommandQueueExecuteCommandLists(rt, hCommandQueue, numCommandLists, phComm
     return 0
 
 
-@_need_init
-def zeCommandQueueSynchronize(rt, hCommandQueue, timeout):
+def zeCommandQueueSynchronize(hCommandQueue, timeout):
+    rt, rc = _ready()
+    if rc:
+        return rc
     cq = rt.get(hCommandQueue, "cmdqueue")
     if cq is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
@@ -1299,8 +1380,10 @@ def _card_of(obj) -> _Card:
     return obj if obj.kind == "card" else obj.card
 
 
-@_need_sysman
-def zesDeviceGetProperties(rt, dev, props):
+def zesDeviceGetProperties(hDevice, props):
+    rt, dev, rc = _sysman(hDevice)
+    if rc:
+        return rc
     C = rt.C
     if props.stype != C.ZES_STRUCTURE_TYPE_DEVICE_PROPERTIES:
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
@@ -1319,13 +1402,17 @@ def zesDeviceGetProperties(rt, dev, props):
     return 0
 
 
-@_need_sysman
-def zesDeviceEnumMemoryModules(rt, dev, pCount, phMemory):
+def zesDeviceEnumMemoryModules(hDevice, pCount, phMemory):
+    rt, dev, rc = _sysman(hDevice)
+    if rc:
+        return rc
     return _fill(pCount, phMemory, _card_of(dev).modules)
 
 
-@_need_sysman
-def zesMemoryGetProperties(rt, mod, props):
+def zesMemoryGetProperties(hMemory, props):
+    rt, mod, rc = _sysman(hMemory)
+    if rc:
+        return rc
     C = rt.C
     if mod.kind != "memmodule":
         return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
@@ -1341,8 +1428,10 @@ def zesMemoryGetProperties(rt, mod, props):
     return 0
 
 
-@_need_sysman
-def zesMemoryGetState(rt, mod, st):
+def zesMemoryGetState(hMemory, st):
+    rt, mod, rc = _sysman(hMemory)
+    if rc:
+        return rc
     C = rt.C
     if mod.kind != "memmodule":
         return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
