@@ -548,6 +548,18 @@ def test_wait_uses_the_record_current_at_wait_time(async_lib):
     ok(lib.cudaStreamSynchronize(b))
 
 
+def test_event_and_stream_must_share_a_device(lib):
+    e = event(lib)
+    ok(lib.cudaSetDevice(1))
+    s1 = stream(lib)
+    assert lib.cudaEventRecord(e, s1) == lib.cudaErrorInvalidResourceHandle
+    ok(lib.cudaStreamWaitEvent(s1, e, 0))          # waits may cross devices
+    ok(lib.cudaSetDevice(0))
+    ok(lib.cudaEventRecord(e, NULL_STREAM))
+    ok(lib.cudaStreamWaitEvent(s1, e, 0))
+    ok(lib.cudaStreamSynchronize(s1))
+
+
 def test_elapsed_time_rules(async_lib):
     lib = async_lib
     s = stream(lib)
@@ -889,7 +901,8 @@ def test_nvml_init_is_reference_counted(nvml):
 
 def test_missing_libraries_and_driver(nvml):
     sim.configure(nvml=False)
-    with pytest.raises(OSError, match="libnvidia-ml"):
+    from accel._ffi import LibraryNotFound
+    with pytest.raises(LibraryNotFound, match="libnvidia-ml"):
         sim.open_library("nvml")
     sim.configure(nvml=True, driver=False)
     assert sim.open_library("nvml").nvmlInit_v2() == 9   # NVML_ERROR_DRIVER_NOT_LOADED

@@ -47,7 +47,10 @@ class Engine:
     def queue(self, label: str, owner=None) -> "Queue":
         q = Queue(self, label, owner)
         with self.lock:
-            self.queues.append(q)
+            queues = self.queues
+            if len(queues) % 256 == 255:    # forget destroyed, drained queues now and then
+                queues[:] = [x for x in queues if not (x.closed and x.done >= x.enqueued and x.worker is None)]
+            queues.append(q)
         return q
 
     def shutdown(self, join_timeout: float = 2.0) -> None:
@@ -71,7 +74,7 @@ class Engine:
 class Queue:
     """An in-order queue of operations (one simulated stream)."""
 
-    __slots__ = ("engine", "cv", "ops", "enqueued", "done", "worker", "closed", "label", "owner")
+    __slots__ = ("engine", "cv", "ops", "enqueued", "done", "worker", "closed", "label", "owner", "_waiting")
 
     def __init__(self, engine: Engine, label: str, owner=None):
         self.engine = engine
@@ -83,6 +86,9 @@ class Queue:
         self.closed = False
         self.label = label
         self.owner = owner
+        # The condition's own waiter list: notify only when someone listens
+        # (Condition.notify_all costs ~1 us even with nobody waiting).
+        self._waiting = self.cv._waiters
 
     def idle(self) -> bool:
         return self.done >= self.enqueued
@@ -100,20 +106,21 @@ class Queue:
                 raise RuntimeError("accel.sim: the simulated runtime was reset while this call ran")
             seq = self.enqueued + 1
             self.enqueued = seq
-            if self.done == seq - 1 and (not work or core.delay_s == 0.0) and _complete(deps):
+            if self.done == seq - 1 and (not work or core.delay_s == 0.0) and (not deps or _complete(deps)):
                 if work:
                     return self._run_inline(seq, fn)
                 if fn is not None:
                     fn()
                 self.done = seq
-                self.cv.notify_all()
+                if self._waiting:
+                    self.cv.notify_all()
                 return seq
             self.ops.append((seq, fn, tuple(deps), work))
             if self.worker is None:
                 t = threading.Thread(target=_worker, args=(self,), name=f"accel-sim-{self.label}", daemon=True)
                 self.worker = t
                 t.start()
-            else:
+            elif self._waiting:
                 self.cv.notify_all()
             return seq
 
@@ -132,7 +139,8 @@ class Queue:
                 self.ops.popleft()
             if self.done < seq:
                 self.done = seq
-            self.cv.notify_all()
+            if self._waiting:
+                self.cv.notify_all()
         return seq
 
     def wait(self, seq: Optional[int] = None, timeout: float = None) -> None:
@@ -211,6 +219,7 @@ def _worker(q: Queue) -> None:
                 q.ops.popleft()
             if q.done < seq:
                 q.done = seq
-            q.cv.notify_all()
+            if q._waiting:
+                q.cv.notify_all()
         if err is not None:
             engine.on_error(q, err)

@@ -113,6 +113,15 @@ class MemoryTable:
 _tables: List[MemoryTable] = []
 
 
+def forget(table: MemoryTable) -> None:
+    """Unregister ``table`` without taking its lock (a forked child: the lock may be
+    held by a parent thread that does not exist here)."""
+    try:
+        _tables.remove(table)
+    except ValueError:
+        pass
+
+
 def find_any(addr: int) -> Optional[Allocation]:
     """The live simulated allocation (any library, any kind) containing ``addr``."""
     for t in list(_tables):

@@ -262,22 +262,26 @@ def take_oom() -> bool:
 
 # -- call counting and the lib-like object ------------------------------------
 
-# name -> itertools.count: next() on it is atomic under the GIL, unlike d[k] += 1.
-_counts: Dict[str, "itertools.count"] = {}
+# name -> [itertools.count]: next() on it is atomic under the GIL, unlike n += 1.
+# The box itself is never replaced, so wrappers hold it; reset swaps its content.
+_boxes: Dict[str, list] = {}
+_box_lock = threading.Lock()
 
 
-def _counter(name: str):
-    c = _counts.get(name)
-    if c is None:
-        c = _counts.setdefault(name, itertools.count())
-    return c
+def counter_box(name: str) -> list:
+    """The call counter of vendor function ``name``: ``next(box[0])`` counts one call."""
+    box = _boxes.get(name)
+    if box is None:
+        with _box_lock:
+            box = _boxes.setdefault(name, [itertools.count()])
+    return box
 
 
 def call_counts() -> Dict[str, int]:
     """{vendor function name: calls since the last reset} for every function called."""
     out = {}
-    for name, c in list(_counts.items()):
-        n = c.__reduce__()[1][0]
+    for name, box in list(_boxes.items()):
+        n = box[0].__reduce__()[1][0]
         if n:
             out[name] = n
     return out
@@ -285,7 +289,60 @@ def call_counts() -> Dict[str, int]:
 
 def reset_call_counts() -> None:
     """Zero every call counter (state otherwise unchanged)."""
-    _counts.clear()
+    for box in list(_boxes.values()):
+        box[0] = itertools.count()
+
+
+def exact_wrapper(name: str, fn: Callable, body: str, namespace: dict, skip: int = 0, **cells) -> Callable:
+    """Compile a wrapper ``name(<fn's parameters after the first skip>)`` running ``body``.
+
+    Wrappers take exactly the vendor function's parameters (``*args``
+    forwarding costs more than the rest of a simulated call).  ``body`` is
+    the indented function body; it sees ``{args}`` (the parameter list
+    text, substituted before compiling), the names in ``namespace`` (as its
+    globals: module-level state is looked up live) and ``cells`` (bound
+    once, as closure values).  Parameters keep fn's defaults.
+    """
+    code = fn.__code__
+    params = list(code.co_varnames[:code.co_argcount])
+    defaults = fn.__defaults__ or ()
+    first_default = len(params) - len(defaults)
+    sig, cells = [], dict(cells)
+    for i, p in enumerate(params):
+        if i < skip:
+            continue
+        if i >= first_default:
+            cells[f"_default{i}"] = defaults[i - first_default]
+            sig.append(f"{p}=_default{i}")
+        else:
+            sig.append(p)
+    args = ", ".join(params[skip:])
+    src = (f"def _factory({', '.join(cells)}):\n"
+           f"    def {name}({', '.join(sig)}):\n"
+           + body.format(args=args)
+           + f"    return {name}\n")
+    local: dict = {}
+    exec(compile(src, f"<accel.sim wrapper {name}>", "exec"), namespace, local)
+    call = local["_factory"](**cells)
+    call.__doc__ = fn.__doc__
+    call.__qualname__ = name
+    return call
+
+
+_COUNTED_BODY = """\
+        next(_box[0])
+        if _faults and _name in _faults:
+            _code = _take(_name)
+            if _code:
+                return _code
+        return _fn({args})
+"""
+
+
+def counted(name: str, fn: Callable) -> Callable:
+    """``fn`` wrapped with the call counter and fault injection of vendor function ``name``."""
+    return exact_wrapper(name, fn, _COUNTED_BODY, {}, _box=counter_box(name), _faults=_faults,
+                         _take=take_fault, _name=name, _fn=fn)
 
 
 class SimLibrary:
@@ -317,32 +374,13 @@ class SimLibrary:
         return f"<accel.sim {self.__dict__['_sim_name']} library>"
 
 
-def counted(name: str, fn: Callable) -> Callable:
-    """``fn`` wrapped with the call counter and fault injection of vendor function ``name``."""
-    counter = _counter
-    counts = _counts
-    faults = _faults
-    take = take_fault
-
-    def call(*args):
-        next(counts.get(name) or counter(name))
-        if faults and name in faults:
-            code = take(name)
-            if code:
-                return code
-        return fn(*args)
-    call.__name__ = call.__qualname__ = name
-    call.__doc__ = fn.__doc__
-    return call
-
-
 def build_library(name: str, functions: Dict[str, Callable], *, constants=None,
                   wrap: Callable[[str, Callable], Callable] = counted) -> SimLibrary:
     """A :class:`SimLibrary` whose attribute ``f`` is ``wrap("f", functions["f"])``.
 
     The default ``wrap`` is :func:`counted` (call counter + fault injection);
     a library with extra per-call work (cudart: runtime init, last error)
-    passes its own wrapper built on the same counters (see :func:`counter_for`).
+    passes its own wrapper built with :func:`exact_wrapper` and :func:`counter_box`.
     ``constants`` serves the int attributes that are not functions, e.g.
     :func:`constants_of` the generated module.
     """
@@ -350,11 +388,6 @@ def build_library(name: str, functions: Dict[str, Callable], *, constants=None,
     for fname, fn in functions.items():
         lib.__dict__[fname] = wrap(fname, fn)
     return lib
-
-
-def counter_for(name: str):
-    """(counts dict, make-counter fn): ``next(counts.get(name) or make(name))`` counts one call."""
-    return _counts, _counter
 
 
 def constants_of(module_name: str):
@@ -370,6 +403,17 @@ def constants_of(module_name: str):
         return mod.ffi.dlopen(None)
     except OSError:
         return None
+
+
+def library_not_found(name: str, soname: str) -> OSError:
+    """The error the real loader raises when library ``name`` is absent
+    (``accel._ffi.LibraryNotFound``, an OSError), for ``configure(<name>=False)``."""
+    reason = f"{soname}: cannot open shared object file: No such file or directory (accel.sim: configured absent)"
+    try:
+        from accel._ffi import LibraryNotFound
+    except ImportError:
+        return OSError(f"cannot load the {name} library; tried:\n  {soname}: {reason}")
+    return LibraryNotFound(name, [(soname, reason)])
 
 
 # -- identities shared by the simulated libraries -----------------------------
@@ -436,8 +480,10 @@ def reset() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _fault_lock
+    # Locks may have been held by parent threads that do not exist in the child.
+    global _fault_lock, _box_lock
     _fault_lock = threading.Lock()
+    _box_lock = threading.Lock()
     for _reset, fork_fn in list(_resetters.values()):
         fork_fn()
     clear_faults()

@@ -119,10 +119,11 @@ class _IllegalAddress(RuntimeError):
 # -- runtime objects -------------------------------------------------------------
 
 class _TLS(threading.local):
-    device = 0
-    capture_mode = _CAPTURE_GLOBAL
-    last_error = 0
-    per_thread = None   # {device: Stream} for cudaStreamPerThread
+    def __init__(self):
+        self.device = 0
+        self.capture_mode = _CAPTURE_GLOBAL
+        self.last_error = 0
+        self.per_thread = None   # {device: Stream} for cudaStreamPerThread
 
 
 class Device:
@@ -360,7 +361,7 @@ def _fork_reset() -> None:
     _start_lock = threading.Lock()
     R, _R = _R, None
     if R is not None:
-        R.mem.close()
+        _memory.forget(R.mem)
 
 
 core.on_reset("cudart", _reset, _fork_reset)
@@ -402,6 +403,7 @@ def visible_ordinals(value: Optional[str], count: int) -> List[int]:
 # -- argument helpers --------------------------------------------------------------
 
 _addr = _memory.addr_of
+_oom = core._oom      # non-empty while an OOM is injected (the list object is never replaced)
 
 
 def _put_ptr(p, key) -> bool:
@@ -549,17 +551,20 @@ def _enqueue(R: Runtime, s: Stream, fn, kind: str, label: str, work: bool = True
         rc = _legacy_conflict(R, s.device)
         if rc:
             return rc, 0
-    return 0, s.q.submit(fn, _implicit_deps(R, s), work)
+    return 0, s.q.submit(fn, _implicit_deps(R, s) if (s.legacy or s.blocking) else (), work)
 
 
 def _wait_device(R: Runtime, device: int) -> None:
     dev = R.devices[device]
-    for q in list(dev.queues):
-        q.wait()
-    # forget destroyed streams once they drained
-    if any(q.closed and q.idle() for q in dev.queues):
+    pruned = False
+    for q in dev.queues:
+        if q.done < q.enqueued:
+            q.wait()
+        if q.closed:
+            pruned = True
+    if pruned:      # forget destroyed streams once they drained
         with R.lock:
-            dev.queues[:] = [q for q in dev.queues if not (q.closed and q.idle())]
+            dev.queues[:] = [q for q in dev.queues if not (q.closed and q.done >= q.enqueued)]
 
 
 def _device_captures(R: Runtime, device: int) -> List[Capture]:
@@ -616,9 +621,12 @@ def cudaPeekAtLastError():
 
 
 def cudaRuntimeGetVersion(runtimeVersion):
-    if _is_null(runtimeVersion):
-        return cudaErrorInvalidValue
-    _put(runtimeVersion, RUNTIME_VERSION)
+    try:
+        runtimeVersion[0] = RUNTIME_VERSION
+    except (TypeError, RuntimeError):
+        if _is_null(runtimeVersion):
+            return cudaErrorInvalidValue
+        _put(runtimeVersion, RUNTIME_VERSION)
     return cudaSuccess
 
 
@@ -833,9 +841,9 @@ def cudaMalloc(R, devPtr, size):
         return cudaSuccess if _put_ptr(devPtr, _NULL) else cudaErrorInvalidValue
     d = R.tls.device
     dev = R.devices[d]
-    if core._oom and core.take_oom():
+    if _oom and core.take_oom():
         return cudaErrorMemoryAllocation
-    n = _accounted(size)
+    n = (size + 255) & ~255     # accounted like the 256-byte alignment
     with R.mlock:
         if dev.used + n > R.cfg.memory:
             return cudaErrorMemoryAllocation
@@ -874,7 +882,7 @@ def cudaFree(R, devPtr):
     R.mem.remove(a)
     dev = R.devices[a.device]
     with R.mlock:
-        dev.used -= _accounted(a.size)
+        dev.used -= (a.size + 255) & ~255
     return cudaSuccess
 
 
@@ -887,7 +895,7 @@ def cudaHostAlloc(R, pHost, size, flags):
             return rc
     if size == 0:
         return cudaSuccess if _put_ptr(pHost, _NULL) else cudaErrorInvalidValue
-    if core._oom and core.take_oom():
+    if _oom and core.take_oom():
         return cudaErrorMemoryAllocation
     try:
         a = _memory.allocate(size, _memory.HOST, R.tls.device)
@@ -1258,7 +1266,7 @@ def cudaEventDestroy(R, event):
 def cudaEventRecord(R, event, stream=None):
     e = _lookup(R.events, event)
     s = _stream(R, stream)
-    if e is None or s is None:
+    if e is None or s is None or e.device != s.device:   # event and stream must share a context
         return cudaErrorInvalidResourceHandle
     rec = Rec()
     cap = s.capture
@@ -1277,7 +1285,7 @@ def cudaEventRecord(R, event, stream=None):
     q = s.q
     rec.q = q
     rec.seq = q.submit(None if e.flags & _EVENT_DISABLE_TIMING else rec.stamp,
-                       _implicit_deps(R, s), work=False)
+                       _implicit_deps(R, s) if (s.legacy or s.blocking) else (), False)
     e.rec = rec
     return cudaSuccess
 
@@ -1520,7 +1528,7 @@ def cudaGraphGetNodes(R, graph, nodes, numNodes):
     return cudaSuccess
 
 
-def dot_text(g: Graph, verbose: bool = False) -> str:
+def dot_text(g: Graph) -> str:
     """The DOT description cudaGraphDebugDotPrint writes for ``g``."""
     gid = f"graph_{g.capture_id}"
     lines = ["digraph dot {", f"subgraph cluster_{g.capture_id} {{",
@@ -1544,7 +1552,7 @@ def cudaGraphDebugDotPrint(R, graph, path, flags):
         return cudaErrorInvalidValue
     try:
         with open(p, "w") as f:
-            f.write(dot_text(g, bool(flags & 1)))
+            f.write(dot_text(g))
     except OSError:
         return cudaErrorOperatingSystem
     return cudaSuccess
@@ -1653,31 +1661,32 @@ _FUNCTIONS = {name: obj for name, obj in list(globals().items())
               if name.startswith("cuda") and callable(obj) and name not in _NO_INIT}
 
 
-def _wrap(name: str, fn):
-    counts, counter = core.counter_for(name)
-    faults = core._faults
-    take = core.take_fault
-
-    def call(*args):
-        next(counts.get(name) or counter(name))
+_RT_BODY = """\
+        next(_box[0])
         R = _R
         if R is None:
             R = _start()
-        if faults and name in faults:
-            rc = take(name)
-            if rc:
-                R.tls.last_error = rc
-                return rc
-        if R.init_error and name != "cudaGetDeviceCount":
-            rc = R.init_error
+        if _faults and _name in _faults:
+            _rc = _take(_name)
+            if _rc:
+                R.tls.last_error = _rc
+                return _rc
+        if R.init_error and _check_init:
+            _rc = R.init_error
         else:
-            rc = fn(R, *args)
-        if rc and rc != cudaErrorNotReady:
-            R.tls.last_error = rc
-        return rc
-    call.__name__ = call.__qualname__ = name
-    call.__doc__ = fn.__doc__
-    return call
+            _rc = _fn(R, {args})
+        if _rc and _rc != 600:
+            R.tls.last_error = _rc
+        return _rc
+"""
+
+
+def _wrap(name: str, fn):
+    # Every runtime entry point: count, initialize the runtime on first use,
+    # injected faults, "no driver/no device", cudaGetLastError bookkeeping.
+    return core.exact_wrapper(name, fn, _RT_BODY, globals(), skip=1, _box=core.counter_box(name),
+                              _faults=core._faults, _take=core.take_fault, _name=name, _fn=fn,
+                              _check_init=name != "cudaGetDeviceCount")
 
 
 def _wrap_any(name: str, fn):
@@ -1693,8 +1702,7 @@ def open_library() -> core.SimLibrary:
     """The simulated libcudart (OSError like a missing library when configured absent)."""
     global _lib
     if not core.config().cudart:
-        raise OSError("cannot load library 'libcudart.so.13': libcudart.so.13: cannot open shared object "
-                      "file: No such file or directory (accel.sim configured without cudart)")
+        raise core.library_not_found("cudart", "libcudart.so.13")
     lib = _lib
     if lib is None:
         lib = _lib = core.build_library("cudart", {**_NO_INIT, **_FUNCTIONS},

@@ -304,8 +304,7 @@ def open_library() -> core.SimLibrary:
     """The simulated NVML; OSError like a missing libnvidia-ml when configured absent."""
     global _lib
     if not core.config().nvml:
-        raise OSError("cannot load library 'libnvidia-ml.so.1': libnvidia-ml.so.1: cannot open shared object "
-                      "file: No such file or directory (accel.sim configured without NVML)")
+        raise core.library_not_found("nvml", "libnvidia-ml.so.1")
     lib = _lib
     if lib is None:
         lib = _lib = core.build_library("nvml", _FUNCTIONS, constants=core.constants_of("_nvml"))
