@@ -142,7 +142,8 @@ class _Device:
 class _Stream:
     """An immediate command list and how far its commands are known to have completed."""
 
-    __slots__ = ("handle", "device", "list", "lock", "seq", "done", "capture", "marker", "in_order", "dead")
+    __slots__ = ("handle", "device", "list", "lock", "seq", "done", "capture", "marker", "in_order", "dead",
+                 "last")
 
     def __init__(self, handle, device, cmdlist, in_order):
         self.handle, self.device, self.list, self.in_order = handle, device, cmdlist, in_order
@@ -151,6 +152,7 @@ class _Stream:
         self.done = 0                  # commands known complete
         self.capture = None            # _Capture while capturing
         self.marker = None             # (slot, seq): query marker on loaders without HostSynchronize
+        self.last = None               # (slot, seq): the latest event this stream signals (progress polls)
         self.dead = False
 
 
@@ -887,7 +889,7 @@ class XpuBackend(Backend):
                          s.list, slot.event)
             s.seq += 1
             slot.deps.append((s, s.seq))
-            s.marker = (slot, s.seq)
+            s.marker = s.last = (slot, s.seq)
         if marker is not None:
             self._retire(marker[0])
         return s.marker
@@ -948,13 +950,32 @@ class XpuBackend(Backend):
         if self._retired or self._deferred:
             self._sweep()
 
+    def _poll(self) -> None:
+        """Update every stream's completed-command count without blocking."""
+        lib = self._lib[1]
+        for s in list(self._streams.values()):
+            if s.dead or s.done >= s.seq:
+                continue
+            if self._host_sync:
+                target = s.seq
+                if lib.zeCommandListHostSynchronize(s.list, 0) == 0:
+                    s.done = max(s.done, target)
+            else:
+                last = s.last
+                # A slot whose signal is not yet known complete cannot have been recycled.
+                if last is not None and last[1] > s.done and lib.zeEventQueryStatus(last[0].event) == 0:
+                    s.done = max(s.done, last[1])
+
     # -- event slots -----------------------------------------------------------------------
     def _acquire(self, dev: _Device, timing: bool) -> _Slot:
         key = (id(dev.ctx), timing)
         with self._lock:
             free = self._free_slots.setdefault(key, [])
             if not free and self._retired:
-                self._sweep()   # only when needed: retired slots can pile up between syncs
+                # Only when needed: retired slots pile up between syncs, so first learn
+                # (without waiting) how far the streams got, then recycle what they passed.
+                self._poll()
+                self._sweep()
             if free:
                 return free.pop()
             ffi, lib, _ = self._lib
@@ -1371,6 +1392,7 @@ class XpuBackend(Backend):
                 raise
             s.seq += 1
             slot.deps.append((s, s.seq))
+            s.last = (slot, s.seq)
             old, e.slot, e.stream, e.seq = e.slot, slot, s, s.seq
         if old is not None:
             self._retire(old)
