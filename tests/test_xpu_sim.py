@@ -271,6 +271,16 @@ def test_rerecorded_event_never_satisfies_a_later_wait_early(make):
     assert len(be._retired) == 0   # every slot recycled once the streams passed it
 
 
+@pytest.mark.parametrize("loader", ["new", "1.8.12"])
+def test_event_pools_stay_bounded_without_syncs(make, loader):
+    be = make(ze={"loader": loader})
+    s = be.stream_create()
+    e = be.event_create()
+    for _ in range(1000):
+        be.event_record(e, s)
+    assert sim_ze.state()["ze_live_event_pools"] <= 2   # finished slots are recycled, not leaked
+
+
 def test_unrecorded_events_and_bad_handles(make):
     be = make()
     e = be.event_create()
