@@ -26,7 +26,7 @@ import threading
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Tuple
 
-from .. import _lazy
+from .. import _lazy, backends
 from ._caching import DeviceCachingAllocator
 from ._host import HostCachingAllocator
 
@@ -185,7 +185,7 @@ def memory_summary(device=None, abbreviated: bool = False) -> str:
         name = _lazy.lazy_init().name
     else:
         index, stats = 0, {}
-        be = _lazy.backends.select()
+        be = backends.select()
         name = be.name if be is not None else "accelerator"
     return summary(stats, index, name, abbreviated)
 
