@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 import threading
+import time
 from collections import OrderedDict
 
 import pytest
@@ -265,3 +266,31 @@ def test_host_allocator_retries_after_oom(sim_cuda):
     ptr = host.malloc(2 * MiB)
     assert host.stats()["num_host_free"] == 1
     host.free(ptr)
+
+
+def test_forked_child_cannot_use_the_parents_cache(sim_cuda):
+    alloc = memory.device_allocator(0)
+    alloc.free(alloc.malloc(MiB, 0))           # a cached block the child must not get
+    pid = os.fork()
+    if pid == 0:
+        code = 3
+        try:
+            memory.device_allocator(0).malloc(MiB, 0)
+        except RuntimeError as exc:
+            code = 0 if "forked subprocess" in str(exc) else 4
+        except BaseException:
+            code = 5
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("forked child hung")
+        time.sleep(0.01)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert memory.device_allocator(0) is alloc, "the parent keeps its allocator"

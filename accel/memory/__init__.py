@@ -22,6 +22,7 @@ see :mod:`accel.memory._config`).
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Tuple
@@ -51,7 +52,17 @@ def _reset() -> None:
         _history = None
 
 
+def _after_fork_in_child() -> None:
+    # The parent's cached device memory is not usable in a forked child; forgetting
+    # the allocators makes the next use go through lazy_init, which raises the
+    # clear "forked subprocess" error instead of handing out the parent's pointers.
+    global _lock
+    _lock = threading.Lock()
+    _reset()
+
+
 _lazy.register_reset_hook(_reset)
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def device_allocator(device_index: int) -> DeviceCachingAllocator:
