@@ -338,10 +338,13 @@ def _drop_state() -> None:
 
 
 def _fork_drop() -> None:
-    # In a forked child the parent's worker threads do not exist; forget everything.
+    # In a forked child the parent's worker threads do not exist and its locks may be
+    # held by them: forget everything without taking a lock.
     global _rt, _rt_lock
-    _rt = None
+    rt, _rt = _rt, None
     _rt_lock = threading.Lock()
+    if rt is not None:
+        _memory.forget(rt.memory)
 
 
 def reset() -> None:
@@ -908,6 +911,7 @@ def zeEventDestroy(hEvent):
     if ev is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     ev.live = False
+    ev.eq.closed = True   # lets the engine forget the event's queue
     return 0
 
 
