@@ -363,6 +363,8 @@ class DeviceCachingAllocator:
                     self._count_down(OVERSIZE_ALLOCATIONS, 1)
                 if self._history is not None:
                     self._trace("free_requested", ptr, block.size, block.pool.stream)
+                    if not block.uses:
+                        self._trace("free_completed", ptr, block.size, block.pool.stream)
                 block.frames = None
             if block.uses:
                 self._s_cur -= block.stat
@@ -820,6 +822,8 @@ class DeviceCachingAllocator:
         self._pending.append(block)
 
     def _complete(self, block: _Block) -> None:
+        if self._history is not None:
+            self._trace("free_completed", block.ptr, block.size, block.pool.stream)
         p = block.pool.kind
         for k in (0, p):
             self._pend[k] -= 1

@@ -5,8 +5,9 @@ Input is what :func:`accel.memory.dump_snapshot` writes: ``{"segments": [...],
 accepted too).  Each segment becomes a horizontal lane whose height is
 proportional to its size; every block allocated in it is a rectangle spanning
 its lifetime (x, in event order) and its address range (y).  A line chart on
-top shows allocated and reserved bytes.  HTML output is one self-contained
-file with inline SVG; PNG output needs matplotlib.
+top shows active (allocated, or freed but still used by another stream) and
+reserved bytes.  HTML output is one self-contained file with inline SVG; PNG
+output needs matplotlib.
 """
 
 from __future__ import annotations
@@ -37,12 +38,16 @@ class Timeline:
         # segment address -> [start, end, size, type]; blocks -> (seg, start, end, addr, size, label)
         self.segments: Dict[int, list] = {}
         self.blocks: List[Tuple[int, int, int, int, int, str]] = []
-        self.allocated: List[Tuple[int, int]] = []
+        self.active: List[Tuple[int, int]] = []
         self.reserved: List[Tuple[int, int]] = []
         seen_allocs = {e["addr"] for e in events if e["action"] == "alloc"}
+        # a block holds memory until its free completes (after other streams' work);
+        # traces without completion events end blocks at the free request
+        end_action = ("free_completed" if any(e["action"] == "free_completed" for e in events)
+                      else "free_requested")
         seen_segments = {e["addr"] for e in events if e["action"] == "segment_alloc"}
         open_blocks: Dict[int, Tuple[int, int, str]] = {}
-        allocated = reserved = 0
+        active = reserved = 0
         for seg in segments:                      # alive before recording began
             if seg["address"] not in seen_segments:
                 self.segments[seg["address"]] = [0, None, seg["total_size"], seg.get("segment_type", "")]
@@ -50,8 +55,8 @@ class Timeline:
             for block in seg["blocks"]:
                 if block["state"] != "inactive" and block["address"] not in seen_allocs:
                     open_blocks[block["address"]] = (0, block["size"], _label(block))
-                    allocated += block["size"]
-        self.allocated.append((0, allocated))
+                    active += block["size"]
+        self.active.append((0, active))
         self.reserved.append((0, reserved))
         for t, event in enumerate(events, 1):
             action, addr, size = event["action"], event["addr"], event["size"]
@@ -64,12 +69,12 @@ class Timeline:
                 reserved -= size
             elif action == "alloc":
                 open_blocks[addr] = (t, size, _label(event))
-                allocated += size
-            elif action in ("free_requested", "free_completed") and addr in open_blocks:
+                active += size
+            elif action == end_action and addr in open_blocks:
                 start, size, label = open_blocks.pop(addr)
                 self._add_block(start, t, addr, size, label)
-                allocated -= size
-            self.allocated.append((t, allocated))
+                active -= size
+            self.active.append((t, active))
             self.reserved.append((t, reserved))
         for addr, (start, size, label) in open_blocks.items():
             self._add_block(start, self.steps, addr, size, label)
@@ -130,15 +135,15 @@ def _svg(tl: Timeline) -> str:
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{_WIDTH}" height="{height}" '
              f'font-family="sans-serif" font-size="11">']
     # totals chart
-    peak = max([v for _, v in tl.reserved] + [v for _, v in tl.allocated] + [1])
-    for name, series, color in (("reserved", tl.reserved, "#888"), ("allocated", tl.allocated, "#4e79a7")):
+    peak = max([v for _, v in tl.reserved] + [v for _, v in tl.active] + [1])
+    for name, series, color in (("reserved", tl.reserved, "#888"), ("active", tl.active, "#4e79a7")):
         points = " ".join(f"{_LEFT + t * sx:.1f},{_CHART_HEIGHT - v / peak * (_CHART_HEIGHT - 10):.1f}"
                           for t, v in series)
         parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{points}">'
                      f'<title>{name}</title></polyline>')
     parts.append(f'<text x="4" y="14">peak {_mib(peak)}</text>'
                  f'<text x="4" y="30" fill="#888">reserved</text>'
-                 f'<text x="4" y="46" fill="#4e79a7">allocated</text>')
+                 f'<text x="4" y="46" fill="#4e79a7">active</text>')
     top = _CHART_HEIGHT + 30
     lanes = tl.lanes()
     for addr, (y, h) in lanes.items():
