@@ -524,8 +524,9 @@ def test_legacy_stream_synchronizes_with_blocking_streams_only(async_lib):
     assert lib.cudaStreamQuery(blocking) == lib.cudaErrorNotReady
     g.set()
     ok(lib.cudaStreamSynchronize(blocking))
-    # and the legacy stream waits for earlier blocking-stream work
+    # and the legacy stream waits for earlier blocking-stream work (and its query sees it)
     g2 = gate(lib, blocking, 6)
+    assert lib.cudaStreamQuery(NULL_STREAM) == lib.cudaErrorNotReady
     ok(lib.cudaMemsetAsync(d, 3, 4, NULL_STREAM))
     assert lib.cudaStreamQuery(NULL_STREAM) == lib.cudaErrorNotReady
     g2.set()

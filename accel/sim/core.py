@@ -293,42 +293,40 @@ def reset_call_counts() -> None:
         box[0] = itertools.count()
 
 
-def exact_wrapper(name: str, fn: Callable, body: str, namespace: dict, skip: int = 0, **cells) -> Callable:
-    """Compile a wrapper ``name(<fn's parameters after the first skip>)`` running ``body``.
+_factories: Dict[tuple, Callable] = {}
 
-    Wrappers take exactly the vendor function's parameters (``*args``
-    forwarding costs more than the rest of a simulated call).  ``body`` is
-    the indented function body; it sees ``{args}`` (the parameter list
-    text, substituted before compiling), the names in ``namespace`` (as its
-    globals: module-level state is looked up live) and ``cells`` (bound
-    once, as closure values).  Parameters keep fn's defaults.
+
+def exact_wrapper(name: str, fn: Callable, body: str, namespace: dict, skip: int = 0, **cells) -> Callable:
+    """A wrapper taking exactly fn's parameters after the first ``skip``, running ``body``.
+
+    Wrappers take the vendor function's parameters positionally, as a cffi
+    function does (``*args`` forwarding costs more than the rest of a
+    simulated call).  ``body`` is the indented function body; ``{args}`` in
+    it is replaced by the parameter list.  It sees the names in
+    ``namespace`` as its globals (module state is looked up live) and
+    ``cells`` as closure values bound once.  One factory is compiled per
+    (body, arity), so building a library compiles a handful of functions.
     """
     code = fn.__code__
-    params = list(code.co_varnames[:code.co_argcount])
-    defaults = fn.__defaults__ or ()
-    first_default = len(params) - len(defaults)
-    sig, cells = [], dict(cells)
-    for i, p in enumerate(params):
-        if i < skip:
-            continue
-        if i >= first_default:
-            cells[f"_default{i}"] = defaults[i - first_default]
-            sig.append(f"{p}=_default{i}")
-        else:
-            sig.append(p)
-    args = ", ".join(params[skip:])
-    src = (f"def _factory({', '.join(cells)}):\n"
-           f"    def {name}({', '.join(sig)}):\n"
-           + body.format(args=args)
-           + f"    return {name}\n")
-    local: dict = {}
-    exec(compile(src, f"<accel.sim wrapper {name}>", "exec"), namespace, local)
-    call = local["_factory"](**cells)
+    nparams = code.co_argcount - skip
+    key = (body, nparams, tuple(sorted(cells)), id(namespace))
+    factory = _factories.get(key)
+    if factory is None:
+        params = ", ".join(f"a{i}" for i in range(nparams))
+        src = (f"def _factory({', '.join(sorted(cells))}):\n"
+               f"    def call({params}):\n"
+               + body.format(args=params)
+               + "    return call\n")
+        local: dict = {}
+        exec(compile(src, "<accel.sim call wrapper>", "exec"), namespace, local)
+        factory = _factories[key] = local["_factory"]
+    call = factory(**cells)
+    call.__name__ = call.__qualname__ = name
     call.__doc__ = fn.__doc__
-    call.__qualname__ = name
     return call
 
 
+_COUNTED_NS: dict = {}
 _COUNTED_BODY = """\
         next(_box[0])
         if _faults and _name in _faults:
@@ -341,7 +339,7 @@ _COUNTED_BODY = """\
 
 def counted(name: str, fn: Callable) -> Callable:
     """``fn`` wrapped with the call counter and fault injection of vendor function ``name``."""
-    return exact_wrapper(name, fn, _COUNTED_BODY, {}, _box=counter_box(name), _faults=_faults,
+    return exact_wrapper(name, fn, _COUNTED_BODY, _COUNTED_NS, _box=counter_box(name), _faults=_faults,
                          _take=take_fault, _name=name, _fn=fn)
 
 

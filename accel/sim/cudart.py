@@ -1143,6 +1143,10 @@ def cudaStreamQuery(R, stream):
     q = s.q
     if q.done < q.enqueued:
         return cudaErrorNotReady
+    if s.legacy:    # the legacy stream encompasses the device's blocking streams
+        for b in R.devices[s.device].blocking:
+            if b.q.done < b.q.enqueued:
+                return cudaErrorNotReady
     return R.devices[s.device].sticky
 
 
@@ -1157,6 +1161,8 @@ def cudaStreamSynchronize(R, stream):
         rc = _legacy_conflict(R, s.device)
         if rc:
             return rc
+    if s.legacy:
+        _engine.wait_points([(b.q, b.q.enqueued) for b in R.devices[s.device].blocking])
     s.q.wait()
     return R.devices[s.device].sticky
 
