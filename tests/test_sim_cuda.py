@@ -137,6 +137,23 @@ def test_error_name_and_string_are_const_char_pointers(lib):
     assert ffi.typeof(lib.cudaGetErrorName(0)).kind in ("pointer", "array")
 
 
+def _declared_arity(module, name):
+    import re
+    m = re.search(r"\b%s\((.*?)\);" % name, module.CDEF, re.S)
+    params = m.group(1).strip()
+    return 0 if params in ("", "void") else params.count(",") + 1
+
+
+@pytest.mark.parametrize("which", ["cudart", "nvml"])
+def test_every_generated_function_is_simulated_with_its_arity(which):
+    from accel._ffi import _cudart
+    module = _cudart if which == "cudart" else _nvml
+    simlib = sim.open_library(which)
+    for name in module.FUNCTIONS:
+        assert hasattr(simlib, name), name
+        assert getattr(simlib, name).__code__.co_argcount == _declared_arity(module, name), name
+
+
 def test_constants_and_missing_symbols(lib):
     assert lib.cudaStreamNonBlocking == 1 and lib.cudaEventDisableTiming == 2
     assert not hasattr(lib, "cudaNoSuchFunction")

@@ -281,7 +281,7 @@ def call_counts() -> Dict[str, int]:
     """{vendor function name: calls since the last reset} for every function called."""
     out = {}
     for name, box in list(_boxes.items()):
-        n = box[0].__reduce__()[1][0]
+        n = int(repr(box[0])[6:-1])     # "count(5)": the next value is the number of calls
         if n:
             out[name] = n
     return out
