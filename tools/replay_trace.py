@@ -58,9 +58,10 @@ def main(argv=None) -> int:
               f"{r['peak_allocated'] / mib:>16.2f}{r['peak_reserved'] / mib:>15.2f}{r['ratio']:>12.3f}"
               f"{r['ratio_requested']:>10.3f}{r['device_alloc_calls']:>12}{r['us_per_op']:>8.2f}")
     if cost:
-        print(f"\ncached 1 MiB malloc+free: {cost['cached_pair_us']:.2f} us/pair; bare backend "
-              f"mem_alloc+mem_free: {cost['bare_pair_us']:.2f} us/pair "
-              f"({cost['speedup_vs_bare']:.1f}x faster cached)")
+        print(f"\ncached 1 MiB malloc+free: {cost['cached_pair_us']:.2f} us/pair CPU "
+              f"({cost['cached_pair_wall_us']:.2f} wall); bare backend mem_alloc+mem_free: "
+              f"{cost['bare_pair_us']:.2f} us/pair CPU ({cost['bare_pair_wall_us']:.2f} wall); "
+              f"cached/bare = {1 / cost['speedup_vs_bare']:.2f}")
     return 0
 
 

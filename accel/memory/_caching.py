@@ -270,15 +270,15 @@ class DeviceCachingAllocator:
             # (Inlined: this is the hot path.)
             rest = block.size - size
             if rest >= fl.split_min and size < self._max_split:
-                ptr = block.ptr
+                tptr = block.ptr + size
                 nxt = block.next
                 tail = self._spare
                 if tail is None:
-                    tail = _Block(ptr + size, rest, fl, block, nxt)
+                    tail = _Block(tptr, rest, fl, block, nxt)
                 else:
                     # reuse the block object the last merge retired (saves an allocation)
                     self._spare = None
-                    tail.ptr = ptr + size
+                    tail.ptr = tptr
                     tail.size = rest
                     tail.pool = fl
                     tail.prev = block
@@ -287,8 +287,8 @@ class DeviceCachingAllocator:
                     nxt.prev = tail
                 block.next = tail
                 block.size = size
-                self._blocks[ptr + size] = tail
-                insort(fl.keys, rest << _SHIFT | (ptr + size))
+                self._blocks[tptr] = tail
+                insort(fl.keys, rest << _SHIFT | tptr)
                 v = block.stat = fl.alloc_deltas.get(nbytes) or fl.alloc_delta(size, nbytes)
                 if nxt is not None or block.prev is not None:
                     # an inactive split block shrinks by `size`
