@@ -21,7 +21,6 @@ see :mod:`accel.memory._config`).
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from collections import OrderedDict
@@ -234,5 +233,6 @@ def memory_snapshot() -> List[dict]:
 
 def dump_snapshot(path: str) -> None:
     """Write segments and recorded history as JSON for ``python -m accel.memory viz``."""
+    import json
     with open(path, "w") as fh:
         json.dump(_snapshot(), fh)
