@@ -193,11 +193,12 @@ ZE_CONSTANT_FALLBACK = {
 # signature first, e.g. ffi.cast("id(*)(id, SEL, unsigned long)", lib.objc_msgSend).
 # MTLSize (<Metal/MTLTypes.h>) and NSRange (<Foundation/NSRange.h>) are here because
 # methods take them by value, so the casts in accel/backends/_objc.py name them.
+# BOOL is not declared: it is _Bool on arm64 and signed char on x86_64, so the
+# message-send helper picks the type per machine.
 OBJC_CDEF = """\
 typedef void *id;
 typedef void *SEL;
 typedef void *Class;
-typedef signed char BOOL;
 typedef unsigned long NSUInteger;
 typedef long NSInteger;
 typedef struct { NSUInteger width; NSUInteger height; NSUInteger depth; } MTLSize;
