@@ -251,6 +251,14 @@ def test_bad_sizes_raise_and_change_nothing(size, exc, words):
     alloc.free(keep)
 
 
+def test_stream_must_be_a_handle():
+    alloc, be = make()
+    before = _state(alloc, be)
+    with pytest.raises(TypeError, match="stream handle"):
+        alloc.malloc(1000, object())
+    assert _state(alloc, be) == before
+
+
 def test_index_like_sizes_are_accepted():
     np = pytest.importorskip("numpy")
     alloc, be = make()
