@@ -27,6 +27,7 @@ from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Tuple
 
 from .. import _lazy, backends
+from ..streams import on_device
 from ._caching import DeviceCachingAllocator
 from ._host import HostCachingAllocator
 
@@ -122,15 +123,8 @@ def empty_host_cache() -> None:
 def get_memory_info(device_index=None, /) -> Tuple[int, int]:
     """(free, total) bytes of the device, as the runtime reports them; initializes."""
     be = _lazy.lazy_init()
-    index = _index(device_index)
-    prev = be.get_device()
-    if prev != index:
-        be.set_device(index)
-    try:
+    with on_device(be, _index(device_index)):
         return tuple(be.mem_info())
-    finally:
-        if prev != index:
-            be.set_device(prev)
 
 
 def memory_stats(device_index=None, /) -> "OrderedDict[str, Any]":

@@ -45,6 +45,7 @@ from collections import deque
 from typing import Dict, List, Optional, Tuple
 
 from .._errors import CaptureError, OutOfMemoryError
+from ..streams import on_device
 from . import _config, _stats
 from ._stats import (ACTIVE, ACTIVE_BYTES, ALLOCATED_BYTES, ALLOCATION, INACTIVE_SPLIT,
                      INACTIVE_SPLIT_BYTES, LANE_MASK, OVERSIZE_ALLOCATIONS, OVERSIZE_SEGMENTS,
@@ -892,7 +893,8 @@ class DeviceCachingAllocator:
         return self._default_stream
 
     def _on_device(self):
-        return _DeviceGuard(self._be, self._index)
+        """Backend calls are device-scoped: make this allocator's device current."""
+        return on_device(self._be, self._index)
 
     def _trace(self, action: str, addr: int, size: int, stream: int) -> None:
         entry = {"action": action, "addr": addr, "size": size, "stream": stream,
@@ -929,25 +931,6 @@ class DeviceCachingAllocator:
                 f"{fmt(reserved - allocated)} is reserved by accel but unallocated. If reserved but "
                 f"unallocated memory is large try setting ACCEL_ALLOC_CONF=max_split_size_mb:N "
                 f"(or garbage_collection_threshold:0.8) to avoid fragmentation.")
-
-
-class _DeviceGuard:
-    """Make the allocator's device current for a backend call, then restore."""
-
-    __slots__ = ("be", "index", "prev")
-
-    def __init__(self, be, index):
-        self.be = be
-        self.index = index
-
-    def __enter__(self):
-        self.prev = self.be.get_device()
-        if self.prev != self.index:
-            self.be.set_device(self.index)
-
-    def __exit__(self, *exc):
-        if self.prev != self.index:
-            self.be.set_device(self.prev)
 
 
 def _frames() -> list:
