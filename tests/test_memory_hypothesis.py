@@ -1,0 +1,26 @@
+"""Allocator invariants over hypothesis-chosen seeds and configurations
+(skipped where hypothesis is not installed; test_memory_allocator has a seeded run)."""
+
+import random
+
+import pytest
+
+pytest.importorskip("hypothesis")
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from test_memory_allocator import _random_ops, check_invariants, make  # noqa: E402
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1),
+       conf=st.sampled_from(["", "policy:torch", "max_split_size_mb:32", "roundup_power2_divisions:4",
+                             "garbage_collection_threshold:0.5", "release_threshold:8M"]))
+def test_randomized_invariants_hypothesis(seed, conf):
+    alloc, be = make(conf, capacity=1 << 40)
+    live = _random_ops(alloc, be, random.Random(seed), 150)
+    for ptr in live:
+        alloc.free(ptr)
+    be.complete_events()
+    alloc.empty_cache()
+    check_invariants(alloc, be)
+    assert be.live == {}
