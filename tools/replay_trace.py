@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Replay allocation traces through accel's caching allocator.
 
-    python tools/replay_trace.py                       # ../shared/traces/*.json, both policies
+    python tools/replay_trace.py                       # the shared traces, both policies
     python tools/replay_trace.py TRACE.json --policy accel
     python tools/replay_trace.py --conf max_split_size_mb:64 --json
 

@@ -22,11 +22,17 @@ MiB = 1 << 20
 
 
 def default_traces() -> List[str]:
-    """The shared traces (``$ACCEL_TRACES`` or ``../shared/traces`` next to the repository)."""
-    root = os.environ.get("ACCEL_TRACES") or os.path.join(
-        os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))),
-        "shared", "traces")
-    return sorted(glob.glob(os.path.join(root, "*.json")))
+    """The allocation traces: ``$ACCEL_TRACES``, else ``../shared/traces`` next to the
+    repository, else the copy kept in ``tests/test_memory_traces`` (for a clean clone)."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = os.environ.get("ACCEL_TRACES")
+    folders = [env] if env else [os.path.join(os.path.dirname(repo), "shared", "traces"),
+                                 os.path.join(repo, "tests", "test_memory_traces")]
+    for folder in folders:
+        found = sorted(glob.glob(os.path.join(folder, "*.json")))
+        if found:
+            return found
+    return []
 
 
 def load_trace(path: str) -> dict:
