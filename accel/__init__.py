@@ -15,7 +15,7 @@ from __future__ import annotations
 import warnings
 from typing import Optional
 
-from . import _lazy
+from . import _lazy, backends as _backends
 from ._device import DeviceLike, check_range, device, device_index as _device_index
 from ._errors import AcceleratorError, CaptureError, DeferredCallError, OutOfMemoryError
 from ._lazy import is_initialized
@@ -52,8 +52,7 @@ def __getattr__(name):
 
 def device_count() -> int:
     """Number of devices of the current accelerator; 0 without one.  Never initializes the runtime."""
-    from . import backends
-    chosen = backends.select()
+    chosen = _backends.select()
     return chosen.count() if chosen is not None else 0
 
 
@@ -69,12 +68,11 @@ def current_accelerator(check_available: bool = False) -> Optional[device]:
     the first runtime whose library loads even when it has no device;
     ``check_available=True`` returns None in that case.
     """
-    from . import backends
-    chosen = backends.select()
+    chosen = _backends.select()
     if chosen is None:
         if check_available:
             return None
-        chosen = backends.fallback()
+        chosen = _backends.fallback()
         if chosen is None:
             return None
     elif check_available and chosen.count() == 0:

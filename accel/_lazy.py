@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import threading
-import traceback
 from typing import Callable, List, Optional, Tuple
 
 from . import backends
@@ -68,6 +67,7 @@ def lazy_call(fn: Callable[[], None], *, seed: bool = False, seed_all: bool = Fa
         if is_initialized():
             fn()
             return
+        import traceback  # here, not at import: it pulls in linecache and tokenize
         entry = (fn, traceback.format_stack())
         if seed_all:
             _seed_all = entry

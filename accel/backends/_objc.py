@@ -27,7 +27,7 @@ cffi arguments.
 from __future__ import annotations
 
 import contextlib
-import platform
+import os
 import re
 import threading
 from typing import Any, Dict, Iterator, Tuple
@@ -37,7 +37,7 @@ __all__ = ["Message", "Runtime", "C_TYPES", "returns_retained"]
 # Objective-C / Foundation / Metal scalar typedefs -> the C type the ABI sees.
 # BOOL is ``bool`` on arm64 and ``signed char`` on x86_64 (objc/objc.h,
 # OBJC_BOOL_IS_BOOL); both are one byte in the first return/argument register.
-_BOOL = "_Bool" if platform.machine() in ("arm64", "aarch64") else "signed char"
+_BOOL = "_Bool" if os.uname().machine in ("arm64", "aarch64") else "signed char"
 C_TYPES: Dict[str, str] = {
     "void": "void",
     "id": "void *",          # any object (receiver, argument or result)

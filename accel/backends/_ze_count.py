@@ -15,9 +15,7 @@ calling process, after which a forked child cannot use the device.  So:
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 from typing import List, Optional, Tuple
 
@@ -60,6 +58,8 @@ def count_in_child(sim_config: Optional[dict] = None, timeout: float = 120.0) ->
     ``sim_config`` (from ``accel.sim.ze.export_config()``) makes the child
     count on the simulator with the same machine instead of the real loader.
     """
+    import json  # here, not at import: `import accel` stays small
+    import subprocess
     env = dict(os.environ)
     if sim_config is not None:
         env[SIM_CONFIG_ENV] = json.dumps(sim_config)
@@ -109,6 +109,7 @@ def runtime_count(ffi, lib) -> Tuple[int, str]:
 
 def child_main() -> None:
     """The counting child: prints ``{"count": n, "reason": ...}`` as one JSON line."""
+    import json
     try:
         cfg = os.environ.get(SIM_CONFIG_ENV)
         if cfg:

@@ -26,23 +26,46 @@ Rules every implementation keeps:
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Tuple
 
 
-@dataclass(frozen=True)
 class DeviceProperties:
-    """What :meth:`Backend.properties` returns for one device."""
+    """What :meth:`Backend.properties` returns for one device (immutable).
 
-    index: int
-    name: str
-    total_memory: int
-    compute_capability: Tuple[int, int]  # (major, minor); (0, 0) where the vendor has none
-    multi_processor_count: int
-    supported_dtypes: frozenset  # numpy dtype names, e.g. {"float32", "float64", ...}
-    uuid: str = ""
-    unified_memory: bool = False
-    extra: dict = field(default_factory=dict, compare=False)
+    A plain class rather than a dataclass: ``dataclasses`` pulls ``inspect``
+    and ``ast`` into ``import accel``, several milliseconds of start-up.
+    """
+
+    __slots__ = ("index", "name", "total_memory", "compute_capability", "multi_processor_count",
+                 "supported_dtypes", "uuid", "unified_memory", "extra")
+
+    def __init__(self, index: int, name: str, total_memory: int, compute_capability: Tuple[int, int],
+                 multi_processor_count: int, supported_dtypes: frozenset, uuid: str = "",
+                 unified_memory: bool = False, extra: Optional[dict] = None):
+        # compute_capability: (major, minor), (0, 0) where the vendor has none;
+        # supported_dtypes: numpy dtype names, e.g. {"float32", "float64", ...}
+        values = (index, name, total_memory, tuple(compute_capability), multi_processor_count,
+                  frozenset(supported_dtypes), uuid, unified_memory, dict(extra or {}))
+        for slot, value in zip(self.__slots__, values):
+            object.__setattr__(self, slot, value)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("DeviceProperties is immutable")
+
+    def _key(self):
+        return tuple(getattr(self, slot) for slot in self.__slots__[:-1])  # extra is not compared
+
+    def __eq__(self, other):
+        if isinstance(other, DeviceProperties):
+            return self._key() == other._key()
+        return NotImplemented
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __repr__(self):
+        fields = ", ".join(f"{slot}={getattr(self, slot)!r}" for slot in self.__slots__)
+        return f"DeviceProperties({fields})"
 
 
 # What a kernel argument list looks like: (C type, value) pairs, C types from
