@@ -213,14 +213,18 @@ def default_stream(dev: DeviceLike = None) -> Stream:
 
 def current_stream(dev: DeviceLike = None) -> Stream:
     """The calling thread's current stream on ``dev`` (the current device when None)."""
-    backend = _lazy.lazy_init()
-    if dev is None:
-        index = backend.get_device()
+    # Hot path (called for every queued operation): no helper calls beyond get_device.
+    if _lazy._initialized and not _lazy._in_bad_fork:
+        backend = _lazy._initialized_backend
     else:
-        index = _index_for(dev)
-    stream = _current_table().get(index)
-    if stream is None:
-        stream = _defaults.get(index) or default_stream(index)
+        backend = _lazy.lazy_init()
+    index = backend.get_device() if dev is None else _index_for(dev)
+    try:
+        return _tls.current[index]
+    except (AttributeError, KeyError):
+        pass
+    stream = _defaults.get(index) or default_stream(index)
+    _current_table()[index] = stream    # the thread's current stream is the default until set
     return stream
 
 

@@ -77,6 +77,7 @@ class CudaBackend(Backend):
         self._handles = {}       # int handle -> cdata, so hot calls skip ffi.cast
         self._live_modules = {}  # library handle -> PTX buffer kept alive for the runtime
         self._captures = 0       # stream captures underway in this process
+        self._out = threading.local()  # per-thread out-pointers for hot getters (no ffi.new per call)
 
     # -- libraries -------------------------------------------------------------
     def _open(self, which: str):
@@ -284,8 +285,14 @@ class CudaBackend(Backend):
         self._check(self.lib.cudaSetDevice(index), "cudaSetDevice")
 
     def get_device(self) -> int:
-        p = self.ffi.new("int *")
-        self._check(self.lib.cudaGetDevice(p), "cudaGetDevice")
+        out = self._out
+        try:
+            p = out.int_p
+        except AttributeError:
+            p = out.int_p = self.ffi.new("int *")
+        rc = self.lib.cudaGetDevice(p)
+        if rc:
+            self._check(rc, "cudaGetDevice")
         return p[0]
 
     def device_synchronize(self) -> None:
