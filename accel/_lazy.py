@@ -26,6 +26,9 @@ _lock = threading.RLock()
 _tls = threading.local()
 _initialized = False
 _initialized_backend: Optional[Backend] = None
+#: The initialized backend while it may be used (not in a bad fork), else None:
+#: one global read for hot paths such as current_stream().
+ready: Optional[Backend] = None
 _in_bad_fork = False
 _queued: List[Tuple[Callable[[], None], List[str]]] = []
 _seed: Optional[Tuple[Callable[[], None], List[str]]] = None
@@ -84,9 +87,9 @@ def lazy_init() -> Backend:
     AcceleratorError when the vendor runtime refuses, DeferredCallError when
     a queued call fails.
     """
-    global _initialized, _initialized_backend, _seed, _seed_all
-    if _initialized and not _in_bad_fork:
-        return _initialized_backend
+    global _initialized, _initialized_backend, _seed, _seed_all, ready
+    if ready is not None:
+        return ready
     chosen = backend()
     if _in_bad_fork:
         raise RuntimeError(
@@ -112,7 +115,7 @@ def lazy_init() -> Backend:
                         f"{name} call was originally invoked at:\n\n{''.join(stack)}") from exc
             _queued.clear()
             _seed = _seed_all = None
-            _initialized_backend = chosen
+            _initialized_backend = ready = chosen
             _initialized = True
         finally:
             _tls.initializing = False
@@ -128,24 +131,25 @@ def register_reset_hook(fn: Callable[[], None]) -> None:
 
 def _reset_for_tests() -> None:
     """Forget every piece of process state so a test can switch backend or simulator."""
-    global _initialized, _initialized_backend, _in_bad_fork, _seed, _seed_all
+    global _initialized, _initialized_backend, _in_bad_fork, _seed, _seed_all, ready
     with _lock:
         for hook in list(_reset_hooks):
             hook()
         _queued.clear()
         _seed = _seed_all = None
         _initialized = False
-        _initialized_backend = None
+        _initialized_backend = ready = None
         _in_bad_fork = False
         backends.reset()
 
 
 def _after_fork_in_child() -> None:
-    global _in_bad_fork, _lock
+    global _in_bad_fork, _lock, ready
     # The parent may have held the lock while forking; the child gets a fresh one.
     _lock = threading.RLock()
     if _initialized:
         _in_bad_fork = True
+        ready = None
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -214,10 +214,7 @@ def default_stream(dev: DeviceLike = None) -> Stream:
 def current_stream(dev: DeviceLike = None) -> Stream:
     """The calling thread's current stream on ``dev`` (the current device when None)."""
     # Hot path (called for every queued operation): no helper calls beyond get_device.
-    if _lazy._initialized and not _lazy._in_bad_fork:
-        backend = _lazy._initialized_backend
-    else:
-        backend = _lazy.lazy_init()
+    backend = _lazy.ready or _lazy.lazy_init()
     index = backend.get_device() if dev is None else _index_for(dev)
     try:
         return _tls.current[index]
