@@ -246,7 +246,7 @@ class DeviceCachingAllocator:
             nbytes = _check_size(nbytes)
             if nbytes == 0:
                 return 0
-        size = self._round_pow2(nbytes) if self._pow2 else (nbytes + 511) & -512
+        size = (nbytes + 511) & -512       # multiple of 512 (at least 512)
         if stream is None:
             stream = self._get_default_stream()
         lock = self._lock
@@ -254,19 +254,22 @@ class DeviceCachingAllocator:
         try:
             special = self._special
             if special:
+                if self._pow2:
+                    size = self._round_pow2(nbytes)
                 block, fl = self._find_special(size, nbytes, stream)
             else:
                 lists = self._general.get(stream)
                 if lists is None:
                     lists = self._new_lists(stream, None)
-                fl = lists[0] if size <= SMALL_SIZE else lists[1]
+                fl = lists[size > SMALL_SIZE]      # (small, large)
                 keys = fl.keys
                 i = bisect_left(keys, size << _SHIFT)
-                if i < len(keys):
+                try:
                     block = self._blocks[keys[i] & _MASK]
-                    del keys[i]
-                else:
+                except IndexError:               # nothing cached is big enough
                     block = self._malloc_miss(size, nbytes, fl)
+                else:
+                    del keys[i]
             # Hand the block out, splitting off the rest when it is worth keeping.
             # (Inlined: this is the hot path.)
             rest = block.size - size
@@ -328,7 +331,7 @@ class DeviceCachingAllocator:
             lists = self._general.get(stream) or self._new_lists(stream, None)
             if self._pending and not self._routes:
                 self._process_events()
-        fl = lists[0] if size <= SMALL_SIZE else lists[1]
+        fl = lists[size > SMALL_SIZE]
         return self._find(fl, size) or self._malloc_miss(size, nbytes, fl), fl
 
     def _after_take(self, block: _Block, fl: _FreeList) -> None:
@@ -342,7 +345,7 @@ class DeviceCachingAllocator:
             self._trace("alloc", block.ptr, block.size, fl.stream)
 
     def _update_special(self) -> None:
-        self._special = bool(self._routes or self._pending or self._deferred
+        self._special = bool(self._routes or self._pending or self._deferred or self._pow2
                              or self._history is not None or self._max_split != _config.UNLIMITED)
 
     def free(self, ptr: int) -> None:
