@@ -2,15 +2,13 @@
 stream-ordered reuse, private pools, configuration and thread safety."""
 
 import random
-import threading
-import warnings
 
 import pytest
 
 from accel._errors import CaptureError, OutOfMemoryError
 from accel.memory import _caching, _config
 from accel.memory._caching import DeviceCachingAllocator
-from test_memory_fakes import FakeBackend
+from test_memory_fakes import FakeBackend, hammer
 
 MiB = 1 << 20
 
@@ -105,6 +103,16 @@ def test_fresh_stats_have_torch_keys():
         assert key in stats
 
 
+def drain(alloc, be, live):
+    """Free everything, let pending work finish, empty the cache: nothing may be left."""
+    for ptr in live:
+        alloc.free(ptr)
+    be.complete_events()
+    alloc.empty_cache()
+    check_invariants(alloc, be)
+    assert be.live == {}, "segments leaked after empty_cache"
+
+
 def _random_ops(alloc, be, rng, steps, check=True):
     streams = [0, 101, 102]
     live = {}
@@ -167,13 +175,7 @@ def test_randomized_invariants_after_every_op(policy):
                                   "garbage_collection_threshold:0.5", "release_threshold:8M"])
 def test_randomized_invariants_with_options(conf):
     alloc, be = make(conf, capacity=1 << 40)
-    live = _random_ops(alloc, be, random.Random(99), 300)
-    for ptr in live:
-        alloc.free(ptr)
-    be.complete_events()
-    alloc.empty_cache()
-    check_invariants(alloc, be)
-    assert be.live == {}
+    drain(alloc, be, _random_ops(alloc, be, random.Random(99), 300))
 
 
 def test_split_and_coalesce():
@@ -537,29 +539,7 @@ def test_accel_policy_reuses_instead_of_growing_past_high_water():
 # ---------------------------------------------------------------------------- threads
 def test_eight_threads_hammering():
     alloc, be = make()
-    errors = []
-
-    def worker(seed):
-        rng = random.Random(seed)
-        mine = []
-        try:
-            for _ in range(1500):
-                if mine and rng.random() < 0.5:
-                    alloc.free(mine.pop(rng.randrange(len(mine))))
-                else:
-                    mine.append(alloc.malloc(rng.choice([512, 4000, MiB, 3 * MiB]), seed % 3))
-            for ptr in mine:
-                alloc.free(ptr)
-        except Exception as exc:  # pragma: no cover - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not any(t.is_alive() for t in threads)
-    assert errors == []
+    assert hammer(alloc, [512, 4000, MiB, 3 * MiB], lambda seed: seed % 3, 1500) == []
     check_invariants(alloc, be)
     assert alloc.stats()["allocation.all.current"] == 0
     alloc.empty_cache()

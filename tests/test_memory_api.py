@@ -7,7 +7,6 @@ import os
 import random
 import subprocess
 import sys
-import threading
 import time
 from collections import OrderedDict
 
@@ -16,6 +15,7 @@ import pytest
 import accel
 from accel import _lazy, memory, sim
 from accel._errors import OutOfMemoryError
+from test_memory_fakes import hammer
 
 MiB = 1 << 20
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -155,30 +155,8 @@ def test_oom_on_a_small_device(sim_cuda, monkeypatch):
 
 
 def test_threads_on_the_simulator(sim_backend):
-    alloc = memory.device_allocator(0)
     stream = _lazy.lazy_init().default_stream(0)
-    errors = []
-
-    def worker(seed):
-        rng = random.Random(seed)
-        mine = []
-        try:
-            for _ in range(400):
-                if mine and rng.random() < 0.5:
-                    alloc.free(mine.pop())
-                else:
-                    mine.append(alloc.malloc(rng.choice([512, 5000, MiB, 5 * MiB]), stream))
-            for ptr in mine:
-                alloc.free(ptr)
-        except Exception as exc:  # pragma: no cover
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert errors == [] and not any(t.is_alive() for t in threads)
+    assert hammer(memory.device_allocator(0), [512, 5000, MiB, 5 * MiB], lambda seed: stream, 400) == []
     assert memory.memory_allocated() == 0
     memory.empty_cache()
     assert memory.memory_reserved() == 0

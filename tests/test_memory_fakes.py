@@ -9,6 +9,7 @@ makes the next N ``mem_alloc`` calls raise OutOfMemoryError.
 from __future__ import annotations
 
 import itertools
+import random
 import threading
 
 from accel._errors import OutOfMemoryError
@@ -136,3 +137,32 @@ class FakeBackend(Backend):
 
     def memset_async(self, ptr, value, nbytes, stream):
         pass
+
+
+def hammer(alloc, sizes, stream_for, steps, threads=8):
+    """``threads`` threads each do ``steps`` random malloc/free on ``alloc`` and free what
+    they hold; returns the exceptions raised (the test asserts there are none)."""
+    errors = []
+
+    def worker(seed):
+        rng = random.Random(seed)
+        mine = []
+        try:
+            for _ in range(steps):
+                if mine and rng.random() < 0.5:
+                    alloc.free(mine.pop(rng.randrange(len(mine))))
+                else:
+                    mine.append(alloc.malloc(rng.choice(sizes), stream_for(seed)))
+            for ptr in mine:
+                alloc.free(ptr)
+        except Exception as exc:
+            errors.append(exc)
+
+    workers = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join(timeout=60)
+    if any(t.is_alive() for t in workers):
+        errors.append(TimeoutError("a hammering thread is still running after 60 s"))
+    return errors
