@@ -13,7 +13,7 @@ from typing import Optional
 
 from . import _lazy
 from ._device import DeviceLike, device
-from .streams import Stream, current_stream, _index_for
+from .streams import Stream, _index_for, current_stream, on_device
 
 __all__ = ["Buffer"]
 
@@ -161,8 +161,9 @@ class Buffer:
             from ._hostmem import copy_into
             copy_into(staging, view)
             backend.memcpy_async(self._ptr, staging, self._nbytes, stream.handle)
-            host.record_stream(staging, stream.handle)
-            host.free(staging)
+            with on_device(backend, self._index):  # the host allocator's events live on the stream's device
+                host.record_stream(staging, stream.handle)
+                host.free(staging)
         else:
             backend.memcpy_async(self._ptr, _address(view), self._nbytes, stream.handle)
             stream.synchronize()
