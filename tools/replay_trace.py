@@ -21,6 +21,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _progress import Progress  # noqa: E402  (tools/ is on sys.path when run as a script)
+
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -39,13 +41,20 @@ def main(argv=None) -> int:
     if not paths:
         parser.error("no traces given and none found (set ACCEL_TRACES to the traces folder)")
     policies = ("accel", "torch") if args.policy == "both" else (args.policy,)
+    progress = Progress()
     results = []
+    steps = len(paths) * len(policies) + (1 if args.pairs else 0)
     for path in paths:
         trace = _bench.load_trace(path)
         for policy in policies:
+            progress.update(f"[{len(results) + 1}/{steps}] replaying {os.path.basename(path)} "
+                            f"({len(trace['ops'])} ops, {policy} policy)")
             conf = ",".join(filter(None, (f"policy:{policy}", args.conf)))
             results.append(_bench.replay(trace, _config.parse(conf, "--conf")))
+    if args.pairs:
+        progress.update(f"[{steps}/{steps}] timing {args.pairs} cached 1 MiB alloc+free pairs")
     cost = _bench.alloc_free_cost(n=args.pairs) if args.pairs else None
+    progress.clear()
 
     if args.json:
         print(json.dumps({"replays": results, "alloc_free_1mib": cost}, indent=2))
