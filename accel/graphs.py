@@ -26,7 +26,6 @@ import threading
 from typing import Optional, Tuple
 
 from . import _lazy
-from ._errors import CaptureError
 from .streams import Stream, current_stream
 
 __all__ = ["Graph", "graph", "generate_graph_pool_handle", "graph_pool_handle"]

@@ -5,7 +5,6 @@ import os
 
 import pytest
 
-import accel
 from accel import _lazy
 
 _ENV_PREFIXES = ("ACCEL_", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "ZE_AFFINITY_MASK", "ZES_ENABLE_SYSMAN",

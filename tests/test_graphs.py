@@ -229,7 +229,6 @@ def test_rng_fills_in_graph_draw_fresh_numbers_each_replay(sim_graph_backend):
     assert not np.array_equal(draws[0], draws[1]) and not np.array_equal(draws[1], draws[2])
     assert accel.random.default_generator(0).offset == offset_after_capture + 3 * 1000
     # Each replay equals an eager fill at the offset it consumed.
-    from accel.random import philox
     gen = accel.random.default_generator(0)
     check = accel.Buffer(4 * 1000, stream=s)
     state = gen.get_state()

@@ -31,7 +31,6 @@ import argparse
 import contextlib
 import copy
 import difflib
-import glob
 import io
 import os
 import re
@@ -729,7 +728,6 @@ class HeaderModel:
 
     def emit(self, items: List[_Item]) -> str:
         from pycparser import c_generator
-        c_ast = self.c_ast
         gen = c_generator.CGenerator()
         lines = []
         for it in items:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Optional, Tuple
+from typing import Tuple
 
 from .._errors import AcceleratorError, CaptureError, OutOfMemoryError
 from . import _visible

@@ -559,7 +559,7 @@ class MPSBackend(Backend):
             raise error
 
     def stream_create(self, priority: int = 0) -> int:
-        rt = self._runtime()
+        self._runtime()
         with self._lock:
             h = self._handle()
             self._streams[h] = _Stream(h, self._new(self._device, M_NEW_QUEUE, "newCommandQueue"))
@@ -621,7 +621,7 @@ class MPSBackend(Backend):
         return ev
 
     def event_create(self, enable_timing: bool = False, blocking: bool = False) -> int:
-        rt = self._runtime()
+        self._runtime()
         with self._lock:
             h = self._handle()
             self._events[h] = _Event(h, self._new(self._device, M_NEW_SHARED_EVENT, "newSharedEvent"),

@@ -24,7 +24,7 @@ import os
 import re
 import threading
 from dataclasses import dataclass, fields, replace
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import _cffi_backend
 

@@ -557,7 +557,6 @@ class MTLCommandBuffer(SimObject):
             self.commands.append(("op", lambda c=code: _fail(c, "injected fault")))
         q = self.queue.q
         deps: List[Tuple[Any, int]] = []
-        pending_signals = []
         plan = []
         for cmd in self.commands:
             if cmd[0] == "wait":
