@@ -261,6 +261,7 @@ class CudaBackend(Backend):
             raise AcceleratorError("libcudart: cudaGetDeviceCount reports no CUDA device",
                                    library="libcudart", call="cudaGetDeviceCount")
         self._runtime_count = n[0]
+        self.get_device = self._bind_get_device()
 
     def properties(self, index: int) -> DeviceProperties:
         ffi, lib = self.ffi, self.lib
@@ -285,15 +286,29 @@ class CudaBackend(Backend):
         self._check(self.lib.cudaSetDevice(index), "cudaSetDevice")
 
     def get_device(self) -> int:
-        out = self._out
-        try:
-            p = out.int_p
-        except AttributeError:
-            p = out.int_p = self.ffi.new("int *")
-        rc = self.lib.cudaGetDevice(p)
-        if rc:
-            self._check(rc, "cudaGetDevice")
+        # Replaced per instance by init() with _bind_get_device's closure; this
+        # form only serves a backend used before init (which the layers never do).
+        p = self.ffi.new("int *")
+        self._check(self.lib.cudaGetDevice(p), "cudaGetDevice")
         return p[0]
+
+    def _bind_get_device(self):
+        """get_device as a closure over the library function and a per-thread out-pointer:
+        current_stream() calls it for every queued operation, so no attribute lookups."""
+        cuda_get_device, ffi, check, out = self.lib.cudaGetDevice, self.ffi, self._check, self._out
+
+        def get_device() -> int:
+            try:
+                p = out.int_p
+            except AttributeError:
+                p = out.int_p = ffi.new("int *")
+            rc = cuda_get_device(p)
+            if rc:
+                check(rc, "cudaGetDevice")
+            return p[0]
+
+        get_device.__doc__ = CudaBackend.get_device.__doc__
+        return get_device
 
     def device_synchronize(self) -> None:
         self._check(self.lib.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
