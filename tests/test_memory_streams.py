@@ -16,7 +16,7 @@ DELAY_US = 30000          # every stream operation takes 30 ms
 
 
 @pytest.fixture
-def slow_sim(monkeypatch, sim_cuda):
+def slow_sim(monkeypatch, sim_backend):
     monkeypatch.setenv("ACCEL_SIM_DELAY_US", str(DELAY_US))
     _lazy._reset_for_tests()
     return _lazy.lazy_init()
