@@ -78,7 +78,7 @@ _MEMO_LIMIT = 4096
 
 
 class _Block:
-    __slots__ = ("ptr", "size", "requested", "stat", "pool", "prev", "next", "state", "uses",
+    __slots__ = ("ptr", "size", "requested", "stat", "undo", "pool", "prev", "next", "state", "uses",
                  "events", "frames")
 
     def __init__(self, ptr, size, pool, prev, next):
@@ -90,6 +90,7 @@ class _Block:
         self.state = _FREE
         self.requested = 0
         self.stat = 0         # packed counters this allocation added (see _LANES)
+        self.undo = 0         # see malloc's whole-segment split
         self.uses = None      # set of other streams the block was used on (record_stream)
         self.events = 0       # outstanding events while pending
         self.frames = None    # allocation stack when history is recorded
@@ -216,6 +217,7 @@ class DeviceCachingAllocator:
         self._cur, self._peak, self._base, self._freed = _stats.empty_counters()
         self._s_cur = self._s_base = self._s_freed = 0
         self._s_peak_guarded = _GUARD      # packed peaks with every lane's guard bit set
+        self._s_peak_ok = 0                # a packed current value known to be <= the peaks
         # pending (freed, events outstanding) blocks per pool, for the derived "active" stats
         self._pend = [0, 0, 0, 0, 0, 0]       # count all/small/large, bytes all/small/large
         self._pend_base = [0, 0, 0, 0, 0, 0]
@@ -253,10 +255,13 @@ class DeviceCachingAllocator:
         lock.acquire()
         try:
             special = self._special
+            # `i` is the block's slot in fl.keys while its key is still there (the
+            # fast path leaves it for the split below to overwrite), else -1.
             if special:
                 if self._pow2:
                     size = self._round_pow2(nbytes)
                 block, fl = self._find_special(size, nbytes, stream)
+                i = -1
             else:
                 lists = self._general.get(stream)
                 if lists is None:
@@ -268,8 +273,7 @@ class DeviceCachingAllocator:
                     block = self._blocks[keys[i] & _MASK]
                 except IndexError:               # nothing cached is big enough
                     block = self._malloc_miss(size, nbytes, fl)
-                else:
-                    del keys[i]
+                    i = -1
             # Hand the block out, splitting off the rest when it is worth keeping.
             # (Inlined: this is the hot path.)
             rest = block.size - size
@@ -292,17 +296,35 @@ class DeviceCachingAllocator:
                 block.next = tail
                 block.size = size
                 self._blocks[tptr] = tail
-                insort(fl.keys, rest << _SHIFT | tptr)
+                keys = fl.keys
+                key = rest << _SHIFT | tptr
+                # The tail's key is smaller than the block's, so it usually sorts into
+                # the block's own slot (always when nothing smaller is cached): then
+                # overwrite it instead of a delete plus an insort.
+                if i > 0 and keys[i - 1] > key:
+                    del keys[i]
+                    insort(keys, key)
+                elif i >= 0:
+                    keys[i] = key
+                else:
+                    insort(keys, key)
                 v = block.stat = fl.alloc_deltas.get(nbytes) or fl.alloc_delta(size, nbytes)
                 if nxt is not None or block.prev is not None:
                     # an inactive split block shrinks by `size`
                     w = fl.lanes(size << (_ISPLIT + 64))
                     self._s_freed += w
                     v -= w
+                    block.undo = 0
                 else:
                     # a new inactive split block appears
                     v += fl.split_deltas.get(rest) or fl.split_delta(rest)
+                    # When free() finds the segment as [block][free rest] again, it
+                    # subtracts exactly this (the rest is as large as now).
+                    block.undo = v
             else:
+                if i >= 0:
+                    del fl.keys[i]
+                block.undo = 0
                 size = block.size
                 v = block.stat = fl.lanes(1 | size << 64 | nbytes << 128)
                 if block.prev is not None or block.next is not None:
@@ -313,8 +335,13 @@ class DeviceCachingAllocator:
             block.state = _ALLOCATED
             block.requested = nbytes
             cur = self._s_cur = self._s_cur + v
-            if (self._s_peak_guarded - cur) & _GUARD != _GUARD:
-                self._s_peak_guarded = lane_max(self._s_peak_guarded ^ _GUARD, cur, _LANES) | _GUARD
+            # The lane-wise peak test costs three big-int operations; a repeated
+            # alloc/free cycle reaches the same `cur` every time, so first compare
+            # with the last value that passed it.
+            if cur != self._s_peak_ok:
+                if (self._s_peak_guarded - cur) & _GUARD != _GUARD:
+                    self._s_peak_guarded = lane_max(self._s_peak_guarded ^ _GUARD, cur, _LANES) | _GUARD
+                self._s_peak_ok = cur
             if special:
                 self._after_take(block, fl)
             return block.ptr
@@ -374,8 +401,36 @@ class DeviceCachingAllocator:
                 self._s_cur -= block.stat
                 self._s_freed += block.stat
                 self._free_with_uses(block)
-            else:
+                return
+            nxt = block.next
+            fl = block.pool
+            if (block.prev is not None or nxt is None or nxt.next is not None or nxt.state != _FREE
+                    or fl.watch_whole):
                 self._free_block(block, block.stat)
+                return
+            # Fast path, _free_block inlined for the common case of a block split off
+            # the front of a whole free segment: merging it with the free rest makes
+            # the segment whole again (so no inactive split block is left, and no peak
+            # can rise).
+            keys = fl.keys
+            block.state = _FREE
+            size = nxt.size
+            j = bisect_left(keys, size << _SHIFT | nxt.ptr)
+            del self._blocks[nxt.ptr]
+            # the allocation and the inactive split rest go away (malloc's block.undo
+            # when it split this block off the whole segment)
+            dec = block.undo or block.stat + (fl.split_deltas.get(size) or fl.split_delta(size))
+            size = block.size = block.size + size
+            block.next = None
+            self._spare = nxt
+            key = size << _SHIFT | block.ptr
+            if j + 1 < len(keys) and keys[j + 1] < key:   # see _free_block
+                del keys[j]
+                insort(keys, key)
+            else:
+                keys[j] = key
+            self._s_freed += dec
+            self._s_cur -= dec
         finally:
             lock.release()
 
@@ -489,6 +544,7 @@ class DeviceCachingAllocator:
         with self._lock:
             self._peak[:] = self._cur
             self._s_peak_guarded = self._s_cur | _GUARD
+            self._s_peak_ok = self._s_cur
             lanes = unpack(self._s_cur, _LANES)
             for q in range(3):
                 self._active_peak[q] = lanes[5 * q] + self._pend[q]
@@ -560,9 +616,10 @@ class DeviceCachingAllocator:
         block.state = _FREE
         prev = block.prev
         nxt = block.next
+        j = -1         # slot of a merged neighbour's key, left for the merged block's key
         if prev is not None and prev.state == _FREE:
             size = prev.size
-            del keys[bisect_left(keys, size << _SHIFT | prev.ptr)]
+            j = bisect_left(keys, size << _SHIFT | prev.ptr)
             del blocks[block.ptr]
             # a merged neighbour is an inactive split block that goes away
             dec += fl.split_deltas.get(size) or fl.split_delta(size)
@@ -573,8 +630,10 @@ class DeviceCachingAllocator:
             self._spare = block
             block = prev
         if nxt is not None and nxt.state == _FREE:
+            if j >= 0:
+                del keys[j]
             size = nxt.size
-            del keys[bisect_left(keys, size << _SHIFT | nxt.ptr)]
+            j = bisect_left(keys, size << _SHIFT | nxt.ptr)
             del blocks[nxt.ptr]
             dec += fl.split_deltas.get(size) or fl.split_delta(size)
             block.size += size
@@ -582,14 +641,25 @@ class DeviceCachingAllocator:
             if after is not None:
                 after.prev = block
             self._spare = nxt
-        insort(keys, block.size << _SHIFT | block.ptr)
+        key = block.size << _SHIFT | block.ptr
+        # The merged block's key is larger than that neighbour's, so it usually sorts
+        # into the same slot: overwrite it instead of a delete plus an insort.
+        if j < 0:
+            insort(keys, key)
+        elif j + 1 < len(keys) and keys[j + 1] < key:
+            del keys[j]
+            insort(keys, key)
+        else:
+            keys[j] = key
         self._s_freed += dec
         if block.prev is not None or block.next is not None:
             # the merged block is itself an inactive split block
             size = block.size
             cur = self._s_cur = self._s_cur - dec + (fl.split_deltas.get(size) or fl.split_delta(size))
-            if (self._s_peak_guarded - cur) & _GUARD != _GUARD:
-                self._s_peak_guarded = lane_max(self._s_peak_guarded ^ _GUARD, cur, _LANES) | _GUARD
+            if cur != self._s_peak_ok:         # see malloc
+                if (self._s_peak_guarded - cur) & _GUARD != _GUARD:
+                    self._s_peak_guarded = lane_max(self._s_peak_guarded ^ _GUARD, cur, _LANES) | _GUARD
+                self._s_peak_ok = cur
             return
         self._s_cur -= dec
         if fl.watch_whole:
