@@ -91,8 +91,9 @@ def philox4x32_10(ctr, key) -> np.ndarray:
 # product meets the lo half of the previous one without shift/mask passes
 # (the lo half of the result is garbage and is shifted out).  Rows swap
 # meaning every round ([c0, c2] then [c2, c0]), which is why the multiplier
-# and key columns alternate.  Rounds 1-2 are specialised for counter words
-# 1..3 being constant within a chunk.
+# and key columns alternate.  Rounds 0-2 are specialised for counter words
+# 1..3 being constant within a chunk: their constant terms are folded into
+# the keys, so they cost about as much as two ordinary rounds.
 # --------------------------------------------------------------------------
 
 _CHUNK = 65536  # counters per chunk (~5 MB of scratch): fastest here; smaller ones pay ufunc-call overhead
@@ -161,12 +162,12 @@ class _Keys:
     def __init__(self, seed: int):
         ks = round_keys(*split_seed(seed))
         self.ks = ks
-        self.k1_0 = np.uint64(ks[0][1])
         self.k0_1 = np.uint64(ks[1][0])
-        # round r >= 2 xors [k1, k0] after even rounds (rows [c2', c0']) and [k0, k1] after odd ones
-        self.cols = [None, None] + [
+        # round r >= 3 xors [k1, k0] after even rounds (rows [c2', c0']) and [k0, k1] after odd
+        # ones; rounds 0-2 fold their constants into their keys in _chunk
+        self.cols = [None, None, None] + [
             np.array([[k0], [k1]] if r & 1 else [[k1], [k0]], dtype=np.uint64) for r, (k0, k1) in
-            enumerate(ks) if r >= 2]
+            enumerate(ks) if r >= 3]
 
 
 def _chunk(ws: _Workspace, lo_start: int, hi: int, keys: _Keys, out64t: np.ndarray, m: int) -> None:
@@ -178,26 +179,37 @@ def _chunk(ws: _Workspace, lo_start: int, hi: int, keys: _Keys, out64t: np.ndarr
     """
     v = ws.views(m)
     x, x0, x1, q = v.x, v.x0, v.x1, v.q
+    k0, k1 = keys.ks[0]
+    a = hi ^ k0                                   # round 0's c0' (and c1' = 0): a constant
+    am0 = a * M0                                  # so round 1's product a*M0 is one too
 
-    # Round 0: ctr = [lo, hi, 0, 0] -> c0' = hi^k0 (constant), c1' = 0,
-    # c2' = hi(lo*M0)^k1, c3' = lo(lo*M0).
-    a = hi ^ keys.ks[0][0]
-    np.add(v.base_m0, np.uint64((lo_start * M0) & ((1 << 64) - 1)), out=q)      # q = lo*M0
-    np.right_shift(q, _SH32, out=x0)
-    np.bitwise_xor(x0, keys.k1_0, out=x0)                                        # c2'
-    # Round 1 (rows [c2', c0']): P = [c2'*M1, a*M0]; a*M0 is a constant.
+    # Round 0: ctr = [lo, hi, 0, 0] -> c2' = hi(q) ^ k1, c3' = lo(q), with q = lo*M0.
+    # Round 1 turns c3' into c2'' = hi(a*M0) ^ c3' ^ k1(round 1).  Both constants are
+    # xored into q in one pass (k1 into the hi half, the other into the lo half), so a
+    # shift and a mask split q into c2' (round 1's input) and c2'' (round 2's).
+    np.add(v.base_m0, np.uint64((lo_start * M0) & ((1 << 64) - 1)), out=q)
+    np.bitwise_xor(q, np.uint64((k1 << 32) | ((am0 >> 32) ^ keys.ks[1][1])), out=q)
+    np.right_shift(q, _SH32, out=x0)                                             # c2'
+    np.bitwise_and(q, _U64_MASK, out=x1)                                         # c2''
+    # Round 1 (rows [c2', c0']): c0'' = hi(c2'*M1) ^ c1' (= 0) ^ k0(round 1), and
+    # c1'' = lo(c2'*M1) stays in row 0 of p[0] for round 2.  c3'' = lo(a*M0) is a
+    # constant, so round 2 folds it into its key rather than filling p[0] row 1 with it.
     p = v.p[0]
     np.multiply(x0, np.uint64(M1), out=p[0])
-    am0 = a * M0
-    p[1].fill(am0)
-    # Next rows [c0'', c2''] = [hi(c2'*M1) ^ 0 ^ k0, hi(a*M0) ^ lo(q) ^ k1].
     np.right_shift(p[0], _SH32, out=x0)
     np.bitwise_xor(x0, keys.k0_1, out=x0)
-    np.bitwise_and(q, _U64_MASK, out=x1)
-    np.bitwise_xor(x1, np.uint64((am0 >> 32) ^ keys.ks[1][1]), out=x1)
+    # Round 2 (rows [c0'', c2''] -> [c2''', c0''']): only row 1 takes the shifted-view
+    # xor with the previous product; row 0's partner is the constant c3''.
+    p = v.p[1]
+    np.multiply(x, _MCOL[0], out=p)
+    np.bitwise_xor(v.p32_cur[1][1], v.p32_prev[0][1], out=v.y32[1])
+    np.right_shift(p[0], _SH32, out=x0)
+    np.right_shift(v.y[1], _SH32, out=x1)
+    k2 = keys.ks[2]
+    np.bitwise_xor(x, np.array([[k2[1] ^ (am0 & _MASK32)], [k2[0]]], dtype=np.uint64), out=x)
 
-    prev = 0
-    for r in range(2, ROUNDS):
+    prev = 1
+    for r in range(3, ROUNDS):
         cur = prev ^ 1
         np.multiply(x, _MCOL[r & 1], out=v.p[cur])
         # hi(P row i) ^ lo(previous P, other row): uint32 views offset by one word.
