@@ -308,14 +308,20 @@ class DeviceCachingAllocator:
                     keys[i] = key
                 else:
                     insort(keys, key)
-                v = block.stat = fl.alloc_deltas.get(nbytes) or fl.alloc_delta(size, nbytes)
                 if nxt is not None or block.prev is not None:
+                    v = block.stat = fl.alloc_deltas.get(nbytes) or fl.alloc_delta(size, nbytes)
                     # an inactive split block shrinks by `size`
                     w = fl.lanes(size << (_ISPLIT + 64))
                     self._s_freed += w
                     v -= w
                     block.undo = 0
+                elif block.undo and block.requested == nbytes:
+                    # This whole segment was split for the same request last time
+                    # (a whole block always has the segment's size), so block.stat
+                    # and the change are the same as then.
+                    v = block.undo
                 else:
+                    v = block.stat = fl.alloc_deltas.get(nbytes) or fl.alloc_delta(size, nbytes)
                     # a new inactive split block appears
                     v += fl.split_deltas.get(rest) or fl.split_delta(rest)
                     # When free() finds the segment as [block][free rest] again, it
