@@ -87,8 +87,7 @@ class Graph:
         """Begin capturing work queued on the current stream into this graph."""
         backend = _lazy.lazy_init()
         if not backend.supports_graphs:
-            raise NotImplementedError(
-                f"graph capture is not supported on {backend.name}: its runtime has no stream capture")
+            raise NotImplementedError(backend.no_capture_reason)
         if self._stream is not None:
             raise RuntimeError("capture_begin called twice: this graph is already capturing")
         if self._graph is not None or self._exec is not None:

@@ -84,6 +84,11 @@ class Backend(abc.ABC):
     #: True when the backend implements stream capture (capture_* / graph_*).
     supports_graphs: bool = False
 
+    @property
+    def no_capture_reason(self) -> str:
+        """What the graph methods of a backend without stream capture raise."""
+        return f"{self.name} has no stream capture"
+
     # -- discovery: fork-safe, never initializes the runtime ------------------
     @abc.abstractmethod
     def count(self) -> int:
@@ -201,29 +206,29 @@ class Backend(abc.ABC):
     # -- graphs (only when supports_graphs) -----------------------------------
     def capture_begin(self, stream: int, mode: str) -> None:
         """Start capturing ``stream``; mode is "global", "thread_local" or "relaxed"."""
-        raise NotImplementedError(f"{self.name} has no stream capture")
+        raise NotImplementedError(self.no_capture_reason)
 
     def capture_end(self, stream: int) -> int:
         """End capture and return the graph handle; AcceleratorError if the capture was invalidated."""
-        raise NotImplementedError(f"{self.name} has no stream capture")
+        raise NotImplementedError(self.no_capture_reason)
 
     def stream_is_capturing(self, stream: int) -> bool:
         return False
 
     def graph_instantiate(self, graph: int) -> int:
-        raise NotImplementedError(f"{self.name} has no stream capture")
+        raise NotImplementedError(self.no_capture_reason)
 
     def graph_launch(self, graph_exec: int, stream: int) -> None:
-        raise NotImplementedError(f"{self.name} has no stream capture")
+        raise NotImplementedError(self.no_capture_reason)
 
     def graph_destroy(self, graph: int) -> None:
-        raise NotImplementedError(f"{self.name} has no stream capture")
+        raise NotImplementedError(self.no_capture_reason)
 
     def graph_exec_destroy(self, graph_exec: int) -> None:
-        raise NotImplementedError(f"{self.name} has no stream capture")
+        raise NotImplementedError(self.no_capture_reason)
 
     def graph_debug_dot(self, graph: int, path: str) -> None:
-        raise NotImplementedError(f"{self.name} has no graph debug dump")
+        raise NotImplementedError(self.no_capture_reason)
 
     # -- kernels (only when kernel_language is not None) -----------------------
     def module_load(self, source: bytes) -> int:

@@ -757,27 +757,8 @@ class MPSBackend(Backend):
         self.stream_synchronize(stream)
         rt.ffi.buffer(self._host(ptr), nbytes)[:] = bytes([value & 0xFF]) * nbytes
 
-    # -- graphs: Metal has no stream capture -----------------------------------------
-    def capture_begin(self, stream: int, mode: str) -> None:
-        raise NotImplementedError(_GRAPHS_UNSUPPORTED)
-
-    def capture_end(self, stream: int) -> int:
-        raise NotImplementedError(_GRAPHS_UNSUPPORTED)
-
-    def graph_instantiate(self, graph: int) -> int:
-        raise NotImplementedError(_GRAPHS_UNSUPPORTED)
-
-    def graph_launch(self, graph_exec: int, stream: int) -> None:
-        raise NotImplementedError(_GRAPHS_UNSUPPORTED)
-
-    def graph_destroy(self, graph: int) -> None:
-        raise NotImplementedError(_GRAPHS_UNSUPPORTED)
-
-    def graph_exec_destroy(self, graph_exec: int) -> None:
-        raise NotImplementedError(_GRAPHS_UNSUPPORTED)
-
-    def graph_debug_dot(self, graph: int, path: str) -> None:
-        raise NotImplementedError(_GRAPHS_UNSUPPORTED)
+    # -- graphs: Metal has no stream capture (the protocol's methods raise this) --------
+    no_capture_reason = _GRAPHS_UNSUPPORTED
 
     # -- kernels (Metal Shading Language, compiled at run time) -----------------------
     def module_load(self, source: bytes) -> int:
