@@ -1014,27 +1014,31 @@ def zeEventQueryKernelTimestamp(hEvent, dstptr):
 
 # -- command lists and queues ---------------------------------------------------------------------
 
-def _queue_desc_checks(rt, dev, ordinal) -> int:
+def _queue_target(hContext, hDevice, stype, expected_stype: str, ordinal):
+    """The checks every creator of a queue or command list makes: ``(rc, rt, dev)``,
+    with ``rc`` the result code to return when it is not 0."""
+    rt, rc = _ready()
+    if rc:
+        return rc, rt, None
+    C = rt.C
+    if rt.get(hContext, "context") is None:
+        return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE, rt, None
+    dev = rt.get(hDevice, "device")
+    if dev is None:
+        return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE, rt, None
+    if stype != getattr(C, expected_stype):
+        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION, rt, None
     if ordinal >= len(_GROUPS):
-        return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
-    return 0
+        return C.ZE_RESULT_ERROR_INVALID_ARGUMENT, rt, None
+    return 0, rt, dev
 
 
 def zeCommandListCreateImmediate(hContext, hDevice, altdesc, phCommandList):
-    rt, rc = _ready()
+    rc, rt, dev = _queue_target(hContext, hDevice, altdesc.stype, "ZE_STRUCTURE_TYPE_COMMAND_QUEUE_DESC",
+                                altdesc.ordinal)
     if rc:
         return rc
     C = rt.C
-    if rt.get(hContext, "context") is None:
-        return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
-    dev = rt.get(hDevice, "device")
-    if dev is None:
-        return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
-    if altdesc.stype != C.ZE_STRUCTURE_TYPE_COMMAND_QUEUE_DESC:
-        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
-    rc = _queue_desc_checks(rt, dev, altdesc.ordinal)
-    if rc:
-        return rc
     in_order = bool(altdesc.flags & C.ZE_COMMAND_QUEUE_FLAG_IN_ORDER)
     if in_order and rt.zcfg.api_version < (1, 7):
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION   # the flag does not exist before API 1.7
@@ -1047,20 +1051,11 @@ def zeCommandListCreateImmediate(hContext, hDevice, altdesc, phCommandList):
 
 
 def zeCommandListCreate(hContext, hDevice, desc, phCommandList):
-    rt, rc = _ready()
+    rc, rt, dev = _queue_target(hContext, hDevice, desc.stype, "ZE_STRUCTURE_TYPE_COMMAND_LIST_DESC",
+                                desc.commandQueueGroupOrdinal)
     if rc:
         return rc
     C = rt.C
-    if rt.get(hContext, "context") is None:
-        return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
-    dev = rt.get(hDevice, "device")
-    if dev is None:
-        return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
-    if desc.stype != C.ZE_STRUCTURE_TYPE_COMMAND_LIST_DESC:
-        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
-    rc = _queue_desc_checks(rt, dev, desc.commandQueueGroupOrdinal)
-    if rc:
-        return rc
     in_order = bool(desc.flags & C.ZE_COMMAND_LIST_FLAG_IN_ORDER)
     if in_order and rt.zcfg.api_version < (1, 7):
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
@@ -1299,20 +1294,11 @@ def zeCommandListHostSynchronize(hCommandList, timeout):
 
 
 def zeCommandQueueCreate(hContext, hDevice, desc, phCommandQueue):
-    rt, rc = _ready()
+    rc, rt, dev = _queue_target(hContext, hDevice, desc.stype, "ZE_STRUCTURE_TYPE_COMMAND_QUEUE_DESC",
+                                desc.ordinal)
     if rc:
         return rc
     C = rt.C
-    if rt.get(hContext, "context") is None:
-        return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
-    dev = rt.get(hDevice, "device")
-    if dev is None:
-        return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
-    if desc.stype != C.ZE_STRUCTURE_TYPE_COMMAND_QUEUE_DESC:
-        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
-    rc = _queue_desc_checks(rt, dev, desc.ordinal)
-    if rc:
-        return rc
     if desc.flags & C.ZE_COMMAND_QUEUE_FLAG_IN_ORDER:
         return C.ZE_RESULT_ERROR_INVALID_ARGUMENT   # IN_ORDER is for immediate command lists only
     cq = rt._add(_CmdQueue(dev, rt.engine.queue(f"xpu{dev.ordinal}-queue"), desc.ordinal))
