@@ -864,20 +864,27 @@ def cudaMalloc(R, devPtr, size):
     return cudaSuccess
 
 
-def cudaFree(R, devPtr):
-    if devPtr is None or (devPtr.__class__ is int and devPtr == 0):
-        return cudaSuccess
-    a = _lookup(R.mem.by_key, devPtr)
+def _allocation_to_free(R, ptr, kind):
+    """What cudaFree/cudaFreeHost check first: ``(rc, allocation)``; a NULL
+    pointer is ``(cudaSuccess, None)``, a valid free ``(cudaSuccess, allocation)``."""
+    if ptr is None or (ptr.__class__ is int and ptr == 0):
+        return cudaSuccess, None
+    a = _lookup(R.mem.by_key, ptr)
     if a is None:
-        if devPtr == ffi.NULL:
-            return cudaSuccess
-        return cudaErrorInvalidValue
-    if a.kind != _memory.DEVICE:
-        return cudaErrorInvalidValue
+        return (cudaSuccess if ptr == ffi.NULL else cudaErrorInvalidValue), None
+    if a.kind != kind:
+        return cudaErrorInvalidValue, None
     if R.captures:
         rc = _unsafe_call(R)
         if rc:
-            return rc
+            return rc, None
+    return cudaSuccess, a
+
+
+def cudaFree(R, devPtr):
+    rc, a = _allocation_to_free(R, devPtr, _memory.DEVICE)
+    if a is None:
+        return rc
     _wait_device(R, a.device)   # cudaFree synchronizes: no queued work may still use the buffer
     R.mem.remove(a)
     dev = R.devices[a.device]
@@ -914,19 +921,9 @@ def cudaMallocHost(R, ptr, size):
 
 
 def cudaFreeHost(R, ptr):
-    if ptr is None or (ptr.__class__ is int and ptr == 0):
-        return cudaSuccess
-    a = _lookup(R.mem.by_key, ptr)
+    rc, a = _allocation_to_free(R, ptr, _memory.HOST)
     if a is None:
-        if ptr == ffi.NULL:
-            return cudaSuccess
-        return cudaErrorInvalidValue
-    if a.kind != _memory.HOST:
-        return cudaErrorInvalidValue
-    if R.captures:
-        rc = _unsafe_call(R)
-        if rc:
-            return rc
+        return rc
     for d in range(len(R.devices)):    # pinned memory may be in use by any device's queue
         _wait_device(R, d)
     R.mem.remove(a)
