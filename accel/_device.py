@@ -87,8 +87,8 @@ DeviceLike = Union[int, str, device, None]
 
 
 def accelerator_type() -> Optional[str]:
-    """Name of the selected backend, or None; never initializes a runtime."""
-    chosen = backends.select()
+    """Name of the accelerator type (as current_accelerator()), or None; never initializes a runtime."""
+    chosen = backends.fallback()
     return chosen.name if chosen is not None else None
 
 
