@@ -75,6 +75,8 @@ cudaErrorIllegalState = 401
 cudaErrorSymbolNotFound = 500
 cudaErrorNotReady = 600
 cudaErrorIllegalAddress = 700
+cudaErrorPeerAccessAlreadyEnabled = 704
+cudaErrorPeerAccessNotEnabled = 705
 cudaErrorLaunchFailure = 719
 cudaErrorStreamCaptureUnsupported = 900
 cudaErrorStreamCaptureInvalidated = 901
@@ -127,7 +129,8 @@ class _TLS(threading.local):
 
 
 class Device:
-    __slots__ = ("index", "physical", "used", "peak", "legacy", "queues", "blocking", "sticky", "attrs")
+    __slots__ = ("index", "physical", "used", "peak", "legacy", "queues", "blocking", "sticky", "attrs", "peers",
+                 "view")
 
     def __init__(self, index: int, physical: int):
         self.index = index
@@ -139,6 +142,8 @@ class Device:
         self.blocking: List[Stream] = []        # live streams that synchronize with the legacy stream
         self.sticky = 0
         self.attrs: Optional[Dict[int, int]] = None
+        self.peers: set = set()     # devices whose memory this one may access (cudaDeviceEnablePeerAccess)
+        self.view = None            # the kernels' memory view for this device (see _device_view)
 
 
 class Stream:
@@ -211,23 +216,25 @@ class Capture:
 
 
 class Graph:
-    __slots__ = ("handle", "key", "nodes", "capture_id")
+    __slots__ = ("handle", "key", "nodes", "capture_id", "device")
 
-    def __init__(self, handle, nodes, capture_id):
+    def __init__(self, handle, nodes, capture_id, device):
         self.handle = handle
         self.key = ffi.cast(_VOIDP, handle)
         self.nodes = nodes
         self.capture_id = capture_id
+        self.device = device
 
 
 class GraphExec:
-    __slots__ = ("handle", "key", "nodes", "launches")
+    __slots__ = ("handle", "key", "nodes", "launches", "device")
 
-    def __init__(self, handle, nodes):
+    def __init__(self, handle, nodes, device):
         self.handle = handle
         self.key = ffi.cast(_VOIDP, handle)
         self.nodes = nodes
         self.launches = 0
+        self.device = device
 
 
 class Library:
@@ -775,6 +782,58 @@ def cudaDeviceCanAccessPeer(R, canAccessPeer, device, peerDevice):
     return cudaSuccess
 
 
+def cudaDeviceEnablePeerAccess(R, peerDevice, flags):
+    """Let kernels of the current device access ``peerDevice``'s memory (one direction only).
+
+    CUDA Runtime API, cudaDeviceEnablePeerAccess: access is unidirectional; flags must be 0;
+    cudaErrorPeerAccessAlreadyEnabled when already enabled; cudaErrorInvalidDevice for a bad
+    (or the current) device."""
+    d = R.tls.device
+    if not (0 <= peerDevice < len(R.devices)) or peerDevice == d:
+        return cudaErrorInvalidDevice
+    if flags != 0:
+        return cudaErrorInvalidValue
+    peers = R.devices[d].peers
+    if peerDevice in peers:
+        return cudaErrorPeerAccessAlreadyEnabled
+    peers.add(peerDevice)
+    return cudaSuccess
+
+
+def cudaDeviceDisablePeerAccess(R, peerDevice):
+    """CUDA Runtime API, cudaDeviceDisablePeerAccess: cudaErrorPeerAccessNotEnabled unless
+    cudaDeviceEnablePeerAccess(peerDevice) was called on the current device."""
+    if not (0 <= peerDevice < len(R.devices)):
+        return cudaErrorInvalidDevice
+    peers = R.devices[R.tls.device].peers
+    if peerDevice not in peers:
+        return cudaErrorPeerAccessNotEnabled
+    peers.discard(peerDevice)
+    return cudaSuccess
+
+
+def _device_view(R: Runtime, device: int):
+    """``kernels.view`` as seen by a kernel running on ``device``: another device's memory is
+    reachable only after cudaDeviceEnablePeerAccess (CUDA Programming Guide, "Peer-to-Peer
+    Memory Access"); otherwise the access faults (cudaErrorIllegalAddress).  Pinned host
+    memory is reachable from every device (unified addressing makes it portable)."""
+    dev = R.devices[device]
+    v = dev.view
+    if v is None:
+        peers, find, base_view, addr_of = dev.peers, R.mem.find, kernels.view, _memory.addr_of
+
+        def v(ptr, nbytes, dtype=None):
+            addr = addr_of(ptr)
+            a = find(addr)
+            if a is not None and a.kind == _memory.DEVICE and a.device != device and a.device not in peers:
+                raise kernels.MemoryRangeError(
+                    f"a kernel on device {device} touched 0x{addr:x}, memory of device {a.device}, "
+                    f"without peer access (cudaDeviceEnablePeerAccess({a.device}, 0) on device {device})")
+            return base_view(addr, nbytes, dtype)
+        dev.view = v
+    return v
+
+
 def cudaDeviceGetStreamPriorityRange(R, leastPriority, greatestPriority):
     if not _is_null(leastPriority):
         _put(leastPriority, _PRIORITY_LEAST)
@@ -807,6 +866,7 @@ def cudaDeviceReset(R):
             R.mem.remove(a)
     with R.mlock:
         dev.used = 0
+    dev.peers.clear()
     for s in [s for s in set(R.streams.values()) if s.__class__ is Stream and s.device == d]:
         _destroy_stream(R, s)
     for e in [e for e in set(R.events.values()) if e.device == d]:
@@ -1406,7 +1466,7 @@ def cudaStreamEndCapture(R, stream, pGraph):
             return cudaErrorStreamCaptureInvalidated
         if _unjoined(cap):
             return cudaErrorStreamCaptureUnjoined
-        g = Graph(R.new_handle(), tuple(cap.nodes), cap.id)
+        g = Graph(R.new_handle(), tuple(cap.nodes), cap.id, cap.device)
     Runtime.put(R.graphs, g)
     _put_ptr(pGraph, g.key)
     return cudaSuccess
@@ -1484,7 +1544,7 @@ def cudaGraphInstantiate(R, pGraphExec, graph, flags=0):
         return cudaErrorInvalidResourceHandle
     if _is_null(pGraphExec):
         return cudaErrorInvalidValue
-    x = GraphExec(R.new_handle(), g.nodes)
+    x = GraphExec(R.new_handle(), g.nodes, g.device)
     Runtime.put(R.execs, x)
     _put_ptr(pGraphExec, x.key)
     return cudaSuccess
@@ -1498,6 +1558,10 @@ def cudaGraphLaunch(R, graphExec, stream):
     x = _lookup(R.execs, graphExec)
     s = _stream(R, stream)
     if x is None or s is None:
+        return cudaErrorInvalidResourceHandle
+    # CUDA Programming Guide, "Multi-Device System" (Stream and Event Behavior): a launch into a
+    # stream not associated with the current device fails; a graph exec belongs to its device.
+    if s.device != R.tls.device or x.device != s.device:
         return cudaErrorInvalidResourceHandle
     x.launches += 1
     return _enqueue(R, s, _replay(x.nodes), "graph", f"graph exec {x.handle:#x}")[0]
@@ -1641,6 +1705,10 @@ def cudaLaunchKernel(R, func, gridDim, blockDim, args, sharedMem, stream):
     s = _stream(R, stream)
     if s is None:
         return cudaErrorInvalidResourceHandle
+    # CUDA Programming Guide, "Multi-Device System" (Stream and Event Behavior): "A kernel launch
+    # will fail if it is issued to a stream that is not associated to the current device."
+    if s.device != R.tls.device:
+        return cudaErrorInvalidResourceHandle
     grid, block = _dim3(gridDim), _dim3(blockDim)
     if not _launch_config_ok(grid, block) or sharedMem > _SHARED_PER_BLOCK_OPTIN:
         return cudaErrorInvalidConfiguration
@@ -1651,7 +1719,7 @@ def cudaLaunchKernel(R, func, gridDim, blockDim, args, sharedMem, stream):
         values = kernels.decode_args(ref, args)
     except ValueError:
         return cudaErrorInvalidValue
-    fn, view = ref.fn, kernels.view
+    fn, view = ref.fn, _device_view(R, s.device)
 
     def run():
         fn(grid, block, view, *values)

@@ -1,0 +1,82 @@
+"""The simulated CUDA runtime is at least as strict as real CUDA (issue 12).
+
+Each test calls the simulated libcudart directly, as a CUDA program would,
+and checks one documented hardware rule the simulator enforces.  The helpers
+are the ones tests/test_sim_cuda.py drives the library with.
+"""
+
+import threading
+
+import pytest
+
+from accel import sim
+from accel.sim import kernels
+from accel._ffi._cudart import ffi
+from test_sim_cuda import (NULL_STREAM, capture, end_capture, event, get_kernel, lib, launch,  # noqa: F401
+                           load, malloc, ok, stream)
+
+
+def fill_kernel(lib):
+    rc, mod = load(lib, kernels.TEST_PTX)
+    ok(rc)
+    rc, k = get_kernel(lib, mod, b"accel_test_fill_u32")
+    ok(rc)
+    return k
+
+
+def fill(lib, k, ptr, n, value, s, shared=0):
+    return launch(lib, k, [("ptr", ptr), ("u64", n), ("u32", value)], s)
+
+
+def graph_exec_of_memset(lib, s, ptr):
+    capture(lib, s)
+    ok(lib.cudaMemsetAsync(ptr, 7, 4, s))
+    rc, graph = end_capture(lib, s)
+    ok(rc)
+    x = ffi.new("cudaGraphExec_t *")
+    ok(lib.cudaGraphInstantiate(x, graph, 0))
+    return x[0]
+
+
+# -- rule 1: launches go to the current device's streams; no peer access, no peer memory --------
+
+def test_launch_into_a_stream_of_another_device_is_an_invalid_handle(lib):
+    k = fill_kernel(lib)
+    ok(lib.cudaSetDevice(1))
+    s1 = stream(lib)
+    d1 = malloc(lib, 16)
+    x1 = graph_exec_of_memset(lib, s1, d1)
+    ok(lib.cudaSetDevice(0))                  # device 0 current, stream of device 1
+    assert fill(lib, k, d1, 4, 1, s1) == lib.cudaErrorInvalidResourceHandle
+    assert lib.cudaGraphLaunch(x1, s1) == lib.cudaErrorInvalidResourceHandle
+    assert lib.cudaGetLastError() == lib.cudaErrorInvalidResourceHandle
+    # a graph of device 1 cannot run on device 0's default stream either
+    assert lib.cudaGraphLaunch(x1, NULL_STREAM) == lib.cudaErrorInvalidResourceHandle
+    ok(lib.cudaSetDevice(1))                  # with device 1 current all of these work
+    ok(fill(lib, k, d1, 4, 1, s1))
+    ok(lib.cudaGraphLaunch(x1, s1))
+    ok(fill(lib, k, d1, 4, 2, NULL_STREAM))   # handle 0 is the *current* device's legacy stream
+    ok(lib.cudaDeviceSynchronize())
+    assert kernels.read(d1, 4) == (2).to_bytes(4, "little")
+
+
+def test_kernel_touching_another_devices_memory_needs_peer_access(lib):
+    k = fill_kernel(lib)
+    ok(lib.cudaSetDevice(1))
+    d1 = malloc(lib, 16)
+    ok(lib.cudaSetDevice(0))
+    ok(lib.cudaDeviceEnablePeerAccess(1, 0))
+    assert lib.cudaDeviceEnablePeerAccess(1, 0) == lib.cudaErrorPeerAccessAlreadyEnabled
+    assert lib.cudaDeviceEnablePeerAccess(0, 0) == lib.cudaErrorInvalidDevice     # itself
+    assert lib.cudaDeviceEnablePeerAccess(1, 1) == lib.cudaErrorInvalidValue      # flags must be 0
+    ok(fill(lib, k, d1, 4, 5, NULL_STREAM))                # device 0 writes device 1's memory
+    ok(lib.cudaDeviceSynchronize())
+    assert kernels.read(d1, 4) == (5).to_bytes(4, "little")
+    ok(lib.cudaSetDevice(1))
+    assert lib.cudaDeviceDisablePeerAccess(0) == lib.cudaErrorPeerAccessNotEnabled  # access is one-way
+    ok(lib.cudaSetDevice(0))
+    ok(lib.cudaDeviceDisablePeerAccess(1))
+    ok(fill(lib, k, d1, 4, 6, NULL_STREAM))                # the launch itself is accepted ...
+    assert lib.cudaDeviceSynchronize() == lib.cudaErrorIllegalAddress   # ... the kernel faults
+    assert "without peer access" in sim.state().errors[0][1]
+    assert kernels.read(d1, 4) == (5).to_bytes(4, "little")
