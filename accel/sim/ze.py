@@ -163,13 +163,17 @@ def import_config(data: dict) -> None:
 # -- simulated objects ------------------------------------------------------------
 
 _handle_numbers = itertools.count(0x5E0000001000, 0x40)
+#: Handle values of destroyed objects, reused first (LIFO) as the driver's allocator reuses the
+#: freed object's memory: anything a caller keys by handle value must forget it at destroy.
+#: Bounded by the most objects ever live at once.
+_free_handles: List[int] = []
 
 
 class _Obj:
     __slots__ = ("key", "kind", "live")
 
     def __init__(self, kind: str):
-        self.key = ffi.cast(_VOIDP, next(_handle_numbers))
+        self.key = ffi.cast(_VOIDP, _free_handles.pop() if _free_handles else next(_handle_numbers))
         self.kind = kind
         self.live = True
 
@@ -216,7 +220,7 @@ class _Device(_Obj):
 
 
 class _Event(_Obj):
-    __slots__ = ("pool", "index", "eq", "signaled", "sig_submitted", "last_reset_sig", "ts")
+    __slots__ = ("pool", "index", "eq", "signaled", "sig_submitted", "last_reset_sig", "ts", "refs")
 
     def __init__(self, pool, index, eq):
         super().__init__("event")
@@ -225,23 +229,28 @@ class _Event(_Obj):
         self.sig_submitted = 0     # signal operations submitted (and host signals)
         self.last_reset_sig = 0    # sig_submitted when the latest reset was submitted
         self.ts = (0, 0)
+        self.refs = 0              # submitted operations that signal, wait for or reset it, not yet run
 
 
 class _Pool(_Obj):
-    __slots__ = ("flags", "count", "events", "context")
+    __slots__ = ("flags", "count", "events", "context", "devices")
 
-    def __init__(self, flags, count, context):
+    def __init__(self, flags, count, context, devices):
         super().__init__("eventpool")
         self.flags, self.count, self.context = flags, count, context
+        self.devices: List["_Device"] = devices   # empty: visible to every device of the driver
         self.events: Dict[int, _Event] = {}
+
+    def visible_to(self, dev: "_Device") -> bool:
+        return not self.devices or any(dev is d or dev in d.subdevices for d in self.devices)
 
 
 class _CmdList(_Obj):
-    __slots__ = ("device", "immediate", "queue", "ops", "closed", "in_order", "executing", "ordinal")
+    __slots__ = ("device", "immediate", "queue", "ops", "closed", "in_order", "executing", "ordinal", "ctx")
 
-    def __init__(self, device, immediate, queue, in_order, ordinal):
+    def __init__(self, ctx, device, immediate, queue, in_order, ordinal):
         super().__init__("cmdlist")
-        self.device, self.immediate, self.queue = device, immediate, queue
+        self.ctx, self.device, self.immediate, self.queue = ctx, device, immediate, queue
         self.ops: list = []
         self.closed = False
         self.in_order = in_order
@@ -250,11 +259,11 @@ class _CmdList(_Obj):
 
 
 class _CmdQueue(_Obj):
-    __slots__ = ("device", "queue", "ordinal")
+    __slots__ = ("device", "queue", "ordinal", "ctx")
 
-    def __init__(self, device, queue, ordinal):
+    def __init__(self, ctx, device, queue, ordinal):
         super().__init__("cmdqueue")
-        self.device, self.queue, self.ordinal = device, queue, ordinal
+        self.ctx, self.device, self.queue, self.ordinal = ctx, device, queue, ordinal
 
 
 class _Runtime:
@@ -289,10 +298,18 @@ class _Runtime:
         self.devices: List[_Device] = []
         self.memory = _memory.MemoryTable()
         self.alloc_charge: Dict[int, List[Tuple[_Card, int, int]]] = {}
+        self.alloc_ctx: Dict[int, _Obj] = {}   # allocation base -> the context it was made in
 
     def _add(self, obj: _Obj) -> _Obj:
         self.objects[obj.key] = obj
         return obj
+
+    def _forget(self, obj: _Obj) -> None:
+        """A destroyed object: its handle is unknown from now on (until a new object reuses
+        the value), so the runtime holds nothing per destroyed object (issue 12, item 8)."""
+        obj.live = False
+        if self.objects.pop(obj.key, None) is obj:
+            _free_handles.append(int(ffi.cast("uintptr_t", obj.key)))
 
     def get(self, handle, kind: str):
         obj = self.objects.get(handle)
@@ -509,6 +526,11 @@ def zesInit(flags):
     if flags != 0:
         return rt.C.ZE_RESULT_ERROR_INVALID_ENUMERATION
     if not rt.cfg.driver or not rt.cards:
+        return rt.C.ZE_RESULT_ERROR_UNINITIALIZED
+    if rt.zcfg.api_version < (1, 5):
+        # zesInit is Level Zero API 1.5. Loader source/loader/zes_ldrddi.cpp, zesInit: a driver whose
+        # Sysman table has no pfnInit is skipped, and with no valid driver the result is
+        # ZE_RESULT_ERROR_UNINITIALIZED, whatever the loader's own version.
         return rt.C.ZE_RESULT_ERROR_UNINITIALIZED
     rt.sysman_initialized = True
     return 0
@@ -735,7 +757,7 @@ def zeContextDestroy(hContext):
     ctx = rt.get(hContext, "context")
     if ctx is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
-    ctx.live = False
+    rt._forget(ctx)
     return 0
 
 
@@ -778,6 +800,7 @@ def zeMemAllocDevice(hContext, desc, size, alignment, hDevice, pptr):
             dev.card.tile_used[t] += n
             charge.append((dev.card, t, n))
         rt.alloc_charge[a.base] = charge
+        rt.alloc_ctx[a.base] = rt.get(hContext, "context")
         rt.memory.add(a)
     pptr[0] = a.key
     return 0
@@ -801,6 +824,7 @@ def zeMemAllocHost(hContext, desc, size, alignment, pptr):
         a = _memory.allocate(size, _memory.HOST, -1)
     except MemoryError:
         return C.ZE_RESULT_ERROR_OUT_OF_HOST_MEMORY
+    rt.alloc_ctx[a.base] = rt.get(hContext, "context")
     rt.memory.add(a)
     pptr[0] = a.key
     return 0
@@ -810,13 +834,19 @@ def zeMemFree(hContext, ptr):
     rt, rc = _ready()
     if rc:
         return rc
-    if rt.get(hContext, "context") is None:
+    ctx = rt.get(hContext, "context")
+    if ctx is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     with rt.lock:
         a = rt.memory.by_key.get(ptr)
         if a is None:
             return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+        # ze_api.h: memory belongs to the context it was allocated in; another context's
+        # zeMemFree is refused (the documents are silent on the code: INVALID_ARGUMENT).
+        if rt.alloc_ctx.get(a.base) is not ctx:
+            return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
         rt.memory.remove(a)
+        rt.alloc_ctx.pop(a.base, None)
         for card, t, n in rt.alloc_charge.pop(a.base, ()):
             card.tile_used[t] -= n
     return 0
@@ -861,10 +891,15 @@ def zeEventPoolCreate(hContext, desc, numDevices, phDevices, phEventPool):
         return C.ZE_RESULT_ERROR_INVALID_SIZE
     if desc.flags & ~0xF:
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    devices = []
     for i in range(numDevices):
-        if rt.get(phDevices[i], "device") is None:
+        dev = rt.get(phDevices[i], "device")
+        if dev is None:
             return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
-    pool = rt._add(_Pool(desc.flags, desc.count, ctx))
+        devices.append(dev)
+    # ze_api.h, zeEventPoolCreate: phDevices are the "device handles which have visibility to the
+    # event pool"; none means every device of the driver.
+    pool = rt._add(_Pool(desc.flags, desc.count, ctx, devices))
     phEventPool[0] = pool.key
     return 0
 
@@ -876,9 +911,11 @@ def zeEventPoolDestroy(hEventPool):
     pool = rt.get(hEventPool, "eventpool")
     if pool is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
-    if any(e.live for e in pool.events.values()):
+    # ze_api.h, zeEventPoolDestroy: "The application must destroy all event handles created from
+    # the pool before destroying the pool itself."
+    if pool.events:
         return rt.C.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE
-    pool.live = False
+    rt._forget(pool)
     return 0
 
 
@@ -910,7 +947,14 @@ def zeEventDestroy(hEvent):
     ev = rt.get(hEvent, "event")
     if ev is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
-    ev.live = False
+    with rt.lock:
+        # ze_api.h, zeEventDestroy: "The application must ensure the device is not currently
+        # referencing the event before it is deleted."
+        if ev.refs:
+            return rt.C.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE
+        rt._forget(ev)
+        if ev.pool.events.get(ev.index) is ev:
+            del ev.pool.events[ev.index]
     ev.eq.closed = True   # lets the engine forget the event's queue
     return 0
 
@@ -923,13 +967,26 @@ def _signal_now(rt: _Runtime, ev: _Event) -> None:
     ev.eq.submit(None, work=False)   # one more executed signal: wakes waits and host syncs
 
 
+def _host_event(rt: _Runtime, hEvent):
+    """The event, or the code refusing a host signal/reset/query/wait on it."""
+    ev = rt.get(hEvent, "event")
+    if ev is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    # ze_api.h, ze_event_pool_flag_t: ZE_EVENT_POOL_FLAG_HOST_VISIBLE "signals and waits are also
+    # visible to host". Without it the host cannot see the event; the documents name no result
+    # code, so the simulator refuses with INVALID_ARGUMENT.
+    if not ev.pool.flags & rt.C.ZE_EVENT_POOL_FLAG_HOST_VISIBLE:
+        return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+    return ev
+
+
 def zeEventHostSignal(hEvent):
     rt, rc = _ready()
     if rc:
         return rc
-    ev = rt.get(hEvent, "event")
-    if ev is None:
-        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    ev = _host_event(rt, hEvent)
+    if isinstance(ev, int):
+        return ev
     with rt.lock:
         ev.sig_submitted += 1
     _signal_now(rt, ev)
@@ -940,9 +997,9 @@ def zeEventHostReset(hEvent):
     rt, rc = _ready()
     if rc:
         return rc
-    ev = rt.get(hEvent, "event")
-    if ev is None:
-        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    ev = _host_event(rt, hEvent)
+    if isinstance(ev, int):
+        return ev
     with rt.lock:
         ev.last_reset_sig = ev.sig_submitted
         ev.signaled = False
@@ -953,9 +1010,9 @@ def zeEventQueryStatus(hEvent):
     rt, rc = _ready()
     if rc:
         return rc
-    ev = rt.get(hEvent, "event")
-    if ev is None:
-        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    ev = _host_event(rt, hEvent)
+    if isinstance(ev, int):
+        return ev
     return 0 if ev.signaled else rt.C.ZE_RESULT_NOT_READY
 
 
@@ -987,9 +1044,9 @@ def zeEventHostSynchronize(hEvent, timeout):
     rt, rc = _ready()
     if rc:
         return rc
-    ev = rt.get(hEvent, "event")
-    if ev is None:
-        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    ev = _host_event(rt, hEvent)
+    if isinstance(ev, int):
+        return ev
     return _host_wait(rt, lambda: ev.signaled or rt.lost is not None, timeout, ev.eq.cv, "zeEventHostSynchronize")
 
 
@@ -1045,7 +1102,7 @@ def zeCommandListCreateImmediate(hContext, hDevice, altdesc, phCommandList):
     if altdesc.mode > C.ZE_COMMAND_QUEUE_MODE_ASYNCHRONOUS:
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
     q = rt.engine.queue(f"xpu{dev.ordinal}-immediate")
-    cl = rt._add(_CmdList(dev, True, q, in_order, altdesc.ordinal))
+    cl = rt._add(_CmdList(rt.get(hContext, "context"), dev, True, q, in_order, altdesc.ordinal))
     phCommandList[0] = cl.key
     return 0
 
@@ -1059,7 +1116,7 @@ def zeCommandListCreate(hContext, hDevice, desc, phCommandList):
     in_order = bool(desc.flags & C.ZE_COMMAND_LIST_FLAG_IN_ORDER)
     if in_order and rt.zcfg.api_version < (1, 7):
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
-    cl = rt._add(_CmdList(dev, False, None, in_order, desc.commandQueueGroupOrdinal))
+    cl = rt._add(_CmdList(rt.get(hContext, "context"), dev, False, None, in_order, desc.commandQueueGroupOrdinal))
     phCommandList[0] = cl.key
     return 0
 
@@ -1079,7 +1136,8 @@ def zeCommandListDestroy(hCommandList):
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     if _busy(cl):
         return rt.C.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE   # the device still references it
-    cl.live = False
+    rt._forget(cl)
+    cl.ops = []
     if cl.queue is not None:
         cl.queue.closed = True
     return 0
@@ -1125,18 +1183,26 @@ def _submit(rt: _Runtime, queue, op: _Op) -> None:
     with rt.lock:
         deps = [(ev.eq, ev.last_reset_sig + 1) for ev in op.waits]
         sig, rst, fn = op.signal, op.reset, op.fn
+        used = _op_events(op)
+        for ev in used:
+            ev.refs += 1   # the device references it until this operation ran (zeEventDestroy)
         if sig is not None:
             sig.sig_submitted += 1
         if rst is not None:
             rst.last_reset_sig = rst.sig_submitted
 
         def run():
-            if fn is not None:
-                fn()
-            if rst is not None:
-                rst.signaled = False
-            if sig is not None:
-                _signal_now(rt, sig)
+            try:
+                if fn is not None:
+                    fn()
+                if rst is not None:
+                    rst.signaled = False
+                if sig is not None:
+                    _signal_now(rt, sig)
+            finally:
+                with rt.lock:
+                    for ev in used:
+                        ev.refs -= 1
         # Always a "work" operation: the engine runs markers with its lock held, and
         # signalling an event takes that lock.
         queue.submit(run, deps, True)
@@ -1161,10 +1227,26 @@ def _events(rt, hSignalEvent, numWaitEvents, phWaitEvents):
     return sig, tuple(waits)
 
 
-def _append(rt: _Runtime, hCommandList, op: _Op) -> int:
+def _op_events(op: _Op) -> tuple:
+    extra = tuple(ev for ev in (op.signal, op.reset) if ev is not None)
+    return op.waits + extra if extra else op.waits
+
+
+def _append(rt: _Runtime, hCommandList, op: _Op, memory=()) -> int:
     cl = rt.get(hCommandList, "cmdlist")
     if cl is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    for ev in _op_events(op):
+        # ze_api.h, zeCommandListAppend*: "The application must ensure the events are accessible by
+        # the device on which the command list was created" and "the command list and events were
+        # created on the same context".
+        if ev.pool.context is not cl.ctx or not ev.pool.visible_to(cl.device):
+            return rt.C.ZE_RESULT_ERROR_INVALID_SYNCHRONIZATION_OBJECT
+    for a in memory:
+        # ze_api.h, zeCommandListAppendMemoryCopy/Fill: "... and the memory was allocated, on the
+        # same context."
+        if rt.alloc_ctx.get(a.base) is not cl.ctx:
+            return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
     if cl.immediate:
         _submit(rt, cl.queue, op)
     else:
@@ -1200,15 +1282,18 @@ def zeCommandListAppendMemoryCopy(hCommandList, dstptr, srcptr, size, hSignalEve
     dst, src = _addr(dstptr), _addr(srcptr)
     if not dst or not src:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
-    if size and (_usm(rt, dst, size) is None or _usm(rt, src, size) is None):
-        return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT   # not device-accessible USM memory
+    memory = ()
+    if size:
+        memory = (_usm(rt, dst, size), _usm(rt, src, size))
+        if None in memory:
+            return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT   # not device-accessible USM memory
 
     def copy():
         if size:
             _checked_range(rt, src, size, "memory copy source")
             _checked_range(rt, dst, size, "memory copy destination")
             ffi.memmove(_memory.char_ptr(dst), _memory.char_ptr(src), size)
-    return _append(rt, hCommandList, _Op(copy, waits, sig, label=f"copy {size}"))
+    return _append(rt, hCommandList, _Op(copy, waits, sig, label=f"copy {size}"), memory)
 
 
 def zeCommandListAppendMemoryFill(hCommandList, ptr, pattern, pattern_size, size, hSignalEvent,
@@ -1227,7 +1312,8 @@ def zeCommandListAppendMemoryFill(hCommandList, ptr, pattern, pattern_size, size
         return rt.C.ZE_RESULT_ERROR_INVALID_SIZE
     if size % pattern_size:
         return rt.C.ZE_RESULT_ERROR_INVALID_SIZE
-    if size and _usm(rt, dst, size) is None:
+    memory = (_usm(rt, dst, size),) if size else ()
+    if None in memory:
         return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
     pat = bytes(ffi.buffer(ffi.cast("char *", pattern), pattern_size))   # read at append time
 
@@ -1235,7 +1321,7 @@ def zeCommandListAppendMemoryFill(hCommandList, ptr, pattern, pattern_size, size
         if size:
             _checked_range(rt, dst, size, "memory fill")
             ffi.buffer(_memory.char_ptr(dst), size)[:] = pat * (size // pattern_size)
-    return _append(rt, hCommandList, _Op(fill, waits, sig, label=f"fill {size}"))
+    return _append(rt, hCommandList, _Op(fill, waits, sig, label=f"fill {size}"), memory)
 
 
 def zeCommandListAppendSignalEvent(hCommandList, hEvent):
@@ -1282,6 +1368,12 @@ def zeCommandListHostSynchronize(hCommandList, timeout):
     rt, rc = _ready()
     if rc:
         return rc
+    if rt.zcfg.api_version < (1, 6):
+        # zeCommandListHostSynchronize is Level Zero API 1.6: an older driver's DDI table has no
+        # pfnHostSynchronize. Loader source/lib/ze_libapi.cpp: a null entry after init returns
+        # ZE_RESULT_ERROR_UNSUPPORTED_FEATURE (the multi-driver intercept in ze_ldrddi.cpp returns
+        # ZE_RESULT_ERROR_UNINITIALIZED instead), whatever the loader's own version.
+        return rt.C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE
     cl = rt.get(hCommandList, "cmdlist")
     if cl is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
@@ -1301,7 +1393,8 @@ def zeCommandQueueCreate(hContext, hDevice, desc, phCommandQueue):
     C = rt.C
     if desc.flags & C.ZE_COMMAND_QUEUE_FLAG_IN_ORDER:
         return C.ZE_RESULT_ERROR_INVALID_ARGUMENT   # IN_ORDER is for immediate command lists only
-    cq = rt._add(_CmdQueue(dev, rt.engine.queue(f"xpu{dev.ordinal}-queue"), desc.ordinal))
+    cq = rt._add(_CmdQueue(rt.get(hContext, "context"), dev, rt.engine.queue(f"xpu{dev.ordinal}-queue"),
+                           desc.ordinal))
     phCommandQueue[0] = cq.key
     return 0
 
@@ -1315,7 +1408,7 @@ def zeCommandQueueDestroy(hCommandQueue):
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     if not cq.queue.idle():
         return rt.C.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE
-    cq.live = False
+    rt._forget(cq)
     cq.queue.closed = True
     return 0
 
@@ -1339,10 +1432,18 @@ def zeCommandQueueExecuteCommandLists(hCommandQueue, numCommandLists, phCommandL
             return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
         if cl.immediate:
             return C.ZE_RESULT_ERROR_INVALID_COMMAND_LIST_TYPE
-        if not cl.closed or cl.ordinal != cq.ordinal or cl.device is not cq.device:
+        # ze_api.h, zeCommandQueueExecuteCommandLists: the lists must be closed, created for the
+        # queue's ordinal, and "the command queue, command list and fence were created on the same
+        # context".
+        if not cl.closed or cl.ordinal != cq.ordinal or cl.device is not cq.device or cl.ctx is not cq.ctx:
             return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
         if _busy(cl):
             return C.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE   # still referenced by a previous submission
+        for op in cl.ops:
+            # An event destroyed after it was recorded into the list: the device would use freed
+            # driver memory. The documents are silent; the simulator refuses.
+            if any(not ev.live for ev in _op_events(op)):
+                return C.ZE_RESULT_ERROR_INVALID_SYNCHRONIZATION_OBJECT
         lists.append(cl)
     for cl in lists:
         for op in cl.ops:
