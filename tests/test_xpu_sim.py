@@ -350,6 +350,31 @@ def test_pre_1_7_driver_orders_with_barriers(make):
     assert (read(be, a, s) == 2).all()
 
 
+@pytest.mark.parametrize("api", ["1.4", "1.5"])
+def test_new_loader_on_an_old_driver_counts_and_syncs_without_1_6_calls(make, api):
+    # The loader has zesInit and zeCommandListHostSynchronize, but the driver decides: zesInit
+    # needs API 1.5 and zeCommandListHostSynchronize 1.6 (accel/sim/README.md, Level Zero).
+    be = make(init=False, ze={"api_version": api}, ACCEL_SIM_MEMORY="64M")
+    assert be.count() == 2
+    assert be.report()["count_path"] == ("zesInit" if api == "1.5" else "child-zeInit")
+    be.init()
+    assert be.report()["stream_sync"] == "event after the last command"
+    for dev in (0, 1):
+        s = be.stream_create() if dev == 0 else be.default_stream(1)
+        a = be.mem_alloc(N) if dev == 0 else None
+        if dev == 1:
+            be.set_device(1)
+            a = be.mem_alloc(N)
+            be.set_device(0)   # device 1's stream and memory while device 0 is current
+        be.memset_async(a, 3, N, s)
+        be.stream_synchronize(s)
+        assert be.stream_query(s)
+        assert (read(be, a, s) == 3).all()
+    be.set_device(1)
+    assert be.mem_info()[1] == 64 << 20   # Sysman (zesInit or the legacy ZES_ENABLE_SYSMAN path)
+    assert "ZES_ENABLE_SYSMAN" not in os.environ
+
+
 def test_old_loader_stream_sync_and_query(make):
     be = make(ze={"loader": "1.8.12"})
     s = be.stream_create()

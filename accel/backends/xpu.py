@@ -106,6 +106,7 @@ _DEVICE_ALIGN = 256          # CUDA's cudaMalloc guarantee; the allocator splits
 _PRIORITY_RANGE = (1, -1)    # (least, greatest): low, normal (0), high — numerically lower is higher
 _CAPTURE_MODES = ("global", "thread_local", "relaxed")
 _API_1_2 = (1 << 16) | 2
+_API_1_6 = (1 << 16) | 6
 _API_1_7 = (1 << 16) | 7
 
 _NUMPY_DTYPES = frozenset({
@@ -238,6 +239,8 @@ class XpuBackend(Backend):
         self._allocs: Dict[int, Tuple[_Device, int]] = {}
         self._host_allocs: Dict[int, int] = {}
         self._host_sync = False
+        self._zes_ok: Optional[bool] = None   # zesInit exists and the driver answered it (API 1.5+)
+        self._zes_error = ""
         self._mem_info_path = ""
 
     # -- library -------------------------------------------------------------------
@@ -326,7 +329,7 @@ class XpuBackend(Backend):
             self._count_path = "none"
             self._count_reason = str(exc)
             return 0
-        if all(self._has(lib, s) for s in ("zesInit", "zesDriverGet", "zesDeviceGet")):
+        if self._zes_usable():
             self._count_path = "zesInit"
             try:
                 visible = self._sysman_discover()
@@ -336,7 +339,11 @@ class XpuBackend(Backend):
             if not visible:
                 self._count_reason = self._empty_reason(len(self._sysman_cards))
             return len(visible)
-        missing = "the loader has no zesInit (Level Zero API 1.5+), which counts without initializing"
+        if self._zes_error:
+            missing = (f"zesInit failed with {self._zes_error}: no driver, or one older than Level Zero "
+                       f"API 1.5, which zesInit needs to count without initializing")
+        else:
+            missing = "the loader has no zesInit (Level Zero API 1.5+), which counts without initializing"
         if not self.simulated:
             self._probe = _ze_count.probe_gpu_drivers()
             if self._probe == []:
@@ -358,14 +365,27 @@ class XpuBackend(Backend):
         return (f"Sysman sees {cards} GPU card(s) but ZE_AFFINITY_MASK={mask!r} "
                 f"(ZE_FLAT_DEVICE_HIERARCHY={os.environ.get('ZE_FLAT_DEVICE_HIERARCHY')!r}) selects none")
 
+    def _zes_usable(self) -> bool:
+        """Whether Sysman counts without core init: the loader exports zesInit and friends AND a
+        driver answers zesInit. A driver older than API 1.5 has no zesInit; the loader then returns
+        ZE_RESULT_ERROR_UNINITIALIZED (or UNSUPPORTED_FEATURE), whatever its own version. Cached."""
+        ok = self._zes_ok
+        if ok is None:
+            ffi, lib, _ = self._lib
+            ok = False
+            if all(self._has(lib, s) for s in ("zesInit", "zesDriverGet", "zesDeviceGet")):
+                rc = lib.zesInit(0)
+                ok = rc == 0
+                if not ok:
+                    self._zes_error = f"{self._result_name(rc)} ({rc:#010x})"
+            self._zes_ok = ok
+        return ok
+
     def _sysman_discover(self):
-        """Cards from zesDeviceGet and the visible (card, tile) list; cached."""
+        """Cards from zesDeviceGet and the visible (card, tile) list; cached. Needs _zes_usable()."""
         if self._sysman_visible is not None:
             return self._sysman_visible
         ffi, lib, _ = self._lib
-        rc = lib.zesInit(0)
-        if rc:
-            self._fail("zesInit", rc)
         n = ffi.new("uint32_t *", 0)
         rc = lib.zesDriverGet(n, ffi.NULL)
         if rc:
@@ -451,7 +471,7 @@ class XpuBackend(Backend):
             if self._devices:
                 return
             ffi, lib, _ = self._library()
-            has_zes = all(self._has(lib, s) for s in ("zesInit", "zesDriverGet", "zesDeviceGet"))
+            has_zes = self._zes_usable()
             user_sysman = os.environ.get("ZES_ENABLE_SYSMAN")
             if not has_zes and user_sysman is None:
                 # Legacy Sysman: core handles serve as Sysman handles when this is set at zeInit.
@@ -465,7 +485,6 @@ class XpuBackend(Backend):
             if rc:
                 self._fail("zeInit", rc, "is an Intel GPU driver (intel-level-zero-gpu) installed?")
             self._sysman_legacy = not has_zes and (user_sysman is None or user_sysman == "1")
-            self._host_sync = self._has(lib, "zeCommandListHostSynchronize")
             devices = []
             try:
                 for driver in self._enum(ffi, lib, "zeDriverGet", "ze_driver_handle_t", lambda n, a: lib.zeDriverGet(n, a)):
@@ -473,6 +492,10 @@ class XpuBackend(Backend):
                 if not devices:
                     raise AcceleratorError(f"{LIBRARY}: zeDeviceGet found no GPU device", library=LIBRARY,
                                            call="zeDeviceGet")
+                # zeCommandListHostSynchronize is API 1.6: the loader's symbol is not enough, an older
+                # driver answers ZE_RESULT_ERROR_UNSUPPORTED_FEATURE.
+                self._host_sync = (self._has(lib, "zeCommandListHostSynchronize")
+                                   and all(d.api_version >= _API_1_6 for d in devices))
                 for dev in devices:
                     dev.default = self._new_stream(dev, 0)
             except BaseException:
