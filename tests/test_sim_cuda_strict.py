@@ -80,3 +80,60 @@ def test_kernel_touching_another_devices_memory_needs_peer_access(lib):
     assert lib.cudaDeviceSynchronize() == lib.cudaErrorIllegalAddress   # ... the kernel faults
     assert "without peer access" in sim.state().errors[0][1]
     assert kernels.read(d1, 4) == (5).to_bytes(4, "little")
+
+
+# -- rule 2: sticky errors poison the process; other errors are the thread's last error -----------
+
+def _fault_on_device_0(lib):
+    kernels.register("accel_test_oob", ("ptr",), lambda g, b, view, p: view(p, 1 << 20)[0], replace=True)
+    try:
+        rc, mod = load(lib, b".visible .entry accel_test_oob(.param .u64 p) { ret; }")
+        ok(rc)
+        rc, k = get_kernel(lib, mod, b"accel_test_oob")
+        ok(rc)
+        d = malloc(lib, 16)
+        ok(launch(lib, k, [("ptr", d)], NULL_STREAM))
+        assert lib.cudaDeviceSynchronize() == lib.cudaErrorIllegalAddress
+    finally:
+        kernels.unregister("accel_test_oob")
+
+
+def test_a_device_fault_is_sticky_for_every_later_call_in_the_process(lib):
+    ok(lib.cudaSetDevice(1))
+    s1 = stream(lib)
+    ok(lib.cudaSetDevice(0))
+    _fault_on_device_0(lib)
+    bad = lib.cudaErrorIllegalAddress
+    p, n = ffi.new("void **"), ffi.new("int *")
+    assert lib.cudaSetDevice(1) == bad                     # any call, any device ...
+    assert lib.cudaMalloc(p, 16) == bad
+    assert lib.cudaStreamSynchronize(s1) == bad
+    assert lib.cudaStreamCreateWithPriority(ffi.new("cudaStream_t *"), 1, 0) == bad
+    assert lib.cudaGetDeviceCount(n) == bad
+    out = []
+    t = threading.Thread(target=lambda: out.append(lib.cudaGetDevice(n)))   # ... any thread
+    t.start()
+    t.join()
+    assert out == [bad]
+    assert lib.cudaDeviceReset() == bad                    # a reset does not recover the process
+    assert lib.cudaMalloc(p, 16) == bad
+    assert lib.cudaGetLastError() == bad and lib.cudaGetLastError() == bad   # not cleared
+    assert lib.cudaPeekAtLastError() == bad
+    ok(lib.cudaRuntimeGetVersion(n))                       # no-init calls keep working
+    assert ffi.string(lib.cudaGetErrorName(bad)) == b"cudaErrorIllegalAddress"
+
+
+def test_non_sticky_errors_are_the_threads_last_error_until_read(lib):
+    assert lib.cudaSetDevice(9) == lib.cudaErrorInvalidDevice
+    ok(lib.cudaMalloc(ffi.new("void **"), 16))             # a success does not clear it
+    assert lib.cudaPeekAtLastError() == lib.cudaErrorInvalidDevice
+    assert lib.cudaPeekAtLastError() == lib.cudaErrorInvalidDevice
+    assert lib.cudaGetLastError() == lib.cudaErrorInvalidDevice
+    assert lib.cudaGetLastError() == 0
+    ok(lib.cudaSetDevice(1))                               # the error was not sticky
+    sim.configure(delay_us=1)
+    s = stream(lib)
+    ok(lib.cudaMemsetAsync(malloc(lib, 1 << 20), 0, 1 << 20, s))
+    lib.cudaStreamQuery(s)                                 # cudaErrorNotReady is not an error ...
+    assert lib.cudaGetLastError() == 0                     # ... and is never the last error
+    ok(lib.cudaStreamSynchronize(s))

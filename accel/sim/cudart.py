@@ -27,10 +27,11 @@ Semantics chosen where CUDA leaves room (see also ``accel/sim/__init__.py``):
 * cudaFree / cudaFreeHost first wait for the device's (all devices') queued
   work, as the real calls synchronize, so no queued copy touches freed memory.
 * A Python exception in a reference kernel (or a copy touching freed memory)
-  is a device fault: the device gets a sticky error (cudaErrorIllegalAddress
+  is a device fault: the process gets a sticky error (cudaErrorIllegalAddress
   for out-of-range memory, else cudaErrorLaunchFailure) that every later
-  synchronize/query call on that device returns; the traceback is printed to
-  stderr and kept in ``accel.sim.state().errors``.
+  runtime call, on any device and thread, returns (cudaDeviceReset included;
+  only a new process, or ``accel.sim.reset()``, recovers); the traceback is
+  printed to stderr and kept in ``accel.sim.state().errors``.
 * Stream capture follows the programming guide's rules (see ``_capture_*``);
   prohibited calls return the vendor code and invalidate the capture, and
   cudaStreamEndCapture then returns cudaErrorStreamCaptureInvalidated with a
@@ -129,7 +130,7 @@ class _TLS(threading.local):
 
 
 class Device:
-    __slots__ = ("index", "physical", "used", "peak", "legacy", "queues", "blocking", "sticky", "attrs", "peers",
+    __slots__ = ("index", "physical", "used", "peak", "legacy", "queues", "blocking", "attrs", "peers",
                  "view")
 
     def __init__(self, index: int, physical: int):
@@ -140,7 +141,6 @@ class Device:
         self.legacy: Optional[Stream] = None
         self.queues: List[_engine.Queue] = []   # every queue of the device (device sync)
         self.blocking: List[Stream] = []        # live streams that synchronize with the legacy stream
-        self.sticky = 0
         self.attrs: Optional[Dict[int, int]] = None
         self.peers: set = set()     # devices whose memory this one may access (cudaDeviceEnablePeerAccess)
         self.view = None            # the kernels' memory view for this device (see _device_view)
@@ -286,7 +286,8 @@ class Runtime:
         self.kernels: Dict[object, KernelHandle] = {}
         self.captures: set = set()
         self.errors: List[Tuple[str, str]] = []
-        self.init_error = 0
+        self.init_error = 0         # every call (but cudaGetDeviceCount) returns this when set
+        self.sticky = 0             # the first device fault's error (see _on_error)
         self.devices: List[Device] = []
         if not cfg.driver:
             self.init_error = cudaErrorInsufficientDriver
@@ -323,8 +324,14 @@ class Runtime:
         dev = owner.device if owner is not None else 0
         code = cudaErrorIllegalAddress if isinstance(exc, (_IllegalAddress, kernels.MemoryRangeError)) \
             else cudaErrorLaunchFailure
-        if 0 <= dev < len(self.devices) and not self.devices[dev].sticky:
-            self.devices[dev].sticky = code
+        # CUDA Runtime API, "Error Handling" / cudaErrorIllegalAddress, cudaErrorLaunchFailure: "This
+        # leaves the process in an inconsistent state and any further CUDA work will return the same
+        # error. To continue using CUDA, the process must be terminated and relaunched."  So the
+        # first fault becomes every later call's result (the wrapper returns init_error), on every
+        # device and thread, and cudaDeviceReset does not clear it.
+        if not self.sticky:
+            self.sticky = code
+            self.init_error = code
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         self.errors.append((q.label, text))
         try:
@@ -619,12 +626,12 @@ def cudaGetLastError():
         return cudaSuccess
     rc = R.tls.last_error
     R.tls.last_error = 0
-    return rc
+    return R.sticky or rc      # a sticky error is never cleared
 
 
 def cudaPeekAtLastError():
     R = _R
-    return cudaSuccess if R is None else R.tls.last_error
+    return cudaSuccess if R is None else (R.sticky or R.tls.last_error)
 
 
 def cudaRuntimeGetVersion(runtimeVersion):
@@ -851,7 +858,7 @@ def cudaDeviceSynchronize(R):
                 _invalidate(R, cap)
             return cudaErrorStreamCaptureUnsupported
     _wait_device(R, d)
-    return R.devices[d].sticky
+    return R.sticky
 
 
 def cudaDeviceReset(R):
@@ -871,8 +878,7 @@ def cudaDeviceReset(R):
         _destroy_stream(R, s)
     for e in [e for e in set(R.events.values()) if e.device == d]:
         Runtime.drop(R.events, e)
-    dev.sticky = 0
-    return cudaSuccess
+    return R.sticky
 
 
 def cudaMemGetInfo(R, free, total):
@@ -1072,7 +1078,7 @@ def _memcpy(R: Runtime, dst, src, count, kind, s: Stream, sync: bool, label: str
         # cudaMemcpy, and copies into pageable memory, return once the copy is done.
         s.q.wait(seq)
         if sync:
-            return R.devices[s.device].sticky
+            return R.sticky
     return cudaSuccess
 
 
@@ -1123,7 +1129,7 @@ def _memset(R: Runtime, devPtr, value, count, s: Stream, sync: bool) -> int:
         return rc
     if sync and seq:
         s.q.wait(seq)
-        return R.devices[s.device].sticky
+        return R.sticky
     return cudaSuccess
 
 
@@ -1204,7 +1210,7 @@ def cudaStreamQuery(R, stream):
         for b in R.devices[s.device].blocking:
             if b.q.done < b.q.enqueued:
                 return cudaErrorNotReady
-    return R.devices[s.device].sticky
+    return R.sticky
 
 
 def cudaStreamSynchronize(R, stream):
@@ -1221,7 +1227,7 @@ def cudaStreamSynchronize(R, stream):
     if s.legacy:
         _engine.wait_points([(b.q, b.q.enqueued) for b in R.devices[s.device].blocking])
     s.q.wait()
-    return R.devices[s.device].sticky
+    return R.sticky
 
 
 def cudaStreamGetPriority(R, hStream, priority):
@@ -1375,7 +1381,7 @@ def cudaEventQuery(R, event):
         return _captured_event(R, r)
     if r.q.done < r.seq:
         return cudaErrorNotReady
-    return R.devices[r.q.owner.device].sticky
+    return R.sticky
 
 
 def cudaEventSynchronize(R, event):
@@ -1388,7 +1394,7 @@ def cudaEventSynchronize(R, event):
     if r.cap is not None:
         return _captured_event(R, r)
     r.q.wait(r.seq)
-    return R.devices[r.q.owner.device].sticky
+    return R.sticky
 
 
 def cudaEventElapsedTime(R, ms, start, end):
