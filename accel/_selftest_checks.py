@@ -332,6 +332,226 @@ def check_graph_capture_replay(ctx: Context) -> dict:
     return details
 
 
+# -- two or more devices ------------------------------------------------------------------------------------
+class _Steps:
+    """Runs named steps, recording each as "ok" or its error, so one broken step does not hide
+    the others; also checks that no step changed the current device."""
+
+    def __init__(self, current: int):
+        self.current = current
+        self.results: Dict[str, str] = {}
+
+    def run(self, name: str, fn: Callable[[], Optional[str]]) -> None:
+        import accel
+        try:
+            problem = fn()
+            now = accel.current_device_index()
+            if problem is None and now != self.current:
+                problem = f"changed the current device from {self.current} to {now}"
+        except Exception as exc:  # noqa: BLE001 - reported per step
+            problem = f"{type(exc).__name__}: {exc}"
+            try:
+                accel.set_device_index(self.current)
+            except Exception:  # noqa: BLE001 - a sticky device error; the next steps report it
+                pass
+        self.results[name] = problem or "ok"
+
+    @property
+    def failed(self) -> List[str]:
+        return [name for name, result in self.results.items() if result != "ok"]
+
+
+def check_multi_device(ctx: Context) -> dict:
+    """With 2+ devices: streams, events, fills, copies, RNG fills and graph replay on another
+    device while this one is current; copies between the devices; pinned copies to both in turn."""
+    import numpy as np
+
+    import accel
+    n = accel.device_count()
+    if n < 2:
+        return {"skipped": f"needs 2 or more devices: {n} visible"}
+    here = ctx.device
+    other = 1 if here == 0 else 0
+    accel.set_device_index(here)
+    nbytes = min(16 * MiB, ctx.max_bytes)
+    host = _pattern(nbytes)
+    steps = _Steps(here)
+    details: dict = {"devices": n, "current": here, "other": other, "bytes": nbytes, "steps": steps.results}
+
+    def same(buf, want, stream=None) -> Optional[str]:
+        got = buf.to_numpy(stream=stream)
+        bad = _first_mismatch(got, want)
+        return None if bad is None else f"{buf.device} differs at byte {bad}: {int(got[bad])} != {int(want[bad])}"
+
+    def streams_and_events():
+        s1, s2 = accel.Stream(other), accel.Stream(other)
+        a, b = accel.Buffer(nbytes, stream=s1), accel.Buffer(nbytes, stream=s2)
+        try:
+            b.fill_(0, s2)
+            for v in range(1, 9):            # a chain s2 would overtake without the wait
+                a.fill_(v, s1)
+            e = accel.Event()
+            e.record(s1)
+            s2.wait_event(e)
+            b.copy_from(a, stream=s2, non_blocking=True)
+            problem = same(b, np.full(nbytes, 8, np.uint8), s2)
+            e.synchronize()
+            if problem is None and not e.query():
+                problem = "event not complete after synchronize()"
+            a.copy_from(host, stream=s1)
+            s2.wait_stream(s1)
+            b.copy_from(a, stream=s2)
+            return problem or same(b, host, s2)
+        finally:
+            a.close()
+            b.close()
+            s1.close()
+            s2.close()
+
+    def default_stream_of_other():
+        d = accel.default_stream(other)
+        buf = accel.Buffer(nbytes, other)
+        try:
+            for v in range(1, 4):
+                buf.fill_(v, d)
+            e = accel.Event()
+            e.record(d)
+            e.synchronize()
+            d.synchronize()
+            if not d.query():
+                return "default stream of the other device not idle after synchronize()"
+            return same(buf, np.full(nbytes, 3, np.uint8), d)
+        finally:
+            buf.close()
+
+    def cross_device_copy():
+        s0, s1 = accel.Stream(here), accel.Stream(other)
+        a, b = accel.Buffer(nbytes, stream=s0), accel.Buffer(nbytes, stream=s1)
+        try:
+            a.copy_from(host, stream=s0)
+            b.fill_(0, s1)                                # not what an earlier step left there
+            b.copy_from(a, stream=s1)                     # here -> other
+            problem = same(b, host, s1)
+            if problem:
+                return f"{here} -> {other}: {problem}"
+            a.fill_(0, s0)
+            s0.synchronize()
+            a.copy_from(b, stream=s0)                     # other -> here
+            problem = same(a, host, s0)
+            if problem:
+                return f"{other} -> {here}: {problem}"
+            for v in range(1, 5):
+                a.fill_(v, s0)
+            e = accel.Event()
+            e.record(s0)
+            s1.wait_event(e)
+            b.copy_from(a, stream=s1, non_blocking=True)  # ordered by an event of the source device
+            problem = same(b, np.full(nbytes, 4, np.uint8), s1)
+            s0.synchronize()
+            return f"non_blocking {here} -> {other} after wait_event: {problem}" if problem else None
+        finally:
+            a.close()
+            b.close()
+            s0.close()
+            s1.close()
+
+    def pinned_to_both():
+        bufs = []
+        try:
+            for i, dev in enumerate((here, other, here, other)):
+                src = _pattern(nbytes + i)[i:]
+                bufs.append((accel.Buffer(nbytes, dev).copy_from(src, non_blocking=True), src.copy()))
+                src[:] = 0                                # staged: the source may be reused at once
+            for buf, want in bufs:
+                problem = same(buf, want)
+                if problem:
+                    return f"pinned copy: {problem}"
+            return None
+        finally:
+            for buf, _ in bufs:
+                buf.close()
+
+    def rng_on_other():
+        import accel.random as R
+        from accel.random import philox
+        R.manual_seed_all(SEED)
+        gen = R.default_generator(other)
+        words = 1 << 16
+        buf = accel.Buffer(4 * words, other)
+        try:
+            offset = gen.offset
+            R.random_raw_(buf)
+            got = buf.to_numpy("uint32")
+            want = philox.raw_words(gen.initial_seed(), offset, words)
+            bad = _first_mismatch(got, want)
+            return None if bad is None else f"random_raw_ on device {other} differs from the host at word {bad}"
+        finally:
+            buf.close()
+
+    def graph_on_other():
+        if not ctx.backend.supports_graphs:
+            return None
+        s = accel.Stream(other)
+        a, b = accel.Buffer(4096, stream=s), accel.Buffer(4096, stream=s)
+        g = accel.Graph()
+        try:
+            a.fill_(0, s)
+            b.fill_(0, s)
+            with s, g:                                # capture needs the stream's device current
+                a.fill_(1, s)
+                b.copy_from(a, s, non_blocking=True)
+                a.fill_(2, s)
+            accel.set_device_index(here)
+            accel.set_stream(s)                       # the other device's current stream ...
+            accel.set_device_index(here)              # ... while this one is current
+            for i in range(3):
+                a.fill_(9, s)
+                b.fill_(9, s)
+                g.replay()
+                if accel.current_device_index() != here:
+                    return "Graph.replay changed the current device"
+                got_a, got_b = a.to_numpy(stream=s), b.to_numpy(stream=s)
+                if not ((got_a == 2).all() and (got_b == 1).all()):
+                    return f"replay {i} on device {other}: a={int(got_a[0])} b={int(got_b[0])}, expected 2 and 1"
+            return None
+        finally:
+            accel.set_stream(accel.default_stream(other))
+            accel.set_device_index(here)
+            g.reset()
+            a.close()
+            b.close()
+            s.close()
+
+    def memory_stats_per_device():
+        before_here = accel.memory.memory_allocated(here)
+        before_other = accel.memory.memory_allocated(other)
+        buf = accel.Buffer(MiB, other)
+        try:
+            grew = accel.memory.memory_allocated(other) - before_other
+            if grew != MiB or accel.memory.memory_allocated(here) != before_here:
+                return (f"a 1 MiB buffer on device {other} changed memory_allocated by {grew} there and "
+                        f"{accel.memory.memory_allocated(here) - before_here} on device {here}")
+            return None
+        finally:
+            buf.close()
+
+    for name, fn in (("streams_events_on_other", streams_and_events),
+                     ("default_stream_of_other", default_stream_of_other),
+                     ("cross_device_copy", cross_device_copy),
+                     ("pinned_copies_to_both", pinned_to_both),
+                     ("rng_fill_on_other", rng_on_other),
+                     ("graph_replay_on_other", graph_on_other),
+                     ("memory_stats_per_device", memory_stats_per_device)):
+        steps.run(name, fn)
+    if not ctx.backend.supports_graphs:
+        steps.results["graph_replay_on_other"] = f"not run: {ctx.backend.no_capture_reason}"
+    failed = [f for f in steps.failed if not steps.results[f].startswith("not run")]
+    # A device fault is sticky (CUDA: every later call returns it), so the first failing step is
+    # the one to read; the later ones may only repeat its error.
+    _expect(not failed, "multi-device: " + "; ".join(f"{name}: {steps.results[name]}" for name in failed), details)
+    return details
+
+
 # -- Philox kernel vs host path ------------------------------------------------------------------------
 def _rng_cases():
     import accel.random as R
@@ -597,6 +817,7 @@ CHECKS: Dict[str, Tuple[Callable[[Context], dict], float]] = {
     "alloc_copy": (check_alloc_copy, 150),
     "stream_event_order": (check_stream_event_order, 60),
     "graph_capture_replay": (check_graph_capture_replay, 60),
+    "multi_device": (check_multi_device, 90),
     "philox_kernel": (check_philox_kernel, 120),
     "oom_recovery": (check_oom_recovery, 120),
     "fork_rules": (check_fork_rules, 120),

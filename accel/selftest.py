@@ -2,7 +2,10 @@
 
 Runs, on one real device and in well under 5 minutes, the checks that matter
 on hardware: device count and properties against NVML, alloc/copy round
-trips from 1 B to 1 GiB, stream/event ordering, graph capture and replay, the
+trips from 1 B to 1 GiB, stream/event ordering, graph capture and replay, on a
+machine with 2+ devices the work on another device while this one is current
+(streams, events, fills, RNG, graph replay), copies between the devices and
+pinned copies to both (skipped, with the reason, on one device), the
 PTX Philox kernels bit-equal to the host path, recovery from out-of-memory,
 the fork rules, and benchmarks (device RNG fill GB/s against the memory
 bandwidth, cached alloc+free µs, graph replay vs eager launch).  Writes one

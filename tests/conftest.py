@@ -10,19 +10,43 @@ from accel import _lazy
 _ENV_PREFIXES = ("ACCEL_", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "ZE_AFFINITY_MASK", "ZES_ENABLE_SYSMAN",
                  "ZE_ENABLE_ALT_DRIVERS",
                  "ZE_FLAT_DEVICE_HIERARCHY", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
-_KEEP = ("ACCEL_TEST_SIMS",)
+_KEEP = ("ACCEL_TEST_SIMS", "ACCEL_TEST_LOAD_S")
+
+#: What a real-device test (``pytest -m device``) keeps from the caller: which physical devices
+#: it may use and in what order, which runtime, and where the vendor libraries are.  Without
+#: them it would silently test physical device 0 with the default libraries.
+_DEVICE_KEEP = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "ZE_AFFINITY_MASK", "ZE_FLAT_DEVICE_HIERARCHY",
+                "ACCEL_BACKEND")
 
 #: Simulators the shared suites run on; ACCEL_TEST_SIMS=cuda,xpu narrows it.
 ALL_SIMS = ("cuda", "xpu", "mps")
 SIMS = tuple(s for s in os.environ.get("ACCEL_TEST_SIMS", ",".join(ALL_SIMS)).split(",") if s)
 
 
+def kept_for_device_tests(key: str) -> bool:
+    """True for the variables a real-device test keeps (``_DEVICE_KEEP`` and ``ACCEL_*_PATH``)."""
+    return key in _DEVICE_KEEP or (key.startswith("ACCEL_") and key.endswith("_PATH"))
+
+
+def dropped_env(environ, device_test: bool) -> list:
+    """The names in ``environ`` a test must not see: every accel, simulator, allocator and
+    visible-device setting, except the test-run knobs and, for device tests, the caller's
+    choice of devices and libraries."""
+    return sorted(key for key in environ
+                  if key.startswith(_ENV_PREFIXES) and key not in _KEEP
+                  and not (device_test and kept_for_device_tests(key)))
+
+
 @pytest.fixture(autouse=True)
-def clean_state(monkeypatch):
-    """No test sees the developer's ACCEL_*/visible-device variables or another test's state."""
-    for key in list(os.environ):
-        if key.startswith(_ENV_PREFIXES) and key not in _KEEP:
-            monkeypatch.delenv(key)
+def clean_state(request, monkeypatch):
+    """No test sees the developer's ACCEL_*/visible-device variables or another test's state.
+
+    Tests marked ``device`` keep CUDA_VISIBLE_DEVICES, CUDA_DEVICE_ORDER, ZE_AFFINITY_MASK,
+    ZE_FLAT_DEVICE_HIERARCHY, ACCEL_BACKEND and ACCEL_*_PATH, so ``pytest -m device`` runs on
+    the devices and libraries the caller chose; they still never see ACCEL_SIM*."""
+    device_test = request.node.get_closest_marker("device") is not None
+    for key in dropped_env(os.environ, device_test):
+        monkeypatch.delenv(key)
     _lazy._reset_for_tests()
     yield
     _lazy._reset_for_tests()

@@ -16,6 +16,8 @@ import pytest
 
 from accel import _selftest_checks, selftest
 
+from conftest import dropped_env
+
 pytestmark = pytest.mark.device
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,8 +28,10 @@ _PROBE = ("import json, accel; from accel.selftest import _why_unavailable; a = 
 
 @pytest.fixture(scope="module")
 def real_device():
-    """Skip unless a real device is available (probed in a clean process: ACCEL_SIM unset)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCEL_")}
+    """Skip unless a real device is available (probed in a clean process: ACCEL_SIM unset, the
+    caller's CUDA_VISIBLE_DEVICES, CUDA_DEVICE_ORDER and ACCEL_*_PATH kept, as in the checks)."""
+    drop = set(dropped_env(os.environ, device_test=True))
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
     proc = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

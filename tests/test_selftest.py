@@ -52,7 +52,7 @@ def test_accel_sim_is_ignored_without_allow_sim(tmp_path, no_real_device):
 
 def test_dry_run_on_the_simulator_passes_every_check(tmp_path):
     out = tmp_path / "report.json"
-    proc = _run(["--allow-sim", "--quick", "--json", str(out)])
+    proc = _run(["--allow-sim", "--quick", "--json", str(out)], ACCEL_SIM_DEVICES="2")
     report = json.loads(out.read_text())
     assert proc.returncode == 0, json.dumps(report, indent=1)[:6000] + proc.stderr
     assert report["dry_run"] is True and report["skipped"] is False and report["ok"] is True
@@ -65,6 +65,8 @@ def test_dry_run_on_the_simulator_passes_every_check(tmp_path):
     assert by_name["philox_kernel"]["kernels"] and by_name["philox_kernel"]["mismatches"] == {}
     assert by_name["bench_graph"]["ratio"] > 0 and by_name["bench_alloc"]["cached_pair_us"] > 0
     assert by_name["bench_rng_bandwidth"]["copy_gbps"] > 0
+    assert by_name["multi_device"]["devices"] == 2
+    assert set(by_name["multi_device"]["steps"].values()) == {"ok"}, by_name["multi_device"]
 
 
 def test_every_check_runs_and_reports_even_when_all_fail(tmp_path):
@@ -118,3 +120,114 @@ def test_alloc_copy_check_fails_when_a_copy_is_lost(monkeypatch):
     monkeypatch.setattr(accel.Buffer, "copy_from", lossy)
     with pytest.raises(checks.CheckFailed, match="pinned staging copy of 256 bytes"):
         checks.check_alloc_copy(checks.Context(0, quick=True))
+
+
+# -- the multi-device check ----------------------------------------------------------------------
+def test_multi_device_check_skips_with_one_device(monkeypatch):
+    use_sim(monkeypatch, "cuda", ACCEL_SIM_DEVICES=1)
+    assert checks.check_multi_device(checks.Context(0, quick=True)) == {"skipped": "needs 2 or more devices: 1 visible"}
+
+
+@pytest.mark.parametrize("device", [0, 1])
+def test_multi_device_check_passes_on_two_simulated_devices(monkeypatch, sim_backend, device):
+    use_sim(monkeypatch, sim_backend, ACCEL_SIM_DELAY_US=100)
+    if accel.device_count() < 2:
+        assert device == 1 or checks.check_multi_device(checks.Context(0, quick=True))["skipped"]
+        return
+    record = selftest.run_check_here("multi_device", device, quick=True)
+    assert record["status"] == "pass", json.dumps(record, indent=1, default=repr)
+    assert record["details"]["other"] == 1 - device
+
+
+def test_multi_device_check_fails_when_a_cross_device_copy_is_lost(monkeypatch, sim_backend):
+    if sim_backend == "mps":
+        pytest.skip("mps: one device")
+    real = accel.Buffer.copy_from
+
+    def lossy(self, src, stream=None, non_blocking=False):
+        if isinstance(src, accel.Buffer) and src.device_index != self.device_index:
+            return self
+        return real(self, src, stream, non_blocking)
+
+    monkeypatch.setattr(accel.Buffer, "copy_from", lossy)
+    lost = f"cross_device_copy: 0 -> 1: {sim_backend}:1 differs at byte"
+    with pytest.raises(checks.CheckFailed, match=lost) as info:
+        checks.check_multi_device(checks.Context(0, quick=True))
+    assert info.value.details["steps"]["streams_events_on_other"] == "ok"
+
+
+def test_multi_device_check_fails_when_an_operation_moves_the_current_device(monkeypatch, sim_backend):
+    if sim_backend == "mps":
+        pytest.skip("mps: one device")
+    real = accel.Buffer.fill_
+
+    def moving(self, value, stream=None):
+        out = real(self, value, stream)
+        accel.set_device_index(self.device_index)   # a fill that leaves its device current
+        return out
+
+    monkeypatch.setattr(accel.Buffer, "fill_", moving)
+    with pytest.raises(checks.CheckFailed, match="changed the current device from 0 to 1"):
+        checks.check_multi_device(checks.Context(0, quick=True))
+
+
+# -- `pytest -m device` keeps the caller's choice of devices and libraries -------------------------
+_CALLER_ENV = {"CUDA_VISIBLE_DEVICES": "1,0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+               "ACCEL_CUDART_PATH": "/opt/x/libcudart.so", "ACCEL_NVML_PATH": "/opt/x/libnvidia-ml.so.1",
+               "ZE_AFFINITY_MASK": "1", "ACCEL_BACKEND": "cuda",
+               "ACCEL_SIM": "cuda", "ACCEL_SIM_DEVICES": "3", "ACCEL_ALLOC_CONF": "max_split_size_mb:64",
+               "PYTORCH_CUDA_ALLOC_CONF": "x", "ACCEL_TEST_SIMS": "cuda", "HOME": "/home/u"}
+_DEVICE_CHOICE = {"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "ACCEL_CUDART_PATH", "ACCEL_NVML_PATH",
+                  "ZE_AFFINITY_MASK", "ACCEL_BACKEND"}
+
+
+def test_env_filter_keeps_device_choice_only_for_device_tests():
+    from conftest import dropped_env
+    assert set(dropped_env(_CALLER_ENV, device_test=True)) == {
+        "ACCEL_SIM", "ACCEL_SIM_DEVICES", "ACCEL_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"}
+    assert set(dropped_env(_CALLER_ENV, device_test=False)) == {
+        "ACCEL_SIM", "ACCEL_SIM_DEVICES", "ACCEL_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"} | _DEVICE_CHOICE
+
+
+_PROBE_VAR = "PYTEST_ACCEL_ENV_PROBE"    # no ACCEL_ prefix: the fixture under test must not drop it
+
+
+def _write_probe(kind: str) -> None:
+    path = os.environ.get(_PROBE_VAR)
+    if not path:
+        pytest.skip("probe for test_device_marked_tests_keep_the_callers_devices_and_libraries")
+    with open(f"{path}.{kind}", "w") as fh:
+        json.dump({k: os.environ.get(k) for k in _CALLER_ENV}, fh)
+
+
+@pytest.mark.device
+def test_env_probe_device():
+    _write_probe("device")
+
+
+def test_env_probe_plain():
+    _write_probe("plain")
+
+
+def test_device_marked_tests_keep_the_callers_devices_and_libraries(tmp_path):
+    probe = str(tmp_path / "env")
+    env = dict(os.environ, **_CALLER_ENV, **{_PROBE_VAR: probe})
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "device",
+                           "tests/test_selftest.py::test_env_probe_device"], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "tests/test_selftest.py::test_env_probe_plain"], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    seen_device = json.loads(open(probe + ".device").read())
+    seen_plain = json.loads(open(probe + ".plain").read())
+    for key, value in _CALLER_ENV.items():
+        if key in _DEVICE_CHOICE:
+            assert seen_device[key] == value, f"-m device dropped {key}"
+            assert seen_plain[key] is None, f"a simulator test saw the caller's {key}"
+        elif key in ("HOME", "ACCEL_TEST_SIMS"):
+            assert seen_device[key] == seen_plain[key] == value
+        else:
+            assert seen_device[key] is None and seen_plain[key] is None, f"{key} leaked into a test"
