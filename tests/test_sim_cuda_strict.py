@@ -137,3 +137,81 @@ def test_non_sticky_errors_are_the_threads_last_error_until_read(lib):
     lib.cudaStreamQuery(s)                                 # cudaErrorNotReady is not an error ...
     assert lib.cudaGetLastError() == 0                     # ... and is never the last error
     ok(lib.cudaStreamSynchronize(s))
+
+
+# -- rule 3: potentially unsafe calls during a capture ---------------------------------------------
+
+def _unsafe_calls(lib):
+    """name -> a call CUDA lists as potentially unsafe during stream capture; none touches the
+    capturing stream (device 0, non-blocking) itself."""
+    other = stream(lib)
+    e = event(lib)
+    ok(lib.cudaEventRecord(e, other))
+    d, h = malloc(lib, 64), ffi.new("void **")
+    ok(lib.cudaHostAlloc(h, 64, 0))
+    spare_d, spare_h = malloc(lib, 64), ffi.new("void **")
+    ok(lib.cudaHostAlloc(spare_h, 64, 0))
+
+    def device_sync_of_device_1():
+        ok(lib.cudaSetDevice(1))
+        try:
+            return lib.cudaDeviceSynchronize()
+        finally:
+            lib.cudaSetDevice(0)
+    return {
+        "cudaEventQuery": lambda: lib.cudaEventQuery(e),
+        "cudaEventSynchronize": lambda: lib.cudaEventSynchronize(e),
+        "cudaStreamQuery(other)": lambda: lib.cudaStreamQuery(other),
+        "cudaStreamSynchronize(other)": lambda: lib.cudaStreamSynchronize(other),
+        "cudaDeviceSynchronize(device 1)": device_sync_of_device_1,
+        "cudaMemcpy": lambda: lib.cudaMemcpy(d, h[0], 64, lib.cudaMemcpyHostToDevice),
+        "cudaMemset": lambda: lib.cudaMemset(d, 0, 64),
+        "cudaMalloc": lambda: lib.cudaMalloc(ffi.new("void **"), 64),
+        "cudaFree": lambda: lib.cudaFree(spare_d),
+        "cudaHostAlloc": lambda: lib.cudaHostAlloc(ffi.new("void **"), 64, 0),
+        "cudaFreeHost": lambda: lib.cudaFreeHost(spare_h[0]),
+    }
+
+
+UNSAFE = ["cudaEventQuery", "cudaEventSynchronize", "cudaStreamQuery(other)", "cudaStreamSynchronize(other)",
+          "cudaDeviceSynchronize(device 1)", "cudaMemcpy", "cudaMemset", "cudaMalloc", "cudaFree",
+          "cudaHostAlloc", "cudaFreeHost"]
+
+
+def _in_thread(fn):
+    out = []
+    t = threading.Thread(target=lambda: out.append(fn()))
+    t.start()
+    t.join()
+    return out[0]
+
+
+@pytest.mark.parametrize("name", UNSAFE)
+def test_unsafe_call_during_a_global_capture_fails_and_invalidates_it(lib, name):
+    calls = _unsafe_calls(lib)
+    s = stream(lib)
+    capture(lib, s, lib.cudaStreamCaptureModeGlobal)
+    assert calls[name]() == lib.cudaErrorStreamCaptureUnsupported
+    assert end_capture(lib, s)[0] == lib.cudaErrorStreamCaptureInvalidated
+    # from another thread too: a global capture prohibits unsafe calls in every thread
+    capture(lib, s, lib.cudaStreamCaptureModeGlobal)
+    assert _in_thread(calls[name]) == lib.cudaErrorStreamCaptureUnsupported
+    assert end_capture(lib, s)[0] == lib.cudaErrorStreamCaptureInvalidated
+
+
+@pytest.mark.parametrize("name", UNSAFE)
+def test_unsafe_call_is_allowed_in_relaxed_mode_and_beside_thread_local_captures(lib, name):
+    calls = _unsafe_calls(lib)
+    s = stream(lib)
+    capture(lib, s, lib.cudaStreamCaptureModeGlobal)
+    mode = ffi.new("enum cudaStreamCaptureMode *", lib.cudaStreamCaptureModeRelaxed)
+    ok(lib.cudaThreadExchangeStreamCaptureMode(mode))
+    try:
+        ok(calls[name]())
+    finally:
+        ok(lib.cudaThreadExchangeStreamCaptureMode(mode))
+    ok(end_capture(lib, s)[0])
+    calls = _unsafe_calls(lib)
+    capture(lib, s, lib.cudaStreamCaptureModeThreadLocal)
+    assert _in_thread(calls[name]) == 0              # another thread's thread-local capture
+    ok(end_capture(lib, s)[0])

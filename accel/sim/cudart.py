@@ -523,9 +523,19 @@ def _legacy_conflict(R: Runtime, device: int) -> int:
 
 
 def _unsafe_call(R: Runtime) -> int:
-    """cudaThreadExchangeStreamCaptureMode rules for "potentially unsafe" calls
-    (cudaMalloc, cudaFree, cudaHostAlloc, cudaFreeHost): 0, or the error after
-    invalidating the captures that prohibit the call."""
+    """0, or cudaErrorStreamCaptureUnsupported after invalidating the captures that prohibit
+    a "potentially unsafe" call by this thread now.
+
+    CUDA Runtime API, cudaStreamBeginCapture / cudaThreadExchangeStreamCaptureMode: in global
+    mode (the default), a thread with an ongoing non-relaxed capture of its own, or while any
+    other thread has a global-mode capture underway, is prohibited from potentially unsafe
+    calls; thread-local mode ignores other threads' captures; relaxed mode allows them.  The
+    unsafe calls (CUDA Programming Guide, "CUDA Graphs" > "Prohibited and Unhandled
+    Operations"; torch's allocator relies on this list): cudaMalloc/cudaHostAlloc/cudaFree/
+    cudaFreeHost, cudaEventQuery/cudaEventSynchronize of any event, cudaStreamQuery/
+    cudaStreamSynchronize of streams not being captured, cudaDeviceSynchronize, and
+    synchronous cudaMemcpy/cudaMemset.  A prohibited call fails and invalidates the capture
+    (cudaStreamEndCapture then returns cudaErrorStreamCaptureInvalidated)."""
     mode = R.tls.capture_mode
     if mode == _CAPTURE_RELAXED:
         return 0
@@ -852,6 +862,9 @@ def cudaDeviceGetStreamPriorityRange(R, leastPriority, greatestPriority):
 def cudaDeviceSynchronize(R):
     d = R.tls.device
     if R.captures:
+        rc = _unsafe_call(R)
+        if rc:
+            return rc
         caps = _device_captures(R, d)
         if caps:
             for cap in caps:
@@ -1071,6 +1084,10 @@ def _memcpy(R: Runtime, dst, src, count, kind, s: Stream, sync: bool, label: str
     if pageable_dst and s.capture is not None:
         _invalidate(R, s.capture)
         return cudaErrorStreamCaptureUnsupported
+    if sync and R.captures:
+        rc = _unsafe_call(R)
+        if rc:
+            return rc
     rc, seq = _enqueue(R, s, _copy_op(dp, sp, staged, count, da, sa), "memcpy", label)
     if rc:
         return rc
@@ -1124,6 +1141,10 @@ def _memset(R: Runtime, devPtr, value, count, s: Stream, sync: bool) -> int:
     a = R.mem.find(dp) if dp else None
     if a is None or dp + count > a.end:
         return cudaErrorInvalidValue
+    if sync and R.captures:
+        rc = _unsafe_call(R)
+        if rc:
+            return rc
     rc, seq = _enqueue(R, s, _memset_op(dp, value & 0xFF, count, a), "memset", "memset")
     if rc:
         return rc
@@ -1199,8 +1220,8 @@ def cudaStreamQuery(R, stream):
     if s.capture is not None:
         _invalidate(R, s.capture)
         return cudaErrorStreamCaptureUnsupported
-    if s.legacy and R.captures:
-        rc = _legacy_conflict(R, s.device)
+    if R.captures:
+        rc = _unsafe_call(R) or (_legacy_conflict(R, s.device) if s.legacy else 0)
         if rc:
             return rc
     q = s.q
@@ -1220,8 +1241,8 @@ def cudaStreamSynchronize(R, stream):
     if s.capture is not None:
         _invalidate(R, s.capture)
         return cudaErrorStreamCaptureUnsupported
-    if s.legacy and R.captures:
-        rc = _legacy_conflict(R, s.device)
+    if R.captures:
+        rc = _unsafe_call(R) or (_legacy_conflict(R, s.device) if s.legacy else 0)
         if rc:
             return rc
     if s.legacy:
@@ -1375,10 +1396,14 @@ def cudaEventQuery(R, event):
     if e is None:
         return cudaErrorInvalidResourceHandle
     r = e.rec
+    if r is not None and r.cap is not None:
+        return _captured_event(R, r)
+    if R.captures:
+        rc = _unsafe_call(R)
+        if rc:
+            return rc
     if r is None:
         return cudaSuccess
-    if r.cap is not None:
-        return _captured_event(R, r)
     if r.q.done < r.seq:
         return cudaErrorNotReady
     return R.sticky
@@ -1389,10 +1414,14 @@ def cudaEventSynchronize(R, event):
     if e is None:
         return cudaErrorInvalidResourceHandle
     r = e.rec
+    if r is not None and r.cap is not None:
+        return _captured_event(R, r)
+    if R.captures:
+        rc = _unsafe_call(R)
+        if rc:
+            return rc
     if r is None:
         return cudaSuccess
-    if r.cap is not None:
-        return _captured_event(R, r)
     r.q.wait(r.seq)
     return R.sticky
 
