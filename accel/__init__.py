@@ -17,7 +17,7 @@ from typing import Optional
 
 from . import _lazy, backends as _backends
 from ._device import DeviceLike, check_range, device, device_index as _device_index
-from ._errors import AcceleratorError, CaptureError, DeferredCallError, OutOfMemoryError
+from ._errors import AcceleratorError, CaptureError, DeferredCallError, KernelImageError, OutOfMemoryError
 from ._lazy import is_initialized
 from .buffer import Buffer
 from .streams import Event, Stream, current_stream, default_stream, on_device as _on_device, set_stream
@@ -25,7 +25,7 @@ from .streams import Event, Stream, current_stream, default_stream, on_device as
 __version__ = "0.1.0"
 
 __all__ = [
-    "AcceleratorError", "Buffer", "CaptureError", "DeferredCallError", "Event", "Graph",
+    "AcceleratorError", "Buffer", "CaptureError", "DeferredCallError", "Event", "Graph", "KernelImageError",
     "OutOfMemoryError", "Stream", "current_accelerator", "current_device_idx", "current_device_index",
     "current_stream", "default_stream", "device", "device_count", "device_index",
     "get_device_capability", "get_device_properties", "graph", "is_available", "is_initialized",

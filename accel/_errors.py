@@ -45,3 +45,12 @@ class DeferredCallError(AcceleratorError):
 
 class CaptureError(AcceleratorError):
     """An operation that is illegal while a stream is being captured."""
+
+
+class KernelImageError(AcceleratorError):
+    """The device cannot run a kernel: no image for its architecture, or PTX the
+    driver cannot JIT-compile (too new for the driver, invalid, JIT disabled).
+
+    Raised at module load or, when the runtime loads lazily, at the first launch;
+    callers with a host path (accel.random) fall back to it.
+    """

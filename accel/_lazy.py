@@ -4,7 +4,8 @@ The runtime is initialized on the first call that needs a device, never at
 import and never by queries (count, availability, seeding).  Work that must
 happen at init (seeding before init, say) is queued with :func:`lazy_call`.
 
-A process that forks after initializing a vendor runtime cannot use the
+A process that forks after initializing a vendor runtime (or only its driver,
+which counting without the management library does) cannot use the
 runtime in the child (the driver's threads and contexts do not survive
 ``fork``); the child gets a clear error at first device use instead of a hang.
 This mirrors ``torch/cuda/__init__.py`` and ``device_lazy_init.cpp``.
@@ -147,7 +148,9 @@ def _after_fork_in_child() -> None:
     global _in_bad_fork, _lock, ready
     # The parent may have held the lock while forking; the child gets a fresh one.
     _lock = threading.RLock()
-    if _initialized:
+    # Counting through the runtime (CUDA without NVML, MIG UUIDs) starts the driver
+    # as init does (cudaGetDeviceCount runs cuInit): the child can't use it either.
+    if _initialized or backends.started_drivers():
         _in_bad_fork = True
         ready = None
 

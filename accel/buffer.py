@@ -39,6 +39,14 @@ def _host_view(src):
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
+def _drain(stream: Stream) -> None:
+    """Wait for ``stream`` on an error path, keeping the error being raised."""
+    try:
+        stream.synchronize()
+    except Exception:
+        pass
+
+
 def _address(view) -> int:
     from ._hostmem import address_of
     return address_of(view)
@@ -145,7 +153,8 @@ class Buffer:
                 # recording keeps the allocator from reusing the source under this copy.
                 src.record_stream(stream)
             if self._nbytes:
-                backend.memcpy_async(self._ptr, src._ptr, self._nbytes, stream.handle)
+                with stream._device_scope():
+                    backend.memcpy_async(self._ptr, src._ptr, self._nbytes, stream.handle)
             if not non_blocking:
                 stream.synchronize()
             return self
@@ -160,12 +169,20 @@ class Buffer:
             staging = host.malloc(self._nbytes)
             from ._hostmem import copy_into
             copy_into(staging, view)
-            backend.memcpy_async(self._ptr, staging, self._nbytes, stream.handle)
-            with on_device(backend, self._index):  # the host allocator's events live on the stream's device
-                host.record_stream(staging, stream.handle)
-                host.free(staging)
+            # The stream's device current: for the copy on a shared default stream, and
+            # because the host allocator's events live on the stream's device.
+            with on_device(backend, self._index):
+                try:
+                    backend.memcpy_async(self._ptr, staging, self._nbytes, stream.handle)
+                    host.record_stream(staging, stream.handle)
+                except BaseException:
+                    _drain(stream)  # a queued copy may still read the staging block
+                    raise
+                finally:
+                    host.free(staging)
         else:
-            backend.memcpy_async(self._ptr, _address(view), self._nbytes, stream.handle)
+            with stream._device_scope():
+                backend.memcpy_async(self._ptr, _address(view), self._nbytes, stream.handle)
             stream.synchronize()
         return self
 
@@ -186,7 +203,8 @@ class Buffer:
             raise ValueError(f"size mismatch: destination has {view.nbytes} bytes, buffer has "
                              f"{self._nbytes}; nothing was copied")
         if self._nbytes:
-            self._backend.memcpy_async(_address(view), self._ptr, self._nbytes, stream.handle)
+            with stream._device_scope():
+                self._backend.memcpy_async(_address(view), self._ptr, self._nbytes, stream.handle)
             stream.synchronize()
 
     def to_numpy(self, dtype="uint8", shape=None, stream: Optional[Stream] = None):
@@ -206,7 +224,8 @@ class Buffer:
             raise ValueError(f"fill_ takes a byte value 0..255, got {value!r}")
         stream = self._stream_for(stream)
         if self._nbytes:
-            self._backend.memset_async(self._ptr, value, self._nbytes, stream.handle)
+            with stream._device_scope():
+                self._backend.memset_async(self._ptr, value, self._nbytes, stream.handle)
         return self
 
     def record_stream(self, stream: Stream) -> None:

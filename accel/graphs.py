@@ -26,7 +26,7 @@ import threading
 from typing import Optional, Tuple
 
 from . import _lazy
-from .streams import Stream, current_stream
+from .streams import Stream, current_stream, on_device
 
 __all__ = ["Graph", "graph", "generate_graph_pool_handle", "graph_pool_handle"]
 
@@ -172,10 +172,11 @@ class Graph:
             if self._graph is None:
                 raise RuntimeError("replay() called on a graph with no capture: capture one first")
             self.instantiate()
-        if self._rng is not None:
-            from . import random
-            random._graph_replay(self._rng)
-        self._backend.graph_launch(self._exec, current_stream(self._index).handle)
+        with on_device(self._backend, self._index):   # cudaGraphLaunch: the stream's device current
+            if self._rng is not None:
+                from . import random
+                random._graph_replay(self._rng)
+            self._backend.graph_launch(self._exec, current_stream(self._index).handle)
 
     def reset(self) -> None:
         """Destroy the captured graph and release its memory pool; the graph may then be recaptured."""

@@ -7,11 +7,16 @@ backend, so this module is the same for every runtime.
 
 The *current stream* is kept per thread and per device, defaulting to the
 device's default stream, as in CUDA and torch.
+
+Where the backend's default stream is one handle for every device, resolved
+against the calling thread's current device (CUDA's legacy stream 0), every
+call on a default stream runs with its device current (``Stream._shared``), as
+torch's ``CUDAStream`` methods do under a ``DeviceGuard``.  Created streams carry
+their device in the handle and need no switch.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from typing import Dict, Optional
 
@@ -26,18 +31,27 @@ _defaults: Dict[int, "Stream"] = {}
 _defaults_lock = threading.Lock()
 
 
-@contextlib.contextmanager
-def on_device(backend: Backend, index: int):
-    """Make ``index`` the current device for the body, restoring the previous one."""
-    previous = backend.get_device()
-    if previous == index:
-        yield
-        return
-    backend.set_device(index)
-    try:
-        yield
-    finally:
-        backend.set_device(previous)
+class on_device:
+    """``with on_device(backend, index):`` makes ``index`` the current device for the
+    body and restores the previous one, even on exception; one get_device call when
+    ``index`` is already current.  (A class, not a generator: it guards hot calls.)"""
+
+    __slots__ = ("_backend", "_index", "_previous")
+
+    def __init__(self, backend: Backend, index: int):
+        self._backend, self._index = backend, index
+
+    def __enter__(self) -> None:
+        previous = self._backend.get_device()
+        if previous == self._index:
+            self._previous = None
+        else:
+            self._backend.set_device(self._index)
+            self._previous = previous
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            self._backend.set_device(self._previous)
 
 
 def _index_for(dev: DeviceLike) -> int:
@@ -58,7 +72,7 @@ class Stream:
     raises on use.
     """
 
-    __slots__ = ("_backend", "_index", "_handle", "_owned", "_closed", "__weakref__")
+    __slots__ = ("_backend", "_index", "_handle", "_owned", "_closed", "_shared", "__weakref__")
 
     def __init__(self, device: DeviceLike = None, priority: int = 0):
         if isinstance(priority, bool) or not isinstance(priority, int):
@@ -74,6 +88,8 @@ class Stream:
     def _init(self, backend: Backend, index: int, handle: int, owned: bool) -> None:
         self._backend, self._index, self._handle = backend, index, handle
         self._owned, self._closed = owned, False
+        # The handle names this device's stream only while the device is current.
+        self._shared = not owned and backend.shared_default_stream
 
     @classmethod
     def _wrap(cls, backend: Backend, index: int, handle: int) -> "Stream":
@@ -122,13 +138,25 @@ class Stream:
     def synchronize(self) -> None:
         """Block the host until all work queued on this stream has completed."""
         self._live()
-        self._backend.stream_synchronize(self._handle)
+        if self._shared:
+            with on_device(self._backend, self._index):
+                self._backend.stream_synchronize(self._handle)
+        else:
+            self._backend.stream_synchronize(self._handle)
 
     def query(self) -> bool:
         """True when all work queued on this stream has completed."""
         if self._closed:
             self._live()
+        if self._shared:
+            with on_device(self._backend, self._index):
+                return self._backend.stream_query(self._handle)
         return self._backend.stream_query(self._handle)
+
+    def _device_scope(self):
+        """The context calls naming this stream run in: its device current where the
+        handle needs it (a shared default stream), else nothing to do."""
+        return on_device(self._backend, self._index) if self._shared else _NO_SCOPE
 
     def wait_event(self, event: "Event") -> None:
         """Make work queued on this stream after now wait for ``event``'s recorded work."""
@@ -189,6 +217,19 @@ class Stream:
                 self._backend.stream_destroy(self._handle)
             except Exception:
                 pass  # interpreter shutdown or a runtime already torn down
+
+
+class _NoScope:
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+_NO_SCOPE = _NoScope()
 
 
 def _current_table() -> Dict[int, Stream]:
@@ -296,7 +337,11 @@ class Event:
             with on_device(backend, stream._index):
                 self._handle = backend.event_create(self.enable_timing, self.blocking)
             self._backend, self._index = backend, stream._index
-        backend.event_record(self._handle, stream._handle)
+        if stream._shared:
+            with on_device(backend, stream._index):
+                backend.event_record(self._handle, stream._handle)
+        else:
+            backend.event_record(self._handle, stream._handle)
         self._recorded = True
 
     def wait(self, stream: Optional[Stream] = None) -> None:
@@ -309,7 +354,8 @@ class Event:
         stream._live()
         if self._handle is None:
             return
-        self._backend.stream_wait_event(stream._handle, self._handle)
+        with stream._device_scope():
+            self._backend.stream_wait_event(stream._handle, self._handle)
 
     def query(self) -> bool:
         """True when the recorded work has completed (or the event was never recorded)."""
@@ -334,6 +380,11 @@ class Event:
         if not (self._recorded and end_event._recorded):
             raise ValueError("Both events must be recorded before calculating elapsed time.")
         end_event._live()
+        if end_event._backend is not self._backend or end_event._index != self._index:
+            # cudaEventElapsedTime: events of two devices have no common clock.
+            raise ValueError(f"elapsed_time needs two events of one device: this event was recorded on "
+                             f"device {self._index}, end_event on device {end_event._index}; time each "
+                             f"device with its own pair of events")
         self.synchronize()
         end_event.synchronize()
         return self._backend.event_elapsed_ms(self._handle, end_event._handle)

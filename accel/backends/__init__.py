@@ -12,11 +12,11 @@ import importlib
 import os
 import threading
 import warnings
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 from .base import Backend, DeviceProperties
 
-__all__ = ["Backend", "DeviceProperties", "NAMES", "get", "select", "fallback", "reset"]
+__all__ = ["Backend", "DeviceProperties", "NAMES", "get", "select", "fallback", "started_drivers", "reset"]
 
 NAMES = ("cuda", "xpu", "mps")
 _MODULES = {"cuda": ".cuda", "xpu": ".xpu", "mps": ".mps"}
@@ -103,6 +103,17 @@ def fallback() -> Optional[Backend]:
         except Exception:  # as _safe_count: probing never fails the caller
             continue
     return None
+
+
+def started_drivers() -> Tuple[Backend, ...]:
+    """Backends whose driver this process started (``Backend.driver_started``) and that
+    would serve it: the selected one once selection ran, else any.  Reads attributes
+    only, so fork handlers may call it."""
+    if _selected_done:
+        candidates = (_selected,) if _selected is not None else tuple(_instances.values())
+    else:
+        candidates = tuple(_instances.values())
+    return tuple(b for b in candidates if b is not None and b.driver_started)
 
 
 def reset() -> None:

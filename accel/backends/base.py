@@ -10,8 +10,16 @@ naming the library, the call, and the vendor error name and code.
 
 Device-scoped calls (allocation, stream and event creation, mem_info,
 synchronize) act on the calling thread's *current device*, as the CUDA runtime
-does; callers switch with :meth:`set_device` first.  Handles remember their
-device, so stream/event/copy calls work from any current device.
+does; callers switch with :meth:`set_device` first (``accel.streams.on_device``).
+Created stream and event handles remember their device, so queries, syncs,
+event records and copies on them work from any current device.  Two kinds of
+call need the stream's device current, and the layers above make it so:
+
+* :meth:`launch` and :meth:`graph_launch`, always (CUDA: a launch into a stream
+  of another device is ``cudaErrorInvalidResourceHandle``);
+* every call on a default stream when :attr:`Backend.shared_default_stream` is
+  True (CUDA's legacy stream, handle 0, is the *current* device's default
+  stream, so ``default_stream(i)`` only means device ``i`` while ``i`` is current).
 
 Rules every implementation keeps:
 
@@ -83,6 +91,14 @@ class Backend(abc.ABC):
     kernel_language: Optional[str] = None
     #: True when the backend implements stream capture (capture_* / graph_*).
     supports_graphs: bool = False
+    #: True when :meth:`default_stream` returns one handle for every device, which
+    #: the runtime resolves against the calling thread's current device (CUDA's
+    #: legacy stream 0): calls on it must run with its device current.
+    shared_default_stream: bool = False
+    #: True once this process has started the vendor driver: by :meth:`init`, or by
+    #: a count only the runtime could give (CUDA without NVML, or MIG UUIDs).  A
+    #: child forked afterwards cannot use the driver; ``accel._lazy`` refuses it.
+    driver_started: bool = False
 
     @property
     def no_capture_reason(self) -> str:
@@ -112,7 +128,18 @@ class Backend(abc.ABC):
     # -- runtime ---------------------------------------------------------------
     @abc.abstractmethod
     def init(self) -> None:
-        """Initialize the runtime; raises AcceleratorError when that is impossible."""
+        """Initialize the runtime; raises AcceleratorError when that is impossible.
+
+        Sets :attr:`driver_started`.  From then on :meth:`count` is the runtime's
+        own count (when it disagrees with the fork-safe one, init warns)."""
+
+    def clear_error(self) -> None:
+        """Forget the runtime's per-thread "last error" (CUDA: ``cudaGetLastError``).
+
+        Every error a backend method raises is already cleared; call this after
+        handling a vendor error code that did not raise, so another library in the
+        process (torch) does not report it at its next check.  No-op where the
+        runtime keeps no such slot.  Sticky errors (a faulted context) stay."""
 
     @abc.abstractmethod
     def properties(self, index: int) -> DeviceProperties: ...
@@ -219,6 +246,7 @@ class Backend(abc.ABC):
         raise NotImplementedError(self.no_capture_reason)
 
     def graph_launch(self, graph_exec: int, stream: int) -> None:
+        """Replay ``graph_exec`` on ``stream``, whose device must be current."""
         raise NotImplementedError(self.no_capture_reason)
 
     def graph_destroy(self, graph: int) -> None:
@@ -243,4 +271,7 @@ class Backend(abc.ABC):
 
     def launch(self, function: int, grid: Tuple[int, int, int], block: Tuple[int, int, int],
                args: KernelArgs, shared_mem: int, stream: int) -> None:
+        """Queue ``function`` on ``stream``, whose device must be current.  A kernel the
+        device cannot run (no image for it, PTX the driver cannot JIT) raises
+        :class:`accel.KernelImageError`, at load or at this first launch."""
         raise NotImplementedError(f"{self.name} has no kernel path")

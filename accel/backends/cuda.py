@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from typing import Tuple
 
-from .._errors import AcceleratorError, CaptureError, OutOfMemoryError
+from .._errors import AcceleratorError, CaptureError, KernelImageError, OutOfMemoryError
 from . import _visible
 from .base import Backend, DeviceProperties
 
@@ -31,8 +32,17 @@ _CAPTURE_STATUS_NONE = 0           # cudaStreamCaptureStatusNone
 
 # cudaError_t values with a dedicated exception type (driver_types.h).
 _ERR_MEMORY_ALLOCATION = 2
+_ERR_NO_DEVICE = 100
 _ERR_NOT_READY = 600
-_CAPTURE_ERRORS = frozenset(range(900, 910))  # cudaErrorStreamCapture* and cudaErrorCapturedEvent
+# cudaErrorStreamCapture* (900-906, 908) and cudaErrorCapturedEvent (907); 909 is
+# cudaErrorTimeout and 910 cudaErrorGraphExecUpdateFailure, which are not capture misuse.
+_CAPTURE_ERRORS = frozenset(range(900, 909))
+# The device cannot run the kernel image: cudaErrorInvalidKernelImage (200),
+# cudaErrorNoKernelImageForDevice (209), cudaErrorInvalidPtx (218),
+# cudaErrorJitCompilerNotFound (221), cudaErrorUnsupportedPtxVersion (222),
+# cudaErrorJitCompilationDisabled (223).  With lazy loading (CUDA_MODULE_LOADING=LAZY,
+# the default since 12.2) they surface at the first launch, not at cudaLibraryLoadData.
+_KERNEL_IMAGE_ERRORS = frozenset({200, 209, 218, 221, 222, 223})
 
 _NVML_SUCCESS = 0
 _NVML_UUID_BUFFER = 96   # NVML_DEVICE_UUID_V2_BUFFER_SIZE
@@ -62,6 +72,7 @@ class CudaBackend(Backend):
     name = "cuda"
     kernel_language = "ptx"
     supports_graphs = True
+    shared_default_stream = True  # handle 0, the legacy stream of the *current* device
 
     def __init__(self, simulated: bool):
         self.simulated = simulated
@@ -72,6 +83,8 @@ class CudaBackend(Backend):
         self._nvml = None        # (ffi, lib, path) of NVML, opened on first count
         self._nvml_error = None
         self._count = None
+        self._count_env = None    # CUDA_VISIBLE_DEVICES the count was computed for
+        self._count_final = False  # the runtime counted: it read the variable once, at cuInit
         self._count_path = ""
         self._count_reason = ""
         self._handles = {}       # int handle -> cdata, so hot calls skip ffi.cast
@@ -128,15 +141,30 @@ class CudaBackend(Backend):
         if rc == 0:
             return
         ffi, lib = self.ffi, self.lib
+        # A failed call also leaves rc in the thread's last-error slot (CUDA Runtime API,
+        # cudaGetLastError: "Returns the last error that has been produced by any of the
+        # runtime calls in the same instance of the CUDA Runtime library in the host
+        # thread and resets it to cudaSuccess").  The error is reported here, as a Python
+        # exception, so clear the slot as torch's C10_CUDA_CHECK does: otherwise torch in
+        # the same process reports it again at its next launch check.  Sticky errors
+        # (a faulted context) are not cleared by this; every later call returns them.
+        lib.cudaGetLastError()
         name = ffi.string(lib.cudaGetErrorName(rc)).decode()
         text = ffi.string(lib.cudaGetErrorString(rc)).decode()
         if rc == _ERR_MEMORY_ALLOCATION:
             cls = OutOfMemoryError
         elif rc in _CAPTURE_ERRORS:
             cls = CaptureError
+        elif rc in _KERNEL_IMAGE_ERRORS:
+            cls = KernelImageError
         else:
             cls = AcceleratorError
         raise cls.from_call("libcudart", call, rc, name, text)
+
+    def clear_error(self) -> None:
+        rt = self._rt
+        if rt is not None:
+            rt[1].cudaGetLastError()
 
     def _cast(self, ctype: str, handle: int):
         cdata = self._handles.get(handle)
@@ -156,13 +184,18 @@ class CudaBackend(Backend):
             return False
 
     def count(self) -> int:
+        # Before init the NVML count follows CUDA_VISIBLE_DEVICES as it is now, as torch's
+        # device_count() (which caches only once CUDA is initialized).  A count from the
+        # runtime is final: the driver read the variable once, at cuInit.
         count = self._count
-        if count is None:
-            with self._count_lock:
-                if self._count is None:
-                    self._count = self._discover()
-                count = self._count
-        return count
+        if count is not None and (self._count_final or self._count_env == os.environ.get("CUDA_VISIBLE_DEVICES")):
+            return count
+        with self._count_lock:
+            env = os.environ.get("CUDA_VISIBLE_DEVICES")
+            if self._count is None or not (self._count_final or self._count_env == env):
+                self._count_env = env
+                self._count = self._discover()
+            return self._count
 
     def _discover(self) -> int:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -185,8 +218,9 @@ class CudaBackend(Backend):
                 self._count_path = f"cudart (nvmlDeviceGetCount_v2 failed: {rc})"
         else:
             self._count_path = "cudart (NVML unavailable: see nvml_error)"
-        # Fallback: only the runtime can count.  This initializes the driver,
-        # as torch's fallback does, so it is used only without NVML.
+        # Fallback: only the runtime can count.  This initializes the driver (cuInit),
+        # as torch's fallback does, so it is used only without NVML (or for MIG UUIDs);
+        # a child forked after it cannot use CUDA (REFERENCE.md "Hardware rules").
         try:
             ffi, lib, _ = self._runtime()
         except AcceleratorError as exc:
@@ -194,7 +228,11 @@ class CudaBackend(Backend):
             return 0
         n = ffi.new("int *")
         rc = lib.cudaGetDeviceCount(n)
+        if rc in (0, _ERR_NO_DEVICE):  # the driver started (and found no device, for 100)
+            self.driver_started = True
+            self._count_final = True
         if rc != 0:
+            lib.cudaGetLastError()     # handled here: leave no stale last error behind
             name = ffi.string(lib.cudaGetErrorName(rc)).decode()
             self._count_reason = f"cudaGetDeviceCount returned {name} ({rc})"
             if rc == 35:
@@ -256,12 +294,31 @@ class CudaBackend(Backend):
     def init(self) -> None:
         ffi, lib, _ = self._runtime()
         n = ffi.new("int *")
-        self._check(lib.cudaGetDeviceCount(n), "cudaGetDeviceCount")
+        rc = lib.cudaGetDeviceCount(n)
+        self.driver_started = True
+        self._check(rc, "cudaGetDeviceCount")
         if n[0] == 0:
             raise AcceleratorError("libcudart: cudaGetDeviceCount reports no CUDA device",
                                    library="libcudart", call="cudaGetDeviceCount")
-        self._runtime_count = n[0]
+        self._reconcile_count(n[0])
         self.get_device = self._bind_get_device()
+
+    def _reconcile_count(self, runtime_count: int) -> None:
+        """From init on, the count is the runtime's.  NVML can disagree (MIG-enabled GPUs,
+        CUDA_VISIBLE_DEVICES changed between counting and init, a device the driver
+        refuses); say so once rather than let indices past the runtime's fail later."""
+        with self._count_lock:
+            env = os.environ.get("CUDA_VISIBLE_DEVICES")
+            if self._count is not None and not self._count_final and self._count_env != env:
+                self._count_env, self._count = env, self._discover()
+            before = self._count
+            if before is not None and before != runtime_count:
+                warnings.warn(f"accel: {self._count_path or 'counting'} found {before} visible CUDA "
+                              f"device(s) but the initialized runtime (cudaGetDeviceCount) reports "
+                              f"{runtime_count}; using {runtime_count} (MIG, or a device the driver "
+                              f"does not expose)", RuntimeWarning, stacklevel=2)
+                self._count_path = f"cudart after init (the fork-safe count said {before})"
+            self._count, self._count_final = runtime_count, True
 
     def properties(self, index: int) -> DeviceProperties:
         ffi, lib = self.ffi, self.lib

@@ -232,6 +232,10 @@ class _GraphRNG:
 
 
 def _graph_capture_begin(device_index: int) -> _GraphRNG:
+    # Load (and JIT) the kernels now: module loading is no stream work a capture can
+    # record, so it must not happen between cudaStreamBeginCapture and EndCapture.
+    from . import _device
+    _device.kernel_functions(_lazy.lazy_init(), device_index)
     gen = default_generator(device_index)
     token = _GraphRNG(gen)
     gen.register_graph(token)

@@ -19,7 +19,7 @@ import warnings
 from typing import Callable, Dict, Optional, Tuple
 
 from .. import _lazy
-from .._errors import AcceleratorError, CaptureError
+from .._errors import AcceleratorError, CaptureError, KernelImageError
 from . import _fills
 
 _BLOCK = 256
@@ -93,18 +93,39 @@ def kernel_functions(backend, index: int) -> Optional[Dict[str, int]]:
         return fns
 
 
+def _give_up_kernels(backend, index: int, exc: KernelImageError) -> None:
+    """The device cannot run the loaded kernels (JIT failed at the first launch):
+    use the host path on this device from now on, saying so once."""
+    with _lock:
+        key = (id(backend), index)
+        if _functions.get(key) is None:
+            return  # another thread already gave up (and warned)
+        _functions[key] = None
+    warnings.warn(f"accel.random: the Philox {backend.kernel_language} kernels do not run on "
+                  f"{backend.name}:{index} ({exc}); using the host path (same numbers, slower, "
+                  f"not capturable)", RuntimeWarning, stacklevel=4)
+
+
 def _grid(counters: int) -> Tuple[int, int, int]:
     return (max(1, min(-(-counters // _BLOCK), _MAX_BLOCKS)), 1, 1)
 
 
 def fill(buf, plan: "_fills.Plan", generator) -> None:
     """Fill ``buf`` as ``plan`` says, drawing from ``generator`` on the current stream."""
-    from ..streams import current_stream
+    from ..streams import current_stream, on_device
     backend = _lazy.lazy_init()
     index = buf.device_index
     stream = current_stream(index)
     if plan.n == 0:
         return
+    # A launch needs the stream's device current (cudaLaunchKernel: a stream of another
+    # device is cudaErrorInvalidResourceHandle), and so does every call on a shared
+    # default stream, whose handle names the current device's.
+    with on_device(backend, index):
+        _fill_here(backend, index, buf, plan, generator, stream)
+
+
+def _fill_here(backend, index: int, buf, plan: "_fills.Plan", generator, stream) -> None:
     fns = kernel_functions(backend, index)
     kernel = fns.get(plan.kernel) if fns else None
     capturing = backend.supports_graphs and backend.stream_is_capturing(stream.handle)
@@ -120,8 +141,15 @@ def fill(buf, plan: "_fills.Plan", generator) -> None:
     if kernel is not None:
         kernel_args = [("ptr", ptr), ("u64", plan.n), ("u64", args.seed), ("u64", args.offset),
                        ("ptr", args.seed_ptr), ("ptr", args.offset_ptr)] + plan.kernel_args
-        backend.launch(kernel, _grid(plan.counters), (_BLOCK, 1, 1), kernel_args, 0, stream.handle)
-    else:
+        try:
+            backend.launch(kernel, _grid(plan.counters), (_BLOCK, 1, 1), kernel_args, 0, stream.handle)
+        except KernelImageError as exc:
+            _give_up_kernels(backend, index, exc)
+            if capturing:
+                raise CaptureError(f"random fill during capture: {exc}; the host path cannot be "
+                                   "captured") from exc
+            kernel = None
+    if kernel is None:
         values = plan.host(args.seed, args.offset)
         _copy_to_device(backend, ptr, values, stream.handle)
     if stream != buf.stream:
@@ -147,12 +175,21 @@ def write_state(device_index: int, seed_ptr: int, offset_ptr: int, seed: int, of
                 stream: int) -> None:
     """Queue writes of ``seed`` and ``offset`` (uint64 each) to device memory on ``stream``
     (graph replay: the captured kernels read them)."""
+    from ..streams import on_device
     backend = _lazy.lazy_init()
+    with on_device(backend, device_index):   # as fill(): the launch and the copies need it
+        _write_state_here(backend, device_index, seed_ptr, offset_ptr, seed, offset, stream)
+
+
+def _write_state_here(backend, device_index, seed_ptr, offset_ptr, seed, offset, stream) -> None:
     fns = kernel_functions(backend, device_index)
     if fns and _fills.STORE_STATE in fns:
-        backend.launch(fns[_fills.STORE_STATE], (1, 1, 1), (1, 1, 1),
-                       [("ptr", seed_ptr), ("ptr", offset_ptr), ("u64", seed), ("u64", offset)], 0, stream)
-        return
+        try:
+            backend.launch(fns[_fills.STORE_STATE], (1, 1, 1), (1, 1, 1),
+                           [("ptr", seed_ptr), ("ptr", offset_ptr), ("u64", seed), ("u64", offset)], 0, stream)
+            return
+        except KernelImageError as exc:
+            _give_up_kernels(backend, device_index, exc)
     import numpy as np
     if offset_ptr == seed_ptr + 8:
         _copy_to_device(backend, seed_ptr, np.array([seed, offset], dtype=np.uint64), stream)
