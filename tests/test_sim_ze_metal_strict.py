@@ -320,3 +320,140 @@ def test_ze_state_is_bounded_by_live_objects(ze):
             assert lib.zeCommandListDestroy(r) == 0
     assert len(rt.objects) <= base_objects + 1
     assert len(rt.engine.queues) <= 300   # the engine forgets drained, destroyed queues every 256
+
+
+# == Metal =========================================================================================
+
+from accel.backends import _objc  # noqa: E402
+from accel.sim import metal  # noqa: E402
+
+M_QUEUE = _objc.Message("newCommandQueue")
+M_CB = _objc.Message("commandBuffer")
+M_COMMIT = _objc.Message("commit", "void")
+M_WAIT = _objc.Message("waitUntilCompleted", "void")
+M_STATUS = _objc.Message("status", "NSUInteger")
+M_BLIT = _objc.Message("blitCommandEncoder")
+M_END = _objc.Message("endEncoding", "void")
+M_FILL = _objc.Message("fillBuffer:range:value:", "void", "id", "NSRange", "uint8_t")
+M_NEW_BUFFER = _objc.Message("newBufferWithLength:options:", "id", "NSUInteger", "NSUInteger")
+M_MAX_BUFFER = _objc.Message("maxBufferLength", "NSUInteger")
+M_LENGTH = _objc.Message("length", "NSUInteger")
+M_EVENT = _objc.Message("newSharedEvent")
+M_SIGNAL = _objc.Message("encodeSignalEvent:value:", "void", "id", "uint64_t")
+M_VALUE = _objc.Message("signaledValue", "uint64_t")
+
+
+class Mtl:
+    """libobjc + Metal as a program on a Mac uses them: the system device and the objc runtime."""
+
+    def __init__(self):
+        (ffi_, objc_lib, _), (_, metal_lib, _) = metal.open_libraries()
+        self.ffi = ffi_
+        self.rt = _objc.Runtime(ffi_, objc_lib)
+        self.device = metal_lib.MTLCreateSystemDefaultDevice()
+        self.state = metal.state()
+
+    def fill(self, queue, buf, n=64, value=1, event=None, value_to_signal=0):
+        rt = self.rt
+        with rt.pool():
+            cb = rt.send(queue, M_CB)
+            enc = rt.send(cb, M_BLIT)
+            rt.send(enc, M_FILL, buf, self.ffi.new("NSRange *", (0, n))[0], value)
+            rt.send(enc, M_END)
+            if event is not None:
+                rt.send(cb, M_SIGNAL, event, value_to_signal)
+            rt.send(cb, M_COMMIT)
+            rt.send(cb, M_WAIT)
+            return rt.send(cb, M_STATUS)
+
+
+@pytest.fixture
+def mtl(monkeypatch):
+    monkeypatch.setenv("ACCEL_SIM", "mps")
+    sim.reset()
+    metal.reset()
+    m = Mtl()
+    yield m
+    metal.reset()
+    sim.reset()
+
+
+def test_metal_command_buffer_rules(mtl):
+    rt = mtl.rt
+    q = rt.send(mtl.device, M_QUEUE)
+    buf = rt.send(mtl.device, M_NEW_BUFFER, 64, 0)
+    with rt.pool():
+        cb = rt.send(q, M_CB)
+        enc = rt.send(cb, M_BLIT)
+        rt.send(enc, M_END)
+        # MTLCommandEncoder.endEncoding: after it "the encoder can no longer encode commands".
+        with pytest.raises(metal.MetalValidationError, match="already ended"):
+            rt.send(enc, M_FILL, buf, mtl.ffi.new("NSRange *", (0, 4))[0], 1)
+        rt.send(cb, M_COMMIT)
+        # MTLCommandBuffer.commit: a command buffer is committed once.
+        with pytest.raises(metal.MetalValidationError, match="already committed"):
+            rt.send(cb, M_COMMIT)
+        rt.send(cb, M_WAIT)
+    rt.release(buf)
+    # A released buffer is gone: any message to it fails (a Mac crashes).
+    with pytest.raises(metal.MetalValidationError, match="deallocated"):
+        rt.send(buf, M_LENGTH)
+    rt.release(q)
+
+
+def test_metal_buffer_above_max_buffer_length_is_nil(mtl):
+    rt = mtl.rt
+    limit = rt.send(mtl.device, M_MAX_BUFFER)
+    # MTLDevice.maxBufferLength: "the largest amount of memory, in bytes, that a single buffer can
+    # allocate"; beyond it newBufferWithLength:options: answers nil, even with memory free.
+    assert limit < core.config().memory
+    assert rt.send(mtl.device, M_NEW_BUFFER, limit + 1, 0) == rt.nil
+    buf = rt.send(mtl.device, M_NEW_BUFFER, limit, 0)
+    assert buf != rt.nil
+    rt.release(buf)
+
+
+def test_metal_objects_fail_in_a_forked_child(mtl):
+    rt = mtl.rt
+    q = rt.send(mtl.device, M_QUEUE)
+    buf = rt.send(mtl.device, M_NEW_BUFFER, 64, 0)
+    pid = os.fork()
+    if pid == 0:   # pragma: no cover - child
+        code = 10
+        try:
+            try:
+                mtl.fill(q, buf)
+                code = 11          # the parent's queue worked in the child
+            except metal.MetalForkError:
+                code = 0
+            try:
+                rt.send(buf, M_LENGTH)
+                code = code or 12
+            except metal.MetalForkError:
+                pass
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert mtl.fill(q, buf) == metal.COMPLETED   # the parent is unaffected
+    rt.release(buf)
+    rt.release(q)
+
+
+def test_metal_state_is_bounded_by_live_objects(mtl):
+    rt = mtl.rt
+    st = mtl.state
+    buf = rt.send(mtl.device, M_NEW_BUFFER, 64, 0)
+    event = rt.send(mtl.device, M_EVENT)
+    base = len(st.objects)
+    for i in range(5000):
+        q = rt.send(mtl.device, M_QUEUE)
+        assert mtl.fill(q, buf, event=event, value_to_signal=i + 1) == metal.COMPLETED
+        rt.release(q)
+    assert rt.send(event, M_VALUE) == 5000
+    assert len(st.objects) == base
+    assert len(st.zombies) <= metal.ZOMBIES_KEPT
+    assert len(st.engine.queues) <= 300   # the engine forgets drained, destroyed queues every 256
+    assert len(st.get(int(mtl.ffi.cast("uintptr_t", event))).points) <= 1
+    rt.release(event)
+    rt.release(buf)

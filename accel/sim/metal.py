@@ -48,6 +48,7 @@ recommended working set, default 8 GiB; ``ACCEL_SIM_DELAY_US``).
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import re
 import struct
@@ -61,10 +62,17 @@ __all__ = ["MetalValidationError", "open_library", "open_libraries", "device_cou
            "DECLARED"]
 
 PAGE = 16384  # Apple silicon page: Metal rounds allocations and aligns contents to it
+#: Deallocated addresses remembered for "message sent to deallocated instance" (as NSZombie does);
+#: older ones still fail, as "not an Objective-C object". Bounded: no state per dead object.
+ZOMBIES_KEPT = 1024
 
 
 class MetalValidationError(AssertionError):
     """A call Metal's API validation would reject (a Mac aborts the process)."""
+
+
+class MetalForkError(MetalValidationError):
+    """A Metal object inherited from the parent was used in a forked child (a Mac crashes)."""
 
 
 # ---------------------------------------------------------------------------
@@ -129,6 +137,14 @@ DECLARED: Dict[str, Tuple[str, Tuple[str, ...]]] = {
     "maxTotalThreadsPerThreadgroup": ("NSUInteger", ()),
     "threadExecutionWidth": ("NSUInteger", ()),
 }
+
+_METAL_PREFIXES = ("MTL", "AGX")
+
+
+def _forked(what: str) -> None:
+    raise MetalForkError(f"{what} in a forked child: Metal objects do not survive fork (a Mac crashes "
+                         f"here); create them after the fork, or use the 'spawn' start method")
+
 
 # MTLCommandBufferStatus
 NOT_ENQUEUED, ENQUEUED, COMMITTED, SCHEDULED, COMPLETED, ERROR = range(6)
@@ -287,6 +303,11 @@ class MTLSharedEvent(SimObject):
         with self.rt.lock:
             if value > self.value:
                 self.value = value
+                # Points for values now reached are never needed again (point_for answers None):
+                # the event holds only pending signals, not one entry per signal ever encoded.
+                points = self.points
+                if points and points[0][0] <= value:
+                    self.points = [p for p in points if p[0] > value]
 
     def point_for(self, value: int):
         """The engine point after which ``value`` is signaled: None when it already
@@ -581,7 +602,9 @@ class MTLCommandBuffer(SimObject):
         for fn, op_deps, event, value in plan:
             seq = q.submit(fn, op_deps)
             if event is not None:
-                event.points.append((value, (q, seq)))
+                with self.rt.lock:
+                    if value > event.value:   # a value already reached needs no point
+                        event.points.append((value, (q, seq)))
         self.final_seq = q.submit(self._finish, tuple(deps), work=False)
 
     def _started(self) -> None:
@@ -689,7 +712,7 @@ class MTLDevice(SimObject):
         return 1
 
     def m_maxBufferLength(self):
-        return core.config().memory
+        return max_buffer_length()
 
     def m_newCommandQueue(self):
         return MTLCommandQueue(self.rt, self)
@@ -701,6 +724,10 @@ class MTLDevice(SimObject):
             raise MetalValidationError("newBuffer: length must be greater than 0")
         self.allocations += 1
         if core.take_oom() or core.take_fault("newBufferWithLength:options:"):
+            return None
+        if length > max_buffer_length():
+            # MTLDevice.maxBufferLength: "the largest amount of memory, in bytes, that a single
+            # buffer can allocate"; newBufferWithLength:options: answers nil beyond it.
             return None
         size = -(-length // PAGE) * PAGE
         limit = core.config().memory
@@ -767,7 +794,8 @@ class _State:
         self.engine = _engine.Engine(self._engine_error)
         self.table = _memory.MemoryTable()
         self.objects: Dict[int, SimObject] = {}
-        self.zombies: Dict[int, str] = {}
+        self.zombies: "collections.OrderedDict[int, str]" = collections.OrderedDict()
+        self.forked = False   # set in a forked child: inherited Metal objects fail there
         self.next_addr = 0x7F5100000000
         self.selectors: Dict[int, str] = {}
         self.selector_addr: Dict[str, int] = {}
@@ -817,7 +845,10 @@ class _State:
             if addr in self.zombies:
                 raise MetalValidationError(f"message sent to deallocated instance {addr:#x} "
                                            f"({self.zombies[addr]})")
-            raise MetalValidationError(f"{addr:#x} is not an Objective-C object")
+            raise MetalValidationError(f"{addr:#x} is not an Objective-C object (or one deallocated "
+                                       f"long ago)")
+        if self.forked and obj.cls_name.startswith(_METAL_PREFIXES):
+            _forked(f"message to {obj.cls_name} {addr:#x}")
         return obj
 
     def retain(self, obj: SimObject) -> SimObject:
@@ -834,7 +865,10 @@ class _State:
             obj.rc -= 1
             if obj.rc == 0:
                 del self.objects[obj.addr]
-                self.zombies[obj.addr] = obj.cls_name
+                zombies = self.zombies
+                zombies[obj.addr] = obj.cls_name
+                if len(zombies) > ZOMBIES_KEPT:
+                    zombies.popitem(last=False)
                 obj.dealloc()
 
     def autorelease(self, obj: SimObject) -> SimObject:
@@ -1102,6 +1136,8 @@ class SimMetalLibrary:
 
     def MTLCreateSystemDefaultDevice(self):
         rt = self._rt
+        if rt.forked:
+            _forked("MTLCreateSystemDefaultDevice through the parent's Metal")
         rt.runtime_initialized = True
         if device_count() < 1:
             return rt.ffi.cast("void *", 0)
@@ -1154,6 +1190,12 @@ def state() -> _State:
     return _state
 
 
+def max_buffer_length() -> int:
+    """MTLDevice.maxBufferLength: 3/4 of the working set, whole pages. Apple does not fix the ratio;
+    real devices report less than recommendedMaxWorkingSetSize, so one buffer cannot take it all."""
+    return core.config().memory * 3 // 4 // PAGE * PAGE or PAGE
+
+
 def device_count() -> int:
     """Devices the simulated Metal exposes: Metal has one system default device (0 if configured so)."""
     return min(core.config().devices, 1)
@@ -1171,7 +1213,12 @@ def reset() -> None:
 
 def _forget_after_fork() -> None:
     # The parent's worker threads and locks do not exist in the child: drop, do not close.
+    # Metal does not survive fork (its GPU connection and threads stay in the parent), so every
+    # message to a Metal object the child inherited fails with MetalForkError, where a Mac
+    # crashes or hangs; the child may open Metal afresh (open_libraries) and use new objects.
     global _libraries, _state, _lock
+    if _state is not None:
+        _state.forked = True
     _lock = threading.Lock()
     _libraries = None
     _state = None
