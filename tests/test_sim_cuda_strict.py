@@ -215,3 +215,35 @@ def test_unsafe_call_is_allowed_in_relaxed_mode_and_beside_thread_local_captures
     capture(lib, s, lib.cudaStreamCaptureModeThreadLocal)
     assert _in_thread(calls[name]) == 0              # another thread's thread-local capture
     ok(end_capture(lib, s)[0])
+
+
+# -- rule 4: the driver recycles handle values ------------------------------------------------------
+
+def _value(handle):
+    return int(ffi.cast("uintptr_t", handle))
+
+
+def test_destroyed_stream_and_event_handles_are_handed_out_again(lib):
+    a, b = stream(lib, flags=1), stream(lib, flags=1)
+    ok(lib.cudaStreamDestroy(a))
+    ok(lib.cudaStreamDestroy(b))
+    c = stream(lib, flags=0)
+    assert _value(c) == _value(b)                  # the most recently freed value first
+    ok(lib.cudaSetDevice(1))
+    d = stream(lib, flags=0)                       # values are not per device
+    assert _value(d) == _value(a)
+    flags = ffi.new("unsigned int *")
+    ok(lib.cudaStreamGetFlags(a, flags))           # the stale handle now names the new stream
+    assert flags[0] == 0
+    dev = ffi.new("int *")
+    ok(lib.cudaStreamGetDevice(a, dev))
+    assert dev[0] == 1
+    ok(lib.cudaSetDevice(0))
+    e = event(lib)
+    ok(lib.cudaEventRecord(e, c))
+    ok(lib.cudaEventDestroy(e))
+    f = event(lib, lib.cudaEventDisableTiming)
+    assert _value(f) == _value(e)
+    ok(lib.cudaEventQuery(e))                      # never recorded since it was created again
+    ms = ffi.new("float *")
+    assert lib.cudaEventElapsedTime(ms, e, e) == lib.cudaErrorInvalidResourceHandle   # no timing now

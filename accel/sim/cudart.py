@@ -273,6 +273,9 @@ class Runtime:
         self.mem = _memory.MemoryTable()
         self.host_bytes = 0
         self.handles = itertools.count(0x100000, 0x10)
+        # Handle values of destroyed streams/events, reused last-freed-first as the driver does.
+        self.free_streams: List[int] = []
+        self.free_events: List[int] = []
         self.capture_ids = itertools.count(1)
         self.streams: Dict[object, object] = {}
         for k in (None, 0, 1, ffi.cast(_VOIDP, 0), ffi.cast(_VOIDP, 1)):
@@ -306,7 +309,17 @@ class Runtime:
 
     # handle tables hold each object under its int handle and its void* cdata,
     # so a lookup by whatever the caller passes is one dict access.
-    def new_handle(self) -> int:
+    def new_handle(self, free: Optional[List[int]] = None) -> int:
+        """A handle value; with ``free``, a recycled one from that list when it has any.
+
+        CUDA hands out the value of a destroyed stream or event to the next one created
+        (REFERENCE.md "Hardware rules"; the driver's handle allocator reuses freed slots), so
+        anything keyed by a handle value must forget it on destroy."""
+        if free:
+            try:
+                return free.pop()
+            except IndexError:      # another thread took the last one
+                pass
         return next(self.handles)
 
     @staticmethod
@@ -891,6 +904,7 @@ def cudaDeviceReset(R):
         _destroy_stream(R, s)
     for e in [e for e in set(R.events.values()) if e.device == d]:
         Runtime.drop(R.events, e)
+        R.free_events.append(e.handle)
     return R.sticky
 
 
@@ -1172,7 +1186,7 @@ def cudaStreamCreateWithPriority(R, pStream, flags, priority):
         return cudaErrorInvalidValue
     d = R.tls.device
     priority = min(_PRIORITY_LEAST, max(_PRIORITY_GREATEST, priority))
-    s = Stream(R.new_handle(), d, flags, priority)
+    s = Stream(R.new_handle(R.free_streams), d, flags, priority)
     s.q = R.engine.queue(f"cuda{d}-stream-{s.handle:#x}", s)
     dev = R.devices[d]
     with R.lock:
@@ -1194,6 +1208,7 @@ def cudaStreamCreate(R, pStream):
 
 def _destroy_stream(R: Runtime, s: Stream) -> None:
     Runtime.drop(R.streams, s)
+    R.free_streams.append(s.handle)
     s.destroyed = True
     if s.capture is not None:
         _invalidate(R, s.capture)
@@ -1335,7 +1350,7 @@ def _wait_captured_event(R: Runtime, s: Stream, r: Rec) -> int:
 def cudaEventCreateWithFlags(R, event, flags):
     if _is_null(event) or flags & ~0x7 or (flags & _EVENT_INTERPROCESS and not flags & _EVENT_DISABLE_TIMING):
         return cudaErrorInvalidValue
-    e = Event(R.new_handle(), flags, R.tls.device)
+    e = Event(R.new_handle(R.free_events), flags, R.tls.device)
     Runtime.put(R.events, e)
     _put_ptr(event, e.key)
     return cudaSuccess
@@ -1350,6 +1365,7 @@ def cudaEventDestroy(R, event):
     if e is None:
         return cudaErrorInvalidResourceHandle
     Runtime.drop(R.events, e)
+    R.free_events.append(e.handle)
     return cudaSuccess
 
 
