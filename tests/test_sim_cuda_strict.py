@@ -247,3 +247,68 @@ def test_destroyed_stream_and_event_handles_are_handed_out_again(lib):
     ok(lib.cudaEventQuery(e))                      # never recorded since it was created again
     ms = ffi.new("float *")
     assert lib.cudaEventElapsedTime(ms, e, e) == lib.cudaErrorInvalidResourceHandle   # no timing now
+
+
+# -- rule 5: a child forked after the driver started cannot use CUDA ----------------------------------
+
+def _in_child(fn) -> int:
+    """Run fn() in an os.fork child; its return value is the exit status (never hangs)."""
+    import os
+    import signal
+    import time
+    pid = os.fork()
+    if pid == 0:
+        code = 99
+        try:
+            code = fn()
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status_ = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.WEXITSTATUS(status_)
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail("forked child hung")
+
+
+def _child_sees_initialization_error(lib) -> int:
+    init = lib.cudaErrorInitializationError
+    n, p = ffi.new("int *"), ffi.new("void **")
+    got = [lib.cudaGetDeviceCount(n), lib.cudaSetDevice(0), lib.cudaMalloc(p, 16),
+           lib.cudaStreamCreateWithPriority(ffi.new("cudaStream_t *"), 1, 0), lib.cudaDeviceSynchronize(),
+           lib.cudaGetDeviceCount(n)]
+    if got != [init] * len(got):
+        print("child got", got)
+        return 1
+    if lib.cudaRuntimeGetVersion(n) != 0 or ffi.string(lib.cudaGetErrorName(init)) != b"cudaErrorInitializationError":
+        return 2
+    return 0
+
+
+@pytest.mark.parametrize("first_call", ["cudaMalloc", "cudaGetDeviceCount"])
+def test_child_forked_after_the_driver_started_gets_initialization_error(lib, first_call):
+    n = ffi.new("int *")
+    if first_call == "cudaMalloc":
+        malloc(lib, 16)                       # the runtime (and a context) started
+    else:
+        ok(lib.cudaGetDeviceCount(n))        # only cuInit: counting starts the driver
+    assert _in_child(lambda: _child_sees_initialization_error(lib)) == 0
+    ok(lib.cudaGetDeviceCount(n))            # the parent is unaffected
+    assert n[0] == 2
+
+
+def test_child_forked_before_any_call_uses_cuda_normally(lib):
+    v = ffi.new("int *")
+    ok(lib.cudaRuntimeGetVersion(v))          # needs no initialization
+    ok(lib.cudaDriverGetVersion(v))
+
+    def child():
+        n = ffi.new("int *")
+        ok(lib.cudaGetDeviceCount(n))
+        d = malloc(lib, 8)
+        ok(lib.cudaMemset(d, 3, 8))
+        return 0 if (n[0], kernels.read(d, 8)) == (2, b"\x03" * 8) else 1
+    assert _in_child(child) == 0

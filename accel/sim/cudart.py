@@ -263,7 +263,7 @@ _LEGACY, _PER_THREAD = object(), object()
 class Runtime:
     """Everything one initialized simulated runtime holds."""
 
-    def __init__(self, cfg: core.Config):
+    def __init__(self, cfg: core.Config, forked: bool = False):
         self.cfg = cfg
         self.tls = _TLS()
         self.engine = _engine.Engine(self._on_error)
@@ -292,6 +292,12 @@ class Runtime:
         self.init_error = 0         # every call (but cudaGetDeviceCount) returns this when set
         self.sticky = 0             # the first device fault's error (see _on_error)
         self.devices: List[Device] = []
+        if forked:
+            # CUDA Programming Guide, "Initialization" / REFERENCE.md "Hardware rules": a child
+            # forked after the parent initialized the driver (cuInit; cudaGetDeviceCount does it)
+            # cannot use CUDA: every runtime call returns cudaErrorInitializationError.
+            self.init_error = cudaErrorInitializationError
+            return
         if not cfg.driver:
             self.init_error = cudaErrorInsufficientDriver
             return
@@ -359,13 +365,15 @@ class Runtime:
 
 _R: Optional[Runtime] = None
 _start_lock = threading.Lock()
+#: This process was forked after an ancestor started the driver: CUDA is unusable here.
+_forked_after_init = False
 
 
 def _start() -> Runtime:
     global _R
     with _start_lock:
         if _R is None:
-            _R = Runtime(core.config())
+            _R = Runtime(core.config(), forked=_forked_after_init)
         return _R
 
 
@@ -375,20 +383,25 @@ def runtime() -> Optional[Runtime]:
 
 
 def _reset() -> None:
-    global _R
+    # accel.sim.reset() / configure(): a new simulated process, so a fork poison goes too.
+    global _R, _forked_after_init
     with _start_lock:
         R, _R = _R, None
+        _forked_after_init = False
     if R is not None:
         R.shutdown()
 
 
 def _fork_reset() -> None:
     # In the child the workers do not exist and the locks may be held: drop, do not join.
-    global _R, _start_lock
+    # A driver the parent started (any call but the no-init ones did) poisons the child.
+    global _R, _start_lock, _forked_after_init
     _start_lock = threading.Lock()
     R, _R = _R, None
     if R is not None:
         _memory.forget(R.mem)
+        if R.devices or R.init_error == cudaErrorInitializationError:
+            _forked_after_init = True
 
 
 core.on_reset("cudart", _reset, _fork_reset)

@@ -26,6 +26,7 @@ in :data:`PROVIDERS`) on first use, so those register themselves lazily.
 from __future__ import annotations
 
 import importlib
+import os
 import threading
 from typing import Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
@@ -59,6 +60,15 @@ class Kernel(NamedTuple):
 _registry: Dict[str, Kernel] = {}
 _lock = threading.Lock()
 _providers_loaded = False
+
+
+def _fresh_lock_in_child() -> None:
+    # A parent thread may have held the lock while forking; it does not exist in the child.
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_lock_in_child)
 
 
 def register(name: str, argtypes: Sequence[str], fn: Callable, *, replace: bool = False) -> None:
