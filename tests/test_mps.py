@@ -177,6 +177,20 @@ def test_out_of_memory(monkeypatch):
         b.close()
 
 
+def test_one_buffer_above_max_buffer_length_names_the_limit(monkeypatch):
+    _fresh_sim(monkeypatch, ACCEL_SIM_MEMORY="1M")
+    b = backends.get("mps")
+    b.init()
+    try:
+        limit = b.properties(0).extra["max_buffer_length"]
+        assert limit < b.mem_info()[0]   # memory is free, the buffer is just too large
+        with pytest.raises(OutOfMemoryError, match=f"maxBufferLength is {limit} bytes"):
+            b.mem_alloc(limit + 16384)
+        b.mem_free(b.mem_alloc(limit))
+    finally:
+        b.close()
+
+
 def test_copies_and_fills_including_interior_and_unaligned(be):
     n = 4096
     data = bytes(range(256)) * (n // 256)

@@ -457,3 +457,27 @@ def test_metal_state_is_bounded_by_live_objects(mtl):
     assert len(st.get(int(mtl.ffi.cast("uintptr_t", event))).points) <= 1
     rt.release(event)
     rt.release(buf)
+
+
+def test_metal_loaded_but_never_started_works_in_a_forked_child(monkeypatch):
+    monkeypatch.setenv("ACCEL_SIM", "mps")
+    sim.reset()
+    metal.reset()
+    (ffi_, objc_lib, _), (_, metal_lib, _) = metal.open_libraries()   # loaded, no device yet
+    pid = os.fork()
+    if pid == 0:   # pragma: no cover - child
+        code = 10
+        try:
+            rt = _objc.Runtime(ffi_, objc_lib)
+            device = metal_lib.MTLCreateSystemDefaultDevice()
+            buf = rt.send(device, M_NEW_BUFFER, 64, 0)
+            q = rt.send(device, M_QUEUE)
+            m = Mtl.__new__(Mtl)
+            m.ffi, m.rt = ffi_, rt
+            code = 0 if m.fill(q, buf) == metal.COMPLETED else 11
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    metal.reset()
+    sim.reset()
+    assert os.waitstatus_to_exitcode(status) == 0

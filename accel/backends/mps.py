@@ -412,6 +412,14 @@ class MPSBackend(Backend):
         rt = self._rt
         obj = rt.send(self._device, M_NEW_BUFFER, nbytes, _STORAGE_SHARED)
         if obj == rt.nil:  # Metal's out-of-memory answer
+            max_buffer = int(rt.send(self._device, M_MAX_BUFFER_LENGTH))
+            if nbytes > max_buffer:
+                # MTLDevice.maxBufferLength caps one buffer, however much memory is free (torch MPS
+                # refuses such a size as "Invalid buffer size").
+                raise OutOfMemoryError(
+                    f"mps: cannot allocate {nbytes} bytes in one buffer: the device's maxBufferLength is "
+                    f"{max_buffer} bytes (newBufferWithLength: returned nil); allocate smaller pieces",
+                    library=_LIBRARY, call=M_NEW_BUFFER.selector)
             used = int(rt.send(self._device, M_CURRENT_ALLOCATED))
             limit = int(rt.send(self._device, M_RECOMMENDED_MAX))
             raise OutOfMemoryError(

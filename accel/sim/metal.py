@@ -808,6 +808,21 @@ class _State:
         self.classes: Dict[str, SimClass] = {}
         self._define_classes()
 
+    def after_fork(self) -> bool:
+        """In a forked child: True when this state stays usable (Metal was never started in the
+        parent, only libobjc and the framework loaded), else mark it forked and answer False."""
+        if self.runtime_initialized:
+            self.forked = True
+            return False
+        # No device, so no Metal object, queue or buffer exists; the parent's threads and locks
+        # do not exist here: fresh ones.
+        self.lock = threading.RLock()
+        self.engine = _engine.Engine(self._engine_error)
+        self.tls = threading.local()
+        _memory.forget(self.table)
+        self.table = _memory.MemoryTable()
+        return True
+
     def _engine_error(self, queue, exc: BaseException) -> None:
         self.engine_errors.append(f"{queue.label}: {type(exc).__name__}: {exc}")
 
@@ -1217,9 +1232,9 @@ def _forget_after_fork() -> None:
     # message to a Metal object the child inherited fails with MetalForkError, where a Mac
     # crashes or hangs; the child may open Metal afresh (open_libraries) and use new objects.
     global _libraries, _state, _lock
-    if _state is not None:
-        _state.forked = True
     _lock = threading.Lock()
+    if _state is not None and _state.after_fork():
+        return   # Metal was not started in the parent: the child goes on with the same libraries
     _libraries = None
     _state = None
 
