@@ -611,3 +611,25 @@ def test_fork_after_count_child_initializes(make):
     assert os.waitstatus_to_exitcode(status) == 0
     assert not sim_ze.state()["ze_runtime_initialized"]
     _lazy._reset_for_tests()
+
+
+def test_fork_after_a_sysman_count_child_calls_zesinit_again(make):
+    # zes_api.h, zesInit: "Each forked process must call this function" -- the parent's Sysman
+    # handles are not valid in the child, so the child's mem_info must come from its own zesInit.
+    be = make(init=False, ACCEL_SIM_MEMORY="64M")
+    assert be.count() == 2 and be.report()["count_path"] == "zesInit"
+    pid = os.fork()
+    if pid == 0:   # pragma: no cover - child
+        code = 1
+        try:
+            child = backends.get("xpu")
+            child.init()
+            child.set_device(1)
+            p = child.mem_alloc(1 << 20)
+            free, total = child.mem_info()
+            path = child.report()["mem_info_path"]
+            code = 0 if (free, total, path) == (63 << 20, 64 << 20, "sysman") else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

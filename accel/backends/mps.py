@@ -300,6 +300,7 @@ class MPSBackend(Backend):
                     "(a VM or a headless session without GPU access?)",
                     library=_LIBRARY, call="MTLCreateSystemDefaultDevice")
             self._rt, self._device = rt, device
+            self.driver_started = True   # Metal does not survive fork from here on
             try:
                 with rt.pool():
                     self._streams[0] = _Stream(0, self._new(device, M_NEW_QUEUE, "newCommandQueue"))

@@ -68,6 +68,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import weakref
 from typing import Dict, List, Optional, Tuple
 
 from .._errors import AcceleratorError, CaptureError, OutOfMemoryError
@@ -505,6 +506,7 @@ class XpuBackend(Backend):
                         self._streams.pop(s.handle, None)
                 raise
             self._devices = devices
+            self.driver_started = True
             if has_zes:
                 try:
                     self._map_sysman()
@@ -1554,6 +1556,25 @@ def _check_ptr(ptr, what: str) -> None:
         raise ValueError(f"{what} must be a non-null address, got {ptr!r}")
 
 
+_backends: "weakref.WeakSet[XpuBackend]" = weakref.WeakSet()
+
+
+def _forget_sysman_in_child() -> None:
+    # zes_api.h, zesInit: "Each forked process must call this function": the parent's Sysman
+    # handles mean nothing in a child, which counts (keeps the count) and maps Sysman afresh.
+    # Attributes only: no lock, no library call in a fork handler.
+    for be in list(_backends):
+        be._zes_ok = None
+        be._zes_error = ""
+        be._sysman_cards = None
+        be._sysman_visible = None
+
+
+os.register_at_fork(after_in_child=_forget_sysman_in_child)
+
+
 def create() -> XpuBackend:
     """The XPU backend; simulated when ``ACCEL_SIM=xpu``.  Opens nothing."""
-    return XpuBackend(simulated=os.environ.get("ACCEL_SIM", "").strip().lower() == "xpu")
+    be = XpuBackend(simulated=os.environ.get("ACCEL_SIM", "").strip().lower() == "xpu")
+    _backends.add(be)
+    return be
