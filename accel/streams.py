@@ -18,7 +18,7 @@ their device in the handle and need no switch.
 from __future__ import annotations
 
 import threading
-from typing import Dict, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from . import _lazy
 from ._device import DeviceLike, check_range, device, device_index
@@ -29,6 +29,40 @@ __all__ = ["Stream", "Event", "current_stream", "set_stream", "default_stream", 
 _tls = threading.local()
 _defaults: Dict[int, "Stream"] = {}
 _defaults_lock = threading.Lock()
+_destroy_hooks: List[Callable[[Backend, int, int, bool], bool]] = []
+_dying: List[Tuple[Backend, int, int]] = []    # destroys a finalizer had to leave for later
+
+
+def on_stream_destroy(hook: Callable[[Backend, int, int, bool], bool]) -> None:
+    """Call ``hook(backend, device_index, handle, blocking)`` just before an owned stream is
+    destroyed: the driver hands a destroyed handle's value to the next stream it creates, so
+    anything keyed by the handle must forget it first (and may still record on it).
+
+    From a finalizer ``blocking`` is False: the hook must not wait for a lock (the same
+    thread may hold it) and returns False when it cannot run now; the destroy is then
+    finished by the next Stream creation or close().  Otherwise it returns True."""
+    _destroy_hooks.append(hook)
+
+
+def _destroy(backend: Backend, index: int, handle: int, blocking: bool) -> None:
+    try:
+        for hook in _destroy_hooks:
+            if not hook(backend, index, handle, blocking):
+                _dying.append((backend, index, handle))   # the handle stays valid until then
+                return
+    except BaseException:
+        backend.stream_destroy(handle)
+        raise
+    backend.stream_destroy(handle)
+
+
+def _finish_dying() -> None:
+    while _dying:
+        try:
+            backend, index, handle = _dying.pop()
+        except IndexError:      # another thread took the last one
+            return
+        _destroy(backend, index, handle, True)
 
 
 class on_device:
@@ -78,6 +112,8 @@ class Stream:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority must be an int, got {priority!r}")
         backend = _lazy.lazy_init()
+        if _dying:
+            _finish_dying()
         index = _index_for(device)
         least, greatest = backend.stream_priority_range()
         priority = min(max(priority, greatest), least)  # CUDA clamps out-of-range priorities
@@ -208,13 +244,15 @@ class Stream:
         table = getattr(_tls, "current", None)
         if table is not None and table.get(self._index) is self:
             del table[self._index]
-        self._backend.stream_destroy(self._handle)
+        if _dying:
+            _finish_dying()
+        _destroy(self._backend, self._index, self._handle, True)
 
     def __del__(self):
         if getattr(self, "_owned", False) and not self._closed and _lazy.is_initialized():
             try:
                 self._closed = True
-                self._backend.stream_destroy(self._handle)
+                _destroy(self._backend, self._index, self._handle, False)
             except Exception:
                 pass  # interpreter shutdown or a runtime already torn down
 
@@ -410,6 +448,7 @@ def _reset() -> None:
     global _tls
     _tls = threading.local()
     _defaults.clear()
+    _dying.clear()          # handles of a runtime that is gone
 
 
 _lazy.register_reset_hook(_reset)
