@@ -242,6 +242,16 @@ class Backend(abc.ABC):
     def stream_is_capturing(self, stream: int) -> bool:
         return False
 
+    def capture_id(self, stream: int) -> Optional[int]:
+        """The id of the capture ``stream`` takes part in (its own, or one it joined by
+        waiting on a captured event); None when it is not capturing."""
+        return None
+
+    def captures_underway(self) -> int:
+        """How many stream captures this process has begun through the backend and not
+        ended (a capture begun by another library in the process is not counted)."""
+        return 0
+
     def graph_instantiate(self, graph: int) -> int:
         raise NotImplementedError(self.no_capture_reason)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from typing import Tuple
+from typing import Optional, Tuple
 
 from .._errors import AcceleratorError, CaptureError, KernelImageError, OutOfMemoryError
 from . import _visible
@@ -524,6 +524,20 @@ class CudaBackend(Backend):
         self._check(self.lib.cudaStreamIsCapturing(self._cast("cudaStream_t", stream), status),
                     "cudaStreamIsCapturing")
         return status[0] != _CAPTURE_STATUS_NONE
+
+    def capture_id(self, stream: int) -> Optional[int]:
+        status = self.ffi.new("enum cudaStreamCaptureStatus *")
+        ident = self.ffi.new("unsigned long long *")
+        null = self.ffi.NULL
+        # The first three parameters (stream, status, id) are the same in every version of
+        # cudaStreamGetCaptureInfo (the 3-argument legacy symbol of CUDA 11/12, the 7-argument
+        # one of CUDA 13); the optional outputs are NULL, so the call is right for each.
+        self._check(self.lib.cudaStreamGetCaptureInfo(self._cast("cudaStream_t", stream), status, ident,
+                                                      null, null, null, null), "cudaStreamGetCaptureInfo")
+        return None if status[0] == _CAPTURE_STATUS_NONE else ident[0]
+
+    def captures_underway(self) -> int:
+        return self._captures
 
     def graph_instantiate(self, graph: int) -> int:
         p = self.ffi.new("cudaGraphExec_t *")
