@@ -633,3 +633,16 @@ def test_fork_after_a_sysman_count_child_calls_zesinit_again(make):
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_capture_id_and_captures_underway(make):
+    be = make()
+    s, other = be.stream_create(), be.stream_create()
+    assert be.capture_id(s) is None and be.captures_underway() == 0
+    be.capture_begin(s, "global")
+    try:
+        assert be.capture_id(s) is not None and be.captures_underway() == 1
+        assert be.capture_id(other) is None   # a Level Zero capture records its own list only
+    finally:
+        be.capture_end(s)
+    assert be.capture_id(s) is None and be.captures_underway() == 0

@@ -1326,6 +1326,14 @@ class XpuBackend(Backend):
     def stream_is_capturing(self, stream: int) -> bool:
         return self._stream(stream).capture is not None
 
+    def capture_id(self, stream: int) -> Optional[int]:
+        # A capture records only its own stream's list: other streams never join it.
+        cap = self._stream(stream).capture
+        return None if cap is None else id(cap)
+
+    def captures_underway(self) -> int:
+        return len(self._captures)
+
     def graph_instantiate(self, graph: int) -> int:
         g = self._graphs.get(graph)
         if g is None:
