@@ -312,3 +312,71 @@ def test_child_forked_before_any_call_uses_cuda_normally(lib):
         ok(lib.cudaMemset(d, 3, 8))
         return 0 if (n[0], kernels.read(d, 8)) == (2, b"\x03" * 8) else 1
     assert _in_child(child) == 0
+
+
+# -- rule 6: dynamic shared memory opt-in, elapsed time across devices, context memory -------------
+
+MAX_DYNAMIC_SHARED = 8     # cudaFuncAttributeMaxDynamicSharedMemorySize (driver_types.h)
+
+
+def launch_shared(lib, k, ptr, shared, s=NULL_STREAM):
+    values = [ffi.new("void **", ptr), ffi.new("uint64_t *", 1), ffi.new("uint32_t *", 1)]
+    argv = ffi.new("void *[]", [ffi.cast("void *", v) for v in values])
+    return lib.cudaLaunchKernel(ffi.cast("void *", k), ffi.new("dim3 *", (1, 1, 1))[0],
+                                ffi.new("dim3 *", (32, 1, 1))[0], argv, shared, s)
+
+
+def test_dynamic_shared_memory_above_48_kib_needs_cudaFuncSetAttribute(lib):
+    k = fill_kernel(lib)
+    d = malloc(lib, 16)
+    kk = ffi.cast("void *", k)
+    ok(launch_shared(lib, k, d, 48 * 1024))
+    assert launch_shared(lib, k, d, 48 * 1024 + 1) == lib.cudaErrorInvalidValue
+    ok(lib.cudaFuncSetAttribute(kk, MAX_DYNAMIC_SHARED, 100 * 1024))
+    ok(launch_shared(lib, k, d, 100 * 1024))
+    assert launch_shared(lib, k, d, 100 * 1024 + 1) == lib.cudaErrorInvalidValue
+    assert lib.cudaFuncSetAttribute(kk, MAX_DYNAMIC_SHARED, 228 * 1024) == lib.cudaErrorInvalidValue  # > opt-in max
+    assert lib.cudaFuncSetAttribute(kk, 1234, 1) == lib.cudaErrorInvalidValue
+    assert lib.cudaFuncSetAttribute(ffi.cast("void *", 0x999), MAX_DYNAMIC_SHARED, 1) \
+        == lib.cudaErrorInvalidDeviceFunction
+    ok(lib.cudaSetDevice(1))                 # the opt-in was made for device 0's function
+    d1 = malloc(lib, 16)
+    assert launch_shared(lib, k, d1, 100 * 1024) == lib.cudaErrorInvalidValue
+    ok(lib.cudaDeviceSynchronize())
+
+
+def test_elapsed_time_between_events_of_two_devices_fails(lib):
+    a = event(lib)
+    ok(lib.cudaEventRecord(a, NULL_STREAM))
+    ok(lib.cudaSetDevice(1))
+    b = event(lib)
+    ok(lib.cudaEventRecord(b, NULL_STREAM))
+    ok(lib.cudaDeviceSynchronize())
+    ms = ffi.new("float *")
+    assert lib.cudaEventElapsedTime(ms, a, b) == lib.cudaErrorInvalidResourceHandle
+    c = event(lib)
+    ok(lib.cudaEventRecord(c, NULL_STREAM))
+    ok(lib.cudaEventSynchronize(c))
+    ok(lib.cudaEventElapsedTime(ms, b, c))
+
+
+def test_the_context_holds_device_memory(lib):
+    from accel._ffi import _nvml
+    free, total = ffi.new("size_t *"), ffi.new("size_t *")
+    ok(lib.cudaMemGetInfo(free, total))
+    assert 0 < free[0] < total[0] == sim.config().memory      # nothing allocated, yet not all free
+    reserved = total[0] - free[0]
+    p = ffi.new("void **")
+    assert lib.cudaMalloc(p, free[0] + 256) == lib.cudaErrorMemoryAllocation
+    ok(lib.cudaMalloc(p, 1 << 20))
+    ok(lib.cudaMemGetInfo(free, total))
+    assert total[0] - free[0] == reserved + (1 << 20)
+    nvml = sim.open_library("nvml")
+    assert nvml.nvmlInit_v2() == 0
+    try:
+        h, mem = _nvml.ffi.new("nvmlDevice_t *"), _nvml.ffi.new("nvmlMemory_t *")
+        assert nvml.nvmlDeviceGetHandleByIndex_v2(0, h) == 0
+        assert nvml.nvmlDeviceGetMemoryInfo(h[0], mem) == 0
+        assert (mem.total, mem.used, mem.free) == (total[0], total[0] - free[0], free[0])   # NVML agrees
+    finally:
+        nvml.nvmlShutdown()

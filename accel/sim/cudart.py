@@ -115,6 +115,13 @@ _SHARED_PER_SM = 228 * 1024
 _L2 = 50 * 1024 * 1024
 
 
+def context_reserved(memory: int) -> int:
+    """Device memory a CUDA context holds before any cudaMalloc (module code, the device heap
+    (cudaLimitMallocHeapSize, 8 MB by default), per-thread stacks, printf FIFO: CUDA Runtime
+    API, cudaDeviceSetLimit) -- a few hundred MiB on a real GPU, 1/16 of a small simulated one."""
+    return min(320 << 20, memory // 16) & ~255
+
+
 class _IllegalAddress(RuntimeError):
     """A queued copy or memset touches memory that was freed meanwhile."""
 
@@ -131,12 +138,13 @@ class _TLS(threading.local):
 
 class Device:
     __slots__ = ("index", "physical", "used", "peak", "legacy", "queues", "blocking", "attrs", "peers",
-                 "view")
+                 "view", "reserved")
 
-    def __init__(self, index: int, physical: int):
+    def __init__(self, index: int, physical: int, reserved: int = 0):
         self.index = index
         self.physical = physical
-        self.used = 0
+        self.reserved = reserved    # held by the context (cudaMemGetInfo: free < total)
+        self.used = 0               # cudaMalloc'd bytes (256-rounded)
         self.peak = 0
         self.legacy: Optional[Stream] = None
         self.queues: List[_engine.Queue] = []   # every queue of the device (device sync)
@@ -248,13 +256,14 @@ class Library:
 
 
 class KernelHandle:
-    __slots__ = ("handle", "key", "name", "library")
+    __slots__ = ("handle", "key", "name", "library", "max_dynamic_shared")
 
     def __init__(self, handle, name, library):
         self.handle = handle
         self.key = ffi.cast(_VOIDP, handle)
         self.name = name
         self.library = library
+        self.max_dynamic_shared: Dict[int, int] = {}    # device -> cudaFuncSetAttribute opt-in
 
 
 _LEGACY, _PER_THREAD = object(), object()
@@ -306,7 +315,9 @@ class Runtime:
             self.init_error = cudaErrorNoDevice
             return
         for i, phys in enumerate(ordinals):
-            d = Device(i, phys)
+            # Contexts are created for every visible device at init (real CUDA creates a device's
+            # primary context at its first use: the simulator reports less free memory, never more).
+            d = Device(i, phys, context_reserved(cfg.memory))
             legacy = Stream(0, i, 0, 0, legacy=True)
             legacy.q = self.engine.queue(f"cuda{i}-legacy", legacy)
             d.legacy = legacy
@@ -925,7 +936,7 @@ def cudaMemGetInfo(R, free, total):
     if _is_null(free) or _is_null(total):
         return cudaErrorInvalidValue
     dev = R.devices[R.tls.device]
-    _put(free, R.cfg.memory - dev.used, "size_t *")
+    _put(free, R.cfg.memory - dev.reserved - dev.used, "size_t *")
     _put(total, R.cfg.memory, "size_t *")
     return cudaSuccess
 
@@ -951,7 +962,7 @@ def cudaMalloc(R, devPtr, size):
         return cudaErrorMemoryAllocation
     n = (size + 255) & ~255     # accounted like the 256-byte alignment
     with R.mlock:
-        if dev.used + n > R.cfg.memory:
+        if dev.used + n > R.cfg.memory - dev.reserved:
             return cudaErrorMemoryAllocation
         dev.used += n
         if dev.used > dev.peak:
@@ -1461,7 +1472,9 @@ def cudaEventElapsedTime(R, ms, start, end):
         return cudaErrorInvalidResourceHandle
     if _is_null(ms):
         return cudaErrorInvalidValue
-    if (a.flags | b.flags) & _EVENT_DISABLE_TIMING:
+    # CUDA Programming Guide, "Multi-Device System": "cudaEventElapsedTime() will fail if the
+    # two input events are associated to different devices."
+    if (a.flags | b.flags) & _EVENT_DISABLE_TIMING or a.device != b.device:
         return cudaErrorInvalidResourceHandle
     ra, rb = a.rec, b.rec
     if ra is None or rb is None:
@@ -1743,6 +1756,30 @@ def cudaLibraryGetKernel(R, pKernel, library, name):
     return cudaSuccess
 
 
+_FUNC_ATTR_MAX_DYNAMIC_SHARED = 8          # cudaFuncAttributeMaxDynamicSharedMemorySize
+_FUNC_ATTR_PREFERRED_CARVEOUT = 9          # cudaFuncAttributePreferredSharedMemoryCarveout
+
+
+def cudaFuncSetAttribute(R, func, attr, value):
+    """Set a kernel attribute for the current device (cudaKernel_t handles as ``func``).
+
+    CUDA Runtime API, cudaFuncSetAttribute: cudaErrorInvalidDeviceFunction for an unknown
+    function; cudaErrorInvalidValue for an attribute that cannot be written or a bad value.
+    cudaFuncAttributeMaxDynamicSharedMemorySize may not exceed cudaDevAttrMaxSharedMemoryPerBlockOptin
+    (kernels here use no static shared memory); the carveout is a percentage (-1: default)."""
+    k = _lookup(R.kernels, func)
+    if k is None:
+        return cudaErrorInvalidDeviceFunction
+    if attr == _FUNC_ATTR_MAX_DYNAMIC_SHARED:
+        if not (0 <= value <= _SHARED_PER_BLOCK_OPTIN):
+            return cudaErrorInvalidValue
+        k.max_dynamic_shared[R.tls.device] = value
+        return cudaSuccess
+    if attr == _FUNC_ATTR_PREFERRED_CARVEOUT:
+        return cudaSuccess if -1 <= value <= 100 else cudaErrorInvalidValue
+    return cudaErrorInvalidValue
+
+
 def _dim3(d) -> Tuple[int, int, int]:
     if isinstance(d, int):
         return (d, 1, 1)
@@ -1774,8 +1811,14 @@ def cudaLaunchKernel(R, func, gridDim, blockDim, args, sharedMem, stream):
     if s.device != R.tls.device:
         return cudaErrorInvalidResourceHandle
     grid, block = _dim3(gridDim), _dim3(blockDim)
-    if not _launch_config_ok(grid, block) or sharedMem > _SHARED_PER_BLOCK_OPTIN:
+    if not _launch_config_ok(grid, block):
         return cudaErrorInvalidConfiguration
+    # CUDA Programming Guide, "Shared Memory" (compute capability 7.x+): more than 48 KB of
+    # dynamic shared memory per block needs an explicit opt-in with cudaFuncSetAttribute(
+    # cudaFuncAttributeMaxDynamicSharedMemorySize); the launch fails with cudaErrorInvalidValue
+    # (CUDA_ERROR_INVALID_VALUE from cuLaunchKernel) otherwise.
+    if sharedMem > _SHARED_PER_BLOCK and sharedMem > k.max_dynamic_shared.get(s.device, _SHARED_PER_BLOCK):
+        return cudaErrorInvalidValue
     ref = kernels.lookup(k.name)
     if ref is None:
         return cudaErrorInvalidDeviceFunction
@@ -1874,8 +1917,9 @@ core.on_state("cudart", _state)
 
 
 def device_used_bytes(physical: int) -> int:
-    """Device memory in use on simulated *physical* device ``physical`` (NVML's view)."""
+    """Device memory in use on simulated *physical* device ``physical`` (NVML's view: the
+    context's reservation plus cudaMalloc'd bytes; 0 before the runtime starts)."""
     R = _R
     if R is None:
         return 0
-    return sum(d.used for d in R.devices if d.physical == physical)
+    return sum(d.used + d.reserved for d in R.devices if d.physical == physical)
