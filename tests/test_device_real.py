@@ -45,3 +45,11 @@ def real_device():
 def test_device_check(real_device, name):
     record = selftest.run_check_subprocess(name, device=real_device)
     assert record["status"] in ("pass", "skip"), json.dumps(record, indent=1, default=repr)[:8000]
+
+
+def test_multi_device_check_from_the_second_device(real_device):
+    """The same two-device checks with device 1 current and device 0 the other one."""
+    record = selftest.run_check_subprocess("multi_device", device=1)
+    if record["status"] == "fail" and "does not exist" in record.get("error", ""):
+        pytest.skip(f"needs 2 or more devices: {record['error']}")
+    assert record["status"] == "pass", json.dumps(record, indent=1, default=repr)[:8000]

@@ -178,6 +178,8 @@ def test_eight_threads_over_both_devices(monkeypatch, kind):
     for d in range(n_devices):
         assert accel.memory.memory_allocated(d) == 0, f"device {d}: {accel.memory.memory_allocated(d)} bytes leaked"
         assert accel.memory.memory_reserved(d) == 0, f"device {d}: reserved after empty_cache"
+    host = accel.memory.host_allocator().stats()
+    assert (host["allocated_bytes"], host["reserved_bytes"], host["pending"]) == (0, 0, 0), host
     assert _live_objects() == baseline
     pools = getattr(accel.sim.state(), "ze_live_event_pools", 0)
     assert pools <= MAX_EVENT_POOLS, f"the Level Zero backend's event-slot cache grew to {pools} pools"
