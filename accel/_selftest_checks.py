@@ -456,7 +456,12 @@ def check_multi_device(ctx: Context) -> dict:
             s1.close()
 
     def pinned_to_both():
-        bufs = []
+        for dev in (here, other, here, other):        # one at a time: a staging block is reused at once
+            with accel.Buffer(nbytes, dev) as buf:
+                problem = same(buf.copy_from(host, non_blocking=True), host)
+            if problem:
+                return f"pinned copy, one at a time: {problem}"
+        bufs = []                                     # and all in flight
         try:
             for i, dev in enumerate((here, other, here, other)):
                 src = _pattern(nbytes + i)[i:]
