@@ -380,3 +380,67 @@ def test_the_context_holds_device_memory(lib):
         assert (mem.total, mem.used, mem.free) == (total[0], total[0] - free[0], free[0])   # NVML agrees
     finally:
         nvml.nvmlShutdown()
+
+
+# -- rule 8: no state per destroyed stream -------------------------------------------------------
+
+def _tracked(R):
+    return (len(R.engine.queues), sum(len(d.queues) for d in R.devices), sum(len(d.blocking) for d in R.devices),
+            len(R.streams))
+
+
+def test_state_is_bounded_by_live_streams(lib):
+    import gc
+    import tracemalloc
+    from accel.sim import cudart
+    d0 = malloc(lib, 64)
+    ok(lib.cudaSetDevice(1))
+    d1 = malloc(lib, 64)
+    e = event(lib)
+
+    def cycles(n):
+        for i in range(n):
+            dev = i % 2
+            ok(lib.cudaSetDevice(dev))
+            s = stream(lib, flags=i % 3 == 0)
+            ok(lib.cudaMemsetAsync(d1 if dev else d0, i & 0xFF, 64, s))
+            if dev:
+                ok(lib.cudaEventRecord(e, s))
+            ok(lib.cudaStreamDestroy(s))
+
+    R = cudart.runtime()
+    cycles(500)                                          # warm up: free lists, caches
+    live = [stream(lib) for _ in range(3)]               # three live streams on device 1
+    ok(lib.cudaSetDevice(0))
+    ok(lib.cudaDeviceSynchronize())
+    gc.collect()
+    before = _tracked(R)
+    tracemalloc.start()
+    try:
+        snap = tracemalloc.take_snapshot()
+        cycles(5000)
+        gc.collect()
+        grown = sum(st.size_diff for st in tracemalloc.take_snapshot().compare_to(snap, "filename"))
+    finally:
+        tracemalloc.stop()
+    after = _tracked(R)
+    # queues: one legacy per device + the live streams; nothing per destroyed stream
+    assert after == before, (before, after)
+    assert after[0] == len(R.devices) + len(live)
+    assert grown < 64 * 1024, f"{grown} bytes kept after 5,000 stream cycles"
+
+
+def test_per_thread_default_streams_of_finished_threads_are_forgotten(lib):
+    from accel.sim import cudart
+    d = malloc(lib, 64)
+
+    def use_per_thread_stream():
+        ok(lib.cudaMemsetAsync(d, 1, 64, ffi.cast("cudaStream_t", 2)))    # cudaStreamPerThread
+        ok(lib.cudaStreamSynchronize(ffi.cast("cudaStream_t", 2)))
+    for _ in range(50):
+        t = threading.Thread(target=use_per_thread_stream)
+        t.start()
+        t.join()
+    stream(lib)                                      # any later stream creation sweeps them
+    R = cudart.runtime()
+    assert _tracked(R)[:3] == (len(R.devices) + 1, len(R.devices) + 1, 0), _tracked(R)

@@ -38,27 +38,46 @@ Point = Tuple["Queue", int]
 class Engine:
     """One lock for all queues of a simulated runtime, plus their error sink."""
 
-    def __init__(self, on_error: Callable[["Queue", BaseException], None]):
+    def __init__(self, on_error: Callable[["Queue", BaseException], None],
+                 on_retire: Optional[Callable[["Queue"], None]] = None):
         self.lock = threading.Lock()
         self.closed = False
         self.on_error = on_error
-        self.queues = []            # every queue ever made (for shutdown)
+        self.on_retire = on_retire  # called (lock held) when a closed queue has drained
+        self.queues = {}            # live and draining queues (dict as an ordered set; for shutdown)
 
     def queue(self, label: str, owner=None) -> "Queue":
         q = Queue(self, label, owner)
         with self.lock:
             queues = self.queues
-            if len(queues) % 256 == 255:    # forget destroyed, drained queues now and then
-                queues[:] = [x for x in queues if not (x.closed and x.done >= x.enqueued and x.worker is None)]
-            queues.append(q)
+            if len(queues) % 256 == 255:
+                # Queues closed by setting ``closed`` directly (not through close()) and already
+                # drained are forgotten here now and then.
+                for x in [x for x in queues if x.closed and x.done >= x.enqueued and x.worker is None]:
+                    self._retire(x)
+            queues[q] = None
         return q
+
+    def close(self, q: "Queue") -> None:
+        """No more work will be submitted to ``q`` (its stream was destroyed): the queued work
+        still runs, then the engine forgets the queue.  Call with the lock held."""
+        q.closed = True
+        if q.done >= q.enqueued:
+            self._retire(q)
+        if q._waiting:
+            q.cv.notify_all()       # an idle worker exits now
+
+    def _retire(self, q: "Queue") -> None:
+        # State is bounded by live queues: a drained closed queue leaves every table.
+        if self.queues.pop(q, 0) is None and self.on_retire is not None:
+            self.on_retire(q)
 
     def shutdown(self, join_timeout: float = 2.0) -> None:
         """Abandon queued work, wake every waiter, stop the workers."""
         with self.lock:
             self.closed = True
             workers = []
-            for q in self.queues:
+            for q in list(self.queues):
                 q.ops.clear()
                 q.done = q.enqueued
                 q.cv.notify_all()
@@ -221,5 +240,7 @@ def _worker(q: Queue) -> None:
                 q.done = seq
             if q._waiting:
                 q.cv.notify_all()
+            if q.closed and q.done >= q.enqueued:
+                engine._retire(q)
         if err is not None:
             engine.on_error(q, err)

@@ -147,7 +147,7 @@ class Device:
         self.used = 0               # cudaMalloc'd bytes (256-rounded)
         self.peak = 0
         self.legacy: Optional[Stream] = None
-        self.queues: List[_engine.Queue] = []   # every queue of the device (device sync)
+        self.queues: Dict[_engine.Queue, None] = {}   # live and draining queues (device sync)
         self.blocking: List[Stream] = []        # live streams that synchronize with the legacy stream
         self.attrs: Optional[Dict[int, int]] = None
         self.peers: set = set()     # devices whose memory this one may access (cudaDeviceEnablePeerAccess)
@@ -275,7 +275,7 @@ class Runtime:
     def __init__(self, cfg: core.Config, forked: bool = False):
         self.cfg = cfg
         self.tls = _TLS()
-        self.engine = _engine.Engine(self._on_error)
+        self.engine = _engine.Engine(self._on_error, self._on_retire)
         self.lock = self.engine.lock
         self.mlock = threading.Lock()          # device memory accounting
         self.clock = threading.RLock()         # capture bookkeeping
@@ -285,6 +285,7 @@ class Runtime:
         # Handle values of destroyed streams/events, reused last-freed-first as the driver does.
         self.free_streams: List[int] = []
         self.free_events: List[int] = []
+        self.dead_per_thread: List[Stream] = []     # per-thread streams of exited threads
         self.capture_ids = itertools.count(1)
         self.streams: Dict[object, object] = {}
         for k in (None, 0, 1, ffi.cast(_VOIDP, 0), ffi.cast(_VOIDP, 1)):
@@ -321,7 +322,7 @@ class Runtime:
             legacy = Stream(0, i, 0, 0, legacy=True)
             legacy.q = self.engine.queue(f"cuda{i}-legacy", legacy)
             d.legacy = legacy
-            d.queues.append(legacy.q)
+            d.queues[legacy.q] = None
             self.devices.append(d)
 
     # handle tables hold each object under its int handle and its void* cdata,
@@ -348,6 +349,12 @@ class Runtime:
     def drop(table, obj) -> None:
         table.pop(obj.handle, None)
         table.pop(obj.key, None)
+
+    def _on_retire(self, q: _engine.Queue) -> None:
+        # A destroyed stream's queue drained (engine lock held): the device forgets it too.
+        owner = q.owner
+        if owner is not None and 0 <= owner.device < len(self.devices):
+            self.devices[owner.device].queues.pop(q, None)
 
     def _on_error(self, q: _engine.Queue, exc: BaseException) -> None:
         owner = q.owner
@@ -509,19 +516,36 @@ def _stream(R: Runtime, x):
     return None
 
 
+class _PerThreadStreams(dict):
+    """{device: Stream} of cudaStreamPerThread for one host thread.  When the thread exits its
+    thread-local state goes, and these streams are handed to the runtime to close (a plain
+    list.append: a finalizer must not take a lock the collecting thread may hold)."""
+
+    __slots__ = ("dead",)
+
+    def __init__(self, dead: list):
+        super().__init__()
+        self.dead = dead
+
+    def __del__(self):
+        self.dead.extend(self.values())
+
+
 def _per_thread_stream(R: Runtime) -> Stream:
     tls = R.tls
     d = tls.device
     table = tls.per_thread
     if table is None:
-        table = tls.per_thread = {}
+        table = tls.per_thread = _PerThreadStreams(R.dead_per_thread)
     s = table.get(d)
     if s is None:
+        if R.dead_per_thread:
+            _sweep_finished_threads(R)
         s = Stream(R.new_handle(), d, 0, 0)
         s.q = R.engine.queue(f"cuda{d}-per-thread-{threading.get_ident():x}", s)
         dev = R.devices[d]
         with R.lock:
-            dev.queues.append(s.q)
+            dev.queues[s.q] = None
             dev.blocking.append(s)
         table[d] = s
     return s
@@ -616,16 +640,9 @@ def _enqueue(R: Runtime, s: Stream, fn, kind: str, label: str, work: bool = True
 
 
 def _wait_device(R: Runtime, device: int) -> None:
-    dev = R.devices[device]
-    pruned = False
-    for q in dev.queues:
+    for q in list(R.devices[device].queues):
         if q.done < q.enqueued:
             q.wait()
-        if q.closed:
-            pruned = True
-    if pruned:      # forget destroyed streams once they drained
-        with R.lock:
-            dev.queues[:] = [q for q in dev.queues if not (q.closed and q.done >= q.enqueued)]
 
 
 def _device_captures(R: Runtime, device: int) -> List[Capture]:
@@ -1208,13 +1225,15 @@ def cudaMemset(R, devPtr, value, count):
 def cudaStreamCreateWithPriority(R, pStream, flags, priority):
     if _is_null(pStream) or flags & ~_STREAM_NON_BLOCKING:
         return cudaErrorInvalidValue
+    if R.dead_per_thread:
+        _sweep_finished_threads(R)
     d = R.tls.device
     priority = min(_PRIORITY_LEAST, max(_PRIORITY_GREATEST, priority))
     s = Stream(R.new_handle(R.free_streams), d, flags, priority)
     s.q = R.engine.queue(f"cuda{d}-stream-{s.handle:#x}", s)
     dev = R.devices[d]
     with R.lock:
-        dev.queues.append(s.q)
+        dev.queues[s.q] = None
         if s.blocking:
             dev.blocking.append(s)
     Runtime.put(R.streams, s)
@@ -1233,6 +1252,10 @@ def cudaStreamCreate(R, pStream):
 def _destroy_stream(R: Runtime, s: Stream) -> None:
     Runtime.drop(R.streams, s)
     R.free_streams.append(s.handle)
+    _close_stream(R, s)
+
+
+def _close_stream(R: Runtime, s: Stream) -> None:
     s.destroyed = True
     if s.capture is not None:
         _invalidate(R, s.capture)
@@ -1240,8 +1263,19 @@ def _destroy_stream(R: Runtime, s: Stream) -> None:
     with R.lock:
         if s in dev.blocking:
             dev.blocking.remove(s)
-        s.q.closed = True      # the worker drains what is queued, then exits
-        s.q.cv.notify_all()
+        R.engine.close(s.q)     # queued work still runs; then the engine and device forget it
+
+
+def _sweep_finished_threads(R: Runtime) -> None:
+    """Close the per-thread default streams of threads that have exited (queued by
+    _PerThreadStreams.__del__, which takes no lock), so they leave every table."""
+    dead = R.dead_per_thread
+    while dead:
+        try:
+            s = dead.pop()
+        except IndexError:
+            break
+        _close_stream(R, s)
 
 
 def cudaStreamDestroy(R, stream):
