@@ -187,7 +187,7 @@ def main(argv=None) -> int:
               "platform": platform.platform(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "dry_run": bool(args.allow_sim), "quick": args.quick, "device": args.device,
               "env": {k: v for k, v in os.environ.items()
-                      if k.startswith(("ACCEL_", "CUDA_VISIBLE_DEVICES", "ZE_AFFINITY_MASK"))}}
+                      if k.startswith(("ACCEL_", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "ZE_AFFINITY_MASK"))}}
     try:
         available = accel.is_available()
     except Exception as exc:  # noqa: BLE001 - a broken backend still gets a report
