@@ -38,6 +38,9 @@ Semantics chosen where CUDA leaves room (see also ``accel/sim/__init__.py``):
   NULL graph.  Pageable-memory copies during capture are refused
   (cudaErrorStreamCaptureUnsupported).  Waits on external events
   (cudaEventWaitExternal) are accepted and replay as no-ops.
+* Strictness rules (launch device, peer access, sticky errors, unsafe calls
+  during capture, recycled handles, fork after init, shared-memory opt-in,
+  context memory) are listed with their citations in ``accel/sim/README.md``.
 * Graph replay runs the captured nodes in capture order (a topological
   order) as one operation on the launch stream, with the argument values
   captured at record time.
