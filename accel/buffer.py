@@ -235,7 +235,7 @@ class Buffer:
         if not isinstance(stream, Stream):
             raise TypeError(f"record_stream expects an accel.Stream, got {type(stream).__name__}")
         if self._nbytes and stream != self._stream:
-            _memory().device_allocator(self._index).record_stream(self._ptr, stream.handle)
+            _memory().device_allocator(self._index).record_stream(self._ptr, stream.handle, stream.device_index)
 
     # -- interop -----------------------------------------------------------------
     @property
