@@ -444,3 +444,18 @@ def test_per_thread_default_streams_of_finished_threads_are_forgotten(lib):
     stream(lib)                                      # any later stream creation sweeps them
     R = cudart.runtime()
     assert _tracked(R)[:3] == (len(R.devices) + 1, len(R.devices) + 1, 0), _tracked(R)
+
+
+def test_busy_destroyed_streams_are_forgotten_once_their_work_ran(lib):
+    from accel.sim import cudart
+    sim.configure(delay_us=1)                    # all work goes through the stream workers
+    R = cudart.runtime() or (lib.cudaGetDeviceCount(ffi.new("int *")), cudart.runtime())[1]
+    before = _tracked(R)
+    d = malloc(lib, 1 << 16)
+    for _ in range(40):
+        s = stream(lib, flags=0)
+        for _ in range(3):
+            ok(lib.cudaMemsetAsync(d, 1, 1 << 16, s))
+        ok(lib.cudaStreamDestroy(s))             # work still queued: the queue drains, then goes
+    ok(lib.cudaDeviceSynchronize())
+    assert _tracked(R) == before
