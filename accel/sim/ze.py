@@ -173,7 +173,11 @@ class _Obj:
     __slots__ = ("key", "kind", "live")
 
     def __init__(self, kind: str):
-        self.key = ffi.cast(_VOIDP, _free_handles.pop() if _free_handles else next(_handle_numbers))
+        try:
+            value = _free_handles.pop()   # atomic: two threads never get the same value
+        except IndexError:
+            value = next(_handle_numbers)
+        self.key = ffi.cast(_VOIDP, value)
         self.kind = kind
         self.live = True
 
