@@ -68,6 +68,8 @@ def check_invariants(alloc, be):
     # free lists: sorted, exactly the free blocks, each in its own list
     listed = set()
     all_lists = list(alloc._general.values()) + [l for p in alloc._private.values() for l in p.lists.values()]
+    all_lists += [pair for entry in alloc._pending_events if type(entry[2]) is _caching._Retired
+                  for _, pair in entry[2].lists]           # a destroyed stream's, waiting for its work
     for pair in all_lists:
         for fl in pair:
             assert fl.keys == sorted(fl.keys)

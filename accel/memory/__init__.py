@@ -26,8 +26,9 @@ import threading
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Tuple
 
-from .. import _lazy, backends
+from .. import _lazy, backends, streams
 from ..streams import on_device
+from . import _caching
 from ._caching import DeviceCachingAllocator
 from ._host import HostCachingAllocator
 
@@ -50,6 +51,7 @@ def _reset() -> None:
         _allocators.clear()
         _host = None
         _history = None
+        _caching._forget_captures()
 
 
 def _after_fork_in_child() -> None:
@@ -61,8 +63,20 @@ def _after_fork_in_child() -> None:
     _reset()
 
 
+def _forget_stream(backend, index: int, handle: int, blocking: bool) -> bool:
+    # accel.streams calls this just before destroying an owned stream (see on_stream_destroy)
+    for alloc in list(_allocators.values()):
+        if alloc._be is backend and not alloc.forget_stream(handle, index, blocking):
+            return False
+    host = _host
+    if host is not None and host._be is backend and not host.forget_stream(handle, index, blocking):
+        return False
+    return True
+
+
 _lazy.register_reset_hook(_reset)
 os.register_at_fork(after_in_child=_after_fork_in_child)
+streams.on_stream_destroy(_forget_stream)
 
 
 def device_allocator(device_index: int) -> DeviceCachingAllocator:

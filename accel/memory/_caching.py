@@ -30,6 +30,18 @@ baseline and selectable with ``ACCEL_ALLOC_CONF=policy:torch``.  The default
 On the shared training traces this keeps peak reserved within 6 % of peak
 allocated (PyTorch's rules: 4-32 %); see ``tools/replay_trace.py``.
 
+Streams are forgotten when they are destroyed (``forget_stream``, called by
+``accel.streams`` just before the handle is destroyed, because the driver
+hands the value to the next stream): an event is recorded on the dying
+stream, its free lists are set aside until that event completes, and then
+join the device's default-stream lists.  Nothing stays keyed by a dead
+handle, so a new stream with a recycled handle inherits nothing.
+
+While any stream capture is underway, events are neither queried nor
+synchronized and no memory goes back to the device (those calls would
+invalidate a global-mode capture); frees that need events are deferred and
+handled once no capture is underway, as torch does.
+
 The hot path (a cache hit) takes one lock, one ``bisect`` and one ``insort``,
 and updates all hot statistics with a couple of big-int additions (see
 ``_stats.LANE``), memoized per size since training repeats its sizes.
@@ -76,6 +88,52 @@ _POOL_SHIFT = {_SMALL: 5 * 64, _LARGE: 10 * 64}
 _ISPLIT = 192            # bit offset of the inactive-split lanes within a pool
 _MEMO_LIMIT = 4096
 
+# Captures begun through begin_allocate_to_pool, not yet ended, over every allocator
+# of the process: a global-mode capture on one device forbids event queries on all.
+_captures_lock = threading.Lock()
+_pool_captures = 0
+
+
+def capture_underway(backend) -> bool:
+    """True while a stream capture is underway in this process (begun by accel's
+    graphs, or through ``backend``): event queries and synchronizes, device
+    frees and synchronous work would then invalidate a global-mode capture.
+    A capture begun by another library outside the backend is not seen."""
+    return _pool_captures > 0 or backend.captures_underway() > 0
+
+
+def _count_captures(n: int) -> None:
+    global _pool_captures
+    with _captures_lock:
+        _pool_captures += n
+
+
+def _forget_captures() -> None:
+    """The allocators were dropped (lazy reset, fork): so were their captures."""
+    global _pool_captures
+    _pool_captures = 0
+
+
+class _Gate:
+    """A use of a block by a stream that was destroyed since: the event recorded on it
+    just before the destroy (the handle may already name another stream)."""
+
+    __slots__ = ("event", "device")
+
+    def __init__(self, event, device):
+        self.event = event
+        self.device = device
+
+
+class _Retired:
+    """Free lists of a destroyed stream, waiting for the work it had queued (one event)."""
+
+    __slots__ = ("lists", "events")
+
+    def __init__(self, lists):
+        self.lists = lists          # [(owner pool or None, (small, large))]
+        self.events = 1
+
 
 class _Block:
     __slots__ = ("ptr", "size", "requested", "stat", "undo", "pool", "prev", "next", "state", "uses",
@@ -91,7 +149,7 @@ class _Block:
         self.requested = 0
         self.stat = 0         # packed counters this allocation added (see _LANES)
         self.undo = 0         # see malloc's whole-segment split
-        self.uses = None      # set of other streams the block was used on (record_stream)
+        self.uses = None      # other uses (record_stream): (stream, device) pairs and _Gates
         self.events = 0       # outstanding events while pending
         self.frames = None    # allocation stack when history is recorded
 
@@ -100,10 +158,11 @@ class _FreeList:
     """Free blocks of one owner (general cache or a private pool), stream, and size class."""
 
     __slots__ = ("keys", "stream", "kind", "owner", "split_min", "shift", "alloc_deltas", "split_deltas",
-                 "watch_whole")
+                 "watch_whole", "segments")
 
     def __init__(self, stream, kind, owner, split_min, watch_whole):
         self.keys: List[int] = []
+        self.segments = 0              # segments whose blocks belong to this list
         self.stream = stream
         self.kind = kind
         self.owner = owner
@@ -192,11 +251,14 @@ class DeviceCachingAllocator:
         self._segments: Dict[int, int] = {}          # base ptr -> segment size
         self._general: Dict[int, Tuple[_FreeList, _FreeList]] = {}
         self._routes: Dict[int, _PrivatePool] = {}   # capturing stream -> private pool
+        self._origins: Dict[int, _PrivatePool] = {}  # streams of begin_allocate_to_pool
+        self._origin_ids: Dict[int, int] = {}        # origin stream -> its capture id, once known
         self._private: Dict[tuple, _PrivatePool] = {}
         self._pending: List[_Block] = []             # freed, waiting for events
-        self._pending_events: List[Tuple[int, _Block]] = []
+        self._pending_events: List[tuple] = []       # (event, device, _Block or _Retired)
         self._deferred: List[_Block] = []            # freed during capture, events not yet recorded
-        self._event_cache: List[int] = []
+        self._used_on: Dict[int, set] = {}           # stream -> blocks whose uses name it
+        self._event_cache: Dict[int, List[int]] = {}  # device -> completed events for reuse
         self._default_stream: Optional[int] = None
         self._history: Optional[deque] = None
         self._history_stacks = False
@@ -358,12 +420,14 @@ class DeviceCachingAllocator:
         """malloc's search while a capture routes allocations, blocks wait for events,
         an oversize limit is configured, or history is recorded."""
         pool = self._routes.get(stream)
+        if pool is None and self._origins:
+            pool = self._joined_pool(stream)
         if pool is not None:
             lists = pool.lists.get(stream) or self._new_lists(stream, pool)
         else:
             lists = self._general.get(stream) or self._new_lists(stream, None)
-            if self._pending and not self._routes:
-                self._process_events()
+        if (self._pending_events or self._deferred) and not capture_underway(self._be):
+            self._resume_events()
         fl = lists[size > SMALL_SIZE]
         return self._find(fl, size) or self._malloc_miss(size, nbytes, fl), fl
 
@@ -377,8 +441,27 @@ class DeviceCachingAllocator:
                 block.frames = _frames()
             self._trace("alloc", block.ptr, block.size, fl.stream)
 
+    def _joined_pool(self, stream: int) -> Optional[_PrivatePool]:
+        """The private pool of the capture ``stream`` joined through an event wait, if any
+        (torch maps cudaStreamGetCaptureInfo's capture id to the pool the same way)."""
+        capture_id = self._be.capture_id
+        ident = capture_id(stream)
+        if ident is None:
+            return None
+        for origin, pool in self._origins.items():
+            known = self._origin_ids.get(origin)
+            if known is None:
+                known = capture_id(origin)
+                if known is None:
+                    continue
+                self._origin_ids[origin] = known
+            if known == ident:
+                self._routes[stream] = pool
+                return pool
+        return None
+
     def _update_special(self) -> None:
-        self._special = bool(self._routes or self._pending or self._deferred or self._pow2
+        self._special = bool(self._routes or self._pending_events or self._pending or self._deferred or self._pow2
                              or self._history is not None or self._max_split != _config.UNLIMITED)
 
     def free(self, ptr: int) -> None:
@@ -440,19 +523,96 @@ class DeviceCachingAllocator:
         finally:
             lock.release()
 
-    def record_stream(self, ptr: int, stream: int) -> None:
-        """Mark the allocated block at ``ptr`` as used on ``stream``: after :meth:`free`
-        it is reused only once the work queued on ``stream`` by then has completed."""
+    def record_stream(self, ptr: int, stream: int, device_index: Optional[int] = None) -> None:
+        """Mark the allocated block at ``ptr`` as used on ``stream`` (of device
+        ``device_index``, default this allocator's): after :meth:`free` it is reused only
+        once the work queued on ``stream`` by then has completed."""
+        device = self._index if device_index is None else device_index
         with self._lock:
             block = self._blocks.get(ptr)
             if block is None or block.state != _ALLOCATED:
                 raise self._not_allocated(ptr, block)
-            if stream == block.pool.stream:
+            if stream == block.pool.stream and device == self._index:
                 return
             if block.uses is None:
-                block.uses = {stream}
+                block.uses = {(stream, device)}
             else:
-                block.uses.add(stream)
+                block.uses.add((stream, device))
+            users = self._used_on.get(stream)
+            if users is None:
+                self._used_on[stream] = {block}
+            else:
+                users.add(block)
+
+    def forget_stream(self, stream: int, device_index: Optional[int] = None, blocking: bool = True) -> bool:
+        """``stream`` (of device ``device_index``, default this allocator's) is about to be
+        destroyed; the driver may give its handle value to the next stream.  Work it has
+        queued is covered by an event recorded now: blocks it used wait for that event,
+        and its free lists join the default stream's once the event completed.
+
+        With ``blocking=False`` (a finalizer) nothing waits for the lock: returns False
+        when the lock is busy, else True."""
+        if not self._lock.acquire(blocking):
+            return False
+        try:
+            self._forget_stream(stream, self._index if device_index is None else device_index)
+        finally:
+            self._lock.release()
+        return True
+
+    def _forget_stream(self, stream: int, device: int) -> None:
+        retire = []
+        lists = self._general.pop(stream, None)
+        if lists is not None and (lists[0].segments or lists[1].segments):
+            retire.append((None, lists))
+        for pool in self._private.values():
+            lists = pool.lists.pop(stream, None)
+            if lists is not None and (lists[0].segments or lists[1].segments):
+                retire.append((pool, lists))
+        self._routes.pop(stream, None)
+        users = self._used_on.pop(stream, None)
+        try:
+            if retire:
+                retired = _Retired(retire)
+                gate = self._cover(stream, device)
+                if gate is None:
+                    self._rehome(retired)
+                else:
+                    self._pending_events.append((gate.event, device, retired))
+            for block in users or ():
+                uses = block.uses
+                for use in [u for u in uses if type(u) is tuple and u[0] == stream]:
+                    gate = self._cover(stream, use[1])
+                    uses.discard(use)
+                    if gate is not None:
+                        uses.add(gate)
+        finally:
+            self._update_special()
+
+    def _cover(self, stream: int, device: int) -> Optional[_Gate]:
+        """An event recorded on ``stream`` now, or None when it could not be recorded but
+        the stream was synchronized instead (its work is done)."""
+        try:
+            return _Gate(self._record(stream, device), device)
+        except Exception:
+            if capture_underway(self._be):
+                raise       # synchronizing would invalidate the capture
+            with on_device(self._be, device):
+                self._be.stream_synchronize(stream)   # a second failure propagates
+            return None
+
+    def _record(self, stream: int, device: int) -> int:
+        """A (cached or new) event of ``device``, recorded on ``stream``."""
+        cache = self._event_cache.get(device)
+        be = self._be
+        with on_device(be, device):
+            event = cache.pop() if cache else be.event_create()
+            try:
+                be.event_record(event, stream)
+            except BaseException:
+                self._event_cache.setdefault(device, []).append(event)
+                raise
+        return event
 
     def begin_allocate_to_pool(self, pool_id: Tuple[int, int], stream: int) -> None:
         """From now on, allocations on ``stream`` come from private pool ``pool_id``
@@ -466,7 +626,9 @@ class DeviceCachingAllocator:
             if pool is None:
                 pool = self._private[pool_id] = _PrivatePool(pool_id)
             pool.use_count += 1
-            self._routes[stream] = pool
+            self._routes[stream] = self._origins[stream] = pool
+            self._origin_ids.pop(stream, None)
+            _count_captures(1)
             self._update_special()
 
     def end_allocate_to_pool(self, pool_id: Tuple[int, int]) -> None:
@@ -475,10 +637,12 @@ class DeviceCachingAllocator:
         with self._lock:
             for stream in [s for s, pool in self._routes.items() if pool.id == pool_id]:
                 del self._routes[stream]
-            if not self._routes and self._deferred:
-                deferred, self._deferred = self._deferred, []
-                for block in deferred:
-                    self._insert_events(block)
+            for stream in [s for s, pool in self._origins.items() if pool.id == pool_id]:
+                del self._origins[stream]
+                self._origin_ids.pop(stream, None)
+                _count_captures(-1)
+            if (self._deferred or self._pending_events) and not capture_underway(self._be):
+                self._resume_events()
             self._update_special()
 
     def release_pool(self, pool_id: Tuple[int, int]) -> None:
@@ -505,16 +669,16 @@ class DeviceCachingAllocator:
         """Return every unused cached segment to the device (after waiting for the
         events of pending blocks).  CaptureError while a capture allocates to a pool."""
         with self._lock:
-            if self._routes:
-                raise CaptureError("empty_cache() is not allowed while a graph capture is "
-                                   f"allocating from a private pool on device {self._index}")
+            if self._routes or capture_underway(self._be):
+                # synchronizing events and cudaFree would invalidate a global-mode capture
+                raise CaptureError("empty_cache() is not allowed while a stream capture is underway "
+                                   f"(device {self._index}'s allocator); call it after capture_end()")
             self._synchronize_and_free_events()
             self._release_segments()
-            if self._event_cache:
-                with self._on_device():
-                    for event in self._event_cache:
-                        self._be.event_destroy(event)
-                self._event_cache.clear()
+            for device, events in self._event_cache.items():
+                with on_device(self._be, device):
+                    while events:
+                        self._be.event_destroy(events.pop())
 
     def stats(self) -> "dict":
         """The torch.cuda.memory_stats() keys as an OrderedDict (sorted)."""
@@ -738,8 +902,8 @@ class DeviceCachingAllocator:
 
     def _malloc_miss(self, size: int, nbytes: int, fl: _FreeList) -> _Block:
         """No cached block fits: wait for pending blocks, grow, or free the cache and retry."""
-        capturing = bool(self._routes)
-        if self._pending and not capturing:
+        capturing = capture_underway(self._be)
+        if self._pending_events and not capturing:
             self._process_events()
             block = self._find(fl, size)
             if block is not None:
@@ -748,7 +912,7 @@ class DeviceCachingAllocator:
         if not capturing:
             self._before_grow(seg_size)
         ptr = self._device_alloc(seg_size)
-        if ptr is None and (self._pending or self._deferred) and not capturing:
+        if ptr is None and (self._pending_events or self._deferred) and not capturing:
             self._synchronize_and_free_events()
             block = self._find(fl, size)
             if block is not None:
@@ -763,6 +927,7 @@ class DeviceCachingAllocator:
         block = _Block(ptr, seg_size, fl, None, None)
         self._blocks[ptr] = block
         self._segments[ptr] = seg_size
+        fl.segments += 1
         kind = fl.kind
         self._count_up(SEGMENT, 1, kind)
         self._count_up(RESERVED_BYTES, seg_size, kind)
@@ -820,6 +985,9 @@ class DeviceCachingAllocator:
             with self._on_device():
                 ptr = self._be.mem_alloc(nbytes)
         except OutOfMemoryError:
+            # handled here (free the cache and retry, or a torch-style OOM): leave no stale
+            # cudaErrorMemoryAllocation for another library's next error check
+            self._be.clear_error()
             return None
         self._scalars["num_device_alloc"] += 1
         return ptr
@@ -852,6 +1020,7 @@ class DeviceCachingAllocator:
                 del fl.keys[bisect_left(fl.keys, block.size << _SHIFT | block.ptr)]
                 del self._blocks[block.ptr]
                 del self._segments[block.ptr]
+                fl.segments -= 1
                 self._be.mem_free(block.ptr)
                 self._scalars["num_device_free"] += 1
                 self._count_down(SEGMENT, 1, fl.kind)
@@ -864,6 +1033,8 @@ class DeviceCachingAllocator:
             self._forget_private_if_empty(pool)
 
     def _apply_release_threshold(self) -> None:
+        if capture_underway(self._be):
+            return        # cudaFree would invalidate the capture; the next free does it
         cached = sum(block.size for block in self._whole_free_segments())
         if cached > self._release_threshold:
             self._release_until(cached - self._release_threshold, largest_first=True)
@@ -875,22 +1046,85 @@ class DeviceCachingAllocator:
         for k in (0, p):
             self._pend[k] += 1
             self._pend[3 + k] += block.size
-        if self._routes:
-            # Events recorded during capture cannot be queried; torch defers them too.
+        if capture_underway(self._be):
+            # An event recorded on a capturing stream cannot be queried afterwards, and none
+            # may be queried now; torch defers them too (insert_events_deferred_until_no_capture).
             self._deferred.append(block)
-        else:
+            self._update_special()
+            return
+        try:
             self._insert_events(block)
-        self._update_special()
+        finally:
+            self._update_special()
 
     def _insert_events(self, block: _Block) -> None:
-        with self._on_device():
-            for stream in block.uses:
-                event = self._event_cache.pop() if self._event_cache else self._be.event_create()
-                self._be.event_record(event, stream)
-                self._pending_events.append((event, block))
-                block.events += 1
-        block.uses = None
+        """Record an event on every stream that used the freed ``block``; it is reused once
+        they all completed.  A stream whose event cannot be recorded is synchronized
+        instead; if that fails too, the error propagates and the block is never reused."""
+        uses, block.uses = block.uses, None
         self._pending.append(block)
+        error = None
+        for use in uses:
+            if type(use) is _Gate:
+                self._pending_events.append((use.event, use.device, block))
+                block.events += 1
+                continue
+            stream, device = use
+            users = self._used_on.get(stream)
+            if users is not None:
+                users.discard(block)
+                if not users:
+                    del self._used_on[stream]
+            try:
+                event = self._record(stream, device)
+            except Exception as exc:
+                error = error or exc
+                try:
+                    with on_device(self._be, device):
+                        self._be.stream_synchronize(stream)
+                except Exception:
+                    block.events += 1       # stays pending: nothing tells when the use ends
+                continue
+            self._pending_events.append((event, device, block))
+            block.events += 1
+        if block.events == 0:
+            self._complete(block)
+        if error is not None:
+            raise error
+
+    def _done(self, item) -> None:
+        if type(item) is _Retired:
+            self._rehome(item)
+        else:
+            self._complete(item)
+
+    def _rehome(self, retired: _Retired) -> None:
+        """The destroyed stream's work completed: its segments join the default stream's lists."""
+        default = self._get_default_stream()
+        for owner, pair in retired.lists:
+            lists = owner.lists if owner is not None else self._general
+            targets = lists.get(default) or self._new_lists(default, owner)
+            for fl, target in zip(pair, targets):
+                if not fl.segments:
+                    continue
+                for base in self._segments:
+                    block = self._blocks[base]
+                    if block.pool is fl:
+                        while block is not None:
+                            block.pool = target
+                            block = block.next
+                target.segments += fl.segments
+                fl.segments = 0
+                if fl.keys:
+                    target.keys[:] = sorted(target.keys + fl.keys)
+                    fl.keys.clear()
+            if owner is not None and owner.use_count == 0:   # a released pool: see release_pool
+                for fl in targets:
+                    for key in list(fl.keys):
+                        block = self._blocks[key & _MASK]
+                        if block.prev is None and block.next is None:
+                            self._move_to_general(block)
+                self._forget_private_if_empty(owner)
 
     def _complete(self, block: _Block) -> None:
         if self._history is not None:
@@ -903,36 +1137,56 @@ class DeviceCachingAllocator:
         self._free_block(block, 0)
         self._update_special()
 
+    def _resume_events(self) -> None:
+        """No capture is underway (any more): record the events of frees deferred during
+        one, and free pending blocks whose events completed."""
+        while self._deferred:
+            self._insert_events(self._deferred.pop())
+        if self._pending_events:
+            self._process_events()
+        self._update_special()
+
     def _process_events(self) -> None:
-        """Free pending blocks whose events have all completed (non-blocking)."""
-        remaining = []
+        """Free pending blocks whose events have all completed (non-blocking).  Never
+        called while a capture is underway (a query would invalidate it)."""
+        events, self._pending_events = self._pending_events, []
         query = self._be.event_query
-        for event, block in self._pending_events:
-            if query(event):
-                self._event_cache.append(event)
-                block.events -= 1
-                if block.events == 0:
-                    self._complete(block)
-            else:
-                remaining.append((event, block))
-        self._pending_events = remaining
+        try:
+            while events:
+                entry = events[-1]
+                if query(entry[0]):
+                    events.pop()
+                    self._event_cache.setdefault(entry[1], []).append(entry[0])
+                    item = entry[2]
+                    item.events -= 1
+                    if item.events == 0:
+                        self._done(item)
+                else:
+                    self._pending_events.append(events.pop())
+        finally:
+            self._pending_events += events
 
     def _synchronize_and_free_events(self) -> None:
         """Wait for every pending block's events and free the blocks (torch's
-        synchronize_and_free_events; counted in num_sync_all_streams)."""
-        deferred, self._deferred = self._deferred, []
-        for block in deferred:
-            self._insert_events(block)
+        synchronize_and_free_events; counted in num_sync_all_streams).  Never called
+        while a capture is underway."""
+        while self._deferred:
+            self._insert_events(self._deferred.pop())
         if not self._pending_events:
             return
         self._scalars["num_sync_all_streams"] += 1
         events, self._pending_events = self._pending_events, []
-        for event, block in events:
-            self._be.event_synchronize(event)
-            self._event_cache.append(event)
-            block.events -= 1
-            if block.events == 0:
-                self._complete(block)
+        try:
+            while events:
+                event, device, item = events[-1]
+                self._be.event_synchronize(event)
+                events.pop()
+                self._event_cache.setdefault(device, []).append(event)
+                item.events -= 1
+                if item.events == 0:
+                    self._done(item)
+        finally:
+            self._pending_events += events
 
     # ------------------------------------------------------------------ private pools
     def _new_lists(self, stream: int, owner: Optional[_PrivatePool]) -> Tuple[_FreeList, _FreeList]:
@@ -951,6 +1205,8 @@ class DeviceCachingAllocator:
         lists = self._general.get(fl.stream) or self._new_lists(fl.stream, None)
         target = lists[0] if fl.kind == _SMALL else lists[1]
         block.pool = target
+        fl.segments -= 1
+        target.segments += 1
         insort(target.keys, block.size << _SHIFT | block.ptr)
 
     def _forget_private_if_empty(self, pool: _PrivatePool) -> None:

@@ -6,18 +6,22 @@ shared MTLBuffer) in power-of-two sizes and are cached by size after
 ``record_stream``; at ``free`` an event is recorded on each such stream and
 the block is reused only after all of them completed.
 
-Events are created on the calling thread's current device, so call
-``record_stream``/``free`` with the stream's device current (``accel.Buffer``
-does).
+Events belong to a device and cudaEventRecord needs the event and the stream
+on the same one, so events are kept per device and created with the stream's
+device current; ``record_stream`` takes the stream's device (default: the
+current one).  As in the device allocator, a stream about to be destroyed is
+forgotten (``forget_stream``), events are neither queried nor recorded while
+a capture is underway, and frees that need events wait until it ended.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional
 
 from .._errors import OutOfMemoryError
-from ._caching import _check_size
+from ..streams import on_device
+from ._caching import _check_size, _Gate, capture_underway
 
 _MIN_SIZE = 512
 
@@ -41,8 +45,11 @@ class HostCachingAllocator:
         self._lock = threading.Lock()
         self._blocks: Dict[int, _HostBlock] = {}
         self._free: Dict[int, List[int]] = {}          # size -> ptrs ready for reuse
-        self._events: List[Tuple[int, _HostBlock]] = []
-        self._event_cache: List[int] = []
+        self._events: List[tuple] = []                 # (event, device, block)
+        self._deferred: List[_HostBlock] = []          # freed during a capture, events not recorded
+        self._stuck: List[_HostBlock] = []             # a use could be neither recorded nor waited for
+        self._used_on: Dict[int, set] = {}             # stream -> blocks whose uses name it
+        self._event_cache: Dict[int, List[int]] = {}   # device -> completed events for reuse
         self._stats = {"allocated_bytes": 0, "reserved_bytes": 0, "allocations": 0,
                        "segments": 0, "num_host_alloc": 0, "num_host_free": 0}
 
@@ -61,8 +68,8 @@ class HostCachingAllocator:
         size = max(_MIN_SIZE, 1 << (nbytes - 1).bit_length())
         be = self._backend()
         with self._lock:
-            if self._events:
-                self._process_events()
+            if (self._events or self._deferred) and not capture_underway(be):
+                self._resume_events()
             ready = self._free.get(size)
             if ready:
                 block = self._blocks[ready.pop()]
@@ -70,6 +77,9 @@ class HostCachingAllocator:
                 try:
                     ptr = be.host_alloc(size)
                 except OutOfMemoryError:
+                    be.clear_error()            # handled: no stale error for another library
+                    if capture_underway(be):
+                        raise                   # cudaFreeHost would invalidate the capture
                     self._release_free()
                     ptr = be.host_alloc(size)   # a second failure propagates
                 block = self._blocks[ptr] = _HostBlock(ptr, size)
@@ -93,62 +103,158 @@ class HostCachingAllocator:
             block.allocated = False
             self._stats["allocated_bytes"] -= block.size
             self._stats["allocations"] -= 1
-            if block.uses:
-                be = self._be
-                for stream in block.uses:
-                    event = self._event_cache.pop() if self._event_cache else be.event_create()
-                    be.event_record(event, stream)
-                    self._events.append((event, block))
-                    block.events += 1
-                block.uses = None
-            else:
+            if not block.uses:
                 self._free.setdefault(block.size, []).append(ptr)
+            elif capture_underway(self._be):
+                self._deferred.append(block)   # see _caching: no events during a capture
+            else:
+                self._insert_events(block)     # a failure raises; the block is not lost
 
-    def record_stream(self, ptr: int, stream: int) -> None:
-        """The allocated block at ``ptr`` is used by work on ``stream``: after
-        :meth:`free` it waits for that work before being reused."""
+    def record_stream(self, ptr: int, stream: int, device_index: Optional[int] = None) -> None:
+        """The allocated block at ``ptr`` is used by work on ``stream`` (of device
+        ``device_index``, default the current device): after :meth:`free` it waits
+        for that work before being reused."""
+        be = self._backend()
+        device = be.get_device() if device_index is None else device_index
         with self._lock:
             block = self._blocks.get(ptr)
             if block is None or not block.allocated:
                 raise self._not_allocated(ptr, block)
             if block.uses is None:
-                block.uses = {stream}
+                block.uses = {(stream, device)}
             else:
-                block.uses.add(stream)
+                block.uses.add((stream, device))
+            users = self._used_on.get(stream)
+            if users is None:
+                self._used_on[stream] = {block}
+            else:
+                users.add(block)
+
+    def forget_stream(self, stream: int, device_index: int, blocking: bool = True) -> bool:
+        """``stream`` of device ``device_index`` is about to be destroyed (its handle may
+        name the next stream): blocks it used wait for an event recorded on it now.
+        Returns False, doing nothing, when ``blocking`` is False and the lock is busy."""
+        if not self._lock.acquire(blocking):
+            return False
+        try:
+            for block in self._used_on.pop(stream, ()):
+                uses = block.uses
+                for use in [u for u in uses if type(u) is tuple and u[0] == stream]:
+                    try:
+                        gate = _Gate(self._record(stream, use[1]), use[1])
+                    except Exception:
+                        if capture_underway(self._be):
+                            raise       # synchronizing would invalidate the capture
+                        with on_device(self._be, use[1]):
+                            self._be.stream_synchronize(stream)   # a second failure propagates
+                        gate = None
+                    uses.discard(use)
+                    if gate is not None:
+                        uses.add(gate)
+        finally:
+            self._lock.release()
+        return True
 
     def empty_cache(self) -> None:
-        """Unpin every cached block whose work has completed (never waits)."""
+        """Unpin every cached block whose work has completed (never waits).  Does nothing
+        while a capture is underway (event queries and cudaFreeHost would invalidate it)."""
         with self._lock:
-            if self._events:
-                self._process_events()
-            self._release_free()
             be = self._be
-            for event in self._event_cache:
-                be.event_destroy(event)
-            self._event_cache.clear()
+            if be is None or capture_underway(be):
+                return
+            self._resume_events()
+            self._release_free()
+            for device, events in self._event_cache.items():
+                with on_device(be, device):
+                    while events:
+                        be.event_destroy(events.pop())
 
     def stats(self) -> dict:
         """Bytes and counts: allocated_bytes, reserved_bytes, allocations, segments,
         num_host_alloc, num_host_free, pending (blocks waiting for events)."""
         with self._lock:
             out = dict(self._stats)
-            out["pending"] = len({id(b) for _, b in self._events})
+            out["pending"] = len({id(b) for _, _, b in self._events} | {id(b) for b in self._deferred}
+                                 | {id(b) for b in self._stuck})
             return out
 
+    def _record(self, stream: int, device: int) -> int:
+        """A (cached or new) event of ``device``, recorded on ``stream``."""
+        be = self._be
+        cache = self._event_cache.get(device)
+        with on_device(be, device):
+            event = cache.pop() if cache else be.event_create()
+            try:
+                be.event_record(event, stream)
+            except BaseException:
+                self._event_cache.setdefault(device, []).append(event)
+                raise
+        return event
+
+    def _insert_events(self, block: _HostBlock) -> None:
+        """Record an event on every stream that used ``block``.  A stream whose event
+        cannot be recorded is synchronized instead; if that fails too, the block is set
+        aside (never reused, unpinned by empty_cache) and the error propagates."""
+        uses, block.uses = block.uses, None
+        error = None
+        stuck = False
+        for use in uses:
+            if type(use) is _Gate:
+                self._events.append((use.event, use.device, block))
+                block.events += 1
+                continue
+            stream, device = use
+            users = self._used_on.get(stream)
+            if users is not None:
+                users.discard(block)
+                if not users:
+                    del self._used_on[stream]
+            try:
+                event = self._record(stream, device)
+            except Exception as exc:
+                error = error or exc
+                try:
+                    with on_device(self._be, device):
+                        self._be.stream_synchronize(stream)
+                except Exception:
+                    stuck = True
+                continue
+            self._events.append((event, device, block))
+            block.events += 1
+        if stuck:
+            self._stuck.append(block)
+        elif block.events == 0:
+            self._free.setdefault(block.size, []).append(block.ptr)
+        if error is not None:
+            raise error
+
+    def _resume_events(self) -> None:
+        while self._deferred:
+            self._insert_events(self._deferred.pop())
+        if self._events:
+            self._process_events()
+
     def _process_events(self) -> None:
-        remaining = []
+        events, self._events = self._events, []
         query = self._be.event_query
-        for event, block in self._events:
-            if query(event):
-                self._event_cache.append(event)
-                block.events -= 1
-                if block.events == 0:
-                    self._free.setdefault(block.size, []).append(block.ptr)
-            else:
-                remaining.append((event, block))
-        self._events = remaining
+        try:
+            while events:
+                event, device, block = events[-1]
+                if query(event):
+                    events.pop()
+                    self._event_cache.setdefault(device, []).append(event)
+                    block.events -= 1
+                    if block.events == 0 and block not in self._stuck:
+                        self._free.setdefault(block.size, []).append(block.ptr)
+                else:
+                    self._events.append(events.pop())
+        finally:
+            self._events += events
 
     def _release_free(self) -> None:
+        for block in [b for b in self._stuck if not b.events]:
+            self._stuck.remove(block)
+            self._free.setdefault(block.size, []).append(block.ptr)
         for ptrs in self._free.values():
             for ptr in ptrs:
                 block = self._blocks.pop(ptr)
