@@ -224,7 +224,11 @@ def test_sim_recycled_handle_does_not_inherit_blocks(sim_cuda, monkeypatch):
     # The driver hands h to the next stream it creates; the allocator must not give it
     # the dead stream's block while that stream's fill may still be running.
     assert alloc.malloc(MiB, h) != ptr
+    t = accel.Stream(1)
+    if t.handle == h:                             # the simulator recycles, as the driver does
+        assert accel.Buffer(MiB, stream=t).ptr != ptr
     accel.synchronize()
+    t.close()
 
 
 # ---------------------------------------------------------------------------- captures underway
