@@ -151,13 +151,14 @@ def _fill_here(backend, index: int, buf, plan: "_fills.Plan", generator, stream)
             kernel = None
     if kernel is None:
         values = plan.host(args.seed, args.offset)
-        _copy_to_device(backend, ptr, values, stream.handle)
+        _copy_to_device(backend, ptr, values, stream.handle, index)
     if stream != buf.stream:
         buf.record_stream(stream)
 
 
-def _copy_to_device(backend, dst: int, values, stream: int) -> None:
-    """Queue a copy of the numpy array ``values`` to ``dst`` on ``stream`` via pinned staging."""
+def _copy_to_device(backend, dst: int, values, stream: int, device_index: int) -> None:
+    """Queue a copy of the numpy array ``values`` to ``dst`` on ``stream`` (of device
+    ``device_index``) via pinned staging."""
     from .. import memory
     from .._hostmem import copy_into
     view = memoryview(values).cast("B")
@@ -166,7 +167,7 @@ def _copy_to_device(backend, dst: int, values, stream: int) -> None:
     try:
         copy_into(staging, view)
         backend.memcpy_async(dst, staging, view.nbytes, stream)
-        host.record_stream(staging, stream)
+        host.record_stream(staging, stream, device_index)
     finally:
         host.free(staging)
 
@@ -192,7 +193,7 @@ def _write_state_here(backend, device_index, seed_ptr, offset_ptr, seed, offset,
             _give_up_kernels(backend, device_index, exc)
     import numpy as np
     if offset_ptr == seed_ptr + 8:
-        _copy_to_device(backend, seed_ptr, np.array([seed, offset], dtype=np.uint64), stream)
+        _copy_to_device(backend, seed_ptr, np.array([seed, offset], dtype=np.uint64), stream, device_index)
     else:
-        _copy_to_device(backend, seed_ptr, np.array([seed], dtype=np.uint64), stream)
-        _copy_to_device(backend, offset_ptr, np.array([offset], dtype=np.uint64), stream)
+        _copy_to_device(backend, seed_ptr, np.array([seed], dtype=np.uint64), stream, device_index)
+        _copy_to_device(backend, offset_ptr, np.array([offset], dtype=np.uint64), stream, device_index)
