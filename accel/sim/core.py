@@ -47,6 +47,11 @@ class Config:
     opening that library fail like a missing shared library; ``driver``
     False simulates a runtime installed without a driver
     (cudaErrorInsufficientDriver, NVML_ERROR_DRIVER_NOT_LOADED).
+    ``runtime_version`` is the simulated libcudart's CUDA version (it exposes
+    exactly the functions of that real runtime: ``sim/cudart_symbols``) and
+    ``driver_version`` the CUDA version the driver supports (NVML
+    nvmlSystemGetCudaDriverVersion_v2, cudaDriverGetVersion), both as
+    ``1000 * major + 10 * minor`` (13000, 12040).
     """
 
     devices: int = 2
@@ -57,6 +62,30 @@ class Config:
     nvml: bool = True
     cudart: bool = True
     driver: bool = True
+    runtime_version: int = 13000
+    driver_version: int = 13000
+
+
+#: Runtime versions the simulator can play: those with a committed export list.
+RUNTIME_VERSIONS = (12040, 12080, 13000)
+
+
+def parse_cuda_version(text, what: str) -> int:
+    """``"12.4"`` / ``"13.0"`` / ``"12040"`` / 12040 -> 12040 (1000 * major + 10 * minor)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        m = re.match(r"^\s*(\d+)\.(\d+)\s*$", str(text))
+        if m:
+            value = 1000 * int(m.group(1)) + 10 * int(m.group(2))
+        elif re.match(r"^\s*\d{4,6}\s*$", str(text)):
+            value = int(text)
+        else:
+            raise ValueError(f"{what}={text!r} is not a CUDA version; use MAJOR.MINOR (e.g. '12.4') or "
+                             f"1000*major+10*minor (e.g. 12040)")
+    if value < 1000:
+        raise ValueError(f"{what}={text!r} is not a CUDA version (1000*major+10*minor, e.g. 12040)")
+    return value
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
@@ -107,6 +136,10 @@ def _env_config() -> Config:
             kw["delay_us"] = float(raw)
         except ValueError:
             raise ValueError(f"ACCEL_SIM_DELAY_US={raw!r} is not a number of microseconds") from None
+    for var, key in (("ACCEL_SIM_CUDA_RUNTIME", "runtime_version"), ("ACCEL_SIM_CUDA_DRIVER", "driver_version")):
+        raw = env.get(var)
+        if raw and raw.strip():
+            kw[key] = parse_cuda_version(raw, var)
     return _validated(Config(**kw))
 
 
@@ -117,6 +150,12 @@ def _validated(cfg: Config) -> Config:
         raise ValueError(f"simulated memory per device must be a positive byte count, got {cfg.memory!r}")
     if cfg.delay_us < 0:
         raise ValueError(f"delay_us must be >= 0, got {cfg.delay_us!r}")
+    if cfg.runtime_version not in RUNTIME_VERSIONS:
+        known = ", ".join(f"{v // 1000}.{v % 1000 // 10}" for v in RUNTIME_VERSIONS)
+        raise ValueError(f"simulated CUDA runtime version {cfg.runtime_version!r} has no export list; "
+                         f"use one of {known} (tools/cudart_exports.py adds others)")
+    if not isinstance(cfg.driver_version, int) or cfg.driver_version < 1000:
+        raise ValueError(f"simulated driver CUDA version must be an int like 12040, got {cfg.driver_version!r}")
     if not isinstance(cfg.name, str) or not cfg.name:
         raise ValueError(f"device name must be a non-empty str, got {cfg.name!r}")
     return cfg
@@ -143,7 +182,7 @@ def config() -> Config:
 
 _FIELDS = {f.name for f in fields(Config)}
 #: Changing these rebuilds the simulated machine (its runtime state is dropped).
-_STRUCTURAL = {"devices", "memory", "compute_capability", "name", "driver"}
+_STRUCTURAL = {"devices", "memory", "compute_capability", "name", "driver", "runtime_version", "driver_version"}
 
 
 def configure(**settings) -> Config:
@@ -151,7 +190,8 @@ def configure(**settings) -> Config:
 
     Keys: ``devices`` (int), ``memory`` (bytes or "8G"), ``compute_capability``
     ("9.0" or (9, 0)), ``delay_us`` (float), ``name`` (str), ``nvml`` / ``cudart``
-    (False: the library "is not installed"), ``driver`` (False: no driver).
+    (False: the library "is not installed"), ``driver`` (False: no driver),
+    ``runtime_version`` / ``driver_version`` ("12.4" or 12040).
 
     ``delay_us``, ``nvml`` and ``cudart`` apply immediately.  Changing the
     machine itself (devices, memory, compute capability, name, driver) drops
@@ -169,6 +209,9 @@ def configure(**settings) -> Config:
         settings["compute_capability"] = parse_cc(settings["compute_capability"])
     if "delay_us" in settings:
         settings["delay_us"] = float(settings["delay_us"])
+    for key in ("runtime_version", "driver_version"):
+        if key in settings:
+            settings[key] = parse_cuda_version(settings[key], key)
     for key in ("nvml", "cudart", "driver"):
         if key in settings and not isinstance(settings[key], bool):
             raise TypeError(f"configure({key}=...) takes a bool, got {settings[key]!r}")
