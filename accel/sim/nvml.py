@@ -27,7 +27,6 @@ NVML_ERROR_UNKNOWN = 999
 
 DRIVER_VERSION = "580.65.06"
 NVML_VERSION = "13.580.65.06"
-CUDA_DRIVER_VERSION = 13000
 
 # nvmlErrorString texts (NVML's short messages).
 _ERROR_STRINGS = {
@@ -154,7 +153,8 @@ def nvmlSystemGetCudaDriverVersion_v2(cudaDriverVersion):
     rc = _ready()
     if rc:
         return rc
-    cudaDriverVersion[0] = CUDA_DRIVER_VERSION
+    # The CUDA version the simulated driver supports (Config.driver_version).
+    cudaDriverVersion[0] = core.config().driver_version
     return NVML_SUCCESS
 
 
