@@ -323,6 +323,26 @@ LIBRARIES: Dict[str, Library] = {
 }
 
 # ---------------------------------------------------------------------------
+# CUDA driver entry points (issue 14 item 3; kernel path, owned with accel/backends/_cuda_driver.py).
+# Not a library accel opens: accel/_ffi/_cudadrv.py holds the driver's function-pointer
+# types (cudaTypedefs.h PFN_*, with their cuda.h types and the CUresult enum) that the
+# pointers cudaGetDriverEntryPoint[ByVersion] hands out are cast to.  The _v<N> suffix
+# is the ABI version of the symbol; these have kept their ABI through CUDA 13.
+# ---------------------------------------------------------------------------
+
+CUDADRV_TYPES = [
+    "CUresult",
+    "PFN_cuGetErrorName_v6000", "PFN_cuGetErrorString_v6000",
+    "PFN_cuModuleLoadData_v2000", "PFN_cuModuleUnload_v2000", "PFN_cuModuleGetFunction_v2000",
+    "PFN_cuLaunchKernel_v4000",
+]
+
+LIBRARIES["cudadrv"] = Library(
+    name="cudadrv", module="_cudadrv", functions=[], types=CUDADRV_TYPES,
+    headers=["cudaTypedefs.h"], include_roots=(_cuda_roots,), version_macros=["CUDA_VERSION"],
+)
+
+# ---------------------------------------------------------------------------
 # Preprocessing
 # ---------------------------------------------------------------------------
 
