@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from . import _finalize as _fin
 from . import _lazy
 from ._device import DeviceLike, device
 from .streams import Stream, _index_for, current_stream, on_device
@@ -61,7 +62,7 @@ class Buffer:
     CuPy, Numba or PyTorch can use it without a copy.
     """
 
-    __slots__ = ("_backend", "_index", "_ptr", "_nbytes", "_stream", "_closed", "__weakref__")
+    __slots__ = ("_backend", "_index", "_ptr", "_nbytes", "_stream", "_closed", "_pid", "__weakref__")
 
     def __init__(self, nbytes: int, device: DeviceLike = None, stream: Optional[Stream] = None):
         if isinstance(nbytes, bool) or not isinstance(nbytes, int):
@@ -81,6 +82,7 @@ class Buffer:
             stream = current_stream(index)
         self._backend, self._index, self._nbytes, self._stream = backend, index, nbytes, stream
         self._closed = True
+        self._pid = _fin.pid
         self._ptr = _memory().device_allocator(index).malloc(nbytes, stream.handle) if nbytes else 0
         self._closed = False
 
@@ -114,6 +116,8 @@ class Buffer:
         return f"<accel.Buffer {self._nbytes} bytes on {self._backend.name}:{self._index}{state}>"
 
     def _live(self) -> None:
+        if self._pid != _fin.pid:
+            raise _fin.forked_error(self._backend)
         if self._closed:
             raise RuntimeError(f"{self!r} was closed; allocate a new Buffer")
 
@@ -250,11 +254,13 @@ class Buffer:
     # -- lifetime ------------------------------------------------------------------
     def close(self) -> None:
         """Return the memory to the caching allocator.  Idempotent."""
+        if self._pid != _fin.pid:
+            raise _fin.forked_error(self._backend)
         if self._closed:
             return
         self._closed = True
         if self._nbytes:
-            _memory().device_allocator(self._index).free(self._ptr)
+            _fin.release(_free, self._index, self._ptr)
 
     def __enter__(self) -> "Buffer":
         return self
@@ -263,8 +269,12 @@ class Buffer:
         self.close()
 
     def __del__(self):
-        if not getattr(self, "_closed", True) and _lazy.is_initialized():
-            try:
-                self.close()
-            except Exception:
-                pass
+        # Never waits on the allocator's lock (see accel._finalize); nothing in a forked child.
+        if not getattr(self, "_closed", True) and self._pid == _fin.pid and _lazy.is_initialized():
+            self._closed = True
+            if self._nbytes:
+                _fin.finalize(_free, self._index, self._ptr)
+
+
+def _free(index: int, ptr: int) -> None:
+    _memory().device_allocator(index).free(ptr)

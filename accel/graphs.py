@@ -25,6 +25,7 @@ import itertools
 import threading
 from typing import Optional, Tuple
 
+from . import _finalize as _fin
 from . import _lazy
 from .streams import Stream, current_stream, on_device
 
@@ -81,10 +82,12 @@ class Graph:
         self._stream = None       # capturing Stream while capturing
         self._debug = False
         self._rng = None          # graph-safe RNG state from accel.random during capture/replay
+        self._pid = _fin.pid      # the process the graph's handles belong to
 
     # -- capture -------------------------------------------------------------------
     def capture_begin(self) -> None:
         """Begin capturing work queued on the current stream into this graph."""
+        self._check_process()
         backend = _lazy.lazy_init()
         if not backend.supports_graphs:
             raise NotImplementedError(backend.no_capture_reason)
@@ -128,6 +131,7 @@ class Graph:
         Raises :class:`accel.CaptureError` when the capture was invalidated by an
         illegal operation (the graph is then empty and may be captured again).
         """
+        self._check_process()
         stream = self._stream
         if stream is None:
             raise RuntimeError("capture_end called without a matching capture_begin")
@@ -158,6 +162,7 @@ class Graph:
 
     def instantiate(self) -> None:
         """Build the executable graph (done by capture_end, or by the first replay with keep_graph)."""
+        self._check_process()
         if self._graph is None:
             raise RuntimeError("instantiate() needs a captured graph: capture one first "
                                "(with keep_graph=False it is instantiated by capture_end)")
@@ -168,6 +173,7 @@ class Graph:
 
     def replay(self) -> None:
         """Launch the captured work on the current stream of the graph's device."""
+        self._check_process()
         if self._exec is None:
             if self._graph is None:
                 raise RuntimeError("replay() called on a graph with no capture: capture one first")
@@ -180,10 +186,18 @@ class Graph:
 
     def reset(self) -> None:
         """Destroy the captured graph and release its memory pool; the graph may then be recaptured."""
+        self._check_process()
         if self._stream is not None:
             raise RuntimeError("reset() during capture: call capture_end() first")
         backend = self._backend
         if backend is None:
+            return
+        if _fin.collecting():
+            # Called from a finalizer during a collection: the allocator's lock may be held
+            # by this thread (see accel._finalize).
+            handles = (backend, self._index, self._exec, self._graph, self._pool)
+            self._exec = self._graph = self._pool = self._rng = None
+            _fin.defer(_release, *handles)
             return
         if self._exec is not None:
             backend.graph_exec_destroy(self._exec)
@@ -199,6 +213,7 @@ class Graph:
 
     def pool(self) -> Tuple[int, int]:
         """The id of this graph's memory pool, to share it: ``Graph(pool=g.pool())``."""
+        self._check_process()
         if self._pool is None:
             raise RuntimeError("pool() is only valid after capture_begin")
         return self._pool
@@ -210,6 +225,7 @@ class Graph:
 
     def debug_dump(self, path: str) -> None:
         """Write the captured graph as a Graphviz DOT file (needs :meth:`enable_debug_mode` before capture)."""
+        self._check_process()
         if not self._debug:
             raise RuntimeError("debug_dump needs enable_debug_mode() to be called before capture")
         if self._graph is None:
@@ -227,12 +243,30 @@ class Graph:
     def __exit__(self, *exc_info) -> None:
         self.capture_end()
 
+    def _check_process(self) -> None:
+        if self._pid != _fin.pid:
+            raise _fin.forked_error(self._backend)
+
     def __del__(self):
-        if getattr(self, "_backend", None) is not None and self._stream is None and _lazy.is_initialized():
-            try:
-                self.reset()
-            except Exception:
-                pass
+        # Never waits on a lock (see accel._finalize); nothing in a forked child.
+        if (getattr(self, "_backend", None) is not None and self._stream is None
+                and self._pid == _fin.pid and _lazy.is_initialized()):
+            _fin.finalize(_release, self._backend, self._index, self._exec, self._graph, self._pool)
+
+
+def _release(backend, index, exec_handle, graph_handle, pool) -> None:
+    """Destroy a graph's executable and graph handles and release its pool (each attempted)."""
+    try:
+        if exec_handle is not None:
+            backend.graph_exec_destroy(exec_handle)
+    finally:
+        try:
+            if graph_handle is not None:
+                backend.graph_destroy(graph_handle)
+        finally:
+            if pool is not None:
+                from . import memory
+                memory.device_allocator(index).release_pool(pool)
 
 
 @contextlib.contextmanager

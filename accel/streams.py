@@ -18,8 +18,9 @@ their device in the handle and need no switch.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional
 
+from . import _finalize as _fin
 from . import _lazy
 from ._device import DeviceLike, check_range, device, device_index
 from .backends.base import Backend
@@ -30,7 +31,6 @@ _tls = threading.local()
 _defaults: Dict[int, "Stream"] = {}
 _defaults_lock = threading.Lock()
 _destroy_hooks: List[Callable[[Backend, int, int, bool], bool]] = []
-_dying: List[Tuple[Backend, int, int]] = []    # destroys a finalizer had to leave for later
 
 
 def on_stream_destroy(hook: Callable[[Backend, int, int, bool], bool]) -> None:
@@ -40,7 +40,7 @@ def on_stream_destroy(hook: Callable[[Backend, int, int, bool], bool]) -> None:
 
     From a finalizer ``blocking`` is False: the hook must not wait for a lock (the same
     thread may hold it) and returns False when it cannot run now; the destroy is then
-    finished by the next Stream creation or close().  Otherwise it returns True."""
+    finished at the next safe point (see accel._finalize).  Otherwise it returns True."""
     _destroy_hooks.append(hook)
 
 
@@ -48,21 +48,12 @@ def _destroy(backend: Backend, index: int, handle: int, blocking: bool) -> None:
     try:
         for hook in _destroy_hooks:
             if not hook(backend, index, handle, blocking):
-                _dying.append((backend, index, handle))   # the handle stays valid until then
+                _fin.defer(_destroy, backend, index, handle, True)   # the handle stays valid until then
                 return
     except BaseException:
         backend.stream_destroy(handle)
         raise
     backend.stream_destroy(handle)
-
-
-def _finish_dying() -> None:
-    while _dying:
-        try:
-            backend, index, handle = _dying.pop()
-        except IndexError:      # another thread took the last one
-            return
-        _destroy(backend, index, handle, True)
 
 
 class on_device:
@@ -106,14 +97,14 @@ class Stream:
     raises on use.
     """
 
-    __slots__ = ("_backend", "_index", "_handle", "_owned", "_closed", "_shared", "__weakref__")
+    __slots__ = ("_backend", "_index", "_handle", "_owned", "_closed", "_shared", "_pid", "__weakref__")
 
     def __init__(self, device: DeviceLike = None, priority: int = 0):
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority must be an int, got {priority!r}")
         backend = _lazy.lazy_init()
-        if _dying:
-            _finish_dying()
+        if _fin.pending:
+            _fin.drain()
         index = _index_for(device)
         least, greatest = backend.stream_priority_range()
         priority = min(max(priority, greatest), least)  # CUDA clamps out-of-range priorities
@@ -124,6 +115,7 @@ class Stream:
     def _init(self, backend: Backend, index: int, handle: int, owned: bool) -> None:
         self._backend, self._index, self._handle = backend, index, handle
         self._owned, self._closed = owned, False
+        self._pid = _fin.pid
         # The handle names this device's stream only while the device is current.
         self._shared = not owned and backend.shared_default_stream
 
@@ -167,6 +159,8 @@ class Stream:
         return f"<accel.Stream device={self._backend.name}:{self._index} handle={self._handle:#x}{state}>"
 
     def _live(self) -> None:
+        if self._pid != _fin.pid:
+            raise _fin.forked_error(self._backend)
         if self._closed:
             raise RuntimeError(f"{self!r} was closed; create a new Stream")
 
@@ -182,7 +176,7 @@ class Stream:
 
     def query(self) -> bool:
         """True when all work queued on this stream has completed."""
-        if self._closed:
+        if self._closed or self._pid != _fin.pid:
             self._live()
         if self._shared:
             with on_device(self._backend, self._index):
@@ -238,23 +232,22 @@ class Stream:
         """Destroy the stream (queued work still completes).  Idempotent; default streams can't be closed."""
         if not self._owned:
             raise RuntimeError("the default stream belongs to the runtime and cannot be closed")
+        if self._pid != _fin.pid:
+            raise _fin.forked_error(self._backend)
         if self._closed:
             return
         self._closed = True
         table = getattr(_tls, "current", None)
         if table is not None and table.get(self._index) is self:
             del table[self._index]
-        if _dying:
-            _finish_dying()
-        _destroy(self._backend, self._index, self._handle, True)
+        _fin.release(_destroy, self._backend, self._index, self._handle, True)
 
     def __del__(self):
-        if getattr(self, "_owned", False) and not self._closed and _lazy.is_initialized():
-            try:
-                self._closed = True
-                _destroy(self._backend, self._index, self._handle, False)
-            except Exception:
-                pass  # interpreter shutdown or a runtime already torn down
+        # Never waits on a lock (hooks try theirs; see accel._finalize); nothing in a forked child.
+        if (getattr(self, "_owned", False) and not self._closed and self._pid == _fin.pid
+                and _lazy.is_initialized()):
+            self._closed = True
+            _fin.finalize(_destroy, self._backend, self._index, self._handle, False)
 
 
 class _NoScope:
@@ -329,9 +322,12 @@ class Event:
     """
 
     __slots__ = ("_backend", "_index", "_handle", "enable_timing", "blocking", "_recorded", "_closed",
-                 "__weakref__")
+                 "_pid", "__weakref__")
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False):
+        if _fin.pending:
+            _fin.drain()
+        self._pid = _fin.pid
         self.enable_timing = bool(enable_timing)
         self.blocking = bool(blocking)
         self._backend = None
@@ -353,6 +349,8 @@ class Event:
         return self._handle
 
     def _live(self) -> None:
+        if self._pid != _fin.pid:
+            raise _fin.forked_error(self._backend)
         if self._closed:
             raise RuntimeError(f"{self!r} was closed; create a new Event")
 
@@ -429,26 +427,25 @@ class Event:
 
     def close(self) -> None:
         """Destroy the device event.  Idempotent."""
+        if self._pid != _fin.pid:
+            raise _fin.forked_error(self._backend)
         if self._closed:
             return
         self._closed = True
         if self._handle is not None:
-            self._backend.event_destroy(self._handle)
+            _fin.release(self._backend.event_destroy, self._handle)
 
     def __del__(self):
-        if getattr(self, "_handle", None) is not None and not self._closed and _lazy.is_initialized():
-            try:
-                self._closed = True
-                self._backend.event_destroy(self._handle)
-            except Exception:
-                pass
+        if (getattr(self, "_handle", None) is not None and not self._closed and self._pid == _fin.pid
+                and _lazy.is_initialized()):
+            self._closed = True
+            _fin.finalize(self._backend.event_destroy, self._handle)
 
 
 def _reset() -> None:
     global _tls
     _tls = threading.local()
     _defaults.clear()
-    _dying.clear()          # handles of a runtime that is gone
 
 
 _lazy.register_reset_hook(_reset)

@@ -471,14 +471,14 @@ def test_record_stream_of_another_device_records_there():
 
 
 def test_sim_finalized_stream_waits_while_the_allocator_is_busy(sim_cuda):
-    from accel import streams
+    from accel import _finalize
     alloc = memory.device_allocator(0)
     s = accel.Stream(0)
     alloc.free(alloc.malloc(MiB, s.handle))
     with alloc._lock:                             # as if the finalizer ran inside malloc
         del s
         gc.collect()
-        assert len(streams._dying) == 1, "the destroy waits: the handle must stay valid"
+        assert len(_finalize.pending) == 1, "the destroy waits: the handle must stay valid"
     accel.Stream(0).close()                       # finishes it
-    assert streams._dying == []
+    assert not _finalize.pending
     assert len(alloc._general) <= 1

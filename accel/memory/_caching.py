@@ -57,6 +57,7 @@ from collections import deque
 from typing import Dict, List, Optional, Tuple
 
 from .._errors import CaptureError, OutOfMemoryError
+from .._finalize import drain as _drain_finalizers, pending as _finalizers
 from ..streams import on_device
 from . import _config, _stats
 from ._stats import (ACTIVE, ACTIVE_BYTES, ALLOCATED_BYTES, ALLOCATION, INACTIVE_SPLIT,
@@ -313,6 +314,8 @@ class DeviceCachingAllocator:
         size = (nbytes + 511) & -512       # multiple of 512 (at least 512)
         if stream is None:
             stream = self._get_default_stream()
+        if _finalizers:            # frees finalizers left for a safe point (accel._finalize)
+            _drain_finalizers()
         lock = self._lock
         lock.acquire()
         try:
@@ -470,6 +473,8 @@ class DeviceCachingAllocator:
         ValueError naming the pointer for a double free or a pointer this
         allocator did not hand out; the allocator state is then unchanged.
         """
+        if _finalizers:
+            _drain_finalizers()
         lock = self._lock
         lock.acquire()
         try:
@@ -668,6 +673,8 @@ class DeviceCachingAllocator:
     def empty_cache(self) -> None:
         """Return every unused cached segment to the device (after waiting for the
         events of pending blocks).  CaptureError while a capture allocates to a pool."""
+        if _finalizers:
+            _drain_finalizers()
         with self._lock:
             if self._routes or capture_underway(self._be):
                 # synchronizing events and cudaFree would invalidate a global-mode capture
@@ -682,6 +689,8 @@ class DeviceCachingAllocator:
 
     def stats(self) -> "dict":
         """The torch.cuda.memory_stats() keys as an OrderedDict (sorted)."""
+        if _finalizers:
+            _drain_finalizers()
         with self._lock:
             cur, peak, base, freed = self._columns()
             allocated = [c - b + f for c, b, f in zip(cur, base, freed)]

@@ -20,6 +20,7 @@ import threading
 from typing import Dict, List, Optional
 
 from .._errors import OutOfMemoryError
+from .._finalize import drain as _drain_finalizers, pending as _finalizers
 from ..streams import on_device
 from ._caching import _check_size, _Gate, capture_underway
 
@@ -67,6 +68,8 @@ class HostCachingAllocator:
             return 0
         size = max(_MIN_SIZE, 1 << (nbytes - 1).bit_length())
         be = self._backend()
+        if _finalizers:            # releases finalizers left for a safe point (accel._finalize)
+            _drain_finalizers()
         with self._lock:
             if (self._events or self._deferred) and not capture_underway(be):
                 self._resume_events()
@@ -94,6 +97,8 @@ class HostCachingAllocator:
     def free(self, ptr: int) -> None:
         """Return ``ptr`` to the cache (0 is a no-op).  ValueError for a double free
         or a pointer this allocator did not hand out; the state is then unchanged."""
+        if _finalizers:
+            _drain_finalizers()
         with self._lock:
             block = self._blocks.get(ptr)
             if block is None or not block.allocated:
@@ -158,6 +163,8 @@ class HostCachingAllocator:
     def empty_cache(self) -> None:
         """Unpin every cached block whose work has completed (never waits).  Does nothing
         while a capture is underway (event queries and cudaFreeHost would invalidate it)."""
+        if _finalizers:
+            _drain_finalizers()
         with self._lock:
             be = self._be
             if be is None or capture_underway(be):
@@ -172,6 +179,8 @@ class HostCachingAllocator:
     def stats(self) -> dict:
         """Bytes and counts: allocated_bytes, reserved_bytes, allocations, segments,
         num_host_alloc, num_host_free, pending (blocks waiting for events)."""
+        if _finalizers:
+            _drain_finalizers()
         with self._lock:
             out = dict(self._stats)
             out["pending"] = len({id(b) for _, _, b in self._events} | {id(b) for b in self._deferred}

@@ -1,0 +1,134 @@
+"""Finalizers that never wait on a lock, and objects inherited by a forked child.
+
+**Deferred while the collector runs (the choice, and why).**  A finalizer (``__del__`` of a
+Buffer, Stream, Event or Graph, and everything it frees: pinned blocks, allocator events) runs
+wherever the cyclic garbage collector happens to start, which is any Python allocation in any
+thread: inside the caching allocator's critical section, inside a backend call holding the
+backend's lock, inside a vendor library (the simulator allocates under its engine lock).
+Releasing from there waits on a lock the same thread holds, forever.  Making the release
+reentrant instead would need every one of those locks to be reentrant *and* every critical
+section to tolerate a nested free halfway through (a split block not yet linked, a free list
+mid-update), including the vendor's own, which are not ours to change.  So a release requested
+while a collection is running is not done: it is appended to :data:`pending` (a
+``collections.deque``, whose ``append``/``popleft`` are atomic and take no lock) and done by
+:func:`drain` at the next entry of the API, where the calling thread holds no accel lock:
+allocator ``malloc``/``free``/``stats``/``empty_cache`` (device and pinned), Stream and Event
+creation and ``close``.  Outside a collection, releases run at once as before, so ``del buf``
+still returns memory immediately.
+
+The collector is seen through ``gc.callbacks`` (a flag set at "start", cleared at "stop"); a
+release that is deferred by mistake (another thread collecting) is merely late.  Drained work
+holds only handles and pointers, never the finalized object (no resurrection), and errors in
+it are swallowed as a finalizer's would be.  State stays bounded by live objects: the queue
+holds only releases of dead objects and empties at the next entry.
+
+**Fork.**  Objects record the process that created them (:data:`pid`, updated in a forked
+child without a system call per check).  In a child every method raises the error
+``accel._lazy`` raises for new work there (:func:`forked_error`), and finalizers do nothing: the
+handles belong to the parent's runtime, which the child must never call.  The child also drops
+the parent's pending releases.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+from collections import deque
+from typing import Callable
+
+from . import _lazy
+
+__all__ = ["pending", "drain", "release", "finalize", "defer", "collecting", "pid", "forked_error"]
+
+#: Releases waiting for a safe point: (function, args) tuples.
+pending: deque = deque()
+#: The process accel objects created now belong to (os.getpid(), refreshed at fork).
+pid = os.getpid()
+
+_collecting = False
+_tls = threading.local()
+
+
+def _on_gc(phase: str, info: dict) -> None:
+    global _collecting
+    _collecting = phase == "start"
+
+
+gc.callbacks.append(_on_gc)
+
+
+def collecting() -> bool:
+    """True while the cyclic garbage collector runs (in any thread)."""
+    return _collecting
+
+
+def defer(fn: Callable, *args) -> None:
+    """Run ``fn(*args)`` at the next safe point (see the module docstring)."""
+    pending.append((fn, args))
+
+
+def drain() -> None:
+    """Run the deferred releases now.  Call only where this thread holds no accel or vendor
+    lock; does nothing while a collection runs or when this thread is already draining."""
+    if _collecting or getattr(_tls, "draining", False):
+        return
+    _tls.draining = True
+    try:
+        while True:
+            try:
+                fn, args = pending.popleft()
+            except IndexError:
+                return
+            try:
+                fn(*args)
+            except Exception:
+                pass    # as in a finalizer: the object is gone, nobody to tell
+    finally:
+        _tls.draining = False
+
+
+def release(fn: Callable, *args) -> None:
+    """An explicit release (``close``, ``reset``): run ``fn(*args)`` now, errors propagating,
+    unless a collection is running (a user's ``__del__`` closing its buffer): then defer it."""
+    if _collecting:
+        pending.append((fn, args))
+        return
+    if pending:
+        drain()
+    fn(*args)
+
+
+def finalize(fn: Callable, *args) -> None:
+    """A finalizer's release: run ``fn(*args)`` now, errors swallowed, or defer it while a
+    collection runs."""
+    if _collecting:
+        pending.append((fn, args))
+        return
+    try:
+        fn(*args)
+    except Exception:
+        pass    # interpreter shutdown or a runtime already torn down
+
+
+def forked_error(backend) -> RuntimeError:
+    """The error for using, in a forked child, an object made by the parent (as _lazy's)."""
+    name = _lazy.display_name(backend if backend is not None else _lazy._initialized_backend)
+    return RuntimeError(f"Cannot re-initialize {name} in forked subprocess. To use {name} with "
+                        f"multiprocessing, you must use the 'spawn' start method")
+
+
+def _after_fork_in_child() -> None:
+    global pid, _collecting, _tls
+    pid = os.getpid()
+    _collecting = False
+    _tls = threading.local()
+    pending.clear()     # the parent's handles: never released by the child
+
+
+def _reset() -> None:
+    pending.clear()     # releases for a runtime that is gone
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+_lazy.register_reset_hook(_reset)
