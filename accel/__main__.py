@@ -53,32 +53,37 @@ def collect() -> dict:
 
 
 def smoke() -> dict:
-    """Exercise the selected device end to end: copies, streams, events, a graph, RNG, memory stats."""
+    """Exercise the selected device end to end: copies, streams, events, a graph, RNG, memory stats.
+
+    Everything runs on a side stream made current with ``with s:``; every operation uses the
+    current stream, so each read is ordered after the writes before it."""
     import numpy as np
     checks = {}
     s = accel.Stream()
     data = np.arange(1 << 18, dtype=np.float32)
-    buf = accel.Buffer(data.nbytes, stream=s)
-    buf.copy_from(data, non_blocking=True)
-    checks["copy round trip (1 MiB)"] = bool(np.array_equal(buf.to_numpy(np.float32), data))
-    start, end = accel.Event(enable_timing=True), accel.Event(enable_timing=True)
-    start.record(s)
-    buf.fill_(0)
-    end.record(s)
-    checks["event timing (ms)"] = round(start.elapsed_time(end), 4)
-    if backends.select().supports_graphs:
-        g = accel.Graph()
-        with s, g:
-            buf.fill_(3)
-        g.replay()
-        s.synchronize()
-        checks["graph replay"] = bool((buf.to_numpy() == 3).all())
-    accel.random.manual_seed(0)
-    accel.random.uniform_(buf)
-    values = buf.to_numpy(np.float32)
-    checks["uniform fill mean"] = round(float(values.mean()), 4)
-    checks["memory_allocated (bytes)"] = accel.memory.memory_allocated()
-    buf.close()
+    with s:
+        buf = accel.Buffer(data.nbytes)
+        buf.copy_from(data, non_blocking=True)
+        checks["copy round trip (1 MiB)"] = bool(np.array_equal(buf.to_numpy(np.float32), data))
+        start, end = accel.Event(enable_timing=True), accel.Event(enable_timing=True)
+        start.record()
+        buf.fill_(0)
+        end.record()
+        checks["event timing (ms)"] = round(start.elapsed_time(end), 4)
+        if backends.select().supports_graphs:
+            g = accel.Graph()
+            with g:
+                buf.fill_(3)
+            buf.fill_(0)
+            g.replay()
+            checks["graph replay"] = bool((buf.to_numpy() == 3).all())
+            g.reset()
+        accel.random.manual_seed(0)
+        accel.random.uniform_(buf)
+        values = buf.to_numpy(np.float32)
+        checks["uniform fill mean"] = round(float(values.mean()), 4)
+        checks["memory_allocated (bytes)"] = accel.memory.memory_allocated()
+        buf.close()
     return checks
 
 

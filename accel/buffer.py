@@ -2,7 +2,8 @@
 
 Memory comes from the device's caching allocator and goes back to it when the
 buffer is closed or collected; the allocator keeps it unused until the work
-queued on the buffer's streams has finished.  Copies are ordered on a stream;
+queued on the buffer's streams has finished.  Copies are ordered on a stream
+(by default the current stream of the buffer's device, as every torch operation);
 blocking copies return when the data has arrived, ``non_blocking`` host→device
 copies stage through pinned host memory and return at once.
 """
@@ -57,7 +58,11 @@ class Buffer:
     """``Buffer(nbytes, device=None, stream=None)``: ``nbytes`` of device memory.
 
     ``stream`` (default: the device's current stream) is the stream the memory
-    is allocated for and that copies use by default.  ``ptr`` is the device
+    is allocated for.  Copies and fills run on the ``stream`` they are given,
+    by default the *current* stream of the buffer's device (as torch), so they
+    are ordered with RNG fills and graph replays; a use on a stream other than
+    the allocation stream is recorded with the allocator (``record_stream``),
+    which keeps the memory from reuse until that work has run.  ``ptr`` is the device
     address; on CUDA the buffer exports ``__cuda_array_interface__`` (v3) so
     CuPy, Numba or PyTorch can use it without a copy.
     """
@@ -122,13 +127,14 @@ class Buffer:
             raise RuntimeError(f"{self!r} was closed; allocate a new Buffer")
 
     def _stream_for(self, stream: Optional[Stream]) -> Stream:
+        # As every torch operation: the current stream of the buffer's device by default.
         if stream is None:
-            return self._stream
-        if not isinstance(stream, Stream):
+            stream = current_stream(self._index)
+        elif not isinstance(stream, Stream):
             raise TypeError(f"stream must be an accel.Stream or None, got {type(stream).__name__}")
         if stream.device_index != self._index:
             raise ValueError(f"stream is on device {stream.device_index} but the buffer is on device "
-                             f"{self._index}")
+                             f"{self._index}; pass a stream of device {self._index} or None")
         if stream != self._stream:
             self.record_stream(stream)
         return stream
