@@ -82,6 +82,10 @@ def write(ptr, data):
 
 
 def load(lib, ptx):
+    if b".version" not in ptx:
+        # PTX ISA, "PTX Module Directives": a module starts with .version and .target; the
+        # simulated JIT refuses PTX without them (cudaErrorInvalidPtx), as the driver does.
+        ptx = b".version 6.3\n.target sm_75\n.address_size 64\n" + ptx
     p = ffi.new("cudaLibrary_t *")
     image = ffi.new("char[]", ptx)
     rc = lib.cudaLibraryLoadData(p, image, ffi.NULL, ffi.NULL, 0, ffi.NULL, ffi.NULL, 0)

@@ -337,6 +337,12 @@ CUDADRV_TYPES = [
     "PFN_cuLaunchKernel_v4000",
 ]
 
+# The runtime calls that hand out those pointers (added here only if the list above
+# lacks them; ByVersion is 12.5+, so old runtimes miss it).
+CUDART_FUNCTIONS += [n for n in ("cudaGetDriverEntryPoint", "cudaGetDriverEntryPointByVersion")
+                     if n not in CUDART_FUNCTIONS]
+LIBRARIES["cudart"].optional.add("cudaGetDriverEntryPointByVersion")
+
 LIBRARIES["cudadrv"] = Library(
     name="cudadrv", module="_cudadrv", functions=[], types=CUDADRV_TYPES,
     headers=["cudaTypedefs.h"], include_roots=(_cuda_roots,), version_macros=["CUDA_VERSION"],

@@ -1,4 +1,4 @@
-"""A simulated CUDA runtime (libcudart 13.0) over host memory and threads.
+"""A simulated CUDA runtime (libcudart 12.4, 12.8 or 13.0) over host memory and threads.
 
 Call it exactly like the cffi ``lib`` of the generated declarations:
 out-pointers are the caller's cdata, handles are pointer cdata (or ints),
@@ -38,6 +38,12 @@ Semantics chosen where CUDA leaves room (see also ``accel/sim/__init__.py``):
   NULL graph.  Pageable-memory copies during capture are refused
   (cudaErrorStreamCaptureUnsupported).  Waits on external events
   (cudaEventWaitExternal) are accepted and replay as no-ops.
+* Versions (``Config.runtime_version`` / ``driver_version``): the library exposes exactly
+  the cuda* functions the real libcudart of that version exports (``cudart_symbols/``,
+  written by tools/cudart_exports.py) that are simulated here; a driver older than the
+  runtime's major version makes every initializing call return cudaErrorInsufficientDriver.
+  Module images (PTX, cubin, fatbin) are read by ``_cuda_images``; the driver entry points
+  (cudaGetDriverEntryPoint) hand out the callbacks of ``cuda_driver``.
 * Strictness rules (launch device, peer access, sticky errors, unsafe calls
   during capture, recycled handles, fork after init, shared-memory opt-in,
   context memory) are listed with their citations in ``accel/sim/README.md``.
@@ -57,7 +63,7 @@ import time
 import traceback
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from . import _engine, _memory, core, kernels
+from . import _cuda_images, _engine, _memory, core, kernels
 from ._cuda_strings import ERROR_STRINGS, UNRECOGNIZED
 from .core import ffi
 
@@ -91,9 +97,6 @@ cudaErrorStreamCaptureIsolation = 905
 cudaErrorStreamCaptureImplicit = 906
 cudaErrorCapturedEvent = 907
 cudaErrorStreamCaptureWrongThread = 908
-
-RUNTIME_VERSION = 13000
-DRIVER_VERSION = 13000
 
 _STREAM_NON_BLOCKING = 0x1
 _EVENT_BLOCKING_SYNC, _EVENT_DISABLE_TIMING, _EVENT_INTERPROCESS = 0x1, 0x2, 0x4
@@ -249,12 +252,14 @@ class GraphExec:
 
 
 class Library:
-    __slots__ = ("handle", "key", "names", "kernels")
+    """A cudaLibrary_t (device None) or a driver CUmodule (loaded into ``device``'s context)."""
+    __slots__ = ("handle", "key", "names", "kernels", "device")
 
-    def __init__(self, handle, names):
+    def __init__(self, handle, names, device=None):
         self.handle = handle
         self.key = ffi.cast(_VOIDP, handle)
         self.names = names
+        self.device = device
         self.kernels: Dict[str, "KernelHandle"] = {}
 
 
@@ -299,6 +304,7 @@ class Runtime:
         self.graphs: Dict[object, Graph] = {}
         self.execs: Dict[object, GraphExec] = {}
         self.libraries: Dict[object, Library] = {}
+        self.jit_compiles = 0        # images loaded through the PTX JIT (no SASS for the device)
         self.kernels: Dict[object, KernelHandle] = {}
         self.captures: set = set()
         self.errors: List[Tuple[str, str]] = []
@@ -312,6 +318,12 @@ class Runtime:
             self.init_error = cudaErrorInitializationError
             return
         if not cfg.driver:
+            self.init_error = cudaErrorInsufficientDriver
+            return
+        # REFERENCE.md "Runtime vs driver versions" (CUDA Compatibility guide, "Minor Version
+        # Compatibility"): a runtime runs on any driver of its major version or newer; an older
+        # driver makes every runtime call return cudaErrorInsufficientDriver.
+        if cfg.driver_version < cfg.runtime_version // 1000 * 1000:
             self.init_error = cudaErrorInsufficientDriver
             return
         ordinals = visible_ordinals(os.environ.get("CUDA_VISIBLE_DEVICES"), cfg.devices)
@@ -702,19 +714,21 @@ def cudaPeekAtLastError():
 
 
 def cudaRuntimeGetVersion(runtimeVersion):
+    version = core.config().runtime_version
     try:
-        runtimeVersion[0] = RUNTIME_VERSION
+        runtimeVersion[0] = version
     except (TypeError, RuntimeError):
         if _is_null(runtimeVersion):
             return cudaErrorInvalidValue
-        _put(runtimeVersion, RUNTIME_VERSION)
+        _put(runtimeVersion, version)
     return cudaSuccess
 
 
 def cudaDriverGetVersion(driverVersion):
     if _is_null(driverVersion):
         return cudaErrorInvalidValue
-    _put(driverVersion, DRIVER_VERSION if core.config().driver else 0)
+    cfg = core.config()
+    _put(driverVersion, cfg.driver_version if cfg.driver else 0)
     return cudaSuccess
 
 
@@ -1741,56 +1755,101 @@ def cudaGraphDebugDotPrint(R, graph, path, flags):
 
 # -- kernels ------------------------------------------------------------------------------
 
-_ENTRY_RE = re.compile(rb"\.entry\s+([A-Za-z_$%][\w$%]*)")
+ptx_entries = _cuda_images.ptx_entries
 
 
-def ptx_entries(text: bytes) -> List[str]:
-    """Kernel names declared in PTX text (``.entry NAME`` / ``.visible .entry NAME(``)."""
-    return [m.decode() for m in _ENTRY_RE.findall(text)]
+def load_image(R: Runtime, code, device=None):
+    """(Library, 0) for the module image at ``code`` (PTX, cubin or fatbin), or (None, error code).
+    ``device`` set: a driver module of that device's context (cuModuleLoadData); None: a
+    context-independent cudaLibrary_t."""
+    try:
+        data = _cuda_images.image_bytes(ffi, code, _CHARP)
+        # Every simulated device has the configured compute capability.
+        names, jit = _cuda_images.load(data, R.cfg.compute_capability, R.cfg.driver_version)
+    except _cuda_images.ImageError as exc:
+        return None, exc.code
+    if jit:
+        R.jit_compiles += 1
+    lib = Library(R.new_handle(), frozenset(names), device)
+    Runtime.put(R.libraries, lib)
+    return lib, cudaSuccess
 
 
 def cudaLibraryLoadData(R, library, code, jitOptions=None, jitOptionsValues=None, numJitOptions=0,
                         libraryOptions=None, libraryOptionValues=None, numLibraryOptions=0):
     if _is_null(library) or _is_null(code):
         return cudaErrorInvalidValue
-    if isinstance(code, (bytes, bytearray, memoryview)):
-        text = bytes(code).split(b"\0", 1)[0]
-    else:
-        text = ffi.string(ffi.cast(_CHARP, code))
-    names = ptx_entries(text)
-    if not names:
-        return cudaErrorInvalidPtx
-    lib = Library(R.new_handle(), frozenset(names))
-    Runtime.put(R.libraries, lib)
+    lib, rc = load_image(R, code)
+    if lib is None:
+        return rc
     _put_ptr(library, lib.key)
     return cudaSuccess
 
 
 def cudaLibraryUnload(R, library):
     lib = _lookup(R.libraries, library)
-    if lib is None:
+    if lib is None or lib.device is not None:    # a driver CUmodule is not a cudaLibrary_t
         return cudaErrorInvalidResourceHandle
+    unload(R, lib)
+    return cudaSuccess
+
+
+def unload(R: Runtime, lib: Library) -> None:
     Runtime.drop(R.libraries, lib)
     for k in lib.kernels.values():
         Runtime.drop(R.kernels, k)
-    return cudaSuccess
+
+
+def kernel_of(R: Runtime, lib: Library, name: str) -> "KernelHandle":
+    """The one handle of kernel ``name`` (in ``lib.names``) of ``lib``."""
+    k = lib.kernels.get(name)
+    if k is None:
+        k = lib.kernels[name] = KernelHandle(R.new_handle(), name, lib)
+        Runtime.put(R.kernels, k)
+    return k
 
 
 def cudaLibraryGetKernel(R, pKernel, library, name):
     lib = _lookup(R.libraries, library)
-    if lib is None:
+    if lib is None or lib.device is not None:
         return cudaErrorInvalidResourceHandle
     n = _c_string(name)
     if _is_null(pKernel) or n is None:
         return cudaErrorInvalidValue
     if n not in lib.names:
         return cudaErrorSymbolNotFound
-    k = lib.kernels.get(n)
-    if k is None:
-        k = lib.kernels[n] = KernelHandle(R.new_handle(), n, lib)
-        Runtime.put(R.kernels, k)
-    _put_ptr(pKernel, k.key)
+    _put_ptr(pKernel, kernel_of(R, lib, n).key)
     return cudaSuccess
+
+
+# -- driver entry points -------------------------------------------------------------------
+
+_ENTRY_FLAGS = (0, 1, 2)   # cudaEnableDefault, cudaEnableLegacyStream, cudaEnablePerThreadDefaultStream
+_ENTRY_FOUND, _ENTRY_NOT_FOUND, _ENTRY_VERSION_NOT_SUFFICIENT = 0, 1, 2   # cudaDriverEntryPointQueryResult
+
+
+def _entry_point(R, symbol, funcPtr, version, flags, driverStatus):
+    """CUDA Runtime API, cudaGetDriverEntryPoint[ByVersion]: the driver function ``symbol`` of ABI
+    ``version`` in ``*funcPtr``, or NULL with driverStatus SymbolNotFound (no such symbol, or none
+    as old as ``version``) / VersionNotSufficent (``version`` is newer than the driver)."""
+    name = _c_string(symbol)
+    if name is None or _is_null(funcPtr) or flags not in _ENTRY_FLAGS:
+        return cudaErrorInvalidValue
+    from . import cuda_driver
+    status, fn = cuda_driver.entry_point(name, version, R.cfg.driver_version)
+    _put_ptr(funcPtr, fn if fn is not None else _NULL)
+    if not _is_null(driverStatus):
+        _put(driverStatus, status)
+    return cudaSuccess
+
+
+def cudaGetDriverEntryPoint(R, symbol, funcPtr, flags, driverStatus=None):
+    # Without a version the runtime asks for the ABI of its own CUDA version.
+    return _entry_point(R, symbol, funcPtr, R.cfg.runtime_version, flags, driverStatus)
+
+
+def cudaGetDriverEntryPointByVersion(R, symbol, funcPtr, cudaVersion, flags, driverStatus=None):
+    return _entry_point(R, symbol, funcPtr, cudaVersion, flags, driverStatus)
 
 
 _FUNC_ATTR_MAX_DYNAMIC_SHARED = 8          # cudaFuncAttributeMaxDynamicSharedMemorySize
@@ -1843,11 +1902,16 @@ def cudaLaunchKernel(R, func, gridDim, blockDim, args, sharedMem, stream):
     s = _stream(R, stream)
     if s is None:
         return cudaErrorInvalidResourceHandle
+    return launch(R, k, _dim3(gridDim), _dim3(blockDim), args, sharedMem, s)
+
+
+def launch(R: Runtime, k: "KernelHandle", grid, block, args, sharedMem, s: Stream) -> int:
+    """Launch ``k`` on stream ``s`` (cudaLaunchKernel and the driver's cuLaunchKernel);
+    returns a cudaError_t code."""
     # CUDA Programming Guide, "Multi-Device System" (Stream and Event Behavior): "A kernel launch
     # will fail if it is issued to a stream that is not associated to the current device."
     if s.device != R.tls.device:
         return cudaErrorInvalidResourceHandle
-    grid, block = _dim3(gridDim), _dim3(blockDim)
     if not _launch_config_ok(grid, block):
         return cudaErrorInvalidConfiguration
     # CUDA Programming Guide, "Shared Memory" (compute capability 7.x+): more than 48 KB of
@@ -1910,18 +1974,31 @@ def _wrap_any(name: str, fn):
     return _wrap(name, fn)
 
 
-_lib: Optional[core.SimLibrary] = None
+_libs: Dict[int, core.SimLibrary] = {}
+
+
+def exported_symbols(runtime_version: int) -> frozenset:
+    """The cuda* functions the real libcudart of ``runtime_version`` exports
+    (accel/sim/cudart_symbols/<major>.<minor>.txt, written by tools/cudart_exports.py)."""
+    from importlib import resources
+    name = f"{runtime_version // 1000}.{runtime_version % 1000 // 10}.txt"
+    text = resources.files(__package__).joinpath("cudart_symbols").joinpath(name).read_text()
+    return frozenset(line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#"))
 
 
 def open_library() -> core.SimLibrary:
-    """The simulated libcudart (OSError like a missing library when configured absent)."""
-    global _lib
-    if not core.config().cudart:
-        raise core.library_not_found("cudart", "libcudart.so.13")
-    lib = _lib
+    """The simulated libcudart of the configured runtime version: the functions that real
+    library exports and this module simulates (OSError like a missing library when configured absent)."""
+    cfg = core.config()
+    soname = "libcudart.so.12" if cfg.runtime_version < 13000 else "libcudart.so.13"
+    if not cfg.cudart:
+        raise core.library_not_found("cudart", soname)
+    lib = _libs.get(cfg.runtime_version)
     if lib is None:
-        lib = _lib = core.build_library("cudart", {**_NO_INIT, **_FUNCTIONS},
-                                        constants=core.constants_of("_cudart"), wrap=_wrap_any)
+        exported = exported_symbols(cfg.runtime_version)
+        functions = {k: v for k, v in {**_NO_INIT, **_FUNCTIONS}.items() if k in exported}
+        lib = _libs.setdefault(cfg.runtime_version, core.build_library(
+            "cudart", functions, constants=core.constants_of("_cudart"), wrap=_wrap_any))
     return lib
 
 
@@ -1930,7 +2007,8 @@ def _state() -> dict:
     out = {"runtime_initialized": R is not None}
     if R is None:
         out.update(live_allocations={}, live_bytes={}, peak_bytes={}, host_allocations=0, host_bytes=0,
-                   streams=0, events=0, graphs=0, graph_execs=0, captures=0, errors=[])
+                   streams=0, events=0, graphs=0, graph_execs=0, captures=0, errors=[], modules=0,
+                   jit_compiles=0)
         return out
     allocs, nbytes = {}, {}
     host_n = 0
@@ -1946,6 +2024,7 @@ def _state() -> dict:
                host_allocations=host_n, host_bytes=R.host_bytes,
                streams=uniq(R.streams, Stream), events=uniq(R.events, Event), graphs=uniq(R.graphs, Graph),
                graph_execs=uniq(R.execs, GraphExec), captures=len(R.captures), errors=list(R.errors),
+               modules=uniq(R.libraries, Library), jit_compiles=R.jit_compiles,
                visible_devices=[d.physical for d in R.devices])
     return out
 
