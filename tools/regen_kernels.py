@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Regenerate accel/random/kernels/philox.ptx from tools/philox_kernel.cu.
+"""Regenerate accel/random/kernels/philox.ptx and philox.fatbin from tools/philox_kernel.cu.
 
-    python tools/regen_kernels.py            # write tools/philox_constants.h and the PTX
-    python tools/regen_kernels.py --check    # exit 1 if either is out of date
+    python tools/regen_kernels.py            # write tools/philox_constants.h, the PTX and the fatbin
+    python tools/regen_kernels.py --check    # exit 1 if any of them is out of date
 
 Steps: (1) write the Box-Muller polynomial constants from
 accel/random/_transforms.py as exact hex-float literals into
@@ -11,8 +11,14 @@ tools/philox_constants.h, so kernel and host use the same doubles;
 target CUDA 13 keeps; no FMA contraction keeps results bit-identical to
 numpy); (3) lower the ``.version`` directive to the oldest PTX ISA that has
 the target (6.3 for sm_75, CUDA 10.0), because the code uses nothing newer and
-a driver can only JIT PTX whose version it knows; (4) check the result
-assembles with ``ptxas`` for every supported sm_75..sm_90 (and newer).
+a driver can only JIT PTX whose version it knows; (4) ``ptxas -arch=sm_XX``
+the PTX for every sm in SM_FATBIN and pack those cubins plus the PTX into
+``philox.fatbin`` with ``fatbinary --compress=false`` (uncompressed, so the
+simulator can read the kernel names and the driver loads it without
+inflating anything).  accel loads the fatbin first: a device with SASS in it
+starts with no JIT; any other device JITs the embedded PTX.  ptxas and
+fatbinary output is byte-reproducible for the same toolkit, so ``--check``
+compares the fatbin bytes.
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ HEADER = os.path.join(ROOT, "tools", "philox_constants.h")
 PTX = os.path.join(ROOT, "accel", "random", "kernels", "philox.ptx")
 ARCH = "compute_75"
 PTX_VERSION = "6.3"   # oldest PTX ISA with .target sm_75
+FATBIN = os.path.join(ROOT, "accel", "random", "kernels", "philox.fatbin")
 SM_CHECK = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")
+SM_FATBIN = SM_CHECK   # SASS shipped in the fatbin; the embedded PTX covers every other device
 
 
 def header_text() -> str:
@@ -89,11 +97,30 @@ def ptxas_check(ptxas: str, path: str) -> list:
     return checked
 
 
+def build_fatbin(ptxas: str, fatbinary: str, ptx_text: str) -> bytes:
+    """philox.fatbin bytes: SASS for each SM_FATBIN plus the PTX (kind=ptx, sm=75)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "philox.ptx")
+        with open(ptx, "w") as f:
+            f.write(ptx_text)
+        images = []
+        for sm in SM_FATBIN:
+            cubin = os.path.join(tmp, sm + ".cubin")
+            subprocess.run([ptxas, f"-arch={sm}", ptx, "-o", cubin], check=True)
+            images.append(f"--image3=kind=elf,sm={sm[3:]},file={cubin}")
+        images.append(f"--image3=kind=ptx,sm={ARCH.split('_')[1]},file={ptx}")
+        out = os.path.join(tmp, "philox.fatbin")
+        subprocess.run([fatbinary, "-64", "--compress=false", f"--create={out}"] + images, check=True)
+        with open(out, "rb") as f:
+            return f.read()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="fail if the generated files are out of date")
     ap.add_argument("--nvcc", default=shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc")
     ap.add_argument("--ptxas", default=shutil.which("ptxas") or "/usr/local/cuda/bin/ptxas")
+    ap.add_argument("--fatbinary", default=shutil.which("fatbinary") or "/usr/local/cuda/bin/fatbinary")
     args = ap.parse_args()
 
     header = header_text()
@@ -109,19 +136,24 @@ def main() -> int:
         print(f"regen_kernels: nvcc not found ({args.nvcc}); only the header was handled", file=sys.stderr)
         return 1 if stale else 0
     ptx = build_ptx(args.nvcc)
+    fatbin = build_fatbin(args.ptxas, args.fatbinary, ptx)
     if args.check:
         with open(PTX) as f:
             if f.read() != ptx:
                 stale.append(PTX)
+        with open(FATBIN, "rb") as f:
+            if f.read() != fatbin:
+                stale.append(FATBIN)
         for path in stale:
             print(f"out of date: {os.path.relpath(path, ROOT)} (run python tools/regen_kernels.py)")
         return 1 if stale else 0
     os.makedirs(os.path.dirname(PTX), exist_ok=True)
     with open(PTX, "w") as f:
         f.write(ptx)
-    if os.path.exists(args.ptxas):
-        print("ptxas ok for:", " ".join(ptxas_check(args.ptxas, PTX)))
-    print(f"wrote {os.path.relpath(HEADER, ROOT)} and {os.path.relpath(PTX, ROOT)}")
+    with open(FATBIN, "wb") as f:
+        f.write(fatbin)
+    print(f"wrote {os.path.relpath(HEADER, ROOT)}, {os.path.relpath(PTX, ROOT)} and "
+          f"{os.path.relpath(FATBIN, ROOT)} (SASS for {', '.join(SM_FATBIN)} + PTX)")
     return 0
 
 

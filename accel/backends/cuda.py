@@ -5,9 +5,11 @@ before ``fork``; the runtime is touched only by :meth:`CudaBackend.init` and
 what follows it.  With ``ACCEL_SIM=cuda`` both libraries come from
 ``accel.sim`` instead; everything below the library calls is the same code.
 
-Kernels are PTX text loaded with ``cudaLibraryLoadData`` (the driver JITs it
-for the device), fetched with ``cudaLibraryGetKernel`` and launched with
-``cudaLaunchKernel`` — the runtime API alone, no nvrtc and no libcuda binding.
+Kernels (a fatbin with SASS, or PTX the driver JITs) are loaded with
+``cudaLibraryLoadData`` / ``cudaLibraryGetKernel`` and launched with
+``cudaLaunchKernel`` where the runtime has them (12.8+); older runtimes reach
+the driver's cuModuleLoadData / cuModuleGetFunction / cuLaunchKernel through
+``cudaGetDriverEntryPoint`` (``_cuda_driver``).  No nvrtc, no libcuda binding.
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ class CudaBackend(Backend):
         self._count_reason = ""
         self._handles = {}       # int handle -> cdata, so hot calls skip ffi.cast
         self._live_modules = {}  # library handle -> PTX buffer kept alive for the runtime
+        self._kpath = None       # kernel path: "library", a _cuda_driver.DriverKernels, or why none
         self._captures = 0       # stream captures underway in this process
         self._out = threading.local()  # per-thread out-pointers for hot getters (no ffi.new per call)
 
@@ -562,10 +565,56 @@ class CudaBackend(Backend):
                     "cudaGraphDebugDotPrint")
 
     # -- kernels -----------------------------------------------------------------
+    def kernel_path(self) -> dict:
+        """How kernels load on this runtime, from its exported symbols (calls nothing):
+        {"kernel_path": "library" | "driver" | None, "kernel_path_detail": ...}."""
+        from ._cuda_driver import plan
+        try:
+            _, lib, _ = self._runtime()
+        except AcceleratorError as exc:
+            return {"kernel_path": None, "kernel_path_detail": str(exc)}
+        path, why = plan(lib)
+        return {"kernel_path": path or None, "kernel_path_detail": why}
+
+    def _kernels(self):
+        """The resolved kernel path: "library", or the DriverKernels; AcceleratorError if none."""
+        path = self._kpath
+        if path is None:
+            from ._cuda_driver import DriverKernels, NoKernelPath, plan
+            with self._lock:
+                if self._kpath is None:
+                    kind, why = plan(self.lib)
+                    try:
+                        if not kind:
+                            raise NoKernelPath(why)
+                        self._kpath = "library" if kind == "library" else DriverKernels(self.ffi, self.lib)
+                    except NoKernelPath as exc:
+                        self._kpath = str(exc)
+                path = self._kpath
+        if isinstance(path, str) and path != "library":
+            raise AcceleratorError(f"libcudart: {path}; kernels run on the host path instead",
+                                   library="libcudart")
+        return path
+
+    def _check_driver(self, drv, rc: int, call: str) -> None:
+        if rc == 0:
+            return
+        name = drv.error_name(rc)
+        # CUresult shares these values with cudaError_t (cuda.h / driver_types.h).
+        cls = (OutOfMemoryError if rc == _ERR_MEMORY_ALLOCATION else CaptureError if rc in _CAPTURE_ERRORS
+               else KernelImageError if rc in _KERNEL_IMAGE_ERRORS else AcceleratorError)
+        raise cls.from_call("libcuda (through cudaGetDriverEntryPoint)", call, rc, name)
+
     def module_load(self, source: bytes) -> int:
         if isinstance(source, str):
             source = source.encode()
+        path = self._kernels()
         image = self.ffi.new("char[]", source)  # NUL-terminated, as the JIT requires for PTX
+        if path != "library":
+            handle, rc = path.load(image)
+            self._check_driver(path, rc, "cuModuleLoadData")
+            self._live_modules[handle] = image
+            return handle
         p = self.ffi.new("cudaLibrary_t *")
         NULL = self.ffi.NULL
         self._check(self.lib.cudaLibraryLoadData(p, image, NULL, NULL, 0, NULL, NULL, 0),
@@ -575,10 +624,19 @@ class CudaBackend(Backend):
         return handle
 
     def module_unload(self, module: int) -> None:
-        self._check(self.lib.cudaLibraryUnload(self.ffi.cast("cudaLibrary_t", module)), "cudaLibraryUnload")
+        path = self._kernels()
+        if path != "library":
+            self._check_driver(path, path.unload(module), "cuModuleUnload")
+        else:
+            self._check(self.lib.cudaLibraryUnload(self.ffi.cast("cudaLibrary_t", module)), "cudaLibraryUnload")
         self._live_modules.pop(module, None)
 
     def module_function(self, module: int, name: str) -> int:
+        path = self._kernels()
+        if path != "library":
+            handle, rc = path.function(module, name)
+            self._check_driver(path, rc, "cuModuleGetFunction")
+            return handle
         p = self.ffi.new("cudaKernel_t *")
         self._check(self.lib.cudaLibraryGetKernel(p, self.ffi.cast("cudaLibrary_t", module), name.encode()),
                     "cudaLibraryGetKernel")
@@ -592,6 +650,11 @@ class CudaBackend(Backend):
             raise ValueError(f"unknown kernel argument type {exc.args[0]!r}; "
                              f"expected one of {', '.join(_ARG_CTYPES)}") from None
         argv = ffi.new("void *[]", [ffi.cast("void *", v) for v in values] or [ffi.NULL])
+        path = self._kpath
+        if path is not None and path != "library":
+            self._check_driver(path, path.launch(function, tuple(grid), tuple(block), argv, shared_mem, stream),
+                               "cuLaunchKernel")
+            return
         # cudaLaunchKernel accepts a cudaKernel_t in place of a host function pointer.
         grid_dim = ffi.new("dim3 *", tuple(grid))[0]  # dim3 is passed by value
         block_dim = ffi.new("dim3 *", tuple(block))[0]

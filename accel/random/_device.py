@@ -2,7 +2,11 @@
 
 The backend's ``kernel_language`` picks a kernel source from
 :data:`_SOURCES`: ``"ptx"`` the shipped ``kernels/philox.ptx`` (CUDA),
-``"msl"`` ``kernels/philox.metal`` (Metal).  Another language is added with
+``"msl"`` ``kernels/philox.metal`` (Metal).  A language may also have a
+prebuilt image in :data:`_BINARIES`, loaded first: for CUDA
+``kernels/philox.fatbin`` (SASS for sm_75..sm_120 plus the same PTX), so a
+supported GPU starts without JIT-compiling anything; the PTX is the fallback
+when the fatbin is missing or the driver rejects it.  Another language is added with
 :func:`register_kernel_source`.  A source may define any subset of the
 kernels named in ``_fills.KERNEL_NAMES``, with the argument lists of
 ``tools/philox_kernel.cu`` and the same number layout; a fill whose kernel is
@@ -36,6 +40,8 @@ def _shipped(filename: str) -> Callable[[], bytes]:
 
 #: kernel language -> function returning the source text (bytes)
 _SOURCES: Dict[str, Callable[[], bytes]] = {"ptx": _shipped("philox.ptx"), "msl": _shipped("philox.metal")}
+#: kernel language -> function returning a prebuilt image of the same kernels, tried first
+_BINARIES: Dict[str, Callable[[], bytes]] = {"ptx": _shipped("philox.fatbin")}
 
 _lock = threading.Lock()
 _functions: Dict[Tuple[int, int], Optional[Dict[str, int]]] = {}
@@ -46,6 +52,7 @@ def register_kernel_source(language: str, loader: Callable[[], bytes]) -> None:
     ``kernel_language`` is ``language`` (e.g. ``"msl"``)."""
     with _lock:
         _SOURCES[language] = loader
+        _BINARIES.pop(language, None)   # the shipped image is of the shipped source
         _functions.clear()
 
 
@@ -82,8 +89,7 @@ def kernel_functions(backend, index: int) -> Optional[Dict[str, int]]:
             try:
                 source = loader()
                 with on_device(backend, index):
-                    module = backend.module_load(source)
-                    fns = {name: backend.module_function(module, name) for name in defined_kernels(source)}
+                    fns = _load(backend, source, _BINARIES.get(backend.kernel_language))
             except AcceleratorError as exc:
                 warnings.warn(f"accel.random: could not load the Philox {backend.kernel_language} kernels "
                               f"on {backend.name}:{index} ({exc}); using the host path (same numbers, "
@@ -91,6 +97,25 @@ def kernel_functions(backend, index: int) -> Optional[Dict[str, int]]:
                 fns = None
         _functions[key] = fns
         return fns
+
+
+def _load(backend, source: bytes, binary: Optional[Callable[[], bytes]]) -> Dict[str, int]:
+    """Kernel handles of ``source``'s kernels, from the prebuilt image when it loads, else from
+    ``source`` (the driver JITs it)."""
+    names = defined_kernels(source)
+    if binary is not None:
+        try:
+            image = binary()
+        except OSError:
+            image = None     # not shipped (a source checkout without the image): use the source
+        if image is not None:
+            try:
+                module = backend.module_load(image)
+                return {name: backend.module_function(module, name) for name in names}
+            except KernelImageError:
+                pass         # e.g. a driver that refuses these cubins: its JIT takes the PTX below
+    module = backend.module_load(source)
+    return {name: backend.module_function(module, name) for name in names}
 
 
 def _give_up_kernels(backend, index: int, exc: KernelImageError) -> None:
