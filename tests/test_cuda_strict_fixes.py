@@ -343,7 +343,7 @@ def test_jit_failure_at_load_falls_back_to_host_once(sim_cuda):
     from accel import sim
     _backend()
     R.manual_seed(5)
-    sim.inject_error("cudaLibraryLoadData", 218)
+    sim.inject_error("cudaLibraryLoadData", 218, times=2)   # the fatbin, then its PTX fallback
     with pytest.warns(RuntimeWarning, match="host path"):
         a = accel.Buffer(32)
         R.random_raw_(a)

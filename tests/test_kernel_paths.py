@@ -200,3 +200,13 @@ def test_ptx_isa_limits_follow_the_cuda_release():
     assert _cuda_images.max_ptx_isa(12020) == (8, 2)
     assert _cuda_images.max_ptx_isa(12080) == (8, 7)
     assert _cuda_images.max_ptx_isa(13000) == (9, 0)
+
+
+def test_a_rejected_fatbin_falls_back_to_the_ptx(monkeypatch):
+    _cuda(monkeypatch, runtime="13.0")
+    sim.inject_error("cudaLibraryLoadData", 200, times=1)    # e.g. a driver refusing these cubins
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = _raw_on(1)
+    assert np.array_equal(got, philox.raw_words(SEED, 0, 37))
+    assert sim.calls("cudaLibraryLoadData") == 2 and sim.state().jit_compiles == 1
