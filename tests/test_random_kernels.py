@@ -153,3 +153,20 @@ def test_sim_model_graph_safe_state_and_store_state():
     # seed argument ignored, offset argument is the intragraph offset added to *offset_ptr
     raw.fn((2, 1, 1), (4, 1, 1), mem.view, out, 10, 999, 8, state, state + 8)
     assert np.array_equal(mem.view(out, 40, np.uint32), philox.raw_words(42, 408, 10))
+
+
+@pytest.mark.skipif(NVCC is None or PTXAS is None or shutil.which("fatbinary") is None,
+                    reason="nvcc/ptxas/fatbinary (CUDA toolkit) are not installed")
+def test_check_detects_a_stale_fatbin(tmp_path, monkeypatch, capsys):
+    stale = tmp_path / "philox.fatbin"
+    stale.write_bytes(open(regen_kernels.FATBIN, "rb").read()[:-8] + b"\0" * 8)
+    monkeypatch.setattr(regen_kernels, "FATBIN", str(stale))
+    monkeypatch.setattr(sys, "argv", ["regen_kernels.py", "--check"])
+    assert regen_kernels.main() == 1
+    assert "philox.fatbin" in capsys.readouterr().out
+
+
+def test_fatbin_is_package_data():
+    with open(os.path.join(ROOT, "setup.cfg")) as f:
+        line = next(ln for ln in f if ln.startswith("accel.random ="))
+    assert "kernels/*.fatbin" in line and "kernels/*.ptx" in line
