@@ -159,7 +159,9 @@ def test_sim_model_graph_safe_state_and_store_state():
                     reason="nvcc/ptxas/fatbinary (CUDA toolkit) are not installed")
 def test_check_detects_a_stale_fatbin(tmp_path, monkeypatch, capsys):
     stale = tmp_path / "philox.fatbin"
-    stale.write_bytes(open(regen_kernels.FATBIN, "rb").read()[:-8] + b"\0" * 8)
+    data = bytearray(open(regen_kernels.FATBIN, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    stale.write_bytes(bytes(data))
     monkeypatch.setattr(regen_kernels, "FATBIN", str(stale))
     monkeypatch.setattr(sys, "argv", ["regen_kernels.py", "--check"])
     assert regen_kernels.main() == 1
