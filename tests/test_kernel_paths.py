@@ -11,7 +11,10 @@ np = pytest.importorskip("numpy")
 
 import accel  # noqa: E402
 import accel.random as R  # noqa: E402
+from _cffi_backend import FFI  # noqa: E402
+
 from accel import _lazy, sim  # noqa: E402
+from accel._ffi import has_symbol  # noqa: E402
 from accel._errors import AcceleratorError, KernelImageError  # noqa: E402
 from accel.backends import _cuda_driver  # noqa: E402
 from accel.random import _device, philox  # noqa: E402
@@ -65,8 +68,11 @@ def test_each_runtime_runs_the_kernels_on_the_non_current_device(monkeypatch, ru
 def test_runtime_12_4_has_no_cudaLibrary_symbols(monkeypatch):
     backend = _cuda(monkeypatch, runtime="12.4")
     _, lib, _ = backend._runtime()
-    assert not hasattr(lib, "cudaLibraryLoadData") and not hasattr(lib, "cudaGetDriverEntryPointByVersion")
-    assert hasattr(lib, "cudaGetDriverEntryPoint")
+    assert not has_symbol(lib, "cudaLibraryLoadData") and not has_symbol(lib, "cudaGetDriverEntryPointByVersion")
+    assert has_symbol(lib, "cudaGetDriverEntryPoint")
+    # as cffi does for a real libcudart.so.12 of 12.4: a declared but absent symbol is ffi.error
+    with pytest.raises(FFI.error, match="undefined symbol: cudaLibraryLoadData"):
+        lib.cudaLibraryLoadData
 
 
 def test_driver_path_launches_are_captured(monkeypatch):

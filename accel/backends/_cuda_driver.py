@@ -34,11 +34,13 @@ class NoKernelPath(Exception):
 
 
 def plan(lib) -> Tuple[str, str]:
-    """("library" | "driver" | "", why) from the symbols ``lib`` exports, without calling anything."""
-    if all(hasattr(lib, n) for n in ("cudaLibraryLoadData", "cudaLibraryGetKernel", "cudaLibraryUnload")):
+    """("library" | "driver" | "", why) from the symbols ``lib`` exports, without calling anything.
+    (A declared symbol the library lacks raises ffi.error, not AttributeError: has_symbol.)"""
+    from .._ffi import has_symbol
+    if all(has_symbol(lib, n) for n in ("cudaLibraryLoadData", "cudaLibraryGetKernel", "cudaLibraryUnload")):
         return "library", "cudaLibraryLoadData/cudaLibraryGetKernel + cudaLaunchKernel (runtime 12.8+)"
     for getter in ("cudaGetDriverEntryPointByVersion", "cudaGetDriverEntryPoint"):
-        if hasattr(lib, getter):
+        if has_symbol(lib, getter):
             return "driver", f"driver cuModuleLoadData/cuModuleGetFunction/cuLaunchKernel through {getter}"
     return "", ("no kernel path: this libcudart has neither cudaLibraryLoadData (12.8+) nor "
                 "cudaGetDriverEntryPoint")
@@ -48,10 +50,10 @@ class DriverKernels:
     """The driver functions accel launches kernels with, resolved once per backend."""
 
     def __init__(self, ffi, lib):
-        from .._ffi import _cudadrv
+        from .._ffi import _cudadrv, has_symbol
         self.rffi, self.dffi = ffi, _cudadrv.ffi
         self.fns = {}
-        by_version = hasattr(lib, "cudaGetDriverEntryPointByVersion")
+        by_version = has_symbol(lib, "cudaGetDriverEntryPointByVersion")
         fp = ffi.new("void **")
         status = ffi.new("enum cudaDriverEntryPointQueryResult *")
         for name, pfn in SYMBOLS.items():

@@ -389,12 +389,15 @@ def counted(name: str, fn: Callable) -> Callable:
 class SimLibrary:
     """Looks like a cffi ``lib``: vendor functions as attributes, plus the
     vendor's enum and ``#define`` constants read from the generated
-    declarations.  Unknown functions raise AttributeError, so probing with
-    ``hasattr`` works as with a real library missing a symbol."""
+    declarations.  A function the generated module declares but this library
+    lacks raises ``ffi.error``, as cffi does for a real library missing the
+    symbol; a name not declared at all raises AttributeError (probe with
+    ``accel._ffi.has_symbol``, which handles both)."""
 
-    def __init__(self, name: str, constants=None):
+    def __init__(self, name: str, constants=None, declared=()):
         self.__dict__["_sim_name"] = name
         self.__dict__["_sim_constants"] = constants
+        self.__dict__["_sim_declared"] = frozenset(declared)
 
     def __getattr__(self, attr: str):
         consts = self.__dict__["_sim_constants"]
@@ -406,6 +409,9 @@ class SimLibrary:
             if isinstance(value, int):
                 self.__dict__[attr] = value
                 return value
+        if attr in self.__dict__["_sim_declared"]:
+            raise _cffi_backend.FFI.error(f"symbol {attr!r} not found in library 'accel.sim "
+                                          f"{self.__dict__['_sim_name']}': undefined symbol: {attr}")
         raise AttributeError(f"the simulated {self.__dict__['_sim_name']} library has no symbol {attr!r}")
 
     def __dir__(self):
@@ -416,7 +422,7 @@ class SimLibrary:
 
 
 def build_library(name: str, functions: Dict[str, Callable], *, constants=None,
-                  wrap: Callable[[str, Callable], Callable] = counted) -> SimLibrary:
+                  wrap: Callable[[str, Callable], Callable] = counted, declared=()) -> SimLibrary:
     """A :class:`SimLibrary` whose attribute ``f`` is ``wrap("f", functions["f"])``.
 
     The default ``wrap`` is :func:`counted` (call counter + fault injection);
@@ -425,7 +431,7 @@ def build_library(name: str, functions: Dict[str, Callable], *, constants=None,
     ``constants`` serves the int attributes that are not functions, e.g.
     :func:`constants_of` the generated module.
     """
-    lib = SimLibrary(name, constants)
+    lib = SimLibrary(name, constants, declared)
     for fname, fn in functions.items():
         lib.__dict__[fname] = wrap(fname, fn)
     return lib

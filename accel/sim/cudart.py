@@ -1997,8 +1997,12 @@ def open_library() -> core.SimLibrary:
     if lib is None:
         exported = exported_symbols(cfg.runtime_version)
         functions = {k: v for k, v in {**_NO_INIT, **_FUNCTIONS}.items() if k in exported}
+        try:
+            from accel._ffi._cudart import FUNCTIONS as declared
+        except ImportError:
+            declared = ()
         lib = _libs.setdefault(cfg.runtime_version, core.build_library(
-            "cudart", functions, constants=core.constants_of("_cudart"), wrap=_wrap_any))
+            "cudart", functions, constants=core.constants_of("_cudart"), wrap=_wrap_any, declared=declared))
     return lib
 
 
