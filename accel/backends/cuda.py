@@ -285,6 +285,7 @@ class CudaBackend(Backend):
                 info["runtime_version"] = f"{v[0] // 1000}.{v[0] % 1000 // 10}"
             if lib.cudaDriverGetVersion(v) == 0:  # does not initialize; 0 without a driver
                 info["driver_cuda_version"] = f"{v[0] // 1000}.{v[0] % 1000 // 10}" if v[0] else None
+            info.update(self.kernel_path())   # from the exported symbols; starts nothing
         except AcceleratorError as exc:
             info["library"] = None
             info["library_error"] = str(exc)
