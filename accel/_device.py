@@ -9,6 +9,7 @@ against the device count with a message naming the valid range.
 
 from __future__ import annotations
 
+import operator
 from typing import Optional, Union
 
 from . import _lazy, backends
@@ -37,7 +38,7 @@ class device:
         if sep:
             if index is not None:
                 raise ValueError(f"device string {text!r} already has an index; do not also pass index={index}")
-            if not rest.isdigit():
+            if not (rest.isascii() and rest.isdigit()):   # str.isdigit alone takes "²" and "１"
                 raise ValueError(f"Invalid device string: {text!r}; expected 'type' or 'type:index' "
                                  f"with a non-negative integer index, e.g. 'cuda:0'")
             index = int(rest)
@@ -45,8 +46,7 @@ class device:
             raise ValueError(f"Invalid device string: {text!r}; expected a device type in "
                              f"{', '.join(_KNOWN_TYPES)}, optionally followed by ':index'")
         if index is not None:
-            if isinstance(index, bool) or not isinstance(index, int):
-                raise TypeError(f"device index must be an int, got {index!r}")
+            index = _as_index(index, "device index")
             if index < 0:
                 raise ValueError(f"Device index must not be negative, got {index}")
         object.__setattr__(self, "_type", kind)
@@ -86,6 +86,16 @@ class device:
 DeviceLike = Union[int, str, device, None]
 
 
+def _as_index(value, what: str) -> int:
+    """An ``__index__`` integer (int, numpy integer) as an int; TypeError for bool and the rest."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}")
+
+
 def accelerator_type() -> Optional[str]:
     """Name of the accelerator type (as current_accelerator()), or None; never initializes a runtime."""
     chosen = backends.fallback()
@@ -102,6 +112,8 @@ def device_index(dev: DeviceLike, optional: bool = False) -> int:
         raise TypeError(f"device must be an int, a string such as 'cuda:0', or accel.device; got {dev!r}")
     if isinstance(dev, int):
         return dev
+    if hasattr(type(dev), "__index__") and not isinstance(dev, (str, device)):
+        return operator.index(dev)          # numpy integers
     if isinstance(dev, str):
         dev = device(dev)
     index = None

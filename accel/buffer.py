@@ -10,6 +10,8 @@ copies stage through pinned host memory and return at once.
 
 from __future__ import annotations
 
+import operator
+import re
 from typing import Optional
 
 from . import _finalize as _fin
@@ -19,6 +21,7 @@ from .streams import Stream, _index_for, current_stream, on_device
 
 __all__ = ["Buffer"]
 
+_FIELD_NAMES = re.compile(r":[^:]*:")   # struct-format field names, e.g. T{<q:a:O:b:}
 _CAI_LEGACY_DEFAULT_STREAM = 1  # __cuda_array_interface__ v3: 0 is disallowed, 1 means the legacy stream
 
 
@@ -28,6 +31,17 @@ def _memory():
     return memory
 
 
+def _check_plain(obj, view, what: str) -> None:
+    """Refuse buffers holding Python object references: their bytes are PyObject* addresses,
+    so copying device bytes into them (or uploading them) corrupts the interpreter."""
+    dtype = getattr(obj, "dtype", None)
+    if getattr(dtype, "hasobject", False) or "O" in _FIELD_NAMES.sub("", view.format):
+        shown = dtype if dtype is not None else f"format {view.format!r}"
+        raise TypeError(f"cannot copy {what} an array of dtype {shown}: it holds Python object references, "
+                        f"not data; use an array of plain numbers (e.g. numpy.float32 or uint8); "
+                        f"nothing was copied")
+
+
 def _host_view(src):
     """A read-only contiguous byte memoryview of a host object, or a clear error."""
     try:
@@ -35,10 +49,21 @@ def _host_view(src):
     except TypeError:
         raise TypeError(f"cannot copy from {type(src).__name__}: expected a numpy array, an accel.Buffer, "
                         f"or a bytes-like object") from None
+    _check_plain(src, view, "from")
     if not view.c_contiguous:
         raise ValueError("source array is not C-contiguous; pass numpy.ascontiguousarray(a) "
                          "(nothing was copied)")
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def _size(value, what: str) -> int:
+    """An ``__index__`` integer (int, numpy integer) as an int; bool and floats are refused."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an int, got bool {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}") from None
 
 
 def _drain(stream: Stream) -> None:
@@ -70,8 +95,7 @@ class Buffer:
     __slots__ = ("_backend", "_index", "_ptr", "_nbytes", "_stream", "_closed", "_pid", "__weakref__")
 
     def __init__(self, nbytes: int, device: DeviceLike = None, stream: Optional[Stream] = None):
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
-            raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
+        nbytes = _size(nbytes, "nbytes")
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         backend = _lazy.lazy_init()
@@ -175,21 +199,22 @@ class Buffer:
         if not self._nbytes:
             return self
         if non_blocking:
+            from ._hostmem import copy_into
             host = _memory().host_allocator()
             staging = host.malloc(self._nbytes)
-            from ._hostmem import copy_into
-            copy_into(staging, view)
-            # The stream's device current: for the copy on a shared default stream, and
-            # because the host allocator's events live on the stream's device.
-            with on_device(backend, self._index):
-                try:
+            try:
+                copy_into(staging, view)
+                # The stream's device current: for the copy on a shared default stream, and
+                # because the host allocator's events live on the stream's device.
+                with on_device(backend, self._index):
                     backend.memcpy_async(self._ptr, staging, self._nbytes, stream.handle)
-                    host.record_stream(staging, stream.handle)
-                except BaseException:
-                    _drain(stream)  # a queued copy may still read the staging block
-                    raise
-                finally:
-                    host.free(staging)
+                    try:
+                        host.record_stream(staging, stream.handle, self._index)
+                    except BaseException:
+                        _drain(stream)  # the queued copy may still read the staging block
+                        raise
+            finally:
+                host.free(staging)
         else:
             with stream._device_scope():
                 backend.memcpy_async(self._ptr, _address(view), self._nbytes, stream.handle)
@@ -205,6 +230,7 @@ class Buffer:
         except TypeError:
             raise TypeError(f"cannot copy into {type(dst).__name__}: expected a writable numpy array "
                             f"or bytearray") from None
+        _check_plain(dst, view, "into")
         if view.readonly:
             raise ValueError("destination is read-only; nothing was copied")
         if not view.c_contiguous:
@@ -220,16 +246,34 @@ class Buffer:
     def to_numpy(self, dtype="uint8", shape=None, stream: Optional[Stream] = None):
         """The buffer's bytes as a new numpy array of ``dtype`` (and ``shape``), after queued work."""
         import numpy as np
-        dtype = np.dtype(dtype)
+        try:
+            dtype = np.dtype(dtype)
+        except TypeError as exc:
+            raise TypeError(f"to_numpy: {exc}; pass a numpy dtype such as numpy.float32 or 'uint8'") from None
+        if dtype.hasobject:
+            raise TypeError(f"to_numpy cannot make an array of dtype {dtype}: it would hold Python object "
+                            f"references, not data; use a plain dtype such as numpy.float32 or uint8")
         if self._nbytes % dtype.itemsize:
             raise ValueError(f"buffer of {self._nbytes} bytes is not a whole number of {dtype} items")
-        out = np.empty(self._nbytes // dtype.itemsize, dtype=dtype)
+        count = self._nbytes // dtype.itemsize
+        if shape is not None:
+            try:
+                shape = tuple(operator.index(n) for n in shape) if hasattr(shape, "__iter__") \
+                    else (operator.index(shape),)
+            except TypeError:
+                raise TypeError(f"to_numpy: shape must be an int or a tuple of ints, got {shape!r}") from None
+            if any(n < 0 for n in shape) or int(np.prod(shape, dtype=object)) != count:
+                raise ValueError(f"to_numpy: shape {shape} does not hold the buffer's {count} {dtype} items "
+                                 f"({self._nbytes} bytes); pass a shape whose product is {count}")
+        out = np.empty(count, dtype=dtype)
         self.copy_to(out, stream)
         return out.reshape(shape) if shape is not None else out
 
     def fill_(self, value: int, stream: Optional[Stream] = None) -> "Buffer":
         """Set every byte to ``value`` (0..255), ordered on ``stream``; returns self."""
         self._live()
+        if not isinstance(value, bool) and hasattr(type(value), "__index__"):
+            value = operator.index(value)
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 255:
             raise ValueError(f"fill_ takes a byte value 0..255, got {value!r}")
         stream = self._stream_for(stream)

@@ -212,8 +212,15 @@ def record_history(enabled: bool = True, *, max_entries: int = 100_000, stacks: 
     """Record allocation events (and Python stacks of allocations when ``stacks``)
     on every device, for :func:`memory_snapshot` and ``python -m accel.memory viz``."""
     global _history
+    if isinstance(max_entries, bool) or not hasattr(type(max_entries), "__index__"):
+        raise TypeError(f"record_history: max_entries must be an int >= 1, got "
+                        f"{type(max_entries).__name__} {max_entries!r}")
+    max_entries = max_entries.__index__()
+    if max_entries < 1:
+        raise ValueError(f"record_history: max_entries must be >= 1, got {max_entries}; pass the number of "
+                         f"allocation events to keep (default 100000)")
     with _lock:
-        _history = (max_entries, stacks) if enabled else None
+        _history = (max_entries, bool(stacks)) if enabled else None
         allocators = list(_allocators.values())
     for alloc in allocators:
         alloc.record_history(enabled, max_entries, stacks)
