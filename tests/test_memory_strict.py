@@ -330,8 +330,7 @@ def test_host_failed_record_does_not_leak_the_block():
     p = host.malloc(1000)
     host.record_stream(p, s)
     be.stream_device.pop(s)                       # the record will fail
-    with pytest.raises(AcceleratorError):
-        host.free(p)
+    host.free(p)              # the stream is synchronized instead: nothing to report (issue 13)
     be.stream_device[s] = 0
     assert host.stats()["allocated_bytes"] == 0
     host.empty_cache()

@@ -685,7 +685,8 @@ class DeviceCachingAllocator:
             for device, events in self._event_cache.items():
                 with on_device(self._be, device):
                     while events:
-                        self._be.event_destroy(events.pop())
+                        self._be.event_destroy(events[-1])   # a failure keeps it for the next try
+                        events.pop()
 
     def stats(self) -> "dict":
         """The torch.cuda.memory_stats() keys as an OrderedDict (sorted)."""
@@ -1023,23 +1024,29 @@ class DeviceCachingAllocator:
     def _release_blocks(self, victims: List[_Block]) -> None:
         if not victims:
             return
-        with self._on_device():
-            for block in victims:
-                fl = block.pool
-                del fl.keys[bisect_left(fl.keys, block.size << _SHIFT | block.ptr)]
-                del self._blocks[block.ptr]
-                del self._segments[block.ptr]
-                fl.segments -= 1
-                self._be.mem_free(block.ptr)
-                self._scalars["num_device_free"] += 1
-                self._count_down(SEGMENT, 1, fl.kind)
-                self._count_down(RESERVED_BYTES, block.size, fl.kind)
-                if block.size >= self._max_split:
-                    self._count_down(OVERSIZE_SEGMENTS, 1)
-                if self._history is not None:
-                    self._trace("segment_free", block.ptr, block.size, fl.stream)
-        for pool in [pool for pool in self._private.values() if pool.use_count == 0]:
-            self._forget_private_if_empty(pool)
+        try:
+            with self._on_device():
+                self._free_segments(victims)
+        finally:
+            for pool in [pool for pool in self._private.values() if pool.use_count == 0]:
+                self._forget_private_if_empty(pool)
+
+    def _free_segments(self, victims: List[_Block]) -> None:
+        for block in victims:
+            # a failed cudaFree leaves the segment allocated: it stays cached (and counted)
+            self._be.mem_free(block.ptr)
+            fl = block.pool
+            del fl.keys[bisect_left(fl.keys, block.size << _SHIFT | block.ptr)]
+            del self._blocks[block.ptr]
+            del self._segments[block.ptr]
+            fl.segments -= 1
+            self._scalars["num_device_free"] += 1
+            self._count_down(SEGMENT, 1, fl.kind)
+            self._count_down(RESERVED_BYTES, block.size, fl.kind)
+            if block.size >= self._max_split:
+                self._count_down(OVERSIZE_SEGMENTS, 1)
+            if self._history is not None:
+                self._trace("segment_free", block.ptr, block.size, fl.stream)
 
     def _apply_release_threshold(self) -> None:
         if capture_underway(self._be):
@@ -1055,6 +1062,7 @@ class DeviceCachingAllocator:
         for k in (0, p):
             self._pend[k] += 1
             self._pend[3 + k] += block.size
+        self._pending.append(block)
         if capture_underway(self._be):
             # An event recorded on a capturing stream cannot be queried afterwards, and none
             # may be queried now; torch defers them too (insert_events_deferred_until_no_capture).
@@ -1067,11 +1075,13 @@ class DeviceCachingAllocator:
             self._update_special()
 
     def _insert_events(self, block: _Block) -> None:
-        """Record an event on every stream that used the freed ``block``; it is reused once
-        they all completed.  A stream whose event cannot be recorded is synchronized
-        instead; if that fails too, the error propagates and the block is never reused."""
+        """Record an event on every stream that used the freed (pending) ``block``; it is
+        reused once they all completed.  A stream whose event cannot be recorded is
+        synchronized instead (its work is then done: nothing to report).  A use for which
+        both fail stays on the block, which waits in ``_deferred`` for the next try
+        (``_resume_events``, ``empty_cache``), and the error propagates."""
         uses, block.uses = block.uses, None
-        self._pending.append(block)
+        failed = set()
         error = None
         for use in uses:
             if type(use) is _Gate:
@@ -1079,32 +1089,49 @@ class DeviceCachingAllocator:
                 block.events += 1
                 continue
             stream, device = use
+            try:
+                event = self._record(stream, device)
+            except Exception:
+                try:
+                    with on_device(self._be, device):
+                        self._be.stream_synchronize(stream)
+                except Exception as exc:
+                    error = error or exc
+                    failed.add(use)         # still in _used_on: forget_stream can cover it
+                    continue
+            else:
+                self._pending_events.append((event, device, block))
+                block.events += 1
             users = self._used_on.get(stream)
             if users is not None:
                 users.discard(block)
                 if not users:
                     del self._used_on[stream]
-            try:
-                event = self._record(stream, device)
-            except Exception as exc:
-                error = error or exc
-                try:
-                    with on_device(self._be, device):
-                        self._be.stream_synchronize(stream)
-                except Exception:
-                    block.events += 1       # stays pending: nothing tells when the use ends
-                continue
-            self._pending_events.append((event, device, block))
-            block.events += 1
+        if failed:
+            block.uses = failed
+            self._deferred.append(block)
+            raise error
         if block.events == 0:
             self._complete(block)
-        if error is not None:
+
+    def _insert_deferred(self, strict: bool) -> None:
+        """Record the events of the blocks in ``_deferred`` (freed during a capture, or whose
+        use could be neither recorded nor waited for).  A block that fails again stays
+        there; the first error propagates when ``strict``, after the others were handled."""
+        deferred, self._deferred = self._deferred, []
+        error = None
+        for block in deferred:
+            try:
+                self._insert_events(block)
+            except Exception as exc:
+                error = error or exc
+        if error is not None and strict:
             raise error
 
     def _done(self, item) -> None:
         if type(item) is _Retired:
             self._rehome(item)
-        else:
+        elif not item.uses:         # else a use still waits in _deferred for its event
             self._complete(item)
 
     def _rehome(self, retired: _Retired) -> None:
@@ -1148,9 +1175,11 @@ class DeviceCachingAllocator:
 
     def _resume_events(self) -> None:
         """No capture is underway (any more): record the events of frees deferred during
-        one, and free pending blocks whose events completed."""
-        while self._deferred:
-            self._insert_events(self._deferred.pop())
+        one, and free pending blocks whose events completed.  A deferred block that fails
+        again stays deferred without an error here (the caller's work is not about it);
+        empty_cache reports it."""
+        if self._deferred:
+            self._insert_deferred(strict=False)
         if self._pending_events:
             self._process_events()
         self._update_special()
@@ -1179,8 +1208,13 @@ class DeviceCachingAllocator:
         """Wait for every pending block's events and free the blocks (torch's
         synchronize_and_free_events; counted in num_sync_all_streams).  Never called
         while a capture is underway."""
-        while self._deferred:
-            self._insert_events(self._deferred.pop())
+        try:
+            if self._deferred:
+                self._insert_deferred(strict=True)
+        finally:
+            self._wait_for_events()
+
+    def _wait_for_events(self) -> None:
         if not self._pending_events:
             return
         self._scalars["num_sync_all_streams"] += 1

@@ -47,8 +47,9 @@ class HostCachingAllocator:
         self._blocks: Dict[int, _HostBlock] = {}
         self._free: Dict[int, List[int]] = {}          # size -> ptrs ready for reuse
         self._events: List[tuple] = []                 # (event, device, block)
-        self._deferred: List[_HostBlock] = []          # freed during a capture, events not recorded
-        self._stuck: List[_HostBlock] = []             # a use could be neither recorded nor waited for
+        # freed during a capture (events not recorded yet), or with a use whose event could be
+        # neither recorded nor waited for (retried at the next malloc and empty_cache)
+        self._deferred: List[_HostBlock] = []
         self._used_on: Dict[int, set] = {}             # stream -> blocks whose uses name it
         self._event_cache: Dict[int, List[int]] = {}   # device -> completed events for reuse
         self._stats = {"allocated_bytes": 0, "reserved_bytes": 0, "allocations": 0,
@@ -72,7 +73,7 @@ class HostCachingAllocator:
             _drain_finalizers()
         with self._lock:
             if (self._events or self._deferred) and not capture_underway(be):
-                self._resume_events()
+                self._resume_events(strict=False)
             ready = self._free.get(size)
             if ready:
                 block = self._blocks[ready.pop()]
@@ -113,7 +114,7 @@ class HostCachingAllocator:
             elif capture_underway(self._be):
                 self._deferred.append(block)   # see _caching: no events during a capture
             else:
-                self._insert_events(block)     # a failure raises; the block is not lost
+                self._insert_events(block)     # a failure raises; the block stays deferred
 
     def record_stream(self, ptr: int, stream: int, device_index: Optional[int] = None) -> None:
         """The allocated block at ``ptr`` is used by work on ``stream`` (of device
@@ -169,12 +170,15 @@ class HostCachingAllocator:
             be = self._be
             if be is None or capture_underway(be):
                 return
-            self._resume_events()
-            self._release_free()
+            try:
+                self._resume_events(strict=True)
+            finally:
+                self._release_free()
             for device, events in self._event_cache.items():
                 with on_device(be, device):
                     while events:
-                        be.event_destroy(events.pop())
+                        be.event_destroy(events[-1])   # a failure keeps it for the next try
+                        events.pop()
 
     def stats(self) -> dict:
         """Bytes and counts: allocated_bytes, reserved_bytes, allocations, segments,
@@ -183,8 +187,7 @@ class HostCachingAllocator:
             _drain_finalizers()
         with self._lock:
             out = dict(self._stats)
-            out["pending"] = len({id(b) for _, _, b in self._events} | {id(b) for b in self._deferred}
-                                 | {id(b) for b in self._stuck})
+            out["pending"] = len({id(b) for _, _, b in self._events} | {id(b) for b in self._deferred})
             return out
 
     def _record(self, stream: int, device: int) -> int:
@@ -202,46 +205,59 @@ class HostCachingAllocator:
 
     def _insert_events(self, block: _HostBlock) -> None:
         """Record an event on every stream that used ``block``.  A stream whose event
-        cannot be recorded is synchronized instead; if that fails too, the block is set
-        aside (never reused, unpinned by empty_cache) and the error propagates."""
+        cannot be recorded is synchronized instead (its work is then done: nothing to
+        report).  A use for which both fail stays on the block, which waits in
+        ``_deferred`` for the next try (never reused or unpinned before), and the error
+        propagates."""
         uses, block.uses = block.uses, None
+        failed = set()
         error = None
-        stuck = False
         for use in uses:
             if type(use) is _Gate:
                 self._events.append((use.event, use.device, block))
                 block.events += 1
                 continue
             stream, device = use
+            try:
+                event = self._record(stream, device)
+            except Exception:
+                try:
+                    with on_device(self._be, device):
+                        self._be.stream_synchronize(stream)
+                except Exception as exc:
+                    error = error or exc
+                    failed.add(use)         # still in _used_on: forget_stream can cover it
+                    continue
+            else:
+                self._events.append((event, device, block))
+                block.events += 1
             users = self._used_on.get(stream)
             if users is not None:
                 users.discard(block)
                 if not users:
                     del self._used_on[stream]
+        if failed:
+            block.uses = failed
+            self._deferred.append(block)
+            raise error
+        if block.events == 0:
+            self._free.setdefault(block.size, []).append(block.ptr)
+
+    def _resume_events(self, strict: bool) -> None:
+        """Record the events of deferred blocks and reuse blocks whose events completed.
+        A deferred block that fails again stays deferred; its error propagates only when
+        ``strict`` (empty_cache), after everything else was done."""
+        deferred, self._deferred = self._deferred, []
+        error = None
+        for block in deferred:
             try:
-                event = self._record(stream, device)
+                self._insert_events(block)
             except Exception as exc:
                 error = error or exc
-                try:
-                    with on_device(self._be, device):
-                        self._be.stream_synchronize(stream)
-                except Exception:
-                    stuck = True
-                continue
-            self._events.append((event, device, block))
-            block.events += 1
-        if stuck:
-            self._stuck.append(block)
-        elif block.events == 0:
-            self._free.setdefault(block.size, []).append(block.ptr)
-        if error is not None:
-            raise error
-
-    def _resume_events(self) -> None:
-        while self._deferred:
-            self._insert_events(self._deferred.pop())
         if self._events:
             self._process_events()
+        if error is not None and strict:
+            raise error
 
     def _process_events(self) -> None:
         events, self._events = self._events, []
@@ -253,7 +269,7 @@ class HostCachingAllocator:
                     events.pop()
                     self._event_cache.setdefault(device, []).append(event)
                     block.events -= 1
-                    if block.events == 0 and block not in self._stuck:
+                    if block.events == 0 and not block.uses:   # else deferred: a use waits
                         self._free.setdefault(block.size, []).append(block.ptr)
                 else:
                     self._events.append(events.pop())
@@ -261,17 +277,14 @@ class HostCachingAllocator:
             self._events += events
 
     def _release_free(self) -> None:
-        for block in [b for b in self._stuck if not b.events]:
-            self._stuck.remove(block)
-            self._free.setdefault(block.size, []).append(block.ptr)
         for ptrs in self._free.values():
-            for ptr in ptrs:
-                block = self._blocks.pop(ptr)
-                self._be.host_free(ptr)
+            while ptrs:
+                # a failed cudaFreeHost leaves the block pinned: it stays cached (and counted)
+                self._be.host_free(ptrs[-1])
+                block = self._blocks.pop(ptrs.pop())
                 self._stats["reserved_bytes"] -= block.size
                 self._stats["segments"] -= 1
                 self._stats["num_host_free"] += 1
-        self._free.clear()
 
     @staticmethod
     def _not_allocated(ptr, block) -> Exception:
