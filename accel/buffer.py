@@ -56,6 +56,20 @@ def _host_view(src):
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
+def _refuse_in_capture(backend, stream: Stream) -> None:
+    """torch's rule: no host copy on a capturing stream.  Refused before anything is taken,
+    so the capture stays valid and no pinned block or event is captured."""
+    if backend.captures_underway():
+        with stream._device_scope():
+            capturing = backend.capture_id(stream.handle) is not None
+        if capturing:
+            name = backend.name.upper()
+            from ._errors import CaptureError
+            raise CaptureError(f"Cannot copy between CPU and {name} tensors during {name} graph capture "
+                               f"(the stream {stream!r} is capturing): copy before the capture, or capture a "
+                               f"copy between two accel.Buffers instead; nothing was copied")
+
+
 def _size(value, what: str) -> int:
     """An ``__index__`` integer (int, numpy integer) as an int; bool and floats are refused."""
     if isinstance(value, bool):
@@ -198,6 +212,7 @@ class Buffer:
                              f"nothing was copied")
         if not self._nbytes:
             return self
+        _refuse_in_capture(backend, stream)
         if non_blocking:
             from ._hostmem import copy_into
             host = _memory().host_allocator()
@@ -239,6 +254,7 @@ class Buffer:
             raise ValueError(f"size mismatch: destination has {view.nbytes} bytes, buffer has "
                              f"{self._nbytes}; nothing was copied")
         if self._nbytes:
+            _refuse_in_capture(self._backend, stream)
             with stream._device_scope():
                 self._backend.memcpy_async(_address(view), self._ptr, self._nbytes, stream.handle)
             stream.synchronize()

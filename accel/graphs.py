@@ -240,8 +240,12 @@ class Graph:
         accel.memory.empty_host_cache()
         self.capture_begin()
 
-    def __exit__(self, *exc_info) -> None:
-        self.capture_end()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is None:
+            self.capture_end()
+        else:
+            _end_after_error(self, exc)
+
 
     def _check_process(self) -> None:
         if self._pid != _fin.pid:
@@ -277,8 +281,12 @@ def graph(cuda_graph: Graph, pool: Optional[Tuple[int, int]] = None, stream: Opt
     The side stream (``stream``, or one kept per device) first waits for the
     current stream, so the captured work sees everything queued before.
     """
+    # Every argument is checked before anything is synchronized, emptied or created.
     if not isinstance(cuda_graph, Graph):
         raise TypeError(f"graph() expects an accel.Graph, got {type(cuda_graph).__name__}")
+    mode = _check_mode(capture_error_mode)
+    if stream is not None and not isinstance(stream, Stream):
+        raise TypeError(f"graph(stream=...) expects an accel.Stream or None, got {type(stream).__name__}")
     import accel
     accel.synchronize()
     accel.memory.empty_cache()
@@ -286,13 +294,29 @@ def graph(cuda_graph: Graph, pool: Optional[Tuple[int, int]] = None, stream: Opt
     capture_stream.wait_stream(current_stream(capture_stream.device_index))
     if pool is not None:
         cuda_graph.graph_pool = pool
-    cuda_graph.capture_error_mode = _check_mode(capture_error_mode)
+    cuda_graph.capture_error_mode = mode
     with capture_stream:
         cuda_graph.capture_begin()
         try:
             yield cuda_graph
-        finally:
-            cuda_graph.capture_end()
+        except BaseException as exc:
+            _end_after_error(cuda_graph, exc)
+            raise
+        cuda_graph.capture_end()
+
+
+def _end_after_error(g: Graph, exc: BaseException) -> None:
+    """End a capture whose body raised ``exc``, so the process stays usable, and let ``exc``
+    propagate: the error of ending a capture that the failure invalidated (CUDA 901) says
+    less than the failure itself, so it is attached as a note instead of replacing it."""
+    if g._stream is None:
+        return
+    try:
+        g.capture_end()
+    except Exception as end_error:     # the capture is ended (and its pool released) either way
+        exc.add_note(f"(the capture was then ended and discarded: {end_error})")
+    else:
+        g.reset()   # a capture cut short by an error is not a graph anyone asked for
 
 
 _side_streams = {}

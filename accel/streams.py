@@ -236,6 +236,12 @@ class Stream:
             raise _fin.forked_error(self._backend)
         if self._closed:
             return
+        backend = self._backend
+        if backend.captures_underway() and backend.capture_id(self._handle) is not None:
+            # Destroying a stream that takes part in a capture leaves the capture without an
+            # end: every later sync, free and capture in the process would fail.
+            raise RuntimeError(f"cannot close {self!r}: a graph capture on it is underway; end the capture "
+                               f"first (capture_end(), or leave the `with graph:` block), then close it")
         self._closed = True
         table = getattr(_tls, "current", None)
         if table is not None and table.get(self._index) is self:

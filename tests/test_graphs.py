@@ -80,8 +80,13 @@ def test_illegal_ops_raise_and_invalidate(sim_graph_backend, illegal):
                 e.synchronize()
             else:
                 buf.copy_from(np.zeros(64, np.uint8))
-        with pytest.raises(accel.CaptureError):
+        if illegal == "blocking_copy":
+            # Refused by accel before the runtime sees it (as torch): the capture stays valid.
             g.capture_end()
+            g.reset()
+        else:
+            with pytest.raises(accel.CaptureError):
+                g.capture_end()
     # The graph may be captured again afterwards.
     with s, g:
         buf.fill_(3)

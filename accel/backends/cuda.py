@@ -496,8 +496,21 @@ class CudaBackend(Backend):
         return ms[0]
 
     # -- copies ----------------------------------------------------------------
+    def _registered(self, ptr: int) -> bool:
+        """True when ``ptr`` lies in memory the runtime knows (device, pinned or managed)."""
+        attrs = self.ffi.new("struct cudaPointerAttributes *")
+        self._check(self.lib.cudaPointerGetAttributes(attrs, self.ffi.cast("void *", ptr)),
+                    "cudaPointerGetAttributes")
+        return attrs.type != self.lib.cudaMemoryTypeUnregistered
+
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         cast = self.ffi.cast
+        if nbytes and not self._registered(dst) and not self._registered(src):
+            # cudaMemcpyDefault takes two unknown pointers as host memory and memmoves on the host:
+            # a freed device pointer there crashes the process.  accel never copies host to host.
+            raise ValueError(f"cuda: memcpy_async({dst:#x}, {src:#x}, {nbytes}): neither pointer is inside a "
+                             f"live CUDA allocation (freed or foreign memory?); copy to or from memory "
+                             f"returned by mem_alloc/host_alloc that has not been freed")
         self._check(self.lib.cudaMemcpyAsync(cast("void *", dst), cast("void *", src), nbytes,
                                              _MEMCPY_DEFAULT, self._cast("cudaStream_t", stream)),
                     "cudaMemcpyAsync")

@@ -439,9 +439,16 @@ class MPSBackend(Backend):
             raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
         if nbytes < 0:
             raise ValueError(f"cannot allocate a negative number of bytes ({nbytes})")
-        self._runtime()
+        rt = self._runtime()
         if nbytes == 0:
             return 0  # as cudaMalloc(0): a null pointer that may be freed
+        if nbytes >= 1 << 64:
+            # More than an NSUInteger holds (the argument of newBufferWithLength:): no device has it.
+            max_buffer = int(rt.send(self._device, M_MAX_BUFFER_LENGTH))
+            raise OutOfMemoryError(
+                f"mps: cannot allocate {nbytes} bytes: more than an NSUInteger holds; the device's "
+                f"maxBufferLength is {max_buffer} bytes; allocate smaller pieces",
+                library=_LIBRARY, call=M_NEW_BUFFER.selector)
         return self._new_buffer(nbytes, host).base
 
     def _free(self, ptr: int, host: bool) -> None:
@@ -744,6 +751,12 @@ class MPSBackend(Backend):
                         rt.release(staging)  # the command buffer holds it until done
                     self._encoded(st)
                     return
+        if d is None and s is None:
+            # Neither side is a live Metal buffer: a freed (stale) device pointer looks exactly like
+            # host memory here, and a host memmove through it would crash the process.
+            raise ValueError(f"mps: memcpy_async({dst:#x}, {src:#x}, {nbytes}): neither pointer is inside a "
+                             f"live allocation of this device (freed or foreign memory?); copy to or from "
+                             f"memory returned by mem_alloc/host_alloc that has not been freed")
         # Pageable destination or unaligned range: order on the host, copy through unified memory.
         self.stream_synchronize(stream)
         rt.ffi.memmove(self._host(dst), self._host(src), nbytes)

@@ -739,6 +739,10 @@ class XpuBackend(Backend):
             return 0
         dev = self._current()
         ffi, lib, _ = self._lib
+        if nbytes > _UINT64_MAX:    # not even a size_t: no device has it
+            raise OutOfMemoryError(f"{LIBRARY}: zeMemAllocDevice not called: requested {nbytes} bytes on XPU "
+                                   f"device {dev.index}, more than a size_t holds (maxMemAllocSize is "
+                                   f"{dev.max_alloc})", library=LIBRARY, call="zeMemAllocDevice")
         desc = ffi.new("ze_device_mem_alloc_desc_t *")
         desc.stype = lib.ZE_STRUCTURE_TYPE_DEVICE_MEM_ALLOC_DESC
         p = ffi.new("void **")
@@ -747,6 +751,11 @@ class XpuBackend(Backend):
             extra = f"requested {nbytes} bytes on XPU device {dev.index}"
             if nbytes > dev.max_alloc:
                 extra += f" (maxMemAllocSize is {dev.max_alloc})"
+                error = self._error("zeMemAllocDevice", rc, extra)
+                # A request above the device's capacity is out of memory to the caller (as on
+                # CUDA and torch's XPU allocator); Level Zero reports it as UNSUPPORTED_SIZE.
+                raise OutOfMemoryError(str(error), library=error.library, call=error.call,
+                                       code=error.code, code_name=error.code_name)
             self._fail("zeMemAllocDevice", rc, extra)
         ptr = int(ffi.cast("uintptr_t", p[0]))
         with self._lock:
@@ -1188,11 +1197,13 @@ class XpuBackend(Backend):
             with self._lock:
                 self._deferred.append(([(s, seq)], staging))
             return
-        # Pageable destination: synchronous, as CUDA makes it.
         if not src_usm:
-            self._sync_stream(s)
-            ffi.memmove(ffi.cast("void *", dst), ffi.cast("void *", src), nbytes)
-            return
+            # Neither side is a live USM allocation: a freed device pointer is indistinguishable
+            # from host memory, and a host memmove through it would crash the process.
+            raise ValueError(f"xpu: memcpy_async({dst:#x}, {src:#x}, {nbytes}): neither pointer is inside a live "
+                             f"USM allocation (freed or foreign memory?); copy to or from memory returned by "
+                             f"mem_alloc/host_alloc that has not been freed")
+        # Pageable destination: synchronous, as CUDA makes it.
         staging = self._host_alloc(nbytes)
         try:
             self._enqueue(s, f"copy {nbytes} B", "zeCommandListAppendMemoryCopy", copy,
