@@ -23,6 +23,7 @@ from typing import Callable, Dict, List, Optional
 from . import _finalize as _fin
 from . import _lazy
 from ._device import DeviceLike, check_range, device, device_index
+from ._errors import AcceleratorError
 from .backends.base import Backend
 
 __all__ = ["Stream", "Event", "current_stream", "set_stream", "default_stream", "on_device"]
@@ -76,7 +77,16 @@ class on_device:
 
     def __exit__(self, *exc) -> None:
         if self._previous is not None:
-            self._backend.set_device(self._previous)
+            try:
+                self._backend.set_device(self._previous)
+            except AcceleratorError as err:
+                # As torch's device guards (c10/cuda/impl/CUDAGuardImpl.h, uncheckedSetDevice:
+                # C10_CUDA_CHECK_WARN): a failed restore warns and never raises, so what the body
+                # made (a stream, a segment, a recorded event) is not lost to the exception.
+                import warnings
+                warnings.warn(f"could not make device {self._previous} current again after work on "
+                              f"device {self._index} ({err}); device {self._index} stays current",
+                              RuntimeWarning, stacklevel=2)
 
 
 def _index_for(dev: DeviceLike) -> int:
@@ -100,8 +110,9 @@ class Stream:
     __slots__ = ("_backend", "_index", "_handle", "_owned", "_closed", "_shared", "_pid", "__weakref__")
 
     def __init__(self, device: DeviceLike = None, priority: int = 0):
-        if isinstance(priority, bool) or not isinstance(priority, int):
+        if isinstance(priority, bool) or not hasattr(type(priority), "__index__"):
             raise TypeError(f"priority must be an int, got {priority!r}")
+        priority = priority.__index__()     # numpy integers too
         backend = _lazy.lazy_init()
         if _fin.pending:
             _fin.drain()
@@ -246,7 +257,11 @@ class Stream:
         table = getattr(_tls, "current", None)
         if table is not None and table.get(self._index) is self:
             del table[self._index]
-        _fin.release(_destroy, self._backend, self._index, self._handle, True)
+        try:
+            _fin.release(_destroy, self._backend, self._index, self._handle, True)
+        except BaseException:
+            self._closed = False    # the runtime still has it: close() again (or the finalizer) retries
+            raise
 
     def __del__(self):
         # Never waits on a lock (hooks try theirs; see accel._finalize); nothing in a forked child.
@@ -439,7 +454,11 @@ class Event:
             return
         self._closed = True
         if self._handle is not None:
-            _fin.release(self._backend.event_destroy, self._handle)
+            try:
+                _fin.release(self._backend.event_destroy, self._handle)
+            except BaseException:
+                self._closed = False    # the runtime still has it: close() again (or the finalizer) retries
+                raise
 
     def __del__(self):
         if (getattr(self, "_handle", None) is not None and not self._closed and self._pid == _fin.pid

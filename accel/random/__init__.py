@@ -119,7 +119,11 @@ def get_rng_state_all() -> List:
 def set_rng_state_all(new_states) -> None:
     """Restore every device's generator from :func:`get_rng_state_all` output.  All
     states are checked first: on any error no generator changes."""
-    states = list(new_states)
+    try:
+        states = list(new_states)
+    except TypeError:
+        raise TypeError(f"set_rng_state_all takes a list of states (one per device, as get_rng_state_all() "
+                        f"returns), got {type(new_states).__name__} {new_states!r}") from None
     count = _device_count()
     if len(states) > count:
         raise ValueError(f"set_rng_state_all got {len(states)} states but only {count} device(s) exist")

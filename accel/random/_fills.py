@@ -64,7 +64,7 @@ def _finite(value, what: str) -> float:
     try:
         f = float(value)
     except (TypeError, ValueError):
-        raise TypeError(f"{what} must be a real number, got {type(value).__name__}") from None
+        raise TypeError(f"{what} must be a real number, got {type(value).__name__} {value!r}") from None
     if not math.isfinite(f):
         raise ValueError(f"{what} must be finite, got {f}")
     return f
@@ -76,7 +76,7 @@ def _int(value, what: str) -> int:
     try:
         return operator.index(value)
     except TypeError:
-        raise TypeError(f"{what} must be an integer, got {type(value).__name__}") from None
+        raise TypeError(f"{what} must be an integer, got {type(value).__name__} {value!r}") from None
 
 
 def count_elements(nbytes: int, dtype: str, what: str) -> int:

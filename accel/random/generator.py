@@ -64,7 +64,7 @@ def check_seed(seed) -> int:
     try:
         value = operator.index(seed)
     except TypeError:
-        raise TypeError(f"seed must be an integer, got {type(seed).__name__}") from None
+        raise TypeError(f"seed must be an integer in [-2**63, 2**64), got {type(seed).__name__} {seed!r}") from None
     if not -(1 << 63) <= value < _U64:
         raise ValueError(f"seed {value} does not fit in 64 bits: expected an integer in "
                          f"[-2**63, 2**64) (negative seeds are taken modulo 2**64)")
