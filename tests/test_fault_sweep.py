@@ -111,3 +111,250 @@ def test_failed_event_query_keeps_each_event_once(sim_cuda):
     memory.empty_cache()
     assert memory.memory_reserved(1) == 0
     assert _cuda_live() == {"allocations": {}, "host": 0, "streams": 0, "events": 0}
+
+
+def test_failed_event_record_and_synchronize_retry_later(sim_cuda):
+    """Neither an event nor a wait: the block is not reused (work may still read it) and not
+    lost; the next empty_cache records the event and returns the memory."""
+    s = accel.Stream(device=1)
+    buf = accel.Buffer(4096, device=1)
+    buf.fill_(1, stream=s)
+    sim.inject_error("cudaEventRecord", CUDA_INVALID_VALUE, times=-1)
+    sim.inject_error("cudaStreamSynchronize", CUDA_INVALID_VALUE, times=-1)
+    with pytest.raises(AcceleratorError, match="cudaStreamSynchronize"):
+        buf.close()
+    assert memory.memory_allocated(1) == 0
+    assert memory.memory_stats(1)["active_bytes.all.current"] == 4096    # waiting, not reusable
+    again = accel.Buffer(4096, device=1)     # retries quietly (still failing): not the same block
+    assert again.ptr != buf._ptr
+    again.close()
+    with pytest.raises(AcceleratorError, match="cudaStreamSynchronize"):
+        memory.empty_cache()                 # reports it
+    assert memory.memory_stats(1)["active_bytes.all.current"] == 4096
+    sim.clear_faults()
+    memory.empty_cache()
+    assert memory.memory_stats(1)["active_bytes.all.current"] == 0
+    s.close()
+    memory.empty_cache()
+    assert memory.memory_reserved(1) == 0
+    assert _cuda_live() == {"allocations": {}, "host": 0, "streams": 0, "events": 0}
+
+
+# -- the sweep -----------------------------------------------------------------------------------
+
+#: A generic, non-sticky error of each vendor API (CUDA: cudaErrorInvalidValue; Level Zero:
+#: ZE_RESULT_ERROR_UNKNOWN; Metal: the call answers nil, or the command buffer ends in error 1,
+#: MTLCommandBufferErrorInternal).
+_CODES = {"cuda": CUDA_INVALID_VALUE, "xpu": 0x7FFFFFFE, "mps": 1}
+
+#: Calls per vendor function sampled by the sweep: the first two, the last, and evenly spaced
+#: ones between (every call when there are at most _SAMPLES).
+_SAMPLES = 6
+
+
+def _samples(n: int) -> list:
+    if n <= _SAMPLES:
+        return list(range(n))
+    step = (n - 1) / (_SAMPLES - 2)
+    return sorted({0, 1, n - 1} | {round(step * i) for i in range(1, _SAMPLES - 2)})
+
+
+class _Objects:
+    """What a workload created, so teardown can close it whatever failed."""
+
+    def __init__(self):
+        self.graphs, self.buffers, self.streams = [], [], []
+
+    def add(self, obj):
+        (self.graphs if isinstance(obj, accel.Graph) else self.buffers if isinstance(obj, accel.Buffer)
+         else self.streams).append(obj)      # (events with the streams: both have close())
+        return obj
+
+    def close(self):
+        for g in self.graphs:
+            g.reset()
+        for b in self.buffers:
+            b.close()
+        for s in self.streams:
+            s.close()
+
+
+def _workload(kind: str, objs: _Objects) -> None:
+    """Copies both ways (blocking and staged through pinned memory), two streams on two devices,
+    record_stream, an event, a captured graph with an RNG fill (where there are graphs), a
+    device-to-device copy, and the caches emptied.  Device 0 stays current throughout."""
+    two = accel.device_count() > 1
+    d1 = 1 if two else 0
+    s0 = objs.add(accel.Stream(device=0))
+    s1 = objs.add(accel.Stream(device=d1))
+    a = objs.add(accel.Buffer(8192, device=0, stream=s0))
+    b = objs.add(accel.Buffer(8192, device=d1))
+    big = objs.add(accel.Buffer(3 << 20, device=d1))
+    data = np.arange(2048, dtype=np.float32)
+    a.copy_from(data, stream=s0)
+    a.copy_from(data, stream=s0, non_blocking=True)
+    b.copy_from(data, stream=s1, non_blocking=True)          # staged, on the non-current device
+    b.record_stream(s1)
+    big.fill_(7, stream=s1)
+    out = np.empty_like(data)
+    b.copy_to(out, stream=s1)
+    assert np.array_equal(out, data)
+    c = objs.add(accel.Buffer(8192, device=0))
+    c.copy_from(a, stream=s0)
+    accel.random.uniform_(a)
+    ev = objs.add(accel.Event())
+    ev.record(s1)
+    ev.synchronize()
+    ev.close()
+    if kind != "mps":
+        gs = objs.add(accel.Stream(device=0))
+        r = objs.add(accel.Buffer(8192, device=0, stream=gs))
+        g = objs.add(accel.Graph())
+        with gs, g:
+            if kind == "cuda":
+                accel.random.uniform_(r)
+            r.fill_(2)
+        g.replay()
+        gs.synchronize()
+        g.reset()
+    big.close()
+    b.close()
+    s1.synchronize()
+    memory.empty_cache()
+    memory.empty_host_cache()
+
+
+def _teardown(objs: _Objects) -> None:
+    sim.clear_faults()
+    accel.set_device_index(0)     # a failed device restore (it warns, as torch) may have left 1 current
+    objs.close()
+    accel.synchronize()
+    for i in range(accel.device_count()):
+        with accel.device_index(i):
+            accel.synchronize()
+
+
+def _live(kind: str) -> dict:
+    """The simulator's live objects (what must not grow) and device bytes."""
+    st = sim.state()
+    if kind == "cuda":
+        return {"allocations": st.live_allocations, "host": st.host_allocations, "streams": st.streams,
+                "events": st.events, "graphs": st.graphs, "graph_execs": st.graph_execs,
+                "captures": st.captures, "errors": st.errors}
+    if kind == "xpu":
+        return {k: getattr(st, k) for k in ("ze_live_allocations", "ze_live_events", "ze_live_event_pools",
+                                            "ze_live_command_lists", "ze_live_command_queues", "ze_errors")}
+    from accel.sim import metal
+    return metal.state().live_counts()
+
+
+def _device_bytes(kind: str) -> list:
+    """Device memory the simulator has handed out, per device (CUDA rounds to 256 bytes)."""
+    st = sim.state()
+    n = accel.device_count()
+    if kind == "cuda":
+        return [st.live_bytes.get(i, 0) for i in range(n)]
+    if kind == "xpu":
+        return list(st.ze_device_used)
+    return [None] * n
+
+
+def _check_clean(kind: str, baseline: dict, base_bytes: list, where: str) -> None:
+    n = accel.device_count()
+    # before the caches are emptied: what accel reserves is what the device handed out
+    for i, used in enumerate(_device_bytes(kind)):
+        if used is not None:
+            assert memory.memory_reserved(i) == used - base_bytes[i], f"{where}: device {i} reserved bytes"
+    memory.empty_cache()
+    memory.empty_host_cache()
+    for i in range(n):
+        stats = memory.memory_stats(i)
+        assert stats["allocated_bytes.all.current"] == 0, f"{where}: device {i} allocated"
+        assert stats["active_bytes.all.current"] == 0, f"{where}: device {i} blocks waiting"
+        assert stats["reserved_bytes.all.current"] == 0, f"{where}: device {i} reserved"
+    host = memory.host_allocator().stats()
+    assert (host["allocated_bytes"], host["reserved_bytes"], host["pending"]) == (0, 0, 0), f"{where}: {host}"
+    assert _live(kind) == baseline, where
+    assert _device_bytes(kind) == base_bytes, where
+
+
+def _count_calls(kind: str, monkeypatch) -> dict:
+    """{vendor function: calls} of one workload.  Metal's fault points are counted where the
+    simulator consults them (core.take_fault), as it keeps no call counters."""
+    from accel.sim import core
+    if kind != "mps":
+        sim.reset_call_counts()
+        objs = _Objects()
+        _workload(kind, objs)
+        calls = sim.calls()
+        _teardown(objs)
+        return calls
+    calls = {}
+    take = core.take_fault
+
+    def counting(name):
+        calls[name] = calls.get(name, 0) + 1
+        return take(name)
+    monkeypatch.setattr(core, "take_fault", counting)
+    sim.inject_error("never-called", 1)       # fault lookups happen only while a fault is set
+    objs = _Objects()
+    try:
+        _workload(kind, objs)
+    finally:
+        monkeypatch.setattr(core, "take_fault", take)
+        _teardown(objs)
+    return calls
+
+
+def test_fault_sweep(sim_backend, monkeypatch, record_property):
+    """Every vendor call of the workload fails once (sampled: see _samples), one at a time, in
+    one process: the workload raises an accel error or recovers, and after teardown nothing is
+    left behind and a fresh workload works."""
+    import time
+    import warnings
+    from accel.sim import core
+    kind = sim_backend
+    accel.set_device_index(0)
+    warnings.simplefilter("ignore", RuntimeWarning)      # a kernel-load failure falls back, once
+    objs = _Objects()
+    _workload(kind, objs)                                 # modules loaded, generators seeded
+    _teardown(objs)
+    memory.empty_cache()
+    memory.empty_host_cache()
+    baseline, base_bytes = _live(kind), _device_bytes(kind)
+    calls = _count_calls(kind, monkeypatch)
+    calls.pop("never-called", None)
+    assert calls, "the workload made no vendor call"
+    code = _CODES[kind]
+    fired = outcomes_ok = 0
+    start = time.perf_counter()
+    for name in sorted(calls):
+        for k in _samples(calls[name]):
+            where = f"{kind}: {name} failing at call {k + 1} of {calls[name]}"
+            objs = _Objects()
+            sim.inject_error(name, code, times=1, after=k)
+            with warnings.catch_warnings(record=True) as warned:
+                warnings.simplefilter("always")
+                try:
+                    _workload(kind, objs)
+                    outcomes_ok += 1
+                except AcceleratorError:
+                    pass
+                except Exception as exc:
+                    # A device guard that cannot restore the previous device warns and leaves the
+                    # other current (as torch's); later work then runs there, and may be refused.
+                    if not any("could not make device" in str(w.message) for w in warned):
+                        raise AssertionError(f"{where}: not an accel error: {exc!r}") from exc
+                finally:
+                    hit = name not in core._faults
+                    _teardown(objs)
+            fired += hit
+            _check_clean(kind, baseline, base_bytes, where)
+    objs = _Objects()
+    _workload(kind, objs)                                 # still fully usable
+    _teardown(objs)
+    _check_clean(kind, baseline, base_bytes, f"{kind}: the fresh workload")
+    record_property("faults", fired)
+    print(f"\n{kind}: {fired} injected faults over {len(calls)} vendor functions, "
+          f"{outcomes_ok} recovered, {time.perf_counter() - start:.1f}s")
+    assert fired >= len(calls)

@@ -529,12 +529,24 @@ class CudaBackend(Backend):
 
     def capture_end(self, stream: int) -> int:
         p = self.ffi.new("cudaGraph_t *")
-        try:
-            rc = self.lib.cudaStreamEndCapture(self._cast("cudaStream_t", stream), p)
-        finally:
+        handle = self._cast("cudaStream_t", stream)
+        rc = self.lib.cudaStreamEndCapture(handle, p)
+        if rc != 0 and self._still_capturing(handle):
+            # A failed cudaStreamEndCapture ends only an invalidated capture (CUDA Runtime API,
+            # cudaStreamEndCapture); one still underway would forbid syncs, frees and new
+            # captures in the whole process, so end it again and discard what it captured.
+            again = self.ffi.new("cudaGraph_t *")
+            if self.lib.cudaStreamEndCapture(handle, again) == 0 and again[0] != self.ffi.NULL:
+                self.lib.cudaGraphDestroy(again[0])
+        if rc == 0 or not self._still_capturing(handle):
             self._captures -= 1
         self._check(rc, "cudaStreamEndCapture")
         return self._as_int(p[0])
+
+    def _still_capturing(self, handle) -> bool:
+        status = self.ffi.new("enum cudaStreamCaptureStatus *")
+        rc = self.lib.cudaStreamIsCapturing(handle, status)
+        return rc != 0 or status[0] != _CAPTURE_STATUS_NONE   # unknown: assume it is
 
     def stream_is_capturing(self, stream: int) -> bool:
         status = self.ffi.new("enum cudaStreamCaptureStatus *")

@@ -683,7 +683,10 @@ class MPSBackend(Backend):
         rt = self._runtime()
         with self._lock:
             ev = self._event(event)
-            return ev.value == 0 or int(rt.send(ev.shared, M_SIGNALED_VALUE)) >= ev.value
+            # A command buffer that failed has ended too (MTLCommandBufferStatusError is final);
+            # its error is reported by synchronizing the event or the stream.
+            return (ev.value == 0 or int(rt.send(ev.shared, M_SIGNALED_VALUE)) >= ev.value
+                    or int(rt.send(ev.cb, M_STATUS)) == _CB_ERROR)
 
     def event_elapsed_ms(self, start: int, end: int) -> float:
         """Milliseconds between the GPUEndTime of the command buffers ending at each record."""

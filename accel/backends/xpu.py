@@ -190,7 +190,7 @@ class _Capture:
 
 class _Graph:
     __slots__ = ("handle", "device", "list", "gate", "done", "ops", "queue", "execs", "destroyed",
-                 "launched", "last_stream", "completion", "lock", "deps")
+                 "launched", "last_stream", "completion", "lock", "deps", "released")
 
     def __init__(self, handle, cap: _Capture):
         self.handle, self.device, self.list = handle, cap.device, cap.list
@@ -203,6 +203,7 @@ class _Graph:
         self.completion: Optional[_Event] = None
         self.lock = threading.Lock()
         self.deps = []                 # stream points that signal/wait/reset the gate events
+        self.released = False          # list, queue and events given back (_release_graph)
 
 
 class XpuBackend(Backend):
@@ -820,6 +821,15 @@ class XpuBackend(Backend):
         if rc:
             self._fail("zeMemFree", rc)
 
+    def _free_staging(self, ptr: int) -> None:
+        """Free a copy's internal staging memory.  A failed zeMemFree does not fail the copy
+        (it ran, or its own error is on the way): the memory is freed by the next _sweep."""
+        try:
+            self._host_free(ptr)
+        except AcceleratorError:
+            with self._lock:
+                self._deferred.append(([], ptr))
+
     def _quiesce(self) -> None:
         """Wait for every stream and graph launch with unfinished work."""
         for s in list(self._streams.values()):
@@ -1047,27 +1057,34 @@ class XpuBackend(Backend):
 
     def _sweep(self) -> None:
         """Recycle event slots and free staging memory whose users have all passed them."""
+        # A failed call leaves the slots and blocks not yet handled where they were (none twice).
         with self._lock:
             if self._retired:
-                keep = []
-                for slot in self._retired:
-                    if all(s.done >= seq for s, seq in slot.deps):
-                        rc = self._lib[1].zeEventHostReset(slot.event)
-                        if rc:
-                            self._fail("zeEventHostReset", rc)
-                        slot.deps = []
-                        self._free_slots.setdefault((id(slot.ctx), slot.timing), []).append(slot)
-                    else:
-                        keep.append(slot)
-                self._retired = keep
+                keep, i = [], 0
+                try:
+                    for i, slot in enumerate(self._retired):
+                        if all(s.done >= seq for s, seq in slot.deps):
+                            rc = self._lib[1].zeEventHostReset(slot.event)
+                            if rc:
+                                self._fail("zeEventHostReset", rc)
+                            slot.deps = []
+                            self._free_slots.setdefault((id(slot.ctx), slot.timing), []).append(slot)
+                        else:
+                            keep.append(slot)
+                    i = len(self._retired)
+                finally:
+                    self._retired = keep + self._retired[i:]
             if self._deferred:
-                keep = []
-                for deps, ptr in self._deferred:
-                    if all(s.done >= seq for s, seq in deps):
-                        self._host_free(ptr)
-                    else:
-                        keep.append((deps, ptr))
-                self._deferred = keep
+                keep, i = [], 0
+                try:
+                    for i, (deps, ptr) in enumerate(self._deferred):
+                        if all(s.done >= seq for s, seq in deps):
+                            self._host_free(ptr)
+                        else:
+                            keep.append((deps, ptr))
+                    i = len(self._deferred)
+                finally:
+                    self._deferred = keep + self._deferred[i:]
 
     # -- events --------------------------------------------------------------------------------
     def _event(self, handle: int) -> _Event:
@@ -1192,7 +1209,7 @@ class XpuBackend(Backend):
                                     ffi.cast("void *", dst), ffi.cast("void *", staging), nbytes,
                                     ffi.NULL, 0, ffi.NULL)
             except BaseException:
-                self._host_free(staging)
+                self._free_staging(staging)
                 raise
             with self._lock:
                 self._deferred.append(([(s, seq)], staging))
@@ -1211,7 +1228,7 @@ class XpuBackend(Backend):
             self._sync_stream(s)
             ffi.memmove(ffi.cast("void *", dst), ffi.cast("void *", staging), nbytes)
         finally:
-            self._host_free(staging)
+            self._free_staging(staging)
 
     def memset_async(self, ptr: int, value: int, nbytes: int, stream: int) -> None:
         _check_ptr(ptr, "ptr")
@@ -1455,7 +1472,13 @@ class XpuBackend(Backend):
         if g is None:
             raise ValueError(f"{graph!r} is not a live XPU graph handle")
         g.destroyed = True
-        self._release_graph(g)
+        try:
+            self._release_graph(g)
+        except BaseException:
+            with self._lock:            # still live: destroying it again retries the release
+                self._graphs[graph] = g
+            g.destroyed = False
+            raise
 
     def graph_exec_destroy(self, graph_exec: int) -> None:
         with self._lock:
@@ -1464,19 +1487,28 @@ class XpuBackend(Backend):
             raise ValueError(f"{graph_exec!r} is not a live XPU graph exec handle")
         with g.lock:
             g.execs -= 1
-        self._release_graph(g)
+        try:
+            self._release_graph(g)
+        except BaseException:
+            with g.lock:                # still live: destroying it again retries the release
+                g.execs += 1
+            with self._lock:
+                self._execs[graph_exec] = g
+            raise
 
     def _release_graph(self, g: _Graph) -> None:
-        """Free the list, queue and gate events once neither the graph nor an exec needs them."""
+        """Free the list, queue and gate events once neither the graph nor an exec needs them.
+        Each step is done once; after a failed call, the next try goes on from there."""
         with g.lock:
-            if not g.destroyed or g.execs > 0 or g.list is None:
+            if not g.destroyed or g.execs > 0 or g.released:
                 return
             self._sync_graph(g)
             ffi, lib, _ = self._lib
-            rc = lib.zeCommandListDestroy(g.list)
-            if rc:
-                self._fail("zeCommandListDestroy", rc)
-            g.list = None
+            if g.list is not None:
+                rc = lib.zeCommandListDestroy(g.list)
+                if rc:
+                    self._fail("zeCommandListDestroy", rc)
+                g.list = None
             if g.queue is not None:
                 rc = lib.zeCommandQueueDestroy(g.queue)
                 if rc:
@@ -1490,6 +1522,7 @@ class XpuBackend(Backend):
             if g.completion is not None and g.completion.slot is not None:
                 self._retire(g.completion.slot)
                 g.completion.slot = None
+            g.released = True
 
     def graph_debug_dot(self, graph: int, path: str) -> None:
         g = self._graphs.get(graph)

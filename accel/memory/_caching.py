@@ -56,7 +56,7 @@ from bisect import bisect_left, insort
 from collections import deque
 from typing import Dict, List, Optional, Tuple
 
-from .._errors import CaptureError, OutOfMemoryError
+from .._errors import AcceleratorError, CaptureError, OutOfMemoryError
 from .._finalize import drain as _drain_finalizers, pending as _finalizers
 from ..streams import on_device
 from . import _config, _stats
@@ -1222,7 +1222,14 @@ class DeviceCachingAllocator:
         try:
             while events:
                 event, device, item = events[-1]
-                self._be.event_synchronize(event)
+                try:
+                    self._be.event_synchronize(event)
+                except AcceleratorError:
+                    # The work before the event failed (a Metal command buffer in error) or the
+                    # wait did: the failure is its owner's to see at its own synchronize; the
+                    # block only needs the work to have ended, which a query tells.
+                    if not self._be.event_query(event):
+                        raise
                 events.pop()
                 self._event_cache.setdefault(device, []).append(event)
                 item.events -= 1
