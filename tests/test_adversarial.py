@@ -734,3 +734,83 @@ def main() -> None:
 if __name__ == "__main__":
     sys.path.insert(0, HERE)
     main()
+
+
+# -- wedges: after one misuse the process must be fully usable --------------------------------------
+def _usable(kind: str) -> None:
+    """Synchronize, empty the caches, seed, copy through pinned memory, capture and replay."""
+    accel.synchronize()
+    accel.memory.empty_cache()
+    accel.memory.empty_host_cache()
+    accel.random.manual_seed(5)
+    buf = accel.Buffer(256)
+    buf.copy_from(np.full(256, 4, np.uint8), non_blocking=True)
+    assert (buf.to_numpy() == 4).all()
+    if kind != "mps":
+        s, g = accel.Stream(), accel.Graph()
+        with s, g:
+            buf.fill_(6)
+        g.replay()
+        assert (buf.to_numpy() == 6).all()
+        g.reset()
+        s.close()
+    buf.close()
+    accel.memory.empty_host_cache()
+    assert accel.memory.memory_allocated() == 0
+
+
+def test_close_of_a_capturing_stream_is_refused_and_nothing_wedges(sim_graph_backend):
+    s, g = accel.Stream(), accel.Graph()
+    buf = accel.Buffer(64)
+    with pytest.raises(RuntimeError, match="capture on it is underway"):
+        with s, g:
+            buf.fill_(1)
+            s.close()
+    assert not s.closed
+    g.reset()
+    s.close()
+    buf.close()
+    _usable(sim_graph_backend)
+
+
+def test_host_copy_in_capture_is_refused_before_anything_is_taken(sim_graph_backend):
+    s, g = accel.Stream(), accel.Graph()
+    buf = accel.Buffer(64)
+    pinned_before = accel.memory.host_allocator().stats()
+    name = sim_graph_backend.upper()
+    with pytest.raises(RuntimeError, match=f"Cannot copy between CPU and {name} tensors during {name} graph"):
+        with s, g:
+            buf.copy_from(np.zeros(64, np.uint8), non_blocking=True)
+    assert accel.memory.host_allocator().stats() == pinned_before
+    g.reset()
+    s.close()
+    buf.close()
+    _usable(sim_graph_backend)
+
+
+def test_failed_op_in_graph_block_raises_itself(sim_graph_backend):
+    s = accel.Stream()
+    for form in ("graph()", "with s, g"):
+        g = accel.Graph()
+        with pytest.raises(accel.CaptureError) as info:
+            if form == "graph()":
+                with accel.graph(g, stream=s):
+                    accel.current_stream().synchronize()
+            else:
+                with s, g:
+                    s.synchronize()
+        # the synchronize's own error, not the one capture_end reports for the invalidated capture
+        message = str(info.value)
+        assert "synchroniz" in message.lower(), message
+        assert "EndCapture" not in message and "invalidated by an illegal operation" not in message, message
+        g.reset()
+    s.close()
+    _usable(sim_graph_backend)
+
+
+def test_record_history_rejects_bad_max_entries_and_allocation_still_works(sim_backend):
+    for bad in (-1, 0, "10", 2.5):
+        with pytest.raises((ValueError, TypeError), match="max_entries"):
+            accel.memory.record_history(max_entries=bad)
+    _usable(sim_backend)
+    accel.memory.record_history(False)
