@@ -149,7 +149,7 @@ _CODES = {"cuda": CUDA_INVALID_VALUE, "xpu": 0x7FFFFFFE, "mps": 1}
 
 #: Calls per vendor function sampled by the sweep: the first two, the last, and evenly spaced
 #: ones between (every call when there are at most _SAMPLES).
-_SAMPLES = 6
+_SAMPLES = 64
 
 
 def _samples(n: int) -> list:
@@ -278,35 +278,17 @@ def _check_clean(kind: str, baseline: dict, base_bytes: list, where: str) -> Non
     assert _device_bytes(kind) == base_bytes, where
 
 
-def _count_calls(kind: str, monkeypatch) -> dict:
-    """{vendor function: calls} of one workload.  Metal's fault points are counted where the
-    simulator consults them (core.take_fault), as it keeps no call counters."""
-    from accel.sim import core
-    if kind != "mps":
-        sim.reset_call_counts()
-        objs = _Objects()
-        _workload(kind, objs)
-        calls = sim.calls()
-        _teardown(objs)
-        return calls
-    calls = {}
-    take = core.take_fault
-
-    def counting(name):
-        calls[name] = calls.get(name, 0) + 1
-        return take(name)
-    monkeypatch.setattr(core, "take_fault", counting)
-    sim.inject_error("never-called", 1)       # fault lookups happen only while a fault is set
+def _count_calls(kind: str) -> dict:
+    """{vendor function: calls} of one workload (Metal counts its messages that can fail)."""
+    sim.reset_call_counts()
     objs = _Objects()
-    try:
-        _workload(kind, objs)
-    finally:
-        monkeypatch.setattr(core, "take_fault", take)
-        _teardown(objs)
+    _workload(kind, objs)
+    calls = sim.calls()
+    _teardown(objs)
     return calls
 
 
-def test_fault_sweep(sim_backend, monkeypatch, record_property):
+def test_fault_sweep(sim_backend, record_property):
     """Every vendor call of the workload fails once (sampled: see _samples), one at a time, in
     one process: the workload raises an accel error or recovers, and after teardown nothing is
     left behind and a fresh workload works."""
@@ -322,8 +304,7 @@ def test_fault_sweep(sim_backend, monkeypatch, record_property):
     memory.empty_cache()
     memory.empty_host_cache()
     baseline, base_bytes = _live(kind), _device_bytes(kind)
-    calls = _count_calls(kind, monkeypatch)
-    calls.pop("never-called", None)
+    calls = _count_calls(kind)
     assert calls, "the workload made no vendor call"
     code = _CODES[kind]
     fired = outcomes_ok = 0

@@ -361,6 +361,13 @@ class MPSBackend(Backend):
             raise AcceleratorError(f"mps: {what} returned nil", library=_LIBRARY, call=msg.selector)
         return self._rt.owned(msg, obj)
 
+    def _encoder(self, cb: Any, msg: Message) -> Any:
+        # MTLCommandBuffer.h declares the encoder factories nullable (autoreleased: not owned).
+        enc = self._rt.send(cb, msg)
+        if enc == self._rt.nil:
+            raise AcceleratorError(f"mps: {msg.selector} returned nil", library=_LIBRARY, call=msg.selector)
+        return enc
+
     def _handle(self) -> int:
         h = self._next_handle
         self._next_handle += 1
@@ -711,13 +718,13 @@ class MPSBackend(Backend):
     # -- copies -------------------------------------------------------------------------
     def _encode_copy(self, cb: Any, src: _Buffer, soff: int, dst: _Buffer, doff: int, n: int) -> None:
         rt = self._rt
-        enc = rt.send(cb, M_BLIT_ENCODER)
+        enc = self._encoder(cb, M_BLIT_ENCODER)
         rt.send(enc, M_COPY, src.obj, soff, dst.obj, doff, n)
         rt.send(enc, M_END_ENCODING)
 
     def _encode_fill(self, cb: Any, dst: _Buffer, off: int, n: int, value: int) -> None:
         rt = self._rt
-        enc = rt.send(cb, M_BLIT_ENCODER)
+        enc = self._encoder(cb, M_BLIT_ENCODER)
         rng = rt.ffi.new("NSRange *", (off, n))[0]
         rt.send(enc, M_FILL, dst.obj, rng, value & 0xFF)
         rt.send(enc, M_END_ENCODING)
@@ -883,7 +890,7 @@ class MPSBackend(Backend):
                     raise ValueError(f"kernel argument {i}: Metal has no 64-bit float; pass f32")
                 else:
                     raise ValueError(f"kernel argument {i}: unknown type {kind!r}")
-            enc = rt.send(self._open_cb(st), M_COMPUTE_ENCODER)
+            enc = self._encoder(self._open_cb(st), M_COMPUTE_ENCODER)
             rt.send(enc, M_SET_PIPELINE, pipeline)
             for msg, a, b, i in bindings:
                 rt.send(enc, msg, a, b, i)

@@ -38,8 +38,10 @@ and a dispatch runs the numpy reference registered under NAME in
 :mod:`accel.sim.kernels`.  Faults come from :mod:`accel.sim.core`:
 ``inject_oom`` (``newBufferWithLength:options:`` returns nil) and
 ``inject_error(selector, code)`` for ``newBufferWithLength:options:``,
-``newLibraryWithSource:options:error:`` and ``commit`` (the command buffer
-ends in ``MTLCommandBufferStatusError`` with that code).
+``newLibraryWithSource:options:error:``, ``commit`` (the command buffer
+ends in ``MTLCommandBufferStatusError`` with that code) and the messages in
+:data:`NIL_ON_FAULT` (they answer nil).  Those messages are counted in
+``accel.sim.calls()``.
 
 Configuration is :func:`accel.sim.core.config` (``ACCEL_SIM_DEVICES``: Metal
 exposes one default device, 0 means none; ``ACCEL_SIM_MEMORY``: the
@@ -139,6 +141,15 @@ DECLARED: Dict[str, Tuple[str, Tuple[str, ...]]] = {
 }
 
 _METAL_PREFIXES = ("MTL", "AGX")
+
+#: Messages whose return the Metal headers declare ``nullable`` (MTLDevice.h newCommandQueue,
+#: newSharedEvent, newBufferWithBytes:length:options:; MTLCommandQueue.h commandBuffer;
+#: MTLCommandBuffer.h blitCommandEncoder, computeCommandEncoder): ``inject_error(selector, code)``
+#: makes the next one answer nil.
+NIL_ON_FAULT = frozenset({"newCommandQueue", "newSharedEvent", "newBufferWithBytes:length:options:",
+                          "commandBuffer", "blitCommandEncoder", "computeCommandEncoder"})
+#: Messages that can fail, counted in ``accel.sim.calls()`` (Metal keeps no other call counters).
+COUNTED = NIL_ON_FAULT | {"newBufferWithLength:options:", "newLibraryWithSource:options:error:", "commit"}
 
 
 def _forked(what: str) -> None:
@@ -1020,6 +1031,10 @@ class _Sender:
         target = self._object(receiver)
         if target is None:
             return self._result(None)  # messages to nil return zero
+        if selector in COUNTED:
+            next(core.counter_box(selector)[0])
+            if selector in NIL_ON_FAULT and core.take_fault(selector):
+                return self._result(None)
         values = []
         for objc_type, ctype, value in zip(declared_args, self.ctype.args[2:], args):
             value = self._arg(ctype, value)
