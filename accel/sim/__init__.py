@@ -14,7 +14,10 @@ caller's cdata out-pointers, the vendor's integer error codes)::
 Configuration, read from the environment when a simulated library is first
 used: ``ACCEL_SIM_DEVICES`` (default 2), ``ACCEL_SIM_MEMORY`` (bytes per
 device, default 8G; "512M", "8G" accepted), ``ACCEL_SIM_CC`` (default "9.0"),
-``ACCEL_SIM_DELAY_US`` (latency of each stream operation, default 0).
+``ACCEL_SIM_DELAY_US`` (latency of each stream operation, default 0),
+``ACCEL_SIM_CUDA_RUNTIME`` / ``ACCEL_SIM_CUDA_DRIVER`` (the libcudart version
+simulated, 12.4, 12.8 or 13.0, and the CUDA version its driver supports;
+default 13.0 for both).
 Tests use :func:`configure`, :func:`inject_error`, :func:`inject_oom`,
 :func:`clear_faults`, :func:`state` and :func:`reset`.
 
