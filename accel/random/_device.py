@@ -94,6 +94,8 @@ def kernel_functions(backend, index: int) -> Optional[Dict[str, int]]:
                 warnings.warn(f"accel.random: could not load the Philox {backend.kernel_language} kernels "
                               f"on {backend.name}:{index} ({exc}); using the host path (same numbers, "
                               f"slower, not capturable)", RuntimeWarning, stacklevel=3)
+                if not isinstance(exc, KernelImageError):
+                    return None     # a failed call, not an image this device cannot run: retried next time
                 fns = None
         _functions[key] = fns
         return fns
@@ -110,12 +112,19 @@ def _load(backend, source: bytes, binary: Optional[Callable[[], bytes]]) -> Dict
             image = None     # not shipped (a source checkout without the image): use the source
         if image is not None:
             try:
-                module = backend.module_load(image)
-                return {name: backend.module_function(module, name) for name in names}
+                return _functions_of(backend, backend.module_load(image), names)
             except KernelImageError:
                 pass         # e.g. a driver that refuses these cubins: its JIT takes the PTX below
-    module = backend.module_load(source)
-    return {name: backend.module_function(module, name) for name in names}
+    return _functions_of(backend, backend.module_load(source), names)
+
+
+def _functions_of(backend, module: int, names) -> Dict[str, int]:
+    """The kernels ``names`` of a loaded ``module``; the module is unloaded when one fails."""
+    try:
+        return {name: backend.module_function(module, name) for name in names}
+    except BaseException:
+        backend.module_unload(module)
+        raise
 
 
 def _give_up_kernels(backend, index: int, exc: KernelImageError) -> None:
