@@ -6,6 +6,10 @@ tears down and checks that accel's memory statistics, the simulator's live
 objects and a fresh workload all look as if the fault never happened.
 """
 
+import time
+import warnings
+from typing import Tuple
+
 import numpy as np
 import pytest
 
@@ -157,11 +161,11 @@ _SAMPLES = 64
 _NO_RECOVERY = {"cudaStreamEndCapture"}
 
 
-def _samples(n: int) -> list:
-    if n <= _SAMPLES:
+def _samples(n: int, most: int = _SAMPLES) -> list:
+    if n <= most:
         return list(range(n))
-    step = (n - 1) / (_SAMPLES - 2)
-    return sorted({0, 1, n - 1} | {round(step * i) for i in range(1, _SAMPLES - 2)})
+    step = (n - 1) / (most - 2)
+    return sorted({0, 1, n - 1} | {round(step * i) for i in range(1, most - 2)})
 
 
 class _Objects:
@@ -295,16 +299,38 @@ def _count_calls(kind: str) -> dict:
     return calls
 
 
-def test_fault_sweep(sim_backend, record_property):
-    """Every vendor call of the workload fails once (sampled: see _samples), one at a time, in
-    one process: the workload raises an accel error or recovers, and after teardown nothing is
-    left behind and a fresh workload works."""
-    import time
-    import warnings
+def _run_faulty(kind: str, name: str, k: int, times: int, where: str) -> Tuple[bool, bool]:
+    """The workload with ``name`` failing from its call ``k`` (``times`` times), then teardown.
+    Returns (the fault fired, the workload succeeded anyway)."""
     from accel.sim import core
+    objs = _Objects()
+    sim.inject_error(name, _CODES[kind], times=times, after=k)
+    ok = False
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        try:
+            _workload(kind, objs)
+            ok = True
+        except AcceleratorError:
+            pass
+        except Exception as exc:
+            # A device guard that cannot restore the previous device warns and leaves the
+            # other current (as torch's); later work then runs there, and may be refused.
+            if not any("could not make device" in str(w.message) for w in warned):
+                raise AssertionError(f"{where}: not an accel error: {exc!r}") from exc
+        finally:
+            fired = name not in core._faults or core._faults[name][2] == 0
+            _teardown(objs)
+    return fired, ok
+
+
+def test_fault_sweep(sim_backend):
+    """Every vendor call of the workload fails once, one at a time, in one process (and each
+    function fails from its first, and its middle, call on until the faults are cleared): the
+    workload raises an accel error or recovers, and after teardown nothing is left behind and
+    a fresh workload works."""
     kind = sim_backend
     accel.set_device_index(0)
-    warnings.simplefilter("ignore", RuntimeWarning)      # a kernel-load failure falls back, once
     objs = _Objects()
     _workload(kind, objs)                                 # modules loaded, generators seeded
     _teardown(objs)
@@ -313,41 +339,81 @@ def test_fault_sweep(sim_backend, record_property):
     baseline, base_bytes = _live(kind), _device_bytes(kind)
     calls = _count_calls(kind)
     assert calls, "the workload made no vendor call"
-    code = _CODES[kind]
-    fired = outcomes_ok = 0
+    fired = recovered = 0
     start = time.perf_counter()
-    # one failure at each call; then a function failing from its first (and middle) call on
     plan = [(name, k, 1) for name in sorted(calls) for k in _samples(calls[name])]
     plan += [(name, k, -1) for name in sorted(calls) if name not in _NO_RECOVERY
              for k in sorted({0, calls[name] // 2})]
     for name, k, times in plan:
-        if True:
-            where = (f"{kind}: {name} failing at call {k + 1} of {calls[name]}"
-                     + (" and every later call" if times == -1 else ""))
-            objs = _Objects()
-            sim.inject_error(name, code, times=times, after=k)
-            with warnings.catch_warnings(record=True) as warned:
-                warnings.simplefilter("always")
-                try:
-                    _workload(kind, objs)
-                    outcomes_ok += 1
-                except AcceleratorError:
-                    pass
-                except Exception as exc:
-                    # A device guard that cannot restore the previous device warns and leaves the
-                    # other current (as torch's); later work then runs there, and may be refused.
-                    if not any("could not make device" in str(w.message) for w in warned):
-                        raise AssertionError(f"{where}: not an accel error: {exc!r}") from exc
-                finally:
-                    hit = name not in core._faults or core._faults[name][2] == 0
-                    _teardown(objs)
-            fired += hit
-            _check_clean(kind, baseline, base_bytes, where)
+        where = (f"{kind}: {name} failing at call {k + 1} of {calls[name]}"
+                 + (" and every later call" if times == -1 else ""))
+        hit, ok = _run_faulty(kind, name, k, times, where)
+        fired += hit
+        recovered += ok
+        _check_clean(kind, baseline, base_bytes, where)
     objs = _Objects()
     _workload(kind, objs)                                 # still fully usable
     _teardown(objs)
     _check_clean(kind, baseline, base_bytes, f"{kind}: the fresh workload")
-    record_property("faults", fired)
     print(f"\n{kind}: {fired} injected faults over {len(calls)} vendor functions, "
-          f"{outcomes_ok} recovered, {time.perf_counter() - start:.1f}s")
+          f"{recovered} recovered, {time.perf_counter() - start:.1f}s")
     assert fired >= len(calls)
+
+
+def _fresh_process() -> None:
+    """A new process, as far as accel and the simulator know (faults and counters cleared)."""
+    from accel import _lazy
+    _lazy._reset_for_tests()
+    accel.set_device_index(0)
+
+
+def _at_most(live: dict, reference: dict) -> bool:
+    for key, value in live.items():
+        ref = reference.get(key, 0)
+        if isinstance(value, dict):
+            if any(v > ref.get(d, 0) for d, v in value.items()):
+                return False
+        elif isinstance(value, list):
+            if value != ref:
+                return False
+        elif value > ref:
+            return False
+    return True
+
+
+def test_fault_sweep_cold_start(sim_backend):
+    """The same for the calls of a process's first workload (runtime init, kernel loads, event
+    pools, queues), sampled (see _samples): each failure in a fresh process, then teardown and a
+    second workload, which must work.  Lazily made per-process state (a kernel module) may then
+    be missing, never more than in a clean run."""
+    kind = sim_backend
+    _fresh_process()
+    objs = _Objects()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        _workload(kind, objs)
+    calls = sim.calls()
+    _teardown(objs)
+    memory.empty_cache()
+    memory.empty_host_cache()
+    reference = _live(kind)
+    fired = 0
+    start = time.perf_counter()
+    for name in sorted(calls):
+        for k in _samples(calls[name], 5):
+            where = f"{kind} (cold): {name} failing at call {k + 1} of {calls[name]}"
+            _fresh_process()
+            fired += _run_faulty(kind, name, k, 1, where)[0]
+            objs = _Objects()
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", RuntimeWarning)
+                    _workload(kind, objs)
+            finally:
+                _teardown(objs)
+            memory.empty_cache()
+            memory.empty_host_cache()
+            live = _live(kind)
+            assert _at_most(live, reference), f"{where}: {live} after, {reference} in a clean run"
+    print(f"\n{kind} (cold): {fired} injected faults over {len(calls)} vendor functions, "
+          f"{time.perf_counter() - start:.1f}s")

@@ -1033,7 +1033,6 @@ class XpuBackend(Backend):
             if rc:
                 self._fail("zeEventPoolCreate", rc)
             pool = p[0]
-            self._pools.append(pool)
             made = []
             for i in range(_EVENTS_PER_POOL):
                 ed = ffi.new("ze_event_desc_t *")
@@ -1044,8 +1043,13 @@ class XpuBackend(Backend):
                 pe = ffi.new("ze_event_handle_t *")
                 rc = lib.zeEventCreate(pool, ed, pe)
                 if rc:
+                    # Nothing of the new pool stays behind (best effort: the first error is reported).
+                    for slot in made:
+                        lib.zeEventDestroy(slot.event)
+                    lib.zeEventPoolDestroy(pool)
                     self._fail("zeEventCreate", rc)
                 made.append(_Slot(pool, i, pe[0], timing, dev.ctx))
+            self._pools.append(pool)
             made.reverse()
             slot = made.pop()
             free.extend(made)
