@@ -22,15 +22,35 @@ operation goes through the worker, which sleeps that long first.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import threading
 import time
+import weakref
 from typing import Callable, Optional, Sequence, Tuple
 
 from . import core
 
 #: A worker thread with nothing to do for this long exits (a new one starts on demand).
 _IDLE_EXIT_S = 5.0
+
+_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+_exiting = False
+
+
+@atexit.register
+def _drain_at_exit() -> None:
+    # After atexit, finalizers (a Stream destroyed at interpreter teardown) may still submit
+    # and wait, but a worker thread can no longer start or run then: let queued work finish
+    # now, and run anything submitted later inline in the submitting thread.
+    global _exiting
+    _exiting = True
+    for engine in list(_engines):
+        for q in list(engine.queues):
+            try:
+                q.wait(timeout=core.WAIT_TIMEOUT_S)
+            except RuntimeError:
+                pass
 
 Point = Tuple["Queue", int]
 
@@ -45,6 +65,7 @@ class Engine:
         self.on_error = on_error
         self.on_retire = on_retire  # called (lock held) when a closed queue has drained
         self.queues = {}            # live and draining queues (dict as an ordered set; for shutdown)
+        _engines.add(self)
 
     def queue(self, label: str, owner=None) -> "Queue":
         q = Queue(self, label, owner)
@@ -125,7 +146,8 @@ class Queue:
                 raise RuntimeError("accel.sim: the simulated runtime was reset while this call ran")
             seq = self.enqueued + 1
             self.enqueued = seq
-            if self.done == seq - 1 and (not work or core.delay_s == 0.0) and (not deps or _complete(deps)):
+            if (self.done == seq - 1 and (not work or core.delay_s == 0.0 or _exiting)
+                    and (not deps or _complete(deps))):
                 if work:
                     return self._run_inline(seq, fn)
                 if fn is not None:
