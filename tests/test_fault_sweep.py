@@ -249,7 +249,7 @@ def _live(kind: str) -> dict:
     if kind == "cuda":
         return {"allocations": st.live_allocations, "host": st.host_allocations, "streams": st.streams,
                 "events": st.events, "graphs": st.graphs, "graph_execs": st.graph_execs,
-                "captures": st.captures, "errors": st.errors}
+                "captures": st.captures, "modules": st.modules, "errors": st.errors}
     if kind == "xpu":
         return {k: getattr(st, k) for k in ("ze_live_allocations", "ze_live_events", "ze_live_event_pools",
                                             "ze_live_command_lists", "ze_live_command_queues", "ze_errors")}
