@@ -56,9 +56,11 @@ def test_non_current_device_buffer_uses_that_devices_current_stream(slow_sim):
     side = accel.Stream(1)
     buf = accel.Buffer(4096, device=1, stream=side)
     with accel.Stream(1) as other:                    # makes device 1 current, then restores 0
-        buf.fill_(5)
-        assert other.device_index == 1
-    assert (buf.to_numpy() == 5).all()                # device 1's current stream from device 0
+        buf.fill_(5)                                  # on `other`
+        assert (buf.to_numpy() == 5).all()            # on `other` too: ordered after the fill
+    other.synchronize()                               # the default stream is current again
+    assert accel.current_device_index() == 0
+    assert (buf.to_numpy() == 5).all()                # device 1's current stream, from device 0
     with accel.device_index(1):
         accel.random.uniform_(buf)                    # device 1's current stream
     values = buf.to_numpy(np.float32)                 # device 1's current stream, from device 0
