@@ -230,7 +230,11 @@ class Stream:
         saved = (backend.get_device(), current_stream(self._index))
         stack = _tls.__dict__.setdefault("stack", [])
         stack.append(saved)
-        set_stream(self)
+        try:
+            set_stream(self)
+        except BaseException:
+            stack.pop()         # __exit__ will not run: leave no entry for another one to pop
+            raise
         return self
 
     def __exit__(self, *exc) -> None:

@@ -204,7 +204,8 @@ def _workload(kind: str, objs: _Objects) -> None:
     a.copy_from(data, stream=s0, non_blocking=True)
     b.copy_from(data, stream=s1, non_blocking=True)          # staged, on the non-current device
     b.record_stream(s1)
-    big.fill_(7, stream=s1)
+    with s1:                                                   # device 1 current, then 0 again
+        big.fill_(7)
     out = np.empty_like(data)
     b.copy_to(out, stream=s1)
     assert np.array_equal(out, data)
@@ -287,6 +288,10 @@ def _check_clean(kind: str, baseline: dict, base_bytes: list, where: str) -> Non
     assert (host["allocated_bytes"], host["reserved_bytes"], host["pending"]) == (0, 0, 0), f"{where}: {host}"
     assert _live(kind) == baseline, where
     assert _device_bytes(kind) == base_bytes, where
+    from accel import streams
+    assert getattr(streams._tls, "stack", []) == [], f"{where}: a `with stream:` was left on the stack"
+    for i in range(n):
+        assert accel.current_stream(i) == accel.default_stream(i), f"{where}: device {i}'s current stream"
 
 
 def _count_calls(kind: str) -> dict:
