@@ -178,13 +178,13 @@ def check_alloc_copy(ctx: Context) -> dict:
     for size in sizes:
         host = _pattern(size)
         t0 = time.perf_counter()
-        a = accel.Buffer(size, stream=s).copy_from(host)
+        a = accel.Buffer(size, stream=s).copy_from(host, stream=s)
         t1 = time.perf_counter()
-        b = accel.Buffer(size, stream=s).copy_from(a)
+        b = accel.Buffer(size, stream=s).copy_from(a, stream=s)
         t2 = time.perf_counter()
         out = b.to_numpy(stream=s)
         t3 = time.perf_counter()
-        c = accel.Buffer(size, stream=s).copy_from(host, non_blocking=True)
+        c = accel.Buffer(size, stream=s).copy_from(host, stream=s, non_blocking=True)
         s.synchronize()
         pinned = c.to_numpy(stream=s)
         row = {"bytes": size}

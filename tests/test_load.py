@@ -112,9 +112,9 @@ class Worker:
         host = _pattern(n, self.i * 1000 + r)
         a = accel.Buffer(n, stream=sa)
         b = accel.Buffer(n, stream=sb)
-        a.copy_from(host, non_blocking=True)                  # pinned staging, on sa
+        a.copy_from(host, stream=sa, non_blocking=True)       # pinned staging, on sa
         v = (self.i * 31 + r) & 0xFF
-        c = accel.Buffer(n, stream=sa).fill_(v)
+        c = accel.Buffer(n, stream=sa).fill_(v, sa)
         e = accel.Event()
         e.record(sa)
         sb.wait_event(e)                                      # sb sees a's copy and c's fill
