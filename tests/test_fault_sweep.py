@@ -16,6 +16,7 @@ import pytest
 import accel
 from accel import memory, sim
 from accel._errors import AcceleratorError
+from conftest import SIMS, use_sim
 
 # Non-sticky generic errors (a device fault, 700/719, poisons a CUDA process by design).
 CUDA_INVALID_VALUE = 1
@@ -334,7 +335,18 @@ def test_fault_sweep(sim_backend):
     function fails from its first, and its middle, call on until the faults are cleared): the
     workload raises an accel error or recovers, and after teardown nothing is left behind and
     a fresh workload works."""
-    kind = sim_backend
+    _sweep(sim_backend, _SAMPLES, persistent=True)
+
+
+@pytest.mark.parametrize("kind", SIMS)
+def test_fault_sweep_slow_device(monkeypatch, kind):
+    """The same (sampled) with 300 us per device operation: failures while work is still queued
+    (a wait that fails must not free memory the queued work still uses)."""
+    use_sim(monkeypatch, kind, ACCEL_SIM_DELAY_US=300)
+    _sweep(kind, 8, persistent=False)
+
+
+def _sweep(kind: str, most: int, persistent: bool) -> None:
     accel.set_device_index(0)
     objs = _Objects()
     _workload(kind, objs)                                 # modules loaded, generators seeded
@@ -346,9 +358,10 @@ def test_fault_sweep(sim_backend):
     assert calls, "the workload made no vendor call"
     fired = recovered = 0
     start = time.perf_counter()
-    plan = [(name, k, 1) for name in sorted(calls) for k in _samples(calls[name])]
-    plan += [(name, k, -1) for name in sorted(calls) if name not in _NO_RECOVERY
-             for k in sorted({0, calls[name] // 2})]
+    plan = [(name, k, 1) for name in sorted(calls) for k in _samples(calls[name], most)]
+    if persistent:
+        plan += [(name, k, -1) for name in sorted(calls) if name not in _NO_RECOVERY
+                 for k in sorted({0, calls[name] // 2})]
     for name, k, times in plan:
         where = (f"{kind}: {name} failing at call {k + 1} of {calls[name]}"
                  + (" and every later call" if times == -1 else ""))
@@ -356,10 +369,12 @@ def test_fault_sweep(sim_backend):
         fired += hit
         recovered += ok
         _check_clean(kind, baseline, base_bytes, where)
-    objs = _Objects()
-    _workload(kind, objs)                                 # still fully usable
-    _teardown(objs)
-    _check_clean(kind, baseline, base_bytes, f"{kind}: the fresh workload")
+        objs = _Objects()
+        try:
+            _workload(kind, objs)                         # still fully usable
+        finally:
+            _teardown(objs)
+        _check_clean(kind, baseline, base_bytes, f"{where}, then a fresh workload")
     print(f"\n{kind}: {fired} injected faults over {len(calls)} vendor functions, "
           f"{recovered} recovered, {time.perf_counter() - start:.1f}s")
     assert fired >= len(calls)

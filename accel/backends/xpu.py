@@ -1226,13 +1226,21 @@ class XpuBackend(Backend):
                              f"mem_alloc/host_alloc that has not been freed")
         # Pageable destination: synchronous, as CUDA makes it.
         staging = self._host_alloc(nbytes)
+        seq = None
         try:
-            self._enqueue(s, f"copy {nbytes} B", "zeCommandListAppendMemoryCopy", copy,
-                          ffi.cast("void *", staging), ffi.cast("void *", src), nbytes, ffi.NULL, 0, ffi.NULL)
+            seq = self._enqueue(s, f"copy {nbytes} B", "zeCommandListAppendMemoryCopy", copy,
+                                ffi.cast("void *", staging), ffi.cast("void *", src), nbytes, ffi.NULL, 0,
+                                ffi.NULL)
             self._sync_stream(s)
             ffi.memmove(ffi.cast("void *", dst), ffi.cast("void *", staging), nbytes)
-        finally:
-            self._free_staging(staging)
+        except BaseException:
+            if seq is None:
+                self._free_staging(staging)
+            else:               # the wait failed: the queued copy may still write the staging memory
+                with self._lock:
+                    self._deferred.append(([(s, seq)], staging))
+            raise
+        self._free_staging(staging)
 
     def memset_async(self, ptr: int, value: int, nbytes: int, stream: int) -> None:
         _check_ptr(ptr, "ptr")
