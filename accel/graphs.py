@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import operator
 import threading
 from typing import Optional, Tuple
 
@@ -104,8 +105,11 @@ class Graph:
                 f"{backend.name} graphs must be captured on a non-default stream: use "
                 "`with accel.Stream(), graph:` or `with accel.graph(graph):` (replay may use any stream)")
         if self.graph_pool is not None:
-            pool = tuple(self.graph_pool)
-            if len(pool) != 2 or not all(isinstance(x, int) for x in pool):
+            try:
+                pool = tuple(operator.index(x) for x in self.graph_pool)
+            except TypeError:
+                pool = ()
+            if len(pool) != 2:
                 raise TypeError(f"pool must be a (int, int) tuple from generate_graph_pool_handle() or "
                                 f"Graph.pool(), got {self.graph_pool!r}")
         else:

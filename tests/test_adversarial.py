@@ -557,8 +557,16 @@ def test_numpy_integers_are_accepted_everywhere(sim_backend):
     accel.random.manual_seed(np.int64(3))
     assert accel.random.initial_seed(zero) == 3
     accel.random.randint_(buf, np.int64(0), np.int64(10))
+    assert accel.memory.device_allocator(zero) is accel.memory.device_allocator(0)
+    assert accel.random.Generator(np.int64(0)).device_index == 0
     if accel.device_count() > 1:
         assert accel.Buffer(np.int64(8), device=one).device_index == 1
+    if sim_backend != "mps":
+        pool = accel.graphs.generate_graph_pool_handle()
+        g = accel.Graph(pool=(np.int64(pool[0]), np.int64(pool[1])))
+        with s, g:
+            buf.fill_(1, s)
+        g.reset()
     buf.close()
     s.close()
 

@@ -85,8 +85,9 @@ def device_allocator(device_index: int) -> DeviceCachingAllocator:
     alloc = _allocators.get(device_index)
     if alloc is not None:
         return alloc
-    if isinstance(device_index, bool) or not isinstance(device_index, int):
+    if isinstance(device_index, bool) or not hasattr(type(device_index), "__index__"):
         raise TypeError(f"device_allocator() takes an int device index, got {device_index!r}")
+    device_index = device_index.__index__()     # numpy integers too
     be = _lazy.lazy_init()
     count = be.count()
     if not 0 <= device_index < count:

@@ -100,8 +100,10 @@ class Generator:
     """
 
     def __init__(self, device_index: int = 0, seed: Optional[int] = None):
-        if isinstance(device_index, bool) or not isinstance(device_index, int) or device_index < 0:
+        if isinstance(device_index, bool) or not hasattr(type(device_index), "__index__") \
+                or device_index.__index__() < 0:
             raise TypeError(f"device_index must be a non-negative int, got {device_index!r}")
+        device_index = device_index.__index__()     # numpy integers too
         self.device_index = device_index
         self._lock = threading.RLock()
         self._seed = DEFAULT_SEED if seed is None else check_seed(seed)
