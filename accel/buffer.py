@@ -313,7 +313,8 @@ class Buffer:
         if self._backend.name != "cuda":
             raise AttributeError("__cuda_array_interface__ is only defined for CUDA buffers")
         self._live()
-        handle = self._stream.handle
+        # As torch: the current stream of the buffer's device, where its operations are queued.
+        handle = current_stream(self._index).handle
         return {"shape": (self._nbytes,), "typestr": "|u1", "data": (self._ptr, False), "strides": None,
                 "version": 3, "stream": handle if handle else _CAI_LEGACY_DEFAULT_STREAM}
 

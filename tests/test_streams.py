@@ -242,4 +242,7 @@ def test_cuda_array_interface(sim_cuda):
     assert cai["version"] == 3 and cai["data"] == (buf.ptr, False) and cai["shape"] == (32,)
     assert cai["stream"] == 1  # the legacy default stream, as the v3 protocol spells it
     s = accel.Stream()
-    assert accel.Buffer(8, stream=s).__cuda_array_interface__["stream"] == s.handle
+    buf8 = accel.Buffer(8, stream=s)
+    assert buf8.__cuda_array_interface__["stream"] == 1    # operations use the current stream (as torch)
+    with s:
+        assert buf8.__cuda_array_interface__["stream"] == s.handle
