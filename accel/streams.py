@@ -46,14 +46,13 @@ def on_stream_destroy(hook: Callable[[Backend, int, int, bool], bool]) -> None:
 
 
 def _destroy(backend: Backend, index: int, handle: int, blocking: bool) -> None:
-    try:
-        for hook in _destroy_hooks:
-            if not hook(backend, index, handle, blocking):
-                _fin.defer(_destroy, backend, index, handle, True)   # the handle stays valid until then
-                return
-    except BaseException:
-        backend.stream_destroy(handle)
-        raise
+    for hook in _destroy_hooks:
+        # A hook that fails (the allocator could neither record an event on the stream nor wait
+        # for it) leaves the stream alive: destroying it would leave memory that its queued work
+        # may still use with nothing to tell when that work ends.  close() can be tried again.
+        if not hook(backend, index, handle, blocking):
+            _fin.defer(_destroy, backend, index, handle, True)   # the handle stays valid until then
+            return
     backend.stream_destroy(handle)
 
 

@@ -566,31 +566,34 @@ class DeviceCachingAllocator:
         return True
 
     def _forget_stream(self, stream: int, device: int) -> None:
-        retire = []
-        lists = self._general.pop(stream, None)
-        if lists is not None and (lists[0].segments or lists[1].segments):
-            retire.append((None, lists))
-        for pool in self._private.values():
-            lists = pool.lists.pop(stream, None)
-            if lists is not None and (lists[0].segments or lists[1].segments):
-                retire.append((pool, lists))
-        self._routes.pop(stream, None)
-        users = self._used_on.pop(stream, None)
+        # Covered first, forgotten after: when neither an event nor a wait covers the stream's
+        # work, everything stays keyed by the (still live) stream and the error propagates.
+        owners = [(None, self._general)] + [(pool, pool.lists) for pool in self._private.values()]
+        retire = [(owner, lists[stream]) for owner, lists in owners
+                  if stream in lists and (lists[stream][0].segments or lists[stream][1].segments)]
         try:
             if retire:
-                retired = _Retired(retire)
                 gate = self._cover(stream, device)
+                for _, lists in owners:
+                    lists.pop(stream, None)
+                retired = _Retired(retire)
                 if gate is None:
                     self._rehome(retired)
                 else:
                     self._pending_events.append((gate.event, device, retired))
-            for block in users or ():
+            users = self._used_on.get(stream)
+            for block in list(users or ()):
                 uses = block.uses
                 for use in [u for u in uses if type(u) is tuple and u[0] == stream]:
                     gate = self._cover(stream, use[1])
                     uses.discard(use)
                     if gate is not None:
                         uses.add(gate)
+                users.discard(block)
+            for _, lists in owners:
+                lists.pop(stream, None)
+            self._used_on.pop(stream, None)
+            self._routes.pop(stream, None)
         finally:
             self._update_special()
 

@@ -143,7 +143,8 @@ class HostCachingAllocator:
         if not self._lock.acquire(blocking):
             return False
         try:
-            for block in self._used_on.pop(stream, ()):
+            users = self._used_on.get(stream, set())
+            for block in list(users):
                 uses = block.uses
                 for use in [u for u in uses if type(u) is tuple and u[0] == stream]:
                     try:
@@ -157,6 +158,8 @@ class HostCachingAllocator:
                     uses.discard(use)
                     if gate is not None:
                         uses.add(gate)
+                users.discard(block)    # covered (a failure above leaves the rest keyed by it)
+            self._used_on.pop(stream, None)
         finally:
             self._lock.release()
         return True
