@@ -257,6 +257,8 @@ def _workload(kind: str, objs: _Objects) -> None:
     big.close()
     b.close()
     s1.synchronize()
+    s0.close()                  # with live blocks: the allocator covers the streams' work
+    s1.close()
     memory.empty_cache()
     memory.empty_host_cache()
 

@@ -884,13 +884,13 @@ class XpuBackend(Backend):
             self._invalidate(s.capture, "the capturing stream was destroyed")
             raise CaptureError("stream_destroy: the stream is capturing; end the capture first")
         self._sync_stream(s)   # the device must not reference a list being destroyed
-        with self._lock:
-            self._streams.pop(stream, None)
-            s.device.streams.pop(stream, None)
         ffi, lib, _ = self._lib
         rc = lib.zeCommandListDestroy(s.list)
         if rc:
-            self._fail("zeCommandListDestroy", rc)
+            self._fail("zeCommandListDestroy", rc)     # still live: destroying it again retries
+        with self._lock:
+            self._streams.pop(stream, None)
+            s.device.streams.pop(stream, None)
         s.dead = True
         s.done = s.seq = max(s.seq, s.done)
         if s.marker is not None:
