@@ -408,6 +408,30 @@ def _sweep(kind: str, most: int, persistent: bool) -> None:
     assert fired >= len(calls)
 
 
+def test_fault_sweep_pairs(sim_backend):
+    """Two vendor functions failing on every call from the first on (a flaky driver: e.g. no
+    event can be recorded and no stream waited for), for every pair the workload calls."""
+    import itertools
+    kind = sim_backend
+    accel.set_device_index(0)
+    objs = _Objects()
+    _workload(kind, objs)
+    _teardown(objs)
+    memory.empty_cache()
+    memory.empty_host_cache()
+    baseline, base_bytes = _live(kind), _device_bytes(kind)
+    calls = _count_calls(kind)
+    names = [name for name in sorted(calls) if name not in _NO_RECOVERY]
+    start = time.perf_counter()
+    pairs = list(itertools.combinations(names, 2))
+    for a, b in pairs:
+        where = f"{kind}: {a} and {b} failing on every call"
+        sim.inject_error(a, _CODES[kind], times=-1)
+        _run_faulty(kind, b, 0, -1, where)
+        _check_clean(kind, baseline, base_bytes, where)
+    print(f"\n{kind}: {len(pairs)} pairs of failing functions, {time.perf_counter() - start:.1f}s")
+
+
 def _fresh_process() -> None:
     """A new process, as far as accel and the simulator know (faults and counters cleared)."""
     from accel import _lazy

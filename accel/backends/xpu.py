@@ -236,6 +236,7 @@ class XpuBackend(Backend):
         self._pools: List[object] = []
         self._retired: List[_Slot] = []
         self._deferred: List[Tuple[list, object]] = []   # (deps, pinned staging pointer) to free later
+        self._orphans: List[Tuple[str, object]] = []      # (destroy call, handle) an error path failed to release
         self._captures: Dict[int, _Capture] = {}
         self._patterns: Dict[int, object] = {}
         self._allocs: Dict[int, Tuple[_Device, int]] = {}
@@ -991,8 +992,15 @@ class XpuBackend(Backend):
     def _progress(self, s: _Stream, seq: int) -> None:
         if seq > s.done:
             s.done = seq
-        if self._retired or self._deferred:
+        if self._retired or self._deferred or self._orphans:
             self._sweep()
+
+    def _discard(self, call: str, handle) -> None:
+        """Release ``handle`` with ``call`` on an error path (another error is being raised); a
+        failure keeps it for the next _sweep instead of leaking it."""
+        if getattr(self._lib[1], call)(handle):
+            with self._lock:
+                self._orphans.append((call, handle))
 
     def _poll(self) -> None:
         """Update every stream's completed-command count without blocking."""
@@ -1043,10 +1051,10 @@ class XpuBackend(Backend):
                 pe = ffi.new("ze_event_handle_t *")
                 rc = lib.zeEventCreate(pool, ed, pe)
                 if rc:
-                    # Nothing of the new pool stays behind (best effort: the first error is reported).
+                    # Nothing of the new pool stays behind (the first error is the one reported).
                     for slot in made:
-                        lib.zeEventDestroy(slot.event)
-                    lib.zeEventPoolDestroy(pool)
+                        self._discard("zeEventDestroy", slot.event)
+                    self._discard("zeEventPoolDestroy", pool)
                     self._fail("zeEventCreate", rc)
                 made.append(_Slot(pool, i, pe[0], timing, dev.ctx))
             self._pools.append(pool)
@@ -1063,6 +1071,9 @@ class XpuBackend(Backend):
         """Recycle event slots and free staging memory whose users have all passed them."""
         # A failed call leaves the slots and blocks not yet handled where they were (none twice).
         with self._lock:
+            if self._orphans:
+                lib = self._lib[1]
+                self._orphans = [(call, h) for call, h in self._orphans if getattr(lib, call)(h)]
             if self._retired:
                 keep, i = [], 0
                 try:
@@ -1325,7 +1336,7 @@ class XpuBackend(Backend):
             self._append(s, "zeCommandListAppendWaitOnEvents", lib.zeCommandListAppendWaitOnEvents, cap.list, 1, arr)
             self._append(s, "zeCommandListAppendEventReset", lib.zeCommandListAppendEventReset, cap.list, gate.event)
         except BaseException:
-            lib.zeCommandListDestroy(cap.list)
+            self._discard("zeCommandListDestroy", cap.list)
             self._retire(gate)
             self._retire(done)
             raise
@@ -1354,7 +1365,7 @@ class XpuBackend(Backend):
             if rc:
                 self._fail("zeCommandListClose", rc)
         except BaseException:
-            lib.zeCommandListDestroy(cap.list)
+            self._discard("zeCommandListDestroy", cap.list)
             self._retire(cap.gate)
             self._retire(cap.done)
             raise
@@ -1578,6 +1589,8 @@ class XpuBackend(Backend):
                 self._check_rc("zeMemFree", lib.zeMemFree(dev.ctx, ffi.cast("void *", ptr)))
             for ptr in list(self._host_allocs) + [p for _, p in self._deferred]:
                 self._host_free(ptr)
+            for call, handle in self._orphans:
+                self._check_rc(call, getattr(lib, call)(handle))
             for s in list(self._streams.values()):
                 self._check_rc("zeCommandListDestroy", lib.zeCommandListDestroy(s.list))
                 s.dead = True
