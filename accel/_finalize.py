@@ -38,6 +38,7 @@ from collections import deque
 from typing import Callable
 
 from . import _lazy
+from ._errors import AcceleratorError
 
 __all__ = ["pending", "drain", "release", "finalize", "defer", "collecting", "pid", "forked_error"]
 
@@ -107,6 +108,8 @@ def finalize(fn: Callable, *args) -> None:
         return
     try:
         fn(*args)
+    except AcceleratorError:
+        pending.append((fn, args))  # a failed vendor call: tried once more at the next drain
     except Exception:
         pass    # interpreter shutdown or a runtime already torn down
 

@@ -243,6 +243,9 @@ def _workload(kind: str, objs: _Objects) -> None:
     ev.record(s1)
     ev.synchronize()
     ev.close()
+    dropped = accel.Event()
+    dropped.record(s0)
+    del dropped                 # its finalizer destroys it (a failure is retried at the next entry)
     if kind != "mps":
         gs = objs.add(accel.Stream(device=0))
         r = objs.add(accel.Buffer(8192, device=0, stream=gs))
