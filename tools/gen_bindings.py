@@ -69,6 +69,58 @@ CUDART_FUNCTIONS = [
     "cudaPointerGetAttributes", "cudaMemcpyPeerAsync", "cudaDeviceCanAccessPeer",
 ]
 
+# Runtimes older than these functions (checked against the real exports in
+# accel/sim/cudart_symbols/*.txt, written by tools/cudart_exports.py):
+# cudaLibrary* came with 12.8 (absent from 12.4); cudaGetDriverEntryPointByVersion with 12.5.
+CUDART12_OPTIONAL = {"cudaLibraryLoadData", "cudaLibraryUnload", "cudaLibraryGetKernel",
+                     "cudaGetDriverEntryPointByVersion"}
+
+# Their declarations for the CUDA 12 module when its headers predate them (12.4 does):
+# copied from the nvidia-cuda-runtime-cu12==12.8.90 wheel's cuda_runtime_api.h and
+# driver_types.h (enum values as the generator folds them).  Types go with the first
+# function (sorted) that needs them, since the fallbacks are appended in sorted order.
+CUDART12_SPEC_FALLBACK = {
+    "cudaGetDriverEntryPointByVersion": (
+        "", "cudaError_t cudaGetDriverEntryPointByVersion(const char *symbol, void **funcPtr,"
+            " unsigned int cudaVersion, unsigned long long flags,"
+            " enum cudaDriverEntryPointQueryResult *driverStatus);"),
+    "cudaLibraryGetKernel": (
+        "typedef struct CUlib_st *cudaLibrary_t;\n",
+        "cudaError_t cudaLibraryGetKernel(cudaKernel_t *pKernel, cudaLibrary_t library, const char *name);"),
+    "cudaLibraryLoadData": (
+        """enum cudaJitOption
+{
+  cudaJitMaxRegisters = 0,
+  cudaJitThreadsPerBlock = 1,
+  cudaJitWallTime = 2,
+  cudaJitInfoLogBuffer = 3,
+  cudaJitInfoLogBufferSizeBytes = 4,
+  cudaJitErrorLogBuffer = 5,
+  cudaJitErrorLogBufferSizeBytes = 6,
+  cudaJitOptimizationLevel = 7,
+  cudaJitFallbackStrategy = 10,
+  cudaJitGenerateDebugInfo = 11,
+  cudaJitLogVerbose = 12,
+  cudaJitGenerateLineInfo = 13,
+  cudaJitCacheMode = 14,
+  cudaJitPositionIndependentCode = 30,
+  cudaJitMinCtaPerSm = 31,
+  cudaJitMaxThreadsPerBlock = 32,
+  cudaJitOverrideDirectiveValues = 33
+};
+enum cudaLibraryOption
+{
+  cudaLibraryHostUniversalFunctionAndDataTable = 0,
+  cudaLibraryBinaryIsPreserved = 1
+};
+""",
+        "cudaError_t cudaLibraryLoadData(cudaLibrary_t *library, const void *code,"
+        " enum cudaJitOption *jitOptions, void **jitOptionsValues, unsigned int numJitOptions,"
+        " enum cudaLibraryOption *libraryOptions, void **libraryOptionValues,"
+        " unsigned int numLibraryOptions);"),
+    "cudaLibraryUnload": ("", "cudaError_t cudaLibraryUnload(cudaLibrary_t library);"),
+}
+
 # Integer #defines (object-like macros) to expose as lib.NAME.
 CUDART_DEFINES = [
     "CUDART_VERSION",
@@ -226,7 +278,7 @@ id MTLCopyAllDevices(void);
 class Library:
     """One generated module."""
 
-    name: str                         # key for accel._ffi.open_library
+    name: str                         # generator key (--only); also the open_library key unless ``key``
     module: str                       # generated module name under accel._ffi
     functions: List[str]
     defines: List[str] = field(default_factory=list)
@@ -238,7 +290,14 @@ class Library:
     literal_cdef: Optional[str] = None                    # objc/metal: no header on Linux
     spec_fallback: Dict[str, Tuple[str, str]] = field(default_factory=dict)  # optional fn -> (types, prototype)
     constant_fallback: Dict[str, int] = field(default_factory=dict)
+    fallback_source: str = "newer Level Zero headers"     # where spec_fallback was copied from
     source_note: str = ""
+    # CUDA: the major the headers must be (an include root of another major is skipped),
+    # as (header, version macro, major), e.g. ("cuda_runtime_api.h", "CUDART_VERSION", 12).
+    cuda_major: Optional[Tuple[str, str, int]] = None
+    # Real libraries to symbol-check the generated module against (first that exists).
+    real_libraries: Tuple[callable, ...] = ()
+    key: Optional[str] = None         # accel._ffi.open_library key when not ``name`` (cudart12 -> cudart)
 
 
 def _site_dirs() -> List[str]:
@@ -262,6 +321,7 @@ def _site_dirs() -> List[str]:
 
 
 def _cuda_roots():
+    # Candidates of every major: Library.cuda_major keeps those of the wanted one.
     for var in ("CUDA_HOME", "CUDA_PATH"):
         v = os.environ.get(var)
         if v:
@@ -269,7 +329,28 @@ def _cuda_roots():
     yield "/usr/local/cuda/include"
     for sp in _site_dirs():
         yield os.path.join(sp, "nvidia", "cu13", "include")
-        yield os.path.join(sp, "nvidia", "cuda_runtime", "include")
+        yield os.path.join(sp, "nvidia", "cuda_runtime", "include")   # nvidia-cuda-runtime-cu12
+
+
+def _cudart13_libs():
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        v = os.environ.get(var)
+        if v:
+            yield os.path.join(v, "lib64", "libcudart.so.13")
+    yield "/usr/local/cuda/lib64/libcudart.so.13"
+    for sp in _site_dirs():
+        yield os.path.join(sp, "nvidia", "cu13", "lib", "libcudart.so.13")
+
+
+def _cudart12_libs():
+    # The library next to the headers the module is generated from (the cu12 wheel)
+    # comes first, so the check is against the very version the headers describe.
+    for sp in _site_dirs():
+        yield os.path.join(sp, "nvidia", "cuda_runtime", "lib", "libcudart.so.12")
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        v = os.environ.get(var)
+        if v:
+            yield os.path.join(v, "lib64", "libcudart.so.12")
 
 
 def _nvml_roots():
@@ -296,6 +377,18 @@ LIBRARIES: Dict[str, Library] = {
         types=CUDART_TYPES,
         headers=["cuda_runtime_api.h"], include_roots=(_cuda_roots,),
         version_macros=["CUDART_VERSION"],
+        cuda_major=("cuda_runtime_api.h", "CUDART_VERSION", 13), real_libraries=(_cudart13_libs,),
+    ),
+    # CUDA 12 from its own headers (the nvidia-cuda-runtime-cu12 wheel's include/):
+    # struct cudaDeviceProp has another layout there, and the headers rename
+    # cudaGetDeviceProperties / cudaStreamGetCaptureInfo to their _v2 symbols (ALIASES).
+    "cudart12": Library(
+        name="cudart12", key="cudart", module="_cudart12", functions=CUDART_FUNCTIONS, defines=CUDART_DEFINES,
+        types=CUDART_TYPES, optional=set(CUDART12_OPTIONAL),
+        spec_fallback=CUDART12_SPEC_FALLBACK, fallback_source="the CUDA 12.8 headers",
+        headers=["cuda_runtime_api.h"], include_roots=(_cuda_roots,),
+        version_macros=["CUDART_VERSION"],
+        cuda_major=("cuda_runtime_api.h", "CUDART_VERSION", 12), real_libraries=(_cudart12_libs,),
     ),
     "nvml": Library(
         name="nvml", module="_nvml", functions=NVML_FUNCTIONS, defines=NVML_DEFINES,
@@ -346,6 +439,7 @@ LIBRARIES["cudart"].optional.add("cudaGetDriverEntryPointByVersion")
 LIBRARIES["cudadrv"] = Library(
     name="cudadrv", module="_cudadrv", functions=[], types=CUDADRV_TYPES,
     headers=["cudaTypedefs.h"], include_roots=(_cuda_roots,), version_macros=["CUDA_VERSION"],
+    cuda_major=("cuda.h", "CUDA_VERSION", 13),
 )
 
 # ---------------------------------------------------------------------------
@@ -394,6 +488,36 @@ _STUB_HEADERS = {
     "string.h": "#include <stddef.h>\n",
 }
 
+# crt/host_defines.h for an include root that lacks it: the nvidia-cuda-runtime-cu12
+# wheel ships cuda_runtime_api.h and friends but not crt/ (that comes with nvcc).  It
+# only defines declaration decorations; in the GCC branch each expands to an
+# __attribute__ (which _PP_DEFINES defines away) or to nothing, so for a cdef they
+# are all nothing.  Searched AFTER the include root: a root with crt/ uses its own.
+_CRT_HOST_DEFINES_STUB = "#define __HOST_DEFINES_H__\n" + "".join("#define %s\n" % m for m in (
+    "__no_return__", "__noinline__", "__forceinline__", "__inline_hint__", "__align__(n)",
+    "__maxnreg__(a)", "__local_maxnreg__(a)", "__thread__", "__import__", "__export__", "__cdecl",
+    "__annotate__(a)", "__location__(a)", "CUDARTAPI", "CUDARTAPI_CDECL", "__specialization_static",
+    "__builtin_align__(a)", "__launch_bounds__(...)", "__grid_constant__", "__host__", "__device__",
+    "__global__", "__shared__", "__constant__", "__managed__", "__nv_pure__", "__device_builtin__",
+    "__device_builtin_texture_type__", "__device_builtin_surface_type__", "__cudart_builtin__",
+    "__cluster_dims__(...)", "__block_size__(...)"))
+_STUB_AFTER_HEADERS = {os.path.join("crt", "host_defines.h"): _CRT_HOST_DEFINES_STUB}
+
+
+def _write_stubs(tmp: str) -> Tuple[str, str]:
+    """Write the libc stubs (searched before the root) and the after-root stubs; return both dirs."""
+    stubs = os.path.join(tmp, "stubs")
+    after = os.path.join(stubs, "after")
+    os.makedirs(os.path.join(after, "crt"))
+    for name, text in _STUB_HEADERS.items():
+        with open(os.path.join(stubs, name), "w") as f:
+            f.write(text)
+    for name, text in _STUB_AFTER_HEADERS.items():
+        with open(os.path.join(after, name), "w") as f:
+            f.write(text)
+    return stubs, after
+
+
 _TYPES_PRELUDE = "".join("typedef %s %s;\n" % (c, n) for n, c in sorted(_STUB_TYPES.items()))
 
 # GNU/CUDA decorations that mean nothing to a cdef.  The vendor headers take their
@@ -419,13 +543,57 @@ def find_compiler() -> Optional[List[str]]:
     return None
 
 
+def header_cuda_version(root: str, header: str, macro: str) -> Optional[int]:
+    """The integer value of ``#define <macro> <n>`` in ``root/header`` (e.g. CUDART_VERSION 12040)."""
+    try:
+        with open(os.path.join(root, header), errors="replace") as f:
+            m = re.search(r"^\s*#\s*define\s+%s\s+(\d+)" % re.escape(macro), f.read(), re.M)
+    except OSError:
+        return None
+    return int(m.group(1)) if m else None
+
+
 def find_include_root(lib: Library) -> Optional[str]:
-    """First candidate include dir holding every header of ``lib``."""
+    """First candidate include dir holding every header of ``lib`` (of its CUDA major, if set)."""
     for gen in lib.include_roots:
         for root in gen():
-            if all(os.path.isfile(os.path.join(root, h)) for h in lib.headers):
-                return os.path.normpath(root)
+            if not all(os.path.isfile(os.path.join(root, h)) for h in lib.headers):
+                continue
+            if lib.cuda_major is not None:
+                header, macro, major = lib.cuda_major
+                v = header_cuda_version(root, header, macro)
+                if v is None or v // 1000 != major:
+                    continue
+            return os.path.normpath(root)
     return None
+
+
+def find_real_library(lib: Library) -> Optional[str]:
+    """First existing real library to symbol-check ``lib``'s module against, or None."""
+    for gen in lib.real_libraries:
+        for path in gen():
+            if os.path.isfile(path):
+                return path
+    return None
+
+
+def library_exports(path: str) -> set:
+    """Defined function names in the dynamic symbol table of the ELF library at ``path``."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    try:
+        from cudart_exports import exported_functions
+    finally:
+        sys.path.pop(0)
+    with open(path, "rb") as f:
+        return exported_functions(f.read())
+
+
+def symbol_check(g: "Generated", path: str) -> Tuple[List[str], List[str]]:
+    """(missing required, missing optional) declared functions of ``g`` absent from ``path``."""
+    exported = library_exports(path)
+    missing = [f for f in g.functions if f not in exported]
+    opt = set(g.lib.optional) | {g.aliases.get(f, f) for f in g.lib.optional}
+    return [f for f in missing if f not in opt], [f for f in missing if f in opt]
 
 
 def preprocess(lib: Library, root: str, extra: str = "") -> str:
@@ -434,17 +602,13 @@ def preprocess(lib: Library, root: str, extra: str = "") -> str:
     if cc is None:
         raise RuntimeError("no C preprocessor (gcc, cc, clang or cpp) on PATH")
     with tempfile.TemporaryDirectory(prefix="accel-gen-") as tmp:
-        stubs = os.path.join(tmp, "stubs")
-        os.mkdir(stubs)
-        for name, text in _STUB_HEADERS.items():
-            with open(os.path.join(stubs, name), "w") as f:
-                f.write(text)
+        stubs, after = _write_stubs(tmp)
         src = os.path.join(tmp, "accel_bindings_input.c")
         with open(src, "w") as f:
             for h in lib.headers:
                 f.write('#include "%s"\n' % h)
             f.write(extra)
-        cmd = cc + ["-nostdinc", "-I", stubs, "-I", root, "-std=c99", "-xc"]
+        cmd = cc + ["-nostdinc", "-I", stubs, "-I", root, "-I", after, "-std=c99", "-xc"]
         cmd += ["-D" + d for d in _PP_DEFINES]
         cmd.append(src)
         res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp)
@@ -461,16 +625,12 @@ def macro_table(lib: Library, root: str) -> Dict[str, str]:
     """Object-like macros defined after including ``lib``'s headers: name -> body."""
     cc = find_compiler()
     with tempfile.TemporaryDirectory(prefix="accel-gen-") as tmp:
-        stubs = os.path.join(tmp, "stubs")
-        os.mkdir(stubs)
-        for name, text in _STUB_HEADERS.items():
-            with open(os.path.join(stubs, name), "w") as f:
-                f.write(text)
+        stubs, after = _write_stubs(tmp)
         src = os.path.join(tmp, "m.c")
         with open(src, "w") as f:
             for h in lib.headers:
                 f.write('#include "%s"\n' % h)
-        cmd = cc + ["-dM", "-nostdinc", "-I", stubs, "-I", root, "-std=c99", "-xc"]
+        cmd = cc + ["-dM", "-nostdinc", "-I", stubs, "-I", root, "-I", after, "-std=c99", "-xc"]
         cmd += ["-D" + d for d in _PP_DEFINES] + [src]
         res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         if res.returncode != 0:
@@ -786,8 +946,30 @@ def defines_source(lib: Library, macros: Dict[str, str]) -> str:
                           for d in lib.defines if d in macros)
 
 
-def resolve_aliases(lib: Library, macros: Dict[str, str]) -> Dict[str, str]:
-    """Public name -> exported symbol for listed functions that the headers rename by macro."""
+_ALIAS_MARKER = "__accel_alias__"
+
+
+def resolve_aliases(lib: Library, macros: Dict[str, str], root: Optional[str] = None) -> Dict[str, str]:
+    """Public name -> exported symbol for listed functions that the headers rename by macro.
+
+    With ``root``, the preprocessor itself expands each listed name after the headers, so
+    renames through function-like macros resolve too (CUDA 12: ``#define
+    cudaStreamGetCaptureInfo __CUDART_API_PTSZ(cudaStreamGetCaptureInfo_v2)``, where
+    ``__CUDART_API_PTSZ(api)`` is ``api`` without per-thread default streams, as here).
+    Without it, chains of object-like macros only."""
+    candidates = [fn for fn in lib.functions if fn in macros]
+    if root is not None and candidates:
+        text = preprocess(lib, root, "\n" + "".join("%s %s\n" % (_ALIAS_MARKER, fn) for fn in candidates))
+        found = [line.split()[1:] for line in text.splitlines() if line.startswith(_ALIAS_MARKER + " ")]
+        assert len(found) == len(candidates), (candidates, found)
+        aliases = {}
+        for fn, expanded in zip(candidates, found):
+            if len(expanded) != 1 or not re.fullmatch(r"[A-Za-z_]\w*", expanded[0]):
+                raise SystemExit("cannot resolve the header's rename of %s: it expands to %r"
+                                 % (fn, " ".join(expanded)))
+            if expanded[0] != fn:
+                aliases[fn] = expanded[0]
+        return aliases
     aliases = {}
     for fn in lib.functions:
         target, seen = fn, set()
@@ -854,7 +1036,7 @@ def generate(lib: Library) -> Generated:
     if root is None:
         raise FileNotFoundError("%s: headers %s not found in any include root" % (lib.name, lib.headers))
     macros = macro_table(lib, root)
-    aliases = resolve_aliases(lib, macros)
+    aliases = resolve_aliases(lib, macros, root)
     text = preprocess(lib, root, defines_source(lib, macros))
     fallback_used = []
     for fn, (types, proto) in sorted(lib.spec_fallback.items()):
@@ -896,9 +1078,13 @@ def generate(lib: Library) -> Generated:
             versions["%s @version" % h] = m.group(1)
     files = sorted(f for f in model.files if not f.startswith("<"))
     prov = ["headers (relative to their include root): " + ", ".join(files)]
+    stubbed = sorted(set(re.findall(r'^# \d+ "<stub>/after/([^"]+)"', text, re.M)))
+    if stubbed:
+        prov.append("not in this include root, stubbed by tools/gen_bindings.py (declaration "
+                    "decorations only): " + ", ".join(stubbed))
     prov += ["%s = %s" % kv for kv in sorted(versions.items())]
     if fallback_used:
-        prov.append("not in these headers, declared from newer Level Zero headers (optional): "
+        prov.append("not in these headers, declared from %s (optional): " % lib.fallback_source
                     + ", ".join(fallback_used))
     if const_fallback:
         prov.append("constants not in these headers, values from newer headers: " + ", ".join(const_fallback))
@@ -928,12 +1114,19 @@ def render(g: Generated) -> str:
     head += ["# " + p for p in g.provenance]
     if g.dropped:
         head.append("# listed but not in the headers (not bound): " + ", ".join(g.dropped))
-    doc = ('"""cffi out-of-line ABI declarations for %s (GENERATED, do not edit).\n\n'
-           'Open the library with ``accel._ffi.open_library(%r)`` -> ``(ffi, lib, path)``.\n"""\n'
-           % (lib.name, lib.name))
+    key = lib.key or lib.name
+    if lib.cuda_major is not None and key == "cudart":
+        doc = ('"""cffi out-of-line ABI declarations for libcudart of CUDA %d (GENERATED, do not edit).\n\n'
+               'Select it with ``accel._ffi.cudart_module(%d)``: use it with a libcudart of that major only\n'
+               '(struct layouts and renamed symbols differ between majors).\n"""\n'
+               % (lib.cuda_major[2], lib.cuda_major[2]))
+    else:
+        doc = ('"""cffi out-of-line ABI declarations for %s (GENERATED, do not edit).\n\n'
+               'Open the library with ``accel._ffi.open_library(%r)`` -> ``(ffi, lib, path)``.\n"""\n'
+               % (lib.name, key))
     tail = ["", "",
             "#: Library key for accel._ffi.open_library.",
-            "LIBRARY = %r" % lib.name,
+            "LIBRARY = %r" % key,
             "#: Exported symbols declared here (after ALIASES), in list order.",
             "FUNCTIONS = " + _py_tuple(g.functions),
             "#: Public (macro) name -> exported symbol, for listed names the headers rename.",
@@ -974,6 +1167,19 @@ def main(argv=None) -> int:
         text = render(g)
         if g.dropped:
             print("%s: not in the headers, dropped: %s" % (name, ", ".join(g.dropped)))
+        if lib.real_libraries:
+            real = find_real_library(lib)
+            if real is None:
+                print("%s: no real library found to symbol-check against (skipped)" % name)
+            else:
+                required, optional = symbol_check(g, real)
+                if required:
+                    status = 1
+                    print("%s: %s lacks declared non-optional functions: %s"
+                          % (name, real, ", ".join(required)))
+                else:
+                    print("%s: every non-optional function is exported by %s%s" % (
+                        name, real, "" if not optional else " (optional, absent: %s)" % ", ".join(optional)))
         if args.check:
             old = open(path).read() if os.path.exists(path) else ""
             if old != text:

@@ -2,9 +2,10 @@
 # Regenerate: python tools/gen_bindings.py   (check: python tools/gen_bindings.py --check)
 # headers (relative to their include root): cuda_runtime_api.h, device_types.h, driver_types.h, surface_types.h, texture_types.h, vector_types.h
 # CUDART_VERSION = 13000
-"""cffi out-of-line ABI declarations for cudart (GENERATED, do not edit).
+"""cffi out-of-line ABI declarations for libcudart of CUDA 13 (GENERATED, do not edit).
 
-Open the library with ``accel._ffi.open_library('cudart')`` -> ``(ffi, lib, path)``.
+Select it with ``accel._ffi.cudart_module(13)``: use it with a libcudart of that major only
+(struct layouts and renamed symbols differ between majors).
 """
 import _cffi_backend
 
