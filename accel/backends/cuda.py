@@ -63,6 +63,24 @@ _ARG_CTYPES = {"ptr": "uint64_t *", "u32": "uint32_t *", "i32": "int32_t *", "u6
                "i64": "int64_t *", "f32": "float *", "f64": "double *"}
 
 
+def _declared_arity(module, symbol: str) -> int:
+    """Number of parameters of ``symbol`` as declared in generated module ``module``."""
+    import re
+    m = re.search(r"\b%s\((.*?)\);" % re.escape(symbol), module.CDEF, re.S)
+    params = m.group(1).strip()
+    return 0 if params in ("", "void") else params.count(",") + 1
+
+
+def _cudart_ffi_for(lib):
+    """The ffi of the generated bindings for ``lib``'s runtime major (cudaRuntimeGetVersion
+    has one signature in every major and starts nothing, so any bindings can read it)."""
+    from .._ffi import _cudart, cudart_module
+    v = _cudart.ffi.new("int *")
+    if lib.cudaRuntimeGetVersion(v) != 0:
+        return _cudart.ffi
+    return cudart_module(v[0] // 1000).ffi
+
+
 def _uuid_text(raw: bytes) -> str:
     h = raw.hex()
     return f"GPU-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
@@ -94,15 +112,18 @@ class CudaBackend(Backend):
         self._kpath = None       # kernel path: "library", a _cuda_driver.DriverKernels, or why none
         self._captures = 0       # stream captures underway in this process
         self._out = threading.local()  # per-thread out-pointers for hot getters (no ffi.new per call)
+        self._rt_module = None   # accel._ffi.cudart_module of the opened runtime's major (checked)
+        self._capture_info = (None, ())  # cudaStreamGetCaptureInfo[_v2] and its NULL outputs
 
     # -- libraries -------------------------------------------------------------
     def _open(self, which: str):
         from .._ffi import open_library
         if self.simulated:
             from .. import sim
-            from .._ffi import _cudart, _nvml
-            ffi = _cudart.ffi if which == "cudart" else _nvml.ffi
-            return ffi, sim.open_library(which), f"accel.sim ({which})"
+            from .._ffi import _nvml
+            lib = sim.open_library(which)
+            ffi = _nvml.ffi if which == "nvml" else _cudart_ffi_for(lib)
+            return ffi, lib, f"accel.sim ({which})"
         return open_library(which)
 
     def _runtime(self):
@@ -324,10 +345,40 @@ class CudaBackend(Backend):
                 self._count_path = f"cudart after init (the fork-safe count said {before})"
             self._count, self._count_final = runtime_count, True
 
-    def properties(self, index: int) -> DeviceProperties:
+    def _bindings(self):
+        """The generated module (accel._ffi.cudart_module) whose ffi the runtime was opened
+        with, after checking it is the runtime's major: cudaDeviceProp's layout and some
+        symbols (cudaGetDeviceProperties_v2 on 12.x) differ, and a library read through
+        another major's declarations answers garbage (an H200 as 1 SM, "integrated")."""
+        mod = self._rt_module
+        if mod is not None:
+            return mod
+        from .._ffi import CUDART_MAJORS, cudart_module
         ffi, lib = self.ffi, self.lib
+        mod = next((cudart_module(m) for m in CUDART_MAJORS if cudart_module(m).ffi is ffi), None)
+        v = ffi.new("int *")
+        rc = lib.cudaRuntimeGetVersion(v)
+        if rc != 0:
+            self._check(rc, "cudaRuntimeGetVersion")
+        major = v[0] // 1000
+        have = int(mod.HEADER_VERSIONS["CUDART_VERSION"]) // 1000 if mod is not None else None
+        if have != major:
+            raise AcceleratorError(
+                f"libcudart {self._rt[2] if self._rt else ''} is CUDA {major}.{v[0] % 1000 // 10} but was "
+                f"opened with the CUDA {have} bindings; its struct layouts differ (use "
+                f"accel._ffi.cudart_module({major}).ffi for it)", library="libcudart")
+        self._rt_module = mod
+        return mod
+
+    def _rt_fn(self, name: str):
+        """Library function ``name`` under the symbol the runtime major's headers give it."""
+        return getattr(self.lib, self._bindings().ALIASES.get(name, name))
+
+    def properties(self, index: int) -> DeviceProperties:
+        ffi = self.ffi
+        get_properties = self._rt_fn("cudaGetDeviceProperties")   # 12.x: cudaGetDeviceProperties_v2
         prop = ffi.new("struct cudaDeviceProp *")
-        self._check(lib.cudaGetDeviceProperties(prop, index), "cudaGetDeviceProperties")
+        self._check(get_properties(prop, index), "cudaGetDeviceProperties")
         cc = (prop.major, prop.minor)
         return DeviceProperties(
             index=index,
@@ -557,12 +608,17 @@ class CudaBackend(Backend):
     def capture_id(self, stream: int) -> Optional[int]:
         status = self.ffi.new("enum cudaStreamCaptureStatus *")
         ident = self.ffi.new("unsigned long long *")
-        null = self.ffi.NULL
         # The first three parameters (stream, status, id) are the same in every version of
-        # cudaStreamGetCaptureInfo (the 3-argument legacy symbol of CUDA 11/12, the 7-argument
-        # one of CUDA 13); the optional outputs are NULL, so the call is right for each.
-        self._check(self.lib.cudaStreamGetCaptureInfo(self._cast("cudaStream_t", stream), status, ident,
-                                                      null, null, null, null), "cudaStreamGetCaptureInfo")
+        # cudaStreamGetCaptureInfo (CUDA 12 headers: cudaStreamGetCaptureInfo_v2, 6 parameters;
+        # CUDA 13: 7); the optional outputs after them are NULL.
+        fn, nulls = self._capture_info
+        if fn is None:
+            mod = self._bindings()
+            fn = self._rt_fn("cudaStreamGetCaptureInfo")
+            nulls = (self.ffi.NULL,) * (_declared_arity(mod, mod.ALIASES.get("cudaStreamGetCaptureInfo",
+                                                                              "cudaStreamGetCaptureInfo")) - 3)
+            self._capture_info = (fn, nulls)
+        self._check(fn(self._cast("cudaStream_t", stream), status, ident, *nulls), "cudaStreamGetCaptureInfo")
         return None if status[0] == _CAPTURE_STATUS_NONE else ident[0]
 
     def captures_underway(self) -> int:

@@ -88,6 +88,7 @@ cudaErrorIllegalAddress = 700
 cudaErrorPeerAccessAlreadyEnabled = 704
 cudaErrorPeerAccessNotEnabled = 705
 cudaErrorLaunchFailure = 719
+cudaErrorNotSupported = 801
 cudaErrorStreamCaptureUnsupported = 900
 cudaErrorStreamCaptureInvalidated = 901
 cudaErrorStreamCaptureMerge = 902
@@ -810,16 +811,57 @@ def _set_fields(obj, values: dict) -> None:
             pass
 
 
-def cudaGetDeviceProperties(R, prop, device):
+def _device_properties(R, prop, device, major: int):
+    """Write ``struct cudaDeviceProp`` in the layout of CUDA ``major``'s headers into ``prop``.
+
+    The real library writes its own layout whatever the caller declared (CUDA 12 and 13
+    differ: fields removed in 13 shift multiProcessorCount, integrated, ...), so the
+    struct is filled by field name in that layout (accel._ffi.cudart_module(major)) and
+    its bytes copied into the caller's memory: a caller reading it through the other
+    major's declarations reads garbage, as on real hardware.  A caller's struct smaller
+    than the layout would be overrun by the real library; the simulator refuses it
+    (cudaErrorInvalidValue) instead of corrupting memory."""
     if not (0 <= device < len(R.devices)):
         return cudaErrorInvalidDevice
     if _is_null(prop):
         return cudaErrorInvalidValue
+    from accel._ffi import cudart_module
+    own_ffi = cudart_module(major).ffi
+    try:
+        room = len(ffi.buffer(prop))
+    except TypeError:           # a bare address: the caller's size is unknown
+        room = None
+    size = own_ffi.sizeof("struct cudaDeviceProp")
+    if room is not None and room < size:
+        return cudaErrorInvalidValue
+    own = own_ffi.new("struct cudaDeviceProp *")
+    _fill_device_properties(R, own, device)
+    ffi.memmove(ffi.cast(_CHARP, _addr(prop)), own_ffi.buffer(own), size)
+    return cudaSuccess
+
+
+def cudaGetDeviceProperties(R, prop, device):
+    """The plain symbol.  CUDA 13: the current layout.  CUDA 12 (REFERENCE.md "Runtime vs
+    driver versions"): its headers map the name to cudaGetDeviceProperties_v2, and the
+    plain symbol kept the pre-12.0 layout, which accel has no bindings for (no headers
+    of it are generated): refused with cudaErrorNotSupported rather than written in a
+    layout the simulator cannot model."""
+    major = R.cfg.runtime_version // 1000
+    if major < 13:
+        return cudaErrorNotSupported
+    return _device_properties(R, prop, device, major)
+
+
+def cudaGetDeviceProperties_v2(R, prop, device):
+    """CUDA 12.x (what its headers call cudaGetDeviceProperties): the 12.0+ layout.
+    Exported by the 12.x libraries only (accel/sim/cudart_symbols)."""
+    return _device_properties(R, prop, device, 12)
+
+
+def _fill_device_properties(R, prop, device):
     cfg = R.cfg
     dev = R.devices[device]
     a = _attributes(R, device)
-    buf = ffi.buffer(prop)
-    buf[:] = bytes(len(buf))
     prop.name = cfg.name.encode()[:255]
     prop.uuid.bytes = core.uuid_bytes(dev.physical)
     _set_fields(prop, {
@@ -845,8 +887,10 @@ def cudaGetDeviceProperties(R, prop, device):
         "deferredMappingCudaArraySupported": 1, "ipcEventSupported": 1, "clusterLaunch": a[120],
         "unifiedFunctionPointers": 1, "deviceNumaConfig": 0, "deviceNumaId": -1, "hostNumaId": -1,
         "gpuPciDeviceID": a[139], "gpuPciSubsystemID": a[140],
+        # CUDA 12 layout only (removed in 13; cudaDeviceGetAttribute still answers them)
+        "clockRate": a[13], "memoryClockRate": a[36], "deviceOverlap": 1, "kernelExecTimeoutEnabled": 0,
+        "computeMode": 0, "cooperativeMultiDeviceLaunch": 0, "singleToDoublePrecisionPerfRatio": 2,
     })
-    return cudaSuccess
 
 
 def cudaDeviceGetPCIBusId(R, pciBusId, len_, device):
@@ -1640,6 +1684,14 @@ def cudaStreamGetCaptureInfo(R, stream, captureStatus_out, id_out=None, graph_ou
     return cudaSuccess
 
 
+def cudaStreamGetCaptureInfo_v2(R, stream, captureStatus_out, id_out, graph_out, dependencies_out,
+                                numDependencies_out):
+    """CUDA 12.x (what its headers call cudaStreamGetCaptureInfo): the outputs of the
+    CUDA 13 call without edgeData.  Exported by the 12.x libraries only."""
+    return cudaStreamGetCaptureInfo(R, stream, captureStatus_out, id_out, graph_out, dependencies_out,
+                                    None, numDependencies_out)
+
+
 def cudaThreadExchangeStreamCaptureMode(R, mode):
     if _is_null(mode):
         return cudaErrorInvalidValue
@@ -1997,12 +2049,15 @@ def open_library() -> core.SimLibrary:
     if lib is None:
         exported = exported_symbols(cfg.runtime_version)
         functions = {k: v for k, v in {**_NO_INIT, **_FUNCTIONS}.items() if k in exported}
+        # the bindings of this runtime's major (accel._ffi.cudart_module): what a caller
+        # declares, so a declared function this version lacks fails as in cffi
+        module = "_cudart12" if cfg.runtime_version < 13000 else "_cudart"
         try:
-            from accel._ffi._cudart import FUNCTIONS as declared
+            declared = __import__("accel._ffi." + module, fromlist=["FUNCTIONS"]).FUNCTIONS
         except ImportError:
             declared = ()
         lib = _libs.setdefault(cfg.runtime_version, core.build_library(
-            "cudart", functions, constants=core.constants_of("_cudart"), wrap=_wrap_any, declared=declared))
+            "cudart", functions, constants=core.constants_of(module), wrap=_wrap_any, declared=declared))
     return lib
 
 
