@@ -99,11 +99,20 @@ class Backend(abc.ABC):
     #: a count only the runtime could give (CUDA without NVML, or MIG UUIDs).  A
     #: child forked afterwards cannot use the driver; ``accel._lazy`` refuses it.
     driver_started: bool = False
+    #: True when the backend implements the virtual-memory calls (vmm_*), which the
+    #: caching allocator's expandable segments use.  Whether they work on a device
+    #: may still depend on the driver: check :meth:`vmm_supported` after init.
+    supports_vmm: bool = False
 
     @property
     def no_capture_reason(self) -> str:
         """What the graph methods of a backend without stream capture raise."""
         return f"{self.name} has no stream capture"
+
+    @property
+    def no_vmm_reason(self) -> str:
+        """What the vmm_* methods of a backend without virtual memory raise."""
+        return f"{self.name} has no virtual memory management (expandable segments)"
 
     # -- discovery: fork-safe, never initializes the runtime ------------------
     @abc.abstractmethod
@@ -267,6 +276,47 @@ class Backend(abc.ABC):
 
     def graph_debug_dot(self, graph: int, path: str) -> None:
         raise NotImplementedError(self.no_capture_reason)
+
+    # -- virtual memory (only when supports_vmm) --------------------------------
+    # The shape is the driver's (CUDA cuMem*, Level Zero zeVirtualMem*/zePhysicalMem*):
+    # reserve a range of addresses, create physical pages, map pages into the range,
+    # grant the device access, unmap, release.  Sizes and addresses are multiples of
+    # vmm_granularity(); unmapping does not wait for queued work (the caller
+    # synchronizes the streams that used the range first).
+    def vmm_supported(self, index: int) -> bool:
+        """True when device ``index`` can map physical pages into reserved ranges
+        (CUDA: CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)."""
+        return False
+
+    def vmm_granularity(self, index: int) -> int:
+        """The page size (bytes) of physical allocations on device ``index``."""
+        raise NotImplementedError(self.no_vmm_reason)
+
+    def vmm_reserve(self, index: int, nbytes: int) -> int:
+        """Reserve ``nbytes`` of device address space for device ``index``; the base address."""
+        raise NotImplementedError(self.no_vmm_reason)
+
+    def vmm_free(self, va: int, nbytes: int) -> None:
+        """Return a reservation (nothing may be mapped in it any more)."""
+        raise NotImplementedError(self.no_vmm_reason)
+
+    def vmm_create(self, index: int, nbytes: int) -> int:
+        """Create ``nbytes`` of physical memory on device ``index``; a handle.
+        Raises :class:`accel.OutOfMemoryError` when the device has no room."""
+        raise NotImplementedError(self.no_vmm_reason)
+
+    def vmm_release(self, handle: int) -> None:
+        """Release physical memory (once no mapping of it is left)."""
+        raise NotImplementedError(self.no_vmm_reason)
+
+    def vmm_map(self, va: int, nbytes: int, handle: int, index: int) -> None:
+        """Map all of ``handle`` at ``va`` (inside a reservation) and grant device
+        ``index`` read-write access to it."""
+        raise NotImplementedError(self.no_vmm_reason)
+
+    def vmm_unmap(self, va: int, nbytes: int) -> None:
+        """Unmap ``[va, va + nbytes)``; the physical memory stays until released."""
+        raise NotImplementedError(self.no_vmm_reason)
 
     # -- kernels (only when kernel_language is not None) -----------------------
     def module_load(self, source: bytes) -> int:
