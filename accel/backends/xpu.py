@@ -68,6 +68,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import time
 import weakref
 from typing import Dict, List, Optional, Tuple
 
@@ -145,7 +146,7 @@ class _Stream:
     """An immediate command list and how far its commands are known to have completed."""
 
     __slots__ = ("handle", "device", "list", "lock", "seq", "done", "capture", "marker", "in_order", "dead",
-                 "last")
+                 "last", "waiting")
 
     def __init__(self, handle, device, cmdlist, in_order):
         self.handle, self.device, self.list, self.in_order = handle, device, cmdlist, in_order
@@ -156,16 +157,18 @@ class _Stream:
         self.marker = None             # (slot, seq): query marker on loaders without HostSynchronize
         self.last = None               # (slot, seq): the latest event this stream signals (progress polls)
         self.dead = False
+        self.waiting = 0               # host threads inside zeCommandListHostSynchronize on the list
 
 
 class _Slot:
     """One Level Zero event from a pool, and the stream points that use it."""
 
-    __slots__ = ("pool", "index", "event", "timing", "deps", "ctx")
+    __slots__ = ("pool", "index", "event", "timing", "deps", "ctx", "waiters")
 
     def __init__(self, pool, index, event, timing, ctx):
         self.pool, self.index, self.event, self.timing, self.ctx = pool, index, event, timing, ctx
         self.deps = []   # [(stream, seq)]: it is free again once every stream passed its point
+        self.waiters = 0  # host threads waiting on / querying it as a stream's marker (changed under that stream's lock)
 
 
 class _Event:
@@ -862,9 +865,32 @@ class XpuBackend(Backend):
         handle = int(ffi.cast("uintptr_t", p[0]))
         s = _Stream(handle, dev, p[0], dev.in_order)
         with self._lock:
-            self._streams[handle] = s
-            dev.streams[handle] = s
+            self._enter_stream(s)
         return s
+
+    def _enter_stream(self, s: _Stream) -> None:
+        """Put ``s`` in the stream tables (caller holds ``self._lock``).  A value the tables
+        already hold for a live stream is refused, never overwritten: the driver reuses a value
+        only once its list is destroyed, and a destroyed stream leaves the tables first
+        (:meth:`stream_destroy`), so a collision means a stale entry or a driver handing out a
+        live handle, and overwriting would make that other stream unreachable."""
+        held = self._streams.get(s.handle)
+        if held is not None and held is not s:
+            raise AcceleratorError(
+                f"{LIBRARY}: zeCommandListCreateImmediate returned {s.handle:#x}, which is already a live stream "
+                f"of this process (device {held.device.index}); refusing to replace it. This is a driver or "
+                f"accel bug: please report it with the output of `python -m accel`",
+                library=LIBRARY, call="zeCommandListCreateImmediate")
+        self._streams[s.handle] = s
+        s.device.streams[s.handle] = s
+
+    def _leave_stream(self, s: _Stream) -> None:
+        """Take ``s`` out of the stream tables (caller holds ``self._lock``): only ``s`` itself,
+        never another stream that now has the same handle value."""
+        if self._streams.get(s.handle) is s:
+            del self._streams[s.handle]
+        if s.device.streams.get(s.handle) is s:
+            del s.device.streams[s.handle]
 
     def _stream(self, handle: int) -> _Stream:
         s = self._streams.get(handle)
@@ -884,19 +910,38 @@ class XpuBackend(Backend):
         if s.capture is not None:
             self._invalidate(s.capture, "the capturing stream was destroyed")
             raise CaptureError("stream_destroy: the stream is capturing; end the capture first")
-        self._sync_stream(s)   # the device must not reference a list being destroyed
-        ffi, lib, _ = self._lib
-        rc = lib.zeCommandListDestroy(s.list)
-        if rc:
-            self._fail("zeCommandListDestroy", rc)     # still live: destroying it again retries
-        with self._lock:
-            self._streams.pop(stream, None)
-            s.device.streams.pop(stream, None)
-        s.dead = True
-        s.done = s.seq = max(s.seq, s.done)
+        while True:
+            self._sync_stream(s)   # the device must not reference a list being destroyed
+            with s.lock:           # nothing is appended to the list from here to its destroy
+                if s.dead:         # another thread destroyed it first: its value may be another list's now
+                    raise ValueError(f"{stream!r} is not a live XPU stream handle (destroyed by another thread)")
+                busy = s.done < s.seq or s.waiting > 0
+                if not busy:
+                    self._destroy_list(s)
+            if not busy:
+                break
+            # Another thread appended meanwhile (a sync's marker), or still waits on the list
+            # (device_synchronize): wait for that too (the list is idle: that returns at once).
+            time.sleep(0)
         if s.marker is not None:
             self._retire(s.marker[0])
             s.marker = None
+
+    def _destroy_list(self, s: _Stream) -> None:
+        """zeCommandListDestroy of an idle stream (caller holds ``s.lock``); on failure it stays live."""
+        lib = self._lib[1]
+        with self._lock:
+            # Out of the tables BEFORE the driver may hand the value to a new list (another
+            # thread's stream_create): removed afterwards, by value, it took that new stream's
+            # entry with it ("not a live XPU stream handle" on a live stream).
+            self._leave_stream(s)
+        rc = lib.zeCommandListDestroy(s.list)
+        if rc:
+            with self._lock:
+                self._enter_stream(s)                # still live: destroying it again retries
+            self._fail("zeCommandListDestroy", rc)
+        s.dead = True
+        s.done = s.seq = max(s.seq, s.done)
 
     def default_stream(self, index: int) -> int:
         return self._device(index).default.handle
@@ -910,34 +955,64 @@ class XpuBackend(Backend):
         self._sync_stream(s)
 
     def _sync_stream(self, s: _Stream) -> None:
+        """Wait for every command appended to ``s`` so far.  Callers that took ``s`` from a
+        snapshot of the tables (device_synchronize, frees, close) may find it destroyed by
+        another thread meanwhile: a dead stream has nothing left to wait for, and the wait
+        itself keeps the list (or the marker event) from being destroyed (reset) under it."""
         ffi, lib, _ = self._lib
         if self._host_sync:
-            target = s.seq
-            rc = lib.zeCommandListHostSynchronize(s.list, _UINT64_MAX)
+            with s.lock:
+                if s.dead:
+                    return
+                target = s.seq
+                s.waiting += 1          # stream_destroy waits for this count to drop to 0
+            try:
+                rc = lib.zeCommandListHostSynchronize(s.list, _UINT64_MAX)
+            finally:
+                with s.lock:
+                    s.waiting -= 1
             if rc:
                 self._fail("zeCommandListHostSynchronize", rc)
         else:
-            slot, target = self._marker(s)
-            rc = lib.zeEventHostSynchronize(slot.event, _UINT64_MAX)
+            marker = self._marker(s)
+            if marker is None:
+                return
+            slot, target = marker
+            try:
+                rc = lib.zeEventHostSynchronize(slot.event, _UINT64_MAX)
+            finally:
+                self._unmark(s, slot)
             if rc:
                 self._fail("zeEventHostSynchronize", rc)
         self._progress(s, target)
 
     def _marker(self, s: _Stream):
-        """A host-visible event signalled after the stream's last command, and that command's number."""
+        """A host-visible event signalled after the stream's last command, and that command's
+        number; None for a destroyed stream.  The caller uses the event, then calls
+        :meth:`_unmark`: until then the slot is not reset for reuse (a newer marker or the
+        stream's destroy retires it, and a reset event would never be signalled for this wait)."""
         with s.lock:
+            if s.dead:
+                return None
             marker = s.marker
             if marker is not None and marker[1] == s.seq:
+                marker[0].waiters += 1
                 return marker
             slot = self._acquire(s.device, False)
             self._append(s, "zeCommandListAppendSignalEvent", self._lib[1].zeCommandListAppendSignalEvent,
                          s.list, slot.event)
             s.seq += 1
             slot.deps.append((s, s.seq))
-            s.marker = s.last = (slot, s.seq)
+            slot.waiters += 1
+            s.marker = s.last = new = (slot, s.seq)
         if marker is not None:
             self._retire(marker[0])
-        return s.marker
+        return new
+
+    @staticmethod
+    def _unmark(s: _Stream, slot: "_Slot") -> None:
+        with s.lock:
+            slot.waiters -= 1
 
     def stream_query(self, stream: int) -> bool:
         s = self._stream(stream)
@@ -950,8 +1025,14 @@ class XpuBackend(Backend):
             rc = lib.zeCommandListHostSynchronize(s.list, 0)
             call = "zeCommandListHostSynchronize"
         else:
-            slot, target = self._marker(s)
-            rc = lib.zeEventQueryStatus(slot.event)
+            marker = self._marker(s)
+            if marker is None:
+                raise ValueError(f"{stream!r} is not a live XPU stream handle (destroyed meanwhile)")
+            slot, target = marker
+            try:
+                rc = lib.zeEventQueryStatus(slot.event)
+            finally:
+                self._unmark(s, slot)
             call = "zeEventQueryStatus"
         if rc == lib.ZE_RESULT_NOT_READY:
             return False
@@ -1078,7 +1159,7 @@ class XpuBackend(Backend):
                 keep, i = [], 0
                 try:
                     for i, slot in enumerate(self._retired):
-                        if all(s.done >= seq for s, seq in slot.deps):
+                        if not slot.waiters and all(s.done >= seq for s, seq in slot.deps):
                             rc = self._lib[1].zeEventHostReset(slot.event)
                             if rc:
                                 self._fail("zeEventHostReset", rc)
