@@ -69,6 +69,7 @@ import itertools
 import os
 import threading
 import time
+import warnings
 import weakref
 from typing import Dict, List, Optional, Tuple
 
@@ -224,6 +225,7 @@ class XpuBackend(Backend):
         self._count: Optional[int] = None
         self._count_path = ""
         self._count_reason = ""
+        self._count_before_init: Optional[int] = None   # set when init's zeDeviceGet disagreed
         self._probe: Optional[List[str]] = None
         self._sysman_cards = None      # [(zes handle, tiles, uuid bytes)] from zesDeviceGet
         self._sysman_visible = None    # [(card, tile)] after the mask
@@ -463,8 +465,8 @@ class XpuBackend(Backend):
             info["api_version"] = "%d.%d" % (self._devices[0].api_version >> 16, self._devices[0].api_version & 0xFFFF)
             info["stream_sync"] = "zeCommandListHostSynchronize" if self._host_sync else "event after the last command"
             info["devices"] = [d.name for d in self._devices]
-            if self._count is not None and self._count != len(self._devices):
-                info["count_before_init"] = self._count   # the count without init disagreed with zeDeviceGet
+            if self._count_before_init is not None:
+                info["count_before_init"] = self._count_before_init   # disagreed with zeDeviceGet
             if self._mem_info_path:
                 info["mem_info_path"] = self._mem_info_path
         if count == 0:
@@ -510,6 +512,7 @@ class XpuBackend(Backend):
                         lib.zeCommandListDestroy(s.list)
                         self._streams.pop(s.handle, None)
                 raise
+            self._reconcile_count(len(devices))
             self._devices = devices
             self.driver_started = True
             if has_zes:
@@ -517,6 +520,29 @@ class XpuBackend(Backend):
                     self._map_sysman()
                 except AcceleratorError:
                     pass
+
+    def _reconcile_count(self, runtime_count: int) -> None:
+        """From init on, the count is the initialized driver's (as the CUDA backend's).  The count
+        before init (Sysman cards and tiles through :mod:`._ze_visible`, or a child's zeInit) can
+        differ: a driver whose default hierarchy is not FLAT (older drivers expose whole cards),
+        or ZE_FLAT_DEVICE_HIERARCHY / ZE_AFFINITY_MASK changed between counting and init.  Say
+        so once, naming both numbers and the hierarchy mode, rather than let indices past the
+        driver's devices fail later (caller holds ``self._lock``)."""
+        before = self._count
+        self._count = runtime_count
+        if before is None or before == runtime_count:
+            return
+        self._count_before_init = before
+        raw = os.environ.get("ZE_FLAT_DEVICE_HIERARCHY")
+        mode = f"ZE_FLAT_DEVICE_HIERARCHY={raw!r}" if raw is not None else "ZE_FLAT_DEVICE_HIERARCHY unset"
+        warnings.warn(f"accel: the count before init ({self._count_path}) found {before} XPU device(s) but the "
+                      f"initialized driver (zeDeviceGet) reports {runtime_count}; using {runtime_count}. "
+                      f"{mode}: the count before init applies the {_ze_visible.hierarchy(raw)} hierarchy, and a "
+                      f"driver whose default differs (older drivers expose whole cards, as COMPOSITE) or a "
+                      f"ZE_FLAT_DEVICE_HIERARCHY/ZE_AFFINITY_MASK changed after counting gives another number; "
+                      f"set ZE_FLAT_DEVICE_HIERARCHY explicitly before starting the process",
+                      RuntimeWarning, stacklevel=3)
+        self._count_path = f"zeDeviceGet after init (the count before init, by {self._count_path}, said {before})"
 
     def _enum(self, ffi, lib, call, ctype, fn) -> list:
         n = ffi.new("uint32_t *", 0)

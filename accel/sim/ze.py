@@ -75,7 +75,13 @@ class ZeConfig:
     ``tiles`` sub-devices per card; ``loader`` ``"new"`` or ``"1.8.12"``
     (Debian's loader, without zesInit and friends); ``api_version`` the
     driver's API (IN_ORDER list flags need 1.7); ``sysman_env`` whether the
-    driver honours ``ZES_ENABLE_SYSMAN=1``; the timestamp clock.
+    driver honours ``ZES_ENABLE_SYSMAN=1``; the timestamp clock;
+    ``default_hierarchy`` how ``zeInit`` exposes multi-tile cards when
+    ``ZE_FLAT_DEVICE_HIERARCHY`` is unset or not a mode name: ``"FLAT"`` (each
+    tile a device: the default of current drivers, compute-runtime
+    ``setDeviceHierarchyMode``) or ``"COMPOSITE"`` (each card a device: what
+    drivers from before the variable existed do), so the count accel makes
+    before init, which assumes FLAT, can differ from the initialized driver's.
     """
 
     tiles: int = 1
@@ -86,6 +92,7 @@ class ZeConfig:
     timestamp_bits: int = 32
     timestamp_start: int = 0
     fp64: bool = True
+    default_hierarchy: str = "FLAT"
 
 
 _ze_overrides: Dict[str, object] = {}
@@ -108,6 +115,8 @@ def _validate(cfg: ZeConfig) -> ZeConfig:
         raise ValueError(f"loader must be 'new' or '1.8.12', got {cfg.loader!r}")
     if cfg.timer_hz <= 0 or not 8 <= cfg.timestamp_bits <= 64:
         raise ValueError("timer_hz must be > 0 and timestamp_bits in 8..64")
+    if cfg.default_hierarchy not in ("FLAT", "COMPOSITE"):
+        raise ValueError(f"default_hierarchy must be 'FLAT' or 'COMPOSITE', got {cfg.default_hierarchy!r}")
     return cfg
 
 
@@ -127,6 +136,8 @@ def ze_config() -> ZeConfig:
             kw["loader"] = env["ACCEL_SIM_ZE_LOADER"].strip()
         if env.get("ACCEL_SIM_ZE_API"):
             kw["api_version"] = _parse_api(env["ACCEL_SIM_ZE_API"])
+        if env.get("ACCEL_SIM_ZE_HIERARCHY"):
+            kw["default_hierarchy"] = env["ACCEL_SIM_ZE_HIERARCHY"].strip()
         kw.update(_ze_overrides)
         cfg = _ze_config = _validate(ZeConfig(**kw))
     return cfg
@@ -429,6 +440,8 @@ def _visible(rt: _Runtime) -> List[Tuple[_Card, List[int], bool]]:
     """Devices zeDeviceGet returns: (card, tiles, is_sub_device), as the driver builds them."""
     env = os.environ
     mode = env.get("ZE_FLAT_DEVICE_HIERARCHY", "")
+    if mode not in ("FLAT", "COMPOSITE", "COMBINED"):
+        mode = rt.zcfg.default_hierarchy    # unset or not a mode name: the driver's default
     expose_tiles = mode != "COMPOSITE"
     mask = env.get("ZE_AFFINITY_MASK", "")
     if expose_tiles:
