@@ -26,9 +26,13 @@ def _real_loader():
 
 
 def _called_symbols():
-    """Level Zero functions the backend (xpu.py, _ze_count.py) calls through the library object."""
+    """Level Zero functions the backend (the accel/backends/xpu package, _ze_count.py) calls
+    through the library object."""
+    import glob
     from accel.backends import _ze_count
-    src = open(xpu.__file__).read() + open(_ze_count.__file__).read()
+    files = sorted(glob.glob(os.path.join(os.path.dirname(xpu.__file__), "*.py"))) + [_ze_count.__file__]
+    assert len(files) > 2, files
+    src = "".join(open(f).read() for f in files)
     return set(re.findall(r"(?:\blib|_lib\[1\])\.(zes?[A-Z]\w+)\b", src))
 
 

@@ -1,0 +1,153 @@
+"""Intel XPU backend over Level Zero (``libze_loader``, core API + Sysman).
+
+:class:`XpuBackend` is the Backend protocol for Level Zero, composed of one mixin per concern,
+each in its own module with its part of the design:
+
+* :mod:`.discovery`: counting without initializing (Sysman or a child process), init, device
+  properties and the current device;
+* :mod:`.memory`: device and pinned allocations, copies and fills, ``mem_info``;
+* :mod:`.streams`: streams as immediate command lists, synchronization, command numbering;
+* :mod:`.events`: events, and the pools of Level Zero events behind them;
+* :mod:`.graphs`: capture into regular command lists, graph replay on a command queue;
+* :mod:`._library`: the loader, its symbol contract, and errors.
+
+Why mixins rather than collaborator objects: every concern works on the same few tables under
+one lock (streams, event slots, allocations, captures), and the calls between concerns go both
+ways (a copy appends to a stream, a stream sync recycles event slots, a free waits for streams
+and graph launches).  Collaborators would each need the backend back, and every call would pass
+through it; mixins keep each call site as it was and the state in one place,
+:meth:`XpuBackend.__init__`, which lists it all.  Each mixin's docstring says what it owns.
+
+* **Kernels**: none (``kernel_language = None``); the RNG uses its host path.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import weakref
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+
+from ..base import Backend
+from ._library import LIBRARY, OPTIONAL_SYMBOLS, REQUIRED_SYMBOLS, LibraryMixin
+from .discovery import DiscoveryMixin
+from .events import EventsMixin
+from .graphs import GraphsMixin
+from .memory import MemoryMixin
+from .streams import StreamsMixin
+
+if TYPE_CHECKING:
+    from .discovery import _Device
+    from .events import _Event, _Slot
+    from .graphs import _Capture, _Graph
+    from .streams import _Stream
+
+__all__ = ["XpuBackend", "create", "LIBRARY", "REQUIRED_SYMBOLS", "OPTIONAL_SYMBOLS"]
+
+
+class XpuBackend(DiscoveryMixin, MemoryMixin, StreamsMixin, EventsMixin, GraphsMixin, LibraryMixin, Backend):
+    """Level Zero as a :class:`Backend` (see the module docstring for the design)."""
+
+    name = "xpu"
+    kernel_language = None
+    supports_graphs = True
+
+    def __init__(self, simulated: bool):
+        self.simulated = simulated
+        self._lock = threading.RLock()
+        self._lib = None
+        self._lib_error = None
+        self._count: Optional[int] = None
+        self._count_path = ""
+        self._count_reason = ""
+        self._count_before_init: Optional[int] = None   # set when init's zeDeviceGet disagreed
+        self._probe: Optional[List[str]] = None
+        self._sysman_cards = None      # [(zes handle, tiles, uuid bytes)] from zesDeviceGet
+        self._sysman_visible = None    # [(card, tile)] after the mask
+        self._sysman_legacy = False   # ZES_ENABLE_SYSMAN=1 was in effect at zeInit
+        self._devices: List[_Device] = []
+        self._tls = threading.local()
+        self._streams: Dict[int, _Stream] = {}
+        self._events: Dict[int, _Event] = {}
+        self._graphs: Dict[int, _Graph] = {}
+        self._execs: Dict[int, _Graph] = {}
+        self._ids = itertools.count(1)
+        self._free_slots: Dict[Tuple[int, bool], List[_Slot]] = {}
+        self._pools: List[object] = []
+        self._retired: List[_Slot] = []
+        self._deferred: List[Tuple[list, object]] = []   # (deps, pinned staging pointer) to free later
+        self._orphans: List[Tuple[str, object]] = []      # (destroy call, handle) an error path failed to release
+        self._captures: Dict[int, _Capture] = {}
+        self._patterns: Dict[int, object] = {}
+        self._allocs: Dict[int, Tuple[_Device, int]] = {}
+        self._host_allocs: Dict[int, int] = {}
+        self._host_sync = False
+        self._zes_ok: Optional[bool] = None   # zesInit exists and the driver answered it (API 1.5+)
+        self._zes_error = ""
+        self._mem_info_path = ""
+
+    def close(self) -> None:
+        """Wait for all work and destroy every Level Zero object this backend made.
+
+        Not needed at process exit; tests use it to check that nothing leaks.
+        The backend is uninitialized afterwards.
+        """
+        with self._lock:
+            if not self._devices:
+                return
+            ffi, lib, _ = self._lib
+            self._quiesce()
+            for g in list(self._graphs.values()) + list(self._execs.values()):
+                g.destroyed, g.execs = True, 0
+                self._release_graph(g)
+            self._graphs.clear()
+            self._execs.clear()
+            for s in list(self._streams.values()):
+                self._sync_stream(s)
+            self._sweep()
+            for ptr, (dev, _n) in list(self._allocs.items()):
+                self._check_rc("zeMemFree", lib.zeMemFree(dev.ctx, ffi.cast("void *", ptr)))
+            for ptr in list(self._host_allocs) + [p for _, p in self._deferred]:
+                self._host_free(ptr)
+            for call, handle in self._orphans:
+                self._check_rc(call, getattr(lib, call)(handle))
+            for s in list(self._streams.values()):
+                self._check_rc("zeCommandListDestroy", lib.zeCommandListDestroy(s.list))
+                s.dead = True
+            slots = [sl for free in self._free_slots.values() for sl in free] + self._retired
+            slots += [e.slot for e in self._events.values() if e.slot is not None]
+            slots += [s.marker[0] for s in self._streams.values() if s.marker is not None]
+            for slot in slots:
+                self._check_rc("zeEventDestroy", lib.zeEventDestroy(slot.event))
+            for pool in self._pools:
+                self._check_rc("zeEventPoolDestroy", lib.zeEventPoolDestroy(pool))
+            for ctx in {id(d.ctx): d.ctx for d in self._devices}.values():
+                self._check_rc("zeContextDestroy", lib.zeContextDestroy(ctx))
+            lib_state = self._lib
+            self.__init__(self.simulated)
+            self._lib = lib_state
+
+
+_backends: "weakref.WeakSet[XpuBackend]" = weakref.WeakSet()
+
+
+def _forget_sysman_in_child() -> None:
+    # zes_api.h, zesInit: "Each forked process must call this function": the parent's Sysman
+    # handles mean nothing in a child, which counts (keeps the count) and maps Sysman afresh.
+    # Attributes only: no lock, no library call in a fork handler.
+    for be in list(_backends):
+        be._zes_ok = None
+        be._zes_error = ""
+        be._sysman_cards = None
+        be._sysman_visible = None
+
+
+os.register_at_fork(after_in_child=_forget_sysman_in_child)
+
+
+def create() -> XpuBackend:
+    """The XPU backend; simulated when ``ACCEL_SIM=xpu``.  Opens nothing."""
+    be = XpuBackend(simulated=os.environ.get("ACCEL_SIM", "").strip().lower() == "xpu")
+    _backends.add(be)
+    return be

@@ -1,0 +1,466 @@
+"""Discovery and counting: which Level Zero devices this process sees, without and with init.
+
+* **Counting** never initializes the core runtime (it must be safe before
+  ``fork``).  With a loader that has ``zesInit`` (API 1.5+) Sysman lists the
+  cards and their tile counts and :mod:`accel.backends._ze_visible` applies
+  ``ZE_FLAT_DEVICE_HIERARCHY``/``ZE_AFFINITY_MASK`` as the driver would
+  (``count_path`` "zesInit").  Older loaders, such as Debian's 1.8.12, have
+  no way to ask Sysman without ``zeInit``, and ``zeInit`` in this process
+  would make a later ``fork`` unusable.  So: when no Level Zero GPU driver
+  library can be found at all, the count is 0 without loading anything
+  ("driver-probe"); otherwise a short-lived child process runs
+  ``zeInit``/``zeDeviceGet`` and reports the number (its driver applies the
+  two variables itself) — "child-zeInit" (:mod:`accel.backends._ze_count`).  The path taken and the reason for
+  a zero count are in :meth:`XpuBackend.report` (``python -m accel``).
+* **Init**: ``zeInit(GPU_ONLY)``, every driver's GPU devices, one context per
+  driver.  Without ``zesInit`` the backend sets ``ZES_ENABLE_SYSMAN=1``
+  before ``zeInit`` (unless the user set it) so core device handles double
+  as Sysman handles for :meth:`mem_info`.
+* **After init** the initialized driver's count is the count; a different count before init
+  (another default hierarchy, variables changed meanwhile) is reported once as a warning.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import List, Tuple
+
+from .. import _ze_count, _ze_visible
+from ..._errors import AcceleratorError
+from ..base import DeviceProperties
+from ._library import LIBRARY, OPTIONAL_SYMBOLS
+
+
+_API_1_2 = (1 << 16) | 2
+_API_1_6 = (1 << 16) | 6
+_API_1_7 = (1 << 16) | 7
+_NUMPY_DTYPES = frozenset({
+    "bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64",
+    "float16", "float32", "float64", "complex64", "complex128",
+})
+
+
+class _Device:
+    """What the backend keeps per visible device."""
+
+    __slots__ = ("index", "driver", "ctx", "handle", "name", "uuid", "flags", "subdevice_id",
+                 "eu_count", "max_alloc", "ns_per_tick", "ts_mask", "ordinal", "in_order",
+                 "total_memory", "fp16", "fp64", "api_version", "default", "streams", "graphs",
+                 "vendor_id", "device_id", "sysman", "sysman_tile", "used", "props_extra")
+
+    def __init__(self, index):
+        self.index = index
+        self.streams = {}      # handle -> _Stream (live)
+        self.graphs = set()    # graphs with a command queue
+        self.sysman = None     # Sysman device handle for mem_info (None: not available)
+        self.sysman_tile = None
+        self.used = 0          # bytes this process allocated here (mem_info fallback)
+
+
+class DiscoveryMixin:
+    """Counting (fork-safe, no core init), init, device properties and the current device.
+
+    Owns ``_count*``, ``_sysman_*``, ``_zes_*``, ``_probe`` and ``_devices`` (one :class:`_Device` each)."""
+
+    def loads(self) -> bool:
+        try:
+            self._library()
+            return True
+        except AcceleratorError:
+            return False
+
+    def count(self) -> int:
+        if self._devices:
+            return len(self._devices)
+        count = self._count
+        if count is None:
+            with self._lock:
+                if self._count is None:
+                    self._count = self._discover()
+                count = self._count
+        return count
+
+    def _discover(self) -> int:
+        try:
+            ffi, lib, _ = self._library()
+        except AcceleratorError as exc:
+            self._count_path = "none"
+            self._count_reason = str(exc)
+            return 0
+        if self._zes_usable():
+            self._count_path = "zesInit"
+            try:
+                visible = self._sysman_discover()
+            except AcceleratorError as exc:
+                self._count_reason = str(exc)
+                return 0
+            if not visible:
+                self._count_reason = self._empty_reason(len(self._sysman_cards))
+            return len(visible)
+        if self._zes_error:
+            missing = (f"zesInit failed with {self._zes_error}: no driver, or one older than Level Zero "
+                       f"API 1.5, which zesInit needs to count without initializing")
+        else:
+            missing = "the loader has no zesInit (Level Zero API 1.5+), which counts without initializing"
+        if not self.simulated:
+            self._probe = _ze_count.probe_gpu_drivers()
+            if self._probe == []:
+                self._count_path = "driver-probe"
+                self._count_reason = (f"no Level Zero GPU driver is installed: none of "
+                                      f"{', '.join(_ze_count.GPU_DRIVER_NAMES)} is in the library search path "
+                                      f"({missing})")
+                return 0
+        self._count_path = "child-zeInit"
+        count, reason = self._count_in_child()
+        if not count:
+            self._count_reason = f"{reason} (counted by zeInit in a child process: {missing})"
+        return count
+
+    def _empty_reason(self, cards: int) -> str:
+        if cards == 0:
+            return "Sysman reports no Intel GPU"
+        mask = os.environ.get("ZE_AFFINITY_MASK")
+        return (f"Sysman sees {cards} GPU card(s) but ZE_AFFINITY_MASK={mask!r} "
+                f"(ZE_FLAT_DEVICE_HIERARCHY={os.environ.get('ZE_FLAT_DEVICE_HIERARCHY')!r}) selects none")
+
+    def _zes_usable(self) -> bool:
+        """Whether Sysman counts without core init: the loader exports zesInit and friends AND a
+        driver answers zesInit. A driver older than API 1.5 has no zesInit; the loader then returns
+        ZE_RESULT_ERROR_UNINITIALIZED (or UNSUPPORTED_FEATURE), whatever its own version. Cached."""
+        ok = self._zes_ok
+        if ok is None:
+            ffi, lib, _ = self._lib
+            ok = False
+            if all(self._has(lib, s) for s in ("zesInit", "zesDriverGet", "zesDeviceGet")):
+                rc = lib.zesInit(0)
+                ok = rc == 0
+                if not ok:
+                    self._zes_error = f"{self._result_name(rc)} ({rc:#010x})"
+            self._zes_ok = ok
+        return ok
+
+    def _sysman_discover(self):
+        """Cards from zesDeviceGet and the visible (card, tile) list; cached. Needs _zes_usable()."""
+        if self._sysman_visible is not None:
+            return self._sysman_visible
+        ffi, lib, _ = self._lib
+        n = ffi.new("uint32_t *", 0)
+        rc = lib.zesDriverGet(n, ffi.NULL)
+        if rc:
+            self._fail("zesDriverGet", rc)
+        drivers = ffi.new("zes_driver_handle_t[]", n[0] or 1)
+        if n[0]:
+            rc = lib.zesDriverGet(n, drivers)
+            if rc:
+                self._fail("zesDriverGet", rc)
+        cards = []
+        for d in range(n[0]):
+            m = ffi.new("uint32_t *", 0)
+            rc = lib.zesDeviceGet(drivers[d], m, ffi.NULL)
+            if rc:
+                self._fail("zesDeviceGet", rc)
+            if not m[0]:
+                continue
+            handles = ffi.new("zes_device_handle_t[]", m[0])
+            rc = lib.zesDeviceGet(drivers[d], m, handles)
+            if rc:
+                self._fail("zesDeviceGet", rc)
+            for i in range(m[0]):
+                props = ffi.new("zes_device_properties_t *")
+                props.stype = lib.ZES_STRUCTURE_TYPE_DEVICE_PROPERTIES
+                props.core.stype = lib.ZE_STRUCTURE_TYPE_DEVICE_PROPERTIES
+                rc = lib.zesDeviceGetProperties(handles[i], props)
+                if rc:
+                    self._fail("zesDeviceGetProperties", rc)
+                if props.core.type != lib.ZE_DEVICE_TYPE_GPU:
+                    continue
+                cards.append((handles[i], props.numSubdevices, bytes(props.core.uuid.id)))
+        self._sysman_cards = cards
+        self._sysman_visible = _ze_visible.visible_devices(
+            [c[1] for c in cards], os.environ.get("ZE_AFFINITY_MASK"), os.environ.get("ZE_FLAT_DEVICE_HIERARCHY"))
+        return self._sysman_visible
+
+    def _count_in_child(self) -> Tuple[int, str]:
+        sim_config = None
+        if self.simulated:
+            from ...sim import ze as sim_ze
+            sim_config = sim_ze.export_config()
+        return _ze_count.count_in_child(sim_config)
+
+    def report(self) -> dict:
+        info = {"backend": self.name, "simulated": self.simulated}
+        try:
+            count = self.count()
+        except Exception as exc:   # report() never raises
+            count, self._count_reason = 0, f"counting failed: {exc}"
+        info["count"] = count
+        info["count_path"] = self._count_path
+        info["initialized"] = bool(self._devices)
+        if self._lib is not None:
+            ffi, lib, path = self._lib
+            info["library"] = path
+            real = os.path.realpath(path) if os.sep in path else path
+            if real != path:
+                info["library_file"] = real
+            info["missing_optional_symbols"] = [s for s in OPTIONAL_SYMBOLS if not self._has(lib, s)]
+        else:
+            info["library"] = None
+            info["library_error"] = self._lib_error
+        if self._probe is not None:
+            info["gpu_drivers_found"] = self._probe
+        info["env"] = {k: os.environ.get(k) for k in ("ZE_AFFINITY_MASK", "ZE_FLAT_DEVICE_HIERARCHY",
+                                                       "ZES_ENABLE_SYSMAN", "ZE_ENABLE_ALT_DRIVERS")}
+        info["graphs"] = "regular command lists replayed on a command queue"
+        if self._devices:
+            info["api_version"] = "%d.%d" % (self._devices[0].api_version >> 16, self._devices[0].api_version & 0xFFFF)
+            info["stream_sync"] = "zeCommandListHostSynchronize" if self._host_sync else "event after the last command"
+            info["devices"] = [d.name for d in self._devices]
+            if self._count_before_init is not None:
+                info["count_before_init"] = self._count_before_init   # disagreed with zeDeviceGet
+            if self._mem_info_path:
+                info["mem_info_path"] = self._mem_info_path
+        if count == 0:
+            info["reason"] = self._count_reason or "no device"
+        return info
+
+    def init(self) -> None:
+        with self._lock:
+            if self._devices:
+                return
+            ffi, lib, _ = self._library()
+            has_zes = self._zes_usable()
+            user_sysman = os.environ.get("ZES_ENABLE_SYSMAN")
+            if not has_zes and user_sysman is None:
+                # Legacy Sysman: core handles serve as Sysman handles when this is set at zeInit.
+                # The driver reads it only there, so it is removed again right after.
+                os.environ["ZES_ENABLE_SYSMAN"] = "1"
+            try:
+                rc = lib.zeInit(lib.ZE_INIT_FLAG_GPU_ONLY)
+            finally:
+                if not has_zes and user_sysman is None:
+                    os.environ.pop("ZES_ENABLE_SYSMAN", None)
+            if rc:
+                self._fail("zeInit", rc, "is an Intel GPU driver (intel-level-zero-gpu) installed?")
+            self._sysman_legacy = not has_zes and (user_sysman is None or user_sysman == "1")
+            devices = []
+            try:
+                for driver in self._enum(ffi, lib, "zeDriverGet", "ze_driver_handle_t", lambda n, a: lib.zeDriverGet(n, a)):
+                    devices += self._init_driver(ffi, lib, driver, len(devices))
+                if not devices:
+                    raise AcceleratorError(f"{LIBRARY}: zeDeviceGet found no GPU device", library=LIBRARY,
+                                           call="zeDeviceGet")
+                # zeCommandListHostSynchronize is API 1.6: the loader's symbol is not enough, an older
+                # driver answers ZE_RESULT_ERROR_UNSUPPORTED_FEATURE.
+                self._host_sync = (self._has(lib, "zeCommandListHostSynchronize")
+                                   and all(d.api_version >= _API_1_6 for d in devices))
+                for dev in devices:
+                    dev.default = self._new_stream(dev, 0)
+            except BaseException:
+                for dev in devices:
+                    for s in list(dev.streams.values()):
+                        lib.zeCommandListDestroy(s.list)
+                        self._streams.pop(s.handle, None)
+                raise
+            self._reconcile_count(len(devices))
+            self._devices = devices
+            self.driver_started = True
+            if has_zes:
+                try:
+                    self._map_sysman()
+                except AcceleratorError:
+                    pass
+
+    def _reconcile_count(self, runtime_count: int) -> None:
+        """From init on, the count is the initialized driver's (as the CUDA backend's).  The count
+        before init (Sysman cards and tiles through :mod:`accel.backends._ze_visible`, or a
+        child's zeInit) can differ: a driver whose default hierarchy is not FLAT (older drivers expose whole cards),
+        or ZE_FLAT_DEVICE_HIERARCHY / ZE_AFFINITY_MASK changed between counting and init.  Say
+        so once, naming both numbers and the hierarchy mode, rather than let indices past the
+        driver's devices fail later (caller holds ``self._lock``)."""
+        before = self._count
+        self._count = runtime_count
+        if before is None or before == runtime_count:
+            return
+        self._count_before_init = before
+        raw = os.environ.get("ZE_FLAT_DEVICE_HIERARCHY")
+        mode = f"ZE_FLAT_DEVICE_HIERARCHY={raw!r}" if raw is not None else "ZE_FLAT_DEVICE_HIERARCHY unset"
+        warnings.warn(f"accel: the count before init ({self._count_path}) found {before} XPU device(s) but the "
+                      f"initialized driver (zeDeviceGet) reports {runtime_count}; using {runtime_count}. "
+                      f"{mode}: the count before init applies the {_ze_visible.hierarchy(raw)} hierarchy, and a "
+                      f"driver whose default differs (older drivers expose whole cards, as COMPOSITE) or a "
+                      f"ZE_FLAT_DEVICE_HIERARCHY/ZE_AFFINITY_MASK changed after counting gives another number; "
+                      f"set ZE_FLAT_DEVICE_HIERARCHY explicitly before starting the process",
+                      RuntimeWarning, stacklevel=3)
+        self._count_path = f"zeDeviceGet after init (the count before init, by {self._count_path}, said {before})"
+
+    def _enum(self, ffi, lib, call, ctype, fn) -> list:
+        n = ffi.new("uint32_t *", 0)
+        rc = fn(n, ffi.NULL)
+        if rc:
+            self._fail(call, rc)
+        if not n[0]:
+            return []
+        arr = ffi.new(f"{ctype}[]", n[0])
+        rc = fn(n, arr)
+        if rc:
+            self._fail(call, rc)
+        return [arr[i] for i in range(n[0])]
+
+    def _init_driver(self, ffi, lib, driver, first_index) -> List[_Device]:
+        v = ffi.new("ze_api_version_t *")
+        rc = lib.zeDriverGetApiVersion(driver, v)
+        if rc:
+            self._fail("zeDriverGetApiVersion", rc)
+        api = v[0]
+        dp = ffi.new("ze_driver_properties_t *")
+        dp.stype = lib.ZE_STRUCTURE_TYPE_DRIVER_PROPERTIES
+        rc = lib.zeDriverGetProperties(driver, dp)
+        if rc:
+            self._fail("zeDriverGetProperties", rc)
+        driver_version = dp.driverVersion
+        handles = self._enum(ffi, lib, "zeDeviceGet", "ze_device_handle_t",
+                             lambda n, a: lib.zeDeviceGet(driver, n, a))
+        out = []
+        ctx = None
+        for h in handles:
+            props = ffi.new("ze_device_properties_t *")
+            # The 1.2 structure gives the timer in ticks per second (exact); the 1.0 one in whole ns.
+            props.stype = (lib.ZE_STRUCTURE_TYPE_DEVICE_PROPERTIES_1_2 if api >= _API_1_2
+                           else lib.ZE_STRUCTURE_TYPE_DEVICE_PROPERTIES)
+            rc = lib.zeDeviceGetProperties(h, props)
+            if rc:
+                self._fail("zeDeviceGetProperties", rc)
+            if props.type != lib.ZE_DEVICE_TYPE_GPU:
+                continue
+            if ctx is None:
+                desc = ffi.new("ze_context_desc_t *")
+                desc.stype = lib.ZE_STRUCTURE_TYPE_CONTEXT_DESC
+                p = ffi.new("ze_context_handle_t *")
+                rc = lib.zeContextCreate(driver, desc, p)
+                if rc:
+                    self._fail("zeContextCreate", rc)
+                ctx = p[0]
+            dev = _Device(first_index + len(out))
+            dev.driver, dev.ctx, dev.handle, dev.api_version = driver, ctx, h, api
+            dev.name = ffi.string(props.name).decode(errors="replace")
+            dev.uuid = bytes(props.uuid.id)
+            dev.flags = props.flags
+            dev.subdevice_id = props.subdeviceId if props.flags & lib.ZE_DEVICE_PROPERTY_FLAG_SUBDEVICE else None
+            dev.eu_count = props.numSlices * props.numSubslicesPerSlice * props.numEUsPerSubslice
+            dev.max_alloc = props.maxMemAllocSize
+            res = props.timerResolution
+            if props.stype == lib.ZE_STRUCTURE_TYPE_DEVICE_PROPERTIES_1_2:
+                dev.ns_per_tick = 1e9 / res if res else 1.0
+            else:
+                dev.ns_per_tick = float(res or 1)
+            bits = props.kernelTimestampValidBits or 64
+            dev.ts_mask = (1 << bits) - 1
+            dev.vendor_id, dev.device_id = props.vendorId, props.deviceId
+            dev.in_order = api >= _API_1_7
+            dev.ordinal = self._compute_ordinal(ffi, lib, h)
+            dev.total_memory = self._total_memory(ffi, lib, h)
+            mp = ffi.new("ze_device_module_properties_t *")
+            mp.stype = lib.ZE_STRUCTURE_TYPE_DEVICE_MODULE_PROPERTIES
+            rc = lib.zeDeviceGetModuleProperties(h, mp)
+            if rc:
+                self._fail("zeDeviceGetModuleProperties", rc)
+            dev.fp16 = bool(mp.flags & lib.ZE_DEVICE_MODULE_FLAG_FP16)
+            dev.fp64 = bool(mp.flags & lib.ZE_DEVICE_MODULE_FLAG_FP64)
+            cp = ffi.new("ze_device_compute_properties_t *")
+            cp.stype = lib.ZE_STRUCTURE_TYPE_DEVICE_COMPUTE_PROPERTIES
+            rc = lib.zeDeviceGetComputeProperties(h, cp)
+            if rc:
+                self._fail("zeDeviceGetComputeProperties", rc)
+            dev.props_extra = {"vendor_id": props.vendorId, "device_id": props.deviceId,
+                               "max_mem_alloc_size": props.maxMemAllocSize,
+                               "max_work_group_size": cp.maxTotalGroupSize,
+                               "max_shared_local_memory": cp.maxSharedLocalMemory,
+                               "sub_group_sizes": [cp.subGroupSizes[i] for i in range(cp.numSubGroupSizes)],
+                               "timer_ns_per_tick": dev.ns_per_tick,
+                               "api_version": f"{api >> 16}.{api & 0xFFFF}",
+                               "subdevice_id": dev.subdevice_id,
+                               "core_clock_mhz": props.coreClockRate,
+                               "driver_version": driver_version}
+            out.append(dev)
+        return out
+
+    def _compute_ordinal(self, ffi, lib, h) -> int:
+        n = ffi.new("uint32_t *", 0)
+        rc = lib.zeDeviceGetCommandQueueGroupProperties(h, n, ffi.NULL)
+        if rc:
+            self._fail("zeDeviceGetCommandQueueGroupProperties", rc)
+        props = ffi.new("ze_command_queue_group_properties_t[]", n[0] or 1)
+        for i in range(n[0]):
+            props[i].stype = lib.ZE_STRUCTURE_TYPE_COMMAND_QUEUE_GROUP_PROPERTIES
+        rc = lib.zeDeviceGetCommandQueueGroupProperties(h, n, props)
+        if rc:
+            self._fail("zeDeviceGetCommandQueueGroupProperties", rc)
+        for i in range(n[0]):
+            if props[i].flags & lib.ZE_COMMAND_QUEUE_GROUP_PROPERTY_FLAG_COMPUTE:
+                return i
+        raise AcceleratorError(f"{LIBRARY}: the device has no compute command queue group",
+                               library=LIBRARY, call="zeDeviceGetCommandQueueGroupProperties")
+
+    def _total_memory(self, ffi, lib, h) -> int:
+        n = ffi.new("uint32_t *", 0)
+        rc = lib.zeDeviceGetMemoryProperties(h, n, ffi.NULL)
+        if rc:
+            self._fail("zeDeviceGetMemoryProperties", rc)
+        props = ffi.new("ze_device_memory_properties_t[]", n[0] or 1)
+        for i in range(n[0]):
+            props[i].stype = lib.ZE_STRUCTURE_TYPE_DEVICE_MEMORY_PROPERTIES
+        rc = lib.zeDeviceGetMemoryProperties(h, n, props)
+        if rc:
+            self._fail("zeDeviceGetMemoryProperties", rc)
+        return sum(props[i].totalSize for i in range(n[0]))
+
+    def _map_sysman(self) -> None:
+        """Pair each core device with its Sysman card (and tile) for mem_info."""
+        visible = self._sysman_discover()
+        if len(visible) != len(self._devices):
+            return
+        for dev, (card, tile) in zip(self._devices, visible):
+            handle, tiles, uuid = self._sysman_cards[card]
+            if tile is None and dev.subdevice_id is None and uuid != dev.uuid:
+                continue   # the orders disagree; do not guess
+            if tile is not None and dev.subdevice_id not in (None, tile):
+                continue
+            dev.sysman, dev.sysman_tile = handle, tile
+
+    def _device(self, index: int) -> _Device:
+        devices = self._devices
+        if not devices:
+            raise AcceleratorError("the XPU backend is not initialized", library=LIBRARY)
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(devices):
+            raise ValueError(f"device index {index!r} is out of range: {len(devices)} XPU device(s) "
+                             f"(valid indices 0..{len(devices) - 1})")
+        return devices[index]
+
+    def _current(self) -> _Device:
+        return self._device(getattr(self._tls, "device", 0))
+
+    def properties(self, index: int) -> DeviceProperties:
+        dev = self._device(index)
+        dtypes = set(_NUMPY_DTYPES)
+        if not dev.fp64:
+            dtypes -= {"float64", "complex128"}
+        if not dev.fp16:
+            dtypes -= {"float16"}
+        return DeviceProperties(
+            index=index, name=dev.name, total_memory=dev.total_memory, compute_capability=(0, 0),
+            multi_processor_count=dev.eu_count, supported_dtypes=frozenset(dtypes),
+            uuid=_uuid_text(dev.uuid), unified_memory=bool(dev.flags & self._lib[1].ZE_DEVICE_PROPERTY_FLAG_INTEGRATED),
+            extra=dict(dev.props_extra))
+
+    def set_device(self, index: int) -> None:
+        self._device(index)
+        self._tls.device = index
+
+    def get_device(self) -> int:
+        return getattr(self._tls, "device", 0)
+
+
+def _uuid_text(raw: bytes) -> str:
+    h = raw.hex()
+    return f"{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
