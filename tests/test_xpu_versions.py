@@ -131,3 +131,26 @@ def test_hierarchy_changed_between_count_and_init(monkeypatch):
 def test_sim_default_hierarchy_is_validated():
     with pytest.raises(ValueError, match="default_hierarchy must be 'FLAT' or 'COMPOSITE', got 'flat'"):
         sim_ze.configure_ze(default_hierarchy="flat")
+
+
+def test_sysman_is_used_only_for_drivers_with_api_1_5(monkeypatch):
+    """zesInit answered (the loader has a 1.5+ driver) but the devices' driver reports API 1.4
+    to zeDriverGetApiVersion: their memory is not read through Sysman handles the driver does
+    not know; mem_info falls back to the device properties and says so."""
+    use_sim(monkeypatch, "xpu")
+    assert accel.device_count() == 2 and backends.get("xpu").report()["count_path"] == "zesInit"
+    be = backends.get("xpu")
+    lib = be._library()[1]
+    real = lib.zeDriverGetApiVersion
+
+    def old_driver(driver, version):
+        rc = real(driver, version)
+        version[0] = (1 << 16) | 4
+        return rc
+
+    monkeypatch.setattr(lib, "zeDriverGetApiVersion", old_driver)
+    _roundtrip(0)                      # API 1.4: barriers, event markers (not HostSynchronize)
+    assert be.report()["api_version"] == "1.4"
+    assert all(d.sysman is None for d in be._devices)
+    free, total = be.mem_info()
+    assert total > 0 and be.report()["mem_info_path"].startswith("device-properties")

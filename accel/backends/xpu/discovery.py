@@ -33,6 +33,7 @@ from ._library import LIBRARY, OPTIONAL_SYMBOLS
 
 
 _API_1_2 = (1 << 16) | 2
+_API_1_5 = (1 << 16) | 5
 _API_1_6 = (1 << 16) | 6
 _API_1_7 = (1 << 16) | 7
 _NUMPY_DTYPES = frozenset({
@@ -416,11 +417,15 @@ class DiscoveryMixin:
         return sum(props[i].totalSize for i in range(n[0]))
 
     def _map_sysman(self) -> None:
-        """Pair each core device with its Sysman card (and tile) for mem_info."""
+        """Pair each core device with its Sysman card (and tile) for mem_info.  Only devices of a
+        driver with API 1.5+ (zesInit's version): the loader answers zesInit when any of its
+        drivers has it, and an older driver's devices then have no Sysman card to pair with."""
         visible = self._sysman_discover()
         if len(visible) != len(self._devices):
             return
         for dev, (card, tile) in zip(self._devices, visible):
+            if dev.api_version < _API_1_5:
+                continue
             handle, tiles, uuid = self._sysman_cards[card]
             if tile is None and dev.subdevice_id is None and uuid != dev.uuid:
                 continue   # the orders disagree; do not guess
