@@ -67,6 +67,12 @@ CUDART_FUNCTIONS = [
     "cudaGraphDebugDotPrint",
     "cudaLibraryLoadData", "cudaLibraryUnload", "cudaLibraryGetKernel", "cudaLaunchKernel",
     "cudaPointerGetAttributes", "cudaMemcpyPeerAsync", "cudaDeviceCanAccessPeer",
+    # issue 14: bound for what comes next, not used yet (peer access, function attributes,
+    # stream-ordered allocation: torch's backend:cudaMallocAsync); every CUDA 12 and 13 has them
+    "cudaDeviceEnablePeerAccess", "cudaDeviceDisablePeerAccess",
+    "cudaFuncSetAttribute", "cudaFuncGetAttributes",
+    "cudaMallocAsync", "cudaFreeAsync", "cudaDeviceGetDefaultMemPool",
+    "cudaMemPoolSetAttribute", "cudaMemPoolGetAttribute", "cudaMemPoolTrimTo",
 ]
 
 # Runtimes older than these functions (checked against the real exports in

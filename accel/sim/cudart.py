@@ -265,7 +265,7 @@ class Library:
 
 
 class KernelHandle:
-    __slots__ = ("handle", "key", "name", "library", "max_dynamic_shared")
+    __slots__ = ("handle", "key", "name", "library", "max_dynamic_shared", "carveout")
 
     def __init__(self, handle, name, library):
         self.handle = handle
@@ -273,6 +273,21 @@ class KernelHandle:
         self.name = name
         self.library = library
         self.max_dynamic_shared: Dict[int, int] = {}    # device -> cudaFuncSetAttribute opt-in
+        self.carveout: Dict[int, int] = {}              # device -> preferred shared memory carveout
+
+
+class MemPool:
+    """A device's default stream-ordered memory pool (cudaDeviceGetDefaultMemPool)."""
+    __slots__ = ("handle", "key", "device", "used", "reserved", "used_high", "reserved_high",
+                 "release_threshold", "reuse")
+
+    def __init__(self, handle, device):
+        self.handle = handle
+        self.key = ffi.cast(_VOIDP, handle)
+        self.device = device
+        self.used = self.reserved = self.used_high = self.reserved_high = 0
+        self.release_threshold = 0
+        self.reuse = {1: 1, 2: 1, 3: 1}     # the cudaMemPoolReuse* attributes, enabled by default
 
 
 _LEGACY, _PER_THREAD = object(), object()
@@ -307,6 +322,9 @@ class Runtime:
         self.libraries: Dict[object, Library] = {}
         self.jit_compiles = 0        # images loaded through the PTX JIT (no SASS for the device)
         self.kernels: Dict[object, KernelHandle] = {}
+        self.pools: Dict[object, MemPool] = {}           # by handle and by void* key
+        self.default_pools: Dict[int, MemPool] = {}      # device -> its default pool
+        self.async_allocs: Dict[int, Tuple[MemPool, int]] = {}   # base -> (pool, accounted bytes)
         self.captures: set = set()
         self.errors: List[Tuple[str, str]] = []
         self.init_error = 0         # every call (but cudaGetDeviceCount) returns this when set
@@ -1001,6 +1019,11 @@ def cudaDeviceReset(R):
             R.mem.remove(a)
     with R.mlock:
         dev.used = 0
+        pool = R.default_pools.get(d)
+        if pool is not None:
+            pool.used = pool.reserved = 0
+    for base in [b for b, (p, _n) in R.async_allocs.items() if p.device == d]:
+        del R.async_allocs[base]
     dev.peers.clear()
     for s in [s for s in set(R.streams.values()) if s.__class__ is Stream and s.device == d]:
         _destroy_stream(R, s)
@@ -1924,8 +1947,199 @@ def cudaFuncSetAttribute(R, func, attr, value):
         k.max_dynamic_shared[R.tls.device] = value
         return cudaSuccess
     if attr == _FUNC_ATTR_PREFERRED_CARVEOUT:
-        return cudaSuccess if -1 <= value <= 100 else cudaErrorInvalidValue
+        if not -1 <= value <= 100:
+            return cudaErrorInvalidValue
+        k.carveout[R.tls.device] = value
+        return cudaSuccess
     return cudaErrorInvalidValue
+
+
+def cudaFuncGetAttributes(R, attr, func):
+    """``struct cudaFuncAttributes`` of a kernel (cudaKernel_t handles as ``func``) on the
+    current device.  CUDA Runtime API, cudaFuncGetAttributes: cudaErrorInvalidDeviceFunction
+    for an unknown function.  The struct has the same layout in CUDA 12 and 13; fields are
+    set by name.  The simulated kernels use no static shared, constant or local memory."""
+    k = _lookup(R.kernels, func)
+    if k is None:
+        return cudaErrorInvalidDeviceFunction
+    if _is_null(attr):
+        return cudaErrorInvalidValue
+    d = R.tls.device
+    major, minor = R.cfg.compute_capability
+    _set_fields(attr, {
+        "sharedSizeBytes": 0, "constSizeBytes": 0, "localSizeBytes": 0, "maxThreadsPerBlock": 1024,
+        "numRegs": 32, "ptxVersion": major * 10 + minor, "binaryVersion": major * 10 + minor,
+        "cacheModeCA": 0, "maxDynamicSharedSizeBytes": k.max_dynamic_shared.get(d, _SHARED_PER_BLOCK),
+        "preferredShmemCarveout": k.carveout.get(d, -1), "clusterDimMustBeSet": 0,
+        "requiredClusterWidth": 0, "requiredClusterHeight": 0, "requiredClusterDepth": 0,
+        "clusterSchedulingPolicyPreference": 0, "nonPortableClusterSizeAllowed": 0,
+    })
+    return cudaSuccess
+
+
+# -- stream-ordered allocation (cudaMallocAsync) ---------------------------------------------
+#
+# Modelled: each device's default pool, allocation on a stream, cudaFreeAsync in stream order,
+# the pool's statistics and cudaMemPoolTrimTo.  Not modelled, and stricter than the hardware:
+# memory freed to the pool stays reserved (counted as used device memory) until
+# cudaMemPoolTrimTo; the real pool also releases down to cudaMemPoolAttrReleaseThreshold at
+# synchronization points.  Graph memory nodes are not modelled: both calls are refused while
+# the stream captures (cudaErrorNotSupported), as are size 0 and a NULL free, on which the
+# CUDA Runtime API documentation is silent.
+
+_POOL_REUSE_FOLLOW_EVENTS, _POOL_REUSE_OPPORTUNISTIC, _POOL_REUSE_INTERNAL_DEPS = 1, 2, 3
+_POOL_RELEASE_THRESHOLD = 4
+_POOL_RESERVED_CURRENT, _POOL_RESERVED_HIGH, _POOL_USED_CURRENT, _POOL_USED_HIGH = 5, 6, 7, 8
+
+
+def _default_pool(R: Runtime, device: int) -> MemPool:
+    pool = R.default_pools.get(device)
+    if pool is None:
+        with R.mlock:
+            pool = R.default_pools.get(device)
+            if pool is None:
+                pool = MemPool(next(R.handles), device)
+                R.pools[pool.handle] = R.pools[pool.key] = pool
+                R.default_pools[device] = pool
+    return pool
+
+
+def cudaDeviceGetDefaultMemPool(R, memPool, device):
+    if not (0 <= device < len(R.devices)):
+        return cudaErrorInvalidDevice
+    if _is_null(memPool):
+        return cudaErrorInvalidValue
+    _put_ptr(memPool, _default_pool(R, device).key)
+    return cudaSuccess
+
+
+def cudaMallocAsync(R, devPtr, size, hStream):
+    """CUDA Runtime API, cudaMallocAsync: ``size`` bytes from the default pool of the stream's
+    device, usable in stream order on ``hStream``; cudaErrorMemoryAllocation when the device
+    has no room for what the pool must add."""
+    if _is_null(devPtr) or size <= 0:
+        return cudaErrorInvalidValue
+    s = _stream(R, hStream)
+    if s is None:
+        return cudaErrorInvalidResourceHandle
+    if s.capture is not None:
+        return cudaErrorNotSupported
+    if _oom and core.take_oom():
+        return cudaErrorMemoryAllocation
+    pool, dev = _default_pool(R, s.device), R.devices[s.device]
+    n = (size + 255) & ~255
+    with R.mlock:
+        grow = max(0, n - (pool.reserved - pool.used))
+        if dev.used + grow > R.cfg.memory - dev.reserved:
+            return cudaErrorMemoryAllocation
+        dev.used += grow
+        dev.peak = max(dev.peak, dev.used)
+        pool.reserved += grow
+        pool.used += n
+        pool.used_high = max(pool.used_high, pool.used)
+        pool.reserved_high = max(pool.reserved_high, pool.reserved)
+    try:
+        a = _memory.allocate(size, _memory.DEVICE, s.device)
+    except MemoryError:
+        a = None
+    if a is None or not _put_ptr(devPtr, a.key):
+        with R.mlock:
+            pool.used -= n
+        return cudaErrorMemoryAllocation if a is None else cudaErrorInvalidValue
+    R.mem.add(a)
+    R.async_allocs[a.base] = (pool, n)
+    return cudaSuccess
+
+
+def cudaFreeAsync(R, devPtr, hStream):
+    """CUDA Runtime API, cudaFreeAsync: returns memory from cudaMallocAsync to its pool in
+    stream order on ``hStream``.  Memory from cudaMalloc, or freed already, is refused
+    (cudaErrorInvalidValue)."""
+    s = _stream(R, hStream)
+    if s is None:
+        return cudaErrorInvalidResourceHandle
+    a = None if _is_null(devPtr) else _lookup(R.mem.by_key, devPtr)
+    if a is None or a.base not in R.async_allocs:
+        return cudaErrorInvalidValue
+    if s.capture is not None:
+        return cudaErrorNotSupported
+    pool, n = R.async_allocs.pop(a.base)
+
+    def run():
+        R.mem.remove(a)
+        with R.mlock:
+            pool.used -= n
+    rc, _seq = _enqueue(R, s, run, "free", "cudaFreeAsync")
+    if rc:
+        R.async_allocs[a.base] = (pool, n)
+    return rc
+
+
+def _pool_value(value, ctype):
+    try:
+        return value[0]
+    except TypeError:
+        return ffi.cast(ctype, _addr(value))[0]
+
+
+def cudaMemPoolSetAttribute(R, memPool, attr, value):
+    """CUDA Runtime API, cudaMemPoolSetAttribute: the reuse flags (int), the release
+    threshold (cuuint64_t) and the two high watermarks, which can only be reset to 0;
+    the current sizes are read-only (cudaErrorInvalidValue)."""
+    pool = _lookup(R.pools, memPool)
+    if pool is None:
+        return cudaErrorInvalidResourceHandle
+    if _is_null(value):
+        return cudaErrorInvalidValue
+    if attr in pool.reuse:
+        pool.reuse[attr] = 1 if _pool_value(value, "int *") else 0
+    elif attr == _POOL_RELEASE_THRESHOLD:
+        pool.release_threshold = _pool_value(value, "unsigned long long *")
+    elif attr in (_POOL_RESERVED_HIGH, _POOL_USED_HIGH):
+        if _pool_value(value, "unsigned long long *") != 0:
+            return cudaErrorInvalidValue
+        with R.mlock:
+            if attr == _POOL_RESERVED_HIGH:
+                pool.reserved_high = pool.reserved
+            else:
+                pool.used_high = pool.used
+    else:
+        return cudaErrorInvalidValue
+    return cudaSuccess
+
+
+def cudaMemPoolGetAttribute(R, memPool, attr, value):
+    pool = _lookup(R.pools, memPool)
+    if pool is None:
+        return cudaErrorInvalidResourceHandle
+    if _is_null(value):
+        return cudaErrorInvalidValue
+    if attr in pool.reuse:
+        _put(value, pool.reuse[attr], "int *")
+        return cudaSuccess
+    with R.mlock:
+        got = {_POOL_RELEASE_THRESHOLD: pool.release_threshold, _POOL_RESERVED_CURRENT: pool.reserved,
+               _POOL_RESERVED_HIGH: pool.reserved_high, _POOL_USED_CURRENT: pool.used,
+               _POOL_USED_HIGH: pool.used_high}.get(attr)
+    if got is None:
+        return cudaErrorInvalidValue
+    _put(value, got, "unsigned long long *")
+    return cudaSuccess
+
+
+def cudaMemPoolTrimTo(R, memPool, minBytesToKeep):
+    """CUDA Runtime API, cudaMemPoolTrimTo: release unused pool memory until the pool holds at
+    most ``minBytesToKeep`` reserved bytes (memory in use is never released)."""
+    pool = _lookup(R.pools, memPool)
+    if pool is None:
+        return cudaErrorInvalidResourceHandle
+    if minBytesToKeep < 0:
+        return cudaErrorInvalidValue
+    with R.mlock:
+        release = max(0, min(pool.reserved - pool.used, pool.reserved - minBytesToKeep))
+        pool.reserved -= release
+        R.devices[pool.device].used -= release
+    return cudaSuccess
 
 
 def _dim3(d) -> Tuple[int, int, int]:
