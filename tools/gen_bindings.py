@@ -495,18 +495,25 @@ _STUB_HEADERS = {
 }
 
 # crt/host_defines.h for an include root that lacks it: the nvidia-cuda-runtime-cu12
-# wheel ships cuda_runtime_api.h and friends but not crt/ (that comes with nvcc).  It
-# only defines declaration decorations; in the GCC branch each expands to an
-# __attribute__ (which _PP_DEFINES defines away) or to nothing, so for a cdef they
-# are all nothing.  Searched AFTER the include root: a root with crt/ uses its own.
-_CRT_HOST_DEFINES_STUB = "#define __HOST_DEFINES_H__\n" + "".join("#define %s\n" % m for m in (
-    "__no_return__", "__noinline__", "__forceinline__", "__inline_hint__", "__align__(n)",
-    "__maxnreg__(a)", "__local_maxnreg__(a)", "__thread__", "__import__", "__export__", "__cdecl",
-    "__annotate__(a)", "__location__(a)", "CUDARTAPI", "CUDARTAPI_CDECL", "__specialization_static",
-    "__builtin_align__(a)", "__launch_bounds__(...)", "__grid_constant__", "__host__", "__device__",
-    "__global__", "__shared__", "__constant__", "__managed__", "__nv_pure__", "__device_builtin__",
-    "__device_builtin_texture_type__", "__device_builtin_surface_type__", "__cudart_builtin__",
-    "__cluster_dims__(...)", "__block_size__(...)"))
+# wheel ships cuda_runtime_api.h and friends but not crt/ (that comes with nvcc).  These
+# are its host-compiler (GCC, not __CUDACC__) definitions: alignment stays a real
+# attribute (so the struct-layout test compiles the same layouts as with the real file),
+# the CUDA-only location and builtin markers are empty.  The generator defines
+# __attribute__ away, so for the cdef all of them are nothing.  Searched AFTER the
+# include root: a root with crt/ uses its own.
+_CRT_HOST_DEFINES_STUB = (
+    "#define __HOST_DEFINES_H__\n"
+    "#define __align__(n) __attribute__((aligned(n)))\n"
+    "#define __builtin_align__(a) __align__(a)\n"
+    "#define __no_return__ __attribute__((noreturn))\n"
+    + "".join("#define %s\n" % m for m in (
+        "__noinline__", "__forceinline__", "__inline_hint__", "__maxnreg__(a)", "__local_maxnreg__(a)",
+        "__thread__", "__import__", "__export__", "__cdecl", "__annotate__(a)", "__location__(a)",
+        "CUDARTAPI", "CUDARTAPI_CDECL", "__specialization_static", "__launch_bounds__(...)",
+        "__grid_constant__", "__host__", "__device__", "__global__", "__shared__", "__constant__",
+        "__managed__", "__nv_pure__", "__device_builtin__", "__device_builtin_texture_type__",
+        "__device_builtin_surface_type__", "__cudart_builtin__", "__cluster_dims__(...)",
+        "__block_size__(...)")))
 _STUB_AFTER_HEADERS = {os.path.join("crt", "host_defines.h"): _CRT_HOST_DEFINES_STUB}
 
 
