@@ -169,3 +169,14 @@ def test_12_4_lacks_exactly_the_optional_functions(cuda_sim):
     lib = sim.open_library("cudart")
     missing = {n for n in cudart12.FUNCTIONS if not F.has_symbol(lib, n)}
     assert missing == set(cudart12.OPTIONAL_SYMBOLS)
+
+
+def test_a_runtime_opened_with_another_majors_bindings_is_refused_clearly(cuda_sim):
+    """A libcudart.so.12 opened with the CUDA 13 declarations would read cudaDeviceProp
+    wrongly: properties() says which versions disagree instead of answering garbage."""
+    cuda_sim("12.4")
+    backend = _lazy.lazy_init()
+    backend.ffi = cudart13.ffi           # what the loader did before per-major bindings
+    backend._rt_module = None
+    with pytest.raises(accel.AcceleratorError, match=r"CUDA 12\.4 but was opened with the CUDA 13 bindings"):
+        backend.properties(0)
