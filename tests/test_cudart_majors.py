@@ -180,3 +180,30 @@ def test_a_runtime_opened_with_another_majors_bindings_is_refused_clearly(cuda_s
     backend._rt_module = None
     with pytest.raises(accel.AcceleratorError, match=r"CUDA 12\.4 but was opened with the CUDA 13 bindings"):
         backend.properties(0)
+
+
+def test_properties_cross_check_the_layout_free_attributes(cuda_sim):
+    """The fields the layouts shift are checked against cudaDeviceGetAttribute: a struct
+    read wrongly is an error naming both values, never a silent 1-SM device."""
+    cuda_sim("13.0")
+    backend = _lazy.lazy_init()
+    real = backend.lib
+
+    class Skewed:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def cudaDeviceGetAttribute(value, attr, device):
+            rc = real.cudaDeviceGetAttribute(value, attr, device)
+            if attr == 16:                 # cudaDevAttrMultiProcessorCount
+                value[0] = 1
+            return rc
+
+    backend.lib = Skewed()
+    try:
+        with pytest.raises(accel.AcceleratorError, match=r"multiProcessorCount \d+ vs 1"):
+            backend.properties(0)
+    finally:
+        backend.lib = real
+    assert backend.properties(0).multi_processor_count > 1

@@ -53,6 +53,8 @@ _NVML_NAME_BUFFER = 96   # NVML_DEVICE_NAME_V2_BUFFER_SIZE
 # cudaDeviceAttr (driver_types.h) for the few properties read one by one.
 _ATTR_COMPUTE_MAJOR = 75
 _ATTR_COMPUTE_MINOR = 76
+_ATTR_MULTIPROCESSOR_COUNT = 16    # cudaDevAttrMultiProcessorCount
+_ATTR_INTEGRATED = 18              # cudaDevAttrIntegrated
 
 _NUMPY_DTYPES = frozenset({
     "bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64",
@@ -379,20 +381,38 @@ class CudaBackend(Backend):
         get_properties = self._rt_fn("cudaGetDeviceProperties")   # 12.x: cudaGetDeviceProperties_v2
         prop = ffi.new("struct cudaDeviceProp *")
         self._check(get_properties(prop, index), "cudaGetDeviceProperties")
-        cc = (prop.major, prop.minor)
+        # The fields that shift between the CUDA 12 and 13 layouts come from
+        # cudaDeviceGetAttribute, which is layout-free; the struct must agree with it, or
+        # it was read through the wrong declarations (name, uuid and totalGlobalMem have
+        # no attribute: they sit before the first difference of the layouts).
+        sm = self._device_attribute(_ATTR_MULTIPROCESSOR_COUNT, index)
+        integrated = self._device_attribute(_ATTR_INTEGRATED, index)
+        cc = (self._device_attribute(_ATTR_COMPUTE_MAJOR, index),
+              self._device_attribute(_ATTR_COMPUTE_MINOR, index))
+        if (prop.multiProcessorCount, prop.integrated, prop.major, prop.minor) != (sm, integrated) + cc:
+            raise AcceleratorError(
+                f"libcudart: cudaDeviceProp of device {index} disagrees with cudaDeviceGetAttribute "
+                f"(multiProcessorCount {prop.multiProcessorCount} vs {sm}, integrated {prop.integrated} vs "
+                f"{integrated}): the struct layout of the bindings ({self._bindings().__name__}) is not "
+                f"the runtime's", library="libcudart", call="cudaGetDeviceProperties")
         return DeviceProperties(
             index=index,
             name=ffi.string(prop.name).decode(errors="replace"),
             total_memory=prop.totalGlobalMem,
             compute_capability=cc,
-            multi_processor_count=prop.multiProcessorCount,
+            multi_processor_count=sm,
             supported_dtypes=_NUMPY_DTYPES,
             uuid=_uuid_text(bytes(ffi.buffer(prop.uuid.bytes, 16))),
-            unified_memory=bool(prop.integrated),
+            unified_memory=bool(integrated),
             extra={"pci_bus_id": prop.pciBusID, "warp_size": prop.warpSize,
                    "max_threads_per_block": prop.maxThreadsPerBlock,
                    "l2_cache_size": prop.l2CacheSize},
         )
+
+    def _device_attribute(self, attr: int, index: int) -> int:
+        value = self.ffi.new("int *")
+        self._check(self.lib.cudaDeviceGetAttribute(value, attr, index), "cudaDeviceGetAttribute")
+        return value[0]
 
     def set_device(self, index: int) -> None:
         self._check(self.lib.cudaSetDevice(index), "cudaSetDevice")
