@@ -207,3 +207,19 @@ def test_properties_cross_check_the_layout_free_attributes(cuda_sim):
     finally:
         backend.lib = real
     assert backend.properties(0).multi_processor_count > 1
+
+
+def test_pointer_attributes_of_the_13_runtime_need_the_13_struct(cuda_sim):
+    """cudaPointerAttributes grew from 24 bytes (CUDA 12) to 88 (CUDA 13): the CUDA 12
+    struct handed to a 13 runtime would be overrun; the simulator refuses it."""
+    assert cudart12.ffi.sizeof("struct cudaPointerAttributes") < cudart13.ffi.sizeof("struct cudaPointerAttributes")
+    cuda_sim("13.0")
+    lib = sim.open_library("cudart")
+    small = cudart12.ffi.new("struct cudaPointerAttributes *")
+    assert lib.cudaPointerGetAttributes(small, cudart12.ffi.NULL) == lib.cudaErrorInvalidValue
+    lib.cudaGetLastError()
+    big = cudart13.ffi.new("struct cudaPointerAttributes *")
+    assert lib.cudaPointerGetAttributes(big, cudart13.ffi.NULL) == 0
+    cuda_sim("12.4")
+    lib = sim.open_library("cudart")
+    assert lib.cudaPointerGetAttributes(small, cudart12.ffi.NULL) == 0

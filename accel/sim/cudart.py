@@ -1153,6 +1153,17 @@ def cudaFreeHost(R, ptr):
 def cudaPointerGetAttributes(R, attributes, ptr):
     if _is_null(attributes):
         return cudaErrorInvalidValue
+    # struct cudaPointerAttributes is 24 bytes in CUDA 12 and 88 in CUDA 13 (reserved[8]
+    # added): the real library writes its own size, so a caller's struct smaller than the
+    # runtime's would be overrun; refused here (cudaErrorInvalidValue) instead.
+    from accel._ffi import cudart_module
+    try:
+        room = len(ffi.buffer(attributes))
+    except TypeError:
+        room = None
+    if room is not None and room < cudart_module(R.cfg.runtime_version // 1000).ffi.sizeof(
+            "struct cudaPointerAttributes"):
+        return cudaErrorInvalidValue
     addr = _addr(ptr)
     a = R.mem.find(addr) if addr else None
     buf = ffi.buffer(attributes)
