@@ -479,3 +479,18 @@ def test_generator_on_synthetic_header(tool, tmp_path):
     assert ffi.sizeof("foo_props_t") == 40 and ffi.offsetof("foo_props_t", "big") == 24
     assert ns["ALIASES"] == {"fooOpen": "fooOpen_v2"} and ns["FUNCTIONS"] == ("fooOpen_v2", "fooProps")
     assert tool.render(tool.generate(lib)) == text
+
+
+def test_cuda_module_is_the_same_from_a_root_without_crt(tool, tmp_path):
+    """The pip wheels ship the runtime headers without crt/ (nvcc's): generating from such a
+    root (the generator's crt/host_defines.h stand-in) gives the committed module byte for byte."""
+    lib = tool.LIBRARIES["cudart"]
+    root = _need_headers(tool, "cudart")
+    if not os.path.isfile(os.path.join(root, "crt", "host_defines.h")):
+        pytest.skip("the CUDA 13 include root has no crt/ already")
+    for f in os.listdir(root):
+        if f.endswith(".h"):
+            shutil.copy(os.path.join(root, f), tmp_path / f)
+    bare = tool.Library(**{**lib.__dict__, "include_roots": (lambda: iter([str(tmp_path)]),)})
+    with open(os.path.join(REPO, "accel", "_ffi", "_cudart.py")) as f:
+        assert tool.render(tool.generate(bare)) == f.read()
