@@ -3,9 +3,17 @@
 
 Usage::
 
-    python tools/gen_bindings.py            # (re)write accel/_ffi/_cudart.py, _nvml.py, _ze.py, _objc.py, _metal.py
+    python tools/gen_bindings.py            # (re)write accel/_ffi/_cudart.py, _cudart12.py, _cudadrv.py,
+                                            # _nvml.py, _ze.py, _objc.py, _metal.py
     python tools/gen_bindings.py --check    # regenerate in memory; exit 1 and summarize if accel/_ffi differs
-    python tools/gen_bindings.py --only cudart,nvml
+    python tools/gen_bindings.py --only cudart,cudart12
+
+CUDA: one module per runtime major (accel._ffi.cudart_module), each from that major's
+headers: ``_cudart`` from CUDA 13 (/usr/local/cuda or the nvidia-cuda-runtime wheel),
+``_cudart12`` from the nvidia-cuda-runtime-cu12==12.4.127 wheel (nvidia/cuda_runtime/include).
+An include root of another major is skipped (Library.cuda_major), and each module is
+symbol-checked against the real libcudart of its major when one is installed: a
+declared non-optional function it does not export fails the run (and --check).
 
 How it works: each header is run through the C preprocessor (``gcc -E``/``cc -E``/``cpp``)
 with ``-nostdinc`` and the tiny libc stubs below (so no glibc extensions reach the
