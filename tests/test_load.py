@@ -38,7 +38,7 @@ def _duration(kind: str) -> float:
 
 
 #: Simulator counts that are a backend's bounded cache rather than objects accel owns: the
-#: Level Zero backend keeps recycled event slots in pools of 64 (accel/backends/xpu.py).
+#: Level Zero backend keeps recycled event slots in pools of 64 (accel/backends/xpu/events.py).
 _CACHES = ("ze_live_events", "ze_live_event_pools")
 MAX_EVENT_POOLS = 2
 
