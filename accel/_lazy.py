@@ -99,12 +99,19 @@ def lazy_init() -> Backend:
     with _lock:
         if _initialized:
             return chosen
-        if getattr(_tls, "initializing", False):
+        stage = getattr(_tls, "stage", None)
+        if stage == "queue":
             # A queued call asked for the device while init runs its queue.
             return chosen
-        chosen.init()
-        _tls.initializing = True
+        if stage == "init":
+            # Re-entered from the runtime's init on this thread (the lock is reentrant): only
+            # a finalizer the garbage collector ran in the middle of init can do that.
+            from ._locks import finalizer_error
+            raise finalizer_error(f"{display_name(chosen)} initialization")
+        _tls.stage = "init"
         try:
+            chosen.init()
+            _tls.stage = "queue"
             calls = [c for c in (_seed_all, _seed) if c is not None] + _queued
             for fn, stack in calls:
                 try:
@@ -119,7 +126,7 @@ def lazy_init() -> Backend:
             _initialized_backend = ready = chosen
             _initialized = True
         finally:
-            _tls.initializing = False
+            _tls.stage = None
     return chosen
 
 

@@ -14,6 +14,7 @@ import threading
 import warnings
 from typing import Dict, Optional, Tuple
 
+from .._locks import held
 from .base import Backend, DeviceProperties
 
 __all__ = ["Backend", "DeviceProperties", "NAMES", "get", "select", "fallback", "started_drivers", "reset"]
@@ -33,7 +34,7 @@ def get(name: str) -> Backend:
         raise ValueError(f"unknown backend {name!r}; expected one of {', '.join(NAMES)}")
     backend = _instances.get(name)
     if backend is None:
-        with _lock:
+        with held(_lock, f"loading the {name} backend"):
             backend = _instances.get(name)
             if backend is None:
                 module = importlib.import_module(_MODULES[name], __name__)
@@ -71,7 +72,7 @@ def select() -> Optional[Backend]:
     global _selected, _selected_done
     if _selected_done:
         return _selected
-    with _lock:
+    with held(_lock, "backend selection"):
         if _selected_done:
             return _selected
     requested = _requested()
@@ -84,7 +85,7 @@ def select() -> Optional[Backend]:
             if _safe_count(backend) > 0:
                 chosen = backend
                 break
-    with _lock:
+    with held(_lock, "backend selection"):
         _selected, _selected_done = chosen, True
     return chosen
 
@@ -119,6 +120,6 @@ def started_drivers() -> Tuple[Backend, ...]:
 def reset() -> None:
     """Forget backend objects and the selection (tests switch simulators with this)."""
     global _selected, _selected_done
-    with _lock:
+    with held(_lock, "backend selection"):
         _instances.clear()
         _selected, _selected_done = None, False

@@ -58,6 +58,7 @@ from typing import Dict, List, Optional, Tuple
 
 from .._errors import AcceleratorError, CaptureError, OutOfMemoryError
 from .._finalize import drain as _drain_finalizers, pending as _finalizers
+from .._locks import acquire as _acquire
 from ..streams import on_device
 from . import _config, _stats
 from ._stats import (ACTIVE, ACTIVE_BYTES, ALLOCATED_BYTES, ALLOCATION, INACTIVE_SPLIT,
@@ -317,7 +318,8 @@ class DeviceCachingAllocator:
         if _finalizers:            # frees finalizers left for a safe point (accel._finalize)
             _drain_finalizers()
         lock = self._lock
-        lock.acquire()
+        if not lock.acquire(False):
+            _acquire(lock, "malloc")
         try:
             special = self._special
             # `i` is the block's slot in fl.keys while its key is still there (the
@@ -476,7 +478,8 @@ class DeviceCachingAllocator:
         if _finalizers:
             _drain_finalizers()
         lock = self._lock
-        lock.acquire()
+        if not lock.acquire(False):
+            _acquire(lock, "free")
         try:
             block = self._blocks.get(ptr)
             if block is None or block.state != _ALLOCATED:

@@ -21,6 +21,7 @@ from typing import Dict, List, Optional
 
 from .._errors import OutOfMemoryError
 from .._finalize import drain as _drain_finalizers, pending as _finalizers
+from .._locks import held
 from ..streams import on_device
 from ._caching import _check_size, _Gate, capture_underway
 
@@ -71,7 +72,7 @@ class HostCachingAllocator:
         be = self._backend()
         if _finalizers:            # releases finalizers left for a safe point (accel._finalize)
             _drain_finalizers()
-        with self._lock:
+        with held(self._lock, "pinned malloc"):
             if (self._events or self._deferred) and not capture_underway(be):
                 self._resume_events(strict=False)
             ready = self._free.get(size)
@@ -100,7 +101,7 @@ class HostCachingAllocator:
         or a pointer this allocator did not hand out; the state is then unchanged."""
         if _finalizers:
             _drain_finalizers()
-        with self._lock:
+        with held(self._lock, "pinned free"):
             block = self._blocks.get(ptr)
             if block is None or not block.allocated:
                 if ptr == 0 and type(ptr) is int:

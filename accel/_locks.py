@@ -1,0 +1,79 @@
+"""Taking accel's locks when the cyclic garbage collector may have re-entered accel.
+
+The collector runs at any Python allocation, so it can start while this thread holds one of
+accel's locks (the caching allocator's inside ``malloc``, backend selection's while a backend
+module is imported, lazy init's) and run a *user's* ``__del__`` that calls accel again.  accel's
+own finalizers defer their work (:mod:`accel._finalize`); a user's call cannot be deferred.
+Waiting for the lock would hang forever when this thread is the holder.  A plain
+``threading.Lock`` cannot say who holds it, and recording an owner on every hot-path acquire
+costs every call, so the check is done only where it can matter: when the lock is busy *and*
+the collector is running on this thread.  Then the wait is bounded; if the lock is still busy
+the call raises :class:`accel.AcceleratorError` saying why, instead of hanging.  (Another
+thread holding the lock that long is possible but rare; the error then says to retry.)
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+from ._errors import AcceleratorError
+
+__all__ = ["acquire", "collecting_here"]
+
+#: How long a call made by the collector on this thread waits for a busy lock.
+GC_WAIT_S = 2.0
+
+_collector = None          # thread ident running the cyclic collector, else None
+_get_ident = threading.get_ident
+
+
+def _on_gc(phase: str, info: dict) -> None:
+    global _collector
+    _collector = _get_ident() if phase == "start" else None
+
+
+gc.callbacks.append(_on_gc)
+
+
+def collecting_here() -> bool:
+    """True while the cyclic garbage collector runs on the calling thread (so the code
+    running now is a finalizer, possibly entered from inside accel)."""
+    return _collector is not None and _collector == _get_ident()
+
+
+def acquire(lock, what: str) -> None:
+    """``lock.acquire()``, except that a finalizer run by the collector on this thread does
+    not wait forever for a lock this thread may already hold (see the module docstring)."""
+    if lock.acquire(False):
+        return
+    if not collecting_here():
+        lock.acquire()
+        return
+    if lock.acquire(timeout=GC_WAIT_S):
+        return
+    raise finalizer_error(what)
+
+
+def finalizer_error(what: str) -> AcceleratorError:
+    return AcceleratorError(
+        f"accel: {what} was called from a finalizer (__del__) that the garbage collector ran while "
+        f"this thread was inside accel; calling accel again from there would wait on a lock the "
+        f"thread already holds.  Do not allocate or initialize accel in __del__ of objects kept in "
+        f"reference cycles (use weakref.finalize, or free explicitly); if another thread held "
+        f"the lock, retry")
+
+
+class held:
+    """``with held(lock, "what"):`` is ``with lock:`` through :func:`acquire` (not for hot paths)."""
+
+    __slots__ = ("lock", "what")
+
+    def __init__(self, lock, what: str):
+        self.lock, self.what = lock, what
+
+    def __enter__(self) -> None:
+        acquire(self.lock, self.what)
+
+    def __exit__(self, *exc) -> None:
+        self.lock.release()

@@ -1,0 +1,61 @@
+"""A user's ``__del__`` that calls accel, run by the cyclic GC while this thread is inside accel.
+
+The collector runs at any Python allocation, so a user's finalizer can start while the thread
+holds one of accel's locks: the caching allocator's (inside ``malloc``), backend selection's (while
+a backend module is imported) or lazy init's.  accel's own finalizers defer their work
+(``accel._finalize``); a user's cannot be deferred, since it wants memory back now.  It must never
+hang: either the call works, or it raises a clear error saying what happened, and accel stays
+usable.  Each case runs in a subprocess with a watchdog, so a hang fails instead of hanging.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import SIMS
+
+_SCRIPT = textwrap.dedent(r'''
+    import faulthandler, gc, sys
+    faulthandler.dump_traceback_later(30, exit=True)
+    import accel
+    made, refused = [0], []
+
+    class UserObject:
+        """A user's object in a reference cycle whose __del__ allocates device memory."""
+        def __init__(self):
+            self.me = self
+        def __del__(self):
+            try:
+                b = accel.Buffer(4096)
+                made[0] += 1
+                b.close()
+            except (accel.AcceleratorError, RuntimeError) as exc:
+                refused.append(str(exc))
+
+    gc.set_threshold(20, 2, 2)       # collections often: inside init, selection and malloc
+    for i in range(int(sys.argv[1])):
+        UserObject()
+        b = accel.Buffer(1 << 16)
+        b.close()
+    gc.set_threshold(700, 10, 10)
+    gc.collect()
+    with accel.Buffer(1 << 16) as b:  # still usable afterwards
+        b.fill_(7)
+        assert bytes(b.to_numpy()[:4]) == b"\x07" * 4
+    assert all("finalizer" in r for r in refused), refused[:3]
+    print("ok", made[0], len(refused))
+''')
+
+
+@pytest.mark.parametrize("kind", SIMS)
+def test_user_finalizer_that_allocates_never_hangs(kind):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCEL_")}
+    env.update(ACCEL_SIM=kind, ACCEL_SIM_DEVICES="2")
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT, "2000"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    ok, made, refused = proc.stdout.split()[-3:]
+    assert ok == "ok" and int(made) > 0
