@@ -386,35 +386,37 @@ class DiscoveryMixin:
             out.append(dev)
         return out
 
-    def _compute_ordinal(self, ffi, lib, h) -> int:
+    def _query_all(self, ffi, fn, call: str, h, ctype: str, stype: int):
+        """The Level Zero two-call query: ``fn(h, &n, NULL)`` for the count, then
+        ``fn(h, &n, props)`` with each element's ``stype`` set (the spec requires it)."""
         n = ffi.new("uint32_t *", 0)
-        rc = lib.zeDeviceGetCommandQueueGroupProperties(h, n, ffi.NULL)
+        rc = fn(h, n, ffi.NULL)
         if rc:
-            self._fail("zeDeviceGetCommandQueueGroupProperties", rc)
-        props = ffi.new("ze_command_queue_group_properties_t[]", n[0] or 1)
+            self._fail(call, rc)
+        props = ffi.new(f"{ctype}[]", n[0] or 1)
         for i in range(n[0]):
-            props[i].stype = lib.ZE_STRUCTURE_TYPE_COMMAND_QUEUE_GROUP_PROPERTIES
-        rc = lib.zeDeviceGetCommandQueueGroupProperties(h, n, props)
+            props[i].stype = stype
+        rc = fn(h, n, props)
         if rc:
-            self._fail("zeDeviceGetCommandQueueGroupProperties", rc)
-        for i in range(n[0]):
-            if props[i].flags & lib.ZE_COMMAND_QUEUE_GROUP_PROPERTY_FLAG_COMPUTE:
+            self._fail(call, rc)
+        return [props[i] for i in range(n[0])]
+
+    def _compute_ordinal(self, ffi, lib, h) -> int:
+        groups = self._query_all(ffi, lib.zeDeviceGetCommandQueueGroupProperties,
+                                 "zeDeviceGetCommandQueueGroupProperties", h,
+                                 "ze_command_queue_group_properties_t",
+                                 lib.ZE_STRUCTURE_TYPE_COMMAND_QUEUE_GROUP_PROPERTIES)
+        for i, group in enumerate(groups):
+            if group.flags & lib.ZE_COMMAND_QUEUE_GROUP_PROPERTY_FLAG_COMPUTE:
                 return i
         raise AcceleratorError(f"{LIBRARY}: the device has no compute command queue group",
                                library=LIBRARY, call="zeDeviceGetCommandQueueGroupProperties")
 
     def _total_memory(self, ffi, lib, h) -> int:
-        n = ffi.new("uint32_t *", 0)
-        rc = lib.zeDeviceGetMemoryProperties(h, n, ffi.NULL)
-        if rc:
-            self._fail("zeDeviceGetMemoryProperties", rc)
-        props = ffi.new("ze_device_memory_properties_t[]", n[0] or 1)
-        for i in range(n[0]):
-            props[i].stype = lib.ZE_STRUCTURE_TYPE_DEVICE_MEMORY_PROPERTIES
-        rc = lib.zeDeviceGetMemoryProperties(h, n, props)
-        if rc:
-            self._fail("zeDeviceGetMemoryProperties", rc)
-        return sum(props[i].totalSize for i in range(n[0]))
+        memories = self._query_all(ffi, lib.zeDeviceGetMemoryProperties, "zeDeviceGetMemoryProperties", h,
+                                   "ze_device_memory_properties_t",
+                                   lib.ZE_STRUCTURE_TYPE_DEVICE_MEMORY_PROPERTIES)
+        return sum(m.totalSize for m in memories)
 
     def _map_sysman(self) -> None:
         """Pair each core device with its Sysman card (and tile) for mem_info.  Only devices of a
