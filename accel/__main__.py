@@ -106,6 +106,9 @@ def render(report: dict) -> str:
         for key, value in info.items():
             if key in ("backend", "count", "simulated") or value in (None, "", {}):
                 continue
+            if key == "cudart_choice" and isinstance(value, dict) and "candidates" in value:
+                lines.extend(_render_choice(value))
+                continue
             if isinstance(value, dict):
                 value = ", ".join(f"{k}={v}" for k, v in value.items() if v is not None) or "-"
             value = str(value).replace("\n", "\n          ")
@@ -117,6 +120,21 @@ def render(report: dict) -> str:
     if "init_error" in report:
         lines.append(f"  init failed: {report['init_error']}")
     return "\n".join(lines)
+
+
+def _render_choice(choice: dict) -> list:
+    """The libcudart candidates, one line each with its verdict (taken / rejected: why)."""
+    driver = choice.get("driver_cuda_version")
+    lines = [f"      libcudart choice (driver supports CUDA {driver or '?'}"
+             f"{'' if driver else ': ' + str(choice.get('driver_version_from'))}):"]
+    for c in choice["candidates"]:
+        where = c["path"] if not c.get("file") or c["file"] == c["path"] else f"{c['path']} -> {c['file']}"
+        version = f" [{c['version']}]" if c.get("version") else ""
+        lines.append(f"        {c['verdict']:8} {where}{version} ({c['source']})"
+                     + (f": {c['reason']}" if c.get("reason") else ""))
+    if choice.get("error"):
+        lines.append(f"        error: {choice['error']}")
+    return lines
 
 
 def main(argv=None) -> int:

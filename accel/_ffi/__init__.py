@@ -20,6 +20,12 @@ Search order for each library: the environment override (``ACCEL_CUDART_PATH``,
 when set, it is the only candidate), then the usual sonames and install
 locations, then the pip ``nvidia-*`` wheels.  When nothing loads,
 :class:`LibraryNotFound` lists every path tried and why it failed.
+
+libcudart is not "the first that loads": :func:`open_library` ("cudart") takes
+the newest runtime accel has bindings for that the driver supports
+(``accel.backends._cuda_libs``: every candidate's version and the driver's CUDA
+version from NVML, without starting CUDA), and opens it with the bindings of its
+own major (:func:`cudart_module`).  :func:`cudart_choice` has every candidate's verdict.
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ import threading
 from typing import Dict, List, Tuple
 
 __all__ = ["LibraryNotFound", "LIBRARIES", "open_library", "module", "has_symbol",
-           "missing_symbols", "candidates", "is_open", "CUDART_MAJORS", "cudart_module"]
+           "missing_symbols", "candidates", "is_open", "CUDART_MAJORS", "cudart_module",
+           "cudart_choice", "open_cudart"]
 
 
 class LibraryNotFound(OSError):
@@ -90,19 +97,15 @@ def candidates(name: str) -> List[str]:
     """Paths (or bare sonames for the dynamic loader) tried for ``name``, in order."""
     if name not in LIBRARIES:
         raise ValueError("unknown library %r; expected one of %s" % (name, ", ".join(sorted(LIBRARIES))))
+    if name == "cudart":
+        # every candidate the choice considers (accel.backends._cuda_libs), in its order
+        from ..backends import _cuda_libs
+        return [c.path for c in _cuda_libs.real_candidates()[0]]
     env = os.environ.get(_ENV[name])
     if env:
         return [env]
     out: List[str] = []
-    if name == "cudart":
-        sonames = ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]
-        out += sonames
-        for home in _cuda_homes() + ["/usr/local/cuda"]:
-            out += [os.path.join(home, "lib64", s) for s in sonames]
-        for sp in _site_dirs():
-            for sub in ("cu13/lib", "cuda_runtime/lib", "cu12/lib"):
-                out += [os.path.join(sp, "nvidia", sub, s) for s in sonames]
-    elif name == "nvml":
+    if name == "nvml":
         out += ["libnvidia-ml.so.1", "libnvidia-ml.so"]
         # Not the toolkit's lib64/stubs/libnvidia-ml.so: it exists for linking only
         # and fails nvmlInit at run time.  NVML ships with the driver.
@@ -194,6 +197,14 @@ def open_library(name: str):
     got = _opened.get(name)
     if got is not None:
         return got
+    if name == "cudart":
+        choice = cudart_choice()
+        if choice.chosen is None:
+            raise LibraryNotFound("cudart", [(c.path, c.reason) for c in choice.candidates] +
+                                  [("(choice)", choice.error or "nothing usable")])
+        got = open_cudart(choice.chosen.path, choice.chosen.version // 1000)
+        with _lock:
+            return _opened.setdefault(name, got)
     with _lock:
         got = _opened.get(name)
         if got is not None:
@@ -215,6 +226,37 @@ def open_library(name: str):
             _opened[name] = got
             return got
         raise LibraryNotFound(name, tried)
+
+
+_choice = None
+
+
+def cudart_choice(refresh: bool = False):
+    """Which libcudart this process uses and why: an ``accel.backends._cuda_libs.Choice``
+    (every candidate with its version and verdict, the driver's CUDA version read from
+    NVML).  Computed once per process (``refresh`` recomputes); loads candidate libraries
+    to read their versions but starts nothing."""
+    global _choice
+    if _choice is None or refresh:
+        from ..backends import _cuda_libs
+        driver, note = _cuda_libs.read_driver_version()
+        _choice = _cuda_libs.choose_real(driver, note)
+    return _choice
+
+
+_cudart_by_path: Dict[str, Tuple[object, object, str]] = {}
+
+
+def open_cudart(path: str, major: int):
+    """Open the libcudart at ``path`` with the bindings of its runtime ``major``
+    (:func:`cudart_module`); returns ``(ffi, lib, resolved path)``.  Cached per path."""
+    with _lock:
+        got = _cudart_by_path.get(path)
+        if got is None:
+            ffi = cudart_module(major).ffi
+            lib = ffi.dlopen(path)
+            got = _cudart_by_path[path] = (ffi, lib, _resolved(path))
+        return got
 
 
 def is_open(name: str) -> bool:

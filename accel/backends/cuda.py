@@ -116,17 +116,66 @@ class CudaBackend(Backend):
         self._out = threading.local()  # per-thread out-pointers for hot getters (no ffi.new per call)
         self._rt_module = None   # accel._ffi.cudart_module of the opened runtime's major (checked)
         self._capture_info = (None, ())  # cudaStreamGetCaptureInfo[_v2] and its NULL outputs
+        self._choice = None      # _cuda_libs.Choice: which libcudart, and every candidate's verdict
+        self._choice_lock = threading.Lock()
+        self._rt_refused = None  # (ffi, lib, path) of an ACCEL_CUDART_PATH runtime the driver cannot run
 
     # -- libraries -------------------------------------------------------------
+    def cudart_choice(self):
+        """Which libcudart this backend uses and why (``_cuda_libs.Choice``): every candidate
+        with its CUDA version and verdict, and the driver's CUDA version read from NVML
+        (no CUDA started).  Made once; the simulator offers its installed runtimes."""
+        choice = self._choice
+        if choice is not None:
+            return choice
+        with self._choice_lock:
+            if self._choice is None:
+                from . import _cuda_libs
+                nvml = self._nvml_lib()
+                if nvml is not None:
+                    driver, note = _cuda_libs.driver_version_from_nvml(nvml[0], nvml[1])
+                else:
+                    driver, note = None, "driver version unknown: NVML missing"
+                if self.simulated:
+                    self._choice = self._sim_choice(driver, note)
+                else:
+                    self._choice = _cuda_libs.choose_real(driver, note)
+            return self._choice
+
+    def _sim_choice(self, driver, note):
+        from .. import sim
+        from .._ffi import CUDART_MAJORS
+        from . import _cuda_libs
+        cfg = sim.config()
+        cands = []
+        for v in reversed(cfg.runtimes):   # newest first, as the sonames are searched
+            c = _cuda_libs.Candidate(f"accel.sim (libcudart {_cuda_libs.vtext(v)})", "ACCEL_SIM_CUDA_RUNTIME")
+            if cfg.cudart:
+                c.resolved, c.version, c.version_from = c.path, v, "simulator"
+            else:
+                c.reason = "not found (configure(cudart=False))"
+            cands.append(c)
+        return _cuda_libs.choose(cands, driver, note, CUDART_MAJORS)
+
     def _open(self, which: str):
-        from .._ffi import open_library
+        from .._ffi import open_cudart
+        if which == "cudart":
+            choice = self.cudart_choice()
+            if choice.chosen is None:
+                raise OSError(choice.error)
         if self.simulated:
             from .. import sim
             from .._ffi import _nvml
-            lib = sim.open_library(which)
-            ffi = _nvml.ffi if which == "nvml" else _cudart_ffi_for(lib)
-            return ffi, lib, f"accel.sim ({which})"
-        return open_library(which)
+            if which == "nvml":
+                return _nvml.ffi, sim.open_library("nvml"), "accel.sim (nvml)"
+            sim.select_runtime(choice.chosen.version)   # "load" the chosen simulated runtime
+            lib = sim.open_library("cudart")
+            return _cudart_ffi_for(lib), lib, choice.chosen.path
+        if which == "nvml":
+            from .._ffi import open_library
+            return open_library("nvml")
+        # the chosen file, through the bindings of its own major
+        return open_cudart(choice.chosen.path, choice.chosen.version // 1000)
 
     def _runtime(self):
         rt = self._rt
@@ -134,13 +183,20 @@ class CudaBackend(Backend):
             with self._lock:
                 if self._rt is None and self._rt_error is None:
                     try:
-                        self._rt = self._open("cudart")
+                        opened = self._open("cudart")
+                        choice = self._choice
+                        if choice is not None and choice.error:
+                            # ACCEL_CUDART_PATH honoured, but the driver cannot run it: say so at
+                            # first runtime use instead of cudaErrorInsufficientDriver (35) from
+                            # every call (report() still shows the library)
+                            self._rt_refused, self._rt_error = opened, choice.error
+                        else:
+                            self._rt = opened
                     except OSError as exc:
-                        self._rt_error = str(exc)
+                        self._rt_error = f"libcudart could not be loaded: {exc}"
                 rt = self._rt
             if rt is None:
-                raise AcceleratorError(f"libcudart could not be loaded: {self._rt_error}",
-                                       library="libcudart")
+                raise AcceleratorError(self._rt_error, library="libcudart")
             self.ffi, self.lib = rt[0], rt[1]
         return rt
 
@@ -238,6 +294,12 @@ class CudaBackend(Backend):
                         self._count_reason = ("no device visible: NVML sees "
                                               f"{n[0]} but CUDA_VISIBLE_DEVICES={visible!r} selects none"
                                               if n[0] else "NVML reports no NVIDIA device")
+                    elif not self.cudart_choice().usable:
+                        # NVML sees GPUs but no installed libcudart can run on this driver
+                        # (loading candidates starts nothing): not available, and say why
+                        self._count_reason = (f"NVML sees {len(ordinals)} device(s) but "
+                                              f"{self.cudart_choice().error}")
+                        return 0
                     return len(ordinals)
                 self._count_path = "cudart (MIG UUIDs in CUDA_VISIBLE_DEVICES need the runtime)"
             else:
@@ -301,6 +363,10 @@ class CudaBackend(Backend):
             info["nvml_library"] = None
             info["nvml_error"] = self._nvml_error
         try:
+            info["cudart_choice"] = self.cudart_choice().as_dict()
+        except Exception as exc:  # report() never raises
+            info["cudart_choice"] = {"error": f"choosing libcudart failed: {exc!r}"}
+        try:
             ffi, lib, path = self._runtime()
             info["library"] = path
             v = ffi.new("int *")
@@ -310,8 +376,13 @@ class CudaBackend(Backend):
                 info["driver_cuda_version"] = f"{v[0] // 1000}.{v[0] % 1000 // 10}" if v[0] else None
             info.update(self.kernel_path())   # from the exported symbols; starts nothing
         except AcceleratorError as exc:
-            info["library"] = None
+            info["library"] = self._rt_refused[2] if self._rt_refused is not None else None
             info["library_error"] = str(exc)
+            if self._rt_refused is not None:
+                ffi, lib, _ = self._rt_refused
+                v = ffi.new("int *")
+                if lib.cudaRuntimeGetVersion(v) == 0:   # starts nothing
+                    info["runtime_version"] = f"{v[0] // 1000}.{v[0] % 1000 // 10}"
         info["env"] = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")}
         if count == 0:
             info["reason"] = self._count_reason or "no device"

@@ -17,7 +17,9 @@ device, default 8G; "512M", "8G" accepted), ``ACCEL_SIM_CC`` (default "9.0"),
 ``ACCEL_SIM_DELAY_US`` (latency of each stream operation, default 0),
 ``ACCEL_SIM_CUDA_RUNTIME`` / ``ACCEL_SIM_CUDA_DRIVER`` (the libcudart version
 simulated, 12.4, 12.8 or 13.0, and the CUDA version its driver supports;
-default 13.0 for both).
+default 13.0 for both; several runtimes, ``ACCEL_SIM_CUDA_RUNTIME=12.4,13.0``,
+are all "installed" and accel's library choice picks one by the driver
+version, then :func:`select_runtime` makes it the one opened).
 Tests use :func:`configure`, :func:`inject_error`, :func:`inject_oom`,
 :func:`clear_faults`, :func:`state` and :func:`reset`.
 
@@ -33,10 +35,10 @@ import types
 from typing import Dict, Optional
 
 from . import core
-from .core import Config, clear_faults, configure, inject_error, inject_oom, reset_call_counts
+from .core import Config, clear_faults, configure, inject_error, inject_oom, reset_call_counts, select_runtime
 
 __all__ = ["LIBRARIES", "open_library", "configure", "config", "inject_error", "inject_oom", "clear_faults",
-           "state", "calls", "reset_call_counts", "reset", "Config"]
+           "state", "calls", "reset_call_counts", "reset", "Config", "select_runtime"]
 
 #: Simulated library name -> "module:factory" (the factory returns the lib-like object).
 LIBRARIES: Dict[str, str] = {

@@ -51,7 +51,11 @@ class Config:
     exactly the functions of that real runtime: ``sim/cudart_symbols``) and
     ``driver_version`` the CUDA version the driver supports (NVML
     nvmlSystemGetCudaDriverVersion_v2, cudaDriverGetVersion), both as
-    ``1000 * major + 10 * minor`` (13000, 12040).
+    ``1000 * major + 10 * minor`` (13000, 12040).  ``runtimes`` are the
+    libcudart versions installed side by side (a CUDA 12 wheel next to a
+    CUDA 13 toolkit, say); accel's library choice picks one of them by the
+    driver version and :func:`select_runtime` makes it the one opened.
+    ``runtime_version`` is always one of them (the newest until a choice).
     """
 
     devices: int = 2
@@ -64,6 +68,7 @@ class Config:
     driver: bool = True
     runtime_version: int = 13000
     driver_version: int = 13000
+    runtimes: Tuple[int, ...] = ()
 
 
 #: Runtime versions the simulator can play: those with a committed export list.
@@ -86,6 +91,19 @@ def parse_cuda_version(text, what: str) -> int:
     if value < 1000:
         raise ValueError(f"{what}={text!r} is not a CUDA version (1000*major+10*minor, e.g. 12040)")
     return value
+
+
+def parse_cuda_versions(text, what: str) -> Tuple[int, ...]:
+    """``"12.4,13.0"`` / ``"13.0"`` / 12040 / (12040, 13000) -> sorted distinct versions."""
+    if isinstance(text, (tuple, list)):
+        items = list(text)
+    elif isinstance(text, str):
+        items = [t for t in text.split(",") if t.strip()]
+    else:
+        items = [text]
+    if not items:
+        raise ValueError(f"{what}={text!r} names no CUDA version; use e.g. '12.4' or '12.4,13.0'")
+    return tuple(sorted({parse_cuda_version(t, what) for t in items}))
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
@@ -136,10 +154,14 @@ def _env_config() -> Config:
             kw["delay_us"] = float(raw)
         except ValueError:
             raise ValueError(f"ACCEL_SIM_DELAY_US={raw!r} is not a number of microseconds") from None
-    for var, key in (("ACCEL_SIM_CUDA_RUNTIME", "runtime_version"), ("ACCEL_SIM_CUDA_DRIVER", "driver_version")):
-        raw = env.get(var)
-        if raw and raw.strip():
-            kw[key] = parse_cuda_version(raw, var)
+    raw = env.get("ACCEL_SIM_CUDA_RUNTIME")
+    if raw and raw.strip():
+        # one version (the single installed runtime) or several: "12.4,13.0" = both installed
+        kw["runtimes"] = parse_cuda_versions(raw, "ACCEL_SIM_CUDA_RUNTIME")
+        kw["runtime_version"] = kw["runtimes"][-1]
+    raw = env.get("ACCEL_SIM_CUDA_DRIVER")
+    if raw and raw.strip():
+        kw["driver_version"] = parse_cuda_version(raw, "ACCEL_SIM_CUDA_DRIVER")
     return _validated(Config(**kw))
 
 
@@ -150,10 +172,16 @@ def _validated(cfg: Config) -> Config:
         raise ValueError(f"simulated memory per device must be a positive byte count, got {cfg.memory!r}")
     if cfg.delay_us < 0:
         raise ValueError(f"delay_us must be >= 0, got {cfg.delay_us!r}")
-    if cfg.runtime_version not in RUNTIME_VERSIONS:
-        known = ", ".join(f"{v // 1000}.{v % 1000 // 10}" for v in RUNTIME_VERSIONS)
-        raise ValueError(f"simulated CUDA runtime version {cfg.runtime_version!r} has no export list; "
-                         f"use one of {known} (tools/cudart_exports.py adds others)")
+    if not cfg.runtimes:
+        cfg = replace(cfg, runtimes=(cfg.runtime_version,))
+    for version in cfg.runtimes + (cfg.runtime_version,):
+        if version not in RUNTIME_VERSIONS:
+            known = ", ".join(f"{v // 1000}.{v % 1000 // 10}" for v in RUNTIME_VERSIONS)
+            raise ValueError(f"simulated CUDA runtime version {version!r} has no export list; "
+                             f"use one of {known} (tools/cudart_exports.py adds others)")
+    if cfg.runtime_version not in cfg.runtimes:
+        raise ValueError(f"simulated runtime_version {cfg.runtime_version!r} is not among the installed "
+                         f"runtimes {cfg.runtimes!r}")
     if not isinstance(cfg.driver_version, int) or cfg.driver_version < 1000:
         raise ValueError(f"simulated driver CUDA version must be an int like 12040, got {cfg.driver_version!r}")
     if not isinstance(cfg.name, str) or not cfg.name:
@@ -163,6 +191,7 @@ def _validated(cfg: Config) -> Config:
 
 _overrides: Dict[str, object] = {}
 _config: Optional[Config] = None
+_selected_runtime: Optional[int] = None   # select_runtime(): the installed runtime accel opened
 #: Seconds to sleep before each stream operation (Config.delay_us / 1e6), read by workers.
 delay_s = 0.0
 
@@ -175,6 +204,8 @@ def config() -> Config:
         cfg = _env_config()
         if _overrides:
             cfg = _validated(replace(cfg, **_overrides))
+        if _selected_runtime in cfg.runtimes and cfg.runtime_version != _selected_runtime:
+            cfg = replace(cfg, runtime_version=_selected_runtime)
         _config = cfg
         delay_s = cfg.delay_us / 1e6
     return cfg
@@ -182,7 +213,8 @@ def config() -> Config:
 
 _FIELDS = {f.name for f in fields(Config)}
 #: Changing these rebuilds the simulated machine (its runtime state is dropped).
-_STRUCTURAL = {"devices", "memory", "compute_capability", "name", "driver", "runtime_version", "driver_version"}
+_STRUCTURAL = {"devices", "memory", "compute_capability", "name", "driver", "runtime_version", "driver_version",
+               "runtimes"}
 
 
 def configure(**settings) -> Config:
@@ -191,14 +223,16 @@ def configure(**settings) -> Config:
     Keys: ``devices`` (int), ``memory`` (bytes or "8G"), ``compute_capability``
     ("9.0" or (9, 0)), ``delay_us`` (float), ``name`` (str), ``nvml`` / ``cudart``
     (False: the library "is not installed"), ``driver`` (False: no driver),
-    ``runtime_version`` / ``driver_version`` ("12.4" or 12040).
+    ``runtime_version`` / ``driver_version`` ("12.4" or 12040; ``runtime_version``
+    also takes several, "12.4,13.0": all installed, the newest opened until
+    :func:`select_runtime` picks another).
 
     ``delay_us``, ``nvml`` and ``cudart`` apply immediately.  Changing the
     machine itself (devices, memory, compute capability, name, driver) drops
     the simulated runtime state, as if the process restarted, so call it
     before the backend first uses the device.  :func:`reset` forgets overrides.
     """
-    global _config
+    global _config, _selected_runtime
     unknown = set(settings) - _FIELDS
     if unknown:
         raise TypeError(f"configure() got unknown setting(s) {sorted(unknown)}; "
@@ -209,9 +243,19 @@ def configure(**settings) -> Config:
         settings["compute_capability"] = parse_cc(settings["compute_capability"])
     if "delay_us" in settings:
         settings["delay_us"] = float(settings["delay_us"])
-    for key in ("runtime_version", "driver_version"):
-        if key in settings:
-            settings[key] = parse_cuda_version(settings[key], key)
+    if "runtime_version" in settings:
+        # one version keeps its meaning (the only installed runtime); several are all installed
+        installed = parse_cuda_versions(settings["runtime_version"], "runtime_version")
+        settings["runtime_version"] = installed[-1]
+        settings.setdefault("runtimes", installed)
+        _selected_runtime = None
+    if "runtimes" in settings:
+        settings["runtimes"] = parse_cuda_versions(settings["runtimes"], "runtimes")
+        if "runtime_version" not in settings:
+            settings["runtime_version"] = settings["runtimes"][-1]
+            _selected_runtime = None
+    if "driver_version" in settings:
+        settings["driver_version"] = parse_cuda_version(settings["driver_version"], "driver_version")
     for key in ("nvml", "cudart", "driver"):
         if key in settings and not isinstance(settings[key], bool):
             raise TypeError(f"configure({key}=...) takes a bool, got {settings[key]!r}")
@@ -223,6 +267,26 @@ def configure(**settings) -> Config:
     if structural:
         for reset_fn, _fork in list(_resetters.values()):
             reset_fn()
+    return config()
+
+
+def select_runtime(version) -> Config:
+    """Make installed simulated runtime ``version`` the libcudart that is opened, as the
+    dynamic loader would load the file accel's library choice picked.  Drops the simulated
+    runtime's state when this changes the version (a process loads one libcudart)."""
+    global _config, _selected_runtime
+    version = parse_cuda_version(version, "runtime version")
+    cfg = config()
+    if version not in cfg.runtimes:
+        installed = ", ".join(f"{v // 1000}.{v % 1000 // 10}" for v in cfg.runtimes)
+        raise ValueError(f"simulated CUDA runtime {version // 1000}.{version % 1000 // 10} is not installed; "
+                         f"installed: {installed} (set ACCEL_SIM_CUDA_RUNTIME, e.g. '12.4,13.0')")
+    _selected_runtime = version
+    if cfg.runtime_version != version:
+        _config = None
+        hooks = _resetters.get("cudart")
+        if hooks is not None:
+            hooks[0]()
     return config()
 
 
@@ -517,12 +581,13 @@ def state_fields() -> dict:
 
 def reset() -> None:
     """Drop every simulated library's state, faults, counters and overrides."""
-    global _config
+    global _config, _selected_runtime
     for reset_fn, _fork in list(_resetters.values()):
         reset_fn()
     clear_faults()
     reset_call_counts()
     _overrides.clear()
+    _selected_runtime = None
     _config = None
 
 

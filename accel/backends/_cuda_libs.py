@@ -1,0 +1,357 @@
+"""Which libcudart to load: every installed candidate, its CUDA version, and the driver's.
+
+The dynamic loader takes the first ``libcudart`` it finds; with the CUDA 13 wheel on
+an R535-R570 driver (CUDA 12.x) every runtime call then returns
+cudaErrorInsufficientDriver (35).  This module lists every candidate, reads each one's
+version without starting CUDA (the real file name ``libcudart.so.12.4.127`` where the
+realpath has it, else ``cudaRuntimeGetVersion``, which initializes nothing), reads the
+CUDA version the driver supports without starting CUDA (NVML
+``nvmlSystemGetCudaDriverVersion_v2``), and picks one, keeping a verdict per candidate
+for ``python -m accel``.
+
+What "the driver supports runtime X.Y" means here (REFERENCE.md "Runtime vs driver
+versions"; CUDA Compatibility guide, "Minor Version Compatibility"): a runtime runs on
+any driver whose CUDA version has the same major or a newer one (12.x needs R525+,
+i.e. a driver reporting CUDA >= 12.0; 13.x needs R580+, CUDA >= 13.0).  A driver of an
+older major makes every runtime call return 35.  Within a major, a runtime newer than
+the driver runs by minor-version compatibility but features newer than the driver
+(and PTX newer than it) fail, so a runtime the driver fully supports (X.Y <= the
+driver's version) is preferred; among equals the newest wins.
+
+Pure logic plus probes; the CUDA backend and ``accel._ffi.open_library("cudart")``
+call :func:`choose`.  The simulator supplies its installed runtimes as candidates.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+#: Driver branch that first supports each CUDA major (CUDA Compatibility guide, table 3).
+MIN_DRIVER_BRANCH = {12: "R525", 13: "R580"}
+#: What to install for a runtime of each major when the driver is older.
+RUNTIME_WHEEL = {12: "nvidia-cuda-runtime-cu12", 13: "nvidia-cuda-runtime"}
+
+_SONAMES = ("libcudart.so.13", "libcudart.so.12")
+_VERSION_IN_NAME = re.compile(r"libcudart\.so\.(\d+)\.(\d+)(?:\.\d+)?$")
+
+
+def vtext(version: Optional[int]) -> str:
+    """12040 -> "12.4" (None -> "unknown")."""
+    if version is None:
+        return "unknown"
+    return f"{version // 1000}.{version % 1000 // 10}"
+
+
+@dataclass
+class Candidate:
+    """One libcudart that might be loaded, and what accel made of it.
+
+    ``path`` is what is handed to the loader (a file, or a bare soname), ``source``
+    where it came from, ``resolved`` the file it is (None when it did not load),
+    ``version`` its CUDA version (``1000 * major + 10 * minor``), ``verdict``
+    ``"taken"`` or ``"rejected"`` and ``reason`` why.
+    """
+    path: str
+    source: str
+    resolved: Optional[str] = None
+    version: Optional[int] = None
+    version_from: str = ""
+    verdict: str = "rejected"
+    reason: str = ""
+
+    def as_dict(self) -> dict:
+        return {"path": self.path, "source": self.source, "file": self.resolved,
+                "version": vtext(self.version) if self.version else None, "verdict": self.verdict,
+                "reason": self.reason}
+
+
+@dataclass
+class Choice:
+    """The outcome: the candidate taken (or None), every candidate with its verdict, the
+    driver's CUDA version and where it came from, and ``error``: why the taken library
+    cannot run (an explicit ``ACCEL_CUDART_PATH`` too new for the driver) or, with
+    nothing taken, why nothing can."""
+    chosen: Optional[Candidate]
+    candidates: List[Candidate]
+    driver_version: Optional[int]
+    driver_note: str
+    explicit: bool = False
+    error: Optional[str] = None
+
+    @property
+    def usable(self) -> bool:
+        return self.chosen is not None and self.error is None
+
+    def as_dict(self) -> dict:
+        return {"chosen": self.chosen.path if self.chosen else None,
+                "chosen_version": vtext(self.chosen.version) if self.chosen else None,
+                "driver_cuda_version": vtext(self.driver_version) if self.driver_version else None,
+                "driver_version_from": self.driver_note, "explicit": self.explicit, "error": self.error,
+                "candidates": [c.as_dict() for c in self.candidates]}
+
+
+def supports(driver_version: int, runtime_version: int) -> bool:
+    """True when a driver supporting CUDA ``driver_version`` runs runtime ``runtime_version``:
+    the driver's major is at least the runtime's (minor-version compatibility within a
+    major, backward compatibility across majors)."""
+    return driver_version // 1000 >= runtime_version // 1000
+
+
+def _install_hint(runtime_version: int, driver_version: int) -> str:
+    major, dmajor = runtime_version // 1000, driver_version // 1000
+    hints = []
+    if dmajor in RUNTIME_WHEEL:
+        hints.append(f"pip install {RUNTIME_WHEEL[dmajor]} (a CUDA {dmajor} runtime this driver runs; "
+                     f"ACCEL_CUDART_PATH can point at its lib/)")
+    hints.append(f"install a driver >= {MIN_DRIVER_BRANCH.get(major, 'supporting CUDA %d' % major)} "
+                 f"(CUDA {major}.x)")
+    return " or ".join(hints)
+
+
+def too_new_message(c: Candidate, driver_version: int) -> str:
+    return (f"libcudart {vtext(c.version)} ({c.resolved or c.path}) needs a driver supporting CUDA "
+            f"{c.version // 1000}.0 or newer; the driver supports CUDA {vtext(driver_version)}: "
+            f"{_install_hint(c.version, driver_version)}")
+
+
+def choose(cands: Sequence[Candidate], driver_version: Optional[int], driver_note: str,
+           majors: Sequence[int], explicit: bool = False) -> Choice:
+    """Pick among probed candidates (``version`` set where they loaded).  Sets every
+    candidate's verdict; returns the :class:`Choice`."""
+    cands = list(cands)
+    for c in cands:
+        c.verdict = "rejected"
+    loaded = [c for c in cands if c.version]
+    if explicit:
+        # ACCEL_CUDART_PATH is honoured: it is the only candidate and it is taken when it
+        # loads; a runtime the driver cannot run is an error at first runtime use.
+        c = cands[0]
+        if not c.version:
+            return Choice(None, cands, driver_version, driver_note, True,
+                          f"ACCEL_CUDART_PATH={c.path!r} cannot be used: {c.reason}")
+        if c.version // 1000 not in majors:
+            c.reason = _no_bindings(c.version, majors)
+            return Choice(None, cands, driver_version, driver_note, True,
+                          f"ACCEL_CUDART_PATH={c.path!r}: {c.reason}")
+        c.verdict = "taken"
+        error = None
+        if driver_version is not None and not supports(driver_version, c.version):
+            error = too_new_message(c, driver_version)
+            c.reason = f"set by ACCEL_CUDART_PATH, but {error}"
+        else:
+            c.reason = "set by ACCEL_CUDART_PATH" + (f" ({driver_note})" if driver_version is None else "")
+        return Choice(c, cands, driver_version, driver_note, True, error)
+
+    eligible = []
+    for c in loaded:
+        if c.version // 1000 not in majors:
+            c.reason = _no_bindings(c.version, majors)
+        elif driver_version is not None and not supports(driver_version, c.version):
+            c.reason = too_new_message(c, driver_version)
+        else:
+            eligible.append(c)
+    if not eligible:
+        too_new = [c for c in loaded if c.version // 1000 in majors]
+        if too_new:
+            error = "no libcudart the driver can run: " + "; ".join(c.reason for c in too_new)
+        elif loaded:
+            error = "no libcudart accel has bindings for: " + "; ".join(
+                f"{c.resolved or c.path}: {c.reason}" for c in loaded)
+        else:
+            error = "no libcudart found: " + "; ".join(f"{c.path}: {c.reason}" for c in cands)
+        return Choice(None, cands, driver_version, driver_note, False, error)
+
+    def rank(c):
+        full = driver_version is None or c.version <= driver_version
+        return (full, c.version)
+    best = max(eligible, key=rank)   # max() keeps the first of equals: the search order decides
+    best.verdict = "taken"
+    if driver_version is None:
+        best.reason = f"newest runtime with bindings ({driver_note})"
+    elif best.version <= driver_version:
+        best.reason = f"newest runtime the driver (CUDA {vtext(driver_version)}) supports"
+    else:
+        best.reason = (f"runs on the driver's CUDA {vtext(driver_version)} by minor-version compatibility "
+                       f"(no installed runtime <= {vtext(driver_version)})")
+    for c in eligible:
+        if c is best:
+            continue
+        if c.version == best.version:
+            c.reason = f"same CUDA {vtext(c.version)} as {best.resolved or best.path}, found earlier"
+        elif c.version < best.version:
+            c.reason = f"{vtext(c.version)} < {vtext(best.version)}: the newer one is preferred"
+        else:
+            c.reason = (f"{vtext(c.version)} is newer than the driver's CUDA {vtext(driver_version)} "
+                        f"(it would run only by minor-version compatibility); {vtext(best.version)}, "
+                        f"which the driver fully supports, is preferred")
+    return Choice(best, cands, driver_version, driver_note, False, None)
+
+
+def _no_bindings(version: int, majors: Sequence[int]) -> str:
+    return (f"no bindings for CUDA major {version // 1000} (accel has "
+            f"{', '.join(str(m) for m in majors)})")
+
+
+# -- the real candidates -----------------------------------------------------------
+
+def _site_dirs() -> List[str]:
+    out = []
+    for p in sys.path:
+        if p and p.endswith(("site-packages", "dist-packages")) and p not in out:
+            out.append(p)
+    return out
+
+
+def _pathfinder_path() -> Optional[str]:
+    """Where cuda.pathfinder (NVIDIA's library finder, optional) finds libcudart, if installed.
+    Its public API finds by loading (load_nvidia_dynamic_lib -> LoadedDL.abs_path); loading a
+    libcudart starts nothing."""
+    try:
+        from cuda import pathfinder  # type: ignore
+    except Exception:
+        return None
+    try:
+        return pathfinder.load_nvidia_dynamic_lib("cudart").abs_path
+    except Exception:
+        return None
+
+
+def real_candidates() -> Tuple[List[Candidate], bool]:
+    """The candidate libcudart files in search order, and whether ACCEL_CUDART_PATH chose one.
+    Not probed yet (no version)."""
+    env = os.environ.get("ACCEL_CUDART_PATH")
+    if env:
+        return [Candidate(env, "ACCEL_CUDART_PATH")], True
+    out: List[Candidate] = [Candidate(s, "dynamic loader (soname)") for s in _SONAMES]
+    homes = [(v, os.environ.get(v)) for v in ("CUDA_HOME", "CUDA_PATH")]
+    homes = [(v, h) for v, h in homes if h] + [("/usr/local/cuda", "/usr/local/cuda")]
+    for var, home in homes:
+        for sub in ("lib64", "lib"):
+            for s in _SONAMES:
+                out.append(Candidate(os.path.join(home, sub, s), var))
+    for sp in _site_dirs():
+        # REFERENCE.md: nvidia-cuda-runtime (13.x) -> nvidia/cu13/lib/libcudart.so.13,
+        # nvidia-cuda-runtime-cu12 -> nvidia/cuda_runtime/lib/libcudart.so.12
+        out.append(Candidate(os.path.join(sp, "nvidia", "cu13", "lib", "libcudart.so.13"), "pip nvidia-cuda-runtime"))
+        out.append(Candidate(os.path.join(sp, "nvidia", "cuda_runtime", "lib", "libcudart.so.12"),
+                             "pip nvidia-cuda-runtime-cu12"))
+    found = _pathfinder_path()
+    if found:
+        out.append(Candidate(found, "cuda.pathfinder"))
+    # drop a path listed twice (CUDA_HOME=/usr/local/cuda)
+    seen, uniq = set(), []
+    for c in out:
+        key = os.path.normpath(c.path) if os.sep in c.path else c.path
+        if key not in seen:
+            seen.add(key)
+            uniq.append(c)
+    return uniq, False
+
+
+def _resolved(path: str) -> str:
+    """The file a path or bare soname loads (Linux: /proc/self/maps after dlopen)."""
+    if os.sep in path:
+        return os.path.realpath(path)
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(None, 5)
+                if len(parts) == 6 and os.path.basename(parts[5].strip()).startswith(path):
+                    return os.path.realpath(parts[5].strip())
+    except OSError:
+        pass
+    return path
+
+
+_probe_lock = threading.Lock()
+_probed: Dict[str, Tuple[Optional[str], Optional[int], str, str]] = {}
+
+
+def probe(c: Candidate) -> Candidate:
+    """Fill ``resolved``/``version`` (or ``reason`` when it does not load).  Cached per path."""
+    with _probe_lock:
+        got = _probed.get(c.path)
+        if got is None:
+            got = _probed[c.path] = _probe(c.path)
+    c.resolved, c.version, c.version_from, c.reason = got
+    return c
+
+
+def _probe(path: str):
+    if os.sep in path and not os.path.exists(path):
+        return None, None, "", "not found"
+    m = _VERSION_IN_NAME.search(os.path.realpath(path)) if os.sep in path else None
+    from .._ffi import _cudart   # cudaRuntimeGetVersion: one signature in every major
+    try:
+        lib = _cudart.ffi.dlopen(path)
+    except OSError as exc:
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return None, None, "", ("not found" if "cannot open shared object" in text and os.sep not in path
+                                else f"does not load: {text}")
+    resolved = _resolved(path)
+    if m is None:
+        m = _VERSION_IN_NAME.search(resolved)
+    if m is not None:
+        return resolved, 1000 * int(m.group(1)) + 10 * int(m.group(2)), "file name", ""
+    try:
+        v = _cudart.ffi.new("int *")
+        rc = lib.cudaRuntimeGetVersion(v)   # initializes nothing
+    except (AttributeError, _cudart.ffi.error):
+        return resolved, None, "", "not a libcudart (no cudaRuntimeGetVersion)"
+    if rc != 0 or v[0] <= 0:
+        return resolved, None, "", f"cudaRuntimeGetVersion returned {rc}"
+    return resolved, v[0] // 10 * 10, "cudaRuntimeGetVersion", ""
+
+
+def dedupe(cands: List[Candidate]) -> None:
+    """A file reached by several candidates (a soname and its directory) keeps its first
+    entry; the others are rejected as duplicates."""
+    first: Dict[str, Candidate] = {}
+    for c in cands:
+        if c.version and c.resolved:
+            if c.resolved in first:
+                c.reason = f"same file as {first[c.resolved].path}"
+                c.version = None
+            else:
+                first[c.resolved] = c
+
+
+def driver_version_from_nvml(ffi, lib) -> Tuple[Optional[int], str]:
+    """The CUDA version an initialized NVML says the driver supports (starts no CUDA)."""
+    v = ffi.new("int *")
+    rc = lib.nvmlSystemGetCudaDriverVersion_v2(v)
+    if rc != 0 or v[0] <= 0:
+        return None, f"driver version unknown: nvmlSystemGetCudaDriverVersion_v2 returned {rc}"
+    return v[0], "NVML nvmlSystemGetCudaDriverVersion_v2"
+
+
+def choose_real(driver_version: Optional[int], driver_note: str) -> Choice:
+    """Enumerate, probe and choose among the real libcudart files."""
+    from .._ffi import CUDART_MAJORS
+    cands, explicit = real_candidates()
+    for c in cands:
+        probe(c)
+    if not explicit:
+        dedupe(cands)
+    return choose(cands, driver_version, driver_note, CUDART_MAJORS, explicit)
+
+
+def read_driver_version() -> Tuple[Optional[int], str]:
+    """The driver's CUDA version from NVML, opening and initializing it for this call only."""
+    from .._ffi import open_library
+    try:
+        ffi, lib, _path = open_library("nvml")
+    except OSError:
+        return None, "driver version unknown: NVML missing"
+    rc = lib.nvmlInit_v2()
+    if rc != 0:
+        return None, f"driver version unknown: nvmlInit_v2 returned {rc}"
+    try:
+        return driver_version_from_nvml(ffi, lib)
+    finally:
+        lib.nvmlShutdown()
