@@ -226,6 +226,9 @@ def real_candidates() -> Tuple[List[Candidate], bool]:
     Not probed yet (no version)."""
     env = os.environ.get("ACCEL_CUDART_PATH")
     if env:
+        if os.path.isdir(env):   # a wheel's or toolkit's lib/ directory: the libcudart in it
+            files = [os.path.join(env, s) for s in _SONAMES]
+            env = next((f for f in files if os.path.exists(f)), files[0])
         return [Candidate(env, "ACCEL_CUDART_PATH")], True
     out: List[Candidate] = [Candidate(s, "dynamic loader (soname)") for s in _SONAMES]
     homes = [(v, os.environ.get(v)) for v in ("CUDA_HOME", "CUDA_PATH")]
