@@ -1,98 +1,52 @@
-"""Runtime x driver matrix (issue 14 item 5) through the public API on the simulator:
-{runtime 12.4, 12.8, 13.0} x {driver 12.2, 12.4, 12.8, 13.0}.  Per cell: device count,
-init or its clear error, properties, and an RNG fill on device 1 (device 0 current) by
-the kernel path the runtime offers.
+"""Runtime x driver matrix (issue 14 items 1 and 5) through the public API on the simulator:
+{runtime 12.4, 12.8, 13.0, 12.4 and 13.0 installed together} x {driver 12.2, 12.4, 12.8, 13.0}.
+Per cell: the libcudart chosen, device count, init or its clear error, properties, and an RNG
+fill on device 1 (device 0 current) by the kernel path the runtime offers.  The cells are run
+by tools/runtime_matrix.py, which prints the table:
 
-    python tests/test_runtime_matrix.py     # print the table (chosen library, outcome, message)
+    python tools/runtime_matrix.py
 """
 
 import os
 import sys
-import warnings
 
 import pytest
 
 np = pytest.importorskip("numpy")
 
-import accel  # noqa: E402
-import accel.random as R  # noqa: E402
-from accel import _lazy, sim  # noqa: E402
-from accel.random import philox  # noqa: E402
+from accel import sim  # noqa: E402
 
-RUNTIMES = ("12.4", "12.8", "13.0")
-DRIVERS = ("12.2", "12.4", "12.8", "13.0")
-SEED = 0xC0FFEE
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+import runtime_matrix  # noqa: E402
 
-
-def _version(text: str) -> int:
-    major, minor = text.split(".")
-    return 1000 * int(major) + 10 * int(minor)
-
-
-def expected(runtime: str, driver: str) -> dict:
-    """What the hardware does: a runtime needs a driver of its major version or newer (minor
-    version compatibility within a major); kernels load through cudaLibrary* from 12.8 on,
-    through the driver entry points before."""
-    works = _version(driver) >= _version(runtime) // 1000 * 1000
-    return {"works": works, "kernel_path": ("library" if _version(runtime) >= 12080 else "driver") if works else None}
-
-
-def run_cell(runtime: str, driver: str) -> dict:
-    """Run one cell in this process (the caller has set ACCEL_SIM=cuda); returns what happened."""
-    os.environ["ACCEL_SIM_CUDA_RUNTIME"] = runtime
-    os.environ["ACCEL_SIM_CUDA_DRIVER"] = driver
-    _lazy._reset_for_tests()
-    sim.reset()
-    cell = {"runtime": runtime, "driver": driver, "count": accel.device_count()}
-    try:
-        props = accel.get_device_properties(1)
-        cell["properties"] = (props.name, props.total_memory)
-        backend = _lazy.lazy_init()
-        rep = backend.report()
-        cell["library"] = f"libcudart {rep.get('runtime_version')} ({rep.get('library')})"
-        cell.update(backend.kernel_path())
-        R.manual_seed_all(SEED)
-        with accel.device_index(1):
-            buf = accel.Buffer(4 * 1000)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            R.random_raw_(buf)
-            got = buf.to_numpy("uint32")
-        cell["fill_ok"] = bool(np.array_equal(got, philox.raw_words(SEED, 0, 1000)))
-        cell["fill_warnings"] = [str(w.message) for w in caught]
-        cell["jit_compiles"] = sim.state().jit_compiles
-        cell["outcome"] = "works"
-        cell["message"] = (f"{cell['count']} devices; fill on cuda:1 via "
-                           f"{cell['kernel_path_detail'] if not cell['fill_warnings'] else 'host path'}, "
-                           f"{cell['jit_compiles']} PTX JIT")
-    except accel.AcceleratorError as exc:
-        cell["outcome"] = "refused"
-        cell["message"] = f"device_count() {cell['count']}; {exc}"
-        cell["code"] = exc.code
-        rep = _lazy.backend().report()
-        cell["library"] = f"libcudart {rep.get('runtime_version')} ({rep.get('library')})"
-    return cell
+MATRIX_RUNTIMES = runtime_matrix.RUNTIMES
+RUNTIMES = ("12.4", "12.8", "13.0")      # the simulated runtimes with export lists
+DRIVERS = runtime_matrix.DRIVERS
+_version = runtime_matrix.version
 
 
 @pytest.mark.parametrize("driver", DRIVERS)
-@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("runtime", MATRIX_RUNTIMES)
 def test_cell(monkeypatch, runtime, driver):
     monkeypatch.setenv("ACCEL_SIM", "cuda")
     monkeypatch.setenv("ACCEL_SIM_CUDA_RUNTIME", runtime)
     monkeypatch.setenv("ACCEL_SIM_CUDA_DRIVER", driver)
-    want = expected(runtime, driver)
-    cell = run_cell(runtime, driver)
+    want = runtime_matrix.expected(runtime, driver)
+    cell = runtime_matrix.run_cell(runtime, driver)
+    assert cell["chosen"] == want["chosen"], cell
     if want["works"]:
         assert cell["outcome"] == "works", cell["message"]
-        assert cell["count"] == 2 and cell["properties"][1] > 0
+        assert cell["count"] == 2 and cell["available"] and cell["properties"][1] > 0
         assert cell["kernel_path"] == want["kernel_path"]
         assert cell["fill_ok"] and not cell["fill_warnings"], cell
         assert cell["jit_compiles"] == 0          # the fatbin's sm_90 SASS
     else:
-        # Every runtime call returns cudaErrorInsufficientDriver (35); accel says so, naming the error.
-        assert cell["outcome"] == "refused"
-        assert cell["code"] == 35 or "needs a driver" in cell["message"], cell["message"]
-        assert "InsufficientDriver" in cell["message"] or "needs a driver" in cell["message"]
+        # No installed runtime runs on this driver: not available (NVML still sees 2 GPUs), and
+        # the error names the runtime's and the driver's versions instead of a 35 from every call.
+        assert cell["outcome"] == "refused" and cell["count"] == 0 and not cell["available"]
+        assert "needs a driver supporting CUDA 13.0" in cell["message"], cell["message"]
+        assert f"the driver supports CUDA {driver}" in cell["message"]
+        assert not sim.state().runtime_initialized
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
@@ -141,15 +95,5 @@ def test_bad_version_settings_are_refused_by_name(monkeypatch, var, value):
     assert sim.config().runtime_version == 13000
 
 
-def table() -> str:
-    os.environ["ACCEL_SIM"] = "cuda"
-    rows = ["| runtime | driver | chosen library | outcome | message |", "|---|---|---|---|---|"]
-    for runtime in RUNTIMES:
-        for driver in DRIVERS:
-            c = run_cell(runtime, driver)
-            rows.append(f"| {runtime} | {driver} | {c.get('library')} | {c['outcome']} | {c['message']} |")
-    return "\n".join(rows)
-
-
 if __name__ == "__main__":
-    sys.exit(print(table()))
+    sys.exit(runtime_matrix.main())
