@@ -442,6 +442,15 @@ CUDADRV_TYPES = [
     "PFN_cuGetErrorName_v6000", "PFN_cuGetErrorString_v6000",
     "PFN_cuModuleLoadData_v2000", "PFN_cuModuleUnload_v2000", "PFN_cuModuleGetFunction_v2000",
     "PFN_cuLaunchKernel_v4000",
+    # Virtual memory (issue 15 item 1: the caching allocator's expandable segments).  The same
+    # ABIs (_v10020, _v2000) and struct layouts (CUmemAllocationProp_v1, CUmemAccessDesc_v1,
+    # CUmemLocation_v1) in the CUDA 12.4 and 13.0 headers, so one module serves both majors.
+    "PFN_cuDeviceGet_v2000", "PFN_cuDeviceGetAttribute_v2000",
+    "PFN_cuMemGetAllocationGranularity_v10020",
+    "PFN_cuMemAddressReserve_v10020", "PFN_cuMemAddressFree_v10020",
+    "PFN_cuMemCreate_v10020", "PFN_cuMemRelease_v10020",
+    "PFN_cuMemMap_v10020", "PFN_cuMemUnmap_v10020",
+    "PFN_cuMemSetAccess_v10020", "PFN_cuMemGetAccess_v10020",
 ]
 
 # The runtime calls that hand out those pointers (added here only if the list above
