@@ -159,3 +159,27 @@ def test_explicit_real_runtime_too_new_for_the_driver_is_a_clear_error(monkeypat
     finally:
         nvml.nvmlShutdown()
         sim.reset()
+
+
+def test_cuda_pathfinder_is_a_candidate_when_importable(monkeypatch, tmp_path):
+    import types
+    lib = tmp_path / "libcudart.so.12"
+    lib.write_bytes(b"")
+    pf = types.ModuleType("cuda.pathfinder")
+    pf.load_nvidia_dynamic_lib = lambda name: types.SimpleNamespace(abs_path=str(lib))
+    cuda = types.ModuleType("cuda")
+    cuda.pathfinder = pf
+    monkeypatch.setitem(sys.modules, "cuda", cuda)
+    monkeypatch.setitem(sys.modules, "cuda.pathfinder", pf)
+    cands, explicit = _cuda_libs.real_candidates()
+    assert not explicit and (str(lib), "cuda.pathfinder") in [(c.path, c.source) for c in cands]
+    monkeypatch.setitem(sys.modules, "cuda.pathfinder", None)   # not installed: no candidate, no error
+    monkeypatch.delattr(cuda, "pathfinder")
+    assert "cuda.pathfinder" not in [c.source for c in _cuda_libs.real_candidates()[0]]
+
+
+def test_accel_cudart_path_may_name_a_directory(monkeypatch, tmp_path):
+    (tmp_path / "libcudart.so.12").write_bytes(b"")
+    monkeypatch.setenv("ACCEL_CUDART_PATH", str(tmp_path))
+    cands, explicit = _cuda_libs.real_candidates()
+    assert explicit and [c.path for c in cands] == [str(tmp_path / "libcudart.so.12")]

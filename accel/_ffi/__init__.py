@@ -200,8 +200,10 @@ def open_library(name: str):
     if name == "cudart":
         choice = cudart_choice()
         if choice.chosen is None:
-            raise LibraryNotFound("cudart", [(c.path, c.reason) for c in choice.candidates] +
-                                  [("(choice)", choice.error or "nothing usable")])
+            tried = [(c.path, c.reason) for c in choice.candidates]
+            if any(c.version for c in choice.candidates):   # some loaded, none can be used: say why
+                tried.append(("(choice)", choice.error or "nothing usable"))
+            raise LibraryNotFound("cudart", tried)
         got = open_cudart(choice.chosen.path, choice.chosen.version // 1000)
         with _lock:
             return _opened.setdefault(name, got)
@@ -228,20 +230,23 @@ def open_library(name: str):
         raise LibraryNotFound(name, tried)
 
 
-_choice = None
+_choice = (None, None)   # (the environment it was made for, Choice)
 
 
 def cudart_choice(refresh: bool = False):
     """Which libcudart this process uses and why: an ``accel.backends._cuda_libs.Choice``
     (every candidate with its version and verdict, the driver's CUDA version read from
-    NVML).  Computed once per process (``refresh`` recomputes); loads candidate libraries
-    to read their versions but starts nothing."""
+    NVML).  Made once per ACCEL_CUDART_PATH/CUDA_HOME/CUDA_PATH setting (``refresh``
+    remakes it); loads candidate libraries to read their versions but starts nothing."""
     global _choice
-    if _choice is None or refresh:
+    key = tuple(os.environ.get(v) for v in ("ACCEL_CUDART_PATH", "CUDA_HOME", "CUDA_PATH"))
+    made_for, choice = _choice
+    if choice is None or refresh or made_for != key:
         from ..backends import _cuda_libs
         driver, note = _cuda_libs.read_driver_version()
-        _choice = _cuda_libs.choose_real(driver, note)
-    return _choice
+        choice = _cuda_libs.choose_real(driver, note)
+        _choice = (key, choice)
+    return choice
 
 
 _cudart_by_path: Dict[str, Tuple[object, object, str]] = {}

@@ -230,7 +230,8 @@ def real_candidates() -> Tuple[List[Candidate], bool]:
             files = [os.path.join(env, s) for s in _SONAMES]
             env = next((f for f in files if os.path.exists(f)), files[0])
         return [Candidate(env, "ACCEL_CUDART_PATH")], True
-    out: List[Candidate] = [Candidate(s, "dynamic loader (soname)") for s in _SONAMES]
+    # the sonames, then the unversioned development link (its version is read like any other)
+    out: List[Candidate] = [Candidate(s, "dynamic loader (soname)") for s in _SONAMES + ("libcudart.so",)]
     homes = [(v, os.environ.get(v)) for v in ("CUDA_HOME", "CUDA_PATH")]
     homes = [(v, h) for v, h in homes if h] + [("/usr/local/cuda", "/usr/local/cuda")]
     for var, home in homes:
@@ -287,7 +288,7 @@ def probe(c: Candidate) -> Candidate:
 
 def _probe(path: str):
     if os.sep in path and not os.path.exists(path):
-        return None, None, "", "not found"
+        return None, None, "", "no such file"
     m = _VERSION_IN_NAME.search(os.path.realpath(path)) if os.sep in path else None
     from .._ffi import _cudart   # cudaRuntimeGetVersion: one signature in every major
     try:
