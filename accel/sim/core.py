@@ -56,6 +56,11 @@ class Config:
     CUDA 13 toolkit, say); accel's library choice picks one of them by the
     driver version and :func:`select_runtime` makes it the one opened.
     ``runtime_version`` is always one of them (the newest until a choice).
+    ``vmm`` False makes the devices report no virtual memory management
+    (CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 0, the cuMem* VMM calls
+    CUDA_ERROR_NOT_SUPPORTED); ``vmm_cost_us`` is slept by every map and unmap
+    (cuMemMap/cuMemUnmap, zeVirtualMemMap/Unmap), to make page remapping slow on purpose
+    (env ``ACCEL_SIM_VMM_COST_US``).
     """
 
     devices: int = 2
@@ -69,6 +74,8 @@ class Config:
     runtime_version: int = 13000
     driver_version: int = 13000
     runtimes: Tuple[int, ...] = ()
+    vmm: bool = True
+    vmm_cost_us: float = 0.0
 
 
 #: Runtime versions the simulator can play: those with a committed export list.
@@ -154,6 +161,12 @@ def _env_config() -> Config:
             kw["delay_us"] = float(raw)
         except ValueError:
             raise ValueError(f"ACCEL_SIM_DELAY_US={raw!r} is not a number of microseconds") from None
+    raw = env.get("ACCEL_SIM_VMM_COST_US")
+    if raw:
+        try:
+            kw["vmm_cost_us"] = float(raw)
+        except ValueError:
+            raise ValueError(f"ACCEL_SIM_VMM_COST_US={raw!r} is not a number of microseconds") from None
     raw = env.get("ACCEL_SIM_CUDA_RUNTIME")
     if raw and raw.strip():
         # one version (the single installed runtime) or several: "12.4,13.0" = both installed
@@ -172,6 +185,8 @@ def _validated(cfg: Config) -> Config:
         raise ValueError(f"simulated memory per device must be a positive byte count, got {cfg.memory!r}")
     if cfg.delay_us < 0:
         raise ValueError(f"delay_us must be >= 0, got {cfg.delay_us!r}")
+    if cfg.vmm_cost_us < 0:
+        raise ValueError(f"vmm_cost_us must be >= 0, got {cfg.vmm_cost_us!r}")
     if not cfg.runtimes:
         cfg = replace(cfg, runtimes=(cfg.runtime_version,))
     for version in cfg.runtimes + (cfg.runtime_version,):
@@ -221,7 +236,8 @@ def configure(**settings) -> Config:
     """Override the simulated machine for this process (tests); returns the new Config.
 
     Keys: ``devices`` (int), ``memory`` (bytes or "8G"), ``compute_capability``
-    ("9.0" or (9, 0)), ``delay_us`` (float), ``name`` (str), ``nvml`` / ``cudart``
+    ("9.0" or (9, 0)), ``delay_us`` (float), ``vmm_cost_us`` (float), ``vmm`` (bool),
+    ``name`` (str), ``nvml`` / ``cudart``
     (False: the library "is not installed"), ``driver`` (False: no driver),
     ``runtime_version`` / ``driver_version`` ("12.4" or 12040; ``runtime_version``
     also takes several, "12.4,13.0": all installed, the newest opened until
@@ -243,6 +259,8 @@ def configure(**settings) -> Config:
         settings["compute_capability"] = parse_cc(settings["compute_capability"])
     if "delay_us" in settings:
         settings["delay_us"] = float(settings["delay_us"])
+    if "vmm_cost_us" in settings:
+        settings["vmm_cost_us"] = float(settings["vmm_cost_us"])
     if "runtime_version" in settings:
         # one version keeps its meaning (the only installed runtime); several are all installed
         installed = parse_cuda_versions(settings["runtime_version"], "runtime_version")
@@ -256,7 +274,7 @@ def configure(**settings) -> Config:
             _selected_runtime = None
     if "driver_version" in settings:
         settings["driver_version"] = parse_cuda_version(settings["driver_version"], "driver_version")
-    for key in ("nvml", "cudart", "driver"):
+    for key in ("nvml", "cudart", "driver", "vmm"):
         if key in settings and not isinstance(settings[key], bool):
             raise TypeError(f"configure({key}=...) takes a bool, got {settings[key]!r}")
     new = _validated(replace(config(), **settings))

@@ -8,22 +8,31 @@ the current device's context, cuLaunchKernel follows the same launch rules as
 cudaLaunchKernel (and is captured like it), and they return CUresult codes
 (cuda.h), not cudaError_t.  Only the functions accel uses are simulated; any
 other symbol is "not found" (stricter than a real driver, never more lenient).
+
+Virtual memory (cuMemAddressReserve/Free, cuMemCreate/Release, cuMemMap/Unmap,
+cuMemSetAccess/GetAccess, cuMemGetAllocationGranularity) works on the runtime's
+:class:`accel.sim._vmm.Space`; each rule cites the CUDA Driver API reference, section
+"Virtual Memory Management" (the function's entry), and is listed in accel/sim/README.md.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Dict, Optional, Tuple
 
-from . import core
+from . import _vmm, core
 from ._cuda_strings import ERROR_STRINGS
 
 CUDA_SUCCESS = 0
 CUDA_ERROR_INVALID_VALUE = 1
+CUDA_ERROR_OUT_OF_MEMORY = 2
 CUDA_ERROR_NOT_INITIALIZED = 3
+CUDA_ERROR_INVALID_DEVICE = 101
 CUDA_ERROR_INVALID_CONTEXT = 201
 CUDA_ERROR_INVALID_HANDLE = 400
 CUDA_ERROR_NOT_FOUND = 500
+CUDA_ERROR_NOT_SUPPORTED = 801
 
 # cudaError_t from the shared launch path -> the CUresult cuLaunchKernel returns (cuda.h); the
 # other codes the path returns (1, 400, 700, 719, 900-908) have the same value in both enums.
@@ -38,6 +47,17 @@ SYMBOLS: Dict[str, Tuple[str, int]] = {
     "cuModuleUnload": ("PFN_cuModuleUnload_v2000", 2000),
     "cuModuleGetFunction": ("PFN_cuModuleGetFunction_v2000", 2000),
     "cuLaunchKernel": ("PFN_cuLaunchKernel_v4000", 4000),
+    "cuDeviceGet": ("PFN_cuDeviceGet_v2000", 2000),
+    "cuDeviceGetAttribute": ("PFN_cuDeviceGetAttribute_v2000", 2000),
+    "cuMemGetAllocationGranularity": ("PFN_cuMemGetAllocationGranularity_v10020", 10020),
+    "cuMemAddressReserve": ("PFN_cuMemAddressReserve_v10020", 10020),
+    "cuMemAddressFree": ("PFN_cuMemAddressFree_v10020", 10020),
+    "cuMemCreate": ("PFN_cuMemCreate_v10020", 10020),
+    "cuMemRelease": ("PFN_cuMemRelease_v10020", 10020),
+    "cuMemMap": ("PFN_cuMemMap_v10020", 10020),
+    "cuMemUnmap": ("PFN_cuMemUnmap_v10020", 10020),
+    "cuMemSetAccess": ("PFN_cuMemSetAccess_v10020", 10020),
+    "cuMemGetAccess": ("PFN_cuMemGetAccess_v10020", 10020),
 }
 
 _lock = threading.Lock()
@@ -184,9 +204,286 @@ def cuLaunchKernel(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockD
     return _LAUNCH_CODES.get(rc, rc)
 
 
+# -- devices and virtual memory ----------------------------------------------------------------
+
+#: The simulated CUdevice of ordinal i is _CUDEVICE_BASE + i.  A real driver's CUdevice happens to
+#: equal the ordinal, but the Driver API only promises a handle from cuDeviceGet ("Returns in
+#: *device a device handle given an ordinal"); distinct values catch an ordinal passed as a CUdevice.
+_CUDEVICE_BASE = 0x5100
+_ATTR_VMM = 102                 # CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED (cuda.h)
+_ALLOCATION_TYPE_PINNED = 1     # CU_MEM_ALLOCATION_TYPE_PINNED
+_LOCATION_TYPE_DEVICE = 1       # CU_MEM_LOCATION_TYPE_DEVICE
+_GRANULARITY_OPTIONS = (0, 1)   # CU_MEM_ALLOC_GRANULARITY_MINIMUM, _RECOMMENDED
+_ACCESS = {0: None, 1: "r", 3: "rw"}   # CU_MEM_ACCESS_FLAGS_PROT_NONE / _READ / _READWRITE
+_ACCESS_FLAGS = {"r": 1, "rw": 3}
+_VMM_CODES = {"invalid": CUDA_ERROR_INVALID_VALUE, "oom": CUDA_ERROR_OUT_OF_MEMORY,
+              "unsupported": CUDA_ERROR_NOT_SUPPORTED}
+
+
+def vmm_available(cfg) -> bool:
+    """Whether the simulated devices support virtual memory management (Config.vmm, and a host
+    that can play it: accel.sim._vmm.supported)."""
+    return bool(cfg.vmm) and _vmm.supported()
+
+
+def cuDeviceGet(device, ordinal):
+    cudart, R, rc = _started()
+    if rc:
+        return rc
+    if device == _dffi().NULL:
+        return CUDA_ERROR_INVALID_VALUE
+    if not (0 <= ordinal < len(R.devices)):
+        return CUDA_ERROR_INVALID_DEVICE
+    device[0] = _CUDEVICE_BASE + ordinal
+    return CUDA_SUCCESS
+
+
+def _ordinal(R, dev) -> int:
+    """The ordinal of CUdevice ``dev``, or -1 when it is not one cuDeviceGet hands out."""
+    i = dev - _CUDEVICE_BASE
+    return i if 0 <= i < len(R.devices) else -1
+
+
+def cuDeviceGetAttribute(pi, attrib, dev):
+    cudart, R, rc = _started()
+    if rc:
+        return rc
+    d = _ordinal(R, dev)
+    if d < 0:
+        return CUDA_ERROR_INVALID_DEVICE
+    if pi == _dffi().NULL or not (1 <= attrib <= 147):
+        return CUDA_ERROR_INVALID_VALUE
+    if attrib == _ATTR_VMM:
+        pi[0] = 1 if vmm_available(R.cfg) else 0
+    else:
+        # CUdevice_attribute and cudaDeviceAttr share their values (cuda.h / driver_types.h)
+        pi[0] = cudart._attributes(R, d).get(attrib, 0)
+    return CUDA_SUCCESS
+
+
+def _prop_device(R, prop):
+    """(device ordinal, 0) from a CUmemAllocationProp, or (-1, CUresult).
+
+    CUDA Driver API, cuMemCreate: type must be CU_MEM_ALLOCATION_TYPE_PINNED and location a
+    CU_MEM_LOCATION_TYPE_DEVICE whose id is a device ordinal; win32HandleMetaData "is required to be
+    zero" unless a Win32 handle type is requested (cuda.h, CUmemAllocationProp).  Exportable handles,
+    compression, host locations and usage flags are not simulated: CUDA_ERROR_NOT_SUPPORTED."""
+    if prop == _dffi().NULL:
+        return -1, CUDA_ERROR_INVALID_VALUE
+    if not vmm_available(R.cfg):
+        # cuda.h, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 0: no cuMem* VMM calls
+        return -1, CUDA_ERROR_NOT_SUPPORTED
+    if prop.type != _ALLOCATION_TYPE_PINNED:
+        return -1, CUDA_ERROR_INVALID_VALUE if prop.type == 0 else CUDA_ERROR_NOT_SUPPORTED
+    loc = prop.location
+    if loc.type != _LOCATION_TYPE_DEVICE:
+        return -1, CUDA_ERROR_INVALID_VALUE if loc.type == 0 else CUDA_ERROR_NOT_SUPPORTED
+    if not (0 <= loc.id < len(R.devices)):
+        return -1, CUDA_ERROR_INVALID_DEVICE
+    if prop.win32HandleMetaData != _dffi().NULL or any(prop.allocFlags.reserved):
+        return -1, CUDA_ERROR_INVALID_VALUE
+    if prop.requestedHandleTypes != 0 or prop.allocFlags.compressionType or prop.allocFlags.usage:
+        return -1, CUDA_ERROR_NOT_SUPPORTED
+    return loc.id, CUDA_SUCCESS
+
+
+def _unsafe(cudart, R) -> int:
+    # The Driver API and the Programming Guide ("CUDA Graphs" > Prohibited and Unhandled
+    # Operations) do not say whether cuMemAddressReserve/Free, cuMemCreate/Release, cuMemMap/Unmap
+    # and cuMemSetAccess are legal during stream capture; they are not stream-ordered and, like
+    # cudaMalloc/cudaFree, change what memory exists.  Silent docs: refused as "potentially unsafe"
+    # (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, the capture invalidated; relaxed mode allows them).
+    if R.captures:
+        return cudart._unsafe_call(R)
+    return 0
+
+
+def _vmm_call(fn, *args) -> int:
+    try:
+        fn(*args)
+    except _vmm.VmmError as exc:
+        return _VMM_CODES[exc.kind]
+    return CUDA_SUCCESS
+
+
+def _aligned(*values) -> bool:
+    return all(v % _vmm.GRANULARITY == 0 for v in values)
+
+
+def _cost() -> None:
+    # accel.sim.configure(vmm_cost_us=...) / ACCEL_SIM_VMM_COST_US: a slow map/unmap (page tables)
+    us = core.config().vmm_cost_us
+    if us:
+        time.sleep(us / 1e6)
+
+
+def cuMemGetAllocationGranularity(granularity, prop, option):
+    cudart, R, rc = _started()
+    if rc:
+        return rc
+    # CUDA Driver API, cuMemGetAllocationGranularity: option is CU_MEM_ALLOC_GRANULARITY_MINIMUM or
+    # _RECOMMENDED; the granularity is that of allocations with these properties.
+    if granularity == _dffi().NULL or option not in _GRANULARITY_OPTIONS:
+        return CUDA_ERROR_INVALID_VALUE
+    _d, rc = _prop_device(R, prop)
+    if rc:
+        return rc
+    granularity[0] = _vmm.GRANULARITY
+    return CUDA_SUCCESS
+
+
+def cuMemAddressReserve(ptr, size, alignment, addr, flags):
+    cudart, R, rc = _started()
+    if rc or (rc := _unsafe(cudart, R)):
+        return rc
+    # CUDA Driver API, cuMemAddressReserve: "The size and address parameters must be a multiple of
+    # the host page size and the alignment must be a power of two or zero for default alignment";
+    # flags "currently unused, must be zero"; addr is only a hint.  Stricter here: the size must be a
+    # multiple of the allocation granularity (2 MiB), since only such ranges can ever be mapped
+    # (cuMemMap) -- a smaller multiple of the host page size is refused with CUDA_ERROR_INVALID_VALUE.
+    if ptr == _dffi().NULL or flags != 0 or size <= 0 or not _aligned(size):
+        return CUDA_ERROR_INVALID_VALUE
+    if alignment and alignment & (alignment - 1):
+        return CUDA_ERROR_INVALID_VALUE
+    if not vmm_available(R.cfg):
+        return CUDA_ERROR_NOT_SUPPORTED
+    try:
+        base = R.vmm.reserve(size, max(alignment, _vmm.GRANULARITY))
+    except _vmm.VmmError as exc:
+        return _VMM_CODES[exc.kind]
+    ptr[0] = base
+    return CUDA_SUCCESS
+
+
+def cuMemAddressFree(ptr, size):
+    cudart, R, rc = _started()
+    if rc or (rc := _unsafe(cudart, R)):
+        return rc
+    # CUDA Driver API, cuMemAddressFree: "The size must match what was given to memAddressReserve and
+    # the ptr given must match what was returned from memAddressReserve."  The reference does not say
+    # what happens to mappings still inside the range: refused (CUDA_ERROR_INVALID_VALUE) until they
+    # are unmapped.
+    return _vmm_call(R.vmm.free, int(ptr), size)
+
+
+def cuMemCreate(handle, size, prop, flags):
+    cudart, R, rc = _started()
+    if rc or (rc := _unsafe(cudart, R)):
+        return rc
+    # CUDA Driver API, cuMemCreate: size "must be a multiple of the granularity" of
+    # cuMemGetAllocationGranularity(CU_MEM_ALLOC_GRANULARITY_MINIMUM) for prop; flags "for future
+    # use, must be zero now".  The memory counts against the device (cudaMalloc and cuMemCreate
+    # share it): CUDA_ERROR_OUT_OF_MEMORY when it is full.
+    if handle == _dffi().NULL or flags != 0 or size <= 0 or not _aligned(size):
+        return CUDA_ERROR_INVALID_VALUE
+    d, rc = _prop_device(R, prop)
+    if rc:
+        return rc
+    if core.take_oom():
+        return CUDA_ERROR_OUT_OF_MEMORY
+    try:
+        h = R.vmm.create(d, size)
+    except _vmm.VmmError as exc:
+        return _VMM_CODES[exc.kind]
+    handle[0] = h
+    return CUDA_SUCCESS
+
+
+def cuMemRelease(handle):
+    cudart, R, rc = _started()
+    if rc or (rc := _unsafe(cudart, R)):
+        return rc
+    # CUDA Driver API, cuMemRelease: "The memory allocation will be freed when all outstanding
+    # mappings to the memory are unmapped ... The generic memory handle can be freed when there are
+    # still outstanding mappings made with this handle."  So a release while mapped succeeds and
+    # the memory (and its device-memory charge) goes at the last unmap.  "If handle is not a valid
+    # handle the behavior is undefined": refused here (CUDA_ERROR_INVALID_VALUE), a second release too.
+    return _vmm_call(R.vmm.release, int(handle))
+
+
+def cuMemMap(ptr, size, offset, handle, flags):
+    cudart, R, rc = _started()
+    if rc or (rc := _unsafe(cudart, R)):
+        return rc
+    # CUDA Driver API, cuMemMap: the range "must be an address reservation previously reserved with
+    # cuMemAddressReserve"; "Both ptr, size, and offset must be a multiple of the value given via
+    # cuMemGetAllocationGranularity with the CU_MEM_ALLOC_GRANULARITY_MINIMUM flag"; offset
+    # "currently must be zero"; flags "currently unused, must be zero".  A range that overlaps a
+    # live mapping is refused (no double map), and a mapping covers the whole handle (offset 0 and
+    # "offset + size must be less than the size of the memory allocation" leave only size ==
+    # the handle's size meaningful).  "Please note calling cuMemMap does not make the address
+    # accessible": until cuMemSetAccess every access faults.
+    if offset != 0 or flags != 0 or size <= 0 or not _aligned(int(ptr), size):
+        return CUDA_ERROR_INVALID_VALUE
+    rc = _vmm_call(R.vmm.map, int(ptr), size, int(handle))
+    _cost()
+    return rc
+
+
+def cuMemUnmap(ptr, size):
+    cudart, R, rc = _started()
+    if rc or (rc := _unsafe(cudart, R)):
+        return rc
+    # CUDA Driver API, cuMemUnmap: "The range must be the entire contiguous address range that was
+    # mapped to. In other words, cuMemUnmap cannot unmap a sub-range of an address range mapped by
+    # cuMemCreate / cuMemMap."  (A range of several whole mappings is accepted, as the CUDA samples'
+    # growing vector unmaps its whole range.)  The call does not wait for queued work: a copy,
+    # memset or kernel still queued on the range faults (CUDA_ERROR_ILLEGAL_ADDRESS, sticky) when
+    # it runs; synchronize the streams that use the range first.
+    if size <= 0 or not _aligned(int(ptr), size):
+        return CUDA_ERROR_INVALID_VALUE
+    rc = _vmm_call(R.vmm.unmap, int(ptr), size)
+    _cost()
+    return rc
+
+
+def cuMemSetAccess(ptr, size, desc, count):
+    cudart, R, rc = _started()
+    if rc or (rc := _unsafe(cudart, R)):
+        return rc
+    # CUDA Driver API, cuMemSetAccess: "The range must be a fully mapped address range containing
+    # all allocations created by cuMemMap / cuMemCreate"; each CUmemAccessDesc names a location and
+    # its CUmemAccess_flags (PROT_NONE, PROT_READ, PROT_READWRITE).  Host locations are not simulated.
+    if desc == _dffi().NULL or count <= 0 or size <= 0:
+        return CUDA_ERROR_INVALID_VALUE
+    grants = []
+    for i in range(count):
+        loc, flags = desc[i].location, desc[i].flags
+        if loc.type != _LOCATION_TYPE_DEVICE:
+            return CUDA_ERROR_INVALID_VALUE if loc.type == 0 else CUDA_ERROR_NOT_SUPPORTED
+        if not (0 <= loc.id < len(R.devices)):
+            return CUDA_ERROR_INVALID_DEVICE
+        if flags not in _ACCESS:
+            return CUDA_ERROR_INVALID_VALUE
+        grants.append((loc.id, _ACCESS[flags]))
+    return _vmm_call(R.vmm.set_access, int(ptr), size, grants)
+
+
+def cuMemGetAccess(flags, location, ptr):
+    cudart, R, rc = _started()
+    if rc:
+        return rc
+    # CUDA Driver API, cuMemGetAccess: "Get the access flags set for the given location and ptr".
+    if flags == _dffi().NULL or location == _dffi().NULL:
+        return CUDA_ERROR_INVALID_VALUE
+    if location.type != _LOCATION_TYPE_DEVICE or not (0 <= location.id < len(R.devices)):
+        return CUDA_ERROR_INVALID_VALUE
+    try:
+        got = R.vmm.access_of(int(ptr), location.id)
+    except _vmm.VmmError:
+        return CUDA_ERROR_INVALID_VALUE
+    flags[0] = _ACCESS_FLAGS.get(got, 0)
+    return CUDA_SUCCESS
+
+
 _IMPLS = {"cuGetErrorName": cuGetErrorName, "cuGetErrorString": cuGetErrorString,
           "cuModuleLoadData": cuModuleLoadData, "cuModuleUnload": cuModuleUnload,
-          "cuModuleGetFunction": cuModuleGetFunction, "cuLaunchKernel": cuLaunchKernel}
+          "cuModuleGetFunction": cuModuleGetFunction, "cuLaunchKernel": cuLaunchKernel,
+          "cuDeviceGet": cuDeviceGet, "cuDeviceGetAttribute": cuDeviceGetAttribute,
+          "cuMemGetAllocationGranularity": cuMemGetAllocationGranularity,
+          "cuMemAddressReserve": cuMemAddressReserve, "cuMemAddressFree": cuMemAddressFree,
+          "cuMemCreate": cuMemCreate, "cuMemRelease": cuMemRelease, "cuMemMap": cuMemMap,
+          "cuMemUnmap": cuMemUnmap, "cuMemSetAccess": cuMemSetAccess, "cuMemGetAccess": cuMemGetAccess}
 
 
 def callback_address(name: str) -> Optional[int]:

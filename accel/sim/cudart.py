@@ -63,7 +63,7 @@ import time
 import traceback
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from . import _cuda_images, _engine, _memory, core, kernels
+from . import _cuda_images, _engine, _memory, _vmm, core, kernels
 from ._cuda_strings import ERROR_STRINGS, UNRECOGNIZED
 from .core import ffi
 
@@ -145,13 +145,14 @@ class _TLS(threading.local):
 
 class Device:
     __slots__ = ("index", "physical", "used", "peak", "legacy", "queues", "blocking", "attrs", "peers",
-                 "view", "reserved")
+                 "view", "reserved", "vmm")
 
     def __init__(self, index: int, physical: int, reserved: int = 0):
         self.index = index
         self.physical = physical
         self.reserved = reserved    # held by the context (cudaMemGetInfo: free < total)
-        self.used = 0               # cudaMalloc'd bytes (256-rounded)
+        self.used = 0               # cudaMalloc'd bytes (256-rounded) and cuMemCreate'd bytes
+        self.vmm = 0                # of which cuMemCreate'd (physical memory of virtual-memory handles)
         self.peak = 0
         self.legacy: Optional[Stream] = None
         self.queues: Dict[_engine.Queue, None] = {}   # live and draining queues (device sync)
@@ -304,6 +305,9 @@ class Runtime:
         self.mlock = threading.Lock()          # device memory accounting
         self.clock = threading.RLock()         # capture bookkeeping
         self.mem = _memory.MemoryTable()
+        # Virtual memory (cuMemAddressReserve, cuMemCreate, cuMemMap ...: cuda_driver.py); its
+        # physical memory is charged to the same device budget as cudaMalloc.
+        self.vmm = _vmm.Space("cuda", cfg.memory, self._vmm_charge, self._vmm_refund)
         self.host_bytes = 0
         self.handles = itertools.count(0x100000, 0x10)
         # Handle values of destroyed streams/events, reused last-freed-first as the driver does.
@@ -410,9 +414,27 @@ class Runtime:
         except Exception:
             pass
 
+    def _vmm_charge(self, device: int, nbytes: int) -> bool:
+        dev = self.devices[device]
+        with self.mlock:
+            if dev.used + nbytes > self.cfg.memory - dev.reserved:
+                return False
+            dev.used += nbytes
+            dev.vmm += nbytes
+            if dev.used > dev.peak:
+                dev.peak = dev.used
+        return True
+
+    def _vmm_refund(self, device: int, nbytes: int) -> None:
+        dev = self.devices[device]
+        with self.mlock:
+            dev.used -= nbytes
+            dev.vmm -= nbytes
+
     def shutdown(self) -> None:
         self.engine.shutdown()
         self.mem.close()
+        self.vmm.close()
 
 
 _R: Optional[Runtime] = None
@@ -452,6 +474,7 @@ def _fork_reset() -> None:
     R, _R = _R, None
     if R is not None:
         _memory.forget(R.mem)
+        R.vmm.close(unmap=False)
         if R.devices or R.init_error == cudaErrorInitializationError:
             _forked_after_init = True
 
@@ -971,9 +994,23 @@ def _device_view(R: Runtime, device: int):
     v = dev.view
     if v is None:
         peers, find, base_view, addr_of = dev.peers, R.mem.find, kernels.view, _memory.addr_of
+        vm = R.vmm
 
         def v(ptr, nbytes, dtype=None):
             addr = addr_of(ptr)
+            if vm.reservations:
+                # Virtual memory: every byte mapped, with read-write access for this device
+                # (CUDA Driver API, cuMemMap: "does not make the address accessible"; cuMemSetAccess).
+                region = vm.resolve(addr, nbytes, device, True)
+                if region.__class__ is str:
+                    raise kernels.MemoryRangeError(f"a kernel on device {device} touched {region}")
+                if region is not None:
+                    buf = ffi.buffer(ffi.cast(_CHARP, addr), nbytes)
+                    if dtype is None:
+                        return memoryview(buf)
+                    import numpy as np
+                    dt = np.dtype(dtype)
+                    return np.frombuffer(buf, dtype=dt, count=nbytes // dt.itemsize)
             a = find(addr)
             if a is not None and a.kind == _memory.DEVICE and a.device != device and a.device not in peers:
                 raise kernels.MemoryRangeError(
@@ -1018,7 +1055,7 @@ def cudaDeviceReset(R):
         if a.kind == _memory.DEVICE and a.device == d:
             R.mem.remove(a)
     with R.mlock:
-        dev.used = 0
+        dev.used = dev.vmm      # cuMemCreate'd memory is not the context's: it stays until cuMemRelease
         pool = R.default_pools.get(d)
         if pool is not None:
             pool.used = pool.reserved = 0
@@ -1166,6 +1203,8 @@ def cudaPointerGetAttributes(R, attributes, ptr):
         return cudaErrorInvalidValue
     addr = _addr(ptr)
     a = R.mem.find(addr) if addr else None
+    if a is None and addr and R.vmm.reservations:
+        a = R.vmm.mapping_at(addr)      # mapped virtual memory is device memory of its handle's device
     buf = ffi.buffer(attributes)
     buf[:] = bytes(len(buf))
     if a is None:
@@ -1191,11 +1230,45 @@ def _range_ok(a, addr: int, n: int) -> bool:
 
 
 def _copy_op(dst: int, src: int, staged, n: int, da, sa):
+    lock = (da.lock if da.__class__ is _vmm.Region else None) or \
+        (sa.lock if sa.__class__ is _vmm.Region else None)
+    if lock is not None:
+        # Virtual memory may be unmapped while the copy is queued (cuMemUnmap does not wait): check
+        # and copy under the space's lock, so the pages cannot go between the two.
+        def vop():
+            with lock:
+                for r in (da, sa):
+                    why = r.problem() if r.__class__ is _vmm.Region else None
+                    if why is None and r is not None and not r.live:
+                        why = "freed memory"
+                    if why:
+                        raise _IllegalAddress(f"copy of {n} bytes 0x{src:x} -> 0x{dst:x}: {why}")
+                ffi.memmove(ffi.cast(_CHARP, dst), staged if staged is not None else ffi.cast(_CHARP, src), n)
+        return vop
+
     def op():
         if (da is not None and not da.live) or (sa is not None and not sa.live):
             raise _IllegalAddress(f"copy of {n} bytes 0x{src:x} -> 0x{dst:x} touches freed memory")
         ffi.memmove(ffi.cast(_CHARP, dst), staged if staged is not None else ffi.cast(_CHARP, src), n)
     return op
+
+
+def _fault_op(why: str):
+    def op():
+        raise _IllegalAddress(why)
+    return op
+
+
+def _vmm_fault(R: Runtime, s: Stream, why: str, sync: bool, kind: str) -> int:
+    """Queue an access to unmapped or inaccessible virtual memory: it faults when it runs, as the
+    device's access would (cudaErrorIllegalAddress, sticky)."""
+    rc, seq = _enqueue(R, s, _fault_op(f"{kind} on device {s.device}: {why}"), kind, kind)
+    if rc:
+        return rc
+    if sync and seq:
+        s.q.wait(seq)
+        return R.sticky
+    return cudaSuccess
 
 
 def _memcpy(R: Runtime, dst, src, count, kind, s: Stream, sync: bool, label: str = "memcpy") -> int:
@@ -1218,6 +1291,19 @@ def _memcpy(R: Runtime, dst, src, count, kind, s: Stream, sync: bool, label: str
         return cudaErrorInvalidValue
     da = R.mem.find(dp)
     sa = R.mem.find(sp) if staged is None else None
+    if R.vmm.reservations:
+        # The stream's device reads the source and writes the destination: both must be mapped
+        # with access for it, else the copy faults (cuMemSetAccess; docs silent on copies of other
+        # devices: refused unless that device was granted access).
+        dv = R.vmm.resolve(dp, count, s.device, True) if da is None else None
+        sv = R.vmm.resolve(sp, count, s.device, False) if sa is None and staged is None else None
+        for v in (dv, sv):
+            if v.__class__ is str:
+                return _vmm_fault(R, s, v, sync, "memcpy")
+        if dv is not None:
+            da = dv
+        if sv is not None:
+            sa = sv
     if not _range_ok(da, dp, count) or not _range_ok(sa, sp, count):
         return cudaErrorInvalidValue
     if (kind in (_MEMCPY_H2D, _MEMCPY_D2D) and da is None) or \
@@ -1268,12 +1354,25 @@ def cudaMemcpyPeerAsync(R, dst, dstDevice, src, srcDevice, count, stream=None):
     if s is None:
         return cudaErrorInvalidResourceHandle
     da, sa = R.mem.find(_addr(dst)), R.mem.find(_addr(src))
+    if R.vmm.reservations:
+        da = da or R.vmm.mapping_at(_addr(dst))
+        sa = sa or R.vmm.mapping_at(_addr(src))
     if da is None or sa is None or da.device != dstDevice or sa.device != srcDevice:
         return cudaErrorInvalidValue
     return _memcpy(R, dst, src, count, _MEMCPY_D2D, s, False, "memcpy-peer")
 
 
 def _memset_op(dp: int, value: int, n: int, a):
+    if a.__class__ is _vmm.Region:
+        def vop():
+            with a.lock:
+                why = a.problem()
+                if why:
+                    raise _IllegalAddress(f"memset of {n} bytes at 0x{dp:x}: {why}")
+                import ctypes
+                ctypes.memset(dp, value, n)
+        return vop
+
     def op():
         if not a.live:
             raise _IllegalAddress(f"memset of {n} bytes at 0x{dp:x} touches freed memory")
@@ -1289,6 +1388,10 @@ def _memset(R: Runtime, devPtr, value, count, s: Stream, sync: bool) -> int:
         return cudaSuccess
     dp = _addr(devPtr)
     a = R.mem.find(dp) if dp else None
+    if a is None and dp and R.vmm.reservations:
+        a = R.vmm.resolve(dp, count, s.device, True)
+        if a.__class__ is str:
+            return _vmm_fault(R, s, a, sync, "memset")
     if a is None or dp + count > a.end:
         return cudaErrorInvalidValue
     if sync and R.captures:
@@ -2204,10 +2307,12 @@ def launch(R: Runtime, k: "KernelHandle", grid, block, args, sharedMem, s: Strea
         values = kernels.decode_args(ref, args)
     except ValueError:
         return cudaErrorInvalidValue
-    fn, view = ref.fn, _device_view(R, s.device)
+    fn, view, vmm_lock = ref.fn, _device_view(R, s.device), R.vmm.lock
 
     def run():
-        fn(grid, block, view, *values)
+        # under the virtual-memory lock: no cuMemUnmap can pull pages from under a running kernel
+        with vmm_lock:
+            fn(grid, block, view, *values)
     return _enqueue(R, s, run, "kernel", f"{k.name} grid{grid} block{block}")[0]
 
 
@@ -2292,7 +2397,8 @@ def _state() -> dict:
     if R is None:
         out.update(live_allocations={}, live_bytes={}, peak_bytes={}, host_allocations=0, host_bytes=0,
                    streams=0, events=0, graphs=0, graph_execs=0, captures=0, errors=[], modules=0,
-                   jit_compiles=0)
+                   jit_compiles=0, vmm_reservations=0, vmm_reserved_bytes=0, vmm_handles=0,
+                   vmm_physical_bytes=0, vmm_mappings=0, vmm_mapped_bytes=0)
         return out
     allocs, nbytes = {}, {}
     host_n = 0
@@ -2309,7 +2415,7 @@ def _state() -> dict:
                streams=uniq(R.streams, Stream), events=uniq(R.events, Event), graphs=uniq(R.graphs, Graph),
                graph_execs=uniq(R.execs, GraphExec), captures=len(R.captures), errors=list(R.errors),
                modules=uniq(R.libraries, Library), jit_compiles=R.jit_compiles,
-               visible_devices=[d.physical for d in R.devices])
+               visible_devices=[d.physical for d in R.devices], **R.vmm.stats())
     return out
 
 
