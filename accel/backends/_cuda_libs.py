@@ -28,7 +28,6 @@ import os
 import re
 import sys
 import threading
-from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 #: Driver branch that first supports each CUDA major (CUDA Compatibility guide, table 3).
@@ -47,7 +46,6 @@ def vtext(version: Optional[int]) -> str:
     return f"{version // 1000}.{version % 1000 // 10}"
 
 
-@dataclass
 class Candidate:
     """One libcudart that might be loaded, and what accel made of it.
 
@@ -56,13 +54,18 @@ class Candidate:
     ``version`` its CUDA version (``1000 * major + 10 * minor``), ``verdict``
     ``"taken"`` or ``"rejected"`` and ``reason`` why.
     """
-    path: str
-    source: str
-    resolved: Optional[str] = None
-    version: Optional[int] = None
-    version_from: str = ""
-    verdict: str = "rejected"
-    reason: str = ""
+    # A plain class, not a dataclass: ``dataclasses`` costs ~15 ms at the first device_count().
+    __slots__ = ("path", "source", "resolved", "version", "version_from", "verdict", "reason")
+
+    def __init__(self, path: str, source: str, resolved: Optional[str] = None,
+                 version: Optional[int] = None, version_from: str = "", verdict: str = "rejected",
+                 reason: str = ""):
+        self.path, self.source, self.resolved, self.version = path, source, resolved, version
+        self.version_from, self.verdict, self.reason = version_from, verdict, reason
+
+    def __repr__(self):
+        return (f"Candidate({self.path!r}, {self.source!r}, version={vtext(self.version)}, "
+                f"verdict={self.verdict!r}, reason={self.reason!r})")
 
     def as_dict(self) -> dict:
         return {"path": self.path, "source": self.source, "file": self.resolved,
@@ -70,18 +73,18 @@ class Candidate:
                 "reason": self.reason}
 
 
-@dataclass
 class Choice:
     """The outcome: the candidate taken (or None), every candidate with its verdict, the
     driver's CUDA version and where it came from, and ``error``: why the taken library
     cannot run (an explicit ``ACCEL_CUDART_PATH`` too new for the driver) or, with
     nothing taken, why nothing can."""
-    chosen: Optional[Candidate]
-    candidates: List[Candidate]
-    driver_version: Optional[int]
-    driver_note: str
-    explicit: bool = False
-    error: Optional[str] = None
+    __slots__ = ("chosen", "candidates", "driver_version", "driver_note", "explicit", "error")
+
+    def __init__(self, chosen: Optional[Candidate], candidates: List[Candidate],
+                 driver_version: Optional[int], driver_note: str, explicit: bool = False,
+                 error: Optional[str] = None):
+        self.chosen, self.candidates, self.driver_version = chosen, candidates, driver_version
+        self.driver_note, self.explicit, self.error = driver_note, explicit, error
 
     @property
     def usable(self) -> bool:

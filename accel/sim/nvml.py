@@ -26,7 +26,16 @@ NVML_ERROR_DRIVER_NOT_LOADED = 9
 NVML_ERROR_UNKNOWN = 999
 
 DRIVER_VERSION = "580.65.06"
-NVML_VERSION = "13.580.65.06"
+# The first driver branch of each simulated driver CUDA version (CUDA Toolkit release notes,
+# "CUDA Driver" table: 12.2 -> 535, 12.4 -> 550, 12.8 -> 570, 13.0 -> 580), so the driver string
+# agrees with nvmlSystemGetCudaDriverVersion_v2.
+_DRIVER_BY_CUDA = {12020: "535.54.03", 12040: "550.54.14", 12080: "570.86.10", 13000: DRIVER_VERSION}
+
+
+def _driver_string() -> str:
+    cuda = core.config().driver_version
+    known = [v for v in sorted(_DRIVER_BY_CUDA) if v <= cuda]
+    return _DRIVER_BY_CUDA[known[-1]] if known else _DRIVER_BY_CUDA[min(_DRIVER_BY_CUDA)]
 
 # nvmlErrorString texts (NVML's short messages).
 _ERROR_STRINGS = {
@@ -141,12 +150,12 @@ def _text(code: int):
 
 def nvmlSystemGetDriverVersion(version, length):
     rc = _ready()
-    return rc or _write_string(version, length, DRIVER_VERSION)
+    return rc or _write_string(version, length, _driver_string())
 
 
 def nvmlSystemGetNVMLVersion(version, length):
     # Works without nvmlInit, as in NVML.
-    return _write_string(version, length, NVML_VERSION)
+    return _write_string(version, length, f"{core.config().driver_version // 1000}.{_driver_string()}")
 
 
 def nvmlSystemGetCudaDriverVersion_v2(cudaDriverVersion):
