@@ -7,7 +7,7 @@ the driver's own functions.  The pointers are cast to the driver's prototypes
 libcuda binding is opened.  Errors are CUresult codes, named through the
 driver's cuGetErrorName ("cuModuleLoadData failed with
 CUDA_ERROR_INVALID_PTX (218)").  The same mechanism serves the cuMem* virtual
-memory calls later: add the symbol and its PFN type to :data:`SYMBOLS`.
+memory calls (``_cuda_vmm``) are resolved the same way, by :func:`resolve`.
 """
 
 from __future__ import annotations
@@ -46,38 +46,64 @@ def plan(lib) -> Tuple[str, str]:
                 "cudaGetDriverEntryPoint")
 
 
+class NoDriverFunction(Exception):
+    """A driver function could not be had from the runtime; ``str`` says which and why."""
+
+
+def resolve(ffi, lib, symbols: Dict[str, str]):
+    """({symbol: function cast to its PFN type}, the getter used) for ``symbols`` (symbol -> PFN
+    type of ``accel._ffi._cudadrv``), through cudaGetDriverEntryPointByVersion (12.5+) or
+    cudaGetDriverEntryPoint.  Raises :class:`NoDriverFunction` naming the first one missing."""
+    from .._ffi import _cudadrv, has_symbol
+    dffi = _cudadrv.ffi
+    fns = {}
+    by_version = has_symbol(lib, "cudaGetDriverEntryPointByVersion")
+    getter = "cudaGetDriverEntryPointByVersion" if by_version else "cudaGetDriverEntryPoint"
+    if not by_version and not has_symbol(lib, "cudaGetDriverEntryPoint"):
+        raise NoDriverFunction("this libcudart has no cudaGetDriverEntryPoint")
+    fp = ffi.new("void **")
+    status = ffi.new("enum cudaDriverEntryPointQueryResult *")
+    for name, pfn in symbols.items():
+        if by_version:
+            rc = lib.cudaGetDriverEntryPointByVersion(name.encode(), fp, ABI_VERSION, _ENTRY_DEFAULT, status)
+        else:
+            rc = lib.cudaGetDriverEntryPoint(name.encode(), fp, _ENTRY_DEFAULT, status)
+        if rc != 0:
+            lib.cudaGetLastError()
+            err = ffi.string(lib.cudaGetErrorName(rc)).decode()
+            raise NoDriverFunction(f"{getter}({name!r}) failed with {err} ({rc})")
+        if status[0] != 0 or fp[0] == ffi.NULL:
+            why = _QUERY_NAMES.get(status[0], f"status {status[0]}")
+            raise NoDriverFunction(f"{getter}({name!r}) found no driver function ({why})")
+        fns[name] = dffi.cast(pfn, int(ffi.cast("uintptr_t", fp[0])))
+    return fns, getter
+
+
+def error_name(fns, rc: int) -> str:
+    """The CUresult name of ``rc`` through the driver's cuGetErrorName (in ``fns``)."""
+    from .._ffi import _cudadrv
+    dffi = _cudadrv.ffi
+    get = fns.get("cuGetErrorName")
+    if get is not None:
+        p = dffi.new("const char **")
+        if get(rc, p) == 0 and p[0] != dffi.NULL:
+            return dffi.string(p[0]).decode()
+    return dffi.typeof("CUresult").elements.get(rc, "unrecognized CUresult")
+
+
 class DriverKernels:
     """The driver functions accel launches kernels with, resolved once per backend."""
 
     def __init__(self, ffi, lib):
-        from .._ffi import _cudadrv, has_symbol
+        from .._ffi import _cudadrv
         self.rffi, self.dffi = ffi, _cudadrv.ffi
-        self.fns = {}
-        by_version = has_symbol(lib, "cudaGetDriverEntryPointByVersion")
-        fp = ffi.new("void **")
-        status = ffi.new("enum cudaDriverEntryPointQueryResult *")
-        for name, pfn in SYMBOLS.items():
-            if by_version:
-                getter = "cudaGetDriverEntryPointByVersion"
-                rc = lib.cudaGetDriverEntryPointByVersion(name.encode(), fp, ABI_VERSION, _ENTRY_DEFAULT, status)
-            else:
-                getter = "cudaGetDriverEntryPoint"
-                rc = lib.cudaGetDriverEntryPoint(name.encode(), fp, _ENTRY_DEFAULT, status)
-            if rc != 0:
-                lib.cudaGetLastError()
-                err = ffi.string(lib.cudaGetErrorName(rc)).decode()
-                raise NoKernelPath(f"no kernel path: {getter}({name!r}) failed with {err} ({rc})")
-            if status[0] != 0 or fp[0] == ffi.NULL:
-                why = _QUERY_NAMES.get(status[0], f"status {status[0]}")
-                raise NoKernelPath(f"no kernel path: {getter}({name!r}) found no driver function ({why})")
-            self.fns[name] = self.dffi.cast(pfn, int(ffi.cast("uintptr_t", fp[0])))
-        self.getter = getter
+        try:
+            self.fns, self.getter = resolve(ffi, lib, SYMBOLS)
+        except NoDriverFunction as exc:
+            raise NoKernelPath(f"no kernel path: {exc}") from None
 
     def error_name(self, rc: int) -> str:
-        p = self.dffi.new("const char **")
-        if self.fns["cuGetErrorName"](rc, p) == 0 and p[0] != self.dffi.NULL:
-            return self.dffi.string(p[0]).decode()
-        return self.dffi.typeof("CUresult").elements.get(rc, "unrecognized CUresult")
+        return error_name(self.fns, rc)
 
     def load(self, image) -> Tuple[int, object]:
         """(CUmodule as int, rc) for the image (PTX NUL-terminated, or a fatbin/cubin)."""

@@ -314,6 +314,11 @@ class Backend(abc.ABC):
         ``index`` read-write access to it."""
         raise NotImplementedError(self.no_vmm_reason)
 
+    def vmm_set_access(self, va: int, nbytes: int, index: int) -> None:
+        """Grant device ``index`` read-write access to mapped ``[va, va + nbytes)`` as well
+        (another device copying from or running kernels on the memory: its peer)."""
+        raise NotImplementedError(self.no_vmm_reason)
+
     def vmm_unmap(self, va: int, nbytes: int) -> None:
         """Unmap ``[va, va + nbytes)``; the physical memory stays until released."""
         raise NotImplementedError(self.no_vmm_reason)
