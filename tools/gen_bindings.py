@@ -193,6 +193,10 @@ ZE_FUNCTIONS = [
     "zeEventQueryKernelTimestamp",
     "zeModuleCreate", "zeModuleDestroy", "zeKernelCreate", "zeKernelDestroy",
     "zeKernelSetArgumentValue", "zeKernelSetGroupSize", "zeKernelSuggestGroupSize",
+    # virtual memory (issue 15: the allocator's expandable segments); core API 1.0, every loader has them
+    "zeVirtualMemQueryPageSize", "zeVirtualMemReserve", "zeVirtualMemFree",
+    "zePhysicalMemCreate", "zePhysicalMemDestroy", "zeVirtualMemMap", "zeVirtualMemUnmap",
+    "zeVirtualMemSetAccessAttribute", "zeVirtualMemGetAccessAttribute",
     # zes_api.h (Sysman, same loader library)
     "zesInit", "zesDriverGet", "zesDeviceGet", "zesDeviceGetProperties",
     "zesDeviceEnumMemoryModules", "zesMemoryGetProperties", "zesMemoryGetState",
@@ -203,6 +207,7 @@ ZE_TYPES = [
     "ze_command_queue_flag_t", "ze_command_list_flag_t", "ze_event_pool_flag_t",
     "ze_event_scope_flag_t", "ze_device_mem_alloc_flag_t", "ze_host_mem_alloc_flag_t",
     "ze_kernel_flag_t", "ze_device_module_flag_t",
+    "ze_physical_mem_flag_t",
 ]
 
 ZE_DEFINES = [
