@@ -106,7 +106,7 @@ def _new_file(size: int) -> int:
 
 
 class VmmError(Exception):
-    """A refused VMM call: ``kind`` is "invalid", "oom" or "unsupported"; ``str`` says why."""
+    """A refused VMM call: ``kind`` is "invalid", "oom", "in_use" or "unsupported"; ``str`` says why."""
 
     def __init__(self, kind: str, why: str):
         super().__init__(why)
@@ -230,12 +230,17 @@ class Space:
             self.reservations[base] = Reservation(base, size)
         return base
 
-    def free(self, base: int, size: int) -> None:
+    def free(self, base: int, size: int, unmap: bool = False) -> None:
+        """Return a whole reservation; with mappings left, refused unless ``unmap`` (Level Zero's
+        zeVirtualMemFree unmaps them)."""
         with self.lock:
             r = self.reservations.get(base)
             if r is None or r.size != size:
                 raise VmmError("invalid", f"0x{base:x}+{size} is not a reservation (the address and size "
                                           f"must be those of one earlier reserve)")
+            if r.maps and unmap:
+                for m in list(r.maps.values()):
+                    self.unmap(m.base, m.size)
             if r.maps:
                 raise VmmError("invalid", f"the reservation 0x{base:x}+{size} still has {len(r.maps)} "
                                           f"mapping(s): unmap them first")
@@ -282,11 +287,15 @@ class Space:
             self.refund(device, size)
             raise
 
-    def release(self, handle: int) -> None:
+    def release(self, handle: int, while_mapped: bool = True) -> None:
+        """Release a handle; mapped, it goes at its last unmap (CUDA), or with ``while_mapped``
+        False the release is refused as "in_use" (Level Zero)."""
         with self.lock:
             p = self.handles.get(handle)
             if p is None or p.released:
                 raise VmmError("invalid", f"handle 0x{handle:x} is not a live physical allocation")
+            if p.maps and not while_mapped:
+                raise VmmError("in_use", f"handle 0x{handle:x} is still mapped {p.maps} time(s): unmap first")
             p.released = True
             if p.maps == 0:
                 self._destroy(p)
@@ -301,14 +310,19 @@ class Space:
         self.refund(p.device, p.size)
 
     # -- mappings -------------------------------------------------------------------------
-    def map(self, base: int, size: int, handle: int) -> None:
+    def map(self, base: int, size: int, handle: int, offset: int = 0, whole: bool = True) -> None:
+        """Map ``size`` bytes of ``handle`` from ``offset`` at ``base``; ``whole``: the mapping must
+        cover the whole handle (CUDA)."""
         with self.lock:
             p = self.handles.get(handle)
             if p is None or p.released:
                 raise VmmError("invalid", f"handle 0x{handle:x} is not a live physical allocation")
-            if size != p.size:
+            if whole and (size != p.size or offset):
                 raise VmmError("invalid", f"a mapping of handle 0x{handle:x} must cover all its {p.size} bytes, "
-                                          f"not {size}")
+                                          f"not {size} from offset {offset}")
+            if offset % GRANULARITY or offset + size > p.size:
+                raise VmmError("invalid", f"{size} bytes from offset {offset} are not inside the {p.size}-byte "
+                                          f"handle 0x{handle:x}")
             r = self.reservation_of(base)
             if r is None or base + size > r.end:
                 raise VmmError("invalid", f"0x{base:x}+{size} is not inside one reservation")
@@ -320,7 +334,8 @@ class Space:
                                               f"{prev.size}: unmap it first")
             fd = self._files[p.device]
             off = 0
-            for first, count in _runs(p.pages):
+            pages = p.pages[offset // GRANULARITY:(offset + size) // GRANULARITY]
+            for first, count in _runs(pages):
                 _mmap(base + off, count * GRANULARITY, _PROT_READ | _PROT_WRITE, _MAP_SHARED | _MAP_FIXED,
                       fd, first * GRANULARITY)
                 off += count * GRANULARITY

@@ -9,6 +9,7 @@ each in its own module with its part of the design:
 * :mod:`.streams`: streams as immediate command lists, synchronization, command numbering;
 * :mod:`.events`: events, and the pools of Level Zero events behind them;
 * :mod:`.graphs`: capture into regular command lists, graph replay on a command queue;
+* :mod:`.vmm`: virtual memory (zeVirtualMem*/zePhysicalMem*) for the allocator's expandable segments;
 * :mod:`._library`: the loader, its symbol contract, and errors.
 
 Why mixins rather than collaborator objects: every concern works on the same few tables under
@@ -36,6 +37,7 @@ from .events import EventsMixin
 from .graphs import GraphsMixin
 from .memory import MemoryMixin
 from .streams import StreamsMixin
+from .vmm import VmmMixin
 
 if TYPE_CHECKING:
     from .discovery import _Device
@@ -46,7 +48,8 @@ if TYPE_CHECKING:
 __all__ = ["XpuBackend", "create", "LIBRARY", "REQUIRED_SYMBOLS", "OPTIONAL_SYMBOLS"]
 
 
-class XpuBackend(DiscoveryMixin, MemoryMixin, StreamsMixin, EventsMixin, GraphsMixin, LibraryMixin, Backend):
+class XpuBackend(DiscoveryMixin, MemoryMixin, StreamsMixin, EventsMixin, GraphsMixin, VmmMixin, LibraryMixin,
+                 Backend):
     """Level Zero as a :class:`Backend` (see the module docstring for the design)."""
 
     name = "xpu"

@@ -29,6 +29,9 @@ REQUIRED_SYMBOLS = (
     "zeEventPoolCreate", "zeEventPoolDestroy", "zeEventCreate", "zeEventDestroy",
     "zeEventHostSynchronize", "zeEventQueryStatus", "zeEventHostReset", "zeEventQueryKernelTimestamp",
     "zesDeviceGetProperties", "zesDeviceEnumMemoryModules", "zesMemoryGetProperties", "zesMemoryGetState",
+    # virtual memory (vmm.py): core API 1.0
+    "zeVirtualMemQueryPageSize", "zeVirtualMemReserve", "zeVirtualMemFree", "zePhysicalMemCreate",
+    "zePhysicalMemDestroy", "zeVirtualMemMap", "zeVirtualMemUnmap", "zeVirtualMemSetAccessAttribute",
 )
 #: Called only after checking the loader exports them (API 1.5/1.6 additions).
 OPTIONAL_SYMBOLS = ("zesInit", "zesDriverGet", "zesDeviceGet", "zeCommandListHostSynchronize")

@@ -183,6 +183,8 @@ class MemoryMixin:
                 self._sync_graph(g)
 
     def _usm(self, dev: _Device, ptr: int) -> bool:
+        if self._vmm_mapped_at(ptr):      # mapped virtual memory (vmm.py): device-accessible, not USM
+            return True
         ffi, lib, _ = self._lib
         props = ffi.new("ze_memory_allocation_properties_t *")
         props.stype = lib.ZE_STRUCTURE_TYPE_MEMORY_ALLOCATION_PROPERTIES

@@ -1,0 +1,176 @@
+"""Virtual memory on Level Zero: zeVirtualMem* / zePhysicalMem* (the allocator's expandable segments).
+
+Owns ``_vmm_reserved`` (base -> (size, context)), ``_vmm_handles`` (physical handle -> (device,
+size, context)) and ``_vmm_mapped`` (base -> size of each live mapping, so copies and fills on
+mapped memory are recognized: ``zeMemGetAllocProperties`` knows USM allocations, not mappings).
+
+Level Zero's access attribute is per mapping for the whole context (no device argument), so
+``vmm_map`` maps with ZE_MEMORY_ACCESS_ATTRIBUTE_READWRITE and ``vmm_set_access`` checks the peer
+shares the context.  ``zeVirtualMemReserve`` gets a page-aligned hint (its @returns list refuses a
+null ``pStart``), the end of the last reservation.
+"""
+
+from __future__ import annotations
+
+import bisect
+from ..._errors import AcceleratorError, CaptureError
+
+_ACCESS_READWRITE = 1          # ZE_MEMORY_ACCESS_ATTRIBUTE_READWRITE
+_HINT_START = 1 << 44          # first hint: far above the heap; the driver moves it if taken
+
+
+class VmmMixin:
+    """zeVirtualMem*/zePhysicalMem* as the Backend's vmm_* methods."""
+
+    supports_vmm = True
+
+    def _vmm_tables(self):
+        t = self.__dict__.get("_vmm_state")
+        if t is None:
+            with self._lock:
+                t = self.__dict__.setdefault("_vmm_state", {"reserved": {}, "handles": {}, "mapped": {},
+                                                            "bases": [], "hint": _HINT_START})
+        return t
+
+    def _vmm_lib(self, call: str):
+        dev0 = self._device(0)   # initializes
+        ffi, lib, _ = self._lib
+        if self._captures:
+            # The specification does not say whether virtual-memory calls may run while a command
+            # list is being captured for a graph (they are not command-list operations); refused.
+            raise CaptureError(f"{self.name}: {call} is not allowed while a stream capture is underway "
+                               f"(virtual memory is not stream-ordered); map or unmap before the capture "
+                               f"begins or after it ends", library="libze_loader", call=call)
+        return ffi, lib, dev0
+
+    def vmm_supported(self, index: int) -> bool:
+        """True: the virtual-memory functions are core API 1.0 (REQUIRED_SYMBOLS of every loader)."""
+        self._device(index)
+        return True
+
+    def vmm_granularity(self, index: int) -> int:
+        """zeVirtualMemQueryPageSize for device ``index`` (for a 2 MiB allocation)."""
+        dev = self._device(index)
+        ffi, lib, _ = self._lib
+        out = ffi.new("size_t *")
+        self._check_rc("zeVirtualMemQueryPageSize", lib.zeVirtualMemQueryPageSize(dev.ctx, dev.handle, 2 << 20, out))
+        return out[0]
+
+    def vmm_reserve(self, index: int, nbytes: int) -> int:
+        """zeVirtualMemReserve of ``nbytes`` (page aligned) in device ``index``'s context."""
+        dev = self._device(index)
+        ffi, lib, _ = self._vmm_lib("zeVirtualMemReserve")
+        t = self._vmm_tables()
+        out = ffi.new("void **")
+        rc = lib.zeVirtualMemReserve(dev.ctx, ffi.cast("void *", t["hint"]), nbytes, out)
+        self._check_rc("zeVirtualMemReserve", rc)
+        va = int(ffi.cast("uintptr_t", out[0]))
+        with self._lock:
+            t["reserved"][va] = (nbytes, dev.ctx)
+            t["hint"] = max(t["hint"], va + nbytes)
+        return va
+
+    def vmm_free(self, va: int, nbytes: int) -> None:
+        """zeVirtualMemFree of a whole reservation (accel unmaps first; Level Zero would unmap)."""
+        ffi, lib, _ = self._vmm_lib("zeVirtualMemFree")
+        t = self._vmm_tables()
+        entry = t["reserved"].get(va)
+        if entry is None:
+            raise AcceleratorError(f"{self.name}: vmm_free(0x{va:x}, {nbytes}): not a reservation of this backend; "
+                                   f"pass the address vmm_reserve returned", library="libze_loader")
+        self._check_rc("zeVirtualMemFree", lib.zeVirtualMemFree(entry[1], ffi.cast("void *", va), nbytes))
+        with self._lock:
+            t["reserved"].pop(va, None)
+            for base in [b for b in t["mapped"] if va <= b < va + nbytes]:
+                self._vmm_forget_mapping(t, base)
+
+    def vmm_create(self, index: int, nbytes: int) -> int:
+        """zePhysicalMemCreate of ``nbytes`` on device ``index``; OutOfMemoryError when it is full."""
+        dev = self._device(index)
+        ffi, lib, _ = self._vmm_lib("zePhysicalMemCreate")
+        desc = ffi.new("ze_physical_mem_desc_t *")
+        desc.stype = lib.ZE_STRUCTURE_TYPE_PHYSICAL_MEM_DESC
+        desc.size = nbytes
+        out = ffi.new("ze_physical_mem_handle_t *")
+        self._check_rc("zePhysicalMemCreate", lib.zePhysicalMemCreate(dev.ctx, dev.handle, desc, out))
+        handle = int(ffi.cast("uintptr_t", out[0]))
+        with self._lock:
+            self._vmm_tables()["handles"][handle] = (dev, nbytes, dev.ctx)
+            dev.used += nbytes
+        return handle
+
+    def vmm_release(self, handle: int) -> None:
+        """zePhysicalMemDestroy (the handle must not be mapped any more)."""
+        ffi, lib, _ = self._vmm_lib("zePhysicalMemDestroy")
+        t = self._vmm_tables()
+        entry = t["handles"].get(handle)
+        if entry is None:
+            raise AcceleratorError(f"{self.name}: vmm_release(0x{handle:x}): not a physical allocation of this "
+                                   f"backend", library="libze_loader")
+        dev, nbytes, ctx = entry
+        self._check_rc("zePhysicalMemDestroy",
+                       lib.zePhysicalMemDestroy(ctx, ffi.cast("ze_physical_mem_handle_t", handle)))
+        with self._lock:
+            t["handles"].pop(handle, None)
+            dev.used -= nbytes
+
+    def vmm_map(self, va: int, nbytes: int, handle: int, index: int) -> None:
+        """zeVirtualMemMap of ``handle`` at ``va``, read-write (for every device of the context)."""
+        ffi, lib, _ = self._vmm_lib("zeVirtualMemMap")
+        ctx = self._vmm_ctx(va, index)
+        rc = lib.zeVirtualMemMap(ctx, ffi.cast("void *", va), nbytes,
+                                 ffi.cast("ze_physical_mem_handle_t", handle), 0, _ACCESS_READWRITE)
+        self._check_rc("zeVirtualMemMap", rc)
+        t = self._vmm_tables()
+        with self._lock:
+            t["mapped"][va] = nbytes
+            bisect.insort(t["bases"], va)
+
+    def vmm_set_access(self, va: int, nbytes: int, index: int) -> None:
+        """Level Zero's access is for the whole context: device ``index`` has it when it shares the
+        context of the mapping (else AcceleratorError)."""
+        ffi, lib, _ = self._vmm_lib("zeVirtualMemSetAccessAttribute")
+        ctx = self._vmm_ctx(va, None)
+        if self._device(index).ctx != ctx:
+            raise AcceleratorError(f"{self.name}: device {index} is in another Level Zero context than the "
+                                   f"mapping at 0x{va:x}; virtual memory is usable only in its own context",
+                                   library="libze_loader")
+        self._check_rc("zeVirtualMemSetAccessAttribute",
+                       lib.zeVirtualMemSetAccessAttribute(ctx, ffi.cast("void *", va), nbytes, _ACCESS_READWRITE))
+
+    def vmm_unmap(self, va: int, nbytes: int) -> None:
+        """zeVirtualMemUnmap of whole mappings; does not wait for queued work (synchronize first)."""
+        ffi, lib, _ = self._vmm_lib("zeVirtualMemUnmap")
+        ctx = self._vmm_ctx(va, None)
+        self._check_rc("zeVirtualMemUnmap", lib.zeVirtualMemUnmap(ctx, ffi.cast("void *", va), nbytes))
+        t = self._vmm_tables()
+        with self._lock:
+            for base in [b for b in t["mapped"] if va <= b < va + nbytes]:
+                self._vmm_forget_mapping(t, base)
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _vmm_ctx(self, va: int, index):
+        t = self._vmm_tables()
+        for base, (size, ctx) in t["reserved"].items():
+            if base <= va < base + size:
+                return ctx
+        if index is not None:
+            return self._device(index).ctx
+        raise AcceleratorError(f"{self.name}: 0x{va:x} is in no reservation of this backend (vmm_reserve first)",
+                               library="libze_loader")
+
+    @staticmethod
+    def _vmm_forget_mapping(t, base: int) -> None:
+        t["mapped"].pop(base, None)
+        i = bisect.bisect_left(t["bases"], base)
+        if i < len(t["bases"]) and t["bases"][i] == base:
+            del t["bases"][i]
+
+    def _vmm_mapped_at(self, ptr: int) -> bool:
+        """Whether ``ptr`` is inside a live mapping this backend made (device-accessible memory)."""
+        t = self.__dict__.get("_vmm_state")
+        if not t or not t["bases"]:
+            return False
+        bases = t["bases"]
+        i = bisect.bisect_right(bases, ptr) - 1
+        return i >= 0 and ptr < bases[i] + t["mapped"].get(bases[i], 0)
