@@ -15,6 +15,7 @@ import time
 from typing import Dict, Iterable, List, Optional, Tuple
 
 from .. import _lazy
+from .._errors import OutOfMemoryError
 from . import _config
 from ._caching import DeviceCachingAllocator
 
@@ -43,48 +44,181 @@ def load_trace(path: str) -> dict:
     return trace
 
 
-def replay(trace: dict, config: Optional[_config.AllocConfig] = None, device: int = 0) -> Dict[str, float]:
+PAGE = 2 * MiB
+
+#: allocator stats keys read for the map/unmap columns: 0 while the allocator has no
+#: expandable segments (classic segments map nothing); an allocator with them counts
+#: its backend map/unmap calls under these keys and the columns fill in.
+MAP_STAT, UNMAP_STAT = "num_device_map", "num_device_unmap"
+
+
+def corpus_traces() -> List[str]:
+    """Every trace kept in ``tests/test_memory_traces`` (the recorded corpus plus the
+    copy of the shared two), sorted by file name."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return sorted(glob.glob(os.path.join(repo, "tests", "test_memory_traces", "*.json")))
+
+
+def peak_live(ops) -> int:
+    """The peak over time of the sum of live request sizes (``nbytes`` of the ``a`` ops
+    not yet freed), as the trace asks for them: no rounding, no allocator."""
+    live: Dict[int, int] = {}
+    cur = peak = 0
+    for op in ops:
+        if op[0] == "a":
+            live[op[1]] = op[2]
+            cur += op[2]
+            if cur > peak:
+                peak = cur
+        else:
+            cur -= live.pop(op[1])
+    return peak
+
+
+def physical_floor(ops, page: int = PAGE) -> int:
+    """The 2 MiB physical floor: :func:`peak_live` rounded up to a multiple of ``page``.
+    No allocator that maps whole pages can hold the trace's peak in less."""
+    return -(-peak_live(ops) // page) * page
+
+
+def _replay_once(be, trace: dict, config: _config.AllocConfig, device: int):
+    """One replay through a fresh allocator: ``(stats at the end, seconds for the ops,
+    error)``; ``error`` is the OutOfMemoryError that stopped it, or None.  Every block
+    still live is freed and the cache emptied on every path."""
+    alloc = DeviceCachingAllocator(be, device, config)
+    stream = be.default_stream(device)
+    malloc, free = alloc.malloc, alloc.free
+    live = {}
+    error = None
+    start = time.perf_counter()
+    try:
+        for op in trace["ops"]:
+            if op[0] == "a":
+                live[op[1]] = malloc(op[2], stream)
+            else:
+                free(live.pop(op[1]))
+    except OutOfMemoryError as exc:
+        error = exc
+    elapsed = time.perf_counter() - start
+    try:
+        stats = alloc.stats()
+    finally:
+        try:
+            for ptr in live.values():
+                free(ptr)
+        finally:
+            alloc.empty_cache()
+    stats = dict(stats)
+    stats["_reserved_after_empty_cache"] = alloc.stats()["reserved_bytes.all.current"]
+    return stats, elapsed, error
+
+
+def _with_cap(config: _config.AllocConfig, cap: int, total: int) -> _config.AllocConfig:
+    return config._replace(per_process_memory_fraction=cap / total)
+
+
+def min_capacity(trace: dict, config: Optional[_config.AllocConfig] = None, device: int = 0,
+                 precision: float = 0.005, hi: Optional[int] = None) -> Dict[str, float]:
+    """The smallest per-process cap (bytes) under which ``trace`` replays without
+    OutOfMemoryError, found by bisection to ``precision`` x peak live bytes.
+
+    The cap is the allocator's own ``per_process_memory_fraction`` (reserved bytes
+    plus a new segment may not pass ``fraction x total device memory``; past it the
+    allocator frees its cache and retries, then raises), so the search sets
+    ``fraction = cap / total``.  It runs between peak live bytes (nothing can do with
+    less: allocated >= requested) and ``hi`` (default: the uncapped peak reserved,
+    which must pass).  The search assumes success is monotone in the cap; the
+    returned cap itself replayed without error.  Returns ``{"min_capacity" (bytes),
+    "min_capacity_ratio" (over peak live), "bisect_replays"}``."""
+    be = _lazy.lazy_init()
+    config = config or _config.AllocConfig()
+    with_device = be.get_device()
+    be.set_device(device)
+    try:
+        total = be.mem_info()[1]
+    finally:
+        be.set_device(with_device)
+    need = peak_live(trace["ops"])
+    if hi is None:
+        stats, _, error = _replay_once(be, trace, config, device)
+        if error is not None:
+            raise error
+        hi = stats["reserved_bytes.all.peak"]
+    if hi >= total:
+        raise ValueError(f"trace {trace.get('name')!r} needs {hi} bytes uncapped, more than the device's "
+                         f"{total}: run on a larger (simulated) device, e.g. ACCEL_SIM_MEMORY=64G")
+    replays = 0
+    _, _, error = _replay_once(be, trace, _with_cap(config, hi, total), device)
+    replays += 1
+    if error is not None:
+        raise AssertionError(f"{trace.get('name')!r} fails under a cap of its own uncapped peak {hi}: {error}")
+    lo = need - 1                   # fails: the peak live bytes alone exceed it
+    step = max(1, int(need * precision))
+    while hi - lo > step:
+        mid = (lo + hi) // 2
+        _, _, error = _replay_once(be, trace, _with_cap(config, mid, total), device)
+        replays += 1
+        if error is None:
+            hi = mid
+        else:
+            lo = mid
+    return {"min_capacity": hi, "min_capacity_ratio": hi / need if need else 0.0, "bisect_replays": replays}
+
+
+def replay(trace: dict, config: Optional[_config.AllocConfig] = None, device: int = 0,
+           rounds: int = 1, capacity: bool = False) -> Dict[str, float]:
     """Replay one trace through a fresh allocator; returns its figures.
 
     ``ratio`` is peak reserved / peak allocated (allocated = block sizes, as
     torch's ``allocated_bytes``); ``ratio_requested`` divides by the peak of
-    the bytes the program asked for, the stricter measure.
+    the bytes the program asked for, the stricter measure.  ``floor`` is the
+    2 MiB physical floor (:func:`physical_floor`) and ``floor_ratio`` it over
+    peak live bytes.  ``us_per_op`` is the median over ``rounds`` replays (each a
+    fresh allocator), ``us_per_op_min``/``_max`` the spread.  ``map_calls`` and
+    ``unmap_calls`` are the allocator's backend map/unmap counts (0 for classic
+    segments).  With ``capacity``, also :func:`min_capacity`'s figures.
     """
     be = _lazy.lazy_init()
-    alloc = DeviceCachingAllocator(be, device, config or _config.AllocConfig())
-    stream = be.default_stream(device)
-    malloc, free = alloc.malloc, alloc.free
-    live = {}
+    config = config or _config.AllocConfig()
     ops = trace["ops"]
-    start = time.perf_counter()
-    for op in ops:
-        if op[0] == "a":
-            live[op[1]] = malloc(op[2], stream)
-        else:
-            free(live.pop(op[1]))
-    elapsed = time.perf_counter() - start
-    stats = alloc.stats()
-    for ptr in live.values():
-        free(ptr)
-    alloc.empty_cache()
-    leaked = alloc.stats()["reserved_bytes.all.current"]
+    times = []
+    stats = None
+    for _ in range(max(1, rounds)):
+        stats, elapsed, error = _replay_once(be, trace, config, device)
+        if error is not None:
+            raise error
+        times.append(elapsed / len(ops) * 1e6 if ops else 0.0)
+    times.sort()
+    need = peak_live(ops)
+    floor = physical_floor(ops)
     peak_alloc = stats["allocated_bytes.all.peak"]
     peak_req = stats["requested_bytes.all.peak"]
     peak_res = stats["reserved_bytes.all.peak"]
-    return {
+    out = {
         "name": trace.get("name", "?"),
-        "policy": alloc.config.policy,
+        "policy": config.policy,
         "ops": len(ops),
+        "peak_live": need,
         "peak_requested": peak_req,
         "peak_allocated": peak_alloc,
         "peak_reserved": peak_res,
+        "floor": floor,
+        "floor_ratio": floor / need if need else 0.0,
         "ratio": peak_res / peak_alloc if peak_alloc else 0.0,
         "ratio_requested": peak_res / peak_req if peak_req else 0.0,
         "device_alloc_calls": stats["num_device_alloc"],
         "device_free_calls": stats["num_device_free"],
-        "us_per_op": elapsed / len(ops) * 1e6 if ops else 0.0,
-        "reserved_after_empty_cache": leaked,
+        "map_calls": stats.get(MAP_STAT, 0),
+        "unmap_calls": stats.get(UNMAP_STAT, 0),
+        "us_per_op": times[len(times) // 2],
+        "us_per_op_min": times[0],
+        "us_per_op_max": times[-1],
+        "rounds": len(times),
+        "reserved_after_empty_cache": stats["_reserved_after_empty_cache"],
     }
+    if capacity:
+        out.update(min_capacity(trace, config, device, hi=peak_res))
+    return out
 
 
 def _pair_cost(malloc, free, nbytes, stream, n, repeats) -> Tuple[float, float]:
