@@ -630,3 +630,27 @@ def test_mps_has_no_vmm():
                      (b.vmm_free, (0, G)), (b.vmm_set_access, (0, G, 0))):
         with pytest.raises(NotImplementedError, match="no virtual memory management"):
             fn(*args)
+
+
+def test_ordinals_follow_cuda_visible_devices_and_nvml_sees_the_memory(monkeypatch):
+    """With CUDA_VISIBLE_DEVICES=1 the runtime's device 0 is the driver's ordinal 0 and physical GPU 1:
+    its physical memory shows in NVML's used memory of GPU 1, not GPU 0."""
+    use_sim(monkeypatch, "cuda", CUDA_VISIBLE_DEVICES="1")
+    b = _lazy.lazy_init()
+    from accel.sim import cudart
+    before = (cudart.device_used_bytes(0), cudart.device_used_bytes(1))
+    h = b.vmm_create(0, 4 * G)
+    assert (cudart.device_used_bytes(0), cudart.device_used_bytes(1)) == (before[0], before[1] + 4 * G)
+    with pytest.raises(AcceleratorError, match="CUDA_ERROR_INVALID_DEVICE"):
+        b.vmm_create(1, G)                 # one visible device: ordinal 1 does not exist
+    b.vmm_release(h)
+    assert cudart.device_used_bytes(1) == before[1]
+    sim.reset()
+
+
+def test_mapped_memory_is_device_memory_to_the_runtime_but_not_cudamalloc_memory(drv):
+    va, _h = drv.mapped(G, device=1)
+    attrs = RFFI.new("struct cudaPointerAttributes *")
+    assert drv.lib.cudaPointerGetAttributes(attrs, RFFI.cast("void *", va + 100)) == 0
+    assert attrs.type == 2 and attrs.device == 1            # cudaMemoryTypeDevice, the handle's device
+    assert drv.lib.cudaFree(RFFI.cast("void *", va)) == INVALID_VALUE
