@@ -165,3 +165,14 @@ def test_backend_refuses_vmm_during_capture(xpu):
         xpu.graph_destroy(xpu.capture_end(s))
     xpu.vmm_release(h)
     xpu.vmm_free(va, 2 * G)
+
+
+def test_close_releases_what_is_left(xpu):
+    va = xpu.vmm_reserve(0, 4 * G)
+    h = xpu.vmm_create(1, G)
+    xpu.vmm_map(va, G, h, 0)
+    xpu.vmm_create(0, 2 * G)                   # never mapped
+    assert _st() == (1, 2, 3 * G, 1)
+    xpu.close()
+    assert _st() == (0, 0, 0, 0)
+    assert "_vmm_state" not in xpu.__dict__

@@ -109,6 +109,7 @@ class XpuBackend(DiscoveryMixin, MemoryMixin, StreamsMixin, EventsMixin, GraphsM
             for s in list(self._streams.values()):
                 self._sync_stream(s)
             self._sweep()
+            self._vmm_close()
             for ptr, (dev, _n) in list(self._allocs.items()):
                 self._check_rc("zeMemFree", lib.zeMemFree(dev.ctx, ffi.cast("void *", ptr)))
             for ptr in list(self._host_allocs) + [p for _, p in self._deferred]:

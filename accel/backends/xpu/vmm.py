@@ -148,6 +148,28 @@ class VmmMixin:
             for base in [b for b in t["mapped"] if va <= b < va + nbytes]:
                 self._vmm_forget_mapping(t, base)
 
+    def _vmm_close(self) -> None:
+        """For close(): unmap, destroy and free whatever virtual memory is left (before the
+        contexts go), and forget the tables (close re-runs __init__, which does not know them)."""
+        t = self.__dict__.pop("_vmm_state", None)
+        if not t:
+            return
+        ffi, lib, _ = self._lib
+
+        def ctx_of(va):
+            for base, (size, ctx) in t["reserved"].items():
+                if base <= va < base + size:
+                    return ctx
+            return None
+        for base, size in list(t["mapped"].items()):
+            self._check_rc("zeVirtualMemUnmap", lib.zeVirtualMemUnmap(ctx_of(base), ffi.cast("void *", base), size))
+        for handle, (dev, nbytes, ctx) in list(t["handles"].items()):
+            self._check_rc("zePhysicalMemDestroy",
+                           lib.zePhysicalMemDestroy(ctx, ffi.cast("ze_physical_mem_handle_t", handle)))
+            dev.used -= nbytes
+        for va, (size, ctx) in list(t["reserved"].items()):
+            self._check_rc("zeVirtualMemFree", lib.zeVirtualMemFree(ctx, ffi.cast("void *", va), size))
+
     # -- helpers ------------------------------------------------------------------------------
     def _vmm_ctx(self, va: int, index):
         t = self._vmm_tables()
