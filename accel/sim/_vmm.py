@@ -422,8 +422,12 @@ class Space:
             end = addr + max(nbytes, 1)
             maps = []
             a = addr
+            bases, rmaps = r.bases, r.maps
             while a < end:
-                m = self.mapping_at(a)
+                i = bisect.bisect_right(bases, a) - 1
+                m = rmaps[bases[i]] if i >= 0 else None
+                if m is not None and a >= m.end:
+                    m = None
                 if m is None:
                     return (f"0x{a:x} (of the access 0x{addr:x}+{nbytes}) is reserved but not mapped"
                             if a < r.end else f"0x{addr:x}+{nbytes} runs past the end of its reservation "
