@@ -229,7 +229,7 @@ def config() -> Config:
 _FIELDS = {f.name for f in fields(Config)}
 #: Changing these rebuilds the simulated machine (its runtime state is dropped).
 _STRUCTURAL = {"devices", "memory", "compute_capability", "name", "driver", "runtime_version", "driver_version",
-               "runtimes"}
+               "runtimes", "vmm"}
 
 
 def configure(**settings) -> Config:
