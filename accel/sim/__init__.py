@@ -15,6 +15,8 @@ Configuration, read from the environment when a simulated library is first
 used: ``ACCEL_SIM_DEVICES`` (default 2), ``ACCEL_SIM_MEMORY`` (bytes per
 device, default 8G; "512M", "8G" accepted), ``ACCEL_SIM_CC`` (default "9.0"),
 ``ACCEL_SIM_DELAY_US`` (latency of each stream operation, default 0),
+``ACCEL_SIM_VMM_COST_US`` (time each virtual-memory map and unmap takes, default 0;
+see README.md "Virtual memory"),
 ``ACCEL_SIM_CUDA_RUNTIME`` / ``ACCEL_SIM_CUDA_DRIVER`` (the libcudart version
 simulated, 12.4, 12.8 or 13.0, and the CUDA version its driver supports;
 default 13.0 for both; several runtimes, ``ACCEL_SIM_CUDA_RUNTIME=12.4,13.0``,
