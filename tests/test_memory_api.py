@@ -91,6 +91,8 @@ def test_stats_keys_and_device_arguments(sim_backend):
 
 
 def test_no_leaked_segments_after_empty_cache(sim_backend, monkeypatch):
+    # classic segments (mem_alloc); expandable ones: tests/test_memory_expandable.py
+    monkeypatch.setenv("ACCEL_ALLOC_CONF", "expandable_segments:False")
     be = _lazy.lazy_init()
     counting = CountingBackend(monkeypatch, be)
     alloc = memory.device_allocator(0)

@@ -61,6 +61,7 @@ from .._finalize import drain as _drain_finalizers, pending as _finalizers
 from .._locks import acquire as _acquire
 from ..streams import on_device
 from . import _config, _stats
+from ._expandable import UNMAPPED as _UNMAPPED, Segment as _ExpSegment, place as _place
 from ._stats import (ACTIVE, ACTIVE_BYTES, ALLOCATED_BYTES, ALLOCATION, INACTIVE_SPLIT,
                      INACTIVE_SPLIT_BYTES, LANE_MASK, OVERSIZE_ALLOCATIONS, OVERSIZE_SEGMENTS,
                      REQUESTED_BYTES, RESERVED_BYTES, SEGMENT, lane_max, unpack)
@@ -139,7 +140,7 @@ class _Retired:
 
 class _Block:
     __slots__ = ("ptr", "size", "requested", "stat", "undo", "pool", "prev", "next", "state", "uses",
-                 "events", "frames")
+                 "events", "frames", "seg")
 
     def __init__(self, ptr, size, pool, prev, next):
         self.ptr = ptr
@@ -154,17 +155,19 @@ class _Block:
         self.uses = None      # other uses (record_stream): (stream, device) pairs and _Gates
         self.events = 0       # outstanding events while pending
         self.frames = None    # allocation stack when history is recorded
+        self.seg = None       # the expandable segment (_expandable.Segment) it lies in, else None
 
 
 class _FreeList:
     """Free blocks of one owner (general cache or a private pool), stream, and size class."""
 
     __slots__ = ("keys", "stream", "kind", "owner", "split_min", "shift", "alloc_deltas", "split_deltas",
-                 "watch_whole", "segments")
+                 "watch_whole", "segments", "exp")
 
     def __init__(self, stream, kind, owner, split_min, watch_whole):
         self.keys: List[int] = []
         self.segments = 0              # segments whose blocks belong to this list
+        self.exp = None                # the expandable segment this list grows, once made
         self.stream = stream
         self.kind = kind
         self.owner = owner
@@ -290,6 +293,12 @@ class DeviceCachingAllocator:
                          "num_device_alloc": 0, "num_device_free": 0}
         self._special = False     # True when malloc/free must take the general (slow) path
         self._update_special()
+        # expandable segments (see _expandable): decided at the first miss
+        self._expandable: Optional[bool] = None
+        self._gran = 0
+        self._exp_segs: List[_ExpSegment] = []
+        self._scalars["num_device_map"] = 0
+        self._scalars["num_device_unmap"] = 0
 
     # ------------------------------------------------------------------ public API
     @property
@@ -358,6 +367,7 @@ class DeviceCachingAllocator:
                     tail.pool = fl
                     tail.prev = block
                     tail.next = nxt
+                tail.seg = block.seg
                 if nxt is not None:
                     nxt.prev = tail
                 block.next = tail
@@ -688,6 +698,7 @@ class DeviceCachingAllocator:
                                    f"(device {self._index}'s allocator); call it after capture_end()")
             self._synchronize_and_free_events()
             self._release_segments()
+            self._exp_unmap(None)
             for device, events in self._event_cache.items():
                 with on_device(self._be, device):
                     while events:
@@ -709,8 +720,18 @@ class DeviceCachingAllocator:
                     allocated[stat + q] = allocated[src + q]
                     freed[stat + q] = freed[src + q] - (pend[k] - pend_base[k])
             scalars = dict(self._scalars)
+            mapped = (scalars.pop("num_device_map"), scalars.pop("num_device_unmap"))
             scalars["max_split_size"] = -1 if self._max_split == _config.UNLIMITED else self._max_split
-        return _stats.flatten(cur, peak, allocated, freed, scalars)
+        out = _stats.flatten(cur, peak, allocated, freed, scalars)
+        return out
+
+    def map_stats(self) -> dict:
+        """Backend map/unmap calls of the expandable segments so far (accel's own keys,
+        kept out of :meth:`stats`, which has exactly torch's 122):
+        ``{"num_device_map": n, "num_device_unmap": m}``; reset by reset_accumulated_stats."""
+        with self._lock:
+            return {"num_device_map": self._scalars["num_device_map"],
+                    "num_device_unmap": self._scalars["num_device_unmap"]}
 
     def _columns(self):
         """(current, peak, base, freed) lists with the packed counters unpacked."""
@@ -789,6 +810,9 @@ class DeviceCachingAllocator:
                     seg["blocks"].append(entry)
                     block = block.next
                 segments.append(seg)
+            for exp in self._exp_segs:
+                segments.extend(self._exp_snapshot(exp))
+            segments.sort(key=lambda seg: seg["address"])
             traces = list(self._history) if self._history is not None else []
         return {"segments": segments, "device_traces": traces}
 
@@ -924,6 +948,9 @@ class DeviceCachingAllocator:
             block = self._find(fl, size)
             if block is not None:
                 return block
+        if fl.owner is None and not capturing and self._use_expandable():
+            # graph private pools and capture-time misses keep classic segments (E6)
+            return self._exp_grow(size, nbytes, fl)
         seg_size = self._segment_size(size, fl.kind)
         if not capturing:
             self._before_grow(seg_size)
@@ -1019,7 +1046,7 @@ class DeviceCachingAllocator:
                 for fl in pair:
                     for key in fl.keys:
                         block = blocks[key & _MASK]
-                        if block.prev is None and block.next is None:
+                        if block.prev is None and block.next is None and block.seg is None:
                             whole.append(block)
         return whole
 
@@ -1060,6 +1087,316 @@ class DeviceCachingAllocator:
         cached = sum(block.size for block in self._whole_free_segments())
         if cached > self._release_threshold:
             self._release_until(cached - self._release_threshold, largest_first=True)
+
+    # ------------------------------------------------------------------ expandable segments
+    # Invariants E1-E7 are listed in _expandable's docstring.  Free blocks of an
+    # expandable segment live in the ordinary free lists (best fit over mapped free
+    # space); unmapped blocks are in no list and not in self._blocks.
+    def _use_expandable(self) -> bool:
+        use = self._expandable
+        if use is None:
+            want = self._config.expandable_segments
+            if want is None:
+                # Default OFF for now (issue 15 wants on-by-default where supported): with it on,
+                # peers copying from mapped memory need vmm_set_access, which is not wired yet,
+                # and the fault sweep's classic-segment expectations fail.  See the report.
+                want = False
+            use = False
+            if want and self._be.supports_vmm:
+                with self._on_device():
+                    if self._be.vmm_supported(self._index):
+                        self._gran = self._be.vmm_granularity(self._index)
+                        use = True
+            self._expandable = use
+        return use
+
+    def _exp_new(self, fl: _FreeList) -> _ExpSegment:
+        """Reserve the address range of ``fl``'s expandable segment: the device's total
+        memory rounded up to the granularity, so it can grow as far as the device can."""
+        gran = self._gran
+        with self._on_device():
+            total = self._be.mem_info()[1]
+            size = -(-total // gran) * gran
+            base = self._be.vmm_reserve(self._index, size)
+        seg = _ExpSegment(base, size, fl.kind)
+        hole = _Block(base, size, fl, None, None)
+        hole.state = _UNMAPPED
+        hole.seg = seg
+        seg.head = hole
+        self._exp_segs.append(seg)
+        fl.exp = seg
+        fl.segments += 1
+        return seg
+
+    def _list_free(self, block: _Block) -> None:
+        """Put a free block into its list and count it (as _free_block would)."""
+        fl = block.pool
+        insort(fl.keys, block.size << _SHIFT | block.ptr)
+        if block.prev is not None or block.next is not None:
+            cur = self._s_cur = self._s_cur + (fl.split_deltas.get(block.size) or fl.split_delta(block.size))
+            if (self._s_peak_guarded - cur) & _GUARD != _GUARD:
+                self._s_peak_guarded = lane_max(self._s_peak_guarded ^ _GUARD, cur, _LANES) | _GUARD
+
+    def _unlist_free(self, block: _Block) -> None:
+        """Take a free block out of its list and its counts (before its neighbours change)."""
+        fl = block.pool
+        del fl.keys[bisect_left(fl.keys, block.size << _SHIFT | block.ptr)]
+        if block.prev is not None or block.next is not None:
+            w = fl.split_deltas.get(block.size) or fl.split_delta(block.size)
+            self._s_cur -= w
+            self._s_freed += w
+
+    def _exp_create(self, need: int) -> Optional[int]:
+        """Physical memory for ``need`` bytes, or None when the device (or the
+        per_process_memory_fraction cap) has no room."""
+        if self._config.per_process_memory_fraction < 1.0:
+            if self._cur[RESERVED_BYTES] + need > self._allowed_bytes():
+                return None
+        try:
+            with self._on_device():
+                return self._be.vmm_create(self._index, need)
+        except OutOfMemoryError:
+            self._be.clear_error()
+            return None
+
+    def _exp_grow(self, size: int, nbytes: int, fl: _FreeList) -> _Block:
+        """No mapped free block fits: map a run of pages into ``fl``'s segment.  Free
+        mappings are unmapped first when the new pages would lift reserved memory above
+        its high-water mark; on OOM every free mapping of the device is unmapped and the
+        create retried once."""
+        seg = fl.exp or self._exp_new(fl)
+        gran = self._gran
+        plan = _place(seg, size, gran, _FREE)
+        if plan is not None:
+            excess = self._cur[RESERVED_BYTES] + plan[2] - self._reserved_hw
+            if excess > 0:
+                hole = plan[0]
+                self._exp_unmap(excess, keep=(hole.prev, hole.next))
+                self._release_until(excess, largest_first=False)     # classic segments, if any
+                plan = _place(seg, size, gran, _FREE)
+        handle = self._exp_create(plan[2]) if plan is not None else None
+        if handle is None:
+            if self._pending_events or self._deferred:
+                self._synchronize_and_free_events()
+                block = self._find(fl, size)
+                if block is not None:
+                    return block
+            self._scalars["num_alloc_retries"] += 1
+            self._exp_unmap(None)
+            self._release_segments()
+            plan = _place(seg, size, gran, _FREE)
+            handle = self._exp_create(plan[2]) if plan is not None else None
+            if handle is None:
+                self._scalars["num_ooms"] += 1
+                raise OutOfMemoryError(self._oom_message(nbytes))
+        return self._exp_map(seg, fl, plan, handle)
+
+    def _exp_map(self, seg: _ExpSegment, fl: _FreeList, plan, handle: int) -> _Block:
+        """Map ``handle`` where ``plan`` says and return the free block that now fits
+        (counted, not in the free list, as _find returns one)."""
+        hole, addr, need = plan
+        try:
+            with self._on_device():
+                self._be.vmm_map(addr, need, handle, self._index)
+        except BaseException:
+            with self._on_device():
+                self._be.vmm_release(handle)
+            raise
+        self._scalars["num_device_map"] += 1
+        seg.add_map(addr, need, handle)
+        # the free neighbours the new pages join leave their lists before links change
+        before = hole.prev if addr == hole.ptr and hole.prev is not None and hole.prev.state == _FREE else None
+        after = (hole.next if addr + need == hole.ptr + hole.size and hole.next is not None
+                 and hole.next.state == _FREE else None)
+        for nb in (before, after):
+            if nb is not None:
+                self._unlist_free(nb)
+        block = _Block(addr, need, fl, None, None)
+        block.seg = seg
+        if addr == hole.ptr:                      # at the hole's start
+            block.prev, block.next = hole.prev, hole
+            if hole.prev is not None:
+                hole.prev.next = block
+            else:
+                seg.head = block
+            hole.prev = block
+            hole.ptr += need
+            hole.size -= need
+        else:                                     # at the hole's end
+            block.prev, block.next = hole, hole.next
+            if hole.next is not None:
+                hole.next.prev = block
+            hole.next = block
+            hole.size -= need
+        if hole.size == 0:                        # filled: the hole goes
+            if hole.prev is not None:
+                hole.prev.next = hole.next
+            else:
+                seg.head = hole.next
+            if hole.next is not None:
+                hole.next.prev = hole.prev
+        self._blocks[addr] = block
+        if before is not None:
+            before.size += block.size
+            before.next = block.next
+            if block.next is not None:
+                block.next.prev = before
+            del self._blocks[addr]
+            block = before
+        if after is not None:
+            block.size += after.size
+            block.next = after.next
+            if after.next is not None:
+                after.next.prev = block
+            del self._blocks[after.ptr]
+        for nb in (block.prev, block.next):       # see malloc's whole-segment `undo`
+            if nb is not None:
+                nb.undo = 0
+        block.undo = 0
+        if seg.mapped == need:
+            self._count_up(SEGMENT, 1, seg.kind)
+        self._count_up(RESERVED_BYTES, need, seg.kind)
+        self._reserved_hw = max(self._reserved_hw, self._cur[RESERVED_BYTES])
+        if self._history is not None:
+            self._trace("segment_map", addr, need, fl.stream)
+        self._list_free(block)
+        fl = block.pool
+        del fl.keys[bisect_left(fl.keys, block.size << _SHIFT | block.ptr)]
+        return block
+
+    def _exp_unmap(self, limit: Optional[int], keep=()) -> int:
+        """Unmap free mappings (whole mappings only, E3) of every expandable segment:
+        all of them when ``limit`` is None, else enough to give back ``limit`` bytes
+        (the smallest single mapping that is enough, else the largest first).  Free
+        blocks in ``keep`` are left alone.  The owning streams are synchronized first
+        (E7).  Never called during a capture (E6).  Returns the bytes unmapped."""
+        candidates = []
+        for seg in self._exp_segs:
+            for block in seg.blocks():
+                if block.state == _FREE and block not in keep:
+                    for addr, n in seg.maps_within(block.ptr, block.ptr + block.size):
+                        candidates.append((n, addr, seg, block))
+        if not candidates:
+            return 0
+        if limit is not None:
+            enough = [c for c in candidates if c[0] >= limit]
+            if enough:
+                candidates = [min(enough, key=lambda c: (c[0], c[1]))]
+            else:
+                candidates.sort(key=lambda c: (-c[0], c[1]))
+                chosen, left = [], limit
+                for c in candidates:
+                    if left <= 0:
+                        break
+                    chosen.append(c)
+                    left -= c[0]
+                candidates = chosen
+        be = self._be
+        with self._on_device():
+            for stream in {c[3].pool.stream for c in candidates}:
+                be.stream_synchronize(stream)     # cuMemUnmap does not wait for queued work
+        # highest address first: unmapping splits a free block, keeping its low part
+        candidates.sort(key=lambda c: -c[1])
+        done = 0
+        for n, addr, seg, block in candidates:
+            self._exp_unmap_one(seg, block, addr, n)
+            done += n
+        return done
+
+    def _exp_unmap_one(self, seg: _ExpSegment, block: _Block, addr: int, n: int) -> None:
+        with self._on_device():
+            self._be.vmm_unmap(addr, n)          # a failure changes nothing
+        self._scalars["num_device_unmap"] += 1
+        _, handle = seg.drop_map(addr)
+        fl = block.pool
+        self._unlist_free(block)
+        end = block.ptr + block.size
+        prev, nxt = block.prev, block.next
+        hole = _Block(addr, n, fl, None, None)
+        hole.state = _UNMAPPED
+        hole.seg = seg
+        # left part: the block itself, shrunk; or nothing
+        if addr > block.ptr:
+            block.size = addr - block.ptr
+            left = block
+        else:
+            del self._blocks[block.ptr]
+            left = None
+        right = None
+        if addr + n < end:
+            right = _Block(addr + n, end - addr - n, fl, None, None)
+            right.seg = seg
+            self._blocks[right.ptr] = right
+        chain = [b for b in (left, hole, right) if b is not None]
+        for a, b in zip(chain, chain[1:]):
+            a.next, b.prev = b, a
+        chain[0].prev = prev
+        chain[-1].next = nxt
+        if prev is not None:
+            prev.next = chain[0]
+        else:
+            seg.head = chain[0]
+        if nxt is not None:
+            nxt.prev = chain[-1]
+        # merge the hole with unmapped neighbours (E2)
+        if hole.prev is not None and hole.prev.state == _UNMAPPED:
+            p = hole.prev
+            p.size += hole.size
+            p.next = hole.next
+            if hole.next is not None:
+                hole.next.prev = p
+            hole = p
+        if hole.next is not None and hole.next.state == _UNMAPPED:
+            q = hole.next
+            hole.size += q.size
+            hole.next = q.next
+            if q.next is not None:
+                q.next.prev = hole
+        for b in (left, right):
+            if b is not None:
+                b.undo = 0
+                self._list_free(b)
+        for nb in (hole.prev, hole.next):
+            if nb is not None:
+                nb.undo = 0
+        self._count_down(RESERVED_BYTES, n, seg.kind)
+        if seg.mapped == 0:
+            self._count_down(SEGMENT, 1, seg.kind)
+        if self._history is not None:
+            self._trace("segment_unmap", addr, n, fl.stream)
+        with self._on_device():
+            self._be.vmm_release(handle)
+
+    def _exp_snapshot(self, exp: _ExpSegment) -> List[dict]:
+        """torch reports each mapped run of an expandable segment as a segment with
+        ``is_expandable``."""
+        out = []
+        seg = None
+        for block in exp.blocks():
+            if block.state == _UNMAPPED:
+                seg = None
+                continue
+            if seg is None:
+                fl = block.pool
+                seg = {"device": self._index, "address": block.ptr, "total_size": 0,
+                       "allocated_size": 0, "active_size": 0, "requested_size": 0,
+                       "stream": fl.stream, "segment_type": _POOL_NAME[exp.kind],
+                       "segment_pool_id": (0, 0), "is_expandable": True, "blocks": []}
+                out.append(seg)
+            seg["total_size"] += block.size
+            state = ("active_allocated" if block.state == _ALLOCATED else
+                     "active_pending_free" if block.state == _PENDING else "inactive")
+            entry = {"address": block.ptr, "size": block.size,
+                     "requested_size": block.requested if block.state != _FREE else 0, "state": state}
+            if block.frames:
+                entry["frames"] = block.frames
+            if block.state == _ALLOCATED:
+                seg["allocated_size"] += block.size
+                seg["requested_size"] += block.requested
+            if block.state != _FREE:
+                seg["active_size"] += block.size
+            seg["blocks"].append(entry)
+        return out
 
     # ------------------------------------------------------------------ streams and events
     def _free_with_uses(self, block: _Block) -> None:
@@ -1155,6 +1492,14 @@ class DeviceCachingAllocator:
                         while block is not None:
                             block.pool = target
                             block = block.next
+                if fl.exp is not None:
+                    for seg in self._exp_segs:
+                        for block in seg.blocks():
+                            if block.pool is fl:
+                                block.pool = target
+                    if target.exp is None:
+                        target.exp = fl.exp
+                    fl.exp = None
                 target.segments += fl.segments
                 fl.segments = 0
                 if fl.keys:

@@ -12,7 +12,6 @@ naming the option and listing the valid ones.
 from __future__ import annotations
 
 import os
-import warnings
 from typing import NamedTuple, Optional, Tuple
 
 MiB = 1 << 20
@@ -34,8 +33,8 @@ OPTIONS = {
                                 "(N, or a list such as [256:1,512:2,>:4] keyed by MiB)",
     "release_threshold": "bytes (suffix K/M/G allowed) of completely free segments kept cached; "
                          "more are returned to the device when a block is freed",
-    "expandable_segments": "True/False; needs a virtual-memory API the Backend protocol lacks, "
-                           "so True warns and falls back to ordinary segments",
+    "expandable_segments": "True/False: grow one virtual address range per stream and pool by mapping "
+                           "2 MiB pages where the backend has virtual memory (default: False for now)",
     "per_process_memory_fraction": "cap reserved memory at this fraction (0..1] of the device's total",
     "policy": "accel (default: tight segments, release-before-grow) or torch (PyTorch's sizing rules)",
     "backend": "native (the only allocator backend accel has)",
@@ -54,7 +53,8 @@ class AllocConfig(NamedTuple):
     #: divisions per power-of-two interval (all 0 = plain 512-byte rounding)
     roundup_power2_divisions: Tuple[int, ...] = (0,) * _POW2_INTERVALS
     release_threshold: Optional[int] = None
-    expandable_segments: bool = False
+    #: None = the default (off for now; issue 15 wants on where the backend supports it)
+    expandable_segments: Optional[bool] = None
     per_process_memory_fraction: float = 1.0
     policy: str = "accel"
     source: str = ""
@@ -205,12 +205,7 @@ def parse(text: str, source: str = "ACCEL_ALLOC_CONF") -> AllocConfig:
             _parse_bool(key, value, source)
         elif key == "pinned_num_register_threads":
             _parse_int(key, value, source)
-    config = AllocConfig(**values)
-    if config.expandable_segments:
-        warnings.warn(f"{source}: expandable_segments:True needs a virtual-memory API "
-                      f"(cuMemMap-style), which the accel Backend protocol does not have; "
-                      f"falling back to ordinary segments", RuntimeWarning, stacklevel=3)
-    return config
+    return AllocConfig(**values)
 
 
 def from_environment() -> AllocConfig:

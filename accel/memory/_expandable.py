@@ -1,0 +1,110 @@
+"""Expandable segments: one growing virtual address range per (stream, pool) of the
+general cache, backed by physical pages mapped and unmapped on demand (issue 15 item 2;
+torch's ``ExpandableSegment`` in ``c10/cuda/CUDACachingAllocator.cpp``).
+
+A segment is a reservation (``vmm_reserve``) of ``size`` bytes at ``base``.  Its
+blocks tile the whole reservation, in address order, as a doubly linked list like a
+classic segment's; a block is allocated, pending, free (cached, in a free list) or
+*unmapped* (no physical memory behind it, in no free list).  Mappings are runs of
+pages: one ``vmm_create`` of ``n`` pages mapped once (``vmm_map``), so a trace needs
+few map calls; a mapping is unmapped only whole, because cuMemUnmap refuses a
+sub-range of a mapping (CUDA Driver API, cuMemUnmap: "cannot unmap a sub-range";
+the simulator enforces it).
+
+Invariants (checked by ``tests/test_memory_expandable.py`` after every operation):
+
+* E1  the blocks of a segment tile ``[base, base + size)`` exactly, without gaps;
+* E2  no two adjacent blocks are both free, nor both unmapped (merged eagerly);
+* E3  a mapping lies entirely inside mapped (non-unmapped) blocks, and every mapped
+      byte belongs to exactly one mapping: the mappings tile the mapped blocks;
+* E4  an unmapped block starts and ends on page (granularity) boundaries;
+* E5  reserved bytes (the stats) == the sum of the sizes of all mappings;
+* E6  nothing is mapped or unmapped while a stream capture is underway (the backend
+      refuses: a capture-time miss in the general cache takes a classic segment);
+* E7  before a mapping is unmapped, the stream owning its free block was synchronized
+      (cuMemUnmap does not wait for queued work).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from typing import Dict, List, Optional, Tuple
+
+UNMAPPED = 3       # block state (after _caching's _FREE, _ALLOCATED, _PENDING)
+
+
+class Segment:
+    """One reservation and its mappings (start address -> (size, handle))."""
+
+    __slots__ = ("base", "size", "kind", "head", "maps", "starts", "mapped")
+
+    def __init__(self, base: int, size: int, kind: int):
+        self.base = base
+        self.size = size
+        self.kind = kind                      # _SMALL or _LARGE (fixed; blocks may change lists)
+        self.head = None                      # first block of the chain
+        self.maps: Dict[int, Tuple[int, int]] = {}
+        self.starts: List[int] = []           # sorted mapping starts
+        self.mapped = 0                       # bytes mapped
+
+    def add_map(self, addr: int, size: int, handle: int) -> None:
+        self.maps[addr] = (size, handle)
+        insort(self.starts, addr)
+        self.mapped += size
+
+    def drop_map(self, addr: int) -> Tuple[int, int]:
+        size, handle = self.maps.pop(addr)
+        del self.starts[bisect_left(self.starts, addr)]
+        self.mapped -= size
+        return size, handle
+
+    def maps_within(self, lo: int, hi: int) -> List[Tuple[int, int]]:
+        """Mappings (start, size) lying entirely inside ``[lo, hi)``."""
+        out = []
+        i = bisect_left(self.starts, lo)
+        starts = self.starts
+        while i < len(starts) and starts[i] < hi:
+            a = starts[i]
+            n = self.maps[a][0]
+            if a + n <= hi:
+                out.append((a, n))
+            i += 1
+        return out
+
+    def blocks(self):
+        block = self.head
+        while block is not None:
+            yield block
+            block = block.next
+
+
+def place(seg: Segment, size: int, gran: int, free_state: int):
+    """Where to map pages so that ``size`` bytes become one free block: the hole
+    (unmapped block) needing the fewest new bytes, joined with a free neighbour; ties
+    go to the lowest address.  Returns ``(hole, addr, need)`` or None.
+
+    Why holes and not only the end: unmapping free pages in the middle (to stay under
+    the high-water mark) leaves holes; refilling the best-fitting one keeps the
+    address range compact and reuses the free neighbours' bytes, so fewer new bytes
+    are mapped than at the end."""
+    best = None
+    for hole in seg.blocks():
+        if hole.state != UNMAPPED:
+            continue
+        before = hole.prev.size if hole.prev is not None and hole.prev.state == free_state else 0
+        after = hole.next.size if hole.next is not None and hole.next.state == free_state else 0
+        options = []
+        need = -(-max(size - before, 0) // gran) * gran
+        if need <= hole.size:
+            options.append((need, hole.ptr))                          # grow the free block before
+        need = -(-max(size - after, 0) // gran) * gran
+        if need <= hole.size:
+            options.append((need, hole.ptr + hole.size - need))       # grow the free block after
+        if before + hole.size + after >= size:
+            options.append((hole.size, hole.ptr))                     # fill the hole, join both
+        for need, addr in options:
+            if need == 0:
+                continue
+            if best is None or (need, addr) < (best[2], best[1]):
+                best = (hole, addr, need)
+    return best
