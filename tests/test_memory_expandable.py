@@ -1,0 +1,232 @@
+"""Expandable segments (issue 15 item 2) on the simulated CUDA runtime, which enforces the
+driver's map/unmap rules (any violation raises or faults), on both devices including the
+non-current one.  Invariants E1-E7: accel/memory/_expandable.py."""
+
+import random
+
+import pytest
+
+from accel import _lazy, sim
+from accel._errors import OutOfMemoryError
+from accel.memory import _caching, _config, _expandable
+from accel.memory._caching import DeviceCachingAllocator
+from accel.sim import _vmm
+from conftest import use_sim
+
+MiB = 1 << 20
+G = 2 * MiB
+
+pytestmark = pytest.mark.skipif(not _vmm.supported(), reason="this host cannot play virtual memory (mmap)")
+
+
+@pytest.fixture
+def be(monkeypatch):
+    use_sim(monkeypatch, "cuda")
+    b = _lazy.lazy_init()
+    yield b
+    sim.reset()
+
+
+def make(be, index, conf="expandable_segments:True"):
+    alloc = DeviceCachingAllocator(be, index, _config.parse(conf))
+    return alloc
+
+
+def check(alloc):
+    """E1-E5 plus the free lists and the reserved/allocated stats."""
+    mapped_total = 0
+    allocated = 0
+    for seg in alloc._exp_segs:
+        end = seg.base
+        prev_state = None
+        mapped = 0
+        for block in seg.blocks():
+            assert block.ptr == end, "E1: blocks tile the reservation"
+            assert block.seg is seg and block.size > 0
+            st = block.state
+            assert not (st == prev_state and st in (_caching._FREE, _expandable.UNMAPPED)), "E2"
+            if st == _expandable.UNMAPPED:
+                assert block.ptr % G == 0 and block.size % G == 0, "E4"
+                assert block.ptr not in alloc._blocks
+            else:
+                assert alloc._blocks[block.ptr] is block
+                mapped += block.size
+                inside = [a for a in seg.maps if a < block.ptr + block.size and a + seg.maps[a][0] > block.ptr]
+                assert inside, "E3: a mapped block lies on a mapping"
+            if st == _caching._FREE:
+                fl = block.pool
+                assert (block.size << 64 | block.ptr) in fl.keys
+            if st == _caching._ALLOCATED:
+                allocated += block.size
+            prev_state = st
+            end += block.size
+            if block.next is not None:
+                assert block.next.prev is block
+        assert end == seg.base + seg.size, "E1"
+        assert mapped == seg.mapped == sum(n for n, _ in seg.maps.values()), "E3"
+        mapped_total += mapped
+    classic = sum(alloc._segments.values())
+    stats = alloc.stats()
+    assert stats["reserved_bytes.all.current"] == mapped_total + classic, "E5"
+    st = sim.state()
+    assert st.vmm_mapped_bytes >= mapped_total
+    return stats
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_random_ops_keep_invariants_and_empty_cache_unmaps_all(be, index):
+    alloc = make(be, index)
+    rng = random.Random(index)
+    stream = be.default_stream(index)
+    live = []
+    for step in range(400):
+        if live and rng.random() < 0.45:
+            alloc.free(live.pop(rng.randrange(len(live))))
+        else:
+            live.append(alloc.malloc(rng.choice([700, 64 * 1024, MiB, 3 * MiB + 5, 12 * MiB, 31 * MiB]), stream))
+        check(alloc)
+    assert alloc._expandable
+    stats = alloc.stats()
+    assert stats["reserved_bytes.all.peak"] <= 1.3 * stats["allocated_bytes.all.peak"] + 4 * G
+    for ptr in live:
+        alloc.free(ptr)
+    alloc.empty_cache()
+    check(alloc)
+    assert alloc.stats()["reserved_bytes.all.current"] == 0
+    assert alloc.stats()["segment.all.current"] == 0
+    assert sim.state().vmm_mappings == 0 and sim.state().vmm_handles == 0
+    calls = alloc.map_stats()
+    assert calls["num_device_map"] == calls["num_device_unmap"] > 0
+    assert be.get_device() == 0
+
+
+def test_copies_through_expandable_memory(be):
+    alloc = make(be, 1)
+    s = be.default_stream(1)
+    ptrs = [alloc.malloc(3 * MiB, s) for _ in range(3)]
+    alloc.free(ptrs[1])
+    p = alloc.malloc(2 * MiB, s)     # best fit into the freed mapped space (large pool)
+    assert ptrs[1] <= p < ptrs[1] + 3 * MiB
+    prev = be.get_device()
+    be.set_device(1)
+    try:
+        buf = bytearray(b"x" * MiB)
+        out = bytearray(MiB)
+        from accel._ffi import cudart_module
+        ffi = cudart_module(13).ffi
+        be.memcpy_async(p, int(ffi.cast("uintptr_t", ffi.from_buffer(buf))), MiB, s)
+        be.memcpy_async(int(ffi.cast("uintptr_t", ffi.from_buffer(out))), p, MiB, s)
+        be.stream_synchronize(s)
+    finally:
+        be.set_device(prev)
+    assert out == buf
+    check(alloc)
+
+
+def test_oom_unmaps_free_pages_and_retries(be):
+    alloc = make(be, 0)
+    a = alloc.malloc(10 * MiB)
+    b = alloc.malloc(10 * MiB)
+    alloc.free(a)
+    before = alloc.map_stats()["num_device_unmap"]
+    sim.inject_oom()                 # the next cuMemCreate fails
+    c = alloc.malloc(30 * MiB)       # retry after unmapping every free page
+    assert alloc.map_stats()["num_device_unmap"] > before
+    assert alloc.stats()["num_alloc_retries"] == 1
+    check(alloc)
+    sim.inject_oom(times=2)
+    with pytest.raises(OutOfMemoryError, match="out of memory. Tried to allocate 40.00 MiB"):
+        alloc.malloc(40 * MiB)
+    stats = check(alloc)
+    assert stats["num_ooms"] == 1
+    assert stats["allocated_bytes.all.current"] == 40 * MiB
+    alloc.free(b)
+    alloc.free(c)
+    alloc.empty_cache()
+    assert sim.state().vmm_handles == 0
+
+
+def test_memory_fraction_caps_mapped_bytes(be):
+    alloc = make(be, 1, "expandable_segments:True,per_process_memory_fraction:0.01")
+    cap = alloc._allowed_bytes()
+    with pytest.raises(OutOfMemoryError):
+        alloc.malloc(cap + G)
+    ptr = alloc.malloc(cap // 2)
+    check(alloc)
+    assert alloc.stats()["reserved_bytes.all.current"] <= cap
+    alloc.free(ptr)
+
+
+def test_high_water_mark_unmaps_instead_of_growing(be):
+    alloc = make(be, 0)
+    x = [alloc.malloc(8 * MiB) for _ in range(4)]        # 32 MiB mapped
+    for p in x[::2]:
+        alloc.free(p)                                     # two 8 MiB free holes, not adjacent
+    y = alloc.malloc(16 * MiB)                            # fits nowhere: unmaps a free run first
+    stats = check(alloc)
+    assert stats["reserved_bytes.all.peak"] <= 32 * MiB + 8 * MiB
+    assert alloc.map_stats()["num_device_unmap"] >= 1
+    for p in x[1::2] + [y]:
+        alloc.free(p)
+    check(alloc)
+
+
+def test_record_stream_on_expandable_blocks(be):
+    alloc = make(be, 1)
+    s0 = be.default_stream(1)
+    prev = be.get_device()
+    be.set_device(1)
+    try:
+        other = be.stream_create()
+    finally:
+        be.set_device(prev)
+    p = alloc.malloc(4 * MiB, s0)
+    alloc.record_stream(p, other, 1)
+    alloc.free(p)
+    q = alloc.malloc(4 * MiB, s0)
+    check(alloc)
+    alloc.free(q)
+    alloc.empty_cache()                    # waits for the event, then unmaps everything free
+    check(alloc)
+    assert alloc.stats()["reserved_bytes.all.current"] == 0
+    alloc.forget_stream(other, 1)
+    be.set_device(1)
+    try:
+        be.stream_destroy(other)
+    finally:
+        be.set_device(prev)
+
+
+def test_snapshot_marks_expandable_and_traces_map_unmap(be):
+    alloc = make(be, 0)
+    alloc.record_history(True)
+    p = alloc.malloc(5 * MiB)
+    snap = alloc.snapshot()
+    segs = [s for s in snap["segments"] if s["is_expandable"]]
+    assert segs and segs[0]["allocated_size"] == 5 * MiB
+    alloc.free(p)
+    alloc.empty_cache()
+    actions = [e["action"] for e in alloc.snapshot()["device_traces"]]
+    assert "segment_map" in actions and "segment_unmap" in actions
+
+
+def test_default_and_off_keep_classic_segments(be):
+    for conf in ("", "expandable_segments:False", "policy:torch"):
+        alloc = make(be, 0, conf)
+        p = alloc.malloc(3 * MiB)
+        assert not alloc._exp_segs and alloc._segments
+        alloc.free(p)
+        alloc.empty_cache()
+
+
+def test_graph_private_pools_keep_classic_segments(be):
+    alloc = make(be, 0)
+    s = be.default_stream(0)
+    alloc.begin_allocate_to_pool((1, 1), s)
+    p = alloc.malloc(3 * MiB, s)
+    alloc.end_allocate_to_pool((1, 1))
+    assert p in alloc._segments and not alloc._exp_segs
+    alloc.free(p)
+    alloc.release_pool((1, 1))
+    alloc.empty_cache()
+    check(alloc)
