@@ -46,9 +46,8 @@ def load_trace(path: str) -> dict:
 
 PAGE = 2 * MiB
 
-#: allocator stats keys read for the map/unmap columns: 0 while the allocator has no
-#: expandable segments (classic segments map nothing); an allocator with them counts
-#: its backend map/unmap calls under these keys and the columns fill in.
+#: keys of the allocator's ``map_stats()`` (or ``stats()``) read for the map/unmap columns:
+#: 0 while the allocator has no expandable segments (classic segments map nothing).
 MAP_STAT, UNMAP_STAT = "num_device_map", "num_device_unmap"
 
 
@@ -109,6 +108,10 @@ def _replay_once(be, trace: dict, config: _config.AllocConfig, device: int):
         finally:
             alloc.empty_cache()
     stats = dict(stats)
+    # map/unmap calls: accel's own keys, kept out of stats() (torch's keys only)
+    map_stats = getattr(alloc, "map_stats", None)
+    if map_stats is not None:
+        stats.update(map_stats())
     stats["_reserved_after_empty_cache"] = alloc.stats()["reserved_bytes.all.current"]
     return stats, elapsed, error
 
