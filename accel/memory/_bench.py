@@ -20,6 +20,8 @@ from . import _config
 from ._caching import DeviceCachingAllocator
 
 MiB = 1 << 20
+#: The traces of ../shared/traces, also copied into tests/test_memory_traces for a clean clone.
+SHARED_TRACES = ("cnn_train.json", "gpt_small_train.json")
 
 
 def default_traces() -> List[str]:
@@ -31,6 +33,9 @@ def default_traces() -> List[str]:
                                  os.path.join(repo, "tests", "test_memory_traces")]
     for folder in folders:
         found = sorted(glob.glob(os.path.join(folder, "*.json")))
+        if folder.endswith("test_memory_traces"):
+            # The copy sits beside the recorded corpus (``--corpus``): keep the shared two.
+            found = [f for f in found if os.path.basename(f) in SHARED_TRACES]
         if found:
             return found
     return []
