@@ -25,7 +25,10 @@ baseline and selectable with ``ACCEL_ALLOC_CONF=policy:torch``.  The default
 * release-before-grow: a new segment that would lift reserved memory above
   its high-water mark is paid for by first returning unused cached segments
   (smallest first) to the device, so a fragmented cache cannot make the
-  footprint creep upwards.
+  footprint creep upwards;
+* a small request that would still lift reserved memory past that mark with a
+  new 2 MiB small segment takes the high end of a free large-pool block instead
+  (``_small_in_large``); below the mark the pools stay apart, as in torch.
 
 On the shared training traces this keeps peak reserved within 6 % of peak
 allocated (PyTorch's rules: 4-32 %); see ``tools/replay_trace.py``.
@@ -349,6 +352,7 @@ class DeviceCachingAllocator:
                     block = self._blocks[keys[i] & _MASK]
                 except IndexError:               # nothing cached is big enough
                     block = self._malloc_miss(size, nbytes, fl)
+                    fl = block.pool      # a small request may get a large-pool block
                     i = -1
             # Hand the block out, splitting off the rest when it is worth keeping.
             # (Inlined: this is the hot path.)
@@ -444,7 +448,8 @@ class DeviceCachingAllocator:
         if (self._pending_events or self._deferred) and not capture_underway(self._be):
             self._resume_events()
         fl = lists[size > SMALL_SIZE]
-        return self._find(fl, size) or self._malloc_miss(size, nbytes, fl), fl
+        block = self._find(fl, size) or self._malloc_miss(size, nbytes, fl)
+        return block, block.pool     # a small request may get a large-pool block
 
     def _after_take(self, block: _Block, fl: _FreeList) -> None:
         if block.size >= self._max_split:
@@ -951,6 +956,10 @@ class DeviceCachingAllocator:
         if fl.owner is None and not capturing and self._use_expandable():
             # graph private pools and capture-time misses keep classic segments (E6)
             return self._exp_grow(size, nbytes, fl)
+        if fl.kind == _SMALL and not capturing and not self._torch_policy:
+            block = self._small_in_large(size, fl)
+            if block is not None:
+                return block
         seg_size = self._segment_size(size, fl.kind)
         if not capturing:
             self._before_grow(seg_size)
@@ -980,6 +989,58 @@ class DeviceCachingAllocator:
         if self._history is not None:
             self._trace("segment_alloc", ptr, seg_size, fl.stream)
         return block
+
+    def _small_in_large(self, size: int, fl: _FreeList) -> Optional[_Block]:
+        """A small request whose new 2 MiB small segment would lift reserved memory past
+        its high-water mark (even after release-before-grow) takes the high end of the
+        best-fitting free block of the same owner and stream's large pool instead, or None.
+
+        Why: a small trace's peak is often a tiny allocation needing a whole small
+        segment while the tails of large segments (their 2 MiB rounding) sit free;
+        below the mark a small segment costs nothing and keeps the pools apart, as torch
+        does (small blocks scattered in large segments pin them).  The high end, so the
+        rest of the free block stays next to its lower neighbour and merges with it.
+        The block is the large pool's (segment, stats, free list), as every block of a
+        segment is.  Oversize and expandable blocks are never used."""
+        reserved = self._cur[RESERVED_BYTES]
+        if reserved + SMALL_BUFFER <= self._reserved_hw:
+            return None
+        whole = sum(block.size for block in self._whole_free_segments())
+        if reserved + SMALL_BUFFER - whole <= self._reserved_hw:
+            return None                     # releasing whole free segments pays for it
+        lists = (fl.owner.lists if fl.owner is not None else self._general).get(fl.stream)
+        large = lists[1]
+        keys = large.keys
+        i = bisect_left(keys, size << _SHIFT)
+        if i == len(keys):
+            return None
+        block = self._blocks[keys[i] & _MASK]
+        if block.size >= self._max_split or block.seg is not None:
+            return None
+        del keys[i]
+        rest = block.size - size
+        if rest == 0:
+            return block                    # malloc takes it as it takes a found block
+        was_split = block.prev is not None or block.next is not None
+        nxt = block.next
+        high = _Block(block.ptr + rest, size, large, block, nxt)
+        if nxt is not None:
+            nxt.prev = high
+        block.next = high
+        block.size = rest
+        self._blocks[high.ptr] = high
+        insort(keys, rest << _SHIFT | block.ptr)
+        # packed counters: ``high`` is an inactive split block until malloc hands it out
+        # (malloc then counts it active, as for any split block it takes); ``block``
+        # shrinks by ``size``, or, if it was a whole segment, becomes a split block.
+        if was_split:
+            w = large.lanes(size << (_ISPLIT + 64))
+            self._s_cur -= w
+            self._s_freed += w
+        else:
+            self._s_cur += large.split_deltas.get(rest) or large.split_delta(rest)
+        self._s_cur += large.split_deltas.get(size) or large.split_delta(size)
+        return high
 
     def _before_grow(self, seg_size: int) -> None:
         """Decide whether cached segments go back to the device before a new one is made."""
