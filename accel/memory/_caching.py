@@ -48,6 +48,27 @@ handled once no capture is underway, as torch does.
 The hot path (a cache hit) takes one lock, one ``bisect`` and one ``insort``,
 and updates all hot statistics with a couple of big-int additions (see
 ``_stats.LANE``), memoized per size since training repeats its sizes.
+
+Invariants of classic segments (what ``tests/test_memory_allocator.check_invariants``
+asserts after every operation, as CUDACachingAllocator.cpp lists its own):
+
+1. The blocks of a segment tile it in address order (``prev``/``next``), every
+   size a multiple of 512; no two neighbours are both free.
+2. Every block of a segment belongs to the segment's free list (owner, stream,
+   small/large), whatever the request it serves: a small request placed in a large
+   segment (``_small_in_large``) is a large-pool block, in the stats too.
+3. A free list's keys are sorted and are exactly its free blocks; allocated and
+   pending blocks are in no list.  Only whole free segments go back to the device.
+4. Small requests (<= 1 MiB) use small-pool blocks, large requests large-pool
+   blocks, except (2): a small request reaches a large-pool block only when a new
+   small segment would lift reserved memory past its high-water mark after
+   release-before-grow, and then takes the high end of the best-fitting block, so
+   the block's low part can still merge with its lower neighbour.
+5. Reserved memory passes its high-water mark only when no whole free segment is
+   left to release (release-before-grow) or a block must be made while a capture
+   is underway.  Blocks of ``max_split_size`` or more are never split, and the
+   classic rules never place anything in an expandable segment.
+6. The policy ``torch`` follows PyTorch's rules: no release-before-grow, no (4).
 """
 
 from __future__ import annotations
