@@ -255,6 +255,11 @@ def _worker(q: Queue) -> None:
                     fn()
             except BaseException as exc:
                 err = exc
+        if err is not None:
+            # Reported before the operation counts as complete: a host thread waiting on it
+            # (cudaStreamSynchronize) must wake to the fault, not to success (CUDA Runtime API,
+            # "Error Handling": the error is returned by the synchronizing call).
+            engine.on_error(q, err)
         with lock:
             if q.ops and q.ops[0][0] == seq:
                 q.ops.popleft()
@@ -264,5 +269,3 @@ def _worker(q: Queue) -> None:
                 q.cv.notify_all()
             if q.closed and q.done >= q.enqueued:
                 engine._retire(q)
-        if err is not None:
-            engine.on_error(q, err)

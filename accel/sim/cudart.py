@@ -404,11 +404,13 @@ class Runtime:
         # error. To continue using CUDA, the process must be terminated and relaunched."  So the
         # first fault becomes every later call's result (the wrapper returns init_error), on every
         # device and thread, and cudaDeviceReset does not clear it.
+        # The text is kept before the error becomes sticky: a thread that sees the sticky code
+        # (any call returns it from then on) can read why in state().errors.
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        self.errors.append((q.label, text))
         if not self.sticky:
             self.sticky = code
             self.init_error = code
-        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        self.errors.append((q.label, text))
         try:
             sys.stderr.write(f"accel.sim: device fault on {q.label} ({_error_name(code)}):\n{text}")
         except Exception:
