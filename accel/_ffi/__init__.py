@@ -80,19 +80,6 @@ _lock = threading.Lock()
 _opened: Dict[str, Tuple[object, object, str]] = {}
 
 
-def _site_dirs() -> List[str]:
-    out = []
-    for p in sys.path:
-        if p and p.endswith(("site-packages", "dist-packages")) and p not in out:
-            out.append(p)
-    return out
-
-
-def _cuda_homes() -> List[str]:
-    homes = [os.environ.get(v) for v in ("CUDA_HOME", "CUDA_PATH")]
-    return [h for h in homes if h]
-
-
 def candidates(name: str) -> List[str]:
     """Paths (or bare sonames for the dynamic loader) tried for ``name``, in order."""
     if name not in LIBRARIES:

@@ -257,6 +257,22 @@ def _check_size(nbytes) -> int:
     return nbytes
 
 
+def _snapshot_block(seg: dict, block) -> None:
+    """Append ``block`` to snapshot segment ``seg`` (torch's block layout) and count it."""
+    state = ("active_allocated" if block.state == _ALLOCATED else
+             "active_pending_free" if block.state == _PENDING else "inactive")
+    entry = {"address": block.ptr, "size": block.size,
+             "requested_size": block.requested if block.state != _FREE else 0, "state": state}
+    if block.frames:
+        entry["frames"] = block.frames
+    if block.state == _ALLOCATED:
+        seg["allocated_size"] += block.size
+        seg["requested_size"] += block.requested
+    if block.state != _FREE:
+        seg["active_size"] += block.size
+    seg["blocks"].append(entry)
+
+
 class DeviceCachingAllocator:
     """Caching allocator for one device; every method is thread-safe.
 
@@ -746,7 +762,8 @@ class DeviceCachingAllocator:
                     allocated[stat + q] = allocated[src + q]
                     freed[stat + q] = freed[src + q] - (pend[k] - pend_base[k])
             scalars = dict(self._scalars)
-            mapped = (scalars.pop("num_device_map"), scalars.pop("num_device_unmap"))
+            scalars.pop("num_device_map")       # accel's own counters: see map_stats()
+            scalars.pop("num_device_unmap")
             scalars["max_split_size"] = -1 if self._max_split == _config.UNLIMITED else self._max_split
         out = _stats.flatten(cur, peak, allocated, freed, scalars)
         return out
@@ -821,19 +838,7 @@ class DeviceCachingAllocator:
                        "is_expandable": False, "blocks": []}
                 block = head
                 while block is not None:
-                    state = ("active_allocated" if block.state == _ALLOCATED else
-                             "active_pending_free" if block.state == _PENDING else "inactive")
-                    entry = {"address": block.ptr, "size": block.size,
-                             "requested_size": block.requested if block.state != _FREE else 0,
-                             "state": state}
-                    if block.frames:
-                        entry["frames"] = block.frames
-                    if block.state == _ALLOCATED:
-                        seg["allocated_size"] += block.size
-                        seg["requested_size"] += block.requested
-                    if block.state != _FREE:
-                        seg["active_size"] += block.size
-                    seg["blocks"].append(entry)
+                    _snapshot_block(seg, block)
                     block = block.next
                 segments.append(seg)
             for exp in self._exp_segs:
@@ -1466,18 +1471,7 @@ class DeviceCachingAllocator:
                        "segment_pool_id": (0, 0), "is_expandable": True, "blocks": []}
                 out.append(seg)
             seg["total_size"] += block.size
-            state = ("active_allocated" if block.state == _ALLOCATED else
-                     "active_pending_free" if block.state == _PENDING else "inactive")
-            entry = {"address": block.ptr, "size": block.size,
-                     "requested_size": block.requested if block.state != _FREE else 0, "state": state}
-            if block.frames:
-                entry["frames"] = block.frames
-            if block.state == _ALLOCATED:
-                seg["allocated_size"] += block.size
-                seg["requested_size"] += block.requested
-            if block.state != _FREE:
-                seg["active_size"] += block.size
-            seg["blocks"].append(entry)
+            _snapshot_block(seg, block)
         return out
 
     # ------------------------------------------------------------------ streams and events

@@ -28,7 +28,7 @@ Invariants (checked by ``tests/test_memory_expandable.py`` after every operation
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 UNMAPPED = 3       # block state (after _caching's _FREE, _ALLOCATED, _PENDING)
 

@@ -395,8 +395,6 @@ class Runtime:
             self.devices[owner.device].queues.pop(q, None)
 
     def _on_error(self, q: _engine.Queue, exc: BaseException) -> None:
-        owner = q.owner
-        dev = owner.device if owner is not None else 0
         code = cudaErrorIllegalAddress if isinstance(exc, (_IllegalAddress, kernels.MemoryRangeError)) \
             else cudaErrorLaunchFailure
         # CUDA Runtime API, "Error Handling" / cudaErrorIllegalAddress, cudaErrorLaunchFailure: "This
