@@ -20,9 +20,10 @@ from __future__ import annotations
 
 from typing import Dict, Tuple
 
+from .._errors import AcceleratorError, CaptureError
 from ._cuda_driver import NoDriverFunction, error_name, resolve
 
-__all__ = ["SYMBOLS", "DriverVmm", "NoDriverFunction"]
+__all__ = ["SYMBOLS", "DriverVmm", "NoDriverFunction", "CudaVmmMixin"]
 
 #: driver symbol -> PFN type of the ABI accel calls (cudaTypedefs.h; the same in CUDA 12 and 13).
 SYMBOLS: Dict[str, str] = {
@@ -111,3 +112,109 @@ class DriverVmm:
         desc.location.id = ordinal
         desc.flags = _PROT_READWRITE
         return self.fns["cuMemSetAccess"](va, nbytes, desc, 1)
+
+
+class CudaVmmMixin:
+    """The Backend protocol's vmm_* methods for :class:`accel.backends.cuda.CudaBackend`."""
+
+    def _vmm(self):
+        v = self._vmm_fns
+        if v is None:
+            with self._lock:
+                if self._vmm_fns is None:
+                    try:
+                        self._vmm_fns = DriverVmm(self.ffi, self.lib)
+                    except NoDriverFunction as exc:
+                        self._vmm_fns = f"no virtual memory management: {exc}"
+                v = self._vmm_fns
+        if isinstance(v, str):
+            raise AcceleratorError(f"libcudart: {v}", library="libcudart")
+        return v
+
+    def _vmm_not_capturing(self, call: str) -> None:
+        # The Driver API does not say whether cuMemCreate/Map/Unmap/SetAccess/Release and
+        # cuMemAddressReserve/Free are legal while a stream capture is underway (they are not
+        # stream-ordered and change what memory exists, like cudaMalloc/cudaFree, which are
+        # "potentially unsafe").  Silent docs: refused here, for every capture mode.
+        if self._captures:
+            raise CaptureError(f"libcuda: {call} is not allowed while a stream capture is underway "
+                               f"(virtual memory is not stream-ordered); map or unmap before the capture "
+                               f"begins or after it ends", library="libcuda", call=call)
+
+    def vmm_supported(self, index: int) -> bool:
+        """CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED of device ``index`` (False when the
+        runtime cannot hand out the driver's cuMem* functions)."""
+        try:
+            drv = self._vmm()
+        except AcceleratorError:
+            return False
+        ok, rc = drv.supported(index)
+        self._check_driver(drv, rc, "cuDeviceGetAttribute(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)")
+        return ok
+
+    def vmm_granularity(self, index: int) -> int:
+        """cuMemGetAllocationGranularity(CU_MEM_ALLOC_GRANULARITY_MINIMUM) for pinned memory of device
+        ``index``: sizes and addresses of create/map/unmap are multiples of it."""
+        drv = self._vmm()
+        value, rc = drv.granularity(index)
+        self._check_driver(drv, rc, "cuMemGetAllocationGranularity")
+        return value
+
+    def vmm_reserve(self, index: int, nbytes: int) -> int:
+        """cuMemAddressReserve of ``nbytes`` (a multiple of the granularity); the base address."""
+        drv = self._vmm()
+        self._vmm_not_capturing("cuMemAddressReserve")
+        va, rc = drv.reserve(nbytes)
+        self._check_driver(drv, rc, "cuMemAddressReserve")
+        return va
+
+    def vmm_free(self, va: int, nbytes: int) -> None:
+        """cuMemAddressFree of a whole reservation (nothing may be mapped in it)."""
+        drv = self._vmm()
+        self._vmm_not_capturing("cuMemAddressFree")
+        self._check_driver(drv, drv.free(va, nbytes), "cuMemAddressFree")
+
+    def vmm_create(self, index: int, nbytes: int) -> int:
+        """cuMemCreate of ``nbytes`` of pinned memory on device ``index`` (the driver's ordinal);
+        OutOfMemoryError when the device is full."""
+        drv = self._vmm()
+        self._vmm_not_capturing("cuMemCreate")
+        handle, rc = drv.create(index, nbytes)
+        self._check_driver(drv, rc, "cuMemCreate")
+        return handle
+
+    def vmm_release(self, handle: int) -> None:
+        """cuMemRelease (the memory goes once no mapping of it is left)."""
+        drv = self._vmm()
+        self._vmm_not_capturing("cuMemRelease")
+        self._check_driver(drv, drv.release(handle), "cuMemRelease")
+
+    def vmm_map(self, va: int, nbytes: int, handle: int, index: int) -> None:
+        """cuMemMap of all of ``handle`` at ``va``, then cuMemSetAccess read-write for device ``index``;
+        when the access cannot be set the mapping is undone before the error is raised."""
+        drv = self._vmm()
+        self._vmm_not_capturing("cuMemMap")
+        self._check_driver(drv, drv.map(va, nbytes, handle), "cuMemMap")
+        rc = drv.set_access(va, nbytes, index)
+        if rc:
+            undo = drv.unmap(va, nbytes)
+            try:
+                self._check_driver(drv, rc, "cuMemSetAccess")
+            except AcceleratorError as exc:
+                if undo:
+                    exc.add_note(f"the mapping at 0x{va:x} could not be undone either: cuMemUnmap failed "
+                                 f"with {drv.error_name(undo)} ({undo})")
+                raise
+
+    def vmm_set_access(self, va: int, nbytes: int, index: int) -> None:
+        """cuMemSetAccess read-write for device ``index`` on mapped ``[va, va + nbytes)`` (a peer that
+        copies from or runs kernels on memory another device mapped)."""
+        drv = self._vmm()
+        self._vmm_not_capturing("cuMemSetAccess")
+        self._check_driver(drv, drv.set_access(va, nbytes, index), "cuMemSetAccess")
+
+    def vmm_unmap(self, va: int, nbytes: int) -> None:
+        """cuMemUnmap of whole mappings; does not wait for queued work (synchronize first)."""
+        drv = self._vmm()
+        self._vmm_not_capturing("cuMemUnmap")
+        self._check_driver(drv, drv.unmap(va, nbytes), "cuMemUnmap")

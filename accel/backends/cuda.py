@@ -1,8 +1,9 @@
 """CUDA backend over libcudart (runtime API) and libnvidia-ml (counting).
 
-Counting uses NVML, which does not initialize the CUDA driver, so it is safe
-before ``fork``; the runtime is touched only by :meth:`CudaBackend.init` and
-what follows it.  With ``ACCEL_SIM=cuda`` both libraries come from
+Counting (NVML, fork-safe) and the choice of libcudart live in ``_cuda_discovery``;
+virtual memory (cuMem* through the driver entry points) in ``_cuda_vmm``; this file is
+the runtime: init, devices, memory, streams, events, copies, graphs and kernels.  The
+runtime is touched only by :meth:`CudaBackend.init` and what follows it.  With ``ACCEL_SIM=cuda`` both libraries come from
 ``accel.sim`` instead; everything below the library calls is the same code.
 
 Kernels (a fatbin with SASS, or PTX the driver JITs) are loaded with
@@ -16,11 +17,11 @@ from __future__ import annotations
 
 import os
 import threading
-import warnings
 from typing import Optional, Tuple
 
 from .._errors import AcceleratorError, CaptureError, KernelImageError, OutOfMemoryError
-from . import _visible
+from ._cuda_discovery import CudaDiscoveryMixin
+from ._cuda_vmm import CudaVmmMixin
 from .base import Backend, DeviceProperties
 
 # Integer #defines from driver_types.h (CUDA 13).
@@ -34,7 +35,6 @@ _CAPTURE_STATUS_NONE = 0           # cudaStreamCaptureStatusNone
 
 # cudaError_t values with a dedicated exception type (driver_types.h).
 _ERR_MEMORY_ALLOCATION = 2
-_ERR_NO_DEVICE = 100
 _ERR_NOT_READY = 600
 # cudaErrorStreamCapture* (900-906, 908) and cudaErrorCapturedEvent (907); 909 is
 # cudaErrorTimeout and 910 cudaErrorGraphExecUpdateFailure, which are not capture misuse.
@@ -46,9 +46,6 @@ _CAPTURE_ERRORS = frozenset(range(900, 909))
 # the default since 12.2) they surface at the first launch, not at cudaLibraryLoadData.
 _KERNEL_IMAGE_ERRORS = frozenset({200, 209, 218, 221, 222, 223})
 
-_NVML_SUCCESS = 0
-_NVML_UUID_BUFFER = 96   # NVML_DEVICE_UUID_V2_BUFFER_SIZE
-_NVML_NAME_BUFFER = 96   # NVML_DEVICE_NAME_V2_BUFFER_SIZE
 
 # cudaDeviceAttr (driver_types.h) for the few properties read one by one.
 _ATTR_COMPUTE_MAJOR = 75
@@ -88,7 +85,7 @@ def _uuid_text(raw: bytes) -> str:
     return f"GPU-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
-class CudaBackend(Backend):
+class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, Backend):
     """The CUDA runtime (libcudart) as a :class:`Backend`."""
 
     name = "cuda"
@@ -123,42 +120,6 @@ class CudaBackend(Backend):
         self._rt_refused = None  # (ffi, lib, path) of an ACCEL_CUDART_PATH runtime the driver cannot run
 
     # -- libraries -------------------------------------------------------------
-    def cudart_choice(self):
-        """Which libcudart this backend uses and why (``_cuda_libs.Choice``): every candidate
-        with its CUDA version and verdict, and the driver's CUDA version read from NVML
-        (no CUDA started).  Made once; the simulator offers its installed runtimes."""
-        choice = self._choice
-        if choice is not None:
-            return choice
-        with self._choice_lock:
-            if self._choice is None:
-                from . import _cuda_libs
-                nvml = self._nvml_lib()
-                if nvml is not None:
-                    driver, note = _cuda_libs.driver_version_from_nvml(nvml[0], nvml[1])
-                else:
-                    driver, note = None, "driver version unknown: NVML missing"
-                if self.simulated:
-                    self._choice = self._sim_choice(driver, note)
-                else:
-                    self._choice = _cuda_libs.choose_real(driver, note)
-            return self._choice
-
-    def _sim_choice(self, driver, note):
-        from .. import sim
-        from .._ffi import CUDART_MAJORS
-        from . import _cuda_libs
-        cfg = sim.config()
-        cands = []
-        for v in reversed(cfg.runtimes):   # newest first, as the sonames are searched
-            c = _cuda_libs.Candidate(f"accel.sim (libcudart {_cuda_libs.vtext(v)})", "ACCEL_SIM_CUDA_RUNTIME")
-            if cfg.cudart:
-                c.resolved, c.version, c.version_from = c.path, v, "simulator"
-            else:
-                c.reason = "not found (configure(cudart=False))"
-            cands.append(c)
-        return _cuda_libs.choose(cands, driver, note, CUDART_MAJORS)
-
     def _open(self, which: str):
         from .._ffi import open_cudart
         if which == "cudart":
@@ -202,25 +163,6 @@ class CudaBackend(Backend):
                 raise AcceleratorError(self._rt_error, library="libcudart")
             self.ffi, self.lib = rt[0], rt[1]
         return rt
-
-    def _nvml_lib(self):
-        if self._nvml is None and self._nvml_error is None:
-            try:
-                ffi, lib, path = self._open("nvml")
-                rc = lib.nvmlInit_v2()
-                if rc != _NVML_SUCCESS:
-                    raise OSError(f"nvmlInit_v2 returned {rc} ({self._nvml_error_name(ffi, lib, rc)})")
-                self._nvml = (ffi, lib, path)
-            except OSError as exc:
-                self._nvml_error = str(exc)
-        return self._nvml
-
-    @staticmethod
-    def _nvml_error_name(ffi, lib, rc) -> str:
-        try:
-            return ffi.string(lib.nvmlErrorString(rc)).decode()
-        except Exception:
-            return "unknown NVML error"
 
     def _check(self, rc: int, call: str) -> None:
         if rc == 0:
@@ -268,129 +210,6 @@ class CudaBackend(Backend):
         except AcceleratorError:
             return False
 
-    def count(self) -> int:
-        # Before init the NVML count follows CUDA_VISIBLE_DEVICES as it is now, as torch's
-        # device_count() (which caches only once CUDA is initialized).  A count from the
-        # runtime is final: the driver read the variable once, at cuInit.
-        count = self._count
-        if count is not None and (self._count_final or self._count_env == os.environ.get("CUDA_VISIBLE_DEVICES")):
-            return count
-        with self._count_lock:
-            env = os.environ.get("CUDA_VISIBLE_DEVICES")
-            if self._count is None or not (self._count_final or self._count_env == env):
-                self._count_env = env
-                self._count = self._discover()
-            return self._count
-
-    def _discover(self) -> int:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        nvml = self._nvml_lib()
-        if nvml is not None:
-            ffi, lib, _ = nvml
-            n = ffi.new("unsigned int *")
-            rc = lib.nvmlDeviceGetCount_v2(n)
-            if rc == _NVML_SUCCESS:
-                ordinals = _visible.visible_ordinals(visible, n[0], lambda: self._nvml_uuids(n[0]))
-                if ordinals is not None:
-                    self._count_path = "nvml"
-                    if not ordinals:
-                        self._count_reason = ("no device visible: NVML sees "
-                                              f"{n[0]} but CUDA_VISIBLE_DEVICES={visible!r} selects none"
-                                              if n[0] else "NVML reports no NVIDIA device")
-                    elif not self.cudart_choice().usable:
-                        # NVML sees GPUs but no installed libcudart can run on this driver
-                        # (loading candidates starts nothing): not available, and say why
-                        self._count_reason = (f"NVML sees {len(ordinals)} device(s) but "
-                                              f"{self.cudart_choice().error}")
-                        return 0
-                    return len(ordinals)
-                self._count_path = "cudart (MIG UUIDs in CUDA_VISIBLE_DEVICES need the runtime)"
-            else:
-                self._count_path = f"cudart (nvmlDeviceGetCount_v2 failed: {rc})"
-        else:
-            self._count_path = "cudart (NVML unavailable: see nvml_error)"
-        # Fallback: only the runtime can count.  This initializes the driver (cuInit),
-        # as torch's fallback does, so it is used only without NVML (or for MIG UUIDs);
-        # a child forked after it cannot use CUDA (REFERENCE.md "Hardware rules").
-        try:
-            ffi, lib, _ = self._runtime()
-        except AcceleratorError as exc:
-            self._count_reason = str(exc)
-            return 0
-        n = ffi.new("int *")
-        rc = lib.cudaGetDeviceCount(n)
-        if rc in (0, _ERR_NO_DEVICE):  # the driver started (and found no device, for 100)
-            self.driver_started = True
-            self._count_final = True
-        if rc != 0:
-            lib.cudaGetLastError()     # handled here: leave no stale last error behind
-            name = ffi.string(lib.cudaGetErrorName(rc)).decode()
-            self._count_reason = f"cudaGetDeviceCount returned {name} ({rc})"
-            if rc == 35:
-                self._count_reason += ": no NVIDIA driver is installed (or it is older than the runtime)"
-            return 0
-        if n[0] == 0:
-            self._count_reason = "cudaGetDeviceCount reports no device"
-        return n[0]
-
-    def _nvml_uuids(self, raw_count: int):
-        ffi, lib, _ = self._nvml
-        uuids = []
-        handle = ffi.new("nvmlDevice_t *")
-        buf = ffi.new("char[]", _NVML_UUID_BUFFER)
-        for i in range(raw_count):
-            if lib.nvmlDeviceGetHandleByIndex_v2(i, handle) != _NVML_SUCCESS:
-                uuids.append("")
-                continue
-            if lib.nvmlDeviceGetUUID(handle[0], buf, _NVML_UUID_BUFFER) != _NVML_SUCCESS:
-                uuids.append("")
-                continue
-            uuids.append(ffi.string(buf).decode())
-        return uuids
-
-    def report(self) -> dict:
-        info = {"backend": self.name, "simulated": self.simulated}
-        try:
-            count = self.count()
-        except Exception as exc:  # report() never raises
-            count, self._count_reason = 0, f"counting failed: {exc}"
-        info["count"] = count
-        info["count_path"] = self._count_path
-        if self._nvml is not None:
-            ffi, lib, path = self._nvml
-            info["nvml_library"] = path
-            buf = ffi.new("char[]", 96)
-            if lib.nvmlSystemGetDriverVersion(buf, 96) == _NVML_SUCCESS:
-                info["driver_version"] = ffi.string(buf).decode()
-        else:
-            info["nvml_library"] = None
-            info["nvml_error"] = self._nvml_error
-        try:
-            info["cudart_choice"] = self.cudart_choice().as_dict()
-        except Exception as exc:  # report() never raises
-            info["cudart_choice"] = {"error": f"choosing libcudart failed: {exc!r}"}
-        try:
-            ffi, lib, path = self._runtime()
-            info["library"] = path
-            v = ffi.new("int *")
-            if lib.cudaRuntimeGetVersion(v) == 0:
-                info["runtime_version"] = f"{v[0] // 1000}.{v[0] % 1000 // 10}"
-            if lib.cudaDriverGetVersion(v) == 0:  # does not initialize; 0 without a driver
-                info["driver_cuda_version"] = f"{v[0] // 1000}.{v[0] % 1000 // 10}" if v[0] else None
-            info.update(self.kernel_path())   # from the exported symbols; starts nothing
-        except AcceleratorError as exc:
-            info["library"] = self._rt_refused[2] if self._rt_refused is not None else None
-            info["library_error"] = str(exc)
-            if self._rt_refused is not None:
-                ffi, lib, _ = self._rt_refused
-                v = ffi.new("int *")
-                if lib.cudaRuntimeGetVersion(v) == 0:   # starts nothing
-                    info["runtime_version"] = f"{v[0] // 1000}.{v[0] % 1000 // 10}"
-        info["env"] = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")}
-        if count == 0:
-            info["reason"] = self._count_reason or "no device"
-        return info
-
     # -- runtime ---------------------------------------------------------------
     def init(self) -> None:
         ffi, lib, _ = self._runtime()
@@ -403,23 +222,6 @@ class CudaBackend(Backend):
                                    library="libcudart", call="cudaGetDeviceCount")
         self._reconcile_count(n[0])
         self.get_device = self._bind_get_device()
-
-    def _reconcile_count(self, runtime_count: int) -> None:
-        """From init on, the count is the runtime's.  NVML can disagree (MIG-enabled GPUs,
-        CUDA_VISIBLE_DEVICES changed between counting and init, a device the driver
-        refuses); say so once rather than let indices past the runtime's fail later."""
-        with self._count_lock:
-            env = os.environ.get("CUDA_VISIBLE_DEVICES")
-            if self._count is not None and not self._count_final and self._count_env != env:
-                self._count_env, self._count = env, self._discover()
-            before = self._count
-            if before is not None and before != runtime_count:
-                warnings.warn(f"accel: {self._count_path or 'counting'} found {before} visible CUDA "
-                              f"device(s) but the initialized runtime (cudaGetDeviceCount) reports "
-                              f"{runtime_count}; using {runtime_count} (MIG, or a device the driver "
-                              f"does not expose)", RuntimeWarning, stacklevel=2)
-                self._count_path = f"cudart after init (the fork-safe count said {before})"
-            self._count, self._count_final = runtime_count, True
 
     def _bindings(self):
         """The generated module (accel._ffi.cudart_module) whose ffi the runtime was opened
@@ -741,110 +543,6 @@ class CudaBackend(Backend):
                     "cudaGraphDebugDotPrint")
 
     # -- kernels -----------------------------------------------------------------
-    # -- virtual memory (cuMem* through the runtime's driver entry points) -------
-    def _vmm(self):
-        v = self._vmm_fns
-        if v is None:
-            from ._cuda_vmm import DriverVmm, NoDriverFunction
-            with self._lock:
-                if self._vmm_fns is None:
-                    try:
-                        self._vmm_fns = DriverVmm(self.ffi, self.lib)
-                    except NoDriverFunction as exc:
-                        self._vmm_fns = f"no virtual memory management: {exc}"
-                v = self._vmm_fns
-        if isinstance(v, str):
-            raise AcceleratorError(f"libcudart: {v}", library="libcudart")
-        return v
-
-    def _vmm_not_capturing(self, call: str) -> None:
-        # The Driver API does not say whether cuMemCreate/Map/Unmap/SetAccess/Release and
-        # cuMemAddressReserve/Free are legal while a stream capture is underway (they are not
-        # stream-ordered and change what memory exists, like cudaMalloc/cudaFree, which are
-        # "potentially unsafe").  Silent docs: refused here, for every capture mode.
-        if self._captures:
-            raise CaptureError(f"libcuda: {call} is not allowed while a stream capture is underway "
-                               f"(virtual memory is not stream-ordered); map or unmap before the capture "
-                               f"begins or after it ends", library="libcuda", call=call)
-
-    def vmm_supported(self, index: int) -> bool:
-        """CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED of device ``index`` (False when the
-        runtime cannot hand out the driver's cuMem* functions)."""
-        try:
-            drv = self._vmm()
-        except AcceleratorError:
-            return False
-        ok, rc = drv.supported(index)
-        self._check_driver(drv, rc, "cuDeviceGetAttribute(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)")
-        return ok
-
-    def vmm_granularity(self, index: int) -> int:
-        """cuMemGetAllocationGranularity(CU_MEM_ALLOC_GRANULARITY_MINIMUM) for pinned memory of device
-        ``index``: sizes and addresses of create/map/unmap are multiples of it."""
-        drv = self._vmm()
-        value, rc = drv.granularity(index)
-        self._check_driver(drv, rc, "cuMemGetAllocationGranularity")
-        return value
-
-    def vmm_reserve(self, index: int, nbytes: int) -> int:
-        """cuMemAddressReserve of ``nbytes`` (a multiple of the granularity); the base address."""
-        drv = self._vmm()
-        self._vmm_not_capturing("cuMemAddressReserve")
-        va, rc = drv.reserve(nbytes)
-        self._check_driver(drv, rc, "cuMemAddressReserve")
-        return va
-
-    def vmm_free(self, va: int, nbytes: int) -> None:
-        """cuMemAddressFree of a whole reservation (nothing may be mapped in it)."""
-        drv = self._vmm()
-        self._vmm_not_capturing("cuMemAddressFree")
-        self._check_driver(drv, drv.free(va, nbytes), "cuMemAddressFree")
-
-    def vmm_create(self, index: int, nbytes: int) -> int:
-        """cuMemCreate of ``nbytes`` of pinned memory on device ``index`` (the driver's ordinal);
-        OutOfMemoryError when the device is full."""
-        drv = self._vmm()
-        self._vmm_not_capturing("cuMemCreate")
-        handle, rc = drv.create(index, nbytes)
-        self._check_driver(drv, rc, "cuMemCreate")
-        return handle
-
-    def vmm_release(self, handle: int) -> None:
-        """cuMemRelease (the memory goes once no mapping of it is left)."""
-        drv = self._vmm()
-        self._vmm_not_capturing("cuMemRelease")
-        self._check_driver(drv, drv.release(handle), "cuMemRelease")
-
-    def vmm_map(self, va: int, nbytes: int, handle: int, index: int) -> None:
-        """cuMemMap of all of ``handle`` at ``va``, then cuMemSetAccess read-write for device ``index``;
-        when the access cannot be set the mapping is undone before the error is raised."""
-        drv = self._vmm()
-        self._vmm_not_capturing("cuMemMap")
-        self._check_driver(drv, drv.map(va, nbytes, handle), "cuMemMap")
-        rc = drv.set_access(va, nbytes, index)
-        if rc:
-            undo = drv.unmap(va, nbytes)
-            try:
-                self._check_driver(drv, rc, "cuMemSetAccess")
-            except AcceleratorError as exc:
-                if undo:
-                    exc.add_note(f"the mapping at 0x{va:x} could not be undone either: cuMemUnmap failed "
-                                 f"with {drv.error_name(undo)} ({undo})")
-                raise
-
-    def vmm_set_access(self, va: int, nbytes: int, index: int) -> None:
-        """cuMemSetAccess read-write for device ``index`` on mapped ``[va, va + nbytes)`` (a peer that
-        copies from or runs kernels on memory another device mapped)."""
-        drv = self._vmm()
-        self._vmm_not_capturing("cuMemSetAccess")
-        self._check_driver(drv, drv.set_access(va, nbytes, index), "cuMemSetAccess")
-
-    def vmm_unmap(self, va: int, nbytes: int) -> None:
-        """cuMemUnmap of whole mappings; does not wait for queued work (synchronize first)."""
-        drv = self._vmm()
-        self._vmm_not_capturing("cuMemUnmap")
-        self._check_driver(drv, drv.unmap(va, nbytes), "cuMemUnmap")
-
     def kernel_path(self) -> dict:
         """How kernels load on this runtime, from its exported symbols (calls nothing):
         {"kernel_path": "library" | "driver" | None, "kernel_path_detail": ...}."""

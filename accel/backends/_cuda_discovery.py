@@ -1,0 +1,221 @@
+"""Counting CUDA devices and choosing the runtime, without starting CUDA (a mixin of
+:class:`accel.backends.cuda.CudaBackend`).
+
+Counting uses NVML, which does not initialize the CUDA driver, so it is safe before
+``fork``; only the fallback (no NVML, or MIG UUIDs in CUDA_VISIBLE_DEVICES) asks the runtime,
+which starts the driver as torch's fallback does.  Which libcudart serves the process is
+decided here too (``_cuda_libs``): NVML's driver CUDA version against every installed
+runtime's version.  After init the runtime's count wins (``_reconcile_count``).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+from .._errors import AcceleratorError
+from . import _visible
+
+_NVML_SUCCESS = 0
+_NVML_UUID_BUFFER = 96   # NVML_DEVICE_UUID_V2_BUFFER_SIZE
+_ERR_NO_DEVICE = 100     # cudaErrorNoDevice
+
+
+class CudaDiscoveryMixin:
+    """NVML counting, the libcudart choice and ``report()``; state lives in
+    ``CudaBackend.__init__``."""
+
+    def cudart_choice(self):
+        """Which libcudart this backend uses and why (``_cuda_libs.Choice``): every candidate
+        with its CUDA version and verdict, and the driver's CUDA version read from NVML
+        (no CUDA started).  Made once; the simulator offers its installed runtimes."""
+        choice = self._choice
+        if choice is not None:
+            return choice
+        with self._choice_lock:
+            if self._choice is None:
+                from . import _cuda_libs
+                nvml = self._nvml_lib()
+                if nvml is not None:
+                    driver, note = _cuda_libs.driver_version_from_nvml(nvml[0], nvml[1])
+                else:
+                    driver, note = None, "driver version unknown: NVML missing"
+                if self.simulated:
+                    self._choice = self._sim_choice(driver, note)
+                else:
+                    self._choice = _cuda_libs.choose_real(driver, note)
+            return self._choice
+
+    def _sim_choice(self, driver, note):
+        from .. import sim
+        from .._ffi import CUDART_MAJORS
+        from . import _cuda_libs
+        cfg = sim.config()
+        cands = []
+        for v in reversed(cfg.runtimes):   # newest first, as the sonames are searched
+            c = _cuda_libs.Candidate(f"accel.sim (libcudart {_cuda_libs.vtext(v)})", "ACCEL_SIM_CUDA_RUNTIME")
+            if cfg.cudart:
+                c.resolved, c.version, c.version_from = c.path, v, "simulator"
+            else:
+                c.reason = "not found (configure(cudart=False))"
+            cands.append(c)
+        return _cuda_libs.choose(cands, driver, note, CUDART_MAJORS)
+
+    def _nvml_lib(self):
+        if self._nvml is None and self._nvml_error is None:
+            try:
+                ffi, lib, path = self._open("nvml")
+                rc = lib.nvmlInit_v2()
+                if rc != _NVML_SUCCESS:
+                    raise OSError(f"nvmlInit_v2 returned {rc} ({self._nvml_error_name(ffi, lib, rc)})")
+                self._nvml = (ffi, lib, path)
+            except OSError as exc:
+                self._nvml_error = str(exc)
+        return self._nvml
+
+    @staticmethod
+    def _nvml_error_name(ffi, lib, rc) -> str:
+        try:
+            return ffi.string(lib.nvmlErrorString(rc)).decode()
+        except Exception:
+            return "unknown NVML error"
+
+    def count(self) -> int:
+        # Before init the NVML count follows CUDA_VISIBLE_DEVICES as it is now, as torch's
+        # device_count() (which caches only once CUDA is initialized).  A count from the
+        # runtime is final: the driver read the variable once, at cuInit.
+        count = self._count
+        if count is not None and (self._count_final or self._count_env == os.environ.get("CUDA_VISIBLE_DEVICES")):
+            return count
+        with self._count_lock:
+            env = os.environ.get("CUDA_VISIBLE_DEVICES")
+            if self._count is None or not (self._count_final or self._count_env == env):
+                self._count_env = env
+                self._count = self._discover()
+            return self._count
+
+    def _discover(self) -> int:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        nvml = self._nvml_lib()
+        if nvml is not None:
+            ffi, lib, _ = nvml
+            n = ffi.new("unsigned int *")
+            rc = lib.nvmlDeviceGetCount_v2(n)
+            if rc == _NVML_SUCCESS:
+                ordinals = _visible.visible_ordinals(visible, n[0], lambda: self._nvml_uuids(n[0]))
+                if ordinals is not None:
+                    self._count_path = "nvml"
+                    if not ordinals:
+                        self._count_reason = ("no device visible: NVML sees "
+                                              f"{n[0]} but CUDA_VISIBLE_DEVICES={visible!r} selects none"
+                                              if n[0] else "NVML reports no NVIDIA device")
+                    elif not self.cudart_choice().usable:
+                        # NVML sees GPUs but no installed libcudart can run on this driver
+                        # (loading candidates starts nothing): not available, and say why
+                        self._count_reason = (f"NVML sees {len(ordinals)} device(s) but "
+                                              f"{self.cudart_choice().error}")
+                        return 0
+                    return len(ordinals)
+                self._count_path = "cudart (MIG UUIDs in CUDA_VISIBLE_DEVICES need the runtime)"
+            else:
+                self._count_path = f"cudart (nvmlDeviceGetCount_v2 failed: {rc})"
+        else:
+            self._count_path = "cudart (NVML unavailable: see nvml_error)"
+        # Fallback: only the runtime can count.  This initializes the driver (cuInit),
+        # as torch's fallback does, so it is used only without NVML (or for MIG UUIDs);
+        # a child forked after it cannot use CUDA (REFERENCE.md "Hardware rules").
+        try:
+            ffi, lib, _ = self._runtime()
+        except AcceleratorError as exc:
+            self._count_reason = str(exc)
+            return 0
+        n = ffi.new("int *")
+        rc = lib.cudaGetDeviceCount(n)
+        if rc in (0, _ERR_NO_DEVICE):  # the driver started (and found no device, for 100)
+            self.driver_started = True
+            self._count_final = True
+        if rc != 0:
+            lib.cudaGetLastError()     # handled here: leave no stale last error behind
+            name = ffi.string(lib.cudaGetErrorName(rc)).decode()
+            self._count_reason = f"cudaGetDeviceCount returned {name} ({rc})"
+            if rc == 35:
+                self._count_reason += ": no NVIDIA driver is installed (or it is older than the runtime)"
+            return 0
+        if n[0] == 0:
+            self._count_reason = "cudaGetDeviceCount reports no device"
+        return n[0]
+
+    def _nvml_uuids(self, raw_count: int):
+        ffi, lib, _ = self._nvml
+        uuids = []
+        handle = ffi.new("nvmlDevice_t *")
+        buf = ffi.new("char[]", _NVML_UUID_BUFFER)
+        for i in range(raw_count):
+            if lib.nvmlDeviceGetHandleByIndex_v2(i, handle) != _NVML_SUCCESS:
+                uuids.append("")
+                continue
+            if lib.nvmlDeviceGetUUID(handle[0], buf, _NVML_UUID_BUFFER) != _NVML_SUCCESS:
+                uuids.append("")
+                continue
+            uuids.append(ffi.string(buf).decode())
+        return uuids
+
+    def report(self) -> dict:
+        info = {"backend": self.name, "simulated": self.simulated}
+        try:
+            count = self.count()
+        except Exception as exc:  # report() never raises
+            count, self._count_reason = 0, f"counting failed: {exc}"
+        info["count"] = count
+        info["count_path"] = self._count_path
+        if self._nvml is not None:
+            ffi, lib, path = self._nvml
+            info["nvml_library"] = path
+            buf = ffi.new("char[]", 96)
+            if lib.nvmlSystemGetDriverVersion(buf, 96) == _NVML_SUCCESS:
+                info["driver_version"] = ffi.string(buf).decode()
+        else:
+            info["nvml_library"] = None
+            info["nvml_error"] = self._nvml_error
+        try:
+            info["cudart_choice"] = self.cudart_choice().as_dict()
+        except Exception as exc:  # report() never raises
+            info["cudart_choice"] = {"error": f"choosing libcudart failed: {exc!r}"}
+        try:
+            ffi, lib, path = self._runtime()
+            info["library"] = path
+            v = ffi.new("int *")
+            if lib.cudaRuntimeGetVersion(v) == 0:
+                info["runtime_version"] = f"{v[0] // 1000}.{v[0] % 1000 // 10}"
+            if lib.cudaDriverGetVersion(v) == 0:  # does not initialize; 0 without a driver
+                info["driver_cuda_version"] = f"{v[0] // 1000}.{v[0] % 1000 // 10}" if v[0] else None
+            info.update(self.kernel_path())   # from the exported symbols; starts nothing
+        except AcceleratorError as exc:
+            info["library"] = self._rt_refused[2] if self._rt_refused is not None else None
+            info["library_error"] = str(exc)
+            if self._rt_refused is not None:
+                ffi, lib, _ = self._rt_refused
+                v = ffi.new("int *")
+                if lib.cudaRuntimeGetVersion(v) == 0:   # starts nothing
+                    info["runtime_version"] = f"{v[0] // 1000}.{v[0] % 1000 // 10}"
+        info["env"] = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")}
+        if count == 0:
+            info["reason"] = self._count_reason or "no device"
+        return info
+
+    def _reconcile_count(self, runtime_count: int) -> None:
+        """From init on, the count is the runtime's.  NVML can disagree (MIG-enabled GPUs,
+        CUDA_VISIBLE_DEVICES changed between counting and init, a device the driver
+        refuses); say so once rather than let indices past the runtime's fail later."""
+        with self._count_lock:
+            env = os.environ.get("CUDA_VISIBLE_DEVICES")
+            if self._count is not None and not self._count_final and self._count_env != env:
+                self._count_env, self._count = env, self._discover()
+            before = self._count
+            if before is not None and before != runtime_count:
+                warnings.warn(f"accel: {self._count_path or 'counting'} found {before} visible CUDA "
+                              f"device(s) but the initialized runtime (cudaGetDeviceCount) reports "
+                              f"{runtime_count}; using {runtime_count} (MIG, or a device the driver "
+                              f"does not expose)", RuntimeWarning, stacklevel=2)
+                self._count_path = f"cudart after init (the fork-safe count said {before})"
+            self._count, self._count_final = runtime_count, True
