@@ -15,6 +15,7 @@ import pytest
 
 import accel
 from accel import _ffi, _lazy, backends
+from accel._ffi import _site_dirs
 from accel.backends import _cuda_libs
 
 #: major -> (wheel, its libcudart under site-packages, the version it is pinned to in .ci/run)
@@ -25,7 +26,7 @@ WHEELS = {12: ("nvidia-cuda-runtime-cu12", os.path.join("nvidia", "cuda_runtime"
 def wheel_library(major: int) -> str:
     """The wheel's libcudart in this environment, or skip saying what to install."""
     wheel, rel, _ = WHEELS[major]
-    for sp in _cuda_libs._site_dirs():
+    for sp in _site_dirs():
         path = os.path.join(sp, rel)
         if os.path.exists(path):
             return path

@@ -21,11 +21,11 @@ when set, it is the only candidate), then the usual sonames and install
 locations, then the pip ``nvidia-*`` wheels.  When nothing loads,
 :class:`LibraryNotFound` lists every path tried and why it failed.
 
-libcudart is not "the first that loads": :func:`open_library` ("cudart") takes
-the newest runtime accel has bindings for that the driver supports
-(``accel.backends._cuda_libs``: every candidate's version and the driver's CUDA
-version from NVML, without starting CUDA), and opens it with the bindings of its
-own major (:func:`cudart_module`).  :func:`cudart_choice` has every candidate's verdict.
+libcudart: :func:`cudart_search` lists the candidates; :func:`open_library`
+("cudart") opens the first that loads with the bindings of its own major
+(:func:`cudart_module`).  The CUDA backend does not use that pick: it chooses the
+newest runtime the driver supports (``accel.backends._cuda_libs``, which uses this
+search) and opens it with :func:`open_cudart`.
 """
 
 from __future__ import annotations
@@ -80,14 +80,56 @@ _lock = threading.Lock()
 _opened: Dict[str, Tuple[object, object, str]] = {}
 
 
+_CUDART_SONAMES = ("libcudart.so.13", "libcudart.so.12")
+
+
+def _site_dirs() -> List[str]:
+    out = []
+    for p in sys.path:
+        if p and p.endswith(("site-packages", "dist-packages")) and p not in out:
+            out.append(p)
+    return out
+
+
+def cudart_search() -> Tuple[List[Tuple[str, str]], bool]:
+    """Every libcudart to consider, in search order, as ``(path or soname, where it came
+    from)``, and whether ``ACCEL_CUDART_PATH`` named the only one (a file, or a ``lib/``
+    directory holding one).  Paths only: nothing is loaded.  The CUDA backend probes their
+    versions and chooses by the driver (``accel.backends._cuda_libs``)."""
+    env = os.environ.get("ACCEL_CUDART_PATH")
+    if env:
+        if os.path.isdir(env):   # a wheel's or toolkit's lib/ directory: the libcudart in it
+            files = [os.path.join(env, s) for s in _CUDART_SONAMES]
+            env = next((f for f in files if os.path.exists(f)), files[0])
+        return [(env, "ACCEL_CUDART_PATH")], True
+    # the sonames, then the unversioned development link (its version is read like any other)
+    out = [(s, "dynamic loader (soname)") for s in _CUDART_SONAMES + ("libcudart.so",)]
+    homes = [(v, os.environ.get(v)) for v in ("CUDA_HOME", "CUDA_PATH")]
+    homes = [(v, h) for v, h in homes if h] + [("/usr/local/cuda", "/usr/local/cuda")]
+    for var, home in homes:
+        for sub in ("lib64", "lib"):
+            out += [(os.path.join(home, sub, s), var) for s in _CUDART_SONAMES]
+    for sp in _site_dirs():
+        # REFERENCE.md: nvidia-cuda-runtime (13.x) -> nvidia/cu13/lib/libcudart.so.13,
+        # nvidia-cuda-runtime-cu12 -> nvidia/cuda_runtime/lib/libcudart.so.12
+        out.append((os.path.join(sp, "nvidia", "cu13", "lib", "libcudart.so.13"), "pip nvidia-cuda-runtime"))
+        out.append((os.path.join(sp, "nvidia", "cuda_runtime", "lib", "libcudart.so.12"),
+                    "pip nvidia-cuda-runtime-cu12"))
+    seen, uniq = set(), []   # drop a path listed twice (CUDA_HOME=/usr/local/cuda)
+    for path, source in out:
+        key = os.path.normpath(path) if os.sep in path else path
+        if key not in seen:
+            seen.add(key)
+            uniq.append((path, source))
+    return uniq, False
+
+
 def candidates(name: str) -> List[str]:
     """Paths (or bare sonames for the dynamic loader) tried for ``name``, in order."""
     if name not in LIBRARIES:
         raise ValueError("unknown library %r; expected one of %s" % (name, ", ".join(sorted(LIBRARIES))))
     if name == "cudart":
-        # every candidate the choice considers (accel.backends._cuda_libs), in its order
-        from ..backends import _cuda_libs
-        return [c.path for c in _cuda_libs.real_candidates()[0]]
+        return [path for path, _source in cudart_search()[0]]
     env = os.environ.get(_ENV[name])
     if env:
         return [env]
@@ -185,13 +227,7 @@ def open_library(name: str):
     if got is not None:
         return got
     if name == "cudart":
-        choice = cudart_choice()
-        if choice.chosen is None:
-            tried = [(c.path, c.reason) for c in choice.candidates]
-            if any(c.version for c in choice.candidates):   # some loaded, none can be used: say why
-                tried.append(("(choice)", choice.error or "nothing usable"))
-            raise LibraryNotFound("cudart", tried)
-        got = open_cudart(choice.chosen.path, choice.chosen.version // 1000)
+        got = _open_first_cudart()
         with _lock:
             return _opened.setdefault(name, got)
     with _lock:
@@ -217,23 +253,31 @@ def open_library(name: str):
         raise LibraryNotFound(name, tried)
 
 
-_choice = (None, None)   # (the environment it was made for, Choice)
-
-
-def cudart_choice(refresh: bool = False):
-    """Which libcudart this process uses and why: an ``accel.backends._cuda_libs.Choice``
-    (every candidate with its version and verdict, the driver's CUDA version read from
-    NVML).  Made once per ACCEL_CUDART_PATH/CUDA_HOME/CUDA_PATH setting (``refresh``
-    remakes it); loads candidate libraries to read their versions but starts nothing."""
-    global _choice
-    key = tuple(os.environ.get(v) for v in ("ACCEL_CUDART_PATH", "CUDA_HOME", "CUDA_PATH"))
-    made_for, choice = _choice
-    if choice is None or refresh or made_for != key:
-        from ..backends import _cuda_libs
-        driver, note = _cuda_libs.read_driver_version()
-        choice = _cuda_libs.choose_real(driver, note)
-        _choice = (key, choice)
-    return choice
+def _open_first_cudart():
+    """The loader's own pick: the first candidate that loads and whose CUDA major has
+    bindings, opened with that major's (:func:`cudart_module`).  It knows nothing of the
+    driver; the CUDA backend chooses by the driver's CUDA version instead
+    (``accel.backends._cuda_libs``), which is what ``python -m accel`` reports."""
+    from . import _cudart    # cudaRuntimeGetVersion has one signature in every major
+    tried: List[Tuple[str, str]] = []
+    for path, _source in cudart_search()[0]:
+        if os.sep in path and not os.path.exists(path):
+            tried.append((path, "no such file"))
+            continue
+        try:
+            probe = _cudart.ffi.dlopen(path)
+        except OSError as e:
+            tried.append((path, str(e).splitlines()[0] if str(e) else type(e).__name__))
+            continue
+        v = _cudart.ffi.new("int *")
+        if probe.cudaRuntimeGetVersion(v) != 0:
+            tried.append((path, "cudaRuntimeGetVersion failed"))
+            continue
+        if v[0] // 1000 not in CUDART_MAJORS:
+            tried.append((path, "CUDA %d.%d: no bindings for that major" % (v[0] // 1000, v[0] % 1000 // 10)))
+            continue
+        return open_cudart(path, v[0] // 1000)
+    raise LibraryNotFound("cudart", tried)
 
 
 _cudart_by_path: Dict[str, Tuple[object, object, str]] = {}

@@ -18,15 +18,14 @@ the driver runs by minor-version compatibility but features newer than the drive
 (and PTX newer than it) fail, so a runtime the driver fully supports (X.Y <= the
 driver's version) is preferred; among equals the newest wins.
 
-Pure logic plus probes; the CUDA backend and ``accel._ffi.open_library("cudart")``
-call :func:`choose`.  The simulator supplies its installed runtimes as candidates.
+Pure logic plus probes over the loader's search (``accel._ffi.cudart_search``); the
+CUDA backend calls :func:`choose`.  The simulator supplies its installed runtimes as candidates.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import sys
 import threading
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -35,7 +34,6 @@ MIN_DRIVER_BRANCH = {12: "R525", 13: "R580"}
 #: What to install for a runtime of each major when the driver is older.
 RUNTIME_WHEEL = {12: "nvidia-cuda-runtime-cu12", 13: "nvidia-cuda-runtime"}
 
-_SONAMES = ("libcudart.so.13", "libcudart.so.12")
 _VERSION_IN_NAME = re.compile(r"libcudart\.so\.(\d+)\.(\d+)(?:\.\d+)?$")
 
 
@@ -202,14 +200,6 @@ def _no_bindings(version: int, majors: Sequence[int]) -> str:
 
 # -- the real candidates -----------------------------------------------------------
 
-def _site_dirs() -> List[str]:
-    out = []
-    for p in sys.path:
-        if p and p.endswith(("site-packages", "dist-packages")) and p not in out:
-            out.append(p)
-    return out
-
-
 def _pathfinder_path() -> Optional[str]:
     """Where cuda.pathfinder (NVIDIA's library finder, optional) finds libcudart, if installed.
     Its public API finds by loading (load_nvidia_dynamic_lib -> LoadedDL.abs_path); loading a
@@ -225,39 +215,17 @@ def _pathfinder_path() -> Optional[str]:
 
 
 def real_candidates() -> Tuple[List[Candidate], bool]:
-    """The candidate libcudart files in search order, and whether ACCEL_CUDART_PATH chose one.
+    """The candidate libcudart files in search order (the loader's ``cudart_search``, then
+    ``cuda.pathfinder``'s find when it is installed), and whether ACCEL_CUDART_PATH chose one.
     Not probed yet (no version)."""
-    env = os.environ.get("ACCEL_CUDART_PATH")
-    if env:
-        if os.path.isdir(env):   # a wheel's or toolkit's lib/ directory: the libcudart in it
-            files = [os.path.join(env, s) for s in _SONAMES]
-            env = next((f for f in files if os.path.exists(f)), files[0])
-        return [Candidate(env, "ACCEL_CUDART_PATH")], True
-    # the sonames, then the unversioned development link (its version is read like any other)
-    out: List[Candidate] = [Candidate(s, "dynamic loader (soname)") for s in _SONAMES + ("libcudart.so",)]
-    homes = [(v, os.environ.get(v)) for v in ("CUDA_HOME", "CUDA_PATH")]
-    homes = [(v, h) for v, h in homes if h] + [("/usr/local/cuda", "/usr/local/cuda")]
-    for var, home in homes:
-        for sub in ("lib64", "lib"):
-            for s in _SONAMES:
-                out.append(Candidate(os.path.join(home, sub, s), var))
-    for sp in _site_dirs():
-        # REFERENCE.md: nvidia-cuda-runtime (13.x) -> nvidia/cu13/lib/libcudart.so.13,
-        # nvidia-cuda-runtime-cu12 -> nvidia/cuda_runtime/lib/libcudart.so.12
-        out.append(Candidate(os.path.join(sp, "nvidia", "cu13", "lib", "libcudart.so.13"), "pip nvidia-cuda-runtime"))
-        out.append(Candidate(os.path.join(sp, "nvidia", "cuda_runtime", "lib", "libcudart.so.12"),
-                             "pip nvidia-cuda-runtime-cu12"))
-    found = _pathfinder_path()
-    if found:
-        out.append(Candidate(found, "cuda.pathfinder"))
-    # drop a path listed twice (CUDA_HOME=/usr/local/cuda)
-    seen, uniq = set(), []
-    for c in out:
-        key = os.path.normpath(c.path) if os.sep in c.path else c.path
-        if key not in seen:
-            seen.add(key)
-            uniq.append(c)
-    return uniq, False
+    from .._ffi import cudart_search
+    found, explicit = cudart_search()
+    out = [Candidate(path, source) for path, source in found]
+    if not explicit:
+        extra = _pathfinder_path()
+        if extra and all(os.path.normpath(extra) != os.path.normpath(c.path) for c in out if os.sep in c.path):
+            out.append(Candidate(extra, "cuda.pathfinder"))
+    return out, explicit
 
 
 def _resolved(path: str) -> str:
