@@ -229,18 +229,10 @@ def real_candidates() -> Tuple[List[Candidate], bool]:
 
 
 def _resolved(path: str) -> str:
-    """The file a path or bare soname loads (Linux: /proc/self/maps after dlopen)."""
-    if os.sep in path:
-        return os.path.realpath(path)
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                parts = line.split(None, 5)
-                if len(parts) == 6 and os.path.basename(parts[5].strip()).startswith(path):
-                    return os.path.realpath(parts[5].strip())
-    except OSError:
-        pass
-    return path
+    """The real file a path or bare soname loads (the loader's answer, links followed)."""
+    from .._ffi import _resolved as loaded
+    found = loaded(path)
+    return os.path.realpath(found) if os.sep in found else found
 
 
 _probe_lock = threading.Lock()

@@ -23,6 +23,7 @@ import itertools
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass, fields, replace
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -230,6 +231,14 @@ _FIELDS = {f.name for f in fields(Config)}
 #: Changing these rebuilds the simulated machine (its runtime state is dropped).
 _STRUCTURAL = {"devices", "memory", "compute_capability", "name", "driver", "runtime_version", "driver_version",
                "runtimes", "vmm"}
+
+
+def vmm_cost() -> None:
+    """Sleep ``vmm_cost_us`` (``configure(vmm_cost_us=...)`` / ACCEL_SIM_VMM_COST_US): every
+    simulated map and unmap (cuMemMap/cuMemUnmap, zeVirtualMemMap/Unmap) costs that long."""
+    us = config().vmm_cost_us
+    if us:
+        time.sleep(us / 1e6)
 
 
 def configure(**settings) -> Config:

@@ -18,7 +18,6 @@ cuMemSetAccess/GetAccess, cuMemGetAllocationGranularity) works on the runtime's
 from __future__ import annotations
 
 import threading
-import time
 from typing import Dict, Optional, Tuple
 
 from . import _vmm, core
@@ -310,13 +309,6 @@ def _aligned(*values) -> bool:
     return all(v % _vmm.GRANULARITY == 0 for v in values)
 
 
-def _cost() -> None:
-    # accel.sim.configure(vmm_cost_us=...) / ACCEL_SIM_VMM_COST_US: a slow map/unmap (page tables)
-    us = core.config().vmm_cost_us
-    if us:
-        time.sleep(us / 1e6)
-
-
 def cuMemGetAllocationGranularity(granularity, prop, option):
     cudart, R, rc = _started()
     if rc:
@@ -416,7 +408,7 @@ def cuMemMap(ptr, size, offset, handle, flags):
     if offset != 0 or flags != 0 or size <= 0 or not _aligned(int(ptr), size):
         return CUDA_ERROR_INVALID_VALUE
     rc = _vmm_call(R.vmm.map, int(ptr), size, int(handle))
-    _cost()
+    core.vmm_cost()
     return rc
 
 
@@ -433,7 +425,7 @@ def cuMemUnmap(ptr, size):
     if size <= 0 or not _aligned(int(ptr), size):
         return CUDA_ERROR_INVALID_VALUE
     rc = _vmm_call(R.vmm.unmap, int(ptr), size)
-    _cost()
+    core.vmm_cost()
     return rc
 
 

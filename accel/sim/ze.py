@@ -1822,9 +1822,7 @@ def zeVirtualMemMap(hContext, ptr, size, hPhysicalMemory, offset, access):
     except _vmm.VmmError as exc:
         return _vmm_code(rt, exc.kind)
     finally:
-        us = core.config().vmm_cost_us
-        if us:
-            time.sleep(us / 1e6)
+        core.vmm_cost()
     return 0
 
 
@@ -1851,9 +1849,7 @@ def zeVirtualMemUnmap(hContext, ptr, size):
     except _vmm.VmmError as exc:
         return _vmm_code(rt, exc.kind)
     finally:
-        us = core.config().vmm_cost_us
-        if us:
-            time.sleep(us / 1e6)
+        core.vmm_cost()
     return 0
 
 
