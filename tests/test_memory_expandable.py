@@ -44,7 +44,11 @@ def check(alloc):
             assert block.ptr == end, "E1: blocks tile the reservation"
             assert block.seg is seg and block.size > 0
             st = block.state
-            assert not (st == prev_state and st in (_caching._FREE, _expandable.UNMAPPED)), "E2"
+            page_edge = seg.kind == _caching._SMALL and block.ptr % G == 0
+            if not (page_edge and st == _caching._FREE):
+                assert not (st == prev_state and st in (_caching._FREE, _expandable.UNMAPPED)), "E2"
+            if seg.kind == _caching._SMALL and st != _expandable.UNMAPPED:
+                assert block.ptr // G == (block.ptr + block.size - 1) // G, "E8: a small block crosses a page"
             if st == _expandable.UNMAPPED:
                 assert block.ptr % G == 0 and block.size % G == 0, "E4"
                 assert block.ptr not in alloc._blocks
@@ -64,6 +68,10 @@ def check(alloc):
                 assert block.next.prev is block
         assert end == seg.base + seg.size, "E1"
         assert mapped == seg.mapped == sum(n for n, _ in seg.maps.values()), "E3"
+        for a, (n, _) in seg.maps.items():
+            pages = n // G
+            assert n % G == 0 and pages & (pages - 1) == 0 and pages <= _expandable.PIECE_PAGES, "E9"
+            assert (a - seg.base) % n == 0, "E9: a piece is aligned to its size"
         mapped_total += mapped
     classic = sum(alloc._segments.values())
     stats = alloc.stats()
@@ -230,3 +238,47 @@ def test_graph_private_pools_keep_classic_segments(be):
     alloc.release_pool((1, 1))
     alloc.empty_cache()
     check(alloc)
+
+
+def test_pieces_are_aligned_power_of_two_runs():
+    base = 64 * G
+    got = _expandable.pieces(base, base + 2 * G, 11 * G, G)
+    assert [(a - base) // G for a, _ in got] == [2, 4, 8, 12]
+    assert [n // G for _, n in got] == [2, 4, 4, 1]
+    assert sum(n for _, n in got) == 11 * G
+    assert _expandable.pieces(base, base, G, G) == [(base, G)]
+
+
+def test_free_piece_of_a_pinned_run_is_unmapped_before_growing(be):
+    # A 16 MiB run pinned by a 3 MiB block at its start: its free upper half is given
+    # back before reserved memory passes its high-water mark (E9, E10).  With whole-run
+    # mappings the run stays mapped and reserved peaks at 38 MiB.
+    alloc = make(be, 1)
+    stream = be.default_stream(1)
+    a = alloc.malloc(16 * MiB, stream)
+    barrier = alloc.malloc(2 * MiB, stream)
+    alloc.free(a)
+    x = alloc.malloc(3 * MiB, stream)
+    assert x == a
+    z = alloc.malloc(20 * MiB, stream)
+    stats = check(alloc)
+    assert stats["reserved_bytes.all.peak"] == 30 * MiB
+    for p in (x, z, barrier):
+        alloc.free(p)
+    alloc.empty_cache()
+    assert alloc.stats()["reserved_bytes.all.current"] == 0
+
+
+def test_small_blocks_never_cross_a_page(be):
+    # E8: a small block crossing a page boundary pins two pages.
+    alloc = make(be, 0)
+    stream = be.default_stream(0)
+    ptrs = [alloc.malloc(n, stream) for n in (MiB, 768 << 10, 768 << 10, 512 << 10)]
+    check(alloc)
+    for p, n in zip(ptrs, (MiB, 768 << 10, 768 << 10, 512 << 10)):
+        assert p // G == (p + n - 1) // G, f"{n} bytes at {p:#x} cross a page"
+    for p in ptrs:
+        alloc.free(p)
+    check(alloc)
+    alloc.empty_cache()
+    assert alloc.stats()["reserved_bytes.all.current"] == 0

@@ -85,7 +85,7 @@ from .._finalize import drain as _drain_finalizers, pending as _finalizers
 from .._locks import acquire as _acquire
 from ..streams import on_device
 from . import _config, _stats
-from ._expandable import UNMAPPED as _UNMAPPED, Segment as _ExpSegment, place as _place
+from ._expandable import UNMAPPED as _UNMAPPED, Segment as _ExpSegment, pieces as _pieces, place as _place
 from ._stats import (ACTIVE, ACTIVE_BYTES, ALLOCATED_BYTES, ALLOCATION, INACTIVE_SPLIT,
                      INACTIVE_SPLIT_BYTES, LANE_MASK, OVERSIZE_ALLOCATIONS, OVERSIZE_SEGMENTS,
                      REQUESTED_BYTES, RESERVED_BYTES, SEGMENT, lane_max, unpack)
@@ -186,12 +186,13 @@ class _FreeList:
     """Free blocks of one owner (general cache or a private pool), stream, and size class."""
 
     __slots__ = ("keys", "stream", "kind", "owner", "split_min", "shift", "alloc_deltas", "split_deltas",
-                 "watch_whole", "segments", "exp")
+                 "watch_whole", "segments", "exp", "page")
 
     def __init__(self, stream, kind, owner, split_min, watch_whole):
         self.keys: List[int] = []
         self.segments = 0              # segments whose blocks belong to this list
         self.exp = None                # the expandable segment this list grows, once made
+        self.page = 0                  # small pool of an expandable segment: its page size (E8)
         self.stream = stream
         self.kind = kind
         self.owner = owner
@@ -740,7 +741,7 @@ class DeviceCachingAllocator:
                                    f"(device {self._index}'s allocator); call it after capture_end()")
             self._synchronize_and_free_events()
             self._release_segments()
-            self._exp_unmap(None)
+            self._exp_unmap()
             for device, events in self._event_cache.items():
                 with on_device(self._be, device):
                     while events:
@@ -858,7 +859,7 @@ class DeviceCachingAllocator:
         prev = block.prev
         nxt = block.next
         j = -1         # slot of a merged neighbour's key, left for the merged block's key
-        if prev is not None and prev.state == _FREE:
+        if prev is not None and prev.state == _FREE and not (fl.page and block.ptr % fl.page == 0):
             size = prev.size
             j = bisect_left(keys, size << _SHIFT | prev.ptr)
             del blocks[block.ptr]
@@ -870,7 +871,7 @@ class DeviceCachingAllocator:
                 nxt.prev = prev
             self._spare = block
             block = prev
-        if nxt is not None and nxt.state == _FREE:
+        if nxt is not None and nxt.state == _FREE and not (fl.page and nxt.ptr % fl.page == 0):
             if j >= 0:
                 del keys[j]
             size = nxt.size
@@ -1206,6 +1207,8 @@ class DeviceCachingAllocator:
             size = -(-total // gran) * gran
             base = self._be.vmm_reserve(self._index, size)
         seg = _ExpSegment(base, size, fl.kind)
+        if fl.kind == _SMALL:
+            fl.page = gran                    # E8
         hole = _Block(base, size, fl, None, None)
         hole.state = _UNMAPPED
         hole.seg = seg
@@ -1233,18 +1236,29 @@ class DeviceCachingAllocator:
             self._s_cur -= w
             self._s_freed += w
 
-    def _exp_create(self, need: int) -> Optional[int]:
-        """Physical memory for ``need`` bytes, or None when the device (or the
-        per_process_memory_fraction cap) has no room."""
+    def _exp_create(self, seg: _ExpSegment, addr: int, need: int) -> Optional[List[Tuple[int, int, int]]]:
+        """Physical memory for the ``need`` bytes at ``addr``, one handle per piece (E9):
+        ``[(address, size, handle)]``, or None when the device (or the
+        per_process_memory_fraction cap) has no room.  Nothing is kept on any failure."""
         if self._config.per_process_memory_fraction < 1.0:
             if self._cur[RESERVED_BYTES] + need > self._allowed_bytes():
                 return None
+        made = []
+        ok = False
         try:
             with self._on_device():
-                return self._be.vmm_create(self._index, need)
+                for a, n in _pieces(seg.base, addr, need, self._gran):
+                    made.append((a, n, self._be.vmm_create(self._index, n)))
+            ok = True
         except OutOfMemoryError:
             self._be.clear_error()
             return None
+        finally:
+            if not ok:
+                with self._on_device():
+                    for _, _, handle in made:
+                        self._be.vmm_release(handle)
+        return made
 
     def _exp_grow(self, size: int, nbytes: int, fl: _FreeList) -> _Block:
         """No mapped free block fits: map a run of pages into ``fl``'s segment.  Free
@@ -1253,15 +1267,15 @@ class DeviceCachingAllocator:
         create retried once."""
         seg = fl.exp or self._exp_new(fl)
         gran = self._gran
-        plan = _place(seg, size, gran, _FREE)
+        plan = _place(seg, size, gran, _FREE if seg.kind == _LARGE else None)
         if plan is not None:
             excess = self._cur[RESERVED_BYTES] + plan[2] - self._reserved_hw
             if excess > 0:
                 hole = plan[0]
-                self._exp_unmap(excess, keep=(hole.prev, hole.next))
+                self._exp_unmap()
                 self._release_until(excess, largest_first=False)     # classic segments, if any
-                plan = _place(seg, size, gran, _FREE)
-        handle = self._exp_create(plan[2]) if plan is not None else None
+                plan = _place(seg, size, gran, _FREE if seg.kind == _LARGE else None)
+        handle = self._exp_create(seg, plan[1], plan[2]) if plan is not None else None
         if handle is None:
             if self._pending_events or self._deferred:
                 self._synchronize_and_free_events()
@@ -1269,31 +1283,42 @@ class DeviceCachingAllocator:
                 if block is not None:
                     return block
             self._scalars["num_alloc_retries"] += 1
-            self._exp_unmap(None)
+            self._exp_unmap()
             self._release_segments()
-            plan = _place(seg, size, gran, _FREE)
-            handle = self._exp_create(plan[2]) if plan is not None else None
+            plan = _place(seg, size, gran, _FREE if seg.kind == _LARGE else None)
+            handle = self._exp_create(seg, plan[1], plan[2]) if plan is not None else None
             if handle is None:
                 self._scalars["num_ooms"] += 1
                 raise OutOfMemoryError(self._oom_message(nbytes))
         return self._exp_map(seg, fl, plan, handle)
 
-    def _exp_map(self, seg: _ExpSegment, fl: _FreeList, plan, handle: int) -> _Block:
-        """Map ``handle`` where ``plan`` says and return the free block that now fits
+    def _exp_map(self, seg: _ExpSegment, fl: _FreeList, plan, pieces) -> _Block:
+        """Map ``pieces`` (from _exp_create) where ``plan`` says and return the free block that now fits
         (counted, not in the free list, as _find returns one)."""
         hole, addr, need = plan
+        mapped = 0
         try:
             with self._on_device():
-                self._be.vmm_map(addr, need, handle, self._index)
+                for a, n, handle in pieces:
+                    self._be.vmm_map(a, n, handle, self._index)
+                    mapped += 1
         except BaseException:
             with self._on_device():
-                self._be.vmm_release(handle)
+                try:
+                    for a, n, _ in pieces[:mapped]:
+                        self._be.vmm_unmap(a, n)
+                finally:
+                    for _, _, handle in pieces:
+                        self._be.vmm_release(handle)
             raise
-        self._scalars["num_device_map"] += 1
-        seg.add_map(addr, need, handle)
+        for a, n, handle in pieces:
+            seg.add_map(a, n, handle)
+        self._scalars["num_device_map"] += len(pieces)
         # the free neighbours the new pages join leave their lists before links change
-        before = hole.prev if addr == hole.ptr and hole.prev is not None and hole.prev.state == _FREE else None
-        after = (hole.next if addr + need == hole.ptr + hole.size and hole.next is not None
+        join = seg.kind == _LARGE          # small-pool blocks never cross a page (E8)
+        before = (hole.prev if join and addr == hole.ptr and hole.prev is not None
+                  and hole.prev.state == _FREE else None)
+        after = (hole.next if join and addr + need == hole.ptr + hole.size and hole.next is not None
                  and hole.next.state == _FREE else None)
         for nb in (before, after):
             if nb is not None:
@@ -1351,41 +1376,31 @@ class DeviceCachingAllocator:
         del fl.keys[bisect_left(fl.keys, block.size << _SHIFT | block.ptr)]
         return block
 
-    def _exp_unmap(self, limit: Optional[int], keep=()) -> int:
-        """Unmap free mappings (whole mappings only, E3) of every expandable segment:
-        all of them when ``limit`` is None, else enough to give back ``limit`` bytes
-        (the smallest single mapping that is enough, else the largest first).  Free
-        blocks in ``keep`` are left alone.  The owning streams are synchronized first
-        (E7).  Never called during a capture (E6).  Returns the bytes unmapped."""
-        candidates = []
+    def _exp_unmap(self) -> int:
+        """Unmap every free piece (whole mappings only, E3) of every expandable segment,
+        after synchronizing the streams owning them (E7).  Never called during a capture
+        (E6).  Returns the bytes unmapped.
+
+        Why every free piece and not just enough: this runs only where reserved memory
+        would pass its high-water mark (and on empty_cache and the OOM retry), and after it
+        the only mapped free bytes left share a piece with live blocks, so ``place``, which
+        maps the fewest new bytes, packs the new block against live ones (E10)."""
+        victims = []
         for seg in self._exp_segs:
             for block in seg.blocks():
-                if block.state == _FREE and block not in keep:
+                if block.state == _FREE:
                     for addr, n in seg.maps_within(block.ptr, block.ptr + block.size):
-                        candidates.append((n, addr, seg, block))
-        if not candidates:
+                        victims.append((addr, n, seg, block))
+        if not victims:
             return 0
-        if limit is not None:
-            enough = [c for c in candidates if c[0] >= limit]
-            if enough:
-                candidates = [min(enough, key=lambda c: (c[0], c[1]))]
-            else:
-                candidates.sort(key=lambda c: (-c[0], c[1]))
-                chosen, left = [], limit
-                for c in candidates:
-                    if left <= 0:
-                        break
-                    chosen.append(c)
-                    left -= c[0]
-                candidates = chosen
         be = self._be
         with self._on_device():
-            for stream in {c[3].pool.stream for c in candidates}:
+            for stream in {v[3].pool.stream for v in victims}:
                 be.stream_synchronize(stream)     # cuMemUnmap does not wait for queued work
         # highest address first: unmapping splits a free block, keeping its low part
-        candidates.sort(key=lambda c: -c[1])
+        victims.sort(key=lambda v: -v[0])
         done = 0
-        for n, addr, seg, block in candidates:
+        for addr, n, seg, block in victims:
             self._exp_unmap_one(seg, block, addr, n)
             done += n
         return done
