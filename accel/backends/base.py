@@ -103,6 +103,11 @@ class Backend(abc.ABC):
     #: caching allocator's expandable segments use.  Whether they work on a device
     #: may still depend on the driver: check :meth:`vmm_supported` after init.
     supports_vmm: bool = False
+    #: True when the backend implements stream-ordered allocation from each device's default
+    #: memory pool (mem_alloc_async, mem_free_async, mem_pool_*), which the allocator's
+    #: ``backend:cudaMallocAsync`` uses.  Whether a device has pools may still depend on the
+    #: driver: check :meth:`async_alloc_supported` after init.
+    supports_async_alloc: bool = False
 
     @property
     def no_capture_reason(self) -> str:
@@ -113,6 +118,11 @@ class Backend(abc.ABC):
     def no_vmm_reason(self) -> str:
         """What the vmm_* methods of a backend without virtual memory raise."""
         return f"{self.name} has no virtual memory management (expandable segments)"
+
+    @property
+    def no_async_alloc_reason(self) -> str:
+        """What the stream-ordered allocation methods of a backend without them raise."""
+        return f"{self.name} has no stream-ordered memory pool (cudaMallocAsync)"
 
     # -- discovery: fork-safe, never initializes the runtime ------------------
     @abc.abstractmethod
@@ -322,6 +332,40 @@ class Backend(abc.ABC):
     def vmm_unmap(self, va: int, nbytes: int) -> None:
         """Unmap ``[va, va + nbytes)``; the physical memory stays until released."""
         raise NotImplementedError(self.no_vmm_reason)
+
+    # -- stream-ordered allocation (only when supports_async_alloc) ------------------
+    # CUDA's cudaMallocAsync/cudaFreeAsync from the device's default pool: an allocation is
+    # usable in stream order after the alloc, and goes back to the pool when the stream
+    # reaches the free; the pool keeps freed memory up to its release threshold and gives it
+    # back on trim.  Pool attributes by name: reuse_follow_event_dependencies,
+    # reuse_allow_opportunistic, reuse_allow_internal_dependencies, release_threshold,
+    # reserved_current, reserved_high, used_current, used_high.
+    def async_alloc_supported(self, index: int) -> bool:
+        """True when device ``index`` has a stream-ordered memory pool
+        (CUDA: cudaDevAttrMemoryPoolsSupported)."""
+        return False
+
+    def mem_alloc_async(self, nbytes: int, stream: int) -> int:
+        """Allocate ``nbytes`` in stream order on ``stream`` from its device's default pool;
+        OutOfMemoryError when the pool cannot grow."""
+        raise NotImplementedError(self.no_async_alloc_reason)
+
+    def mem_free_async(self, ptr: int, stream: int) -> None:
+        """Return ``ptr`` (from :meth:`mem_alloc_async`) to its pool when ``stream`` reaches this point."""
+        raise NotImplementedError(self.no_async_alloc_reason)
+
+    def mem_pool_get(self, index: int, name: str) -> int:
+        """An attribute of device ``index``'s default pool (names above)."""
+        raise NotImplementedError(self.no_async_alloc_reason)
+
+    def mem_pool_set(self, index: int, name: str, value: int) -> None:
+        """Set an attribute of device ``index``'s default pool (a high-water mark only to 0,
+        which resets it to the current value)."""
+        raise NotImplementedError(self.no_async_alloc_reason)
+
+    def mem_pool_trim(self, index: int, keep: int = 0) -> None:
+        """Release unused memory of device ``index``'s default pool down to ``keep`` bytes."""
+        raise NotImplementedError(self.no_async_alloc_reason)
 
     # -- kernels (only when kernel_language is not None) -----------------------
     def module_load(self, source: bytes) -> int:

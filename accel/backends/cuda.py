@@ -1,7 +1,8 @@
 """CUDA backend over libcudart (runtime API) and libnvidia-ml (counting).
 
 Counting (NVML, fork-safe) and the choice of libcudart live in ``_cuda_discovery``;
-virtual memory (cuMem* through the driver entry points) in ``_cuda_vmm``; this file is
+virtual memory (cuMem* through the driver entry points) in ``_cuda_vmm``, stream-ordered
+allocation (cudaMallocAsync and the default memory pool) in ``_cuda_mempool``; this file is
 the runtime: init, devices, memory, streams, events, copies, graphs and kernels.  The
 runtime is touched only by :meth:`CudaBackend.init` and what follows it.  With ``ACCEL_SIM=cuda`` both libraries come from
 ``accel.sim`` instead; everything below the library calls is the same code.
@@ -21,6 +22,7 @@ from typing import Optional, Tuple
 
 from .._errors import AcceleratorError, CaptureError, KernelImageError, OutOfMemoryError
 from ._cuda_discovery import CudaDiscoveryMixin
+from ._cuda_mempool import CudaMemPoolMixin
 from ._cuda_vmm import CudaVmmMixin
 from .base import Backend, DeviceProperties
 
@@ -85,7 +87,7 @@ def _uuid_text(raw: bytes) -> str:
     return f"GPU-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
-class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, Backend):
+class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, Backend):
     """The CUDA runtime (libcudart) as a :class:`Backend`."""
 
     name = "cuda"
@@ -94,6 +96,7 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, Backend):
     shared_default_stream = True  # handle 0, the legacy stream of the *current* device
     supports_vmm = True           # cuMem* through cudaGetDriverEntryPoint (_cuda_vmm); vmm_supported per device
     _vmm_fns = None               # _cuda_vmm.DriverVmm, or why there is none (str), resolved at first use
+    supports_async_alloc = True   # cudaMallocAsync + the default pool (_cuda_mempool); async_alloc_supported per device
 
     def __init__(self, simulated: bool):
         self.simulated = simulated
