@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from .. import _lazy, backends, streams
 from ..streams import on_device
-from . import _caching
+from . import _async, _caching
 from ._caching import DeviceCachingAllocator
 from ._host import HostCachingAllocator
 
@@ -81,7 +81,12 @@ streams.on_stream_destroy(_forget_stream)
 
 def device_allocator(device_index: int) -> DeviceCachingAllocator:
     """The caching allocator of device ``device_index`` (created, and the runtime
-    initialized, on first use).  ValueError for an index that names no device."""
+    initialized, on first use).  ValueError for an index that names no device, or
+    for ``backend:cudaMallocAsync`` on a backend or device without a memory pool.
+
+    With ``ACCEL_ALLOC_CONF=backend:cudaMallocAsync`` it is an
+    :class:`~accel.memory._async.AsyncPoolAllocator` (the same interface, over the
+    driver's stream-ordered pool)."""
     alloc = _allocators.get(device_index)
     if alloc is not None:
         return alloc
@@ -96,7 +101,8 @@ def device_allocator(device_index: int) -> DeviceCachingAllocator:
     with _lock:
         alloc = _allocators.get(device_index)
         if alloc is None:
-            alloc = DeviceCachingAllocator(be, device_index)
+            # backend:cudaMallocAsync gives an AsyncPoolAllocator (same interface)
+            alloc = _async.create_allocator(be, device_index)
             if _history is not None:
                 alloc.record_history(True, *_history)
             _allocators[device_index] = alloc

@@ -17,6 +17,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 from .. import _lazy
 from .._errors import OutOfMemoryError
 from . import _config
+from ._async import create_allocator
 from ._caching import DeviceCachingAllocator
 
 MiB = 1 << 20
@@ -89,7 +90,7 @@ def _replay_once(be, trace: dict, config: _config.AllocConfig, device: int):
     """One replay through a fresh allocator: ``(stats at the end, seconds for the ops,
     error)``; ``error`` is the OutOfMemoryError that stopped it, or None.  Every block
     still live is freed and the cache emptied on every path."""
-    alloc = DeviceCachingAllocator(be, device, config)
+    alloc = create_allocator(be, device, config)     # backend:cudaMallocAsync too
     stream = be.default_stream(device)
     malloc, free = alloc.malloc, alloc.free
     live = {}

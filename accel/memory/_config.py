@@ -22,6 +22,9 @@ UNLIMITED = (1 << 64) - 1
 _POW2_START = 20
 _POW2_INTERVALS = 16
 
+#: values of the ``backend`` key, spelled as torch spells them
+BACKENDS = ("native", "cudaMallocAsync")
+
 ENV_VARS = ("ACCEL_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 
 OPTIONS = {
@@ -37,7 +40,8 @@ OPTIONS = {
                            "2 MiB pages where the backend has virtual memory (default: False for now)",
     "per_process_memory_fraction": "cap reserved memory at this fraction (0..1] of the device's total",
     "policy": "accel (default: tight segments, release-before-grow) or torch (PyTorch's sizing rules)",
-    "backend": "native (the only allocator backend accel has)",
+    "backend": "native (accel's caching allocator, the default) or cudaMallocAsync (the driver's "
+               "stream-ordered pool, where the backend has one; only per_process_memory_fraction applies)",
     "pinned_use_background_threads": "accepted for PyTorch compatibility; no effect",
     "pinned_use_cuda_host_register": "accepted for PyTorch compatibility; no effect",
     "pinned_num_register_threads": "accepted for PyTorch compatibility; no effect",
@@ -57,6 +61,8 @@ class AllocConfig(NamedTuple):
     expandable_segments: Optional[bool] = None
     per_process_memory_fraction: float = 1.0
     policy: str = "accel"
+    #: "native" (DeviceCachingAllocator) or "cudaMallocAsync" (accel.memory._async)
+    backend: str = "native"
     source: str = ""
 
     def divisions_for(self, size: int) -> int:
@@ -199,8 +205,9 @@ def parse(text: str, source: str = "ACCEL_ALLOC_CONF") -> AllocConfig:
                 raise _fail(key, value, "expected accel or torch", source)
             values["policy"] = value
         elif key == "backend":
-            if value != "native":
-                raise _fail(key, value, "accel has only the native caching allocator", source)
+            if value not in BACKENDS:
+                raise _fail(key, value, f"expected {' or '.join(BACKENDS)} (torch's spelling)", source)
+            values["backend"] = value
         elif key in ("pinned_use_background_threads", "pinned_use_cuda_host_register"):
             _parse_bool(key, value, source)
         elif key == "pinned_num_register_threads":

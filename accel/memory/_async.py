@@ -1,0 +1,540 @@
+"""``ACCEL_ALLOC_CONF=backend:cudaMallocAsync``: device memory from the driver's stream-ordered pool.
+
+The allocator has the interface of :class:`~accel.memory._caching.DeviceCachingAllocator`
+and the semantics of torch's ``c10/cuda/CUDAMallocAsyncAllocator.cpp``:
+
+* ``malloc(nbytes, stream)`` is ``cudaMallocAsync`` on ``stream`` from the device's default
+  pool; the driver caches and reuses freed memory itself (accel keeps no blocks).
+* ``free(ptr)`` is ``cudaFreeAsync`` on the allocation's stream.  When ``record_stream`` named
+  other streams, an event is recorded on each of them and the allocation stream waits for it
+  first, so the memory goes back to the pool only after all their work queued by then.  (torch
+  frees on a per-device "unifying" side stream instead, to spare the allocation stream the
+  wait; accel frees on the allocation stream, which needs no stream of its own.)
+* The pool's release threshold is set to "keep everything" (``UINT64_MAX``) and the three
+  reuse policies are enabled, as torch does; ``empty_cache()`` synchronizes the device and
+  calls ``cudaMemPoolTrimTo(pool, 0)``.
+* ``stats()`` has torch's keys: ``reserved_bytes.all`` from the pool's
+  ``cudaMemPoolAttrReservedMemCurrent/High``, ``allocated_bytes.all`` and ``active_bytes.all``
+  from ``UsedMemCurrent/High`` (current and peak, as torch reports them), and accel's own
+  counts of allocations and requested bytes (``allocation.all.*``, ``requested_bytes.all.*``:
+  torch's ``pytorch_used_bytes``), ``num_ooms``, ``num_device_alloc``/``num_device_free`` (the
+  cudaMallocAsync/cudaFreeAsync calls).  The pool is the device's: memory another library
+  allocates from it shows in the pool figures too.  The pool's peaks are reset when the
+  allocator starts, so they count from then.
+* Out of memory (the pool cannot grow, or ``per_process_memory_fraction`` would be passed):
+  the runtime's "last error" is cleared and :class:`accel.OutOfMemoryError` raised with
+  torch's message; nothing else changes.
+* ``snapshot()`` has no segments: the driver's pool keeps no blocks accel could list (torch's
+  ``snapshot`` with this backend raises "not meaningful"; accel returns no segments so
+  ``memory_snapshot()`` over several devices still works), but ``device_traces`` records
+  alloc/free events while ``record_history`` is on.
+
+Graph capture.  Stream-ordered allocation is capturable on CUDA (a cudaMallocAsync in a
+capture becomes a memory-alloc node), but the CUDA simulator does not model graph memory
+nodes: it refuses cudaMallocAsync/cudaFreeAsync on a capturing stream
+(``cudaErrorNotSupported``).  So an allocation on a capturing stream is refused here with a
+clear :class:`accel.CaptureError` (allocate before ``capture_begin``, or use
+``backend:native``, whose private pools serve captures).  A free while any capture is underway
+is deferred until none is, as torch's "Avoid freeing uncaptured ptrs during CUDA graph
+capture": an allocation made before the capture may still be used by it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Dict, List, Optional, Tuple
+
+from .._errors import AcceleratorError, CaptureError, OutOfMemoryError
+from .._finalize import drain as _drain_finalizers, pending as _finalizers
+from .._locks import acquire as _acquire
+from ..streams import on_device
+from . import _caching, _config, _stats
+from ._stats import ACTIVE_BYTES, ALLOCATED_BYTES, ALLOCATION, REQUESTED_BYTES, RESERVED_BYTES
+
+__all__ = ["AsyncPoolAllocator", "create_allocator", "check_backend"]
+
+#: cudaMemPoolAttrReleaseThreshold that keeps every freed byte in the pool (torch: UINT64_MAX)
+KEEP_EVERYTHING = (1 << 64) - 1
+_REUSE = ("reuse_follow_event_dependencies", "reuse_allow_opportunistic", "reuse_allow_internal_dependencies")
+
+
+def check_backend(backend, index: int, config: _config.AllocConfig) -> None:
+    """ValueError naming the option and the fix when ``backend`` (device ``index``) has no
+    stream-ordered pool for ``backend:cudaMallocAsync``."""
+    where = config.source or "ACCEL_ALLOC_CONF"
+    if not getattr(backend, "supports_async_alloc", False):
+        why = backend.no_async_alloc_reason
+    else:
+        with on_device(backend, index):
+            if backend.async_alloc_supported(index):
+                return
+        why = (f"{backend.name} device {index} has no memory pools (cudaDevAttrMemoryPoolsSupported "
+               f"is 0: a driver or platform without the stream-ordered allocator)")
+    raise ValueError(f"{where}: option 'backend:cudaMallocAsync' cannot be used: {why}; remove the option "
+                     f"or set backend:native (accel's caching allocator, which works on every backend)")
+
+
+def create_allocator(backend, index: int, config: Optional[_config.AllocConfig] = None):
+    """The device allocator ``config`` asks for (default: from the environment):
+    :class:`AsyncPoolAllocator` for ``backend:cudaMallocAsync``, else a
+    :class:`~accel.memory._caching.DeviceCachingAllocator`."""
+    config = config if config is not None else _config.from_environment()
+    if config.backend == "cudaMallocAsync":
+        return AsyncPoolAllocator(backend, index, config)
+    return _caching.DeviceCachingAllocator(backend, index, config)
+
+
+class _Alloc:
+    """One live cudaMallocAsync allocation."""
+    __slots__ = ("size", "stream", "uses", "deferred", "frames")
+
+    def __init__(self, size: int, stream: int):
+        self.size = size            # bytes asked for (torch's PtrUsage.size)
+        self.stream = stream        # where it is freed (the allocation stream)
+        self.uses = None            # set of (stream, device) and _Mark, from record_stream/forget_stream
+        self.deferred = False       # freed during a capture, cudaFreeAsync not yet queued
+        self.frames = None
+
+
+class _Mark:
+    """An event recorded on a stream that was destroyed (forget_stream): allocations that
+    used it, or were made on it, wait for it before their free; destroyed after the last."""
+    __slots__ = ("event", "device", "refs")
+
+    def __init__(self, event: int, device: int):
+        self.event, self.device, self.refs = event, device, 0
+
+
+class AsyncPoolAllocator:
+    """``backend:cudaMallocAsync`` for one device; every method is thread-safe.
+
+    Same interface as :class:`~accel.memory._caching.DeviceCachingAllocator` (see the module
+    docstring for what differs).  Construction checks the backend and the device (ValueError
+    naming the option when there is no pool) and sets the pool up as torch does."""
+
+    def __init__(self, backend, device_index: int, config: Optional[_config.AllocConfig] = None):
+        config = config if config is not None else _config.from_environment()
+        check_backend(backend, device_index, config)
+        self._be = backend
+        self._index = device_index
+        self._config = config
+        self._lock = threading.Lock()
+        self._ptrs: Dict[int, _Alloc] = {}
+        self._deferred: List[int] = []             # frees asked for during a capture
+        self._pools: Dict[tuple, int] = {}         # private pool id -> use count (nothing routed)
+        self._routes: Dict[int, tuple] = {}        # stream of begin_allocate_to_pool -> pool id
+        self._default_stream: Optional[int] = None
+        self._history: Optional[deque] = None
+        self._history_stacks = False
+        self._limit: Optional[int] = None
+        # accel's counters: allocations and requested bytes (current, peak, allocated, freed)
+        self._count = [0, 0, 0, 0]
+        self._req = [0, 0, 0, 0]
+        self._scalars = {"num_alloc_retries": 0, "num_ooms": 0, "num_sync_all_streams": 0,
+                         "num_device_alloc": 0, "num_device_free": 0}
+        be, index = backend, device_index
+        with on_device(be, index):
+            # torch's lazy_init_device: keep everything in the pool, all reuse policies on
+            be.mem_pool_set(index, "release_threshold", KEEP_EVERYTHING)
+            for name in _REUSE:
+                be.mem_pool_set(index, name, 1)
+            be.mem_pool_set(index, "reserved_high", 0)     # 0 resets a high-water mark
+            be.mem_pool_set(index, "used_high", 0)
+            if config.per_process_memory_fraction < 1.0:
+                self._limit = int(config.per_process_memory_fraction * be.mem_info()[1])
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def device_index(self) -> int:
+        return self._index
+
+    @property
+    def config(self) -> _config.AllocConfig:
+        return self._config
+
+    def malloc(self, nbytes: int, stream: Optional[int] = None) -> int:
+        """``cudaMallocAsync`` of ``nbytes`` on ``stream`` (a backend stream handle; None = the
+        device's default stream).  Returns the pointer, 0 for ``nbytes == 0``.
+
+        TypeError/ValueError for a bad size, :class:`accel.OutOfMemoryError` when the pool
+        cannot grow or the memory fraction would be passed, :class:`accel.CaptureError` on a
+        capturing stream."""
+        if type(nbytes) is not int or nbytes <= 0:
+            nbytes = _caching._check_size(nbytes)
+            if nbytes == 0:
+                return 0
+        if stream is None:
+            stream = self._get_default_stream()
+        elif isinstance(stream, bool) or not isinstance(stream, int):
+            raise TypeError(f"stream must be a backend stream handle (int), got {type(stream).__name__} "
+                            f"{stream!r}; pass Stream.handle")
+        if _finalizers:
+            _drain_finalizers()
+        lock = self._lock
+        if not lock.acquire(False):
+            _acquire(lock, "malloc")
+        try:
+            capturing = self._capture_underway()
+            if self._deferred and not capturing:
+                self._flush_deferred()
+            if capturing:
+                self._refuse_if_capturing(stream)
+            if self._limit is not None and self._req[0] + nbytes > self._limit:
+                self._scalars["num_ooms"] += 1
+                raise OutOfMemoryError(self._oom_message(nbytes))
+            be = self._be
+            try:
+                with on_device(be, self._index):
+                    ptr = be.mem_alloc_async(nbytes, stream)
+            except OutOfMemoryError:
+                # cudaErrorMemoryAllocation is not sticky: clear it so torch in the same process
+                # does not report it again (the backend's check cleared it already; harmless twice)
+                be.clear_error()
+                self._scalars["num_ooms"] += 1
+                raise OutOfMemoryError(self._oom_message(nbytes)) from None
+            self._scalars["num_device_alloc"] += 1
+            alloc = self._ptrs[ptr] = _Alloc(nbytes, stream)
+            self._up(self._count, 1)
+            self._up(self._req, nbytes)
+            if self._history is not None:
+                if self._history_stacks:
+                    alloc.frames = _caching._frames()
+                self._trace("alloc", ptr, nbytes, stream)
+            return ptr
+        finally:
+            lock.release()
+
+    def free(self, ptr: int) -> None:
+        """``cudaFreeAsync`` of ``ptr`` on its allocation stream, after that stream waits for the
+        streams ``record_stream`` named; deferred while a capture is underway.  0 is a no-op.
+
+        ValueError naming the pointer for a double free or a pointer this allocator did not
+        hand out; the allocator state is then unchanged."""
+        if _finalizers:
+            _drain_finalizers()
+        lock = self._lock
+        if not lock.acquire(False):
+            _acquire(lock, "free")
+        try:
+            alloc = self._ptrs.get(ptr)
+            if alloc is None or alloc.deferred:
+                if ptr == 0 and type(ptr) is int:
+                    return
+                raise self._not_allocated(ptr, alloc)
+            if self._history is not None:
+                self._trace("free_requested", ptr, alloc.size, alloc.stream)
+            if self._capture_underway():
+                alloc.deferred = True
+                self._deferred.append(ptr)
+                return
+            if self._deferred:
+                self._flush_deferred()
+            self._free_now(ptr, alloc)
+        finally:
+            lock.release()
+
+    def record_stream(self, ptr: int, stream: int, device_index: Optional[int] = None) -> None:
+        """Mark the allocation at ``ptr`` as used on ``stream`` (of device ``device_index``,
+        default this allocator's): its free waits for the work queued there by then."""
+        device = self._index if device_index is None else device_index
+        with self._lock:
+            alloc = self._ptrs.get(ptr)
+            if alloc is None or alloc.deferred:
+                raise self._not_allocated(ptr, alloc)
+            if stream == alloc.stream and device == self._index:
+                return
+            if alloc.uses is None:
+                alloc.uses = {(stream, device)}
+            else:
+                alloc.uses.add((stream, device))
+
+    def forget_stream(self, stream: int, device_index: Optional[int] = None, blocking: bool = True) -> bool:
+        """``stream`` (of device ``device_index``) is about to be destroyed: allocations made or
+        used on it get an event recorded there now (or the stream is synchronized when that
+        fails), and those made on it are freed on the device's default stream after that event.
+
+        With ``blocking=False`` (a finalizer) returns False instead of waiting for the lock."""
+        if not self._lock.acquire(blocking):
+            return False
+        try:
+            device = self._index if device_index is None else device_index
+            use = (stream, device)
+            made = [a for a in self._ptrs.values() if device == self._index and a.stream == stream]
+            used = [a for a in self._ptrs.values() if a.uses and use in a.uses]
+            if device == self._index:
+                self._routes.pop(stream, None)
+            if not made and not used:
+                return True
+            mark = self._cover(stream, device)
+            default = self._get_default_stream()
+            for alloc in made:
+                alloc.stream = default
+                if mark is not None:
+                    alloc.uses = (alloc.uses or set()) | {mark}
+                    mark.refs += 1
+            for alloc in used:
+                alloc.uses.discard(use)
+                if mark is not None and mark not in alloc.uses:
+                    alloc.uses.add(mark)
+                    mark.refs += 1
+            return True
+        finally:
+            self._lock.release()
+
+    def begin_allocate_to_pool(self, pool_id: Tuple[int, int], stream: int) -> None:
+        """A capture begins on ``stream`` (accel.graphs).  Nothing is routed: allocations on a
+        capturing stream are refused (see the module docstring) and frees are deferred."""
+        pool_id = _caching.DeviceCachingAllocator._check_pool_id(pool_id)
+        with self._lock:
+            if stream in self._routes:
+                raise CaptureError(f"stream {stream:#x} already allocates to private pool "
+                                   f"{self._routes[stream]}; end that capture first")
+            self._pools[pool_id] = self._pools.get(pool_id, 0) + 1
+            self._routes[stream] = pool_id
+            _caching._count_captures(1)
+
+    def end_allocate_to_pool(self, pool_id: Tuple[int, int]) -> None:
+        """The capture of ``pool_id`` ended; frees deferred during it are queued once no
+        capture is underway."""
+        pool_id = _caching.DeviceCachingAllocator._check_pool_id(pool_id)
+        with self._lock:
+            for stream in [s for s, p in self._routes.items() if p == pool_id]:
+                del self._routes[stream]
+                _caching._count_captures(-1)
+            if self._deferred and not self._capture_underway():
+                self._flush_deferred(strict=False)
+
+    def release_pool(self, pool_id: Tuple[int, int]) -> None:
+        """A graph using ``pool_id`` was destroyed (the pool holds nothing with this backend)."""
+        pool_id = _caching.DeviceCachingAllocator._check_pool_id(pool_id)
+        with self._lock:
+            count = self._pools.get(pool_id)
+            if count is None:
+                raise ValueError(f"release_pool: no private pool {pool_id} on device {self._index} "
+                                 f"(or it was already released)")
+            if count > 1:
+                self._pools[pool_id] = count - 1
+            else:
+                del self._pools[pool_id]
+
+    def empty_cache(self) -> None:
+        """Synchronize the device and trim its pool to 0 bytes (``cudaMemPoolTrimTo``): every
+        unused byte goes back to the device.  CaptureError while a capture is underway."""
+        if _finalizers:
+            _drain_finalizers()
+        with self._lock:
+            if self._routes or self._capture_underway():
+                raise CaptureError("empty_cache() is not allowed while a stream capture is underway "
+                                   f"(device {self._index}'s allocator); call it after capture_end()")
+            if self._deferred:
+                self._flush_deferred()
+            be = self._be
+            with on_device(be, self._index):
+                be.device_synchronize()
+                self._scalars["num_sync_all_streams"] += 1
+                be.mem_pool_trim(self._index, 0)
+
+    def stats(self) -> "dict":
+        """The torch.cuda.memory_stats() keys (see the module docstring for their sources)."""
+        if _finalizers:
+            _drain_finalizers()
+        be, index = self._be, self._index
+        with self._lock:
+            pool = {name: be.mem_pool_get(index, name)
+                    for name in ("reserved_current", "reserved_high", "used_current", "used_high")}
+            cur, peak, allocated, freed = _stats.empty_counters()
+            for stat, (c, p) in ((RESERVED_BYTES, ("reserved_current", "reserved_high")),
+                                 (ALLOCATED_BYTES, ("used_current", "used_high")),
+                                 (ACTIVE_BYTES, ("used_current", "used_high"))):
+                cur[stat], peak[stat] = pool[c], max(pool[p], pool[c])
+            for stat, counts in ((ALLOCATION, self._count), (REQUESTED_BYTES, self._req)):
+                cur[stat], peak[stat], allocated[stat], freed[stat] = counts
+            scalars = dict(self._scalars)
+            scalars["max_split_size"] = -1
+        return _stats.flatten(cur, peak, allocated, freed, scalars)
+
+    def map_stats(self) -> dict:
+        """``{"num_device_map": 0, "num_device_unmap": 0}``: the pool maps nothing accel sees."""
+        return {"num_device_map": 0, "num_device_unmap": 0}
+
+    def reset_peak_stats(self) -> None:
+        """Peaks become the current values: accel's counters, and the pool's high-water marks
+        (set to 0, which the driver takes as "reset to current")."""
+        with self._lock:
+            with on_device(self._be, self._index):
+                self._be.mem_pool_set(self._index, "reserved_high", 0)
+                self._be.mem_pool_set(self._index, "used_high", 0)
+            self._count[1] = self._count[0]
+            self._req[1] = self._req[0]
+
+    def reset_accumulated_stats(self) -> None:
+        """Zero accel's allocated/freed counters and the OOM/call counts (torch's
+        cudaMallocAsync backend ignores this call; accel's counters are its own)."""
+        with self._lock:
+            self._count[2] = self._count[3] = 0
+            self._req[2] = self._req[3] = 0
+            for name in self._scalars:
+                self._scalars[name] = 0
+
+    def record_history(self, enabled: bool, max_entries: int = 100_000, stacks: bool = True) -> None:
+        """Start (or stop) recording alloc/free events (and the Python stack of each
+        allocation when ``stacks``) for :meth:`snapshot`'s ``device_traces``."""
+        with self._lock:
+            if enabled:
+                self._history = deque(self._history or (), maxlen=max_entries)
+                self._history_stacks = stacks
+            else:
+                self._history = None
+                self._history_stacks = False
+                for alloc in self._ptrs.values():
+                    alloc.frames = None
+
+    def snapshot(self) -> dict:
+        """``{"segments": [], "device_traces": [...]}``: the driver's pool has no segments
+        accel could list (see the module docstring)."""
+        with self._lock:
+            traces = list(self._history) if self._history is not None else []
+        return {"segments": [], "device_traces": traces}
+
+    # ------------------------------------------------------------------ internals
+    def _capture_underway(self) -> bool:
+        return bool(self._routes) or _caching.capture_underway(self._be)
+
+    def _refuse_if_capturing(self, stream: int) -> None:
+        be = self._be
+        capturing = stream in self._routes
+        if not capturing and be.captures_underway():
+            with on_device(be, self._index):
+                capturing = be.capture_id(stream) is not None
+        if capturing:
+            raise CaptureError(
+                f"backend:cudaMallocAsync cannot allocate on stream {stream:#x} of device {self._index} "
+                f"while it is being captured: accel does not build graph memory nodes (the CUDA "
+                f"simulator does not model them); allocate the graph's memory before capture_begin(), "
+                f"or use ACCEL_ALLOC_CONF=backend:native, whose private pools serve captures")
+
+    def _free_now(self, ptr: int, alloc: _Alloc) -> None:
+        """Queue the free: the allocation stream waits for every use, then cudaFreeAsync.  On
+        an error the allocation stays live (the waits already queued are harmless)."""
+        be = self._be
+        marks = []
+        with on_device(be, self._index):
+            for use in list(alloc.uses or ()):
+                if type(use) is _Mark:
+                    be.stream_wait_event(alloc.stream, use.event)
+                    marks.append(use)
+                else:
+                    self._wait_for(alloc.stream, *use)
+            be.mem_free_async(ptr, alloc.stream)
+        self._scalars["num_device_free"] += 1
+        del self._ptrs[ptr]
+        self._down(self._count, 1)
+        self._down(self._req, alloc.size)
+        if self._history is not None:
+            self._trace("free_completed", ptr, alloc.size, alloc.stream)
+        for mark in marks:
+            mark.refs -= 1
+            if mark.refs == 0:
+                self._destroy_event(mark.event, mark.device)
+
+    def _wait_for(self, waiter: int, stream: int, device: int) -> None:
+        """``waiter`` (of this device, current) waits for the work queued on ``stream`` so far."""
+        be = self._be
+        with on_device(be, device):          # cudaEventRecord: the event's and stream's device
+            event = be.event_create()
+            try:
+                be.event_record(event, stream)
+                be.stream_wait_event(waiter, event)
+            finally:
+                # an event destroyed before its work completes is released once it does
+                # (CUDA Runtime API, cudaEventDestroy); the wait already holds the dependency
+                be.event_destroy(event)
+
+    def _cover(self, stream: int, device: int) -> Optional[_Mark]:
+        """An event recorded on the dying ``stream``, or None when it could not be recorded
+        but the stream was synchronized instead (its work is done)."""
+        be = self._be
+        with on_device(be, device):
+            event = None
+            try:
+                event = be.event_create()
+                be.event_record(event, stream)
+                return _Mark(event, device)
+            except Exception:
+                if event is not None:
+                    be.event_destroy(event)
+                if _caching.capture_underway(be):
+                    raise       # synchronizing would invalidate the capture
+        with on_device(be, device):
+            be.stream_synchronize(stream)
+        return None
+
+    def _destroy_event(self, event: int, device: int) -> None:
+        with on_device(self._be, device):
+            self._be.event_destroy(event)
+
+    def _flush_deferred(self, strict: bool = True) -> None:
+        """Queue the frees deferred during a capture.  One that fails stays deferred; the
+        first error propagates when ``strict``."""
+        deferred, self._deferred = self._deferred, []
+        error = None
+        for ptr in deferred:
+            alloc = self._ptrs[ptr]
+            try:
+                self._free_now(ptr, alloc)
+            except Exception as exc:
+                self._deferred.append(ptr)
+                error = error or exc
+        if error is not None and strict:
+            raise error
+
+    @staticmethod
+    def _up(counts: list, n: int) -> None:
+        counts[0] += n
+        counts[2] += n
+        if counts[0] > counts[1]:
+            counts[1] = counts[0]
+
+    @staticmethod
+    def _down(counts: list, n: int) -> None:
+        counts[0] -= n
+        counts[3] += n
+
+    def _get_default_stream(self) -> int:
+        if self._default_stream is None:
+            self._default_stream = self._be.default_stream(self._index)
+        return self._default_stream
+
+    def _trace(self, action: str, addr: int, size: int, stream: int) -> None:
+        self._history.append({"action": action, "addr": addr, "size": size, "stream": stream,
+                              "time_us": time.monotonic_ns() // 1000})
+
+    def _not_allocated(self, ptr, alloc) -> Exception:
+        if type(ptr) is not int:
+            return TypeError(f"pointer must be an int, got {type(ptr).__name__} {ptr!r}")
+        if alloc is not None:
+            return ValueError(f"pointer {ptr:#x} was already freed (double free; its cudaFreeAsync waits "
+                              f"for the capture underway to end) on device {self._index}")
+        return ValueError(f"pointer {ptr:#x} is not allocated (double free?) or was not allocated by the "
+                          f"cudaMallocAsync allocator of device {self._index} (foreign or interior pointer)")
+
+    def _oom_message(self, nbytes: int) -> str:
+        fmt = _stats.format_size
+        try:
+            with on_device(self._be, self._index):
+                free, total = self._be.mem_info()
+        except AcceleratorError:   # the report must not hide the OOM itself
+            free = total = 0
+        limit = fmt(self._limit) if self._limit is not None else "none (per_process_memory_fraction 1.0)"
+        return (f"{self._be.name.upper()} out of memory. Allocation on device {self._index} would exceed "
+                f"allowed memory. (out of memory)\n"
+                f"Currently allocated     : {fmt(self._req[0])}\n"
+                f"Requested               : {fmt(nbytes)}\n"
+                f"Device limit            : {fmt(total)}\n"
+                f"Free (according to {self._be.name.upper()}): {fmt(free)}\n"
+                f"accel limit (set by per_process_memory_fraction in ACCEL_ALLOC_CONF)\n"
+                f"                        : {limit}\n"
+                f"Free memory that is no longer needed, or call accel.memory.empty_cache() to return the "
+                f"pool's unused memory to the device.")
