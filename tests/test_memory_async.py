@@ -346,3 +346,17 @@ def test_replay_drives_the_async_backend(be):
     assert out["peak_requested"] == 3000 + 5 * MiB
     assert out["peak_reserved"] >= out["peak_allocated"] >= out["peak_requested"]
     assert out["reserved_after_empty_cache"] == 0
+
+
+@pytest.mark.parametrize("runtime", ["12.4", "13.0"])
+def test_both_runtime_majors(monkeypatch, runtime):
+    """The pool calls go through each major's bindings (cudaMemPool_t, cuuint64_t attributes)."""
+    use_sim(monkeypatch, "cuda", ACCEL_ALLOC_CONF=CONF, ACCEL_SIM_CUDA_RUNTIME=runtime)
+    be = _lazy.lazy_init()
+    alloc = memory.device_allocator(1)
+    p = alloc.malloc(MiB)
+    assert alloc.stats()["reserved_bytes.all.current"] == pool(be, 1, "reserved_current") >= MiB
+    alloc.free(p)
+    memory.empty_cache()
+    assert pool(be, 1, "reserved_current") == 0
+    assert pool(be, 1, "release_threshold") == (1 << 64) - 1
