@@ -1185,9 +1185,7 @@ class DeviceCachingAllocator:
         if use is None:
             want = self._config.expandable_segments
             if want is None:
-                # Default OFF for now (issue 15 wants on-by-default where supported): with it on,
-                # peers copying from mapped memory need vmm_set_access, which is not wired yet,
-                # and the fault sweep's classic-segment expectations fail.  See the report.
+                # Off until the rest of the suite passes with it (issue 15): see the closing note.
                 want = False
             use = False
             if want and self._be.supports_vmm:
@@ -1271,7 +1269,6 @@ class DeviceCachingAllocator:
         if plan is not None:
             excess = self._cur[RESERVED_BYTES] + plan[2] - self._reserved_hw
             if excess > 0:
-                hole = plan[0]
                 self._exp_unmap()
                 self._release_until(excess, largest_first=False)     # classic segments, if any
                 plan = _place(seg, size, gran, _FREE if seg.kind == _LARGE else None)
