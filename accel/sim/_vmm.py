@@ -113,6 +113,13 @@ class VmmError(Exception):
         self.kind = kind
 
 
+def _by_device(handles) -> Dict[int, int]:
+    out: Dict[int, int] = {}
+    for p in handles:
+        out[p.device] = out.get(p.device, 0) + p.size
+    return out
+
+
 class Physical:
     """A physical allocation (cuMemCreate handle / ze_physical_mem_handle_t)."""
 
@@ -290,6 +297,7 @@ class Space:
     def release(self, handle: int, while_mapped: bool = True) -> None:
         """Release a handle; mapped, it goes at its last unmap (CUDA), or with ``while_mapped``
         False the release is refused as "in_use" (Level Zero)."""
+        gone = None
         with self.lock:
             p = self.handles.get(handle)
             if p is None or p.released:
@@ -298,16 +306,20 @@ class Space:
                 raise VmmError("in_use", f"handle 0x{handle:x} is still mapped {p.maps} time(s): unmap first")
             p.released = True
             if p.maps == 0:
-                self._destroy(p)
+                gone = self._destroy(p)
+        if gone is not None:
+            self.refund(*gone)
 
-    def _destroy(self, p: Physical) -> None:
-        # lock held
+    def _destroy(self, p: Physical) -> Tuple[int, int]:
+        """Drop ``p`` (lock held); returns the (device, bytes) for the caller to refund
+        after letting go of the lock: refund takes the runtime's lock, which is held while
+        queued work resolves addresses under this one (lock order: runtime, then space)."""
         del self.handles[p.handle]
         fd = self._files.get(p.device)
         if fd is not None:
             _punch(fd, p.pages)
             self._free_pages[p.device].extend(sorted(p.pages, reverse=True))
-        self.refund(p.device, p.size)
+        return p.device, p.size
 
     # -- mappings -------------------------------------------------------------------------
     def map(self, base: int, size: int, handle: int, offset: int = 0, whole: bool = True) -> None:
@@ -369,18 +381,27 @@ class Space:
         return out
 
     def unmap(self, base: int, size: int) -> None:
-        with self.lock:
-            maps = self.mappings_in(base, size, "unmap")
-            for m in maps:
-                r = m.reservation
-                self.table.remove(m)        # live = False: queued work touching it now faults
-                del r.maps[m.base]
-                r.bases.remove(m.base)
-                _mmap(m.base, m.size, _PROT_NONE, _MAP_PRIVATE | _MAP_ANON | _MAP_NORESERVE | _MAP_FIXED)
-                p = m.phys
-                p.maps -= 1
-                if p.maps == 0 and p.released:
-                    self._destroy(p)
+        gone = []
+        try:
+            with self.lock:
+                self._unmap(base, size, gone)
+        finally:
+            for device, nbytes in gone:
+                self.refund(device, nbytes)
+
+    def _unmap(self, base: int, size: int, gone: list) -> None:
+        """Unmap under the lock; (device, bytes) of handles that went, to refund after it."""
+        maps = self.mappings_in(base, size, "unmap")
+        for m in maps:
+            r = m.reservation
+            self.table.remove(m)        # live = False: queued work touching it now faults
+            del r.maps[m.base]
+            r.bases.remove(m.base)
+            _mmap(m.base, m.size, _PROT_NONE, _MAP_PRIVATE | _MAP_ANON | _MAP_NORESERVE | _MAP_FIXED)
+            p = m.phys
+            p.maps -= 1
+            if p.maps == 0 and p.released:
+                gone.append(self._destroy(p))
 
     def set_access(self, base: int, size: int, grants: List[Tuple[int, Optional[str]]]) -> None:
         """``grants``: (device, "rw" | "r" | None) each; None takes the device's access away."""
@@ -450,6 +471,7 @@ class Space:
                 "vmm_reserved_bytes": sum(r.size for r in self.reservations.values()),
                 "vmm_handles": sum(1 for p in self.handles.values() if not p.released),
                 "vmm_physical_bytes": sum(p.size for p in self.handles.values()),
+                "vmm_physical_by_device": _by_device(self.handles.values()),
                 "vmm_mappings": sum(len(r.maps) for r in self.reservations.values()),
                 "vmm_mapped_bytes": sum(m.size for r in self.reservations.values() for m in r.maps.values()),
             }
