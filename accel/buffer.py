@@ -200,6 +200,10 @@ class Buffer:
                 # Ordering against work on the source's stream is the caller's, as in torch;
                 # recording keeps the allocator from reusing the source under this copy.
                 src.record_stream(stream)
+            if src._index != self._index:
+                # the copy runs on this buffer's device, which reads the other device's memory:
+                # mapped (virtual) memory needs explicit access for it (cuMemSetAccess)
+                _memory().device_allocator(src._index).add_peer(self._index)
             if self._nbytes:
                 with stream._device_scope():
                     backend.memcpy_async(self._ptr, src._ptr, self._nbytes, stream.handle)

@@ -77,7 +77,8 @@ def test_failed_event_record_in_device_free(sim_cuda):
     assert _cuda_live() == {"allocations": {}, "host": 0, "streams": 0, "events": 0}
 
 
-def test_failed_free_in_empty_cache_keeps_the_segment(sim_cuda):
+def test_failed_free_in_empty_cache_keeps_the_segment(sim_cuda, monkeypatch):
+    monkeypatch.setenv("ACCEL_ALLOC_CONF", "expandable_segments:False")     # classic: cudaFree
     accel.Buffer(4096, device=1).close()
     reserved = memory.memory_reserved(1)
     assert reserved > 0
@@ -90,6 +91,21 @@ def test_failed_free_in_empty_cache_keeps_the_segment(sim_cuda):
     memory.empty_cache()
     assert memory.memory_reserved(1) == 0
     assert sim.state().live_allocations == {}
+
+
+def test_failed_release_in_empty_cache_keeps_the_memory_counted(sim_cuda):
+    # expandable segments: an unmapped piece whose cuMemRelease fails is still the device's
+    accel.Buffer(4096, device=1).close()
+    reserved = memory.memory_reserved(1)
+    assert reserved > 0 and sim.state().vmm_physical_by_device == {1: reserved}
+    sim.inject_error("cuMemRelease", CUDA_INVALID_VALUE)
+    with pytest.raises(AcceleratorError, match="cuMemRelease"):
+        memory.empty_cache()
+    assert memory.memory_reserved(1) == reserved
+    assert sim.state().vmm_physical_by_device == {1: reserved}
+    memory.empty_cache()
+    assert memory.memory_reserved(1) == 0
+    assert sim.state().vmm_physical_by_device == {}
 
 
 def test_failed_event_query_keeps_each_event_once(sim_cuda):
@@ -294,8 +310,8 @@ def _device_bytes(kind: str) -> list:
     """Device memory the simulator has handed out, per device (CUDA rounds to 256 bytes)."""
     st = sim.state()
     n = accel.device_count()
-    if kind == "cuda":
-        return [st.live_bytes.get(i, 0) for i in range(n)]
+    if kind == "cuda":       # cudaMalloc'd plus cuMemCreate'd (expandable segments)
+        return [st.live_bytes.get(i, 0) + st.vmm_physical_by_device.get(i, 0) for i in range(n)]
     if kind == "xpu":
         return list(st.ze_device_used)
     return [None] * n

@@ -95,6 +95,8 @@ def test_driver_path_launches_are_captured(monkeypatch):
 
 def test_missing_entry_point_is_a_clear_no_kernel_path_and_the_host_path_runs(monkeypatch):
     backend = _cuda(monkeypatch, runtime="12.4")
+    # classic segments: expandable ones would take the injected failure for cuMemCreate's entry point
+    monkeypatch.setenv("ACCEL_ALLOC_CONF", "expandable_segments:False")
     sim.inject_error("cudaGetDriverEntryPoint", 801, times=1)      # cudaErrorNotSupported
     with pytest.warns(RuntimeWarning, match=r"no kernel path: cudaGetDriverEntryPoint\('cuModuleLoadData'\) "
                                             r"failed with cudaErrorNotSupported \(801\).*host path"):

@@ -114,7 +114,9 @@ def test_no_leaked_segments_after_empty_cache(sim_backend, monkeypatch):
         assert sim.state().live_allocations == {}
 
 
-def test_second_device_has_its_own_allocator(sim_cuda):
+def test_second_device_has_its_own_allocator(sim_cuda, monkeypatch):
+    # classic segments (cudaMalloc); expandable ones: tests/test_memory_expandable.py
+    monkeypatch.setenv("ACCEL_ALLOC_CONF", "expandable_segments:False")
     a0, a1 = memory.device_allocator(0), memory.device_allocator(1)
     assert a0 is memory.device_allocator(0) and a0 is not a1
     ptr = a1.malloc(MiB, 0)
@@ -126,7 +128,9 @@ def test_second_device_has_its_own_allocator(sim_cuda):
     assert sim.state().live_allocations == {}
 
 
-def test_injected_oom_frees_cache_and_retries(sim_cuda):
+def test_injected_oom_frees_cache_and_retries(sim_cuda, monkeypatch):
+    # classic segments (cudaMalloc); expandable ones: tests/test_memory_expandable.py
+    monkeypatch.setenv("ACCEL_ALLOC_CONF", "expandable_segments:False")
     alloc = memory.device_allocator(0)
     ptrs = [alloc.malloc(30 * MiB, 0) for _ in range(3)]
     for p in ptrs:
@@ -178,7 +182,9 @@ def test_summary_table(sim_cuda):
     alloc.free(ptr)
 
 
-def test_snapshot_history_and_viz(sim_cuda, tmp_path):
+def test_snapshot_history_and_viz(sim_cuda, monkeypatch, tmp_path):
+    # classic segments (cudaMalloc); expandable ones: tests/test_memory_expandable.py
+    monkeypatch.setenv("ACCEL_ALLOC_CONF", "expandable_segments:False")
     memory.record_history(True)
     alloc = memory.device_allocator(0)
     # the small block first: one made after the large block would take its free tail

@@ -1,6 +1,6 @@
 """Expandable segments (issue 15 item 2) on the simulated CUDA runtime, which enforces the
 driver's map/unmap rules (any violation raises or faults), on both devices including the
-non-current one.  Invariants E1-E7: accel/memory/_expandable.py."""
+non-current one.  Invariants E1-E11: accel/memory/_expandable.py."""
 
 import random
 
@@ -75,7 +75,8 @@ def check(alloc):
         mapped_total += mapped
     classic = sum(alloc._segments.values())
     stats = alloc.stats()
-    assert stats["reserved_bytes.all.current"] == mapped_total + classic, "E5"
+    unreleased = sum(u[1] for u in alloc._unreleased)
+    assert stats["reserved_bytes.all.current"] == mapped_total + classic + unreleased, "E5"
     st = sim.state()
     assert st.vmm_mapped_bytes >= mapped_total
     return stats
@@ -218,13 +219,15 @@ def test_snapshot_marks_expandable_and_traces_map_unmap(be):
     assert "segment_map" in actions and "segment_unmap" in actions
 
 
-def test_default_and_off_keep_classic_segments(be):
-    for conf in ("", "expandable_segments:False", "policy:torch"):
+def test_on_by_default_off_and_torch_policy_keep_classic_segments(be):
+    for conf, expandable in (("", True), ("expandable_segments:False", False), ("policy:torch", False),
+                             ("policy:torch,expandable_segments:True", True)):
         alloc = make(be, 0, conf)
         p = alloc.malloc(3 * MiB)
-        assert not alloc._exp_segs and alloc._segments
+        assert bool(alloc._exp_segs) == expandable and bool(alloc._segments) != expandable, conf
         alloc.free(p)
         alloc.empty_cache()
+        assert alloc.stats()["reserved_bytes.all.current"] == 0
 
 
 def test_graph_private_pools_keep_classic_segments(be):

@@ -202,6 +202,7 @@ class CudaVmmMixin:
                 self._check_driver(drv, rc, "cuMemSetAccess")
             except AcceleratorError as exc:
                 if undo:
+                    exc.still_mapped = True       # the caller must unmap it before releasing
                     exc.add_note(f"the mapping at 0x{va:x} could not be undone either: cuMemUnmap failed "
                                  f"with {drv.error_name(undo)} ({undo})")
                 raise

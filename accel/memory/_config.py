@@ -37,7 +37,7 @@ OPTIONS = {
     "release_threshold": "bytes (suffix K/M/G allowed) of completely free segments kept cached; "
                          "more are returned to the device when a block is freed",
     "expandable_segments": "True/False: grow one virtual address range per stream and pool by mapping "
-                           "2 MiB pages where the backend has virtual memory (default: False for now)",
+                           "2 MiB pages where the backend has virtual memory (default: True there; False under policy:torch, as torch)",
     "per_process_memory_fraction": "cap reserved memory at this fraction (0..1] of the device's total",
     "policy": "accel (default: tight segments, release-before-grow) or torch (PyTorch's sizing rules)",
     "backend": "native (accel's caching allocator, the default) or cudaMallocAsync (the driver's "
@@ -57,7 +57,7 @@ class AllocConfig(NamedTuple):
     #: divisions per power-of-two interval (all 0 = plain 512-byte rounding)
     roundup_power2_divisions: Tuple[int, ...] = (0,) * _POW2_INTERVALS
     release_threshold: Optional[int] = None
-    #: None = the default (off for now; issue 15 wants on where the backend supports it)
+    #: None = the default: on where the backend has virtual memory, off under policy:torch
     expandable_segments: Optional[bool] = None
     per_process_memory_fraction: float = 1.0
     policy: str = "accel"

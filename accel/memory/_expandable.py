@@ -21,8 +21,8 @@ Invariants (checked by ``tests/test_memory_expandable.py`` after every operation
 * E5  reserved bytes (the stats) == the sum of the sizes of all mappings;
 * E6  nothing is mapped or unmapped while a stream capture is underway (the backend
       refuses: a capture-time miss in the general cache takes a classic segment);
-* E7  before a mapping is unmapped, the stream owning its free block was synchronized
-      (cuMemUnmap does not wait for queued work).
+* E7  before a mapping is unmapped, the device was synchronized (cuMemUnmap does not
+      wait for queued work);
 * E8  in a small-pool segment no block crosses a page boundary: free neighbours on
       either side of a boundary are not merged and new pages join no free neighbour, so
       a small block pins one page, as a classic 2 MiB small segment would;
@@ -31,7 +31,11 @@ Invariants (checked by ``tests/test_memory_expandable.py`` after every operation
       (``pieces``), so a run mapped for one request can later be unmapped piece by piece
       around the live blocks that pin part of it;
 * E10 reserved memory passes its high-water mark only after every free piece was
-      unmapped (``_exp_unmap``), or while a capture is underway (classic segments).
+      unmapped (``_exp_unmap``), or while a capture is underway (classic segments);
+* E11 reservations are bounded by live streams: a destroyed stream's segment joins the
+      default stream's lists and its reservation is freed once nothing in it is mapped;
+      empty_cache frees every reservation with nothing mapped; a first request that
+      fails leaves no reservation behind.
 
 Measured on the 11 traces of ``tests/test_memory_traces`` (``tools/replay_trace.py
 --corpus``): pieces of at most 4 pages keep every trace's map calls under 200 while
