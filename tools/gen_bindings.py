@@ -72,7 +72,7 @@ CUDART_FUNCTIONS = [
     "cudaStreamBeginCapture", "cudaStreamEndCapture", "cudaStreamIsCapturing",
     "cudaStreamGetCaptureInfo", "cudaThreadExchangeStreamCaptureMode",
     "cudaGraphInstantiate", "cudaGraphLaunch", "cudaGraphExecDestroy", "cudaGraphDestroy",
-    "cudaGraphDebugDotPrint",
+    "cudaGraphDebugDotPrint", "cudaGraphGetNodes",
     "cudaLibraryLoadData", "cudaLibraryUnload", "cudaLibraryGetKernel", "cudaLaunchKernel",
     "cudaPointerGetAttributes", "cudaMemcpyPeerAsync", "cudaDeviceCanAccessPeer",
     # issue 14: bound for what comes next, not used yet (peer access, function attributes,
