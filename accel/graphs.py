@@ -24,6 +24,7 @@ import contextlib
 import itertools
 import operator
 import threading
+import warnings
 from typing import Optional, Tuple
 
 from . import _finalize as _fin
@@ -33,17 +34,18 @@ from .streams import Stream, current_stream, on_device
 __all__ = ["Graph", "graph", "generate_graph_pool_handle", "graph_pool_handle"]
 
 _MODES = ("default", "global", "thread_local", "relaxed")
-_pool_ids = itertools.count(1)
+# torch's MempoolId_t (c10/cuda MemPool::graph_pool_handle): ids a user asks for are
+# {0, n}, the pool a graph makes for itself {n, 0}, each from its own counter.
+_user_pool_ids = itertools.count(1)
+_graph_pool_ids = itertools.count(1)
 _pool_lock = threading.Lock()
 
 
 def generate_graph_pool_handle() -> Tuple[int, int]:
-    """A fresh pool id to pass as ``Graph(pool=...)`` so several graphs share one memory pool.
-
-    User-made ids are ``(n, 0)`` and graph-made ones ``(0, n)``, as torch's MempoolId_t.
-    """
+    """A fresh pool id ``(0, n)`` to pass as ``Graph(pool=...)`` so several graphs share
+    one memory pool (a graph's own pool is ``(n, 0)``, as torch's MempoolId_t)."""
     with _pool_lock:
-        return (next(_pool_ids), 0)
+        return (0, next(_user_pool_ids))
 
 
 graph_pool_handle = generate_graph_pool_handle  # torch.cuda's name
@@ -51,7 +53,7 @@ graph_pool_handle = generate_graph_pool_handle  # torch.cuda's name
 
 def _new_private_pool() -> Tuple[int, int]:
     with _pool_lock:
-        return (0, next(_pool_ids))
+        return (next(_graph_pool_ids), 0)
 
 
 def _check_mode(mode: str) -> str:
@@ -102,8 +104,9 @@ class Graph:
         stream = current_stream()
         if stream.handle == backend.default_stream(stream.device_index):
             raise RuntimeError(
-                f"{backend.name} graphs must be captured on a non-default stream: use "
-                "`with accel.Stream(), graph:` or `with accel.graph(graph):` (replay may use any stream)")
+                f"{backend.name.upper()} graphs must be captured on a non-default stream. (However, after "
+                "capture, it's ok to replay them on the default stream.) Use `with accel.Stream(), graph:` "
+                "or `with accel.graph(graph):`.")
         if self.graph_pool is not None:
             try:
                 pool = tuple(operator.index(x) for x in self.graph_pool)
@@ -116,16 +119,22 @@ class Graph:
             pool = _new_private_pool()
         from . import memory, random
         allocator = memory.device_allocator(stream.device_index)
-        allocator.begin_allocate_to_pool(pool, stream.handle)
+        # The generator's seed/offset holders come from the general cache (torch registers
+        # the graph with its generator before routing allocations to the graph's pool).
+        self._rng = random._graph_capture_begin(stream.device_index)
         try:
-            self._rng = random._graph_capture_begin(stream.device_index)
+            allocator.begin_allocate_to_pool(pool, stream.handle)
+        except BaseException:
+            random._graph_capture_abort(self._rng)
+            self._rng = None
+            raise
+        try:
             backend.capture_begin(stream.handle, mode)
         except BaseException:
             allocator.end_allocate_to_pool(pool)
             allocator.release_pool(pool)
-            if self._rng is not None:
-                random._graph_capture_abort(self._rng)
-                self._rng = None
+            random._graph_capture_abort(self._rng)
+            self._rng = None
             raise
         self._backend, self._index, self._stream, self._pool = backend, stream.device_index, stream, pool
 
@@ -158,6 +167,9 @@ class Graph:
         if self._rng is not None:
             random._graph_capture_end(self._rng)
         self._graph = graph_handle
+        if self._backend.graph_node_count(graph_handle) == 0:
+            warnings.warn(f"The {self._backend.name.upper()} Graph is empty. This usually means that the graph "
+                          "was attempted to be captured on wrong device or stream.", UserWarning, stacklevel=2)
         if not self.keep_graph:
             self.instantiate()
             if not self._debug:
@@ -167,13 +179,34 @@ class Graph:
     def instantiate(self) -> None:
         """Build the executable graph (done by capture_end, or by the first replay with keep_graph)."""
         self._check_process()
+        if self._exec is not None and not self.keep_graph:
+            raise RuntimeError("instantiate() is intended to be called by the user only when keep_graph=true")
         if self._graph is None:
-            raise RuntimeError("instantiate() needs a captured graph: capture one first "
-                               "(with keep_graph=False it is instantiated by capture_end)")
+            raise RuntimeError("capture_end() must have been called before calling instantiate: capture one "
+                               "first (without keep_graph, capture_end instantiates it)")
         if self._exec is not None:
             self._backend.graph_exec_destroy(self._exec)
             self._exec = None
         self._exec = self._backend.graph_instantiate(self._graph)
+
+    def raw_cuda_graph(self) -> int:
+        """The backend's graph handle (cudaGraph_t); needs ``keep_graph=True`` and a finished capture."""
+        if not self.keep_graph:
+            raise RuntimeError("You cannot access the raw cudaGraph_t instance unless CUDAGraph was initialized "
+                               "with keep_graph=true")
+        if self._graph is None:
+            raise RuntimeError("You cannot access the raw cudaGraph_t instance until capture_end() has been called")
+        return self._graph
+
+    raw_graph = raw_cuda_graph
+
+    def raw_cuda_graph_exec(self) -> int:
+        """The backend's executable graph handle (cudaGraphExec_t); instantiate() (or capture_end()
+        without keep_graph) first.  A later instantiate() destroys the handle returned."""
+        if self._exec is None:
+            raise RuntimeError("You cannot access the raw cudaGraphExec_t instance until instantiate() has been "
+                               "called")
+        return self._exec
 
     def replay(self) -> None:
         """Launch the captured work on the current stream of the graph's device."""
@@ -199,7 +232,7 @@ class Graph:
         if _fin.collecting():
             # Called from a finalizer during a collection: the allocator's lock may be held
             # by this thread (see accel._finalize).
-            handles = (backend, self._index, self._exec, self._graph, self._pool)
+            handles = (backend, self._index, self._exec, self._graph, self._pool, self._rng)
             self._exec = self._graph = self._pool = self._rng = None
             _fin.defer(_release, *handles)
             return
@@ -213,7 +246,10 @@ class Graph:
             from . import memory
             memory.device_allocator(self._index).release_pool(self._pool)
             self._pool = None
-        self._rng = None
+        if self._rng is not None:
+            from . import random
+            rng, self._rng = self._rng, None
+            random._graph_release(rng)
 
     def pool(self) -> Tuple[int, int]:
         """The id of this graph's memory pool, to share it: ``Graph(pool=g.pool())``."""
@@ -259,11 +295,12 @@ class Graph:
         # Never waits on a lock (see accel._finalize); nothing in a forked child.
         if (getattr(self, "_backend", None) is not None and self._stream is None
                 and self._pid == _fin.pid and _lazy.is_initialized()):
-            _fin.finalize(_release, self._backend, self._index, self._exec, self._graph, self._pool)
+            _fin.finalize(_release, self._backend, self._index, self._exec, self._graph, self._pool, self._rng)
 
 
-def _release(backend, index, exec_handle, graph_handle, pool) -> None:
-    """Destroy a graph's executable and graph handles and release its pool (each attempted)."""
+def _release(backend, index, exec_handle, graph_handle, pool, rng=None) -> None:
+    """Destroy a graph's executable and graph handles, release its pool and unregister it
+    from its generator (each attempted)."""
     try:
         if exec_handle is not None:
             backend.graph_exec_destroy(exec_handle)
@@ -272,9 +309,14 @@ def _release(backend, index, exec_handle, graph_handle, pool) -> None:
             if graph_handle is not None:
                 backend.graph_destroy(graph_handle)
         finally:
-            if pool is not None:
-                from . import memory
-                memory.device_allocator(index).release_pool(pool)
+            try:
+                if pool is not None:
+                    from . import memory
+                    memory.device_allocator(index).release_pool(pool)
+            finally:
+                if rng is not None:
+                    from . import random
+                    random._graph_release(rng)
 
 
 @contextlib.contextmanager

@@ -287,6 +287,11 @@ class Backend(abc.ABC):
     def graph_debug_dot(self, graph: int, path: str) -> None:
         raise NotImplementedError(self.no_capture_reason)
 
+    def graph_node_count(self, graph: int) -> Optional[int]:
+        """Operations the captured ``graph`` holds (cudaGraphGetNodes), or None when the
+        backend cannot tell."""
+        return None
+
     # -- virtual memory (only when supports_vmm) --------------------------------
     # The shape is the driver's (CUDA cuMem*, Level Zero zeVirtualMem*/zePhysicalMem*):
     # reserve a range of addresses, create physical pages, map pages into the range,

@@ -540,6 +540,12 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, Backend):
         self._check(self.lib.cudaGraphExecDestroy(self.ffi.cast("cudaGraphExec_t", graph_exec)),
                     "cudaGraphExecDestroy")
 
+    def graph_node_count(self, graph: int) -> Optional[int]:
+        n = self.ffi.new("size_t *")
+        self._check(self.lib.cudaGraphGetNodes(self._cast("cudaGraph_t", graph), self.ffi.NULL, n),
+                    "cudaGraphGetNodes")
+        return int(n[0])
+
     def graph_debug_dot(self, graph: int, path: str) -> None:
         self._check(self.lib.cudaGraphDebugDotPrint(self.ffi.cast("cudaGraph_t", graph),
                                                     os.fsencode(path), 1),  # cudaGraphDebugDotFlagsVerbose

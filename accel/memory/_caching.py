@@ -1748,6 +1748,7 @@ class DeviceCachingAllocator:
         """Wait for every pending block's events and free the blocks (torch's
         synchronize_and_free_events; counted in num_sync_all_streams).  Never called
         while a capture is underway."""
+        self._scalars["num_sync_all_streams"] += 1       # every call, as torch counts
         try:
             if self._deferred:
                 self._insert_deferred(strict=True)
@@ -1757,7 +1758,6 @@ class DeviceCachingAllocator:
     def _wait_for_events(self) -> None:
         if not self._pending_events:
             return
-        self._scalars["num_sync_all_streams"] += 1
         events, self._pending_events = self._pending_events, []
         try:
             while events:

@@ -262,6 +262,11 @@ def _graph_capture_abort(token: _GraphRNG) -> None:
     gen.unregister_graph(token)
 
 
+def _graph_release(token: _GraphRNG) -> None:
+    """The graph is reset or gone: unregister it (the last one frees the holders)."""
+    token.generator.unregister_graph(token)
+
+
 def _graph_replay(token: _GraphRNG) -> None:
     if not token.increment:
         return  # the graph draws no random numbers: nothing reads the device-side state

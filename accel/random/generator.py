@@ -112,7 +112,7 @@ class Generator:
         self._capturing = False
         self._intragraph = 0
         self._graph_ptrs = (0, 0)          # (seed_ptr, offset_ptr) the captured kernels read
-        self._owned_buffer = 0             # device buffer we allocated for _graph_ptrs
+        self._holders = ()                 # (seed_ptr, offset_ptr) register_graph allocated, and their free
         self._graphs = 0                   # registered graphs
 
     def __repr__(self):
@@ -125,12 +125,24 @@ class Generator:
                                f"while a graph is being captured")
 
     def manual_seed(self, seed) -> "Generator":
-        """Set the seed (an integer in [-2**63, 2**64); negatives mod 2**64) and reset the offset to 0."""
+        """Set the seed (an integer in [-2**63, 2**64); negatives mod 2**64) and reset the offset to 0.
+        During a capture only the seed in use may be set again (a no-op), as torch's."""
         value = check_seed(seed)
         with self._lock:
-            self._not_capturing("manual_seed")
+            if self._capturing:
+                if value != self._seed:
+                    raise RuntimeError(f"{self._impl_name()}::set_current_seed can be called during stream capture "
+                                       "only if new seed is the same as the original seed.")
+                return self
             self._seed, self._offset = value, 0
         return self
+
+    @staticmethod
+    def _impl_name() -> str:
+        from .. import _lazy
+        name = _lazy.lazy_init().name if _lazy.is_initialized() else "cuda"
+        return {"cuda": "CUDAGeneratorImpl", "xpu": "XPUGeneratorImpl", "mps": "MPSGeneratorImpl"}.get(
+            name, "GeneratorImpl")
 
     def seed(self) -> int:
         """Seed from a non-deterministic source (53 bits, as torch's CUDA generators); returns it."""
@@ -237,28 +249,49 @@ class Generator:
     def capturing(self) -> bool:
         return self._capturing
 
-    def register_graph(self, graph=None, *, alloc: Optional[Callable[[int], int]] = None) -> None:
-        """A graph will capture fills from this generator: make sure the 16-byte
-        device buffer (seed, offset) exists.  Call before capture begins (the
-        allocation is not allowed during capture).  ``alloc(nbytes) -> ptr``
-        allocates on this generator's device; default: the backend's mem_alloc."""
+    def register_graph(self, graph=None, *, alloc: Optional[Callable[[int], int]] = None,
+                       free: Optional[Callable[[int], None]] = None) -> None:
+        """A graph will capture fills from this generator: make sure its one-word seed and
+        offset holders exist on the device (torch's seed_extragraph_/offset_extragraph_, two
+        small blocks of the caching allocator on the default stream).  Call before capture
+        begins (the allocation is not allowed during capture).  ``alloc(nbytes) -> ptr`` and
+        ``free(ptr)`` replace the caching allocator (tests)."""
         with self._lock:
-            self._graphs += 1
-            if self._owned_buffer == 0:
+            if not self._holders:
                 if alloc is None:
-                    alloc = self._backend_alloc
-                self._owned_buffer = alloc(16)
+                    alloc, free = self._cache_alloc, self._cache_free
+                seed_ptr = alloc(8)
+                try:
+                    offset_ptr = alloc(8)
+                except BaseException:
+                    if free is not None:
+                        free(seed_ptr)
+                    raise
+                self._holders = (seed_ptr, offset_ptr, free)
+            self._graphs += 1
 
     def unregister_graph(self, graph=None) -> None:
+        """A registered graph is gone; the holders are freed with the last one (as torch's)."""
         with self._lock:
             self._graphs = max(0, self._graphs - 1)
+            if self._graphs or self._capturing or not self._holders:
+                return
+            seed_ptr, offset_ptr, free = self._holders
+            self._holders = ()
+            if free is not None:
+                try:
+                    free(seed_ptr)
+                finally:
+                    free(offset_ptr)
 
-    def _backend_alloc(self, nbytes: int) -> int:
-        from .. import _lazy
-        from ..streams import on_device
+    def _cache_alloc(self, nbytes: int) -> int:
+        from .. import _lazy, memory
         backend = _lazy.lazy_init()
-        with on_device(backend, self.device_index):
-            return backend.mem_alloc(nbytes)
+        return memory.device_allocator(self.device_index).malloc(nbytes, backend.default_stream(self.device_index))
+
+    def _cache_free(self, ptr: int) -> None:
+        from .. import memory
+        memory.device_allocator(self.device_index).free(ptr)
 
     def capture_prologue(self, seed_ptr: Optional[int] = None, offset_ptr: Optional[int] = None) -> None:
         """Enter graph-safe mode: fills read ``*seed_ptr`` and ``*offset_ptr`` (8-byte device
@@ -267,9 +300,9 @@ class Generator:
             if self._capturing:
                 raise RuntimeError(f"the generator of device {self.device_index} is already capturing")
             if seed_ptr is None or offset_ptr is None:
-                if self._owned_buffer == 0:
+                if not self._holders:
                     raise RuntimeError("capture_prologue() without pointers needs register_graph() first")
-                seed_ptr, offset_ptr = self._owned_buffer, self._owned_buffer + 8
+                seed_ptr, offset_ptr = self._holders[0], self._holders[1]
             if not seed_ptr or not offset_ptr:
                 raise ValueError("seed_ptr and offset_ptr must be non-null device addresses")
             self._graph_ptrs = (int(seed_ptr), int(offset_ptr))

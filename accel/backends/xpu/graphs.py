@@ -299,6 +299,12 @@ class GraphsMixin:
                 g.completion.slot = None
             g.released = True
 
+    def graph_node_count(self, graph: int) -> Optional[int]:
+        g = self._graphs.get(graph)
+        if g is None:
+            raise ValueError(f"{graph!r} is not a live XPU graph handle")
+        return len(g.ops)
+
     def graph_debug_dot(self, graph: int, path: str) -> None:
         g = self._graphs.get(graph)
         if g is None:
