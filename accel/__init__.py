@@ -27,7 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AcceleratorError", "Buffer", "CaptureError", "DeferredCallError", "Event", "Graph", "KernelImageError",
     "OutOfMemoryError", "Stream", "current_accelerator", "current_device_idx", "current_device_index",
-    "current_stream", "default_stream", "device", "device_count", "device_index",
+    "current_stream", "default_stream", "device", "device_count", "device_index", "empty_pinned",
     "get_device_capability", "get_device_properties", "graph", "is_available", "is_initialized",
     "memory", "random", "set_device_idx", "set_device_index", "set_stream", "synchronize",
 ]
@@ -35,7 +35,13 @@ __all__ = [
 # Submodules and names loaded on first use, so `import accel` stays small and numpy-free.
 _LAZY = {"memory": ("accel.memory", None), "random": ("accel.random", None),
          "graphs": ("accel.graphs", None), "Graph": ("accel.graphs", "Graph"),
-         "graph": ("accel.graphs", "graph"), "sim": ("accel.sim", None)}
+         "graph": ("accel.graphs", "graph"), "sim": ("accel.sim", None),
+         "empty_pinned": ("accel._hostmem", "empty_pinned")}
+# torch.cuda's management-library queries (NVML / Sysman) and peer access: accel/_telemetry.py
+_TELEMETRY = ("can_device_access_peer", "clock_rate", "device_memory_used", "list_gpu_processes",
+              "memory_usage", "power_draw", "temperature", "utilization")
+_LAZY.update({name: ("accel._telemetry", name) for name in _TELEMETRY})
+__all__ += list(_TELEMETRY)
 
 
 def __getattr__(name):

@@ -27,3 +27,36 @@ def copy_into(address: int, view) -> None:
     """Copy the bytes of ``view`` to host memory at ``address``."""
     ffi = _get_ffi()
     ffi.memmove(ffi.cast("void *", address), view, view.nbytes)
+
+
+def empty_pinned(shape, dtype="uint8"):
+    """A new, uninitialized numpy array of ``shape`` and ``dtype`` in pinned (page-locked)
+    host memory from accel's host caching allocator, so copies to and from the device can
+    run asynchronously (``Buffer.copy_to(out, non_blocking=True)``), as torch's
+    ``torch.empty(..., pin_memory=True)``.  The memory returns to the cache when the array
+    and every view of it are gone.  Initializes the runtime."""
+    import numpy as np
+    from . import _finalize, memory
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError as exc:
+        raise TypeError(f"empty_pinned: {exc}; pass a numpy dtype such as numpy.float32 or 'uint8'") from None
+    if dtype.hasobject:
+        raise TypeError(f"empty_pinned cannot hold dtype {dtype} (Python object references); use a plain dtype")
+    try:
+        shape = tuple(int(n) for n in shape) if hasattr(shape, "__iter__") else (int(shape),)
+    except (TypeError, ValueError):
+        raise TypeError(f"empty_pinned: shape must be an int or a tuple of ints, got {shape!r}") from None
+    if any(n < 0 for n in shape):
+        raise ValueError(f"empty_pinned: negative dimension in shape {shape}")
+    count = 1
+    for n in shape:
+        count *= n
+    nbytes = count * dtype.itemsize
+    host = memory.host_allocator()
+    ptr = host.malloc(max(nbytes, 1))
+    ffi = _get_ffi()
+    # The cdata owns the block: numpy's base chain (array -> buffer -> cdata) keeps it alive
+    # for every view, and its destructor frees it through the finalizer path (no lock wait).
+    owner = ffi.gc(ffi.cast("char *", ptr), lambda _p, ptr=ptr: _finalize.finalize(host.free, ptr))
+    return np.frombuffer(ffi.buffer(owner, nbytes), dtype=dtype, count=count).reshape(shape)

@@ -240,8 +240,13 @@ class Buffer:
             stream.synchronize()
         return self
 
-    def copy_to(self, dst, stream: Optional[Stream] = None) -> None:
-        """Copy the whole buffer into the writable, contiguous host object ``dst`` (blocking)."""
+    def copy_to(self, dst, stream: Optional[Stream] = None, non_blocking: bool = False) -> None:
+        """Copy the whole buffer into the writable, contiguous host object ``dst``.
+
+        Blocking by default.  With ``non_blocking=True`` and a pinned destination
+        (:func:`accel.empty_pinned`) the copy is only queued on the stream and the call
+        returns at once: synchronize the stream (or an event recorded after it) before
+        reading ``dst``.  A pageable destination is copied blocking, as torch does."""
         self._live()
         stream = self._stream_for(stream)
         try:
@@ -259,12 +264,27 @@ class Buffer:
                              f"{self._nbytes}; nothing was copied")
         if self._nbytes:
             _refuse_in_capture(self._backend, stream)
+            address = _address(view)
+            host = _memory().host_allocator() if non_blocking else None
+            pinned = host.owns(address, self._nbytes) if host is not None else None
             with stream._device_scope():
-                self._backend.memcpy_async(_address(view), self._ptr, self._nbytes, stream.handle)
-            stream.synchronize()
+                self._backend.memcpy_async(address, self._ptr, self._nbytes, stream.handle)
+                if pinned is not None:
+                    # the pinned block is not reused (after its array is gone) before the copy ran
+                    try:
+                        host.record_stream(pinned, stream.handle, self._index)
+                    except BaseException:
+                        stream.synchronize()
+                        raise
+            if pinned is None:
+                stream.synchronize()
 
-    def to_numpy(self, dtype="uint8", shape=None, stream: Optional[Stream] = None):
-        """The buffer's bytes as a new numpy array of ``dtype`` (and ``shape``), after queued work."""
+    def to_numpy(self, dtype="uint8", shape=None, stream: Optional[Stream] = None, non_blocking: bool = False):
+        """The buffer's bytes as a new numpy array of ``dtype`` (and ``shape``), after queued work.
+
+        With ``non_blocking=True`` returns ``(array, event)`` at once: the array is pinned
+        (:func:`accel.empty_pinned`) and holds the bytes once ``event`` (recorded after the
+        copy on the stream) completes; torch's ``t.to("cpu", non_blocking=True)`` pattern."""
         import numpy as np
         try:
             dtype = np.dtype(dtype)
@@ -285,6 +305,15 @@ class Buffer:
             if any(n < 0 for n in shape) or int(np.prod(shape, dtype=object)) != count:
                 raise ValueError(f"to_numpy: shape {shape} does not hold the buffer's {count} {dtype} items "
                                  f"({self._nbytes} bytes); pass a shape whose product is {count}")
+        if non_blocking:
+            from ._hostmem import empty_pinned
+            from .streams import Event
+            stream = self._stream_for(stream)
+            out = empty_pinned(count, dtype)
+            self.copy_to(out, stream, non_blocking=True)
+            event = Event()
+            event.record(stream)
+            return (out.reshape(shape) if shape is not None else out), event
         out = np.empty(count, dtype=dtype)
         self.copy_to(out, stream)
         return out.reshape(shape) if shape is not None else out

@@ -117,6 +117,15 @@ class HostCachingAllocator:
             else:
                 self._insert_events(block)     # a failure raises; the block stays deferred
 
+    def owns(self, address: int, nbytes: int) -> Optional[int]:
+        """The block start when ``[address, address + nbytes)`` lies inside one allocated
+        pinned block of this allocator, else None (e.g. pageable memory)."""
+        with self._lock:
+            for ptr, block in self._blocks.items():
+                if block.allocated and ptr <= address and address + nbytes <= ptr + block.size:
+                    return ptr
+        return None
+
     def record_stream(self, ptr: int, stream: int, device_index: Optional[int] = None) -> None:
         """The allocated block at ``ptr`` is used by work on ``stream`` (of device
         ``device_index``, default the current device): after :meth:`free` it waits
