@@ -159,6 +159,10 @@ NVML_FUNCTIONS = [
     "nvmlSystemGetDriverVersion", "nvmlSystemGetNVMLVersion", "nvmlSystemGetCudaDriverVersion_v2",
     "nvmlDeviceGetMigMode", "nvmlDeviceGetMaxMigDeviceCount", "nvmlDeviceGetMigDeviceHandleByIndex",
     "nvmlDeviceGetIndex",
+    # what torch.cuda's utilization/memory_usage/temperature/power_draw/clock_rate and
+    # list_gpu_processes read through pynvml (accel._telemetry)
+    "nvmlDeviceGetUtilizationRates", "nvmlDeviceGetTemperature", "nvmlDeviceGetPowerUsage",
+    "nvmlDeviceGetClockInfo", "nvmlDeviceGetComputeRunningProcesses_v3",
 ]
 
 NVML_DEFINES = [
@@ -169,6 +173,7 @@ NVML_DEFINES = [
     "NVML_DEVICE_PCI_BUS_ID_BUFFER_SIZE", "NVML_DEVICE_PCI_BUS_ID_BUFFER_V2_SIZE",
     "NVML_DEVICE_MIG_DISABLE", "NVML_DEVICE_MIG_ENABLE",
     "NVML_INIT_FLAG_NO_GPUS", "NVML_INIT_FLAG_NO_ATTACH",
+    "NVML_VALUE_NOT_AVAILABLE",
 ]
 
 ZE_FUNCTIONS = [

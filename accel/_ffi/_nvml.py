@@ -10,11 +10,11 @@ import _cffi_backend
 
 ffi = _cffi_backend.FFI('accel._ffi._nvml',
     _version = 0x2601,
-    _types = b'\x00\x00\x33\x0D\x00\x00\x00\x0B\x00\x00\x00\x0F\x00\x00\x01\x0D\x00\x00\x34\x03\x00\x00\x08\x01\x00\x00\x00\x0F\x00\x00\x01\x0D\x00\x00\x39\x03\x00\x00\x00\x0F\x00\x00\x01\x0D\x00\x00\x3C\x03\x00\x00\x04\x11\x00\x00\x08\x01\x00\x00\x00\x0F\x00\x00\x01\x0D\x00\x00\x0B\x11\x00\x00\x08\x11\x00\x00\x08\x11\x00\x00\x00\x0F\x00\x00\x01\x0D\x00\x00\x0B\x11\x00\x00\x3A\x03\x00\x00\x00\x0F\x00\x00\x01\x0D\x00\x00\x0B\x11\x00\x00\x3B\x03\x00\x00\x00\x0F\x00\x00\x01\x0D\x00\x00\x0B\x11\x00\x00\x05\x03\x00\x00\x00\x0F\x00\x00\x01\x0D\x00\x00\x0B\x11\x00\x00\x1E\x11\x00\x00\x1E\x11\x00\x00\x00\x0F\x00\x00\x01\x0D\x00\x00\x0B\x11\x00\x00\x08\x01\x00\x00\x0B\x03\x00\x00\x00\x0F\x00\x00\x01\x0D\x00\x00\x1E\x11\x00\x00\x00\x0F\x00\x00\x01\x0D\x00\x00\x08\x01\x00\x00\x28\x11\x00\x00\x00\x0F\x00\x00\x01\x0D\x00\x00\x00\x0F\x00\x00\x34\x03\x00\x00\x02\x01\x00\x00\x34\x05\x00\x00\x00\x10\x00\x00\x34\x05\x00\x00\x00\x20\x00\x00\x07\x01\x00\x00\x01\x09\x00\x00\x02\x09\x00\x00\x00\x09\x00\x00\x0C\x01',
-    _globals = (b'\xFF\xFF\xFF\x1FNVML_API_VERSION',13,b'\xFF\xFF\xFF\x1FNVML_DEVICE_MIG_DISABLE',0,b'\xFF\xFF\xFF\x1FNVML_DEVICE_MIG_ENABLE',1,b'\xFF\xFF\xFF\x1FNVML_DEVICE_NAME_BUFFER_SIZE',64,b'\xFF\xFF\xFF\x1FNVML_DEVICE_NAME_V2_BUFFER_SIZE',96,b'\xFF\xFF\xFF\x1FNVML_DEVICE_PCI_BUS_ID_BUFFER_SIZE',32,b'\xFF\xFF\xFF\x1FNVML_DEVICE_PCI_BUS_ID_BUFFER_V2_SIZE',16,b'\xFF\xFF\xFF\x1FNVML_DEVICE_UUID_BUFFER_SIZE',80,b'\xFF\xFF\xFF\x1FNVML_DEVICE_UUID_V2_BUFFER_SIZE',96,b'\xFF\xFF\xFF\x0BNVML_ERROR_ALREADY_INITIALIZED',5,b'\xFF\xFF\xFF\x0BNVML_ERROR_ARGUMENT_VERSION_MISMATCH',25,b'\xFF\xFF\xFF\x0BNVML_ERROR_CORRUPTED_INFOROM',14,b'\xFF\xFF\xFF\x0BNVML_ERROR_DEPRECATED',26,b'\xFF\xFF\xFF\x0BNVML_ERROR_DRIVER_NOT_LOADED',9,b'\xFF\xFF\xFF\x0BNVML_ERROR_FREQ_NOT_SUPPORTED',24,b'\xFF\xFF\xFF\x0BNVML_ERROR_FUNCTION_NOT_FOUND',13,b'\xFF\xFF\xFF\x0BNVML_ERROR_GPU_IS_LOST',15,b'\xFF\xFF\xFF\x0BNVML_ERROR_GPU_NOT_FOUND',28,b'\xFF\xFF\xFF\x0BNVML_ERROR_INSUFFICIENT_POWER',8,b'\xFF\xFF\xFF\x0BNVML_ERROR_INSUFFICIENT_RESOURCES',23,b'\xFF\xFF\xFF\x0BNVML_ERROR_INSUFFICIENT_SIZE',7,b'\xFF\xFF\xFF\x0BNVML_ERROR_INVALID_ARGUMENT',2,b'\xFF\xFF\xFF\x0BNVML_ERROR_INVALID_STATE',29,b'\xFF\xFF\xFF\x0BNVML_ERROR_IN_USE',19,b'\xFF\xFF\xFF\x0BNVML_ERROR_IRQ_ISSUE',11,b'\xFF\xFF\xFF\x0BNVML_ERROR_LIBRARY_NOT_FOUND',12,b'\xFF\xFF\xFF\x0BNVML_ERROR_LIB_RM_VERSION_MISMATCH',18,b'\xFF\xFF\xFF\x0BNVML_ERROR_MEMORY',20,b'\xFF\xFF\xFF\x0BNVML_ERROR_NOT_FOUND',6,b'\xFF\xFF\xFF\x0BNVML_ERROR_NOT_READY',27,b'\xFF\xFF\xFF\x0BNVML_ERROR_NOT_SUPPORTED',3,b'\xFF\xFF\xFF\x0BNVML_ERROR_NO_DATA',21,b'\xFF\xFF\xFF\x0BNVML_ERROR_NO_PERMISSION',4,b'\xFF\xFF\xFF\x0BNVML_ERROR_OPERATING_SYSTEM',17,b'\xFF\xFF\xFF\x0BNVML_ERROR_RESET_REQUIRED',16,b'\xFF\xFF\xFF\x0BNVML_ERROR_RESET_TYPE_NOT_SUPPORTED',30,b'\xFF\xFF\xFF\x0BNVML_ERROR_TIMEOUT',10,b'\xFF\xFF\xFF\x0BNVML_ERROR_UNINITIALIZED',1,b'\xFF\xFF\xFF\x0BNVML_ERROR_UNKNOWN',999,b'\xFF\xFF\xFF\x0BNVML_ERROR_VGPU_ECC_NOT_SUPPORTED',22,b'\xFF\xFF\xFF\x1FNVML_INIT_FLAG_NO_ATTACH',2,b'\xFF\xFF\xFF\x1FNVML_INIT_FLAG_NO_GPUS',1,b'\xFF\xFF\xFF\x0BNVML_SUCCESS',0,b'\xFF\xFF\xFF\x1FNVML_SYSTEM_DRIVER_VERSION_BUFFER_SIZE',80,b'\xFF\xFF\xFF\x1FNVML_SYSTEM_NVML_VERSION_BUFFER_SIZE',80,b'\x00\x00\x2A\x23nvmlDeviceGetCount_v2',0,b'\x00\x00\x0F\x23nvmlDeviceGetCudaComputeCapability',0,b'\x00\x00\x2D\x23nvmlDeviceGetHandleByIndex_v2',0,b'\x00\x00\x1C\x23nvmlDeviceGetIndex',0,b'\x00\x00\x1C\x23nvmlDeviceGetMaxMigDeviceCount',0,b'\x00\x00\x14\x23nvmlDeviceGetMemoryInfo',0,b'\x00\x00\x25\x23nvmlDeviceGetMigDeviceHandleByIndex',0,b'\x00\x00\x20\x23nvmlDeviceGetMigMode',0,b'\x00\x00\x1C\x23nvmlDeviceGetMultiGpuBoard',0,b'\x00\x00\x0A\x23nvmlDeviceGetName',0,b'\x00\x00\x18\x23nvmlDeviceGetPciInfo_v3',0,b'\x00\x00\x0A\x23nvmlDeviceGetUUID',0,b'\x00\x00\x00\x23nvmlErrorString',0,b'\x00\x00\x31\x23nvmlInit_v2',0,b'\x00\x00\x31\x23nvmlShutdown',0,b'\x00\x00\x07\x23nvmlSystemGetCudaDriverVersion_v2',0,b'\x00\x00\x03\x23nvmlSystemGetDriverVersion',0,b'\x00\x00\x03\x23nvmlSystemGetNVMLVersion',0),
-    _struct_unions = ((b'\x00\x00\x00\x3C\x00\x00\x00\x10nvmlDevice_st',),(b'\x00\x00\x00\x3A\x00\x00\x00\x02nvmlMemory_st',b'\x00\x00\x3D\x11total',b'\x00\x00\x3D\x11free',b'\x00\x00\x3D\x11used'),(b'\x00\x00\x00\x3B\x00\x00\x00\x02nvmlPciInfo_st',b'\x00\x00\x35\x11busIdLegacy',b'\x00\x00\x05\x11domain',b'\x00\x00\x05\x11bus',b'\x00\x00\x05\x11device',b'\x00\x00\x05\x11pciDeviceId',b'\x00\x00\x05\x11pciSubSystemId',b'\x00\x00\x37\x11busId')),
-    _enums = (b'\x00\x00\x00\x01\x00\x00\x00\x16nvmlReturn_enum\x00NVML_SUCCESS,NVML_ERROR_UNINITIALIZED,NVML_ERROR_INVALID_ARGUMENT,NVML_ERROR_NOT_SUPPORTED,NVML_ERROR_NO_PERMISSION,NVML_ERROR_ALREADY_INITIALIZED,NVML_ERROR_NOT_FOUND,NVML_ERROR_INSUFFICIENT_SIZE,NVML_ERROR_INSUFFICIENT_POWER,NVML_ERROR_DRIVER_NOT_LOADED,NVML_ERROR_TIMEOUT,NVML_ERROR_IRQ_ISSUE,NVML_ERROR_LIBRARY_NOT_FOUND,NVML_ERROR_FUNCTION_NOT_FOUND,NVML_ERROR_CORRUPTED_INFOROM,NVML_ERROR_GPU_IS_LOST,NVML_ERROR_RESET_REQUIRED,NVML_ERROR_OPERATING_SYSTEM,NVML_ERROR_LIB_RM_VERSION_MISMATCH,NVML_ERROR_IN_USE,NVML_ERROR_MEMORY,NVML_ERROR_NO_DATA,NVML_ERROR_VGPU_ECC_NOT_SUPPORTED,NVML_ERROR_INSUFFICIENT_RESOURCES,NVML_ERROR_FREQ_NOT_SUPPORTED,NVML_ERROR_ARGUMENT_VERSION_MISMATCH,NVML_ERROR_DEPRECATED,NVML_ERROR_NOT_READY,NVML_ERROR_GPU_NOT_FOUND,NVML_ERROR_INVALID_STATE,NVML_ERROR_RESET_TYPE_NOT_SUPPORTED,NVML_ERROR_UNKNOWN',),
-    _typenames = (b'\x00\x00\x00\x0BnvmlDevice_t',b'\x00\x00\x00\x3AnvmlMemory_t',b'\x00\x00\x00\x3BnvmlPciInfo_t',b'\x00\x00\x00\x01nvmlReturn_t'),
+    _types = b'\x00\x00\x46\x0D\x00\x00\x01\x0B\x00\x00\x00\x0F\x00\x00\x01\x0D\x00\x00\x47\x03\x00\x00\x08\x01\x00\x00\x00\x0F\x00\x00\x01\x0D\x00\x00\x4C\x03\x00\x00\x00\x0F\x00\x00\x01\x0D\x00\x00\x51\x03\x00\x00\x04\x11\x00\x00\x08\x01\x00\x00\x00\x0F\x00\x00\x01\x0D\x00\x00\x0B\x11\x00\x00\x00\x0B\x00\x00\x05\x03\x00\x00\x00\x0F\x00\x00\x01\x0D\x00\x00\x0B\x11\x00\x00\x02\x0B\x00\x00\x12\x11\x00\x00\x00\x0F\x00\x00\x01\x0D\x00\x00\x0B\x11\x00\x00\x08\x11\x00\x00\x08\x11\x00\x00\x00\x0F\x00\x00\x01\x0D\x00\x00\x0B\x11\x00\x00\x4D\x03\x00\x00\x00\x0F\x00\x00\x01\x0D\x00\x00\x0B\x11\x00\x00\x4E\x03\x00\x00\x00\x0F\x00\x00\x01\x0D\x00\x00\x0B\x11\x00\x00\x50\x03\x00\x00\x00\x0F\x00\x00\x01\x0D\x00\x00\x0B\x11\x00\x00\x12\x11\x00\x00\x00\x0F\x00\x00\x01\x0D\x00\x00\x0B\x11\x00\x00\x12\x11\x00\x00\x4F\x03\x00\x00\x00\x0F\x00\x00\x01\x0D\x00\x00\x0B\x11\x00\x00\x12\x11\x00\x00\x12\x11\x00\x00\x00\x0F\x00\x00\x01\x0D\x00\x00\x0B\x11\x00\x00\x08\x01\x00\x00\x0B\x03\x00\x00\x00\x0F\x00\x00\x01\x0D\x00\x00\x12\x11\x00\x00\x00\x0F\x00\x00\x01\x0D\x00\x00\x08\x01\x00\x00\x3B\x11\x00\x00\x00\x0F\x00\x00\x01\x0D\x00\x00\x00\x0F\x00\x00\x47\x03\x00\x00\x02\x01\x00\x00\x47\x05\x00\x00\x00\x10\x00\x00\x47\x05\x00\x00\x00\x20\x00\x00\x07\x01\x00\x00\x01\x09\x00\x00\x02\x09\x00\x00\x03\x09\x00\x00\x04\x09\x00\x00\x00\x09\x00\x00\x0C\x01',
+    _globals = (b'\xFF\xFF\xFF\x1FNVML_API_VERSION',13,b'\xFF\xFF\xFF\x0BNVML_CLOCK_COUNT',4,b'\xFF\xFF\xFF\x0BNVML_CLOCK_GRAPHICS',0,b'\xFF\xFF\xFF\x0BNVML_CLOCK_MEM',2,b'\xFF\xFF\xFF\x0BNVML_CLOCK_SM',1,b'\xFF\xFF\xFF\x0BNVML_CLOCK_VIDEO',3,b'\xFF\xFF\xFF\x1FNVML_DEVICE_MIG_DISABLE',0,b'\xFF\xFF\xFF\x1FNVML_DEVICE_MIG_ENABLE',1,b'\xFF\xFF\xFF\x1FNVML_DEVICE_NAME_BUFFER_SIZE',64,b'\xFF\xFF\xFF\x1FNVML_DEVICE_NAME_V2_BUFFER_SIZE',96,b'\xFF\xFF\xFF\x1FNVML_DEVICE_PCI_BUS_ID_BUFFER_SIZE',32,b'\xFF\xFF\xFF\x1FNVML_DEVICE_PCI_BUS_ID_BUFFER_V2_SIZE',16,b'\xFF\xFF\xFF\x1FNVML_DEVICE_UUID_BUFFER_SIZE',80,b'\xFF\xFF\xFF\x1FNVML_DEVICE_UUID_V2_BUFFER_SIZE',96,b'\xFF\xFF\xFF\x0BNVML_ERROR_ALREADY_INITIALIZED',5,b'\xFF\xFF\xFF\x0BNVML_ERROR_ARGUMENT_VERSION_MISMATCH',25,b'\xFF\xFF\xFF\x0BNVML_ERROR_CORRUPTED_INFOROM',14,b'\xFF\xFF\xFF\x0BNVML_ERROR_DEPRECATED',26,b'\xFF\xFF\xFF\x0BNVML_ERROR_DRIVER_NOT_LOADED',9,b'\xFF\xFF\xFF\x0BNVML_ERROR_FREQ_NOT_SUPPORTED',24,b'\xFF\xFF\xFF\x0BNVML_ERROR_FUNCTION_NOT_FOUND',13,b'\xFF\xFF\xFF\x0BNVML_ERROR_GPU_IS_LOST',15,b'\xFF\xFF\xFF\x0BNVML_ERROR_GPU_NOT_FOUND',28,b'\xFF\xFF\xFF\x0BNVML_ERROR_INSUFFICIENT_POWER',8,b'\xFF\xFF\xFF\x0BNVML_ERROR_INSUFFICIENT_RESOURCES',23,b'\xFF\xFF\xFF\x0BNVML_ERROR_INSUFFICIENT_SIZE',7,b'\xFF\xFF\xFF\x0BNVML_ERROR_INVALID_ARGUMENT',2,b'\xFF\xFF\xFF\x0BNVML_ERROR_INVALID_STATE',29,b'\xFF\xFF\xFF\x0BNVML_ERROR_IN_USE',19,b'\xFF\xFF\xFF\x0BNVML_ERROR_IRQ_ISSUE',11,b'\xFF\xFF\xFF\x0BNVML_ERROR_LIBRARY_NOT_FOUND',12,b'\xFF\xFF\xFF\x0BNVML_ERROR_LIB_RM_VERSION_MISMATCH',18,b'\xFF\xFF\xFF\x0BNVML_ERROR_MEMORY',20,b'\xFF\xFF\xFF\x0BNVML_ERROR_NOT_FOUND',6,b'\xFF\xFF\xFF\x0BNVML_ERROR_NOT_READY',27,b'\xFF\xFF\xFF\x0BNVML_ERROR_NOT_SUPPORTED',3,b'\xFF\xFF\xFF\x0BNVML_ERROR_NO_DATA',21,b'\xFF\xFF\xFF\x0BNVML_ERROR_NO_PERMISSION',4,b'\xFF\xFF\xFF\x0BNVML_ERROR_OPERATING_SYSTEM',17,b'\xFF\xFF\xFF\x0BNVML_ERROR_RESET_REQUIRED',16,b'\xFF\xFF\xFF\x0BNVML_ERROR_RESET_TYPE_NOT_SUPPORTED',30,b'\xFF\xFF\xFF\x0BNVML_ERROR_TIMEOUT',10,b'\xFF\xFF\xFF\x0BNVML_ERROR_UNINITIALIZED',1,b'\xFF\xFF\xFF\x0BNVML_ERROR_UNKNOWN',999,b'\xFF\xFF\xFF\x0BNVML_ERROR_VGPU_ECC_NOT_SUPPORTED',22,b'\xFF\xFF\xFF\x1FNVML_INIT_FLAG_NO_ATTACH',2,b'\xFF\xFF\xFF\x1FNVML_INIT_FLAG_NO_GPUS',1,b'\xFF\xFF\xFF\x0BNVML_SUCCESS',0,b'\xFF\xFF\xFF\x1FNVML_SYSTEM_DRIVER_VERSION_BUFFER_SIZE',80,b'\xFF\xFF\xFF\x1FNVML_SYSTEM_NVML_VERSION_BUFFER_SIZE',80,b'\xFF\xFF\xFF\x0BNVML_TEMPERATURE_COUNT',2,b'\xFF\xFF\xFF\x0BNVML_TEMPERATURE_GPU',0,b'\xFF\xFF\xFF\x0BNVML_TEMPERATURE_GPU_MAX',1,b'\xFF\xFF\xFF\x1FNVML_VALUE_NOT_AVAILABLE',-1,b'\x00\x00\x0F\x23nvmlDeviceGetClockInfo',0,b'\x00\x00\x2E\x23nvmlDeviceGetComputeRunningProcesses_v3',0,b'\x00\x00\x3D\x23nvmlDeviceGetCount_v2',0,b'\x00\x00\x19\x23nvmlDeviceGetCudaComputeCapability',0,b'\x00\x00\x40\x23nvmlDeviceGetHandleByIndex_v2',0,b'\x00\x00\x2A\x23nvmlDeviceGetIndex',0,b'\x00\x00\x2A\x23nvmlDeviceGetMaxMigDeviceCount',0,b'\x00\x00\x1E\x23nvmlDeviceGetMemoryInfo',0,b'\x00\x00\x38\x23nvmlDeviceGetMigDeviceHandleByIndex',0,b'\x00\x00\x33\x23nvmlDeviceGetMigMode',0,b'\x00\x00\x2A\x23nvmlDeviceGetMultiGpuBoard',0,b'\x00\x00\x0A\x23nvmlDeviceGetName',0,b'\x00\x00\x22\x23nvmlDeviceGetPciInfo_v3',0,b'\x00\x00\x2A\x23nvmlDeviceGetPowerUsage',0,b'\x00\x00\x14\x23nvmlDeviceGetTemperature',0,b'\x00\x00\x0A\x23nvmlDeviceGetUUID',0,b'\x00\x00\x26\x23nvmlDeviceGetUtilizationRates',0,b'\x00\x00\x00\x23nvmlErrorString',0,b'\x00\x00\x44\x23nvmlInit_v2',0,b'\x00\x00\x44\x23nvmlShutdown',0,b'\x00\x00\x07\x23nvmlSystemGetCudaDriverVersion_v2',0,b'\x00\x00\x03\x23nvmlSystemGetDriverVersion',0,b'\x00\x00\x03\x23nvmlSystemGetNVMLVersion',0),
+    _struct_unions = ((b'\x00\x00\x00\x51\x00\x00\x00\x10nvmlDevice_st',),(b'\x00\x00\x00\x4D\x00\x00\x00\x02nvmlMemory_st',b'\x00\x00\x52\x11total',b'\x00\x00\x52\x11free',b'\x00\x00\x52\x11used'),(b'\x00\x00\x00\x4E\x00\x00\x00\x02nvmlPciInfo_st',b'\x00\x00\x48\x11busIdLegacy',b'\x00\x00\x05\x11domain',b'\x00\x00\x05\x11bus',b'\x00\x00\x05\x11device',b'\x00\x00\x05\x11pciDeviceId',b'\x00\x00\x05\x11pciSubSystemId',b'\x00\x00\x4A\x11busId'),(b'\x00\x00\x00\x4F\x00\x00\x00\x02nvmlProcessInfo_v2_st',b'\x00\x00\x05\x11pid',b'\x00\x00\x52\x11usedGpuMemory',b'\x00\x00\x05\x11gpuInstanceId',b'\x00\x00\x05\x11computeInstanceId'),(b'\x00\x00\x00\x50\x00\x00\x00\x02nvmlUtilization_st',b'\x00\x00\x05\x11gpu',b'\x00\x00\x05\x11memory')),
+    _enums = (b'\x00\x00\x00\x11\x00\x00\x00\x16nvmlClockType_enum\x00NVML_CLOCK_GRAPHICS,NVML_CLOCK_SM,NVML_CLOCK_MEM,NVML_CLOCK_VIDEO,NVML_CLOCK_COUNT',b'\x00\x00\x00\x01\x00\x00\x00\x16nvmlReturn_enum\x00NVML_SUCCESS,NVML_ERROR_UNINITIALIZED,NVML_ERROR_INVALID_ARGUMENT,NVML_ERROR_NOT_SUPPORTED,NVML_ERROR_NO_PERMISSION,NVML_ERROR_ALREADY_INITIALIZED,NVML_ERROR_NOT_FOUND,NVML_ERROR_INSUFFICIENT_SIZE,NVML_ERROR_INSUFFICIENT_POWER,NVML_ERROR_DRIVER_NOT_LOADED,NVML_ERROR_TIMEOUT,NVML_ERROR_IRQ_ISSUE,NVML_ERROR_LIBRARY_NOT_FOUND,NVML_ERROR_FUNCTION_NOT_FOUND,NVML_ERROR_CORRUPTED_INFOROM,NVML_ERROR_GPU_IS_LOST,NVML_ERROR_RESET_REQUIRED,NVML_ERROR_OPERATING_SYSTEM,NVML_ERROR_LIB_RM_VERSION_MISMATCH,NVML_ERROR_IN_USE,NVML_ERROR_MEMORY,NVML_ERROR_NO_DATA,NVML_ERROR_VGPU_ECC_NOT_SUPPORTED,NVML_ERROR_INSUFFICIENT_RESOURCES,NVML_ERROR_FREQ_NOT_SUPPORTED,NVML_ERROR_ARGUMENT_VERSION_MISMATCH,NVML_ERROR_DEPRECATED,NVML_ERROR_NOT_READY,NVML_ERROR_GPU_NOT_FOUND,NVML_ERROR_INVALID_STATE,NVML_ERROR_RESET_TYPE_NOT_SUPPORTED,NVML_ERROR_UNKNOWN',b'\x00\x00\x00\x16\x00\x00\x00\x16nvmlTemperatureSensors_enum\x00NVML_TEMPERATURE_GPU,NVML_TEMPERATURE_GPU_MAX,NVML_TEMPERATURE_COUNT'),
+    _typenames = (b'\x00\x00\x00\x11nvmlClockType_t',b'\x00\x00\x00\x0BnvmlDevice_t',b'\x00\x00\x00\x4DnvmlMemory_t',b'\x00\x00\x00\x4EnvmlPciInfo_t',b'\x00\x00\x00\x4FnvmlProcessInfo_t',b'\x00\x00\x00\x01nvmlReturn_t',b'\x00\x00\x00\x16nvmlTemperatureSensors_t',b'\x00\x00\x00\x50nvmlUtilization_t'),
 )
 
 
@@ -40,6 +40,11 @@ FUNCTIONS = (
     'nvmlDeviceGetMaxMigDeviceCount',
     'nvmlDeviceGetMigDeviceHandleByIndex',
     'nvmlDeviceGetIndex',
+    'nvmlDeviceGetUtilizationRates',
+    'nvmlDeviceGetTemperature',
+    'nvmlDeviceGetPowerUsage',
+    'nvmlDeviceGetClockInfo',
+    'nvmlDeviceGetComputeRunningProcesses_v3',
 )
 #: Public (macro) name -> exported symbol, for listed names the headers rename.
 ALIASES = {}
@@ -51,6 +56,8 @@ SPEC_FALLBACK = ()
 STRUCTS = (
     'struct nvmlMemory_st',
     'struct nvmlPciInfo_st',
+    'struct nvmlProcessInfo_v2_st',
+    'struct nvmlUtilization_st',
 )
 #: Top-level headers (relative to their include root).
 HEADERS = ('nvml.h',)
@@ -72,6 +79,12 @@ struct nvmlPciInfo_st
   char busId[32];
 };
 typedef struct nvmlPciInfo_st nvmlPciInfo_t;
+struct nvmlUtilization_st
+{
+  unsigned int gpu;
+  unsigned int memory;
+};
+typedef struct nvmlUtilization_st nvmlUtilization_t;
 struct nvmlMemory_st
 {
   unsigned long long total;
@@ -79,6 +92,30 @@ struct nvmlMemory_st
   unsigned long long used;
 };
 typedef struct nvmlMemory_st nvmlMemory_t;
+struct nvmlProcessInfo_v2_st
+{
+  unsigned int pid;
+  unsigned long long usedGpuMemory;
+  unsigned int gpuInstanceId;
+  unsigned int computeInstanceId;
+};
+typedef struct nvmlProcessInfo_v2_st nvmlProcessInfo_t;
+enum nvmlTemperatureSensors_enum
+{
+  NVML_TEMPERATURE_GPU = 0,
+  NVML_TEMPERATURE_GPU_MAX = 1,
+  NVML_TEMPERATURE_COUNT = 2
+};
+typedef enum nvmlTemperatureSensors_enum nvmlTemperatureSensors_t;
+enum nvmlClockType_enum
+{
+  NVML_CLOCK_GRAPHICS = 0,
+  NVML_CLOCK_SM = 1,
+  NVML_CLOCK_MEM = 2,
+  NVML_CLOCK_VIDEO = 3,
+  NVML_CLOCK_COUNT = 4
+};
+typedef enum nvmlClockType_enum nvmlClockType_t;
 enum nvmlReturn_enum
 {
   NVML_SUCCESS = 0,
@@ -127,9 +164,14 @@ nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int len
 nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index);
 nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length);
 nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci);
+nvmlReturn_t nvmlDeviceGetClockInfo(nvmlDevice_t device, nvmlClockType_t type, unsigned int *clock);
+nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device, nvmlTemperatureSensors_t sensorType, unsigned int *temp);
+nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t device, unsigned int *power);
 nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory);
 nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, int *major, int *minor);
 nvmlReturn_t nvmlDeviceGetMultiGpuBoard(nvmlDevice_t device, unsigned int *multiGpuBool);
+nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtilization_t *utilization);
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int *infoCount, nvmlProcessInfo_t *infos);
 nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *currentMode, unsigned int *pendingMode);
 nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t device, unsigned int *count);
 nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device, unsigned int index, nvmlDevice_t *migDevice);
@@ -146,4 +188,5 @@ nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device, unsigned i
 #define NVML_INIT_FLAG_NO_GPUS 1
 #define NVML_SYSTEM_DRIVER_VERSION_BUFFER_SIZE 80
 #define NVML_SYSTEM_NVML_VERSION_BUFFER_SIZE 80
+#define NVML_VALUE_NOT_AVAILABLE -1
 '''

@@ -109,6 +109,17 @@ class Backend(abc.ABC):
     #: driver: check :meth:`async_alloc_supported` after init.
     supports_async_alloc: bool = False
 
+    #: True when the backend reads device telemetry from the vendor management library (NVML,
+    #: Level Zero Sysman) without initializing the runtime: the smi_* methods, which torch.cuda's
+    #: utilization / temperature / power_draw / clock_rate / list_gpu_processes mirror.
+    supports_smi: bool = False
+
+    @property
+    def no_smi_reason(self) -> str:
+        """What the smi_* methods of a backend without a management library raise."""
+        return (f"{self.name} has no management library to read utilization, temperature, power, "
+                f"clocks or processes from")
+
     @property
     def no_capture_reason(self) -> str:
         """What the graph methods of a backend without stream capture raise."""
@@ -382,6 +393,42 @@ class Backend(abc.ABC):
 
     def module_function(self, module: int, name: str) -> int:
         raise NotImplementedError(f"{self.name} has no kernel path")
+
+    # -- management-library readings (only when supports_smi) ----------------------------------
+    # ``index`` is a visible device index; none of these initializes the runtime (they must be
+    # safe before fork, as counting is).  Failures raise AcceleratorError naming the call.
+    def smi_index(self, index: int) -> int:
+        """The management library's own number for visible device ``index`` (NVML index)."""
+        raise NotImplementedError(self.no_smi_reason)
+
+    def smi_utilization(self, index: int) -> Tuple[int, int]:
+        """(percent of the last sample period a kernel ran, percent memory was read or written)."""
+        raise NotImplementedError(self.no_smi_reason)
+
+    def smi_temperature(self, index: int) -> int:
+        """The GPU die temperature in degrees C."""
+        raise NotImplementedError(self.no_smi_reason)
+
+    def smi_power_draw(self, index: int) -> int:
+        """The average power draw in milliwatts."""
+        raise NotImplementedError(self.no_smi_reason)
+
+    def smi_clock_rate(self, index: int) -> int:
+        """The current SM (compute) clock in MHz."""
+        raise NotImplementedError(self.no_smi_reason)
+
+    def smi_memory_used(self, index: int) -> int:
+        """Device memory in use by every process, in bytes (nvidia-smi's "used")."""
+        raise NotImplementedError(self.no_smi_reason)
+
+    def smi_processes(self, index: int) -> Sequence[Tuple[int, Optional[int]]]:
+        """(pid, device bytes used or None when unknown) of each process with a context on it."""
+        raise NotImplementedError(self.no_smi_reason)
+
+    def can_access_peer(self, index: int, peer: int) -> bool:
+        """Whether device ``index`` can access ``peer``'s memory directly (initialized runtime).
+        This default suits a backend with one device: no device is its own peer."""
+        return False
 
     def launch(self, function: int, grid: Tuple[int, int, int], block: Tuple[int, int, int],
                args: KernelArgs, shared_mem: int, stream: int) -> None:

@@ -23,6 +23,7 @@ from typing import Optional, Tuple
 from .._errors import AcceleratorError, CaptureError, KernelImageError, OutOfMemoryError
 from ._cuda_discovery import CudaDiscoveryMixin
 from ._cuda_mempool import CudaMemPoolMixin
+from ._cuda_nvml import CudaNvmlMixin
 from ._cuda_vmm import CudaVmmMixin
 from .base import Backend, DeviceProperties
 
@@ -87,7 +88,7 @@ def _uuid_text(raw: bytes) -> str:
     return f"GPU-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
-class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, Backend):
+class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMixin, Backend):
     """The CUDA runtime (libcudart) as a :class:`Backend`."""
 
     name = "cuda"

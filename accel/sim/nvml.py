@@ -304,6 +304,139 @@ def nvmlDeviceGetMigDeviceHandleByIndex(device, index, migDevice):
     return NVML_ERROR_NOT_SUPPORTED
 
 
+# -- readings (simulated values) ----------------------------------------------------------------------
+# NVML averages utilization, temperature, power and clocks over a sample period of 1/6 s to 1 s
+# (nvml.h, nvmlUtilization_t and nvmlDeviceGetPowerUsage).  The simulator has no sampler and no
+# sensors: a physical device is *busy* while a stream of the simulated runtime on it has work
+# queued or running at the moment of the query, and each reading is a fixed value of that state,
+# the same on every device:
+#
+#   reading (call)                                       idle      busy
+#   utilization gpu / memory, % (GetUtilizationRates)    0         100
+#   temperature, C (GetTemperature, NVML_TEMPERATURE_GPU) 35       65
+#   power, mW (GetPowerUsage)                            70000     350000
+#   clock, MHz (GetClockInfo) SM and GRAPHICS            345       1980 (cudaDevAttrClockRate / 1000)
+#                             MEM                        2619      2619
+#                             VIDEO                      1155      1755
+#
+# Processes (GetComputeRunningProcesses_v3): the simulated runtime creates a context on every
+# visible device at init, so once it is started this process is listed on each physical device
+# behind a visible one, using what nvmlDeviceGetMemoryInfo calls used for that device.
+
+IDLE = {"gpu": 0, "memory": 0, "temperature": 35, "power": 70_000,
+        "clock": {0: 345, 1: 345, 2: 2619, 3: 1155}}
+BUSY = {"gpu": 100, "memory": 100, "temperature": 65, "power": 350_000,
+        "clock": {0: 1980, 1: 1980, 2: 2619, 3: 1755}}
+
+
+def busy(physical: int) -> bool:
+    """True while a stream of the simulated runtime on physical device ``physical`` has work
+    queued or running."""
+    from . import cudart
+    R = cudart._R
+    if R is None:
+        return False
+    for d in list(R.devices):
+        if d.physical != physical:
+            continue
+        for _ in range(8):      # another thread may add or retire a stream meanwhile
+            try:
+                queues = list(d.queues)
+                break
+            except RuntimeError:
+                continue
+        else:
+            queues = []
+        if any(not q.idle() for q in queues):
+            return True
+    return False
+
+
+def _reading(i: int) -> dict:
+    return BUSY if busy(i) else IDLE
+
+
+def _out(ptr) -> bool:
+    return ptr is not None and ptr != ffi.NULL
+
+
+def nvmlDeviceGetUtilizationRates(device, utilization):
+    rc, i = _with_device(device)
+    if rc:
+        return rc
+    if not _out(utilization):
+        return NVML_ERROR_INVALID_ARGUMENT
+    r = _reading(i)
+    utilization.gpu = r["gpu"]
+    utilization.memory = r["memory"]
+    return NVML_SUCCESS
+
+
+def nvmlDeviceGetTemperature(device, sensorType, temp):
+    rc, i = _with_device(device)
+    if rc:
+        return rc
+    # nvml.h, nvmlTemperatureSensors_t: NVML_TEMPERATURE_GPU (0) is the only sensor; anything
+    # else is NVML_ERROR_INVALID_ARGUMENT ("sensorType is invalid").
+    if sensorType != 0 or not _out(temp):
+        return NVML_ERROR_INVALID_ARGUMENT
+    temp[0] = _reading(i)["temperature"]
+    return NVML_SUCCESS
+
+
+def nvmlDeviceGetPowerUsage(device, power):
+    rc, i = _with_device(device)
+    if rc:
+        return rc
+    if not _out(power):
+        return NVML_ERROR_INVALID_ARGUMENT
+    power[0] = _reading(i)["power"]
+    return NVML_SUCCESS
+
+
+def nvmlDeviceGetClockInfo(device, type, clock):
+    rc, i = _with_device(device)
+    if rc:
+        return rc
+    # nvml.h, nvmlClockType_t: GRAPHICS 0, SM 1, MEM 2, VIDEO 3; another value is invalid.
+    clocks = _reading(i)["clock"]
+    if type not in clocks or not _out(clock):
+        return NVML_ERROR_INVALID_ARGUMENT
+    clock[0] = clocks[type]
+    return NVML_SUCCESS
+
+
+def _processes(i: int):
+    from . import cudart
+    R = cudart._R
+    if R is None or R.init_error or not any(d.physical == i for d in R.devices):
+        return []
+    import os
+    return [(os.getpid(), cudart.device_used_bytes(i))]
+
+
+def nvmlDeviceGetComputeRunningProcesses_v3(device, infoCount, infos):
+    rc, i = _with_device(device)
+    if rc:
+        return rc
+    # nvml.h: infoCount in = the size of infos, out = the number of processes; *infoCount 0 asks
+    # for the count (only then may infos be NULL): NVML_ERROR_INSUFFICIENT_SIZE when the buffer is
+    # too small, with the count written, NVML_SUCCESS when none run.
+    if not _out(infoCount) or (infoCount[0] and not _out(infos)):
+        return NVML_ERROR_INVALID_ARGUMENT
+    procs = _processes(i)
+    room = infoCount[0]
+    infoCount[0] = len(procs)
+    if room < len(procs):
+        return NVML_ERROR_INSUFFICIENT_SIZE
+    for k, (pid, used) in enumerate(procs):
+        infos[k].pid = pid
+        infos[k].usedGpuMemory = used
+        infos[k].gpuInstanceId = 0xFFFFFFFF       # no MIG
+        infos[k].computeInstanceId = 0xFFFFFFFF
+    return NVML_SUCCESS
+
+
 _FUNCTIONS = {name: obj for name, obj in list(globals().items()) if name.startswith("nvml") and callable(obj)}
 
 _lib: Optional[core.SimLibrary] = None
