@@ -11,7 +11,7 @@ saying so; ``list_gpu_processes`` returns that sentence instead, as torch return
 not found, ..." without pynvml.
 
 ``can_device_access_peer`` is the runtime's ``cudaDeviceCanAccessPeer`` (Level Zero:
-``zeDeviceCanAccessPeer``; one Metal device is no peer of itself), with torch's errors.
+``zeDeviceCanAccessPeer``; Metal has one device, which is no peer of itself), with torch's errors.
 """
 
 from __future__ import annotations
@@ -118,7 +118,8 @@ def list_gpu_processes(device: DeviceLike = None) -> str:
 
 def can_device_access_peer(device: DeviceLike, peer_device: DeviceLike) -> bool:
     """Whether ``device`` (None: the current device) can access ``peer_device``'s memory
-    directly.  Initializes the runtime, as torch.  A device is never its own peer.
+    directly.  Initializes the runtime, as torch.  For a device and itself the runtime answers
+    (CUDA: False; Level Zero: True, as zeDeviceCanAccessPeer documents; Metal: False).
 
     Raises AssertionError "Invalid device id" / "Invalid peer device id" for an index outside
     0..device_count()-1, as torch.
@@ -131,8 +132,8 @@ def can_device_access_peer(device: DeviceLike, peer_device: DeviceLike) -> bool:
         raise AssertionError("Invalid device id")
     if peer < 0 or peer >= count:
         raise AssertionError("Invalid peer device id")
-    if index == peer:
-        return False      # cudaDeviceCanAccessPeer(d, d) answers 0; accel keeps that on every backend
+    # a device and itself: each runtime's own answer (cudaDeviceCanAccessPeer: 0; Level Zero's
+    # zeDeviceCanAccessPeer: true; Metal's one device: False)
     return bool(backend.can_access_peer(index, peer))
 
 

@@ -205,6 +205,12 @@ ZE_FUNCTIONS = [
     # zes_api.h (Sysman, same loader library)
     "zesInit", "zesDriverGet", "zesDeviceGet", "zesDeviceGetProperties",
     "zesDeviceEnumMemoryModules", "zesMemoryGetProperties", "zesMemoryGetState",
+    # torch.cuda's temperature / clock_rate / list_gpu_processes / can_device_access_peer on
+    # Level Zero (accel._telemetry); Level Zero API 1.0, every loader has them
+    "zeDeviceCanAccessPeer",
+    "zesDeviceEnumTemperatureSensors", "zesTemperatureGetProperties", "zesTemperatureGetState",
+    "zesDeviceEnumFrequencyDomains", "zesFrequencyGetProperties", "zesFrequencyGetState",
+    "zesDeviceProcessesGetState",
 ]
 
 ZE_TYPES = [

@@ -195,7 +195,7 @@ class _Obj:
 
 class _Card(_Obj):
     """A physical device: what Sysman lists."""
-    __slots__ = ("index", "tiles", "tile_used", "uuid", "modules")
+    __slots__ = ("index", "tiles", "tile_used", "uuid", "modules", "sensors", "freqs")
 
     def __init__(self, index: int, tiles: int):
         super().__init__("card")
@@ -203,6 +203,18 @@ class _Card(_Obj):
         self.tile_used = [0] * tiles
         self.uuid = bytes([0x86, 0x80, 0x0B, 0xD5, index & 0xFF, 0xFF, 0, 0] + [0] * 8)
         self.modules: List["_MemModule"] = []
+        self.sensors: List["_Part"] = []   # zesDeviceEnumTemperatureSensors
+        self.freqs: List["_Part"] = []     # zesDeviceEnumFrequencyDomains
+
+
+class _Part(_Obj):
+    """A Sysman component of a card that is not memory: a temperature sensor ("tempsensor") or
+    a frequency domain ("freqdomain"), card-wide (onSubdevice false)."""
+    __slots__ = ("card",)
+
+    def __init__(self, kind: str, card: _Card):
+        super().__init__(kind)
+        self.card = card
 
 
 class _MemModule(_Obj):
@@ -308,7 +320,9 @@ class _Runtime:
             else:
                 card.modules = [_MemModule(card, None, self.C.ZES_MEM_LOC_DEVICE)]
             card.modules.append(_MemModule(card, None, self.C.ZES_MEM_LOC_SYSTEM))
-            for m in card.modules:
+            card.sensors = [_Part("tempsensor", card)]
+            card.freqs = [_Part("freqdomain", card)]
+            for m in card.modules + card.sensors + card.freqs:
                 self._add(m)
         self.devices: List[_Device] = []
         self.memory = _memory.MemoryTable()
@@ -535,9 +549,9 @@ def _sysman(handle):
     if obj is None or not obj.live:
         return None, None, (rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE if not handle
                             else rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT)
-    if obj.kind in ("card", "memmodule") and rt.sysman_initialized:
+    if obj.kind in ("card", "memmodule", "tempsensor", "freqdomain") and rt.sysman_initialized:
         return rt, obj, 0
-    if obj.kind in ("device", "memmodule") and rt.sysman_on_core:
+    if obj.kind in ("device", "memmodule", "tempsensor", "freqdomain") and rt.sysman_on_core:
         return rt, obj, 0
     return None, None, rt.C.ZE_RESULT_ERROR_UNINITIALIZED
 
@@ -683,6 +697,22 @@ def zeDeviceGetProperties(hDevice, props):
     if dev is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     return _write_core_properties(rt, props, dev.uuid, dev.is_sub, dev.tiles[0], len(dev.tiles))
+
+
+def zeDeviceCanAccessPeer(hDevice, hPeerDevice, value):
+    """ze_api.h, zeDeviceCanAccessPeer: true when the two devices are connected over PCIe (same
+    root complex or a shared switch) or a scale-up fabric, sub-devices and parents included.  The
+    simulated cards share one root complex, so every pair of devices answers true."""
+    rt, rc = _ready()
+    if rc:
+        return rc
+    dev, peer = rt.get(hDevice, "device"), rt.get(hPeerDevice, "device")
+    if dev is None or peer is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if not value:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
+    value[0] = 1
+    return 0
 
 
 def zeDeviceGetComputeProperties(hDevice, props):
@@ -1632,6 +1662,171 @@ def zesMemoryGetState(hMemory, st):
     return 0
 
 
+# Readings (simulated values).  Sysman reads sensors and clocks of the hardware; the simulator
+# has neither.  A card is *busy* while a command list or queue of the simulated driver on it has
+# work queued or running at the moment of the query (the same model as accel/sim/nvml.py), and:
+#
+#   reading (call)                                         idle     busy
+#   temperature, C (zesTemperatureGetState, ZES_TEMP_SENSORS_GPU)  35   65
+#   GPU frequency, MHz (zesFrequencyGetState .actual)      300      1600 (coreClockRate)
+#
+# Each card has one GPU temperature sensor and one GPU frequency domain (min 300, max 1600 MHz).
+# zesDeviceProcessesGetState lists this process on each card a core device of zeInit stands for,
+# using the card's allocated device memory (what zesMemoryGetState counts as used).
+
+_TEMP_IDLE, _TEMP_BUSY = 35.0, 65.0
+_FREQ_MIN, _FREQ_MAX = 300.0, 1600.0
+_ENGINE_TYPE_FLAG_COMPUTE = 1 << 1     # zes_api.h, zes_engine_type_flag_t (not in the bindings)
+
+
+def card_busy(card: _Card) -> bool:
+    """True while a command list or queue on ``card`` has work queued or running."""
+    rt = _rt
+    if rt is None:
+        return False
+    for _ in range(8):      # another thread may create or destroy objects meanwhile
+        try:
+            objs = list(rt.objects.values())
+            break
+        except RuntimeError:
+            continue
+    else:
+        return False
+    for obj in objs:
+        if obj.kind in ("cmdlist", "cmdqueue") and obj.live and obj.device.card is card and obj.queue is not None:
+            if not obj.queue.idle():
+                return True
+    return False
+
+
+def zesDeviceEnumTemperatureSensors(hDevice, pCount, phTemperature):
+    rt, dev, rc = _sysman(hDevice)
+    if rc:
+        return rc
+    if dev.kind not in ("card", "device"):
+        return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+    return _fill(pCount, phTemperature, _card_of(dev).sensors)
+
+
+def zesTemperatureGetProperties(hTemperature, pProperties):
+    rt, part, rc = _sysman(hTemperature)
+    if rc:
+        return rc
+    C = rt.C
+    if part.kind != "tempsensor":
+        return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+    if not pProperties:
+        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
+    if pProperties.stype != C.ZES_STRUCTURE_TYPE_TEMP_PROPERTIES:
+        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    pProperties.type = C.ZES_TEMP_SENSORS_GPU
+    pProperties.onSubdevice = 0
+    pProperties.subdeviceId = 0
+    pProperties.maxTemperature = 105.0
+    pProperties.isCriticalTempSupported = 0
+    pProperties.isThreshold1Supported = 0
+    pProperties.isThreshold2Supported = 0
+    return 0
+
+
+def zesTemperatureGetState(hTemperature, pTemperature):
+    rt, part, rc = _sysman(hTemperature)
+    if rc:
+        return rc
+    if part.kind != "tempsensor":
+        return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+    if not pTemperature:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
+    pTemperature[0] = _TEMP_BUSY if card_busy(part.card) else _TEMP_IDLE
+    return 0
+
+
+def zesDeviceEnumFrequencyDomains(hDevice, pCount, phFrequency):
+    rt, dev, rc = _sysman(hDevice)
+    if rc:
+        return rc
+    if dev.kind not in ("card", "device"):
+        return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+    return _fill(pCount, phFrequency, _card_of(dev).freqs)
+
+
+def zesFrequencyGetProperties(hFrequency, pProperties):
+    rt, part, rc = _sysman(hFrequency)
+    if rc:
+        return rc
+    C = rt.C
+    if part.kind != "freqdomain":
+        return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+    if not pProperties:
+        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
+    if pProperties.stype != C.ZES_STRUCTURE_TYPE_FREQ_PROPERTIES:
+        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    pProperties.type = C.ZES_FREQ_DOMAIN_GPU
+    pProperties.onSubdevice = 0
+    pProperties.subdeviceId = 0
+    pProperties.canControl = 0
+    pProperties.isThrottleEventSupported = 0
+    pProperties.min = _FREQ_MIN
+    pProperties.max = _FREQ_MAX
+    return 0
+
+
+def zesFrequencyGetState(hFrequency, pState):
+    rt, part, rc = _sysman(hFrequency)
+    if rc:
+        return rc
+    C = rt.C
+    if part.kind != "freqdomain":
+        return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+    if not pState:
+        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
+    if pState.stype != C.ZES_STRUCTURE_TYPE_FREQ_STATE:
+        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    actual = _FREQ_MAX if card_busy(part.card) else _FREQ_MIN
+    pState.currentVoltage = -1.0      # zes_api.h: negative = not known
+    pState.request = actual
+    pState.tdp = _FREQ_MAX
+    pState.efficient = _FREQ_MIN
+    pState.actual = actual
+    pState.throttleReasons = 0
+    return 0
+
+
+def zesDeviceProcessesGetState(hDevice, pCount, pProcesses):
+    rt, dev, rc = _sysman(hDevice)
+    if rc:
+        return rc
+    C = rt.C
+    if dev.kind not in ("card", "device"):
+        return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+    if not pCount:
+        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
+    card = _card_of(dev)
+    procs = []
+    if rt.initialized and any(d.card is card for d in rt.devices):
+        procs.append((os.getpid(), sum(card.tile_used)))
+    # zes_api.h: *pCount 0 asks for the count; a larger count is lowered to the number of
+    # processes; a smaller one gets that many and ZE_RESULT_ERROR_INVALID_SIZE.
+    n = pCount[0]
+    if n == 0:
+        pCount[0] = len(procs)
+        return 0
+    if not pProcesses:
+        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
+    for k, (pid, mem) in enumerate(procs[:n]):
+        st = pProcesses[k]
+        if st.stype != C.ZES_STRUCTURE_TYPE_PROCESS_STATE:
+            return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+        st.processId = pid
+        st.memSize = mem
+        st.sharedSize = 0
+        st.engines = _ENGINE_TYPE_FLAG_COMPUTE
+    if n < len(procs):
+        return C.ZE_RESULT_ERROR_INVALID_SIZE
+    pCount[0] = len(procs)
+    return 0
+
+
 # -- virtual memory (zeVirtualMem*, zePhysicalMem*) ---------------------------------------------
 # Level Zero specification, "Virtual Memory Management" (ze_api.h, the entry of each function).
 # Reservations, physical pages and mappings are accel.sim._vmm's (real host address ranges, pages
@@ -1934,6 +2129,8 @@ _FUNCTIONS = (
     zeCommandQueueCreate, zeCommandQueueDestroy, zeCommandQueueExecuteCommandLists, zeCommandQueueSynchronize,
     zesInit, zesDriverGet, zesDeviceGet, zesDeviceGetProperties, zesDeviceEnumMemoryModules,
     zesMemoryGetProperties, zesMemoryGetState,
+    zeDeviceCanAccessPeer, zesDeviceEnumTemperatureSensors, zesTemperatureGetProperties, zesTemperatureGetState,
+    zesDeviceEnumFrequencyDomains, zesFrequencyGetProperties, zesFrequencyGetState, zesDeviceProcessesGetState,
     zeVirtualMemQueryPageSize, zeVirtualMemReserve, zeVirtualMemFree, zePhysicalMemCreate, zePhysicalMemDestroy,
     zeVirtualMemMap, zeVirtualMemUnmap, zeVirtualMemSetAccessAttribute, zeVirtualMemGetAccessAttribute,
 )

@@ -37,6 +37,7 @@ from .events import EventsMixin
 from .graphs import GraphsMixin
 from .memory import MemoryMixin
 from .streams import StreamsMixin
+from .telemetry import TelemetryMixin
 from .vmm import VmmMixin
 
 if TYPE_CHECKING:
@@ -48,7 +49,8 @@ if TYPE_CHECKING:
 __all__ = ["XpuBackend", "create", "LIBRARY", "REQUIRED_SYMBOLS", "OPTIONAL_SYMBOLS"]
 
 
-class XpuBackend(DiscoveryMixin, MemoryMixin, StreamsMixin, EventsMixin, GraphsMixin, VmmMixin, LibraryMixin,
+class XpuBackend(DiscoveryMixin, MemoryMixin, StreamsMixin, EventsMixin, GraphsMixin, VmmMixin, TelemetryMixin,
+                 LibraryMixin,
                  Backend):
     """Level Zero as a :class:`Backend` (see the module docstring for the design)."""
 

@@ -32,6 +32,10 @@ REQUIRED_SYMBOLS = (
     # virtual memory (vmm.py): core API 1.0
     "zeVirtualMemQueryPageSize", "zeVirtualMemReserve", "zeVirtualMemFree", "zePhysicalMemCreate",
     "zePhysicalMemDestroy", "zeVirtualMemMap", "zeVirtualMemUnmap", "zeVirtualMemSetAccessAttribute",
+    # readings and peer access (telemetry.py): API 1.0
+    "zeDeviceCanAccessPeer", "zesDeviceEnumTemperatureSensors", "zesTemperatureGetProperties",
+    "zesTemperatureGetState", "zesDeviceEnumFrequencyDomains", "zesFrequencyGetProperties",
+    "zesFrequencyGetState", "zesDeviceProcessesGetState",
 )
 #: Called only after checking the loader exports them (API 1.5/1.6 additions).
 OPTIONAL_SYMBOLS = ("zesInit", "zesDriverGet", "zesDeviceGet", "zeCommandListHostSynchronize")
