@@ -45,11 +45,35 @@ def collect() -> dict:
                 devices.append({"index": i, "name": p.name, "total_memory": p.total_memory,
                                 "compute_capability": list(p.compute_capability),
                                 "multi_processor_count": p.multi_processor_count, "uuid": p.uuid,
-                                "unified_memory": p.unified_memory, **p.extra})
+                                "unified_memory": p.unified_memory, **p.extra,
+                                "readings": readings(i, chosen.count())})
         except accel.AcceleratorError as exc:
             result["init_error"] = str(exc)
     result["devices"] = devices
     return result
+
+
+#: (report key, accel function) of the management-library readings torch.cuda offers.
+_READINGS = (("utilization_percent", "utilization"), ("memory_usage_percent", "memory_usage"),
+             ("temperature_c", "temperature"), ("power_draw_mw", "power_draw"),
+             ("clock_rate_mhz", "clock_rate"), ("memory_used_bytes", "device_memory_used"))
+
+
+def readings(index: int, count: int) -> dict:
+    """Device ``index``'s management-library readings (NVML / Sysman) and the devices it can
+    access as peers; a reading the backend cannot give is the reason, as a string."""
+    from accel import _telemetry
+    out = {}
+    for key, name in _READINGS:
+        try:
+            out[key] = getattr(_telemetry, name)(index)
+        except (accel.AcceleratorError, NotImplementedError) as exc:
+            out[key] = f"n/a ({exc})"
+    try:
+        out["peers"] = [j for j in range(count) if j != index and _telemetry.can_device_access_peer(index, j)]
+    except accel.AcceleratorError as exc:
+        out["peers"] = f"n/a ({exc})"
+    return out
 
 
 def smoke() -> dict:
@@ -117,9 +141,29 @@ def render(report: dict) -> str:
         cc = ".".join(map(str, d["compute_capability"]))
         lines.append(f"  [{d['index']}] {d['name']}  {_gib(d['total_memory'])}  cc {cc}  "
                      f"{d['multi_processor_count']} SMs/EUs  {d['uuid']}")
+        if d.get("readings"):
+            lines.append(f"      now: {_render_readings(d['readings'])}")
     if "init_error" in report:
         lines.append(f"  init failed: {report['init_error']}")
     return "\n".join(lines)
+
+
+def _render_readings(r: dict) -> str:
+    """One line: utilization, memory activity, temperature, power, SM clock, memory used, peers."""
+    def show(key, fmt):
+        value = r.get(key)
+        return fmt(value) if isinstance(value, int) else "n/a"
+    missing = sorted({v for v in r.values() if isinstance(v, str)})
+    text = (f"utilization {show('utilization_percent', lambda v: f'{v}%')}  "
+            f"memory activity {show('memory_usage_percent', lambda v: f'{v}%')}  "
+            f"{show('temperature_c', lambda v: f'{v} C')}  "
+            f"{show('power_draw_mw', lambda v: f'{v / 1000:.1f} W')}  "
+            f"SM clock {show('clock_rate_mhz', lambda v: f'{v} MHz')}  "
+            f"used {show('memory_used_bytes', _gib)}  "
+            f"peers {r['peers'] if isinstance(r.get('peers'), list) else 'n/a'}")
+    if missing:
+        text += "\n          " + "\n          ".join(missing)
+    return text
 
 
 def _render_choice(choice: dict) -> list:

@@ -259,3 +259,19 @@ def test_xpu_can_device_access_peer_follows_level_zero(monkeypatch):
     use_sim(monkeypatch, "xpu")
     assert accel.can_device_access_peer(0, 1) is True
     assert accel.can_device_access_peer(1, 1) is True
+
+
+def test_python_m_accel_shows_the_readings(sim_backend):
+    from accel import __main__ as main
+    report = main.collect()
+    assert report["devices"]
+    for d in report["devices"]:
+        r = d["readings"]
+        if sim_backend == "cuda":
+            assert (r["utilization_percent"], r["temperature_c"], r["power_draw_mw"]) == (0, 35, 70_000)
+        if sim_backend == "mps":
+            assert r["peers"] == [] and r["temperature_c"].startswith("n/a (mps has no management library")
+        else:
+            assert r["peers"] == [1 - d["index"]]
+            assert isinstance(r["clock_rate_mhz"], int)
+    assert "now: utilization" in main.render(report)
