@@ -283,3 +283,16 @@ def test_fork_after_the_readings_still_works(sim_cuda):
     assert accel.temperature(1) == 35 and accel.list_gpu_processes(0).startswith("GPU:0")
     assert not _lazy.backend().driver_started
     assert _run_forked(lambda: 0 if accel.Buffer(16, device=1).nbytes == 16 else 7) == 0
+
+
+def test_xpu_old_loader_reads_sysman_after_init(monkeypatch):
+    # Debian's 1.8.12 loader has no zesInit: Sysman answers on core handles once zeInit ran with
+    # ZES_ENABLE_SYSMAN=1 (the backend sets it), so before init the readings say what is missing
+    use_sim(monkeypatch, "xpu", ACCEL_SIM_ZE_LOADER="1.8.12")
+    assert "zesInit" in accel.list_gpu_processes(0)
+    with pytest.raises(accel.AcceleratorError, match="zesInit"):
+        accel.temperature(0)
+    b = accel.Buffer(16, device=1)
+    assert accel.temperature(1) == 35 and accel.clock_rate(0) == 300
+    assert accel.list_gpu_processes(1).splitlines()[1].startswith(f"process {os.getpid():>10d}")
+    del b
