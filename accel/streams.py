@@ -336,19 +336,40 @@ def set_stream(stream: Stream) -> None:
     _current_table()[stream._index] = stream
 
 
+class _DeviceMismatchError(ValueError, RuntimeError):
+    """An event used with a stream or event of another device.  torch raises RuntimeError
+    here; accel raised ValueError before, so ``except ValueError`` code keeps working."""
+
+
 class Event:
     """A marker in a stream's work, for ordering streams and timing.
 
-    ``Event(enable_timing=False, blocking=False)``; the device handle is created
-    at the first :meth:`record`, on the recording stream's device.  An event
-    never recorded counts as complete (``query()`` True, ``synchronize()`` and
-    ``wait()`` return at once), as in torch.
+    ``Event(device=None, *, enable_timing=False, blocking=False, interprocess=False,
+    external=False)`` as ``torch.Event``: ``device`` (None: the current accelerator) only
+    names the accelerator type, as torch's; the device handle is created at the first
+    :meth:`record`, on the recording stream's device, and :attr:`handle` is 0 until then.
+    An event never recorded counts as complete (``query()`` True, ``synchronize()`` and
+    ``wait()`` return at once), as in torch.  ``interprocess=True`` and ``external=True``
+    raise NotImplementedError: accel shares no event between processes, and no backend
+    records external event nodes in a graph capture.
     """
 
     __slots__ = ("_backend", "_index", "_handle", "enable_timing", "blocking", "_recorded", "_closed",
-                 "_pid", "__weakref__")
+                 "_pid", "_type", "__weakref__")
 
-    def __init__(self, enable_timing: bool = False, blocking: bool = False):
+    def __init__(self, device: DeviceLike = None, *, enable_timing: bool = False, blocking: bool = False,
+                 interprocess: bool = False, external: bool = False):
+        self._handle = None     # __del__ reads it even when a check below raises
+        self._type = _event_type(device)
+        if interprocess:
+            raise NotImplementedError(
+                "Event(interprocess=True): accel has no inter-process events (torch's ipc_handle / "
+                "from_ipc_handle); share results between processes through host memory instead")
+        if external:
+            raise NotImplementedError(
+                "Event(external=True): no accel backend records external event nodes "
+                "(cudaEventRecordExternal) in a graph capture, so each replay could not time its "
+                "events; time a replay with events recorded around graph.replay() instead")
         if _fin.pending:
             _fin.drain()
         self._pid = _fin.pid
@@ -356,7 +377,6 @@ class Event:
         self.blocking = bool(blocking)
         self._backend = None
         self._index = None
-        self._handle = None
         self._recorded = False
         self._closed = False
 
@@ -366,11 +386,17 @@ class Event:
 
     @property
     def device(self) -> Optional[device]:
-        return device(self._backend.name, self._index) if self._backend is not None else None
+        """The recording stream's device once recorded; before, the accelerator type with no
+        index (torch's), or None when no accelerator was found at construction."""
+        if self._backend is not None:
+            return device(self._backend.name, self._index)
+        return device(self._type) if self._type is not None else None
 
     @property
-    def handle(self) -> Optional[int]:
-        return self._handle
+    def handle(self) -> int:
+        """The backend's event handle as an int (CUDA: the ``cudaEvent_t`` value); 0 before the
+        first :meth:`record`, as torch's ``event_id`` / ``cuda_event``."""
+        return self._handle if self._handle is not None else 0
 
     def _live(self) -> None:
         if self._pid != _fin.pid:
@@ -380,8 +406,9 @@ class Event:
 
     def _check_device(self, stream: Stream, what: str) -> None:
         if self._index is not None and stream._index != self._index:
-            raise ValueError(f"cannot {what}: the event belongs to device {self._index} but the stream "
-                             f"is on device {stream._index}; use an event created on the stream's device")
+            raise _DeviceMismatchError(
+                f"cannot {what}: the event belongs to device {self._index} but the stream is on device "
+                f"{stream._index}; use an event created on the stream's device")
 
     def record(self, stream: Optional[Stream] = None) -> None:
         """Record the event at the current end of ``stream`` (the current stream when None)."""
@@ -442,7 +469,7 @@ class Event:
         end_event._live()
         if end_event._backend is not self._backend or end_event._index != self._index:
             # cudaEventElapsedTime: events of two devices have no common clock.
-            raise ValueError(f"elapsed_time needs two events of one device: this event was recorded on "
+            raise _DeviceMismatchError(f"elapsed_time needs two events of one device: this event was recorded on "
                              f"device {self._index}, end_event on device {end_event._index}; time each "
                              f"device with its own pair of events")
         self.synchronize()
@@ -468,6 +495,33 @@ class Event:
                 and _lazy.is_initialized()):
             self._closed = True
             _fin.finalize(self._backend.event_destroy, self._handle)
+
+
+def _event_type(dev: DeviceLike) -> Optional[str]:
+    """The accelerator type an ``Event(device)`` names, checked as torch.Event parses it: the
+    type must be the current accelerator's, an index must name a device and is then dropped
+    (torch keeps only the type until the first record).  Never initializes the runtime."""
+    from ._device import accelerator_type
+    if dev is None:
+        return accelerator_type()
+    if isinstance(dev, bool) or not (isinstance(dev, (str, device)) or hasattr(type(dev), "__index__")):
+        raise TypeError(f"Event(): argument 'device' must be a str such as 'cuda:0', an int or "
+                        f"accel.device, not {type(dev).__name__} ({dev!r}); the flags are keyword-only, "
+                        f"e.g. Event(enable_timing=True)")
+    if isinstance(dev, str):
+        dev = device(dev)
+    if isinstance(dev, device):
+        acc = accelerator_type()
+        if acc is None:
+            raise RuntimeError(_lazy._NO_DEVICE)
+        if acc != dev.type:
+            raise ValueError(f"{dev.type} doesn't match the current accelerator {acc}.")
+        index = dev.index
+    else:
+        index = device_index(dev)
+    if index is not None:
+        check_range(index)
+    return accelerator_type()
 
 
 def _reset() -> None:
