@@ -28,7 +28,8 @@ __all__ = [
     "AcceleratorError", "Buffer", "CaptureError", "DeferredCallError", "Event", "Graph", "KernelImageError",
     "OutOfMemoryError", "Stream", "current_accelerator", "current_device_idx", "current_device_index",
     "current_stream", "default_stream", "device", "device_count", "device_index", "empty_pinned",
-    "get_device_capability", "get_device_properties", "graph", "is_available", "is_initialized",
+    "get_device_capability", "get_device_properties", "graph", "is_available", "is_current_stream_capturing",
+    "is_initialized",
     "memory", "random", "set_device_idx", "set_device_index", "set_stream", "synchronize",
 ]
 
@@ -164,6 +165,15 @@ def get_device_capability(device: DeviceLike = None, /) -> dict:
             "multi_processor_count": props.multi_processor_count,
         }
     return {k: (set(v) if isinstance(v, set) else v) for k, v in cached.items()}
+
+
+def is_current_stream_capturing() -> bool:
+    """True when the calling thread's current stream is being captured into a graph
+    (``torch.cuda.is_current_stream_capturing``).  False before the runtime is initialized
+    (no capture can have begun), without initializing it."""
+    if not _lazy.is_initialized():
+        return False
+    return current_stream().is_capturing()
 
 
 def synchronize(device: DeviceLike = None, /) -> None:

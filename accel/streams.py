@@ -18,7 +18,8 @@ their device in the handle and need no switch.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Dict, List, Optional
+import weakref
+from typing import Callable, Dict, List, Optional, Tuple
 
 from . import _finalize as _fin
 from . import _lazy
@@ -32,6 +33,11 @@ _tls = threading.local()
 _defaults: Dict[int, "Stream"] = {}
 _defaults_lock = threading.Lock()
 _destroy_hooks: List[Callable[[Backend, int, int, bool], bool]] = []
+#: Created streams by (device index, handle), for Stream(stream_id=...).  Weak: a stream no
+#: one holds is collected (and its entry goes) before its handle can be handed out again.
+_live_streams: "weakref.WeakValueDictionary[Tuple[int, int], Stream]" = weakref.WeakValueDictionary()
+#: torch's c10::DeviceType numbers of accel's accelerators (Stream.device_type).
+_DEVICE_TYPES = {"cuda": 1, "xpu": 12, "mps": 13}
 
 
 def on_stream_destroy(hook: Callable[[Backend, int, int, bool], bool]) -> None:
@@ -106,9 +112,16 @@ class Stream:
     raises on use.
     """
 
-    __slots__ = ("_backend", "_index", "_handle", "_owned", "_closed", "_shared", "_pid", "__weakref__")
+    __slots__ = ("_backend", "_index", "_handle", "_owned", "_closed", "_shared", "_pid", "_priority",
+                 "__weakref__")
 
-    def __init__(self, device: DeviceLike = None, priority: int = 0):
+    def __new__(cls, device: DeviceLike = None, priority: int = 0, *, stream_id: Optional[int] = None,
+                device_index: Optional[int] = None, device_type: Optional[int] = None):
+        if stream_id is not None or device_index is not None or device_type is not None:
+            if device is not None:
+                raise TypeError("Stream(): give either device (a new stream) or stream_id, device_index "
+                                "and device_type (an existing one), not both")
+            return cls._rebuild(stream_id, device_index, device_type)
         if isinstance(priority, bool) or not hasattr(type(priority), "__index__"):
             raise TypeError(f"priority must be an int, got {priority!r}")
         priority = priority.__index__()     # numpy integers too
@@ -118,21 +131,52 @@ class Stream:
         index = _index_for(device)
         least, greatest = backend.stream_priority_range()
         priority = min(max(priority, greatest), least)  # CUDA clamps out-of-range priorities
+        self = super().__new__(cls)
         with on_device(backend, index):
             handle = backend.stream_create(priority)
         self._init(backend, index, handle, owned=True)
+        self._priority = priority
+        _live_streams[(index, handle)] = self
+        return self
 
     def _init(self, backend: Backend, index: int, handle: int, owned: bool) -> None:
         self._backend, self._index, self._handle = backend, index, handle
         self._owned, self._closed = owned, False
         self._pid = _fin.pid
+        self._priority = 0
         # The handle names this device's stream only while the device is current.
         self._shared = not owned and backend.shared_default_stream
 
     @classmethod
+    def _rebuild(cls, stream_id, device_index, device_type) -> "Stream":
+        """torch's ``Stream(stream_id=, device_index=, device_type=)``: the live stream those
+        name (the same object, so it stays equal and keeps the stream alive)."""
+        if stream_id is None or device_index is None or device_type is None:
+            raise TypeError("Stream(): rebuilding a stream takes all of stream_id, device_index and "
+                            "device_type (as a stream's own attributes give them)")
+        from ._device import _as_index
+        stream_id = _as_index(stream_id, "stream_id")
+        index = _as_index(device_index, "device_index")
+        kind = _as_index(device_type, "device_type")
+        backend = _lazy.lazy_init()
+        if kind != _DEVICE_TYPES.get(backend.name):
+            raise ValueError(f"Stream(): device_type {kind} is not the current accelerator's "
+                             f"({backend.name} = {_DEVICE_TYPES.get(backend.name)}); pass the "
+                             f"device_type of a stream of this process")
+        check_range(index)
+        if stream_id == backend.default_stream(index):
+            return default_stream(index)
+        stream = _live_streams.get((index, stream_id))
+        if stream is None or stream._closed:
+            raise ValueError(f"Stream(): no live accel stream has stream_id {stream_id:#x} on device "
+                             f"{backend.name}:{index} (closed, collected, or made by another library); "
+                             f"keep the Stream object to use it again")
+        return stream
+
+    @classmethod
     def _wrap(cls, backend: Backend, index: int, handle: int) -> "Stream":
         """A Stream object for a handle accel does not own (default streams)."""
-        self = cls.__new__(cls)
+        self = object.__new__(cls)     # not cls.__new__: that creates a stream
         self._init(backend, index, handle, owned=False)
         return self
 
@@ -143,7 +187,43 @@ class Stream:
 
     @property
     def device_index(self) -> int:
+        """The index of the stream's device (torch's ``Stream.device_index``)."""
         return self._index
+
+    @property
+    def device_type(self) -> int:
+        """The device type as torch's ``c10::DeviceType`` number (CUDA 1, XPU 12, MPS 13)."""
+        return _DEVICE_TYPES[self._backend.name]
+
+    @property
+    def stream_id(self) -> int:
+        """The stream's id: with :attr:`device_index` and :attr:`device_type` it rebuilds an
+        equal stream, ``Stream(stream_id=, device_index=, device_type=)``.  accel's id is the
+        backend handle (a default stream's is its handle too: CUDA's legacy stream is 0)."""
+        return self._handle
+
+    @property
+    def priority(self) -> int:
+        """The stream's priority after clamping to :meth:`priority_range` (lower is more
+        urgent); 0 for a default stream."""
+        return self._priority
+
+    @staticmethod
+    def priority_range() -> Tuple[int, int]:
+        """``(least, greatest)`` stream priority of the accelerator, as torch's static
+        ``Stream.priority_range()`` (CUDA: cudaDeviceGetStreamPriorityRange); a priority
+        outside it is clamped.  Initializes the runtime."""
+        return tuple(_lazy.lazy_init().stream_priority_range())
+
+    @property
+    def __cuda_stream__(self):
+        """The CUDA stream protocol (cuda-python's ``__cuda_stream__() -> (0, handle)``), as
+        ``torch.cuda.Stream``; only CUDA streams have it (``hasattr`` is False elsewhere)."""
+        if self._backend.name != "cuda":
+            raise AttributeError(f"'{type(self).__name__}' object of {self._backend.name} has no "
+                                 f"attribute '__cuda_stream__' (a CUDA stream protocol)")
+        handle = self.handle
+        return lambda: (0, handle)
 
     @property
     def handle(self) -> int:
@@ -192,6 +272,14 @@ class Stream:
             with on_device(self._backend, self._index):
                 return self._backend.stream_query(self._handle)
         return self._backend.stream_query(self._handle)
+
+    def is_capturing(self) -> bool:
+        """True while this stream takes part in a graph capture (cudaStreamIsCapturing)."""
+        self._live()
+        if not self._backend.supports_graphs:
+            return False
+        with self._device_scope():
+            return self._backend.stream_is_capturing(self._handle)
 
     def _device_scope(self):
         """The context calls naming this stream run in: its device current where the
@@ -260,10 +348,13 @@ class Stream:
         table = getattr(_tls, "current", None)
         if table is not None and table.get(self._index) is self:
             del table[self._index]
+        if _live_streams.get((self._index, self._handle)) is self:
+            del _live_streams[(self._index, self._handle)]     # the driver may reuse the handle
         try:
             _fin.release(_destroy, self._backend, self._index, self._handle, True)
         except BaseException:
             self._closed = False    # the runtime still has it: close() again (or the finalizer) retries
+            _live_streams[(self._index, self._handle)] = self
             raise
 
     def __del__(self):
@@ -528,6 +619,7 @@ def _reset() -> None:
     global _tls
     _tls = threading.local()
     _defaults.clear()
+    _live_streams.clear()
 
 
 _lazy.register_reset_hook(_reset)

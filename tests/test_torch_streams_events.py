@@ -92,3 +92,91 @@ def test_cuda__test_events_elapsed_time_errors(sim_backend):
     e1, e2 = accel.Event(enable_timing=True), accel.Event(enable_timing=True)
     with pytest.raises(ValueError, match="Both events must be recorded before calculating elapsed time"):
         e1.elapsed_time(e2)
+
+
+# -- streams -------------------------------------------------------------------------------
+
+_DEVICE_TYPES = {"cuda": 1, "xpu": 12, "mps": 13}     # c10::DeviceType, as torch's Stream.device_type
+
+
+def test_cuda__test_generic_stream_event(sim_backend):
+    # test/test_cuda.py::TestCuda::test_generic_stream_event: a torch.Stream rebuilt from
+    # (stream_id, device_index, device_type) is equal to the original, for each device.
+    for index in range(accel.device_count()):
+        s = accel.Stream(index)
+        assert s.device_index == index
+        assert s.device_type == _DEVICE_TYPES[sim_backend]
+        assert isinstance(s.stream_id, int)
+        rebuilt = accel.Stream(stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type)
+        assert rebuilt == s and hash(rebuilt) == hash(s)
+        assert rebuilt.device == accel.device(sim_backend, index)
+        d = accel.default_stream(index)
+        assert d.stream_id != s.stream_id
+        assert accel.Stream(stream_id=d.stream_id, device_index=index, device_type=d.device_type) == d
+    assert accel.current_device_index() == 0
+    with pytest.raises(TypeError, match="stream_id, device_index and device_type"):
+        accel.Stream(stream_id=s.stream_id, device_index=s.device_index)
+    with pytest.raises(ValueError, match="device_type"):
+        accel.Stream(stream_id=s.stream_id, device_index=s.device_index, device_type=0)
+    with pytest.raises(ValueError, match="no live accel stream"):
+        accel.Stream(stream_id=s.stream_id + 12345, device_index=s.device_index, device_type=s.device_type)
+
+
+def test_cuda__test_generic_stream_rebuilt_after_close(sim_backend):
+    # A closed stream's handle may be handed to the next stream the driver creates: a rebuild
+    # from the stale id must not name the new stream silently.
+    s = accel.Stream()
+    sid = s.stream_id
+    s.close()
+    with pytest.raises(ValueError, match="no live accel stream"):
+        accel.Stream(stream_id=sid, device_index=0, device_type=_DEVICE_TYPES[sim_backend])
+
+
+def test_cuda__test_streams_priority(sim_backend):
+    # test/test_cuda.py::TestCuda::test_streams_priority: priority_range() is a static
+    # (least, greatest) pair; a stream keeps its (clamped) priority; the default stream's is 0.
+    low, high = accel.Stream.priority_range()
+    assert low >= high
+    assert accel.Stream.priority_range() == accel.Stream().priority_range()
+    for index in range(accel.device_count()):
+        s = accel.Stream(index, priority=high)
+        assert s.priority == high and s.device_index == index
+        s = accel.Stream(index, priority=low)
+        assert s.priority == low
+    assert accel.Stream(priority=high - 100).priority == high      # clamped, as CUDA
+    assert accel.Stream(priority=low + 100).priority == low
+    assert accel.default_stream().priority == 0
+    assert accel.current_stream().priority == 0
+
+
+def test_cuda__test_stream_is_capturing(sim_backend):
+    # test/test_cuda.py::TestCuda::test_is_current_stream_capturing (and torch.cuda.graphs'
+    # is_current_stream_capturing): False outside a capture, True on the capturing stream.
+    assert accel.is_current_stream_capturing() is False     # before init: no runtime started
+    assert not _lazy.is_initialized()
+    s = accel.Stream()
+    assert s.is_capturing() is False
+    assert accel.default_stream().is_capturing() is False
+    assert accel.is_current_stream_capturing() is False
+    if sim_backend == "mps":
+        return                                          # Metal has no stream capture
+    g = accel.Graph()
+    seen = []
+    buf = accel.Buffer(16)
+    with accel.graph(g):
+        buf.fill_(1)
+        seen.append((accel.is_current_stream_capturing(), accel.current_stream().is_capturing(),
+                     s.is_capturing()))
+    assert seen == [(True, True, False)]
+    assert accel.is_current_stream_capturing() is False
+
+
+def test_cuda__test_cuda_stream_protocol(sim_backend):
+    # test/test_cuda.py::TestCuda::test_cuda_stream_protocol: __cuda_stream__() -> (0, handle),
+    # on CUDA only (other accelerators' streams do not claim the CUDA protocol).
+    s = accel.Stream()
+    if sim_backend == "cuda":
+        assert s.__cuda_stream__() == (0, s.handle)
+        assert accel.default_stream().__cuda_stream__() == (0, 0)
+    else:
+        assert not hasattr(s, "__cuda_stream__")
