@@ -44,7 +44,7 @@ def collect() -> dict:
                 p = chosen.properties(i)
                 devices.append({"index": i, "name": p.name, "total_memory": p.total_memory,
                                 "compute_capability": list(p.compute_capability),
-                                "multi_processor_count": p.multi_processor_count, "uuid": p.uuid,
+                                "multi_processor_count": p.multi_processor_count, "uuid": None if p.uuid is None else str(p.uuid),
                                 "unified_memory": p.unified_memory, **p.extra,
                                 "readings": readings(i, chosen.count())})
         except accel.AcceleratorError as exc:

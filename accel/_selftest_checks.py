@@ -118,7 +118,7 @@ def check_devices(ctx: Context) -> dict:
     props = [accel.get_device_properties(i) for i in range(n)]
     free, total = accel.memory.get_memory_info(ctx.device)
     details: dict = {"backend": ctx.backend.name, "count": n, "devices": [
-        {"index": p.index, "name": p.name, "uuid": p.uuid, "total_memory": p.total_memory,
+        {"index": p.index, "name": p.name, "uuid": None if p.uuid is None else str(p.uuid), "total_memory": p.total_memory,
          "compute_capability": list(p.compute_capability), "multi_processor_count": p.multi_processor_count}
         for p in props], "mem_info": {"free": free, "total": total}}
     _expect(n > 0, "no device counted", details)
@@ -147,9 +147,9 @@ def check_devices(ctx: Context) -> dict:
         _expect(n <= len(nv), f"device_count() {n} > NVML's {len(nv)}", details)
     problems = []
     for p in props:
-        d = by_uuid.get(p.uuid)
+        d = by_uuid.get(f"GPU-{p.uuid}")    # NVML gives nvidia-smi's form; props.uuid is a uuid.UUID
         if d is None:
-            problems.append(f"device {p.index} uuid {p.uuid} is not among NVML's")
+            problems.append(f"device {p.index} uuid GPU-{p.uuid} is not among NVML's")
             continue
         if d.get("name") != p.name:
             problems.append(f"device {p.index} name {p.name!r} != NVML {d.get('name')!r}")

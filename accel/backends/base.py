@@ -40,25 +40,50 @@ from typing import Any, Optional, Sequence, Tuple
 class DeviceProperties:
     """What :meth:`Backend.properties` returns for one device (immutable).
 
+    torch's field names (``torch.cuda.get_device_properties``): ``name``, ``major``,
+    ``minor``, ``total_memory``, ``multi_processor_count``, ``is_integrated`` (0/1),
+    ``L2_cache_size``, ``warp_size``, ``max_threads_per_multi_processor``, ``pci_bus_id``,
+    ``pci_device_id``, ``pci_domain_id``, ``gcnArchName`` and ``uuid`` (a :class:`uuid.UUID`:
+    36-character ``str()``, ``.bytes``); a field the backend does not report is None.
+    accel's own: ``index``, ``compute_capability`` ((major, minor), (0, 0) where the vendor
+    has none), ``supported_dtypes`` (numpy dtype names), ``unified_memory`` and ``extra``
+    (the backend's other values, e.g. XPU's ``max_work_group_size``), whose keys read as
+    attributes too.
+
     A plain class rather than a dataclass: ``dataclasses`` pulls ``inspect``
     and ``ast`` into ``import accel``, several milliseconds of start-up.
     """
 
     __slots__ = ("index", "name", "total_memory", "compute_capability", "multi_processor_count",
-                 "supported_dtypes", "uuid", "unified_memory", "extra")
+                 "supported_dtypes", "uuid", "unified_memory", "major", "minor", "is_integrated",
+                 "L2_cache_size", "warp_size", "max_threads_per_multi_processor", "pci_bus_id",
+                 "pci_device_id", "pci_domain_id", "gcnArchName", "extra")
 
     def __init__(self, index: int, name: str, total_memory: int, compute_capability: Tuple[int, int],
-                 multi_processor_count: int, supported_dtypes: frozenset, uuid: str = "",
-                 unified_memory: bool = False, extra: Optional[dict] = None):
-        # compute_capability: (major, minor), (0, 0) where the vendor has none;
-        # supported_dtypes: numpy dtype names, e.g. {"float32", "float64", ...}
-        values = (index, name, total_memory, tuple(compute_capability), multi_processor_count,
-                  frozenset(supported_dtypes), uuid, unified_memory, dict(extra or {}))
+                 multi_processor_count: int, supported_dtypes: frozenset, uuid: Any = None,
+                 unified_memory: bool = False, extra: Optional[dict] = None, *,
+                 L2_cache_size: Optional[int] = None, warp_size: Optional[int] = None,
+                 max_threads_per_multi_processor: Optional[int] = None, pci_bus_id: Optional[int] = None,
+                 pci_device_id: Optional[int] = None, pci_domain_id: Optional[int] = None,
+                 gcnArchName: Optional[str] = None):
+        cc = tuple(compute_capability)
+        values = (index, name, total_memory, cc, multi_processor_count, frozenset(supported_dtypes),
+                  _as_uuid(uuid), unified_memory, cc[0], cc[1], int(bool(unified_memory)), L2_cache_size,
+                  warp_size, max_threads_per_multi_processor, pci_bus_id, pci_device_id, pci_domain_id,
+                  gcnArchName, dict(extra or {}))
         for slot, value in zip(self.__slots__, values):
             object.__setattr__(self, slot, value)
 
     def __setattr__(self, name, value):
         raise AttributeError("DeviceProperties is immutable")
+
+    def __getattr__(self, name):
+        # Only reached for names that are no slot: the backend's extra values.
+        extra = object.__getattribute__(self, "extra") if name != "extra" else None
+        if extra is not None and not name.startswith("__") and name in extra:
+            return extra[name]
+        raise AttributeError(f"'DeviceProperties' object has no attribute {name!r} (fields: "
+                             f"{', '.join(self.__slots__)}; backend values: {', '.join(extra or ())})")
 
     def _key(self):
         return tuple(getattr(self, slot) for slot in self.__slots__[:-1])  # extra is not compared
@@ -74,6 +99,23 @@ class DeviceProperties:
     def __repr__(self):
         fields = ", ".join(f"{slot}={getattr(self, slot)!r}" for slot in self.__slots__)
         return f"DeviceProperties({fields})"
+
+
+def _as_uuid(value: Any):
+    """A device UUID as :class:`uuid.UUID` (torch's ``props.uuid``: ``str()`` is 36 characters,
+    ``.bytes`` 16): from a UUID, 16 raw bytes, or text with a vendor prefix ("GPU-...",
+    nvidia-smi's form); None stays None."""
+    if value is None or value == "":
+        return None
+    import uuid as _uuid    # not at import: `import accel` stays small
+    if isinstance(value, _uuid.UUID):
+        return value
+    if isinstance(value, (bytes, bytearray)):
+        return _uuid.UUID(bytes=bytes(value))
+    text = str(value)
+    if text[:4] in ("GPU-", "MIG-"):
+        text = text[4:]
+    return _uuid.UUID(text)
 
 
 # What a kernel argument list looks like: (C type, value) pairs, C types from

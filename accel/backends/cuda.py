@@ -83,11 +83,6 @@ def _cudart_ffi_for(lib):
     return cudart_module(v[0] // 1000).ffi
 
 
-def _uuid_text(raw: bytes) -> str:
-    h = raw.hex()
-    return f"GPU-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
-
-
 class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMixin, Backend):
     """The CUDA runtime (libcudart) as a :class:`Backend`."""
 
@@ -282,8 +277,13 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
             compute_capability=cc,
             multi_processor_count=sm,
             supported_dtypes=_NUMPY_DTYPES,
-            uuid=_uuid_text(bytes(ffi.buffer(prop.uuid.bytes, 16))),
+            uuid=bytes(ffi.buffer(prop.uuid.bytes, 16)),     # torch's props.uuid; "GPU-" + str() for nvidia-smi's
             unified_memory=bool(integrated),
+            # torch.cuda's names (torch/csrc/cuda/Module.cpp); gcnArchName is ROCm's only
+            L2_cache_size=prop.l2CacheSize, warp_size=prop.warpSize,
+            max_threads_per_multi_processor=prop.maxThreadsPerMultiProcessor,
+            pci_bus_id=prop.pciBusID, pci_device_id=prop.pciDeviceID, pci_domain_id=prop.pciDomainID,
+            # accel's names before these (kept)
             extra={"pci_bus_id": prop.pciBusID, "warp_size": prop.warpSize,
                    "max_threads_per_block": prop.maxThreadsPerBlock,
                    "l2_cache_size": prop.l2CacheSize},

@@ -386,7 +386,7 @@ class MPSBackend(Backend):
         return DeviceProperties(
             index=0, name=name, total_memory=total, compute_capability=(0, 0),
             multi_processor_count=0, supported_dtypes=_SUPPORTED_DTYPES,
-            uuid=f"MTL-{registry:016x}", unified_memory=unified,
+            uuid=None, unified_memory=unified,     # Metal has no device UUID: the registry id is extra
             extra={"registry_id": registry, "max_buffer_length": max_buffer,
                    "recommended_max_working_set_size": total})
 

@@ -457,7 +457,10 @@ class DiscoveryMixin:
         return DeviceProperties(
             index=index, name=dev.name, total_memory=dev.total_memory, compute_capability=(0, 0),
             multi_processor_count=dev.eu_count, supported_dtypes=frozenset(dtypes),
-            uuid=_uuid_text(dev.uuid), unified_memory=bool(dev.flags & self._lib[1].ZE_DEVICE_PROPERTY_FLAG_INTEGRATED),
+            uuid=bytes(dev.uuid), unified_memory=bool(dev.flags & self._lib[1].ZE_DEVICE_PROPERTY_FLAG_INTEGRATED),
+            # ze_device_properties_t.deviceId is the PCI device id; Level Zero core gives no PCI
+            # address, L2 size or warp (it has sub-group sizes: extra["sub_group_sizes"])
+            pci_device_id=dev.props_extra.get("device_id"),
             extra=dict(dev.props_extra))
 
     def set_device(self, index: int) -> None:
@@ -468,6 +471,3 @@ class DiscoveryMixin:
         return getattr(self._tls, "device", 0)
 
 
-def _uuid_text(raw: bytes) -> str:
-    h = raw.hex()
-    return f"{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
