@@ -16,8 +16,9 @@ import warnings
 from typing import Optional
 
 from . import _lazy, backends as _backends
-from ._device import DeviceLike, check_range, device, device_index as _device_index
-from ._errors import AcceleratorError, CaptureError, DeferredCallError, KernelImageError, OutOfMemoryError
+from ._device import DeviceLike, check_range, device, device_index as _device_index, parse_index as _parse_index
+from ._errors import (AcceleratorError, CaptureError, DeferredCallError, InvalidDeviceError, KernelImageError,
+                      OutOfMemoryError)
 from ._lazy import is_initialized
 from .buffer import Buffer
 from .streams import Event, Stream, current_stream, default_stream, on_device as _on_device, set_stream
@@ -25,7 +26,8 @@ from .streams import Event, Stream, current_stream, default_stream, on_device as
 __version__ = "0.1.0"
 
 __all__ = [
-    "AcceleratorError", "Buffer", "CaptureError", "DeferredCallError", "Event", "Graph", "KernelImageError",
+    "AcceleratorError", "Buffer", "CaptureError", "DeferredCallError", "Event", "Graph", "InvalidDeviceError",
+    "KernelImageError",
     "OutOfMemoryError", "Stream", "current_accelerator", "current_device_idx", "current_device_index",
     "current_stream", "default_stream", "device", "device_count", "device_index", "empty_pinned",
     "get_device_capability", "get_device_properties", "graph", "is_available", "is_current_stream_capturing",
@@ -43,6 +45,12 @@ _TELEMETRY = ("can_device_access_peer", "clock_rate", "device_memory_used", "lis
               "memory_usage", "power_draw", "temperature", "utilization")
 _LAZY.update({name: ("accel._telemetry", name) for name in _TELEMETRY})
 __all__ += list(_TELEMETRY)
+# torch 2.13 re-exports torch.accelerator.memory's functions at torch.accelerator.*
+_MEMORY = ("empty_cache", "empty_host_cache", "get_memory_info", "max_memory_allocated", "max_memory_reserved",
+           "memory_allocated", "memory_reserved", "memory_stats", "reset_accumulated_memory_stats",
+           "reset_peak_memory_stats")
+_LAZY.update({name: ("accel.memory", name) for name in _MEMORY})
+__all__ += list(_MEMORY)
 
 
 def __getattr__(name):
@@ -177,8 +185,11 @@ def is_current_stream_capturing() -> bool:
 
 
 def synchronize(device: DeviceLike = None, /) -> None:
-    """Wait for all work on ``device`` (all its streams).  A no-op before the runtime is initialized."""
+    """Wait for all work on ``device`` (all its streams).  A no-op before the runtime is
+    initialized; the argument is checked first either way, as torch's (``synchronize("cpu")``
+    is a ValueError before initialization as after)."""
     if not _lazy.is_initialized():
+        _parse_index(device)          # torch resolves the device before its no-op check
         return
     backend = _lazy.lazy_init()
     index = _device_index(device, optional=True)

@@ -4,7 +4,9 @@ Parsing follows ``torch/accelerator/_utils.py::_get_device_index``: an int is
 an index, a string or :class:`device` must name the current accelerator, and a
 device without an index means the current device only where that is allowed.
 On top of torch, wrong types raise ``TypeError`` and indices are checked
-against the device count with a message naming the valid range.
+against the device count with a message naming the valid range.  A string or
+index that names no device raises :class:`accel.InvalidDeviceError`, which is a
+``RuntimeError`` (as torch's) and a ``ValueError`` (as accel's before).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import operator
 from typing import Optional, Union
 
 from . import _lazy, backends
+from ._errors import InvalidDeviceError
 
 _KNOWN_TYPES = ("cuda", "xpu", "mps", "cpu")
 
@@ -37,18 +40,18 @@ class device:
         kind, sep, rest = text.partition(":")
         if sep:
             if index is not None:
-                raise ValueError(f"device string {text!r} already has an index; do not also pass index={index}")
+                raise InvalidDeviceError(f"device string {text!r} already has an index; do not also pass index={index}")
             if not (rest.isascii() and rest.isdigit()):   # str.isdigit alone takes "²" and "１"
-                raise ValueError(f"Invalid device string: {text!r}; expected 'type' or 'type:index' "
+                raise InvalidDeviceError(f"Invalid device string: {text!r}; expected 'type' or 'type:index' "
                                  f"with a non-negative integer index, e.g. 'cuda:0'")
             index = int(rest)
         if kind not in _KNOWN_TYPES:
-            raise ValueError(f"Invalid device string: {text!r}; expected a device type in "
+            raise InvalidDeviceError(f"Invalid device string: {text!r}; expected a device type in "
                              f"{', '.join(_KNOWN_TYPES)}, optionally followed by ':index'")
         if index is not None:
             index = _as_index(index, "device index")
             if index < 0:
-                raise ValueError(f"Device index must not be negative, got {index}")
+                raise InvalidDeviceError(f"Device index must not be negative, got {index}")
         object.__setattr__(self, "_type", kind)
         object.__setattr__(self, "_index", index)
 
@@ -102,12 +105,10 @@ def accelerator_type() -> Optional[str]:
     return chosen.name if chosen is not None else None
 
 
-def device_index(dev: DeviceLike, optional: bool = False) -> int:
-    """Turn a device argument into an index, with torch's rules and wording.
-
-    ``optional=True`` lets None or an index-less device mean the current
-    device (which initializes the runtime, as torch does).
-    """
+def parse_index(dev: DeviceLike) -> Optional[int]:
+    """The index ``dev`` names, or None for None and an index-less device, with torch's type
+    checks (a device of another type: ValueError; a bad string: InvalidDeviceError).  Never
+    initializes the runtime."""
     if isinstance(dev, bool):
         raise TypeError(f"device must be an int, a string such as 'cuda:0', or accel.device; got {dev!r}")
     if isinstance(dev, int):
@@ -116,17 +117,26 @@ def device_index(dev: DeviceLike, optional: bool = False) -> int:
         return operator.index(dev)          # numpy integers
     if isinstance(dev, str):
         dev = device(dev)
-    index = None
     if isinstance(dev, device):
         acc = accelerator_type()
         if acc is None:
             raise RuntimeError(_lazy._NO_DEVICE)
         if acc != dev.type:
             raise ValueError(f"{dev.type} doesn't match the current accelerator {acc}.")
-        index = dev.index
-    elif dev is not None:
+        return dev.index
+    if dev is not None:
         raise TypeError(f"device must be an int, a string such as 'cuda:0', or accel.device; "
                         f"got {type(dev).__name__} {dev!r}")
+    return None
+
+
+def device_index(dev: DeviceLike, optional: bool = False) -> int:
+    """Turn a device argument into an index, with torch's rules and wording.
+
+    ``optional=True`` lets None or an index-less device mean the current
+    device (which initializes the runtime, as torch does).
+    """
+    index = parse_index(dev)
     if index is None:
         if not optional:
             raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{dev}")
@@ -142,11 +152,12 @@ def checked_index(dev: DeviceLike, optional: bool = True) -> int:
 
 
 def check_range(index: int) -> None:
-    """ValueError naming the valid range when ``index`` is not a visible device."""
+    """:class:`InvalidDeviceError` (a ValueError and, as torch's, a RuntimeError) naming the
+    valid range when ``index`` is not a visible device."""
     chosen = _lazy.backend()
     count = chosen.count()
     if not 0 <= index < count:
         if count == 0:
-            raise ValueError(f"device index {index} is invalid: no {chosen.name} device is available")
-        raise ValueError(f"device index {index} is out of range: {count} {chosen.name} "
+            raise InvalidDeviceError(f"device index {index} is invalid: no {chosen.name} device is available")
+        raise InvalidDeviceError(f"device index {index} is out of range: {count} {chosen.name} "
                          f"device{'s' if count != 1 else ''} visible (valid indices 0..{count - 1})")

@@ -1,6 +1,17 @@
 """Exception types shared by every layer."""
 
 
+class InvalidDeviceError(ValueError, RuntimeError):
+    """A device string or index that names no device: ``"cuda0"``, ``"cuda:x"``, an index
+    past the device count.
+
+    torch raises ``RuntimeError`` here (``torch.device("cuda0")``: "Invalid device string:
+    'cuda0'"; an out-of-range device index), accel raised ``ValueError``; this class is
+    both, so ``except RuntimeError`` written for torch and ``except ValueError`` written for
+    accel keep working.
+    """
+
+
 class AcceleratorError(RuntimeError):
     """A vendor runtime call failed, or no device can serve the request.
 

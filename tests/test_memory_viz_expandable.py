@@ -48,7 +48,7 @@ def snapshot(monkeypatch, tmp_path):
 
 
 def _reserved_row(text):
-    row = next(line for line in text.splitlines() if line.startswith("| Device reserved memory"))
+    row = next(line for line in text.splitlines() if line.startswith("| GPU reserved memory"))   # torch's label
     return row.split("|")[2].split()                  # Cur Usage: value and unit
 
 

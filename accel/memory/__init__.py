@@ -37,6 +37,8 @@ __all__ = [
     "empty_cache", "empty_host_cache", "get_memory_info", "memory_allocated", "max_memory_allocated",
     "memory_reserved", "max_memory_reserved", "memory_stats", "reset_accumulated_memory_stats",
     "reset_peak_memory_stats", "memory_summary", "memory_snapshot", "record_history", "dump_snapshot",
+    "set_per_process_memory_fraction", "get_per_process_memory_fraction", "host_memory_stats",
+    "reset_peak_host_memory_stats", "reset_accumulated_host_memory_stats",
 ]
 
 _lock = threading.Lock()
@@ -122,6 +124,68 @@ def host_allocator() -> HostCachingAllocator:
 def _index(device_index) -> int:
     from .. import _device
     return _device.checked_index(device_index, optional=True)
+
+
+def set_per_process_memory_fraction(fraction: float, device=None) -> None:
+    """Cap the caching allocator of ``device`` (None: the current device) at ``fraction`` of
+    the device's total memory, from now on; torch.cuda's function, with its errors.
+
+    ``fraction`` must be a float in 0..1 (0.0 is valid: every new segment then fails):
+    ``TypeError("Invalid type for fraction argument, must be `float`")`` and
+    ``ValueError("Invalid fraction value: ... Allowed range: 0~1")`` otherwise.  Memory
+    already reserved is kept; a request that would pass the cap frees the cache, retries,
+    then raises ``accel.OutOfMemoryError`` ("... X allowed; ...").  Initializes the runtime.
+    ``per_process_memory_fraction`` in ``ACCEL_ALLOC_CONF`` sets the starting value.
+    """
+    _lazy.lazy_init()
+    index = _index(device)
+    if not isinstance(fraction, float):
+        raise TypeError("Invalid type for fraction argument, must be `float`")
+    if not 0.0 <= fraction <= 1.0:           # NaN fails too
+        raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
+    alloc = device_allocator(index)
+    setter = getattr(alloc, "set_memory_fraction", None)
+    if setter is None:
+        raise NotImplementedError(
+            f"set_per_process_memory_fraction: the {type(alloc).__name__} (backend:"
+            f"{alloc.config.backend}) reads per_process_memory_fraction only at start; set "
+            f"ACCEL_ALLOC_CONF=backend:{alloc.config.backend},per_process_memory_fraction:{fraction} instead")
+    setter(fraction)
+
+
+def get_per_process_memory_fraction(device=None) -> float:
+    """The fraction of ``device``'s memory its caching allocator may reserve (1.0 unless
+    set by :func:`set_per_process_memory_fraction` or ``per_process_memory_fraction`` in
+    ``ACCEL_ALLOC_CONF``).  Initializes the runtime, as torch's."""
+    _lazy.lazy_init()
+    return float(device_allocator(_index(device)).config.per_process_memory_fraction)
+
+
+def host_memory_stats() -> "OrderedDict[str, Any]":
+    """The pinned host allocator's statistics with torch 2.13's keys, flattened and sorted:
+    ``{allocations,allocated_bytes,active_requests,active_bytes}.{current,peak,allocated,freed}``
+    (blocks owned, their bytes, blocks handed out, their bytes), ``num_host_alloc``,
+    ``num_host_free`` and ``{host_alloc_time,host_free_time}.{total,max,min,count,avg}``
+    (microseconds).  An empty OrderedDict before the runtime is initialized, as torch's."""
+    if not _lazy.is_initialized():
+        return OrderedDict()
+    flat = []
+    for key, value in host_allocator().torch_stats().items():
+        if isinstance(value, dict):
+            flat.extend((f"{key}.{sub}", v) for sub, v in value.items())
+        else:
+            flat.append((key, value))
+    return OrderedDict(sorted(flat))
+
+
+def reset_peak_host_memory_stats() -> None:
+    """Set every ``peak`` of :func:`host_memory_stats` to the current value."""
+    host_allocator().reset_peak_stats()
+
+
+def reset_accumulated_host_memory_stats() -> None:
+    """Zero the ``allocated``/``freed`` counters and the timings of :func:`host_memory_stats`."""
+    host_allocator().reset_accumulated_stats()
 
 
 def empty_cache() -> None:

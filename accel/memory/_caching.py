@@ -361,6 +361,14 @@ class DeviceCachingAllocator:
     def config(self) -> _config.AllocConfig:
         return self._config
 
+    def set_memory_fraction(self, fraction: float) -> None:
+        """Cap reserved memory at ``fraction`` (0..1, checked by the caller) of the device's
+        total from now on: torch's ``setMemoryFraction``.  Memory already reserved stays;
+        the next segment that would pass the cap fails (free the cache, retry, then OOM)."""
+        with self._lock:
+            self._config = self._config._replace(per_process_memory_fraction=float(fraction))
+            self._allowed = None
+
     def malloc(self, nbytes: int, stream: Optional[int] = None) -> int:
         """Allocate ``nbytes`` on ``stream`` (a backend stream handle; None = the device's
         default stream).  Returns the device pointer, 0 for ``nbytes == 0``.
@@ -1838,7 +1846,15 @@ class DeviceCachingAllocator:
                           f"device {self._index} (foreign or interior pointer)")
 
     def _oom_message(self, nbytes: int) -> str:
+        """torch's OOM text (c10/cuda/CUDACachingAllocator.cpp, TORCH_CHECK_WITH(OutOfMemoryError,
+        ...)): "CUDA out of memory. Tried to allocate X. GPU n has a total capacity of T of which
+        F is free. [A allowed; ]Of the allocated memory ...", so log scrapers written for torch
+        match; and, as torch's allocate(), "Tried to allocate more than 1EB memory." for a
+        request of 2**60 bytes or more.  The amounts say "by accel" where torch's say "by
+        PyTorch", and the advice names ACCEL_ALLOC_CONF."""
         name = self._be.name.upper()
+        if nbytes >= _ONE_EXA_BYTES:
+            return f"{name} out of memory. Tried to allocate more than 1EB memory."
         fmt = _stats.format_size
         try:
             with self._on_device():
@@ -1850,12 +1866,16 @@ class DeviceCachingAllocator:
         allowed = ""
         if self._config.per_process_memory_fraction < 1.0:
             allowed = f"{fmt(self._allowed_bytes())} allowed; "
-        return (f"{name} out of memory. Tried to allocate {fmt(nbytes)}. {name} device {self._index} "
+        return (f"{name} out of memory. Tried to allocate {fmt(nbytes)}. GPU {self._index} "
                 f"has a total capacity of {fmt(total)} of which {fmt(free)} is free. {allowed}"
                 f"Of the allocated memory {fmt(allocated)} is allocated by accel, and "
                 f"{fmt(reserved - allocated)} is reserved by accel but unallocated. If reserved but "
                 f"unallocated memory is large try setting ACCEL_ALLOC_CONF=max_split_size_mb:N "
                 f"(or garbage_collection_threshold:0.8) to avoid fragmentation.")
+
+
+#: torch's one_exa_bytes (CUDACachingAllocator.cpp allocate(): size < 1152921504606846976)
+_ONE_EXA_BYTES = 1 << 60
 
 
 def _frames() -> list:

@@ -17,6 +17,7 @@ a capture is underway, and frees that need events wait until it ended.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Dict, List, Optional
 
 from .._errors import OutOfMemoryError
@@ -26,6 +27,9 @@ from ..streams import on_device
 from ._caching import _check_size, _Gate, capture_underway
 
 _MIN_SIZE = 512
+#: torch 2.13's host_memory_stats counters (torch/cuda/memory.py): blocks owned (active +
+#: cached), their bytes, blocks handed out, their bytes; each current/peak/allocated/freed
+_TORCH_STATS = ("allocations", "allocated_bytes", "active_requests", "active_bytes")
 
 
 class _HostBlock:
@@ -55,6 +59,9 @@ class HostCachingAllocator:
         self._event_cache: Dict[int, List[int]] = {}   # device -> completed events for reuse
         self._stats = {"allocated_bytes": 0, "reserved_bytes": 0, "allocations": 0,
                        "segments": 0, "num_host_alloc": 0, "num_host_free": 0}
+        self._tally = {key: [0, 0, 0, 0] for key in _TORCH_STATS}   # current, peak, allocated, freed
+        self._timing = {"host_alloc_time": [0, 0, 0, 0],             # total, max, min, count (µs)
+                        "host_free_time": [0, 0, 0, 0]}
 
     def _backend(self):
         if self._be is None:
@@ -80,20 +87,27 @@ class HostCachingAllocator:
                 block = self._blocks[ready.pop()]
             else:
                 try:
+                    start = time.perf_counter()
                     ptr = be.host_alloc(size)
                 except OutOfMemoryError:
                     be.clear_error()            # handled: no stale error for another library
                     if capture_underway(be):
                         raise                   # cudaFreeHost would invalidate the capture
                     self._release_free()
+                    start = time.perf_counter()
                     ptr = be.host_alloc(size)   # a second failure propagates
+                self._time("host_alloc_time", start)
                 block = self._blocks[ptr] = _HostBlock(ptr, size)
                 self._stats["reserved_bytes"] += size
                 self._stats["segments"] += 1
                 self._stats["num_host_alloc"] += 1
+                self._count("allocations", 1)
+                self._count("allocated_bytes", size)
             block.allocated = True
             self._stats["allocated_bytes"] += size
             self._stats["allocations"] += 1
+            self._count("active_requests", 1)
+            self._count("active_bytes", size)
             return block.ptr
 
     def free(self, ptr: int) -> None:
@@ -110,6 +124,8 @@ class HostCachingAllocator:
             block.allocated = False
             self._stats["allocated_bytes"] -= block.size
             self._stats["allocations"] -= 1
+            self._count("active_requests", -1)
+            self._count("active_bytes", -block.size)
             if not block.uses:
                 self._free.setdefault(block.size, []).append(ptr)
             elif capture_underway(self._be):
@@ -293,11 +309,64 @@ class HostCachingAllocator:
         for ptrs in self._free.values():
             while ptrs:
                 # a failed cudaFreeHost leaves the block pinned: it stays cached (and counted)
+                start = time.perf_counter()
                 self._be.host_free(ptrs[-1])
+                self._time("host_free_time", start)
                 block = self._blocks.pop(ptrs.pop())
                 self._stats["reserved_bytes"] -= block.size
                 self._stats["segments"] -= 1
                 self._stats["num_host_free"] += 1
+                self._count("allocations", -1)
+                self._count("allocated_bytes", -block.size)
+
+    # torch's host_memory_stats counters (called with self._lock held)
+    def _count(self, key: str, delta: int) -> None:
+        tally = self._tally[key]
+        tally[0] += delta
+        if delta > 0:
+            tally[2] += delta
+            if tally[0] > tally[1]:
+                tally[1] = tally[0]
+        else:
+            tally[3] -= delta
+
+    def _time(self, key: str, start: float) -> None:
+        us = int((time.perf_counter() - start) * 1e6)
+        timing = self._timing[key]
+        timing[0] += us
+        timing[1] = max(timing[1], us)
+        timing[2] = us if timing[3] == 0 else min(timing[2], us)
+        timing[3] += 1
+
+    def torch_stats(self) -> dict:
+        """torch 2.13's ``_cuda_hostMemoryStats`` layout (nested): ``allocations``,
+        ``allocated_bytes``, ``active_requests``, ``active_bytes`` as {current, peak,
+        allocated, freed}; ``num_host_alloc``, ``num_host_free``; ``host_alloc_time`` and
+        ``host_free_time`` as {total, max, min, count, avg} in microseconds.  A block counts
+        as active from malloc to free (torch: until its stream uses complete)."""
+        with held(self._lock, "pinned stats"):
+            out = {key: dict(zip(("current", "peak", "allocated", "freed"), tally))
+                   for key, tally in self._tally.items()}
+            out["num_host_alloc"] = self._stats["num_host_alloc"]
+            out["num_host_free"] = self._stats["num_host_free"]
+            for key, (total, most, least, count) in self._timing.items():
+                out[key] = {"total": total, "max": most, "min": least, "count": count,
+                            "avg": total // count if count else 0}
+            return out
+
+    def reset_peak_stats(self) -> None:
+        """Set each torch_stats peak to its current value."""
+        with held(self._lock, "pinned stats"):
+            for tally in self._tally.values():
+                tally[1] = tally[0]
+
+    def reset_accumulated_stats(self) -> None:
+        """Zero the torch_stats allocated/freed counters and the timings."""
+        with held(self._lock, "pinned stats"):
+            for tally in self._tally.values():
+                tally[2] = tally[3] = 0
+            for timing in self._timing.values():
+                timing[:] = [0, 0, 0, 0]
 
     @staticmethod
     def _not_allocated(ptr, block) -> Exception:
