@@ -12,6 +12,14 @@ class InvalidDeviceError(ValueError, RuntimeError):
     """
 
 
+class AllocatorConfigError(ValueError, RuntimeError):
+    """A bad ``ACCEL_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF`` / ``PYTORCH_CUDA_ALLOC_CONF`` setting.
+
+    torch raises RuntimeError or ValueError for these (c10 TORCH_CHECK / TORCH_CHECK_VALUE);
+    this class is both, so code written for either catches it.
+    """
+
+
 class AcceleratorError(RuntimeError):
     """A vendor runtime call failed, or no device can serve the request.
 

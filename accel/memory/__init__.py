@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from .. import _lazy, backends, streams
 from ..streams import on_device
-from . import _async, _caching
+from . import _async, _caching, _config
 from ._caching import DeviceCachingAllocator
 from ._host import HostCachingAllocator
 
@@ -54,6 +54,7 @@ def _reset() -> None:
         _host = None
         _history = None
         _caching._forget_captures()
+        _config._warned.clear()      # a fresh start warns again about ignored allocator options
 
 
 def _after_fork_in_child() -> None:

@@ -5,14 +5,26 @@ The syntax and option names are PyTorch's ``PYTORCH_CUDA_ALLOC_CONF``
 ``max_split_size_mb:128,garbage_collection_threshold:0.8``.  ``ACCEL_ALLOC_CONF``
 wins; ``PYTORCH_ALLOC_CONF`` and ``PYTORCH_CUDA_ALLOC_CONF`` are read when it
 is unset, so a torch configuration carries over.  The string is parsed at the
-allocator's first use; an unknown key or a bad value raises ``ValueError``
-naming the option and listing the valid ones.
+allocator's first use.
+
+A setting written for torch never breaks accel: every key torch 2.13 accepts is
+accepted, with torch's value checks (booleans exactly ``True``/``False``,
+``pinned_num_register_threads`` a power of two <= 128, ...).  The torch keys accel
+does not implement (``TORCH_ONLY``) give one warning and are ignored.  accel's own
+keys (``policy``, ``release_threshold``) are read only from ``ACCEL_ALLOC_CONF``: in
+a PYTORCH_ variable, which torch refuses them from, they give one warning and are
+ignored.  A key neither knows, or a bad value, raises
+:class:`accel._errors.AllocatorConfigError` (a ValueError and a RuntimeError, as
+torch's) naming the option and listing the valid ones.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from typing import NamedTuple, Optional, Tuple
+
+from .._errors import AllocatorConfigError
 
 MiB = 1 << 20
 #: "no limit" for max_split_size, as torch's SIZE_MAX; memory_stats reports it as -1.
@@ -28,24 +40,40 @@ BACKENDS = ("native", "cudaMallocAsync")
 ENV_VARS = ("ACCEL_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 
 OPTIONS = {
-    "max_split_size_mb": "blocks at least this large (MiB, > 20) are never split",
+    "max_split_size_mb": "blocks at least this large (MiB, >= 20) are never split",
     "max_non_split_rounding_mb": "an oversize request may take a cached block up to this much larger (MiB)",
     "garbage_collection_threshold": "release unused cached segments when reserved memory exceeds "
                                     "this fraction (0 < t < 1) of the allowed memory",
     "roundup_power2_divisions": "round request sizes up to one of N divisions per power of two "
                                 "(N, or a list such as [256:1,512:2,>:4] keyed by MiB)",
-    "release_threshold": "bytes (suffix K/M/G allowed) of completely free segments kept cached; "
+    "release_threshold": "(ACCEL_ALLOC_CONF only) bytes (suffix K/M/G allowed) of completely free segments kept cached; "
                          "more are returned to the device when a block is freed",
     "expandable_segments": "True/False: grow one virtual address range per stream and pool by mapping "
                            "2 MiB pages where the backend has virtual memory (default: True there; False under policy:torch, as torch)",
     "per_process_memory_fraction": "cap reserved memory at this fraction (0..1] of the device's total",
-    "policy": "accel (default: tight segments, release-before-grow) or torch (PyTorch's sizing rules)",
+    "policy": "(ACCEL_ALLOC_CONF only) accel (default: tight segments, release-before-grow) or torch (PyTorch's sizing rules)",
     "backend": "native (accel's caching allocator, the default) or cudaMallocAsync (the driver's "
                "stream-ordered pool, where the backend has one; only per_process_memory_fraction applies)",
-    "pinned_use_background_threads": "accepted for PyTorch compatibility; no effect",
-    "pinned_use_cuda_host_register": "accepted for PyTorch compatibility; no effect",
-    "pinned_num_register_threads": "accepted for PyTorch compatibility; no effect",
+    "pinned_use_background_threads": "True/False; accepted for PyTorch compatibility, no effect",
+    "pinned_use_cuda_host_register": "True/False; accepted for PyTorch compatibility, no effect",
+    "pinned_use_hip_host_register": "True/False; accepted for PyTorch compatibility, no effect",
+    "pinned_num_register_threads": "a power of two <= 128; accepted for PyTorch compatibility, no effect",
+    "pinned_reserve_segment_size_mb": "MiB > 0; accepted for PyTorch compatibility, no effect",
+    "release_lock_on_cudamalloc": "True/False; accepted for PyTorch compatibility, no effect",
+    "release_lock_on_hipmalloc": "True/False; accepted for PyTorch compatibility, no effect",
+    "graph_capture_record_stream_reuse": "True/False; accepted for PyTorch compatibility, no effect",
 }
+
+#: keys only accel knows: read from ACCEL_ALLOC_CONF only (torch refuses them)
+ACCEL_ONLY = ("policy", "release_threshold")
+#: keys torch accepts that accel parses and validates as torch does, then ignores (one warning)
+TORCH_ONLY = ("pinned_use_background_threads", "pinned_use_cuda_host_register", "pinned_use_hip_host_register",
+              "pinned_num_register_threads", "pinned_reserve_segment_size_mb", "release_lock_on_cudamalloc",
+              "release_lock_on_hipmalloc", "graph_capture_record_stream_reuse")
+#: torch's pinned_max_register_threads() (c10/cuda/CUDAAllocatorConfig.h)
+_MAX_REGISTER_THREADS = 128
+#: (variable, setting) pairs already warned about: one warning per process, not per device
+_warned = set()
 
 
 class AllocConfig(NamedTuple):
@@ -71,16 +99,17 @@ class AllocConfig(NamedTuple):
         return self.roundup_power2_divisions[min(index, _POW2_INTERVALS - 1)]
 
 
-def _fail(key: str, value: str, why: str, source: str) -> ValueError:
-    return ValueError(f"{source}: invalid value {value!r} for option {key!r}: {why}")
+def _fail(key: str, value: str, why: str, source: str) -> AllocatorConfigError:
+    return AllocatorConfigError(f"{source}: invalid value {value!r} for option {key!r}: {why}")
 
 
 def _parse_bool(key, value, source):
-    if value in ("True", "true", "1"):
+    # torch: exactly True or False (AllocatorConfig.cpp, "Expected a single True/False argument")
+    if value == "True":
         return True
-    if value in ("False", "false", "0"):
+    if value == "False":
         return False
-    raise _fail(key, value, "expected True or False", source)
+    raise _fail(key, value, f"Expected a single True/False argument for {key}", source)
 
 
 def _parse_float(key, value, source, lo, hi, lo_open=True):
@@ -164,23 +193,33 @@ def _split_options(text: str):
 
 
 def parse(text: str, source: str = "ACCEL_ALLOC_CONF") -> AllocConfig:
-    """Parse an option string; ValueError for unknown keys or bad values."""
+    """Parse an option string read from the variable ``source``; AllocatorConfigError (a
+    ValueError and RuntimeError) for unknown keys or bad values.  From a ``PYTORCH_``
+    variable, accel-only keys are skipped; the skipped and the not-implemented torch keys
+    give one UserWarning per (variable, setting) in the process."""
     values = {"source": source}
+    from_torch = source.startswith("PYTORCH_")
+    skipped, ignored = [], []
     for item in _split_options(text.replace(" ", "")):
         if not item:
             continue
         key, sep, value = item.partition(":")
         if not sep:
             # "key=value" is not torch syntax, but an easy slip worth a precise message.
-            raise ValueError(f"{source}: option {item!r} must be written key:value "
+            raise AllocatorConfigError(f"{source}: option {item!r} must be written key:value "
                              f"(e.g. max_split_size_mb:128)")
         if key not in OPTIONS:
             valid = "\n".join(f"  {name}: {doc}" for name, doc in OPTIONS.items())
-            raise ValueError(f"{source}: unknown allocator option {key!r}; valid options are:\n{valid}")
+            raise AllocatorConfigError(f"{source}: unknown allocator option {key!r}; valid options are:\n{valid}")
+        if from_torch and key in ACCEL_ONLY:
+            skipped.append(key)          # torch refuses it; a shared variable must not break torch
+            continue
+        if key in TORCH_ONLY:
+            ignored.append(key)
         if key == "max_split_size_mb":
             mb = _parse_int(key, value, source)
-            if mb <= 20:
-                raise _fail(key, value, "must be > 20 (MiB), the large-buffer size", source)
+            if mb < 20:     # torch: "max_split_size_mb too small, must be >= 20"
+                raise _fail(key, value, "must be >= 20 (MiB), the large-buffer size", source)
             values["max_split_size"] = mb * MiB
         elif key == "max_non_split_rounding_mb":
             mb = _parse_int(key, value, source)
@@ -199,7 +238,8 @@ def parse(text: str, source: str = "ACCEL_ALLOC_CONF") -> AllocConfig:
         elif key == "expandable_segments":
             values["expandable_segments"] = _parse_bool(key, value, source)
         elif key == "per_process_memory_fraction":
-            values["per_process_memory_fraction"] = _parse_float(key, value, source, 0.0, 1.0)
+            # torch: "per_process_memory_fraction is invalid, set it in [0.0, 1.0]"
+            values["per_process_memory_fraction"] = _parse_float(key, value, source, 0.0, 1.0, lo_open=False)
         elif key == "policy":
             if value not in ("accel", "torch"):
                 raise _fail(key, value, "expected accel or torch", source)
@@ -208,10 +248,27 @@ def parse(text: str, source: str = "ACCEL_ALLOC_CONF") -> AllocConfig:
             if value not in BACKENDS:
                 raise _fail(key, value, f"expected {' or '.join(BACKENDS)} (torch's spelling)", source)
             values["backend"] = value
-        elif key in ("pinned_use_background_threads", "pinned_use_cuda_host_register"):
-            _parse_bool(key, value, source)
         elif key == "pinned_num_register_threads":
-            _parse_int(key, value, source)
+            threads = _parse_int(key, value, source)
+            if threads <= 0 or threads & (threads - 1):
+                raise _fail(key, value, "Number of register threads has to be power of 2", source)
+            if threads > _MAX_REGISTER_THREADS:
+                raise _fail(key, value, "Number of register threads should be less than or equal to "
+                                        f"{_MAX_REGISTER_THREADS}", source)
+        elif key == "pinned_reserve_segment_size_mb":
+            if _parse_int(key, value, source) <= 0:
+                raise _fail(key, value, "Pinned reserve segment size has to be greater than 0", source)
+        elif key in TORCH_ONLY:                   # the True/False ones
+            _parse_bool(key, value, source)
+    if (skipped or ignored) and (source, text) not in _warned:
+        _warned.add((source, text))
+        parts = []
+        if ignored:
+            parts.append(f"{', '.join(ignored)} (torch options accel does not implement)")
+        if skipped:
+            parts.append(f"{', '.join(skipped)} (accel options, read only from ACCEL_ALLOC_CONF; "
+                         f"torch refuses them)")
+        warnings.warn(f"{source}: ignored {' and '.join(parts)}", UserWarning, stacklevel=3)
     return AllocConfig(**values)
 
 
