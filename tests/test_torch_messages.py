@@ -57,6 +57,78 @@ def test_cuda__test_set_per_process_memory_fraction_oom_says_allowed(sim_cuda):
     assert total == 8 * GiB
 
 
+# torch's OOM text names format_size(alloc_size), alloc_size = get_allocation_size(round_size(n))
+# (DeviceCachingAllocator::malloc): the segment it asked the device for, with or without
+# expandable segments.  Requests and what torch prints for them:
+_TORCH_TRIED = [(100, "2.00 MiB"), (MiB, "2.00 MiB"), (MiB + 1, "20.00 MiB"),
+                (9 * MiB + 5, "20.00 MiB"), (10 * MiB, "10.00 MiB"), (11 * MiB + 1, "12.00 MiB"),
+                (33 * MiB, "34.00 MiB")]
+# accel's own policy asks for 2 MiB for a small request and the request rounded up to 2 MiB
+# otherwise (it has no 20 MiB bucket), and prints that
+_ACCEL_TRIED = [(100, "2.00 MiB"), (MiB, "2.00 MiB"), (MiB + 1, "2.00 MiB"),
+                (9 * MiB + 5, "10.00 MiB"), (10 * MiB, "10.00 MiB"), (11 * MiB + 1, "12.00 MiB")]
+
+
+def _tried(alloc, nbytes: int) -> str:
+    from accel import sim
+    sim.inject_oom(times=1000)            # every device allocation fails, retries included
+    try:
+        with pytest.raises(OutOfMemoryError) as info:
+            alloc.malloc(nbytes)
+    finally:
+        sim.clear_faults()
+    return re.search(r"Tried to allocate (.*?)\. GPU 0 has", str(info.value)).group(1)
+
+
+@pytest.mark.parametrize("expandable", ["True", "False"])
+def test_cuda__test_out_of_memory_size_is_torchs_allocation_size(monkeypatch, expandable):
+    """Under policy:torch the OOM names the quantity torch names for the same request: the
+    segment size (2 MiB for <= 1 MiB, 20 MiB below 10 MiB, else rounded up to 2 MiB), also
+    with expandable segments, where torch still prints get_allocation_size."""
+    use_sim(monkeypatch, "cuda", ACCEL_ALLOC_CONF=f"policy:torch,expandable_segments:{expandable}")
+    alloc = memory.device_allocator(0)
+    assert [(n, _tried(alloc, n)) for n, _ in _TORCH_TRIED] == _TORCH_TRIED
+
+
+def test_cuda__test_out_of_memory_size_rounds_power2_divisions(monkeypatch):
+    """round_size first: with roundup_power2_divisions:4, 33 MiB rounds to 40 MiB."""
+    use_sim(monkeypatch, "cuda", ACCEL_ALLOC_CONF="policy:torch,roundup_power2_divisions:4")
+    assert _tried(memory.device_allocator(0), 33 * MiB) == "40.00 MiB"
+
+
+@pytest.mark.parametrize("expandable", ["True", "False"])
+def test_out_of_memory_size_accel_policy(monkeypatch, expandable):
+    """accel's own policy names the segment it would have made for the request."""
+    use_sim(monkeypatch, "cuda", ACCEL_ALLOC_CONF=f"expandable_segments:{expandable}")
+    alloc = memory.device_allocator(0)
+    assert [(n, _tried(alloc, n)) for n, _ in _ACCEL_TRIED] == _ACCEL_TRIED
+
+
+@pytest.mark.parametrize("conf", ["", "expandable_segments:False", "policy:torch", "backend:cudaMallocAsync"])
+@pytest.mark.parametrize("kind", ["cuda", "xpu"])
+def test_cuda__test_out_of_memory_1eb_refused_up_front(monkeypatch, kind, conf):
+    """torch checks size < one_exa_bytes in allocate(), before the device allocator runs: no
+    cache is freed, no stream synchronized, no retry or OOM counted."""
+    if kind == "xpu" and "Async" in conf:
+        pytest.skip("backend:cudaMallocAsync is CUDA's")
+    use_sim(monkeypatch, kind, ACCEL_ALLOC_CONF=conf)
+    alloc = memory.device_allocator(0)
+    kept = alloc.malloc(3 * MiB)
+    cached = alloc.malloc(30 * MiB)
+    alloc.free(cached)                       # reserved but free: an OOM retry would release it
+    before = alloc.stats()
+    for nbytes in (1 << 60, 2**64, 2**70):
+        with pytest.raises(OutOfMemoryError, match=r"^[A-Z]+ out of memory\. Tried to allocate more than 1EB "
+                                                   r"memory\.$"):
+            alloc.malloc(nbytes)
+    after = alloc.stats()
+    for key in ("reserved_bytes.all.current", "num_alloc_retries", "num_ooms", "num_sync_all_streams",
+                "num_device_free", "allocation.all.current"):
+        assert after[key] == before[key], key
+    assert before["reserved_bytes.all.current"] >= 33 * MiB
+    alloc.free(kept)
+
+
 # ------------------------------------------------------------------ device strings and indices
 def test_cuda_multigpu__test_get_device_index(sim_cuda):
     """test_cuda_multigpu.py::test_get_device_index: "cuda0" is a RuntimeError "Invalid

@@ -161,10 +161,12 @@ class AsyncPoolAllocator:
         TypeError/ValueError for a bad size, :class:`accel.OutOfMemoryError` when the pool
         cannot grow or the memory fraction would be passed, :class:`accel.CaptureError` on a
         capturing stream."""
-        if type(nbytes) is not int or nbytes <= 0:
+        if type(nbytes) is not int or nbytes <= 0 or nbytes >= _caching._ONE_EXA_BYTES:
             nbytes = _caching._check_size(nbytes)
             if nbytes == 0:
                 return 0
+            if nbytes >= _caching._ONE_EXA_BYTES:     # torch's allocate() refuses first
+                raise _caching._exabyte_error(self._be.name)
         if stream is None:
             stream = self._get_default_stream()
         elif isinstance(stream, bool) or not isinstance(stream, int):

@@ -377,10 +377,12 @@ class DeviceCachingAllocator:
         ``accel.OutOfMemoryError`` when the device is full even after the cache
         was released.
         """
-        if type(nbytes) is not int or nbytes <= 0:
+        if type(nbytes) is not int or nbytes <= 0 or nbytes >= _ONE_EXA_BYTES:
             nbytes = _check_size(nbytes)
             if nbytes == 0:
                 return 0
+            if nbytes >= _ONE_EXA_BYTES:        # before the cache is touched, as torch
+                raise _exabyte_error(self._be.name)
         size = (nbytes + 511) & -512       # multiple of 512 (at least 512)
         if stream is None:
             stream = self._get_default_stream()
@@ -1048,7 +1050,7 @@ class DeviceCachingAllocator:
             ptr = self._device_alloc(seg_size)
         if ptr is None:
             self._scalars["num_ooms"] += 1
-            raise OutOfMemoryError(self._oom_message(nbytes))
+            raise OutOfMemoryError(self._oom_message(seg_size))
         block = _Block(ptr, seg_size, fl, None, None)
         self._blocks[ptr] = block
         self._segments[ptr] = seg_size
@@ -1353,7 +1355,7 @@ class DeviceCachingAllocator:
             handle = self._exp_create(seg, plan[1], plan[2]) if plan is not None else None
             if handle is None:
                 self._scalars["num_ooms"] += 1
-                raise OutOfMemoryError(self._oom_message(nbytes))
+                raise OutOfMemoryError(self._oom_message(self._segment_size(size, fl.kind)))
         return self._exp_map(seg, fl, plan, handle)
 
     def _exp_map(self, seg: _ExpSegment, fl: _FreeList, plan, pieces) -> _Block:
@@ -1845,16 +1847,21 @@ class DeviceCachingAllocator:
         return ValueError(f"pointer {ptr:#x} was not allocated by the caching allocator of "
                           f"device {self._index} (foreign or interior pointer)")
 
-    def _oom_message(self, nbytes: int) -> str:
-        """torch's OOM text (c10/cuda/CUDACachingAllocator.cpp, TORCH_CHECK_WITH(OutOfMemoryError,
-        ...)): "CUDA out of memory. Tried to allocate X. GPU n has a total capacity of T of which
-        F is free. [A allowed; ]Of the allocated memory ...", so log scrapers written for torch
-        match; and, as torch's allocate(), "Tried to allocate more than 1EB memory." for a
-        request of 2**60 bytes or more.  The amounts say "by accel" where torch's say "by
-        PyTorch", and the advice names ACCEL_ALLOC_CONF."""
+    def _oom_message(self, tried: int) -> str:
+        """torch's OOM text (c10/cuda/CUDACachingAllocator.cpp, DeviceCachingAllocator::malloc,
+        TORCH_CHECK_WITH(OutOfMemoryError, ...)): "CUDA out of memory. Tried to allocate X. GPU n
+        has a total capacity of T of which F is free. [A allowed; ]Of the allocated memory ...",
+        so log scrapers written for torch match.  The amounts say "by accel" where torch's say
+        "by PyTorch", and the advice names ACCEL_ALLOC_CONF.
+
+        ``tried`` is the segment size the request needed (``_segment_size`` of the rounded
+        request), the quantity torch prints (``format_size(alloc_size)``, alloc_size =
+        get_allocation_size(round_size(n)), with or without expandable segments).  Under
+        policy:torch that is torch's number for the same request: 2 MiB up to 1 MiB, 20 MiB
+        below 10 MiB, else the request rounded up to 2 MiB.  Under accel's own policy it is
+        the segment accel sizes: 2 MiB up to 1 MiB, else the request rounded up to 2 MiB.
+        (Requests of 1 EB or more never get here: malloc refuses them first.)"""
         name = self._be.name.upper()
-        if nbytes >= _ONE_EXA_BYTES:
-            return f"{name} out of memory. Tried to allocate more than 1EB memory."
         fmt = _stats.format_size
         try:
             with self._on_device():
@@ -1866,7 +1873,7 @@ class DeviceCachingAllocator:
         allowed = ""
         if self._config.per_process_memory_fraction < 1.0:
             allowed = f"{fmt(self._allowed_bytes())} allowed; "
-        return (f"{name} out of memory. Tried to allocate {fmt(nbytes)}. GPU {self._index} "
+        return (f"{name} out of memory. Tried to allocate {fmt(tried)}. GPU {self._index} "
                 f"has a total capacity of {fmt(total)} of which {fmt(free)} is free. {allowed}"
                 f"Of the allocated memory {fmt(allocated)} is allocated by accel, and "
                 f"{fmt(reserved - allocated)} is reserved by accel but unallocated. If reserved but "
@@ -1874,8 +1881,15 @@ class DeviceCachingAllocator:
                 f"(or garbage_collection_threshold:0.8) to avoid fragmentation.")
 
 
-#: torch's one_exa_bytes (CUDACachingAllocator.cpp allocate(): size < 1152921504606846976)
+#: torch's one_exa_bytes (CUDACachingAllocator.cpp and CUDAMallocAsyncAllocator.cpp allocate():
+#: TORCH_CHECK_WITH(OutOfMemoryError, size < 1152921504606846976, ...) before the allocator runs)
 _ONE_EXA_BYTES = 1 << 60
+
+
+def _exabyte_error(backend_name: str) -> OutOfMemoryError:
+    """torch's refusal of a request of 1 EB (2**60 bytes) or more, raised before the
+    allocator runs: nothing is freed, synchronized or counted."""
+    return OutOfMemoryError(f"{backend_name.upper()} out of memory. Tried to allocate more than 1EB memory.")
 
 
 def _frames() -> list:
