@@ -47,14 +47,15 @@ def _variant(text: str):
 def table_rows(results):
     """(header, rows) of the report, as strings; shared by the text and markdown tables."""
     header = ["trace", "policy", "ops", "peak live MiB", "2 MiB floor", "resv/alloc", "resv/req",
-              "min cap", "dev allocs", "map/unmap", "us/op (min-max)"]
+              "min cap", "dev allocs", "map/unmap", "us/op (min-max)", "alloc us/op"]
     rows = []
     for r in results:
         cap = f"{r['min_capacity_ratio']:.3f}" if "min_capacity_ratio" in r else "-"
         rows.append([r["name"], r["variant"], str(r["ops"]), f"{r['peak_live'] / MiB:.2f}",
                      f"{r['floor_ratio']:.3f}", f"{r['ratio']:.3f}", f"{r['ratio_requested']:.3f}", cap,
                      str(r["device_alloc_calls"]), f"{r['map_calls']}/{r['unmap_calls']}",
-                     f"{r['us_per_op']:.2f} ({r['us_per_op_min']:.2f}-{r['us_per_op_max']:.2f})"])
+                     f"{r['us_per_op']:.2f} ({r['us_per_op_min']:.2f}-{r['us_per_op_max']:.2f})",
+                     f"{r['allocator_us_per_op']:.2f}"])
     return header, rows
 
 

@@ -86,10 +86,37 @@ def physical_floor(ops, page: int = PAGE) -> int:
     return -(-peak_live(ops) // page) * page
 
 
+class _TimedBackend:
+    """The backend as the allocator sees it, adding up the seconds spent in its calls
+    (cudaMalloc/cudaFree, cuMemCreate/Map/Unmap/Release, synchronizes...), so a replay
+    can tell the allocator's own time from the driver's (or the simulator's)."""
+
+    def __init__(self, backend):
+        self._backend = backend
+        self.seconds = 0.0
+        self.calls = 0
+
+    def __getattr__(self, name):
+        value = getattr(self._backend, name)
+        if not callable(value) or name.startswith("__"):
+            return value
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return value(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+                self.calls += 1
+        return timed
+
+
 def _replay_once(be, trace: dict, config: _config.AllocConfig, device: int):
     """One replay through a fresh allocator: ``(stats at the end, seconds for the ops,
     error)``; ``error`` is the OutOfMemoryError that stopped it, or None.  Every block
-    still live is freed and the cache emptied on every path."""
+    still live is freed and the cache emptied on every path.  ``stats["_backend_seconds"]``
+    is the part of the seconds spent inside backend calls."""
+    be = _TimedBackend(be)
     alloc = create_allocator(be, device, config)     # backend:cudaMallocAsync too
     stream = be.default_stream(device)
     malloc, free = alloc.malloc, alloc.free
@@ -105,6 +132,7 @@ def _replay_once(be, trace: dict, config: _config.AllocConfig, device: int):
     except OutOfMemoryError as exc:
         error = exc
     elapsed = time.perf_counter() - start
+    backend_seconds = be.seconds
     try:
         stats = alloc.stats()
     finally:
@@ -119,6 +147,7 @@ def _replay_once(be, trace: dict, config: _config.AllocConfig, device: int):
     if map_stats is not None:
         stats.update(map_stats())
     stats["_reserved_after_empty_cache"] = alloc.stats()["reserved_bytes.all.current"]
+    stats["_backend_seconds"] = backend_seconds
     return stats, elapsed, error
 
 
@@ -191,7 +220,9 @@ def replay(trace: dict, config: Optional[_config.AllocConfig] = None, device: in
     the bytes the program asked for, the stricter measure.  ``floor`` is the
     2 MiB physical floor (:func:`physical_floor`) and ``floor_ratio`` it over
     peak live bytes.  ``us_per_op`` is the median over ``rounds`` replays (each a
-    fresh allocator), ``us_per_op_min``/``_max`` the spread; the memory figures are
+    fresh allocator), ``us_per_op_min``/``_max`` the spread, ``allocator_us_per_op`` the
+    median of the same time less the time spent inside backend calls (the driver's, or
+    the simulator's, share: device allocations, maps, synchronizes); the memory figures are
     the round with the highest peak reserved (best fit breaks size ties by address,
     and addresses differ between replays, so rounds can differ slightly).  ``map_calls`` and
     ``unmap_calls`` are the allocator's backend map/unmap counts (0 for classic
@@ -201,17 +232,20 @@ def replay(trace: dict, config: Optional[_config.AllocConfig] = None, device: in
     config = config or _config.AllocConfig()
     ops = trace["ops"]
     times = []
+    own = []
     stats = None
     for _ in range(max(1, rounds)):
         got, elapsed, error = _replay_once(be, trace, config, device)
         if error is not None:
             raise error
         times.append(elapsed / len(ops) * 1e6 if ops else 0.0)
+        own.append((elapsed - got["_backend_seconds"]) / len(ops) * 1e6 if ops else 0.0)
         # the round with the highest peak reserved: best fit breaks size ties by address,
         # and the simulator's addresses differ between replays
         if stats is None or got["reserved_bytes.all.peak"] > stats["reserved_bytes.all.peak"]:
             stats = got
     times.sort()
+    own.sort()
     need = peak_live(ops)
     floor = physical_floor(ops)
     peak_alloc = stats["allocated_bytes.all.peak"]
@@ -236,6 +270,7 @@ def replay(trace: dict, config: Optional[_config.AllocConfig] = None, device: in
         "us_per_op": times[len(times) // 2],
         "us_per_op_min": times[0],
         "us_per_op_max": times[-1],
+        "allocator_us_per_op": own[len(own) // 2],
         "rounds": len(times),
         "reserved_after_empty_cache": stats["_reserved_after_empty_cache"],
     }
