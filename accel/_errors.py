@@ -2,13 +2,16 @@
 
 
 class InvalidDeviceError(ValueError, RuntimeError):
-    """A device string or index that names no device: ``"cuda0"``, ``"cuda:x"``, an index
-    past the device count.
+    """A device the operation cannot use: a device string or index that names no device
+    (``"cuda0"``, ``"cuda:x"``, an index past the device count), or a device that does not
+    fit the operation (an event recorded on a stream of another device, ``elapsed_time``
+    between events of two devices).
 
-    torch raises ``RuntimeError`` here (``torch.device("cuda0")``: "Invalid device string:
-    'cuda0'"; an out-of-range device index), accel raised ``ValueError``; this class is
-    both, so ``except RuntimeError`` written for torch and ``except ValueError`` written for
-    accel keep working.
+    torch raises ``RuntimeError`` for all of these (``torch.device("cuda0")``: "Invalid
+    device string: 'cuda0'"; an out-of-range device index; "Event device 0 does not match
+    recording stream's device 1"), accel raised ``ValueError``; this class is both, so
+    ``except RuntimeError`` written for torch and ``except ValueError`` written for accel
+    keep working.
     """
 
 

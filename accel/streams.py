@@ -24,7 +24,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from . import _finalize as _fin
 from . import _lazy
 from ._device import DeviceLike, check_range, device, device_index
-from ._errors import AcceleratorError
+from ._errors import AcceleratorError, InvalidDeviceError
 from .backends.base import Backend
 
 __all__ = ["Stream", "Event", "current_stream", "set_stream", "default_stream", "on_device"]
@@ -427,9 +427,9 @@ def set_stream(stream: Stream) -> None:
     _current_table()[stream._index] = stream
 
 
-class _DeviceMismatchError(ValueError, RuntimeError):
-    """An event used with a stream or event of another device.  torch raises RuntimeError
-    here; accel raised ValueError before, so ``except ValueError`` code keeps working."""
+#: An event used with a stream or event of another device raises InvalidDeviceError (torch:
+#: RuntimeError; accel before: ValueError; the class is both).  The old private name is kept.
+_DeviceMismatchError = InvalidDeviceError
 
 
 class Event:

@@ -164,6 +164,28 @@ def test_cuda__test_streams_multi_gpu_out_of_range_device(sim_cuda):
         accel.set_device_index(5)
 
 
+def test_cuda_multigpu__test_events_multi_gpu_errors_are_invalid_device_error(sim_cuda):
+    """An event used with another device's stream or event: torch raises RuntimeError; accel
+    raises its one device error class, InvalidDeviceError (RuntimeError and ValueError), with
+    the messages it always had.  The old private name stays an alias."""
+    from accel.streams import _DeviceMismatchError
+    assert _DeviceMismatchError is InvalidDeviceError
+    e0, e1 = accel.Event(enable_timing=True), accel.Event(enable_timing=True)
+    e0.record(accel.Stream(0))
+    e1.record(accel.Stream(1))
+    with pytest.raises(InvalidDeviceError, match="elapsed_time needs two events of one device: this event "
+                                                 "was recorded on device 0, end_event on device 1"):
+        e0.elapsed_time(e1)
+    with pytest.raises(InvalidDeviceError, match="cannot record: the event belongs to device 0 but the "
+                                                 "stream is on device 1"):
+        e0.record(accel.Stream(1))
+    for call in (lambda: e1.elapsed_time(e0), lambda: e1.record(accel.Stream(0))):
+        with pytest.raises(RuntimeError):
+            call()
+        with pytest.raises(ValueError):
+            call()
+
+
 # ------------------------------------------------------------------ memory_summary
 _TORCH_LABELS = ["Allocated memory", "Active memory", "Requested memory", "GPU reserved memory",
                  "Non-releasable memory", "Allocations", "Active allocs", "GPU reserved segments",
