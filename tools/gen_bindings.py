@@ -68,6 +68,8 @@ CUDART_FUNCTIONS = [
     "cudaDeviceGetStreamPriorityRange",
     "cudaEventCreateWithFlags", "cudaEventDestroy", "cudaEventRecord", "cudaEventSynchronize",
     "cudaEventQuery", "cudaEventElapsedTime",
+    # issue 16: external events (event record/wait nodes in a capture); every CUDA >= 11.1 has it
+    "cudaEventRecordWithFlags",
     "cudaMemcpyAsync", "cudaMemcpy", "cudaMemsetAsync",
     "cudaStreamBeginCapture", "cudaStreamEndCapture", "cudaStreamIsCapturing",
     "cudaStreamGetCaptureInfo", "cudaThreadExchangeStreamCaptureMode",
@@ -140,6 +142,7 @@ CUDART_DEFINES = [
     "CUDART_VERSION",
     "cudaStreamDefault", "cudaStreamNonBlocking", "cudaStreamLegacy", "cudaStreamPerThread",
     "cudaEventDefault", "cudaEventBlockingSync", "cudaEventDisableTiming", "cudaEventInterprocess",
+    "cudaEventRecordDefault", "cudaEventRecordExternal", "cudaEventWaitDefault", "cudaEventWaitExternal",
     "cudaHostAllocDefault", "cudaHostAllocPortable", "cudaHostAllocMapped",
     "cudaHostAllocWriteCombined",
     "cudaDeviceScheduleAuto", "cudaDeviceScheduleSpin", "cudaDeviceScheduleYield",
