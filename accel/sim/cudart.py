@@ -36,8 +36,9 @@ Semantics chosen where CUDA leaves room (see also ``accel/sim/__init__.py``):
   prohibited calls return the vendor code and invalidate the capture, and
   cudaStreamEndCapture then returns cudaErrorStreamCaptureInvalidated with a
   NULL graph.  Pageable-memory copies during capture are refused
-  (cudaErrorStreamCaptureUnsupported).  Waits on external events
-  (cudaEventWaitExternal) are accepted and replay as no-ops.
+  (cudaErrorStreamCaptureUnsupported).  External events (cudaEventRecordExternal,
+  cudaEventWaitExternal) become event record / event wait nodes: each launch records
+  the event, or waits for its record current at the launch (see ``_event_plan``).
 * Versions (``Config.runtime_version`` / ``driver_version``): the library exposes exactly
   the cuda* functions the real libcudart of that version exports (``cudart_symbols/``,
   written by tools/cudart_exports.py) that are simulated here; a driver older than the
@@ -101,7 +102,8 @@ cudaErrorStreamCaptureWrongThread = 908
 
 _STREAM_NON_BLOCKING = 0x1
 _EVENT_BLOCKING_SYNC, _EVENT_DISABLE_TIMING, _EVENT_INTERPROCESS = 0x1, 0x2, 0x4
-_EVENT_WAIT_EXTERNAL = 0x1
+_EVENT_WAIT_EXTERNAL = 0x1         # cudaEventWaitExternal
+_EVENT_RECORD_EXTERNAL = 0x1       # cudaEventRecordExternal
 _CAPTURE_GLOBAL, _CAPTURE_THREAD_LOCAL, _CAPTURE_RELAXED = 0, 1, 2
 _STATUS_NONE, _STATUS_ACTIVE, _STATUS_INVALIDATED = 0, 1, 2
 _MEMCPY_H2H, _MEMCPY_H2D, _MEMCPY_D2H, _MEMCPY_D2D, _MEMCPY_DEFAULT = 0, 1, 2, 3, 4
@@ -206,14 +208,16 @@ class Event:
 
 
 class Node:
-    __slots__ = ("id", "kind", "label", "fn", "deps")
+    """A captured operation; ``event`` is set for event record / event wait nodes."""
+    __slots__ = ("id", "kind", "label", "fn", "deps", "event")
 
-    def __init__(self, id, kind, label, fn, deps):
+    def __init__(self, id, kind, label, fn, deps, event=None):
         self.id = id
         self.kind = kind
         self.label = label
         self.fn = fn
         self.deps = deps
+        self.event = event
 
 
 class Capture:
@@ -243,7 +247,7 @@ class Graph:
 
 
 class GraphExec:
-    __slots__ = ("handle", "key", "nodes", "launches", "device")
+    __slots__ = ("handle", "key", "nodes", "launches", "device", "plan")
 
     def __init__(self, handle, nodes, device):
         self.handle = handle
@@ -251,6 +255,7 @@ class GraphExec:
         self.nodes = nodes
         self.launches = 0
         self.device = device
+        self.plan = _event_plan(nodes)     # None: no event nodes, one operation per launch
 
 
 class Library:
@@ -677,7 +682,7 @@ def _invalidate(R: Runtime, cap: Optional[Capture]) -> None:
             cap.status = _STATUS_INVALIDATED
 
 
-def _enqueue(R: Runtime, s: Stream, fn, kind: str, label: str, work: bool = True):
+def _enqueue(R: Runtime, s: Stream, fn, kind: str, label: str, work: bool = True, event=None):
     """Run ``fn`` in stream order on ``s`` (or record it, if ``s`` is capturing).
     Returns (rc, seq); seq is 0 for captured or failed operations."""
     cap = s.capture
@@ -685,7 +690,7 @@ def _enqueue(R: Runtime, s: Stream, fn, kind: str, label: str, work: bool = True
         with R.clock:
             if cap.status != _STATUS_ACTIVE:
                 return cudaErrorStreamCaptureInvalidated, 0
-            node = Node(len(cap.nodes), kind, label, fn, cap.tails.get(s, ()))
+            node = Node(len(cap.nodes), kind, label, fn, cap.tails.get(s, ()), event)
             cap.nodes.append(node)
             cap.tails[s] = (node.id,)
         return 0, 0
@@ -1553,6 +1558,8 @@ def cudaStreamWaitEvent(R, stream, event, flags=0):
         return cudaErrorInvalidResourceHandle
     if flags & ~_EVENT_WAIT_EXTERNAL:
         return cudaErrorInvalidValue
+    if flags & _EVENT_WAIT_EXTERNAL:
+        return _external_wait(R, s, e)
     r = e.rec
     if r is None:
         return cudaSuccess      # never recorded: the wait is a no-op
@@ -1562,11 +1569,10 @@ def cudaStreamWaitEvent(R, stream, event, flags=0):
     if cap is not None:
         if cap.status != _STATUS_ACTIVE:
             return cudaErrorStreamCaptureInvalidated
-        if not flags & _EVENT_WAIT_EXTERNAL:
-            # Guide: waiting on a non-captured event from a capturing stream is invalid.
-            _invalidate(R, cap)
-            return cudaErrorStreamCaptureIsolation
-        return _enqueue(R, s, None, "event_wait", f"external wait on event {e.handle:#x}")[0]
+        # Guide, "Cross-stream Dependencies and Events": waiting on a non-captured event from a
+        # capturing stream is invalid without cudaEventWaitExternal.
+        _invalidate(R, cap)
+        return cudaErrorStreamCaptureIsolation
     if r.q.done >= r.seq:
         return cudaSuccess      # already complete: nothing to wait for
     if s.legacy and R.captures:
@@ -1577,6 +1583,28 @@ def cudaStreamWaitEvent(R, stream, event, flags=0):
     deps.append((r.q, r.seq))
     s.q.submit(None, deps, work=False)
     return cudaSuccess
+
+
+def _external_wait(R: Runtime, s: Stream, e: Event) -> int:
+    """cudaStreamWaitEvent(stream, event, cudaEventWaitExternal): an event wait node.
+
+    CUDA Runtime API, cudaStreamWaitEvent: "cudaEventWaitExternal: Event is captured in the
+    graph as an external event node when performing stream capture"; cuda.h, CUevent_wait_flags:
+    the flag "is invalid when used outside of capture".  The node waits, at each launch, for
+    the event's record current at that launch (cudaGraphAddEventWaitNode: "The graph node will
+    wait for all work captured in event"), whether or not the event was ever recorded when
+    the wait was captured."""
+    cap = s.capture
+    if cap is None:
+        return cudaErrorInvalidValue
+    r = e.rec
+    if r is not None and r.cap is not None and not r.cap.ended:
+        # The event was last recorded inside a capture underway (a capture-internal
+        # dependency, Guide "Cross-stream Dependencies and Events"): what an event wait node on
+        # it would wait for at launch the docs do not say, so the simulator refuses it.
+        _invalidate(R, cap)
+        return cudaErrorStreamCaptureUnsupported
+    return _enqueue(R, s, None, "event_wait", f"event {e.handle:#x}", event=e)[0]
 
 
 def _wait_captured_event(R: Runtime, s: Stream, r: Rec) -> int:
@@ -1653,9 +1681,23 @@ def cudaEventRecord(R, event, stream=None):
 
 
 def cudaEventRecordWithFlags(R, event, stream=None, flags=0):
-    if flags & ~0x1:
+    """cudaEventRecordDefault records as cudaEventRecord; cudaEventRecordExternal during stream
+    capture adds an event record node (CUDA Runtime API, cudaEventRecordWithFlags: "Event is
+    captured in the graph as an external event node when performing stream capture") and
+    leaves the event as it was: each launch of the graph records it (cudaGraphAddEventRecordNode:
+    "Each launch of the graph will record event").  cuda.h, CUevent_record_flags: the flag "is
+    invalid when used outside of capture"."""
+    if flags & ~_EVENT_RECORD_EXTERNAL:
         return cudaErrorInvalidValue
-    return cudaEventRecord(R, event, stream)
+    if not flags:
+        return cudaEventRecord(R, event, stream)
+    e = _lookup(R.events, event)
+    s = _stream(R, stream)
+    if e is None or s is None or e.device != s.device:   # event and stream must share a context
+        return cudaErrorInvalidResourceHandle
+    if s.capture is None:
+        return cudaErrorInvalidValue
+    return _enqueue(R, s, None, "event_record", f"event {e.handle:#x}", event=e)[0]
 
 
 def _captured_event(R: Runtime, r: Rec) -> int:
@@ -1844,6 +1886,83 @@ def cudaThreadExchangeStreamCaptureMode(R, mode):
     return cudaSuccess
 
 
+def _event_plan(nodes: Sequence[Node]):
+    """How a launch of a graph with event nodes runs: ("work", nodes) steps (one stream
+    operation each, as a graph without event nodes is one), split at ("record", Event) and
+    ("wait", Event) steps; None when the graph has no event node."""
+    if all(n.event is None for n in nodes):
+        return None
+    plan, chunk = [], []
+    for n in nodes:
+        if n.event is None:
+            chunk.append(n)
+            continue
+        if chunk:
+            plan.append(("work", tuple(chunk)))
+            chunk = []
+        plan.append(("record" if n.kind == "event_record" else "wait", n.event))
+    if chunk:
+        plan.append(("work", tuple(chunk)))
+    return tuple(plan)
+
+
+def _launch_with_events(R: Runtime, x: GraphExec, s: Stream) -> int:
+    """cudaGraphLaunch of a graph with event record / wait nodes, as stream operations in
+    capture order: each record node records its event when the launch reaches it (timestamp
+    and completion, cudaGraphAddEventRecordNode: "Each launch of the graph will record
+    event"), each wait node waits for its event's record current at this launch (or for a
+    record node earlier in the same launch, which stream order already covers).  Everything
+    is checked before anything is queued, so a refused launch queues nothing."""
+    if s.capture is not None:
+        # Launching into a capture makes the graph a child graph node; what event nodes do
+        # there the docs do not say (cudaGraphAddChildGraphNode lists only the node kinds it
+        # refuses), so the simulator refuses it.
+        _invalidate(R, s.capture)
+        return cudaErrorStreamCaptureUnsupported
+    steps = []
+    recorded = set()
+    for kind, arg in x.plan:
+        if kind == "work":
+            steps.append((kind, arg, None))
+            continue
+        if R.events.get(arg.handle) is not arg:
+            # The node's event was destroyed (its handle may name another event by now): what
+            # the launch would record or wait for the docs do not say, so it is refused.
+            return cudaErrorInvalidResourceHandle
+        if kind == "record":
+            recorded.add(id(arg))
+            steps.append((kind, arg, None))
+            continue
+        r = arg.rec
+        if id(arg) in recorded or r is None:
+            continue            # recorded earlier in this launch, or never: nothing more to wait for
+        if r.cap is not None:
+            if r.cap.ended:
+                continue        # as cudaStreamWaitEvent on an event of an ended capture
+            return cudaErrorCapturedEvent
+        if r.q.done < r.seq:
+            steps.append((kind, arg, (r.q, r.seq)))
+    if s.legacy and R.captures:
+        rc = _legacy_conflict(R, s.device)
+        if rc:
+            return rc
+    deps = list(_implicit_deps(R, s)) if (s.legacy or s.blocking) else []
+    q = s.q
+    x.launches += 1
+    for kind, arg, point in steps:
+        if kind == "work":
+            q.submit(_replay(arg), deps, True)
+        elif kind == "record":
+            rec = Rec()
+            rec.q = q
+            rec.seq = q.submit(None if arg.flags & _EVENT_DISABLE_TIMING else rec.stamp, deps, False)
+            arg.rec = rec
+        else:
+            q.submit(None, deps + [point], False)
+        deps = []               # later steps follow the first in stream order
+    return cudaSuccess
+
+
 def _replay(nodes: Sequence[Node]):
     def run():
         delay = core.delay_s
@@ -1880,6 +1999,8 @@ def cudaGraphLaunch(R, graphExec, stream):
     # stream not associated with the current device fails; a graph exec belongs to its device.
     if s.device != R.tls.device or x.device != s.device:
         return cudaErrorInvalidResourceHandle
+    if x.plan is not None:
+        return _launch_with_events(R, x, s)
     x.launches += 1
     return _enqueue(R, s, _replay(x.nodes), "graph", f"graph exec {x.handle:#x}")[0]
 
