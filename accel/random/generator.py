@@ -253,7 +253,9 @@ class Generator:
                        free: Optional[Callable[[int], None]] = None) -> None:
         """A graph will capture fills from this generator: make sure its one-word seed and
         offset holders exist on the device (torch's seed_extragraph_/offset_extragraph_, two
-        small blocks of the caching allocator on the default stream).  Call before capture
+        small blocks of the caching allocator on the device's current stream, which at
+        capture_begin is the stream about to capture: CUDAGeneratorImpl::register_graph
+        allocates them with at::empty).  Call before capture
         begins (the allocation is not allowed during capture).  ``alloc(nbytes) -> ptr`` and
         ``free(ptr)`` replace the caching allocator (tests)."""
         with self._lock:
@@ -285,9 +287,10 @@ class Generator:
                     free(offset_ptr)
 
     def _cache_alloc(self, nbytes: int) -> int:
-        from .. import _lazy, memory
-        backend = _lazy.lazy_init()
-        return memory.device_allocator(self.device_index).malloc(nbytes, backend.default_stream(self.device_index))
+        from .. import memory
+        from ..streams import current_stream
+        stream = current_stream(self.device_index).handle
+        return memory.device_allocator(self.device_index).malloc(nbytes, stream)
 
     def _cache_free(self, ptr: int) -> None:
         from .. import memory
