@@ -29,7 +29,7 @@ from typing import Optional, Tuple
 
 from . import _finalize as _fin
 from . import _lazy
-from .streams import Stream, current_stream, on_device
+from .streams import Stream, _capture_events, current_stream, on_device
 
 __all__ = ["Graph", "graph", "generate_graph_pool_handle", "graph_pool_handle"]
 
@@ -85,6 +85,8 @@ class Graph:
         self._stream = None       # capturing Stream while capturing
         self._debug = False
         self._rng = None          # graph-safe RNG state from accel.random during capture/replay
+        self._capture_id = None   # the backend's id of the capture underway
+        self._events = ()         # external events of the graph's event nodes, kept alive for replays
         self._pid = _fin.pid      # the process the graph's handles belong to
 
     # -- capture -------------------------------------------------------------------
@@ -130,12 +132,20 @@ class Graph:
             raise
         try:
             backend.capture_begin(stream.handle, mode)
+            try:
+                capture_id = backend.capture_id(stream.handle)
+            except BaseException:
+                _discard_capture(backend, stream.handle)
+                raise
         except BaseException:
             allocator.end_allocate_to_pool(pool)
             allocator.release_pool(pool)
             random._graph_capture_abort(self._rng)
             self._rng = None
             raise
+        if capture_id is not None:
+            _capture_events[capture_id] = {}   # external events recorded in the capture (accel.streams)
+        self._capture_id = capture_id
         self._backend, self._index, self._stream, self._pool = backend, stream.device_index, stream, pool
 
     def capture_end(self) -> None:
@@ -153,6 +163,8 @@ class Graph:
         from . import memory, random
         allocator = memory.device_allocator(self._index)
         self._stream = None
+        events = _capture_events.pop(self._capture_id, None) or {}
+        self._capture_id = None
         try:
             graph_handle = self._backend.capture_end(stream.handle)
         except Exception:
@@ -167,6 +179,7 @@ class Graph:
         if self._rng is not None:
             random._graph_capture_end(self._rng)
         self._graph = graph_handle
+        self._events = tuple(events.values())
         if self._backend.graph_node_count(graph_handle) == 0:
             warnings.warn(f"The {self._backend.name.upper()} Graph is empty. This usually means that the graph "
                           "was attempted to be captured on wrong device or stream.", UserWarning, stacklevel=2)
@@ -215,6 +228,11 @@ class Graph:
             if self._graph is None:
                 raise RuntimeError("replay() called on a graph with no capture: capture one first")
             self.instantiate()
+        for event in self._events:
+            if event._closed:
+                raise RuntimeError(f"replay(): {event!r} was closed, but this graph records or waits for it "
+                                   f"at every replay (Event(external=True) in its capture); keep the event "
+                                   f"open while the graph is replayed, or capture the graph again")
         with on_device(self._backend, self._index):   # cudaGraphLaunch: the stream's device current
             if self._rng is not None:
                 from . import random
@@ -234,6 +252,7 @@ class Graph:
             # by this thread (see accel._finalize).
             handles = (backend, self._index, self._exec, self._graph, self._pool, self._rng)
             self._exec = self._graph = self._pool = self._rng = None
+            self._events = ()
             _fin.defer(_release, *handles)
             return
         if self._exec is not None:
@@ -242,6 +261,7 @@ class Graph:
         if self._graph is not None:
             backend.graph_destroy(self._graph)
             self._graph = None
+        self._events = ()
         if self._pool is not None:
             from . import memory
             memory.device_allocator(self._index).release_pool(self._pool)
@@ -349,6 +369,19 @@ def graph(cuda_graph: Graph, pool: Optional[Tuple[int, int]] = None, stream: Opt
             _end_after_error(cuda_graph, exc)
             raise
         cuda_graph.capture_end()
+
+
+def _discard_capture(backend, stream: int) -> None:
+    """End a capture just begun and drop what it made (a failure right after capture_begin
+    must not leave a capture underway: it would forbid syncs and frees in the process)."""
+    try:
+        graph_handle = backend.capture_end(stream)
+    except Exception:
+        return
+    try:
+        backend.graph_destroy(graph_handle)
+    except Exception:
+        pass
 
 
 def _end_after_error(g: Graph, exc: BaseException) -> None:

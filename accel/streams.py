@@ -25,6 +25,7 @@ from . import _finalize as _fin
 from . import _lazy
 from ._device import DeviceLike, check_range, device, device_index
 from ._errors import AcceleratorError, InvalidDeviceError
+from . import backends as _backends
 from .backends.base import Backend
 
 __all__ = ["Stream", "Event", "current_stream", "set_stream", "default_stream", "on_device"]
@@ -38,6 +39,10 @@ _destroy_hooks: List[Callable[[Backend, int, int, bool], bool]] = []
 _live_streams: "weakref.WeakValueDictionary[Tuple[int, int], Stream]" = weakref.WeakValueDictionary()
 #: torch's c10::DeviceType numbers of accel's accelerators (Stream.device_type).
 _DEVICE_TYPES = {"cuda": 1, "xpu": 12, "mps": 13}
+#: External events recorded or waited on in each capture accel.Graph has underway, by capture
+#: id ({id(event): event}): the graph that ends the capture keeps them alive, since each of its
+#: replays records or waits for them.  An entry lives from capture_begin to capture_end.
+_capture_events: Dict[int, Dict[int, "Event"]] = {}
 
 
 def on_stream_destroy(hook: Callable[[Backend, int, int, bool], bool]) -> None:
@@ -440,13 +445,25 @@ class Event:
     names the accelerator type, as torch's; the device handle is created at the first
     :meth:`record`, on the recording stream's device, and :attr:`handle` is 0 until then.
     An event never recorded counts as complete (``query()`` True, ``synchronize()`` and
-    ``wait()`` return at once), as in torch.  ``interprocess=True`` and ``external=True``
-    raise NotImplementedError: accel shares no event between processes, and no backend
-    records external event nodes in a graph capture.
+    ``wait()`` return at once), as in torch.  ``interprocess=True`` raises
+    NotImplementedError: accel shares no event between processes.
+
+    ``external=True`` (CUDA only, as torch.cuda.Event): recorded or waited on while the stream
+    is being captured into a graph, the event becomes an event record (wait) node of the graph
+    instead of a dependency inside the capture (cudaEventRecordExternal / cudaEventWaitExternal).
+    The capture leaves the event as it was; every replay records it again when it reaches the
+    node, so ``start.elapsed_time(end)`` after ``g.replay(); end.synchronize()`` times that
+    replay's work between the two records, and a wait node waits for the event's record
+    current at each replay (by another stream or another graph's replay).  Outside capture the
+    flag changes nothing.  The graph keeps the events of its nodes alive; closing one makes
+    later replays raise.  Querying or synchronizing any event while a capture is underway
+    follows CUDA's rule (an error that invalidates the capture, except in relaxed mode).
+    On XPU (Level Zero, whose captures record no events) and MPS (no capture) construction
+    raises NotImplementedError naming the backend, so code written for CUDA fails early.
     """
 
-    __slots__ = ("_backend", "_index", "_handle", "enable_timing", "blocking", "_recorded", "_closed",
-                 "_pid", "_type", "__weakref__")
+    __slots__ = ("_backend", "_index", "_handle", "enable_timing", "blocking", "external", "_recorded",
+                 "_closed", "_pid", "_type", "__weakref__")
 
     def __init__(self, device: DeviceLike = None, *, enable_timing: bool = False, blocking: bool = False,
                  interprocess: bool = False, external: bool = False):
@@ -457,15 +474,13 @@ class Event:
                 "Event(interprocess=True): accel has no inter-process events (torch's ipc_handle / "
                 "from_ipc_handle); share results between processes through host memory instead")
         if external:
-            raise NotImplementedError(
-                "Event(external=True): no accel backend records external event nodes "
-                "(cudaEventRecordExternal) in a graph capture, so each replay could not time its "
-                "events; time a replay with events recorded around graph.replay() instead")
+            _check_external(_backends.fallback())
         if _fin.pending:
             _fin.drain()
         self._pid = _fin.pid
         self.enable_timing = bool(enable_timing)
         self.blocking = bool(blocking)
+        self.external = bool(external)
         self._backend = None
         self._index = None
         self._recorded = False
@@ -511,16 +526,31 @@ class Event:
         stream._live()
         self._check_device(stream, "record")
         backend = stream._backend
+        if self.external:
+            _check_external(backend)
         if self._handle is None:
             with on_device(backend, stream._index):
                 self._handle = backend.event_create(self.enable_timing, self.blocking)
             self._backend, self._index = backend, stream._index
-        if stream._shared:
+        if self.external:
+            with stream._device_scope():
+                backend.event_record(self._handle, stream._handle, external=True)
+                self._keep_for_capture(stream)
+        elif stream._shared:
             with on_device(backend, stream._index):
                 backend.event_record(self._handle, stream._handle)
         else:
             backend.event_record(self._handle, stream._handle)
         self._recorded = True
+
+    def _keep_for_capture(self, stream: Stream) -> None:
+        """While ``stream`` takes part in a capture of an accel.Graph, that graph keeps this
+        external event alive (its replays record or wait for it).  Runs in the stream's device
+        scope."""
+        if _capture_events and self._backend.captures_underway():
+            table = _capture_events.get(self._backend.capture_id(stream._handle))
+            if table is not None:
+                table[id(self)] = self
 
     def wait(self, stream: Optional[Stream] = None) -> None:
         """Make ``stream`` (the current stream when None) wait for this event's recorded work."""
@@ -533,7 +563,11 @@ class Event:
         if self._handle is None:
             return
         with stream._device_scope():
-            self._backend.stream_wait_event(stream._handle, self._handle)
+            if self.external:
+                self._backend.stream_wait_event(stream._handle, self._handle, external=True)
+                self._keep_for_capture(stream)
+            else:
+                self._backend.stream_wait_event(stream._handle, self._handle)
 
     def query(self) -> bool:
         """True when the recorded work has completed (or the event was never recorded)."""
@@ -588,6 +622,14 @@ class Event:
             _fin.finalize(self._backend.event_destroy, self._handle)
 
 
+def _check_external(backend: Optional[Backend]) -> None:
+    """Refuse ``Event(external=True)`` on a backend without external events (None: no
+    accelerator found; the first record then fails as any event's would)."""
+    if backend is not None and not backend.supports_external_events:
+        raise NotImplementedError(f"Event(external=True) is not available on {backend.name}: "
+                                  f"{backend.no_external_events_reason}")
+
+
 def _event_type(dev: DeviceLike) -> Optional[str]:
     """The accelerator type an ``Event(device)`` names, checked as torch.Event parses it: the
     type must be the current accelerator's, an index must name a device and is then dropped
@@ -610,6 +652,7 @@ def _reset() -> None:
     _tls = threading.local()
     _defaults.clear()
     _live_streams.clear()
+    _capture_events.clear()
 
 
 _lazy.register_reset_hook(_reset)

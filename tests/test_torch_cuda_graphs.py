@@ -136,7 +136,6 @@ def test_cuda__test_graph_debugdump(sim_cuda, tmp_path):
     assert path.read_text().lstrip().startswith("digraph")
 
 
-@pytest.mark.xfail(strict=True, reason="needs Event(external=True): timing inside graphs (issue 16)")
 def test_cuda__test_graph_timing(sim_cuda):
     memory.empty_cache()
     x = accel.Buffer(4 * 10240)

@@ -151,6 +151,13 @@ class Backend(abc.ABC):
     #: driver: check :meth:`async_alloc_supported` after init.
     supports_async_alloc: bool = False
 
+    #: True when :meth:`event_record` and :meth:`stream_wait_event` take ``external=True``:
+    #: during stream capture the record (wait) becomes an event record (wait) node of the graph,
+    #: which every replay records (waits for) again, instead of a dependency inside the capture
+    #: (CUDA: cudaEventRecordExternal / cudaEventWaitExternal).  Outside capture the flag
+    #: changes nothing.  torch.cuda.Event(external=True) times parts of a graph this way.
+    supports_external_events: bool = False
+
     #: True when the backend reads device telemetry from the vendor management library (NVML,
     #: Level Zero Sysman) without initializing the runtime: the smi_* methods, which torch.cuda's
     #: utilization / temperature / power_draw / clock_rate / list_gpu_processes mirror.
@@ -166,6 +173,16 @@ class Backend(abc.ABC):
     def no_capture_reason(self) -> str:
         """What the graph methods of a backend without stream capture raise."""
         return f"{self.name} has no stream capture"
+
+    @property
+    def no_external_events_reason(self) -> str:
+        """Why ``Event(external=True)`` is refused on a backend without external events."""
+        if not self.supports_graphs:
+            return (f"{self.name} has no stream capture, so there is no graph whose replays an external "
+                    f"event could time; time the work with events recorded around it instead")
+        return (f"{self.name}'s graph capture records no event nodes (events recorded or waited on "
+                f"inside a capture are refused there), so a replay cannot record an external event; "
+                f"time a replay with events recorded around graph.replay() instead")
 
     @property
     def no_vmm_reason(self) -> str:
@@ -267,7 +284,11 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def stream_wait_event(self, stream: int, event: int) -> None:
-        """Work queued on ``stream`` after this call waits for ``event``'s recorded work."""
+        """Work queued on ``stream`` after this call waits for ``event``'s recorded work.
+
+        Where :attr:`supports_external_events`, ``external=True`` (keyword) makes the wait an
+        event wait node while ``stream`` captures: each replay waits for the event's record
+        current at that replay (CUDA: cudaEventWaitExternal); outside capture it changes nothing."""
 
     def stream_priority_range(self) -> Tuple[int, int]:
         """(least, greatest) priority; numerically lower is higher priority, as CUDA."""
@@ -281,7 +302,13 @@ class Backend(abc.ABC):
     def event_destroy(self, event: int) -> None: ...
 
     @abc.abstractmethod
-    def event_record(self, event: int, stream: int) -> None: ...
+    def event_record(self, event: int, stream: int) -> None:
+        """Record ``event`` at the current end of ``stream`` (same device).
+
+        Where :attr:`supports_external_events`, ``external=True`` (keyword) makes the record an
+        event record node while ``stream`` captures: the event itself is left as it was, and
+        each replay records it when it reaches the node, timestamp included (CUDA:
+        cudaEventRecordExternal); outside capture it changes nothing."""
 
     @abc.abstractmethod
     def event_synchronize(self, event: int) -> None: ...

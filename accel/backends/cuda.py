@@ -31,6 +31,8 @@ from .base import Backend, DeviceProperties
 _STREAM_NON_BLOCKING = 0x01        # cudaStreamNonBlocking
 _EVENT_BLOCKING_SYNC = 0x01        # cudaEventBlockingSync
 _EVENT_DISABLE_TIMING = 0x02       # cudaEventDisableTiming
+_EVENT_RECORD_EXTERNAL = 0x01      # cudaEventRecordExternal
+_EVENT_WAIT_EXTERNAL = 0x01        # cudaEventWaitExternal
 _HOST_ALLOC_DEFAULT = 0x00         # cudaHostAllocDefault
 _MEMCPY_DEFAULT = 4                # cudaMemcpyDefault: direction inferred from unified addresses
 _CAPTURE_MODES = {"global": 0, "thread_local": 1, "relaxed": 2}  # cudaStreamCaptureMode
@@ -89,6 +91,7 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
     name = "cuda"
     kernel_language = "ptx"
     supports_graphs = True
+    supports_external_events = True   # cudaEventRecordWithFlags / cudaStreamWaitEvent flags (CUDA >= 11.1)
     shared_default_stream = True  # handle 0, the legacy stream of the *current* device
     supports_vmm = True           # cuMem* through cudaGetDriverEntryPoint (_cuda_vmm); vmm_supported per device
     _vmm_fns = None               # _cuda_vmm.DriverVmm, or why there is none (str), resolved at first use
@@ -408,9 +411,12 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         self._check(rc, "cudaStreamQuery")
         return True
 
-    def stream_wait_event(self, stream: int, event: int) -> None:
+    def stream_wait_event(self, stream: int, event: int, external: bool = False) -> None:
+        # As torch's CUDAEvent::block: cudaEventWaitExternal only while the stream captures
+        # (cuda.h, CUevent_wait_flags: the flag "is invalid when used outside of capture").
+        flags = _EVENT_WAIT_EXTERNAL if external and self.stream_is_capturing(stream) else 0
         self._check(self.lib.cudaStreamWaitEvent(self._cast("cudaStream_t", stream),
-                                                 self._cast("cudaEvent_t", event), 0),
+                                                 self._cast("cudaEvent_t", event), flags),
                     "cudaStreamWaitEvent")
 
     # -- events ----------------------------------------------------------------
@@ -426,7 +432,14 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         self._check(self.lib.cudaEventDestroy(self._cast("cudaEvent_t", event)), "cudaEventDestroy")
         self._handles.pop(event, None)
 
-    def event_record(self, event: int, stream: int) -> None:
+    def event_record(self, event: int, stream: int, external: bool = False) -> None:
+        if external and self.stream_is_capturing(stream):
+            # An event record node (torch's CUDAEvent::record with external_): cuda.h,
+            # CUevent_record_flags: cudaEventRecordExternal "is invalid when used outside of capture".
+            self._check(self.lib.cudaEventRecordWithFlags(self._cast("cudaEvent_t", event),
+                                                          self._cast("cudaStream_t", stream),
+                                                          _EVENT_RECORD_EXTERNAL), "cudaEventRecordWithFlags")
+            return
         self._check(self.lib.cudaEventRecord(self._cast("cudaEvent_t", event),
                                              self._cast("cudaStream_t", stream)), "cudaEventRecord")
 
