@@ -73,13 +73,15 @@ def make_context(kind: str, graphs: bool = True):
     c.dev_other = f"{_other_backend(c)}:0"
     c.dev_bad = f"{kind}:{c.count}"
     c.total = accel.get_device_properties(0).total_memory
+    c.warm = None
     if graphs and kind != "mps":
-        # The first capture on a device allocates the graph-safe RNG's seed/offset words once.
-        warm = accel.Graph()
+        # A capture allocates the graph-safe RNG's seed/offset words (from the capturing
+        # stream's cache, as torch's register_graph) unless a live graph already holds them:
+        # keep one registered for the whole case, so no case allocates them.
+        c.warm = accel.Graph()
         with c.s:
-            warm.capture_begin()
-            warm.capture_end()
-        warm.reset()
+            c.warm.capture_begin()
+            c.warm.capture_end()
     accel.synchronize(0)
     return c
 
@@ -94,6 +96,8 @@ def close_context(c) -> None:
     if c.g._stream is None:
         c.g.reset()
     accel.synchronize()
+    if c.warm is not None:
+        c.warm.reset()
     for s in (c.s, c.s1):
         if s is not None:
             s.close()
