@@ -161,3 +161,15 @@ def check_range(index: int) -> None:
             raise InvalidDeviceError(f"device index {index} is invalid: no {chosen.name} device is available")
         raise InvalidDeviceError(f"device index {index} is out of range: {count} {chosen.name} "
                          f"device{'s' if count != 1 else ''} visible (valid indices 0..{count - 1})")
+
+
+def check_stream_range(index: int) -> None:
+    """:func:`check_range` for the device of a stream lookup or creation, in torch's words
+    (c10/cuda/CUDAStream.cpp check_gpu: "Device index value N is out of index range [0, count)"),
+    which code written for ``torch.accelerator.current_stream`` matches."""
+    chosen = _lazy.backend()
+    count = chosen.count()
+    if not 0 <= index < count:
+        valid = f"valid indices 0..{count - 1}" if count else f"no {chosen.name} device is available"
+        raise InvalidDeviceError(f"Device index value {index} is out of index range [0, {count}): {count} "
+                                 f"{chosen.name} device{'s' if count != 1 else ''} visible ({valid})")

@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from . import _finalize as _fin
 from . import _lazy
-from ._device import DeviceLike, check_range, device, device_index
+from ._device import DeviceLike, check_range, check_stream_range, device, device_index
 from ._errors import AcceleratorError, InvalidDeviceError
 from . import backends as _backends
 from .backends.base import Backend
@@ -102,7 +102,7 @@ class on_device:
 def _index_for(dev: DeviceLike) -> int:
     index = device_index(dev, optional=True)
     if dev is not None:
-        check_range(index)
+        check_stream_range(index)
     return index
 
 

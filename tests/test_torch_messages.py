@@ -153,10 +153,12 @@ def test_torch_device__invalid_device_string(text):
 
 
 def test_cuda__test_streams_multi_gpu_out_of_range_device(sim_cuda):
-    """A stream on a device index past the count: torch raises RuntimeError (the runtime's
-    invalid device ordinal); accel's error is RuntimeError and ValueError, naming the range."""
+    """A stream on a device index past the count: torch raises RuntimeError with
+    CUDAStream.cpp's "Device index value N is out of index range [0, count)"; accel's error is
+    RuntimeError and ValueError, in torch's words plus the count it saw."""
     for bad in (2, "cuda:2", accel.device("cuda", 7)):
-        with pytest.raises(RuntimeError, match=r"out of range: 2 cuda devices visible \(valid indices 0\.\.1\)"):
+        with pytest.raises(RuntimeError, match=r"Device index value \d is out of index range \[0, 2\): "
+                                               r"2 cuda devices visible"):
             accel.Stream(bad)
         with pytest.raises(ValueError):
             accel.Stream(bad)
