@@ -49,11 +49,12 @@ def utilization(device: DeviceLike = None) -> int:
     """Percent of time over the past sample period during which one or more kernels was
     executing on ``device`` (the current device for None), as ``nvidia-smi`` reports it.
 
-    The sample period is between 1/6 s and 1 s depending on the product.  Reads the management
-    library (NVML / Sysman) only: starts no runtime.
+    The sample period is between 1/6 s and 1 s depending on the product (Level Zero: the time
+    since the previous reading, at least 50 ms, from Sysman's activity counters; the first call
+    waits that long).  Reads the management library (NVML / Sysman) only: starts no runtime.
     """
     backend, index = _smi_backend(device)
-    return backend.smi_utilization(index)[0]
+    return backend.smi_gpu_utilization(index)
 
 
 def memory_usage(device: DeviceLike = None) -> int:
@@ -61,7 +62,7 @@ def memory_usage(device: DeviceLike = None) -> int:
     read or written, as ``nvidia-smi`` reports it (not the bytes in use: see
     :func:`device_memory_used`)."""
     backend, index = _smi_backend(device)
-    return backend.smi_utilization(index)[1]
+    return backend.smi_memory_usage(index)
 
 
 def temperature(device: DeviceLike = None) -> int:

@@ -247,11 +247,136 @@ def test_xpu_sysman_readings_without_core_init(monkeypatch):
         del b
 
 
-def test_xpu_counters_say_they_are_not_sampled(monkeypatch):
+# Sysman counters sampled twice (accel/backends/xpu/telemetry.py) over the simulator's counter
+# model (accel/sim/_ze_counters.py): idle 0 %, 60 W per card, shared by its tiles.
+
+def _xpu_counters(index: int) -> dict:
+    """The raw Sysman counters of visible XPU device ``index`` (white box: the backend's handles)."""
+    be = _lazy.backend()
+    ffi, lib, handle, tile, _ = be._smi_target(index)
+    out = {}
+    for e in be._engines(ffi, lib, handle, tile, index):
+        st = ffi.new("zes_engine_stats_t *")
+        assert lib.zesEngineGetActivity(e, st) == 0
+        out.setdefault("active", []).append((st.activeTime, st.timestamp))
+    for m in be._enum(ffi, lib, "zesDeviceEnumMemoryModules", "zes_mem_handle_t",
+                      lambda n, a: lib.zesDeviceEnumMemoryModules(handle, n, a)):
+        bw = ffi.new("zes_mem_bandwidth_t *")
+        if lib.zesMemoryGetBandwidth(m, bw) == 0:
+            out.setdefault("traffic", []).append((bw.readCounter, bw.writeCounter, bw.timestamp))
+    e = ffi.new("zes_power_energy_counter_t *")
+    assert lib.zesPowerGetEnergyCounter(be._power_domain(ffi, lib, handle, tile, index), e) == 0
+    out["energy"] = (e.energy, e.timestamp)
+    return out
+
+
+def test_xpu_idle_counters_read_zero_and_idle_power(monkeypatch):
+    # two samples of idle counters: no active time, no bytes moved, the idle draw exactly; the
+    # readings are Sysman's only (no runtime started)
     use_sim(monkeypatch, "xpu")
-    for name in ("utilization", "memory_usage", "power_draw"):
-        with pytest.raises(accel.AcceleratorError, match="needs two samples"):
-            getattr(accel, name)(0)
+    for i in range(2):
+        assert accel.utilization(i) == 0
+        assert accel.memory_usage(i) == 0
+        assert accel.power_draw(i) == 60_000
+    for i in range(2):      # later calls use the previous readings
+        assert (accel.utilization(i), accel.memory_usage(i), accel.power_draw(i)) == (0, 0, 60_000)
+    assert not accel.is_initialized()
+
+
+def test_xpu_counters_follow_the_work_on_the_non_current_device(monkeypatch):
+    # copies on device 1 (device 0 stays current and idle): its engines are active, it draws more
+    # than idle, and its memory moved bytes (a tiny nominal bandwidth makes that 100 %)
+    from accel.sim import _ze_counters
+    use_sim(monkeypatch, "xpu", ACCEL_SIM_DELAY_US=20_000)
+    monkeypatch.setattr(_ze_counters, "MAX_BANDWIDTH", 1)
+    a, b = accel.Buffer(1 << 20, device=1), accel.Buffer(1 << 20, device=1)
+    for i in range(2):        # the baselines
+        accel.utilization(i), accel.memory_usage(i), accel.power_draw(i)
+    s1 = accel.Stream(1)
+    for _ in range(5):
+        b.copy_from(a, stream=s1)
+    s1.synchronize()
+    assert accel.current_device_index() == 0
+    assert accel.utilization(1) > 0 and accel.power_draw(1) > 60_000 and accel.memory_usage(1) == 100
+    assert (accel.utilization(0), accel.memory_usage(0), accel.power_draw(0)) == (0, 0, 60_000)
+    del a, b
+
+
+def test_xpu_sim_counters_are_monotonic_and_driven_by_work(monkeypatch):
+    # zes_api.h: activeTime, read/write counters and energy are monotonic; the simulator's grow
+    # with the work it runs: active time by at least the simulated latency of each copy, traffic by
+    # exactly the bytes read from and written to device memory
+    use_sim(monkeypatch, "xpu", ACCEL_SIM_DELAY_US=10_000)
+    a, b = accel.Buffer(4096, device=1), accel.Buffer(4096, device=1)
+    s1 = accel.Stream(1)
+    before = _xpu_counters(1)
+    b.copy_from(a, stream=s1)                                   # device -> device: 4096 read, 4096 written
+    b.copy_from(bytes(4096), stream=s1)                         # host -> device: 4096 written
+    b.fill_(7, stream=s1)                                       # 4096 written
+    s1.synchronize()
+    after = _xpu_counters(1)
+    (act0, ts0), = before["active"]
+    (act1, ts1), = after["active"]
+    assert ts1 > ts0 and act1 - act0 >= 2 * 10_000            # at least the copy and the fill (us)
+    (r0, w0, _), = before["traffic"]
+    (r1, w1, _), = after["traffic"]
+    assert r1 - r0 >= 4096 and (w1 - w0) - (r1 - r0) >= 2 * 4096
+    assert after["energy"][0] > before["energy"][0] and after["energy"][1] > before["energy"][1]
+    idle = _xpu_counters(0)
+    assert idle["active"][0][0] == 0 and idle["traffic"][0][:2] == (0, 0)
+    del a, b
+
+
+def test_xpu_tiles_have_their_own_counters(monkeypatch):
+    # ZE_FLAT_DEVICE_HIERARCHY=FLAT: two cards of two tiles are four devices; work on tile 1 of
+    # card 0 (device 1) leaves its sibling tile (device 0) idle; each tile draws half the card's idle power
+    use_sim(monkeypatch, "xpu", ACCEL_SIM_ZE_TILES=2, ZE_FLAT_DEVICE_HIERARCHY="FLAT", ACCEL_SIM_DELAY_US=20_000)
+    assert accel.device_count() == 4
+    for i in range(4):
+        assert accel.power_draw(i) == 30_000 and accel.utilization(i) == 0
+    a = accel.Buffer(1 << 16, device=1)
+    s1 = accel.Stream(1)
+    for _ in range(3):
+        a.fill_(1, stream=s1)
+    s1.synchronize()
+    assert accel.utilization(1) > 0 and accel.power_draw(1) > 30_000
+    assert accel.utilization(0) == 0 and accel.power_draw(0) == 30_000
+    del a
+
+
+def test_xpu_sampling_state_is_one_reading_per_counter(monkeypatch):
+    # bounded: one previous reading per engine group, memory module and power domain used
+    use_sim(monkeypatch, "xpu")
+    for _ in range(3):
+        for i in range(2):
+            accel.utilization(i), accel.memory_usage(i), accel.power_draw(i)
+    table = _lazy.backend()._smi_prev[1]
+    assert len(table) == 2 * 3          # per device: its compute engine group, HBM module, card power domain
+    assert sorted({kind for kind, _ in table}) == ["bandwidth", "engine", "power"]
+
+
+def test_xpu_memory_usage_without_permission_says_so(monkeypatch):
+    # zesMemoryGetBandwidth may answer ZE_RESULT_ERROR_INSUFFICIENT_PERMISSIONS: memory_usage
+    # raises with the call and code; utilization reads other counters and still answers
+    use_sim(monkeypatch, "xpu")
+    code = sim_core.constants_of("_ze").ZE_RESULT_ERROR_INSUFFICIENT_PERMISSIONS
+    sim_core.inject_error("zesMemoryGetBandwidth", code, times=-1)
+    try:
+        with pytest.raises(accel.AcceleratorError, match="zesMemoryGetBandwidth.*INSUFFICIENT_PERMISSIONS"):
+            accel.memory_usage(0)
+        assert accel.utilization(0) == 0
+    finally:
+        sim_core.clear_faults()
+
+
+def test_xpu_old_loader_samples_after_init(monkeypatch):
+    # legacy Sysman on core handles (1.8.12 loader, ZES_ENABLE_SYSMAN=1 at zeInit)
+    use_sim(monkeypatch, "xpu", ACCEL_SIM_ZE_LOADER="1.8.12")
+    with pytest.raises(accel.AcceleratorError, match="zesInit"):
+        accel.utilization(0)
+    b = accel.Buffer(16, device=1)
+    assert (accel.utilization(1), accel.memory_usage(1), accel.power_draw(1)) == (0, 0, 60_000)
+    del b
 
 
 def test_xpu_can_device_access_peer_follows_level_zero(monkeypatch):

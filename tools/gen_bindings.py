@@ -214,6 +214,12 @@ ZE_FUNCTIONS = [
     "zesDeviceEnumTemperatureSensors", "zesTemperatureGetProperties", "zesTemperatureGetState",
     "zesDeviceEnumFrequencyDomains", "zesFrequencyGetProperties", "zesFrequencyGetState",
     "zesDeviceProcessesGetState",
+    # utilization / memory_usage / power_draw on Level Zero: Sysman counters sampled twice
+    # (engine activity, memory bandwidth, energy); Level Zero API 1.0, every loader has them
+    "zesDeviceEnumEngineGroups", "zesEngineGetProperties", "zesEngineGetActivity",
+    "zesMemoryGetBandwidth",
+    "zesDeviceEnumPowerDomains", "zesDeviceGetCardPowerDomain", "zesPowerGetProperties",
+    "zesPowerGetEnergyCounter",
 ]
 
 ZE_TYPES = [

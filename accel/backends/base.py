@@ -474,6 +474,15 @@ class Backend(abc.ABC):
         """(percent of the last sample period a kernel ran, percent memory was read or written)."""
         raise NotImplementedError(self.no_smi_reason)
 
+    def smi_gpu_utilization(self, index: int) -> int:
+        """The first of :meth:`smi_utilization` alone (a backend that samples each counter
+        separately, as Level Zero Sysman, overrides it so one reading does not consume the other's)."""
+        return self.smi_utilization(index)[0]
+
+    def smi_memory_usage(self, index: int) -> int:
+        """The second of :meth:`smi_utilization` alone (see :meth:`smi_gpu_utilization`)."""
+        return self.smi_utilization(index)[1]
+
     def smi_temperature(self, index: int) -> int:
         """The GPU die temperature in degrees C."""
         raise NotImplementedError(self.no_smi_reason)

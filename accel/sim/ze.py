@@ -21,7 +21,9 @@ What is simulated, and how faithfully:
   also work as Sysman handles when ``ZES_ENABLE_SYSMAN=1`` was set at
   ``zeInit`` (the legacy mode the 1.8.12 loader needs).  Each card has one
   HBM module per tile (``onSubdevice`` when it has several) and one system
-  memory module, with free bytes tracking allocations.
+  memory module, with free bytes tracking allocations.  Engine activity,
+  memory bandwidth and energy are counters driven by the simulated work
+  (:mod:`accel.sim._ze_counters`).
 * **Loader version.** ``configure_ze(loader="1.8.12")`` (or
   ``ACCEL_SIM_ZE_LOADER=1.8.12``) removes ``zesInit``, ``zesDriverGet``,
   ``zesDeviceGet``, ``zeInitDrivers`` and ``zeCommandListHostSynchronize``,
@@ -56,7 +58,7 @@ import time
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Dict, List, Optional, Tuple
 
-from . import _engine, _memory, _vmm, core
+from . import _engine, _memory, _vmm, _ze_counters, core
 from .core import ffi
 
 __all__ = ["ZeConfig", "open_ze", "open_library", "configure_ze", "ze_config", "state", "reset",
@@ -195,7 +197,8 @@ class _Obj:
 
 class _Card(_Obj):
     """A physical device: what Sysman lists."""
-    __slots__ = ("index", "tiles", "tile_used", "uuid", "modules", "sensors", "freqs")
+    __slots__ = ("index", "tiles", "tile_used", "uuid", "modules", "sensors", "freqs", "meters", "t0",
+                 "engines", "powers")
 
     def __init__(self, index: int, tiles: int):
         super().__init__("card")
@@ -205,6 +208,24 @@ class _Card(_Obj):
         self.modules: List["_MemModule"] = []
         self.sensors: List["_Part"] = []   # zesDeviceEnumTemperatureSensors
         self.freqs: List["_Part"] = []     # zesDeviceEnumFrequencyDomains
+        self.meters = [_ze_counters.Meter() for _ in range(tiles)]   # Sysman counters per tile
+        self.t0 = _ze_counters.now_us()    # the energy counters start here
+        self.engines: List["_Counter"] = []    # zesDeviceEnumEngineGroups
+        self.powers: List["_Counter"] = []     # zesDeviceEnumPowerDomains; [0] is the card's
+
+
+class _Counter(_Obj):
+    """A Sysman component read as counters: an engine group ("engine", ``group`` one of
+    _ze_counters.GROUPS) or a power domain ("power"), of tile ``tile`` or card-wide (None)."""
+    __slots__ = ("card", "tile", "group")
+
+    def __init__(self, kind: str, card: _Card, tile: Optional[int], group: Optional[str] = None):
+        super().__init__(kind)
+        self.card, self.tile, self.group = card, tile, group
+
+    def meters(self):
+        m = self.card.meters
+        return m if self.tile is None else [m[self.tile]]
 
 
 class _Part(_Obj):
@@ -322,7 +343,14 @@ class _Runtime:
             card.modules.append(_MemModule(card, None, self.C.ZES_MEM_LOC_SYSTEM))
             card.sensors = [_Part("tempsensor", card)]
             card.freqs = [_Part("freqdomain", card)]
-            for m in card.modules + card.sensors + card.freqs:
+            # engine groups and power domains: card-wide on a one-tile card, else one per tile,
+            # plus the card's own power domain (zesDeviceGetCardPowerDomain) first
+            per_tile = [None] if card.tiles == 1 else list(range(card.tiles))
+            card.engines = [_Counter("engine", card, t, g) for t in per_tile for g in _ze_counters.GROUPS]
+            card.powers = [_Counter("power", card, None)]
+            if card.tiles > 1:
+                card.powers += [_Counter("power", card, t) for t in per_tile]
+            for m in card.modules + card.sensors + card.freqs + card.engines + card.powers:
                 self._add(m)
         self.devices: List[_Device] = []
         self.memory = _memory.MemoryTable()
@@ -549,9 +577,9 @@ def _sysman(handle):
     if obj is None or not obj.live:
         return None, None, (rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE if not handle
                             else rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT)
-    if obj.kind in ("card", "memmodule", "tempsensor", "freqdomain") and rt.sysman_initialized:
+    if obj.kind in ("card", "memmodule", "tempsensor", "freqdomain", "engine", "power") and rt.sysman_initialized:
         return rt, obj, 0
-    if obj.kind in ("device", "memmodule", "tempsensor", "freqdomain") and rt.sysman_on_core:
+    if obj.kind in ("device", "memmodule", "tempsensor", "freqdomain", "engine", "power") and rt.sysman_on_core:
         return rt, obj, 0
     return None, None, rt.C.ZE_RESULT_ERROR_UNINITIALIZED
 
@@ -1243,15 +1271,27 @@ def zeCommandListReset(hCommandList):
 
 
 class _Op:
-    """One command: ``fn`` (the work, may be None), the events it waits for, signals and resets."""
-    __slots__ = ("fn", "waits", "signal", "reset", "work", "label")
+    """One command: ``fn`` (the work, may be None), the events it waits for, signals and resets;
+    ``traffic`` the (read, written) bytes of device memory it moves (the Sysman counters)."""
+    __slots__ = ("fn", "waits", "signal", "reset", "work", "label", "traffic")
 
-    def __init__(self, fn, waits=(), signal=None, reset=None, work=True, label=""):
+    def __init__(self, fn, waits=(), signal=None, reset=None, work=True, label="", traffic=(0, 0)):
         self.fn, self.waits, self.signal, self.reset, self.work, self.label = fn, waits, signal, reset, work, label
+        self.traffic = traffic
 
 
-def _submit(rt: _Runtime, queue, op: _Op) -> None:
-    """Put ``op`` on an engine queue; the event bookkeeping happens in submission order."""
+def _is_device_memory(a) -> bool:
+    """A copy side: a USM allocation, or None for mapped virtual memory (device pages)."""
+    return a is None or a.kind == _memory.DEVICE
+
+
+def _submit(rt: _Runtime, queue, op: _Op, device: Optional[_Device] = None, ordinal: int = 0) -> None:
+    """Put ``op`` on an engine queue; the event bookkeeping happens in submission order.  Work
+    (``op.fn``) run for ``device`` is charged to its tiles' Sysman counters (_ze_counters), to
+    the engine group of queue group ``ordinal``, when it completes."""
+    meters = [device.card.meters[t] for t in device.tiles] if device is not None and op.fn is not None else ()
+    group = _GROUPS[ordinal][0] if ordinal < len(_GROUPS) else "all"
+    reads, writes = op.traffic
     with rt.lock:
         deps = [(ev.eq, ev.last_reset_sig + 1) for ev in op.waits]
         sig, rst, fn = op.signal, op.reset, op.fn
@@ -1264,6 +1304,7 @@ def _submit(rt: _Runtime, queue, op: _Op) -> None:
             rst.last_reset_sig = rst.sig_submitted
 
         def run():
+            start = _ze_counters.now_us() - int(core.delay_s * 1e6) if meters else 0   # the engine slept first
             try:
                 if fn is not None:
                     fn()
@@ -1273,6 +1314,8 @@ def _submit(rt: _Runtime, queue, op: _Op) -> None:
                     _signal_now(rt, sig)
             finally:
                 with rt.lock:
+                    if meters:
+                        _ze_counters.account(meters, group, start, _ze_counters.now_us(), reads, writes)
                     for ev in used:
                         ev.refs -= 1
         # Always a "work" operation: the engine runs markers with its lock held, and
@@ -1320,7 +1363,7 @@ def _append(rt: _Runtime, hCommandList, op: _Op, memory=()) -> int:
         if rt.alloc_ctx.get(a.base) is not cl.ctx:
             return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
     if cl.immediate:
-        _submit(rt, cl.queue, op)
+        _submit(rt, cl.queue, op, cl.device, cl.ordinal)
     else:
         if cl.closed:
             return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
@@ -1357,8 +1400,9 @@ def zeCommandListAppendMemoryCopy(hCommandList, dstptr, srcptr, size, hSignalEve
     memory = ()
     if size:
         memory = (_usm(rt, dst, size), _usm(rt, src, size))
+        traffic = (size if _is_device_memory(memory[1]) else 0, size if _is_device_memory(memory[0]) else 0)
         if None in memory and rt.vmm.reservations:
-            return _vmm_copy(rt, hCommandList, dst, src, size, memory, waits, sig)
+            return _vmm_copy(rt, hCommandList, dst, src, size, memory, waits, sig, traffic)
         if None in memory:
             return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT   # not device-accessible USM memory
 
@@ -1367,7 +1411,8 @@ def zeCommandListAppendMemoryCopy(hCommandList, dstptr, srcptr, size, hSignalEve
             _checked_range(rt, src, size, "memory copy source")
             _checked_range(rt, dst, size, "memory copy destination")
             ffi.memmove(_memory.char_ptr(dst), _memory.char_ptr(src), size)
-    return _append(rt, hCommandList, _Op(copy, waits, sig, label=f"copy {size}"), memory)
+    return _append(rt, hCommandList, _Op(copy, waits, sig, label=f"copy {size}",
+                                         traffic=traffic if size else (0, 0)), memory)
 
 
 def zeCommandListAppendMemoryFill(hCommandList, ptr, pattern, pattern_size, size, hSignalEvent,
@@ -1393,7 +1438,8 @@ def zeCommandListAppendMemoryFill(hCommandList, ptr, pattern, pattern_size, size
         if region is not None:
             data = pat * (size // pattern_size)
             return _vmm_append(rt, hCommandList, [(dst, region)], lambda: ffi.buffer(
-                _memory.char_ptr(dst), size).__setitem__(slice(None), data), waits, sig, f"fill {size}", ())
+                _memory.char_ptr(dst), size).__setitem__(slice(None), data), waits, sig, f"fill {size}", (),
+                traffic=(0, size))
     if None in memory:
         return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
 
@@ -1401,10 +1447,10 @@ def zeCommandListAppendMemoryFill(hCommandList, ptr, pattern, pattern_size, size
         if size:
             _checked_range(rt, dst, size, "memory fill")
             ffi.buffer(_memory.char_ptr(dst), size)[:] = pat * (size // pattern_size)
-    return _append(rt, hCommandList, _Op(fill, waits, sig, label=f"fill {size}"), memory)
+    return _append(rt, hCommandList, _Op(fill, waits, sig, label=f"fill {size}", traffic=(0, size)), memory)
 
 
-def _vmm_copy(rt, hCommandList, dst, src, size, memory, waits, sig):
+def _vmm_copy(rt, hCommandList, dst, src, size, memory, waits, sig, traffic=(0, 0)):
     """A copy with a side in virtual memory (the other a USM allocation, or virtual memory too)."""
     sides, usm = [], []
     for addr, a, write in ((dst, memory[0], True), (src, memory[1], False)):
@@ -1417,10 +1463,10 @@ def _vmm_copy(rt, hCommandList, dst, src, size, memory, waits, sig):
         sides.append((addr, region))
     return _vmm_append(rt, hCommandList, sides, lambda: ffi.memmove(_memory.char_ptr(dst), _memory.char_ptr(src),
                                                                      size), waits, sig, f"copy {size}", tuple(usm),
-                       usm_ranges=((dst, memory[0]), (src, memory[1])), size=size)
+                       usm_ranges=((dst, memory[0]), (src, memory[1])), size=size, traffic=traffic)
 
 
-def _vmm_append(rt, hCommandList, sides, work, waits, sig, label, usm, usm_ranges=(), size=0):
+def _vmm_append(rt, hCommandList, sides, work, waits, sig, label, usm, usm_ranges=(), size=0, traffic=(0, 0)):
     """Append ``work`` touching virtual memory ``sides`` [(addr, Region | why)].  An access to an
     unmapped or inaccessible page is appended and faults when it runs (the device's page fault:
     the device is lost); the mappings are checked again when it runs, under the space's lock
@@ -1443,7 +1489,7 @@ def _vmm_append(rt, hCommandList, sides, work, waits, sig, label, usm, usm_range
                 if a is not None:
                     _checked_range(rt, addr, size, label)
             work()
-    return _append(rt, hCommandList, _Op(run, waits, sig, label=label), usm)
+    return _append(rt, hCommandList, _Op(run, waits, sig, label=label, traffic=traffic), usm)
 
 
 def zeCommandListAppendSignalEvent(hCommandList, hEvent):
@@ -1569,7 +1615,7 @@ def zeCommandQueueExecuteCommandLists(hCommandQueue, numCommandLists, phCommandL
         lists.append(cl)
     for cl in lists:
         for op in cl.ops:
-            _submit(rt, cq.queue, op)
+            _submit(rt, cq.queue, op, cq.device, cq.ordinal)
         cl.executing = (cq.queue, cq.queue.enqueued)
     return 0
 
@@ -1824,6 +1870,142 @@ def zesDeviceProcessesGetState(hDevice, pCount, pProcesses):
     if n < len(procs):
         return C.ZE_RESULT_ERROR_INVALID_SIZE
     pCount[0] = len(procs)
+    return 0
+
+
+# Counters (zesEngineGetActivity, zesMemoryGetBandwidth, zesPowerGetEnergyCounter): the model is in
+# accel/sim/_ze_counters.py.  Each card lists engine groups ALL, COMPUTE_ALL and COPY_ALL and power
+# domains card-wide on a one-tile card, else per tile (onSubdevice), and its own card-level power domain
+# first; zesDeviceGetCardPowerDomain returns that one.
+
+_ENGINE_GROUP = {"all": "ZES_ENGINE_GROUP_ALL", "compute": "ZES_ENGINE_GROUP_COMPUTE_ALL",
+                 "copy": "ZES_ENGINE_GROUP_COPY_ALL"}
+
+
+def _component(handle, kind: str):
+    """(runtime, component, 0) or (None, None, code) for a Sysman component of ``kind``."""
+    rt, obj, rc = _sysman(handle)
+    if rc:
+        return None, None, rc
+    if obj.kind != kind:
+        return None, None, rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+    return rt, obj, 0
+
+
+def zesDeviceEnumEngineGroups(hDevice, pCount, phEngine):
+    rt, dev, rc = _sysman(hDevice)
+    if rc:
+        return rc
+    if dev.kind not in ("card", "device"):
+        return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+    if not pCount:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
+    return _fill(pCount, phEngine, _card_of(dev).engines)
+
+
+def zesEngineGetProperties(hEngine, pProperties):
+    rt, eng, rc = _component(hEngine, "engine")
+    if rc:
+        return rc
+    C = rt.C
+    if not pProperties:
+        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
+    if pProperties.stype != C.ZES_STRUCTURE_TYPE_ENGINE_PROPERTIES:
+        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    pProperties.type = getattr(C, _ENGINE_GROUP[eng.group])
+    pProperties.onSubdevice = 0 if eng.tile is None else 1
+    pProperties.subdeviceId = eng.tile or 0
+    return 0
+
+
+def zesEngineGetActivity(hEngine, pStats):
+    rt, eng, rc = _component(hEngine, "engine")
+    if rc:
+        return rc
+    if not pStats:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
+    with rt.lock:
+        meters = eng.meters()
+        # zes_engine_stats_t: activeTime, "monotonic counter for time in microseconds that this
+        # resource is actively running workloads"; the card-wide group of a one-tile card is its tile
+        pStats.activeTime = sum(m.active[eng.group] for m in meters) // len(meters)
+        pStats.timestamp = _ze_counters.now_us()
+    return 0
+
+
+def zesMemoryGetBandwidth(hMemory, pBandwidth):
+    rt, mod, rc = _component(hMemory, "memmodule")
+    if rc:
+        return rc
+    C = rt.C
+    if not pBandwidth:
+        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
+    if mod.location != C.ZES_MEM_LOC_DEVICE:
+        # System memory traffic is not simulated; zes_api.h lists no code for a module without
+        # bandwidth counters: the simulator refuses with the generic one.
+        return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE
+    with rt.lock:
+        meters = mod.card.meters if mod.tile is None else [mod.card.meters[mod.tile]]
+        pBandwidth.readCounter = sum(m.read for m in meters)
+        pBandwidth.writeCounter = sum(m.write for m in meters)
+        pBandwidth.maxBandwidth = _ze_counters.MAX_BANDWIDTH * len(meters)
+        pBandwidth.timestamp = _ze_counters.now_us()
+    return 0
+
+
+def zesDeviceEnumPowerDomains(hDevice, pCount, phPower):
+    rt, dev, rc = _sysman(hDevice)
+    if rc:
+        return rc
+    if dev.kind not in ("card", "device"):
+        return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+    if not pCount:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
+    return _fill(pCount, phPower, _card_of(dev).powers)
+
+
+def zesDeviceGetCardPowerDomain(hDevice, phPower):
+    rt, dev, rc = _sysman(hDevice)
+    if rc:
+        return rc
+    if dev.kind not in ("card", "device"):
+        return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+    if not phPower:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
+    phPower[0] = _card_of(dev).powers[0].key     # "power domain handle for the entire PCIe card"
+    return 0
+
+
+def zesPowerGetProperties(hPower, pProperties):
+    rt, pwr, rc = _component(hPower, "power")
+    if rc:
+        return rc
+    C = rt.C
+    if not pProperties:
+        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
+    if pProperties.stype != C.ZES_STRUCTURE_TYPE_POWER_PROPERTIES:
+        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    pProperties.onSubdevice = 0 if pwr.tile is None else 1
+    pProperties.subdeviceId = pwr.tile or 0
+    pProperties.canControl = 0
+    pProperties.isEnergyThresholdSupported = 0
+    pProperties.defaultLimit = -1        # zes_api.h: (deprecated) -1 = not known
+    pProperties.minLimit = -1
+    pProperties.maxLimit = -1
+    return 0
+
+
+def zesPowerGetEnergyCounter(hPower, pEnergy):
+    rt, pwr, rc = _component(hPower, "power")
+    if rc:
+        return rc
+    if not pEnergy:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
+    with rt.lock:
+        now = _ze_counters.now_us()
+        # zes_power_energy_counter_t: energy, "the monotonic energy counter in microjoules"
+        pEnergy.energy = _ze_counters.energy_uj(pwr.meters(), pwr.card.tiles, pwr.card.t0, now)
+        pEnergy.timestamp = now
     return 0
 
 
@@ -2131,6 +2313,8 @@ _FUNCTIONS = (
     zesMemoryGetProperties, zesMemoryGetState,
     zeDeviceCanAccessPeer, zesDeviceEnumTemperatureSensors, zesTemperatureGetProperties, zesTemperatureGetState,
     zesDeviceEnumFrequencyDomains, zesFrequencyGetProperties, zesFrequencyGetState, zesDeviceProcessesGetState,
+    zesDeviceEnumEngineGroups, zesEngineGetProperties, zesEngineGetActivity, zesMemoryGetBandwidth,
+    zesDeviceEnumPowerDomains, zesDeviceGetCardPowerDomain, zesPowerGetProperties, zesPowerGetEnergyCounter,
     zeVirtualMemQueryPageSize, zeVirtualMemReserve, zeVirtualMemFree, zePhysicalMemCreate, zePhysicalMemDestroy,
     zeVirtualMemMap, zeVirtualMemUnmap, zeVirtualMemSetAccessAttribute, zeVirtualMemGetAccessAttribute,
 )

@@ -36,6 +36,10 @@ REQUIRED_SYMBOLS = (
     "zeDeviceCanAccessPeer", "zesDeviceEnumTemperatureSensors", "zesTemperatureGetProperties",
     "zesTemperatureGetState", "zesDeviceEnumFrequencyDomains", "zesFrequencyGetProperties",
     "zesFrequencyGetState", "zesDeviceProcessesGetState",
+    # counters sampled twice (telemetry.py): API 1.0, in Debian's 1.8.12 loader too
+    "zesDeviceEnumEngineGroups", "zesEngineGetProperties", "zesEngineGetActivity", "zesMemoryGetBandwidth",
+    "zesDeviceEnumPowerDomains", "zesDeviceGetCardPowerDomain", "zesPowerGetProperties",
+    "zesPowerGetEnergyCounter",
 )
 #: Called only after checking the loader exports them (API 1.5/1.6 additions).
 OPTIONAL_SYMBOLS = ("zesInit", "zesDriverGet", "zesDeviceGet", "zeCommandListHostSynchronize")
