@@ -238,7 +238,7 @@ def test_count_reconciled_with_the_runtime_after_init(sim_cuda, monkeypatch):
     with pytest.warns(RuntimeWarning, match="3.*2|2.*3"):
         accel.current_device_index()
     assert accel.device_count() == 2
-    with pytest.raises(ValueError, match="out of range"):
+    with pytest.raises(ValueError, match="out of index range"):
         accel.Stream(2)
 
 
