@@ -182,9 +182,13 @@ class Buffer:
         """Copy all of ``src`` (numpy array, Buffer, or bytes-like, exactly ``nbytes``) into this buffer.
 
         Blocking copies return when the data is on the device.  With
-        ``non_blocking=True`` a host source is first copied into pinned
-        staging memory, so the call returns at once and ``src`` may be
-        reused immediately; order later work after it with the stream.
+        ``non_blocking=True`` the call returns at once; order later work after
+        it with the stream.  A pinned source (an :func:`accel.empty_pinned`
+        array or a view of one) is copied from directly, as torch's
+        ``copy_(src, non_blocking=True)``: its block is not reused before the
+        copy ran, but writing to it meanwhile changes what is copied.  Any other
+        host source is first copied into pinned staging memory, so it may be
+        reused immediately.
         """
         self._live()
         stream = self._stream_for(stream)
@@ -218,8 +222,21 @@ class Buffer:
             return self
         _refuse_in_capture(backend, stream)
         if non_blocking:
-            from ._hostmem import copy_into
             host = _memory().host_allocator()
+            address = _address(view)
+            pinned = host.owns(address, self._nbytes)
+            if pinned is not None:
+                # torch's pinned-source path: DMA from the caller's block, which the host
+                # allocator keeps from reuse until the copy ran (as copy_to into pinned memory)
+                with on_device(backend, self._index):
+                    backend.memcpy_async(self._ptr, address, self._nbytes, stream.handle)
+                    try:
+                        host.record_stream(pinned, stream.handle, self._index)
+                    except BaseException:
+                        _drain(stream)
+                        raise
+                return self
+            from ._hostmem import copy_into
             staging = host.malloc(self._nbytes)
             try:
                 copy_into(staging, view)
