@@ -195,7 +195,7 @@ def test_snapshot_history_and_viz(sim_cuda, monkeypatch, tmp_path):
     segments = memory.memory_snapshot()
     assert {s["segment_type"] for s in segments} == {"small", "large"}
     small = next(s for s in segments if s["segment_type"] == "small")
-    assert small["blocks"][0]["frames"][-1]["name"] == "test_snapshot_history_and_viz"
+    assert small["blocks"][0]["frames"][0]["name"] == "test_snapshot_history_and_viz"   # innermost first
     path = tmp_path / "snap.json"
     memory.dump_snapshot(str(path))
     data = json.loads(path.read_text())

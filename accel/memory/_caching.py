@@ -81,9 +81,10 @@ asserts after every operation, as CUDACachingAllocator.cpp lists its own):
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
-import traceback
 from bisect import bisect_left, insort
 from collections import deque
 from typing import Dict, List, Optional, Tuple
@@ -1892,6 +1893,19 @@ def _exabyte_error(backend_name: str) -> OutOfMemoryError:
     return OutOfMemoryError(f"{backend_name.upper()} out of memory. Tried to allocate more than 1EB memory.")
 
 
+#: accel's package directory: recorded stacks start at the first frame outside it
+_ACCEL_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
 def _frames() -> list:
-    return [{"filename": f.filename, "line": f.lineno, "name": f.name}
-            for f in traceback.extract_stack()[:-3]]
+    """The caller's Python stack for a snapshot, as torch records it: innermost frame first,
+    starting at the first frame outside the accel package (the user's line that allocated)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_ACCEL_DIR):
+        frame = frame.f_back
+    out = []
+    while frame is not None:
+        code = frame.f_code
+        out.append({"filename": code.co_filename, "line": frame.f_lineno, "name": code.co_name})
+        frame = frame.f_back
+    return out

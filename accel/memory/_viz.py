@@ -221,9 +221,9 @@ class _Runs:
         return self
 
 def _label(entry: dict) -> str:
-    frames = entry.get("frames") or []
+    frames = entry.get("frames") or []      # innermost first, as torch's snapshots
     where = ""
-    for frame in reversed(frames):
+    for frame in frames:
         if "accel" not in frame.get("filename", "").replace("\\", "/").split("/")[-2:-1]:
             where = f" at {frame['filename']}:{frame['line']} ({frame['name']})"
             break
