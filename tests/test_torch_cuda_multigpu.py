@@ -13,7 +13,6 @@ import gc
 import random
 import subprocess
 import sys
-import threading
 
 import numpy as np
 import pytest
@@ -348,7 +347,6 @@ def test_cuda_multigpu__test_mem_get_info(sim_multi):
 def test_cuda_multigpu__test_cuda_init_race():
     # https://github.com/pytorch/pytorch/issues/16559: two threads initialize at once
     script = """\
-import threading
 import accel
 
 def worker(rank):
