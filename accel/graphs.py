@@ -29,6 +29,7 @@ from typing import Optional, Tuple
 
 from . import _finalize as _fin
 from . import _lazy
+from ._errors import AcceleratorError
 from .streams import Stream, _capture_events, current_stream, on_device
 
 __all__ = ["Graph", "graph", "generate_graph_pool_handle", "graph_pool_handle"]
@@ -132,17 +133,19 @@ class Graph:
             raise
         try:
             backend.capture_begin(stream.handle, mode)
-            try:
-                capture_id = backend.capture_id(stream.handle)
-            except BaseException:
-                _discard_capture(backend, stream.handle)
-                raise
         except BaseException:
             allocator.end_allocate_to_pool(pool)
             allocator.release_pool(pool)
             random._graph_capture_abort(self._rng)
             self._rng = None
             raise
+        try:
+            capture_id = backend.capture_id(stream.handle)
+        except AcceleratorError:
+            # Only keeping external events alive needs the id (cudaStreamGetCaptureInfo): the
+            # capture goes on without it, and an external event recorded in it is kept alive by
+            # its caller alone.
+            capture_id = None
         if capture_id is not None:
             _capture_events[capture_id] = {}   # external events recorded in the capture (accel.streams)
         self._capture_id = capture_id
@@ -369,19 +372,6 @@ def graph(cuda_graph: Graph, pool: Optional[Tuple[int, int]] = None, stream: Opt
             _end_after_error(cuda_graph, exc)
             raise
         cuda_graph.capture_end()
-
-
-def _discard_capture(backend, stream: int) -> None:
-    """End a capture just begun and drop what it made (a failure right after capture_begin
-    must not leave a capture underway: it would forbid syncs and frees in the process)."""
-    try:
-        graph_handle = backend.capture_end(stream)
-    except Exception:
-        return
-    try:
-        backend.graph_destroy(graph_handle)
-    except Exception:
-        pass
 
 
 def _end_after_error(g: Graph, exc: BaseException) -> None:

@@ -526,8 +526,11 @@ class Event:
         stream._live()
         self._check_device(stream, "record")
         backend = stream._backend
+        keep = None
         if self.external:
             _check_external(backend)
+            with stream._device_scope():
+                keep = _capture_table(backend, stream)  # first: it may raise, nothing done yet
         if self._handle is None:
             with on_device(backend, stream._index):
                 self._handle = backend.event_create(self.enable_timing, self.blocking)
@@ -535,22 +538,14 @@ class Event:
         if self.external:
             with stream._device_scope():
                 backend.event_record(self._handle, stream._handle, external=True)
-                self._keep_for_capture(stream)
+            if keep is not None:
+                keep[id(self)] = self
         elif stream._shared:
             with on_device(backend, stream._index):
                 backend.event_record(self._handle, stream._handle)
         else:
             backend.event_record(self._handle, stream._handle)
         self._recorded = True
-
-    def _keep_for_capture(self, stream: Stream) -> None:
-        """While ``stream`` takes part in a capture of an accel.Graph, that graph keeps this
-        external event alive (its replays record or wait for it).  Runs in the stream's device
-        scope."""
-        if _capture_events and self._backend.captures_underway():
-            table = _capture_events.get(self._backend.capture_id(stream._handle))
-            if table is not None:
-                table[id(self)] = self
 
     def wait(self, stream: Optional[Stream] = None) -> None:
         """Make ``stream`` (the current stream when None) wait for this event's recorded work."""
@@ -564,8 +559,10 @@ class Event:
             return
         with stream._device_scope():
             if self.external:
+                keep = _capture_table(self._backend, stream)   # first: it may raise
                 self._backend.stream_wait_event(stream._handle, self._handle, external=True)
-                self._keep_for_capture(stream)
+                if keep is not None:
+                    keep[id(self)] = self
             else:
                 self._backend.stream_wait_event(stream._handle, self._handle)
 
@@ -620,6 +617,14 @@ class Event:
                 and _lazy.is_initialized()):
             self._closed = True
             _fin.finalize(self._backend.event_destroy, self._handle)
+
+
+def _capture_table(backend: Backend, stream: Stream) -> Optional[Dict[int, Event]]:
+    """The external events of the accel.Graph capture ``stream`` takes part in (that graph keeps
+    them alive: its replays record or wait for them), or None.  Call in the stream's device scope."""
+    if _capture_events and backend.captures_underway():
+        return _capture_events.get(backend.capture_id(stream._handle))
+    return None
 
 
 def _check_external(backend: Optional[Backend]) -> None:
