@@ -204,13 +204,23 @@ class Buffer:
                 # Ordering against work on the source's stream is the caller's, as in torch;
                 # recording keeps the allocator from reusing the source under this copy.
                 src.record_stream(stream)
+            barrier = None
             if src._index != self._index:
                 # the copy runs on this buffer's device, which reads the other device's memory:
                 # mapped (virtual) memory needs explicit access for it (cuMemSetAccess)
                 _memory().device_allocator(src._index).add_peer(self._index)
+                if self._nbytes and not stream.is_capturing():
+                    # torch's two-way barrier between the devices' current streams (ATen
+                    # cuda/Copy.cu copy_device_to_device): the copy waits for the work queued
+                    # on the source device's current stream, and that stream's later work
+                    # waits for the copy.  (In a capture the other stream would join it.)
+                    barrier = current_stream(src._index)
+                    stream.wait_stream(barrier)
             if self._nbytes:
                 with stream._device_scope():
                     backend.memcpy_async(self._ptr, src._ptr, self._nbytes, stream.handle)
+            if barrier is not None:
+                barrier.wait_stream(stream)
             if not non_blocking:
                 stream.synchronize()
             return self

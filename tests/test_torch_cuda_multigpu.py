@@ -347,6 +347,7 @@ def test_cuda_multigpu__test_mem_get_info(sim_multi):
 def test_cuda_multigpu__test_cuda_init_race():
     # https://github.com/pytorch/pytorch/issues/16559: two threads initialize at once
     script = """\
+import threading
 import accel
 
 def worker(rank):
@@ -606,3 +607,54 @@ def test_cuda_multigpu__test_rng_state_offset(sim_backend):
     offset = gen.offset
     accel.random.set_rng_state(before)
     assert offset == 100
+
+
+# ------------------------------------------------------------------ copies between streams
+def _copy_sync_current_stream(x, y):
+    """_test_copy_sync_current_stream: a copy between devices is ordered with the current
+    streams of both devices (torch copies on the source's current stream with a two-way
+    barrier; accel copies on the destination's with the same barriers)."""
+    x_plus_one = accel.Buffer(x.nbytes, x.device).fill_(2)
+    x.fill_(1)
+    accel.synchronize(0)
+    accel.synchronize(1)
+    s0 = accel.Stream(device=x.device)
+    s1 = accel.Stream(device=y.device)
+    s2 = accel.Stream(device=x.device)
+    s3 = accel.Stream(device=y.device)
+
+    # same dst stream different src streams
+    with held(s0):
+        with s0:
+            with s1:
+                y.copy_from(x_plus_one, non_blocking=True)
+        with s2, s1:
+            y.copy_from(x, non_blocking=True)
+    s1.synchronize()
+    # the copy() is synchronized on the current streams of both src and dst: x is copied to
+    # y after x_plus_one is
+    assert _value(y) == 1
+
+    # same src stream different dst streams
+    with held(s1):
+        with s1:
+            with s0:
+                y.copy_from(x_plus_one, non_blocking=True)
+        with s3, s0:
+            y.copy_from(x, non_blocking=True)
+    s0.synchronize()
+    assert _value(y) == 1
+
+
+def _value(buf):
+    data = buf.to_numpy()
+    assert (data == data[0]).all(), data
+    return int(data[0])
+
+
+def test_cuda_multigpu__test_copy_streams(sim_cuda_delayed):
+    x0 = accel.Buffer(100, "cuda:0").fill_(0)
+    x1 = accel.Buffer(100, "cuda:1").fill_(0)
+    _copy_sync_current_stream(x0, x1)
+    x2 = accel.Buffer(100, "cuda:0").fill_(0)
+    _copy_sync_current_stream(x0, x2)
