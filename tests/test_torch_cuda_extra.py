@@ -485,3 +485,117 @@ print(memory.host_allocator().owns(t.ctypes.data, t.nbytes) is not None)
     out = _run(script, PYTORCH_ALLOC_CONF="pinned_use_background_threads:True")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "True"
+
+
+# ------------------------------------------------------------------ RNG
+def test_cuda__test_manual_seed(sim_backend):
+    # torch.cuda.manual_seed(2): initial_seed() is 2 and reseeding repeats the numbers
+    x = accel.Buffer(4 * 16)
+    accel.random.manual_seed(2)
+    assert accel.random.initial_seed() == 2
+    a = accel.random.uniform_(x).to_numpy(np.float32)
+    accel.random.manual_seed(2)
+    b = accel.random.uniform_(accel.Buffer(4 * 16)).to_numpy(np.float32)
+    assert np.array_equal(a, b)
+    assert accel.random.initial_seed() == 2
+
+
+def test_cuda__test_torch_manual_seed_seeds_cuda_devices(sim_backend):
+    # torch.manual_seed seeds every device: accel.random.manual_seed_all
+    accel.random.manual_seed_all(2)
+    for index in range(accel.device_count()):
+        assert accel.random.initial_seed(index) == 2
+    x = accel.random.uniform_(accel.Buffer(4 * 16)).to_numpy(np.float32)
+    accel.random.manual_seed_all(2)
+    y = accel.random.uniform_(accel.Buffer(4 * 16)).to_numpy(np.float32)
+    assert np.array_equal(x, y)
+    assert accel.random.initial_seed() == 2
+
+
+# ------------------------------------------------------------------ copies
+def test_cuda__test_copy_non_blocking(sim_cuda):
+    def _copy_non_blocking(dst, src):
+        event = accel.Event()
+        if isinstance(dst, accel.Buffer):
+            dst.copy_from(src, non_blocking=True)
+        else:
+            src.copy_to(dst, non_blocking=True)
+        event.record()
+        event.synchronize()
+
+    n = 10_000_000
+    # 10 MB host -> device from pinned memory
+    y = accel.empty_pinned(n, np.uint8)
+    y[:] = 0
+    x = accel.Buffer(n).fill_(1)
+    _copy_non_blocking(x, y)
+    assert (x.to_numpy() == 0).all()
+    # device -> pinned host
+    x = accel.empty_pinned(n, np.uint8)
+    x[:] = 0
+    y = accel.Buffer(n).fill_(1)
+    _copy_non_blocking(x, y)
+    assert (x == 1).all()
+    # a pinned view whose address is not the block's start
+    x_base = accel.empty_pinned(n, np.uint8)
+    x_base[:] = 0
+    x = x_base[1:]
+    host = memory.host_allocator()
+    assert host.owns(x.ctypes.data, x.nbytes) == host.owns(x_base.ctypes.data, x_base.nbytes) is not None
+    assert x.ctypes.data != x_base.ctypes.data
+    y = accel.Buffer(n - 1).fill_(1)
+    _copy_non_blocking(x, y)
+    assert (x == 1).all() and x_base[0] == 0
+    # and the view as a source
+    x[:] = 7
+    z = accel.Buffer(n - 1).fill_(0)
+    _copy_non_blocking(z, x)
+    assert (z.to_numpy() == 7).all()
+
+
+# ------------------------------------------------------------------ expandable segments under a cap
+def _cap_to(extra_mib):
+    """TestCudaMallocAsync's setup: per_process_memory_fraction so that ``extra_mib`` more
+    MiB than what is reserved now may be reserved."""
+    memory.empty_cache()
+    _, all_memory = memory.get_memory_info()
+    total_allowed = extra_mib * MiB + memory.memory_reserved()
+    fraction = total_allowed / all_memory
+    memory.set_per_process_memory_fraction(fraction)
+    return fraction
+
+
+@pytest.mark.parametrize("conf", ["expandable_segments:False,max_split_size_mb:40",
+                                  "expandable_segments:True,max_split_size_mb:40"])
+def test_cuda__test_max_split_expandable(monkeypatch, conf):
+    """torch switches expandable_segments between the allocations at run time; accel reads
+    the setting at start, so each setting runs on its own: three 40 MiB blocks fit a 120 MiB
+    cap, a fourth raises, and after freeing them one 120 MiB block fits (release of cached
+    blocks, expandable ones included, before growing)."""
+    use_sim(monkeypatch, "cuda", PYTORCH_ALLOC_CONF=conf)
+    accel.current_device_index()
+    orig = memory.get_per_process_memory_fraction()
+    try:
+        _cap_to(120)
+        a, b, c = accel.Buffer(40 * MiB), accel.Buffer(40 * MiB), accel.Buffer(40 * MiB)
+        with pytest.raises(OutOfMemoryError):
+            accel.Buffer(40 * MiB)
+        del a, b, c
+        accel.Buffer(120 * MiB).close()
+    finally:
+        memory.set_per_process_memory_fraction(orig)
+
+
+@pytest.mark.parametrize("conf", ["expandable_segments:False,garbage_collection_threshold:0.5",
+                                  "expandable_segments:True,garbage_collection_threshold:0.5"])
+def test_cuda__test_garbage_collect_expandable(monkeypatch, conf):
+    use_sim(monkeypatch, "cuda", PYTORCH_ALLOC_CONF=conf)
+    accel.current_device_index()
+    orig = memory.get_per_process_memory_fraction(0)
+    try:
+        _cap_to(120)
+        a, b = accel.Buffer(40 * MiB), accel.Buffer(40 * MiB)
+        del a, b
+        accel.Buffer(80 * MiB).close()        # the collection runs with both blocks cached
+    finally:
+        memory.set_per_process_memory_fraction(orig)

@@ -642,3 +642,99 @@ def test_cuda__test_mempool_multithread(sim_graph_backend):
     for t in threads:
         t.join()
     assert len(set(ids)) == 4
+
+
+# ------------------------------------------------------------------ RNG in graphs
+# (CUDA only: the Level Zero backend has no Philox kernels, so it refuses to capture fills)
+_RNG_FILLS = (
+    ("uniform_", lambda b: accel.random.uniform_(b)),
+    ("normal_", lambda b: accel.random.normal_(b, 1.0, 1.0)),
+    ("randint_", lambda b: accel.random.randint_(b, 0, 3, dtype="int32")),
+    ("random_raw_", lambda b: accel.random.random_raw_(b)),
+)
+
+
+@pytest.mark.parametrize("name,fill", _RNG_FILLS, ids=[n for n, _ in _RNG_FILLS])
+def test_cuda__test_graph_rng_distributions(sim_cuda, name, fill):
+    """Replays draw what eager calls would draw at the same point of the generator: each
+    replay reads the seed and offset the generator holds then (a reseed included), and
+    advances the offset as the eager calls would."""
+    size = 4 * 10000
+    alloc = accel.Buffer(size).fill_(0)
+
+    def clone():
+        return _clone(alloc)
+
+    accel.random.manual_seed(5)
+    dummy, control1, control2 = clone(), clone(), clone()
+    for b in (dummy, control1, control2):
+        fill(b)
+
+    stream = accel.Stream()
+    stream.wait_stream(accel.current_stream())
+    with stream:
+        accel.random.manual_seed(5)
+        g = Graph()
+        memory.empty_cache()
+        t1, t2 = clone(), clone()
+        g.capture_begin()
+        fill(t1)
+        fill(t2)
+        g.capture_end()
+    accel.current_stream().wait_stream(stream)
+    # capture did not run the fills
+    assert (t1.to_numpy() != control1.to_numpy()).any()
+    assert (t2.to_numpy() != control2.to_numpy()).any()
+
+    for seed in (6, 314, 271):
+        accel.random.manual_seed(seed)
+        for b in (dummy, control1, control2):        # the eager controls, after a dummy fill
+            fill(b)
+        accel.random.manual_seed(seed)
+        fill(dummy)                                   # the replay picks up the dummy's increment
+        t1.copy_from(alloc)
+        t2.copy_from(alloc)
+        g.replay()
+        assert (t1.to_numpy() == control1.to_numpy()).all()
+        assert (t2.to_numpy() == control2.to_numpy()).all()
+    accel.synchronize()
+
+
+def test_cuda__test_graph_rng_functional(sim_cuda):
+    """graphed -> eager -> graphed fills draw the same numbers as six eager fills, and a new
+    seed changes what replays draw (test_graph_rng_functional with fills for dropout)."""
+    size = 4 * 1000
+    outs_eager = []
+    accel.random.manual_seed(5)
+    for _ in range(6):
+        outs_eager.append(accel.random.uniform_(accel.Buffer(size)).to_numpy(np.float32))
+
+    graph_out = [accel.Buffer(size) for _ in range(2)]
+    stream = accel.Stream()
+    stream.wait_stream(accel.current_stream())
+    with stream:
+        accel.random.manual_seed(5)
+        g = Graph()
+        memory.empty_cache()
+        g.capture_begin()
+        for b in graph_out:
+            accel.random.uniform_(b)
+        g.capture_end()
+    accel.current_stream().wait_stream(stream)
+    g.replay()
+    got = [b.to_numpy(np.float32) for b in graph_out]
+    got += [accel.random.uniform_(accel.Buffer(size)).to_numpy(np.float32) for _ in range(2)]
+    g.replay()
+    got += [b.to_numpy(np.float32) for b in graph_out]
+    for a, b in zip(outs_eager, got):
+        assert np.array_equal(a, b)
+
+    for seed in (6, 128, 9999):
+        accel.random.manual_seed(seed)
+        g.replay()
+        replayed = [b.to_numpy(np.float32) for b in graph_out]
+        assert not np.array_equal(replayed[0], outs_eager[0])
+        accel.random.manual_seed(seed)
+        eager = [accel.random.uniform_(accel.Buffer(size)).to_numpy(np.float32) for _ in range(2)]
+        assert all(np.array_equal(a, b) for a, b in zip(replayed, eager))
+    accel.synchronize()
