@@ -599,3 +599,65 @@ def test_cuda__test_garbage_collect_expandable(monkeypatch, conf):
         accel.Buffer(80 * MiB).close()        # the collection runs with both blocks cached
     finally:
         memory.set_per_process_memory_fraction(orig)
+
+
+# ------------------------------------------------------------------ pinned memory settings
+def test_cuda__test_pinned_memory_with_cudaregister(monkeypatch):
+    """pinned_use_cuda_host_register:True,pinned_num_register_threads:8 is accepted (accel
+    ignores it, with one warning) and pinned allocations of 8 and 64 MiB still work."""
+    use_sim(monkeypatch, "cuda", PYTORCH_ALLOC_CONF="pinned_use_cuda_host_register:True,pinned_num_register_threads:8")
+    accel.current_device_index()
+    t = np.ones(20, np.float32)
+    assert memory.host_allocator().owns(t.ctypes.data, t.nbytes) is None
+    for n in (1 << 21, 1 << 24):
+        pinned = accel.empty_pinned(n, np.float32)
+        pinned[:] = 1
+        assert memory.host_allocator().owns(pinned.ctypes.data, pinned.nbytes) is not None
+
+
+def test_cuda__test_pinned_memory_with_cudaregister_multithread(monkeypatch):
+    import threading
+    use_sim(monkeypatch, "cuda", PYTORCH_ALLOC_CONF="pinned_use_cuda_host_register:True,pinned_num_register_threads:8")
+    accel.current_device_index()
+    errors = []
+
+    def work():
+        try:
+            for n in (1 << 21, 1 << 24):
+                pinned = accel.empty_pinned(n, np.float32)
+                pinned[:] = 1
+                assert memory.host_allocator().owns(pinned.ctypes.data, pinned.nbytes) is not None
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+# ------------------------------------------------------------------ Philox offsets
+def test_cuda__test_random_no_reused_random_states(sim_backend):
+    """Two consecutive fills from one generator draw from disjoint Philox states
+    (pytorch/pytorch#125224): their raw words barely collide, as two independent draws."""
+    size = 500_000
+    gen = accel.random.Generator(accel.current_device_index(), seed=0)
+    t1 = accel.random.random_raw_(accel.Buffer(4 * size), generator=gen).to_numpy(np.uint32)
+    t2 = accel.random.random_raw_(accel.Buffer(4 * size), generator=gen).to_numpy(np.uint32)
+    unique = np.unique(np.concatenate([t1, t2])).size
+    # 1e6 independent 32-bit words collide about 1e6**2 / 2**33 = 116 times; a reused state
+    # would repeat up to 5e5
+    assert unique > 2 * size - 5_000
+
+
+def test_cuda__test_randint_randomness_for_large_range(sim_backend):
+    size = 500_000
+    high = 6_000_000_000            # above 2**32: two words per number
+    gen = accel.random.Generator(accel.current_device_index(), seed=0)
+    t1 = accel.random.randint_(accel.Buffer(8 * size), 0, high, generator=gen).to_numpy(np.int64)
+    t2 = accel.random.randint_(accel.Buffer(8 * size), 0, high, generator=gen).to_numpy(np.int64)
+    assert t1.min() >= 0 and t2.max() < high
+    reference = np.unique(np.random.default_rng(0).integers(0, high, 2 * size)).size
+    assert abs(np.unique(np.concatenate([t1, t2])).size - reference) < 10_000
