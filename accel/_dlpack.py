@@ -1,0 +1,573 @@
+"""DLPack without compiled code: capsules made and read through ``ctypes``.
+
+The structs are dlpack.h's (DLPack 1.1 header; ``DLManagedTensorVersioned`` since 1.0, the legacy
+``DLManagedTensor`` before): ``DLDevice``, ``DLDataType``, ``DLTensor``, the managed tensors and
+``DLPackVersion``.  Everything here is the C ABI of the header, laid out by ``ctypes``.
+
+**Producer** (:func:`export`).  The managed tensor, its shape and strides arrays live in ctypes
+objects held in :data:`_exports` (keyed by the struct's address) together with ``owner``, the
+Python object that must outlive the consumer's use (an :class:`accel.Buffer`).  The capsule is
+made with ``ctypes.pythonapi.PyCapsule_New`` named ``"dltensor"`` or ``"dltensor_versioned"``,
+with a ``PyCapsule_Destructor`` that calls the deleter only while the capsule still has that
+name (a capsule dropped unconsumed); a consumer renames it ``"used_dltensor[_versioned]"`` and
+calls the deleter itself when it is done.  The deleter pops the entry: the struct is freed once
+and ``owner`` released once, whoever calls it and however often.  It takes no lock (a dict pop
+is atomic), so it is safe from any thread, a garbage collection, or a forked child (where the
+released Buffer's finalizer does nothing, see accel._finalize).  State is bounded by live
+exports.  The ctypes callbacks and the capsule names are made immortal (one reference leaked
+each), so a capsule that outlives this module's globals at interpreter exit still finds them.
+
+**Consumer** (:func:`parse`, :class:`Imported`, :func:`from_dlpack`).  A capsule is read
+before it is taken: a refused one keeps its name, so its producer's destructor frees it.  A
+taken one is renamed ``used_…`` and its deleter is called exactly once by
+:meth:`Imported.release`.
+
+**Stream handshake** (:func:`sync_for_consumer`): the array API standard's ``__dlpack__``
+``stream`` argument, CUDA values: None (the legacy default stream), 1 (legacy default), 2 (per-thread
+default), another int (a ``cudaStream_t``), -1 (no synchronization); 0 is disallowed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import operator
+from ctypes import POINTER, c_char_p, c_int, c_int32, c_int64, c_uint8, c_uint16, c_uint32, c_uint64, c_void_p
+from typing import Any, Dict, Optional, Tuple
+
+__all__ = ["DLDeviceType", "export", "parse", "Imported", "DLPACK_VERSION", "sync_for_consumer",
+           "device_of", "from_dlpack", "check_max_version", "check_dl_device"]
+
+#: The DLPack version accel writes into versioned capsules (dlpack.h DLPACK_MAJOR/MINOR_VERSION).
+DLPACK_VERSION = (1, 1)
+FLAG_READ_ONLY = 1 << 0          # DLPACK_FLAG_BITMASK_READ_ONLY
+FLAG_IS_COPIED = 1 << 1          # DLPACK_FLAG_BITMASK_IS_COPIED
+
+
+class DLDeviceType(enum.IntEnum):
+    """dlpack.h ``DLDeviceType`` (the values ``__dlpack_device__`` returns)."""
+    kDLCPU = 1
+    kDLCUDA = 2
+    kDLCUDAHost = 3
+    kDLOpenCL = 4
+    kDLVulkan = 7
+    kDLMetal = 8
+    kDLVPI = 9
+    kDLROCM = 10
+    kDLROCMHost = 11
+    kDLExtDev = 12
+    kDLCUDAManaged = 13
+    kDLOneAPI = 14
+    kDLWebGPU = 15
+    kDLHexagon = 16
+    kDLMAIA = 17
+    kDLTrn = 18
+
+
+#: accel backend name -> the DLPack device type of its device memory.
+BACKEND_DEVICE_TYPES = {"cuda": DLDeviceType.kDLCUDA, "xpu": DLDeviceType.kDLOneAPI,
+                        "mps": DLDeviceType.kDLMetal}
+#: Device types whose memory is host memory (never wrapped as device memory).
+HOST_DEVICE_TYPES = (DLDeviceType.kDLCPU, DLDeviceType.kDLCUDAHost, DLDeviceType.kDLROCMHost)
+
+
+# -- dlpack.h structs ---------------------------------------------------------------------------
+class DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", c_int32), ("device_id", c_int32)]
+
+
+class DLDataType(ctypes.Structure):
+    _fields_ = [("code", c_uint8), ("bits", c_uint8), ("lanes", c_uint16)]
+
+
+class DLTensor(ctypes.Structure):
+    _fields_ = [("data", c_void_p), ("device", DLDevice), ("ndim", c_int32), ("dtype", DLDataType),
+                ("shape", POINTER(c_int64)), ("strides", POINTER(c_int64)), ("byte_offset", c_uint64)]
+
+
+class DLManagedTensor(ctypes.Structure):
+    # deleter: void (*)(DLManagedTensor *), kept as a raw pointer (called through DELETER)
+    _fields_ = [("dl_tensor", DLTensor), ("manager_ctx", c_void_p), ("deleter", c_void_p)]
+
+
+class DLPackVersion(ctypes.Structure):
+    _fields_ = [("major", c_uint32), ("minor", c_uint32)]
+
+
+class DLManagedTensorVersioned(ctypes.Structure):
+    _fields_ = [("version", DLPackVersion), ("manager_ctx", c_void_p), ("deleter", c_void_p),
+                ("flags", c_uint64), ("dl_tensor", DLTensor)]
+
+
+#: void (*deleter)(DLManagedTensor[Versioned] *self)
+DELETER = ctypes.CFUNCTYPE(None, c_void_p)
+#: typedef void (*PyCapsule_Destructor)(PyObject *): the argument as a raw pointer, never a
+#: py_object (that would take a reference to a capsule being deallocated).
+CAPSULE_DESTRUCTOR = ctypes.CFUNCTYPE(None, c_void_p)
+
+# Own prototypes over ctypes.pythonapi, so the argtypes other code may set on the shared
+# ctypes.pythonapi.PyCapsule_* attributes neither affect nor are affected by these.
+_api = ctypes.pythonapi
+_PyCapsule_New = ctypes.PYFUNCTYPE(ctypes.py_object, c_void_p, c_char_p, CAPSULE_DESTRUCTOR)(
+    ("PyCapsule_New", _api))
+_PyCapsule_IsValid_raw = ctypes.PYFUNCTYPE(c_int, c_void_p, c_char_p)(("PyCapsule_IsValid", _api))
+_PyCapsule_GetPointer_raw = ctypes.PYFUNCTYPE(c_void_p, c_void_p, c_char_p)(("PyCapsule_GetPointer", _api))
+_PyCapsule_IsValid = ctypes.PYFUNCTYPE(c_int, ctypes.py_object, c_char_p)(("PyCapsule_IsValid", _api))
+_PyCapsule_GetPointer = ctypes.PYFUNCTYPE(c_void_p, ctypes.py_object, c_char_p)(("PyCapsule_GetPointer", _api))
+_PyCapsule_GetName = ctypes.PYFUNCTYPE(c_void_p, ctypes.py_object)(("PyCapsule_GetName", _api))
+_PyCapsule_SetName = ctypes.PYFUNCTYPE(c_int, ctypes.py_object, c_char_p)(("PyCapsule_SetName", _api))
+_Py_IncRef = ctypes.PYFUNCTYPE(None, ctypes.py_object)(("Py_IncRef", _api))
+
+NAME = b"dltensor"
+NAME_VERSIONED = b"dltensor_versioned"
+USED_NAME = b"used_dltensor"
+USED_NAME_VERSIONED = b"used_dltensor_versioned"
+
+#: Live exports: struct address -> (struct, shape array, strides array, owner).
+_exports: Dict[int, tuple] = {}
+
+
+def _on_delete(address) -> None:
+    """The deleter (DLManagedTensor[Versioned].deleter): frees the struct and releases the owner,
+    once; a second call for the same address finds nothing.  No lock (see the module docstring)."""
+    try:
+        entry = _exports.pop(address, None)
+    except BaseException:      # interpreter shutdown: the globals may be gone
+        return
+    del entry                  # drops the owner: its finalizer follows accel._finalize's rules
+
+
+def _on_capsule_free(capsule) -> None:
+    """PyCapsule_Destructor: a capsule freed while still named "dltensor[_versioned]" was never
+    consumed, so its deleter runs here; a consumed one ("used_…") is the consumer's."""
+    try:
+        for name in (NAME, NAME_VERSIONED):
+            if _PyCapsule_IsValid_raw(capsule, name):
+                _on_delete(_PyCapsule_GetPointer_raw(capsule, name))
+                return
+    except BaseException:
+        pass
+
+
+_DELETER = DELETER(_on_delete)
+_DELETER_ADDRESS = ctypes.cast(_DELETER, c_void_p).value
+_DESTRUCTOR = CAPSULE_DESTRUCTOR(_on_capsule_free)
+for _immortal in (_DELETER, _DESTRUCTOR, NAME, NAME_VERSIONED, USED_NAME, USED_NAME_VERSIONED):
+    _Py_IncRef(_immortal)     # a capsule alive at interpreter exit may still call or name them
+del _immortal
+
+
+# -- dtypes -----------------------------------------------------------------------------------
+_KIND_CODES = {"i": 0, "u": 1, "f": 2, "c": 5, "b": 6}     # kDLInt, kDLUInt, kDLFloat, kDLComplex, kDLBool
+#: Extension dtypes by numpy name (ml_dtypes): dlpack.h DLDataTypeCode
+_NAMED_CODES = {"bfloat16": 4, "float8_e3m4": 7, "float8_e4m3": 8, "float8_e4m3b11fnuz": 9,
+                "float8_e4m3fn": 10, "float8_e4m3fnuz": 11, "float8_e5m2": 12, "float8_e5m2fnuz": 13,
+                "float8_e8m0fnu": 14}
+
+
+def dl_dtype(dtype) -> Tuple[int, int, int]:
+    """``(code, bits, lanes)`` of a numpy dtype, or BufferError for one DLPack cannot describe."""
+    import numpy as np
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as exc:
+        raise TypeError(f"dtype {dtype!r} is not a numpy dtype ({exc}); pass e.g. numpy.float32") from None
+    if dt.name in _NAMED_CODES:
+        return _NAMED_CODES[dt.name], dt.itemsize * 8, 1
+    code = _KIND_CODES.get(dt.kind)
+    if code is None or dt.fields is not None or dt.subdtype is not None:
+        raise BufferError(f"DLPack cannot describe dtype {dt} (kind {dt.kind!r}): only booleans, integers, "
+                          f"floats and complex numbers (and bfloat16/float8) have DLPack codes")
+    if not dt.isnative:
+        raise BufferError(f"DLPack data are native-endian; dtype {dt} is byte-swapped: use "
+                          f"{dt.newbyteorder('=')} and swap the bytes first")
+    return code, dt.itemsize * 8, 1
+
+
+def _ints(values, what: str) -> Tuple[int, ...]:
+    try:
+        return tuple(operator.index(v) for v in values)
+    except TypeError:
+        raise TypeError(f"{what} must be a sequence of ints, got {values!r}") from None
+
+
+# -- producer ---------------------------------------------------------------------------------
+def export(owner: Any, ptr: int, device_type: int, device_id: int, dtype, shape, strides, byte_offset: int,
+           *, versioned: bool, readonly: bool = False):
+    """A new DLPack capsule describing ``ptr`` (+ ``byte_offset``) as an array of ``dtype`` and
+    ``shape`` (``strides`` in elements, None for C order) on ``(device_type, device_id)``.
+
+    ``owner`` is kept alive until the consumer calls the deleter (or the capsule is dropped
+    unconsumed).  ``versioned`` makes a ``"dltensor_versioned"`` capsule holding a
+    ``DLManagedTensorVersioned`` (version :data:`DLPACK_VERSION`; ``readonly`` sets
+    DLPACK_FLAG_BITMASK_READ_ONLY), else a legacy ``"dltensor"`` ``DLManagedTensor``.  Strides are
+    always written (DLPack 1.x forbids NULL strides for ndim > 0).  A zero-size array has a NULL
+    data pointer, as dlpack.h asks."""
+    code, bits, lanes = dl_dtype(dtype)
+    shape = _ints(shape, "shape")
+    if any(n < 0 for n in shape):
+        raise ValueError(f"shape {shape} has a negative extent")
+    if strides is None:
+        strides, step = [], 1
+        for n in reversed(shape):
+            strides.append(step)
+            step *= max(n, 1)
+        strides = tuple(reversed(strides))
+    else:
+        strides = _ints(strides, "strides")
+        if len(strides) != len(shape):
+            raise ValueError(f"strides {strides} and shape {shape} have different lengths")
+    ptr, byte_offset = operator.index(ptr), operator.index(byte_offset)
+    if byte_offset < 0 or ptr < 0:
+        raise ValueError(f"ptr ({ptr:#x}) and byte_offset ({byte_offset}) must be >= 0")
+    ndim = len(shape)
+    managed = DLManagedTensorVersioned() if versioned else DLManagedTensor()
+    if versioned:
+        managed.version.major, managed.version.minor = DLPACK_VERSION
+        managed.flags = FLAG_READ_ONLY if readonly else 0
+    shape_array = (c_int64 * max(ndim, 1))(*shape)
+    strides_array = (c_int64 * max(ndim, 1))(*strides)
+    tensor = managed.dl_tensor
+    empty = any(n == 0 for n in shape)
+    tensor.data = None if empty or not ptr else ptr
+    tensor.byte_offset = 0 if empty else byte_offset
+    tensor.device.device_type, tensor.device.device_id = int(device_type), int(device_id)
+    tensor.ndim = ndim
+    tensor.dtype.code, tensor.dtype.bits, tensor.dtype.lanes = code, bits, lanes
+    tensor.shape = ctypes.cast(shape_array, POINTER(c_int64))
+    tensor.strides = ctypes.cast(strides_array, POINTER(c_int64))
+    address = ctypes.addressof(managed)
+    managed.manager_ctx = address
+    managed.deleter = _DELETER_ADDRESS
+    _exports[address] = (managed, shape_array, strides_array, owner)
+    try:
+        return _PyCapsule_New(address, NAME_VERSIONED if versioned else NAME, _DESTRUCTOR)
+    except BaseException:
+        _exports.pop(address, None)
+        raise
+
+
+def live_exports() -> int:
+    """How many exported managed tensors have not been deleted yet (for tests and leak checks)."""
+    return len(_exports)
+
+
+def check_max_version(max_version) -> bool:
+    """True when a consumer's ``max_version`` asks for a versioned capsule (``>= (1, 0)``);
+    TypeError/ValueError for a malformed one."""
+    if max_version is None:
+        return False
+    if isinstance(max_version, (str, bytes)) or not hasattr(max_version, "__len__") or len(max_version) != 2:
+        raise TypeError(f"max_version must be None or a (major, minor) tuple of ints, got {max_version!r}")
+    try:
+        major, minor = (operator.index(v) for v in max_version)
+    except TypeError:
+        raise TypeError(f"max_version must be None or a (major, minor) tuple of ints, got {max_version!r}") from None
+    if major < 0 or minor < 0 or isinstance(max_version[0], bool) or isinstance(max_version[1], bool):
+        raise ValueError(f"max_version {max_version!r}: major and minor must be ints >= 0")
+    return major >= 1
+
+
+def check_dl_device(dl_device, own: Tuple[int, int], copy) -> None:
+    """The array API standard's ``dl_device``/``copy`` rules for a producer that never copies:
+    ``copy=True`` and another device raise BufferError; a host device with ``copy=False`` raises
+    ValueError (the standard's wording: a copy would be needed but is forbidden)."""
+    if copy is not None and not isinstance(copy, bool):
+        raise TypeError(f"copy must be None, True or False, got {copy!r}")
+    if dl_device is not None:
+        try:
+            kind, index = (operator.index(v) for v in dl_device)
+        except (TypeError, ValueError):
+            raise TypeError(f"dl_device must be None or a (device_type, device_id) tuple as __dlpack_device__ "
+                            f"returns, got {dl_device!r}") from None
+        if (kind, index) != tuple(own):
+            name = DLDeviceType(kind).name if kind in DLDeviceType._value2member_map_ else str(kind)
+            if kind in HOST_DEVICE_TYPES and copy is False:
+                raise ValueError(f"dl_device=({name}, {index}) needs a copy to host memory, but copy=False; "
+                                 f"the buffer is device memory on {tuple(own)}")
+            raise BufferError(f"cannot export to dl_device=({name}, {index}): the buffer lives on "
+                              f"{(DLDeviceType(own[0]).name, own[1])} and accel does not copy on export; "
+                              f"for host memory use buf.to_numpy(), for another device copy into a "
+                              f"Buffer there (Buffer(n, device).copy_from(buf)) and export that")
+    if copy:
+        raise BufferError("copy=True: accel's __dlpack__ never copies; make the copy explicitly "
+                          "(Buffer(buf.nbytes, buf.device).copy_from(buf)) and export that buffer")
+
+
+def device_of(backend_name: str, index: int) -> Tuple[DLDeviceType, int]:
+    """``__dlpack_device__`` of accel memory on ``backend_name``'s device ``index``."""
+    try:
+        return BACKEND_DEVICE_TYPES[backend_name], index
+    except KeyError:
+        raise BufferError(f"{backend_name} memory has no DLPack device type") from None
+
+
+# -- stream handshake -------------------------------------------------------------------------
+_CUDA_LEGACY, _CUDA_PER_THREAD = 1, 2    # cudaStreamLegacy, cudaStreamPerThread
+
+
+def _consumer_handle(backend, index: int, stream_arg) -> Optional[int]:
+    """The consumer's stream as a backend handle, or None for "no synchronization"."""
+    from .streams import Stream
+    if isinstance(stream_arg, Stream):
+        if stream_arg._backend is not backend:
+            raise ValueError(f"stream {stream_arg!r} belongs to {stream_arg._backend.name}, "
+                             f"the buffer to {backend.name}")
+        return stream_arg.handle
+    if backend.name == "cuda" and stream_arg is not None and hasattr(stream_arg, "__cuda_stream__"):
+        stream_arg = stream_arg.__cuda_stream__()[1]
+    if stream_arg is None:
+        return backend.default_stream(index) if backend.name == "cuda" else "host"
+    if isinstance(stream_arg, bool) or not hasattr(type(stream_arg), "__index__"):
+        raise TypeError(f"stream must be None, -1 or a stream handle (int), got "
+                        f"{type(stream_arg).__name__} {stream_arg!r}")
+    value = operator.index(stream_arg)
+    if value == -1:
+        return None
+    if backend.name != "cuda":
+        raise ValueError(f"stream={value}: on {backend.name} __dlpack__ takes stream None (accel waits for the "
+                         f"buffer's work before returning), -1 (no synchronization) or an accel.Stream")
+    if value == 0:
+        raise ValueError("stream=0 is disallowed by the DLPack protocol (ambiguous between the legacy and the "
+                         "per-thread default stream): pass 1 (legacy default), 2 (per-thread default) or a "
+                         "cudaStream_t handle")
+    if value < -1:
+        raise ValueError(f"stream={value}: stream handles are >= -1")
+    if value == _CUDA_LEGACY:
+        return backend.default_stream(index)
+    return value
+
+
+def sync_for_consumer(buffer, stream_arg) -> None:
+    """Make ``buffer``'s data ready for a DLPack consumer working on ``stream_arg`` (the
+    ``stream`` argument of ``__dlpack__``), as the array API standard asks of a producer.
+
+    CUDA: None and 1 mean the legacy default stream of the buffer's device, 2 the per-thread
+    default stream, another int a ``cudaStream_t``, an object with ``__cuda_stream__`` (an
+    accel.Stream) its stream; -1 asks for no synchronization; 0 is refused.  When the consumer's
+    stream is not the buffer's last-use stream, an event is recorded on the last-use stream and
+    the consumer's stream waits for it (torch's ``Tensor.__dlpack__``, which uses the current
+    stream where accel uses the last-use one).  Other backends: None waits on the host for the
+    last-use stream, -1 nothing, an accel.Stream waits for an event.  Afterwards an accel stream
+    of the consumer becomes the buffer's last-use stream.  The consumer's stream is not recorded
+    with the allocator (as torch): the consumer calls the deleter after its work, or syncs."""
+    from .streams import on_device
+    buffer._live()
+    backend, index = buffer._backend, buffer._index
+    consumer = _consumer_handle(backend, index, stream_arg)
+    if consumer is None:
+        return
+    last = buffer._last
+    if consumer == "host":
+        last.synchronize()
+        return
+    if consumer == last.handle:
+        return
+    with on_device(backend, index):     # legacy/per-thread handles name the current device's stream
+        event = backend.event_create(False, False)
+        try:
+            backend.event_record(event, last.handle)
+            backend.stream_wait_event(consumer, event)
+        finally:
+            backend.event_destroy(event)   # the wait is queued; CUDA frees the event when it completes
+    known = _accel_stream(backend, index, consumer)
+    if known is not None:
+        buffer._used(known)
+
+
+def _accel_stream(backend, index: int, handle: int):
+    """The accel Stream a handle names on device ``index`` (its default or a live created
+    stream), or None for a foreign stream."""
+    from . import streams
+    if handle == backend.default_stream(index):
+        return streams.default_stream(index)
+    stream = streams._live_streams.get((index, handle))
+    return stream if stream is not None and not stream.closed else None
+
+
+# -- consumer ---------------------------------------------------------------------------------
+class Tensor:
+    """What a DLPack capsule describes (read without taking it)."""
+
+    __slots__ = ("capsule", "address", "versioned", "version", "flags", "data", "device_type", "device_id",
+                 "code", "bits", "lanes", "shape", "strides", "byte_offset")
+
+    @property
+    def readonly(self) -> bool:
+        return bool(self.flags & FLAG_READ_ONLY)
+
+    @property
+    def itemsize_bits(self) -> int:
+        return self.bits * self.lanes
+
+    def span(self) -> Tuple[int, int]:
+        """``(address, nbytes)`` of the bytes the tensor's elements occupy, from the lowest to the
+        highest element (gaps between strided elements included); ``(0, 0)`` when empty."""
+        if any(n == 0 for n in self.shape):
+            return 0, 0
+        bits = self.itemsize_bits
+        start = (self.data or 0) + self.byte_offset
+        if self.strides is None or _c_contiguous(self.shape, self.strides):
+            count = 1
+            for n in self.shape:
+                count *= n
+            return start, (count * bits + 7) // 8
+        if bits % 8:
+            raise BufferError(f"a strided tensor of {bits}-bit elements has no byte span")
+        low = sum(min(0, (n - 1) * s) for n, s in zip(self.shape, self.strides))
+        high = sum(max(0, (n - 1) * s) for n, s in zip(self.shape, self.strides))
+        item = bits // 8
+        return start + low * item, (high - low + 1) * item
+
+
+def _c_contiguous(shape, strides) -> bool:
+    step = 1
+    for n, s in zip(reversed(shape), reversed(strides)):
+        if n != 1 and s != step:
+            return False
+        step *= n
+    return True
+
+
+def parse(capsule) -> Tensor:
+    """Read a DLPack capsule without taking it.  TypeError for something that is not a capsule,
+    BufferError for a consumed one ("used_dltensor") or one of another name."""
+    if type(capsule).__name__ != "PyCapsule":
+        raise TypeError(f"expected a DLPack capsule (PyCapsule) or an object with __dlpack__, got "
+                        f"{type(capsule).__name__}")
+    raw = _PyCapsule_GetName(capsule)
+    name = ctypes.string_at(raw) if raw else b""
+    if name in (USED_NAME, USED_NAME_VERSIONED):
+        raise BufferError(f"this DLPack capsule was already consumed (named {name.decode()!r}): a capsule "
+                          f"can be taken once; call __dlpack__() again for a new one")
+    if name not in (NAME, NAME_VERSIONED):
+        raise BufferError(f"not a DLPack capsule: its name is {name.decode(errors='replace')!r}, not "
+                          f"'dltensor' or 'dltensor_versioned'")
+    address = _PyCapsule_GetPointer(capsule, name)
+    info = Tensor()
+    info.capsule, info.address, info.versioned = capsule, address, name == NAME_VERSIONED
+    if info.versioned:
+        managed = DLManagedTensorVersioned.from_address(address)
+        info.version = (managed.version.major, managed.version.minor)
+        info.flags = managed.flags
+        if info.version[0] != DLPACK_VERSION[0]:
+            # dlpack.h: on a major mismatch only the deleter may be touched: take and free it
+            Imported(capsule, address, True).release()
+            raise BufferError(f"DLPack capsule of version {info.version[0]}.{info.version[1]}: accel reads "
+                              f"major version {DLPACK_VERSION[0]}; the capsule was released")
+    else:
+        managed = DLManagedTensor.from_address(address)
+        info.version, info.flags = (0, 0), 0
+    tensor = managed.dl_tensor
+    info.data = tensor.data or 0
+    info.device_type, info.device_id = tensor.device.device_type, tensor.device.device_id
+    info.code, info.bits, info.lanes = tensor.dtype.code, tensor.dtype.bits, tensor.dtype.lanes
+    ndim = tensor.ndim
+    if ndim < 0:
+        raise BufferError(f"DLPack tensor with ndim {ndim}")
+    info.shape = tuple(tensor.shape[i] for i in range(ndim))
+    info.strides = tuple(tensor.strides[i] for i in range(ndim)) if tensor.strides else None
+    info.byte_offset = tensor.byte_offset
+    return info
+
+
+class Imported:
+    """A taken DLPack capsule: its managed tensor's deleter runs exactly once, at
+    :meth:`release` (idempotent; nothing in a forked child, whose memory is the parent's)."""
+
+    __slots__ = ("_address", "_versioned", "_done", "_keep", "_pid")
+
+    def __init__(self, capsule, address: int, versioned: bool, keep: Any = None):
+        from . import _finalize
+        if _PyCapsule_SetName(capsule, USED_NAME_VERSIONED if versioned else USED_NAME):
+            raise BufferError("could not rename the DLPack capsule to mark it consumed")
+        self._address, self._versioned, self._done, self._keep = address, versioned, False, keep
+        self._pid = _finalize.pid
+
+    def release(self) -> None:
+        from . import _finalize
+        if self._done:
+            return
+        self._done = True
+        keep, self._keep = self._keep, None
+        if self._pid != _finalize.pid:
+            return
+        cls = DLManagedTensorVersioned if self._versioned else DLManagedTensor
+        deleter = cls.from_address(self._address).deleter
+        if deleter:
+            DELETER(deleter)(self._address)
+        del keep       # the producer object, after its memory was handed back
+
+
+def from_dlpack(obj, *, stream=None):
+    """``accel.from_dlpack(obj)``: a non-owning :class:`accel.Buffer` over another library's
+    device memory (zero copy).
+
+    ``obj`` is an object with ``__dlpack__`` (CuPy, torch, JAX, numba, accel's own buffers and
+    views) or a DLPack capsule.  accel asks the producer for a versioned capsule
+    (``max_version=(1, 0)``; an old producer without that keyword is asked again without it) and
+    passes ``stream``: by default accel's current stream of the producer's device (CUDA: its
+    ``cudaStream_t``, 1 for the legacy default stream), so the producer orders its pending work
+    before accel's.  The Buffer keeps ``obj`` alive and calls the capsule's deleter exactly once:
+    at ``close()`` or when collected (after waiting for the accel work queued on it, see
+    :meth:`accel.Buffer.from_ptr`); never in a forked child.
+
+    The Buffer covers the bytes from the tensor's lowest to its highest element: for a
+    non-contiguous tensor that includes the gaps between its elements (which belong to the
+    producer's allocation); ``copy_from``/``fill_`` on it write those gaps too.  A read-only
+    tensor (DLPACK_FLAG_BITMASK_READ_ONLY) gives a read-only Buffer.  Host memory (kDLCPU,
+    kDLCUDAHost) is refused: copy it with ``numpy.from_dlpack(obj)`` and ``Buffer.copy_from``.
+    A device type other than the current accelerator's, or a device index accel does not have,
+    is refused with BufferError."""
+    from . import _lazy
+    from .buffer import Buffer
+    backend = _lazy.lazy_init()
+    own_type = BACKEND_DEVICE_TYPES.get(backend.name)
+    capsule = obj
+    if type(obj).__name__ != "PyCapsule":
+        if not hasattr(obj, "__dlpack__"):
+            raise TypeError(f"from_dlpack expects an object with __dlpack__ or a DLPack capsule, got "
+                            f"{type(obj).__name__}")
+        device = None
+        if hasattr(obj, "__dlpack_device__"):
+            device = tuple(obj.__dlpack_device__())
+            _check_device_type(device[0], own_type, backend.name)
+        capsule = _ask(obj, backend, device, stream)
+    info = parse(capsule)
+    _check_device_type(info.device_type, own_type, backend.name)
+    from ._device import check_range
+    check_range(info.device_id)
+    ptr, nbytes = info.span()
+    imported = Imported(capsule, info.address, info.versioned, keep=obj)
+    try:
+        return Buffer._wrap_foreign(ptr, nbytes, info.device_id, imported, readonly=info.readonly)
+    except BaseException:
+        imported.release()
+        raise
+
+
+def _check_device_type(kind: int, own_type, backend_name: str) -> None:
+    if kind in HOST_DEVICE_TYPES:
+        raise BufferError(f"from_dlpack: the tensor is host memory ({DLDeviceType(kind).name}); accel wraps only "
+                          f"device memory: copy it instead, e.g. Buffer(a.nbytes).copy_from(numpy.from_dlpack(a))")
+    if kind != own_type:
+        name = DLDeviceType(kind).name if kind in DLDeviceType._value2member_map_ else f"device type {kind}"
+        raise BufferError(f"from_dlpack: the tensor lives on {name}, not on the current accelerator "
+                          f"({backend_name}, {own_type.name if own_type else 'none'}); copy it to host memory "
+                          f"and upload it with Buffer.copy_from")
+
+
+def _ask(obj, backend, device, stream):
+    """``obj.__dlpack__`` with accel's stream and max_version (1, 0), falling back for old producers."""
+    from .streams import current_stream
+    if stream is None and device is not None and backend.name == "cuda":
+        from ._device import check_range
+        check_range(device[1])
+        handle = current_stream(device[1]).handle
+        stream = handle if handle else _CUDA_LEGACY
+    elif stream is not None and hasattr(stream, "__cuda_stream__"):
+        stream = stream.__cuda_stream__()[1] or _CUDA_LEGACY
+    try:
+        return obj.__dlpack__(stream=stream, max_version=(1, 0))
+    except TypeError:
+        return obj.__dlpack__(stream=stream)
