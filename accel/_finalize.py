@@ -27,6 +27,11 @@ child without a system call per check).  In a child every method raises the erro
 ``accel._lazy`` raises for new work there (:func:`forked_error`), and finalizers do nothing: the
 handles belong to the parent's runtime, which the child must never call.  The child also drops
 the parent's pending releases.
+
+**A reset runtime.**  Tests switch simulators (``_lazy._reset_for_tests``), which drops the
+runtime and its backend object.  A release whose backend (its first argument, or the object a
+bound method belongs to) is not the live one is dropped: the new runtime recycles handle
+values, so the stale handle may name one of its live objects.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from typing import Callable
 
 from . import _lazy
 from ._errors import AcceleratorError
+from .backends.base import Backend
 
 __all__ = ["pending", "drain", "release", "finalize", "defer", "collecting", "pid", "forked_error"]
 
@@ -81,6 +87,8 @@ def drain() -> None:
                 fn, args = pending.popleft()
             except IndexError:
                 return
+            if _stale(fn, args):
+                continue
             try:
                 fn(*args)
             except Exception:
@@ -97,7 +105,8 @@ def release(fn: Callable, *args) -> None:
         return
     if pending:
         drain()
-    fn(*args)
+    if not _stale(fn, args):
+        fn(*args)
 
 
 def finalize(fn: Callable, *args) -> None:
@@ -106,12 +115,25 @@ def finalize(fn: Callable, *args) -> None:
     if _collecting:
         pending.append((fn, args))
         return
+    if _stale(fn, args):
+        return
     try:
         fn(*args)
     except AcceleratorError:
         pending.append((fn, args))  # a failed vendor call: tried once more at the next drain
     except Exception:
         pass    # interpreter shutdown or a runtime already torn down
+
+
+def _stale(fn: Callable, args: tuple) -> bool:
+    """True when the release is for a backend that is no longer the live one (see the module
+    docstring: a runtime reset by tests)."""
+    owner = args[0] if args else None
+    if not isinstance(owner, Backend):
+        owner = getattr(fn, "__self__", None)
+        if not isinstance(owner, Backend):
+            return False
+    return owner is not _lazy._initialized_backend
 
 
 def forked_error(backend) -> RuntimeError:
