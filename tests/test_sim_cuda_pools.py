@@ -111,14 +111,23 @@ def test_misuse_is_refused(lib):
     ok(lib.cudaStreamDestroy(s))
 
 
-def test_not_while_capturing(lib):
+def test_while_capturing_graph_memory_not_the_pool(lib):
+    """During capture cudaMallocAsync makes an allocation node owned by the graph, not the
+    pool (tests/test_sim_cuda_graph_mem.py has the rules); the pool's memory cannot be freed
+    into a capture."""
     s = stream(lib)
+    pool = pool_of(lib)
+    p, q = ffi.new("void **"), ffi.new("void **")
+    ok(lib.cudaMallocAsync(q, 256, s))
     ok(lib.cudaStreamBeginCapture(s, 2))     # relaxed
-    p = ffi.new("void **")
-    assert lib.cudaMallocAsync(p, 256, s) == lib.cudaErrorNotSupported   # no graph memory nodes
+    ok(lib.cudaMallocAsync(p, 256, s))
+    assert stat(lib, pool, "used") == 256    # q only
+    assert lib.cudaFreeAsync(q[0], s) == lib.cudaErrorInvalidValue
+    ok(lib.cudaFreeAsync(p[0], s))
     g = ffi.new("cudaGraph_t *")
     ok(lib.cudaStreamEndCapture(s, g))
     ok(lib.cudaGraphDestroy(g[0]))
+    ok(lib.cudaFreeAsync(q[0], s))
     ok(lib.cudaStreamDestroy(s))
 
 

@@ -83,6 +83,10 @@ CUDART_FUNCTIONS = [
     "cudaFuncSetAttribute", "cudaFuncGetAttributes",
     "cudaMallocAsync", "cudaFreeAsync", "cudaDeviceGetDefaultMemPool",
     "cudaMemPoolSetAttribute", "cudaMemPoolGetAttribute", "cudaMemPoolTrimTo",
+    # issue 15 item 5: backend:cudaMallocAsync under capture (graph memory nodes) and a peer's
+    # access to the pool (torch's enablePeerAccess); every CUDA >= 11.4 has them
+    "cudaMemPoolSetAccess", "cudaMemPoolGetAccess",
+    "cudaDeviceGraphMemTrim", "cudaDeviceGetGraphMemAttribute", "cudaDeviceSetGraphMemAttribute",
 ]
 
 # Runtimes older than these functions (checked against the real exports in

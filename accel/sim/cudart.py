@@ -64,7 +64,7 @@ import time
 import traceback
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from . import _cuda_images, _engine, _memory, _vmm, core, kernels
+from . import _cuda_images, _engine, _graph_mem, _memory, _vmm, core, kernels
 from ._cuda_strings import ERROR_STRINGS, UNRECOGNIZED
 from .core import ffi
 
@@ -285,7 +285,7 @@ class KernelHandle:
 class MemPool:
     """A device's default stream-ordered memory pool (cudaDeviceGetDefaultMemPool)."""
     __slots__ = ("handle", "key", "device", "used", "reserved", "used_high", "reserved_high",
-                 "release_threshold", "reuse")
+                 "release_threshold", "reuse", "access")
 
     def __init__(self, handle, device):
         self.handle = handle
@@ -294,6 +294,7 @@ class MemPool:
         self.used = self.reserved = self.used_high = self.reserved_high = 0
         self.release_threshold = 0
         self.reuse = {1: 1, 2: 1, 3: 1}     # the cudaMemPoolReuse* attributes, enabled by default
+        self.access: Dict[int, int] = {}    # peer device -> cudaMemAccessFlags (cudaMemPoolSetAccess)
 
 
 _LEGACY, _PER_THREAD = object(), object()
@@ -334,6 +335,7 @@ class Runtime:
         self.pools: Dict[object, MemPool] = {}           # by handle and by void* key
         self.default_pools: Dict[int, MemPool] = {}      # device -> its default pool
         self.async_allocs: Dict[int, Tuple[MemPool, int]] = {}   # base -> (pool, accounted bytes)
+        self.gmem = _graph_mem.Space()      # graph memory nodes (cudaMallocAsync during capture)
         self.captures: set = set()
         self.errors: List[Tuple[str, str]] = []
         self.init_error = 0         # every call (but cudaGetDeviceCount) returns this when set
@@ -1017,10 +1019,14 @@ def _device_view(R: Runtime, device: int):
                     dt = np.dtype(dtype)
                     return np.frombuffer(buf, dtype=dt, count=nbytes // dt.itemsize)
             a = find(addr)
-            if a is not None and a.kind == _memory.DEVICE and a.device != device and a.device not in peers:
-                raise kernels.MemoryRangeError(
-                    f"a kernel on device {device} touched 0x{addr:x}, memory of device {a.device}, "
-                    f"without peer access (cudaDeviceEnablePeerAccess({a.device}, 0) on device {device})")
+            if a is not None and a.kind == _memory.DEVICE and (a.device != device or not a.live):
+                why = _pool_access_problem(R, a, device, None)
+                if why is not None:
+                    raise kernels.MemoryRangeError(f"a kernel on device {device} touched 0x{addr:x}: {why}")
+                if a.device != device and a.device not in peers and not _pool_memory(R, a):
+                    raise kernels.MemoryRangeError(
+                        f"a kernel on device {device} touched 0x{addr:x}, memory of device {a.device}, "
+                        f"without peer access (cudaDeviceEnablePeerAccess({a.device}, 0) on device {device})")
             return base_view(addr, nbytes, dtype)
         dev.view = v
     return v
@@ -1066,6 +1072,7 @@ def cudaDeviceReset(R):
             pool.used = pool.reserved = 0
     for base in [b for b, (p, _n) in R.async_allocs.items() if p.device == d]:
         del R.async_allocs[base]
+    R.gmem.forget_device(d)
     dev.peers.clear()
     for s in [s for s in set(R.streams.values()) if s.__class__ is Stream and s.device == d]:
         _destroy_stream(R, s)
@@ -1145,6 +1152,8 @@ def cudaFree(R, devPtr):
     rc, a = _allocation_to_free(R, devPtr, _memory.DEVICE)
     if a is None:
         return rc
+    if a.__class__ is _GraphAllocation:
+        return _graph_free_now(R, a)
     _wait_device(R, a.device)   # cudaFree synchronizes: no queued work may still use the buffer
     R.mem.remove(a)
     dev = R.devices[a.device]
@@ -1311,6 +1320,11 @@ def _memcpy(R: Runtime, dst, src, count, kind, s: Stream, sync: bool, label: str
             sa = sv
     if not _range_ok(da, dp, count) or not _range_ok(sa, sp, count):
         return cudaErrorInvalidValue
+    if R.async_allocs or R.gmem.allocs:
+        # pool and graph memory: only the devices the pool lets in (cudaMemPoolSetAccess)
+        why = _pool_access_problem(R, da, s.device, True) or _pool_access_problem(R, sa, s.device, False)
+        if why is not None:
+            return _vmm_fault(R, s, f"0x{sp:x} -> 0x{dp:x}: {why}", sync, "memcpy")
     if (kind in (_MEMCPY_H2D, _MEMCPY_D2D) and da is None) or \
        (kind in (_MEMCPY_D2H, _MEMCPY_D2D) and sa is None and staged is None):
         return cudaErrorInvalidValue
@@ -1399,6 +1413,10 @@ def _memset(R: Runtime, devPtr, value, count, s: Stream, sync: bool) -> int:
             return _vmm_fault(R, s, a, sync, "memset")
     if a is None or dp + count > a.end:
         return cudaErrorInvalidValue
+    if R.async_allocs or R.gmem.allocs:
+        why = _pool_access_problem(R, a, s.device, True)
+        if why is not None:
+            return _vmm_fault(R, s, f"0x{dp:x}: {why}", sync, "memset")
     if sync and R.captures:
         rc = _unsafe_call(R)
         if rc:
@@ -1813,11 +1831,18 @@ def cudaStreamEndCapture(R, stream, pGraph):
         cap.ended = True
         R.captures.discard(cap)
         _put_ptr(pGraph, _NULL)
+        g = None
         if cap.status != _STATUS_ACTIVE:
-            return cudaErrorStreamCaptureInvalidated
-        if _unjoined(cap):
-            return cudaErrorStreamCaptureUnjoined
-        g = Graph(R.new_handle(), tuple(cap.nodes), cap.id, cap.device)
+            rc = cudaErrorStreamCaptureInvalidated
+        elif _unjoined(cap):
+            rc = cudaErrorStreamCaptureUnjoined
+        else:
+            rc = cudaSuccess
+            g = Graph(R.new_handle(), tuple(cap.nodes), cap.id, cap.device)
+    if R.gmem.allocs:
+        _graph_mem_captured(R, cap, g)      # graph memory nodes: owned by the graph, or given back
+    if rc:
+        return rc
     Runtime.put(R.graphs, g)
     _put_ptr(pGraph, g.key)
     return cudaSuccess
@@ -1980,7 +2005,12 @@ def cudaGraphInstantiate(R, pGraphExec, graph, flags=0):
         return cudaErrorInvalidResourceHandle
     if _is_null(pGraphExec):
         return cudaErrorInvalidValue
+    rc, em = _graph_mem_instantiate(R, g, flags)
+    if rc:
+        return rc
     x = GraphExec(R.new_handle(), g.nodes, g.device)
+    if em is not None:
+        _graph_mem_bind(R, x, em)
     Runtime.put(R.execs, x)
     _put_ptr(pGraphExec, x.key)
     return cudaSuccess
@@ -1999,10 +2029,19 @@ def cudaGraphLaunch(R, graphExec, stream):
     # stream not associated with the current device fails; a graph exec belongs to its device.
     if s.device != R.tls.device or x.device != s.device:
         return cudaErrorInvalidResourceHandle
+    em = R.gmem.execs.get(x) if R.gmem.execs else None
+    if em is not None:
+        rc, mapped = _graph_mem_before_launch(R, em, s)
+        if rc:
+            return rc
     if x.plan is not None:
-        return _launch_with_events(R, x, s)
-    x.launches += 1
-    return _enqueue(R, s, _replay(x.nodes), "graph", f"graph exec {x.handle:#x}")[0]
+        rc = _launch_with_events(R, x, s)
+    else:
+        x.launches += 1
+        rc = _enqueue(R, s, _replay(x.nodes), "graph", f"graph exec {x.handle:#x}")[0]
+    if em is not None:
+        _graph_mem_after_launch(R, em, s, rc, mapped)
+    return rc
 
 
 def cudaGraphExecDestroy(R, graphExec):
@@ -2010,6 +2049,9 @@ def cudaGraphExecDestroy(R, graphExec):
     if x is None:
         return cudaErrorInvalidResourceHandle
     Runtime.drop(R.execs, x)
+    em = R.gmem.execs.pop(x, None) if R.gmem.execs else None
+    if em is not None:
+        _graph_mem_exec_destroyed(R, em)
     return cudaSuccess
 
 
@@ -2018,6 +2060,7 @@ def cudaGraphDestroy(R, graph):
     if g is None:
         return cudaErrorInvalidResourceHandle
     Runtime.drop(R.graphs, g)
+    _graph_mem_graph_destroyed(R, g)
     return cudaSuccess
 
 
@@ -2215,12 +2258,16 @@ def cudaFuncGetAttributes(R, attr, func):
 # -- stream-ordered allocation (cudaMallocAsync) ---------------------------------------------
 #
 # Modelled: each device's default pool, allocation on a stream, cudaFreeAsync in stream order,
-# the pool's statistics and cudaMemPoolTrimTo.  Not modelled, and stricter than the hardware:
-# memory freed to the pool stays reserved (counted as used device memory) until
-# cudaMemPoolTrimTo; the real pool also releases down to cudaMemPoolAttrReleaseThreshold at
-# synchronization points.  Graph memory nodes are not modelled: both calls are refused while
-# the stream captures (cudaErrorNotSupported), as are size 0 and a NULL free, on which the
-# CUDA Runtime API documentation is silent.
+# the pool's statistics, cudaMemPoolTrimTo, and which other devices may touch the pool's
+# memory (cudaMemPoolSetAccess).  Not modelled, and stricter than the hardware: memory freed
+# to the pool stays reserved (counted as used device memory) until cudaMemPoolTrimTo; the real
+# pool also releases down to cudaMemPoolAttrReleaseThreshold at synchronization points.  Size
+# 0 and a NULL free, on which the CUDA Runtime API documentation is silent, are refused.
+#
+# During stream capture both calls make graph memory nodes (_graph_mem.py has the model and
+# its citations); the graph's memory is its own, not the default pool's, and comes back with
+# cudaDeviceGraphMemTrim.  Explicitly built graphs (cudaGraphAddMemAllocNode) are not
+# simulated, like every other explicit graph construction call.
 
 _POOL_REUSE_FOLLOW_EVENTS, _POOL_REUSE_OPPORTUNISTIC, _POOL_REUSE_INTERNAL_DEPS = 1, 2, 3
 _POOL_RELEASE_THRESHOLD = 4
@@ -2258,7 +2305,7 @@ def cudaMallocAsync(R, devPtr, size, hStream):
     if s is None:
         return cudaErrorInvalidResourceHandle
     if s.capture is not None:
-        return cudaErrorNotSupported
+        return _capture_malloc(R, devPtr, size, s)
     if _oom and core.take_oom():
         return cudaErrorMemoryAllocation
     pool, dev = _default_pool(R, s.device), R.devices[s.device]
@@ -2294,10 +2341,14 @@ def cudaFreeAsync(R, devPtr, hStream):
     if s is None:
         return cudaErrorInvalidResourceHandle
     a = None if _is_null(devPtr) else _lookup(R.mem.by_key, devPtr)
+    if a.__class__ is _GraphAllocation:
+        return _capture_free(R, a, s) if s.capture is not None else _graph_free_async(R, a, s)
     if a is None or a.base not in R.async_allocs:
         return cudaErrorInvalidValue
     if s.capture is not None:
-        return cudaErrorNotSupported
+        # cudaFreeAsync: "During stream capture, this function results in the creation of a free
+        # node and must therefore be passed the address of a graph allocation."
+        return cudaErrorInvalidValue
     pool, n = R.async_allocs.pop(a.base)
 
     def run():
@@ -2374,6 +2425,369 @@ def cudaMemPoolTrimTo(R, memPool, minBytesToKeep):
         release = max(0, min(pool.reserved - pool.used, pool.reserved - minBytesToKeep))
         pool.reserved -= release
         R.devices[pool.device].used -= release
+    return cudaSuccess
+
+
+# -- pool access of other devices ----------------------------------------------------------------
+
+_ACCESS_NONE, _ACCESS_READ, _ACCESS_READ_WRITE = 0, 1, 3     # cudaMemAccessFlags
+_LOCATION_DEVICE = 1                                         # cudaMemLocationTypeDevice
+_GraphAllocation = _graph_mem.GraphAllocation
+
+
+def _pool_memory(R: Runtime, a) -> bool:
+    return a.__class__ is _GraphAllocation or a.base in R.async_allocs
+
+
+def _pool_access_problem(R: Runtime, a, device: int, write) -> Optional[str]:
+    """Why ``device`` may not touch pool or graph allocation ``a`` (None: it may, or ``a`` is
+    other memory).  ``write`` True/False for a copy's destination/source; None for a kernel,
+    checked when it runs, which must also be inside the allocation's lifetime.
+
+    CUDA Programming Guide, Stream Ordered Memory Allocator, "Device Accessibility for Multi-GPU
+    Support": "memory pool allocation accessibility does not follow cudaDeviceEnablePeerAccess
+    ... Instead, the API cudaMemPoolSetAccess modifies what devices can access allocations from
+    a pool.  By default, allocations are accessible from the device where the allocations are
+    located."  A graph allocation has the access its pool gave when it was captured.  A copy
+    runs on its stream's device (as for mapped memory: the docs are silent on copies by another
+    device, so they need access too).  Kernels cannot be told reading from writing: read access
+    is enough for them (more lenient than the hardware)."""
+    if a is None or a.__class__ is _vmm.Region or a.kind != _memory.DEVICE:
+        return None
+    graph = a.__class__ is _GraphAllocation
+    if write is None and graph and not a.live:
+        return (f"graph allocation 0x{a.base:x} of device {a.device} outside its lifetime (its allocation "
+                f"node has not run, or it was freed)")
+    if a.device == device:
+        return None
+    if graph:
+        flags = a.access.get(device, _ACCESS_NONE)
+    else:
+        entry = R.async_allocs.get(a.base)
+        if entry is None:
+            return None
+        flags = entry[0].access.get(device, _ACCESS_NONE)
+    if flags >= (_ACCESS_READ_WRITE if write else _ACCESS_READ):
+        return None
+    what = "graph allocation" if graph else "memory-pool allocation"
+    return (f"{what} 0x{a.base:x} of device {a.device} without {'read-write' if write else 'read'} access "
+            f"for device {device} (cudaMemPoolSetAccess on device {a.device}'s pool; pool memory does "
+            f"not follow cudaDeviceEnablePeerAccess)")
+
+
+def _ints(p, n: int):
+    return ffi.cast("int *", _addr(p))[0:n]
+
+
+def cudaMemPoolSetAccess(R, memPool, descList, count):
+    """CUDA Runtime API, cudaMemPoolSetAccess: "Controls visibility of pools between devices";
+    each cudaMemAccessDesc gives one device's access (cudaMemAccessFlagsProtNone / ProtRead /
+    ProtReadWrite).  Refused (cudaErrorInvalidValue, nothing applied): a location that is not a
+    device, a device out of range, another flag value, and any change to the owner's own access
+    (the docs are silent on it: allocations are always accessible from the pool's device)."""
+    pool = _lookup(R.pools, memPool)
+    if pool is None:
+        return cudaErrorInvalidResourceHandle
+    if count < 0 or (count and _is_null(descList)):
+        return cudaErrorInvalidValue
+    fields = _ints(descList, 3 * count) if count else []
+    changes = {}
+    for i in range(count):
+        kind, device, flags = fields[3 * i:3 * i + 3]
+        if kind != _LOCATION_DEVICE or not (0 <= device < len(R.devices)) or \
+                flags not in (_ACCESS_NONE, _ACCESS_READ, _ACCESS_READ_WRITE):
+            return cudaErrorInvalidValue
+        if device == pool.device and flags != _ACCESS_READ_WRITE:
+            return cudaErrorInvalidValue
+        changes[device] = flags
+    with R.mlock:
+        for device, flags in changes.items():
+            if device == pool.device:
+                continue
+            if flags == _ACCESS_NONE:
+                pool.access.pop(device, None)
+            else:
+                pool.access[device] = flags
+    return cudaSuccess
+
+
+def cudaMemPoolGetAccess(R, flags, memPool, location):
+    """CUDA Runtime API, cudaMemPoolGetAccess: "the accessibility of the pool's memory from the
+    specified location" (read-write for the pool's own device)."""
+    pool = _lookup(R.pools, memPool)
+    if pool is None:
+        return cudaErrorInvalidResourceHandle
+    if _is_null(flags) or _is_null(location):
+        return cudaErrorInvalidValue
+    kind, device = _ints(location, 2)
+    if kind != _LOCATION_DEVICE or not (0 <= device < len(R.devices)):
+        return cudaErrorInvalidValue
+    _put(flags, _ACCESS_READ_WRITE if device == pool.device else pool.access.get(device, _ACCESS_NONE))
+    return cudaSuccess
+
+
+# -- graph memory nodes (model: _graph_mem.py) ------------------------------------------------------
+
+_AUTO_FREE_ON_LAUNCH, _DEVICE_LAUNCH = 1, 4     # cudaGraphInstantiateFlags
+_GRAPH_INSTANTIATE_FLAGS = 0xF                  # AutoFreeOnLaunch | Upload | DeviceLaunch | UseNodePriority
+_GRAPH_MEM_ATTRS = {0: "used", 1: "used_high", 2: "reserved", 3: "reserved_high"}   # cudaGraphMemAttributeType
+
+
+def _capture_malloc(R: Runtime, devPtr, size: int, s: Stream) -> int:
+    """cudaMallocAsync on a capturing stream: an allocation node, its address fixed now, on the
+    stream's device, with the access the device's default pool grants now.  Out of memory
+    (cudaGraphAddMemAllocNode lists cudaErrorOutOfMemory) when injected, or when the size can
+    never fit the device; nothing is added then."""
+    if _oom and core.take_oom():
+        return cudaErrorMemoryAllocation
+    dev = R.devices[s.device]
+    if _accounted(size) > R.cfg.memory - dev.reserved:
+        return cudaErrorMemoryAllocation
+    try:
+        a = _memory.allocate(size, _memory.DEVICE, s.device)
+    except MemoryError:
+        return cudaErrorMemoryAllocation
+    cap = s.capture
+    ga = _GraphAllocation(a, dict(_default_pool(R, s.device).access), cap)
+
+    def alloc_node():
+        ga.live = True
+    alloc_node.ga = ga
+    if not _put_ptr(devPtr, ga.key):
+        return cudaErrorInvalidValue
+    with R.mlock:
+        R.gmem.allocs[ga.base] = ga
+    R.mem.add(ga)
+    rc, _seq = _enqueue(R, s, alloc_node, "mem_alloc", f"cudaMallocAsync {size} bytes at 0x{ga.base:x}")
+    if rc:                  # the capture was invalidated meanwhile: no node, no address
+        with R.mlock:
+            R.gmem.allocs.pop(ga.base, None)
+        R.mem.remove(ga)
+        return rc
+    with R.clock:
+        ga.node = cap.tails[s][0]
+    return cudaSuccess
+
+
+def _ordered_after(cap: Capture, s: Stream, node: int) -> bool:
+    """True when ``s``'s next captured operation follows node ``node`` of ``cap``."""
+    seen, stack = set(), list(cap.tails.get(s, ()))
+    while stack:
+        n = stack.pop()
+        if n == node:
+            return True
+        if n not in seen:
+            seen.add(n)
+            stack.extend(cap.nodes[n].deps)
+    return False
+
+
+def _capture_free(R: Runtime, ga: _GraphAllocation, s: Stream) -> int:
+    """cudaFreeAsync of a graph allocation on a capturing stream: a free node.  The allocation
+    must be one of this capture, not freed in it yet, and the free ordered after its
+    allocation node (cudaGraphAddMemAllocNode: "the allocation can be accessed by nodes ordered
+    after the allocation node but before the free node ... they can only be freed once in the
+    owning graph").  Freeing another graph's allocation in a capture is not simulated (refused,
+    cudaErrorInvalidValue, as everything else here)."""
+    cap = s.capture
+    with R.clock:
+        if ga.capture is not cap or ga.freed_in_graph or not _ordered_after(cap, s, ga.node):
+            return cudaErrorInvalidValue
+
+    def free_node():
+        ga.live = False
+    free_node.ga = ga
+    rc, _seq = _enqueue(R, s, free_node, "mem_free", f"cudaFreeAsync 0x{ga.base:x}")
+    if not rc:
+        ga.freed_in_graph = True
+    return rc
+
+
+def _graph_free_async(R: Runtime, ga: _GraphAllocation, s: Stream) -> int:
+    """cudaFreeAsync of a graph allocation outside capture: it must be allocated (a launch made
+    it and no free was issued since: cudaGraphAddMemAllocNode, "Allocations which are not freed
+    in the same graph can be freed by passing the allocation to cudaMemFreeAsync or
+    cudaMemFree"); the docs leave freeing one that is not allocated undefined, so it is
+    refused (cudaErrorInvalidValue).  A later launch of its graph waits for this free."""
+    with R.mlock:
+        if not ga.outstanding:
+            return cudaErrorInvalidValue
+        ga.outstanding = False
+
+    def run():
+        ga.live = False
+        R.gmem.release_if_unused(R, ga)
+    rc, seq = _enqueue(R, s, run, "free", "cudaFreeAsync")
+    if rc:
+        with R.mlock:
+            ga.outstanding = True
+        return rc
+    ga.pending = (s.q, seq) if seq else None
+    return cudaSuccess
+
+
+def _graph_free_now(R: Runtime, ga: _GraphAllocation) -> int:
+    """cudaFree of a graph allocation: ends it "immediately upon the synchronous cudaFree() call"
+    (Programming Guide, Graph Memory Nodes) after the device's queued work, as cudaFree waits."""
+    with R.mlock:
+        if not ga.outstanding:
+            return cudaErrorInvalidValue
+        ga.outstanding = False
+    _wait_device(R, ga.device)
+    ga.live = False
+    R.gmem.release_if_unused(R, ga)
+    return cudaSuccess
+
+
+def _graph_allocs(nodes) -> list:
+    return [n.fn.ga for n in nodes if n.kind == "mem_alloc"]
+
+
+def _graph_mem_captured(R: Runtime, cap: Capture, graph) -> None:
+    """cudaStreamEndCapture: the capture's allocations belong to ``graph`` now, or (None: the
+    capture failed) their addresses go back."""
+    allocs = _graph_allocs(cap.nodes)
+    for ga in allocs:
+        ga.capture = None
+        if graph is not None:
+            ga.refs += 1
+    if graph is None:
+        for ga in allocs:
+            R.gmem.release_if_unused(R, ga)
+
+
+def _graph_mem_instantiate(R: Runtime, g: Graph, flags: int):
+    """(rc, ExecMem or None) for cudaGraphInstantiate of ``g``.  cudaGraphInstantiate: "If graph
+    contains any allocation or free nodes, there can be at most one executable graph in existence
+    for that graph at a time.  An attempt to instantiate a second executable graph before
+    destroying the first with cudaGraphExecDestroy will result in an error" (which one the docs
+    do not say: cudaErrorInvalidValue here); DeviceLaunch "cannot be used in conjunction with
+    cudaGraphInstantiateFlagAutoFreeOnLaunch"; unknown flags are refused."""
+    if flags & ~_GRAPH_INSTANTIATE_FLAGS or \
+            flags & (_AUTO_FREE_ON_LAUNCH | _DEVICE_LAUNCH) == _AUTO_FREE_ON_LAUNCH | _DEVICE_LAUNCH:
+        return cudaErrorInvalidValue, None
+    if not R.gmem.allocs:
+        return cudaSuccess, None
+    allocs = _graph_allocs(g.nodes)
+    if not allocs:
+        return cudaSuccess, None
+    if any(ga.exec is not None for ga in allocs):
+        return cudaErrorInvalidValue, None
+    if flags & _DEVICE_LAUNCH:
+        return cudaErrorNotSupported, None      # device launch is not simulated
+    return cudaSuccess, _graph_mem.ExecMem(allocs, bool(flags & _AUTO_FREE_ON_LAUNCH))
+
+
+def _graph_mem_bind(R: Runtime, x: GraphExec, em) -> None:
+    R.gmem.execs[x] = em
+    for ga in em.allocs:
+        ga.exec = em
+        ga.refs += 1
+
+
+def _graph_mem_before_launch(R: Runtime, em, s: Stream):
+    """(rc, newly mapped) before cudaGraphLaunch of a graph with allocation nodes.
+
+    cudaGraphLaunch: "If any allocations created by graphExec remain unfreed (from a previous
+    launch) and graphExec was not instantiated with cudaGraphInstantiateFlagAutoFreeOnLaunch,
+    the launch will fail with cudaErrorInvalidValue."  Physical memory is mapped for the launch;
+    without room it fails with cudaErrorMemoryAllocation (no code is documented for that) and
+    nothing changes.  The launch is ordered after frees of its allocations issued on other
+    streams and after its previous launch ("Each launch is ordered behind ... any previous
+    launches of graphExec"), so no lifetime of one launch overlaps the next.  Launched into a
+    capture it would be a child graph, which "can only be used in a child node if the ownership
+    is moved to the parent": refused."""
+    if s.capture is not None:
+        _invalidate(R, s.capture)
+        return cudaErrorStreamCaptureUnsupported, ()
+    with R.mlock:
+        if not em.auto_free and any(ga.outstanding for ga in em.unfreed):
+            return cudaErrorInvalidValue, ()
+        mapped = R.gmem.map(R, em.allocs)
+    if mapped is None:
+        return cudaErrorMemoryAllocation, ()
+    points = [ga.pending for ga in em.allocs if ga.pending is not None and ga.pending[0].done < ga.pending[1]]
+    if em.last is not None and em.last[0] is not s.q and em.last[0].done < em.last[1]:
+        points.append(em.last)
+    if points:
+        s.q.submit(None, points, False)
+    return cudaSuccess, mapped
+
+
+def _graph_mem_after_launch(R: Runtime, em, s: Stream, rc: int, mapped) -> None:
+    with R.mlock:
+        if rc:
+            for ga in mapped:
+                R.gmem.unmap(ga)
+            return
+        for ga in em.unfreed:
+            ga.outstanding = True       # AutoFreeOnLaunch freed the previous one: allocated again
+        for ga in em.allocs:
+            ga.pending = None
+        em.last = (s.q, s.q.enqueued)
+
+
+def _graph_mem_exec_destroyed(R: Runtime, em) -> None:
+    """The executable graph is gone once its queued launches ran; its allocations' addresses
+    go back unless their graph or a live allocation still holds them."""
+    if em.last is not None:
+        em.last[0].wait(em.last[1])
+    with R.mlock:
+        for ga in em.allocs:
+            ga.exec = None
+            ga.refs -= 1
+    for ga in em.allocs:
+        R.gmem.release_if_unused(R, ga)
+
+
+def _graph_mem_graph_destroyed(R: Runtime, g: Graph) -> None:
+    if not R.gmem.allocs:
+        return
+    allocs = _graph_allocs(g.nodes)
+    with R.mlock:
+        for ga in allocs:
+            ga.refs -= 1
+    for ga in allocs:
+        R.gmem.release_if_unused(R, ga)
+
+
+def cudaDeviceGraphMemTrim(R, device):
+    """CUDA Runtime API, cudaDeviceGraphMemTrim: "Free unused memory that was cached on the
+    specified device for use with graphs back to the OS.  Blocks which are not in use by a graph
+    that is either currently executing or scheduled to execute are freed"."""
+    if not (0 <= device < len(R.devices)):
+        return cudaErrorInvalidDevice
+    with R.mlock:
+        R.gmem.trim(R, device)
+    return cudaSuccess
+
+
+def cudaDeviceGetGraphMemAttribute(R, device, attr, value):
+    """CUDA Runtime API, cudaDeviceGetGraphMemAttribute: UsedMemCurrent ("currently associated
+    with graphs": mapped for graph allocations), UsedMemHigh, ReservedMemCurrent ("currently
+    allocated for use by the CUDA graphs asynchronous allocator"), ReservedMemHigh."""
+    if not (0 <= device < len(R.devices)):
+        return cudaErrorInvalidDevice
+    which = _GRAPH_MEM_ATTRS.get(attr)
+    if which is None or _is_null(value):
+        return cudaErrorInvalidValue
+    with R.mlock:
+        got = R.gmem.attribute(device, which)
+    _put(value, got, "unsigned long long *")
+    return cudaSuccess
+
+
+def cudaDeviceSetGraphMemAttribute(R, device, attr, value):
+    """CUDA Runtime API, cudaDeviceSetGraphMemAttribute: only the two high watermarks, which
+    "can only be reset to zero" (to the current value, as the pools' high watermarks)."""
+    if not (0 <= device < len(R.devices)):
+        return cudaErrorInvalidDevice
+    which = _GRAPH_MEM_ATTRS.get(attr)
+    if which not in ("used_high", "reserved_high") or _is_null(value) or \
+            _pool_value(value, "unsigned long long *") != 0:
+        return cudaErrorInvalidValue
+    with R.mlock:
+        R.gmem.reset_high(device, which)
     return cudaSuccess
 
 
