@@ -39,7 +39,8 @@ __all__ = [
 _LAZY = {"memory": ("accel.memory", None), "random": ("accel.random", None),
          "graphs": ("accel.graphs", None), "Graph": ("accel.graphs", "Graph"),
          "graph": ("accel.graphs", "graph"), "sim": ("accel.sim", None),
-         "empty_pinned": ("accel._hostmem", "empty_pinned")}
+         "empty_pinned": ("accel._hostmem", "empty_pinned"), "ArrayView": ("accel._array", "ArrayView")}
+__all__.append("ArrayView")
 # torch.cuda's management-library queries (NVML / Sysman) and peer access: accel/_telemetry.py
 _TELEMETRY = ("can_device_access_peer", "clock_rate", "device_memory_used", "list_gpu_processes",
               "memory_usage", "power_draw", "temperature", "utilization")

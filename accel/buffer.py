@@ -368,6 +368,14 @@ class Buffer:
             _memory().device_allocator(self._index).record_stream(self._ptr, stream.handle, stream.device_index)
 
     # -- interop -----------------------------------------------------------------
+    def as_array(self, dtype, shape=None, strides=None, offset: int = 0):
+        """A typed view (:class:`accel.ArrayView`) of this buffer's memory: ``dtype``, ``shape``
+        (default: every whole item after ``offset``), byte ``strides`` (default C order) and a
+        byte ``offset``; bounds and alignment are checked.  The view shares the memory and
+        keeps the buffer alive."""
+        from ._array import ArrayView
+        return ArrayView(self, dtype, shape, strides, offset)
+
     @property
     def __cuda_array_interface__(self) -> dict:
         if self._backend.name != "cuda":

@@ -1,0 +1,631 @@
+"""``accel.ArrayView``: a typed, strided view of an :class:`accel.Buffer` (issue 17).
+
+A view names a dtype, a shape, byte strides and a byte offset into a buffer.  It
+checks once, when it is made, that every element lies inside the buffer and is
+aligned for its dtype, so what it exports (``__cuda_array_interface__``,
+``__dlpack__``) never points a consumer outside the allocation.  It owns no memory:
+it keeps its buffer alive, and every copy goes through the buffer's streams and
+allocator rules (a use on another stream is recorded with ``record_stream``).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Optional, Tuple
+
+import numpy as np
+
+from .buffer import Buffer, _address, _host_view, _refuse_in_capture
+from .streams import Stream, on_device
+
+__all__ = ["ArrayView"]
+
+#: Most separate copy operations one ``copy_from`` queues.  Layouts that share only short
+#: contiguous runs would otherwise queue one copy per element.
+_MAX_COPIES = 1 << 16
+
+
+def _int(value, what: str) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an int, got bool {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}") from None
+
+
+def _ints(value, what: str) -> Tuple[int, ...]:
+    """An int or a sequence of ints as a tuple."""
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"{what} must be an int or a tuple of ints, got {value!r}")
+    if hasattr(value, "__iter__"):
+        return tuple(_int(v, f"{what}[{i}]") for i, v in enumerate(value))
+    return (_int(value, what),)
+
+
+def _dtype(value) -> np.dtype:
+    """A fixed-size numpy dtype of plain data, or a clear error."""
+    try:
+        dt = np.dtype(value)
+    except TypeError as exc:
+        raise TypeError(f"as_array: {exc}; pass a numpy dtype such as numpy.float32 or 'int64'") from None
+    if dt.hasobject:
+        raise TypeError(f"as_array: dtype {dt} holds Python object references, not data; "
+                        f"use a dtype of plain numbers such as numpy.float32")
+    if dt.subdtype is not None:
+        raise TypeError(f"as_array: dtype {dt} is a sub-array dtype; use its base dtype "
+                        f"{dt.subdtype[0]} and add the dimensions {dt.subdtype[1]} to the shape")
+    if dt.itemsize == 0:
+        raise TypeError(f"as_array: dtype {dt!r} has no fixed size (itemsize 0); give the size, "
+                        f"e.g. 'S8' or 'U4', or use a numeric dtype")
+    return dt
+
+
+def _c_strides(shape, itemsize: int) -> Tuple[int, ...]:
+    strides, step = [], itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _is_c_contiguous(shape, strides, itemsize: int) -> bool:
+    """numpy's rule: sizes of 1 ignore their stride, and an empty array is contiguous."""
+    if 0 in shape:
+        return True
+    step = itemsize
+    for n, s in zip(reversed(shape), reversed(strides)):
+        if n != 1:
+            if s != step:
+                return False
+            step *= n
+    return True
+
+
+def _extent(shape, strides, itemsize: int) -> int:
+    """Bytes from the first element to one past the last byte of the farthest element (strides >= 0)."""
+    if 0 in shape:
+        return 0
+    return sum((n - 1) * s for n, s in zip(shape, strides)) + itemsize
+
+
+def _overlaps(shape, strides, itemsize: int) -> bool:
+    """True when two elements share a byte (strides >= 0)."""
+    dims = sorted((s, n) for n, s in zip(shape, strides) if n > 1)
+    if not dims or 0 in shape:
+        return False
+    reach = itemsize
+    for s, n in dims:                     # nested layout: each stride clears the dims inside it
+        if s < reach:
+            break
+        reach = s * (n - 1) + reach
+    else:
+        return False
+    size = int(np.prod(shape, dtype=object))
+    span = _extent(shape, strides, itemsize)
+    if size * itemsize > span:            # more element bytes than the span holds
+        return True
+    offsets = _element_offsets(shape, strides)   # at most span / itemsize of them
+    offsets.sort()
+    return bool(np.any(np.diff(offsets) < itemsize))
+
+
+def _element_offsets(shape, strides) -> np.ndarray:
+    """Byte offset of every element, C order (int64)."""
+    out = np.zeros((), dtype=np.int64)
+    for n, s in zip(shape, strides):
+        out = (out[..., None] + np.arange(n, dtype=np.int64) * s)
+    return out.reshape(-1)
+
+
+def _runs(shape, dst_strides, src_strides, itemsize: int):
+    """(run_bytes, dst_offsets, src_offsets): the copy as runs contiguous on both sides."""
+    dims = [(n, d, s) for n, d, s in zip(shape, dst_strides, src_strides) if n != 1]
+    run = itemsize
+    while dims and dims[-1][1] == run and dims[-1][2] == run:
+        run *= dims.pop()[0]
+    outer = tuple(n for n, _, _ in dims)
+    return run, outer, tuple(d for _, d, _ in dims), tuple(s for _, _, s in dims)
+
+
+class _Device:
+    """A typed device array to copy from: pointer, layout, and what keeps it valid."""
+
+    __slots__ = ("ptr", "shape", "strides", "dtype", "index", "keep")
+
+    def __init__(self, ptr, shape, strides, dtype, index, keep=None):
+        self.ptr, self.shape, self.dtype, self.index, self.keep = ptr, shape, dtype, index, keep
+        self.strides = _c_strides(shape, dtype.itemsize) if strides is None else tuple(strides)
+
+    @property
+    def span(self) -> int:
+        return _extent(self.shape, self.strides, self.dtype.itemsize)
+
+
+class ArrayView:
+    """``buffer.as_array(dtype, shape=None, strides=None, offset=0)``: a typed view of device memory.
+
+    ``dtype`` is any fixed-size numpy dtype of plain data.  ``shape`` defaults to as many
+    elements as fit after ``offset`` (the remaining bytes must then be a whole number of
+    items).  ``strides`` are in bytes, numpy's convention, default C-contiguous; each is a
+    multiple of the itemsize and not negative (0 repeats an element: a broadcast view,
+    readable but not a ``copy_from`` destination).  Every element must lie inside the
+    buffer and ``ptr`` must be aligned for the dtype; otherwise ``ValueError`` names the
+    bad value.  The view shares the buffer's memory and keeps the buffer alive; closing
+    the buffer ends the view too.
+
+    It exports ``__cuda_array_interface__`` (v3, typed; CUDA only) and
+    ``__dlpack__``/``__dlpack_device__``, so CuPy, Numba, torch or JAX can use it without a
+    copy, and copies with :meth:`to_numpy` and :meth:`copy_from`.
+    """
+
+    __slots__ = ("_buffer", "_dtype", "_shape", "_strides", "_offset", "_contiguous", "__weakref__")
+
+    def __init__(self, buffer: Buffer, dtype, shape=None, strides=None, offset: int = 0):
+        if not isinstance(buffer, Buffer):
+            raise TypeError(f"ArrayView needs an accel.Buffer, got {type(buffer).__name__}")
+        buffer._live()
+        dt = _dtype(dtype)
+        item = dt.itemsize
+        nbytes = buffer.nbytes
+        offset = _int(offset, "offset")
+        if not 0 <= offset <= nbytes:
+            raise ValueError(f"offset {offset} is outside the buffer of {nbytes} bytes; "
+                             f"pass 0 <= offset <= {nbytes}")
+        if shape is None:
+            if strides is not None:
+                raise ValueError("as_array: strides given without a shape; pass the shape too")
+            rest = nbytes - offset
+            if rest % item:
+                raise ValueError(f"as_array: the {rest} bytes after offset {offset} are not a whole number of "
+                                 f"{dt} items ({item} bytes each); pass a shape")
+            shape = (rest // item,)
+        else:
+            shape = _ints(shape, "shape")
+            for i, n in enumerate(shape):
+                if n < 0:
+                    raise ValueError(f"as_array: shape[{i}] is {n}; sizes must be >= 0 (shape {shape})")
+        if strides is None:
+            strides = _c_strides(shape, item)
+        else:
+            strides = _ints(strides, "strides")
+            if len(strides) != len(shape):
+                raise ValueError(f"as_array: strides {strides} has {len(strides)} entries but shape {shape} "
+                                 f"has {len(shape)}; give one byte stride per dimension")
+            for i, s in enumerate(strides):
+                if s < 0:
+                    raise ValueError(f"as_array: strides[{i}] is {s}; negative strides are refused because "
+                                     f"the view's pointer must be its lowest address (DLPack consumers such as "
+                                     f"torch reject negative strides); view the elements forwards and reverse "
+                                     f"on the host, e.g. view.to_numpy()[::-1]")
+                if s % item:
+                    raise ValueError(f"as_array: strides[{i}] is {s} bytes, not a multiple of the itemsize "
+                                     f"{item} of {dt}; strides are in bytes (numpy's convention)")
+        end = offset + _extent(shape, strides, item)
+        if end > nbytes:
+            raise ValueError(f"as_array: the view of shape {shape}, strides {strides}, offset {offset} reaches "
+                             f"byte {end} but the buffer has {nbytes} bytes; make it smaller or use a "
+                             f"larger buffer")
+        if offset % dt.alignment:
+            raise ValueError(f"as_array: offset {offset} is not aligned for {dt} (alignment {dt.alignment} "
+                             f"bytes); use an offset that is a multiple of {dt.alignment}")
+        ptr = buffer.ptr
+        if (ptr + offset) % dt.alignment:
+            raise ValueError(f"as_array: address {ptr + offset:#x} (buffer ptr {ptr:#x} + offset {offset}) is "
+                             f"not aligned for {dt} (alignment {dt.alignment} bytes)")
+        self._buffer, self._dtype, self._shape, self._strides, self._offset = buffer, dt, shape, strides, offset
+        self._contiguous = _is_c_contiguous(shape, strides, item)
+
+    # -- layout ------------------------------------------------------------------
+    @property
+    def buffer(self) -> Buffer:
+        """The :class:`accel.Buffer` viewed (kept alive by the view)."""
+        return self._buffer
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._dtype
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        return self._shape
+
+    @property
+    def strides(self) -> Tuple[int, ...]:
+        """Byte strides, numpy's convention."""
+        return self._strides
+
+    @property
+    def offset(self) -> int:
+        """Byte offset of the first element in the buffer."""
+        return self._offset
+
+    @property
+    def itemsize(self) -> int:
+        return self._dtype.itemsize
+
+    @property
+    def ndim(self) -> int:
+        return len(self._shape)
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return int(np.prod(self._shape, dtype=object))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the elements (``size * itemsize``), as numpy's ``nbytes``."""
+        return self.size * self._dtype.itemsize
+
+    @property
+    def c_contiguous(self) -> bool:
+        """True when the elements are packed in C order (numpy's ``flags.c_contiguous``)."""
+        return self._contiguous
+
+    @property
+    def device(self):
+        return self._buffer.device
+
+    @property
+    def ptr(self) -> int:
+        """Device address of the first element (``buffer.ptr + offset``)."""
+        return self._buffer.ptr + self._offset
+
+    def __len__(self) -> int:
+        if not self._shape:
+            raise TypeError("len() of a 0-d ArrayView")
+        return self._shape[0]
+
+    def __repr__(self):
+        layout = "" if self._contiguous else f", strides={self._strides}"
+        where = f"{self._buffer.device}"
+        state = " closed" if self._buffer._closed else ""
+        return (f"<accel.ArrayView shape={self._shape} dtype={self._dtype}{layout} offset={self._offset} "
+                f"on {where}{state}>")
+
+    # -- interop -----------------------------------------------------------------
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        """CUDA array interface v3, typed.  ``stream`` is the buffer's (its last-use stream),
+        so a consumer orders its work after accel's.  Absent (``hasattr`` False) on other
+        backends and once the buffer is closed."""
+        buffer = self._buffer
+        if buffer._backend.name != "cuda":
+            raise AttributeError("__cuda_array_interface__ is only defined for CUDA buffers")
+        if buffer._closed:
+            raise AttributeError("__cuda_array_interface__: the view's buffer was closed")
+        base = buffer.__cuda_array_interface__
+        cai = {"shape": self._shape, "typestr": self._dtype.str, "data": (base["data"][0] + self._offset, _readonly(buffer)),
+               "strides": None if self._contiguous else self._strides, "version": 3, "stream": base["stream"]}
+        if self._dtype.fields is not None:
+            cai["descr"] = self._dtype.descr
+        return cai
+
+    def __dlpack_device__(self) -> Tuple[int, int]:
+        """``(device_type, device_id)``: kDLCUDA (2), kDLOneAPI (14) or kDLMetal (8) and the index."""
+        from . import _dlpack
+        return _dlpack.device_of(self._buffer._backend.name, self._buffer.device_index)
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        """A DLPack capsule of the view (zero copy): its dtype, shape and element strides, the data
+        pointer at the first element (``byte_offset`` 0).  The arguments and the stream
+        handshake are :meth:`accel.Buffer.__dlpack__`'s: the consumer's ``stream`` waits for the
+        buffer's last-use stream; ``max_version >= (1, 0)`` gives a versioned capsule.  The
+        capsule keeps the view (and so the buffer) alive until the consumer's deleter runs."""
+        from . import _dlpack
+        buffer = self._buffer
+        buffer._live()
+        versioned = _dlpack.check_max_version(max_version)
+        own = self.__dlpack_device__()
+        _dlpack.check_dl_device(dl_device, own, copy)
+        _dlpack.dl_dtype(self._dtype)        # a dtype DLPack cannot describe fails before any sync
+        _dlpack.sync_for_consumer(buffer, stream)
+        item = self._dtype.itemsize
+        strides = None if self._contiguous else tuple(s // item for s in self._strides)
+        return _dlpack.export(self, self.ptr, own[0], own[1], self._dtype, self._shape, strides, 0,
+                              versioned=versioned, readonly=_readonly(buffer))
+
+    # -- copies ------------------------------------------------------------------
+    def to_numpy(self, stream: Optional[Stream] = None):
+        """The viewed elements as a new numpy array of the view's shape and dtype, after queued work.
+
+        Ordered on ``stream`` (default: the current stream of the buffer's device) and
+        blocking.  A strided view is fetched as the one byte range its elements span and
+        gathered on the host."""
+        buffer = self._buffer
+        buffer._live()
+        stream = buffer._stream_for(stream)
+        if self._contiguous or not self.size:
+            out = np.empty(self._shape, dtype=self._dtype)
+            if out.size:
+                _download(buffer, self.ptr, out, stream)
+            return out
+        span = np.empty(_extent(self._shape, self._strides, self.itemsize), dtype=np.uint8)
+        _download(buffer, self.ptr, span, stream)
+        return _gather(span, self._shape, self._strides, self._dtype)
+
+    def copy_from(self, src, stream: Optional[Stream] = None) -> "ArrayView":
+        """Copy ``src`` into the viewed elements; blocking; returns self.
+
+        ``src`` is a numpy array of the same shape and dtype, another ArrayView, or any
+        object exporting ``__cuda_array_interface__`` or ``__dlpack__`` with the same shape
+        and dtype on the same device (host DLPack producers are copied as host arrays);
+        an accel.Buffer or a bytes-like object is taken as raw bytes, exactly ``nbytes``.
+        Strided sources and destinations are copied run by run; a destination whose
+        elements overlap (a 0 stride), or a source overlapping the destination in device
+        memory, is refused.  Ordered on ``stream`` (default: the current stream of the
+        buffer's device)."""
+        buffer = self._buffer
+        buffer._live()
+        if _readonly(buffer):
+            raise ValueError(f"copy_from: {buffer!r} is read-only (a read-only DLPack import); "
+                             f"nothing was copied")
+        if self._contiguous is False and _overlaps(self._shape, self._strides, self.itemsize):
+            raise ValueError(f"copy_from: the destination's elements overlap (shape {self._shape}, strides "
+                             f"{self._strides}: a 0 or too small stride), so it cannot be written; "
+                             f"copy into a view without repeated elements")
+        stream = buffer._stream_for(stream)
+        with _source(self, src, stream) as source:
+            if isinstance(source, np.ndarray):
+                self._upload(source, stream)
+            else:
+                self._copy_device(source, stream)
+        return self
+
+    # -- internals ---------------------------------------------------------------
+    def _check_match(self, shape, dtype, what: str) -> None:
+        if tuple(shape) != self._shape:
+            raise ValueError(f"copy_from: {what} has shape {tuple(shape)}, the view {self._shape}; "
+                             f"nothing was copied")
+        if dtype != self._dtype:
+            raise TypeError(f"copy_from: {what} has dtype {dtype}, the view {self._dtype}; convert it first "
+                            f"(e.g. numpy's a.astype({str(self._dtype)!r})); nothing was copied")
+
+    def _upload(self, array: np.ndarray, stream: Stream) -> None:
+        if not array.size:
+            return
+        buffer = self._buffer
+        _refuse_in_capture(buffer._backend, stream)
+        array = np.ascontiguousarray(array)
+        src = _address(memoryview(array).cast("B"))
+        run, outer, dst_s, src_s = _runs(self._shape, self._strides, array.strides, self.itemsize)
+        _check_count(outer, run)
+        backend = buffer._backend
+        try:
+            with stream._device_scope():
+                for d, s in _pairs(outer, dst_s, src_s):
+                    backend.memcpy_async(self.ptr + d, src + s, run, stream.handle)
+        finally:
+            stream.synchronize()     # the host array must outlive the queued copies
+
+    def _copy_device(self, source: _Device, stream: Stream) -> None:
+        if not self.size:
+            return
+        dst_lo, src_lo = self.ptr, source.ptr
+        dst_hi = dst_lo + _extent(self._shape, self._strides, self.itemsize)
+        src_hi = src_lo + source.span
+        if dst_lo < src_hi and src_lo < dst_hi:
+            raise ValueError(f"copy_from: the source (bytes {src_lo:#x}..{src_hi:#x}) overlaps the destination "
+                             f"(bytes {dst_lo:#x}..{dst_hi:#x}) in device memory; copy through the host "
+                             f"(view.copy_from(src.to_numpy())) or through a separate buffer")
+        run, outer, dst_s, src_s = _runs(self._shape, self._strides, source.strides, self.itemsize)
+        count = int(np.prod(outer, dtype=object))
+        backend = self._buffer._backend
+        if count > _MAX_COPIES:
+            # layouts that share only short runs: gather the source on the host, then upload
+            if stream.is_capturing():
+                _check_count(outer, run)
+            host = np.empty(source.span, dtype=np.uint8)
+            _download(self._buffer, source.ptr, host, stream)
+            self._upload(_gather(host, source.shape, source.strides, source.dtype), stream)
+            return
+        with stream._device_scope():
+            for d, s in _pairs(outer, dst_s, src_s):
+                backend.memcpy_async(dst_lo + d, src_lo + s, run, stream.handle)
+        if not stream.is_capturing():
+            stream.synchronize()
+
+
+def _gather(span: np.ndarray, shape, strides, dtype) -> np.ndarray:
+    """The elements of a strided layout over host bytes ``span``, as a new C-contiguous array."""
+    raw = np.lib.stride_tricks.as_strided(span, shape=tuple(shape) + (dtype.itemsize,),
+                                          strides=tuple(strides) + (1,), writeable=False)
+    return np.ascontiguousarray(raw).view(dtype).reshape(shape)
+
+
+def _pairs(outer, dst_strides, src_strides):
+    """(dst_offset, src_offset) of every run, C order."""
+    if not outer:
+        return [(0, 0)]
+    return zip(_element_offsets(outer, dst_strides).tolist(), _element_offsets(outer, src_strides).tolist())
+
+
+def _check_count(outer, run: int) -> None:
+    count = int(np.prod(outer, dtype=object))
+    if count > _MAX_COPIES:
+        raise ValueError(f"copy_from: the layouts share only runs of {run} bytes, which would take {count} "
+                         f"separate copies (at most {_MAX_COPIES}); copy into a C-contiguous view, or through "
+                         f"the host; nothing was copied")
+
+
+def _download(buffer: Buffer, ptr: int, out: np.ndarray, stream: Stream) -> None:
+    """Copy ``out.nbytes`` device bytes at ``ptr`` into the contiguous host array ``out``; blocking."""
+    _refuse_in_capture(buffer._backend, stream)
+    with stream._device_scope():
+        buffer._backend.memcpy_async(_address(memoryview(out).cast("B")), ptr, out.nbytes, stream.handle)
+    stream.synchronize()
+
+
+class _source:
+    """``with _source(view, src, stream) as s``: ``src`` as a host ndarray or a :class:`_Device`,
+    checked against the view, ordered before ``stream``, and kept valid for the block."""
+
+    def __init__(self, view: ArrayView, src, stream: Stream):
+        self.view, self.src, self.stream, self.release = view, src, stream, None
+
+    def __enter__(self):
+        view, src, stream = self.view, self.src, self.stream
+        buffer = view._buffer
+        if isinstance(src, np.ndarray):
+            if src.dtype.hasobject:
+                raise TypeError(f"copy_from: the source has dtype {src.dtype}: it holds Python object "
+                                f"references, not data; nothing was copied")
+            view._check_match(src.shape, src.dtype, "the source array")
+            return src
+        if isinstance(src, ArrayView):
+            src._buffer._live()
+            _same_device(buffer, src._buffer._backend.name, src._buffer.device_index, "source view")
+            view._check_match(src.shape, src.dtype, "the source view")
+            src._buffer._stream_for(stream)
+            return _Device(src.ptr, src.shape, src.strides, src.dtype, src._buffer.device_index, src)
+        if isinstance(src, Buffer):
+            src._live()
+            _same_device(buffer, src._backend.name, src.device_index, "source buffer")
+            if src.nbytes != view.nbytes:
+                raise ValueError(f"copy_from: the source buffer has {src.nbytes} bytes, the view {view.nbytes} "
+                                 f"({view.shape} of {view.dtype}); nothing was copied")
+            src._stream_for(stream)
+            return _Device(src.ptr, view.shape, None, view.dtype, src.device_index, src)
+        cai = _cai_of(src)
+        if cai is not None:
+            return self._from_cai(cai)
+        if hasattr(src, "__dlpack__"):
+            return self._from_dlpack(src)
+        try:
+            raw = _host_view(src)
+        except TypeError:
+            raise TypeError(f"copy_from: cannot copy from {type(src).__name__}: expected a numpy array, an "
+                            f"ArrayView or Buffer, an object with __cuda_array_interface__ or __dlpack__, or "
+                            f"a bytes-like object (for a list, pass numpy.asarray(x, dtype={str(view.dtype)!r}))"
+                            ) from None
+        if raw.nbytes != view.nbytes:
+            raise ValueError(f"copy_from: the source has {raw.nbytes} bytes, the view {view.nbytes} "
+                             f"({view.shape} of {view.dtype}); nothing was copied")
+        return np.frombuffer(raw, dtype=view.dtype).reshape(view.shape)
+
+    def _from_cai(self, cai: dict) -> _Device:
+        view, stream = self.view, self.stream
+        buffer = view._buffer
+        if buffer._backend.name != "cuda":
+            raise ValueError(f"copy_from: a __cuda_array_interface__ source is CUDA memory, the view is on "
+                             f"{buffer.device}; nothing was copied")
+        if cai.get("mask") is not None:
+            raise ValueError("copy_from: masked __cuda_array_interface__ arrays are not supported; "
+                             "nothing was copied")
+        try:
+            shape = tuple(int(n) for n in cai["shape"])
+            dtype = np.dtype(cai["descr"]) if str(cai["typestr"]).lstrip("<>|=").startswith("V") \
+                and cai.get("descr") else np.dtype(cai["typestr"])
+            ptr = int(cai["data"][0])
+            strides = cai.get("strides")
+            strides = None if strides is None else tuple(int(s) for s in strides)
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise ValueError(f"copy_from: malformed __cuda_array_interface__ ({exc!r}); nothing was copied") \
+                from None
+        view._check_match(shape, dtype, "the __cuda_array_interface__ source")
+        if strides is not None and any(s < 0 for s in strides):
+            raise ValueError(f"copy_from: the source has negative strides {strides}; nothing was copied")
+        foreign = cai.get("stream")
+        if foreign is not None:
+            _wait_foreign(buffer._backend, stream, foreign)
+        return _Device(ptr, shape, strides, dtype, buffer.device_index, self.src)
+
+    def _from_dlpack(self, src):
+        from . import _dlpack
+        view, stream = self.view, self.stream
+        buffer = view._buffer
+        try:
+            kind, index = (int(v) for v in src.__dlpack_device__())
+        except Exception as exc:
+            raise TypeError(f"copy_from: {type(src).__name__}.__dlpack_device__() failed: {exc}") from None
+        if kind in _dlpack.HOST_DEVICE_TYPES:
+            # host memory is copied from as a host array, never wrapped as device memory
+            return self._host_from(np.from_dlpack(src))
+        mine = tuple(view.__dlpack_device__())
+        if (kind, index) != mine:
+            raise ValueError(f"copy_from: the DLPack source is on device ({kind}, {index}), the view on "
+                             f"{mine} ({buffer.device}); copy on the same device; nothing was copied")
+        # the producer orders its pending work before ``stream`` (CUDA: its handle; elsewhere the
+        # producer waits on the host)
+        capsule = _dlpack._ask(src, buffer._backend, (kind, index), stream if buffer._backend.name == "cuda"
+                               else None)
+        info = _dlpack.parse(capsule)
+        if (info.device_type, info.device_id) != mine:
+            raise ValueError(f"copy_from: the DLPack capsule describes device ({info.device_type}, "
+                             f"{info.device_id}), the view is on {mine}; nothing was copied")
+        dtype = _np_dtype(info)
+        item = dtype.itemsize
+        strides = None if info.strides is None else tuple(s * item for s in info.strides)
+        if strides is not None and any(s < 0 for s in strides):
+            raise ValueError(f"copy_from: the DLPack source has negative strides {info.strides}; "
+                             f"nothing was copied")
+        view._check_match(info.shape, dtype, "the DLPack source")
+        imported = _dlpack.Imported(capsule, info.address, info.versioned, keep=src)
+        self.release = imported.release
+        return _Device(info.data + info.byte_offset, info.shape, strides, dtype, index, imported)
+
+    def _host_from(self, array: np.ndarray) -> np.ndarray:
+        self.view._check_match(array.shape, array.dtype, "the host DLPack source")
+        return array
+
+    def __exit__(self, *exc) -> None:
+        if self.release is not None:
+            self.release()
+
+
+#: dlpack.h DLDataTypeCode -> numpy kind (lanes 1)
+_DL_KINDS = {0: "i", 1: "u", 2: "f", 5: "c"}
+
+
+def _np_dtype(info) -> np.dtype:
+    """The numpy dtype of a parsed DLPack tensor, or a clear error."""
+    if info.lanes == 1 and info.code == 6 and info.bits == 8:
+        return np.dtype(np.bool_)
+    kind = _DL_KINDS.get(info.code)
+    if info.lanes != 1 or kind is None or info.bits % 8:
+        raise TypeError(f"copy_from: the DLPack source has dtype code {info.code}, {info.bits} bits, "
+                        f"{info.lanes} lanes, which accel's views do not read; nothing was copied")
+    try:
+        return np.dtype(f"{kind}{info.bits // 8}")
+    except TypeError:
+        raise TypeError(f"copy_from: numpy has no {info.bits}-bit dtype of kind {kind!r}") from None
+
+
+def _same_device(buffer: Buffer, backend: str, index: int, what: str) -> None:
+    if backend != buffer._backend.name or index != buffer.device_index:
+        raise ValueError(f"copy_from: the {what} is on {backend}:{index}, the view on {buffer.device}; "
+                         f"copy between devices with Buffer.copy_from, or through the host; nothing was copied")
+
+
+def _readonly(buffer: Buffer) -> bool:
+    return bool(getattr(buffer, "_readonly", False))
+
+
+def _cai_of(obj) -> Optional[dict]:
+    try:
+        return obj.__cuda_array_interface__
+    except AttributeError:
+        return None
+
+
+#: __cuda_array_interface__ v3 stream values: 1 is the legacy default stream, 2 the per-thread one.
+_CAI_STREAMS = {1: 0, 2: 2}
+
+
+def _wait_foreign(backend, stream: Stream, foreign) -> None:
+    """Order ``stream`` after the work queued on a producer's stream (CAI v3: the consumer
+    synchronizes on ``stream`` before reading)."""
+    if isinstance(foreign, bool) or not isinstance(foreign, int) or foreign == 0:
+        raise ValueError(f"copy_from: __cuda_array_interface__ stream {foreign!r} is invalid (v3: None, 1, 2 "
+                         f"or a stream handle; 0 is disallowed); nothing was copied")
+    handle = _CAI_STREAMS.get(foreign, foreign)
+    if handle == stream.handle:
+        return
+    with on_device(backend, stream.device_index):
+        event = backend.event_create()
+        try:
+            backend.event_record(event, handle)
+            backend.stream_wait_event(stream.handle, event)
+        finally:
+            backend.event_destroy(event)
