@@ -79,9 +79,10 @@ def test_renamed_symbols():
 
 
 def test_optional_symbols():
-    # 12.4 lacks cudaLibrary* (12.8+) and cudaGetDriverEntryPointByVersion (12.5+):
-    # declared from the 12.8 headers, optional.
-    opt = {"cudaLibraryLoadData", "cudaLibraryUnload", "cudaLibraryGetKernel", "cudaGetDriverEntryPointByVersion"}
+    # 12.4 lacks cudaLibrary* and cudaStreamGetDevice (12.8+) and cudaGetDriverEntryPointByVersion
+    # (12.5+): declared from the 12.8 headers, optional.
+    opt = {"cudaLibraryLoadData", "cudaLibraryUnload", "cudaLibraryGetKernel", "cudaGetDriverEntryPointByVersion",
+           "cudaStreamGetDevice"}
     assert set(cudart12.OPTIONAL_SYMBOLS) == opt
     assert set(cudart12.SPEC_FALLBACK) == opt
     assert opt <= set(cudart12.FUNCTIONS)

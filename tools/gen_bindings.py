@@ -87,13 +87,16 @@ CUDART_FUNCTIONS = [
     # access to the pool (torch's enablePeerAccess); every CUDA >= 11.4 has them
     "cudaMemPoolSetAccess", "cudaMemPoolGetAccess",
     "cudaDeviceGraphMemTrim", "cudaDeviceGetGraphMemAttribute", "cudaDeviceSetGraphMemAttribute",
+    # issue 17 item 5: Stream.from_handle checks a foreign stream's device (CUDA >= 12.8)
+    "cudaStreamGetDevice",
 ]
 
 # Runtimes older than these functions (checked against the real exports in
 # accel/sim/cudart_symbols/*.txt, written by tools/cudart_exports.py):
-# cudaLibrary* came with 12.8 (absent from 12.4); cudaGetDriverEntryPointByVersion with 12.5.
+# cudaLibrary* and cudaStreamGetDevice came with 12.8 (absent from 12.4);
+# cudaGetDriverEntryPointByVersion with 12.5.
 CUDART12_OPTIONAL = {"cudaLibraryLoadData", "cudaLibraryUnload", "cudaLibraryGetKernel",
-                     "cudaGetDriverEntryPointByVersion"}
+                     "cudaGetDriverEntryPointByVersion", "cudaStreamGetDevice"}
 
 # Their declarations for the CUDA 12 module when its headers predate them (12.4 does):
 # copied from the nvidia-cuda-runtime-cu12==12.8.90 wheel's cuda_runtime_api.h and
@@ -139,6 +142,7 @@ enum cudaLibraryOption
         " enum cudaLibraryOption *libraryOptions, void **libraryOptionValues,"
         " unsigned int numLibraryOptions);"),
     "cudaLibraryUnload": ("", "cudaError_t cudaLibraryUnload(cudaLibrary_t library);"),
+    "cudaStreamGetDevice": ("", "cudaError_t cudaStreamGetDevice(cudaStream_t hStream, int *device);"),
 }
 
 # Integer #defines (object-like macros) to expose as lib.NAME.
