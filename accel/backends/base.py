@@ -294,6 +294,14 @@ class Backend(abc.ABC):
         """(least, greatest) priority; numerically lower is higher priority, as CUDA."""
         return (0, 0)
 
+    def foreign_stream(self, stream: int) -> Tuple[int, Optional[int]]:
+        """``(handle, device index)`` of a stream handle accel may not have created (for
+        ``Stream.from_handle``): the handle as accel keys it (a runtime alias of the default
+        stream becomes :meth:`default_stream`'s value) and the stream's device, or None when
+        the runtime cannot tell (the default stream: the caller's device).  Raises ValueError
+        when the handle is not a live stream this backend can use."""
+        return stream, None
+
     # -- events ----------------------------------------------------------------
     @abc.abstractmethod
     def event_create(self, enable_timing: bool = False, blocking: bool = False) -> int: ...

@@ -41,6 +41,9 @@ _CAPTURE_STATUS_NONE = 0           # cudaStreamCaptureStatusNone
 # cudaError_t values with a dedicated exception type (driver_types.h).
 _ERR_MEMORY_ALLOCATION = 2
 _ERR_NOT_READY = 600
+_ERR_INVALID_RESOURCE_HANDLE = 400
+# cudaStreamLegacy / cudaStreamPerThread (driver_types.h): aliases, not streams of their own
+_STREAM_LEGACY, _STREAM_PER_THREAD = 1, 2
 # cudaErrorStreamCapture* (900-906, 908) and cudaErrorCapturedEvent (907); 909 is
 # cudaErrorTimeout and 910 cudaErrorGraphExecUpdateFailure, which are not capture misuse.
 _CAPTURE_ERRORS = frozenset(range(900, 909))
@@ -393,6 +396,26 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
 
     def default_stream(self, index: int) -> int:
         return 0  # the legacy default stream; each device's is selected by the current device
+
+    def foreign_stream(self, stream: int) -> Tuple[int, Optional[int]]:
+        if stream in (0, _STREAM_LEGACY):
+            return 0, None      # the legacy default stream of the current device, as handle 0
+        if stream == _STREAM_PER_THREAD:
+            raise ValueError("handle 2 is cudaStreamPerThread, which names another stream in every host "
+                             "thread: accel keys cached memory and events by the handle value, so it cannot "
+                             "wrap it; create a stream (accel.Stream()) or pass a created stream's handle")
+        from .._ffi import has_symbol
+        if not has_symbol(self.lib, "cudaStreamGetDevice"):
+            return stream, None     # before CUDA 12.8 the runtime cannot say (nor can torch)
+        out = self.ffi.new("int *")
+        rc = self.lib.cudaStreamGetDevice(self._cast("cudaStream_t", stream), out)
+        if rc == _ERR_INVALID_RESOURCE_HANDLE:
+            self.lib.cudaGetLastError()     # reported here: clear the thread's last-error slot
+            raise ValueError(f"{stream:#x} is not a live CUDA stream (cudaStreamGetDevice: "
+                             f"cudaErrorInvalidResourceHandle); pass the cudaStream_t of a stream that "
+                             f"exists, and keep it alive while accel uses it")
+        self._check(rc, "cudaStreamGetDevice")
+        return stream, out[0]
 
     def stream_priority_range(self) -> Tuple[int, int]:
         least, greatest = self.ffi.new("int *"), self.ffi.new("int *")

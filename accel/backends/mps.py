@@ -588,6 +588,16 @@ class MPSBackend(Backend):
             self._streams[h] = _Stream(h, self._new(self._device, M_NEW_QUEUE, "newCommandQueue"))
         return h
 
+    def foreign_stream(self, stream: int) -> Tuple[int, Optional[int]]:
+        self._runtime()
+        with self._lock:
+            known = stream in self._streams
+        if not known:
+            raise ValueError(f"mps: {stream!r} is not a live stream of accel's Metal backend: its handles "
+                             f"name command queues accel keeps, so it can wrap only the ones it created "
+                             f"(backend.stream_create, default_stream)")
+        return stream, 0
+
     def stream_destroy(self, stream: int) -> None:
         """Commit what is queued and drop the queue; committed work still completes (as CUDA)."""
         rt = self._runtime()

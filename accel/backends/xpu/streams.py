@@ -161,6 +161,15 @@ class StreamsMixin:
     def default_stream(self, index: int) -> int:
         return self._device(index).default.handle
 
+    def foreign_stream(self, stream: int) -> Tuple[int, Optional[int]]:
+        with self._lock:
+            s = self._streams.get(stream)
+        if s is None:
+            raise ValueError(f"{stream!r} is not a live stream of accel's XPU backend: accel keeps state "
+                             f"for each Level Zero command list it runs work on, so it can wrap only the "
+                             f"handles it created (backend.stream_create, default_stream)")
+        return stream, s.device.index
+
     def stream_priority_range(self) -> Tuple[int, int]:
         return _PRIORITY_RANGE
 
