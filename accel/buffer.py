@@ -17,7 +17,7 @@ from typing import Optional
 from . import _finalize as _fin
 from . import _lazy
 from ._device import DeviceLike, device
-from .streams import Stream, _index_for, current_stream, on_device
+from .streams import Stream, _as_stream, _index_for, current_stream, on_device
 
 __all__ = ["Buffer"]
 
@@ -114,8 +114,7 @@ class Buffer:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         backend = _lazy.lazy_init()
         if stream is not None:
-            if not isinstance(stream, Stream):
-                raise TypeError(f"stream must be an accel.Stream or None, got {type(stream).__name__}")
+            stream = _as_stream(stream, "Buffer(stream)")
             index = stream.device_index if device is None else _index_for(device)
             if index != stream.device_index:
                 raise ValueError(f"stream is on device {stream.device_index} but the buffer was asked "
@@ -168,8 +167,8 @@ class Buffer:
         # As every torch operation: the current stream of the buffer's device by default.
         if stream is None:
             stream = current_stream(self._index)
-        elif not isinstance(stream, Stream):
-            raise TypeError(f"stream must be an accel.Stream or None, got {type(stream).__name__}")
+        else:
+            stream = _as_stream(stream, "stream")
         if stream.device_index != self._index:
             raise ValueError(f"stream is on device {stream.device_index} but the buffer is on device "
                              f"{self._index}; pass a stream of device {self._index} or None")
@@ -362,8 +361,7 @@ class Buffer:
         """Tell the allocator the buffer is used on ``stream``, so its memory is not
         reused before work queued there so far has completed."""
         self._live()
-        if not isinstance(stream, Stream):
-            raise TypeError(f"record_stream expects an accel.Stream, got {type(stream).__name__}")
+        stream = _as_stream(stream, "Buffer.record_stream(stream)")
         if self._nbytes and stream != self._stream:
             _memory().device_allocator(self._index).record_stream(self._ptr, stream.handle, stream.device_index)
 

@@ -30,7 +30,7 @@ from typing import Optional, Tuple
 from . import _finalize as _fin
 from . import _lazy
 from ._errors import AcceleratorError
-from .streams import Stream, _capture_events, current_stream, on_device
+from .streams import Stream, _as_stream, _capture_events, current_stream, on_device
 
 __all__ = ["Graph", "graph", "generate_graph_pool_handle", "graph_pool_handle"]
 
@@ -354,8 +354,8 @@ def graph(cuda_graph: Graph, pool: Optional[Tuple[int, int]] = None, stream: Opt
     if not isinstance(cuda_graph, Graph):
         raise TypeError(f"graph() expects an accel.Graph, got {type(cuda_graph).__name__}")
     mode = _check_mode(capture_error_mode)
-    if stream is not None and not isinstance(stream, Stream):
-        raise TypeError(f"graph(stream=...) expects an accel.Stream or None, got {type(stream).__name__}")
+    if stream is not None:
+        stream = _as_stream(stream, "graph(stream)")
     import accel
     accel.synchronize()
     accel.memory.empty_cache()

@@ -13,10 +13,24 @@ against the calling thread's current device (CUDA's legacy stream 0), every
 call on a default stream runs with its device current (``Stream._shared``), as
 torch's ``CUDAStream`` methods do under a ``DeviceGuard``.  Created streams carry
 their device in the handle and need no switch.
+
+**Foreign streams.**  ``Stream.from_handle(handle, device)`` (torch's ``ExternalStream``) wraps
+a stream another library made, and :func:`_as_stream` turns anything with the CUDA stream
+protocol (``__cuda_stream__() -> (0, handle)``: cuda.core, CuPy, torch) into a Stream wherever
+accel takes one.  accel never destroys such a stream.  What accel keys by its handle (the
+caching allocator's free lists and stream uses) is forgotten, as for a destroyed stream of its
+own (:func:`on_stream_destroy`), when the last accel wrapper of it goes: the driver gives a
+destroyed stream's handle value to the next stream it creates, so free lists left keyed by the
+handle would be inherited by an unrelated stream while the dead one's work may still run.
+torch keeps them (``CUDACachingAllocator`` keys blocks by ``cudaStream_t`` and never forgets an
+external one).  The owner must therefore keep the stream alive until accel's wrappers of it
+are closed or gone, Buffers allocated on it included (torch asks the same while its
+ExternalStream "is being used").
 """
 
 from __future__ import annotations
 
+import operator
 import threading
 import weakref
 from typing import Callable, Dict, List, Optional, Tuple
@@ -43,12 +57,18 @@ _DEVICE_TYPES = {"cuda": 1, "xpu": 12, "mps": 13}
 #: id ({id(event): event}): the graph that ends the capture keeps them alive, since each of its
 #: replays records or waits for them.  An entry lives from capture_begin to capture_end.
 _capture_events: Dict[int, Dict[int, "Event"]] = {}
+#: The anchor of each foreign stream (device index, handle) while an accel wrapper of it lives:
+#: every wrapper holds it, and the last one's going forgets the handle (_ForeignAnchor).
+_foreign: "weakref.WeakValueDictionary[Tuple[int, int], _ForeignAnchor]" = weakref.WeakValueDictionary()
+_foreign_lock = threading.Lock()
 
 
 def on_stream_destroy(hook: Callable[[Backend, int, int, bool], bool]) -> None:
     """Call ``hook(backend, device_index, handle, blocking)`` just before an owned stream is
     destroyed: the driver hands a destroyed handle's value to the next stream it creates, so
-    anything keyed by the handle must forget it first (and may still record on it).
+    anything keyed by the handle must forget it first (and may still record on it).  Also
+    called, with the stream still alive, when the last accel wrapper of a foreign stream
+    (:meth:`Stream.from_handle`) goes: its owner may destroy it from then on.
 
     From a finalizer ``blocking`` is False: the hook must not wait for a lock (the same
     thread may hold it) and returns False when it cannot run now; the destroy is then
@@ -65,6 +85,33 @@ def _destroy(backend: Backend, index: int, handle: int, blocking: bool) -> None:
             _fin.defer(_destroy, backend, index, handle, True)   # the handle stays valid until then
             return
     backend.stream_destroy(handle)
+
+
+def _forget(backend: Backend, index: int, handle: int, blocking: bool) -> None:
+    """The last accel wrapper of foreign stream ``handle`` went: run the destroy hooks (the
+    allocators forget the handle, covering its queued work with an event), but never destroy
+    it.  While the stream is being captured (by its owner) nothing is forgotten: the capture
+    may allocate from a graph pool through the handle, and torch forgets nothing either."""
+    if backend.captures_underway() and backend.capture_id(handle) is not None:
+        return
+    for hook in _destroy_hooks:
+        if not hook(backend, index, handle, blocking):
+            _fin.defer(_forget, backend, index, handle, True)
+            return
+
+
+class _ForeignAnchor:
+    """Held by every accel wrapper of one foreign stream; collected with the last of them,
+    when accel forgets the handle (:func:`_forget`).  Takes no lock (a finalizer)."""
+
+    __slots__ = ("backend", "index", "handle", "pid", "__weakref__")
+
+    def __init__(self, backend: Backend, index: int, handle: int):
+        self.backend, self.index, self.handle, self.pid = backend, index, handle, _fin.pid
+
+    def __del__(self):
+        if self.pid == _fin.pid and _lazy.is_initialized():
+            _fin.finalize(_forget, self.backend, self.index, self.handle, False)
 
 
 class on_device:
@@ -118,7 +165,7 @@ class Stream:
     """
 
     __slots__ = ("_backend", "_index", "_handle", "_owned", "_closed", "_shared", "_pid", "_priority",
-                 "__weakref__")
+                 "_foreign", "_anchor", "__weakref__")
 
     def __new__(cls, device: DeviceLike = None, priority: int = 0, *, stream_id: Optional[int] = None,
                 device_index: Optional[int] = None, device_type: Optional[int] = None):
@@ -149,8 +196,10 @@ class Stream:
         self._owned, self._closed = owned, False
         self._pid = _fin.pid
         self._priority = 0
+        self._foreign, self._anchor = False, None
         # The handle names this device's stream only while the device is current.
-        self._shared = not owned and backend.shared_default_stream
+        self._shared = (not owned and backend.shared_default_stream
+                        and handle == backend.default_stream(index))
 
     @classmethod
     def _rebuild(cls, stream_id, device_index, device_type) -> "Stream":
@@ -173,17 +222,57 @@ class Stream:
             return default_stream(index)
         stream = _live_streams.get((index, stream_id))
         if stream is None or stream._closed:
+            anchor = _foreign.get((index, stream_id))
+            if anchor is not None:      # a foreign stream accel still wraps: a new wrapper, as torch
+                return cls._wrap(backend, index, stream_id, anchor=anchor)
             raise ValueError(f"Stream(): no live accel stream has stream_id {stream_id:#x} on device "
                              f"{backend.name}:{index} (closed, collected, or made by another library); "
-                             f"keep the Stream object to use it again")
+                             f"keep the Stream object to use it again, or wrap another library's stream "
+                             f"with Stream.from_handle(handle, device)")
         return stream
 
     @classmethod
-    def _wrap(cls, backend: Backend, index: int, handle: int) -> "Stream":
-        """A Stream object for a handle accel does not own (default streams)."""
+    def _wrap(cls, backend: Backend, index: int, handle: int, foreign: bool = False,
+              anchor: Optional[_ForeignAnchor] = None) -> "Stream":
+        """A Stream object for a handle accel does not own: a default stream, or (``foreign``,
+        or with an ``anchor``) one that :meth:`close` only forgets."""
         self = object.__new__(cls)     # not cls.__new__: that creates a stream
         self._init(backend, index, handle, owned=False)
+        self._foreign, self._anchor = foreign or anchor is not None, anchor
         return self
+
+    @classmethod
+    def from_handle(cls, handle: int, device: DeviceLike = None) -> "Stream":
+        """Wrap a stream accel did not create (another library's), as torch's
+        ``torch.cuda.ExternalStream(stream_ptr, device)``.
+
+        ``handle`` is the backend's stream handle as an int (CUDA: the ``cudaStream_t``
+        value; ``cudaStreamLegacy`` (1) is the default stream, ``cudaStreamPerThread`` (2)
+        is refused).  ``device`` (int, str or accel.device; default: the stream's own
+        device where the runtime can tell, else the current device) must be the stream's
+        device: CUDA 12.8+ checks it with ``cudaStreamGetDevice`` (as does the simulator,
+        which knows every live stream); older runtimes cannot, and a wrong device makes later
+        work fail as with torch.  On XPU and MPS only handles of accel's own backend can be
+        wrapped.
+
+        Each call returns a new Stream, equal (and hashing equal) to every other Stream of
+        the same handle and device, as torch's.  accel never destroys the stream:
+        :meth:`close` (or collection) of the wrapper only forgets it, and when the last
+        wrapper of a handle goes, accel's allocators forget the handle (see the module
+        docstring), so the owner must keep the stream alive until then.
+        """
+        if isinstance(handle, bool) or not hasattr(type(handle), "__index__"):
+            raise TypeError(f"Stream.from_handle: handle must be an int (the stream handle, e.g. a "
+                            f"cudaStream_t as an int), got {type(handle).__name__} {handle!r}")
+        handle = operator.index(handle)
+        if handle < 0:
+            raise ValueError(f"Stream.from_handle: handle must be >= 0 (a stream handle as an unsigned "
+                             f"int), got {handle}")
+        backend = _lazy.lazy_init()
+        if _fin.pending:
+            _fin.drain()
+        index = None if device is None else _index_for(device)
+        return _foreign_stream(backend, handle, index, "Stream.from_handle", reuse=False)
 
     # -- identity --------------------------------------------------------------
     @property
@@ -250,7 +339,7 @@ class Stream:
         return hash((self._backend.name, self._index, self._handle))
 
     def __repr__(self):
-        state = " closed" if self._closed else ""
+        state = (" foreign" if self._foreign else "") + (" closed" if self._closed else "")
         return f"<accel.Stream device={self._backend.name}:{self._index} handle={self._handle:#x}{state}>"
 
     def _live(self) -> None:
@@ -299,10 +388,10 @@ class Stream:
         event.wait(self)
 
     def wait_stream(self, stream: "Stream") -> None:
-        """Make work queued on this stream after now wait for all work queued on ``stream`` so far."""
+        """Make work queued on this stream after now wait for all work queued on ``stream`` so far
+        (a Stream, or any object with ``__cuda_stream__``)."""
         self._live()
-        if not isinstance(stream, Stream):
-            raise TypeError(f"wait_stream expects an accel.Stream, got {type(stream).__name__}")
+        stream = _as_stream(stream, "Stream.wait_stream(stream)")
         self.wait_event(stream.record_event())
 
     def record_event(self, event: Optional["Event"] = None) -> "Event":
@@ -336,23 +425,29 @@ class Stream:
 
     # -- lifetime ------------------------------------------------------------------
     def close(self) -> None:
-        """Destroy the stream (queued work still completes).  Idempotent; default streams can't be closed."""
-        if not self._owned:
+        """Destroy the stream (queued work still completes).  Idempotent; default streams can't be
+        closed.  A foreign stream (:meth:`from_handle`) is not destroyed: its wrapper is closed."""
+        if not (self._owned or self._foreign):
             raise RuntimeError("the default stream belongs to the runtime and cannot be closed")
         if self._pid != _fin.pid:
             raise _fin.forked_error(self._backend)
         if self._closed:
             return
         backend = self._backend
-        if backend.captures_underway() and backend.capture_id(self._handle) is not None:
+        if (not self._shared and backend.captures_underway()
+                and backend.capture_id(self._handle) is not None):
             # Destroying a stream that takes part in a capture leaves the capture without an
-            # end: every later sync, free and capture in the process would fail.
+            # end: every later sync, free and capture in the process would fail.  (A closed
+            # foreign wrapper could not end it either.)
             raise RuntimeError(f"cannot close {self!r}: a graph capture on it is underway; end the capture "
                                f"first (capture_end(), or leave the `with graph:` block), then close it")
         self._closed = True
         table = getattr(_tls, "current", None)
         if table is not None and table.get(self._index) is self:
             del table[self._index]
+        if not self._owned:
+            self._anchor = None     # the last wrapper of the handle: accel forgets it (_ForeignAnchor)
+            return
         if _live_streams.get((self._index, self._handle)) is self:
             del _live_streams[(self._index, self._handle)]     # the driver may reuse the handle
         try:
@@ -418,10 +513,10 @@ def current_stream(dev: DeviceLike = None) -> Stream:
 
 
 def set_stream(stream: Stream) -> None:
-    """Make ``stream`` the calling thread's current stream, switching the current
-    device to the stream's device first (as ``torch.accelerator.set_stream``)."""
-    if not isinstance(stream, Stream):
-        raise TypeError(f"set_stream expects an accel.Stream, got {type(stream).__name__}")
+    """Make ``stream`` (a Stream, or any object with ``__cuda_stream__``) the calling thread's
+    current stream, switching the current device to the stream's device first (as
+    ``torch.accelerator.set_stream``)."""
+    stream = _as_stream(stream, "set_stream(stream)")
     stream._live()
     backend = _lazy.lazy_init()
     if stream._backend is not backend:
@@ -521,8 +616,8 @@ class Event:
         self._live()
         if stream is None:
             stream = current_stream()
-        elif not isinstance(stream, Stream):
-            raise TypeError(f"record expects an accel.Stream or None, got {type(stream).__name__}")
+        else:
+            stream = _as_stream(stream, "Event.record(stream)")
         stream._live()
         self._check_device(stream, "record")
         backend = stream._backend
@@ -552,8 +647,8 @@ class Event:
         self._live()
         if stream is None:
             stream = current_stream()
-        elif not isinstance(stream, Stream):
-            raise TypeError(f"wait expects an accel.Stream or None, got {type(stream).__name__}")
+        else:
+            stream = _as_stream(stream, "Event.wait(stream)")
         stream._live()
         if self._handle is None:
             return
@@ -619,6 +714,96 @@ class Event:
             _fin.finalize(self._backend.event_destroy, self._handle)
 
 
+def _as_stream(obj, what: str) -> Stream:
+    """``obj`` as an accel Stream, for every argument that takes one (``what`` names it in
+    errors): a Stream as it is; an object with the CUDA stream protocol
+    (``__cuda_stream__() -> (0, handle)``: cuda.core, CuPy and torch streams) as accel's own
+    Stream of that handle (a default or accel-created stream) or a new foreign wrapper of it
+    (:meth:`Stream.from_handle`, which takes the device from the runtime, else from the
+    object's ``device_index``/``device_id``/``device``, else the current device).
+    Anything else raises TypeError naming ``what``."""
+    if isinstance(obj, Stream):
+        return obj
+    try:
+        protocol = obj.__cuda_stream__
+    except AttributeError:
+        protocol = None
+    if not callable(protocol):
+        raise TypeError(f"{what}: expected an accel.Stream or an object with __cuda_stream__ (a cuda.core, "
+                        f"CuPy or torch CUDA stream), got {type(obj).__name__}")
+    name = type(obj).__name__
+    value = protocol()
+    if not isinstance(value, tuple) or len(value) != 2:
+        raise TypeError(f"{what}: {name}.__cuda_stream__() returned {value!r}, not the protocol's "
+                        f"(version, handle) tuple")
+    version, handle = value
+    if version != 0:
+        raise ValueError(f"{what}: {name}.__cuda_stream__() speaks protocol version {version!r}; accel "
+                         f"understands version 0 ((0, cudaStream_t as an int), cuda.core's); wrap the "
+                         f"stream with accel.Stream.from_handle(handle, device) instead")
+    if isinstance(handle, bool) or not isinstance(handle, int) or handle < 0:
+        raise TypeError(f"{what}: {name}.__cuda_stream__() returned handle {handle!r}; the protocol's "
+                        f"handle is the cudaStream_t as an int >= 0")
+    backend = _lazy.lazy_init()
+    if backend.name != "cuda":
+        raise ValueError(f"{what}: {name} is a CUDA stream (__cuda_stream__) but the accelerator is "
+                         f"{backend.name}; pass an accel.Stream")
+    return _foreign_stream(backend, handle, None, what, reuse=True, hint=_device_hint(obj))
+
+
+def _device_hint(obj) -> Optional[int]:
+    """The device index a foreign stream object states (torch: ``device_index``; CuPy:
+    ``device_id``; cuda.core: ``device.device_id``; torch: ``device.index``), or None."""
+    for owner, names in ((obj, ("device_index", "device_id")), (None, ("index", "device_id"))):
+        if owner is None:
+            try:
+                owner = obj.device
+            except Exception:
+                return None
+        for attr in names:
+            try:
+                value = getattr(owner, attr)
+            except Exception:
+                continue
+            if type(value) is int and value >= 0:
+                return value
+    return None
+
+
+def _foreign_stream(backend: Backend, handle: int, index: Optional[int], what: str, reuse: bool,
+                    hint: Optional[int] = None) -> Stream:
+    """A Stream for ``handle`` on device ``index`` (None: the stream's own, else ``hint``, else
+    the current device), checked with the backend.  ``reuse``: accel's own Stream object where
+    the handle is a default or live accel-created stream; otherwise always a new wrapper."""
+    try:
+        handle, actual = backend.foreign_stream(handle)
+    except ValueError as exc:
+        raise ValueError(f"{what}: {exc}") from None
+    if actual is not None:
+        if index is not None and index != actual:
+            raise InvalidDeviceError(f"{what}: stream {handle:#x} belongs to device {actual}, not device "
+                                     f"{index}; pass device={actual} (or None)")
+        index = actual
+    elif index is None:
+        if hint is not None:
+            check_stream_range(hint)
+            index = hint
+        else:
+            index = backend.get_device()
+    key = (index, handle)
+    if handle == backend.default_stream(index):
+        return default_stream(index) if reuse else Stream._wrap(backend, index, handle, foreign=True)
+    own = _live_streams.get(key)
+    if own is not None and not own._closed:
+        # accel's own stream: its close() forgets the handle, no anchor needed
+        return own if reuse else Stream._wrap(backend, index, handle, foreign=True)
+    with _foreign_lock:
+        anchor = _foreign.get(key)
+        if anchor is None:
+            anchor = _foreign[key] = _ForeignAnchor(backend, index, handle)
+    return Stream._wrap(backend, index, handle, anchor=anchor)
+
+
 def _capture_table(backend: Backend, stream: Stream) -> Optional[Dict[int, Event]]:
     """The external events of the accel.Graph capture ``stream`` takes part in (that graph keeps
     them alive: its replays record or wait for them), or None.  Call in the stream's device scope."""
@@ -658,6 +843,7 @@ def _reset() -> None:
     _defaults.clear()
     _live_streams.clear()
     _capture_events.clear()
+    _foreign.clear()
 
 
 _lazy.register_reset_hook(_reset)
