@@ -259,14 +259,15 @@ def test_cuda__test_memory_snapshot(sim_cuda):
         memory.record_history(False)
 
 
-@pytest.mark.xfail(strict=True, reason="needs segment frames in snapshots (issue 17, item 6)")
 def test_cuda__test_memory_snapshot_segments_carry_frames(sim_cuda):
-    # the other half of test_memory_snapshot: `self.assertTrue("frames" in seg)`
+    # the other half of test_memory_snapshot: `self.assertTrue("frames" in seg)`; a segment's
+    # stack is the allocation that made it (issue 17 item 6)
     try:
         memory.record_history(True, stacks=True)
         x = accel.Buffer(311 * 411 * 4)
         for seg in memory._snapshot()["segments"]:
             assert "frames" in seg
+            assert seg["frames"][0]["name"] == "test_cuda__test_memory_snapshot_segments_carry_frames"
         x.close()
     finally:
         memory.record_history(False)

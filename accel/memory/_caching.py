@@ -81,8 +81,6 @@ asserts after every operation, as CUDACachingAllocator.cpp lists its own):
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 import time
 from bisect import bisect_left, insort
@@ -94,6 +92,8 @@ from .._finalize import drain as _drain_finalizers, pending as _finalizers
 from .._locks import acquire as _acquire
 from ..streams import on_device
 from . import _config, _stats
+from ._snapfmt import CTX_ALL as _CTX_ALL, CTX_ALLOC as _CTX_ALLOC, Symbols as _Symbols
+from ._snapfmt import allocator_settings as _allocator_settings, stack as _stack, trace_entry as _trace_entry
 from ._expandable import UNMAPPED as _UNMAPPED, Segment as _ExpSegment, pieces as _pieces, place as _place
 from ._stats import (ACTIVE, ACTIVE_BYTES, ALLOCATED_BYTES, ALLOCATION, INACTIVE_SPLIT,
                      INACTIVE_SPLIT_BYTES, LANE_MASK, OVERSIZE_ALLOCATIONS, OVERSIZE_SEGMENTS,
@@ -187,7 +187,7 @@ class _Block:
         self.undo = 0         # see malloc's whole-segment split
         self.uses = None      # other uses (record_stream): (stream, device) pairs and _Gates
         self.events = 0       # outstanding events while pending
-        self.frames = None    # allocation stack when history is recorded
+        self.frames = None    # allocation stack (_snapfmt.stack) while history keeps stacks
         self.seg = None       # the expandable segment (_expandable.Segment) it lies in, else None
 
 
@@ -267,14 +267,14 @@ def _check_size(nbytes) -> int:
     return nbytes
 
 
-def _snapshot_block(seg: dict, block) -> None:
-    """Append ``block`` to snapshot segment ``seg`` (torch's block layout) and count it."""
+def _snapshot_block(seg: dict, block, symbols: _Symbols) -> None:
+    """Append ``block`` to snapshot segment ``seg`` (torch's block layout: ``frames`` always,
+    empty when no stack was kept) and count it."""
     state = ("active_allocated" if block.state == _ALLOCATED else
              "active_pending_free" if block.state == _PENDING else "inactive")
     entry = {"address": block.ptr, "size": block.size,
-             "requested_size": block.requested if block.state != _FREE else 0, "state": state}
-    if block.frames:
-        entry["frames"] = block.frames
+             "requested_size": block.requested if block.state != _FREE else 0, "state": state,
+             "frames": symbols.frames(block.frames)}
     if block.state == _ALLOCATED:
         seg["allocated_size"] += block.size
         seg["requested_size"] += block.requested
@@ -315,8 +315,14 @@ class DeviceCachingAllocator:
         self._used_on: Dict[int, set] = {}           # stream -> blocks whose uses name it
         self._event_cache: Dict[int, List[int]] = {}  # device -> completed events for reuse
         self._default_stream: Optional[int] = None
+        # history (record_history): records (action, addr, size, stream, time_us, stack), see
+        # _snapfmt.trace_entry; _ctx is the torch RecordContext level (_snapfmt.CTX_*)
         self._history: Optional[deque] = None
-        self._history_stacks = False
+        self._ctx = 0
+        self._skip: frozenset = frozenset()
+        # stack of the allocation that made a segment (classic: its base; expandable: each
+        # mapping's start), while history keeps stacks
+        self._seg_frames: Dict[int, list] = {}
         self._allowed: Optional[int] = None
         self._reserved_hw = 0          # most memory ever reserved (not reset by reset_peak_stats)
         self._spare: Optional[_Block] = None     # a block object a merge retired, reused by a split
@@ -517,9 +523,11 @@ class DeviceCachingAllocator:
         if self._pending:
             self._track_active_peak(fl.kind)
         if self._history is not None:
-            if self._history_stacks:
-                block.frames = _frames()
-            self._trace("alloc", block.ptr, block.size, fl.stream)
+            st = None
+            if self._ctx:
+                st = block.frames = _stack()
+            # torch records the size asked (orig_size), as for the frees
+            self._trace("alloc", block.ptr, block.requested, fl.stream, st)
 
     def _joined_pool(self, stream: int) -> Optional[_PrivatePool]:
         """The private pool of the capture ``stream`` joined through an event wait, if any
@@ -565,10 +573,13 @@ class DeviceCachingAllocator:
                 if block.size >= self._max_split:
                     self._count_down(OVERSIZE_ALLOCATIONS, 1)
                 if self._history is not None:
-                    self._trace("free_requested", ptr, block.size, block.pool.stream)
+                    # torch: the free's own stack under context "all", else the allocation's
+                    st = _stack() if self._ctx >= _CTX_ALL else block.frames
+                    self._trace("free_requested", ptr, block.requested, block.pool.stream, st)
                     if not block.uses:
-                        self._trace("free_completed", ptr, block.size, block.pool.stream)
-                block.frames = None
+                        self._trace("free_completed", ptr, block.requested, block.pool.stream, st)
+                if not block.uses:
+                    block.frames = None     # a pending block keeps its allocation's stack, as torch's
             if block.uses:
                 self._s_cur -= block.stat
                 self._s_freed += block.stat
@@ -860,24 +871,49 @@ class DeviceCachingAllocator:
             for name in self._scalars:
                 self._scalars[name] = 0
 
-    def record_history(self, enabled: bool, max_entries: int = 100_000, stacks: bool = True) -> None:
-        """Start (or stop) recording alloc/free events with time stamps for snapshots;
-        ``stacks`` also keeps the Python stack of every allocation."""
+    def record_history(self, enabled: bool, max_entries: int = 100_000, stacks: bool = True, *,
+                       context: int = _CTX_ALL, skip_actions: frozenset = frozenset(),
+                       clear_history: bool = False) -> None:
+        """Start (or stop) recording alloc/free events with time stamps for snapshots, keeping
+        the newest ``max_entries``; ``stacks`` also keeps Python stacks, as much as ``context``
+        (torch's RecordContext level, :mod:`accel.memory._snapfmt`) says; the actions in
+        ``skip_actions`` are not recorded; ``clear_history`` forgets what was recorded.
+        Stopping forgets the history and every stack.  (Arguments as
+        :func:`accel.memory.record_history` checked them.)"""
+        ctx = context if stacks else 0
         with self._lock:
             if enabled:
-                self._history = deque(self._history or (), maxlen=max_entries)
-                self._history_stacks = stacks
+                kept = self._history if self._history is not None and not clear_history else ()
+                self._history = deque(kept, maxlen=max_entries)
+                self._ctx = ctx
+                self._skip = frozenset(skip_actions)
             else:
                 self._history = None
-                self._history_stacks = False
+                self._ctx = 0
+                self._skip = frozenset()
+            if not self._ctx:
                 for block in self._blocks.values():
                     block.frames = None
+                self._seg_frames.clear()
             self._update_special()
 
+    def allocator_settings(self) -> dict:
+        """torch's ``allocator_settings`` of a snapshot, for this allocator."""
+        with self._lock:
+            expandable = self._expandable
+            if expandable is None:       # not decided before the first miss: what it would be
+                want = self._config.expandable_segments
+                expandable = (not self._torch_policy if want is None else want) and self._be.supports_vmm
+            return _allocator_settings(self._config, expandable)
+
     def snapshot(self) -> dict:
-        """``{"segments": [...], "device_traces": [...]}`` in torch's snapshot layout."""
+        """``{"segments": [...], "device_traces": [...]}`` in torch's snapshot layout
+        (:mod:`accel.memory._snapfmt`): segments and blocks with ``frames`` (empty without a
+        stack), trace entries with ``frames`` while history keeps stacks in the trace."""
+        symbols = _Symbols()
         with self._lock:
             segments = []
+            seg_frames = self._seg_frames
             for base in sorted(self._segments):
                 head = self._blocks[base]
                 fl = head.pool
@@ -885,16 +921,17 @@ class DeviceCachingAllocator:
                        "allocated_size": 0, "active_size": 0, "requested_size": 0,
                        "stream": fl.stream, "segment_type": _POOL_NAME[fl.kind],
                        "segment_pool_id": fl.owner.id if fl.owner is not None else (0, 0),
-                       "is_expandable": False, "blocks": []}
+                       "is_expandable": False, "frames": symbols.frames(seg_frames.get(base)), "blocks": []}
                 block = head
                 while block is not None:
-                    _snapshot_block(seg, block)
+                    _snapshot_block(seg, block, symbols)
                     block = block.next
                 segments.append(seg)
             for exp in self._exp_segs:
-                segments.extend(self._exp_snapshot(exp))
+                segments.extend(self._exp_snapshot(exp, symbols))
             segments.sort(key=lambda seg: seg["address"])
-            traces = list(self._history) if self._history is not None else []
+            records = list(self._history) if self._history is not None else []
+        traces = [_trace_entry(record, symbols) for record in records]
         return {"segments": segments, "device_traces": traces}
 
     # ------------------------------------------------------------------ hot-path helpers
@@ -1050,8 +1087,7 @@ class DeviceCachingAllocator:
             self._release_segments()
             ptr = self._device_alloc(seg_size)
         if ptr is None:
-            self._scalars["num_ooms"] += 1
-            raise OutOfMemoryError(self._oom_message(seg_size))
+            raise self._out_of_memory(size, seg_size, fl.stream)
         block = _Block(ptr, seg_size, fl, None, None)
         self._blocks[ptr] = block
         self._segments[ptr] = seg_size
@@ -1063,7 +1099,10 @@ class DeviceCachingAllocator:
         if seg_size >= self._max_split:
             self._count_up(OVERSIZE_SEGMENTS, 1)
         if self._history is not None:
-            self._trace("segment_alloc", ptr, seg_size, fl.stream)
+            st = None
+            if self._ctx:
+                st = self._seg_frames[ptr] = _stack()
+            self._trace("segment_alloc", ptr, seg_size, fl.stream, st)
         return block
 
     def _small_in_large(self, size: int, fl: _FreeList) -> Optional[_Block]:
@@ -1215,8 +1254,11 @@ class DeviceCachingAllocator:
             self._count_down(RESERVED_BYTES, block.size, fl.kind)
             if block.size >= self._max_split:
                 self._count_down(OVERSIZE_SEGMENTS, 1)
+            st = self._seg_frames.pop(block.ptr, None)
             if self._history is not None:
-                self._trace("segment_free", block.ptr, block.size, fl.stream)
+                # torch: the releasing call's stack under context "all", else the segment's
+                self._trace("segment_free", block.ptr, block.size, fl.stream,
+                            _stack() if self._ctx >= _CTX_ALL else st)
 
     def _apply_release_threshold(self) -> None:
         if capture_underway(self._be):
@@ -1355,8 +1397,7 @@ class DeviceCachingAllocator:
             plan = _place(seg, size, gran, _FREE if seg.kind == _LARGE else None)
             handle = self._exp_create(seg, plan[1], plan[2]) if plan is not None else None
             if handle is None:
-                self._scalars["num_ooms"] += 1
-                raise OutOfMemoryError(self._oom_message(self._segment_size(size, fl.kind)))
+                raise self._out_of_memory(size, self._segment_size(size, fl.kind), fl.stream)
         return self._exp_map(seg, fl, plan, handle)
 
     def _exp_map(self, seg: _ExpSegment, fl: _FreeList, plan, pieces) -> _Block:
@@ -1434,7 +1475,12 @@ class DeviceCachingAllocator:
         self._count_up(RESERVED_BYTES, need, seg.kind)
         self._reserved_hw = max(self._reserved_hw, self._cur[RESERVED_BYTES])
         if self._history is not None:
-            self._trace("segment_map", addr, need, fl.stream)
+            st = None
+            if self._ctx:
+                st = _stack()
+                for a, _, _ in pieces:
+                    self._seg_frames[a] = st
+            self._trace("segment_map", addr, need, fl.stream, st)
         self._list_free(block)
         fl = block.pool
         del fl.keys[bisect_left(fl.keys, block.size << _SHIFT | block.ptr)]
@@ -1559,8 +1605,9 @@ class DeviceCachingAllocator:
                 nb.undo = 0
         if seg.mapped == 0:
             self._count_down(SEGMENT, 1, seg.kind)
+        st = self._seg_frames.pop(addr, None)
         if self._history is not None:
-            self._trace("segment_unmap", addr, n, fl.stream)
+            self._trace("segment_unmap", addr, n, fl.stream, _stack() if self._ctx >= _CTX_ALL else st)
         self._unreleased.append((handle, n, seg.kind, None))
         self._exp_release()
 
@@ -1577,9 +1624,10 @@ class DeviceCachingAllocator:
                 self._unreleased.pop()
                 self._count_down(RESERVED_BYTES, n, kind)
 
-    def _exp_snapshot(self, exp: _ExpSegment) -> List[dict]:
+    def _exp_snapshot(self, exp: _ExpSegment, symbols: _Symbols) -> List[dict]:
         """torch reports each mapped run of an expandable segment as a segment with
-        ``is_expandable``."""
+        ``is_expandable``; its ``frames`` are those of the allocation that mapped its first
+        pages (a run starts at a mapping's start, E3)."""
         out = []
         seg = None
         for block in exp.blocks():
@@ -1591,10 +1639,11 @@ class DeviceCachingAllocator:
                 seg = {"device": self._index, "address": block.ptr, "total_size": 0,
                        "allocated_size": 0, "active_size": 0, "requested_size": 0,
                        "stream": fl.stream, "segment_type": _POOL_NAME[exp.kind],
-                       "segment_pool_id": (0, 0), "is_expandable": True, "blocks": []}
+                       "segment_pool_id": (0, 0), "is_expandable": True,
+                       "frames": symbols.frames(self._seg_frames.get(block.ptr)), "blocks": []}
                 out.append(seg)
             seg["total_size"] += block.size
-            _snapshot_block(seg, block)
+            _snapshot_block(seg, block, symbols)
         return out
 
     # ------------------------------------------------------------------ streams and events
@@ -1715,7 +1764,8 @@ class DeviceCachingAllocator:
 
     def _complete(self, block: _Block) -> None:
         if self._history is not None:
-            self._trace("free_completed", block.ptr, block.size, block.pool.stream)
+            self._trace("free_completed", block.ptr, block.requested, block.pool.stream, block.frames)
+        block.frames = None
         p = block.pool.kind
         for k in (0, p):
             self._pend[k] -= 1
@@ -1832,10 +1882,26 @@ class DeviceCachingAllocator:
         """Backend calls are device-scoped: make this allocator's device current."""
         return on_device(self._be, self._index)
 
-    def _trace(self, action: str, addr: int, size: int, stream: int) -> None:
-        entry = {"action": action, "addr": addr, "size": size, "stream": stream,
-                 "time_us": time.monotonic_ns() // 1000}
-        self._history.append(entry)
+    def _trace(self, action: str, addr: int, size: int, stream: int, st=None) -> None:
+        """Record an event (a tuple; snapshot() makes torch's dict of it).  Under context
+        "alloc" or "all" every entry carries a stack (empty when none was kept)."""
+        if action in self._skip:
+            return
+        self._history.append((action, addr, size, stream, time.monotonic_ns() // 1000,
+                              (st or ()) if self._ctx >= _CTX_ALLOC else None))
+
+    def _out_of_memory(self, size: int, tried: int, stream: int) -> OutOfMemoryError:
+        """Count an OOM, record torch's ``oom`` trace entry (the rounded ``size`` asked and the
+        device's free bytes) and return the error to raise."""
+        self._scalars["num_ooms"] += 1
+        try:
+            with self._on_device():
+                free, total = self._be.mem_info()
+        except Exception:  # the report must not hide the OOM itself
+            free = total = 0
+        if self._history is not None:
+            self._trace("oom", free, size, stream, _stack() if self._ctx >= _CTX_ALLOC else None)
+        return OutOfMemoryError(self._oom_message(tried, free, total))
 
     def _not_allocated(self, ptr, block) -> Exception:
         if type(ptr) is not int:
@@ -1848,7 +1914,7 @@ class DeviceCachingAllocator:
         return ValueError(f"pointer {ptr:#x} was not allocated by the caching allocator of "
                           f"device {self._index} (foreign or interior pointer)")
 
-    def _oom_message(self, tried: int) -> str:
+    def _oom_message(self, tried: int, free: int, total: int) -> str:
         """torch's OOM text (c10/cuda/CUDACachingAllocator.cpp, DeviceCachingAllocator::malloc,
         TORCH_CHECK_WITH(OutOfMemoryError, ...)): "CUDA out of memory. Tried to allocate X. GPU n
         has a total capacity of T of which F is free. [A allowed; ]Of the allocated memory ...",
@@ -1861,14 +1927,10 @@ class DeviceCachingAllocator:
         policy:torch that is torch's number for the same request: 2 MiB up to 1 MiB, 20 MiB
         below 10 MiB, else the request rounded up to 2 MiB.  Under accel's own policy it is
         the segment accel sizes: 2 MiB up to 1 MiB, else the request rounded up to 2 MiB.
-        (Requests of 1 EB or more never get here: malloc refuses them first.)"""
+        (Requests of 1 EB or more never get here: malloc refuses them first.)  ``free`` and
+        ``total`` are the device's, as the runtime reported them (0 if it could not)."""
         name = self._be.name.upper()
         fmt = _stats.format_size
-        try:
-            with self._on_device():
-                free, total = self._be.mem_info()
-        except Exception:  # the report must not hide the OOM itself
-            free = total = 0
         allocated = self._allocated_bytes()
         reserved = self._cur[RESERVED_BYTES]
         allowed = ""
@@ -1893,19 +1955,7 @@ def _exabyte_error(backend_name: str) -> OutOfMemoryError:
     return OutOfMemoryError(f"{backend_name.upper()} out of memory. Tried to allocate more than 1EB memory.")
 
 
-#: accel's package directory: recorded stacks start at the first frame outside it
-_ACCEL_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-
-
 def _frames() -> list:
     """The caller's Python stack for a snapshot, as torch records it: innermost frame first,
     starting at the first frame outside the accel package (the user's line that allocated)."""
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_ACCEL_DIR):
-        frame = frame.f_back
-    out = []
-    while frame is not None:
-        code = frame.f_code
-        out.append({"filename": code.co_filename, "line": frame.f_lineno, "name": code.co_name})
-        frame = frame.f_back
-    return out
+    return _Symbols().frames(_stack())
