@@ -88,6 +88,7 @@ class Graph:
         self._rng = None          # graph-safe RNG state from accel.random during capture/replay
         self._capture_id = None   # the backend's id of the capture underway
         self._events = ()         # external events of the graph's event nodes, kept alive for replays
+        self._allocs = None       # the allocator's token for the graph's own allocations (cudaMallocAsync)
         self._pid = _fin.pid      # the process the graph's handles belong to
 
     # -- capture -------------------------------------------------------------------
@@ -126,7 +127,9 @@ class Graph:
         # the graph with its generator before routing allocations to the graph's pool).
         self._rng = random._graph_capture_begin(stream.device_index)
         try:
-            allocator.begin_allocate_to_pool(pool, stream.handle)
+            # backend:cudaMallocAsync returns a token: its replays allocate the graph's own
+            # allocations again, and its release frees them (None from the caching allocator)
+            allocs = allocator.begin_allocate_to_pool(pool, stream.handle)
         except BaseException:
             random._graph_capture_abort(self._rng)
             self._rng = None
@@ -136,6 +139,8 @@ class Graph:
         except BaseException:
             allocator.end_allocate_to_pool(pool)
             allocator.release_pool(pool)
+            if allocs is not None:
+                allocs.release()
             random._graph_capture_abort(self._rng)
             self._rng = None
             raise
@@ -150,6 +155,7 @@ class Graph:
             _capture_events[capture_id] = {}   # external events recorded in the capture (accel.streams)
         self._capture_id = capture_id
         self._backend, self._index, self._stream, self._pool = backend, stream.device_index, stream, pool
+        self._allocs = allocs
 
     def capture_end(self) -> None:
         """End the capture; instantiate it unless ``keep_graph``.
@@ -173,6 +179,9 @@ class Graph:
         except Exception:
             allocator.end_allocate_to_pool(self._pool)
             allocator.release_pool(self._pool)
+            if self._allocs is not None:
+                allocs, self._allocs = self._allocs, None
+                allocs.release()
             if self._rng is not None:
                 random._graph_capture_abort(self._rng)
                 self._rng = None
@@ -240,7 +249,10 @@ class Graph:
             if self._rng is not None:
                 from . import random
                 random._graph_replay(self._rng)
-            self._backend.graph_launch(self._exec, current_stream(self._index).handle)
+            handle = current_stream(self._index).handle
+            self._backend.graph_launch(self._exec, handle)
+            if self._allocs is not None:
+                self._allocs.replayed(handle)
 
     def reset(self) -> None:
         """Destroy the captured graph and release its memory pool; the graph may then be recaptured."""
@@ -253,8 +265,8 @@ class Graph:
         if _fin.collecting():
             # Called from a finalizer during a collection: the allocator's lock may be held
             # by this thread (see accel._finalize).
-            handles = (backend, self._index, self._exec, self._graph, self._pool, self._rng)
-            self._exec = self._graph = self._pool = self._rng = None
+            handles = (backend, self._index, self._exec, self._graph, self._pool, self._rng, self._allocs)
+            self._exec = self._graph = self._pool = self._rng = self._allocs = None
             self._events = ()
             _fin.defer(_release, *handles)
             return
@@ -269,6 +281,9 @@ class Graph:
             from . import memory
             memory.device_allocator(self._index).release_pool(self._pool)
             self._pool = None
+        if self._allocs is not None:
+            allocs, self._allocs = self._allocs, None
+            allocs.release()
         if self._rng is not None:
             from . import random
             rng, self._rng = self._rng, None
@@ -318,12 +333,13 @@ class Graph:
         # Never waits on a lock (see accel._finalize); nothing in a forked child.
         if (getattr(self, "_backend", None) is not None and self._stream is None
                 and self._pid == _fin.pid and _lazy.is_initialized()):
-            _fin.finalize(_release, self._backend, self._index, self._exec, self._graph, self._pool, self._rng)
+            _fin.finalize(_release, self._backend, self._index, self._exec, self._graph, self._pool, self._rng,
+                          self._allocs)
 
 
-def _release(backend, index, exec_handle, graph_handle, pool, rng=None) -> None:
-    """Destroy a graph's executable and graph handles, release its pool and unregister it
-    from its generator (each attempted)."""
+def _release(backend, index, exec_handle, graph_handle, pool, rng=None, allocs=None) -> None:
+    """Destroy a graph's executable and graph handles, release its pool and its own
+    allocations, and unregister it from its generator (each attempted)."""
     try:
         if exec_handle is not None:
             backend.graph_exec_destroy(exec_handle)
@@ -337,9 +353,13 @@ def _release(backend, index, exec_handle, graph_handle, pool, rng=None) -> None:
                     from . import memory
                     memory.device_allocator(index).release_pool(pool)
             finally:
-                if rng is not None:
-                    from . import random
-                    random._graph_release(rng)
+                try:
+                    if allocs is not None:
+                        allocs.release()
+                finally:
+                    if rng is not None:
+                        from . import random
+                        random._graph_release(rng)
 
 
 @contextlib.contextmanager

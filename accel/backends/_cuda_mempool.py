@@ -11,6 +11,14 @@ no driver entry point is needed.  Whether a device has pools at all is
 queried by calling cudaDeviceGetAttribute() with the device attribute
 cudaDevAttrMemoryPoolsSupported").
 
+During stream capture ``cudaMallocAsync``/``cudaFreeAsync`` make graph memory nodes (CUDA
+Runtime API, cudaMallocAsync: "the allocation is owned by the graph instead of the memory
+pool"): that memory is the graph allocator's, read with ``cudaDeviceGetGraphMemAttribute`` and
+returned with ``cudaDeviceGraphMemTrim`` (:meth:`graph_mem_get`, :meth:`graph_mem_trim`).  Another
+device reaches a pool's memory only once ``cudaMemPoolSetAccess`` lets it (Programming Guide,
+"Device Accessibility for Multi-GPU Support": pool memory does not follow
+``cudaDeviceEnablePeerAccess``): :meth:`mem_pool_set_access`.
+
 A mixin of :class:`accel.backends.cuda.CudaBackend`; it uses the backend's ``ffi``, ``lib``,
 ``_check`` (cudaError_t -> AcceleratorError, cudaErrorMemoryAllocation -> OutOfMemoryError,
 the thread's last error cleared), ``_cast`` and ``_device_attribute``.
@@ -20,7 +28,7 @@ from __future__ import annotations
 
 from typing import Dict
 
-__all__ = ["CudaMemPoolMixin", "POOL_ATTRIBUTES"]
+__all__ = ["CudaMemPoolMixin", "POOL_ATTRIBUTES", "GRAPH_MEM_ATTRIBUTES"]
 
 _ATTR_MEMORY_POOLS_SUPPORTED = 115       # cudaDevAttrMemoryPoolsSupported (driver_types.h)
 
@@ -36,6 +44,16 @@ POOL_ATTRIBUTES: Dict[str, tuple] = {
     "used_current": (7, "unsigned long long"),          # cudaMemPoolAttrUsedMemCurrent
     "used_high": (8, "unsigned long long"),             # cudaMemPoolAttrUsedMemHigh
 }
+
+#: accel's names of the cudaGraphMemAttributeType values (driver_types.h; all cuuint64_t).
+GRAPH_MEM_ATTRIBUTES: Dict[str, int] = {
+    "used_current": 0,      # cudaGraphMemAttrUsedMemCurrent: mapped for graph allocations
+    "used_high": 1,         # cudaGraphMemAttrUsedMemHigh
+    "reserved_current": 2,  # cudaGraphMemAttrReservedMemCurrent: held by the graph allocator
+    "reserved_high": 3,     # cudaGraphMemAttrReservedMemHigh
+}
+_LOCATION_DEVICE = 1        # cudaMemLocationTypeDevice
+_ACCESS_READ_WRITE = 3      # cudaMemAccessFlagsProtReadWrite
 
 
 class CudaMemPoolMixin:
@@ -97,3 +115,30 @@ class CudaMemPoolMixin:
         """cudaMemPoolTrimTo: release unused memory of device ``index``'s default pool until it
         holds at most ``keep`` bytes (memory in use, or freed by work not yet done, stays)."""
         self._check(self.lib.cudaMemPoolTrimTo(self._default_pool(index), keep), "cudaMemPoolTrimTo")
+
+    def mem_pool_set_access(self, index: int, peer: int) -> None:
+        """cudaMemPoolSetAccess: device ``peer`` gets read-write access to the memory of device
+        ``index``'s default pool (what it allocates later too, and what graphs capture from it
+        later; graph allocations captured earlier keep the access they had)."""
+        desc = self.ffi.new("struct cudaMemAccessDesc *")
+        desc.location.type = _LOCATION_DEVICE
+        desc.location.id = peer
+        desc.flags = _ACCESS_READ_WRITE
+        self._check(self.lib.cudaMemPoolSetAccess(self._default_pool(index), desc, 1), "cudaMemPoolSetAccess")
+
+    def graph_mem_get(self, index: int, name: str) -> int:
+        """cudaDeviceGetGraphMemAttribute of device ``index``: ``name`` is a key of
+        :data:`GRAPH_MEM_ATTRIBUTES` (e.g. ``"reserved_current"``)."""
+        try:
+            attr = GRAPH_MEM_ATTRIBUTES[name]
+        except KeyError:
+            raise ValueError(f"unknown graph memory attribute {name!r}; expected one of "
+                             f"{', '.join(GRAPH_MEM_ATTRIBUTES)}") from None
+        value = self.ffi.new("unsigned long long *")
+        self._check(self.lib.cudaDeviceGetGraphMemAttribute(index, attr, value), "cudaDeviceGetGraphMemAttribute")
+        return int(value[0])
+
+    def graph_mem_trim(self, index: int) -> None:
+        """cudaDeviceGraphMemTrim: give device ``index``'s graph memory that no graph uses (or
+        is about to) back to the device."""
+        self._check(self.lib.cudaDeviceGraphMemTrim(index), "cudaDeviceGraphMemTrim")

@@ -468,6 +468,22 @@ class Backend(abc.ABC):
     def module_unload(self, module: int) -> None:
         raise NotImplementedError(f"{self.name} has no kernel path")
 
+    def mem_pool_set_access(self, index: int, peer: int) -> None:
+        """Let device ``peer`` read and write the memory of device ``index``'s default pool
+        (pool memory is not reached through peer access alone)."""
+        raise NotImplementedError(self.no_async_alloc_reason)
+
+    # Allocations made on a capturing stream belong to the graph (allocation/free nodes), not
+    # the pool: the graph allocator's memory, by name: used_current, used_high,
+    # reserved_current, reserved_high.
+    def graph_mem_get(self, index: int, name: str) -> int:
+        """An attribute of device ``index``'s graph memory (names above)."""
+        raise NotImplementedError(self.no_async_alloc_reason)
+
+    def graph_mem_trim(self, index: int) -> None:
+        """Give device ``index``'s graph memory that no graph uses back to the device."""
+        raise NotImplementedError(self.no_async_alloc_reason)
+
     def module_function(self, module: int, name: str) -> int:
         raise NotImplementedError(f"{self.name} has no kernel path")
 

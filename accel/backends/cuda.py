@@ -36,6 +36,7 @@ _EVENT_WAIT_EXTERNAL = 0x01        # cudaEventWaitExternal
 _HOST_ALLOC_DEFAULT = 0x00         # cudaHostAllocDefault
 _MEMCPY_DEFAULT = 4                # cudaMemcpyDefault: direction inferred from unified addresses
 _CAPTURE_MODES = {"global": 0, "thread_local": 1, "relaxed": 2}  # cudaStreamCaptureMode
+_GRAPH_AUTO_FREE_ON_LAUNCH = 1     # cudaGraphInstantiateFlagAutoFreeOnLaunch
 _CAPTURE_STATUS_NONE = 0           # cudaStreamCaptureStatusNone
 
 # cudaError_t values with a dedicated exception type (driver_types.h).
@@ -562,8 +563,11 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
 
     def graph_instantiate(self, graph: int) -> int:
         p = self.ffi.new("cudaGraphExec_t *")
-        self._check(self.lib.cudaGraphInstantiate(p, self.ffi.cast("cudaGraph_t", graph), 0),
-                    "cudaGraphInstantiate")
+        # As torch's CUDAGraph::instantiate: allocations a graph does not free itself (its
+        # outputs, with backend:cudaMallocAsync) are freed by its next launch (cudaGraphLaunch
+        # fails with unfreed allocations otherwise); no effect on graphs without them.
+        self._check(self.lib.cudaGraphInstantiate(p, self.ffi.cast("cudaGraph_t", graph),
+                                                  _GRAPH_AUTO_FREE_ON_LAUNCH), "cudaGraphInstantiate")
         return self._as_int(p[0])
 
     def graph_launch(self, graph_exec: int, stream: int) -> None:

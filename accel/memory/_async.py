@@ -29,14 +29,23 @@ and the semantics of torch's ``c10/cuda/CUDAMallocAsyncAllocator.cpp``:
   ``memory_snapshot()`` over several devices still works), but ``device_traces`` records
   alloc/free events while ``record_history`` is on.
 
-Graph capture.  Stream-ordered allocation is capturable on CUDA (a cudaMallocAsync in a
-capture becomes a memory-alloc node), but the CUDA simulator does not model graph memory
-nodes: it refuses cudaMallocAsync/cudaFreeAsync on a capturing stream
-(``cudaErrorNotSupported``).  So an allocation on a capturing stream is refused here with a
-clear :class:`accel.CaptureError` (allocate before ``capture_begin``, or use
-``backend:native``, whose private pools serve captures).  A free while any capture is underway
-is deferred until none is, as torch's "Avoid freeing uncaptured ptrs during CUDA graph
-capture": an allocation made before the capture may still be used by it.
+Graph capture, as torch's allocator.  An allocation on a stream that is being captured is a
+``cudaMallocAsync`` in the capture: an allocation node of the graph, whose memory is the
+graph's (not the pool's: CUDA Runtime API, cudaMallocAsync), at an address fixed for the
+graph's life.  Freeing it during the same capture queues ``cudaFreeAsync`` into the capture (a
+free node, on the capture's own stream after the allocation's streams, so the graph stays
+joined): every replay then allocates and frees it.  Any other free while a capture is
+underway is deferred until none is (torch's "Avoid freeing uncaptured ptrs during CUDA graph
+capture": memory made before the capture may still be used by it).  An allocation the capture
+leaves allocated is an output: each replay allocates it again at the same address (graphs are
+instantiated with ``cudaGraphInstantiateFlagAutoFreeOnLaunch``, as torch's, so the next replay
+frees the previous one first); freeing it queues ``cudaFreeAsync`` after the last replay, or
+nothing when no replay allocated it yet; what a later replay allocates again, with no owner, is
+freed when the graph is reset.  ``Graph(pool=...)`` is accepted and ignored, as torch's
+``beginAllocateToPool`` does with this backend; one capture at a time per device.  A peer device
+gets access to the pool (``cudaMemPoolSetAccess``) through :meth:`add_peer` before it copies
+from it; graph allocations keep the access the pool gave when they were captured.
+``empty_cache`` also returns the graph memory no graph uses (``cudaDeviceGraphMemTrim``).
 """
 
 from __future__ import annotations
@@ -88,14 +97,40 @@ def create_allocator(backend, index: int, config: Optional[_config.AllocConfig] 
 
 class _Alloc:
     """One live cudaMallocAsync allocation."""
-    __slots__ = ("size", "stream", "uses", "deferred", "frames")
+    __slots__ = ("size", "stream", "uses", "deferred", "frames", "graph", "gen", "held")
 
-    def __init__(self, size: int, stream: int):
+    def __init__(self, size: int, stream: int, graph: Optional["_GraphRecord"] = None):
         self.size = size            # bytes asked for (torch's PtrUsage.size)
-        self.stream = stream        # where it is freed (the allocation stream)
+        self.stream = stream        # where it is freed (the allocation stream; a graph's: its last replay's)
         self.uses = None            # set of (stream, device) and _Mark, from record_stream/forget_stream
         self.deferred = False       # freed during a capture, cudaFreeAsync not yet queued
         self.frames = None
+        self.graph = graph          # the capture that allocated it (a graph allocation), or None
+        self.gen = 0                # graph.launches when it was last freed: allocated iff fewer now
+        self.held = True            # in _ptrs (its owner has not freed it)
+
+
+class _GraphRecord:
+    """One capture through this allocator: the token :mod:`accel.graphs` keeps.  Holds the
+    graph allocations that outlive the capture and counts the graph's launches, each of which
+    allocates them again."""
+    __slots__ = ("_owner", "stream", "allocs", "launches", "released")
+
+    def __init__(self, owner: "AsyncPoolAllocator", stream: int):
+        self._owner = owner
+        self.stream = stream        # the capture's origin stream: frees during the capture go there
+        self.allocs: Dict[int, _Alloc] = {}     # ptr -> allocation left allocated by the capture
+        self.launches = 0
+        self.released = False
+
+    def replayed(self, stream: int) -> None:
+        """A launch of the graph was queued on ``stream``: its allocations are allocated again,
+        and a free must follow that launch."""
+        self._owner._replayed(self, stream)
+
+    def release(self) -> None:
+        """The graph was destroyed: free what its launches allocated and nobody holds."""
+        self._owner._release_record(self)
 
 
 class _Mark:
@@ -122,9 +157,13 @@ class AsyncPoolAllocator:
         self._config = config
         self._lock = threading.Lock()
         self._ptrs: Dict[int, _Alloc] = {}
-        self._deferred: List[int] = []             # frees asked for during a capture
+        self._deferred: List[Tuple[int, _Alloc]] = []    # frees asked for during a capture
         self._pools: Dict[tuple, int] = {}         # private pool id -> use count (nothing routed)
         self._routes: Dict[int, tuple] = {}        # stream of begin_allocate_to_pool -> pool id
+        self._capture: Optional[_GraphRecord] = None    # the capture underway on this device
+        self._records: set = set()                 # graphs not released that keep allocations
+        self._dead: Dict[int, List[_Alloc]] = {}   # held graph allocations whose address was reused
+        self._peers: List[int] = []                # devices given access to the pool (add_peer)
         self._default_stream: Optional[int] = None
         self._history: Optional[deque] = None
         self._history_stacks = False
@@ -158,9 +197,12 @@ class AsyncPoolAllocator:
         """``cudaMallocAsync`` of ``nbytes`` on ``stream`` (a backend stream handle; None = the
         device's default stream).  Returns the pointer, 0 for ``nbytes == 0``.
 
+        On a stream this device's capture (:meth:`begin_allocate_to_pool`) records, the
+        allocation is a graph allocation (see the module docstring).
+
         TypeError/ValueError for a bad size, :class:`accel.OutOfMemoryError` when the pool
         cannot grow or the memory fraction would be passed, :class:`accel.CaptureError` on a
-        capturing stream."""
+        stream captured by a capture not begun on this device."""
         if type(nbytes) is not int or nbytes <= 0 or nbytes >= _caching._ONE_EXA_BYTES:
             nbytes = _caching._check_size(nbytes)
             if nbytes == 0:
@@ -181,8 +223,7 @@ class AsyncPoolAllocator:
             capturing = self._capture_underway()
             if self._deferred and not capturing:
                 self._flush_deferred()
-            if capturing:
-                self._refuse_if_capturing(stream)
+            graph = self._capture_of(stream) if capturing else None
             if self._limit is not None and self._req[0] + nbytes > self._limit:
                 self._scalars["num_ooms"] += 1
                 raise OutOfMemoryError(self._oom_message(nbytes))
@@ -197,7 +238,14 @@ class AsyncPoolAllocator:
                 self._scalars["num_ooms"] += 1
                 raise OutOfMemoryError(self._oom_message(nbytes)) from None
             self._scalars["num_device_alloc"] += 1
-            alloc = self._ptrs[ptr] = _Alloc(nbytes, stream)
+            stale = self._ptrs.get(ptr)
+            if stale is not None:
+                # a held graph allocation whose graph was reset before any replay allocated it:
+                # its address was given back and now reused (see free)
+                self._dead.setdefault(ptr, []).append(stale)
+            alloc = self._ptrs[ptr] = _Alloc(nbytes, stream, graph)
+            if graph is not None:
+                graph.allocs[ptr] = alloc
             self._up(self._count, 1)
             self._up(self._req, nbytes)
             if self._history is not None:
@@ -212,6 +260,9 @@ class AsyncPoolAllocator:
         """``cudaFreeAsync`` of ``ptr`` on its allocation stream, after that stream waits for the
         streams ``record_stream`` named; deferred while a capture is underway.  0 is a no-op.
 
+        An allocation made in the capture underway on this device is freed in the capture
+        (a free node); a graph allocation no replay allocated is only forgotten.
+
         ValueError naming the pointer for a double free or a pointer this allocator did not
         hand out; the allocator state is then unchanged."""
         if _finalizers:
@@ -220,6 +271,15 @@ class AsyncPoolAllocator:
         if not lock.acquire(False):
             _acquire(lock, "free")
         try:
+            if self._dead and ptr in self._dead:
+                # The stale one first: forgetting it frees nothing, so whichever owner frees
+                # first, no memory goes before its owner is done (at worst one stays held).
+                dead = self._dead[ptr]
+                alloc = dead.pop()
+                if not dead:
+                    del self._dead[ptr]
+                self._forget(ptr, alloc)
+                return
             alloc = self._ptrs.get(ptr)
             if alloc is None or alloc.deferred:
                 if ptr == 0 and type(ptr) is int:
@@ -228,8 +288,11 @@ class AsyncPoolAllocator:
             if self._history is not None:
                 self._trace("free_requested", ptr, alloc.size, alloc.stream)
             if self._capture_underway():
+                if alloc.graph is not None and alloc.graph is self._capture:
+                    self._free_in_capture(ptr, alloc)
+                    return
                 alloc.deferred = True
-                self._deferred.append(ptr)
+                self._deferred.append((ptr, alloc))
                 return
             if self._deferred:
                 self._flush_deferred()
@@ -263,8 +326,10 @@ class AsyncPoolAllocator:
         try:
             device = self._index if device_index is None else device_index
             use = (stream, device)
-            made = [a for a in self._ptrs.values() if device == self._index and a.stream == stream]
-            used = [a for a in self._ptrs.values() if a.uses and use in a.uses]
+            every = list(self._ptrs.values())
+            every += [a for rec in self._records for a in rec.allocs.values() if not a.held]
+            made = [a for a in every if device == self._index and a.stream == stream]
+            used = [a for a in every if a.uses and use in a.uses]
             if device == self._index:
                 self._routes.pop(stream, None)
             if not made and not used:
@@ -285,17 +350,26 @@ class AsyncPoolAllocator:
         finally:
             self._lock.release()
 
-    def begin_allocate_to_pool(self, pool_id: Tuple[int, int], stream: int) -> None:
-        """A capture begins on ``stream`` (accel.graphs).  Nothing is routed: allocations on a
-        capturing stream are refused (see the module docstring) and frees are deferred."""
+    def begin_allocate_to_pool(self, pool_id: Tuple[int, int], stream: int) -> "_GraphRecord":
+        """A capture begins on ``stream`` (accel.graphs).  ``pool_id`` is counted and otherwise
+        ignored, as torch's beginAllocateToPool with this backend: allocations on the capture's
+        streams are graph allocations (see the module docstring).  Returns the capture's token
+        (``replayed(stream)`` after each launch of its graph, ``release()`` when the graph is
+        destroyed).  CaptureError while another capture on this device is underway (torch:
+        "Only one capture at a time is allowed in a process.")."""
         pool_id = _caching.DeviceCachingAllocator._check_pool_id(pool_id)
         with self._lock:
-            if stream in self._routes:
-                raise CaptureError(f"stream {stream:#x} already allocates to private pool "
-                                   f"{self._routes[stream]}; end that capture first")
+            if self._routes:
+                busy = next(iter(self._routes))
+                raise CaptureError(f"Only one capture at a time is allowed in a process. (backend:cudaMallocAsync: "
+                                   f"stream {busy:#x} of device {self._index} is being captured; end that "
+                                   f"capture first)")
             self._pools[pool_id] = self._pools.get(pool_id, 0) + 1
             self._routes[stream] = pool_id
+            record = self._capture = _GraphRecord(self, stream)
+            self._records.add(record)
             _caching._count_captures(1)
+            return record
 
     def end_allocate_to_pool(self, pool_id: Tuple[int, int]) -> None:
         """The capture of ``pool_id`` ended; frees deferred during it are queued once no
@@ -305,11 +379,17 @@ class AsyncPoolAllocator:
             for stream in [s for s, p in self._routes.items() if p == pool_id]:
                 del self._routes[stream]
                 _caching._count_captures(-1)
+                record = self._capture
+                if record is not None and record.stream == stream:
+                    self._capture = None
+                    if not record.allocs:
+                        self._records.discard(record)    # nothing outlives the capture
             if self._deferred and not self._capture_underway():
                 self._flush_deferred(strict=False)
 
     def release_pool(self, pool_id: Tuple[int, int]) -> None:
-        """A graph using ``pool_id`` was destroyed (the pool holds nothing with this backend)."""
+        """A graph using ``pool_id`` was destroyed (the pool holds nothing with this backend;
+        its allocations go with its token's ``release()``)."""
         pool_id = _caching.DeviceCachingAllocator._check_pool_id(pool_id)
         with self._lock:
             count = self._pools.get(pool_id)
@@ -321,8 +401,30 @@ class AsyncPoolAllocator:
             else:
                 del self._pools[pool_id]
 
+    def add_peer(self, index: int) -> None:
+        """Let device ``index`` read and write this device's pool memory, now and later
+        (``cudaMemPoolSetAccess``, as torch's ``enablePeerAccess`` for this backend): pool
+        memory is not reached through ``cudaDeviceEnablePeerAccess``.  Call it before work on
+        device ``index`` touches memory of this allocator (Buffer.copy_from does).  A no-op for
+        this device itself and a device already added."""
+        if type(index) is not int:
+            raise TypeError(f"add_peer: device index must be an int, got {type(index).__name__}")
+        if index == self._index or index in self._peers:
+            return
+        lock = self._lock
+        if not lock.acquire(False):
+            _acquire(lock, "add_peer")
+        try:
+            if index not in self._peers:
+                with on_device(self._be, self._index):
+                    self._be.mem_pool_set_access(self._index, index)
+                self._peers.append(index)
+        finally:
+            lock.release()
+
     def empty_cache(self) -> None:
-        """Synchronize the device and trim its pool to 0 bytes (``cudaMemPoolTrimTo``): every
+        """Synchronize the device and trim its pool to 0 bytes (``cudaMemPoolTrimTo``), and its
+        graph memory (``cudaDeviceGraphMemTrim``; torch leaves that to the driver): every
         unused byte goes back to the device.  CaptureError while a capture is underway."""
         if _finalizers:
             _drain_finalizers()
@@ -337,6 +439,7 @@ class AsyncPoolAllocator:
                 be.device_synchronize()
                 self._scalars["num_sync_all_streams"] += 1
                 be.mem_pool_trim(self._index, 0)
+                be.graph_mem_trim(self._index)      # graph memory no graph uses (not the pool's)
 
     def stats(self) -> "dict":
         """The torch.cuda.memory_stats() keys (see the module docstring for their sources)."""
@@ -404,42 +507,116 @@ class AsyncPoolAllocator:
     def _capture_underway(self) -> bool:
         return bool(self._routes) or _caching.capture_underway(self._be)
 
-    def _refuse_if_capturing(self, stream: int) -> None:
+    def _capture_of(self, stream: int) -> Optional[_GraphRecord]:
+        """The capture record an allocation on ``stream`` belongs to (None: the stream is not
+        being captured); CaptureError for a stream captured by a capture this device's
+        allocator did not see begin (another device's, or one begun outside accel.Graph)."""
+        if stream in self._routes:
+            return self._capture
         be = self._be
-        capturing = stream in self._routes
-        if not capturing and be.captures_underway():
-            with on_device(be, self._index):
-                capturing = be.capture_id(stream) is not None
-        if capturing:
-            raise CaptureError(
-                f"backend:cudaMallocAsync cannot allocate on stream {stream:#x} of device {self._index} "
-                f"while it is being captured: accel does not build graph memory nodes (the CUDA "
-                f"simulator does not model them); allocate the graph's memory before capture_begin(), "
-                f"or use ACCEL_ALLOC_CONF=backend:native, whose private pools serve captures")
+        if not be.captures_underway():
+            return None
+        with on_device(be, self._index):
+            capture = be.capture_id(stream)
+            if capture is None:
+                return None
+            if self._capture is not None and be.capture_id(self._capture.stream) == capture:
+                return self._capture
+        raise CaptureError(
+            f"backend:cudaMallocAsync cannot allocate on stream {stream:#x} of device {self._index}: it is "
+            f"being captured by a capture not begun on device {self._index} through accel.Graph, so nothing "
+            f"would free the graph's allocation; allocate before the capture, or on a stream of the "
+            f"capturing device")
 
     def _free_now(self, ptr: int, alloc: _Alloc) -> None:
-        """Queue the free: the allocation stream waits for every use, then cudaFreeAsync.  On
-        an error the allocation stays live (the waits already queued are harmless)."""
+        """Free outside any capture: the allocation stream waits for every use, then
+        cudaFreeAsync; a graph allocation no launch allocated (since it was last freed) needs
+        no device call.  On an error the allocation stays live (the waits already queued are
+        harmless)."""
+        graph = alloc.graph
+        if graph is None or graph.launches > alloc.gen:
+            self._queue_free(ptr, alloc, alloc.stream)
+            self._scalars["num_device_free"] += 1
+            if graph is not None:
+                alloc.gen = graph.launches
+        if graph is not None and graph.released:
+            graph.allocs.pop(ptr, None)
+        self._forget(ptr, alloc)
+
+    def _queue_free(self, ptr: int, alloc: _Alloc, stream: int) -> None:
         be = self._be
-        marks = []
         with on_device(be, self._index):
             for use in list(alloc.uses or ()):
                 if type(use) is _Mark:
-                    be.stream_wait_event(alloc.stream, use.event)
-                    marks.append(use)
-                else:
-                    self._wait_for(alloc.stream, *use)
-            be.mem_free_async(ptr, alloc.stream)
-        self._scalars["num_device_free"] += 1
-        del self._ptrs[ptr]
-        self._down(self._count, 1)
-        self._down(self._req, alloc.size)
-        if self._history is not None:
-            self._trace("free_completed", ptr, alloc.size, alloc.stream)
+                    be.stream_wait_event(stream, use.event)
+                elif use != (stream, self._index):
+                    self._wait_for(stream, *use)
+            be.mem_free_async(ptr, stream)
+
+    def _forget(self, ptr: int, alloc: _Alloc) -> None:
+        """The owner's free is done: drop ``alloc`` from the counts (once) and its uses."""
+        marks = [use for use in (alloc.uses or ()) if type(use) is _Mark]
+        alloc.uses = None
+        if alloc.held:
+            alloc.held = False
+            if self._ptrs.get(ptr) is alloc:
+                del self._ptrs[ptr]
+            self._down(self._count, 1)
+            self._down(self._req, alloc.size)
+            if self._history is not None:
+                self._trace("free_completed", ptr, alloc.size, alloc.stream)
         for mark in marks:
             mark.refs -= 1
             if mark.refs == 0:
                 self._destroy_event(mark.event, mark.device)
+
+    def _free_in_capture(self, ptr: int, alloc: _Alloc) -> None:
+        """A free node: cudaFreeAsync of an allocation of the capture underway, queued on the
+        capture's own stream after the allocation stream and the uses that take part in the
+        capture (a use outside it cannot be waited for inside: cudaErrorStreamCaptureIsolation),
+        so every stream the free depends on stays joined to the capture."""
+        graph = alloc.graph
+        origin = graph.stream
+        be = self._be
+        with on_device(be, self._index):
+            if alloc.stream != origin:
+                self._wait_for(origin, alloc.stream, self._index)
+            for use in list(alloc.uses or ()):
+                if type(use) is not _Mark:
+                    with on_device(be, use[1]):
+                        captured = be.capture_id(use[0]) is not None
+                    if captured:
+                        self._wait_for(origin, *use)
+            be.mem_free_async(ptr, origin)
+        self._scalars["num_device_free"] += 1
+        graph.allocs.pop(ptr, None)
+        self._forget(ptr, alloc)
+
+    def _replayed(self, graph: _GraphRecord, stream: int) -> None:
+        with self._lock:
+            graph.launches += 1
+            for alloc in graph.allocs.values():
+                alloc.stream = stream
+
+    def _release_record(self, graph: _GraphRecord) -> None:
+        """Free the allocations of ``graph`` a launch allocated and no owner holds (each
+        attempted; the first error propagates, the failed ones stay for a later try)."""
+        if _finalizers:
+            _drain_finalizers()
+        with self._lock:
+            graph.released = True
+            error = None
+            for ptr, alloc in list(graph.allocs.items()):
+                if alloc.held:
+                    continue        # its owner frees it (after the last replay) or forgets it
+                try:
+                    self._free_now(ptr, alloc)
+                except Exception as exc:
+                    error = error or exc
+            if not any(not a.held for a in graph.allocs.values()):
+                self._records.discard(graph)
+            if error is not None:
+                raise error
 
     def _wait_for(self, waiter: int, stream: int, device: int) -> None:
         """``waiter`` (of this device, current) waits for the work queued on ``stream`` so far."""
@@ -482,12 +659,11 @@ class AsyncPoolAllocator:
         first error propagates when ``strict``."""
         deferred, self._deferred = self._deferred, []
         error = None
-        for ptr in deferred:
-            alloc = self._ptrs[ptr]
+        for ptr, alloc in deferred:
             try:
                 self._free_now(ptr, alloc)
             except Exception as exc:
-                self._deferred.append(ptr)
+                self._deferred.append((ptr, alloc))
                 error = error or exc
         if error is not None and strict:
             raise error
