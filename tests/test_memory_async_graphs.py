@@ -241,3 +241,96 @@ def test_peer_copy_after_add_peer(be):
     src.close()
     dst.close()
     assert sim.state().errors == []
+
+
+def test_add_peer_skips_a_device_without_direct_access(be, monkeypatch):
+    monkeypatch.setattr(type(be), "can_access_peer", lambda self, index, peer: False)
+    calls = sim.calls("cudaMemPoolSetAccess")
+    memory.device_allocator(1).add_peer(0)
+    assert sim.calls("cudaMemPoolSetAccess") == calls
+
+
+def test_keep_graph_and_debug_mode(be, tmp_path):
+    """keep_graph: the graph is instantiated at the first replay and may be instantiated again
+    (one executable graph at a time, as CUDA allows for graphs with memory nodes); debug mode
+    keeps the graph beside its executable graph."""
+    s = accel.Stream()
+    g = accel.Graph(keep_graph=True)
+    with s, g:
+        kept = accel.Buffer(N, stream=s)
+        kept.fill_(8, s)
+    g.replay()
+    g.instantiate()
+    g.replay()
+    assert filled(kept, 8)
+    h = accel.Graph()
+    h.enable_debug_mode()
+    with s, h:
+        tmp = accel.Buffer(N, stream=s)
+        tmp.fill_(1, s)
+        tmp.close()
+    h.debug_dump(tmp_path / "h.dot")
+    assert "MEM_ALLOC" in (tmp_path / "h.dot").read_text()
+    h.replay()
+    kept.close()
+    for graph in (g, h):
+        graph.reset()
+    assert all_returned(be, 0)
+
+
+def test_replays_on_other_streams_and_uses_order_the_free(be):
+    """An output replayed on another stream and used on a third: its free follows both (the
+    simulator faults a write into graph memory after its free)."""
+    s, r, u = accel.Stream(), accel.Stream(), accel.Stream()
+    g = accel.Graph()
+    with s, g:
+        kept = accel.Buffer(N, stream=s)
+        kept.fill_(5, s)
+    with r:
+        g.replay()                                   # on r: the output is allocated there now
+    u.wait_stream(r)
+    kept.fill_(6, u)                                 # used on u (recorded: u is not its stream)
+    kept.close()
+    accel.synchronize()
+    with u:
+        g.replay()
+    g.reset()
+    assert all_returned(be, 0)
+
+
+def test_collected_graph_frees_what_no_one_holds(be):
+    import gc
+    s = accel.Stream()
+    g = accel.Graph()
+    with s, g:
+        kept = accel.Buffer(N, stream=s)
+        kept.fill_(2, s)
+    g.replay()
+    kept.close()
+    g.replay()                                       # allocated again, with no owner
+    del g
+    gc.collect()
+    memory.device_allocator(0).stats()               # a safe point: deferred releases run
+    assert all_returned(be, 0)
+
+
+@pytest.mark.parametrize("stale_first", [True, False])
+def test_output_of_a_graph_reset_before_any_replay(be, stale_first):
+    """No replay allocated the output, so its address went back with the graph, and the next
+    allocation of its size gets it again: two owners of one address.  Whichever frees first,
+    no memory goes before its owner is done (the stale owner's free forgets, the other's waits)."""
+    s = accel.Stream()
+    g = accel.Graph()
+    with s, g:
+        kept = accel.Buffer(N, stream=s)
+    g.reset()
+    again = accel.Buffer(N, stream=s)
+    assert again.ptr == kept.ptr, "the simulator did not reuse the address (the case this test is about)"
+    again.fill_(4, s)
+    first, second = (kept, again) if stale_first else (again, kept)
+    first.close()
+    assert memory.memory_stats(0)["allocation.all.current"] >= 1
+    if stale_first:
+        assert filled(again, 4)                      # still allocated: the stale free forgot only
+    second.close()
+    assert all_returned(be, 0)

@@ -406,7 +406,10 @@ class AsyncPoolAllocator:
         (``cudaMemPoolSetAccess``, as torch's ``enablePeerAccess`` for this backend): pool
         memory is not reached through ``cudaDeviceEnablePeerAccess``.  Call it before work on
         device ``index`` touches memory of this allocator (Buffer.copy_from does).  A no-op for
-        this device itself and a device already added."""
+        this device itself, a device already added, and a device that cannot access this one
+        directly (``cudaDeviceCanAccessPeer`` 0: the pool cannot grant it access, and copies
+        between the two go through the driver's staged path, as torch only enables peers that
+        can)."""
         if type(index) is not int:
             raise TypeError(f"add_peer: device index must be an int, got {type(index).__name__}")
         if index == self._index or index in self._peers:
@@ -416,8 +419,10 @@ class AsyncPoolAllocator:
             _acquire(lock, "add_peer")
         try:
             if index not in self._peers:
-                with on_device(self._be, self._index):
-                    self._be.mem_pool_set_access(self._index, index)
+                be = self._be
+                with on_device(be, self._index):
+                    if be.can_access_peer(index, self._index):
+                        be.mem_pool_set_access(self._index, index)
                 self._peers.append(index)
         finally:
             lock.release()
