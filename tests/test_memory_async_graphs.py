@@ -204,6 +204,7 @@ def test_one_capture_at_a_time_per_device(be):
     s, t = accel.Stream(), accel.Stream()
     alloc = memory.device_allocator(0)
     token = alloc.begin_allocate_to_pool((0, 1), s.handle)
+    early = alloc.malloc(N, s.handle)             # the stream is not captured yet: pool memory
     with pytest.raises(RuntimeError, match=r"Only one capture at a time is allowed in a process\. "
                                            r"\(backend:cudaMallocAsync: stream .* of device 0"):
         alloc.begin_allocate_to_pool((0, 2), t.handle)
@@ -216,6 +217,7 @@ def test_one_capture_at_a_time_per_device(be):
     alloc.end_allocate_to_pool((0, 1))
     alloc.release_pool((0, 1))
     token.release()
+    alloc.free(early)
     token = alloc.begin_allocate_to_pool((0, 2), t.handle)       # the next one is fine
     alloc.end_allocate_to_pool((0, 2))
     alloc.release_pool((0, 2))

@@ -516,15 +516,15 @@ class AsyncPoolAllocator:
         """The capture record an allocation on ``stream`` belongs to (None: the stream is not
         being captured); CaptureError for a stream captured by a capture this device's
         allocator did not see begin (another device's, or one begun outside accel.Graph)."""
-        if stream in self._routes:
-            return self._capture
         be = self._be
         if not be.captures_underway():
-            return None
+            return None     # (between begin_allocate_to_pool and the capture's start, as after it)
         with on_device(be, self._index):
             capture = be.capture_id(stream)
             if capture is None:
                 return None
+            if stream in self._routes:
+                return self._capture
             if self._capture is not None and be.capture_id(self._capture.stream) == capture:
                 return self._capture
         raise CaptureError(
