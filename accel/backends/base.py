@@ -256,6 +256,14 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def mem_free(self, ptr: int) -> None: ...
 
+    def pointer_location(self, ptr: int) -> Optional[Tuple[str, int]]:
+        """What memory ``ptr`` points into, as the runtime knows it: ``("device", index)``,
+        ``("managed", index)``, ``("host", index)`` (pinned; index -1 when not tied to a device)
+        or ``("unknown", -1)`` (memory the runtime does not know: freed, pageable, past an
+        allocation's end).  None when this backend cannot tell (foreign pointers are then
+        taken on the caller's word).  Used to check foreign memory (Buffer.from_ptr)."""
+        return None
+
     @abc.abstractmethod
     def host_alloc(self, nbytes: int) -> int:
         """Allocate pinned (page-locked) host memory; OutOfMemoryError on failure."""

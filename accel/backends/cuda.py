@@ -491,6 +491,16 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
                     "cudaPointerGetAttributes")
         return attrs.type != self.lib.cudaMemoryTypeUnregistered
 
+    def pointer_location(self, ptr: int) -> Optional[Tuple[str, int]]:
+        # cudaPointerGetAttributes (Runtime API, Unified Addressing): type Device/Managed/Host/
+        # Unregistered and the device of the allocation, for any address inside one.
+        attrs = self.ffi.new("struct cudaPointerAttributes *")
+        self._check(self.lib.cudaPointerGetAttributes(attrs, self.ffi.cast("void *", ptr)),
+                    "cudaPointerGetAttributes")
+        kind = {self.lib.cudaMemoryTypeDevice: "device", self.lib.cudaMemoryTypeManaged: "managed",
+                self.lib.cudaMemoryTypeHost: "host"}.get(attrs.type)
+        return (kind, attrs.device) if kind is not None else ("unknown", -1)
+
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         cast = self.ffi.cast
         if nbytes and not self._registered(dst) and not self._registered(src):

@@ -485,6 +485,17 @@ class MPSBackend(Backend):
     def host_free(self, ptr: int) -> None:
         self._free(ptr, host=True)
 
+    def pointer_location(self, ptr: int) -> Optional[Tuple[str, int]]:
+        """Inside a live MTLBuffer of this backend: device memory (private storage) or pinned
+        host memory (host_alloc's shared buffers); Metal knows no other addresses."""
+        try:
+            found = self._resolve(ptr, 1)
+        except ValueError:
+            found = None
+        if found is None:
+            return ("unknown", -1)
+        return ("host", -1) if found[0].host else ("device", 0)
+
     def _resolve(self, ptr: int, nbytes: int) -> Optional[Tuple[_Buffer, int]]:
         """(buffer, offset) holding [ptr, ptr+nbytes), or None for memory Metal does not own."""
         if not isinstance(ptr, int) or isinstance(ptr, bool):

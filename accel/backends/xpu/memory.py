@@ -182,6 +182,28 @@ class MemoryMixin:
             if g.launched:
                 self._sync_graph(g)
 
+    def pointer_location(self, ptr: int) -> Optional[Tuple[str, int]]:
+        # zeMemGetAllocProperties (ze_api.h): the USM type of the allocation holding ptr and,
+        # for device/shared memory, its device.  Mapped virtual memory is not USM: not told.
+        if not self._devices or self._vmm_mapped_at(ptr):
+            return None
+        ffi, lib, _ = self._lib
+        props = ffi.new("ze_memory_allocation_properties_t *")
+        props.stype = lib.ZE_STRUCTURE_TYPE_MEMORY_ALLOCATION_PROPERTIES
+        device = ffi.new("ze_device_handle_t *")
+        rc = lib.zeMemGetAllocProperties(self._devices[0].ctx, ffi.cast("void *", ptr), props, device)
+        if rc:
+            self._fail("zeMemGetAllocProperties", rc)
+        handle = int(ffi.cast("uintptr_t", device[0]))
+        index = next((d.index for d in self._devices if int(ffi.cast("uintptr_t", d.handle)) == handle), -1)
+        if props.type == lib.ZE_MEMORY_TYPE_DEVICE:
+            return ("device", index)
+        if props.type == lib.ZE_MEMORY_TYPE_SHARED:
+            return ("managed", index)
+        if props.type == lib.ZE_MEMORY_TYPE_HOST:
+            return ("host", -1)
+        return ("unknown", -1)
+
     def _usm(self, dev: _Device, ptr: int) -> bool:
         if self._vmm_mapped_at(ptr):      # mapped virtual memory (vmm.py): device-accessible, not USM
             return True
