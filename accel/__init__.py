@@ -41,6 +41,8 @@ _LAZY = {"memory": ("accel.memory", None), "random": ("accel.random", None),
          "graph": ("accel.graphs", "graph"), "sim": ("accel.sim", None),
          "empty_pinned": ("accel._hostmem", "empty_pinned"), "ArrayView": ("accel._array", "ArrayView")}
 __all__.append("ArrayView")
+_LAZY["from_dlpack"] = ("accel._dlpack", "from_dlpack")    # DLPack in: a non-owning Buffer
+__all__.append("from_dlpack")
 # torch.cuda's management-library queries (NVML / Sysman) and peer access: accel/_telemetry.py
 _TELEMETRY = ("can_device_access_peer", "clock_rate", "device_memory_used", "list_gpu_processes",
               "memory_usage", "power_draw", "temperature", "utilization")

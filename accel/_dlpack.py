@@ -117,36 +117,72 @@ _PyCapsule_GetPointer = ctypes.PYFUNCTYPE(c_void_p, ctypes.py_object, c_char_p)(
 _PyCapsule_GetName = ctypes.PYFUNCTYPE(c_void_p, ctypes.py_object)(("PyCapsule_GetName", _api))
 _PyCapsule_SetName = ctypes.PYFUNCTYPE(c_int, ctypes.py_object, c_char_p)(("PyCapsule_SetName", _api))
 _Py_IncRef = ctypes.PYFUNCTYPE(None, ctypes.py_object)(("Py_IncRef", _api))
+# No argtypes: arguments are converted in C (byref objects made in advance), never by a
+# Python-level from_param, which fails while an exception is pending.
+_PyErr_Fetch = ctypes.PyDLL(_api._name, handle=_api._handle).PyErr_Fetch
+_PyErr_Fetch.restype = None
+_PyErr_Restore = ctypes.PYFUNCTYPE(None, c_void_p, c_void_p, c_void_p)(("PyErr_Restore", _api))
 
 NAME = b"dltensor"
 NAME_VERSIONED = b"dltensor_versioned"
 USED_NAME = b"used_dltensor"
 USED_NAME_VERSIONED = b"used_dltensor_versioned"
 
-#: Live exports: struct address -> (struct, shape array, strides array, owner).
+#: Live exports: struct address -> (struct, shape array, strides array, owner, error slots).
 _exports: Dict[int, tuple] = {}
+#: Live capsules: capsule address -> struct address (the destructor's way to the entry).
+_capsules: Dict[int, int] = {}
+
+# The consumer may call the deleter, or drop a refused capsule (running the destructor), with
+# its own exception already set (numpy and torch do on their error paths).  A ctypes callback
+# cannot hand that exception back: the call into Python turns it into SystemError and ctypes
+# prints and clears it.  So each callback first moves the pending exception out of the way with
+# PyErr_Fetch -- before any call, which would fail with it pending -- into slots of its own
+# entry (reached by dict lookups only, so concurrent callbacks never share slots), does its
+# work with no exception pending, and restores it at the end: it is then raised in the
+# callback and reported through sys.unraisablehook ("Exception ignored ... BufferError: ..."),
+# while the consumer raises SystemError.  Nothing leaks on that path.
 
 
 def _on_delete(address) -> None:
     """The deleter (DLManagedTensor[Versioned].deleter): frees the struct and releases the owner,
     once; a second call for the same address finds nothing.  No lock (see the module docstring)."""
+    if address not in _exports:
+        return
+    slots = _exports[address][4]
+    _PyErr_Fetch(slots[3], slots[4], slots[5])     # first call: see above
+    _release_entry(address, slots)
+
+
+def _release_entry(address, slots) -> None:
     try:
         entry = _exports.pop(address, None)
-    except BaseException:      # interpreter shutdown: the globals may be gone
-        return
-    del entry                  # drops the owner: its finalizer follows accel._finalize's rules
+        del entry              # drops the owner: its finalizer follows accel._finalize's rules
+    finally:
+        if slots[0].value:
+            _PyErr_Restore(slots[0].value, slots[1].value, slots[2].value)   # raises it (reported)
 
 
 def _on_capsule_free(capsule) -> None:
     """PyCapsule_Destructor: a capsule freed while still named "dltensor[_versioned]" was never
     consumed, so its deleter runs here; a consumed one ("used_…") is the consumer's."""
+    if capsule not in _capsules:
+        return
+    address = _capsules[capsule]
+    if address not in _exports:
+        del _capsules[capsule]
+        return
+    slots = _exports[address][4]
+    _PyErr_Fetch(slots[3], slots[4], slots[5])     # first call: see above
+    del _capsules[capsule]
+    unconsumed = False
     try:
-        for name in (NAME, NAME_VERSIONED):
-            if _PyCapsule_IsValid_raw(capsule, name):
-                _on_delete(_PyCapsule_GetPointer_raw(capsule, name))
-                return
-    except BaseException:
-        pass
+        unconsumed = bool(_PyCapsule_IsValid_raw(capsule, NAME) or _PyCapsule_IsValid_raw(capsule, NAME_VERSIONED))
+    finally:
+        if unconsumed:
+            _release_entry(address, slots)
+        elif slots[0].value:
+            _PyErr_Restore(slots[0].value, slots[1].value, slots[2].value)
 
 
 _DELETER = DELETER(_on_delete)
@@ -239,12 +275,15 @@ def export(owner: Any, ptr: int, device_type: int, device_id: int, dtype, shape,
     address = ctypes.addressof(managed)
     managed.manager_ctx = address
     managed.deleter = _DELETER_ADDRESS
-    _exports[address] = (managed, shape_array, strides_array, owner)
+    slots = (c_void_p(), c_void_p(), c_void_p())
+    _exports[address] = (managed, shape_array, strides_array, owner, slots + tuple(map(ctypes.byref, slots)))
     try:
-        return _PyCapsule_New(address, NAME_VERSIONED if versioned else NAME, _DESTRUCTOR)
+        capsule = _PyCapsule_New(address, NAME_VERSIONED if versioned else NAME, _DESTRUCTOR)
     except BaseException:
         _exports.pop(address, None)
         raise
+    _capsules[id(capsule)] = address
+    return capsule
 
 
 def live_exports() -> int:
@@ -373,6 +412,31 @@ def sync_for_consumer(buffer, stream_arg) -> None:
     known = _accel_stream(backend, index, consumer)
     if known is not None:
         buffer._used(known)
+
+
+def wait_for_producer(backend, index: int, producer, stream) -> None:
+    """Make accel ``stream`` wait for the work a producer queued on its stream ``producer``
+    (the ``stream`` of a __cuda_array_interface__ v3: 1 legacy default, 2 per-thread default,
+    else a ``cudaStream_t`` of device ``index``)."""
+    from .streams import on_device
+    if isinstance(producer, bool) or not hasattr(type(producer), "__index__"):
+        raise ValueError(f"__cuda_array_interface__ stream must be an int or None, got {producer!r}")
+    handle = operator.index(producer)
+    if handle == 0:
+        raise ValueError("__cuda_array_interface__ stream 0 is disallowed (CAI v3); the producer must give "
+                         "1 for the legacy default stream")
+    if handle == _CUDA_LEGACY:
+        handle = backend.default_stream(index)
+    if handle == stream.handle and index == stream.device_index:
+        return
+    with on_device(backend, index):
+        event = backend.event_create(False, False)
+        try:
+            backend.event_record(event, handle)
+            with stream._device_scope():
+                backend.stream_wait_event(stream.handle, event)
+        finally:
+            backend.event_destroy(event)
 
 
 def _accel_stream(backend, index: int, handle: int):

@@ -80,6 +80,69 @@ def _size(value, what: str) -> int:
         raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}") from None
 
 
+def _is_host_object(obj) -> bool:
+    try:
+        memoryview(obj)
+    except TypeError:
+        return False
+    return True
+
+
+def _dlpack_host(obj) -> bool:
+    """True for an object whose DLPack device is host memory (a torch CPU tensor)."""
+    device = getattr(obj, "__dlpack_device__", None)
+    if device is None or not hasattr(obj, "__dlpack__"):
+        return False
+    from ._dlpack import HOST_DEVICE_TYPES
+    try:
+        return device()[0] in HOST_DEVICE_TYPES
+    except Exception:
+        return False
+
+
+def _device_source(obj, index: int):
+    """Another library's device array for copy_from: ``("cai", interface, obj)`` for an object
+    exporting ``__cuda_array_interface__``, ``("dlpack", None, obj)`` for one with ``__dlpack__``
+    not in host memory, None for host objects (and anything else, which the host path refuses)."""
+    if _is_host_object(obj):
+        return None
+    try:
+        cai = obj.__cuda_array_interface__
+    except AttributeError:
+        cai = None
+    if cai is not None:
+        return ("cai", cai, obj)
+    if hasattr(obj, "__dlpack__") and not _dlpack_host(obj):
+        return ("dlpack", None, obj)
+    return None
+
+
+def _parse_cai(cai, what: str):
+    """``(ptr, nbytes, producer stream or None)`` of a C-contiguous __cuda_array_interface__."""
+    import numpy as np
+    try:
+        shape = tuple(operator.index(n) for n in cai["shape"])
+        itemsize = np.dtype(cai["typestr"]).itemsize
+        ptr = operator.index(cai["data"][0])
+    except (KeyError, TypeError, IndexError) as exc:
+        raise ValueError(f"{what}.__cuda_array_interface__ is malformed ({exc!r}); nothing was copied") from None
+    if cai.get("mask") is not None:
+        raise ValueError(f"{what}.__cuda_array_interface__ has a mask; copy_from takes unmasked arrays only")
+    count = 1
+    for n in shape:
+        count *= n
+    strides = cai.get("strides")
+    if strides is not None and count:
+        step = itemsize
+        for n, s in zip(reversed(shape), reversed(tuple(strides))):
+            if n != 1 and s != step:
+                raise ValueError(f"{what} is not C-contiguous (strides {tuple(strides)} for shape {shape}); "
+                                 f"copy_from needs contiguous memory: make a contiguous copy first")
+            step *= n
+    stream = cai.get("stream") if cai.get("version", 0) >= 3 else None
+    return ptr, count * itemsize, stream
+
+
 def _drain(stream: Stream) -> None:
     """Wait for ``stream`` on an error path, keeping the error being raised."""
     try:
@@ -102,11 +165,20 @@ class Buffer:
     are ordered with RNG fills and graph replays; a use on a stream other than
     the allocation stream is recorded with the allocator (``record_stream``),
     which keeps the memory from reuse until that work has run.  ``ptr`` is the device
-    address; on CUDA the buffer exports ``__cuda_array_interface__`` (v3) so
-    CuPy, Numba or PyTorch can use it without a copy.
+    address; on CUDA the buffer exports ``__cuda_array_interface__`` (v3), and on every
+    backend DLPack (``__dlpack__``/``__dlpack_device__``), so CuPy, Numba, JAX or PyTorch can
+    use it without a copy.
+
+    The buffer remembers its *last-use stream*: the stream of its last copy, fill, random
+    fill, ``record_stream`` or DLPack export (the allocation stream before any).  Interop
+    exports name it, so a consumer orders its work after accel's.
+
+    :meth:`from_ptr` and :func:`accel.from_dlpack` make non-owning buffers over memory that
+    another library allocated; accel never frees it.
     """
 
-    __slots__ = ("_backend", "_index", "_ptr", "_nbytes", "_stream", "_closed", "_pid", "__weakref__")
+    __slots__ = ("_backend", "_index", "_ptr", "_nbytes", "_stream", "_closed", "_pid", "_last", "_owner",
+                 "_uses", "_readonly", "__weakref__")
 
     def __init__(self, nbytes: int, device: DeviceLike = None, stream: Optional[Stream] = None):
         nbytes = _size(nbytes, "nbytes")
@@ -123,6 +195,7 @@ class Buffer:
             index = _index_for(device)
             stream = current_stream(index)
         self._backend, self._index, self._nbytes, self._stream = backend, index, nbytes, stream
+        self._last, self._owner, self._uses, self._readonly = stream, None, None, False
         self._closed = True
         self._pid = _fin.pid
         self._ptr = _memory().device_allocator(index).malloc(nbytes, stream.handle) if nbytes else 0
@@ -151,7 +224,68 @@ class Buffer:
 
     @property
     def stream(self) -> Stream:
+        """The stream the memory was allocated for (wrapped for a non-owning buffer)."""
         return self._stream
+
+    @property
+    def last_stream(self) -> Stream:
+        """The stream of the buffer's last operation (copy, fill, random fill, record_stream,
+        DLPack export to an accel stream); the allocation stream before any."""
+        return self._last
+
+    @property
+    def readonly(self) -> bool:
+        """True for a non-owning buffer over memory its producer marked read-only (a DLPack
+        tensor with DLPACK_FLAG_BITMASK_READ_ONLY): copy_from and fill_ refuse to write it."""
+        return self._readonly
+
+    @property
+    def owns_memory(self) -> bool:
+        """False for a buffer made by :meth:`from_ptr` or :func:`accel.from_dlpack`."""
+        return self._uses is None
+
+    @classmethod
+    def from_ptr(cls, ptr: int, nbytes: int, device: DeviceLike = None, owner=None) -> "Buffer":
+        """A non-owning Buffer over ``nbytes`` of device memory at ``ptr`` that another library
+        allocated (torch's ``data_ptr()``, CuPy's ``data.ptr``, a cudaMalloc'd address).
+
+        accel never frees the memory: :meth:`close` (or collection) only drops ``owner``, the
+        object that keeps the memory alive (e.g. the torch tensor), after waiting for the
+        accel work queued on the buffer.  Keep ``owner`` (or the memory) alive yourself when
+        you pass None.  ``ptr`` and ``nbytes`` are ints > 0.  ``device`` (default: the current
+        device) is the device whose memory it is; where the runtime can tell (CUDA and the
+        simulators: ``cudaPointerGetAttributes``), both ends of the range must be device memory
+        of that device, else ValueError says what the memory is.
+
+        The buffer works with copy_from, copy_to, fill_, to_numpy, random fills and DLPack /
+        ``__cuda_array_interface__`` export.  ``record_stream(s)`` on it does not reach the
+        allocator (the memory is not accel's to reuse): the buffer notes the streams it was
+        used on, and releasing it (``close()``, or collection) first waits for the work queued
+        on them, so the owner never frees memory accel's queued work still touches.
+        """
+        ptr = _size(ptr, "ptr")
+        nbytes = _size(nbytes, "nbytes")
+        if ptr <= 0:
+            raise ValueError(f"ptr must be a device address > 0, got {ptr:#x}; nothing was wrapped")
+        if nbytes <= 0:
+            raise ValueError(f"nbytes must be > 0, got {nbytes}; nothing was wrapped")
+        _lazy.lazy_init()
+        return cls._wrap_foreign(ptr, nbytes, _index_for(device), owner)
+
+    @classmethod
+    def _wrap_foreign(cls, ptr: int, nbytes: int, index: int, owner, readonly: bool = False) -> "Buffer":
+        """A non-owning buffer (from_ptr, from_dlpack): the range is checked where the backend
+        can tell what memory it is."""
+        backend = _lazy.lazy_init()
+        if nbytes:
+            _check_device_range(backend, ptr, nbytes, index)
+        stream = current_stream(index)
+        self = object.__new__(cls)
+        self._backend, self._index, self._ptr, self._nbytes, self._stream = backend, index, ptr, nbytes, stream
+        self._last, self._owner, self._uses, self._readonly = stream, owner, {}, bool(readonly)
+        self._pid = _fin.pid
+        self._closed = False
+        return self
 
     def __repr__(self):
         state = " closed" if self._closed else f" ptr={self._ptr:#x}"
@@ -163,7 +297,32 @@ class Buffer:
         if self._closed:
             raise RuntimeError(f"{self!r} was closed; allocate a new Buffer")
 
+    def _used(self, stream: Stream) -> None:
+        """Note a use on ``stream``: it becomes the last-use stream; a non-owning buffer also
+        remembers it, to wait for its work before the memory goes back to its owner."""
+        self._last = stream
+        uses = self._uses
+        if uses is not None and (stream._index, stream._handle) not in uses:
+            uses[(stream._index, stream._handle)] = stream
+
+    def _writable(self) -> None:
+        if self._readonly:
+            raise ValueError(f"{self!r} is read-only (its producer exported it with the DLPack read-only "
+                             f"flag); nothing was written")
+
     def _stream_for(self, stream: Optional[Stream]) -> Stream:
+        """The stream an operation runs on (checked), noted as the buffer's use."""
+        stream = self._check_stream(stream)
+        self._note(stream)
+        return stream
+
+    def _note(self, stream: Stream) -> None:
+        if stream != self._stream:
+            self.record_stream(stream)
+        else:
+            self._used(stream)
+
+    def _check_stream(self, stream: Optional[Stream]) -> Stream:
         # As every torch operation: the current stream of the buffer's device by default.
         if stream is None:
             stream = current_stream(self._index)
@@ -172,8 +331,6 @@ class Buffer:
         if stream.device_index != self._index:
             raise ValueError(f"stream is on device {stream.device_index} but the buffer is on device "
                              f"{self._index}; pass a stream of device {self._index} or None")
-        if stream != self._stream:
-            self.record_stream(stream)
         return stream
 
     # -- copies ------------------------------------------------------------------
@@ -188,10 +345,25 @@ class Buffer:
         copy ran, but writing to it meanwhile changes what is copied.  Any other
         host source is first copied into pinned staging memory, so it may be
         reused immediately.
+
+        Another library's device array is copied device to device: an object with
+        ``__cuda_array_interface__`` (C-contiguous; the copy waits for the producer's
+        ``stream``), else one with ``__dlpack__`` on this accelerator (the producer is asked to
+        order its work before the copy stream; the capsule's memory is handed back after the
+        copy ran, so such a copy is blocking).  A DLPack object in host memory (a torch CPU
+        tensor) is copied as host data through ``numpy.from_dlpack``.
         """
         self._live()
-        stream = self._stream_for(stream)
+        stream = self._check_stream(stream)
         backend = self._backend
+        if not isinstance(src, Buffer):
+            device_src = _device_source(src, self._index)
+            if device_src is not None:
+                return self._copy_from_foreign(device_src, stream, non_blocking)
+            if not _is_host_object(src) and _dlpack_host(src):
+                import numpy as np
+                src = np.from_dlpack(src)
+        self._writable()
         if isinstance(src, Buffer):
             src._live()
             if src._nbytes != self._nbytes:
@@ -199,10 +371,10 @@ class Buffer:
                                  f"{self._nbytes}; nothing was copied")
             if src._backend is not backend:
                 raise ValueError("source buffer belongs to another backend")
-            if src._stream != stream:
-                # Ordering against work on the source's stream is the caller's, as in torch;
-                # recording keeps the allocator from reusing the source under this copy.
-                src.record_stream(stream)
+            self._note(stream)
+            # Ordering against work on the source's stream is the caller's, as in torch;
+            # recording keeps the allocator from reusing the source under this copy.
+            src.record_stream(stream)
             barrier = None
             if src._index != self._index:
                 # the copy runs on this buffer's device, which reads the other device's memory:
@@ -230,6 +402,7 @@ class Buffer:
         if not self._nbytes:
             return self
         _refuse_in_capture(backend, stream)
+        self._note(stream)
         if non_blocking:
             host = _memory().host_allocator()
             address = _address(view)
@@ -266,6 +439,38 @@ class Buffer:
             stream.synchronize()
         return self
 
+    def _copy_from_foreign(self, source, stream: Stream, non_blocking: bool) -> "Buffer":
+        """copy_from another library's device array: ``("cai", interface, obj)`` or
+        ``("dlpack", None, obj)`` (see :func:`_device_source`)."""
+        kind, cai, obj = source
+        if kind == "dlpack":
+            from ._dlpack import from_dlpack
+            temp = from_dlpack(obj, stream=stream)     # the producer orders its work before `stream`
+            try:
+                if temp._nbytes != self._nbytes:
+                    raise ValueError(f"size mismatch: source {type(obj).__name__} has {temp._nbytes} bytes, "
+                                     f"buffer has {self._nbytes}; nothing was copied")
+                return self.copy_from(temp, stream, non_blocking)
+            finally:
+                temp.close()    # waits for the copy, then hands the memory back (the deleter)
+        ptr, nbytes, producer = _parse_cai(cai, type(obj).__name__)
+        if nbytes != self._nbytes:
+            raise ValueError(f"size mismatch: source {type(obj).__name__} has {nbytes} bytes, buffer has "
+                             f"{self._nbytes}; nothing was copied")
+        self._writable()
+        if not nbytes:
+            return self
+        where = self._backend.pointer_location(ptr)
+        index = where[1] if where is not None and where[0] == "device" else self._index
+        temp = Buffer._wrap_foreign(ptr, nbytes, index, None)     # checks the range
+        try:
+            if producer is not None:
+                from ._dlpack import wait_for_producer
+                wait_for_producer(self._backend, index, producer, stream)
+            return self.copy_from(temp, stream, non_blocking)
+        finally:
+            temp._closed = True     # the caller keeps `obj` alive, as for any source (torch's rule)
+
     def copy_to(self, dst, stream: Optional[Stream] = None, non_blocking: bool = False) -> None:
         """Copy the whole buffer into the writable, contiguous host object ``dst``.
 
@@ -274,7 +479,7 @@ class Buffer:
         returns at once: synchronize the stream (or an event recorded after it) before
         reading ``dst``.  A pageable destination is copied blocking, as torch does."""
         self._live()
-        stream = self._stream_for(stream)
+        stream = self._check_stream(stream)
         try:
             view = memoryview(dst)
         except TypeError:
@@ -290,6 +495,7 @@ class Buffer:
                              f"{self._nbytes}; nothing was copied")
         if self._nbytes:
             _refuse_in_capture(self._backend, stream)
+            self._note(stream)
             address = _address(view)
             host = _memory().host_allocator() if non_blocking else None
             pinned = host.owns(address, self._nbytes) if host is not None else None
@@ -351,6 +557,7 @@ class Buffer:
             value = operator.index(value)
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 255:
             raise ValueError(f"fill_ takes a byte value 0..255, got {value!r}")
+        self._writable()
         stream = self._stream_for(stream)
         if self._nbytes:
             with stream._device_scope():
@@ -359,11 +566,15 @@ class Buffer:
 
     def record_stream(self, stream: Stream) -> None:
         """Tell the allocator the buffer is used on ``stream``, so its memory is not
-        reused before work queued there so far has completed."""
+        reused before work queued there so far has completed; ``stream`` becomes the
+        buffer's last-use stream.  On a non-owning buffer (:meth:`from_ptr`) the stream is
+        noted instead, and releasing the buffer waits for its work."""
         self._live()
         stream = _as_stream(stream, "Buffer.record_stream(stream)")
-        if self._nbytes and stream != self._stream:
+        stream._live()
+        if self._nbytes and stream != self._stream and self._uses is None:
             _memory().device_allocator(self._index).record_stream(self._ptr, stream.handle, stream.device_index)
+        self._used(stream)
 
     # -- interop -----------------------------------------------------------------
     def as_array(self, dtype, shape=None, strides=None, offset: int = 0):
@@ -376,23 +587,71 @@ class Buffer:
 
     @property
     def __cuda_array_interface__(self) -> dict:
+        """The CUDA array interface (v3): ``nbytes`` bytes (``|u1``) at ``ptr``.
+
+        ``stream`` is the buffer's last-use stream (:attr:`last_stream`), where accel's latest
+        work on the memory was queued; a consumer (CuPy, Numba) orders its work after it.
+        CAI v3 forbids 0, so the legacy default stream (handle 0) is given as 1.  torch differs:
+        its tensors export version 2, without ``stream``, and leave synchronization to the
+        user.  Only CUDA buffers have it: elsewhere and after :meth:`close` the attribute
+        raises AttributeError, so ``hasattr(buf, "__cuda_array_interface__")`` is False there
+        without any other exception.  In a forked child it raises the fork error, as every
+        method of an inherited object."""
         if self._backend.name != "cuda":
-            raise AttributeError("__cuda_array_interface__ is only defined for CUDA buffers")
+            raise AttributeError(f"__cuda_array_interface__ is only defined for CUDA buffers; this one is "
+                                 f"{self._backend.name} memory (use __dlpack__)")
+        if self._pid != _fin.pid:
+            raise _fin.forked_error(self._backend)
+        if self._closed:
+            raise AttributeError(f"__cuda_array_interface__: {self!r} was closed")
+        last = self._last
+        handle = last._handle if not last.closed else current_stream(self._index).handle
+        return {"shape": (self._nbytes,), "typestr": "|u1", "data": (self._ptr, self._readonly),
+                "strides": None, "version": 3, "stream": handle if handle else _CAI_LEGACY_DEFAULT_STREAM}
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        """A DLPack capsule of the buffer: a 1-D ``uint8`` tensor of shape ``(nbytes,)`` (the
+        array API standard's ``__dlpack__``; typed tensors come from :meth:`as_array`).
+
+        ``max_version >= (1, 0)`` gives a ``"dltensor_versioned"`` capsule
+        (DLManagedTensorVersioned, version 1.1, read-only flag as :attr:`readonly`), None or an
+        older version the legacy ``"dltensor"``.  ``stream`` is the consumer's stream: on CUDA
+        None and 1 the legacy default stream, 2 the per-thread default stream, another int a
+        ``cudaStream_t``, -1 no synchronization (0 is refused); the consumer's stream waits for
+        an event recorded on the buffer's last-use stream (see ``accel._dlpack.sync_for_consumer``).
+        ``dl_device`` other than :meth:`__dlpack_device__` raises BufferError (ValueError for a
+        host device with ``copy=False``), ``copy=True`` BufferError: accel never copies on export.
+        The capsule keeps the buffer alive until the consumer calls its deleter (or the capsule
+        is dropped unconsumed); the memory is freed once, by the buffer."""
+        from . import _dlpack
         self._live()
-        # As torch: the current stream of the buffer's device, where its operations are queued.
-        handle = current_stream(self._index).handle
-        return {"shape": (self._nbytes,), "typestr": "|u1", "data": (self._ptr, False), "strides": None,
-                "version": 3, "stream": handle if handle else _CAI_LEGACY_DEFAULT_STREAM}
+        versioned = _dlpack.check_max_version(max_version)
+        own = self.__dlpack_device__()
+        _dlpack.check_dl_device(dl_device, own, copy)
+        _dlpack.sync_for_consumer(self, stream)
+        return _dlpack.export(self, self._ptr, own[0], own[1], "uint8", (self._nbytes,), None, 0,
+                              versioned=versioned, readonly=self._readonly)
+
+    def __dlpack_device__(self):
+        """``(device_type, device_id)``: kDLCUDA (2) on CUDA, kDLOneAPI (14) on XPU, kDLMetal (8)
+        on MPS, with the buffer's device index."""
+        from . import _dlpack
+        return _dlpack.device_of(self._backend.name, self._index)
 
     # -- lifetime ------------------------------------------------------------------
     def close(self) -> None:
-        """Return the memory to the caching allocator.  Idempotent."""
+        """Return the memory to the caching allocator.  Idempotent.  A non-owning buffer
+        (:meth:`from_ptr`, :func:`accel.from_dlpack`) frees nothing: it waits for the work
+        queued on it, then drops its owner (calling a DLPack capsule's deleter)."""
         if self._pid != _fin.pid:
             raise _fin.forked_error(self._backend)
         if self._closed:
             return
         self._closed = True
-        if self._nbytes:
+        if self._uses is not None:
+            uses, owner, self._uses, self._owner = self._uses, self._owner, {}, None
+            _fin.release(_release_foreign, owner, self._backend, tuple(uses.values()))
+        elif self._nbytes:
             _fin.release(_free, self._index, self._ptr)
 
     def __enter__(self) -> "Buffer":
@@ -403,7 +662,14 @@ class Buffer:
 
     def __del__(self):
         # Never waits on the allocator's lock (see accel._finalize); nothing in a forked child.
-        if not getattr(self, "_closed", True) and self._pid == _fin.pid and _lazy.is_initialized():
+        if getattr(self, "_closed", True) or self._pid != _fin.pid:
+            return
+        if self._uses is not None:
+            # a non-owning buffer: its owner is released even after a runtime reset (the
+            # release skips the wait then), so a DLPack deleter still runs exactly once
+            self._closed = True
+            _fin.finalize(_release_foreign, self._owner, self._backend, tuple(self._uses.values()))
+        elif _lazy.is_initialized():
             self._closed = True
             if self._nbytes:
                 _fin.finalize(_free, self._index, self._ptr)
@@ -411,3 +677,45 @@ class Buffer:
 
 def _free(index: int, ptr: int) -> None:
     _memory().device_allocator(index).free(ptr)
+
+
+def _release_foreign(owner, backend, streams) -> None:
+    """Hand a non-owning buffer's memory back: wait for the work queued on the streams it was
+    used on (skipped for a runtime that was reset, and for a capturing stream, which must not
+    be synchronized), then release ``owner`` (a DLPack capsule's deleter runs here, once)."""
+    try:
+        if backend is _lazy._initialized_backend:
+            for stream in streams:
+                try:
+                    if not stream.closed and not stream.is_capturing():
+                        stream.synchronize()
+                except Exception:
+                    pass    # a failed wait (sticky error): the owner is released all the same
+    finally:
+        from ._dlpack import Imported
+        if isinstance(owner, Imported):
+            owner.release()
+
+
+def _check_device_range(backend, ptr: int, nbytes: int, index: int) -> None:
+    """Refuse a foreign range that is not device memory of device ``index``, where the backend
+    can tell (``Backend.pointer_location``); otherwise the caller's word is taken."""
+    name = backend.name
+    for addr in (ptr, ptr + nbytes - 1):
+        where = backend.pointer_location(addr)
+        if where is None:
+            return
+        kind, dev = where
+        if kind == "device" and dev == index:
+            continue
+        end = "start" if addr == ptr else f"last byte ({addr:#x})"
+        if kind == "device":
+            what, fix = f"device memory of {name}:{dev}", f"pass device={dev}"
+        elif kind in ("host", "managed"):
+            what = "pinned host memory" if kind == "host" else f"managed memory of {name}:{dev}"
+            fix = "copy host data with Buffer.copy_from instead of wrapping it"
+        else:
+            what = f"not memory the {name} runtime knows (freed, host, or past the end of its allocation)"
+            fix = "pass the address and size of a live device allocation"
+        raise ValueError(f"cannot wrap {nbytes} bytes at {ptr:#x} as device memory of {name}:{index}: its "
+                         f"{end} is {what}; {fix}; nothing was wrapped")

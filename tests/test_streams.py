@@ -243,6 +243,7 @@ def test_cuda_array_interface(sim_cuda):
     assert cai["stream"] == 1  # the legacy default stream, as the v3 protocol spells it
     s = accel.Stream()
     buf8 = accel.Buffer(8, stream=s)
-    assert buf8.__cuda_array_interface__["stream"] == 1    # operations use the current stream (as torch)
-    with s:
-        assert buf8.__cuda_array_interface__["stream"] == s.handle
+    # the last-use stream (issue 17): the allocation stream before any operation, not the current one
+    assert buf8.__cuda_array_interface__["stream"] == s.handle
+    buf8.fill_(0)
+    assert buf8.__cuda_array_interface__["stream"] == 1

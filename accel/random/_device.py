@@ -186,8 +186,7 @@ def _fill_here(backend, index: int, buf, plan: "_fills.Plan", generator, stream)
     if kernel is None:
         values = plan.host(args.seed, args.offset)
         _copy_to_device(backend, ptr, values, stream.handle, index)
-    if stream != buf.stream:
-        buf.record_stream(stream)
+    buf.record_stream(stream)     # the buffer's last-use stream (the allocator skips its own stream)
 
 
 def _copy_to_device(backend, dst: int, values, stream: int, device_index: int) -> None:
