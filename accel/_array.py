@@ -128,18 +128,24 @@ def _runs(shape, dst_strides, src_strides, itemsize: int):
     return run, outer, tuple(d for _, d, _ in dims), tuple(s for _, _, s in dims)
 
 
-class _Device:
-    """A typed device array to copy from: pointer, layout, and what keeps it valid."""
+class _Source:
+    """What ``copy_from`` copies: a host array (``host``) or device memory (``ptr`` and layout),
+    with what keeps it valid, and ``after``: what to note once every check passed."""
 
-    __slots__ = ("ptr", "shape", "strides", "dtype", "index", "keep")
+    __slots__ = ("host", "ptr", "shape", "strides", "dtype", "keep", "after")
 
-    def __init__(self, ptr, shape, strides, dtype, index, keep=None):
-        self.ptr, self.shape, self.dtype, self.index, self.keep = ptr, shape, dtype, index, keep
-        self.strides = _c_strides(shape, dtype.itemsize) if strides is None else tuple(strides)
+    def __init__(self, host=None, ptr=0, shape=(), strides=None, dtype=None, keep=None, after=None):
+        self.host, self.ptr, self.shape, self.dtype, self.keep, self.after = host, ptr, shape, dtype, keep, after
+        if host is None:
+            self.strides = _c_strides(shape, dtype.itemsize) if strides is None else tuple(strides)
 
     @property
     def span(self) -> int:
         return _extent(self.shape, self.strides, self.dtype.itemsize)
+
+    def commit(self) -> None:
+        if self.after is not None:
+            self.after()
 
 
 class ArrayView:
@@ -296,7 +302,8 @@ class ArrayView:
         if buffer._closed:
             raise AttributeError("__cuda_array_interface__: the view's buffer was closed")
         base = buffer.__cuda_array_interface__
-        cai = {"shape": self._shape, "typestr": self._dtype.str, "data": (base["data"][0] + self._offset, _readonly(buffer)),
+        cai = {"shape": self._shape, "typestr": self._dtype.str,
+               "data": (base["data"][0] + self._offset, _readonly(buffer)),
                "strides": None if self._contiguous else self._strides, "version": 3, "stream": base["stream"]}
         if self._dtype.fields is not None:
             cai["descr"] = self._dtype.descr
@@ -335,7 +342,10 @@ class ArrayView:
         gathered on the host."""
         buffer = self._buffer
         buffer._live()
-        stream = buffer._stream_for(stream)
+        stream = buffer._check_stream(stream)
+        if self.size:
+            _refuse_in_capture(buffer._backend, stream)
+        buffer._note(stream)
         if self._contiguous or not self.size:
             out = np.empty(self._shape, dtype=self._dtype)
             if out.size:
@@ -365,12 +375,12 @@ class ArrayView:
             raise ValueError(f"copy_from: the destination's elements overlap (shape {self._shape}, strides "
                              f"{self._strides}: a 0 or too small stride), so it cannot be written; "
                              f"copy into a view without repeated elements")
-        stream = buffer._stream_for(stream)
+        stream = buffer._check_stream(stream)
         with _source(self, src, stream) as source:
-            if isinstance(source, np.ndarray):
-                self._upload(source, stream)
-            else:
-                self._copy_device(source, stream)
+            run = self._plan(source, stream)     # every check before anything is queued or noted
+            source.commit()
+            buffer._note(stream)
+            run()
         return self
 
     # -- internals ---------------------------------------------------------------
@@ -382,26 +392,17 @@ class ArrayView:
             raise TypeError(f"copy_from: {what} has dtype {dtype}, the view {self._dtype}; convert it first "
                             f"(e.g. numpy's a.astype({str(self._dtype)!r})); nothing was copied")
 
-    def _upload(self, array: np.ndarray, stream: Stream) -> None:
-        if not array.size:
-            return
-        buffer = self._buffer
-        _refuse_in_capture(buffer._backend, stream)
-        array = np.ascontiguousarray(array)
-        src = _address(memoryview(array).cast("B"))
-        run, outer, dst_s, src_s = _runs(self._shape, self._strides, array.strides, self.itemsize)
-        _check_count(outer, run)
-        backend = buffer._backend
-        try:
-            with stream._device_scope():
-                for d, s in _pairs(outer, dst_s, src_s):
-                    backend.memcpy_async(self.ptr + d, src + s, run, stream.handle)
-        finally:
-            stream.synchronize()     # the host array must outlive the queued copies
-
-    def _copy_device(self, source: _Device, stream: Stream) -> None:
+    def _plan(self, source, stream: Stream):
+        """The copy from ``source`` as a function to call, after every check passed."""
         if not self.size:
-            return
+            return lambda: None
+        backend = self._buffer._backend
+        if source.host is not None:
+            _refuse_in_capture(backend, stream)
+            array = np.ascontiguousarray(source.host)
+            run, outer, dst_s, src_s = _runs(self._shape, self._strides, array.strides, self.itemsize)
+            _check_count(outer, run)
+            return lambda: self._upload(array, run, outer, dst_s, src_s, stream)
         dst_lo, src_lo = self.ptr, source.ptr
         dst_hi = dst_lo + _extent(self._shape, self._strides, self.itemsize)
         src_hi = src_lo + source.span
@@ -410,21 +411,38 @@ class ArrayView:
                              f"(bytes {dst_lo:#x}..{dst_hi:#x}) in device memory; copy through the host "
                              f"(view.copy_from(src.to_numpy())) or through a separate buffer")
         run, outer, dst_s, src_s = _runs(self._shape, self._strides, source.strides, self.itemsize)
-        count = int(np.prod(outer, dtype=object))
-        backend = self._buffer._backend
-        if count > _MAX_COPIES:
-            # layouts that share only short runs: gather the source on the host, then upload
-            if stream.is_capturing():
-                _check_count(outer, run)
+        if _count(outer) <= _MAX_COPIES:
+            return lambda: self._copy_runs(source, run, outer, dst_s, src_s, stream)
+        # layouts that share only short runs: gather the source on the host, then upload
+        _refuse_in_capture(backend, stream)
+        c_strides = _c_strides(self._shape, self.itemsize)
+        up = _runs(self._shape, self._strides, c_strides, self.itemsize)
+        _check_count(up[1], up[0])
+
+        def staged():
             host = np.empty(source.span, dtype=np.uint8)
             _download(self._buffer, source.ptr, host, stream)
-            self._upload(_gather(host, source.shape, source.strides, source.dtype), stream)
-            return
+            self._upload(_gather(host, source.shape, source.strides, source.dtype), *up, stream)
+        return staged
+
+    def _upload(self, array: np.ndarray, run, outer, dst_s, src_s, stream: Stream) -> None:
+        """Queue the runs from the C-contiguous host ``array``; blocking."""
+        src = _host_address(array)
+        backend, dst = self._buffer._backend, self.ptr
+        try:
+            with stream._device_scope():
+                for d, s in _pairs(outer, dst_s, src_s):
+                    backend.memcpy_async(dst + d, src + s, run, stream.handle)
+        finally:
+            stream.synchronize()     # the host array must outlive the queued copies
+
+    def _copy_runs(self, source: "_Source", run, outer, dst_s, src_s, stream: Stream) -> None:
+        backend, dst = self._buffer._backend, self.ptr
         with stream._device_scope():
             for d, s in _pairs(outer, dst_s, src_s):
-                backend.memcpy_async(dst_lo + d, src_lo + s, run, stream.handle)
+                backend.memcpy_async(dst + d, source.ptr + s, run, stream.handle)
         if not stream.is_capturing():
-            stream.synchronize()
+            stream.synchronize()     # blocking, and a DLPack source's memory is handed back after
 
 
 def _gather(span: np.ndarray, shape, strides, dtype) -> np.ndarray:
@@ -441,25 +459,36 @@ def _pairs(outer, dst_strides, src_strides):
     return zip(_element_offsets(outer, dst_strides).tolist(), _element_offsets(outer, src_strides).tolist())
 
 
+def _count(outer) -> int:
+    return int(np.prod(outer, dtype=object))
+
+
 def _check_count(outer, run: int) -> None:
-    count = int(np.prod(outer, dtype=object))
+    count = _count(outer)
     if count > _MAX_COPIES:
         raise ValueError(f"copy_from: the layouts share only runs of {run} bytes, which would take {count} "
                          f"separate copies (at most {_MAX_COPIES}); copy into a C-contiguous view, or through "
                          f"the host; nothing was copied")
 
 
+def _host_address(array: np.ndarray) -> int:
+    """Address of a C-contiguous host array of any plain dtype (datetime64 too, which the
+    buffer protocol refuses), kept alive by the caller."""
+    return _address(memoryview(array.reshape(-1).view(np.uint8)))
+
+
 def _download(buffer: Buffer, ptr: int, out: np.ndarray, stream: Stream) -> None:
     """Copy ``out.nbytes`` device bytes at ``ptr`` into the contiguous host array ``out``; blocking."""
     _refuse_in_capture(buffer._backend, stream)
     with stream._device_scope():
-        buffer._backend.memcpy_async(_address(memoryview(out).cast("B")), ptr, out.nbytes, stream.handle)
+        buffer._backend.memcpy_async(_host_address(out), ptr, out.nbytes, stream.handle)
     stream.synchronize()
 
 
 class _source:
-    """``with _source(view, src, stream) as s``: ``src`` as a host ndarray or a :class:`_Device`,
-    checked against the view, ordered before ``stream``, and kept valid for the block."""
+    """``with _source(view, src, stream) as s``: ``src`` as a :class:`_Source`, checked against
+    the view, ordered before ``stream`` once committed, and kept valid for the block (a DLPack
+    capsule's deleter runs at its end)."""
 
     def __init__(self, view: ArrayView, src, stream: Stream):
         self.view, self.src, self.stream, self.release = view, src, stream, None
@@ -472,21 +501,20 @@ class _source:
                 raise TypeError(f"copy_from: the source has dtype {src.dtype}: it holds Python object "
                                 f"references, not data; nothing was copied")
             view._check_match(src.shape, src.dtype, "the source array")
-            return src
+            return _Source(host=src)
         if isinstance(src, ArrayView):
             src._buffer._live()
             _same_device(buffer, src._buffer._backend.name, src._buffer.device_index, "source view")
             view._check_match(src.shape, src.dtype, "the source view")
-            src._buffer._stream_for(stream)
-            return _Device(src.ptr, src.shape, src.strides, src.dtype, src._buffer.device_index, src)
+            return _Source(None, src.ptr, src.shape, src.strides, src.dtype, src,
+                           after=lambda: src._buffer._note(stream))
         if isinstance(src, Buffer):
             src._live()
             _same_device(buffer, src._backend.name, src.device_index, "source buffer")
             if src.nbytes != view.nbytes:
                 raise ValueError(f"copy_from: the source buffer has {src.nbytes} bytes, the view {view.nbytes} "
                                  f"({view.shape} of {view.dtype}); nothing was copied")
-            src._stream_for(stream)
-            return _Device(src.ptr, view.shape, None, view.dtype, src.device_index, src)
+            return _Source(None, src.ptr, view.shape, None, view.dtype, src, after=lambda: src._note(stream))
         cai = _cai_of(src)
         if cai is not None:
             return self._from_cai(cai)
@@ -502,9 +530,9 @@ class _source:
         if raw.nbytes != view.nbytes:
             raise ValueError(f"copy_from: the source has {raw.nbytes} bytes, the view {view.nbytes} "
                              f"({view.shape} of {view.dtype}); nothing was copied")
-        return np.frombuffer(raw, dtype=view.dtype).reshape(view.shape)
+        return _Source(host=np.frombuffer(raw, dtype=view.dtype).reshape(view.shape))
 
-    def _from_cai(self, cai: dict) -> _Device:
+    def _from_cai(self, cai: dict) -> _Source:
         view, stream = self.view, self.stream
         buffer = view._buffer
         if buffer._backend.name != "cuda":
@@ -528,8 +556,9 @@ class _source:
             raise ValueError(f"copy_from: the source has negative strides {strides}; nothing was copied")
         foreign = cai.get("stream")
         if foreign is not None:
-            _wait_foreign(buffer._backend, stream, foreign)
-        return _Device(ptr, shape, strides, dtype, buffer.device_index, self.src)
+            _check_cai_stream(foreign)
+        return _Source(None, ptr, shape, strides, dtype, self.src,
+                       after=None if foreign is None else lambda: _wait_foreign(buffer._backend, stream, foreign))
 
     def _from_dlpack(self, src):
         from . import _dlpack
@@ -563,11 +592,11 @@ class _source:
         view._check_match(info.shape, dtype, "the DLPack source")
         imported = _dlpack.Imported(capsule, info.address, info.versioned, keep=src)
         self.release = imported.release
-        return _Device(info.data + info.byte_offset, info.shape, strides, dtype, index, imported)
+        return _Source(None, info.data + info.byte_offset, info.shape, strides, dtype, imported)
 
     def _host_from(self, array: np.ndarray) -> np.ndarray:
         self.view._check_match(array.shape, array.dtype, "the host DLPack source")
-        return array
+        return _Source(host=array)
 
     def __exit__(self, *exc) -> None:
         if self.release is not None:
@@ -613,12 +642,15 @@ def _cai_of(obj) -> Optional[dict]:
 _CAI_STREAMS = {1: 0, 2: 2}
 
 
+def _check_cai_stream(foreign) -> None:
+    if isinstance(foreign, bool) or not isinstance(foreign, int) or foreign <= 0:
+        raise ValueError(f"copy_from: __cuda_array_interface__ stream {foreign!r} is invalid (v3: None, 1, 2 "
+                         f"or a stream handle; 0 is disallowed); nothing was copied")
+
+
 def _wait_foreign(backend, stream: Stream, foreign) -> None:
     """Order ``stream`` after the work queued on a producer's stream (CAI v3: the consumer
     synchronizes on ``stream`` before reading)."""
-    if isinstance(foreign, bool) or not isinstance(foreign, int) or foreign == 0:
-        raise ValueError(f"copy_from: __cuda_array_interface__ stream {foreign!r} is invalid (v3: None, 1, 2 "
-                         f"or a stream handle; 0 is disallowed); nothing was copied")
     handle = _CAI_STREAMS.get(foreign, foreign)
     if handle == stream.handle:
         return
