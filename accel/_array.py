@@ -230,10 +230,12 @@ class ArrayView:
 
     @property
     def dtype(self) -> np.dtype:
+        """The element type (a numpy dtype)."""
         return self._dtype
 
     @property
     def shape(self) -> Tuple[int, ...]:
+        """Elements per dimension."""
         return self._shape
 
     @property
@@ -248,10 +250,12 @@ class ArrayView:
 
     @property
     def itemsize(self) -> int:
+        """Bytes per element."""
         return self._dtype.itemsize
 
     @property
     def ndim(self) -> int:
+        """Number of dimensions."""
         return len(self._shape)
 
     @property
@@ -271,6 +275,7 @@ class ArrayView:
 
     @property
     def device(self):
+        """The buffer's device."""
         return self._buffer.device
 
     @property

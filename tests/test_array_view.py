@@ -500,3 +500,17 @@ def test_repr_and_public_name(sim_backend):
     v = accel.Buffer(64).as_array("f4", (4, 2), strides=(16, 4), offset=0)
     assert "shape=(4, 2)" in repr(v) and "strides=(16, 4)" in repr(v) and "float32" in repr(v)
     assert "ArrayView" in accel.__all__
+
+
+def test_torch_without_cuda_refuses_a_view_cleanly(sim_cuda):
+    """torch (CPU build) cannot take CUDA memory: it raises, and the capsule it was handed is
+    released (no export left alive).  With a CUDA build it would share the memory."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    if torch.cuda.is_available():
+        pytest.skip("torch has CUDA here: it would consume the simulated device pointer")
+    v = accel.Buffer(256).as_array("f4", (8, 4), strides=(32, 8))
+    before = _dlpack.live_exports()
+    with pytest.raises(Exception, match="CUDA"):
+        torch.from_dlpack(v)
+    gc.collect()
+    assert _dlpack.live_exports() == before
