@@ -234,7 +234,8 @@ def export(owner: Any, ptr: int, device_type: int, device_id: int, dtype, shape,
     ``shape`` (``strides`` in elements, None for C order) on ``(device_type, device_id)``.
 
     ``owner`` is kept alive until the consumer calls the deleter (or the capsule is dropped
-    unconsumed).  ``versioned`` makes a ``"dltensor_versioned"`` capsule holding a
+    unconsumed); when it is an accel.Buffer, or has one as ``buffer`` (a typed view), that
+    buffer is pinned meanwhile: an explicit ``close()`` leaves its memory to the deleter.  ``versioned`` makes a ``"dltensor_versioned"`` capsule holding a
     ``DLManagedTensorVersioned`` (version :data:`DLPACK_VERSION`; ``readonly`` sets
     DLPACK_FLAG_BITMASK_READ_ONLY), else a legacy ``"dltensor"`` ``DLManagedTensor``.  Strides are
     always written (DLPack 1.x forbids NULL strides for ndim > 0).  A zero-size array has a NULL
@@ -276,7 +277,8 @@ def export(owner: Any, ptr: int, device_type: int, device_id: int, dtype, shape,
     managed.manager_ctx = address
     managed.deleter = _DELETER_ADDRESS
     slots = (c_void_p(), c_void_p(), c_void_p())
-    _exports[address] = (managed, shape_array, strides_array, owner, slots + tuple(map(ctypes.byref, slots)))
+    _exports[address] = (managed, shape_array, strides_array, (owner, _pin_of(owner)),
+                         slots + tuple(map(ctypes.byref, slots)))
     try:
         capsule = _PyCapsule_New(address, NAME_VERSIONED if versioned else NAME, _DESTRUCTOR)
     except BaseException:
@@ -284,6 +286,19 @@ def export(owner: Any, ptr: int, device_type: int, device_id: int, dtype, shape,
         raise
     _capsules[id(capsule)] = address
     return capsule
+
+
+def _pin_of(owner):
+    """The accel.Buffer behind ``owner`` (itself, or its ``buffer`` as a typed view has) pinned
+    for the export's life, so an explicit close() leaves the memory to the deleter."""
+    from .buffer import Buffer
+    buf = owner
+    if not isinstance(buf, Buffer):
+        try:
+            buf = getattr(owner, "buffer", None)
+        except Exception:
+            return None
+    return buf._pin() if isinstance(buf, Buffer) else None
 
 
 def live_exports() -> int:
@@ -402,13 +417,18 @@ def sync_for_consumer(buffer, stream_arg) -> None:
         return
     if consumer == last.handle:
         return
-    with on_device(backend, index):     # legacy/per-thread handles name the current device's stream
+    # The event lives on the last-use stream's device (a peer copy may have used the buffer on
+    # another device's stream: cudaEventRecord needs the stream's device); the wait runs with the
+    # buffer's device current, since legacy/per-thread handles name the current device's stream.
+    with on_device(backend, last.device_index):
         event = backend.event_create(False, False)
-        try:
+    try:
+        with on_device(backend, last.device_index):
             backend.event_record(event, last.handle)
+        with on_device(backend, index):
             backend.stream_wait_event(consumer, event)
-        finally:
-            backend.event_destroy(event)   # the wait is queued; CUDA frees the event when it completes
+    finally:
+        backend.event_destroy(event)   # the wait is queued; CUDA frees the event when it completes
     known = _accel_stream(backend, index, consumer)
     if known is not None:
         buffer._used(known)

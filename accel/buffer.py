@@ -178,7 +178,7 @@ class Buffer:
     """
 
     __slots__ = ("_backend", "_index", "_ptr", "_nbytes", "_stream", "_closed", "_pid", "_last", "_owner",
-                 "_uses", "_readonly", "__weakref__")
+                 "_uses", "_readonly", "_pins", "_deferred", "__weakref__")
 
     def __init__(self, nbytes: int, device: DeviceLike = None, stream: Optional[Stream] = None):
         nbytes = _size(nbytes, "nbytes")
@@ -196,6 +196,7 @@ class Buffer:
             stream = current_stream(index)
         self._backend, self._index, self._nbytes, self._stream = backend, index, nbytes, stream
         self._last, self._owner, self._uses, self._readonly = stream, None, None, False
+        self._pins, self._deferred = set(), []
         self._closed = True
         self._pid = _fin.pid
         self._ptr = _memory().device_allocator(index).malloc(nbytes, stream.handle) if nbytes else 0
@@ -283,6 +284,7 @@ class Buffer:
         self = object.__new__(cls)
         self._backend, self._index, self._ptr, self._nbytes, self._stream = backend, index, ptr, nbytes, stream
         self._last, self._owner, self._uses, self._readonly = stream, owner, {}, bool(readonly)
+        self._pins, self._deferred = set(), []
         self._pid = _fin.pid
         self._closed = False
         return self
@@ -642,17 +644,49 @@ class Buffer:
     def close(self) -> None:
         """Return the memory to the caching allocator.  Idempotent.  A non-owning buffer
         (:meth:`from_ptr`, :func:`accel.from_dlpack`) frees nothing: it waits for the work
-        queued on it, then drops its owner (calling a DLPack capsule's deleter)."""
+        queued on it, then drops its owner (calling a DLPack capsule's deleter).
+
+        While a DLPack consumer still holds one of the buffer's capsules (its deleter not yet
+        called), the buffer is closed for accel's use but the memory stays: the last deleter
+        hands it back."""
         if self._pid != _fin.pid:
             raise _fin.forked_error(self._backend)
         if self._closed:
             return
         self._closed = True
+        call = self._release_call()
+        if call is None:
+            return
+        if self._pins:
+            self._deferred.append(call)
+            call = self._unpinned_release()     # None: an export's deleter releases it later
+            if call is None:
+                return
+        _fin.release(call[0], *call[1])
+
+    def _release_call(self):
+        """``(function, args)`` that hands the memory back, or None (nothing to release)."""
         if self._uses is not None:
             uses, owner, self._uses, self._owner = self._uses, self._owner, {}, None
-            _fin.release(_release_foreign, owner, self._backend, tuple(uses.values()))
-        elif self._nbytes:
-            _fin.release(_free, self._index, self._ptr)
+            return _release_foreign, (owner, self._backend, tuple(uses.values()))
+        if self._nbytes:
+            return _free, (self._index, self._ptr)
+        return None
+
+    def _unpinned_release(self):
+        """The deferred release once no export pins the memory, taken by exactly one caller
+        (``list.pop`` is atomic: close() and the last deleter may race here)."""
+        if self._pins:
+            return None
+        try:
+            return self._deferred.pop()
+        except IndexError:
+            return None
+
+    def _pin(self) -> "_Pin":
+        """A token a DLPack export holds until its deleter runs: while any is alive, close()
+        leaves the memory to the last one."""
+        return _Pin(self)
 
     def __enter__(self) -> "Buffer":
         return self
@@ -677,6 +711,27 @@ class Buffer:
 
 def _free(index: int, ptr: int) -> None:
     _memory().device_allocator(index).free(ptr)
+
+
+class _Pin:
+    """Held by a DLPack export of a Buffer: the buffer's memory outlives an explicit close()
+    until the export's deleter drops the pin (see Buffer.close).  No lock: set.add/discard and
+    list.pop are atomic, and the release goes through accel._finalize's rules."""
+
+    __slots__ = ("_buf",)
+
+    def __init__(self, buf: Buffer):
+        self._buf = buf
+        buf._pins.add(id(self))
+
+    def __del__(self):
+        buf = self._buf
+        buf._pins.discard(id(self))
+        if buf._pid != _fin.pid or buf._backend is not _lazy._initialized_backend:
+            return      # a forked child, or a runtime that was reset: nothing of the parent's is freed
+        call = buf._unpinned_release() if buf._deferred else None
+        if call is not None:
+            _fin.finalize(call[0], *call[1])
 
 
 def _release_foreign(owner, backend, streams) -> None:

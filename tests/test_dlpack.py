@@ -630,3 +630,44 @@ def test_read_only_import(sim_cuda):
     with pytest.raises(ValueError, match="read-only"):
         imported.copy_from(np.zeros(16, np.uint8))
     imported.close()
+
+
+def test_close_while_exported_defers_the_free(sim_cuda):
+    """close() while a consumer holds a capsule's tensor must not hand the memory back yet."""
+    buf = accel.Buffer(1 << 20)
+    allocated = accel.memory_allocated()
+    fields, delete = consume(buf.__dlpack__(max_version=(1, 0)))
+    buf.close()
+    assert accel.memory_allocated() == allocated          # the consumer still uses it
+    other = accel.Buffer(1 << 20)
+    assert other.ptr != fields["data"]                    # not handed out again
+    delete()
+    assert accel.memory_allocated() == allocated          # freed once (other is live)
+    other.close()
+    assert accel.memory_allocated() == allocated - (1 << 20)
+
+
+def test_close_while_exported_foreign(sim_cuda):
+    producer = CountingProducer(accel.Buffer(32))
+    imported = accel.from_dlpack(producer)
+    fields, delete = consume(imported.__dlpack__())
+    imported.close()
+    assert producer.released == []                       # re-exported: still in use
+    delete()
+    assert producer.released == [1]
+
+
+def test_export_after_peer_copy_uses_other_device_stream(sim_cuda):
+    """A peer copy makes a stream of the other device the buffer's last use: the handshake's
+    event is recorded on that stream's device."""
+    src = accel.Buffer(64, device=1)
+    src.fill_(3)
+    dst = accel.Buffer(64)                           # device 0, current
+    side = accel.Stream(0)
+    dst.copy_from(src, stream=side)
+    assert src.last_stream == side
+    capsule = src.__dlpack__(stream=1)               # device 1's legacy default stream waits
+    fields, delete = consume(capsule)
+    assert fields["device"] == (2, 1)
+    delete()
+    assert (src.to_numpy() == 3).all() and (dst.to_numpy() == 3).all()
