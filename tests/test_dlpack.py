@@ -671,3 +671,17 @@ def test_export_after_peer_copy_uses_other_device_stream(sim_cuda):
     assert fields["device"] == (2, 1)
     delete()
     assert (src.to_numpy() == 3).all() and (dst.to_numpy() == 3).all()
+
+
+def test_from_ptr_checked_on_every_simulator(sim_backend):
+    base = accel.Buffer(256)
+    base.fill_(0)
+    with pytest.raises(ValueError, match="runtime knows"):
+        accel.Buffer.from_ptr(np.zeros(64, np.uint8).ctypes.data, 64)
+    with pytest.raises(ValueError, match="last byte"):
+        accel.Buffer.from_ptr(base.ptr, 1 << 36)
+    wrapped = accel.Buffer.from_ptr(base.ptr + 128, 128)
+    wrapped.fill_(8)
+    assert (base.to_numpy()[128:] == 8).all() and (base.to_numpy()[:128] == 0).all()
+    wrapped.close()
+    assert (base.to_numpy()[128:] == 8).all()

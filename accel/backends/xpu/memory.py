@@ -184,9 +184,13 @@ class MemoryMixin:
 
     def pointer_location(self, ptr: int) -> Optional[Tuple[str, int]]:
         # zeMemGetAllocProperties (ze_api.h): the USM type of the allocation holding ptr and,
-        # for device/shared memory, its device.  Mapped virtual memory is not USM: not told.
-        if not self._devices or self._vmm_mapped_at(ptr):
+        # for device/shared memory, its device.  Mapped virtual memory is not USM: this backend's
+        # own mapping table tells its device.
+        if not self._devices:
             return None
+        mapped = self._vmm_device_at(ptr)
+        if mapped is not None:
+            return ("device", mapped)
         ffi, lib, _ = self._lib
         props = ffi.new("ze_memory_allocation_properties_t *")
         props.stype = lib.ZE_STRUCTURE_TYPE_MEMORY_ALLOCATION_PROPERTIES

@@ -125,6 +125,8 @@ class VmmMixin:
         with self._lock:
             t["mapped"][va] = nbytes
             bisect.insort(t["bases"], va)
+            entry = t["handles"].get(handle)      # the physical memory's device (pointer_location)
+            t.setdefault("devices", {})[va] = entry[0].index if entry is not None else index
 
     def vmm_set_access(self, va: int, nbytes: int, index: int) -> None:
         """Level Zero's access is for the whole context: device ``index`` has it when it shares the
@@ -184,6 +186,7 @@ class VmmMixin:
     @staticmethod
     def _vmm_forget_mapping(t, base: int) -> None:
         t["mapped"].pop(base, None)
+        t.get("devices", {}).pop(base, None)
         i = bisect.bisect_left(t["bases"], base)
         if i < len(t["bases"]) and t["bases"][i] == base:
             del t["bases"][i]
@@ -196,3 +199,14 @@ class VmmMixin:
         bases = t["bases"]
         i = bisect.bisect_right(bases, ptr) - 1
         return i >= 0 and ptr < bases[i] + t["mapped"].get(bases[i], 0)
+
+    def _vmm_device_at(self, ptr: int):
+        """The device index of the physical memory mapped at ``ptr``, or None when unmapped."""
+        t = self.__dict__.get("_vmm_state")
+        if not t or not t["bases"]:
+            return None
+        bases = t["bases"]
+        i = bisect.bisect_right(bases, ptr) - 1
+        if i < 0 or ptr >= bases[i] + t["mapped"].get(bases[i], 0):
+            return None
+        return t.get("devices", {}).get(bases[i])
