@@ -147,7 +147,7 @@ _capsules: Dict[int, int] = {}
 def _on_delete(address) -> None:
     """The deleter (DLManagedTensor[Versioned].deleter): frees the struct and releases the owner,
     once; a second call for the same address finds nothing.  No lock (see the module docstring)."""
-    if address not in _exports:
+    if not _exports or address not in _exports:     # (None at interpreter exit)
         return
     slots = _exports[address][4]
     _PyErr_Fetch(slots[3], slots[4], slots[5])     # first call: see above
@@ -166,7 +166,7 @@ def _release_entry(address, slots) -> None:
 def _on_capsule_free(capsule) -> None:
     """PyCapsule_Destructor: a capsule freed while still named "dltensor[_versioned]" was never
     consumed, so its deleter runs here; a consumed one ("used_…") is the consumer's."""
-    if capsule not in _capsules:
+    if not _capsules or capsule not in _capsules:   # (None at interpreter exit)
         return
     address = _capsules[capsule]
     if address not in _exports:
