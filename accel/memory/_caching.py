@@ -231,14 +231,15 @@ class _FreeList:
 
 
 class _PrivatePool:
-    """Memory of graph captures sharing one pool id (torch's PrivatePool)."""
+    """Memory of graph captures and MemPools sharing one pool id (torch's PrivatePool)."""
 
-    __slots__ = ("id", "use_count", "lists")
+    __slots__ = ("id", "use_count", "lists", "no_split")
 
     def __init__(self, pool_id):
         self.id = pool_id
         self.use_count = 0
         self.lists: Dict[int, Tuple[_FreeList, _FreeList]] = {}
+        self.no_split = False     # MemPool(no_split=True): blocks are handed out whole
 
 
 def _segment_size_key(block: "_Block") -> int:
@@ -309,6 +310,9 @@ class DeviceCachingAllocator:
         self._origins: Dict[int, _PrivatePool] = {}  # streams of begin_allocate_to_pool
         self._origin_ids: Dict[int, int] = {}        # origin stream -> its capture id, once known
         self._private: Dict[tuple, _PrivatePool] = {}
+        # use_mem_pool: thread ident -> its pools, innermost last (torch's thread filter)
+        self._threads: Dict[int, List[_PrivatePool]] = {}
+        self._oom_pools: List[_PrivatePool] = []     # MemPool(use_on_oom=True), in creation order
         self._pending: List[_Block] = []             # freed, waiting for events
         self._pending_events: List[tuple] = []       # (event, device, _Block or _Retired)
         self._deferred: List[_Block] = []            # freed during capture, events not yet recorded
@@ -507,6 +511,11 @@ class DeviceCachingAllocator:
         pool = self._routes.get(stream)
         if pool is None and self._origins:
             pool = self._joined_pool(stream)
+        if pool is None and self._threads:
+            # a capture's route wins over use_mem_pool's: its graph holds its pool alive
+            pools = self._threads.get(threading.get_ident())
+            if pools:
+                pool = pools[-1]
         if pool is not None:
             lists = pool.lists.get(stream) or self._new_lists(stream, pool)
         else:
@@ -549,7 +558,8 @@ class DeviceCachingAllocator:
         return None
 
     def _update_special(self) -> None:
-        self._special = bool(self._routes or self._pending_events or self._pending or self._deferred or self._pow2
+        self._special = bool(self._routes or self._threads or self._pending_events or self._pending or self._deferred
+                             or self._pow2
                              or self._history is not None or self._max_split != _config.UNLIMITED)
 
     def free(self, ptr: int) -> None:
@@ -711,22 +721,60 @@ class DeviceCachingAllocator:
                 raise
         return event
 
-    def begin_allocate_to_pool(self, pool_id: Tuple[int, int], stream: int) -> None:
+    def begin_allocate_to_pool(self, pool_id: Tuple[int, int], stream: Optional[int] = None, *,
+                               thread: Optional[int] = None) -> None:
         """From now on, allocations on ``stream`` come from private pool ``pool_id``
-        (created on first use; several graphs may share one id)."""
+        (created on first use; several graphs may share one id), and its use count goes up.
+
+        With ``thread`` (a ``threading.get_ident()``) instead of ``stream``: that thread's
+        allocations on every stream, innermost route first (torch's
+        beginAllocateCurrentThreadToPool, for ``use_mem_pool``).  A thread route is no
+        capture: events, empty_cache and frees go on as usual.  A pool a thread route
+        names takes no second route, as torch's "already recording to mempool_id"."""
         pool_id = self._check_pool_id(pool_id)
+        if (stream is None) == (thread is None):
+            raise TypeError("begin_allocate_to_pool takes a stream or thread= (one of them)")
         with self._lock:
-            if stream in self._routes:
+            if any(p.id == pool_id for pools in self._threads.values() for p in pools) or (
+                    thread is not None and any(p.id == pool_id for p in self._routes.values())):
+                raise RuntimeError(f"beginAllocateToPool: already recording to mempool_id {pool_id}: "
+                                   f"a use_mem_pool or capture routes allocations to it already; a pool "
+                                   f"takes one route at a time (use another MemPool)")
+            if thread is None and stream in self._routes:
                 raise CaptureError(f"stream {stream:#x} already allocates to private pool "
                                    f"{self._routes[stream].id}; end that capture first")
             pool = self._private.get(pool_id)
             if pool is None:
                 pool = self._private[pool_id] = _PrivatePool(pool_id)
             pool.use_count += 1
-            self._routes[stream] = self._origins[stream] = pool
-            self._origin_ids.pop(stream, None)
-            _count_captures(1)
+            if thread is not None:
+                self._threads.setdefault(thread, []).append(pool)
+            else:
+                self._routes[stream] = self._origins[stream] = pool
+                self._origin_ids.pop(stream, None)
+                _count_captures(1)
             self._update_special()
+
+    def create_pool(self, pool_id: Tuple[int, int], *, use_on_oom: bool = False, no_split: bool = False) -> None:
+        """Create private pool ``pool_id`` with use count 1, or add 1 to an existing one's
+        (torch's createOrIncrefPool, for a MemPool).  ``use_on_oom``: a request outside the
+        pool that finds the device full takes a free block of the pool instead of failing;
+        ``no_split``: the pool hands blocks out whole."""
+        pool_id = self._check_pool_id(pool_id)
+        with self._lock:
+            pool = self._private.get(pool_id)
+            if pool is None:
+                pool = self._private[pool_id] = _PrivatePool(pool_id)
+                pool.no_split = bool(no_split)
+            pool.use_count += 1
+            if use_on_oom and pool not in self._oom_pools:
+                self._oom_pools.append(pool)
+
+    def pool_use_count(self, pool_id: Tuple[int, int]) -> int:
+        """How many graphs, MemPools and active use_mem_pool hold private pool ``pool_id``
+        (0 for none)."""
+        pool = self._private.get(self._check_pool_id(pool_id))
+        return pool.use_count if pool is not None else 0
 
     def end_allocate_to_pool(self, pool_id: Tuple[int, int]) -> None:
         """Stop routing allocations to ``pool_id`` (the capture ended)."""
@@ -738,14 +786,22 @@ class DeviceCachingAllocator:
                 del self._origins[stream]
                 self._origin_ids.pop(stream, None)
                 _count_captures(-1)
+            for thread, pools in list(self._threads.items()):
+                pools[:] = [pool for pool in pools if pool.id != pool_id]
+                if not pools:
+                    del self._threads[thread]
             if (self._deferred or self._pending_events) and not capture_underway(self._be):
                 self._resume_events()
             self._update_special()
 
-    def release_pool(self, pool_id: Tuple[int, int]) -> None:
-        """A graph using ``pool_id`` was destroyed.  When no graph uses the pool any
+    def release_pool(self, pool_id: Tuple[int, int], *, mempool: bool = False) -> None:
+        """A graph (or use_mem_pool) using ``pool_id`` ended.  When nothing uses the pool any
         more, its segments go back to the general cache as soon as all their blocks
-        are free (segments still holding live blocks follow when those are freed)."""
+        are free (segments still holding live blocks follow when those are freed).
+
+        ``mempool``: the pool's MemPool died (torch's ~MemPool: releasePool, then
+        emptyCache of the pool): it serves no OOM any more, and when nothing else uses
+        it its whole free segments go back to the device (unless a capture is underway)."""
         pool_id = self._check_pool_id(pool_id)
         with self._lock:
             pool = self._private.get(pool_id)
@@ -754,12 +810,18 @@ class DeviceCachingAllocator:
             if pool.use_count <= 0:
                 raise ValueError(f"release_pool: private pool {pool_id} was already released")
             pool.use_count -= 1
+            if mempool and pool in self._oom_pools:
+                self._oom_pools.remove(pool)
             if pool.use_count == 0:
+                moved = []
                 for fl in [fl for pair in pool.lists.values() for fl in pair]:
                     for key in list(fl.keys):
                         block = self._blocks[key & _MASK]
                         if block.prev is None and block.next is None:
                             self._move_to_general(block)
+                            moved.append(block)
+                if mempool and moved and not capture_underway(self._be):
+                    self._release_blocks(moved)
                 self._forget_private_if_empty(pool)
 
     def add_peer(self, index: int) -> None:
@@ -1069,8 +1131,8 @@ class DeviceCachingAllocator:
         if fl.owner is None and not capturing and self._use_expandable():
             # graph private pools and capture-time misses keep classic segments (E6)
             return self._exp_grow(size, nbytes, fl)
-        if fl.kind == _SMALL and not capturing and not self._torch_policy:
-            block = self._small_in_large(size, fl)
+        if fl.kind == _SMALL and not capturing and not self._torch_policy and fl.split_min <= SMALL_SIZE:
+            block = self._small_in_large(size, fl)     # (never for a no_split MemPool)
             if block is not None:
                 return block
         seg_size = self._segment_size(size, fl.kind)
@@ -1087,7 +1149,7 @@ class DeviceCachingAllocator:
             self._release_segments()
             ptr = self._device_alloc(seg_size)
         if ptr is None:
-            raise self._out_of_memory(size, seg_size, fl.stream)
+            return self._oom(size, seg_size, fl)
         block = _Block(ptr, seg_size, fl, None, None)
         self._blocks[ptr] = block
         self._segments[ptr] = seg_size
@@ -1397,7 +1459,7 @@ class DeviceCachingAllocator:
             plan = _place(seg, size, gran, _FREE if seg.kind == _LARGE else None)
             handle = self._exp_create(seg, plan[1], plan[2]) if plan is not None else None
             if handle is None:
-                raise self._out_of_memory(size, self._segment_size(size, fl.kind), fl.stream)
+                return self._oom(size, self._segment_size(size, fl.kind), fl)
         return self._exp_map(seg, fl, plan, handle)
 
     def _exp_map(self, seg: _ExpSegment, fl: _FreeList, plan, pieces) -> _Block:
@@ -1845,8 +1907,9 @@ class DeviceCachingAllocator:
             raise TypeError(f"stream must be a backend stream handle (int), got {type(stream).__name__} "
                             f"{stream!r}; pass Stream.handle")
         watch = owner is not None or self._release_threshold is not None
-        lists = (_FreeList(stream, _SMALL, owner, MIN_BLOCK_SIZE, watch),
-                 _FreeList(stream, _LARGE, owner, self._large_split_min, watch))
+        whole = owner is not None and owner.no_split      # a remainder is never split off
+        lists = (_FreeList(stream, _SMALL, owner, _ONE_EXA_BYTES if whole else MIN_BLOCK_SIZE, watch),
+                 _FreeList(stream, _LARGE, owner, _ONE_EXA_BYTES if whole else self._large_split_min, watch))
         (owner.lists if owner is not None else self._general)[stream] = lists
         return lists
 
@@ -1889,6 +1952,17 @@ class DeviceCachingAllocator:
             return
         self._history.append((action, addr, size, stream, time.monotonic_ns() // 1000,
                               (st or ()) if self._ctx >= _CTX_ALLOC else None))
+
+    def _oom(self, size: int, tried: int, fl: _FreeList) -> _Block:
+        """The device is full: a request of the general cache takes a fitting free block of a
+        MemPool(use_on_oom=True) of its stream (none grows for it), as torch; else raise."""
+        if self._oom_pools and fl.owner is None:
+            for pool in self._oom_pools:
+                lists = pool.lists.get(fl.stream)
+                block = self._find(lists[fl.kind - 1], size) if lists is not None else None
+                if block is not None:
+                    return block
+        raise self._out_of_memory(size, tried, fl.stream)
 
     def _out_of_memory(self, size: int, tried: int, stream: int) -> OutOfMemoryError:
         """Count an OOM, record torch's ``oom`` trace entry (the rounded ``size`` asked and the
