@@ -54,6 +54,9 @@ _MEMORY = ("empty_cache", "empty_host_cache", "get_memory_info", "max_memory_all
            "reset_peak_memory_stats")
 _LAZY.update({name: ("accel.memory", name) for name in _MEMORY})
 __all__ += list(_MEMORY)
+# torch.cuda.MemPool / torch.cuda.use_mem_pool: accel/memory/_mempool.py
+_LAZY.update(MemPool=("accel.memory", "MemPool"), use_mem_pool=("accel.memory", "use_mem_pool"))
+__all__ += ["MemPool", "use_mem_pool"]
 
 
 def __getattr__(name):

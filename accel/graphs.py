@@ -36,17 +36,18 @@ __all__ = ["Graph", "graph", "generate_graph_pool_handle", "graph_pool_handle"]
 
 _MODES = ("default", "global", "thread_local", "relaxed")
 # torch's MempoolId_t (c10/cuda MemPool::graph_pool_handle): ids a user asks for are
-# {0, n}, the pool a graph makes for itself {n, 0}, each from its own counter.
-_user_pool_ids = itertools.count(1)
+# {0, n} (graph_pool_handle and MemPool share accel.memory._mempool's counter), the pool a
+# graph makes for itself {n, 0}, each from its own counter.
 _graph_pool_ids = itertools.count(1)
 _pool_lock = threading.Lock()
 
 
 def generate_graph_pool_handle() -> Tuple[int, int]:
     """A fresh pool id ``(0, n)`` to pass as ``Graph(pool=...)`` so several graphs share
-    one memory pool (a graph's own pool is ``(n, 0)``, as torch's MempoolId_t)."""
-    with _pool_lock:
-        return (0, next(_user_pool_ids))
+    one memory pool (a graph's own pool is ``(n, 0)``, as torch's MempoolId_t).  A
+    :class:`accel.MemPool`'s ``id`` comes from the same counter."""
+    from .memory import _mempool
+    return _mempool.new_user_pool_id()
 
 
 graph_pool_handle = generate_graph_pool_handle  # torch.cuda's name

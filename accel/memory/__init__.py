@@ -32,6 +32,7 @@ from ..streams import on_device
 from . import _async, _caching, _config, _snapfmt
 from ._caching import DeviceCachingAllocator
 from ._host import HostCachingAllocator
+from ._mempool import MemPool, use_mem_pool
 
 __all__ = [
     "DeviceCachingAllocator", "HostCachingAllocator", "device_allocator", "host_allocator",
@@ -39,7 +40,7 @@ __all__ = [
     "memory_reserved", "max_memory_reserved", "memory_stats", "reset_accumulated_memory_stats",
     "reset_peak_memory_stats", "memory_summary", "memory_snapshot", "record_history", "dump_snapshot",
     "set_per_process_memory_fraction", "get_per_process_memory_fraction", "host_memory_stats",
-    "reset_peak_host_memory_stats", "reset_accumulated_host_memory_stats",
+    "reset_peak_host_memory_stats", "reset_accumulated_host_memory_stats", "MemPool", "use_mem_pool",
 ]
 
 _lock = threading.Lock()
@@ -397,12 +398,23 @@ def _snapshot(device=None, augment_with_fx_traces: bool = False) -> dict:
             "external_annotations": []}
 
 
-def memory_snapshot() -> List[dict]:
+def memory_snapshot(mempool_id: Optional[Tuple[int, int]] = None, include_traces: bool = True) -> List[dict]:
     """Every segment of every device with its blocks (torch.cuda.memory_snapshot
     layout: address, total_size, allocated_size, segment_type, is_expandable, frames,
     blocks with state, requested_size and, while :func:`record_history` keeps stacks, the
-    allocation's ``frames``)."""
-    return _snapshot()["segments"]
+    allocation's ``frames``).  With ``mempool_id`` (a :class:`MemPool`'s or graph's pool id)
+    only that pool's segments, as torch 2.13; ``include_traces`` is accepted as torch's."""
+    segments = _snapshot()["segments"]
+    if mempool_id is None:
+        return segments
+    try:
+        wanted = tuple(mempool_id)
+    except TypeError:
+        wanted = ()
+    if len(wanted) != 2 or not all(type(x) is int for x in wanted):
+        raise TypeError(f"memory_snapshot(mempool_id=...) takes a pool id, a tuple of two ints such as "
+                        f"MemPool().id, got {mempool_id!r}")
+    return [seg for seg in segments if tuple(seg["segment_pool_id"]) == wanted]
 
 
 def dump_snapshot(path) -> None:
