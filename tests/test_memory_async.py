@@ -91,7 +91,8 @@ def test_alloc_free_reuse(be, index):
     ptrs = [alloc.malloc(n, stream) for n in (1, 1000, 3 * MiB)]
     assert alloc.malloc(0) == 0 and len(set(ptrs)) == 3
     reserved = pool(be, index, "reserved_current")
-    assert reserved >= 3 * MiB + 1001 and pool(be, index, "used_current") == reserved
+    used = pool(be, index, "used_current")
+    assert used >= 3 * MiB + 1001 and reserved == -(-used // (2 * MiB)) * (2 * MiB)   # whole pages
     for p in ptrs:
         alloc.free(p)
     alloc.free(0)

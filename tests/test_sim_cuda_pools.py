@@ -47,15 +47,16 @@ def test_malloc_async_free_async_and_pool_statistics(lib):
     p = ffi.new("void **")
     ok(lib.cudaMallocAsync(p, 1000, s))
     assert p[0] != ffi.NULL
-    assert stat(lib, pool, "used") == stat(lib, pool, "reserved") == 1024
-    assert free_bytes(lib) == before - 1024
+    page = 2 << 20      # the pool's backing grows in whole pages (test below)
+    assert stat(lib, pool, "used") == 1024 and stat(lib, pool, "reserved") == page
+    assert free_bytes(lib) == before - page
     ok(lib.cudaFreeAsync(p[0], s))
     ok(lib.cudaStreamSynchronize(s))
     assert stat(lib, pool, "used") == 0 and stat(lib, pool, "used_high") == 1024
     # freed memory stays in the pool (reserved) and is reused without growing it
-    assert stat(lib, pool, "reserved") == 1024
+    assert stat(lib, pool, "reserved") == page
     ok(lib.cudaMallocAsync(p, 512, s))
-    assert stat(lib, pool, "reserved") == 1024 and stat(lib, pool, "used") == 512
+    assert stat(lib, pool, "reserved") == page and stat(lib, pool, "used") == 512
     ok(lib.cudaFreeAsync(p[0], s))
     ok(lib.cudaStreamSynchronize(s))
     ok(lib.cudaMemPoolTrimTo(pool, 0))
@@ -160,3 +161,28 @@ def test_peer_access(lib):
     assert lib.cudaDeviceEnablePeerAccess(0, 0) == lib.cudaErrorInvalidDevice
     ok(lib.cudaDeviceDisablePeerAccess(1))
     assert lib.cudaDeviceDisablePeerAccess(1) == lib.cudaErrorPeerAccessNotEnabled
+
+
+def test_pool_backing_grows_and_trims_in_whole_pages(lib):
+    """A pool holds physical memory in pages of the allocation granularity (2 MiB), never
+    less: 1000 bytes in use reserve a whole page, freed pages go back whole at
+    cudaMemPoolTrimTo, and the page holding live bytes stays.  (The simulator reserved exactly
+    the bytes asked for, below the physical floor, before this.)"""
+    page = 2 << 20
+    s = stream(lib)
+    pool = pool_of(lib)
+    before = free_bytes(lib)
+    small, big = ffi.new("void **"), ffi.new("void **")
+    ok(lib.cudaMallocAsync(small, 1000, s))
+    assert stat(lib, pool, "used") == 1024 and stat(lib, pool, "reserved") == page
+    assert free_bytes(lib) == before - page
+    ok(lib.cudaMallocAsync(big, 3 * page, s))      # 1024 bytes of the first page are taken
+    assert stat(lib, pool, "reserved") == 4 * page
+    ok(lib.cudaFreeAsync(big[0], s))
+    ok(lib.cudaStreamSynchronize(s))
+    ok(lib.cudaMemPoolTrimTo(pool, page + 1))        # keeps at most whole pages within the bound
+    assert stat(lib, pool, "reserved") == page and free_bytes(lib) == before - page
+    ok(lib.cudaFreeAsync(small[0], s))
+    ok(lib.cudaStreamSynchronize(s))
+    ok(lib.cudaMemPoolTrimTo(pool, 0))
+    assert stat(lib, pool, "reserved") == 0 and free_bytes(lib) == before

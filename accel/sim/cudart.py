@@ -2269,6 +2269,14 @@ def cudaFuncGetAttributes(R, attr, func):
 # cudaDeviceGraphMemTrim.  Explicitly built graphs (cudaGraphAddMemAllocNode) are not
 # simulated, like every other explicit graph construction call.
 
+# The pool's backing memory (cudaMemPoolAttrReservedMemCurrent) grows and shrinks in whole pages
+# of the allocation granularity: pools are built on the virtual memory calls, whose physical
+# allocations are multiples of cuMemGetAllocationGranularity (2 MiB here, as _vmm.GRANULARITY).
+# How much more the driver reserves at a time is not documented; whole pages are the least any
+# implementation can hold, so reserved memory never drops below the 2 MiB floor of what is used.
+# Placement inside the pool is not modelled (freed bytes are reusable by any size: no
+# fragmentation), which is more generous than the hardware; only the page rounding is enforced.
+_POOL_CHUNK = _vmm.GRANULARITY
 _POOL_REUSE_FOLLOW_EVENTS, _POOL_REUSE_OPPORTUNISTIC, _POOL_REUSE_INTERNAL_DEPS = 1, 2, 3
 _POOL_RELEASE_THRESHOLD = 4
 _POOL_RESERVED_CURRENT, _POOL_RESERVED_HIGH, _POOL_USED_CURRENT, _POOL_USED_HIGH = 5, 6, 7, 8
@@ -2311,7 +2319,7 @@ def cudaMallocAsync(R, devPtr, size, hStream):
     pool, dev = _default_pool(R, s.device), R.devices[s.device]
     n = (size + 255) & ~255
     with R.mlock:
-        grow = max(0, n - (pool.reserved - pool.used))
+        grow = -(-max(0, n - (pool.reserved - pool.used)) // _POOL_CHUNK) * _POOL_CHUNK
         if dev.used + grow > R.cfg.memory - dev.reserved:
             return cudaErrorMemoryAllocation
         dev.used += grow
@@ -2422,7 +2430,8 @@ def cudaMemPoolTrimTo(R, memPool, minBytesToKeep):
     if minBytesToKeep < 0:
         return cudaErrorInvalidValue
     with R.mlock:
-        release = max(0, min(pool.reserved - pool.used, pool.reserved - minBytesToKeep))
+        keep = max(-(-pool.used // _POOL_CHUNK) * _POOL_CHUNK, minBytesToKeep // _POOL_CHUNK * _POOL_CHUNK)
+        release = max(0, pool.reserved - keep)
         pool.reserved -= release
         R.devices[pool.device].used -= release
     return cudaSuccess
