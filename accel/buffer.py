@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import operator
 import re
+import sys
 from typing import Optional
 
 from . import _finalize as _fin
@@ -694,7 +695,9 @@ class Buffer:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def __del__(self):
+    def __del__(self, _finalizing=sys.is_finalizing):
+        if _finalizing():
+            return      # interpreter exit: module globals may be gone; the process takes it all
         # Never waits on the allocator's lock (see accel._finalize); nothing in a forked child.
         if getattr(self, "_closed", True) or self._pid != _fin.pid:
             return
@@ -724,7 +727,9 @@ class _Pin:
         self._buf = buf
         buf._pins.add(id(self))
 
-    def __del__(self):
+    def __del__(self, _finalizing=sys.is_finalizing):
+        if _finalizing():
+            return      # interpreter exit: module globals may be gone; the process takes it all
         buf = self._buf
         buf._pins.discard(id(self))
         if buf._pid != _fin.pid or buf._backend is not _lazy._initialized_backend:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import operator
+import sys
 import threading
 import warnings
 from typing import Optional, Tuple
@@ -330,7 +331,9 @@ class Graph:
         if self._pid != _fin.pid:
             raise _fin.forked_error(self._backend)
 
-    def __del__(self):
+    def __del__(self, _finalizing=sys.is_finalizing):
+        if _finalizing():
+            return      # interpreter exit: module globals may be gone; the process takes it all
         # Never waits on a lock (see accel._finalize); nothing in a forked child.
         if (getattr(self, "_backend", None) is not None and self._stream is None
                 and self._pid == _fin.pid and _lazy.is_initialized()):

@@ -31,6 +31,7 @@ ExternalStream "is being used").
 from __future__ import annotations
 
 import operator
+import sys
 import threading
 import weakref
 from typing import Callable, Dict, List, Optional, Tuple
@@ -109,7 +110,9 @@ class _ForeignAnchor:
     def __init__(self, backend: Backend, index: int, handle: int):
         self.backend, self.index, self.handle, self.pid = backend, index, handle, _fin.pid
 
-    def __del__(self):
+    def __del__(self, _finalizing=sys.is_finalizing):
+        if _finalizing():
+            return      # interpreter exit: module globals may be gone; the process takes it all
         if self.pid == _fin.pid and _lazy.is_initialized():
             _fin.finalize(_forget, self.backend, self.index, self.handle, False)
 
@@ -457,7 +460,9 @@ class Stream:
             _live_streams[(self._index, self._handle)] = self
             raise
 
-    def __del__(self):
+    def __del__(self, _finalizing=sys.is_finalizing):
+        if _finalizing():
+            return      # interpreter exit: module globals may be gone; the process takes it all
         # Never waits on a lock (hooks try theirs; see accel._finalize); nothing in a forked child.
         if (getattr(self, "_owned", False) and not self._closed and self._pid == _fin.pid
                 and _lazy.is_initialized()):
@@ -707,7 +712,9 @@ class Event:
                 self._closed = False    # the runtime still has it: close() again (or the finalizer) retries
                 raise
 
-    def __del__(self):
+    def __del__(self, _finalizing=sys.is_finalizing):
+        if _finalizing():
+            return      # interpreter exit: module globals may be gone; the process takes it all
         if (getattr(self, "_handle", None) is not None and not self._closed and self._pid == _fin.pid
                 and _lazy.is_initialized()):
             self._closed = True

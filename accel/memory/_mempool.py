@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 import threading
 from typing import Iterator, List, Tuple
 
@@ -126,7 +127,9 @@ class MemPool:
         if self._pid != _fin.pid:
             raise _fin.forked_error(self._backend)
 
-    def __del__(self):
+    def __del__(self, _finalizing=sys.is_finalizing):
+        if _finalizing():
+            return      # interpreter exit: module globals may be gone; the process takes it all
         # Never waits on a lock (see accel._finalize); nothing in a forked child.
         if getattr(self, "_backend", None) is not None and self._pid == _fin.pid and _lazy.is_initialized():
             _fin.finalize(_release, self._backend, self._index, self._id)
