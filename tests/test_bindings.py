@@ -19,7 +19,7 @@ import accel._ffi as F
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(REPO, "tools", "gen_bindings.py")
-ALL = ["cudart", "nvml", "ze", "objc", "metal"]
+ALL = ["cudart", "nvml", "ze", "objc", "metal", "nvrtc"]
 HEADER_LIBS = ["cudart", "nvml", "ze"]
 # generator keys of the per-major CUDA modules (accel._ffi.cudart_module) and the driver types
 CUDA_GEN = ["cudart", "cudart12", "cudadrv"]
@@ -77,7 +77,7 @@ def test_regeneration_is_byte_identical(tool, name):
 
 
 def test_check_mode_reports_up_to_date(tool):
-    for name in HEADER_LIBS:
+    for name in HEADER_LIBS + ["nvrtc"]:
         lib = tool.LIBRARIES[name]
         if tool.find_compiler() is None or tool.find_include_root(lib) is None:
             pytest.skip("%s headers or compiler missing" % name)
@@ -128,6 +128,8 @@ def test_generated_headers_say_generated_and_record_versions():
         assert int(mod.HEADER_VERSIONS["CUDART_VERSION"]) // 1000 == major
     assert F.module("nvml").HEADER_VERSIONS["NVML_API_VERSION"].isdigit()
     assert "ZE_API_VERSION_CURRENT" in F.module("ze").HEADER_VERSIONS
+    # nvrtc.h has no version macro: the package that installed it is recorded
+    assert F.module("nvrtc").HEADER_VERSIONS["nvrtc.h package"].startswith(("nvidia-cuda-nvrtc", "CUDA toolkit"))
 
 
 # -- generated module contents --------------------------------------------------
@@ -235,7 +237,8 @@ def test_import_opens_nothing_and_needs_no_parser():
         print(json.dumps({
             "parser": sorted(m for m in sys.modules if m.startswith(("pycparser", "cffi"))),
             "before": before,
-            "libs": [n for n in ("libcudart", "libnvidia-ml", "libze_loader", "libobjc") if n in maps],
+            "libs": [n for n in ("libcudart", "libnvidia-ml", "libze_loader", "libobjc", "libnvrtc")
+                     if n in maps],
         }))
     """)
     assert got["parser"] == []
@@ -282,6 +285,24 @@ def test_candidates_search_order(monkeypatch):
     assert any("nvidia/cu13/lib" in p for p in c)
     assert F.candidates("nvml")[0] == "libnvidia-ml.so.1"
     assert F.candidates("ze")[0] == "libze_loader.so.1"
+    nv = F.candidates("nvrtc")
+    wheel = [i for i, p in enumerate(nv) if "nvidia/cu13/lib/libnvrtc.so.13" in p]
+    toolkit = nv.index("/opt/mycuda/lib64/libnvrtc.so.13")
+    assert wheel and wheel[0] < toolkit < nv.index("libnvrtc.so.13")   # wheel, toolkit, system
+    assert nv[-3:] == ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]
+
+
+def test_nvrtc_env_override_file_or_lib_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("ACCEL_NVRTC_PATH", str(tmp_path / "libnvrtc.so.13"))
+    assert F.nvrtc_search() == ([(str(tmp_path / "libnvrtc.so.13"), "ACCEL_NVRTC_PATH")], True)
+    (tmp_path / "libnvrtc.so.12").write_bytes(b"")
+    monkeypatch.setenv("ACCEL_NVRTC_PATH", str(tmp_path))       # a lib/ directory: the libnvrtc in it
+    assert F.candidates("nvrtc") == [str(tmp_path / "libnvrtc.so.12")]
+    monkeypatch.setattr(F, "_opened", {})
+    with pytest.raises(F.LibraryNotFound) as ei:
+        F.open_library("nvrtc")
+    assert "ACCEL_NVRTC_PATH" in str(ei.value) and str(tmp_path / "libnvrtc.so.12") in str(ei.value)
+    assert not F.is_open("nvrtc")
 
 
 def test_has_symbol_on_a_fake_lib():
@@ -410,6 +431,28 @@ def test_real_nvml():
         print(json.dumps({"missing": F.missing_symbols("nvml")}))
     """)
     assert got["missing"] == []
+
+
+def test_real_nvrtc():
+    """The generated NVRTC declarations against the real libnvrtc (the nvidia-cuda-nvrtc
+    wheel or the toolkit): every function exported, and the builtins library preloaded
+    beside it (the wheel's lib/ is on no loader path; without it the first compile fails
+    with NVRTC_ERROR_BUILTIN_OPERATION_FAILURE)."""
+    _open_or_skip("nvrtc")
+    got = _run_py("""
+        import json, accel._ffi as F
+        ffi, lib, path = F.open_library("nvrtc")
+        major, minor = ffi.new("int *"), ffi.new("int *")
+        rc = lib.nvrtcVersion(major, minor)
+        maps = open("/proc/self/maps").read()
+        print(json.dumps({"missing": F.missing_symbols("nvrtc"), "rc": rc, "v": [major[0], minor[0]],
+                          "builtins": "libnvrtc-builtins" in maps, "path": path,
+                          "err6": ffi.string(lib.nvrtcGetErrorString(6)).decode()}))
+    """)
+    assert got["missing"] == [], got["path"]
+    assert got["rc"] == 0 and got["v"][0] >= 12
+    assert got["err6"] == "NVRTC_ERROR_COMPILATION"
+    assert got["builtins"], "libnvrtc-builtins was not loaded beside %s" % got["path"]
 
 
 def test_real_ze_loader():

@@ -4,7 +4,7 @@
 Usage::
 
     python tools/gen_bindings.py            # (re)write accel/_ffi/_cudart.py, _cudart12.py, _cudadrv.py,
-                                            # _nvml.py, _ze.py, _objc.py, _metal.py
+                                            # _nvml.py, _ze.py, _objc.py, _metal.py, _nvrtc.py
     python tools/gen_bindings.py --check    # regenerate in memory; exit 1 and summarize if accel/_ffi differs
     python tools/gen_bindings.py --only cudart,cudart12
 
@@ -89,6 +89,10 @@ CUDART_FUNCTIONS = [
     "cudaDeviceGraphMemTrim", "cudaDeviceGetGraphMemAttribute", "cudaDeviceSetGraphMemAttribute",
     # issue 17 item 5: Stream.from_handle checks a foreign stream's device (CUDA >= 12.8)
     "cudaStreamGetDevice",
+    # issue 18 item 2: Kernel.max_potential_block_size (cudaOccupancyMaxPotentialBlockSize is a
+    # header-only C++ template in cuda_runtime.h, not an export: accel runs its search in Python
+    # over this call); every CUDA >= 6.5 has it
+    "cudaOccupancyMaxActiveBlocksPerMultiprocessor",
 ]
 
 # Runtimes older than these functions (checked against the real exports in
@@ -321,6 +325,19 @@ id MTLCopyAllDevices(void);
 """
 
 
+# NVRTC (issue 18 item 3: accel.compile, CUDA C -> PTX).  nvrtc.h from the nvidia-cuda-nvrtc
+# wheel (nvidia/cu13/include; the cu12 wheel: nvidia/cuda_nvrtc/include) or the toolkit.  These
+# have kept their signatures from CUDA 11.1 through 13 (nvrtcGetCUBIN came with 11.1), so one
+# module serves libnvrtc.so.12 and .so.13.  nvrtc.h has no version macro: the version recorded
+# is the package's that installed the header (Library.header_package).
+NVRTC_FUNCTIONS = [
+    "nvrtcGetErrorString", "nvrtcVersion", "nvrtcGetNumSupportedArchs", "nvrtcGetSupportedArchs",
+    "nvrtcCreateProgram", "nvrtcDestroyProgram", "nvrtcCompileProgram",
+    "nvrtcGetPTXSize", "nvrtcGetPTX", "nvrtcGetCUBINSize", "nvrtcGetCUBIN",
+    "nvrtcGetProgramLogSize", "nvrtcGetProgramLog",
+]
+
+
 @dataclass
 class Library:
     """One generated module."""
@@ -345,6 +362,9 @@ class Library:
     # Real libraries to symbol-check the generated module against (first that exists).
     real_libraries: Tuple[callable, ...] = ()
     key: Optional[str] = None         # accel._ffi.open_library key when not ``name`` (cudart12 -> cudart)
+    # Record the version of the package that installed the headers (a wheel's dist-info, the
+    # toolkit's version.json or directory name): for headers without a version macro (nvrtc.h).
+    header_package: bool = False
 
 
 def _site_dirs() -> List[str]:
@@ -416,6 +436,70 @@ def _nvml_roots():
 def _ze_roots():
     yield "/usr/include/level_zero"
     yield "/usr/local/include/level_zero"
+
+
+def _nvrtc_roots():
+    # The wheels first: that is where accel's loader finds libnvrtc first too.
+    for sp in _site_dirs():
+        yield os.path.join(sp, "nvidia", "cu13", "include")
+        yield os.path.join(sp, "nvidia", "cuda_nvrtc", "include")   # nvidia-cuda-nvrtc-cu12
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        v = os.environ.get(var)
+        if v:
+            yield os.path.join(v, "include")
+    yield "/usr/local/cuda/include"
+
+
+def _nvrtc_libs():
+    # The library next to the header first, so the check is against the version it describes.
+    for sp in _site_dirs():
+        yield os.path.join(sp, "nvidia", "cu13", "lib", "libnvrtc.so.13")
+        yield os.path.join(sp, "nvidia", "cuda_nvrtc", "lib", "libnvrtc.so.12")
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        v = os.environ.get(var)
+        if v:
+            yield os.path.join(v, "lib64", "libnvrtc.so.13")
+    yield "/usr/local/cuda/lib64/libnvrtc.so.13"
+
+
+def header_package(root: str, header: str) -> str:
+    """Which package installed ``root/header``: "<name> <version>" from the pip wheel whose
+    dist-info RECORD lists it, else the CUDA toolkit's version.json / directory name, else
+    "unknown".  Deterministic: reads only files next to the header."""
+    path = os.path.realpath(os.path.join(root, header))
+    d = os.path.dirname(path)
+    while True:
+        parent = os.path.dirname(d)
+        try:
+            infos = sorted(e for e in os.listdir(d) if e.endswith(".dist-info"))
+        except OSError:
+            infos = []
+        rel = os.path.relpath(path, d).replace(os.sep, "/")
+        for info in infos:
+            try:
+                with open(os.path.join(d, info, "RECORD"), errors="replace") as f:
+                    if not any(line.split(",", 1)[0] == rel for line in f):
+                        continue
+                with open(os.path.join(d, info, "METADATA"), errors="replace") as f:
+                    meta = dict(re.findall(r"^(Name|Version): (.+)$", f.read(), re.M))
+            except OSError:
+                continue
+            return "%s %s" % (meta.get("Name", info), meta.get("Version", "?"))
+        vj = os.path.join(d, "version.json")
+        if os.path.isfile(vj):
+            import json
+            try:
+                with open(vj) as f:
+                    data = json.load(f)
+                return "CUDA toolkit (cuda_nvrtc %s)" % data["cuda_nvrtc"]["version"]
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
+        m = re.fullmatch(r"cuda-(\d+\.\d+)", os.path.basename(d))
+        if m:
+            return "CUDA toolkit %s" % m.group(1)
+        if parent == d:
+            return "unknown"
+        d = parent
 
 
 LIBRARIES: Dict[str, Library] = {
@@ -496,6 +580,11 @@ LIBRARIES["cudadrv"] = Library(
     name="cudadrv", module="_cudadrv", functions=[], types=CUDADRV_TYPES,
     headers=["cudaTypedefs.h"], include_roots=(_cuda_roots,), version_macros=["CUDA_VERSION"],
     cuda_major=("cuda.h", "CUDA_VERSION", 13),
+)
+
+LIBRARIES["nvrtc"] = Library(
+    name="nvrtc", module="_nvrtc", functions=NVRTC_FUNCTIONS, headers=["nvrtc.h"],
+    include_roots=(_nvrtc_roots,), real_libraries=(_nvrtc_libs,), header_package=True,
 )
 
 # ---------------------------------------------------------------------------
@@ -1139,6 +1228,8 @@ def generate(lib: Library) -> Generated:
             m = re.search(r"@version\s+(\S+)", f.read(4096))
         if m:
             versions["%s @version" % h] = m.group(1)
+        if lib.header_package:
+            versions["%s package" % h] = header_package(root, h)
     files = sorted(f for f in model.files if not f.startswith("<"))
     prov = ["headers (relative to their include root): " + ", ".join(files)]
     # Whether crt/host_defines.h came from the root or from _STUB_AFTER_HEADERS is not
