@@ -622,7 +622,7 @@ def test_cuda__test_unpinned_memory_use_device_to_host(sim_graph_backend):
 
 # ------------------------------------------------------------------ pool ids
 def test_cuda__test_mempool_id(sim_graph_backend):
-    # TestMemPool.test_mempool_id without torch.cuda.MemPool (accel has no MemPool)
+    # TestMemPool.test_mempool_id's graph_pool_handle half (accel.MemPool's ids: tests/test_torch_mempool.py)
     pool1 = accel.graphs.graph_pool_handle()
     pool3 = accel.graphs.generate_graph_pool_handle()
     assert pool1[0] == 0 and pool3[0] == 0          # user-created ids are (0, n)
