@@ -57,6 +57,10 @@ __all__ += list(_MEMORY)
 # torch.cuda.MemPool / torch.cuda.use_mem_pool: accel/memory/_mempool.py
 _LAZY.update(MemPool=("accel.memory", "MemPool"), use_mem_pool=("accel.memory", "use_mem_pool"))
 __all__ += ["MemPool", "use_mem_pool"]
+# issue 18: user kernels (accel/kernels)
+_LAZY.update(Module=("accel.kernels", "Module"), Kernel=("accel.kernels", "Kernel"),
+             launch=("accel.kernels", "launch"))
+__all__ += ["Module", "Kernel", "launch"]
 
 
 def __getattr__(name):

@@ -89,6 +89,10 @@ CUDART_FUNCTIONS = [
     "cudaDeviceGraphMemTrim", "cudaDeviceGetGraphMemAttribute", "cudaDeviceSetGraphMemAttribute",
     # issue 17 item 5: Stream.from_handle checks a foreign stream's device (CUDA >= 12.8)
     "cudaStreamGetDevice",
+    # issue 18 item 2: Kernel.max_potential_block_size (cudaOccupancyMaxPotentialBlockSize is a
+    # header-only C++ template in cuda_runtime.h, not an export: accel runs its search in Python
+    # over this call); every CUDA >= 6.5 has it
+    "cudaOccupancyMaxActiveBlocksPerMultiprocessor",
 ]
 
 # Runtimes older than these functions (checked against the real exports in

@@ -546,3 +546,26 @@ class Backend(abc.ABC):
         device cannot run (no image for it, PTX the driver cannot JIT) raises
         :class:`accel.KernelImageError`, at load or at this first launch."""
         raise NotImplementedError(f"{self.name} has no kernel path")
+
+    # -- user kernels (accel.kernels): limits, attributes, occupancy ---------------------------
+    # Each raises NotImplementedError (with the reason) on a backend that cannot tell.
+    def launch_limits(self, index: int) -> dict:
+        """Launch limits of device ``index``: ``max_grid`` and ``max_block`` ((x, y, z)),
+        ``max_threads_per_block``, ``max_shared_per_block`` (dynamic shared memory without an
+        opt-in) and ``max_shared_per_block_optin`` (the most a kernel may opt in to)."""
+        raise NotImplementedError(f"{self.name} has no kernel path")
+
+    def function_attributes(self, function: int) -> dict:
+        """Attributes of a kernel on the current device: ``max_threads_per_block``,
+        ``num_regs``, ``shared_size_bytes`` (static), ``max_dynamic_shared_size_bytes``."""
+        raise NotImplementedError(f"{self.name} cannot read kernel attributes")
+
+    def function_set_max_dynamic_shared(self, function: int, nbytes: int) -> None:
+        """Let the kernel use up to ``nbytes`` of dynamic shared memory on the current device
+        (CUDA: cudaFuncAttributeMaxDynamicSharedMemorySize, needed above 48 KiB)."""
+        raise NotImplementedError(f"{self.name} cannot set kernel attributes")
+
+    def occupancy_max_active_blocks(self, function: int, block_size: int, dynamic_smem: int) -> int:
+        """Blocks of ``block_size`` threads of the kernel that fit on one multiprocessor of the
+        current device at once (cudaOccupancyMaxActiveBlocksPerMultiprocessor)."""
+        raise NotImplementedError(f"{self.name} has no occupancy calculator")

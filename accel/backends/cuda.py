@@ -701,5 +701,44 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
                     "cudaLaunchKernel")
 
 
+    # -- user kernels: limits, attributes, occupancy (accel.kernels) ---------------------------
+    def launch_limits(self, index: int) -> dict:
+        a = self._device_attribute
+        # cudaDevAttrMaxBlockDimX..Z (2-4), MaxGridDimX..Z (5-7), MaxThreadsPerBlock (1),
+        # MaxSharedMemoryPerBlock (8), MaxSharedMemoryPerBlockOptin (97)
+        return {"max_block": (a(2, index), a(3, index), a(4, index)),
+                "max_grid": (a(5, index), a(6, index), a(7, index)),
+                "max_threads_per_block": a(1, index), "max_shared_per_block": a(8, index),
+                "max_shared_per_block_optin": a(97, index)}
+
+    def _library_path_only(self, what: str) -> None:
+        if self._kernels() != "library":
+            raise NotImplementedError(f"{what} needs the runtime's kernel handles (cudaLibrary*, CUDA 12.8+); "
+                                      f"this runtime loads kernels through the driver entry points")
+
+    def function_attributes(self, function: int) -> dict:
+        self._library_path_only("kernel attributes")
+        attr = self.ffi.new("struct cudaFuncAttributes *")
+        self._check(self.lib.cudaFuncGetAttributes(attr, self.ffi.cast("void *", function)),
+                    "cudaFuncGetAttributes")
+        return {"max_threads_per_block": attr.maxThreadsPerBlock, "num_regs": attr.numRegs,
+                "shared_size_bytes": attr.sharedSizeBytes,
+                "max_dynamic_shared_size_bytes": attr.maxDynamicSharedSizeBytes}
+
+    def function_set_max_dynamic_shared(self, function: int, nbytes: int) -> None:
+        self._library_path_only("cudaFuncSetAttribute")
+        self._check(self.lib.cudaFuncSetAttribute(self.ffi.cast("void *", function),
+                                                  8, nbytes),   # cudaFuncAttributeMaxDynamicSharedMemorySize
+                    "cudaFuncSetAttribute")
+
+    def occupancy_max_active_blocks(self, function: int, block_size: int, dynamic_smem: int) -> int:
+        self._library_path_only("the occupancy calculator")
+        n = self.ffi.new("int *")
+        self._check(self.lib.cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            n, self.ffi.cast("void *", function), block_size, dynamic_smem),
+            "cudaOccupancyMaxActiveBlocksPerMultiprocessor")
+        return n[0]
+
+
 def create() -> CudaBackend:
     return CudaBackend(simulated=os.environ.get("ACCEL_SIM", "").strip().lower() == "cuda")

@@ -921,6 +921,14 @@ class MPSBackend(Backend):
             rt.send(enc, M_END_ENCODING)
             self._encoded(st)
 
+    def launch_limits(self, index: int) -> dict:
+        # Apple, "Metal Feature Set Tables" (Apple GPU families): 1024 threads per threadgroup
+        # (maxThreadsPerThreadgroup is 1024 in each dimension) and 32 KB of threadgroup memory,
+        # with no opt-in beyond it; a grid position (threadgroup_position_in_grid) is a 32-bit uint.
+        return {"max_grid": (2 ** 32 - 1,) * 3, "max_block": (1024, 1024, 1024),
+                "max_threads_per_block": 1024, "max_shared_per_block": 32 * 1024,
+                "max_shared_per_block_optin": 32 * 1024}
+
 
 def create() -> MPSBackend:
     """The factory accel.backends calls; constructing opens nothing."""

@@ -40,7 +40,8 @@ from . import core
 from .core import Config, clear_faults, configure, inject_error, inject_oom, reset_call_counts, select_runtime
 
 __all__ = ["LIBRARIES", "open_library", "configure", "config", "inject_error", "inject_oom", "clear_faults",
-           "state", "calls", "reset_call_counts", "reset", "Config", "select_runtime"]
+           "state", "calls", "reset_call_counts", "reset", "Config", "select_runtime",
+           "register_kernel", "unregister_kernel"]
 
 #: Simulated library name -> "module:factory" (the factory returns the lib-like object).
 LIBRARIES: Dict[str, str] = {
@@ -64,6 +65,38 @@ def open_library(name: str):
     module_name, factory = target.split(":")
     module = importlib.import_module(module_name)
     return getattr(module, factory)()
+
+
+def register_kernel(name: str, fn, signature, *, replace: bool = False) -> None:
+    """Register ``fn`` as the Python reference a simulated launch of kernel ``name`` runs, on
+    every simulator (CUDA, Level Zero, Metal).  A real device never calls it.
+
+    ``signature``: the kernel's argument types, ``"ptr, u64, f32"`` or a sequence of those
+    names (``ptr``, ``u32``, ``i32``, ``u64``, ``i64``, ``f32``, ``f64``), in the order of the
+    kernel's parameters; a launch whose kernel declares other parameters (its PTX ``.entry``)
+    is refused.  ``fn(grid, block, view, *args)`` computes the whole launch at once:
+    ``grid``/``block`` are ``(x, y, z)``, ``ptr`` arguments arrive as int addresses and
+    ``view(ptr, nbytes, dtype=None)`` gives a writable numpy (or memoryview) window on
+    simulated memory, range-checked against live allocations::
+
+        def saxpy(grid, block, view, a, x, y, n):
+            view(y, 4 * n, "float32")[:] += np.float32(a) * view(x, 4 * n, "float32")
+
+        accel.sim.register_kernel("saxpy", saxpy, "f32, ptr, ptr, u64")
+
+    It runs in the stream's worker, in stream order.  Registering the same function again
+    is a no-op; another function under a taken name raises ValueError unless
+    ``replace=True``.  (``accel.sim.kernels.register(name, argtypes, fn)`` is the same
+    registry.)"""
+    from . import kernels
+    from .._ptx import parse_signature
+    kernels.register(name, parse_signature(signature), fn, replace=replace)
+
+
+def unregister_kernel(name: str) -> None:
+    """Forget the reference of kernel ``name`` (no error when there is none)."""
+    from . import kernels
+    kernels.unregister(name)
 
 
 def config() -> Config:

@@ -175,3 +175,21 @@ def image_bytes(ffi, code, charp) -> bytes:
         e_shentsize, e_shnum = struct.unpack_from("<HH", hdr, 0x3A)
         return ffi.buffer(p, e_shoff + e_shentsize * e_shnum)[:]
     return ffi.string(p)
+
+
+def declared_params(data: bytes) -> dict:
+    """{entry: accel argument types or None} from the PTX of image ``data`` (PTX text, or the PTX
+    entries of a fatbin); {} for a cubin, whose parameter lists accel does not read."""
+    from accel import _ptx
+    if data[:4] == struct.pack("<I", FATBIN_MAGIC):
+        out: dict = {}
+        try:
+            for kind, _sm, body in fatbin_entries(data):
+                if kind == KIND_PTX:
+                    out.update(_ptx.ptx_entries(body))
+        except ImageError:
+            return {}
+        return out
+    if data[:4] == b"\x7fELF":
+        return {}
+    return _ptx.ptx_entries(data)

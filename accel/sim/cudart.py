@@ -260,14 +260,17 @@ class GraphExec:
 
 class Library:
     """A cudaLibrary_t (device None) or a driver CUmodule (loaded into ``device``'s context)."""
-    __slots__ = ("handle", "key", "names", "kernels", "device")
+    __slots__ = ("handle", "key", "names", "kernels", "device", "params")
 
-    def __init__(self, handle, names, device=None):
+    def __init__(self, handle, names, device=None, params=None):
         self.handle = handle
         self.key = ffi.cast(_VOIDP, handle)
         self.names = names
         self.device = device
         self.kernels: Dict[str, "KernelHandle"] = {}
+        # entry -> accel argument types from the PTX .entry declaration (None: the image has
+        # no PTX for it, or a parameter type accel cannot pass); see accel/_ptx.py
+        self.params: Dict[str, Optional[tuple]] = params or {}
 
 
 class KernelHandle:
@@ -2123,7 +2126,7 @@ def load_image(R: Runtime, code, device=None):
         return None, exc.code
     if jit:
         R.jit_compiles += 1
-    lib = Library(R.new_handle(), frozenset(names), device)
+    lib = Library(R.new_handle(), frozenset(names), device, _cuda_images.declared_params(data))
     Runtime.put(R.libraries, lib)
     return lib, cudaSuccess
 
@@ -2252,6 +2255,36 @@ def cudaFuncGetAttributes(R, attr, func):
         "requiredClusterWidth": 0, "requiredClusterHeight": 0, "requiredClusterDepth": 0,
         "clusterSchedulingPolicyPreference": 0, "nonPortableClusterSizeAllowed": 0,
     })
+    return cudaSuccess
+
+
+_MAX_BLOCKS_PER_SM = 32            # cudaDevAttrMaxBlocksPerMultiprocessor (compute capability 9.0)
+_MAX_THREADS_PER_SM = 2048         # cudaDevAttrMaxThreadsPerMultiProcessor
+_REGS_PER_SM = 65536               # cudaDevAttrMaxRegistersPerMultiprocessor
+_SIM_NUM_REGS = 32                 # what cudaFuncGetAttributes reports for a simulated kernel
+
+
+def cudaOccupancyMaxActiveBlocksPerMultiprocessor(R, numBlocks, func, blockSize, dynamicSMemSize):
+    """CUDA Runtime API, cudaOccupancyMaxActiveBlocksPerMultiprocessor: the blocks of the kernel
+    resident on one SM at once.  cudaErrorInvalidDeviceFunction for an unknown function,
+    cudaErrorInvalidValue for a NULL result or a block size outside 1..maxThreadsPerBlock.
+    Computed from the limits the CUDA Programming Guide ("Compute Capabilities", table of
+    technical specifications) gives for compute capability 9.0: 32 blocks, 2048 threads, 64K
+    registers (allocated per warp) and the SM's shared memory, of which each block also
+    reserves 1 KiB for the system ("Shared Memory" in the 9.0 section)."""
+    k = _lookup(R.kernels, func)
+    if k is None:
+        return cudaErrorInvalidDeviceFunction
+    if _is_null(numBlocks) or not (1 <= blockSize <= 1024) or dynamicSMemSize < 0:
+        return cudaErrorInvalidValue
+    warps = -(-blockSize // 32)
+    limits = [_MAX_BLOCKS_PER_SM, _MAX_THREADS_PER_SM // (warps * 32),
+              _REGS_PER_SM // (warps * 32 * _SIM_NUM_REGS)]
+    if dynamicSMemSize > k.max_dynamic_shared.get(R.tls.device, _SHARED_PER_BLOCK):
+        limits.append(0)
+    else:
+        limits.append(_SHARED_PER_SM // (dynamicSMemSize + 1024))
+    _put(numBlocks, max(0, min(limits)))
     return cudaSuccess
 
 
@@ -2846,7 +2879,14 @@ def launch(R: Runtime, k: "KernelHandle", grid, block, args, sharedMem, s: Strea
         return cudaErrorInvalidValue
     ref = kernels.lookup(k.name)
     if ref is None:
+        # No Python reference registered (accel.sim.register_kernel): the simulator cannot run it.
         return cudaErrorInvalidDeviceFunction
+    declared = k.library.params.get(k.name)
+    if declared is not None and not kernels.matches(ref, declared):
+        # The kernel reads its parameters as its .entry declares them (PTX ISA, "Kernel Function
+        # Parameters"); a reference registered with another list would read other bytes.  The
+        # driver does not check argument lists (it cannot); the simulator refuses the launch.
+        return cudaErrorInvalidValue
     try:
         values = kernels.decode_args(ref, args)
     except ValueError:

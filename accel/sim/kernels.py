@@ -133,6 +133,14 @@ def names() -> Tuple[str, ...]:
     return tuple(sorted(_registry))
 
 
+def matches(kernel: Kernel, declared: Sequence[str]) -> bool:
+    """True when the reference's argument types read the same bytes as the kernel's declared
+    parameters (same count; pointers and 64-bit integers alike, signed and unsigned alike)."""
+    from accel._ptx import compatible
+    return len(kernel.argtypes) == len(declared) and all(
+        compatible(a, b) for a, b in zip(kernel.argtypes, declared))
+
+
 def decode_args(kernel: Kernel, argv) -> tuple:
     """Read the launch arguments from a ``void **`` array (cdata or address), one per argtype."""
     if not kernel.argtypes:

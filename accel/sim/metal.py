@@ -775,8 +775,9 @@ class MTLDevice(SimObject):
         function = _as(self.rt, function, MTLFunction)
         reference = kernels.lookup(function.name)
         if reference is None:
-            self.rt.set_error(error, 1, f"the accel simulator has no numpy reference for kernel "
-                                        f"{function.name!r} (register it in accel/sim/kernels.py)")
+            self.rt.set_error(error, 1, f"the accel simulator has no Python reference for kernel "
+                                        f"{function.name!r}; register one: accel.sim.register_kernel("
+                                        f"{function.name!r}, fn, 'ptr, u64, ...')")
             return None
         return MTLComputePipelineState(self.rt, function, reference)
 

@@ -1,0 +1,167 @@
+"""Kernel parameter lists read from kernel images: PTX ``.entry`` declarations, MSL
+``kernel void NAME(`` entries and SPIR-V ``OpEntryPoint`` names.
+
+No dependencies, so both :mod:`accel.kernels` and the simulators (:mod:`accel.sim`) use it.
+
+PTX parameter types map to accel's kernel argument types
+(:data:`accel.backends.base.KERNEL_ARG_TYPES`) as follows (PTX ISA, "Kernel Function
+Parameters" and "Fundamental Types"):
+
+==========================  =======
+PTX                         accel
+==========================  =======
+``.u32``, ``.b32``          ``u32``
+``.s32``                    ``i32``
+``.u64``, ``.b64``          ``u64`` (a pointer is a ``.u64`` too: a Buffer passes its address)
+``.u64 .ptr ...``           ``ptr``
+``.s64``                    ``i64``
+``.f32``                    ``f32``
+``.f64``                    ``f64``
+==========================  =======
+
+Anything else (``.u8``/``.u16``/``.f16`` scalars, ``.b8 name[N]`` structs passed by value)
+has no accel type: :func:`ptx_params` names it in the error, and the caller passes an
+explicit signature instead.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from typing import Dict, List, Optional, Tuple
+
+#: PTX parameter type -> accel argument type.
+PTX_TYPES = {"u32": "u32", "b32": "u32", "s32": "i32", "u64": "u64", "b64": "u64", "s64": "i64",
+             "f32": "f32", "f64": "f64"}
+
+#: The accel argument types and their size in bytes.
+ARG_SIZES = {"ptr": 8, "u32": 4, "i32": 4, "u64": 8, "i64": 8, "f32": 4, "f64": 8}
+
+_ENTRY_RE = re.compile(r"\.entry\s+([A-Za-z_$%][\w$%]*)\s*\(([^)]*)\)", re.S)
+_PARAM_RE = re.compile(r"\.param\s+(.*?)\s*(?:,|$)", re.S)
+_COMMENT_RE = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
+_MSL_RE = re.compile(r"\bkernel\s+void\s+([A-Za-z_]\w*)\s*\(")
+
+
+class UnsupportedParam(ValueError):
+    """A PTX parameter whose type accel cannot pass (``str`` names it)."""
+
+
+def _param_type(decl: str, entry: str, i: int) -> str:
+    words = decl.split()
+    kinds = [w[1:] for w in words if w.startswith(".")]
+    if "ptr" in kinds:
+        return "ptr"
+    for k in kinds:
+        if k in PTX_TYPES:
+            if "[" in decl:     # .b32 name[4]: an array (a struct by value)
+                break
+            return PTX_TYPES[k]
+    raise UnsupportedParam(f"kernel {entry}: parameter {i} is declared '.param {decl}', which accel "
+                           f"cannot pass (supported: {', '.join('.' + t for t in PTX_TYPES)} and .u64 "
+                           f"pointers); give Module.function(name, signature=...) instead")
+
+
+def ptx_entries(text) -> Dict[str, Optional[Tuple[str, ...]]]:
+    """{entry name: parameter types} of every ``.entry`` in PTX ``text`` (str or bytes), in order.
+    An entry with a parameter accel cannot pass maps to None (:func:`ptx_params` says why)."""
+    if isinstance(text, (bytes, bytearray, memoryview)):
+        text = bytes(text).split(b"\0", 1)[0].decode("utf-8", "replace")
+    text = _COMMENT_RE.sub(" ", text)
+    out: Dict[str, Optional[Tuple[str, ...]]] = {}
+    for m in _ENTRY_RE.finditer(text):
+        try:
+            out[m.group(1)] = _params(m.group(1), m.group(2))
+        except UnsupportedParam:
+            out[m.group(1)] = None
+    return out
+
+
+def ptx_params(text, entry: str) -> Tuple[str, ...]:
+    """The accel argument types of kernel ``entry`` declared in PTX ``text``.
+    KeyError when there is no such entry; :class:`UnsupportedParam` for a type accel cannot pass."""
+    if isinstance(text, (bytes, bytearray, memoryview)):
+        text = bytes(text).split(b"\0", 1)[0].decode("utf-8", "replace")
+    text = _COMMENT_RE.sub(" ", text)
+    for m in _ENTRY_RE.finditer(text):
+        if m.group(1) == entry:
+            return _params(entry, m.group(2))
+    raise KeyError(entry)
+
+
+def _params(entry: str, body: str) -> Tuple[str, ...]:
+    decls = [d.strip() for d in body.split(",") if d.strip()]
+    out = []
+    for i, d in enumerate(decls):
+        if not d.startswith(".param"):
+            raise UnsupportedParam(f"kernel {entry}: parameter {i} ({d!r}) is not a .param declaration")
+        out.append(_param_type(d[len(".param"):].strip(), entry, i))
+    return tuple(out)
+
+
+def msl_entries(text) -> List[str]:
+    """Kernel names of MSL source: ``kernel void NAME(``."""
+    if isinstance(text, (bytes, bytearray, memoryview)):
+        text = bytes(text).decode("utf-8", "replace")
+    return _MSL_RE.findall(_COMMENT_RE.sub(" ", text))
+
+
+SPIRV_MAGIC = 0x07230203
+_OP_ENTRY_POINT = 15
+_EXECUTION_MODEL_KERNEL = 6
+
+
+def spirv_entries(data: bytes) -> List[str]:
+    """Kernel names of a SPIR-V module: the ``OpEntryPoint Kernel`` instructions (SPIR-V
+    specification, 2.3 "Physical Layout" and 3.52.5 OpEntryPoint: word 0 is the word count
+    << 16 | opcode, then the execution model, the function id and a NUL-terminated name).
+    ValueError when ``data`` is not SPIR-V."""
+    data = bytes(data)
+    if len(data) < 20 or len(data) % 4:
+        raise ValueError(f"not a SPIR-V module: {len(data)} bytes (a module is a header of 5 words "
+                         "and whole 32-bit words)")
+    for order in "<>":
+        if struct.unpack_from(order + "I", data, 0)[0] == SPIRV_MAGIC:
+            break
+    else:
+        raise ValueError(f"not a SPIR-V module: magic {data[:4].hex()} (expected 0x07230203)")
+    words = struct.unpack(f"{order}{len(data) // 4}I", data)
+    names, pos = [], 5
+    while pos < len(words):
+        count, op = words[pos] >> 16, words[pos] & 0xFFFF
+        if count == 0:
+            raise ValueError(f"not a SPIR-V module: instruction of 0 words at word {pos}")
+        if op == _OP_ENTRY_POINT and words[pos + 1] == _EXECUTION_MODEL_KERNEL:
+            raw = struct.pack(f"<{count - 3}I", *words[pos + 3:pos + count])
+            names.append(raw.split(b"\0", 1)[0].decode("utf-8", "replace"))
+        pos += count
+    return names
+
+
+def parse_signature(signature, what: str = "signature") -> Tuple[str, ...]:
+    """A kernel signature as a tuple of accel argument types, from ``"ptr, u64, f32"`` or a
+    sequence of those names.  ValueError naming the bad entry."""
+    if isinstance(signature, str):
+        parts = [p.strip() for p in signature.split(",")]
+        if parts == [""]:
+            parts = []
+    else:
+        try:
+            parts = list(signature)
+        except TypeError:
+            raise TypeError(f"{what} must be a string like 'ptr, u64, f32' or a sequence of type "
+                            f"names, got {type(signature).__name__}") from None
+    for i, p in enumerate(parts):
+        if p not in ARG_SIZES:
+            raise ValueError(f"{what}: argument {i} has type {p!r}; expected one of "
+                             f"{', '.join(ARG_SIZES)} (e.g. 'ptr, u64, f32')")
+    return tuple(parts)
+
+
+def compatible(a: str, b: str) -> bool:
+    """True when arguments of types ``a`` and ``b`` have the same size and class (pointer and
+    64-bit integers are interchangeable, as are signed and unsigned integers of one size)."""
+    if a == b:
+        return True
+    ints = {"ptr", "u64", "i64"}, {"u32", "i32"}
+    return any(a in s and b in s for s in ints)

@@ -1,0 +1,233 @@
+"""accel.launch: check a launch against the kernel and the device, pack the arguments, queue it.
+
+Argument rules, per parameter type of the kernel (``Kernel.params``):
+
+* ``ptr``: a Buffer, an ArrayView or anything with ``.ptr`` and ``.device`` (its device must be
+  the kernel's), a Python int address (0 .. 2**64-1) or None (NULL).
+* ``u64`` (what PTX declares for pointers too): the same objects as ``ptr``, or an int.
+* ``u32``/``i32``/``i64``: a Python int within the type's range (``u32``: 0 .. 2**32-1,
+  ``i32``: -2**31 .. 2**31-1, ...).  bool is refused (pass ``int(flag)``).
+* ``f32``/``f64``: a Python float or int (rounded to nearest; a finite value beyond the float32
+  range is refused rather than becoming inf).
+* numpy scalars: accepted when numpy's ``can_cast(scalar.dtype, param dtype, "safe")`` holds,
+  i.e. the conversion is lossless for every value of the dtype (np.uint16 -> u32, np.float32 ->
+  f64 and np.int32 -> f64 are; np.int32 -> u32 and np.float64 -> f32 are not: cast first).
+
+Every refusal is a TypeError or ValueError naming the kernel, the argument's position and type.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Dict, Tuple
+
+from .. import _finalize as _fin, _lazy
+from .._errors import AcceleratorError
+from ._module import Kernel
+
+_RANGES = {"u32": (0, 2 ** 32 - 1), "i32": (-2 ** 31, 2 ** 31 - 1), "u64": (0, 2 ** 64 - 1),
+           "i64": (-2 ** 63, 2 ** 63 - 1), "ptr": (0, 2 ** 64 - 1)}
+_NUMPY = {"u32": "uint32", "i32": "int32", "u64": "uint64", "i64": "int64", "f32": "float32",
+          "f64": "float64", "ptr": "uint64"}
+_F32_MAX = 3.4028234663852886e38
+
+_limits: Dict[Tuple[int, int], dict] = {}
+_limits_lock = threading.Lock()
+
+
+def _reset() -> None:
+    _limits.clear()
+
+
+_lazy.register_reset_hook(_reset)
+
+
+def _device_limits(backend, index: int) -> dict:
+    key = (id(backend), index)
+    lim = _limits.get(key)
+    if lim is None:
+        with _limits_lock:
+            lim = _limits.get(key)
+            if lim is None:
+                lim = _limits[key] = backend.launch_limits(index)
+    return lim
+
+
+def _dims(value, what: str, kname: str) -> Tuple[int, int, int]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        dims = (value,)
+    elif isinstance(value, tuple) and 1 <= len(value) <= 3:
+        dims = value
+    else:
+        raise TypeError(f"launch({kname}): {what} must be an int or a tuple of 1 to 3 ints, got {value!r}")
+    for i, d in enumerate(dims):
+        if not isinstance(d, int) or isinstance(d, bool):
+            import operator
+            try:
+                d = operator.index(d)
+            except TypeError:
+                raise TypeError(f"launch({kname}): {what}[{i}] must be an int, got {type(d).__name__} {d!r}") from None
+        if d < 1:
+            raise ValueError(f"launch({kname}): {what}[{i}] is {d}; every {what} dimension must be >= 1")
+    dims = tuple(int(d) for d in dims)
+    return dims + (1,) * (3 - len(dims))
+
+
+def _is_simulated(backend) -> bool:
+    return os.environ.get("ACCEL_SIM", "").strip().lower() == backend.name
+
+
+def _bad(kernel: Kernel, i: int, kind: str, value, why: str) -> str:
+    shown = repr(value)
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    return f"launch({kernel.name}): argument {i} ({kind}) is {type(value).__name__} {shown}: {why}"
+
+
+def _pointer(kernel: Kernel, i: int, kind: str, value) -> int:
+    try:
+        ptr = value.ptr
+    except AttributeError:
+        raise TypeError(_bad(kernel, i, kind, value, "expected a Buffer, a typed view or an int address")) from None
+    dev = getattr(value, "device", None)
+    index = getattr(dev, "index", dev if isinstance(dev, int) else None)
+    dtype = getattr(dev, "type", kernel._backend.name)
+    if index is None or dtype != kernel._backend.name:
+        raise TypeError(_bad(kernel, i, kind, value, "an object with .ptr must also say its device (.device)"))
+    if index != kernel._index:
+        raise ValueError(_bad(kernel, i, kind, value,
+                              f"it is memory of device {index} but the kernel's module is loaded on device "
+                              f"{kernel._index}; load the module on device {index} (Module(image, device={index})) "
+                              f"or copy the data"))
+    return int(ptr)
+
+
+def _numpy_scalar(kernel, i, kind, value):
+    import numpy as np
+    target = np.dtype(_NUMPY[kind])
+    if not np.can_cast(value.dtype, target, "safe"):
+        raise TypeError(_bad(kernel, i, kind, value,
+                             f"numpy {value.dtype} does not convert to {target} without loss; cast it "
+                             f"first (np.{target}(x))"))
+    return value.item()
+
+
+def _pack(kernel: Kernel, i: int, kind: str, value):
+    """The (C type, value) pair of argument ``i`` for a parameter of type ``kind``."""
+    cls = type(value)
+    if cls is int:
+        lo, hi = _RANGES.get(kind, (None, None))
+        if lo is None:                        # f32 / f64
+            return kind, _float(kernel, i, kind, value)
+        if not lo <= value <= hi:
+            raise ValueError(_bad(kernel, i, kind, value, f"out of range for {kind} ({lo} .. {hi})"))
+        return kind, value
+    if cls is float:
+        if kind in ("f32", "f64"):
+            return kind, _float(kernel, i, kind, value)
+        raise TypeError(_bad(kernel, i, kind, value, f"a float for an integer parameter; pass an int"))
+    if value is None and kind in ("ptr", "u64"):
+        return "ptr", 0
+    if isinstance(value, bool):
+        raise TypeError(_bad(kernel, i, kind, value, "bool is not accepted; pass int(value)"))
+    if hasattr(value, "dtype") and getattr(value, "shape", None) == () and cls.__module__ == "numpy":
+        v = _numpy_scalar(kernel, i, kind, value)
+        return _pack(kernel, i, kind, v if kind in ("f32", "f64") else int(v))
+    if isinstance(value, int):                # int subclasses (IntEnum...)
+        return _pack(kernel, i, kind, int(value))
+    if kind in ("ptr", "u64") and hasattr(value, "ptr"):
+        return "ptr", _pointer(kernel, i, kind, value)
+    if hasattr(value, "ptr"):
+        raise TypeError(_bad(kernel, i, kind, value, f"device memory for a {kind} parameter (the kernel "
+                                                     "takes a number here)"))
+    raise TypeError(_bad(kernel, i, kind, value, f"expected {'a Buffer, a typed view, an int address or None' if kind == 'ptr' else 'an int' if kind in _RANGES else 'a float'}"))
+
+
+def _float(kernel, i, kind, value) -> float:
+    try:
+        f = float(value)
+    except OverflowError:
+        raise ValueError(_bad(kernel, i, kind, value, f"too large for {kind}")) from None
+    if kind == "f32" and abs(f) > _F32_MAX and f == f and abs(f) != float("inf"):
+        raise ValueError(_bad(kernel, i, kind, value, "beyond the float32 range (it would become inf)"))
+    return f
+
+
+def _check_reference(kernel: Kernel) -> None:
+    """On a simulator: the kernel needs a registered Python reference with matching parameters."""
+    from ..sim import kernels as simk
+    ref = simk.lookup(kernel.name)
+    example = ", ".join(kernel.params)
+    if ref is None:
+        raise AcceleratorError(
+            f"launch({kernel.name}): the simulator has no Python reference for kernel {kernel.name!r}; "
+            f"register one before launching: accel.sim.register_kernel({kernel.name!r}, fn, {example!r}) "
+            f"with fn(grid, block, view, *args) computing the whole launch", library="accel.sim")
+    if not simk.matches(ref, kernel.params):
+        raise ValueError(f"launch({kernel.name}): the simulator's reference takes ({', '.join(ref.argtypes)}) "
+                         f"but the kernel's parameters are ({example}); register it with that signature")
+
+
+def launch(kernel: Kernel, grid, block, *args, shared_mem: int = 0, stream=None) -> None:
+    """Queue ``kernel`` on ``stream`` (default: the current stream of the kernel's device) with a
+    ``grid`` of blocks of ``block`` threads (each an int or a tuple of 1-3 ints, every dimension
+    >= 1 and within the device's limits) and ``shared_mem`` bytes of dynamic shared memory.
+
+    ``args`` are checked against the kernel's parameters (see this module's docstring): their
+    number, their types and ranges, and that device memory is the kernel's device's.  Above
+    48 KiB of shared memory the kernel is opted in first (CUDA:
+    ``cudaFuncAttributeMaxDynamicSharedMemorySize``), up to the device's opt-in limit.
+    The launch runs with the stream's device current, so a stream of another device than the
+    current one works; it is captured like any work when the stream is capturing
+    (:class:`accel.Graph`).  Buffers passed are noted as used on ``stream`` (their memory is
+    not reused before the kernel ran).  On a simulator the kernel's Python reference runs
+    (:func:`accel.sim.register_kernel`)."""
+    if not isinstance(kernel, Kernel):
+        raise TypeError(f"launch(kernel, ...): kernel must be an accel.Kernel (Module(...).function(name)), "
+                        f"got {type(kernel).__name__}")
+    kernel.module._live()
+    backend, index, name = kernel._backend, kernel._index, kernel.name
+    from ..streams import _as_stream, current_stream, on_device
+    if stream is None:
+        stream = current_stream(index)
+    else:
+        stream = _as_stream(stream, f"launch({name}, stream=)")
+        if stream.device_index != index:
+            raise ValueError(f"launch({name}): stream is on device {stream.device_index} but the kernel's "
+                             f"module is loaded on device {index}; pass a stream of device {index} or "
+                             f"load the module on device {stream.device_index}")
+    grid = _dims(grid, "grid", name)
+    block = _dims(block, "block", name)
+    lim = _device_limits(backend, index)
+    for what, dims, most in (("grid", grid, lim["max_grid"]), ("block", block, lim["max_block"])):
+        for i, (d, m) in enumerate(zip(dims, most)):
+            if d > m:
+                raise ValueError(f"launch({name}): {what}[{i}] is {d}, above the device's limit of {m} "
+                                 f"(max {what} {tuple(most)})")
+    threads = block[0] * block[1] * block[2]
+    if threads > lim["max_threads_per_block"]:
+        raise ValueError(f"launch({name}): block {block} has {threads} threads, above the device's "
+                         f"{lim['max_threads_per_block']} threads per block")
+    if not isinstance(shared_mem, int) or isinstance(shared_mem, bool) or shared_mem < 0:
+        raise ValueError(f"launch({name}): shared_mem must be an int >= 0 (bytes), got {shared_mem!r}")
+    if shared_mem > lim["max_shared_per_block_optin"]:
+        raise ValueError(f"launch({name}): shared_mem={shared_mem} bytes is above the device's limit of "
+                         f"{lim['max_shared_per_block_optin']} bytes of dynamic shared memory per block")
+    params = kernel.params
+    if len(args) != len(params):
+        raise TypeError(f"launch({name}): the kernel takes {len(params)} argument(s) "
+                        f"({', '.join(params) or 'none'}), {len(args)} given")
+    packed = [_pack(kernel, i, kind, a) for i, (kind, a) in enumerate(zip(params, args))]
+    if _is_simulated(backend):
+        _check_reference(kernel)
+    with on_device(backend, index):
+        if shared_mem > lim["max_shared_per_block"] and shared_mem > kernel._smem_optin:
+            # CUDA Programming Guide, "Shared Memory" (7.x+): above 48 KB a kernel must opt in.
+            backend.function_set_max_dynamic_shared(kernel.handle, shared_mem)
+            kernel._smem_optin = shared_mem
+        backend.launch(kernel.handle, grid, block, packed, shared_mem, stream.handle)
+    for a in args:
+        note = getattr(a, "_note", None) or getattr(getattr(a, "_buffer", None), "_note", None)
+        if note is not None and getattr(a, "device", None) is not None:
+            note(stream)

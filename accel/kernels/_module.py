@@ -1,0 +1,318 @@
+"""accel.Module (a loaded kernel image) and accel.Kernel (one of its kernels)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from typing import Dict, Optional, Tuple
+
+from .. import _finalize as _fin, _lazy, _ptx
+from .._device import DeviceLike
+from .._errors import AcceleratorError
+
+_FATBIN_MAGIC = b"\x50\xed\x55\xba"
+
+
+def _read_image(image) -> Tuple[bytes, Optional[str]]:
+    """(bytes, path or None) of a Module argument: bytes-like, a path, or source text."""
+    if isinstance(image, os.PathLike) or (isinstance(image, str) and "\n" not in image and "\0" not in image
+                                          and len(image) < 4096):
+        path = os.fspath(image)
+        try:
+            with open(path, "rb") as f:
+                return f.read(), path
+        except OSError as exc:
+            raise ValueError(f"Module(image): cannot read {path!r} ({exc.strerror}); pass the image as "
+                             f"bytes, a path to a file, or source text (str with newlines)") from None
+    if isinstance(image, str):
+        return image.encode(), None
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        return bytes(image), None
+    raise TypeError(f"Module(image) takes bytes (PTX, cubin, fatbin, MSL or SPIR-V), a path, or source "
+                    f"text, got {type(image).__name__}")
+
+
+def _image_kind(data: bytes, language: str) -> str:
+    if language == "ptx":
+        if data[:4] == _FATBIN_MAGIC:
+            return "fatbin"
+        if data[:4] == b"\x7fELF":
+            return "cubin"
+        if b".entry" not in data:
+            raise ValueError("Module(image): CUDA takes PTX text (with a .entry), a cubin or a fatbin; "
+                             f"this image is none of them (starts {data[:16]!r})")
+        return "ptx"
+    if language == "spirv":
+        try:
+            _ptx.spirv_entries(data)
+        except ValueError as exc:
+            raise ValueError(f"Module(image): Level Zero takes SPIR-V; {exc}") from None
+        return "spirv"
+    if language == "msl":
+        if b"\0" in data:
+            raise ValueError("Module(image): Metal takes MSL source text (no NUL bytes)")
+        return "msl"
+    return language
+
+
+def _entries(data: bytes, kind: str) -> Dict[str, Optional[Tuple[str, ...]]]:
+    """{kernel name: parameter types, or None when the image does not declare them}."""
+    if kind == "ptx":
+        return _ptx.ptx_entries(data)
+    if kind == "msl":
+        return dict.fromkeys(_ptx.msl_entries(data))
+    if kind == "spirv":
+        return dict.fromkeys(_ptx.spirv_entries(data))
+    # The container layouts (accel/sim/_cuda_images.py reads them as the driver does).
+    from ..sim import _cuda_images
+    try:
+        if kind == "cubin":
+            return dict.fromkeys(_cuda_images.elf_entries(data))
+        out: Dict[str, Optional[Tuple[str, ...]]] = {}
+        for k, _sm, body in _cuda_images.fatbin_entries(data):
+            if k == _cuda_images.KIND_PTX:
+                out.update(_ptx.ptx_entries(body))
+            else:
+                for name in _cuda_images.elf_entries(body):
+                    out.setdefault(name, None)
+        return out
+    except _cuda_images.ImageError:
+        return {}   # the driver says what is wrong at load
+
+
+class UnknownKernelError(KeyError):
+    """No kernel of that name in the module (a KeyError whose message reads as a sentence)."""
+
+    def __str__(self):
+        return str(self.args[0]) if self.args else ""
+
+
+def _unload(backend, index: int, handle: int) -> None:
+    from ..streams import on_device
+    with on_device(backend, index):
+        backend.module_unload(handle)
+
+
+class Module:
+    """``Module(image, device=None)``: a kernel image loaded on one device.
+
+    ``image`` is bytes, a path (str or ``os.PathLike``), or source text (a str with newlines):
+
+    * CUDA: PTX text, a cubin or a fatbin (``nvcc -ptx/-cubin/-fatbin``, or
+      ``accel.compile(...).ptx``), loaded with ``cudaLibraryLoadData`` (runtime 12.8+) or the
+      driver's ``cuModuleLoadData``; the driver JITs PTX for the device.
+    * Metal: MSL source, compiled by ``newLibraryWithSource:options:error:`` (the compiler's
+      log is in the error).
+    * Level Zero: SPIR-V, built by ``zeModuleCreate`` (the build log is in the error).
+
+    The module belongs to ``device`` (default: the current device) and its kernels launch only
+    on that device's streams.  :meth:`close` unloads it (so does collection of the module and
+    of every :class:`Kernel` taken from it).  ``entries`` lists its kernel names.
+    """
+
+    def __init__(self, image, device: DeviceLike = None):
+        from .._device import checked_index
+        from ..streams import on_device
+        data, self.path = _read_image(image)
+        backend = _lazy.lazy_init()
+        language = backend.kernel_language
+        if language is None:
+            raise AcceleratorError(f"{backend.name} has no kernel path: accel cannot load kernels there",
+                                   library=backend.name)
+        index = checked_index(device)
+        self.kind = _image_kind(data, language)
+        self._entries = _entries(data, self.kind)
+        self._backend, self._index, self._lock = backend, index, threading.Lock()
+        self._kernels = weakref.WeakValueDictionary()   # (name, params) -> Kernel: no cycle with them
+        self._handle = None
+        self._pid = _fin.pid
+        with on_device(backend, index):
+            self._handle = backend.module_load(data)
+        self.language = language
+
+    @property
+    def device(self):
+        """The device the module is loaded on."""
+        from .._device import device
+        return device(self._backend.name, self._index)
+
+    @property
+    def device_index(self) -> int:
+        return self._index
+
+    @property
+    def entries(self) -> Tuple[str, ...]:
+        """The kernel names the image defines (as read from it)."""
+        return tuple(self._entries)
+
+    @property
+    def closed(self) -> bool:
+        return self._handle is None
+
+    def _live(self) -> int:
+        if self._pid != _fin.pid:
+            raise _fin.forked_error(self._backend)
+        h = self._handle
+        if h is None:
+            raise ValueError(f"{self!r} is closed; load the image again")
+        return h
+
+    def function(self, name: str, signature=None) -> "Kernel":
+        """The :class:`Kernel` called ``name``.  Its parameter list comes from the PTX ``.entry``
+        declaration when the image has PTX (see :mod:`accel._ptx` for the type mapping), else
+        from ``signature`` (``"ptr, u64, f32"`` or a sequence of those names: ``ptr``, ``u32``,
+        ``i32``, ``u64``, ``i64``, ``f32``, ``f64``).  A signature given with PTX must agree
+        with it (it may say ``ptr`` where PTX says ``.u64``).  Unknown names raise KeyError
+        listing the module's kernels."""
+        if not isinstance(name, str):
+            raise TypeError(f"Module.function(name): name must be a str, got {type(name).__name__}")
+        handle = self._live()
+        if self._entries and name not in self._entries:
+            raise UnknownKernelError(f"the module has no kernel named {name!r}; its kernels: "
+                           f"{', '.join(self._entries) or 'none'} (a C++ kernel's name is mangled unless "
+                           f"it is declared extern \"C\")")
+        declared = self._entries.get(name)
+        params = _resolve_params(name, declared, signature, self.kind, self._entries)
+        key = (name, params)
+        with self._lock:
+            k = self._kernels.get(key)
+            if k is not None:
+                return k
+        from ..streams import on_device
+        with on_device(self._backend, self._index):
+            try:
+                fn = self._backend.module_function(handle, name)
+            except AcceleratorError as exc:
+                if self._entries:
+                    raise       # a kernel the image defines: the runtime's own error says why
+                raise UnknownKernelError(f"the module has no kernel named {name!r} ({exc})") from None
+        k = Kernel(self, name, fn, params)
+        with self._lock:
+            return self._kernels.setdefault(key, k)
+
+    def close(self) -> None:
+        """Unload the module now; its kernels cannot be launched afterwards.  Work already
+        queued is not waited for by accel (the runtime keeps what it needs)."""
+        if self._pid != _fin.pid:
+            self._handle = None
+            return
+        with self._lock:
+            h, self._handle = self._handle, None
+        if h is not None:
+            _fin.release(_unload, self._backend, self._index, h)
+
+    def __del__(self):
+        h = getattr(self, "_handle", None)
+        if h is None or getattr(self, "_pid", None) != _fin.pid:
+            return
+        self._handle = None
+        _fin.finalize(_unload, self._backend, self._index, h)
+
+    def __enter__(self) -> "Module":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self):
+        state = " closed" if self._handle is None else ""
+        return (f"<accel.Module {self.kind} on {self._backend.name}:{self._index} "
+                f"entries={list(self._entries)}{state}>")
+
+
+def _resolve_params(name, declared, signature, kind, entries) -> Tuple[str, ...]:
+    if signature is not None:
+        given = _ptx.parse_signature(signature, f"Module.function({name!r}, signature=...)")
+        if declared is not None:
+            if len(given) != len(declared) or not all(_ptx.compatible(a, b) for a, b in zip(given, declared)):
+                raise ValueError(f"Module.function({name!r}): signature {', '.join(given) or '(none)'} does not "
+                                 f"match the PTX .entry parameters {', '.join(declared) or '(none)'}")
+        return given
+    if declared is not None:
+        return declared
+    if kind == "ptx" and name in entries:
+        why = "a parameter type accel cannot pass (see accel._ptx)"
+    else:
+        why = f"a {kind} image does not declare its parameter types"
+    raise ValueError(f"Module.function({name!r}): {why}; pass signature='ptr, u64, f32' (the kernel's "
+                     f"parameter types in order: ptr, u32, i32, u64, i64, f32, f64)")
+
+
+class Kernel:
+    """One kernel of a :class:`Module` (from :meth:`Module.function`); launch it with
+    :func:`accel.launch`.  ``params`` is its parameter list (accel argument types).
+
+    Occupancy (CUDA): :attr:`max_threads_per_block`, :attr:`num_regs`,
+    :attr:`shared_size_bytes` and :meth:`max_potential_block_size`, read on the module's device.
+    """
+
+    __slots__ = ("module", "name", "handle", "params", "_backend", "_index", "_smem_optin", "_packers",
+                 "__weakref__")
+
+    def __init__(self, module: Module, name: str, handle: int, params: Tuple[str, ...]):
+        self.module, self.name, self.handle, self.params = module, name, handle, params
+        self._backend, self._index = module._backend, module._index
+        self._smem_optin = 0        # the dynamic shared memory the kernel is opted in to (CUDA)
+        self._packers = None        # built on the first launch (accel.kernels._launch)
+
+    @property
+    def device(self):
+        return self.module.device
+
+    @property
+    def device_index(self) -> int:
+        return self._index
+
+    def _attributes(self) -> dict:
+        from ..streams import on_device
+        self.module._live()
+        with on_device(self._backend, self._index):
+            return self._backend.function_attributes(self.handle)
+
+    @property
+    def max_threads_per_block(self) -> int:
+        """The most threads a block of this kernel may have on its device (cudaFuncGetAttributes)."""
+        return self._attributes()["max_threads_per_block"]
+
+    @property
+    def num_regs(self) -> int:
+        """Registers each thread uses."""
+        return self._attributes()["num_regs"]
+
+    @property
+    def shared_size_bytes(self) -> int:
+        """Static shared memory per block, in bytes."""
+        return self._attributes()["shared_size_bytes"]
+
+    def max_potential_block_size(self, dynamic_smem: int = 0, block_size_limit: int = 0) -> Tuple[int, int]:
+        """(min_grid_size, block_size) reaching the best occupancy, as the CUDA header template
+        ``cudaOccupancyMaxPotentialBlockSize`` computes it (cuda_runtime.h; it is not an
+        exported function): every block size from the limit down in steps of the warp size,
+        through cudaOccupancyMaxActiveBlocksPerMultiprocessor, keeping the first that runs the
+        most threads per multiprocessor; min_grid_size fills every multiprocessor."""
+        for what, v in (("dynamic_smem", dynamic_smem), ("block_size_limit", block_size_limit)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"max_potential_block_size: {what} must be an int >= 0, got {v!r}")
+        from ..streams import on_device
+        self.module._live()
+        props = self._backend.properties(self._index)
+        limits = self._backend.launch_limits(self._index)
+        with on_device(self._backend, self._index):
+            func_max = self._backend.function_attributes(self.handle)["max_threads_per_block"]
+            limit = block_size_limit or limits["max_threads_per_block"]
+            limit = min(limit, limits["max_threads_per_block"], func_max)
+            warp, per_sm = props.warp_size or 32, props.max_threads_per_multi_processor
+            best = (0, 0, 0)    # (threads, block size, blocks)
+            aligned = -(-limit // warp) * warp
+            for tried in range(aligned, 0, -warp):
+                size = min(tried, limit)
+                blocks = self._backend.occupancy_max_active_blocks(self.handle, size, dynamic_smem)
+                if size * blocks > best[0]:
+                    best = (size * blocks, size, blocks)
+                if best[0] == per_sm:
+                    break
+        return best[2] * props.multi_processor_count, best[1]
+
+    def __repr__(self):
+        return f"<accel.Kernel {self.name}({', '.join(self.params)}) on {self._backend.name}:{self._index}>"
