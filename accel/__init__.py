@@ -17,8 +17,8 @@ from typing import Optional
 
 from . import _lazy, backends as _backends
 from ._device import DeviceLike, check_range, device, device_index as _device_index, parse_index as _parse_index
-from ._errors import (AcceleratorError, CaptureError, DeferredCallError, InvalidDeviceError, KernelImageError,
-                      OutOfMemoryError)
+from ._errors import (AcceleratorError, CaptureError, CompileError, DeferredCallError, InvalidDeviceError,
+                      KernelImageError, OutOfMemoryError)
 from ._lazy import is_initialized
 from .buffer import Buffer
 from .streams import Event, Stream, current_stream, default_stream, on_device as _on_device, set_stream
@@ -57,6 +57,10 @@ __all__ += list(_MEMORY)
 # torch.cuda.MemPool / torch.cuda.use_mem_pool: accel/memory/_mempool.py
 _LAZY.update(MemPool=("accel.memory", "MemPool"), use_mem_pool=("accel.memory", "use_mem_pool"))
 __all__ += ["MemPool", "use_mem_pool"]
+# CUDA C++ -> PTX through NVRTC (issue 18): accel/compiler.py.  `compile` shadows the builtin
+# inside this module only, as re.compile does.
+_LAZY["compile"] = ("accel.compiler", "compile")
+__all__ += ["compile", "CompileError"]
 # issue 18: user kernels (accel/kernels)
 _LAZY.update(Module=("accel.kernels", "Module"), Kernel=("accel.kernels", "Kernel"),
              launch=("accel.kernels", "launch"))

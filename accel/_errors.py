@@ -76,3 +76,20 @@ class KernelImageError(AcceleratorError):
     Raised at module load or, when the runtime loads lazily, at the first launch;
     callers with a host path (accel.random) fall back to it.
     """
+
+
+class CompileError(AcceleratorError):
+    """Source code did not compile into a kernel image: ``accel.compile`` (NVRTC: CUDA C to
+    PTX) or a backend that builds source at module creation (Metal's MSL, Level Zero's
+    SPIR-V).  ``log`` holds the compiler's log, which the message includes; ``library``,
+    ``call``, ``code`` and ``code_name`` say which call failed (e.g. ``nvrtc``,
+    ``nvrtcCompileProgram``, 6, ``NVRTC_ERROR_COMPILATION``).
+
+    A subclass of :class:`AcceleratorError` (so of ``RuntimeError``), as CuPy's
+    ``CompileException`` and cuda.core's NVRTC errors are runtime errors; a missing NVRTC is
+    not a compile error and raises ``RuntimeError`` naming what to install.
+    """
+
+    def __init__(self, message, *, log="", library=None, call=None, code=None, code_name=None):
+        super().__init__(message, library=library, call=call, code=code, code_name=code_name)
+        self.log = log
