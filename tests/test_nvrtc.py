@@ -331,3 +331,27 @@ def test_compile_is_exported_and_lazy():
     """)
     assert got == {"before": False, "mod": "accel.compiler", "builtin_ok": True, "exported": True,
                    "err": "AcceleratorError"}
+
+
+# -- which libnvrtc: the loaded runtime's major first ------------------------------------
+
+def test_open_nvrtc_tries_the_preferred_major_first(monkeypatch, tmp_path):
+    found = [(str(tmp_path / "a" / "libnvrtc.so.13"), "pip nvidia-cuda-nvrtc"),
+             (str(tmp_path / "b" / "libnvrtc.so.12"), "pip nvidia-cuda-nvrtc-cu12"),
+             (str(tmp_path / "c" / "libnvrtc.so.13"), "CUDA_HOME")]
+    monkeypatch.setattr(F, "nvrtc_search", lambda: (found, False))
+    monkeypatch.setattr(F, "_opened", {})
+    with pytest.raises(F.LibraryNotFound) as ei:
+        F.open_nvrtc(12)
+    assert [p for p, _why in ei.value.tried] == [found[1][0], found[0][0], found[2][0]]
+    with pytest.raises(F.LibraryNotFound) as ei:
+        F.open_nvrtc(None)                                   # no preference: search order
+    assert [p for p, _why in ei.value.tried] == [p for p, _s in found]
+
+
+def test_preferred_major_is_the_initialized_runtimes(monkeypatch):
+    assert _nvrtc._runtime_major() is None                   # nothing initialized
+    monkeypatch.setenv("ACCEL_SIM", "cuda")
+    accel.current_device_index()
+    backend = accel._lazy.ready
+    assert _nvrtc._runtime_major() == backend._choice.chosen.version // 1000
