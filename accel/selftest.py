@@ -6,7 +6,9 @@ trips from 1 B to 1 GiB, stream/event ordering, graph capture and replay, on a
 machine with 2+ devices the work on another device while this one is current
 (streams, events, fills, RNG, graph replay), copies between the devices and
 pinned copies to both (skipped, with the reason, on one device), the
-PTX Philox kernels bit-equal to the host path, recovery from out-of-memory,
+PTX Philox kernels bit-equal to the host path, a user kernel (SAXPY in CUDA C
+compiled with NVRTC, loaded and launched; skipped, with the reason, without
+NVRTC) bit-equal to numpy, recovery from out-of-memory,
 the fork rules, and benchmarks (device RNG fill GB/s against the memory
 bandwidth, cached alloc+free µs, graph replay vs eager launch).  Writes one
 JSON report (default ``accel-selftest.json``; ``--json -`` prints it).

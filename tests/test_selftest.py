@@ -58,6 +58,9 @@ def test_dry_run_on_the_simulator_passes_every_check(tmp_path):
     assert report["dry_run"] is True and report["skipped"] is False and report["ok"] is True
     assert [c["name"] for c in report["checks"]] == list(checks.CHECKS)
     for c in report["checks"]:
+        if c["name"] == "user_kernel" and _nvrtc_missing():
+            assert c["status"] == "skip" and "NVRTC is not available" in c["details"]["skipped"], c
+            continue
         assert c["status"] == "pass", c
         assert isinstance(c["details"], dict) and c["details"], c
     by_name = {c["name"]: c["details"] for c in report["checks"]}
@@ -67,6 +70,55 @@ def test_dry_run_on_the_simulator_passes_every_check(tmp_path):
     assert by_name["bench_rng_bandwidth"]["copy_gbps"] > 0
     assert by_name["multi_device"]["devices"] == 2
     assert set(by_name["multi_device"]["steps"].values()) == {"ok"}, by_name["multi_device"]
+
+
+def _nvrtc_missing() -> str:
+    return checks._nvrtc_missing()
+
+
+def test_user_kernel_check_on_the_simulator_says_so(monkeypatch):
+    """The dry run compiles SAXPY with the real NVRTC, but the launch ran the registered reference:
+    the record must not read as a device result (issue 18)."""
+    if _nvrtc_missing():
+        pytest.skip(f"NVRTC is not available: {_nvrtc_missing()}")
+    use_sim(monkeypatch, "cuda")
+    for device in (0, 1):
+        record = selftest.run_check_here("user_kernel", device, quick=True)
+        assert record["status"] == "pass", json.dumps(record, indent=1, default=repr)
+        assert record["details"]["ran_on"].startswith("simulator"), record
+        assert record["details"]["mismatches"] == 0 and record["details"]["entries"] == ["accel_selftest_saxpy"]
+
+
+def test_user_kernel_check_skips_with_the_reason_without_nvrtc(monkeypatch):
+    use_sim(monkeypatch, "cuda")
+    from accel.backends import _nvrtc
+
+    def absent():
+        raise RuntimeError("no libnvrtc: pip install 'accel[nvrtc]'\nsearched: ...")
+
+    monkeypatch.setattr(_nvrtc, "version", absent)
+    details = checks.check_user_kernel(checks.Context(0, quick=True))
+    assert details == {"skipped": "NVRTC is not available: no libnvrtc: pip install 'accel[nvrtc]'"}
+
+
+def test_user_kernel_check_fails_when_the_result_is_wrong(monkeypatch):
+    """Negative control: a reference that computes something else is caught."""
+    if _nvrtc_missing():
+        pytest.skip(f"NVRTC is not available: {_nvrtc_missing()}")
+    use_sim(monkeypatch, "cuda")
+    import numpy as np
+    real = checks._saxpy_reference
+
+    def off_by_one_ulp(grid, block, view, a, x, y, n):
+        real(grid, block, view, a, x, y, n)
+        ys = view(y, 4, np.uint32)
+        ys[0] ^= 1
+
+    monkeypatch.setattr(checks, "_saxpy_reference", off_by_one_ulp)
+    with pytest.raises(checks.CheckFailed, match="saxpy differs from numpy in 1 of") as info:
+        checks.check_user_kernel(checks.Context(0, quick=True))
+    assert info.value.details["first_mismatch"] == 0
+    assert "accel_selftest_saxpy" not in accel.sim.kernels.names()     # unregistered on the way out
 
 
 def test_every_check_runs_and_reports_even_when_all_fail(tmp_path):
