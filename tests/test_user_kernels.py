@@ -428,3 +428,94 @@ def test_metal_simulator_runs_the_same_reference(monkeypatch, saxpy_registered):
     assert by.to_numpy("float32").tobytes() == expected(3.0, x, y).tobytes()
     with pytest.raises(ValueError, match=r"block\[0\] is 2048"):
         accel.launch(k, 1, 2048, 3.0, bx, by, 100)
+
+
+def test_metal_build_log_and_unregistered_kernel(monkeypatch):
+    use_sim(monkeypatch, "mps")
+    with pytest.raises(accel.AcceleratorError, match="newLibraryWithSource.*program_source: error: no such type"):
+        accel.Module("kernel void f(device float *x) {}\n#error no such type\n")
+    m = accel.Module("kernel void lonely(device float *x [[buffer(0)]]) {}\n")
+    with pytest.raises(accel.AcceleratorError, match=r"no Python reference for kernel 'lonely'; register one: "
+                                                     r"accel.sim.register_kernel\('lonely'"):
+        m.function("lonely", "ptr")
+
+
+def spirv_module(*names):
+    """A minimal SPIR-V module (SPIR-V specification 2.3, "Physical Layout"): the header, OpCapability
+    Kernel, OpMemoryModel and one OpEntryPoint Kernel per name (no bodies: the simulator runs the
+    registered references)."""
+    import struct
+    words = [0x07230203, 0x00010200, 0, 100, 0, (2 << 16) | 17, 6, (3 << 16) | 14, 2, 2]
+    for i, name in enumerate(names):
+        raw = name.encode() + b"\0"
+        raw += b"\0" * (-len(raw) % 4)
+        words += [((3 + len(raw) // 4) << 16) | 15, 6, 10 + i] + list(struct.unpack(f"<{len(raw) // 4}I", raw))
+    return struct.pack(f"<{len(words)}I", *words)
+
+
+def test_level_zero_simulator_runs_the_same_reference(monkeypatch, saxpy_registered):
+    use_sim(monkeypatch, "xpu")
+    m = accel.Module(spirv_module("saxpy", "other"))
+    assert m.entries == ("saxpy", "other")
+    with pytest.raises(ValueError, match="does not declare its parameter types"):
+        m.function("saxpy")
+    k = m.function("saxpy", "f32, ptr, ptr, u64")
+    x, y = _data(300, 4)
+    bx, by = _device_arrays(x, y)
+    accel.launch(k, 2, 256, 1.25, bx, by, 300)
+    assert by.to_numpy("float32").tobytes() == expected(1.25, x, y).tobytes()
+    # captured into a graph (a regular command list) and replayed
+    s = accel.Stream()
+    g = accel.Graph()
+    with s, g:
+        accel.launch(k, 2, 256, 1.25, bx, by, 300)
+    g.replay()
+    s.synchronize()
+    assert by.to_numpy("float32").tobytes() == expected(1.25, x, expected(1.25, x, y)).tobytes()
+    with pytest.raises(ValueError, match=r"block\[0\] is 2048, above the device's limit of 1024"):
+        accel.launch(k, 1, 2048, 1.0, bx, by, 300)
+    with pytest.raises(KeyError, match="no kernel named 'saxpi'; its kernels: saxpy, other"):
+        m.function("saxpi", "ptr")
+    m.close()
+
+
+def test_level_zero_module_on_device_1(monkeypatch, saxpy_registered):
+    use_sim(monkeypatch, "xpu")
+    k = accel.Module(spirv_module("saxpy"), device=1).function("saxpy", "f32, ptr, ptr, u64")
+    x, y = _data(64, 5)
+    s1 = accel.Stream(device=1)
+    bx, by = _device_arrays(x, y, device=1, stream=s1)
+    accel.launch(k, 1, 64, 2.0, bx, by, 64, stream=s1)
+    assert by.to_numpy("float32", stream=s1).tobytes() == expected(2.0, x, y).tobytes()
+    with pytest.raises(ValueError, match="stream is on device 0 but the kernel's module is loaded on device 1"):
+        accel.launch(k, 1, 64, 2.0, bx, by, 64, stream=accel.current_stream(0))
+
+
+def test_level_zero_build_log_in_the_error(monkeypatch):
+    use_sim(monkeypatch, "xpu")
+    header_only = spirv_module()
+    with pytest.raises(accel.AcceleratorError, match="zeModuleCreate failed with ZE_RESULT_ERROR_MODULE_BUILD_"
+                                                     "FAILURE.*build log: error: the SPIR-V module has no "
+                                                     "OpEntryPoint Kernel"):
+        accel.Module(header_only)
+    with pytest.raises(ValueError, match="Level Zero takes SPIR-V; not a SPIR-V module: magic"):
+        accel.Module(b"\x7fELF" + b"\0" * 28)
+
+
+def test_level_zero_simulator_rules(monkeypatch):
+    """The simulated driver alone (accel's checks bypassed)."""
+    use_sim(monkeypatch, "xpu")
+    k = accel.Module(spirv_module("nobody")).function("nobody", "ptr")
+    backend = accel._lazy.lazy_init()
+    buf = accel.Buffer(64)
+    s = accel.current_stream()
+    with pytest.raises(accel.AcceleratorError, match="ZE_RESULT_ERROR_UNSUPPORTED_FEATURE"):
+        backend.launch(k.handle, (1, 1, 1), (1, 1, 1), [("ptr", buf.ptr)], 0, s.handle)
+    with pytest.raises(accel.AcceleratorError, match="ZE_RESULT_ERROR_INVALID_GROUP_SIZE_DIMENSION"):
+        backend.launch(k.handle, (1, 1, 1), (2048, 1, 1), [("ptr", buf.ptr)], 0, s.handle)
+    sim.register_kernel("nobody", lambda g, b, view, p: None, "ptr, u32")
+    try:
+        with pytest.raises(accel.AcceleratorError, match="ZE_RESULT_ERROR_INVALID_KERNEL_ARGUMENT_SIZE"):
+            backend.launch(k.handle, (1, 1, 1), (1, 1, 1), [("u64", 1), ("u64", 2)], 0, s.handle)
+    finally:
+        sim.unregister_kernel("nobody")

@@ -213,6 +213,8 @@ ZE_FUNCTIONS = [
     "zeEventQueryKernelTimestamp",
     "zeModuleCreate", "zeModuleDestroy", "zeKernelCreate", "zeKernelDestroy",
     "zeKernelSetArgumentValue", "zeKernelSetGroupSize", "zeKernelSuggestGroupSize",
+    # issue 18 item 1: accel.Module's build log in the error when SPIR-V fails to build (API 1.0)
+    "zeModuleBuildLogGetString", "zeModuleBuildLogDestroy",
     # virtual memory (issue 15: the allocator's expandable segments); core API 1.0, every loader has them
     "zeVirtualMemQueryPageSize", "zeVirtualMemReserve", "zeVirtualMemFree",
     "zePhysicalMemCreate", "zePhysicalMemDestroy", "zeVirtualMemMap", "zeVirtualMemUnmap",

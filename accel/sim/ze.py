@@ -2318,6 +2318,8 @@ _FUNCTIONS = (
     zeVirtualMemQueryPageSize, zeVirtualMemReserve, zeVirtualMemFree, zePhysicalMemCreate, zePhysicalMemDestroy,
     zeVirtualMemMap, zeVirtualMemUnmap, zeVirtualMemSetAccessAttribute, zeVirtualMemGetAccessAttribute,
 )
+from ._ze_kernels import FUNCTIONS as _KERNEL_FUNCTIONS   # noqa: E402 (modules, kernels, launches; issue 18)
+_FUNCTIONS += _KERNEL_FUNCTIONS
 
 
 def open_ze():

@@ -19,7 +19,8 @@ and graph launches).  Collaborators would each need the backend back, and every 
 through it; mixins keep each call site as it was and the state in one place,
 :meth:`XpuBackend.__init__`, which lists it all.  Each mixin's docstring says what it owns.
 
-* **Kernels**: none (``kernel_language = None``); the RNG uses its host path.
+* **Kernels**: user SPIR-V modules (``kernel_language = "spirv"``, kernels.py, for accel.Module);
+  accel ships no SPIR-V Philox kernels, so the RNG uses its host path.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from ._library import LIBRARY, OPTIONAL_SYMBOLS, REQUIRED_SYMBOLS, LibraryMixin
 from .discovery import DiscoveryMixin
 from .events import EventsMixin
 from .graphs import GraphsMixin
+from .kernels import KernelsMixin
 from .memory import MemoryMixin
 from .streams import StreamsMixin
 from .telemetry import TelemetryMixin
@@ -50,12 +52,12 @@ __all__ = ["XpuBackend", "create", "LIBRARY", "REQUIRED_SYMBOLS", "OPTIONAL_SYMB
 
 
 class XpuBackend(DiscoveryMixin, MemoryMixin, StreamsMixin, EventsMixin, GraphsMixin, VmmMixin, TelemetryMixin,
-                 LibraryMixin,
+                 KernelsMixin, LibraryMixin,
                  Backend):
     """Level Zero as a :class:`Backend` (see the module docstring for the design)."""
 
     name = "xpu"
-    kernel_language = None
+    kernel_language = "spirv"    # user kernels (accel.Module): SPIR-V through zeModuleCreate (kernels.py)
     supports_graphs = True
 
     def __init__(self, simulated: bool):
@@ -91,6 +93,7 @@ class XpuBackend(DiscoveryMixin, MemoryMixin, StreamsMixin, EventsMixin, GraphsM
         self._zes_ok: Optional[bool] = None   # zesInit exists and the driver answered it (API 1.5+)
         self._zes_error = ""
         self._mem_info_path = ""
+        self._kstate = None            # modules and kernels (kernels.py)
 
     def close(self) -> None:
         """Wait for all work and destroy every Level Zero object this backend made.

@@ -38,6 +38,10 @@ REQUIRED_SYMBOLS = (
     "zesFrequencyGetState", "zesDeviceProcessesGetState",
     # counters sampled twice (telemetry.py): API 1.0, in Debian's 1.8.12 loader too
     "zesDeviceEnumEngineGroups", "zesEngineGetProperties", "zesEngineGetActivity", "zesMemoryGetBandwidth",
+    # user kernels (kernels.py): API 1.0
+    "zeModuleCreate", "zeModuleDestroy", "zeModuleBuildLogGetString", "zeModuleBuildLogDestroy",
+    "zeKernelCreate", "zeKernelDestroy", "zeKernelSetGroupSize", "zeKernelSetArgumentValue",
+    "zeCommandListAppendLaunchKernel",
     "zesDeviceEnumPowerDomains", "zesDeviceGetCardPowerDomain", "zesPowerGetProperties",
     "zesPowerGetEnergyCounter",
 )

@@ -1,0 +1,139 @@
+"""User kernels on Level Zero: SPIR-V modules (zeModuleCreate), kernels (zeKernelCreate) and
+launches (zeKernelSetGroupSize + zeKernelSetArgumentValue + zeCommandListAppendLaunchKernel).
+
+A module is built for the current device in that device's context; a build failure raises with
+the driver's build log (zeModuleBuildLogGetString).  Kernel arguments are state of the kernel
+object until the append (ze_api.h, zeKernelSetArgumentValue: "The argument values are ...
+copied at the time of the append"), so setting them and appending happen under one lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Tuple
+
+from ..._errors import AcceleratorError
+from ._library import LIBRARY
+
+_SCALAR_CTYPES = {"u32": "uint32_t", "i32": "int32_t", "u64": "uint64_t", "i64": "int64_t",
+                  "f32": "float", "f64": "double", "ptr": "void *"}
+
+
+class KernelsMixin:
+    """Modules and kernels (``_modules``, ``_kernels``) and kernel launches."""
+
+    def _kernel_state(self):
+        st = getattr(self, "_kstate", None)
+        if st is None:
+            with self._lock:
+                st = getattr(self, "_kstate", None)
+                if st is None:
+                    # module handle -> (device, [kernel handles]); kernel handle -> (cdata, module, device)
+                    st = self._kstate = ({}, {}, threading.Lock())
+        return st
+
+    def module_load(self, source: bytes) -> int:
+        ffi, lib, _ = self._lib
+        data = bytes(source)
+        dev = self._current()
+        image = ffi.new("uint8_t[]", data)
+        desc = ffi.new("ze_module_desc_t *")
+        desc.stype = lib.ZE_STRUCTURE_TYPE_MODULE_DESC
+        desc.format = lib.ZE_MODULE_FORMAT_IL_SPIRV
+        desc.inputSize = len(data)
+        desc.pInputModule = image
+        desc.pBuildFlags = ffi.new("char[]", b"")
+        mod = ffi.new("ze_module_handle_t *")
+        log = ffi.new("ze_module_build_log_handle_t *")
+        rc = lib.zeModuleCreate(dev.ctx, dev.handle, desc, mod, log)
+        text = self._build_log(log[0]) if log[0] != ffi.NULL else ""
+        if rc:
+            self._fail("zeModuleCreate", rc, f"build log: {text.strip() or '(empty)'}")
+        handle = int(ffi.cast("uintptr_t", mod[0]))
+        modules, _kernels, _ = self._kernel_state()
+        modules[handle] = (dev, [])
+        return handle
+
+    def _build_log(self, log) -> str:
+        ffi, lib, _ = self._lib
+        try:
+            size = ffi.new("size_t *")
+            if lib.zeModuleBuildLogGetString(log, size, ffi.NULL) or size[0] == 0:
+                return ""
+            buf = ffi.new("char[]", size[0])
+            if lib.zeModuleBuildLogGetString(log, size, buf):
+                return ""
+            return ffi.string(buf).decode("utf-8", "replace")
+        finally:
+            lib.zeModuleBuildLogDestroy(log)
+
+    def module_unload(self, module: int) -> None:
+        ffi, lib, _ = self._lib
+        modules, kernels, _ = self._kernel_state()
+        entry = modules.pop(module, None)
+        if entry is None:
+            raise ValueError(f"xpu: {module:#x} is not a loaded module of this backend")
+        for k in entry[1]:
+            cdata = kernels.pop(k)[0]
+            self._check_rc("zeKernelDestroy", lib.zeKernelDestroy(cdata))
+        self._check_rc("zeModuleDestroy", lib.zeModuleDestroy(ffi.cast("ze_module_handle_t", module)))
+
+    def module_function(self, module: int, name: str) -> int:
+        ffi, lib, _ = self._lib
+        modules, kernels, _ = self._kernel_state()
+        entry = modules.get(module)
+        if entry is None:
+            raise ValueError(f"xpu: {module:#x} is not a loaded module of this backend")
+        desc = ffi.new("ze_kernel_desc_t *")
+        desc.stype = lib.ZE_STRUCTURE_TYPE_KERNEL_DESC
+        cname = ffi.new("char[]", name.encode())
+        desc.pKernelName = cname
+        k = ffi.new("ze_kernel_handle_t *")
+        self._check_rc("zeKernelCreate", lib.zeKernelCreate(ffi.cast("ze_module_handle_t", module), desc, k))
+        handle = int(ffi.cast("uintptr_t", k[0]))
+        kernels[handle] = (k[0], module, entry[0])
+        entry[1].append(handle)
+        return handle
+
+    def launch_limits(self, index: int) -> dict:
+        ffi, lib, _ = self._lib
+        dev = self._device(index)
+        cp = ffi.new("ze_device_compute_properties_t *")
+        cp.stype = lib.ZE_STRUCTURE_TYPE_DEVICE_COMPUTE_PROPERTIES
+        self._check_rc("zeDeviceGetComputeProperties", lib.zeDeviceGetComputeProperties(dev.handle, cp))
+        # Level Zero has no opt-in for shared local memory: maxSharedLocalMemory is the limit.
+        return {"max_grid": (cp.maxGroupCountX, cp.maxGroupCountY, cp.maxGroupCountZ),
+                "max_block": (cp.maxGroupSizeX, cp.maxGroupSizeY, cp.maxGroupSizeZ),
+                "max_threads_per_block": cp.maxTotalGroupSize,
+                "max_shared_per_block": cp.maxSharedLocalMemory,
+                "max_shared_per_block_optin": cp.maxSharedLocalMemory}
+
+    def launch(self, function: int, grid: Tuple[int, int, int], block: Tuple[int, int, int],
+               args, shared_mem: int, stream: int) -> None:
+        ffi, lib, _ = self._lib
+        _modules, kernels, klock = self._kernel_state()
+        entry = kernels.get(function)
+        if entry is None:
+            raise ValueError(f"xpu: {function:#x} is not a kernel of this backend (module_function)")
+        k, _module, dev = entry
+        s = self._stream(stream)
+        if s.device is not dev:
+            raise AcceleratorError(f"xpu: the kernel's module was built for device {dev.index}, the stream is "
+                                   f"of another device", library=LIBRARY, call="zeCommandListAppendLaunchKernel")
+        if shared_mem:
+            raise ValueError("xpu: dynamic shared local memory is a kernel argument on Level Zero "
+                             "(a local pointer); shared_mem must be 0")
+        values = []
+        for i, (kind, value) in enumerate(args):
+            ctype = _SCALAR_CTYPES.get(kind)
+            if ctype is None:
+                raise ValueError(f"kernel argument {i}: unknown type {kind!r}")
+            values.append((ffi.sizeof(ctype), ffi.new(ctype + " *", ffi.cast(ctype, value) if kind == "ptr"
+                                                     else value)))
+        count = ffi.new("ze_group_count_t *", tuple(grid))
+        with klock:     # arguments are kernel state until the append copies them
+            self._check_rc("zeKernelSetGroupSize", lib.zeKernelSetGroupSize(k, *block))
+            for i, (size, p) in enumerate(values):
+                self._check_rc("zeKernelSetArgumentValue", lib.zeKernelSetArgumentValue(k, i, size, p))
+            self._enqueue(s, f"kernel grid{tuple(grid)} block{tuple(block)}", "zeCommandListAppendLaunchKernel",
+                          lib.zeCommandListAppendLaunchKernel, k, count, ffi.NULL, 0, ffi.NULL)
