@@ -413,6 +413,24 @@ def test_bad_images(sim_cuda):
         accel.Module(SAXPY_PTX.replace(b".version 8.0", b".version 99.0"))
 
 
+def test_driver_entry_point_path(monkeypatch, saxpy_registered):
+    """A 12.4 runtime has no cudaLibrary*: modules are driver CUmodules (cuModuleLoadData) and the
+    attributes, the shared-memory opt-in and occupancy go through cuFunc*/cuOccupancy*."""
+    use_sim(monkeypatch, "cuda", ACCEL_SIM_CUDA_RUNTIME="12.4", ACCEL_SIM_CUDA_DRIVER="12.4")
+    backend = accel._lazy.lazy_init()
+    assert backend.kernel_path()["kernel_path"] == "driver"
+    _run_saxpy(SAXPY_PTX)
+    k = accel.Module(SAXPY_PTX).function("saxpy")
+    assert (k.max_threads_per_block, k.num_regs, k.shared_size_bytes) == (1024, 32, 0)
+    sms = accel.get_device_properties(0).multi_processor_count
+    assert k.max_potential_block_size() == (2 * sms, 1024)
+    x, y = _data(32, 6)
+    bx, by = _device_arrays(x, y)
+    accel.launch(k, 1, 32, 2.0, bx, by, 32, shared_mem=100 * 1024)
+    assert by.to_numpy("float32").tobytes() == expected(2.0, x, y).tobytes()
+    assert sim.calls("cuFuncSetAttribute") == 1
+
+
 # -- the other simulators ---------------------------------------------------------------------
 
 def test_metal_simulator_runs_the_same_reference(monkeypatch, saxpy_registered):

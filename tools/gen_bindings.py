@@ -561,6 +561,10 @@ CUDADRV_TYPES = [
     "PFN_cuGetErrorName_v6000", "PFN_cuGetErrorString_v6000",
     "PFN_cuModuleLoadData_v2000", "PFN_cuModuleUnload_v2000", "PFN_cuModuleGetFunction_v2000",
     "PFN_cuLaunchKernel_v4000",
+    # issue 18 item 2: kernel attributes, the >48 KiB shared-memory opt-in and occupancy on
+    # runtimes without cudaLibrary* (their kernels are driver CUfunctions)
+    "PFN_cuFuncGetAttribute_v2020", "PFN_cuFuncSetAttribute_v9000",
+    "PFN_cuOccupancyMaxActiveBlocksPerMultiprocessor_v6050",
     # Virtual memory (issue 15 item 1: the caching allocator's expandable segments).  The same
     # ABIs (_v10020, _v2000) and struct layouts (CUmemAllocationProp_v1, CUmemAccessDesc_v1,
     # CUmemLocation_v1) in the CUDA 12.4 and 13.0 headers, so one module serves both majors.

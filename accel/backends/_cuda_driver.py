@@ -21,6 +21,10 @@ SYMBOLS: Dict[str, str] = {
     "cuModuleGetFunction": "PFN_cuModuleGetFunction_v2000",
     "cuLaunchKernel": "PFN_cuLaunchKernel_v4000",
     "cuGetErrorName": "PFN_cuGetErrorName_v6000",
+    # kernel attributes, dynamic shared memory opt-in and occupancy (accel.Kernel)
+    "cuFuncGetAttribute": "PFN_cuFuncGetAttribute_v2020",
+    "cuFuncSetAttribute": "PFN_cuFuncSetAttribute_v9000",
+    "cuOccupancyMaxActiveBlocksPerMultiprocessor": "PFN_cuOccupancyMaxActiveBlocksPerMultiprocessor_v6050",
 }
 #: The ABI version asked of cudaGetDriverEntryPointByVersion: these PFN types are the ABIs current
 #: in CUDA 12.0, and every runtime accel supports needs a 12.0+ driver anyway.
@@ -124,3 +128,18 @@ class DriverKernels:
         return self.fns["cuLaunchKernel"](d.cast("CUfunction", function), grid[0], grid[1], grid[2],
                                           block[0], block[1], block[2], shared_mem, d.cast("CUstream", stream),
                                           d.cast("void **", int(self.rffi.cast("uintptr_t", argv))), d.NULL)
+
+    def func_get_attribute(self, function: int, attrib: int) -> Tuple[int, int]:
+        """(value, rc) of CUfunction_attribute ``attrib`` of ``function`` (cuFuncGetAttribute)."""
+        p = self.dffi.new("int *")
+        rc = self.fns["cuFuncGetAttribute"](p, attrib, self.dffi.cast("CUfunction", function))
+        return p[0], rc
+
+    def func_set_attribute(self, function: int, attrib: int, value: int) -> int:
+        return self.fns["cuFuncSetAttribute"](self.dffi.cast("CUfunction", function), attrib, value)
+
+    def occupancy(self, function: int, block_size: int, dynamic_smem: int) -> Tuple[int, int]:
+        p = self.dffi.new("int *")
+        rc = self.fns["cuOccupancyMaxActiveBlocksPerMultiprocessor"](
+            p, self.dffi.cast("CUfunction", function), block_size, dynamic_smem)
+        return p[0], rc

@@ -711,13 +711,19 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
                 "max_threads_per_block": a(1, index), "max_shared_per_block": a(8, index),
                 "max_shared_per_block_optin": a(97, index)}
 
-    def _library_path_only(self, what: str) -> None:
-        if self._kernels() != "library":
-            raise NotImplementedError(f"{what} needs the runtime's kernel handles (cudaLibrary*, CUDA 12.8+); "
-                                      f"this runtime loads kernels through the driver entry points")
+    # CUfunction_attribute (cuda.h): the driver path reads them one by one
+    _CU_FUNC_ATTRS = {"max_threads_per_block": 0, "shared_size_bytes": 1, "num_regs": 4,
+                      "max_dynamic_shared_size_bytes": 8}
 
     def function_attributes(self, function: int) -> dict:
-        self._library_path_only("kernel attributes")
+        path = self._kernels()
+        if path != "library":
+            out = {}
+            for key, attrib in self._CU_FUNC_ATTRS.items():
+                value, rc = path.func_get_attribute(function, attrib)
+                self._check_driver(path, rc, "cuFuncGetAttribute")
+                out[key] = value
+            return out
         attr = self.ffi.new("struct cudaFuncAttributes *")
         self._check(self.lib.cudaFuncGetAttributes(attr, self.ffi.cast("void *", function)),
                     "cudaFuncGetAttributes")
@@ -726,13 +732,20 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
                 "max_dynamic_shared_size_bytes": attr.maxDynamicSharedSizeBytes}
 
     def function_set_max_dynamic_shared(self, function: int, nbytes: int) -> None:
-        self._library_path_only("cudaFuncSetAttribute")
-        self._check(self.lib.cudaFuncSetAttribute(self.ffi.cast("void *", function),
-                                                  8, nbytes),   # cudaFuncAttributeMaxDynamicSharedMemorySize
+        # cudaFuncAttributeMaxDynamicSharedMemorySize = CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+        path = self._kernels()
+        if path != "library":
+            self._check_driver(path, path.func_set_attribute(function, 8, nbytes), "cuFuncSetAttribute")
+            return
+        self._check(self.lib.cudaFuncSetAttribute(self.ffi.cast("void *", function), 8, nbytes),
                     "cudaFuncSetAttribute")
 
     def occupancy_max_active_blocks(self, function: int, block_size: int, dynamic_smem: int) -> int:
-        self._library_path_only("the occupancy calculator")
+        path = self._kernels()
+        if path != "library":
+            n, rc = path.occupancy(function, block_size, dynamic_smem)
+            self._check_driver(path, rc, "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+            return n
         n = self.ffi.new("int *")
         self._check(self.lib.cudaOccupancyMaxActiveBlocksPerMultiprocessor(
             n, self.ffi.cast("void *", function), block_size, dynamic_smem),

@@ -46,6 +46,9 @@ SYMBOLS: Dict[str, Tuple[str, int]] = {
     "cuModuleUnload": ("PFN_cuModuleUnload_v2000", 2000),
     "cuModuleGetFunction": ("PFN_cuModuleGetFunction_v2000", 2000),
     "cuLaunchKernel": ("PFN_cuLaunchKernel_v4000", 4000),
+    "cuFuncGetAttribute": ("PFN_cuFuncGetAttribute_v2020", 2020),
+    "cuFuncSetAttribute": ("PFN_cuFuncSetAttribute_v9000", 9000),
+    "cuOccupancyMaxActiveBlocksPerMultiprocessor": ("PFN_cuOccupancyMaxActiveBlocksPerMultiprocessor_v6050", 6050),
     "cuDeviceGet": ("PFN_cuDeviceGet_v2000", 2000),
     "cuDeviceGetAttribute": ("PFN_cuDeviceGetAttribute_v2000", 2000),
     "cuMemGetAllocationGranularity": ("PFN_cuMemGetAllocationGranularity_v10020", 10020),
@@ -200,6 +203,57 @@ def cuLaunchKernel(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockD
         return CUDA_ERROR_INVALID_HANDLE
     rc = cudart.launch(R, k, (gridDimX, gridDimY, gridDimZ), (blockDimX, blockDimY, blockDimZ),
                        core.ffi.cast("void **", _addr(kernelParams)), sharedMemBytes, s)
+    return _LAUNCH_CODES.get(rc, rc)
+
+
+# CUfunction_attribute (cuda.h) -> the field of struct cudaFuncAttributes with the same value (the
+# runtime's cudaFuncGetAttributes reads the same kernel properties).
+_FUNC_ATTRS = {0: "maxThreadsPerBlock", 1: "sharedSizeBytes", 2: "constSizeBytes", 3: "localSizeBytes",
+               4: "numRegs", 5: "ptxVersion", 6: "binaryVersion", 7: "cacheModeCA",
+               8: "maxDynamicSharedSizeBytes", 9: "preferredShmemCarveout"}
+
+
+def cuFuncGetAttribute(pi, attrib, hfunc):
+    """CUDA Driver API, cuFuncGetAttribute: CUDA_ERROR_INVALID_HANDLE for an unknown function,
+    CUDA_ERROR_INVALID_VALUE for an attribute not listed in CUfunction_attribute (the cluster
+    attributes are not simulated: refused too)."""
+    cudart, R, rc = _started()
+    if rc:
+        return rc
+    k = R.kernels.get(_addr(hfunc))
+    if k is None:
+        return CUDA_ERROR_INVALID_HANDLE
+    field = _FUNC_ATTRS.get(attrib)
+    if pi == _dffi().NULL or field is None:
+        return CUDA_ERROR_INVALID_VALUE
+    pi[0] = cudart.function_attributes(R, k)[field]
+    return CUDA_SUCCESS
+
+
+def cuFuncSetAttribute(hfunc, attrib, value):
+    """CUDA Driver API, cuFuncSetAttribute: the same rules as cudaFuncSetAttribute."""
+    cudart, R, rc = _started()
+    if rc:
+        return rc
+    k = R.kernels.get(_addr(hfunc))
+    if k is None:
+        return CUDA_ERROR_INVALID_HANDLE
+    rc = cudart.cudaFuncSetAttribute(R, k.key, attrib, value)
+    return _LAUNCH_CODES.get(rc, rc)
+
+
+def cuOccupancyMaxActiveBlocksPerMultiprocessor(numBlocks, func, blockSize, dynamicSMemSize):
+    """CUDA Driver API, cuOccupancyMaxActiveBlocksPerMultiprocessor: computed as the runtime's."""
+    cudart, R, rc = _started()
+    if rc:
+        return rc
+    k = R.kernels.get(_addr(func))
+    if k is None:
+        return CUDA_ERROR_INVALID_HANDLE
+    if numBlocks == _dffi().NULL:
+        return CUDA_ERROR_INVALID_VALUE
+    rc = cudart.cudaOccupancyMaxActiveBlocksPerMultiprocessor(R, core.ffi.cast("int *", _addr(numBlocks)), k.key,
+                                                               blockSize, dynamicSMemSize)
     return _LAUNCH_CODES.get(rc, rc)
 
 
@@ -471,6 +525,8 @@ def cuMemGetAccess(flags, location, ptr):
 _IMPLS = {"cuGetErrorName": cuGetErrorName, "cuGetErrorString": cuGetErrorString,
           "cuModuleLoadData": cuModuleLoadData, "cuModuleUnload": cuModuleUnload,
           "cuModuleGetFunction": cuModuleGetFunction, "cuLaunchKernel": cuLaunchKernel,
+          "cuFuncGetAttribute": cuFuncGetAttribute, "cuFuncSetAttribute": cuFuncSetAttribute,
+          "cuOccupancyMaxActiveBlocksPerMultiprocessor": cuOccupancyMaxActiveBlocksPerMultiprocessor,
           "cuDeviceGet": cuDeviceGet, "cuDeviceGetAttribute": cuDeviceGetAttribute,
           "cuMemGetAllocationGranularity": cuMemGetAllocationGranularity,
           "cuMemAddressReserve": cuMemAddressReserve, "cuMemAddressFree": cuMemAddressFree,

@@ -2245,17 +2245,23 @@ def cudaFuncGetAttributes(R, attr, func):
         return cudaErrorInvalidDeviceFunction
     if _is_null(attr):
         return cudaErrorInvalidValue
+    _set_fields(attr, function_attributes(R, k))
+    return cudaSuccess
+
+
+def function_attributes(R: Runtime, k: "KernelHandle") -> Dict[str, int]:
+    """The fields of ``struct cudaFuncAttributes`` of ``k`` on the current device (also what the
+    driver's cuFuncGetAttribute reads)."""
     d = R.tls.device
     major, minor = R.cfg.compute_capability
-    _set_fields(attr, {
+    return {
         "sharedSizeBytes": 0, "constSizeBytes": 0, "localSizeBytes": 0, "maxThreadsPerBlock": 1024,
-        "numRegs": 32, "ptxVersion": major * 10 + minor, "binaryVersion": major * 10 + minor,
+        "numRegs": _SIM_NUM_REGS, "ptxVersion": major * 10 + minor, "binaryVersion": major * 10 + minor,
         "cacheModeCA": 0, "maxDynamicSharedSizeBytes": k.max_dynamic_shared.get(d, _SHARED_PER_BLOCK),
         "preferredShmemCarveout": k.carveout.get(d, -1), "clusterDimMustBeSet": 0,
         "requiredClusterWidth": 0, "requiredClusterHeight": 0, "requiredClusterDepth": 0,
         "clusterSchedulingPolicyPreference": 0, "nonPortableClusterSizeAllowed": 0,
-    })
-    return cudaSuccess
+    }
 
 
 _MAX_BLOCKS_PER_SM = 32            # cudaDevAttrMaxBlocksPerMultiprocessor (compute capability 9.0)
