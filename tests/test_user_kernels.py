@@ -537,3 +537,46 @@ def test_level_zero_simulator_rules(monkeypatch):
             backend.launch(k.handle, (1, 1, 1), (1, 1, 1), [("u64", 1), ("u64", 2)], 0, s.handle)
     finally:
         sim.unregister_kernel("nobody")
+
+
+# -- a real device (pytest -m device) ---------------------------------------------------------
+
+@pytest.mark.device
+def test_saxpy_on_a_real_device(tmp_path):
+    if not accel.is_available():
+        pytest.skip("needs a real accelerator (ACCEL_SIM unset)")
+    if accel.current_accelerator().type != "cuda":
+        pytest.skip("the real-device SAXPY here is CUDA's")
+    try:
+        ptx = accel.compile(SAXPY_CU, name="saxpy.cu").ptx
+    except Exception as exc:        # no NVRTC: the toolkit's nvcc, else skip
+        nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+        if not os.path.exists(nvcc):
+            pytest.skip(f"neither NVRTC ({exc}) nor nvcc is available")
+        (tmp_path / "s.cu").write_text(SAXPY_CU)
+        subprocess.run([nvcc, "-ptx", str(tmp_path / "s.cu"), "-o", str(tmp_path / "s.ptx")], check=True,
+                       timeout=120)
+        ptx = (tmp_path / "s.ptx").read_bytes()
+    k = accel.Module(ptx).function("saxpy")
+    assert k.params == ("f32", "u64", "u64", "u64")
+    n = 1 << 20
+    x, y = _data(n, 7)
+    bx, by = _device_arrays(x, y)
+    grid, block = k.max_potential_block_size()
+    assert grid >= 1 and 32 <= block <= k.max_threads_per_block
+    accel.launch(k, -(-n // block), block, 2.5, bx, by, n)
+    got = by.to_numpy("float32")
+    # fma.rn rounds once; the float64 reference rounds twice, which may differ by one ulp
+    assert np.array_equal(got, expected(2.5, x, y)) or np.max(np.abs(
+        got.view(np.int32).astype(np.int64) - expected(2.5, x, y).view(np.int32))) <= 1
+    accel.launch(k, 1, 256, 1.0, bx, by, 256, shared_mem=64 * 1024)   # opted in above 48 KiB
+    accel.synchronize()
+    with pytest.raises(ValueError, match="above the device's limit"):
+        accel.launch(k, 1, 256, 1.0, bx, by, 256, shared_mem=1 << 20)
+    if accel.device_count() > 1:
+        s1 = accel.Stream(device=1)
+        k1 = accel.Module(ptx, device=1).function("saxpy")
+        cx, cy = _device_arrays(x[:4096], y[:4096], device=1, stream=s1)
+        accel.launch(k1, 16, 256, 2.5, cx, cy, 4096, stream=s1)
+        assert accel.current_device_index() == 0
+        s1.synchronize()
