@@ -24,6 +24,8 @@ from typing import Dict, Tuple
 
 from .. import _finalize as _fin, _lazy
 from .._errors import AcceleratorError
+from ..buffer import Buffer
+from ..streams import Stream, _as_stream, current_stream, on_device
 from ._module import Kernel
 
 _RANGES = {"u32": (0, 2 ** 32 - 1), "i32": (-2 ** 31, 2 ** 31 - 1), "u64": (0, 2 ** 64 - 1),
@@ -31,6 +33,9 @@ _RANGES = {"u32": (0, 2 ** 32 - 1), "i32": (-2 ** 31, 2 ** 31 - 1), "u64": (0, 2
 _NUMPY = {"u32": "uint32", "i32": "int32", "u64": "uint64", "i64": "int64", "f32": "float32",
           "f64": "float64", "ptr": "uint64"}
 _F32_MAX = 3.4028234663852886e38
+_PTR_KINDS = frozenset(("ptr", "u64"))
+#: (numpy scalar type, parameter type) -> int or float, for the pairs _pack has accepted once.
+_NUMPY_SAFE: Dict[tuple, type] = {}
 
 _limits: Dict[Tuple[int, int], dict] = {}
 _limits_lock = threading.Lock()
@@ -50,11 +55,17 @@ def _device_limits(backend, index: int) -> dict:
         with _limits_lock:
             lim = _limits.get(key)
             if lim is None:
-                lim = _limits[key] = backend.launch_limits(index)
+                lim = _limits[key] = dict(backend.launch_limits(index), simulated=_is_simulated(backend))
     return lim
 
 
 def _dims(value, what: str, kname: str) -> Tuple[int, int, int]:
+    if type(value) is int and value >= 1:     # the common cases first (bool is not int's type)
+        return (value, 1, 1)
+    if type(value) is tuple and len(value) == 3:
+        x, y, z = value
+        if type(x) is int and type(y) is int and type(z) is int and x >= 1 and y >= 1 and z >= 1:
+            return value
     if isinstance(value, int) and not isinstance(value, bool):
         dims = (value,)
     elif isinstance(value, tuple) and 1 <= len(value) <= 3:
@@ -155,9 +166,13 @@ def _float(kernel, i, kind, value) -> float:
 
 
 def _check_reference(kernel: Kernel) -> None:
-    """On a simulator: the kernel needs a registered Python reference with matching parameters."""
+    """On a simulator: the kernel needs a registered Python reference with matching parameters.
+    The reference found matching is remembered on the kernel, so later launches only check
+    that the registry still holds that same entry (registering again makes a new one)."""
     from ..sim import kernels as simk
     ref = simk.lookup(kernel.name)
+    if ref is not None and ref is kernel._sim_ref:
+        return
     example = ", ".join(kernel.params)
     if ref is None:
         raise AcceleratorError(
@@ -167,6 +182,28 @@ def _check_reference(kernel: Kernel) -> None:
     if not simk.matches(ref, kernel.params):
         raise ValueError(f"launch({kernel.name}): the simulator's reference takes ({', '.join(ref.argtypes)}) "
                          f"but the kernel's parameters are ({example}); register it with that signature")
+    kernel._sim_ref = ref
+
+
+def _sim_registry() -> dict:
+    """The simulator's kernel registry (name -> reference), imported on first use."""
+    global _registry
+    if _registry is None:
+        from ..sim import kernels as simk
+        _registry = simk._registry
+    return _registry
+
+
+_registry = None
+
+
+def _launch_here(backend, kernel: Kernel, grid, block, packed, shared_mem: int, stream, lim: dict) -> None:
+    """Queue the checked launch; the kernel's device is current."""
+    if shared_mem > lim["max_shared_per_block"] and shared_mem > kernel._smem_optin:
+        # CUDA Programming Guide, "Shared Memory" (7.x+): above 48 KB a kernel must opt in.
+        backend.function_set_max_dynamic_shared(kernel.handle, shared_mem)
+        kernel._smem_optin = shared_mem
+    backend.launch(kernel.handle, grid, block, packed, shared_mem, stream.handle)
 
 
 def launch(kernel: Kernel, grid, block, *args, shared_mem: int = 0, stream=None) -> None:
@@ -188,29 +225,34 @@ def launch(kernel: Kernel, grid, block, *args, shared_mem: int = 0, stream=None)
                         f"got {type(kernel).__name__}")
     kernel.module._live()
     backend, index, name = kernel._backend, kernel._index, kernel.name
-    from ..streams import _as_stream, current_stream, on_device
     if stream is None:
         stream = current_stream(index)
     else:
-        stream = _as_stream(stream, f"launch({name}, stream=)")
-        if stream.device_index != index:
+        if type(stream) is not Stream:
+            stream = _as_stream(stream, f"launch({name}, stream=)")
+        if stream._index != index:
             raise ValueError(f"launch({name}): stream is on device {stream.device_index} but the kernel's "
                              f"module is loaded on device {index}; pass a stream of device {index} or "
                              f"load the module on device {stream.device_index}")
     grid = _dims(grid, "grid", name)
     block = _dims(block, "block", name)
     lim = _device_limits(backend, index)
-    for what, dims, most in (("grid", grid, lim["max_grid"]), ("block", block, lim["max_block"])):
-        for i, (d, m) in enumerate(zip(dims, most)):
-            if d > m:
-                raise ValueError(f"launch({name}): {what}[{i}] is {d}, above the device's limit of {m} "
-                                 f"(max {what} {tuple(most)})")
+    mg, mb = lim["max_grid"], lim["max_block"]
+    if (grid[0] > mg[0] or grid[1] > mg[1] or grid[2] > mg[2] or block[0] > mb[0] or block[1] > mb[1]
+            or block[2] > mb[2]):
+        for what, dims, most in (("grid", grid, mg), ("block", block, mb)):
+            for i, (d, m) in enumerate(zip(dims, most)):
+                if d > m:
+                    raise ValueError(f"launch({name}): {what}[{i}] is {d}, above the device's limit of {m} "
+                                     f"(max {what} {tuple(most)})")
     threads = block[0] * block[1] * block[2]
     if threads > lim["max_threads_per_block"]:
         raise ValueError(f"launch({name}): block {block} has {threads} threads, above the device's "
                          f"{lim['max_threads_per_block']} threads per block")
-    if not isinstance(shared_mem, int) or isinstance(shared_mem, bool) or shared_mem < 0:
-        raise ValueError(f"launch({name}): shared_mem must be an int >= 0 (bytes), got {shared_mem!r}")
+    if type(shared_mem) is not int or shared_mem < 0:
+        if not isinstance(shared_mem, int) or isinstance(shared_mem, bool) or shared_mem < 0:
+            raise ValueError(f"launch({name}): shared_mem must be an int >= 0 (bytes), got {shared_mem!r}")
+        shared_mem = int(shared_mem)
     if shared_mem > lim["max_shared_per_block_optin"]:
         raise ValueError(f"launch({name}): shared_mem={shared_mem} bytes is above the device's limit of "
                          f"{lim['max_shared_per_block_optin']} bytes of dynamic shared memory per block")
@@ -218,16 +260,40 @@ def launch(kernel: Kernel, grid, block, *args, shared_mem: int = 0, stream=None)
     if len(args) != len(params):
         raise TypeError(f"launch({name}): the kernel takes {len(params)} argument(s) "
                         f"({', '.join(params) or 'none'}), {len(args)} given")
-    packed = [_pack(kernel, i, kind, a) for i, (kind, a) in enumerate(zip(params, args))]
-    if _is_simulated(backend):
+    # Hot path (issue 18 benchmark: host time per launch within 2x of a bare cudaLaunchKernel):
+    # accel's own Buffers and in-range Python ints are packed inline; everything else by _pack.
+    packed = []
+    buffers = []        # accel Buffers passed: noted as used on the stream after the launch
+    others = []         # other objects that may carry memory (typed views, foreign objects)
+    i = 0
+    for kind, a in zip(params, args):
+        cls = type(a)
+        if cls is Buffer and kind in _PTR_KINDS and a._index == index and a._backend is backend:
+            packed.append(("ptr", a.ptr))
+            buffers.append(a)
+        elif cls is int and kind in _RANGES and _RANGES[kind][0] <= a <= _RANGES[kind][1]:
+            packed.append((kind, a))
+        elif (cls, kind) in _NUMPY_SAFE:
+            packed.append((kind, _NUMPY_SAFE[cls, kind](a)))
+        else:
+            packed.append(_pack(kernel, i, kind, a))
+            if cls.__module__ == "numpy" and getattr(a, "shape", None) == ():
+                # _pack accepted this numpy scalar type for this parameter type: numpy's "safe"
+                # cast rule depends on the type alone, so later ones are converted directly.
+                _NUMPY_SAFE[cls, kind] = float if kind in ("f32", "f64") else int
+            elif cls is not int and cls is not float:
+                others.append(a)
+        i += 1
+    if lim["simulated"] and (kernel._sim_ref is None or _sim_registry().get(name) is not kernel._sim_ref):
         _check_reference(kernel)
-    with on_device(backend, index):
-        if shared_mem > lim["max_shared_per_block"] and shared_mem > kernel._smem_optin:
-            # CUDA Programming Guide, "Shared Memory" (7.x+): above 48 KB a kernel must opt in.
-            backend.function_set_max_dynamic_shared(kernel.handle, shared_mem)
-            kernel._smem_optin = shared_mem
-        backend.launch(kernel.handle, grid, block, packed, shared_mem, stream.handle)
-    for a in args:
+    if backend.get_device() == index:         # on_device(backend, index) without its object
+        _launch_here(backend, kernel, grid, block, packed, shared_mem, stream, lim)
+    else:
+        with on_device(backend, index):
+            _launch_here(backend, kernel, grid, block, packed, shared_mem, stream, lim)
+    for a in buffers:
+        a._note(stream)
+    for a in others:
         note = getattr(a, "_note", None) or getattr(getattr(a, "_buffer", None), "_note", None)
         if note is not None and getattr(a, "device", None) is not None:
             note(stream)

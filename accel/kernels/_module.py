@@ -248,13 +248,14 @@ class Kernel:
     """
 
     __slots__ = ("module", "name", "handle", "params", "_backend", "_index", "_smem_optin", "_packers",
-                 "__weakref__")
+                 "_sim_ref", "__weakref__")
 
     def __init__(self, module: Module, name: str, handle: int, params: Tuple[str, ...]):
         self.module, self.name, self.handle, self.params = module, name, handle, params
         self._backend, self._index = module._backend, module._index
         self._smem_optin = 0        # the dynamic shared memory the kernel is opted in to (CUDA)
         self._packers = None        # built on the first launch (accel.kernels._launch)
+        self._sim_ref = None        # the simulator's reference a launch last found matching
 
     @property
     def device(self):
