@@ -10,7 +10,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "tools", "bench.py")
-GROUPS = {"import", "percall", "percall_real", "alloc", "rng", "graphs"}
+GROUPS = {"import", "percall", "percall_real", "alloc", "rng", "graphs", "kernels"}
 
 
 def _env():
@@ -49,7 +49,8 @@ def test_quick_json_covers_every_benchmark(quick_json):
     names = " ".join(r["name"] for r in quick_json[0]["rows"])
     for needle in ("import+query (real libs)", "import+query (ACCEL_SIM=cuda)", "current_stream()",
                    "Event.record()", "Stream.query()", "real cudaRuntimeGetVersion", "peak reserved/allocated",
-                   "cached 1 MiB alloc+free", "rng host Philox", "graph replay vs eager"):
+                   "cached 1 MiB alloc+free", "rng host Philox", "graph replay vs eager",
+                   "sim accel.launch", "graph replay vs eager, 100 launches"):
         assert needle in names, needle
 
 

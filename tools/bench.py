@@ -19,6 +19,9 @@ Prints one table: name | accel | baseline | ratio | target | ok.  Groups:
                   the bare simulated cudaMalloc+cudaFree pair (accel.memory._bench).
 ``rng``           host Philox GB/s vs numpy's C Philox (accel.random._bench).
 ``graphs``        replaying 100 captured fills vs issuing them eagerly (ACCEL_SIM=cuda).
+``kernels``       ``accel.launch`` of a user kernel vs the bare cffi ``cudaLaunchKernel`` with
+                  prebuilt arguments, and a graph of 100 launches replayed vs issued eagerly
+                  (ACCEL_SIM=cuda).
 
 Each group runs in its own subprocess with its own environment, so one
 group's process state (simulator threads, caches) cannot skew another's.
@@ -370,6 +373,120 @@ def group_graphs(quick: bool, progress: Callable[[str], None]) -> List[dict]:
     ]
 
 
+# -- group: user kernels (issue 18) ------------------------------------------------------------------
+def _test_kernel():
+    """accel's own test kernel (sim.kernels.TEST_PTX, its reference already registered), loaded
+    as a user module: ``accel_test_fill_u32(ptr out, u64 n, u32 value)``."""
+    import accel
+    from accel.sim import kernels as sim_kernels
+    return accel.Module(sim_kernels.TEST_PTX).function("accel_test_fill_u32")
+
+
+def group_kernels(quick: bool, progress: Callable[[str], None]) -> List[dict]:
+    import numpy as np
+
+    import accel
+    from accel._selftest_bench import interleaved_ns
+    accel.current_stream()                      # initializes the backend
+    be = accel.backends.get("cuda")
+    lib, ffi = be.lib, be.ffi
+    kernel = _test_kernel()
+    s = accel.Stream()
+    n, value = 64, 7
+    out = accel.Buffer(4 * n, stream=s)
+    # The bare call: cudaLaunchKernel with everything prebuilt once (argument cells, the void *[],
+    # dim3s, the cast stream and function), i.e. only the cffi call accel.launch ends in.
+    cells = [ffi.new("uint64_t *", out.ptr), ffi.new("uint64_t *", n), ffi.new("uint32_t *", value)]
+    argv = ffi.new("void *[]", [ffi.cast("void *", c) for c in cells])
+    ns = {"accel": accel, "lib": lib, "k": kernel, "out": out, "n": n, "value": value, "s": s,
+          "argv": argv, "func": ffi.cast("void *", kernel.handle), "sc": ffi.cast("cudaStream_t", s.handle),
+          "grid": ffi.new("dim3 *", (1, 1, 1))[0], "block": ffi.new("dim3 *", (32, 1, 1))[0],
+          "np_n": np.uint64(n), "np_value": np.uint32(value)}
+    rc = eval("lib.cudaLaunchKernel(func, grid, block, argv, 0, sc)", ns)
+    if rc != 0:
+        raise RuntimeError(f"the bare cudaLaunchKernel returned {rc}")
+    accel.launch(kernel, 1, 32, out, n, value, stream=s)
+    s.synchronize()
+    if not (out.to_numpy(np.uint32, stream=s) == value).all():
+        raise AssertionError("accel.launch of accel_test_fill_u32 did not fill the buffer")
+    stmts = {
+        "launch": "accel.launch(k, 1, 32, out, n, value, stream=s)",
+        "launch/bare": "lib.cudaLaunchKernel(func, grid, block, argv, 0, sc)",
+        "launch_np": "accel.launch(k, 1, 32, out, np_n, np_value, stream=s)",
+        "launch_tuple": "accel.launch(k, (1, 1, 1), (32, 1, 1), out, n, value, stream=s)",
+    }
+    progress("accel.launch vs bare cudaLaunchKernel")
+    best = interleaved_ns(stmts, ns, rounds=3 if quick else 9, batch_s=0.005 if quick else 0.02,
+                          between=s.synchronize)
+    bare = best["launch/bare"]
+    rows = [
+        row("sim accel.launch (int args, stream=s)", best["launch"], bare, "ns/call",
+            baseline_name="bare sim cudaLaunchKernel, prebuilt args", target="<= 2x",
+            ok=best["launch"] / bare <= 2.0, stmt=stmts["launch"], baseline_stmt=stmts["launch/bare"]),
+        row("sim accel.launch (numpy scalar args)", best["launch_np"], bare, "ns/call",
+            baseline_name="bare sim cudaLaunchKernel, prebuilt args", stmt=stmts["launch_np"]),
+        row("sim accel.launch (3-tuple grid/block)", best["launch_tuple"], bare, "ns/call",
+            baseline_name="bare sim cudaLaunchKernel, prebuilt args", stmt=stmts["launch_tuple"]),
+    ]
+    progress("graph replay of 100 launches vs 100 eager launches")
+    r = launch_graph_vs_eager(kernel, 100, rounds=3 if quick else 9, batch_s=0.01 if quick else 0.05)
+    rows += [
+        row("graph replay vs eager, 100 launches (issue+sync)", r["graph_us"], r["eager_us"], "us/iter",
+            baseline_name="100 eager accel.launch + synchronize", target="< 1x", ok=r["ratio"] < 1.0),
+        row("graph replay vs eager, 100 launches (issue only)", r["graph_issue_us"], r["eager_issue_us"],
+            "us/iter", baseline_name="100 eager accel.launch calls",
+            note="host time to enqueue; the simulator runs the kernels on its stream thread"),
+    ]
+    out.close()
+    s.close()
+    return rows
+
+
+def launch_graph_vs_eager(kernel, nops: int = 100, *, rounds: int = 9, batch_s: float = 0.05) -> dict:
+    """Host µs per iteration of ``nops`` launches of ``kernel`` (accel_test_fill_u32 signature)
+    issued eagerly vs replayed from one graph; checks a replay really launches them first."""
+    import numpy as np
+
+    import accel
+    from accel._selftest_bench import interleaved_ns
+    s = accel.Stream()
+    n = 16
+    bufs = [accel.Buffer(4 * n, stream=s) for _ in range(nops)]
+
+    def program():
+        for i, b in enumerate(bufs):
+            accel.launch(kernel, 1, 32, b, n, i, stream=s)
+
+    program()
+    s.synchronize()
+    g = accel.Graph()
+    with s, g:
+        program()
+    for b in bufs:
+        b.fill_(0xAB, s)
+
+    def replay():
+        with s:
+            g.replay()
+
+    replay()
+    s.synchronize()
+    wrong = [i for i, b in enumerate(bufs) if not (b.to_numpy(np.uint32, stream=s) == i).all()]
+    if wrong:
+        raise AssertionError(f"graph replay did not perform launches {wrong[:5]}")
+    ns = {"program": program, "replay": replay, "s": s}
+    stmts = {"eager": "program(); s.synchronize()", "graph": "replay(); s.synchronize()",
+             "eager_issue": "program()", "graph_issue": "replay()"}
+    best = interleaved_ns(stmts, ns, rounds=rounds, batch_s=batch_s, between=s.synchronize)
+    result = {f"{k}_us": v / 1e3 for k, v in best.items()}
+    result.update(nops=nops, ratio=best["graph"] / best["eager"])
+    g.reset()
+    for b in bufs:
+        b.close()
+    s.close()
+    return result
+
+
 # -- groups: name -> (environment, function, where it runs) ------------------------------------------
 GROUPS = {
     "import": ({}, group_import, "here"),
@@ -378,6 +495,7 @@ GROUPS = {
     "alloc": ({"ACCEL_SIM": "cuda"}, group_alloc, "worker"),
     "rng": ({}, group_rng, "worker"),
     "graphs": ({"ACCEL_SIM": "cuda"}, group_graphs, "worker"),
+    "kernels": ({"ACCEL_SIM": "cuda"}, group_kernels, "worker"),
 }
 
 
