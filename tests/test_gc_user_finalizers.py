@@ -76,6 +76,10 @@ _AT_EXIT = textwrap.dedent(r'''
             out = accel.Buffer(1024)
             out.fill_(2)
         keep += [g, out]
+    if hasattr(accel, "Module") and accel.current_accelerator().type == "cuda":
+        ptx = (".version 8.0\n.target sm_90\n.address_size 64\n"
+               ".visible .entry noop(.param .u64 p)\n{\n ret;\n}\n")
+        keep.append(accel.Module(ptx.encode()))
     if hasattr(accel, "MemPool") and accel.current_accelerator().type != "mps":
         keep.append(accel.MemPool())
     # Objects still alive when the interpreter tears the accel modules down (builtins go last):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import weakref
 from typing import Dict, Optional, Tuple
@@ -202,7 +203,9 @@ class Module:
         if h is not None:
             _fin.release(_unload, self._backend, self._index, h)
 
-    def __del__(self):
+    def __del__(self, _finalizing=sys.is_finalizing):
+        if _finalizing():
+            return      # interpreter exit: module globals may be gone; the process takes it all
         h = getattr(self, "_handle", None)
         if h is None or getattr(self, "_pid", None) != _fin.pid:
             return
