@@ -37,10 +37,14 @@ def axpy_step_reference(grid, block, view, a, x, y, n):
 
 
 def main() -> int:
-    if accel.current_accelerator().type == "mps":
-        print("Metal has no stream capture: graphs run on CUDA and Level Zero", file=sys.stderr)
+    kind = accel.current_accelerator().type if accel.is_available() else None
+    if kind != "cuda":
+        print(f"this example compiles CUDA C to PTX, so it needs CUDA (or ACCEL_SIM=cuda); the current "
+              f"accelerator is {kind}" + (" (and Metal has no stream capture)" if kind == "mps" else ""),
+              file=sys.stderr)
         return 2
     accel.sim.register_kernel("axpy_step", axpy_step_reference, "f32, ptr, ptr, u64")
+    accel.current_stream()                           # initialize: compile for this device's architecture
     program = accel.compile(SOURCE, name="axpy_step.cu", options=("--fmad=false",))
     kernel = accel.Module(program.ptx).function("axpy_step")
 

@@ -41,8 +41,9 @@ def saxpy_reference(grid, block, view, a, x, y, n):
 
 
 def main() -> int:
-    if accel.current_accelerator().type != "mps":
-        print(f"this example is for Metal; the current accelerator is {accel.current_accelerator()} "
+    kind = accel.current_accelerator().type if accel.is_available() else None
+    if kind != "mps":
+        print(f"this example is for Metal; the current accelerator is {kind} "
               "(run it with ACCEL_SIM=mps, or see examples/saxpy_nvrtc.py)", file=sys.stderr)
         return 2
     accel.sim.register_kernel("saxpy", saxpy_reference, SIGNATURE)

@@ -40,18 +40,24 @@ def saxpy_reference(grid, block, view, a, x, y, n):
 
 
 def main() -> int:
+    kind = accel.current_accelerator().type if accel.is_available() else None
+    if kind != "cuda":
+        print(f"this example compiles CUDA C to PTX, so it needs CUDA (or ACCEL_SIM=cuda); the current "
+              f"accelerator is {kind} (see examples/saxpy_metal.py for Metal)", file=sys.stderr)
+        return 2
     accel.sim.register_kernel("saxpy", saxpy_reference, SIGNATURE)
-    # --fmad=false: no fused multiply-add, so the device rounds a*x and then a*x + y, as numpy does.
-    program = accel.compile(SOURCE, name="saxpy.cu", options=("--fmad=false",))
-    kernel = accel.Module(program.ptx).function("saxpy")
-
     n = 100_003                                     # not a multiple of the block: the tail is checked
     rng = np.random.default_rng(0)
     x = rng.standard_normal(n, dtype=np.float32)
     y = rng.standard_normal(n, dtype=np.float32)
     a = np.float32(2.5)
-    dx = accel.Buffer(x.nbytes).copy_from(x)
+    dx = accel.Buffer(x.nbytes).copy_from(x)       # the first Buffer initializes the device...
     dy = accel.Buffer(y.nbytes).copy_from(y)
+
+    # ...so accel.compile targets its compute capability.  --fmad=false: no fused multiply-add,
+    # the device rounds a*x and then a*x + y, as numpy does.
+    program = accel.compile(SOURCE, name="saxpy.cu", options=("--fmad=false",))
+    kernel = accel.Module(program.ptx).function("saxpy")
 
     block = 256
     accel.launch(kernel, (n + block - 1) // block, block, a, dx, dy, n)

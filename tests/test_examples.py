@@ -58,10 +58,14 @@ def test_example_runs_on_the_simulator(script):
     assert "Simulated" in proc.stdout or "simulator" in proc.stdout, proc.stdout
 
 
-def test_graph_example_refuses_metal_with_the_reason():
-    """Metal has no stream capture: the script says so instead of failing inside the capture."""
-    proc = _run("graph_replay.py", "mps")
-    assert proc.returncode == 2 and "Metal has no stream capture" in proc.stderr, proc.stderr
+@pytest.mark.parametrize("script", ["saxpy_nvrtc.py", "graph_replay.py"])
+@pytest.mark.parametrize("sim", ["mps", "xpu"])
+def test_cuda_examples_refuse_other_backends_with_the_reason(script, sim):
+    """PTX runs on CUDA only: the scripts say so instead of failing inside Module or a capture."""
+    proc = _run(script, sim)
+    assert proc.returncode == 2 and "needs CUDA (or ACCEL_SIM=cuda)" in proc.stderr, proc.stderr
+    if script == "graph_replay.py" and sim == "mps":
+        assert "Metal has no stream capture" in proc.stderr
 
 
 def test_metal_example_refuses_other_backends_with_a_hint():
