@@ -468,14 +468,6 @@ class Backend(abc.ABC):
         """Release unused memory of device ``index``'s default pool down to ``keep`` bytes."""
         raise NotImplementedError(self.no_async_alloc_reason)
 
-    # -- kernels (only when kernel_language is not None) -----------------------
-    def module_load(self, source: bytes) -> int:
-        """Load kernel source in ``kernel_language`` (JIT-compiled by the runtime)."""
-        raise NotImplementedError(f"{self.name} has no kernel path")
-
-    def module_unload(self, module: int) -> None:
-        raise NotImplementedError(f"{self.name} has no kernel path")
-
     def mem_pool_set_access(self, index: int, peer: int) -> None:
         """Let device ``peer`` read and write the memory of device ``index``'s default pool
         (pool memory is not reached through peer access alone)."""
@@ -491,6 +483,14 @@ class Backend(abc.ABC):
     def graph_mem_trim(self, index: int) -> None:
         """Give device ``index``'s graph memory that no graph uses back to the device."""
         raise NotImplementedError(self.no_async_alloc_reason)
+
+    # -- kernels (only when kernel_language is not None) -----------------------
+    def module_load(self, source: bytes) -> int:
+        """Load kernel source in ``kernel_language`` (JIT-compiled by the runtime)."""
+        raise NotImplementedError(f"{self.name} has no kernel path")
+
+    def module_unload(self, module: int) -> None:
+        raise NotImplementedError(f"{self.name} has no kernel path")
 
     def module_function(self, module: int, name: str) -> int:
         raise NotImplementedError(f"{self.name} has no kernel path")
