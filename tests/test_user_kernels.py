@@ -274,6 +274,9 @@ def test_grid_block_and_shared_memory_limits(sim_cuda, saxpy_registered):
         (1, (64, 32), ValueError, r"block \(64, 32, 1\) has 2048 threads, above the device's 1024"),
         ((1, 1, 1, 1), 1, TypeError, r"grid must be an int or a tuple of 1 to 3 ints"),
         (1.0, 1, TypeError, r"grid must be an int or a tuple"),
+        (True, 1, TypeError, r"grid must be an int or a tuple"),
+        ((True, 1), 1, TypeError, r"grid\[0\] must be an int, got bool True"),
+        (1, (32, False), TypeError, r"block\[1\] must be an int, got bool False"),
     ]:
         with pytest.raises(exc, match=pattern):
             accel.launch(k, grid, block, *args)

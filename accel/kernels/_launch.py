@@ -73,7 +73,9 @@ def _dims(value, what: str, kname: str) -> Tuple[int, int, int]:
     else:
         raise TypeError(f"launch({kname}): {what} must be an int or a tuple of 1 to 3 ints, got {value!r}")
     for i, d in enumerate(dims):
-        if not isinstance(d, int) or isinstance(d, bool):
+        if isinstance(d, bool):      # operator.index(True) is 1: refuse it, as a bare True is
+            raise TypeError(f"launch({kname}): {what}[{i}] must be an int, got bool {d!r}")
+        if not isinstance(d, int):
             import operator
             try:
                 d = operator.index(d)
