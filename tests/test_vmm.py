@@ -694,3 +694,44 @@ def test_threads_mapping_copying_and_unmapping_at_once(cuda):
     assert errors == []
     assert _vmm_state() == (0, 0, 0, 0)
     assert sim.state().errors == []
+
+
+def test_a_running_kernel_does_not_stall_the_host_queueing_other_work(monkeypatch):
+    """While a kernel runs (it holds the mapped pages it reads), the host can still queue a
+    memset of other mapped memory on another stream: enqueueing never waits for device work on
+    hardware.  The simulator held its virtual-memory lock exclusively for the whole kernel, so
+    the memset's address check waited for the kernel (a 30 s stall in
+    test_torch_external_events when the gate kernel had started first)."""
+    import threading
+    import accel
+    from accel.sim import kernels
+    use_sim(monkeypatch, "cuda", ACCEL_SIM_DELAY_US=1)     # work runs on the streams' workers
+    started, release = threading.Event(), threading.Event()
+
+    def hold(grid, block, view, ptr):
+        view(ptr, 4)                      # touches its own mapped memory
+        started.set()
+        release.wait(20)
+
+    kernels.register("accel_test_vmm_hold", ("ptr",), hold, replace=True)
+    try:
+        ptx = (b".version 8.0\n.target sm_90\n.address_size 64\n"
+               b".visible .entry accel_test_vmm_hold(.param .u64 p)\n{\n ret;\n}\n")
+        k = accel.Module(ptx).function("accel_test_vmm_hold")
+        a, b = accel.Buffer(1 << 20), accel.Buffer(1 << 20)     # expandable segments: mapped pages
+        s, t = accel.Stream(), accel.Stream()
+        accel.launch(k, 1, 1, a, stream=s)
+        assert started.wait(20)
+        done = threading.Event()
+        worker = threading.Thread(target=lambda: (b.fill_(1, stream=t), done.set()), daemon=True)
+        worker.start()
+        queued = done.wait(5)
+        release.set()
+        worker.join(20)
+        assert queued, "queueing a memset waited for a running kernel"
+        t.synchronize()
+        s.synchronize()
+        assert (b.to_numpy()[:4] == 1).all()
+    finally:
+        release.set()
+        kernels.unregister("accel_test_vmm_hold")

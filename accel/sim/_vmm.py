@@ -19,7 +19,8 @@ Access is bookkept per mapping (the devices with read-write / read-only access);
 vendor simulators check, before any copy, memset or kernel touches a range, that every
 byte is mapped and accessible by the accessing device (:meth:`Space.resolve`), and check
 again when the queued operation runs (an unmap does not wait for queued work), holding
-:attr:`Space.lock` so no unmap can pull the pages away under a running operation.
+:attr:`Space.lock` shared (:class:`SharedLock`), so no unmap (which takes it exclusively) can pull
+the pages away under a running operation, while other work is still queued and run meanwhile.
 
 Errors are raised as :class:`VmmError` with a ``kind`` the vendor layer turns into its
 own code: ``"invalid"`` (bad argument or rule), ``"oom"``, ``"unsupported"``.
@@ -30,6 +31,7 @@ vendor simulator passes, so it shares the device's budget with its other allocat
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import itertools
 import os
@@ -103,6 +105,76 @@ def _new_file(size: int) -> int:
         os.unlink(path)
     os.ftruncate(fd, size)
     return fd
+
+
+class SharedLock:
+    """The space's lock: exclusive (``with lock:``, reentrant) for what changes mappings,
+    shared (``with lock.shared():``, reentrant per thread) for what only reads them -- address
+    checks when work is queued, and copies, memsets and kernels while they run.
+
+    Why not one RLock: a kernel holds the pages it touches for as long as it runs (so no
+    cuMemUnmap pulls them from under it: the simulator would fault in the host process), and
+    with an exclusive lock the host could not even *queue* other work on mapped memory until
+    the kernel finished, which never happens on the device.  Writers are preferred (a waiting
+    writer stops new readers of other threads), so back-to-back kernels cannot starve an unmap."""
+
+    def __init__(self):
+        self._cond = threading.Condition(threading.Lock())
+        self._owner: Optional[int] = None     # thread holding it exclusively
+        self._depth = 0
+        self._readers = 0                     # shared holds of all threads
+        self._waiting_writers = 0
+        self._mine = threading.local()        # this thread's shared depth
+
+    def __enter__(self):
+        me = threading.get_ident()
+        with self._cond:
+            if self._owner == me:
+                self._depth += 1
+                return self
+            if getattr(self._mine, "depth", 0):
+                raise RuntimeError("accel.sim: a thread holding the virtual-memory space shared "
+                                   "asked for it exclusively (would deadlock)")
+            self._waiting_writers += 1
+            try:
+                while self._owner is not None or self._readers:
+                    self._cond.wait()
+            finally:
+                self._waiting_writers -= 1
+            self._owner, self._depth = me, 1
+        return self
+
+    def __exit__(self, *exc):
+        with self._cond:
+            self._depth -= 1
+            if self._depth == 0:
+                self._owner = None
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def shared(self):
+        mine = self._mine
+        depth = getattr(mine, "depth", 0)
+        if depth or self._owner == threading.get_ident():
+            mine.depth = depth + 1           # nested, or inside this thread's exclusive hold
+            try:
+                yield self
+            finally:
+                mine.depth -= 1
+            return
+        with self._cond:
+            while self._owner is not None or self._waiting_writers:
+                self._cond.wait()
+            self._readers += 1
+        mine.depth = 1
+        try:
+            yield self
+        finally:
+            mine.depth = 0
+            with self._cond:
+                self._readers -= 1
+                if not self._readers:
+                    self._cond.notify_all()
 
 
 class VmmError(Exception):
@@ -208,7 +280,7 @@ class Space:
         self.name = name
         self.memory = memory
         self.charge, self.refund = charge, refund
-        self.lock = threading.RLock()
+        self.lock = SharedLock()
         self.table = _memory.MemoryTable()      # the mappings, so accel.sim.kernels.read/write find them
         self._bases: List[int] = []             # sorted reservation bases
         self.reservations: Dict[int, Reservation] = {}
@@ -415,7 +487,7 @@ class Space:
                         m.access[device] = flags
 
     def access_of(self, addr: int, device: int) -> Optional[str]:
-        with self.lock:
+        with self.lock.shared():
             m = self.mapping_at(addr)
             if m is None:
                 raise VmmError("invalid", f"0x{addr:x} is not mapped")
@@ -436,7 +508,7 @@ class Space:
         """None when ``addr`` is in no reservation (not virtual memory); else a :class:`Region`
         when every byte of ``[addr, addr + nbytes)`` is mapped and accessible by device
         ``accessor`` (None: any access), or the reason (a str) the access faults."""
-        with self.lock:
+        with self.lock.shared():
             r = self.reservation_of(addr)
             if r is None:
                 return None
@@ -465,7 +537,7 @@ class Space:
 
     # -- state ----------------------------------------------------------------------------
     def stats(self) -> dict:
-        with self.lock:
+        with self.lock.shared():
             return {
                 "vmm_reservations": len(self.reservations),
                 "vmm_reserved_bytes": sum(r.size for r in self.reservations.values()),

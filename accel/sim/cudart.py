@@ -1253,7 +1253,7 @@ def _copy_op(dst: int, src: int, staged, n: int, da, sa):
         # Virtual memory may be unmapped while the copy is queued (cuMemUnmap does not wait): check
         # and copy under the space's lock, so the pages cannot go between the two.
         def vop():
-            with lock:
+            with lock.shared():
                 for r in (da, sa):
                     why = r.problem() if r.__class__ is _vmm.Region else None
                     if why is None and r is not None and not r.live:
@@ -1387,7 +1387,7 @@ def cudaMemcpyPeerAsync(R, dst, dstDevice, src, srcDevice, count, stream=None):
 def _memset_op(dp: int, value: int, n: int, a):
     if a.__class__ is _vmm.Region:
         def vop():
-            with a.lock:
+            with a.lock.shared():
                 why = a.problem()
                 if why:
                     raise _IllegalAddress(f"memset of {n} bytes at 0x{dp:x}: {why}")
@@ -2900,8 +2900,9 @@ def launch(R: Runtime, k: "KernelHandle", grid, block, args, sharedMem, s: Strea
     fn, view, vmm_lock = ref.fn, _device_view(R, s.device), R.vmm.lock
 
     def run():
-        # under the virtual-memory lock: no cuMemUnmap can pull pages from under a running kernel
-        with vmm_lock:
+        # holding the mapped pages (the space's lock, shared): no cuMemUnmap pulls them from under
+        # a running kernel, and other work can still be queued and run meanwhile
+        with vmm_lock.shared():
             fn(grid, block, view, *values)
     return _enqueue(R, s, run, "kernel", f"{k.name} grid{grid} block{block}")[0]
 

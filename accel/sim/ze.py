@@ -1480,7 +1480,7 @@ def _vmm_append(rt, hCommandList, sides, work, waits, sig, label, usm, usm_range
     lock = rt.vmm.lock
 
     def run():
-        with lock:
+        with lock.shared():
             for addr, region in sides:
                 why = region if region.__class__ is str else region.problem()
                 if why:
