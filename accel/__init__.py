@@ -21,12 +21,13 @@ from ._errors import (AcceleratorError, CaptureError, CompileError, DeferredCall
                       KernelImageError, OutOfMemoryError)
 from ._lazy import is_initialized
 from .buffer import Buffer
-from .streams import Event, Stream, current_stream, default_stream, on_device as _on_device, set_stream
+from .streams import Event, ExternalStream, Stream, current_stream, default_stream, on_device as _on_device, set_stream
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AcceleratorError", "Buffer", "CaptureError", "DeferredCallError", "Event", "Graph", "InvalidDeviceError",
+    "AcceleratorError", "Buffer", "CaptureError", "DeferredCallError", "Event", "ExternalStream", "Graph",
+    "InvalidDeviceError",
     "KernelImageError",
     "OutOfMemoryError", "Stream", "current_accelerator", "current_device_idx", "current_device_index",
     "current_stream", "default_stream", "device", "device_count", "device_index", "empty_pinned",

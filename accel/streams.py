@@ -470,6 +470,12 @@ class Stream:
             _fin.finalize(_destroy, self._backend, self._index, self._handle, False)
 
 
+def ExternalStream(stream_ptr: int, device: DeviceLike = None) -> Stream:
+    """torch's name: ``torch.cuda.ExternalStream(stream_ptr, device=None)`` is
+    :meth:`Stream.from_handle` (a stream another library owns; accel never destroys it)."""
+    return Stream.from_handle(stream_ptr, device)
+
+
 class _NoScope:
     __slots__ = ()
 

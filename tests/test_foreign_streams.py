@@ -345,3 +345,17 @@ def test_other_backends(sim_backend):
     finally:
         gc.collect()
         backend.stream_destroy(handle)
+
+
+
+
+def test_external_stream_is_torchs_name_for_from_handle(raw):
+    """torch.cuda.ExternalStream(stream_ptr, device=None): accel.ExternalStream is the same wrapper."""
+    h = raw(1)
+    s = accel.ExternalStream(h, device=1)
+    assert isinstance(s, accel.Stream) and s == accel.Stream.from_handle(h, 1) and s.device_index == 1
+    b = accel.Buffer(16, device=1)
+    b.fill_(5, stream=s)
+    assert bytes(b.to_numpy(stream=s)) == b"\x05" * 16
+    with pytest.raises(TypeError, match="handle must be an int"):
+        accel.ExternalStream("0x10")
