@@ -50,7 +50,18 @@ def collect() -> dict:
         except accel.AcceleratorError as exc:
             result["init_error"] = str(exc)
     result["devices"] = devices
+    result["nvrtc"] = _nvrtc()
     return result
+
+
+def _nvrtc() -> dict:
+    """Which libnvrtc accel.compile would use, and its version (loading it initializes nothing)."""
+    from .backends import _nvrtc
+    try:
+        _ffi, _lib, path = _nvrtc.open_lib()
+        return {"library": str(path), "version": "%d.%d" % _nvrtc.version()}
+    except Exception as exc:     # absent or broken: say so, never stop the report
+        return {"error": str(exc).splitlines()[0]}
 
 
 #: (report key, accel function) of the management-library readings torch.cuda offers.
@@ -145,6 +156,11 @@ def render(report: dict) -> str:
             lines.append(f"      now: {_render_readings(d['readings'])}")
     if "init_error" in report:
         lines.append(f"  init failed: {report['init_error']}")
+    nvrtc = report.get("nvrtc") or {}
+    if "library" in nvrtc:
+        lines.append(f"nvrtc (accel.compile): {nvrtc['library']} (NVRTC {nvrtc['version']})")
+    elif nvrtc:
+        lines.append(f"nvrtc (accel.compile): {nvrtc['error']}")
     return "\n".join(lines)
 
 

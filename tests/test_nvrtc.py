@@ -355,3 +355,18 @@ def test_preferred_major_is_the_initialized_runtimes(monkeypatch):
     accel.current_device_index()
     backend = accel._lazy.ready
     assert _nvrtc._runtime_major() == backend._choice.chosen.version // 1000
+
+
+def test_python_m_accel_names_the_nvrtc_it_would_use(monkeypatch, tmp_path):
+    """`python -m accel` says which libnvrtc accel.compile would load, or why there is none."""
+    from accel import __main__ as cli
+    monkeypatch.setenv("ACCEL_NVRTC_PATH", str(tmp_path / "no-such-libnvrtc.so"))
+    missing = cli._nvrtc()
+    assert "error" in missing and "accel[nvrtc]" in missing["error"]
+    monkeypatch.delenv("ACCEL_NVRTC_PATH")
+    try:
+        found = _nvrtc.version()
+    except RuntimeError:
+        return
+    report = cli._nvrtc()
+    assert report["version"] == "%d.%d" % found and "nvrtc" in report["library"]
