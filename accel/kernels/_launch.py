@@ -22,7 +22,7 @@ import os
 import threading
 from typing import Dict, Tuple
 
-from .. import _finalize as _fin, _lazy
+from .. import _lazy
 from .._errors import AcceleratorError
 from ..buffer import Buffer
 from ..streams import Stream, _as_stream, current_stream, on_device
@@ -139,7 +139,7 @@ def _pack(kernel: Kernel, i: int, kind: str, value):
     if cls is float:
         if kind in ("f32", "f64"):
             return kind, _float(kernel, i, kind, value)
-        raise TypeError(_bad(kernel, i, kind, value, f"a float for an integer parameter; pass an int"))
+        raise TypeError(_bad(kernel, i, kind, value, "a float for an integer parameter; pass an int"))
     if value is None and kind in ("ptr", "u64"):
         return "ptr", 0
     if isinstance(value, bool):
