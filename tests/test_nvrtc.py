@@ -361,7 +361,9 @@ def test_python_m_accel_names_the_nvrtc_it_would_use(monkeypatch, tmp_path):
     """`python -m accel` says which libnvrtc accel.compile would load, or why there is none."""
     from accel import __main__ as cli
     monkeypatch.setenv("ACCEL_NVRTC_PATH", str(tmp_path / "no-such-libnvrtc.so"))
-    missing = cli._nvrtc()
+    with monkeypatch.context() as m:
+        m.setattr(F, "_opened", {})            # as in a fresh process (the library is cached once opened)
+        missing = cli._nvrtc()
     assert "error" in missing and "accel[nvrtc]" in missing["error"]
     monkeypatch.delenv("ACCEL_NVRTC_PATH")
     try:
