@@ -121,34 +121,45 @@ class SharedLock:
     def __init__(self):
         self._cond = threading.Condition(threading.Lock())
         self._owner: Optional[int] = None     # thread holding it exclusively
-        self._depth = 0
+        self._depth = 0                       # its reentrant depth (only the owner changes it)
         self._readers = 0                     # shared holds of all threads
         self._waiting_writers = 0
+        self._waiters = 0                     # threads in wait(): notify only when there are some
         self._mine = threading.local()        # this thread's shared depth
+
+    def _wait(self) -> None:
+        self._waiters += 1
+        try:
+            self._cond.wait()
+        finally:
+            self._waiters -= 1
 
     def __enter__(self):
         me = threading.get_ident()
+        if self._owner == me:                 # only this thread sets or clears its own ownership
+            self._depth += 1
+            return self
+        if getattr(self._mine, "depth", 0):
+            raise RuntimeError("accel.sim: a thread holding the virtual-memory space shared "
+                               "asked for it exclusively (would deadlock)")
         with self._cond:
-            if self._owner == me:
-                self._depth += 1
-                return self
-            if getattr(self._mine, "depth", 0):
-                raise RuntimeError("accel.sim: a thread holding the virtual-memory space shared "
-                                   "asked for it exclusively (would deadlock)")
             self._waiting_writers += 1
             try:
                 while self._owner is not None or self._readers:
-                    self._cond.wait()
+                    self._wait()
             finally:
                 self._waiting_writers -= 1
             self._owner, self._depth = me, 1
         return self
 
     def __exit__(self, *exc):
-        with self._cond:
+        if self._depth > 1:
             self._depth -= 1
-            if self._depth == 0:
-                self._owner = None
+            return
+        with self._cond:
+            self._depth = 0
+            self._owner = None
+            if self._waiters:
                 self._cond.notify_all()
 
     @contextlib.contextmanager
@@ -164,7 +175,7 @@ class SharedLock:
             return
         with self._cond:
             while self._owner is not None or self._waiting_writers:
-                self._cond.wait()
+                self._wait()
             self._readers += 1
         mine.depth = 1
         try:
@@ -173,7 +184,7 @@ class SharedLock:
             mine.depth = 0
             with self._cond:
                 self._readers -= 1
-                if not self._readers:
+                if not self._readers and self._waiters:
                     self._cond.notify_all()
 
 

@@ -67,9 +67,16 @@ _callbacks: Dict[str, object] = {}     # symbol -> callback cdata (kept alive fo
 _names: Dict[tuple, object] = {}       # (CUresult, names?) -> const char * (cuGetErrorName/String)
 
 
+_DFFI = None
+_CUDART = None
+
+
 def _dffi():
-    from accel._ffi._cudadrv import ffi
-    return ffi
+    global _DFFI
+    if _DFFI is None:
+        from accel._ffi._cudadrv import ffi
+        _DFFI = ffi
+    return _DFFI
 
 
 def entry_point(name: str, version: int, driver_version: int):
@@ -93,7 +100,11 @@ def entry_point(name: str, version: int, driver_version: int):
 
 
 def _runtime():
-    from . import cudart
+    global _CUDART
+    cudart = _CUDART
+    if cudart is None:
+        from . import cudart
+        _CUDART = cudart
     return cudart, cudart.runtime()
 
 
