@@ -285,3 +285,31 @@ def test_small_blocks_never_cross_a_page(be):
     check(alloc)
     alloc.empty_cache()
     assert alloc.stats()["reserved_bytes.all.current"] == 0
+
+
+def test_capture_begun_by_another_thread_mid_miss_takes_a_classic_segment(be, monkeypatch):
+    """A miss reads "no capture underway", then another thread begins a capture before the
+    driver is called: the VMM call is refused (CaptureError, E6).  The allocation falls back to
+    a classic segment, as capture-time misses do, and the user sees no error (gc_stress caught it
+    on xpu: 'zePhysicalMemCreate is not allowed while a stream capture is underway')."""
+    from accel._errors import CaptureError
+    alloc = make(be, 1)
+    keep = alloc.malloc(MiB)                       # a segment exists: the race is in growing it
+    real_create, calls = be.vmm_create, []
+
+    def create_after_capture_began(index, nbytes):
+        calls.append(nbytes)
+        if len(calls) == 1:
+            raise CaptureError("libcuda: cuMemCreate is not allowed while a stream capture is underway")
+        return real_create(index, nbytes)
+
+    monkeypatch.setattr(be, "vmm_create", create_after_capture_began)
+    ptr = alloc.malloc(8 * MiB)
+    assert ptr and calls
+    check(alloc)
+    assert alloc.stats()["num_device_alloc"] == 1     # the classic segment
+    monkeypatch.setattr(be, "vmm_create", real_create)
+    alloc.free(ptr)
+    alloc.free(keep)
+    alloc.empty_cache()
+    assert sim.state().vmm_handles == 0 and alloc.stats()["reserved_bytes.all.current"] == 0

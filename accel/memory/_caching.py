@@ -1130,7 +1130,13 @@ class DeviceCachingAllocator:
                 return block
         if fl.owner is None and not capturing and self._use_expandable():
             # graph private pools and capture-time misses keep classic segments (E6)
-            return self._exp_grow(size, nbytes, fl)
+            try:
+                return self._exp_grow(size, nbytes, fl)
+            except CaptureError:
+                # Another thread began a capture after `capturing` was read: the driver now
+                # refuses virtual-memory calls, and _exp_grow undid what it had made.  Take a
+                # classic segment, as any capture-time miss does.
+                capturing = True
         if fl.kind == _SMALL and not capturing and not self._torch_policy and fl.split_min <= SMALL_SIZE:
             block = self._small_in_large(size, fl)     # (never for a no_split MemPool)
             if block is not None:
