@@ -175,7 +175,11 @@ class VmmMixin:
     # -- helpers ------------------------------------------------------------------------------
     def _vmm_ctx(self, va: int, index):
         t = self._vmm_tables()
-        for base, (size, ctx) in t["reserved"].items():
+        # A snapshot under the lock: another device's allocator reserves and frees on other threads,
+        # and a dict iterated while one key goes and another comes (with a resize) can skip entries.
+        with self._lock:
+            reserved = list(t["reserved"].items())
+        for base, (size, ctx) in reserved:
             if base <= va < base + size:
                 return ctx
         if index is not None:
