@@ -671,7 +671,7 @@ class Buffer:
             uses, owner, self._uses, self._owner = self._uses, self._owner, {}, None
             return _release_foreign, (owner, self._backend, tuple(uses.values()))
         if self._nbytes:
-            return _free, (self._index, self._ptr)
+            return _free, (self._backend, self._index, self._ptr)
         return None
 
     def _unpinned_release(self):
@@ -709,10 +709,12 @@ class Buffer:
         elif _lazy.is_initialized():
             self._closed = True
             if self._nbytes:
-                _fin.finalize(_free, self._index, self._ptr)
+                _fin.finalize(_free, self._backend, self._index, self._ptr)
 
 
-def _free(index: int, ptr: int) -> None:
+def _free(backend, index: int, ptr: int) -> None:
+    # ``backend`` first: accel._finalize drops the release when that runtime was reset since (a
+    # new runtime's allocator may hold a live block at the same address).
     _memory().device_allocator(index).free(ptr)
 
 

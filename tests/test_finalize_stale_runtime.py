@@ -37,3 +37,23 @@ def test_stale_event_finalizer_leaves_the_new_runtime_alone(monkeypatch):
     gc.collect()
     new.synchronize()
     assert new.query()
+
+
+def test_stale_buffer_finalizer_leaves_the_new_runtime_alone(monkeypatch):
+    """A Buffer of the old runtime collected after a reset must not free a block of the new
+    runtime's allocator: on the XPU simulator the new allocator's first block sits at the old
+    one's address, and freeing it under a live owner corrupted the cache (a reservation freed
+    under live mappings in tests/test_load.py's eight-thread run)."""
+    for kind in ("cuda", "xpu"):
+        use_sim(monkeypatch, kind)
+        old = accel.Buffer(1 << 20)
+        use_sim(monkeypatch, kind)               # a new runtime and new allocators
+        new = accel.Buffer(1 << 20)
+        allocated = accel.memory.memory_allocated(0)
+        del old                                  # the old runtime's buffer dies now
+        gc.collect()
+        assert accel.memory.memory_allocated(0) == allocated == 1 << 20
+        new.fill_(7)
+        assert (new.to_numpy()[:4] == 7).all()
+        new.close()
+        assert accel.memory.memory_allocated(0) == 0
