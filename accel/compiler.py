@@ -25,12 +25,12 @@ from __future__ import annotations
 import re
 from typing import Optional, Sequence, Tuple, Union
 
+from . import _ptx
 from ._errors import CompileError
 
 __all__ = ["compile", "Program", "CompileError"]
 
 _ARCH = re.compile(r"(sm|compute)_(\d{2,3})([af]?)")
-_ENTRY = re.compile(rb"^\s*(?:\.visible\s+|\.weak\s+)?\.entry\s+([A-Za-z_$%][\w$]*)", re.M)
 _TARGET = re.compile(rb"^\s*\.target\s+(sm_\d+[af]?)", re.M)
 _ARCH_OPTIONS = ("-arch", "--gpu-architecture")
 
@@ -54,7 +54,7 @@ class Program:
     def __init__(self, ptx: bytes, cubin: Optional[bytes], log: str, name: Optional[str], arch: str,
                  options: Tuple[str, ...]):
         self.ptx, self.cubin, self.log, self.name, self.arch = ptx, cubin, log, name, arch
-        self.entries = tuple(m.decode("ascii") for m in _ENTRY.findall(ptx))
+        self.entries = tuple(_ptx.ptx_entries(ptx))     # the parser accel.Module uses
         self.options = options
 
     def __repr__(self):
