@@ -108,6 +108,7 @@ class _TimedBackend:
             finally:
                 self.seconds += time.perf_counter() - start
                 self.calls += 1
+        self.__dict__[name] = timed      # wrapped once: later lookups skip __getattr__
         return timed
 
 
