@@ -6,9 +6,9 @@ Argument rules, per parameter type of the kernel (``Kernel.params``):
   the kernel's), a Python int address (0 .. 2**64-1) or None (NULL).
 * ``u64`` (what PTX declares for pointers too): the same objects as ``ptr``, or an int.
 * ``u32``/``i32``/``i64``: a Python int within the type's range (``u32``: 0 .. 2**32-1,
-  ``i32``: -2**31 .. 2**31-1, ...).  bool is refused (pass ``int(flag)``).
-* ``f32``/``f64``: a Python float or int (rounded to nearest; a finite value beyond the float32
-  range is refused rather than becoming inf).
+  ``i32``: -2**31 .. 2**31-1, ...).  bool (and ``np.bool_``) is refused (pass ``int(flag)``).
+* ``f32``/``f64``: a Python float (or subclass) or int (rounded to nearest; a finite value
+  beyond the float32 range is refused rather than becoming inf).
 * numpy scalars: accepted when numpy's ``can_cast(scalar.dtype, param dtype, "safe")`` holds,
   i.e. the conversion is lossless for every value of the dtype (np.uint16 -> u32, np.float32 ->
   f64 and np.int32 -> f64 are; np.int32 -> u32 and np.float64 -> f32 are not: cast first).
@@ -66,10 +66,10 @@ def _dims(value, what: str, kname: str) -> Tuple[int, int, int]:
         x, y, z = value
         if type(x) is int and type(y) is int and type(z) is int and x >= 1 and y >= 1 and z >= 1:
             return value
-    if isinstance(value, int) and not isinstance(value, bool):
-        dims = (value,)
-    elif isinstance(value, tuple) and 1 <= len(value) <= 3:
+    if isinstance(value, tuple) and 1 <= len(value) <= 3:
         dims = value
+    elif hasattr(type(value), "__index__") and not isinstance(value, bool):    # int, numpy integers
+        dims = (value,)
     else:
         raise TypeError(f"launch({kname}): {what} must be an int or a tuple of 1 to 3 ints, got {value!r}")
     for i, d in enumerate(dims):
@@ -119,11 +119,19 @@ def _pointer(kernel: Kernel, i: int, kind: str, value) -> int:
 def _numpy_scalar(kernel, i, kind, value):
     import numpy as np
     target = np.dtype(_NUMPY[kind])
+    if value.dtype.kind == "b":     # np.bool_ converts "safely" to every number type; bool does not
+        raise TypeError(_bad(kernel, i, kind, value, "bool is not accepted; pass int(value)"))
     if not np.can_cast(value.dtype, target, "safe"):
         raise TypeError(_bad(kernel, i, kind, value,
                              f"numpy {value.dtype} does not convert to {target} without loss; cast it "
                              f"first (np.{target}(x))"))
     return value.item()
+
+
+def _numpy_scalar_type(cls) -> bool:
+    """True for numpy's scalar types (np.float32, np.uint64...), whose dtype is fixed by the type."""
+    import numpy as np      # already imported: an object of numpy's was passed
+    return issubclass(cls, np.generic)
 
 
 def _pack(kernel: Kernel, i: int, kind: str, value):
@@ -149,6 +157,8 @@ def _pack(kernel: Kernel, i: int, kind: str, value):
         return _pack(kernel, i, kind, v if kind in ("f32", "f64") else int(v))
     if isinstance(value, int):                # int subclasses (IntEnum...)
         return _pack(kernel, i, kind, int(value))
+    if isinstance(value, float):              # float subclasses
+        return _pack(kernel, i, kind, float(value))
     if kind in ("ptr", "u64") and hasattr(value, "ptr"):
         return "ptr", _pointer(kernel, i, kind, value)
     if hasattr(value, "ptr"):
@@ -252,9 +262,13 @@ def launch(kernel: Kernel, grid, block, *args, shared_mem: int = 0, stream=None)
         raise ValueError(f"launch({name}): block {block} has {threads} threads, above the device's "
                          f"{lim['max_threads_per_block']} threads per block")
     if type(shared_mem) is not int or shared_mem < 0:
-        if not isinstance(shared_mem, int) or isinstance(shared_mem, bool) or shared_mem < 0:
+        smem = shared_mem
+        if not isinstance(smem, bool) and hasattr(type(smem), "__index__"):     # numpy integers too
+            import operator
+            smem = operator.index(smem)
+        if type(smem) is not int or smem < 0:
             raise ValueError(f"launch({name}): shared_mem must be an int >= 0 (bytes), got {shared_mem!r}")
-        shared_mem = int(shared_mem)
+        shared_mem = smem
     if shared_mem > lim["max_shared_per_block_optin"]:
         raise ValueError(f"launch({name}): shared_mem={shared_mem} bytes is above the device's limit of "
                          f"{lim['max_shared_per_block_optin']} bytes of dynamic shared memory per block")
@@ -279,9 +293,10 @@ def launch(kernel: Kernel, grid, block, *args, shared_mem: int = 0, stream=None)
             packed.append((kind, _NUMPY_SAFE[cls, kind](a)))
         else:
             packed.append(_pack(kernel, i, kind, a))
-            if cls.__module__ == "numpy" and getattr(a, "shape", None) == ():
+            if cls.__module__ == "numpy" and getattr(a, "shape", None) == () and _numpy_scalar_type(cls):
                 # _pack accepted this numpy scalar type for this parameter type: numpy's "safe"
                 # cast rule depends on the type alone, so later ones are converted directly.
+                # (Not a 0-d ndarray: its dtype is not its type's, so each one is checked.)
                 _NUMPY_SAFE[cls, kind] = float if kind in ("f32", "f64") else int
             elif cls is not int and cls is not float:
                 others.append(a)

@@ -1,0 +1,82 @@
+"""Adversarial use of user kernels (accel.Module / Kernel / launch) and of the simulator's
+module and launch rules: odd argument objects, images the parsers must read as the driver
+does, modules closed or collected while a graph still launches their kernels."""
+
+import gc
+
+import numpy as np
+import pytest
+
+import accel
+from accel import sim
+
+from test_user_kernels import SAXPY_MSL, SAXPY_PTX, _data, _device_arrays, expected, saxpy_reference
+
+from conftest import use_sim
+
+
+@pytest.fixture
+def saxpy(sim_cuda):
+    """The SAXPY kernel on the CUDA simulator (device 0) and two 4 KiB buffers."""
+    sim.register_kernel("saxpy", saxpy_reference, "f32, ptr, ptr, u64")
+    try:
+        k = accel.Module(SAXPY_PTX).function("saxpy")
+        yield k, accel.Buffer(4096), accel.Buffer(4096)
+    finally:
+        sim.unregister_kernel("saxpy")
+
+
+# -- numpy arguments ----------------------------------------------------------------------
+
+def test_a_0d_array_is_checked_by_its_dtype_every_time(saxpy):
+    """launch remembers the numpy scalar types it accepted; a 0-d ndarray's dtype is not its
+    type's, so a lossless one accepted first must not let a lossy one through later."""
+    k, x, y = saxpy
+    accel.launch(k, 1, 1, np.array(1.5, np.float32), x, y, 0)
+    with pytest.raises(TypeError, match=r"argument 0 \(f32\).*float64 does not convert to float32"):
+        accel.launch(k, 1, 1, np.array(1e300), x, y, 0)
+    accel.launch(k, 1, 1, 1.0, x, y, np.array(3, np.uint16))
+    with pytest.raises(TypeError, match=r"argument 3 \(u64\).*int64 does not convert to uint64"):
+        accel.launch(k, 1, 1, 1.0, x, y, np.array(-1, np.int64))
+    accel.synchronize()
+
+
+def test_numpy_bool_is_refused_as_bool_is(saxpy):
+    k, x, y = saxpy
+    for value in (True, np.bool_(True)):
+        with pytest.raises(TypeError, match=r"argument 3 \(u64\) is bool.*bool is not accepted; pass int"):
+            accel.launch(k, 1, 1, 1.0, x, y, value)
+        with pytest.raises(TypeError, match=r"argument 0 \(f32\) is bool.*bool is not accepted"):
+            accel.launch(k, 1, 1, value, x, y, 0)
+
+
+def test_float_subclass_is_a_float(saxpy):
+    class Scale(float):
+        pass
+
+    k, x, y = saxpy
+    x.copy_from(np.ones(1024, np.float32))
+    y.copy_from(np.ones(1024, np.float32))
+    accel.launch(k, 1, 16, Scale(2.0), x, y, 16)
+    assert y.to_numpy("float32")[:16].tolist() == [3.0] * 16
+    with pytest.raises(ValueError, match="beyond the float32 range"):
+        accel.launch(k, 1, 16, Scale(1e300), x, y, 16)
+
+
+def test_numpy_integers_as_dimensions_and_shared_memory(saxpy):
+    """A grid computed with numpy (np.int64) works bare as it does inside a tuple; so does
+    shared_mem; np.bool_ is refused as bool is."""
+    k, x, y = saxpy
+    n = np.int64(16)
+    accel.launch(k, (n + 255) // 256, np.int32(256), 1.0, x, y, 16, shared_mem=np.uint32(64))
+    accel.launch(k, (np.int64(1),), (np.int64(16), 1), 1.0, x, y, 16, shared_mem=np.int64(0))
+    accel.synchronize()
+    with pytest.raises(TypeError, match=r"grid must be an int or a tuple of 1 to 3 ints, got np.True_"):
+        accel.launch(k, np.bool_(True), 1, 1.0, x, y, 0)
+    with pytest.raises(ValueError, match=r"grid\[0\] is 0"):
+        accel.launch(k, np.int64(0), 1, 1.0, x, y, 0)
+    with pytest.raises(ValueError, match=r"block\[0\] is 2048, above the device's limit"):
+        accel.launch(k, 1, np.int64(2048), 1.0, x, y, 0)
+    for bad in (True, np.bool_(False), 1.0, -1, np.int64(-1), "8"):
+        with pytest.raises((TypeError, ValueError), match=r"shared_mem must be an int >= 0 \(bytes\), got"):
+            accel.launch(k, 1, 1, 1.0, x, y, 0, shared_mem=bad)
