@@ -37,7 +37,9 @@ PTX_TYPES = {"u32": "u32", "b32": "u32", "s32": "i32", "u64": "u64", "b64": "u64
 #: The accel argument types and their size in bytes.
 ARG_SIZES = {"ptr": 8, "u32": 4, "i32": 4, "u64": 8, "i64": 8, "f32": 4, "f64": 8}
 
-_ENTRY_RE = re.compile(r"\.entry\s+([A-Za-z_$%][\w$%]*)\s*\(([^)]*)\)", re.S)
+# PTX ISA, ".entry": ".entry kernel-name ( param-list ) kernel-body" or ".entry kernel-name
+# kernel-body" (a kernel with no parameters may have no list at all).
+_ENTRY_RE = re.compile(r"\.entry\s+([A-Za-z_$%][\w$%]*)\s*(?:\(([^)]*)\))?", re.S)
 _PARAM_RE = re.compile(r"\.param\s+(.*?)\s*(?:,|$)", re.S)
 _COMMENT_RE = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
 _MSL_RE = re.compile(r"\bkernel\s+void\s+([A-Za-z_]\w*)\s*\(")
@@ -89,8 +91,8 @@ def ptx_params(text, entry: str) -> Tuple[str, ...]:
     raise KeyError(entry)
 
 
-def _params(entry: str, body: str) -> Tuple[str, ...]:
-    decls = [d.strip() for d in body.split(",") if d.strip()]
+def _params(entry: str, body: Optional[str]) -> Tuple[str, ...]:
+    decls = [d.strip() for d in (body or "").split(",") if d.strip()]
     out = []
     for i, d in enumerate(decls):
         if not d.startswith(".param"):

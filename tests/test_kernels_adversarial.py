@@ -80,3 +80,49 @@ def test_numpy_integers_as_dimensions_and_shared_memory(saxpy):
     for bad in (True, np.bool_(False), 1.0, -1, np.int64(-1), "8"):
         with pytest.raises((TypeError, ValueError), match=r"shared_mem must be an int >= 0 \(bytes\), got"):
             accel.launch(k, 1, 1, 1.0, x, y, 0, shared_mem=bad)
+
+
+# -- images --------------------------------------------------------------------------------
+
+# PTX ISA, ".entry": "`.entry kernel-name ( param-list ) kernel-body`" or "`.entry kernel-name
+# kernel-body`": a kernel without parameters may have no list at all.
+NO_PARAM_LIST_PTX = b"""//
+.version 8.0
+.target sm_90
+.address_size 64
+
+.visible .entry tick
+{
+    ret;
+}
+
+.visible .entry tock(
+    .param .u32 tock_param_0
+)
+.maxntid 256, 1, 1
+{
+    ret;
+}
+"""
+
+
+def test_entry_without_a_parameter_list(sim_cuda):
+    ran = []
+    sim.register_kernel("tick", lambda grid, block, view: ran.append(grid), "")
+    try:
+        m = accel.Module(NO_PARAM_LIST_PTX)
+        assert m.entries == ("tick", "tock")
+        k = m.function("tick")
+        assert k.params == ()
+        accel.launch(k, 3, 1)
+        accel.synchronize()
+        assert ran == [(3, 1, 1)]
+        assert m.function("tock").params == ("u32",)
+    finally:
+        sim.unregister_kernel("tick")
+
+
+def test_msl_that_is_not_utf8_is_a_clear_error(monkeypatch):
+    use_sim(monkeypatch, "mps")
+    with pytest.raises(ValueError, match=r"Metal takes MSL source text.*UTF-8.*byte 0xff at offset 0"):
+        accel.Module(b"\xff" + SAXPY_MSL.encode())

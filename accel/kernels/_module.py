@@ -53,6 +53,11 @@ def _image_kind(data: bytes, language: str) -> str:
     if language == "msl":
         if b"\0" in data:
             raise ValueError("Module(image): Metal takes MSL source text (no NUL bytes)")
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"Module(image): Metal takes MSL source text in UTF-8; byte 0x{data[exc.start]:02x} "
+                             f"at offset {exc.start} is not UTF-8") from None
         return "msl"
     return language
 
