@@ -97,13 +97,14 @@ def create_allocator(backend, index: int, config: Optional[_config.AllocConfig] 
 
 class _Alloc:
     """One live cudaMallocAsync allocation."""
-    __slots__ = ("size", "stream", "uses", "deferred", "frames", "graph", "gen", "held")
+    __slots__ = ("size", "stream", "uses", "deferred", "retry", "frames", "graph", "gen", "held")
 
     def __init__(self, size: int, stream: int, graph: Optional["_GraphRecord"] = None):
         self.size = size            # bytes asked for (torch's PtrUsage.size)
         self.stream = stream        # where it is freed (the allocation stream; a graph's: its last replay's)
         self.uses = None            # set of (stream, device) and _Mark, from record_stream/forget_stream
         self.deferred = False       # freed during a capture, cudaFreeAsync not yet queued
+        self.retry = False          # deferred because its free failed: the owner may free it again
         self.frames = None
         self.graph = graph          # the capture that allocated it (a graph allocation), or None
         self.gen = 0                # graph.launches when it was last freed: allocated iff fewer now
@@ -157,13 +158,14 @@ class AsyncPoolAllocator:
         self._config = config
         self._lock = threading.Lock()
         self._ptrs: Dict[int, _Alloc] = {}
-        self._deferred: List[Tuple[int, _Alloc]] = []    # frees asked for during a capture
+        self._deferred: List[Tuple[int, _Alloc]] = []    # frees asked for during a capture, or failed
         self._pools: Dict[tuple, int] = {}         # private pool id -> use count (nothing routed)
         self._routes: Dict[int, tuple] = {}        # stream of begin_allocate_to_pool -> pool id
         self._capture: Optional[_GraphRecord] = None    # the capture underway on this device
         self._records: set = set()                 # graphs not released that keep allocations
         self._dead: Dict[int, List[_Alloc]] = {}   # held graph allocations whose address was reused
         self._peers: List[int] = []                # devices given access to the pool (add_peer)
+        self._doomed: List[Tuple[int, int]] = []   # (event, device) whose destroy failed
         self._default_stream: Optional[int] = None
         self._history: Optional[deque] = None
         self._history_stacks = False
@@ -222,7 +224,7 @@ class AsyncPoolAllocator:
         try:
             capturing = self._capture_underway()
             if self._deferred and not capturing:
-                self._flush_deferred()
+                self._flush_deferred(strict=False)     # an earlier free's error is not this malloc's
             graph = self._capture_of(stream) if capturing else None
             if self._limit is not None and self._req[0] + nbytes > self._limit:
                 self._scalars["num_ooms"] += 1
@@ -263,6 +265,11 @@ class AsyncPoolAllocator:
         An allocation made in the capture underway on this device is freed in the capture
         (a free node); a graph allocation no replay allocated is only forgotten.
 
+        A free whose device calls fail (the waits for ``record_stream``'s streams, cudaFreeAsync)
+        raises their error, and the allocation waits, still counted, for the next free, malloc
+        or empty_cache to try again (or this pointer's next free): the caller (a closed
+        Buffer, a finalizer) may never free it again.
+
         ValueError naming the pointer for a double free or a pointer this allocator did not
         hand out; the allocator state is then unchanged."""
         if _finalizers:
@@ -281,11 +288,17 @@ class AsyncPoolAllocator:
                 self._forget(ptr, alloc)
                 return
             alloc = self._ptrs.get(ptr)
-            if alloc is None or alloc.deferred:
+            if alloc is None or (alloc.deferred and not alloc.retry):
                 if ptr == 0 and type(ptr) is int:
                     return
                 raise self._not_allocated(ptr, alloc)
-            if self._history is not None:
+            if alloc.retry:
+                # its free failed before: this one tries again (now, or after the capture)
+                if self._capture_underway():
+                    return
+                self._deferred.remove((ptr, alloc))
+                alloc.deferred = alloc.retry = False
+            elif self._history is not None:
                 self._trace("free_requested", ptr, alloc.size, alloc.stream)
             if self._capture_underway():
                 if alloc.graph is not None and alloc.graph is self._capture:
@@ -295,8 +308,14 @@ class AsyncPoolAllocator:
                 self._deferred.append((ptr, alloc))
                 return
             if self._deferred:
-                self._flush_deferred()
-            self._free_now(ptr, alloc)
+                self._flush_deferred(strict=False)
+            try:
+                self._free_now(ptr, alloc)
+            except BaseException:
+                if alloc.held:          # nothing was freed: try again later
+                    alloc.deferred = alloc.retry = True
+                    self._deferred.append((ptr, alloc))
+                raise
         finally:
             lock.release()
 
@@ -430,7 +449,8 @@ class AsyncPoolAllocator:
     def empty_cache(self) -> None:
         """Synchronize the device and trim its pool to 0 bytes (``cudaMemPoolTrimTo``), and its
         graph memory (``cudaDeviceGraphMemTrim``; torch leaves that to the driver): every
-        unused byte goes back to the device.  CaptureError while a capture is underway."""
+        unused byte goes back to the device.  Frees and event destroys that failed before are
+        tried again first (their error propagates).  CaptureError while a capture is underway."""
         if _finalizers:
             _drain_finalizers()
         with self._lock:
@@ -445,6 +465,7 @@ class AsyncPoolAllocator:
                 self._scalars["num_sync_all_streams"] += 1
                 be.mem_pool_trim(self._index, 0)
                 be.graph_mem_trim(self._index)      # graph memory no graph uses (not the pool's)
+            self._destroy_doomed()
 
     def stats(self) -> "dict":
         """The torch.cuda.memory_stats() keys (see the module docstring for their sources)."""
@@ -634,7 +655,7 @@ class AsyncPoolAllocator:
             finally:
                 # an event destroyed before its work completes is released once it does
                 # (CUDA Runtime API, cudaEventDestroy); the wait already holds the dependency
-                be.event_destroy(event)
+                self._destroy_event(event, device)
 
     def _cover(self, stream: int, device: int) -> Optional[_Mark]:
         """An event recorded on the dying ``stream``, or None when it could not be recorded
@@ -648,7 +669,7 @@ class AsyncPoolAllocator:
                 return _Mark(event, device)
             except Exception:
                 if event is not None:
-                    be.event_destroy(event)
+                    self._destroy_event(event, device)
                 if _caching.capture_underway(be):
                     raise       # synchronizing would invalidate the capture
         with on_device(be, device):
@@ -656,12 +677,28 @@ class AsyncPoolAllocator:
         return None
 
     def _destroy_event(self, event: int, device: int) -> None:
-        with on_device(self._be, device):
-            self._be.event_destroy(event)
+        """Destroy ``event`` of ``device``.  One the driver fails to destroy waits in ``_doomed``
+        for empty_cache (where the error is reported): it runs after the wait or free it served
+        was queued, so raising here would make the caller redo (or forget) work already done."""
+        try:
+            with on_device(self._be, device):
+                self._be.event_destroy(event)
+        except Exception:
+            self._doomed.append((event, device))
+
+    def _destroy_doomed(self) -> None:
+        """Destroy the events whose destroy failed before; the first error propagates and
+        leaves the rest for the next empty_cache."""
+        be = self._be
+        while self._doomed:
+            event, device = self._doomed[-1]
+            with on_device(be, device):
+                be.event_destroy(event)
+            self._doomed.pop()
 
     def _flush_deferred(self, strict: bool = True) -> None:
-        """Queue the frees deferred during a capture.  One that fails stays deferred; the
-        first error propagates when ``strict``."""
+        """Queue the frees deferred during a capture or after a failure.  One that fails
+        stays deferred; the first error propagates when ``strict``."""
         deferred, self._deferred = self._deferred, []
         error = None
         for ptr, alloc in deferred:
@@ -698,8 +735,9 @@ class AsyncPoolAllocator:
         if type(ptr) is not int:
             return TypeError(f"pointer must be an int, got {type(ptr).__name__} {ptr!r}")
         if alloc is not None:
-            return ValueError(f"pointer {ptr:#x} was already freed (double free; its cudaFreeAsync waits "
-                              f"for the capture underway to end) on device {self._index}")
+            why = ("its cudaFreeAsync failed and is tried again at the next free, malloc or empty_cache"
+                   if alloc.retry else "its cudaFreeAsync waits for the capture underway to end")
+            return ValueError(f"pointer {ptr:#x} was already freed (double free; {why}) on device {self._index}")
         return ValueError(f"pointer {ptr:#x} is not allocated (double free?) or was not allocated by the "
                           f"cudaMallocAsync allocator of device {self._index} (foreign or interior pointer)")
 

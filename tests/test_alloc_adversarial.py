@@ -1,0 +1,114 @@
+"""Adversarial reliability of the allocator backends (expandable segments, backend:cudaMallocAsync,
+MemPool): a vendor call failing on a grow, free or unmap path leaves no leak and no double
+release, the error is clear, and the next allocation works -- on two simulated devices, with
+the work on the non-current one (device 0 stays current)."""
+
+import gc
+
+import numpy as np
+import pytest
+
+import accel
+from accel import memory, sim
+from accel._errors import AcceleratorError
+from conftest import use_sim
+
+MiB = 1 << 20
+CUDA_INVALID_VALUE = 1
+
+
+# -- backend:cudaMallocAsync ---------------------------------------------------------------------
+
+@pytest.fixture
+def async_cuda(monkeypatch):
+    use_sim(monkeypatch, "cuda", ACCEL_ALLOC_CONF="backend:cudaMallocAsync")
+    yield
+    sim.clear_faults()
+
+
+def _async_clean(index: int) -> None:
+    """Everything the pool handed out went back: accel's counts and the simulator's."""
+    memory.empty_cache()
+    stats = memory.memory_stats(index)
+    assert stats["allocation.all.current"] == 0
+    assert stats["allocated_bytes.all.current"] == 0
+    assert stats["reserved_bytes.all.current"] == 0
+    assert sim.state().live_allocations.get(index, 0) == 0
+
+
+@pytest.mark.parametrize("call", ["cudaEventCreateWithFlags", "cudaEventRecord", "cudaStreamWaitEvent",
+                                  "cudaFreeAsync"])
+def test_async_failed_free_of_a_closed_buffer_is_retried(async_cuda, call):
+    """Buffer.close() marks the buffer closed before the allocator frees it, so a free that
+    fails must still hand the memory back later: it waits in the allocator for the next free,
+    malloc or empty_cache.  (It stayed allocated for good: nothing could free it again.)"""
+    s, user = accel.Stream(device=1), accel.Stream(device=1)
+    buf = accel.Buffer(3 * MiB, device=1, stream=s)
+    buf.fill_(1, stream=s)
+    buf.record_stream(user)
+    buf.fill_(2, stream=user)
+    sim.inject_error(call, CUDA_INVALID_VALUE)
+    with pytest.raises(AcceleratorError, match=call):
+        buf.close()
+    assert memory.memory_stats(1)["allocation.all.current"] == 1     # not freed yet, still counted
+    _async_clean(1)
+    assert sim.state().errors == []
+    again = accel.Buffer(3 * MiB, device=1, stream=s)                 # the next allocation works
+    again.close()
+    s.close()
+    user.close()
+    _async_clean(1)
+
+
+def test_async_free_after_a_failed_one_frees_its_own_allocation(async_cuda):
+    """A free retries the frees that failed before it; when that retry fails again, the
+    allocation being freed now must still be freed (or wait its turn), not be dropped."""
+    a = accel.Buffer(MiB, device=1)
+    b = accel.Buffer(2 * MiB, device=1)
+    sim.inject_error("cudaFreeAsync", CUDA_INVALID_VALUE, times=2)
+    with pytest.raises(AcceleratorError, match="cudaFreeAsync"):
+        a.close()
+    b.close()           # a's retry fails (the second fault); b is freed all the same
+    assert memory.memory_stats(1)["allocation.all.current"] == 1     # a waits for the next try
+    _async_clean(1)
+
+
+def test_async_failed_free_from_a_finalizer_is_retried(async_cuda):
+    """The same for a buffer collected without close(): its finalizer's free fails once."""
+    s, user = accel.Stream(device=1), accel.Stream(device=1)
+    buf = accel.Buffer(3 * MiB, device=1, stream=s)
+    buf.record_stream(user)
+    sim.inject_error("cudaStreamWaitEvent", CUDA_INVALID_VALUE, times=3)
+    del buf
+    gc.collect()
+    sim.clear_faults()
+    s.close()
+    user.close()
+    _async_clean(1)
+
+
+@pytest.mark.parametrize("stream_first", [False, True], ids=["live-stream", "destroyed-stream"])
+def test_async_failed_event_destroy_frees_once_and_destroys_later(async_cuda, stream_first):
+    """The free waits for record_stream's stream through an event (a live stream: one made for
+    the wait; a destroyed one: the event forget_stream recorded), then destroys it.  When that
+    destroy fails the memory was freed all the same: it must not be freed a second time, and the
+    event is destroyed at the next empty_cache instead of leaking."""
+    user = accel.Stream(device=1)
+    events = sim.state().events
+    buf = accel.Buffer(3 * MiB, device=1)
+    buf.record_stream(user)
+    buf.fill_(2, stream=user)
+    if stream_first:
+        user.close()
+    sim.inject_error("cudaEventDestroy", CUDA_INVALID_VALUE)
+    try:
+        buf.close()
+    except AcceleratorError as exc:        # may be reported, but the memory went back
+        assert "cudaEventDestroy" in str(exc)
+    assert memory.memory_stats(1)["allocation.all.current"] == 0
+    if not stream_first:
+        user.close()
+    _async_clean(1)
+    assert sim.state().errors == []
+    assert sim.state().events == events
+
