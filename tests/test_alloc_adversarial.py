@@ -112,3 +112,29 @@ def test_async_failed_event_destroy_frees_once_and_destroys_later(async_cuda, st
     assert sim.state().errors == []
     assert sim.state().events == events
 
+
+def test_async_failed_free_at_graph_reset_is_retried(async_cuda):
+    """A graph's launches allocate its output again after the owner freed it; Graph.reset()
+    frees that copy.  When that cudaFreeAsync fails the graph is reset all the same (it forgets
+    the allocations), so the allocator must keep the free and try it again."""
+    s = accel.Stream(device=1)
+    g = accel.Graph()
+    with accel.graph(g, stream=s):
+        kept = accel.Buffer(MiB, device=1, stream=s)
+        kept.fill_(3, s)
+    g.replay()
+    kept.close()
+    g.replay()                                  # allocated again, with no owner
+    sim.inject_error("cudaFreeAsync", CUDA_INVALID_VALUE)
+    with pytest.raises(AcceleratorError, match="cudaFreeAsync"):
+        g.reset()
+    del g               # (reset stops at the error; the collected graph releases its generator state)
+    gc.collect()
+    accel.synchronize(1)
+    memory.empty_cache()
+    be = accel._lazy.lazy_init()
+    with accel.streams.on_device(be, 1):
+        assert be.graph_mem_get(1, "reserved_current") == 0, "the graph's output was never freed"
+    assert sim.state().errors == []
+    s.close()
+    _async_clean(1)

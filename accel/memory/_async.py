@@ -567,6 +567,8 @@ class AsyncPoolAllocator:
                 alloc.gen = graph.launches
         if graph is not None and graph.released:
             graph.allocs.pop(ptr, None)
+            if not any(not a.held for a in graph.allocs.values()):
+                self._records.discard(graph)
         self._forget(ptr, alloc)
 
     def _queue_free(self, ptr: int, alloc: _Alloc, stream: int) -> None:
@@ -626,19 +628,22 @@ class AsyncPoolAllocator:
 
     def _release_record(self, graph: _GraphRecord) -> None:
         """Free the allocations of ``graph`` a launch allocated and no owner holds (each
-        attempted; the first error propagates, the failed ones stay for a later try)."""
+        attempted; the first error propagates).  One whose free fails waits in ``_deferred``
+        for the next free, malloc or empty_cache: the graph forgets its token either way."""
         if _finalizers:
             _drain_finalizers()
         with self._lock:
             graph.released = True
             error = None
             for ptr, alloc in list(graph.allocs.items()):
-                if alloc.held:
+                if alloc.held or alloc.deferred:
                     continue        # its owner frees it (after the last replay) or forgets it
                 try:
                     self._free_now(ptr, alloc)
                 except Exception as exc:
                     error = error or exc
+                    alloc.deferred = True
+                    self._deferred.append((ptr, alloc))
             if not any(not a.held for a in graph.allocs.values()):
                 self._records.discard(graph)
             if error is not None:
