@@ -1393,18 +1393,24 @@ class DeviceCachingAllocator:
             self._s_cur -= w
             self._s_freed += w
 
-    def _exp_create(self, seg: _ExpSegment, addr: int, need: int) -> Optional[List[Tuple[int, int, int]]]:
-        """Physical memory for the ``need`` bytes at ``addr``, one handle per piece (E9):
+    def _exp_create(self, seg: _ExpSegment, plan, size: int) -> Optional[List[Tuple[int, int, int]]]:
+        """Physical memory for the ``need`` bytes at ``addr`` that ``plan`` (from _place)
+        maps for a request of ``size``, one handle per piece (E9):
         ``[(address, size, handle)]``, or None when the device (or the
         per_process_memory_fraction cap) has no room.  Nothing is kept on any failure."""
+        hole, addr, need = plan
         if self._config.per_process_memory_fraction < 1.0:
             if self._cur[RESERVED_BYTES] + need > self._allowed_bytes():
                 return None
+        # the request's block starts where _exp_map's block will (joined with a free block
+        # before the new pages in the large pool), and malloc takes its low `size` bytes
+        lo = (hole.prev.ptr if seg.kind == _LARGE and addr == hole.ptr and hole.prev is not None
+              and hole.prev.state == _FREE else addr)
         made = []
         ok = False
         try:
             with self._on_device():
-                for a, n in _pieces(seg.base, addr, need, self._gran):
+                for a, n in _pieces(addr, need, self._gran, lo, lo + size):
                     made.append((a, n, self._be.vmm_create(self._index, n)))
             ok = True
         except OutOfMemoryError:
@@ -1452,7 +1458,7 @@ class DeviceCachingAllocator:
                 self._exp_unmap()
                 self._release_until(excess, largest_first=False)     # classic segments, if any
                 plan = _place(seg, size, gran, _FREE if seg.kind == _LARGE else None)
-        handle = self._exp_create(seg, plan[1], plan[2]) if plan is not None else None
+        handle = self._exp_create(seg, plan, size) if plan is not None else None
         if handle is None:
             if self._pending_events or self._deferred:
                 self._synchronize_and_free_events()
@@ -1463,7 +1469,7 @@ class DeviceCachingAllocator:
             self._exp_unmap()
             self._release_segments()
             plan = _place(seg, size, gran, _FREE if seg.kind == _LARGE else None)
-            handle = self._exp_create(seg, plan[1], plan[2]) if plan is not None else None
+            handle = self._exp_create(seg, plan, size) if plan is not None else None
             if handle is None:
                 return self._oom(size, self._segment_size(size, fl.kind), fl)
         return self._exp_map(seg, fl, plan, handle)

@@ -26,10 +26,13 @@ Invariants (checked by ``tests/test_memory_expandable.py`` after every operation
 * E8  in a small-pool segment no block crosses a page boundary: free neighbours on
       either side of a boundary are not merged and new pages join no free neighbour, so
       a small block pins one page, as a classic 2 MiB small segment would;
-* E9  physical memory is created and mapped in pieces: the largest power-of-two run of
-      at most ``PIECE_PAGES`` pages, aligned to its size from the segment's base
-      (``pieces``), so a run mapped for one request can later be unmapped piece by piece
-      around the live blocks that pin part of it;
+* E9  physical memory is created and mapped in pieces (``pieces``): a new page the request's
+      block does not cover whole (it shares it with a neighbour, or with the free tail
+      after the block) is a piece of its own; the pages the block covers whole are cut
+      into equal runs of at most ``PIECE_PAGES`` pages.  A mapping is unmapped only
+      whole, so a shared page, the one most likely to stay pinned by a neighbour after
+      the block is freed, never pins the block's other pages, while a big block still
+      needs few map calls;
 * E10 reserved memory passes its high-water mark only after every free piece was
       unmapped (``_exp_unmap``), or while a capture is underway (classic segments);
 * E11 reservations are bounded by live streams: a destroyed stream's segment joins the
@@ -37,11 +40,12 @@ Invariants (checked by ``tests/test_memory_expandable.py`` after every operation
       empty_cache frees every reservation with nothing mapped; a first request that
       fails leaves no reservation behind.
 
-Measured on the 11 traces of ``tests/test_memory_traces`` (``tools/replay_trace.py
---corpus``): pieces of at most 4 pages keep every trace's map calls under 200 while
-freeing pinned runs (whole runs: peak reserved up to 1.15x peak allocated; 4-page
-pieces: up to 1.08x except one 34 MiB trace one page over, 1.12x); 8 or 16 pages pin
-more, single pages need up to 330 map calls.
+Measured with ``tools/replay_trace.py`` on the 11 corpus traces and 7 held-out ones
+recorded later (not tuned on): pieces aligned to a buddy scheme regardless of the block
+pinned whole runs behind shared pages (held-out traces up to 1.13x peak allocated,
+three over 1.08); single pages for everything need up to 353 map calls; this rule keeps
+map calls near the buddy scheme's (at most 212) and brings the held-out traces to at
+most 1.115x (one over 1.08, from fragmentation among small blocks).
 """
 
 from __future__ import annotations
@@ -130,17 +134,23 @@ def place(seg: Segment, size: int, gran: int, free_state: int):
     return best
 
 
-def pieces(base: int, addr: int, need: int, gran: int, most: int = PIECE_PAGES) -> List[Tuple[int, int]]:
-    """Split the ``need`` bytes at ``addr`` into pieces ``[(address, size)]`` (E9): each
-    the largest power-of-two number of pages, at most ``most``, that is aligned to its
-    own size relative to ``base`` (as a buddy allocator splits a range), so pieces of
-    runs mapped at different times line up."""
-    out = []
+def pieces(addr: int, need: int, gran: int, lo: int, hi: int,
+           most: int = PIECE_PAGES) -> List[Tuple[int, int]]:
+    """Split the ``need`` bytes mapped at ``addr`` into pieces ``[(address, size)]`` (E9),
+    for a request whose block will be ``[lo, hi)``: the pages wholly inside the block in
+    equal runs of at most ``most`` pages, every other page alone."""
     end = addr + need
-    while addr < end:
-        size = gran
-        while size < most * gran and (addr - base) % (2 * size) == 0 and addr + 2 * size <= end:
-            size *= 2
-        out.append((addr, size))
-        addr += size
+    first = max(addr, lo + (-(lo - addr) % gran))      # pages are aligned as addr is
+    last = min(end, hi - (hi - addr) % gran)
+    if last <= first:
+        return [(a, gran) for a in range(addr, end, gran)]
+    out = [(a, gran) for a in range(addr, first, gran)]
+    n = (last - first) // gran
+    runs = -(-n // most)
+    at = first
+    for i in range(runs):
+        size = (n * (i + 1) // runs - n * i // runs) * gran
+        out.append((at, size))
+        at += size
+    out += [(a, gran) for a in range(last, end, gran)]
     return out
