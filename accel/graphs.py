@@ -31,7 +31,7 @@ from typing import Optional, Tuple
 from . import _finalize as _fin
 from . import _lazy
 from ._errors import AcceleratorError
-from .streams import Stream, _as_stream, _capture_events, current_stream, on_device
+from .streams import Event, Stream, _as_stream, _capture_events, current_stream, on_device
 
 __all__ = ["Graph", "graph", "generate_graph_pool_handle", "graph_pool_handle"]
 
@@ -89,7 +89,7 @@ class Graph:
         self._debug = False
         self._rng = None          # graph-safe RNG state from accel.random during capture/replay
         self._capture_id = None   # the backend's id of the capture underway
-        self._events = ()         # external events of the graph's event nodes, kept alive for replays
+        self._events = ()         # external events of its event nodes and modules of its kernels, kept for replays
         self._allocs = None       # the allocator's token for the graph's own allocations (cudaMallocAsync)
         self._pid = _fin.pid      # the process the graph's handles belong to
 
@@ -244,6 +244,10 @@ class Graph:
             self.instantiate()
         for event in self._events:
             if event._closed:
+                if not isinstance(event, Event):    # an accel.Module whose kernels it launches
+                    raise RuntimeError(f"replay(): {event!r} was closed, but this graph launches its kernels "
+                                       f"at every replay; keep the module open while the graph is replayed, "
+                                       f"or capture the graph again")
                 raise RuntimeError(f"replay(): {event!r} was closed, but this graph records or waits for it "
                                    f"at every replay (Event(external=True) in its capture); keep the event "
                                    f"open while the graph is replayed, or capture the graph again")

@@ -55,8 +55,9 @@ _live_streams: "weakref.WeakValueDictionary[Tuple[int, int], Stream]" = weakref.
 #: torch's c10::DeviceType numbers of accel's accelerators (Stream.device_type).
 _DEVICE_TYPES = {"cuda": 1, "xpu": 12, "mps": 13}
 #: External events recorded or waited on in each capture accel.Graph has underway, by capture
-#: id ({id(event): event}): the graph that ends the capture keeps them alive, since each of its
-#: replays records or waits for them.  An entry lives from capture_begin to capture_end.
+#: id ({id(event): event}), and the accel.Modules whose kernels it launches (accel.launch): the
+#: graph that ends the capture keeps them alive, since each of its replays records or waits for
+#: them, or launches the kernels.  An entry lives from capture_begin to capture_end.
 _capture_events: Dict[int, Dict[int, "Event"]] = {}
 #: The anchor of each foreign stream (device index, handle) while an accel wrapper of it lives:
 #: every wrapper holds it, and the last one's going forgets the handle (_ForeignAnchor).

@@ -126,3 +126,85 @@ def test_msl_that_is_not_utf8_is_a_clear_error(monkeypatch):
     use_sim(monkeypatch, "mps")
     with pytest.raises(ValueError, match=r"Metal takes MSL source text.*UTF-8.*byte 0xff at offset 0"):
         accel.Module(b"\xff" + SAXPY_MSL.encode())
+
+
+# -- modules and graphs ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", [0, 1])
+def test_a_graph_keeps_the_module_of_its_kernels_loaded(saxpy, device):
+    """Collecting the Module and Kernel while a graph launches the kernel must not unload it:
+    each replay launches it (on a device, a kernel of an unloaded module is a use after free)."""
+    n = 300
+    x, y = _data(n, 7)
+    k = accel.Module(SAXPY_PTX, device=device).function("saxpy")
+    s = accel.Stream(device=device)
+    bx, by = _device_arrays(x, y, device=device, stream=s)
+    g = accel.Graph()
+    with s, g:
+        accel.launch(k, 2, 256, 0.5, bx, by, n)
+    before = sim.state().modules     # (a first capture may load accel's own RNG kernels)
+    del k
+    gc.collect()
+    accel.Buffer(64)            # an API entry runs deferred releases
+    assert sim.state().modules == before
+    with s:
+        g.replay()
+    s.synchronize()
+    assert by.to_numpy("float32", stream=s).tobytes() == expected(0.5, x, y).tobytes()
+    del g
+    gc.collect()
+    accel.Buffer(64)
+    assert sim.state().modules == before - 1       # the graph's going lets the module go
+
+
+def test_replay_after_the_module_was_closed_is_refused(saxpy):
+    n = 256
+    x, y = _data(n, 8)
+    m = accel.Module(SAXPY_PTX)
+    k = m.function("saxpy")
+    s = accel.Stream()
+    bx, by = _device_arrays(x, y, stream=s)
+    g = accel.Graph()
+    with s, g:
+        accel.launch(k, 1, 256, 0.5, bx, by, n)
+    m.close()
+    with s, pytest.raises(RuntimeError, match=r"replay\(\): <accel.Module ptx on cuda:0 .*closed> was closed, "
+                                              r"but this graph launches its kernels"):
+        g.replay()
+    s.synchronize()
+    assert by.to_numpy("float32", stream=s).tobytes() == y.tobytes()      # nothing ran
+    g.reset()
+    # a graph captured again with a module loaded again replays
+    k = accel.Module(SAXPY_PTX).function("saxpy")
+    with s, g:
+        accel.launch(k, 1, 256, 0.5, bx, by, n)
+    with s:
+        g.replay()
+    s.synchronize()
+    assert by.to_numpy("float32", stream=s).tobytes() == expected(0.5, x, y).tobytes()
+
+
+def test_simulator_refuses_a_graph_launching_a_kernel_of_an_unloaded_module(saxpy):
+    """The simulated runtime alone (accel's checks bypassed): cudaLibraryUnload / cuModuleUnload
+    say any use of the handle afterwards is undefined; the simulator refuses the graph launch."""
+    backend = accel._lazy.lazy_init()
+    k, x, y = saxpy
+    m = accel.Module(SAXPY_PTX)
+    k2 = m.function("saxpy")
+    s = accel.Stream()
+    backend.capture_begin(s.handle, "global")
+    backend.launch(k2.handle, (1, 1, 1), (1, 1, 1), [("f32", 1.0), ("ptr", x.ptr), ("ptr", y.ptr), ("u64", 0)],
+                   0, s.handle)
+    graph = backend.capture_end(s.handle)
+    exe = backend.graph_instantiate(graph)
+    try:
+        backend.graph_launch(exe, s.handle)
+        s.synchronize()
+        backend.module_unload(m._handle)
+        m._handle = None
+        with pytest.raises(accel.AcceleratorError, match="cudaGraphLaunch failed with cudaErrorInvalidDeviceFunction"):
+            backend.graph_launch(exe, s.handle)
+    finally:
+        backend.graph_exec_destroy(exe)
+        backend.graph_destroy(graph)
+    accel.synchronize()

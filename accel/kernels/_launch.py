@@ -25,7 +25,7 @@ from typing import Dict, Tuple
 from .. import _lazy
 from .._errors import AcceleratorError
 from ..buffer import Buffer
-from ..streams import Stream, _as_stream, current_stream, on_device
+from ..streams import Stream, _as_stream, _capture_events, _capture_table, current_stream, on_device
 from ._module import Kernel
 
 _RANGES = {"u32": (0, 2 ** 32 - 1), "i32": (-2 ** 31, 2 ** 31 - 1), "u64": (0, 2 ** 64 - 1),
@@ -215,7 +215,11 @@ def _launch_here(backend, kernel: Kernel, grid, block, packed, shared_mem: int, 
         # CUDA Programming Guide, "Shared Memory" (7.x+): above 48 KB a kernel must opt in.
         backend.function_set_max_dynamic_shared(kernel.handle, shared_mem)
         kernel._smem_optin = shared_mem
+    # An accel.Graph capturing the stream keeps the module loaded: each replay launches the kernel.
+    keep = _capture_table(backend, stream) if _capture_events else None    # first: it may raise
     backend.launch(kernel.handle, grid, block, packed, shared_mem, stream.handle)
+    if keep is not None:
+        keep[id(kernel.module)] = kernel.module
 
 
 def launch(kernel: Kernel, grid, block, *args, shared_mem: int = 0, stream=None) -> None:

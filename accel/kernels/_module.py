@@ -156,6 +156,8 @@ class Module:
     def closed(self) -> bool:
         return self._handle is None
 
+    _closed = closed    # what accel.Graph.replay checks of the objects a capture keeps
+
     def _live(self) -> int:
         if self._pid != _fin.pid:
             raise _fin.forked_error(self._backend)
@@ -198,7 +200,9 @@ class Module:
             return self._kernels.setdefault(key, k)
 
     def close(self) -> None:
-        """Unload the module now; its kernels cannot be launched afterwards.  Work already
+        """Unload the module now; its kernels cannot be launched afterwards, nor can an
+        :class:`accel.Graph` that captured launches of them be replayed (a graph keeps the
+        module it launches loaded until it goes, but not against close()).  Work already
         queued is not waited for by accel (the runtime keeps what it needs)."""
         if self._pid != _fin.pid:
             self._handle = None

@@ -208,16 +208,18 @@ class Event:
 
 
 class Node:
-    """A captured operation; ``event`` is set for event record / event wait nodes."""
-    __slots__ = ("id", "kind", "label", "fn", "deps", "event")
+    """A captured operation; ``event`` is set for event record / event wait nodes, ``kernel``
+    (a KernelHandle) for kernel nodes."""
+    __slots__ = ("id", "kind", "label", "fn", "deps", "event", "kernel")
 
-    def __init__(self, id, kind, label, fn, deps, event=None):
+    def __init__(self, id, kind, label, fn, deps, event=None, kernel=None):
         self.id = id
         self.kind = kind
         self.label = label
         self.fn = fn
         self.deps = deps
         self.event = event
+        self.kernel = kernel
 
 
 class Capture:
@@ -247,7 +249,7 @@ class Graph:
 
 
 class GraphExec:
-    __slots__ = ("handle", "key", "nodes", "launches", "device", "plan")
+    __slots__ = ("handle", "key", "nodes", "launches", "device", "plan", "libraries")
 
     def __init__(self, handle, nodes, device):
         self.handle = handle
@@ -256,17 +258,20 @@ class GraphExec:
         self.launches = 0
         self.device = device
         self.plan = _event_plan(nodes)     # None: no event nodes, one operation per launch
+        # the modules whose kernels the graph launches (checked loaded at each cudaGraphLaunch)
+        self.libraries = tuple({id(n.kernel.library): n.kernel.library for n in nodes if n.kernel}.values())
 
 
 class Library:
     """A cudaLibrary_t (device None) or a driver CUmodule (loaded into ``device``'s context)."""
-    __slots__ = ("handle", "key", "names", "kernels", "device", "params")
+    __slots__ = ("handle", "key", "names", "kernels", "device", "params", "unloaded")
 
     def __init__(self, handle, names, device=None, params=None):
         self.handle = handle
         self.key = ffi.cast(_VOIDP, handle)
         self.names = names
         self.device = device
+        self.unloaded = False
         self.kernels: Dict[str, "KernelHandle"] = {}
         # entry -> accel argument types from the PTX .entry declaration (None: the image has
         # no PTX for it, or a parameter type accel cannot pass); see accel/_ptx.py
@@ -687,7 +692,7 @@ def _invalidate(R: Runtime, cap: Optional[Capture]) -> None:
             cap.status = _STATUS_INVALIDATED
 
 
-def _enqueue(R: Runtime, s: Stream, fn, kind: str, label: str, work: bool = True, event=None):
+def _enqueue(R: Runtime, s: Stream, fn, kind: str, label: str, work: bool = True, event=None, kernel=None):
     """Run ``fn`` in stream order on ``s`` (or record it, if ``s`` is capturing).
     Returns (rc, seq); seq is 0 for captured or failed operations."""
     cap = s.capture
@@ -695,7 +700,7 @@ def _enqueue(R: Runtime, s: Stream, fn, kind: str, label: str, work: bool = True
         with R.clock:
             if cap.status != _STATUS_ACTIVE:
                 return cudaErrorStreamCaptureInvalidated, 0
-            node = Node(len(cap.nodes), kind, label, fn, cap.tails.get(s, ()), event)
+            node = Node(len(cap.nodes), kind, label, fn, cap.tails.get(s, ()), event, kernel)
             cap.nodes.append(node)
             cap.tails[s] = (node.id,)
         return 0, 0
@@ -2032,6 +2037,13 @@ def cudaGraphLaunch(R, graphExec, stream):
     # stream not associated with the current device fails; a graph exec belongs to its device.
     if s.device != R.tls.device or x.device != s.device:
         return cudaErrorInvalidResourceHandle
+    for lib in x.libraries:
+        if lib.unloaded:
+            # cudaLibraryUnload / cuModuleUnload (CUDA Runtime and Driver API): "Use of the handle
+            # after this call is undefined behavior"; a graph still launching one of the module's
+            # kernels would run freed code.  The docs name no error for it: the simulator refuses
+            # the launch with the one an unknown kernel gets (cudaLaunchKernel).
+            return cudaErrorInvalidDeviceFunction
     em = R.gmem.execs.get(x) if R.gmem.execs else None
     if em is not None:
         rc, mapped = _graph_mem_before_launch(R, em, s)
@@ -2151,6 +2163,7 @@ def cudaLibraryUnload(R, library):
 
 
 def unload(R: Runtime, lib: Library) -> None:
+    lib.unloaded = True
     Runtime.drop(R.libraries, lib)
     for k in lib.kernels.values():
         Runtime.drop(R.kernels, k)
@@ -2904,7 +2917,7 @@ def launch(R: Runtime, k: "KernelHandle", grid, block, args, sharedMem, s: Strea
         # a running kernel, and other work can still be queued and run meanwhile
         with vmm_lock.shared():
             fn(grid, block, view, *values)
-    return _enqueue(R, s, run, "kernel", f"{k.name} grid{grid} block{block}")[0]
+    return _enqueue(R, s, run, "kernel", f"{k.name} grid{grid} block{block}", kernel=k)[0]
 
 
 # -- the library object ----------------------------------------------------------------------
