@@ -134,6 +134,19 @@ def _device_arch(supported: Tuple[int, ...], nvrtc: Tuple[int, int]) -> Optional
     return "compute_%d" % (max(usable) if usable else cc)
 
 
+def _option_arch(opts: Tuple[str, ...]) -> Optional[str]:
+    """The architecture the last -arch/--gpu-architecture option names: ``-arch=sm_90``, or
+    ``-arch`` followed by ``sm_90`` as the next option (NVRTC takes both)."""
+    value = None
+    for i, opt in enumerate(opts):
+        if opt.startswith(_ARCH_OPTIONS):
+            if "=" in opt:
+                value = opt.split("=", 1)[1]
+            elif opt in _ARCH_OPTIONS and i + 1 < len(opts):
+                value = opts[i + 1]
+    return value or None
+
+
 def compile(source: Union[str, bytes], *, name: Optional[str] = None, options: Sequence[str] = (),
             arch: ArchLike = None) -> Program:
     """Compile CUDA C++ ``source`` to PTX with NVRTC; return a :class:`Program`.
@@ -173,7 +186,7 @@ def compile(source: Union[str, bytes], *, name: Optional[str] = None, options: S
         target = _device_arch(supported, nvrtc)
     full = (("--gpu-architecture=" + target,) if target else ()) + opts
     if target is None and arch_opts:
-        target = arch_opts[-1].split("=", 1)[-1] if "=" in arch_opts[-1] else None
+        target = _option_arch(opts)
     want_cubin = target is not None and target.startswith("sm_")
     ptx, cubin, log = _nvrtc.compile_program(src, label, [o.encode("utf-8") for o in full], want_cubin)
     if target is None:   # NVRTC's default architecture: read it back from the PTX

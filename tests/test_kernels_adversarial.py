@@ -208,3 +208,21 @@ def test_simulator_refuses_a_graph_launching_a_kernel_of_an_unloaded_module(saxp
         backend.graph_exec_destroy(exe)
         backend.graph_destroy(graph)
     accel.synchronize()
+
+
+# -- accel.compile -----------------------------------------------------------------------------
+
+from test_nvrtc import nvrtc  # noqa: E402,F401  (the fixture: skips without NVRTC)
+
+TINY_CU = 'extern "C" __global__ void one(int *x) { x[0] = 1; }'
+
+
+@pytest.mark.parametrize("options", [("-arch", "sm_90"), ("--gpu-architecture", "sm_90"), ("-arch=sm_90",)])
+def test_architecture_option_as_two_strings(nvrtc, options):
+    """NVRTC takes '-arch sm_90' as two options as well as '-arch=sm_90': the Program says the
+    architecture compiled for and carries the cubin a real architecture gives."""
+    prog = accel.compile(TINY_CU, options=options)
+    assert prog.arch == "sm_90"
+    assert prog.cubin is not None and prog.cubin[:4] == b"\x7fELF"
+    with pytest.raises(ValueError, match="the architecture is given twice"):
+        accel.compile(TINY_CU, options=options, arch="sm_90")
