@@ -226,3 +226,17 @@ def test_architecture_option_as_two_strings(nvrtc, options):
     assert prog.cubin is not None and prog.cubin[:4] == b"\x7fELF"
     with pytest.raises(ValueError, match="the architecture is given twice"):
         accel.compile(TINY_CU, options=options, arch="sm_90")
+
+
+def test_simulated_driver_does_not_find_kernels_in_comments(sim_cuda):
+    """The driver knows the kernels the PTX defines, not names in its comments (PTX ISA,
+    "Comments": they are whitespace); accel.Module and the simulated driver agree."""
+    ptx = NO_PARAM_LIST_PTX.replace(b".visible .entry tick", b"// .visible .entry ghost(\n/* .entry phantom */\n"
+                                                            b".visible .entry tick")
+    m = accel.Module(ptx)
+    assert m.entries == ("tick", "tock")
+    backend = accel._lazy.lazy_init()
+    for name in ("ghost", "phantom"):
+        with pytest.raises(accel.AcceleratorError, match="cudaLibraryGetKernel failed with cudaErrorSymbolNotFound"):
+            backend.module_function(m._handle, name)
+    assert backend.module_function(m._handle, "tick")

@@ -37,7 +37,6 @@ _PTX_ISA = [
     (12050, (8, 5)), (12060, (8, 5)), (12080, (8, 7)), (12090, (8, 8)), (13000, (9, 0)),
 ]
 
-_ENTRY_RE = re.compile(rb"\.entry\s+([A-Za-z_$%][\w$%]*)")
 _VERSION_RE = re.compile(rb"^\s*\.version\s+(\d+)\.(\d+)", re.M)
 _TARGET_RE = re.compile(rb"^\s*\.target\s+sm_(\d+)", re.M)
 
@@ -60,8 +59,10 @@ def max_ptx_isa(driver_version: int) -> Optional[Tuple[int, int]]:
 
 
 def ptx_entries(text: bytes) -> List[str]:
-    """Kernel names declared in PTX text (``.entry NAME`` / ``.visible .entry NAME(``)."""
-    return [m.decode() for m in _ENTRY_RE.findall(text)]
+    """Kernel names declared in PTX text (``.entry NAME`` / ``.visible .entry NAME(``), read
+    with comments removed (PTX ISA, "Comments": they are whitespace) by the parser accel uses."""
+    from accel import _ptx
+    return list(_ptx.ptx_entries(text))
 
 
 def _jit(ptx: bytes, cc: Tuple[int, int], driver_version: int) -> List[str]:
