@@ -240,3 +240,36 @@ def test_simulated_driver_does_not_find_kernels_in_comments(sim_cuda):
         with pytest.raises(accel.AcceleratorError, match="cudaLibraryGetKernel failed with cudaErrorSymbolNotFound"):
             backend.module_function(m._handle, name)
     assert backend.module_function(m._handle, "tick")
+
+
+# -- failed vendor calls --------------------------------------------------------------------
+
+def test_failed_load_acquires_nothing(saxpy):
+    before = sim.state().modules
+    sim.inject_error("cudaLibraryLoadData", 2)             # cudaErrorMemoryAllocation
+    try:
+        with pytest.raises(accel.AcceleratorError, match="cudaLibraryLoadData"):
+            accel.Module(SAXPY_PTX)
+    finally:
+        sim.clear_faults()
+    gc.collect()
+    assert sim.state().modules == before
+    accel.Module(SAXPY_PTX).close()
+    assert sim.state().modules == before
+
+
+def test_failed_unload_leaves_the_module_open_to_close_again(saxpy):
+    """close() whose cudaLibraryUnload fails raises and leaves the module as it was (open and
+    loaded), so close() can be tried again; nothing is left loaded with no handle to it."""
+    before = sim.state().modules
+    m = accel.Module(SAXPY_PTX)
+    sim.inject_error("cudaLibraryUnload", 999)             # cudaErrorUnknown
+    try:
+        with pytest.raises(accel.AcceleratorError, match="cudaLibraryUnload"):
+            m.close()
+    finally:
+        sim.clear_faults()
+    assert not m.closed and sim.state().modules == before + 1
+    m.function("saxpy")
+    m.close()
+    assert m.closed and sim.state().modules == before

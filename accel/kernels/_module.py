@@ -210,7 +210,12 @@ class Module:
         with self._lock:
             h, self._handle = self._handle, None
         if h is not None:
-            _fin.release(_unload, self._backend, self._index, h)
+            try:
+                _fin.release(_unload, self._backend, self._index, h)
+            except BaseException:
+                with self._lock:    # the unload failed: still loaded, as before; close() may be tried again
+                    self._handle = h
+                raise
 
     def __del__(self, _finalizing=sys.is_finalizing):
         if _finalizing():
