@@ -9,9 +9,13 @@ import numpy as np
 import pytest
 
 import accel
-from accel import memory, sim
+from accel import _lazy, memory, sim
 from accel._errors import AcceleratorError
+from accel.memory import _config
+from accel.memory._caching import DeviceCachingAllocator
+from accel.sim import _vmm
 from conftest import use_sim
+from test_memory_expandable import check as check_expandable
 
 MiB = 1 << 20
 CUDA_INVALID_VALUE = 1
@@ -138,3 +142,75 @@ def test_async_failed_free_at_graph_reset_is_retried(async_cuda):
     assert sim.state().errors == []
     s.close()
     _async_clean(1)
+
+
+# -- expandable segments -------------------------------------------------------------------------
+
+needs_vmm = pytest.mark.skipif(not _vmm.supported(), reason="this host cannot play virtual memory (mmap)")
+
+
+class _ZeState:
+    """test_memory_expandable.check reads the CUDA simulator's mapped bytes: give it Level Zero's."""
+
+    @staticmethod
+    def state():
+        st = sim.state()
+        st.vmm_mapped_bytes = st.ze_vmm_mapped_bytes
+        return st
+
+
+@pytest.fixture(params=["cuda", "xpu"])
+def vmm_backend(request, monkeypatch):
+    use_sim(monkeypatch, request.param)
+    if request.param == "xpu":
+        import test_memory_expandable
+        monkeypatch.setattr(test_memory_expandable, "sim", _ZeState)
+    yield _lazy.lazy_init()
+    sim.clear_faults()
+
+
+def _expandable(be, index: int) -> DeviceCachingAllocator:
+    return DeviceCachingAllocator(be, index, _config.parse("expandable_segments:True"))
+
+
+def _stream(be, index: int) -> int:
+    prev = be.get_device()
+    be.set_device(index)
+    try:
+        return be.stream_create()
+    finally:
+        be.set_device(prev)
+
+
+def _destroy_stream(be, alloc, stream: int, index: int) -> None:
+    alloc.forget_stream(stream, index)
+    prev = be.get_device()
+    be.set_device(index)
+    try:
+        be.stream_destroy(stream)
+    finally:
+        be.set_device(prev)
+
+
+@needs_vmm
+def test_small_segment_of_a_destroyed_stream_keeps_blocks_inside_pages(vmm_backend):
+    """E8 after a stream is destroyed: its small expandable segment joins the default stream's
+    small list, which had none; frees there must still not merge free blocks across a page
+    boundary (they did: that list did not know the segment's page size)."""
+    be = vmm_backend
+    alloc = _expandable(be, 1)
+    s = _stream(be, 1)
+    a, b, c = (alloc.malloc(1 << 20, s) for _ in range(3))    # b ends where c's page begins
+    _destroy_stream(be, alloc, s, 1)
+    alloc.empty_cache()                 # the stream's work is done: its lists join the default's
+    alloc.free(b)
+    alloc.free(c)
+    check_expandable(alloc)
+    d = alloc.malloc(512 << 10)         # then a 1 MiB block must not straddle the boundary
+    e = alloc.malloc(1 << 20)
+    check_expandable(alloc)
+    for p in (a, d, e):
+        alloc.free(p)
+    alloc.empty_cache()
+    check_expandable(alloc)
+    assert alloc.stats()["reserved_bytes.all.current"] == 0

@@ -1821,6 +1821,7 @@ class DeviceCachingAllocator:
                                 block.pool = target
                     if target.exp is None:
                         target.exp = fl.exp
+                    target.page = target.page or fl.page     # E8 holds in the blocks it now frees
                     fl.exp = None
                     self._exp_drop_orphans()
                 target.segments += fl.segments
