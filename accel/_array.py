@@ -23,6 +23,8 @@ __all__ = ["ArrayView"]
 #: Most separate copy operations one ``copy_from`` queues.  Layouts that share only short
 #: contiguous runs would otherwise queue one copy per element.
 _MAX_COPIES = 1 << 16
+#: Largest byte count of a view's elements (numpy's intp, DLPack's int64).
+_INT64_MAX = (1 << 63) - 1
 
 
 def _int(value, what: str) -> int:
@@ -207,6 +209,11 @@ class ArrayView:
                 if s % item:
                     raise ValueError(f"as_array: strides[{i}] is {s} bytes, not a multiple of the itemsize "
                                      f"{item} of {dt}; strides are in bytes (numpy's convention)")
+        total = int(np.prod(shape, dtype=object)) * item
+        if total > _INT64_MAX:
+            # numpy's limit too; DLPack and CAI shapes are int64 (ctypes would wrap them silently)
+            raise ValueError(f"as_array: shape {shape} of {dt} holds {total} bytes of elements, more than "
+                             f"2**63 - 1, the most numpy and DLPack can describe; use a smaller shape")
         end = offset + _extent(shape, strides, item)
         if end > nbytes:
             raise ValueError(f"as_array: the view of shape {shape}, strides {strides}, offset {offset} reaches "

@@ -220,6 +220,9 @@ def dl_dtype(dtype) -> Tuple[int, int, int]:
     return code, dt.itemsize * 8, 1
 
 
+_INT64_LIMIT = 1 << 63
+
+
 def _ints(values, what: str) -> Tuple[int, ...]:
     try:
         return tuple(operator.index(v) for v in values)
@@ -254,6 +257,10 @@ def export(owner: Any, ptr: int, device_type: int, device_id: int, dtype, shape,
         strides = _ints(strides, "strides")
         if len(strides) != len(shape):
             raise ValueError(f"strides {strides} and shape {shape} have different lengths")
+    for what, values in (("shape", shape), ("strides", strides)):
+        if any(not -_INT64_LIMIT <= v < _INT64_LIMIT for v in values):
+            raise ValueError(f"{what} {values} has an entry outside int64, which DLPack's {what} array holds; "
+                             f"export a smaller array")
     ptr, byte_offset = operator.index(ptr), operator.index(byte_offset)
     if byte_offset < 0 or ptr < 0:
         raise ValueError(f"ptr ({ptr:#x}) and byte_offset ({byte_offset}) must be >= 0")
