@@ -15,7 +15,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from .buffer import Buffer, _address, _host_view, _refuse_in_capture
+from .buffer import Buffer, _address, _check_device_range, _host_view, _refuse_in_capture
 from .streams import Stream, on_device
 
 __all__ = ["ArrayView"]
@@ -569,8 +569,10 @@ class _source:
         foreign = cai.get("stream")
         if foreign is not None:
             _check_cai_stream(foreign)
-        return _Source(None, ptr, shape, strides, dtype, self.src,
-                       after=None if foreign is None else lambda: _wait_foreign(buffer._backend, stream, foreign))
+        source = _Source(None, ptr, shape, strides, dtype, self.src,
+                         after=None if foreign is None else lambda: _wait_foreign(buffer._backend, stream, foreign))
+        _check_foreign_range(buffer, ptr, source.span)
+        return source
 
     def _from_dlpack(self, src):
         from . import _dlpack
@@ -602,9 +604,13 @@ class _source:
             raise ValueError(f"copy_from: the DLPack source has negative strides {info.strides}; "
                              f"nothing was copied")
         view._check_match(info.shape, dtype, "the DLPack source")
+        source = _Source(None, info.data + info.byte_offset, info.shape, strides, dtype)
+        # before the capsule is taken: a refused one is freed by its producer's destructor
+        _check_foreign_range(buffer, source.ptr, source.span)
         imported = _dlpack.Imported(capsule, info.address, info.versioned, keep=src)
         self.release = imported.release
-        return _Source(None, info.data + info.byte_offset, info.shape, strides, dtype, imported)
+        source.keep = imported
+        return source
 
     def _host_from(self, array: np.ndarray) -> np.ndarray:
         self.view._check_match(array.shape, array.dtype, "the host DLPack source")
@@ -631,6 +637,18 @@ def _np_dtype(info) -> np.dtype:
         return np.dtype(f"{kind}{info.bits // 8}")
     except TypeError:
         raise TypeError(f"copy_from: numpy has no {info.bits}-bit dtype of kind {kind!r}") from None
+
+
+def _check_foreign_range(buffer: Buffer, ptr: int, span: int) -> None:
+    """Refuse a foreign source (``__cuda_array_interface__``, DLPack) whose bytes are not device
+    memory of one device, where the runtime can tell, as Buffer.copy_from does: a copy from a
+    host or bogus address would read whatever lies there (or crash the process)."""
+    if not span:
+        return
+    backend = buffer._backend
+    where = backend.pointer_location(ptr)
+    index = where[1] if where is not None and where[0] == "device" else buffer.device_index
+    _check_device_range(backend, ptr, span, index)
 
 
 def _same_device(buffer: Buffer, backend: str, index: int, what: str) -> None:

@@ -4,6 +4,12 @@ handshake, fed the values a hostile caller or a broken producer gives.  Each tes
 that was found here: a clear Python exception naming the bad value, state unchanged, no crash,
 no leak."""
 
+import gc
+import os
+import subprocess
+import sys
+
+import numpy as np
 import pytest
 
 import accel
@@ -84,5 +90,65 @@ def test_export_refuses_extents_outside_int64(sim_cuda):
         with pytest.raises(ValueError, match="int64"):
             _dlpack.export(buf, buf.ptr, 2, 0, "uint8", shape, strides, 0, versioned=True)
     assert _dlpack.live_exports() == 0
+
+
+
+# -- ArrayView.copy_from of foreign device memory: the range is checked ---------------------------
+def test_view_copy_from_cai_of_host_memory_is_refused(sim_cuda):
+    """Buffer.copy_from checks a __cuda_array_interface__ pointer; ArrayView.copy_from copied
+    from whatever address it was given (host memory here; a bogus one crashed the process)."""
+    view = accel.Buffer(64).as_array("f4")
+    view.copy_from(np.full(16, 7, np.float32))
+    host = np.arange(16, dtype=np.float32)
+    with pytest.raises(ValueError, match="runtime knows"):
+        view.copy_from(CAI(host.ctypes.data))
+    assert (view.to_numpy() == 7).all()              # nothing was copied
+
+
+def test_view_copy_from_cai_past_the_allocation_is_refused(sim_cuda):
+    src = accel.Buffer(64)
+    view = accel.Buffer(1 << 12).as_array("f4")
+    with pytest.raises(ValueError, match="last byte"):
+        view.copy_from(CAI(src.ptr + (1 << 21) - 16, shape=(1024,)))
+
+
+def test_view_copy_from_cai_of_a_bogus_address_does_not_crash(tmp_path):
+    script = tmp_path / "bogus.py"
+    script.write_text(
+        "import sys; sys.path.insert(0, %r)\n"
+        "from test_interop_adversarial import CAI\n"
+        "import accel\n"
+        "view = accel.Buffer(64).as_array('f4')\n"
+        "for ptr in (4096, 1 << 40):\n"
+        "    try:\n"
+        "        view.copy_from(CAI(ptr))\n"
+        "    except ValueError as exc:\n"
+        "        assert 'runtime knows' in str(exc), exc\n"
+        "    else:\n"
+        "        raise SystemExit('copied from %%#x' %% ptr)\n"
+        "print('ok')\n" % os.path.dirname(__file__))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCEL_")}
+    env.update(ACCEL_SIM="cuda", ACCEL_SIM_DEVICES="2")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, (run.returncode, run.stdout, run.stderr[-2000:])
+    assert run.stdout.strip() == "ok"
+
+
+def test_view_copy_from_dlpack_of_host_memory_is_refused(sim_backend):
+    """A DLPack producer whose capsule points at host memory while claiming to be device memory."""
+    src = accel.Buffer(64)
+    src.fill_(1)
+    host = np.zeros(64, np.uint8)
+
+    def to_host(tensor):
+        tensor.data = host.ctypes.data
+
+    view = accel.Buffer(64).as_array("u1")
+    view.copy_from(np.full(64, 9, np.uint8))
+    with pytest.raises(ValueError, match="runtime knows"):
+        view.copy_from(Lying(src, to_host))
+    gc.collect()
+    assert _dlpack.live_exports() == 0                # the taken capsule was released
+    assert (view.to_numpy() == 9).all()
 
 
