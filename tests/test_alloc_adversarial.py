@@ -214,3 +214,46 @@ def test_small_segment_of_a_destroyed_stream_keeps_blocks_inside_pages(vmm_backe
     alloc.empty_cache()
     check_expandable(alloc)
     assert alloc.stats()["reserved_bytes.all.current"] == 0
+
+
+@needs_vmm
+def test_classic_small_segment_beside_an_expandable_one_is_released(vmm_backend, monkeypatch):
+    """While another stream is captured (another thread's relaxed capture), a miss of a stream
+    whose small list has an expandable segment takes a classic 2 MiB segment (E6).  The device
+    may place it at any 256-byte boundary (CUDA Programming Guide, "Device Memory Accesses":
+    allocations are "always aligned to at least 256 bytes"), so a page boundary of the
+    expandable segment (E8) can fall inside it: its blocks must still merge there, or the
+    segment never becomes whole again and empty_cache never returns it."""
+    be = vmm_backend
+    real_alloc, real_free = be.mem_alloc, be.mem_free
+    raw_of = {}
+
+    def mem_alloc(nbytes):              # 256-aligned, 1 MiB past a 2 MiB boundary
+        raw = real_alloc(nbytes + 2 * MiB)
+        ptr = raw + (MiB - raw) % (2 * MiB)
+        raw_of[ptr] = raw
+        return ptr
+
+    monkeypatch.setattr(be, "mem_alloc", mem_alloc)
+    monkeypatch.setattr(be, "mem_free", lambda ptr: real_free(raw_of.pop(ptr)))
+    alloc = _expandable(be, 1)
+    keep = [alloc.malloc(MiB), alloc.malloc(MiB)]          # the expandable small page is full
+    captured = _stream(be, 1)
+    be.set_device(1)
+    be.capture_begin(captured, "relaxed")
+    be.set_device(0)
+    try:
+        x = alloc.malloc(MiB)                              # a classic segment: [x][y]
+        y = alloc.malloc(MiB)
+    finally:
+        be.set_device(1)
+        be.graph_destroy(be.capture_end(captured))
+        be.set_device(0)
+    assert list(alloc._segments) == [x] and y % (2 * MiB) == 0
+    for ptr in [x, y] + keep:
+        alloc.free(ptr)
+    check_expandable(alloc)
+    alloc.empty_cache()
+    assert alloc.stats()["reserved_bytes.all.current"] == 0
+    assert raw_of == {}, "the classic segment was never returned to the device"
+    _destroy_stream(be, alloc, captured, 1)

@@ -1007,7 +1007,11 @@ class DeviceCachingAllocator:
         prev = block.prev
         nxt = block.next
         j = -1         # slot of a merged neighbour's key, left for the merged block's key
-        if prev is not None and prev.state == _FREE and not (fl.page and block.ptr % fl.page == 0):
+        # E8 (fl.page): in an expandable segment, free blocks do not merge across a page boundary;
+        # a classic segment in the same list merges anywhere (the device places it at any
+        # 256-byte boundary, so a page boundary may fall inside it)
+        if prev is not None and prev.state == _FREE and not (fl.page and block.seg is not None
+                                                             and block.ptr % fl.page == 0):
             size = prev.size
             j = bisect_left(keys, size << _SHIFT | prev.ptr)
             del blocks[block.ptr]
@@ -1019,7 +1023,8 @@ class DeviceCachingAllocator:
                 nxt.prev = prev
             self._spare = block
             block = prev
-        if nxt is not None and nxt.state == _FREE and not (fl.page and nxt.ptr % fl.page == 0):
+        if nxt is not None and nxt.state == _FREE and not (fl.page and nxt.seg is not None
+                                                           and nxt.ptr % fl.page == 0):
             if j >= 0:
                 del keys[j]
             size = nxt.size
