@@ -221,6 +221,7 @@ def dl_dtype(dtype) -> Tuple[int, int, int]:
 
 
 _INT64_LIMIT = 1 << 63
+_ADDRESS_LIMIT = 1 << 64
 
 
 def _ints(values, what: str) -> Tuple[int, ...]:
@@ -502,13 +503,21 @@ class Tensor:
             count = 1
             for n in self.shape:
                 count *= n
-            return start, (count * bits + 7) // 8
+            nbytes = (count * bits + 7) // 8
+            if start + nbytes > _ADDRESS_LIMIT:
+                raise BufferError(f"DLPack tensor of shape {self.shape} at {start:#x}: its {nbytes} bytes reach "
+                                  f"past the 64-bit address space")
+            return start, nbytes
         if bits % 8:
             raise BufferError(f"a strided tensor of {bits}-bit elements has no byte span")
         low = sum(min(0, (n - 1) * s) for n, s in zip(self.shape, self.strides))
         high = sum(max(0, (n - 1) * s) for n, s in zip(self.shape, self.strides))
         item = bits // 8
-        return start + low * item, (high - low + 1) * item
+        lowest, nbytes = start + low * item, (high - low + 1) * item
+        if lowest < 0 or lowest + nbytes > _ADDRESS_LIMIT:
+            raise BufferError(f"DLPack tensor of shape {self.shape} and strides {self.strides} at {start:#x}: its "
+                              f"elements reach addresses outside the 64-bit address space")
+        return lowest, nbytes
 
 
 def _c_contiguous(shape, strides) -> bool:
@@ -559,6 +568,13 @@ def parse(capsule) -> Tensor:
     info.shape = tuple(tensor.shape[i] for i in range(ndim))
     info.strides = tuple(tensor.strides[i] for i in range(ndim)) if tensor.strides else None
     info.byte_offset = tensor.byte_offset
+    # a broken producer's tensor is refused here, before the capsule is taken
+    if any(n < 0 for n in info.shape):
+        raise BufferError(f"DLPack tensor of shape {info.shape}: an extent is negative; the producer made a "
+                          f"malformed capsule")
+    if not info.bits or not info.lanes:
+        raise BufferError(f"DLPack tensor of dtype code {info.code} with {info.bits} bits and {info.lanes} lanes: "
+                          f"an element of 0 bits or 0 lanes is malformed")
     return info
 
 

@@ -152,3 +152,31 @@ def test_view_copy_from_dlpack_of_host_memory_is_refused(sim_backend):
     assert (view.to_numpy() == 9).all()
 
 
+# -- DLPack capsules a broken producer makes ------------------------------------------------------
+def _set(field, value):
+    def edit(tensor):
+        if field == "shape":
+            tensor.shape[0] = value
+        elif field == "stride":
+            tensor.strides[0] = value
+        elif field in ("bits", "lanes"):
+            setattr(tensor.dtype, field, value)
+    return edit
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("shape", -1, r"shape \(-1,\)"),
+    ("bits", 0, "0 bits"),
+    ("lanes", 0, "0 lanes"),
+    ("stride", -(1 << 62), "address"),
+])
+def test_from_dlpack_of_malformed_tensor(sim_backend, field, value, match):
+    src = accel.Buffer(64)
+    with pytest.raises(BufferError, match=match):
+        accel.from_dlpack(Lying(src, _set(field, value)))
+    gc.collect()
+    assert _dlpack.live_exports() == 0
+    src.close()
+    assert _allocated() == 0
+
+
