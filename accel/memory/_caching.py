@@ -424,6 +424,13 @@ class DeviceCachingAllocator:
                     block = self._malloc_miss(size, nbytes, fl)
                     fl = block.pool      # a small request may get a large-pool block
                     i = -1
+                else:
+                    if (size > SMALL_SIZE and block.next is None and block.prev is None
+                            and block.size >= 2 * size and block.seg is None and not self._torch_policy):
+                        other = self._split_instead(fl, i)
+                        if other is not None:
+                            block = other
+                            i = -1
             # Hand the block out, splitting off the rest when it is worth keeping.
             # (Inlined: this is the hot path.)
             rest = block.size - size
@@ -1122,8 +1129,33 @@ class DeviceCachingAllocator:
         block = self._blocks[keys[i] & _MASK]
         if self._max_split != _config.UNLIMITED and self._oversize_mismatch(size, block.size):
             return None
+        if (size > SMALL_SIZE and block.next is None and block.prev is None and block.size >= 2 * size
+                and block.seg is None and not self._torch_policy):
+            other = self._split_instead(fl, i)
+            if other is not None:
+                return other
         del keys[i]
         return block
+
+    def _split_instead(self, fl: _FreeList, i: int) -> Optional[_Block]:
+        """Best fit found a whole free classic segment at least twice the request (``fl.keys[i]``):
+        the smallest larger free block of a segment already split, taken out of the list, or None.
+
+        Why: carving a request out of a whole free segment pins all of it (only a whole free
+        segment goes back to the device), while the free block of a segment some live block
+        already pins costs nothing new.  Measured on 18 traces (tools/replay_trace.py, with
+        expandable_segments:False): a beam-search decode 1.486 -> 1.137 peak reserved over
+        peak allocated, no trace worse.  Only the nearest 64 larger blocks are looked at."""
+        keys = fl.keys
+        blocks = self._blocks
+        if self._max_split != _config.UNLIMITED:
+            return None                     # oversize blocks keep their own matching rule
+        for j in range(i + 1, min(len(keys), i + 65)):
+            block = blocks[keys[j] & _MASK]
+            if block.prev is not None or block.next is not None:
+                del keys[j]
+                return block
+        return None
 
     def _malloc_miss(self, size: int, nbytes: int, fl: _FreeList) -> _Block:
         """No cached block fits: wait for pending blocks, grow, or free the cache and retry."""
