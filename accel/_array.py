@@ -676,6 +676,8 @@ def _check_cai_stream(foreign) -> None:
     if isinstance(foreign, bool) or not isinstance(foreign, int) or foreign <= 0:
         raise ValueError(f"copy_from: __cuda_array_interface__ stream {foreign!r} is invalid (v3: None, 1, 2 "
                          f"or a stream handle; 0 is disallowed); nothing was copied")
+    from .streams import check_handle_bits
+    check_handle_bits(foreign, "copy_from: __cuda_array_interface__ stream")
 
 
 def _wait_foreign(backend, stream: Stream, foreign) -> None:

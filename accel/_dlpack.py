@@ -370,7 +370,7 @@ _CUDA_LEGACY, _CUDA_PER_THREAD = 1, 2    # cudaStreamLegacy, cudaStreamPerThread
 
 def _consumer_handle(backend, index: int, stream_arg) -> Optional[int]:
     """The consumer's stream as a backend handle, or None for "no synchronization"."""
-    from .streams import Stream
+    from .streams import Stream, check_handle_bits
     if isinstance(stream_arg, Stream):
         if stream_arg._backend is not backend:
             raise ValueError(f"stream {stream_arg!r} belongs to {stream_arg._backend.name}, "
@@ -386,6 +386,7 @@ def _consumer_handle(backend, index: int, stream_arg) -> Optional[int]:
     value = operator.index(stream_arg)
     if value == -1:
         return None
+    check_handle_bits(value, f"__dlpack__(stream={value:#x})")
     if backend.name != "cuda":
         raise ValueError(f"stream={value}: on {backend.name} __dlpack__ takes stream None (accel waits for the "
                          f"buffer's work before returning), -1 (no synchronization) or an accel.Stream")
@@ -446,10 +447,12 @@ def wait_for_producer(backend, index: int, producer, stream) -> None:
     """Make accel ``stream`` wait for the work a producer queued on its stream ``producer``
     (the ``stream`` of a __cuda_array_interface__ v3: 1 legacy default, 2 per-thread default,
     else a ``cudaStream_t`` of device ``index``)."""
-    from .streams import on_device
+    from .streams import check_handle_bits, on_device
     if isinstance(producer, bool) or not hasattr(type(producer), "__index__"):
         raise ValueError(f"__cuda_array_interface__ stream must be an int or None, got {producer!r}")
     handle = operator.index(producer)
+    if handle > 0:
+        check_handle_bits(handle, "__cuda_array_interface__ stream")
     if handle == 0:
         raise ValueError("__cuda_array_interface__ stream 0 is disallowed (CAI v3); the producer must give "
                          "1 for the legacy default stream")

@@ -63,6 +63,8 @@ _capture_events: Dict[int, Dict[int, "Event"]] = {}
 #: every wrapper holds it, and the last one's going forgets the handle (_ForeignAnchor).
 _foreign: "weakref.WeakValueDictionary[Tuple[int, int], _ForeignAnchor]" = weakref.WeakValueDictionary()
 _foreign_lock = threading.Lock()
+#: Stream handles are pointers: every valid one is below 2**64.
+_HANDLE_LIMIT = 1 << 64
 
 
 def on_stream_destroy(hook: Callable[[Backend, int, int, bool], bool]) -> None:
@@ -272,6 +274,7 @@ class Stream:
         if handle < 0:
             raise ValueError(f"Stream.from_handle: handle must be >= 0 (a stream handle as an unsigned "
                              f"int), got {handle}")
+        check_handle_bits(handle, "Stream.from_handle")
         backend = _lazy.lazy_init()
         if _fin.pending:
             _fin.drain()
@@ -758,11 +761,20 @@ def _as_stream(obj, what: str) -> Stream:
     if isinstance(handle, bool) or not isinstance(handle, int) or handle < 0:
         raise TypeError(f"{what}: {name}.__cuda_stream__() returned handle {handle!r}; the protocol's "
                         f"handle is the cudaStream_t as an int >= 0")
+    check_handle_bits(handle, f"{what}: {name}.__cuda_stream__()")
     backend = _lazy.lazy_init()
     if backend.name != "cuda":
         raise ValueError(f"{what}: {name} is a CUDA stream (__cuda_stream__) but the accelerator is "
                          f"{backend.name}; pass an accel.Stream")
     return _foreign_stream(backend, handle, None, what, reuse=True, hint=_device_hint(obj))
+
+
+def check_handle_bits(handle: int, what: str) -> None:
+    """Refuse a stream handle that does not fit in 64 bits: handles are pointers (cudaStream_t),
+    and a C cast keeps the low 64 bits, so 2**64 would name the legacy default stream (NULL)."""
+    if handle >= _HANDLE_LIMIT:
+        raise ValueError(f"{what}: stream handle {handle:#x} does not fit in 64 bits; a stream handle is a "
+                         f"pointer-sized unsigned int (cudaStream_t), pass the stream's own handle")
 
 
 def _device_hint(obj) -> Optional[int]:

@@ -180,3 +180,23 @@ def test_from_dlpack_of_malformed_tensor(sim_backend, field, value, match):
     assert _allocated() == 0
 
 
+# -- stream handles: pointers are 64 bits ---------------------------------------------------------
+def test_stream_handle_beyond_64_bits_is_refused(sim_cuda):
+    """cffi casts 2**64 to the NULL pointer: such a handle named the legacy default stream."""
+    buf = accel.Buffer(64)
+    for bad in (1 << 64, (1 << 64) + 0x100000):
+        with pytest.raises(ValueError, match="64 bits"):
+            accel.Stream.from_handle(bad)
+        with pytest.raises(ValueError, match="64 bits"):
+            accel.ExternalStream(bad, 0)
+        with pytest.raises(ValueError, match="64 bits"):
+            buf.record_stream(Proto(bad))
+        with pytest.raises(ValueError, match="64 bits"):
+            buf.__dlpack__(stream=bad)
+        with pytest.raises(ValueError, match="64 bits"):
+            buf.copy_from(CAI(accel.Buffer(64).ptr, shape=(64,), typestr="|u1", stream=bad))
+        with pytest.raises(ValueError, match="64 bits"):
+            buf.as_array("u1").copy_from(CAI(accel.Buffer(64).ptr, shape=(64,), typestr="|u1", stream=bad))
+    assert _dlpack.live_exports() == 0
+
+
