@@ -257,3 +257,22 @@ def test_classic_small_segment_beside_an_expandable_one_is_released(vmm_backend,
     assert alloc.stats()["reserved_bytes.all.current"] == 0
     assert raw_of == {}, "the classic segment was never returned to the device"
     _destroy_stream(be, alloc, captured, 1)
+
+
+@needs_vmm
+@pytest.mark.parametrize("bad", [2, 7, -1])
+def test_add_peer_refuses_a_device_that_does_not_exist(vmm_backend, bad):
+    """add_peer records the peer for every later mapping: a bad index must be refused at once,
+    not accepted (with nothing mapped yet) and then fail every later allocation in cuMemSetAccess."""
+    be = vmm_backend
+    alloc = _expandable(be, 1)
+    with pytest.raises(ValueError, match=f"device index {bad} is out of range"):
+        alloc.add_peer(bad)
+    ptr = alloc.malloc(3 * MiB)                 # the next allocation works
+    with pytest.raises(ValueError, match=f"device index {bad} is out of range"):
+        alloc.add_peer(bad)                     # with mappings too, and nothing changed
+    alloc.add_peer(0)
+    alloc.free(ptr)
+    alloc.empty_cache()
+    check_expandable(alloc)
+    assert alloc.stats()["reserved_bytes.all.current"] == 0

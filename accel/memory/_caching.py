@@ -87,7 +87,7 @@ from bisect import bisect_left, insort
 from collections import deque
 from typing import Dict, List, Optional, Tuple
 
-from .._errors import AcceleratorError, CaptureError, OutOfMemoryError
+from .._errors import AcceleratorError, CaptureError, InvalidDeviceError, OutOfMemoryError
 from .._finalize import drain as _drain_finalizers, pending as _finalizers
 from .._locks import acquire as _acquire
 from ..streams import on_device
@@ -842,6 +842,12 @@ class DeviceCachingAllocator:
             raise TypeError(f"add_peer: device index must be an int, got {type(index).__name__}")
         if index == self._index or index in self._peers:
             return
+        count = self._be.count()
+        if not 0 <= index < count:
+            # refused now: a peer is granted access to every later mapping, so a bad one would
+            # fail each of them (cuMemSetAccess: CUDA_ERROR_INVALID_DEVICE)
+            raise InvalidDeviceError(f"add_peer: device index {index} is out of range: {count} {self._be.name} "
+                                     f"device{'s' if count != 1 else ''} visible (valid indices 0..{count - 1})")
         lock = self._lock
         if not lock.acquire(False):
             _acquire(lock, "add_peer")
