@@ -18,6 +18,7 @@ MiB = 1 << 20
 
 sys.path.insert(0, os.path.join(REPO, "tools"))
 try:
+    import holdout_workloads
     import record_traces
 finally:
     sys.path.pop(0)
@@ -162,3 +163,19 @@ def test_recording_is_reproducible_from_the_tool(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(os.path.join(REPO, "tests", "test_memory_traces", name + ".json")) as fh:
         assert (tmp_path / (name + ".json")).read_text() == fh.read()
+
+
+
+def test_holdout_traces_load_and_replay(monkeypatch):
+    use_sim(monkeypatch, "cuda")
+    from accel.memory import _bench
+
+    paths = _bench.holdout_traces()
+    assert {os.path.basename(p)[:-5] for p in paths} == set(holdout_workloads.WORKLOADS)
+    assert sum(os.path.getsize(p) for p in paths) < 2 * 1024 * 1024
+    for path in paths:
+        trace = _bench.load_trace(path)
+        assert trace["name"] == os.path.basename(path)[:-5] and trace["source"].startswith("torch 2.13")
+        r = _bench.replay(trace, rounds=1)
+        assert r["reserved_after_empty_cache"] == 0
+        assert r["peak_live"] <= r["peak_allocated"] <= r["peak_reserved"]

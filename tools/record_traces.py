@@ -5,6 +5,7 @@
     python tools/record_traces.py                   # every workload into tests/test_memory_traces/
     python tools/record_traces.py --list
     python tools/record_traces.py kv_cache_decode --out /tmp/traces
+    python tools/record_traces.py --holdout         # the held-out set (tools/holdout_workloads.py)
 
 Each workload runs a few deterministic training or inference steps (seeded, one
 intra-op thread) under ``torch.profiler.profile(profile_memory=True)``, the way
@@ -31,6 +32,7 @@ from typing import Callable, Dict, Iterable, List, Sequence, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(REPO, "tests", "test_memory_traces")
+HOLDOUT_OUT = os.path.join(DEFAULT_OUT, "holdout")
 TORCH_VERSION = "2.13"
 
 #: (time_ns, ptr, signed nbytes, device) as the profiler reports an allocation event
@@ -422,28 +424,37 @@ WORKLOADS: Dict[str, Callable] = {
 def main(argv: Sequence[str] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("workloads", nargs="*", help=f"which to record (default: all of {', '.join(WORKLOADS)})")
-    parser.add_argument("--out", default=DEFAULT_OUT, help="folder for the NAME.json files (default: %(default)s)")
+    parser.add_argument("--out", help=f"folder for the NAME.json files (default: {DEFAULT_OUT}, "
+                                      f"or {HOLDOUT_OUT} with --holdout)")
+    parser.add_argument("--holdout", action="store_true",
+                        help="the held-out workloads of tools/holdout_workloads.py instead of the corpus")
     parser.add_argument("--list", action="store_true", help="list the workloads and exit")
     args = parser.parse_args(argv)
+    workloads = WORKLOADS
+    if args.holdout:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import holdout_workloads
+        workloads = holdout_workloads.WORKLOADS
+    out = args.out or (HOLDOUT_OUT if args.holdout else DEFAULT_OUT)
     if args.list:
-        for name, make in WORKLOADS.items():
+        for name, make in workloads.items():
             print(f"{name:<24}{make()[2]}")
         return 0
-    unknown = [w for w in args.workloads if w not in WORKLOADS]
+    unknown = [w for w in args.workloads if w not in workloads]
     if unknown:
-        parser.error(f"unknown workload(s) {', '.join(unknown)}; choose from {', '.join(WORKLOADS)}")
+        parser.error(f"unknown workload(s) {', '.join(unknown)}; choose from {', '.join(workloads)}")
     try:
         import torch
     except ImportError:
         parser.error("torch is needed to record (pip install torch==2.13.0); it is not an accel dependency")
     if not torch.__version__.startswith(TORCH_VERSION):
         print(f"warning: torch {torch.__version__}, the corpus was recorded with {TORCH_VERSION}", file=sys.stderr)
-    os.makedirs(args.out, exist_ok=True)
-    for name in args.workloads or list(WORKLOADS):
-        setup, run, source = WORKLOADS[name]()
+    os.makedirs(out, exist_ok=True)
+    for name in args.workloads or list(workloads):
+        setup, run, source = workloads[name]()
         trace = record(name, source, setup, run)
         counts = trace.pop("_counts")
-        path = os.path.join(args.out, name + ".json")
+        path = os.path.join(out, name + ".json")
         dump_trace(trace, path)
         print(f"{name}: {len(trace['ops'])} ops, {os.path.getsize(path) / 1024:.0f} KiB; {counts}", file=sys.stderr)
     return 0

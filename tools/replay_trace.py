@@ -3,6 +3,7 @@
 
     python tools/replay_trace.py                       # the shared traces, both policies
     python tools/replay_trace.py --corpus --markdown   # every trace in tests/test_memory_traces (README table)
+    python tools/replay_trace.py --holdout             # the held-out traces (tests/test_memory_traces/holdout)
     python tools/replay_trace.py TRACE.json --policy accel
     python tools/replay_trace.py --conf max_split_size_mb:64 --json
     python tools/replay_trace.py --corpus --variant "accel-exp=policy:accel,expandable_segments:True"
@@ -82,6 +83,8 @@ def main(argv=None) -> int:
     parser.add_argument("traces", nargs="*", help="trace files (default: the shared traces)")
     parser.add_argument("--corpus", action="store_true",
                         help="replay every trace in tests/test_memory_traces (the corpus and the shared two)")
+    parser.add_argument("--holdout", action="store_true",
+                        help="replay the held-out traces in tests/test_memory_traces/holdout")
     parser.add_argument("--policy", choices=("accel", "torch", "both", "none"), default="both",
                         help="built-in variants to run (none: only --variant ones)")
     parser.add_argument("--variant", action="append", type=_variant, default=[], metavar="LABEL=CONF",
@@ -103,6 +106,8 @@ def main(argv=None) -> int:
     paths = list(args.traces)
     if args.corpus:
         paths += [p for p in _bench.corpus_traces() if p not in paths]
+    if args.holdout:
+        paths += [p for p in _bench.holdout_traces() if p not in paths]
     paths = paths or _bench.default_traces()
     if not paths:
         parser.error("no traces given and none found (set ACCEL_TRACES to the traces folder)")

@@ -64,6 +64,13 @@ def corpus_traces() -> List[str]:
     return sorted(glob.glob(os.path.join(repo, "tests", "test_memory_traces", "*.json")))
 
 
+def holdout_traces() -> List[str]:
+    """The held-out traces in ``tests/test_memory_traces/holdout`` (recorded after the
+    policy was tuned; ``tools/holdout_workloads.py``), sorted by file name."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return sorted(glob.glob(os.path.join(repo, "tests", "test_memory_traces", "holdout", "*.json")))
+
+
 def peak_live(ops) -> int:
     """The peak over time of the sum of live request sizes (``nbytes`` of the ``a`` ops
     not yet freed), as the trace asks for them: no rounding, no allocator."""
