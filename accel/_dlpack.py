@@ -33,7 +33,7 @@ import ctypes
 import enum
 import operator
 from ctypes import POINTER, c_char_p, c_int, c_int32, c_int64, c_uint8, c_uint16, c_uint32, c_uint64, c_void_p
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Tuple
 
 __all__ = ["DLDeviceType", "export", "parse", "Imported", "DLPACK_VERSION", "sync_for_consumer",
            "device_of", "from_dlpack", "check_max_version", "check_dl_device"]
@@ -368,18 +368,22 @@ def device_of(backend_name: str, index: int) -> Tuple[DLDeviceType, int]:
 _CUDA_LEGACY, _CUDA_PER_THREAD = 1, 2    # cudaStreamLegacy, cudaStreamPerThread
 
 
-def _consumer_handle(backend, index: int, stream_arg) -> Optional[int]:
-    """The consumer's stream as a backend handle, or None for "no synchronization"."""
+def _consumer_handle(backend, index: int, stream_arg):
+    """The consumer's stream as ``(device index, backend handle)``, ``"host"`` (wait on the host)
+    or None for "no synchronization".  An int names a stream of the buffer's device ``index``
+    (legacy and per-thread handles are the current device's); an accel.Stream its own device
+    (every device's default stream has the same handle 0 on CUDA)."""
     from .streams import Stream, check_handle_bits
     if isinstance(stream_arg, Stream):
         if stream_arg._backend is not backend:
             raise ValueError(f"stream {stream_arg!r} belongs to {stream_arg._backend.name}, "
                              f"the buffer to {backend.name}")
-        return stream_arg.handle
+        return stream_arg.device_index, stream_arg.handle
     if backend.name == "cuda" and stream_arg is not None and hasattr(stream_arg, "__cuda_stream__"):
-        stream_arg = stream_arg.__cuda_stream__()[1]
+        # (0, 0) is a default stream object's (torch, cuda.core): the legacy stream, as _ask maps it
+        stream_arg = stream_arg.__cuda_stream__()[1] or _CUDA_LEGACY
     if stream_arg is None:
-        return backend.default_stream(index) if backend.name == "cuda" else "host"
+        return (index, backend.default_stream(index)) if backend.name == "cuda" else "host"
     if isinstance(stream_arg, bool) or not hasattr(type(stream_arg), "__index__"):
         raise TypeError(f"stream must be None, -1 or a stream handle (int), got "
                         f"{type(stream_arg).__name__} {stream_arg!r}")
@@ -397,8 +401,8 @@ def _consumer_handle(backend, index: int, stream_arg) -> Optional[int]:
     if value < -1:
         raise ValueError(f"stream={value}: stream handles are >= -1")
     if value == _CUDA_LEGACY:
-        return backend.default_stream(index)
-    return value
+        return index, backend.default_stream(index)
+    return index, value
 
 
 def sync_for_consumer(buffer, stream_arg) -> None:
@@ -406,8 +410,9 @@ def sync_for_consumer(buffer, stream_arg) -> None:
     ``stream`` argument of ``__dlpack__``), as the array API standard asks of a producer.
 
     CUDA: None and 1 mean the legacy default stream of the buffer's device, 2 the per-thread
-    default stream, another int a ``cudaStream_t``, an object with ``__cuda_stream__`` (an
-    accel.Stream) its stream; -1 asks for no synchronization; 0 is refused.  When the consumer's
+    default stream, another int a ``cudaStream_t``, an accel.Stream its stream on its own device
+    (the wait is queued with that device current), another object with ``__cuda_stream__`` its
+    handle (0, a default stream's, as 1); -1 asks for no synchronization; 0 is refused.  When the consumer's
     stream is not the buffer's last-use stream, an event is recorded on the last-use stream and
     the consumer's stream waits for it (torch's ``Tensor.__dlpack__``, which uses the current
     stream where accel uses the last-use one).  Other backends: None waits on the host for the
@@ -424,21 +429,23 @@ def sync_for_consumer(buffer, stream_arg) -> None:
     if consumer == "host":
         last.synchronize()
         return
-    if consumer == last.handle:
+    device, handle = consumer
+    if handle == last.handle and device == last.device_index:
         return
     # The event lives on the last-use stream's device (a peer copy may have used the buffer on
     # another device's stream: cudaEventRecord needs the stream's device); the wait runs with the
-    # buffer's device current, since legacy/per-thread handles name the current device's stream.
+    # consumer stream's device current, since legacy/per-thread handles name the current
+    # device's stream (for an int, the buffer's device).
     with on_device(backend, last.device_index):
         event = backend.event_create(False, False)
     try:
         with on_device(backend, last.device_index):
             backend.event_record(event, last.handle)
-        with on_device(backend, index):
-            backend.stream_wait_event(consumer, event)
+        with on_device(backend, device):
+            backend.stream_wait_event(handle, event)
     finally:
         backend.event_destroy(event)   # the wait is queued; CUDA frees the event when it completes
-    known = _accel_stream(backend, index, consumer)
+    known = _accel_stream(backend, device, handle)
     if known is not None:
         buffer._used(known)
 

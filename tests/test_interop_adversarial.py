@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 import accel
-from accel import _dlpack
+from accel import _dlpack, _lazy
+from accel.streams import on_device
+from conftest import use_sim
 
 _INT64_MAX = (1 << 63) - 1
 
@@ -198,5 +200,58 @@ def test_stream_handle_beyond_64_bits_is_refused(sim_cuda):
         with pytest.raises(ValueError, match="64 bits"):
             buf.as_array("u1").copy_from(CAI(accel.Buffer(64).ptr, shape=(64,), typestr="|u1", stream=bad))
     assert _dlpack.live_exports() == 0
+
+
+# -- the DLPack stream handshake across devices ---------------------------------------------------
+def test_consumer_default_stream_of_other_device_waits(monkeypatch):
+    """Buffer on device 0 (current), consumer stream: device 1's default stream.  Both default
+    streams have handle 0: the handshake compared handles only and skipped the wait."""
+    use_sim(monkeypatch, "cuda", ACCEL_SIM_DELAY_US=20000)
+    backend = _lazy.lazy_init()
+    buf = accel.Buffer(4096)
+    for value in (1, 2, 3, 4, 7):        # slow fills on device 0's default stream
+        buf.fill_(value)
+    consumer = accel.default_stream(1)
+    capsule = buf.__dlpack__(stream=consumer)
+    assert buf.last_stream == consumer
+    out = np.zeros(4096, np.uint8)
+    accel.memory.device_allocator(0).add_peer(1)     # device 1 may read device 0's mapped memory
+    with on_device(backend, 1):           # the consumer reads on its stream (a peer read)
+        backend.memcpy_async(out.ctypes.data, buf.ptr, 4096, consumer.handle)
+        backend.stream_synchronize(consumer.handle)
+    assert (out == 7).all()
+    del capsule
+    assert accel.current_device_index() == 0
+
+
+def test_consumer_stream_of_other_device_after_peer_use(sim_cuda):
+    """Last use on device 0's default stream of a device-1 buffer; the consumer asks for device
+    1's legacy stream (1): the wait must be issued, on device 1."""
+    backend = _lazy.lazy_init()
+    buf = accel.Buffer(64, device=1)
+    buf.record_stream(accel.default_stream(0))
+    waits = []
+    real = backend.stream_wait_event
+
+    def spy(stream, event, *a, **kw):
+        waits.append((backend.get_device(), stream))
+        return real(stream, event, *a, **kw)
+
+    backend.stream_wait_event = spy
+    try:
+        del_capsule = buf.__dlpack__(stream=1)
+    finally:
+        del backend.stream_wait_event
+    assert waits == [(1, backend.default_stream(1))]
+    assert buf.last_stream == accel.default_stream(1)
+    del del_capsule
+
+
+def test_protocol_stream_with_handle_zero(sim_cuda):
+    """A torch/cuda.core default stream says (0, 0): taken as the legacy default stream, as
+    from_dlpack does, not refused as the int 0 the protocol forbids."""
+    buf = accel.Buffer(64)
+    capsule = buf.__dlpack__(stream=Proto(0))
+    assert _dlpack.parse(capsule).shape == (64,)
 
 
