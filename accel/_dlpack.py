@@ -244,6 +244,12 @@ def export(owner: Any, ptr: int, device_type: int, device_id: int, dtype, shape,
     DLPACK_FLAG_BITMASK_READ_ONLY), else a legacy ``"dltensor"`` ``DLManagedTensor``.  Strides are
     always written (DLPack 1.x forbids NULL strides for ndim > 0).  A zero-size array has a NULL
     data pointer, as dlpack.h asks."""
+    pin = _pin_of(owner)
+    if pin is not None and pin._buf._closed:
+        # A close() (another thread's) landed after the caller's live check and before the pin: its
+        # memory may be freed already.  Pinned first, a later close() leaves the memory to the deleter.
+        closed, pin = pin._buf, None        # dropping the pin hands on a release close() deferred
+        raise RuntimeError(f"{closed!r} was closed while it was being exported; allocate a new Buffer")
     code, bits, lanes = dl_dtype(dtype)
     shape = _ints(shape, "shape")
     if any(n < 0 for n in shape):
@@ -285,7 +291,7 @@ def export(owner: Any, ptr: int, device_type: int, device_id: int, dtype, shape,
     managed.manager_ctx = address
     managed.deleter = _DELETER_ADDRESS
     slots = (c_void_p(), c_void_p(), c_void_p())
-    _exports[address] = (managed, shape_array, strides_array, (owner, _pin_of(owner)),
+    _exports[address] = (managed, shape_array, strides_array, (owner, pin),
                          slots + tuple(map(ctypes.byref, slots)))
     try:
         capsule = _PyCapsule_New(address, NAME_VERSIONED if versioned else NAME, _DESTRUCTOR)

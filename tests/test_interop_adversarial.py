@@ -255,3 +255,21 @@ def test_protocol_stream_with_handle_zero(sim_cuda):
     assert _dlpack.parse(capsule).shape == (64,)
 
 
+# -- close racing an export ---------------------------------------------------------------------
+def test_close_racing_an_export_gives_no_capsule_over_freed_memory(sim_backend, monkeypatch):
+    """Another thread's close() landing between __dlpack__'s check and the export's pin freed
+    the memory under the capsule being made (the next Buffer got the same address)."""
+    buf = accel.Buffer(64)
+    view = buf.as_array("u1")
+    real = _dlpack.sync_for_consumer
+
+    def racing(buffer, stream):
+        real(buffer, stream)
+        buffer.close()                  # what another thread's close() does in this window
+
+    monkeypatch.setattr(_dlpack, "sync_for_consumer", racing)
+    for exporter in (buf, view):
+        with pytest.raises(RuntimeError, match="was closed"):
+            exporter.__dlpack__()
+    gc.collect()
+    assert _dlpack.live_exports() == 0 and _allocated() == 0
