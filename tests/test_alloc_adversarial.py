@@ -276,3 +276,36 @@ def test_add_peer_refuses_a_device_that_does_not_exist(vmm_backend, bad):
     alloc.empty_cache()
     check_expandable(alloc)
     assert alloc.stats()["reserved_bytes.all.current"] == 0
+
+
+@needs_vmm
+@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")     # the capture that failed
+def test_first_peer_copy_inside_a_capture_says_what_to_do(vmm_backend):
+    """A copy from device 0's expandable memory by device 1 needs device 1 granted access to
+    device 0's mappings (add_peer: cuMemSetAccess), which cannot happen during a capture (E6,
+    refused by the simulator).  The first such copy inside a capture must say so in terms of
+    the copy (warm up before capturing), not of a virtual-memory call the user never made; after
+    a warm-up copy the capture works."""
+    src = accel.Buffer(4 * MiB, device=0)
+    src.fill_(3)
+    s1 = accel.Stream(device=1)
+    dst = accel.Buffer(4 * MiB, device=1, stream=s1)
+    g = accel.Graph()
+    with pytest.raises(accel.CaptureError, match=r"device 1 .*device 0.* before the capture"):
+        with accel.graph(g, stream=s1):
+            dst.copy_from(src, stream=s1, non_blocking=True)
+    g.reset()
+    dst.copy_from(src, stream=s1)                   # the warm-up: access granted
+    dst.fill_(7, stream=s1)
+    g = accel.Graph()
+    with accel.graph(g, stream=s1):
+        dst.fill_(0, stream=s1)
+        dst.copy_from(src, stream=s1, non_blocking=True)
+    g.replay()
+    s1.synchronize()
+    assert (dst.to_numpy(stream=s1) == 3).all()
+    g.reset()
+    for obj in (src, dst, s1):
+        obj.close()
+    memory.empty_cache()
+    assert memory.memory_reserved(0) == memory.memory_reserved(1) == 0

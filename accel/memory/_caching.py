@@ -855,6 +855,15 @@ class DeviceCachingAllocator:
             if index in self._peers:
                 return
             if any(seg.maps for seg in self._exp_segs):
+                if capture_underway(self._be):
+                    # E6: the access is a virtual-memory call (refused during a capture); a copy
+                    # captured now would fault at replay without it
+                    raise CaptureError(
+                        f"add_peer: device {index} cannot be granted access to device {self._index}'s "
+                        f"expandable-segment memory while a stream capture is underway (cuMemSetAccess "
+                        f"is not allowed then); copy between the two devices once before the capture "
+                        f"(a warm-up), or call accel.memory.device_allocator({self._index}).add_peer({index}) "
+                        f"before the capture begins")
                 with self._on_device():
                     for seg in self._exp_segs:
                         for addr in seg.starts:
