@@ -24,6 +24,7 @@ __all__ = ["Buffer"]
 
 _FIELD_NAMES = re.compile(r":[^:]*:")   # struct-format field names, e.g. T{<q:a:O:b:}
 _CAI_LEGACY_DEFAULT_STREAM = 1  # __cuda_array_interface__ v3: 0 is disallowed, 1 means the legacy stream
+_ADDRESS_LIMIT = 1 << 64         # device addresses are 64-bit pointers
 
 
 def _memory():
@@ -279,6 +280,10 @@ class Buffer:
         """A non-owning buffer (from_ptr, from_dlpack): the range is checked where the backend
         can tell what memory it is."""
         backend = _lazy.lazy_init()
+        if ptr + nbytes > _ADDRESS_LIMIT:
+            # a C cast keeps the low 64 bits: the runtime would be asked about another address
+            raise ValueError(f"cannot wrap {nbytes} bytes at {ptr:#x}: the range reaches past the 64-bit address "
+                             f"space; pass the address and size of a live device allocation; nothing was wrapped")
         if nbytes:
             _check_device_range(backend, ptr, nbytes, index)
         stream = current_stream(index)

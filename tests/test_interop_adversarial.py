@@ -273,3 +273,15 @@ def test_close_racing_an_export_gives_no_capsule_over_freed_memory(sim_backend, 
             exporter.__dlpack__()
     gc.collect()
     assert _dlpack.live_exports() == 0 and _allocated() == 0
+
+
+# -- Buffer.from_ptr: a range past the 64-bit address space ---------------------------------------
+def test_from_ptr_past_the_address_space_is_refused(sim_backend):
+    """cudaPointerGetAttributes was asked about the address cast to 64 bits: ptr + 2**64 (or a
+    size of 2**64 + n, whose last byte wraps to the start) was taken as the allocation."""
+    buf = accel.Buffer(64)
+    for ptr, nbytes in ((buf.ptr, (1 << 64) + 1), (buf.ptr, (1 << 65) + 1), (buf.ptr + (1 << 64), 64)):
+        with pytest.raises(ValueError, match="64-bit address space"):
+            accel.Buffer.from_ptr(ptr, nbytes)
+    wrapped = accel.Buffer.from_ptr(buf.ptr, 64)
+    wrapped.close()
