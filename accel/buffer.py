@@ -280,10 +280,6 @@ class Buffer:
         """A non-owning buffer (from_ptr, from_dlpack): the range is checked where the backend
         can tell what memory it is."""
         backend = _lazy.lazy_init()
-        if ptr + nbytes > _ADDRESS_LIMIT:
-            # a C cast keeps the low 64 bits: the runtime would be asked about another address
-            raise ValueError(f"cannot wrap {nbytes} bytes at {ptr:#x}: the range reaches past the 64-bit address "
-                             f"space; pass the address and size of a live device allocation; nothing was wrapped")
         if nbytes:
             _check_device_range(backend, ptr, nbytes, index)
         stream = current_stream(index)
@@ -767,6 +763,10 @@ def _release_foreign(owner, backend, streams) -> None:
 def _check_device_range(backend, ptr: int, nbytes: int, index: int) -> None:
     """Refuse a foreign range that is not device memory of device ``index``, where the backend
     can tell (``Backend.pointer_location``); otherwise the caller's word is taken."""
+    if ptr < 0 or ptr + nbytes > _ADDRESS_LIMIT:
+        # a C cast keeps the low 64 bits: the runtime would be asked about another address
+        raise ValueError(f"cannot wrap {nbytes} bytes at {ptr:#x}: the range reaches outside the 64-bit address "
+                         f"space; pass the address and size of a live device allocation; nothing was wrapped")
     name = backend.name
     for addr in (ptr, ptr + nbytes - 1):
         where = backend.pointer_location(addr)

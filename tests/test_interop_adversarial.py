@@ -285,3 +285,13 @@ def test_from_ptr_past_the_address_space_is_refused(sim_backend):
             accel.Buffer.from_ptr(ptr, nbytes)
     wrapped = accel.Buffer.from_ptr(buf.ptr, 64)
     wrapped.close()
+
+
+def test_view_copy_from_cai_past_the_address_space_is_refused(sim_cuda):
+    src = accel.Buffer(64)
+    src.fill_(3)
+    view = accel.Buffer(64).as_array("u1")
+    view.copy_from(np.zeros(64, np.uint8))
+    with pytest.raises(ValueError, match="64-bit address space"):
+        view.copy_from(CAI(src.ptr + (1 << 64), shape=(64,), typestr="|u1"))
+    assert (view.to_numpy() == 0).all()
