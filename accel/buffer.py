@@ -576,6 +576,8 @@ class Buffer:
         self._live()
         stream = _as_stream(stream, "Buffer.record_stream(stream)")
         stream._live()
+        if stream._foreign:
+            stream._check_alive()   # a destroyed one, recorded, would fail every later free of the memory
         if self._nbytes and stream != self._stream and self._uses is None:
             _memory().device_allocator(self._index).record_stream(self._ptr, stream.handle, stream.device_index)
         self._used(stream)

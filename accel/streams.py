@@ -355,6 +355,15 @@ class Stream:
         if self._closed:
             raise RuntimeError(f"{self!r} was closed; create a new Stream")
 
+    def _check_alive(self) -> None:
+        """For a foreign wrapper (:meth:`from_handle`): ValueError when the runtime says the
+        stream is no longer alive (its owner destroyed it while accel still wraps it)."""
+        try:
+            self._backend.foreign_stream(self._handle)
+        except ValueError as exc:
+            raise ValueError(f"{self!r} cannot be used: {exc}; its owner destroyed it while accel still wraps "
+                             f"it (keep the stream alive while accel uses it); nothing was done") from None
+
     # -- work --------------------------------------------------------------------
     def synchronize(self) -> None:
         """Block the host until all work queued on this stream has completed."""

@@ -295,3 +295,27 @@ def test_view_copy_from_cai_past_the_address_space_is_refused(sim_cuda):
     with pytest.raises(ValueError, match="64-bit address space"):
         view.copy_from(CAI(src.ptr + (1 << 64), shape=(64,), typestr="|u1"))
     assert (view.to_numpy() == 0).all()
+
+
+# -- a foreign stream its owner destroyed ---------------------------------------------------------
+def test_destroyed_foreign_stream_is_refused_before_it_is_recorded(sim_backend):
+    """A failed copy on a wrapper of a destroyed stream used to record the dead handle with the
+    allocator first: every later close() and empty_cache() of the device then failed (400)."""
+    backend = _lazy.lazy_init()
+    with on_device(backend, 1 if backend.count() > 1 else 0):
+        raw = backend.stream_create()
+    wrapper = accel.Stream.from_handle(raw)
+    index = wrapper.device_index
+    buf = accel.Buffer(64, index)
+    buf.fill_(4)
+    backend.stream_destroy(raw)                      # the owner destroys it; accel still wraps it
+    host = np.zeros(64, np.uint8)
+    for use in (lambda: buf.copy_to(host, stream=wrapper), lambda: buf.fill_(1, stream=wrapper),
+                lambda: buf.record_stream(wrapper), lambda: buf.as_array("u1").to_numpy(stream=wrapper)):
+        with pytest.raises(ValueError, match="destroyed"):
+            use()
+    assert buf.last_stream != wrapper
+    assert (buf.to_numpy() == 4).all()
+    buf.close()                                      # used to raise: the dead stream was recorded
+    accel.memory.empty_cache()
+    assert _allocated(index) == 0 and accel.memory.memory_reserved(index) == 0
