@@ -319,3 +319,23 @@ def test_destroyed_foreign_stream_is_refused_before_it_is_recorded(sim_backend):
     buf.close()                                      # used to raise: the dead stream was recorded
     accel.memory.empty_cache()
     assert _allocated(index) == 0 and accel.memory.memory_reserved(index) == 0
+
+
+# -- memory snapshot files ----------------------------------------------------------------------
+@pytest.mark.parametrize("as_bytes", [False, True])
+def test_dump_snapshot_json_for_a_bytes_path(sim_cuda, tmp_path, as_bytes):
+    """A bytes path ending in .json got a pickle: the suffix test looked at str(b'...json'), which
+    ends in a quote."""
+    import json
+    import pickle
+    accel.memory.record_history("all")
+    try:
+        accel.Buffer(64, device=1).fill_(1)
+        for name, load in (("snap.json", lambda fh: json.loads(fh.read())), ("snap.pickle", pickle.load)):
+            path = os.fsencode(tmp_path / name) if as_bytes else str(tmp_path / name)
+            accel.memory.dump_snapshot(path)
+            with open(path, "rb") as fh:
+                data = load(fh)
+            assert len(data["device_traces"]) == 2 and data["device_traces"][1]
+    finally:
+        accel.memory.record_history(None)

@@ -216,7 +216,7 @@ def dump(data: dict, path) -> None:
     """Write snapshot ``data`` to ``path``: JSON when the name ends in ``.json``, else a pickle
     (protocol 4), as torch's ``_dump_snapshot``."""
     name = os.fspath(path)
-    if str(name).endswith(".json"):
+    if name.endswith(b".json" if isinstance(name, bytes) else ".json"):
         with open(name, "w") as fh:
             json.dump(data, fh)
     else:
