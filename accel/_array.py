@@ -16,7 +16,7 @@ from typing import Optional, Tuple
 import numpy as np
 
 from .buffer import Buffer, _address, _check_device_range, _host_view, _refuse_in_capture
-from .streams import Stream, on_device
+from .streams import Stream
 
 __all__ = ["ArrayView"]
 
@@ -668,10 +668,6 @@ def _cai_of(obj) -> Optional[dict]:
         return None
 
 
-#: __cuda_array_interface__ v3 stream values: 1 is the legacy default stream, 2 the per-thread one.
-_CAI_STREAMS = {1: 0, 2: 2}
-
-
 def _check_cai_stream(foreign) -> None:
     if isinstance(foreign, bool) or not isinstance(foreign, int) or foreign <= 0:
         raise ValueError(f"copy_from: __cuda_array_interface__ stream {foreign!r} is invalid (v3: None, 1, 2 "
@@ -683,13 +679,5 @@ def _check_cai_stream(foreign) -> None:
 def _wait_foreign(backend, stream: Stream, foreign) -> None:
     """Order ``stream`` after the work queued on a producer's stream (CAI v3: the consumer
     synchronizes on ``stream`` before reading)."""
-    handle = _CAI_STREAMS.get(foreign, foreign)
-    if handle == stream.handle:
-        return
-    with on_device(backend, stream.device_index):
-        event = backend.event_create()
-        try:
-            backend.event_record(event, handle)
-            backend.stream_wait_event(stream.handle, event)
-        finally:
-            backend.event_destroy(event)
+    from ._dlpack import wait_for_producer
+    wait_for_producer(backend, stream.device_index, foreign, stream)

@@ -458,29 +458,42 @@ def sync_for_consumer(buffer, stream_arg) -> None:
 
 def wait_for_producer(backend, index: int, producer, stream) -> None:
     """Make accel ``stream`` wait for the work a producer queued on its stream ``producer``
-    (the ``stream`` of a __cuda_array_interface__ v3: 1 legacy default, 2 per-thread default,
-    else a ``cudaStream_t`` of device ``index``)."""
+    (the ``stream`` of a __cuda_array_interface__ v3: 1 legacy default, 2 per-thread default
+    (both device ``index``'s), else a ``cudaStream_t``, of any device: CuPy exports the current
+    device's stream, which need not be the data's).  The event is made and recorded with the
+    producer stream's device current, as cudaEventRecord asks."""
     from .streams import check_handle_bits, on_device
     if isinstance(producer, bool) or not hasattr(type(producer), "__index__"):
         raise ValueError(f"__cuda_array_interface__ stream must be an int or None, got {producer!r}")
     handle = operator.index(producer)
-    if handle > 0:
-        check_handle_bits(handle, "__cuda_array_interface__ stream")
+    if handle < 0:
+        raise ValueError(f"__cuda_array_interface__ stream {handle} is not a stream (CAI v3: None, 1, 2 or a "
+                         f"cudaStream_t); nothing was copied")
+    check_handle_bits(handle, "__cuda_array_interface__ stream")
     if handle == 0:
         raise ValueError("__cuda_array_interface__ stream 0 is disallowed (CAI v3); the producer must give "
                          "1 for the legacy default stream")
+    device = index
     if handle == _CUDA_LEGACY:
         handle = backend.default_stream(index)
-    if handle == stream.handle and index == stream.device_index:
-        return
-    with on_device(backend, index):
-        event = backend.event_create(False, False)
+    elif handle != _CUDA_PER_THREAD:
         try:
+            handle, actual = backend.foreign_stream(handle)
+        except ValueError as exc:
+            raise ValueError(f"__cuda_array_interface__ stream: {exc}; nothing was copied") from None
+        if actual is not None:
+            device = actual
+    if handle == stream.handle and device == stream.device_index:
+        return
+    with on_device(backend, device):
+        event = backend.event_create(False, False)
+    try:
+        with on_device(backend, device):
             backend.event_record(event, handle)
-            with stream._device_scope():
-                backend.stream_wait_event(stream.handle, event)
-        finally:
-            backend.event_destroy(event)
+        with stream._device_scope():
+            backend.stream_wait_event(stream.handle, event)
+    finally:
+        backend.event_destroy(event)
 
 
 def _accel_stream(backend, index: int, handle: int):

@@ -339,3 +339,35 @@ def test_dump_snapshot_json_for_a_bytes_path(sim_cuda, tmp_path, as_bytes):
             assert len(data["device_traces"]) == 2 and data["device_traces"][1]
     finally:
         accel.memory.record_history(None)
+
+
+# -- a __cuda_array_interface__ producer stream of another device ---------------------------------
+def test_cai_producer_stream_on_another_device(sim_cuda):
+    """CuPy exports the current device's current stream: data on device 0, stream of device 1.
+    The event was recorded with device 0 current on device 1's stream (cudaErrorInvalidResourceHandle)."""
+    src = accel.Buffer(64)                 # device 0
+    src.copy_from(np.arange(64, dtype=np.uint8))
+    producer = accel.Stream(1)
+    cai = CAI(src.ptr, shape=(64,), typestr="|u1", stream=producer.handle)
+    dst = accel.Buffer(64)
+    dst.copy_from(cai)
+    assert (dst.to_numpy() == np.arange(64)).all()
+    view = accel.Buffer(64).as_array("u1")
+    view.copy_from(cai)
+    assert (view.to_numpy() == np.arange(64)).all()
+    assert accel.current_device_index() == 0
+
+
+def test_cai_producer_stream_destroyed_or_negative(sim_cuda):
+    src = accel.Buffer(64)
+    gone = accel.Stream()
+    handle = gone.handle
+    gone.close()
+    dst = accel.Buffer(64)
+    view = accel.Buffer(64).as_array("u1")
+    for bad, match in ((handle, "not a live"), (-3, "stream -3")):
+        cai = CAI(src.ptr, shape=(64,), typestr="|u1", stream=bad)
+        for target in (dst, view):
+            with pytest.raises(ValueError, match=match):
+                target.copy_from(cai)
+    assert dst.last_stream == accel.current_stream()
