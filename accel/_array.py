@@ -209,6 +209,11 @@ class ArrayView:
                 if s % item:
                     raise ValueError(f"as_array: strides[{i}] is {s} bytes, not a multiple of the itemsize "
                                      f"{item} of {dt}; strides are in bytes (numpy's convention)")
+        for what, values in (("shape", shape), ("strides", strides)):
+            for i, v in enumerate(values):
+                if v > _INT64_MAX:
+                    raise ValueError(f"as_array: {what}[{i}] is {v}, more than 2**63 - 1, the most numpy, DLPack "
+                                     f"and the CUDA array interface can describe")
         total = int(np.prod(shape, dtype=object)) * item
         if total > _INT64_MAX:
             # numpy's limit too; DLPack and CAI shapes are int64 (ctypes would wrap them silently)
