@@ -666,7 +666,7 @@ def from_dlpack(obj, *, stream=None):
                             f"{type(obj).__name__}")
         device = None
         if hasattr(obj, "__dlpack_device__"):
-            device = tuple(obj.__dlpack_device__())
+            device = _device_pair(obj)
             _check_device_type(device[0], own_type, backend.name)
         capsule = _ask(obj, backend, device, stream)
     info = parse(capsule)
@@ -680,6 +680,19 @@ def from_dlpack(obj, *, stream=None):
     except BaseException:
         imported.release()
         raise
+
+
+def _device_pair(obj) -> Tuple[int, int]:
+    """``obj.__dlpack_device__()`` checked: a ``(device_type, device_id)`` pair of ints."""
+    value = obj.__dlpack_device__()
+    try:
+        kind, index = value
+        if isinstance(kind, bool) or isinstance(index, bool):
+            raise TypeError
+        return operator.index(kind), operator.index(index)
+    except (TypeError, ValueError):
+        raise TypeError(f"{type(obj).__name__}.__dlpack_device__() returned {value!r}, not a (device_type, "
+                        f"device_id) pair of ints as the DLPack protocol asks; the producer is broken") from None
 
 
 def _check_device_type(kind: int, own_type, backend_name: str) -> None:

@@ -380,3 +380,26 @@ def test_cai_producer_stream_destroyed_or_negative(sim_cuda):
             with pytest.raises(ValueError, match=match):
                 target.copy_from(cai)
     assert dst.last_stream == accel.current_stream()
+
+
+# -- a producer whose __dlpack_device__ is malformed -----------------------------------------------
+class BadDevice:
+    def __init__(self, device):
+        self.device, self.asked = device, 0
+
+    def __dlpack_device__(self):
+        return self.device
+
+    def __dlpack__(self, **kw):
+        self.asked += 1
+        raise AssertionError("not asked for a capsule")
+
+
+@pytest.mark.parametrize("device", [None, (2,), (2, 0, 0), (2, "x"), ("cuda", 0), (2, True), (2.0, 0), 7])
+def test_from_dlpack_names_a_malformed_dlpack_device(sim_cuda, device):
+    """These raised TypeError/IndexError from inside accel ("'NoneType' object is not iterable",
+    "tuple index out of range", "'<=' not supported ...")."""
+    producer = BadDevice(device)
+    with pytest.raises(TypeError, match=r"BadDevice.__dlpack_device__\(\) returned"):
+        accel.from_dlpack(producer)
+    assert producer.asked == 0
