@@ -32,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import operator
+import threading
 from ctypes import POINTER, c_char_p, c_int, c_int32, c_int64, c_uint8, c_uint16, c_uint32, c_uint64, c_void_p
 from typing import Any, Dict, Tuple
 
@@ -132,6 +133,8 @@ USED_NAME_VERSIONED = b"used_dltensor_versioned"
 _exports: Dict[int, tuple] = {}
 #: Live capsules: capsule address -> struct address (the destructor's way to the entry).
 _capsules: Dict[int, int] = {}
+#: Held while a consumer checks a capsule is unconsumed and renames it (Imported).
+_take_lock = threading.Lock()
 
 # The consumer may call the deleter, or drop a refused capsule (running the destructor), with
 # its own exception already set (numpy and torch do on their error paths).  A ctypes callback
@@ -615,8 +618,15 @@ class Imported:
 
     def __init__(self, capsule, address: int, versioned: bool, keep: Any = None):
         from . import _finalize
-        if _PyCapsule_SetName(capsule, USED_NAME_VERSIONED if versioned else USED_NAME):
-            raise BufferError("could not rename the DLPack capsule to mark it consumed")
+        # Checked and renamed under one lock: two accel consumers (threads) that both parsed the
+        # capsule must not both take it, or the producer's deleter would run twice.  Never taken
+        # by a finalizer or deleter.
+        with _take_lock:
+            if not _PyCapsule_IsValid(capsule, NAME_VERSIONED if versioned else NAME):
+                raise BufferError("this DLPack capsule was consumed meanwhile (by another thread): a capsule "
+                                  "can be taken once; call __dlpack__() again for a new one")
+            if _PyCapsule_SetName(capsule, USED_NAME_VERSIONED if versioned else USED_NAME):
+                raise BufferError("could not rename the DLPack capsule to mark it consumed")
         self._address, self._versioned, self._done, self._keep = address, versioned, False, keep
         self._pid = _finalize.pid
 

@@ -403,3 +403,56 @@ def test_from_dlpack_names_a_malformed_dlpack_device(sim_cuda, device):
     with pytest.raises(TypeError, match=r"BadDevice.__dlpack_device__\(\) returned"):
         accel.from_dlpack(producer)
     assert producer.asked == 0
+
+
+# -- one capsule taken by two consumers at once ---------------------------------------------------
+_PyCapsule_New = __import__("ctypes").PYFUNCTYPE(
+    __import__("ctypes").py_object, __import__("ctypes").c_void_p, __import__("ctypes").c_char_p,
+    __import__("ctypes").c_void_p)(("PyCapsule_New", __import__("ctypes").pythonapi))
+_LEGACY_NAME = b"dltensor"
+
+
+class ForeignProducer:
+    """A legacy DLManagedTensor over ``buf`` made with ctypes, whose deleter counts its calls
+    (a second call would be a double free in a real producer)."""
+
+    def __init__(self, buf):
+        import ctypes
+        self.calls = []
+        self.managed = _dlpack.DLManagedTensor()
+        self.shape = (ctypes.c_int64 * 1)(buf.nbytes)
+        t = self.managed.dl_tensor
+        t.data = buf.ptr
+        t.device.device_type, t.device.device_id = buf.__dlpack_device__()
+        t.ndim = 1
+        t.dtype.code, t.dtype.bits, t.dtype.lanes = 1, 8, 1
+        t.shape = ctypes.cast(self.shape, ctypes.POINTER(ctypes.c_int64))
+        self.deleter = _dlpack.DELETER(lambda address: self.calls.append(address))
+        self.managed.deleter = ctypes.cast(self.deleter, ctypes.c_void_p).value
+        self.capsule = _PyCapsule_New(ctypes.addressof(self.managed), _LEGACY_NAME, None)
+
+
+def test_capsule_taken_by_two_consumers_at_once(sim_backend, monkeypatch):
+    """Another thread's from_dlpack between this one's parse and its rename: both took the
+    capsule and the producer's deleter ran twice (a double free)."""
+    buf = accel.Buffer(64)
+    producer = ForeignProducer(buf)
+    real = _dlpack.parse
+    inner = []
+
+    def racing(capsule):
+        info = real(capsule)
+        if not inner:
+            inner.append(None)
+            inner[0] = accel.from_dlpack(capsule)        # the other consumer, in this window
+        return info
+
+    monkeypatch.setattr(_dlpack, "parse", racing)
+    with pytest.raises(BufferError, match="consumed"):
+        accel.from_dlpack(producer.capsule)
+    monkeypatch.undo()
+    inner[0].close()
+    gc.collect()
+    assert len(producer.calls) == 1
+    with pytest.raises(BufferError, match="consumed"):
+        accel.from_dlpack(producer.capsule)
