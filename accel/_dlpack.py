@@ -435,6 +435,15 @@ def sync_for_consumer(buffer, stream_arg) -> None:
     if consumer is None:
         return
     last = buffer._last
+    if last.closed:
+        # Work queued on a stream still runs after it is closed (cudaStreamDestroy returns at once),
+        # but no event can be recorded on it any more: wait for its device on the host instead.
+        with on_device(backend, last.device_index):
+            backend.device_synchronize()
+        known = None if consumer == "host" else _accel_stream(backend, *consumer)
+        if known is not None:
+            buffer._used(known)
+        return
     if consumer == "host":
         last.synchronize()
         return

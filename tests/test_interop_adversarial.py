@@ -456,3 +456,38 @@ def test_capsule_taken_by_two_consumers_at_once(sim_backend, monkeypatch):
     assert len(producer.calls) == 1
     with pytest.raises(BufferError, match="consumed"):
         accel.from_dlpack(producer.capsule)
+
+
+# -- a last-use stream that was closed --------------------------------------------------------------
+def test_export_after_the_last_use_stream_was_closed(monkeypatch):
+    """A side stream used for a fill and then closed (an ordinary thing to do) made every
+    __dlpack__ with a stream, from_dlpack and a view's export raise "stream was closed"."""
+    use_sim(monkeypatch, "cuda", ACCEL_SIM_DELAY_US=20000)
+    backend = _lazy.lazy_init()
+    buf = accel.Buffer(4096)
+    side = accel.Stream()
+    for value in (1, 2, 3, 9):              # slow fills, still queued when the stream is closed
+        buf.fill_(value, stream=side)
+    side.close()
+    capsule = buf.__dlpack__(stream=1)      # the legacy stream must see the closed stream's work
+    out = np.zeros(4096, np.uint8)
+    backend.memcpy_async(out.ctypes.data, buf.ptr, 4096, backend.default_stream(0))
+    backend.stream_synchronize(backend.default_stream(0))
+    assert (out == 9).all()
+    assert buf.last_stream == accel.default_stream(0)
+    del capsule
+    imported = accel.from_dlpack(buf)
+    imported.close()
+    assert _dlpack.parse(buf.as_array("u1").__dlpack__(max_version=(1, 0))).shape == (4096,)
+    gc.collect()
+    assert _dlpack.live_exports() == 0
+
+
+def test_host_export_after_the_last_use_stream_was_closed(sim_backend):
+    buf = accel.Buffer(64)
+    side = accel.Stream()
+    buf.fill_(5, stream=side)
+    side.close()
+    capsule = buf.__dlpack__()              # stream None: CUDA's legacy stream, elsewhere the host waits
+    assert _dlpack.parse(capsule).shape == (64,)
+    assert (buf.to_numpy() == 5).all()
