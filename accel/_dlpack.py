@@ -436,10 +436,7 @@ def sync_for_consumer(buffer, stream_arg) -> None:
         return
     last = buffer._last
     if last.closed:
-        # Work queued on a stream still runs after it is closed (cudaStreamDestroy returns at once),
-        # but no event can be recorded on it any more: wait for its device on the host instead.
-        with on_device(backend, last.device_index):
-            backend.device_synchronize()
+        wait_for_closed(backend, last)
         known = None if consumer == "host" else _accel_stream(backend, *consumer)
         if known is not None:
             buffer._used(known)
@@ -466,6 +463,15 @@ def sync_for_consumer(buffer, stream_arg) -> None:
     known = _accel_stream(backend, device, handle)
     if known is not None:
         buffer._used(known)
+
+
+def wait_for_closed(backend, stream) -> None:
+    """Wait on the host for the work a closed ``stream`` may still run: it still runs after the
+    stream is closed (cudaStreamDestroy returns at once), but no event can be recorded on it any
+    more, so its device is synchronized."""
+    from .streams import on_device
+    with on_device(backend, stream.device_index):
+        backend.device_synchronize()
 
 
 def wait_for_producer(backend, index: int, producer, stream) -> None:

@@ -596,7 +596,8 @@ class Buffer:
         """The CUDA array interface (v3): ``nbytes`` bytes (``|u1``) at ``ptr``.
 
         ``stream`` is the buffer's last-use stream (:attr:`last_stream`), where accel's latest
-        work on the memory was queued; a consumer (CuPy, Numba) orders its work after it.
+        work on the memory was queued; a consumer (CuPy, Numba) orders its work after it.  A
+        last-use stream closed since is waited for on the host and the current stream given.
         CAI v3 forbids 0, so the legacy default stream (handle 0) is given as 1.  torch differs:
         its tensors export version 2, without ``stream``, and leave synchronization to the
         user.  Only CUDA buffers have it: elsewhere and after :meth:`close` the attribute
@@ -611,7 +612,11 @@ class Buffer:
         if self._closed:
             raise AttributeError(f"__cuda_array_interface__: {self!r} was closed")
         last = self._last
-        handle = last._handle if not last.closed else current_stream(self._index).handle
+        if last.closed:     # its queued work still runs: wait for it, then any stream will do
+            from ._dlpack import wait_for_closed
+            wait_for_closed(self._backend, last)
+            self._last = last = current_stream(self._index)
+        handle = last._handle
         return {"shape": (self._nbytes,), "typestr": "|u1", "data": (self._ptr, self._readonly),
                 "strides": None, "version": 3, "stream": handle if handle else _CAI_LEGACY_DEFAULT_STREAM}
 

@@ -491,3 +491,23 @@ def test_host_export_after_the_last_use_stream_was_closed(sim_backend):
     capsule = buf.__dlpack__()              # stream None: CUDA's legacy stream, elsewhere the host waits
     assert _dlpack.parse(capsule).shape == (64,)
     assert (buf.to_numpy() == 5).all()
+
+
+def test_cuda_array_interface_after_the_last_use_stream_was_closed(monkeypatch):
+    """The interface named the current stream, which is not ordered after the closed stream's
+    still-queued work: a consumer that synchronized on it read stale bytes."""
+    use_sim(monkeypatch, "cuda", ACCEL_SIM_DELAY_US=20000)
+    backend = _lazy.lazy_init()
+    buf = accel.Buffer(4096)
+    side = accel.Stream()
+    for value in (1, 2, 3, 9):
+        buf.fill_(value, stream=side)
+    side.close()
+    cai = buf.__cuda_array_interface__
+    handle = 0 if cai["stream"] == 1 else cai["stream"]
+    backend.stream_synchronize(handle)                 # what CuPy/Numba do with "stream"
+    reader = accel.Stream()
+    out = np.zeros(4096, np.uint8)
+    backend.memcpy_async(out.ctypes.data, buf.ptr, 4096, reader.handle)
+    reader.synchronize()
+    assert (out == 9).all()
