@@ -144,6 +144,76 @@ def test_async_failed_free_at_graph_reset_is_retried(async_cuda):
     _async_clean(1)
 
 
+
+def _async_workload(objs: list) -> None:
+    """Device 1 (not current): two streams, record_stream, a stream destroyed before the free of
+    a block it used and one destroyed after a free, a peer, the cache emptied."""
+    s, user = accel.Stream(device=1), accel.Stream(device=1)
+    objs += [s, user]
+    a = accel.Buffer(3 * MiB, device=1, stream=s)
+    b = accel.Buffer(5 * MiB, device=1)
+    objs += [a, b]
+    a.fill_(1, stream=s)
+    a.record_stream(user)
+    a.fill_(2, stream=user)
+    memory.device_allocator(1).add_peer(0)
+    a.close()
+    s.close()
+    b.record_stream(user)
+    user.close()
+    b.close()
+    memory.empty_cache()
+
+
+def _async_live() -> tuple:
+    st = sim.state()
+    return dict(st.live_allocations), st.streams, st.events
+
+
+def _close_all(objs: list) -> None:
+    sim.clear_faults()
+    accel.set_device_index(0)          # a failed device restore warns and may leave device 1 current
+    for obj in [o for o in objs if isinstance(o, accel.Buffer)] + [o for o in objs if isinstance(o, accel.Stream)]:
+        obj.close()
+    for index in (0, 1):
+        accel.synchronize(index)
+
+
+@pytest.mark.filterwarnings("ignore:could not make device")
+def test_async_fault_sweep(async_cuda):
+    """Every vendor call of the workload fails once (and each from its first call on, until
+    cleared): an accel error or recovery, and after closing what was made and emptying the cache
+    nothing is left allocated, counted, or alive in the simulator, and the workload runs again."""
+    objs = []
+    _async_workload(objs)
+    _close_all(objs)
+    base = _async_live()
+    sim.reset_call_counts()
+    objs = []
+    _async_workload(objs)
+    calls = sim.calls()
+    _close_all(objs)
+    assert calls.get("cudaFreeAsync") and calls.get("cudaMemPoolTrimTo")
+    for name in sorted(calls):
+        for k, times in [(k, 1) for k in range(calls[name])] + [(0, -1)]:
+            where = f"{name} failing at call {k + 1}" + (" and every later one" if times == -1 else "")
+            objs = []
+            sim.inject_error(name, CUDA_INVALID_VALUE, times=times, after=k)
+            try:
+                _async_workload(objs)
+            except AcceleratorError:
+                pass
+            _close_all(objs)
+            memory.empty_cache()
+            for index in (0, 1):
+                stats = memory.memory_stats(index)
+                assert (stats["allocation.all.current"], stats["reserved_bytes.all.current"]) == (0, 0), where
+            assert _async_live() == base, where
+            objs = []
+            _async_workload(objs)
+            _close_all(objs)
+
+
 # -- expandable segments -------------------------------------------------------------------------
 
 needs_vmm = pytest.mark.skipif(not _vmm.supported(), reason="this host cannot play virtual memory (mmap)")
@@ -309,3 +379,75 @@ def test_first_peer_copy_inside_a_capture_says_what_to_do(vmm_backend):
         obj.close()
     memory.empty_cache()
     assert memory.memory_reserved(0) == memory.memory_reserved(1) == 0
+
+
+
+_VMM_CALLS = {"cuda": ("cuMemAddressReserve", "cuMemCreate", "cuMemMap", "cuMemSetAccess", "cuMemUnmap",
+                       "cuMemRelease", "cuMemAddressFree"),
+              "xpu": ("zeVirtualMemReserve", "zePhysicalMemCreate", "zeVirtualMemMap",
+                      "zeVirtualMemSetAccessAttribute", "zeVirtualMemUnmap", "zePhysicalMemDestroy",
+                      "zeVirtualMemFree")}
+
+
+def _vmm_live(kind: str) -> tuple:
+    st = sim.state()
+    p = "ze_" if kind == "xpu" else ""
+    return tuple(getattr(st, p + k) for k in ("vmm_reservations", "vmm_handles", "vmm_mappings",
+                                               "vmm_physical_bytes"))
+
+
+def _grow_unmap_workload(alloc, live: list) -> None:
+    """Grow, a small segment, unmap before growing past the high-water mark, a peer granted
+    access to what is mapped and to what is mapped later, free everything, empty the cache."""
+    for nbytes in (10 * MiB, 3 * MiB, 700):
+        live.append(alloc.malloc(nbytes))
+    alloc.free(live.pop(0))
+    live.append(alloc.malloc(20 * MiB))
+    alloc.add_peer(0)
+    live.append(alloc.malloc(9 * MiB))
+    while live:
+        alloc.free(live.pop())
+    alloc.empty_cache()
+
+
+@needs_vmm
+def test_vmm_fault_sweep_of_grow_unmap_and_peer(vmm_backend, request):
+    """Each virtual-memory call of device 1's expandable segments fails at each of its calls
+    (once, and from there on until cleared): the invariants hold right after the error, and
+    once the live blocks are freed and the cache emptied, stats, reserved bytes and the
+    simulator's reservations, handles and mappings are back where they were, with no double
+    release (the simulator refuses one); the workload then runs again."""
+    be = vmm_backend
+    kind = request.node.callspec.params["vmm_backend"]
+    code = CUDA_INVALID_VALUE if kind == "cuda" else 0x7FFFFFFE     # ZE_RESULT_ERROR_UNKNOWN
+    base = _vmm_live(kind)
+    from accel.sim import core
+    fired = 0
+    for name in _VMM_CALLS[kind]:
+        for k in range(40):
+            for times in (1, -1):
+                where = f"{name} failing at call {k + 1}" + (" and every later one" if times == -1 else "")
+                alloc = _expandable(be, 1)
+                live = []
+                sim.inject_error(name, code, times=times, after=k)
+                try:
+                    _grow_unmap_workload(alloc, live)
+                except AcceleratorError:
+                    pass
+                if times == 1:
+                    hit = name not in core._faults          # the k-th call happened (and failed)
+                sim.clear_faults()
+                check_expandable(alloc)
+                for ptr in live:
+                    alloc.free(ptr)
+                alloc.empty_cache()
+                check_expandable(alloc)
+                stats = alloc.stats()
+                assert (stats["reserved_bytes.all.current"], stats["segment.all.current"]) == (0, 0), where
+                assert _vmm_live(kind) == base, where
+                _grow_unmap_workload(alloc, [])
+                assert _vmm_live(kind) == base, where
+                fired += hit and times == 1
+            if not hit:                                 # the workload makes fewer calls
+                break
+    assert fired >= 7 * 3
