@@ -5,9 +5,10 @@ corpus (``tools/record_traces.py``), to check that it generalizes.  Kept apart i
     python tools/record_traces.py --holdout            # every one of them
     python tools/record_traces.py --holdout moe_train
 
-They were used once to choose between two piece rules of expandable segments (E9 in
-``accel/memory/_expandable.py``) and one classic-segment rule; record a fresh set before
-tuning on them again.  Each returns ``(setup, run, description)`` as the corpus workloads do.
+The first seven were used once to choose between two piece rules of expandable segments
+(E9 in ``accel/memory/_expandable.py``) and one classic-segment rule; the second seven were
+recorded afterwards and only measured (never tuned on, as of their commit).  Record a fresh
+set before tuning on either.  Each returns ``(setup, run, description)`` as the corpus workloads do.
 """
 
 from __future__ import annotations
@@ -370,6 +371,382 @@ def _wide_deep_inference():
                         "MLP 525-1024-512-256-1) no_grad inference, batches 8192/2000/16384/500/12000")
 
 
+# ------------------------------------------------ the second batch: recorded, never tuned on
+
+def _t5_style_encdec_train():
+    import torch
+    from torch import nn
+
+    V, D = 5000, 256
+
+    class EncDec(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(V, D)                    # shared src/tgt embedding (T5-style)
+            self.rel = nn.Embedding(512, D)
+            self.tf = nn.Transformer(D, nhead=4, num_encoder_layers=3, num_decoder_layers=3,
+                                     dim_feedforward=1024, dropout=0.1, batch_first=True, norm_first=True)
+            self.head = nn.Linear(D, V, bias=False)
+
+        def forward(self, src, tgt):
+            s = self.emb(src) + self.rel(torch.arange(src.shape[1]))
+            t = self.emb(tgt) + self.rel(torch.arange(tgt.shape[1]))
+            mask = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1])
+            return self.head(self.tf(s, t, tgt_mask=mask, tgt_is_causal=True))
+
+    def setup():
+        model = EncDec()
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+
+    def run(state):
+        model, opt = state
+        # (micro-batch, src, tgt) x 2 micro-batches per optimizer step
+        for steps in (((8, 96, 40), (8, 64, 56)), ((4, 200, 30), (4, 150, 80)), ((12, 48, 48), (12, 80, 24))):
+            opt.zero_grad(set_to_none=True)
+            for b, s, t in steps:
+                src = torch.randint(0, V, (b, s))
+                tgt = torch.randint(0, V, (b, t + 1))
+                logits = model(src, tgt[:, :-1])
+                loss = nn.functional.cross_entropy(logits.reshape(-1, V), tgt[:, 1:].reshape(-1)) / len(steps)
+                loss.backward()
+                del logits, loss
+            opt.step()
+    return setup, run, ("T5-style encoder-decoder (nn.Transformer d=256, 3+3 pre-norm layers, shared embedding, "
+                        "vocab 5000), AdamW, gradient accumulation over 2 micro-batches; batch/src/tgt "
+                        "(8/96/40 + 8/64/56), (4/200/30 + 4/150/80), (12/48/48 + 12/80/24)")
+
+
+def _conv_vae_train():
+    import torch
+    from torch import nn
+
+    Z = 64
+
+    class VAE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc = nn.Sequential(nn.Conv2d(3, 32, 4, 2, 1), nn.LeakyReLU(0.2),
+                                     nn.Conv2d(32, 64, 4, 2, 1), nn.BatchNorm2d(64), nn.LeakyReLU(0.2),
+                                     nn.Conv2d(64, 128, 4, 2, 1), nn.BatchNorm2d(128), nn.LeakyReLU(0.2),
+                                     nn.Flatten())
+            self.mu, self.logvar = nn.Linear(128 * 8 * 8, Z), nn.Linear(128 * 8 * 8, Z)
+            self.fc = nn.Linear(Z, 128 * 8 * 8)
+            self.dec = nn.Sequential(nn.ConvTranspose2d(128, 64, 4, 2, 1), nn.BatchNorm2d(64), nn.ReLU(),
+                                     nn.ConvTranspose2d(64, 32, 4, 2, 1), nn.BatchNorm2d(32), nn.ReLU(),
+                                     nn.ConvTranspose2d(32, 3, 4, 2, 1))
+
+        def forward(self, x):
+            h = self.enc(x)
+            mu, logvar = self.mu(h), self.logvar(h)
+            z = mu + torch.randn_like(mu) * torch.exp(0.5 * logvar)       # reparameterization
+            return self.dec(self.fc(z).view(-1, 128, 8, 8)), mu, logvar
+
+    def setup():
+        model = VAE()
+        return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def run(state):
+        model, opt = state
+        for batch in (32, 96, 16, 64):
+            x = torch.rand(batch, 3, 64, 64)
+            opt.zero_grad(set_to_none=True)
+            recon, mu, logvar = model(x)
+            rec = nn.functional.binary_cross_entropy_with_logits(recon, x, reduction="sum") / batch
+            kl = -0.5 * torch.sum(1 + logvar - mu.pow(2) - logvar.exp()) / batch
+            (rec + kl).backward()
+            opt.step()
+    return setup, run, ("convolutional VAE (3 strided convs -> mu/logvar z=64 -> 3 transposed convs, BatchNorm), "
+                        "reparameterization, BCE recon + KL, Adam, batches 32/96/16/64 of 3x64x64")
+
+
+def _speech_conformer_like():
+    import torch
+    from torch import nn
+
+    D, VOC = 144, 40
+
+    class ConvModule(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = nn.LayerNorm(D)
+            self.pw1 = nn.Conv1d(D, 2 * D, 1)
+            self.dw = nn.Conv1d(D, D, 15, padding=7, groups=D)
+            self.bn = nn.BatchNorm1d(D)
+            self.pw2 = nn.Conv1d(D, D, 1)
+
+        def forward(self, x):                                           # b, t, d
+            h = nn.functional.glu(self.pw1(self.ln(x).transpose(1, 2)), dim=1)
+            h = self.pw2(nn.functional.silu(self.bn(self.dw(h))))
+            return x + h.transpose(1, 2)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ff1 = nn.Sequential(nn.LayerNorm(D), nn.Linear(D, 4 * D), nn.SiLU(), nn.Linear(4 * D, D))
+            self.ln_att = nn.LayerNorm(D)
+            self.att = nn.MultiheadAttention(D, 4, dropout=0.1, batch_first=True)
+            self.conv = ConvModule()
+            self.ff2 = nn.Sequential(nn.LayerNorm(D), nn.Linear(D, 4 * D), nn.SiLU(), nn.Linear(4 * D, D))
+            self.ln = nn.LayerNorm(D)
+
+        def forward(self, x, pad):
+            x = x + 0.5 * self.ff1(x)
+            h = self.ln_att(x)
+            x = x + self.att(h, h, h, key_padding_mask=pad, need_weights=False)[0]
+            x = self.conv(x)
+            return self.ln(x + 0.5 * self.ff2(x))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.sub = nn.Sequential(nn.Conv1d(80, D, 3, 2, 1), nn.ReLU(), nn.Conv1d(D, D, 3, 2, 1), nn.ReLU())
+            self.blocks = nn.ModuleList(Block() for _ in range(3))
+            self.out = nn.Linear(D, VOC)
+
+        def forward(self, feats, lens):                                 # feats: b, 80, T
+            x = self.sub(feats).transpose(1, 2)                         # b, T/4, d
+            olens = ((lens + 1) // 2 + 1) // 2
+            pad = torch.arange(x.shape[1])[None, :] >= olens[:, None]
+            for blk in self.blocks:
+                x = blk(x, pad)
+            return self.out(x).log_softmax(-1), olens
+
+    def setup():
+        model = Model()
+        return model, torch.optim.AdamW(model.parameters(), lr=5e-4), nn.CTCLoss(blank=0, zero_infinity=True)
+
+    def run(state):
+        model, opt, ctc = state
+        g = torch.Generator().manual_seed(3)
+        for batch, frames in ((8, 1200), (4, 1600), (12, 800), (6, 1400)):
+            lens = torch.randint(frames * 3 // 4, frames + 1, (batch,), generator=g)
+            lens[0] = frames
+            feats = torch.randn(batch, 80, frames, generator=g)
+            tlens = torch.randint(20, 60, (batch,), generator=g)
+            targets = torch.randint(1, VOC, (int(tlens.sum()),), generator=g)
+            opt.zero_grad(set_to_none=True)
+            logp, olens = model(feats, lens)
+            ctc(logp.transpose(0, 1), targets, olens, tlens).backward()
+            opt.step()
+    return setup, run, ("conformer-like speech encoder (2x stride-2 Conv1d subsampling of 80-dim features, "
+                        "3 blocks of macaron FF + MHA with key padding + depthwise conv module, d=144), "
+                        "nn.CTCLoss, AdamW, batch x frames 8x1200, 4x1600, 12x800, 6x1400, variable lengths")
+
+
+def _detr_like_eval():
+    import torch
+    from torch import nn
+
+    D, Q = 192, 50
+
+    def stage(i, o):
+        return nn.Sequential(nn.Conv2d(i, o, 3, 2, 1, bias=False), nn.BatchNorm2d(o), nn.ReLU(),
+                             nn.Conv2d(o, o, 3, 1, 1, bias=False), nn.BatchNorm2d(o), nn.ReLU())
+
+    class DETR(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.backbone = nn.Sequential(stage(3, 32), stage(32, 64), stage(64, 128), stage(128, 256),
+                                          stage(256, 256))
+            self.proj = nn.Conv2d(256, D, 1)
+            self.row, self.col = nn.Embedding(64, D // 2), nn.Embedding(64, D // 2)
+            self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(D, 6, 4 * D, batch_first=True), 2,
+                                             enable_nested_tensor=False)
+            self.dec = nn.TransformerDecoder(nn.TransformerDecoderLayer(D, 6, 4 * D, batch_first=True), 4)
+            self.query = nn.Embedding(Q, D)
+            self.cls = nn.Linear(D, 92)
+            self.box = nn.Sequential(nn.Linear(D, D), nn.ReLU(), nn.Linear(D, D), nn.ReLU(), nn.Linear(D, 4))
+
+        def forward(self, img):
+            f = self.proj(self.backbone(img))                           # b, D, h, w
+            b, _, h, w = f.shape
+            pos = torch.cat([self.col(torch.arange(w))[None].expand(h, -1, -1),
+                             self.row(torch.arange(h))[:, None].expand(-1, w, -1)], -1).flatten(0, 1)
+            mem = self.enc(f.flatten(2).transpose(1, 2) + pos)
+            hs = self.dec(self.query.weight[None].expand(b, -1, -1), mem)
+            return self.cls(hs).softmax(-1), self.box(hs).sigmoid()
+
+    def setup():
+        return DETR().eval()
+
+    def run(model):
+        with torch.no_grad():
+            for batch, hgt, wid in ((2, 480, 640), (4, 320, 320), (1, 800, 608), (3, 384, 512)):
+                probs, boxes = model(torch.randn(batch, 3, hgt, wid))
+                scores, labels = probs[..., :-1].max(-1)
+                keep = scores > 0.02
+                _ = boxes[keep], labels[keep]
+                del probs, boxes, scores, labels, keep
+    return setup, run, ("DETR-like detector eval (5-stage stride-32 conv backbone, learned 2-D position embedding, "
+                        "2 encoder + 4 decoder layers d=192, 50 object queries, class/box heads, score filter), "
+                        "no_grad, batch x HxW 2x480x640, 4x320x320, 1x800x608, 3x384x512")
+
+
+def _llama_style_prefill_decode():
+    import torch
+    from torch import nn
+
+    V, D, H, L, FF, MAXLEN = 8000, 384, 6, 4, 1024, 512
+    HD = D // H
+
+    class RMSNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(D))
+
+        def forward(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.w
+
+    def rope(x, cos, sin):                                              # x: b, h, t, hd
+        x1, x2 = x[..., : HD // 2], x[..., HD // 2:]
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.n1, self.n2 = RMSNorm(), RMSNorm()
+            self.wq, self.wk, self.wv, self.wo = (nn.Linear(D, D, bias=False) for _ in range(4))
+            self.w1, self.w3 = nn.Linear(D, FF, bias=False), nn.Linear(D, FF, bias=False)
+            self.w2 = nn.Linear(FF, D, bias=False)
+
+        def forward(self, x, cache, pos, cos, sin):
+            b, t, _ = x.shape
+            h = self.n1(x)
+            q = rope(self.wq(h).view(b, t, H, HD).transpose(1, 2), cos, sin)
+            k = rope(self.wk(h).view(b, t, H, HD).transpose(1, 2), cos, sin)
+            v = self.wv(h).view(b, t, H, HD).transpose(1, 2)
+            idx = torch.arange(pos, pos + t)
+            cache["k"].index_copy_(2, idx, k)                           # preallocated KV cache, no torch.cat
+            cache["v"].index_copy_(2, idx, v)
+            kk, vv = cache["k"][:, :, : pos + t], cache["v"][:, :, : pos + t]
+            att = nn.functional.scaled_dot_product_attention(q, kk, vv, is_causal=t > 1)
+            x = x + self.wo(att.transpose(1, 2).reshape(b, t, D))
+            h = self.n2(x)
+            return x + self.w2(nn.functional.silu(self.w1(h)) * self.w3(h))
+
+    class Llama(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok = nn.Embedding(V, D)
+            self.blocks = nn.ModuleList(Block() for _ in range(L))
+            self.norm = RMSNorm()
+            self.head = nn.Linear(D, V, bias=False)
+            inv = 1.0 / (10000 ** (torch.arange(0, HD, 2).float() / HD))
+            ang = torch.arange(MAXLEN).float()[:, None] * inv[None]
+            self.register_buffer("cos", ang.cos(), persistent=False)
+            self.register_buffer("sin", ang.sin(), persistent=False)
+
+        def forward(self, idx, caches, pos):
+            t = idx.shape[1]
+            cos, sin = self.cos[pos: pos + t], self.sin[pos: pos + t]
+            x = self.tok(idx)
+            for blk, c in zip(self.blocks, caches):
+                x = blk(x, c, pos, cos, sin)
+            return self.head(self.norm(x[:, -1:]))
+
+    def setup():
+        return Llama().eval()
+
+    def run(model):
+        with torch.no_grad():
+            for batch, prompt in ((8, 120), (4, 300), (16, 48)):
+                caches = [{"k": torch.zeros(batch, H, prompt + 30, HD), "v": torch.zeros(batch, H, prompt + 30, HD)}
+                          for _ in model.blocks]
+                idx = torch.randint(0, V, (batch, prompt))
+                logits = model(idx, caches, 0)
+                out = [logits.argmax(-1)]
+                for step in range(30):
+                    logits = model(out[-1], caches, prompt + step)
+                    out.append(logits.argmax(-1))
+                del caches, logits, out
+    return setup, run, ("LLaMA-style decoder (RMSNorm, rotary embeddings, SwiGLU, 4 layers d=384, vocab 8000) "
+                        "no_grad prefill then 30 greedy decode steps into a preallocated KV cache written by "
+                        "index_copy_; batch x prompt 8x120, 4x300, 16x48")
+
+
+def _graph_attention_train():
+    import torch
+    from torch import nn
+
+    class GATLayer(nn.Module):
+        def __init__(self, i, o, heads):
+            super().__init__()
+            self.h, self.o = heads, o
+            self.lin = nn.Linear(i, heads * o, bias=False)
+            self.a_src = nn.Parameter(torch.randn(heads, o) * 0.1)
+            self.a_dst = nn.Parameter(torch.randn(heads, o) * 0.1)
+
+        def forward(self, x, src, dst):
+            n = x.shape[0]
+            z = self.lin(x).view(n, self.h, self.o)
+            e = nn.functional.leaky_relu((z * self.a_src).sum(-1)[src] + (z * self.a_dst).sum(-1)[dst], 0.2)
+            # softmax over the incoming edges of each destination node (segment softmax by scatter)
+            emax = torch.full((n, self.h), -1e9).scatter_reduce(0, dst[:, None].expand(-1, self.h), e,
+                                                                reduce="amax", include_self=True)
+            w = torch.exp(e - emax[dst])
+            denom = torch.zeros(n, self.h).index_add_(0, dst, w)
+            alpha = w / (denom[dst] + 1e-16)
+            out = torch.zeros(n, self.h, self.o).index_add_(0, dst, z[src] * alpha[..., None])
+            return out
+
+    class GAT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1 = GATLayer(64, 32, 4)
+            self.l2 = GATLayer(128, 32, 4)
+            self.l3 = GATLayer(128, 16, 1)
+
+        def forward(self, x, src, dst):
+            x = nn.functional.elu(self.l1(x, src, dst).flatten(1))
+            x = nn.functional.dropout(x, 0.2, self.training)
+            x = nn.functional.elu(self.l2(x, src, dst).flatten(1))
+            return self.l3(x, src, dst).squeeze(1)
+
+    def setup():
+        model = GAT()
+        return model, torch.optim.Adam(model.parameters(), lr=5e-3, weight_decay=5e-4)
+
+    def run(state):
+        model, opt = state
+        g = torch.Generator().manual_seed(4)
+        for nodes, edges in ((5000, 40000), (12000, 90000), (3000, 15000), (8000, 60000)):
+            x = torch.randn(nodes, 64, generator=g)
+            src = torch.randint(0, nodes, (edges,), generator=g)
+            dst = torch.randint(0, nodes, (edges,), generator=g)
+            loops = torch.arange(nodes)
+            src, dst = torch.cat([src, loops]), torch.cat([dst, loops])   # self loops
+            y = torch.randint(0, 16, (nodes,), generator=g)
+            opt.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(model(x, src, dst), y).backward()
+            opt.step()
+    return setup, run, ("3-layer GAT (4/4/1 heads, edge attention with scatter_reduce amax + index_add_ segment "
+                        "softmax, self loops), Adam, random graphs nodes/edges 5k/40k, 12k/90k, 3k/15k, 8k/60k")
+
+
+def _mixed_precision_like_train():
+    import torch
+    from torch import nn
+
+    def setup():
+        model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 1024), nn.GELU(),
+                              nn.LayerNorm(1024), nn.Linear(1024, 512), nn.GELU(), nn.Linear(512, 100))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def run(state):
+        model, opt = state
+        for batch in (512, 1536, 256, 1024):
+            x, y = torch.randn(batch, 256), torch.randint(0, 100, (batch,))
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+                logits = model(x)
+                loss = nn.functional.cross_entropy(logits.float(), y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+    return setup, run, ("MLP 256-1024-1024-512-100 (GELU, LayerNorm) trained under torch.autocast(cpu, bfloat16), "
+                        "clip_grad_norm_ 1.0, AdamW, batches 512/1536/256/1024")
+
+
 WORKLOADS: Dict[str, Callable] = {
     "vit_train_varbatch": _vit_train_varbatch,
     "gru_seq2seq_train": _gru_seq2seq_train,
@@ -378,4 +755,12 @@ WORKLOADS: Dict[str, Callable] = {
     "moe_train": _moe_train,
     "gnn_scatter_train": _gnn_scatter_train,
     "wide_deep_inference": _wide_deep_inference,
+    # second batch
+    "t5_style_encdec_train": _t5_style_encdec_train,
+    "conv_vae_train": _conv_vae_train,
+    "speech_conformer_like": _speech_conformer_like,
+    "detr_like_eval": _detr_like_eval,
+    "llama_style_prefill_decode": _llama_style_prefill_decode,
+    "graph_attention_train": _graph_attention_train,
+    "mixed_precision_like_train": _mixed_precision_like_train,
 }
