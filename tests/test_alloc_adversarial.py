@@ -5,7 +5,6 @@ the work on the non-current one (device 0 stays current)."""
 
 import gc
 
-import numpy as np
 import pytest
 
 import accel
