@@ -450,3 +450,27 @@ def test_vmm_fault_sweep_of_grow_unmap_and_peer(vmm_backend, request):
             if not hit:                                 # the workload makes fewer calls
                 break
     assert fired >= 7 * 3
+
+
+@pytest.mark.parametrize("backend_conf", ["", "backend:cudaMallocAsync"])
+@pytest.mark.parametrize("bad", [dict(device_index=7), dict(device_index=-1), dict(device_index="0"),
+                                 dict(stream=-1), dict(stream=1 << 64), dict(stream=1.0)],
+                         ids=["device-7", "device--1", "device-str", "stream--1", "stream-2**64", "stream-float"])
+def test_record_stream_refuses_a_bad_stream_or_device(monkeypatch, backend_conf, bad):
+    """The allocator's record_stream is public (accel.memory.device_allocator(i).record_stream):
+    a device index naming no device, or a stream that is no handle, is refused with the value
+    named, and nothing is recorded.  Before, it was kept, and every later free's event record
+    and every empty_cache failed on it."""
+    monkeypatch.setenv("ACCEL_ALLOC_CONF", backend_conf)
+    use_sim(monkeypatch, "cuda")
+    alloc = memory.device_allocator(0)
+    be = _lazy.lazy_init()
+    ptr = alloc.malloc(1 << 20)
+    args = dict(stream=be.default_stream(1), device_index=1)
+    args.update(bad)
+    with pytest.raises((ValueError, TypeError)) as info:
+        alloc.record_stream(ptr, args["stream"], args["device_index"])
+    assert repr(bad[next(iter(bad))]) in str(info.value) or str(bad[next(iter(bad))]) in str(info.value)
+    alloc.free(ptr)
+    alloc.empty_cache()
+    assert alloc.stats()["allocated_bytes.all.current"] == 0

@@ -321,8 +321,9 @@ class AsyncPoolAllocator:
 
     def record_stream(self, ptr: int, stream: int, device_index: Optional[int] = None) -> None:
         """Mark the allocation at ``ptr`` as used on ``stream`` (of device ``device_index``,
-        default this allocator's): its free waits for the work queued there by then."""
-        device = self._index if device_index is None else device_index
+        default this allocator's): its free waits for the work queued there by then.  TypeError/
+        ValueError for a stream that is no handle or a device index naming no device."""
+        device = _caching.check_use(self._be, stream, device_index, self._index)
         with self._lock:
             alloc = self._ptrs.get(ptr)
             if alloc is None or alloc.deferred:

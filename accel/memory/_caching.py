@@ -258,6 +258,25 @@ def _roundup_power2_next_division(size: int, divisions: int) -> int:
     return size if low == size else low + step
 
 
+def check_use(backend, stream, device_index, default: int) -> int:
+    """The device of a ``record_stream(ptr, stream, device_index)`` call, after checking that
+    ``stream`` can be a handle (an int in [0, 2**64)) and ``device_index`` names a device
+    (None: ``default``).  A bad value kept would fail every later free and empty_cache."""
+    if type(stream) is not int or not 0 <= stream < 1 << 64:
+        raise (ValueError if isinstance(stream, int) else TypeError)(
+            f"record_stream: stream must be a stream handle (an int in [0, 2**64)), got {stream!r}")
+    if device_index is None:
+        return default
+    if type(device_index) is not int:
+        raise TypeError(f"record_stream: device_index must be an int, got {device_index!r}")
+    count = backend.count()
+    if not 0 <= device_index < count:
+        raise InvalidDeviceError(f"record_stream: device index {device_index} is out of range: {count} "
+                                 f"{backend.name} device{'s' if count != 1 else ''} visible "
+                                 f"(valid indices 0..{count - 1})")
+    return device_index
+
+
 def _check_size(nbytes) -> int:
     if isinstance(nbytes, bool) or not hasattr(type(nbytes), "__index__"):
         raise TypeError(f"allocation size must be an int number of bytes, got "
@@ -637,8 +656,9 @@ class DeviceCachingAllocator:
     def record_stream(self, ptr: int, stream: int, device_index: Optional[int] = None) -> None:
         """Mark the allocated block at ``ptr`` as used on ``stream`` (of device
         ``device_index``, default this allocator's): after :meth:`free` it is reused only
-        once the work queued on ``stream`` by then has completed."""
-        device = self._index if device_index is None else device_index
+        once the work queued on ``stream`` by then has completed.  TypeError/ValueError for a
+        stream that is no handle or a device index naming no device (nothing is recorded)."""
+        device = check_use(self._be, stream, device_index, self._index)
         with self._lock:
             block = self._blocks.get(ptr)
             if block is None or block.state != _ALLOCATED:
