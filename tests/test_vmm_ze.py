@@ -176,3 +176,63 @@ def test_close_releases_what_is_left(xpu):
     xpu.close()
     assert _st() == (0, 0, 0, 0)
     assert "_vmm_state" not in xpu.__dict__
+
+
+class _LibWith:
+    """The backend's library with one function wrapped: ``after(result, *args)`` runs right after
+    the real call returns, where another thread could run (the backend's lock is not held)."""
+
+    def __init__(self, lib, name, after):
+        self._lib, self._name, self._after = lib, name, after
+
+    def __getattr__(self, attr):
+        real = getattr(self._lib, attr)
+        if attr != self._name:
+            return real
+
+        def call(*args):
+            rc = real(*args)
+            self._after(rc, *args)
+            return rc
+        return call
+
+
+def test_a_va_or_handle_reused_between_a_free_and_its_bookkeeping_stays_known(xpu):
+    """Two device allocators reserve and free on their own threads.  zeVirtualMemFree hands the
+    range back before vmm_free forgets it, and the driver gives the same address to the next
+    reserve; the backend then forgot the *new* reservation (test_load's eight threads died with
+    "0x... is in no reservation of this backend" right after a successful map).  Physical handles
+    have the same window between zePhysicalMemDestroy and the table update."""
+    ffi, lib = _ze(xpu)
+    t = xpu._vmm_tables()
+    va = xpu.vmm_reserve(1, 4 * G)
+    got = {}
+
+    def reserve_again(rc, *args):
+        t["hint"] = va                              # the driver picks the freed range again
+        got["va"] = xpu.vmm_reserve(1, 4 * G)
+    xpu._lib = (ffi, _LibWith(lib, "zeVirtualMemFree", reserve_again), xpu._lib[2])
+    try:
+        xpu.vmm_free(va, 4 * G)
+    finally:
+        xpu._lib = (ffi, lib, xpu._lib[2])
+    assert got["va"] == va
+    h = xpu.vmm_create(1, G)
+    xpu.vmm_map(va, G, h, 1)
+    xpu.vmm_set_access(va, G, 1)                    # raised: "is in no reservation of this backend"
+    xpu.vmm_unmap(va, G)
+
+    reused = (xpu._device(1), G, xpu._device(1).ctx)
+
+    def created_again(rc, *args):                   # a create on another thread gets the same value
+        with xpu._lock:
+            t["handles"][h] = reused
+    xpu._lib = (ffi, _LibWith(lib, "zePhysicalMemDestroy", created_again), xpu._lib[2])
+    try:
+        xpu.vmm_release(h)
+    finally:
+        xpu._lib = (ffi, lib, xpu._lib[2])
+    assert t["handles"].get(h) is reused            # was forgotten: the new owner's release failed
+    del t["handles"][h]
+    xpu.vmm_free(va, 4 * G)
+    assert _st()[:3] == (0, 0, 0)

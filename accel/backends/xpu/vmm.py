@@ -74,15 +74,30 @@ class VmmMixin:
         """zeVirtualMemFree of a whole reservation (accel unmaps first; Level Zero would unmap)."""
         ffi, lib, _ = self._vmm_lib("zeVirtualMemFree")
         t = self._vmm_tables()
-        entry = t["reserved"].get(va)
+        # Forgotten before the call, restored if it fails: once the driver has the range back it
+        # may hand the same address to another thread's reserve, whose entry must survive.
+        with self._lock:
+            entry = t["reserved"].pop(va, None)
+            mapped = {b: t["mapped"][b] for b in t["mapped"] if va <= b < va + nbytes}
+            devices = {b: t.get("devices", {}).get(b) for b in mapped}
+            for base in mapped:
+                self._vmm_forget_mapping(t, base)
         if entry is None:
             raise AcceleratorError(f"{self.name}: vmm_free(0x{va:x}, {nbytes}): not a reservation of this backend; "
                                    f"pass the address vmm_reserve returned", library="libze_loader")
-        self._check_rc("zeVirtualMemFree", lib.zeVirtualMemFree(entry[1], ffi.cast("void *", va), nbytes))
-        with self._lock:
-            t["reserved"].pop(va, None)
-            for base in [b for b in t["mapped"] if va <= b < va + nbytes]:
-                self._vmm_forget_mapping(t, base)
+        ok = False
+        try:
+            self._check_rc("zeVirtualMemFree", lib.zeVirtualMemFree(entry[1], ffi.cast("void *", va), nbytes))
+            ok = True
+        finally:
+            if not ok:
+                with self._lock:
+                    t["reserved"][va] = entry
+                    for base, n in mapped.items():
+                        t["mapped"][base] = n
+                        bisect.insort(t["bases"], base)
+                        if devices[base] is not None:
+                            t.setdefault("devices", {})[base] = devices[base]
 
     def vmm_create(self, index: int, nbytes: int) -> int:
         """zePhysicalMemCreate of ``nbytes`` on device ``index``; OutOfMemoryError when it is full."""
@@ -103,16 +118,23 @@ class VmmMixin:
         """zePhysicalMemDestroy (the handle must not be mapped any more)."""
         ffi, lib, _ = self._vmm_lib("zePhysicalMemDestroy")
         t = self._vmm_tables()
-        entry = t["handles"].get(handle)
+        with self._lock:           # forgotten first, as in vmm_free: the driver may reuse the value
+            entry = t["handles"].pop(handle, None)
         if entry is None:
             raise AcceleratorError(f"{self.name}: vmm_release(0x{handle:x}): not a physical allocation of this "
                                    f"backend", library="libze_loader")
         dev, nbytes, ctx = entry
-        self._check_rc("zePhysicalMemDestroy",
-                       lib.zePhysicalMemDestroy(ctx, ffi.cast("ze_physical_mem_handle_t", handle)))
-        with self._lock:
-            t["handles"].pop(handle, None)
-            dev.used -= nbytes
+        ok = False
+        try:
+            self._check_rc("zePhysicalMemDestroy",
+                           lib.zePhysicalMemDestroy(ctx, ffi.cast("ze_physical_mem_handle_t", handle)))
+            ok = True
+        finally:
+            with self._lock:
+                if ok:
+                    dev.used -= nbytes
+                else:
+                    t["handles"][handle] = entry
 
     def vmm_map(self, va: int, nbytes: int, handle: int, index: int) -> None:
         """zeVirtualMemMap of ``handle`` at ``va``, read-write (for every device of the context)."""
