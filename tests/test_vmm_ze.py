@@ -236,3 +236,27 @@ def test_a_va_or_handle_reused_between_a_free_and_its_bookkeeping_stays_known(xp
     del t["handles"][h]
     xpu.vmm_free(va, 4 * G)
     assert _st()[:3] == (0, 0, 0)
+
+
+@pytest.mark.parametrize("kind", ["device", "host"])
+def test_an_address_reused_between_zememfree_and_its_bookkeeping_stays_known(xpu, kind):
+    """mem_free/host_free forgot the pointer after zeMemFree returned: an allocation another
+    thread got at the same address in between was forgotten with it (its own free then raised
+    'not a live ... allocation')."""
+    ffi, lib = _ze(xpu)
+    if kind == "device":
+        ptr, table, free = xpu.mem_alloc(G), xpu._allocs, xpu.mem_free
+    else:
+        ptr, table, free = xpu.host_alloc(G), xpu._host_allocs, xpu.host_free
+    reused = table[ptr]
+
+    def allocated_again(rc, *args):                 # another thread's allocation gets the address
+        with xpu._lock:
+            table[ptr] = reused
+    xpu._lib = (ffi, _LibWith(lib, "zeMemFree", allocated_again), xpu._lib[2])
+    try:
+        free(ptr)
+    finally:
+        xpu._lib = (ffi, lib, xpu._lib[2])
+    assert table.get(ptr) is reused
+    del table[ptr]

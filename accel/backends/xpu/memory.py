@@ -118,12 +118,18 @@ class MemoryMixin:
         dev = entry[0]
         self._quiesce()   # Level Zero: the device must not reference memory being freed
         ffi, lib, _ = self._lib
-        rc = lib.zeMemFree(dev.ctx, ffi.cast("void *", ptr))
-        if rc:
-            self._fail("zeMemFree", rc)
+        # Forgotten before zeMemFree, restored if it fails: once freed, the driver may hand the
+        # same address to an allocation on another thread, whose entry must survive.
         with self._lock:
             self._allocs.pop(ptr, None)
-            dev.used -= entry[1]
+        rc = lib.zeMemFree(dev.ctx, ffi.cast("void *", ptr))
+        with self._lock:
+            if rc:
+                self._allocs[ptr] = entry
+            else:
+                dev.used -= entry[1]
+        if rc:
+            self._fail("zeMemFree", rc)
 
     def host_alloc(self, nbytes: int) -> int:
         _check_size(nbytes)
@@ -154,9 +160,16 @@ class MemoryMixin:
             if ptr not in self._host_allocs:
                 raise ValueError(f"host_free: {ptr:#x} is not a live pinned allocation of this process")
         self._quiesce()
-        self._host_free(ptr)
-        with self._lock:
-            self._host_allocs.pop(ptr, None)
+        with self._lock:           # forgotten first, as in mem_free
+            entry = self._host_allocs.pop(ptr)
+        ok = False
+        try:
+            self._host_free(ptr)
+            ok = True
+        finally:
+            if not ok:
+                with self._lock:
+                    self._host_allocs[ptr] = entry
 
     def _host_free(self, ptr: int) -> None:
         ffi, lib, _ = self._lib
