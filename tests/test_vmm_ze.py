@@ -260,3 +260,39 @@ def test_an_address_reused_between_zememfree_and_its_bookkeeping_stays_known(xpu
         xpu._lib = (ffi, lib, xpu._lib[2])
     assert table.get(ptr) is reused
     del table[ptr]
+
+
+def test_simulator_keeps_a_reservation_made_at_a_just_freed_address(xpu, monkeypatch):
+    """The simulated zeVirtualMemFree forgot the reservation's context after freeing the range:
+    a zeVirtualMemReserve on another thread in between could get the same range, and its
+    context entry was then dropped, so every zeVirtualMemMap into it failed with
+    ZE_RESULT_ERROR_INVALID_ARGUMENT (test_load's xpu threads died this way)."""
+    from accel.sim import ze
+    ffi, lib = _ze(xpu)
+    ctx = xpu._device(1).ctx
+    rt = ze._runtime()
+    out = ffi.new("void **")
+    hint = ffi.cast("void *", 1 << 40)
+    assert lib.zeVirtualMemReserve(ctx, hint, 2 * G, out) == 0
+    base = int(ffi.cast("uintptr_t", out[0]))
+    real_free, again = rt.vmm.free, {}
+
+    def free_then_reserve(*args, **kwargs):
+        real_free(*args, **kwargs)
+        got = ffi.new("void **")
+        assert lib.zeVirtualMemReserve(ctx, hint, 2 * G, got) == 0
+        again["va"] = int(ffi.cast("uintptr_t", got[0]))
+    monkeypatch.setattr(rt.vmm, "free", free_then_reserve)
+    assert lib.zeVirtualMemFree(ctx, ffi.cast("void *", base), 2 * G) == 0
+    monkeypatch.setattr(rt.vmm, "free", real_free)
+    va = again["va"]
+    h = ffi.new("ze_physical_mem_handle_t *")
+    desc = ffi.new("ze_physical_mem_desc_t *")
+    desc.stype = lib.ZE_STRUCTURE_TYPE_PHYSICAL_MEM_DESC
+    desc.size = G
+    assert lib.zePhysicalMemCreate(ctx, xpu._device(1).handle, desc, h) == 0
+    assert lib.zeVirtualMemMap(ctx, ffi.cast("void *", va), G, h[0], 0, 1) == 0   # was INVALID_ARGUMENT
+    assert lib.zeVirtualMemUnmap(ctx, ffi.cast("void *", va), G) == 0
+    assert lib.zePhysicalMemDestroy(ctx, h[0]) == 0
+    assert lib.zeVirtualMemFree(ctx, ffi.cast("void *", va), 2 * G) == 0
+    assert _st()[:3] == (0, 0, 0)

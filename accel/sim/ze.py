@@ -2103,15 +2103,19 @@ def zeVirtualMemFree(hContext, ptr, size):
         return C.ZE_RESULT_ERROR_UNSUPPORTED_SIZE
     if not _page_aligned(base, size):
         return C.ZE_RESULT_ERROR_UNSUPPORTED_ALIGNMENT
-    if rt.vmm_ctx.get(base) is not ctx:
-        return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+    # The context entry goes before the range does (and comes back if the free fails): once
+    # free, the range may be another thread's next reservation, whose entry must survive.
+    with rt.lock:
+        if rt.vmm_ctx.get(base) is not ctx:
+            return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+        del rt.vmm_ctx[base]
     # ze_api.h, zeVirtualMemFree: "Any existing virtual mappings for the range will be unmapped"
     # (the physical objects stay).  Freeing part of a reservation is not described: refused.
     try:
         rt.vmm.free(base, size, unmap=True)
     except _vmm.VmmError as exc:
+        rt.vmm_ctx[base] = ctx
         return _vmm_code(rt, exc.kind)
-    rt.vmm_ctx.pop(base, None)
     return 0
 
 
@@ -2156,16 +2160,18 @@ def zePhysicalMemDestroy(hContext, hPhysicalMemory):
     h = _addr(hPhysicalMemory)
     if not h:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
-    if rt.vmm_handle_ctx.get(h) is not ctx:
-        return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+    with rt.lock:                  # forgotten first, as in zeVirtualMemFree
+        if rt.vmm_handle_ctx.get(h) is not ctx:
+            return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+        del rt.vmm_handle_ctx[h]
     # ze_api.h, zePhysicalMemDestroy: "The application must ensure the device is not currently
     # referencing the physical memory object before it is deleted" (ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE):
     # a mapped object is refused.
     try:
         rt.vmm.release(h, while_mapped=False)
     except _vmm.VmmError as exc:
+        rt.vmm_handle_ctx[h] = ctx
         return _vmm_code(rt, exc.kind)
-    rt.vmm_handle_ctx.pop(h, None)
     return 0
 
 
