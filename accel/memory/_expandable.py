@@ -40,12 +40,13 @@ Invariants (checked by ``tests/test_memory_expandable.py`` after every operation
       empty_cache frees every reservation with nothing mapped; a first request that
       fails leaves no reservation behind.
 
-Measured with ``tools/replay_trace.py`` on the 11 corpus traces and 7 held-out ones
-recorded later (not tuned on): pieces aligned to a buddy scheme regardless of the block
-pinned whole runs behind shared pages (held-out traces up to 1.13x peak allocated,
-three over 1.08); single pages for everything need up to 353 map calls; this rule keeps
-map calls near the buddy scheme's (at most 212) and brings the held-out traces to at
-most 1.115x (one over 1.08, from fragmentation among small blocks).
+Measured with ``tools/replay_trace.py --corpus`` and ``--holdout`` (11 corpus traces and 14
+recorded after the tuning): pieces aligned to a buddy scheme regardless of the block pinned
+whole runs behind shared pages (three of the first seven held-out traces over 1.08x peak
+allocated, up to 1.133x); single pages for everything need up to 353 map calls; this rule
+keeps map calls near the buddy scheme's (at most 212) and leaves five of the 25 traces over
+1.08x, each from slack inside pages that live blocks pin (README, "The allocator on real
+traces").
 """
 
 from __future__ import annotations
