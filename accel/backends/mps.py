@@ -54,6 +54,7 @@ autoreleased objects runs inside an autorelease pool.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import os
 import threading
 from typing import Any, Dict, List, Optional, Tuple
@@ -81,6 +82,8 @@ _CB_ERRORS = {0: "MTLCommandBufferErrorNone", 1: "MTLCommandBufferErrorInternal"
               12: "MTLCommandBufferErrorStackOverflow"}
 _MAX_OPS = 64          # commit a stream's open command buffer after this many commands
 _MAX_BUFFER_INDEX = 31  # [[buffer(0..30)]]
+_MAX_GRID = 2 ** 32 - 1            # threadgroups per grid dimension (a uint position in MSL)
+_MAX_THREADGROUP_MEMORY = 32 * 1024  # maxThreadgroupMemoryLength on Apple GPU families
 
 # -- the messages this backend sends, with their exact C signatures ----------
 # (types from the Metal headers; e.g. recommendedMaxWorkingSetSize is uint64_t,
@@ -367,6 +370,16 @@ class MPSBackend(Backend):
         if enc == self._rt.nil:
             raise AcceleratorError(f"mps: {msg.selector} returned nil", library=_LIBRARY, call=msg.selector)
         return enc
+
+    @contextlib.contextmanager
+    def _encoding(self, cb: Any, msg: Message):
+        """An encoder that is ended on every path: a command buffer left with an active encoder
+        can never be committed again (Metal aborts at the next encoder or commit)."""
+        enc = self._encoder(cb, msg)
+        try:
+            yield enc
+        finally:
+            self._rt.send(enc, M_END_ENCODING)
 
     def _handle(self) -> int:
         h = self._next_handle
@@ -738,17 +751,14 @@ class MPSBackend(Backend):
 
     # -- copies -------------------------------------------------------------------------
     def _encode_copy(self, cb: Any, src: _Buffer, soff: int, dst: _Buffer, doff: int, n: int) -> None:
-        rt = self._rt
-        enc = self._encoder(cb, M_BLIT_ENCODER)
-        rt.send(enc, M_COPY, src.obj, soff, dst.obj, doff, n)
-        rt.send(enc, M_END_ENCODING)
+        with self._encoding(cb, M_BLIT_ENCODER) as enc:
+            self._rt.send(enc, M_COPY, src.obj, soff, dst.obj, doff, n)
 
     def _encode_fill(self, cb: Any, dst: _Buffer, off: int, n: int, value: int) -> None:
         rt = self._rt
-        enc = self._encoder(cb, M_BLIT_ENCODER)
         rng = rt.ffi.new("NSRange *", (off, n))[0]
-        rt.send(enc, M_FILL, dst.obj, rng, value & 0xFF)
-        rt.send(enc, M_END_ENCODING)
+        with self._encoding(cb, M_BLIT_ENCODER) as enc:
+            rt.send(enc, M_FILL, dst.obj, rng, value & 0xFF)
 
     def _host(self, ptr: int) -> Any:
         return self._rt.ffi.cast("void *", ptr)
@@ -796,6 +806,9 @@ class MPSBackend(Backend):
         rt = self._runtime()
         if not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(f"nbytes must be a non-negative int, got {nbytes!r}")
+        if not isinstance(value, int):
+            raise TypeError(f"mps: memset value must be an int (its low byte is written, as cudaMemset), "
+                            f"got {type(value).__name__} {value!r}")
         if nbytes == 0:
             return
         d = self._resolve(ptr, nbytes)
@@ -878,8 +891,24 @@ class MPSBackend(Backend):
                args: KernelArgs, shared_mem: int, stream: int) -> None:
         rt = self._runtime()
         grid, block = tuple(grid), tuple(block)
-        if len(grid) != 3 or len(block) != 3 or min(grid + block) < 1:
+        if (len(grid) != 3 or len(block) != 3
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in grid + block)):
+            raise TypeError(f"mps: grid and block must be 3 ints each, got {grid!r}, {block!r}")
+        if min(grid + block) < 1:
             raise ValueError(f"grid and block must be 3 positive ints, got {grid}, {block}")
+        if max(grid) > _MAX_GRID:
+            # Apple, "Metal Shading Language Specification" (kernel function input attributes):
+            # threadgroup_position_in_grid is a uint/uint2/uint3, 32 bits per dimension, so a larger
+            # grid cannot be addressed by the kernel (the API docs give no larger limit).
+            raise ValueError(f"mps: grid {grid} has a dimension above {_MAX_GRID} threadgroups, the most a "
+                             f"32-bit threadgroup_position_in_grid addresses; split the launch")
+        if not isinstance(shared_mem, int) or isinstance(shared_mem, bool):
+            raise TypeError(f"mps: shared_mem must be an int number of bytes, got {type(shared_mem).__name__}")
+        if not 0 <= shared_mem <= _MAX_THREADGROUP_MEMORY:
+            # Apple, "Metal Feature Set Tables": 32 KB of threadgroup memory per threadgroup
+            # (MTLDevice.maxThreadgroupMemoryLength) on every Apple GPU family.
+            raise ValueError(f"mps: shared_mem {shared_mem} is outside [0, {_MAX_THREADGROUP_MEMORY}] bytes "
+                             f"(Metal's maxThreadgroupMemoryLength)")
         if len(args) > _MAX_BUFFER_INDEX:
             raise ValueError(f"Metal binds at most {_MAX_BUFFER_INDEX} kernel arguments, got {len(args)}")
         ffi = rt.ffi
@@ -911,14 +940,14 @@ class MPSBackend(Backend):
                     raise ValueError(f"kernel argument {i}: Metal has no 64-bit float; pass f32")
                 else:
                     raise ValueError(f"kernel argument {i}: unknown type {kind!r}")
-            enc = self._encoder(self._open_cb(st), M_COMPUTE_ENCODER)
-            rt.send(enc, M_SET_PIPELINE, pipeline)
-            for msg, a, b, i in bindings:
-                rt.send(enc, msg, a, b, i)
-            if shared_mem:
-                rt.send(enc, M_SET_THREADGROUP_MEMORY, (shared_mem + 15) // 16 * 16, 0)
-            rt.send(enc, M_DISPATCH, ffi.new("MTLSize *", grid)[0], ffi.new("MTLSize *", block)[0])
-            rt.send(enc, M_END_ENCODING)
+            sizes = ffi.new("MTLSize *", grid)[0], ffi.new("MTLSize *", block)[0]
+            with self._encoding(self._open_cb(st), M_COMPUTE_ENCODER) as enc:
+                rt.send(enc, M_SET_PIPELINE, pipeline)
+                for msg, a, b, i in bindings:
+                    rt.send(enc, msg, a, b, i)
+                if shared_mem:
+                    rt.send(enc, M_SET_THREADGROUP_MEMORY, (shared_mem + 15) // 16 * 16, 0)
+                rt.send(enc, M_DISPATCH, *sizes)
             self._encoded(st)
 
     def launch_limits(self, index: int) -> dict:

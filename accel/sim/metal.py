@@ -67,6 +67,7 @@ PAGE = 16384  # Apple silicon page: Metal rounds allocations and aligns contents
 #: Deallocated addresses remembered for "message sent to deallocated instance" (as NSZombie does);
 #: older ones still fail, as "not an Objective-C object". Bounded: no state per dead object.
 ZOMBIES_KEPT = 1024
+MAX_THREADGROUP_MEMORY = 32 * 1024  # MTLDevice.maxThreadgroupMemoryLength on Apple GPU families
 
 
 class MetalValidationError(AssertionError):
@@ -459,6 +460,12 @@ class MTLComputeCommandEncoder(_Encoder):
         self._check("setThreadgroupMemoryLength:")
         if length % 16:
             raise MetalValidationError(f"threadgroup memory length {length} must be a multiple of 16")
+        if length > MAX_THREADGROUP_MEMORY:
+            # Apple, setThreadgroupMemoryLength:atIndex: "The total of all threadgroup memory
+            # allocations must not exceed maxThreadgroupMemoryLength" (32 KB on Apple GPU families,
+            # "Metal Feature Set Tables").
+            raise MetalValidationError(f"threadgroup memory length {length} exceeds maxThreadgroupMemoryLength "
+                                       f"({MAX_THREADGROUP_MEMORY})")
         self.tg_memory = length
 
     def m_dispatchThreadgroups_threadsPerThreadgroup_(self, groups, threads):
@@ -478,6 +485,11 @@ class MTLComputeCommandEncoder(_Encoder):
             raise MetalValidationError("dispatch without setComputePipelineState:")
         if min(grid + block) < 1:
             raise MetalValidationError(f"dispatch with an empty grid {grid} or threadgroup {block}")
+        if max(grid) > 0xFFFFFFFF:
+            # The Metal docs give no limit on threadgroups per grid dimension; MSL's
+            # threadgroup_position_in_grid is 32-bit, so the simulator refuses what it cannot address.
+            raise MetalValidationError(f"dispatch grid {grid} exceeds 2**32-1 threadgroups in a dimension "
+                                       f"(Metal documents no limit; the simulator refuses)")
         if block[0] * block[1] * block[2] > self.pipeline.m_maxTotalThreadsPerThreadgroup():
             raise MetalValidationError(f"threadgroup {block} exceeds maxTotalThreadsPerThreadgroup")
         argtypes, fn = self.pipeline.reference.argtypes, self.pipeline.reference.fn

@@ -1,0 +1,107 @@
+"""Adversarial reliability of the mps backend over the Metal simulator (ACCEL_SIM=mps).
+
+Each test is a misuse a demanding user or a hostile caller makes; the backend must answer
+with a clear Python exception and leave the stream usable (a command buffer left with an
+open encoder aborts a Mac at the next commit), or the simulator must refuse where Metal does.
+"""
+
+import ctypes
+
+import pytest
+
+from accel import backends
+from accel.sim import core, metal
+from conftest import use_sim
+
+np = pytest.importorskip("numpy")
+
+MSL = b"kernel void accel_test_fill_u32(device uint *out [[buffer(0)]]) {}"
+
+
+@pytest.fixture
+def be(monkeypatch):
+    use_sim(monkeypatch, "mps")
+    metal.reset()
+    core.reset()
+    backend = backends.get("mps")
+    backend.init()
+    yield backend
+    backend.close()
+    assert metal.state().live() == []
+
+
+def _read(be, ptr, n, stream=0):
+    out = ctypes.create_string_buffer(n)
+    be.memcpy_async(ctypes.addressof(out), ptr, n, stream)
+    return out.raw
+
+
+def _usable(be, stream=0):
+    """The stream still takes work and synchronizes (no encoder left open)."""
+    p = be.mem_alloc(16)
+    try:
+        be.memset_async(p, 7, 16, stream)
+        be.stream_synchronize(stream)
+        assert _read(be, p, 16, stream) == b"\x07" * 16
+    finally:
+        be.mem_free(p)
+
+
+@pytest.mark.parametrize("value", ["a", 1.5, None])
+def test_memset_with_a_non_int_value_is_refused_and_the_stream_stays_usable(be, value):
+    s = be.stream_create()
+    p = be.mem_alloc(64)
+    with pytest.raises(TypeError, match="value"):
+        be.memset_async(p, value, 64, s)
+    _usable(be, s)
+    be.device_synchronize()
+    be.mem_free(p)
+    be.stream_destroy(s)
+
+
+@pytest.mark.parametrize("grid, block, shared", [
+    ((1.5, 1, 1), (1, 1, 1), 0),          # a float in the grid
+    ((1, 1, 1), (2.0, 1, 1), 0),          # a float in the block
+    ((2 ** 32, 1, 1), (1, 1, 1), 0),      # a grid position is a 32-bit uint in MSL
+    ((2 ** 64, 1, 1), (1, 1, 1), 0),      # more than an NSUInteger
+    ((1, 1, 1), (1, 1, 1), -16),          # negative threadgroup memory
+    ((1, 1, 1), (1, 1, 1), 1.5),          # float threadgroup memory
+    ((1, 1, 1), (1, 1, 1), 1 << 20),      # beyond 32 KB of threadgroup memory
+    ((True, 1, 1), (1, 1, 1), 0),         # a bool is not a size
+])
+def test_bad_launch_geometry_is_refused_before_encoding(be, grid, block, shared):
+    m = be.module_load(MSL)
+    f = be.module_function(m, "accel_test_fill_u32")
+    p = be.mem_alloc(64)
+    s = be.stream_create()
+    with pytest.raises((TypeError, ValueError)):
+        be.launch(f, grid, block, [("ptr", p), ("u64", 1), ("u32", 1)], shared, s)
+    _usable(be, s)
+    be.device_synchronize()
+    be.stream_destroy(s)
+    be.mem_free(p)
+    be.module_unload(m)
+
+
+def test_sim_refuses_threadgroup_memory_and_grids_metal_cannot_run(be):
+    """The simulator is as strict as Metal: more than maxThreadgroupMemoryLength (32 KB) is a
+    validation error, and a grid a 32-bit threadgroup position cannot address is refused."""
+    from accel.backends import mps
+    rt = be._rt
+    m = be.module_load(MSL)
+    f = be.module_function(m, "accel_test_fill_u32")
+    pipeline = be._functions[f][0]
+    with rt.pool():
+        queue = rt.send(be._device, mps.M_NEW_QUEUE)
+        cb = rt.send(queue, mps.M_COMMAND_BUFFER)
+        enc = rt.send(cb, mps.M_COMPUTE_ENCODER)
+        rt.send(enc, mps.M_SET_PIPELINE, pipeline)
+        with pytest.raises(metal.MetalValidationError, match="maxThreadgroupMemoryLength"):
+            rt.send(enc, mps.M_SET_THREADGROUP_MEMORY, 64 * 1024, 0)
+        big = rt.ffi.new("MTLSize *", (2 ** 32, 1, 1))[0]
+        one = rt.ffi.new("MTLSize *", (1, 1, 1))[0]
+        with pytest.raises(metal.MetalValidationError, match="2\\*\\*32-1"):
+            rt.send(enc, mps.M_DISPATCH, big, one)
+        rt.send(enc, mps.M_END_ENCODING)
+        rt.release(queue)
+    be.module_unload(m)
