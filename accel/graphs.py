@@ -174,11 +174,22 @@ class Graph:
         from . import memory, random
         allocator = memory.device_allocator(self._index)
         self._stream = None
-        events = _capture_events.pop(self._capture_id, None) or {}
+        capture_id = self._capture_id
+        events = _capture_events.pop(capture_id, None) or {}
         self._capture_id = None
         try:
             graph_handle = self._backend.capture_end(stream.handle)
-        except Exception:
+        except Exception as exc:
+            if _still_capturing(self._backend, stream):
+                # Not ended (CUDA: cudaErrorStreamCaptureWrongThread, ending a global or
+                # thread_local capture on another thread): the capture goes on, so the graph
+                # keeps it, for the thread that began it to end.
+                self._stream, self._capture_id = stream, capture_id
+                if capture_id is not None:
+                    _capture_events[capture_id] = events
+                exc.add_note("(the capture is still underway: call capture_end() on the thread that began "
+                             "it, or capture with capture_error_mode='relaxed' to end it on another)")
+                raise
             allocator.end_allocate_to_pool(self._pool)
             allocator.release_pool(self._pool)
             if self._allocs is not None:
@@ -400,6 +411,15 @@ def graph(cuda_graph: Graph, pool: Optional[Tuple[int, int]] = None, stream: Opt
             _end_after_error(cuda_graph, exc)
             raise
         cuda_graph.capture_end()
+
+
+def _still_capturing(backend, stream: Stream) -> bool:
+    """True when ``stream`` is still being captured (asked after a failed capture end)."""
+    try:
+        with stream._device_scope():
+            return backend.stream_is_capturing(stream.handle)
+    except AcceleratorError:
+        return False
 
 
 def _end_after_error(g: Graph, exc: BaseException) -> None:
