@@ -6,6 +6,9 @@ built-in C types are needed to take a buffer's address and move bytes.
 
 from __future__ import annotations
 
+import operator
+import sys
+
 _ffi = None
 
 
@@ -44,15 +47,23 @@ def empty_pinned(shape, dtype="uint8"):
     if dtype.hasobject:
         raise TypeError(f"empty_pinned cannot hold dtype {dtype} (Python object references); use a plain dtype")
     try:
-        shape = tuple(int(n) for n in shape) if hasattr(shape, "__iter__") else (int(shape),)
-    except (TypeError, ValueError):
-        raise TypeError(f"empty_pinned: shape must be an int or a tuple of ints, got {shape!r}") from None
+        # __index__ only, as numpy: int() truncated 2.5 to 2 and parsed "3"; bools are refused
+        dims = tuple(shape) if hasattr(shape, "__iter__") and not isinstance(shape, (str, bytes)) else (shape,)
+        if any(isinstance(n, (bool, np.bool_)) for n in dims):
+            raise TypeError
+        shape = tuple(operator.index(n) for n in dims)
+    except TypeError:
+        raise TypeError(f"empty_pinned: shape must be an int or a tuple of ints, got {shape!r}; "
+                        f"nothing was allocated") from None
     if any(n < 0 for n in shape):
         raise ValueError(f"empty_pinned: negative dimension in shape {shape}")
     count = 1
     for n in shape:
         count *= n
     nbytes = count * dtype.itemsize
+    if nbytes > sys.maxsize:
+        raise ValueError(f"empty_pinned: array is too big: shape {shape} of {dtype} needs {nbytes} bytes, more "
+                         f"than an array can index ({sys.maxsize}); nothing was allocated")
     host = memory.host_allocator()
     ptr = host.malloc(max(nbytes, 1))
     ffi = _get_ffi()

@@ -1,0 +1,202 @@
+"""Adversarial reliability of pinned host memory and host<->device copies: bad shapes and
+dtypes, closed buffers, failed pinned allocations, sources mutated or freed under a queued
+copy, copies between the two simulated devices, threads and fork -- on every simulator.
+Each misuse raises a clear Python exception and leaves the allocator's state unchanged."""
+
+import gc
+import os
+import threading
+
+import numpy as np
+import pytest
+
+import accel
+from accel import memory, sim
+from accel._errors import OutOfMemoryError
+from conftest import use_sim
+
+
+@pytest.fixture
+def delayed(sim_backend, monkeypatch):
+    """The simulator with a stream latency, so a queued copy is still pending when the call returns."""
+    monkeypatch.setenv("ACCEL_SIM_DELAY_US", "2000")
+    use_sim(monkeypatch, sim_backend, ACCEL_SIM_DELAY_US=2000)
+    yield sim_backend
+    sim.clear_faults()
+
+
+def _other() -> int:
+    """The non-current device (device 0 stays current); Metal has only device 0."""
+    return accel.device_count() - 1
+
+
+def _host_state():
+    """What a failed call must leave unchanged: the pinned allocator's counts."""
+    stats = memory.host_allocator().stats()
+    stats.pop("pending")        # events complete on their own time
+    return stats
+
+
+# -- empty_pinned: shapes -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [2.5, (2, 1.5), "3", (True, 2), np.float64(4.0), None])
+def test_empty_pinned_refuses_a_shape_that_is_no_integer(sim_backend, shape):
+    """A float, string or bool dimension was truncated or parsed (2.5 -> 2 items, "3" -> 3):
+    numpy and torch refuse them.  Nothing is pinned."""
+    accel.empty_pinned(1)           # initializes the runtime
+    before = _host_state()
+    with pytest.raises(TypeError, match="shape"):
+        accel.empty_pinned(shape)
+    assert _host_state() == before
+
+
+def test_empty_pinned_takes_numpy_integers(sim_backend):
+    a = accel.empty_pinned((np.int64(2), np.uint8(3)), "f4")
+    assert a.shape == (2, 3) and a.dtype == np.float32
+    assert accel.empty_pinned(np.array([4, 1])).shape == (4, 1)
+
+
+@pytest.mark.parametrize("shape", [(1 << 40, 1 << 40), (1 << 62, 4)])
+def test_empty_pinned_refuses_a_shape_too_big_for_an_array(sim_backend, shape):
+    """More bytes than an array can index gave a bare OverflowError from the C layer (cuda,
+    xpu) or an out-of-memory error after the whole pinned cache was released."""
+    accel.empty_pinned(1)
+    before = _host_state()
+    with pytest.raises(ValueError, match="too big"):
+        accel.empty_pinned(shape, "u1")
+    assert _host_state() == before
+
+
+def test_empty_pinned_oom_leaves_stats_unchanged(delayed):
+    """A pinned allocation that fails twice (the second try after the cache was released)
+    counts nothing.  The cache is empty first: releasing it is the documented retry."""
+    keep = accel.empty_pinned(100)
+    memory.empty_host_cache()
+    before, torch_before = _host_state(), memory.host_memory_stats()
+    sim.inject_oom(times=2)
+    with pytest.raises(OutOfMemoryError):
+        accel.empty_pinned(1 << 20)
+    sim.clear_faults()
+    assert _host_state() == before
+    after = memory.host_memory_stats()
+    assert {k: v for k, v in after.items() if "time" not in k} == \
+        {k: v for k, v in torch_before.items() if "time" not in k}
+    assert accel.empty_pinned(1 << 20).nbytes == 1 << 20       # the next one works
+    assert keep.nbytes == 100
+
+
+# -- datetime64 / timedelta64 --------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["M8[s]", "m8[ns]"])
+def test_datetime_arrays_copy_both_ways(sim_backend, dtype):
+    """numpy gives no buffer for datetime64/timedelta64 ("cannot include dtype 'M' in a buffer"):
+    copy_from, copy_to and to_numpy failed with that message although the data is plain int64."""
+    src = np.arange(6, dtype="i8").view(dtype)
+    buf = accel.Buffer(src.nbytes, device=_other())
+    buf.copy_from(src)
+    out = np.zeros(6, dtype)
+    buf.copy_to(out)
+    np.testing.assert_array_equal(out, src)
+    np.testing.assert_array_equal(buf.to_numpy(dtype, (2, 3)), src.reshape(2, 3))
+    buf.copy_from(src[::-1].copy(), non_blocking=True)
+    arr, event = buf.to_numpy(dtype, non_blocking=True)
+    event.synchronize()
+    np.testing.assert_array_equal(arr, src[::-1])
+
+
+def test_datetime_views_keep_the_checks(sim_backend):
+    buf = accel.Buffer(48)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        buf.copy_from(np.zeros(12, "M8[s]")[::2])
+    ro = np.zeros(6, "M8[s]")
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        buf.copy_to(ro)
+    with pytest.raises(ValueError, match="size mismatch"):
+        buf.copy_to(np.zeros(5, "m8[s]"))
+
+
+# -- closed buffers ---------------------------------------------------------------------------------
+
+def test_to_numpy_non_blocking_on_a_closed_buffer_pins_nothing(sim_backend):
+    """to_numpy(non_blocking=True) pinned its output array before copy_to found the buffer
+    closed: the failed call changed the pinned allocator's counts."""
+    buf = accel.Buffer(4096, device=_other())
+    buf.close()
+    accel.empty_pinned(1)
+    before, torch_before = _host_state(), memory.host_memory_stats()
+    with pytest.raises(RuntimeError, match="closed"):
+        buf.to_numpy("f4", non_blocking=True)
+    gc.collect()
+    assert _host_state() == before
+    assert memory.host_memory_stats()["active_requests.allocated"] == torch_before["active_requests.allocated"]
+
+
+@pytest.mark.parametrize("op", ["copy_from", "copy_to", "copy_from_nb", "to_numpy"])
+def test_closed_buffer_copies_raise(sim_backend, op):
+    buf = accel.Buffer(64, device=_other())
+    buf.close()
+    calls = {"copy_from": lambda: buf.copy_from(np.zeros(64, "u1")),
+             "copy_from_nb": lambda: buf.copy_from(np.zeros(64, "u1"), non_blocking=True),
+             "copy_to": lambda: buf.copy_to(np.zeros(64, "u1")),
+             "to_numpy": lambda: buf.to_numpy()}
+    with pytest.raises(RuntimeError, match="closed"):
+        calls[op]()
+
+
+# -- staging and pinned reuse ------------------------------------------------------------------------
+
+def test_non_blocking_source_mutated_and_freed_keeps_the_data(delayed):
+    buf = accel.Buffer(1 << 16, device=_other())
+    src = np.full(1 << 16, 7, "u1")
+    buf.copy_from(src, non_blocking=True)
+    src[:] = 9
+    del src
+    gc.collect()
+    assert set(np.unique(buf.to_numpy())) == {7}
+
+
+def test_pinned_blocks_not_reused_under_queued_copies(delayed):
+    buf = accel.Buffer(1 << 16, device=_other())
+    buf.fill_(5)
+    dst = accel.empty_pinned(1 << 16)
+    buf.copy_to(dst, non_blocking=True)
+    address = dst.ctypes.data
+    del dst
+    gc.collect()
+    memory.empty_host_cache()               # must not unpin the block under the queued copy
+    other = accel.empty_pinned(1 << 16)
+    other[:] = 1
+    assert other.ctypes.data != address
+    accel.synchronize(_other())
+    assert set(np.unique(other)) == {1}
+
+
+def test_threads_copy_concurrently(delayed):
+    bufs = [accel.Buffer(4096, device=i % accel.device_count()) for i in range(4)]
+    errors = []
+
+    def work(i):
+        try:
+            for k in range(10):
+                value = (i * 31 + k) % 256
+                bufs[i].copy_from(np.full(4096, value, "u1"), non_blocking=True)
+                out, event = bufs[i].to_numpy(non_blocking=True)
+                event.synchronize()
+                assert set(np.unique(out)) == {value}
+                if k % 3 == 0:
+                    memory.empty_host_cache()
+        except Exception as exc:     # pragma: no cover - reported below
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert errors == []
+    for index in range(accel.device_count()):
+        accel.synchronize(index)
+    gc.collect()
+    memory.empty_host_cache()
+    assert memory.host_allocator().stats()["allocations"] == 0
