@@ -522,6 +522,7 @@ class Buffer:
         (:func:`accel.empty_pinned`) and holds the bytes once ``event`` (recorded after the
         copy on the stream) completes; torch's ``t.to("cpu", non_blocking=True)`` pattern."""
         import numpy as np
+        self._live()    # before the output (pinned when non_blocking) is allocated
         try:
             dtype = np.dtype(dtype)
         except TypeError as exc:
