@@ -44,10 +44,23 @@ def _check_plain(obj, view, what: str) -> None:
                         f"nothing was copied")
 
 
+def _memoryview(obj) -> memoryview:
+    """``memoryview(obj)``; a numpy datetime64/timedelta64 array, for which numpy gives no buffer
+    ("cannot include dtype 'M' in a buffer"), as a view of its integers (same bytes, strides and
+    read-only flag)."""
+    try:
+        return memoryview(obj)
+    except ValueError:
+        dtype = getattr(obj, "dtype", None)
+        if getattr(dtype, "kind", None) not in ("M", "m") or not hasattr(obj, "view"):
+            raise
+        return memoryview(obj.view(f"i{dtype.itemsize}"))
+
+
 def _host_view(src):
     """A read-only contiguous byte memoryview of a host object, or a clear error."""
     try:
-        view = memoryview(src)
+        view = _memoryview(src)
     except TypeError:
         raise TypeError(f"cannot copy from {type(src).__name__}: expected a numpy array, an accel.Buffer, "
                         f"or a bytes-like object") from None
@@ -84,7 +97,7 @@ def _size(value, what: str) -> int:
 
 def _is_host_object(obj) -> bool:
     try:
-        memoryview(obj)
+        _memoryview(obj)
     except TypeError:
         return False
     return True
@@ -485,7 +498,7 @@ class Buffer:
         self._live()
         stream = self._check_stream(stream)
         try:
-            view = memoryview(dst)
+            view = _memoryview(dst)
         except TypeError:
             raise TypeError(f"cannot copy into {type(dst).__name__}: expected a writable numpy array "
                             f"or bytearray") from None
