@@ -209,6 +209,9 @@ def synchronize(device: DeviceLike = None, /) -> None:
     backend = _lazy.lazy_init()
     index = _device_index(device, optional=True)
     check_range(index)
+    from . import _finalize
+    if _finalize.pending:
+        _finalize.drain()     # a safe point: e.g. a collected graph's capture ends before this waits
     with _on_device(backend, index):
         backend.device_synchronize()
 

@@ -350,10 +350,37 @@ class Graph:
         if _finalizing():
             return      # interpreter exit: module globals may be gone; the process takes it all
         # Never waits on a lock (see accel._finalize); nothing in a forked child.
-        if (getattr(self, "_backend", None) is not None and self._stream is None
-                and self._pid == _fin.pid and _lazy.is_initialized()):
-            _fin.finalize(_release, self._backend, self._index, self._exec, self._graph, self._pool, self._rng,
-                          self._allocs)
+        if getattr(self, "_backend", None) is None or self._pid != _fin.pid or not _lazy.is_initialized():
+            return
+        if self._stream is not None:
+            # Dropped mid-capture: nothing else could end the capture, and while it is underway
+            # every sync, free and capture in the process fails.  End it, discarding the graph.
+            _fin.finalize(_abandon, self._backend, self._index, self._stream, self._capture_id, self._pool,
+                          self._rng, self._allocs)
+            return
+        _fin.finalize(_release, self._backend, self._index, self._exec, self._graph, self._pool, self._rng,
+                      self._allocs)
+
+
+def _abandon(backend, index, stream, capture_id, pool, rng, allocs) -> None:
+    """End the capture of a graph collected while capturing and release what it held.  When
+    the capture cannot be ended (CUDA: a non-relaxed capture ended from another thread), it
+    is left as it was and the failure propagates (the finalizer retries at the next drain)."""
+    try:
+        with stream._device_scope():
+            graph_handle = backend.capture_end(stream._handle)
+    except AcceleratorError:
+        if _still_capturing(backend, stream):
+            raise
+        graph_handle = None   # an invalidated capture: ended by the failed call
+    _capture_events.pop(capture_id, None)
+    from . import memory
+    allocator = memory.device_allocator(index)
+    allocator.end_allocate_to_pool(pool)
+    if rng is not None:
+        from . import random
+        random._graph_capture_abort(rng)
+    _release(backend, index, None, graph_handle, pool, None, allocs)
 
 
 def _release(backend, index, exec_handle, graph_handle, pool, rng=None, allocs=None) -> None:

@@ -67,3 +67,45 @@ def test_capture_end_from_another_thread_leaves_the_capture_endable(sim_graph_ba
     assert (b.to_numpy() == 5).all()
     g.reset()
     _usable()
+
+
+def test_graph_collected_during_capture_ends_the_capture(sim_graph_backend):
+    # A Graph dropped mid-capture (capture_begin, then the last reference goes) left its
+    # capture underway with nothing able to end it: every later sync, empty_cache and capture
+    # in the process failed, and the stream could not be closed.  Its finalizer ends it now
+    # and discards what was captured.
+    s = accel.Stream()
+    b = accel.Buffer(64, stream=s)
+    b.fill_(0, s)
+    g = Graph()
+    with s:
+        g.capture_begin()
+        b.fill_(9, s)
+    del g
+    gc.collect()
+    assert not s.is_capturing() and _captures() == 0
+    accel.synchronize()
+    assert (b.to_numpy() == 0).all()        # captured, never run
+    s.close()
+    _usable()
+
+
+def test_graph_in_a_cycle_collected_during_capture_is_ended_by_the_next_sync(sim_graph_backend):
+    # Collected by the cyclic collector, the graph's finalizer is deferred to the next safe
+    # point (accel._finalize); accel.synchronize() is one, so it does not fail on a capture
+    # no one can end any more.
+    s = accel.Stream()
+    b = accel.Buffer(64, stream=s)
+    b.fill_(0, s)
+    g = Graph()
+    g.cycle = g
+    with s:
+        g.capture_begin()
+        b.fill_(9, s)
+    del g
+    gc.collect()
+    accel.synchronize()
+    assert not s.is_capturing() and _captures() == 0
+    assert (b.to_numpy() == 0).all()
+    s.close()
+    _usable()
