@@ -105,3 +105,23 @@ def test_sim_refuses_threadgroup_memory_and_grids_metal_cannot_run(be):
         rt.send(enc, mps.M_END_ENCODING)
         rt.release(queue)
     be.module_unload(m)
+
+
+def test_caching_allocator_oom_above_max_buffer_length_keeps_metals_reason(monkeypatch):
+    """A request above maxBufferLength fails however much memory is free: the allocator's
+    torch-style OOM ("8 GiB free ... fragmentation") must carry the backend's reason (the
+    one-buffer limit) as its cause, not an unrelated IndexError from the free-list search."""
+    import accel
+    from accel import memory
+    use_sim(monkeypatch, "mps")
+    metal.reset()
+    core.reset()
+    with pytest.raises(accel.OutOfMemoryError) as info:
+        accel.Buffer(7 << 30)        # the simulated device: 8 GiB, maxBufferLength 6 GiB
+    cause = info.value.__cause__
+    assert isinstance(cause, accel.OutOfMemoryError)
+    assert "maxBufferLength" in str(cause)
+    assert memory.memory_stats(0)["num_ooms"] == 1
+    b = accel.Buffer(1 << 20)        # the allocator still works
+    b.fill_(1)
+    assert b.to_numpy()[0] == 1

@@ -1334,19 +1334,23 @@ class DeviceCachingAllocator:
             self._allowed = int(total * self._config.per_process_memory_fraction)
         return self._allowed
 
+    _backend_oom: Optional[OutOfMemoryError] = None   # the last mem_alloc OOM, until reported
+
     def _device_alloc(self, nbytes: int) -> Optional[int]:
         """A new segment from the backend, or None when the device (or the
         per_process_memory_fraction cap) is out of memory."""
+        self._backend_oom = None
         if self._config.per_process_memory_fraction < 1.0:
             if self._cur[RESERVED_BYTES] + nbytes > self._allowed_bytes():
                 return None
         try:
             with self._on_device():
                 ptr = self._be.mem_alloc(nbytes)
-        except OutOfMemoryError:
+        except OutOfMemoryError as exc:
             # handled here (free the cache and retry, or a torch-style OOM): leave no stale
             # cudaErrorMemoryAllocation for another library's next error check
             self._be.clear_error()
+            self._backend_oom = exc   # the runtime's reason (e.g. Metal's maxBufferLength): the OOM's cause
             return None
         self._scalars["num_device_alloc"] += 1
         return ptr
@@ -2060,7 +2064,9 @@ class DeviceCachingAllocator:
             free = total = 0
         if self._history is not None:
             self._trace("oom", free, size, stream, _stack() if self._ctx >= _CTX_ALLOC else None)
-        return OutOfMemoryError(self._oom_message(tried, free, total))
+        err = OutOfMemoryError(self._oom_message(tried, free, total))
+        err.__cause__, self._backend_oom = self._backend_oom, None
+        return err
 
     def _not_allocated(self, ptr, block) -> Exception:
         if type(ptr) is not int:
