@@ -125,3 +125,30 @@ def test_caching_allocator_oom_above_max_buffer_length_keeps_metals_reason(monke
     b = accel.Buffer(1 << 20)        # the allocator still works
     b.fill_(1)
     assert b.to_numpy()[0] == 1
+
+
+@pytest.mark.parametrize("bad", [0, -8, 1 << 64])
+@pytest.mark.parametrize("side", ["dst", "src"])
+def test_memcpy_with_a_null_negative_or_too_wide_host_pointer_is_refused(be, bad, side):
+    """Host pointers are copied through on the host (unified memory): a null, negative or
+    wider-than-64-bit address crashed the process (as cudaMemcpy, it is cudaErrorInvalidValue)."""
+    p = be.mem_alloc(64)
+    be.memset_async(p, 9, 64, 0)
+    dst, src = (bad, p) if side == "dst" else (p, bad)
+    for n in (4, 3):                      # the blit path and the host path
+        with pytest.raises(ValueError, match=f"{side}"):
+            be.memcpy_async(dst, src, n, 0)
+    assert _read(be, p, 64) == b"\x09" * 64
+    be.mem_free(p)
+
+
+def test_nbytes_true_is_not_one_byte(be):
+    """bool is an int subclass: nbytes=True silently copied or filled one byte."""
+    p = be.mem_alloc(8)
+    be.memset_async(p, 0, 8, 0)
+    with pytest.raises(ValueError, match="nbytes"):
+        be.memcpy_async(p, p + 4, True, 0)
+    with pytest.raises(ValueError, match="nbytes"):
+        be.memset_async(p, 1, True, 0)
+    assert _read(be, p, 8) == bytes(8)
+    be.mem_free(p)

@@ -765,10 +765,17 @@ class MPSBackend(Backend):
 
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         rt = self._runtime()
-        if not isinstance(nbytes, int) or nbytes < 0:
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
             raise ValueError(f"nbytes must be a non-negative int, got {nbytes!r}")
         if nbytes == 0:
             return
+        for side, ptr in (("dst", dst), ("src", src)):
+            if isinstance(ptr, int) and not 0 < ptr < 1 << 64:
+                # Memory outside Metal's buffers is copied on the host: such an address would crash
+                # the process (cudaMemcpy answers cudaErrorInvalidValue).
+                raise ValueError(f"mps: memcpy_async {side} pointer {ptr:#x} is not an address (null, negative "
+                                 f"or wider than 64 bits); pass memory from mem_alloc/host_alloc or a live "
+                                 f"host buffer; nothing was copied")
         d = self._resolve(dst, nbytes)
         s = self._resolve(src, nbytes)
         with self._lock, rt.pool():
@@ -804,7 +811,7 @@ class MPSBackend(Backend):
 
     def memset_async(self, ptr: int, value: int, nbytes: int, stream: int) -> None:
         rt = self._runtime()
-        if not isinstance(nbytes, int) or nbytes < 0:
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
             raise ValueError(f"nbytes must be a non-negative int, got {nbytes!r}")
         if not isinstance(value, int):
             raise TypeError(f"mps: memset value must be an int (its low byte is written, as cudaMemset), "
