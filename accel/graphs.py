@@ -59,6 +59,18 @@ def _new_private_pool() -> Tuple[int, int]:
         return (next(_graph_pool_ids), 0)
 
 
+def _check_pool(pool) -> Tuple[int, int]:
+    """``pool`` as the (int, int) id it must be, or TypeError naming it."""
+    try:
+        ids = tuple(operator.index(x) for x in pool)
+    except TypeError:
+        ids = ()
+    if len(ids) != 2:
+        raise TypeError(f"pool must be a (int, int) tuple from generate_graph_pool_handle() or "
+                        f"Graph.pool(), got {pool!r}")
+    return ids
+
+
 def _check_mode(mode: str) -> str:
     if mode not in _MODES:
         raise ValueError("Unknown capture error mode. Expected `default`, `global`, `thread_local`, "
@@ -113,16 +125,7 @@ class Graph:
                 f"{backend.name.upper()} graphs must be captured on a non-default stream. (However, after "
                 "capture, it's ok to replay them on the default stream.) Use `with accel.Stream(), graph:` "
                 "or `with accel.graph(graph):`.")
-        if self.graph_pool is not None:
-            try:
-                pool = tuple(operator.index(x) for x in self.graph_pool)
-            except TypeError:
-                pool = ()
-            if len(pool) != 2:
-                raise TypeError(f"pool must be a (int, int) tuple from generate_graph_pool_handle() or "
-                                f"Graph.pool(), got {self.graph_pool!r}")
-        else:
-            pool = _new_private_pool()
+        pool = _check_pool(self.graph_pool) if self.graph_pool is not None else _new_private_pool()
         from . import memory, random
         allocator = memory.device_allocator(stream.device_index)
         # The generator's seed/offset holders come from the general cache (torch registers
@@ -420,6 +423,8 @@ def graph(cuda_graph: Graph, pool: Optional[Tuple[int, int]] = None, stream: Opt
     if not isinstance(cuda_graph, Graph):
         raise TypeError(f"graph() expects an accel.Graph, got {type(cuda_graph).__name__}")
     mode = _check_mode(capture_error_mode)
+    if pool is not None:
+        _check_pool(pool)
     if stream is not None:
         stream = _as_stream(stream, "graph(stream)")
     import accel
@@ -427,11 +432,16 @@ def graph(cuda_graph: Graph, pool: Optional[Tuple[int, int]] = None, stream: Opt
     accel.memory.empty_cache()
     capture_stream = stream if stream is not None else _side_stream()
     capture_stream.wait_stream(current_stream(capture_stream.device_index))
+    saved = (cuda_graph.graph_pool, cuda_graph.capture_error_mode)
     if pool is not None:
         cuda_graph.graph_pool = pool
     cuda_graph.capture_error_mode = mode
     with capture_stream:
-        cuda_graph.capture_begin()
+        try:
+            cuda_graph.capture_begin()
+        except BaseException:
+            cuda_graph.graph_pool, cuda_graph.capture_error_mode = saved   # refused: the graph as it was
+            raise
         try:
             yield cuda_graph
         except BaseException as exc:

@@ -109,3 +109,26 @@ def test_graph_in_a_cycle_collected_during_capture_is_ended_by_the_next_sync(sim
     assert (b.to_numpy() == 0).all()
     s.close()
     _usable()
+
+
+@pytest.mark.parametrize("pool", ["ab", (1,), (1, 2, 3), (1.5, 0), None.__class__])
+def test_graph_function_refuses_a_bad_pool_before_touching_the_graph(sim_graph_backend, pool):
+    # accel.graph(g, pool=bad) stored the bad pool in g and only then failed (in capture_begin,
+    # after synchronizing and making the side stream): g kept failing in every later capture.
+    from accel import graphs
+    g = Graph()
+    sides = dict(graphs._side_streams)
+    with pytest.raises(TypeError, match="pool must be a"):
+        with accel.graph(g, pool=pool):
+            pass
+    assert g.graph_pool is None and g._stream is None
+    assert graphs._side_streams == sides      # refused before anything was created
+    b = accel.Buffer(64)
+    b.fill_(0)
+    accel.synchronize()
+    with accel.graph(g):
+        b.fill_(6, accel.current_stream())
+    g.replay()
+    accel.synchronize()
+    assert (b.to_numpy() == 6).all()
+    assert _captures() == 0
