@@ -32,6 +32,14 @@ def copy_into(address: int, view) -> None:
     ffi.memmove(ffi.cast("void *", address), view, view.nbytes)
 
 
+def _free_pinned(backend, host, ptr: int, pid: int) -> None:
+    """An empty_pinned array's release.  ``backend`` first: accel._finalize drops it for a runtime
+    reset since; nothing in a forked child (the block and its events are the parent's runtime's)."""
+    from . import _finalize
+    if pid == _finalize.pid:
+        host.free(ptr)
+
+
 def empty_pinned(shape, dtype="uint8"):
     """A new, uninitialized numpy array of ``shape`` and ``dtype`` in pinned (page-locked)
     host memory from accel's host caching allocator, so copies to and from the device can
@@ -69,5 +77,6 @@ def empty_pinned(shape, dtype="uint8"):
     ffi = _get_ffi()
     # The cdata owns the block: numpy's base chain (array -> buffer -> cdata) keeps it alive
     # for every view, and its destructor frees it through the finalizer path (no lock wait).
-    owner = ffi.gc(ffi.cast("char *", ptr), lambda _p, ptr=ptr: _finalize.finalize(host.free, ptr))
+    owner = ffi.gc(ffi.cast("char *", ptr), lambda _p, ptr=ptr, be=host._be, pid=_finalize.pid:
+                   _finalize.finalize(_free_pinned, be, host, ptr, pid))
     return np.frombuffer(ffi.buffer(owner, nbytes), dtype=dtype, count=count).reshape(shape)

@@ -200,3 +200,59 @@ def test_threads_copy_concurrently(delayed):
     gc.collect()
     memory.empty_host_cache()
     assert memory.host_allocator().stats()["allocations"] == 0
+
+
+# -- fork and reset ---------------------------------------------------------------------------------
+
+_RUNTIME_CALLS = ("event_create", "event_record", "event_query", "stream_synchronize", "host_free", "host_alloc")
+
+
+def _spy(backend, calls):
+    for name in _RUNTIME_CALLS:
+        original = getattr(backend, name)
+        setattr(backend, name, lambda *args, _name=name, _original=original: (calls.append(_name),
+                                                                                _original(*args))[1])
+
+
+def test_pinned_array_freed_in_a_forked_child_calls_no_runtime(delayed):
+    """A pinned array inherited by a forked child and dropped there ran the parent's allocator
+    free in the child: with a queued copy on the block, it created and recorded an event and
+    synchronized the parent's stream through the parent's runtime (xpu, mps), which the child
+    must never call (accel._finalize: finalizers do nothing in a child)."""
+    buf = accel.Buffer(1 << 16, device=_other())
+    buf.fill_(3)
+    pinned = accel.empty_pinned(1 << 16)
+    buf.copy_to(pinned, non_blocking=True)      # the block has a use on the stream
+    idle = accel.empty_pinned(100)              # a block without uses
+    backend = memory.host_allocator()._be
+    pid = os.fork()
+    if pid == 0:        # pragma: no cover - the child
+        code = 1
+        try:
+            calls = []
+            _spy(backend, calls)
+            del pinned, idle
+            gc.collect()
+            code = 10 + len(calls) if calls else 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child called the parent's runtime"
+    accel.synchronize(_other())
+    assert set(np.unique(pinned)) == {3}
+    del idle
+
+
+def test_pinned_array_outliving_a_runtime_reset_frees_nothing_there(delayed, monkeypatch):
+    """A pinned array dropped after the runtime was reset (tests switching simulators) must not
+    call the old runtime; accel._finalize drops releases of a backend that is not the live one."""
+    pinned = accel.empty_pinned(4096)
+    old = memory.host_allocator()._be
+    accel.Buffer(4096, device=_other()).copy_to(pinned, non_blocking=True)
+    from accel import _lazy
+    _lazy._reset_for_tests()
+    calls = []
+    _spy(old, calls)
+    del pinned
+    gc.collect()
+    assert calls == []
