@@ -152,3 +152,29 @@ def test_nbytes_true_is_not_one_byte(be):
         be.memset_async(p, 1, True, 0)
     assert _read(be, p, 8) == bytes(8)
     be.mem_free(p)
+
+
+@pytest.mark.parametrize("name", [None, b"accel_test_fill_u32", 3])
+def test_module_function_name_must_be_a_str(be, name):
+    m = be.module_load(MSL)
+    with pytest.raises(TypeError, match="kernel name must be a str"):
+        be.module_function(m, name)
+    be.module_function(m, "accel_test_fill_u32")
+    be.module_unload(m)
+
+
+def test_module_load_refuses_source_that_is_not_utf8(be):
+    with pytest.raises(ValueError, match="UTF-8"):
+        be.module_load(b"kernel void k() {} \xff")
+
+
+@pytest.mark.parametrize("arg", [("u32", -1), ("i32", 1 << 31), ("u64", 1.5), ("f32", "x")])
+def test_bad_scalar_kernel_argument_names_the_argument(be, arg):
+    m = be.module_load(MSL)
+    f = be.module_function(m, "accel_test_fill_u32")
+    p = be.mem_alloc(16)
+    with pytest.raises((TypeError, ValueError), match="kernel argument 2"):
+        be.launch(f, (1, 1, 1), (1, 1, 1), [("ptr", p), ("u64", 1), arg], 0, 0)
+    _usable(be)
+    be.mem_free(p)
+    be.module_unload(m)

@@ -840,13 +840,17 @@ class MPSBackend(Backend):
             source = source.encode()
         if not isinstance(source, (bytes, bytearray)) or b"\0" in source:
             raise TypeError("module_load takes MSL source text (bytes without NUL)")
+        try:
+            text = bytes(source).decode()
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"mps: MSL source must be UTF-8 text (Metal takes an NSString): {exc}") from None
         with self._lock, rt.pool():
             options = self._new(rt.cls("MTLCompileOptions"), M_NEW_OPTIONS, "[MTLCompileOptions new]")
             try:
                 # IEEE float semantics: the RNG transforms must match the host bit for bit.
                 rt.send(options, M_SET_FAST_MATH, 0)
                 err = rt.ffi.new("void **")
-                lib = rt.send(self._device, M_NEW_LIBRARY, rt.ns_string(bytes(source).decode()),
+                lib = rt.send(self._device, M_NEW_LIBRARY, rt.ns_string(text),
                               options, err)
             finally:
                 rt.release(options)
@@ -873,6 +877,8 @@ class MPSBackend(Backend):
 
     def module_function(self, module: int, name: str) -> int:
         rt = self._runtime()
+        if not isinstance(name, str):
+            raise TypeError(f"mps: the kernel name must be a str, got {type(name).__name__} {name!r}")
         with self._lock, rt.pool():
             entry = self._modules.get(module)
             if entry is None:
@@ -942,7 +948,13 @@ class MPSBackend(Backend):
                     bindings.append((M_SET_BUFFER, r[0].obj, r[1], i))
                 elif kind in _SCALAR_CTYPES:
                     ctype = _SCALAR_CTYPES[kind]
-                    bindings.append((M_SET_BYTES, ffi.new(ctype + " *", value), ffi.sizeof(ctype), i))
+                    try:
+                        cell = ffi.new(ctype + " *", value)
+                    except (TypeError, OverflowError) as exc:
+                        kind_of = TypeError if isinstance(exc, TypeError) else ValueError
+                        raise kind_of(f"kernel argument {i}: {value!r} is not a {kind} ({ctype}): "
+                                      f"{exc}") from None
+                    bindings.append((M_SET_BYTES, cell, ffi.sizeof(ctype), i))
                 elif kind == "f64":
                     raise ValueError(f"kernel argument {i}: Metal has no 64-bit float; pass f32")
                 else:
