@@ -178,3 +178,30 @@ def test_bad_scalar_kernel_argument_names_the_argument(be, arg):
     _usable(be)
     be.mem_free(p)
     be.module_unload(m)
+
+
+def test_a_failed_command_buffer_is_not_lost_by_polling_the_stream(be):
+    """stream_query dropped a command buffer that ended in MTLCommandBufferStatusError, so a
+    caller that polls before synchronizing never learned that its work failed.  As
+    cudaStreamQuery returns the stream's error, query reports it (once)."""
+    from accel._errors import AcceleratorError
+    s = be.stream_create()
+    p = be.mem_alloc(64)
+    core.inject_error("commit", 8)       # MTLCommandBufferErrorOutOfMemory
+    be.memset_async(p, 1, 64, s)
+    reported = []
+    for _ in range(10_000):
+        try:
+            if be.stream_query(s):
+                break
+        except AcceleratorError as exc:
+            reported.append(exc)
+            break
+    try:
+        be.stream_synchronize(s)
+    except AcceleratorError as exc:
+        reported.append(exc)
+    assert len(reported) == 1 and "MTLCommandBufferErrorOutOfMemory" in str(reported[0])
+    _usable(be, s)                       # a failed command buffer does not break the queue
+    be.mem_free(p)
+    be.stream_destroy(s)

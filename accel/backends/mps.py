@@ -650,14 +650,23 @@ class MPSBackend(Backend):
         with self._lock:
             st = self._stream(stream)
             self._commit(st)
-            pending = []
+            pending, error = [], None
             for cb in st.inflight:
                 status = int(rt.send(cb, M_STATUS))
                 if status in (_CB_COMPLETED, _CB_ERROR):
+                    if status == _CB_ERROR and error is None:
+                        # Report it now, as cudaStreamQuery returns the stream's error: the buffer is
+                        # forgotten here, so a later synchronize could not report it.
+                        try:
+                            self._check_cb(cb)
+                        except AcceleratorError as exc:
+                            error = exc
                     rt.release(cb)
                 else:
                     pending.append(cb)
             st.inflight = pending
+            if error is not None:
+                raise error
             return not pending
 
     def stream_wait_event(self, stream: int, event: int) -> None:
