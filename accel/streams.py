@@ -435,7 +435,11 @@ class Stream:
         return self
 
     def __exit__(self, *exc) -> None:
-        previous_device, previous_stream = _tls.stack.pop()
+        stack = getattr(_tls, "stack", None)
+        if not stack:
+            raise RuntimeError(f"{self!r}.__exit__ without a matching __enter__ on this thread: the current "
+                               f"stream is per thread, so leave `with stream:` on the thread that entered it")
+        previous_device, previous_stream = stack.pop()
         _current_table()[self._index] = previous_stream
         self._backend.set_device(previous_device)
 

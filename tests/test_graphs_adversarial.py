@@ -132,3 +132,31 @@ def test_graph_function_refuses_a_bad_pool_before_touching_the_graph(sim_graph_b
     accel.synchronize()
     assert (b.to_numpy() == 6).all()
     assert _captures() == 0
+
+
+def test_stream_exit_without_enter_on_this_thread_is_a_clear_error(sim_backend):
+    # Stream.__exit__ with no matching __enter__ on the calling thread (called directly, or
+    # on another thread than the enter's) raised AttributeError from a thread-local.
+    s = accel.Stream(1 if accel.device_count() > 1 else 0)
+    with pytest.raises(RuntimeError, match="without a matching"):
+        s.__exit__(None, None, None)
+    s.__enter__()
+    errors = []
+
+    def exit_elsewhere():
+        try:
+            s.__exit__(None, None, None)
+        except Exception as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=exit_elsewhere)
+    t.start()
+    t.join()
+    assert len(errors) == 1 and isinstance(errors[0], RuntimeError) and "thread" in str(errors[0])
+    assert accel.current_stream() == s          # the entering thread's state is untouched
+    s.__exit__(None, None, None)
+    assert accel.current_stream(s.device_index) == accel.default_stream(s.device_index)
+    assert accel.current_device_index() == 0
+    with pytest.raises(RuntimeError, match="without a matching"):
+        s.__exit__(None, None, None)             # the stack is empty again
+    s.close()
