@@ -205,3 +205,23 @@ def test_a_failed_command_buffer_is_not_lost_by_polling_the_stream(be):
     _usable(be, s)                       # a failed command buffer does not break the queue
     be.mem_free(p)
     be.stream_destroy(s)
+
+
+def test_elapsed_time_of_a_failed_record_says_it_failed(be):
+    """After a timing event's command buffer failed, elapsed_ms told the caller to synchronize
+    it -- which they had done (and got the error); it must say the work failed instead."""
+    from accel._errors import AcceleratorError
+    a, b = be.event_create(enable_timing=True), be.event_create(enable_timing=True)
+    be.event_record(a, 0)
+    be.event_synchronize(a)
+    core.inject_error("commit", 1)       # MTLCommandBufferErrorInternal
+    be.event_record(b, 0)
+    with pytest.raises(AcceleratorError):
+        be.event_synchronize(b)
+    with pytest.raises(AcceleratorError, match="failed") as info:
+        be.event_elapsed_ms(a, b)
+    assert "synchronize it" not in str(info.value)
+    with pytest.raises(AcceleratorError):
+        be.device_synchronize()           # the stream still holds the failed buffer: reported there too
+    be.event_destroy(a)
+    be.event_destroy(b)

@@ -750,7 +750,13 @@ class MPSBackend(Backend):
                 if ev.cb is None:
                     raise _InvalidHandle(f"mps: event {ev.handle} has not been recorded")
             for ev in (a, b):
-                if int(rt.send(ev.cb, M_STATUS)) != _CB_COMPLETED:
+                status = int(rt.send(ev.cb, M_STATUS))
+                if status == _CB_ERROR:
+                    raise AcceleratorError(
+                        f"mps: the command buffer of event {ev.handle}'s latest record failed (its error is "
+                        f"reported by synchronizing the event or its stream), so it has no GPU time; "
+                        f"record it again", library=_LIBRARY, call="GPUEndTime")
+                if status != _CB_COMPLETED:
                     raise AcceleratorError(
                         f"mps: event {ev.handle} has not completed; synchronize it before elapsed_time",
                         library=_LIBRARY, call="GPUEndTime", code=600, code_name="NotReady")
