@@ -256,3 +256,21 @@ def test_pinned_array_outliving_a_runtime_reset_frees_nothing_there(delayed, mon
     del pinned
     gc.collect()
     assert calls == []
+
+
+# -- the host allocator's record_stream --------------------------------------------------------------
+
+@pytest.mark.parametrize("stream, device", [(-1, None), (1 << 64, None), ("s", None), (1.0, None),
+                                            (0, 7), (0, -1), (0, "1")])
+def test_host_record_stream_refuses_a_bad_stream_or_device(sim_backend, stream, device):
+    """The pinned allocator kept any stream and device index (the device allocators refuse them
+    since efef3a7): the bad use then failed the free's event record, so the block stayed
+    deferred and every later empty_host_cache raised."""
+    host = memory.host_allocator()
+    ptr = host.malloc(4096)
+    with pytest.raises((TypeError, ValueError)):
+        host.record_stream(ptr, stream, device)
+    host.free(ptr)                      # no use was kept: straight back to the cache
+    memory.empty_host_cache()
+    stats = host.stats()
+    assert stats["allocations"] == 0 and stats["pending"] == 0 and stats["segments"] == 0

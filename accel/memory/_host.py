@@ -24,7 +24,7 @@ from .._errors import OutOfMemoryError
 from .._finalize import drain as _drain_finalizers, pending as _finalizers
 from .._locks import held
 from ..streams import on_device
-from ._caching import _check_size, _Gate, capture_underway
+from ._caching import _check_size, _Gate, capture_underway, check_use
 
 _MIN_SIZE = 512
 #: torch 2.13's host_memory_stats counters (torch/cuda/memory.py): blocks owned (active +
@@ -145,9 +145,12 @@ class HostCachingAllocator:
     def record_stream(self, ptr: int, stream: int, device_index: Optional[int] = None) -> None:
         """The allocated block at ``ptr`` is used by work on ``stream`` (of device
         ``device_index``, default the current device): after :meth:`free` it waits
-        for that work before being reused."""
+        for that work before being reused.  TypeError/ValueError for a stream that is no
+        handle or a device index naming no device (nothing is recorded)."""
         be = self._backend()
-        device = be.get_device() if device_index is None else device_index
+        device = check_use(be, stream, device_index, None)
+        if device is None:
+            device = be.get_device()
         with self._lock:
             block = self._blocks.get(ptr)
             if block is None or not block.allocated:
