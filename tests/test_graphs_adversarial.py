@@ -160,3 +160,25 @@ def test_stream_exit_without_enter_on_this_thread_is_a_clear_error(sim_backend):
     with pytest.raises(RuntimeError, match="without a matching"):
         s.__exit__(None, None, None)             # the stack is empty again
     s.close()
+
+
+def test_graph_collected_after_its_capture_was_invalidated_releases_everything(sim_graph_backend):
+    s = accel.Stream()
+    accel.synchronize()
+    accel.memory.empty_cache()
+    reserved = accel.memory.memory_reserved()
+    g = Graph()
+    with s:
+        g.capture_begin()
+        t = accel.Buffer(1 << 20, stream=s)     # from the graph's private pool
+        t.fill_(1, s)
+        with pytest.raises(accel.CaptureError):
+            s.synchronize()                     # illegal: invalidates the capture
+    del t, g
+    gc.collect()
+    assert not s.is_capturing() and _captures() == 0
+    accel.synchronize()
+    accel.memory.empty_cache()
+    assert accel.memory.memory_reserved() == reserved     # the private pool went with the graph
+    s.close()
+    _usable()
