@@ -54,6 +54,9 @@ def empty_pinned(shape, dtype="uint8"):
         raise TypeError(f"empty_pinned: {exc}; pass a numpy dtype such as numpy.float32 or 'uint8'") from None
     if dtype.hasobject:
         raise TypeError(f"empty_pinned cannot hold dtype {dtype} (Python object references); use a plain dtype")
+    if dtype.itemsize == 0 and dtype.names is None:
+        raise TypeError(f"empty_pinned: dtype {dtype} has itemsize 0 (an unsized flexible type); pass a sized "
+                        f"one such as 'S8' or 'U4'; nothing was allocated")
     try:
         # __index__ only, as numpy: int() truncated 2.5 to 2 and parsed "3"; bools are refused
         dims = tuple(shape) if hasattr(shape, "__iter__") and not isinstance(shape, (str, bytes)) else (shape,)

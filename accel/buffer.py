@@ -543,6 +543,9 @@ class Buffer:
         if dtype.hasobject:
             raise TypeError(f"to_numpy cannot make an array of dtype {dtype}: it would hold Python object "
                             f"references, not data; use a plain dtype such as numpy.float32 or uint8")
+        if dtype.itemsize == 0:
+            raise TypeError(f"to_numpy: dtype {dtype} has itemsize 0, so no number of items holds the buffer's "
+                            f"bytes; pass a sized dtype such as 'S4', 'V8' or numpy.uint8")
         if self._nbytes % dtype.itemsize:
             raise ValueError(f"buffer of {self._nbytes} bytes is not a whole number of {dtype} items")
         count = self._nbytes // dtype.itemsize

@@ -274,3 +274,27 @@ def test_host_record_stream_refuses_a_bad_stream_or_device(sim_backend, stream, 
     memory.empty_host_cache()
     stats = host.stats()
     assert stats["allocations"] == 0 and stats["pending"] == 0 and stats["segments"] == 0
+
+
+# -- dtypes without a size ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["S0", "U0", "V0", np.dtype([])])
+@pytest.mark.parametrize("non_blocking", [False, True])
+def test_to_numpy_refuses_a_dtype_of_no_size(sim_backend, dtype, non_blocking):
+    """A zero-itemsize dtype raised ZeroDivisionError ("integer modulo by zero")."""
+    buf = accel.Buffer(16, device=_other())
+    with pytest.raises(TypeError, match="to_numpy.*itemsize 0"):
+        buf.to_numpy(dtype, non_blocking=non_blocking)
+    with pytest.raises(TypeError, match="to_numpy.*itemsize 0"):
+        accel.Buffer(0, device=_other()).to_numpy(dtype, non_blocking=non_blocking)
+
+
+@pytest.mark.parametrize("dtype", ["S0", "U0", "V0"])
+def test_empty_pinned_refuses_an_unsized_dtype_before_pinning(sim_backend, dtype):
+    """numpy's "itemsize cannot be zero in type" came after the block was pinned."""
+    accel.empty_pinned(1)
+    memory.empty_host_cache()
+    before = _host_state()
+    with pytest.raises(TypeError, match="empty_pinned.*itemsize 0"):
+        accel.empty_pinned(3, dtype)
+    assert _host_state() == before
