@@ -340,7 +340,7 @@ class Graph:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc is None:
-            self.capture_end()
+            _end_block(self)
         else:
             _end_after_error(self, exc)
 
@@ -447,7 +447,7 @@ def graph(cuda_graph: Graph, pool: Optional[Tuple[int, int]] = None, stream: Opt
         except BaseException as exc:
             _end_after_error(cuda_graph, exc)
             raise
-        cuda_graph.capture_end()
+        _end_block(cuda_graph)
 
 
 def _still_capturing(backend, stream: Stream) -> bool:
@@ -466,11 +466,29 @@ def _end_after_error(g: Graph, exc: BaseException) -> None:
     if g._stream is None:
         return
     try:
-        g.capture_end()
+        with g._stream:     # its own stream, whichever one the body left current
+            g.capture_end()
     except Exception as end_error:     # the capture is ended (and its pool released) either way
         exc.add_note(f"(the capture was then ended and discarded: {end_error})")
     else:
         g.reset()   # a capture cut short by an error is not a graph anyone asked for
+
+
+def _end_block(g: Graph) -> None:
+    """End the capture of a ``with g:`` or :func:`graph` block whose body returned.  A body
+    that left another stream current cannot end it as asked (torch's capture_end check): the
+    capture is ended on its own stream and discarded, and RuntimeError says why, so no
+    capture is left underway to make every later sync fail."""
+    stream = g._stream
+    if stream is None or current_stream(stream.device_index) == stream:
+        g.capture_end()
+        return
+    err = RuntimeError(f"Capture must end on the same stream it began on: the body of the capture block "
+                       f"left {current_stream(stream.device_index)!r} current instead of {stream!r}; the "
+                       f"capture was ended and discarded.  Use `with other_stream:` inside the block (it "
+                       f"restores the stream) rather than set_stream()")
+    _end_after_error(g, err)
+    raise err
 
 
 _side_streams = {}

@@ -182,3 +182,41 @@ def test_graph_collected_after_its_capture_was_invalidated_releases_everything(s
     assert accel.memory.memory_reserved() == reserved     # the private pool went with the graph
     s.close()
     _usable()
+
+
+@pytest.mark.parametrize("body_raises", [False, True])
+@pytest.mark.parametrize("use_graph_function", [False, True])
+def test_capture_block_that_switches_the_current_stream_leaves_no_capture(sim_graph_backend, body_raises,
+                                                                        use_graph_function):
+    # A `with g:` body that made another stream current (set_stream) left the capture underway:
+    # capture_end refused ("Capture must end on the same stream it began on"), and after an
+    # error in the body the note even said the capture was ended.  Every later sync failed.
+    s, other = accel.Stream(), accel.Stream()
+    b = accel.Buffer(64, stream=s)
+    b.fill_(0, s)
+    g = Graph()
+
+    def body():
+        b.fill_(1, accel.current_stream())
+        accel.set_stream(other)
+        if body_raises:
+            raise KeyError("boom")
+
+    with pytest.raises(KeyError if body_raises else RuntimeError) as info:
+        if use_graph_function:
+            with accel.graph(g):
+                body()
+        else:
+            with s, g:
+                body()
+    if not body_raises:
+        assert "same stream" in str(info.value)
+    assert g._stream is None and _captures() == 0
+    assert not s.is_capturing() and not other.is_capturing()
+    accel.synchronize()
+    assert (b.to_numpy() == 0).all()
+    with pytest.raises(RuntimeError, match="no capture"):
+        g.replay()
+    other.close()
+    s.close()
+    _usable()
