@@ -115,6 +115,23 @@ def _dlpack_host(obj) -> bool:
         return False
 
 
+def _numpy_from_dlpack(obj):
+    """``numpy.from_dlpack(obj)`` for a host DLPack object (a torch CPU tensor); a dtype numpy
+    has not (bfloat16, float8) is refused naming the integer view that copies the same bytes."""
+    import numpy as np
+    try:
+        return np.from_dlpack(obj)
+    except RuntimeError as exc:
+        if "dtype" not in str(exc):
+            raise
+        dtype = getattr(obj, "dtype", "?")
+        size = getattr(obj, "element_size", lambda: None)()
+        view = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}.get(size, "uint8")
+        raise TypeError(f"cannot copy from {type(obj).__name__} of dtype {dtype}: numpy.from_dlpack cannot "
+                        f"read it ({exc}); copy the same bytes through an integer view, e.g. "
+                        f"t.view(torch.{view}); nothing was copied") from None
+
+
 def _device_source(obj, index: int):
     """Another library's device array for copy_from: ``("cai", interface, obj)`` for an object
     exporting ``__cuda_array_interface__``, ``("dlpack", None, obj)`` for one with ``__dlpack__``
@@ -378,8 +395,7 @@ class Buffer:
             if device_src is not None:
                 return self._copy_from_foreign(device_src, stream, non_blocking)
             if not _is_host_object(src) and _dlpack_host(src):
-                import numpy as np
-                src = np.from_dlpack(src)
+                src = _numpy_from_dlpack(src)
         self._writable()
         if isinstance(src, Buffer):
             src._live()

@@ -298,3 +298,23 @@ def test_empty_pinned_refuses_an_unsized_dtype_before_pinning(sim_backend, dtype
     with pytest.raises(TypeError, match="empty_pinned.*itemsize 0"):
         accel.empty_pinned(3, dtype)
     assert _host_state() == before
+
+
+# -- torch CPU tensors numpy cannot read ---------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["bfloat16", "float8_e4m3fn"])
+def test_copy_from_a_torch_tensor_numpy_cannot_read_names_the_fix(sim_backend, name):
+    """copy_from a bfloat16 CPU tensor (torch's most common training dtype) raised numpy's bare
+    RuntimeError "Unsupported dtype in DLTensor."; the error names the dtype and the same-size
+    integer view that copies it."""
+    torch = pytest.importorskip("torch")
+    dtype = getattr(torch, name)
+    t = torch.arange(8, dtype=torch.float32).to(dtype)
+    buf = accel.Buffer(t.numel() * t.element_size(), device=_other())
+    buf.fill_(0)
+    with pytest.raises(TypeError, match=f"{name}.*view"):
+        buf.copy_from(t)
+    assert set(np.unique(buf.to_numpy())) == {0}
+    ints = torch.int16 if t.element_size() == 2 else torch.uint8
+    buf.copy_from(t.view(ints))
+    assert buf.to_numpy().tobytes() == t.view(ints).numpy().tobytes()
