@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import operator
+import os
 import sys
 import threading
 import warnings
@@ -328,6 +329,12 @@ class Graph:
             raise RuntimeError("debug_dump needs enable_debug_mode() to be called before capture")
         if self._graph is None:
             raise RuntimeError("debug_dump: no captured graph to dump")
+        path = os.fspath(path)
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            # CUDA's cudaGraphDebugDotPrint reports only cudaErrorOperatingSystem: name the path.
+            raise FileNotFoundError(f"debug_dump: cannot write {path!r}: the folder {folder!r} does not exist; "
+                                    f"create it first or pass a path in an existing folder")
         self._backend.graph_debug_dot(self._graph, str(path))
 
     # -- context manager -----------------------------------------------------------------
