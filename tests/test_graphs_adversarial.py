@@ -240,3 +240,115 @@ def test_debug_dump_to_a_missing_directory_names_the_path(sim_graph_backend, tmp
     accel.synchronize()
     assert (b.to_numpy() == 2).all()
     g.reset()
+
+
+# -- regressions: misuse that already behaved, kept so it stays so ---------------------------------
+
+def _in_thread(fn):
+    out = []
+
+    def run():
+        try:
+            out.append(("ok", fn()))
+        except Exception as exc:
+            out.append(("error", exc))
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    return out[0]
+
+
+def test_other_thread_during_a_global_capture(sim_cuda):
+    # CUDA Runtime API, cudaStreamCaptureMode: in global mode a potentially unsafe call from any
+    # thread fails and invalidates the capture; allocation from the caching allocator is fine.
+    s = accel.Stream()
+    b = accel.Buffer(64, stream=s)
+    g = Graph()
+    with s:
+        g.capture_begin()
+        b.fill_(1, s)
+
+        def allocate():
+            x = accel.Buffer(4096)
+            x.fill_(2)
+            x.close()
+        assert _in_thread(allocate)[0] == "ok"
+        kind, err = _in_thread(lambda: accel.synchronize(1))
+        assert kind == "error" and isinstance(err, accel.CaptureError)
+        with pytest.raises(accel.CaptureError, match="nvalidated"):
+            g.capture_end()
+    assert g._stream is None and _captures() == 0
+    _usable()
+
+
+def test_other_thread_during_a_thread_local_capture(sim_cuda):
+    # cudaStreamCaptureModeThreadLocal: only the capturing thread is restricted.
+    s = accel.Stream()
+    b = accel.Buffer(64, stream=s)
+    b.fill_(0, s)
+    g = Graph(capture_error_mode="thread_local")
+
+    def other_work():
+        o = accel.Stream()
+        e = accel.Event()
+        e.record(o)
+        e.synchronize()
+        o.synchronize()
+        o.close()
+        return accel.synchronize(1)
+    with s, g:
+        b.fill_(4, s)
+        assert _in_thread(other_work)[0] == "ok"
+    g.replay()
+    accel.synchronize()
+    assert (b.to_numpy() == 4).all()
+
+
+@pytest.mark.parametrize("misuse", ["sync", "query", "event_sync", "event_query", "device_sync", "elapsed"])
+def test_waiting_inside_a_capture_raises_and_nothing_is_left(sim_graph_backend, misuse):
+    s = accel.Stream()
+    b = accel.Buffer(64, stream=s)
+    b.fill_(0, s)
+    start, end = accel.Event(enable_timing=True), accel.Event(enable_timing=True)
+    start.record(s)
+    end.record(s)
+    s.synchronize()
+    calls = {"sync": s.synchronize, "query": s.query, "event_sync": end.synchronize,
+             "event_query": end.query, "device_sync": accel.synchronize,
+             "elapsed": lambda: start.elapsed_time(end)}
+    g = Graph()
+    try:
+        with s, g:
+            b.fill_(1, s)
+            calls[misuse]()
+    except accel.CaptureError:
+        assert g._stream is None
+        with pytest.raises(RuntimeError, match="no capture"):
+            g.replay()
+    else:   # Level Zero: events are not part of its captures, waiting on them is allowed
+        assert sim_graph_backend == "xpu" and misuse in ("event_sync", "event_query", "elapsed")
+    assert _captures() == 0 and not s.is_capturing()
+    accel.synchronize()
+    _usable()
+
+
+def test_replay_after_reset_and_reset_twice(sim_graph_backend):
+    s = accel.Stream(1)
+    b = accel.Buffer(64, device=1, stream=s)
+    g = Graph()
+    with s, g:
+        b.fill_(8, s)
+    g.reset()
+    g.reset()
+    with pytest.raises(RuntimeError, match="no capture"):
+        g.replay()
+    with s, g:
+        b.fill_(9, s)
+    g.replay()                      # from device 0: the graph's device is made current for it
+    assert accel.current_device_index() == 0
+    accel.synchronize(1)
+    assert (b.to_numpy() == 9).all()
+    del g
+    gc.collect()
+    assert vars(sim.state()).get("graph_execs", 0) in (0, None)
