@@ -477,8 +477,19 @@ class Buffer:
         ``("dlpack", None, obj)`` (see :func:`_device_source`)."""
         kind, cai, obj = source
         if kind == "dlpack":
-            from ._dlpack import from_dlpack
-            temp = from_dlpack(obj, stream=stream)     # the producer orders its work before `stream`
+            from . import _dlpack
+            device = _dlpack._device_pair(obj) if hasattr(obj, "__dlpack_device__") else None
+            if device is not None:
+                _dlpack._check_device_type(device[0], _dlpack.BACKEND_DEVICE_TYPES.get(self._backend.name),
+                                           self._backend.name)
+            capsule = _dlpack._ask(obj, self._backend, device, stream)  # the producer orders its work first
+            info = _dlpack.parse(capsule)
+            if info.strides is not None and all(info.shape) and not _dlpack._c_contiguous(info.shape, info.strides):
+                # as the __cuda_array_interface__ path: the span would carry the gaps between elements
+                raise ValueError(f"{type(obj).__name__} is not C-contiguous (strides {info.strides} for shape "
+                                 f"{info.shape}); copy_from needs contiguous memory: make a contiguous copy first; "
+                                 f"nothing was copied")
+            temp = _dlpack.from_dlpack(capsule)         # takes the capsule, not yet consumed
             try:
                 if temp._nbytes != self._nbytes:
                     raise ValueError(f"size mismatch: source {type(obj).__name__} has {temp._nbytes} bytes, "

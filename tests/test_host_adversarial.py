@@ -318,3 +318,30 @@ def test_copy_from_a_torch_tensor_numpy_cannot_read_names_the_fix(sim_backend, n
     ints = torch.int16 if t.element_size() == 2 else torch.uint8
     buf.copy_from(t.view(ints))
     assert buf.to_numpy().tobytes() == t.view(ints).numpy().tobytes()
+
+
+# -- device views through DLPack ----------------------------------------------------------------------
+
+def test_copy_from_a_strided_device_view_is_refused_on_every_backend(sim_backend):
+    """On CUDA a strided ArrayView source (via __cuda_array_interface__) is refused as not
+    C-contiguous; through DLPack (xpu, mps) copy_from copied the view's whole span, gaps between
+    the elements included, into a buffer of the span's size."""
+    from accel import _dlpack
+    dev = _other()
+    src = accel.Buffer(64, device=dev)
+    src.copy_from(np.arange(64, dtype="u1"))
+    view = src.as_array("u2", shape=(16,), strides=(4,))     # span 62 bytes, 32 of data
+    dst = accel.Buffer(62, device=dev)
+    dst.fill_(9)
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        dst.copy_from(view)
+    assert set(np.unique(dst.to_numpy())) == {9}
+    assert _dlpack.live_exports() == 0
+    whole = src.as_array("u2", shape=(2, 16))           # C-contiguous: copied
+    dst32 = accel.Buffer(64, device=dev)
+    dst32.copy_from(whole)
+    np.testing.assert_array_equal(dst32.to_numpy(), np.arange(64, dtype="u1"))
+    one = src.as_array("u1", shape=(4, 1), strides=(1, 7))    # extent-1 strides do not matter
+    dst4 = accel.Buffer(4, device=dev)
+    dst4.copy_from(one)
+    np.testing.assert_array_equal(dst4.to_numpy(), np.arange(4, dtype="u1"))
