@@ -225,3 +225,36 @@ def test_elapsed_time_of_a_failed_record_says_it_failed(be):
         be.device_synchronize()           # the stream still holds the failed buffer: reported there too
     be.event_destroy(a)
     be.event_destroy(b)
+
+
+def test_destroying_a_stream_while_another_thread_synchronizes_it(be, monkeypatch):
+    """stream_destroy released the stream's in-flight command buffers but kept them listed, so
+    a synchronize waiting on them in another thread released them a second time (a Mac
+    crashes on the over-release).  The destroy happens, deterministically, while the first
+    thread waits outside the lock."""
+    import threading
+    from accel.backends import mps
+    s = be.stream_create()
+    p = be.mem_alloc(64)
+    be.memset_async(p, 1, 64, s)
+    rt = be._rt
+    real_send = rt.send
+    fired = []
+
+    def send(receiver, msg, *args):
+        if msg is mps.M_WAIT and not fired:
+            fired.append(True)
+            other = threading.Thread(target=be.stream_destroy, args=(s,))
+            other.start()
+            other.join()
+        return real_send(receiver, msg, *args)
+
+    monkeypatch.setattr(rt, "send", send)
+    be.stream_synchronize(s)
+    monkeypatch.setattr(rt, "send", real_send)
+    assert fired
+    be.device_synchronize()
+    assert _read(be, p, 4) == b"\x01" * 4
+    be.mem_free(p)
+    st = metal.state()
+    assert st.engine_errors == []

@@ -631,7 +631,10 @@ class MPSBackend(Backend):
             st = self._stream(stream)
             self._commit(st)
             del self._streams[stream]
-            for cb in st.inflight:
+            # Emptied, not just released: a synchronize of this stream waiting in another thread
+            # releases what is still listed here when its wait ends (a double release otherwise).
+            inflight, st.inflight = st.inflight, []
+            for cb in inflight:
                 rt.release(cb)
             rt.release(st.queue)
 
