@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import operator
 import os
 import threading
 from typing import Any, Dict, List, Optional, Tuple
@@ -831,9 +832,11 @@ class MPSBackend(Backend):
         rt = self._runtime()
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
             raise ValueError(f"nbytes must be a non-negative int, got {nbytes!r}")
-        if not isinstance(value, int):
+        try:
+            value = operator.index(value)
+        except TypeError:
             raise TypeError(f"mps: memset value must be an int (its low byte is written, as cudaMemset), "
-                            f"got {type(value).__name__} {value!r}")
+                            f"got {type(value).__name__} {value!r}") from None
         if nbytes == 0:
             return
         d = self._resolve(ptr, nbytes)
