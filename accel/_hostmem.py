@@ -59,7 +59,9 @@ def empty_pinned(shape, dtype="uint8"):
                         f"one such as 'S8' or 'U4'; nothing was allocated")
     try:
         # __index__ only, as numpy: int() truncated 2.5 to 2 and parsed "3"; bools are refused
-        dims = tuple(shape) if hasattr(shape, "__iter__") and not isinstance(shape, (str, bytes)) else (shape,)
+        ndim = getattr(shape, "ndim", None)             # a 0-d integer array is one dimension
+        scalar = ndim == 0 or (ndim is None and (not hasattr(shape, "__iter__") or isinstance(shape, (str, bytes))))
+        dims = (shape,) if scalar else tuple(shape)
         if any(isinstance(n, (bool, np.bool_)) for n in dims):
             raise TypeError
         shape = tuple(operator.index(n) for n in dims)

@@ -380,8 +380,8 @@ class Buffer:
         host source is first copied into pinned staging memory, so it may be
         reused immediately.
 
-        Another library's device array is copied device to device: an object with
-        ``__cuda_array_interface__`` (C-contiguous; the copy waits for the producer's
+        Another library's device array (C-contiguous) is copied device to device: an object with
+        ``__cuda_array_interface__`` (the copy waits for the producer's
         ``stream``), else one with ``__dlpack__`` on this accelerator (the producer is asked to
         order its work before the copy stream; the capsule's memory is handed back after the
         copy ran, so such a copy is blocking).  A DLPack object in host memory (a torch CPU
