@@ -424,7 +424,7 @@ class Stream:
     def __enter__(self) -> "Stream":
         self._live()
         backend = self._backend
-        saved = (backend.get_device(), current_stream(self._index))
+        saved = (backend.get_device(), current_stream(self._index), self)
         stack = _tls.__dict__.setdefault("stack", [])
         stack.append(saved)
         try:
@@ -439,7 +439,12 @@ class Stream:
         if not stack:
             raise RuntimeError(f"{self!r}.__exit__ without a matching __enter__ on this thread: the current "
                                f"stream is per thread, so leave `with stream:` on the thread that entered it")
-        previous_device, previous_stream = stack.pop()
+        if stack[-1][2] != self:
+            # What the entry saved belongs to another stream (maybe another device's): restoring
+            # it here would make that device's stream this device's current one.
+            raise RuntimeError(f"{self!r}.__exit__ out of order: the innermost `with stream:` on this thread "
+                               f"is {stack[-1][2]!r}; leave it first (nothing was changed)")
+        previous_device, previous_stream, _ = stack.pop()
         _current_table()[self._index] = previous_stream
         self._backend.set_device(previous_device)
 
