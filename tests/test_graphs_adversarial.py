@@ -375,3 +375,28 @@ def test_stream_contexts_left_out_of_order_never_mix_devices(sim_graph_backend):
             pass
         assert accel.current_stream(0) == s0
     assert accel.current_stream(0) == accel.default_stream(0)
+
+
+def test_graph_dropped_mid_capture_on_another_thread_is_ended_by_the_capturing_thread(sim_graph_backend):
+    # CUDA refuses to end a global-mode capture from another thread (cudaErrorStreamCaptureWrongThread),
+    # so a finalizer running there cannot end it: it is retried at the next safe point, where
+    # the capturing thread ends it.
+    s = accel.Stream()
+    b = accel.Buffer(64, stream=s)
+    b.fill_(0, s)
+    holder = [Graph()]
+    with s:
+        holder[0].capture_begin()
+        b.fill_(9, s)
+
+    def drop():
+        holder.clear()
+        gc.collect()
+    t = threading.Thread(target=drop)
+    t.start()
+    t.join()
+    accel.synchronize()             # a safe point on the capturing thread
+    assert not s.is_capturing() and _captures() == 0
+    assert (b.to_numpy() == 0).all()
+    s.close()
+    _usable()
