@@ -128,6 +128,10 @@ class Graph:
                 "or `with accel.graph(graph):`.")
         pool = _check_pool(self.graph_pool) if self.graph_pool is not None else _new_private_pool()
         from . import memory, random
+        if random.default_generator(stream.device_index).capturing:
+            raise RuntimeError(f"another graph is being captured on device {stream.device_index}: accel captures "
+                               f"one graph per device at a time (the device's default generator follows one "
+                               f"capture); end that capture first, or capture on another device")
         allocator = memory.device_allocator(stream.device_index)
         # The generator's seed/offset holders come from the general cache (torch registers
         # the graph with its generator before routing allocations to the graph's pool).

@@ -400,3 +400,25 @@ def test_graph_dropped_mid_capture_on_another_thread_is_ended_by_the_capturing_t
     assert (b.to_numpy() == 0).all()
     s.close()
     _usable()
+
+
+def test_second_capture_on_a_device_says_what_to_do(sim_graph_backend):
+    # The refusal came from the random generator ("the generator of device 0 is already
+    # capturing"), naming neither the other capture nor the fix.
+    s1, s2 = accel.Stream(), accel.Stream()
+    g1, g2 = Graph(), Graph()
+    with s1:
+        g1.capture_begin()
+    try:
+        with s2:
+            with pytest.raises(RuntimeError, match="one graph per device"):
+                g2.capture_begin()
+        assert g2._stream is None and not s2.is_capturing()
+    finally:
+        with s1:
+            g1.capture_end()
+    with s2, g2:            # the refused graph captures once the other capture ended
+        accel.Buffer(64, stream=s2).fill_(1, s2)
+    g2.replay()
+    accel.synchronize()
+    assert _captures() == 0
