@@ -84,4 +84,6 @@ def empty_pinned(shape, dtype="uint8"):
     # for every view, and its destructor frees it through the finalizer path (no lock wait).
     owner = ffi.gc(ffi.cast("char *", ptr), lambda _p, ptr=ptr, be=host._be, pid=_finalize.pid:
                    _finalize.finalize(_free_pinned, be, host, ptr, pid))
-    return np.frombuffer(ffi.buffer(owner, nbytes), dtype=dtype, count=count).reshape(shape)
+    # a subarray dtype such as ('f4', (2,)) adds its dimensions, as numpy.empty
+    items = count * (dtype.itemsize // dtype.base.itemsize if dtype.base.itemsize else 1)
+    return np.frombuffer(ffi.buffer(owner, nbytes), dtype=dtype.base, count=items).reshape(shape + dtype.shape)

@@ -593,10 +593,11 @@ class Buffer:
             self.copy_to(out, stream, non_blocking=True)
             event = Event()
             event.record(stream)
-            return (out.reshape(shape) if shape is not None else out), event
+            return (out.reshape(shape + dtype.shape) if shape is not None else out), event
         out = np.empty(count, dtype=dtype)
         self.copy_to(out, stream)
-        return out.reshape(shape) if shape is not None else out
+        # a subarray dtype such as ('f4', (2,)) adds its dimensions, as numpy.empty
+        return out.reshape(shape + dtype.shape) if shape is not None else out
 
     def fill_(self, value: int, stream: Optional[Stream] = None) -> "Buffer":
         """Set every byte to ``value`` (0..255), ordered on ``stream``; returns self."""

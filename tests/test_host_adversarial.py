@@ -344,3 +344,27 @@ def test_copy_from_a_strided_device_view_is_refused_on_every_backend(sim_backend
     dst4 = accel.Buffer(4, device=dev)
     dst4.copy_from(one)
     np.testing.assert_array_equal(dst4.to_numpy(), np.arange(4, dtype="u1"))
+
+
+# -- subarray dtypes -------------------------------------------------------------------------------------
+
+def test_subarray_dtype_adds_its_dimensions_as_numpy(sim_backend):
+    """numpy.empty(3, ('f4', (2,))) is a (3, 2) float32 array.  empty_pinned failed with "cannot
+    reshape array of size 6 into shape (3,)" after pinning, and to_numpy did so with a shape or
+    non_blocking (its blocking form without a shape worked)."""
+    sub = np.dtype(("f4", (2,)))
+    pinned = accel.empty_pinned(3, sub)
+    assert pinned.shape == (3, 2) and pinned.dtype == np.float32
+    assert accel.empty_pinned((2, 0), sub).shape == (2, 0, 2)
+    buf = accel.Buffer(24, device=_other())
+    buf.copy_from(np.arange(6, dtype="f4"))
+    expect = np.arange(6, dtype="f4").reshape(3, 2)
+    np.testing.assert_array_equal(buf.to_numpy(sub), expect)
+    np.testing.assert_array_equal(buf.to_numpy(sub, (3,)), expect)
+    np.testing.assert_array_equal(buf.to_numpy(sub, (1, 3)), expect.reshape(1, 3, 2))
+    arr, event = buf.to_numpy(sub, (3,), non_blocking=True)
+    event.synchronize()
+    np.testing.assert_array_equal(arr, expect)
+    arr, event = buf.to_numpy(sub, non_blocking=True)
+    event.synchronize()
+    np.testing.assert_array_equal(arr, expect)
