@@ -4,7 +4,6 @@ clear Python exception and leaves the process usable, with no capture left under
 import gc
 import threading
 
-import numpy as np
 import pytest
 
 import accel
