@@ -151,16 +151,17 @@ def checked_index(dev: DeviceLike, optional: bool = True) -> int:
     return index
 
 
-def check_range(index: int) -> None:
+def check_range(index: int, backend=None, what: str = "") -> None:
     """:class:`InvalidDeviceError` (a ValueError and, as torch's, a RuntimeError) naming the
-    valid range when ``index`` is not a visible device."""
-    chosen = _lazy.backend()
+    valid range when ``index`` is not a visible device of ``backend`` (default: the chosen
+    one); ``what`` prefixes the message (the call that refused it)."""
+    chosen = backend if backend is not None else _lazy.backend()
     count = chosen.count()
     if not 0 <= index < count:
         if count == 0:
-            raise InvalidDeviceError(f"device index {index} is invalid: no {chosen.name} device is available")
-        raise InvalidDeviceError(f"device index {index} is out of range: {count} {chosen.name} "
-                         f"device{'s' if count != 1 else ''} visible (valid indices 0..{count - 1})")
+            raise InvalidDeviceError(f"{what}device index {index} is invalid: no {chosen.name} device is available")
+        raise InvalidDeviceError(f"{what}device index {index} is out of range: {count} {chosen.name} "
+                                 f"device{'s' if count != 1 else ''} visible (valid indices 0..{count - 1})")
 
 
 def check_stream_range(index: int) -> None:

@@ -87,7 +87,8 @@ from bisect import bisect_left, insort
 from collections import deque
 from typing import Dict, List, Optional, Tuple
 
-from .._errors import AcceleratorError, CaptureError, InvalidDeviceError, OutOfMemoryError
+from .._device import check_range
+from .._errors import AcceleratorError, CaptureError, OutOfMemoryError
 from .._finalize import drain as _drain_finalizers, pending as _finalizers
 from .._locks import acquire as _acquire
 from ..streams import on_device
@@ -269,11 +270,7 @@ def check_use(backend, stream, device_index, default: int) -> int:
         return default
     if type(device_index) is not int:
         raise TypeError(f"record_stream: device_index must be an int, got {device_index!r}")
-    count = backend.count()
-    if not 0 <= device_index < count:
-        raise InvalidDeviceError(f"record_stream: device index {device_index} is out of range: {count} "
-                                 f"{backend.name} device{'s' if count != 1 else ''} visible "
-                                 f"(valid indices 0..{count - 1})")
+    check_range(device_index, backend, "record_stream: ")
     return device_index
 
 
@@ -862,12 +859,9 @@ class DeviceCachingAllocator:
             raise TypeError(f"add_peer: device index must be an int, got {type(index).__name__}")
         if index == self._index or index in self._peers:
             return
-        count = self._be.count()
-        if not 0 <= index < count:
-            # refused now: a peer is granted access to every later mapping, so a bad one would
-            # fail each of them (cuMemSetAccess: CUDA_ERROR_INVALID_DEVICE)
-            raise InvalidDeviceError(f"add_peer: device index {index} is out of range: {count} {self._be.name} "
-                                     f"device{'s' if count != 1 else ''} visible (valid indices 0..{count - 1})")
+        # refused now: a peer is granted access to every later mapping, so a bad one would
+        # fail each of them (cuMemSetAccess: CUDA_ERROR_INVALID_DEVICE)
+        check_range(index, self._be, "add_peer: ")
         lock = self._lock
         if not lock.acquire(False):
             _acquire(lock, "add_peer")
