@@ -124,6 +124,23 @@ class LibraryMixin:
         if rc:
             self._fail(call, rc)
 
+    def _free_forgetting(self, table: dict, key: int, free) -> tuple:
+        """``free(entry)`` with ``table[key]`` forgotten first (under the lock) and put back if
+        ``free`` raises; returns the entry.  Why first: once the driver has an address or handle
+        back it may give the same value to another thread's allocation, whose entry an update
+        after the call would drop (test_vmm_ze's reuse tests)."""
+        with self._lock:
+            entry = table.pop(key, None)
+        if entry is None:
+            raise ValueError(f"{self.name}: 0x{key:x} was released by another thread meanwhile (a double free)")
+        try:
+            free(entry)
+        except BaseException:
+            with self._lock:
+                table[key] = entry
+            raise
+        return entry
+
     def _discard(self, call: str, handle) -> None:
         """Release ``handle`` with ``call`` on an error path (another error is being raised); a
         failure keeps it for the next _sweep instead of leaking it."""

@@ -118,18 +118,10 @@ class MemoryMixin:
         dev = entry[0]
         self._quiesce()   # Level Zero: the device must not reference memory being freed
         ffi, lib, _ = self._lib
-        # Forgotten before zeMemFree, restored if it fails: once freed, the driver may hand the
-        # same address to an allocation on another thread, whose entry must survive.
+        self._free_forgetting(self._allocs, ptr,
+                              lambda e: self._check_rc("zeMemFree", lib.zeMemFree(dev.ctx, ffi.cast("void *", ptr))))
         with self._lock:
-            self._allocs.pop(ptr, None)
-        rc = lib.zeMemFree(dev.ctx, ffi.cast("void *", ptr))
-        with self._lock:
-            if rc:
-                self._allocs[ptr] = entry
-            else:
-                dev.used -= entry[1]
-        if rc:
-            self._fail("zeMemFree", rc)
+            dev.used -= entry[1]
 
     def host_alloc(self, nbytes: int) -> int:
         _check_size(nbytes)
@@ -160,16 +152,7 @@ class MemoryMixin:
             if ptr not in self._host_allocs:
                 raise ValueError(f"host_free: {ptr:#x} is not a live pinned allocation of this process")
         self._quiesce()
-        with self._lock:           # forgotten first, as in mem_free
-            entry = self._host_allocs.pop(ptr)
-        ok = False
-        try:
-            self._host_free(ptr)
-            ok = True
-        finally:
-            if not ok:
-                with self._lock:
-                    self._host_allocs[ptr] = entry
+        self._free_forgetting(self._host_allocs, ptr, lambda e: self._host_free(ptr))
 
     def _host_free(self, ptr: int) -> None:
         ffi, lib, _ = self._lib

@@ -74,8 +74,8 @@ class VmmMixin:
         """zeVirtualMemFree of a whole reservation (accel unmaps first; Level Zero would unmap)."""
         ffi, lib, _ = self._vmm_lib("zeVirtualMemFree")
         t = self._vmm_tables()
-        # Forgotten before the call, restored if it fails: once the driver has the range back it
-        # may hand the same address to another thread's reserve, whose entry must survive.
+        # Forgotten before the call, restored if it fails, as _free_forgetting does for one table:
+        # a range reserved again by another thread keeps its entries.
         with self._lock:
             entry = t["reserved"].pop(va, None)
             mapped = {b: t["mapped"][b] for b in t["mapped"] if va <= b < va + nbytes}
@@ -118,23 +118,13 @@ class VmmMixin:
         """zePhysicalMemDestroy (the handle must not be mapped any more)."""
         ffi, lib, _ = self._vmm_lib("zePhysicalMemDestroy")
         t = self._vmm_tables()
-        with self._lock:           # forgotten first, as in vmm_free: the driver may reuse the value
-            entry = t["handles"].pop(handle, None)
-        if entry is None:
+        if handle not in t["handles"]:
             raise AcceleratorError(f"{self.name}: vmm_release(0x{handle:x}): not a physical allocation of this "
                                    f"backend", library="libze_loader")
-        dev, nbytes, ctx = entry
-        ok = False
-        try:
-            self._check_rc("zePhysicalMemDestroy",
-                           lib.zePhysicalMemDestroy(ctx, ffi.cast("ze_physical_mem_handle_t", handle)))
-            ok = True
-        finally:
-            with self._lock:
-                if ok:
-                    dev.used -= nbytes
-                else:
-                    t["handles"][handle] = entry
+        dev, nbytes, _ = self._free_forgetting(t["handles"], handle, lambda e: self._check_rc(
+            "zePhysicalMemDestroy", lib.zePhysicalMemDestroy(e[2], ffi.cast("ze_physical_mem_handle_t", handle))))
+        with self._lock:
+            dev.used -= nbytes
 
     def vmm_map(self, va: int, nbytes: int, handle: int, index: int) -> None:
         """zeVirtualMemMap of ``handle`` at ``va``, read-write (for every device of the context)."""
