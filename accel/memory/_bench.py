@@ -23,15 +23,15 @@ from ._caching import DeviceCachingAllocator
 MiB = 1 << 20
 #: The traces of ../shared/traces, also copied into tests/test_memory_traces for a clean clone.
 SHARED_TRACES = ("cnn_train.json", "gpt_small_train.json")
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_TRACES_DIR = os.path.join(_REPO, "tests", "test_memory_traces")     # the committed traces
 
 
 def default_traces() -> List[str]:
     """The allocation traces: ``$ACCEL_TRACES``, else ``../shared/traces`` next to the
     repository, else the copy kept in ``tests/test_memory_traces`` (for a clean clone)."""
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = os.environ.get("ACCEL_TRACES")
-    folders = [env] if env else [os.path.join(os.path.dirname(repo), "shared", "traces"),
-                                 os.path.join(repo, "tests", "test_memory_traces")]
+    folders = [env] if env else [os.path.join(os.path.dirname(_REPO), "shared", "traces"), _TRACES_DIR]
     for folder in folders:
         found = sorted(glob.glob(os.path.join(folder, "*.json")))
         if folder.endswith("test_memory_traces"):
@@ -60,15 +60,13 @@ MAP_STAT, UNMAP_STAT = "num_device_map", "num_device_unmap"
 def corpus_traces() -> List[str]:
     """Every trace kept in ``tests/test_memory_traces`` (the recorded corpus plus the
     copy of the shared two), sorted by file name."""
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return sorted(glob.glob(os.path.join(repo, "tests", "test_memory_traces", "*.json")))
+    return sorted(glob.glob(os.path.join(_TRACES_DIR, "*.json")))
 
 
 def holdout_traces() -> List[str]:
     """The held-out traces in ``tests/test_memory_traces/holdout`` (recorded after the
     policy was tuned; ``tools/holdout_workloads.py``), sorted by file name."""
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return sorted(glob.glob(os.path.join(repo, "tests", "test_memory_traces", "holdout", "*.json")))
+    return sorted(glob.glob(os.path.join(_TRACES_DIR, "holdout", "*.json")))
 
 
 def peak_live(ops) -> int:
