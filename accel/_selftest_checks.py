@@ -656,16 +656,6 @@ def _saxpy_reference(grid, block, view, a, x, y, n):
     ys[:] = np.float32(a) * view(x, 4 * n, np.float32) + ys
 
 
-def _nvrtc_missing() -> str:
-    """Why accel.compile cannot run here (the loader's message, which names the wheel), or ''."""
-    from .backends import _nvrtc
-    try:
-        _nvrtc.version()
-    except RuntimeError as exc:
-        return str(exc).splitlines()[0]
-    return ""
-
-
 def check_user_kernel(ctx: Context) -> dict:
     """SAXPY in CUDA C through accel.compile (NVRTC), Module and launch equals numpy bit for bit.
 
@@ -675,7 +665,8 @@ def check_user_kernel(ctx: Context) -> dict:
     import accel
     if ctx.backend.name != "cuda":
         return {"skipped": f"accel.compile makes PTX for CUDA; this is {ctx.backend.name}"}
-    why = _nvrtc_missing()
+    from .backends import _nvrtc
+    why = _nvrtc.missing()
     if why:
         return {"skipped": f"NVRTC is not available: {why}"}
     # In a dry run the simulator runs this reference; on a device the kernel runs for real and the

@@ -11,18 +11,10 @@ import sys
 
 import pytest
 
+from accel.backends import _nvrtc
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(REPO, "examples")
-
-
-def _nvrtc_missing() -> str:
-    """Why NVRTC cannot be used here ('' when it can)."""
-    from accel.backends import _nvrtc
-    try:
-        _nvrtc.version()
-    except RuntimeError as exc:
-        return str(exc).splitlines()[0]
-    return ""
 
 
 def _run(script: str, sim: str, **env_extra) -> subprocess.CompletedProcess:
@@ -49,7 +41,7 @@ def test_every_example_is_tested():
 def test_example_runs_on_the_simulator(script):
     sim, needs_nvrtc, success = CASES[script]
     if needs_nvrtc:
-        why = _nvrtc_missing()
+        why = _nvrtc.missing()
         if why:
             pytest.skip(f"{script} compiles with NVRTC, which is not available: {why}")
     proc = _run(script, sim)
@@ -75,7 +67,7 @@ def test_metal_example_refuses_other_backends_with_a_hint():
 
 def test_readme_kernel_example_runs_on_the_simulator(tmp_path):
     """The README's "Your own kernels" snippet is a working script."""
-    why = _nvrtc_missing()
+    why = _nvrtc.missing()
     if why:
         pytest.skip(f"the README example compiles with NVRTC, which is not available: {why}")
     with open(os.path.join(REPO, "README.md")) as fh:

@@ -11,6 +11,7 @@ import pytest
 import accel
 from accel import _selftest_checks as checks
 from accel import selftest
+from accel.backends import _nvrtc
 
 from conftest import use_sim
 
@@ -58,7 +59,7 @@ def test_dry_run_on_the_simulator_passes_every_check(tmp_path):
     assert report["dry_run"] is True and report["skipped"] is False and report["ok"] is True
     assert [c["name"] for c in report["checks"]] == list(checks.CHECKS)
     for c in report["checks"]:
-        if c["name"] == "user_kernel" and _nvrtc_missing():
+        if c["name"] == "user_kernel" and _nvrtc.missing():
             assert c["status"] == "skip" and "NVRTC is not available" in c["details"]["skipped"], c
             continue
         assert c["status"] == "pass", c
@@ -72,15 +73,11 @@ def test_dry_run_on_the_simulator_passes_every_check(tmp_path):
     assert set(by_name["multi_device"]["steps"].values()) == {"ok"}, by_name["multi_device"]
 
 
-def _nvrtc_missing() -> str:
-    return checks._nvrtc_missing()
-
-
 def test_user_kernel_check_on_the_simulator_says_so(monkeypatch):
     """The dry run compiles SAXPY with the real NVRTC, but the launch ran the registered reference:
     the record must not read as a device result (issue 18)."""
-    if _nvrtc_missing():
-        pytest.skip(f"NVRTC is not available: {_nvrtc_missing()}")
+    if _nvrtc.missing():
+        pytest.skip(f"NVRTC is not available: {_nvrtc.missing()}")
     use_sim(monkeypatch, "cuda")
     for device in (0, 1):
         record = selftest.run_check_here("user_kernel", device, quick=True)
@@ -103,8 +100,8 @@ def test_user_kernel_check_skips_with_the_reason_without_nvrtc(monkeypatch):
 
 def test_user_kernel_check_fails_when_the_result_is_wrong(monkeypatch):
     """Negative control: a reference that computes something else is caught."""
-    if _nvrtc_missing():
-        pytest.skip(f"NVRTC is not available: {_nvrtc_missing()}")
+    if _nvrtc.missing():
+        pytest.skip(f"NVRTC is not available: {_nvrtc.missing()}")
     use_sim(monkeypatch, "cuda")
     import numpy as np
     real = checks._saxpy_reference

@@ -67,6 +67,15 @@ def version() -> Tuple[int, int]:
     return major[0], minor[0]
 
 
+def missing() -> str:
+    """Why NVRTC cannot be used here (the loader's first line, which names the wheel), or ''."""
+    try:
+        version()
+    except RuntimeError as exc:
+        return str(exc).splitlines()[0]
+    return ""
+
+
 def supported_archs() -> Tuple[int, ...]:
     """The architectures NVRTC can target, as ``10 * major + minor`` (75, 80, ..., 120)."""
     ffi, lib, _path = open_lib()
