@@ -98,7 +98,7 @@ from ._snapfmt import allocator_settings as _allocator_settings, stack as _stack
 from ._expandable import UNMAPPED as _UNMAPPED, Segment as _ExpSegment, pieces as _pieces, place as _place
 from ._stats import (ACTIVE, ACTIVE_BYTES, ALLOCATED_BYTES, ALLOCATION, INACTIVE_SPLIT,
                      INACTIVE_SPLIT_BYTES, LANE_MASK, OVERSIZE_ALLOCATIONS, OVERSIZE_SEGMENTS,
-                     REQUESTED_BYTES, RESERVED_BYTES, SEGMENT, lane_max, unpack)
+                     REQUESTED_BYTES, RESERVED_BYTES, SEGMENT, raise_peaks, unpack)
 
 # PyTorch's constants (c10/core/AllocatorConfig.h).
 MIN_BLOCK_SIZE = 512          # kMinBlockSize: every size is rounded to a multiple
@@ -520,7 +520,7 @@ class DeviceCachingAllocator:
             # with the last value that passed it.
             if cur != self._s_peak_ok:
                 if (self._s_peak_guarded - cur) & _GUARD != _GUARD:
-                    self._s_peak_guarded = lane_max(self._s_peak_guarded ^ _GUARD, cur, _LANES) | _GUARD
+                    self._s_peak_guarded = raise_peaks(self._s_peak_guarded, cur, _GUARD)
                 self._s_peak_ok = cur
             if special:
                 self._after_take(block, fl)
@@ -1089,7 +1089,7 @@ class DeviceCachingAllocator:
             cur = self._s_cur = self._s_cur - dec + (fl.split_deltas.get(size) or fl.split_delta(size))
             if cur != self._s_peak_ok:         # see malloc
                 if (self._s_peak_guarded - cur) & _GUARD != _GUARD:
-                    self._s_peak_guarded = lane_max(self._s_peak_guarded ^ _GUARD, cur, _LANES) | _GUARD
+                    self._s_peak_guarded = raise_peaks(self._s_peak_guarded, cur, _GUARD)
                 self._s_peak_ok = cur
             return
         self._s_cur -= dec
@@ -1452,7 +1452,7 @@ class DeviceCachingAllocator:
         if block.prev is not None or block.next is not None:
             cur = self._s_cur = self._s_cur + (fl.split_deltas.get(block.size) or fl.split_delta(block.size))
             if (self._s_peak_guarded - cur) & _GUARD != _GUARD:
-                self._s_peak_guarded = lane_max(self._s_peak_guarded ^ _GUARD, cur, _LANES) | _GUARD
+                self._s_peak_guarded = raise_peaks(self._s_peak_guarded, cur, _GUARD)
 
     def _unlist_free(self, block: _Block) -> None:
         """Take a free block out of its list and its counts (before its neighbours change)."""

@@ -83,5 +83,12 @@ def pack(values) -> int:
     return out
 
 
-def lane_max(a: int, b: int, nlanes: int) -> int:
-    return pack(max(x, y) for x, y in zip(unpack(a, nlanes), unpack(b, nlanes)))
+def raise_peaks(guarded: int, cur: int, guard_bits: int) -> int:
+    """``guarded`` (the peaks, each lane's top bit set: ``peak | guard``) with every lane
+    that ``cur`` exceeds raised to ``cur``'s, in a few whole-int operations instead of a
+    loop over the lanes.  A lane's guard bit survives ``guarded - cur`` exactly when it
+    did not go up; shifting the cleared bits down to each lane's bit 0 and multiplying by
+    ``LANE_MASK`` fills those lanes (no carry leaves a lane)."""
+    grew = ~(guarded - cur) & guard_bits
+    mask = (grew >> (LANE - 1)) * LANE_MASK
+    return guarded ^ ((guarded ^ (cur | guard_bits)) & mask)
