@@ -12,6 +12,7 @@ does not initialize either, so a process may still ``fork`` afterwards.
 
 from __future__ import annotations
 
+import threading
 import warnings
 from typing import Optional
 
@@ -140,24 +141,33 @@ def set_device_idx(device: DeviceLike, /) -> None:
 class device_index:
     """Context manager making ``device`` current in its body and restoring the previous device.
 
-    ``device_index(None)`` does nothing.  ``__enter__`` returns None, as torch's.
+    ``device_index(None)`` does nothing.  ``__enter__`` returns None, as torch's.  One object
+    may be entered again while entered (nested, or by another thread): each exit restores
+    the device its own thread's innermost entry saved.
     """
 
     def __init__(self, device: DeviceLike, /):
         self.idx = None if device is None else _device_index(device)
         self.prev_idx = -1
+        self._saved = []    # (thread id, previous index) of each entry not yet exited
 
     def __enter__(self) -> None:
         if self.idx is not None and self.idx >= 0:
             backend = _lazy.lazy_init()
             check_range(self.idx)
-            self.prev_idx = backend.get_device()
-            if self.prev_idx != self.idx:
+            self.prev_idx = previous = backend.get_device()
+            if previous != self.idx:
                 backend.set_device(self.idx)
+            self._saved.append((threading.get_ident(), previous))
 
     def __exit__(self, *exc) -> None:
-        if self.idx is not None and self.prev_idx >= 0 and self.prev_idx != self.idx:
-            _lazy.lazy_init().set_device(self.prev_idx)
+        me = threading.get_ident()
+        for i in range(len(self._saved) - 1, -1, -1):
+            if self._saved[i][0] == me:
+                previous = self._saved.pop(i)[1]
+                if previous != self.idx:
+                    _lazy.lazy_init().set_device(previous)
+                return
 
 
 _capabilities: dict = {}
