@@ -445,7 +445,12 @@ class Stream:
             raise RuntimeError(f"{self!r}.__exit__ out of order: the innermost `with stream:` on this thread "
                                f"is {stack[-1][2]!r}; leave it first (nothing was changed)")
         previous_device, previous_stream, _ = stack.pop()
-        _current_table()[self._index] = previous_stream
+        if previous_stream._closed:
+            # Closed in the body: the default stream is current again, as after closing the
+            # current stream (restoring it made every later call on the current stream raise).
+            _current_table().pop(self._index, None)
+        else:
+            _current_table()[self._index] = previous_stream
         self._backend.set_device(previous_device)
 
     # -- lifetime ------------------------------------------------------------------
