@@ -64,3 +64,54 @@ def test_stream_exit_does_not_restore_a_stream_closed_in_the_body(sim_backend):
     assert accel.current_stream(0) == accel.default_stream(0)
     accel.current_stream().synchronize()
     b.close()
+
+
+# -- RNG -------------------------------------------------------------------------------------------
+def test_default_generator_refuses_bool_even_once_device_1s_generator_exists(sim_graph_backend):
+    """default_generator(True) returned device 1's generator once it existed (True == 1 as a
+    dict key), and a TypeError before; numpy integers likewise worked only after creation."""
+    import numpy as np
+    R = accel.random
+    R.get_rng_state(1)                      # creates device 1's default generator
+    with pytest.raises(TypeError, match="True"):
+        R.default_generator(True)
+    with pytest.raises(TypeError, match="False"):
+        R.default_generator(False)
+    assert R.default_generator(np.int64(1)) is R.default_generator(1)
+    assert R.default_generator(np.uint8(0)) is R.default_generator(0)
+
+
+def test_generator_device_index_is_checked_against_the_devices(sim_graph_backend):
+    """Generator(5) with two devices was accepted (it could never fill a buffer); -1 raised a
+    TypeError for a value error."""
+    R = accel.random
+    with pytest.raises(ValueError, match=r"5.*valid indices 0\.\.1"):
+        R.Generator(5)
+    with pytest.raises(ValueError, match="-1"):
+        R.Generator(-1)
+    with pytest.raises(TypeError, match="True"):
+        R.Generator(True)
+    assert R.Generator(1).device_index == 1
+
+
+def test_generator_without_a_device_takes_any_index(monkeypatch):
+    """Generators stay plain host objects where no device exists (the host reference path)."""
+    from conftest import use_sim
+    use_sim(monkeypatch, "cuda", ACCEL_SIM_DEVICES=0)
+    assert accel.random.Generator(3).device_index == 3
+
+
+def test_generator_set_offset_names_the_bad_value_and_changes_nothing():
+    """set_offset(1.5) said only "'float' object cannot be interpreted as an integer",
+    set_offset(True) "offset must be a multiple of 4", set_offset(6) did not say 6."""
+    g = accel.random.Generator(0, seed=7)
+    g.set_offset(8)
+    before = bytes(g.get_state())
+    for bad, exc, words in ((1.5, TypeError, ("offset", "1.5")), ("4", TypeError, ("offset", "'4'")),
+                            (True, TypeError, ("offset", "True")), (None, TypeError, ("offset", "None")),
+                            (6, RuntimeError, ("multiple of 4", "6")), (-4, RuntimeError, ("-4",)),
+                            (2**63, RuntimeError, (str(2**63),))):
+        with pytest.raises(exc) as info:
+            g.set_offset(bad)
+        assert all(w in str(info.value) for w in words), (bad, str(info.value))
+        assert bytes(g.get_state()) == before

@@ -24,6 +24,7 @@ generator runs in graph-safe mode (see :mod:`accel.random.generator`).
 
 from __future__ import annotations
 
+import operator
 import secrets
 import threading
 from typing import Dict, List
@@ -80,11 +81,14 @@ def _resolve(device) -> int:
 
 def default_generator(device_index: int) -> Generator:
     """The default generator of device ``device_index`` (created on first use; no runtime init)."""
+    if type(device_index) is not int:       # the fast path: an int, already a key
+        if isinstance(device_index, bool) or not hasattr(type(device_index), "__index__"):
+            # (True would find device 1's generator: True == 1 as a key)
+            raise TypeError(f"default_generator() takes an int device index, got {device_index!r}")
+        device_index = operator.index(device_index)   # numpy integers
     gen = _generators.get(device_index)
     if gen is not None:
         return gen
-    if isinstance(device_index, bool) or not isinstance(device_index, int):
-        raise TypeError(f"default_generator() takes an int device index, got {device_index!r}")
     from .._device import check_range
     check_range(device_index)
     with _lock:

@@ -71,6 +71,24 @@ def check_seed(seed) -> int:
     return value % _U64
 
 
+def _check_device_index(device_index) -> int:
+    """A generator's device index: an ``__index__`` integer (not bool), and, where the selected
+    backend has devices, one of them (torch's createCUDAGenerator: "The device_index is invalid.").
+    Without a device any index >= 0 is taken: generators are then plain host objects."""
+    if isinstance(device_index, bool) or not hasattr(type(device_index), "__index__"):
+        raise TypeError(f"device_index must be an int, got {type(device_index).__name__} {device_index!r}")
+    index = operator.index(device_index)     # numpy integers too
+    from .. import backends
+    from .._device import check_range
+    from .._errors import InvalidDeviceError
+    chosen = backends.select()              # counts devices; initializes nothing
+    if chosen is not None and chosen.count() > 0:
+        check_range(index, chosen, "Generator: ")
+    elif index < 0:
+        raise InvalidDeviceError(f"Generator: device index {index} is invalid: it must be >= 0")
+    return index
+
+
 def _state_bytes(new_state) -> bytes:
     """The bytes of a state array, or TypeError naming what is accepted."""
     if isinstance(new_state, (bytes, bytearray)):
@@ -100,11 +118,7 @@ class Generator:
     """
 
     def __init__(self, device_index: int = 0, seed: Optional[int] = None):
-        if isinstance(device_index, bool) or not hasattr(type(device_index), "__index__") \
-                or device_index.__index__() < 0:
-            raise TypeError(f"device_index must be a non-negative int, got {device_index!r}")
-        device_index = device_index.__index__()     # numpy integers too
-        self.device_index = device_index
+        self.device_index = _check_device_index(device_index)
         self._lock = threading.RLock()
         self._seed = DEFAULT_SEED if seed is None else check_seed(seed)
         self._offset = 0
@@ -163,9 +177,12 @@ class Generator:
 
     def set_offset(self, offset: int) -> None:
         """Set the offset (a non-negative multiple of 4 below 2**63)."""
+        if isinstance(offset, bool) or not hasattr(type(offset), "__index__"):
+            raise TypeError(f"offset must be an int (a multiple of 4 in [0, 2**63)), got "
+                            f"{type(offset).__name__} {offset!r}")
         offset = operator.index(offset)
         if offset % 4:
-            raise RuntimeError("offset must be a multiple of 4")
+            raise RuntimeError(f"offset must be a multiple of 4, got {offset}")
         if not 0 <= offset <= _I64_MAX:
             raise RuntimeError(f"offset must be in [0, 2**63), got {offset}")
         with self._lock:
