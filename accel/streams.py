@@ -601,6 +601,9 @@ class Event:
     def __init__(self, device: DeviceLike = None, *, enable_timing: bool = False, blocking: bool = False,
                  interprocess: bool = False, external: bool = False):
         self._handle = None     # __del__ reads it even when a check below raises
+        for name, value in (("enable_timing", enable_timing), ("blocking", blocking),
+                            ("interprocess", interprocess), ("external", external)):
+            _check_flag(name, value)
         self._type = _event_type(device)
         if interprocess:
             raise NotImplementedError(
@@ -867,6 +870,16 @@ def _check_external(backend: Optional[Backend]) -> None:
     if backend is not None and not backend.supports_external_events:
         raise NotImplementedError(f"Event(external=True) is not available on {backend.name}: "
                                   f"{backend.no_external_events_reason}")
+
+
+def _check_flag(name: str, value) -> None:
+    """An Event flag must be a bool (or numpy.bool_), as torch.Event's: Event(enable_timing="no")
+    would otherwise make a timing event."""
+    kind = type(value)
+    if kind is bool or (kind.__name__ in ("bool", "bool_") and kind.__module__ == "numpy"):
+        return
+    raise TypeError(f"Event(): argument '{name}' must be a bool (True or False), not {kind.__name__} "
+                    f"({value!r})")
 
 
 def _event_type(dev: DeviceLike) -> Optional[str]:

@@ -115,3 +115,22 @@ def test_generator_set_offset_names_the_bad_value_and_changes_nothing():
             g.set_offset(bad)
         assert all(w in str(info.value) for w in words), (bad, str(info.value))
         assert bytes(g.get_state()) == before
+
+
+# -- Event flags -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("flag", ["enable_timing", "blocking", "interprocess", "external"])
+@pytest.mark.parametrize("bad", ["no", None, 1, 0.0, [True]], ids=["str", "None", "int", "float", "list"])
+def test_event_flags_must_be_bool(sim_backend, flag, bad):
+    """Event(enable_timing="no") made a timing event (bool("no") is True) and
+    Event(enable_timing=None) a plain one; torch.Event takes only a bool for each flag."""
+    with pytest.raises(TypeError, match=rf"{flag}.*must be a bool.*{type(bad).__name__}"):
+        accel.Event(**{flag: bad})
+
+
+def test_event_flags_take_numpy_bools(sim_backend):
+    import numpy as np
+    e = accel.Event(enable_timing=np.bool_(True), blocking=np.bool_(False))
+    assert e.enable_timing is True and e.blocking is False
+    e.record()
+    e.synchronize()
+    e.close()
