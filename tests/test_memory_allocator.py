@@ -80,6 +80,14 @@ def check_invariants(alloc, be):
                 assert block.ptr not in listed
                 listed.add(block.ptr)
     assert listed == {p for p, b in blocks.items() if b.state == _caching._FREE}
+    # release-before-grow reads the whole free segments from a record (_whole); it must
+    # name exactly the ones a scan of every free list finds
+    owners = [alloc._general] + [p.lists for p in alloc._private.values() if p.use_count == 0]
+    scanned = {key & _caching._MASK for lists in owners for pair in lists.values() for fl in pair
+               for key in fl.keys if blocks[key & _caching._MASK].prev is None
+               and blocks[key & _caching._MASK].next is None and blocks[key & _caching._MASK].seg is None}
+    assert {b.ptr for b in alloc._whole_free_segments()} == scanned
+    assert set(alloc._whole) <= set(alloc._segments)      # bounded by live segments
     stats = alloc.stats()
     for q, pool in enumerate(("all", "small_pool", "large_pool")):
         expect = {"allocation": n["alloc"][q], "allocated_bytes": n["alloc_b"][q],

@@ -332,6 +332,12 @@ def group_alloc(quick: bool, progress: Callable[[str], None]) -> List[dict]:
     if not res["traces"]:
         rows.append(row("alloc traces", None, None, "x", note="no traces found: set ACCEL_TRACES to the "
                         "folder of *.json traces (default ../shared/traces)", skipped=True))
+    for label, conf in (("classic", "expandable_segments:False"), ("expandable", "expandable_segments:True")):
+        sc = _bench.scaling_cost(2000, 5000 if quick else 20000, _config.parse(conf))
+        rows.append(row(f"alloc {label}: us/op with {sc['large']} blocks live", sc["large_us_per_op"],
+                        sc["small_us_per_op"], "us/op", baseline_name=f"{sc['small']} blocks live",
+                        target="<= 1.5x", ok=sc["ratio"] <= 1.5,
+                        note="synthetic trace (_bench.many_live_trace): no path linear in live blocks"))
     pair = res["alloc_free_1mib"]
     rows.append(row("alloc cached 1 MiB alloc+free", pair["cached_pair_us"], pair["bare_pair_us"], "us/pair",
                     baseline_name="bare sim cudaMalloc+cudaFree", target="<= 3 us",

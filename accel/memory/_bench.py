@@ -326,6 +326,31 @@ def alloc_free_cost(nbytes: int = MiB, n: int = 20000, repeats: int = 7, device:
             "speedup_vs_bare": bare / cached if cached else 0.0}
 
 
+def many_live_trace(n: int, seed: int = 0) -> dict:
+    """A synthetic trace that keeps about ``n`` blocks live: ``n`` small requests (512 B to
+    300 KB), every other one freed, ``n // 10`` requests of 0.7-2.5 MiB into the holes and
+    past them, then everything freed.  Each miss past the high-water mark happens with
+    thousands of blocks cached, so a miss path that scans every block shows up as µs/op
+    growing with ``n``."""
+    import random
+    rng = random.Random(seed)
+    ops: List[list] = [["a", i, rng.choice((512, 4096, 65536, 300000))] for i in range(n)]
+    ops += [["f", i] for i in range(0, n, 2)]
+    ops += [["a", n + i, rng.choice((700000, 3 * MiB // 2, 5 * MiB // 2))] for i in range(n // 10)]
+    ops += [["f", i] for i in range(1, n, 2)] + [["f", n + i] for i in range(n // 10)]
+    return {"name": f"many_live_{n}", "ops": ops}
+
+
+def scaling_cost(small: int = 2000, large: int = 20000,
+                 config: Optional[_config.AllocConfig] = None) -> Dict[str, float]:
+    """µs/op replaying :func:`many_live_trace` with ``small`` and ``large`` live blocks, and
+    their ratio (about 1 when no allocator path is linear in the number of blocks)."""
+    lo = replay(many_live_trace(small), config)["us_per_op"]
+    hi = replay(many_live_trace(large), config)["us_per_op"]
+    return {"small": small, "large": large, "small_us_per_op": lo, "large_us_per_op": hi,
+            "ratio": hi / lo if lo else 0.0}
+
+
 def bench_alloc(traces: Optional[Iterable[str]] = None, *, policies=("accel", "torch"),
                 pairs: int = 20000, repeats: int = 5) -> dict:
     """The allocator figures for ``tools/bench.py``.
