@@ -120,6 +120,21 @@ class _ForeignAnchor:
             _fin.finalize(_forget, self.backend, self.index, self.handle, False)
 
 
+#: Makes "closed yet? then mark it closed" one step, so two threads closing one Stream or Event
+#: destroy its handle once (the driver gives a freed handle value to the next object it makes).
+#: Held for no call, so no finalizer ever waits for it.
+_close_lock = threading.Lock()
+
+
+def _claim_close(obj) -> bool:
+    """Mark ``obj`` (a Stream or Event) closed; False when it already was (another thread's close)."""
+    with _close_lock:
+        if obj._closed:
+            return False
+        obj._closed = True
+        return True
+
+
 class on_device:
     """``with on_device(backend, index):`` makes ``index`` the current device for the
     body and restores the previous one, even on exception; one get_device call when
@@ -471,7 +486,8 @@ class Stream:
             # foreign wrapper could not end it either.)
             raise RuntimeError(f"cannot close {self!r}: a graph capture on it is underway; end the capture "
                                f"first (capture_end(), or leave the `with graph:` block), then close it")
-        self._closed = True
+        if not _claim_close(self):
+            return      # another thread's close() got there first
         table = getattr(_tls, "current", None)
         if table is not None and table.get(self._index) is self:
             del table[self._index]
@@ -738,9 +754,8 @@ class Event:
         """Destroy the device event.  Idempotent."""
         if self._pid != _fin.pid:
             raise _fin.forked_error(self._backend)
-        if self._closed:
+        if self._closed or not _claim_close(self):
             return
-        self._closed = True
         if self._handle is not None:
             try:
                 _fin.release(self._backend.event_destroy, self._handle)

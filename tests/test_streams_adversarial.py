@@ -134,3 +134,46 @@ def test_event_flags_take_numpy_bools(sim_backend):
     e.record()
     e.synchronize()
     e.close()
+
+
+# -- closing from two threads -------------------------------------------------------------------------
+def test_two_threads_closing_one_stream_destroy_it_once(sim_backend, monkeypatch):
+    """Two threads in Stream.close() at once both passed the `closed` check (a backend call
+    came between it and marking the stream closed) and both destroyed the handle: the second
+    failed (invalid handle), or, had another thread created a stream in between, destroyed
+    that stream, which the driver gives the freed handle value."""
+    from accel import _lazy
+    backend = _lazy.lazy_init()
+    s = accel.Stream(0)
+    handle = s.handle
+    closers = {}
+    gate = threading.Barrier(2, timeout=30)
+    real_underway, real_destroy = backend.captures_underway, backend.stream_destroy
+    destroyed = []
+
+    def underway():
+        if closers.get(threading.get_ident()) is None and threading.current_thread().name.startswith("closer"):
+            closers[threading.get_ident()] = True
+            gate.wait()                 # both threads are inside close() past the check
+        return real_underway()
+
+    def destroy(h):
+        destroyed.append(h)
+        return real_destroy(h)
+
+    monkeypatch.setattr(backend, "captures_underway", underway)
+    monkeypatch.setattr(backend, "stream_destroy", destroy)
+    errors = []
+
+    def close():
+        try:
+            s.close()
+        except Exception as exc:    # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=close, name=f"closer{i}") for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and destroyed == [handle] and s.closed
