@@ -1468,6 +1468,7 @@ class DeviceCachingAllocator:
         hole.state = _UNMAPPED
         hole.seg = seg
         seg.head = hole
+        seg.holes.add(hole)
         self._exp_segs.append(seg)
         fl.exp = seg
         fl.segments += 1
@@ -1618,6 +1619,7 @@ class DeviceCachingAllocator:
             hole.next = block
             hole.size -= need
         if hole.size == 0:                        # filled: the hole goes
+            seg.holes.discard(hole)
             if hole.prev is not None:
                 hole.prev.next = hole.next
             else:
@@ -1669,14 +1671,21 @@ class DeviceCachingAllocator:
         maps the fewest new bytes, packs the new block against live ones (E10)."""
         self._exp_release()
         victims = []
-        general = self._general
-        for seg in self._exp_segs:
-            for block in seg.blocks():
-                # A destroyed stream's blocks wait, in no live list, for the event covering its
-                # work (_forget_stream); they are unmapped once they joined the default stream.
-                if block.state == _FREE and block.pool in general.get(block.pool.stream, ()):
-                    for addr, n in seg.maps_within(block.ptr, block.ptr + block.size):
-                        victims.append((addr, n, seg, block))
+        blocks = self._blocks
+        gran = self._gran
+        # A destroyed stream's blocks wait, in no live list, for the event covering its work
+        # (_forget_stream); they are unmapped once they joined the default stream.  Only free
+        # blocks of a page or more can hold a whole mapping: the rest of each sorted list is
+        # skipped, so this costs the same with thousands of small blocks cached.
+        for pair in self._general.values():
+            for fl in pair:
+                keys = fl.keys
+                for i in range(bisect_left(keys, gran << _SHIFT), len(keys)):
+                    block = blocks[keys[i] & _MASK]
+                    seg = block.seg
+                    if seg is not None:
+                        for addr, n in seg.maps_within(block.ptr, block.ptr + block.size):
+                            victims.append((addr, n, seg, block))
         if not victims:
             self._exp_drop_orphans()
             return 0
@@ -1768,6 +1777,8 @@ class DeviceCachingAllocator:
             hole.next = q.next
             if q.next is not None:
                 q.next.prev = hole
+            seg.holes.discard(q)
+        seg.holes.add(hole)
         for b in (left, right):
             if b is not None:
                 b.undo = 0

@@ -61,13 +61,14 @@ PIECE_PAGES = 4    # the largest piece (E9), in pages
 class Segment:
     """One reservation and its mappings (start address -> (size, handle))."""
 
-    __slots__ = ("base", "size", "kind", "head", "maps", "starts", "mapped")
+    __slots__ = ("base", "size", "kind", "head", "holes", "maps", "starts", "mapped")
 
     def __init__(self, base: int, size: int, kind: int):
         self.base = base
         self.size = size
         self.kind = kind                      # _SMALL or _LARGE (fixed; blocks may change lists)
         self.head = None                      # first block of the chain
+        self.holes = set()                    # its unmapped blocks (place looks only at these)
         self.maps: Dict[int, Tuple[int, int]] = {}
         self.starts: List[int] = []           # sorted mapping starts
         self.mapped = 0                       # bytes mapped
@@ -113,9 +114,7 @@ def place(seg: Segment, size: int, gran: int, free_state: int):
     address range compact and reuses the free neighbours' bytes, so fewer new bytes
     are mapped than at the end."""
     best = None
-    for hole in seg.blocks():
-        if hole.state != UNMAPPED:
-            continue
+    for hole in seg.holes:
         before = hole.prev.size if hole.prev is not None and hole.prev.state == free_state else 0
         after = hole.next.size if hole.next is not None and hole.next.state == free_state else 0
         options = []
