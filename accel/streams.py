@@ -126,6 +126,11 @@ class _ForeignAnchor:
 _close_lock = threading.Lock()
 
 
+#: Serializes an Event's first record (which creates its device event); held across
+#: event_create, which no finalizer calls.
+_create_lock = threading.Lock()
+
+
 def _claim_close(obj) -> bool:
     """Mark ``obj`` (a Stream or Event) closed; False when it already was (another thread's close)."""
     with _close_lock:
@@ -684,9 +689,8 @@ class Event:
             with stream._device_scope():
                 keep = _capture_table(backend, stream)  # first: it may raise, nothing done yet
         if self._handle is None:
-            with on_device(backend, stream._index):
-                self._handle = backend.event_create(self.enable_timing, self.blocking)
-            self._backend, self._index = backend, stream._index
+            self._create(backend, stream._index)
+            self._check_device(stream, "record")    # another thread's first record may have won
         if self.external:
             with stream._device_scope():
                 backend.event_record(self._handle, stream._handle, external=True)
@@ -698,6 +702,23 @@ class Event:
         else:
             backend.event_record(self._handle, stream._handle)
         self._recorded = True
+
+    def _create(self, backend: Backend, index: int) -> None:
+        """The first record's device event, made once when threads record a new event at once;
+        one made while another thread closed this event is destroyed again (close() found no
+        handle to destroy), and the record raises as on a closed event."""
+        with _create_lock:
+            if self._handle is not None:
+                return
+            with on_device(backend, index):
+                handle = backend.event_create(self.enable_timing, self.blocking)
+            with _close_lock:       # close() claims under it, then reads _handle
+                closed = self._closed
+                if not closed:
+                    self._handle, self._backend, self._index = handle, backend, index
+        if closed:
+            _fin.release(backend.event_destroy, handle)
+            self._live()
 
     def wait(self, stream: Optional[Stream] = None) -> None:
         """Make ``stream`` (the current stream when None) wait for this event's recorded work."""

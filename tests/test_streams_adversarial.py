@@ -177,3 +177,75 @@ def test_two_threads_closing_one_stream_destroy_it_once(sim_backend, monkeypatch
     for t in threads:
         t.join()
     assert errors == [] and destroyed == [handle] and s.closed
+
+
+def _live_events(kind, backend):
+    from accel import sim
+    return vars(sim.state())["events"] if kind == "cuda" else len(backend._events)
+
+
+def test_two_threads_recording_a_new_event_create_one_handle(sim_backend, monkeypatch):
+    """The first record creates the event's handle; two threads recording a new event at once
+    both created one and the first was overwritten, never destroyed (a leaked driver event)."""
+    from accel import _lazy
+    backend = _lazy.lazy_init()
+    s = accel.Stream(0)
+    base = _live_events(sim_backend, backend)
+    gate = threading.Barrier(2, timeout=1)
+    real_create = backend.event_create
+
+    def create(*args):
+        try:
+            gate.wait()                 # both threads are creating (gives up when serialized)
+        except threading.BrokenBarrierError:
+            pass
+        return real_create(*args)
+
+    monkeypatch.setattr(backend, "event_create", create)
+    e = accel.Event()
+    threads = [threading.Thread(target=e.record, args=(s,)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert _live_events(sim_backend, backend) == base + 1
+    e.close()
+    s.close()
+    assert _live_events(sim_backend, backend) == base
+
+
+def test_event_closed_during_its_first_record_keeps_no_handle(sim_backend, monkeypatch):
+    """close() while another thread's first record was creating the handle found no handle to
+    destroy; the record then stored one on the closed event, which nothing destroys."""
+    from accel import _lazy
+    backend = _lazy.lazy_init()
+    s = accel.Stream(0)
+    base = _live_events(sim_backend, backend)
+    creating, closed = threading.Event(), threading.Event()
+    real_create = backend.event_create
+
+    def create(*args):
+        creating.set()
+        closed.wait(30)
+        return real_create(*args)
+
+    monkeypatch.setattr(backend, "event_create", create)
+    e = accel.Event()
+    errors = []
+
+    def record():
+        try:
+            e.record(s)
+        except Exception as exc:    # noqa: BLE001 - checked below
+            errors.append(exc)
+
+    t = threading.Thread(target=record)
+    t.start()
+    assert creating.wait(30)
+    e.close()
+    closed.set()
+    t.join()
+    assert e.closed if hasattr(e, "closed") else e._closed
+    assert len(errors) == 1 and "closed" in str(errors[0]), errors
+    assert _live_events(sim_backend, backend) == base
+    s.close()
