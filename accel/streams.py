@@ -358,6 +358,10 @@ class Stream:
 
     def __eq__(self, other):
         if isinstance(other, Stream):
+            if self._closed or other._closed:
+                # A closed stream's handle value may name a newer stream now (the driver
+                # recycles them): it equals only itself.
+                return self is other
             return (self._backend is other._backend and self._index == other._index
                     and self._handle == other._handle)
         return NotImplemented

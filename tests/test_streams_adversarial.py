@@ -249,3 +249,18 @@ def test_event_closed_during_its_first_record_keeps_no_handle(sim_backend, monke
     assert len(errors) == 1 and "closed" in str(errors[0]), errors
     assert _live_events(sim_backend, backend) == base
     s.close()
+
+
+# -- identity after close -----------------------------------------------------------------------------
+def test_closed_stream_is_not_equal_to_the_stream_that_got_its_handle(sim_backend):
+    """The driver gives a destroyed stream's handle value to the next stream; the closed Stream
+    compared (and hashed) equal to that unrelated live stream, so `current_stream() == old`
+    and dicts keyed by streams answered for the wrong one."""
+    old = accel.Stream(0)
+    old.close()
+    new = accel.Stream(0)
+    assert old != new and not (old == new)
+    assert {new: "new"}.get(old) is None
+    assert old == old and new == accel.Stream(stream_id=new.stream_id, device_index=0,
+                                              device_type=new.device_type)
+    new.close()
