@@ -481,3 +481,24 @@ def test_sim_finalized_stream_waits_while_the_allocator_is_busy(sim_cuda):
     accel.Stream(0).close()                       # finishes it
     assert not _finalize.pending
     assert len(alloc._general) <= 1
+
+
+def test_host_owns_finds_the_enclosing_allocated_block_only():
+    be = FakeBackend()
+    host = HostCachingAllocator(be)
+    ptrs = [host.malloc(n) for n in (100, 5000, 70000, 100, 5000)]
+    for p in ptrs:
+        size = host._blocks[p].size
+        assert host.owns(p, size) == p
+        assert host.owns(p + size - 8, 8) == p
+        assert host.owns(p + size - 8, 16) is None       # runs past the block
+        assert host.owns(p - 8, 16) is None                # starts before it
+    host.free(ptrs[1])
+    assert host.owns(ptrs[1], 8) is None                 # cached, not handed out
+    host.empty_cache()
+    assert host._starts == sorted(host._blocks)          # the released block left the index
+    assert host.owns(ptrs[1], 8) is None
+    for p in ptrs[:1] + ptrs[2:]:
+        host.free(p)
+    host.empty_cache()
+    assert host._starts == [] and host._blocks == {} and be.host_live == {}

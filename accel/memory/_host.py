@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
+from bisect import bisect_right, insort
 from typing import Dict, List, Optional
 
 from .._errors import OutOfMemoryError
@@ -50,6 +51,7 @@ class HostCachingAllocator:
         self._be = backend
         self._lock = threading.Lock()
         self._blocks: Dict[int, _HostBlock] = {}
+        self._starts: List[int] = []                   # sorted block starts (owns bisects them)
         self._free: Dict[int, List[int]] = {}          # size -> ptrs ready for reuse
         self._events: List[tuple] = []                 # (event, device, block)
         # freed during a capture (events not recorded yet), or with a use whose event could be
@@ -98,6 +100,7 @@ class HostCachingAllocator:
                     ptr = be.host_alloc(size)   # a second failure propagates
                 self._time("host_alloc_time", start)
                 block = self._blocks[ptr] = _HostBlock(ptr, size)
+                insort(self._starts, ptr)
                 self._stats["reserved_bytes"] += size
                 self._stats["segments"] += 1
                 self._stats["num_host_alloc"] += 1
@@ -137,8 +140,12 @@ class HostCachingAllocator:
         """The block start when ``[address, address + nbytes)`` lies inside one allocated
         pinned block of this allocator, else None (e.g. pageable memory)."""
         with self._lock:
-            for ptr, block in self._blocks.items():
-                if block.allocated and ptr <= address and address + nbytes <= ptr + block.size:
+            starts = self._starts
+            i = bisect_right(starts, address) - 1     # blocks never overlap: the last start <= address
+            if i >= 0:
+                ptr = starts[i]
+                block = self._blocks[ptr]
+                if block.allocated and address + nbytes <= ptr + block.size:
                     return ptr
         return None
 
@@ -316,6 +323,8 @@ class HostCachingAllocator:
                 self._be.host_free(ptrs[-1])
                 self._time("host_free_time", start)
                 block = self._blocks.pop(ptrs.pop())
+                starts = self._starts
+                del starts[bisect_right(starts, block.ptr) - 1]
                 self._stats["reserved_bytes"] -= block.size
                 self._stats["segments"] -= 1
                 self._stats["num_host_free"] += 1
