@@ -68,6 +68,7 @@ def check(alloc):
                 assert block.next.prev is block
         assert end == seg.base + seg.size, "E1"
         assert seg.holes == {b for b in seg.blocks() if b.state == _expandable.UNMAPPED}, "holes record"
+        assert len({id(b.pool) for b in seg.blocks()}) == 1, "a segment's blocks share one stream's lists"
         assert mapped == seg.mapped == sum(n for n, _ in seg.maps.values()), "E3"
         for a, (n, _) in seg.maps.items():
             assert n % G == 0 and 0 < n // G <= _expandable.PIECE_PAGES, "E9"

@@ -1924,9 +1924,11 @@ class DeviceCachingAllocator:
                             block.pool = target
                             block = block.next
                 if fl.exp is not None:
+                    # every block of an expandable segment is in its stream's lists, so the
+                    # first block says whose it is: the other streams' segments are not walked
                     for seg in self._exp_segs:
-                        for block in seg.blocks():
-                            if block.pool is fl:
+                        if seg.head.pool is fl:
+                            for block in seg.blocks():
                                 block.pool = target
                     if target.exp is None:
                         target.exp = fl.exp
