@@ -129,6 +129,34 @@ def _index(device_index) -> int:
     return _device.checked_index(device_index, optional=True)
 
 
+def _form(device_index) -> None:
+    """Refuse, without counting devices or initializing, a device argument that is wrong
+    whatever the device count: a wrong type (TypeError), a malformed string or a negative index
+    (InvalidDeviceError).  The queries run this before init, where torch's return without
+    resolving their argument: another device type or an index past the count stays a no-op
+    there, and the same mistake raises before init as after."""
+    from .. import _device
+    if isinstance(device_index, str):
+        index = _device.device(device_index).index
+    elif isinstance(device_index, _device.device):
+        index = device_index.index
+    else:
+        index = _device.parse_index(device_index)     # ints; TypeError for anything else
+    if index is not None and index < 0:
+        _device.check_range(index)                     # the error, with the valid range
+
+
+def _resolve_early(device_index) -> Optional[int]:
+    """The index a device argument names (None: the current device), every check done
+    without initializing the runtime (devices are counted): a call that then initializes
+    refuses a bad argument first, so a refused call leaves the process as it was."""
+    from .. import _device
+    index = _device.parse_index(device_index)
+    if index is not None:
+        _device.check_range(index)
+    return index
+
+
 def set_per_process_memory_fraction(fraction: float, device=None) -> None:
     """Cap the caching allocator of ``device`` (None: the current device) at ``fraction`` of
     the device's total memory, from now on; torch.cuda's function, with its errors.
@@ -139,14 +167,16 @@ def set_per_process_memory_fraction(fraction: float, device=None) -> None:
     already reserved is kept; a request that would pass the cap frees the cache, retries,
     then raises ``accel.OutOfMemoryError`` ("... X allowed; ...").  Initializes the runtime.
     ``per_process_memory_fraction`` in ``ACCEL_ALLOC_CONF`` sets the starting value.
+    A refused argument initializes nothing.
     """
-    _lazy.lazy_init()
-    index = _index(device)
     if not isinstance(fraction, float):
-        raise TypeError("Invalid type for fraction argument, must be `float`")
+        raise TypeError(f"Invalid type for fraction argument, must be `float`, got "
+                        f"{type(fraction).__name__} {fraction!r}")
     if not 0.0 <= fraction <= 1.0:           # NaN fails too
         raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
-    alloc = device_allocator(index)
+    _resolve_early(device)
+    _lazy.lazy_init()
+    alloc = device_allocator(_index(device))
     setter = getattr(alloc, "set_memory_fraction", None)
     if setter is None:
         raise NotImplementedError(
@@ -159,7 +189,8 @@ def set_per_process_memory_fraction(fraction: float, device=None) -> None:
 def get_per_process_memory_fraction(device=None) -> float:
     """The fraction of ``device``'s memory its caching allocator may reserve (1.0 unless
     set by :func:`set_per_process_memory_fraction` or ``per_process_memory_fraction`` in
-    ``ACCEL_ALLOC_CONF``).  Initializes the runtime, as torch's."""
+    ``ACCEL_ALLOC_CONF``).  Initializes the runtime, as torch's (not for a refused argument)."""
+    _resolve_early(device)
     _lazy.lazy_init()
     return float(device_allocator(_index(device)).config.per_process_memory_fraction)
 
@@ -209,7 +240,9 @@ def empty_host_cache() -> None:
 
 
 def get_memory_info(device_index=None, /) -> Tuple[int, int]:
-    """(free, total) bytes of the device, as the runtime reports them; initializes."""
+    """(free, total) bytes of the device, as the runtime reports them; initializes (not for
+    a refused argument)."""
+    _resolve_early(device_index)
     be = _lazy.lazy_init()
     with on_device(be, _index(device_index)):
         return tuple(be.mem_info())
@@ -223,15 +256,18 @@ def memory_stats(device_index=None, /) -> "OrderedDict[str, Any]":
     {current,peak,allocated,freed}``, ``oversize_{allocations,segments}.*``,
     ``num_alloc_retries``, ``num_ooms``, ``num_sync_all_streams``,
     ``num_device_alloc``, ``num_device_free``, ``max_split_size`` (-1: unlimited).
-    An empty OrderedDict before the runtime is initialized.
+    An empty OrderedDict before the runtime is initialized (a malformed argument raises
+    then too, see :func:`_form`).
     """
     if not _lazy.is_initialized():
+        _form(device_index)
         return OrderedDict()
     return device_allocator(_index(device_index)).stats()
 
 
 def _stat(key: str, device_index) -> int:
     if not _lazy.is_initialized():
+        _form(device_index)
         return 0
     return memory_stats(device_index).get(key, 0)
 
@@ -260,23 +296,31 @@ def reset_accumulated_memory_stats(device_index=None, /) -> None:
     """Zero the ``allocated``/``freed`` counters and the retry/OOM/call counts."""
     if _lazy.is_initialized():
         device_allocator(_index(device_index)).reset_accumulated_stats()
+    else:
+        _form(device_index)
 
 
 def reset_peak_memory_stats(device_index=None, /) -> None:
     """Set every ``peak`` to the current value."""
     if _lazy.is_initialized():
         device_allocator(_index(device_index)).reset_peak_stats()
+    else:
+        _form(device_index)
 
 
 def memory_summary(device=None, abbreviated: bool = False) -> str:
-    """A human-readable table of :func:`memory_stats` (torch's layout)."""
+    """A human-readable table of :func:`memory_stats` (torch's layout) of ``device`` (None:
+    the current device).  Before init the table is empty and nothing is initialized; the
+    argument is checked as after."""
     from ._summary import summary
     if _lazy.is_initialized():
         index = _index(device)
         stats = device_allocator(index).stats()
         name = _lazy.lazy_init().name
     else:
-        index, stats = 0, {}
+        index, stats = _resolve_early(device), {}
+        if index is None:
+            index = 0                        # the current device until init
         be = backends.select()
         name = be.name if be is not None else "accelerator"
     return summary(stats, index, name, abbreviated)

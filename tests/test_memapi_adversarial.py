@@ -1,0 +1,172 @@
+"""Adversarial reliability of the public memory API (accel.memory), ACCEL_ALLOC_CONF parsing,
+lazy init and fork, and ``python -m accel`` / ``python -m accel.selftest`` with odd settings,
+on every simulator with two devices.  A bad argument raises a clear Python exception naming
+it, before and after lazy init, and changes nothing: in particular it does not initialize the
+runtime (which would make every later forked child unable to use the device)."""
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+import accel
+from accel import _lazy, memory
+from accel._errors import InvalidDeviceError
+
+MiB = 1 << 20
+
+#: (argument, exception, text the message must contain) for a device argument that is wrong
+#: whatever the device count: wrong types, malformed strings, negative indices.
+BAD_FORMS = [
+    (1.0, TypeError, "float 1.0"),
+    (0.5, TypeError, "0.5"),
+    (True, TypeError, "True"),
+    (np.float64(1.0), TypeError, "1.0"),
+    (object(), TypeError, "object"),
+    ([0], TypeError, "[0]"),
+    (b"0", TypeError, "b'0'"),
+    ("garbage", InvalidDeviceError, "'garbage'"),
+    ("", InvalidDeviceError, "''"),
+    ("cuda:x", InvalidDeviceError, "'cuda:x'"),
+    (-1, InvalidDeviceError, "-1"),
+    (np.int64(-1), InvalidDeviceError, "-1"),
+]
+
+QUERIES = [memory.memory_stats, memory.memory_allocated, memory.max_memory_allocated, memory.memory_reserved,
+           memory.max_memory_reserved, memory.reset_peak_memory_stats, memory.reset_accumulated_memory_stats,
+           memory.memory_summary]
+
+
+def _run_forked(fn, timeout=60.0) -> int:
+    """Run fn() in an os.fork child; its exit status (a child still running after ``timeout``
+    seconds is killed and reported as -9: it hung)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = fn()
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    return -9
+
+
+# -- device arguments before and after lazy init ---------------------------------------------------
+@pytest.mark.parametrize("bad, exc, text", BAD_FORMS, ids=lambda v: repr(v)[:20])
+def test_bad_device_form_raises_before_init_as_after(sim_backend, bad, exc, text):
+    """A device argument that can never be valid raises the same error before lazy init as
+    after, without initializing (before: memory_stats returned {}, the scalars 0, the resets and
+    memory_summary did nothing -- a mistake that surfaced only once something else initialized)."""
+    for phase in ("before init", "after init"):
+        for fn in QUERIES:
+            with pytest.raises(exc, match=None) as info:
+                fn(bad)
+            assert text in str(info.value), (phase, fn.__name__, str(info.value))
+        assert _lazy.is_initialized() == (phase == "after init")
+        memory.device_allocator(0)
+
+
+def test_queries_before_init_keep_torchs_no_op_for_other_devices(sim_backend):
+    """torch.accelerator's queries return before resolving a well-formed argument when the
+    allocator is not initialized: another device type and an index past the count stay a
+    no-op before init (tests/test_torch_memory_api.py), and nothing initializes."""
+    other = "cpu"
+    for fn in QUERIES[:-1]:
+        fn(other)
+        fn(7)
+        fn(np.int64(1))
+        fn(accel.device(sim_backend, 1) if sim_backend != "mps" else 0)
+    assert memory.memory_stats(7) == {} and memory.memory_allocated(7) == 0
+    assert not _lazy.is_initialized()
+
+
+def test_memory_summary_before_init_names_the_device_asked_for(sim_backend):
+    """memory_summary(1) before init rendered the table of "device ID 0"; an index past the
+    count was accepted."""
+    last = accel.device_count() - 1
+    for dev in (last, f"{sim_backend}:{last}", np.int64(last)):
+        assert f"device ID {last} " in memory.memory_summary(dev)
+    with pytest.raises(InvalidDeviceError, match=f"device index {last + 1} is out of range"):
+        memory.memory_summary(last + 1)
+    assert "device ID 0 " in memory.memory_summary()
+    assert not _lazy.is_initialized()
+    memory.device_allocator(last)
+    assert f"device ID {last} " in memory.memory_summary(last)
+
+
+@pytest.mark.parametrize("call", [
+    lambda bad: memory.get_memory_info(bad),
+    lambda bad: memory.get_per_process_memory_fraction(bad),
+    lambda bad: memory.set_per_process_memory_fraction(0.5, bad),
+], ids=["get_memory_info", "get_fraction", "set_fraction"])
+@pytest.mark.parametrize("bad, exc, text", BAD_FORMS, ids=lambda v: repr(v)[:20])
+def test_initializing_calls_refuse_a_bad_device_without_initializing(sim_backend, call, bad, exc, text):
+    """get_memory_info and the fraction functions initialize the runtime, as torch's -- but not
+    for an argument they then refuse (they initialized first: a later fork child could no
+    longer use the device because of a call that failed)."""
+    with pytest.raises(exc) as info:
+        call(bad)
+    assert text in str(info.value)
+    assert not _lazy.is_initialized()
+
+
+@pytest.mark.parametrize("fraction, exc, text", [
+    (1, TypeError, "int 1"), ("0.5", TypeError, "str '0.5'"), (None, TypeError, "None"),
+    (True, TypeError, "bool True"), (np.float32(0.5), TypeError, "float32"),
+    (float("nan"), ValueError, "nan"), (float("inf"), ValueError, "inf"), (-0.1, ValueError, "-0.1"),
+    (1.5, ValueError, "1.5"),
+])
+def test_bad_fraction_names_the_value_and_initializes_nothing(sim_backend, fraction, exc, text):
+    """torch's wording ("Invalid type for fraction argument, must be `float`", "Invalid
+    fraction value: ... Allowed range: 0~1"), plus the value for the type error, raised before
+    the runtime is initialized; after init the device's fraction is unchanged."""
+    for phase in range(2):
+        with pytest.raises(exc, match="Invalid type for fraction argument, must be `float`"
+                           if exc is TypeError else "Invalid fraction value") as info:
+            memory.set_per_process_memory_fraction(fraction, 0)
+        assert text in str(info.value)
+        assert _lazy.is_initialized() == bool(phase)
+        memory.device_allocator(0)
+    assert memory.get_per_process_memory_fraction(0) == 1.0
+
+
+# -- the bad-fork child --------------------------------------------------------------------------
+def test_forked_child_refuses_bad_arguments_and_hands_out_nothing(sim_backend):
+    """After init, a forked child: queries report nothing (as torch's), bad arguments still
+    raise, and every call that needs the runtime raises the fork error."""
+    last = accel.device_count() - 1
+    keep = accel.Buffer(MiB, device=last)
+
+    def child():
+        if memory.memory_stats(last) != {} or memory.memory_allocated(last) != 0:
+            return 2
+        try:
+            memory.memory_stats(1.5)
+            return 3
+        except TypeError:
+            pass
+        for fn in (lambda: memory.get_memory_info(last), lambda: memory.device_allocator(last),
+                   lambda: memory.set_per_process_memory_fraction(0.5, last), lambda: accel.MemPool()):
+            try:
+                fn()
+                return 4
+            except RuntimeError as exc:
+                if "forked subprocess" not in str(exc):
+                    return 5
+        memory.empty_cache()
+        return 0 if memory.memory_snapshot() == [] else 6
+
+    assert _run_forked(child) == 0
+    assert memory.memory_allocated(last) == MiB
+    del keep
