@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import accel
-from accel import _lazy, memory
+from accel import _lazy, backends, memory
 from accel._errors import InvalidDeviceError
 
 MiB = 1 << 20
@@ -170,3 +170,17 @@ def test_forked_child_refuses_bad_arguments_and_hands_out_nothing(sim_backend):
     assert _run_forked(child) == 0
     assert memory.memory_allocated(last) == MiB
     del keep
+
+
+def test_fork_while_another_thread_selects_a_backend_does_not_hang_the_child(sim_backend):
+    """A thread of the parent inside backend selection (holding its lock) when another thread
+    forks: the child, which may still initialize (the parent did not), must not wait forever
+    for a lock whose holder does not exist in the child."""
+    assert not _lazy.is_initialized()
+    backends._lock.acquire()          # as a thread in the middle of backends.select()
+    try:
+        status = _run_forked(lambda: 0 if accel.device_count() >= 1 and accel.Buffer(64).nbytes == 64 else 2,
+                             timeout=30)
+    finally:
+        backends._lock.release()
+    assert status == 0, "the forked child hung on the backend-selection lock" if status == -9 else status

@@ -117,6 +117,16 @@ def started_drivers() -> Tuple[Backend, ...]:
     return tuple(b for b in candidates if b is not None and b.driver_started)
 
 
+def _fresh_lock_in_child() -> None:
+    # A thread of the parent may have been inside selection (holding the lock) when another
+    # forked; the child, which may still initialize when the parent did not, gets a free lock.
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_lock_in_child)
+
+
 def reset() -> None:
     """Forget backend objects and the selection (tests switch simulators with this)."""
     global _selected, _selected_done
