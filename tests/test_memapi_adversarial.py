@@ -12,7 +12,7 @@ import pytest
 
 import accel
 from accel import _lazy, backends, memory
-from accel._errors import InvalidDeviceError
+from accel._errors import InvalidDeviceError, OutOfMemoryError
 
 MiB = 1 << 20
 
@@ -184,3 +184,16 @@ def test_fork_while_another_thread_selects_a_backend_does_not_hang_the_child(sim
     finally:
         backends._lock.release()
     assert status == 0, "the forked child hung on the backend-selection lock" if status == -9 else status
+
+
+# -- the caching and pinned allocators' entry points -------------------------------------------------
+@pytest.mark.parametrize("nbytes", [1 << 60, (1 << 62) + 1, 1 << 63, (1 << 64) + 1, 1 << 70])
+def test_pinned_malloc_of_an_absurd_size_is_out_of_memory(sim_backend, nbytes):
+    """The pinned allocator refuses 1 EB or more as the device allocator does (before: an
+    OverflowError "cannot fit 'int' into an index-sized integer" from the runtime binding for
+    sizes past 2**63), and counts nothing."""
+    host = memory.host_allocator()
+    before = host.stats()
+    with pytest.raises(OutOfMemoryError, match="more than 1EB"):
+        host.malloc(nbytes)
+    assert host.stats() == before

@@ -25,7 +25,7 @@ from .._errors import OutOfMemoryError
 from .._finalize import drain as _drain_finalizers, pending as _finalizers
 from .._locks import held
 from ..streams import on_device
-from ._caching import _check_size, _Gate, capture_underway, check_use
+from ._caching import _ONE_EXA_BYTES, _check_size, _Gate, capture_underway, check_use
 
 _MIN_SIZE = 512
 #: torch 2.13's host_memory_stats counters (torch/cuda/memory.py): blocks owned (active +
@@ -73,10 +73,16 @@ class HostCachingAllocator:
 
     def malloc(self, nbytes: int) -> int:
         """Pinned host memory of at least ``nbytes`` (0 for 0 bytes); OutOfMemoryError
-        when the backend cannot pin more even after the cache was released."""
+        when the backend cannot pin more even after the cache was released, or at once for
+        1 EB (2**60 bytes) or more, as the device allocator."""
         nbytes = _check_size(nbytes)
         if nbytes == 0:
             return 0
+        if nbytes >= _ONE_EXA_BYTES:    # past 2**63 the runtime's size_t argument would overflow
+            from .. import _lazy
+            name = (self._be if self._be is not None else _lazy.backend()).name.upper()
+            raise OutOfMemoryError(f"{name} out of memory. Tried to allocate more than 1EB of pinned "
+                                   f"host memory ({nbytes} bytes requested).")
         size = max(_MIN_SIZE, 1 << (nbytes - 1).bit_length())
         be = self._backend()
         if _finalizers:            # releases finalizers left for a safe point (accel._finalize)
