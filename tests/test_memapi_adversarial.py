@@ -12,7 +12,9 @@ import pytest
 
 import accel
 from accel import _lazy, backends, memory
-from accel._errors import InvalidDeviceError, OutOfMemoryError
+from accel._errors import AllocatorConfigError, InvalidDeviceError, OutOfMemoryError
+from accel.memory import _config
+from conftest import use_sim
 
 MiB = 1 << 20
 
@@ -197,3 +199,39 @@ def test_pinned_malloc_of_an_absurd_size_is_out_of_memory(sim_backend, nbytes):
     with pytest.raises(OutOfMemoryError, match="more than 1EB"):
         host.malloc(nbytes)
     assert host.stats() == before
+
+
+# -- ACCEL_ALLOC_CONF --------------------------------------------------------------------------------
+@pytest.mark.parametrize("text", ["max_split_size_mb:1_000", "max_split_size_mb:\u0661\u0660\u0660",
+                                  "max_non_split_rounding_mb:\uff12\uff10", "pinned_num_register_threads:0_8",
+                                  "roundup_power2_divisions:[2_56:1]"])
+def test_config_integers_are_plain_decimal(text):
+    """Python's int() reads "1_000" and non-ASCII digits; torch's parser (std::stoull) does not:
+    a value torch would refuse or read differently is refused."""
+    with pytest.raises(AllocatorConfigError, match="expected an integer"):
+        _config.parse(text)
+    with pytest.raises(AllocatorConfigError, match="expected a byte count"):
+        _config.parse("release_threshold:1_000M")
+    assert _config.parse(" max_split_size_mb : +128 ").max_split_size == 128 * MiB
+
+
+@pytest.mark.parametrize("key, field", [("max_split_size_mb", "max_split_size"),
+                                        ("max_non_split_rounding_mb", "max_non_split_rounding")])
+def test_config_huge_sizes_clamp_as_torch_and_past_size_t_refuse(key, field):
+    """torch clamps a MiB count to SIZE_MAX / 1 MiB and refuses one that std::stoull cannot
+    hold (>= 2**64); accel kept any size, so memory_stats reported a max_split_size past int64."""
+    top = _config.UNLIMITED // MiB
+    assert getattr(_config.parse(f"{key}:{top}"), field) >= top * MiB
+    for mb in (top + 1, 1 << 63):
+        value = getattr(_config.parse(f"{key}:{mb}"), field)
+        assert top * MiB <= value <= _config.UNLIMITED
+    with pytest.raises(AllocatorConfigError, match=f"{1 << 64}.*{key}"):
+        _config.parse(f"{key}:{1 << 64}")
+
+
+def test_huge_max_split_size_reads_as_unlimited(monkeypatch):
+    """A max_split_size_mb no device can reach is "no limit": memory_stats says -1 (torch's
+    SIZE_MAX), not a number past int64."""
+    use_sim(monkeypatch, "cuda", ACCEL_ALLOC_CONF=f"max_split_size_mb:{1 << 60}")
+    memory.device_allocator(1).free(memory.device_allocator(1).malloc(MiB))
+    assert memory.memory_stats(1)["max_split_size"] == -1

@@ -21,6 +21,7 @@ torch's) naming the option and listing the valid ones.
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from typing import NamedTuple, Optional, Tuple
 
@@ -122,11 +123,25 @@ def _parse_float(key, value, source, lo, hi, lo_open=True):
     return number
 
 
+#: an integer as torch's std::stoull/stoi read one: ASCII digits, an optional sign (Python's
+#: int() also takes "1_000" and non-ASCII digits, which torch refuses or reads differently)
+_DECIMAL = re.compile(r"[+-]?[0-9]+")
+
+
 def _parse_int(key, value, source):
-    try:
-        return int(value)
-    except ValueError:
-        raise _fail(key, value, "expected an integer", source) from None
+    text = value.strip()
+    if not _DECIMAL.fullmatch(text):
+        raise _fail(key, value, "expected an integer", source)
+    return int(text)
+
+
+def _parse_mb(key, value, source):
+    """A MiB count as torch reads one (parseMaxSplitSize): refused past what a size_t holds,
+    clamped to SIZE_MAX / 1 MiB so the byte count fits one."""
+    mb = _parse_int(key, value, source)
+    if mb > UNLIMITED:
+        raise _fail(key, value, f"more than a size_t holds (at most {UNLIMITED})", source)
+    return min(mb, UNLIMITED // MiB)
 
 
 def _parse_bytes(key, value, source):
@@ -135,10 +150,9 @@ def _parse_bytes(key, value, source):
     if text and text[-1] in "KMGT":
         scale = 1 << (10 * ("KMGT".index(text[-1]) + 1))
         text = text[:-1]
-    try:
-        number = int(text)
-    except ValueError:
-        raise _fail(key, value, "expected a byte count such as 1048576, 512M or 2G", source) from None
+    if not _DECIMAL.fullmatch(text):
+        raise _fail(key, value, "expected a byte count such as 1048576, 512M or 2G", source)
+    number = int(text)
     if number < 0:
         raise _fail(key, value, "must not be negative", source)
     return number * scale
@@ -217,12 +231,13 @@ def parse(text: str, source: str = "ACCEL_ALLOC_CONF") -> AllocConfig:
         if key in TORCH_ONLY:
             ignored.append(key)
         if key == "max_split_size_mb":
-            mb = _parse_int(key, value, source)
+            mb = _parse_mb(key, value, source)
             if mb < 20:     # torch: "max_split_size_mb too small, must be >= 20"
                 raise _fail(key, value, "must be >= 20 (MiB), the large-buffer size", source)
-            values["max_split_size"] = mb * MiB
+            # torch's clamped maximum is SIZE_MAX less one MiB; accel spells "no limit" SIZE_MAX
+            values["max_split_size"] = UNLIMITED if mb == UNLIMITED // MiB else mb * MiB
         elif key == "max_non_split_rounding_mb":
-            mb = _parse_int(key, value, source)
+            mb = _parse_mb(key, value, source)
             if mb < 0:
                 raise _fail(key, value, "must not be negative", source)
             values["max_non_split_rounding"] = mb * MiB
