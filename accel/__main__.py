@@ -37,7 +37,12 @@ def collect() -> dict:
         except Exception as exc:  # a report must never stop the others
             result["backends"][name] = {"backend": name, "count": 0, "reason": f"report failed: {exc!r}"}
     devices = []
-    if chosen is not None and chosen.count() > 0:
+    try:
+        count = chosen.count() if chosen is not None else 0
+    except Exception as exc:  # a bad simulator setting (ACCEL_SIM_DEVICES=abc): say so, no traceback
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        return result
+    if count > 0:
         try:
             accel._lazy.lazy_init()
             for i in range(chosen.count()):
@@ -206,20 +211,25 @@ def main(argv=None) -> int:
     report = collect()
     if "error" not in report and not args.no_smoke:
         if report["devices"]:
-            report["smoke"] = smoke()
+            try:
+                report["smoke"] = smoke()
+            except Exception as exc:  # e.g. a bad ACCEL_ALLOC_CONF: the report says why
+                report["smoke"] = {"error": f"{type(exc).__name__}: {exc}"}
         elif not os.environ.get("ACCEL_SIM"):
             report["simulator"] = _smoke_on_simulator()
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     else:
         print(render(report))
-        if "smoke" in report:
+        if "error" in report.get("smoke", {}):
+            print(f"smoke test failed: {report['smoke']['error']}")
+        elif "smoke" in report:
             print("smoke test on the selected device:")
             print("\n".join(f"  {k}: {v}" for k, v in report["smoke"].items()))
         if "simulator" in report:
             print("no device here; the same API on the simulator (ACCEL_SIM=cuda):")
             print("\n".join(f"  {k}: {v}" for k, v in report["simulator"].items()))
-    return 1 if "error" in report else 0
+    return 1 if "error" in report or "error" in report.get("smoke", {}) else 0
 
 
 def _smoke_on_simulator() -> dict:

@@ -235,3 +235,33 @@ def test_huge_max_split_size_reads_as_unlimited(monkeypatch):
     use_sim(monkeypatch, "cuda", ACCEL_ALLOC_CONF=f"max_split_size_mb:{1 << 60}")
     memory.device_allocator(1).free(memory.device_allocator(1).malloc(MiB))
     assert memory.memory_stats(1)["max_split_size"] == -1
+
+
+# -- python -m accel / python -m accel.selftest -----------------------------------------------------
+@pytest.mark.parametrize("env, text", [
+    ({"ACCEL_SIM_DEVICES": "abc"}, "ACCEL_SIM_DEVICES='abc' is not an integer"),
+    ({"ACCEL_SIM_DEVICES": "-1"}, "got -1"),
+    ({"ACCEL_SIM_MEMORY": "garbage"}, "ACCEL_SIM_MEMORY='garbage'"),
+])
+def test_main_reports_a_bad_simulator_setting(sim_backend, monkeypatch, capsys, env, text):
+    """``python -m accel`` with a bad simulator setting prints the error and exits 1 (it died
+    with a traceback from counting the devices)."""
+    from accel.__main__ import main
+    use_sim(monkeypatch, sim_backend, **env)
+    assert main(["--no-smoke"]) == 1
+    out = capsys.readouterr().out
+    assert "error: " in out and text in out
+
+
+def test_main_reports_a_failed_smoke_test(monkeypatch, capsys):
+    """A bad ACCEL_ALLOC_CONF fails the smoke test: the report says why and exits 1 (it died
+    with a traceback after printing nothing)."""
+    from accel.__main__ import main
+    use_sim(monkeypatch, "cuda", ACCEL_ALLOC_CONF="bogus:1")
+    assert main([]) == 1
+    out = capsys.readouterr().out
+    assert "accelerator: cuda" in out and "smoke test failed" in out and "'bogus'" in out
+    assert main(["--json"]) == 1
+    import json
+    report = json.loads(capsys.readouterr().out)
+    assert "'bogus'" in report["smoke"]["error"]
