@@ -265,3 +265,25 @@ def test_main_reports_a_failed_smoke_test(monkeypatch, capsys):
     import json
     report = json.loads(capsys.readouterr().out)
     assert "'bogus'" in report["smoke"]["error"]
+
+
+@pytest.mark.parametrize("stream", [-1, 1 << 64, -(1 << 70)])
+def test_malloc_refuses_a_stream_handle_no_stream_can_have(sim_backend, stream):
+    """A handle outside [0, 2**64) was taken: the block was cached under a stream that does not
+    exist (reused by nothing but that number), as record_stream already refuses."""
+    alloc = memory.device_allocator(accel.device_count() - 1)
+    before = alloc.stats()
+    with pytest.raises(ValueError, match=f"got {stream}; pass Stream.handle"):
+        alloc.malloc(4096, stream)
+    assert alloc.stats() == before and stream not in alloc._general
+
+
+@pytest.mark.parametrize("stream", [-1, 1 << 64])
+def test_async_malloc_refuses_a_stream_handle_no_stream_can_have(monkeypatch, stream):
+    """backend:cudaMallocAsync: 2**64 was wrapped by the binding onto the legacy stream 0 while
+    the allocation was recorded as on stream 2**64."""
+    use_sim(monkeypatch, "cuda", ACCEL_ALLOC_CONF="backend:cudaMallocAsync")
+    alloc = memory.device_allocator(1)
+    with pytest.raises(ValueError, match=f"got {stream}; pass Stream.handle"):
+        alloc.malloc(4096, stream)
+    assert memory.memory_stats(1)["allocation.all.current"] == 0 and memory.memory_stats(1)["num_device_alloc"] == 0

@@ -216,6 +216,9 @@ class AsyncPoolAllocator:
         elif isinstance(stream, bool) or not isinstance(stream, int):
             raise TypeError(f"stream must be a backend stream handle (int), got {type(stream).__name__} "
                             f"{stream!r}; pass Stream.handle")
+        elif not 0 <= stream < 1 << 64:      # the runtime binding would wrap it onto another stream
+            raise ValueError(f"stream must be a backend stream handle (an int in [0, 2**64)), got {stream!r}; "
+                             f"pass Stream.handle")
         if _finalizers:
             _drain_finalizers()
         lock = self._lock

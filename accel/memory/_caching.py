@@ -2030,6 +2030,9 @@ class DeviceCachingAllocator:
         if isinstance(stream, bool) or not isinstance(stream, int):
             raise TypeError(f"stream must be a backend stream handle (int), got {type(stream).__name__} "
                             f"{stream!r}; pass Stream.handle")
+        if not 0 <= stream < 1 << 64:       # as check_use: kept, it would cache blocks no stream reuses
+            raise ValueError(f"stream must be a backend stream handle (an int in [0, 2**64)), got {stream!r}; "
+                             f"pass Stream.handle")
         watch = owner is not None or self._release_threshold is not None
         whole = owner is not None and owner.no_split      # a remainder is never split off
         lists = (_FreeList(stream, _SMALL, owner, _ONE_EXA_BYTES if whole else MIN_BLOCK_SIZE, watch),
