@@ -7,8 +7,10 @@ corpus (``tools/record_traces.py``), to check that it generalizes.  Kept apart i
 
 The first seven were used once to choose between two piece rules of expandable segments
 (E9 in ``accel/memory/_expandable.py``) and one classic-segment rule; the second seven were
-recorded afterwards and only measured (never tuned on, as of their commit).  Record a fresh
-set before tuning on either.  Each returns ``(setup, run, description)`` as the corpus workloads do.
+recorded afterwards and only measured (never tuned on, as of their commit); the third eight
+were recorded on 2026-12-03 to validate a policy change and only measured.  Record a fresh
+set before tuning on any of them.  Each returns ``(setup, run, description)`` as the corpus
+workloads do.
 """
 
 from __future__ import annotations
@@ -747,6 +749,524 @@ def _mixed_precision_like_train():
                         "clip_grad_norm_ 1.0, AdamW, batches 512/1536/256/1024")
 
 
+# ------------------------------------------------ the third batch: recorded 2026-12-03 to validate a
+# policy change, only measured
+
+def _swin_like_train():
+    import torch
+    from torch import nn
+
+    W = 4                                                               # window side (tokens)
+
+    class WindowAttention(nn.Module):
+        def __init__(self, d, heads):
+            super().__init__()
+            self.h, self.scale = heads, (d // heads) ** -0.5
+            self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+            self.table = nn.Parameter(torch.randn((2 * W - 1) ** 2, heads) * 0.02)   # relative position bias
+            c = torch.stack(torch.meshgrid(torch.arange(W), torch.arange(W), indexing="ij")).flatten(1)
+            rel = (c[:, :, None] - c[:, None, :]).permute(1, 2, 0) + (W - 1)
+            self.register_buffer("index", rel[..., 0] * (2 * W - 1) + rel[..., 1], persistent=False)
+
+        def forward(self, x, mask):                                     # x: b*nw, W*W, d
+            bn, n, d = x.shape
+            q, k, v = self.qkv(x).view(bn, n, 3, self.h, d // self.h).permute(2, 0, 3, 1, 4)
+            att = (q * self.scale) @ k.transpose(-2, -1)
+            att = att + self.table[self.index.view(-1)].view(n, n, -1).permute(2, 0, 1)[None]
+            if mask is not None:                                        # shifted windows: no attention across seams
+                nw = mask.shape[0]
+                att = (att.view(bn // nw, nw, self.h, n, n) + mask[None, :, None]).view(bn, self.h, n, n)
+            return self.proj((att.softmax(-1) @ v).transpose(1, 2).reshape(bn, n, d))
+
+    def windows(x):                                                     # b, H, W, d -> b*nw, W*W, d
+        b, hh, ww, d = x.shape
+        return x.view(b, hh // W, W, ww // W, W, d).permute(0, 1, 3, 2, 4, 5).reshape(-1, W * W, d)
+
+    def unwindows(x, b, hh, ww):
+        d = x.shape[-1]
+        return x.view(b, hh // W, ww // W, W, W, d).permute(0, 1, 3, 2, 4, 5).reshape(b, hh, ww, d)
+
+    masks = {}
+
+    def shift_mask(hh, ww):                                             # per resolution, built once
+        if (hh, ww) not in masks:
+            s, img, cnt = W // 2, torch.zeros(1, hh, ww, 1), 0
+            for hs in (slice(0, -W), slice(-W, -s), slice(-s, None)):
+                for ws in (slice(0, -W), slice(-W, -s), slice(-s, None)):
+                    img[:, hs, ws] = cnt
+                    cnt += 1
+            mw = windows(img).squeeze(-1)
+            m = mw[:, None, :] - mw[:, :, None]
+            masks[hh, ww] = m.masked_fill(m != 0, -100.0).masked_fill(m == 0, 0.0)
+        return masks[hh, ww]
+
+    class Block(nn.Module):
+        def __init__(self, d, heads, shift):
+            super().__init__()
+            self.shift = shift
+            self.n1, self.n2 = nn.LayerNorm(d), nn.LayerNorm(d)
+            self.attn = WindowAttention(d, heads)
+            self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+        def forward(self, x):                                           # b, H, W, d
+            b, hh, ww, d = x.shape
+            h = self.n1(x)
+            if self.shift:
+                h = torch.roll(h, (-(W // 2), -(W // 2)), (1, 2))
+            h = unwindows(self.attn(windows(h), shift_mask(hh, ww) if self.shift else None), b, hh, ww)
+            if self.shift:
+                h = torch.roll(h, (W // 2, W // 2), (1, 2))
+            x = x + h
+            return x + self.mlp(self.n2(x))
+
+    class Merge(nn.Module):                                             # patch merging: 2x2 -> 1, d -> 2d
+        def __init__(self, d):
+            super().__init__()
+            self.norm, self.red = nn.LayerNorm(4 * d), nn.Linear(4 * d, 2 * d, bias=False)
+
+        def forward(self, x):
+            x = torch.cat([x[:, 0::2, 0::2], x[:, 1::2, 0::2], x[:, 0::2, 1::2], x[:, 1::2, 1::2]], -1)
+            return self.red(self.norm(x))
+
+    class Swin(nn.Module):
+        def __init__(self, d=64, classes=100):
+            super().__init__()
+            self.embed, self.ln0 = nn.Conv2d(3, d, 4, 4), nn.LayerNorm(d)
+            self.s1 = nn.Sequential(Block(d, 2, False), Block(d, 2, True))
+            self.m1 = Merge(d)
+            self.s2 = nn.Sequential(Block(2 * d, 4, False), Block(2 * d, 4, True))
+            self.m2 = Merge(2 * d)
+            self.s3 = nn.Sequential(Block(4 * d, 8, False), Block(4 * d, 8, True))
+            self.ln, self.head = nn.LayerNorm(4 * d), nn.Linear(4 * d, classes)
+
+        def forward(self, img):
+            x = self.ln0(self.embed(img).permute(0, 2, 3, 1))
+            x = self.s3(self.m2(self.s2(self.m1(self.s1(x)))))
+            return self.head(self.ln(x).mean((1, 2)))
+
+    def setup():
+        model = Swin()
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
+
+    def run(state):
+        model, opt = state
+        for batch, size in ((16, 64), (6, 128), (16, 64), (6, 128)):   # two resolutions, alternating
+            x, y = torch.randn(batch, 3, size, size), torch.randint(0, 100, (batch,))
+            opt.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    return setup, run, ("Swin-like classifier (4x4 patch embed d=64, 3 stages of window attention 4x4 with "
+                        "relative position bias, shifted windows by torch.roll + seam mask, patch merging), "
+                        "AdamW, batch x image 16x64, 6x128, 16x64, 6x128 (two resolutions alternating)")
+
+
+def _nn_transformer_translate_train():
+    import math
+    import torch
+    from torch import nn
+
+    V, D, PAD = 6000, 256, 0
+
+    class Translator(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.src_emb, self.tgt_emb = nn.Embedding(V, D, padding_idx=PAD), nn.Embedding(V, D, padding_idx=PAD)
+            self.tf = nn.Transformer(D, 4, 3, 3, 1024, dropout=0.1, batch_first=True)
+            self.out = nn.Linear(D, V)
+            pe = torch.zeros(512, D)
+            pos = torch.arange(512).float()[:, None]
+            div = torch.exp(torch.arange(0, D, 2).float() * (-math.log(10000.0) / D))
+            pe[:, 0::2], pe[:, 1::2] = torch.sin(pos * div), torch.cos(pos * div)
+            self.register_buffer("pe", pe, persistent=False)
+
+        def forward(self, src, tgt):
+            s = self.src_emb(src) * math.sqrt(D) + self.pe[: src.shape[1]]
+            t = self.tgt_emb(tgt) * math.sqrt(D) + self.pe[: tgt.shape[1]]
+            causal = torch.ones(tgt.shape[1], tgt.shape[1], dtype=torch.bool).triu(1)
+            h = self.tf(s, t, tgt_mask=causal, src_key_padding_mask=src == PAD,
+                        tgt_key_padding_mask=tgt == PAD, memory_key_padding_mask=src == PAD, tgt_is_causal=True)
+            return self.out(h)
+
+    def setup():
+        model = Translator()
+        opt = torch.optim.Adam(model.parameters(), lr=5e-4, betas=(0.9, 0.98), eps=1e-9)
+        return model, opt, nn.CrossEntropyLoss(ignore_index=PAD, label_smoothing=0.1)
+
+    def batch_of(g, b, smax, tmax):                                     # padded, lengths vary within the batch
+        sl = torch.randint(smax // 2, smax + 1, (b,), generator=g)
+        tl = torch.randint(tmax // 2, tmax + 1, (b,), generator=g)
+        src = torch.randint(1, V, (b, smax), generator=g).masked_fill(torch.arange(smax) >= sl[:, None], PAD)
+        tgt = torch.randint(1, V, (b, tmax + 1), generator=g).masked_fill(torch.arange(tmax + 1) > tl[:, None], PAD)
+        return src, tgt
+
+    def run(state):
+        model, opt, crit = state
+        g = torch.Generator().manual_seed(5)
+        for b, smax, tmax in ((32, 40, 36), (12, 96, 80), (48, 18, 22), (20, 64, 50)):
+            src, tgt = batch_of(g, b, smax, tmax)
+            opt.zero_grad(set_to_none=True)
+            logits = model(src, tgt[:, :-1])
+            crit(logits.reshape(-1, V), tgt[:, 1:].reshape(-1)).backward()
+            opt.step()
+    return setup, run, ("nn.Transformer translation model (3+3 layers d=256, sinusoidal positions, padding and "
+                        "causal masks, vocab 6000), label-smoothed cross entropy ignoring padding, Adam; "
+                        "batch/max src/max tgt 32/40/36, 12/96/80, 48/18/22, 20/64/50, lengths varying per sentence")
+
+
+def _wavenet_like_train():
+    import torch
+    from torch import nn
+
+    R, S, Q = 32, 64, 256                                               # residual, skip channels, mu-law classes
+    DILATIONS = [2 ** i for i in range(8)] * 2
+
+    class Layer(nn.Module):
+        def __init__(self, dil):
+            super().__init__()
+            self.dil = dil
+            self.conv = nn.Conv1d(R, 2 * R, 2, dilation=dil)
+            self.res, self.skip = nn.Conv1d(R, R, 1), nn.Conv1d(R, S, 1)
+
+        def forward(self, x):
+            h = self.conv(nn.functional.pad(x, (self.dil, 0)))          # causal: pad on the left only
+            f, g = h.chunk(2, 1)
+            h = torch.tanh(f) * torch.sigmoid(g)                        # gated activation
+            return x + self.res(h), self.skip(h)
+
+    class WaveNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(Q, R)
+            self.layers = nn.ModuleList(Layer(d) for d in DILATIONS)
+            self.post = nn.Sequential(nn.ReLU(), nn.Conv1d(S, S, 1), nn.ReLU(), nn.Conv1d(S, Q, 1))
+
+        def forward(self, q):                                           # q: b, T (mu-law codes)
+            x = self.emb(q).transpose(1, 2)
+            skip = 0
+            for layer in self.layers:
+                x, s = layer(x)
+                skip = skip + s
+            return self.post(skip)
+
+    def mulaw(a):
+        return ((torch.sign(a) * torch.log1p(255 * a.abs()) / torch.log1p(torch.tensor(255.0)) + 1) * 127.5).long()
+
+    def setup():
+        model = WaveNet()
+        return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def run(state):
+        model, opt = state
+        g = torch.Generator().manual_seed(6)
+        for batch, length in ((4, 4000), (2, 9000), (6, 2500), (3, 6000)):
+            t = torch.arange(length + 1).float()
+            f = torch.rand(batch, 1, generator=g) * 0.05 + 0.01
+            audio = (0.6 * torch.sin(t * f) + 0.05 * torch.randn(batch, length + 1, generator=g)).clamp(-1, 1)
+            q = mulaw(audio)
+            opt.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(model(q[:, :-1]), q[:, 1:]).backward()
+            opt.step()
+    return setup, run, ("WaveNet-like autoregressive audio model (mu-law 256 embedding, 2 stacks of dilated causal "
+                        "Conv1d 1..128, tanh*sigmoid gates, residual and summed skip connections, 32/64 channels), "
+                        "Adam, batch x samples 4x4000, 2x9000, 6x2500, 3x6000")
+
+
+def _dlrm_like_train():
+    import torch
+    from torch import nn
+
+    TABLES, DIM, DENSE = (100_000, 40_000, 20_000, 8_000, 3_000, 1_000, 300, 50), 64, 13
+
+    class DLRM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.ModuleList(nn.EmbeddingBag(n, DIM, mode="sum", sparse=True) for n in TABLES)
+            self.bot = nn.Sequential(nn.Linear(DENSE, 256), nn.ReLU(), nn.Linear(256, 128), nn.ReLU(),
+                                     nn.Linear(128, DIM), nn.ReLU())
+            f = len(TABLES) + 1
+            self.register_buffer("li", torch.tril_indices(f, f, -1), persistent=False)
+            self.top = nn.Sequential(nn.Linear(DIM + f * (f - 1) // 2, 256), nn.ReLU(), nn.Linear(256, 128),
+                                     nn.ReLU(), nn.Linear(128, 1))
+
+        def forward(self, dense, bags):
+            x = self.bot(dense)
+            feats = torch.stack([x] + [e(ids, offs) for e, (ids, offs) in zip(self.emb, bags)], 1)   # b, f, DIM
+            z = torch.bmm(feats, feats.transpose(1, 2))                 # pairwise dot interaction
+            inter = z[:, self.li[0], self.li[1]]
+            return self.top(torch.cat([x, inter], 1)).squeeze(1)
+
+    def setup():
+        model = DLRM()
+        sparse = torch.optim.Adagrad([p for e in model.emb for p in e.parameters()], lr=0.05)
+        dense = torch.optim.SGD([p for n, p in model.named_parameters() if not n.startswith("emb")], lr=0.05)
+        return model, sparse, dense
+
+    def run(state):
+        model, sparse, dense = state
+        g = torch.Generator().manual_seed(7)
+        for batch, hot in ((4096, 4), (1024, 12), (8192, 2), (2048, 8)):
+            bags = []
+            for n in TABLES:
+                lengths = torch.randint(1, 2 * hot, (batch,), generator=g)
+                offs = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]])
+                bags.append((torch.randint(0, n, (int(lengths.sum()),), generator=g), offs))
+            x = torch.log1p(torch.rand(batch, DENSE, generator=g) * 100)
+            y = (torch.rand(batch, generator=g) < 0.25).float()
+            sparse.zero_grad(set_to_none=True)
+            dense.zero_grad(set_to_none=True)
+            nn.functional.binary_cross_entropy_with_logits(model(x, bags), y).backward()
+            sparse.step()
+            dense.step()
+    return setup, run, ("DLRM-like CTR model (8 sparse EmbeddingBag tables 100k..50 rows dim 64 with Adagrad on "
+                        "sparse grads, bottom MLP 13-256-128-64, pairwise dot interaction by bmm + tril gather, top "
+                        "MLP 100-256-128-1 with SGD), batches 4096/1024/8192/2048, multi-hot bags of varying length")
+
+
+def _ppo_rollout_train():
+    import torch
+    from torch import nn
+
+    A, GAMMA, LAM, CLIP = 6, 0.99, 0.95, 0.2
+
+    class ActorCritic(nn.Module):                                       # Nature-DQN torso, Atari 4x84x84 frames
+        def __init__(self):
+            super().__init__()
+            self.torso = nn.Sequential(nn.Conv2d(4, 32, 8, 4), nn.ReLU(), nn.Conv2d(32, 64, 4, 2), nn.ReLU(),
+                                       nn.Conv2d(64, 64, 3, 1), nn.ReLU(), nn.Flatten(),
+                                       nn.Linear(3136, 512), nn.ReLU())
+            self.pi, self.v = nn.Linear(512, A), nn.Linear(512, 1)
+
+        def forward(self, obs_u8):
+            h = self.torso(obs_u8.float() / 255.0)
+            return self.pi(h), self.v(h).squeeze(1)
+
+    class FakeAtari:                                                    # deterministic stand-in environment
+        def __init__(self, n, g):
+            self.g, self.n = g, n
+            self.obs = torch.randint(0, 256, (n, 4, 84, 84), dtype=torch.uint8, generator=g)
+
+        def step(self, action):
+            frame = (self.obs[:, -1:].int() + action.view(-1, 1, 1, 1) * 17
+                     + torch.randint(0, 8, (self.n, 1, 84, 84), generator=self.g)).remainder(256).to(torch.uint8)
+            self.obs = torch.cat([self.obs[:, 1:], frame], 1)           # frame stack: drop the oldest
+            reward = (action == 2).float() - 0.01
+            done = torch.rand(self.n, generator=self.g) < 0.02
+            return self.obs, reward, done
+
+    def setup():
+        model = ActorCritic()
+        return model, torch.optim.Adam(model.parameters(), lr=2.5e-4, eps=1e-5)
+
+    def run(state):
+        model, opt = state
+        g = torch.Generator().manual_seed(8)
+        for envs, steps, minibatch in ((16, 12, 64), (4, 24, 32), (1, 32, 16), (8, 12, 48)):
+            env = FakeAtari(envs, g)
+            obs_buf = torch.zeros(steps, envs, 4, 84, 84, dtype=torch.uint8)
+            act_buf = torch.zeros(steps, envs, dtype=torch.long)
+            logp_buf, val_buf = torch.zeros(steps, envs), torch.zeros(steps, envs)
+            rew_buf, done_buf = torch.zeros(steps, envs), torch.zeros(steps, envs)
+            obs = env.obs
+            with torch.no_grad():                                       # rollout: many tiny forward passes
+                for t in range(steps):
+                    logits, value = model(obs)
+                    dist = torch.distributions.Categorical(logits=logits)
+                    action = dist.sample()
+                    obs_buf[t], act_buf[t], logp_buf[t], val_buf[t] = obs, action, dist.log_prob(action), value
+                    obs, reward, done = env.step(action)
+                    rew_buf[t], done_buf[t] = reward, done.float()
+                _, last = model(obs)
+                adv, gae = torch.zeros(steps, envs), torch.zeros(envs)
+                for t in reversed(range(steps)):                        # generalized advantage estimation
+                    nxt = last if t == steps - 1 else val_buf[t + 1]
+                    nonterm = 1.0 - done_buf[t]
+                    delta = rew_buf[t] + GAMMA * nxt * nonterm - val_buf[t]
+                    gae = delta + GAMMA * LAM * nonterm * gae
+                    adv[t] = gae
+                ret = adv + val_buf
+            n = steps * envs
+            b_obs, b_act = obs_buf.view(n, 4, 84, 84), act_buf.view(n)
+            b_logp, b_adv, b_ret = logp_buf.view(n), adv.view(n), ret.view(n)
+            for _ in range(2):                                          # PPO epochs over shuffled minibatches
+                perm = torch.randperm(n, generator=g)
+                for i in range(0, n, minibatch):
+                    idx = perm[i: i + minibatch]
+                    logits, value = model(b_obs[idx])
+                    dist = torch.distributions.Categorical(logits=logits)
+                    ratio = torch.exp(dist.log_prob(b_act[idx]) - b_logp[idx])
+                    a = b_adv[idx]
+                    a = (a - a.mean()) / (a.std() + 1e-8) if a.numel() > 1 else a
+                    pg = -torch.min(ratio * a, ratio.clamp(1 - CLIP, 1 + CLIP) * a).mean()
+                    loss = pg + 0.5 * (value - b_ret[idx]).pow(2).mean() - 0.01 * dist.entropy().mean()
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+                    opt.step()
+            del env, obs, obs_buf, b_obs
+    return setup, run, ("PPO on a stand-in Atari env (Nature-DQN conv actor-critic on uint8 4x84x84 frame stacks): "
+                        "no_grad rollouts of batch 16/4/1/8 envs x 12/24/32/12 steps, GAE, then 2 epochs of "
+                        "clipped-objective minibatch updates (64/32/16/48), clip_grad_norm_, Adam")
+
+
+def _ssm_scan_train():
+    import torch
+    from torch import nn
+
+    V, D, N, E = 1000, 96, 16, 2                                        # vocab, model dim, state size, expansion
+
+    class SelectiveSSM(nn.Module):                                      # Mamba-like block, scan as a Python loop
+        def __init__(self):
+            super().__init__()
+            di = E * D
+            self.norm = nn.LayerNorm(D)
+            self.inp = nn.Linear(D, 2 * di, bias=False)
+            self.conv = nn.Conv1d(di, di, 4, padding=3, groups=di)
+            self.xproj = nn.Linear(di, 8 + 2 * N, bias=False)
+            self.dt = nn.Linear(8, di)
+            self.A_log = nn.Parameter(torch.log(torch.arange(1, N + 1).float()).repeat(di, 1))
+            self.Dskip = nn.Parameter(torch.ones(di))
+            self.out = nn.Linear(di, D, bias=False)
+
+        def forward(self, u):                                           # u: b, L, D
+            b, L, _ = u.shape
+            x, z = self.inp(self.norm(u)).chunk(2, -1)
+            x = nn.functional.silu(self.conv(x.transpose(1, 2))[..., :L].transpose(1, 2))
+            dt, B, C = self.xproj(x).split([8, N, N], -1)
+            dt = nn.functional.softplus(self.dt(dt))                    # b, L, di
+            A = -torch.exp(self.A_log)                                  # di, N
+            h = u.new_zeros(b, x.shape[-1], N)
+            ys = []
+            for t in range(L):                                          # sequential selective scan
+                h = torch.exp(dt[:, t, :, None] * A) * h + (dt[:, t, :, None] * B[:, t, None, :]) * x[:, t, :, None]
+                ys.append((h @ C[:, t, :, None]).squeeze(-1))
+            y = torch.stack(ys, 1) + x * self.Dskip
+            return u + self.out(y * nn.functional.silu(z))
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(V, D)
+            self.layers = nn.ModuleList(SelectiveSSM() for _ in range(2))
+            self.norm, self.head = nn.LayerNorm(D), nn.Linear(D, V, bias=False)
+
+        def forward(self, idx):
+            x = self.emb(idx)
+            for layer in self.layers:
+                x = layer(x)
+            return self.head(self.norm(x))
+
+    def setup():
+        model = LM()
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def run(state):
+        model, opt = state
+        for batch, seq in ((8, 32), (4, 64), (16, 16), (6, 48)):
+            x = torch.randint(0, V, (batch, seq + 1))
+            opt.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(model(x[:, :-1]).reshape(-1, V), x[:, 1:].reshape(-1)).backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+    return setup, run, ("Mamba-like selective state-space LM (2 layers d=96, expansion 2, state 16, depthwise causal "
+                        "conv, input-dependent dt/B/C, recurrent scan as a Python loop over time with small per-step "
+                        "tensors), backward through the loop, AdamW; batch x seq 8x32, 4x64, 16x16, 6x48")
+
+
+def _mobilenet_eval_varsize():
+    import torch
+    from torch import nn
+
+    def cbr(i, o, k=3, s=1, groups=1, act=True):
+        layers = [nn.Conv2d(i, o, k, s, k // 2, groups=groups, bias=False), nn.BatchNorm2d(o)]
+        return nn.Sequential(*layers, nn.ReLU6(inplace=True)) if act else nn.Sequential(*layers)
+
+    class InvertedResidual(nn.Module):                                  # expand 1x1, depthwise 3x3, project 1x1
+        def __init__(self, i, o, s, t):
+            super().__init__()
+            h = i * t
+            self.use_res = s == 1 and i == o
+            self.body = nn.Sequential(*([cbr(i, h, 1)] if t != 1 else []), cbr(h, h, 3, s, groups=h),
+                                      cbr(h, o, 1, act=False))
+
+        def forward(self, x):
+            return x + self.body(x) if self.use_res else self.body(x)
+
+    class MobileNetV2(nn.Module):
+        def __init__(self, width=0.75, classes=1000):
+            super().__init__()
+            c = lambda n: max(8, int(n * width + 4) // 8 * 8)
+            layers, i = [cbr(3, c(32), 3, 2)], c(32)
+            for t, o, n, s in ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1),
+                               (6, 160, 3, 2), (6, 320, 1, 1)):
+                for j in range(n):
+                    layers.append(InvertedResidual(i, c(o), s if j == 0 else 1, t))
+                    i = c(o)
+            layers.append(cbr(i, 1280, 1))
+            self.features = nn.Sequential(*layers)
+            self.classifier = nn.Sequential(nn.Dropout(0.2), nn.Linear(1280, classes))
+
+        def forward(self, x):
+            return self.classifier(nn.functional.adaptive_avg_pool2d(self.features(x), 1).flatten(1))
+
+    def setup():
+        return MobileNetV2().eval()
+
+    def run(model):
+        with torch.no_grad():
+            for batch, size in ((8, 224), (16, 160), (2, 384), (12, 192), (1, 512), (4, 288)):
+                probs = model(torch.randn(batch, 3, size, size)).softmax(-1)
+                _ = probs.topk(5, -1)
+                del probs
+    return setup, run, ("MobileNetV2-like net (width 0.75, inverted residuals: 1x1 expand, depthwise 3x3, linear "
+                        "1x1 projection, ReLU6, BatchNorm) eval under no_grad, softmax top-5, batch x image "
+                        "8x224, 16x160, 2x384, 12x192, 1x512, 4x288")
+
+
+def _gan_train():
+    import torch
+    from torch import nn
+
+    Z, NG, ND = 100, 32, 32
+
+    def setup():
+        gen = nn.Sequential(nn.ConvTranspose2d(Z, NG * 8, 4, 1, 0, bias=False), nn.BatchNorm2d(NG * 8), nn.ReLU(True),
+                            nn.ConvTranspose2d(NG * 8, NG * 4, 4, 2, 1, bias=False), nn.BatchNorm2d(NG * 4),
+                            nn.ReLU(True),
+                            nn.ConvTranspose2d(NG * 4, NG * 2, 4, 2, 1, bias=False), nn.BatchNorm2d(NG * 2),
+                            nn.ReLU(True),
+                            nn.ConvTranspose2d(NG * 2, NG, 4, 2, 1, bias=False), nn.BatchNorm2d(NG), nn.ReLU(True),
+                            nn.ConvTranspose2d(NG, 3, 4, 2, 1, bias=False), nn.Tanh())
+        disc = nn.Sequential(nn.Conv2d(3, ND, 4, 2, 1, bias=False), nn.LeakyReLU(0.2, True),
+                             nn.Conv2d(ND, ND * 2, 4, 2, 1, bias=False), nn.BatchNorm2d(ND * 2),
+                             nn.LeakyReLU(0.2, True),
+                             nn.Conv2d(ND * 2, ND * 4, 4, 2, 1, bias=False), nn.BatchNorm2d(ND * 4),
+                             nn.LeakyReLU(0.2, True),
+                             nn.Conv2d(ND * 4, ND * 8, 4, 2, 1, bias=False), nn.BatchNorm2d(ND * 8),
+                             nn.LeakyReLU(0.2, True),
+                             nn.Conv2d(ND * 8, 1, 4, 1, 0, bias=False), nn.Flatten())
+        opt_g = torch.optim.Adam(gen.parameters(), lr=2e-4, betas=(0.5, 0.999))
+        opt_d = torch.optim.Adam(disc.parameters(), lr=2e-4, betas=(0.5, 0.999))
+        return gen, disc, opt_g, opt_d
+
+    def run(state):
+        gen, disc, opt_g, opt_d = state
+        bce = nn.functional.binary_cross_entropy_with_logits
+        for batch in (64, 32, 96, 48):
+            real = torch.rand(batch, 3, 64, 64) * 2 - 1
+            ones, zeros = torch.ones(batch, 1), torch.zeros(batch, 1)
+            fake = gen(torch.randn(batch, Z, 1, 1))
+            opt_d.zero_grad(set_to_none=True)                           # discriminator: real vs detached fake
+            (bce(disc(real), ones) + bce(disc(fake.detach()), zeros)).backward()
+            opt_d.step()
+            opt_g.zero_grad(set_to_none=True)                           # generator: fool the updated discriminator
+            bce(disc(fake), ones).backward()
+            opt_g.step()
+            del fake
+    return setup, run, ("DCGAN (64x64, transposed-conv generator z=100 and strided-conv discriminator, 32 base "
+                        "channels, BatchNorm), alternating D and G steps with two Adam optimizers, "
+                        "batches 64/32/96/48")
+
+
 WORKLOADS: Dict[str, Callable] = {
     "vit_train_varbatch": _vit_train_varbatch,
     "gru_seq2seq_train": _gru_seq2seq_train,
@@ -763,4 +1283,13 @@ WORKLOADS: Dict[str, Callable] = {
     "llama_style_prefill_decode": _llama_style_prefill_decode,
     "graph_attention_train": _graph_attention_train,
     "mixed_precision_like_train": _mixed_precision_like_train,
+    # third batch
+    "swin_like_train": _swin_like_train,
+    "nn_transformer_translate_train": _nn_transformer_translate_train,
+    "wavenet_like_train": _wavenet_like_train,
+    "dlrm_like_train": _dlrm_like_train,
+    "ppo_rollout_train": _ppo_rollout_train,
+    "ssm_scan_train": _ssm_scan_train,
+    "mobilenet_eval_varsize": _mobilenet_eval_varsize,
+    "gan_train": _gan_train,
 }
