@@ -13,6 +13,7 @@ This mirrors ``torch/cuda/__init__.py`` and ``device_lazy_init.cpp``.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from typing import Callable, List, Optional, Tuple
@@ -112,8 +113,10 @@ def lazy_init() -> Backend:
         try:
             chosen.init()
             _tls.stage = "queue"
-            calls = [c for c in (_seed_all, _seed) if c is not None] + _queued
-            for fn, stack in calls:
+            seeds = [c for c in (_seed_all, _seed) if c is not None]
+            # _queued itself, not a copy: a queued call that queues another (this thread, stage
+            # "queue") appends to it, and the loop runs that one too, as torch's _lazy_init
+            for fn, stack in itertools.chain(seeds, _queued):
                 try:
                     fn()
                 except Exception as exc:

@@ -287,3 +287,16 @@ def test_async_malloc_refuses_a_stream_handle_no_stream_can_have(monkeypatch, st
     with pytest.raises(ValueError, match=f"got {stream}; pass Stream.handle"):
         alloc.malloc(4096, stream)
     assert memory.memory_stats(1)["allocation.all.current"] == 0 and memory.memory_stats(1)["num_device_alloc"] == 0
+
+
+# -- lazy init ------------------------------------------------------------------------------------
+def test_a_call_queued_by_a_queued_call_runs_at_init(sim_backend):
+    """A queued call that queues another while init runs the queue: the second ran never (the
+    queue was copied before the run and cleared after); torch's _lazy_init iterates the live
+    list, so it runs last, and the queue is empty afterwards."""
+    order = []
+    _lazy.lazy_call(lambda: (order.append("a"), _lazy.lazy_call(lambda: order.append("queued by a"))))
+    _lazy.lazy_call(lambda: order.append("b"))
+    accel.current_device_index()
+    assert order == ["a", "b", "queued by a"]
+    assert _lazy._queued == []
