@@ -188,6 +188,62 @@ def test_fork_while_another_thread_selects_a_backend_does_not_hang_the_child(sim
     assert status == 0, "the forked child hung on the backend-selection lock" if status == -9 else status
 
 
+# -- MemPool ----------------------------------------------------------------------------------------
+def _pool_blocks(pool):
+    return {b["address"] for seg in pool.snapshot() for b in seg["blocks"] if b["state"] == "active_allocated"}
+
+
+def test_nested_pools_on_two_devices_route_each_device_to_its_own(sim_graph_backend):   # Metal: 1 device
+    p0 = accel.MemPool()
+    with accel.device_index(1):
+        p1 = accel.MemPool()
+    with accel.use_mem_pool(p0):
+        with accel.use_mem_pool(p1, device=1):
+            on0, on1 = accel.Buffer(4096, device=0), accel.Buffer(4096, device=1)
+        after0, after1 = accel.Buffer(100, device=0), accel.Buffer(100, device=1)
+    assert _pool_blocks(p0) == {on0.ptr, after0.ptr} and _pool_blocks(p1) == {on1.ptr}
+    assert after1.ptr not in _pool_blocks(p1)
+    assert p0.use_count() == p1.use_count() == 1
+    assert accel.current_device_index() == 0
+
+
+def test_pool_misuse_changes_nothing(sim_graph_backend):
+    """A pool of device 1 while device 0 is current, a device argument of the wrong type, a
+    pool already routed: each raises and the pool keeps its one reference and no route."""
+    with accel.device_index(1):
+        pool = accel.MemPool()
+    for device, exc in ((None, ValueError), (0, ValueError), (1.0, TypeError), ("bogus", InvalidDeviceError),
+                        (7, InvalidDeviceError)):
+        with pytest.raises(exc):
+            with accel.use_mem_pool(pool, device=device):
+                pass
+        assert pool.use_count() == 1
+    with accel.use_mem_pool(pool, device=f"{sim_graph_backend}:1"):
+        with pytest.raises(RuntimeError, match="already"):
+            with accel.use_mem_pool(pool, device=1):
+                pass
+        inside = accel.Buffer(64, device=1)
+    assert pool.use_count() == 1 and _pool_blocks(pool) == {inside.ptr}
+    assert memory.device_allocator(1)._threads == {} and memory.device_allocator(0)._threads == {}
+
+
+def test_pool_in_a_forked_child_raises_the_fork_error(sim_backend):
+    pool = accel.MemPool()
+
+    def child():
+        for fn in (pool.use_count, pool.snapshot, lambda: accel.use_mem_pool(pool).__enter__()):
+            try:
+                fn()
+                return 2
+            except RuntimeError as exc:
+                if "forked subprocess" not in str(exc):
+                    return 3
+        return 0 if pool.id[0] == 0 and "MemPool" in repr(pool) else 4
+
+    assert _run_forked(child) == 0
+    assert pool.use_count() == 1
+
+
 # -- the caching and pinned allocators' entry points -------------------------------------------------
 @pytest.mark.parametrize("nbytes", [1 << 60, (1 << 62) + 1, 1 << 63, (1 << 64) + 1, 1 << 70])
 def test_pinned_malloc_of_an_absurd_size_is_out_of_memory(sim_backend, nbytes):
