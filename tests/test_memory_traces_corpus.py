@@ -179,3 +179,40 @@ def test_holdout_traces_load_and_replay(monkeypatch):
         r = _bench.replay(trace, rounds=1)
         assert r["reserved_after_empty_cache"] == 0
         assert r["peak_live"] <= r["peak_allocated"] <= r["peak_reserved"]
+
+
+def test_repeat_trace_gives_each_pass_its_own_ids_and_frees_what_a_pass_left_live(monkeypatch):
+    use_sim(monkeypatch, "cuda")
+    from accel.memory import _bench, _config
+
+    trace = {"name": "t", "ops": [["a", 0, 3 * MiB], ["a", 5, MiB], ["f", 0]]}   # id 5 stays live
+    two = _bench.repeat_trace(trace, 2)
+    assert two["ops"] == [["a", 0, 3 * MiB], ["a", 5, MiB], ["f", 0], ["f", 5],
+                          ["a", 6, 3 * MiB], ["a", 11, MiB], ["f", 6], ["f", 11]]
+    assert two["passes"] == 2 and trace["ops"][-1] == ["f", 0]        # the input is not changed
+    assert _bench.repeat_trace(trace, 1) is trace
+    assert _bench.peak_live(two["ops"]) == _bench.peak_live(trace["ops"])
+    r = _bench.replay(two, _config.AllocConfig())
+    assert r["ops"] == 8 and r["reserved_after_empty_cache"] == 0
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="passes="):
+            _bench.repeat_trace(trace, bad)
+
+
+def test_replay_tool_passes_option():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCEL_")}
+    tool = os.path.join(REPO, "tools", "replay_trace.py")
+    trace = os.path.join(REPO, "tests", "test_memory_traces", "cnn_train.json")
+    proc = subprocess.run([sys.executable, tool, trace, "--json", "--rounds", "1", "--no-capacity",
+                           "--policy", "accel", "--passes", "2"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+    (r,) = json.loads(proc.stdout)["replays"]
+    with open(trace) as fh:
+        ops = json.load(fh)["ops"]
+    left = sum(1 if op[0] == "a" else -1 for op in ops)       # freed at the end of each pass
+    assert r["ops"] == 2 * (len(ops) + left)
+    bad = subprocess.run([sys.executable, tool, trace, "--passes", "0"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--passes 0" in bad.stderr

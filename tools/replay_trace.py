@@ -7,6 +7,7 @@
     python tools/replay_trace.py TRACE.json --policy accel
     python tools/replay_trace.py --conf max_split_size_mb:64 --json
     python tools/replay_trace.py --corpus --variant "accel-exp=policy:accel,expandable_segments:True"
+    python tools/replay_trace.py --corpus --passes 3  # each trace 3 times back to back: does it creep?
 
 Runs on the simulator (ACCEL_SIM=cuda) unless ACCEL_SIM/ACCEL_BACKEND say
 otherwise, and prints per trace and policy: ops, peak live bytes, the 2 MiB
@@ -93,11 +94,16 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="timed replays per trace and variant (default 3)")
     parser.add_argument("--no-capacity", action="store_true", help="skip the minimum-capacity bisection")
     parser.add_argument("--pairs", type=int, default=0, help="also time N cached 1 MiB alloc+free pairs")
+    parser.add_argument("--passes", type=int, default=1,
+                        help="replay each trace N times back to back in one allocator (what a pass "
+                             "leaves live is freed before the next); figures cover all passes")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table (for the README)")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: need at least 1")
+    if args.passes < 1:
+        parser.error(f"--passes {args.passes}: need at least 1")
 
     if not (os.environ.get("ACCEL_SIM") or os.environ.get("ACCEL_BACKEND")):
         os.environ["ACCEL_SIM"] = "cuda"
@@ -121,7 +127,7 @@ def main(argv=None) -> int:
     results = []
     steps = len(paths) * len(configs) + (1 if args.pairs else 0)
     for path in paths:
-        trace = _bench.load_trace(path)
+        trace = _bench.repeat_trace(_bench.load_trace(path), args.passes)
         for label, config in configs:
             progress.update(f"[{len(results) + 1}/{steps}] replaying {os.path.basename(path)} "
                             f"({len(trace['ops'])} ops, {label})")

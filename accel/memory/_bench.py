@@ -326,6 +326,34 @@ def alloc_free_cost(nbytes: int = MiB, n: int = 20000, repeats: int = 7, device:
             "speedup_vs_bare": bare / cached if cached else 0.0}
 
 
+def repeat_trace(trace: dict, passes: int) -> dict:
+    """``trace`` replayed ``passes`` times back to back, as one trace for one allocator: each
+    pass gets its own allocation ids, and what a pass left live is freed before the next
+    (a long job repeats its steps; the first pass alone hides whether a policy's footprint
+    creeps once the cache holds memory laid out for earlier requests)."""
+    if type(passes) is not int or passes < 1:
+        raise ValueError(f"passes={passes!r}: need an int of at least 1")
+    if passes == 1:
+        return trace
+    ops: List[list] = []
+    base = 0
+    for _ in range(passes):
+        live = set()
+        top = -1
+        for op in trace["ops"]:
+            key = base + op[1]
+            top = max(top, op[1])
+            if op[0] == "a":
+                ops.append(["a", key, op[2]])
+                live.add(key)
+            else:
+                ops.append(["f", key])
+                live.discard(key)
+        ops += [["f", key] for key in sorted(live)]
+        base += top + 1
+    return dict(trace, ops=ops, passes=passes)
+
+
 def many_live_trace(n: int, seed: int = 0) -> dict:
     """A synthetic trace that keeps about ``n`` blocks live: ``n`` small requests (512 B to
     300 KB), every other one freed, ``n // 10`` requests of 0.7-2.5 MiB into the holes and
