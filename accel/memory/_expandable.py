@@ -40,13 +40,13 @@ Invariants (checked by ``tests/test_memory_expandable.py`` after every operation
       empty_cache frees every reservation with nothing mapped; a first request that
       fails leaves no reservation behind.
 
-Measured with ``tools/replay_trace.py --corpus`` and ``--holdout`` (11 corpus traces and 14
+Measured with ``tools/replay_trace.py --corpus`` and ``--holdout`` (11 corpus traces and 22
 recorded after the tuning): pieces aligned to a buddy scheme regardless of the block pinned
 whole runs behind shared pages (three of the first seven held-out traces over 1.08x peak
-allocated, up to 1.133x); single pages for everything need up to 353 map calls; this rule
-keeps map calls near the buddy scheme's (at most 212) and leaves five of the 25 traces over
+allocated, up to 1.133x); single pages for everything need up to 370 map calls; this rule
+keeps map calls near the buddy scheme's (at most 215) and leaves eight of the 33 traces over
 1.08x, each from slack inside pages that live blocks pin (README, "The allocator on real
-traces").
+traces", which also lists the placement changes tried against it and rejected).
 """
 
 from __future__ import annotations
