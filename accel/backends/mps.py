@@ -476,15 +476,30 @@ class MPSBackend(Backend):
         if ptr == 0:
             return
         rt = self._runtime()
+        if not host:
+            with self._lock:
+                self._freeable(ptr, host)
+            # torch's MPS allocator commits and waits for the stream before it releases cached
+            # buffers (aten/src/ATen/mps/MPSAllocator.mm, release_cached_buffers: "before
+            # releasing the buffers make sure the command buffer has finished"): a command
+            # buffer retains the buffers it uses, so an open one would keep this memory with
+            # Metal (currentAllocatedSize) until some later synchronize.  As cudaFree, a failed
+            # wait raises before anything is freed.
+            self.device_synchronize()
         with self._lock:
-            buf = self._buffers.get(ptr)
-            if buf is None or buf.host != host:
-                raise _bad("pointer", ptr, f"free only pointers returned by "
-                           f"{'host_alloc' if host else 'mem_alloc'}, once")
+            buf = self._freeable(ptr, host)
             del self._buffers[ptr]
             del self._bases[bisect.bisect_left(self._bases, ptr)]
         # Command buffers retain the buffers they use: queued work still reads valid memory.
         rt.release(buf.obj)
+
+    def _freeable(self, ptr: int, host: bool) -> _Buffer:
+        """The live buffer at ``ptr`` of that kind (lock held), else the error naming it."""
+        buf = self._buffers.get(ptr)
+        if buf is None or buf.host != host:
+            raise _bad("pointer", ptr, f"free only pointers returned by "
+                       f"{'host_alloc' if host else 'mem_alloc'}, once")
+        return buf
 
     def mem_alloc(self, nbytes: int) -> int:
         return self._alloc(nbytes, host=False)
