@@ -84,6 +84,9 @@ _ENV = {
     "objc": "ACCEL_OBJC_PATH", "metal": "ACCEL_METAL_PATH", "nvrtc": "ACCEL_NVRTC_PATH",
 }
 
+#: The function every user of the library calls first: a file without it is another library.
+_ENTRY_POINT = {"nvml": "nvmlInit_v2", "ze": "zeInit"}
+
 _lock = threading.Lock()
 _opened: Dict[str, Tuple[object, object, str]] = {}
 
@@ -358,6 +361,12 @@ def open_library(name: str):
                 lib = ffi.dlopen(path)
             except OSError as e:
                 tried.append((path, str(e).splitlines()[0] if str(e) else type(e).__name__))
+                continue
+            key = _ENTRY_POINT.get(name)
+            if key is not None and not has_symbol(lib, key):
+                # another library (ACCEL_NVML_PATH=libcudart...): every first call would raise
+                # cffi's "symbol not found" instead of "NVML is not available"
+                tried.append((path, "loads, but is not the %s library: it does not export %s" % (name, key)))
                 continue
             got = (ffi, lib, _resolved(path))
             _opened[name] = got
