@@ -70,3 +70,36 @@ def test_an_override_naming_another_library_is_refused_by_name(var, backend, sym
         assert module.startswith("accel") or name == "RuntimeError", got["use_error"]
     text = json.dumps(got["report"]) + json.dumps(got.get("use_error"))
     assert "libc.so.6" in text and symbol in text, got
+
+
+# -- CUDA_VISIBLE_DEVICES entries are read as C strtoul reads them --------------------------------
+
+# (value, ordinals of 2 devices): torch's test_cuda_nvml_based_avail documents unary signs
+# ("2, +3, -0, 5" -> [2, 3, 0, 5]) and leading digits ("1gpu2" -> [1]); strtoul knows only the
+# ASCII digits, so "1²" reads 1 and "١" (ARABIC-INDIC DIGIT ONE) is no number at all
+STRTOUL_CASES = [("+1", [1]), ("-0,1", [0, 1]), ("1²", [1]), ("²", []), ("١", []), ("0,١", [0])]
+
+
+@pytest.mark.parametrize("value, expected", STRTOUL_CASES)
+def test_visible_entries_are_read_as_strtoul_reads_them(value, expected):
+    from accel.sim import cudart
+    assert _visible.visible_ordinals(value, 2, lambda: []) == expected
+    assert cudart.visible_ordinals(value, 2) == expected      # the simulated runtime agrees
+
+
+@pytest.mark.parametrize("value, expected", STRTOUL_CASES)
+def test_the_count_before_init_is_the_runtimes(monkeypatch, value, expected):
+    # "+1" counted 1 device but the simulated runtime found none at init; "1²" counted 0 and the
+    # runtime 1 (a RuntimeWarning, and a count that changed under the caller)
+    use_sim(monkeypatch, "cuda", CUDA_VISIBLE_DEVICES=value)
+    assert accel.device_count() == len(expected)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        if not expected:
+            with pytest.raises(AcceleratorError, match="cudaErrorNoDevice"):
+                accel.current_device_index()
+            return
+        accel.current_device_index()
+    assert accel.device_count() == len(expected)
+    assert [accel.get_device_properties(i).pci_bus_id for i in range(len(expected))] == \
+        [sim_core.pci_bus(p) for p in expected]

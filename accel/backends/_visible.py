@@ -14,10 +14,11 @@ ALL = object()  # variable unset: every device is visible
 
 
 def _strtoul(text: str) -> int:
-    """C ``strtoul`` on a leading run of digits: "1gpu2" reads 1; nothing or a sign only → -1."""
+    """C ``strtoul`` on a leading run of digits: "1gpu2" reads 1; nothing or a sign only → -1.
+    Only the ASCII digits are digits to C ("1²" reads 1; str.isdigit took "²" and "١")."""
     end = 0
     for i, ch in enumerate(text):
-        if ch.isdigit() or (i == 0 and ch in "+-"):
+        if ch in "0123456789" or (i == 0 and ch in "+-"):
             end = i + 1
         else:
             break

@@ -518,11 +518,13 @@ def visible_ordinals(value: Optional[str], count: int) -> List[int]:
                 break
             idx = matches[0]
         else:
-            m = re.match(r"\d+", item)
+            # C strtoul: an optional sign, then ASCII digits ("+1" is 1, "-0" is 0; torch's
+            # test_cuda_nvml_based_avail: "2, +3, -0, 5" -> [2, 3, 0, 5]); a negative one ends the list
+            m = re.match(r"[+-]?[0-9]+", item)
             if not m:
                 break
             idx = int(m.group(0))
-            if idx >= count:
+            if not 0 <= idx < count:
                 break
         if idx in out:
             return []
