@@ -103,3 +103,20 @@ def test_the_count_before_init_is_the_runtimes(monkeypatch, value, expected):
     assert accel.device_count() == len(expected)
     assert [accel.get_device_properties(i).pci_bus_id for i in range(len(expected))] == \
         [sim_core.pci_bus(p) for p in expected]
+
+
+# -- telemetry names the device CUDA_VISIBLE_DEVICES selects, however the runtime started ---------
+
+def test_telemetry_follows_visible_devices_when_init_comes_before_any_count(monkeypatch):
+    # With ACCEL_SIM (or ACCEL_BACKEND) set nothing counts before init; the NVML index of visible
+    # device 0 was then taken from an unset CUDA_VISIBLE_DEVICES: GPU 0's readings for GPU 1
+    use_sim(monkeypatch, "cuda", CUDA_VISIBLE_DEVICES="1")
+    assert accel.current_device_index() == 0
+    buf = accel.Buffer(1 << 20, device=0)
+    assert backends.get("cuda").smi_index(0) == 1
+    lines = accel.list_gpu_processes(0).splitlines()
+    assert lines[0] == "GPU:1" and lines[1].startswith(f"process {os.getpid():>10d}"), lines
+    assert accel.device_memory_used(0) > 0
+    with pytest.raises(ValueError, match="not visible"):
+        backends.get("cuda").smi_index(1)
+    del buf

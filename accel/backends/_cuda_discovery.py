@@ -218,4 +218,6 @@ class CudaDiscoveryMixin:
                               f"{runtime_count}; using {runtime_count} (MIG, or a device the driver "
                               f"does not expose)", RuntimeWarning, stacklevel=2)
                 self._count_path = f"cudart after init (the fork-safe count said {before})"
-            self._count, self._count_final = runtime_count, True
+            # the variable as the driver read it at cuInit: the NVML readings map indices through it
+            # (with ACCEL_BACKEND or ACCEL_SIM set nothing counted before, and it was still None)
+            self._count, self._count_final, self._count_env = runtime_count, True, env
