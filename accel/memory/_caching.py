@@ -1692,14 +1692,22 @@ class DeviceCachingAllocator:
         # cuMemUnmap does not wait for queued work (torch synchronizes the segment's stream);
         # the whole device, as cudaFree does, because a block's last users may be other streams
         # whose events completed but whose handles are gone.
-        with self._on_device():
-            self._be.device_synchronize()
         # highest address first: unmapping splits a free block, keeping its low part
         victims.sort(key=lambda v: -v[0])
         done = 0
-        for addr, n, seg, block in victims:
-            self._exp_unmap_one(seg, block, addr, n)
-            done += n
+        try:
+            with self._on_device():
+                self._be.device_synchronize()
+                for addr, n, seg, block in victims:
+                    self._exp_unmap_one(seg, block, addr, n)
+                    done += n
+        except BaseException:
+            try:
+                self._exp_release()          # what was unmapped before the failure
+            except Exception:
+                self._be.clear_error()       # stays counted in _unreleased; the first error propagates
+            raise
+        self._exp_release()                  # the physical memory of every unmapped piece, in one pass
         self._exp_drop_orphans()
         return done
 
@@ -1729,8 +1737,9 @@ class DeviceCachingAllocator:
             self._exp_drop(seg)
 
     def _exp_unmap_one(self, seg: _ExpSegment, block: _Block, addr: int, n: int) -> None:
-        with self._on_device():
-            self._be.vmm_unmap(addr, n)          # a failure changes nothing
+        """Unmap one free piece (the caller made the device current) and turn it into a hole;
+        its handle waits in ``_unreleased`` for the caller's ``_exp_release``."""
+        self._be.vmm_unmap(addr, n)              # a failure changes nothing
         self._scalars["num_device_unmap"] += 1
         _, handle = seg.drop_map(addr)
         fl = block.pool
@@ -1792,7 +1801,6 @@ class DeviceCachingAllocator:
         if self._history is not None:
             self._trace("segment_unmap", addr, n, fl.stream, _stack() if self._ctx >= _CTX_ALL else st)
         self._unreleased.append((handle, n, seg.kind, None))
-        self._exp_release()
 
     def _exp_release(self) -> None:
         """Release unmapped physical memory; a handle whose release fails stays counted as
