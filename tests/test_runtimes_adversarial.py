@@ -120,3 +120,32 @@ def test_telemetry_follows_visible_devices_when_init_comes_before_any_count(monk
     with pytest.raises(ValueError, match="not visible"):
         backends.get("cuda").smi_index(1)
     del buf
+
+
+# -- telemetry in a forked child ----------------------------------------------------------------
+
+def _child_reads_telemetry(parent_initialized: bool) -> int:
+    # torch reads these through pynvml, calling nvmlInit each time, so they work in any child
+    if accel.temperature(1) != 35 or accel.utilization(1) != 0 or accel.power_draw(0) != 70_000:
+        return 3
+    if not accel.list_gpu_processes(1).startswith("GPU:1") or accel.clock_rate(1) != 345:
+        return 4
+    if parent_initialized:
+        try:
+            accel.get_device_properties(1)
+        except RuntimeError as exc:
+            return 0 if "forked subprocess" in str(exc) else 5
+        return 6
+    return 0 if accel.get_device_properties(1).name else 7
+
+
+@pytest.mark.parametrize("parent_initialized", [False, True])
+def test_telemetry_in_a_forked_child(sim_cuda, parent_initialized):
+    # The parent opened NVML to count; the child's NVML calls returned NVML_ERROR_UNINITIALIZED
+    # ("nvmlDeviceGetCount_v2 failed") because nothing called nvmlInit_v2 in the child
+    assert accel.device_count() == 2 and accel.temperature(0) == 35
+    if parent_initialized:
+        accel.set_device_index(1)
+        accel.Stream()
+    assert _run_forked(lambda: _child_reads_telemetry(parent_initialized)) == 0
+    assert accel.temperature(1) == 35     # the parent's NVML is untouched

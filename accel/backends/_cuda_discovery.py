@@ -61,14 +61,20 @@ class CudaDiscoveryMixin:
             cands.append(c)
         return _cuda_libs.choose(cands, driver, note, CUDART_MAJORS)
 
+    _nvml_pid = None     # the process that initialized NVML
+
     def _nvml_lib(self):
+        if self._nvml is not None and self._nvml_pid != os.getpid():
+            # a forked child: initialize NVML again, as torch's readings do (pynvml's nvmlInit on
+            # every call); the parent's initialization answers NVML_ERROR_UNINITIALIZED here
+            self._nvml = None
         if self._nvml is None and self._nvml_error is None:
             try:
                 ffi, lib, path = self._open("nvml")
                 rc = lib.nvmlInit_v2()
                 if rc != _NVML_SUCCESS:
                     raise OSError(f"nvmlInit_v2 returned {rc} ({self._nvml_error_name(ffi, lib, rc)})")
-                self._nvml = (ffi, lib, path)
+                self._nvml, self._nvml_pid = (ffi, lib, path), os.getpid()
             except OSError as exc:
                 self._nvml_error = str(exc)
         return self._nvml
@@ -168,7 +174,7 @@ class CudaDiscoveryMixin:
             count, self._count_reason = 0, f"counting failed: {exc}"
         info["count"] = count
         info["count_path"] = self._count_path
-        if self._nvml is not None:
+        if self._nvml_lib() is not None:
             ffi, lib, path = self._nvml
             info["nvml_library"] = path
             buf = ffi.new("char[]", 96)
