@@ -115,7 +115,8 @@ def state() -> types.SimpleNamespace:
     ({runtime device index: ...}; bytes rounded to 256), ``host_allocations``,
     ``host_bytes``, ``streams``, ``events``, ``graphs``, ``graph_execs``,
     ``captures`` (live counts), ``errors`` ([(queue label, traceback)] of
-    device faults), ``visible_devices`` (physical ordinals), ``config``.
+    device faults), ``visible_devices`` (physical ordinals), ``primary_contexts``
+    ([bool] per runtime device: its primary context was initialized), ``config``.
     """
     _import_providers()
     fields = core.state_fields()

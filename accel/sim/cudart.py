@@ -147,7 +147,7 @@ class _TLS(threading.local):
 
 class Device:
     __slots__ = ("index", "physical", "used", "peak", "legacy", "queues", "blocking", "attrs", "peers",
-                 "view", "reserved", "vmm")
+                 "view", "reserved", "vmm", "context")
 
     def __init__(self, index: int, physical: int, reserved: int = 0):
         self.index = index
@@ -162,6 +162,7 @@ class Device:
         self.attrs: Optional[Dict[int, int]] = None
         self.peers: set = set()     # devices whose memory this one may access (cudaDeviceEnablePeerAccess)
         self.view = None            # the kernels' memory view for this device (see _device_view)
+        self.context = False        # its primary context is initialized (see _NO_CONTEXT)
 
 
 class Stream:
@@ -791,6 +792,19 @@ def cudaDriverGetVersion(driverVersion):
     return cudaSuccess
 
 
+#: Runtime calls that create no primary context.  CUDA Programming Guide, "Initialization":
+#: the runtime "will implicitly use device 0 and self-initialize as needed"; a device's primary
+#: context "is initialized at the first runtime function which requires an active context on
+#: this device".  The device-management queries answer from the driver without one (torch's
+#: test_cuda_primary_ctx.py relies on it); cudaSetDevice/cudaInitDevice mark their own target.
+#: Every other call marks the calling thread's current device.
+_NO_CONTEXT = frozenset({
+    "cudaGetDeviceCount", "cudaGetDevice", "cudaSetDevice", "cudaInitDevice", "cudaGetDeviceProperties",
+    "cudaGetDeviceProperties_v2", "cudaDeviceGetAttribute", "cudaDeviceGetPCIBusId",
+    "cudaDeviceCanAccessPeer",
+})
+
+
 _NO_INIT = {
     "cudaGetErrorName": cudaGetErrorName, "cudaGetErrorString": cudaGetErrorString,
     "cudaGetLastError": cudaGetLastError, "cudaPeekAtLastError": cudaPeekAtLastError,
@@ -811,6 +825,10 @@ def cudaSetDevice(R, device):
     if not (0 <= device < len(R.devices)):
         return cudaErrorInvalidDevice
     R.tls.device = device
+    # CUDA Programming Guide, "Initialization": "As of CUDA 12.0, the cudaInitDevice() and
+    # cudaSetDevice() calls initialize the runtime and the primary context associated with the
+    # specified device."
+    R.devices[device].context = True
     return cudaSuccess
 
 
@@ -829,6 +847,7 @@ def cudaInitDevice(R, device, deviceFlags, flags):
         return cudaErrorInvalidDevice
     if flags & ~0x1:
         return cudaErrorInvalidValue
+    R.devices[device].context = True        # as cudaSetDevice (Programming Guide, "Initialization")
     return cudaSuccess
 
 
@@ -2941,6 +2960,8 @@ _RT_BODY = """\
         if R.init_error and _check_init:
             _rc = R.init_error
         else:
+            if _needs_context:
+                R.devices[R.tls.device].context = True
             _rc = _fn(R, {args})
         if _rc and _rc != 600:
             R.tls.last_error = _rc
@@ -2953,7 +2974,7 @@ def _wrap(name: str, fn):
     # injected faults, "no driver/no device", cudaGetLastError bookkeeping.
     return core.exact_wrapper(name, fn, _RT_BODY, globals(), skip=1, _box=core.counter_box(name),
                               _faults=core._faults, _take=core.take_fault, _name=name, _fn=fn,
-                              _check_init=name != "cudaGetDeviceCount")
+                              _check_init=name != "cudaGetDeviceCount", _needs_context=name not in _NO_CONTEXT)
 
 
 def _wrap_any(name: str, fn):
@@ -3021,7 +3042,8 @@ def _state() -> dict:
                streams=uniq(R.streams, Stream), events=uniq(R.events, Event), graphs=uniq(R.graphs, Graph),
                graph_execs=uniq(R.execs, GraphExec), captures=len(R.captures), errors=list(R.errors),
                modules=uniq(R.libraries, Library), jit_compiles=R.jit_compiles,
-               visible_devices=[d.physical for d in R.devices], **R.vmm.stats())
+               visible_devices=[d.physical for d in R.devices],
+               primary_contexts=[d.context for d in R.devices], **R.vmm.stats())
     return out
 
 
