@@ -64,7 +64,7 @@ class CudaDiscoveryMixin:
     _nvml_pid = None     # the process that initialized NVML
 
     def _nvml_lib(self):
-        if self._nvml is not None and self._nvml_pid != os.getpid():
+        if self._nvml is not None and self._nvml_pid not in (None, os.getpid()):
             # a forked child: initialize NVML again, as torch's readings do (pynvml's nvmlInit on
             # every call); the parent's initialization answers NVML_ERROR_UNINITIALIZED here
             self._nvml = None
