@@ -149,3 +149,21 @@ def test_telemetry_in_a_forked_child(sim_cuda, parent_initialized):
         accel.Stream()
     assert _run_forked(lambda: _child_reads_telemetry(parent_initialized)) == 0
     assert accel.temperature(1) == 35     # the parent's NVML is untouched
+
+
+# -- ZE_AFFINITY_MASK entries that are not ASCII numbers ------------------------------------------
+
+@pytest.mark.parametrize("mask, count", [("²", 0), ("1²", 0), ("١", 0), ("0,²", 1), ("1,١", 1)])
+def test_affinity_mask_entries_that_are_no_number_are_ignored(monkeypatch, mask, count):
+    # "²" passed str.isdigit and int("²") raised ValueError out of device_count(); "١" counted 0
+    # here while the simulated driver took it as 1
+    use_sim(monkeypatch, "xpu", ZE_AFFINITY_MASK=mask)
+    assert accel.device_count() == count
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        if not count:
+            with pytest.raises(AcceleratorError):
+                accel.current_device_index()
+            return
+        accel.current_device_index()
+    assert accel.device_count() == count

@@ -38,7 +38,7 @@ def hierarchy(value: Optional[str]) -> str:
 
 def _index(text: str) -> Optional[int]:
     text = text.strip()
-    if not text.isdigit():
+    if not (text.isascii() and text.isdigit()):   # str.isdigit alone takes "²" (int() refuses it) and "١"
         return None
     return int(text)
 

@@ -503,6 +503,13 @@ def _fill(pcount, parr, items) -> int:
     return 0
 
 
+def _mask_number(text: str) -> Optional[int]:
+    """A ZE_AFFINITY_MASK index: ASCII decimal digits (the driver's C++ string-to-integer knows no
+    others; Python's int() takes "١"), else None: the entry is ignored."""
+    text = text.strip()
+    return int(text) if text.isascii() and text.isdigit() else None
+
+
 def _visible(rt: _Runtime) -> List[Tuple[_Card, List[int], bool]]:
     """Devices zeDeviceGet returns: (card, tiles, is_sub_device), as the driver builds them."""
     env = os.environ
@@ -520,9 +527,8 @@ def _visible(rt: _Runtime) -> List[Tuple[_Card, List[int], bool]]:
     else:
         for entry in mask.split(","):
             parts = entry.split(".")
-            try:
-                idx = int(parts[0].strip())
-            except ValueError:
+            idx = _mask_number(parts[0])
+            if idx is None:
                 continue
             if expose_tiles:
                 if len(parts) > 1 or not 0 <= idx < len(index_map):
@@ -536,11 +542,8 @@ def _visible(rt: _Runtime) -> List[Tuple[_Card, List[int], bool]]:
                 if len(parts) == 1:
                     enabled.setdefault(c.index, set()).update(range(c.tiles))
                 elif len(parts) == 2:
-                    try:
-                        sub = int(parts[1].strip())
-                    except ValueError:
-                        continue
-                    if 0 <= sub < c.tiles:
+                    sub = _mask_number(parts[1])
+                    if sub is not None and 0 <= sub < c.tiles:
                         enabled.setdefault(c.index, set()).add(sub)
     out = []
     for c in rt.cards:
