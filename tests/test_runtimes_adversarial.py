@@ -167,3 +167,20 @@ def test_affinity_mask_entries_that_are_no_number_are_ignored(monkeypatch, mask,
             return
         accel.current_device_index()
     assert accel.device_count() == count
+
+
+# -- NVML failing for one device -----------------------------------------------------------------
+
+def test_a_failing_uuid_read_falls_back_to_the_runtime_count(monkeypatch):
+    # torch's _device_count_nvml returns -1 (ask the runtime) when a UUID cannot be read; accel
+    # took the device's UUID as "" and counted 0 ("selects none"), then init found 1
+    use_sim(monkeypatch, "cuda", CUDA_VISIBLE_DEVICES=sim_core.uuid_text(1))
+    sim.inject_error("nvmlDeviceGetUUID", 999, times=-1, after=1)      # NVML device 1 only
+    assert accel.device_count() == 1
+    report = backends.get("cuda").report()
+    assert "nvmlDeviceGetUUID" in report["count_path"] and "NVML_ERROR_UNKNOWN" in report["count_path"]
+    # the readings need the same UUIDs: the failed call is named, not "device 0 is not visible"
+    with pytest.raises(AcceleratorError, match="nvmlDeviceGetUUID.*NVML_ERROR_UNKNOWN"):
+        accel.temperature(0)
+    sim.clear_faults()
+    assert accel.temperature(0) == 35 and backends.get("cuda").smi_index(0) == 1

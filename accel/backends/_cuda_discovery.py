@@ -108,7 +108,14 @@ class CudaDiscoveryMixin:
             n = ffi.new("unsigned int *")
             rc = lib.nvmlDeviceGetCount_v2(n)
             if rc == _NVML_SUCCESS:
-                ordinals = _visible.visible_ordinals(visible, n[0], lambda: self._nvml_uuids(n[0]))
+                try:
+                    ordinals = _visible.visible_ordinals(visible, n[0], lambda: self._nvml_uuids(n[0]))
+                except AcceleratorError as exc:
+                    # a UUID NVML cannot read: only the runtime can match the GPU- prefixes (torch's
+                    # _device_count_nvml returns -1, "ask the runtime", for it too)
+                    ordinals, why = None, f"cudart (NVML could not match CUDA_VISIBLE_DEVICES: {exc})"
+                else:
+                    why = "cudart (MIG UUIDs in CUDA_VISIBLE_DEVICES need the runtime)"
                 if ordinals is not None:
                     self._count_path = "nvml"
                     if not ordinals:
@@ -122,7 +129,7 @@ class CudaDiscoveryMixin:
                                               f"{self.cudart_choice().error}")
                         return 0
                     return len(ordinals)
-                self._count_path = "cudart (MIG UUIDs in CUDA_VISIBLE_DEVICES need the runtime)"
+                self._count_path = why
             else:
                 self._count_path = f"cudart (nvmlDeviceGetCount_v2 failed: {rc})"
         else:
@@ -152,17 +159,22 @@ class CudaDiscoveryMixin:
         return n[0]
 
     def _nvml_uuids(self, raw_count: int):
+        """Every NVML device's UUID; AcceleratorError naming the call and the device when one
+        cannot be read (taking it as "" made a GPU- prefix naming that device select nothing)."""
+        from ._cuda_nvml import _nvml_code_name
         ffi, lib, _ = self._nvml
         uuids = []
         handle = ffi.new("nvmlDevice_t *")
         buf = ffi.new("char[]", _NVML_UUID_BUFFER)
         for i in range(raw_count):
-            if lib.nvmlDeviceGetHandleByIndex_v2(i, handle) != _NVML_SUCCESS:
-                uuids.append("")
-                continue
-            if lib.nvmlDeviceGetUUID(handle[0], buf, _NVML_UUID_BUFFER) != _NVML_SUCCESS:
-                uuids.append("")
-                continue
+            rc = lib.nvmlDeviceGetHandleByIndex_v2(i, handle)
+            call = "nvmlDeviceGetHandleByIndex_v2"
+            if rc == _NVML_SUCCESS:
+                rc = lib.nvmlDeviceGetUUID(handle[0], buf, _NVML_UUID_BUFFER)
+                call = "nvmlDeviceGetUUID"
+            if rc != _NVML_SUCCESS:
+                raise AcceleratorError.from_call("libnvidia-ml", call, rc, _nvml_code_name(ffi, rc),
+                                                 f"{self._nvml_error_name(ffi, lib, rc)} (NVML device {i})")
             uuids.append(ffi.string(buf).decode())
         return uuids
 
