@@ -184,3 +184,32 @@ def test_a_failing_uuid_read_falls_back_to_the_runtime_count(monkeypatch):
         accel.temperature(0)
     sim.clear_faults()
     assert accel.temperature(0) == 35 and backends.get("cuda").smi_index(0) == 1
+
+
+# -- a process list that never fits ---------------------------------------------------------------
+
+def _child_lists_processes_that_never_fit(kind: str) -> int:
+    # the management library answers "too small" on every call, as if processes kept starting
+    if kind == "cuda":
+        sim.inject_error("nvmlDeviceGetComputeRunningProcesses_v3", 7, times=-1)   # INSUFFICIENT_SIZE
+        call = "nvmlDeviceGetComputeRunningProcesses_v3"
+    else:
+        from accel._ffi import _ze
+        code = _ze.ffi.typeof("ze_result_t").relements["ZE_RESULT_ERROR_INVALID_SIZE"]
+        sim.inject_error("zesDeviceProcessesGetState", code, times=-1, after=1)     # after the count query
+        call = "zesDeviceProcessesGetState"
+    try:
+        accel.list_gpu_processes(1)
+    except AcceleratorError as exc:
+        return 0 if call in str(exc) and "grow" in str(exc) else 3
+    return 4
+
+
+@pytest.mark.parametrize("kind", ["cuda", "xpu"])
+def test_a_process_list_that_never_fits_is_an_error_not_a_hang(monkeypatch, kind):
+    # CUDA doubled its buffer on every NVML_ERROR_INSUFFICIENT_SIZE until MemoryError; Level Zero
+    # retried ZE_RESULT_ERROR_INVALID_SIZE forever (the child was killed as hung)
+    use_sim(monkeypatch, kind)
+    assert accel.device_count() == 2
+    assert _run_forked(lambda: _child_lists_processes_that_never_fit(kind), timeout=30) == 0
+    assert accel.list_gpu_processes(1).startswith("GPU:1")

@@ -22,6 +22,8 @@ _NVML_ERROR_INSUFFICIENT_SIZE = 7
 _NVML_TEMPERATURE_GPU = 0      # nvmlTemperatureSensors_t: the GPU die (torch passes 0)
 _NVML_CLOCK_SM = 1             # nvmlClockType_t: the SM clock (torch passes 1)
 _NOT_AVAILABLE_ULL = (1 << 64) - 1   # NVML_VALUE_NOT_AVAILABLE in an unsigned long long field
+_PROCESS_LIST_ATTEMPTS = 8           # asks with more room before a growing process list is an error
+_PROCESS_LIST_MAX = 1 << 16          # a count above any real process table (pid_max is 4M; a GPU's far less)
 
 
 class CudaNvmlMixin:
@@ -107,9 +109,12 @@ class CudaNvmlMixin:
         count = ffi.new("unsigned int *", 0)
         rc = lib.nvmlDeviceGetComputeRunningProcesses_v3(h, count, ffi.NULL)
         # nvml.h: *infoCount 0 asks for the count; the list may grow between the two calls, so
-        # ask again with more room (as pynvml does) until it fits
-        while rc == _NVML_ERROR_INSUFFICIENT_SIZE:
-            room = count[0] * 2 + 5
+        # ask again with more room (as pynvml does), a few times: a list that never fits is an
+        # error, not a buffer doubled until MemoryError
+        for _attempt in range(_PROCESS_LIST_ATTEMPTS):
+            if rc != _NVML_ERROR_INSUFFICIENT_SIZE:
+                break
+            room = min(count[0], _PROCESS_LIST_MAX) * 2 + 5
             infos = ffi.new("nvmlProcessInfo_t[]", room)
             count[0] = room
             rc = lib.nvmlDeviceGetComputeRunningProcesses_v3(h, count, infos)
@@ -117,6 +122,10 @@ class CudaNvmlMixin:
                 return [(int(infos[k].pid),
                          None if infos[k].usedGpuMemory == _NOT_AVAILABLE_ULL else int(infos[k].usedGpuMemory))
                         for k in range(count[0])]
+        if rc == _NVML_ERROR_INSUFFICIENT_SIZE:
+            raise AcceleratorError.from_call(
+                "libnvidia-ml", call, rc, _nvml_code_name(ffi, rc),
+                f"the process list kept growing past the room given, {_PROCESS_LIST_ATTEMPTS} times; read again")
         if rc != _NVML_SUCCESS:
             raise self._nvml_fail(ffi, lib, call, rc)
         return []

@@ -46,6 +46,8 @@ from ._library import LIBRARY
 #: The shortest span a utilization, memory_usage or power_draw reading averages over, seconds
 #: (NVML's sample period is 1/6 s to 1 s; this is enough for the counters' microsecond clocks).
 SAMPLE_INTERVAL_S = 0.05
+_PROCESS_LIST_ATTEMPTS = 8      # asks with more room before a growing process list is an error
+_PROCESS_LIST_MAX = 1 << 16     # a count above any real process table
 
 
 class TelemetryMixin:
@@ -285,8 +287,9 @@ class TelemetryMixin:
         ffi, lib, handle, _tile, _ = self._smi_target(index)
         n = ffi.new("uint32_t *", 0)
         self._check_rc("zesDeviceProcessesGetState", lib.zesDeviceProcessesGetState(handle, n, ffi.NULL))
-        while True:
-            room = n[0] + 4       # processes may start between the two calls
+        room = n[0]
+        for _attempt in range(_PROCESS_LIST_ATTEMPTS):
+            room = min(max(room, n[0]), _PROCESS_LIST_MAX) + 4   # processes may start between the calls
             arr = ffi.new("zes_process_state_t[]", room)
             for k in range(room):
                 arr[k].stype = lib.ZES_STRUCTURE_TYPE_PROCESS_STATE
@@ -296,6 +299,9 @@ class TelemetryMixin:
                 continue
             self._check_rc("zesDeviceProcessesGetState", rc)
             return [(int(arr[k].processId), int(arr[k].memSize)) for k in range(n[0])]
+        # a list that never fits: an error, not a loop forever
+        self._fail("zesDeviceProcessesGetState", rc, f"the process list kept growing past the room given, "
+                   f"{_PROCESS_LIST_ATTEMPTS} times; read again")
 
     def can_access_peer(self, index: int, peer: int) -> bool:
         ffi, lib, _ = self._lib
