@@ -213,3 +213,45 @@ def test_a_process_list_that_never_fits_is_an_error_not_a_hang(monkeypatch, kind
     assert accel.device_count() == 2
     assert _run_forked(lambda: _child_lists_processes_that_never_fit(kind), timeout=30) == 0
     assert accel.list_gpu_processes(1).startswith("GPU:1")
+
+
+# -- cudaErrorInsufficientDriver says which driver is missing and what to install ------------------
+
+@pytest.mark.parametrize("setting, expect", [
+    (dict(driver=False), ["no NVIDIA driver is installed", "R580"]),
+    (dict(nvml=False, driver_version="12.4"), ["the driver supports CUDA 12.4", "libcudart 13.0",
+                                               "pip install nvidia-cuda-runtime-cu12"]),
+])
+def test_insufficient_driver_at_init_says_why_and_what_to_install(monkeypatch, setting, expect):
+    # Without NVML to read the driver's version first, the runtime is loaded and init raised only
+    # the vendor's "CUDA driver version is insufficient for CUDA runtime version", also where no
+    # driver is installed at all; cudaDriverGetVersion (which starts nothing) tells which
+    use_sim(monkeypatch, "cuda")
+    sim.configure(**setting)
+    assert accel.device_count() == 0
+    with pytest.raises(AcceleratorError, match="cudaErrorInsufficientDriver") as err:
+        accel.current_device_index()
+    for text in expect:
+        assert text in str(err.value)
+    assert expect[0] in backends.get("cuda").report()["reason"]
+
+
+_PROBE_REAL_NO_DRIVER = """
+import json, os, accel
+from accel import backends
+rep = backends.get("cuda").report()
+out = {"library": rep.get("library"), "driver": os.path.exists("/proc/driver/nvidia/version")}
+try:
+    accel.current_device_index()
+except Exception as exc:
+    out["error"] = [type(exc).__name__, str(exc)]
+print(json.dumps(out))
+"""
+
+
+def test_real_runtime_without_a_driver_says_no_driver_is_installed():
+    got = _fresh_python(_PROBE_REAL_NO_DRIVER, ACCEL_BACKEND="cuda")
+    if got["library"] is None or got["driver"]:
+        pytest.skip("needs a real libcudart and no NVIDIA driver")
+    name, text = got["error"]
+    assert name == "AcceleratorError" and "no NVIDIA driver is installed" in text, got

@@ -19,6 +19,7 @@ from . import _visible
 _NVML_SUCCESS = 0
 _NVML_UUID_BUFFER = 96   # NVML_DEVICE_UUID_V2_BUFFER_SIZE
 _ERR_NO_DEVICE = 100     # cudaErrorNoDevice
+_ERR_INSUFFICIENT_DRIVER = 35   # cudaErrorInsufficientDriver: no driver, or one too old for the runtime
 
 
 class CudaDiscoveryMixin:
@@ -151,12 +152,23 @@ class CudaDiscoveryMixin:
             lib.cudaGetLastError()     # handled here: leave no stale last error behind
             name = ffi.string(lib.cudaGetErrorName(rc)).decode()
             self._count_reason = f"cudaGetDeviceCount returned {name} ({rc})"
-            if rc == 35:
-                self._count_reason += ": no NVIDIA driver is installed (or it is older than the runtime)"
+            if rc == _ERR_INSUFFICIENT_DRIVER:
+                self._count_reason += ": " + self._insufficient_driver(ffi, lib)
             return 0
         if n[0] == 0:
             self._count_reason = "cudaGetDeviceCount reports no device"
         return n[0]
+
+    @staticmethod
+    def _insufficient_driver(ffi, lib) -> str:
+        """Why the runtime answers cudaErrorInsufficientDriver: no driver, or which one (neither
+        version query starts anything)."""
+        from ._cuda_libs import insufficient_driver_message
+        rt, drv = ffi.new("int *"), ffi.new("int *")
+        if lib.cudaRuntimeGetVersion(rt) != 0 or lib.cudaDriverGetVersion(drv) != 0:
+            lib.cudaGetLastError()
+            return "no NVIDIA driver is installed, or one older than the runtime"
+        return insufficient_driver_message(rt[0], drv[0])
 
     def _nvml_uuids(self, raw_count: int):
         """Every NVML device's UUID; AcceleratorError naming the call and the device when one

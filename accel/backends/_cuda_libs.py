@@ -120,6 +120,17 @@ def too_new_message(c: Candidate, driver_version: int) -> str:
             f"{_install_hint(c.version, driver_version)}")
 
 
+def insufficient_driver_message(runtime_version: int, driver_version: int) -> str:
+    """Why a runtime answered cudaErrorInsufficientDriver (35), from its own version and the
+    driver's (``cudaDriverGetVersion``, which starts nothing and gives 0 without a driver)."""
+    major = runtime_version // 1000
+    if driver_version <= 0:
+        return (f"no NVIDIA driver is installed (cudaDriverGetVersion reports none); libcudart "
+                f"{vtext(runtime_version)} needs one >= {MIN_DRIVER_BRANCH.get(major, 'supporting CUDA %d' % major)}")
+    return (f"libcudart {vtext(runtime_version)} needs a driver supporting CUDA {major}.0 or newer; the driver "
+            f"supports CUDA {vtext(driver_version)}: {_install_hint(runtime_version, driver_version)}")
+
+
 def choose(cands: Sequence[Candidate], driver_version: Optional[int], driver_note: str,
            majors: Sequence[int], explicit: bool = False) -> Choice:
     """Pick among probed candidates (``version`` set where they loaded).  Sets every

@@ -21,7 +21,7 @@ import threading
 from typing import Optional, Tuple
 
 from .._errors import AcceleratorError, CaptureError, KernelImageError, OutOfMemoryError
-from ._cuda_discovery import CudaDiscoveryMixin
+from ._cuda_discovery import _ERR_INSUFFICIENT_DRIVER, CudaDiscoveryMixin
 from ._cuda_mempool import CudaMemPoolMixin
 from ._cuda_nvml import CudaNvmlMixin
 from ._cuda_vmm import CudaVmmMixin
@@ -222,6 +222,11 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         n = ffi.new("int *")
         rc = lib.cudaGetDeviceCount(n)
         self.driver_started = True
+        if rc == _ERR_INSUFFICIENT_DRIVER:
+            # the vendor's text ("driver version is insufficient") also where no driver is installed
+            lib.cudaGetLastError()
+            raise AcceleratorError.from_call("libcudart", "cudaGetDeviceCount", rc, "cudaErrorInsufficientDriver",
+                                             self._insufficient_driver(ffi, lib))
         self._check(rc, "cudaGetDeviceCount")
         if n[0] == 0:
             raise AcceleratorError("libcudart: cudaGetDeviceCount reports no CUDA device",
