@@ -13,7 +13,7 @@ import warnings
 import pytest
 
 import accel
-from accel import backends, sim
+from accel import _lazy, backends, sim
 from accel._errors import AcceleratorError
 from accel.backends import _visible
 from accel.sim import core as sim_core
@@ -255,3 +255,30 @@ def test_real_runtime_without_a_driver_says_no_driver_is_installed():
         pytest.skip("needs a real libcudart and no NVIDIA driver")
     name, text = got["error"]
     assert name == "AcceleratorError" and "no NVIDIA driver is installed" in text, got
+
+
+# -- ACCEL_CUDART_PATH at a directory without the library, or at a link that leads nowhere ----------
+
+def _runtime_error(monkeypatch, value: str) -> str:
+    monkeypatch.setenv("ACCEL_BACKEND", "cuda")
+    monkeypatch.setenv("ACCEL_CUDART_PATH", value)
+    _lazy._reset_for_tests()
+    assert accel.device_count() == 0
+    with pytest.raises(AcceleratorError) as err:
+        accel.current_device_index()
+    return str(err.value)
+
+
+def test_cudart_path_at_a_directory_without_the_library_names_the_directory(monkeypatch, tmp_path):
+    # the message named a file the user never wrote (<dir>/libcudart.so.13: "no such file")
+    text = _runtime_error(monkeypatch, str(tmp_path))
+    assert f"ACCEL_CUDART_PATH={str(tmp_path)!r}" in text and "is a directory" in text, text
+    assert "libcudart.so.13" in text and "libcudart.so.12" in text
+
+
+def test_cudart_path_at_a_symlink_loop_says_so(monkeypatch, tmp_path):
+    a, b = tmp_path / "libcudart.so.13", tmp_path / "b"
+    os.symlink(b, a)
+    os.symlink(a, b)
+    text = _runtime_error(monkeypatch, str(a))      # was "no such file", beside a file that is there
+    assert "symbolic link" in text and str(a) in text, text

@@ -144,6 +144,12 @@ def choose(cands: Sequence[Candidate], driver_version: Optional[int], driver_not
         # loads; a runtime the driver cannot run is an error at first runtime use.
         c = cands[0]
         if not c.version:
+            env = os.environ.get("ACCEL_CUDART_PATH", "")
+            if env and os.path.isdir(env) and not os.path.exists(c.path):   # the loader looked inside it
+                return Choice(None, cands, driver_version, driver_note, True,
+                              f"ACCEL_CUDART_PATH={env!r} is a directory with no libcudart.so.13 or "
+                              f"libcudart.so.12 in it: point it at the libcudart file, or at the lib/ "
+                              f"directory that holds it")
             return Choice(None, cands, driver_version, driver_note, True,
                           f"ACCEL_CUDART_PATH={c.path!r} cannot be used: {c.reason}")
         if c.version // 1000 not in majors:
@@ -262,6 +268,8 @@ def probe(c: Candidate) -> Candidate:
 
 def _probe(path: str):
     if os.sep in path and not os.path.exists(path):
+        if os.path.islink(path):
+            return None, None, "", "a symbolic link that leads to no file (dangling, or a loop)"
         return None, None, "", "no such file"
     m = _VERSION_IN_NAME.search(os.path.realpath(path)) if os.sep in path else None
     from .._ffi import _cudart   # cudaRuntimeGetVersion: one signature in every major
