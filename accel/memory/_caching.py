@@ -1106,9 +1106,12 @@ class DeviceCachingAllocator:
     def _whole_segment_free(self, block: _Block) -> None:
         """A segment became entirely free: a released private pool hands it to the
         general cache; a release_threshold may return it to the device."""
-        owner = block.pool.owner
+        fl = block.pool
+        owner = fl.owner
         if owner is not None:
-            if owner.use_count == 0:
+            # A destroyed stream's list waits for the event covering the stream's work; _rehome
+            # then moves the segment (to the general cache, as here, once the pool is released).
+            if owner.use_count == 0 and fl in owner.lists.get(fl.stream, ()):
                 self._move_to_general(block)
                 self._forget_private_if_empty(owner)
         elif self._release_threshold is not None:
