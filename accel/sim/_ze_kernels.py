@@ -136,7 +136,7 @@ def zeKernelCreate(hModule, desc, phKernel):
         return C.ZE_RESULT_ERROR_INVALID_KERNEL_NAME
     with rt.lock:
         f["kernels"] += 1
-    k = rt._add(_KObj("kernel", name=name, module=mod, mfields=f, group=None, args={}))
+    k = rt._add(_KObj("kernel", name=name, module=mod, mfields=f, group=None, args={}, refs=0))
     phKernel[0] = k.key
     return 0
 
@@ -149,8 +149,13 @@ def zeKernelDestroy(hKernel):
     if obj is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     with rt.lock:
+        # ze_api.h, zeKernelDestroy: "The application is responsible for making sure the device is
+        # not currently referencing the kernel before it is deleted": a launch submitted and not
+        # yet run is refused (HANDLE_OBJECT_IN_USE, as zeEventDestroy of a referenced event).
+        if f["refs"]:
+            return rt.C.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE
         f["mfields"]["kernels"] -= 1
-    rt._forget(obj)
+        rt._forget(obj)
     return 0
 
 
@@ -236,7 +241,7 @@ def zeCommandListAppendLaunchKernel(hCommandList, hKernel, pLaunchFuncArgs, hSig
 
     def run():
         fn(grid, block, view, *values)
-    return _append(rt, hCommandList, _Op(run, waits, sig, label=f"kernel {f['name']} grid{grid}"))
+    return _append(rt, hCommandList, _Op(run, waits, sig, label=f"kernel {f['name']} grid{grid}", kernel=obj))
 
 
 FUNCTIONS = (zeModuleCreate, zeModuleBuildLogGetString, zeModuleBuildLogDestroy, zeModuleDestroy,

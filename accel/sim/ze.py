@@ -475,6 +475,9 @@ def state() -> dict:
         "ze_live_event_pools": sum(1 for o in live if o.kind == "eventpool"),
         "ze_live_command_lists": sum(1 for o in live if o.kind == "cmdlist"),
         "ze_live_command_queues": sum(1 for o in live if o.kind == "cmdqueue"),
+        "ze_live_modules": sum(1 for o in live if o.kind == "module"),        # _ze_kernels.py
+        "ze_live_kernels": sum(1 for o in live if o.kind == "kernel"),
+        "ze_live_build_logs": sum(1 for o in live if o.kind == "buildlog"),
         "ze_device_used": [d.used() for d in rt.devices],
         "ze_errors": list(rt.errors),
         **{"ze_" + k: v for k, v in rt.vmm.stats().items()},
@@ -1275,12 +1278,13 @@ def zeCommandListReset(hCommandList):
 
 class _Op:
     """One command: ``fn`` (the work, may be None), the events it waits for, signals and resets;
-    ``traffic`` the (read, written) bytes of device memory it moves (the Sysman counters)."""
-    __slots__ = ("fn", "waits", "signal", "reset", "work", "label", "traffic")
+    ``traffic`` the (read, written) bytes of device memory it moves (the Sysman counters);
+    ``kernel`` the kernel object a launch runs (_ze_kernels.py), referenced until it ran."""
+    __slots__ = ("fn", "waits", "signal", "reset", "work", "label", "traffic", "kernel")
 
-    def __init__(self, fn, waits=(), signal=None, reset=None, work=True, label="", traffic=(0, 0)):
+    def __init__(self, fn, waits=(), signal=None, reset=None, work=True, label="", traffic=(0, 0), kernel=None):
         self.fn, self.waits, self.signal, self.reset, self.work, self.label = fn, waits, signal, reset, work, label
-        self.traffic = traffic
+        self.traffic, self.kernel = traffic, kernel
 
 
 def _is_device_memory(a) -> bool:
@@ -1301,6 +1305,9 @@ def _submit(rt: _Runtime, queue, op: _Op, device: Optional[_Device] = None, ordi
         used = _op_events(op)
         for ev in used:
             ev.refs += 1   # the device references it until this operation ran (zeEventDestroy)
+        kernel = op.kernel
+        if kernel is not None:
+            kernel.f["refs"] += 1   # likewise (zeKernelDestroy)
         if sig is not None:
             sig.sig_submitted += 1
         if rst is not None:
@@ -1321,6 +1328,8 @@ def _submit(rt: _Runtime, queue, op: _Op, device: Optional[_Device] = None, ordi
                         _ze_counters.account(meters, group, start, _ze_counters.now_us(), reads, writes)
                     for ev in used:
                         ev.refs -= 1
+                    if kernel is not None:
+                        kernel.f["refs"] -= 1
         # Always a "work" operation: the engine runs markers with its lock held, and
         # signalling an event takes that lock.
         queue.submit(run, deps, True)
@@ -1615,6 +1624,10 @@ def zeCommandQueueExecuteCommandLists(hCommandQueue, numCommandLists, phCommandL
             # driver memory. The documents are silent; the simulator refuses.
             if any(not ev.live for ev in _op_events(op)):
                 return C.ZE_RESULT_ERROR_INVALID_SYNCHRONIZATION_OBJECT
+            # Likewise a kernel destroyed after its launch was recorded: the documents are silent;
+            # refused with the code any call gives a destroyed kernel handle.
+            if op.kernel is not None and not op.kernel.live:
+                return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
         lists.append(cl)
     for cl in lists:
         for op in cl.ops:

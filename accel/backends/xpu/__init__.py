@@ -114,6 +114,7 @@ class XpuBackend(DiscoveryMixin, MemoryMixin, StreamsMixin, EventsMixin, GraphsM
             for s in list(self._streams.values()):
                 self._sync_stream(s)
             self._sweep()
+            self._kernels_close()
             self._vmm_close()
             for ptr, (dev, _n) in list(self._allocs.items()):
                 self._check_rc("zeMemFree", lib.zeMemFree(dev.ctx, ffi.cast("void *", ptr)))

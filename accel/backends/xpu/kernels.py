@@ -28,7 +28,9 @@ class KernelsMixin:
             with self._lock:
                 st = getattr(self, "_kstate", None)
                 if st is None:
-                    # module handle -> (device, [kernel handles]); kernel handle -> (cdata, module, device)
+                    # module handle -> (device, [kernel handles]); kernel handle -> (cdata, module, device,
+                    # {stream: number of its latest launch there}).  The tables change only under the
+                    # lock: the driver gives a destroyed handle's value to the next module or kernel.
                     st = self._kstate = ({}, {}, threading.Lock())
         return st
 
@@ -50,8 +52,9 @@ class KernelsMixin:
         if rc:
             self._fail("zeModuleCreate", rc, f"build log: {text.strip() or '(empty)'}")
         handle = int(ffi.cast("uintptr_t", mod[0]))
-        modules, _kernels, _ = self._kernel_state()
-        modules[handle] = (dev, [])
+        modules, _kernels, klock = self._kernel_state()
+        with klock:
+            modules[handle] = (dev, [])
         return handle
 
     def _build_log(self, log) -> str:
@@ -65,25 +68,52 @@ class KernelsMixin:
                 return ""
             return ffi.string(buf).decode("utf-8", "replace")
         finally:
-            lib.zeModuleBuildLogDestroy(log)
+            self._discard("zeModuleBuildLogDestroy", log)    # a failure is retried at the next sweep
 
     def module_unload(self, module: int) -> None:
+        """Destroy the module's kernels, then the module.  ze_api.h, zeKernelDestroy: "The
+        application is responsible for making sure the device is not currently referencing the
+        kernel before it is deleted", so the streams that launched them and the device's graph
+        replays are waited for first.  A failed destroy raises and leaves the module (and the
+        kernels not yet destroyed) loaded and known, so unloading it again retries."""
         ffi, lib, _ = self._lib
-        modules, kernels, _ = self._kernel_state()
-        entry = modules.pop(module, None)
+        modules, kernels, klock = self._kernel_state()
+        with klock:
+            entry = modules.get(module)
+            uses = [] if entry is None else [(s, seq) for k in entry[1] for s, seq in kernels[k][3].items()]
         if entry is None:
             raise ValueError(f"xpu: {module:#x} is not a loaded module of this backend")
-        for k in entry[1]:
-            cdata = kernels.pop(k)[0]
-            self._check_rc("zeKernelDestroy", lib.zeKernelDestroy(cdata))
-        self._check_rc("zeModuleDestroy", lib.zeModuleDestroy(ffi.cast("ze_module_handle_t", module)))
+        for s, seq in uses:
+            if s.done < seq:
+                self._sync_stream(s)
+        for g in list(entry[0].graphs):     # replays of graphs that may launch them
+            with g.lock:
+                self._sync_graph(g)
+        with klock:
+            if modules.get(module) is not entry:
+                raise ValueError(f"xpu: {module:#x} was unloaded by another thread meanwhile")
+            ks = entry[1]
+            while ks:
+                self._check_rc("zeKernelDestroy", lib.zeKernelDestroy(kernels[ks[-1]][0]))
+                del kernels[ks.pop()]
+            self._check_rc("zeModuleDestroy", lib.zeModuleDestroy(ffi.cast("ze_module_handle_t", module)))
+            del modules[module]
+
+    def _kernels_close(self) -> None:
+        """Destroy every kernel and module (backend close: the device is idle)."""
+        if self._kstate is None:
+            return
+        for module in list(self._kstate[0]):
+            self.module_unload(module)
 
     def module_function(self, module: int, name: str) -> int:
         ffi, lib, _ = self._lib
-        modules, kernels, _ = self._kernel_state()
+        modules, kernels, klock = self._kernel_state()
         entry = modules.get(module)
         if entry is None:
             raise ValueError(f"xpu: {module:#x} is not a loaded module of this backend")
+        if not isinstance(name, str):
+            raise TypeError(f"xpu: a kernel name is a str, got {type(name).__name__} {name!r}")
         desc = ffi.new("ze_kernel_desc_t *")
         desc.stype = lib.ZE_STRUCTURE_TYPE_KERNEL_DESC
         cname = ffi.new("char[]", name.encode())
@@ -91,9 +121,13 @@ class KernelsMixin:
         k = ffi.new("ze_kernel_handle_t *")
         self._check_rc("zeKernelCreate", lib.zeKernelCreate(ffi.cast("ze_module_handle_t", module), desc, k))
         handle = int(ffi.cast("uintptr_t", k[0]))
-        kernels[handle] = (k[0], module, entry[0])
-        entry[1].append(handle)
-        return handle
+        with klock:
+            if modules.get(module) is entry:
+                kernels[handle] = (k[0], module, entry[0], {})
+                entry[1].append(handle)
+                return handle
+        self._discard("zeKernelDestroy", k[0])
+        raise ValueError(f"xpu: {module:#x} was unloaded by another thread meanwhile")
 
     def launch_limits(self, index: int) -> dict:
         ffi, lib, _ = self._lib
@@ -115,7 +149,7 @@ class KernelsMixin:
         entry = kernels.get(function)
         if entry is None:
             raise ValueError(f"xpu: {function:#x} is not a kernel of this backend (module_function)")
-        k, _module, dev = entry
+        k, _module, dev, uses = entry
         s = self._stream(stream)
         if s.device is not dev:
             raise AcceleratorError(f"xpu: the kernel's module was built for device {dev.index}, the stream is "
@@ -135,5 +169,10 @@ class KernelsMixin:
             self._check_rc("zeKernelSetGroupSize", lib.zeKernelSetGroupSize(k, *block))
             for i, (size, p) in enumerate(values):
                 self._check_rc("zeKernelSetArgumentValue", lib.zeKernelSetArgumentValue(k, i, size, p))
-            self._enqueue(s, f"kernel grid{tuple(grid)} block{tuple(block)}", "zeCommandListAppendLaunchKernel",
-                          lib.zeCommandListAppendLaunchKernel, k, count, ffi.NULL, 0, ffi.NULL)
+            seq = self._enqueue(s, f"kernel grid{tuple(grid)} block{tuple(block)}", "zeCommandListAppendLaunchKernel",
+                                lib.zeCommandListAppendLaunchKernel, k, count, ffi.NULL, 0, ffi.NULL)
+            if seq is not None:         # (captured: the graph's replays are waited for at unload)
+                uses[s] = seq
+                if len(uses) > 16:      # bounded by the streams it may still run on
+                    for old in [st for st, n in uses.items() if st.done >= n]:
+                        del uses[old]

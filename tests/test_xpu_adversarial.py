@@ -1,0 +1,281 @@
+"""Adversarial use of the Level Zero (XPU) backend on its simulator (ACCEL_SIM=xpu, two devices):
+ze* calls failing at each step of module/kernel, stream, event and graph creation and
+destruction must leave no leaked handle and a usable backend; the simulated driver refuses what
+the specification forbids (a kernel destroyed while the device still references it).
+
+The generic misuse of every simulator is in tests/test_*_adversarial.py; the basics of this
+backend in tests/test_xpu*.py."""
+
+import gc
+
+import numpy as np
+import pytest
+
+import accel
+from accel import _lazy, sim
+from accel._errors import AcceleratorError
+from accel.sim import ze as sim_ze
+
+from conftest import use_sim
+from test_user_kernels import expected, saxpy_reference, spirv_module
+from test_xpu_sim import gate
+
+#: A code no ze* call returns (the fault sweeps' too): the failure is the injected one.
+FAULT = 0x7FFFFFFE
+SIG = "f32, ptr, ptr, u64"
+_COUNTS = ("ze_live_modules", "ze_live_kernels", "ze_live_build_logs", "ze_live_events", "ze_live_event_pools",
+           "ze_live_command_lists", "ze_live_command_queues", "ze_live_allocations")
+
+
+@pytest.fixture
+def xpu(monkeypatch):
+    """The simulated XPU backend (initialized) with the saxpy reference registered."""
+    use_sim(monkeypatch, "xpu")
+    sim.register_kernel("saxpy", saxpy_reference, SIG)
+    try:
+        yield _lazy.lazy_init()
+    finally:
+        sim.clear_faults()
+        sim.unregister_kernel("saxpy")
+
+
+@pytest.fixture
+def old_loader(monkeypatch):
+    """The simulated backend on Debian's 1.8.12 loader (no zeCommandListHostSynchronize: stream
+    syncs and queries append a marker event)."""
+    use_sim(monkeypatch, "xpu", ACCEL_SIM_ZE_LOADER="1.8.12")
+    try:
+        yield _lazy.lazy_init()
+    finally:
+        sim.clear_faults()
+
+
+def live(keys=_COUNTS) -> dict:
+    st = sim_ze.state()
+    return {k: st.get(k, 0) for k in keys}
+
+
+def modules() -> dict:
+    return live(_COUNTS[:3])
+
+
+def slots_out_of_circulation(be) -> int:
+    """Event slots of the backend's pools that nothing holds: neither the free lists nor the
+    retired list, an event, a stream's marker, a graph or a capture (each lost for good)."""
+    held = sum(len(v) for v in be._free_slots.values()) + len(be._retired)
+    held += sum(1 for e in be._events.values() if e.slot is not None)
+    held += sum(1 for s in be._streams.values() if s.marker is not None)
+    for g in be._graphs.values():
+        held += 2 + (g.completion is not None and g.completion.slot is not None)
+    held += 2 * len(be._captures)
+    return 64 * len(be._pools) - held
+
+
+# -- modules and kernels ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("call", ["zeKernelDestroy", "zeModuleDestroy"])
+def test_failed_unload_leaves_the_module_open_to_close_again(xpu, call):
+    """Module.close() whose zeKernelDestroy or zeModuleDestroy fails raises and leaves the module
+    loaded and known, so close() can be tried again (it used to forget the module first: the
+    retry said 'not a loaded module' and the module and kernel stayed with the driver)."""
+    before = modules()
+    m = accel.Module(spirv_module("saxpy"), device=1)
+    m.function("saxpy", SIG)
+    sim.inject_error(call, FAULT)
+    with pytest.raises(AcceleratorError, match=call):
+        m.close()
+    assert not m.closed
+    k = m.function("saxpy", SIG)                    # still usable
+    x, y = np.ones(64, np.float32), np.arange(64, dtype=np.float32)
+    s1 = accel.Stream(device=1)
+    bx, by = accel.Buffer(256, device=1), accel.Buffer(256, device=1)
+    bx.copy_from(x, stream=s1)
+    by.copy_from(y, stream=s1)
+    accel.launch(k, 1, 64, 2.0, bx, by, 64, stream=s1)
+    assert by.to_numpy("float32", stream=s1).tobytes() == expected(2.0, x, y).tobytes()
+    m.close()
+    bx.close(), by.close(), s1.close()
+    assert m.closed and modules() == before
+
+
+def test_failed_build_log_destroy_is_retried(xpu):
+    """A zeModuleBuildLogDestroy that fails after a successful build: the module loads (the log
+    was read) and the log is released later, not leaked."""
+    before = modules()
+    sim.inject_error("zeModuleBuildLogDestroy", FAULT)
+    m = accel.Module(spirv_module("saxpy"))
+    assert m.function("saxpy", SIG)
+    accel.synchronize()                             # a sync releases what an error path kept
+    m.close()
+    assert modules() == before
+
+
+def test_close_destroys_modules_and_kernels(xpu):
+    """backend.close() destroys everything it made: modules and kernels too."""
+    m = accel.Module(spirv_module("saxpy", "other"), device=1)
+    m.function("saxpy", SIG)
+    m.function("other", "ptr")
+    xpu.close()
+    st = sim_ze.state()
+    assert (st["ze_live_modules"], st["ze_live_kernels"], st["ze_live_build_logs"]) == (0, 0, 0)
+    m._handle = None                                # the backend forgot it with everything else
+
+
+# -- the simulated driver: kernels the device still references ------------------------------------
+
+def _raw_kernel(z, name="saxpy"):
+    """(module, kernel) made directly on the simulated loader (tests/test_sim_ze_metal_strict.Ze)."""
+    from accel._ffi._ze import ffi
+    lib = z.lib
+    data = spirv_module(name)
+    image = ffi.new("uint8_t[]", data)
+    desc = ffi.new("ze_module_desc_t *", {"stype": lib.ZE_STRUCTURE_TYPE_MODULE_DESC,
+                                         "format": lib.ZE_MODULE_FORMAT_IL_SPIRV, "inputSize": len(data),
+                                         "pInputModule": image})
+    mod = ffi.new("ze_module_handle_t *")
+    assert lib.zeModuleCreate(z.ctx, z.devices[0], desc, mod, ffi.NULL) == 0
+    cname = ffi.new("char[]", name.encode())
+    kdesc = ffi.new("ze_kernel_desc_t *", {"stype": lib.ZE_STRUCTURE_TYPE_KERNEL_DESC, "pKernelName": cname})
+    k = ffi.new("ze_kernel_handle_t *")
+    assert lib.zeKernelCreate(mod[0], kdesc, k) == 0
+    assert lib.zeKernelSetGroupSize(k[0], 1, 1, 1) == 0
+    p = z.alloc(64)
+    for i, (ctype, value) in enumerate((("float", 1.0), ("void *", p), ("void *", p), ("uint64_t", 0))):
+        v = ffi.new(ctype + " *", value)
+        assert lib.zeKernelSetArgumentValue(k[0], i, ffi.sizeof(ctype), v) == 0
+    return mod[0], k[0]
+
+
+@pytest.fixture
+def ze_raw(monkeypatch):
+    from test_sim_ze_metal_strict import Ze
+    monkeypatch.setenv("ACCEL_SIM", "xpu")
+    sim.reset()
+    sim.register_kernel("saxpy", saxpy_reference, SIG)
+    try:
+        yield Ze()
+    finally:
+        sim.unregister_kernel("saxpy")
+        sim.reset()
+
+
+def test_sim_refuses_destroying_a_kernel_the_device_references(ze_raw):
+    """ze_api.h, zeKernelDestroy: "The application is responsible for making sure the device is
+    not currently referencing the kernel before it is deleted": a launch submitted and not yet
+    run keeps it (HANDLE_OBJECT_IN_USE, as zeEventDestroy of a referenced event)."""
+    from accel._ffi._ze import ffi
+    z = ze_raw
+    lib = z.lib
+    mod, k = _raw_kernel(z)
+    cl = z.immediate()
+    held = z.event(z.pool(1))
+    arr = ffi.new("ze_event_handle_t[1]", [held])
+    assert lib.zeCommandListAppendWaitOnEvents(cl, 1, arr) == 0
+    count = ffi.new("ze_group_count_t *", (1, 1, 1))
+    assert lib.zeCommandListAppendLaunchKernel(cl, k, count, ffi.NULL, 0, ffi.NULL) == 0
+    assert lib.zeKernelDestroy(k) == lib.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE
+    assert lib.zeEventHostSignal(held) == 0
+    assert lib.zeCommandListHostSynchronize(cl, (1 << 64) - 1) == 0
+    assert lib.zeKernelDestroy(k) == 0
+    assert lib.zeModuleDestroy(mod) == 0
+
+
+def test_sim_refuses_a_regular_list_launching_a_destroyed_kernel(ze_raw):
+    """A closed regular list recorded a launch; the kernel is destroyed since (allowed: the
+    device does not reference it yet).  Executing the list would run freed driver memory; the
+    documents are silent, the simulator refuses (as for an event destroyed since)."""
+    from accel._ffi._ze import ffi
+    z = ze_raw
+    lib = z.lib
+    mod, k = _raw_kernel(z)
+    cl, q = z.regular(), z.queue()
+    count = ffi.new("ze_group_count_t *", (1, 1, 1))
+    assert lib.zeCommandListAppendLaunchKernel(cl, k, count, ffi.NULL, 0, ffi.NULL) == 0
+    assert lib.zeCommandListClose(cl) == 0
+    assert lib.zeKernelDestroy(k) == 0
+    lists = ffi.new("ze_command_list_handle_t[1]", [cl])
+    assert lib.zeCommandQueueExecuteCommandLists(q, 1, lists, ffi.NULL) == lib.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    assert lib.zeModuleDestroy(mod) == 0
+
+
+def test_module_close_waits_for_launches_still_queued(monkeypatch):
+    """Module.close() right after a launch the device has not run yet: the backend waits for it
+    before zeKernelDestroy (the kernel runs, and the module goes)."""
+    use_sim(monkeypatch, "xpu", ACCEL_SIM_DELAY_US=20000)
+    sim.register_kernel("saxpy", saxpy_reference, SIG)
+    try:
+        before = modules()
+        m = accel.Module(spirv_module("saxpy"), device=1)
+        k = m.function("saxpy", SIG)
+        x, y = np.ones(64, np.float32), np.arange(64, dtype=np.float32)
+        s1 = accel.Stream(device=1)
+        bx, by = accel.Buffer(256, device=1, stream=s1), accel.Buffer(256, device=1, stream=s1)
+        bx.copy_from(x, stream=s1, non_blocking=True)
+        by.copy_from(y, stream=s1, non_blocking=True)
+        accel.launch(k, 1, 64, 2.0, bx, by, 64, stream=s1)
+        m.close()
+        assert modules() == before
+        assert by.to_numpy("float32", stream=s1).tobytes() == expected(2.0, x, y).tobytes()
+        assert sim_ze.state()["ze_errors"] == []
+    finally:
+        sim.unregister_kernel("saxpy")
+
+
+def test_module_close_waits_for_a_graph_replay_launching_its_kernel(monkeypatch):
+    """Module.close() while a graph replay that launches its kernel still runs on the graph's
+    command queue: the backend waits for the replay first; a later replay is refused."""
+    use_sim(monkeypatch, "xpu", ACCEL_SIM_DELAY_US=20000)
+    sim.register_kernel("saxpy", saxpy_reference, SIG)
+    try:
+        before = modules()
+        m = accel.Module(spirv_module("saxpy"), device=1)
+        k = m.function("saxpy", SIG)
+        x, y = np.ones(64, np.float32), np.arange(64, dtype=np.float32)
+        s1 = accel.Stream(device=1)
+        bx, by = accel.Buffer(256, device=1, stream=s1), accel.Buffer(256, device=1, stream=s1)
+        bx.copy_from(x, stream=s1)
+        by.copy_from(y, stream=s1)
+        g = accel.Graph()
+        with s1, g:
+            accel.launch(k, 1, 64, 2.0, bx, by, 64)
+        with s1:
+            g.replay()
+        m.close()
+        assert modules() == before
+        assert by.to_numpy("float32", stream=s1).tobytes() == expected(2.0, x, y).tobytes()
+        with s1, pytest.raises(RuntimeError, match="was closed, but this graph launches its kernels"):
+            g.replay()
+        g.reset()
+        assert sim_ze.state()["ze_errors"] == []
+    finally:
+        sim.unregister_kernel("saxpy")
+
+
+def test_backend_graph_launch_after_its_kernel_was_unloaded_is_refused(xpu):
+    """The backend alone (accel.Graph's check bypassed): replaying a regular list whose kernel
+    was destroyed is refused by the simulated driver; the stream, graph and backend stay usable
+    and nothing leaks."""
+    be = xpu
+    m = accel.Module(spirv_module("saxpy"), device=0)
+    k = m.function("saxpy", SIG)
+    x = accel.Buffer(256)
+    s = accel.Stream()
+    be.capture_begin(s.handle, "global")
+    be.launch(k.handle, (1, 1, 1), (64, 1, 1), [("f32", 1.0), ("ptr", x.ptr), ("ptr", x.ptr), ("u64", 0)],
+              0, s.handle)
+    graph = be.capture_end(s.handle)
+    exe = be.graph_instantiate(graph)
+    be.graph_launch(exe, s.handle)
+    m.close()                                       # waits for the replay
+    with pytest.raises(AcceleratorError, match="zeCommandQueueExecuteCommandLists failed with "
+                                               "ZE_RESULT_ERROR_INVALID_NULL_HANDLE"):
+        be.graph_launch(exe, s.handle)
+    s.synchronize()
+    x.fill_(3)
+    assert (x.to_numpy("uint8") == 3).all()
+    be.graph_exec_destroy(exe)
+    be.graph_destroy(graph)
+    s.close()
+    x.close()
+    accel.synchronize()
+    assert slots_out_of_circulation(be) == 0
