@@ -279,3 +279,67 @@ def test_backend_graph_launch_after_its_kernel_was_unloaded_is_refused(xpu):
     x.close()
     accel.synchronize()
     assert slots_out_of_circulation(be) == 0
+
+
+# -- event slots: failures while taking or using one ---------------------------------------------
+
+def test_failed_marker_append_returns_its_event_slot(old_loader):
+    """On the 1.8.12 loader a stream sync appends a marker event from a pool; an append that
+    fails must give the slot back (each failure lost one for good, so the backend's close
+    could not destroy the pool: zeEventPoolDestroy IN_USE)."""
+    be = old_loader
+    s = accel.Stream(device=1)
+    b = accel.Buffer(4096, device=1, stream=s)
+    for _ in range(3):
+        be.memset_async(b.ptr, 1, 4096, s.handle)
+        sim.inject_error("zeCommandListAppendSignalEvent", FAULT)
+        with pytest.raises(AcceleratorError, match="zeCommandListAppendSignalEvent"):
+            s.synchronize()
+        s.synchronize()
+    assert slots_out_of_circulation(be) == 0
+    b.close()
+    s.close()
+    be.close()
+    st = sim_ze.state()
+    assert (st["ze_live_events"], st["ze_live_event_pools"]) == (0, 0)
+
+
+def _leave_one_free_slot(be, dev_index=0):
+    """Take every free untimed slot of the device's context but one; returns them to put back."""
+    dev = be._devices[dev_index]
+    free = be._free_slots.setdefault((id(dev.ctx), False), [])
+    if not free:
+        be._retire(be._acquire(dev, False))     # a pool made, its first slot retired
+        be._sweep()
+    taken = free[1:]
+    del free[1:]
+    return taken
+
+
+@pytest.mark.parametrize("call", ["zeEventPoolCreate", "zeEventCreate"])
+def test_capture_begin_whose_second_event_slot_fails_leaks_nothing(xpu, call):
+    """capture_begin takes two event slots; when the pools hold one and making a new pool fails,
+    the regular command list and the first slot must not be left behind."""
+    be = xpu
+    s = accel.Stream()
+    accel.synchronize()
+    taken = _leave_one_free_slot(be)
+    before = live()
+    sim.inject_error(call, FAULT)
+    try:
+        with pytest.raises(AcceleratorError, match=call):
+            be.capture_begin(s.handle, "global")
+    finally:
+        sim.clear_faults()
+        be._free_slots[(id(be._devices[0].ctx), False)].extend(taken)
+    assert not be.stream_is_capturing(s.handle) and be.captures_underway() == 0
+    accel.synchronize()
+    assert live() == before
+    assert slots_out_of_circulation(be) == 0
+    g = accel.Graph()                               # capture still works on that stream
+    b = accel.Buffer(64)
+    with s, g:
+        b.fill_(5)
+    with s:
+        g.replay()
+    assert (b.to_numpy("uint8", stream=s) == 5).all()

@@ -104,17 +104,21 @@ class GraphsMixin:
         rc = lib.zeCommandListCreate(dev.ctx, dev.handle, desc, p)
         if rc:
             self._fail("zeCommandListCreate", rc)
-        gate, done = self._acquire(dev, False), self._acquire(dev, False)
-        cap = _Capture(p[0], mode, dev, gate, done)
+        slots = []
         try:
+            slots.append(self._acquire(dev, False))
+            slots.append(self._acquire(dev, False))
+            gate, done = slots
+            cap = _Capture(p[0], mode, dev, gate, done)
             # The list first waits for the launching stream's earlier work, then re-arms the gate.
             arr = ffi.new("ze_event_handle_t[1]", [gate.event])
             self._append(s, "zeCommandListAppendWaitOnEvents", lib.zeCommandListAppendWaitOnEvents, cap.list, 1, arr)
             self._append(s, "zeCommandListAppendEventReset", lib.zeCommandListAppendEventReset, cap.list, gate.event)
         except BaseException:
-            self._discard("zeCommandListDestroy", cap.list)
-            self._retire(gate)
-            self._retire(done)
+            # Nothing stays behind: the list, and the slots taken (a second one may fail to come).
+            self._discard("zeCommandListDestroy", p[0])
+            for slot in slots:
+                self._retire(slot)
             raise
         with s.lock:
             s.capture = cap

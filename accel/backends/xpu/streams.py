@@ -223,8 +223,12 @@ class StreamsMixin:
                 marker[0].waiters += 1
                 return marker
             slot = self._acquire(s.device, False)
-            self._append(s, "zeCommandListAppendSignalEvent", self._lib[1].zeCommandListAppendSignalEvent,
-                         s.list, slot.event)
+            try:
+                self._append(s, "zeCommandListAppendSignalEvent", self._lib[1].zeCommandListAppendSignalEvent,
+                             s.list, slot.event)
+            except BaseException:
+                self._retire(slot)      # back to the pool once reset (nothing signals it)
+                raise
             s.seq += 1
             slot.deps.append((s, s.seq))
             slot.waiters += 1
