@@ -343,3 +343,57 @@ def test_capture_begin_whose_second_event_slot_fails_leaks_nothing(xpu, call):
     with s:
         g.replay()
     assert (b.to_numpy("uint8", stream=s) == 5).all()
+
+
+# -- graph replays that fail half way ----------------------------------------------------------
+
+def _read(be, ptr, stream, n=4096):
+    from accel._hostmem import address_of
+    out = np.zeros(n, np.uint8)
+    be.memcpy_async(address_of(out), ptr, n, stream)        # pageable destination: synchronous
+    return out
+
+
+@pytest.mark.parametrize("step", ["wait", "reset", "execute"])
+def test_replay_after_a_launch_that_failed_half_way_stays_in_stream_order(monkeypatch, step):
+    """graph_launch signals the graph's gate event on the stream, executes the list, then makes
+    the stream wait for (and reset) the list's done event.  When a step after the signal fails,
+    an event is left signalled that the next replay takes as its own: its list ran before the
+    stream's earlier work (a stale gate) or the stream went on before it finished (a stale done
+    event).  Here the next replay's stream is held before the replay: the replay must not have
+    run (done not signalled) until it is let go, and then it copies what the stream wrote."""
+    use_sim(monkeypatch, "xpu")
+    be = _lazy.lazy_init()
+    lib = be._lib[1]
+    n = 4096
+    s, s2 = be.stream_create(), be.stream_create()
+    a, b = be.mem_alloc(n), be.mem_alloc(n)
+    be.capture_begin(s, "global")
+    be.memcpy_async(b, a, n, s)                     # the graph copies a to b
+    graph = be.capture_end(s)
+    exe = be.graph_instantiate(graph)
+    be.memset_async(a, 1, n, s)
+    be.graph_launch(exe, s)
+    assert (_read(be, b, s) == 1).all()
+    call = {"wait": "zeCommandListAppendWaitOnEvents", "reset": "zeCommandListAppendEventReset",
+            "execute": "zeCommandQueueExecuteCommandLists"}[step]
+    sim.inject_error(call, FAULT)
+    with pytest.raises(AcceleratorError, match=call):
+        be.graph_launch(exe, s)
+    be.device_synchronize()
+    for value, stream in ((2, s2), (3, s)):
+        release = gate(be, stream)
+        be.memset_async(a, value, n, stream)
+        be.graph_launch(exe, stream)
+        assert lib.zeEventQueryStatus(be._execs[exe].done.event) == lib.ZE_RESULT_NOT_READY, \
+            "the replay ran before the stream's earlier work, or its done event was left signalled"
+        release()
+        assert (_read(be, b, stream) == value).all()
+    be.graph_exec_destroy(exe)
+    be.graph_destroy(graph)
+    be.stream_destroy(s)
+    be.stream_destroy(s2)
+    be.mem_free(a), be.mem_free(b)
+    be.device_synchronize()
+    assert slots_out_of_circulation(be) == 0
+    assert sim_ze.state()["ze_errors"] == []

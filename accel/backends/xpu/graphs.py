@@ -39,7 +39,7 @@ class _Capture:
 
 class _Graph:
     __slots__ = ("handle", "device", "list", "gate", "done", "ops", "queue", "execs", "destroyed",
-                 "launched", "last_stream", "completion", "lock", "deps", "released")
+                 "launched", "last_stream", "completion", "lock", "deps", "released", "stale")
 
     def __init__(self, handle, cap: _Capture):
         self.handle, self.device, self.list = handle, cap.device, cap.list
@@ -53,6 +53,7 @@ class _Graph:
         self.lock = threading.Lock()
         self.deps = []                 # stream points that signal/wait/reset the gate events
         self.released = False          # list, queue and events given back (_release_graph)
+        self.stale = None              # the stream of a launch that failed half way (_rearm_graph)
 
 
 class GraphsMixin:
@@ -208,6 +209,8 @@ class GraphsMixin:
             if g.launched:
                 # The spec forbids resubmitting a list the device still references.
                 self._sync_graph(g)
+            if g.stale is not None:
+                self._rearm_graph(g)
             prev = g.completion
             with s.lock:
                 if g.last_stream is not None and g.last_stream is not s and prev.slot is not None:
@@ -216,26 +219,51 @@ class GraphsMixin:
                                  s.list, 1, arr)
                     s.seq += 1
                     prev.slot.deps.append((s, s.seq))
-                self._append(s, "zeCommandListAppendSignalEvent", lib.zeCommandListAppendSignalEvent,
-                             s.list, g.gate.event)
-                s.seq += 1
-                g.deps.append((s, s.seq))
-                lists = ffi.new("ze_command_list_handle_t[1]", [g.list])
-                rc = lib.zeCommandQueueExecuteCommandLists(g.queue, 1, lists, ffi.NULL)
-                if rc:
-                    self._fail("zeCommandQueueExecuteCommandLists", rc)
-                g.launched = True
-                arr = ffi.new("ze_event_handle_t[1]", [g.done.event])
-                self._append(s, "zeCommandListAppendWaitOnEvents", lib.zeCommandListAppendWaitOnEvents, s.list, 1, arr)
-                self._append(s, "zeCommandListAppendEventReset", lib.zeCommandListAppendEventReset, s.list,
-                             g.done.event)
-                s.seq += 2
-                g.deps.append((s, s.seq))
+                try:
+                    self._append(s, "zeCommandListAppendSignalEvent", lib.zeCommandListAppendSignalEvent,
+                                 s.list, g.gate.event)
+                    s.seq += 1
+                    g.deps.append((s, s.seq))
+                    lists = ffi.new("ze_command_list_handle_t[1]", [g.list])
+                    rc = lib.zeCommandQueueExecuteCommandLists(g.queue, 1, lists, ffi.NULL)
+                    if rc:
+                        self._fail("zeCommandQueueExecuteCommandLists", rc)
+                    g.launched = True
+                    arr = ffi.new("ze_event_handle_t[1]", [g.done.event])
+                    self._append(s, "zeCommandListAppendWaitOnEvents", lib.zeCommandListAppendWaitOnEvents,
+                                 s.list, 1, arr)
+                    s.seq += 1
+                    g.deps.append((s, s.seq))
+                    self._append(s, "zeCommandListAppendEventReset", lib.zeCommandListAppendEventReset, s.list,
+                                 g.done.event)
+                    s.seq += 1
+                    g.deps.append((s, s.seq))
+                except BaseException:
+                    # A gate signalled for a list that never ran, or a done event the stream never
+                    # reset: the next launch's waits would take either as their own (_rearm_graph).
+                    g.stale = s
+                    raise
                 if len(g.deps) > 64:
                     g.deps = [max((d for d in g.deps if d[0] is st), key=lambda d: d[1])
                               for st in {d[0] for d in g.deps}]
             g.last_stream = s
             self._record(g.completion, s)
+
+    def _rearm_graph(self, g: _Graph) -> None:
+        """After a launch that failed half way (caller holds ``g.lock``, the list is idle): wait
+        for every stream that signalled, waited on or reset the gate and done events, then reset
+        both on the host, so the next launch's list waits for its own gate signal and its stream
+        for its own done signal.  A failure raises and leaves the graph to re-arm next time."""
+        for st, seq in list(g.deps):
+            if st.done < seq:
+                self._sync_stream(st)
+        self._sync_stream(g.stale)      # (what it appended past its numbered points too)
+        lib = self._lib[1]
+        for slot in (g.gate, g.done):
+            rc = lib.zeEventHostReset(slot.event)
+            if rc:
+                self._fail("zeEventHostReset", rc)
+        g.stale = None
 
     def _sync_graph(self, g: _Graph) -> None:
         if not g.launched or g.queue is None:
