@@ -282,3 +282,21 @@ def test_cudart_path_at_a_symlink_loop_says_so(monkeypatch, tmp_path):
     os.symlink(a, b)
     text = _runtime_error(monkeypatch, str(a))      # was "no such file", beside a file that is there
     assert "symbolic link" in text and str(a) in text, text
+
+
+# -- simulator latency settings that no sleep can take --------------------------------------------
+
+@pytest.mark.parametrize("var", ["ACCEL_SIM_DELAY_US", "ACCEL_SIM_VMM_COST_US"])
+@pytest.mark.parametrize("value", ["nan", "inf", "1e300", "-5"])
+def test_sim_latency_settings_are_finite_and_bounded(monkeypatch, var, value):
+    # "nan" and "inf" were taken: the first stream operation's worker died in time.sleep (ValueError,
+    # OverflowError) and the caller waited for it; "-5" was refused without naming the variable
+    use_sim(monkeypatch, "cuda", **{var: value})
+    with pytest.raises(ValueError, match=f"{var}='{value}'"):
+        accel.device_count()
+    monkeypatch.delenv(var)
+    sim.reset()
+    key = "delay_us" if var == "ACCEL_SIM_DELAY_US" else "vmm_cost_us"
+    with pytest.raises(ValueError, match=key):
+        sim.configure(**{key: float(value)})
+    assert getattr(sim.config(), key) == 0.0         # refused: unchanged

@@ -162,12 +162,14 @@ def _env_config() -> Config:
             kw["delay_us"] = float(raw)
         except ValueError:
             raise ValueError(f"ACCEL_SIM_DELAY_US={raw!r} is not a number of microseconds") from None
+        _check_latency(kw["delay_us"], f"ACCEL_SIM_DELAY_US={raw!r}")
     raw = env.get("ACCEL_SIM_VMM_COST_US")
     if raw:
         try:
             kw["vmm_cost_us"] = float(raw)
         except ValueError:
             raise ValueError(f"ACCEL_SIM_VMM_COST_US={raw!r} is not a number of microseconds") from None
+        _check_latency(kw["vmm_cost_us"], f"ACCEL_SIM_VMM_COST_US={raw!r}")
     raw = env.get("ACCEL_SIM_CUDA_RUNTIME")
     if raw and raw.strip():
         # one version (the single installed runtime) or several: "12.4,13.0" = both installed
@@ -179,15 +181,25 @@ def _env_config() -> Config:
     return _validated(Config(**kw))
 
 
+#: The longest simulated latency, microseconds: a longer one outlasts the simulator's own waits.
+MAX_LATENCY_US = WAIT_TIMEOUT_S * 1e6
+
+
+def _check_latency(value: float, what: str) -> None:
+    """A latency time.sleep can take and the simulator's waits outlast; NaN fails both tests (the
+    stream worker died in time.sleep on NaN and infinity, and the caller waited for it)."""
+    if not 0.0 <= value <= MAX_LATENCY_US:
+        raise ValueError(f"{what} is not a latency in microseconds from 0 to {MAX_LATENCY_US:.0f} "
+                         f"(longer ones outlast the simulator's own {WAIT_TIMEOUT_S:.0f} s waits)")
+
+
 def _validated(cfg: Config) -> Config:
     if not isinstance(cfg.devices, int) or cfg.devices < 0:
         raise ValueError(f"simulated device count must be an integer >= 0, got {cfg.devices!r}")
     if not isinstance(cfg.memory, int) or cfg.memory <= 0:
         raise ValueError(f"simulated memory per device must be a positive byte count, got {cfg.memory!r}")
-    if cfg.delay_us < 0:
-        raise ValueError(f"delay_us must be >= 0, got {cfg.delay_us!r}")
-    if cfg.vmm_cost_us < 0:
-        raise ValueError(f"vmm_cost_us must be >= 0, got {cfg.vmm_cost_us!r}")
+    _check_latency(cfg.delay_us, f"delay_us={cfg.delay_us!r}")
+    _check_latency(cfg.vmm_cost_us, f"vmm_cost_us={cfg.vmm_cost_us!r}")
     if not cfg.runtimes:
         cfg = replace(cfg, runtimes=(cfg.runtime_version,))
     for version in cfg.runtimes + (cfg.runtime_version,):
