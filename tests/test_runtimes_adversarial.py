@@ -300,3 +300,18 @@ def test_sim_latency_settings_are_finite_and_bounded(monkeypatch, var, value):
     with pytest.raises(ValueError, match=key):
         sim.configure(**{key: float(value)})
     assert getattr(sim.config(), key) == 0.0         # refused: unchanged
+
+
+@pytest.mark.parametrize("value", ["99999999T", "0.5", "0"])
+def test_sim_memory_setting_fits_the_vendor_fields(monkeypatch, value):
+    # "99999999T" (2**66 bytes) was taken and get_device_properties / get_memory_info raised
+    # OverflowError ('int too big to convert') writing totalGlobalMem, a size_t; "0.5" was refused
+    # as "got 0", naming neither the variable nor the value given
+    use_sim(monkeypatch, "cuda", ACCEL_SIM_MEMORY=value)
+    with pytest.raises(ValueError, match=f"ACCEL_SIM_MEMORY='{value}'"):
+        accel.device_count()
+    monkeypatch.delenv("ACCEL_SIM_MEMORY")
+    sim.reset()
+    with pytest.raises(ValueError, match="memory"):
+        sim.configure(memory=1 << 66)
+    assert sim.config().memory == 8 << 30

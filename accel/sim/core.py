@@ -153,6 +153,7 @@ def _env_config() -> Config:
     raw = env.get("ACCEL_SIM_MEMORY")
     if raw:
         kw["memory"] = parse_size(raw, "ACCEL_SIM_MEMORY")
+        _check_memory(kw["memory"], f"ACCEL_SIM_MEMORY={raw!r}")
     raw = env.get("ACCEL_SIM_CC")
     if raw:
         kw["compute_capability"] = parse_cc(raw)
@@ -193,11 +194,23 @@ def _check_latency(value: float, what: str) -> None:
                          f"(longer ones outlast the simulator's own {WAIT_TIMEOUT_S:.0f} s waits)")
 
 
+#: The most simulated memory per device: what an int64 byte count holds (totalGlobalMem is a
+#: size_t, NVML's total an unsigned long long, torch's statistics int64).
+MAX_MEMORY = (1 << 63) - 1
+
+
+def _check_memory(value: int, what: str) -> None:
+    if not 0 < value <= MAX_MEMORY:
+        raise ValueError(f"{what} is not a memory size per device from 1 byte to {MAX_MEMORY} "
+                         f"(8 EiB - 1); use e.g. '8G'")
+
+
 def _validated(cfg: Config) -> Config:
     if not isinstance(cfg.devices, int) or cfg.devices < 0:
         raise ValueError(f"simulated device count must be an integer >= 0, got {cfg.devices!r}")
-    if not isinstance(cfg.memory, int) or cfg.memory <= 0:
+    if not isinstance(cfg.memory, int):
         raise ValueError(f"simulated memory per device must be a positive byte count, got {cfg.memory!r}")
+    _check_memory(cfg.memory, f"memory={cfg.memory!r}")
     _check_latency(cfg.delay_us, f"delay_us={cfg.delay_us!r}")
     _check_latency(cfg.vmm_cost_us, f"vmm_cost_us={cfg.vmm_cost_us!r}")
     if not cfg.runtimes:
