@@ -397,3 +397,28 @@ def test_replay_after_a_launch_that_failed_half_way_stays_in_stream_order(monkey
     be.device_synchronize()
     assert slots_out_of_circulation(be) == 0
     assert sim_ze.state()["ze_errors"] == []
+
+
+def test_sim_list_is_free_once_its_last_signal_is_visible(ze_raw, monkeypatch):
+    """A host thread that saw the event signalled by an immediate list's last command may destroy
+    the list: the device is done with it.  The simulator counted the command complete only after
+    its signal had woken the host, so a destroy in that window failed with IN_USE (Stream.close
+    on the 1.8.12 loader under threads, about 1 in 200)."""
+    from accel._ffi._ze import ffi
+    z = ze_raw
+    lib = z.lib
+    cl = z.immediate()
+    ev = z.event(z.pool(1))
+    target = sim_ze._rt.get(ev, "event")
+    results = []
+    signal = sim_ze._signal_now
+
+    def then_destroy(rt, e):        # the host wakes here and destroys the list at once
+        signal(rt, e)
+        if e is target:
+            results.append(lib.zeCommandListDestroy(cl))
+    monkeypatch.setattr(sim_ze, "_signal_now", then_destroy)
+    assert lib.zeCommandListAppendSignalEvent(cl, ev) == 0
+    assert lib.zeEventHostSynchronize(ev, (1 << 64) - 1) == 0
+    assert results == [0]
+    assert sim_ze.state()["ze_live_command_lists"] == 0

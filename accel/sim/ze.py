@@ -294,10 +294,12 @@ class _Pool(_Obj):
 
 
 class _CmdList(_Obj):
-    __slots__ = ("device", "immediate", "queue", "ops", "closed", "in_order", "executing", "ordinal", "ctx")
+    __slots__ = ("device", "immediate", "queue", "ops", "closed", "in_order", "executing", "ordinal", "ctx",
+                 "submitted", "finished")
 
     def __init__(self, ctx, device, immediate, queue, in_order, ordinal):
         super().__init__("cmdlist")
+        self.submitted = self.finished = 0     # operations of an immediate list: appended, run
         self.ctx, self.device, self.immediate, self.queue = ctx, device, immediate, queue
         self.ops: list = []
         self.closed = False
@@ -1229,7 +1231,9 @@ def zeCommandListCreate(hContext, hDevice, desc, phCommandList):
 
 def _busy(cl: _CmdList) -> bool:
     if cl.immediate:
-        return not cl.queue.idle()
+        # Not the engine queue's count: it completes an operation only after the operation's
+        # signal has woken the host, which may destroy the list at once (the device is done).
+        return cl.finished < cl.submitted
     return cl.executing is not None and cl.executing[0].done < cl.executing[1]
 
 
@@ -1292,44 +1296,63 @@ def _is_device_memory(a) -> bool:
     return a is None or a.kind == _memory.DEVICE
 
 
-def _submit(rt: _Runtime, queue, op: _Op, device: Optional[_Device] = None, ordinal: int = 0) -> None:
+def _submit(rt: _Runtime, queue, op: _Op, device: Optional[_Device] = None, ordinal: int = 0,
+            owner: Optional["_CmdList"] = None) -> None:
     """Put ``op`` on an engine queue; the event bookkeeping happens in submission order.  Work
     (``op.fn``) run for ``device`` is charged to its tiles' Sysman counters (_ze_counters), to
-    the engine group of queue group ``ordinal``, when it completes."""
+    the engine group of queue group ``ordinal``, when it completes.  ``owner``: the immediate
+    list it is appended to, which the device references until the operation ran (_busy)."""
     meters = [device.card.meters[t] for t in device.tiles] if device is not None and op.fn is not None else ()
     group = _GROUPS[ordinal][0] if ordinal < len(_GROUPS) else "all"
     reads, writes = op.traffic
     with rt.lock:
         deps = [(ev.eq, ev.last_reset_sig + 1) for ev in op.waits]
         sig, rst, fn = op.signal, op.reset, op.fn
-        used = _op_events(op)
+        used = list(_op_events(op))
         for ev in used:
             ev.refs += 1   # the device references it until this operation ran (zeEventDestroy)
         kernel = op.kernel
         if kernel is not None:
             kernel.f["refs"] += 1   # likewise (zeKernelDestroy)
+        if owner is not None:
+            owner.submitted += 1
         if sig is not None:
             sig.sig_submitted += 1
+            used.remove(sig)        # (released after the signal: the host may destroy it once seen)
         if rst is not None:
             rst.last_reset_sig = rst.sig_submitted
 
+        def release(start):
+            # The device is done with the list, the kernel and the other events: released
+            # before the signal, since a host thread that sees it may destroy them at once.
+            with rt.lock:
+                if meters:
+                    _ze_counters.account(meters, group, start, _ze_counters.now_us(), reads, writes)
+                for ev in used:
+                    ev.refs -= 1
+                if kernel is not None:
+                    kernel.f["refs"] -= 1
+                if owner is not None:
+                    owner.finished += 1
+
         def run():
             start = _ze_counters.now_us() - int(core.delay_s * 1e6) if meters else 0   # the engine slept first
+            released = False
             try:
                 if fn is not None:
                     fn()
                 if rst is not None:
                     rst.signaled = False
+                released = True
+                release(start)
                 if sig is not None:
                     _signal_now(rt, sig)
             finally:
-                with rt.lock:
-                    if meters:
-                        _ze_counters.account(meters, group, start, _ze_counters.now_us(), reads, writes)
-                    for ev in used:
-                        ev.refs -= 1
-                    if kernel is not None:
-                        kernel.f["refs"] -= 1
+                if not released:
+                    release(start)
+                if sig is not None:
+                    with rt.lock:
+                        sig.refs -= 1
         # Always a "work" operation: the engine runs markers with its lock held, and
         # signalling an event takes that lock.
         queue.submit(run, deps, True)
@@ -1375,7 +1398,7 @@ def _append(rt: _Runtime, hCommandList, op: _Op, memory=()) -> int:
         if rt.alloc_ctx.get(a.base) is not cl.ctx:
             return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
     if cl.immediate:
-        _submit(rt, cl.queue, op, cl.device, cl.ordinal)
+        _submit(rt, cl.queue, op, cl.device, cl.ordinal, owner=cl)
     else:
         if cl.closed:
             return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
