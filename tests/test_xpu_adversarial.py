@@ -422,3 +422,31 @@ def test_sim_list_is_free_once_its_last_signal_is_visible(ze_raw, monkeypatch):
     assert lib.zeEventHostSynchronize(ev, (1 << 64) - 1) == 0
     assert results == [0]
     assert sim_ze.state()["ze_live_command_lists"] == 0
+
+
+# -- init ------------------------------------------------------------------------------------------
+
+def _contexts() -> int:
+    return sum(1 for o in sim_ze._rt.objects.values() if o.kind == "context" and o.live)
+
+
+@pytest.mark.parametrize("call, after", [("zeDeviceGetModuleProperties", 0), ("zeDeviceGetComputeProperties", 1),
+                                         ("zeCommandListCreateImmediate", 1)])
+def test_failed_init_leaves_no_context_or_list_behind(monkeypatch, call, after):
+    """A ze* call failing during init (after the context was made, on the first or the second
+    device): init raises, the context and any default stream's list are destroyed, and a second
+    init works and makes exactly one context."""
+    use_sim(monkeypatch, "xpu")
+    from accel import backends
+    be = backends.get("xpu")
+    sim.inject_error(call, FAULT, after=after)
+    with pytest.raises(AcceleratorError, match=call):
+        be.init()
+    sim.clear_faults()
+    assert _contexts() == 0
+    assert sim_ze.state()["ze_live_command_lists"] == 0
+    be.init()
+    assert _contexts() == 1
+    assert be.count() == 2
+    s = be.stream_create()
+    be.stream_destroy(s)

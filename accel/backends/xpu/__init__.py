@@ -94,6 +94,7 @@ class XpuBackend(DiscoveryMixin, MemoryMixin, StreamsMixin, EventsMixin, GraphsM
         self._zes_error = ""
         self._mem_info_path = ""
         self._kstate = None            # modules and kernels (kernels.py)
+        self._new_contexts = None      # contexts an init underway made (discovery.py)
 
     def close(self) -> None:
         """Wait for all work and destroy every Level Zero object this backend made.

@@ -245,6 +245,7 @@ class DiscoveryMixin:
                 self._fail("zeInit", rc, "is an Intel GPU driver (intel-level-zero-gpu) installed?")
             self._sysman_legacy = not has_zes and (user_sysman is None or user_sysman == "1")
             devices = []
+            contexts = self._new_contexts = []     # made by _init_driver, destroyed if init fails
             try:
                 for driver in self._enum(ffi, lib, "zeDriverGet", "ze_driver_handle_t", lambda n, a: lib.zeDriverGet(n, a)):
                     devices += self._init_driver(ffi, lib, driver, len(devices))
@@ -258,11 +259,17 @@ class DiscoveryMixin:
                 for dev in devices:
                     dev.default = self._new_stream(dev, 0)
             except BaseException:
+                # Nothing made so far stays with the driver: the default streams' lists, then the
+                # contexts (also one of a driver whose devices were not all set up).
                 for dev in devices:
                     for s in list(dev.streams.values()):
-                        lib.zeCommandListDestroy(s.list)
+                        self._discard("zeCommandListDestroy", s.list)
                         self._streams.pop(s.handle, None)
+                for ctx in contexts:
+                    self._discard("zeContextDestroy", ctx)
                 raise
+            finally:
+                self._new_contexts = None
             self._reconcile_count(len(devices))
             self._devices = devices
             self.driver_started = True
@@ -342,6 +349,7 @@ class DiscoveryMixin:
                 if rc:
                     self._fail("zeContextCreate", rc)
                 ctx = p[0]
+                self._new_contexts.append(ctx)
             dev = _Device(first_index + len(out))
             dev.driver, dev.ctx, dev.handle, dev.api_version = driver, ctx, h, api
             dev.name = ffi.string(props.name).decode(errors="replace")

@@ -68,7 +68,9 @@ class KernelsMixin:
                 return ""
             return ffi.string(buf).decode("utf-8", "replace")
         finally:
-            self._discard("zeModuleBuildLogDestroy", log)    # a failure is retried at the next sweep
+            if lib.zeModuleBuildLogDestroy(log):
+                with self._lock:        # kept for the next sweep to retry, not leaked
+                    self._orphans.append(("zeModuleBuildLogDestroy", log))
 
     def module_unload(self, module: int) -> None:
         """Destroy the module's kernels, then the module.  ze_api.h, zeKernelDestroy: "The
