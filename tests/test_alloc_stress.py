@@ -15,7 +15,8 @@ mappings back to where they were before the run.
 
 Each thread's operations come from a seeded ``random.Random``; the interleaving of threads is
 the scheduler's.  A failure names the config, phase and thread seed.  ``ACCEL_TEST_STRESS=N``
-runs N times as many phases (the default run is a few seconds per config).  No timed asserts.
+runs N times as many phases (the default run is a few seconds per config), and
+``ACCEL_TEST_STRESS_SEED=k`` other seeds.  No timed asserts.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import gc
 import os
 import random
 import threading
+import time
 import traceback
 import weakref
 
@@ -39,9 +41,11 @@ from conftest import use_sim
 
 MiB = 1 << 20
 SCALE = max(1, int(os.environ.get("ACCEL_TEST_STRESS", "1") or 1))
+SEED = int(os.environ.get("ACCEL_TEST_STRESS_SEED", "0") or 0)     # another seed: other op sequences
 PHASES = 3 * SCALE
 THREADS = 3
 OPS = 60
+DELAY_US = int(os.environ.get("ACCEL_TEST_STRESS_DELAY_US", "50") or 0)   # latency of each stream operation
 
 CONFIGS = [
     ("cuda", "expandable_segments:True"),
@@ -64,9 +68,23 @@ def _sizes(rng: random.Random) -> int:
 
 
 # ------------------------------------------------------------------------------------ checks
-def _check_caching(alloc) -> None:
+def _current(alloc) -> dict:
+    """The ``.current`` stats as stats() computes them, read while the caller holds the lock."""
+    from accel.memory import _stats as S
+    cur = alloc._columns()[0]
+    out = {}
+    for q, pool in enumerate(S.POOL_NAMES):
+        for s, name in enumerate(S.POOLED):
+            out[f"{name}.{pool}.current"] = cur[3 * s + q]
+        out[f"active.{pool}.current"] = cur[S.ALLOCATION + q] + alloc._pend[q]
+        out[f"active_bytes.{pool}.current"] = cur[S.ALLOCATED_BYTES + q] + alloc._pend[3 + q]
+    return out
+
+
+def _check_caching(alloc, locked: bool = False) -> None:
     """Classic segments (check_invariants' rules) and expandable ones (check's E1-E5, E8, E9)
-    of one DeviceCachingAllocator, and the stats against the blocks."""
+    of one DeviceCachingAllocator, and the stats against the blocks.  ``locked``: the caller
+    holds the allocator's lock (a check while other threads run): the current stats only."""
     C = _caching
     blocks = alloc._blocks
     seen = set()
@@ -181,7 +199,7 @@ def _check_caching(alloc) -> None:
     assert set(alloc._whole) <= set(alloc._segments)
     assert sorted(map(id, alloc._pending)) == sorted(
         id(b) for b in blocks.values() if b.state == C._PENDING), "_pending is the pending blocks"
-    stats = alloc.stats()
+    stats = _current(alloc) if locked else alloc.stats()
     for q, pool in enumerate(("all", "small_pool", "large_pool")):
         expect = {"allocation": n["alloc"][q], "allocated_bytes": n["alloc_b"][q],
                   "requested_bytes": n["req"][q], "segment": n["seg"][q], "reserved_bytes": n["res"][q],
@@ -189,6 +207,8 @@ def _check_caching(alloc) -> None:
                   "active": n["alloc"][q] + n["pend"][q], "active_bytes": n["alloc_b"][q] + n["pend_b"][q]}
         for name, value in expect.items():
             assert stats[f"{name}.{pool}.current"] == value, f"{name}.{pool}.current"
+            if locked:
+                continue
             assert stats[f"{name}.{pool}.peak"] >= value, f"{name}.{pool}.peak"
             assert stats[f"{name}.{pool}.allocated"] - stats[f"{name}.{pool}.freed"] == value, \
                 f"{name}.{pool}.allocated - freed"
@@ -585,6 +605,8 @@ def _phase(run: _Run, phase: int) -> None:
     threads = [threading.Thread(target=w, args=(OPS,), name=f"stress-{phase}-{t}") for t, w in enumerate(workers)]
     for t in threads:
         t.start()
+    if run.caching:
+        _check_while_running(run, threads, phase)
     for t in threads:
         t.join(timeout=120)
     assert not any(t.is_alive() for t in threads), f"{run.kind} {run.conf} phase {phase}: a thread hangs"
@@ -594,6 +616,22 @@ def _phase(run: _Run, phase: int) -> None:
     if run.caching:
         for dev in (0, 1):
             memory.set_per_process_memory_fraction(1.0, dev)
+
+
+def _check_while_running(run: _Run, threads: list, phase: int) -> None:
+    """Check the allocators under their locks while the workers run: every operation must
+    leave them consistent when it lets the lock go."""
+    checks = 0
+    try:
+        while any(t.is_alive() for t in threads):
+            for dev in (0, 1):
+                alloc = memory.device_allocator(dev)
+                with alloc._lock:
+                    _check_caching(alloc, locked=True)
+                checks += 1
+            time.sleep(0.003)
+    except BaseException:
+        run.errors.append(f"check while running, phase {phase}, after {checks} checks:\n{traceback.format_exc()}")
 
 
 def _close_everything(run: _Run) -> None:
@@ -619,7 +657,8 @@ def config(request, monkeypatch):
     kind, conf = request.param
     if "expandable_segments:True" in conf and not _vmm.supported():
         pytest.skip("this host cannot play virtual memory (mmap)")
-    use_sim(monkeypatch, kind, ACCEL_ALLOC_CONF=conf, ACCEL_SIM_MEMORY="1G")
+    # queued work takes a while, so frees meet events not yet complete
+    use_sim(monkeypatch, kind, ACCEL_ALLOC_CONF=conf, ACCEL_SIM_MEMORY="1G", ACCEL_SIM_DELAY_US=DELAY_US)
     yield kind, conf
     sim.clear_faults()
 
@@ -627,7 +666,7 @@ def config(request, monkeypatch):
 @pytest.mark.filterwarnings("ignore:The (CUDA|XPU) Graph is empty")     # a capture an OOM cut short
 def test_threads_on_two_devices_keep_invariants_and_return_everything(config):
     kind, conf = config
-    seed = CONFIGS.index(config) + 1
+    seed = CONFIGS.index(config) + 1 + 10 * SEED
     run = _Run(kind, conf, seed)
     for dev in (0, 1):
         memory.device_allocator(dev)
@@ -651,6 +690,8 @@ def test_threads_on_two_devices_keep_invariants_and_return_everything(config):
             assert not any(alloc._event_cache.values())
             assert not alloc._private, "private pools outlive their graphs and MemPools"
             assert not alloc._oom_pools
+    print(f"{kind} {conf}: {run.streams_made} streams, {run.graphs_made} graphs, {run.ooms} OOMs, "
+          f"stats dev0 {dict((k, v) for k, v in memory.memory_stats(0).items() if k.startswith('num_'))}")
     after = _sim_counts(kind)
     if kind == "xpu":
         # the backend keeps Level Zero event slots pooled for reuse (64 a pool, made as the most
@@ -694,3 +735,62 @@ def test_released_pool_block_of_a_destroyed_stream_waits_for_its_work():
     alloc.free(small)
     alloc.empty_cache()
     assert be.live == {}
+
+
+@pytest.fixture(params=["cuda", "xpu"])
+def vmm_be(request, monkeypatch):
+    if not _vmm.supported():
+        pytest.skip("this host cannot play virtual memory (mmap)")
+    use_sim(monkeypatch, request.param)
+    yield _lazy.lazy_init()
+    sim.clear_faults()
+
+
+def test_grow_cut_short_by_another_threads_capture_leaves_no_mapping_in_a_hole(vmm_be, monkeypatch):
+    """Another thread begins a capture between two pieces of one grow: the next piece's map is
+    refused (E6), the grow is undone and the request takes a classic segment; the piece already
+    mapped cannot be unmapped until the capture ends, so it waits, still mapped, in _unreleased.
+    The next grow placed a new mapping over it (the segment saw a hole there) and failed
+    with the driver's invalid-value error (cuMemMap over a live mapping)."""
+    from accel.memory import _config
+    from test_memory_expandable import check
+    be = vmm_be
+    if be.name == "xpu":
+        import test_memory_expandable
+        from test_alloc_adversarial import _ZeState
+        monkeypatch.setattr(test_memory_expandable, "sim", _ZeState)
+    alloc = _caching.DeviceCachingAllocator(be, 1, _config.parse("expandable_segments:True"))
+    be.set_device(1)
+    other = be.stream_create()
+    be.set_device(0)
+    big = alloc.malloc(100 * MiB)           # a high-water mark: later grows unmap nothing first
+    alloc.free(big)
+    alloc.empty_cache()
+    real_map = be.vmm_map
+    mapped = []
+
+    def vmm_map(*args):
+        real_map(*args)
+        mapped.append(args)
+        if len(mapped) == 1:                # "another thread" begins a capture now
+            be.set_device(1)
+            be.capture_begin(other, "relaxed")
+            be.set_device(0)
+
+    monkeypatch.setattr(be, "vmm_map", vmm_map)
+    p = alloc.malloc(12 * MiB)              # two pieces; the second is refused
+    monkeypatch.setattr(be, "vmm_map", real_map)
+    assert len(mapped) == 1 and list(alloc._segments) == [p]
+    be.set_device(1)
+    be.graph_destroy(be.capture_end(other))
+    be.set_device(0)
+    alloc.free(p)
+    q = alloc.malloc(20 * MiB)              # grows the expandable segment where the pieces were
+    check(alloc)
+    alloc.free(q)
+    alloc.empty_cache()
+    check(alloc)
+    assert alloc.stats()["reserved_bytes.all.current"] == 0
+    be.set_device(1)
+    be.stream_destroy(other)
+    be.set_device(0)

@@ -1540,6 +1540,11 @@ class DeviceCachingAllocator:
         mappings are unmapped first when the new pages would lift reserved memory above
         its high-water mark; on OOM every free mapping of the device is unmapped and the
         create retried once."""
+        if any(u[3] is not None for u in self._unreleased):
+            # A piece of a grow undone while its unmap was refused (a capture began in another
+            # thread between two pieces) is still mapped where its segment now has a hole, which
+            # place() may pick: unmap it first (a failure propagates; nothing was changed).
+            self._exp_release()
         seg = fl.exp
         if seg is None:
             seg = self._exp_new(fl)
