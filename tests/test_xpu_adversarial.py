@@ -450,3 +450,54 @@ def test_failed_init_leaves_no_context_or_list_behind(monkeypatch, call, after):
     assert be.count() == 2
     s = be.stream_create()
     be.stream_destroy(s)
+
+
+class _Hooked:
+    """The loader with one function wrapped: ``after(result)`` runs once right after it returns."""
+
+    def __init__(self, lib, name, after):
+        self._lib, self._name, self._after = lib, name, after
+
+    def __getattr__(self, attr):
+        fn = getattr(self._lib, attr)
+        if attr != self._name or self._after is None:
+            return fn
+
+        def wrapped(*args):
+            rc = fn(*args)
+            after, self._after = self._after, None
+            after()
+            return rc
+        return wrapped
+
+
+def test_a_wait_for_a_replay_does_not_forget_a_replay_launched_meanwhile(monkeypatch):
+    """A free (or device_synchronize) waits for the graphs' queues without the graph's lock, then
+    notes the graph idle.  A replay launched by another thread between that wait and the note
+    was forgotten: the next replay resubmitted the list while the device still ran it
+    (zeCommandQueueExecuteCommandLists IN_USE)."""
+    import threading
+    use_sim(monkeypatch, "xpu", ACCEL_SIM_DELAY_US=20000)
+    be = _lazy.lazy_init()
+    n = 4096
+    s = be.stream_create()
+    a, b = be.mem_alloc(n), be.mem_alloc(n)
+    be.capture_begin(s, "global")
+    be.memcpy_async(b, a, n, s)
+    be.memset_async(a, 5, n, s)
+    graph = be.capture_end(s)
+    exe = be.graph_instantiate(graph)
+    be.graph_launch(exe, s)
+    other = threading.Thread(target=be.graph_launch, args=(exe, s))
+    ffi, lib, path = be._lib
+    monkeypatch.setattr(be, "_lib", (ffi, _Hooked(lib, "zeCommandQueueSynchronize",
+                                                  lambda: (other.start(), other.join())), path))
+    be.device_synchronize()         # its wait returns; the other thread launches the graph again
+    monkeypatch.setattr(be, "_lib", (ffi, lib, path))
+    be.graph_launch(exe, s)         # while that replay still runs
+    be.device_synchronize()
+    be.graph_exec_destroy(exe)
+    be.graph_destroy(graph)
+    be.stream_destroy(s)
+    be.mem_free(a), be.mem_free(b)
+    assert sim_ze.state()["ze_errors"] == []

@@ -39,7 +39,7 @@ class _Capture:
 
 class _Graph:
     __slots__ = ("handle", "device", "list", "gate", "done", "ops", "queue", "execs", "destroyed",
-                 "launched", "last_stream", "completion", "lock", "deps", "released", "stale")
+                 "launched", "last_stream", "completion", "lock", "deps", "released", "stale", "launches")
 
     def __init__(self, handle, cap: _Capture):
         self.handle, self.device, self.list = handle, cap.device, cap.list
@@ -48,6 +48,7 @@ class _Graph:
         self.execs = 0
         self.destroyed = False
         self.launched = False          # a submission may still be running on the queue
+        self.launches = 0              # submissions so far (_sync_graph)
         self.last_stream = None
         self.completion: Optional[_Event] = None
         self.lock = threading.Lock()
@@ -229,6 +230,7 @@ class GraphsMixin:
                     if rc:
                         self._fail("zeCommandQueueExecuteCommandLists", rc)
                     g.launched = True
+                    g.launches += 1
                     arr = ffi.new("ze_event_handle_t[1]", [g.done.event])
                     self._append(s, "zeCommandListAppendWaitOnEvents", lib.zeCommandListAppendWaitOnEvents,
                                  s.list, 1, arr)
@@ -266,12 +268,16 @@ class GraphsMixin:
         g.stale = None
 
     def _sync_graph(self, g: _Graph) -> None:
+        """Wait for the graph's queue.  Callers without ``g.lock`` (frees, device_synchronize)
+        may race a launch: the graph is noted idle only if no launch came after the wait began."""
         if not g.launched or g.queue is None:
             return
+        launches = g.launches
         rc = self._lib[1].zeCommandQueueSynchronize(g.queue, _UINT64_MAX)
         if rc:
             self._fail("zeCommandQueueSynchronize", rc)
-        g.launched = False
+        if g.launches == launches:
+            g.launched = False
 
     def graph_destroy(self, graph: int) -> None:
         with self._lock:
