@@ -501,3 +501,127 @@ def test_a_wait_for_a_replay_does_not_forget_a_replay_launched_meanwhile(monkeyp
     be.stream_destroy(s)
     be.mem_free(a), be.mem_free(b)
     assert sim_ze.state()["ze_errors"] == []
+
+
+# -- an event recorded again by another thread while it is queried ---------------------------------
+
+def _race_on_first_read(obj, attr, action):
+    """Make ``obj`` (a backend _Event or _Stream) run ``action`` when ``attr`` is first read:
+    another thread's call landing between two steps of the caller."""
+    cls = type(obj)
+    base = getattr(cls, attr)
+    state = {"action": action}
+
+    def get(self):
+        act, state["action"] = state["action"], None
+        if act is not None:
+            act()
+        return base.__get__(self)
+
+    obj.__class__ = type("_Racy" + cls.__name__, (cls,), {"__slots__": (), attr: property(get, base.__set__)})
+
+
+def _race_between_reads(obj, attrs, action):
+    """Run ``action`` just before the second read of any of ``attrs`` (those ``obj``'s class
+    has): another thread's call landing between two reads of one call.  Returns a function
+    that runs the action if it has not run (a call that read the fields once)."""
+    cls = type(obj)
+    state = {"reads": 0, "action": action}
+
+    def fire():
+        act, state["action"] = state["action"], None
+        if act is not None:
+            act()
+
+    def make(base):
+        def get(self):
+            state["reads"] += 1
+            if state["reads"] == 2:
+                fire()
+            return base.__get__(self)
+        return property(get, getattr(base, "__set__", None))
+
+    body = {"__slots__": ()}
+    for attr in attrs:
+        base = getattr(cls, attr, None)
+        if base is not None:
+            body[attr] = make(base)
+    obj.__class__ = type("_Racy" + cls.__name__, (cls,), body)
+    return fire
+
+
+@pytest.mark.parametrize("call", ["event_query", "event_synchronize"])
+def test_event_recorded_again_while_queried_does_not_advance_the_new_stream(xpu, call):
+    """Thread A queries (or synchronizes) an event whose record completed; thread B records it
+    again, between A's reads of the event's record, on a stream whose work is still pending.
+    A read the old slot but the new stream and number, found the old slot signalled and noted
+    the new stream complete up to the new record: the stream's query then said True while its
+    work had not run (and event slots and staging memory it still used could be reused)."""
+    be = xpu
+    s0, s1 = be.stream_create(), be.stream_create()
+    e = be.event_create()
+    be.event_record(e, s0)
+    be.stream_synchronize(s0)
+    release = gate(be, s1)
+    p = be.mem_alloc(4096)
+    be.memset_async(p, 1, 4096, s1)
+    late = _race_between_reads(be._events[e], ("slot", "stream", "seq", "rec"), lambda: be.event_record(e, s1))
+    if call == "event_query":
+        be.event_query(e)
+    else:
+        be.event_synchronize(e)         # a wait for the new record could not end: s1 is held
+    late()
+    assert not be.stream_query(s1), "the held stream was noted complete"
+    assert not be.event_query(e)
+    release()
+    be.stream_synchronize(s1)
+    assert be.event_query(e)
+    be.mem_free(p)
+    be.event_destroy(e)
+    be.stream_destroy(s0), be.stream_destroy(s1)
+
+
+def test_wait_on_an_event_recorded_again_meanwhile_waits_for_a_live_record(xpu):
+    """Thread A makes stream s2 wait on an event; thread B records the event again meanwhile and
+    the old record's slot is recycled (reset, then signalled by another event's record on a
+    stream still held).  A appended its wait on the slot it had read first: s2 waited for that
+    unrelated held work instead of for the event."""
+    be = xpu
+    s0, s1, s2 = be.stream_create(), be.stream_create(), be.stream_create()
+    e, f = be.event_create(), be.event_create()
+    be.event_record(e, s0)
+    be.stream_synchronize(s0)
+    release = gate(be, s1)
+
+    def other_thread():
+        be.event_record(e, s0)          # the old slot is retired ...
+        be.stream_synchronize(s0)       # ... recycled once s0 passed it ...
+        be.event_record(f, s1)          # ... and signalled by f's record, behind the held work
+    _race_on_first_read(be._streams[s2], "capture", other_thread)
+    be.stream_wait_event(s2, e)
+    be.stream_synchronize(s0)
+    assert be.stream_query(s2), "s2 waits for work unrelated to the event"
+    release()
+    be.stream_synchronize(s1)
+    for ev in (e, f):
+        be.event_destroy(ev)
+    for st in (s0, s1, s2):
+        be.stream_destroy(st)
+
+
+def test_failed_wait_on_an_event_does_not_pin_its_slot(xpu):
+    """A stream_wait_event whose append fails, on a stream destroyed afterwards: the event's slot
+    still comes back to the pool (its use by the wait is passed)."""
+    be = xpu
+    s0, s1 = be.stream_create(), be.stream_create()
+    e = be.event_create()
+    be.event_record(e, s0)
+    sim.inject_error("zeCommandListAppendWaitOnEvents", FAULT)
+    with pytest.raises(AcceleratorError, match="zeCommandListAppendWaitOnEvents"):
+        be.stream_wait_event(s1, e)
+    be.stream_destroy(s1)
+    slot = be._events[e].slot
+    be.event_destroy(e)
+    be.stream_destroy(s0)
+    be.device_synchronize()
+    assert slot not in be._retired and slots_out_of_circulation(be) == 0

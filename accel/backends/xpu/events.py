@@ -16,7 +16,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Tuple
 
 from ..._errors import AcceleratorError, CaptureError
 from ._library import LIBRARY, _UINT64_MAX
@@ -41,13 +41,19 @@ class _Slot:
 
 
 class _Event:
-    __slots__ = ("device", "timing", "blocking", "slot", "stream", "seq", "handle")
+    """An event and its latest record: ``rec`` is (slot, stream, number of the signal on the
+    stream), or None.  One attribute, replaced whole: a thread that queries the event while
+    another records it again reads one record, never the slot of one and the stream of the other."""
+    __slots__ = ("device", "timing", "blocking", "rec", "handle")
 
     def __init__(self, handle, device, timing, blocking):
         self.handle, self.device, self.timing, self.blocking = handle, device, timing, blocking
-        self.slot: Optional[_Slot] = None
-        self.stream: Optional[_Stream] = None
-        self.seq = 0
+        self.rec: Optional[Tuple[_Slot, _Stream, int]] = None
+
+    @property
+    def slot(self) -> Optional[_Slot]:
+        rec = self.rec
+        return None if rec is None else rec[0]
 
 
 class EventsMixin:
@@ -154,9 +160,9 @@ class EventsMixin:
             e = self._events.pop(event, None)
         if e is None:
             raise ValueError(f"{event!r} is not a live XPU event handle")
-        if e.slot is not None:
-            self._retire(e.slot)
-            e.slot = None
+        rec, e.rec = e.rec, None
+        if rec is not None:
+            self._retire(rec[0])
 
     def event_record(self, event: int, stream: int) -> None:
         e = self._event(event)
@@ -187,16 +193,16 @@ class EventsMixin:
             s.seq += 1
             slot.deps.append((s, s.seq))
             s.last = (slot, s.seq)
-            old, e.slot, e.stream, e.seq = e.slot, slot, s, s.seq
+            old, e.rec = e.rec, (slot, s, s.seq)
         if old is not None:
-            self._retire(old)
+            self._retire(old[0])
 
     def event_query(self, event: int) -> bool:
-        e = self._event(event)
-        slot = e.slot
-        if slot is None:
+        rec = self._event(event).rec
+        if rec is None:
             return True
-        if e.stream.done >= e.seq:
+        slot, stream, seq = rec
+        if stream.done >= seq:
             return True
         lib = self._lib[1]
         rc = lib.zeEventQueryStatus(slot.event)
@@ -204,20 +210,20 @@ class EventsMixin:
             return False
         if rc:
             self._fail("zeEventQueryStatus", rc)
-        self._progress(e.stream, e.seq)
+        self._progress(stream, seq)
         return True
 
     def event_synchronize(self, event: int) -> None:
-        e = self._event(event)
-        slot = e.slot
-        if slot is None:
+        rec = self._event(event).rec
+        if rec is None:
             return
-        if e.stream.done >= e.seq:
+        slot, stream, seq = rec
+        if stream.done >= seq:
             return
         rc = self._lib[1].zeEventHostSynchronize(slot.event, _UINT64_MAX)
         if rc:
             self._fail("zeEventHostSynchronize", rc)
-        self._progress(e.stream, e.seq)
+        self._progress(stream, seq)
 
     def event_elapsed_ms(self, start: int, end: int) -> float:
         a, b = self._event(start), self._event(end)
@@ -229,11 +235,12 @@ class EventsMixin:
         ffi, lib, _ = self._lib
         ticks = []
         for e in (a, b):
-            if not self.event_query(e.handle):
+            slot = e.slot
+            if not self.event_query(e.handle) or e.slot is not slot:
                 raise AcceleratorError.from_call(LIBRARY, "zeEventQueryKernelTimestamp", lib.ZE_RESULT_NOT_READY,
                                                  "ZE_RESULT_NOT_READY", "the event's work has not completed yet")
             ts = ffi.new("ze_kernel_timestamp_result_t *")
-            rc = lib.zeEventQueryKernelTimestamp(e.slot.event, ts)
+            rc = lib.zeEventQueryKernelTimestamp(slot.event, ts)
             if rc:
                 self._fail("zeEventQueryKernelTimestamp", rc)
             ticks.append(getattr(ts, "global").kernelEnd)

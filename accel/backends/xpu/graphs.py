@@ -332,9 +332,9 @@ class GraphsMixin:
             for slot in (g.gate, g.done):
                 slot.deps.extend(g.deps)
                 self._retire(slot)
-            if g.completion is not None and g.completion.slot is not None:
-                self._retire(g.completion.slot)
-                g.completion.slot = None
+            if g.completion is not None and g.completion.rec is not None:
+                self._retire(g.completion.rec[0])
+                g.completion.rec = None
             g.released = True
 
     def graph_node_count(self, graph: int) -> Optional[int]:

@@ -272,8 +272,7 @@ class StreamsMixin:
     def stream_wait_event(self, stream: int, event: int) -> None:
         s = self._stream(stream)
         e = self._event(event)
-        slot = e.slot
-        if slot is None:
+        if e.rec is None:
             return   # never recorded: nothing to wait for (as CUDA)
         if s.capture is not None:
             self._invalidate(s.capture, "stream_wait_event on the capturing stream")
@@ -281,10 +280,21 @@ class StreamsMixin:
                                "supported by the Level Zero backend); the capture is invalidated")
         lib = self._lib[1]
         with s.lock:
+            # The record is read, and its slot kept from recycling (a use at the next command
+            # number), under the lock the sweep holds: a record replaced by another thread
+            # meanwhile is retired, and could be reset and reused before this wait is appended.
+            with self._lock:
+                rec = e.rec
+                if rec is None:
+                    return      # destroyed meanwhile
+                slot = rec[0]
+                slot.deps.append((s, s.seq + 1))
             arr = self._lib[0].new("ze_event_handle_t[1]", [slot.event])
-            self._append(s, "zeCommandListAppendWaitOnEvents", lib.zeCommandListAppendWaitOnEvents, s.list, 1, arr)
-            s.seq += 1
-            slot.deps.append((s, s.seq))
+            try:
+                self._append(s, "zeCommandListAppendWaitOnEvents", lib.zeCommandListAppendWaitOnEvents, s.list,
+                             1, arr)
+            finally:
+                s.seq += 1      # also when it failed: the slot's use above is passed at the next sync
 
     def _append(self, s: _Stream, call: str, fn, *args) -> None:
         """One command on ``s``'s list (caller holds ``s.lock`` and bumps ``s.seq``)."""
