@@ -625,3 +625,51 @@ def test_failed_wait_on_an_event_does_not_pin_its_slot(xpu):
     be.stream_destroy(s0)
     be.device_synchronize()
     assert slot not in be._retired and slots_out_of_circulation(be) == 0
+
+
+class _Before:
+    """The loader with one function wrapped once: ``before(args)`` runs first and returns the
+    arguments to call it with."""
+
+    def __init__(self, lib, name, before):
+        self._lib, self._name, self._before = lib, name, before
+
+    def __getattr__(self, attr):
+        fn = getattr(self._lib, attr)
+        if attr != self._name or self._before is None:
+            return fn
+
+        def wrapped(*args):
+            before, self._before = self._before, None
+            return fn(*before(args))
+        return wrapped
+
+
+def test_event_synchronize_keeps_the_slot_it_waits_on(xpu, monkeypatch):
+    """Thread A synchronizes an event; before its zeEventHostSynchronize, thread B records the
+    event again, learns the old record complete (a sync) and records another event on a held
+    stream.  The old slot was reset and reused by that record: A waited for the held stream
+    (for ever) instead of returning.  Here A's wait is made with timeout 0: its slot must be
+    the signalled one."""
+    be = xpu
+    s0, s1, held = be.stream_create(), be.stream_create(), be.stream_create()
+    e, f = be.event_create(), be.event_create()
+    release = gate(be, held)
+    be.event_record(e, s0)              # done on the device; the backend does not know yet
+
+    def other_thread(args):
+        be.event_record(e, s1)
+        be.stream_synchronize(s0)
+        be.event_record(f, held)
+        return args[0], 0
+    ffi, lib, path = be._lib
+    monkeypatch.setattr(be, "_lib", (ffi, _Before(lib, "zeEventHostSynchronize", other_thread), path))
+    be.event_synchronize(e)
+    monkeypatch.setattr(be, "_lib", (ffi, lib, path))
+    release()
+    be.device_synchronize()
+    for ev in (e, f):
+        be.event_destroy(ev)
+    for st in (s0, s1, held):
+        be.stream_destroy(st)
+    assert slots_out_of_circulation(be) == 0

@@ -37,7 +37,9 @@ class _Slot:
     def __init__(self, pool, index, event, timing, ctx):
         self.pool, self.index, self.event, self.timing, self.ctx = pool, index, event, timing, ctx
         self.deps = []   # [(stream, seq)]: it is free again once every stream passed its point
-        self.waiters = 0  # host threads waiting on / querying it as a stream's marker (changed under that stream's lock)
+        # host threads waiting on / querying it: as a stream's marker (changed under that stream's
+        # lock) or as an event's record (under the backend's lock, _pin); a slot is one or the other
+        self.waiters = 0
 
 
 class _Event:
@@ -198,14 +200,15 @@ class EventsMixin:
             self._retire(old[0])
 
     def event_query(self, event: int) -> bool:
-        rec = self._event(event).rec
+        rec = self._pin(self._event(event))
         if rec is None:
             return True
         slot, stream, seq = rec
-        if stream.done >= seq:
-            return True
         lib = self._lib[1]
-        rc = lib.zeEventQueryStatus(slot.event)
+        try:
+            rc = lib.zeEventQueryStatus(slot.event)
+        finally:
+            self._unpin(slot)
         if rc == lib.ZE_RESULT_NOT_READY:
             return False
         if rc:
@@ -213,14 +216,30 @@ class EventsMixin:
         self._progress(stream, seq)
         return True
 
+    def _pin(self, e: _Event):
+        """The event's record if its work is not known complete, its slot kept from recycling
+        until :meth:`_unpin` (another thread may record the event again meanwhile, and the old
+        slot be reset and reused: a wait on it would wait for unrelated work); else None."""
+        with self._lock:
+            rec = e.rec
+            if rec is None or rec[1].done >= rec[2]:
+                return None
+            rec[0].waiters += 1
+            return rec
+
+    def _unpin(self, slot: _Slot) -> None:
+        with self._lock:
+            slot.waiters -= 1
+
     def event_synchronize(self, event: int) -> None:
-        rec = self._event(event).rec
+        rec = self._pin(self._event(event))
         if rec is None:
             return
         slot, stream, seq = rec
-        if stream.done >= seq:
-            return
-        rc = self._lib[1].zeEventHostSynchronize(slot.event, _UINT64_MAX)
+        try:
+            rc = self._lib[1].zeEventHostSynchronize(slot.event, _UINT64_MAX)
+        finally:
+            self._unpin(slot)
         if rc:
             self._fail("zeEventHostSynchronize", rc)
         self._progress(stream, seq)
