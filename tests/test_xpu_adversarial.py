@@ -673,3 +673,93 @@ def test_event_synchronize_keeps_the_slot_it_waits_on(xpu, monkeypatch):
     for st in (s0, s1, held):
         be.stream_destroy(st)
     assert slots_out_of_circulation(be) == 0
+
+
+# -- many threads; interpreter exit ---------------------------------------------------------------
+
+@pytest.mark.parametrize("loader", ["new", "1.8.12"])
+def test_threads_creating_and_destroying_streams_and_events_keep_state_bounded(monkeypatch, loader):
+    """Four threads create streams and events on both devices, record, wait across devices,
+    query and destroy them: no error, no slot lost, pools and lists bounded by what is live."""
+    import threading
+    use_sim(monkeypatch, "xpu", ACCEL_SIM_ZE_LOADER=loader, ACCEL_SIM_DELAY_US=50)
+    be = _lazy.lazy_init()
+    lists = sim_ze.state()["ze_live_command_lists"]
+    errors = []
+
+    def work(t):
+        try:
+            for i in range(40):
+                d = (t + i) % 2
+                s = accel.Stream(device=d)
+                other = accel.Stream(device=1 - d)
+                with accel.device_index(d):
+                    e = accel.Event(enable_timing=bool(i % 2))
+                e.record(s)
+                other.wait_event(e)             # device d's event waited on the other device
+                if i % 3 == 0:
+                    e.synchronize()
+                if i % 4 == 0:
+                    s.query(), other.query()
+                e.close()
+                s.close()
+                other.close()
+        except BaseException as exc:        # noqa: B902 (reported below)
+            errors.append(exc)
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    for d in (0, 1):
+        with accel.device_index(d):
+            accel.synchronize()
+    assert slots_out_of_circulation(be) == 0
+    assert len(be._pools) <= 4 and len(be._events) == 0
+    assert sim_ze.state()["ze_live_command_lists"] == lists
+    assert sim_ze.state()["ze_errors"] == []
+
+
+_EXIT_SCRIPT = r"""
+import sys
+sys.path.insert(0, {tests!r})
+import numpy as np, accel
+from accel import sim
+from test_user_kernels import spirv_module, saxpy_reference
+sim.register_kernel("saxpy", saxpy_reference, "f32, ptr, ptr, u64")
+k = accel.Module(spirv_module("saxpy"), device=1).function("saxpy", "f32, ptr, ptr, u64")
+s1 = accel.Stream(device=1)
+x, y = accel.Buffer(1 << 16, device=1, stream=s1), accel.Buffer(1 << 16, device=1, stream=s1)
+for _ in range(5):
+    accel.launch(k, 1, 64, 2.0, x, y, 64, stream=s1)
+g = accel.Graph()
+with s1, g:
+    accel.launch(k, 1, 64, 2.0, x, y, 64)
+    y.fill_(1)
+with s1:
+    g.replay()
+e = accel.Event(enable_timing=True)
+e.record(s1)
+s0 = accel.Stream(device=0)
+s0.wait_event(e)
+a = accel.Buffer(1 << 16, device=0, stream=s0)
+a.copy_from(np.ones(1 << 14, np.float32), stream=s0, non_blocking=True)
+print("live objects left for exit")
+"""
+
+
+@pytest.mark.parametrize("loader", ["new", "1.8.12"])
+def test_interpreter_exit_with_live_objects_and_queued_work(loader, tmp_path):
+    """A program that exits with modules, a graph replaying, events, streams on both devices and
+    queued work still live: a clean exit, nothing on stderr."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCEL_", "ZE_"))}
+    env.update(ACCEL_SIM="xpu", ACCEL_SIM_DEVICES="2", ACCEL_SIM_ZE_LOADER=loader, ACCEL_SIM_DELAY_US="2000")
+    script = tmp_path / "exit.py"
+    script.write_text(_EXIT_SCRIPT.format(tests=os.path.dirname(__file__)))
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert (r.returncode, r.stderr) == (0, "")
+    assert r.stdout == "live objects left for exit\n"
