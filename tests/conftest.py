@@ -10,7 +10,7 @@ from accel import _lazy
 _ENV_PREFIXES = ("ACCEL_", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "ZE_AFFINITY_MASK", "ZES_ENABLE_SYSMAN",
                  "ZE_ENABLE_ALT_DRIVERS",
                  "ZE_FLAT_DEVICE_HIERARCHY", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
-_KEEP = ("ACCEL_TEST_SIMS", "ACCEL_TEST_LOAD_S")
+_KEEP = ("ACCEL_TEST_SIMS", "ACCEL_TEST_LOAD_S", "ACCEL_TEST_ALLOC_CONF")
 
 #: What a real-device test (``pytest -m device``) keeps from the caller: which physical devices
 #: it may use and in what order, which runtime, and where the vendor libraries are.  Without
@@ -47,6 +47,10 @@ def clean_state(request, monkeypatch):
     device_test = request.node.get_closest_marker("device") is not None
     for key in dropped_env(os.environ, device_test):
         monkeypatch.delenv(key)
+    if os.environ.get("ACCEL_TEST_ALLOC_CONF"):
+        # rerun a suite under other allocator settings (as torch's test_cuda_expandable_segments.py
+        # reruns test_cuda.py); a test that sets ACCEL_ALLOC_CONF itself overrides it
+        monkeypatch.setenv("ACCEL_ALLOC_CONF", os.environ["ACCEL_TEST_ALLOC_CONF"])
     _lazy._reset_for_tests()
     yield
     _lazy._reset_for_tests()

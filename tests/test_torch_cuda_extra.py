@@ -106,10 +106,11 @@ def test_cuda__test_raises_oom(monkeypatch, max_split):
         accel.Buffer(4 * 1024 * 1024 * 1024 * 1024)
 
 
-def test_cuda__test_caching_allocator_record_stream_oom(monkeypatch):
+@pytest.mark.parametrize("conf", ["", "expandable_segments:False"])   # + test_cuda_expandable_segments.py
+def test_cuda__test_caching_allocator_record_stream_oom(monkeypatch, conf):
     """Allocations delayed by a record_stream call are still freed on an out-of-memory in the
     allocator's retry (pytorch/pytorch#19219)."""
-    use_sim(monkeypatch, "cuda", ACCEL_SIM_MEMORY="512M", ACCEL_SIM_DELAY_US=200)
+    use_sim(monkeypatch, "cuda", ACCEL_SIM_MEMORY="512M", ACCEL_SIM_DELAY_US=200, ACCEL_ALLOC_CONF=conf)
     stream = accel.Stream()
     with stream:
         y = accel.Buffer(160 * MiB)                           # torch.zeros(40M floats)

@@ -1354,7 +1354,11 @@ class DeviceCachingAllocator:
             # handled here (free the cache and retry, or a torch-style OOM): leave no stale
             # cudaErrorMemoryAllocation for another library's next error check
             self._be.clear_error()
-            self._backend_oom = exc   # the runtime's reason (e.g. Metal's maxBufferLength): the OOM's cause
+            # the runtime's reason (e.g. Metal's maxBufferLength): the OOM's cause.  Kept without
+            # its traceback: the frames (and through f_back every caller's, the Buffer being
+            # built among them) would live until the next miss drops it here, under this lock,
+            # and a Buffer's finalizer would then wait on the lock this thread holds.
+            self._backend_oom = exc.with_traceback(None)
             return None
         self._scalars["num_device_alloc"] += 1
         return ptr
