@@ -874,3 +874,22 @@ def test_fault_sweep_of_modules_graphs_and_cross_device_events(xpu, monkeypatch,
                 _workload(objs)
             finally:
                 _teardown(objs)
+
+
+def test_backend_elapsed_time_across_devices_is_refused(xpu):
+    """Kernel timestamps of two devices come from two clocks: their difference means nothing.
+    The backend returned it (accel.Event refuses first; CUDA's runtime refuses too)."""
+    be = xpu
+    s0, s1 = be.default_stream(0), be.default_stream(1)
+    a = be.event_create(True)
+    with accel.device_index(1):
+        b = be.event_create(True)
+    be.event_record(a, s0)
+    be.event_record(b, s1)
+    be.event_synchronize(a), be.event_synchronize(b)
+    with pytest.raises(AcceleratorError, match="recorded on XPU device 0 and device 1"):
+        be.event_elapsed_ms(a, b)
+    c = be.event_create(True)
+    be.event_record(c, s0)
+    be.event_synchronize(c)
+    assert be.event_elapsed_ms(a, c) >= 0

@@ -249,8 +249,13 @@ class EventsMixin:
         if not (a.timing and b.timing):
             raise AcceleratorError("elapsed time needs both events created with enable_timing=True",
                                    library=LIBRARY)
-        if a.slot is None or b.slot is None:
+        ra, rb = a.rec, b.rec
+        if ra is None or rb is None:
             raise AcceleratorError("elapsed time needs both events recorded first", library=LIBRARY)
+        if ra[1].device is not rb[1].device:
+            # Each device stamps with its own timer: the difference of two devices' stamps means nothing.
+            raise AcceleratorError(f"elapsed time needs two events of one device: they were recorded on XPU "
+                                   f"device {ra[1].device.index} and device {rb[1].device.index}", library=LIBRARY)
         ffi, lib, _ = self._lib
         ticks = []
         for e in (a, b):
@@ -263,7 +268,7 @@ class EventsMixin:
             if rc:
                 self._fail("zeEventQueryKernelTimestamp", rc)
             ticks.append(getattr(ts, "global").kernelEnd)
-        dev = a.device
+        dev = ra[1].device         # whose timer stamped them
         mask = dev.ts_mask
         delta = (ticks[1] - ticks[0]) & mask   # the counter wraps at kernelTimestampValidBits
         if delta > mask >> 1:
