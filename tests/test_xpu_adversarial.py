@@ -893,3 +893,33 @@ def test_backend_elapsed_time_across_devices_is_refused(xpu):
     be.event_record(c, s0)
     be.event_synchronize(c)
     assert be.event_elapsed_ms(a, c) >= 0
+
+
+def test_graph_launch_racing_the_destroy_of_its_exec_appends_nothing(xpu):
+    """Thread A launches an exec while thread B destroys it and its graph (user error, refused):
+    A found the exec, then B released the list, queue and gate events; A signalled the released
+    gate slot on its stream (a slot the pool may give to another record) before failing."""
+    be = xpu
+    s = be.stream_create()
+    p = be.mem_alloc(64)
+    be.capture_begin(s, "global")
+    be.memset_async(p, 1, 64, s)
+    graph = be.capture_end(s)
+    exe = be.graph_instantiate(graph)
+
+    class Racy(dict):
+        def get(self, key, default=None):
+            value = dict.get(self, key, default)
+            if key == exe and value is not None:
+                be.graph_exec_destroy(exe)          # thread B, right after A found the exec
+                be.graph_destroy(graph)
+            return value
+    be._execs = Racy(be._execs)
+    seq = be._streams[s].seq
+    with pytest.raises(ValueError, match="graph exec .* destroyed"):
+        be.graph_launch(exe, s)
+    assert be._streams[s].seq == seq
+    be.device_synchronize()
+    assert slots_out_of_circulation(be) == 0
+    be.stream_destroy(s)
+    be.mem_free(p)

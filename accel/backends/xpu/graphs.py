@@ -207,6 +207,11 @@ class GraphsMixin:
             raise CaptureError("launching a graph inside an XPU capture is not supported; the capture is invalidated")
         ffi, lib, _ = self._lib
         with g.lock:
+            if g.released or self._execs.get(graph_exec) is not g:
+                # Destroyed by another thread since it was looked up: its list, queue and gate
+                # events may be gone (the gate's slot even given to another record).
+                raise ValueError(f"{graph_exec!r} is not a live XPU graph exec handle (the graph exec was "
+                                 f"destroyed by another thread meanwhile)")
             if g.launched:
                 # The spec forbids resubmitting a list the device still references.
                 self._sync_graph(g)
