@@ -923,3 +923,32 @@ def test_graph_launch_racing_the_destroy_of_its_exec_appends_nothing(xpu):
     assert slots_out_of_circulation(be) == 0
     be.stream_destroy(s)
     be.mem_free(p)
+
+
+def test_launch_racing_the_unload_of_its_module_is_refused(xpu):
+    """Thread A launches a kernel while thread B unloads its module (user error, refused): A had
+    found the kernel, B destroyed it (its handle value goes to the next kernel made), and A
+    appended a launch of the destroyed handle.  Now a ValueError, nothing appended."""
+    be = xpu
+    m = accel.Module(spirv_module("saxpy"))
+    k = m.function("saxpy", SIG)
+    x = accel.Buffer(256)
+    s = accel.Stream()
+    modules_, kernels_, _ = be._kernel_state()
+    handle = m._handle
+
+    class Racy(dict):
+        def get(self, key, default=None):
+            value = dict.get(self, key, default)
+            if key == k.handle and value is not None and handle in modules_:
+                be.module_unload(handle)            # thread B, right after A found the kernel
+            return value
+    be._kstate = (modules_, Racy(kernels_), be._kstate[2])
+    seq = be._streams[s.handle].seq
+    with pytest.raises(ValueError, match="unloaded"):
+        be.launch(k.handle, (1, 1, 1), (64, 1, 1), [("f32", 1.0), ("ptr", x.ptr), ("ptr", x.ptr), ("u64", 0)],
+                  0, s.handle)
+    assert be._streams[s.handle].seq == seq
+    m._handle = None
+    s.close()
+    x.close()

@@ -168,6 +168,11 @@ class KernelsMixin:
                                                      else value)))
         count = ffi.new("ze_group_count_t *", tuple(grid))
         with klock:     # arguments are kernel state until the append copies them
+            if kernels.get(function) is not entry:
+                # Its module was unloaded by another thread since the lookup: the handle is
+                # destroyed (and its value may be another kernel's now).
+                raise ValueError(f"xpu: {function:#x} is not a kernel of this backend (its module was unloaded "
+                                 f"by another thread meanwhile)")
             self._check_rc("zeKernelSetGroupSize", lib.zeKernelSetGroupSize(k, *block))
             for i, (size, p) in enumerate(values):
                 self._check_rc("zeKernelSetArgumentValue", lib.zeKernelSetArgumentValue(k, i, size, p))
