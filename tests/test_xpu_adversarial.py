@@ -952,3 +952,57 @@ def test_launch_racing_the_unload_of_its_module_is_refused(xpu):
     m._handle = None
     s.close()
     x.close()
+
+
+@pytest.mark.parametrize("op", ["memset", "memcpy", "record", "wait", "launch", "graph"])
+def test_work_on_a_stream_destroyed_by_another_thread_meanwhile_is_refused(xpu, op):
+    """Thread A queues work on a stream; thread B destroys the stream after A looked it up and
+    creates another, which the driver gives the same command list handle.  A's work went to
+    B's new stream (or to a destroyed list).  Now a ValueError, and the new list gets nothing."""
+    be = xpu
+    victim = be.stream_create()
+    p, q = be.mem_alloc(256), be.mem_alloc(256)
+    e = be.event_create()
+    be.event_record(e, be.default_stream(0))
+    m = accel.Module(spirv_module("saxpy"))
+    k = m.function("saxpy", SIG)
+    side = be.stream_create()
+    be.capture_begin(side, "global")
+    be.memset_async(p, 2, 256, side)
+    graph = be.capture_end(side)
+    exe = be.graph_instantiate(graph)
+    made = []
+
+    class Racy(dict):
+        def get(self, key, default=None):
+            value = dict.get(self, key, default)
+            if key == victim and value is not None and not made:
+                made.append(None)
+                be.stream_destroy(victim)           # thread B, right after A found the stream
+                made[0] = be.stream_create()
+            return value
+    be._streams = Racy(be._streams)
+    calls = {
+        "memset": lambda: be.memset_async(p, 1, 256, victim),
+        "memcpy": lambda: be.memcpy_async(q, p, 256, victim),
+        "record": lambda: be.event_record(e, victim),
+        "wait": lambda: be.stream_wait_event(victim, e),
+        "launch": lambda: be.launch(k.handle, (1, 1, 1), (1, 1, 1),
+                                    [("f32", 1.0), ("ptr", p), ("ptr", q), ("u64", 0)], 0, victim),
+        "graph": lambda: be.graph_launch(exe, victim),
+    }
+    with pytest.raises(ValueError, match="destroyed"):
+        calls[op]()
+    new = made[0]
+    assert new == victim                            # the driver reused the value (the hazard)
+    assert sim_ze._rt.get(be._streams[new].list, "cmdlist").submitted == 0
+    be._streams = dict(be._streams)
+    be.device_synchronize()
+    be.graph_exec_destroy(exe), be.graph_destroy(graph)
+    for st in (new, side):
+        be.stream_destroy(st)
+    be.event_destroy(e)
+    be.mem_free(p), be.mem_free(q)
+    m.close()
+    be.device_synchronize()
+    assert slots_out_of_circulation(be) == 0

@@ -283,6 +283,7 @@ class StreamsMixin:
             # The record is read, and its slot kept from recycling (a use at the next command
             # number), under the lock the sweep holds: a record replaced by another thread
             # meanwhile is retired, and could be reset and reused before this wait is appended.
+            self._check_live(s)
             with self._lock:
                 rec = e.rec
                 if rec is None:
@@ -296,8 +297,16 @@ class StreamsMixin:
             finally:
                 s.seq += 1      # also when it failed: the slot's use above is passed at the next sync
 
+    @staticmethod
+    def _check_live(s: _Stream) -> None:
+        """Refuse a stream destroyed by another thread after the caller looked it up (caller
+        holds ``s.lock``): its list handle may be another stream's now (the driver reuses it)."""
+        if s.dead:
+            raise ValueError(f"{s.handle!r} is not a live XPU stream handle (destroyed by another thread meanwhile)")
+
     def _append(self, s: _Stream, call: str, fn, *args) -> None:
         """One command on ``s``'s list (caller holds ``s.lock`` and bumps ``s.seq``)."""
+        self._check_live(s)
         rc = fn(*args)
         if rc:
             self._fail(call, rc)
