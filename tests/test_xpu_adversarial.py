@@ -60,6 +60,12 @@ def modules() -> dict:
     return live(_COUNTS[:3])
 
 
+def slots_held_twice(be) -> int:
+    """Event slots in the free and retired lists more than once (two records would share one)."""
+    held = [id(sl) for free in be._free_slots.values() for sl in free] + [id(sl) for sl in be._retired]
+    return len(held) - len(set(held))
+
+
 def slots_out_of_circulation(be) -> int:
     """Event slots of the backend's pools that nothing holds: neither the free lists nor the
     retired list, an event, a stream's marker, a graph or a capture (each lost for good)."""
@@ -1005,4 +1011,62 @@ def test_work_on_a_stream_destroyed_by_another_thread_meanwhile_is_refused(xpu, 
     be.mem_free(p), be.mem_free(q)
     m.close()
     be.device_synchronize()
+    assert slots_out_of_circulation(be) == 0
+
+
+def _race_before_write(obj, attr, action):
+    """Run ``action`` once, just before ``attr`` of ``obj`` is next written."""
+    cls = type(obj)
+    base = getattr(cls, attr)
+    state = {"action": action}
+
+    def set_(self, value):
+        act, state["action"] = state["action"], None
+        if act is not None:
+            act()
+        base.__set__(self, value)
+    obj.__class__ = type("_Racy" + cls.__name__, (cls,), {"__slots__": (), attr: property(base.__get__, set_)})
+
+
+@pytest.mark.parametrize("other", ["record", "destroy"])
+def test_event_recorded_by_two_threads_at_once_keeps_each_slot_once(xpu, other):
+    """Two threads record one event at once (or one records while the other destroys it): each
+    took the previous record from the event and put its own: the previous slot went back to
+    the pool twice (two later records shared it) and one new slot was lost, or the record of a
+    destroyed event kept its slot for good."""
+    import threading
+    be = xpu
+    s1, s2 = be.stream_create(), be.stream_create()
+    e = be.event_create()
+    be.event_record(e, s1)
+    if other == "record":
+        action = lambda: be.event_record(e, s2)     # noqa: E731
+    else:
+        action = lambda: be.event_destroy(e)        # noqa: E731
+    errors = []
+
+    def thread_b():
+        try:
+            action()
+        except ValueError as exc:
+            errors.append(exc)
+
+    def between():
+        b = threading.Thread(target=thread_b)
+        b.start()
+        b.join(0.5)      # B runs now, or waits for a lock A holds (then it runs after A)
+        state["b"] = b
+    state = {}
+    _race_before_write(be._events[e], "rec", between)   # A has read the old record, not yet put its own
+    try:
+        be.event_record(e, s1)
+    except ValueError:
+        assert other == "destroy"
+    state["b"].join()
+    if e in be._events:
+        be.event_destroy(e)
+    be.device_synchronize()
+    be.stream_destroy(s1), be.stream_destroy(s2)
+    be.device_synchronize()
+    assert slots_held_twice(be) == 0
     assert slots_out_of_circulation(be) == 0

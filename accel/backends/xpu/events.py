@@ -158,11 +158,13 @@ class EventsMixin:
         return handle
 
     def event_destroy(self, event: int) -> None:
-        with self._lock:
+        with self._lock:        # (the record is swapped under this lock: see _record)
             e = self._events.pop(event, None)
+            rec = None
+            if e is not None:
+                rec, e.rec = e.rec, None
         if e is None:
             raise ValueError(f"{event!r} is not a live XPU event handle")
-        rec, e.rec = e.rec, None
         if rec is not None:
             self._retire(rec[0])
 
@@ -195,9 +197,17 @@ class EventsMixin:
             s.seq += 1
             slot.deps.append((s, s.seq))
             s.last = (slot, s.seq)
-            old, e.rec = e.rec, (slot, s, s.seq)
+            # One swap under the backend's lock: two threads recording the event at once each
+            # retire the record they replaced (not both the same one), and a record of an event
+            # destroyed meanwhile is retired here, not kept by an event nobody can reach.
+            with self._lock:
+                live = self._events.get(e.handle) is e or e.handle == 0    # (0: a graph's completion)
+                old, e.rec = e.rec, ((slot, s, s.seq) if live else None)
         if old is not None:
             self._retire(old[0])
+        if not live:
+            self._retire(slot)
+            raise ValueError(f"{e.handle!r} is not a live XPU event handle (destroyed by another thread meanwhile)")
 
     def event_query(self, event: int) -> bool:
         rec = self._pin(self._event(event))
