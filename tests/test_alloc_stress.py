@@ -245,10 +245,13 @@ class _Run:
         self.shared_pools = {0: [], 1: []}   # graph_pool_handle() ids
         self.mempools = {0: [], 1: []}
         self.all_streams = weakref.WeakSet()   # every Stream the run made: the live ones are not closed
+        self.all_graphs = weakref.WeakSet()    # every Graph: a live one not reset holds its pool
+        self.all_mempools = weakref.WeakSet()
         self.streams_made = 0
         self.graphs_made = 0
         self.ooms = 0
         self.errors = []
+        self.mailbox = []                    # items in flight between threads
 
     def new_stream(self, dev: int):
         s = accel.Stream(device=dev)
@@ -390,6 +393,8 @@ class _Worker:
         elif choice < 0.55 and run.caching:
             with accel.device_index(dev):
                 mp = accel.MemPool()
+            with run.lock:
+                run.all_mempools.add(mp)
             self.items.append(["mempool", dev, mp, None])
             pool = mp.id
         # a stream of its own: a stream some other thread uses would be captured too
@@ -399,6 +404,7 @@ class _Worker:
         outputs = []
         with run.lock:
             run.graphs_made += 1
+            run.all_graphs.add(g)
         try:
             with s:
                 g.capture_begin()
@@ -455,6 +461,8 @@ class _Worker:
         else:
             with accel.device_index(dev):
                 mp = accel.MemPool(use_on_oom=rng.random() < 0.3, no_split=rng.random() < 0.2)
+            with self.run.lock:
+                self.run.all_mempools.add(mp)
             self.items.append(["mempool", dev, mp, None])
         try:
             with memory.use_mem_pool(mp, device=dev):
@@ -484,6 +492,66 @@ class _Worker:
         dev = self.rng.choice((0, 1))
         memory.set_per_process_memory_fraction(self.rng.choice((0.05, 0.1, 0.3, 1.0, 1.0)), dev)
 
+    def copy(self) -> None:
+        """A copy into a new buffer, often on the other device (the source's allocator then
+        grants the destination device access to its mappings: add_peer)."""
+        live = [it for it in self.items if it[0] == "buf" and it[2] is not None]
+        if not live:
+            return
+        src = self.rng.choice(live)
+        dev = src[1] if self.rng.random() < 0.3 else 1 - src[1]
+        s = self.stream(dev)
+        try:
+            dst = accel.Buffer(src[2].nbytes, device=dev, stream=s)
+        except OutOfMemoryError:
+            self.run.ooms += 1
+            return
+        self.items.append(["buf", dev, dst, s])
+        try:
+            dst.copy_from(src[2], stream=s, non_blocking=True)
+        except CaptureError:
+            # the first copy between the two devices while another thread captures: access to
+            # expandable memory cannot be granted then (E6; the error says so)
+            pass
+
+    def mailbox(self) -> None:
+        """Hand an item to whichever thread takes it next, or take one: frees (and closes,
+        resets) from a thread other than the one that allocated, while both run."""
+        run = self.run
+        with run.lock:
+            if run.mailbox and self.rng.random() < 0.6:
+                self.items.append(run.mailbox.pop(0))
+                return
+        live = [i for i, it in enumerate(self.items) if it[0] in ("ptr", "buf", "graph") and it[2] is not None]
+        if live:
+            item = self.items.pop(self.rng.choice(live))
+            with run.lock:
+                run.mailbox.append(item)
+
+    def replay(self) -> None:
+        graphs = [it for it in self.items if it[0] == "graph" and it[2] is not None]
+        if not graphs:
+            return
+        item = self.rng.choice(graphs)
+        own = self.rng.random() < 0.7
+        s = self.stream(item[1]) if own else self.run.new_stream(item[1])
+        with s:
+            item[2].replay()
+        if not own:
+            s.close()
+
+    def query(self) -> None:
+        dev = self.rng.choice((0, 1))
+        r = self.rng.random()
+        if r < 0.4:
+            memory.memory_stats(dev)
+        elif r < 0.6:
+            memory.memory_snapshot()
+        elif r < 0.8:
+            memory.memory_summary(dev)
+        else:
+            memory.reset_peak_memory_stats(dev)
+
     def free_some(self) -> None:
         if not self.items:
             return
@@ -491,7 +559,8 @@ class _Worker:
         self.release(item)
 
     OPS = (("malloc_raw", 14), ("buffer", 14), ("free_some", 24), ("record_use", 8), ("close_stream", 5),
-           ("events", 4), ("capture", 4), ("mempool", 3), ("empty_cache", 2), ("fraction", 2))
+           ("events", 4), ("capture", 4), ("mempool", 3), ("empty_cache", 2), ("fraction", 2), ("query", 2),
+           ("copy", 4), ("mailbox", 5), ("replay", 3))
 
     def __call__(self, steps: int) -> None:
         names = [n for n, _ in self.OPS]
@@ -534,17 +603,47 @@ def _live_handles(run: _Run, dev: int) -> set:
     return handles
 
 
+def _mappings(run: _Run) -> tuple:
+    """(mappings, physical handles) the allocators hold: their segments' mappings, plus the pieces
+    of undone grows waiting in _unreleased (some still mapped, when their unmap was refused)."""
+    allocs = [memory.device_allocator(d) for d in (0, 1)]
+    maps = sum(len(s.maps) for a in allocs for s in a._exp_segs)
+    stale = sum(1 for a in allocs for u in a._unreleased if u[3] is not None)
+    return maps + stale, maps + sum(len(a._unreleased) for a in allocs)
+
+
 def _check_phase(run: _Run, where: str, base: dict) -> None:
+    gc.collect()
     _finalize.drain()
     for dev in (0, 1):
         alloc = memory.device_allocator(dev)
         with alloc._lock:
             pass
+        graphs = [g for g in list(run.all_graphs) if g._index == dev and g._pool is not None]
         if not run.caching:
             _check_async(alloc)
             assert not alloc._routes and alloc._capture is None, where
+            # a pool id is counted once per graph holding it; a graph's token is kept while it
+            # or its allocations live
+            assert sum(alloc._pools.values()) == len(graphs), (where, "pool counts")
+            tokens = {id(g._allocs) for g in graphs if g._allocs is not None}
+            for record in alloc._records:
+                assert id(record) in tokens or any(not a.held for a in record.allocs.values()) or \
+                    any(a.held for a in record.allocs.values()), (where, "a graph token kept for nothing")
+            assert len(alloc._dead) <= len(alloc._ptrs)
             continue
         _check_caching(alloc)
+        # a private pool is used once per live graph captured into it (not reset) and per live
+        # MemPool: nothing else holds one once the threads are done
+        mempools = [m for m in list(run.all_mempools) if m.device_index == dev]
+        held = {}
+        for g in graphs:
+            held[g._pool] = held.get(g._pool, 0) + 1
+        for m in mempools:
+            held[m.id] = held.get(m.id, 0) + 1
+        counts = {pid: pool.use_count for pid, pool in alloc._private.items() if pool.use_count}
+        assert counts == held, (where, "private pool use counts")
+        assert all(pool.id in held for pool in alloc._oom_pools), (where, "use_on_oom pool of a dead MemPool")
         # bounded by live objects: nothing keyed by a stream that is gone, no route or thread
         # left behind by a capture or use_mem_pool that ended
         live = _live_handles(run, dev)
@@ -576,13 +675,13 @@ def _check_phase(run: _Run, where: str, base: dict) -> None:
         segs = sum(len(memory.device_allocator(d)._segments) for d in (0, 1))
         if run.kind == "cuda":
             assert sum(st["live_allocations"].values()) - sum(base["live_allocations"].values()) == segs, where
-            maps = sum(len(s.maps) for d in (0, 1) for s in memory.device_allocator(d)._exp_segs)
-            assert st["vmm_mappings"] == maps, where
+            maps, handles = _mappings(run)
+            assert (st["vmm_mappings"], st["vmm_handles"]) == (maps, handles), where
             assert st["vmm_reservations"] == sum(len(memory.device_allocator(d)._exp_segs) for d in (0, 1)), where
         else:
             assert st["ze_live_allocations"] - base["ze_live_allocations"] == segs, where
-            maps = sum(len(s.maps) for d in (0, 1) for s in memory.device_allocator(d)._exp_segs)
-            assert st["ze_vmm_mappings"] == maps, where
+            maps, handles = _mappings(run)
+            assert (st["ze_vmm_mappings"], st["ze_vmm_handles"]) == (maps, handles), where
             assert st["ze_vmm_reservations"] == sum(len(memory.device_allocator(d)._exp_segs) for d in (0, 1)), where
 
 
@@ -612,6 +711,8 @@ def _phase(run: _Run, phase: int) -> None:
     assert not any(t.is_alive() for t in threads), f"{run.kind} {run.conf} phase {phase}: a thread hangs"
     for w in workers:
         run.items.extend(w.items)
+    run.items.extend(run.mailbox)
+    run.mailbox = []
     assert not run.errors, f"{run.kind} {run.conf} phase {phase}:\n" + "\n".join(run.errors)
     if run.caching:
         for dev in (0, 1):
@@ -680,7 +781,11 @@ def test_threads_on_two_devices_keep_invariants_and_return_everything(config):
     _check_phase(run, f"{kind} {conf} at the end", base)
     for dev in (0, 1):
         stats = memory.memory_stats(dev)
-        assert stats["allocation.all.current"] == 0, dev
+        left = memory.device_allocator(dev)
+        left = (left._ptrs.items() if not run.caching else
+                [(b.ptr, b.size) for b in left._blocks.values() if b.state != _caching._FREE])
+        assert stats["allocation.all.current"] == 0, (dev, [(hex(p), getattr(a, "__slots__", None) and {
+            k: getattr(a, k) for k in a.__slots__} if not isinstance(a, int) else a) for p, a in left])
         assert stats["reserved_bytes.all.current"] == 0, dev
         assert stats["requested_bytes.all.current"] == 0, dev
         if run.caching:
@@ -690,6 +795,10 @@ def test_threads_on_two_devices_keep_invariants_and_return_everything(config):
             assert not any(alloc._event_cache.values())
             assert not alloc._private, "private pools outlive their graphs and MemPools"
             assert not alloc._oom_pools
+        else:
+            alloc = memory.device_allocator(dev)
+            assert not alloc._records and not alloc._dead and not alloc._pools and not alloc._deferred
+            assert not alloc._doomed and not alloc._ptrs
     print(f"{kind} {conf}: {run.streams_made} streams, {run.graphs_made} graphs, {run.ooms} OOMs, "
           f"stats dev0 {dict((k, v) for k, v in memory.memory_stats(0).items() if k.startswith('num_'))}")
     after = _sim_counts(kind)
@@ -794,3 +903,91 @@ def test_grow_cut_short_by_another_threads_capture_leaves_no_mapping_in_a_hole(v
     be.set_device(1)
     be.stream_destroy(other)
     be.set_device(0)
+
+
+def _sizes_of(alloc) -> dict:
+    """How much state the allocator keeps, container by container."""
+    if isinstance(alloc, AsyncPoolAllocator):
+        names = ("_ptrs", "_deferred", "_pools", "_routes", "_records", "_dead", "_doomed")
+        return {n: len(getattr(alloc, n)) for n in names}
+    names = ("_blocks", "_segments", "_whole", "_general", "_routes", "_origins", "_origin_ids", "_private",
+             "_threads", "_oom_pools", "_pending", "_pending_events", "_deferred", "_used_on", "_seg_frames",
+             "_exp_segs", "_unreleased")
+    out = {n: len(getattr(alloc, n)) for n in names}
+    out["events cached"] = sum(len(v) for v in alloc._event_cache.values())
+    out["private lists"] = sum(len(p.lists) for p in alloc._private.values())
+    return out
+
+
+@pytest.mark.parametrize("kind,conf", CONFIGS, ids=[f"{k}-{c}" for k, c in CONFIGS])
+def test_state_does_not_grow_with_streams_and_graphs_ever_made(monkeypatch, kind, conf):
+    """Streams, graphs (own pools, a shared pool, a MemPool), events and record_stream uses made
+    and dropped over and over, on both devices: after the first rounds the allocators keep as
+    much state, and the simulator as many objects, as after many more (nothing is keyed by a
+    stream, capture or pool that is gone)."""
+    if "expandable_segments:True" in conf and not _vmm.supported():
+        pytest.skip("this host cannot play virtual memory (mmap)")
+    use_sim(monkeypatch, kind, ACCEL_ALLOC_CONF=conf, ACCEL_SIM_MEMORY="1G", ACCEL_SIM_DELAY_US=DELAY_US)
+    caching = "cudaMallocAsync" not in conf
+    shared = {dev: accel.graphs.graph_pool_handle() for dev in (0, 1)}
+    keep = {dev: accel.Buffer(3 * MiB, device=dev) for dev in (0, 1)}
+
+    def round_(i: int) -> None:
+        for dev in (0, 1):
+            s, t = accel.Stream(device=dev), accel.Stream(device=1 - dev)
+            a = accel.Buffer(MiB + 512 * i % 7, device=dev, stream=s)
+            b = accel.Buffer(5 * MiB, device=dev, stream=s)
+            a.fill_(1, stream=s)
+            a.record_stream(t)
+            memory.device_allocator(dev).record_stream(b.ptr, t.handle, 1 - dev)
+            ev = accel.Event()
+            ev.record(s)
+            t.wait_event(ev)
+            pool = (None, shared[dev], "mempool")[i % 3]
+            mp = None
+            if pool == "mempool":
+                if not caching:
+                    pool = None
+                else:
+                    with accel.device_index(dev):
+                        mp = accel.MemPool()
+                    pool = mp.id
+                    with memory.use_mem_pool(mp, device=dev):
+                        c = accel.Buffer(2 * MiB, device=dev, stream=s)
+                    c.close()
+            g = accel.Graph(pool=pool, capture_error_mode="thread_local")
+            with s:
+                g.capture_begin()
+                out = accel.Buffer(MiB, device=dev, stream=s)
+                tmp = accel.Buffer(4 * MiB, device=dev, stream=s)
+                tmp.fill_(2, stream=s)
+                out.fill_(3, stream=s)
+                tmp.close()
+                g.capture_end()
+                g.replay()
+            t.close()                       # used by a and b, destroyed before they are freed
+            a.close()
+            s.close()                       # their allocation stream, destroyed after a's free
+            if i % 2:
+                g.reset()                   # before its output is freed (s's work may still run)
+            b.close()
+            out.close()
+            del g, mp, ev                   # the other graphs go with their finalizers
+
+    def measure():
+        gc.collect()
+        _finalize.drain()
+        for dev in (0, 1):
+            accel.synchronize(dev)
+        memory.empty_cache()        # cached segments come and go with the high-water mark; drop them
+        return ({dev: _sizes_of(memory.device_allocator(dev)) for dev in (0, 1)}, _sim_counts(kind))
+
+    for i in range(6):
+        round_(i)
+    first = measure()
+    for i in range(6, 6 + 18 * SCALE):
+        round_(i)
+    last = measure()
+    assert last == first
+    for dev in (0, 1):
+        keep[dev].close()
