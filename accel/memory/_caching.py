@@ -1726,7 +1726,15 @@ class DeviceCachingAllocator:
     def _exp_drop(self, seg: _ExpSegment) -> None:
         """Free the reservation of a segment with nothing mapped (one unmapped block).  A
         failure keeps the segment, to be freed at a later unmap; it is not raised, as this
-        runs while another error propagates or as housekeeping."""
+        runs while another error propagates or as housekeeping.
+
+        A segment holding a piece of an undone grow that waits, still mapped, in ``_unreleased``
+        is kept until that piece is unmapped: Level Zero's zeVirtualMemFree unmaps it behind our
+        back (cuMemAddressFree refuses), and the piece's later unmap would hit the range's next
+        reservation."""
+        end = seg.base + seg.size
+        if any(u[3] is not None and seg.base <= u[3] < end for u in self._unreleased):
+            return
         hole = seg.head
         try:
             with self._on_device():
