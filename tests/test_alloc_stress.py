@@ -799,7 +799,9 @@ def test_threads_on_two_devices_keep_invariants_and_return_everything(config):
             assert not alloc._oom_pools
         else:
             alloc = memory.device_allocator(dev)
-            assert not alloc._records and not alloc._dead and not alloc._pools and not alloc._deferred
+            assert not alloc._records and not alloc._dead and not alloc._pools and not alloc._deferred, [
+                (r.released, r.launches, [(hex(p), a.held, a.deferred, a.gen) for p, a in r.allocs.items()])
+                for r in alloc._records]
             assert not alloc._doomed and not alloc._ptrs
     print(f"{kind} {conf}: {run.streams_made} streams, {run.graphs_made} graphs, {run.ooms} OOMs, "
           f"stats dev0 {dict((k, v) for k, v in memory.memory_stats(0).items() if k.startswith('num_'))}")
@@ -1050,3 +1052,36 @@ def test_reservation_is_not_freed_under_a_piece_still_mapped(vmm_be, monkeypatch
     be.set_device(1)
     be.stream_destroy(other)
     be.set_device(0)
+
+
+def test_async_output_freed_during_another_capture_is_freed_again_at_reset(monkeypatch):
+    """backend:cudaMallocAsync: a graph's output freed while another capture is underway (another
+    thread's, on the other device) is deferred, and freed once the capture ends.  A later replay
+    allocates it again, with no owner, and the graph's reset must free that copy.  The flushed
+    free left the allocation marked deferred, so reset skipped it: the copy stayed allocated
+    in graph memory and the graph's token stayed in the allocator for good."""
+    use_sim(monkeypatch, "cuda", ACCEL_ALLOC_CONF="backend:cudaMallocAsync")
+    s, other = accel.Stream(device=1), accel.Stream(device=0)
+    g = accel.Graph()
+    with accel.graph(g, stream=s):
+        out = accel.Buffer(MiB, device=1, stream=s)
+        out.fill_(3, s)
+    g.replay()
+    h = accel.Graph(capture_error_mode="relaxed")
+    with other, pytest.warns(UserWarning, match="Graph is empty"):
+        h.capture_begin()                   # "another thread's" capture, on device 0
+        out.close()                         # deferred until no capture is underway
+        h.capture_end()
+    accel.Buffer(512, device=1).close()     # device 1's allocator queues the deferred free now
+    g.replay()                              # allocated again, with no owner
+    g.reset()                               # must free that copy
+    h.reset()
+    alloc = memory.device_allocator(1)
+    assert not alloc._records, "the graph's token outlives its reset"
+    accel.synchronize(1)
+    memory.empty_cache()
+    be = _lazy.lazy_init()
+    with accel.streams.on_device(be, 1):
+        assert be.graph_mem_get(1, "reserved_current") == 0, "the graph's output was never freed"
+    s.close()
+    other.close()

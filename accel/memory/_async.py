@@ -716,6 +716,10 @@ class AsyncPoolAllocator:
             except Exception as exc:
                 self._deferred.append((ptr, alloc))
                 error = error or exc
+            else:
+                # no longer waiting: a graph allocation a later launch allocates again is then
+                # freed by the graph's release (which skips deferred ones)
+                alloc.deferred = alloc.retry = False
         if error is not None and strict:
             raise error
 
