@@ -214,11 +214,17 @@ def _check_caching(alloc, locked: bool = False) -> None:
                 f"{name}.{pool}.allocated - freed"
 
 
-def _check_async(alloc: AsyncPoolAllocator) -> None:
+def _check_async(alloc: AsyncPoolAllocator, locked: bool = False) -> None:
+    """The held allocations against accel's counts; ``locked``: the caller holds the lock."""
+    held = list(alloc._ptrs.values())
+    assert all(a.held for a in held)
+    assert all(a.held for dead in alloc._dead.values() for a in dead)    # stale, still counted
+    if locked:
+        assert alloc._count[0] == len(held) + sum(len(d) for d in alloc._dead.values())
+        assert alloc._req[0] == sum(a.size for a in held) + sum(a.size for d in alloc._dead.values() for a in d)
+        return
     stats = alloc.stats()
-    held = [a for a in alloc._ptrs.values()]
-    assert stats["allocation.all.current"] == len(held)
-    assert stats["requested_bytes.all.current"] == sum(a.size for a in held)
+    assert stats["allocation.all.current"] == len(held) + sum(len(d) for d in alloc._dead.values())
 
 
 def _sim_counts(kind: str) -> dict:
@@ -627,9 +633,12 @@ def _check_phase(run: _Run, where: str, base: dict) -> None:
             # or its allocations live
             assert sum(alloc._pools.values()) == len(graphs), (where, "pool counts")
             tokens = {id(g._allocs) for g in graphs if g._allocs is not None}
+            waiting = {id(a) for _, a in alloc._deferred}
             for record in alloc._records:
-                assert id(record) in tokens or any(not a.held for a in record.allocs.values()) or \
-                    any(a.held for a in record.allocs.values()), (where, "a graph token kept for nothing")
+                # a released graph's token stays only for a free of its allocations still to retry
+                assert id(record) in tokens or any(id(a) in waiting for a in record.allocs.values()), \
+                    (where, "a released graph's token kept", record.launches,
+                     [(a.held, a.deferred, a.gen) for a in record.allocs.values()])
             assert len(alloc._dead) <= len(alloc._ptrs)
             continue
         _check_caching(alloc)
@@ -706,8 +715,7 @@ def _phase(run: _Run, phase: int) -> None:
     threads = [threading.Thread(target=w, args=(OPS,), name=f"stress-{phase}-{t}") for t, w in enumerate(workers)]
     for t in threads:
         t.start()
-    if run.caching:
-        _check_while_running(run, threads, phase)
+    _check_while_running(run, threads, phase)
     for t in threads:
         t.join(timeout=120)
     assert not any(t.is_alive() for t in threads), f"{run.kind} {run.conf} phase {phase}: a thread hangs"
@@ -730,7 +738,10 @@ def _check_while_running(run: _Run, threads: list, phase: int) -> None:
             for dev in (0, 1):
                 alloc = memory.device_allocator(dev)
                 with alloc._lock:
-                    _check_caching(alloc, locked=True)
+                    if run.caching:
+                        _check_caching(alloc, locked=True)
+                    else:
+                        _check_async(alloc, locked=True)
                 checks += 1
             time.sleep(0.003)
     except BaseException:
