@@ -151,17 +151,22 @@ class on_device:
         self._backend, self._index = backend, index
 
     def __enter__(self) -> None:
-        previous = self._backend.get_device()
+        backend = self._backend
+        previous = backend.get_device()
         if previous == self._index:
             self._previous = None
+            if backend.device_deferred():      # named current, not made current yet: now it is
+                backend.set_device(self._index)
         else:
-            self._backend.set_device(self._index)
+            backend.set_device(self._index)
             self._previous = previous
 
     def __exit__(self, *exc) -> None:
         if self._previous is not None:
             try:
-                self._backend.set_device(self._previous)
+                # CUDA: not if that device has no primary context yet (creating one would hold
+                # its memory for a device the work never used); restore_device records it
+                self._backend.restore_device(self._previous)
             except AcceleratorError as err:
                 # As torch's device guards (c10/cuda/impl/CUDAGuardImpl.h, uncheckedSetDevice:
                 # C10_CUDA_CHECK_WARN): a failed restore warns and never raises, so what the body

@@ -574,6 +574,9 @@ CUDADRV_TYPES = [
     "PFN_cuMemCreate_v10020", "PFN_cuMemRelease_v10020",
     "PFN_cuMemMap_v10020", "PFN_cuMemUnmap_v10020",
     "PFN_cuMemSetAccess_v10020", "PFN_cuMemGetAccess_v10020",
+    # A device guard's exit restores a device only if its primary context exists (torch's
+    # c10::cuda::MaybeSetDevice): cudaSetDevice would create one (CUDA 12+).
+    "PFN_cuDevicePrimaryCtxGetState_v7000",
 ]
 
 # The runtime calls that hand out those pointers (added here only if the list above

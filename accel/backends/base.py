@@ -240,6 +240,18 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def get_device(self) -> int: ...
 
+    def restore_device(self, index: int) -> None:
+        """Make ``index`` the calling thread's current device again as a device scope ends
+        (``accel.streams.on_device``).  CUDA defers it when the device has no primary context
+        yet, so leaving a scope creates none (torch's c10::cuda::MaybeSetDevice); elsewhere
+        :meth:`set_device`."""
+        self.set_device(index)
+
+    def device_deferred(self) -> bool:
+        """Whether :meth:`get_device` names a device that :meth:`restore_device` has not made
+        current in the runtime yet (the next scope on it does); False where nothing is deferred."""
+        return False
+
     @abc.abstractmethod
     def device_synchronize(self) -> None:
         """Wait for all work on the current device (all its streams)."""

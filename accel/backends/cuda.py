@@ -89,6 +89,12 @@ def _cudart_ffi_for(lib):
     return cudart_module(v[0] // 1000).ffi
 
 
+class _DeferredDevice(threading.local):
+    """A device scope's restore that CudaBackend.restore_device deferred (-1: none), per thread
+    as CUDA's current device is."""
+    index = -1
+
+
 class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMixin, Backend):
     """The CUDA runtime (libcudart) as a :class:`Backend`."""
 
@@ -119,6 +125,8 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         self._kpath = None       # kernel path: "library", a _cuda_driver.DriverKernels, or why none
         self._captures = 0       # stream captures underway in this process
         self._out = threading.local()  # per-thread out-pointers for hot getters (no ffi.new per call)
+        self._deferred = _DeferredDevice()  # per thread: a restore waiting for a primary context
+        self._ctx_fns = None     # cuDeviceGet + cuDevicePrimaryCtxGetState, or why there are none (str)
         self._rt_module = None   # accel._ffi.cudart_module of the opened runtime's major (checked)
         self._capture_info = (None, ())  # cudaStreamGetCaptureInfo[_v2] and its NULL outputs
         self._choice = None      # _cuda_libs.Choice: which libcudart, and every candidate's verdict
@@ -308,20 +316,73 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
 
     def set_device(self, index: int) -> None:
         self._check(self.lib.cudaSetDevice(index), "cudaSetDevice")
+        self._deferred.index = -1
 
     def get_device(self) -> int:
         # Replaced per instance by init() with _bind_get_device's closure; this
         # form only serves a backend used before init (which the layers never do).
+        if self._deferred.index >= 0:
+            return self._deferred.index
+        return self._runtime_device()
+
+    def _runtime_device(self) -> int:
+        """The runtime's current device of this thread (cudaGetDevice), whatever is deferred."""
         p = self.ffi.new("int *")
         self._check(self.lib.cudaGetDevice(p), "cudaGetDevice")
         return p[0]
+
+    def device_deferred(self) -> bool:
+        return self._deferred.index >= 0
+
+    def restore_device(self, index: int) -> None:
+        """As torch's c10::cuda::MaybeSetDevice: cudaSetDevice creates the device's primary
+        context (CUDA Programming Guide, "Initialization": "As of CUDA 12.0, ... cudaSetDevice()
+        ... initialize[s] the primary context"), so a scope on device 1 must not end by making
+        device 0 current when device 0 has none: work on device 1 alone would hold memory on
+        device 0 for good.  Such a device is only recorded: get_device names it, and the next
+        scope on it (on_device) makes it current."""
+        if index != self._runtime_device() and not self.has_primary_context(index):
+            self._deferred.index = index
+            return
+        self.set_device(index)
+
+    def has_primary_context(self, index: int) -> bool:
+        """Whether device ``index``'s primary context is active (cuDevicePrimaryCtxGetState,
+        through the driver entry points; creates nothing).  True when the driver function
+        cannot be reached: then restores stay eager, as before.  The entry points are looked
+        up at the first restore, while the scope's device (which has its context) is current:
+        the simulator counts cudaGetDriverEntryPoint as a call needing the current device's
+        context, the runtime documentation being silent on it."""
+        fns = self._ctx_fns
+        if fns is None:
+            from ._cuda_driver import NoDriverFunction, resolve
+            try:
+                fns = resolve(self.ffi, self.lib, {"cuDeviceGet": "PFN_cuDeviceGet_v2000",
+                                                   "cuDevicePrimaryCtxGetState":
+                                                       "PFN_cuDevicePrimaryCtxGetState_v7000"})[0]
+            except NoDriverFunction as exc:
+                fns = str(exc)
+            self._ctx_fns = fns
+        if isinstance(fns, str):
+            return True
+        from .._ffi import _cudadrv
+        d = _cudadrv.ffi
+        dev = d.new("CUdevice_v1 *")
+        flags = d.new("unsigned int *")
+        active = d.new("int *")
+        if fns["cuDeviceGet"](dev, index) or fns["cuDevicePrimaryCtxGetState"](dev[0], flags, active):
+            return True          # unknown: restore eagerly (what cudaSetDevice reports is then checked)
+        return bool(active[0])
 
     def _bind_get_device(self):
         """get_device as a closure over the library function and a per-thread out-pointer:
         current_stream() calls it for every queued operation, so no attribute lookups."""
         cuda_get_device, ffi, check, out = self.lib.cudaGetDevice, self.ffi, self._check, self._out
+        deferred = self._deferred
 
         def get_device() -> int:
+            if deferred.index >= 0:
+                return deferred.index
             try:
                 p = out.int_p
             except AttributeError:

@@ -60,6 +60,7 @@ SYMBOLS: Dict[str, Tuple[str, int]] = {
     "cuMemUnmap": ("PFN_cuMemUnmap_v10020", 10020),
     "cuMemSetAccess": ("PFN_cuMemSetAccess_v10020", 10020),
     "cuMemGetAccess": ("PFN_cuMemGetAccess_v10020", 10020),
+    "cuDevicePrimaryCtxGetState": ("PFN_cuDevicePrimaryCtxGetState_v7000", 7000),
 }
 
 _lock = threading.Lock()
@@ -299,6 +300,24 @@ def cuDeviceGet(device, ordinal):
     if not (0 <= ordinal < len(R.devices)):
         return CUDA_ERROR_INVALID_DEVICE
     device[0] = _CUDEVICE_BASE + ordinal
+    return CUDA_SUCCESS
+
+
+def cuDevicePrimaryCtxGetState(dev, flags, active):
+    # CUDA Driver API, cuDevicePrimaryCtxGetState: "Returns in *flags the flags for the primary
+    # context of dev, and in *active whether it is active"; CUDA_ERROR_INVALID_DEVICE for a bad
+    # dev, CUDA_ERROR_INVALID_VALUE for a NULL out-pointer.  It creates no context.
+    cudart, R, rc = _started()
+    if rc:
+        return rc
+    d = _ordinal(R, dev)
+    if d < 0:
+        return CUDA_ERROR_INVALID_DEVICE
+    null = _dffi().NULL
+    if flags == null or active == null:
+        return CUDA_ERROR_INVALID_VALUE
+    flags[0] = 0
+    active[0] = 1 if R.devices[d].context else 0
     return CUDA_SUCCESS
 
 
@@ -542,7 +561,8 @@ _IMPLS = {"cuGetErrorName": cuGetErrorName, "cuGetErrorString": cuGetErrorString
           "cuMemGetAllocationGranularity": cuMemGetAllocationGranularity,
           "cuMemAddressReserve": cuMemAddressReserve, "cuMemAddressFree": cuMemAddressFree,
           "cuMemCreate": cuMemCreate, "cuMemRelease": cuMemRelease, "cuMemMap": cuMemMap,
-          "cuMemUnmap": cuMemUnmap, "cuMemSetAccess": cuMemSetAccess, "cuMemGetAccess": cuMemGetAccess}
+          "cuMemUnmap": cuMemUnmap, "cuMemSetAccess": cuMemSetAccess, "cuMemGetAccess": cuMemGetAccess,
+          "cuDevicePrimaryCtxGetState": cuDevicePrimaryCtxGetState}
 
 
 def callback_address(name: str) -> Optional[int]:
