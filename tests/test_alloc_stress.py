@@ -15,8 +15,9 @@ mappings back to where they were before the run.
 
 Each thread's operations come from a seeded ``random.Random``; the interleaving of threads is
 the scheduler's.  A failure names the config, phase and thread seed.  ``ACCEL_TEST_STRESS=N``
-runs N times as many phases (the default run is a few seconds per config), and
-``ACCEL_TEST_STRESS_SEED=k`` other seeds.  No timed asserts.
+runs N times as many phases (the default run is a few seconds per config),
+``ACCEL_TEST_STRESS_SEED=k`` other seeds, ``ACCEL_TEST_STRESS_THREADS`` / ``_MEMORY`` / ``_DELAY_US``
+more threads, another device size, another stream latency.  No timed asserts.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ MiB = 1 << 20
 SCALE = max(1, int(os.environ.get("ACCEL_TEST_STRESS", "1") or 1))
 SEED = int(os.environ.get("ACCEL_TEST_STRESS_SEED", "0") or 0)     # another seed: other op sequences
 PHASES = 3 * SCALE
-THREADS = 3
+THREADS = int(os.environ.get("ACCEL_TEST_STRESS_THREADS", "3") or 3)
+MEMORY = os.environ.get("ACCEL_TEST_STRESS_MEMORY", "1G") or "1G"     # per simulated device
 OPS = 60
 DELAY_US = int(os.environ.get("ACCEL_TEST_STRESS_DELAY_US", "50") or 0)   # latency of each stream operation
 
@@ -772,7 +774,7 @@ def config(request, monkeypatch):
     if "expandable_segments:True" in conf and not _vmm.supported():
         pytest.skip("this host cannot play virtual memory (mmap)")
     # queued work takes a while, so frees meet events not yet complete
-    use_sim(monkeypatch, kind, ACCEL_ALLOC_CONF=conf, ACCEL_SIM_MEMORY="1G", ACCEL_SIM_DELAY_US=DELAY_US)
+    use_sim(monkeypatch, kind, ACCEL_ALLOC_CONF=conf, ACCEL_SIM_MEMORY=MEMORY, ACCEL_SIM_DELAY_US=DELAY_US)
     yield kind, conf
     sim.clear_faults()
 
@@ -1009,7 +1011,8 @@ def test_state_does_not_grow_with_streams_and_graphs_ever_made(monkeypatch, kind
 
 
 def test_reservation_is_not_freed_under_a_piece_still_mapped(vmm_be, monkeypatch):
-    """As above, the first grow of a stream's segment is cut short by another thread's capture:
+    """As in test_grow_cut_short_by_another_threads_capture_leaves_no_mapping_in_a_hole, but the
+    first grow of a stream's segment is cut short by another thread's capture:
     nothing of the request is in the segment, but the piece mapped first is still mapped (its unmap
     was refused), waiting in _unreleased.  When the stream is destroyed its empty segment is an
     orphan (the default stream grows its own), and freeing that reservation then unmapped the
@@ -1094,5 +1097,50 @@ def test_async_output_freed_during_another_capture_is_freed_again_at_reset(monke
     be = _lazy.lazy_init()
     with accel.streams.on_device(be, 1):
         assert be.graph_mem_get(1, "reserved_current") == 0, "the graph's output was never freed"
+    s.close()
+    other.close()
+
+
+def test_async_stale_graph_output_forgotten_by_a_deferred_free_leaves_the_new_owner_its_free(monkeypatch):
+    """backend:cudaMallocAsync: a graph's output (never replayed) is freed during another capture
+    (deferred), the graph is reset, and the driver hands the output's address to a new allocation
+    before the deferred free is queued: the stale record waits in _dead for whichever owner frees
+    first.  The deferred free, queued when the capture ended, forgot it but left it in _dead, so
+    the new owner's free took that forgotten record instead of its own: the new allocation stayed
+    allocated (and counted) for good.  (The simulator places the new allocation elsewhere; the
+    driver's reuse of the address is played by handing the allocator that address for it.)"""
+    use_sim(monkeypatch, "cuda", ACCEL_ALLOC_CONF="backend:cudaMallocAsync")
+    s, other = accel.Stream(device=1), accel.Stream(device=0)
+    g, h = accel.Graph(), accel.Graph(capture_error_mode="relaxed")
+    with accel.graph(g, stream=s):
+        out = accel.Buffer(MiB, device=1, stream=s)
+        out.fill_(3, s)
+    alloc = memory.device_allocator(1)
+    be = _lazy.lazy_init()
+    address = out.ptr
+    real_alloc, real_free = be.mem_alloc_async, be.mem_free_async
+    alias = {}
+
+    def mem_alloc_async(nbytes, stream):        # the driver reuses the address
+        alias[address] = real_alloc(nbytes, stream)
+        return address
+
+    with other, pytest.warns(UserWarning, match="Graph is empty"):
+        h.capture_begin()                       # another thread's capture, on device 0
+        out.close()                             # deferred until no capture is underway
+        g.reset()                               # no launch allocated the output: its address is free
+        monkeypatch.setattr(be, "mem_alloc_async", mem_alloc_async)
+        monkeypatch.setattr(be, "mem_free_async", lambda ptr, stream: real_free(alias.get(ptr, ptr), stream))
+        b = alloc.malloc(MiB, s.handle)
+        monkeypatch.setattr(be, "mem_alloc_async", real_alloc)
+        assert b == address and alloc._dead
+        h.capture_end()
+    accel.Buffer(512, device=1).close()         # device 1's allocator queues the deferred free now
+    alloc.free(b)
+    h.reset()
+    assert memory.memory_stats(1)["allocation.all.current"] == 0, "the new allocation was never freed"
+    assert not alloc._dead and not alloc._ptrs
+    accel.synchronize(1)
+    memory.empty_cache()
     s.close()
     other.close()

@@ -589,6 +589,13 @@ class AsyncPoolAllocator:
         """The owner's free is done: drop ``alloc`` from the counts (once) and its uses."""
         marks = [use for use in (alloc.uses or ()) if type(use) is _Mark]
         alloc.uses = None
+        dead = self._dead.get(ptr)
+        if dead and alloc in dead:
+            # a stale record forgotten another way (its deferred free): the address's next
+            # owner must not take it for its own free
+            dead.remove(alloc)
+            if not dead:
+                del self._dead[ptr]
         if alloc.held:
             alloc.held = False
             if self._ptrs.get(ptr) is alloc:
