@@ -543,10 +543,14 @@ class _Worker:
         item = self.rng.choice(graphs)
         own = self.rng.random() < 0.7
         s = self.stream(item[1]) if own else self.run.new_stream(item[1])
-        with s:
-            item[2].replay()
-        if not own:
-            s.close()
+        try:
+            with s:
+                item[2].replay()
+        except OutOfMemoryError:
+            self.run.ooms += 1          # cudaMallocAsync: the launch's graph memory did not fit
+        finally:
+            if not own:
+                s.close()
 
     def query(self) -> None:
         dev = self.rng.choice((0, 1))
