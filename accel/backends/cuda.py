@@ -126,6 +126,9 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         self._captures = 0       # stream captures underway in this process
         self._out = threading.local()  # per-thread out-pointers for hot getters (no ffi.new per call)
         self._deferred = _DeferredDevice()  # per thread: a restore waiting for a primary context
+        # threads that may have one (a hint, so the hot get_device skips the thread-local lookup)
+        self._deferring = [0]
+        self._deferring_lock = threading.Lock()
         self._ctx_fns = None     # cuDeviceGet + cuDevicePrimaryCtxGetState, or why there are none (str)
         self._rt_module = None   # accel._ffi.cudart_module of the opened runtime's major (checked)
         self._capture_info = (None, ())  # cudaStreamGetCaptureInfo[_v2] and its NULL outputs
@@ -316,12 +319,15 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
 
     def set_device(self, index: int) -> None:
         self._check(self.lib.cudaSetDevice(index), "cudaSetDevice")
-        self._deferred.index = -1
+        if self._deferring[0] and self._deferred.index >= 0:
+            self._deferred.index = -1
+            with self._deferring_lock:
+                self._deferring[0] -= 1
 
     def get_device(self) -> int:
         # Replaced per instance by init() with _bind_get_device's closure; this
         # form only serves a backend used before init (which the layers never do).
-        if self._deferred.index >= 0:
+        if self._deferring[0] and self._deferred.index >= 0:
             return self._deferred.index
         return self._runtime_device()
 
@@ -332,7 +338,7 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         return p[0]
 
     def device_deferred(self) -> bool:
-        return self._deferred.index >= 0
+        return bool(self._deferring[0]) and self._deferred.index >= 0
 
     def restore_device(self, index: int) -> None:
         """As torch's c10::cuda::MaybeSetDevice: cudaSetDevice creates the device's primary
@@ -342,6 +348,9 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         device 0 for good.  Such a device is only recorded: get_device names it, and the next
         scope on it (on_device) makes it current."""
         if index != self._runtime_device() and not self.has_primary_context(index):
+            if self._deferred.index < 0:
+                with self._deferring_lock:
+                    self._deferring[0] += 1
             self._deferred.index = index
             return
         self.set_device(index)
@@ -378,10 +387,10 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         """get_device as a closure over the library function and a per-thread out-pointer:
         current_stream() calls it for every queued operation, so no attribute lookups."""
         cuda_get_device, ffi, check, out = self.lib.cudaGetDevice, self.ffi, self._check, self._out
-        deferred = self._deferred
+        deferred, deferring = self._deferred, self._deferring
 
         def get_device() -> int:
-            if deferred.index >= 0:
+            if deferring[0] and deferred.index >= 0:
                 return deferred.index
             try:
                 p = out.int_p

@@ -406,11 +406,12 @@ def many_live_trace(n: int, seed: int = 0) -> dict:
 
 
 def scaling_cost(small: int = 2000, large: int = 20000,
-                 config: Optional[_config.AllocConfig] = None) -> Dict[str, float]:
-    """µs/op replaying :func:`many_live_trace` with ``small`` and ``large`` live blocks, and
-    their ratio (about 1 when no allocator path is linear in the number of blocks)."""
-    lo = replay(many_live_trace(small), config)["us_per_op"]
-    hi = replay(many_live_trace(large), config)["us_per_op"]
+                 config: Optional[_config.AllocConfig] = None, rounds: int = 3) -> Dict[str, float]:
+    """µs/op (median of ``rounds`` replays) of :func:`many_live_trace` with ``small`` and
+    ``large`` live blocks, and their ratio (about 1 when no allocator path is linear in the
+    number of blocks)."""
+    lo = replay(many_live_trace(small), config, rounds=rounds)["us_per_op"]
+    hi = replay(many_live_trace(large), config, rounds=rounds)["us_per_op"]
     return {"small": small, "large": large, "small_us_per_op": lo, "large_us_per_op": hi,
             "ratio": hi / lo if lo else 0.0}
 
