@@ -2,6 +2,7 @@
 ``sim_backend`` runs a test once per simulated runtime."""
 
 import os
+import time
 
 import pytest
 
@@ -81,3 +82,27 @@ def sim_backend(request, monkeypatch):
 def sim_graph_backend(request, monkeypatch):
     """Simulated runtimes with stream capture (Metal has none)."""
     return use_sim(monkeypatch, request.param)
+
+
+def run_forked(fn, timeout: float = 60.0, hung: str = "forked child hung") -> int:
+    """Run fn() in an os.fork child and return its exit status; a child still running after
+    ``timeout`` seconds is killed and the test fails with ``hung`` (it never hangs the run)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = fn()
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail(hung)

@@ -12,8 +12,6 @@ on "device 1's default stream" made with device 0 current silently lands on devi
 0 — no error code exists to catch it.
 """
 
-import os
-import time
 import warnings
 
 import numpy as np
@@ -23,6 +21,7 @@ import accel
 import accel.random as R
 from accel import _lazy
 from accel.random import philox
+from conftest import run_forked
 
 FORK_MESSAGE = ("Cannot re-initialize CUDA in forked subprocess. To use CUDA with multiprocessing, "
                 "you must use the 'spawn' start method")
@@ -160,28 +159,6 @@ def test_elapsed_time_across_devices_is_refused_before_the_runtime(sim_cuda):
 
 # -- 2. fork after the driver was started by counting -------------------------------------
 
-def _run_forked(fn, timeout=60.0) -> int:
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            code = fn()
-        except BaseException:
-            import traceback
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.01)
-    os.kill(pid, 9)
-    os.waitpid(pid, 0)
-    pytest.fail("forked child hung")
-
-
 def _child_expects_fork_error() -> int:
     try:
         accel.Buffer(16)
@@ -196,9 +173,9 @@ def test_fork_after_counting_through_the_runtime_is_poisoned(sim_cuda):
     assert accel.device_count() == 2          # only cudaGetDeviceCount can count: the driver starts
     assert not accel.is_initialized()
     assert _lazy.backend().driver_started
-    assert _run_forked(_child_expects_fork_error) == 0
+    assert run_forked(_child_expects_fork_error) == 0
     # the child's count is the parent's (asking the runtime again would fail with error 3)
-    assert _run_forked(lambda: 0 if accel.device_count() == 2 else 6) == 0
+    assert run_forked(lambda: 0 if accel.device_count() == 2 else 6) == 0
 
 
 def test_fork_after_counting_mig_uuids_is_poisoned(sim_cuda, monkeypatch):
@@ -206,13 +183,13 @@ def test_fork_after_counting_mig_uuids_is_poisoned(sim_cuda, monkeypatch):
     accel.device_count()                     # MIG UUIDs: NVML can't map them, the runtime counts
     assert "cudart" in _lazy.backend().report()["count_path"]
     assert _lazy.backend().driver_started
-    assert _run_forked(_child_expects_fork_error) == 0
+    assert run_forked(_child_expects_fork_error) == 0
 
 
 def test_fork_after_nvml_count_still_works(sim_cuda):
     assert accel.device_count() == 2
     assert not _lazy.backend().driver_started
-    assert _run_forked(lambda: 0 if accel.Buffer(16).nbytes == 16 else 7) == 0
+    assert run_forked(lambda: 0 if accel.Buffer(16).nbytes == 16 else 7) == 0
 
 
 def test_device_count_rereads_visible_devices_until_init(sim_cuda, monkeypatch):

@@ -1,39 +1,15 @@
 """Lazy initialization, the deferred-call queue, and fork rules (issue: foundation)."""
 
 import multiprocessing
-import os
-import time
 
 import pytest
 
 import accel
 from accel import _lazy
+from conftest import run_forked
 
 FORK_MESSAGE = ("Cannot re-initialize CUDA in forked subprocess. To use CUDA with multiprocessing, "
                 "you must use the 'spawn' start method")
-
-
-def _run_forked(fn, timeout=60.0) -> int:
-    """Run fn() in an os.fork child; return its exit status (never hangs: kills after timeout)."""
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            code = fn()
-        except BaseException:
-            import traceback
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.01)
-    os.kill(pid, 9)
-    os.waitpid(pid, 0)
-    pytest.fail("forked child hung")
 
 
 def _child_uses_device() -> int:
@@ -57,7 +33,7 @@ def test_fork_after_queries_and_lazy_call_child_works(sim_cuda):
     assert accel.is_available() and accel.device_count() == 2
     _lazy.lazy_call(lambda: calls.append("seeded"), seed=True)
     assert not accel.is_initialized() and not sim.state().runtime_initialized
-    assert _run_forked(lambda: 0 if (_child_uses_device() == 0 and calls == ["seeded"]) else 6) == 0
+    assert run_forked(lambda: 0 if (_child_uses_device() == 0 and calls == ["seeded"]) else 6) == 0
     assert not accel.is_initialized()  # the parent is still free to fork
     assert calls == []
 
@@ -65,9 +41,9 @@ def test_fork_after_queries_and_lazy_call_child_works(sim_cuda):
 def test_fork_after_init_child_gets_clear_error(sim_cuda):
     accel.current_device_index()
     assert accel.is_initialized()
-    assert _run_forked(_child_expects_fork_error) == 0
+    assert run_forked(_child_expects_fork_error) == 0
     # queries keep working in the child
-    assert _run_forked(lambda: 0 if accel.device_count() == 2 and not accel.is_initialized() else 7) == 0
+    assert run_forked(lambda: 0 if accel.device_count() == 2 and not accel.is_initialized() else 7) == 0
 
 
 def _mp_child(queue):

@@ -4,8 +4,6 @@ on every simulator with two devices.  A bad argument raises a clear Python excep
 it, before and after lazy init, and changes nothing: in particular it does not initialize the
 runtime (which would make every later forked child unable to use the device)."""
 
-import os
-import time
 
 import numpy as np
 import pytest
@@ -14,7 +12,7 @@ import accel
 from accel import _lazy, backends, memory
 from accel._errors import AllocatorConfigError, InvalidDeviceError, OutOfMemoryError
 from accel.memory import _config
-from conftest import use_sim
+from conftest import run_forked, use_sim
 
 MiB = 1 << 20
 
@@ -38,30 +36,6 @@ BAD_FORMS = [
 QUERIES = [memory.memory_stats, memory.memory_allocated, memory.max_memory_allocated, memory.memory_reserved,
            memory.max_memory_reserved, memory.reset_peak_memory_stats, memory.reset_accumulated_memory_stats,
            memory.memory_summary]
-
-
-def _run_forked(fn, timeout=60.0) -> int:
-    """Run fn() in an os.fork child; its exit status (a child still running after ``timeout``
-    seconds is killed and reported as -9: it hung)."""
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            code = fn()
-        except BaseException:
-            import traceback
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.01)
-    os.kill(pid, 9)
-    os.waitpid(pid, 0)
-    return -9
 
 
 # -- device arguments before and after lazy init ---------------------------------------------------
@@ -169,7 +143,7 @@ def test_forked_child_refuses_bad_arguments_and_hands_out_nothing(sim_backend):
         memory.empty_cache()
         return 0 if memory.memory_snapshot() == [] else 6
 
-    assert _run_forked(child) == 0
+    assert run_forked(child) == 0
     assert memory.memory_allocated(last) == MiB
     del keep
 
@@ -181,11 +155,11 @@ def test_fork_while_another_thread_selects_a_backend_does_not_hang_the_child(sim
     assert not _lazy.is_initialized()
     backends._lock.acquire()          # as a thread in the middle of backends.select()
     try:
-        status = _run_forked(lambda: 0 if accel.device_count() >= 1 and accel.Buffer(64).nbytes == 64 else 2,
-                             timeout=30)
+        status = run_forked(lambda: 0 if accel.device_count() >= 1 and accel.Buffer(64).nbytes == 64 else 2,
+                            timeout=30, hung="the forked child hung on the backend-selection lock")
     finally:
         backends._lock.release()
-    assert status == 0, "the forked child hung on the backend-selection lock" if status == -9 else status
+    assert status == 0, status
 
 
 # -- MemPool ----------------------------------------------------------------------------------------
@@ -240,7 +214,7 @@ def test_pool_in_a_forked_child_raises_the_fork_error(sim_backend):
                     return 3
         return 0 if pool.id[0] == 0 and "MemPool" in repr(pool) else 4
 
-    assert _run_forked(child) == 0
+    assert run_forked(child) == 0
     assert pool.use_count() == 1
 
 
