@@ -876,6 +876,25 @@ def vmm_be(request, monkeypatch):
     sim.clear_faults()
 
 
+def _capture_after_first_map(monkeypatch, be, other):
+    """Make be.vmm_map begin a relaxed capture of device 1's stream ``other`` right after its
+    first map, as another thread could between two pieces of one grow; returns the list of the
+    maps made and the real vmm_map (to put back)."""
+    real_map = be.vmm_map
+    mapped = []
+
+    def vmm_map(*args):
+        real_map(*args)
+        mapped.append(args)
+        if len(mapped) == 1:                # "another thread" begins a capture now
+            be.set_device(1)
+            be.capture_begin(other, "relaxed")
+            be.set_device(0)
+
+    monkeypatch.setattr(be, "vmm_map", vmm_map)
+    return mapped, real_map
+
+
 def test_grow_cut_short_by_another_threads_capture_leaves_no_mapping_in_a_hole(vmm_be, monkeypatch):
     """Another thread begins a capture between two pieces of one grow: the next piece's map is
     refused (E6), the grow is undone and the request takes a classic segment; the piece already
@@ -896,18 +915,7 @@ def test_grow_cut_short_by_another_threads_capture_leaves_no_mapping_in_a_hole(v
     big = alloc.malloc(100 * MiB)           # a high-water mark: later grows unmap nothing first
     alloc.free(big)
     alloc.empty_cache()
-    real_map = be.vmm_map
-    mapped = []
-
-    def vmm_map(*args):
-        real_map(*args)
-        mapped.append(args)
-        if len(mapped) == 1:                # "another thread" begins a capture now
-            be.set_device(1)
-            be.capture_begin(other, "relaxed")
-            be.set_device(0)
-
-    monkeypatch.setattr(be, "vmm_map", vmm_map)
+    mapped, real_map = _capture_after_first_map(monkeypatch, be, other)
     p = alloc.malloc(12 * MiB)              # two pieces; the second is refused
     monkeypatch.setattr(be, "vmm_map", real_map)
     assert len(mapped) == 1 and list(alloc._segments) == [p]
@@ -1034,18 +1042,7 @@ def test_reservation_is_not_freed_under_a_piece_still_mapped(vmm_be, monkeypatch
     be.set_device(1)
     s, other = be.stream_create(), be.stream_create()
     be.set_device(0)
-    real_map = be.vmm_map
-    mapped = []
-
-    def vmm_map(*args):
-        real_map(*args)
-        mapped.append(args)
-        if len(mapped) == 1:                # "another thread" begins a capture now
-            be.set_device(1)
-            be.capture_begin(other, "relaxed")
-            be.set_device(0)
-
-    monkeypatch.setattr(be, "vmm_map", vmm_map)
+    mapped, real_map = _capture_after_first_map(monkeypatch, be, other)
     p = alloc.malloc(12 * MiB, s)           # s's first grow: two pieces, the second refused
     monkeypatch.setattr(be, "vmm_map", real_map)
     assert len(mapped) == 1 and list(alloc._segments) == [p]
