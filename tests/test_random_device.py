@@ -238,7 +238,8 @@ def test_import_accel_random_does_not_import_numpy():
 
 
 def test_forked_child_can_seed_and_query_but_not_fill(sim_cuda):
-    from test_lazy_fork import FORK_MESSAGE, _run_forked
+    from conftest import run_forked
+    from test_lazy_fork import FORK_MESSAGE
     R.manual_seed(5)
     R.random_raw_(accel.Buffer(16))                 # parent initialized the runtime
 
@@ -253,5 +254,5 @@ def test_forked_child_can_seed_and_query_but_not_fill(sim_cuda):
             return 0 if str(exc) == FORK_MESSAGE else 4
         return 5
 
-    assert _run_forked(child) == 0
+    assert run_forked(child) == 0
     assert R.initial_seed(0) == 5 and R.default_generator(0).offset == 4

@@ -17,8 +17,7 @@ from accel import _lazy, backends, sim
 from accel._errors import AcceleratorError
 from accel.backends import _visible
 from accel.sim import core as sim_core
-from conftest import use_sim
-from test_cuda_strict_fixes import _run_forked
+from conftest import run_forked, use_sim
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -147,7 +146,7 @@ def test_telemetry_in_a_forked_child(sim_cuda, parent_initialized):
     if parent_initialized:
         accel.set_device_index(1)
         accel.Stream()
-    assert _run_forked(lambda: _child_reads_telemetry(parent_initialized)) == 0
+    assert run_forked(lambda: _child_reads_telemetry(parent_initialized)) == 0
     assert accel.temperature(1) == 35     # the parent's NVML is untouched
 
 
@@ -211,7 +210,7 @@ def test_a_process_list_that_never_fits_is_an_error_not_a_hang(monkeypatch, kind
     # retried ZE_RESULT_ERROR_INVALID_SIZE forever (the child was killed as hung)
     use_sim(monkeypatch, kind)
     assert accel.device_count() == 2
-    assert _run_forked(lambda: _child_lists_processes_that_never_fit(kind), timeout=30) == 0
+    assert run_forked(lambda: _child_lists_processes_that_never_fit(kind), timeout=30) == 0
     assert accel.list_gpu_processes(1).startswith("GPU:1")
 
 

@@ -404,10 +404,10 @@ def test_python_m_accel_shows_the_readings(sim_backend):
 
 def test_fork_after_the_readings_still_works(sim_cuda):
     # the readings use NVML only: a child forked afterwards can still start CUDA (torch's promise)
-    from test_cuda_strict_fixes import _run_forked
+    from conftest import run_forked
     assert accel.temperature(1) == 35 and accel.list_gpu_processes(0).startswith("GPU:0")
     assert not _lazy.backend().driver_started
-    assert _run_forked(lambda: 0 if accel.Buffer(16, device=1).nbytes == 16 else 7) == 0
+    assert run_forked(lambda: 0 if accel.Buffer(16, device=1).nbytes == 16 else 7) == 0
 
 
 def test_xpu_old_loader_reads_sysman_after_init(monkeypatch):
