@@ -167,6 +167,27 @@ def _random_ops(alloc, be, rng, steps, check=True):
     return live
 
 
+def test_peaks_rise_when_a_freed_split_block_grows_its_free_neighbour_after_a_reset():
+    # [live][b][free tail]: freeing b merges it into the tail, so the inactive split bytes
+    # rise.  A repeated malloc/free pair alternates between two states; a peak reset between
+    # them must still let the free raise the peaks (the memo of a value known to be under
+    # the peaks is per call site, and reset_peak_stats clears both).
+    alloc, be = make()
+    keep = alloc.malloc(3 * MiB, 0)          # a 4 MiB segment: [keep][1 MiB free]
+    for _ in range(3):
+        b = alloc.malloc(MiB // 2, 0)
+        check_invariants(alloc, be)
+        alloc.free(b)
+        check_invariants(alloc, be)
+    b = alloc.malloc(MiB // 2, 0)
+    alloc.reset_peak_stats()
+    alloc.free(b)
+    check_invariants(alloc, be)
+    stats = alloc.stats()
+    assert stats["inactive_split_bytes.all.peak"] == stats["inactive_split_bytes.all.current"] == MiB
+    alloc.free(keep)
+    check_invariants(alloc, be)
+
 @pytest.mark.parametrize("policy", ["accel", "torch"])
 def test_randomized_invariants_after_every_op(policy):
     alloc, be = make(f"policy:{policy}")

@@ -196,7 +196,7 @@ class _FreeList:
     """Free blocks of one owner (general cache or a private pool), stream, and size class."""
 
     __slots__ = ("keys", "stream", "kind", "owner", "split_min", "shift", "alloc_deltas", "split_deltas",
-                 "watch_whole", "segments", "exp", "page")
+                 "watch_whole", "segments", "exp", "page", "shrink_deltas")
 
     def __init__(self, stream, kind, owner, split_min, watch_whole):
         self.keys: List[int] = []
@@ -213,6 +213,7 @@ class _FreeList:
         # request nbytes -> +1 allocation of round(nbytes); block bytes -> +1 inactive split block.
         self.alloc_deltas: Dict[int, int] = {}
         self.split_deltas: Dict[int, int] = {}
+        self.shrink_deltas: Dict[int, int] = {}     # block bytes -> an inactive split block shrinks by them
 
     def lanes(self, value: int) -> int:
         """A packed change for the "all" lanes, copied to this pool's lanes."""
@@ -222,6 +223,12 @@ class _FreeList:
         if len(self.alloc_deltas) >= _MEMO_LIMIT:
             self.alloc_deltas.clear()
         delta = self.alloc_deltas[nbytes] = self.lanes(1 | size << 64 | nbytes << 128)
+        return delta
+
+    def shrink_delta(self, nbytes: int) -> int:
+        if len(self.shrink_deltas) >= _MEMO_LIMIT:
+            self.shrink_deltas.clear()
+        delta = self.shrink_deltas[nbytes] = self.lanes(nbytes << (_ISPLIT + 64))
         return delta
 
     def split_delta(self, nbytes: int) -> int:
@@ -364,6 +371,7 @@ class DeviceCachingAllocator:
         self._s_cur = self._s_base = self._s_freed = 0
         self._s_peak_guarded = _GUARD      # packed peaks with every lane's guard bit set
         self._s_peak_ok = 0                # a packed current value known to be <= the peaks
+        self._s_peak_ok_free = 0           # the same, for _free_block
         # pending (freed, events outstanding) blocks per pool, for the derived "active" stats
         self._pend = [0, 0, 0, 0, 0, 0]       # count all/small/large, bytes all/small/large
         self._pend_base = [0, 0, 0, 0, 0, 0]
@@ -488,7 +496,7 @@ class DeviceCachingAllocator:
                 if nxt is not None or block.prev is not None:
                     v = block.stat = fl.alloc_deltas.get(nbytes) or fl.alloc_delta(size, nbytes)
                     # an inactive split block shrinks by `size`
-                    w = fl.lanes(size << (_ISPLIT + 64))
+                    w = fl.shrink_deltas.get(size) or fl.shrink_delta(size)
                     self._s_freed += w
                     v -= w
                     block.undo = 0
@@ -958,7 +966,7 @@ class DeviceCachingAllocator:
         with self._lock:
             self._peak[:] = self._cur
             self._s_peak_guarded = self._s_cur | _GUARD
-            self._s_peak_ok = self._s_cur
+            self._s_peak_ok = self._s_peak_ok_free = self._s_cur
             lanes = unpack(self._s_cur, _LANES)
             for q in range(3):
                 self._active_peak[q] = lanes[5 * q] + self._pend[q]
@@ -1092,10 +1100,10 @@ class DeviceCachingAllocator:
             # the merged block is itself an inactive split block
             size = block.size
             cur = self._s_cur = self._s_cur - dec + (fl.split_deltas.get(size) or fl.split_delta(size))
-            if cur != self._s_peak_ok:         # see malloc
+            if cur != self._s_peak_ok_free:    # see malloc (a memo of its own: the two alternate)
                 if (self._s_peak_guarded - cur) & _GUARD != _GUARD:
                     self._s_peak_guarded = raise_peaks(self._s_peak_guarded, cur, _GUARD)
-                self._s_peak_ok = cur
+                self._s_peak_ok_free = cur
             return
         self._s_cur -= dec
         if block.seg is None:
