@@ -162,6 +162,50 @@ class _Gate:
         self.device = device
 
 
+def record_uses(owner, block, pending: list) -> bool:
+    """Record an event on every stream that used the freed ``block`` (``block.uses``) and
+    queue ``(event, device, block)`` on ``pending``; True when none was needed (the caller
+    completes the block now).  ``owner`` is a device or host caching allocator (its
+    ``_record``, ``_be``, ``_used_on`` and ``_deferred``).
+
+    A stream whose event cannot be recorded is synchronized instead (its work is then done:
+    nothing to wait for).  A use for which both fail stays on the block, which waits in
+    ``owner._deferred`` for the next try (never reused before), and the first error
+    propagates."""
+    uses, block.uses = block.uses, None
+    failed = set()
+    error = None
+    for use in uses:
+        if type(use) is _Gate:
+            pending.append((use.event, use.device, block))
+            block.events += 1
+            continue
+        stream, device = use
+        try:
+            event = owner._record(stream, device)
+        except Exception:
+            try:
+                with on_device(owner._be, device):
+                    owner._be.stream_synchronize(stream)
+            except Exception as exc:
+                error = error or exc
+                failed.add(use)         # still in _used_on: forget_stream can cover it
+                continue
+        else:
+            pending.append((event, device, block))
+            block.events += 1
+        users = owner._used_on.get(stream)
+        if users is not None:
+            users.discard(block)
+            if not users:
+                del owner._used_on[stream]
+    if failed:
+        block.uses = failed
+        owner._deferred.append(block)
+        raise error
+    return block.events == 0
+
+
 class _Retired:
     """Free lists of a destroyed stream, waiting for the work it had queued (one event)."""
 
@@ -1886,42 +1930,8 @@ class DeviceCachingAllocator:
 
     def _insert_events(self, block: _Block) -> None:
         """Record an event on every stream that used the freed (pending) ``block``; it is
-        reused once they all completed.  A stream whose event cannot be recorded is
-        synchronized instead (its work is then done: nothing to report).  A use for which
-        both fail stays on the block, which waits in ``_deferred`` for the next try
-        (``_resume_events``, ``empty_cache``), and the error propagates."""
-        uses, block.uses = block.uses, None
-        failed = set()
-        error = None
-        for use in uses:
-            if type(use) is _Gate:
-                self._pending_events.append((use.event, use.device, block))
-                block.events += 1
-                continue
-            stream, device = use
-            try:
-                event = self._record(stream, device)
-            except Exception:
-                try:
-                    with on_device(self._be, device):
-                        self._be.stream_synchronize(stream)
-                except Exception as exc:
-                    error = error or exc
-                    failed.add(use)         # still in _used_on: forget_stream can cover it
-                    continue
-            else:
-                self._pending_events.append((event, device, block))
-                block.events += 1
-            users = self._used_on.get(stream)
-            if users is not None:
-                users.discard(block)
-                if not users:
-                    del self._used_on[stream]
-        if failed:
-            block.uses = failed
-            self._deferred.append(block)
-            raise error
-        if block.events == 0:
+        reused once they all completed (see ``record_uses``)."""
+        if record_uses(self, block, self._pending_events):
             self._complete(block)
 
     def _insert_deferred(self, strict: bool) -> None:

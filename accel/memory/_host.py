@@ -25,7 +25,7 @@ from .._errors import OutOfMemoryError
 from .._finalize import drain as _drain_finalizers, pending as _finalizers
 from .._locks import held
 from ..streams import on_device
-from ._caching import _ONE_EXA_BYTES, _check_size, _Gate, capture_underway, check_use
+from ._caching import _ONE_EXA_BYTES, _check_size, _Gate, capture_underway, check_use, record_uses
 
 _MIN_SIZE = 512
 #: torch 2.13's host_memory_stats counters (torch/cuda/memory.py): blocks owned (active +
@@ -249,43 +249,9 @@ class HostCachingAllocator:
         return event
 
     def _insert_events(self, block: _HostBlock) -> None:
-        """Record an event on every stream that used ``block``.  A stream whose event
-        cannot be recorded is synchronized instead (its work is then done: nothing to
-        report).  A use for which both fail stays on the block, which waits in
-        ``_deferred`` for the next try (never reused or unpinned before), and the error
-        propagates."""
-        uses, block.uses = block.uses, None
-        failed = set()
-        error = None
-        for use in uses:
-            if type(use) is _Gate:
-                self._events.append((use.event, use.device, block))
-                block.events += 1
-                continue
-            stream, device = use
-            try:
-                event = self._record(stream, device)
-            except Exception:
-                try:
-                    with on_device(self._be, device):
-                        self._be.stream_synchronize(stream)
-                except Exception as exc:
-                    error = error or exc
-                    failed.add(use)         # still in _used_on: forget_stream can cover it
-                    continue
-            else:
-                self._events.append((event, device, block))
-                block.events += 1
-            users = self._used_on.get(stream)
-            if users is not None:
-                users.discard(block)
-                if not users:
-                    del self._used_on[stream]
-        if failed:
-            block.uses = failed
-            self._deferred.append(block)
-            raise error
-        if block.events == 0:
+        """Record an event on every stream that used ``block`` (see ``record_uses``); a block
+        that needs none goes back to its free list now."""
+        if record_uses(self, block, self._events):
             self._free.setdefault(block.size, []).append(block.ptr)
 
     def _resume_events(self, strict: bool) -> None:
