@@ -404,6 +404,13 @@ class Buffer:
                                  f"{self._nbytes}; nothing was copied")
             if src._backend is not backend:
                 raise ValueError("source buffer belongs to another backend")
+            if src._ptr == self._ptr:
+                return self     # the same bytes (torch's copy_ returns early too): nothing to copy
+            if self._ptr < src._ptr + src._nbytes and src._ptr < self._ptr + self._nbytes:
+                # CUDA Runtime API, cudaMemcpyAsync: "The memory areas may not overlap."
+                raise ValueError(f"copy_from: the source (bytes {src._ptr:#x}..{src._ptr + src._nbytes:#x}) "
+                                 f"overlaps the destination (bytes {self._ptr:#x}..{self._ptr + self._nbytes:#x}); "
+                                 f"copy through a separate buffer; nothing was copied")
             self._note(stream)
             # Ordering against work on the source's stream is the caller's, as in torch;
             # recording keeps the allocator from reusing the source under this copy.

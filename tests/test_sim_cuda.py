@@ -748,10 +748,10 @@ def test_capture_rules_for_the_legacy_stream(lib):
     assert lib.cudaMemsetAsync(d, 0, 4, NULL_STREAM) == lib.cudaErrorStreamCaptureImplicit
     # A synchronous copy is a "potentially unsafe" call, refused first during a global capture
     # (900); in relaxed mode it is allowed, but the legacy stream still conflicts (906).
-    assert lib.cudaMemcpy(d, d, 4, lib.cudaMemcpyDeviceToDevice) == lib.cudaErrorStreamCaptureUnsupported
+    assert lib.cudaMemcpy(d + 32, d, 4, lib.cudaMemcpyDeviceToDevice) == lib.cudaErrorStreamCaptureUnsupported
     mode = ffi.new("enum cudaStreamCaptureMode *", lib.cudaStreamCaptureModeRelaxed)
     ok(lib.cudaThreadExchangeStreamCaptureMode(mode))
-    assert lib.cudaMemcpy(d, d, 4, lib.cudaMemcpyDeviceToDevice) == lib.cudaErrorStreamCaptureImplicit
+    assert lib.cudaMemcpy(d + 32, d, 4, lib.cudaMemcpyDeviceToDevice) == lib.cudaErrorStreamCaptureImplicit
     ok(lib.cudaThreadExchangeStreamCaptureMode(mode))
     assert end_capture(lib, blocking)[0] == lib.cudaErrorStreamCaptureInvalidated
 

@@ -107,6 +107,9 @@ _EVENT_RECORD_EXTERNAL = 0x1       # cudaEventRecordExternal
 _CAPTURE_GLOBAL, _CAPTURE_THREAD_LOCAL, _CAPTURE_RELAXED = 0, 1, 2
 _STATUS_NONE, _STATUS_ACTIVE, _STATUS_INVALIDATED = 0, 1, 2
 _MEMCPY_H2H, _MEMCPY_H2D, _MEMCPY_D2H, _MEMCPY_D2D, _MEMCPY_DEFAULT = 0, 1, 2, 3, 4
+# cudaMemcpyKind -> (destination is device memory, source is device memory)
+_MEMCPY_KINDS = {_MEMCPY_H2H: (False, False), _MEMCPY_H2D: (True, False), _MEMCPY_D2H: (False, True),
+                 _MEMCPY_D2D: (True, True)}
 _MEM_TYPE_UNREGISTERED, _MEM_TYPE_HOST, _MEM_TYPE_DEVICE = 0, 1, 2
 _INVALID_DEVICE_ID = -2
 _PRIORITY_LEAST, _PRIORITY_GREATEST = 0, -5
@@ -1332,6 +1335,11 @@ def _memcpy(R: Runtime, dst, src, count, kind, s: Stream, sync: bool, label: str
         return cudaSuccess
     if dp == 0 or (staged is None and sp == 0):
         return cudaErrorInvalidValue
+    if staged is None and dp < sp + count and sp < dp + count:
+        # CUDA Runtime API, cudaMemcpy / cudaMemcpyAsync: "The memory areas may not overlap."
+        # What an overlapping copy does is not said (copy engines need not copy as memmove
+        # does): refused, the identical range included.
+        return cudaErrorInvalidValue
     da = R.mem.find(dp)
     sa = R.mem.find(sp) if staged is None else None
     if R.vmm.reservations:
@@ -1354,8 +1362,11 @@ def _memcpy(R: Runtime, dst, src, count, kind, s: Stream, sync: bool, label: str
         why = _pool_access_problem(R, da, s.device, True) or _pool_access_problem(R, sa, s.device, False)
         if why is not None:
             return _vmm_fault(R, s, f"0x{sp:x} -> 0x{dp:x}: {why}", sync, "memcpy")
-    if (kind in (_MEMCPY_H2D, _MEMCPY_D2D) and da is None) or \
-       (kind in (_MEMCPY_D2H, _MEMCPY_D2D) and sa is None and staged is None):
+    if kind != _MEMCPY_DEFAULT and _MEMCPY_KINDS[kind] != (
+            da is not None and da.kind == _memory.DEVICE, sa is not None and sa.kind == _memory.DEVICE):
+        # CUDA Runtime API, cudaMemcpy / cudaMemcpyAsync: "Calling cudaMemcpy() with dst and src
+        # pointers that do not match the direction of the copy results in an undefined
+        # behavior": refused (pinned and pageable host memory are both host memory).
         return cudaErrorInvalidValue
     pageable_dst = da is None
     if staged is None and sa is None:
