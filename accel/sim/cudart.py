@@ -1543,6 +1543,14 @@ def cudaStreamDestroy(R, stream):
     s = _lookup(R.streams, stream)
     if s.__class__ is not Stream:
         return cudaErrorInvalidResourceHandle
+    if s.capture is not None:
+        # CUDA Runtime API, cudaStreamDestroy, says nothing of a stream taking part in a capture;
+        # destroyed, the capture could never be ended on it (cudaStreamBeginCapture: "Capture must
+        # be ended on the same stream in which it was initiated") and would prohibit unsafe calls
+        # for good.  Refused: the operation is not permitted while the stream is capturing
+        # (cudaErrorStreamCaptureUnsupported), and the capture is invalidated.
+        _invalidate(R, s.capture)
+        return cudaErrorStreamCaptureUnsupported
     _destroy_stream(R, s)
     return cudaSuccess
 
@@ -1669,7 +1677,14 @@ def _wait_captured_event(R: Runtime, s: Stream, r: Rec) -> int:
     cap = r.cap
     with R.clock:
         if cap.ended:
-            return cudaSuccess
+            # The event was last recorded in a capture that has ended: it stands for a graph node,
+            # not for work on a stream (cudaErrorCapturedEvent: "The operation is not permitted on
+            # an event which was last recorded in a capturing stream"; Programming Guide, "CUDA
+            # Graphs" > "Cross-stream Dependencies and Events").  What waiting on it does is not
+            # documented: refused (and a capture doing it is invalidated) until it is recorded again.
+            if s.capture is not None and not s.capture.ended:
+                s.capture.status = _STATUS_INVALIDATED
+            return cudaErrorCapturedEvent
         if s.legacy:
             cap.status = _STATUS_INVALIDATED
             return cudaErrorStreamCaptureImplicit
