@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import deque
 from typing import Optional, Tuple
 
 from .._errors import AcceleratorError, CaptureError, KernelImageError, OutOfMemoryError
@@ -54,6 +55,12 @@ _CAPTURE_ERRORS = frozenset(range(900, 909))
 # cudaErrorJitCompilationDisabled (223).  With lazy loading (CUDA_MODULE_LOADING=LAZY,
 # the default since 12.2) they surface at the first launch, not at cudaLibraryLoadData.
 _KERNEL_IMAGE_ERRORS = frozenset({200, 209, 218, 221, 222, 223})
+# Drivers before CUDA 12.3 refuse to load a module while a stream capture is underway (900, the
+# capture invalidated); NVIDIA Warp, warp.capture_begin: kernels "can be loaded during graph
+# capture on more recent drivers" (CUDA 12.3 or newer).  Unloading is refused by every driver
+# (Warp issue 401), so accel unloads only when no capture is underway (accel/sim/cudart.py,
+# module_call_in_capture).
+_MODULE_LOAD_IN_CAPTURE = 12030
 
 
 # cudaDeviceAttr (driver_types.h) for the few properties read one by one.
@@ -122,6 +129,8 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         self._count_reason = ""
         self._handles = {}       # int handle -> cdata, so hot calls skip ffi.cast
         self._live_modules = {}  # library handle -> PTX buffer kept alive for the runtime
+        self._unload_after_capture = deque()  # (module, device) released while a capture was underway
+        self._driver_cuda = None  # cudaDriverGetVersion, read at first need
         self._kpath = None       # kernel path: "library", a _cuda_driver.DriverKernels, or why none
         self._captures = 0       # stream captures underway in this process
         self._out = threading.local()  # per-thread out-pointers for hot getters (no ffi.new per call)
@@ -613,6 +622,8 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
                 self.lib.cudaGraphDestroy(again[0])
         if rc == 0 or not self._still_capturing(handle):
             self._captures -= 1
+            if not self._captures and self._unload_after_capture:
+                self._unload_deferred()
         self._check(rc, "cudaStreamEndCapture")
         return self._as_int(p[0])
 
@@ -718,10 +729,26 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
                else KernelImageError if rc in _KERNEL_IMAGE_ERRORS else AcceleratorError)
         raise cls.from_call("libcuda (through cudaGetDriverEntryPoint)", call, rc, name)
 
+    def _driver_cuda_version(self) -> int:
+        """The CUDA version the driver supports (cudaDriverGetVersion, e.g. 12020)."""
+        v = self._driver_cuda
+        if v is None:
+            p = self.ffi.new("int *")
+            self._check(self.lib.cudaDriverGetVersion(p), "cudaDriverGetVersion")
+            v = self._driver_cuda = p[0]
+        return v
+
     def module_load(self, source: bytes) -> int:
         if isinstance(source, str):
             source = source.encode()
         path = self._kernels()
+        if self._captures and self._driver_cuda_version() < _MODULE_LOAD_IN_CAPTURE:
+            v = self._driver_cuda_version()
+            # refused before the driver would refuse it, which would also invalidate the capture
+            raise CaptureError(f"cannot load a module while a stream capture is underway: the driver supports "
+                               f"CUDA {v // 1000}.{v % 1000 // 10}, and drivers before CUDA 12.3 refuse it "
+                               f"(and invalidate the capture); load the module before the capture begins, "
+                               f"or update the driver", library="libcudart", call="module_load")
         image = self.ffi.new("char[]", source)  # NUL-terminated, as the JIT requires for PTX
         if path != "library":
             handle, rc = path.load(image)
@@ -737,12 +764,44 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         return handle
 
     def module_unload(self, module: int) -> None:
+        """Unload ``module`` (of the current device); while a capture is underway in this process
+        the unload waits for the last capture to end (a driver refuses it, 900, and invalidates
+        the capture)."""
+        if self._captures:
+            self._unload_after_capture.append((module, self.get_device()))
+            if not self._captures:      # the last capture ended meanwhile: nobody else will
+                self._unload_deferred()
+            return
+        self._unload_now(module)
+
+    def _unload_now(self, module: int) -> None:
         path = self._kernels()
         if path != "library":
             self._check_driver(path, path.unload(module), "cuModuleUnload")
         else:
             self._check(self.lib.cudaLibraryUnload(self.ffi.cast("cudaLibrary_t", module)), "cudaLibraryUnload")
         self._live_modules.pop(module, None)
+
+    def _unload_deferred(self) -> None:
+        """Unload the modules released during captures, each with its device current (cuModuleUnload
+        unloads "from the current context"); errors are dropped, as a finalizer's."""
+        queue = self._unload_after_capture
+        while queue and not self._captures:
+            try:
+                module, index = queue.popleft()
+            except IndexError:
+                return
+            try:
+                prev = self.get_device()
+                if prev != index:
+                    self.set_device(index)
+                try:
+                    self._unload_now(module)
+                finally:
+                    if prev != index:
+                        self.set_device(prev)
+            except AcceleratorError:
+                pass
 
     def module_function(self, module: int, name: str) -> int:
         path = self._kernels()

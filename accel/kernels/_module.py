@@ -203,7 +203,9 @@ class Module:
         """Unload the module now; its kernels cannot be launched afterwards, nor can an
         :class:`accel.Graph` that captured launches of them be replayed (a graph keeps the
         module it launches loaded until it goes, but not against close()).  Work already
-        queued is not waited for by accel (the runtime keeps what it needs)."""
+        queued is not waited for by accel (the runtime keeps what it needs).  While a stream
+        capture is underway the CUDA backend unloads it when the last capture ends (drivers
+        refuse an unload during a capture, and invalidate the capture)."""
         if self._pid != _fin.pid:
             self._handle = None
             return

@@ -158,7 +158,7 @@ def cuModuleLoadData(module, image):
     # CUDA Driver API, cuModuleLoadData: "loads the corresponding module ... into the current context".
     lib, rc = cudart.load_image(R, core.ffi.cast("char *", _addr(image)), device=R.tls.device)
     if lib is None:
-        return rc       # 200/209/218/222: the same values as CUresult
+        return rc       # 200/209/218/222/900: the same values as CUresult
     module[0] = _dffi().cast("CUmodule", lib.handle)
     return CUDA_SUCCESS
 
@@ -175,6 +175,9 @@ def cuModuleUnload(hmod):
     lib = _module(R, hmod)
     if lib is None:
         return CUDA_ERROR_INVALID_HANDLE
+    rc = cudart.module_call_in_capture(R, False)    # 900 = CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+    if rc:
+        return rc
     cudart.unload(R, lib)
     return CUDA_SUCCESS
 

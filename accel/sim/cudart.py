@@ -2173,10 +2173,34 @@ def cudaGraphDebugDotPrint(R, graph, path, flags):
 ptx_entries = _cuda_images.ptx_entries
 
 
+_MODULE_LOAD_IN_CAPTURE = 12030    # the first driver (CUDA 12.3) that loads modules during a capture
+
+
+def module_call_in_capture(R: Runtime, loading: bool) -> int:
+    """0, or cudaErrorStreamCaptureUnsupported (= CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED) after
+    invalidating the captures that prohibit this thread's potentially unsafe calls
+    (:func:`_unsafe_call`), for loading (cudaLibraryLoadData, cuModuleLoadData) or unloading
+    (cudaLibraryUnload, cuModuleUnload) a module while a capture is underway.
+
+    The CUDA documentation lists neither among the calls prohibited during capture.  Drivers
+    before CUDA 12.3 refuse a load with 900 (NVIDIA Warp, warp.capture_begin: "kernels can be
+    loaded during graph capture on more recent drivers", CUDA 12.3 or newer; Warp reports
+    "error 900: operation not permitted when stream is capturing" from cuModuleLoadDataEx on a
+    12.2 driver); an unload during a capture fails the same way on current drivers (Warp issue
+    401, "Module unloading causes errors during graph capture").  Both are refused as the
+    other potentially unsafe calls: the calling thread's relaxed mode allows them."""
+    if not R.captures or (loading and R.cfg.driver_version >= _MODULE_LOAD_IN_CAPTURE):
+        return cudaSuccess
+    return _unsafe_call(R)
+
+
 def load_image(R: Runtime, code, device=None):
     """(Library, 0) for the module image at ``code`` (PTX, cubin or fatbin), or (None, error code).
     ``device`` set: a driver module of that device's context (cuModuleLoadData); None: a
     context-independent cudaLibrary_t."""
+    rc = module_call_in_capture(R, True)
+    if rc:
+        return None, rc
     try:
         data = _cuda_images.image_bytes(ffi, code, _CHARP)
         # Every simulated device has the configured compute capability.
@@ -2205,6 +2229,9 @@ def cudaLibraryUnload(R, library):
     lib = _lookup(R.libraries, library)
     if lib is None or lib.device is not None:    # a driver CUmodule is not a cudaLibrary_t
         return cudaErrorInvalidResourceHandle
+    rc = module_call_in_capture(R, False)
+    if rc:
+        return rc
     unload(R, lib)
     return cudaSuccess
 
