@@ -45,11 +45,12 @@ class Allocation:
         return self.base + self.size
 
 
-def allocate(size: int, kind: str, device: int) -> Allocation:
-    """A new aligned buffer of ``size`` bytes; raises MemoryError when the host has no room."""
-    raw = _new_raw("char[]", size + ALIGN)
+def allocate(size: int, kind: str, device: int, align: int = ALIGN) -> Allocation:
+    """A new buffer of ``size`` bytes aligned to ``align`` (a power of two, 256 unless given);
+    raises MemoryError when the host has no room."""
+    raw = _new_raw("char[]", size + align)
     addr = int(ffi.cast(_UINTPTR, raw))
-    base = (addr + ALIGN - 1) & ~(ALIGN - 1)
+    base = (addr + align - 1) & ~(align - 1)
     return Allocation(base, size, kind, device, raw)
 
 

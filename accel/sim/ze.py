@@ -363,6 +363,7 @@ class _Runtime:
         self.vmm_handle_ctx: Dict[int, _Obj] = {}   # physical handle -> its context
         self.alloc_charge: Dict[int, List[Tuple[_Card, int, int]]] = {}
         self.alloc_ctx: Dict[int, _Obj] = {}   # allocation base -> the context it was made in
+        self.alloc_refs: Dict[object, int] = {}   # allocation -> submitted operations not yet run
 
     def _add(self, obj: _Obj) -> _Obj:
         self.objects[obj.key] = obj
@@ -869,12 +870,28 @@ def zeContextDestroy(hContext):
     return 0
 
 
-def _alloc_checks(rt, size, alignment) -> int:
+# The largest alignment the simulator honours: ze_api.h names no upper bound; above this the
+# simulator refuses (UNSUPPORTED_ALIGNMENT) rather than reserve that much address space.
+_MAX_ALIGNMENT = 1 << 30
+
+
+def _alloc_checks(rt, size, alignment, flags, max_flags) -> int:
+    # ze_api.h, zeMemAllocDevice / zeMemAllocHost @returns: INVALID_ENUMERATION "0x7 <
+    # device_desc->flags" / "0xf < host_desc->flags"; UNSUPPORTED_SIZE "0 == size";
+    # UNSUPPORTED_ALIGNMENT "Must be zero or a power-of-two".
+    if flags > max_flags:
+        return rt.C.ZE_RESULT_ERROR_INVALID_ENUMERATION
     if size == 0:
         return rt.C.ZE_RESULT_ERROR_UNSUPPORTED_SIZE
-    if alignment and alignment & (alignment - 1):
+    if alignment and alignment & (alignment - 1) or alignment > _MAX_ALIGNMENT:
         return rt.C.ZE_RESULT_ERROR_UNSUPPORTED_ALIGNMENT
     return 0
+
+
+def _allocate(size, kind, device, alignment):
+    """The allocation, aligned as asked: ze_api.h, zeMemAlloc*: ``alignment`` is the "minimum
+    alignment in bytes for the allocation" (0: the driver's choice, 256 bytes here)."""
+    return _memory.allocate(size, kind, device, max(alignment, _memory.ALIGN))
 
 
 def zeMemAllocDevice(hContext, desc, size, alignment, hDevice, pptr):
@@ -889,7 +906,7 @@ def zeMemAllocDevice(hContext, desc, size, alignment, hDevice, pptr):
         return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     if desc.stype != C.ZE_STRUCTURE_TYPE_DEVICE_MEM_ALLOC_DESC:
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
-    rc = _alloc_checks(rt, size, alignment)
+    rc = _alloc_checks(rt, size, alignment, desc.flags, 0x7)
     if rc:
         return rc
     if size > dev.memory:
@@ -898,7 +915,7 @@ def zeMemAllocDevice(hContext, desc, size, alignment, hDevice, pptr):
         if core.take_oom() or dev.used() + size > dev.memory:
             return C.ZE_RESULT_ERROR_OUT_OF_DEVICE_MEMORY
         try:
-            a = _memory.allocate(size, _memory.DEVICE, dev.ordinal)
+            a = _allocate(size, _memory.DEVICE, dev.ordinal, alignment)
         except MemoryError:
             return C.ZE_RESULT_ERROR_OUT_OF_DEVICE_MEMORY
         share, extra = divmod(size, len(dev.tiles))
@@ -923,13 +940,13 @@ def zeMemAllocHost(hContext, desc, size, alignment, pptr):
         return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     if desc.stype != C.ZE_STRUCTURE_TYPE_HOST_MEM_ALLOC_DESC:
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
-    rc = _alloc_checks(rt, size, alignment)
+    rc = _alloc_checks(rt, size, alignment, desc.flags, 0xF)
     if rc:
         return rc
     if core.take_oom():
         return C.ZE_RESULT_ERROR_OUT_OF_HOST_MEMORY
     try:
-        a = _memory.allocate(size, _memory.HOST, -1)
+        a = _allocate(size, _memory.HOST, -1, alignment)
     except MemoryError:
         return C.ZE_RESULT_ERROR_OUT_OF_HOST_MEMORY
     rt.alloc_ctx[a.base] = rt.get(hContext, "context")
@@ -953,6 +970,11 @@ def zeMemFree(hContext, ptr):
         # zeMemFree is refused (the documents are silent on the code: INVALID_ARGUMENT).
         if rt.alloc_ctx.get(a.base) is not ctx:
             return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+        # ze_api.h, zeMemFree: "The application must ensure the device is not currently
+        # referencing the memory before it is freed" -- the words of zeEventDestroy and
+        # zeKernelDestroy, refused likewise: submitted work that has not run yet touches it.
+        if a in rt.alloc_refs:
+            return rt.C.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE
         rt.memory.remove(a)
         rt.alloc_ctx.pop(a.base, None)
         for card, t, n in rt.alloc_charge.pop(a.base, ()):
@@ -1075,6 +1097,16 @@ def _signal_now(rt: _Runtime, ev: _Event) -> None:
     ev.eq.submit(None, work=False)   # one more executed signal: wakes waits and host syncs
 
 
+def _device_signal(rt: _Runtime, ev: _Event) -> None:
+    """A submitted signal operation executes: the device's reference of ``ev`` ends as the signal
+    becomes visible, in one step under ``rt.lock``, so a host thread that saw the signal may
+    reset or destroy the event (zeEventHostReset, zeEventDestroy check ``refs`` under that lock).
+    No engine lock is ever held while ``rt.lock`` is taken, so the marker submitted here is safe."""
+    with rt.lock:
+        ev.refs -= 1
+        _signal_now(rt, ev)
+
+
 def _host_event(rt: _Runtime, hEvent):
     """The event, or the code refusing a host signal/reset/query/wait on it."""
     ev = rt.get(hEvent, "event")
@@ -1109,6 +1141,12 @@ def zeEventHostReset(hEvent):
     if isinstance(ev, int):
         return ev
     with rt.lock:
+        # ze_api.h, zeEventHostReset states no rule for an event that submitted work still
+        # signals, waits for or resets: the reset would race the device (a later signal undoes
+        # it, a wait may see either state). The documents are silent: refused, with the code
+        # zeEventDestroy gives while "the device is ... currently referencing the event".
+        if ev.refs:
+            return rt.C.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE
         ev.last_reset_sig = ev.sig_submitted
         ev.signaled = False
     return 0
@@ -1283,12 +1321,14 @@ def zeCommandListReset(hCommandList):
 class _Op:
     """One command: ``fn`` (the work, may be None), the events it waits for, signals and resets;
     ``traffic`` the (read, written) bytes of device memory it moves (the Sysman counters);
-    ``kernel`` the kernel object a launch runs (_ze_kernels.py), referenced until it ran."""
-    __slots__ = ("fn", "waits", "signal", "reset", "work", "label", "traffic", "kernel")
+    ``kernel`` the kernel object a launch runs (_ze_kernels.py), referenced until it ran;
+    ``memory`` the USM allocations it touches, likewise referenced (zeMemFree)."""
+    __slots__ = ("fn", "waits", "signal", "reset", "work", "label", "traffic", "kernel", "memory")
 
     def __init__(self, fn, waits=(), signal=None, reset=None, work=True, label="", traffic=(0, 0), kernel=None):
         self.fn, self.waits, self.signal, self.reset, self.work, self.label = fn, waits, signal, reset, work, label
         self.traffic, self.kernel = traffic, kernel
+        self.memory = ()
 
 
 def _is_device_memory(a) -> bool:
@@ -1314,11 +1354,14 @@ def _submit(rt: _Runtime, queue, op: _Op, device: Optional[_Device] = None, ordi
         kernel = op.kernel
         if kernel is not None:
             kernel.f["refs"] += 1   # likewise (zeKernelDestroy)
+        memory = op.memory
+        for a in memory:
+            rt.alloc_refs[a] = rt.alloc_refs.get(a, 0) + 1   # likewise (zeMemFree)
         if owner is not None:
             owner.submitted += 1
         if sig is not None:
             sig.sig_submitted += 1
-            used.remove(sig)        # (released after the signal: the host may destroy it once seen)
+            used.remove(sig)        # (released as the signal becomes visible: _device_signal)
         if rst is not None:
             rst.last_reset_sig = rst.sig_submitted
 
@@ -1332,12 +1375,18 @@ def _submit(rt: _Runtime, queue, op: _Op, device: Optional[_Device] = None, ordi
                     ev.refs -= 1
                 if kernel is not None:
                     kernel.f["refs"] -= 1
+                for a in memory:
+                    n = rt.alloc_refs[a] - 1
+                    if n:
+                        rt.alloc_refs[a] = n
+                    else:
+                        del rt.alloc_refs[a]   # bounded by the operations not yet run
                 if owner is not None:
                     owner.finished += 1
 
         def run():
             start = _ze_counters.now_us() - int(core.delay_s * 1e6) if meters else 0   # the engine slept first
-            released = False
+            released = signalled = False
             try:
                 if fn is not None:
                     fn()
@@ -1346,11 +1395,12 @@ def _submit(rt: _Runtime, queue, op: _Op, device: Optional[_Device] = None, ordi
                 released = True
                 release(start)
                 if sig is not None:
-                    _signal_now(rt, sig)
+                    signalled = True
+                    _device_signal(rt, sig)
             finally:
                 if not released:
                     release(start)
-                if sig is not None:
+                if sig is not None and not signalled:
                     with rt.lock:
                         sig.refs -= 1
         # Always a "work" operation: the engine runs markers with its lock held, and
@@ -1397,6 +1447,7 @@ def _append(rt: _Runtime, hCommandList, op: _Op, memory=()) -> int:
         # same context."
         if rt.alloc_ctx.get(a.base) is not cl.ctx:
             return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+    op.memory = tuple(memory)
     if cl.immediate:
         _submit(rt, cl.queue, op, cl.device, cl.ordinal, owner=cl)
     else:
@@ -1414,11 +1465,13 @@ def _usm(rt: _Runtime, addr: int, size: int):
     return a
 
 
-def _checked_range(rt: _Runtime, addr: int, size: int, what: str) -> None:
-    # At execution: the memory must still be allocated (a freed buffer means a backend bug).
-    if _usm(rt, addr, size) is None:
+def _checked_range(rt: _Runtime, addr: int, size: int, what: str, expected=None) -> None:
+    # At execution: the memory must still be allocated (a freed buffer means a backend bug), and
+    # be the allocation the command was appended with, not a later one at a reused address.
+    a = _usm(rt, addr, size)
+    if a is None or (expected is not None and a is not expected):
         raise RuntimeError(f"{what} touches {size} bytes at {addr:#x}, outside every live allocation "
-                           "(freed while queued work still used it?)")
+                           "it was appended with (freed while queued work still used it?)")
 
 
 def zeCommandListAppendMemoryCopy(hCommandList, dstptr, srcptr, size, hSignalEvent, numWaitEvents, phWaitEvents):
@@ -1443,8 +1496,8 @@ def zeCommandListAppendMemoryCopy(hCommandList, dstptr, srcptr, size, hSignalEve
 
     def copy():
         if size:
-            _checked_range(rt, src, size, "memory copy source")
-            _checked_range(rt, dst, size, "memory copy destination")
+            _checked_range(rt, src, size, "memory copy source", memory[1])
+            _checked_range(rt, dst, size, "memory copy destination", memory[0])
             ffi.memmove(_memory.char_ptr(dst), _memory.char_ptr(src), size)
     return _append(rt, hCommandList, _Op(copy, waits, sig, label=f"copy {size}",
                                          traffic=traffic if size else (0, 0)), memory)
@@ -1480,7 +1533,7 @@ def zeCommandListAppendMemoryFill(hCommandList, ptr, pattern, pattern_size, size
 
     def fill():
         if size:
-            _checked_range(rt, dst, size, "memory fill")
+            _checked_range(rt, dst, size, "memory fill", memory[0])
             ffi.buffer(_memory.char_ptr(dst), size)[:] = pat * (size // pattern_size)
     return _append(rt, hCommandList, _Op(fill, waits, sig, label=f"fill {size}", traffic=(0, size)), memory)
 
@@ -1522,7 +1575,7 @@ def _vmm_append(rt, hCommandList, sides, work, waits, sig, label, usm, usm_range
                     raise RuntimeError(f"{label}: page fault at 0x{addr:x}: {why}")
             for addr, a in usm_ranges:
                 if a is not None:
-                    _checked_range(rt, addr, size, label)
+                    _checked_range(rt, addr, size, label, a)
             work()
     return _append(rt, hCommandList, _Op(run, waits, sig, label=label, traffic=traffic), usm)
 
@@ -1651,6 +1704,11 @@ def zeCommandQueueExecuteCommandLists(hCommandQueue, numCommandLists, phCommandL
             # refused with the code any call gives a destroyed kernel handle.
             if op.kernel is not None and not op.kernel.live:
                 return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+            # And memory freed after the command was recorded (zeMemFree: the device must not
+            # reference freed memory); at run it would touch whatever now lives at that address.
+            # The documents name no code: refused with INVALID_ARGUMENT, as foreign memory is.
+            if any(not a.live for a in op.memory):
+                return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
         lists.append(cl)
     for cl in lists:
         for op in cl.ops:

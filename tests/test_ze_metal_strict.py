@@ -1,0 +1,154 @@
+"""Round two of the Level Zero and Metal strictness audit (task r14): rules the simulators did
+not enforce yet, each checked through the simulated library as a program calls it, and, where
+accel relied on the leniency, through accel.
+
+The fixtures (``ze``, ``mtl``) are those of tests/test_sim_ze_metal_strict.py.
+"""
+
+import pytest
+
+from test_sim_ze_metal_strict import ffi, ze  # noqa: F401 (ze: the fixture)
+
+_UINT64_MAX = (1 << 64) - 1
+
+
+def _gate(z, cl, pool, index=0):
+    """Hold immediate list ``cl`` at a wait on an event only the test signals."""
+    gate = z.event(pool, index)
+    assert z.lib.zeCommandListAppendWaitOnEvents(cl, 1, ffi.new("ze_event_handle_t[1]", [gate])) == 0
+    return gate
+
+
+def _addr(p) -> int:
+    return int(ffi.cast("uintptr_t", p))
+
+
+# -- memory allocation -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["device", "host"])
+@pytest.mark.parametrize("alignment", [512, 4096, 65536, 1 << 21])
+def test_allocations_honour_the_requested_alignment(ze, kind, alignment):
+    z = ze()
+    lib = z.lib
+    p = ffi.new("void **")
+    # ze_api.h, zeMemAllocDevice/zeMemAllocHost: alignment is the "minimum alignment in bytes for
+    # the allocation"; the simulator handed out 256-byte aligned pointers whatever was asked.
+    if kind == "device":
+        desc = ffi.new("ze_device_mem_alloc_desc_t *", {"stype": lib.ZE_STRUCTURE_TYPE_DEVICE_MEM_ALLOC_DESC})
+        assert lib.zeMemAllocDevice(z.ctx, desc, 64, alignment, z.devices[1], p) == 0
+    else:
+        desc = ffi.new("ze_host_mem_alloc_desc_t *", {"stype": lib.ZE_STRUCTURE_TYPE_HOST_MEM_ALLOC_DESC})
+        assert lib.zeMemAllocHost(z.ctx, desc, 64, alignment, p) == 0
+    assert _addr(p[0]) % alignment == 0
+    cl = z.immediate(dev=1)
+    assert z.fill(cl, p[0], 64, 5) == 0          # the whole allocation is usable
+    assert lib.zeCommandListHostSynchronize(cl, _UINT64_MAX) == 0
+    assert bytes(ffi.buffer(ffi.cast("char *", p[0]), 64)) == b"\x05" * 64
+    assert lib.zeMemFree(z.ctx, p[0]) == 0
+
+
+def test_allocation_flags_beyond_the_spec_are_refused(ze):
+    z = ze()
+    lib = z.lib
+    p = ffi.new("void **")
+    # ze_api.h, zeMemAllocDevice: ZE_RESULT_ERROR_INVALID_ENUMERATION "0x7 < device_desc->flags";
+    # zeMemAllocHost: "0xf < host_desc->flags".
+    desc = ffi.new("ze_device_mem_alloc_desc_t *", {"stype": lib.ZE_STRUCTURE_TYPE_DEVICE_MEM_ALLOC_DESC,
+                                                   "flags": 0x8})
+    assert lib.zeMemAllocDevice(z.ctx, desc, 64, 0, z.devices[0], p) == lib.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    desc.flags = 0x7
+    assert lib.zeMemAllocDevice(z.ctx, desc, 64, 0, z.devices[0], p) == 0
+    assert lib.zeMemFree(z.ctx, p[0]) == 0
+    hdesc = ffi.new("ze_host_mem_alloc_desc_t *", {"stype": lib.ZE_STRUCTURE_TYPE_HOST_MEM_ALLOC_DESC,
+                                                  "flags": 0x10})
+    assert lib.zeMemAllocHost(z.ctx, hdesc, 64, 0, p) == lib.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    hdesc.flags = 0xF
+    assert lib.zeMemAllocHost(z.ctx, hdesc, 64, 0, p) == 0
+    assert lib.zeMemFree(z.ctx, p[0]) == 0
+
+
+# -- memory lifetime -------------------------------------------------------------------------------
+
+def test_mem_free_while_submitted_work_uses_the_memory_is_refused(ze):
+    z = ze()
+    lib = z.lib
+    cl = z.immediate(dev=1)
+    pool = z.pool(1)
+    gate = _gate(z, cl, pool)
+    p = z.alloc(dev=1)
+    assert z.fill(cl, p, 64, 3) == 0
+    # ze_api.h, zeMemFree: "The application must ensure the device is not currently referencing
+    # the memory before it is freed" (the words of zeEventDestroy, refused with IN_USE there too).
+    # The simulator freed it, and the queued fill wrote into the next allocation at that address.
+    assert lib.zeMemFree(z.ctx, p) == lib.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE
+    assert lib.zeEventHostSignal(gate) == 0
+    assert lib.zeCommandListHostSynchronize(cl, _UINT64_MAX) == 0
+    assert bytes(ffi.buffer(ffi.cast("char *", p), 64)) == b"\x03" * 64     # still allocated: state unchanged
+    assert lib.zeMemFree(z.ctx, p) == 0
+
+
+def test_regular_list_touching_memory_freed_since_recording_is_refused(ze):
+    z = ze()
+    lib = z.lib
+    cl, q = z.regular(), z.queue()
+    p = z.alloc()
+    assert z.fill(cl, p, 64, 9) == 0
+    assert lib.zeCommandListClose(cl) == 0
+    assert lib.zeMemFree(z.ctx, p) == 0          # allowed: the device does not reference it yet
+    again = [z.alloc() for _ in range(8)]         # (before, one of these reused the freed address)
+    for a in again:
+        ffi.buffer(ffi.cast("char *", a), 64)[:] = b"\x00" * 64
+    lists = ffi.new("ze_command_list_handle_t[1]", [cl])
+    # The recorded fill targets an allocation that no longer exists (zeMemFree: the device must
+    # not reference freed memory); the documents are silent on executing such a list: refused.
+    # Before, it ran and filled whatever allocation the host allocator had put at that address.
+    assert lib.zeCommandQueueExecuteCommandLists(q, 1, lists, ffi.NULL) == lib.ZE_RESULT_ERROR_INVALID_ARGUMENT
+    assert lib.zeCommandQueueSynchronize(q, _UINT64_MAX) == 0
+    assert all(bytes(ffi.buffer(ffi.cast("char *", a), 64)) == b"\x00" * 64 for a in again)
+
+
+# -- events ----------------------------------------------------------------------------------------
+
+def test_event_host_reset_while_the_device_references_it_is_refused(ze):
+    z = ze()
+    lib = z.lib
+    cl = z.immediate()
+    pool = z.pool(2)
+    gate = _gate(z, cl, pool, 0)
+    ev = z.event(pool, 1)
+    assert lib.zeCommandListAppendSignalEvent(cl, ev) == 0
+    # ze_api.h, zeEventHostReset says nothing about an event that submitted work still signals
+    # or waits for; the outcome would race the device: refused, as zeEventDestroy is.
+    assert lib.zeEventHostReset(ev) == lib.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE
+    assert lib.zeEventHostReset(gate) == lib.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE
+    assert lib.zeEventQueryStatus(ev) == lib.ZE_RESULT_NOT_READY
+    assert lib.zeEventHostSignal(gate) == 0
+    assert lib.zeCommandListHostSynchronize(cl, _UINT64_MAX) == 0
+    assert lib.zeEventQueryStatus(ev) == 0
+    assert lib.zeEventHostReset(ev) == 0 and lib.zeEventHostReset(gate) == 0
+    assert lib.zeEventQueryStatus(ev) == lib.ZE_RESULT_NOT_READY
+
+
+def test_event_whose_signal_the_host_saw_may_be_reset_at_once(ze, monkeypatch):
+    """The device's reference of a signal operation ended only after the signal was visible: a
+    host thread that saw it and reset the event at once got IN_USE from the rule above (accel's
+    slot recycling on the 1.8.12 loader did, under threads: test_xpu_adversarial's
+    test_threads_creating_and_destroying_streams_and_events_keep_state_bounded)."""
+    from accel.sim import ze as sim_ze
+    z = ze()
+    lib = z.lib
+    cl = z.immediate(dev=1)
+    ev = z.event(z.pool(1))
+    target = sim_ze._rt.get(ev, "event")
+    results = []
+    signal = sim_ze._signal_now
+
+    def then_reset(rt, e):        # the host wakes here and resets the event at once
+        signal(rt, e)
+        if e is target:
+            results.append(lib.zeEventHostReset(ev))
+    monkeypatch.setattr(sim_ze, "_signal_now", then_reset)
+    assert lib.zeCommandListAppendSignalEvent(cl, ev) == 0
+    assert lib.zeCommandListHostSynchronize(cl, _UINT64_MAX) == 0
+    assert results == [0]
+    assert lib.zeEventQueryStatus(ev) == lib.ZE_RESULT_NOT_READY
