@@ -5,8 +5,13 @@ accel relied on the leniency, through accel.
 The fixtures (``ze``, ``mtl``) are those of tests/test_sim_ze_metal_strict.py.
 """
 
+import threading
+
 import pytest
 
+from accel import backends
+from accel._errors import CaptureError
+from conftest import use_sim
 from test_sim_ze_metal_strict import ffi, ze  # noqa: F401 (ze: the fixture)
 
 _UINT64_MAX = (1 << 64) - 1
@@ -152,3 +157,70 @@ def test_event_whose_signal_the_host_saw_may_be_reset_at_once(ze, monkeypatch):
     assert lib.zeCommandListHostSynchronize(cl, _UINT64_MAX) == 0
     assert results == [0]
     assert lib.zeEventQueryStatus(ev) == lib.ZE_RESULT_NOT_READY
+
+
+# -- accel: event queries during a capture (CUDA's rules, as the CUDA backend) ----------------------
+
+@pytest.fixture(params=["cuda", "xpu"])
+def capturing(request, monkeypatch):
+    use_sim(monkeypatch, request.param)
+    be = backends.get(request.param)
+    be.init()
+    yield be
+
+
+_CALLS = {
+    "event_query": lambda be, ev, other: be.event_query(ev),
+    "event_synchronize": lambda be, ev, other: be.event_synchronize(ev),
+    "stream_query": lambda be, ev, other: be.stream_query(other),
+    "stream_synchronize": lambda be, ev, other: be.stream_synchronize(other),
+}
+
+
+@pytest.mark.parametrize("call", list(_CALLS))
+@pytest.mark.parametrize("mode", ["global", "thread_local", "relaxed"])
+def test_event_query_during_a_capture_follows_cudas_rules_on_every_backend(capturing, call, mode):
+    """CUDA Programming Guide, "Prohibited and Unhandled Operations": cudaEventQuery,
+    cudaEventSynchronize and cudaStreamQuery/Synchronize of a stream not captured are unsafe
+    during a capture (the capturing thread unless relaxed; other threads while a global capture
+    runs).  Level Zero has no capture (accel records into a regular list) and its spec says
+    nothing: the XPU backend allowed all four; it now applies CUDA's rules, as on CUDA."""
+    be = capturing
+    fn = _CALLS[call]
+    s, other = be.stream_create(), be.stream_create()
+    ev = be.event_create()
+    p = be.mem_alloc(64)
+    be.memset_async(p, 1, 64, other)
+    be.event_record(ev, other)
+    be.stream_synchronize(other)
+    be.capture_begin(s, mode)
+    if mode == "relaxed":
+        fn(be, ev, other)
+    else:
+        with pytest.raises(CaptureError):
+            fn(be, ev, other)
+    result = []
+
+    def in_other_thread():
+        try:
+            fn(be, ev, other)
+            result.append("ok")
+        except CaptureError:
+            result.append("refused")
+    t = threading.Thread(target=in_other_thread)
+    t.start()
+    t.join(60)
+    if mode == "relaxed":
+        assert result == ["ok"]
+        be.graph_destroy(be.capture_end(s))
+    else:
+        # another thread is refused only while a global capture runs (the CUDA backend's thread
+        # exchanges no capture mode, so it is global there too)
+        assert result == (["refused"] if mode == "global" else ["ok"])
+        with pytest.raises(CaptureError):
+            be.capture_end(s)
+    assert be.event_query(ev)          # after the capture: allowed again
+    be.event_destroy(ev)
+    be.mem_free(p)
+    for h in (s, other):
+        be.stream_destroy(h)

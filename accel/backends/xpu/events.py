@@ -210,6 +210,14 @@ class EventsMixin:
             raise ValueError(f"{e.handle!r} is not a live XPU event handle (destroyed by another thread meanwhile)")
 
     def event_query(self, event: int) -> bool:
+        # Level Zero has no stream capture (accel records into a regular list) and its spec says
+        # nothing of host queries meanwhile; the capture follows CUDA's rules, where
+        # cudaEventQuery/cudaEventSynchronize are "potentially unsafe" during a capture (Programming
+        # Guide, "CUDA Graphs" > "Prohibited and Unhandled Operations"), as the CUDA backend does.
+        self._unsafe("event_query")
+        return self._query(event)
+
+    def _query(self, event: int) -> bool:
         rec = self._pin(self._event(event))
         if rec is None:
             return True
@@ -242,6 +250,7 @@ class EventsMixin:
             slot.waiters -= 1
 
     def event_synchronize(self, event: int) -> None:
+        self._unsafe("event_synchronize")     # (as event_query)
         rec = self._pin(self._event(event))
         if rec is None:
             return
@@ -270,7 +279,7 @@ class EventsMixin:
         ticks = []
         for e in (a, b):
             slot = e.slot
-            if not self.event_query(e.handle) or e.slot is not slot:
+            if not self._query(e.handle) or e.slot is not slot:
                 raise AcceleratorError.from_call(LIBRARY, "zeEventQueryKernelTimestamp", lib.ZE_RESULT_NOT_READY,
                                                  "ZE_RESULT_NOT_READY", "the event's work has not completed yet")
             ts = ffi.new("ze_kernel_timestamp_result_t *")

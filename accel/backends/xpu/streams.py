@@ -54,6 +54,7 @@ class StreamsMixin:
     def device_synchronize(self) -> None:
         dev = self._current()
         self._not_capturing("device_synchronize", [c for c in self._captures.values() if c.device is dev])
+        self._unsafe("device_synchronize")   # and any device's, as cudaDeviceSynchronize (events.event_query)
         for s in list(dev.streams.values()):
             self._sync_stream(s)
         for g in list(dev.graphs):
@@ -176,6 +177,7 @@ class StreamsMixin:
     def stream_synchronize(self, stream: int) -> None:
         s = self._stream(stream)
         self._not_capturing("stream_synchronize", [s.capture])
+        self._unsafe("stream_synchronize")   # CUDA's rules for other streams (events.event_query)
         self._sync_stream(s)
 
     def _sync_stream(self, s: _Stream) -> None:
@@ -245,6 +247,7 @@ class StreamsMixin:
     def stream_query(self, stream: int) -> bool:
         s = self._stream(stream)
         self._not_capturing("stream_query", [s.capture])
+        self._unsafe("stream_query")   # CUDA's rules for other streams (events.event_query)
         if s.done >= s.seq:
             return True
         ffi, lib, _ = self._lib
