@@ -39,6 +39,7 @@ from __future__ import annotations
 import gc
 import os
 import threading
+import weakref
 from collections import deque
 from typing import Callable
 
@@ -46,7 +47,8 @@ from . import _lazy
 from ._errors import AcceleratorError
 from .backends.base import Backend
 
-__all__ = ["pending", "drain", "release", "finalize", "defer", "collecting", "pid", "forked_error"]
+__all__ = ["pending", "drain", "release", "finalize", "finalize_later", "defer", "collecting", "pid",
+           "forked_error"]
 
 #: Releases waiting for a safe point: (function, args) tuples.
 pending: deque = deque()
@@ -123,6 +125,31 @@ def finalize(fn: Callable, *args) -> None:
         pending.append((fn, args))  # a failed vendor call: tried once more at the next drain
     except Exception:
         pass    # interpreter shutdown or a runtime already torn down
+
+
+def finalize_later(obj, fn: Callable, *args) -> None:
+    """The release of ``obj`` (a Buffer, Stream or Event whose ``__del__`` runs while a collection
+    runs), left open until the collection is over (issue r15).
+
+    The collector calls the finalizers of one garbage cycle in no particular order (PEP 442), and a
+    user's ``__del__`` in the cycle may still use ``obj`` (flush a buffer, synchronize a stream), as
+    it may use a torch tensor, whose memory goes at deallocation, after every finalizer.  So the
+    object is not marked closed here: the release waits in :data:`pending`, holding only a weak
+    reference, and :func:`drain` does it once the object is gone.  An object the collection
+    resurrected (a finalizer stored it) is closed then, as one dropped outside a collection."""
+    pending.append((_release_if_gone, (weakref.ref(obj), fn, args)))
+
+
+def _release_if_gone(ref, fn: Callable, args: tuple) -> None:
+    obj = ref()
+    if obj is not None:
+        # resurrected: its __del__ will not run again, so close it now (no lock: a finalizer's
+        # path; an explicit close() since released it already)
+        if obj._closed:
+            return
+        obj._closed = True
+        del obj
+    finalize(fn, *args)
 
 
 def _stale(fn: Callable, args: tuple) -> bool:

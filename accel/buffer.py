@@ -761,12 +761,22 @@ class Buffer:
         # Never waits on the allocator's lock (see accel._finalize); nothing in a forked child.
         if getattr(self, "_closed", True) or self._pid != _fin.pid:
             return
+        # During a collection the buffer stays open until its cycle is gone: another finalizer of
+        # the same garbage may still use it (accel._finalize.finalize_later).
+        later = _fin.collecting()
         if self._uses is not None:
             # a non-owning buffer: its owner is released even after a runtime reset (the
             # release skips the wait then), so a DLPack deleter still runs exactly once
+            if later:
+                _fin.finalize_later(self, _release_foreign_uses, self._owner, self._backend, self._uses)
+                return
             self._closed = True
             _fin.finalize(_release_foreign, self._owner, self._backend, tuple(self._uses.values()))
         elif _lazy.is_initialized():
+            if later:
+                if self._nbytes:
+                    _fin.finalize_later(self, _free, self._backend, self._index, self._ptr)
+                return
             self._closed = True
             if self._nbytes:
                 _fin.finalize(_free, self._backend, self._index, self._ptr)
@@ -817,6 +827,12 @@ def _release_foreign(owner, backend, streams) -> None:
         from ._dlpack import Imported
         if isinstance(owner, Imported):
             owner.release()
+
+
+def _release_foreign_uses(owner, backend, uses: dict) -> None:
+    """_release_foreign with the streams of ``uses`` as they are now (a finalizer that ran after
+    the buffer's own, in the same collection, may have used it on another stream)."""
+    _release_foreign(owner, backend, tuple(uses.values()))
 
 
 def _check_device_range(backend, ptr: int, nbytes: int, index: int) -> None:

@@ -523,6 +523,10 @@ class Stream:
         # Never waits on a lock (hooks try theirs; see accel._finalize); nothing in a forked child.
         if (getattr(self, "_owned", False) and not self._closed and self._pid == _fin.pid
                 and _lazy.is_initialized()):
+            if _fin.collecting():
+                # open until its cycle is gone: another finalizer of it may still use it
+                _fin.finalize_later(self, _destroy, self._backend, self._index, self._handle, False)
+                return
             self._closed = True
             _fin.finalize(_destroy, self._backend, self._index, self._handle, False)
 
@@ -626,7 +630,7 @@ class Event:
     """
 
     __slots__ = ("_backend", "_index", "_handle", "enable_timing", "blocking", "external", "_recorded",
-                 "_closed", "_pid", "_type", "__weakref__")
+                 "_closed", "_pid", "_type", "_late", "__weakref__")
 
     def __init__(self, device: DeviceLike = None, *, enable_timing: bool = False, blocking: bool = False,
                  interprocess: bool = False, external: bool = False):
@@ -725,6 +729,9 @@ class Event:
                 closed = self._closed
                 if not closed:
                     self._handle, self._backend, self._index = handle, backend, index
+        if not closed and getattr(self, "_late", False):
+            # made by a finalizer after this event's own ran (same garbage): released with it
+            _fin.finalize_later(self, backend.event_destroy, handle)
         if closed:
             _fin.release(backend.event_destroy, handle)
             self._live()
@@ -796,8 +803,16 @@ class Event:
     def __del__(self, _finalizing=sys.is_finalizing):
         if _finalizing():
             return      # interpreter exit: module globals may be gone; the process takes it all
-        if (getattr(self, "_handle", None) is not None and not self._closed and self._pid == _fin.pid
-                and _lazy.is_initialized()):
+        if getattr(self, "_closed", True) or self._pid != _fin.pid or not _lazy.is_initialized():
+            return
+        if _fin.collecting():
+            # open until its cycle is gone: another finalizer of it may still use it (even make
+            # its device event: _create then queues that handle's release)
+            self._late = True
+            if self._handle is not None:
+                _fin.finalize_later(self, self._backend.event_destroy, self._handle)
+            return
+        if self._handle is not None:
             self._closed = True
             _fin.finalize(self._backend.event_destroy, self._handle)
 
