@@ -218,7 +218,7 @@ def test_module_released_during_a_capture_is_unloaded_after_it(sim_cuda, how):
     accel.synchronize()
     assert buf.to_numpy("uint32").tolist() == [5] * 16
     backend = _lazy.lazy_init()
-    assert not backend._unload_after_capture           # flushed when the capture ended
+    assert not backend._after_capture                  # run when the capture ended
     assert sim.state().modules == loaded - 1
 
 
@@ -262,3 +262,53 @@ def test_closing_a_capturing_stream_is_refused_and_keeps_the_capture(sim_cuda):
     accel.synchronize()
     assert buf.to_numpy().tolist() == [2] * 64
     s.close()
+
+
+# -- graphs: destroying a graph or an executable graph while a capture is underway -----------------
+
+def _memset_graph(lib, s, d):
+    capture(lib, s)
+    ok(lib.cudaMemsetAsync(d, 7, 4, s))
+    rc, g = end_capture(lib, s)
+    ok(rc)
+    x = ffi.new("cudaGraphExec_t *")
+    ok(lib.cudaGraphInstantiate(x, g, 0))
+    return g, x[0]
+
+
+def test_graph_destroy_during_a_capture_is_refused(lib):
+    s, other = stream(lib), stream(lib)
+    g, x = _memset_graph(lib, other, malloc(lib, 16))
+    for destroy in (lambda: lib.cudaGraphExecDestroy(x), lambda: lib.cudaGraphDestroy(g)):
+        capture(lib, s)
+        assert destroy() == CAPTURE_UNSUPPORTED
+        assert end_capture(lib, s)[0] == CAPTURE_INVALIDATED
+    capture(lib, s)                                    # relaxed mode allows it
+    mode = ffi.new("enum cudaStreamCaptureMode *", lib.cudaStreamCaptureModeRelaxed)
+    ok(lib.cudaThreadExchangeStreamCaptureMode(mode))
+    try:
+        ok(lib.cudaGraphExecDestroy(x))
+    finally:
+        ok(lib.cudaThreadExchangeStreamCaptureMode(mode))
+    ok(end_capture(lib, s)[0])
+    ok(lib.cudaGraphDestroy(g))                        # no capture underway
+
+
+@pytest.mark.parametrize("how", ["reset", "collect"])
+def test_graph_released_during_another_capture_is_destroyed_after_it(sim_cuda, how):
+    buf = accel.Buffer(64)
+    old = accel.Graph()
+    with accel.graph(old):
+        buf.fill_(1)
+    new = accel.Graph()
+    with accel.graph(new):
+        buf.fill_(2)
+        if how == "reset":
+            old.reset()
+        else:
+            del old
+            gc.collect()
+    new.replay()
+    accel.synchronize()
+    assert buf.to_numpy().tolist() == [2] * 64
+    assert sim.state().graph_execs == 1                # the old one went when the capture ended

@@ -129,7 +129,7 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         self._count_reason = ""
         self._handles = {}       # int handle -> cdata, so hot calls skip ffi.cast
         self._live_modules = {}  # library handle -> PTX buffer kept alive for the runtime
-        self._unload_after_capture = deque()  # (module, device) released while a capture was underway
+        self._after_capture = deque()  # (fn, args): releases drivers refuse while a capture is underway
         self._driver_cuda = None  # cudaDriverGetVersion, read at first need
         self._kpath = None       # kernel path: "library", a _cuda_driver.DriverKernels, or why none
         self._captures = 0       # stream captures underway in this process
@@ -622,8 +622,8 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
                 self.lib.cudaGraphDestroy(again[0])
         if rc == 0 or not self._still_capturing(handle):
             self._captures -= 1
-            if not self._captures and self._unload_after_capture:
-                self._unload_deferred()
+            if not self._captures and self._after_capture:
+                self._run_after_captures()
         self._check(rc, "cudaStreamEndCapture")
         return self._as_int(p[0])
 
@@ -671,11 +671,46 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
                                              self._cast("cudaStream_t", stream)), "cudaGraphLaunch")
 
     def graph_destroy(self, graph: int) -> None:
+        """cudaGraphDestroy; while a capture is underway in this process, once the last one ended
+        (drivers refuse it during a capture and invalidate the capture: PyTorch PR 161037)."""
+        if not self._after_captures(self._graph_destroy_now, graph):
+            self._graph_destroy_now(graph)
+
+    def _graph_destroy_now(self, graph: int) -> None:
         self._check(self.lib.cudaGraphDestroy(self.ffi.cast("cudaGraph_t", graph)), "cudaGraphDestroy")
 
     def graph_exec_destroy(self, graph_exec: int) -> None:
+        """cudaGraphExecDestroy, deferred during captures as :meth:`graph_destroy`."""
+        if not self._after_captures(self._graph_exec_destroy_now, graph_exec):
+            self._graph_exec_destroy_now(graph_exec)
+
+    def _graph_exec_destroy_now(self, graph_exec: int) -> None:
         self._check(self.lib.cudaGraphExecDestroy(self.ffi.cast("cudaGraphExec_t", graph_exec)),
                     "cudaGraphExecDestroy")
+
+    def _after_captures(self, fn, *args) -> bool:
+        """Queue ``fn(*args)`` for when no stream capture is underway in this process and return
+        True; False (nothing queued) when none is.  For releases a driver refuses during a capture
+        (900, the capture invalidated): module unloads, graph and executable graph destroys."""
+        if not self._captures:
+            return False
+        self._after_capture.append((fn, args))
+        if not self._captures:      # the last capture ended meanwhile: nobody else will run it
+            self._run_after_captures()
+        return True
+
+    def _run_after_captures(self) -> None:
+        """Run the releases queued during captures (errors dropped, as a finalizer's)."""
+        queue = self._after_capture
+        while queue and not self._captures:
+            try:
+                fn, args = queue.popleft()
+            except IndexError:
+                return
+            try:
+                fn(*args)
+            except AcceleratorError:
+                pass
 
     def graph_node_count(self, graph: int) -> Optional[int]:
         n = self.ffi.new("size_t *")
@@ -767,12 +802,8 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         """Unload ``module`` (of the current device); while a capture is underway in this process
         the unload waits for the last capture to end (a driver refuses it, 900, and invalidates
         the capture)."""
-        if self._captures:
-            self._unload_after_capture.append((module, self.get_device()))
-            if not self._captures:      # the last capture ended meanwhile: nobody else will
-                self._unload_deferred()
-            return
-        self._unload_now(module)
+        if not self._after_captures(self._unload_on, module, self.get_device()):
+            self._unload_now(module)
 
     def _unload_now(self, module: int) -> None:
         path = self._kernels()
@@ -782,26 +813,17 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
             self._check(self.lib.cudaLibraryUnload(self.ffi.cast("cudaLibrary_t", module)), "cudaLibraryUnload")
         self._live_modules.pop(module, None)
 
-    def _unload_deferred(self) -> None:
-        """Unload the modules released during captures, each with its device current (cuModuleUnload
-        unloads "from the current context"); errors are dropped, as a finalizer's."""
-        queue = self._unload_after_capture
-        while queue and not self._captures:
-            try:
-                module, index = queue.popleft()
-            except IndexError:
-                return
-            try:
-                prev = self.get_device()
-                if prev != index:
-                    self.set_device(index)
-                try:
-                    self._unload_now(module)
-                finally:
-                    if prev != index:
-                        self.set_device(prev)
-            except AcceleratorError:
-                pass
+    def _unload_on(self, module: int, index: int) -> None:
+        """Unload ``module`` with its device ``index`` current (cuModuleUnload unloads "from the
+        current context")."""
+        prev = self.get_device()
+        if prev != index:
+            self.set_device(index)
+        try:
+            self._unload_now(module)
+        finally:
+            if prev != index:
+                self.set_device(prev)
 
     def module_function(self, module: int, name: str) -> int:
         path = self._kernels()

@@ -2106,10 +2106,24 @@ def cudaGraphLaunch(R, graphExec, stream):
     return rc
 
 
+def _graph_destroy_in_capture(R: Runtime) -> int:
+    """cudaGraphExecDestroy / cudaGraphDestroy while a capture is underway.  The CUDA docs list
+    neither among the calls prohibited during capture, but the driver refuses them: PyTorch
+    PR 161037 ("Disable GC when capturing CUDA Graphs": destroying a graph while capturing
+    another gives "operation not permitted when stream is capturing" from CUDAGraph::reset and
+    breaks the capture), NVIDIA Warp issue 992 ("Deleting a CUDA graph breaks capture").
+    Refused as the other potentially unsafe calls (900, capture invalidated; relaxed mode
+    allows them)."""
+    return _unsafe_call(R) if R.captures else cudaSuccess
+
+
 def cudaGraphExecDestroy(R, graphExec):
     x = _lookup(R.execs, graphExec)
     if x is None:
         return cudaErrorInvalidResourceHandle
+    rc = _graph_destroy_in_capture(R)
+    if rc:
+        return rc
     Runtime.drop(R.execs, x)
     em = R.gmem.execs.pop(x, None) if R.gmem.execs else None
     if em is not None:
@@ -2121,6 +2135,9 @@ def cudaGraphDestroy(R, graph):
     g = _lookup(R.graphs, graph)
     if g is None:
         return cudaErrorInvalidResourceHandle
+    rc = _graph_destroy_in_capture(R)
+    if rc:
+        return rc
     Runtime.drop(R.graphs, g)
     _graph_mem_graph_destroyed(R, g)
     return cudaSuccess
