@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from accel import backends
+from accel import backends, sim
 from accel._errors import CaptureError
 from conftest import use_sim
 from test_sim_ze_metal_strict import ffi, ze  # noqa: F401 (ze: the fixture)
@@ -224,3 +224,94 @@ def test_event_query_during_a_capture_follows_cudas_rules_on_every_backend(captu
     be.mem_free(p)
     for h in (s, other):
         be.stream_destroy(h)
+
+
+# == Metal =========================================================================================
+
+from accel.backends import _objc  # noqa: E402
+from accel.sim import metal  # noqa: E402
+from test_sim_ze_metal_strict import mtl  # noqa: E402,F401 (the fixture)
+
+M_NEW_LIBRARY = _objc.Message("newLibraryWithSource:options:error:", "id", "id", "id", "id *")
+M_NEW_FUNCTION = _objc.Message("newFunctionWithName:", "id", "id")
+M_NEW_PIPELINE = _objc.Message("newComputePipelineStateWithFunction:error:", "id", "id", "id *")
+
+
+def _compile(m, source):
+    """(library or nil, (error code, text))."""
+    rt = m.rt
+    with rt.pool():
+        err = m.ffi.new("void **")
+        lib = rt.send(m.device, M_NEW_LIBRARY, rt.ns_string(source), rt.nil, err)
+        return lib, rt.error_text(err[0])
+
+
+@pytest.mark.parametrize("decl", ["device double *x [[buffer(0)]]", "constant double &a [[buffer(0)]]",
+                                  "device float *x [[buffer(0)]]) { long double t = 0; (void)t; } //",
+                                  "device float *x [[buffer(0)]]) { double2 v; (void)v; } //"])
+def test_msl_using_double_fails_to_compile(mtl, decl):
+    # Metal Shading Language Specification, 2.1 "Scalar Data Types": Metal has no double (nor
+    # long double, nor double vectors); the compiler reports "'double' is not supported in Metal"
+    # and newLibraryWithSource:options:error: answers nil with MTLLibraryErrorCompileFailure (3).
+    # The simulator compiled it.
+    lib, (code, text) = _compile(mtl, "kernel void twice(" + decl + ") {}\n")
+    assert lib == mtl.rt.nil
+    assert code == 3 and "double" in text and "not supported" in text
+
+
+def test_msl_mentioning_double_in_a_comment_or_name_compiles(mtl):
+    lib, _ = _compile(mtl, "// a double-free is not a type\n/* double */\n"
+                           "kernel void doubled(device float *x [[buffer(0)]]) { float double_it = 2; }\n")
+    assert lib != mtl.rt.nil
+    mtl.rt.release(lib)
+
+
+def test_metal_pipeline_for_a_reference_taking_f64_is_refused(mtl):
+    # A Metal kernel cannot declare a double parameter (above), so a Python reference that reads
+    # one would decode bytes no Metal kernel passes: the pipeline is refused, as a kernel with no
+    # reference is. The simulator made the pipeline and the launch failed later.
+    sim.register_kernel("r14_takes_f64", lambda x, a, n: None, "ptr, f64, u64")
+    try:
+        rt = mtl.rt
+        lib, _ = _compile(mtl, "kernel void r14_takes_f64(device float *x [[buffer(0)]]) {}\n")
+        assert lib != rt.nil
+        with rt.pool():
+            fn = rt.send(lib, M_NEW_FUNCTION, rt.ns_string("r14_takes_f64"))
+            err = mtl.ffi.new("void **")
+            assert rt.send(mtl.device, M_NEW_PIPELINE, fn, err) == rt.nil
+            code, text = rt.error_text(err[0])
+        assert "f64" in text and "double" in text
+        rt.release(fn)
+        rt.release(lib)
+    finally:
+        sim.unregister_kernel("r14_takes_f64")
+
+
+@pytest.fixture
+def on_mps(monkeypatch):
+    use_sim(monkeypatch, "mps")
+    metal.reset()
+    yield
+    metal.reset()
+
+
+def test_accel_refuses_an_f64_signature_for_a_metal_kernel(on_mps):
+    import accel
+    sim.register_kernel("r14_scale", lambda x, a: None, "ptr, f32")
+    m = accel.Module("kernel void r14_scale(device float *x [[buffer(0)]], constant float &a [[buffer(1)]]) {}\n")
+    # Metal has no double: Module.function accepted "ptr, f64" and every launch failed
+    # ("Metal has no 64-bit float"); the signature is refused where it is given.
+    with pytest.raises(ValueError, match=r"f64.*Metal has no 64-bit float"):
+        m.function("r14_scale", "ptr, f64")
+    m.function("r14_scale", "ptr, f32")
+    m.close()
+    sim.unregister_kernel("r14_scale")
+
+
+def test_accel_refuses_msl_that_defines_no_kernel(on_mps):
+    import accel
+    # Metal compiles a library of helper functions alone (newLibraryWithSource: succeeds, with no
+    # functionNames), but accel can launch nothing from it: refused at load, as PTX without
+    # .entry and SPIR-V without OpEntryPoint Kernel are. It loaded, and every function() failed.
+    with pytest.raises(ValueError, match="defines no kernel function"):
+        accel.Module("float helper(float x) { return 2 * x; }\n")

@@ -58,6 +58,11 @@ def _image_kind(data: bytes, language: str) -> str:
         except UnicodeDecodeError as exc:
             raise ValueError(f"Module(image): Metal takes MSL source text in UTF-8; byte 0x{data[exc.start]:02x} "
                              f"at offset {exc.start} is not UTF-8") from None
+        if not _ptx.msl_entries(data):
+            # Metal compiles a library of helper functions alone, but nothing in it can be launched
+            # (as PTX without .entry and SPIR-V without OpEntryPoint Kernel, refused at load).
+            raise ValueError("Module(image): the MSL source defines no kernel function ('kernel void NAME(...)'); "
+                             "accel launches kernel functions only")
         return "msl"
     return language
 
@@ -182,6 +187,10 @@ class Module:
                            f"it is declared extern \"C\")")
         declared = self._entries.get(name)
         params = _resolve_params(name, declared, signature, self.kind, self._entries)
+        if self.kind == "msl" and "f64" in params:
+            # Metal Shading Language Specification, 2.1: no double, so no kernel parameter of it.
+            raise ValueError(f"Module.function({name!r}): parameter {params.index('f64')} is f64, and Metal has no "
+                             f"64-bit float (MSL has no double); declare it float and pass f32")
         key = (name, params)
         with self._lock:
             k = self._kernels.get(key)

@@ -780,6 +780,14 @@ class MTLDevice(SimObject):
             msg = m.group(1) if m else f"injected fault {fault}"
             self.rt.set_error(error, 3, f"program_source: error: {msg}")  # MTLLibraryErrorCompileFailure
             return None
+        code = _MSL_COMMENT.sub(lambda c: re.sub(r"[^\n]", " ", c.group()), text)
+        m = _MSL_DOUBLE.search(code)
+        if m:
+            # Metal Shading Language Specification, 2.1 "Scalar Data Types": there is no double
+            # (nor long double, nor doubleN vectors); Apple's compiler rejects the source.
+            line = code.count("\n", 0, m.start()) + 1
+            self.rt.set_error(error, 3, f"program_source:{line}: error: '{m.group()}' is not supported in Metal")
+            return None
         names = re.findall(r"\bkernel\s+void\s+([A-Za-z_]\w*)\s*\(", text)
         return MTLLibrary(self.rt, names)
 
@@ -791,7 +799,18 @@ class MTLDevice(SimObject):
                                         f"{function.name!r}; register one: accel.sim.register_kernel("
                                         f"{function.name!r}, fn, 'ptr, u64, ...')")
             return None
+        if "f64" in reference.argtypes:
+            # No Metal kernel declares a double parameter (MSL Specification, 2.1), so this
+            # reference would decode bytes no launch passes: refused, as a missing reference is.
+            self.rt.set_error(error, 1, f"the accel simulator's reference for kernel {function.name!r} takes an "
+                                        f"f64 argument, and Metal has no double (a Metal kernel cannot declare one); "
+                                        f"register it with f32")
+            return None
         return MTLComputePipelineState(self.rt, function, reference)
+
+
+_MSL_COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
+_MSL_DOUBLE = re.compile(r"\b(?:long\s+)?double\d*\b")
 
 
 def _check_range(what: str, buf: MTLBuffer, off: int, n: int) -> None:
