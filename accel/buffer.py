@@ -17,6 +17,7 @@ from typing import Optional
 
 from . import _finalize as _fin
 from . import _lazy
+from ._copying import refuse as _refuse
 from ._device import DeviceLike, device
 from .streams import Stream, _as_stream, _index_for, current_stream, on_device
 
@@ -700,6 +701,23 @@ class Buffer:
         on MPS, with the buffer's device index."""
         from . import _dlpack
         return _dlpack.device_of(self._backend.name, self._index)
+
+    # -- copies (accel/_copying.py) -----------------------------------------------
+    def __deepcopy__(self, memo) -> "Buffer":
+        """``copy.deepcopy(buf)``: a new Buffer of the same size on the same device holding the
+        same bytes (torch's deepcopy of a tensor), copied on the device's current stream."""
+        self._live()
+        new = Buffer(self._nbytes, device=self._index)
+        memo[id(self)] = new
+        return new.copy_from(self, non_blocking=True)
+
+    def __copy__(self):
+        raise _refuse(self, "copy", "use the Buffer itself, copy.deepcopy(buf) for a device copy, or "
+                                    "buf.as_array(...) for a view")
+
+    def __reduce_ex__(self, protocol):
+        raise _refuse(self, "pickle", "pickle its bytes instead (buf.to_numpy()) and copy them into a new "
+                                      "Buffer on the other side")
 
     # -- lifetime ------------------------------------------------------------------
     def close(self) -> None:

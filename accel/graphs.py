@@ -31,6 +31,7 @@ from typing import Optional, Tuple
 
 from . import _finalize as _fin
 from . import _lazy
+from ._copying import refuse_copies as _refuse_copies
 from ._errors import AcceleratorError
 from .streams import Event, Stream, _as_stream, _capture_events, current_stream, on_device
 
@@ -79,6 +80,7 @@ def _check_mode(mode: str) -> str:
     return mode
 
 
+@_refuse_copies("capture another Graph (sharing this one's pool: Graph(pool=g.pool()))")
 class Graph:
     """A captured sequence of device work that can be replayed.
 

@@ -38,6 +38,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from . import _finalize as _fin
 from . import _lazy
+from ._copying import refuse_copies as _refuse_copies
 from ._device import DeviceLike, check_range, check_stream_range, device, device_index
 from ._errors import AcceleratorError, InvalidDeviceError
 from . import backends as _backends
@@ -184,6 +185,8 @@ def _index_for(dev: DeviceLike) -> int:
     return index
 
 
+@_refuse_copies("share the Stream object itself (it is a handle), or create a new Stream in "
+                "the other process")
 class Stream:
     """An ordered queue of work on one device.
 
@@ -604,6 +607,7 @@ def set_stream(stream: Stream) -> None:
 _DeviceMismatchError = InvalidDeviceError
 
 
+@_refuse_copies("share the Event object itself, or create and record a new Event")
 class Event:
     """A marker in a stream's work, for ordering streams and timing.
 

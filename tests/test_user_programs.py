@@ -890,3 +890,58 @@ def test_async_downloads_from_other_device(sim_backend):
     del busy, s
     settle()
     assert allocated() == tuple(0 for _ in devs)
+
+
+# -- 13. copy.copy / copy.deepcopy / pickle of accel objects inside user state ----------------
+def test_copy_deepcopy_pickle_of_device_objects(sim_backend):
+    """Users deep-copy and pickle their state (a model's buffers, a dataclass holding a stream).
+    A copy must never be a second owner of a device allocation or handle (two frees: the second
+    frees a block another Buffer got in between, so two live buffers share memory).
+    ``copy.deepcopy(buf)`` is a new buffer with the same bytes (torch's deepcopy of a tensor),
+    an ArrayView deep-copies its buffer; Stream, Event, Graph and MemPool refuse copies and
+    pickling with TypeError as torch.Stream and torch.Event do, and so does pickling a Buffer."""
+    import copy
+    import pickle
+    last = _devices()[-1]
+    settle()
+    base_alloc = allocated()
+    buf = accel.Buffer(4096, device=last).copy_from(np.arange(4096, dtype=np.uint8))
+    twin = copy.deepcopy(buf)
+    assert twin is not buf and twin.ptr != buf.ptr and twin.device_index == last
+    assert (twin.to_numpy() == np.arange(4096, dtype=np.uint8)).all()
+    view = buf.as_array(np.float32, (32, 32))
+    vtwin = copy.deepcopy(view)
+    assert vtwin.shape == (32, 32) and vtwin.to_numpy().tobytes() == view.to_numpy().tobytes()
+    assert copy.copy(view).to_numpy().shape == (32, 32)     # a view of the same buffer
+    state = {"w": buf, "views": [view, view]}
+    state2 = copy.deepcopy(state)
+    assert state2["views"][0] is state2["views"][1]         # the memo keeps sharing
+    for how in (copy.copy, lambda o: pickle.dumps(o)):
+        with pytest.raises(TypeError, match="Buffer"):
+            how(buf)
+    refused = [accel.Stream(last), accel.Event()]
+    ev = accel.Event()
+    ev.record()
+    refused.append(ev)
+    if sim_backend != "mps":
+        g = accel.Graph()
+        with accel.Stream(last), g:
+            buf.fill_(1)
+        refused.append(g)
+        with accel.device_index(last):
+            refused.append(accel.MemPool())
+    for obj in refused:
+        for how in (copy.copy, copy.deepcopy, pickle.dumps):
+            with pytest.raises(TypeError, match=type(obj).__name__):
+                how(obj)
+    # the owners are still the only owners: free, reallocate, and nothing is shared
+    del twin, vtwin, state2, state, view, refused, ev, obj
+    if sim_backend != "mps":
+        del g
+    gc.collect()
+    a = accel.Buffer(4096, device=last).fill_(1)
+    b = accel.Buffer(4096, device=last).fill_(2)
+    assert a.ptr != b.ptr and (a.to_numpy() == 1).all()
+    del a, b, buf
+    settle()
+    assert allocated() == base_alloc

@@ -32,6 +32,7 @@ from typing import Iterator, List, Tuple
 
 from .. import _device, _lazy
 from .. import _finalize as _fin
+from .._copying import refuse_copies as _refuse_copies
 
 __all__ = ["MemPool", "use_mem_pool", "new_user_pool_id"]
 
@@ -52,6 +53,7 @@ def _allocator(index: int):
     return device_allocator(index)
 
 
+@_refuse_copies("share the MemPool object itself, or create a new MemPool")
 class MemPool:
     """A private memory pool of the caching allocator of the current device.
 
