@@ -930,6 +930,9 @@ def test_copy_deepcopy_pickle_of_device_objects(sim_backend):
         refused.append(g)
         with accel.device_index(last):
             refused.append(accel.MemPool())
+    if sim_backend == "cuda":
+        from test_user_kernels import SAXPY_PTX
+        refused.append(accel.Module(SAXPY_PTX))
     for obj in refused:
         for how in (copy.copy, copy.deepcopy, pickle.dumps):
             with pytest.raises(TypeError, match=type(obj).__name__):

@@ -9,6 +9,7 @@ import weakref
 from typing import Dict, Optional, Tuple
 
 from .. import _finalize as _fin, _lazy, _ptx
+from .._copying import refuse_copies as _refuse_copies
 from .._device import DeviceLike
 from .._errors import AcceleratorError
 
@@ -105,6 +106,7 @@ def _unload(backend, index: int, handle: int) -> None:
         backend.module_unload(handle)
 
 
+@_refuse_copies("share the Module object itself, or load the image again with accel.Module(image)")
 class Module:
     """``Module(image, device=None)``: a kernel image loaded on one device.
 
