@@ -948,3 +948,84 @@ def test_copy_deepcopy_pickle_of_device_objects(sim_backend):
     del a, b, buf
     settle()
     assert allocated() == base_alloc
+
+
+# -- 14. a spawn pool of workers after the parent used the device -----------------------------
+_SPAWN_POOL = r'''
+import multiprocessing as mp
+import numpy as np
+import accel
+
+def work(i):
+    devs = accel.device_count()
+    with accel.device_index(i % devs):
+        b = accel.Buffer(4096).fill_(i)
+        return accel.current_device_index(), int(b.to_numpy().sum())
+
+if __name__ == "__main__":
+    parent = accel.Buffer(1024).fill_(9)            # the parent initialized the runtime
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(2) as pool:
+        got = pool.map(work, range(4))
+    devs = accel.device_count()
+    assert got == [(i % devs, 4096 * i) for i in range(4)], got
+    fork = mp.get_context("fork")
+    with fork.Pool(1) as pool:
+        try:
+            pool.apply(work, (0,))
+        except RuntimeError as exc:
+            assert "spawn" in str(exc), exc
+        else:
+            raise SystemExit("a fork worker used the device")
+    assert (parent.to_numpy() == 9).all()
+    print("OK")
+'''
+
+
+def test_spawn_pool_after_parent_used_device(sim_backend, tmp_path):
+    """multiprocessing: 'spawn' workers initialize their own runtime and work on both devices
+    while the parent holds device memory; a 'fork' worker gets the clear error, and its pool
+    still shuts down."""
+    script = tmp_path / "spawn_pool.py"
+    script.write_text(_SPAWN_POOL)
+    proc = run_program(f"import runpy; runpy.run_path({str(script)!r}, run_name='__main__')", timeout=90)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), (proc.stdout, proc.stderr[-3000:])
+
+
+# -- 15. an automatic batch-size finder: OOM, free, retry smaller, on device 1 ----------------
+def test_batch_size_finder_recovers_from_oom(sim_backend):
+    """Halve the batch on OutOfMemoryError until a step fits (activations kept alive across the
+    step as a model would), under a memory fraction on the last device; the error names the
+    device, memory_stats counts the OOMs, and everything comes back afterwards."""
+    last = _devices()[-1]
+    settle()
+    total = accel.get_memory_info(last)[1]
+    accel.memory.set_per_process_memory_fraction(0.004, last)
+    try:
+        limit = int(total * 0.004)
+        batch, ooms, fitted = 64, 0, None
+        while batch >= 1:
+            acts = []
+            try:
+                for layer in range(8):
+                    a = accel.Buffer(batch * (limit // 128), device=last)
+                    a.fill_(layer)
+                    acts.append(a)
+                fitted = batch
+                break
+            except accel.OutOfMemoryError as exc:
+                ooms += 1
+                assert f"{last}" in str(exc)
+                del exc
+                acts.clear()
+                accel.memory.empty_cache()
+                batch //= 2
+        assert fitted is not None and ooms >= 1, (fitted, ooms)
+        assert accel.memory.memory_stats(last)["num_ooms"] == ooms
+        assert all((a.to_numpy()[:8] == i).all() for i, a in enumerate(acts))
+        del acts, a
+    finally:
+        accel.memory.set_per_process_memory_fraction(1.0, last)
+    settle()
+    assert accel.memory.memory_allocated(last) == 0
+    assert accel.memory.memory_reserved(last) == 0
