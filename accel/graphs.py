@@ -175,6 +175,9 @@ class Graph:
         Raises :class:`accel.CaptureError` when the capture was invalidated by an
         illegal operation (the graph is then empty and may be captured again).
         """
+        self._capture_end(warn_empty=True)
+
+    def _capture_end(self, warn_empty: bool) -> None:
         self._check_process()
         stream = self._stream
         if stream is None:
@@ -215,9 +218,9 @@ class Graph:
             random._graph_capture_end(self._rng)
         self._graph = graph_handle
         self._events = tuple(events.values())
-        if self._backend.graph_node_count(graph_handle) == 0:
+        if warn_empty and self._backend.graph_node_count(graph_handle) == 0:
             warnings.warn(f"The {self._backend.name.upper()} Graph is empty. This usually means that the graph "
-                          "was attempted to be captured on wrong device or stream.", UserWarning, stacklevel=2)
+                          "was attempted to be captured on wrong device or stream.", UserWarning, stacklevel=3)
         if not self.keep_graph:
             self.instantiate()
             if not self._debug:
@@ -480,7 +483,9 @@ def _end_after_error(g: Graph, exc: BaseException) -> None:
         return
     try:
         with g._stream:     # its own stream, whichever one the body left current
-            g.capture_end()
+            # no "Graph is empty" warning: a body that failed early captured nothing, and the
+            # warning's guess (wrong device or stream) would mislead about the real error
+            g._capture_end(warn_empty=False)
     except Exception as end_error:     # the capture is ended (and its pool released) either way
         exc.add_note(f"(the capture was then ended and discarded: {end_error})")
     else:
