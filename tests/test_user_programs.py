@@ -1072,3 +1072,43 @@ def test_graph_per_device_and_failed_nested_capture(sim_graph_backend):
     ga.replay()
     gb.replay()
     assert (a.to_numpy() == 2).all() and (b.to_numpy() == 3).all()
+
+
+# -- 17. interpreter exit while daemon prefetch threads are still copying ----------------------
+_DAEMON_EXIT = r'''
+    import threading
+    import numpy as np
+    import accel
+    devs = accel.device_count()
+    started = threading.Barrier(devs + 1)
+    def prefetch(d):
+        s = accel.Stream(d)
+        pinned = accel.empty_pinned(1 << 16, np.uint8)
+        i = 0
+        while True:
+            with s:
+                b = accel.Buffer(1 << 16)
+                b.copy_from(pinned, non_blocking=True)
+                e = s.record_event()
+                b.to_numpy(non_blocking=True)
+                accel.random.uniform_(b)
+            e.synchronize()
+            i += 1
+            if i == 5:
+                started.wait(30)
+    for d in range(devs):
+        threading.Thread(target=prefetch, args=(d,), daemon=True).start()
+    started.wait(30)
+    accel.Buffer(1024).fill_(1)
+    print("OK")
+'''
+
+
+def test_exit_with_daemon_threads_still_copying(sim_backend):
+    """The main program returns while daemon prefetch threads (one per device) are mid-loop:
+    the interpreter exits promptly, with no traceback and no hang in accel's or the runtime's
+    exit handlers."""
+    for _ in range(2):
+        proc = run_program(_DAEMON_EXIT, timeout=30)
+        assert proc.returncode == 0 and proc.stdout.strip() == "OK", (proc.stdout, proc.stderr)
+        assert proc.stderr == "", proc.stderr
