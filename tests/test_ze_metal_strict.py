@@ -159,6 +159,83 @@ def test_event_whose_signal_the_host_saw_may_be_reset_at_once(ze, monkeypatch):
     assert lib.zeEventQueryStatus(ev) == lib.ZE_RESULT_NOT_READY
 
 
+# -- one thread at a time per command list / kernel -------------------------------------------------
+
+def _from_another_thread(call):
+    out = []
+    t = threading.Thread(target=lambda: out.append(call()))
+    t.start()
+    t.join(60)
+    return out[0]
+
+
+@pytest.mark.parametrize("second", ["append", "close", "reset", "destroy"])
+def test_a_command_list_used_by_two_threads_at_once_is_refused(ze, monkeypatch, second):
+    """ze_api.h, zeCommandListAppend*, zeCommandListClose/Reset/Destroy: "The application must
+    **not** call this function from simultaneous threads with the same command list handle."
+    No code is named: the second call is refused with HANDLE_OBJECT_IN_USE and changes nothing.
+    The simulator let both run (the backend serializes each stream's list under its lock)."""
+    from accel.sim import ze as sim_ze
+    z = ze()
+    lib = z.lib
+    cl = z.regular(dev=1)
+    p = z.alloc(dev=1)
+    other = {"append": lambda: z.fill(cl, p, 64, 2),
+             "close": lambda: lib.zeCommandListClose(cl),
+             "reset": lambda: lib.zeCommandListReset(cl),
+             "destroy": lambda: lib.zeCommandListDestroy(cl)}[second]
+    seen = []
+    events = sim_ze._events
+
+    def meanwhile(*args):     # the first append is inside the library when the other thread calls
+        if not seen:
+            seen.append(None)
+            seen[0] = _from_another_thread(other)
+        return events(*args)
+    monkeypatch.setattr(sim_ze, "_events", meanwhile)
+    assert z.fill(cl, p, 64, 1) == 0
+    assert seen == [lib.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE]
+    monkeypatch.setattr(sim_ze, "_events", events)
+    assert other() == 0               # one at a time is fine
+    if second in ("append", "reset"):
+        assert lib.zeCommandListDestroy(cl) == 0
+
+
+def test_a_kernel_set_up_by_two_threads_at_once_is_refused(ze, monkeypatch):
+    """ze_api.h, zeKernelSetArgumentValue / zeKernelSetGroupSize: "must **not** call this
+    function from simultaneous threads with the same kernel handle"."""
+    from accel.sim import _ze_kernels
+    from test_user_kernels import spirv_module
+    z = ze()
+    lib = z.lib
+    image = spirv_module("r14_k")
+    data = ffi.new("uint8_t[]", image)
+    mdesc = ffi.new("ze_module_desc_t *", {"stype": lib.ZE_STRUCTURE_TYPE_MODULE_DESC,
+                                          "format": lib.ZE_MODULE_FORMAT_IL_SPIRV,
+                                          "inputSize": len(image), "pInputModule": data})
+    mod = ffi.new("ze_module_handle_t *")
+    assert lib.zeModuleCreate(z.ctx, z.devices[0], mdesc, mod, ffi.NULL) == 0
+    name = ffi.new("char[]", b"r14_k")
+    kdesc = ffi.new("ze_kernel_desc_t *", {"stype": lib.ZE_STRUCTURE_TYPE_KERNEL_DESC, "pKernelName": name})
+    k = ffi.new("ze_kernel_handle_t *")
+    assert lib.zeKernelCreate(mod[0], kdesc, k) == 0
+    value = ffi.new("uint64_t *", 7)
+    seen = []
+    get = _ze_kernels._get
+
+    def meanwhile(rt, handle, kind):
+        if kind == "kernel" and not seen:
+            seen.append(None)
+            seen[0] = _from_another_thread(lambda: lib.zeKernelSetGroupSize(k[0], 32, 1, 1))
+        return get(rt, handle, kind)
+    monkeypatch.setattr(_ze_kernels, "_get", meanwhile)
+    assert lib.zeKernelSetArgumentValue(k[0], 0, 8, value) == 0
+    assert seen == [lib.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE]
+    monkeypatch.setattr(_ze_kernels, "_get", get)
+    assert lib.zeKernelSetGroupSize(k[0], 32, 1, 1) == 0
+    assert lib.zeKernelDestroy(k[0]) == 0 and lib.zeModuleDestroy(mod[0]) == 0
+
+
 # -- accel: event queries during a capture (CUDA's rules, as the CUDA backend) ----------------------
 
 @pytest.fixture(params=["cuda", "xpu"])

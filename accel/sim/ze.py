@@ -364,6 +364,7 @@ class _Runtime:
         self.alloc_charge: Dict[int, List[Tuple[_Card, int, int]]] = {}
         self.alloc_ctx: Dict[int, _Obj] = {}   # allocation base -> the context it was made in
         self.alloc_refs: Dict[object, int] = {}   # allocation -> submitted operations not yet run
+        self.busy: Dict[_Obj, int] = {}   # command list / kernel -> the thread inside a call on it (_one_thread)
 
     def _add(self, obj: _Obj) -> _Obj:
         self.objects[obj.key] = obj
@@ -2424,6 +2425,57 @@ _FUNCTIONS = (
 from ._ze_kernels import FUNCTIONS as _KERNEL_FUNCTIONS   # noqa: E402 (modules, kernels, launches; issue 18)
 _FUNCTIONS += _KERNEL_FUNCTIONS
 
+#: ze_api.h: "The application must **not** call this function from simultaneous threads with the
+#: same command list handle" (zeCommandListAppend*, Close, Reset, Destroy) / "... with the same
+#: kernel handle" (zeKernelSetArgumentValue, zeKernelSetGroupSize): function -> handle kind.
+_ONE_THREAD = {name: "cmdlist" for name in (
+    "zeCommandListAppendMemoryCopy", "zeCommandListAppendMemoryFill", "zeCommandListAppendSignalEvent",
+    "zeCommandListAppendWaitOnEvents", "zeCommandListAppendEventReset", "zeCommandListAppendBarrier",
+    "zeCommandListAppendLaunchKernel", "zeCommandListClose", "zeCommandListReset", "zeCommandListDestroy")}
+_ONE_THREAD.update(zeKernelSetArgumentValue="kernel", zeKernelSetGroupSize="kernel")
+
+
+def _claim(handle, kind: str):
+    """(object, 0) when the calling thread now holds ``handle`` (release with :func:`_release`);
+    (None, 0) to call freely (no such live handle: the function says so; or this thread is
+    already inside a call on it -- a command run inline signals and its waiter destroys);
+    (None, HANDLE_OBJECT_IN_USE) while another thread is inside a call on it (the documents
+    name no code; the call is refused and changes nothing)."""
+    rt = _rt
+    obj = rt.get(handle, kind) if rt is not None else None
+    if obj is None:
+        return None, 0
+    busy, me = rt.busy, threading.get_ident()
+    if busy.get(obj) == me:
+        return None, 0
+    if busy.setdefault(obj, me) != me:   # atomic: one thread gets the handle
+        return None, rt.C.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE
+    return obj, 0
+
+
+def _release(obj) -> None:
+    rt = _rt
+    if rt is not None:
+        rt.busy.pop(obj, None)            # bounded by the calls in progress
+
+
+_ONE_THREAD_BODY = """\
+        obj, rc = _claim(a0, _kind)
+        if rc:
+            return rc
+        if obj is None:
+            return _fn({args})
+        try:
+            return _fn({args})
+        finally:
+            _release(obj)
+"""
+
+
+def _one_thread(fn, kind: str):
+    """``fn`` (first parameter: a ``kind`` handle) refusing a second thread meanwhile (_ONE_THREAD)."""
+    return core.exact_wrapper(fn.__name__, fn, _ONE_THREAD_BODY, globals(), _fn=fn, _kind=kind)
+
 
 def open_ze():
     """The simulated ``libze_loader``: an object called like the cffi ``lib`` of the real one.
@@ -2434,7 +2486,8 @@ def open_ze():
     """
     zcfg = ze_config()
     _runtime()
-    funcs = {f.__name__: f for f in _FUNCTIONS}
+    funcs = {f.__name__: (_one_thread(f, _ONE_THREAD[f.__name__]) if f.__name__ in _ONE_THREAD else f)
+             for f in _FUNCTIONS}
     if zcfg.loader == "1.8.12":
         for name in NEW_LOADER_ONLY:
             funcs.pop(name, None)
