@@ -159,6 +159,74 @@ def test_event_whose_signal_the_host_saw_may_be_reset_at_once(ze, monkeypatch):
     assert lib.zeEventQueryStatus(ev) == lib.ZE_RESULT_NOT_READY
 
 
+def _kernel(z, name, dev=0):
+    """(module, kernel pointer-to-handle) of a one-kernel SPIR-V module on device ``dev``."""
+    from test_user_kernels import spirv_module
+    lib = z.lib
+    image = spirv_module(name)
+    data = ffi.new("uint8_t[]", image)
+    mdesc = ffi.new("ze_module_desc_t *", {"stype": lib.ZE_STRUCTURE_TYPE_MODULE_DESC,
+                                          "format": lib.ZE_MODULE_FORMAT_IL_SPIRV,
+                                          "inputSize": len(image), "pInputModule": data})
+    mod = ffi.new("ze_module_handle_t *")
+    assert lib.zeModuleCreate(z.ctx, z.devices[dev], mdesc, mod, ffi.NULL) == 0
+    cname = ffi.new("char[]", name.encode())
+    kdesc = ffi.new("ze_kernel_desc_t *", {"stype": lib.ZE_STRUCTURE_TYPE_KERNEL_DESC, "pKernelName": cname})
+    k = ffi.new("ze_kernel_handle_t *")
+    assert lib.zeKernelCreate(mod[0], kdesc, k) == 0
+    return mod[0], k
+
+
+def test_mem_free_while_a_submitted_launch_takes_the_memory_is_refused(ze):
+    """The zeMemFree rule above, for a kernel's pointer argument: the launch references the
+    allocation until it ran. The simulator freed it, and the kernel then wrote into whatever
+    allocation the host allocator had put at that address."""
+    z = ze()
+    lib = z.lib
+    def fill7(grid, block, view, p, n):
+        view(p, n)[:] = b"\x07" * n
+    sim.register_kernel("r14_fill7", fill7, "ptr, u64")
+    try:
+        mod, k = _kernel(z, "r14_fill7", dev=1)
+        p = z.alloc(dev=1)
+        assert lib.zeKernelSetGroupSize(k[0], 1, 1, 1) == 0
+        assert lib.zeKernelSetArgumentValue(k[0], 0, 8, ffi.new("void **", p)) == 0
+        assert lib.zeKernelSetArgumentValue(k[0], 1, 8, ffi.new("uint64_t *", 64)) == 0
+        cl = z.immediate(dev=1)
+        gate = _gate(z, cl, z.pool(1))
+        args = ffi.new("ze_group_count_t *", (1, 1, 1))
+        assert lib.zeCommandListAppendLaunchKernel(cl, k[0], args, ffi.NULL, 0, ffi.NULL) == 0
+        assert lib.zeMemFree(z.ctx, p) == lib.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE
+        assert lib.zeEventHostSignal(gate) == 0
+        assert lib.zeCommandListHostSynchronize(cl, _UINT64_MAX) == 0
+        assert bytes(ffi.buffer(ffi.cast("char *", p), 64)) == b"\x07" * 64
+        assert lib.zeMemFree(z.ctx, p) == 0
+        assert lib.zeKernelDestroy(k[0]) == 0 and lib.zeModuleDestroy(mod) == 0
+    finally:
+        sim.unregister_kernel("r14_fill7")
+
+
+def test_kernel_pointer_argument_of_another_context_is_refused(ze):
+    """zeMemAllocDevice: "The application must only use the memory allocation for the context
+    and device ... which was provided during allocation" -- for copies and fills the simulator
+    refused it already; a kernel's pointer argument was not checked."""
+    z = ze()
+    lib = z.lib
+    sim.register_kernel("r14_nop", lambda grid, block, view, p: None, "ptr")
+    try:
+        mod, k = _kernel(z, "r14_nop")
+        foreign = z.alloc(ctx=z.context())
+        assert lib.zeKernelSetGroupSize(k[0], 1, 1, 1) == 0
+        assert lib.zeKernelSetArgumentValue(k[0], 0, 8, ffi.new("void **", foreign)) == 0
+        cl = z.immediate()
+        args = ffi.new("ze_group_count_t *", (1, 1, 1))
+        assert lib.zeCommandListAppendLaunchKernel(cl, k[0], args, ffi.NULL, 0, ffi.NULL) == \
+            lib.ZE_RESULT_ERROR_INVALID_ARGUMENT
+        assert lib.zeKernelDestroy(k[0]) == 0 and lib.zeModuleDestroy(mod) == 0
+    finally:
+        sim.unregister_kernel("r14_nop")
+
+
 # -- one thread at a time per command list / kernel -------------------------------------------------
 
 def _from_another_thread(call):
@@ -205,20 +273,9 @@ def test_a_kernel_set_up_by_two_threads_at_once_is_refused(ze, monkeypatch):
     """ze_api.h, zeKernelSetArgumentValue / zeKernelSetGroupSize: "must **not** call this
     function from simultaneous threads with the same kernel handle"."""
     from accel.sim import _ze_kernels
-    from test_user_kernels import spirv_module
     z = ze()
     lib = z.lib
-    image = spirv_module("r14_k")
-    data = ffi.new("uint8_t[]", image)
-    mdesc = ffi.new("ze_module_desc_t *", {"stype": lib.ZE_STRUCTURE_TYPE_MODULE_DESC,
-                                          "format": lib.ZE_MODULE_FORMAT_IL_SPIRV,
-                                          "inputSize": len(image), "pInputModule": data})
-    mod = ffi.new("ze_module_handle_t *")
-    assert lib.zeModuleCreate(z.ctx, z.devices[0], mdesc, mod, ffi.NULL) == 0
-    name = ffi.new("char[]", b"r14_k")
-    kdesc = ffi.new("ze_kernel_desc_t *", {"stype": lib.ZE_STRUCTURE_TYPE_KERNEL_DESC, "pKernelName": name})
-    k = ffi.new("ze_kernel_handle_t *")
-    assert lib.zeKernelCreate(mod[0], kdesc, k) == 0
+    mod, k = _kernel(z, "r14_k")
     value = ffi.new("uint64_t *", 7)
     seen = []
     get = _ze_kernels._get
@@ -233,7 +290,7 @@ def test_a_kernel_set_up_by_two_threads_at_once_is_refused(ze, monkeypatch):
     assert seen == [lib.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE]
     monkeypatch.setattr(_ze_kernels, "_get", get)
     assert lib.zeKernelSetGroupSize(k[0], 32, 1, 1) == 0
-    assert lib.zeKernelDestroy(k[0]) == 0 and lib.zeModuleDestroy(mod[0]) == 0
+    assert lib.zeKernelDestroy(k[0]) == 0 and lib.zeModuleDestroy(mod) == 0
 
 
 # -- accel: event queries during a capture (CUDA's rules, as the CUDA backend) ----------------------

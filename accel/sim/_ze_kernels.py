@@ -231,17 +231,24 @@ def zeCommandListAppendLaunchKernel(hCommandList, hKernel, pLaunchFuncArgs, hSig
     if ref is None:
         # No Python reference registered (accel.sim.register_kernel): nothing to run.
         return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE
-    values = []
+    values, memory = [], []
     for i, t in enumerate(ref.argtypes):
         raw = f["args"].get(i)
         if raw is None:     # an argument never set: undefined behaviour, refused
             return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
         values.append(struct.unpack(_FORMATS[t], raw)[0])
+        a = rt.memory.find(values[-1]) if t == "ptr" and values[-1] else None
+        if a is not None and a not in memory:
+            # A pointer argument into a USM allocation: _append checks its context ("must only
+            # use the memory allocation for the context ... which was provided during
+            # allocation"), and the launch references it until it ran (zeMemFree).
+            memory.append(a)
     fn, view = ref.fn, kernels.view
 
     def run():
         fn(grid, block, view, *values)
-    return _append(rt, hCommandList, _Op(run, waits, sig, label=f"kernel {f['name']} grid{grid}", kernel=obj))
+    return _append(rt, hCommandList, _Op(run, waits, sig, label=f"kernel {f['name']} grid{grid}", kernel=obj),
+                   memory)
 
 
 FUNCTIONS = (zeModuleCreate, zeModuleBuildLogGetString, zeModuleBuildLogDestroy, zeModuleDestroy,
