@@ -472,10 +472,8 @@ class Stream:
             raise RuntimeError(f"{self!r}.__exit__ without a matching __enter__ on this thread: the current "
                                f"stream is per thread, so leave `with stream:` on the thread that entered it")
         if stack[-1][2] != self:
-            # What the entry saved belongs to another stream (maybe another device's): restoring
-            # it here would make that device's stream this device's current one.
-            raise RuntimeError(f"{self!r}.__exit__ out of order: the innermost `with stream:` on this thread "
-                               f"is {stack[-1][2]!r}; leave it first (nothing was changed)")
+            self._exit_out_of_order(stack)
+            return
         previous_device, previous_stream, _ = stack.pop()
         if previous_stream._closed:
             # Closed in the body: the default stream is current again, as after closing the
@@ -484,6 +482,35 @@ class Stream:
         else:
             _current_table()[self._index] = previous_stream
         self._backend.set_device(previous_device)
+
+    def _exit_out_of_order(self, stack: list) -> None:
+        """Leave this stream's innermost ``with`` while a newer one is still entered (asyncio
+        tasks of one thread, each in its own ``with stream:``, leave in any order; issue r15).
+
+        The entry is taken out of the thread's stack and what it saved passes to the entries
+        entered after it: the next one restores this one's device when it exits, and the next
+        one on this stream's device restores this one's previous stream.  With none on this
+        device, this stream stops being its device's current stream now.  The current device
+        stays (a newer block is still inside).  (Restoring the saved pair here would make a
+        newer block's stream, maybe another device's, lose its place: r4's bug.)"""
+        for k in range(len(stack) - 1, -1, -1):
+            if stack[k][2] == self:
+                break
+        else:
+            raise RuntimeError(f"{self!r}.__exit__ without a matching __enter__ on this thread: the current "
+                               f"stream is per thread, so leave `with stream:` on the thread that entered it")
+        previous_device, previous_stream, _ = stack.pop(k)
+        device_, stream_, entered = stack[k]
+        stack[k] = (previous_device, stream_, entered)
+        for j in range(k, len(stack)):
+            device_, stream_, entered = stack[j]
+            if entered._index == self._index:
+                stack[j] = (device_, previous_stream, entered)
+                return
+        if previous_stream._closed:
+            _current_table().pop(self._index, None)
+        else:
+            _current_table()[self._index] = previous_stream
 
     # -- lifetime ------------------------------------------------------------------
     def close(self) -> None:

@@ -1112,3 +1112,35 @@ def test_exit_with_daemon_threads_still_copying(sim_backend):
         proc = run_program(_DAEMON_EXIT, timeout=30)
         assert proc.returncode == 0 and proc.stdout.strip() == "OK", (proc.stdout, proc.stderr)
         assert proc.stderr == "", proc.stderr
+
+
+# -- 18. asyncio request handlers, each in its own `with stream:` ---------------------------
+def test_asyncio_handlers_with_streams_interleaved(sim_backend):
+    """An async server handles requests in tasks of one thread, each inside `with stream:`
+    across an await.  The tasks leave their blocks in a different order than they entered them
+    (the current stream is per thread, not per task, as in torch).  No handler may fail for
+    it, and once all are done the thread's current device and streams are the defaults again
+    (not a finished request's stream, forever)."""
+    import asyncio
+    devs = _devices()
+    accel.set_device_index(0)
+    before = process_state()
+    log = []
+
+    async def handle(i, delay):
+        with accel.Stream(devs[i % len(devs)]) as s:
+            await asyncio.sleep(delay)
+            b = accel.Buffer(4096, device=s.device_index).fill_(i, stream=s)
+            s.synchronize()
+            log.append((i, int(b.to_numpy()[0])))
+
+    async def main():
+        # entered 0, 1, 2, 3; left 3, 0, 2, 1 (and other orders in the second round)
+        await asyncio.gather(*(handle(i, d) for i, d in enumerate((0.02, 0.08, 0.05, 0.0))))
+        await asyncio.gather(*(handle(i, d) for i, d in enumerate((0.0, 0.03, 0.01, 0.02))))
+
+    asyncio.run(main())
+    assert sorted(log) == sorted([(i, i) for i in range(4)] * 2)
+    assert process_state() == before
+    from accel import streams
+    assert not getattr(streams._tls, "stack", None)
