@@ -112,6 +112,32 @@ def test_regular_list_touching_memory_freed_since_recording_is_refused(ze):
     assert all(bytes(ffi.buffer(ffi.cast("char *", a), 64)) == b"\x00" * 64 for a in again)
 
 
+def test_context_destroy_while_the_device_references_it_is_refused_and_frees_its_memory(ze):
+    z = ze()
+    lib = z.lib
+    ctx = z.context()
+    cl = z.immediate(dev=1, ctx=ctx)
+    pool = z.pool(1, ctx=ctx)
+    gate = _gate(z, cl, pool)
+    p = z.alloc(dev=1, ctx=ctx)
+    assert z.fill(cl, p, 64, 4) == 0
+    # ze_api.h, zeContextDestroy: "The application must ensure the device is not currently
+    # referencing the context before it is deleted" (@returns HANDLE_OBJECT_IN_USE). The
+    # simulator destroyed it with the fill still queued.
+    assert lib.zeContextDestroy(ctx) == lib.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE
+    assert lib.zeEventHostSignal(gate) == 0
+    assert lib.zeCommandListHostSynchronize(cl, _UINT64_MAX) == 0
+    assert lib.zeCommandListDestroy(cl) == 0
+    assert lib.zeEventDestroy(gate) == 0 and lib.zeEventPoolDestroy(pool) == 0
+    props = ffi.new("ze_memory_allocation_properties_t *", {"stype": lib.ZE_STRUCTURE_TYPE_MEMORY_ALLOCATION_PROPERTIES})
+    assert lib.zeMemGetAllocProperties(z.ctx, p, props, ffi.NULL) == 0 and props.type == lib.ZE_MEMORY_TYPE_DEVICE
+    assert lib.zeContextDestroy(ctx) == 0
+    # "The implementation of this function may immediately free all Host and Device allocations
+    # associated with this context": the simulator does, so nothing can go on using them (it
+    # kept them allocated, and usable through another context's lookups, for ever).
+    assert lib.zeMemGetAllocProperties(z.ctx, p, props, ffi.NULL) == 0 and props.type == lib.ZE_MEMORY_TYPE_UNKNOWN
+
+
 # -- events ----------------------------------------------------------------------------------------
 
 def test_event_host_reset_while_the_device_references_it_is_refused(ze):

@@ -867,7 +867,25 @@ def zeContextDestroy(hContext):
     ctx = rt.get(hContext, "context")
     if ctx is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
-    rt._forget(ctx)
+    with rt.lock:
+        # ze_api.h, zeContextDestroy: "The application must ensure the device is not currently
+        # referencing the context before it is deleted" (@returns HANDLE_OBJECT_IN_USE): work
+        # submitted to a list or queue of the context that has not run yet.
+        for obj in list(rt.objects.values()):
+            if obj.kind == "cmdlist" and obj.ctx is ctx and _busy(obj):
+                return rt.C.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE
+            if obj.kind == "cmdqueue" and obj.ctx is ctx and obj.queue.done < obj.queue.enqueued:
+                return rt.C.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE
+        # "The implementation of this function may immediately free all Host and Device
+        # allocations associated with this context": the simulator does, so nothing uses them
+        # afterwards (a later access faults; the memory is the device's again).
+        for a in rt.memory.all():
+            if rt.alloc_ctx.get(a.base) is ctx:
+                rt.memory.remove(a)
+                del rt.alloc_ctx[a.base]
+                for card, t, n in rt.alloc_charge.pop(a.base, ()):
+                    card.tile_used[t] -= n
+        rt._forget(ctx)
     return 0
 
 
