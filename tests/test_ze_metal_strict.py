@@ -138,6 +138,38 @@ def test_context_destroy_while_the_device_references_it_is_refused_and_frees_its
     assert lib.zeMemGetAllocProperties(z.ctx, p, props, ffi.NULL) == 0 and props.type == lib.ZE_MEMORY_TYPE_UNKNOWN
 
 
+def test_executing_a_list_twice_at_once_is_refused(ze, monkeypatch):
+    """zeCommandQueueExecuteCommandLists: "The application must ensure the device is not
+    currently referencing the command list" (a list still executing is refused with IN_USE
+    already). The same list twice in one call, or from a second thread while the first call is
+    submitting it, got in: the check and the submission were not one step."""
+    from accel.sim import ze as sim_ze
+    z = ze()
+    lib = z.lib
+    cl, q = z.regular(dev=1), z.queue(dev=1)
+    p = z.alloc(dev=1)
+    assert z.fill(cl, p, 64, 6) == 0
+    assert lib.zeCommandListClose(cl) == 0
+    twice = ffi.new("ze_command_list_handle_t[2]", [cl, cl])
+    assert lib.zeCommandQueueExecuteCommandLists(q, 2, twice, ffi.NULL) == lib.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE
+    once = ffi.new("ze_command_list_handle_t[1]", [cl])
+    seen = []
+    submit = sim_ze._submit
+
+    def meanwhile(*args, **kwargs):   # the first execute is submitting when another thread executes
+        if not seen:
+            seen.append(None)
+            seen[0] = _from_another_thread(lambda: lib.zeCommandQueueExecuteCommandLists(q, 1, once, ffi.NULL))
+        return submit(*args, **kwargs)
+    monkeypatch.setattr(sim_ze, "_submit", meanwhile)
+    assert lib.zeCommandQueueExecuteCommandLists(q, 1, once, ffi.NULL) == 0
+    assert seen == [lib.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE]
+    monkeypatch.setattr(sim_ze, "_submit", submit)
+    assert lib.zeCommandQueueSynchronize(q, _UINT64_MAX) == 0
+    assert lib.zeCommandQueueExecuteCommandLists(q, 1, once, ffi.NULL) == 0     # once it ran: fine
+    assert lib.zeCommandQueueSynchronize(q, _UINT64_MAX) == 0
+
+
 # -- events ----------------------------------------------------------------------------------------
 
 def test_event_host_reset_while_the_device_references_it_is_refused(ze):

@@ -1700,6 +1700,28 @@ def zeCommandQueueExecuteCommandLists(hCommandQueue, numCommandLists, phCommandL
         return C.ZE_RESULT_ERROR_INVALID_SIZE
     if hFence:
         return C.ZE_RESULT_ERROR_INVALID_SYNCHRONIZATION_OBJECT   # fences are not simulated
+    with rt.lock:   # checked and marked as referenced in one step (two threads may execute at once)
+        lists = _executable(rt, cq, numCommandLists, phCommandLists)
+        if isinstance(lists, int):
+            return lists
+        for cl in lists:
+            # ze_api.h: "The application must ensure the device is not currently referencing
+            # the command list": referenced from here on, so a second execute meanwhile (another
+            # thread, or the same list twice in this call) is refused by _busy.
+            cl.executing = (cq.queue, _SUBMITTING)
+    for cl in lists:
+        for op in cl.ops:
+            _submit(rt, cq.queue, op, cq.device, cq.ordinal)
+        cl.executing = (cq.queue, cq.queue.enqueued)
+    return 0
+
+
+_SUBMITTING = float("inf")   # cl.executing's last sequence number while its operations are being submitted
+
+
+def _executable(rt, cq, numCommandLists, phCommandLists):
+    """The lists to execute on ``cq``, or the code refusing them (caller holds ``rt.lock``)."""
+    C = rt.C
     lists = []
     for i in range(numCommandLists):
         cl = rt.get(phCommandLists[i], "cmdlist")
@@ -1712,8 +1734,8 @@ def zeCommandQueueExecuteCommandLists(hCommandQueue, numCommandLists, phCommandL
         # context".
         if not cl.closed or cl.ordinal != cq.ordinal or cl.device is not cq.device or cl.ctx is not cq.ctx:
             return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
-        if _busy(cl):
-            return C.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE   # still referenced by a previous submission
+        if _busy(cl) or cl in lists:
+            return C.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE   # still referenced by a submission (or twice here)
         for op in cl.ops:
             # An event destroyed after it was recorded into the list: the device would use freed
             # driver memory. The documents are silent; the simulator refuses.
@@ -1729,11 +1751,7 @@ def zeCommandQueueExecuteCommandLists(hCommandQueue, numCommandLists, phCommandL
             if any(not a.live for a in op.memory):
                 return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
         lists.append(cl)
-    for cl in lists:
-        for op in cl.ops:
-            _submit(rt, cq.queue, op, cq.device, cq.ordinal)
-        cl.executing = (cq.queue, cq.queue.enqueued)
-    return 0
+    return lists
 
 
 def zeCommandQueueSynchronize(hCommandQueue, timeout):
