@@ -1144,3 +1144,31 @@ def test_asyncio_handlers_with_streams_interleaved(sim_backend):
     assert process_state() == before
     from accel import streams
     assert not getattr(streams._tls, "stack", None)
+
+
+_FIRST_FILLS_RACE = r'''
+    import threading, time, importlib
+    from accel.sim import kernels
+    real = importlib.import_module
+    def slow_import(name, *a):
+        time.sleep(0.3)          # a provider module that takes a while to import (a loaded machine)
+        return real(name, *a)
+    kernels.importlib = type("M", (), {"import_module": staticmethod(slow_import)})
+    found = {}
+    t = threading.Thread(target=lambda: found.setdefault("first", kernels.lookup("accel_philox_store_state")))
+    t.start()
+    time.sleep(0.05)
+    found["second"] = kernels.lookup("accel_philox_store_state")
+    t.join()
+    assert found["first"] is not None and found["second"] is not None, found
+    print("OK")
+'''
+
+
+def test_first_random_fills_of_two_threads_at_once(sim_cuda):
+    """Found by the daemon-prefetch program: two threads' first random fills (one per device)
+    at once made one launch fail with cudaErrorInvalidDeviceFunction.  The simulator's kernel
+    registry marked its reference providers loaded before importing them, so the second
+    thread's lookup found no Philox reference while the first was still importing it."""
+    proc = run_program(_FIRST_FILLS_RACE, timeout=30)
+    assert proc.returncode == 0 and proc.stdout.strip() == "OK", (proc.stdout, proc.stderr)

@@ -60,12 +60,17 @@ class Kernel(NamedTuple):
 _registry: Dict[str, Kernel] = {}
 _lock = threading.Lock()
 _providers_loaded = False
+#: Serializes the providers' import: the flag is set only once they are registered, so a
+#: second thread's lookup waits for them instead of finding nothing (r15).  Reentrant: a
+#: provider's import may itself look a kernel up.
+_providers_lock = threading.RLock()
 
 
 def _fresh_lock_in_child() -> None:
     # A parent thread may have held the lock while forking; it does not exist in the child.
-    global _lock
+    global _lock, _providers_lock
     _lock = threading.Lock()
+    _providers_lock = threading.RLock()
 
 
 os.register_at_fork(after_in_child=_fresh_lock_in_child)
@@ -109,13 +114,16 @@ def _load_providers() -> None:
     global _providers_loaded
     if _providers_loaded:
         return
-    _providers_loaded = True
-    for mod in PROVIDERS:
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as exc:
-            if exc.name != mod:   # the provider exists but one of its imports is missing
-                raise
+    with _providers_lock:
+        if _providers_loaded:
+            return
+        for mod in PROVIDERS:
+            try:
+                importlib.import_module(mod)
+            except ModuleNotFoundError as exc:
+                if exc.name != mod:   # the provider exists but one of its imports is missing
+                    raise
+        _providers_loaded = True
 
 
 def lookup(name: str) -> Optional[Kernel]:
