@@ -809,6 +809,11 @@ def zeDeviceGetMemoryProperties(hDevice, pCount, props):
 _GROUPS = (("copy", 2), ("compute", 1))
 
 
+def _fill_pattern_max(ordinal: int) -> int:
+    """maxMemoryFillPatternSize of queue group ``ordinal``: 16 bytes on compute, 4 on copy engines."""
+    return 16 if ordinal < len(_GROUPS) and _GROUPS[ordinal][0] == "compute" else 4
+
+
 def zeDeviceGetCommandQueueGroupProperties(hDevice, pCount, props):
     rt, rc = _ready()
     if rc:
@@ -828,7 +833,7 @@ def zeDeviceGetCommandQueueGroupProperties(hDevice, pCount, props):
         if kind == "compute":
             flags |= C.ZE_COMMAND_QUEUE_GROUP_PROPERTY_FLAG_COMPUTE | C.ZE_COMMAND_QUEUE_GROUP_PROPERTY_FLAG_METRICS
         props[i].flags = flags
-        props[i].maxMemoryFillPatternSize = 16 if kind == "compute" else 4
+        props[i].maxMemoryFillPatternSize = _fill_pattern_max(i)
         props[i].numQueues = nq
     pCount[0] = k
     return 0
@@ -1504,6 +1509,11 @@ def zeCommandListAppendMemoryCopy(hCommandList, dstptr, srcptr, size, hSignalEve
     dst, src = _addr(dstptr), _addr(srcptr)
     if not dst or not src:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
+    if size and dst < src + size and src < dst + size:
+        # ze_api.h, ZE_RESULT_ERROR_OVERLAPPING_REGIONS: "copy operations do not support
+        # overlapping regions of memory" (zeCommandListAppendMemoryCopy's entry is silent:
+        # refused with that code, for USM and virtual memory alike).
+        return rt.C.ZE_RESULT_ERROR_OVERLAPPING_REGIONS
     memory = ()
     if size:
         memory = (_usm(rt, dst, size), _usm(rt, src, size))
@@ -1534,7 +1544,11 @@ def zeCommandListAppendMemoryFill(hCommandList, ptr, pattern, pattern_size, size
     dst = _addr(ptr)
     if not dst or not pattern:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
-    if pattern_size == 0 or pattern_size & (pattern_size - 1) or pattern_size > 16:
+    cl = rt.get(hCommandList, "cmdlist")
+    # ze_api.h: "The pattern size must be a power-of-two and less than or equal to
+    # ze_command_queue_group_properties_t.maxMemoryFillPatternSize" -- of the list's queue group.
+    most = _fill_pattern_max(cl.ordinal) if cl is not None else 16
+    if pattern_size == 0 or pattern_size & (pattern_size - 1) or pattern_size > most:
         return rt.C.ZE_RESULT_ERROR_INVALID_SIZE
     if size % pattern_size:
         return rt.C.ZE_RESULT_ERROR_INVALID_SIZE
