@@ -47,7 +47,7 @@ from . import _lazy
 from ._errors import AcceleratorError
 from .backends.base import Backend
 
-__all__ = ["pending", "drain", "release", "finalize", "finalize_later", "defer", "collecting", "pid",
+__all__ = ["pending", "drain", "release", "finalize", "finalize_later", "release_on_del", "defer", "collecting", "pid",
            "forked_error"]
 
 #: Releases waiting for a safe point: (function, args) tuples.
@@ -138,6 +138,17 @@ def finalize_later(obj, fn: Callable, *args) -> None:
     reference, and :func:`drain` does it once the object is gone.  An object the collection
     resurrected (a finalizer stored it) is closed then, as one dropped outside a collection."""
     pending.append((_release_if_gone, (weakref.ref(obj), fn, args)))
+
+
+def release_on_del(obj, fn: Callable, *args) -> None:
+    """What ``obj.__del__`` does with its release ``fn(*args)``: outside a collection, mark ``obj``
+    closed and :func:`finalize`; during one, leave it open until its cycle is gone
+    (:func:`finalize_later`)."""
+    if _collecting:
+        finalize_later(obj, fn, *args)
+        return
+    obj._closed = True
+    finalize(fn, *args)
 
 
 def _release_if_gone(ref, fn: Callable, args: tuple) -> None:

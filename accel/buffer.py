@@ -780,24 +780,16 @@ class Buffer:
         if getattr(self, "_closed", True) or self._pid != _fin.pid:
             return
         # During a collection the buffer stays open until its cycle is gone: another finalizer of
-        # the same garbage may still use it (accel._finalize.finalize_later).
-        later = _fin.collecting()
+        # the same garbage may still use it (accel._finalize.release_on_del).
         if self._uses is not None:
             # a non-owning buffer: its owner is released even after a runtime reset (the
             # release skips the wait then), so a DLPack deleter still runs exactly once
-            if later:
-                _fin.finalize_later(self, _release_foreign_uses, self._owner, self._backend, self._uses)
-                return
-            self._closed = True
-            _fin.finalize(_release_foreign, self._owner, self._backend, tuple(self._uses.values()))
+            _fin.release_on_del(self, _release_foreign_uses, self._owner, self._backend, self._uses)
         elif _lazy.is_initialized():
-            if later:
-                if self._nbytes:
-                    _fin.finalize_later(self, _free, self._backend, self._index, self._ptr)
-                return
-            self._closed = True
             if self._nbytes:
-                _fin.finalize(_free, self._backend, self._index, self._ptr)
+                _fin.release_on_del(self, _free, self._backend, self._index, self._ptr)
+            elif not _fin.collecting():
+                self._closed = True
 
 
 def _free(backend, index: int, ptr: int) -> None:
@@ -848,8 +840,8 @@ def _release_foreign(owner, backend, streams) -> None:
 
 
 def _release_foreign_uses(owner, backend, uses: dict) -> None:
-    """_release_foreign with the streams of ``uses`` as they are now (a finalizer that ran after
-    the buffer's own, in the same collection, may have used it on another stream)."""
+    """_release_foreign with the streams of ``uses`` as they are when it runs (during a collection,
+    a finalizer that ran after the buffer's own may have used it on another stream)."""
     _release_foreign(owner, backend, tuple(uses.values()))
 
 
