@@ -553,12 +553,8 @@ class Stream:
         # Never waits on a lock (hooks try theirs; see accel._finalize); nothing in a forked child.
         if (getattr(self, "_owned", False) and not self._closed and self._pid == _fin.pid
                 and _lazy.is_initialized()):
-            if _fin.collecting():
-                # open until its cycle is gone: another finalizer of it may still use it
-                _fin.finalize_later(self, _destroy, self._backend, self._index, self._handle, False)
-                return
-            self._closed = True
-            _fin.finalize(_destroy, self._backend, self._index, self._handle, False)
+            # during a collection, open until its cycle is gone: another finalizer may still use it
+            _fin.release_on_del(self, _destroy, self._backend, self._index, self._handle, False)
 
 
 def ExternalStream(stream_ptr: int, device: DeviceLike = None) -> Stream:
@@ -840,12 +836,8 @@ class Event:
             # open until its cycle is gone: another finalizer of it may still use it (even make
             # its device event: _create then queues that handle's release)
             self._late = True
-            if self._handle is not None:
-                _fin.finalize_later(self, self._backend.event_destroy, self._handle)
-            return
         if self._handle is not None:
-            self._closed = True
-            _fin.finalize(self._backend.event_destroy, self._handle)
+            _fin.release_on_del(self, self._backend.event_destroy, self._handle)
 
 
 def _as_stream(obj, what: str) -> Stream:
