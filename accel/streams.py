@@ -469,8 +469,7 @@ class Stream:
     def __exit__(self, *exc) -> None:
         stack = getattr(_tls, "stack", None)
         if not stack:
-            raise RuntimeError(f"{self!r}.__exit__ without a matching __enter__ on this thread: the current "
-                               f"stream is per thread, so leave `with stream:` on the thread that entered it")
+            raise self._unmatched_exit()
         if stack[-1][2] != self:
             self._exit_out_of_order(stack)
             return
@@ -482,6 +481,10 @@ class Stream:
         else:
             _current_table()[self._index] = previous_stream
         self._backend.set_device(previous_device)
+
+    def _unmatched_exit(self) -> RuntimeError:
+        return RuntimeError(f"{self!r}.__exit__ without a matching __enter__ on this thread: the current "
+                            f"stream is per thread, so leave `with stream:` on the thread that entered it")
 
     def _exit_out_of_order(self, stack: list) -> None:
         """Leave this stream's innermost ``with`` while a newer one is still entered (asyncio
@@ -497,8 +500,7 @@ class Stream:
             if stack[k][2] == self:
                 break
         else:
-            raise RuntimeError(f"{self!r}.__exit__ without a matching __enter__ on this thread: the current "
-                               f"stream is per thread, so leave `with stream:` on the thread that entered it")
+            raise self._unmatched_exit()
         previous_device, previous_stream, _ = stack.pop(k)
         device_, stream_, entered = stack[k]
         stack[k] = (previous_device, stream_, entered)
