@@ -310,12 +310,9 @@ def cuDevicePrimaryCtxGetState(dev, flags, active):
     # CUDA Driver API, cuDevicePrimaryCtxGetState: "Returns in *flags the flags for the primary
     # context of dev, and in *active whether it is active"; CUDA_ERROR_INVALID_DEVICE for a bad
     # dev, CUDA_ERROR_INVALID_VALUE for a NULL out-pointer.  It creates no context.
-    cudart, R, rc = _started()
+    cudart, R, d, rc = _started_on(dev)
     if rc:
         return rc
-    d = _ordinal(R, dev)
-    if d < 0:
-        return CUDA_ERROR_INVALID_DEVICE
     null = _dffi().NULL
     if flags == null or active == null:
         return CUDA_ERROR_INVALID_VALUE
@@ -324,19 +321,22 @@ def cuDevicePrimaryCtxGetState(dev, flags, active):
     return CUDA_SUCCESS
 
 
-def _ordinal(R, dev) -> int:
-    """The ordinal of CUdevice ``dev``, or -1 when it is not one cuDeviceGet hands out."""
+def _started_on(dev):
+    """_started() for a call naming CUdevice ``dev``: ``(cudart, R, ordinal, rc)``, rc
+    CUDA_ERROR_INVALID_DEVICE when ``dev`` is not one cuDeviceGet hands out."""
+    cudart, R, rc = _started()
+    if rc:
+        return cudart, R, -1, rc
     i = dev - _CUDEVICE_BASE
-    return i if 0 <= i < len(R.devices) else -1
+    if not 0 <= i < len(R.devices):
+        return cudart, R, -1, CUDA_ERROR_INVALID_DEVICE
+    return cudart, R, i, CUDA_SUCCESS
 
 
 def cuDeviceGetAttribute(pi, attrib, dev):
-    cudart, R, rc = _started()
+    cudart, R, d, rc = _started_on(dev)
     if rc:
         return rc
-    d = _ordinal(R, dev)
-    if d < 0:
-        return CUDA_ERROR_INVALID_DEVICE
     if pi == _dffi().NULL or not (1 <= attrib <= 147):
         return CUDA_ERROR_INVALID_VALUE
     if attrib == _ATTR_VMM:
