@@ -264,22 +264,21 @@ class _FreeList:
         return value | value << self.shift
 
     def alloc_delta(self, size: int, nbytes: int) -> int:
-        if len(self.alloc_deltas) >= _MEMO_LIMIT:
-            self.alloc_deltas.clear()
-        delta = self.alloc_deltas[nbytes] = self.lanes(1 | size << 64 | nbytes << 128)
-        return delta
+        return _remember(self.alloc_deltas, nbytes, self.lanes(1 | size << 64 | nbytes << 128))
 
     def shrink_delta(self, nbytes: int) -> int:
-        if len(self.shrink_deltas) >= _MEMO_LIMIT:
-            self.shrink_deltas.clear()
-        delta = self.shrink_deltas[nbytes] = self.lanes(nbytes << (_ISPLIT + 64))
-        return delta
+        return _remember(self.shrink_deltas, nbytes, self.lanes(nbytes << (_ISPLIT + 64)))
 
     def split_delta(self, nbytes: int) -> int:
-        if len(self.split_deltas) >= _MEMO_LIMIT:
-            self.split_deltas.clear()
-        delta = self.split_deltas[nbytes] = self.lanes((1 | nbytes << 64) << _ISPLIT)
-        return delta
+        return _remember(self.split_deltas, nbytes, self.lanes((1 | nbytes << 64) << _ISPLIT))
+
+
+def _remember(memo: Dict[int, int], key: int, value: int) -> int:
+    """Store ``value`` in ``memo`` (emptied first when full: bounded whatever the sizes) and return it."""
+    if len(memo) >= _MEMO_LIMIT:
+        memo.clear()
+    memo[key] = value
+    return value
 
 
 class _PrivatePool:
