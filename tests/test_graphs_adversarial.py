@@ -423,3 +423,40 @@ def test_second_capture_on_a_device_says_what_to_do(sim_graph_backend):
     g2.replay()
     accel.synchronize()
     assert _captures() == 0
+
+
+def test_reset_releases_everything_when_destroying_the_executable_fails(sim_graph_backend, monkeypatch):
+    """A failing cudaGraphExecDestroy is reported, and the graph, its private pool and its
+    allocations are still released (each release is attempted), so reset() leaks nothing."""
+    s = accel.Stream(1)
+    accel.synchronize(1)
+    alloc = accel.memory.device_allocator(1)
+    alloc.empty_cache()
+    reserved = alloc.stats()["reserved_bytes.all.current"]
+    g = Graph()
+    with s, g:
+        t = accel.Buffer(1 << 20, device=1, stream=s)    # from the graph's private pool
+        t.fill_(1, s)
+    del t
+    backend = g._backend
+    real = backend.graph_exec_destroy
+    failed = []
+
+    def refuse(handle):
+        failed.append(handle)
+        raise accel.AcceleratorError("injected: cudaGraphExecDestroy failed")
+
+    monkeypatch.setattr(backend, "graph_exec_destroy", refuse)
+    with pytest.raises(accel.AcceleratorError, match="injected"):
+        g.reset()
+    monkeypatch.undo()
+    real(failed[0])                 # what the refused call left behind, for the count below
+    assert g._graph is None and g._pool is None
+    accel.synchronize(1)
+    alloc.empty_cache()
+    assert alloc.stats()["reserved_bytes.all.current"] == reserved    # the pool went too
+    st = vars(sim.state())
+    assert st.get("graphs", 0) in (0, None) and st.get("graph_execs", 0) in (0, None)
+    g.reset()                       # nothing left to release: a no-op
+    s.close()
+    _usable()
