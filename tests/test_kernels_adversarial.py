@@ -273,3 +273,30 @@ def test_failed_unload_leaves_the_module_open_to_close_again(saxpy):
     m.function("saxpy")
     m.close()
     assert m.closed and sim.state().modules == before
+
+
+def test_close_from_another_thread_never_unloads_under_a_launch(saxpy, monkeypatch):
+    """Module.close in one thread while another thread is inside launch: the unload waits until
+    the launch was queued (a driver launching a function of an unloaded module is undefined
+    behaviour), and the next launch says the module is closed."""
+    import threading
+    k, x, y = saxpy
+    backend = k._backend
+    real = backend.launch
+    closer = []
+
+    def launch_while_closing(*args):
+        t = threading.Thread(target=k.module.close)
+        closer.append(t)
+        t.start()
+        t.join(0.3)             # the close must not get through while this launch is underway
+        return real(*args)
+
+    monkeypatch.setattr(backend, "launch", launch_while_closing)
+    accel.launch(k, 1, 1, 1.0, x, y, 0)
+    monkeypatch.undo()
+    closer[0].join(10)
+    assert not closer[0].is_alive() and k.module.closed
+    with pytest.raises(ValueError, match="closed"):
+        accel.launch(k, 1, 1, 1.0, x, y, 0)
+    accel.synchronize()

@@ -210,7 +210,18 @@ _registry = None
 
 
 def _launch_here(backend, kernel: Kernel, grid, block, packed, shared_mem: int, stream, lim: dict) -> None:
-    """Queue the checked launch; the kernel's device is current."""
+    """Queue the checked launch; the kernel's device is current.  Under the module's lock, which
+    Module.close takes to drop the handle: a close in another thread cannot unload the module
+    between the check and the launch (a function of an unloaded module is undefined behaviour
+    for the driver)."""
+    module = kernel.module
+    with module._lock:
+        if module._handle is None:
+            module._live()          # raises: closed (in another thread since launch checked)
+        _launch_locked(backend, kernel, grid, block, packed, shared_mem, stream, lim)
+
+
+def _launch_locked(backend, kernel: Kernel, grid, block, packed, shared_mem: int, stream, lim: dict) -> None:
     if shared_mem > lim["max_shared_per_block"] and shared_mem > kernel._smem_optin:
         # CUDA Programming Guide, "Shared Memory" (7.x+): above 48 KB a kernel must opt in.
         backend.function_set_max_dynamic_shared(kernel.handle, shared_mem)
