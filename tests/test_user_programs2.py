@@ -213,3 +213,98 @@ def test_long_loop_graphs_pools_generators_bounded(sim_backend):
     before = footprint()
     steps(300)
     assert_same_footprint(before, footprint())
+
+
+# -- 3. a KV cache growing into OutOfMemoryError under a memory fraction ------------------------
+CONFS = ["expandable_segments:True", "expandable_segments:False", "backend:cudaMallocAsync"]
+
+
+def _snapshot_bytes(dev: int) -> tuple:
+    """(allocated, reserved) bytes of ``dev`` as memory_snapshot's segments tell them."""
+    alloc = reserved = 0
+    for seg in accel.memory.memory_snapshot():
+        if seg["device"] != dev:
+            continue
+        reserved += seg["total_size"]
+        alloc += sum(b["size"] for b in seg["blocks"] if b["state"] == "active_allocated")
+    return alloc, reserved
+
+
+@pytest.mark.parametrize("conf", CONFS)
+def test_kv_cache_grows_until_oom_frees_half_and_continues(monkeypatch, conf):
+    """A serving loop appends KV blocks of growing size on the last device until the memory
+    fraction refuses one, drops the older half, and goes on.  Each OutOfMemoryError names the
+    size asked for and the limit; memory_stats agrees with memory_snapshot after every
+    recovery; at the end every byte comes back."""
+    kinds = ["cuda"] if conf.startswith("backend") else ["cuda", "xpu", "mps"]
+    for kind in kinds:
+        use_sim(monkeypatch, kind, ACCEL_ALLOC_CONF=conf, ACCEL_SIM_MEMORY="1G")
+        last = _devices()[-1]
+        settle()
+        base = accel.memory.memory_allocated(last)
+        total = accel.get_memory_info(last)[1]
+        accel.memory.set_per_process_memory_fraction(0.05, last)      # ~51 MiB of 1 GiB
+        try:
+            cache, ooms, step = [], 0, 0
+            while ooms < 4 and step < 400:
+                step += 1
+                size = (256 << 10) * (1 + step % 9)
+                try:
+                    blk = accel.Buffer(size, device=last)
+                except accel.OutOfMemoryError as exc:
+                    ooms += 1
+                    msg = str(exc)
+                    # torch names the segment it tried to map or allocate (round_size, then the
+                    # segment size), not the request: at least the request
+                    # (cudaMallocAsync: torch's "Requested : X" table)
+                    head = "Requested               : " if conf.startswith("backend") else "Tried to allocate "
+                    assert head in msg and " MiB" in msg, (kind, conf, msg)
+                    asked = float(msg.split(head)[1].split(" MiB")[0])
+                    assert asked >= round(size / MiB, 2), (kind, conf, size, msg)
+                    assert str(last) in msg, (kind, conf, msg)
+                    del exc
+                    del cache[: len(cache) // 2]          # evict the older half
+                    stats = accel.memory.memory_stats(last)
+                    assert stats["allocated_bytes.all.current"] == accel.memory.memory_allocated(last)
+                    assert stats["allocated_bytes.all.current"] >= sum(b.nbytes for _, b in cache)
+                    if not conf.startswith("backend"):
+                        alloc, reserved = _snapshot_bytes(last)
+                        assert alloc == stats["allocated_bytes.all.current"], (kind, conf, alloc, stats)
+                        assert reserved == stats["reserved_bytes.all.current"], (kind, conf, reserved, stats)
+                    continue
+                blk.fill_(step % 256)
+                cache.append((step % 256, blk))
+            assert ooms == 4, (kind, conf, ooms, step)
+            assert accel.memory.memory_stats(last)["num_ooms"] == ooms
+            for value, b in cache:                      # the survivors kept their contents
+                assert (b.to_numpy()[:: 1 << 12] == value).all(), (kind, conf, value)
+            del cache, blk, b
+        finally:
+            accel.memory.set_per_process_memory_fraction(1.0, last)
+        settle()
+        assert accel.memory.memory_allocated(last) == base, (kind, conf)
+        assert accel.memory.memory_reserved(last) == 0, (kind, conf)
+        assert total == accel.get_memory_info(last)[1]
+
+
+def test_memory_fraction_set_at_run_time_under_cuda_malloc_async(monkeypatch):
+    """torch's cudaMallocAsync backend takes set_per_process_memory_fraction at run time
+    (CudaMallocAsyncAllocator::setMemoryFraction: a cap on the bytes it hands out); accel's
+    raised NotImplementedError, so a program that worked with the native allocator died when
+    a user switched the backend.  Both devices, each with its own cap; 1.0 lifts it."""
+    use_sim(monkeypatch, "cuda", ACCEL_ALLOC_CONF="backend:cudaMallocAsync", ACCEL_SIM_MEMORY="1G")
+    keep = accel.Buffer(8 * MiB, device=0)
+    accel.memory.set_per_process_memory_fraction(0.02, 1)        # ~20 MiB on device 1 only
+    assert accel.memory.get_per_process_memory_fraction(1) == 0.02
+    assert accel.memory.get_per_process_memory_fraction(0) == 1.0
+    a = accel.Buffer(16 * MiB, device=1)
+    with pytest.raises(accel.OutOfMemoryError, match="(?s)device 1.*Requested +: 8.00 MiB"):
+        accel.Buffer(8 * MiB, device=1)
+    big0 = accel.Buffer(64 * MiB, device=0)                      # device 0 is not capped
+    accel.memory.set_per_process_memory_fraction(1.0, 1)
+    b = accel.Buffer(64 * MiB, device=1)
+    assert accel.memory.get_per_process_memory_fraction(1) == 1.0
+    assert accel.memory.memory_stats(1)["num_ooms"] == 1
+    del keep, a, big0, b
+    settle()
+    assert [accel.memory.memory_allocated(d) for d in _devices()] == [0, 0]

@@ -21,7 +21,8 @@ and the semantics of torch's ``c10/cuda/CUDAMallocAsyncAllocator.cpp``:
   cudaMallocAsync/cudaFreeAsync calls).  The pool is the device's: memory another library
   allocates from it shows in the pool figures too.  The pool's peaks are reset when the
   allocator starts, so they count from then.
-* Out of memory (the pool cannot grow, or ``per_process_memory_fraction`` would be passed):
+* Out of memory (the pool cannot grow, or ``per_process_memory_fraction``, from
+  ``ACCEL_ALLOC_CONF`` or ``set_per_process_memory_fraction``, would be passed):
   the runtime's "last error" is cleared and :class:`accel.OutOfMemoryError` raised with
   torch's message; nothing else changes.
 * ``snapshot()`` has no segments: the driver's pool keeps no blocks accel could list (torch's
@@ -194,6 +195,18 @@ class AsyncPoolAllocator:
     @property
     def config(self) -> _config.AllocConfig:
         return self._config
+
+    def set_memory_fraction(self, fraction: float) -> None:
+        """Cap the bytes this allocator hands out (torch's ``pytorch_used_bytes``) at
+        ``fraction`` (0..1, checked by the caller) of the device's total from now on: torch's
+        ``CudaMallocAsyncAllocator::setMemoryFraction`` (c10/cuda/CUDAMallocAsyncAllocator.cpp).
+        Allocations already made stay; the next one that would pass the cap raises
+        :class:`accel.OutOfMemoryError`.  1.0 removes the cap."""
+        with on_device(self._be, self._index):
+            total = self._be.mem_info()[1]
+        with self._lock:
+            self._config = self._config._replace(per_process_memory_fraction=float(fraction))
+            self._limit = int(fraction * total) if fraction < 1.0 else None
 
     def malloc(self, nbytes: int, stream: Optional[int] = None) -> int:
         """``cudaMallocAsync`` of ``nbytes`` on ``stream`` (a backend stream handle; None = the
@@ -775,7 +788,8 @@ class AsyncPoolAllocator:
                 f"Requested               : {fmt(nbytes)}\n"
                 f"Device limit            : {fmt(total)}\n"
                 f"Free (according to {self._be.name.upper()}): {fmt(free)}\n"
-                f"accel limit (set by per_process_memory_fraction in ACCEL_ALLOC_CONF)\n"
+                f"accel limit (set by per_process_memory_fraction in ACCEL_ALLOC_CONF or "
+                f"set_per_process_memory_fraction)\n"
                 f"                        : {limit}\n"
                 f"Free memory that is no longer needed, or call accel.memory.empty_cache() to return the "
                 f"pool's unused memory to the device.")
