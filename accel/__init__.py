@@ -16,7 +16,7 @@ import threading
 import warnings
 from typing import Optional
 
-from . import _lazy, backends as _backends
+from . import _exit, _lazy, backends as _backends
 from ._device import DeviceLike, check_range, device, device_index as _device_index, parse_index as _parse_index
 from ._errors import (AcceleratorError, CaptureError, CompileError, DeferredCallError, InvalidDeviceError,
                       KernelImageError, OutOfMemoryError)
@@ -25,6 +25,8 @@ from .buffer import Buffer
 from .streams import Event, ExternalStream, Stream, current_stream, default_stream, on_device as _on_device, set_stream
 
 __version__ = "0.1.0"
+
+_exit.keep_imports_at_exit()     # a user's __del__ at interpreter exit may still call into accel
 
 __all__ = [
     "AcceleratorError", "Buffer", "CaptureError", "DeferredCallError", "Event", "ExternalStream", "Graph",
