@@ -308,3 +308,157 @@ def test_memory_fraction_set_at_run_time_under_cuda_malloc_async(monkeypatch):
     del keep, a, big0, b
     settle()
     assert [accel.memory.memory_allocated(d) for d in _devices()] == [0, 0]
+
+
+# -- 4. record_stream on a side stream that is destroyed before the buffer is freed -------------
+def test_record_stream_on_a_stream_closed_before_the_free(sim_backend, monkeypatch):
+    """A prefetch helper uses a buffer on a side stream (record_stream), closes the side
+    stream while its work is still queued, then the owner frees the buffer and calls
+    empty_cache while the block still waits.  The memory is not reused before the side work
+    ran (the data the side stream read is intact), and after synchronize every byte is back,
+    on both devices; the simulator holds no stream or event of the dead side streams."""
+    use_sim(monkeypatch, sim_backend, ACCEL_SIM_DELAY_US=3000)
+    devs = _devices()
+    settle()
+    base_live = live_objects()
+    n = 1 << 16
+    results = []
+    for d in devs:
+        with accel.device_index(d):
+            src = accel.Buffer(n).fill_(d + 5)
+            side = accel.Stream(d)
+            side.wait_stream(accel.current_stream())
+            out = accel.empty_pinned(n, np.uint8)
+            with side:
+                src.copy_to(out, non_blocking=True)        # queued behind the delay
+                stamp = side.record_event()
+            src.record_stream(side)
+            side.close()                                   # queued work still runs
+            del src, side                                  # freed while the copy may be pending
+            accel.memory.empty_cache()                     # must not release the waiting block
+            reuse = accel.Buffer(n).fill_(0xEE)            # may not take the block yet
+            results.append((d, out, stamp, reuse))
+    for d, out, stamp, reuse in results:
+        stamp.synchronize()
+        assert (out == d + 5).all(), (d, out[:4])
+        assert (reuse.to_numpy()[:16] == 0xEE).all()
+    del results, out, stamp, reuse
+    settle()
+    assert [accel.memory.memory_allocated(d) for d in devs] == [0] * len(devs)
+    assert [accel.memory.memory_reserved(d) for d in devs] == [0] * len(devs)
+    assert accel.memory.host_memory_stats()["allocated_bytes.current"] == 0
+    assert live_objects() == base_live
+
+
+# -- 5. RNG checkpoints: a user's fork_rng, bad states, and seeding while a graph captures ------
+class fork_rng:
+    """What users write (torch.random.fork_rng's job): save every device's RNG state, restore
+    it on exit, even when the body raises."""
+
+    def __enter__(self):
+        self.saved = accel.random.get_rng_state_all()
+        return self
+
+    def __exit__(self, *exc):
+        accel.random.set_rng_state_all(self.saved)
+        return False
+
+
+def _states() -> list:
+    return [bytes(s) for s in accel.random.get_rng_state_all()]
+
+
+def _draw(dev: int) -> bytes:
+    b = accel.Buffer(4 * 64, device=dev)
+    accel.random.uniform_(b)
+    return b.to_numpy().tobytes()
+
+
+BAD_STATES = [
+    (None, TypeError, "NoneType"), (5, TypeError, "int"), ("state", TypeError, "str"),
+    ([0] * 16, TypeError, "list"), (np.zeros(16, np.float32), TypeError, "float32"),
+    (np.zeros(16, np.int8), TypeError, "int8"), (np.zeros((2, 8), np.uint8), TypeError, "(2, 8)"),
+    (np.zeros(15, np.uint8), RuntimeError, "wrong size"), (np.zeros(17, np.uint8), RuntimeError, "17"),
+    (np.array([1, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0], np.uint8), RuntimeError, "multiple of 4"),
+]
+
+
+@pytest.mark.parametrize("bad, exc, text", BAD_STATES, ids=lambda v: repr(v)[:24])
+def test_bad_rng_states_change_nothing_on_any_device(sim_backend, bad, exc, text):
+    """A checkpoint loader passes a wrong state (type, dtype, shape, size, offset) to
+    set_rng_state for the last device, or inside the list of set_rng_state_all: a clear error
+    naming what is wrong, and no device's generator changed -- not even the ones before the
+    bad entry."""
+    devs = _devices()
+    accel.random.manual_seed_all(11)
+    _draw(devs[-1])
+    before = _states()
+    with pytest.raises(exc, match=None) as info:
+        accel.random.set_rng_state(bad, devs[-1])
+    assert text in str(info.value), str(info.value)
+    assert _states() == before
+    good = accel.random.get_rng_state_all()
+    good[0] = np.frombuffer(accel.random.get_rng_state(0).tobytes()[:8] + bytes(8), np.uint8).copy()
+    with pytest.raises(exc) as info:
+        accel.random.set_rng_state_all(good[:-1] + [bad])
+    assert text in str(info.value), str(info.value)
+    assert _states() == before
+    with pytest.raises(TypeError, match="dict"):            # {device: state}, a checkpoint's shape
+        accel.random.set_rng_state_all(dict(enumerate(good)))
+    assert _states() == before
+
+
+def test_fork_rng_around_draws_and_captures(sim_backend):
+    """Draws inside a fork_rng block do not disturb the stream of numbers outside it, on any
+    device, even when the block raises; a graph captured inside the block (where the backend
+    captures fills) replays fresh numbers and leaves the restored state alone."""
+    devs = _devices()
+    accel.random.manual_seed_all(2024)
+    expected = [_draw(d) for d in devs]
+    accel.random.manual_seed_all(2024)
+    with pytest.raises(KeyError):
+        with fork_rng():
+            accel.random.manual_seed_all(1)
+            for d in devs:
+                _draw(d)
+            raise KeyError("body failed")
+    assert [_draw(d) for d in devs] == expected
+    if sim_backend == "cuda":                   # Philox fills captured (kernels): offsets move per replay
+        accel.random.manual_seed_all(5)
+        before = _states()
+        last = devs[-1]
+        with fork_rng():
+            out = accel.Buffer(4 * 64, device=last)
+            s, g = accel.Stream(last), accel.Graph()
+            with accel.device_index(last), s, g:
+                accel.random.uniform_(out)
+            g.replay()
+            first = out.to_numpy().tobytes()
+            g.replay()
+            assert out.to_numpy().tobytes() != first
+        assert _states() == before
+
+
+@pytest.mark.parametrize("call", ["manual_seed_all", "seed_all", "set_rng_state_all"])
+def test_seeding_every_device_while_one_captures_changes_none(sim_graph_backend, call):
+    """A training script reseeds every device while device 1 captures a graph (a mistake):
+    the call raises torch's capture error -- and, as set_rng_state_all documents, no
+    generator changed.  (It changed device 0's and then refused device 1's.)"""
+    devs = _devices()
+    accel.random.manual_seed_all(7)
+    saved = accel.random.get_rng_state_all()
+    accel.random.manual_seed_all(9)
+    before = _states()
+    last = devs[-1]
+    b = accel.Buffer(512, device=last)
+    s, g = accel.Stream(last), accel.Graph()
+    args = {"manual_seed_all": (3,), "seed_all": (), "set_rng_state_all": (saved,)}[call]
+    with accel.device_index(last), s, g:
+        b.fill_(1)
+        with pytest.raises(RuntimeError, match="captur") as info:
+            getattr(accel.random, call)(*args)
+        assert f"device {last}" in str(info.value) or "set_current_seed" in str(info.value)
+        assert _states() == before
+    g.replay()
+    getattr(accel.random, call)(*args)          # after the capture it works
+    assert _states() != before

@@ -124,6 +124,8 @@ def set_rng_state_all(new_states) -> None:
     """Restore every device's generator from :func:`get_rng_state_all` output.  All
     states are checked first: on any error no generator changes."""
     try:
+        if isinstance(new_states, (dict, set, frozenset)):     # iterating would yield keys
+            raise TypeError
         states = list(new_states)
     except TypeError:
         raise TypeError(f"set_rng_state_all takes a list of states (one per device, as get_rng_state_all() "
@@ -133,6 +135,8 @@ def set_rng_state_all(new_states) -> None:
         raise ValueError(f"set_rng_state_all got {len(states)} states but only {count} device(s) exist")
     parsed = [Generator.parse_state(s) for s in states]
     gens = [default_generator(i) for i in range(len(parsed))]
+    for gen in gens:            # a capture refuses set_state: refuse before any generator changed
+        gen._not_capturing("set_state")
     for gen, (seed_value, offset) in zip(gens, parsed):
         gen.set_state(_state_of(seed_value, offset))
 
@@ -152,10 +156,16 @@ def manual_seed(seed, /) -> None:
 
 
 def manual_seed_all(seed, /) -> None:
-    """Seed every device's generator (offset reset to 0).  Never initializes the runtime."""
+    """Seed every device's generator (offset reset to 0).  Never initializes the runtime.
+    A generator whose device is capturing takes only its own seed again (torch's rule): then
+    RuntimeError, and no generator changed."""
     value = check_seed(seed)
-    for i in range(_device_count()):
-        default_generator(i).manual_seed(value)
+    gens = [default_generator(i) for i in range(_device_count())]
+    for gen in gens:            # check every device before seeding any
+        if gen.capturing and gen.initial_seed() != value:
+            gen.manual_seed(value)      # raises torch's capture error
+    for gen in gens:
+        gen.manual_seed(value)
 
 
 def seed() -> int:
