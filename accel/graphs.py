@@ -73,10 +73,15 @@ def _check_pool(pool) -> Tuple[int, int]:
     return ids
 
 
+class _UnknownCaptureMode(ValueError, RuntimeError):
+    """A capture_error_mode that is none of _MODES.  torch raises it from a TORCH_CHECK in
+    capture_begin (RuntimeError); accel raised ValueError: this class is both."""
+
+
 def _check_mode(mode: str) -> str:
     if mode not in _MODES:
-        raise ValueError("Unknown capture error mode. Expected `default`, `global`, `thread_local`, "
-                         f"or `relaxed`, got {mode}")
+        raise _UnknownCaptureMode("Unknown capture error mode. Expected `default`, `global`, `thread_local`, "
+                                  f"or `relaxed`, got {mode}")
     return mode
 
 
@@ -338,7 +343,8 @@ class Graph:
         accel.memory.empty_host_cache()
         self.capture_begin()
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(self, *exc_info) -> None:
+        exc = exc_info[1] if len(exc_info) > 1 else None      # torch's signature: (*exc_info)
         if exc is None:
             _end_block(self)
         else:
