@@ -104,12 +104,12 @@ def initial_seed(device=None, /) -> int:
     return default_generator(_resolve(device)).initial_seed()
 
 
-def get_rng_state(device=None, /):
+def get_rng_state(device=None):
     """``device``'s generator state: numpy uint8 array of 16 bytes (seed, offset; little-endian)."""
     return default_generator(_resolve(device)).get_state()
 
 
-def set_rng_state(new_state, device=None, /) -> None:
+def set_rng_state(new_state, device=None) -> None:
     """Restore ``device``'s generator from :func:`get_rng_state` output (16 bytes) or an
     8-byte seed (offset 0).  Errors leave the state unchanged."""
     default_generator(_resolve(device)).set_state(new_state)
@@ -146,7 +146,7 @@ def _state_of(seed_value: int, offset: int) -> bytes:
     return struct.pack("<Qq", seed_value, offset)
 
 
-def manual_seed(seed, /) -> None:
+def manual_seed(seed) -> None:
     """Seed the current device's generator (offset reset to 0).  ``seed`` is an integer in
     [-2**63, 2**64); negatives are taken mod 2**64.  No-op without a device; never initializes."""
     value = check_seed(seed)
@@ -155,7 +155,7 @@ def manual_seed(seed, /) -> None:
     default_generator(_current_index()).manual_seed(value)
 
 
-def manual_seed_all(seed, /) -> None:
+def manual_seed_all(seed) -> None:
     """Seed every device's generator (offset reset to 0).  Never initializes the runtime.
     A generator whose device is capturing takes only its own seed again (torch's rule): then
     RuntimeError, and no generator changed."""
