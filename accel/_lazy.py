@@ -13,10 +13,9 @@ This mirrors ``torch/cuda/__init__.py`` and ``device_lazy_init.cpp``.
 
 from __future__ import annotations
 
-import itertools
 import os
 import threading
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from . import backends
 from ._errors import DeferredCallError
@@ -33,8 +32,9 @@ _initialized_backend: Optional[Backend] = None
 ready: Optional[Backend] = None
 _in_bad_fork = False
 _queued: List[Tuple[Callable[[], None], List[str]]] = []
-_seed: Optional[Tuple[Callable[[], None], List[str]]] = None
-_seed_all: Optional[Tuple[Callable[[], None], List[str]]] = None
+#: The latest seed=True and seed_all=True calls, in the order of those latest calls (torch's
+#: _LazySeedTracker: manual_seed_all after manual_seed overrides it on every device).
+_seeds: Dict[str, Tuple[Callable[[], None], List[str]]] = {}
 _reset_hooks: List[Callable[[], None]] = []
 
 
@@ -65,19 +65,20 @@ def lazy_call(fn: Callable[[], None], *, seed: bool = False, seed_all: bool = Fa
     """Run ``fn`` now if the runtime is initialized, else at initialization.
 
     ``seed``/``seed_all`` calls keep only the latest of their kind (a later
-    ``manual_seed`` replaces an earlier one), as torch's ``_lazy_call``.
+    ``manual_seed`` replaces an earlier one), as torch's ``_lazy_call``.  At init the
+    plain calls run first, in order, then the kept seed calls in the order they were
+    last made (torch/cuda/__init__.py ``_lazy_init``, torch/_utils.py ``_LazySeedTracker``).
     """
-    global _seed, _seed_all
     with _lock:
         if is_initialized():
             fn()
             return
         import traceback  # here, not at import: it pulls in linecache and tokenize
         entry = (fn, traceback.format_stack())
-        if seed_all:
-            _seed_all = entry
-        elif seed:
-            _seed = entry
+        if seed_all or seed:
+            kind = "seed_all" if seed_all else "seed"
+            _seeds.pop(kind, None)      # re-inserted last: the order of the latest calls
+            _seeds[kind] = entry
         else:
             _queued.append(entry)
 
@@ -89,7 +90,7 @@ def lazy_init() -> Backend:
     AcceleratorError when the vendor runtime refuses, DeferredCallError when
     a queued call fails.
     """
-    global _initialized, _initialized_backend, _seed, _seed_all, ready
+    global _initialized, _initialized_backend, ready
     if ready is not None:
         return ready
     chosen = backend()
@@ -113,19 +114,26 @@ def lazy_init() -> Backend:
         try:
             chosen.init()
             _tls.stage = "queue"
-            seeds = [c for c in (_seed_all, _seed) if c is not None]
+            # as torch's _lazy_init: the seed calls go after the plain ones, and the loop runs
             # _queued itself, not a copy: a queued call that queues another (this thread, stage
-            # "queue") appends to it, and the loop runs that one too, as torch's _lazy_init
-            for fn, stack in itertools.chain(seeds, _queued):
-                try:
-                    fn()
-                except Exception as exc:
-                    name = display_name(chosen)
-                    raise DeferredCallError(
-                        f"{name} call failed lazily at initialization with error: {exc}\n\n"
-                        f"{name} call was originally invoked at:\n\n{''.join(stack)}") from exc
+            # "queue") appends to it, and the loop runs that one too
+            seeds = list(_seeds.values())
+            _queued.extend(seeds)
+            try:
+                for fn, stack in _queued:
+                    try:
+                        fn()
+                    except Exception as exc:
+                        name = display_name(chosen)
+                        raise DeferredCallError(
+                            f"{name} call failed lazily at initialization with error: {exc}\n\n"
+                            f"{name} call was originally invoked at:\n\n{''.join(stack)}") from exc
+            except BaseException:
+                # the next attempt adds the kept seed calls again: take them out (not twice)
+                _queued[:] = [e for e in _queued if not any(e is s for s in seeds)]
+                raise
             _queued.clear()
-            _seed = _seed_all = None
+            _seeds.clear()
             _initialized_backend = ready = chosen
             _initialized = True
         finally:
@@ -142,12 +150,12 @@ def register_reset_hook(fn: Callable[[], None]) -> None:
 
 def _reset_for_tests() -> None:
     """Forget every piece of process state so a test can switch backend or simulator."""
-    global _initialized, _initialized_backend, _in_bad_fork, _seed, _seed_all, ready
+    global _initialized, _initialized_backend, _in_bad_fork, ready
     with _lock:
         for hook in list(_reset_hooks):
             hook()
         _queued.clear()
-        _seed = _seed_all = None
+        _seeds.clear()
         _initialized = False
         _initialized_backend = ready = None
         _in_bad_fork = False
