@@ -687,7 +687,8 @@ class Event:
 
     def __repr__(self):
         where = f" device={self._backend.name}:{self._index}" if self._backend is not None else ""
-        return f"<accel.Event{where} recorded={self._recorded} timing={self.enable_timing}>"
+        closed = " closed" if self._closed else ""
+        return f"<accel.Event{where} recorded={self._recorded} timing={self.enable_timing}{closed}>"
 
     @property
     def device(self) -> Optional[device]:
@@ -700,7 +701,10 @@ class Event:
     @property
     def handle(self) -> int:
         """The backend's event handle as an int (CUDA: the ``cudaEvent_t`` value); 0 before the
-        first :meth:`record`, as torch's ``event_id`` / ``cuda_event``."""
+        first :meth:`record`, as torch's ``event_id`` / ``cuda_event``.  RuntimeError once
+        closed, as :attr:`Stream.handle`: the driver gives the value to the next event it makes."""
+        if self._closed:
+            self._live()
         return self._handle if self._handle is not None else 0
 
     def _live(self) -> None:

@@ -462,3 +462,89 @@ def test_seeding_every_device_while_one_captures_changes_none(sim_graph_backend,
     g.replay()
     getattr(accel.random, call)(*args)          # after the capture it works
     assert _states() != before
+
+
+# -- 6. every closeable object used after close ------------------------------------------------
+def _closed_error(call, *words):
+    with pytest.raises((RuntimeError, ValueError)) as info:
+        call()
+    msg = str(info.value)
+    for w in words:
+        assert w in msg, msg
+    return msg
+
+
+def test_objects_used_after_close_raise_and_nothing_else_breaks(sim_backend):
+    """A cleanup path closes a Buffer, Stream, Event, Graph (reset) and Module early while other
+    code still holds them: every use raises a clear error that says it was closed (never a
+    crash, never a stale handle that another object now owns), close is idempotent, and the
+    device, the current streams and the allocator are unaffected; new objects work."""
+    devs = _devices()
+    last = devs[-1]
+    warm = accel.Buffer(1024, device=last).fill_(1)     # Metal builds its fill and Philox
+    accel.random.uniform_(warm)                         # pipelines once per device
+    del warm
+    settle()
+    base_live = live_objects()
+    keep = accel.Stream(last)
+    buf = accel.Buffer(1024, device=last)
+    buf.close()
+    buf.close()
+    for use in (lambda: buf.ptr, lambda: buf.fill_(1), buf.to_numpy, lambda: buf.copy_to(np.zeros(1024, np.uint8)),
+                lambda: buf.copy_from(np.zeros(1024, np.uint8)), lambda: buf.as_array(np.uint8, (1024,)),
+                lambda: buf.record_stream(keep), buf.__dlpack__, lambda: accel.random.uniform_(buf),
+                lambda: accel.Buffer(1024, device=last).copy_from(buf)):
+        _closed_error(use, "closed")
+    assert "closed" in repr(buf) and not hasattr(buf, "__cuda_array_interface__")
+
+    s = accel.Stream(last)
+    ev = accel.Event(last)
+    ev.record(s)
+    s.close()
+    s.close()
+    for use in (s.query, s.synchronize, s.record_event, lambda: s.wait_event(ev), lambda: s.wait_stream(keep),
+                lambda: keep.wait_stream(s), s.__enter__, lambda: accel.set_stream(s), lambda: s.handle,
+                lambda: accel.Buffer(64, device=last, stream=s), lambda: ev.record(s)):
+        _closed_error(use, "closed")
+    assert "closed" in repr(s) and s != keep
+
+    timed = accel.Event(last, enable_timing=True)
+    timed.record(keep)
+    ev.close()
+    ev.close()
+    for use in (ev.query, ev.synchronize, ev.record, ev.wait, lambda: keep.wait_event(ev),
+                lambda: ev.handle):        # the driver gives a destroyed event's handle to the next one
+        _closed_error(use, "closed")
+    assert "closed" in repr(ev), repr(ev)
+
+    if sim_backend != "mps":
+        g = accel.Graph()
+        x = accel.Buffer(64, device=last)
+        with accel.device_index(last), keep, g:
+            x.fill_(3)
+        g.reset()
+        g.reset()
+        for use in (g.replay, g.instantiate, g.capture_end):
+            _closed_error(use)
+        assert not accel.is_current_stream_capturing()
+        del x
+    if sim_backend == "cuda":
+        from test_user_kernels import SAXPY_PTX
+        m = accel.Module(SAXPY_PTX, device=last)
+        fn = m.function("saxpy")
+        m.close()
+        m.close()
+        y = accel.Buffer(4, device=last)
+        for use in (lambda: m.function("saxpy"), lambda: accel.launch(fn, 1, 1, np.float32(1), y, y, 1)):
+            _closed_error(use, "closed")
+        del y, fn, m
+    assert accel.current_device_index() == 0
+    assert [accel.current_stream(d) for d in devs] == [accel.default_stream(d) for d in devs]
+    fresh = accel.Buffer(1024, device=last, stream=keep).fill_(9, stream=keep)
+    assert (fresh.to_numpy(stream=keep) == 9).all()
+    del fresh, keep, timed, buf, s, ev
+    if sim_backend != "mps":
+        del g
+    settle()
+    assert live_objects() == base_live
+    assert [accel.memory.memory_allocated(d) for d in devs] == [0] * len(devs)
