@@ -879,8 +879,9 @@ def _as_stream(obj, what: str) -> Stream:
     check_handle_bits(handle, f"{what}: {name}.__cuda_stream__()")
     backend = _lazy.lazy_init()
     if backend.name != "cuda":
-        raise ValueError(f"{what}: {name} is a CUDA stream (__cuda_stream__) but the accelerator is "
-                         f"{backend.name}; pass an accel.Stream")
+        # torch.accelerator.set_stream: a stream of another device type is a RuntimeError
+        raise InvalidDeviceError(f"{what}: {name} is a CUDA stream (__cuda_stream__) but the accelerator is "
+                                 f"{backend.name}; pass an accel.Stream")
     return _foreign_stream(backend, handle, None, what, reuse=True, hint=_device_hint(obj))
 
 

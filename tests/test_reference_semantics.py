@@ -273,3 +273,42 @@ def test_random_functions_take_torch_cuda_keywords(sim_backend):
     assert arandom.initial_seed() == 9 and arandom.initial_seed(last) == (5 if last else 9)
     arandom.set_rng_state(new_state=np.frombuffer(struct.pack("<Qq", 3, 8), np.uint8), device=last)
     assert struct.unpack("<Qq", arandom.get_rng_state(device=last).tobytes()) == (3, 8)
+
+
+# -- REFERENCE: set_stream(stream): type mismatch → RuntimeError ------------------------------
+@pytest.mark.parametrize("kind", ["xpu", "mps"])
+def test_set_stream_of_another_device_type_is_a_runtime_error(monkeypatch, kind):
+    """torch.accelerator.set_stream refuses a stream of another device type with RuntimeError
+    (TORCH_CHECK); a CUDA stream (``__cuda_stream__``) handed to accel on XPU or MPS is that
+    case.  The error stays a ValueError too (accel's type before), and nothing changes."""
+    from conftest import use_sim
+    use_sim(monkeypatch, kind)
+
+    class ForeignCudaStream:
+        def __cuda_stream__(self):
+            return (0, 4096)
+
+    before = accel.current_stream()
+    with pytest.raises(RuntimeError, match=f"is a CUDA stream .* but the accelerator is {kind}") as info:
+        accel.set_stream(ForeignCudaStream())
+    assert isinstance(info.value, ValueError)
+    assert accel.current_stream() == before
+
+
+# -- REFERENCE: current_accelerator(check_available) --------------------------------------------
+@pytest.mark.parametrize("kind", ["cuda", "xpu", "mps"])
+def test_current_accelerator_names_the_type_without_index_and_none_when_unavailable(monkeypatch, kind):
+    """A runtime whose library loads but shows no device: current_accelerator() is still its
+    device type (index None), check_available=True gives None, device_count() 0; none of
+    these initialize the runtime."""
+    from conftest import use_sim
+    use_sim(monkeypatch, kind, ACCEL_SIM_DEVICES=0)
+    acc = accel.current_accelerator()
+    assert acc == accel.device(kind) and acc.index is None
+    assert accel.current_accelerator(check_available=True) is None
+    assert accel.current_accelerator(True) is None
+    assert accel.device_count() == 0 and accel.is_available() is False
+    assert not _lazy.is_initialized()
+    use_sim(monkeypatch, kind, ACCEL_SIM_DEVICES=2 if kind != "mps" else 1)
+    assert accel.current_accelerator(check_available=True) == accel.device(kind)
+    assert accel.current_accelerator(check_available=True).index is None
