@@ -548,3 +548,77 @@ def test_objects_used_after_close_raise_and_nothing_else_breaks(sim_backend):
     settle()
     assert live_objects() == base_live
     assert [accel.memory.memory_allocated(d) for d in devs] == [0] * len(devs)
+
+
+# -- 7. memory history recorded while several threads allocate on both devices -----------------
+def test_memory_history_from_threads_on_both_devices(sim_backend, tmp_path):
+    """A profiling run turns on record_history (max_entries 300) while four threads allocate,
+    copy and free on both devices, then snapshots while they still run and again after.  Every
+    snapshot is consistent with memory_stats of the moment it was taken for the devices no
+    thread touches any more, each device's trace holds at most max_entries entries, every
+    entry is well formed, the pickle renders, and turning history off drops it."""
+    from accel.memory import _viz
+    devs = _devices()
+    for d in devs:                      # the program has used both devices before (initialized)
+        accel.Buffer(512, device=d).fill_(0)
+    settle()
+    accel.memory.record_history(max_entries=300)
+    try:
+        stop = threading.Event()
+        errors = []
+
+        def work(tid):
+            try:
+                i = 0
+                while not stop.is_set() or i < 60:
+                    d = devs[(tid + i) % len(devs)]
+                    a = accel.Buffer(512 * (1 + (tid * 7 + i) % 9), device=d)
+                    a.fill_(tid)
+                    if i % 3 == 0:
+                        b = accel.Buffer(a.nbytes, device=devs[-1 - d % len(devs)])
+                        b.copy_from(a)
+                        del b
+                    del a
+                    i += 1
+            except BaseException:
+                import traceback
+                errors.append(traceback.format_exc())
+
+        threads = [threading.Thread(target=work, args=(t,), name=f"h{t}") for t in range(4)]
+        for t in threads:
+            t.start()
+        mid = [accel.memory._snapshot() for _ in range(3)]
+        stop.set()
+        join_all(threads)
+        assert not errors, errors[0]
+        snaps = mid + [accel.memory._snapshot()]
+        for snap in snaps:
+            traces = snap["device_traces"]
+            assert len(traces) == len(devs)
+            for d, trace in enumerate(traces):
+                assert len(trace) <= 300, (d, len(trace))
+                for e in trace:
+                    assert e["action"] in ("alloc", "free_requested", "free_completed", "segment_alloc",
+                                           "segment_free", "segment_map", "segment_unmap", "oom", "snapshot",
+                                           "empty_cache"), e
+                    assert e["size"] >= 0 and isinstance(e["addr"], int) and isinstance(e["frames"], list)
+                times = [e["time_us"] for e in trace]
+                assert times == sorted(times), d
+        final = snaps[-1]
+        for d in devs:
+            assert len(final["device_traces"][d]) == 300      # 4 threads x 60 steps overflow it
+            segs = [s for s in final["segments"] if s["device"] == d]
+            alloc = sum(b["size"] for s in segs for b in s["blocks"] if b["state"] == "active_allocated")
+            assert alloc == accel.memory.memory_allocated(d) == 0, (d, alloc)
+            assert sum(s["total_size"] for s in segs) == accel.memory.memory_reserved(d)
+        path = tmp_path / "snap.pickle"
+        accel.memory.dump_snapshot(str(path))
+        out = tmp_path / "snap.html"
+        _viz.render(str(path), str(out))
+        assert out.stat().st_size > 1000
+    finally:
+        accel.memory.record_history(enabled=None)
+    assert all(len(t) == 0 for t in accel.memory._snapshot()["device_traces"])
+    accel.Buffer(4096, device=devs[-1]).fill_(1)
+    assert all(len(t) == 0 for t in accel.memory._snapshot()["device_traces"])
+    settle()
