@@ -175,7 +175,7 @@ class device_index:
 _capabilities: dict = {}
 
 
-def get_device_properties(device: DeviceLike = None, /):
+def get_device_properties(device: DeviceLike = None):      # torch.cuda's: device= works
     """The :class:`accel.backends.DeviceProperties` of ``device`` (initializes the runtime)."""
     backend = _lazy.lazy_init()
     index = _device_index(device, optional=True)

@@ -312,3 +312,12 @@ def test_current_accelerator_names_the_type_without_index_and_none_when_unavaila
     use_sim(monkeypatch, kind, ACCEL_SIM_DEVICES=2 if kind != "mps" else 1)
     assert accel.current_accelerator(check_available=True) == accel.device(kind)
     assert accel.current_accelerator(check_available=True).index is None
+
+
+def test_get_device_properties_takes_torch_cuda_keyword(sim_backend):
+    """torch.cuda.get_device_properties(device=None): accel's counterpart (torch.accelerator
+    has none) takes the same keyword."""
+    import torch.cuda
+    assert _refusals(torch.cuda.get_device_properties, accel.get_device_properties) == []
+    last = accel.device_count() - 1
+    assert accel.get_device_properties(device=last) == accel.get_device_properties(last)
