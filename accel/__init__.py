@@ -167,8 +167,10 @@ class device_index:
         for i in range(len(self._saved) - 1, -1, -1):
             if self._saved[i][0] == me:
                 previous = self._saved.pop(i)[1]
-                if previous != self.idx:
-                    _lazy.lazy_init().set_device(previous)
+                backend = _lazy.lazy_init()
+                # torch's maybeExchangeDevice(prev_idx): back to the saved device whatever the body did
+                if backend.get_device() != previous:
+                    backend.set_device(previous)
                 return
 
 

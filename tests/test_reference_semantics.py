@@ -321,3 +321,18 @@ def test_get_device_properties_takes_torch_cuda_keyword(sim_backend):
     assert _refusals(torch.cuda.get_device_properties, accel.get_device_properties) == []
     last = accel.device_count() - 1
     assert accel.get_device_properties(device=last) == accel.get_device_properties(last)
+
+
+# -- REFERENCE: device_index(idx): enter exchanges the device, exit restores ---------------------
+def test_device_index_exit_restores_even_when_it_named_the_current_device(sim_backend):
+    """torch's __exit__ is maybeExchangeDevice(prev_idx), whatever the body did: entered on
+    the device already current, a body that switches device is switched back."""
+    if accel.device_count() < 2:
+        pytest.skip("needs two devices")
+    accel.set_device_index(1)
+    with accel.device_index(1):
+        accel.set_device_index(0)
+    assert accel.current_device_index() == 1
+    with accel.device_index(0):
+        accel.set_device_index(1)
+    assert accel.current_device_index() == 1
