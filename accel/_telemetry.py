@@ -123,16 +123,17 @@ def can_device_access_peer(device: DeviceLike, peer_device: DeviceLike) -> bool:
     (CUDA: False; Level Zero: True, as zeDeviceCanAccessPeer documents; Metal: False).
 
     Raises AssertionError "Invalid device id" / "Invalid peer device id" for an index outside
-    0..device_count()-1, as torch.
+    0..device_count()-1, as torch (followed by the index).
     """
     backend = _lazy.lazy_init()
     index = device_index(device, optional=True)
     peer = device_index(peer_device)
     count = backend.count()
     if index < 0 or index >= count:
-        raise AssertionError("Invalid device id")
+        raise AssertionError(f"Invalid device id: {index} ({count} {backend.name} device(s): valid 0..{count - 1})")
     if peer < 0 or peer >= count:
-        raise AssertionError("Invalid peer device id")
+        raise AssertionError(f"Invalid peer device id: {peer} ({count} {backend.name} device(s): valid "
+                             f"0..{count - 1})")
     # a device and itself: each runtime's own answer (cudaDeviceCanAccessPeer: 0; Level Zero's
     # zeDeviceCanAccessPeer: true; Metal's one device: False)
     return bool(backend.can_access_peer(index, peer))

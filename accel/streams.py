@@ -861,8 +861,10 @@ def _as_stream(obj, what: str) -> Stream:
     except AttributeError:
         protocol = None
     if not callable(protocol):
+        shown = repr(obj)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
         raise TypeError(f"{what}: expected an accel.Stream or an object with __cuda_stream__ (a cuda.core, "
-                        f"CuPy or torch CUDA stream), got {type(obj).__name__}")
+                        f"CuPy or torch CUDA stream), got {type(obj).__name__} {shown}")
     name = type(obj).__name__
     value = protocol()
     if not isinstance(value, tuple) or len(value) != 2:

@@ -622,3 +622,214 @@ def test_memory_history_from_threads_on_both_devices(sim_backend, tmp_path):
     accel.Buffer(4096, device=devs[-1]).fill_(1)
     assert all(len(t) == 0 for t in accel.memory._snapshot()["device_traces"])
     settle()
+
+
+# -- 8. misuse of every public function taking a device, a stream or a size ---------------------
+import inspect as _inspect
+import warnings as _warnings
+
+#: Parameter names that take a device, a stream or a size in the public API.
+_DEVICE_PARAMS = {"device", "dev", "device_index", "peer_device"}
+_STREAM_PARAMS = {"stream"}
+_SIZE_PARAMS = {"nbytes", "shape"}
+
+
+def _public_callables():
+    """(qualified name, object) of every public function and class of accel, accel.memory and
+    accel.random, and the public methods of Buffer, Stream and Event."""
+    out = {}
+    for mod in (accel, accel.memory, accel.random):
+        for name in mod.__all__:
+            obj = getattr(mod, name)
+            if callable(obj) and not (isinstance(obj, type) and issubclass(obj, BaseException)):
+                out.setdefault(obj, f"{mod.__name__}.{name}")
+    for cls in (accel.Buffer, accel.Stream, accel.Event):
+        for name, obj in vars(cls).items():
+            if not name.startswith("_") and callable(obj):
+                out.setdefault(obj, f"accel.{cls.__name__}.{name}")
+    return {v: k for k, v in out.items()}
+
+
+def _params(obj):
+    try:
+        return set(_inspect.signature(obj).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+class _Ctx:
+    """What the calls need: a live stream and buffer on device 0, a pool, a state."""
+
+    def __init__(self):
+        self.stream = accel.Stream(0)
+        self.buf = accel.Buffer(64, device=0)
+        self.state = accel.random.get_rng_state(0)
+        self.pool = accel.MemPool() if _kind() != "mps" or True else None
+
+
+def _use_pool(c, d):
+    with accel.memory.use_mem_pool(c.pool, d):
+        pass
+
+
+#: name -> call(ctx, bad) putting ``bad`` in the parameter the name's table says.
+DEVICE_CALLS = {
+    "accel.Buffer": lambda c, d: accel.Buffer(64, device=d),
+    "accel.Event": lambda c, d: accel.Event(d),
+    "accel.ExternalStream": lambda c, d: accel.ExternalStream(c.stream.handle, d),
+    "accel.Stream": lambda c, d: accel.Stream(d),
+    "accel.current_stream": lambda c, d: accel.current_stream(d),
+    "accel.default_stream": lambda c, d: accel.default_stream(d),
+    "accel.get_device_capability": lambda c, d: accel.get_device_capability(d),
+    "accel.get_device_properties": lambda c, d: accel.get_device_properties(d),
+    "accel.set_device_index": lambda c, d: accel.set_device_index(d),
+    "accel.set_device_idx": lambda c, d: accel.set_device_idx(d),
+    "accel.device_index": lambda c, d: accel.device_index(d).__enter__(),
+    "accel.synchronize": lambda c, d: accel.synchronize(d),
+    "accel.can_device_access_peer": lambda c, d: accel.can_device_access_peer(d, 0),
+    "accel.can_device_access_peer(peer)": lambda c, d: accel.can_device_access_peer(0, d),
+    "accel.clock_rate": lambda c, d: accel.clock_rate(d),
+    "accel.device_memory_used": lambda c, d: accel.device_memory_used(d),
+    "accel.list_gpu_processes": lambda c, d: accel.list_gpu_processes(d),
+    "accel.memory_usage": lambda c, d: accel.memory_usage(d),
+    "accel.power_draw": lambda c, d: accel.power_draw(d),
+    "accel.temperature": lambda c, d: accel.temperature(d),
+    "accel.utilization": lambda c, d: accel.utilization(d),
+    "accel.get_memory_info": lambda c, d: accel.get_memory_info(d),
+    "accel.max_memory_allocated": lambda c, d: accel.max_memory_allocated(d),
+    "accel.max_memory_reserved": lambda c, d: accel.max_memory_reserved(d),
+    "accel.memory_allocated": lambda c, d: accel.memory_allocated(d),
+    "accel.memory_reserved": lambda c, d: accel.memory_reserved(d),
+    "accel.memory_stats": lambda c, d: accel.memory_stats(d),
+    "accel.reset_accumulated_memory_stats": lambda c, d: accel.reset_accumulated_memory_stats(d),
+    "accel.reset_peak_memory_stats": lambda c, d: accel.reset_peak_memory_stats(d),
+    "accel.use_mem_pool": _use_pool,
+    "accel.memory.memory_summary": lambda c, d: accel.memory.memory_summary(d),
+    "accel.memory.set_per_process_memory_fraction": lambda c, d: accel.memory.set_per_process_memory_fraction(0.5, d),
+    "accel.memory.get_per_process_memory_fraction": lambda c, d: accel.memory.get_per_process_memory_fraction(d),
+    "accel.memory.device_allocator": lambda c, d: accel.memory.device_allocator(d),
+    "accel.random.Generator": lambda c, d: accel.random.Generator(d),
+    "accel.random.default_generator": lambda c, d: accel.random.default_generator(d),
+    "accel.random.initial_seed": lambda c, d: accel.random.initial_seed(d),
+    "accel.random.get_rng_state": lambda c, d: accel.random.get_rng_state(d),
+    "accel.random.set_rng_state": lambda c, d: accel.random.set_rng_state(c.state, d),
+}
+#: Functions with a device parameter that take no device index, or are covered elsewhere.
+DEVICE_EXEMPT = {
+    "accel.Module": "needs a kernel image (tests/test_kernels_adversarial.py)",
+    "accel.memory.record_history": "device is accepted and ignored, as torch's",
+    "accel.memory.DeviceCachingAllocator": "internal constructor (accel.memory.device_allocator is the API)",
+}
+STREAM_CALLS = {
+    "accel.Buffer": lambda c, s: accel.Buffer(64, device=0, stream=s),
+    "accel.set_stream": lambda c, s: accel.set_stream(s),
+    "accel.Buffer.fill_": lambda c, s: c.buf.fill_(1, stream=s),
+    "accel.Buffer.copy_to": lambda c, s: c.buf.copy_to(np.zeros(64, np.uint8), stream=s),
+    "accel.Buffer.copy_from": lambda c, s: c.buf.copy_from(np.zeros(64, np.uint8), stream=s),
+    "accel.Buffer.to_numpy": lambda c, s: c.buf.to_numpy(stream=s),
+    "accel.Buffer.record_stream": lambda c, s: c.buf.record_stream(s),
+    "accel.Stream.wait_stream": lambda c, s: c.stream.wait_stream(s),
+    "accel.Event.record": lambda c, s: accel.Event(0).record(s),
+    "accel.Event.wait": lambda c, s: accel.Event(0).wait(s),
+    "accel.from_dlpack": lambda c, s: accel.from_dlpack(c.buf, stream=s),
+}
+STREAM_EXEMPT = {
+    "accel.graph": "takes effect only in its `with` (tests/test_graphs_adversarial.py)",
+    "accel.launch": "needs a kernel (tests/test_kernels_adversarial.py)",
+}
+SIZE_CALLS = {
+    "accel.Buffer": lambda c, n: accel.Buffer(n, device=0),
+    "accel.empty_pinned": lambda c, n: accel.empty_pinned(n),
+    "accel.Buffer.to_numpy": lambda c, n: c.buf.to_numpy(shape=n),
+    "accel.Buffer.as_array": lambda c, n: c.buf.as_array(np.uint8, n),
+}
+SIZE_EXEMPT = {"accel.ArrayView": "made by Buffer.as_array (covered above)"}
+#: torch.cuda.can_device_access_peer raises AssertionError("Invalid device id") for an index out of range
+_PEER_RANGE = {"accel.can_device_access_peer", "accel.can_device_access_peer(peer)"}
+BAD_DEVICES = [(1.5, TypeError, "1.5"), ("garbage", (TypeError, ValueError), "garbage"), (7, ValueError, "7"),
+               (-3, ValueError, "-3"), (object(), TypeError, "object"), (b"0", TypeError, "b'0'")]
+BAD_STREAMS = [(5, TypeError, "5"), ("s0", TypeError, "s0"), (1.5, TypeError, "float"), (object(), TypeError, "object")]
+BAD_SIZES = [(-1, ValueError, "-1"), (1.5, TypeError, "1.5"), ("64", TypeError, "'64'"), (None, TypeError, "None")]
+
+
+def test_misuse_table_covers_the_public_api():
+    """Every public function taking a device, a stream or a size is in a table below (or
+    exempt, with a reason): a new function cannot slip past the misuse checks."""
+    missing = []
+    for name, obj in _public_callables().items():
+        ps = _params(obj)
+        for params, table, exempt in ((_DEVICE_PARAMS, DEVICE_CALLS, DEVICE_EXEMPT),
+                                      (_STREAM_PARAMS, STREAM_CALLS, STREAM_EXEMPT),
+                                      (_SIZE_PARAMS, SIZE_CALLS, SIZE_EXEMPT)):
+            if ps & params and name not in table and name not in exempt:
+                missing.append((name, sorted(ps & params)))
+    assert not missing, missing
+
+
+def _misuse_state(c) -> dict:
+    devs = _devices()
+    return {"device": accel.current_device_index(),
+            "streams": [accel.current_stream(d) for d in devs],
+            "allocated": [accel.memory.memory_allocated(d) for d in devs],
+            "fractions": [accel.memory.get_per_process_memory_fraction(d) for d in devs],
+            "rng": _states(), "live": live_objects()}
+
+
+def _run_table(kind, table, bads, *, skip=()):
+    c = _Ctx()
+    failures = []
+    for name, call in table.items():
+        if name in skip:
+            continue
+        with _warnings.catch_warnings():
+            _warnings.simplefilter("ignore", FutureWarning)
+            good = 0 if table is not STREAM_CALLS else c.stream
+            try:
+                call(c, good if table is not SIZE_CALLS else 64)
+            except (NotImplementedError, accel.AcceleratorError):
+                continue                # not on this backend (NVML readings on Metal...)
+            accel.set_device_index(0)
+            for bad, exc, text in bads:
+                if name in ("accel.set_device_index", "accel.set_device_idx", "accel.device_index") and bad == -3:
+                    continue            # torch: a negative index is a no-op
+                if name in ("accel.Buffer.to_numpy", "accel.Buffer.as_array") and bad is None:
+                    continue            # shape=None: the whole buffer
+                if name == "accel.from_dlpack" and bad == 5:
+                    continue            # an int is a DLPack stream handle (a foreign one: not checkable)
+                if name in _PEER_RANGE and bad in (7, -3):
+                    exc = AssertionError
+                before = _misuse_state(c)
+                try:
+                    call(c, bad)
+                except exc as e:
+                    if text not in str(e):
+                        failures.append(f"{name}({bad!r}): message does not name it: {e}")
+                except Exception as e:      # noqa: BLE001 - classifying is the point
+                    failures.append(f"{name}({bad!r}): {type(e).__name__} (wanted {exc.__name__}): {e}")
+                else:
+                    failures.append(f"{name}({bad!r}): no error")
+                after = _misuse_state(c)
+                if after != before:
+                    failures.append(f"{name}({bad!r}): state changed "
+                                    f"{ {k: (before[k], after[k]) for k in before if before[k] != after[k]} }")
+            try:
+                call(c, good if table is not SIZE_CALLS else 64)     # still works afterwards
+            except Exception as e:          # noqa: BLE001
+                failures.append(f"{name}: the correct call failed after the misuse: {e!r}")
+    return failures
+
+
+def test_bad_devices_to_every_device_function(sim_backend):
+    accel.Buffer(64, device=0)              # initialized, as a program that has used the device
+    failures = _run_table(sim_backend, DEVICE_CALLS, BAD_DEVICES)
+    assert not failures, "\n".join(failures)
+
+
+def test_bad_streams_to_every_stream_function(sim_backend):
+    failures = _run_table(sim_backend, STREAM_CALLS, BAD_STREAMS)
+    assert not failures, "\n".join(failures)
+
+
+def test_bad_sizes_to_every_size_function(sim_backend):
+    failures = _run_table(sim_backend, SIZE_CALLS, BAD_SIZES)
+    assert not failures, "\n".join(failures)
