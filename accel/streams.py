@@ -861,7 +861,10 @@ def _as_stream(obj, what: str) -> Stream:
     except AttributeError:
         protocol = None
     if not callable(protocol):
-        shown = repr(obj)
+        try:
+            shown = repr(obj)
+        except Exception:       # noqa: BLE001 - a broken __repr__ must not hide this error
+            shown = "(unprintable)"
         shown = shown if len(shown) <= 60 else shown[:57] + "..."
         raise TypeError(f"{what}: expected an accel.Stream or an object with __cuda_stream__ (a cuda.core, "
                         f"CuPy or torch CUDA stream), got {type(obj).__name__} {shown}")
