@@ -833,3 +833,52 @@ def test_bad_streams_to_every_stream_function(sim_backend):
 def test_bad_sizes_to_every_size_function(sim_backend):
     failures = _run_table(sim_backend, SIZE_CALLS, BAD_SIZES)
     assert not failures, "\n".join(failures)
+
+
+# -- 9. memory pools outlived by their buffers, used from two threads on two devices ------------
+def test_pools_dropped_before_their_buffers_from_two_threads(sim_backend):
+    """Two worker threads, one per device, each route a phase's allocations into their own
+    MemPool and drop the pool while the phase's buffers still live (as a framework drops a
+    per-phase pool object early).  The buffers stay valid and are not handed to anyone else
+    while alive, memory_snapshot(pool id) lists the pool's segments until the last buffer goes,
+    and then every byte comes back."""
+    devs = _devices()
+    settle()
+    base_live = live_objects()
+    errors, kept = [], {}
+
+    def work(d):
+        try:
+            with accel.device_index(d):
+                pool = accel.MemPool()
+                pid = pool.id
+                with accel.use_mem_pool(pool):
+                    bufs = [accel.Buffer(4096 * (1 + i % 3)).fill_(d * 10 + i) for i in range(12)]
+                del pool
+                gc.collect()
+                others = [accel.Buffer(4096).fill_(0xFF) for _ in range(12)]   # outside the pool
+                assert not {b.ptr for b in bufs} & {o.ptr for o in others}
+                for i, b in enumerate(bufs):
+                    assert (b.to_numpy() == d * 10 + i).all(), (d, i)
+                kept[d] = (pid, bufs)
+        except BaseException:
+            import traceback
+            errors.append(traceback.format_exc())
+
+    threads = [threading.Thread(target=work, args=(d,), name=f"pool{d}") for d in devs]
+    for t in threads:
+        t.start()
+    join_all(threads)
+    assert not errors, errors[0]
+    for d, (pid, bufs) in kept.items():
+        segs = accel.memory.memory_snapshot(pid)
+        assert segs and all(s["device"] == d for s in segs), (d, segs)
+        in_pool = sum(b["size"] for s in segs for b in s["blocks"] if b["state"] == "active_allocated")
+        assert in_pool >= sum(b.nbytes for b in bufs)
+    pids = [pid for pid, _ in kept.values()]
+    del kept, bufs
+    settle()
+    for pid in pids:
+        assert accel.memory.memory_snapshot(pid) == []
+    assert [accel.memory.memory_allocated(d) for d in devs] == [0] * len(devs)
+    assert live_objects() == base_live
