@@ -111,7 +111,9 @@ def accel_object_count() -> dict:
     live_objects: its engine forgets drained queues in batches)."""
     counts = {}
     for o in gc.get_objects():
-        mod = getattr(type(o), "__module__", "") or ""
+        mod = getattr(type(o), "__module__", "")
+        if not isinstance(mod, str):        # some extension types expose a descriptor here
+            continue
         if mod.startswith("accel.") and not mod.startswith("accel.sim") and type(o).__qualname__ not in _INTERNAL:
             name = type(o).__qualname__
             counts[name] = counts.get(name, 0) + 1
