@@ -297,16 +297,35 @@ class Graph:
         backend = self._backend
         if backend is None:
             return
-        handles = (backend, self._index, self._exec, self._graph, self._pool, self._rng, self._allocs)
-        self._exec = self._graph = self._pool = self._rng = self._allocs = None
-        self._events = ()
         if _fin.collecting():
             # Called from a finalizer during a collection: the allocator's lock may be held
             # by this thread (see accel._finalize).
+            handles = (backend, self._index, self._exec, self._graph, self._pool, self._rng, self._allocs)
+            self._exec = self._graph = self._pool = self._rng = self._allocs = None
+            self._events = ()
             _fin.defer(_release, *handles)
             return
-        # every release is attempted even when an earlier one fails (its error is chained)
-        _release(*handles)
+        # In order, each handle dropped once released.  A failure stops here and leaves the
+        # rest held, so reset() may be called again: the executable's launches use the private
+        # pool's memory and the generator's offsets, which must not go while it may still exist.
+        if self._exec is not None:
+            backend.graph_exec_destroy(self._exec)
+            self._exec = None
+        if self._graph is not None:
+            backend.graph_destroy(self._graph)
+            self._graph = None
+        self._events = ()
+        if self._pool is not None:
+            from . import memory
+            memory.device_allocator(self._index).release_pool(self._pool)
+            self._pool = None
+        if self._allocs is not None:
+            allocs, self._allocs = self._allocs, None
+            allocs.release()
+        if self._rng is not None:
+            from . import random
+            rng, self._rng = self._rng, None
+            random._graph_release(rng)
 
     def pool(self) -> Tuple[int, int]:
         """The id of this graph's memory pool, to share it: ``Graph(pool=g.pool())``."""
