@@ -495,8 +495,6 @@ class _Worker:
             pass               # another thread's capture is underway
 
     def fraction(self) -> None:
-        if not self.run.caching:
-            return             # cudaMallocAsync reads the fraction at start only
         dev = self.rng.choice((0, 1))
         memory.set_per_process_memory_fraction(self.rng.choice((0.05, 0.1, 0.3, 1.0, 1.0)), dev)
 

@@ -176,14 +176,7 @@ def set_per_process_memory_fraction(fraction: float, device=None) -> None:
         raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
     _resolve_early(device)
     _lazy.lazy_init()
-    alloc = device_allocator(_index(device))
-    setter = getattr(alloc, "set_memory_fraction", None)
-    if setter is None:
-        raise NotImplementedError(
-            f"set_per_process_memory_fraction: the {type(alloc).__name__} (backend:"
-            f"{alloc.config.backend}) reads per_process_memory_fraction only at start; set "
-            f"ACCEL_ALLOC_CONF=backend:{alloc.config.backend},per_process_memory_fraction:{fraction} instead")
-    setter(fraction)
+    device_allocator(_index(device)).set_memory_fraction(fraction)
 
 
 def get_per_process_memory_fraction(device=None) -> float:
