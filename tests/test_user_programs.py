@@ -57,6 +57,7 @@ def settle() -> None:
         accel.synchronize(d)
     accel.memory.empty_cache()
     accel.memory.empty_host_cache()
+    _finalize.drain()
 
 
 def process_state() -> tuple:

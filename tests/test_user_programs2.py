@@ -19,47 +19,9 @@ import pytest
 import accel
 from accel import _finalize
 from conftest import use_sim
+from test_user_programs import _devices, _kind, join_all, live_objects, settle
 
-JOIN_S = 30.0
 MiB = 1 << 20
-
-
-# -- helpers -------------------------------------------------------------------------------
-def _kind() -> str:
-    return accel.current_accelerator().type
-
-
-def _devices() -> list:
-    return list(range(accel.device_count()))
-
-
-def live_objects() -> tuple:
-    """The simulator's live vendor objects (streams, events, allocations, graphs)."""
-    from accel import sim
-    kind = _kind()
-    be = accel._lazy.lazy_init()
-    st = sim.state()
-    if kind == "cuda":
-        return (sum(st.live_allocations.values()), st.host_allocations, st.streams, st.events,
-                st.graphs, st.graph_execs, st.captures)
-    if kind == "xpu":
-        # event slots are pooled by the backend: count accel's events instead
-        return tuple(v for k, v in sorted(vars(st).items())
-                     if (k.startswith("ze_live_") and "event" not in k) or k == "ze_device_used"
-                     ) + (len(be._events),)
-    from accel.sim import metal
-    return tuple(sorted(metal.state().live_counts().items()))
-
-
-def settle() -> None:
-    """Drop what the program left to the collector, finish all work, empty both caches."""
-    gc.collect()
-    _finalize.drain()
-    for d in _devices():
-        accel.synchronize(d)
-    accel.memory.empty_cache()
-    accel.memory.empty_host_cache()
-    _finalize.drain()
 
 
 def _size(obj, depth: int = 0) -> int:
@@ -133,13 +95,6 @@ def assert_same_footprint(before, after) -> None:
     assert not grew, ("accel tables grew", grew)
     more = {k: (objs0.get(k, 0), v) for k, v in objs1.items() if v > objs0.get(k, 0)}
     assert not more, ("accel objects grew", more)
-
-
-def join_all(threads) -> None:
-    for t in threads:
-        t.join(JOIN_S)
-    hung = [t.name for t in threads if t.is_alive()]
-    assert not hung, f"threads hung (deadlock?): {hung}"
 
 
 # -- 1. thousands of streams, events and buffers made and dropped on both devices ---------------
