@@ -438,15 +438,27 @@ def _release(backend, index, exec_handle, graph_handle, pool, rng=None, allocs=N
 
 @contextlib.contextmanager
 def graph(cuda_graph: Graph, pool: Optional[Tuple[int, int]] = None, stream: Optional[Stream] = None,
-          capture_error_mode: str = "global"):
+          capture_error_mode: str = "global", enable_annotations: bool = False,
+          check_input_liveness: bool = False):
     """Capture the body into ``cuda_graph`` on a side stream (``torch.cuda.graph``).
 
     The side stream (``stream``, or one kept per device) first waits for the
     current stream, so the captured work sees everything queued before.
+
+    ``enable_annotations`` and ``check_input_liveness`` are torch 2.13's keywords; accel has
+    neither kernel annotations nor input tracking, so only ``False`` (the default) is taken:
+    ``True`` raises NotImplementedError before anything happens.
     """
     # Every argument is checked before anything is synchronized, emptied or created.
     if not isinstance(cuda_graph, Graph):
         raise TypeError(f"graph() expects an accel.Graph, got {type(cuda_graph).__name__}")
+    if enable_annotations:
+        raise NotImplementedError("graph(enable_annotations=True): accel records no kernel annotations "
+                                  "(torch's need cuda.bindings and a 13.1 driver); leave it False")
+    if check_input_liveness:
+        raise NotImplementedError("graph(check_input_liveness=True): accel does not track a capture's input "
+                                  "Buffers; keep every Buffer the graph reads alive (and open) while it is "
+                                  "replayed, and leave check_input_liveness False")
     mode = _check_mode(capture_error_mode)
     if pool is not None:
         _check_pool(pool)

@@ -459,3 +459,25 @@ def test_reset_after_a_failed_executable_destroy_keeps_everything_for_a_retry(si
     g.reset()                       # nothing left to release: a no-op
     s.close()
     _usable()
+
+
+@pytest.mark.parametrize("keyword", ["enable_annotations", "check_input_liveness"])
+def test_graph_takes_torch_2_13_keywords_and_refuses_what_it_lacks(sim_graph_backend, keyword):
+    """torch.cuda.graph (2.13) takes enable_annotations and check_input_liveness: False works as
+    without them; True is refused up front, before anything was synchronized or captured."""
+    s = accel.Stream()
+    b = accel.Buffer(64, stream=s)
+    g = Graph()
+    with accel.graph(g, stream=s, **{keyword: False}):
+        b.fill_(4, s)
+    g.replay()
+    accel.synchronize()
+    assert (b.to_numpy() == 4).all()
+    g.reset()
+    with pytest.raises(NotImplementedError, match=f"{keyword}=True"):
+        with accel.graph(g, stream=s, **{keyword: True}):
+            pass
+    assert not s.is_capturing() and _captures() == 0
+    b.close()
+    s.close()
+    _usable()
