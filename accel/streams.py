@@ -360,6 +360,8 @@ class Stream:
         self._live()
         return self._handle
 
+    native_handle = property(handle.fget, doc="torch.Stream's name for :attr:`handle`.")
+
     @property
     def closed(self) -> bool:
         return self._closed
@@ -706,6 +708,8 @@ class Event:
         if self._closed:
             self._live()
         return self._handle if self._handle is not None else 0
+
+    event_id = property(handle.fget, doc="torch.Event's name for :attr:`handle` (0 before the first record).")
 
     def _live(self) -> None:
         if self._pid != _fin.pid:

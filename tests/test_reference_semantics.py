@@ -336,3 +336,19 @@ def test_device_index_exit_restores_even_when_it_named_the_current_device(sim_ba
     with accel.device_index(0):
         accel.set_device_index(1)
     assert accel.current_device_index() == 1
+
+
+def test_stream_native_handle_and_event_id_are_torch_names_for_handle(sim_backend):
+    """torch.Stream.native_handle and torch.Event.event_id (both torch attributes) are accel's
+    ``handle``; event_id is 0 before the first record, and both raise once closed."""
+    s = accel.Stream(accel.device_count() - 1)       # device 1 where there are two
+    e = accel.Event()
+    assert e.event_id == 0
+    e.record(s)
+    assert s.native_handle == s.handle != 0 and e.event_id == e.handle != 0
+    e.synchronize()
+    e.close()
+    s.close()
+    for obj, name in ((s, "native_handle"), (e, "event_id")):
+        with pytest.raises((RuntimeError, ValueError)):
+            getattr(obj, name)
