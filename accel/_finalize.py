@@ -16,8 +16,14 @@ allocator ``malloc``/``free``/``stats``/``empty_cache`` (device and pinned), Str
 creation and ``close``.  Outside a collection, releases run at once as before, so ``del buf``
 still returns memory immediately.
 
-The collector is seen through ``gc.callbacks`` (a flag set at "start", cleared at "stop"); a
-release that is deferred by mistake (another thread collecting) is merely late.  Drained work
+The collector is seen through ``gc.callbacks`` (the collecting thread noted at "start", cleared
+at "stop").  Only the thread that runs the collection defers: the collector runs finalizers in
+the thread that started it, so another thread's explicit ``close()`` or last ``del`` cannot be
+inside the lock the collector interrupted, and runs at once (issue r18: while a collection's
+finalizer waited on I/O or a stream, every other thread's releases used to be queued and
+a loop of allocate/close ran out of memory).  :func:`drain` still waits for the end of any
+collection: the releases that collection deferred may be for objects its garbage still uses
+(another finalizer of the cycle).  Drained work
 holds only handles and pointers, never the finalized object (no resurrection), and errors in
 it are swallowed as a finalizer's would be.  State stays bounded by live objects: the queue
 holds only releases of dead objects and empties at the next entry.
@@ -55,21 +61,29 @@ pending: deque = deque()
 #: The process accel objects created now belong to (os.getpid(), refreshed at fork).
 pid = os.getpid()
 
-_collecting = False
+_collecting = False          # a collection runs, in any thread
+_collector = None            # the thread ident running it
 _tls = threading.local()
+_get_ident = threading.get_ident
 
 
 def _on_gc(phase: str, info: dict) -> None:
-    global _collecting
-    _collecting = phase == "start"
+    global _collecting, _collector
+    if phase == "start":
+        _collector = _get_ident()
+        _collecting = True
+    else:
+        _collecting = False
+        _collector = None
 
 
 gc.callbacks.append(_on_gc)
 
 
 def collecting() -> bool:
-    """True while the cyclic garbage collector runs (in any thread)."""
-    return _collecting
+    """True while the cyclic garbage collector runs on the calling thread (so the code running
+    now may be a finalizer the collector started inside one of accel's locks)."""
+    return _collecting and _collector == _get_ident()
 
 
 def defer(fn: Callable, *args) -> None:
@@ -79,9 +93,10 @@ def defer(fn: Callable, *args) -> None:
 
 def drain() -> None:
     """Run the deferred releases now.  Call only where this thread holds no accel or vendor
-    lock; does nothing while a collection runs or when this thread is already draining."""
+    lock; does nothing while a collection runs (in any thread), when this thread is already
+    draining."""
     if _collecting or getattr(_tls, "draining", False):
-        return
+        return      # (any thread's collection: the releases it deferred may be for its garbage)
     _tls.draining = True
     try:
         while True:
@@ -101,8 +116,9 @@ def drain() -> None:
 
 def release(fn: Callable, *args) -> None:
     """An explicit release (``close``, ``reset``): run ``fn(*args)`` now, errors propagating,
-    unless a collection is running (a user's ``__del__`` closing its buffer): then defer it."""
-    if _collecting:
+    unless a collection is running on this thread (a user's ``__del__`` closing its buffer): then
+    defer it."""
+    if collecting():
         pending.append((fn, args))
         return
     if pending:
@@ -113,8 +129,8 @@ def release(fn: Callable, *args) -> None:
 
 def finalize(fn: Callable, *args) -> None:
     """A finalizer's release: run ``fn(*args)`` now, errors swallowed, or defer it while a
-    collection runs."""
-    if _collecting:
+    collection runs on this thread."""
+    if collecting():
         pending.append((fn, args))
         return
     if _stale(fn, args):
@@ -142,9 +158,9 @@ def finalize_later(obj, fn: Callable, *args) -> None:
 
 def release_on_del(obj, fn: Callable, *args) -> None:
     """What ``obj.__del__`` does with its release ``fn(*args)``: outside a collection, mark ``obj``
-    closed and :func:`finalize`; during one, leave it open until its cycle is gone
-    (:func:`finalize_later`)."""
-    if _collecting:
+    closed and :func:`finalize`; during one (on this thread: only the collector runs the
+    finalizers of its garbage), leave it open until its cycle is gone (:func:`finalize_later`)."""
+    if collecting():
         finalize_later(obj, fn, *args)
         return
     obj._closed = True
@@ -182,9 +198,9 @@ def forked_error(backend) -> RuntimeError:
 
 
 def _after_fork_in_child() -> None:
-    global pid, _collecting, _tls
+    global pid, _collecting, _collector, _tls
     pid = os.getpid()
-    _collecting = False
+    _collecting, _collector = False, None
     _tls = threading.local()
     pending.clear()     # the parent's handles: never released by the child
 
