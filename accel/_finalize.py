@@ -54,7 +54,7 @@ from ._errors import AcceleratorError
 from .backends.base import Backend
 
 __all__ = ["pending", "drain", "release", "finalize", "finalize_later", "release_on_del", "defer", "collecting", "pid",
-           "forked_error"]
+           "forked_error", "no_drain"]
 
 #: Releases waiting for a safe point: (function, args) tuples.
 pending: deque = deque()
@@ -94,8 +94,8 @@ def defer(fn: Callable, *args) -> None:
 def drain() -> None:
     """Run the deferred releases now.  Call only where this thread holds no accel or vendor
     lock; does nothing while a collection runs (in any thread), when this thread is already
-    draining."""
-    if _collecting or getattr(_tls, "draining", False):
+    draining, or inside a :data:`no_drain` section."""
+    if _collecting or getattr(_tls, "draining", False) or getattr(_tls, "locked", 0):
         return      # (any thread's collection: the releases it deferred may be for its garbage)
     _tls.draining = True
     try:
@@ -112,6 +112,24 @@ def drain() -> None:
                 pass    # as in a finalizer: the object is gone, nobody to tell
     finally:
         _tls.draining = False
+
+
+class _NoDrain:
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        _tls.locked = getattr(_tls, "locked", 0) + 1
+
+    def __exit__(self, *exc) -> None:
+        _tls.locked = max(0, getattr(_tls, "locked", 0) - 1)
+
+
+#: ``with lock, no_drain:`` around a critical section that calls an API entry (an allocator's
+#: ``malloc``) which drains: the deferred releases wait for the next safe point instead of
+#: running inside the section, where one that takes this lock would change its state halfway
+#: through, and one that takes a lock of the same kind (another device's generator) would
+#: order the two locks against another thread doing the reverse (issue r18).
+no_drain = _NoDrain()
 
 
 def release(fn: Callable, *args) -> None:

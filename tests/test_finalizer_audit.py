@@ -150,3 +150,54 @@ def test_drain_in_another_thread_leaves_a_collected_cycles_buffer_open(monkeypat
     assert used == [b"\x05\x05"], used
     _finalize.drain()
     assert accel.memory.memory_allocated(0) == base
+
+
+GRAPH_SIMS = tuple(k for k in SIMS if k in ("cuda", "xpu"))
+
+
+@pytest.mark.parametrize("kind", GRAPH_SIMS)
+def test_no_deferred_release_runs_inside_a_generators_critical_section(monkeypatch, kind):
+    """Deferred releases run at the next allocator entry.  The Philox generator allocates its
+    graph holders (register_graph, at every capture_begin) and writes its state for a replay
+    (replay_prologue: pinned staging on runtimes without the store-state kernel) while it holds
+    its lock, so a release drained there ran inside the generator's critical section: a
+    collected graph's release unregisters it from *its* generator (taking that generator's
+    lock), so two threads replaying through pinned staging on two devices, each draining the
+    other device's graph release, took the two generators' locks in opposite orders.  Before
+    the fix the probe below ran with the generator's lock held."""
+    use_sim(monkeypatch, kind)
+    devices = _device_count()
+    gens = [accel.random.default_generator(d) for d in range(devices)]
+    seen = []
+
+    def probe():
+        seen.append([g._lock._is_owned() for g in gens])
+
+    for d in range(devices):
+        with accel.device_index(d):
+            buf = accel.Buffer(4096, device=d)
+            g = accel.Graph()
+            with accel.Stream(d):
+                _finalize.defer(probe)      # drained by the first allocation of capture_begin
+                g.capture_begin()
+                try:
+                    if kind == "cuda":
+                        accel.random.uniform_(buf)  # xpu's sim has no Philox kernel to capture
+                    else:
+                        buf.fill_(1)
+                finally:
+                    g.capture_end()
+            for host_path in (False, True):
+                # the host path (no store-state kernel: Level Zero, or kernels given up) writes
+                # the replay's seed and offset through pinned staging, whose malloc drains
+                with monkeypatch.context() as m:
+                    if host_path:
+                        m.setattr(accel.random._device, "kernel_functions", lambda backend, index: None)
+                    _finalize.defer(probe)
+                    g.replay()
+                accel.memory.memory_allocated(d)   # a safe point: runs the probe if replay did not
+            accel.synchronize(d)
+            g.reset()
+            buf.close()
+    _finalize.drain()
+    assert len(seen) == 3 * devices and not any(any(owned) for owned in seen), seen

@@ -31,6 +31,8 @@ import struct
 import threading
 from typing import Callable, NamedTuple, Optional
 
+from .. import _finalize as _fin
+
 __all__ = ["Generator", "PhiloxArgs", "DEFAULT_SEED", "check_seed"]
 
 #: torch's default_rng_seed_val: what initial_seed() reports before any seeding.
@@ -275,7 +277,7 @@ class Generator:
         allocates them with at::empty).  Call before capture
         begins (the allocation is not allowed during capture).  ``alloc(nbytes) -> ptr`` and
         ``free(ptr)`` replace the caching allocator (tests)."""
-        with self._lock:
+        with self._lock, _fin.no_drain:     # no deferred release runs in here (issue r18)
             if not self._holders:
                 if alloc is None:
                     alloc, free = self._cache_alloc, self._cache_free
@@ -354,7 +356,7 @@ class Generator:
         if write is None:
             from . import _device
             write = _device.write_state
-        with self._lock:
+        with self._lock, _fin.no_drain:     # pinned staging: no deferred release runs in here
             self._not_capturing("replay_prologue")
             seed, offset = self._seed, self._offset
             step = (int(wholegraph_increment) + 3) // 4 * 4
