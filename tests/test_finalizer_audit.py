@@ -201,3 +201,37 @@ def test_no_deferred_release_runs_inside_a_generators_critical_section(monkeypat
             buf.close()
     _finalize.drain()
     assert len(seen) == 3 * devices and not any(any(owned) for owned in seen), seen
+
+
+@pytest.mark.parametrize("kind", SIMS)
+def test_a_release_that_fails_again_is_reported_not_lost(monkeypatch, kind):
+    """A finalizer's release that fails with a vendor error is tried once more at the next
+    drain (accel/_finalize.py).  When that retry fails too, the handle leaks: it must be said,
+    as Python says an exception in ``__del__`` (sys.unraisablehook), not dropped.  Before the
+    fix the drain swallowed it and nothing was reported."""
+    use_sim(monkeypatch, kind)
+    seen = []
+    monkeypatch.setattr("sys.unraisablehook", seen.append)
+    backend = accel._lazy.lazy_init()
+    devices = _device_count()
+    for d in range(devices):
+        e = accel.Event()
+        e.record(accel.current_stream(d))       # makes its device event
+        calls = []
+
+        def failing(handle, calls=calls):
+            calls.append(handle)
+            raise accel.AcceleratorError(f"simulated: destroying event {handle} failed")
+
+        with monkeypatch.context() as m:
+            m.setattr(backend, "event_destroy", failing)
+            del e                                   # refcount: the release runs now, fails
+            assert len(calls) == 1 and len(seen) == d
+            accel.memory.memory_allocated(d)        # the next drain retries, fails again
+            assert len(calls) == 2
+        assert not _finalize.pending                # not kept forever either
+        assert len(seen) == d + 1, seen
+        exc = seen[-1].exc_value
+        assert isinstance(exc, accel.AcceleratorError) and "simulated" in str(exc)
+        assert "leaks" in str(exc) and "failing" in str(exc), exc      # names the release
+        assert "simulated" in str(exc.__cause__)
