@@ -6,6 +6,7 @@ deadlock is possible, so a hang fails the test instead of hanging the suite.
 """
 
 import gc
+import os
 import threading
 
 import pytest
@@ -235,3 +236,169 @@ def test_a_release_that_fails_again_is_reported_not_lost(monkeypatch, kind):
         assert isinstance(exc, accel.AcceleratorError) and "simulated" in str(exc)
         assert "leaks" in str(exc) and "failing" in str(exc), exc      # names the release
         assert "simulated" in str(exc.__cause__)
+
+
+# -- objects created in one thread and released in another; objects in a forked child ----------
+
+def _live(kind):
+    """What the simulator holds (memory, streams, events, graphs) and accel's allocators' bytes."""
+    st = sim.state()
+    if kind == "cuda":
+        out = (sum(st.live_allocations.values()), st.host_allocations, st.streams, st.events,
+               st.graphs, st.graph_execs)
+    elif kind == "xpu":
+        # event slots are pooled by the backend: count accel's events instead
+        out = tuple(v for k, v in sorted(vars(st).items())
+                    if (k.startswith("ze_live_") and "event" not in k) or k == "ze_device_used"
+                    ) + (len(accel._lazy.lazy_init()._events),)
+    else:
+        from accel.sim import metal
+        out = tuple(metal.state().live_counts())
+    return out + tuple(accel.memory.memory_allocated(d) for d in range(_device_count())) + (
+        accel.memory.host_allocator().stats()["allocated_bytes"],)
+
+
+def _settle():
+    gc.collect()
+    _finalize.drain()
+    for d in range(_device_count()):
+        accel.synchronize(d)
+    accel.memory.empty_cache()
+    accel.memory.empty_host_cache()
+    _finalize.drain()
+
+
+class _Cycle:
+    def __init__(self, objs):
+        self.objs, self.me = objs, self
+
+
+def _objects(kind, d):
+    """One of each finalized kind on device ``d``: Buffer, Stream, recorded Event, pinned array,
+    MemPool with a block in it, a captured Graph (CUDA, XPU), a foreign wrapper of a stream."""
+    s = accel.Stream(d)
+    b = accel.Buffer(4096, device=d, stream=s)
+    b.fill_(1, stream=s)
+    e = accel.Event()
+    e.record(s)
+    pinned = accel.empty_pinned(256)
+    with accel.device_index(d):
+        pool = accel.MemPool()
+        with accel.use_mem_pool(pool):
+            in_pool = accel.Buffer(8192, device=d)
+    objs = [s, b, e, pinned, pool, in_pool]
+    if kind in ("cuda", "xpu"):
+        g = accel.Graph()
+        gb = accel.Buffer(512, device=d)
+        with s, g:
+            gb.fill_(2)
+        g.replay()
+        objs += [g, gb]
+    owner = accel.Stream(d)
+    objs += [owner, accel.Stream.from_handle(owner.handle, d)]
+    s.synchronize()
+    return objs
+
+
+def _in_thread(fn):
+    errors = []
+
+    def run():
+        try:
+            fn()
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(JOIN_S)
+    assert not t.is_alive(), "the thread hung (a finalizer waiting on a lock?)"
+    if errors:
+        raise errors[0]
+
+
+@pytest.mark.parametrize("kind", SIMS)
+@pytest.mark.parametrize("how", ["refcount", "collected"])
+def test_objects_released_by_another_thread(monkeypatch, kind, how):
+    """Objects made in this thread, whose last reference a worker thread drops (or whose cycle a
+    worker's collection frees), on every device; and the reverse: made in a worker, released
+    here.  Nothing hangs, nothing leaks, and the other thread's current device is left alone."""
+    use_sim(monkeypatch, kind)
+    devices = _device_count()
+    for d in range(devices):           # warm-up: lazily made state (side streams, event caches)
+        for o in _objects(kind, d):
+            if hasattr(o, "close") and not isinstance(o, accel.MemPool):
+                o.close()
+    _settle()
+    base = _live(kind)
+
+    box = [[_objects(kind, d) for d in range(devices)]]
+    if how == "collected":
+        box[0] = _Cycle(box[0])
+
+    def drop():
+        accel.set_device_index(devices - 1)
+        box.clear()
+        if how == "collected":
+            gc.collect()
+        assert accel.current_device_index() == devices - 1
+
+    _in_thread(drop)
+    assert accel.current_device_index() == 0
+    _settle()
+    assert _live(kind) == base
+
+    made = []
+    _in_thread(lambda: made.append(_Cycle([_objects(kind, d) for d in range(devices)])
+                                   if how == "collected" else [_objects(kind, d) for d in range(devices)]))
+    made.clear()
+    _settle()
+    assert _live(kind) == base
+    assert not _finalize.pending
+
+
+@pytest.mark.parametrize("kind", SIMS)
+def test_objects_released_in_a_forked_child_call_nothing(monkeypatch, kind):
+    """A child forked after init drops everything it inherited (last references, a cycle its
+    collection frees, from its main thread and from a thread of its own) and drains: no vendor
+    call is made (the handles are the parent's), nothing raises, and the parent's objects still
+    work afterwards and release normally."""
+    use_sim(monkeypatch, kind)
+    devices = _device_count()
+    for d in range(devices):
+        for o in _objects(kind, d):
+            if hasattr(o, "close") and not isinstance(o, accel.MemPool):
+                o.close()
+    _settle()
+    base = _live(kind)
+    kept = [_objects(kind, d) for d in range(devices)]
+    box = [_Cycle([_objects(kind, d) for d in range(devices)]), [_objects(kind, d) for d in range(devices)]]
+    gc.collect()
+    pid = os.fork()
+    if pid == 0:
+        code = 2
+        try:
+            before = dict(sim.calls())
+            box.pop()                       # last references: refcount finalizers
+            t = threading.Thread(target=lambda: (box.clear(), gc.collect(), _finalize.drain()))
+            t.start()
+            t.join(JOIN_S)
+            code = 3 if t.is_alive() else 4
+            if not t.is_alive():
+                kept.clear()
+                gc.collect()
+                _finalize.drain()
+                code = 0 if dict(sim.calls()) == before and not _finalize.pending else 5
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    for objs in kept:                       # the parent's objects are untouched
+        objs[1].fill_(9, stream=objs[0])
+        assert objs[1].to_numpy(stream=objs[0])[:4].tolist() == [9] * 4
+    del objs
+    kept.clear()
+    box.clear()
+    _settle()
+    assert _live(kind) == base
+    assert not _finalize.pending
