@@ -372,7 +372,8 @@ class Buffer:
     def copy_from(self, src, stream: Optional[Stream] = None, non_blocking: bool = False) -> "Buffer":
         """Copy all of ``src`` (numpy array, Buffer, or bytes-like, exactly ``nbytes``) into this buffer.
 
-        Blocking copies return when the data is on the device.  With
+        Blocking copies return when the data is on the device (a copy from another Buffer on a
+        capturing stream is captured instead, and runs at each replay).  With
         ``non_blocking=True`` the call returns at once; order later work after
         it with the stream.  A pinned source (an :func:`accel.empty_pinned`
         array or a view of one) is copied from directly, as torch's
@@ -433,7 +434,11 @@ class Buffer:
                     backend.memcpy_async(self._ptr, src._ptr, self._nbytes, stream.handle)
             if barrier is not None:
                 barrier.wait_stream(stream)
-            if not non_blocking:
+            if not non_blocking and not (backend.captures_underway() and stream.is_capturing()):
+                # A copy on a capturing stream was recorded, not run: nothing to wait for (it
+                # runs at each replay, as torch's captured copy_), and cudaStreamSynchronize on
+                # the stream would invalidate the capture (CUDA Programming Guide, "Prohibited
+                # and Unhandled Operations").
                 stream.synchronize()
             return self
         view = _host_view(src)
