@@ -19,7 +19,7 @@ import threading
 
 from ._errors import AcceleratorError
 
-__all__ = ["acquire", "collecting_here"]
+__all__ = ["acquire", "collecting_here", "Lock"]
 
 #: How long a call made by the collector on this thread waits for a busy lock.
 GC_WAIT_S = 2.0
@@ -62,6 +62,37 @@ def finalizer_error(what: str) -> AcceleratorError:
         f"thread already holds.  Do not allocate or initialize accel in __del__ of objects kept in "
         f"reference cycles (use weakref.finalize, or free explicitly); if another thread held "
         f"the lock, retry")
+
+
+class Lock:
+    """A ``threading.Lock`` that takes itself through :func:`acquire` (``what`` names the call
+    in the error): for locks held across calls into the vendor library, where the collector
+    may start and run a user's ``__del__`` that calls accel again (issue r18)."""
+
+    __slots__ = ("_lock", "release", "locked", "what")
+
+    def __init__(self, what: str):
+        self._lock = threading.Lock()
+        self.release = self._lock.release
+        self.locked = self._lock.locked
+        self.what = what
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        lock = self._lock
+        if lock.acquire(False):
+            return True
+        if not blocking:
+            return False
+        if not collecting_here():
+            return lock.acquire(True, timeout)
+        if lock.acquire(True, GC_WAIT_S if timeout < 0 else min(timeout, GC_WAIT_S)):
+            return True
+        raise finalizer_error(self.what)
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
 
 
 class held:

@@ -14,11 +14,11 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import TYPE_CHECKING, Optional, Tuple
 
 from ..._errors import AcceleratorError, CaptureError
+from ..._locks import Lock as _Lock
 from ._library import LIBRARY, _UINT64_MAX
 
 if TYPE_CHECKING:
@@ -37,7 +37,9 @@ class _Stream:
 
     def __init__(self, handle, device, cmdlist, in_order):
         self.handle, self.device, self.list, self.in_order = handle, device, cmdlist, in_order
-        self.lock = threading.Lock()   # Level Zero forbids appending to one list from two threads at once
+        # Level Zero forbids appending to one list from two threads at once.  Held across vendor
+        # calls, where a user's __del__ run by the collector may queue work again (accel._locks).
+        self.lock = _Lock("queueing work on an XPU stream")
         self.seq = 0                   # commands appended
         self.done = 0                  # commands known complete
         self.capture = None            # _Capture while capturing
