@@ -40,7 +40,7 @@ from . import _finalize as _fin
 from . import _lazy
 from ._copying import refuse_copies as _refuse_copies
 from ._device import DeviceLike, check_range, check_stream_range, device, device_index
-from ._errors import AcceleratorError, InvalidDeviceError
+from ._errors import AcceleratorError, CaptureError, InvalidDeviceError
 from . import backends as _backends
 from .backends.base import Backend
 
@@ -661,7 +661,7 @@ class Event:
     """
 
     __slots__ = ("_backend", "_index", "_handle", "enable_timing", "blocking", "external", "_recorded",
-                 "_closed", "_pid", "_type", "_late", "__weakref__")
+                 "_capture", "_closed", "_pid", "_type", "_late", "__weakref__")
 
     def __init__(self, device: DeviceLike = None, *, enable_timing: bool = False, blocking: bool = False,
                  interprocess: bool = False, external: bool = False):
@@ -685,6 +685,7 @@ class Event:
         self._backend = None
         self._index = None
         self._recorded = False
+        self._capture = None    # the accel.Graph capture the last record was part of, if any
         self._closed = False
 
     def __repr__(self):
@@ -752,6 +753,7 @@ class Event:
         else:
             backend.event_record(self._handle, stream._handle)
         self._recorded = True
+        self._capture = _capture_of(backend, stream) if _capture_events else None
 
     def _create(self, backend: Backend, index: int) -> None:
         """The first record's device event, made once when threads record a new event at once;
@@ -783,6 +785,18 @@ class Event:
         stream._live()
         if self._handle is None:
             return
+        if _capture_events and not self.external:
+            cap = _capture_of(self._backend, stream)
+            if cap is not None and cap != self._capture:
+                # CUDA Programming Guide, "Cross-stream Dependencies and Events": a capturing stream
+                # may wait only on events recorded in the same capture (else
+                # cudaErrorStreamCaptureIsolation, and the capture is invalidated).
+                raise CaptureError(
+                    f"{stream!r} is capturing and cannot wait for {self!r}, which was recorded outside "
+                    f"the capture (a replay could not wait for it; the driver would refuse and invalidate "
+                    f"the capture). Queue the work waited for before capture_begin, or first make its "
+                    f"stream wait on the capturing stream (other.wait_stream(capturing)) so that it joins "
+                    f"the capture; the capture goes on")
         with stream._device_scope():
             if self.external:
                 keep = _capture_table(self._backend, stream)   # first: it may raise
@@ -953,6 +967,15 @@ def _foreign_stream(backend: Backend, handle: int, index: Optional[int], what: s
         if anchor is None:
             anchor = _foreign[key] = _ForeignAnchor(backend, index, handle)
     return Stream._wrap(backend, index, handle, anchor=anchor)
+
+
+def _capture_of(backend: Backend, stream: Stream) -> Optional[int]:
+    """The id of the accel.Graph capture ``stream`` takes part in, or None."""
+    if backend.captures_underway():
+        ident = backend.capture_id(stream._handle)
+        if ident in _capture_events:
+            return ident
+    return None
 
 
 def _capture_table(backend: Backend, stream: Stream) -> Optional[Dict[int, Event]]:

@@ -481,3 +481,41 @@ def test_graph_takes_torch_2_13_keywords_and_refuses_what_it_lacks(sim_graph_bac
     b.close()
     s.close()
     _usable()
+
+
+@pytest.mark.parametrize("how", ["wait_stream", "wait_event"])
+def test_waiting_on_work_outside_the_capture_is_refused_and_the_capture_goes_on(sim_graph_backend, how):
+    """A capturing stream waiting for work queued outside the capture: CUDA refuses it
+    (cudaErrorStreamCaptureIsolation) and invalidates the capture.  accel refuses it first, with
+    what to do, and the capture stays valid; a side stream forked into the capture (it waited on the
+    capturing stream first) may be waited on."""
+    dev = accel.device_count() - 1
+    cs, other = accel.Stream(dev), accel.Stream(dev)
+    b = accel.Buffer(64, device=dev, stream=cs)
+    outside = accel.Buffer(64, device=dev, stream=other)
+    outside.fill_(1, other)
+    before = other.record_event()
+    g = Graph()
+    with cs:
+        g.capture_begin()
+        try:
+            with pytest.raises(accel.CaptureError, match="outside the capture"):
+                if how == "wait_stream":
+                    cs.wait_stream(other)
+                else:
+                    cs.wait_event(before)
+            assert cs.is_capturing()
+            b.fill_(5, cs)
+            if sim_graph_backend == "cuda":      # (XPU captures record no events: one stream only)
+                other.wait_stream(cs)             # fork: `other` joins the capture
+                b.fill_(6, other)
+                cs.wait_stream(other)             # join: waits on captured work, allowed
+        finally:
+            g.capture_end()
+    g.replay()
+    accel.synchronize(dev)
+    assert (b.to_numpy() == (6 if sim_graph_backend == "cuda" else 5)).all()
+    g.reset()
+    for obj in (b, outside, cs, other):
+        obj.close()
+    _usable()

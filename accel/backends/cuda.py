@@ -639,8 +639,12 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         return status[0] != _CAPTURE_STATUS_NONE
 
     def capture_id(self, stream: int) -> Optional[int]:
-        status = self.ffi.new("enum cudaStreamCaptureStatus *")
-        ident = self.ffi.new("unsigned long long *")
+        out = self._out         # per-thread out-pointers: asked at every event record and wait in a capture
+        try:
+            status, ident = out.capture_info
+        except AttributeError:
+            status, ident = out.capture_info = (self.ffi.new("enum cudaStreamCaptureStatus *"),
+                                                self.ffi.new("unsigned long long *"))
         # The first three parameters (stream, status, id) are the same in every version of
         # cudaStreamGetCaptureInfo (CUDA 12 headers: cudaStreamGetCaptureInfo_v2, 6 parameters;
         # CUDA 13: 7); the optional outputs after them are NULL.
