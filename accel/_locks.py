@@ -87,7 +87,10 @@ class Lock:
             return lock.acquire(True, timeout)
         if lock.acquire(True, GC_WAIT_S if timeout < 0 else min(timeout, GC_WAIT_S)):
             return True
-        raise finalizer_error(self.what)
+        raise self._error()
+
+    def _error(self) -> Exception:
+        return finalizer_error(self.what)
 
     __enter__ = acquire
 

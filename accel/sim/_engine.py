@@ -29,7 +29,7 @@ import time
 import weakref
 from typing import Callable, Optional, Sequence, Tuple
 
-from accel._locks import collecting_here as _collecting_here
+from accel import _locks
 
 from . import core
 
@@ -56,14 +56,9 @@ def _drain_at_exit() -> None:
 
 Point = Tuple["Queue", int]
 
-#: How long a call made by a finalizer that the collector ran on this thread waits for a busy
-#: engine lock before saying why it cannot go on (as accel._locks.GC_WAIT_S).
-GC_WAIT_S = 2.0
-
-
-class EngineLock:
+class EngineLock(_locks.Lock):
     """The engine's lock: a plain lock, except for a call made by a finalizer (a user's
-    ``__del__``) that the cyclic garbage collector ran on this thread.
+    ``__del__``) that the cyclic garbage collector ran on this thread (accel._locks.Lock).
 
     The collector starts at any Python allocation, including inside the simulator's critical
     sections (queueing work), and a finalizer it runs there may queue work itself.  A real vendor
@@ -72,35 +67,19 @@ class EngineLock:
     (which may be the holder), the wait is bounded and then a RuntimeError says why (issue r18).
     Another thread holding the lock that long is possible but rare; the error says to retry."""
 
-    __slots__ = ("_lock", "release", "locked")
+    __slots__ = ()
 
     def __init__(self):
-        self._lock = threading.Lock()
-        self.release = self._lock.release
-        self.locked = self._lock.locked
+        super().__init__("the simulated runtime")
 
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        lock = self._lock
-        if lock.acquire(False):
-            return True
-        if not blocking:
-            return False
-        if not _collecting_here():
-            return lock.acquire(True, timeout)
-        if lock.acquire(True, GC_WAIT_S if timeout < 0 else min(timeout, GC_WAIT_S)):
-            return True
-        raise RuntimeError(
+    def _error(self) -> Exception:
+        return RuntimeError(
             "accel.sim: a vendor call was made from a finalizer (__del__) that the garbage collector "
             "ran while this thread was inside the simulated runtime; calling it again from there would "
             "wait on a lock the thread already holds (a real driver runs no Python code inside its "
             "calls, so this happens only in the simulator).  Do not queue device work in __del__ of "
             "objects kept in reference cycles (use weakref.finalize, or release explicitly); if "
             "another thread held the lock, retry")
-
-    __enter__ = acquire
-
-    def __exit__(self, *exc) -> None:
-        self._lock.release()
 
 
 class Engine:
