@@ -23,12 +23,12 @@ inside the lock the collector interrupted, and runs at once (issue r18: while a 
 finalizer waited on I/O or a stream, every other thread's releases used to be queued and
 a loop of allocate/close ran out of memory).  :func:`drain` still waits for the end of any
 collection: the releases that collection deferred may be for objects its garbage still uses
-(another finalizer of the cycle).  Drained work
-holds only handles and pointers, never the finalized object (no resurrection).  A vendor
-error (:class:`AcceleratorError`) in a finalizer's release is tried once more at the next drain;
-when that fails too, the leak is reported through ``sys.unraisablehook``, as Python reports an
-error in ``__del__``; other errors (a runtime torn down) are swallowed.  State stays bounded by live objects: the queue
-holds only releases of dead objects and empties at the next entry.
+(another finalizer of the cycle).  Drained work holds only handles and pointers, never the
+finalized object (no resurrection).  A vendor error (:class:`AcceleratorError`) in a
+finalizer's release is tried once more at the next drain; when that fails too, the leak is
+reported through ``sys.unraisablehook``, as Python reports an error in ``__del__``; other errors
+(a runtime torn down) are swallowed.  State stays bounded by live objects: the queue holds only
+releases of dead objects and empties at the next entry.
 
 **Fork.**  Objects record the process that created them (:data:`pid`, updated in a forked
 child without a system call per check).  In a child every method raises the error
@@ -135,9 +135,8 @@ class _FailedRelease:
 def _report_leak(fn: Callable, exc: BaseException) -> None:
     """A deferred release failed for the second time (issue r18: it used to be dropped without a
     word): report it through ``sys.unraisablehook`` as Python reports a failing ``__del__``, and
-    drop it (a release that keeps failing must not stay queued
-    forever).  The report is a new AcceleratorError naming the release; its cause is the
-    vendor error."""
+    drop it (a release that keeps failing must not stay queued forever).  The report is a new
+    AcceleratorError naming the release; its cause is the vendor error."""
     name = getattr(fn, "__qualname__", None) or repr(fn)
     report = AcceleratorError(f"accel: a finalizer's release ({name}) failed twice, the second time at a "
                               f"safe point after the object was gone; what it releases leaks: {exc}")
