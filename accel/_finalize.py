@@ -16,10 +16,10 @@ allocator ``malloc``/``free``/``stats``/``empty_cache`` (device and pinned), Str
 creation and ``close``.  Outside a collection, releases run at once as before, so ``del buf``
 still returns memory immediately.
 
-The collector is seen through ``gc.callbacks`` (the collecting thread noted at "start", cleared
-at "stop").  Only the thread that runs the collection defers: the collector runs finalizers in
-the thread that started it, so another thread's explicit ``close()`` or last ``del`` cannot be
-inside the lock the collector interrupted, and runs at once (issue r18: while a collection's
+The collector is seen through ``gc.callbacks`` (:mod:`accel._locks` notes the collecting thread
+at "start" and clears it at "stop").  Only the thread that runs the collection defers: the
+collector runs finalizers in the thread that started it, so another thread's explicit
+``close()`` or last ``del`` cannot be inside the lock the collector interrupted, and runs at once (issue r18: while a collection's
 finalizer waited on I/O or a stream, every other thread's releases used to be queued and
 a loop of allocate/close ran out of memory).  :func:`drain` still waits for the end of any
 collection: the releases that collection deferred may be for objects its garbage still uses
@@ -44,7 +44,6 @@ values, so the stale handle may name one of its live objects.
 
 from __future__ import annotations
 
-import gc
 import os
 import threading
 import weakref
@@ -53,6 +52,7 @@ from typing import Callable
 
 from . import _lazy
 from ._errors import AcceleratorError
+from ._locks import collecting_here, collection_running, forget_collection
 from .backends.base import Backend
 
 __all__ = ["pending", "drain", "release", "finalize", "finalize_later", "release_on_del", "defer", "collecting", "pid",
@@ -63,29 +63,13 @@ pending: deque = deque()
 #: The process accel objects created now belong to (os.getpid(), refreshed at fork).
 pid = os.getpid()
 
-_collecting = False          # a collection runs, in any thread
-_collector = None            # the thread ident running it
 _tls = threading.local()
-_get_ident = threading.get_ident
-
-
-def _on_gc(phase: str, info: dict) -> None:
-    global _collecting, _collector
-    if phase == "start":
-        _collector = _get_ident()
-        _collecting = True
-    else:
-        _collecting = False
-        _collector = None
-
-
-gc.callbacks.append(_on_gc)
 
 
 def collecting() -> bool:
     """True while the cyclic garbage collector runs on the calling thread (so the code running
     now may be a finalizer the collector started inside one of accel's locks)."""
-    return _collecting and _collector == _get_ident()
+    return collecting_here()
 
 
 def defer(fn: Callable, *args) -> None:
@@ -97,7 +81,7 @@ def drain() -> None:
     """Run the deferred releases now.  Call only where this thread holds no accel or vendor
     lock; does nothing while a collection runs (in any thread), when this thread is already
     draining, or inside a :data:`no_drain` section."""
-    if _collecting or getattr(_tls, "draining", False) or getattr(_tls, "locked", 0):
+    if collection_running() or getattr(_tls, "draining", False) or getattr(_tls, "locked", 0):
         return      # (any thread's collection: the releases it deferred may be for its garbage)
     _tls.draining = True
     try:
@@ -246,9 +230,9 @@ def forked_error(backend) -> RuntimeError:
 
 
 def _after_fork_in_child() -> None:
-    global pid, _collecting, _collector, _tls
+    global pid, _tls
     pid = os.getpid()
-    _collecting, _collector = False, None
+    forget_collection()
     _tls = threading.local()
     pending.clear()     # the parent's handles: never released by the child
 

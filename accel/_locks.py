@@ -19,7 +19,7 @@ import threading
 
 from ._errors import AcceleratorError
 
-__all__ = ["acquire", "collecting_here", "Lock"]
+__all__ = ["acquire", "collecting_here", "collection_running", "Lock"]
 
 #: How long a call made by the collector on this thread waits for a busy lock.
 GC_WAIT_S = 2.0
@@ -40,6 +40,18 @@ def collecting_here() -> bool:
     """True while the cyclic garbage collector runs on the calling thread (so the code
     running now is a finalizer, possibly entered from inside accel)."""
     return _collector is not None and _collector == _get_ident()
+
+
+def collection_running() -> bool:
+    """True while the cyclic garbage collector runs, on any thread."""
+    return _collector is not None
+
+
+def forget_collection() -> None:
+    """In a forked child: a collection another thread of the parent was running never ends
+    here (that thread does not exist), so none is taken to run."""
+    global _collector
+    _collector = None
 
 
 def acquire(lock, what: str) -> None:

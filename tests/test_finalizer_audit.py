@@ -12,7 +12,7 @@ import threading
 import pytest
 
 import accel
-from accel import _finalize
+from accel import _finalize, _locks
 import accel.sim as sim
 
 from conftest import SIMS, use_sim
@@ -61,7 +61,7 @@ class _HeldCollection:
     def __enter__(self):
         self.thread.start()
         assert self.entered.wait(JOIN_S), "the collection never reached the garbage"
-        assert _finalize._collecting    # another thread collects
+        assert _locks.collection_running() and not _finalize.collecting()    # another thread collects
         return self
 
     def __exit__(self, *exc):
