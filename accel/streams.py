@@ -981,9 +981,8 @@ def _capture_of(backend: Backend, stream: Stream) -> Optional[int]:
 def _capture_table(backend: Backend, stream: Stream) -> Optional[Dict[int, Event]]:
     """The external events of the accel.Graph capture ``stream`` takes part in (that graph keeps
     them alive: its replays record or wait for them), or None.  Call in the stream's device scope."""
-    if _capture_events and backend.captures_underway():
-        return _capture_events.get(backend.capture_id(stream._handle))
-    return None
+    ident = _capture_of(backend, stream) if _capture_events else None
+    return None if ident is None else _capture_events.get(ident)
 
 
 def _check_external(backend: Optional[Backend]) -> None:
