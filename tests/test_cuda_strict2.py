@@ -16,6 +16,7 @@ from accel._ffi import _cudadrv, cudart_module
 from accel.sim import cuda_driver, kernels
 from accel._ffi._cudart import ffi
 from conftest import use_sim
+from test_sim_cuda_strict import memset_graph
 from test_sim_cuda import capture, end_capture, event, host_alloc, lib, malloc, ok, read, stream, write  # noqa: F401
 
 INVALID_VALUE, CAPTURE_UNSUPPORTED, CAPTURE_INVALIDATED, CAPTURED_EVENT = 1, 900, 901, 907
@@ -266,19 +267,9 @@ def test_closing_a_capturing_stream_is_refused_and_keeps_the_capture(sim_cuda):
 
 # -- graphs: destroying a graph or an executable graph while a capture is underway -----------------
 
-def _memset_graph(lib, s, d):
-    capture(lib, s)
-    ok(lib.cudaMemsetAsync(d, 7, 4, s))
-    rc, g = end_capture(lib, s)
-    ok(rc)
-    x = ffi.new("cudaGraphExec_t *")
-    ok(lib.cudaGraphInstantiate(x, g, 0))
-    return g, x[0]
-
-
 def test_graph_destroy_during_a_capture_is_refused(lib):
     s, other = stream(lib), stream(lib)
-    g, x = _memset_graph(lib, other, malloc(lib, 16))
+    g, x = memset_graph(lib, other, malloc(lib, 16))
     for destroy in (lambda: lib.cudaGraphExecDestroy(x), lambda: lib.cudaGraphDestroy(g)):
         capture(lib, s)
         assert destroy() == CAPTURE_UNSUPPORTED

@@ -28,14 +28,15 @@ def fill(lib, k, ptr, n, value, s, shared=0):
     return launch(lib, k, [("ptr", ptr), ("u64", n), ("u32", value)], s)
 
 
-def graph_exec_of_memset(lib, s, ptr):
+def memset_graph(lib, s, ptr):
+    """A graph of one 4-byte memset captured on ``s``, and its executable: (graph, exec)."""
     capture(lib, s)
     ok(lib.cudaMemsetAsync(ptr, 7, 4, s))
     rc, graph = end_capture(lib, s)
     ok(rc)
     x = ffi.new("cudaGraphExec_t *")
     ok(lib.cudaGraphInstantiate(x, graph, 0))
-    return x[0]
+    return graph, x[0]
 
 
 # -- rule 1: launches go to the current device's streams; no peer access, no peer memory --------
@@ -45,7 +46,7 @@ def test_launch_into_a_stream_of_another_device_is_an_invalid_handle(lib):
     ok(lib.cudaSetDevice(1))
     s1 = stream(lib)
     d1 = malloc(lib, 16)
-    x1 = graph_exec_of_memset(lib, s1, d1)
+    _, x1 = memset_graph(lib, s1, d1)
     ok(lib.cudaSetDevice(0))                  # device 0 current, stream of device 1
     assert fill(lib, k, d1, 4, 1, s1) == lib.cudaErrorInvalidResourceHandle
     assert lib.cudaGraphLaunch(x1, s1) == lib.cudaErrorInvalidResourceHandle
