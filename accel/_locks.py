@@ -19,7 +19,7 @@ import threading
 
 from ._errors import AcceleratorError
 
-__all__ = ["acquire", "collecting_here", "collection_running", "Lock"]
+__all__ = ["acquire", "collecting_here", "collection_running", "Lock", "RLock"]
 
 #: How long a call made by the collector on this thread waits for a busy lock.
 GC_WAIT_S = 2.0
@@ -67,11 +67,10 @@ def acquire(lock, what: str) -> None:
     raise finalizer_error(what)
 
 
-def finalizer_error(what: str) -> AcceleratorError:
+def finalizer_error(what: str, why: str = "would wait on a lock the thread already holds") -> AcceleratorError:
     return AcceleratorError(
         f"accel: {what} was called from a finalizer (__del__) that the garbage collector ran while "
-        f"this thread was inside accel; calling accel again from there would wait on a lock the "
-        f"thread already holds.  Do not allocate or initialize accel in __del__ of objects kept in "
+        f"this thread was inside accel; calling accel again from there {why}.  Do not allocate or initialize accel in __del__ of objects kept in "
         f"reference cycles (use weakref.finalize, or free explicitly); if another thread held "
         f"the lock, retry")
 
@@ -108,6 +107,61 @@ class Lock:
 
     def __exit__(self, *exc) -> None:
         self._lock.release()
+
+
+class RLock:
+    """A ``threading.RLock`` for a backend that calls itself while holding it (the Metal
+    backend: one lock over the Objective-C objects it builds a command buffer from).
+
+    Re-entry by the same thread is normal, except from a finalizer: when the collector
+    starts inside the outermost hold (at an allocation halfway through a call) and runs a
+    user's ``__del__`` that calls accel, that call would re-enter the half-done work (a
+    command buffer half encoded or being committed).  It raises :class:`AcceleratorError`
+    instead, as :class:`Lock` does.  A hold taken by a finalizer itself (the collector was
+    already running on this thread at the outermost acquire) re-enters freely."""
+
+    __slots__ = ("_lock", "_owner", "_depth", "_outer_gc", "what")
+
+    def __init__(self, what: str):
+        self._lock = threading.RLock()
+        self._owner = None          # ident of the holding thread (written only by it)
+        self._depth = 0
+        self._outer_gc = False      # the outermost hold was taken by a finalizer
+        self.what = what
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        me = _get_ident()
+        if self._owner == me:
+            if _collector == me and not self._outer_gc:
+                raise finalizer_error(self.what, "would re-enter the call this thread left half done")
+            self._lock.acquire()
+            self._depth += 1
+            return True
+        if not self._lock.acquire(False):
+            if not blocking:
+                return False
+            if _collector == me:
+                if not self._lock.acquire(True, GC_WAIT_S if timeout < 0 else min(timeout, GC_WAIT_S)):
+                    raise finalizer_error(self.what)
+            elif not self._lock.acquire(True, timeout):
+                return False
+        self._owner = me
+        self._depth = 1
+        self._outer_gc = _collector == me
+        return True
+
+    def release(self) -> None:
+        if self._owner != _get_ident():
+            raise RuntimeError("cannot release un-acquired lock")
+        self._depth -= 1
+        if self._depth == 0:
+            self._owner = None
+        self._lock.release()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 class held:

@@ -472,21 +472,16 @@ print("OK", log[0])
 '''
 
 
-_MPS_REENTRY = pytest.mark.xfail(strict=True, reason=(
-    "r18 found, not fixed: the MPS backend's lock is an RLock held across Metal calls; a user's __del__ that "
-    "the collector runs inside it re-enters the backend halfway through a command buffer commit and fails "
-    "with the Metal simulator's 'command buffer ... is already committed' instead of an error saying why "
-    "(refusing needs the lock's recursion depth at the start of the collection)"))
-
-
-@pytest.mark.parametrize("kind", [pytest.param(k, marks=_MPS_REENTRY) if k == "mps" else k for k in SIMS])
+@pytest.mark.parametrize("kind", SIMS)
 def test_user_finalizer_run_inside_the_simulators_lock_never_hangs(kind):
     """The collector can start at an allocation inside the simulator's engine lock (queueing
     work), and run a user's ``__del__`` there that queues work itself.  A real vendor library
     is C code, inside which no Python finalizer runs; the simulator must not hang where the
     hardware would not: the call works or raises an error that says why.  Before the fix the
     thread waited forever on a lock it held itself: on CUDA the simulator's engine lock, on XPU
-    accel's per-stream lock, held across the Level Zero append."""
+    accel's per-stream lock, held across the Level Zero append; on MPS the call re-entered the
+    backend's re-entrant lock halfway through a command buffer commit and failed with the
+    simulator's 'command buffer ... is already committed' (now: accel._locks.RLock refuses)."""
     import subprocess
     import sys
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCEL_")}

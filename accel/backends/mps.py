@@ -60,6 +60,7 @@ import os
 import threading
 from typing import Any, Dict, List, Optional, Tuple
 
+from .. import _locks
 from .._errors import AcceleratorError, OutOfMemoryError
 from . import _objc
 from ._objc import Message
@@ -225,7 +226,7 @@ class MPSBackend(Backend):
     supports_graphs = False
 
     def __init__(self) -> None:
-        self._lock = threading.RLock()
+        self._lock = _locks.RLock("the Metal backend")
         self._libs: Optional[_Libraries] = None
         self._rt: Optional[_objc.Runtime] = None
         self._device = None

@@ -1,0 +1,87 @@
+"""accel._locks.RLock: re-entrant for the holder, refused to a finalizer the collector runs inside a hold."""
+
+import threading
+
+import pytest
+
+from accel import _locks
+from accel._errors import AcceleratorError
+
+
+@pytest.fixture
+def collecting(monkeypatch):
+    """Pretend the cyclic collector runs on this thread (as inside a user's __del__)."""
+    def start():
+        monkeypatch.setattr(_locks, "_collector", threading.get_ident())
+    return start
+
+
+def test_the_holder_re_enters():
+    lock = _locks.RLock("x")
+    with lock:
+        with lock:
+            assert lock.acquire()
+            lock.release()
+    assert lock._owner is None and lock._depth == 0
+    assert lock.acquire(False)
+    lock.release()
+
+
+def test_a_finalizer_run_inside_a_hold_is_refused_and_the_hold_is_unchanged(collecting):
+    lock = _locks.RLock("the Metal backend")
+    with lock:
+        collecting()                                 # the collector starts halfway through the call
+        with pytest.raises(AcceleratorError, match="the Metal backend was called from a finalizer"):
+            lock.acquire()
+        assert lock._depth == 1 and lock._owner == threading.get_ident()
+    assert lock._owner is None
+    with lock:                                        # a finalizer's own outermost hold works, nested too
+        with lock:
+            pass
+
+
+def test_a_hold_taken_by_a_finalizer_re_enters(collecting):
+    collecting()
+    lock = _locks.RLock("x")
+    with lock:
+        with lock:
+            assert lock._depth == 2
+
+
+def test_another_thread_waits_and_a_finalizer_waits_bounded(collecting, monkeypatch):
+    lock = _locks.RLock("x")
+    held, done = threading.Event(), threading.Event()
+
+    def hold():
+        with lock:
+            held.set()
+            done.wait(10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait(10)
+    try:
+        assert not lock.acquire(False)
+        assert not lock.acquire(True, 0.01)
+        monkeypatch.setattr(_locks, "GC_WAIT_S", 0.01)
+        collecting()
+        with pytest.raises(AcceleratorError, match="finalizer"):
+            lock.acquire()
+    finally:
+        done.set()
+        t.join(10)
+    assert lock.acquire(True, 5)
+    lock.release()
+
+
+def test_release_by_a_thread_not_holding_it_raises():
+    lock = _locks.RLock("x")
+    with pytest.raises(RuntimeError):
+        lock.release()
+    lock.acquire()
+    errors = []
+    t = threading.Thread(target=lambda: errors.append(pytest.raises(RuntimeError, lock.release)))
+    t.start()
+    t.join(10)
+    assert errors and lock._depth == 1
+    lock.release()
