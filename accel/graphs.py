@@ -16,6 +16,10 @@ How the pieces fit (as ``aten/src/ATen/cuda/CUDAGraph.cpp``):
 * **Illegal work.** Synchronizing a capturing stream or device, blocking host
   copies and ``empty_cache`` raise :class:`accel.CaptureError`; the runtime then
   invalidates the capture and :meth:`capture_end` reports it.
+* **Host copies.** A ``non_blocking`` copy between a Buffer and pinned memory
+  (:func:`accel.empty_pinned`) is captured, as torch's: every replay copies again, so the
+  graph holds the pinned block (not reused, even after its array is gone) until the graph
+  is released and its queued replays ran.  Pageable memory is refused.
 """
 
 from __future__ import annotations
@@ -111,6 +115,7 @@ class Graph:
         self._capture_id = None   # the backend's id of the capture underway
         self._events = ()         # external events of its event nodes and modules of its kernels, kept for replays
         self._allocs = None       # the allocator's token for the graph's own allocations (cudaMallocAsync)
+        self._host = None         # the pinned blocks its captured host copies use (memory._host.CaptureHold)
         self._pid = _fin.pid      # the process the graph's handles belong to
 
     # -- capture -------------------------------------------------------------------
@@ -195,6 +200,7 @@ class Graph:
         capture_id = self._capture_id
         events = _capture_events.pop(capture_id, None) or {}
         self._capture_id = None
+        host = events.pop("host", None)      # see buffer._capture_hold
         try:
             graph_handle = self._backend.capture_end(stream.handle)
         except Exception as exc:
@@ -205,6 +211,8 @@ class Graph:
                 self._stream, self._capture_id = stream, capture_id
                 if capture_id is not None:
                     _capture_events[capture_id] = events
+                    if host is not None:
+                        events["host"] = host
                 exc.add_note("(the capture is still underway: call capture_end() on the thread that began "
                              "it, or capture with capture_error_mode='relaxed' to end it on another)")
                 raise
@@ -213,6 +221,8 @@ class Graph:
             if self._allocs is not None:
                 allocs, self._allocs = self._allocs, None
                 allocs.release()
+            if host is not None:
+                host.release()
             if self._rng is not None:
                 random._graph_capture_abort(self._rng)
                 self._rng = None
@@ -222,6 +232,7 @@ class Graph:
         if self._rng is not None:
             random._graph_capture_end(self._rng)
         self._graph = graph_handle
+        self._host = host
         self._events = tuple(events.values())
         if warn_empty and self._backend.graph_node_count(graph_handle) == 0:
             warnings.warn(f"The {self._backend.name.upper()} Graph is empty. This usually means that the graph "
@@ -288,6 +299,8 @@ class Graph:
             self._backend.graph_launch(self._exec, handle)
             if self._allocs is not None:
                 self._allocs.replayed(handle)
+            if self._host is not None:
+                self._host.replayed(handle)
 
     def reset(self) -> None:
         """Destroy the captured graph and release its memory pool; the graph may then be recaptured."""
@@ -300,8 +313,9 @@ class Graph:
         if _fin.collecting():
             # Called from a finalizer during a collection: the allocator's lock may be held
             # by this thread (see accel._finalize).
-            handles = (backend, self._index, self._exec, self._graph, self._pool, self._rng, self._allocs)
-            self._exec = self._graph = self._pool = self._rng = self._allocs = None
+            handles = (backend, self._index, self._exec, self._graph, self._pool, self._rng, self._allocs,
+                       self._host)
+            self._exec = self._graph = self._pool = self._rng = self._allocs = self._host = None
             self._events = ()
             _fin.defer(_release, *handles)
             return
@@ -322,6 +336,9 @@ class Graph:
         if self._allocs is not None:
             allocs, self._allocs = self._allocs, None
             allocs.release()
+        if self._host is not None:
+            host, self._host = self._host, None
+            host.release()
         if self._rng is not None:
             from . import random
             rng, self._rng = self._rng, None
@@ -387,7 +404,7 @@ class Graph:
                           self._rng, self._allocs)
             return
         _fin.finalize(_release, self._backend, self._index, self._exec, self._graph, self._pool, self._rng,
-                      self._allocs)
+                      self._allocs, self._host)
 
 
 def _abandon(backend, index, stream, capture_id, pool, rng, allocs) -> None:
@@ -401,19 +418,20 @@ def _abandon(backend, index, stream, capture_id, pool, rng, allocs) -> None:
         if _still_capturing(backend, stream):
             raise
         graph_handle = None   # an invalidated capture: ended by the failed call
-    _capture_events.pop(capture_id, None)
+    host = (_capture_events.pop(capture_id, None) or {}).get("host")
     from . import memory
     allocator = memory.device_allocator(index)
     allocator.end_allocate_to_pool(pool)
     if rng is not None:
         from . import random
         random._graph_capture_abort(rng)
-    _release(backend, index, None, graph_handle, pool, None, allocs)
+    _release(backend, index, None, graph_handle, pool, None, allocs, host)
 
 
-def _release(backend, index, exec_handle, graph_handle, pool, rng=None, allocs=None) -> None:
-    """Destroy a graph's executable and graph handles, release its pool and its own
-    allocations, and unregister it from its generator (each attempted)."""
+def _release(backend, index, exec_handle, graph_handle, pool, rng=None, allocs=None, host=None) -> None:
+    """Destroy a graph's executable and graph handles, release its pool, its own
+    allocations and the pinned blocks of its host copies, and unregister it from its
+    generator (each attempted)."""
     try:
         if exec_handle is not None:
             backend.graph_exec_destroy(exec_handle)
@@ -431,9 +449,13 @@ def _release(backend, index, exec_handle, graph_handle, pool, rng=None, allocs=N
                     if allocs is not None:
                         allocs.release()
                 finally:
-                    if rng is not None:
-                        from . import random
-                        random._graph_release(rng)
+                    try:
+                        if host is not None:
+                            host.release()
+                    finally:
+                        if rng is not None:
+                            from . import random
+                            random._graph_release(rng)
 
 
 @contextlib.contextmanager

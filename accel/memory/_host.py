@@ -34,7 +34,7 @@ _TORCH_STATS = ("allocations", "allocated_bytes", "active_requests", "active_byt
 
 
 class _HostBlock:
-    __slots__ = ("ptr", "size", "allocated", "uses", "events")
+    __slots__ = ("ptr", "size", "allocated", "uses", "events", "holds")
 
     def __init__(self, ptr, size):
         self.ptr = ptr
@@ -42,6 +42,33 @@ class _HostBlock:
         self.allocated = True
         self.uses = None
         self.events = 0
+        self.holds = None     # CaptureHolds of graphs whose captured copies read or write it
+
+
+class CaptureHold:
+    """The pinned blocks the copies captured into one graph read or write (torch's host
+    allocator keeps such a block from reuse too: ``TestCachingHostAllocatorCudaGraph``).
+
+    Every replay copies from or into them again, so a held block freed by its owner is
+    parked, not reused; each replay's stream becomes a use of the block, and when the
+    graph is released (:meth:`release`) the block waits for those uses as after any copy."""
+
+    __slots__ = ("_owner", "device", "blocks")
+
+    def __init__(self, owner: "HostCachingAllocator", device: int):
+        self._owner = owner
+        self.device = device
+        self.blocks: set = set()
+
+    def replayed(self, stream: int) -> None:
+        """A replay of the graph was queued on ``stream`` (of the hold's device)."""
+        if self.blocks:
+            self._owner._hold_replayed(self, stream)
+
+    def release(self) -> None:
+        """The graph is gone: its blocks follow the normal free path (idempotent)."""
+        if self.blocks:
+            self._owner._release_hold(self)
 
 
 class HostCachingAllocator:
@@ -58,6 +85,7 @@ class HostCachingAllocator:
         # neither recorded nor waited for (retried at the next malloc and empty_cache)
         self._deferred: List[_HostBlock] = []
         self._used_on: Dict[int, set] = {}             # stream -> blocks whose uses name it
+        self._parked: set = set()                      # freed blocks a graph's captured copies hold
         self._event_cache: Dict[int, List[int]] = {}   # device -> completed events for reuse
         self._stats = {"allocated_bytes": 0, "reserved_bytes": 0, "allocations": 0,
                        "segments": 0, "num_host_alloc": 0, "num_host_free": 0}
@@ -135,7 +163,9 @@ class HostCachingAllocator:
             self._stats["allocations"] -= 1
             self._count("active_requests", -1)
             self._count("active_bytes", -block.size)
-            if not block.uses:
+            if block.holds:
+                self._parked.add(block)         # a graph's replays still copy from or into it
+            elif not block.uses:
                 self._free.setdefault(block.size, []).append(ptr)
             elif capture_underway(self._be):
                 self._deferred.append(block)   # see _caching: no events during a capture
@@ -177,6 +207,60 @@ class HostCachingAllocator:
                 self._used_on[stream] = {block}
             else:
                 users.add(block)
+
+    def capture_hold(self, device: int) -> CaptureHold:
+        """A new, empty hold for the copies one graph capture makes (see :class:`CaptureHold`)."""
+        return CaptureHold(self, device)
+
+    def hold(self, ptr: int, hold: CaptureHold) -> None:
+        """The allocated block at ``ptr`` is read or written by a copy captured into ``hold``'s graph."""
+        with held(self._lock, "pinned hold"):
+            block = self._blocks.get(ptr)
+            if block is None or not block.allocated:
+                raise self._not_allocated(ptr, block)
+            if block.holds is None:
+                block.holds = {hold}
+            else:
+                block.holds.add(hold)
+            hold.blocks.add(block)
+
+    def _hold_replayed(self, hold: CaptureHold, stream: int) -> None:
+        with held(self._lock, "pinned hold"):
+            use = (stream, hold.device)
+            for block in hold.blocks:
+                if block.uses is None:
+                    block.uses = {use}
+                else:
+                    block.uses.add(use)
+                users = self._used_on.get(stream)
+                if users is None:
+                    self._used_on[stream] = {block}
+                else:
+                    users.add(block)
+
+    def _release_hold(self, hold: CaptureHold) -> None:
+        with held(self._lock, "pinned hold release"):
+            blocks, hold.blocks = hold.blocks, set()
+            error = None
+            for block in blocks:
+                block.holds.discard(hold)
+                if block.holds:
+                    continue
+                block.holds = None
+                if block.allocated or block not in self._parked:
+                    continue                # its free takes the normal path
+                self._parked.discard(block)
+                if not block.uses:
+                    self._free.setdefault(block.size, []).append(block.ptr)
+                elif capture_underway(self._be):
+                    self._deferred.append(block)
+                else:
+                    try:
+                        self._insert_events(block)
+                    except Exception as exc:    # the block waits in _deferred; the others go on
+                        error = error or exc
+            if error is not None:
+                raise error
 
     def forget_stream(self, stream: int, device_index: int, blocking: bool = True) -> bool:
         """``stream`` of device ``device_index`` is about to be destroyed (its handle may
@@ -232,7 +316,8 @@ class HostCachingAllocator:
             _drain_finalizers()
         with self._lock:
             out = dict(self._stats)
-            out["pending"] = len({id(b) for _, _, b in self._events} | {id(b) for b in self._deferred})
+            out["pending"] = len({id(b) for _, _, b in self._events} | {id(b) for b in self._deferred}
+                                 | {id(b) for b in self._parked})
             return out
 
     def _record(self, stream: int, device: int) -> int:
