@@ -865,6 +865,11 @@ def zeContextCreate(hDriver, desc, phContext):
     return 0
 
 
+#: The attribute naming the context an object was created from, per kind (zeContextDestroy; a
+#: module, _ze_kernels._KObj, keeps it in its fields as "ctx").
+_OWNER = {"cmdlist": "ctx", "cmdqueue": "ctx", "eventpool": "context"}
+
+
 def zeContextDestroy(hContext):
     rt, rc = _ready()
     if rc:
@@ -875,12 +880,24 @@ def zeContextDestroy(hContext):
     with rt.lock:
         # ze_api.h, zeContextDestroy: "The application must ensure the device is not currently
         # referencing the context before it is deleted" (@returns HANDLE_OBJECT_IN_USE): work
-        # submitted to a list or queue of the context that has not run yet.
-        for obj in list(rt.objects.values()):
-            if obj.kind == "cmdlist" and obj.ctx is ctx and _busy(obj):
+        # submitted to a list or queue of the context that has not run yet.  The header is silent
+        # on what becomes of the context's other objects (it speaks of allocations only, below):
+        # command lists and queues (zeCommandList*Create, zeCommandQueueCreate take hContext),
+        # event pools and through them their events, modules and through them their kernels,
+        # physical memory ("The application must only use the physical memory object on the
+        # context for which it was created", zePhysicalMemCreate) and virtual reservations ("...
+        # on the context for which it was created", zeVirtualMemReserve).  Using them after their
+        # context is gone is undefined, and the last two could not even be released
+        # (zePhysicalMemDestroy and zeVirtualMemFree take the destroyed hContext): the spec is
+        # silent, so refused, idle or not, with the same code; nothing changes.  The application
+        # destroys them first.  (The simulator destroyed the context and left every one of them
+        # usable: tests/test_sim_ze_strict2.py.)
+        for obj in list(rt.objects.values()):    # a snapshot: other threads create objects meanwhile
+            owner = obj.f["ctx"] if obj.kind == "module" else getattr(obj, _OWNER.get(obj.kind, "-"), None)
+            if owner is ctx and obj.live:
                 return rt.C.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE
-            if obj.kind == "cmdqueue" and obj.ctx is ctx and obj.queue.done < obj.queue.enqueued:
-                return rt.C.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE
+        if ctx in list(rt.vmm_ctx.values()) + list(rt.vmm_handle_ctx.values()):
+            return rt.C.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE
         # "The implementation of this function may immediately free all Host and Device
         # allocations associated with this context": the simulator does, so nothing uses them
         # afterwards (a later access faults; the memory is the device's again).
@@ -2477,12 +2494,16 @@ _FUNCTIONS += _KERNEL_FUNCTIONS
 
 #: ze_api.h: "The application must **not** call this function from simultaneous threads with the
 #: same command list handle" (zeCommandListAppend*, Close, Reset, Destroy) / "... with the same
-#: kernel handle" (zeKernelSetArgumentValue, zeKernelSetGroupSize): function -> handle kind.
+#: kernel handle" (zeKernelSetArgumentValue, zeKernelSetGroupSize) / "... with the same context
+#: handle" (zeContextDestroy): function -> handle kind.
 _ONE_THREAD = {name: "cmdlist" for name in (
     "zeCommandListAppendMemoryCopy", "zeCommandListAppendMemoryFill", "zeCommandListAppendSignalEvent",
     "zeCommandListAppendWaitOnEvents", "zeCommandListAppendEventReset", "zeCommandListAppendBarrier",
     "zeCommandListAppendLaunchKernel", "zeCommandListClose", "zeCommandListReset", "zeCommandListDestroy")}
 _ONE_THREAD.update(zeKernelSetArgumentValue="kernel", zeKernelSetGroupSize="kernel")
+# zeContextDestroy: "The application must **not** call this function from simultaneous threads
+# with the same context handle" (the second destroyed the context under the first).
+_ONE_THREAD.update(zeContextDestroy="context")
 
 
 def _claim(handle, kind: str):
