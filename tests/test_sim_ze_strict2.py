@@ -369,3 +369,21 @@ def test_a_context_destroyed_by_two_threads_at_once_is_refused(ze, monkeypatch):
     assert seen == [lib.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE]
     monkeypatch.setattr(sim_ze, "_ready", ready)
     assert lib.zeContextDestroy(ctx) == lib.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+
+
+def test_backend_close_with_a_capture_underway(monkeypatch):
+    """close() while a stream captures: the capture's regular list and its two event slots are
+    the backend's too and go before their pool and context.  close() failed with
+    'zeEventPoolDestroy failed with ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE' (the slots' events were
+    never destroyed), leaving the pools, the capture's list and the contexts behind."""
+    use_sim(monkeypatch, "xpu")
+    s = accel.Stream(device=1)
+    a = accel.Buffer(4096, stream=s)
+    g = accel.Graph()
+    with s:
+        g.capture_begin()
+        a.fill_(3)
+    be = accel._lazy.backend()
+    be.close()
+    assert _contexts() == [] and all(v == 0 for v in _ze_live().values()), _ze_live()
+    assert be.captures_underway() == 0

@@ -112,6 +112,20 @@ class XpuBackend(DiscoveryMixin, MemoryMixin, StreamsMixin, EventsMixin, GraphsM
                 self._release_graph(g)
             self._graphs.clear()
             self._execs.clear()
+            # A capture underway is the backend's too: its regular list and its two event slots go
+            # before their pool and context (zeEventPoolDestroy: "must destroy all event handles
+            # created from the pool before destroying the pool itself"; close() failed there).
+            # The stream forgets it by an attribute write, not under s.lock, which is taken
+            # before self._lock elsewhere.
+            for stream, cap in list(self._captures.items()):
+                self._invalidate(cap, "the backend was closed")
+                s = self._streams.get(stream)
+                if s is not None and s.capture is cap:
+                    s.capture = None
+                self._check_rc("zeCommandListDestroy", lib.zeCommandListDestroy(cap.list))
+                del self._captures[stream]
+                self._retire(cap.gate)
+                self._retire(cap.done)
             for s in list(self._streams.values()):
                 self._sync_stream(s)
             self._sweep()
