@@ -221,8 +221,7 @@ def test_elapsed_time_of_a_failed_record_says_it_failed(be):
     with pytest.raises(AcceleratorError, match="failed") as info:
         be.event_elapsed_ms(a, b)
     assert "synchronize it" not in str(info.value)
-    with pytest.raises(AcceleratorError):
-        be.device_synchronize()           # the stream still holds the failed buffer: reported there too
+    be.device_synchronize()               # reported once: event_synchronize saw it first
     be.event_destroy(a)
     be.event_destroy(b)
 

@@ -196,6 +196,22 @@ class _Buffer:
         self.obj, self.base, self.length, self.host = obj, base, length, host
 
 
+class _Committed:
+    """A committed MTLCommandBuffer the backend tracks, and whether its failure was reported.
+
+    Each holder (a stream's in-flight list, an event's latest record, a synchronize waiting on
+    it) retains ``obj`` once and releases it once; the holders share this record, so a buffer
+    that ended in MTLCommandBufferStatusError is reported to the user once, by the first call
+    that sees it (stream_query, a synchronize, event_synchronize), and not again by later ones.
+    """
+
+    __slots__ = ("obj", "reported")
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+        self.reported = False
+
+
 class _Stream:
     __slots__ = ("handle", "queue", "cb", "ops", "inflight")
 
@@ -204,7 +220,7 @@ class _Stream:
         self.queue = queue          # MTLCommandQueue, owned (+1)
         self.cb = None              # open MTLCommandBuffer, retained; None when nothing pending
         self.ops = 0                # commands encoded into cb
-        self.inflight: List[Any] = []  # committed, retained, not yet known complete
+        self.inflight: List[_Committed] = []  # committed, retained, not yet known complete
 
 
 class _Event:
@@ -214,7 +230,7 @@ class _Event:
         self.handle = handle
         self.shared = shared        # MTLSharedEvent, owned (+1)
         self.value = 0              # value of the latest record; 0 = never recorded
-        self.cb = None              # retained command buffer carrying the latest signal
+        self.cb: Optional[_Committed] = None  # retained command buffer carrying the latest signal
         self.timing = timing
 
 
@@ -335,13 +351,13 @@ class MPSBackend(Backend):
                     rt.release(lib)
                 self._modules.clear()
                 for ev in self._events.values():
-                    rt.release(ev.cb)
+                    self._release_committed(ev.cb)
                     rt.release(ev.shared)
                 self._events.clear()
                 for st in self._streams.values():
                     rt.release(st.cb)
-                    for cb in st.inflight:
-                        rt.release(cb)
+                    for cmd in st.inflight:
+                        rt.release(cmd.obj)
                     rt.release(st.queue)
                 self._streams.clear()
                 for buf in self._buffers.values():
@@ -564,63 +580,88 @@ class MPSBackend(Backend):
         if st.ops >= _MAX_OPS:
             self._commit(st)
 
-    def _commit(self, st: _Stream) -> Optional[Any]:
+    def _commit(self, st: _Stream) -> Optional[_Committed]:
         """Commit the open command buffer; returns it (still retained, now in flight)."""
         cb = st.cb
         if cb is None:
             return None
         self._rt.send(cb, M_COMMIT)
         st.cb = None
-        # Forget buffers already known complete so the list stays short.
+        # Forget buffers already known complete (or failed and reported) so the list stays short.
         keep = []
         for old in st.inflight:
-            if int(self._rt.send(old, M_STATUS)) == _CB_COMPLETED:
-                self._rt.release(old)
+            status = int(self._rt.send(old.obj, M_STATUS))
+            if status == _CB_COMPLETED or (status == _CB_ERROR and old.reported):
+                self._rt.release(old.obj)
             else:
                 keep.append(old)
-        keep.append(cb)
+        cmd = _Committed(cb)
+        keep.append(cmd)
         st.inflight = keep
-        return cb
+        return cmd
 
-    def _check_cb(self, cb: Any) -> None:
+    def _release_committed(self, cmd: Optional[_Committed]) -> None:
+        if cmd is not None:
+            self._rt.release(cmd.obj)
+
+    def _check_cb(self, cmd: _Committed) -> None:
+        """Raise the error of a command buffer that failed, unless it was reported already."""
         rt = self._rt
-        if int(rt.send(cb, M_STATUS)) == _CB_ERROR:
-            with rt.pool():
-                code, text = rt.error_text(rt.send(cb, M_ERROR))
-            raise AcceleratorError.from_call(_LIBRARY, "MTLCommandBuffer", code,
-                                             _CB_ERRORS.get(code, "MTLCommandBufferError"), text)
+        if cmd.reported or int(rt.send(cmd.obj, M_STATUS)) != _CB_ERROR:
+            return
+        with rt.pool():
+            code, text = rt.error_text(rt.send(cmd.obj, M_ERROR))
+        with self._lock:
+            if cmd.reported:
+                return   # another thread's call reported it meanwhile
+            cmd.reported = True
+        raise AcceleratorError.from_call(_LIBRARY, "MTLCommandBuffer", code,
+                                         _CB_ERRORS.get(code, "MTLCommandBufferError"), text)
 
     def _sync_streams(self, streams: List[_Stream]) -> None:
         rt = self._rt
-        with self._lock, rt.pool():
-            waits = []
-            for st in streams:
-                self._commit(st)
-                waits.append((st, list(st.inflight)))
-                for cb in st.inflight:
-                    rt.retain(cb)
+        waits: List[Tuple[_Stream, List[_Committed]]] = []  # each listed buffer retained here
+        waited = set()
         error = None
-        for st, cbs in waits:
-            for cb in cbs:
-                rt.send(cb, M_WAIT)   # outside the lock: other threads keep encoding
-                try:
-                    self._check_cb(cb)
-                except AcceleratorError as exc:
-                    error = error or exc
-        with self._lock:
-            for st, cbs in waits:
-                done = set(rt.address(cb) for cb in cbs)
-                remaining = []
-                for cb in st.inflight:
-                    if rt.address(cb) in done:
-                        rt.release(cb)
-                    else:
-                        remaining.append(cb)
-                st.inflight = remaining
-                for cb in cbs:
-                    rt.release(cb)
+        try:
+            with self._lock, rt.pool():
+                for st in streams:
+                    self._commit(st)
+                    cmds: List[_Committed] = []
+                    waits.append((st, cmds))
+                    for cmd in st.inflight:
+                        rt.retain(cmd.obj)
+                        cmds.append(cmd)
+            for st, cmds in waits:
+                for cmd in cmds:
+                    rt.send(cmd.obj, M_WAIT)   # outside the lock: other threads keep encoding
+                    waited.add(id(cmd))
+                    if error is None:          # one error per call; a later one stays for its event
+                        try:
+                            self._check_cb(cmd)
+                        except AcceleratorError as exc:
+                            error = exc
+        finally:
+            # On every path (an error, or a KeyboardInterrupt when a wait returns): the buffers
+            # waited for leave the stream's list, and every retain taken above is given back.
+            if waits:
+                self._release_waits(waits, waited)
         if error is not None:
             raise error
+
+    def _release_waits(self, waits: List[Tuple[_Stream, List[_Committed]]], waited: set) -> None:
+        rt = self._rt
+        with self._lock:
+            for st, cmds in waits:
+                remaining = []
+                for cmd in st.inflight:
+                    if id(cmd) in waited:
+                        rt.release(cmd.obj)
+                    else:
+                        remaining.append(cmd)
+                st.inflight = remaining
+                for cmd in cmds:
+                    rt.release(cmd.obj)
 
     def stream_create(self, priority: int = 0) -> int:
         self._runtime()
@@ -651,8 +692,8 @@ class MPSBackend(Backend):
             # Emptied, not just released: a synchronize of this stream waiting in another thread
             # releases what is still listed here when its wait ends (a double release otherwise).
             inflight, st.inflight = st.inflight, []
-            for cb in inflight:
-                rt.release(cb)
+            for cmd in inflight:
+                rt.release(cmd.obj)
             rt.release(st.queue)
 
     def default_stream(self, index: int) -> int:
@@ -671,19 +712,20 @@ class MPSBackend(Backend):
             st = self._stream(stream)
             self._commit(st)
             pending, error = [], None
-            for cb in st.inflight:
-                status = int(rt.send(cb, M_STATUS))
+            for cmd in st.inflight:
+                status = int(rt.send(cmd.obj, M_STATUS))
                 if status in (_CB_COMPLETED, _CB_ERROR):
                     if status == _CB_ERROR and error is None:
-                        # Report it now, as cudaStreamQuery returns the stream's error: the buffer is
-                        # forgotten here, so a later synchronize could not report it.
+                        # Report it now (unless reported already), as cudaStreamQuery returns the
+                        # stream's error: the buffer is forgotten here, so a later synchronize
+                        # could not report it.
                         try:
-                            self._check_cb(cb)
+                            self._check_cb(cmd)
                         except AcceleratorError as exc:
                             error = exc
-                    rt.release(cb)
+                    rt.release(cmd.obj)
                 else:
-                    pending.append(cb)
+                    pending.append(cmd)
             st.inflight = pending
             if error is not None:
                 raise error
@@ -719,7 +761,7 @@ class MPSBackend(Backend):
         with self._lock:
             ev = self._event(event)
             del self._events[event]
-            rt.release(ev.cb)
+            self._release_committed(ev.cb)
             rt.release(ev.shared)
 
     def event_record(self, event: int, stream: int) -> None:
@@ -733,21 +775,23 @@ class MPSBackend(Backend):
                 self._encode_fill(cb, self._scratch, 0, 4, 0)
             ev.value += 1
             rt.send(cb, M_SIGNAL_EVENT, ev.shared, ev.value)
-            self._commit(st)
-            rt.release(ev.cb)
-            ev.cb = rt.retain(cb)
+            cmd = self._commit(st)
+            rt.retain(cmd.obj)
+            self._release_committed(ev.cb)
+            ev.cb = cmd
 
     def event_synchronize(self, event: int) -> None:
         rt = self._runtime()
         with self._lock:
-            cb = rt.retain(self._event(event).cb)
-        if cb is None or cb == rt.nil:
-            return
+            cmd = self._event(event).cb
+            if cmd is None:
+                return
+            rt.retain(cmd.obj)
         try:
-            rt.send(cb, M_WAIT)
-            self._check_cb(cb)
+            rt.send(cmd.obj, M_WAIT)
+            self._check_cb(cmd)
         finally:
-            rt.release(cb)
+            rt.release(cmd.obj)
 
     def event_query(self, event: int) -> bool:
         rt = self._runtime()
@@ -756,7 +800,7 @@ class MPSBackend(Backend):
             # A command buffer that failed has ended too (MTLCommandBufferStatusError is final);
             # its error is reported by synchronizing the event or the stream.
             return (ev.value == 0 or int(rt.send(ev.shared, M_SIGNALED_VALUE)) >= ev.value
-                    or int(rt.send(ev.cb, M_STATUS)) == _CB_ERROR)
+                    or int(rt.send(ev.cb.obj, M_STATUS)) == _CB_ERROR)
 
     def event_elapsed_ms(self, start: int, end: int) -> float:
         """Milliseconds between the GPUEndTime of the command buffers ending at each record."""
@@ -770,7 +814,7 @@ class MPSBackend(Backend):
                 if ev.cb is None:
                     raise _InvalidHandle(f"mps: event {ev.handle} has not been recorded")
             for ev in (a, b):
-                status = int(rt.send(ev.cb, M_STATUS))
+                status = int(rt.send(ev.cb.obj, M_STATUS))
                 if status == _CB_ERROR:
                     raise AcceleratorError(
                         f"mps: the command buffer of event {ev.handle}'s latest record failed (its error is "
@@ -780,8 +824,8 @@ class MPSBackend(Backend):
                     raise AcceleratorError(
                         f"mps: event {ev.handle} has not completed; synchronize it before elapsed_time",
                         library=_LIBRARY, call="GPUEndTime", code=600, code_name="NotReady")
-            t0 = float(rt.send(a.cb, M_GPU_END))
-            t1 = float(rt.send(b.cb, M_GPU_END))
+            t0 = float(rt.send(a.cb.obj, M_GPU_END))
+            t1 = float(rt.send(b.cb.obj, M_GPU_END))
         return (t1 - t0) * 1000.0
 
     # -- copies -------------------------------------------------------------------------
