@@ -198,15 +198,19 @@ class HostCachingAllocator:
             block = self._blocks.get(ptr)
             if block is None or not block.allocated:
                 raise self._not_allocated(ptr, block)
-            if block.uses is None:
-                block.uses = {(stream, device)}
-            else:
-                block.uses.add((stream, device))
-            users = self._used_on.get(stream)
-            if users is None:
-                self._used_on[stream] = {block}
-            else:
-                users.add(block)
+            self._add_use(block, stream, device)
+
+    def _add_use(self, block: _HostBlock, stream: int, device: int) -> None:
+        """``block`` is used by work on ``stream`` of ``device`` (the lock held)."""
+        if block.uses is None:
+            block.uses = {(stream, device)}
+        else:
+            block.uses.add((stream, device))
+        users = self._used_on.get(stream)
+        if users is None:
+            self._used_on[stream] = {block}
+        else:
+            users.add(block)
 
     def capture_hold(self, device: int) -> CaptureHold:
         """A new, empty hold for the copies one graph capture makes (see :class:`CaptureHold`)."""
@@ -226,17 +230,8 @@ class HostCachingAllocator:
 
     def _hold_replayed(self, hold: CaptureHold, stream: int) -> None:
         with held(self._lock, "pinned hold"):
-            use = (stream, hold.device)
             for block in hold.blocks:
-                if block.uses is None:
-                    block.uses = {use}
-                else:
-                    block.uses.add(use)
-                users = self._used_on.get(stream)
-                if users is None:
-                    self._used_on[stream] = {block}
-                else:
-                    users.add(block)
+                self._add_use(block, stream, hold.device)
 
     def _release_hold(self, hold: CaptureHold) -> None:
         with held(self._lock, "pinned hold release"):
