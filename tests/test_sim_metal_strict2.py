@@ -191,6 +191,22 @@ def test_interrupted_synchronize_releases_its_command_buffer_retains(be, monkeyp
 
 # -- the simulator refuses what Metal's validation refuses -------------------------------------------
 
+@pytest.mark.parametrize("factory", [M_BLIT, M_COMPUTE])
+def test_encoder_released_without_end_encoding_is_refused(objc, factory):
+    """Apple documents no behaviour for an encoder deallocated while still encoding (endEncoding:
+    "Declares that all command generation from the encoder is completed"); Metal's API validation
+    aborts with "Command encoder released without endEncoding".  The simulator let it pass."""
+    rt, device = objc
+    q = rt.send(device, M_QUEUE)
+    with pytest.raises(metal.MetalValidationError, match="released without endEncoding"):
+        with rt.pool():
+            cb = rt.send(q, M_CB)
+            rt.send(cb, factory)
+    # the pool was drained all the same: nothing but the queue and the device is left
+    assert sorted(metal.state().live_counts()) == ["AGXSimDevice", "MTLCommandQueue"]
+    rt.release(q)
+
+
 def test_ended_encoder_released_by_its_pool_is_fine(objc):
     rt, device = objc
     q = rt.send(device, M_QUEUE)
@@ -218,6 +234,25 @@ def test_over_release_and_use_after_release_are_refused(objc):
     with pytest.raises(metal.MetalValidationError, match="deallocated"):
         rt.send(buf, M_LENGTH)
     rt.release(q)
+
+
+def test_live_objects_are_in_accel_sim_state(objc):
+    """accel.sim.state() reports Metal objects not yet deallocated and autoreleases with no pool,
+    so a leak test needs no simulator internals."""
+    import accel.sim
+    rt, device = objc
+    buf = rt.send(device, M_NEW_BUFFER, 64, 0)
+    st = accel.sim.state()
+    assert st.metal_live_objects == {"AGXSimDevice": 1, "MTLBuffer": 1}
+    assert st.metal_leaked_autoreleases == 0
+    q = rt.send(device, M_QUEUE)
+    cb = rt.send(q, M_CB)                 # autoreleased with no pool in place: leaks
+    assert accel.sim.state().metal_leaked_autoreleases == 1
+    rt.send(cb, M_COMMIT)
+    rt.send(cb, M_WAIT)
+    rt.release(buf)
+    rt.release(q)
+    assert "MTLBuffer" not in accel.sim.state().metal_live_objects
 
 
 # -- MTLBuffer / MTLSharedEvent lifetimes across accel's close calls ----------------------------------
@@ -252,6 +287,26 @@ def test_event_destroyed_while_another_stream_waits_on_it(be):
     assert out.raw == b"\x04" * 4
     be.stream_destroy(b)
     be.mem_free(p)
+
+
+def test_accel_objects_closed_with_work_queued_leave_nothing(monkeypatch):
+    use_sim(monkeypatch, "mps")
+    metal.reset()
+    core.reset()
+    s = accel.Stream()
+    e = accel.Event(enable_timing=True)
+    b = accel.Buffer(1 << 16, stream=s)
+    b.fill_(9, s)
+    e.record(s)
+    e.close()
+    b.close()
+    s.close()
+    accel.synchronize()
+    accel.memory.empty_cache()
+    assert set(accel.sim.state().metal_live_objects) <= {"AGXSimDevice", "MTLCommandQueue", "MTLBuffer"}
+    be = backends.get("mps")
+    be.close()
+    assert metal.state().live() == []
 
 
 EXIT_PROGRAM = r'''

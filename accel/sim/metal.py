@@ -387,6 +387,18 @@ class _Encoder(SimObject):
         if not self.active:
             raise MetalValidationError(f"{selector}: encoder {self.addr:#x} has already ended encoding")
 
+    def dealloc(self):
+        if self.active:
+            # Apple's documentation of MTLCommandEncoder.endEncoding ("Declares that all command
+            # generation from the encoder is completed") states nothing about an encoder
+            # deallocated before it; Metal's API validation aborts ("Command encoder released
+            # without endEncoding"), so the simulator refuses.
+            self.active = False
+            raise MetalValidationError(
+                f"{self.cls_name} {self.addr:#x} released without endEncoding (Metal's API validation "
+                f"aborts here; the documentation is silent, so the simulator refuses): end every "
+                f"encoder before its autorelease pool drains")
+
     def m_endEncoding(self):
         self._check("endEncoding")
         self.active = False
@@ -917,6 +929,10 @@ class _State:
         return obj
 
     def release(self, obj: SimObject) -> None:
+        # Apple, "Advanced Memory Management Programming Guide" (Memory Management Policy): "You own
+        # any object you create" (alloc/new/copy/mutableCopy), "You must not relinquish ownership of
+        # an object you do not own": a release the caller did not own shows up here as the pool's
+        # (or the owner's) later release of a deallocated object, refused, where a Mac crashes.
         with self.lock:
             if obj.rc <= 0:
                 raise MetalValidationError(f"over-release of {obj.cls_name} {obj.addr:#x}")
@@ -949,12 +965,18 @@ class _State:
         pools = getattr(self.tls, "pools", None) or []
         if token not in [t for t, _ in pools]:
             raise MetalValidationError(f"objc_autoreleasePoolPop({token:#x}): not a pool of this thread")
+        failure = None
         while pools:
             t, objs = pools.pop()
             for obj in objs:
-                self.release(obj)
+                try:
+                    self.release(obj)
+                except MetalValidationError as exc:   # drain the rest all the same, report the first
+                    failure = failure or exc
             if t == token:
-                return
+                break
+        if failure is not None:
+            raise failure
 
     def set_error(self, out, code: int, text: str) -> None:
         if out is not None:
@@ -1287,5 +1309,14 @@ def _forget_after_fork() -> None:
 
 
 core.on_reset("metal", reset, _forget_after_fork)
-core.on_state("metal", lambda: {"metal_runtime_initialized":
-                                bool(_state is not None and _state.runtime_initialized)})
+def _state_fields() -> dict:
+    """accel.sim.state() fields: whether Metal started, the Objective-C objects not yet deallocated
+    ({class name: count}; a leak test compares them) and autoreleases made with no pool in place
+    (each one leaks on a Mac)."""
+    st = _state
+    return {"metal_runtime_initialized": bool(st is not None and st.runtime_initialized),
+            "metal_live_objects": st.live_counts() if st is not None else {},
+            "metal_leaked_autoreleases": st.leaked_autoreleases if st is not None else 0}
+
+
+core.on_state("metal", _state_fields)
