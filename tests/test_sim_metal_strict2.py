@@ -333,3 +333,36 @@ def test_interpreter_exit_with_metal_work_queued_and_failed():
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "done" in out and "Exception ignored" not in out and "Traceback" not in out, out
+
+
+def test_close_while_another_thread_synchronizes(monkeypatch):
+    """close() from another thread while a synchronize waits outside the lock: close's own
+    synchronize takes the waited buffers off the streams' lists before it releases what is left,
+    so the waiting thread's release of the same list does not over-release (a Mac crashes), as
+    stream_destroy's emptied list does (r6).  Deterministic: close runs inside the first wait."""
+    import threading
+    use_sim(monkeypatch, "mps")
+    metal.reset()
+    core.reset()
+    be = backends.get("mps")
+    be.init()
+    p = be.mem_alloc(64)
+    be.memset_async(p, 1, 64, 0)
+    rt = be._rt
+    real_send = rt.send
+    closed = []
+
+    def send(receiver, msg, *args):
+        if msg is mps.M_WAIT and not closed:
+            closed.append(True)
+            other = threading.Thread(target=be.close)
+            other.start()
+            other.join()
+        return real_send(receiver, msg, *args)
+
+    monkeypatch.setattr(rt, "send", send)
+    be.stream_synchronize(0)
+    monkeypatch.setattr(rt, "send", real_send)
+    assert closed
+    st = metal.state()
+    assert st.live() == [] and st.engine_errors == []
