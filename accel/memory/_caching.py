@@ -745,14 +745,29 @@ class DeviceCachingAllocator:
         return True
 
     def _forget_stream(self, stream: int, device: int) -> None:
-        # Covered first, forgotten after: when neither an event nor a wait covers the stream's
-        # work, everything stays keyed by the (still live) stream and the error propagates.
+        # Covered first, forgotten after: every event is recorded (or the stream waited for)
+        # before anything changes, so when neither an event nor a wait covers the stream's
+        # work, everything stays keyed by the (still live) stream, the events recorded so far
+        # go back to the cache, and the error propagates.
         owners = [(None, self._general)] + [(pool, pool.lists) for pool in self._private.values()]
         retire = [(owner, lists[stream]) for owner, lists in owners
                   if stream in lists and (lists[stream][0].segments or lists[stream][1].segments)]
+        users = self._used_on.get(stream) or ()
+        covers = [(block, use) for block in users for use in block.uses if type(use) is tuple and use[0] == stream]
+        gates = []
         try:
+            try:
+                if retire:
+                    gates.append(self._cover(stream, device))
+                for _, use in covers:
+                    gates.append(self._cover(stream, use[1]))
+            except BaseException:
+                for gate in gates:
+                    if gate is not None:
+                        self._event_cache.setdefault(gate.device, []).append(gate.event)
+                raise
             if retire:
-                gate = self._cover(stream, device)
+                gate = gates.pop(0)
                 for _, lists in owners:
                     lists.pop(stream, None)
                 retired = _Retired(retire)
@@ -760,15 +775,10 @@ class DeviceCachingAllocator:
                     self._rehome(retired)
                 else:
                     self._pending_events.append((gate.event, device, retired))
-            users = self._used_on.get(stream)
-            for block in list(users or ()):
-                uses = block.uses
-                for use in [u for u in uses if type(u) is tuple and u[0] == stream]:
-                    gate = self._cover(stream, use[1])
-                    uses.discard(use)
-                    if gate is not None:
-                        uses.add(gate)
-                users.discard(block)
+            for (block, use), gate in zip(covers, gates):
+                block.uses.discard(use)
+                if gate is not None:
+                    block.uses.add(gate)
             for _, lists in owners:
                 lists.pop(stream, None)
             self._used_on.pop(stream, None)
