@@ -126,3 +126,130 @@ def test_forget_stream_that_cannot_cover_its_work_changes_nothing(be, conf, fail
     _on(be, be.stream_destroy, s)
     alloc.empty_cache()
     _all_returned(be, alloc)
+
+
+# -- one failed vendor call in a workload of streams destroyed, uses, caps and history ----------
+
+def _snapshot_matches_stats(alloc) -> None:
+    snap = alloc.snapshot()
+    st = alloc.stats()
+    unreleased = sum(u[1] for u in alloc._unreleased)
+    assert sum(s["total_size"] for s in snap["segments"]) + unreleased == st["reserved_bytes.all.current"]
+    assert sum(s["allocated_size"] for s in snap["segments"]) == st["allocated_bytes.all.current"]
+    spans = sorted((b["address"], b["size"]) for s in snap["segments"] for b in s["blocks"])
+    for (a, n), (b, _) in zip(spans, spans[1:]):
+        assert a + n <= b, "two blocks overlap"
+
+
+class _Workload:
+    """Device 1's allocator (device 0 current) with history recorded: blocks on two side
+    streams and the default one, uses on the other side stream, one side stream destroyed and
+    a new one made (the driver may give it the same handle), a memory fraction under what is
+    reserved, empty_cache.  Each step may fail (the injected fault); the checks run after each."""
+
+    def __init__(self, be, alloc):
+        self.be, self.alloc = be, alloc
+        self.live = {}          # name -> (ptr, nbytes, byte written or None, stream)
+        self.streams = []
+
+    def step(self, fn) -> None:
+        try:
+            fn()
+        except AcceleratorError:
+            pass
+        _check_caching(self.alloc)
+        _snapshot_matches_stats(self.alloc)
+
+    def malloc(self, name, nbytes, stream, byte) -> None:
+        def run():
+            ptr = self.alloc.malloc(nbytes, stream)
+            self.live[name] = (ptr, nbytes, None, stream)
+            _on(self.be, self.be.memset_async, ptr, byte, nbytes, stream)
+            self.live[name] = (ptr, nbytes, byte, stream)
+        self.step(run)
+
+    def free(self, name) -> None:
+        if name in self.live:       # a free that raised still freed it (it waits for its events)
+            self.step(lambda: self.alloc.free(self.live.pop(name)[0]))
+
+    def stream(self) -> int:
+        s = _on(self.be, self.be.stream_create)
+        self.streams.append(s)
+        return s
+
+    def run(self) -> None:
+        alloc, be = self.alloc, self.be
+        alloc.record_history(True)
+        s1, s2 = self.stream(), self.stream()
+        d = be.default_stream(DEV)
+        for name, nbytes, s in (("a", 3 * MiB, s1), ("b", 700, s1), ("c", 9 * MiB, d), ("d", 64 << 10, s2),
+                                ("e", 5 * MiB, s2)):
+            self.malloc(name, nbytes, s, len(self.live) + 1)
+        for name, s in (("c", s1), ("a", s2)):
+            if name in self.live:
+                self.step(lambda: alloc.record_stream(self.live[name][0], s, DEV))
+        for name in "cae":
+            self.free(name)
+
+        def destroy():
+            alloc.forget_stream(s2, DEV)
+            _on(be, be.stream_destroy, s2)
+            self.streams.remove(s2)
+        self.step(destroy)
+        s3 = self.stream() if s2 not in self.streams else s2
+        self.malloc("f", 20 * MiB, s3, 6)
+        self.malloc("g", 600 << 10, s3, 7)
+        self.step(lambda: alloc.set_memory_fraction(0.2))
+        self.malloc("h", 30 * MiB, d, 8)        # over the cap: OOM after freeing the cache
+        self.step(lambda: alloc.set_memory_fraction(1.0))
+        self.free("d")
+        self.step(alloc.empty_cache)
+        self.malloc("i", 40 * MiB, s1, 9)
+        self.free("b")
+        self.free("f")
+        self.step(alloc.reset_peak_stats)
+        self.step(alloc.empty_cache)
+
+    def verify_and_close(self) -> None:
+        alloc, be = self.alloc, self.be
+        for ptr, nbytes, byte, s in self.live.values():
+            if byte is not None:
+                _on(be, be.stream_synchronize, s)
+                assert (_read(be, ptr, nbytes, s) == byte).all(), "a live block's data changed"
+        for ptr, _, _, _ in self.live.values():
+            alloc.free(ptr)
+        for s in self.streams:
+            alloc.forget_stream(s, DEV)
+            _on(be, be.stream_destroy, s)
+        alloc.empty_cache()
+        _snapshot_matches_stats(alloc)
+        _all_returned(be, alloc)
+
+
+_SWEPT = ("cuMemCreate", "cuMemMap", "cuMemSetAccess", "cuMemUnmap", "cuMemRelease", "cuMemAddressFree",
+          "cudaEventRecord", "cudaEventQuery", "cudaEventSynchronize", "cudaEventDestroy", "cudaStreamSynchronize",
+          "cudaDeviceSynchronize", "cudaMalloc", "cudaFree")
+
+
+@pytest.mark.parametrize("conf", CONFS)
+def test_one_failed_call_in_streams_uses_caps_and_history(be, conf):
+    """Each vendor call of the workload fails once (sampled: the first three calls and every fifth
+    after): the invariants and the snapshot hold after every step, live blocks keep their
+    data, and once everything is freed and the streams destroyed, empty_cache returns the
+    device to where it was (no mapping, handle, reservation, allocation, stream or event)."""
+    from accel.sim import core
+    fired = 0
+    for name in _SWEPT:
+        for k in list(range(3)) + list(range(3, 40, 5)):
+            w = _Workload(be, DeviceCachingAllocator(be, DEV, _config.parse(conf)))
+            sim.inject_error(name, CUDA_INVALID_VALUE, times=1, after=k)
+            try:
+                w.run()
+            finally:
+                hit = name not in core._faults
+                sim.clear_faults()
+            w.verify_and_close()
+            fired += hit
+            if not hit:
+                break
+    assert fired >= 12
