@@ -253,3 +253,30 @@ def test_one_failed_call_in_streams_uses_caps_and_history(be, conf):
             if not hit:
                 break
     assert fired >= 12
+
+
+def test_host_forget_stream_that_cannot_cover_its_work_replaces_no_use(be):
+    """The pinned-host allocator's forget_stream, as the device allocator's: an event for the
+    first block's use on the dying stream was recorded and replaced the use, then the second
+    record and the wait failed; the stream stays alive, so work it queues later on the first
+    block was no longer waited for when that block was freed.  Now nothing is replaced."""
+    from accel import memory
+    host = memory.host_allocator()
+    s = _on(be, be.stream_create)
+    ptrs = [host.malloc(4096), host.malloc(4096)]
+    for ptr in ptrs:
+        host.record_stream(ptr, s, DEV)
+    sim.inject_error("cudaEventRecord", CUDA_INVALID_VALUE, times=1, after=1)
+    sim.inject_error("cudaStreamSynchronize", CUDA_INVALID_VALUE, times=1)
+    with pytest.raises(AcceleratorError, match="cudaStreamSynchronize"):
+        host.forget_stream(s, DEV)
+    sim.clear_faults()
+    for ptr in ptrs:
+        assert host._blocks[ptr].uses == {(s, DEV)}, "a use on the live stream was replaced"
+    host.forget_stream(s, DEV)
+    for ptr in ptrs:
+        host.free(ptr)
+    _on(be, be.stream_destroy, s)
+    memory.empty_host_cache()
+    assert host.stats()["reserved_bytes"] == 0
+    assert (sim.state().host_allocations, sim.state().events) == (0, 0)

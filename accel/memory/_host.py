@@ -264,22 +264,31 @@ class HostCachingAllocator:
         if not self._lock.acquire(blocking):
             return False
         try:
-            users = self._used_on.get(stream, set())
-            for block in list(users):
-                uses = block.uses
-                for use in [u for u in uses if type(u) is tuple and u[0] == stream]:
+            # Every event first, then the uses replaced: when neither an event nor a wait covers
+            # one use, the stream stays alive and may queue more work on every block it used, so
+            # no use is replaced (the events recorded so far go back to the cache).
+            covers = [(block, use) for block in self._used_on.get(stream, ())
+                      for use in block.uses if type(use) is tuple and use[0] == stream]
+            gates = []
+            try:
+                for _, use in covers:
                     try:
-                        gate = _Gate(self._record(stream, use[1]), use[1])
+                        gates.append(_Gate(self._record(stream, use[1]), use[1]))
                     except Exception:
                         if capture_underway(self._be):
                             raise       # synchronizing would invalidate the capture
                         with on_device(self._be, use[1]):
                             self._be.stream_synchronize(stream)   # a second failure propagates
-                        gate = None
-                    uses.discard(use)
+                        gates.append(None)
+            except BaseException:
+                for gate in gates:
                     if gate is not None:
-                        uses.add(gate)
-                users.discard(block)    # covered (a failure above leaves the rest keyed by it)
+                        self._event_cache.setdefault(gate.device, []).append(gate.event)
+                raise
+            for (block, use), gate in zip(covers, gates):
+                block.uses.discard(use)
+                if gate is not None:
+                    block.uses.add(gate)
             self._used_on.pop(stream, None)
         finally:
             self._lock.release()
