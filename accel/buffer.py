@@ -19,7 +19,7 @@ from . import _finalize as _fin
 from . import _lazy
 from ._copying import refuse as _refuse
 from ._device import DeviceLike, device
-from .streams import Stream, _as_stream, _index_for, current_stream, on_device
+from .streams import Stream, _as_stream, _claim_close, _index_for, current_stream, on_device
 
 __all__ = ["Buffer"]
 
@@ -127,6 +127,40 @@ def _capture_hold(backend, stream: Stream, address: int, nbytes: int, non_blocki
     if hold is None:
         hold = table["host"] = host.capture_hold(stream.device_index)
     return host, pinned, hold
+
+
+def _in_use(method):
+    """Wrap a Buffer method that hands the memory to the backend (a copy, a fill, a stream use):
+    while it runs, the buffer (and a Buffer argument, a copy's source) holds a pin, so a close()
+    in another thread leaves the memory to the call's end (as to a DLPack export's deleter,
+    :class:`_Pin`) instead of giving it back to the allocator, which would hand it to the next
+    allocation while the call still queues work on it.  The method's own ``_live()`` check comes
+    after the pin is taken, so a close that came first makes it raise."""
+    def call(self, *args, **kwargs):
+        held = [b for b in (self, *args, *kwargs.values()) if type(b) is Buffer]
+        keys = [_begin_use(b) for b in held]
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            for b, key in zip(held, keys):
+                _end_use(b, key)
+    call.__name__, call.__qualname__, call.__doc__ = method.__name__, method.__qualname__, method.__doc__
+    call.__wrapped__ = method
+    return call
+
+
+def _begin_use(buf) -> object:
+    key = object()
+    buf._pins.add(id(key))
+    return key
+
+
+def _end_use(buf, key) -> None:
+    buf._pins.discard(id(key))
+    if buf._deferred and not buf._pins and buf._pid == _fin.pid and buf._backend is _lazy._initialized_backend:
+        call = buf._unpinned_release()      # closed by another thread meanwhile: the last use frees
+        if call is not None:
+            _fin.finalize(call[0], *call[1])
 
 
 def _size(value, what: str) -> int:
@@ -412,6 +446,7 @@ class Buffer:
         return stream
 
     # -- copies ------------------------------------------------------------------
+    @_in_use
     def copy_from(self, src, stream: Optional[Stream] = None, non_blocking: bool = False) -> "Buffer":
         """Copy all of ``src`` (numpy array, Buffer, or bytes-like, exactly ``nbytes``) into this buffer.
 
@@ -577,6 +612,7 @@ class Buffer:
         finally:
             temp._closed = True     # the caller keeps `obj` alive, as for any source (torch's rule)
 
+    @_in_use
     def copy_to(self, dst, stream: Optional[Stream] = None, non_blocking: bool = False) -> None:
         """Copy the whole buffer into the writable, contiguous host object ``dst``.
 
@@ -667,6 +703,7 @@ class Buffer:
         # a subarray dtype such as ('f4', (2,)) adds its dimensions, as numpy.empty
         return out.reshape(shape + dtype.shape) if shape is not None else out
 
+    @_in_use
     def fill_(self, value: int, stream: Optional[Stream] = None) -> "Buffer":
         """Set every byte to ``value`` (0..255), ordered on ``stream``; returns self."""
         self._live()
@@ -681,6 +718,7 @@ class Buffer:
                 self._backend.memset_async(self._ptr, value, self._nbytes, stream.handle)
         return self
 
+    @_in_use
     def record_stream(self, stream: Stream) -> None:
         """Tell the allocator the buffer is used on ``stream``, so its memory is not
         reused before work queued there so far has completed; ``stream`` becomes the
@@ -790,9 +828,8 @@ class Buffer:
         hands it back."""
         if self._pid != _fin.pid:
             raise _fin.forked_error(self._backend)
-        if self._closed:
-            return
-        self._closed = True
+        if self._closed or not _claim_close(self):
+            return      # closed already, or another thread's close() got there first
         call = self._release_call()
         if call is None:
             return

@@ -132,6 +132,64 @@ _close_lock = threading.Lock()
 _create_lock = threading.Lock()
 
 
+class _Use:
+    """``with _Use(a, b):`` around a call that passes the handles of Streams or Events ``a`` and
+    ``b`` to the backend: raises as on a closed object when one is closed, and while the body
+    runs, another thread's close() leaves the handle to the last use in flight to destroy
+    (:func:`_close_release`).  A destroy that did not wait would let the driver give the handle
+    to the next stream or event made, and the call in flight would act on that one.  No lock:
+    ``list.append``/``pop`` are atomic, and each object's ``_busy`` (uses in flight) and
+    ``_releases`` (a close's deferred destroy, taken by exactly one caller) are plain lists."""
+
+    __slots__ = ("_objs",)
+
+    def __init__(self, *objs):
+        self._objs = objs
+
+    def __enter__(self) -> None:
+        taken = []
+        try:
+            for obj in self._objs:
+                obj._busy.append(None)
+                taken.append(obj)
+                if obj._closed:
+                    obj._live()     # raises: closed (maybe by another thread just now)
+        except BaseException:
+            for obj in taken:
+                _used(obj)
+            raise
+
+    def __exit__(self, *exc) -> None:
+        for obj in self._objs:
+            _used(obj)
+
+
+def _used(obj) -> None:
+    """A use of ``obj``'s handle ended: the last one after a close() runs its deferred destroy."""
+    obj._busy.pop()
+    if obj._closed and obj._releases and not obj._busy:
+        _run_deferred(obj, _fin.finalize)
+
+
+def _run_deferred(obj, how) -> None:
+    try:
+        fn, args = obj._releases.pop()
+    except IndexError:
+        return      # another thread took it
+    how(fn, *args)
+
+
+def _close_release(obj, fn, *args) -> None:
+    """close()'s ``fn(*args)`` (the handle's destroy), now, errors propagating, unless a use of
+    the handle is in flight in another thread: then the last such use runs it (errors go the
+    way of a finalizer's).  ``obj`` is already marked closed, so no new use starts."""
+    releases = obj._releases
+    releases.append((fn, args))
+    if obj._busy:
+        return      # the last use's _used() takes it (or took it already)
+    _run_deferred(obj, _fin.release)
+
+
 def _claim_close(obj) -> bool:
     """Mark ``obj`` (a Stream or Event) closed; False when it already was (another thread's close)."""
     with _close_lock:
@@ -199,7 +257,7 @@ class Stream:
     """
 
     __slots__ = ("_backend", "_index", "_handle", "_owned", "_closed", "_shared", "_pid", "_priority",
-                 "_foreign", "_anchor", "__weakref__")
+                 "_foreign", "_anchor", "_busy", "_releases", "__weakref__")
 
     def __new__(cls, device: DeviceLike = None, priority: int = 0, *, stream_id: Optional[int] = None,
                 device_index: Optional[int] = None, device_type: Optional[int] = None):
@@ -228,6 +286,7 @@ class Stream:
     def _init(self, backend: Backend, index: int, handle: int, owned: bool) -> None:
         self._backend, self._index, self._handle = backend, index, handle
         self._owned, self._closed = owned, False
+        self._busy, self._releases = [], []     # see _Use
         self._pid = _fin.pid
         self._priority = 0
         self._foreign, self._anchor = False, None
@@ -402,27 +461,29 @@ class Stream:
     def synchronize(self) -> None:
         """Block the host until all work queued on this stream has completed."""
         self._live()
-        if self._shared:
-            with on_device(self._backend, self._index):
+        with _Use(self):
+            if self._shared:
+                with on_device(self._backend, self._index):
+                    self._backend.stream_synchronize(self._handle)
+            else:
                 self._backend.stream_synchronize(self._handle)
-        else:
-            self._backend.stream_synchronize(self._handle)
 
     def query(self) -> bool:
         """True when all work queued on this stream has completed."""
         if self._closed or self._pid != _fin.pid:
             self._live()
-        if self._shared:
-            with on_device(self._backend, self._index):
-                return self._backend.stream_query(self._handle)
-        return self._backend.stream_query(self._handle)
+        with _Use(self):
+            if self._shared:
+                with on_device(self._backend, self._index):
+                    return self._backend.stream_query(self._handle)
+            return self._backend.stream_query(self._handle)
 
     def is_capturing(self) -> bool:
         """True while this stream takes part in a graph capture (cudaStreamIsCapturing)."""
         self._live()
         if not self._backend.supports_graphs:
             return False
-        with self._device_scope():
+        with _Use(self), self._device_scope():
             return self._backend.stream_is_capturing(self._handle)
 
     def _device_scope(self):
@@ -545,7 +606,7 @@ class Stream:
         if _live_streams.get((self._index, self._handle)) is self:
             del _live_streams[(self._index, self._handle)]     # the driver may reuse the handle
         try:
-            _fin.release(_destroy, self._backend, self._index, self._handle, True)
+            _close_release(self, _destroy, self._backend, self._index, self._handle, True)
         except BaseException:
             self._closed = False    # the runtime still has it: close() again (or the finalizer) retries
             _live_streams[(self._index, self._handle)] = self
@@ -661,11 +722,12 @@ class Event:
     """
 
     __slots__ = ("_backend", "_index", "_handle", "enable_timing", "blocking", "external", "_recorded",
-                 "_capture", "_closed", "_pid", "_type", "_late", "__weakref__")
+                 "_capture", "_closed", "_pid", "_type", "_late", "_busy", "_releases", "__weakref__")
 
     def __init__(self, device: DeviceLike = None, *, enable_timing: bool = False, blocking: bool = False,
                  interprocess: bool = False, external: bool = False):
         self._handle = None     # __del__ reads it even when a check below raises
+        self._busy, self._releases = [], []     # see _Use
         for name, value in (("enable_timing", enable_timing), ("blocking", blocking),
                             ("interprocess", interprocess), ("external", external)):
             _check_flag(name, value)
@@ -733,27 +795,28 @@ class Event:
             stream = _as_stream(stream, "Event.record(stream)")
         stream._live()
         self._check_device(stream, "record")
-        backend = stream._backend
-        keep = None
-        if self.external:
-            _check_external(backend)
-            with stream._device_scope():
-                keep = _capture_table(backend, stream)  # first: it may raise, nothing done yet
-        if self._handle is None:
-            self._create(backend, stream._index)
-            self._check_device(stream, "record")    # another thread's first record may have won
-        if self.external:
-            with stream._device_scope():
-                backend.event_record(self._handle, stream._handle, external=True)
-            if keep is not None:
-                keep[id(self)] = self
-        elif stream._shared:
-            with on_device(backend, stream._index):
+        with _Use(self, stream):
+            backend = stream._backend
+            keep = None
+            if self.external:
+                _check_external(backend)
+                with stream._device_scope():
+                    keep = _capture_table(backend, stream)  # first: it may raise, nothing done yet
+            if self._handle is None:
+                self._create(backend, stream._index)
+                self._check_device(stream, "record")    # another thread's first record may have won
+            if self.external:
+                with stream._device_scope():
+                    backend.event_record(self._handle, stream._handle, external=True)
+                if keep is not None:
+                    keep[id(self)] = self
+            elif stream._shared:
+                with on_device(backend, stream._index):
+                    backend.event_record(self._handle, stream._handle)
+            else:
                 backend.event_record(self._handle, stream._handle)
-        else:
-            backend.event_record(self._handle, stream._handle)
-        self._recorded = True
-        self._capture = _capture_of(backend, stream) if _capture_events else None
+            self._recorded = True
+            self._capture = _capture_of(backend, stream) if _capture_events else None
 
     def _create(self, backend: Backend, index: int) -> None:
         """The first record's device event, made once when threads record a new event at once;
@@ -797,7 +860,7 @@ class Event:
                     f"the capture). Queue the work waited for before capture_begin, or first make its "
                     f"stream wait on the capturing stream (other.wait_stream(capturing)) so that it joins "
                     f"the capture; the capture goes on")
-        with stream._device_scope():
+        with _Use(self, stream), stream._device_scope():
             if self.external:
                 keep = _capture_table(self._backend, stream)   # first: it may raise
                 self._backend.stream_wait_event(stream._handle, self._handle, external=True)
@@ -811,13 +874,15 @@ class Event:
         self._live()
         if self._handle is None:
             return True
-        return self._backend.event_query(self._handle)
+        with _Use(self):
+            return self._backend.event_query(self._handle)
 
     def synchronize(self) -> None:
         """Block the host until the recorded work has completed."""
         self._live()
         if self._handle is not None:
-            self._backend.event_synchronize(self._handle)
+            with _Use(self):
+                self._backend.event_synchronize(self._handle)
 
     def elapsed_time(self, end_event: "Event") -> float:
         """Milliseconds between this event and ``end_event`` (waits for both to complete)."""
@@ -834,9 +899,10 @@ class Event:
             raise _DeviceMismatchError(f"elapsed_time needs two events of one device: this event was recorded on "
                              f"device {self._index}, end_event on device {end_event._index}; time each "
                              f"device with its own pair of events")
-        self.synchronize()
-        end_event.synchronize()
-        return self._backend.event_elapsed_ms(self._handle, end_event._handle)
+        with _Use(self, end_event):
+            self.synchronize()
+            end_event.synchronize()
+            return self._backend.event_elapsed_ms(self._handle, end_event._handle)
 
     def close(self) -> None:
         """Destroy the device event.  Idempotent."""
@@ -846,7 +912,7 @@ class Event:
             return
         if self._handle is not None:
             try:
-                _fin.release(self._backend.event_destroy, self._handle)
+                _close_release(self, self._backend.event_destroy, self._handle)
             except BaseException:
                 self._closed = False    # the runtime still has it: close() again (or the finalizer) retries
                 raise
