@@ -594,6 +594,13 @@ class Buffer:
                 return self.copy_from(temp, stream, non_blocking)
             finally:
                 temp.close()    # waits for the copy, then hands the memory back (the deleter)
+        if self._backend.name != "cuda":
+            # CUDA Array Interface v3: "data" is a device pointer and "stream" a CUDA stream
+            # (1 the legacy default stream, 2 per-thread); neither names XPU or Metal objects,
+            # whose stream handles may be 1 or 2 (as ArrayView.copy_from refuses it)
+            raise ValueError(f"copy_from: a __cuda_array_interface__ source is CUDA memory, the buffer is on "
+                             f"{self.device}; pass an accel.Buffer or a __dlpack__ object of this device; "
+                             f"nothing was copied")
         ptr, nbytes, producer = _parse_cai(cai, type(obj).__name__)
         if nbytes != self._nbytes:
             raise ValueError(f"size mismatch: source {type(obj).__name__} has {nbytes} bytes, buffer has "

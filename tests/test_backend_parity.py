@@ -1,0 +1,48 @@
+"""The same call behaves the same way on every backend, or is refused the same way (r23).
+
+Found by running the CUDA-only tests against the Level Zero and Metal simulators.
+"""
+
+import numpy as np
+import pytest
+
+import accel
+
+
+class _CAI:
+    """A minimal __cuda_array_interface__ v3 producer (as CuPy or Numba export)."""
+
+    def __init__(self, ptr, nbytes, stream=None):
+        self.ptr, self.nbytes, self.stream = ptr, nbytes, stream
+
+    @property
+    def __cuda_array_interface__(self):
+        cai = {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False), "version": 3,
+               "strides": None}
+        if self.stream is not None:
+            cai["stream"] = self.stream
+        return cai
+
+
+@pytest.mark.parametrize("producer_stream", [None, "own"])
+def test_cuda_array_interface_source_is_cuda_memory_only(sim_backend, producer_stream):
+    """A __cuda_array_interface__ describes CUDA memory and CUDA streams (1 = legacy default,
+    2 = per-thread).  ArrayView.copy_from refused one on XPU/MPS; Buffer.copy_from took its
+    pointer as the backend's own memory and its stream number as a CUDA one (on Metal, whose
+    stream handles are 1, 2, ..., accel stream 1 was read as 'the legacy default stream', so the
+    copy waited for the wrong stream)."""
+    src = accel.Buffer(64).fill_(7)
+    dst = accel.Buffer(64).fill_(1)
+    side = accel.Stream()
+    stream = side.handle if producer_stream == "own" else None
+    if sim_backend == "cuda":
+        dst.copy_from(_CAI(src.ptr, 64, stream))
+        assert (dst.to_numpy() == 7).all()
+        return
+    for target in (dst, dst.as_array("u1")):
+        with pytest.raises(ValueError, match=rf"__cuda_array_interface__ source is CUDA memory.*{sim_backend}:0"):
+            target.copy_from(_CAI(src.ptr, 64, stream))
+    assert (dst.to_numpy() == 1).all(), "a refused copy changed the destination"
+    dst.copy_from(src)                      # the accel way still works
+    assert (dst.to_numpy() == 7).all()
+    side.close()
