@@ -579,7 +579,10 @@ class Buffer:
             if device is not None:
                 _dlpack._check_device_type(device[0], _dlpack.BACKEND_DEVICE_TYPES.get(self._backend.name),
                                            self._backend.name)
-            capsule = _dlpack._ask(obj, self._backend, device, stream)  # the producer orders its work first
+            # the producer orders its work before ``stream`` (CUDA: its handle); elsewhere DLPack has
+            # no agreed stream type (torch takes an int, dpctl a SyclQueue) and torch's from_dlpack
+            # passes none: None, so the producer waits on the host (as ArrayView.copy_from)
+            capsule = _dlpack._ask(obj, self._backend, device, stream if self._backend.name == "cuda" else None)
             info = _dlpack.parse(capsule)
             if info.strides is not None and all(info.shape) and not _dlpack._c_contiguous(info.shape, info.strides):
                 # as the __cuda_array_interface__ path: the span would carry the gaps between elements

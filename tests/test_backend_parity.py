@@ -46,3 +46,39 @@ def test_cuda_array_interface_source_is_cuda_memory_only(sim_backend, producer_s
     dst.copy_from(src)                      # the accel way still works
     assert (dst.to_numpy() == 7).all()
     side.close()
+
+
+class _TorchLikeProducer:
+    """A DLPack producer that checks ``stream`` as torch's Tensor.__dlpack__ does ("stream must
+    be ``int`` or ``none``"); its memory is an accel buffer's."""
+
+    def __init__(self, view):
+        self.view, self.streams = view, []
+
+    def __dlpack_device__(self):
+        return self.view.__dlpack_device__()
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        self.streams.append(stream)
+        if stream is not None and type(stream) is not int:
+            raise TypeError("stream must be ``int`` or ``none``")
+        return self.view.__dlpack__(stream=None if stream in (None, 1) else -1, max_version=max_version)
+
+
+def test_dlpack_source_gets_a_stream_its_producer_understands(sim_backend):
+    """torch (and dpctl) producers of XPU/Metal memory take no accel.Stream: DLPack has no agreed
+    stream type there, and torch's own from_dlpack passes none.  ArrayView.copy_from passed None
+    off CUDA; Buffer.copy_from passed the accel.Stream object, so the producer raised TypeError
+    (twice: accel retried without max_version) and nothing could be copied from it."""
+    src = accel.Buffer(64).fill_(9)
+    producer = _TorchLikeProducer(src.as_array("u1"))
+    dst = accel.Buffer(64).fill_(1)
+    dst.copy_from(producer)
+    assert (dst.to_numpy() == 9).all()
+    view = accel.Buffer(64).fill_(2).as_array("u1")
+    view.copy_from(producer)
+    assert (view.to_numpy() == 9).all()
+    if sim_backend == "cuda":
+        assert all(type(s) is int for s in producer.streams)
+    else:
+        assert producer.streams == [None, None]
