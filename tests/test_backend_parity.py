@@ -82,3 +82,27 @@ def test_dlpack_source_gets_a_stream_its_producer_understands(sim_backend):
         assert all(type(s) is int for s in producer.streams)
     else:
         assert producer.streams == [None, None]
+
+
+@pytest.mark.parametrize("api", ["1.5", "1.9"])
+def test_xpu_stream_close_on_a_driver_without_in_order_lists(monkeypatch, api):
+    """Level Zero drivers before API 1.7 have no in-order lists: accel orders a stream's commands
+    with barriers and syncs with a marker event (no zeCommandListHostSynchronize either).  The
+    barrier came after every command, the marker's too, so when the host saw the marker the list
+    still held a pending barrier, and zeCommandListDestroy ("the device is not currently
+    referencing the command list") answered HANDLE_OBJECT_IN_USE: Stream.close() raised whenever
+    the device was slower than the host (here: 20 ms per operation)."""
+    from conftest import use_sim
+    use_sim(monkeypatch, "xpu", ACCEL_SIM_ZE_API=api, ACCEL_SIM_DELAY_US=20000)
+    fresh = accel.Stream()
+    fresh.close()                                # no work at all
+    s = accel.Stream()
+    buf = accel.Buffer(64, stream=s).fill_(3, stream=s)
+    s.synchronize()
+    buf.fill_(4, stream=s)
+    s.close()
+    assert (buf.to_numpy() == 4).all()           # the stream's work still ran, in order
+    buf.close()
+    accel.memory.empty_cache()
+    st = accel.sim.state()
+    assert st.ze_live_command_lists == accel.device_count()     # the default streams only

@@ -312,15 +312,19 @@ class StreamsMixin:
     def _append(self, s: _Stream, call: str, fn, *args) -> None:
         """One command on ``s``'s list (caller holds ``s.lock`` and bumps ``s.seq``)."""
         self._check_live(s)
-        rc = fn(*args)
-        if rc:
-            self._fail(call, rc)
         if not s.in_order:
             # Pre-1.7 drivers have no in-order lists: a barrier keeps commands in stream order.
+            # It goes BEFORE the command, so the list's last command is the caller's: once a
+            # marker's signal is seen the list is idle and zeCommandListDestroy may run ("the
+            # application must ensure the device is not currently referencing the command list").
+            # A barrier after it was still pending then (HANDLE_OBJECT_IN_USE on a slow device).
             lst = args[0]
             rc = self._lib[1].zeCommandListAppendBarrier(lst, self._lib[0].NULL, 0, self._lib[0].NULL)
             if rc:
                 self._fail("zeCommandListAppendBarrier", rc)
+        rc = fn(*args)
+        if rc:
+            self._fail(call, rc)
 
     def _enqueue(self, s: _Stream, what: str, call: str, fn, *args) -> Optional[int]:
         """Append one command to the stream, or to its capture; returns its number on the stream."""
