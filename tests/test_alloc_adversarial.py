@@ -370,7 +370,8 @@ def test_first_peer_copy_inside_a_capture_says_what_to_do(vmm_backend):
     with accel.graph(g, stream=s1):
         dst.fill_(0, stream=s1)
         dst.copy_from(src, stream=s1, non_blocking=True)
-    g.replay()
+    with s1:
+        g.replay()                                  # on s1: replay() uses the current stream
     s1.synchronize()
     assert (dst.to_numpy(stream=s1) == 3).all()
     g.reset()
