@@ -167,7 +167,14 @@ class _Use:
 def _used(obj) -> None:
     """A use of ``obj``'s handle ended: the last one after a close() runs its deferred destroy."""
     obj._busy.pop()
-    if obj._closed and obj._releases and not obj._busy:
+    if obj._closed:
+        _closed_during_use(obj)
+
+
+def _closed_during_use(obj) -> None:
+    """After a use of closed ``obj`` ended (its mark popped): the last use runs the deferred destroy.
+    (The hot paths inline _Use: mark, check _closed, call, pop, then this when closed.)"""
+    if obj._releases and not obj._busy:
         _run_deferred(obj, _fin.finalize)
 
 
@@ -472,11 +479,19 @@ class Stream:
         """True when all work queued on this stream has completed."""
         if self._closed or self._pid != _fin.pid:
             self._live()
-        with _Use(self):
+        busy = self._busy           # _Use(self), inlined: this is a hot path
+        busy.append(None)
+        try:
+            if self._closed:
+                self._live()
             if self._shared:
                 with on_device(self._backend, self._index):
                     return self._backend.stream_query(self._handle)
             return self._backend.stream_query(self._handle)
+        finally:
+            busy.pop()
+            if self._closed:
+                _closed_during_use(self)
 
     def is_capturing(self) -> bool:
         """True while this stream takes part in a graph capture (cudaStreamIsCapturing)."""
@@ -795,28 +810,45 @@ class Event:
             stream = _as_stream(stream, "Event.record(stream)")
         stream._live()
         self._check_device(stream, "record")
-        with _Use(self, stream):
-            backend = stream._backend
-            keep = None
-            if self.external:
-                _check_external(backend)
-                with stream._device_scope():
-                    keep = _capture_table(backend, stream)  # first: it may raise, nothing done yet
-            if self._handle is None:
-                self._create(backend, stream._index)
-                self._check_device(stream, "record")    # another thread's first record may have won
-            if self.external:
-                with stream._device_scope():
-                    backend.event_record(self._handle, stream._handle, external=True)
-                if keep is not None:
-                    keep[id(self)] = self
-            elif stream._shared:
-                with on_device(backend, stream._index):
-                    backend.event_record(self._handle, stream._handle)
-            else:
+        mine, theirs = self._busy, stream._busy     # _Use(self, stream), inlined: a hot path
+        mine.append(None)
+        theirs.append(None)
+        try:
+            if self._closed:
+                self._live()
+            if stream._closed:
+                stream._live()
+            self._record_on(stream)
+        finally:
+            mine.pop()
+            theirs.pop()
+            if self._closed:
+                _closed_during_use(self)
+            if stream._closed:
+                _closed_during_use(stream)
+
+    def _record_on(self, stream: "Stream") -> None:
+        backend = stream._backend
+        keep = None
+        if self.external:
+            _check_external(backend)
+            with stream._device_scope():
+                keep = _capture_table(backend, stream)  # first: it may raise, nothing done yet
+        if self._handle is None:
+            self._create(backend, stream._index)
+            self._check_device(stream, "record")    # another thread's first record may have won
+        if self.external:
+            with stream._device_scope():
+                backend.event_record(self._handle, stream._handle, external=True)
+            if keep is not None:
+                keep[id(self)] = self
+        elif stream._shared:
+            with on_device(backend, stream._index):
                 backend.event_record(self._handle, stream._handle)
-            self._recorded = True
-            self._capture = _capture_of(backend, stream) if _capture_events else None
+        else:
+            backend.event_record(self._handle, stream._handle)
+        self._recorded = True
+        self._capture = _capture_of(backend, stream) if _capture_events else None
 
     def _create(self, backend: Backend, index: int) -> None:
         """The first record's device event, made once when threads record a new event at once;
@@ -874,8 +906,16 @@ class Event:
         self._live()
         if self._handle is None:
             return True
-        with _Use(self):
+        busy = self._busy           # _Use(self), inlined: this is a hot path
+        busy.append(None)
+        try:
+            if self._closed:
+                self._live()
             return self._backend.event_query(self._handle)
+        finally:
+            busy.pop()
+            if self._closed:
+                _closed_during_use(self)
 
     def synchronize(self) -> None:
         """Block the host until the recorded work has completed."""
