@@ -108,18 +108,10 @@ def test_xpu_stream_close_on_a_driver_without_in_order_lists(monkeypatch, api):
     assert st.ze_live_command_lists == accel.device_count()     # the default streams only
 
 
-_MPS_CLOSED_STREAM = ("r23 found, not fixed (MPSBackend.stream_destroy/_sync_streams are r22's claim): "
-                      "stream_destroy releases the closed queue's committed command buffers and forgets them, so "
-                      "device_synchronize (accel.synchronize, and the host wait of a DLPack export whose last-use "
-                      "stream was closed) returns before that work ran; CUDA's cudaDeviceSynchronize waits for it")
-
-
-def test_synchronize_waits_for_the_work_of_a_closed_stream(sim_backend, monkeypatch, request):
+def test_synchronize_waits_for_the_work_of_a_closed_stream(sim_backend, monkeypatch):
     """A stream's queued work still runs after close() (cudaStreamDestroy returns at once); a
     device-wide synchronize waits for it, and so does the host wait of ``__dlpack__()`` after
     the buffer's last-use stream was closed (accel._dlpack.wait_for_closed)."""
-    if sim_backend == "mps":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=_MPS_CLOSED_STREAM))
     from conftest import use_sim
     use_sim(monkeypatch, sim_backend, ACCEL_SIM_DELAY_US=20000)
     for how in ("synchronize", "dlpack"):

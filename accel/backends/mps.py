@@ -255,6 +255,9 @@ class MPSBackend(Backend):
         self._next_handle = 1
         self._scratch: Optional[_Buffer] = None
         self._tls = threading.local()
+        # committed command buffers of destroyed streams, still running: device_synchronize waits
+        # for them (cudaDeviceSynchronize waits for a destroyed stream's work too)
+        self._orphans = _Stream(0, None)
 
     # -- discovery ---------------------------------------------------------------
     def _libraries(self) -> _Libraries:
@@ -360,6 +363,9 @@ class MPSBackend(Backend):
                         rt.release(cmd.obj)
                     rt.release(st.queue)
                 self._streams.clear()
+                for cmd in self._orphans.inflight:
+                    rt.release(cmd.obj)
+                self._orphans.inflight = []
                 for buf in self._buffers.values():
                     rt.release(buf.obj)
                 self._buffers.clear()
@@ -437,6 +443,8 @@ class MPSBackend(Backend):
         self._runtime()
         with self._lock:
             streams = list(self._streams.values())
+            if self._orphans.inflight:
+                streams.append(self._orphans)
         self._sync_streams(streams)
 
     def mem_info(self) -> Tuple[int, int]:
@@ -691,9 +699,16 @@ class MPSBackend(Backend):
             del self._streams[stream]
             # Emptied, not just released: a synchronize of this stream waiting in another thread
             # releases what is still listed here when its wait ends (a double release otherwise).
+            # The buffers still running move to the orphans, for device_synchronize to wait on.
             inflight, st.inflight = st.inflight, []
-            for cmd in inflight:
-                rt.release(cmd.obj)
+            keep = []
+            for cmd in self._orphans.inflight + inflight:
+                status = int(rt.send(cmd.obj, M_STATUS))
+                if status == _CB_COMPLETED or (status == _CB_ERROR and cmd.reported):
+                    rt.release(cmd.obj)
+                else:
+                    keep.append(cmd)
+            self._orphans.inflight = keep
             rt.release(st.queue)
 
     def default_stream(self, index: int) -> int:
