@@ -461,9 +461,10 @@ class Buffer:
         reused immediately.
 
         Another library's device array (C-contiguous) is copied device to device: an object with
-        ``__cuda_array_interface__`` (the copy waits for the producer's
-        ``stream``), else one with ``__dlpack__`` on this accelerator (the producer is asked to
-        order its work before the copy stream; the capsule's memory is handed back after the
+        ``__cuda_array_interface__`` (CUDA only; the copy waits for the producer's
+        ``stream``), else one with ``__dlpack__`` on this accelerator (on CUDA the producer is
+        asked to order its work before the copy stream; elsewhere, as torch, it is asked with
+        ``stream=None`` and its work is done first; the capsule's memory is handed back after the
         copy ran, so such a copy is blocking).  A DLPack object in host memory (a torch CPU
         tensor) is copied as host data through ``numpy.from_dlpack``.
         """
