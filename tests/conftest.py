@@ -106,3 +106,20 @@ def run_forked(fn, timeout: float = 60.0, hung: str = "forked child hung") -> in
     os.kill(pid, 9)
     os.waitpid(pid, 0)
     pytest.fail(hung)
+
+
+@pytest.fixture
+def mps_backend(monkeypatch):
+    """The Metal backend, initialized on a fresh simulator; closed after the test, which must
+    leave no Objective-C object alive, no autorelease outside a pool and no engine error."""
+    from accel import backends
+    from accel.sim import core, metal
+    use_sim(monkeypatch, "mps")
+    metal.reset()
+    core.reset()
+    backend = backends.get("mps")
+    backend.init()
+    yield backend
+    backend.close()
+    st = metal.state()
+    assert st.live() == [] and st.leaked_autoreleases == 0 and st.engine_errors == []

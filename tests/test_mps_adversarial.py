@@ -9,7 +9,6 @@ import ctypes
 
 import pytest
 
-from accel import backends
 from accel.sim import core, metal
 from conftest import use_sim
 
@@ -19,15 +18,8 @@ MSL = b"kernel void accel_test_fill_u32(device uint *out [[buffer(0)]]) {}"
 
 
 @pytest.fixture
-def be(monkeypatch):
-    use_sim(monkeypatch, "mps")
-    metal.reset()
-    core.reset()
-    backend = backends.get("mps")
-    backend.init()
-    yield backend
-    backend.close()
-    assert metal.state().live() == []
+def be(mps_backend):
+    return mps_backend
 
 
 def _read(be, ptr, n, stream=0):

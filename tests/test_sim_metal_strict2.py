@@ -33,16 +33,8 @@ M_LENGTH = _objc.Message("length", "NSUInteger")
 
 
 @pytest.fixture
-def be(monkeypatch):
-    use_sim(monkeypatch, "mps")
-    metal.reset()
-    core.reset()
-    backend = backends.get("mps")
-    backend.init()
-    yield backend
-    backend.close()
-    st = metal.state()
-    assert st.live() == [] and st.leaked_autoreleases == 0 and st.engine_errors == []
+def be(mps_backend):
+    return mps_backend
 
 
 @pytest.fixture
