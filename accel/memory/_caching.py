@@ -162,6 +162,21 @@ class _Gate:
         self.device = device
 
 
+def add_use(owner, block, stream: int, device: int) -> None:
+    """``block`` is used by work on ``stream`` of ``device``: its ``uses`` and ``owner._used_on``
+    (the stream's users, for forget_stream) say so.  ``owner`` is a device or host caching
+    allocator, its lock held."""
+    if block.uses is None:
+        block.uses = {(stream, device)}
+    else:
+        block.uses.add((stream, device))
+    users = owner._used_on.get(stream)
+    if users is None:
+        owner._used_on[stream] = {block}
+    else:
+        users.add(block)
+
+
 def record_uses(owner, block, pending: list) -> bool:
     """Record an event on every stream that used the freed ``block`` (``block.uses``) and
     queue ``(event, device, block)`` on ``pending``; True when none was needed (the caller
@@ -718,15 +733,7 @@ class DeviceCachingAllocator:
                 raise self._not_allocated(ptr, block)
             if stream == block.pool.stream and device == self._index:
                 return
-            if block.uses is None:
-                block.uses = {(stream, device)}
-            else:
-                block.uses.add((stream, device))
-            users = self._used_on.get(stream)
-            if users is None:
-                self._used_on[stream] = {block}
-            else:
-                users.add(block)
+            add_use(self, block, stream, device)
 
     def forget_stream(self, stream: int, device_index: Optional[int] = None, blocking: bool = True) -> bool:
         """``stream`` (of device ``device_index``, default this allocator's) is about to be

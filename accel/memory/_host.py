@@ -25,7 +25,7 @@ from .._errors import OutOfMemoryError
 from .._finalize import drain as _drain_finalizers, pending as _finalizers
 from .._locks import held
 from ..streams import on_device
-from ._caching import _ONE_EXA_BYTES, _check_size, _Gate, capture_underway, check_use, record_uses
+from ._caching import _ONE_EXA_BYTES, _check_size, _Gate, add_use, capture_underway, check_use, record_uses
 
 _MIN_SIZE = 512
 #: torch 2.13's host_memory_stats counters (torch/cuda/memory.py): blocks owned (active +
@@ -198,19 +198,7 @@ class HostCachingAllocator:
             block = self._blocks.get(ptr)
             if block is None or not block.allocated:
                 raise self._not_allocated(ptr, block)
-            self._add_use(block, stream, device)
-
-    def _add_use(self, block: _HostBlock, stream: int, device: int) -> None:
-        """``block`` is used by work on ``stream`` of ``device`` (the lock held)."""
-        if block.uses is None:
-            block.uses = {(stream, device)}
-        else:
-            block.uses.add((stream, device))
-        users = self._used_on.get(stream)
-        if users is None:
-            self._used_on[stream] = {block}
-        else:
-            users.add(block)
+            add_use(self, block, stream, device)
 
     def capture_hold(self, device: int) -> CaptureHold:
         """A new, empty hold for the copies one graph capture makes (see :class:`CaptureHold`)."""
@@ -231,7 +219,7 @@ class HostCachingAllocator:
     def _hold_replayed(self, hold: CaptureHold, stream: int) -> None:
         with held(self._lock, "pinned hold"):
             for block in hold.blocks:
-                self._add_use(block, stream, hold.device)
+                add_use(self, block, stream, hold.device)
 
     def _release_hold(self, hold: CaptureHold) -> None:
         with held(self._lock, "pinned hold release"):
