@@ -15,6 +15,19 @@ from accel.sim import core, ze as sim_ze
 _UINT64_MAX = (1 << 64) - 1
 
 
+def driver_and_devices(lib):
+    """zeInit, then the first driver and its devices: ``(driver, [device, ...])``."""
+    assert lib.zeInit(lib.ZE_INIT_FLAG_GPU_ONLY) == 0
+    n = ffi.new("uint32_t *", 1)
+    drv = ffi.new("ze_driver_handle_t[1]")
+    assert lib.zeDriverGet(n, drv) == 0
+    n = ffi.new("uint32_t *", 0)
+    assert lib.zeDeviceGet(drv[0], n, ffi.NULL) == 0
+    devs = ffi.new("ze_device_handle_t[]", n[0])
+    assert lib.zeDeviceGet(drv[0], n, devs) == 0
+    return drv[0], [devs[i] for i in range(n[0])]
+
+
 class Ze:
     """zeInit + the driver, its devices and one context, on the simulated loader."""
 
@@ -25,17 +38,7 @@ class Ze:
             self.init()
 
     def init(self):
-        lib = self.lib
-        assert lib.zeInit(lib.ZE_INIT_FLAG_GPU_ONLY) == 0
-        n = ffi.new("uint32_t *", 1)
-        drv = ffi.new("ze_driver_handle_t[1]")
-        assert lib.zeDriverGet(n, drv) == 0
-        self.driver = drv[0]
-        n = ffi.new("uint32_t *", 0)
-        assert lib.zeDeviceGet(self.driver, n, ffi.NULL) == 0
-        devs = ffi.new("ze_device_handle_t[]", n[0])
-        assert lib.zeDeviceGet(self.driver, n, devs) == 0
-        self.devices = [devs[i] for i in range(n[0])]
+        self.driver, self.devices = driver_and_devices(self.lib)
         self.ctx = self.context()
 
     def context(self):

@@ -15,8 +15,6 @@ something: its close() and its failed-init cleanup destroy lists, queues, events
 and virtual memory first.
 """
 
-import struct
-
 import pytest
 
 import accel
@@ -24,37 +22,20 @@ from accel import sim
 from accel._ffi._ze import ffi
 from accel.sim import ze as sim_ze
 from conftest import use_sim
+from test_sim_ze_metal_strict import driver_and_devices
+from test_user_kernels import spirv_module
 
 _UINT64_MAX = (1 << 64) - 1
 _PAGE = 2 << 20
-
-
-def _spirv(*names):
-    """A minimal SPIR-V module (as test_user_kernels.spirv_module): header, OpCapability Kernel,
-    OpMemoryModel, one OpEntryPoint Kernel per name."""
-    words = [0x07230203, 0x00010200, 0, 100, 0, (2 << 16) | 17, 6, (3 << 16) | 14, 2, 2]
-    for i, name in enumerate(names):
-        raw = name.encode() + b"\0"
-        raw += b"\0" * (-len(raw) % 4)
-        words += [((3 + len(raw) // 4) << 16) | 15, 6, 10 + i] + list(struct.unpack(f"<{len(raw) // 4}I", raw))
-    return struct.pack(f"<{len(words)}I", *words)
 
 
 class Ze:
     """zeInit, the driver, its devices, and helpers making objects in a given context."""
 
     def __init__(self):
-        lib = self.lib = sim_ze.open_ze()
-        assert lib.zeInit(lib.ZE_INIT_FLAG_GPU_ONLY) == 0
-        n = ffi.new("uint32_t *", 1)
-        drv = ffi.new("ze_driver_handle_t[1]")
-        assert lib.zeDriverGet(n, drv) == 0
-        self.driver = drv[0]
-        n = ffi.new("uint32_t *", 0)
-        assert lib.zeDeviceGet(self.driver, n, ffi.NULL) == 0
-        devs = ffi.new("ze_device_handle_t[]", n[0])
-        assert lib.zeDeviceGet(self.driver, n, devs) == 0
-        self.dev = devs[0]
+        self.lib = sim_ze.open_ze()
+        self.driver, devices = driver_and_devices(self.lib)
+        self.dev = devices[0]
 
     def context(self):
         desc = ffi.new("ze_context_desc_t *", {"stype": self.lib.ZE_STRUCTURE_TYPE_CONTEXT_DESC})
@@ -103,7 +84,7 @@ class Ze:
 
     def module(self, ctx, *names):
         lib = self.lib
-        data = _spirv(*names)
+        data = spirv_module(*names)
         buf = ffi.new("uint8_t[]", data)
         desc = ffi.new("ze_module_desc_t *", {"stype": lib.ZE_STRUCTURE_TYPE_MODULE_DESC,
                                              "format": lib.ZE_MODULE_FORMAT_IL_SPIRV,
@@ -293,7 +274,7 @@ def test_backend_close_destroys_every_object_before_its_context(monkeypatch):
                 a.fill_(1)
                 e = s.record_event()
                 accel.current_stream().wait_event(e)
-                m = accel.Module(_spirv("r21_twice"), device=d)
+                m = accel.Module(spirv_module("r21_twice"), device=d)
                 mods.append(m)
                 accel.launch(m.function("r21_twice", "u64, ptr"), 1, 1, 16, a, stream=s)
                 g = accel.Graph()
