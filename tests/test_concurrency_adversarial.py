@@ -29,6 +29,22 @@ def _join(threads) -> None:
     assert not any(t.is_alive() for t in threads), "a thread hung"
 
 
+def _start(errs: list, work, calls, *barriers) -> list:
+    """Start a thread per argument tuple in ``calls`` running ``work``; an exception goes into
+    ``errs`` and breaks ``barriers`` (so the other threads stop waiting).  Returns the threads."""
+    def guarded(*args):
+        try:
+            work(*args)
+        except BaseException as exc:       # noqa: BLE001
+            errs.append(exc)
+            for bar in barriers:
+                bar.abort()
+    threads = [threading.Thread(target=guarded, args=args) for args in calls]
+    for t in threads:
+        t.start()
+    return threads
+
+
 class _Pause:
     """Wrap ``backend.<name>`` so that its first call from thread ``who`` signals ``inside`` and
     waits for ``go`` before running the real call (with the arguments it was given)."""
@@ -286,21 +302,14 @@ def test_random_fills_from_threads_take_disjoint_parts_of_the_stream(monkeypatch
     outs, errs = [None] * threads, []
 
     def work(i):
-        try:
-            s = accel.Stream(0)
-            bufs = [accel.Buffer(n * 4, 0) for _ in range(rounds)]
-            bar.wait(WAIT_S)
-            with s:
-                for b in bufs:
-                    accel.random.random_raw_(b)
-            outs[i] = [b.to_numpy(np.uint32, stream=s) for b in bufs]
-        except BaseException as exc:       # noqa: BLE001
-            errs.append(exc)
-            bar.abort()
-    ts = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
-    for t in ts:
-        t.start()
-    _join(ts)
+        s = accel.Stream(0)
+        bufs = [accel.Buffer(n * 4, 0) for _ in range(rounds)]
+        bar.wait(WAIT_S)
+        with s:
+            for b in bufs:
+                accel.random.random_raw_(b)
+        outs[i] = [b.to_numpy(np.uint32, stream=s) for b in bufs]
+    _join(_start(errs, work, [(i,) for i in range(threads)], bar))
     assert not errs, errs
     got = np.concatenate([a for o in outs for a in o])
     assert len(np.unique(got)) == len(got)
@@ -321,24 +330,17 @@ def test_device_index_contexts_in_threads_stay_per_thread(sim_graph_backend):
     errs = []
 
     def work(i):
-        try:
-            want = i % 2
-            for r in range(50):
-                with accel.device_index(want):
-                    if r == 0:
-                        bar.wait(WAIT_S)
-                    assert accel.current_device_index() == want
-                    b = accel.Buffer(256)
-                    assert b.device_index == want and accel.current_stream().device_index == want
-                    b.close()
-                assert accel.current_device_index() == 0
-        except BaseException as exc:       # noqa: BLE001
-            errs.append(exc)
-            bar.abort()
-    ts = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
-    for t in ts:
-        t.start()
-    _join(ts)
+        want = i % 2
+        for r in range(50):
+            with accel.device_index(want):
+                if r == 0:
+                    bar.wait(WAIT_S)
+                assert accel.current_device_index() == want
+                b = accel.Buffer(256)
+                assert b.device_index == want and accel.current_stream().device_index == want
+                b.close()
+            assert accel.current_device_index() == 0
+    _join(_start(errs, work, [(i,) for i in range(threads)], bar))
     assert not errs, errs
     assert accel.current_device_index() == 0
 
@@ -351,55 +353,45 @@ def test_two_captures_on_two_devices_while_a_third_thread_allocates(sim_graph_ba
     errs, kept, stop = [], [], threading.Event()
 
     def capture(d):
-        try:
-            with accel.device_index(d):
-                s = accel.Stream()
-                want = np.arange(1024, dtype=np.float32) + d
-                src, dst = accel.Buffer(4096).copy_from(want), accel.Buffer(4096)
-                g = accel.Graph()
-                bar.wait(WAIT_S)
-                with s:
-                    # not `with g:`: its empty_cache() is refused while the other thread's capture
-                    # is underway (CaptureError, as torch.cuda.graph's in the default global mode)
-                    g.capture_begin()
-                    try:
-                        tmp = accel.Buffer(4096)
-                        tmp.copy_from(src, non_blocking=True)
-                        dst.copy_from(tmp, non_blocking=True)
-                        tmp.fill_(d + 1)
-                    finally:
-                        g.capture_end()
-                # the replay's checks synchronize: an unsafe call while the other capture is
-                # underway (global mode) would invalidate it, as CUDA's rule says
-                captured.wait(WAIT_S)
-                dst.fill_(0)
-                g.replay()
-                accel.synchronize(d)
-                assert np.array_equal(dst.to_numpy(np.float32), want)
-                kept.append((g, s, src, dst, tmp))
-        except BaseException as exc:       # noqa: BLE001
-            errs.append(exc)
-            bar.abort()
-            captured.abort()
+        with accel.device_index(d):
+            s = accel.Stream()
+            want = np.arange(1024, dtype=np.float32) + d
+            src, dst = accel.Buffer(4096).copy_from(want), accel.Buffer(4096)
+            g = accel.Graph()
+            bar.wait(WAIT_S)
+            with s:
+                # not `with g:`: its empty_cache() is refused while the other thread's capture
+                # is underway (CaptureError, as torch.cuda.graph's in the default global mode)
+                g.capture_begin()
+                try:
+                    tmp = accel.Buffer(4096)
+                    tmp.copy_from(src, non_blocking=True)
+                    dst.copy_from(tmp, non_blocking=True)
+                    tmp.fill_(d + 1)
+                finally:
+                    g.capture_end()
+            # the replay's checks synchronize: an unsafe call while the other capture is
+            # underway (global mode) would invalidate it, as CUDA's rule says
+            captured.wait(WAIT_S)
+            dst.fill_(0)
+            g.replay()
+            accel.synchronize(d)
+            assert np.array_equal(dst.to_numpy(np.float32), want)
+            kept.append((g, s, src, dst, tmp))
 
     def allocate():
-        try:
-            bar.wait(WAIT_S)
-            for i in range(600):
-                if stop.is_set():
-                    break
-                b = accel.Buffer(1024 * (1 + i % 7), i % 2)
-                b.fill_(i % 256)
-                b.close()
-        except BaseException as exc:       # noqa: BLE001
-            errs.append(exc)
-    ts = [threading.Thread(target=capture, args=(d,)) for d in (0, 1)]
-    a = threading.Thread(target=allocate)
-    for t in ts + [a]:
-        t.start()
+        bar.wait(WAIT_S)
+        for i in range(600):
+            if stop.is_set():
+                break
+            b = accel.Buffer(1024 * (1 + i % 7), i % 2)
+            b.fill_(i % 256)
+            b.close()
+    ts = _start(errs, capture, [(0,), (1,)], bar, captured)
+    a = _start(errs, allocate, [()])
     _join(ts)
     stop.set()
-    _join([a])
+    _join(a)
     assert not errs, errs
     for g, s, *bufs in kept:
         g.reset()
