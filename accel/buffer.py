@@ -10,6 +10,7 @@ copies stage through pinned host memory and return at once.
 
 from __future__ import annotations
 
+import functools
 import operator
 import re
 import sys
@@ -136,6 +137,7 @@ def _in_use(method):
     :class:`_Pin`) instead of giving it back to the allocator, which would hand it to the next
     allocation while the call still queues work on it.  The method's own ``_live()`` check comes
     after the pin is taken, so a close that came first makes it raise."""
+    @functools.wraps(method)
     def call(self, *args, **kwargs):
         held = [b for b in (self, *args, *kwargs.values()) if type(b) is Buffer]
         keys = [_begin_use(b) for b in held]
@@ -144,8 +146,6 @@ def _in_use(method):
         finally:
             for b, key in zip(held, keys):
                 _end_use(b, key)
-    call.__name__, call.__qualname__, call.__doc__ = method.__name__, method.__qualname__, method.__doc__
-    call.__wrapped__ = method
     return call
 
 

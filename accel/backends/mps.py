@@ -596,17 +596,20 @@ class MPSBackend(Backend):
         self._rt.send(cb, M_COMMIT)
         st.cb = None
         # Forget buffers already known complete (or failed and reported) so the list stays short.
-        keep = []
-        for old in st.inflight:
-            status = int(self._rt.send(old.obj, M_STATUS))
-            if status == _CB_COMPLETED or (status == _CB_ERROR and old.reported):
-                self._rt.release(old.obj)
-            else:
-                keep.append(old)
         cmd = _Committed(cb)
-        keep.append(cmd)
-        st.inflight = keep
+        st.inflight = self._still_running(st.inflight) + [cmd]
         return cmd
+
+    def _still_running(self, cmds: List[_Committed]) -> List[_Committed]:
+        """``cmds`` less those complete or failed and reported, which are released."""
+        keep = []
+        for cmd in cmds:
+            status = int(self._rt.send(cmd.obj, M_STATUS))
+            if status == _CB_COMPLETED or (status == _CB_ERROR and cmd.reported):
+                self._rt.release(cmd.obj)
+            else:
+                keep.append(cmd)
+        return keep
 
     def _release_committed(self, cmd: Optional[_Committed]) -> None:
         if cmd is not None:
@@ -701,14 +704,7 @@ class MPSBackend(Backend):
             # releases what is still listed here when its wait ends (a double release otherwise).
             # The buffers still running move to the orphans, for device_synchronize to wait on.
             inflight, st.inflight = st.inflight, []
-            keep = []
-            for cmd in self._orphans.inflight + inflight:
-                status = int(rt.send(cmd.obj, M_STATUS))
-                if status == _CB_COMPLETED or (status == _CB_ERROR and cmd.reported):
-                    rt.release(cmd.obj)
-                else:
-                    keep.append(cmd)
-            self._orphans.inflight = keep
+            self._orphans.inflight = self._still_running(self._orphans.inflight + inflight)
             rt.release(st.queue)
 
     def default_stream(self, index: int) -> int:
