@@ -15,6 +15,8 @@ import time
 import warnings
 from typing import Callable, Dict, List, Optional, Tuple
 
+from . import _selftest_peers
+
 MiB = 1 << 20
 GiB = 1 << 30
 SEED = 0x5EED_1234_ABCD_0042
@@ -989,7 +991,9 @@ CHECKS: Dict[str, Tuple[Callable[[Context], dict], float]] = {
     "oom_recovery": (check_oom_recovery, 120),
     "vmm": (check_vmm, 60),
     "fork_rules": (check_fork_rules, 120),
+    "interop_peers": (_selftest_peers.check_interop_peers, 90),
     "bench_rng_bandwidth": (bench_rng_bandwidth, 90),
     "bench_alloc": (bench_alloc, 60),
     "bench_graph": (bench_graph, 60),
+    "bench_peers": (_selftest_peers.bench_peers, 120),
 }
