@@ -50,7 +50,7 @@ import weakref
 from collections import deque
 from typing import Callable
 
-from . import _lazy
+from . import _lazy, _locks
 from ._errors import AcceleratorError
 from ._locks import collecting_here, collection_running, forget_collection
 from .backends.base import Backend
@@ -150,7 +150,7 @@ def release(fn: Callable, *args) -> None:
     """An explicit release (``close``, ``reset``): run ``fn(*args)`` now, errors propagating,
     unless a collection is running on this thread (a user's ``__del__`` closing its buffer): then
     defer it."""
-    if collecting():
+    if _locks._collector is not None and collecting():    # (hot path: no call when no collection runs)
         pending.append((fn, args))
         return
     if pending:
@@ -162,7 +162,7 @@ def release(fn: Callable, *args) -> None:
 def finalize(fn: Callable, *args) -> None:
     """A finalizer's release: run ``fn(*args)`` now, errors swallowed, or defer it while a
     collection runs on this thread."""
-    if collecting():
+    if _locks._collector is not None and collecting():
         pending.append((fn, args))
         return
     if _stale(fn, args):
@@ -192,7 +192,7 @@ def release_on_del(obj, fn: Callable, *args) -> None:
     """What ``obj.__del__`` does with its release ``fn(*args)``: outside a collection, mark ``obj``
     closed and :func:`finalize`; during one (on this thread: only the collector runs the
     finalizers of its garbage), leave it open until its cycle is gone (:func:`finalize_later`)."""
-    if collecting():
+    if _locks._collector is not None and collecting():
         finalize_later(obj, fn, *args)
         return
     obj._closed = True
@@ -215,6 +215,8 @@ def _stale(fn: Callable, args: tuple) -> bool:
     """True when the release is for a backend that is no longer the live one (see the module
     docstring: a runtime reset by tests)."""
     owner = args[0] if args else None
+    if owner is not None and owner is _lazy._initialized_backend:
+        return False    # the live backend (the common case: no isinstance through Backend's ABC)
     if not isinstance(owner, Backend):
         owner = getattr(fn, "__self__", None)
         if not isinstance(owner, Backend):

@@ -17,7 +17,7 @@ import sys
 from typing import Optional
 
 from . import _finalize as _fin
-from . import _lazy
+from . import _lazy, _locks
 from ._copying import refuse as _refuse
 from ._device import DeviceLike, device
 from .streams import Stream, _as_stream, _claim_close, _index_for, current_stream, on_device
@@ -29,9 +29,19 @@ _CAI_LEGACY_DEFAULT_STREAM = 1  # __cuda_array_interface__ v3: 0 is disallowed, 
 _ADDRESS_LIMIT = 1 << 64         # device addresses are 64-bit pointers
 
 
+#: accel.memory's table of device allocators (index -> allocator) once _memory() imported it:
+#: Buffer reads it directly (an allocator, once made, serves its device until a runtime reset).
+_allocators: dict = {}
+_memory_module = None
+
+
 def _memory():
     """accel.memory, imported on first buffer use so `import accel` stays small."""
-    from . import memory
+    global _memory_module, _allocators
+    memory = _memory_module
+    if memory is None:
+        from . import memory
+        _allocators, _memory_module = memory._allocators, memory
     return memory
 
 
@@ -288,13 +298,15 @@ class Buffer:
     """
 
     __slots__ = ("_backend", "_index", "_ptr", "_nbytes", "_stream", "_closed", "_pid", "_last", "_owner",
-                 "_uses", "_readonly", "_pins", "_deferred", "__weakref__")
+                 "_uses", "_readonly", "_pins", "_deferred", "_alloc", "__weakref__")
 
     def __init__(self, nbytes: int, device: DeviceLike = None, stream: Optional[Stream] = None):
-        nbytes = _size(nbytes, "nbytes")
+        # Hot path (a Buffer per tensor): each check once, no helper call the common case skips.
+        if type(nbytes) is not int:
+            nbytes = _size(nbytes, "nbytes")
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-        backend = _lazy.lazy_init()
+        backend = _lazy.ready or _lazy.lazy_init()
         if stream is not None:
             stream = _as_stream(stream, "Buffer(stream)")
             index = stream.device_index if device is None else _index_for(device)
@@ -302,14 +314,24 @@ class Buffer:
                 raise ValueError(f"stream is on device {stream.device_index} but the buffer was asked "
                                  f"for device {index}")
         else:
-            index = _index_for(device)
-            stream = current_stream(index)
+            stream = current_stream(device)     # checks ``device`` (None: the current device)
+            index = stream._index
         self._backend, self._index, self._nbytes, self._stream = backend, index, nbytes, stream
         self._last, self._owner, self._uses, self._readonly = stream, None, None, False
         self._pins, self._deferred = set(), []
         self._closed = True
-        self._pid = _fin.pid
-        self._ptr = _memory().device_allocator(index).malloc(nbytes, stream.handle) if nbytes else 0
+        self._pid = pid = _fin.pid
+        if nbytes:
+            alloc = _allocators.get(index)
+            if alloc is None:
+                alloc = _memory().device_allocator(index)
+            # stream.handle's checks, read inline: it refuses a stream closed (by another thread,
+            # while still its current stream) or made by the parent of this forked process
+            handle = stream._handle if stream._pid == pid and not stream._closed else stream.handle
+            self._ptr = alloc.malloc(nbytes, handle)
+        else:
+            alloc, self._ptr = None, 0
+        self._alloc = alloc     # the allocator close() gives the memory back to
         self._closed = False
 
     # -- identity ----------------------------------------------------------------
@@ -394,7 +416,7 @@ class Buffer:
         self = object.__new__(cls)
         self._backend, self._index, self._ptr, self._nbytes, self._stream = backend, index, ptr, nbytes, stream
         self._last, self._owner, self._uses, self._readonly = stream, owner, {}, bool(readonly)
-        self._pins, self._deferred = set(), []
+        self._pins, self._deferred, self._alloc = set(), [], None
         self._pid = _fin.pid
         self._closed = False
         return self
@@ -841,6 +863,16 @@ class Buffer:
             raise _fin.forked_error(self._backend)
         if self._closed or not _claim_close(self):
             return      # closed already, or another thread's close() got there first
+        if self._uses is None and not self._pins:
+            # the common case: owned memory no export or call in flight pins (checked after the
+            # claim, as below: a use that pins it now finds the buffer closed and raises)
+            if not self._nbytes:
+                return
+            if _locks._collector is None and not _fin.pending and self._backend is _lazy._initialized_backend:
+                self._alloc.free(self._ptr)     # _fin.release's fast path: no collection, nothing deferred, live runtime
+            else:
+                _fin.release(_free, self._backend, self._alloc, self._ptr)
+            return
         call = self._release_call()
         if call is None:
             return
@@ -857,7 +889,7 @@ class Buffer:
             uses, owner, self._uses, self._owner = self._uses, self._owner, {}, None
             return _release_foreign, (owner, self._backend, tuple(uses.values()))
         if self._nbytes:
-            return _free, (self._backend, self._index, self._ptr)
+            return _free, (self._backend, self._alloc, self._ptr)
         return None
 
     def _unpinned_release(self):
@@ -895,15 +927,16 @@ class Buffer:
             _fin.release_on_del(self, _release_foreign_uses, self._owner, self._backend, self._uses)
         elif _lazy.is_initialized():
             if self._nbytes:
-                _fin.release_on_del(self, _free, self._backend, self._index, self._ptr)
+                _fin.release_on_del(self, _free, self._backend, self._alloc, self._ptr)
             elif not _fin.collecting():
                 self._closed = True
 
 
-def _free(backend, index: int, ptr: int) -> None:
+def _free(backend, alloc, ptr: int) -> None:
     # ``backend`` first: accel._finalize drops the release when that runtime was reset since (a
-    # new runtime's allocator may hold a live block at the same address).
-    _memory().device_allocator(index).free(ptr)
+    # new runtime's allocator may hold a live block at the same address).  ``alloc``: the
+    # allocator the buffer came from (one per device until a runtime reset).
+    alloc.free(ptr)
 
 
 class _Pin:
