@@ -12,7 +12,9 @@ Prints one table: name | accel | baseline | ratio | target | ok.  Groups:
                   (real libraries, and again under ACCEL_SIM=cuda), added ms; also against
                   ``import numpy`` and, where installed, ``import torch`` + the same queries.
 ``percall``       ``current_stream()``, ``Event.record()``, ``Stream.query()`` under
-                  ACCEL_SIM=cuda vs the bare call of the same simulated function.
+                  ACCEL_SIM=cuda vs the bare call of the same simulated function;
+                  ``accel.Buffer(1 MiB).close()`` vs the device caching allocator's own
+                  ``malloc``+``free`` pair it wraps.
 ``percall_real``  the real libcudart (no driver needed): accel's checked call vs the bare
                   cffi call; ctypes, ``cuda.bindings`` and ``pynvml`` where installed.
 ``alloc``         allocator trace replay (../shared/traces) and cached 1 MiB alloc+free vs
@@ -180,26 +182,34 @@ def group_percall(quick: bool, progress: Callable[[str], None]) -> List[dict]:
     e = accel.Event()
     e.record(s)
     s.synchronize()
+    alloc = accel.memory.device_allocator(accel.current_stream().device_index)
+    alloc.free(alloc.malloc(1 << 20, accel.current_stream().handle))    # a cached 1 MiB block
     ns = {"accel": accel, "s": s, "e": e, "lib": lib,
           "sc": ffi.cast("cudaStream_t", s.handle), "ec": ffi.cast("cudaEvent_t", e.handle),
-          "p": ffi.new("int *")}
+          "p": ffi.new("int *"), "alloc": alloc, "h": accel.current_stream().handle}
+    # (name, accel's statement, baseline statement, baseline name, target ratio)
     cases = [
-        ("current_stream()", "accel.current_stream()", "lib.cudaGetDevice(p)", "cudaGetDevice"),
-        ("Event.record()", "e.record(s)", "lib.cudaEventRecord(ec, sc)", "cudaEventRecord"),
-        ("Stream.query()", "s.query()", "lib.cudaStreamQuery(sc)", "cudaStreamQuery"),
+        ("current_stream()", "accel.current_stream()", "lib.cudaGetDevice(p)", "bare sim cudaGetDevice", 2.0),
+        ("Event.record()", "e.record(s)", "lib.cudaEventRecord(ec, sc)", "bare sim cudaEventRecord", 2.0),
+        ("Stream.query()", "s.query()", "lib.cudaStreamQuery(sc)", "bare sim cudaStreamQuery", 2.0),
+        # Buffer = the allocator pair + the current device (one cudaGetDevice) and its current
+        # stream, a Python object, an atomic close: 4.4x before r25, about 2x since; 2.5x leaves
+        # room for noise while a regression to the old wrapper cost still fails.
+        ("Buffer(1 MiB).close()", "accel.Buffer(1048576).close()", "alloc.free(alloc.malloc(1048576, h))",
+         "DeviceCachingAllocator malloc+free", 2.5),
     ]
     stmts = {}
-    for name, ours, bare, _ in cases:
+    for name, ours, bare, _, _ in cases:
         stmts[name] = ours
         stmts[name + "/bare"] = bare
-    progress("timing 3 calls vs bare simulated calls")
+    progress(f"timing {len(cases)} calls vs their bare baselines")
     best = interleaved_ns(stmts, ns, rounds=3 if quick else 9, batch_s=0.005 if quick else 0.02,
                           between=s.synchronize)
     rows = []
-    for name, ours, bare, fn in cases:
+    for name, ours, bare, base, limit in cases:
         a, b = best[name], best[name + "/bare"]
-        rows.append(row(f"sim {name}", a, b, "ns/call", baseline_name=f"bare sim {fn}",
-                        target="<= 2x", ok=a / b <= 2.0, stmt=ours, baseline_stmt=bare))
+        rows.append(row(f"sim {name}", a, b, "ns/call", baseline_name=base,
+                        target=f"<= {limit:g}x", ok=a / b <= limit, stmt=ours, baseline_stmt=bare))
     return rows
 
 
