@@ -36,7 +36,7 @@ from typing import Optional, Tuple
 from . import _finalize as _fin
 from . import _lazy
 from ._copying import refuse_copies as _refuse_copies
-from ._errors import AcceleratorError
+from ._errors import AcceleratorError, CaptureError
 from .streams import Event, Stream, _as_stream, _capture_events, current_stream, on_device
 
 __all__ = ["Graph", "graph", "generate_graph_pool_handle", "graph_pool_handle"]
@@ -296,6 +296,15 @@ class Graph:
                 from . import random
                 random._graph_replay(self._rng)
             handle = current_stream(self._index).handle
+            if self._backend.captures_underway() and self._backend.stream_is_capturing(handle):
+                # CUDA refuses a graph launched into a stream being captured and invalidates the
+                # capture (cudaErrorStreamCaptureUnsupported, measured on an H200 by
+                # tools/cuda_conformance.py); accel's Level Zero capture does the same.  Refused
+                # here instead, so the capture goes on.
+                raise CaptureError(f"replay() onto {current_stream(self._index)!r}, which is being captured: a "
+                                   f"graph cannot be launched inside a capture (the runtime would refuse it and "
+                                   f"invalidate the capture); replay it before capture_begin() or after "
+                                   f"capture_end(), or on a stream that is not being captured; the capture goes on")
             self._backend.graph_launch(self._exec, handle)
             if self._allocs is not None:
                 self._allocs.replayed(handle)

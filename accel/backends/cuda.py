@@ -133,6 +133,7 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         self._driver_cuda = None  # cudaDriverGetVersion, read at first need
         self._kpath = None       # kernel path: "library", a _cuda_driver.DriverKernels, or why none
         self._captures = 0       # stream captures underway in this process
+        self._capture_owners = {}  # capturing stream handle -> thread that began a non-relaxed capture
         self._out = threading.local()  # per-thread out-pointers for hot getters (no ffi.new per call)
         self._deferred = _DeferredDevice()  # per thread: a restore waiting for a primary context
         # threads that may have one (a hint, so the hot get_device skips the thread-local lookup)
@@ -608,8 +609,21 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         self._check(self.lib.cudaStreamBeginCapture(self._cast("cudaStream_t", stream), _CAPTURE_MODES[mode]),
                     "cudaStreamBeginCapture")
         self._captures += 1
+        if mode != "relaxed":
+            self._capture_owners[stream] = threading.get_ident()
 
     def capture_end(self, stream: int) -> int:
+        owner = self._capture_owners.get(stream)
+        if owner is not None and owner != threading.get_ident():
+            # Only the thread that began a global or thread_local capture may end it (Runtime API,
+            # cudaStreamEndCapture: cudaErrorStreamCaptureWrongThread), and the refused call still
+            # ends the capture, discarding it (measured on an H200, tools/cuda_conformance.py): so it
+            # is not made, and the capture goes on for its own thread to end.
+            raise CaptureError(f"cudaStreamEndCapture from another thread than the one that began the capture "
+                               f"of stream {stream:#x}: CUDA refuses it (cudaErrorStreamCaptureWrongThread) and "
+                               f"discards the capture, so accel did not call it; end the capture on the thread "
+                               f"that began it, or capture with capture_error_mode='relaxed'",
+                               library="libcudart", call="cudaStreamEndCapture")
         p = self.ffi.new("cudaGraph_t *")
         handle = self._cast("cudaStream_t", stream)
         rc = self.lib.cudaStreamEndCapture(handle, p)
@@ -621,6 +635,7 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
             if self.lib.cudaStreamEndCapture(handle, again) == 0 and again[0] != self.ffi.NULL:
                 self.lib.cudaGraphDestroy(again[0])
         if rc == 0 or not self._still_capturing(handle):
+            self._capture_owners.pop(stream, None)
             self._captures -= 1
             if not self._captures and self._after_capture:
                 self._run_after_captures()

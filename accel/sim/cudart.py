@@ -1681,10 +1681,12 @@ def _wait_captured_event(R: Runtime, s: Stream, r: Rec) -> int:
             # not for work on a stream (cudaErrorCapturedEvent: "The operation is not permitted on
             # an event which was last recorded in a capturing stream"; Programming Guide, "CUDA
             # Graphs" > "Cross-stream Dependencies and Events").  What waiting on it does is not
-            # documented: refused (and a capture doing it is invalidated) until it is recorded again.
+            # documented: refused (and a capture doing it is invalidated) until it is recorded again,
+            # with the code an H200 returns (driver 580.159.04, libcudart 13.0;
+            # tools/cuda_conformance.py, capture_wait_event_of_ended_capture).
             if s.capture is not None and not s.capture.ended:
                 s.capture.status = _STATUS_INVALIDATED
-            return cudaErrorCapturedEvent
+            return cudaErrorInvalidValue
         if s.legacy:
             cap.status = _STATUS_INVALIDATED
             return cudaErrorStreamCaptureImplicit
@@ -1774,6 +1776,11 @@ def cudaEventRecordWithFlags(R, event, stream=None, flags=0):
 
 
 def _captured_event(R: Runtime, r: Rec) -> int:
+    if r.cap.ended:
+        # An event last recorded in a capture that has ended: cudaErrorInvalidValue on an H200
+        # (driver 580.159.04, libcudart 13.0; tools/cuda_conformance.py,
+        # capture_wait_event_of_ended_capture), cudaErrorCapturedEvent while the capture is underway.
+        return cudaErrorInvalidValue
     _invalidate(R, r.cap)
     return cudaErrorCapturedEvent
 
@@ -1878,8 +1885,13 @@ def cudaStreamEndCapture(R, stream, pGraph):
         if cap.origin is not s:
             cap.status = _STATUS_INVALIDATED
             return cudaErrorStreamCaptureUnmatched
-        if cap.mode != _CAPTURE_RELAXED and cap.thread != threading.get_ident():
-            return cudaErrorStreamCaptureWrongThread
+        # A global or thread_local capture must be ended by the thread that began it (Runtime API,
+        # cudaStreamEndCapture: cudaErrorStreamCaptureWrongThread).  The call from another thread
+        # still ends the capture: measured on an H200 (driver 580.159.04, libcudart 13.0;
+        # tools/cuda_conformance.py, capture_end_other_thread_global), the stream then reports no
+        # capture and the capturing thread's own cudaStreamEndCapture fails with
+        # cudaErrorIllegalState.  What was captured is discarded.
+        wrong_thread = cap.mode != _CAPTURE_RELAXED and cap.thread != threading.get_ident()
         for st in cap.tails:
             if st.capture is cap:
                 st.capture = None
@@ -1887,7 +1899,9 @@ def cudaStreamEndCapture(R, stream, pGraph):
         R.captures.discard(cap)
         _put_ptr(pGraph, _NULL)
         g = None
-        if cap.status != _STATUS_ACTIVE:
+        if wrong_thread:
+            rc = cudaErrorStreamCaptureWrongThread
+        elif cap.status != _STATUS_ACTIVE:
             rc = cudaErrorStreamCaptureInvalidated
         elif _unjoined(cap):
             rc = cudaErrorStreamCaptureUnjoined
@@ -2084,6 +2098,13 @@ def cudaGraphLaunch(R, graphExec, stream):
     # stream not associated with the current device fails; a graph exec belongs to its device.
     if s.device != R.tls.device or x.device != s.device:
         return cudaErrorInvalidResourceHandle
+    cap = s.capture
+    if cap is not None:
+        # A graph launched into a stream being captured: measured on an H200 (driver 580.159.04,
+        # libcudart 13.0; tools/cuda_conformance.py, capture_graph_launch_inside) the launch returns
+        # cudaErrorStreamCaptureUnsupported and the capture is invalidated.
+        _invalidate(R, cap)
+        return cudaErrorStreamCaptureUnsupported
     for lib in x.libraries:
         if lib.unloaded:
             # cudaLibraryUnload / cuModuleUnload (CUDA Runtime and Driver API): "Use of the handle

@@ -1,0 +1,102 @@
+"""The CUDA simulator against a real GPU: never more lenient, call by call.
+
+tests/conformance/cuda_h200_2026-12-04.json holds what the real runtime returned for every call
+of tools/cuda_conformance.py's scenarios on an H200 (driver 580.159.04, libcudart 13.0).  The same
+scenarios run here on the simulator; a call the simulator accepts where the GPU refused is a
+simulator bug (a test on the simulator would pass where the program fails on hardware).  The
+simulator may be stricter (it refuses what the documents leave undefined); those calls are listed
+in accel/sim/README.md.  The tests after the first pin the rules that run brought to light.
+"""
+
+import json
+import os
+import sys
+import threading
+
+
+from accel import sim
+from accel._ffi._cudart import ffi
+from test_sim_cuda import capture, end_capture, event, lib, malloc, ok, stream  # noqa: F401
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+import cuda_conformance as conformance  # noqa: E402
+
+RECORDED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conformance", "cuda_h200_2026-12-04.json")
+
+
+def _in_thread(fn):
+    out = []
+    t = threading.Thread(target=lambda: out.append(fn()))
+    t.start()
+    t.join()
+    return out[0]
+
+
+def test_the_simulator_is_never_more_lenient_than_the_recorded_gpu(lib):
+    with open(RECORDED) as fh:
+        real = {k: v for k, v in json.load(fh).items() if not k.startswith("_")}
+    assert set(real) == set(conformance.SCENARIOS), "re-record the GPU run: the scenarios changed"
+    results = {}
+    for name in conformance.SCENARIOS:
+        sim.reset()
+        results[name] = conformance.run_one(name, real=False)
+    lenient = {name: [row for row in rows if row[0] in ("sim_lenient", "steps_differ", "error")]
+               for name, rows in conformance.compare(results, real).items()}
+    assert not {k: v for k, v in lenient.items() if v}
+
+
+def test_ending_a_global_capture_from_another_thread_ends_it(lib):
+    # Measured on the H200 (scenario capture_end_other_thread_global): cudaStreamEndCapture from a
+    # thread other than the one that began a global-mode capture returns
+    # cudaErrorStreamCaptureWrongThread AND the capture is over: the stream reports no capture and
+    # the capturing thread's own cudaStreamEndCapture then fails with cudaErrorIllegalState.
+    s = stream(lib)
+    d = malloc(lib, 16)
+    capture(lib, s, lib.cudaStreamCaptureModeGlobal)
+    ok(lib.cudaMemsetAsync(d, 1, 4, s))
+    assert _in_thread(lambda: end_capture(lib, s)[0]) == lib.cudaErrorStreamCaptureWrongThread
+    status = ffi.new("enum cudaStreamCaptureStatus *")
+    ok(lib.cudaStreamIsCapturing(s, status))
+    assert status[0] == lib.cudaStreamCaptureStatusNone
+    assert end_capture(lib, s)[0] == lib.cudaErrorIllegalState
+    p = ffi.new("void **")
+    ok(lib.cudaMalloc(p, 16))                  # no capture underway any more
+    ok(lib.cudaFree(p[0]))
+
+
+def test_launching_a_graph_into_a_capturing_stream_is_refused(lib):
+    # Measured on the H200 (scenario capture_graph_launch_inside): cudaGraphLaunch into a stream
+    # being captured returns cudaErrorStreamCaptureUnsupported and invalidates the capture.
+    d = malloc(lib, 16)
+    s0 = stream(lib)
+    capture(lib, s0)
+    ok(lib.cudaMemsetAsync(d, 7, 4, s0))
+    rc, graph = end_capture(lib, s0)
+    ok(rc)
+    x = ffi.new("cudaGraphExec_t *")
+    ok(lib.cudaGraphInstantiate(x, graph, 0))
+    s = stream(lib)
+    capture(lib, s)
+    assert lib.cudaGraphLaunch(x[0], s) == lib.cudaErrorStreamCaptureUnsupported
+    assert end_capture(lib, s)[0] == lib.cudaErrorStreamCaptureInvalidated
+    lib.cudaGetLastError()
+    ok(lib.cudaGraphLaunch(x[0], s))           # outside a capture it runs
+    ok(lib.cudaStreamSynchronize(s))
+
+
+def test_an_event_of_an_ended_capture_is_an_invalid_value(lib):
+    # Measured on the H200 (scenario capture_wait_event_of_ended_capture): waiting on or querying
+    # an event last recorded in a capture that has ended returns cudaErrorInvalidValue.
+    s, other = stream(lib), stream(lib)
+    ev = event(lib)
+    d = malloc(lib, 16)
+    capture(lib, s)
+    ok(lib.cudaMemsetAsync(d, 1, 4, s))
+    ok(lib.cudaEventRecord(ev, s))
+    ok(end_capture(lib, s)[0])
+    assert lib.cudaStreamWaitEvent(other, ev, 0) == lib.cudaErrorInvalidValue
+    assert lib.cudaEventQuery(ev) == lib.cudaErrorInvalidValue
+    lib.cudaGetLastError()
+    ok(lib.cudaEventRecord(ev, other))         # recorded again outside a capture: usable
+    ok(lib.cudaStreamWaitEvent(s, ev, 0))
+    ok(lib.cudaEventSynchronize(ev))
