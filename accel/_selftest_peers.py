@@ -175,7 +175,7 @@ def _peer_statements(ctx) -> Dict[str, Dict[str, str]]:
                          "cuda.core": "ccev.is_done"},
         "alloc_free_1MiB": {"accel": "accel.Buffer(MiB).close()",
                             "torch": "torch.empty(MiB, dtype=torch.uint8, device=tdev)",
-                            "cupy": "cupy.cuda.alloc(MiB)", "cuda.core": "ccmr.allocate(MiB, ccs).close(ccs)"},
+                            "cupy": "cupy.cuda.alloc(MiB)", "cuda.core": "ccmr.allocate(MiB, stream=ccs).close(ccs)"},
         "fill_small": {"accel": "abuf.fill_(1)", "torch": "tbuf.fill_(1)", "cupy": "cbuf.fill(1)"},
     }
 
