@@ -11,6 +11,9 @@ between) in a fresh process, and records every call's return code.  The same cod
 is more lenient than the hardware (it returned success where CUDA refused: a simulator bug, since
 the simulator must be at least as strict), stricter (it refused where CUDA accepted: allowed,
 listed so each can be justified), or refuses with another code.  Scenarios need one device.
+tests/test_sim_cuda_conformance.py checks the simulator against the run recorded in
+tests/conformance/; scenarios added after it (the launch_*, pool_* and vmm_* ones) are checked
+from the next GPU run on (tools/device_check.sh records one).
 """
 
 from __future__ import annotations
@@ -600,7 +603,196 @@ def fork_after_malloc(c: Calls):
     _forked(c, lambda: c.malloc(256, "cudaMalloc (parent)"), _child_work)
 
 
+# -- kernel launches (a kernel of no parameters; the simulator runs a no-op reference for it) -----------
+def _nop_kernel(c: Calls):
+    lib_p = c.ffi.new("cudaLibrary_t *")
+    c.rec("cudaLibraryLoadData", c.lib.cudaLibraryLoadData(lib_p, _PTX, c.ffi.NULL, c.ffi.NULL, 0, c.ffi.NULL,
+                                                          c.ffi.NULL, 0))
+    k = c.ffi.new("cudaKernel_t *")
+    c.rec("cudaLibraryGetKernel", c.lib.cudaLibraryGetKernel(k, lib_p[0], b"accel_conformance_nop"))
+    return lib_p[0], k[0]
+
+
+def _launch(c: Calls, k, s, label: str, grid=(1, 1, 1), block=(32, 1, 1), shared: int = 0):
+    argv = c.ffi.new("void *[]", [c.ffi.NULL])
+    return c.rec(label, c.lib.cudaLaunchKernel(c.ffi.cast("void *", k), c.ffi.new("dim3 *", grid)[0],
+                                               c.ffi.new("dim3 *", block)[0], argv, shared, s))
+
+
+@scenario
+def launch_configurations(c: Calls):
+    s = c.stream()
+    _, k = _nop_kernel(c)
+    _launch(c, k, s, "launch 1x32")
+    _launch(c, k, s, "launch block 1025", block=(1025, 1, 1))
+    _launch(c, k, s, "launch block 1024", block=(1024, 1, 1))
+    _launch(c, k, s, "launch block (32, 32, 2)", block=(32, 32, 2))
+    _launch(c, k, s, "launch grid 0", grid=(0, 1, 1))
+    _launch(c, k, s, "launch grid.y 65536", grid=(1, 65536, 1))
+    _launch(c, k, s, "launch grid.x 2**31-1", grid=(2 ** 31 - 1, 1, 1), block=(1, 1, 1))
+    c.rec("cudaStreamSynchronize", c.lib.cudaStreamSynchronize(s))
+    c.last_error()
+
+
+@scenario
+def launch_dynamic_shared_memory(c: Calls):
+    s = c.stream()
+    _, k = _nop_kernel(c)
+    _launch(c, k, s, "launch 48 KiB dynamic shared", shared=48 << 10)
+    _launch(c, k, s, "launch 64 KiB dynamic shared, no attribute", shared=64 << 10)
+    c.last_error()
+    c.rec("cudaFuncSetAttribute(max dynamic shared 64 KiB)",
+          c.lib.cudaFuncSetAttribute(c.ffi.cast("void *", k), 8, 64 << 10))
+    _launch(c, k, s, "launch 64 KiB dynamic shared after the attribute", shared=64 << 10)
+    _launch(c, k, s, "launch 80 KiB dynamic shared, attribute 64 KiB", shared=80 << 10)
+    c.last_error()
+    c.rec("cudaFuncSetAttribute(max dynamic shared 300 KiB)",
+          c.lib.cudaFuncSetAttribute(c.ffi.cast("void *", k), 8, 300 << 10))
+    c.rec("cudaStreamSynchronize", c.lib.cudaStreamSynchronize(s))
+    c.last_error()
+
+
+@scenario
+def launch_after_library_unload(c: Calls):
+    s = c.stream()
+    lib_h, k = _nop_kernel(c)
+    _launch(c, k, s, "launch")
+    c.rec("cudaStreamSynchronize", c.lib.cudaStreamSynchronize(s))
+    c.rec("cudaLibraryUnload", c.lib.cudaLibraryUnload(lib_h))
+    _launch(c, k, s, "launch after unload")
+    c.rec("cudaStreamSynchronize", c.lib.cudaStreamSynchronize(s))
+    c.last_error()
+
+
+@scenario
+def launch_in_capture_and_graph_after_unload(c: Calls):
+    s = c.stream()
+    lib_h, k = _nop_kernel(c)
+    c.begin(s)
+    _launch(c, k, s, "launch in capture")
+    g = c.ffi.new("cudaGraph_t *")
+    c.rec("cudaStreamEndCapture", c.lib.cudaStreamEndCapture(s, g))
+    x = c.ffi.new("cudaGraphExec_t *")
+    c.rec("cudaGraphInstantiate", c.lib.cudaGraphInstantiate(x, g[0], 0))
+    c.rec("cudaGraphLaunch", c.lib.cudaGraphLaunch(x[0], s))
+    c.rec("cudaStreamSynchronize", c.lib.cudaStreamSynchronize(s))
+    c.rec("cudaLibraryUnload", c.lib.cudaLibraryUnload(lib_h))
+    c.rec("cudaGraphLaunch after the kernel's library was unloaded", c.lib.cudaGraphLaunch(x[0], s))
+    c.rec("cudaStreamSynchronize", c.lib.cudaStreamSynchronize(s))
+    c.last_error()
+
+
+# -- stream-ordered allocation (cudaMallocAsync) ---------------------------------------------------------
+@scenario
+def pool_free_mismatches(c: Calls):
+    s = c.stream()
+    p = c.malloc()
+    c.rec("cudaFreeAsync(cudaMalloc pointer)", c.lib.cudaFreeAsync(p, s))
+    c.last_error()
+    q = c.ffi.new("void **")
+    c.rec("cudaMallocAsync", c.lib.cudaMallocAsync(q, 1 << 20, s))
+    c.rec("cudaFree(cudaMallocAsync pointer)", c.lib.cudaFree(q[0]))
+    c.last_error()
+    r = c.ffi.new("void **")
+    c.rec("cudaMallocAsync", c.lib.cudaMallocAsync(r, 1 << 20, s))
+    c.rec("cudaFreeAsync", c.lib.cudaFreeAsync(r[0], s))
+    c.rec("cudaFreeAsync again", c.lib.cudaFreeAsync(r[0], s))
+    c.rec("cudaStreamSynchronize", c.lib.cudaStreamSynchronize(s))
+    c.last_error()
+    z = c.ffi.new("void **")
+    c.rec("cudaMallocAsync(0 bytes)", c.lib.cudaMallocAsync(z, 0, s))
+    c.steps.append(["cudaMallocAsync(0 bytes) gave NULL", int(z[0] == c.ffi.NULL)])
+    c.last_error()
+
+
+# -- virtual memory management (the driver's cuMem*, as accel's expandable segments use them) -----------
+def _vmm(c: Calls):
+    from accel.backends._cuda_vmm import DriverVmm
+    c.rec("cudaFree(NULL) (starts the runtime)", c.lib.cudaFree(c.ffi.NULL))
+    v = DriverVmm(c.ffi, c.lib)
+    gran, rc = v.granularity(0)
+    c.rec("cuMemGetAllocationGranularity", rc)
+    return v, gran
+
+
+def _vmm_memset(c: Calls, va: int, n: int, label: str):
+    s = c.stream()
+    c.rec(label, c.lib.cudaMemsetAsync(c.ffi.cast("void *", va), 1, n, s))
+    c.rec(label + ": cudaStreamSynchronize", c.lib.cudaStreamSynchronize(s))
+
+
+@scenario
+def vmm_basic_and_release_while_mapped(c: Calls):
+    v, g = _vmm(c)
+    va, rc = v.reserve(4 * g)
+    c.rec("cuMemAddressReserve", rc)
+    h, rc = v.create(0, g)
+    c.rec("cuMemCreate", rc)
+    c.rec("cuMemMap", v.map(va, g, h))
+    c.rec("cuMemSetAccess", v.set_access(va, g, 0))
+    _vmm_memset(c, va, g, "memset mapped")
+    c.rec("cuMemRelease while mapped", v.release(h))
+    _vmm_memset(c, va, g, "memset after release, still mapped")
+    c.rec("cuMemUnmap", v.unmap(va, g))
+    c.rec("cuMemAddressFree", v.free(va, 4 * g))
+
+
+@scenario
+def vmm_rules(c: Calls):
+    v, g = _vmm(c)
+    va, rc = v.reserve(8 * g)
+    c.rec("cuMemAddressReserve", rc)
+    _, rc = v.create(0, g + 1)
+    c.rec("cuMemCreate(granularity + 1)", rc)
+    h2, rc = v.create(0, 2 * g)
+    c.rec("cuMemCreate(2 granules)", rc)
+    c.rec("cuMemMap(offset 1 granule)", v.fns["cuMemMap"](va, g, g, h2, 0))
+    c.rec("cuMemMap(size 1 granule of a 2-granule handle, offset 0)", v.fns["cuMemMap"](va, g, 0, h2, 0))
+    c.rec("cuMemMap(size 3 granules of a 2-granule handle)", v.map(va + 2 * g, 3 * g, h2))
+    c.rec("cuMemMap(whole handle)", v.map(va + 2 * g, 2 * g, h2))
+    c.rec("cuMemMap(again onto a mapped range)", v.map(va + 2 * g, 2 * g, h2))
+    c.rec("cuMemMap(the same handle at a second address)", v.map(va + 4 * g, 2 * g, h2))
+    c.rec("cuMemMap(unaligned address)", v.map(va + 6 * g + 4096, g, h2))
+    c.rec("cuMemSetAccess(both mappings)", v.set_access(va + 2 * g, 4 * g, 0))
+    c.rec("cuMemUnmap(half of a mapping)", v.unmap(va + 2 * g, g))
+    c.rec("cuMemAddressFree while mapped", v.free(va, 8 * g))
+    c.rec("cuMemUnmap(first mapping)", v.unmap(va + 2 * g, 2 * g))
+    c.rec("cuMemUnmap(second mapping)", v.unmap(va + 4 * g, 2 * g))
+    c.rec("cuMemUnmap(not mapped)", v.unmap(va + 2 * g, 2 * g))
+    c.rec("cuMemRelease", v.release(h2))
+    c.rec("cuMemRelease again", v.release(h2))
+    c.rec("cuMemAddressFree(part of the reservation)", v.free(va, g))
+    c.rec("cuMemAddressFree", v.free(va, 8 * g))
+    c.rec("cuMemAddressFree again", v.free(va, 8 * g))
+
+
+@scenario
+def vmm_during_capture(c: Calls):
+    v, g = _vmm(c)
+    va, rc = v.reserve(2 * g)
+    c.rec("cuMemAddressReserve", rc)
+    s = c.stream()
+    p = c.malloc()
+    c.begin(s)
+    c.memset(p, s)
+    h, rc = v.create(0, g)
+    c.rec("cuMemCreate in a global capture", rc)
+    c.status(s, label="cudaStreamIsCapturing after cuMemCreate")
+    c.rec("cuMemMap in a global capture", v.map(va, g, h) if rc == 0 else -1)
+    c.rec("cuMemSetAccess in a global capture", v.set_access(va, g, 0) if rc == 0 else -1)
+    c.status(s, label="cudaStreamIsCapturing after map")
+    c.rec("cuMemUnmap in a global capture", v.unmap(va, g) if rc == 0 else -1)
+    c.rec("cuMemRelease in a global capture", v.release(h) if rc == 0 else -1)
+    c.status(s, label="cudaStreamIsCapturing after release")
+    c.end(s)
+    c.last_error()
+
+
 # -- running -------------------------------------------------------------------------------------------
+def _nop(grid, block, view):
+    """The simulator's reference of accel_conformance_nop: it does nothing, as the kernel."""
+
+
 def _open(real: bool):
     if real:
         from accel._ffi import open_library
@@ -609,6 +801,7 @@ def _open(real: bool):
     os.environ.setdefault("ACCEL_SIM", "cuda")
     from accel import sim
     from accel.backends.cuda import _cudart_ffi_for
+    sim.register_kernel("accel_conformance_nop", _nop, "", replace=True)
     lib = sim.open_library("cudart")
     return _cudart_ffi_for(lib), lib
 

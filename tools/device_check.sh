@@ -5,9 +5,10 @@
 #
 # Writes OUTDIR/env.txt (nvidia-smi, python, peers), main.txt (python -m accel), selftest.json and
 # selftest.log (python -m accel.selftest: every check in its own process, peers' interop and
-# per-call figures included), soak.log and soak.json (tools/soak.py on the device: state and
-# resources stay flat over create/destroy cycles), pytest.log (the device-marked tests not already
-# run by the self-test), steps.txt (each step's exit status and seconds).  Exit status: 0 when
+# per-call figures included), soak.log (tools/soak.py on the device: state and resources stay
+# flat over create/destroy cycles), conformance.json (tools/cuda_conformance.py --real: every
+# raw runtime call's code, to compare with the simulator; copy it to tests/conformance/),
+# pytest.log (the device-marked tests not already run by the self-test), steps.txt (each step's exit status and seconds).  Exit status: 0 when
 # each step passed.  PYTHON picks the interpreter.
 set -u
 out=${1:-device-report}
@@ -43,8 +44,8 @@ EOF
 step main 60 "$py" -m accel > "$out/main.txt" 2>&1
 step selftest 330 "$py" -m accel.selftest --budget 300 --json "$out/selftest.json" > "$out/selftest.log" 2>&1
 cat "$out/selftest.log"
-step soak 90 env ACCEL_BACKEND=cuda "$py" tools/soak.py --cycles 20000 --every 2000 --json "$out/soak.json" \
-    > "$out/soak.log" 2>&1
+step soak 90 env ACCEL_BACKEND=cuda "$py" tools/soak.py --cycles 20000 --every 2000 > "$out/soak.log" 2>&1
+step conformance 300 "$py" tools/cuda_conformance.py --real --json "$out/conformance.json" > /dev/null 2>&1
 step pytest 120 "$py" -m pytest -m device -q -p no:cacheprovider tests/test_user_kernels.py tests/test_selftest.py \
     "tests/test_device_real.py::test_multi_device_check_from_the_second_device" > "$out/pytest.log" 2>&1
 tail -n 3 "$out/soak.log" "$out/pytest.log"; cat "$out/steps.txt"
