@@ -8,8 +8,8 @@
 # per-call figures included), soak.log (tools/soak.py on the device: state and resources stay
 # flat over create/destroy cycles), conformance.json (tools/cuda_conformance.py --real: every
 # raw runtime call's code, to compare with the simulator; copy it to tests/conformance/),
-# pytest.log (the device-marked tests not already run by the self-test), steps.txt (each step's exit status and seconds).  Exit status: 0 when
-# each step passed.  PYTHON picks the interpreter.
+# pytest.log (the device-marked tests not already run by the self-test), steps.txt (each step's
+# exit status and seconds).  Exit status: 0 when each step passed.  PYTHON picks the interpreter.
 set -u
 out=${1:-device-report}
 mkdir -p "$out"
