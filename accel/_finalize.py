@@ -149,7 +149,8 @@ no_drain = _NoDrain()
 def release(fn: Callable, *args) -> None:
     """An explicit release (``close``, ``reset``): run ``fn(*args)`` now, errors propagating,
     unless a collection is running on this thread (a user's ``__del__`` closing its buffer): then
-    defer it."""
+    defer it.  (``Buffer.close`` inlines the case with no collection, nothing pending and the live
+    backend, calling the allocator's free directly: a new condition here belongs there too.)"""
     if _locks._collector is not None and collecting():    # (hot path: no call when no collection runs)
         pending.append((fn, args))
         return
