@@ -292,9 +292,6 @@ class Graph:
                                    f"at every replay (Event(external=True) in its capture); keep the event "
                                    f"open while the graph is replayed, or capture the graph again")
         with on_device(self._backend, self._index):   # cudaGraphLaunch: the stream's device current
-            if self._rng is not None:
-                from . import random
-                random._graph_replay(self._rng)
             handle = current_stream(self._index).handle
             if self._backend.captures_underway() and self._backend.stream_is_capturing(handle):
                 # CUDA refuses a graph launched into a stream being captured and invalidates the
@@ -305,6 +302,9 @@ class Graph:
                                    f"graph cannot be launched inside a capture (the runtime would refuse it and "
                                    f"invalidate the capture); replay it before capture_begin() or after "
                                    f"capture_end(), or on a stream that is not being captured; the capture goes on")
+            if self._rng is not None:
+                from . import random
+                random._graph_replay(self._rng)
             self._backend.graph_launch(self._exec, handle)
             if self._allocs is not None:
                 self._allocs.replayed(handle)
