@@ -100,3 +100,11 @@ def test_an_event_of_an_ended_capture_is_an_invalid_value(lib):
     ok(lib.cudaEventRecord(ev, other))         # recorded again outside a capture: usable
     ok(lib.cudaStreamWaitEvent(s, ev, 0))
     ok(lib.cudaEventSynchronize(ev))
+
+
+def test_every_scenario_runs_to_its_end_on_the_simulator(lib):
+    # The scenarios not yet recorded on a GPU still have to run, so the next GPU run records them.
+    for name in conformance.SCENARIOS:
+        sim.reset()
+        result = conformance.run_one(name, real=False)
+        assert "error" not in result and result["steps"], (name, result)
