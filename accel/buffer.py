@@ -20,7 +20,8 @@ from . import _finalize as _fin
 from . import _lazy, _locks
 from ._copying import refuse as _refuse
 from ._device import DeviceLike, device
-from .streams import Stream, _as_stream, _claim_close, _index_for, current_stream, on_device
+from .streams import (Stream, _Hold, _as_stream, _claim_close, _closed_during_use, _index_for, current_stream,
+                      on_device)
 
 __all__ = ["Buffer"]
 
@@ -325,10 +326,17 @@ class Buffer:
             alloc = _allocators.get(index)
             if alloc is None:
                 alloc = _memory().device_allocator(index)
-            # stream.handle's checks, read inline: it refuses a stream closed (by another thread,
-            # while still its current stream) or made by the parent of this forked process
-            handle = stream._handle if stream._pid == pid and not stream._closed else stream.handle
-            self._ptr = alloc.malloc(nbytes, handle)
+            busy = stream._busy     # streams._Use(stream), inlined: a close() in another thread
+            busy.append(None)       # leaves the destroy to this call's end (the allocator keys by handle)
+            try:
+                # stream.handle's checks, read inline: it refuses a stream closed (by another thread,
+                # while still its current stream) or made by the parent of this forked process
+                handle = stream._handle if stream._pid == pid and not stream._closed else stream.handle
+                self._ptr = alloc.malloc(nbytes, handle)
+            finally:
+                busy.pop()
+                if stream._closed:
+                    _closed_during_use(stream)
         else:
             alloc, self._ptr = None, 0
         self._alloc = alloc     # the allocator close() gives the memory back to
@@ -492,6 +500,10 @@ class Buffer:
         """
         self._live()
         stream = self._check_stream(stream)
+        with _Hold(stream):     # the copy's calls on the stream, to its end, use the one it began on
+            return self._copy_from(src, stream, non_blocking)
+
+    def _copy_from(self, src, stream: Stream, non_blocking: bool) -> "Buffer":
         backend = self._backend
         if not isinstance(src, Buffer):
             device_src = _device_source(src, self._index)
@@ -655,6 +667,10 @@ class Buffer:
         reading ``dst``.  A pageable destination is copied blocking, as torch does."""
         self._live()
         stream = self._check_stream(stream)
+        with _Hold(stream):     # the copy's calls on the stream, to its end, use the one it began on
+            self._copy_to(dst, stream, non_blocking)
+
+    def _copy_to(self, dst, stream: Stream, non_blocking: bool) -> None:
         try:
             view = _memoryview(dst)
         except TypeError:
@@ -745,10 +761,12 @@ class Buffer:
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 255:
             raise ValueError(f"fill_ takes a byte value 0..255, got {value!r}")
         self._writable()
-        stream = self._stream_for(stream)
-        if self._nbytes:
-            with stream._device_scope():
-                self._backend.memset_async(self._ptr, value, self._nbytes, stream.handle)
+        stream = self._check_stream(stream)
+        with _Hold(stream):     # another thread's close() of the stream waits for the fill
+            self._note(stream)
+            if self._nbytes:
+                with stream._device_scope():
+                    self._backend.memset_async(self._ptr, value, self._nbytes, stream._handle)
         return self
 
     @_in_use
@@ -760,10 +778,18 @@ class Buffer:
         self._live()
         stream = _as_stream(stream, "Buffer.record_stream(stream)")
         stream._live()
+        with _Hold(stream):     # the allocator keys the use by the handle: not one destroyed meanwhile
+            self._record(stream)
+
+    def _record(self, stream: Stream) -> None:
+        """record_stream's work, for a caller holding a pin on this buffer and a hold on ``stream``
+        (``streams._Hold``): also after another thread's close() meanwhile, which left the memory
+        to the pin's end, so the use is recorded (the free then waits for it) instead of raising
+        after the work was queued (a kernel launch, a random fill)."""
         if stream._foreign:
             stream._check_alive()   # a destroyed one, recorded, would fail every later free of the memory
         if self._nbytes and stream != self._stream and self._uses is None:
-            _memory().device_allocator(self._index).record_stream(self._ptr, stream.handle, stream.device_index)
+            _memory().device_allocator(self._index).record_stream(self._ptr, stream._handle, stream._index)
         self._used(stream)
 
     # -- interop -----------------------------------------------------------------

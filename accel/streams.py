@@ -164,6 +164,42 @@ class _Use:
             _used(obj)
 
 
+class _Hold:
+    """``with _Hold(stream):`` around a whole operation that queues work on ``stream`` (a Buffer
+    copy or fill, an ArrayView copy, a random fill, a kernel launch, a graph replay): a use of
+    the handle as :class:`_Use` (raises when the stream is closed; another thread's close()
+    leaves the destroy to the end of the operation), and, in this thread until the operation
+    ends, the stream's own methods and :attr:`Stream.handle` go on working when another thread
+    closes it meanwhile (its handle stays valid until then), so the operation completes on the
+    stream it began on instead of failing halfway (a copy queued, its synchronize refused).
+    Hot paths (Stream.query, Event.record) mark their use inline and need no hold."""
+
+    __slots__ = ("_stream", "_held")
+
+    def __init__(self, stream: "Stream"):
+        self._stream = stream
+
+    def __enter__(self) -> "Stream":
+        stream = self._stream
+        stream._busy.append(None)
+        if stream._closed or stream._pid != _fin.pid:
+            try:
+                stream._live()      # raises: closed (maybe by another thread just now), or forked
+            except BaseException:
+                _used(stream)
+                raise
+        held = _tls.__dict__.get("held")
+        if held is None:
+            held = _tls.held = []
+        held.append(id(stream))     # unique while held: the hold keeps the stream alive
+        self._held = held
+        return stream
+
+    def __exit__(self, *exc) -> None:
+        self._held.pop()    # holds of one thread nest (with statements): the last one is ours
+        _used(self._stream)
+
+
 def _used(obj) -> None:
     """A use of ``obj``'s handle ended: the last one after a close() runs its deferred destroy."""
     obj._busy.pop()
@@ -453,6 +489,9 @@ class Stream:
         if self._pid != _fin.pid:
             raise _fin.forked_error(self._backend)
         if self._closed:
+            held = _tls.__dict__.get("held")
+            if held and id(self) in held:
+                return      # closed by another thread during this thread's _Hold: valid until it ends
             raise RuntimeError(f"{self!r} was closed; create a new Stream")
 
     def _check_alive(self) -> None:

@@ -242,12 +242,11 @@ def test_buffer_closed_by_two_threads_at_once_is_freed_once(monkeypatch):
     third.close()
 
 
-@pytest.mark.xfail(strict=True, reason="r24 found, not fixed: Buffer, graph, RNG and kernel calls take "
-                   "stream.handle and call the backend outside streams._Use, so a Stream closed by another "
-                   "thread meanwhile is destroyed at once and its handle can go to the next stream made; "
-                   "the queued work then lands on that stream (closing a stream another thread still "
-                   "queues work on is a program race, as in torch)")
 def test_stream_closed_while_another_thread_fills_a_buffer_on_it(monkeypatch):
+    """B is inside buf.fill_(7, stream=s1); A closes s1 and creates s2.  Before (r24 found it,
+    r26 fixed it): Buffer, graph, RNG and kernel calls took stream.handle and called the backend
+    outside streams._Use, so s1 was destroyed at once and s2 got its handle while B still
+    queued on it.  The fill now holds s1 (streams._Hold) and the destroy waits for it."""
     be = _cuda(monkeypatch)
     s1 = accel.Stream()
     h1 = s1.handle
