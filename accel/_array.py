@@ -10,13 +10,14 @@ allocator rules (a use on another stream is recorded with ``record_stream``).
 
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Optional, Tuple
 
 import numpy as np
 
-from .buffer import Buffer, _address, _check_device_range, _host_view, _refuse_in_capture
-from .streams import Stream
+from .buffer import Buffer, _address, _begin_use, _check_device_range, _end_use, _host_view, _refuse_in_capture
+from .streams import Stream, _Hold
 
 __all__ = ["ArrayView"]
 
@@ -148,6 +149,29 @@ class _Source:
     def commit(self) -> None:
         if self.after is not None:
             self.after()
+
+
+def _pinning(method):
+    """As ``buffer._in_use``, for an ArrayView method that hands memory to the backend: while it
+    runs, the view's buffer (and the buffer of a Buffer or ArrayView argument, a copy's source)
+    holds a pin, so a close() in another thread leaves the memory to the call's end instead of
+    giving it to the next allocation while the call still copies into or out of it.  The
+    method's own ``_live()`` checks come after the pins are taken."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        held = [self._buffer]
+        for a in (*args, *kwargs.values()):
+            if type(a) is Buffer:
+                held.append(a)
+            elif type(a) is ArrayView:
+                held.append(a._buffer)
+        keys = [_begin_use(b) for b in held]
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            for b, key in zip(held, keys):
+                _end_use(b, key)
+    return call
 
 
 class ArrayView:
@@ -351,6 +375,7 @@ class ArrayView:
                               versioned=versioned, readonly=_readonly(buffer))
 
     # -- copies ------------------------------------------------------------------
+    @_pinning
     def to_numpy(self, stream: Optional[Stream] = None):
         """The viewed elements as a new numpy array of the view's shape and dtype, after queued work.
 
@@ -360,18 +385,20 @@ class ArrayView:
         buffer = self._buffer
         buffer._live()
         stream = buffer._check_stream(stream)
-        if self.size:
-            _refuse_in_capture(buffer._backend, stream)
-        buffer._note(stream)
-        if self._contiguous or not self.size:
-            out = np.empty(self._shape, dtype=self._dtype)
-            if out.size:
-                _download(buffer, self.ptr, out, stream)
-            return out
-        span = np.empty(_extent(self._shape, self._strides, self.itemsize), dtype=np.uint8)
-        _download(buffer, self.ptr, span, stream)
+        with _Hold(stream):     # the copy's calls on the stream, to its end, use the one it began on
+            if self.size:
+                _refuse_in_capture(buffer._backend, stream)
+            buffer._note(stream)
+            if self._contiguous or not self.size:
+                out = np.empty(self._shape, dtype=self._dtype)
+                if out.size:
+                    _download(buffer, self.ptr, out, stream)
+                return out
+            span = np.empty(_extent(self._shape, self._strides, self.itemsize), dtype=np.uint8)
+            _download(buffer, self.ptr, span, stream)
         return _gather(span, self._shape, self._strides, self._dtype)
 
+    @_pinning
     def copy_from(self, src, stream: Optional[Stream] = None) -> "ArrayView":
         """Copy ``src`` into the viewed elements; blocking; returns self.
 
@@ -393,7 +420,8 @@ class ArrayView:
                              f"{self._strides}: a 0 or too small stride), so it cannot be written; "
                              f"copy into a view without repeated elements")
         stream = buffer._check_stream(stream)
-        with _source(self, src, stream) as source:
+        # the copy's calls on the stream, to its end, use the one it began on
+        with _Hold(stream), _source(self, src, stream) as source:
             run = self._plan(source, stream)     # every check before anything is queued or noted
             source.commit()
             buffer._note(stream)

@@ -37,7 +37,7 @@ from . import _finalize as _fin
 from . import _lazy
 from ._copying import refuse_copies as _refuse_copies
 from ._errors import AcceleratorError, CaptureError
-from .streams import Event, Stream, _as_stream, _capture_events, current_stream, on_device
+from .streams import Event, Stream, _Hold, _as_stream, _capture_events, current_stream, on_device
 
 __all__ = ["Graph", "graph", "generate_graph_pool_handle", "graph_pool_handle"]
 
@@ -291,8 +291,12 @@ class Graph:
                 raise RuntimeError(f"replay(): {event!r} was closed, but this graph records or waits for it "
                                    f"at every replay (Event(external=True) in its capture); keep the event "
                                    f"open while the graph is replayed, or capture the graph again")
-        with on_device(self._backend, self._index):   # cudaGraphLaunch: the stream's device current
-            handle = current_stream(self._index).handle
+        stream = current_stream(self._index)
+        # The stream is held to the replay's end: another thread's close() of it waits (its handle
+        # is not destroyed, and so not given to the next stream made, while the replay queues on
+        # it), and the RNG prologue's write goes to the same stream as the launch.
+        with _Hold(stream), on_device(self._backend, self._index):  # cudaGraphLaunch: the stream's device current
+            handle = stream._handle
             if self._backend.captures_underway() and self._backend.stream_is_capturing(handle):
                 # CUDA refuses a graph launched into a stream being captured and invalidates the
                 # capture (cudaErrorStreamCaptureUnsupported, measured on an H200 by

@@ -24,8 +24,8 @@ from typing import Dict, Tuple
 
 from .. import _lazy
 from .._errors import AcceleratorError
-from ..buffer import Buffer
-from ..streams import Stream, _as_stream, _capture_events, _capture_table, current_stream, on_device
+from ..buffer import Buffer, _begin_use, _end_use
+from ..streams import Stream, _Hold, _as_stream, _capture_events, _capture_table, current_stream, on_device
 from ._module import Kernel
 
 _RANGES = {"u32": (0, 2 ** 32 - 1), "i32": (-2 ** 31, 2 ** 31 - 1), "u64": (0, 2 ** 64 - 1),
@@ -296,36 +296,57 @@ def launch(kernel: Kernel, grid, block, *args, shared_mem: int = 0, stream=None)
     packed = []
     buffers = []        # accel Buffers passed: noted as used on the stream after the launch
     others = []         # other objects that may carry memory (typed views, foreign objects)
-    i = 0
-    for kind, a in zip(params, args):
-        cls = type(a)
-        if cls is Buffer and kind in _PTR_KINDS and a._index == index and a._backend is backend:
-            packed.append(("ptr", a.ptr))
-            buffers.append(a)
-        elif cls is int and kind in _RANGES and _RANGES[kind][0] <= a <= _RANGES[kind][1]:
-            packed.append((kind, a))
-        elif (cls, kind) in _NUMPY_SAFE:
-            packed.append((kind, _NUMPY_SAFE[cls, kind](a)))
-        else:
-            packed.append(_pack(kernel, i, kind, a))
-            if cls.__module__ == "numpy" and getattr(a, "shape", None) == () and _numpy_scalar_type(cls):
-                # _pack accepted this numpy scalar type for this parameter type: numpy's "safe"
-                # cast rule depends on the type alone, so later ones are converted directly.
-                # (Not a 0-d ndarray: its dtype is not its type's, so each one is checked.)
-                _NUMPY_SAFE[cls, kind] = float if kind in ("f32", "f64") else int
-            elif cls is not int and cls is not float:
-                others.append(a)
-        i += 1
-    if lim["simulated"] and (kernel._sim_ref is None or _sim_registry().get(name) is not kernel._sim_ref):
-        _check_reference(kernel)
-    if backend.get_device() == index:         # on_device(backend, index) without its object
-        _launch_here(backend, kernel, grid, block, packed, shared_mem, stream, lim)
-    else:
-        with on_device(backend, index):
-            _launch_here(backend, kernel, grid, block, packed, shared_mem, stream, lim)
-    for a in buffers:
-        a._note(stream)
-    for a in others:
-        note = getattr(a, "_note", None) or getattr(getattr(a, "_buffer", None), "_note", None)
-        if note is not None and getattr(a, "device", None) is not None:
-            note(stream)
+    # Each Buffer passed (a typed view's too) holds a pin from before its address is read to the
+    # launch's end, as Buffer.fill_: a close() in another thread leaves the memory to the launch
+    # instead of handing it to the next allocation while the kernel is still being queued on it.
+    pins = []
+    try:
+        i = 0
+        for kind, a in zip(params, args):
+            cls = type(a)
+            if cls is Buffer and kind in _PTR_KINDS and a._index == index and a._backend is backend:
+                pins.append((a, _begin_use(a)))
+                packed.append(("ptr", a.ptr))
+                buffers.append(a)
+            elif cls is int and kind in _RANGES and _RANGES[kind][0] <= a <= _RANGES[kind][1]:
+                packed.append((kind, a))
+            elif (cls, kind) in _NUMPY_SAFE:
+                packed.append((kind, _NUMPY_SAFE[cls, kind](a)))
+            else:
+                viewed = getattr(a, "_buffer", None)    # an accel.ArrayView's buffer
+                if type(viewed) is Buffer:
+                    pins.append((viewed, _begin_use(viewed)))
+                packed.append(_pack(kernel, i, kind, a))
+                if cls.__module__ == "numpy" and getattr(a, "shape", None) == () and _numpy_scalar_type(cls):
+                    # _pack accepted this numpy scalar type for this parameter type: numpy's "safe"
+                    # cast rule depends on the type alone, so later ones are converted directly.
+                    # (Not a 0-d ndarray: its dtype is not its type's, so each one is checked.)
+                    _NUMPY_SAFE[cls, kind] = float if kind in ("f32", "f64") else int
+                elif cls is not int and cls is not float:
+                    others.append(a)
+            i += 1
+        if lim["simulated"] and (kernel._sim_ref is None or _sim_registry().get(name) is not kernel._sim_ref):
+            _check_reference(kernel)
+        # The stream is held to the launch's end: another thread's close() of it waits (its handle is
+        # not destroyed, and so not given to the next stream made, while the launch queues on it).
+        with _Hold(stream):
+            if backend.get_device() == index:         # on_device(backend, index) without its object
+                _launch_here(backend, kernel, grid, block, packed, shared_mem, stream, lim)
+            else:
+                with on_device(backend, index):
+                    _launch_here(backend, kernel, grid, block, packed, shared_mem, stream, lim)
+            # _record, not _note: a buffer closed by another thread since is still pinned, so the
+            # use is recorded (its free waits for the kernel) instead of raising after the launch
+            for a in buffers:
+                a._record(stream)
+            for a in others:
+                viewed = getattr(a, "_buffer", None)
+                if type(viewed) is Buffer:
+                    viewed._record(stream)
+                    continue
+                note = getattr(a, "_note", None)
+                if note is not None and getattr(a, "device", None) is not None:
+                    note(stream)
+    finally:
+        for b, key in pins:
+            _end_use(b, key)

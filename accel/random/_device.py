@@ -146,17 +146,26 @@ def _grid(counters: int) -> Tuple[int, int, int]:
 
 def fill(buf, plan: "_fills.Plan", generator) -> None:
     """Fill ``buf`` as ``plan`` says, drawing from ``generator`` on the current stream."""
-    from ..streams import current_stream, on_device
+    from ..buffer import _begin_use, _end_use
+    from ..streams import _Hold, current_stream, on_device
     backend = _lazy.lazy_init()
     index = buf.device_index
     stream = current_stream(index)
     if plan.n == 0:
         return
-    # A launch needs the stream's device current (cudaLaunchKernel: a stream of another
-    # device is cudaErrorInvalidResourceHandle), and so does every call on a shared
-    # default stream, whose handle names the current device's.
-    with on_device(backend, index):
-        _fill_here(backend, index, buf, plan, generator, stream)
+    # The buffer holds a pin (as Buffer.fill_'s): a close() in another thread leaves the memory
+    # to the fill's end instead of handing it to the next allocation under the queued fill; and
+    # the fill holds its stream, whose close() in another thread waits for it (the handle is not
+    # destroyed, and so not given to the next stream made, while the fill still queues on it).
+    key = _begin_use(buf)
+    try:
+        # A launch needs the stream's device current (cudaLaunchKernel: a stream of another
+        # device is cudaErrorInvalidResourceHandle), and so does every call on a shared
+        # default stream, whose handle names the current device's.
+        with _Hold(stream), on_device(backend, index):
+            _fill_here(backend, index, buf, plan, generator, stream)
+    finally:
+        _end_use(buf, key)
 
 
 def _fill_here(backend, index: int, buf, plan: "_fills.Plan", generator, stream) -> None:
@@ -186,7 +195,9 @@ def _fill_here(backend, index: int, buf, plan: "_fills.Plan", generator, stream)
     if kernel is None:
         values = plan.host(args.seed, args.offset)
         _copy_to_device(backend, ptr, values, stream.handle, index)
-    buf.record_stream(stream)     # the buffer's last-use stream (the allocator skips its own stream)
+    # the buffer's last-use stream (the allocator skips its own stream); _record, not
+    # record_stream: a close() in another thread meanwhile left the memory to fill()'s pin
+    buf._record(stream)
 
 
 def _copy_to_device(backend, dst: int, values, stream: int, device_index: int) -> None:
