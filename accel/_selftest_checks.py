@@ -979,6 +979,53 @@ def bench_graph(ctx: Context) -> dict:
                                               batch_s=0.01 if ctx.quick else 0.05, device=ctx.device)
 
 
+def bench_allocator_traces(ctx: Context) -> dict:
+    """The shared allocation traces replayed on the device: expandable vs classic segments (µs/op,
+    the allocator's own µs/op, peak reserved / allocated, map calls), and one 2 MiB page's
+    create+map+access / unmap+release cost in µs."""
+    import time
+
+    from . import _lazy
+    from .memory import _bench, _config
+    be = _lazy.lazy_init()
+    out: dict = {}
+    variants = {"classic": "expandable_segments:False"}
+    if be.vmm_supported(ctx.device):
+        variants["expandable"] = "expandable_segments:True"
+    for path in _bench.default_traces():
+        trace = _bench.load_trace(path)
+        name = os.path.basename(path).rsplit(".", 1)[0]
+        row = {}
+        for label, conf in variants.items():
+            got = _bench.replay(trace, _config.parse(conf, f"selftest {label}"), ctx.device, rounds=1 if ctx.quick else 3)
+            row[label] = {k: round(got[k], 3) for k in ("ratio", "us_per_op", "allocator_us_per_op", "map_calls")
+                          if k in got}
+        if "expandable" in row and row["classic"].get("us_per_op"):
+            row["expandable_over_classic_us"] = round(row["expandable"]["us_per_op"] / row["classic"]["us_per_op"], 3)
+        out[name] = row
+    if "expandable" in variants:
+        gran = be.vmm_granularity(ctx.device)
+        va = be.vmm_reserve(ctx.device, gran)
+        n = 20 if ctx.quick else 200
+        t_map = t_unmap = 0.0
+        try:
+            for _ in range(n):
+                t0 = time.perf_counter()
+                h = be.vmm_create(ctx.device, gran)
+                be.vmm_map(va, gran, h, ctx.device)
+                be.vmm_set_access(va, gran, ctx.device)
+                t1 = time.perf_counter()
+                be.vmm_unmap(va, gran)
+                be.vmm_release(h)
+                t_map += t1 - t0
+                t_unmap += time.perf_counter() - t1
+        finally:
+            be.vmm_free(va, gran)
+        out["page_create_map_access_us"] = round(t_map / n * 1e6, 2)
+        out["page_unmap_release_us"] = round(t_unmap / n * 1e6, 2)
+    return out
+
+
 #: name -> (function, timeout in seconds).  Order matters only for reading the report.
 CHECKS: Dict[str, Tuple[Callable[[Context], dict], float]] = {
     "devices": (check_devices, 60),
@@ -996,4 +1043,5 @@ CHECKS: Dict[str, Tuple[Callable[[Context], dict], float]] = {
     "bench_alloc": (bench_alloc, 60),
     "bench_graph": (bench_graph, 60),
     "bench_peers": (_selftest_peers.bench_peers, 120),
+    "bench_allocator_traces": (bench_allocator_traces, 120),
 }
