@@ -9,8 +9,11 @@ pinned copies to both (skipped, with the reason, on one device), the
 PTX Philox kernels bit-equal to the host path, a user kernel (SAXPY in CUDA C
 compiled with NVRTC, loaded and launched; skipped, with the reason, without
 NVRTC) bit-equal to numpy, recovery from out-of-memory,
-the fork rules, and benchmarks (device RNG fill GB/s against the memory
-bandwidth, cached alloc+free µs, graph replay vs eager launch).  Writes one
+the fork rules, DLPack/CAI exchange with torch and CuPy where installed, and
+benchmarks (device RNG fill GB/s against the memory bandwidth, cached
+alloc+free µs, graph replay vs eager launch, per-call host cost beside torch,
+CuPy and cuda.core, the shared allocation traces replayed with expandable and
+classic segments).  Writes one
 JSON report (default ``accel-selftest.json``; ``--json -`` prints it).
 
 Each check runs in its own subprocess under a timeout, so one failing,
