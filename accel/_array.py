@@ -16,7 +16,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from .buffer import Buffer, _address, _begin_use, _check_device_range, _end_use, _host_view, _refuse_in_capture
+from .buffer import Buffer, _address, _call_pinned, _check_device_range, _host_view, _refuse_in_capture
 from .streams import Stream, _Hold
 
 __all__ = ["ArrayView"]
@@ -165,12 +165,7 @@ def _pinning(method):
                 held.append(a)
             elif type(a) is ArrayView:
                 held.append(a._buffer)
-        keys = [_begin_use(b) for b in held]
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            for b, key in zip(held, keys):
-                _end_use(b, key)
+        return _call_pinned(held, method, self, args, kwargs)
     return call
 
 

@@ -150,14 +150,19 @@ def _in_use(method):
     after the pin is taken, so a close that came first makes it raise."""
     @functools.wraps(method)
     def call(self, *args, **kwargs):
-        held = [b for b in (self, *args, *kwargs.values()) if type(b) is Buffer]
-        keys = [_begin_use(b) for b in held]
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            for b, key in zip(held, keys):
-                _end_use(b, key)
+        return _call_pinned([b for b in (self, *args, *kwargs.values()) if type(b) is Buffer],
+                            method, self, args, kwargs)
     return call
+
+
+def _call_pinned(held, method, self, args, kwargs):
+    """``method(self, *args, **kwargs)`` with a pin on each Buffer of ``held`` until it returns."""
+    keys = [_begin_use(b) for b in held]
+    try:
+        return method(self, *args, **kwargs)
+    finally:
+        for b, key in zip(held, keys):
+            _end_use(b, key)
 
 
 def _begin_use(buf) -> object:
