@@ -11,24 +11,15 @@ in accel/sim/README.md.  The tests after the first pin the rules that run brough
 import json
 import os
 import sys
-import threading
 
 from accel import sim
 from accel._ffi._cudart import ffi
-from test_sim_cuda import capture, end_capture, event, lib, malloc, ok, stream  # noqa: F401
+from test_sim_cuda import _in_thread, capture, end_capture, event, lib, malloc, ok, stream  # noqa: F401
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 import cuda_conformance as conformance  # noqa: E402
 
 RECORDED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conformance", "cuda_h200_2026-12-04.json")
-
-
-def _in_thread(fn):
-    out = []
-    t = threading.Thread(target=lambda: out.append(fn()))
-    t.start()
-    t.join()
-    return out[0]
 
 
 def test_the_simulator_is_never_more_lenient_than_the_recorded_gpu(lib):
