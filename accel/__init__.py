@@ -22,7 +22,8 @@ from ._errors import (AcceleratorError, CaptureError, CompileError, DeferredCall
                       KernelImageError, OutOfMemoryError)
 from ._lazy import is_initialized
 from .buffer import Buffer
-from .streams import Event, ExternalStream, Stream, current_stream, default_stream, on_device as _on_device, set_stream
+from .streams import (Event, ExternalStream, Stream, current_stream, default_stream, get_stream_from_external,
+                      on_device as _on_device, set_stream)
 
 __version__ = "0.1.0"
 
@@ -34,8 +35,8 @@ __all__ = [
     "KernelImageError",
     "OutOfMemoryError", "Stream", "current_accelerator", "current_device_idx", "current_device_index",
     "current_stream", "default_stream", "device", "device_count", "device_index", "empty_pinned",
-    "get_device_capability", "get_device_properties", "graph", "is_available", "is_current_stream_capturing",
-    "is_initialized",
+    "get_device_capability", "get_device_properties", "get_stream_from_external", "graph", "is_available",
+    "is_current_stream_capturing", "is_initialized",
     "memory", "random", "set_device_idx", "set_device_index", "set_stream", "synchronize",
 ]
 

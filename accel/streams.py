@@ -682,6 +682,18 @@ def ExternalStream(stream_ptr: int, device: DeviceLike = None) -> Stream:
     return Stream.from_handle(stream_ptr, device)
 
 
+def get_stream_from_external(data_ptr: int, device: DeviceLike = None) -> Stream:
+    """torch's name: ``torch.cuda.get_stream_from_external(data_ptr, device=None)`` (and
+    ``torch.xpu.get_stream_from_external``, for a SYCL queue) is :meth:`Stream.from_handle`:
+    a :class:`Stream` wrapping a stream another library made and owns.  ``data_ptr`` is the
+    stream handle as an int (CUDA: the ``cudaStream_t`` value); ``device`` (default: the
+    stream's own device where the runtime can tell, else the current device) must be the
+    stream's device, and a wrong one is refused where the runtime can tell.  accel never
+    destroys the stream: the owner keeps it alive while a wrapper is in use.  Bad values
+    raise as :meth:`Stream.from_handle` does (TypeError, ValueError, InvalidDeviceError)."""
+    return Stream.from_handle(data_ptr, device)
+
+
 class _NoScope:
     __slots__ = ()
 

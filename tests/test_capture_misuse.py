@@ -291,6 +291,7 @@ ROWS = {
     "accel.Buffer": Row(lambda c, d: c.keep(accel.Buffer(4096, device=d))),
     "accel.Event": Row(lambda c, d: c.keep(accel.Event(d))),
     "accel.ExternalStream": Row(lambda c, d: accel.ExternalStream(c.side[d].handle, d)),
+    "accel.get_stream_from_external": Row(lambda c, d: accel.get_stream_from_external(c.side[d].handle, d)),
     "accel.Graph": Row(lambda c, d: Graph(), device=False),
     "accel.Stream": Row(lambda c, d: c.keep(accel.Stream(d))),
     "accel.ArrayView": Row(lambda c, d: accel.ArrayView(c.src[d], np.uint8)),

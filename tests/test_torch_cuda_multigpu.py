@@ -9,6 +9,7 @@ lists every case and why.  Two simulated devices, the non-current one included.
 """
 
 import collections
+import contextlib
 import gc
 import random
 import subprocess
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 
 import accel
-from accel import memory
+from accel import _lazy, memory
 
 from conftest import SIMS, use_sim
 from torch_port_util import held
@@ -552,6 +553,51 @@ def test_cuda_multigpu__test_events_multi_gpu_query(sim_cuda_delayed):
         assert e0.query() and e1.query()
     with accel.device_index(d1):
         assert e0.query() and e1.query()
+
+
+# ------------------------------------------------------------------ external streams
+@contextlib.contextmanager
+def _get_external_stream(device):
+    """torch's helper: a stream another library made (torch: ``cudart.cudaStreamCreate`` under
+    ``with device:``), destroyed by that library after the body.  Here the backend's own
+    stream_create, outside any accel.Stream, so accel holds nothing of it."""
+    backend = _lazy.lazy_init()
+    with device:
+        stream = backend.stream_create()
+        try:
+            assert stream != 0
+            yield stream
+        finally:
+            gc.collect()            # the wrappers go first: the owner keeps the stream alive until then
+            backend.stream_destroy(stream)
+
+
+def test_cuda_multigpu__test_external_streams(sim_backend):
+    # torch.cuda.ExternalStream(ptr) and torch.cuda.get_stream_from_external(ptr, device):
+    # the handle is the pointer, the device the stream's.  `ext_stream.cuda_stream` is
+    # `.handle`; torch passes the `torch.cuda.device(0)` object itself as the device, accel
+    # takes its index (accel's device arguments are ints, strings and accel.device)
+    device = accel.device_index(0)
+    with _get_external_stream(device) as stream_v:
+        ext_stream = accel.ExternalStream(stream_v)
+        assert stream_v == ext_stream.handle
+        assert ext_stream.device.index == device.idx
+        ext_stream = accel.get_stream_from_external(stream_v, device.idx)
+        assert stream_v == ext_stream.handle
+        assert ext_stream.device.index == device.idx
+
+
+def test_cuda_multigpu__test_external_streams_multi_device(sim_multi):
+    # the stream is on device 1 while device 0 is current
+    device = accel.device_index(1)
+    assert accel.current_device_index() == 0
+    with _get_external_stream(device) as stream_v:
+        ext_stream = accel.ExternalStream(stream_v, device=device.idx)
+        assert stream_v == ext_stream.handle
+        assert ext_stream.device.index == device.idx
+        ext_stream = accel.get_stream_from_external(stream_v, device.idx)
+        assert stream_v == ext_stream.handle
+        assert ext_stream.device.index == device.idx
 
 
 # ------------------------------------------------------------------ pinned memory

@@ -634,6 +634,7 @@ DEVICE_CALLS = {
     "accel.Buffer": lambda c, d: accel.Buffer(64, device=d),
     "accel.Event": lambda c, d: accel.Event(d),
     "accel.ExternalStream": lambda c, d: accel.ExternalStream(c.stream.handle, d),
+    "accel.get_stream_from_external": lambda c, d: accel.get_stream_from_external(c.stream.handle, d),
     "accel.Stream": lambda c, d: accel.Stream(d),
     "accel.current_stream": lambda c, d: accel.current_stream(d),
     "accel.default_stream": lambda c, d: accel.default_stream(d),
