@@ -133,7 +133,14 @@ class Graph:
         if mode == "default":
             mode = "global"  # CUDA's and torch's default
         stream = current_stream()
-        if stream.handle == backend.default_stream(stream.device_index):
+        # The stream is held to the end: another thread's close() meanwhile leaves the destroy to
+        # then (its handle, keyed by the graph pool and captured into, is not handed to the next
+        # stream made), and a close that claimed it makes the capture end, discarded, below.
+        with _Hold(stream):
+            self._capture_begin(backend, stream, mode)
+
+    def _capture_begin(self, backend, stream: Stream, mode: str) -> None:
+        if stream._handle == backend.default_stream(stream.device_index):
             raise RuntimeError(
                 f"{backend.name.upper()} graphs must be captured on a non-default stream. (However, after "
                 "capture, it's ok to replay them on the default stream.) Use `with accel.Stream(), graph:` "
@@ -151,13 +158,20 @@ class Graph:
         try:
             # backend:cudaMallocAsync returns a token: its replays allocate the graph's own
             # allocations again, and its release frees them (None from the caching allocator)
-            allocs = allocator.begin_allocate_to_pool(pool, stream.handle)
+            allocs = allocator.begin_allocate_to_pool(pool, stream._handle)
         except BaseException:
             random._graph_capture_abort(self._rng)
             self._rng = None
             raise
         try:
-            backend.capture_begin(stream.handle, mode)
+            backend.capture_begin(stream._handle, mode)
+            if stream._closed:
+                # Another thread's close() claimed the stream since the hold began.  It checks for a
+                # capture again after claiming, but may have looked before this one began: end the
+                # capture just begun (discarded), so the stream is destroyed with none underway.
+                _discard_capture(backend, stream)
+                raise RuntimeError(f"capture_begin: {stream!r} was closed by another thread while the capture "
+                                   f"began; nothing was captured: capture on a stream no thread closes")
         except BaseException:
             allocator.end_allocate_to_pool(pool)
             allocator.release_pool(pool)
@@ -167,7 +181,7 @@ class Graph:
             self._rng = None
             raise
         try:
-            capture_id = backend.capture_id(stream.handle)
+            capture_id = backend.capture_id(stream._handle)
         except AcceleratorError:
             # Only keeping external events alive needs the id (cudaStreamGetCaptureInfo): the
             # capture goes on without it, and an external event recorded in it is kept alive by
@@ -520,6 +534,13 @@ def graph(cuda_graph: Graph, pool: Optional[Tuple[int, int]] = None, stream: Opt
             _end_after_error(cuda_graph, exc)
             raise
         _end_block(cuda_graph)
+
+
+def _discard_capture(backend, stream: Stream) -> None:
+    """End the capture underway on ``stream`` (begun by this thread) and destroy its graph."""
+    graph_handle = backend.capture_end(stream._handle)
+    if graph_handle is not None:
+        backend.graph_destroy(graph_handle)
 
 
 def _still_capturing(backend, stream: Stream) -> bool:

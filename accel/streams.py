@@ -200,6 +200,20 @@ class _Hold:
         _used(self._stream)
 
 
+def _hold_open(stream: "Stream") -> "Optional[_Hold]":
+    """An entered :class:`_Hold` of ``stream`` (leave it with ``__exit__``), or None when the
+    stream is closed (by another thread maybe just now): for callers that then take another way
+    (a closed last-use stream is waited for on the host).  Raises as _Hold in a forked child."""
+    hold = _Hold(stream)
+    try:
+        hold.__enter__()
+    except RuntimeError:
+        if stream._closed and stream._pid == _fin.pid:
+            return None
+        raise
+    return hold
+
+
 def _used(obj) -> None:
     """A use of ``obj``'s handle ended: the last one after a close() runs its deferred destroy."""
     obj._busy.pop()
@@ -641,16 +655,19 @@ class Stream:
             raise _fin.forked_error(self._backend)
         if self._closed:
             return
-        backend = self._backend
-        if (not self._shared and backend.captures_underway()
-                and backend.capture_id(self._handle) is not None):
+        if self._capturing():
             # Destroying a stream that takes part in a capture leaves the capture without an
             # end: every later sync, free and capture in the process would fail.  (A closed
             # foreign wrapper could not end it either.)
-            raise RuntimeError(f"cannot close {self!r}: a graph capture on it is underway; end the capture "
-                               f"first (capture_end(), or leave the `with graph:` block), then close it")
+            raise self._capture_underway()
         if not _claim_close(self):
             return      # another thread's close() got there first
+        if self._capturing():
+            # Checked again once claimed: another thread's capture_begin between the check above
+            # and the claim began a capture on it (capture_begin checks the claim after beginning,
+            # so one of the two always sees the other).
+            self._closed = False
+            raise self._capture_underway()
         table = getattr(_tls, "current", None)
         if table is not None and table.get(self._index) is self:
             del table[self._index]
@@ -665,6 +682,16 @@ class Stream:
             self._closed = False    # the runtime still has it: close() again (or the finalizer) retries
             _live_streams[(self._index, self._handle)] = self
             raise
+
+    def _capturing(self) -> bool:
+        """True when this stream takes part in a capture (its handle names no other stream)."""
+        backend = self._backend
+        return (not self._shared and backend.captures_underway()
+                and backend.capture_id(self._handle) is not None)
+
+    def _capture_underway(self) -> RuntimeError:
+        return RuntimeError(f"cannot close {self!r}: a graph capture on it is underway; end the capture "
+                            f"first (capture_end(), or leave the `with graph:` block), then close it")
 
     def __del__(self, _finalizing=sys.is_finalizing):
         if _finalizing():
