@@ -427,39 +427,56 @@ def sync_for_consumer(buffer, stream_arg) -> None:
     stream where accel uses the last-use one).  Other backends: None waits on the host for the
     last-use stream, -1 nothing, an accel.Stream waits for an event.  Afterwards an accel stream
     of the consumer becomes the buffer's last-use stream.  The consumer's stream is not recorded
-    with the allocator (as torch): the consumer calls the deleter after its work, or syncs."""
-    from .streams import on_device
+    with the allocator (as torch): the consumer calls the deleter after its work, or syncs.
+
+    The accel streams whose handles are passed on (the last-use stream, an accel.Stream
+    consumer) are held meanwhile (``streams._Hold``): another thread's close() of one leaves its
+    destroy to the end of the handshake, so the handle names no newer stream while in use."""
+    from .streams import Stream, _Hold
     buffer._live()
+    if isinstance(stream_arg, Stream):
+        with _Hold(stream_arg):
+            _sync_for_consumer(buffer, stream_arg)
+    else:
+        _sync_for_consumer(buffer, stream_arg)
+
+
+def _sync_for_consumer(buffer, stream_arg) -> None:
+    from .streams import _hold_open, on_device
     backend, index = buffer._backend, buffer._index
     consumer = _consumer_handle(backend, index, stream_arg)
     if consumer is None:
         return
     last = buffer._last
-    if last.closed:
+    hold = _hold_open(last)
+    if hold is None:    # closed (maybe by another thread just now)
         wait_for_closed(backend, last)
         known = None if consumer == "host" else _accel_stream(backend, *consumer)
         if known is not None:
             buffer._used(known)
         return
-    if consumer == "host":
-        last.synchronize()
-        return
-    device, handle = consumer
-    if handle == last.handle and device == last.device_index:
-        return
-    # The event lives on the last-use stream's device (a peer copy may have used the buffer on
-    # another device's stream: cudaEventRecord needs the stream's device); the wait runs with the
-    # consumer stream's device current, since legacy/per-thread handles name the current
-    # device's stream (for an int, the buffer's device).
-    with on_device(backend, last.device_index):
-        event = backend.event_create(False, False)
     try:
-        with on_device(backend, last.device_index):
-            backend.event_record(event, last.handle)
-        with on_device(backend, device):
-            backend.stream_wait_event(handle, event)
+        if consumer == "host":
+            last.synchronize()
+            return
+        device, handle = consumer
+        if handle == last._handle and device == last._index:
+            return
+        # The event lives on the last-use stream's device (a peer copy may have used the buffer on
+        # another device's stream: cudaEventRecord needs the stream's device); the wait runs with the
+        # consumer stream's device current, since legacy/per-thread handles name the current
+        # device's stream (for an int, the buffer's device).
+        with on_device(backend, last._index):
+            event = backend.event_create(False, False)
+        try:
+            with on_device(backend, last._index):
+                backend.event_record(event, last._handle)
+            with on_device(backend, device):
+                backend.stream_wait_event(handle, event)
+        finally:
+            backend.event_destroy(event)   # the wait is queued; CUDA frees the event when it completes
     finally:
-        backend.event_destroy(event)   # the wait is queued; CUDA frees the event when it completes
+        hold.__exit__(None, None, None)
     known = _accel_stream(backend, device, handle)
     if known is not None:
         buffer._used(known)
@@ -479,8 +496,10 @@ def wait_for_producer(backend, index: int, producer, stream) -> None:
     (the ``stream`` of a __cuda_array_interface__ v3: 1 legacy default, 2 per-thread default
     (both device ``index``'s), else a ``cudaStream_t``, of any device: CuPy exports the current
     device's stream, which need not be the data's).  The event is made and recorded with the
-    producer stream's device current, as cudaEventRecord asks."""
-    from .streams import check_handle_bits, on_device
+    producer stream's device current, as cudaEventRecord asks.  ``stream``, and the producer's
+    stream when it is a live accel stream (an accel buffer's interface), are held meanwhile
+    (``streams._Hold``): another thread's close() of one leaves its destroy to the end."""
+    from .streams import _Hold, _hold_open, check_handle_bits, on_device
     if isinstance(producer, bool) or not hasattr(type(producer), "__index__"):
         raise ValueError(f"__cuda_array_interface__ stream must be an int or None, got {producer!r}")
     handle = operator.index(producer)
@@ -501,17 +520,24 @@ def wait_for_producer(backend, index: int, producer, stream) -> None:
             raise ValueError(f"__cuda_array_interface__ stream: {exc}; nothing was copied") from None
         if actual is not None:
             device = actual
-    if handle == stream.handle and device == stream.device_index:
-        return
-    with on_device(backend, device):
-        event = backend.event_create(False, False)
+    own = None if handle == _CUDA_PER_THREAD else _accel_stream(backend, device, handle)
+    held = None if own is None else _hold_open(own)
     try:
-        with on_device(backend, device):
-            backend.event_record(event, handle)
-        with stream._device_scope():
-            backend.stream_wait_event(stream.handle, event)
+        with _Hold(stream):
+            if handle == stream._handle and device == stream._index:
+                return
+            with on_device(backend, device):
+                event = backend.event_create(False, False)
+            try:
+                with on_device(backend, device):
+                    backend.event_record(event, handle)
+                with stream._device_scope():
+                    backend.stream_wait_event(stream._handle, event)
+            finally:
+                backend.event_destroy(event)
     finally:
-        backend.event_destroy(event)
+        if held is not None:
+            held.__exit__(None, None, None)
 
 
 def _accel_stream(backend, index: int, handle: int):
@@ -732,15 +758,30 @@ def _check_device_type(kind: int, own_type, backend_name: str) -> None:
 
 
 def _ask(obj, backend, device, stream):
-    """``obj.__dlpack__`` with accel's stream and max_version (1, 0), falling back for old producers."""
-    from .streams import current_stream
+    """``obj.__dlpack__`` with accel's stream and max_version (1, 0), falling back for old producers.
+    An accel stream whose handle is passed is held meanwhile (``streams._Hold``): the producer
+    queues its wait on the handle, which another thread's close() must not destroy (and hand to
+    the next stream made) before that."""
+    from .streams import Stream, _Hold, current_stream
     if stream is None and device is not None and backend.name == "cuda":
         from ._device import check_range
         check_range(device[1])
-        handle = current_stream(device[1]).handle
-        stream = handle if handle else _CUDA_LEGACY
-    elif stream is not None and hasattr(stream, "__cuda_stream__"):
-        stream = stream.__cuda_stream__()[1] or _CUDA_LEGACY
+        held = current_stream(device[1])
+    else:
+        held = stream if isinstance(stream, Stream) else None
+    if held is None:
+        if stream is not None and hasattr(stream, "__cuda_stream__"):
+            stream = stream.__cuda_stream__()[1] or _CUDA_LEGACY
+        return _ask_for(obj, stream)
+    with _Hold(held):
+        if stream is None:
+            stream = held._handle or _CUDA_LEGACY
+        elif hasattr(stream, "__cuda_stream__"):
+            stream = stream.__cuda_stream__()[1] or _CUDA_LEGACY
+        return _ask_for(obj, stream)
+
+
+def _ask_for(obj, stream):
     try:
         return obj.__dlpack__(stream=stream, max_version=(1, 0))
     except TypeError:
