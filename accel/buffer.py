@@ -917,8 +917,11 @@ class Buffer:
     def _release_call(self):
         """``(function, args)`` that hands the memory back, or None (nothing to release)."""
         if self._uses is not None:
-            uses, owner, self._uses, self._owner = self._uses, self._owner, {}, None
-            return _release_foreign, (owner, self._backend, tuple(uses.values()))
+            # The uses as they are when the release runs, not now: a call in flight (its pin
+            # defers the release to its end) may note its stream after this close, once its work
+            # was queued (a kernel launch, a random fill), and that work must be waited for too.
+            owner, self._owner = self._owner, None
+            return _release_foreign_uses, (owner, self._backend, self._uses)
         if self._nbytes:
             return _free, (self._backend, self._alloc, self._ptr)
         return None
@@ -996,12 +999,19 @@ class _Pin:
 def _release_foreign(owner, backend, streams) -> None:
     """Hand a non-owning buffer's memory back: wait for the work queued on the streams it was
     used on (skipped for a runtime that was reset, and for a capturing stream, which must not
-    be synchronized), then release ``owner`` (a DLPack capsule's deleter runs here, once)."""
+    be synchronized), then release ``owner`` (a DLPack capsule's deleter runs here, once).
+    A stream closed since still runs its queued work (cudaStreamDestroy returns at once) but
+    takes no more calls: its device is synchronized instead, unless a capture is underway
+    (a device synchronize would invalidate it)."""
     try:
         if backend is _lazy._initialized_backend:
             for stream in streams:
                 try:
-                    if not stream.closed and not stream.is_capturing():
+                    if stream.closed:
+                        if not backend.captures_underway():
+                            from ._dlpack import wait_for_closed
+                            wait_for_closed(backend, stream)
+                    elif not stream.is_capturing():
                         stream.synchronize()
                 except Exception:
                     pass    # a failed wait (sticky error): the owner is released all the same
@@ -1012,9 +1022,12 @@ def _release_foreign(owner, backend, streams) -> None:
 
 
 def _release_foreign_uses(owner, backend, uses: dict) -> None:
-    """_release_foreign with the streams of ``uses`` as they are when it runs (during a collection,
-    a finalizer that ran after the buffer's own may have used it on another stream)."""
-    _release_foreign(owner, backend, tuple(uses.values()))
+    """_release_foreign with the streams of ``uses`` as they are when it runs (a call in flight at
+    close() notes its stream when its work is queued; during a collection, a finalizer that ran
+    after the buffer's own may have used it on another stream)."""
+    streams = tuple(uses.values())
+    uses.clear()    # a closed buffer keeps no Stream alive (collection destroys a stream no one holds)
+    _release_foreign(owner, backend, streams)
 
 
 def _check_device_range(backend, ptr: int, nbytes: int, index: int) -> None:
