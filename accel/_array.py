@@ -369,6 +369,14 @@ class ArrayView:
         return _dlpack.export(self, self.ptr, own[0], own[1], self._dtype, self._shape, strides, 0,
                               versioned=versioned, readonly=_readonly(buffer))
 
+    # -- streams -----------------------------------------------------------------
+    def record_stream(self, stream: Stream) -> None:
+        """torch's ``Tensor.record_stream`` on a view: :meth:`Buffer.record_stream` of the viewed
+        buffer.  The allocator tracks the whole block, so a view starting inside it (an
+        ``offset``) protects all of it from reuse until work queued on ``stream`` so far has
+        completed (torch issue #27366)."""
+        self._buffer.record_stream(stream)
+
     # -- copies ------------------------------------------------------------------
     @_pinning
     def to_numpy(self, stream: Optional[Stream] = None):

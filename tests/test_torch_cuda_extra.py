@@ -10,6 +10,7 @@ considered and why the others are not ported.
 """
 
 import gc
+import json
 import random
 import subprocess
 import sys
@@ -274,6 +275,180 @@ def test_cuda__test_memory_snapshot_segments_carry_frames(sim_cuda):
         memory.record_history(False)
 
 
+def _plots(ss):
+    """torch's trace_plot(ss), trace_plot(ss, filter_freed=True) and segment_plot(ss): accel's
+    own page (accel.memory._viz, ``python -m accel.memory viz``) always, torch's functions too
+    where torch is installed (they read accel's snapshot unchanged)."""
+    from accel.memory import _viz
+    assert "<svg" in _viz.html_page(_viz.timelines(ss), "plot")
+    try:
+        from torch.cuda._memory_viz import segment_plot, trace_plot
+    except ImportError:
+        return
+    trace_plot(ss)
+    trace_plot(ss, filter_freed=True)
+    segment_plot(ss)
+
+
+def test_cuda__test_memory_plots(sim_cuda):
+    # TestCudaMallocAsync.test_memory_plots.  accel records Python frames only: stacks="all"
+    # keeps the same frames as "python", so torch's `cpp == ("::rand" in text)` is always
+    # "no C++ frame" here.
+    for context, stacks in (("all", "all"), ("all", "python"), (None, "python")):
+        try:
+            memory.empty_cache()
+            memory._record_memory_history("all", context=context, stacks=stacks)
+
+            def run():
+                x = accel.Buffer(128 * 128 * 4)       # torch.rand(128, 128, device="cuda")
+                x.fill_(1)                            # x * x + x * x: no math in accel
+
+            run()
+            record_context = context is not None
+            ss = memory._snapshot()
+            # torch dumps the text after the plots, but its trace_plot(ss, filter_freed=True)
+            # drops the freed alloc/free pairs from ss in place; torch's text still holds the
+            # size only as a merged free block's stale requested_size (accel's free blocks
+            # say 0), so the text is taken first here
+            text = json.dumps(ss)
+            _plots(ss)
+            assert record_context == ("test_memory_plots" in text)
+            assert "::rand" not in text
+            assert str(128 * 128 * 4) in text
+        finally:
+            memory._record_memory_history(None)
+
+
+def test_cuda__test_memory_plots_free_stack(sim_cuda):
+    # torch's test runs in a process where small blocks already live (earlier tests'), so
+    # its 48-byte tensor lands in a segment made before the recording; a fresh process makes
+    # a new segment, and under "state" that live segment keeps its creator's stack
+    # ("thealloc") in torch as in accel.  `keep` is that earlier small block.
+    keep = accel.Buffer(512)
+    for context in ["alloc", "all", "state"]:
+        try:
+            memory.empty_cache()
+            memory._record_memory_history(context=context)
+            x = None
+
+            def thealloc():
+                nonlocal x
+                x = accel.Buffer(3 * 4 * 4)
+
+            def thefree():
+                nonlocal x
+                del x
+
+            thealloc()
+            thefree()
+            ss = json.dumps(memory._snapshot())
+            assert ("thefree" in ss) == (context == "all")
+            assert ("thealloc" in ss) == (context != "state")
+        finally:
+            memory._record_memory_history(None)
+    keep.close()
+
+
+def test_cuda__test_memory_plots_history_context(sim_cuda):
+    try:
+        memory.empty_cache()
+        x = None
+
+        def should_capture1():
+            nonlocal x
+            x = accel.Buffer(4 * 4 * 4)
+
+        def should_not_capture():
+            nonlocal x
+            x = accel.Buffer(3 * 4 * 4)
+
+        def should_capture2():
+            nonlocal x
+            x = accel.Buffer(4 * 4 * 4)
+
+        # Recording with context and python call stacks should capture the call stack.
+        memory._record_memory_history(context="all", stacks="python")
+        should_capture1()
+        # Recording with context=None should not capture the call stack.
+        memory._record_memory_history(context=None)
+        should_not_capture()
+        # Recording with context and python call stacks should capture the call stack.
+        memory._record_memory_history(context="all", stacks="python")
+        should_capture2()
+
+        ss = json.dumps(memory._snapshot())
+        assert "should_capture1" in ss
+        assert "should_not_capture" not in ss
+        assert "should_capture2" in ss
+    finally:
+        memory._record_memory_history(None)
+
+
+def test_cuda__test_memory_plots_free_segment_stack(sim_cuda):
+    # Under "all" the segment's release carries the stack of the empty_cache() call.  torch
+    # finds its frame named "empty_cache" (torch/cuda/memory.py); accel's stacks start at the
+    # first frame outside accel, so here it is this test's line calling empty_cache().
+    def empty_cache_line(ss):
+        releases = [e for e in ss["device_traces"][0] if e["action"] in ("segment_free", "segment_unmap")]
+        assert releases
+        return any(e.get("frames") and e["frames"][0]["line"] == line for e in releases)
+
+    for context in ["alloc", "all", "state"]:
+        try:
+            memory.empty_cache()
+            memory._record_memory_history(context=context)
+            x = accel.Buffer(3 * 4 * 4)
+            del x
+            line = sys._getframe().f_lineno + 1
+            memory.empty_cache()
+
+            ss = memory._snapshot()
+            assert empty_cache_line(ss) == (context == "all")
+            assert "empty_cache" not in json.dumps(ss)      # accel's own frame is not recorded
+        finally:
+            memory._record_memory_history(None)
+
+
+def test_cuda__test_memory_snapshot_skip_actions(sim_cuda):
+    """skip_actions filters those action types out of the trace; the others are still recorded."""
+    test_cases = [
+        (["free_requested"], "single action"),
+        (["free_requested", "free_completed"], "multiple actions"),
+        (["alloc"], "alloc action"),
+        (["segment_alloc", "segment_free"], "segment actions"),
+        ([], "empty list"),
+        (None, "None default"),
+    ]
+    for skip_actions, description in test_cases:
+        try:
+            memory.empty_cache()
+            memory._record_memory_history(context="all", stacks="python", skip_actions=skip_actions)
+
+            # Perform allocations and frees to generate various actions
+            x = accel.Buffer(128 * 128 * 4)
+            del x
+            accel.synchronize()
+
+            ss = memory._snapshot()
+            device_idx = 0
+            while len(ss["device_traces"][device_idx]) == 0:
+                device_idx = device_idx + 1
+            device_trace = ss["device_traces"][device_idx]
+
+            # Verify traces are not empty (other actions are still recorded)
+            assert len(device_trace) > 0, f"Trace should not be empty for skip_actions={skip_actions}"
+            if skip_actions:
+                all_actions = {event["action"] for event in device_trace}
+                for sa in skip_actions:
+                    assert sa not in all_actions, \
+                        f"Action {sa} should be skipped with skip_actions={skip_actions} ({description})"
+                non_skipped_actions = all_actions - set(skip_actions)
+                assert len(non_skipped_actions) > 0, \
+                    f"Should have non-skipped actions for skip_actions={skip_actions}"
+        finally:
+            memory._record_memory_history(None)
+
+
 # ------------------------------------------------------------------ device queries
 def test_cuda__test_cuda_get_device_name(sim_backend):
     # torch.cuda.get_device_name(d): get_device_properties(d).name, None and no argument
@@ -426,6 +601,35 @@ def test_cuda__test_record_stream(sim_cuda_delayed):
     with stream:
         tmp3 = accel.Buffer(16)
         assert tmp3.ptr == ptr[0], "allocation not reused"
+
+
+def test_cuda__test_record_stream_on_shifted_view(sim_cuda_delayed):
+    # See issue #27366: record_stream on a view that starts inside its block must protect the
+    # whole block.  The allocating stream is isolated (free blocks of another stream are not
+    # reused).  base is a 10x10 float tensor, view = base[5:] an ArrayView at a byte offset.
+    stream_alloc = accel.Stream()
+    with stream_alloc:
+        base = accel.Buffer(10 * 10 * 4)
+
+    # Record another stream on a shifted view tensor.
+    view = base.as_array(np.float32, shape=(5, 10), offset=5 * 10 * 4)
+    assert view.offset > 0 and view.ptr > base.ptr
+
+    stream_record = accel.Stream()
+    with held(stream_record):
+        view.record_stream(stream_record)
+
+        # Delete those tensors to make the block free soon.
+        data_ptr = base.ptr
+        del base, view
+
+        # A new tensor should not be allocated to the block above.
+        stream_alloc.synchronize()
+
+        with stream_alloc:
+            try_realloc = accel.Buffer(10 * 10 * 4)
+
+        assert try_realloc.ptr != data_ptr
 
 
 def test_cuda__test_to_cpu_blocking_by_default(sim_cuda_delayed):

@@ -180,10 +180,18 @@ def test_cuda__test_stream_is_capturing(sim_backend):
 
 def test_cuda__test_cuda_stream_protocol(sim_backend):
     # test/test_cuda.py::TestCuda::test_cuda_stream_protocol: __cuda_stream__() -> (0, handle),
-    # on CUDA only (other accelerators' streams do not claim the CUDA protocol).
+    # on CUDA only (other accelerators' streams do not claim the CUDA protocol), for a Stream
+    # and for an ExternalStream of its handle.
     s = accel.Stream()
     if sim_backend == "cuda":
         assert s.__cuda_stream__() == (0, s.handle)
         assert accel.default_stream().__cuda_stream__() == (0, 0)
+        result = s.__cuda_stream__()
+        assert isinstance(result, tuple) and len(result) == 2
+        external_stream = accel.ExternalStream(s.handle)
+        external_result = external_stream.__cuda_stream__()
+        assert external_result[0] == 0
+        assert external_result[1] == external_stream.handle == s.handle
     else:
         assert not hasattr(s, "__cuda_stream__")
+        assert not hasattr(accel.ExternalStream(s.handle), "__cuda_stream__")

@@ -400,6 +400,15 @@ def test_xpu__test_mem_get_info(sim_xpu):
         del x
 
 
+def test_xpu__test_can_device_access_peer(sim_xpu):
+    # symmetric on every pair of the two simulated devices (torch skips it with one device)
+    device_count = accel.device_count()
+    assert device_count >= 2
+    for device in range(device_count):
+        for peer in range(device_count):
+            assert accel.can_device_access_peer(device, peer) == accel.can_device_access_peer(peer, device)
+
+
 def test_xpu__test_dlpack_conversion(sim_xpu):
     x = accel.Buffer(4 * 5).copy_from(np.arange(5, dtype=np.float32))
     z = accel.from_dlpack(x)
