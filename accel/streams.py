@@ -958,6 +958,8 @@ class Event:
         stream._live()
         if self._handle is None:
             return
+        if self._capture is not None and not self.external and self._capture not in _capture_events:
+            self._refuse_captured("Event.wait()")       # its capture has ended (a wait inside it joins it)
         if _capture_events and not self.external:
             cap = _capture_of(self._backend, stream)
             if cap is not None and cap != self._capture:
@@ -979,11 +981,23 @@ class Event:
             else:
                 self._backend.stream_wait_event(stream._handle, self._handle)
 
+    def _refuse_captured(self, call: str) -> None:
+        # A plain event last recorded inside a capture stands for a node of the graph, not for
+        # work on a stream: CUDA refuses to query, synchronize or wait for it (Runtime API,
+        # cudaErrorCapturedEvent while the capture is underway; cudaErrorInvalidValue once it has
+        # ended, measured on an H200 by tools/cuda_conformance.py), without saying why.
+        raise CaptureError(f"{call}: {self!r} was last recorded inside a graph capture, so it stands for a "
+                           f"node of the graph, not for work on a stream (CUDA refuses it: cudaErrorCapturedEvent, "
+                           f"or cudaErrorInvalidValue once the capture has ended); record it again outside a "
+                           f"capture, or make it Event(external=True) so that each replay records it")
+
     def query(self) -> bool:
         """True when the recorded work has completed (or the event was never recorded)."""
         self._live()
         if self._handle is None:
             return True
+        if self._capture is not None and not self.external:
+            self._refuse_captured("Event.query()")
         busy = self._busy           # _Use(self), inlined: this is a hot path
         busy.append(None)
         try:
@@ -999,6 +1013,8 @@ class Event:
         """Block the host until the recorded work has completed."""
         self._live()
         if self._handle is not None:
+            if self._capture is not None and not self.external:
+                self._refuse_captured("Event.synchronize()")
             with _Use(self):
                 self._backend.event_synchronize(self._handle)
 
