@@ -743,13 +743,14 @@ _CTRL_C = r'''
 @pytest.mark.xfail(strict=True, reason="r15 found, not fixed: a KeyboardInterrupt (any exception a signal "
                    "handler raises) delivered between two bytecodes inside the pure-Python caching allocator "
                    "or simulator leaves their state half-updated: later calls fail (cuMemMap 999, "
-                   "zeVirtualMemUnmap invalid argument, Metal free of a dead pointer) or leak pinned memory; "
+                   "zeVirtualMemUnmap invalid argument, Metal free of a dead pointer), leak pinned memory or never "
+                   "finish (the program outlives the test's 10 s on some simulators); "
                    "torch's allocator is C++, where no Python handler runs mid-operation")
 def test_ctrl_c_anywhere_then_continue(sim_backend):
     """A user presses Ctrl-C during a loop of copies, fills and stream waits (a SIGALRM handler
     raising KeyboardInterrupt at a random moment, 60 times), catches it, and goes on: the
     current device and streams are restored, accel still works, and every byte comes back."""
-    proc = run_program(_CTRL_C.replace("SEED", "2").replace("TRIALS", "60"), timeout=20)
+    proc = run_program(_CTRL_C.replace("SEED", "2").replace("TRIALS", "60"), timeout=10)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), (proc.stdout, proc.stderr[-3000:])
 
 
