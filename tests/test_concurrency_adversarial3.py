@@ -18,14 +18,11 @@ import accel
 import accel.sim
 import accel.streams
 from test_concurrency_adversarial import WAIT_S, _Pause, _cuda, _join, _settled_counts
+from test_concurrency_adversarial2 import kernel  # noqa: F401  (fixture: r26_fill(p, n) on device 1)
 from torch_port_util import hold
 
 DEV = 1     # the device the work runs on; device 0 stays current in the closing thread
 N = 4096
-PTX = (".version 7.0\n.target sm_50\n.address_size 64\n"
-       ".visible .entry r27_fill(.param .u64 p, .param .u64 n)\n{\n ret;\n}\n")
-
-
 def _stream_kept_while_paused(s1, pause, t, out) -> None:
     """Thread ``t`` is paused inside a backend call that was handed ``s1``'s handle: close s1 and
     make s2 on its device (s2 must not get the handle while the call still uses it), let ``t``
@@ -199,18 +196,6 @@ def test_producer_stream_closed_while_another_thread_copies_from_its_array_inter
 
 
 # -- 3. a non-owning buffer's release waits for every use ----------------------------------------
-@pytest.fixture
-def kernel(monkeypatch):
-    _cuda(monkeypatch)
-
-    def fill(grid, block, view, p, n):
-        view(p, n, "uint8")[:] = 9
-    accel.sim.register_kernel("r27_fill", fill, "ptr, u64", replace=True)
-    try:
-        yield accel.Module(PTX, device=DEV).function("r27_fill")
-    finally:
-        accel.sim.unregister_kernel("r27_fill")
-
 
 class _Owner:
     """What a from_ptr buffer keeps alive; ``released`` says whether the gated work had run when
