@@ -99,3 +99,14 @@ def test_every_scenario_runs_to_its_end_on_the_simulator(lib):
         sim.reset()
         result = conformance.run_one(name, real=False)
         assert "error" not in result and result["steps"], (name, result)
+
+
+def test_observation_rows_are_compared_but_never_fail():
+    # Rows whose label ends in "?" (and " status" rows) are values the runs saw, not return codes:
+    # the comparison lists a difference as "differs", which the first test does not count.
+    sim_run = {"s": {"steps": [["cudaMalloc", 0], ["blocks per SM?", 32], ["x status", 1]]}}
+    gpu_run = {"s": {"steps": [["cudaMalloc", 0], ["blocks per SM?", 16], ["x status", 2]]}}
+    assert conformance.compare(sim_run, gpu_run) == {"s": [["differs", 1, "blocks per SM?", 32, 16],
+                                                           ["differs", 2, "x status", 1, 2]]}
+    gpu_run["s"]["steps"][0][1] = 2
+    assert conformance.compare(sim_run, gpu_run)["s"][0] == ["sim_lenient", 0, "cudaMalloc", 0, 2]
