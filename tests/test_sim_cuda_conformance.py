@@ -110,3 +110,48 @@ def test_observation_rows_are_compared_but_never_fail():
                                                            ["differs", 2, "x status", 1, 2]]}
     gpu_run["s"]["steps"][0][1] = 2
     assert conformance.compare(sim_run, gpu_run)["s"][0] == ["sim_lenient", 0, "cudaMalloc", 0, 2]
+
+
+# -- rules the CUDA 13.0 headers state that the simulator had not enforced (found by r29's scenarios) --
+
+def test_entry_point_by_version_newer_than_the_driver_is_an_invalid_value(lib):
+    # cuda_runtime_api.h, cudaGetDriverEntryPointByVersion: "If the specified CUDA version is
+    # greater than the driver version, the API will return cudaErrorInvalidValue."
+    drv = ffi.new("int *")
+    ok(lib.cudaDriverGetVersion(drv))
+    fp = ffi.new("void **")
+    st = ffi.new("enum cudaDriverEntryPointQueryResult *")
+    assert lib.cudaGetDriverEntryPointByVersion(b"cuLaunchKernel", fp, drv[0] + 10, 0, st) == lib.cudaErrorInvalidValue
+    lib.cudaGetLastError()
+    ok(lib.cudaGetDriverEntryPointByVersion(b"cuLaunchKernel", fp, drv[0], 0, st))
+    assert fp[0] != ffi.NULL
+
+
+def test_instantiate_takes_only_its_documented_flags(lib):
+    # cuda_runtime_api.h, cudaGraphInstantiate: "Valid flags are: cudaGraphInstantiateFlagAutoFreeOnLaunch,
+    # ... DeviceLaunch, ... UseNodePriority" (driver_types.h: Upload is "Only supported by
+    # cudaGraphInstantiateWithParams"); a device-launch graph "cannot be empty and must contain at
+    # least one kernel, memcpy, or memset node" and may hold only kernel, memcpy, memset and child nodes.
+    s = stream(lib)
+    d = malloc(lib, 16)
+    capture(lib, s)
+    ok(lib.cudaMemsetAsync(d, 1, 4, s))
+    rc, graph = end_capture(lib, s)
+    ok(rc)
+    x = ffi.new("cudaGraphExec_t *")
+    assert lib.cudaGraphInstantiate(x, graph, lib.cudaGraphInstantiateFlagUpload) == lib.cudaErrorInvalidValue
+    lib.cudaGetLastError()
+    capture(lib, s)
+    rc, empty = end_capture(lib, s)
+    ok(rc)
+    assert lib.cudaGraphInstantiate(x, empty, lib.cudaGraphInstantiateFlagDeviceLaunch) == lib.cudaErrorInvalidValue
+    lib.cudaGetLastError()
+    e = event(lib)
+    capture(lib, s)
+    ok(lib.cudaMemsetAsync(d, 1, 4, s))
+    ok(lib.cudaEventRecordWithFlags(e, s, lib.cudaEventRecordExternal))
+    rc, with_event = end_capture(lib, s)
+    ok(rc)
+    assert lib.cudaGraphInstantiate(x, with_event, lib.cudaGraphInstantiateFlagDeviceLaunch) == lib.cudaErrorInvalidValue
+    lib.cudaGetLastError()
+    ok(lib.cudaGraphInstantiate(x, graph, lib.cudaGraphInstantiateFlagUseNodePriority))

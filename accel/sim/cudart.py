@@ -2311,8 +2311,8 @@ _ENTRY_FOUND, _ENTRY_NOT_FOUND, _ENTRY_VERSION_NOT_SUFFICIENT = 0, 1, 2   # cuda
 
 def _entry_point(R, symbol, funcPtr, version, flags, driverStatus):
     """CUDA Runtime API, cudaGetDriverEntryPoint[ByVersion]: the driver function ``symbol`` of ABI
-    ``version`` in ``*funcPtr``, or NULL with driverStatus SymbolNotFound (no such symbol, or none
-    as old as ``version``) / VersionNotSufficent (``version`` is newer than the driver)."""
+    ``version`` in ``*funcPtr``, or NULL with driverStatus SymbolNotFound (the driver has no such
+    symbol) / VersionNotSufficent (``version`` predates the symbol's first ABI)."""
     name = _c_string(symbol)
     if name is None or _is_null(funcPtr) or flags not in _ENTRY_FLAGS:
         return cudaErrorInvalidValue
@@ -2330,6 +2330,10 @@ def cudaGetDriverEntryPoint(R, symbol, funcPtr, flags, driverStatus=None):
 
 
 def cudaGetDriverEntryPointByVersion(R, symbol, funcPtr, cudaVersion, flags, driverStatus=None):
+    # cuda_runtime_api.h: "If the specified CUDA version is greater than the driver version, the
+    # API will return cudaErrorInvalidValue."
+    if cudaVersion > R.cfg.driver_version:
+        return cudaErrorInvalidValue
     return _entry_point(R, symbol, funcPtr, cudaVersion, flags, driverStatus)
 
 
@@ -2702,7 +2706,12 @@ def cudaMemPoolGetAccess(R, flags, memPool, location):
 # -- graph memory nodes (model: _graph_mem.py) ------------------------------------------------------
 
 _AUTO_FREE_ON_LAUNCH, _DEVICE_LAUNCH = 1, 4     # cudaGraphInstantiateFlags
-_GRAPH_INSTANTIATE_FLAGS = 0xF                  # AutoFreeOnLaunch | Upload | DeviceLaunch | UseNodePriority
+# cudaGraphInstantiate: "Valid flags are: cudaGraphInstantiateFlagAutoFreeOnLaunch, ...DeviceLaunch,
+# ...UseNodePriority"; Upload (2) is "Only supported by cudaGraphInstantiateWithParams" (driver_types.h).
+_GRAPH_INSTANTIATE_FLAGS = 0xD
+#: What a graph instantiated for device launch may hold (cudaGraphInstantiate: "kernel nodes, memcpy
+#: nodes, memset nodes, and child graph nodes"; it "cannot be empty").
+_DEVICE_LAUNCH_NODES = frozenset({"kernel", "memcpy", "memset"})
 _GRAPH_MEM_ATTRS = {0: "used", 1: "used_high", 2: "reserved", 3: "reserved_high"}   # cudaGraphMemAttributeType
 
 
@@ -2838,6 +2847,8 @@ def _graph_mem_instantiate(R: Runtime, g: Graph, flags: int):
     cudaGraphInstantiateFlagAutoFreeOnLaunch"; unknown flags are refused."""
     if flags & ~_GRAPH_INSTANTIATE_FLAGS or \
             flags & (_AUTO_FREE_ON_LAUNCH | _DEVICE_LAUNCH) == _AUTO_FREE_ON_LAUNCH | _DEVICE_LAUNCH:
+        return cudaErrorInvalidValue, None
+    if flags & _DEVICE_LAUNCH and (not g.nodes or any(n.kind not in _DEVICE_LAUNCH_NODES for n in g.nodes)):
         return cudaErrorInvalidValue, None
     if not R.gmem.allocs:
         return cudaSuccess, None
