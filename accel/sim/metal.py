@@ -33,13 +33,18 @@ operation per command, in order.  ``encodeWaitForEvent:value:`` makes the next
 operation depend on the point where a committed command buffer signals that
 value, so no wait can deadlock; waiting for a value that no committed command
 buffer signals is reported (:class:`MetalValidationError`) instead of hanging.
+A command buffer that fails skips its remaining commands, its signals included;
+one that waits for a value only such a skipped signal was to reach ends in
+``MTLCommandBufferStatusError`` with ``MTLCommandBufferErrorTimeout`` (the
+docs are silent; the GPU would wait for its watchdog) instead of proceeding.
 ``newLibraryWithSource:`` finds ``kernel void NAME(`` entries in the MSL text
 and a dispatch runs the numpy reference registered under NAME in
 :mod:`accel.sim.kernels`.  Faults come from :mod:`accel.sim.core`:
 ``inject_oom`` (``newBufferWithLength:options:`` returns nil) and
 ``inject_error(selector, code)`` for ``newBufferWithLength:options:``,
 ``newLibraryWithSource:options:error:``, ``commit`` (the command buffer
-ends in ``MTLCommandBufferStatusError`` with that code) and the messages in
+ends in ``MTLCommandBufferStatusError`` with that code; none of its commands
+run, its signals included) and the messages in
 :data:`NIL_ON_FAULT` (they answer nil).  Those messages are counted in
 ``accel.sim.calls()``.
 
@@ -161,6 +166,7 @@ def _forked(what: str) -> None:
 # MTLCommandBufferStatus
 NOT_ENQUEUED, ENQUEUED, COMMITTED, SCHEDULED, COMPLETED, ERROR = range(6)
 _ERR_INTERNAL = 1  # MTLCommandBufferErrorInternal
+_ERR_TIMEOUT = 2   # MTLCommandBufferErrorTimeout
 _MAX_THREADS_PER_GROUP = 1024
 _MAX_BUFFER_INDEX = 31
 
@@ -303,6 +309,10 @@ class MTLSharedEvent(SimObject):
         super().__init__(rt)
         self.value = 0
         self.points: List[Tuple[int, Tuple[Any, int]]] = []  # (value, engine point signaling it)
+        # The point of the highest pending value whose signal a failed command buffer skipped:
+        # a wait for a value only it was to signal fails (MTLCommandBuffer._check_waits).  One
+        # entry, not one per failure: the event's state stays bounded.
+        self.skipped: Optional[Tuple[int, Tuple[Any, int]]] = None
 
     def m_signaledValue(self):
         return self.value
@@ -320,16 +330,28 @@ class MTLSharedEvent(SimObject):
                 points = self.points
                 if points and points[0][0] <= value:
                     self.points = [p for p in points if p[0] > value]
+                if self.skipped is not None and self.skipped[0] <= value:
+                    self.skipped = None
+
+    def signal_skipped(self, value: int, point: Tuple[Any, int]) -> None:
+        """The signal of ``value`` at ``point`` will never happen (its command buffer failed)."""
+        with self.rt.lock:
+            self.points = [p for p in self.points if p[1] != point]
+            if value > self.value and (self.skipped is None or value >= self.skipped[0]):
+                self.skipped = (value, point)
 
     def point_for(self, value: int):
         """The engine point after which ``value`` is signaled: None when it already
-        is, False when no committed command buffer signals it."""
+        is, False when no committed command buffer signals it.  A value only a skipped
+        signal was to reach answers that (completed) point: the wait then fails."""
         with self.rt.lock:
             if self.value >= value:
                 return None
             for v, point in self.points:
                 if v >= value:
                     return point
+            if self.skipped is not None and self.skipped[0] >= value:
+                return self.skipped[1]
             return False
 
 
@@ -610,9 +632,13 @@ class MTLCommandBuffer(SimObject):
             raise MetalValidationError("commit: command buffer has an active encoder; call endEncoding first")
         code = core.take_fault("commit")
         if code:
-            self.commands.append(("op", lambda c=code: _fail(c, "injected fault")))
+            # The injected failure comes first: none of the buffer's commands run, its
+            # encodeSignalEvent:value: included (the strictest place: the GPU may fail at any
+            # command, and Apple's docs do not say whether a failed buffer still signals).
+            self.commands.insert(0, ("op", lambda c=code: _fail(c, "injected fault")))
         q = self.queue.q
         deps: List[Tuple[Any, int]] = []
+        awaited: List[Tuple[MTLSharedEvent, int]] = []   # waits the next operation checks
         plan = []
         for cmd in self.commands:
             if cmd[0] == "wait":
@@ -625,12 +651,13 @@ class MTLCommandBuffer(SimObject):
                         f"Metal would wait, possibly forever)")
                 if point is not None:
                     deps.append(point)
+                awaited.append((event, value))
             elif cmd[0] == "signal":
-                plan.append((self._signal_op(cmd[1], cmd[2]), tuple(deps), cmd[1], cmd[2]))
-                deps = []
+                plan.append((self._signal_op(cmd[1], cmd[2], q, awaited), tuple(deps), cmd[1], cmd[2]))
+                deps, awaited = [], []
             else:
-                plan.append((self._op(cmd[1]), tuple(deps), None, None))
-                deps = []
+                plan.append((self._op(cmd[1], awaited), tuple(deps), None, None))
+                deps, awaited = [], []
         self.commands = []
         self.status = COMMITTED
         self.rt.retain(self)  # the queue keeps a committed buffer alive until it completes
@@ -638,9 +665,12 @@ class MTLCommandBuffer(SimObject):
             seq = q.submit(fn, op_deps)
             if event is not None:
                 with self.rt.lock:
-                    if value > event.value:   # a value already reached needs no point
+                    if fn.skipped:            # it ran (inline) and skipped its signal
+                        event.signal_skipped(value, (q, seq))
+                    elif value > event.value:   # a value already reached needs no point
                         event.points.append((value, (q, seq)))
-        self.final_seq = q.submit(self._finish, tuple(deps), work=False)
+                        fn.seq = seq
+        self.final_seq = q.submit(lambda: self._finish(awaited), tuple(deps), work=False)
 
     def _started(self) -> None:
         if self.status == COMMITTED:
@@ -649,9 +679,35 @@ class MTLCommandBuffer(SimObject):
                     self.status = SCHEDULED
                     self.start = time.perf_counter()
 
-    def _op(self, fn):
+    def _check_waits(self, awaited) -> None:
+        """Fail the buffer at an encodeWaitForEvent:value: whose value was never signaled.
+
+        The operation runs after the engine point that was to signal each awaited value, so a
+        value still unreached means that signal was skipped: its command buffer failed first.
+        Apple's docs are silent on this case (MTLCommandBuffer encodeWaitForEvent:value: only
+        says the GPU "waits until the event reaches the value"; MTLSharedEvent and
+        MTLCommandBufferError say nothing of a signal a failed command buffer never performs):
+        the GPU would wait until its watchdog ends the command buffer.  The simulator does not
+        wait (it cannot know of future signals) and does not proceed as if signaled: the waiter
+        ends in MTLCommandBufferStatusError with MTLCommandBufferErrorTimeout ("the command
+        buffer took too long to execute"), its remaining commands and signals skipped.
+        """
+        if self.failure is not None:
+            return
+        for event, value in awaited:
+            if event.value < value:
+                self.failure = (_ERR_TIMEOUT, (
+                    f"encodeWaitForEvent: value {value} of MTLSharedEvent {event.addr:#x} was never "
+                    f"signaled (signaledValue {event.value}): the command buffer that encoded the "
+                    f"signal failed before it. Apple's docs are silent on this case (Metal would wait "
+                    f"until the GPU watchdog ends this command buffer); the accel simulator fails it "
+                    f"with MTLCommandBufferErrorTimeout"))
+                return
+
+    def _op(self, fn, awaited=()):
         def run():
             self._started()
+            self._check_waits(awaited)
             if self.failure is not None:
                 return  # an earlier command failed: the rest of the buffer does not run
             try:
@@ -662,15 +718,25 @@ class MTLCommandBuffer(SimObject):
                 self.failure = (_ERR_INTERNAL, f"{type(exc).__name__}: {exc}")
         return run
 
-    def _signal_op(self, event, value):
+    def _signal_op(self, event, value, q, awaited=()):
         def run():
             self._started()
+            self._check_waits(awaited)
             if self.failure is None:
                 event.signal(value)
+                return
+            with self.rt.lock:   # commit lists the point (run.seq) or reads run.skipped under it
+                if run.seq is not None:
+                    event.signal_skipped(value, (q, run.seq))
+                else:
+                    run.skipped = True
+        run.seq = None
+        run.skipped = False
         return run
 
-    def _finish(self) -> None:
+    def _finish(self, awaited=()) -> None:
         self._started()
+        self._check_waits(awaited)
         with self.rt.lock:
             self.end = time.perf_counter()
             if self.failure is not None:
