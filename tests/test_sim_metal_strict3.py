@@ -19,6 +19,7 @@ from accel._errors import AcceleratorError
 from accel.backends import _objc
 from accel.sim import core, metal
 from conftest import use_sim
+from test_sim_metal_strict2 import objc  # noqa: F401  (fixture: libobjc + Metal used directly)
 
 M_QUEUE = _objc.Message("newCommandQueue")
 M_CB = _objc.Message("commandBuffer")
@@ -41,18 +42,6 @@ ERROR_TIMEOUT = 2          # MTLCommandBufferErrorTimeout
 ERROR_OOM = 8              # MTLCommandBufferErrorOutOfMemory
 
 
-@pytest.fixture
-def objc(monkeypatch):
-    """libobjc + Metal as a program on a Mac uses them directly."""
-    use_sim(monkeypatch, "mps")
-    metal.reset()
-    core.reset()
-    (ffi_, objc_lib, _), (_, metal_lib, _) = metal.open_libraries()
-    rt = _objc.Runtime(ffi_, objc_lib)
-    device = metal_lib.MTLCreateSystemDefaultDevice()
-    yield rt, device
-    metal.reset()
-    core.reset()
 
 
 def _fill(rt, cb, buf, n, value):
