@@ -29,6 +29,7 @@ default), another int (a ``cudaStream_t``), -1 (no synchronization); 0 is disall
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import enum
 import operator
@@ -434,10 +435,7 @@ def sync_for_consumer(buffer, stream_arg) -> None:
     destroy to the end of the handshake, so the handle names no newer stream while in use."""
     from .streams import Stream, _Hold
     buffer._live()
-    if isinstance(stream_arg, Stream):
-        with _Hold(stream_arg):
-            _sync_for_consumer(buffer, stream_arg)
-    else:
+    with _Hold(stream_arg) if isinstance(stream_arg, Stream) else contextlib.nullcontext():
         _sync_for_consumer(buffer, stream_arg)
 
 
@@ -769,20 +767,12 @@ def _ask(obj, backend, device, stream):
         held = current_stream(device[1])
     else:
         held = stream if isinstance(stream, Stream) else None
-    if held is None:
-        if stream is not None and hasattr(stream, "__cuda_stream__"):
-            stream = stream.__cuda_stream__()[1] or _CUDA_LEGACY
-        return _ask_for(obj, stream)
-    with _Hold(held):
-        if stream is None:
+    with _Hold(held) if held is not None else contextlib.nullcontext():
+        if stream is None and held is not None:
             stream = held._handle or _CUDA_LEGACY
-        elif hasattr(stream, "__cuda_stream__"):
+        elif stream is not None and hasattr(stream, "__cuda_stream__"):
             stream = stream.__cuda_stream__()[1] or _CUDA_LEGACY
-        return _ask_for(obj, stream)
-
-
-def _ask_for(obj, stream):
-    try:
-        return obj.__dlpack__(stream=stream, max_version=(1, 0))
-    except TypeError:
-        return obj.__dlpack__(stream=stream)
+        try:
+            return obj.__dlpack__(stream=stream, max_version=(1, 0))
+        except TypeError:
+            return obj.__dlpack__(stream=stream)

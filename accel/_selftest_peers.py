@@ -164,20 +164,19 @@ def check_interop_peers(ctx) -> dict:
     return details
 
 
-def _peer_statements(ctx) -> Dict[str, Dict[str, str]]:
-    """op -> {library: statement}; the namespace ``ns`` the statements use is filled alongside."""
-    return {
-        "current_stream": {"accel": "accel.current_stream()", "torch": "torch.cuda.current_stream()",
-                           "cupy": "cupy.cuda.get_current_stream()", "cuda.core": "ccdev.default_stream"},
-        "event_record": {"accel": "aev.record()", "torch": "tev.record()", "cupy": "cev.record()",
-                         "cuda.core": "ccs.record(ccev)"},
-        "stream_query": {"accel": "ast.query()", "torch": "tst.query()", "cupy": "cst.done",
-                         "cuda.core": "ccev.is_done"},
-        "alloc_free_1MiB": {"accel": "accel.Buffer(MiB).close()",
-                            "torch": "torch.empty(MiB, dtype=torch.uint8, device=tdev)",
-                            "cupy": "cupy.cuda.alloc(MiB)", "cuda.core": "ccmr.allocate(MiB, stream=ccs).close(ccs)"},
-        "fill_small": {"accel": "abuf.fill_(1)", "torch": "tbuf.fill_(1)", "cupy": "cbuf.fill(1)"},
-    }
+#: op -> {library: statement}; bench_peers fills the namespace the statements use.
+_PEER_STATEMENTS: Dict[str, Dict[str, str]] = {
+    "current_stream": {"accel": "accel.current_stream()", "torch": "torch.cuda.current_stream()",
+                       "cupy": "cupy.cuda.get_current_stream()", "cuda.core": "ccdev.default_stream"},
+    "event_record": {"accel": "aev.record()", "torch": "tev.record()", "cupy": "cev.record()",
+                     "cuda.core": "ccs.record(ccev)"},
+    "stream_query": {"accel": "ast.query()", "torch": "tst.query()", "cupy": "cst.done",
+                     "cuda.core": "ccev.is_done"},
+    "alloc_free_1MiB": {"accel": "accel.Buffer(MiB).close()",
+                        "torch": "torch.empty(MiB, dtype=torch.uint8, device=tdev)",
+                        "cupy": "cupy.cuda.alloc(MiB)", "cuda.core": "ccmr.allocate(MiB, stream=ccs).close(ccs)"},
+    "fill_small": {"accel": "abuf.fill_(1)", "torch": "tbuf.fill_(1)", "cupy": "cbuf.fill(1)"},
+}
 
 
 def bench_peers(ctx) -> dict:
@@ -235,7 +234,7 @@ def bench_peers(ctx) -> dict:
 
         stmts: Dict[str, str] = {}
         errors: Dict[str, str] = {}
-        for op, by_lib in _peer_statements(ctx).items():
+        for op, by_lib in _PEER_STATEMENTS.items():
             for lib in libs:
                 stmt = by_lib.get(lib)
                 if stmt is None:
@@ -263,4 +262,4 @@ def bench_peers(ctx) -> dict:
                 row[f"accel_over_{lib}"] = round(mine / row[f"{lib}_us"], 2)
     return {"us_per_call": table, "peers": libs[1:], "skipped_peers": skipped, "statement_errors": errors,
             "statements": {op: {lib: s for lib, s in by.items() if lib in libs}
-                           for op, by in _peer_statements(ctx).items()}}
+                           for op, by in _PEER_STATEMENTS.items()}}

@@ -316,7 +316,7 @@ class Graph:
                 # capture (cudaErrorStreamCaptureUnsupported, measured on an H200 by
                 # tools/cuda_conformance.py); accel's Level Zero capture does the same.  Refused
                 # here instead, so the capture goes on.
-                raise CaptureError(f"replay() onto {current_stream(self._index)!r}, which is being captured: a "
+                raise CaptureError(f"replay() onto {stream!r}, which is being captured: a "
                                    f"graph cannot be launched inside a capture (the runtime would refuse it and "
                                    f"invalidate the capture); replay it before capture_begin() or after "
                                    f"capture_end(), or on a stream that is not being captured; the capture goes on")

@@ -454,22 +454,22 @@ def capture_malloc_async(c: Calls):
 
 
 # -- handles, memory, events ----------------------------------------------------------------------------
+def _handle_recycled(c: Calls, make, destroy: str, what: str):
+    handle = make()
+    first = int(c.ffi.cast("uintptr_t", handle))
+    c.rec(destroy, getattr(c.lib, destroy)(handle))
+    again = int(c.ffi.cast("uintptr_t", make()))
+    c.steps.append([f"next {what} has the destroyed one's handle", int(again == first)])
+
+
 @scenario
 def handle_recycle_stream(c: Calls):
-    a = c.stream()
-    first = int(c.ffi.cast("uintptr_t", a))
-    c.rec("cudaStreamDestroy", c.lib.cudaStreamDestroy(a))
-    b = c.stream()
-    c.steps.append(["next stream has the destroyed one's handle", int(int(c.ffi.cast("uintptr_t", b)) == first)])
+    _handle_recycled(c, c.stream, "cudaStreamDestroy", "stream")
 
 
 @scenario
 def handle_recycle_event(c: Calls):
-    a = c.event()
-    first = int(c.ffi.cast("uintptr_t", a))
-    c.rec("cudaEventDestroy", c.lib.cudaEventDestroy(a))
-    b = c.event()
-    c.steps.append(["next event has the destroyed one's handle", int(int(c.ffi.cast("uintptr_t", b)) == first)])
+    _handle_recycled(c, c.event, "cudaEventDestroy", "event")
 
 
 @scenario
