@@ -15,6 +15,7 @@ import sys
 from accel import sim
 from accel._ffi._cudart import ffi
 from test_sim_cuda import _in_thread, capture, end_capture, event, lib, malloc, ok, stream  # noqa: F401
+from test_sim_cuda_strict import memset_graph
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 import cuda_conformance as conformance  # noqa: E402
@@ -58,20 +59,13 @@ def test_ending_a_global_capture_from_another_thread_ends_it(lib):
 def test_launching_a_graph_into_a_capturing_stream_is_refused(lib):
     # Measured on the H200 (scenario capture_graph_launch_inside): cudaGraphLaunch into a stream
     # being captured returns cudaErrorStreamCaptureUnsupported and invalidates the capture.
-    d = malloc(lib, 16)
-    s0 = stream(lib)
-    capture(lib, s0)
-    ok(lib.cudaMemsetAsync(d, 7, 4, s0))
-    rc, graph = end_capture(lib, s0)
-    ok(rc)
-    x = ffi.new("cudaGraphExec_t *")
-    ok(lib.cudaGraphInstantiate(x, graph, 0))
+    _, x = memset_graph(lib, stream(lib), malloc(lib, 16))
     s = stream(lib)
     capture(lib, s)
-    assert lib.cudaGraphLaunch(x[0], s) == lib.cudaErrorStreamCaptureUnsupported
+    assert lib.cudaGraphLaunch(x, s) == lib.cudaErrorStreamCaptureUnsupported
     assert end_capture(lib, s)[0] == lib.cudaErrorStreamCaptureInvalidated
     lib.cudaGetLastError()
-    ok(lib.cudaGraphLaunch(x[0], s))           # outside a capture it runs
+    ok(lib.cudaGraphLaunch(x, s))              # outside a capture it runs
     ok(lib.cudaStreamSynchronize(s))
 
 

@@ -293,11 +293,16 @@ def test_accel_objects_closed_with_work_queued_leave_nothing(monkeypatch):
     e.close()
     b.close()
     s.close()
+    assert_nothing_left()
+
+
+def assert_nothing_left() -> None:
+    """Once accel's objects are closed and their work ran, only the device, queues and cached
+    buffers are live, and closing the backend releases every Objective-C object."""
     accel.synchronize()
     accel.memory.empty_cache()
     assert set(accel.sim.state().metal_live_objects) <= {"AGXSimDevice", "MTLCommandQueue", "MTLBuffer"}
-    be = backends.get("mps")
-    be.close()
+    backends.get("mps").close()
     assert metal.state().live() == []
 
 

@@ -14,27 +14,16 @@ import ctypes
 import pytest
 
 import accel
-from accel import backends
 from accel._errors import AcceleratorError
 from accel.backends import _objc
 from accel.sim import core, metal
 from conftest import use_sim
-from test_sim_metal_strict2 import objc  # noqa: F401  (fixture: libobjc + Metal used directly)
+from test_sim_metal_strict2 import assert_nothing_left, objc  # noqa: F401  (objc: a fixture)
+from test_sim_ze_metal_strict import (M_BLIT, M_CB, M_COMMIT, M_END, M_EVENT, M_FILL, M_NEW_BUFFER, M_QUEUE,
+                                      M_SIGNAL, M_STATUS, M_VALUE, M_WAIT)
 
-M_QUEUE = _objc.Message("newCommandQueue")
-M_CB = _objc.Message("commandBuffer")
-M_COMMIT = _objc.Message("commit", "void")
-M_WAIT = _objc.Message("waitUntilCompleted", "void")
-M_STATUS = _objc.Message("status", "NSUInteger")
 M_ERROR = _objc.Message("error")
-M_BLIT = _objc.Message("blitCommandEncoder")
-M_END = _objc.Message("endEncoding", "void")
-M_FILL = _objc.Message("fillBuffer:range:value:", "void", "id", "NSRange", "uint8_t")
-M_NEW_BUFFER = _objc.Message("newBufferWithLength:options:", "id", "NSUInteger", "NSUInteger")
 M_CONTENTS = _objc.Message("contents", "void *")
-M_NEW_EVENT = _objc.Message("newSharedEvent")
-M_SIGNALED = _objc.Message("signaledValue", "uint64_t")
-M_SIGNAL = _objc.Message("encodeSignalEvent:value:", "void", "id", "uint64_t")
 M_WAIT_EVENT = _objc.Message("encodeWaitForEvent:value:", "void", "id", "uint64_t")
 
 STATUS_COMPLETED, STATUS_ERROR = 4, 5
@@ -63,7 +52,7 @@ def test_waiter_on_a_signal_its_failed_command_buffer_skipped_times_out(objc):
     """The waiter ran its fill as if the event had been signaled (signaledValue stayed 0)."""
     rt, device = objc
     qa, qb = rt.send(device, M_QUEUE), rt.send(device, M_QUEUE)
-    ev = rt.send(device, M_NEW_EVENT)
+    ev = rt.send(device, M_EVENT)
     buf = rt.send(device, M_NEW_BUFFER, 64, 0)
     mem = ctypes.cast(int(rt.ffi.cast("uintptr_t", rt.send(buf, M_CONTENTS))), ctypes.POINTER(ctypes.c_uint8))
     ctypes.memset(mem, 9, 64)
@@ -77,7 +66,7 @@ def test_waiter_on_a_signal_its_failed_command_buffer_skipped_times_out(objc):
     rt.send(waiter, M_WAIT)                      # never hangs
     rt.send(signaler, M_WAIT)
     assert int(rt.send(signaler, M_STATUS)) == STATUS_ERROR
-    assert int(rt.send(ev, M_SIGNALED)) == 0     # the signal never happened
+    assert int(rt.send(ev, M_VALUE)) == 0     # the signal never happened
     assert int(rt.send(waiter, M_STATUS)) == STATUS_ERROR
     with rt.pool():
         code, text = rt.error_text(rt.send(waiter, M_ERROR))
@@ -94,7 +83,7 @@ def test_a_wait_committed_after_the_signal_failed_times_out_too(objc):
     way, neither hanging nor running."""
     rt, device = objc
     qa, qb = rt.send(device, M_QUEUE), rt.send(device, M_QUEUE)
-    ev = rt.send(device, M_NEW_EVENT)
+    ev = rt.send(device, M_EVENT)
     signaler = _new_cb(rt, qa)
     rt.send(signaler, M_SIGNAL, ev, 1)
     core.inject_error("commit", ERROR_OOM)
@@ -117,7 +106,7 @@ def test_a_wait_committed_after_the_signal_failed_times_out_too(objc):
     rt.send(w2, M_COMMIT)
     rt.send(w2, M_WAIT)
     assert int(rt.send(w2, M_STATUS)) == STATUS_COMPLETED
-    assert int(rt.send(ev, M_SIGNALED)) == 2
+    assert int(rt.send(ev, M_VALUE)) == 2
     for obj in (signaler, waiter, ok, w2, ev, qa, qb):
         rt.release(obj)
 
@@ -127,7 +116,7 @@ def test_a_signal_after_a_timed_out_wait_is_skipped_too(objc):
     out as well (the failure propagates, nothing hangs)."""
     rt, device = objc
     qa, qb, qc = (rt.send(device, M_QUEUE) for _ in range(3))
-    e1, e2 = rt.send(device, M_NEW_EVENT), rt.send(device, M_NEW_EVENT)
+    e1, e2 = rt.send(device, M_EVENT), rt.send(device, M_EVENT)
     a, b, c = _new_cb(rt, qa), _new_cb(rt, qb), _new_cb(rt, qc)
     rt.send(a, M_SIGNAL, e1, 1)
     rt.send(b, M_WAIT_EVENT, e1, 1)
@@ -137,7 +126,7 @@ def test_a_signal_after_a_timed_out_wait_is_skipped_too(objc):
     for cb in (a, b, c):
         rt.send(cb, M_COMMIT)
     rt.send(c, M_WAIT)
-    assert int(rt.send(e2, M_SIGNALED)) == 0
+    assert int(rt.send(e2, M_VALUE)) == 0
     with rt.pool():
         codes = [rt.error_text(rt.send(cb, M_ERROR))[0] for cb in (a, b, c)]
     assert codes == [ERROR_OOM, ERROR_TIMEOUT, ERROR_TIMEOUT]
@@ -222,7 +211,6 @@ def test_accel_waiting_stream_fails_once_and_accel_stays_usable(monkeypatch):
     use_sim(monkeypatch, "mps")
     metal.reset()
     core.reset()
-    import accel.sim
     a, b = accel.Stream(), accel.Stream()
     src = accel.Buffer(1 << 12, stream=a)
     dst = accel.Buffer(1 << 12, stream=b)
@@ -244,9 +232,4 @@ def test_accel_waiting_stream_fails_once_and_accel_stays_usable(monkeypatch):
     c.synchronize()
     for obj in (buf, src, dst, e, a, b, c):
         obj.close()
-    accel.synchronize()
-    accel.memory.empty_cache()
-    assert set(accel.sim.state().metal_live_objects) <= {"AGXSimDevice", "MTLCommandQueue", "MTLBuffer"}
-    be = backends.get("mps")
-    be.close()
-    assert metal.state().live() == []
+    assert_nothing_left()
