@@ -191,6 +191,9 @@ def history_options(enabled, context, stacks, max_entries, skip_actions) -> Opti
     if max_entries < 1:
         raise ValueError(f"record_history: max_entries must be >= 1, got {max_entries}; pass the number of "
                          f"allocation events to keep (default 100000)")
+    # torch's default is sys.maxsize (a size_t in C++); a larger count keeps everything too, and
+    # deque(maxlen=) takes no more than sys.maxsize (it raised OverflowError after the options were stored)
+    max_entries = min(max_entries, sys.maxsize)
     skip = _skip_actions(skip_actions)
     if keep_all is None:
         return None
