@@ -91,6 +91,12 @@ def _check_device_index(device_index) -> int:
     return index
 
 
+def _rebuild_generator(device_index: int, seed: int, offset: int) -> "Generator":
+    gen = Generator(device_index, seed)
+    gen.set_offset(offset)
+    return gen
+
+
 def _state_bytes(new_state) -> bytes:
     """The bytes of a state array, or TypeError naming what is accepted."""
     if isinstance(new_state, (bytes, bytearray)):
@@ -133,6 +139,14 @@ class Generator:
 
     def __repr__(self):
         return f"<accel.random.Generator device={self.device_index} seed={self._seed} offset={self._offset}>"
+
+    def __reduce__(self):
+        """pickle, copy.copy and copy.deepcopy give an independent generator with this one's
+        device, seed and offset, as torch.Generator's do: its own lock, outside graph-safe
+        mode and with no share of this one's graph holders (a shallow copy shared them, and
+        pickling failed with "cannot pickle '_thread.RLock' object")."""
+        with self._lock:
+            return (_rebuild_generator, (self.device_index, self._seed, self._offset))
 
     # -- seeding -------------------------------------------------------------------
     def _not_capturing(self, what: str) -> None:
