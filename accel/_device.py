@@ -36,12 +36,12 @@ class device:
             type, index = type.type, type.index
         if not isinstance(type, str):
             raise TypeError(f"device type must be a str such as 'cuda' or 'cuda:0', got {type!r}")
-        text = type.strip()
+        text = type        # as torch.device: no spaces around, no leading zero ("cuda:01")
         kind, sep, rest = text.partition(":")
         if sep:
             if index is not None:
                 raise InvalidDeviceError(f"device string {text!r} already has an index; do not also pass index={index}")
-            if not (rest.isascii() and rest.isdigit()):   # str.isdigit alone takes "²" and "１"
+            if not (rest.isascii() and rest.isdigit()) or (rest[0] == "0" and rest != "0"):   # isdigit takes "²"
                 raise InvalidDeviceError(f"Invalid device string: {text!r}; expected 'type' or 'type:index' "
                                  f"with a non-negative integer index, e.g. 'cuda:0'")
             index = int(rest)
