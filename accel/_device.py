@@ -126,8 +126,17 @@ def parse_index(dev: DeviceLike) -> Optional[int]:
         return dev.index
     if dev is not None:
         raise TypeError(f"device must be an int, a string such as 'cuda:0', or accel.device; "
-                        f"got {type(dev).__name__} {dev!r}")
+                        f"got {_foreign(dev)}")
     return None
+
+
+def _foreign(dev) -> str:
+    """A refused device argument's type and value; a torch.device (whose repr is accel.device's)
+    is named as such, with the spelling accel takes."""
+    kind = type(dev)
+    if kind.__module__ == "torch" and kind.__name__ == "device":
+        return f"torch.device {dev!r}; pass str(dev) ({str(dev)!r}) or dev.index"
+    return f"{kind.__name__} {dev!r}"
 
 
 def device_index(dev: DeviceLike, optional: bool = False) -> int:
