@@ -593,8 +593,17 @@ class MPSBackend(Backend):
         cb = st.cb
         if cb is None:
             return None
-        self._rt.send(cb, M_COMMIT)
+        # Interrupt safety: a signal's handler (Ctrl-C) runs as commit returns, the buffer then
+        # committed; so it is no longer the open buffer before the call, and is in flight after.
         st.cb = None
+        try:
+            self._rt.send(cb, M_COMMIT)
+        except Exception:
+            st.cb = cb              # refused: still the open buffer
+            raise
+        except BaseException:
+            st.inflight.append(_Committed(cb))
+            raise
         # Forget buffers already known complete (or failed and reported) so the list stays short.
         cmd = _Committed(cb)
         st.inflight = self._still_running(st.inflight) + [cmd]

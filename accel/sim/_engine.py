@@ -252,6 +252,7 @@ def wait_points(points: Sequence[Point], timeout: float = None) -> None:
 
 
 def _worker(q: Queue) -> None:
+    core.block_signals_in_this_thread()     # signals go to the main thread, after its sim call
     engine = q.engine
     lock = engine.lock
     while True:

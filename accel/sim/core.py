@@ -452,6 +452,127 @@ def reset_call_counts() -> None:
         box[0] = itertools.count()
 
 
+# -- a simulated call is atomic for Python signal handlers ------------------------------------
+# A vendor library is C: a signal arriving during a call only sets CPython's flag, and the
+# Python handler (Ctrl-C's KeyboardInterrupt, a SIGALRM handler that raises) runs after the call
+# returns (Python docs, signal module, "Execution of Python signal handlers": "A long-running
+# calculation implemented purely in C ... may run uninterrupted").  The simulators are Python,
+# so a handler could otherwise stop a simulated call between two bytecodes and leave its state
+# half-updated (a leaked lock, a reservation without its entry, a cffi callback's 999), which no
+# hardware does.  So every simulated entry point blocks signals in the main thread (the only one
+# that runs handlers) for the call, and the sim's worker threads block them for good (a signal
+# the kernel hands to another thread would trip the same flag): the signal stays pending and
+# its handler runs as the call returns.  Signals the caller had blocked stay blocked.  Not
+# blocked: SIGKILL/SIGSTOP (cannot be), the synchronous faults, and SIGABRT (faulthandler's
+# dump of a hung test).  A thread the program starts itself may still take the signal.
+
+_SIG_SIZE = 128                              # bytes of sigset_t on glibc (1024 bits); macOS: 4
+_deferral: Optional[dict] = None
+
+
+class _Deferring:
+    """``depth`` 1 while a simulated call of the main thread has signals blocked (a nested
+    call does not block again); ``main`` the id of the thread that runs handlers."""
+    depth = 0
+    main = threading.main_thread().ident
+
+
+def deferral_cells() -> dict:
+    """The closure cells :data:`DEFERRED_BODY` uses (libc's pthread_sigmask, the signal set
+    deferred, the buffer keeping the main thread's mask of before the call)."""
+    global _deferral
+    if _deferral is None:
+        import signal
+        libc = _cffi_backend.load_library(None)
+        pthread_sigmask = libc.load_function(ffi.typeof("int(*)(int, void *, void *)"), "pthread_sigmask")
+        sigdelset = libc.load_function(ffi.typeof("int(*)(void *, int)"), "sigdelset")
+        defer = ffi.new("char[]", _SIG_SIZE)
+        libc.load_function(ffi.typeof("int(*)(void *)"), "sigfillset")(defer)
+        for name in ("SIGKILL", "SIGSTOP", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGTRAP", "SIGSYS",
+                     "SIGABRT"):
+            if hasattr(signal, name):
+                sigdelset(defer, getattr(signal, name))
+        old = ffi.new("char[]", _SIG_SIZE)
+        pthread_sigmask(signal.SIG_BLOCK, ffi.NULL, old)
+        _deferral = dict(_D=_Deferring, _ident=threading.get_ident, _mask=pthread_sigmask,
+                         _BLOCK=signal.SIG_BLOCK, _SETMASK=signal.SIG_SETMASK, _DEFER=defer, _OLD=old,
+                         _NULL=ffi.NULL)
+    return _deferral
+
+
+def block_signals_in_this_thread() -> None:
+    """For the sim's own threads: never take a signal (see "atomic for Python signal handlers")."""
+    c = deferral_cells()
+    c["_mask"](c["_BLOCK"], c["_DEFER"], c["_NULL"])
+
+
+#: A wrapper body (:func:`exact_wrapper`, cells :func:`deferral_cells`) around ``{body}``, the
+#: vendor function's: the main thread's outermost simulated call blocks signals for its length.
+#: Ordering is deliberate: 3.11 runs pending handlers after a call returns, at function entry
+#: and at backward jumps, so no handler can run between "depth = 1" and the block, and one that
+#: runs right after the block (a signal already pending) lands inside the try, whose finally
+#: unblocks; the finally sets depth first, as the handler runs after the unblocking call.
+DEFERRED_BODY = """\
+        _outer = _ident() == _D.main and not _D.depth
+        try:
+            if _outer:
+                _D.depth = 1
+                _mask(_BLOCK, _DEFER, _OLD)
+{body}
+        finally:
+            if _outer:
+                _D.depth = 0
+                _mask(_SETMASK, _OLD, _NULL)
+"""
+
+
+#: :data:`DEFERRED_BODY` for a cffi callback (the driver entry points): a handler run inside
+#: the callback would make cffi print it and return the error value (999).  So the unblocking is
+#: done by the C-level destructor of a cffi gc object (``del``: no bytecode checks for pending
+#: signals there, nor in the return that follows); the handler runs once the C caller returned.
+DEFERRED_CALLBACK_BODY = DEFERRED_BODY.replace("""\
+                _mask(_SETMASK, _OLD, _NULL)
+""", """\
+                _g = _unblocker()
+                del _g
+""")
+
+
+def _unblocker():
+    import functools
+    c = deferral_cells()
+    return ffi.gc(ffi.new("char[]", _SIG_SIZE), functools.partial(c["_mask"], c["_SETMASK"], c["_OLD"]))
+
+
+def deferred(fn: Callable) -> Callable:
+    """``fn`` (any signature) run with signals deferred, as :data:`DEFERRED_BODY` does; for
+    entry points not built by :func:`exact_wrapper` (the Objective-C runtime's)."""
+    import functools
+    c = deferral_cells()
+    D, ident, mask, block, setmask, defer, old, null = (c[k] for k in (
+        "_D", "_ident", "_mask", "_BLOCK", "_SETMASK", "_DEFER", "_OLD", "_NULL"))
+
+    @functools.wraps(fn)
+    def call(*args):
+        outer = ident() == D.main and not D.depth
+        try:        # same order as DEFERRED_BODY
+            if outer:
+                D.depth = 1
+                mask(block, defer, old)
+            return fn(*args)
+        finally:
+            if outer:
+                D.depth = 0
+                mask(setmask, old, null)
+    return call
+
+
+def deferred_body(body: str, callback: bool = False) -> str:
+    """``body`` (a wrapper body for :func:`exact_wrapper`) run with signals deferred."""
+    inner = "".join("    " + line if line.strip() else line for line in body.splitlines(True))
+    return (DEFERRED_CALLBACK_BODY if callback else DEFERRED_BODY).replace("{body}\n", inner)
+
+
 _factories: Dict[tuple, Callable] = {}
 
 
@@ -486,7 +607,7 @@ def exact_wrapper(name: str, fn: Callable, body: str, namespace: dict, skip: int
 
 
 _COUNTED_NS: dict = {}
-_COUNTED_BODY = """\
+_COUNTED = """\
         next(_box[0])
         if _faults and _name in _faults:
             _code = _take(_name)
@@ -494,12 +615,20 @@ _COUNTED_BODY = """\
                 return _code
         return _fn({args})
 """
+_COUNTED_BODY = deferred_body(_COUNTED)
+_COUNTED_CALLBACK_BODY = deferred_body(_COUNTED, callback=True)
 
 
-def counted(name: str, fn: Callable) -> Callable:
-    """``fn`` wrapped with the call counter and fault injection of vendor function ``name``."""
+def counted(name: str, fn: Callable, callback: bool = False) -> Callable:
+    """``fn`` wrapped with the call counter and fault injection of vendor function ``name``
+    (signals deferred for the call: "atomic for Python signal handlers" above); ``callback``:
+    it is called as a cffi callback (DEFERRED_CALLBACK_BODY)."""
+    if callback:
+        return exact_wrapper(name, fn, _COUNTED_CALLBACK_BODY, _COUNTED_NS, _box=counter_box(name),
+                             _faults=_faults, _take=take_fault, _name=name, _fn=fn, _unblocker=_unblocker,
+                             **deferral_cells())
     return exact_wrapper(name, fn, _COUNTED_BODY, _COUNTED_NS, _box=counter_box(name), _faults=_faults,
-                         _take=take_fault, _name=name, _fn=fn)
+                         _take=take_fault, _name=name, _fn=fn, **deferral_cells())
 
 
 class SimLibrary:
@@ -646,6 +775,7 @@ def reset() -> None:
 def _after_fork_in_child() -> None:
     # Locks may have been held by parent threads that do not exist in the child.
     global _fault_lock, _box_lock
+    _Deferring.main, _Deferring.depth = threading.get_ident(), 0   # the forking thread runs handlers now
     _fault_lock = threading.Lock()
     _box_lock = threading.Lock()
     for _reset, fork_fn in list(_resetters.values()):

@@ -95,9 +95,48 @@ def entry_point(name: str, version: int, driver_version: int):
         cb = _callbacks.get(name)
         if cb is None:
             dffi = _dffi()
-            impl = core.counted(name, _IMPLS[name])   # call counters and inject_error, as runtime calls
-            cb = _callbacks[name] = dffi.callback(spec[0], impl, error=999)   # CUDA_ERROR_UNKNOWN
+            impl = core.counted(name, _IMPLS[name], callback=True)   # counters, inject_error, signals deferred
+            cb = _callbacks[name] = dffi.callback(spec[0], impl, error=999,   # CUDA_ERROR_UNKNOWN
+                                                  onerror=_callback_error)
     return 0, core.ffi.cast("void *", int(_dffi().cast("uintptr_t", cb)))
+
+
+def _callback_error(exc_type, exc, tb):
+    # A cffi callback cannot raise into its C caller: cffi prints the exception and returns
+    # 999.  A signal handler's KeyboardInterrupt (or SystemExit) can still land at the
+    # callback's first bytecode, before signals are deferred (core: "atomic for Python signal
+    # handlers"), or when a thread the sim does not own took the signal; with a C driver it would
+    # be raised in the caller as the call returns.  So it is: the main thread gets the same
+    # exception type asynchronously, raised as the cffi call returns to it (the 999 is never seen).
+    # (PyThreadState_SetAsyncExc is called by a weakref callback, from C: a call from bytecode
+    # would run the pending exception right here, inside the callback.  Its prototype has a third
+    # argument, the weakref, which the C function ignores: cdecl, the caller pops arguments.)
+    if exc_type is not None and not issubclass(exc_type, Exception) and threading.get_ident() == \
+            threading.main_thread().ident:
+        import ctypes
+        import functools
+        import weakref
+        set_async = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_ulong, ctypes.py_object, ctypes.py_object)(
+            ("PyThreadState_SetAsyncExc", ctypes.pythonapi))
+        token = _Token()
+        ref = weakref.ref(token, functools.partial(set_async, threading.get_ident(), exc_type))
+        del token
+        return None
+    import sys
+    sys.unraisablehook(_Unraisable(exc_type, exc, tb))
+    return None
+
+
+class _Token:
+    pass
+
+
+class _Unraisable:
+    """What cffi reports for a callback that raised (sys.unraisablehook's argument)."""
+
+    def __init__(self, exc_type, exc, tb):
+        self.exc_type, self.exc_value, self.exc_traceback = exc_type, exc, tb
+        self.err_msg, self.object = "Exception ignored from accel.sim driver callback", None
 
 
 def _runtime():

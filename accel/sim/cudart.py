@@ -3049,7 +3049,7 @@ _FUNCTIONS = {name: obj for name, obj in list(globals().items())
               if name.startswith("cuda") and callable(obj) and name not in _NO_INIT}
 
 
-_RT_BODY = """\
+_RT = """\
         next(_box[0])
         R = _R
         if R is None:
@@ -3069,14 +3069,20 @@ _RT_BODY = """\
             R.tls.last_error = _rc
         return _rc
 """
+_RT_BODY = core.deferred_body(_RT)   # signals deferred for the call (core: "atomic for Python signal handlers")
+#: Queries that change nothing (their runtime is started by then): a handler stopping one
+#: midway leaves what stopping it before the call leaves, so they skip the ~1.4 us of deferral.
+_READ_ONLY = frozenset(("cudaGetDevice", "cudaStreamQuery", "cudaEventQuery", "cudaPeekAtLastError"))
 
 
 def _wrap(name: str, fn):
     # Every runtime entry point: count, initialize the runtime on first use,
     # injected faults, "no driver/no device", cudaGetLastError bookkeeping.
-    return core.exact_wrapper(name, fn, _RT_BODY, globals(), skip=1, _box=core.counter_box(name),
+    return core.exact_wrapper(name, fn, _RT if name in _READ_ONLY else _RT_BODY, globals(), skip=1,
+                              _box=core.counter_box(name),
                               _faults=core._faults, _take=core.take_fault, _name=name, _fn=fn,
-                              _check_init=name != "cudaGetDeviceCount", _needs_context=name not in _NO_CONTEXT)
+                              _check_init=name != "cudaGetDeviceCount", _needs_context=name not in _NO_CONTEXT,
+                              **core.deferral_cells())
 
 
 def _wrap_any(name: str, fn):

@@ -1138,6 +1138,7 @@ class _Sender:
         addr = int(self.rt.ffi.cast("uintptr_t", value))
         return None if addr == 0 else self.rt.get(addr)
 
+    @core.deferred      # atomic for Python signal handlers, as a C call (core)
     def __call__(self, receiver, sel, *args):
         rt, ffi = self.rt, self.rt.ffi
         selector = rt.selectors.get(int(ffi.cast("uintptr_t", sel)))
@@ -1244,26 +1245,31 @@ class SimObjCLibrary:
     def sel_getName(self, sel):
         return self._rt.selector_names[self._rt.selectors[self._addr(sel)]]
 
+    @core.deferred
     def objc_retain(self, obj):
         addr = self._addr(obj)
         if addr:
             self._rt.retain(self._rt.get(addr))
         return obj
 
+    @core.deferred
     def objc_release(self, obj):
         addr = self._addr(obj)
         if addr:
             self._rt.release(self._rt.get(addr))
 
+    @core.deferred
     def objc_autorelease(self, obj):
         addr = self._addr(obj)
         if addr:
             self._rt.autorelease(self._rt.get(addr))
         return obj
 
+    @core.deferred
     def objc_autoreleasePoolPush(self):
         return self._rt.ffi.cast("void *", self._rt.pool_push())
 
+    @core.deferred
     def objc_autoreleasePoolPop(self, token):
         self._rt.pool_pop(self._addr(token))
 
@@ -1284,6 +1290,7 @@ class SimMetalLibrary:
     def __init__(self, rt: _State):
         self._rt = rt
 
+    @core.deferred
     def MTLCreateSystemDefaultDevice(self):
         rt = self._rt
         if rt.forked:
