@@ -746,7 +746,7 @@ _CTRL_C = r'''
                    "cuMemMap/cuMemUnmap/cuMemRelease INVALID_VALUE, zeVirtualMemUnmap/zePhysicalMemDestroy "
                    "INVALID_ARGUMENT), _free_block's keys list (IndexError), Metal encoders (released without "
                    "endEncoding) and a freed pointer (mps free of a dead pointer) inconsistent, and leaks pinned "
-                   "memory (host allocated_bytes != 0); no wedge seen in 15 seeds x 3 sims")
+                   "memory (host allocated_bytes != 0); no wedge seen in 5 seeds x 3 sims; a thread the sim does not own (OpenBLAS) can still take the signal")
 def test_ctrl_c_anywhere_then_continue(sim_backend):
     """A user presses Ctrl-C during a loop of copies, fills and stream waits (a SIGALRM handler
     raising KeyboardInterrupt at a random moment, 60 times), catches it, and goes on: the
