@@ -125,10 +125,7 @@ class Graph:
         backend = _lazy.lazy_init()
         if not backend.supports_graphs:
             raise NotImplementedError(backend.no_capture_reason)
-        if self._stream is not None:
-            raise RuntimeError("capture_begin called twice: this graph is already capturing")
-        if self._graph is not None or self._exec is not None:
-            raise RuntimeError("this graph already holds a capture; call reset() before capturing again")
+        self._check_unused()
         mode = _check_mode(self.capture_error_mode)
         if mode == "default":
             mode = "global"  # CUDA's and torch's default
@@ -139,6 +136,26 @@ class Graph:
         with _Hold(stream):
             self._capture_begin(backend, stream, mode)
 
+    def _check_unused(self) -> None:
+        if self._stream is not None:
+            raise RuntimeError("capture_begin called twice: this graph is already capturing")
+        if self._graph is not None or self._exec is not None:
+            raise RuntimeError("this graph already holds a capture; call reset() before capturing again")
+
+    def _refuse_before_sync(self, index: Optional[int]) -> None:
+        """capture_begin's refusals that need no stream, made before ``with g:`` and
+        :func:`graph` synchronize: a synchronize while a capture is underway on the device
+        invalidates that capture, so the refusal would otherwise come after the damage.
+        ``index``: the device the capture would begin on (None: the current one)."""
+        self._check_process()
+        self._check_unused()
+        if _lazy.is_initialized():
+            if index is None:
+                _check_device_free(_lazy.lazy_init().get_device(), " (`with graph:` and accel.graph() "
+                                   "first synchronize the current device, which would invalidate it)")
+            else:
+                _check_device_free(index)
+
     def _capture_begin(self, backend, stream: Stream, mode: str) -> None:
         if stream._handle == backend.default_stream(stream.device_index):
             raise RuntimeError(
@@ -147,10 +164,7 @@ class Graph:
                 "or `with accel.graph(graph):`.")
         pool = _check_pool(self.graph_pool) if self.graph_pool is not None else _new_private_pool()
         from . import memory, random
-        if random.default_generator(stream.device_index).capturing:
-            raise RuntimeError(f"another graph is being captured on device {stream.device_index}: accel captures "
-                               f"one graph per device at a time (the device's default generator follows one "
-                               f"capture); end that capture first, or capture on another device")
+        _check_device_free(stream.device_index)
         allocator = memory.device_allocator(stream.device_index)
         # The generator's seed/offset holders come from the general cache (torch registers
         # the graph with its generator before routing allocations to the graph's pool).
@@ -401,6 +415,7 @@ class Graph:
     # -- context manager -----------------------------------------------------------------
     def __enter__(self) -> None:
         import accel
+        self._refuse_before_sync(None)
         accel.synchronize()
         accel.memory.empty_cache()
         accel.memory.empty_host_cache()
@@ -513,6 +528,9 @@ def graph(cuda_graph: Graph, pool: Optional[Tuple[int, int]] = None, stream: Opt
         _check_pool(pool)
     if stream is not None:
         stream = _as_stream(stream, "graph(stream)")
+    cuda_graph._refuse_before_sync(None)        # the device synchronize() waits on
+    if stream is not None:
+        cuda_graph._refuse_before_sync(stream.device_index)
     import accel
     accel.synchronize()
     accel.memory.empty_cache()
@@ -534,6 +552,15 @@ def graph(cuda_graph: Graph, pool: Optional[Tuple[int, int]] = None, stream: Opt
             _end_after_error(cuda_graph, exc)
             raise
         _end_block(cuda_graph)
+
+
+def _check_device_free(index: int, why: str = "") -> None:
+    """RuntimeError when an accel capture is underway on device ``index``."""
+    from . import random
+    if random.default_generator(index).capturing:
+        raise RuntimeError(f"another graph is being captured on device {index}{why}: accel captures "
+                           f"one graph per device at a time (the device's default generator follows one "
+                           f"capture); end that capture first, or capture on another device")
 
 
 def _discard_capture(backend, stream: Stream) -> None:

@@ -373,3 +373,30 @@ def test_buffer_and_stream_argument_edges(sim_backend):
         _refused(lambda: b.fill_(bad), ValueError, TypeError)
     s.close()
     b.close()
+
+
+# -- graph contexts ------------------------------------------------------------------
+
+def test_graph_contexts_refused_before_they_synchronize(sim_graph_backend):
+    """Entering a graph that is capturing (or a second graph on the capturing device) is
+    refused before ``with g:`` / ``accel.graph()`` synchronize: the synchronize itself would
+    invalidate the capture underway (it did: CaptureError from cudaDeviceSynchronize /
+    device_synchronize, and the outer capture ended with nothing)."""
+    buf = accel.Buffer(64)
+    buf.fill_(0)
+    side, g, g2 = accel.Stream(), accel.Graph(), accel.Graph()
+    with side:
+        g.__enter__()
+        buf.fill_(7)
+        _refused(g.__enter__, RuntimeError, named="already capturing")
+        _refused(lambda: accel.graph(g).__enter__(), RuntimeError, named="already capturing")
+        _refused(g2.__enter__, RuntimeError, named="another graph is being captured")
+        _refused(lambda: accel.graph(g2).__enter__(), RuntimeError, named="another graph is being captured")
+        g.__exit__(None, None, None)
+    g.replay()
+    assert (buf.to_numpy() == 7).all()
+    with side:
+        _refused(g.__enter__, RuntimeError, named="already holds a capture")
+    _refused(lambda: accel.graph(g).__enter__(), RuntimeError, named="already holds a capture")
+    g.reset()
+    buf.close()
