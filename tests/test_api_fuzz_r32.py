@@ -12,7 +12,6 @@ refused (torch.device strings)."""
 
 import copy
 import pickle
-import sys
 import threading
 
 import numpy as np
