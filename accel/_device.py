@@ -30,7 +30,7 @@ class device:
     __slots__ = ("_type", "_index")
 
     def __init__(self, type: Union[str, "device"], index: Optional[int] = None):
-        if isinstance(type, device):
+        if isinstance(type, device) or is_torch_device(type):
             if index is not None:
                 raise TypeError("device(device, index): give the index in the string or the device, not both")
             type, index = type.type, type.index
@@ -86,7 +86,7 @@ class device:
         return (device, (self._type, self._index))
 
 
-DeviceLike = Union[int, str, device, None]
+DeviceLike = Union[int, str, device, None]     # a torch.device is taken as the accel.device it names
 
 
 def _as_index(value, what: str) -> int:
@@ -115,7 +115,7 @@ def parse_index(dev: DeviceLike) -> Optional[int]:
         return dev
     if hasattr(type(dev), "__index__") and not isinstance(dev, (str, device)):
         return operator.index(dev)          # numpy integers
-    if isinstance(dev, str):
+    if isinstance(dev, str) or is_torch_device(dev):
         dev = device(dev)
     if isinstance(dev, device):
         acc = accelerator_type()
@@ -126,17 +126,16 @@ def parse_index(dev: DeviceLike) -> Optional[int]:
         return dev.index
     if dev is not None:
         raise TypeError(f"device must be an int, a string such as 'cuda:0', or accel.device; "
-                        f"got {_foreign(dev)}")
+                        f"got {type(dev).__name__} {dev!r}")
     return None
 
 
-def _foreign(dev) -> str:
-    """A refused device argument's type and value; a torch.device (whose repr is accel.device's)
-    is named as such, with the spelling accel takes."""
+def is_torch_device(dev) -> bool:
+    """Whether ``dev`` is a torch.device, which accel takes as the accel.device of the same type
+    and index (torch.accelerator takes it everywhere; recognised by its class, without importing
+    torch)."""
     kind = type(dev)
-    if kind.__module__ == "torch" and kind.__name__ == "device":
-        return f"torch.device {dev!r}; pass str(dev) ({str(dev)!r}) or dev.index"
-    return f"{kind.__name__} {dev!r}"
+    return kind.__name__ == "device" and kind.__module__ == "torch"
 
 
 def device_index(dev: DeviceLike, optional: bool = False) -> int:

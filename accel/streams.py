@@ -1207,12 +1207,13 @@ def _event_type(dev: DeviceLike) -> Optional[str]:
     """The accelerator type an ``Event(device)`` names, checked as torch.Event parses it: the
     type must be the current accelerator's, an index must name a device and is then dropped
     (torch keeps only the type until the first record).  Never initializes the runtime."""
-    from ._device import _foreign, accelerator_type, parse_index
+    from ._device import accelerator_type, is_torch_device, parse_index
     if dev is None:
         return accelerator_type()
-    if isinstance(dev, bool) or not (isinstance(dev, (str, device)) or hasattr(type(dev), "__index__")):
+    if isinstance(dev, bool) or not (isinstance(dev, (str, device)) or is_torch_device(dev)
+                                     or hasattr(type(dev), "__index__")):
         raise TypeError(f"Event(): argument 'device' must be a str such as 'cuda:0', an int or "
-                        f"accel.device, not {_foreign(dev)}; the flags are keyword-only, "
+                        f"accel.device, not {type(dev).__name__} {dev!r}; the flags are keyword-only, "
                         f"e.g. Event(enable_timing=True)")
     index = parse_index(dev)
     if index is not None:

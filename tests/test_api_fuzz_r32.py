@@ -1,6 +1,6 @@
 """Table-driven adversarial calls of the public API, on every simulator, the way another
 program would make them: wrong types, bools and numpy integers where ints go, out-of-range
-and foreign devices, torch.device objects, use after close, double close, pickling and
+and foreign devices, use after close, double close, pickling and
 copying of every public object, context managers left out of order or on another thread,
 bad RNG states and bad memory-API arguments.
 
@@ -142,14 +142,35 @@ def test_device_strings_follow_torch(sim_backend, text):
         assert (got.type, got.index) == (want.type, want.index)
 
 
-def test_torch_device_objects_named_in_refusal(sim_backend):
-    """A torch.device is not accel's device type; the refusal must say which type it got and
-    how to pass it, not "got device device(type=...)" (the repr both classes share)."""
+def test_torch_device_objects_taken_as_accel_devices(sim_backend):
+    """torch.accelerator takes torch.device objects wherever it takes a device, and a program
+    using torch beside accel passes them: accel takes one as the accel.device of the same
+    type and index (no import of torch), and refuses another type's as it refuses its string."""
     torch = pytest.importorskip("torch")
-    dev = torch.device(sim_backend, 0)
+    last = _count() - 1
     for name, fn in _device_takers():
-        err = _refused(lambda: fn(dev), TypeError)
-        assert "torch.device" in str(err) and "str(" in str(err), (name, str(err))
+        before = _state()
+        try:
+            fn(torch.device(sim_backend, last))
+            for ours, theirs in ((accel.device(sim_backend), torch.device(sim_backend)),):
+                try:
+                    fn(ours)
+                except ValueError as exc:        # an index-less device where one is needed
+                    with pytest.raises(type(exc)):
+                        fn(theirs)
+                else:
+                    fn(theirs)
+        finally:
+            accel.set_device_index(before[0])
+        assert _state()[0] == before[0], name
+        err = _refused(lambda: fn(torch.device("cpu")), ValueError)
+        assert "cpu" in str(err), (name, str(err))
+    assert accel.device(torch.device(sim_backend, last)) == accel.device(sim_backend, last)
+    with accel.device_index(torch.device(sim_backend, last)):
+        assert accel.current_device_index() == last
+    assert M.memory_allocated(torch.device(sim_backend, last)) == M.memory_allocated(last)
+    assert accel.Stream(torch.device(sim_backend, last)).device_index == last
+    assert accel.Buffer(16, torch.device(sim_backend, last)).device_index == last
 
 
 # -- pickling, copying, repr of every public object -----------------------------------

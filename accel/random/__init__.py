@@ -68,7 +68,7 @@ def _resolve(device) -> int:
     if device is None:
         index = _current_index()
     else:
-        if isinstance(device, str):
+        if isinstance(device, str) or D.is_torch_device(device):
             device = D.device(device)
         if isinstance(device, D.device) and device.index is None:
             D.device_index(D.device(device.type, 0))   # checks the type against the accelerator
