@@ -102,7 +102,7 @@ class Graph:
     def __init__(self, keep_graph: bool = False, *, pool: Optional[Tuple[int, int]] = None,
                  capture_error_mode: str = "default"):
         self.keep_graph = bool(keep_graph)
-        self.graph_pool = pool
+        self.graph_pool = _check_pool(pool) if pool is not None else None
         self.capture_error_mode = _check_mode(capture_error_mode)
         self._backend = None
         self._graph = None        # backend graph handle, kept when keep_graph
@@ -117,6 +117,15 @@ class Graph:
         self._allocs = None       # the allocator's token for the graph's own allocations (cudaMallocAsync)
         self._host = None         # the pinned blocks its captured host copies use (memory._host.CaptureHold)
         self._pid = _fin.pid      # the process the graph's handles belong to
+
+    def __repr__(self) -> str:
+        if self._stream is not None:
+            state = f"capturing device={self._index}"
+        elif self._exec is not None or self._graph is not None:
+            state = f"captured device={self._index} pool={self._pool}"
+        else:
+            state = "empty"
+        return f"<accel.Graph {state}>"
 
     # -- capture -------------------------------------------------------------------
     def capture_begin(self) -> None:

@@ -578,3 +578,21 @@ def test_event_recorded_in_an_ended_capture_says_to_record_it_again(sim_graph_ba
     accel.synchronize()
     g.reset()
     _usable()
+
+
+def test_graph_bad_pool_refused_at_construction_and_repr_says_state(sim_graph_backend):
+    """Graph(pool=<not a pool id>) is refused when made (it was taken and refused only at
+    capture_begin, far from the mistake), changing nothing; repr names the state."""
+    for bad in ("x", (1,), (1, "a"), 3):
+        with pytest.raises(TypeError, match="pool"):
+            accel.Graph(pool=bad)
+    g = accel.Graph()
+    assert "empty" in repr(g) and "Graph" in repr(g)
+    s = accel.Stream()
+    with s:
+        g.capture_begin()
+        assert "capturing" in repr(g)
+        g.capture_end()
+    assert "captured" in repr(g) and f"device={s.device_index}" in repr(g)
+    g.reset()
+    assert "empty" in repr(g)
