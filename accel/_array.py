@@ -16,6 +16,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
+from ._copying import refuse as _refuse
 from .buffer import Buffer, _address, _call_pinned, _check_device_range, _host_view, _refuse_in_capture
 from .streams import Stream, _Hold
 
@@ -378,6 +379,19 @@ class ArrayView:
         self._buffer.record_stream(stream)
 
     # -- copies ------------------------------------------------------------------
+    def __copy__(self) -> "ArrayView":
+        """``copy.copy(view)``: another view of the same memory."""
+        return self._buffer.as_array(self._dtype, self._shape, self._strides, self._offset)
+
+    def __deepcopy__(self, memo) -> "ArrayView":
+        """``copy.deepcopy(view)``: the same view of a device copy of its Buffer (Buffer.__deepcopy__)."""
+        import copy
+        return copy.deepcopy(self._buffer, memo).as_array(self._dtype, self._shape, self._strides, self._offset)
+
+    def __reduce_ex__(self, protocol):
+        raise _refuse(self, "pickle", "pickle its values instead (view.to_numpy()) and copy them into a "
+                                      "new Buffer's view on the other side")
+
     @_pinning
     def to_numpy(self, stream: Optional[Stream] = None):
         """The viewed elements as a new numpy array of the view's shape and dtype, after queued work.

@@ -514,3 +514,19 @@ def test_torch_without_cuda_refuses_a_view_cleanly(sim_cuda):
         torch.from_dlpack(v)
     gc.collect()
     assert _dlpack.live_exports() == before
+
+
+def test_array_view_pickle_refusal_names_the_view_and_deepcopy_copies(sim_backend):
+    """Pickling an ArrayView is refused naming the view and what to pickle instead (it said
+    'accel.Buffer' and buf.to_numpy()); copy.deepcopy gives a view of a new Buffer with the same
+    values."""
+    import copy
+    import pickle
+    buf = accel.Buffer(64, device=accel.device_count() - 1)
+    view = buf.as_array("float32", shape=(4,), offset=16)
+    view.copy_from(np.arange(4, dtype=np.float32))
+    with pytest.raises(TypeError, match=r"accel\.ArrayView.*view\.to_numpy\(\)"):
+        pickle.dumps(view)
+    twin = copy.deepcopy(view)
+    assert twin.buffer is not buf and twin.buffer.device_index == buf.device_index
+    assert (twin.to_numpy() == np.arange(4, dtype=np.float32)).all()
