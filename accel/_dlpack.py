@@ -340,6 +340,17 @@ def check_max_version(max_version) -> bool:
     return major >= 1
 
 
+def check_legacy_read_only(versioned: bool, readonly: bool) -> None:
+    """A legacy ``DLManagedTensor`` has no flags, so it cannot say the memory is read-only: a
+    consumer would write to it.  Refused with BufferError, as numpy refuses to export a read-only
+    array without a versioned capsule."""
+    if readonly and not versioned:
+        raise BufferError("cannot export read-only memory as a legacy DLPack capsule (DLManagedTensor has no "
+                          "read-only flag, so the consumer would take it as writable): the consumer must ask "
+                          "for a versioned capsule, __dlpack__(max_version=(1, 0)); or copy it into a new "
+                          "Buffer (Buffer(n, device).copy_from(buf)) and export that")
+
+
 def check_dl_device(dl_device, own: Tuple[int, int], copy) -> None:
     """The array API standard's ``dl_device``/``copy`` rules for a producer that never copies:
     ``copy=True`` and another device raise BufferError; a host device with ``copy=False`` raises

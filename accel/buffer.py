@@ -841,7 +841,8 @@ class Buffer:
 
         ``max_version >= (1, 0)`` gives a ``"dltensor_versioned"`` capsule
         (DLManagedTensorVersioned, version 1.1, read-only flag as :attr:`readonly`), None or an
-        older version the legacy ``"dltensor"``.  ``stream`` is the consumer's stream: on CUDA
+        older version the legacy ``"dltensor"`` (BufferError for a read-only buffer, which that
+        struct cannot mark read-only, as numpy refuses).  ``stream`` is the consumer's stream: on CUDA
         None and 1 the legacy default stream, 2 the per-thread default stream, another int a
         ``cudaStream_t``, -1 no synchronization (0 is refused); the consumer's stream waits for
         an event recorded on the buffer's last-use stream (see ``accel._dlpack.sync_for_consumer``).
@@ -854,6 +855,7 @@ class Buffer:
         versioned = _dlpack.check_max_version(max_version)
         own = self.__dlpack_device__()
         _dlpack.check_dl_device(dl_device, own, copy)
+        _dlpack.check_legacy_read_only(versioned, self._readonly)
         _dlpack.sync_for_consumer(self, stream)
         return _dlpack.export(self, self._ptr, own[0], own[1], "uint8", (self._nbytes,), None, 0,
                               versioned=versioned, readonly=self._readonly)
