@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import struct as _struct
 import sys
 import threading
 import weakref
@@ -35,11 +36,30 @@ def _read_image(image) -> Tuple[bytes, Optional[str]]:
                     f"text, got {type(image).__name__}")
 
 
+def _check_image_size(data: bytes, kind: str, header: int, sizes) -> None:
+    """cuModuleLoadData and cudaLibraryLoadData take no length: the driver sizes a fatbin (header
+    size + fat size, at bytes 6-15) or a cubin (its section header table, the end of an ELF64)
+    by its header and reads that many bytes.  accel knows the length: an image shorter than its
+    header says is refused before the driver reads past it."""
+    if len(data) < header:
+        raise ValueError(f"Module(image): the {kind} image has {len(data)} bytes, fewer than its {header}-byte "
+                         f"header; the image is truncated or not a {kind}")
+    need = sum(sizes())
+    if need > len(data):
+        raise ValueError(f"Module(image): the {kind} image's header says it spans {need} bytes but it has "
+                         f"{len(data)}; the image is truncated or corrupt (pass the whole file)")
+
+
 def _image_kind(data: bytes, language: str) -> str:
     if language == "ptx":
         if data[:4] == _FATBIN_MAGIC:
+            _check_image_size(data, "fatbin", 16, lambda: _struct.unpack_from("<HQ", data, 6))
             return "fatbin"
         if data[:4] == b"\x7fELF":
+            # ELF64 (cubins are): e_shoff at 0x28, e_shentsize and e_shnum at 0x3A
+            _check_image_size(data, "cubin", 64, lambda: (_struct.unpack_from("<Q", data, 0x28)[0]
+                                                          + _struct.unpack_from("<H", data, 0x3A)[0]
+                                                          * _struct.unpack_from("<H", data, 0x3C)[0],))
             return "cubin"
         if b".entry" not in data:
             raise ValueError("Module(image): CUDA takes PTX text (with a .entry), a cubin or a fatbin; "
