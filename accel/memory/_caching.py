@@ -90,6 +90,7 @@ from typing import Dict, List, Optional, Tuple
 from .._device import check_range
 from .._errors import AcceleratorError, CaptureError, OutOfMemoryError
 from .._finalize import drain as _drain_finalizers, pending as _finalizers
+from .. import _locks
 from .._locks import acquire as _acquire
 from ..streams import on_device
 from . import _config, _stats
@@ -339,6 +340,16 @@ def check_use(backend, stream, device_index, default: int) -> int:
     return device_index
 
 
+def _gc_probe(lock, what: str) -> None:
+    """The cyclic collector runs on this thread (a user's ``__del__`` may have re-entered accel
+    while this thread holds ``lock``): wait for ``lock`` a bounded time, or raise instead of
+    hanging (accel._locks).  Then the caller takes it with ``with``, which CPython never leaves
+    held on a KeyboardInterrupt (BEFORE_WITH enters it with no signal check in between)."""
+    if _locks.collecting_here():
+        _acquire(lock, what)
+        lock.release()
+
+
 def _check_size(nbytes) -> int:
     if isinstance(nbytes, bool) or not hasattr(type(nbytes), "__index__"):
         raise TypeError(f"allocation size must be an int number of bytes, got "
@@ -484,10 +495,9 @@ class DeviceCachingAllocator:
             stream = self._get_default_stream()
         if _finalizers:            # frees finalizers left for a safe point (accel._finalize)
             _drain_finalizers()
-        lock = self._lock
-        if not lock.acquire(False):
-            _acquire(lock, "malloc")
-        try:
+        if _locks._collector is not None:     # a finalizer: see _gc_probe
+            _gc_probe(self._lock, "malloc")
+        with self._lock:     # not acquire() + try: a KeyboardInterrupt as acquire returns would keep it
             special = self._special
             # `i` is the block's slot in fl.keys while its key is still there (the
             # fast path leaves it for the split below to overwrite), else -1.
@@ -594,8 +604,6 @@ class DeviceCachingAllocator:
             if special:
                 self._after_take(block, fl)
             return block.ptr
-        finally:
-            lock.release()
 
     def _find_special(self, size: int, nbytes: int, stream: int) -> Tuple[_Block, _FreeList]:
         """malloc's search while a capture routes allocations, blocks wait for events,
@@ -662,10 +670,9 @@ class DeviceCachingAllocator:
         """
         if _finalizers:
             _drain_finalizers()
-        lock = self._lock
-        if not lock.acquire(False):
-            _acquire(lock, "free")
-        try:
+        if _locks._collector is not None:     # a finalizer: see _gc_probe
+            _gc_probe(self._lock, "free")
+        with self._lock:     # not acquire() + try: a KeyboardInterrupt as acquire returns would keep it
             block = self._blocks.get(ptr)
             if block is None or block.state != _ALLOCATED:
                 if ptr == 0 and type(ptr) is int:
@@ -718,8 +725,6 @@ class DeviceCachingAllocator:
             self._s_cur -= dec
             if block.seg is None:
                 self._whole[block.ptr] = block
-        finally:
-            lock.release()
 
     def record_stream(self, ptr: int, stream: int, device_index: Optional[int] = None) -> None:
         """Mark the allocated block at ``ptr`` as used on ``stream`` (of device
@@ -935,10 +940,9 @@ class DeviceCachingAllocator:
         # refused now: a peer is granted access to every later mapping, so a bad one would
         # fail each of them (cuMemSetAccess: CUDA_ERROR_INVALID_DEVICE)
         check_range(index, self._be, "add_peer: ")
-        lock = self._lock
-        if not lock.acquire(False):
-            _acquire(lock, "add_peer")
-        try:
+        if _locks._collector is not None:     # a finalizer: see _gc_probe
+            _gc_probe(self._lock, "add_peer")
+        with self._lock:     # not acquire() + try: a KeyboardInterrupt as acquire returns would keep it
             if index in self._peers:
                 return
             if any(seg.maps for seg in self._exp_segs):
@@ -956,8 +960,6 @@ class DeviceCachingAllocator:
                         for addr in seg.starts:
                             self._be.vmm_set_access(addr, seg.maps[addr][0], index)
             self._peers.append(index)
-        finally:
-            lock.release()
 
     def empty_cache(self) -> None:
         """Return every unused cached segment to the device (after waiting for the
@@ -976,8 +978,14 @@ class DeviceCachingAllocator:
             for device, events in self._event_cache.items():
                 with on_device(self._be, device):
                     while events:
-                        self._be.event_destroy(events[-1])   # a failure keeps it for the next try
-                        events.pop()
+                        # taken out first: a KeyboardInterrupt as the destroy returns must not
+                        # leave a destroyed event cached (cudaErrorInvalidResourceHandle later)
+                        event = events.pop()
+                        try:
+                            self._be.event_destroy(event)
+                        except Exception:
+                            events.append(event)      # a failure keeps it for the next try
+                            raise
 
     def stats(self) -> "dict":
         """The torch.cuda.memory_stats() keys as an OrderedDict (sorted)."""
@@ -2042,14 +2050,17 @@ class DeviceCachingAllocator:
             while events:
                 entry = events[-1]
                 if query(entry[0]):
-                    events.pop()
-                    self._event_cache.setdefault(entry[1], []).append(entry[0])
+                    # no signal check between these three (no call): a KeyboardInterrupt
+                    # cannot leave the event gone and the block still waiting for it
+                    del events[-1]
                     item = entry[2]
                     item.events -= 1
+                    self._event_cache.setdefault(entry[1], []).append(entry[0])
                     if item.events == 0:
                         self._done(item)
                 else:
-                    self._pending_events.append(events.pop())
+                    self._pending_events.append(entry)
+                    del events[-1]
         finally:
             self._pending_events += events
 

@@ -23,9 +23,8 @@ from typing import Dict, List, Optional
 
 from .._errors import OutOfMemoryError
 from .._finalize import drain as _drain_finalizers, pending as _finalizers
-from .._locks import held
 from ..streams import on_device
-from ._caching import _ONE_EXA_BYTES, _check_size, _Gate, add_use, capture_underway, check_use, record_uses
+from ._caching import _gc_probe, _ONE_EXA_BYTES, _check_size, _Gate, add_use, capture_underway, check_use, record_uses
 
 _MIN_SIZE = 512
 #: torch 2.13's host_memory_stats counters (torch/cuda/memory.py): blocks owned (active +
@@ -115,7 +114,8 @@ class HostCachingAllocator:
         be = self._backend()
         if _finalizers:            # releases finalizers left for a safe point (accel._finalize)
             _drain_finalizers()
-        with held(self._lock, "pinned malloc"):
+        _gc_probe(self._lock, "pinned malloc")   # then `with`: never left held by a KeyboardInterrupt
+        with self._lock:
             if (self._events or self._deferred) and not capture_underway(be):
                 self._resume_events(strict=False)
             ready = self._free.get(size)
@@ -132,9 +132,10 @@ class HostCachingAllocator:
                     self._release_free()
                     start = time.perf_counter()
                     ptr = be.host_alloc(size)   # a second failure propagates
-                self._time("host_alloc_time", start)
+                # recorded before anything else (a KeyboardInterrupt at the next call would lose it)
                 block = self._blocks[ptr] = _HostBlock(ptr, size)
                 insort(self._starts, ptr)
+                self._time("host_alloc_time", start)
                 self._stats["reserved_bytes"] += size
                 self._stats["segments"] += 1
                 self._stats["num_host_alloc"] += 1
@@ -152,7 +153,8 @@ class HostCachingAllocator:
         or a pointer this allocator did not hand out; the state is then unchanged."""
         if _finalizers:
             _drain_finalizers()
-        with held(self._lock, "pinned free"):
+        _gc_probe(self._lock, "pinned free")   # then `with`: never left held by a KeyboardInterrupt
+        with self._lock:
             block = self._blocks.get(ptr)
             if block is None or not block.allocated:
                 if ptr == 0 and type(ptr) is int:
@@ -206,7 +208,8 @@ class HostCachingAllocator:
 
     def hold(self, ptr: int, hold: CaptureHold) -> None:
         """The allocated block at ``ptr`` is read or written by a copy captured into ``hold``'s graph."""
-        with held(self._lock, "pinned hold"):
+        _gc_probe(self._lock, "pinned hold")   # then `with`: never left held by a KeyboardInterrupt
+        with self._lock:
             block = self._blocks.get(ptr)
             if block is None or not block.allocated:
                 raise self._not_allocated(ptr, block)
@@ -217,12 +220,14 @@ class HostCachingAllocator:
             hold.blocks.add(block)
 
     def _hold_replayed(self, hold: CaptureHold, stream: int) -> None:
-        with held(self._lock, "pinned hold"):
+        _gc_probe(self._lock, "pinned hold")   # then `with`: never left held by a KeyboardInterrupt
+        with self._lock:
             for block in hold.blocks:
                 add_use(self, block, stream, hold.device)
 
     def _release_hold(self, hold: CaptureHold) -> None:
-        with held(self._lock, "pinned hold release"):
+        _gc_probe(self._lock, "pinned hold release")   # then `with`: never left held by a KeyboardInterrupt
+        with self._lock:
             blocks, hold.blocks = hold.blocks, set()
             error = None
             for block in blocks:
@@ -298,8 +303,12 @@ class HostCachingAllocator:
             for device, events in self._event_cache.items():
                 with on_device(be, device):
                     while events:
-                        be.event_destroy(events[-1])   # a failure keeps it for the next try
-                        events.pop()
+                        event = events.pop()       # first: see DeviceCachingAllocator.empty_cache
+                        try:
+                            be.event_destroy(event)
+                        except Exception:
+                            events.append(event)   # a failure keeps it for the next try
+                            raise
 
     def stats(self) -> dict:
         """Bytes and counts: allocated_bytes, reserved_bytes, allocations, segments,
@@ -352,15 +361,17 @@ class HostCachingAllocator:
         query = self._be.event_query
         try:
             while events:
-                event, device, block = events[-1]
+                entry = events[-1]
+                event, device, block = entry
                 if query(event):
-                    events.pop()
-                    self._event_cache.setdefault(device, []).append(event)
+                    del events[-1]              # no call before the count: see _caching
                     block.events -= 1
                     if block.events == 0 and not block.uses:   # else deferred: a use waits
                         self._free.setdefault(block.size, []).append(block.ptr)
+                    self._event_cache.setdefault(device, []).append(event)
                 else:
-                    self._events.append(events.pop())
+                    self._events.append(entry)
+                    del events[-1]
         finally:
             self._events += events
 
@@ -368,17 +379,42 @@ class HostCachingAllocator:
         for ptrs in self._free.values():
             while ptrs:
                 # a failed cudaFreeHost leaves the block pinned: it stays cached (and counted)
-                start = time.perf_counter()
-                self._be.host_free(ptrs[-1])
-                self._time("host_free_time", start)
-                block = self._blocks.pop(ptrs.pop())
+                # Forgotten first, freed last, with no call in between the record changes: a
+                # KeyboardInterrupt may then leak this one block (interrupted before the free ran)
+                # but never leaves a freed block cached, to be freed twice or handed out again.
+                ptr = ptrs[-1]
+                block = self._blocks[ptr]
                 starts = self._starts
-                del starts[bisect_right(starts, block.ptr) - 1]
-                self._stats["reserved_bytes"] -= block.size
-                self._stats["segments"] -= 1
-                self._stats["num_host_free"] += 1
-                self._count("allocations", -1)
-                self._count("allocated_bytes", -block.size)
+                i = bisect_right(starts, ptr) - 1
+                start = time.perf_counter()
+                del ptrs[-1]
+                del self._blocks[ptr]
+                del starts[i]
+                stats, tally = self._stats, self._tally
+                stats["reserved_bytes"] -= block.size
+                stats["segments"] -= 1
+                stats["num_host_free"] += 1
+                t = tally["allocations"]
+                t[0] -= 1
+                t[3] += 1
+                t = tally["allocated_bytes"]
+                t[0] -= block.size
+                t[3] += block.size
+                try:
+                    self._be.host_free(ptr)
+                except Exception:
+                    # a failed cudaFreeHost leaves the block pinned: it stays cached (and counted)
+                    self._blocks[ptr] = block
+                    insort(starts, ptr)
+                    ptrs.append(ptr)
+                    stats["reserved_bytes"] += block.size
+                    stats["segments"] += 1
+                    stats["num_host_free"] -= 1
+                    for key, n in (("allocations", 1), ("allocated_bytes", block.size)):
+                        tally[key][0] += n
+                        tally[key][3] -= n
+                    raise
+                self._time("host_free_time", start)
 
     # torch's host_memory_stats counters (called with self._lock held)
     def _count(self, key: str, delta: int) -> None:
@@ -405,7 +441,8 @@ class HostCachingAllocator:
         allocated, freed}; ``num_host_alloc``, ``num_host_free``; ``host_alloc_time`` and
         ``host_free_time`` as {total, max, min, count, avg} in microseconds.  A block counts
         as active from malloc to free (torch: until its stream uses complete)."""
-        with held(self._lock, "pinned stats"):
+        _gc_probe(self._lock, "pinned stats")   # then `with`: never left held by a KeyboardInterrupt
+        with self._lock:
             out = {key: dict(zip(("current", "peak", "allocated", "freed"), tally))
                    for key, tally in self._tally.items()}
             out["num_host_alloc"] = self._stats["num_host_alloc"]
@@ -417,13 +454,15 @@ class HostCachingAllocator:
 
     def reset_peak_stats(self) -> None:
         """Set each torch_stats peak to its current value."""
-        with held(self._lock, "pinned stats"):
+        _gc_probe(self._lock, "pinned stats")   # then `with`: never left held by a KeyboardInterrupt
+        with self._lock:
             for tally in self._tally.values():
                 tally[1] = tally[0]
 
     def reset_accumulated_stats(self) -> None:
         """Zero the torch_stats allocated/freed counters and the timings."""
-        with held(self._lock, "pinned stats"):
+        _gc_probe(self._lock, "pinned stats")   # then `with`: never left held by a KeyboardInterrupt
+        with self._lock:
             for tally in self._tally.values():
                 tally[2] = tally[3] = 0
             for timing in self._timing.values():
