@@ -465,6 +465,8 @@ def _sync_for_consumer(buffer, stream_arg) -> None:
             buffer._used(known)
         return
     try:
+        if backend.captures_underway():
+            _refuse_waiting_on_capture(backend, last, consumer)
         if consumer == "host":
             last.synchronize()
             return
@@ -489,6 +491,25 @@ def _sync_for_consumer(buffer, stream_arg) -> None:
     known = _accel_stream(backend, device, handle)
     if known is not None:
         buffer._used(known)
+
+
+def _refuse_waiting_on_capture(backend, last, consumer) -> None:
+    """A consumer that waits on the host ("host"), or the legacy default stream (CUDA: it
+    synchronizes with every blocking stream), cannot wait for a capturing last-use stream: CUDA
+    invalidates the capture (cudaErrorStreamCaptureImplicit; Programming Guide, "CUDA Graphs" >
+    "Prohibited and Unhandled Operations"), as would a host wait.  Refused before anything is
+    queued, so the capture goes on."""
+    from ._errors import CaptureError
+    with last._device_scope():
+        capturing = backend.capture_id(last._handle) is not None
+    if not capturing:
+        return
+    if consumer != "host" and consumer[1] != backend.default_stream(consumer[0]):
+        return
+    what = "stream=None/1 (the legacy default stream)" if consumer != "host" else "stream=None (a host wait)"
+    raise CaptureError(f"__dlpack__ with {what}: the buffer was last used on {last!r}, which is capturing, and "
+                       f"waiting for a capturing stream there would invalidate the capture: pass the "
+                       f"consumer's own stream (e.g. the capturing one) or stream=-1; nothing was exported")
 
 
 def wait_for_closed(backend, stream) -> None:
