@@ -253,6 +253,12 @@ def test_u32_range(sim_cuda):
             accel.launch(k, 1, 1, buf, 2 ** 32, 0)
         with pytest.raises(ValueError, match=r"argument 2 \(i32\) .* out of range for i32"):
             accel.launch(k, 1, 1, buf, 0, 2 ** 31)
+        # PTX declares a C int as .u32 too: a negative value says how to name the parameter signed
+        with pytest.raises(ValueError, match=r"argument 1 \(u32\) is int -1: .* a C int .* "
+                                             r"module\.function\('fill32', 'u64, i32, i32'\)"):
+            accel.launch(k, 1, 1, buf, -1, 0)
+        with pytest.raises(ValueError, match=r"out of range for i32 \(-2147483648 .. 2147483647\)$"):
+            accel.launch(k, 1, 1, buf, 0, -2 ** 31 - 1)
         with pytest.raises(TypeError, match=r"argument 1 \(u32\) .* int32 does not convert to uint32"):
             accel.launch(k, 1, 1, buf, np.int32(1), 0)
     finally:

@@ -98,6 +98,18 @@ def _bad(kernel: Kernel, i: int, kind: str, value, why: str) -> str:
     return f"launch({kernel.name}): argument {i} ({kind}) is {type(value).__name__} {shown}: {why}"
 
 
+def _signed_hint(kernel: Kernel, i: int, kind: str, value) -> str:
+    """For a negative value where PTX declared .u32/.u64: PTX gives a C ``int`` (``long long``)
+    parameter the same .u32 (.u64) as an unsigned one, so say how to declare it signed."""
+    if value >= 0 or kind not in ("u32", "u64"):
+        return ""
+    params = list(kernel.params)
+    params[i] = "i32" if kind == "u32" else "i64"
+    return (f"; PTX declares a C int (long long) parameter as .{kind}, as it does an unsigned one: if "
+            f"this parameter is signed, name its type: module.function({kernel.name!r}, "
+            f"{', '.join(params)!r})")
+
+
 def _pointer(kernel: Kernel, i: int, kind: str, value) -> int:
     try:
         ptr = value.ptr
@@ -142,7 +154,8 @@ def _pack(kernel: Kernel, i: int, kind: str, value):
         if lo is None:                        # f32 / f64
             return kind, _float(kernel, i, kind, value)
         if not lo <= value <= hi:
-            raise ValueError(_bad(kernel, i, kind, value, f"out of range for {kind} ({lo} .. {hi})"))
+            raise ValueError(_bad(kernel, i, kind, value, f"out of range for {kind} ({lo} .. {hi})"
+                                  + _signed_hint(kernel, i, kind, value)))
         return kind, value
     if cls is float:
         if kind in ("f32", "f64"):
