@@ -31,3 +31,13 @@ def test_pages_are_released_when_empty_and_the_report_lists_every_trace(capsys, 
     assert page_model.main([str(trace)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[1].split()[0] == "t" and out[-1].split()[0] == "worst"
+
+
+def test_offline_planner_reuses_a_gap_only_for_blocks_that_never_meet():
+    # A and B (4 MiB each) live together; C (4 MiB) comes after A is freed: the planner puts C
+    # where A was, so 4 pages cover peaks of 8 MiB live
+    ops = [["a", 0, 4 * MiB], ["a", 1, 4 * MiB], ["f", 0], ["a", 2, 4 * MiB], ["f", 1], ["f", 2]]
+    assert page_model.offline(ops) == 1.0
+    # C meets A: it cannot go where A is, and takes a fifth page
+    ops = [["a", 0, 4 * MiB], ["a", 1, 4 * MiB], ["a", 2, MiB], ["f", 0], ["f", 1], ["f", 2]]
+    assert page_model.offline(ops) == 5 * 2 * MiB / (9 * MiB)

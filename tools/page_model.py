@@ -3,6 +3,7 @@
 
     python tools/page_model.py                  # corpus and held-out traces, three models
     python tools/page_model.py TRACE.json ...
+    python tools/page_model.py --offline        # also the offline planner (lifetimes known)
 
 Physical memory is a set of 2 MiB pages, each with its free byte ranges; a page is
 released the moment nothing lives on it.  Requests up to 1 MiB take the best-fitting free
@@ -13,6 +14,11 @@ twice could: the free end of one page, whole new pages, and the free start of an
 (the fewest new pages, then the longest free end used).  Model ``mixed`` also lets small
 requests use large-pool pages; model ``pages`` has no stitching (every larger request
 takes new pages of its own, as 2 MiB-rounded segments would).
+
+``--offline`` adds model ``offline``: every lifetime known in advance (what no online
+allocator has), requests placed in one address range by size, largest first, each into the
+smallest gap left by the blocks it overlaps in time (TFLite's "greedy by size" planner); a
+page is mapped while any live block touches it.  It is slow (minutes for the corpus).
 
 Printed per trace: peak pages x 2 MiB over peak allocated bytes.  Address space, map
 calls and streams are not modelled, and the placement is greedy, so this is neither a
@@ -140,17 +146,58 @@ def run(ops, model: str) -> float:
     return peak_pages * PAGE / peak_alloc
 
 
+def offline(ops) -> float:
+    """Model ``offline`` (see the module doc): peak pages x 2 MiB over peak allocated bytes."""
+    import numpy as np
+    born, sizes, blocks = {}, {}, []            # blocks: (first op, op that frees it, size)
+    for t, op in enumerate(ops):
+        if op[0] == "a":
+            born[op[1]], sizes[op[1]] = t, max(512, (op[2] + 511) // 512 * 512)
+        else:
+            blocks.append((born.pop(op[1]), t, sizes.pop(op[1])))
+    blocks += [(born[k], len(ops), sizes[k]) for k in born]
+    if not blocks:
+        return 1.0
+    start = np.array([b[0] for b in blocks])
+    end = np.array([b[1] for b in blocks])
+    size = np.array([b[2] for b in blocks], dtype=np.int64)
+    offset = np.full(len(blocks), -1, dtype=np.int64)
+    for i in sorted(range(len(blocks)), key=lambda i: -blocks[i][2]):
+        near = np.nonzero((offset >= 0) & (start < end[i]) & (end > start[i]))[0]
+        best, reach = None, 0
+        for lo, hi in sorted(zip(offset[near].tolist(), (offset[near] + size[near]).tolist())):
+            if lo - reach >= size[i] and (best is None or lo - reach < best[0]):
+                best = (lo - reach, reach)
+            reach = max(reach, hi)
+        offset[i] = best[1] if best else reach
+    events = sorted([(int(start[i]), 1, i) for i in range(len(blocks))]
+                    + [(int(end[i]), -1, i) for i in range(len(blocks))], key=lambda e: (e[0], e[1]))
+    users, live, cur, peak_alloc, peak_pages = {}, 0, 0, 0, 0
+    for _, step, i in events:
+        for page in range(int(offset[i]) // PAGE, (int(offset[i] + size[i]) - 1) // PAGE + 1):
+            users[page] = users.get(page, 0) + step
+            live += (step == 1 and users[page] == 1) - (step == -1 and users[page] == 0)
+        cur += step * int(size[i])
+        peak_alloc = max(peak_alloc, cur)
+        peak_pages = max(peak_pages, live)
+    return peak_pages * PAGE / peak_alloc
+
+
 def main(argv=None) -> int:
-    paths = (argv if argv is not None else sys.argv[1:]) or sorted(
+    args = list(argv if argv is not None else sys.argv[1:])
+    models = ("pages", "stitch", "mixed")
+    if "--offline" in args:
+        args.remove("--offline")
+        models += ("offline",)
+    paths = args or sorted(
         glob.glob(os.path.join(HERE, "tests/test_memory_traces/*.json"))
         + glob.glob(os.path.join(HERE, "tests/test_memory_traces/holdout/*.json")))
-    models = ("pages", "stitch", "mixed")
     print(f"{'trace':34s} " + " ".join(f"{m:>7s}" for m in models))
     worst = dict.fromkeys(models, 0.0)
     for path in paths:
         with open(path) as f:
             trace = json.load(f)
-        ratios = {m: run(trace["ops"], m) for m in models}
+        ratios = {m: offline(trace["ops"]) if m == "offline" else run(trace["ops"], m) for m in models}
         for m in models:
             worst[m] = max(worst[m], ratios[m])
         print(f"{trace.get('name', os.path.basename(path)):34s} " + " ".join(f"{ratios[m]:7.3f}" for m in models),
