@@ -37,6 +37,8 @@ import threading
 from ctypes import POINTER, c_char_p, c_int, c_int32, c_int64, c_uint8, c_uint16, c_uint32, c_uint64, c_void_p
 from typing import Any, Dict, Tuple
 
+from ._errors import AcceleratorError
+
 __all__ = ["DLDeviceType", "export", "parse", "Imported", "DLPACK_VERSION", "sync_for_consumer",
            "device_of", "from_dlpack", "check_max_version", "check_dl_device"]
 
@@ -451,7 +453,7 @@ def sync_for_consumer(buffer, stream_arg) -> None:
 
 
 def _sync_for_consumer(buffer, stream_arg) -> None:
-    from .streams import _hold_open, on_device
+    from .streams import Stream, _hold_open, on_device
     backend, index = buffer._backend, buffer._index
     consumer = _consumer_handle(backend, index, stream_arg)
     if consumer is None:
@@ -483,7 +485,16 @@ def _sync_for_consumer(buffer, stream_arg) -> None:
             with on_device(backend, last._index):
                 backend.event_record(event, last._handle)
             with on_device(backend, device):
-                backend.stream_wait_event(handle, event)
+                try:
+                    backend.stream_wait_event(handle, event)
+                except AcceleratorError as exc:
+                    if isinstance(stream_arg, Stream):
+                        raise
+                    raise AcceleratorError(
+                        f"__dlpack__(stream={stream_arg!r}): {backend.name} refused it as the consumer's stream "
+                        f"({exc}); pass a live stream handle of device {device} (the consumer's current "
+                        f"stream), None for the legacy default stream, or -1 for no synchronization",
+                        library=exc.library, call=exc.call, code=exc.code, code_name=exc.code_name) from exc
         finally:
             backend.event_destroy(event)   # the wait is queued; CUDA frees the event when it completes
     finally:

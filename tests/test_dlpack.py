@@ -685,3 +685,22 @@ def test_from_ptr_checked_on_every_simulator(sim_backend):
     assert (base.to_numpy()[128:] == 8).all() and (base.to_numpy()[:128] == 0).all()
     wrapped.close()
     assert (base.to_numpy()[128:] == 8).all()
+
+
+def test_made_up_consumer_stream_handle_is_named_and_changes_nothing(sim_cuda):
+    """__dlpack__(stream=<an int that is no stream>) on a buffer last used on a side stream of
+    the non-current device: the error names the stream argument and what to pass (it was a bare
+    'cudaStreamWaitEvent failed ... invalid resource handle'), and the buffer exports afterwards."""
+    last = accel.device_count() - 1
+    buf = accel.Buffer(64, device=last)
+    side = accel.Stream(last)
+    with side:
+        buf.fill_(2)
+    with pytest.raises(accel.AcceleratorError, match=r"__dlpack__\(stream=3\).*-1") as err:
+        buf.__dlpack__(stream=3)
+    assert err.value.code_name == "cudaErrorInvalidResourceHandle"
+    assert accel.current_device_index() == 0
+    side.synchronize()
+    capsule = buf.__dlpack__(stream=-1)
+    del capsule
+    assert (buf.to_numpy() == 2).all()
