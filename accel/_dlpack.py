@@ -761,6 +761,9 @@ def from_dlpack(obj, *, stream=None):
             device = _device_pair(obj)
             _check_device_type(device[0], own_type, backend.name)
         capsule = _ask(obj, backend, device, stream)
+        if type(capsule).__name__ != "PyCapsule":
+            raise TypeError(f"{type(obj).__name__}.__dlpack__() returned {type(capsule).__name__} "
+                            f"{capsule!r:.60}, not a DLPack capsule (PyCapsule); the producer is broken")
     info = parse(capsule)
     _check_device_type(info.device_type, own_type, backend.name)
     from ._device import check_range

@@ -704,3 +704,17 @@ def test_made_up_consumer_stream_handle_is_named_and_changes_nothing(sim_cuda):
     capsule = buf.__dlpack__(stream=-1)
     del capsule
     assert (buf.to_numpy() == 2).all()
+
+
+def test_producer_returning_no_capsule_is_named(sim_cuda):
+    """A producer whose __dlpack__ returns something else: the error says the producer returned
+    it (it said 'expected a DLPack capsule ... got NoneType', as if the caller passed None)."""
+    class Broken:
+        def __dlpack__(self, stream=None, max_version=None):
+            return None
+
+        def __dlpack_device__(self):
+            return (2, 0)
+
+    with pytest.raises(TypeError, match=r"Broken\.__dlpack__\(\) returned NoneType"):
+        accel.from_dlpack(Broken())
