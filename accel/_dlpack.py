@@ -508,15 +508,20 @@ def _refuse_waiting_on_capture(backend, last, consumer) -> None:
     """A consumer that waits on the host ("host"), or the legacy default stream (CUDA: it
     synchronizes with every blocking stream), cannot wait for a capturing last-use stream: CUDA
     invalidates the capture (cudaErrorStreamCaptureImplicit; Programming Guide, "CUDA Graphs" >
-    "Prohibited and Unhandled Operations"), as would a host wait.  Refused before anything is
-    queued, so the capture goes on."""
+    "Prohibited and Unhandled Operations"), as would a host wait; nor can another stream where
+    the backend records no event in a capture (XPU).  Refused before anything is queued, so the
+    capture goes on."""
     from ._errors import CaptureError
     with last._device_scope():
         capturing = backend.capture_id(last._handle) is not None
     if not capturing:
         return
     if consumer != "host" and consumer[1] != backend.default_stream(consumer[0]):
-        return
+        if backend.records_events_in_capture or consumer == (last._index, last._handle):
+            return
+        raise CaptureError(f"__dlpack__(stream=<another stream>): the buffer was last used on {last!r}, which is "
+                           f"capturing, and {backend.name}'s capture cannot record the event another stream "
+                           f"would wait for: pass the capturing stream itself or stream=-1; nothing was exported")
     what = "stream=None/1 (the legacy default stream)" if consumer != "host" else "stream=None (a host wait)"
     raise CaptureError(f"__dlpack__ with {what}: the buffer was last used on {last!r}, which is capturing, and "
                        f"waiting for a capturing stream there would invalidate the capture: pass the "

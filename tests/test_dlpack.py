@@ -718,3 +718,29 @@ def test_producer_returning_no_capsule_is_named(sim_cuda):
 
     with pytest.raises(TypeError, match=r"Broken\.__dlpack__\(\) returned NoneType"):
         accel.from_dlpack(Broken())
+
+
+def test_xpu_dlpack_to_another_stream_during_a_capture_leaves_the_capture(sim_graph_backend):
+    """__dlpack__(stream=<another accel.Stream>) of a buffer last used in a capture: on CUDA the
+    other stream waits on an event recorded in the capture (it joins it); XPU's capture cannot
+    record events, and the record invalidated the capture.  There it is refused before anything
+    is queued (CaptureError naming the fix), and the capture goes on."""
+    last = accel.device_count() - 1
+    with accel.device_index(last):
+        buf = accel.Buffer(256)
+        s, other = accel.Stream(), accel.Stream()
+        g = accel.Graph()
+        with s:
+            g.capture_begin()
+            try:
+                buf.fill_(3)
+                if sim_graph_backend == "xpu":
+                    with pytest.raises(accel.CaptureError, match=r"stream=-1"):
+                        buf.__dlpack__(stream=other)
+                    assert accel.is_current_stream_capturing()
+                buf.fill_(4)
+            finally:
+                g.capture_end()
+        g.replay()
+        accel.synchronize()
+        assert (buf.to_numpy() == 4).all()

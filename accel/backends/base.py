@@ -151,6 +151,11 @@ class Backend(abc.ABC):
     #: driver: check :meth:`async_alloc_supported` after init.
     supports_async_alloc: bool = False
 
+    #: True when an event can be recorded on (waited on by) a capturing stream, so another stream
+    #: can join the capture (CUDA).  Level Zero's capture into a command list cannot: there the
+    #: record raises CaptureError and invalidates the capture, so callers refuse ahead.
+    records_events_in_capture: bool = True
+
     #: True when :meth:`event_record` and :meth:`stream_wait_event` take ``external=True``:
     #: during stream capture the record (wait) becomes an event record (wait) node of the graph,
     #: which every replay records (waits for) again, instead of a dependency inside the capture

@@ -59,6 +59,7 @@ class XpuBackend(DiscoveryMixin, MemoryMixin, StreamsMixin, EventsMixin, GraphsM
     name = "xpu"
     kernel_language = "spirv"    # user kernels (accel.Module): SPIR-V through zeModuleCreate (kernels.py)
     supports_graphs = True
+    records_events_in_capture = False     # graphs.py: a capture is one command list
 
     def __init__(self, simulated: bool):
         self.simulated = simulated
