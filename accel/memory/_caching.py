@@ -498,114 +498,153 @@ class DeviceCachingAllocator:
         if _locks._collector is not None:     # a finalizer: see _gc_probe
             _gc_probe(self._lock, "malloc")
         with self._lock:     # not acquire() + try: a KeyboardInterrupt as acquire returns would keep it
-            special = self._special
-            # `i` is the block's slot in fl.keys while its key is still there (the
-            # fast path leaves it for the split below to overwrite), else -1.
-            if special:
-                if self._pow2:
-                    size = self._round_pow2(nbytes)
-                block, fl = self._find_special(size, nbytes, stream)
-                i = -1
-            else:
-                lists = self._general.get(stream)
-                if lists is None:
-                    lists = self._new_lists(stream, None)
-                fl = lists[size > SMALL_SIZE]      # (small, large)
+            try:     # (zero-cost in CPython 3.11: nothing runs unless an exception does)
+                special = self._special
+                # The block found is still in its free list (fl.keys[i]) whichever path found it,
+                # so a KeyboardInterrupt before the hand-out below leaves it cached.
+                if special:
+                    if self._pow2:
+                        size = self._round_pow2(nbytes)
+                    block, fl, i = self._find_special(size, nbytes, stream)
+                else:
+                    lists = self._general.get(stream)
+                    if lists is None:
+                        lists = self._new_lists(stream, None)
+                    fl = lists[size > SMALL_SIZE]      # (small, large)
+                    keys = fl.keys
+                    i = bisect_left(keys, size << _SHIFT)
+                    try:
+                        block = self._blocks[keys[i] & _MASK]
+                    except IndexError:               # nothing cached is big enough
+                        block = self._malloc_miss(size, nbytes, fl)
+                        fl = block.pool      # a small request may get a large-pool block
+                        i = self._slot(block)
+                    else:
+                        if (size > SMALL_SIZE and block.next is None and block.prev is None
+                                and block.size >= 2 * size):
+                            other = self._split_instead(fl, i, block)
+                            if other is not None:
+                                block = other
+                                i = self._slot(block)
+                # Hand the block out, splitting off the rest when it is worth keeping.
+                # (Inlined: this is the hot path.)  Interrupt safety (Ctrl-C): everything is
+                # computed first (calls may be interrupted: nothing changed yet), then published
+                # with plain stores, which CPython runs with no signal check between them; the
+                # one call that changes state (insort) comes last.  The compute part may write
+                # the block's scratch fields (stat, undo, requested: a free block's are only
+                # read by the whole-segment `undo` test below, to which they stay consistent),
+                # a spare block object's fields, and the packed peaks (raised early: a peak may
+                # then count an allocation a KeyboardInterrupt stopped, never less than one made).
                 keys = fl.keys
-                i = bisect_left(keys, size << _SHIFT)
-                try:
-                    block = self._blocks[keys[i] & _MASK]
-                except IndexError:               # nothing cached is big enough
-                    block = self._malloc_miss(size, nbytes, fl)
-                    fl = block.pool      # a small request may get a large-pool block
-                    i = -1
+                rest = block.size - size
+                if rest >= fl.split_min and size < self._max_split:
+                    tptr = block.ptr + size
+                    nxt = block.next
+                    tail = self._spare
+                    if tail is None:
+                        tail = _Block(tptr, rest, fl, block, nxt)
+                    else:
+                        # reuse the block object the last merge retired (saves an allocation)
+                        self._spare = None
+                        tail.ptr = tptr
+                        tail.size = rest
+                        tail.pool = fl
+                        tail.prev = block
+                        tail.next = nxt
+                    tail.seg = block.seg
+                    key = rest << _SHIFT | tptr
+                    w = 0
+                    if nxt is not None or block.prev is not None:
+                        v = block.stat = fl.alloc_deltas.get(nbytes) or fl.alloc_delta(size, nbytes)
+                        # an inactive split block shrinks by `size`
+                        w = fl.shrink_deltas.get(size) or fl.shrink_delta(size)
+                        v -= w
+                        block.undo = 0
+                    elif block.undo and block.requested == nbytes:
+                        # This whole segment was split for the same request last time
+                        # (a whole block always has the segment's size), so block.stat
+                        # and the change are the same as then.
+                        v = block.undo
+                    else:
+                        v = block.stat = fl.alloc_deltas.get(nbytes) or fl.alloc_delta(size, nbytes)
+                        # a new inactive split block appears
+                        v += fl.split_deltas.get(rest) or fl.split_delta(rest)
+                        # When free() finds the segment as [block][free rest] again, it
+                        # subtracts exactly this (the rest is as large as now).
+                        block.undo = v
+                    block.requested = nbytes
+                    cur = self._s_cur + v
+                    # The lane-wise peak test costs three big-int operations; a repeated
+                    # alloc/free cycle reaches the same `cur` every time, so first compare
+                    # with the last value that passed it.
+                    if cur != self._s_peak_ok:
+                        if (self._s_peak_guarded - cur) & _GUARD != _GUARD:
+                            self._s_peak_guarded = raise_peaks(self._s_peak_guarded, cur, _GUARD)
+                        self._s_peak_ok = cur
+                    # The tail's key is smaller than the block's, so it usually sorts into
+                    # the block's own slot (always when nothing smaller is cached): then
+                    # overwrite it instead of a delete plus an insort.
+                    move = i > 0 and keys[i - 1] > key
+                    # publish (no call until the insort)
+                    if nxt is not None:
+                        nxt.prev = tail
+                    block.next = tail
+                    block.size = size
+                    self._blocks[tptr] = tail
+                    block.state = _ALLOCATED
+                    if w:
+                        self._s_freed += w
+                    self._s_cur = cur
+                    if move:
+                        del keys[i]
+                        insort(keys, key)
+                    else:
+                        keys[i] = key
                 else:
-                    if (size > SMALL_SIZE and block.next is None and block.prev is None
-                            and block.size >= 2 * size):
-                        other = self._split_instead(fl, i, block)
-                        if other is not None:
-                            block = other
-                            i = -1
-            # Hand the block out, splitting off the rest when it is worth keeping.
-            # (Inlined: this is the hot path.)
-            rest = block.size - size
-            if rest >= fl.split_min and size < self._max_split:
-                tptr = block.ptr + size
-                nxt = block.next
-                tail = self._spare
-                if tail is None:
-                    tail = _Block(tptr, rest, fl, block, nxt)
-                else:
-                    # reuse the block object the last merge retired (saves an allocation)
-                    self._spare = None
-                    tail.ptr = tptr
-                    tail.size = rest
-                    tail.pool = fl
-                    tail.prev = block
-                    tail.next = nxt
-                tail.seg = block.seg
-                if nxt is not None:
-                    nxt.prev = tail
-                block.next = tail
-                block.size = size
-                self._blocks[tptr] = tail
-                keys = fl.keys
-                key = rest << _SHIFT | tptr
-                # The tail's key is smaller than the block's, so it usually sorts into
-                # the block's own slot (always when nothing smaller is cached): then
-                # overwrite it instead of a delete plus an insort.
-                if i > 0 and keys[i - 1] > key:
-                    del keys[i]
-                    insort(keys, key)
-                elif i >= 0:
-                    keys[i] = key
-                else:
-                    insort(keys, key)
-                if nxt is not None or block.prev is not None:
-                    v = block.stat = fl.alloc_deltas.get(nbytes) or fl.alloc_delta(size, nbytes)
-                    # an inactive split block shrinks by `size`
-                    w = fl.shrink_deltas.get(size) or fl.shrink_delta(size)
-                    self._s_freed += w
-                    v -= w
+                    size = block.size
+                    v = block.stat = fl.lanes(1 | size << 64 | nbytes << 128)
+                    w = 0
+                    if block.prev is not None or block.next is not None:
+                        # an inactive split block becomes active
+                        w = fl.split_deltas.get(size) or fl.split_delta(size)
+                        v -= w
                     block.undo = 0
-                elif block.undo and block.requested == nbytes:
-                    # This whole segment was split for the same request last time
-                    # (a whole block always has the segment's size), so block.stat
-                    # and the change are the same as then.
-                    v = block.undo
-                else:
-                    v = block.stat = fl.alloc_deltas.get(nbytes) or fl.alloc_delta(size, nbytes)
-                    # a new inactive split block appears
-                    v += fl.split_deltas.get(rest) or fl.split_delta(rest)
-                    # When free() finds the segment as [block][free rest] again, it
-                    # subtracts exactly this (the rest is as large as now).
-                    block.undo = v
-            else:
-                if i >= 0:
-                    del fl.keys[i]
-                block.undo = 0
-                size = block.size
-                v = block.stat = fl.lanes(1 | size << 64 | nbytes << 128)
-                if block.prev is not None or block.next is not None:
-                    # an inactive split block becomes active
-                    w = fl.split_deltas.get(size) or fl.split_delta(size)
+                    block.requested = nbytes
+                    cur = self._s_cur + v
+                    if cur != self._s_peak_ok:
+                        if (self._s_peak_guarded - cur) & _GUARD != _GUARD:
+                            self._s_peak_guarded = raise_peaks(self._s_peak_guarded, cur, _GUARD)
+                        self._s_peak_ok = cur
+                    # publish (no call)
+                    del keys[i]
+                    block.state = _ALLOCATED
                     self._s_freed += w
-                    v -= w
-            block.state = _ALLOCATED
-            block.requested = nbytes
-            cur = self._s_cur = self._s_cur + v
-            # The lane-wise peak test costs three big-int operations; a repeated
-            # alloc/free cycle reaches the same `cur` every time, so first compare
-            # with the last value that passed it.
-            if cur != self._s_peak_ok:
-                if (self._s_peak_guarded - cur) & _GUARD != _GUARD:
-                    self._s_peak_guarded = raise_peaks(self._s_peak_guarded, cur, _GUARD)
-                self._s_peak_ok = cur
-            if special:
-                self._after_take(block, fl)
-            return block.ptr
+                    self._s_cur = cur
+                if special:
+                    self._after_take(block, fl)
+                return block.ptr
+            except BaseException:
+                if self._carved is not None:
+                    self._mend_carved()
+                raise
 
-    def _find_special(self, size: int, nbytes: int, stream: int) -> Tuple[_Block, _FreeList]:
+    _carved: Optional[_Block] = None     # see _small_in_large
+
+    def _mend_carved(self) -> None:
+        """malloc was interrupted (Ctrl-C) after _small_in_large split a free block for it and
+        before it handed the high part out: merge the two free halves again."""
+        high, self._carved = self._carved, None
+        if self._blocks.get(high.ptr) is not high or high.state != _FREE:
+            return
+        low = high.prev
+        if low is None or low.state != _FREE:
+            return
+        # out of its list and of the inactive split counts, then cached as a freed block is
+        fl = high.pool
+        del fl.keys[bisect_left(fl.keys, high.size << _SHIFT | high.ptr)]
+        self._free_block(high, fl.split_deltas.get(high.size) or fl.split_delta(high.size))
+
+    def _find_special(self, size: int, nbytes: int, stream: int) -> Tuple[_Block, _FreeList, int]:
         """malloc's search while a capture routes allocations, blocks wait for events,
         an oversize limit is configured, or history is recorded."""
         pool = self._routes.get(stream)
@@ -624,7 +663,12 @@ class DeviceCachingAllocator:
             self._resume_events()
         fl = lists[size > SMALL_SIZE]
         block = self._find(fl, size) or self._malloc_miss(size, nbytes, fl)
-        return block, block.pool     # a small request may get a large-pool block
+        return block, block.pool, self._slot(block)     # a small request may get a large-pool block
+
+    @staticmethod
+    def _slot(block: _Block) -> int:
+        """The index of the free ``block``'s key in its free list (it is there)."""
+        return bisect_left(block.pool.keys, block.size << _SHIFT | block.ptr)
 
     def _after_take(self, block: _Block, fl: _FreeList) -> None:
         if block.size >= self._max_split:
@@ -704,27 +748,30 @@ class DeviceCachingAllocator:
             # the front of a whole free segment: merging it with the free rest makes
             # the segment whole again (so no inactive split block is left, and no peak
             # can rise).
+            # Computed first, then published with plain stores and the insort last (see malloc).
             keys = fl.keys
-            block.state = _FREE
             size = nxt.size
             j = bisect_left(keys, size << _SHIFT | nxt.ptr)
-            del self._blocks[nxt.ptr]
             # the allocation and the inactive split rest go away (malloc's block.undo
             # when it split this block off the whole segment)
             dec = block.undo or block.stat + (fl.split_deltas.get(size) or fl.split_delta(size))
-            size = block.size = block.size + size
+            size += block.size
+            key = size << _SHIFT | block.ptr
+            move = j + 1 < len(keys) and keys[j + 1] < key   # see _free_block
+            block.state = _FREE
+            del self._blocks[nxt.ptr]
+            block.size = size
             block.next = None
             self._spare = nxt
-            key = size << _SHIFT | block.ptr
-            if j + 1 < len(keys) and keys[j + 1] < key:   # see _free_block
-                del keys[j]
-                insort(keys, key)
-            else:
-                keys[j] = key
             self._s_freed += dec
             self._s_cur -= dec
             if block.seg is None:
                 self._whole[block.ptr] = block
+            if move:
+                del keys[j]
+                insort(keys, key)
+            else:
+                keys[j] = key
 
     def record_stream(self, ptr: int, stream: int, device_index: Optional[int] = None) -> None:
         """Mark the allocated block at ``ptr`` as used on ``stream`` (of device
@@ -1116,68 +1163,91 @@ class DeviceCachingAllocator:
     # ------------------------------------------------------------------ hot-path helpers
     def _free_block(self, block: _Block, dec: int) -> None:
         """Merge a block that is no longer in use with free neighbours and cache it;
-        ``dec`` is the packed allocation counters still to subtract (0 if done)."""
+        ``dec`` is the packed allocation counters still to subtract (0 if done).
+
+        Interrupt safety (Ctrl-C): everything is computed first, then published with plain
+        stores and the one state-changing call (insort) last, as in malloc."""
         fl = block.pool
         keys = fl.keys
-        blocks = self._blocks
-        block.state = _FREE
         prev = block.prev
         nxt = block.next
-        j = -1         # slot of a merged neighbour's key, left for the merged block's key
+        page = fl.page
         # E8 (fl.page): in an expandable segment, free blocks do not merge across a page boundary;
         # a classic segment in the same list merges anywhere (the device places it at any
         # 256-byte boundary, so a page boundary may fall inside it)
-        if prev is not None and prev.state == _FREE and not (fl.page and block.seg is not None
-                                                             and block.ptr % fl.page == 0):
-            size = prev.size
-            j = bisect_left(keys, size << _SHIFT | prev.ptr)
-            del blocks[block.ptr]
+        mprev = prev is not None and prev.state == _FREE and not (page and block.seg is not None
+                                                                   and block.ptr % page == 0)
+        mnext = nxt is not None and nxt.state == _FREE and not (page and nxt.seg is not None
+                                                                and nxt.ptr % page == 0)
+        size = block.size
+        lo = hi = -1        # slots of merged neighbours' keys
+        if mprev:
+            n = prev.size
+            lo = bisect_left(keys, n << _SHIFT | prev.ptr)
             # a merged neighbour is an inactive split block that goes away
-            dec += fl.split_deltas.get(size) or fl.split_delta(size)
-            prev.size = size + block.size
-            prev.next = nxt
-            if nxt is not None:
-                nxt.prev = prev
-            self._spare = block
-            block = prev
-        if nxt is not None and nxt.state == _FREE and not (fl.page and nxt.seg is not None
-                                                           and nxt.ptr % fl.page == 0):
-            if j >= 0:
-                del keys[j]
-            size = nxt.size
-            j = bisect_left(keys, size << _SHIFT | nxt.ptr)
-            del blocks[nxt.ptr]
-            dec += fl.split_deltas.get(size) or fl.split_delta(size)
-            block.size += size
-            after = block.next = nxt.next
-            if after is not None:
-                after.prev = block
-            self._spare = nxt
-        key = block.size << _SHIFT | block.ptr
-        # The merged block's key is larger than that neighbour's, so it usually sorts
-        # into the same slot: overwrite it instead of a delete plus an insort.
-        if j < 0:
-            insort(keys, key)
-        elif j + 1 < len(keys) and keys[j + 1] < key:
-            del keys[j]
-            insort(keys, key)
+            dec += fl.split_deltas.get(n) or fl.split_delta(n)
+            size += n
+            start = prev
         else:
-            keys[j] = key
-        self._s_freed += dec
-        if block.prev is not None or block.next is not None:
+            start = block
+        after = nxt
+        if mnext:
+            n = nxt.size
+            hi = bisect_left(keys, n << _SHIFT | nxt.ptr)
+            dec += fl.split_deltas.get(n) or fl.split_delta(n)
+            size += n
+            after = nxt.next
+            if lo > hi:
+                lo, hi = hi, lo
+            if lo < 0:
+                lo, hi = hi, -1
+        key = size << _SHIFT | start.ptr
+        # The merged block's key is larger than a merged neighbour's, so it usually sorts
+        # into that slot (lo, once the other one, hi, is deleted): overwrite it instead of a
+        # delete plus an insort.
+        move = True
+        if lo >= 0:
+            k = lo + 1 if lo + 1 != hi else lo + 2
+            move = k < len(keys) and keys[k] < key
+        split = start.prev is not None or after is not None
+        pg = self._s_peak_guarded
+        if split:
             # the merged block is itself an inactive split block
-            size = block.size
-            cur = self._s_cur = self._s_cur - dec + (fl.split_deltas.get(size) or fl.split_delta(size))
+            cur = self._s_cur - dec + (fl.split_deltas.get(size) or fl.split_delta(size))
             if cur != self._s_peak_ok_free:    # see malloc (a memo of its own: the two alternate)
-                if (self._s_peak_guarded - cur) & _GUARD != _GUARD:
-                    self._s_peak_guarded = raise_peaks(self._s_peak_guarded, cur, _GUARD)
-                self._s_peak_ok_free = cur
-            return
-        self._s_cur -= dec
-        if block.seg is None:
-            self._whole[block.ptr] = block
-        if fl.watch_whole:
-            self._whole_segment_free(block)
+                if (pg - cur) & _GUARD != _GUARD:
+                    pg = raise_peaks(pg, cur, _GUARD)
+        else:
+            cur = self._s_cur - dec
+        # publish (no call until the insort)
+        block.state = _FREE
+        if mprev:
+            del self._blocks[block.ptr]
+            self._spare = block
+        if mnext:
+            del self._blocks[nxt.ptr]
+            self._spare = nxt
+        start.size = size
+        start.next = after
+        if after is not None:
+            after.prev = start
+        self._s_freed += dec
+        self._s_cur = cur
+        if split:
+            self._s_peak_guarded = pg
+            self._s_peak_ok_free = cur
+        elif start.seg is None:
+            self._whole[start.ptr] = start
+        if hi >= 0:
+            del keys[hi]
+        if not move:
+            keys[lo] = key
+        else:
+            if lo >= 0:
+                del keys[lo]
+            insort(keys, key)
+        if not split and fl.watch_whole:
+            self._whole_segment_free(start)
 
     def _whole_segment_free(self, block: _Block) -> None:
         """A segment became entirely free: a released private pool hands it to the
@@ -1248,8 +1318,7 @@ class DeviceCachingAllocator:
             other = self._split_instead(fl, i, block)
             if other is not None:
                 return other
-        del keys[i]
-        return block
+        return block       # still listed: malloc takes it out as it hands it out
 
     def _split_instead(self, fl: _FreeList, i: int, block: _Block) -> Optional[_Block]:
         """Best fit found ``block`` (``fl.keys[i]``), a whole free segment at least twice the
@@ -1268,12 +1337,14 @@ class DeviceCachingAllocator:
         for j in range(i + 1, min(len(keys), i + 65)):
             other = blocks[keys[j] & _MASK]
             if other.prev is not None or other.next is not None:
-                del keys[j]
                 return other
         return None
 
     def _malloc_miss(self, size: int, nbytes: int, fl: _FreeList) -> _Block:
-        """No cached block fits: wait for pending blocks, grow, or free the cache and retry."""
+        """No cached block fits: wait for pending blocks, grow, or free the cache and retry.
+        Returns a free block that fits, in its free list (which may be another list than ``fl``'s:
+        see _small_in_large and _oom), as _find does."""
+        self._carved = None
         capturing = capture_underway(self._be)
         if self._pending_events and not capturing:
             self._process_events()
@@ -1296,33 +1367,23 @@ class DeviceCachingAllocator:
         seg_size = self._segment_size(size, fl.kind)
         if not capturing:
             self._before_grow(seg_size)
-        ptr = self._device_alloc(seg_size)
-        if ptr is None and (self._pending_events or self._deferred) and not capturing:
+        block = self._device_alloc(seg_size, fl)
+        if block is None and (self._pending_events or self._deferred) and not capturing:
             self._synchronize_and_free_events()
             block = self._find(fl, size)
             if block is not None:
                 return block
-        if ptr is None and not capturing:
+        if block is None and not capturing:
             self._scalars["num_alloc_retries"] += 1
             self._release_segments()
-            ptr = self._device_alloc(seg_size)
-        if ptr is None:
+            block = self._device_alloc(seg_size, fl)
+        if block is None:
             return self._oom(size, seg_size, fl)
-        block = _Block(ptr, seg_size, fl, None, None)
-        self._blocks[ptr] = block
-        self._segments[ptr] = seg_size
-        fl.segments += 1
-        kind = fl.kind
-        self._count_up(SEGMENT, 1, kind)
-        self._count_up(RESERVED_BYTES, seg_size, kind)
-        self._reserved_hw = max(self._reserved_hw, self._cur[RESERVED_BYTES])
-        if seg_size >= self._max_split:
-            self._count_up(OVERSIZE_SEGMENTS, 1)
         if self._history is not None:
             st = None
             if self._ctx:
-                st = self._seg_frames[ptr] = _stack()
-            self._trace("segment_alloc", ptr, seg_size, fl.stream, st)
+                st = self._seg_frames[block.ptr] = _stack()
+            self._trace("segment_alloc", block.ptr, seg_size, fl.stream, st)
         return block
 
     def _small_in_large(self, size: int, fl: _FreeList) -> Optional[_Block]:
@@ -1352,29 +1413,40 @@ class DeviceCachingAllocator:
         block = self._blocks[keys[i] & _MASK]
         if block.size >= self._max_split or block.seg is not None:
             return None
-        del keys[i]
         rest = block.size - size
         if rest == 0:
             return block                    # malloc takes it as it takes a found block
         was_split = block.prev is not None or block.next is not None
         nxt = block.next
         high = _Block(block.ptr + rest, size, large, block, nxt)
+        # packed counters: ``high`` is an inactive split block until malloc hands it out
+        # (malloc then counts it active, as for any split block it takes); ``block``
+        # shrinks by ``size``, or, if it was a whole segment, becomes a split block.
+        w = 0
+        if was_split:
+            w = large.lanes(size << (_ISPLIT + 64))
+            up = -w
+        else:
+            up = large.split_deltas.get(rest) or large.split_delta(rest)
+        cur = self._s_cur + up + (large.split_deltas.get(size) or large.split_delta(size))
+        pg = self._s_peak_guarded
+        if (pg - cur) & _GUARD != _GUARD:
+            pg = raise_peaks(pg, cur, _GUARD)
+        new = keys[:i] + keys[i + 1:]
+        insort(new, rest << _SHIFT | block.ptr)
+        insort(new, size << _SHIFT | high.ptr)
+        # publish (no call: a KeyboardInterrupt finds it all done or nothing; malloc merges the
+        # halves again if one comes before it handed ``high`` out: _mend_carved)
+        self._carved = high
         if nxt is not None:
             nxt.prev = high
         block.next = high
         block.size = rest
         self._blocks[high.ptr] = high
-        insort(keys, rest << _SHIFT | block.ptr)
-        # packed counters: ``high`` is an inactive split block until malloc hands it out
-        # (malloc then counts it active, as for any split block it takes); ``block``
-        # shrinks by ``size``, or, if it was a whole segment, becomes a split block.
-        if was_split:
-            w = large.lanes(size << (_ISPLIT + 64))
-            self._s_cur -= w
-            self._s_freed += w
-        else:
-            self._s_cur += large.split_deltas.get(rest) or large.split_delta(rest)
-        self._s_cur += large.split_deltas.get(size) or large.split_delta(size)
+        keys[:] = new
+        self._s_cur = cur
+        self._s_freed += w
+        self._s_peak_guarded = pg
         return high
 
     def _before_grow(self, seg_size: int) -> None:
@@ -1416,16 +1488,37 @@ class DeviceCachingAllocator:
 
     _backend_oom: Optional[OutOfMemoryError] = None   # the last mem_alloc OOM, until reported
 
-    def _device_alloc(self, nbytes: int) -> Optional[int]:
-        """A new segment from the backend, or None when the device (or the
-        per_process_memory_fraction cap) is out of memory."""
+    def _device_alloc(self, nbytes: int, fl: _FreeList) -> Optional[_Block]:
+        """A new segment from the backend, counted, as one whole free block in ``fl``, or None
+        when the device (or the per_process_memory_fraction cap) is out of memory.
+
+        Interrupt safety: the block and the counters' new values are made before the backend
+        call, and recorded right after it returns with plain stores (CPython checks for a
+        signal only after a call): a KeyboardInterrupt either finds no segment or a recorded one."""
         self._backend_oom = None
         if self._config.per_process_memory_fraction < 1.0:
             if self._cur[RESERVED_BYTES] + nbytes > self._allowed_bytes():
                 return None
+        block = _Block(0, nbytes, fl, None, None)
+        kind = fl.kind
+        cur, peak = self._cur, self._peak
+        nc, npk, _ = self._seg_change(kind, 1, nbytes, nbytes >= self._max_split)
+        hw = max(self._reserved_hw, nc[2])
+        scalars = self._scalars
         try:
             with self._on_device():
                 ptr = self._be.mem_alloc(nbytes)
+                block.ptr = ptr
+                self._blocks[ptr] = block
+                self._segments[ptr] = nbytes
+                fl.segments += 1
+                cur[SEGMENT], cur[SEGMENT + kind], cur[RESERVED_BYTES], cur[RESERVED_BYTES + kind], \
+                    cur[OVERSIZE_SEGMENTS] = nc
+                peak[SEGMENT], peak[SEGMENT + kind], peak[RESERVED_BYTES], peak[RESERVED_BYTES + kind], \
+                    peak[OVERSIZE_SEGMENTS] = npk
+                self._reserved_hw = hw
+                scalars["num_device_alloc"] += 1
+                insort(fl.keys, nbytes << _SHIFT | ptr)      # the last change: a call
         except OutOfMemoryError as exc:
             # handled here (free the cache and retry, or a torch-style OOM): leave no stale
             # cudaErrorMemoryAllocation for another library's next error check
@@ -1436,8 +1529,20 @@ class DeviceCachingAllocator:
             # and a Buffer's finalizer would then wait on the lock this thread holds.
             self._backend_oom = exc.with_traceback(None)
             return None
-        self._scalars["num_device_alloc"] += 1
-        return ptr
+        return block
+
+    def _seg_change(self, kind: int, nseg: int, nbytes: int, noversize: int):
+        """The new values of the counters a segment (or mapping) change moves: SEGMENT and
+        RESERVED_BYTES of "all" and pool ``kind``, then OVERSIZE_SEGMENTS, each by (``nseg``,
+        ``nseg``, ``nbytes``, ``nbytes``, ``noversize``); as three lists (current, peak, freed)
+        in that order, for the caller to store with one unpacking assignment each (no call, so
+        no KeyboardInterrupt between them)."""
+        idx = (SEGMENT, SEGMENT + kind, RESERVED_BYTES, RESERVED_BYTES + kind, OVERSIZE_SEGMENTS)
+        delta = (nseg, nseg, nbytes, nbytes, int(noversize))
+        cur, peak, freed = self._cur, self._peak, self._freed
+        nc = [cur[k] + d for k, d in zip(idx, delta)]
+        return (nc, [max(peak[k], c) for k, c in zip(idx, nc)],
+                [freed[k] - d if d < 0 else freed[k] for k, d in zip(idx, delta)])
 
     def _whole_free_segments(self) -> List[_Block]:
         """Free blocks that span a whole classic segment, in the general cache and in private
@@ -1579,7 +1684,11 @@ class DeviceCachingAllocator:
         """Physical memory for the ``need`` bytes at ``addr`` that ``plan`` (from _place)
         maps for a request of ``size``, one handle per piece (E9):
         ``[(address, size, handle)]``, or None when the device (or the
-        per_process_memory_fraction cap) has no room.  Nothing is kept on any failure."""
+        per_process_memory_fraction cap) has no room.  Nothing is kept on any failure.
+
+        Interrupt safety: each handle waits in ``_unreleased`` (counted as reserved) from the
+        moment its create returns until _exp_map records its mapping, so a KeyboardInterrupt
+        anywhere leaves it to the next _exp_release instead of losing it."""
         hole, addr, need = plan
         if self._config.per_process_memory_fraction < 1.0:
             if self._cur[RESERVED_BYTES] + need > self._allowed_bytes():
@@ -1589,27 +1698,37 @@ class DeviceCachingAllocator:
         lo = (hole.prev.ptr if seg.kind == _LARGE and addr == hole.ptr and hole.prev is not None
               and hole.prev.state == _FREE else addr)
         made = []
-        ok = False
+        kind = seg.kind
+        unreleased = self._unreleased
+        cur, peak = self._cur, self._peak
+        r, rk = RESERVED_BYTES, RESERVED_BYTES + kind
         try:
             with self._on_device():
                 for a, n in _pieces(addr, need, self._gran, lo, lo + size):
-                    made.append((a, n, self._be.vmm_create(self._index, n)))
-            ok = True
+                    item = (a, n)
+                    handle = self._be.vmm_create(self._index, n)
+                    # recorded with no call in between (CPython checks for a signal after a call)
+                    cur[r] += n
+                    cur[rk] += n
+                    if cur[r] > peak[r]:
+                        peak[r] = cur[r]
+                    if cur[rk] > peak[rk]:
+                        peak[rk] = cur[rk]
+                    unreleased.append((handle, n, kind, None))
+                    made.append(item + (handle,))
         except OutOfMemoryError:
             self._be.clear_error()
+            self._exp_discard()
             return None
-        finally:
-            if not ok:
-                self._exp_discard(made, seg.kind)
+        except BaseException:
+            self._exp_discard()
+            raise
         return made
 
-    def _exp_discard(self, pieces, kind: int, mapped: int = 0) -> None:
-        """Unmap (the first ``mapped``) and release the pieces of a failed grow while its
-        error propagates: one whose unmap or release fails waits in ``_unreleased``, counted
+    def _exp_discard(self) -> None:
+        """Release what ``_unreleased`` holds (unmapping what is still mapped) while the error
+        of a failed grow propagates: one whose unmap or release fails waits there, counted
         as reserved, for the next unmap."""
-        for i, (a, n, handle) in enumerate(pieces):
-            self._unreleased.append((handle, n, kind, a if i < mapped else None))
-            self._count_up(RESERVED_BYTES, n, kind)
         try:
             self._exp_release()
         except Exception:
@@ -1662,36 +1781,90 @@ class DeviceCachingAllocator:
         return self._exp_map(seg, fl, plan, handle)
 
     def _exp_map(self, seg: _ExpSegment, fl: _FreeList, plan, pieces) -> _Block:
-        """Map ``pieces`` (from _exp_create) where ``plan`` says and return the free block that now fits
-        (counted, not in the free list, as _find returns one)."""
+        """Map ``pieces`` (from _exp_create, waiting in ``_unreleased``) where ``plan`` says and
+        return the free block that now fits (counted, in its free list, as _find returns one).
+
+        Interrupt safety: a piece is marked mapped in ``_unreleased`` as its map returns; once
+        all are mapped, the new block, its merges, the free list, the segment's mappings and
+        the counters are computed, then published with plain stores (no call, so no
+        KeyboardInterrupt between them), which also takes the pieces out of ``_unreleased``."""
         hole, addr, need = plan
-        mapped = 0
+        unreleased = self._unreleased
+        kind = seg.kind
         try:
             with self._on_device():
                 for a, n, handle in pieces:
-                    self._be.vmm_map(a, n, handle, self._index)
-                    mapped += 1
+                    i = unreleased.index((handle, n, kind, None))
+                    try:
+                        self._be.vmm_map(a, n, handle, self._index)
+                    except BaseException as exc:
+                        # a piece whose access could not be set nor its mapping undone is still mapped
+                        if getattr(exc, "still_mapped", False):
+                            unreleased[i] = (handle, n, kind, a)
+                        raise
+                    unreleased[i] = (handle, n, kind, a)
                     for peer in self._peers:
                         self._be.vmm_set_access(a, n, peer)
-        except BaseException as exc:
-            # a piece whose access could not be set nor its mapping undone is still mapped
-            self._exp_discard(pieces, seg.kind, mapped + bool(getattr(exc, "still_mapped", False)))
+        except BaseException:
+            self._exp_discard()
             raise
-        for a, n, handle in pieces:
-            seg.add_map(a, n, handle)
-        self._scalars["num_device_map"] += len(pieces)
+        # ---- compute
         # the free neighbours the new pages join leave their lists before links change
-        join = seg.kind == _LARGE          # small-pool blocks never cross a page (E8)
+        join = kind == _LARGE          # small-pool blocks never cross a page (E8)
         before = (hole.prev if join and addr == hole.ptr and hole.prev is not None
                   and hole.prev.state == _FREE else None)
         after = (hole.next if join and addr + need == hole.ptr + hole.size and hole.next is not None
                  and hole.next.state == _FREE else None)
+        keys = fl.keys
+        new_keys = list(keys)
+        s_cur = self._s_cur
+        s_freed = self._s_freed
         for nb in (before, after):
             if nb is not None:
-                self._unlist_free(nb)
+                del new_keys[bisect_left(new_keys, nb.size << _SHIFT | nb.ptr)]
+                if nb.prev is not None or nb.next is not None:
+                    w = fl.split_deltas.get(nb.size) or fl.split_delta(nb.size)
+                    s_cur -= w
+                    s_freed += w
         block = _Block(addr, need, fl, None, None)
         block.seg = seg
-        if addr == hole.ptr:                      # at the hole's start
+        start = before if before is not None else block
+        size = need + (before.size if before is not None else 0) + (after.size if after is not None else 0)
+        at_start = addr == hole.ptr
+        hole_left = hole.size - need
+        # the merged block's neighbours once published
+        if at_start:
+            left = hole.prev if before is None else before.prev
+            right = hole if hole_left else hole.next
+        else:
+            left = hole if hole_left else hole.prev
+            right = hole.next if after is None else after.next
+        if right is after and after is not None:
+            right = after.next
+        insort(new_keys, size << _SHIFT | start.ptr)
+        if left is not None or right is not None:
+            s_cur += fl.split_deltas.get(size) or fl.split_delta(size)
+        pg = self._s_peak_guarded
+        if (pg - s_cur) & _GUARD != _GUARD:
+            pg = raise_peaks(pg, s_cur, _GUARD)
+        maps = dict(seg.maps)
+        starts = list(seg.starts)
+        for a, n, handle in pieces:
+            maps[a] = (n, handle)
+            insort(starts, a)
+        made = {(handle, n, kind, a) for a, n, handle in pieces}
+        left_unreleased = [u for u in unreleased if u not in made]
+        holes = set(seg.holes)
+        if not hole_left:
+            holes.discard(hole)
+        first = seg.mapped == 0
+        cur, peak = self._cur, self._peak
+        s, sk = SEGMENT, SEGMENT + kind
+        segs, segs_k = cur[s] + first, cur[sk] + first
+        hw = max(self._reserved_hw, cur[RESERVED_BYTES])
+        n_maps = self._scalars["num_device_map"] + len(pieces)
+        # ---- publish (no call until the history below)
+        if at_start:
             block.prev, block.next = hole.prev, hole
             if hole.prev is not None:
                 hole.prev.next = block
@@ -1700,14 +1873,13 @@ class DeviceCachingAllocator:
             hole.prev = block
             hole.ptr += need
             hole.size -= need
-        else:                                     # at the hole's end
+        else:
             block.prev, block.next = hole, hole.next
             if hole.next is not None:
                 hole.next.prev = block
             hole.next = block
             hole.size -= need
-        if hole.size == 0:                        # filled: the hole goes
-            seg.holes.discard(hole)
+        if not hole_left:                         # filled: the hole goes
             if hole.prev is not None:
                 hole.prev.next = hole.next
             else:
@@ -1728,14 +1900,28 @@ class DeviceCachingAllocator:
             if after.next is not None:
                 after.next.prev = block
             del self._blocks[after.ptr]
-        for nb in (block.prev, block.next):       # see malloc's whole-segment `undo`
-            if nb is not None:
-                nb.undo = 0
+        if block.prev is not None:                # see malloc's whole-segment `undo`
+            block.prev.undo = 0
+        if block.next is not None:
+            block.next.undo = 0
         block.undo = 0
-        if seg.mapped == need:
-            self._count_up(SEGMENT, 1, seg.kind)
-        self._count_up(RESERVED_BYTES, need, seg.kind)
-        self._reserved_hw = max(self._reserved_hw, self._cur[RESERVED_BYTES])
+        seg.holes = holes
+        seg.maps = maps
+        seg.starts = starts
+        seg.mapped += need
+        unreleased[:] = left_unreleased
+        cur[s] = segs
+        cur[sk] = segs_k
+        if segs > peak[s]:
+            peak[s] = segs
+        if segs_k > peak[sk]:
+            peak[sk] = segs_k
+        self._reserved_hw = hw
+        self._s_cur = s_cur
+        self._s_freed = s_freed
+        self._s_peak_guarded = pg
+        keys[:] = new_keys
+        self._scalars["num_device_map"] = n_maps
         if self._history is not None:
             st = None
             if self._ctx:
@@ -1743,9 +1929,6 @@ class DeviceCachingAllocator:
                 for a, _, _ in pieces:
                     self._seg_frames[a] = st
             self._trace("segment_map", addr, need, fl.stream, st)
-        self._list_free(block)
-        fl = block.pool
-        del fl.keys[bisect_left(fl.keys, block.size << _SHIFT | block.ptr)]
         return block
 
     def _exp_unmap(self) -> int:
@@ -1833,83 +2016,140 @@ class DeviceCachingAllocator:
             self._exp_drop(seg)
 
     def _exp_unmap_one(self, seg: _ExpSegment, block: _Block, addr: int, n: int) -> None:
-        """Unmap one free piece (the caller made the device current) and turn it into a hole;
-        its handle waits in ``_unreleased`` for the caller's ``_exp_release``."""
-        self._be.vmm_unmap(addr, n)              # a failure changes nothing
-        self._scalars["num_device_unmap"] += 1
-        _, handle = seg.drop_map(addr)
+        """Turn the free piece ``[addr, addr + n)`` of ``block`` into a hole; its mapping moves
+        to ``_unreleased``, still mapped, for the caller's ``_exp_release`` to unmap (the caller
+        synchronized the device, E7) and release.
+
+        Interrupt safety: computed first, then published with plain stores and the append
+        last, so a KeyboardInterrupt finds the piece either still in the segment or in
+        ``_unreleased`` (a hole whose mapping waits there is never mapped again before it
+        was unmapped: see _exp_grow)."""
         fl = block.pool
-        self._unlist_free(block)
+        kind = seg.kind
+        handle = seg.maps[addr][1]
         end = block.ptr + block.size
         prev, nxt = block.prev, block.next
+        keys = fl.keys
+        new_keys = list(keys)
+        del new_keys[bisect_left(new_keys, block.size << _SHIFT | block.ptr)]
+        s_cur, s_freed = self._s_cur, self._s_freed
+        if prev is not None or nxt is not None:
+            w = fl.split_deltas.get(block.size) or fl.split_delta(block.size)
+            s_cur -= w
+            s_freed += w
         hole = _Block(addr, n, fl, None, None)
         hole.state = _UNMAPPED
         hole.seg = seg
-        # left part: the block itself, shrunk; or nothing
-        if addr > block.ptr:
-            block.size = addr - block.ptr
-            left = block
+        # left part: the block itself, shrunk; or nothing; right part: a new block, or nothing
+        left = block if addr > block.ptr else None
+        lsize = addr - block.ptr
+        right = None
+        rsize = end - addr - n
+        if rsize:
+            right = _Block(addr + n, rsize, fl, None, None)
+            right.seg = seg
+            insort(new_keys, rsize << _SHIFT | right.ptr)
+            s_cur += fl.split_deltas.get(rsize) or fl.split_delta(rsize)
+        if left is not None:
+            insort(new_keys, lsize << _SHIFT | left.ptr)
+            s_cur += fl.split_deltas.get(lsize) or fl.split_delta(lsize)
+        pg = self._s_peak_guarded
+        if (pg - s_cur) & _GUARD != _GUARD:
+            pg = raise_peaks(pg, s_cur, _GUARD)
+        # the hole merges with unmapped neighbours (E2)
+        lo_h = prev if left is None and prev is not None and prev.state == _UNMAPPED else None
+        hi_h = nxt if right is None and nxt is not None and nxt.state == _UNMAPPED else None
+        holes = set(seg.holes)
+        holes.discard(hi_h)
+        holes.add(lo_h if lo_h is not None else hole)
+        maps = dict(seg.maps)
+        del maps[addr]
+        starts = list(seg.starts)
+        del starts[bisect_left(starts, addr)]
+        mapped = seg.mapped - n
+        cur, freed = self._cur, self._freed
+        s, sk = SEGMENT, SEGMENT + kind
+        gone = mapped == 0
+        segs, segs_k, fs, fsk = cur[s] - gone, cur[sk] - gone, freed[s] + gone, freed[sk] + gone
+        frames = self._seg_frames
+        st = frames.get(addr)
+        # ---- publish (no call until the append)
+        if left is not None:
+            block.size = lsize
+            block.undo = 0
+            left.next = hole
+            hole.prev = left
+            first = left
         else:
             del self._blocks[block.ptr]
-            left = None
-        right = None
-        if addr + n < end:
-            right = _Block(addr + n, end - addr - n, fl, None, None)
-            right.seg = seg
+            first = hole
+        if right is not None:
             self._blocks[right.ptr] = right
-        chain = [b for b in (left, hole, right) if b is not None]
-        for a, b in zip(chain, chain[1:]):
-            a.next, b.prev = b, a
-        chain[0].prev = prev
-        chain[-1].next = nxt
-        if prev is not None:
-            prev.next = chain[0]
+            right.prev = hole
+            hole.next = right
+            last = right
         else:
-            seg.head = chain[0]
+            last = hole
+        first.prev = prev
+        last.next = nxt
+        if prev is not None:
+            prev.next = first
+        else:
+            seg.head = first
         if nxt is not None:
-            nxt.prev = chain[-1]
-        # merge the hole with unmapped neighbours (E2)
-        if hole.prev is not None and hole.prev.state == _UNMAPPED:
-            p = hole.prev
-            p.size += hole.size
-            p.next = hole.next
+            nxt.prev = last
+        if lo_h is not None:
+            lo_h.size += hole.size
+            lo_h.next = hole.next
             if hole.next is not None:
-                hole.next.prev = p
-            hole = p
-        if hole.next is not None and hole.next.state == _UNMAPPED:
-            q = hole.next
-            hole.size += q.size
-            hole.next = q.next
-            if q.next is not None:
-                q.next.prev = hole
-            seg.holes.discard(q)
-        seg.holes.add(hole)
-        for b in (left, right):
-            if b is not None:
-                b.undo = 0
-                self._list_free(b)
-        for nb in (hole.prev, hole.next):
-            if nb is not None:
-                nb.undo = 0
-        if seg.mapped == 0:
-            self._count_down(SEGMENT, 1, seg.kind)
-        st = self._seg_frames.pop(addr, None)
+                hole.next.prev = lo_h
+            hole = lo_h
+        if hi_h is not None:
+            hole.size += hi_h.size
+            hole.next = hi_h.next
+            if hi_h.next is not None:
+                hi_h.next.prev = hole
+        if hole.prev is not None:
+            hole.prev.undo = 0
+        if hole.next is not None:
+            hole.next.undo = 0
+        seg.holes = holes
+        seg.maps = maps
+        seg.starts = starts
+        seg.mapped = mapped
+        cur[s], cur[sk], freed[s], freed[sk] = segs, segs_k, fs, fsk
+        self._s_cur = s_cur
+        self._s_freed = s_freed
+        self._s_peak_guarded = pg
+        keys[:] = new_keys
+        if addr in frames:
+            del frames[addr]
+        self._unreleased.append((handle, n, kind, addr))       # the last change: a call
         if self._history is not None:
             self._trace("segment_unmap", addr, n, fl.stream, _stack() if self._ctx >= _CTX_ALL else st)
-        self._unreleased.append((handle, n, seg.kind, None))
 
     def _exp_release(self) -> None:
-        """Release unmapped physical memory; a handle whose release fails stays counted as
-        reserved (the device still holds it) and is released again at the next unmap."""
+        """Unmap (where still mapped) and release what ``_unreleased`` holds; a handle whose
+        unmap or release fails stays there, counted as reserved (the device still holds it),
+        and is released again at the next unmap.  Each vendor call's result is recorded with
+        plain stores as it returns (no KeyboardInterrupt in between)."""
+        unreleased = self._unreleased
+        cur, freed = self._cur, self._freed
+        scalars = self._scalars
         with self._on_device():
-            while self._unreleased:
-                handle, n, kind, addr = self._unreleased[-1]
+            while unreleased:
+                handle, n, kind, addr = unreleased[-1]
                 if addr is not None:
                     self._be.vmm_unmap(addr, n)
-                    self._unreleased[-1] = (handle, n, kind, None)
+                    unreleased[-1] = (handle, n, kind, None)
+                    scalars["num_device_unmap"] += 1
                 self._be.vmm_release(handle)
-                self._unreleased.pop()
-                self._count_down(RESERVED_BYTES, n, kind)
+                r, rk = RESERVED_BYTES, RESERVED_BYTES + kind
+                cur[r] -= n
+                cur[rk] -= n
+                freed[r] += n
+                freed[rk] += n
+                del unreleased[-1]
 
     def _exp_snapshot(self, exp: _ExpSegment, symbols: _Symbols) -> List[dict]:
         """torch reports each mapped run of an expandable segment as a segment with
