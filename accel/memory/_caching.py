@@ -180,46 +180,51 @@ def add_use(owner, block, stream: int, device: int) -> None:
 
 def record_uses(owner, block, pending: list) -> bool:
     """Record an event on every stream that used the freed ``block`` (``block.uses``) and
-    queue ``(event, device, block)`` on ``pending``; True when none was needed (the caller
-    completes the block now).  ``owner`` is a device or host caching allocator (its
-    ``_record``, ``_be``, ``_used_on`` and ``_deferred``).
+    queue ``(event, device, block)`` on ``pending``.  When it returns every use is covered:
+    the caller then completes the block if ``block.events`` is 0, else takes it out of
+    ``owner._deferred``.  ``owner`` is a device or host caching allocator (its ``_record``,
+    ``_be``, ``_used_on`` and ``_deferred``); the caller put ``block`` in ``owner._deferred``
+    first, where it waits while its uses are recorded.
 
     A stream whose event cannot be recorded is synchronized instead (its work is then done:
-    nothing to wait for).  A use for which both fail stays on the block, which waits in
+    nothing to wait for).  A use for which both fail stays on the block, which stays in
     ``owner._deferred`` for the next try (never reused before), and the first error
-    propagates."""
-    uses, block.uses = block.uses, None
-    failed = set()
+    propagates.
+
+    Interrupt safety: each use leaves ``block.uses`` in the same step (no call in between)
+    as its event joins ``pending``, so a KeyboardInterrupt leaves every use either still to
+    record or waited for, and a retry records only the rest.  (An interrupt as an event is
+    recorded may lose that one event object.)"""
     error = None
-    for use in uses:
+    for use in list(block.uses or ()):
         if type(use) is _Gate:
-            pending.append((use.event, use.device, block))
-            block.events += 1
-            continue
-        stream, device = use
-        try:
-            event = owner._record(stream, device)
-        except Exception:
-            try:
-                with on_device(owner._be, device):
-                    owner._be.stream_synchronize(stream)
-            except Exception as exc:
-                error = error or exc
-                failed.add(use)         # still in _used_on: forget_stream can cover it
-                continue
+            entry = (use.event, use.device, block)
+            stream = None
         else:
-            pending.append((event, device, block))
+            stream, device = use
+            entry = None
+            try:
+                entry = (owner._record(stream, device), device, block)
+            except Exception:
+                try:
+                    with on_device(owner._be, device):
+                        owner._be.stream_synchronize(stream)
+                except Exception as exc:
+                    error = error or exc
+                    continue                # still in _used_on: forget_stream can cover it
+        rest = block.uses - {use}
+        users = owner._used_on.get(stream) if stream is not None else None
+        # publish: the use goes as its event comes (the append is the last change, a call)
+        block.uses = rest or None
+        if entry is not None:
             block.events += 1
-        users = owner._used_on.get(stream)
+            pending.append(entry)
         if users is not None:
             users.discard(block)
             if not users:
                 del owner._used_on[stream]
-    if failed:
-        block.uses = failed
-        owner._deferred.append(block)
+    if error is not None:
         raise error
-    return block.events == 0
 
 
 class _Retired:
@@ -734,8 +739,6 @@ class DeviceCachingAllocator:
                 if not block.uses:
                     block.frames = None     # a pending block keeps its allocation's stack, as torch's
             if block.uses:
-                self._s_cur -= block.stat
-                self._s_freed += block.stat
                 self._free_with_uses(block)
                 return
             nxt = block.next
@@ -1161,9 +1164,13 @@ class DeviceCachingAllocator:
         return {"segments": segments, "device_traces": traces}
 
     # ------------------------------------------------------------------ hot-path helpers
-    def _free_block(self, block: _Block, dec: int) -> None:
+    def _free_block(self, block: _Block, dec: int, completing: bool = False,
+                    events: Optional[list] = None) -> None:
         """Merge a block that is no longer in use with free neighbours and cache it;
         ``dec`` is the packed allocation counters still to subtract (0 if done).
+        ``completing``: a pending block, which leaves ``_pending`` (and ``_deferred``) and the
+        pending counts in the same step, and the last entry of ``events`` (its last event)
+        with it.
 
         Interrupt safety (Ctrl-C): everything is computed first, then published with plain
         stores and the one state-changing call (insort) last, as in malloc."""
@@ -1219,7 +1226,23 @@ class DeviceCachingAllocator:
                     pg = raise_peaks(pg, cur, _GUARD)
         else:
             cur = self._s_cur - dec
+        if completing:
+            p = fl.kind
+            pend = list(self._pend)
+            pend[0] -= 1
+            pend[p] -= 1
+            pend[3] -= block.size
+            pend[3 + p] -= block.size
+            pending = [b for b in self._pending if b is not block]
+            deferred = [b for b in self._deferred if b is not block]
         # publish (no call until the insort)
+        if completing:
+            self._pend = pend
+            self._pending = pending
+            self._deferred = deferred
+            block.events = 0
+            if events is not None:
+                del events[-1]
         block.state = _FREE
         if mprev:
             del self._blocks[block.ptr]
@@ -2175,17 +2198,27 @@ class DeviceCachingAllocator:
 
     # ------------------------------------------------------------------ streams and events
     def _free_with_uses(self, block: _Block) -> None:
-        block.state = _PENDING
+        """Free an allocated block used on other streams: it becomes pending, waiting in
+        ``_deferred`` until the events of its uses are recorded (at once, or once no capture
+        is underway).  Published with plain stores (no KeyboardInterrupt in between)."""
         p = block.pool.kind
-        for k in (0, p):
-            self._pend[k] += 1
-            self._pend[3 + k] += block.size
-        self._pending.append(block)
+        size = block.size
+        pend = list(self._pend)
+        pend[0] += 1
+        pend[p] += 1
+        pend[3] += size
+        pend[3 + p] += size
+        stat = block.stat
+        block.state = _PENDING
+        self._s_cur -= stat
+        self._s_freed += stat
+        self._pend = pend
+        self._pending += (block,)
+        self._deferred += (block,)
+        self._special = True
         if capture_underway(self._be):
             # An event recorded on a capturing stream cannot be queried afterwards, and none
             # may be queried now; torch defers them too (insert_events_deferred_until_no_capture).
-            self._deferred.append(block)
-            self._update_special()
             return
         try:
             self._insert_events(block)
@@ -2193,18 +2226,21 @@ class DeviceCachingAllocator:
             self._update_special()
 
     def _insert_events(self, block: _Block) -> None:
-        """Record an event on every stream that used the freed (pending) ``block``; it is
-        reused once they all completed (see ``record_uses``)."""
-        if record_uses(self, block, self._pending_events):
-            self._complete(block)
+        """Record an event on every stream that used the freed (pending) ``block``, which waits in
+        ``_deferred`` meanwhile; it is reused once they all completed (see ``record_uses``)."""
+        record_uses(self, block, self._pending_events)
+        if block.events == 0:
+            self._complete(block)        # takes it out of _deferred as it frees it
+        else:
+            deferred = [b for b in self._deferred if b is not block]
+            self._deferred = deferred
 
     def _insert_deferred(self, strict: bool) -> None:
         """Record the events of the blocks in ``_deferred`` (freed during a capture, or whose
         use could be neither recorded nor waited for).  A block that fails again stays
         there; the first error propagates when ``strict``, after the others were handled."""
-        deferred, self._deferred = self._deferred, []
         error = None
-        for block in deferred:
+        for block in list(self._deferred):
             try:
                 self._insert_events(block)
             except Exception as exc:
@@ -2258,16 +2294,13 @@ class DeviceCachingAllocator:
                             self._move_to_general(block)
                 self._forget_private_if_empty(owner)
 
-    def _complete(self, block: _Block) -> None:
+    def _complete(self, block: _Block, events: Optional[list] = None) -> None:
+        """A pending block's work is done: cache it.  ``events``: a list whose last entry is
+        the block's last event, taken out as the block is freed (see _free_block)."""
         if self._history is not None:
             self._trace("free_completed", block.ptr, block.requested, block.pool.stream, block.frames)
         block.frames = None
-        p = block.pool.kind
-        for k in (0, p):
-            self._pend[k] -= 1
-            self._pend[3 + k] -= block.size
-        self._pending.remove(block)
-        self._free_block(block, 0)
+        self._free_block(block, 0, True, events)
         self._update_special()
 
     def _resume_events(self) -> None:
@@ -2290,19 +2323,30 @@ class DeviceCachingAllocator:
             while events:
                 entry = events[-1]
                 if query(entry[0]):
-                    # no signal check between these three (no call): a KeyboardInterrupt
-                    # cannot leave the event gone and the block still waiting for it
-                    del events[-1]
-                    item = entry[2]
-                    item.events -= 1
-                    self._event_cache.setdefault(entry[1], []).append(entry[0])
-                    if item.events == 0:
-                        self._done(item)
+                    self._event_done(events)
                 else:
                     self._pending_events.append(entry)
                     del events[-1]
         finally:
             self._pending_events += events
+
+    def _event_done(self, events: list) -> None:
+        """The last entry of ``events`` (event, device, block or _Retired) completed: take it
+        out, count it, cache the event.  With no call between taking it out and the count (the
+        last event of a block frees it in the same step, in _free_block), so a KeyboardInterrupt
+        never leaves a block waiting for nothing; it may lose the event object itself."""
+        event, device, item = events[-1]
+        cache = self._event_cache.get(device)
+        if cache is None:
+            cache = self._event_cache[device] = []
+        if item.events == 1 and type(item) is not _Retired and not item.uses:
+            self._complete(item, events)
+        else:
+            del events[-1]
+            item.events -= 1
+            if item.events == 0:
+                self._done(item)
+        cache.append(event)
 
     def _synchronize_and_free_events(self) -> None:
         """Wait for every pending block's events and free the blocks (torch's
@@ -2330,11 +2374,7 @@ class DeviceCachingAllocator:
                     # block only needs the work to have ended, which a query tells.
                     if not self._be.event_query(event):
                         raise
-                events.pop()
-                self._event_cache.setdefault(device, []).append(event)
-                item.events -= 1
-                if item.events == 0:
-                    self._done(item)
+                self._event_done(events)
         finally:
             self._pending_events += events
 

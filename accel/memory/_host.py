@@ -70,6 +70,19 @@ class CaptureHold:
             self._owner._release_hold(self)
 
 
+def _counted(tally: list, delta: int) -> list:
+    """A torch host_memory_stats counter (current, peak, allocated, freed) changed by ``delta``,
+    as a new list: the caller stores it with one subscript (no call, see malloc)."""
+    cur, peak, allocated, freed = tally
+    cur += delta
+    if delta > 0:
+        allocated += delta
+        peak = max(peak, cur)
+    else:
+        freed -= delta
+    return [cur, peak, allocated, freed]
+
+
 class HostCachingAllocator:
     """Process-wide pinned host allocator; thread-safe.  See the module docstring."""
 
@@ -118,35 +131,54 @@ class HostCachingAllocator:
         with self._lock:
             if (self._events or self._deferred) and not capture_underway(be):
                 self._resume_events(strict=False)
+            # Interrupt safety (Ctrl-C): the new counts are computed first and published with
+            # plain stores (CPython checks for a signal only after a call), the one call that
+            # changes state last; a new block is recorded as the backend call returns.
+            stats, tally = self._stats, self._tally
+            requests = _counted(tally["active_requests"], 1)
+            active = _counted(tally["active_bytes"], size)
             ready = self._free.get(size)
             if ready:
-                block = self._blocks[ready.pop()]
-            else:
-                try:
-                    start = time.perf_counter()
-                    ptr = be.host_alloc(size)
-                except OutOfMemoryError:
-                    be.clear_error()            # handled: no stale error for another library
-                    if capture_underway(be):
-                        raise                   # cudaFreeHost would invalidate the capture
-                    self._release_free()
-                    start = time.perf_counter()
-                    ptr = be.host_alloc(size)   # a second failure propagates
-                # recorded before anything else (a KeyboardInterrupt at the next call would lose it)
-                block = self._blocks[ptr] = _HostBlock(ptr, size)
-                insort(self._starts, ptr)
-                self._time("host_alloc_time", start)
-                self._stats["reserved_bytes"] += size
-                self._stats["segments"] += 1
-                self._stats["num_host_alloc"] += 1
-                self._count("allocations", 1)
-                self._count("allocated_bytes", size)
+                ptr = ready[-1]
+                block = self._blocks[ptr]
+                del ready[-1]
+                block.allocated = True
+                stats["allocated_bytes"] += size
+                stats["allocations"] += 1
+                tally["active_requests"] = requests
+                tally["active_bytes"] = active
+                return ptr
+            block = _HostBlock(0, size)
             block.allocated = True
-            self._stats["allocated_bytes"] += size
-            self._stats["allocations"] += 1
-            self._count("active_requests", 1)
-            self._count("active_bytes", size)
-            return block.ptr
+            allocations = _counted(tally["allocations"], 1)
+            allocated = _counted(tally["allocated_bytes"], size)
+            try:
+                start = time.perf_counter()
+                ptr = be.host_alloc(size)
+            except OutOfMemoryError:
+                be.clear_error()            # handled: no stale error for another library
+                if capture_underway(be):
+                    raise                   # cudaFreeHost would invalidate the capture
+                self._release_free()
+                allocations = _counted(tally["allocations"], 1)
+                allocated = _counted(tally["allocated_bytes"], size)
+                start = time.perf_counter()
+                ptr = be.host_alloc(size)   # a second failure propagates
+            # recorded as the call returns, with no call before the insort
+            block.ptr = ptr
+            self._blocks[ptr] = block
+            stats["reserved_bytes"] += size
+            stats["segments"] += 1
+            stats["num_host_alloc"] += 1
+            stats["allocated_bytes"] += size
+            stats["allocations"] += 1
+            tally["allocations"] = allocations
+            tally["allocated_bytes"] = allocated
+            tally["active_requests"] = requests
+            tally["active_bytes"] = active
+            insort(self._starts, ptr)
+            self._time("host_alloc_time", start)
+            return ptr
 
     def free(self, ptr: int) -> None:
         """Return ``ptr`` to the cache (0 is a no-op).  ValueError for a double free
@@ -160,19 +192,27 @@ class HostCachingAllocator:
                 if ptr == 0 and type(ptr) is int:
                     return
                 raise self._not_allocated(ptr, block)
+            # computed first, published with plain stores, the one call last (see malloc)
+            stats, tally = self._stats, self._tally
+            requests = _counted(tally["active_requests"], -1)
+            active = _counted(tally["active_bytes"], -block.size)
+            ready = self._free.get(block.size)
             block.allocated = False
-            self._stats["allocated_bytes"] -= block.size
-            self._stats["allocations"] -= 1
-            self._count("active_requests", -1)
-            self._count("active_bytes", -block.size)
+            stats["allocated_bytes"] -= block.size
+            stats["allocations"] -= 1
+            tally["active_requests"] = requests
+            tally["active_bytes"] = active
             if block.holds:
                 self._parked.add(block)         # a graph's replays still copy from or into it
             elif not block.uses:
-                self._free.setdefault(block.size, []).append(ptr)
-            elif capture_underway(self._be):
-                self._deferred.append(block)   # see _caching: no events during a capture
+                if ready is None:
+                    self._free[block.size] = [ptr]
+                else:
+                    ready += (ptr,)
             else:
-                self._insert_events(block)     # a failure raises; the block stays deferred
+                self._deferred += (block,)      # waits there until its events are recorded
+                if not capture_underway(self._be):     # see _caching: no events during a capture
+                    self._insert_events(block)     # a failure raises; the block stays deferred
 
     def owns(self, address: int, nbytes: int) -> Optional[int]:
         """The block start when ``[address, address + nbytes)`` lies inside one allocated
@@ -237,12 +277,18 @@ class HostCachingAllocator:
                 block.holds = None
                 if block.allocated or block not in self._parked:
                     continue                # its free takes the normal path
-                self._parked.discard(block)
+                # out of _parked and into its free list or _deferred in one step (no call)
+                parked = self._parked - {block}
+                ready = self._free.get(block.size)
+                self._parked = parked
                 if not block.uses:
-                    self._free.setdefault(block.size, []).append(block.ptr)
-                elif capture_underway(self._be):
-                    self._deferred.append(block)
-                else:
+                    if ready is None:
+                        self._free[block.size] = [block.ptr]
+                    else:
+                        ready += (block.ptr,)
+                    continue
+                self._deferred += (block,)
+                if not capture_underway(self._be):
                     try:
                         self._insert_events(block)
                     except Exception as exc:    # the block waits in _deferred; the others go on
@@ -335,18 +381,25 @@ class HostCachingAllocator:
         return event
 
     def _insert_events(self, block: _HostBlock) -> None:
-        """Record an event on every stream that used ``block`` (see ``record_uses``); a block
-        that needs none goes back to its free list now."""
-        if record_uses(self, block, self._events):
-            self._free.setdefault(block.size, []).append(block.ptr)
+        """Record an event on every stream that used ``block``, which waits in ``_deferred``
+        meanwhile (see ``record_uses``); a block that needs none goes back to its free list
+        now, leaving ``_deferred`` in the same step (no call in between)."""
+        record_uses(self, block, self._events)
+        deferred = [b for b in self._deferred if b is not block]
+        ready = self._free.get(block.size)
+        self._deferred = deferred
+        if block.events == 0:
+            if ready is None:
+                self._free[block.size] = [block.ptr]
+            else:
+                ready += (block.ptr,)
 
     def _resume_events(self, strict: bool) -> None:
         """Record the events of deferred blocks and reuse blocks whose events completed.
         A deferred block that fails again stays deferred; its error propagates only when
         ``strict`` (empty_cache), after everything else was done."""
-        deferred, self._deferred = self._deferred, []
         error = None
-        for block in deferred:
+        for block in list(self._deferred):
             try:
                 self._insert_events(block)
             except Exception as exc:
@@ -364,11 +417,19 @@ class HostCachingAllocator:
                 entry = events[-1]
                 event, device, block = entry
                 if query(event):
-                    del events[-1]              # no call before the count: see _caching
+                    cache = self._event_cache.get(device)
+                    if cache is None:
+                        cache = self._event_cache[device] = []
+                    ready = self._free.get(block.size)
+                    # no call from here to the append: see _caching
+                    del events[-1]
                     block.events -= 1
                     if block.events == 0 and not block.uses:   # else deferred: a use waits
-                        self._free.setdefault(block.size, []).append(block.ptr)
-                    self._event_cache.setdefault(device, []).append(event)
+                        if ready is None:
+                            self._free[block.size] = [block.ptr]
+                        else:
+                            ready += (block.ptr,)
+                    cache.append(event)
                 else:
                     self._events.append(entry)
                     del events[-1]
@@ -415,17 +476,6 @@ class HostCachingAllocator:
                         tally[key][3] -= n
                     raise
                 self._time("host_free_time", start)
-
-    # torch's host_memory_stats counters (called with self._lock held)
-    def _count(self, key: str, delta: int) -> None:
-        tally = self._tally[key]
-        tally[0] += delta
-        if delta > 0:
-            tally[2] += delta
-            if tally[0] > tally[1]:
-                tally[1] = tally[0]
-        else:
-            tally[3] -= delta
 
     def _time(self, key: str, start: float) -> None:
         us = int((time.perf_counter() - start) * 1e6)
