@@ -463,6 +463,7 @@ class DeviceCachingAllocator:
         self._peers: List[int] = []    # devices granted access to every mapping (torch's peers_)
         # physical memory to give back: (handle, bytes, pool, address still mapped or None)
         self._unreleased: List[Tuple[int, int, int, Optional[int]]] = []
+        self._unsure: frozenset = frozenset()    # addresses of _unreleased whose unmap was under way
 
     # ------------------------------------------------------------------ public API
     @property
@@ -1617,21 +1618,49 @@ class DeviceCachingAllocator:
                 self._forget_private_if_empty(pool)
 
     def _free_segments(self, victims: List[_Block]) -> None:
+        """Return whole free classic segments to the device.  Each is forgotten first (plain
+        stores, no KeyboardInterrupt between them) and freed last: an interrupt as the free
+        starts may leak that one segment, but a freed segment is never kept, to be handed out
+        or freed again (its address may already be someone else's).  A failed free puts it
+        back: it stays cached (and counted)."""
+        cur, freed = self._cur, self._freed
         for block in victims:
-            # a failed cudaFree leaves the segment allocated: it stays cached (and counted)
-            self._be.mem_free(block.ptr)
             fl = block.pool
-            del fl.keys[bisect_left(fl.keys, block.size << _SHIFT | block.ptr)]
-            del self._blocks[block.ptr]
-            del self._segments[block.ptr]
-            self._whole.pop(block.ptr, None)
+            ptr = block.ptr
+            kind = fl.kind
+            key = block.size << _SHIFT | ptr
+            j = bisect_left(fl.keys, key)
+            nc, _, nf = self._seg_change(kind, -1, -block.size, -(block.size >= self._max_split))
+            oc, _, of = self._seg_change(kind, 0, 0, 0)
+            whole = ptr in self._whole
+            st = self._seg_frames.get(ptr)
+            del fl.keys[j]
+            del self._blocks[ptr]
+            del self._segments[ptr]
+            if whole:
+                del self._whole[ptr]
             fl.segments -= 1
+            cur[SEGMENT], cur[SEGMENT + kind], cur[RESERVED_BYTES], cur[RESERVED_BYTES + kind], \
+                cur[OVERSIZE_SEGMENTS] = nc
+            freed[SEGMENT], freed[SEGMENT + kind], freed[RESERVED_BYTES], freed[RESERVED_BYTES + kind], \
+                freed[OVERSIZE_SEGMENTS] = nf
+            try:
+                self._be.mem_free(ptr)
+            except Exception:
+                self._blocks[ptr] = block
+                self._segments[ptr] = block.size
+                if whole:
+                    self._whole[ptr] = block
+                fl.segments += 1
+                cur[SEGMENT], cur[SEGMENT + kind], cur[RESERVED_BYTES], cur[RESERVED_BYTES + kind], \
+                    cur[OVERSIZE_SEGMENTS] = oc
+                freed[SEGMENT], freed[SEGMENT + kind], freed[RESERVED_BYTES], freed[RESERVED_BYTES + kind], \
+                    freed[OVERSIZE_SEGMENTS] = of
+                insort(fl.keys, key)
+                raise
             self._scalars["num_device_free"] += 1
-            self._count_down(SEGMENT, 1, fl.kind)
-            self._count_down(RESERVED_BYTES, block.size, fl.kind)
-            if block.size >= self._max_split:
-                self._count_down(OVERSIZE_SEGMENTS, 1)
-            st = self._seg_frames.pop(block.ptr, None)
+            if ptr in self._seg_frames:
+                del self._seg_frames[ptr]
             if self._history is not None:
                 # torch: the releasing call's stack under context "all", else the segment's
                 self._trace("segment_free", block.ptr, block.size, fl.stream,
@@ -1668,21 +1697,25 @@ class DeviceCachingAllocator:
         """Reserve the address range of ``fl``'s expandable segment: the device's total
         memory rounded up to the granularity, so it can grow as far as the device can."""
         gran = self._gran
-        with self._on_device():
-            total = self._be.mem_info()[1]
-            size = -(-total // gran) * gran
-            base = self._be.vmm_reserve(self._index, size)
-        seg = _ExpSegment(base, size, fl.kind)
-        if fl.kind == _SMALL:
-            fl.page = gran                    # E8
-        hole = _Block(base, size, fl, None, None)
+        # made first, recorded as the reserve returns (no call before the append): a
+        # KeyboardInterrupt finds no reservation or a recorded one
+        seg = _ExpSegment(0, 0, fl.kind)
+        hole = _Block(0, 0, fl, None, None)
         hole.state = _UNMAPPED
         hole.seg = seg
         seg.head = hole
         seg.holes.add(hole)
-        self._exp_segs.append(seg)
-        fl.exp = seg
-        fl.segments += 1
+        with self._on_device():
+            total = self._be.mem_info()[1]
+            size = -(-total // gran) * gran
+            base = self._be.vmm_reserve(self._index, size)
+            seg.base = hole.ptr = base
+            seg.size = hole.size = size
+            if fl.kind == _SMALL:
+                fl.page = gran                    # E8
+            fl.exp = seg
+            fl.segments += 1
+            self._exp_segs.append(seg)
         return seg
 
     def _list_free(self, block: _Block) -> None:
@@ -2017,18 +2050,25 @@ class DeviceCachingAllocator:
         end = seg.base + seg.size
         if any(u[3] is not None and seg.base <= u[3] < end for u in self._unreleased):
             return
-        hole = seg.head
+        # forgotten first, freed last, as _free_segments does (an interrupt as the free starts
+        # may leak the reservation; a freed range is never kept, to be mapped into)
+        fl = seg.head.pool
+        before = self._exp_segs
+        after = [s for s in before if s is not seg]
+        grows = fl.exp is seg
         try:
             with self._on_device():
+                self._exp_segs = after
+                fl.segments -= 1
+                if grows:
+                    fl.exp = None
                 self._be.vmm_free(seg.base, seg.size)
         except AcceleratorError:
             self._be.clear_error()
-            return
-        self._exp_segs.remove(seg)
-        fl = hole.pool
-        fl.segments -= 1
-        if fl.exp is seg:
-            fl.exp = None
+            self._exp_segs = before
+            fl.segments += 1
+            if grows:
+                fl.exp = seg
 
     def _exp_drop_orphans(self, every: bool = False) -> None:
         """Free the reservations with nothing mapped that no stream grows any more (a
@@ -2163,16 +2203,44 @@ class DeviceCachingAllocator:
             while unreleased:
                 handle, n, kind, addr = unreleased[-1]
                 if addr is not None:
-                    self._be.vmm_unmap(addr, n)
+                    # Marked unsure while the unmap runs: after a KeyboardInterrupt there (as it
+                    # returns, in the backend) the retry cannot tell whether it unmapped, and
+                    # takes a refusal as done; the address is in our own reservation, where
+                    # nothing maps while this entry waits.
+                    again = addr in self._unsure
+                    marked = self._unsure | {addr}
+                    self._unsure = marked
+                    try:
+                        self._be.vmm_unmap(addr, n)
+                    except CaptureError:
+                        self._unsure = marked - {addr}
+                        raise
+                    except AcceleratorError:
+                        if not again:
+                            self._unsure = marked - {addr}
+                            raise
+                        self._be.clear_error()      # an earlier try unmapped it
                     unreleased[-1] = (handle, n, kind, None)
+                    self._unsure = marked - {addr}
                     scalars["num_device_unmap"] += 1
-                self._be.vmm_release(handle)
+                # forgotten first, released last (plain stores between): an interrupt as the
+                # release starts may leak this handle, but a released handle (whose value the
+                # driver may give to the next create) is never released again
                 r, rk = RESERVED_BYTES, RESERVED_BYTES + kind
+                del unreleased[-1]
                 cur[r] -= n
                 cur[rk] -= n
                 freed[r] += n
                 freed[rk] += n
-                del unreleased[-1]
+                try:
+                    self._be.vmm_release(handle)
+                except Exception:
+                    cur[r] += n
+                    cur[rk] += n
+                    freed[r] -= n
+                    freed[rk] -= n
+                    unreleased.append((handle, n, kind, None))
+                    raise
 
     def _exp_snapshot(self, exp: _ExpSegment, symbols: _Symbols) -> List[dict]:
         """torch reports each mapped run of an expandable segment as a segment with
