@@ -1179,52 +1179,116 @@ class DeviceCachingAllocator:
         keys = fl.keys
         prev = block.prev
         nxt = block.next
-        page = fl.page
+        if not completing and (prev is None or prev.state != _FREE or (
+                fl.page and block.seg is not None and block.ptr % fl.page == 0)):
+            # The common case, kept short: the previous block does not merge.
+            if nxt is not None and nxt.state == _FREE and not (fl.page and nxt.seg is not None
+                                                               and nxt.ptr % fl.page == 0):
+                n = nxt.size
+                j = bisect_left(keys, n << _SHIFT | nxt.ptr)
+                dec += fl.split_deltas.get(n) or fl.split_delta(n)
+                size = block.size + n
+                after = nxt.next
+                key = size << _SHIFT | block.ptr
+                move = j + 1 < len(keys) and keys[j + 1] < key
+            else:
+                j = -1
+                size = block.size
+                after = nxt
+                key = size << _SHIFT | block.ptr
+                move = True
+            if prev is not None or after is not None:
+                cur = self._s_cur - dec + (fl.split_deltas.get(size) or fl.split_delta(size))
+                if cur != self._s_peak_ok_free:    # see malloc (a memo of its own: the two alternate)
+                    if (self._s_peak_guarded - cur) & _GUARD != _GUARD:
+                        self._s_peak_guarded = raise_peaks(self._s_peak_guarded, cur, _GUARD)
+                    self._s_peak_ok_free = cur
+                # publish (no call until the insort)
+                block.state = _FREE
+                if j >= 0:
+                    del self._blocks[nxt.ptr]
+                    self._spare = nxt
+                    block.size = size
+                    block.next = after
+                    if after is not None:
+                        after.prev = block
+                self._s_freed += dec
+                self._s_cur = cur
+                if not move:
+                    keys[j] = key
+                else:
+                    if j >= 0:
+                        del keys[j]
+                    insort(keys, key)
+                return
+            cur = self._s_cur - dec
+            # publish (no call until the insort)
+            block.state = _FREE
+            if j >= 0:
+                del self._blocks[nxt.ptr]
+                self._spare = nxt
+                block.size = size
+                block.next = after
+            self._s_freed += dec
+            self._s_cur = cur
+            if block.seg is None:
+                self._whole[block.ptr] = block
+            if not move:
+                keys[j] = key
+            else:
+                if j >= 0:
+                    del keys[j]
+                insort(keys, key)
+            if fl.watch_whole:
+                self._whole_segment_free(block)
+            return
+        size = block.size
+        start = block
+        after = nxt
+        lo = hi = -1        # slots of merged neighbours' keys, lo < hi
         # E8 (fl.page): in an expandable segment, free blocks do not merge across a page boundary;
         # a classic segment in the same list merges anywhere (the device places it at any
         # 256-byte boundary, so a page boundary may fall inside it)
-        mprev = prev is not None and prev.state == _FREE and not (page and block.seg is not None
-                                                                   and block.ptr % page == 0)
-        mnext = nxt is not None and nxt.state == _FREE and not (page and nxt.seg is not None
-                                                                and nxt.ptr % page == 0)
-        size = block.size
-        lo = hi = -1        # slots of merged neighbours' keys
-        if mprev:
+        if prev is not None and prev.state == _FREE and not (fl.page and block.seg is not None
+                                                             and block.ptr % fl.page == 0):
             n = prev.size
             lo = bisect_left(keys, n << _SHIFT | prev.ptr)
             # a merged neighbour is an inactive split block that goes away
             dec += fl.split_deltas.get(n) or fl.split_delta(n)
             size += n
             start = prev
-        else:
-            start = block
-        after = nxt
-        if mnext:
+        if nxt is not None and nxt.state == _FREE and not (fl.page and nxt.seg is not None
+                                                           and nxt.ptr % fl.page == 0):
             n = nxt.size
-            hi = bisect_left(keys, n << _SHIFT | nxt.ptr)
+            j = bisect_left(keys, n << _SHIFT | nxt.ptr)
             dec += fl.split_deltas.get(n) or fl.split_delta(n)
             size += n
             after = nxt.next
-            if lo > hi:
-                lo, hi = hi, lo
             if lo < 0:
-                lo, hi = hi, -1
+                lo = j
+            elif j < lo:
+                lo, hi = j, lo
+            else:
+                hi = j
         key = size << _SHIFT | start.ptr
         # The merged block's key is larger than a merged neighbour's, so it usually sorts
         # into that slot (lo, once the other one, hi, is deleted): overwrite it instead of a
         # delete plus an insort.
-        move = True
-        if lo >= 0:
-            k = lo + 1 if lo + 1 != hi else lo + 2
+        if lo < 0:
+            move = True
+        else:
+            k = lo + 1
+            if k == hi:
+                k += 1
             move = k < len(keys) and keys[k] < key
         split = start.prev is not None or after is not None
-        pg = self._s_peak_guarded
         if split:
-            # the merged block is itself an inactive split block
+            # the merged block is itself an inactive split block (peaks raised early, as malloc's)
             cur = self._s_cur - dec + (fl.split_deltas.get(size) or fl.split_delta(size))
             if cur != self._s_peak_ok_free:    # see malloc (a memo of its own: the two alternate)
-                if (pg - cur) & _GUARD != _GUARD:
-                    pg = raise_peaks(pg, cur, _GUARD)
+                if (self._s_peak_guarded - cur) & _GUARD != _GUARD:
+                    self._s_peak_guarded = raise_peaks(self._s_peak_guarded, cur, _GUARD)
+                self._s_peak_ok_free = cur
         else:
             cur = self._s_cur - dec
         if completing:
@@ -1236,19 +1300,19 @@ class DeviceCachingAllocator:
             pend[3 + p] -= block.size
             pending = [b for b in self._pending if b is not block]
             deferred = [b for b in self._deferred if b is not block]
-        # publish (no call until the insort)
-        if completing:
+            # publish (no call until the insort)
             self._pend = pend
             self._pending = pending
             self._deferred = deferred
             block.events = 0
             if events is not None:
                 del events[-1]
+        # publish (no call until the insort)
         block.state = _FREE
-        if mprev:
+        if start is not block:
             del self._blocks[block.ptr]
             self._spare = block
-        if mnext:
+        if after is not nxt:
             del self._blocks[nxt.ptr]
             self._spare = nxt
         start.size = size
@@ -1257,20 +1321,25 @@ class DeviceCachingAllocator:
             after.prev = start
         self._s_freed += dec
         self._s_cur = cur
-        if split:
-            self._s_peak_guarded = pg
-            self._s_peak_ok_free = cur
-        elif start.seg is None:
-            self._whole[start.ptr] = start
         if hi >= 0:
             del keys[hi]
-        if not move:
-            keys[lo] = key
-        else:
+        if split:
+            if move:
+                if lo >= 0:
+                    del keys[lo]
+                insort(keys, key)
+            else:
+                keys[lo] = key
+            return
+        if start.seg is None:
+            self._whole[start.ptr] = start
+        if move:
             if lo >= 0:
                 del keys[lo]
             insort(keys, key)
-        if not split and fl.watch_whole:
+        else:
+            keys[lo] = key
+        if fl.watch_whole:
             self._whole_segment_free(start)
 
     def _whole_segment_free(self, block: _Block) -> None:
