@@ -16,7 +16,15 @@ no lock left held); the workload runs again; freeing everything and emptying the
 brings device and pinned memory back to 0, in the allocators' stats and in the simulator.
 An interrupted ``malloc`` either kept nothing or left one block allocated that the caller
 never got (an interrupt after its last state change): such an orphan is counted and freed by
-the test (the caller cannot; see the report in the module's test)."""
+the test (the caller cannot; see the report in the module's test).
+
+A vendor free (cudaFree, cuMemRelease, cuMemAddressFree, cudaFreeHost and their Level Zero
+peers) is made after the allocator forgot the resource: once freed, its value (address or
+handle) may be the next caller's, so keeping a maybe-freed resource could hand out or free
+someone else's.  An interrupt exactly as the backend's free call starts (the injection point
+at the backend function's entry) may therefore leak that one resource: such a run is counted
+as ``lost`` (as an orphan is) when exactly one resource is left, and the simulator is reset
+(r35)."""
 
 import dis
 import os
@@ -375,6 +383,15 @@ def _finish(w):
             w.be.stream_destroy(s)
 
 
+# backend calls that give a resource back (see the module docstring)
+_FREES = {"mem_free", "vmm_release", "vmm_free", "host_free"}
+
+
+def _one_resource(leaks) -> bool:
+    """``leaks`` (from _leaks) is exactly one resource."""
+    return sum(sum(v.values()) if isinstance(v, dict) else v for v in leaks.values()) == 1
+
+
 def _sweep(be, stride):
     """Every injection point of every op (every ``stride``-th): failures as (site, op, error)."""
     # count the points of each op once (no injection)
@@ -394,6 +411,7 @@ def _sweep(be, stride):
     assert not _leaks(be)
     failures = []
     orphans = []
+    at_free = []
     runs = 0
     for i, total in enumerate(points):
         for n in range(1 + i % stride, total + 1, stride):
@@ -436,36 +454,40 @@ def _sweep(be, stride):
                 _check_all(w)
                 _finish(w)
                 leaks = _leaks(be)
+                if leaks and site and site.split()[-1] in _FREES and _one_resource(leaks):
+                    at_free.append((site, what))    # the accepted leak (module docstring)
+                    _lazy._reset_for_tests()
+                    be = _lazy.lazy_init()
+                    continue
                 assert not leaks, f"left in the simulator: {leaks}"
             except BaseException as exc:   # noqa: BLE001 - a failure to report
                 failures.append((site or f"op {i} point {n}", ops[i][0], f"{type(exc).__name__}: {exc}"[:300]))
                 _lazy._reset_for_tests()   # drop the broken world
                 be = _lazy.lazy_init()
-    return runs, failures, orphans
+    return runs, failures, orphans, at_free
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "r33 measured (ACCEL_INTERRUPT_STRIDE=1, cuda): 1405 injected runs, 587 fail.  Fixed: locks "
-    "left held (malloc/free/add_peer took the lock by acquire()+try, the pinned allocator by a Python "
-    "context manager), event-destroy loops, _process_events, pinned _release_free.  Left: every "
-    "multi-step update of the hot path and of the expandable paths (_exp_map/_exp_unmap_one/_exp_release "
-    "touch the driver then record it; split/merge in malloc/_free_block; the packed stats and peaks, "
-    "_count_up, _list_free) is not commit-last; pinned malloc counts through calls"))
+# r33 measured 1405 injected runs / 587 failures (stride 1); r35 ordered the allocators'
+# updates (compute, then publish with plain stores, the one call last) and freed resources
+# after forgetting them: 1445 runs, 0 failures, 19 orphans, 9 lost at a free's start per sim.
 @pytest.mark.skipif(not _vmm.supported(), reason="this host cannot play virtual memory (mmap)")
 @pytest.mark.parametrize("kind", ["cuda", "xpu"])
 def test_keyboard_interrupt_anywhere_in_the_allocators(monkeypatch, kind):
     use_sim(monkeypatch, kind)
     be = _lazy.lazy_init()
     stride = _STRIDE
-    runs, failures, orphans = _sweep(be, stride)
+    runs, failures, orphans, at_free = _sweep(be, stride)
     if _REPORT:
         from collections import Counter
         out = open(_REPORT, "a")
-        print(f"\n{kind}: {runs} injected runs, {len(failures)} failures, {len(orphans)} orphans", file=out)
+        print(f"\n{kind}: {runs} injected runs, {len(failures)} failures, {len(orphans)} orphans, "
+              f"{len(at_free)} lost at a free's start", file=out)
         for key, k in Counter((f[0], f[2][:160]) for f in failures).most_common():
             print(f"  {k:4d}  {key[0]}  -> {key[1]}", file=out)
         for key, k in Counter(orphans).most_common():
             print(f"  orphan {k:3d}  {key}", file=out)
+        for key, k in Counter(at_free).most_common():
+            print(f"  lost {k:3d}  {key}", file=out)
         out.close()
     assert runs > 100
     assert not failures, failures[:5]
