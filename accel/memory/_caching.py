@@ -1787,24 +1787,6 @@ class DeviceCachingAllocator:
             self._exp_segs.append(seg)
         return seg
 
-    def _list_free(self, block: _Block) -> None:
-        """Put a free block into its list and count it (as _free_block would)."""
-        fl = block.pool
-        insort(fl.keys, block.size << _SHIFT | block.ptr)
-        if block.prev is not None or block.next is not None:
-            cur = self._s_cur = self._s_cur + (fl.split_deltas.get(block.size) or fl.split_delta(block.size))
-            if (self._s_peak_guarded - cur) & _GUARD != _GUARD:
-                self._s_peak_guarded = raise_peaks(self._s_peak_guarded, cur, _GUARD)
-
-    def _unlist_free(self, block: _Block) -> None:
-        """Take a free block out of its list and its counts (before its neighbours change)."""
-        fl = block.pool
-        del fl.keys[bisect_left(fl.keys, block.size << _SHIFT | block.ptr)]
-        if block.prev is not None or block.next is not None:
-            w = fl.split_deltas.get(block.size) or fl.split_delta(block.size)
-            self._s_cur -= w
-            self._s_freed += w
-
     def _exp_create(self, seg: _ExpSegment, plan, size: int) -> Optional[List[Tuple[int, int, int]]]:
         """Physical memory for the ``need`` bytes at ``addr`` that ``plan`` (from _place)
         maps for a request of ``size``, one handle per piece (E9):
@@ -2531,14 +2513,22 @@ class DeviceCachingAllocator:
         return lists
 
     def _move_to_general(self, block: _Block) -> None:
+        """A whole free segment of a released private pool joins the general cache: both free
+        lists are computed first and published with plain stores (no KeyboardInterrupt
+        between them)."""
         fl = block.pool
-        del fl.keys[bisect_left(fl.keys, block.size << _SHIFT | block.ptr)]
         lists = self._general.get(fl.stream) or self._new_lists(fl.stream, None)
         target = lists[0] if fl.kind == _SMALL else lists[1]
+        key = block.size << _SHIFT | block.ptr
+        src = list(fl.keys)
+        del src[bisect_left(src, key)]
+        dst = list(target.keys)
+        insort(dst, key)
+        fl.keys[:] = src
+        target.keys[:] = dst
         block.pool = target
         fl.segments -= 1
         target.segments += 1
-        insort(target.keys, block.size << _SHIFT | block.ptr)
 
     def _forget_private_if_empty(self, pool: _PrivatePool) -> None:
         if pool.use_count == 0 and self._private.get(pool.id) is pool:
