@@ -504,151 +504,134 @@ class DeviceCachingAllocator:
         if _locks._collector is not None:     # a finalizer: see _gc_probe
             _gc_probe(self._lock, "malloc")
         with self._lock:     # not acquire() + try: a KeyboardInterrupt as acquire returns would keep it
-            try:     # (zero-cost in CPython 3.11: nothing runs unless an exception does)
-                special = self._special
-                # The block found is still in its free list (fl.keys[i]) whichever path found it,
-                # so a KeyboardInterrupt before the hand-out below leaves it cached.
-                if special:
-                    if self._pow2:
-                        size = self._round_pow2(nbytes)
-                    block, fl, i = self._find_special(size, nbytes, stream)
-                else:
-                    lists = self._general.get(stream)
-                    if lists is None:
-                        lists = self._new_lists(stream, None)
-                    fl = lists[size > SMALL_SIZE]      # (small, large)
-                    keys = fl.keys
-                    i = bisect_left(keys, size << _SHIFT)
-                    try:
-                        block = self._blocks[keys[i] & _MASK]
-                    except IndexError:               # nothing cached is big enough
-                        block = self._malloc_miss(size, nbytes, fl)
-                        fl = block.pool      # a small request may get a large-pool block
-                        i = self._slot(block)
-                    else:
-                        if (size > SMALL_SIZE and block.next is None and block.prev is None
-                                and block.size >= 2 * size):
-                            other = self._split_instead(fl, i, block)
-                            if other is not None:
-                                block = other
-                                i = self._slot(block)
-                # Hand the block out, splitting off the rest when it is worth keeping.
-                # (Inlined: this is the hot path.)  Interrupt safety (Ctrl-C): everything is
-                # computed first (calls may be interrupted: nothing changed yet), then published
-                # with plain stores, which CPython runs with no signal check between them; the
-                # one call that changes state (insort) comes last.  The compute part may write
-                # the block's scratch fields (stat, undo, requested: a free block's are only
-                # read by the whole-segment `undo` test below, to which they stay consistent),
-                # a spare block object's fields, and the packed peaks (raised early: a peak may
-                # then count an allocation a KeyboardInterrupt stopped, never less than one made).
+            special = self._special
+            # The block found is still in its free list (fl.keys[i]) whichever path found it,
+            # so a KeyboardInterrupt before the hand-out below leaves it cached.
+            if special:
+                if self._pow2:
+                    size = self._round_pow2(nbytes)
+                block, fl, i = self._find_special(size, nbytes, stream)
+                if i < 0:
+                    return block.ptr          # _small_in_large handed it out
+            else:
+                lists = self._general.get(stream)
+                if lists is None:
+                    lists = self._new_lists(stream, None)
+                fl = lists[size > SMALL_SIZE]      # (small, large)
                 keys = fl.keys
-                rest = block.size - size
-                if rest >= fl.split_min and size < self._max_split:
-                    tptr = block.ptr + size
-                    nxt = block.next
-                    tail = self._spare
-                    if tail is None:
-                        tail = _Block(tptr, rest, fl, block, nxt)
-                    else:
-                        # reuse the block object the last merge retired (saves an allocation)
-                        self._spare = None
-                        tail.ptr = tptr
-                        tail.size = rest
-                        tail.pool = fl
-                        tail.prev = block
-                        tail.next = nxt
-                    tail.seg = block.seg
-                    key = rest << _SHIFT | tptr
-                    w = 0
-                    if nxt is not None or block.prev is not None:
-                        v = block.stat = fl.alloc_deltas.get(nbytes) or fl.alloc_delta(size, nbytes)
-                        # an inactive split block shrinks by `size`
-                        w = fl.shrink_deltas.get(size) or fl.shrink_delta(size)
-                        v -= w
-                        block.undo = 0
-                    elif block.undo and block.requested == nbytes:
-                        # This whole segment was split for the same request last time
-                        # (a whole block always has the segment's size), so block.stat
-                        # and the change are the same as then.
-                        v = block.undo
-                    else:
-                        v = block.stat = fl.alloc_deltas.get(nbytes) or fl.alloc_delta(size, nbytes)
-                        # a new inactive split block appears
-                        v += fl.split_deltas.get(rest) or fl.split_delta(rest)
-                        # When free() finds the segment as [block][free rest] again, it
-                        # subtracts exactly this (the rest is as large as now).
-                        block.undo = v
-                    block.requested = nbytes
-                    cur = self._s_cur + v
-                    # The lane-wise peak test costs three big-int operations; a repeated
-                    # alloc/free cycle reaches the same `cur` every time, so first compare
-                    # with the last value that passed it.
-                    if cur != self._s_peak_ok:
-                        if (self._s_peak_guarded - cur) & _GUARD != _GUARD:
-                            self._s_peak_guarded = raise_peaks(self._s_peak_guarded, cur, _GUARD)
-                        self._s_peak_ok = cur
-                    # The tail's key is smaller than the block's, so it usually sorts into
-                    # the block's own slot (always when nothing smaller is cached): then
-                    # overwrite it instead of a delete plus an insort.
-                    move = i > 0 and keys[i - 1] > key
-                    # publish (no call until the insort)
-                    if nxt is not None:
-                        nxt.prev = tail
-                    block.next = tail
-                    block.size = size
-                    self._blocks[tptr] = tail
-                    block.state = _ALLOCATED
-                    if w:
-                        self._s_freed += w
-                    self._s_cur = cur
-                    if move:
-                        del keys[i]
-                        insort(keys, key)
-                    else:
-                        keys[i] = key
+                i = bisect_left(keys, size << _SHIFT)
+                try:
+                    block = self._blocks[keys[i] & _MASK]
+                except IndexError:               # nothing cached is big enough
+                    block = self._malloc_miss(size, nbytes, fl)
+                    if block.state == _ALLOCATED:
+                        return block.ptr          # _small_in_large handed it out
+                    fl = block.pool      # a small request may get a large-pool block
+                    i = self._slot(block)
                 else:
-                    size = block.size
-                    v = block.stat = fl.lanes(1 | size << 64 | nbytes << 128)
-                    w = 0
-                    if block.prev is not None or block.next is not None:
-                        # an inactive split block becomes active
-                        w = fl.split_deltas.get(size) or fl.split_delta(size)
-                        v -= w
+                    if (size > SMALL_SIZE and block.next is None and block.prev is None
+                            and block.size >= 2 * size):
+                        other = self._split_instead(fl, i, block)
+                        if other is not None:
+                            block = other
+                            i = self._slot(block)
+            # Hand the block out, splitting off the rest when it is worth keeping.
+            # (Inlined: this is the hot path.)  Interrupt safety (Ctrl-C): everything is
+            # computed first (calls may be interrupted: nothing changed yet), then published
+            # with plain stores, which CPython runs with no signal check between them; the
+            # one call that changes state (insort) comes last.  The compute part may write
+            # the block's scratch fields (stat, undo, requested: a free block's are only
+            # read by the whole-segment `undo` test below, to which they stay consistent),
+            # a spare block object's fields, and the packed peaks (raised early: a peak may
+            # then count an allocation a KeyboardInterrupt stopped, never less than one made).
+            keys = fl.keys
+            rest = block.size - size
+            if rest >= fl.split_min and size < self._max_split:
+                tptr = block.ptr + size
+                nxt = block.next
+                tail = self._spare
+                if tail is None:
+                    tail = _Block(tptr, rest, fl, block, nxt)
+                else:
+                    # reuse the block object the last merge retired (saves an allocation)
+                    self._spare = None
+                    tail.ptr = tptr
+                    tail.size = rest
+                    tail.pool = fl
+                    tail.prev = block
+                    tail.next = nxt
+                tail.seg = block.seg
+                key = rest << _SHIFT | tptr
+                w = 0
+                if nxt is not None or block.prev is not None:
+                    v = block.stat = fl.alloc_deltas.get(nbytes) or fl.alloc_delta(size, nbytes)
+                    # an inactive split block shrinks by `size`
+                    w = fl.shrink_deltas.get(size) or fl.shrink_delta(size)
+                    v -= w
                     block.undo = 0
-                    block.requested = nbytes
-                    cur = self._s_cur + v
-                    if cur != self._s_peak_ok:
-                        if (self._s_peak_guarded - cur) & _GUARD != _GUARD:
-                            self._s_peak_guarded = raise_peaks(self._s_peak_guarded, cur, _GUARD)
-                        self._s_peak_ok = cur
-                    # publish (no call)
-                    del keys[i]
-                    block.state = _ALLOCATED
+                elif block.undo and block.requested == nbytes:
+                    # This whole segment was split for the same request last time
+                    # (a whole block always has the segment's size), so block.stat
+                    # and the change are the same as then.
+                    v = block.undo
+                else:
+                    v = block.stat = fl.alloc_deltas.get(nbytes) or fl.alloc_delta(size, nbytes)
+                    # a new inactive split block appears
+                    v += fl.split_deltas.get(rest) or fl.split_delta(rest)
+                    # When free() finds the segment as [block][free rest] again, it
+                    # subtracts exactly this (the rest is as large as now).
+                    block.undo = v
+                block.requested = nbytes
+                cur = self._s_cur + v
+                # The lane-wise peak test costs three big-int operations; a repeated
+                # alloc/free cycle reaches the same `cur` every time, so first compare
+                # with the last value that passed it.
+                if cur != self._s_peak_ok:
+                    if (self._s_peak_guarded - cur) & _GUARD != _GUARD:
+                        self._s_peak_guarded = raise_peaks(self._s_peak_guarded, cur, _GUARD)
+                    self._s_peak_ok = cur
+                # The tail's key is smaller than the block's, so it usually sorts into
+                # the block's own slot (always when nothing smaller is cached): then
+                # overwrite it instead of a delete plus an insort.
+                move = i > 0 and keys[i - 1] > key
+                # publish (no call until the insort)
+                if nxt is not None:
+                    nxt.prev = tail
+                block.next = tail
+                block.size = size
+                self._blocks[tptr] = tail
+                block.state = _ALLOCATED
+                if w:
                     self._s_freed += w
-                    self._s_cur = cur
-                if special:
-                    self._after_take(block, fl)
-                return block.ptr
-            except BaseException:
-                if self._carved is not None:
-                    self._mend_carved()
-                raise
-
-    _carved: Optional[_Block] = None     # see _small_in_large
-
-    def _mend_carved(self) -> None:
-        """malloc was interrupted (Ctrl-C) after _small_in_large split a free block for it and
-        before it handed the high part out: merge the two free halves again."""
-        high, self._carved = self._carved, None
-        if self._blocks.get(high.ptr) is not high or high.state != _FREE:
-            return
-        low = high.prev
-        if low is None or low.state != _FREE:
-            return
-        # out of its list and of the inactive split counts, then cached as a freed block is
-        fl = high.pool
-        del fl.keys[bisect_left(fl.keys, high.size << _SHIFT | high.ptr)]
-        self._free_block(high, fl.split_deltas.get(high.size) or fl.split_delta(high.size))
+                self._s_cur = cur
+                if move:
+                    del keys[i]
+                    insort(keys, key)
+                else:
+                    keys[i] = key
+            else:
+                size = block.size
+                v = block.stat = fl.lanes(1 | size << 64 | nbytes << 128)
+                w = 0
+                if block.prev is not None or block.next is not None:
+                    # an inactive split block becomes active
+                    w = fl.split_deltas.get(size) or fl.split_delta(size)
+                    v -= w
+                block.undo = 0
+                block.requested = nbytes
+                cur = self._s_cur + v
+                if cur != self._s_peak_ok:
+                    if (self._s_peak_guarded - cur) & _GUARD != _GUARD:
+                        self._s_peak_guarded = raise_peaks(self._s_peak_guarded, cur, _GUARD)
+                    self._s_peak_ok = cur
+                # publish (no call)
+                del keys[i]
+                block.state = _ALLOCATED
+                self._s_freed += w
+                self._s_cur = cur
+            if special:
+                self._after_take(block, fl)
+            return block.ptr
 
     def _find_special(self, size: int, nbytes: int, stream: int) -> Tuple[_Block, _FreeList, int]:
         """malloc's search while a capture routes allocations, blocks wait for events,
@@ -669,6 +652,8 @@ class DeviceCachingAllocator:
             self._resume_events()
         fl = lists[size > SMALL_SIZE]
         block = self._find(fl, size) or self._malloc_miss(size, nbytes, fl)
+        if block.state == _ALLOCATED:
+            return block, block.pool, -1      # _small_in_large handed it out
         return block, block.pool, self._slot(block)     # a small request may get a large-pool block
 
     @staticmethod
@@ -1437,7 +1422,6 @@ class DeviceCachingAllocator:
         """No cached block fits: wait for pending blocks, grow, or free the cache and retry.
         Returns a free block that fits, in its free list (which may be another list than ``fl``'s:
         see _small_in_large and _oom), as _find does."""
-        self._carved = None
         capturing = capture_underway(self._be)
         if self._pending_events and not capturing:
             self._process_events()
@@ -1454,7 +1438,7 @@ class DeviceCachingAllocator:
                 # classic segment, as any capture-time miss does.
                 capturing = True
         if fl.kind == _SMALL and not capturing and not self._torch_policy and fl.split_min <= SMALL_SIZE:
-            block = self._small_in_large(size, fl)     # (never for a no_split MemPool)
+            block = self._small_in_large(size, nbytes, fl)     # (never for a no_split MemPool)
             if block is not None:
                 return block
         seg_size = self._segment_size(size, fl.kind)
@@ -1479,7 +1463,7 @@ class DeviceCachingAllocator:
             self._trace("segment_alloc", block.ptr, seg_size, fl.stream, st)
         return block
 
-    def _small_in_large(self, size: int, fl: _FreeList) -> Optional[_Block]:
+    def _small_in_large(self, size: int, nbytes: int, fl: _FreeList) -> Optional[_Block]:
         """A small request whose new 2 MiB small segment would lift reserved memory past
         its high-water mark (even after release-before-grow) takes the high end of the
         best-fitting free block of the same owner and stream's large pool instead, or None.
@@ -1490,7 +1474,12 @@ class DeviceCachingAllocator:
         does (small blocks scattered in large segments pin them).  The high end, so the
         rest of the free block stays next to its lower neighbour and merges with it.
         The block is the large pool's (segment, stats, free list), as every block of a
-        segment is.  Oversize and expandable blocks are never used."""
+        segment is.  Oversize and expandable blocks are never used.
+
+        The high end is handed out here, allocated (malloc returns it as it is), in the same
+        step as the split (plain stores, no KeyboardInterrupt between them): a split published
+        before the hand-out would leave two adjacent free blocks if interrupted.  A block that
+        fits exactly is returned free and listed, as _find returns one."""
         reserved = self._cur[RESERVED_BYTES]
         if reserved + SMALL_BUFFER <= self._reserved_hw:
             return None
@@ -1512,34 +1501,36 @@ class DeviceCachingAllocator:
         was_split = block.prev is not None or block.next is not None
         nxt = block.next
         high = _Block(block.ptr + rest, size, large, block, nxt)
-        # packed counters: ``high`` is an inactive split block until malloc hands it out
-        # (malloc then counts it active, as for any split block it takes); ``block``
-        # shrinks by ``size``, or, if it was a whole segment, becomes a split block.
-        w = 0
+        # packed counters: ``block`` shrinks by ``size``, or, if it was a whole segment, becomes
+        # a split block; ``high`` is counted as an inactive split block made and taken, as
+        # malloc counts a split block it takes
+        w = large.split_deltas.get(size) or large.split_delta(size)
+        high.stat = v = large.lanes(1 | size << 64 | nbytes << 128)
+        high.requested = nbytes
+        freed = w
         if was_split:
-            w = large.lanes(size << (_ISPLIT + 64))
-            up = -w
+            shrink = large.lanes(size << (_ISPLIT + 64))
+            d = v - shrink
+            freed += shrink
         else:
-            up = large.split_deltas.get(rest) or large.split_delta(rest)
-        cur = self._s_cur + up + (large.split_deltas.get(size) or large.split_delta(size))
-        pg = self._s_peak_guarded
-        if (pg - cur) & _GUARD != _GUARD:
-            pg = raise_peaks(pg, cur, _GUARD)
+            d = v + (large.split_deltas.get(rest) or large.split_delta(rest))
+        cur = self._s_cur + d
+        if (self._s_peak_guarded - cur) & _GUARD != _GUARD:      # raised early, as malloc's
+            self._s_peak_guarded = raise_peaks(self._s_peak_guarded, cur, _GUARD)
         new = keys[:i] + keys[i + 1:]
         insort(new, rest << _SHIFT | block.ptr)
-        insort(new, size << _SHIFT | high.ptr)
-        # publish (no call: a KeyboardInterrupt finds it all done or nothing; malloc merges the
-        # halves again if one comes before it handed ``high`` out: _mend_carved)
-        self._carved = high
+        # publish (no call)
         if nxt is not None:
             nxt.prev = high
         block.next = high
         block.size = rest
         self._blocks[high.ptr] = high
+        high.state = _ALLOCATED
         keys[:] = new
         self._s_cur = cur
-        self._s_freed += w
-        self._s_peak_guarded = pg
+        self._s_freed += freed
+        if self._special:
+            self._after_take(high, large)
         return high
 
     def _before_grow(self, seg_size: int) -> None:
