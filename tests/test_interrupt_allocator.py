@@ -469,7 +469,7 @@ def _sweep(be, stride):
 
 # r33 measured 1405 injected runs / 587 failures (stride 1); r35 ordered the allocators'
 # updates (compute, then publish with plain stores, the one call last) and freed resources
-# after forgetting them: 1445 runs, 0 failures, 19 orphans, 9 lost at a free's start per sim.
+# after forgetting them: 1436 runs, 0 failures, 19 orphans, 9 lost at a free's start per sim.
 @pytest.mark.skipif(not _vmm.supported(), reason="this host cannot play virtual memory (mmap)")
 @pytest.mark.parametrize("kind", ["cuda", "xpu"])
 def test_keyboard_interrupt_anywhere_in_the_allocators(monkeypatch, kind):
