@@ -564,17 +564,20 @@ class DeviceCachingAllocator:
                 key = rest << _SHIFT | tptr
                 w = 0
                 if nxt is not None or block.prev is not None:
+                    # (undo cleared before stat changes: a stale undo must never pair with a
+                    # new stat, in a block left free by an interrupt here)
+                    block.undo = 0
                     v = block.stat = fl.alloc_deltas.get(nbytes) or fl.alloc_delta(size, nbytes)
                     # an inactive split block shrinks by `size`
                     w = fl.shrink_deltas.get(size) or fl.shrink_delta(size)
                     v -= w
-                    block.undo = 0
                 elif block.undo and block.requested == nbytes:
                     # This whole segment was split for the same request last time
                     # (a whole block always has the segment's size), so block.stat
                     # and the change are the same as then.
                     v = block.undo
                 else:
+                    block.undo = 0
                     v = block.stat = fl.alloc_deltas.get(nbytes) or fl.alloc_delta(size, nbytes)
                     # a new inactive split block appears
                     v += fl.split_deltas.get(rest) or fl.split_delta(rest)
@@ -611,13 +614,13 @@ class DeviceCachingAllocator:
                     keys[i] = key
             else:
                 size = block.size
+                block.undo = 0
                 v = block.stat = fl.lanes(1 | size << 64 | nbytes << 128)
                 w = 0
                 if block.prev is not None or block.next is not None:
                     # an inactive split block becomes active
                     w = fl.split_deltas.get(size) or fl.split_delta(size)
                     v -= w
-                block.undo = 0
                 block.requested = nbytes
                 cur = self._s_cur + v
                 if cur != self._s_peak_ok:
