@@ -488,7 +488,9 @@ def _sync_for_consumer(buffer, stream_arg) -> None:
                 try:
                     backend.stream_wait_event(handle, event)
                 except AcceleratorError as exc:
-                    if isinstance(stream_arg, Stream):
+                    # only a handle the runtime does not know (a capture error keeps its type and words)
+                    if isinstance(stream_arg, Stream) or exc.code_name not in (
+                            "cudaErrorInvalidResourceHandle", "cudaErrorInvalidValue"):
                         raise
                     raise AcceleratorError(
                         f"__dlpack__(stream={stream_arg!r}): {backend.name} refused it as the consumer's stream "
