@@ -134,3 +134,40 @@ def test_ctrl_c_as_metal_commit_returns(ctrl_c, monkeypatch):
     b.fill_(5)
     accel.synchronize()
     assert (b.to_numpy() == 5).all()
+
+
+def test_interrupt_inside_simulated_device_work_finishes_it(sim_cuda):
+    """A handler's KeyboardInterrupt raised while the simulator runs a kernel on the caller's
+    thread (a signal another thread took, e.g. OpenBLAS's, runs its handler in the main thread
+    even while the sim call defers signals): hardware never stops device work for a host
+    signal, so the kernel's work completes, the interrupt reaches the caller as the launch
+    returns, and the device is not left faulted.  Before: the sim took it for a device fault
+    (cudaErrorLaunchFailure, 719, sticky), as the Ctrl-C program showed."""
+    import numpy as np
+    ptx = b""".version 8.0
+.target sm_90
+.address_size 64
+.visible .entry fill_once(.param .u64 out)
+{ ret; }
+"""
+    runs = []
+
+    def reference(grid, block, view, out):
+        runs.append(1)
+        if len(runs) == 1:
+            raise KeyboardInterrupt        # as a handler would, between two of its bytecodes
+        view(out, 16, np.uint8)[:] = 9
+
+    sim.register_kernel("fill_once", reference, "ptr")
+    try:
+        last = accel.device_count() - 1
+        with accel.device_index(last):
+            buf = accel.Buffer(16)
+            kernel = accel.Module(ptx).function("fill_once")
+            with pytest.raises(KeyboardInterrupt):
+                accel.launch(kernel, 1, 1, buf)
+            accel.synchronize()
+            assert runs == [1, 1]
+            assert (buf.to_numpy() == 9).all()
+    finally:
+        sim.unregister_kernel("fill_once")

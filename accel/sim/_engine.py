@@ -196,9 +196,10 @@ class Queue:
         # Called with the lock held; runs fn without it, then completes seq.
         lock = self.engine.lock
         lock.release()
+        held = None
         try:
             if fn is not None:
-                fn()
+                held = _run_whole(fn)
         except BaseException as exc:  # the device "faulted"; report, keep going
             self.engine.on_error(self, exc)
         finally:
@@ -209,6 +210,11 @@ class Queue:
                 self.done = seq
             if self._waiting:
                 self.cv.notify_all()
+        if held is not None:
+            if core._Deferring.depth and threading.get_ident() == core._Deferring.main:
+                core._Deferring.pending = held    # raised as the simulated call returns
+            else:
+                raise held
         return seq
 
     def wait(self, seq: Optional[int] = None, timeout: float = None) -> None:
@@ -219,6 +225,25 @@ class Queue:
             return
         with self.engine.lock:
             _wait_locked(self, seq, timeout)
+
+
+def _run_whole(fn) -> Optional[BaseException]:
+    """Run a simulated operation on the caller's thread as hardware would: a Python signal
+    handler's exception (Ctrl-C's KeyboardInterrupt) raised between two of its bytecodes does not
+    stop the device's work.  The operation runs again from its start (simulated operations write
+    whole results: copies, fills, kernels' references) and the exception is returned, for the
+    caller to raise once the simulated call is done, as it would be right after a C call returned.
+    (Signals are deferred for a simulated call, core "atomic for Python signal handlers", but a
+    signal another thread took, e.g. OpenBLAS's, still runs its handler in the main thread.)"""
+    interrupted = None
+    while True:
+        try:
+            fn()
+            return interrupted
+        except Exception:
+            raise
+        except BaseException as exc:       # KeyboardInterrupt, SystemExit from a handler
+            interrupted = exc
 
 
 def _wait_locked(q: Queue, seq: int, timeout: Optional[float] = None) -> None:

@@ -472,9 +472,12 @@ _deferral: Optional[dict] = None
 
 class _Deferring:
     """``depth`` 1 while a simulated call of the main thread has signals blocked (a nested
-    call does not block again); ``main`` the id of the thread that runs handlers."""
+    call does not block again); ``main`` the id of the thread that runs handlers; ``pending``
+    a handler's exception that simulated device work held back (_engine._run_whole), raised
+    as the outermost simulated call returns."""
     depth = 0
     main = threading.main_thread().ident
+    pending = None
 
 
 def deferral_cells() -> dict:
@@ -523,6 +526,9 @@ DEFERRED_BODY = """\
             if _outer:
                 _D.depth = 0
                 _mask(_SETMASK, _OLD, _NULL)
+                if _D.pending is not None:
+                    _held, _D.pending = _D.pending, None
+                    raise _held
 """
 
 
@@ -564,6 +570,9 @@ def deferred(fn: Callable) -> Callable:
             if outer:
                 D.depth = 0
                 mask(setmask, old, null)
+                if D.pending is not None:
+                    held, D.pending = D.pending, None
+                    raise held
     return call
 
 
