@@ -84,16 +84,19 @@ class DriverVmm:
         rc = self.fns["cuMemGetAllocationGranularity"](out, self._prop(ordinal), _GRANULARITY_MINIMUM)
         return (out[0] if rc == 0 else 0), rc
 
-    def reserve(self, nbytes: int) -> Tuple[int, int]:
-        out = self.dffi.new("CUdeviceptr_v2 *")
+    def reserve(self, nbytes: int, out=None) -> Tuple[int, int]:
+        """``out`` (a zeroed ``CUdeviceptr_v2 *``) keeps the address for a caller that must undo
+        the reservation when a KeyboardInterrupt lands as the driver returns."""
+        out = self.dffi.new("CUdeviceptr_v2 *") if out is None else out
         rc = self.fns["cuMemAddressReserve"](out, nbytes, 0, 0, 0)
         return (int(out[0]) if rc == 0 else 0), rc
 
     def free(self, va: int, nbytes: int) -> int:
         return self.fns["cuMemAddressFree"](va, nbytes)
 
-    def create(self, ordinal: int, nbytes: int) -> Tuple[int, int]:
-        out = self.dffi.new("CUmemGenericAllocationHandle_v1 *")
+    def create(self, ordinal: int, nbytes: int, out=None) -> Tuple[int, int]:
+        """``out``: as for :meth:`reserve` (a zeroed ``CUmemGenericAllocationHandle_v1 *``)."""
+        out = self.dffi.new("CUmemGenericAllocationHandle_v1 *") if out is None else out
         rc = self.fns["cuMemCreate"](out, nbytes, self._prop(ordinal), 0)
         return (int(out[0]) if rc == 0 else 0), rc
 
@@ -164,9 +167,20 @@ class CudaVmmMixin:
         """cuMemAddressReserve of ``nbytes`` (a multiple of the granularity); the base address."""
         drv = self._vmm()
         self._vmm_not_capturing("cuMemAddressReserve")
-        va, rc = drv.reserve(nbytes)
-        self._check_driver(drv, rc, "cuMemAddressReserve")
-        return va
+        out = drv.dffi.new("CUdeviceptr_v2 *")
+        try:
+            va, rc = drv.reserve(nbytes, out)
+            self._check_driver(drv, rc, "cuMemAddressReserve")
+            return va
+        except Exception:
+            raise
+        except BaseException:
+            # A KeyboardInterrupt as the driver returned (CPython runs a signal's handler right
+            # after a C call): the range is reserved but the caller never gets it.  Freed here,
+            # so an interrupted reserve leaves nothing (an address the driver did not write is 0).
+            if out[0]:
+                drv.free(int(out[0]), nbytes)
+            raise
 
     def vmm_free(self, va: int, nbytes: int) -> None:
         """cuMemAddressFree of a whole reservation (nothing may be mapped in it)."""
@@ -179,9 +193,17 @@ class CudaVmmMixin:
         OutOfMemoryError when the device is full."""
         drv = self._vmm()
         self._vmm_not_capturing("cuMemCreate")
-        handle, rc = drv.create(index, nbytes)
-        self._check_driver(drv, rc, "cuMemCreate")
-        return handle
+        out = drv.dffi.new("CUmemGenericAllocationHandle_v1 *")
+        try:
+            handle, rc = drv.create(index, nbytes, out)
+            self._check_driver(drv, rc, "cuMemCreate")
+            return handle
+        except Exception:
+            raise
+        except BaseException:
+            if out[0]:          # created, the caller interrupted before it got it: as vmm_reserve
+                drv.release(int(out[0]))
+            raise
 
     def vmm_release(self, handle: int) -> None:
         """cuMemRelease (the memory goes once no mapping of it is left)."""
@@ -194,18 +216,37 @@ class CudaVmmMixin:
         when the access cannot be set the mapping is undone before the error is raised."""
         drv = self._vmm()
         self._vmm_not_capturing("cuMemMap")
-        self._check_driver(drv, drv.map(va, nbytes, handle), "cuMemMap")
-        rc = drv.set_access(va, nbytes, index)
-        if rc:
-            undo = drv.unmap(va, nbytes)
-            try:
-                self._check_driver(drv, rc, "cuMemSetAccess")
-            except AcceleratorError as exc:
-                if undo:
-                    exc.still_mapped = True       # the caller must unmap it before releasing
-                    exc.add_note(f"the mapping at 0x{va:x} could not be undone either: cuMemUnmap failed "
-                                 f"with {drv.error_name(undo)} ({undo})")
-                raise
+        # Interrupt safety: a KeyboardInterrupt anywhere from the map on (CPython runs a signal's
+        # handler right after a C call returns, before its result is stored) unmaps again, so an
+        # interrupted vmm_map leaves nothing mapped, as a failed one.  ``maybe`` is set before
+        # the map (a plain store) and cleared once a driver error says nothing was mapped; the
+        # undo is unconditional then, and a refusal ('not mapped') is taken as nothing to undo:
+        # ``va`` is in the caller's own reservation, where nobody else maps meanwhile.
+        maybe = False
+        try:
+            maybe = True
+            rc = drv.map(va, nbytes, handle)
+            if rc:
+                maybe = False
+                self._check_driver(drv, rc, "cuMemMap")
+            rc = drv.set_access(va, nbytes, index)
+            if rc:
+                maybe = False
+                undo = drv.unmap(va, nbytes)
+                try:
+                    self._check_driver(drv, rc, "cuMemSetAccess")
+                except AcceleratorError as exc:
+                    if undo:
+                        exc.still_mapped = True       # the caller must unmap it before releasing
+                        exc.add_note(f"the mapping at 0x{va:x} could not be undone either: cuMemUnmap failed "
+                                     f"with {drv.error_name(undo)} ({undo})")
+                    raise
+        except Exception:
+            raise
+        except BaseException:
+            if maybe:
+                drv.unmap(va, nbytes)
+            raise
 
     def vmm_set_access(self, va: int, nbytes: int, index: int) -> None:
         """cuMemSetAccess read-write for device ``index`` on mapped ``[va, va + nbytes)`` (a peer that

@@ -425,16 +425,27 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
     # -- memory ----------------------------------------------------------------
     def mem_alloc(self, nbytes: int) -> int:
         p = self.ffi.new("void **")
-        if self._captures:
-            # cudaMalloc is a "potentially unsafe" call that invalidates a global-mode
-            # capture; it is fine as long as the memory outlives replays, so relax the
-            # mode around it (torch's cudaMallocMaybeCapturing does the same).
-            with self._relaxed_capture_mode():
+        try:
+            if self._captures:
+                # cudaMalloc is a "potentially unsafe" call that invalidates a global-mode
+                # capture; it is fine as long as the memory outlives replays, so relax the
+                # mode around it (torch's cudaMallocMaybeCapturing does the same).
+                with self._relaxed_capture_mode():
+                    rc = self.lib.cudaMalloc(p, nbytes)
+            else:
                 rc = self.lib.cudaMalloc(p, nbytes)
-        else:
-            rc = self.lib.cudaMalloc(p, nbytes)
-        self._check(rc, "cudaMalloc")
-        return self._as_int(p[0])
+            self._check(rc, "cudaMalloc")
+            return self._as_int(p[0])
+        except Exception:
+            raise
+        except BaseException:
+            # A KeyboardInterrupt as the runtime returned (CPython runs a signal's handler right
+            # after a C call, before its result is stored): the memory is allocated but the
+            # caller never gets it.  Freed here, so an interrupted allocation leaves nothing
+            # (the runtime writes the pointer only on success; p starts NULL).
+            if p[0] != self.ffi.NULL:
+                self.lib.cudaFree(p[0])
+            raise
 
     def _relaxed_capture_mode(self):
         backend = self
@@ -456,13 +467,21 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
 
     def host_alloc(self, nbytes: int) -> int:
         p = self.ffi.new("void **")
-        if self._captures:
-            with self._relaxed_capture_mode():  # as mem_alloc
+        try:
+            if self._captures:
+                with self._relaxed_capture_mode():  # as mem_alloc
+                    rc = self.lib.cudaHostAlloc(p, nbytes, _HOST_ALLOC_DEFAULT)
+            else:
                 rc = self.lib.cudaHostAlloc(p, nbytes, _HOST_ALLOC_DEFAULT)
-        else:
-            rc = self.lib.cudaHostAlloc(p, nbytes, _HOST_ALLOC_DEFAULT)
-        self._check(rc, "cudaHostAlloc")
-        return self._as_int(p[0])
+            self._check(rc, "cudaHostAlloc")
+            return self._as_int(p[0])
+        except Exception:
+            raise
+        except BaseException:
+            # as mem_alloc: an interrupted allocation leaves nothing
+            if p[0] != self.ffi.NULL:
+                self.lib.cudaFreeHost(p[0])
+            raise
 
     def host_free(self, ptr: int) -> None:
         self._check(self.lib.cudaFreeHost(self.ffi.cast("void *", ptr)), "cudaFreeHost")
