@@ -15,6 +15,7 @@ thread holding the lock that long is possible but rare; the error then says to r
 from __future__ import annotations
 
 import gc
+import operator
 import threading
 
 from ._errors import AcceleratorError
@@ -25,12 +26,34 @@ __all__ = ["acquire", "collecting_here", "collection_running", "Lock", "RLock"]
 GC_WAIT_S = 2.0
 
 _collector = None          # thread ident running the cyclic collector, else None
+_collection = 0            # number of collections started (RLock: which one took a hold)
 _get_ident = threading.get_ident
 
 
 def _on_gc(phase: str, info: dict) -> None:
-    global _collector
-    _collector = _get_ident() if phase == "start" else None
+    global _collector, _collection
+    if phase == "start":
+        _collection += 1
+        _collector = _get_ident()
+    else:
+        _collector = None
+
+
+# Interrupt safety (r36): ``with lock:`` must never leave the lock held.  CPython runs a signal's
+# handler (a KeyboardInterrupt) right after a C call returns and when a Python function starts,
+# so a Python ``__enter__`` can be interrupted after it took the lock (the with statement then
+# never calls ``__exit__``) and a Python ``__exit__`` before it releases.  So the with statement
+# gets the C methods of the lock inside: ``__enter__`` and ``__exit__`` are properties, which
+# the with statement looks up (running the getter: an interrupt there has taken nothing) before
+# it calls ``__enter__``.  Only a finalizer run by the collector on this thread gets the Python
+# ``acquire`` with its checks (an exception there is printed, not raised, anyway).
+def _enter(self):
+    if _collector is None or _collector != _get_ident():
+        return self._lock.__enter__
+    return self.acquire
+
+
+_exit = property(operator.attrgetter("_lock.__exit__"))
 
 
 gc.callbacks.append(_on_gc)
@@ -103,10 +126,8 @@ class Lock:
     def _error(self) -> Exception:
         return finalizer_error(self.what)
 
-    __enter__ = acquire
-
-    def __exit__(self, *exc) -> None:
-        self._lock.release()
+    __enter__ = property(_enter)
+    __exit__ = _exit
 
 
 class RLock:
@@ -118,50 +139,53 @@ class RLock:
     user's ``__del__`` that calls accel, that call would re-enter the half-done work (a
     command buffer half encoded or being committed).  It raises :class:`AcceleratorError`
     instead, as :class:`Lock` does.  A hold taken by a finalizer itself (the collector was
-    already running on this thread at the outermost acquire) re-enters freely."""
+    already running on this thread at the outermost acquire) re-enters freely.
 
-    __slots__ = ("_lock", "_owner", "_depth", "_outer_gc", "what")
+    ``with`` takes the C ``threading.RLock`` methods outside a collection (see ``_enter``):
+    the owner and depth are the RLock's own; ``_outer_gc`` is the number of the collection
+    whose finalizer took the outermost hold (None: none), so a stale one never matches."""
+
+    __slots__ = ("_lock", "_outer_gc", "what")
 
     def __init__(self, what: str):
         self._lock = threading.RLock()
-        self._owner = None          # ident of the holding thread (written only by it)
-        self._depth = 0
-        self._outer_gc = False      # the outermost hold was taken by a finalizer
+        self._outer_gc = None
         self.what = what
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         me = _get_ident()
-        if self._owner == me:
-            if _collector == me and not self._outer_gc:
+        lock = self._lock
+        if lock._is_owned():
+            if _collector == me and self._outer_gc != _collection:
                 raise finalizer_error(self.what, "would re-enter the call this thread left half done")
-            self._lock.acquire()
-            self._depth += 1
+            lock.acquire()
             return True
-        if not self._lock.acquire(False):
+        if not lock.acquire(False):
             if not blocking:
                 return False
             if _collector == me:
-                if not self._lock.acquire(True, GC_WAIT_S if timeout < 0 else min(timeout, GC_WAIT_S)):
+                if not lock.acquire(True, GC_WAIT_S if timeout < 0 else min(timeout, GC_WAIT_S)):
                     raise finalizer_error(self.what)
-            elif not self._lock.acquire(True, timeout):
+            elif not lock.acquire(True, timeout):
                 return False
-        self._owner = me
-        self._depth = 1
-        self._outer_gc = _collector == me
+        self._outer_gc = _collection if _collector == me else None
         return True
 
     def release(self) -> None:
-        if self._owner != _get_ident():
-            raise RuntimeError("cannot release un-acquired lock")
-        self._depth -= 1
-        if self._depth == 0:
-            self._owner = None
         self._lock.release()
 
-    __enter__ = acquire
+    @property
+    def _owner(self):
+        """The calling thread's ident while it holds the lock, else None (for tests)."""
+        return _get_ident() if self._lock._is_owned() else None
 
-    def __exit__(self, *exc) -> None:
-        self.release()
+    @property
+    def _depth(self) -> int:
+        """The calling thread's hold count (0 for a thread that does not hold it)."""
+        return self._lock._recursion_count() if self._lock._is_owned() else 0
+
+    __enter__ = property(_enter)
+    __exit__ = _exit
 
 
 class held:
