@@ -41,6 +41,7 @@ from accel.memory._host import HostCachingAllocator
 from accel.sim import _vmm
 from accel.streams import on_device
 from conftest import use_sim
+from test_alloc_stress import _check_caching
 
 MiB = 1 << 20
 _host = importlib.import_module("accel.memory._host")
@@ -114,110 +115,14 @@ class _Inject:
 
 # ---------------------------------------------------------------------------- invariants
 def check_device(alloc):
-    """Classic and expandable segments, free lists and statistics of a device allocator."""
-    C = _caching
+    """Classic and expandable segments, free lists and statistics of a device allocator (the
+    stress test's checker), no lock left held, and every pending block's event count."""
     assert not alloc._lock.locked(), "the allocator's lock was left held"
-    blocks = alloc._blocks
-    seen = set()
-    n = {k: [0, 0, 0] for k in ("alloc", "alloc_b", "req", "seg", "res", "isplit", "isplit_b", "pend", "pend_b")}
-
-    def count(block, q):
-        for k in (0, q):
-            if block.state == C._ALLOCATED:
-                n["alloc"][k] += 1
-                n["alloc_b"][k] += block.size
-                n["req"][k] += block.requested
-            elif block.state == C._PENDING:
-                n["pend"][k] += 1
-                n["pend_b"][k] += block.size
-            elif block.state == C._FREE and (block.prev is not None or block.next is not None):
-                n["isplit"][k] += 1
-                n["isplit_b"][k] += block.size
-
-    for base, seg_size in alloc._segments.items():
-        block = blocks[base]
-        assert block.prev is None and block.seg is None
-        fl = block.pool
-        end = base
-        prev_free = False
-        while block is not None:
-            assert block.ptr == end and block.size > 0 and block.size % 512 == 0
-            assert block.pool is fl and blocks[block.ptr] is block
-            assert block.next is None or block.next.prev is block
-            is_free = block.state == C._FREE
-            assert not (is_free and prev_free), "two adjacent free blocks"
-            prev_free = is_free
-            seen.add(block.ptr)
-            count(block, fl.kind)
-            end += block.size
-            block = block.next
-        assert end == base + seg_size
-        for k in (0, fl.kind):
-            n["seg"][k] += 1
-            n["res"][k] += seg_size
-    gran = alloc._gran
-    for seg in alloc._exp_segs:
-        end = seg.base
-        prev_state = None
-        mapped = 0
-        pools = set()
-        for block in seg.blocks():
-            assert block.ptr == end and block.seg is seg and block.size > 0, "E1"
-            st = block.state
-            pools.add(id(block.pool))
-            edge = seg.kind == C._SMALL and block.ptr % gran == 0
-            if not (edge and st == C._FREE):
-                assert not (st == prev_state and st in (C._FREE, _expandable.UNMAPPED)), "E2"
-            if st == _expandable.UNMAPPED:
-                assert block.ptr % gran == 0 and block.size % gran == 0, "E4"
-                assert block.ptr not in blocks
-            else:
-                assert blocks[block.ptr] is block
-                seen.add(block.ptr)
-                mapped += block.size
-                count(block, seg.kind)
-            prev_state = st
-            end += block.size
-            assert block.next is None or block.next.prev is block
-        assert end == seg.base + seg.size, "E1"
-        assert seg.holes == {b for b in seg.blocks() if b.state == _expandable.UNMAPPED}
-        assert len(pools) == 1
-        assert mapped == seg.mapped == sum(m for m, _ in seg.maps.values()), "E3"
-        assert sorted(seg.maps) == seg.starts
-        for k in (0, seg.kind):
-            n["res"][k] += mapped
-            n["seg"][k] += mapped > 0
-    for _, n_bytes, kind, _ in alloc._unreleased:
-        for k in (0, kind):
-            n["res"][k] += n_bytes
-    assert seen == set(blocks), "every block belongs to a segment"
-    listed = set()
-    all_lists = list(alloc._general.values()) + [l for p in alloc._private.values() for l in p.lists.values()]
-    all_lists += [pair for entry in alloc._pending_events if type(entry[2]) is C._Retired
-                  for _, pair in entry[2].lists]
-    for pair in all_lists:
-        for fl in pair:
-            assert fl.keys == sorted(fl.keys)
-            for key in fl.keys:
-                block = blocks[key & C._MASK]
-                assert block.state == C._FREE and block.pool is fl and key >> 64 == block.size
-                assert block.ptr not in listed
-                listed.add(block.ptr)
-    assert listed == {p for p, b in blocks.items() if b.state == C._FREE}, "free lists are the free blocks"
-    assert {id(b) for b in alloc._pending} == {id(b) for b in blocks.values() if b.state == C._PENDING}
+    _check_caching(alloc)
     for block in alloc._pending:
         waits = sum(1 for e in alloc._pending_events if e[2] is block)
         assert block.events == waits, "a pending block's event count"
         assert waits or block in alloc._deferred, "a pending block waits for nothing"
-    stats = alloc.stats()
-    for q, pool in enumerate(("all", "small_pool", "large_pool")):
-        expect = {"allocation": n["alloc"][q], "allocated_bytes": n["alloc_b"][q],
-                  "requested_bytes": n["req"][q], "segment": n["seg"][q], "reserved_bytes": n["res"][q],
-                  "inactive_split": n["isplit"][q], "inactive_split_bytes": n["isplit_b"][q],
-                  "active": n["alloc"][q] + n["pend"][q], "active_bytes": n["alloc_b"][q] + n["pend_b"][q]}
-        for name, value in expect.items():
-            assert stats[f"{name}.{pool}.current"] == value, f"{name}.{pool}.current"
-            assert stats[f"{name}.{pool}.peak"] >= value, f"{name}.{pool}.peak"
 
 
 def check_host(host):

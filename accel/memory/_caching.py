@@ -1605,6 +1605,9 @@ class DeviceCachingAllocator:
                     peak[OVERSIZE_SEGMENTS] = npk
                 self._reserved_hw = hw
                 scalars["num_device_alloc"] += 1
+                # a whole free segment until malloc takes it (an entry no longer whole and free
+                # is dropped by _whole_free_segments): an interrupt before then leaves it releasable
+                self._whole[ptr] = block
                 insort(fl.keys, nbytes << _SHIFT | ptr)      # the last change: a call
         except OutOfMemoryError as exc:
             # handled here (free the cache and retry, or a torch-style OOM): leave no stale
