@@ -90,6 +90,24 @@ class MemoryMixin:
         desc = ffi.new("ze_device_mem_alloc_desc_t *")
         desc.stype = lib.ZE_STRUCTURE_TYPE_DEVICE_MEM_ALLOC_DESC
         p = ffi.new("void **")
+        try:
+            return self._alloc_device(ffi, lib, dev, desc, nbytes, p)
+        except Exception:
+            raise
+        except BaseException:
+            # A KeyboardInterrupt as the driver returned (CPython runs a signal's handler right
+            # after a C call, before its result is stored) or before the caller got the pointer:
+            # forgotten and freed, so an interrupted allocation leaves nothing (p starts NULL).
+            if p[0] != ffi.NULL:
+                ptr = int(ffi.cast("uintptr_t", p[0]))
+                with self._lock:
+                    if self._allocs.get(ptr) is not None:
+                        del self._allocs[ptr]
+                        dev.used -= nbytes
+                lib.zeMemFree(dev.ctx, p[0])
+            raise
+
+    def _alloc_device(self, ffi, lib, dev, desc, nbytes: int, p) -> int:
         rc = lib.zeMemAllocDevice(dev.ctx, desc, nbytes, _DEVICE_ALIGN, dev.handle, p)
         if rc:
             extra = f"requested {nbytes} bytes on XPU device {dev.index}"
@@ -127,18 +145,33 @@ class MemoryMixin:
         _check_size(nbytes)
         if nbytes == 0:
             return 0
-        ptr = self._host_alloc(nbytes)
-        with self._lock:
-            self._host_allocs[ptr] = nbytes
-        return ptr
+        p = self._lib[0].new("void **")
+        try:
+            ptr = self._host_alloc(nbytes, p)
+            with self._lock:
+                self._host_allocs[ptr] = nbytes
+            return ptr
+        except Exception:
+            raise
+        except BaseException:
+            # as mem_alloc: an interrupted allocation leaves nothing
+            if p[0] != self._lib[0].NULL:
+                ptr = int(self._lib[0].cast("uintptr_t", p[0]))
+                with self._lock:
+                    if ptr in self._host_allocs:
+                        del self._host_allocs[ptr]
+                self._lib[1].zeMemFree(self._devices[0].ctx, p[0])
+            raise
 
-    def _host_alloc(self, nbytes: int) -> int:
+    def _host_alloc(self, nbytes: int, p=None) -> int:
+        """zeMemAllocHost; ``p`` (a NULL ``void **``) keeps the pointer for a caller that must
+        free it when a KeyboardInterrupt lands as the driver returns."""
         ffi, lib, _ = self._lib
         if not self._devices:
             raise AcceleratorError("the XPU backend is not initialized", library=LIBRARY)
         desc = ffi.new("ze_host_mem_alloc_desc_t *")
         desc.stype = lib.ZE_STRUCTURE_TYPE_HOST_MEM_ALLOC_DESC
-        p = ffi.new("void **")
+        p = ffi.new("void **") if p is None else p
         rc = lib.zeMemAllocHost(self._devices[0].ctx, desc, nbytes, _HOST_ALIGN, p)
         if rc:
             self._fail("zeMemAllocHost", rc, f"requested {nbytes} bytes of pinned host memory")

@@ -62,13 +62,26 @@ class VmmMixin:
         ffi, lib, _ = self._vmm_lib("zeVirtualMemReserve")
         t = self._vmm_tables()
         out = ffi.new("void **")
-        rc = lib.zeVirtualMemReserve(dev.ctx, ffi.cast("void *", t["hint"]), nbytes, out)
-        self._check_rc("zeVirtualMemReserve", rc)
-        va = int(ffi.cast("uintptr_t", out[0]))
-        with self._lock:
-            t["reserved"][va] = (nbytes, dev.ctx)
-            t["hint"] = max(t["hint"], va + nbytes)
-        return va
+        try:
+            rc = lib.zeVirtualMemReserve(dev.ctx, ffi.cast("void *", t["hint"]), nbytes, out)
+            self._check_rc("zeVirtualMemReserve", rc)
+            va = int(ffi.cast("uintptr_t", out[0]))
+            hint = max(t["hint"], va + nbytes)
+            with self._lock:
+                t["reserved"][va] = (nbytes, dev.ctx)
+                t["hint"] = hint
+            return va
+        except Exception:
+            raise
+        except BaseException:
+            # A KeyboardInterrupt as the driver returned (CPython runs a signal's handler right
+            # after a C call, before its result is stored) or before the caller got the range:
+            # forgotten and freed, so an interrupted reserve leaves nothing (out starts NULL).
+            if out[0] != ffi.NULL:
+                with self._lock:
+                    t["reserved"].pop(int(ffi.cast("uintptr_t", out[0])), None)
+                lib.zeVirtualMemFree(dev.ctx, out[0], nbytes)
+            raise
 
     def vmm_free(self, va: int, nbytes: int) -> None:
         """zeVirtualMemFree of a whole reservation (accel unmaps first; Level Zero would unmap)."""
@@ -85,19 +98,19 @@ class VmmMixin:
         if entry is None:
             raise AcceleratorError(f"{self.name}: vmm_free(0x{va:x}, {nbytes}): not a reservation of this backend; "
                                    f"pass the address vmm_reserve returned", library="libze_loader")
-        ok = False
         try:
             self._check_rc("zeVirtualMemFree", lib.zeVirtualMemFree(entry[1], ffi.cast("void *", va), nbytes))
-            ok = True
-        finally:
-            if not ok:
-                with self._lock:
-                    t["reserved"][va] = entry
-                    for base, n in mapped.items():
-                        t["mapped"][base] = n
-                        bisect.insort(t["bases"], base)
-                        if devices[base] is not None:
-                            t.setdefault("devices", {})[base] = devices[base]
+        except Exception:
+            # refused: still reserved.  (A KeyboardInterrupt keeps it forgotten: it may have
+            # been freed, and a freed range may be the next reservation's.)
+            with self._lock:
+                t["reserved"][va] = entry
+                for base, n in mapped.items():
+                    t["mapped"][base] = n
+                    bisect.insort(t["bases"], base)
+                    if devices[base] is not None:
+                        t.setdefault("devices", {})[base] = devices[base]
+            raise
 
     def vmm_create(self, index: int, nbytes: int) -> int:
         """zePhysicalMemCreate of ``nbytes`` on device ``index``; OutOfMemoryError when it is full."""
@@ -107,12 +120,25 @@ class VmmMixin:
         desc.stype = lib.ZE_STRUCTURE_TYPE_PHYSICAL_MEM_DESC
         desc.size = nbytes
         out = ffi.new("ze_physical_mem_handle_t *")
-        self._check_rc("zePhysicalMemCreate", lib.zePhysicalMemCreate(dev.ctx, dev.handle, desc, out))
-        handle = int(ffi.cast("uintptr_t", out[0]))
-        with self._lock:
-            self._vmm_tables()["handles"][handle] = (dev, nbytes, dev.ctx)
-            dev.used += nbytes
-        return handle
+        handles = self._vmm_tables()["handles"]
+        try:
+            self._check_rc("zePhysicalMemCreate", lib.zePhysicalMemCreate(dev.ctx, dev.handle, desc, out))
+            handle = int(ffi.cast("uintptr_t", out[0]))
+            entry = (dev, nbytes, dev.ctx)
+            with self._lock:
+                handles[handle] = entry
+                dev.used += nbytes
+            return handle
+        except Exception:
+            raise
+        except BaseException:
+            # as vmm_reserve: an interrupted create leaves no handle
+            if out[0] != ffi.NULL:
+                with self._lock:
+                    if handles.pop(int(ffi.cast("uintptr_t", out[0])), None) is not None:
+                        dev.used -= nbytes
+                lib.zePhysicalMemDestroy(dev.ctx, out[0])
+            raise
 
     def vmm_release(self, handle: int) -> None:
         """zePhysicalMemDestroy (the handle must not be mapped any more)."""
@@ -121,24 +147,56 @@ class VmmMixin:
         if handle not in t["handles"]:
             raise AcceleratorError(f"{self.name}: vmm_release(0x{handle:x}): not a physical allocation of this "
                                    f"backend", library="libze_loader")
-        dev, nbytes, _ = self._free_forgetting(t["handles"], handle, lambda e: self._check_rc(
-            "zePhysicalMemDestroy", lib.zePhysicalMemDestroy(e[2], ffi.cast("ze_physical_mem_handle_t", handle))))
+        # forgotten (and uncounted) first, destroyed last, restored if refused: as the allocators'
+        # frees, a KeyboardInterrupt as the destroy starts may leak it, never keep a destroyed one
         with self._lock:
-            dev.used -= nbytes
+            entry = t["handles"].pop(handle, None)
+            if entry is not None:
+                entry[0].used -= entry[1]
+        if entry is None:
+            raise ValueError(f"{self.name}: 0x{handle:x} was released by another thread meanwhile (a double free)")
+        try:
+            self._check_rc("zePhysicalMemDestroy",
+                           lib.zePhysicalMemDestroy(entry[2], ffi.cast("ze_physical_mem_handle_t", handle)))
+        except Exception:
+            with self._lock:
+                t["handles"][handle] = entry
+                entry[0].used += entry[1]
+            raise
 
     def vmm_map(self, va: int, nbytes: int, handle: int, index: int) -> None:
         """zeVirtualMemMap of ``handle`` at ``va``, read-write (for every device of the context)."""
         ffi, lib, _ = self._vmm_lib("zeVirtualMemMap")
         ctx = self._vmm_ctx(va, index)
-        rc = lib.zeVirtualMemMap(ctx, ffi.cast("void *", va), nbytes,
-                                 ffi.cast("ze_physical_mem_handle_t", handle), 0, _ACCESS_READWRITE)
-        self._check_rc("zeVirtualMemMap", rc)
         t = self._vmm_tables()
-        with self._lock:
-            t["mapped"][va] = nbytes
-            bisect.insort(t["bases"], va)
-            entry = t["handles"].get(handle)      # the physical memory's device (pointer_location)
-            t.setdefault("devices", {})[va] = entry[0].index if entry is not None else index
+        entry = t["handles"].get(handle)      # the physical memory's device (pointer_location)
+        devices = t.setdefault("devices", {})
+        # Interrupt safety: from the map on, a KeyboardInterrupt (CPython runs a signal's handler
+        # right after a C call returns, before its result is stored) forgets and unmaps again, so
+        # an interrupted vmm_map leaves nothing mapped, as a failed one; the undo's refusal (it
+        # was not mapped) is nothing to undo: ``va`` is in the caller's own reservation.
+        maybe = False
+        try:
+            maybe = True
+            rc = lib.zeVirtualMemMap(ctx, ffi.cast("void *", va), nbytes,
+                                     ffi.cast("ze_physical_mem_handle_t", handle), 0, _ACCESS_READWRITE)
+            if rc:
+                maybe = False
+                self._check_rc("zeVirtualMemMap", rc)
+            i = bisect.bisect_left(t["bases"], va)
+            with self._lock:                  # plain stores (the list insert is the last)
+                t["mapped"][va] = nbytes
+                devices[va] = entry[0].index if entry is not None else index
+                t["bases"].insert(i, va)
+        except Exception:
+            raise
+        except BaseException:
+            if maybe:
+                with self._lock:
+                    if va in t["mapped"]:
+                        self._vmm_forget_mapping(t, va)
+                lib.zeVirtualMemUnmap(ctx, ffi.cast("void *", va), nbytes)
+            raise
 
     def vmm_set_access(self, va: int, nbytes: int, index: int) -> None:
         """Level Zero's access is for the whole context: device ``index`` has it when it shares the
@@ -156,11 +214,24 @@ class VmmMixin:
         """zeVirtualMemUnmap of whole mappings; does not wait for queued work (synchronize first)."""
         ffi, lib, _ = self._vmm_lib("zeVirtualMemUnmap")
         ctx = self._vmm_ctx(va, None)
-        self._check_rc("zeVirtualMemUnmap", lib.zeVirtualMemUnmap(ctx, ffi.cast("void *", va), nbytes))
         t = self._vmm_tables()
+        # forgotten first, unmapped last, restored if refused (a KeyboardInterrupt as the unmap
+        # returns then leaves no entry for a range that is no longer mapped)
         with self._lock:
-            for base in [b for b in t["mapped"] if va <= b < va + nbytes]:
+            gone = {b: (t["mapped"][b], t.get("devices", {}).get(b)) for b in t["mapped"] if va <= b < va + nbytes}
+            for base in gone:
                 self._vmm_forget_mapping(t, base)
+        try:
+            self._check_rc("zeVirtualMemUnmap", lib.zeVirtualMemUnmap(ctx, ffi.cast("void *", va), nbytes))
+        except Exception:
+            with self._lock:
+                for base, (n, dev) in gone.items():
+                    if base not in t["mapped"]:
+                        t["mapped"][base] = n
+                        bisect.insort(t["bases"], base)
+                        if dev is not None:
+                            t.setdefault("devices", {})[base] = dev
+            raise
 
     def _vmm_close(self) -> None:
         """For close(): unmap, destroy and free whatever virtual memory is left (before the
@@ -201,11 +272,17 @@ class VmmMixin:
 
     @staticmethod
     def _vmm_forget_mapping(t, base: int) -> None:
-        t["mapped"].pop(base, None)
-        t.get("devices", {}).pop(base, None)
-        i = bisect.bisect_left(t["bases"], base)
-        if i < len(t["bases"]) and t["bases"][i] == base:
-            del t["bases"][i]
+        # the one call first, then plain deletes (no signal check between them)
+        bases, mapped = t["bases"], t["mapped"]
+        i = bisect.bisect_left(bases, base)
+        hit = i < len(bases) and bases[i] == base
+        devices = t["devices"] if "devices" in t else {}
+        if base in mapped:
+            del mapped[base]
+        if base in devices:
+            del devices[base]
+        if hit:
+            del bases[i]
 
     def _vmm_mapped_at(self, ptr: int) -> bool:
         """Whether ``ptr`` is inside a live mapping this backend made (device-accessible memory)."""
