@@ -1,0 +1,337 @@
+"""A KeyboardInterrupt (Ctrl-C) at any point where CPython can raise one inside accel's
+backends leaves nothing half-made: no mapping, handle, reservation, allocation or Metal
+encoder the backend forgot, no table entry for something the vendor no longer has (r36).
+
+The injector is tests/test_interrupt_allocator.py's (imported), tracing the backend modules
+instead of the allocators (that sweep covers them), with one change: a call into the
+simulator stands for a call of the vendor's C function, so the point is after it returns
+(CPython checks right after a C call), not at the simulated function's start.  That is the
+moment a real Ctrl-C lands most often: the vendor call has done its work, and the backend
+has not yet stored its result.
+
+Two workloads: the allocators' (tests/test_interrupt_allocator.py ``_ops``: VMM reserve,
+create, map, set access, unmap, release, free through expandable segments, classic and
+pinned memory, stream uses and their events) on cuda and xpu, and copies, fills, event
+record/wait/synchronize on one device of each simulator (Metal: its encoders and command
+buffers).  After each injected run: the allocators' invariants, the rest of the workload and
+all of it again, then everything freed and nothing left in the simulator or the backend's
+tables.  As in the allocators' sweep, a free interrupted before its vendor call may leak
+that one resource (the caller forgot it first): counted as ``lost``.
+"""
+
+import glob
+import os
+
+import pytest
+
+import test_interrupt_allocator as tia
+from accel import _lazy, sim
+from accel.sim import _vmm
+from conftest import use_sim
+
+_SIM = os.path.dirname(os.path.abspath(sim.__file__)) + os.sep
+_STRIDE = tia._STRIDE
+_FREES = {"mem_free", "vmm_release", "vmm_free", "host_free", "_free"}
+
+
+def _targets():
+    import accel.backends
+    root = os.path.dirname(os.path.abspath(accel.backends.__file__))
+    return {os.path.abspath(p) for p in glob.glob(os.path.join(root, "*.py")) + glob.glob(os.path.join(root, "xpu", "*.py"))}
+
+
+class _Inject(tia._Inject):
+    """tia's injector; a simulated vendor call counts as a C call (a point as it returns) and
+    the injected point's stack of function names is kept (``stack``)."""
+
+    stack = ()
+
+    def _global(self, frame, event, arg):
+        if frame.f_code.co_filename.startswith((_SIM, "<accel.sim")):
+            return None
+        return super()._global(frame, event, arg)
+
+    def _point(self, frame):
+        if self.count + 1 == self.n:
+            names, f = [], frame
+            while f is not None:
+                names.append(f.f_code.co_name)
+                f = f.f_back
+            self.stack = tuple(names)
+        super()._point(frame)
+
+
+@pytest.fixture
+def traced(monkeypatch):
+    monkeypatch.setattr(tia, "_TARGETS", _targets())
+    monkeypatch.setattr(tia, "_Inject", _Inject)
+
+
+def _backend_tables(be, kind):
+    """What the backend still records after everything was freed: must be nothing."""
+    out = {}
+    if kind == "xpu":
+        t = be.__dict__.get("_vmm_state") or {}
+        for key in ("reserved", "handles", "mapped", "bases", "devices"):
+            if t.get(key):
+                out[f"vmm {key}"] = t[key]
+        for key in ("_allocs", "_host_allocs"):
+            if getattr(be, key, None):
+                out[key] = dict(getattr(be, key))
+        if getattr(be, "_orphans", None):
+            out["_orphans"] = list(be._orphans)
+    if kind == "mps":
+        if be._buffers or be._bases:
+            out["buffers"] = dict(be._buffers)
+    return out
+
+
+def _leaks(be, kind):
+    out = tia._leaks(be)
+    out.update(_backend_tables(be, kind))
+    return out
+
+
+# ---------------------------------------------------------------------------- sweep 1: allocators
+def _sweep_alloc(be, kind, stride):
+    w = tia.World(be)
+    ops = tia._ops(w, "")
+    points = []
+    for what, op in ops:
+        inj = _Inject(0)
+        with inj:
+            op()
+        points.append(inj.count)
+    tia._finish(w)
+    assert not _leaks(be, kind)
+    runs, failures, lost = 0, [], []
+    for i, total in enumerate(points):
+        for n in range(1 + i % stride, total + 1, stride):
+            runs += 1
+            w = tia.World(be)
+            ops = tia._ops(w, "")
+            inj = None
+            try:
+                for what, op in ops[:i]:
+                    op()
+                inj, what = tia._run(w, ops[i:], 0, n)   # (what None: the op ended before point n)
+                known = {(a, p) for a, p in w.live.values()}
+                for alloc, ptr in tia._allocated(w) - known:      # an orphan (see tia)
+                    w.live[f"orphan{ptr}"] = (alloc, ptr)
+                for name, (alloc, ptr) in list(w.live.items()):
+                    if (alloc, ptr) not in tia._allocated(w):
+                        del w.live[name]
+                tia._check_all(w)
+                for what2, op in ops[i + 1:]:
+                    name = what2.split()[-1]
+                    if ("free" in what2 or "record_stream" in what2) and name not in w.live:
+                        continue
+                    if what2.startswith(("malloc", "host malloc")) and name in w.live:
+                        continue
+                    op()
+                for what2, op in tia._ops(w, "again-"):
+                    op()
+                tia._check_all(w)
+                tia._finish(w)
+                leaks = _leaks(be, kind)
+                if leaks and _FREES & set(inj.stack) and tia._one_resource(tia._leaks(be)):
+                    lost.append(inj.site)
+                    _lazy._reset_for_tests()
+                    be = _lazy.lazy_init()
+                    continue
+                assert not leaks, f"left behind: {leaks}"
+            except BaseException as exc:   # noqa: BLE001 - a failure to report
+                failures.append(((inj.site if inj else None) or f"op {i} point {n}", ops[i][0],
+                                 f"{type(exc).__name__}: {exc}"[:300]))
+                _lazy._reset_for_tests()
+                be = _lazy.lazy_init()
+    return runs, failures, lost
+
+
+@pytest.mark.skipif(not _vmm.supported(), reason="this host cannot play virtual memory (mmap)")
+@pytest.mark.parametrize("kind", ["cuda", "xpu"])
+def test_keyboard_interrupt_anywhere_in_backend_memory_calls(monkeypatch, traced, kind):
+    use_sim(monkeypatch, kind)
+    be = _lazy.lazy_init()
+    runs, failures, lost = _sweep_alloc(be, kind, _STRIDE)
+    _report(kind + " alloc", runs, failures, lost)
+    assert runs > 50
+    assert not failures, failures[:5]
+
+
+# ---------------------------------------------------------------------------- sweep 2: copies, events
+N = 4096
+
+
+class Copies:
+    """Device buffers a, b, pinned h, a side stream and two events on device 0."""
+
+    def __init__(self, be):
+        self.be = be
+        self.s = be.default_stream(0)
+        self.s2 = be.stream_create()
+        self.a, self.b, self.h = be.mem_alloc(N), be.mem_alloc(N), be.host_alloc(N)
+        self.e1, self.e2 = be.event_create(), be.event_create()
+
+    def ops(self):
+        be = self.be
+        return [
+            ("fill a", lambda: be.memset_async(self.a, 0x11, N, self.s)),
+            ("fill h", lambda: be.memset_async(self.h, 0x22, N, self.s)),
+            ("copy b<-a", lambda: be.memcpy_async(self.b, self.a, N, self.s)),
+            ("record e1", lambda: be.event_record(self.e1, self.s)),
+            ("wait e1", lambda: be.stream_wait_event(self.s2, self.e1)),
+            ("copy h<-b", lambda: be.memcpy_async(self.h, self.b, N // 2, self.s2)),
+            ("fill a side", lambda: be.memset_async(self.a, 0x33, N, self.s2)),
+            ("record e2", lambda: be.event_record(self.e2, self.s2)),
+            ("wait e2", lambda: be.stream_wait_event(self.s, self.e2)),
+            ("copy h<-a", lambda: be.memcpy_async(self.h + N // 2, self.a + N // 2, N // 2, self.s)),
+            ("sync e2", lambda: be.event_synchronize(self.e2)),
+            ("sync s", lambda: be.stream_synchronize(self.s)),
+            ("query", lambda: be.stream_query(self.s2)),
+        ]
+
+    def check(self):
+        import ctypes
+        got = ctypes.string_at(self.h, N)
+        assert got == b"\x11" * (N // 2) + b"\x33" * (N // 2), f"pinned bytes after the workload: {got[:8]!r}...{got[-8:]!r}"
+
+    def close(self):
+        be = self.be
+        be.stream_synchronize(self.s2)
+        be.stream_synchronize(self.s)
+        for e in (self.e1, self.e2):
+            be.event_destroy(e)
+        be.stream_destroy(self.s2)
+        be.mem_free(self.a)
+        be.mem_free(self.b)
+        be.host_free(self.h)
+
+
+def _objects(kind):
+    st = sim.state()
+    return dict(getattr(st, "metal_live_objects", {}) or {}), getattr(st, "metal_leaked_autoreleases", 0)
+
+
+def _sweep_copies(be, kind, stride):
+    c = Copies(be)
+    points = []
+    for what, op in c.ops():
+        inj = _Inject(0)
+        with inj:
+            op()
+        points.append(inj.count)
+    c.check()
+    c.close()
+    base_leaks, base_objects = _leaks(be, kind), _objects(kind)
+    runs, failures = 0, []
+    for i, total in enumerate(points):
+        for n in range(1 + i % stride, total + 1, stride):
+            runs += 1
+            inj = None
+            try:
+                c = Copies(be)
+                ops = c.ops()
+                for what, op in ops[:i]:
+                    op()
+                inj = _Inject(n)
+                try:
+                    with inj:
+                        ops[i][1]()
+                except KeyboardInterrupt:
+                    pass
+                for what, op in ops:          # a program goes on: the whole workload again
+                    op()
+                c.check()
+                c.close()
+                assert _leaks(be, kind) == base_leaks, f"left behind: {_leaks(be, kind)}"
+                assert _objects(kind) == base_objects, f"Objective-C objects: {_objects(kind)} != {base_objects}"
+            except BaseException as exc:   # noqa: BLE001 - a failure to report
+                failures.append(((inj.site if inj else None) or f"op {i} point {n}", ops[i][0],
+                                 f"{type(exc).__name__}: {exc}"[:300]))
+                _lazy._reset_for_tests()
+                be = _lazy.lazy_init()
+    return runs, failures
+
+
+_MPS_ENCODERS = pytest.mark.xfail(strict=True, reason=(
+    "r36: 200 runs / 32 failures at stride 3: the Metal backend's encoder is made and ended by "
+    "separate msgSends (objc_msgSend returns the +0 encoder; an interrupt as it returns, or at the "
+    "start of the endEncoding send in _encoding's finally, leaves it active: 'released without "
+    "endEncoding' at the pool drain), and event_record interrupted between its signal and "
+    "_commit leaves ev.cb an uncommitted buffer ('waitUntilCompleted on a command buffer that "
+    "was never committed'); no fix by ordering alone: the encoder value is lost as the C call "
+    "returns (needs signals deferred around encode+end, or a recoverable encoder)"))
+
+
+@pytest.mark.parametrize("kind", ["cuda", "xpu", pytest.param("mps", marks=_MPS_ENCODERS)])
+def test_keyboard_interrupt_anywhere_in_backend_copies_and_events(monkeypatch, traced, kind):
+    use_sim(monkeypatch, kind)
+    be = _lazy.lazy_init()
+    runs, failures = _sweep_copies(be, kind, _STRIDE)
+    _report(kind + " copies", runs, failures, [])
+    assert runs > 20
+    assert not failures, failures[:5]
+
+
+def _report(what, runs, failures, lost):
+    if not tia._REPORT:
+        return
+    from collections import Counter
+    with open(tia._REPORT, "a") as out:
+        print(f"\n{what}: {runs} injected runs, {len(failures)} failures, {len(lost)} lost at a free's start",
+              file=out)
+        for key, k in Counter((f[0], f[2][:200]) for f in failures).most_common():
+            print(f"  {k:4d}  {key[0]}  -> {key[1]}", file=out)
+        for key, k in Counter(lost).most_common():
+            print(f"  lost {k:3d}  {key}", file=out)
+
+
+# ---------------------------------------------------------------------------- accel's locks
+def _with_lock_sweep(locks, monkeypatch):
+    """``with lock:`` interrupted at each point of _locks (and of the caller's with): the lock is
+    never left held.  Returns [(kind, site)] of the points that left it held."""
+    monkeypatch.setattr(tia, "_TARGETS", {os.path.abspath(locks.__file__), os.path.abspath(__file__)})
+    bad = []
+    for make in (lambda: locks.Lock("x"), lambda: locks.RLock("x")):
+        for n in range(1, 50):
+            lock = make()
+            inj = _Inject(n)
+            try:
+                with inj:
+                    _hold(lock)
+            except KeyboardInterrupt:
+                pass
+            if inj.count < n:
+                break
+            if isinstance(lock, locks.RLock):
+                if lock._lock._is_owned():
+                    bad.append(("RLock", inj.site))
+            elif not lock.acquire(False):
+                bad.append(("Lock", inj.site))
+            else:
+                lock.release()
+    return bad
+
+
+def _hold(lock):
+    with lock:
+        with lock if isinstance(lock, _locks_mod().RLock) else _Nothing():
+            pass
+
+
+class _Nothing:
+    __enter__ = __exit__ = staticmethod(lambda *a: None)
+
+
+def _locks_mod():
+    from accel import _locks
+    return _locks
+
+
+def test_a_keyboard_interrupt_never_leaves_an_accel_lock_held(monkeypatch):
+    """A Python ``__enter__``/``__exit__`` can be interrupted after taking / before releasing
+    (CPython checks for signals at a Python function's start and after a C call): accel's locks
+    hand the with statement the C methods of the lock inside (r36; before, the XPU stream lock
+    was left held and the backend sweep hung)."""
+    assert _with_lock_sweep(_locks_mod(), monkeypatch) == []
