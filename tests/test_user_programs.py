@@ -742,17 +742,22 @@ _CTRL_C = r'''
 '''
 
 
-@pytest.mark.xfail(strict=True, reason="r15 found; r31: simulated calls are now atomic for signal handlers "
-                   "(no 999, no DEVICE_LOST from the sim) and Metal commit is ordered, but the pure-Python caching "
-                   "allocator is not: an interrupt mid-update leaves expandable-segment bookkeeping (_exp_* map/unmap: "
-                   "cuMemMap/cuMemUnmap/cuMemRelease INVALID_VALUE, zeVirtualMemUnmap/zePhysicalMemDestroy "
-                   "INVALID_ARGUMENT), _free_block's keys list (IndexError), Metal encoders (released without "
-                   "endEncoding) and a freed pointer (mps free of a dead pointer) inconsistent, and leaks pinned "
-                   "memory (host allocated_bytes != 0); no wedge seen in 5 seeds x 3 sims; a thread the sim does not own (OpenBLAS) can still take the signal")
-def test_ctrl_c_anywhere_then_continue(sim_backend):
+def test_ctrl_c_anywhere_then_continue(sim_backend, request):
     """A user presses Ctrl-C during a loop of copies, fills and stream waits (a SIGALRM handler
     raising KeyboardInterrupt at a random moment, 60 times), catches it, and goes on: the
-    current device and streams are restored, accel still works, and every byte comes back."""
+    current device and streams are restored, accel still works, and every byte comes back.
+
+    Passes on CUDA (seeds 2-12 by hand, 11 of 11).  Level Zero and Metal: not yet, and the
+    timer's moment is real time, so whether a run meets what is left varies (a non-strict
+    xfail there): on XPU an interrupt in the stream/event paths can leave an event slot in use
+    (zeEventHostReset HANDLE_OBJECT_IN_USE) or a physical page in use, and a Buffer whose
+    malloc returned as the interrupt landed keeps its block (the pointer never reached it); on
+    Metal an encoder made as the interrupt lands is never ended (its handle is lost as
+    objc_msgSend returns).  tests/test_interrupt_allocator.py and test_interrupt_backends.py
+    sweep every interrupt point of the allocators and the CUDA/XPU backends deterministically."""
+    if sim_backend in ("xpu", "mps"):
+        request.applymarker(pytest.mark.xfail(strict=False, reason="Ctrl-C safety not finished on "
+                                              f"{sim_backend} (see the docstring)"))
     proc = run_program(_CTRL_C.replace("SEED", "2").replace("TRIALS", "60"), timeout=10)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), (proc.stdout, proc.stderr[-3000:])
 
