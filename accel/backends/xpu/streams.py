@@ -189,16 +189,25 @@ class StreamsMixin:
         itself keeps the list (or the marker event) from being destroyed (reset) under it."""
         ffi, lib, _ = self._lib
         if self._host_sync:
-            with s.lock:
-                if s.dead:
-                    return
-                target = s.seq
-                s.waiting += 1          # stream_destroy waits for this count to drop to 0
+            # Interrupt safety (Ctrl-C): the count goes up inside the try whose finally takes it
+            # down, with no signal check between the increment and `counted`, nor between the
+            # finally's start and the decrement; before, an interrupt as the lock was released
+            # kept it up for good and stream_destroy waited forever for it to drop.
+            counted = False
             try:
+                with s.lock:
+                    if s.dead:
+                        return
+                    target = s.seq
+                    s.waiting += 1          # stream_destroy waits for this count to drop to 0
+                    counted = True
                 rc = lib.zeCommandListHostSynchronize(s.list, _UINT64_MAX)
             finally:
-                with s.lock:
-                    s.waiting -= 1
+                if counted:
+                    # the threading lock inside: a with on it runs no Python frame (accel Lock's
+                    # __enter__ getter does, where a handler may raise) before the decrement
+                    with s.lock._lock:
+                        s.waiting -= 1
             if rc:
                 self._fail("zeCommandListHostSynchronize", rc)
         else:
