@@ -16,8 +16,6 @@ import accel
 from accel import _dlpack as D
 from accel import sim
 
-from conftest import use_sim
-
 
 def _state():
     gc.collect()
@@ -246,7 +244,7 @@ def test_dlpack_during_a_capture_leaves_the_capture_valid(sim_cuda):
     for dev in (0, 1):
         accel.set_device_index(dev)
         buf = accel.Buffer(256)
-        s, other = accel.Stream(), accel.Stream()
+        s = accel.Stream()
         g = accel.Graph()
         with _stream(s):
             g.capture_begin()
