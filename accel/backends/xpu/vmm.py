@@ -183,11 +183,12 @@ class VmmMixin:
             if rc:
                 maybe = False
                 self._check_rc("zeVirtualMemMap", rc)
-            i = bisect.bisect_left(t["bases"], va)
-            with self._lock:                  # plain stores (the list insert is the last)
+            with self._lock:                  # plain stores, then the insort (one C call) last
                 t["mapped"][va] = nbytes
                 devices[va] = entry[0].index if entry is not None else index
-                t["bases"].insert(i, va)
+                # the slot is found under the lock: another device's allocator maps and unmaps
+                # on other threads, and a slot found before could leave the list unsorted
+                bisect.insort(t["bases"], va)
         except Exception:
             raise
         except BaseException:
