@@ -725,22 +725,30 @@ def test_xpu_dlpack_to_another_stream_during_a_capture_leaves_the_capture(sim_gr
     other stream waits on an event recorded in the capture (it joins it); XPU's capture cannot
     record events, and the record invalidated the capture.  There it is refused before anything
     is queued (CaptureError naming the fix), and the capture goes on."""
-    last = accel.device_count() - 1
-    with accel.device_index(last):
-        buf = accel.Buffer(256)
-        s, other = accel.Stream(), accel.Stream()
-        g = accel.Graph()
-        with s:
-            g.capture_begin()
-            try:
-                buf.fill_(3)
-                if sim_graph_backend == "xpu":
-                    with pytest.raises(accel.CaptureError, match=r"stream=-1"):
-                        buf.__dlpack__(stream=other)
-                    assert accel.is_current_stream_capturing()
-                buf.fill_(4)
-            finally:
-                g.capture_end()
-        g.replay()
-        accel.synchronize()
-        assert (buf.to_numpy() == 4).all()
+    def refused(buf, s):
+        if sim_graph_backend == "xpu":
+            with pytest.raises(accel.CaptureError, match=r"stream=-1"):
+                buf.__dlpack__(stream=accel.Stream())
+            assert accel.is_current_stream_capturing()
+    with accel.device_index(accel.device_count() - 1):
+        dlpack_inside_a_capture(refused)
+
+
+def dlpack_inside_a_capture(body):
+    """Capture a fill, ``body(buf, stream)`` (exports of the buffer while its last use is the
+    capturing ``stream``), and a second fill on the current device; the replay must write the
+    second fill's value: the capture survived whatever ``body`` did."""
+    buf = accel.Buffer(256)
+    s = accel.Stream()
+    g = accel.Graph()
+    with s:
+        g.capture_begin()
+        try:
+            buf.fill_(3)
+            body(buf, s)
+            buf.fill_(4)
+        finally:
+            g.capture_end()
+    g.replay()
+    accel.synchronize()
+    assert (buf.to_numpy() == 4).all()
