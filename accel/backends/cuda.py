@@ -424,6 +424,10 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
 
     # -- memory ----------------------------------------------------------------
     def mem_alloc(self, nbytes: int) -> int:
+        return self._alloc_maybe_capturing("cudaMalloc", self.lib.cudaMalloc, self.lib.cudaFree, nbytes)
+
+    def _alloc_maybe_capturing(self, call: str, alloc, free, *args) -> int:
+        """``alloc(void **, *args)`` (cudaMalloc, cudaHostAlloc), checked; the pointer as an int."""
         p = self.ffi.new("void **")
         try:
             if self._captures:
@@ -431,10 +435,10 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
                 # capture; it is fine as long as the memory outlives replays, so relax the
                 # mode around it (torch's cudaMallocMaybeCapturing does the same).
                 with self._relaxed_capture_mode():
-                    rc = self.lib.cudaMalloc(p, nbytes)
+                    rc = alloc(p, *args)
             else:
-                rc = self.lib.cudaMalloc(p, nbytes)
-            self._check(rc, "cudaMalloc")
+                rc = alloc(p, *args)
+            self._check(rc, call)
             return self._as_int(p[0])
         except Exception:
             raise
@@ -444,7 +448,7 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
             # caller never gets it.  Freed here, so an interrupted allocation leaves nothing
             # (the runtime writes the pointer only on success; p starts NULL).
             if p[0] != self.ffi.NULL:
-                self.lib.cudaFree(p[0])
+                free(p[0])
             raise
 
     def _relaxed_capture_mode(self):
@@ -466,22 +470,8 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         self._check(self.lib.cudaFree(self.ffi.cast("void *", ptr)), "cudaFree")
 
     def host_alloc(self, nbytes: int) -> int:
-        p = self.ffi.new("void **")
-        try:
-            if self._captures:
-                with self._relaxed_capture_mode():  # as mem_alloc
-                    rc = self.lib.cudaHostAlloc(p, nbytes, _HOST_ALLOC_DEFAULT)
-            else:
-                rc = self.lib.cudaHostAlloc(p, nbytes, _HOST_ALLOC_DEFAULT)
-            self._check(rc, "cudaHostAlloc")
-            return self._as_int(p[0])
-        except Exception:
-            raise
-        except BaseException:
-            # as mem_alloc: an interrupted allocation leaves nothing
-            if p[0] != self.ffi.NULL:
-                self.lib.cudaFreeHost(p[0])
-            raise
+        return self._alloc_maybe_capturing("cudaHostAlloc", self.lib.cudaHostAlloc, self.lib.cudaFreeHost,
+                                           nbytes, _HOST_ALLOC_DEFAULT)
 
     def host_free(self, ptr: int) -> None:
         self._check(self.lib.cudaFreeHost(self.ffi.cast("void *", ptr)), "cudaFreeHost")
