@@ -17,10 +17,11 @@ from __future__ import annotations
 import gc
 import operator
 import threading
+from collections import deque
 
 from ._errors import AcceleratorError
 
-__all__ = ["acquire", "collecting_here", "collection_running", "Lock", "RLock"]
+__all__ = ["acquire", "collecting_here", "collection_running", "Lock", "RLock", "publish", "try_acquire"]
 
 #: How long a call made by the collector on this thread waits for a busy lock.
 GC_WAIT_S = 2.0
@@ -57,6 +58,29 @@ _exit = property(operator.attrgetter("_lock.__exit__"))
 
 
 gc.callbacks.append(_on_gc)
+
+# Steps run by C code with no bytecode in between: CPython runs a Python signal handler (a
+# KeyboardInterrupt) only at bytecode boundaries, so none lands between them.  `map` driven by a
+# zero-length deque is the C loop (itertools' "consume" recipe); each step is a C callable
+# (functools.partial of setattr, operator.setitem, a bound C method), so no Python frame starts.
+_consume = deque(maxlen=0).extend
+_call = operator.methodcaller("__call__")
+
+
+def publish(steps) -> None:
+    """Run ``steps`` (C callables taking no argument, e.g. ``functools.partial(setattr, obj,
+    "name", value)``) all or none with respect to a KeyboardInterrupt: for an update of several
+    objects that must never be seen half made (a plain store is one bytecode; a loop of them is
+    not, its backward jump checks for a signal)."""
+    _consume(map(_call, steps))
+
+
+def try_acquire(lock, out: list) -> None:
+    """``lock.acquire(False)`` with its result appended to ``out`` in the same C step: call it
+    inside the ``try`` whose ``finally`` releases when ``out == [True]``.  (``got =
+    lock.acquire(False)`` can be interrupted as the call returns, before the store: the lock
+    is then held and nobody knows.)"""
+    _consume(map(out.append, map(lock.acquire, (False,))))
 
 
 def collecting_here() -> bool:

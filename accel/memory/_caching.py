@@ -81,10 +81,12 @@ asserts after every operation, as CUDACachingAllocator.cpp lists its own):
 
 from __future__ import annotations
 
+import operator
 import threading
 import time
 from bisect import bisect_left, insort
 from collections import deque
+from functools import partial
 from typing import Dict, List, Optional, Tuple
 
 from .._device import check_range
@@ -166,16 +168,19 @@ class _Gate:
 def add_use(owner, block, stream: int, device: int) -> None:
     """``block`` is used by work on ``stream`` of ``device``: its ``uses`` and ``owner._used_on``
     (the stream's users, for forget_stream) say so.  ``owner`` is a device or host caching
-    allocator, its lock held."""
-    if block.uses is None:
-        block.uses = {(stream, device)}
-    else:
-        block.uses.add((stream, device))
+    allocator, its lock held.
+
+    The stream's users first: a KeyboardInterrupt between the two leaves a block among them
+    that has no use of the stream, which forget_stream skips (as record_uses may leave one)."""
     users = owner._used_on.get(stream)
     if users is None:
         owner._used_on[stream] = {block}
     else:
         users.add(block)
+    if block.uses is None:
+        block.uses = {(stream, device)}
+    else:
+        block.uses.add((stream, device))
 
 
 def record_uses(owner, block, pending: list) -> bool:
@@ -225,6 +230,30 @@ def record_uses(owner, block, pending: list) -> bool:
                 del owner._used_on[stream]
     if error is not None:
         raise error
+
+
+def uses_forgotten(owner, stream: int, covers: list, gates: list) -> list:
+    """Steps (for _locks.publish) that forget ``stream``'s uses: each use in ``covers``
+    ((block, use) pairs) is replaced by its gate (``gates``, in the same order; None: the stream
+    was synchronized, nothing to wait for), and ``owner._used_on`` forgets the stream.
+    ``owner`` is a device or host caching allocator, its lock held."""
+    uses = {}
+    for (block, use), gate in zip(covers, gates):
+        rest = uses.get(block)
+        if rest is None:
+            rest = uses[block] = set(block.uses)
+        rest.discard(use)
+        if gate is not None:
+            rest.add(gate)
+    steps = [partial(setattr, block, "uses", rest or None) for block, rest in uses.items()]
+    steps.append(partial(setattr, owner, "_used_on", _without(owner._used_on, stream)))
+    return steps
+
+
+def _without(mapping: dict, key) -> dict:
+    out = dict(mapping)
+    out.pop(key, None)
+    return out
 
 
 class _Retired:
@@ -787,12 +816,20 @@ class DeviceCachingAllocator:
 
         With ``blocking=False`` (a finalizer) nothing waits for the lock: returns False
         when the lock is busy, else True."""
-        if not self._lock.acquire(blocking):
-            return False
+        device = self._index if device_index is None else device_index
+        if blocking:
+            with self._lock:
+                self._forget_stream(stream, device)
+            return True
+        got = []
         try:
-            self._forget_stream(stream, self._index if device_index is None else device_index)
+            _locks.try_acquire(self._lock, got)
+            if not got[0]:
+                return False
+            self._forget_stream(stream, device)
         finally:
-            self._lock.release()
+            if got and got[0]:
+                self._lock.release()
         return True
 
     def _forget_stream(self, stream: int, device: int) -> None:
@@ -800,40 +837,48 @@ class DeviceCachingAllocator:
         # before anything changes, so when neither an event nor a wait covers the stream's
         # work, everything stays keyed by the (still live) stream, the events recorded so far
         # go back to the cache, and the error propagates.
+        # Interrupt safety: what changes is computed, then published in one step
+        # (_locks.publish), so a KeyboardInterrupt leaves the stream wholly known (its events back
+        # in the cache; Stream.close() tries again) or wholly forgotten.
         owners = [(None, self._general)] + [(pool, pool.lists) for pool in self._private.values()]
         retire = [(owner, lists[stream]) for owner, lists in owners
                   if stream in lists and (lists[stream][0].segments or lists[stream][1].segments)]
         users = self._used_on.get(stream) or ()
-        covers = [(block, use) for block in users for use in block.uses if type(use) is tuple and use[0] == stream]
+        covers = [(block, use) for block in users for use in (block.uses or ())
+                  if type(use) is tuple and use[0] == stream]
         gates = []
+        done = []
         try:
             try:
                 if retire:
                     gates.append(self._cover(stream, device))
                 for _, use in covers:
                     gates.append(self._cover(stream, use[1]))
+                steps = []
+                if retire:
+                    retired = _Retired(retire)
+                    gate = gates[0]
+                    if gate is None:
+                        # the stream was synchronized: nothing to wait for (its own step, first:
+                        # an interrupt after it leaves empty lists, forgotten by the next try)
+                        self._rehome(retired)
+                    else:
+                        steps.append(partial(setattr, self, "_pending_events",
+                                             self._pending_events + [(gate.event, device, retired)]))
+                        steps.append(partial(setattr, self, "_special", True))
+                steps += uses_forgotten(self, stream, covers, gates[1:] if retire else gates)
+                steps.append(partial(setattr, self, "_general", _without(self._general, stream)))
+                steps += [partial(setattr, pool, "lists", _without(lists, stream))
+                          for pool, lists in owners[1:] if stream in lists]
+                steps.append(partial(setattr, self, "_routes", _without(self._routes, stream)))
+                steps.append(partial(done.append, True))
+                _locks.publish(steps)
             except BaseException:
-                for gate in gates:
-                    if gate is not None:
-                        self._event_cache.setdefault(gate.device, []).append(gate.event)
+                if not done:
+                    for gate in gates:
+                        if gate is not None:
+                            self._event_cache.setdefault(gate.device, []).append(gate.event)
                 raise
-            if retire:
-                gate = gates.pop(0)
-                for _, lists in owners:
-                    lists.pop(stream, None)
-                retired = _Retired(retire)
-                if gate is None:
-                    self._rehome(retired)
-                else:
-                    self._pending_events.append((gate.event, device, retired))
-            for (block, use), gate in zip(covers, gates):
-                block.uses.discard(use)
-                if gate is not None:
-                    block.uses.add(gate)
-            for _, lists in owners:
-                lists.pop(stream, None)
-            self._used_on.pop(stream, None)
-            self._routes.pop(stream, None)
         finally:
             self._update_special()
 
@@ -2370,9 +2415,18 @@ class DeviceCachingAllocator:
         elif not item.uses:         # else a use still waits in _deferred for its event
             self._complete(item)
 
-    def _rehome(self, retired: _Retired) -> None:
-        """The destroyed stream's work completed: its segments join the default stream's lists."""
+    def _rehome(self, retired: _Retired, events: Optional[list] = None) -> None:
+        """The destroyed stream's work completed: its segments join the default stream's lists.
+        ``events``: a list whose last entry is the retired lists' event, taken out in the same
+        step.  Computed first, published in one step (_locks.publish): a KeyboardInterrupt
+        leaves every segment in the destroyed stream's lists (still waiting for the event) or
+        every one moved.  Then, each a step of its own that a later call also makes: the
+        reservations left with nothing mapped are freed, a released pool's whole segments go
+        to the general cache."""
         default = self._get_default_stream()
+        steps = []
+        released = []
+        drop = False
         for owner, pair in retired.lists:
             lists = owner.lists if owner is not None else self._general
             targets = lists.get(default) or self._new_lists(default, owner)
@@ -2383,32 +2437,40 @@ class DeviceCachingAllocator:
                     block = self._blocks[base]
                     if block.pool is fl:
                         while block is not None:
-                            block.pool = target
+                            steps.append(partial(setattr, block, "pool", target))
                             block = block.next
                 if fl.exp is not None:
                     # every block of an expandable segment is in its stream's lists, so the
                     # first block says whose it is: the other streams' segments are not walked
                     for seg in self._exp_segs:
                         if seg.head.pool is fl:
-                            for block in seg.blocks():
-                                block.pool = target
+                            steps += [partial(setattr, block, "pool", target) for block in seg.blocks()]
                     if target.exp is None:
-                        target.exp = fl.exp
-                    target.page = target.page or fl.page     # E8 holds in the blocks it now frees
-                    fl.exp = None
-                    self._exp_drop_orphans()
-                target.segments += fl.segments
-                fl.segments = 0
+                        steps.append(partial(setattr, target, "exp", fl.exp))
+                    # E8 holds in the blocks it now frees
+                    steps.append(partial(setattr, target, "page", target.page or fl.page))
+                    steps.append(partial(setattr, fl, "exp", None))
+                    drop = True
+                steps.append(partial(setattr, target, "segments", target.segments + fl.segments))
+                steps.append(partial(setattr, fl, "segments", 0))
                 if fl.keys:
-                    target.keys[:] = sorted(target.keys + fl.keys)
-                    fl.keys.clear()
+                    steps.append(partial(operator.setitem, target.keys, slice(None), sorted(target.keys + fl.keys)))
+                    steps.append(partial(operator.setitem, fl.keys, slice(None), []))
             if owner is not None and owner.use_count == 0:   # a released pool: see release_pool
-                for fl in targets:
-                    for key in list(fl.keys):
-                        block = self._blocks[key & _MASK]
-                        if block.prev is None and block.next is None:
-                            self._move_to_general(block)
-                self._forget_private_if_empty(owner)
+                released.append((owner, targets))
+        if events is not None:
+            steps.append(partial(operator.delitem, events, -1))
+        steps.append(partial(setattr, retired, "events", 0))
+        _locks.publish(steps)
+        if drop:
+            self._exp_drop_orphans()
+        for owner, targets in released:
+            for fl in targets:
+                for key in list(fl.keys):
+                    block = self._blocks[key & _MASK]
+                    if block.prev is None and block.next is None:
+                        self._move_to_general(block)
+            self._forget_private_if_empty(owner)
 
     def _complete(self, block: _Block, events: Optional[list] = None) -> None:
         """A pending block's work is done: cache it.  ``events``: a list whose last entry is
@@ -2455,7 +2517,9 @@ class DeviceCachingAllocator:
         cache = self._event_cache.get(device)
         if cache is None:
             cache = self._event_cache[device] = []
-        if item.events == 1 and type(item) is not _Retired and not item.uses:
+        if type(item) is _Retired:
+            self._rehome(item, events)      # (one event each)
+        elif item.events == 1 and not item.uses:
             self._complete(item, events)
         else:
             del events[-1]

@@ -19,12 +19,15 @@ from __future__ import annotations
 import threading
 import time
 from bisect import bisect_right, insort
+from functools import partial
 from typing import Dict, List, Optional
 
+from .. import _locks
 from .._errors import OutOfMemoryError
 from .._finalize import drain as _drain_finalizers, pending as _finalizers
 from ..streams import on_device
-from ._caching import _gc_probe, _ONE_EXA_BYTES, _check_size, _Gate, add_use, capture_underway, check_use, record_uses
+from ._caching import (_gc_probe, _ONE_EXA_BYTES, _check_size, _Gate, add_use, capture_underway, check_use,
+                       record_uses, uses_forgotten)
 
 _MIN_SIZE = 512
 #: torch 2.13's host_memory_stats counters (torch/cuda/memory.py): blocks owned (active +
@@ -300,38 +303,47 @@ class HostCachingAllocator:
         """``stream`` of device ``device_index`` is about to be destroyed (its handle may
         name the next stream): blocks it used wait for an event recorded on it now.
         Returns False, doing nothing, when ``blocking`` is False and the lock is busy."""
-        if not self._lock.acquire(blocking):
-            return False
+        if blocking:
+            with self._lock:
+                self._forget_stream(stream, device_index)
+            return True
+        got = []
         try:
-            # Every event first, then the uses replaced: when neither an event nor a wait covers
-            # one use, the stream stays alive and may queue more work on every block it used, so
-            # no use is replaced (the events recorded so far go back to the cache).
-            covers = [(block, use) for block in self._used_on.get(stream, ())
-                      for use in block.uses if type(use) is tuple and use[0] == stream]
-            gates = []
-            try:
-                for _, use in covers:
-                    try:
-                        gates.append(_Gate(self._record(stream, use[1]), use[1]))
-                    except Exception:
-                        if capture_underway(self._be):
-                            raise       # synchronizing would invalidate the capture
-                        with on_device(self._be, use[1]):
-                            self._be.stream_synchronize(stream)   # a second failure propagates
-                        gates.append(None)
-            except BaseException:
+            _locks.try_acquire(self._lock, got)
+            if not got[0]:
+                return False
+            self._forget_stream(stream, device_index)
+        finally:
+            if got and got[0]:
+                self._lock.release()
+        return True
+
+    def _forget_stream(self, stream: int, device_index: int) -> None:
+        # Every event first, then the uses replaced: when neither an event nor a wait covers
+        # one use, the stream stays alive and may queue more work on every block it used, so
+        # no use is replaced (the events recorded so far go back to the cache).  The uses are
+        # replaced in one step (_locks.publish): a KeyboardInterrupt leaves all or none.
+        covers = [(block, use) for block in self._used_on.get(stream, ())
+                  for use in (block.uses or ()) if type(use) is tuple and use[0] == stream]
+        gates = []
+        done = []
+        try:
+            for _, use in covers:
+                try:
+                    gates.append(_Gate(self._record(stream, use[1]), use[1]))
+                except Exception:
+                    if capture_underway(self._be):
+                        raise       # synchronizing would invalidate the capture
+                    with on_device(self._be, use[1]):
+                        self._be.stream_synchronize(stream)   # a second failure propagates
+                    gates.append(None)
+            _locks.publish(uses_forgotten(self, stream, covers, gates) + [partial(done.append, True)])
+        except BaseException:
+            if not done:
                 for gate in gates:
                     if gate is not None:
                         self._event_cache.setdefault(gate.device, []).append(gate.event)
-                raise
-            for (block, use), gate in zip(covers, gates):
-                block.uses.discard(use)
-                if gate is not None:
-                    block.uses.add(gate)
-            self._used_on.pop(stream, None)
-        finally:
-            self._lock.release()
-        return True
+            raise
 
     def empty_cache(self) -> None:
         """Unpin every cached block whose work has completed (never waits).  Does nothing
