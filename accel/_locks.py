@@ -28,16 +28,36 @@ GC_WAIT_S = 2.0
 
 _collector = None          # thread ident running the cyclic collector, else None
 _collection = 0            # number of collections started (RLock: which one took a hold)
+_started = 0               # _collections() when the last one started
 _get_ident = threading.get_ident
 
 
+def _collections() -> int:
+    """Collections completed so far (CPython counts one as it ends, before "stop")."""
+    return sum(gen["collections"] for gen in gc.get_stats())
+
+
 def _on_gc(phase: str, info: dict) -> None:
-    global _collector, _collection
+    global _collector, _collection, _started
     if phase == "start":
         _collection += 1
+        _started = _collections()
         _collector = _get_ident()
     else:
         _collector = None
+
+
+def _still_collecting() -> bool:
+    """``_collector`` is set: is its collection still running?  A KeyboardInterrupt (a signal
+    handler's exception) landing as the "stop" callback starts is printed and ignored by
+    CPython, and the callback never runs; then the count of completed collections has moved
+    on, and the flag is cleared here.  (One landing as "start" begins leaves that collection
+    unflagged: its finalizers are not deferred; nothing can tell from Python.)"""
+    global _collector
+    if _collections() == _started:
+        return True
+    _collector = None
+    return False
 
 
 # Interrupt safety (r36): ``with lock:`` must never leave the lock held.  CPython runs a signal's
@@ -49,7 +69,7 @@ def _on_gc(phase: str, info: dict) -> None:
 # it calls ``__enter__``.  Only a finalizer run by the collector on this thread gets the Python
 # ``acquire`` with its checks (an exception there is printed, not raised, anyway).
 def _enter(self):
-    if _collector is None or _collector != _get_ident():
+    if _collector is None or _collector != _get_ident() or not _still_collecting():
         return self._lock.__enter__
     return self.acquire
 
@@ -86,12 +106,12 @@ def try_acquire(lock, out: list) -> None:
 def collecting_here() -> bool:
     """True while the cyclic garbage collector runs on the calling thread (so the code
     running now is a finalizer, possibly entered from inside accel)."""
-    return _collector is not None and _collector == _get_ident()
+    return _collector is not None and _collector == _get_ident() and _still_collecting()
 
 
 def collection_running() -> bool:
     """True while the cyclic garbage collector runs, on any thread."""
-    return _collector is not None
+    return _collector is not None and _still_collecting()
 
 
 def forget_collection() -> None:
@@ -177,22 +197,22 @@ class RLock:
         self.what = what
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        me = _get_ident()
+        here = _collector is not None and _collector == _get_ident() and _still_collecting()
         lock = self._lock
         if lock._is_owned():
-            if _collector == me and self._outer_gc != _collection:
+            if here and self._outer_gc != _collection:
                 raise finalizer_error(self.what, "would re-enter the call this thread left half done")
             lock.acquire()
             return True
         if not lock.acquire(False):
             if not blocking:
                 return False
-            if _collector == me:
+            if here:
                 if not lock.acquire(True, GC_WAIT_S if timeout < 0 else min(timeout, GC_WAIT_S)):
                     raise finalizer_error(self.what)
             elif not lock.acquire(True, timeout):
                 return False
-        self._outer_gc = _collection if _collector == me else None
+        self._outer_gc = _collection if here else None
         return True
 
     def release(self) -> None:

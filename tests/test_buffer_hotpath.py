@@ -73,6 +73,7 @@ def test_a_current_stream_another_thread_closed_is_refused(sim_cuda):
 
 def test_a_close_during_a_collection_on_this_thread_waits_for_a_safe_point(sim_cuda, monkeypatch):
     buf = accel.Buffer(MiB)
+    monkeypatch.setattr(_locks, "_started", _locks._collections())
     monkeypatch.setattr(_locks, "_collector", threading.get_ident())    # as gc.callbacks "start"
     buf.close()
     assert buf._closed and len(_finalize.pending) == 1
@@ -86,6 +87,7 @@ def test_a_close_during_a_collection_on_this_thread_waits_for_a_safe_point(sim_c
 
 def test_a_close_while_releases_wait_runs_them_first(sim_cuda, monkeypatch):
     first, second = accel.Buffer(MiB), accel.Buffer(MiB)
+    monkeypatch.setattr(_locks, "_started", _locks._collections())
     monkeypatch.setattr(_locks, "_collector", threading.get_ident())
     first.close()
     assert len(_finalize.pending) == 1 and memory_allocated(0) == 2 * MiB
@@ -97,6 +99,7 @@ def test_a_close_while_releases_wait_runs_them_first(sim_cuda, monkeypatch):
 
 def test_a_close_while_another_thread_collects_runs_at_once(sim_cuda, monkeypatch):
     buf = accel.Buffer(MiB)
+    monkeypatch.setattr(_locks, "_started", _locks._collections())
     monkeypatch.setattr(_locks, "_collector", -1)       # some other thread's collection
     buf.close()
     assert not _finalize.pending and memory_allocated(0) == 0

@@ -12,6 +12,7 @@ from accel._errors import AcceleratorError
 def collecting(monkeypatch):
     """Pretend the cyclic collector runs on this thread (as inside a user's __del__)."""
     def start():
+        monkeypatch.setattr(_locks, "_started", _locks._collections())
         monkeypatch.setattr(_locks, "_collector", threading.get_ident())
     return start
 
@@ -85,3 +86,36 @@ def test_release_by_a_thread_not_holding_it_raises():
     t.join(10)
     assert errors and lock._depth == 1
     lock.release()
+
+
+def test_a_stop_callback_interrupted_as_it_starts_is_not_taken_for_a_collection_still_running(monkeypatch):
+    """A KeyboardInterrupt (Ctrl-C) that lands as the collector's "stop" callback starts (CPython
+    checks for a signal when a Python function starts) is printed and ignored, and the callback's
+    body never runs.  accel must not believe a collection still runs on this thread afterwards:
+    deferred releases would then wait for good (drain() skips during a collection), and every
+    accel lock would take its slow path.  (r37: seen in the Ctrl-C program as blocks never freed.)"""
+    import gc
+    import sys
+    from accel import _finalize
+
+    def tracer(frame, event, arg):
+        if event == "call" and frame.f_code is _locks._on_gc.__code__ and frame.f_locals.get("phase") == "stop":
+            raise KeyboardInterrupt("as the stop callback starts")
+        return None
+
+    ignored = []
+    monkeypatch.setattr(sys, "unraisablehook", ignored.append)
+    sys.settrace(tracer)
+    try:
+        gc.collect()
+    finally:
+        sys.settrace(None)
+    assert ignored and isinstance(ignored[0].exc_value, KeyboardInterrupt)     # the interrupt landed there
+    assert not _locks.collecting_here()
+    assert not _locks.collection_running()
+    ran = []
+    _finalize.defer(ran.append, "released")
+    _finalize.drain()
+    assert ran == ["released"]
+    gc.collect()            # and the next collection is seen as usual
+    assert not _locks.collection_running()
