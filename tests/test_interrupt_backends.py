@@ -264,17 +264,7 @@ def _sweep_copies(be, kind, stride):
     return runs, failures
 
 
-_MPS_ENCODERS = pytest.mark.xfail(strict=True, reason=(
-    "r36: 200 runs / 32 failures at stride 3: the Metal backend's encoder is made and ended by "
-    "separate msgSends (objc_msgSend returns the +0 encoder; an interrupt as it returns, or at the "
-    "start of the endEncoding send in _encoding's finally, leaves it active: 'released without "
-    "endEncoding' at the pool drain), and event_record interrupted between its signal and "
-    "_commit leaves ev.cb an uncommitted buffer ('waitUntilCompleted on a command buffer that "
-    "was never committed'); no fix by ordering alone: the encoder value is lost as the C call "
-    "returns (needs signals deferred around encode+end, or a recoverable encoder)"))
-
-
-@pytest.mark.parametrize("kind", ["cuda", "xpu", pytest.param("mps", marks=_MPS_ENCODERS)])
+@pytest.mark.parametrize("kind", ["cuda", "xpu", "mps"])
 def test_keyboard_interrupt_anywhere_in_backend_copies_and_events(monkeypatch, traced, kind):
     use_sim(monkeypatch, kind)
     be = _lazy.lazy_init()

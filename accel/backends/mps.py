@@ -45,6 +45,12 @@ Model (what the Backend protocol's CUDA-shaped handles mean on Metal):
   a command queue cannot be recorded for replay), so ``supports_graphs`` is
   False and the graph methods raise ``NotImplementedError`` saying so.
 
+Ctrl-C: a Python signal handler can run as any ``objc_msgSend`` returns, so the backend's
+short sequences that make and store, or make and end, Metal objects (an encoder and its
+``endEncoding``, a command buffer and its retain, an event's signal and the commit) run with
+signals deferred in the main thread (``_signals.deferred``, about 1.5 us a call); waits
+(``waitUntilCompleted``) are not deferred, and what they hold is given back on every path.
+
 Ownership: objects from ``new…`` methods and ``MTLCreateSystemDefaultDevice``
 are owned (+1) and released when their handle is destroyed; autoreleased
 results that are kept (command buffers) are retained; every call that makes
@@ -64,6 +70,7 @@ from .. import _locks
 from .._errors import AcceleratorError, OutOfMemoryError
 from . import _objc
 from ._objc import Message
+from ._signals import deferred
 from .base import Backend, DeviceProperties, KernelArgs
 
 __all__ = ["MPSBackend", "create"]
@@ -410,6 +417,7 @@ class MPSBackend(Backend):
         self._next_handle += 1
         return h
 
+    @deferred
     def properties(self, index: int) -> DeviceProperties:
         self._check_index(index)
         rt = self._runtime()
@@ -480,6 +488,7 @@ class MPSBackend(Backend):
                 bisect.insort(self._bases, buf.base)
         return buf
 
+    @deferred
     def _alloc(self, nbytes: int, host: bool) -> int:
         if not isinstance(nbytes, int) or isinstance(nbytes, bool):
             raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
@@ -511,12 +520,18 @@ class MPSBackend(Backend):
             # Metal (currentAllocatedSize) until some later synchronize.  As cudaFree, a failed
             # wait raises before anything is freed.
             self.device_synchronize()
+        self._release_buffer(ptr, host)
+
+    @deferred
+    def _release_buffer(self, ptr: int, host: bool) -> None:
+        """Forget and release the buffer at ``ptr``; signals deferred: a handler run between
+        the two would leave a live buffer nobody can free, or a table entry for a dead one."""
         with self._lock:
             buf = self._freeable(ptr, host)
             del self._buffers[ptr]
             del self._bases[bisect.bisect_left(self._bases, ptr)]
         # Command buffers retain the buffers they use: queued work still reads valid memory.
-        rt.release(buf.obj)
+        self._rt.release(buf.obj)
 
     def _freeable(self, ptr: int, host: bool) -> _Buffer:
         """The live buffer at ``ptr`` of that kind (lock held), else the error naming it."""
@@ -639,22 +654,14 @@ class MPSBackend(Backend):
                                          _CB_ERRORS.get(code, "MTLCommandBufferError"), text)
 
     def _sync_streams(self, streams: List[_Stream]) -> None:
-        rt = self._rt
         waits: List[Tuple[_Stream, List[_Committed]]] = []  # each listed buffer retained here
-        waited = set()
+        waited: set = set()
         error = None
         try:
-            with self._lock, rt.pool():
-                for st in streams:
-                    self._commit(st)
-                    cmds: List[_Committed] = []
-                    waits.append((st, cmds))
-                    for cmd in st.inflight:
-                        rt.retain(cmd.obj)
-                        cmds.append(cmd)
+            self._take_waits(streams, waits)
             for st, cmds in waits:
                 for cmd in cmds:
-                    rt.send(cmd.obj, M_WAIT)   # outside the lock: other threads keep encoding
+                    self._rt.send(cmd.obj, M_WAIT)   # signals not deferred: Ctrl-C ends a long wait
                     waited.add(id(cmd))
                     if error is None:          # one error per call; a later one stays for its event
                         try:
@@ -664,15 +671,37 @@ class MPSBackend(Backend):
         finally:
             # On every path (an error, or a KeyboardInterrupt when a wait returns): the buffers
             # waited for leave the stream's list, and every retain taken above is given back.
-            if waits:
+            # A handler can run as _release_waits starts (before it defers signals): then it is
+            # called again, as it does nothing twice.
+            try:
                 self._release_waits(waits, waited)
+            except BaseException:
+                self._release_waits(waits, waited)
+                raise
         if error is not None:
             raise error
 
+    @deferred
+    def _take_waits(self, streams: List[_Stream], waits: List[Tuple[_Stream, List[_Committed]]]) -> None:
+        """Commit each stream's open buffer; append (stream, its in-flight buffers, each retained)
+        to ``waits`` (filled in place: a handler run as this returns loses no retain)."""
+        rt = self._rt
+        with self._lock, rt.pool():
+            for st in streams:
+                self._commit(st)
+                cmds: List[_Committed] = []
+                waits.append((st, cmds))
+                for cmd in st.inflight:
+                    rt.retain(cmd.obj)
+                    cmds.append(cmd)
+
+    @deferred
     def _release_waits(self, waits: List[Tuple[_Stream, List[_Committed]]], waited: set) -> None:
+        """Undo :meth:`_take_waits`; ``waits`` is emptied, so a second call does nothing."""
         rt = self._rt
         with self._lock:
-            for st, cmds in waits:
+            while waits:
+                st, cmds = waits.pop()
                 remaining = []
                 for cmd in st.inflight:
                     if id(cmd) in waited:
@@ -683,6 +712,7 @@ class MPSBackend(Backend):
                 for cmd in cmds:
                     rt.release(cmd.obj)
 
+    @deferred
     def stream_create(self, priority: int = 0) -> int:
         self._runtime()
         with self._lock:
@@ -700,6 +730,7 @@ class MPSBackend(Backend):
                              f"(backend.stream_create, default_stream)")
         return stream, 0
 
+    @deferred
     def stream_destroy(self, stream: int) -> None:
         """Commit what is queued and drop the queue; committed work still completes (as CUDA)."""
         rt = self._runtime()
@@ -726,6 +757,7 @@ class MPSBackend(Backend):
             st = self._stream(stream)
         self._sync_streams([st])
 
+    @deferred
     def stream_query(self, stream: int) -> bool:
         rt = self._runtime()
         with self._lock:
@@ -751,6 +783,7 @@ class MPSBackend(Backend):
                 raise error
             return not pending
 
+    @deferred
     def stream_wait_event(self, stream: int, event: int) -> None:
         rt = self._runtime()
         with self._lock, rt.pool():
@@ -768,6 +801,7 @@ class MPSBackend(Backend):
             raise _bad("event", handle, "use a handle from event_create that was not destroyed")
         return ev
 
+    @deferred
     def event_create(self, enable_timing: bool = False, blocking: bool = False) -> int:
         self._runtime()
         with self._lock:
@@ -776,6 +810,7 @@ class MPSBackend(Backend):
                                      bool(enable_timing))
         return h
 
+    @deferred
     def event_destroy(self, event: int) -> None:
         rt = self._runtime()
         with self._lock:
@@ -784,6 +819,7 @@ class MPSBackend(Backend):
             self._release_committed(ev.cb)
             rt.release(ev.shared)
 
+    @deferred
     def event_record(self, event: int, stream: int) -> None:
         rt = self._runtime()
         with self._lock, rt.pool():
@@ -802,16 +838,33 @@ class MPSBackend(Backend):
 
     def event_synchronize(self, event: int) -> None:
         rt = self._runtime()
+        held: List[_Committed] = []
+        try:
+            self._hold_event_cb(event, held)
+            for cmd in held:
+                rt.send(cmd.obj, M_WAIT)       # signals not deferred: Ctrl-C ends a long wait
+                self._check_cb(cmd)
+        finally:
+            try:                               # as _sync_streams: again if a handler ran at its start
+                self._let_go(held)
+            except BaseException:
+                self._let_go(held)
+                raise
+
+    @deferred
+    def _hold_event_cb(self, event: int, held: List[_Committed]) -> None:
+        """Append the event's latest command buffer, retained, to ``held`` (none if never recorded)."""
         with self._lock:
             cmd = self._event(event).cb
-            if cmd is None:
-                return
-            rt.retain(cmd.obj)
-        try:
-            rt.send(cmd.obj, M_WAIT)
-            self._check_cb(cmd)
-        finally:
-            rt.release(cmd.obj)
+            if cmd is not None:
+                self._rt.retain(cmd.obj)
+                held.append(cmd)
+
+    @deferred
+    def _let_go(self, held: List[_Committed]) -> None:
+        """Release what :meth:`_hold_event_cb` held; ``held`` is emptied (a second call does nothing)."""
+        while held:
+            self._rt.release(held.pop().obj)
 
     def event_query(self, event: int) -> bool:
         rt = self._runtime()
@@ -877,27 +930,9 @@ class MPSBackend(Backend):
                                  f"host buffer; nothing was copied")
         d = self._resolve(dst, nbytes)
         s = self._resolve(src, nbytes)
-        with self._lock, rt.pool():
-            st = self._stream(stream)
-            if d is not None and nbytes % 4 == 0 and d[1] % 4 == 0:
-                if s is not None and s[1] % 4 == 0:
-                    self._encode_copy(self._open_cb(st), s[0], s[1], d[0], d[1], nbytes)
-                    self._encoded(st)
-                    return
-                if s is None:
-                    # Pageable source: copied now into a staging buffer, blitted in order.
-                    staging = rt.send(self._device, M_NEW_BUFFER_BYTES, self._host(src), nbytes,
-                                      _STORAGE_SHARED)
-                    if staging == rt.nil:
-                        raise OutOfMemoryError(f"mps: no memory for a {nbytes}-byte staging buffer",
-                                               library=_LIBRARY, call=M_NEW_BUFFER_BYTES.selector)
-                    stage = _Buffer(staging, 0, nbytes, True)
-                    try:
-                        self._encode_copy(self._open_cb(st), stage, 0, d[0], d[1], nbytes)
-                    finally:
-                        rt.release(staging)  # the command buffer holds it until done
-                    self._encoded(st)
-                    return
+        if d is not None and nbytes % 4 == 0 and d[1] % 4 == 0 and (s is None or s[1] % 4 == 0):
+            self._enqueue_copy(d, s, src, nbytes, stream)
+            return
         if d is None and s is None:
             # Neither side is a live Metal buffer: a freed (stale) device pointer looks exactly like
             # host memory here, and a host memmove through it would crash the process.
@@ -907,6 +942,38 @@ class MPSBackend(Backend):
         # Pageable destination or unaligned range: order on the host, copy through unified memory.
         self.stream_synchronize(stream)
         rt.ffi.memmove(self._host(dst), self._host(src), nbytes)
+
+    @deferred
+    def _enqueue_copy(self, d: Tuple[_Buffer, int], s: Optional[Tuple[_Buffer, int]], src: int, nbytes: int,
+                      stream: int) -> None:
+        """memcpy_async's blit into buffer ``d`` from buffer ``s``, or from pageable ``src`` (None
+        ``s``) through a staging buffer; signals deferred (the encoder and staging buffer are
+        made and ended or released within)."""
+        rt = self._rt
+        with self._lock, rt.pool():
+            st = self._stream(stream)
+            if s is not None:
+                self._encode_copy(self._open_cb(st), s[0], s[1], d[0], d[1], nbytes)
+                self._encoded(st)
+                return
+            # Pageable source: copied now into a staging buffer, blitted in order.
+            staging = rt.send(self._device, M_NEW_BUFFER_BYTES, self._host(src), nbytes, _STORAGE_SHARED)
+            if staging == rt.nil:
+                raise OutOfMemoryError(f"mps: no memory for a {nbytes}-byte staging buffer",
+                                       library=_LIBRARY, call=M_NEW_BUFFER_BYTES.selector)
+            stage = _Buffer(staging, 0, nbytes, True)
+            try:
+                self._encode_copy(self._open_cb(st), stage, 0, d[0], d[1], nbytes)
+            finally:
+                rt.release(staging)  # the command buffer holds it until done
+            self._encoded(st)
+
+    @deferred
+    def _enqueue_fill(self, d: Tuple[_Buffer, int], value: int, nbytes: int, stream: int) -> None:
+        with self._lock, self._rt.pool():
+            st = self._stream(stream)
+            self._encode_fill(self._open_cb(st), d[0], d[1], nbytes, value)
+            self._encoded(st)
 
     def memset_async(self, ptr: int, value: int, nbytes: int, stream: int) -> None:
         rt = self._runtime()
@@ -923,10 +990,7 @@ class MPSBackend(Backend):
         if d is None:
             raise _bad("pointer", ptr, "memset needs memory from mem_alloc or host_alloc")
         if nbytes % 4 == 0 and d[1] % 4 == 0:
-            with self._lock, rt.pool():
-                st = self._stream(stream)
-                self._encode_fill(self._open_cb(st), d[0], d[1], nbytes, value)
-                self._encoded(st)
+            self._enqueue_fill(d, value, nbytes, stream)
             return
         self.stream_synchronize(stream)
         rt.ffi.buffer(self._host(ptr), nbytes)[:] = bytes([value & 0xFF]) * nbytes
@@ -935,6 +999,7 @@ class MPSBackend(Backend):
     no_capture_reason = _GRAPHS_UNSUPPORTED
 
     # -- kernels (Metal Shading Language, compiled at run time) -----------------------
+    @deferred
     def module_load(self, source: bytes) -> int:
         rt = self._runtime()
         if isinstance(source, str):
@@ -963,6 +1028,7 @@ class MPSBackend(Backend):
             self._modules[h] = (lib, [])
         return h
 
+    @deferred
     def module_unload(self, module: int) -> None:
         rt = self._runtime()
         with self._lock:
@@ -976,6 +1042,7 @@ class MPSBackend(Backend):
                 rt.release(function)
             rt.release(lib)
 
+    @deferred
     def module_function(self, module: int, name: str) -> int:
         rt = self._runtime()
         if not isinstance(name, str):
@@ -1001,6 +1068,7 @@ class MPSBackend(Backend):
             functions.append(h)
         return h
 
+    @deferred
     def launch(self, function: int, grid: Tuple[int, int, int], block: Tuple[int, int, int],
                args: KernelArgs, shared_mem: int, stream: int) -> None:
         rt = self._runtime()
