@@ -62,7 +62,13 @@ class EventsMixin:
     """Events (``_events``), event slots from pools (``_pools``, ``_free_slots``, ``_retired``)
     and the sweep that recycles slots and frees deferred staging memory once streams passed them."""
 
-    def _acquire(self, dev: _Device, timing: bool) -> _Slot:
+    def _acquire(self, dev: _Device, timing: bool, got: Optional[list] = None) -> _Slot:
+        """A free event slot of ``dev``'s context (a new pool when none is left).  ``got`` (a
+        one-item list) receives it as it leaves the free list, with no signal check between:
+        the lock's release as this returns is one (CPython checks after a C call), and a
+        caller whose try covers this call retires ``got[0]`` when a KeyboardInterrupt lands
+        there, instead of losing the slot."""
+        got = [None] if got is None else got
         key = (id(dev.ctx), timing)
         with self._lock:
             free = self._free_slots.setdefault(key, [])
@@ -72,39 +78,62 @@ class EventsMixin:
                 self._poll()
                 self._sweep()
             if free:
-                return free.pop()
+                got[0] = free[-1]
+                del free[-1]
+                return got[0]
             ffi, lib, _ = self._lib
             desc = ffi.new("ze_event_pool_desc_t *")
             desc.stype = lib.ZE_STRUCTURE_TYPE_EVENT_POOL_DESC
             desc.flags = lib.ZE_EVENT_POOL_FLAG_HOST_VISIBLE | (lib.ZE_EVENT_POOL_FLAG_KERNEL_TIMESTAMP if timing else 0)
             desc.count = _EVENTS_PER_POOL
             p = ffi.new("ze_event_pool_handle_t *")
-            # No device list: the pool's events work on every device of the context.
-            rc = lib.zeEventPoolCreate(dev.ctx, desc, 0, ffi.NULL, p)
-            if rc:
-                self._fail("zeEventPoolCreate", rc)
-            pool = p[0]
+            pe = ffi.new("ze_event_handle_t *")
             made = []
-            for i in range(_EVENTS_PER_POOL):
-                ed = ffi.new("ze_event_desc_t *")
-                ed.stype = lib.ZE_STRUCTURE_TYPE_EVENT_DESC
-                ed.index = i
-                ed.signal = lib.ZE_EVENT_SCOPE_FLAG_HOST   # results visible to the host once signalled
-                ed.wait = lib.ZE_EVENT_SCOPE_FLAG_HOST
-                pe = ffi.new("ze_event_handle_t *")
-                rc = lib.zeEventCreate(pool, ed, pe)
+            try:
+                # No device list: the pool's events work on every device of the context.
+                rc = lib.zeEventPoolCreate(dev.ctx, desc, 0, ffi.NULL, p)
                 if rc:
-                    # Nothing of the new pool stays behind (the first error is the one reported).
-                    for slot in made:
-                        self._discard("zeEventDestroy", slot.event)
-                    self._discard("zeEventPoolDestroy", pool)
-                    self._fail("zeEventCreate", rc)
-                made.append(_Slot(pool, i, pe[0], timing, dev.ctx))
-            self._pools.append(pool)
-            made.reverse()
-            slot = made.pop()
-            free.extend(made)
-            return slot
+                    self._fail("zeEventPoolCreate", rc)
+                pool = p[0]
+                self._fill_pool(ffi, lib, dev, timing, pool, made, pe)
+            except Exception:
+                raise
+            except BaseException:
+                # A KeyboardInterrupt as the driver returned a pool or an event: nothing of the
+                # new pool stays behind (made and pe, p start empty: what exists is destroyed).
+                if pe[0] != ffi.NULL and not any(slot.event == pe[0] for slot in made):
+                    lib.zeEventDestroy(pe[0])
+                for slot in made:
+                    lib.zeEventDestroy(slot.event)
+                if p[0] != ffi.NULL:
+                    lib.zeEventPoolDestroy(p[0])
+                raise
+            # published with plain stores (no signal check between them): the pool, the free
+            # slots, and the caller's slot in ``got``
+            got[0] = made[-1]
+            del made[-1]
+            self._pools += [pool]
+            free += made
+            return got[0]
+
+    def _fill_pool(self, ffi, lib, dev, timing: bool, pool, made: list, pe) -> None:
+        """The pool's events, into ``made`` (``pe``: the out-pointer, read by the caller's undo)."""
+        for i in range(_EVENTS_PER_POOL):
+            ed = ffi.new("ze_event_desc_t *")
+            ed.stype = lib.ZE_STRUCTURE_TYPE_EVENT_DESC
+            ed.index = i
+            ed.signal = lib.ZE_EVENT_SCOPE_FLAG_HOST   # results visible to the host once signalled
+            ed.wait = lib.ZE_EVENT_SCOPE_FLAG_HOST
+            pe[0] = ffi.NULL
+            rc = lib.zeEventCreate(pool, ed, pe)
+            if rc:
+                # Nothing of the new pool stays behind (the first error is the one reported).
+                for slot in made:
+                    self._discard("zeEventDestroy", slot.event)
+                self._discard("zeEventPoolDestroy", pool)
+                self._fail("zeEventCreate", rc)
+            made += [_Slot(pool, i, pe[0], timing, dev.ctx)]
+        made.reverse()
 
     def _retire(self, slot: _Slot) -> None:
         with self._lock:
@@ -118,31 +147,51 @@ class EventsMixin:
                 lib = self._lib[1]
                 self._orphans = [(call, h) for call, h in self._orphans if getattr(lib, call)(h)]
             if self._retired:
-                keep, i = [], 0
+                # Each slot leaves the retired list (``start`` past it) and joins a free list with
+                # plain stores, no signal check between: a KeyboardInterrupt never leaves it in
+                # both (before, one as the free list's append returned kept it retired too, and
+                # the next sweep made it free twice: one slot for two records).  One as the
+                # reset returns leaves it retired: reset again later, which is harmless.
+                lib = self._lib[1]
+                keep, start = [], 0
                 try:
                     for i, slot in enumerate(self._retired):
                         if not slot.waiters and all(s.done >= seq for s, seq in slot.deps):
-                            rc = self._lib[1].zeEventHostReset(slot.event)
+                            rc = lib.zeEventHostReset(slot.event)
                             if rc:
                                 self._fail("zeEventHostReset", rc)
+                            free = self._free_slots.setdefault((id(slot.ctx), slot.timing), [])
                             slot.deps = []
-                            self._free_slots.setdefault((id(slot.ctx), slot.timing), []).append(slot)
+                            start = i + 1
+                            free += [slot]
                         else:
-                            keep.append(slot)
-                    i = len(self._retired)
+                            keep += [slot]
+                            start = i + 1
+                    start = len(self._retired)
                 finally:
-                    self._retired = keep + self._retired[i:]
+                    self._retired = keep + self._retired[start:]
             if self._deferred:
-                keep, i = [], 0
+                # Each block is forgotten (``start`` past it) before its zeMemFree, with no signal
+                # check between: a KeyboardInterrupt as the free returns leaves it forgotten, not
+                # kept to be freed twice (INVALID_ARGUMENT at every later sweep: accel wedged).
+                ffi, lib, _ = self._lib
+                ctx = self._devices[0].ctx
+                keep, start = [], 0
                 try:
                     for i, (deps, ptr) in enumerate(self._deferred):
                         if all(s.done >= seq for s, seq in deps):
-                            self._host_free(ptr)
+                            cptr = ffi.cast("void *", ptr)
+                            start = i + 1
+                            rc = lib.zeMemFree(ctx, cptr)
+                            if rc:
+                                keep += [(deps, ptr)]      # refused: still there, freed again later
+                                self._fail("zeMemFree", rc)
                         else:
-                            keep.append((deps, ptr))
-                    i = len(self._deferred)
+                            keep += [(deps, ptr)]
+                            start = i + 1
+                    start = len(self._deferred)
                 finally:
-                    self._deferred = keep + self._deferred[i:]
+                    self._deferred = keep + self._deferred[start:]
 
     def _event(self, handle: int) -> _Event:
         e = self._events.get(handle)
@@ -153,20 +202,32 @@ class EventsMixin:
     def event_create(self, enable_timing: bool = False, blocking: bool = False) -> int:
         dev = self._current()
         handle = next(self._ids)
-        with self._lock:
-            self._events[handle] = _Event(handle, dev, bool(enable_timing), bool(blocking))
+        e = _Event(handle, dev, bool(enable_timing), bool(blocking))
+        try:
+            with self._lock:
+                self._events[handle] = e
+        except BaseException:
+            # a KeyboardInterrupt as the lock is released: the caller never got the handle
+            with self._lock:
+                if self._events.get(handle) is e:
+                    del self._events[handle]
+            raise
         return handle
 
     def event_destroy(self, event: int) -> None:
-        with self._lock:        # (the record is swapped under this lock: see _record)
-            e = self._events.pop(event, None)
-            rec = None
+        # (the record is swapped under this lock: see _record).  Forgotten and its slot retired
+        # with plain stores, no signal check between: a KeyboardInterrupt as the lock is
+        # released no longer loses the slot (before: it was retired after the release).
+        with self._lock:
+            e = self._events.get(event)
             if e is not None:
-                rec, e.rec = e.rec, None
+                rec = e.rec
+                del self._events[event]
+                e.rec = None
+                if rec is not None:
+                    self._retired += [rec[0]]
         if e is None:
             raise ValueError(f"{event!r} is not a live XPU event handle")
-        if rec is not None:
-            self._retire(rec[0])
 
     def event_record(self, event: int, stream: int) -> None:
         e = self._event(event)
@@ -178,11 +239,22 @@ class EventsMixin:
         self._record(e, s)
 
     def _record(self, e: _Event, s: _Stream) -> None:
-        """Signal a fresh event slot at the end of ``s`` for ``e``; the old slot is recycled later."""
-        slot = self._acquire(s.device, e.timing)
+        """Signal a fresh event slot at the end of ``s`` for ``e``; the old slot is recycled later.
+
+        Interrupt safety (Ctrl-C): the slot is the caller's from the moment it leaves the free
+        list (``got``) until it is published (``e.rec``, or retired), and retired on a
+        KeyboardInterrupt in between; its use on ``s`` is counted before the signal is
+        appended, so a slot retired after an interrupt as the append returned is reset only
+        once the stream passed the signal (before, it was reset under the queued signal:
+        zeEventHostReset HANDLE_OBJECT_IN_USE, and every later sweep failed the same way)."""
+        got = [None]
+        published = False
         ffi, lib, _ = self._lib
-        with s.lock:
-            try:
+        try:
+            slot = self._acquire(s.device, e.timing, got)
+            with s.lock:
+                self._check_live(s)
+                seq = self._number(s, slot)
                 if e.timing:
                     # A barrier that signals writes the kernel timestamps (as SYCL's profiled
                     # barrier); on an in-order list it completes after all earlier commands.
@@ -191,22 +263,23 @@ class EventsMixin:
                 else:
                     self._append(s, "zeCommandListAppendSignalEvent", lib.zeCommandListAppendSignalEvent,
                                  s.list, slot.event)
-            except BaseException:
-                self._retire(slot)
-                raise
-            s.seq += 1
-            slot.deps.append((s, s.seq))
-            s.last = (slot, s.seq)
-            # One swap under the backend's lock: two threads recording the event at once each
-            # retire the record they replaced (not both the same one), and a record of an event
-            # destroyed meanwhile is retired here, not kept by an event nobody can reach.
-            with self._lock:
-                live = self._events.get(e.handle) is e or e.handle == 0    # (0: a graph's completion)
-                old, e.rec = e.rec, ((slot, s, s.seq) if live else None)
-        if old is not None:
-            self._retire(old[0])
+                s.issued = seq
+                s.last = (slot, seq)
+                # One swap under the backend's lock: two threads recording the event at once each
+                # retire the record they replaced (not both the same one), and a record of an event
+                # destroyed meanwhile is retired here, not kept by an event nobody can reach.
+                # Plain stores from the swap to the retirement (one C call, last).
+                with self._lock:
+                    live = self._events.get(e.handle) is e or e.handle == 0    # (0: a graph's completion)
+                    old = e.rec
+                    e.rec = (slot, s, seq) if live else None
+                    published = True
+                    self._retired += ([] if old is None else [old[0]]) + ([] if live else [slot])
+        except BaseException:
+            if got[0] is not None and not published:
+                self._retire(got[0])
+            raise
         if not live:
-            self._retire(slot)
             raise ValueError(f"{e.handle!r} is not a live XPU event handle (destroyed by another thread meanwhile)")
 
     def event_query(self, event: int) -> bool:
@@ -218,15 +291,19 @@ class EventsMixin:
         return self._query(event)
 
     def _query(self, event: int) -> bool:
-        rec = self._pin(self._event(event))
-        if rec is None:
-            return True
-        slot, stream, seq = rec
+        e = self._event(event)
         lib = self._lib[1]
+        pinned = [None]
         try:
-            rc = lib.zeEventQueryStatus(slot.event)
+            rec = self._pin(e, pinned)
+            if rec is None:
+                return True
+            rc = lib.zeEventQueryStatus(rec[0].event)
         finally:
-            self._unpin(slot)
+            if pinned[0] is not None:
+                with self._lock:     # (a C lock: no Python frame, no signal check, before the decrement)
+                    pinned[0][0].waiters -= 1
+        slot, stream, seq = rec
         if rc == lib.ZE_RESULT_NOT_READY:
             return False
         if rc:
@@ -234,31 +311,35 @@ class EventsMixin:
         self._progress(stream, seq)
         return True
 
-    def _pin(self, e: _Event):
+    def _pin(self, e: _Event, pinned: list):
         """The event's record if its work is not known complete, its slot kept from recycling
-        until :meth:`_unpin` (another thread may record the event again meanwhile, and the old
-        slot be reset and reused: a wait on it would wait for unrelated work); else None."""
+        until the caller's count goes down (another thread may record the event again meanwhile, and the old
+        slot be reset and reused: a wait on it would wait for unrelated work); else None.
+        ``pinned[0]`` gets the record as its count goes up (no signal check between): the
+        caller's finally, whose try covers this call, takes it down even when a KeyboardInterrupt
+        lands as the lock is released here (before, the slot stayed pinned for good)."""
         with self._lock:
             rec = e.rec
             if rec is None or rec[1].done >= rec[2]:
                 return None
             rec[0].waiters += 1
+            pinned[0] = rec
             return rec
-
-    def _unpin(self, slot: _Slot) -> None:
-        with self._lock:
-            slot.waiters -= 1
 
     def event_synchronize(self, event: int) -> None:
         self._unsafe("event_synchronize")     # (as event_query)
-        rec = self._pin(self._event(event))
-        if rec is None:
-            return
-        slot, stream, seq = rec
+        e = self._event(event)
+        pinned = [None]
         try:
-            rc = self._lib[1].zeEventHostSynchronize(slot.event, _UINT64_MAX)
+            rec = self._pin(e, pinned)
+            if rec is None:
+                return
+            rc = self._lib[1].zeEventHostSynchronize(rec[0].event, _UINT64_MAX)
         finally:
-            self._unpin(slot)
+            if pinned[0] is not None:
+                with self._lock:     # (as _query)
+                    pinned[0][0].waiters -= 1
+        slot, stream, seq = rec
         if rc:
             self._fail("zeEventHostSynchronize", rc)
         self._progress(stream, seq)

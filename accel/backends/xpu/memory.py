@@ -266,20 +266,33 @@ class MemoryMixin:
             self._invalidate(s.capture, "memcpy with pageable host memory")
             raise CaptureError("a copy to or from pageable host memory cannot be captured on XPU (use pinned "
                                "memory from host_alloc); the capture is invalidated")
+        # Interrupt safety (Ctrl-C): ``p`` holds the staging pointer while this call owns it (it
+        # starts NULL, zeMemAllocHost fills it, and it is set NULL as the memory is handed to the
+        # sweep or freed: plain stores, no signal check between); a KeyboardInterrupt anywhere
+        # in between hands it to the sweep, to be freed once the stream passed every command
+        # counted on it (an interrupted copy's append is counted first: it may be queued).
+        # Before, an interrupt as the append returned freed the memory under the queued copy,
+        # and one as the allocation returned lost it.
+        p = ffi.new("void **")
         if dst_usm:
             # Pageable source: copied now into pinned staging, so the caller may reuse it at
             # once (as cudaMemcpyAsync); the staging memory is freed once the copy has run.
-            staging = self._host_alloc(nbytes)
             try:
+                staging = self._host_alloc(nbytes, p)
                 ffi.memmove(ffi.cast("void *", staging), ffi.cast("void *", src), nbytes)
                 seq = self._enqueue(s, f"copy {nbytes} B", "zeCommandListAppendMemoryCopy", copy,
                                     ffi.cast("void *", dst), ffi.cast("void *", staging), nbytes,
                                     ffi.NULL, 0, ffi.NULL)
-            except BaseException:
-                self._free_staging(staging)
+                with self._lock:
+                    self._deferred += [([(s, seq)], staging)]
+                    p[0] = ffi.NULL
+            except Exception:
+                if p[0] != ffi.NULL:        # not queued (refused): freed now
+                    self._free_staging(int(ffi.cast("uintptr_t", p[0])))
                 raise
-            with self._lock:
-                self._deferred.append(([(s, seq)], staging))
+            except BaseException:
+                self._staging_interrupted(p, s)
+                raise
             return
         if not src_usm:
             # Neither side is a live USM allocation: a freed device pointer is indistinguishable
@@ -288,22 +301,41 @@ class MemoryMixin:
                              f"USM allocation (freed or foreign memory?); copy to or from memory returned by "
                              f"mem_alloc/host_alloc that has not been freed")
         # Pageable destination: synchronous, as CUDA makes it.
-        staging = self._host_alloc(nbytes)
         seq = None
         try:
+            staging = self._host_alloc(nbytes, p)
             seq = self._enqueue(s, f"copy {nbytes} B", "zeCommandListAppendMemoryCopy", copy,
                                 ffi.cast("void *", staging), ffi.cast("void *", src), nbytes, ffi.NULL, 0,
                                 ffi.NULL)
             self._sync_stream(s)
             ffi.memmove(ffi.cast("void *", dst), ffi.cast("void *", staging), nbytes)
-        except BaseException:
-            if seq is None:
-                self._free_staging(staging)
-            else:               # the wait failed: the queued copy may still write the staging memory
-                with self._lock:
-                    self._deferred.append(([(s, seq)], staging))
+            cptr = ffi.cast("void *", staging)
+            p[0] = ffi.NULL                 # forgotten, then freed (a failure defers it to the sweep)
+            rc = lib.zeMemFree(self._devices[0].ctx, cptr)
+        except Exception:
+            if p[0] != ffi.NULL:
+                staging = int(ffi.cast("uintptr_t", p[0]))
+                if seq is None:
+                    self._free_staging(staging)
+                else:               # the wait failed: the queued copy may still write the staging memory
+                    with self._lock:
+                        self._deferred.append(([(s, seq)], staging))
             raise
-        self._free_staging(staging)
+        except BaseException:
+            self._staging_interrupted(p, s)
+            raise
+        if rc:
+            with self._lock:
+                self._deferred.append(([], staging))
+
+    def _staging_interrupted(self, p, s) -> None:
+        """A KeyboardInterrupt while a copy owned the staging memory in ``p`` (NULL: none): to
+        the sweep, freed once ``s`` passed every command counted on it so far."""
+        ffi = self._lib[0]
+        if p[0] != ffi.NULL:
+            with self._lock:
+                self._deferred += [([(s, s.seq)], int(ffi.cast("uintptr_t", p[0])))]
+                p[0] = ffi.NULL
 
     def memset_async(self, ptr: int, value: int, nbytes: int, stream: int) -> None:
         _check_ptr(ptr, "ptr")

@@ -33,14 +33,19 @@ class _Stream:
     """An immediate command list and how far its commands are known to have completed."""
 
     __slots__ = ("handle", "device", "list", "lock", "seq", "done", "capture", "marker", "in_order", "dead",
-                 "last", "waiting")
+                 "last", "waiting", "issued")
 
     def __init__(self, handle, device, cmdlist, in_order):
         self.handle, self.device, self.list, self.in_order = handle, device, cmdlist, in_order
         # Level Zero forbids appending to one list from two threads at once.  Held across vendor
         # calls, where a user's __del__ run by the collector may queue work again (accel._locks).
         self.lock = _Lock("queueing work on an XPU stream")
-        self.seq = 0                   # commands appended
+        # Commands appended: each is counted (seq bumped, a slot's use recorded) BEFORE its append
+        # call, so a KeyboardInterrupt as the driver returns (CPython runs a handler right after
+        # a C call, before its result is stored) leaves it counted, and a sync, a free's quiesce
+        # and a slot's recycling wait for it; a count without a command is passed at once.
+        self.seq = 0
+        self.issued = 0                # seq as the last append returned: never ahead of the list
         self.done = 0                  # commands known complete
         self.capture = None            # _Capture while capturing
         self.marker = None             # (slot, seq): query marker on loaders without HostSynchronize
@@ -77,13 +82,29 @@ class StreamsMixin:
         else:
             desc.priority = lib.ZE_COMMAND_QUEUE_PRIORITY_NORMAL
         p = ffi.new("ze_command_list_handle_t *")
-        rc = lib.zeCommandListCreateImmediate(dev.ctx, dev.handle, desc, p)
-        if rc:
-            self._fail("zeCommandListCreateImmediate", rc)
-        handle = int(ffi.cast("uintptr_t", p[0]))
-        s = _Stream(handle, dev, p[0], dev.in_order)
-        with self._lock:
-            self._enter_stream(s)
+        s = None
+        entered = False
+        try:
+            rc = lib.zeCommandListCreateImmediate(dev.ctx, dev.handle, desc, p)
+            if rc:
+                self._fail("zeCommandListCreateImmediate", rc)
+            handle = int(ffi.cast("uintptr_t", p[0]))
+            s = _Stream(handle, dev, p[0], dev.in_order)
+            with self._lock:
+                self._enter_stream(s)
+                entered = True
+        except Exception:
+            raise
+        except BaseException:
+            # A KeyboardInterrupt as the driver returned the list (p starts NULL), or before the
+            # caller got the stream (the lock's release is a signal check): out of the tables
+            # and destroyed (it is idle), so an interrupted create leaves nothing.
+            if p[0] != ffi.NULL:
+                if entered:
+                    with self._lock:
+                        self._leave_stream(s)
+                lib.zeCommandListDestroy(p[0])
+            raise
         return s
 
     def _enter_stream(self, s: _Stream) -> None:
@@ -148,18 +169,32 @@ class StreamsMixin:
     def _destroy_list(self, s: _Stream) -> None:
         """zeCommandListDestroy of an idle stream (caller holds ``s.lock``); on failure it stays live."""
         lib = self._lib[1]
-        with self._lock:
-            # Out of the tables BEFORE the driver may hand the value to a new list (another
-            # thread's stream_create): removed afterwards, by value, it took that new stream's
-            # entry with it ("not a live XPU stream handle" on a live stream).
-            self._leave_stream(s)
-        rc = lib.zeCommandListDestroy(s.list)
+        called = False
+        try:
+            with self._lock:
+                # Out of the tables BEFORE the driver may hand the value to a new list (another
+                # thread's stream_create): removed afterwards, by value, it took that new stream's
+                # entry with it ("not a live XPU stream handle" on a live stream).
+                self._leave_stream(s)
+            # Dead (and all done) before the destroy, with no signal check from here to the call:
+            # a KeyboardInterrupt as the destroy returns leaves no live-looking stream whose list
+            # is gone, and one before the call puts the stream back (below): destroying it again
+            # retries, where before its list was left behind, forgotten.
+            s.done = s.seq = max(s.seq, s.done)
+            s.dead = True
+            called = True
+            rc = lib.zeCommandListDestroy(s.list)
+        except BaseException:
+            if not called:
+                s.dead = False
+                with self._lock:
+                    self._enter_stream(s)
+            raise
         if rc:
+            s.dead = False
             with self._lock:
                 self._enter_stream(s)                # still live: destroying it again retries
             self._fail("zeCommandListDestroy", rc)
-        s.dead = True
-        s.done = s.seq = max(s.seq, s.done)
 
     def default_stream(self, index: int) -> int:
         return self._device(index).default.handle
@@ -237,15 +272,15 @@ class StreamsMixin:
                 return marker
             slot = self._acquire(s.device, False)
             try:
+                seq = self._number(s, slot)
                 self._append(s, "zeCommandListAppendSignalEvent", self._lib[1].zeCommandListAppendSignalEvent,
                              s.list, slot.event)
             except BaseException:
-                self._retire(slot)      # back to the pool once reset (nothing signals it)
+                self._retire(slot)      # back to the pool once its use above is passed and it is reset
                 raise
-            s.seq += 1
-            slot.deps.append((s, s.seq))
+            s.issued = seq
             slot.waiters += 1
-            s.marker = s.last = new = (slot, s.seq)
+            s.marker = s.last = new = (slot, seq)
         if marker is not None:
             self._retire(marker[0])
         return new
@@ -263,7 +298,7 @@ class StreamsMixin:
             return True
         ffi, lib, _ = self._lib
         if self._host_sync:
-            target = s.seq
+            target = s.issued      # (not s.seq: counted before its append, maybe not appended yet)
             rc = lib.zeCommandListHostSynchronize(s.list, 0)
             call = "zeCommandListHostSynchronize"
         else:
@@ -298,18 +333,17 @@ class StreamsMixin:
             # number), under the lock the sweep holds: a record replaced by another thread
             # meanwhile is retired, and could be reset and reused before this wait is appended.
             self._check_live(s)
+            arr = self._lib[0].new("ze_event_handle_t[1]", [self._lib[0].NULL])
             with self._lock:
                 rec = e.rec
                 if rec is None:
                     return      # destroyed meanwhile
                 slot = rec[0]
-                slot.deps.append((s, s.seq + 1))
-            arr = self._lib[0].new("ze_event_handle_t[1]", [slot.event])
-            try:
-                self._append(s, "zeCommandListAppendWaitOnEvents", lib.zeCommandListAppendWaitOnEvents, s.list,
-                             1, arr)
-            finally:
-                s.seq += 1      # also when it failed: the slot's use above is passed at the next sync
+                arr[0] = slot.event
+                seq = self._number(s, slot)      # (also when the append fails: passed at the next sync)
+            self._append(s, "zeCommandListAppendWaitOnEvents", lib.zeCommandListAppendWaitOnEvents, s.list,
+                         1, arr)
+            s.issued = seq
 
     @staticmethod
     def _check_live(s: _Stream) -> None:
@@ -318,8 +352,20 @@ class StreamsMixin:
         if s.dead:
             raise ValueError(f"{s.handle!r} is not a live XPU stream handle (destroyed by another thread meanwhile)")
 
+    @staticmethod
+    def _number(s: _Stream, slot=None) -> int:
+        """Number the next command of ``s`` (caller holds ``s.lock``, checked the stream is live,
+        and appends it next): ``s.seq`` first, then ``slot``'s use at that number, with no
+        signal check between them (one C call, the list's append, last)."""
+        seq = s.seq + 1
+        s.seq = seq
+        if slot is not None:
+            slot.deps.append((s, seq))
+        return seq
+
     def _append(self, s: _Stream, call: str, fn, *args) -> None:
-        """One command on ``s``'s list (caller holds ``s.lock`` and bumps ``s.seq``)."""
+        """One command on ``s``'s list, or its capture's (caller holds ``s.lock``; for the
+        stream's list it counted the command first, :meth:`_number`, and sets ``s.issued`` after)."""
         self._check_live(s)
         if not s.in_order:
             # Pre-1.7 drivers have no in-order lists: a barrier keeps commands in stream order.
@@ -343,9 +389,11 @@ class StreamsMixin:
                 self._append(s, call, fn, cap.list, *args)
                 cap.ops.append(what)
                 return None
+            self._check_live(s)
+            seq = self._number(s)
             self._append(s, call, fn, s.list, *args)
-            s.seq += 1
-            return s.seq
+            s.issued = seq
+            return seq
 
     def _progress(self, s: _Stream, seq: int) -> None:
         if seq > s.done:
@@ -360,7 +408,7 @@ class StreamsMixin:
             if s.dead or s.done >= s.seq:
                 continue
             if self._host_sync:
-                target = s.seq
+                target = s.issued      # (s.seq may count a command another thread is appending)
                 if lib.zeCommandListHostSynchronize(s.list, 0) == 0:
                     s.done = max(s.done, target)
             else:
