@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import operator
 import sys
+import weakref
 
 _ffi = None
 
@@ -30,6 +31,13 @@ def copy_into(address: int, view) -> None:
     """Copy the bytes of ``view`` to host memory at ``address``."""
     ffi = _get_ffi()
     ffi.memmove(ffi.cast("void *", address), view, view.nbytes)
+
+
+class _Token:
+    """Stands for the owner of a pinned block while the allocator holds a weak reference to it
+    (see HostCachingAllocator.malloc's ``ref``)."""
+
+    __slots__ = ("__weakref__",)
 
 
 def _free_pinned(backend, host, ptr: int, pid: int) -> None:
@@ -78,11 +86,15 @@ def empty_pinned(shape, dtype="uint8"):
         raise ValueError(f"empty_pinned: array is too big: shape {shape} of {dtype} needs {nbytes} bytes, more "
                          f"than an array can index ({sys.maxsize}); nothing was allocated")
     host = memory.host_allocator()
-    ptr = host.malloc(max(nbytes, 1))
+    # The allocator keeps a weak reference to `token` with the block, and the destructor below
+    # keeps `token` alive: should the block outlive them (a Ctrl-C as malloc returns, or as the
+    # destructor starts), the host allocator's empty_cache frees it.
+    token = _Token()
+    ptr = host.malloc(max(nbytes, 1), weakref.ref(token))
     ffi = _get_ffi()
     # The cdata owns the block: numpy's base chain (array -> buffer -> cdata) keeps it alive
     # for every view, and its destructor frees it through the finalizer path (no lock wait).
-    owner = ffi.gc(ffi.cast("char *", ptr), lambda _p, ptr=ptr, be=host._be, pid=_finalize.pid:
+    owner = ffi.gc(ffi.cast("char *", ptr), lambda _p, ptr=ptr, be=host._be, pid=_finalize.pid, token=token:
                    _finalize.finalize(_free_pinned, be, host, ptr, pid))
     # a subarray dtype such as ('f4', (2,)) adds its dimensions, as numpy.empty
     items = count * (dtype.itemsize // dtype.base.itemsize if dtype.base.itemsize else 1)

@@ -15,6 +15,7 @@ import operator
 import re
 import sys
 from typing import Optional
+from weakref import ref as _weakref
 
 from . import _finalize as _fin
 from . import _lazy, _locks
@@ -337,7 +338,9 @@ class Buffer:
                 # stream.handle's checks, read inline: it refuses a stream closed (by another thread,
                 # while still its current stream) or made by the parent of this forked process
                 handle = stream._handle if stream._pid == pid and not stream._closed else stream.handle
-                self._ptr = alloc.malloc(nbytes, handle)
+                # the allocator keeps a weak reference to this buffer with the block: a Ctrl-C as
+                # malloc returns (the pointer never stored) or as __del__ starts cannot leak it
+                self._ptr = alloc.malloc(nbytes, handle, _weakref(self))
             finally:
                 busy.pop()
                 if stream._closed:
@@ -588,8 +591,9 @@ class Buffer:
                         _drain(stream)
                         raise
                 return self
-            from ._hostmem import copy_into
-            staging = host.malloc(self._nbytes)
+            from ._hostmem import _Token, copy_into
+            token = _Token()        # the staging block's owner until this call ends (a Ctrl-C: see _Token)
+            staging = host.malloc(self._nbytes, _weakref(token))
             try:
                 copy_into(staging, view)
                 # The stream's device current: for the copy on a shared default stream, and

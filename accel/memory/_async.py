@@ -208,9 +208,11 @@ class AsyncPoolAllocator:
             self._config = self._config._replace(per_process_memory_fraction=float(fraction))
             self._limit = int(fraction * total) if fraction < 1.0 else None
 
-    def malloc(self, nbytes: int, stream: Optional[int] = None) -> int:
+    def malloc(self, nbytes: int, stream: Optional[int] = None, ref=None) -> int:
         """``cudaMallocAsync`` of ``nbytes`` on ``stream`` (a backend stream handle; None = the
-        device's default stream).  Returns the pointer, 0 for ``nbytes == 0``.
+        device's default stream).  Returns the pointer, 0 for ``nbytes == 0``.  ``ref`` (the
+        caching allocator's owner reference) is accepted and not kept: an owner that dies
+        without freeing its memory (a KeyboardInterrupt as this returns) leaks it here.
 
         On a stream this device's capture (:meth:`begin_allocate_to_pool`) records, the
         allocation is a graph allocation (see the module docstring).

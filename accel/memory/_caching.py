@@ -268,7 +268,7 @@ class _Retired:
 
 class _Block:
     __slots__ = ("ptr", "size", "requested", "stat", "undo", "pool", "prev", "next", "state", "uses",
-                 "events", "frames", "seg")
+                 "events", "frames", "seg", "ref")
 
     def __init__(self, ptr, size, pool, prev, next):
         self.ptr = ptr
@@ -283,6 +283,7 @@ class _Block:
         self.uses = None      # other uses (record_stream): (stream, device) pairs and _Gates
         self.events = 0       # outstanding events while pending
         self.frames = None    # allocation stack (_snapfmt.stack) while history keeps stacks
+        self.ref = None       # while allocated: a weak reference to the owner (see _reap_orphans)
         self.seg = None       # the expandable segment (_expandable.Segment) it lies in, else None
 
 
@@ -511,9 +512,14 @@ class DeviceCachingAllocator:
             self._config = self._config._replace(per_process_memory_fraction=float(fraction))
             self._allowed = None
 
-    def malloc(self, nbytes: int, stream: Optional[int] = None) -> int:
+    def malloc(self, nbytes: int, stream: Optional[int] = None, ref=None) -> int:
         """Allocate ``nbytes`` on ``stream`` (a backend stream handle; None = the device's
         default stream).  Returns the device pointer, 0 for ``nbytes == 0``.
+
+        ``ref``: a weak reference to the object that will own the memory (a Buffer), kept with
+        the block until it is freed: should the owner die without freeing it (a KeyboardInterrupt
+        as this call returns, or as the owner's ``__del__`` starts), empty_cache and the
+        out-of-memory retry free it (_reap_orphans).
 
         Raises TypeError/ValueError for a non-int or negative size and
         ``accel.OutOfMemoryError`` when the device is full even after the cache
@@ -541,6 +547,7 @@ class DeviceCachingAllocator:
                     size = self._round_pow2(nbytes)
                 block, fl, i = self._find_special(size, nbytes, stream)
                 if i < 0:
+                    block.ref = ref           # (no signal check since _small_in_large's publish)
                     return block.ptr          # _small_in_large handed it out
             else:
                 lists = self._general.get(stream)
@@ -554,6 +561,7 @@ class DeviceCachingAllocator:
                 except IndexError:               # nothing cached is big enough
                     block = self._malloc_miss(size, nbytes, fl)
                     if block.state == _ALLOCATED:
+                        block.ref = ref
                         return block.ptr          # _small_in_large handed it out
                     fl = block.pool      # a small request may get a large-pool block
                     i = self._slot(block)
@@ -633,6 +641,7 @@ class DeviceCachingAllocator:
                 block.size = size
                 self._blocks[tptr] = tail
                 block.state = _ALLOCATED
+                block.ref = ref
                 if w:
                     self._s_freed += w
                 self._s_cur = cur
@@ -659,6 +668,7 @@ class DeviceCachingAllocator:
                 # publish (no call)
                 del keys[i]
                 block.state = _ALLOCATED
+                block.ref = ref
                 self._s_freed += w
                 self._s_cur = cur
             if special:
@@ -745,25 +755,11 @@ class DeviceCachingAllocator:
                 if ptr == 0 and type(ptr) is int:
                     return
                 raise self._not_allocated(ptr, block)
-            if self._special:
-                if block.size >= self._max_split:
-                    self._count_down(OVERSIZE_ALLOCATIONS, 1)
-                if self._history is not None:
-                    # torch: the free's own stack under context "all", else the allocation's
-                    st = _stack() if self._ctx >= _CTX_ALL else block.frames
-                    self._trace("free_requested", ptr, block.requested, block.pool.stream, st)
-                    if not block.uses:
-                        self._trace("free_completed", ptr, block.requested, block.pool.stream, st)
-                if not block.uses:
-                    block.frames = None     # a pending block keeps its allocation's stack, as torch's
-            if block.uses:
-                self._free_with_uses(block)
-                return
             nxt = block.next
             fl = block.pool
-            if (block.prev is not None or nxt is None or nxt.next is not None or nxt.state != _FREE
-                    or fl.watch_whole):
-                self._free_block(block, block.stat)
+            if (self._special or block.uses or block.prev is not None or nxt is None or nxt.next is not None
+                    or nxt.state != _FREE or fl.watch_whole):
+                self._free_locked(block)
                 return
             # Fast path, _free_block inlined for the common case of a block split off
             # the front of a whole free segment: merging it with the free rest makes
@@ -780,6 +776,7 @@ class DeviceCachingAllocator:
             key = size << _SHIFT | block.ptr
             move = j + 1 < len(keys) and keys[j + 1] < key   # see _free_block
             block.state = _FREE
+            block.ref = None
             del self._blocks[nxt.ptr]
             block.size = size
             block.next = None
@@ -793,6 +790,36 @@ class DeviceCachingAllocator:
                 insort(keys, key)
             else:
                 keys[j] = key
+
+    def _free_locked(self, block: _Block) -> None:
+        """free() of an allocated ``block`` past the fast path, the lock held."""
+        if self._special:
+            if block.size >= self._max_split:
+                self._count_down(OVERSIZE_ALLOCATIONS, 1)
+            if self._history is not None:
+                # torch: the free's own stack under context "all", else the allocation's
+                st = _stack() if self._ctx >= _CTX_ALL else block.frames
+                self._trace("free_requested", block.ptr, block.requested, block.pool.stream, st)
+                if not block.uses:
+                    self._trace("free_completed", block.ptr, block.requested, block.pool.stream, st)
+            if not block.uses:
+                block.frames = None     # a pending block keeps its allocation's stack, as torch's
+        if block.uses:
+            self._free_with_uses(block)
+        else:
+            self._free_block(block, block.stat)
+
+    def _reap_orphans(self) -> None:
+        """Free the allocated blocks whose owner (weakly referenced by malloc's ``ref``) is gone
+        without freeing them, the lock held.  CPython lets a KeyboardInterrupt land where no
+        ordering can help: as this allocator's malloc returns, before the Buffer stores the
+        pointer, and as a Buffer's ``__del__`` starts (printed and ignored: the release never
+        runs).  Such a block would count as allocated for good; here (empty_cache, the
+        out-of-memory retry) it is freed as its owner would have.  A block is freed once:
+        each free clears ``ref`` in the step that frees it."""
+        for block in [b for b in self._blocks.values()
+                      if b.ref is not None and b.state == _ALLOCATED and b.ref() is None]:
+            self._free_locked(block)
 
     def record_stream(self, ptr: int, stream: int, device_index: Optional[int] = None) -> None:
         """Mark the allocated block at ``ptr`` as used on ``stream`` (of device
@@ -1055,6 +1082,7 @@ class DeviceCachingAllocator:
                 # synchronizing events and cudaFree would invalidate a global-mode capture
                 raise CaptureError("empty_cache() is not allowed while a stream capture is underway "
                                    f"(device {self._index}'s allocator); call it after capture_end()")
+            self._reap_orphans()
             self._synchronize_and_free_events()
             self._release_segments()
             self._exp_unmap()
@@ -1238,6 +1266,7 @@ class DeviceCachingAllocator:
                     self._s_peak_ok_free = cur
                 # publish (no call until the insort)
                 block.state = _FREE
+                block.ref = None
                 if j >= 0:
                     del self._blocks[nxt.ptr]
                     self._spare = nxt
@@ -1257,6 +1286,7 @@ class DeviceCachingAllocator:
             cur = self._s_cur - dec
             # publish (no call until the insort)
             block.state = _FREE
+            block.ref = None
             if j >= 0:
                 del self._blocks[nxt.ptr]
                 self._spare = nxt
@@ -1342,6 +1372,7 @@ class DeviceCachingAllocator:
                 del events[-1]
         # publish (no call until the insort)
         block.state = _FREE
+        block.ref = None
         if start is not block:
             del self._blocks[block.ptr]
             self._spare = block
@@ -1500,6 +1531,7 @@ class DeviceCachingAllocator:
                 return block
         if block is None and not capturing:
             self._scalars["num_alloc_retries"] += 1
+            self._reap_orphans()
             self._release_segments()
             block = self._device_alloc(seg_size, fl)
         if block is None:
@@ -1921,6 +1953,7 @@ class DeviceCachingAllocator:
                 if block is not None:
                     return block
             self._scalars["num_alloc_retries"] += 1
+            self._reap_orphans()
             self._exp_unmap()
             self._release_segments()
             plan = _place(seg, size, gran, _FREE if seg.kind == _LARGE else None)
@@ -2371,6 +2404,7 @@ class DeviceCachingAllocator:
         pend[3 + p] += size
         stat = block.stat
         block.state = _PENDING
+        block.ref = None
         self._s_cur -= stat
         self._s_freed += stat
         self._pend = pend

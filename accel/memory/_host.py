@@ -36,7 +36,7 @@ _TORCH_STATS = ("allocations", "allocated_bytes", "active_requests", "active_byt
 
 
 class _HostBlock:
-    __slots__ = ("ptr", "size", "allocated", "uses", "events", "holds")
+    __slots__ = ("ptr", "size", "allocated", "uses", "events", "holds", "ref")
 
     def __init__(self, ptr, size):
         self.ptr = ptr
@@ -45,6 +45,7 @@ class _HostBlock:
         self.uses = None
         self.events = 0
         self.holds = None     # CaptureHolds of graphs whose captured copies read or write it
+        self.ref = None       # while allocated: a weak reference to the owner (see _reap_orphans)
 
 
 class CaptureHold:
@@ -114,7 +115,7 @@ class HostCachingAllocator:
             self._be = _lazy.lazy_init()
         return self._be
 
-    def malloc(self, nbytes: int) -> int:
+    def malloc(self, nbytes: int, ref=None) -> int:
         """Pinned host memory of at least ``nbytes`` (0 for 0 bytes); OutOfMemoryError
         when the backend cannot pin more even after the cache was released, or at once for
         1 EB (2**60 bytes) or more, as the device allocator."""
@@ -146,6 +147,7 @@ class HostCachingAllocator:
                 block = self._blocks[ptr]
                 del ready[-1]
                 block.allocated = True
+                block.ref = ref
                 stats["allocated_bytes"] += size
                 stats["allocations"] += 1
                 tally["active_requests"] = requests
@@ -153,6 +155,7 @@ class HostCachingAllocator:
                 return ptr
             block = _HostBlock(0, size)
             block.allocated = True
+            block.ref = ref
             allocations = _counted(tally["allocations"], 1)
             allocated = _counted(tally["allocated_bytes"], size)
             try:
@@ -162,6 +165,7 @@ class HostCachingAllocator:
                 be.clear_error()            # handled: no stale error for another library
                 if capture_underway(be):
                     raise                   # cudaFreeHost would invalidate the capture
+                self._reap_orphans()
                 self._release_free()
                 allocations = _counted(tally["allocations"], 1)
                 allocated = _counted(tally["allocated_bytes"], size)
@@ -195,27 +199,42 @@ class HostCachingAllocator:
                 if ptr == 0 and type(ptr) is int:
                     return
                 raise self._not_allocated(ptr, block)
-            # computed first, published with plain stores, the one call last (see malloc)
-            stats, tally = self._stats, self._tally
-            requests = _counted(tally["active_requests"], -1)
-            active = _counted(tally["active_bytes"], -block.size)
-            ready = self._free.get(block.size)
-            block.allocated = False
-            stats["allocated_bytes"] -= block.size
-            stats["allocations"] -= 1
-            tally["active_requests"] = requests
-            tally["active_bytes"] = active
-            if block.holds:
-                self._parked.add(block)         # a graph's replays still copy from or into it
-            elif not block.uses:
-                if ready is None:
-                    self._free[block.size] = [ptr]
-                else:
-                    ready += (ptr,)
+            self._free_locked(block)
+
+    def _free_locked(self, block: _HostBlock) -> None:
+        """free() of an allocated ``block``, the lock held."""
+        # computed first, published with plain stores, the one call last (see malloc)
+        ptr = block.ptr
+        stats, tally = self._stats, self._tally
+        requests = _counted(tally["active_requests"], -1)
+        active = _counted(tally["active_bytes"], -block.size)
+        ready = self._free.get(block.size)
+        block.allocated = False
+        block.ref = None
+        stats["allocated_bytes"] -= block.size
+        stats["allocations"] -= 1
+        tally["active_requests"] = requests
+        tally["active_bytes"] = active
+        if block.holds:
+            self._parked.add(block)         # a graph's replays still copy from or into it
+        elif not block.uses:
+            if ready is None:
+                self._free[block.size] = [ptr]
             else:
-                self._deferred += (block,)      # waits there until its events are recorded
-                if not capture_underway(self._be):     # see _caching: no events during a capture
-                    self._insert_events(block)     # a failure raises; the block stays deferred
+                ready += (ptr,)
+        else:
+            self._deferred += (block,)      # waits there until its events are recorded
+            if not capture_underway(self._be):     # see _caching: no events during a capture
+                self._insert_events(block)     # a failure raises; the block stays deferred
+
+    def _reap_orphans(self) -> None:
+        """Free the allocated blocks whose owner (weakly referenced by malloc's ``ref``: an
+        empty_pinned array's memory owner, a copy's staging token) is gone without freeing
+        them, the lock held: a KeyboardInterrupt as malloc returned, or as the owner's
+        destructor started (see DeviceCachingAllocator._reap_orphans)."""
+        for block in [b for b in self._blocks.values()
+                      if b.ref is not None and b.allocated and b.ref() is None]:
+            self._free_locked(block)
 
     def owns(self, address: int, nbytes: int) -> Optional[int]:
         """The block start when ``[address, address + nbytes)`` lies inside one allocated
@@ -354,6 +373,7 @@ class HostCachingAllocator:
             be = self._be
             if be is None or capture_underway(be):
                 return
+            self._reap_orphans()
             try:
                 self._resume_events(strict=True)
             finally:
