@@ -28,7 +28,8 @@ from accel import _finalize, memory
 from conftest import use_sim
 
 _TARGETS = {os.path.abspath(importlib.import_module(m).__file__) for m in (
-    "accel.buffer", "accel._hostmem", "accel._finalize", "accel.memory._caching", "accel.memory._host")}
+    "accel.buffer", "accel._hostmem", "accel._finalize", "accel.memory._caching", "accel.memory._host",
+    "accel.random._device")}
 
 
 class _Inject(tia._Inject):
@@ -137,12 +138,21 @@ def _pinned():
     return accel.empty_pinned(1 << 12, np.uint8)
 
 
+def _random_filled():
+    """A Buffer filled by accel.random (where the device has no Philox kernel, the host fills
+    pinned staging and copies it: a staging block made and freed inside the call)."""
+    buf = accel.Buffer(1 << 14, device=accel.device_count() - 1)
+    accel.random.uniform_(buf)
+    return buf
+
+
 _STRIDE = int(os.environ.get("ACCEL_INTERRUPT_STRIDE", "1"))
 
 
 @pytest.mark.parametrize("kind", ["cuda", "xpu", "mps"])
-@pytest.mark.parametrize("make, drop", [(_buffer_on_last, _close), (_buffer_on_last, _drop), (_pinned, _drop)],
-                         ids=["buffer-close", "buffer-del", "pinned-del"])
+@pytest.mark.parametrize("make, drop", [(_buffer_on_last, _close), (_buffer_on_last, _drop), (_pinned, _drop),
+                                        (_random_filled, _close)],
+                         ids=["buffer-close", "buffer-del", "pinned-del", "random-fill"])
 def test_keyboard_interrupt_while_memory_is_made_and_dropped_loses_nothing(monkeypatch, kind, make, drop):
     use_sim(monkeypatch, kind)
     unraisable = []

@@ -203,11 +203,13 @@ def _fill_here(backend, index: int, buf, plan: "_fills.Plan", generator, stream)
 def _copy_to_device(backend, dst: int, values, stream: int, device_index: int) -> None:
     """Queue a copy of the numpy array ``values`` to ``dst`` on ``stream`` (of device
     ``device_index``) via pinned staging."""
+    import weakref
     from .. import memory
-    from .._hostmem import copy_into
+    from .._hostmem import _Token, copy_into
     view = memoryview(values).cast("B")
     host = memory.host_allocator()
-    staging = host.malloc(view.nbytes)
+    token = _Token()        # the staging block's owner until this call ends (a Ctrl-C: see _Token)
+    staging = host.malloc(view.nbytes, weakref.ref(token))
     try:
         copy_into(staging, view)
         backend.memcpy_async(dst, staging, view.nbytes, stream)
