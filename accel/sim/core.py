@@ -464,7 +464,11 @@ def reset_call_counts() -> None:
 # the kernel hands to another thread would trip the same flag): the signal stays pending and
 # its handler runs as the call returns.  Signals the caller had blocked stay blocked.  Not
 # blocked: SIGKILL/SIGSTOP (cannot be), the synchronous faults, and SIGABRT (faulthandler's
-# dump of a hung test).  A thread the program starts itself may still take the signal.
+# dump of a hung test).  Limit: a thread the program starts itself, or a native one that does not
+# block signals (numpy's OpenBLAS pool), may still take the signal while the main thread blocks
+# it; CPython then runs the handler in the main thread at its next check, inside the simulated
+# call.  Nothing in Python can hold a handler back then (only the main thread's mask is ours), so
+# programs that test Ctrl-C run numpy with one BLAS thread (tests/test_user_programs.py).
 
 _SIG_SIZE = 128                              # bytes of sigset_t on glibc (1024 bits); macOS: 4
 _deferral: Optional[dict] = None
