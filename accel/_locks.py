@@ -21,7 +21,7 @@ from collections import deque
 
 from ._errors import AcceleratorError
 
-__all__ = ["acquire", "collecting_here", "collection_running", "Lock", "RLock", "publish", "try_acquire"]
+__all__ = ["acquire", "collecting_here", "collection_running", "Lock", "RLock", "publish", "run_locked", "try_acquire"]
 
 #: How long a call made by the collector on this thread waits for a busy lock.
 GC_WAIT_S = 2.0
@@ -93,6 +93,26 @@ def publish(steps) -> None:
     objects that must never be seen half made (a plain store is one bytecode; a loop of them is
     not, its backward jump checks for a signal)."""
     _consume(map(_call, steps))
+
+
+def run_locked(lock, blocking: bool, fn, *args) -> bool:
+    """``fn(*args)`` with ``lock`` held; True.  With ``blocking=False`` (a finalizer's call)
+    nothing waits: False, and ``fn`` not run, when the lock is busy.  A KeyboardInterrupt never
+    leaves the lock held (``with``; :func:`try_acquire`)."""
+    if blocking:
+        with lock:
+            fn(*args)
+        return True
+    got = []
+    try:
+        try_acquire(lock, got)
+        if not got[0]:
+            return False
+        fn(*args)
+    finally:
+        if got and got[0]:
+            lock.release()
+    return True
 
 
 def try_acquire(lock, out: list) -> None:

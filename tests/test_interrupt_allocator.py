@@ -172,15 +172,33 @@ class World:
         return (self.exp, self.classic)
 
 
+def _malloc_op(w: World, tag: str, name: str, alloc, n: int, stream):
+    def op():
+        w.live[tag + name] = (alloc, alloc.malloc(n, stream))
+    return f"malloc {name}", op
+
+
+def _free_op(w: World, tag: str, name: str):
+    def op():
+        alloc, ptr = w.live[tag + name]
+        alloc.free(ptr)
+        del w.live[tag + name]
+    return f"free {name}", op
+
+
+def _sync_sides(w: World) -> None:
+    for dev, s in ((0, w.side0), (1, w.side1)):
+        with on_device(w.be, dev):
+            w.be.stream_synchronize(s)
+
+
 def _ops(w: World, tag: str):
     """The workload: (name, callable) steps; each records what it made in w.live only after the
     call returned, as a program would."""
     E, C, H = w.exp, w.classic, w.host
 
     def m(name, alloc, n, stream):
-        def op():
-            w.live[tag + name] = (alloc, alloc.malloc(n, stream))
-        return f"malloc {name}", op
+        return _malloc_op(w, tag, name, alloc, n, stream)
 
     def hm(name, n):
         def op():
@@ -188,11 +206,7 @@ def _ops(w: World, tag: str):
         return f"host malloc {name}", op
 
     def f(name):
-        def op():
-            alloc, ptr = w.live[tag + name]
-            alloc.free(ptr)
-            del w.live[tag + name]
-        return f"free {name}", op
+        return _free_op(w, tag, name)
 
     def rs(name, stream, device):
         def op():
@@ -204,9 +218,7 @@ def _ops(w: World, tag: str):
         return what, fn
 
     def sync():
-        for dev, s in ((0, w.side0), (1, w.side1)):
-            with on_device(w.be, dev):
-                w.be.stream_synchronize(s)
+        _sync_sides(w)
 
     return [
         m("a", E, 3 * MiB + 5, w.s0), m("b", E, 700, w.s0), m("c", C, 5 * MiB, w.s1), m("d", C, 4096, w.s1),
@@ -259,16 +271,10 @@ def _stream_ops(w: World, tag: str):
         return f"malloc {name}", op
 
     def m(name, alloc, n, stream):
-        def op():
-            w.live[tag + name] = (alloc, alloc.malloc(n, stream))
-        return f"malloc {name}", op
+        return _malloc_op(w, tag, name, alloc, n, stream)
 
     def f(name):
-        def op():
-            alloc, ptr = w.live[tag + name]
-            alloc.free(ptr)
-            del w.live[tag + name]
-        return f"free {name}", op
+        return _free_op(w, tag, name)
 
     def trs(name, dev):
         def op():
@@ -280,9 +286,7 @@ def _stream_ops(w: World, tag: str):
         return f"close stream {dev}", lambda: _close_temp(w, tag + str(dev))
 
     def sync():
-        for dev, s in ((0, w.side0), (1, w.side1)):
-            with on_device(w.be, dev):
-                w.be.stream_synchronize(s)
+        _sync_sides(w)
 
     return [
         ("streams", streams),

@@ -33,20 +33,7 @@ _TARGETS = {os.path.abspath(importlib.import_module(m).__file__) for m in (
 
 
 class _Inject(tia._Inject):
-    """tia's injector over this test's modules; ``unraisable`` counts interrupts CPython
-    printed and ignored (in a ``__del__`` or a gc callback)."""
-
-    def _global(self, frame, event, arg):
-        caller = frame.f_back
-        if caller is not None and caller in self._last:
-            self._py_call.add(caller)
-            if frame.f_code.co_filename not in _TARGETS:
-                self._point(frame)
-        if frame.f_code.co_filename in _TARGETS:
-            frame.f_trace_opcodes = True
-            frame.f_trace_lines = False
-            return self._local
-        return None
+    """tia's injector (over ``tia._TARGETS``, which the test sets to this module's targets)."""
 
     def _local(self, frame, event, arg):
         if event == "return":
@@ -155,6 +142,7 @@ _STRIDE = int(os.environ.get("ACCEL_INTERRUPT_STRIDE", "1"))
                          ids=["buffer-close", "buffer-del", "pinned-del", "random-fill"])
 def test_keyboard_interrupt_while_memory_is_made_and_dropped_loses_nothing(monkeypatch, kind, make, drop):
     use_sim(monkeypatch, kind)
+    monkeypatch.setattr(tia, "_TARGETS", _TARGETS)
     unraisable = []
     # the interrupted __del__s, which CPython prints: only the text kept (the traceback would keep
     # the dying object alive)

@@ -844,20 +844,7 @@ class DeviceCachingAllocator:
         With ``blocking=False`` (a finalizer) nothing waits for the lock: returns False
         when the lock is busy, else True."""
         device = self._index if device_index is None else device_index
-        if blocking:
-            with self._lock:
-                self._forget_stream(stream, device)
-            return True
-        got = []
-        try:
-            _locks.try_acquire(self._lock, got)
-            if not got[0]:
-                return False
-            self._forget_stream(stream, device)
-        finally:
-            if got and got[0]:
-                self._lock.release()
-        return True
+        return _locks.run_locked(self._lock, blocking, self._forget_stream, stream, device)
 
     def _forget_stream(self, stream: int, device: int) -> None:
         # Covered first, forgotten after: every event is recorded (or the stream waited for)

@@ -322,20 +322,7 @@ class HostCachingAllocator:
         """``stream`` of device ``device_index`` is about to be destroyed (its handle may
         name the next stream): blocks it used wait for an event recorded on it now.
         Returns False, doing nothing, when ``blocking`` is False and the lock is busy."""
-        if blocking:
-            with self._lock:
-                self._forget_stream(stream, device_index)
-            return True
-        got = []
-        try:
-            _locks.try_acquire(self._lock, got)
-            if not got[0]:
-                return False
-            self._forget_stream(stream, device_index)
-        finally:
-            if got and got[0]:
-                self._lock.release()
-        return True
+        return _locks.run_locked(self._lock, blocking, self._forget_stream, stream, device_index)
 
     def _forget_stream(self, stream: int, device_index: int) -> None:
         # Every event first, then the uses replaced: when neither an event nor a wait covers

@@ -490,15 +490,8 @@ def deferral_cells() -> dict:
     global _deferral
     if _deferral is None:
         import signal
-        libc = _cffi_backend.load_library(None)
-        pthread_sigmask = libc.load_function(ffi.typeof("int(*)(int, void *, void *)"), "pthread_sigmask")
-        sigdelset = libc.load_function(ffi.typeof("int(*)(void *, int)"), "sigdelset")
-        defer = ffi.new("char[]", _SIG_SIZE)
-        libc.load_function(ffi.typeof("int(*)(void *)"), "sigfillset")(defer)
-        for name in ("SIGKILL", "SIGSTOP", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGTRAP", "SIGSYS",
-                     "SIGABRT"):
-            if hasattr(signal, name):
-                sigdelset(defer, getattr(signal, name))
+        # libc's pthread_sigmask and the set of signals deferred: the backends' (one definition)
+        from ..backends._signals import _DEFER as defer, _mask as pthread_sigmask
         old = ffi.new("char[]", _SIG_SIZE)
         pthread_sigmask(signal.SIG_BLOCK, ffi.NULL, old)
         _deferral = dict(_D=_Deferring, _ident=threading.get_ident, _mask=pthread_sigmask,
