@@ -460,6 +460,7 @@ class DeviceCachingAllocator:
         self._allowed: Optional[int] = None
         self._reserved_hw = 0          # most memory ever reserved (not reset by reset_peak_stats)
         self._spare: Optional[_Block] = None     # a block object a merge retired, reused by a split
+        self._miss_ref = None     # malloc's owner reference while a miss runs (_small_in_large publishes it)
         # config, cached as attributes for the hot path
         self._torch_policy = config.policy == "torch"
         self._max_split = config.max_split_size
@@ -545,9 +546,9 @@ class DeviceCachingAllocator:
             if special:
                 if self._pow2:
                     size = self._round_pow2(nbytes)
+                self._miss_ref = ref          # for a block _small_in_large hands out (its publish)
                 block, fl, i = self._find_special(size, nbytes, stream)
                 if i < 0:
-                    block.ref = ref           # (no signal check since _small_in_large's publish)
                     return block.ptr          # _small_in_large handed it out
             else:
                 lists = self._general.get(stream)
@@ -559,9 +560,9 @@ class DeviceCachingAllocator:
                 try:
                     block = self._blocks[keys[i] & _MASK]
                 except IndexError:               # nothing cached is big enough
+                    self._miss_ref = ref      # for a block _small_in_large hands out (its publish)
                     block = self._malloc_miss(size, nbytes, fl)
                     if block.state == _ALLOCATED:
-                        block.ref = ref
                         return block.ptr          # _small_in_large handed it out
                     fl = block.pool      # a small request may get a large-pool block
                     i = self._slot(block)
@@ -1593,6 +1594,7 @@ class DeviceCachingAllocator:
         block.size = rest
         self._blocks[high.ptr] = high
         high.state = _ALLOCATED
+        high.ref = self._miss_ref
         keys[:] = new
         self._s_cur = cur
         self._s_freed += freed
