@@ -40,12 +40,18 @@ class _Token:
     __slots__ = ("__weakref__",)
 
 
-def _free_pinned(backend, host, ptr: int, pid: int) -> None:
+def _free_pinned(backend, host, ptr: int, pid: int, wait: bool = False) -> None:
     """An empty_pinned array's release.  ``backend`` first: accel._finalize drops it for a runtime
-    reset since; nothing in a forked child (the block and its events are the parent's runtime's)."""
+    reset since; nothing in a forked child (the block and its events are the parent's runtime's).
+    A finalizer never waits for the lock (this thread may hold it: see
+    DeviceCachingAllocator.free_nowait): a busy one defers the free to the next safe point."""
     from . import _finalize
-    if pid == _finalize.pid:
+    if pid != _finalize.pid:
+        return
+    if wait:
         host.free(ptr)
+    elif not host.free_nowait(ptr):
+        _finalize.defer(_free_pinned, backend, host, ptr, pid, True)
 
 
 def empty_pinned(shape, dtype="uint8"):

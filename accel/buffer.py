@@ -967,7 +967,7 @@ class Buffer:
             _fin.release_on_del(self, _release_foreign_uses, self._owner, self._backend, self._uses)
         elif _lazy.is_initialized():
             if self._nbytes:
-                _fin.release_on_del(self, _free, self._backend, self._alloc, self._ptr)
+                _fin.release_on_del(self, _free_from_finalizer, self._backend, self._alloc, self._ptr)
             elif not _fin.collecting():
                 self._closed = True
 
@@ -977,6 +977,16 @@ def _free(backend, alloc, ptr: int) -> None:
     # new runtime's allocator may hold a live block at the same address).  ``alloc``: the
     # allocator the buffer came from (one per device until a runtime reset).
     alloc.free(ptr)
+
+
+def _free_from_finalizer(backend, alloc, ptr: int) -> None:
+    # A finalizer never waits for the allocator's lock (this thread may hold it: see
+    # DeviceCachingAllocator.free_nowait); a busy lock defers the free to the next safe point.
+    nowait = getattr(alloc, "free_nowait", None)       # (cudaMallocAsync's allocator has none)
+    if nowait is None:
+        alloc.free(ptr)
+    elif not nowait(ptr):
+        _fin.defer(_free, backend, alloc, ptr)
 
 
 class _Pin:

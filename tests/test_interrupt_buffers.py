@@ -149,3 +149,31 @@ def test_keyboard_interrupt_while_memory_is_made_and_dropped_loses_nothing(monke
     monkeypatch.setattr(sys, "unraisablehook", lambda u: unraisable.append(repr(u.exc_value)))
     failures = _sweep(make, drop, _STRIDE)
     assert not failures, failures[:6]
+
+
+@pytest.mark.parametrize("kind", ["cuda", "xpu", "mps"])
+@pytest.mark.parametrize("what", ["buffer", "pinned"])
+def test_a_finalizer_inside_the_allocator_never_waits_for_its_lock(monkeypatch, kind, what):
+    """A Buffer's or pinned array's finalizer that runs while this very thread holds the
+    allocator's lock (the collector started inside malloc, and a Ctrl-C cut its "start" callback,
+    so accel does not know a collection runs) defers its free instead of waiting for good.
+    Before r37: the thread hung on its own lock (the finalizer waited; seen here as the worker
+    thread still stuck after 10 s)."""
+    import threading
+    use_sim(monkeypatch, kind)
+    dev = accel.device_count() - 1
+    box = [accel.Buffer(1 << 14, device=dev) if what == "buffer" else accel.empty_pinned(1 << 12, np.uint8)]
+    alloc = memory.device_allocator(dev) if what == "buffer" else memory.host_allocator()
+    done = []
+
+    def inside_malloc():
+        with alloc._lock:              # as malloc holds it when the collector starts
+            box.clear()                # the finalizer runs here, with no collection flagged
+        done.append(True)
+
+    worker = threading.Thread(target=inside_malloc, daemon=True)
+    worker.start()
+    worker.join(10)
+    assert done, "the finalizer waited for the lock its own thread held"
+    _settle()
+    _check_nothing_left()

@@ -792,6 +792,18 @@ class DeviceCachingAllocator:
             else:
                 keys[j] = key
 
+    def free_nowait(self, ptr: int) -> bool:
+        """:meth:`free` for a finalizer, which never waits for the lock: False, nothing done,
+        when it is busy (this thread may be the holder: the collector ran a ``__del__`` inside
+        malloc, unknown to accel when a Ctrl-C cut its "start" callback); the caller defers."""
+        return _locks.run_locked(self._lock, False, self._free_ptr_locked, ptr)
+
+    def _free_ptr_locked(self, ptr: int) -> None:
+        block = self._blocks.get(ptr)
+        if block is None or block.state != _ALLOCATED:
+            raise self._not_allocated(ptr, block)
+        self._free_locked(block)
+
     def _free_locked(self, block: _Block) -> None:
         """free() of an allocated ``block`` past the fast path, the lock held."""
         if self._special:

@@ -201,6 +201,17 @@ class HostCachingAllocator:
                 raise self._not_allocated(ptr, block)
             self._free_locked(block)
 
+    def free_nowait(self, ptr: int) -> bool:
+        """:meth:`free` for a finalizer, which never waits for the lock: False, nothing done,
+        when it is busy (see DeviceCachingAllocator.free_nowait); the caller defers."""
+        return _locks.run_locked(self._lock, False, self._free_ptr_locked, ptr)
+
+    def _free_ptr_locked(self, ptr: int) -> None:
+        block = self._blocks.get(ptr)
+        if block is None or not block.allocated:
+            raise self._not_allocated(ptr, block)
+        self._free_locked(block)
+
     def _free_locked(self, block: _HostBlock) -> None:
         """free() of an allocated ``block``, the lock held."""
         # computed first, published with plain stores, the one call last (see malloc)
