@@ -58,7 +58,7 @@ from typing import Dict, List, Optional, Tuple
 
 from .._errors import AcceleratorError, CaptureError, OutOfMemoryError
 from .._finalize import drain as _drain_finalizers, pending as _finalizers
-from .._locks import acquire as _acquire
+from .. import _locks
 from ..streams import on_device
 from . import _caching, _config, _stats
 from ._stats import ACTIVE_BYTES, ALLOCATED_BYTES, ALLOCATION, REQUESTED_BYTES, RESERVED_BYTES
@@ -236,10 +236,8 @@ class AsyncPoolAllocator:
                              f"pass Stream.handle")
         if _finalizers:
             _drain_finalizers()
-        lock = self._lock
-        if not lock.acquire(False):
-            _acquire(lock, "malloc")
-        try:
+        _caching._gc_probe(self._lock, "malloc")   # then `with`: never left held by a KeyboardInterrupt
+        with self._lock:
             capturing = self._capture_underway()
             if self._deferred and not capturing:
                 self._flush_deferred(strict=False)     # an earlier free's error is not this malloc's
@@ -273,8 +271,6 @@ class AsyncPoolAllocator:
                     alloc.frames = _caching._frames()
                 self._trace("alloc", ptr, nbytes, stream)
             return ptr
-        finally:
-            lock.release()
 
     def free(self, ptr: int) -> None:
         """``cudaFreeAsync`` of ``ptr`` on its allocation stream, after that stream waits for the
@@ -292,10 +288,8 @@ class AsyncPoolAllocator:
         hand out; the allocator state is then unchanged."""
         if _finalizers:
             _drain_finalizers()
-        lock = self._lock
-        if not lock.acquire(False):
-            _acquire(lock, "free")
-        try:
+        _caching._gc_probe(self._lock, "free")   # then `with`: never left held by a KeyboardInterrupt
+        with self._lock:
             if self._dead and ptr in self._dead:
                 # The stale one first: forgetting it frees nothing, so whichever owner frees
                 # first, no memory goes before its owner is done (at worst one stays held).
@@ -334,8 +328,6 @@ class AsyncPoolAllocator:
                     alloc.deferred = alloc.retry = True
                     self._deferred.append((ptr, alloc))
                 raise
-        finally:
-            lock.release()
 
     def record_stream(self, ptr: int, stream: int, device_index: Optional[int] = None) -> None:
         """Mark the allocation at ``ptr`` as used on ``stream`` (of device ``device_index``,
@@ -359,10 +351,9 @@ class AsyncPoolAllocator:
         fails), and those made on it are freed on the device's default stream after that event.
 
         With ``blocking=False`` (a finalizer) returns False instead of waiting for the lock."""
-        if not self._lock.acquire(blocking):
-            return False
-        try:
-            device = self._index if device_index is None else device_index
+        device = self._index if device_index is None else device_index
+
+        def forget() -> None:
             use = (stream, device)
             every = list(self._ptrs.values())
             every += [a for rec in self._records for a in rec.allocs.values() if not a.held]
@@ -371,7 +362,7 @@ class AsyncPoolAllocator:
             if device == self._index:
                 self._routes.pop(stream, None)
             if not made and not used:
-                return True
+                return
             mark = self._cover(stream, device)
             default = self._get_default_stream()
             for alloc in made:
@@ -384,9 +375,7 @@ class AsyncPoolAllocator:
                 if mark is not None and mark not in alloc.uses:
                     alloc.uses.add(mark)
                     mark.refs += 1
-            return True
-        finally:
-            self._lock.release()
+        return _locks.run_locked(self._lock, blocking, forget)
 
     def begin_allocate_to_pool(self, pool_id: Tuple[int, int], stream: int) -> "_GraphRecord":
         """A capture begins on ``stream`` (accel.graphs).  ``pool_id`` is counted and otherwise
@@ -452,18 +441,14 @@ class AsyncPoolAllocator:
             raise TypeError(f"add_peer: device index must be an int, got {type(index).__name__}")
         if index == self._index or index in self._peers:
             return
-        lock = self._lock
-        if not lock.acquire(False):
-            _acquire(lock, "add_peer")
-        try:
+        _caching._gc_probe(self._lock, "add_peer")   # then `with`: never left held by a KeyboardInterrupt
+        with self._lock:
             if index not in self._peers:
                 be = self._be
                 with on_device(be, self._index):
                     if be.can_access_peer(index, self._index):
                         be.mem_pool_set_access(self._index, index)
                 self._peers.append(index)
-        finally:
-            lock.release()
 
     def empty_cache(self) -> None:
         """Synchronize the device and trim its pool to 0 bytes (``cudaMemPoolTrimTo``), and its
