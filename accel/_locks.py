@@ -52,7 +52,8 @@ def _still_collecting() -> bool:
     handler's exception) landing as the "stop" callback starts is printed and ignored by
     CPython, and the callback never runs; then the count of completed collections has moved
     on, and the flag is cleared here.  (One landing as "start" begins leaves that collection
-    unflagged: its finalizers are not deferred; nothing can tell from Python.)"""
+    unflagged, which nothing in Python can tell: its finalizers run as outside a collection;
+    a Buffer's or pinned array's still never waits for an allocator's lock, see free_nowait.)"""
     global _collector
     if _collections() == _started:
         return True
