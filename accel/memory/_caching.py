@@ -77,6 +77,11 @@ asserts after every operation, as CUDACachingAllocator.cpp lists its own):
    is underway.  Blocks of ``max_split_size`` or more are never split, and the
    classic rules never place anything in an expandable segment.
 6. The policy ``torch`` follows PyTorch's rules: no release-before-grow, no (4).
+7. (Both kinds of segment.)  An allocated block's ``ref`` is the weak reference malloc was
+   given to its owner (or None), set in the step that hands the block out; every free clears
+   it in the step that frees.  A block whose owner is gone while it is still allocated was
+   lost to a KeyboardInterrupt (as malloc returned, or as the owner's ``__del__`` began):
+   ``_reap_orphans`` frees it in empty_cache and before an out-of-memory retry.
 """
 
 from __future__ import annotations
