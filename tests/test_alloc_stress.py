@@ -106,6 +106,8 @@ def _check_caching(alloc, locked: bool = False) -> None:
                 n["isplit"][k] += 1
                 n["isplit_b"][k] += block.size
 
+    # invariant 7: only an allocated block keeps its owner's reference
+    assert all(b.ref is None for b in blocks.values() if b.state != C._ALLOCATED), "a freed block kept its owner reference"
     for base, seg_size in alloc._segments.items():
         block = blocks[base]
         assert block.prev is None and block.seg is None
