@@ -209,3 +209,95 @@ def test_ctrl_c_never_leaves_the_stream_ordered_pool_allocators_lock_held(monkey
             held.append(inj.site)
             alloc._lock.release()
     assert not held, held
+
+
+def test_ctrl_c_anywhere_in_the_stream_ordered_pool_allocator(monkeypatch):
+    """backend:cudaMallocAsync's allocator under a KeyboardInterrupt at every signal point of
+    malloc, record_stream, free, forget_stream and empty_cache (on the non-current device):
+    afterwards the program goes on, frees what it holds (and what it never got), and the pool
+    and the counts come back to zero with no driver error.  A free interrupted before its
+    cudaFreeAsync may leave that one allocation in the pool (forgotten first, as every vendor
+    free in accel: a maybe-freed pointer is never freed twice): accepted, and counted.
+    Failed first (r37) in 31 of 226 runs: cudaFreeAsync INVALID_VALUE (a free interrupted after
+    cudaFreeAsync was retried), allocations made as malloc returned never recorded."""
+    import accel.memory._async as _async
+    use_sim(monkeypatch, "cuda", ACCEL_ALLOC_CONF="backend:cudaMallocAsync")
+    monkeypatch.setattr(tia, "_TARGETS", {os.path.abspath(_async.__file__)})
+    from accel import _lazy, sim
+    from accel.streams import on_device
+    dev = accel.device_count() - 1
+
+    def world():
+        be = _lazy.lazy_init()
+        with on_device(be, dev):
+            streams = {"s1": be.stream_create(), "s2": be.stream_create()}
+        return be, memory.device_allocator(dev), streams, {}
+
+    def ops(alloc, streams, live):
+        def m(name, n, s):
+            return f"malloc {name}", lambda: live.__setitem__(name, (alloc.malloc(n, streams[s] if s else None), n))
+
+        def f(name):
+            return f"free {name}", lambda: alloc.free(live.pop(name)[0])
+
+        def rs(name, s):
+            return f"record_stream {name}", lambda: alloc.record_stream(live[name][0], streams[s], dev)
+
+        return [m("a", 4096, "s1"), m("b", 1 << 20, None), rs("b", "s2"), rs("a", "s2"), f("a"), f("b"),
+                m("c", 8192, "s1"), ("forget s1", lambda: alloc.forget_stream(streams["s1"], dev)), f("c"),
+                m("d", 4096, None), f("d"), ("empty_cache", alloc.empty_cache)]
+
+    def finish(be, alloc, live):
+        for ptr, _ in list(live.values()):
+            alloc.free(ptr)
+        live.clear()
+        with on_device(be, dev):
+            be.device_synchronize()
+        alloc.empty_cache()
+        assert not alloc._lock.locked(), "the lock was left held"
+        assert not alloc._ptrs and not alloc._deferred, "allocations still recorded"
+        assert sim.state().errors == [], sim.state().errors
+        return alloc.stats()["allocated_bytes.all.current"]
+
+    be, alloc, streams, live = world()
+    counts = []
+    for what, op in ops(alloc, streams, live):
+        with _Inject(0) as inj:
+            op()
+        counts.append(inj.count)
+    assert finish(be, alloc, live) == 0
+    failures, lost = [], 0
+    for i, total in enumerate(counts):
+        for n in range(1, total + 1, _STRIDE):
+            be, alloc, streams, live = world()
+            steps = ops(alloc, streams, live)
+            what, site = steps[i][0], None
+            try:
+                for _, op in steps[:i]:
+                    op()
+                size = live[what.split()[-1]][1] if what.startswith("free") else 0
+                try:
+                    with _Inject(n) as inj:
+                        steps[i][1]()
+                except KeyboardInterrupt:
+                    pass
+                site = inj.site
+                for what2, op in steps[i + 1:]:
+                    name = what2.split()[-1]
+                    if what2.startswith(("free", "record_stream")) and name not in live:
+                        continue
+                    op()
+                known = {ptr for ptr, _ in live.values()}
+                for ptr, rec in list(alloc._ptrs.items()):     # made as the interrupt landed
+                    if ptr not in known and rec.held:
+                        live[f"orphan{ptr}"] = (ptr, rec.size)
+                left = finish(be, alloc, live)
+                if left and what.startswith("free") and left == size:
+                    lost += 1                                   # the accepted leak (docstring)
+                else:
+                    assert left == 0, f"{left} bytes still allocated"
+            except BaseException as exc:   # noqa: BLE001 - a failure to report
+                failures.append((site or f"op {i} point {n}", what, f"{type(exc).__name__}: {exc}"[:200]))
+            finally:
+                _lazy._reset_for_tests()
+    assert not failures, failures[:5]

@@ -78,8 +78,17 @@ class CudaMemPoolMixin:
         """cudaMallocAsync of ``nbytes`` on ``stream`` from its device's default pool (the legacy
         stream 0 means the current device's); OutOfMemoryError when the pool cannot grow."""
         p = self.ffi.new("void **")
-        self._check(self.lib.cudaMallocAsync(p, nbytes, self._cast("cudaStream_t", stream)), "cudaMallocAsync")
-        return self._as_int(p[0])
+        s = self._cast("cudaStream_t", stream)
+        try:
+            self._check(self.lib.cudaMallocAsync(p, nbytes, s), "cudaMallocAsync")
+            return self._as_int(p[0])
+        except Exception:
+            raise
+        except BaseException:
+            if p[0] != self.ffi.NULL:
+                # made, then a KeyboardInterrupt before the pointer reached the caller: given back
+                self.lib.cudaFreeAsync(p[0], s)
+            raise
 
     def mem_free_async(self, ptr: int, stream: int) -> None:
         """cudaFreeAsync: ``ptr`` goes back to its pool once ``stream`` reaches this point."""

@@ -246,6 +246,11 @@ class AsyncPoolAllocator:
                 self._scalars["num_ooms"] += 1
                 raise OutOfMemoryError(self._oom_message(nbytes))
             be = self._be
+            # Interrupt safety (Ctrl-C): the record is made before the call, and the pointer is
+            # recorded with plain stores as the call returns; a KeyboardInterrupt before that (as
+            # on_device's exit starts) gives the allocation back.
+            alloc = _Alloc(nbytes, stream, graph)
+            ptr = None
             try:
                 with on_device(be, self._index):
                     ptr = be.mem_alloc_async(nbytes, stream)
@@ -255,17 +260,27 @@ class AsyncPoolAllocator:
                 be.clear_error()
                 self._scalars["num_ooms"] += 1
                 raise OutOfMemoryError(self._oom_message(nbytes)) from None
+            except BaseException:
+                if ptr is not None:
+                    self._give_back(ptr, stream)
+                raise
+            count, req = self._count, self._req
             self._scalars["num_device_alloc"] += 1
-            stale = self._ptrs.get(ptr)
-            if stale is not None:
+            if ptr in self._ptrs:
                 # a held graph allocation whose graph was reset before any replay allocated it:
                 # its address was given back and now reused (see free)
-                self._dead.setdefault(ptr, []).append(stale)
-            alloc = self._ptrs[ptr] = _Alloc(nbytes, stream, graph)
+                self._dead[ptr] = self._dead[ptr] + [self._ptrs[ptr]] if ptr in self._dead else [self._ptrs[ptr]]
+            self._ptrs[ptr] = alloc
             if graph is not None:
                 graph.allocs[ptr] = alloc
-            self._up(self._count, 1)
-            self._up(self._req, nbytes)
+            count[0] += 1                    # _up, inlined: plain stores, no signal check
+            count[2] += 1
+            if count[0] > count[1]:
+                count[1] = count[0]
+            req[0] += nbytes
+            req[2] += nbytes
+            if req[0] > req[1]:
+                req[1] = req[0]
             if self._history is not None:
                 if self._history_stacks:
                     alloc.frames = _caching._frames()
@@ -562,20 +577,47 @@ class AsyncPoolAllocator:
         """Free outside any capture: the allocation stream waits for every use, then
         cudaFreeAsync; a graph allocation no launch allocated (since it was last freed) needs
         no device call.  On an error the allocation stays live (the waits already queued are
-        harmless)."""
+        harmless).
+
+        Interrupt safety (Ctrl-C): the allocation is forgotten (dropped from the counts and the
+        table) before cudaFreeAsync, as the caching allocator's vendor frees are, so a
+        KeyboardInterrupt as it returns never leaves it to be freed twice (one landing as it
+        starts may leave that allocation in the pool, unfreed); a free that fails puts it back."""
         graph = alloc.graph
-        if graph is None or graph.launches > alloc.gen:
-            self._queue_free(ptr, alloc, alloc.stream)
-            self._scalars["num_device_free"] += 1
-            if graph is not None:
-                alloc.gen = graph.launches
+        device_free = graph is None or graph.launches > alloc.gen
+        uses, stream = alloc.uses, alloc.stream
+        if device_free:
+            self._queue_waits(alloc, stream)
         if graph is not None and graph.released:
             graph.allocs.pop(ptr, None)
             if not any(not a.held for a in graph.allocs.values()):
                 self._records.discard(graph)
+        if device_free:
+            self._forget(ptr, alloc, keep_marks=True)   # its marks stay alive until the free is queued
+            try:
+                with on_device(self._be, self._index):
+                    self._be.mem_free_async(ptr, stream)
+            except Exception:
+                self._unforget(ptr, alloc, uses)
+                raise
+            self._scalars["num_device_free"] += 1
+            if graph is not None:
+                alloc.gen = graph.launches
+            self._drop_marks(uses)
+            return
         self._forget(ptr, alloc)
 
-    def _queue_free(self, ptr: int, alloc: _Alloc, stream: int) -> None:
+    def _give_back(self, ptr: int, stream: int) -> None:
+        """cudaFreeAsync of an allocation made as a KeyboardInterrupt landed, before it was
+        recorded (errors swallowed: the interrupt propagates)."""
+        try:
+            with on_device(self._be, self._index):
+                self._be.mem_free_async(ptr, stream)
+        except Exception:
+            self._be.clear_error()
+
+    def _queue_waits(self, alloc: _Alloc, stream: int) -> None:
+        """``stream`` waits for every use of ``alloc`` (queued again on a retry: harmless)."""
         be = self._be
         with on_device(be, self._index):
             for use in list(alloc.uses or ()):
@@ -583,11 +625,30 @@ class AsyncPoolAllocator:
                     be.stream_wait_event(stream, use.event)
                 elif use != (stream, self._index):
                     self._wait_for(stream, *use)
-            be.mem_free_async(ptr, stream)
 
-    def _forget(self, ptr: int, alloc: _Alloc) -> None:
-        """The owner's free is done: drop ``alloc`` from the counts (once) and its uses."""
-        marks = [use for use in (alloc.uses or ()) if type(use) is _Mark]
+    def _queue_free(self, ptr: int, alloc: _Alloc, stream: int) -> None:
+        self._queue_waits(alloc, stream)
+        with on_device(self._be, self._index):
+            self._be.mem_free_async(ptr, stream)
+
+    def _unforget(self, ptr: int, alloc: _Alloc, uses) -> None:
+        """Undo _forget(keep_marks=True) after a failed cudaFreeAsync: live and counted again."""
+        alloc.uses = uses
+        alloc.held = True
+        self._ptrs[ptr] = alloc
+        self._up(self._count, 1)
+        self._up(self._req, alloc.size)
+
+    def _drop_marks(self, uses) -> None:
+        for mark in [use for use in (uses or ()) if type(use) is _Mark]:
+            mark.refs -= 1
+            if mark.refs == 0:
+                self._destroy_event(mark.event, mark.device)
+
+    def _forget(self, ptr: int, alloc: _Alloc, keep_marks: bool = False) -> None:
+        """The owner's free is done: drop ``alloc`` from the counts (once) and its uses
+        (``keep_marks``: the caller drops its marks later, _drop_marks)."""
+        marks = [use for use in (alloc.uses or ()) if type(use) is _Mark] if not keep_marks else []
         alloc.uses = None
         dead = self._dead.get(ptr)
         if dead and alloc in dead:
@@ -597,11 +658,16 @@ class AsyncPoolAllocator:
             if not dead:
                 del self._dead[ptr]
         if alloc.held:
+            mine = self._ptrs.get(ptr) is alloc
+            count, req, size = self._count, self._req, alloc.size
+            # published with plain stores (_down inlined: no signal check between them)
             alloc.held = False
-            if self._ptrs.get(ptr) is alloc:
+            if mine:
                 del self._ptrs[ptr]
-            self._down(self._count, 1)
-            self._down(self._req, alloc.size)
+            count[0] -= 1
+            count[3] += 1
+            req[0] -= size
+            req[3] += size
             if self._history is not None:
                 self._trace("free_completed", ptr, alloc.size, alloc.stream)
         for mark in marks:
