@@ -41,6 +41,10 @@ from .streams import Event, Stream, _Hold, _as_stream, _capture_events, current_
 
 __all__ = ["Graph", "graph", "generate_graph_pool_handle", "graph_pool_handle"]
 
+#: Graphs whose ended capture still owes bookkeeping (Graph._finish_end), bounded by them (a
+#: dict: adding is a plain store, with no signal check, beside the others that end a capture).
+_unfinished: dict = {}
+
 _MODES = ("default", "global", "thread_local", "relaxed")
 # torch's MempoolId_t (c10/cuda MemPool::graph_pool_handle): ids a user asks for are
 # {0, n} (graph_pool_handle and MemPool share accel.memory._mempool's counter), the pool a
@@ -115,6 +119,7 @@ class Graph:
         self._capture_id = None   # the backend's id of the capture underway
         self._events = ()         # external events of its event nodes and modules of its kernels, kept for replays
         self._allocs = None       # the allocator's token for the graph's own allocations (cudaMallocAsync)
+        self._finish = None       # what an ended capture still owes (see _finish_end)
         self._host = None         # the pinned blocks its captured host copies use (memory._host.CaptureHold)
         self._pid = _fin.pid      # the process the graph's handles belong to
 
@@ -186,6 +191,7 @@ class Graph:
             random._graph_capture_abort(self._rng)
             self._rng = None
             raise
+        capture_id = None
         try:
             backend.capture_begin(stream._handle, mode)
             if stream._closed:
@@ -195,26 +201,35 @@ class Graph:
                 _discard_capture(backend, stream)
                 raise RuntimeError(f"capture_begin: {stream!r} was closed by another thread while the capture "
                                    f"began; nothing was captured: capture on a stream no thread closes")
+            try:
+                capture_id = backend.capture_id(stream._handle)
+            except AcceleratorError:
+                # Only keeping external events alive needs the id (cudaStreamGetCaptureInfo): the
+                # capture goes on without it, and an external event recorded in it is kept alive by
+                # its caller alone.
+                capture_id = None
+            if capture_id is not None:
+                _capture_events[capture_id] = {}   # external events recorded in the capture (accel.streams)
+            # published with plain stores: the graph holds the capture from here on
+            self._capture_id = capture_id
+            self._backend, self._index, self._stream, self._pool = backend, stream.device_index, stream, pool
+            self._allocs = allocs
         except BaseException:
-            allocator.end_allocate_to_pool(pool)
-            allocator.release_pool(pool)
-            if allocs is not None:
-                allocs.release()
-            random._graph_capture_abort(self._rng)
-            self._rng = None
+            # Refused, or a KeyboardInterrupt (Ctrl-C) before the graph held the capture: a capture
+            # the backend began is ended and discarded, so none is left underway that no one ends.
+            try:
+                if self._stream is None and _still_capturing(backend, stream):
+                    _discard_capture(backend, stream)
+            finally:
+                if capture_id is not None:
+                    _capture_events.pop(capture_id, None)
+                allocator.end_allocate_to_pool(pool)
+                allocator.release_pool(pool)
+                if allocs is not None:
+                    allocs.release()
+                random._graph_capture_abort(self._rng)
+                self._rng = None
             raise
-        try:
-            capture_id = backend.capture_id(stream._handle)
-        except AcceleratorError:
-            # Only keeping external events alive needs the id (cudaStreamGetCaptureInfo): the
-            # capture goes on without it, and an external event recorded in it is kept alive by
-            # its caller alone.
-            capture_id = None
-        if capture_id is not None:
-            _capture_events[capture_id] = {}   # external events recorded in the capture (accel.streams)
-        self._capture_id = capture_id
-        self._backend, self._index, self._stream, self._pool = backend, stream.device_index, stream, pool
-        self._allocs = allocs
 
     def capture_end(self) -> None:
         """End the capture; instantiate it unless ``keep_graph``.
@@ -233,41 +248,52 @@ class Graph:
             raise RuntimeError("Capture must end on the same stream it began on.")
         from . import memory, random
         allocator = memory.device_allocator(self._index)
-        self._stream = None
         capture_id = self._capture_id
-        events = _capture_events.pop(capture_id, None) or {}
-        self._capture_id = None
-        host = events.pop("host", None)      # see buffer._capture_hold
+        # Interrupt safety (Ctrl-C): the graph forgets the capture only once the backend ended it,
+        # and the bookkeeping after that (the pool's routing, the generator) runs in `finally`
+        # clauses, so a KeyboardInterrupt leaves the capture either held by the graph (still
+        # underway: ending it again works) or ended with nothing of it left behind.
         try:
             graph_handle = self._backend.capture_end(stream.handle)
-        except Exception as exc:
+        except BaseException as exc:
             if _still_capturing(self._backend, stream):
                 # Not ended (CUDA: cudaErrorStreamCaptureWrongThread, ending a global or
-                # thread_local capture on another thread): the capture goes on, so the graph
-                # keeps it, for the thread that began it to end.
-                self._stream, self._capture_id = stream, capture_id
-                if capture_id is not None:
-                    _capture_events[capture_id] = events
-                    if host is not None:
-                        events["host"] = host
-                exc.add_note("(the capture is still underway: call capture_end() on the thread that began "
-                             "it, or capture with capture_error_mode='relaxed' to end it on another)")
+                # thread_local capture on another thread; or an interrupt before the call): the
+                # capture goes on, so the graph keeps it, for the thread that began it to end.
+                if isinstance(exc, Exception):
+                    exc.add_note("(the capture is still underway: call capture_end() on the thread that "
+                                 "began it, or capture with capture_error_mode='relaxed' to end it on another)")
                 raise
-            allocator.end_allocate_to_pool(self._pool)
-            allocator.release_pool(self._pool)
-            if self._allocs is not None:
-                allocs, self._allocs = self._allocs, None
-                allocs.release()
-            if host is not None:
-                host.release()
-            if self._rng is not None:
-                random._graph_capture_abort(self._rng)
-                self._rng = None
-            self._pool = None
+            self._stream = None
+            self._capture_id = None
+            events = _capture_events.pop(capture_id, None) or {}
+            try:
+                allocator.end_allocate_to_pool(self._pool)
+                allocator.release_pool(self._pool)
+                if self._allocs is not None:
+                    allocs, self._allocs = self._allocs, None
+                    allocs.release()
+                host = events.pop("host", None)
+                if host is not None:
+                    host.release()
+            finally:
+                if self._rng is not None:
+                    random._graph_capture_abort(self._rng)
+                    self._rng = None
+                self._pool = None
             raise
-        allocator.end_allocate_to_pool(self._pool)
-        if self._rng is not None:
-            random._graph_capture_end(self._rng)
+        # published with plain stores: the capture is the graph's no more, and what ending it
+        # still owes (the pool's routing, the generator) is owed until _finish_end ran whole
+        self._finish = (allocator, self._pool, self._rng)
+        _unfinished[self] = None
+        self._stream = None
+        self._capture_id = None
+        events = host = None
+        try:
+            events = _capture_events.pop(capture_id, None) or {}
+            host = events.pop("host", None)      # see buffer._capture_hold
+        finally:
+            self._finish_end()
         self._graph = graph_handle
         self._host = host
         self._events = tuple(events.values())
@@ -277,8 +303,41 @@ class Graph:
         if not self.keep_graph:
             self.instantiate()
             if not self._debug:
-                self._backend.graph_destroy(self._graph)
-                self._graph = None
+                self._destroy_graph()
+
+    def _finish_end(self) -> None:
+        """What an ended capture still owes: allocations stop going to its pool, and the
+        generator leaves graph-safe mode.  Each step may run again (a KeyboardInterrupt inside
+        leaves the rest owed): _check_device_free, reset() and the next capture finish it."""
+        owed = self._finish
+        if owed is None:
+            return
+        allocator, pool, rng = owed
+        allocator.end_allocate_to_pool(pool)
+        if rng is not None:
+            from . import random
+            random._graph_capture_end(rng)
+        self._finish = None
+        _unfinished.pop(self, None)
+
+    # Each handle is forgotten before its destroy (a KeyboardInterrupt as the destroy returns must
+    # not leave it to be destroyed twice; one as it starts leaks it) and kept on an error (reset()
+    # may be called again).
+    def _destroy_graph(self) -> None:
+        handle, self._graph = self._graph, None
+        try:
+            self._backend.graph_destroy(handle)
+        except Exception:
+            self._graph = handle
+            raise
+
+    def _destroy_exec(self) -> None:
+        handle, self._exec = self._exec, None
+        try:
+            self._backend.graph_exec_destroy(handle)
+        except Exception:
+            self._exec = handle
+            raise
 
     def instantiate(self) -> None:
         """Build the executable graph (done by capture_end, or by the first replay with keep_graph)."""
@@ -289,8 +348,7 @@ class Graph:
             raise RuntimeError("capture_end() must have been called before calling instantiate: capture one "
                                "first (without keep_graph, capture_end instantiates it)")
         if self._exec is not None:
-            self._backend.graph_exec_destroy(self._exec)
-            self._exec = None
+            self._destroy_exec()
         self._exec = self._backend.graph_instantiate(self._graph)
 
     def raw_cuda_graph(self) -> int:
@@ -357,6 +415,7 @@ class Graph:
         self._check_process()
         if self._stream is not None:
             raise RuntimeError("reset() during capture: call capture_end() first")
+        self._finish_end()
         backend = self._backend
         if backend is None:
             return
@@ -373,16 +432,18 @@ class Graph:
         # rest held, so reset() may be called again: the executable's launches use the private
         # pool's memory and the generator's offsets, which must not go while it may still exist.
         if self._exec is not None:
-            backend.graph_exec_destroy(self._exec)
-            self._exec = None
+            self._destroy_exec()
         if self._graph is not None:
-            backend.graph_destroy(self._graph)
-            self._graph = None
+            self._destroy_graph()
         self._events = ()
         if self._pool is not None:
             from . import memory
-            memory.device_allocator(self._index).release_pool(self._pool)
-            self._pool = None
+            pool, self._pool = self._pool, None      # forgotten first, as the handles above
+            try:
+                memory.device_allocator(self._index).release_pool(pool)
+            except Exception:
+                self._pool = pool
+                raise
         if self._allocs is not None:
             allocs, self._allocs = self._allocs, None
             allocs.release()
@@ -433,7 +494,7 @@ class Graph:
     def __exit__(self, *exc_info) -> None:
         exc = exc_info[1] if len(exc_info) > 1 else None      # torch's signature: (*exc_info)
         if exc is None:
-            _end_block(self)
+            _end_block_or_discard(self)
         else:
             _end_after_error(self, exc)
 
@@ -560,12 +621,21 @@ def graph(cuda_graph: Graph, pool: Optional[Tuple[int, int]] = None, stream: Opt
         except BaseException as exc:
             _end_after_error(cuda_graph, exc)
             raise
-        _end_block(cuda_graph)
+        try:
+            _end_block(cuda_graph)
+        except BaseException as exc:
+            # (a KeyboardInterrupt before the capture ended: ended and discarded, as after an error)
+            if cuda_graph._stream is not None:
+                _end_after_error(cuda_graph, exc)
+            raise
 
 
 def _check_device_free(index: int, why: str = "") -> None:
-    """RuntimeError when an accel capture is underway on device ``index``."""
+    """RuntimeError when an accel capture is underway on device ``index`` (one that ended but
+    whose bookkeeping a KeyboardInterrupt cut short is finished here first)."""
     from . import random
+    for g in [g for g in _unfinished if g._index == index]:
+        g._finish_end()
     if random.default_generator(index).capturing:
         raise RuntimeError(f"another graph is being captured on device {index}{why}: accel captures "
                            f"one graph per device at a time (the device's default generator follows one "
@@ -603,6 +673,18 @@ def _end_after_error(g: Graph, exc: BaseException) -> None:
         exc.add_note(f"(the capture was then ended and discarded: {end_error})")
     else:
         g.reset()   # a capture cut short by an error is not a graph anyone asked for
+
+
+def _end_block_or_discard(g: Graph) -> None:
+    """_end_block, and when a KeyboardInterrupt (Ctrl-C) stops it before the capture ended, the
+    capture is ended and discarded as after an error in the body: no capture is left underway
+    that no one ends."""
+    try:
+        _end_block(g)
+    except BaseException as exc:
+        if g._stream is not None:
+            _end_after_error(g, exc)
+        raise
 
 
 def _end_block(g: Graph) -> None:

@@ -684,7 +684,7 @@ def _check_phase(run: _Run, where: str, base: dict) -> None:
         for fl in [fl for lists in [alloc._general] + [p.lists for p in alloc._private.values()]
                    for pair in lists.values() for fl in pair]:
             assert fl.exp is None or fl.exp in alloc._exp_segs
-    assert _caching._pool_captures == 0, where
+    assert not _caching._pool_captures, where
     from accel import streams
     assert not streams._capture_events, (where, "capture events left")
     if run.caching:

@@ -615,11 +615,21 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
     def capture_begin(self, stream: int, mode: str) -> None:
         if mode not in _CAPTURE_MODES:
             raise ValueError(f"capture mode must be one of {', '.join(_CAPTURE_MODES)}, got {mode!r}")
-        self._check(self.lib.cudaStreamBeginCapture(self._cast("cudaStream_t", stream), _CAPTURE_MODES[mode]),
-                    "cudaStreamBeginCapture")
-        self._captures += 1
-        if mode != "relaxed":
-            self._capture_owners[stream] = threading.get_ident()
+        handle = self._cast("cudaStream_t", stream)
+        # Counted (and owned) before the call, taken back when no capture began: a KeyboardInterrupt
+        # as the call returns must not leave a capture the count misses (capture_underway() then
+        # lets event queries invalidate it).
+        me = threading.get_ident()
+        try:
+            self._captures += 1
+            if mode != "relaxed":
+                self._capture_owners[stream] = me
+            self._check(self.lib.cudaStreamBeginCapture(handle, _CAPTURE_MODES[mode]), "cudaStreamBeginCapture")
+        except BaseException:
+            if not self._still_capturing_known(handle):
+                self._captures -= 1
+                self._capture_owners.pop(stream, None)
+            raise
 
     def capture_end(self, stream: int) -> int:
         owner = self._capture_owners.get(stream)
@@ -635,21 +645,41 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
                                library="libcudart", call="cudaStreamEndCapture")
         p = self.ffi.new("cudaGraph_t *")
         handle = self._cast("cudaStream_t", stream)
-        rc = self.lib.cudaStreamEndCapture(handle, p)
-        if rc != 0 and self._still_capturing(handle):
-            # A failed cudaStreamEndCapture ends only an invalidated capture (CUDA Runtime API,
-            # cudaStreamEndCapture); one still underway would forbid syncs, frees and new
-            # captures in the whole process, so end it again and discard what it captured.
-            again = self.ffi.new("cudaGraph_t *")
-            if self.lib.cudaStreamEndCapture(handle, again) == 0 and again[0] != self.ffi.NULL:
-                self.lib.cudaGraphDestroy(again[0])
-        if rc == 0 or not self._still_capturing(handle):
-            self._capture_owners.pop(stream, None)
+        # Uncounted before the call, counted again while the capture goes on: a KeyboardInterrupt
+        # as the call returns must not leave an ended capture counted (capture_underway() would
+        # then refuse syncs and frees for good).
+        try:
             self._captures -= 1
-            if not self._captures and self._after_capture:
-                self._run_after_captures()
+            if owner is not None:
+                del self._capture_owners[stream]
+            rc = self.lib.cudaStreamEndCapture(handle, p)
+            if rc != 0 and self._still_capturing(handle):
+                # A failed cudaStreamEndCapture ends only an invalidated capture (CUDA Runtime API,
+                # cudaStreamEndCapture); one still underway would forbid syncs, frees and new
+                # captures in the whole process, so end it again and discard what it captured.
+                again = self.ffi.new("cudaGraph_t *")
+                if self.lib.cudaStreamEndCapture(handle, again) == 0 and again[0] != self.ffi.NULL:
+                    self.lib.cudaGraphDestroy(again[0])
+        except BaseException:
+            if self._still_capturing_known(handle):
+                self._captures += 1
+                if owner is not None:
+                    self._capture_owners[stream] = owner
+            raise
+        if rc != 0 and self._still_capturing(handle):
+            self._captures += 1
+            if owner is not None:
+                self._capture_owners[stream] = owner
+        elif not self._captures and self._after_capture:
+            self._run_after_captures()
         self._check(rc, "cudaStreamEndCapture")
         return self._as_int(p[0])
+
+    def _still_capturing_known(self, handle) -> bool:
+        """Whether ``handle`` is being captured, asked after an interrupted call (False when
+        the runtime cannot tell: the count then follows the call's own outcome)."""
+        status = self.ffi.new("enum cudaStreamCaptureStatus *")
+        return self.lib.cudaStreamIsCapturing(handle, status) == 0 and status[0] != _CAPTURE_STATUS_NONE
 
     def _still_capturing(self, handle) -> bool:
         status = self.ffi.new("enum cudaStreamCaptureStatus *")

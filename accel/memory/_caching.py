@@ -134,9 +134,10 @@ _ISPLIT = 192            # bit offset of the inactive-split lanes within a pool
 _MEMO_LIMIT = 4096
 
 # Captures begun through begin_allocate_to_pool, not yet ended, over every allocator
-# of the process: a global-mode capture on one device forbids event queries on all.
-_captures_lock = threading.Lock()
-_pool_captures = 0
+# of the process: a global-mode capture on one device forbids event queries on all.  One
+# entry each, in a list: append and pop are atomic (no lock), so a _locks.publish step can
+# take one out together with the routes it ends.
+_pool_captures: list = []
 
 
 def capture_underway(backend) -> bool:
@@ -144,19 +145,19 @@ def capture_underway(backend) -> bool:
     graphs, or through ``backend``): event queries and synchronizes, device
     frees and synchronous work would then invalidate a global-mode capture.
     A capture begun by another library outside the backend is not seen."""
-    return _pool_captures > 0 or backend.captures_underway() > 0
+    return bool(_pool_captures) or backend.captures_underway() > 0
 
 
 def _count_captures(n: int) -> None:
-    global _pool_captures
-    with _captures_lock:
-        _pool_captures += n
+    if n > 0:
+        _pool_captures.extend([None] * n)
+    elif n < 0:
+        del _pool_captures[n:]
 
 
 def _forget_captures() -> None:
     """The allocators were dropped (lazy reset, fork): so were their captures."""
-    global _pool_captures
-    _pool_captures = 0
+    del _pool_captures[:]
 
 
 class _Gate:
@@ -998,16 +999,17 @@ class DeviceCachingAllocator:
         """Stop routing allocations to ``pool_id`` (the capture ended)."""
         pool_id = self._check_pool_id(pool_id)
         with self._lock:
-            for stream in [s for s, pool in self._routes.items() if pool.id == pool_id]:
-                del self._routes[stream]
-            for stream in [s for s, pool in self._origins.items() if pool.id == pool_id]:
-                del self._origins[stream]
-                self._origin_ids.pop(stream, None)
-                _count_captures(-1)
-            for thread, pools in list(self._threads.items()):
-                pools[:] = [pool for pool in pools if pool.id != pool_id]
-                if not pools:
-                    del self._threads[thread]
+            # computed, then published in one step (a KeyboardInterrupt leaves every route or none)
+            routes = {s: pool for s, pool in self._routes.items() if pool.id != pool_id}
+            ended = [s for s, pool in self._origins.items() if pool.id == pool_id]
+            origins = {s: pool for s, pool in self._origins.items() if pool.id != pool_id}
+            origin_ids = {s: i for s, i in self._origin_ids.items() if s not in ended}
+            threads = {t: kept for t, kept in ((t, [p for p in pools if p.id != pool_id])
+                                               for t, pools in self._threads.items()) if kept}
+            _locks.publish([partial(setattr, self, "_routes", routes), partial(setattr, self, "_origins", origins),
+                            partial(setattr, self, "_origin_ids", origin_ids),
+                            partial(setattr, self, "_threads", threads)]
+                           + [_pool_captures.pop for _ in ended])
             if (self._deferred or self._pending_events) and not capture_underway(self._be):
                 self._resume_events()
             self._update_special()

@@ -266,7 +266,9 @@ def _graph_capture_begin(device_index: int) -> _GraphRNG:
 
 
 def _graph_capture_end(token: _GraphRNG) -> None:
-    token.increment = token.generator.capture_epilogue()
+    # (called again when a KeyboardInterrupt cut the first call short: graphs.Graph._finish_end)
+    if token.generator.capturing:
+        token.increment = token.generator.capture_epilogue()
 
 
 def _graph_capture_abort(token: _GraphRNG) -> None:
