@@ -324,19 +324,18 @@ class Graph:
     # not leave it to be destroyed twice; one as it starts leaks it) and kept on an error (reset()
     # may be called again).
     def _destroy_graph(self) -> None:
-        handle, self._graph = self._graph, None
-        try:
-            self._backend.graph_destroy(handle)
-        except Exception:
-            self._graph = handle
-            raise
+        self._destroy("_graph", self._backend.graph_destroy)
 
     def _destroy_exec(self) -> None:
-        handle, self._exec = self._exec, None
+        self._destroy("_exec", self._backend.graph_exec_destroy)
+
+    def _destroy(self, attr: str, destroy) -> None:
+        handle = getattr(self, attr)
+        setattr(self, attr, None)
         try:
-            self._backend.graph_exec_destroy(handle)
+            destroy(handle)
         except Exception:
-            self._exec = handle
+            setattr(self, attr, handle)
             raise
 
     def instantiate(self) -> None:
@@ -624,7 +623,8 @@ def graph(cuda_graph: Graph, pool: Optional[Tuple[int, int]] = None, stream: Opt
         try:
             _end_block(cuda_graph)
         except BaseException as exc:
-            # (a KeyboardInterrupt before the capture ended: ended and discarded, as after an error)
+            # (a KeyboardInterrupt before the capture ended: ended and discarded, as after an error;
+            # _end_block_or_discard inlined, as a function's start is one more point it can land)
             if cuda_graph._stream is not None:
                 _end_after_error(cuda_graph, exc)
             raise

@@ -21,7 +21,6 @@ import glob
 import importlib
 import os
 
-import numpy as np
 import pytest
 
 import accel

@@ -24,9 +24,7 @@ import ctypes
 import os
 
 import numpy as np
-import pytest
 
-import test_interrupt_allocator as tia
 import test_interrupt_backends as tib
 from accel import _lazy, sim
 from accel.streams import on_device

@@ -509,7 +509,7 @@ class MPSBackend(Backend):
     def _free(self, ptr: int, host: bool) -> None:
         if ptr == 0:
             return
-        rt = self._runtime()
+        self._runtime()         # (refuses a runtime torn down or of the parent process)
         if not host:
             with self._lock:
                 self._freeable(ptr, host)
