@@ -81,7 +81,8 @@ def drain() -> None:
     """Run the deferred releases now.  Call only where this thread holds no accel or vendor
     lock; does nothing while a collection runs (in any thread), when this thread is already
     draining, or inside a :data:`no_drain` section."""
-    if collection_running() or getattr(_tls, "draining", False) or getattr(_tls, "locked", 0):
+    section = getattr(_tls, "nodrain", None)
+    if collection_running() or getattr(_tls, "draining", False) or (section is not None and section._is_owned()):
         return      # (any thread's collection: the releases it deferred may be for its garbage)
     _tls.draining = True
     try:
@@ -128,14 +129,23 @@ def _report_leak(fn: Callable, exc: BaseException) -> None:
     _FailedRelease(report)
 
 
+def _section() -> threading.RLock:
+    """This thread's no_drain marker: held while inside a section (held again when nested)."""
+    lock = getattr(_tls, "nodrain", None)
+    if lock is None:
+        lock = _tls.nodrain = threading.RLock()
+    return lock
+
+
 class _NoDrain:
+    """The section is this thread's RLock, held: ``with`` takes and gives it back through its C
+    methods (the properties below hand them over, as accel._locks.Lock does), so a
+    KeyboardInterrupt can never leave a section open, which would stop drain() on this thread
+    for good (a Python ``__exit__`` that counted down could be interrupted as it started)."""
     __slots__ = ()
 
-    def __enter__(self) -> None:
-        _tls.locked = getattr(_tls, "locked", 0) + 1
-
-    def __exit__(self, *exc) -> None:
-        _tls.locked = max(0, getattr(_tls, "locked", 0) - 1)
+    __enter__ = property(lambda self: _section().__enter__)
+    __exit__ = property(lambda self: _section().__exit__)
 
 
 #: ``with lock, no_drain:`` around a critical section that calls an API entry (an allocator's
