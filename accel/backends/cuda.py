@@ -626,7 +626,7 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
                 self._capture_owners[stream] = me
             self._check(self.lib.cudaStreamBeginCapture(handle, _CAPTURE_MODES[mode]), "cudaStreamBeginCapture")
         except BaseException:
-            if not self._still_capturing_known(handle):
+            if not self._still_capturing(handle, unknown=False):
                 self._captures -= 1
                 self._capture_owners.pop(stream, None)
             raise
@@ -661,7 +661,7 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
                 if self.lib.cudaStreamEndCapture(handle, again) == 0 and again[0] != self.ffi.NULL:
                     self.lib.cudaGraphDestroy(again[0])
         except BaseException:
-            if self._still_capturing_known(handle):
+            if self._still_capturing(handle, unknown=False):
                 self._captures += 1
                 if owner is not None:
                     self._capture_owners[stream] = owner
@@ -675,16 +675,14 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         self._check(rc, "cudaStreamEndCapture")
         return self._as_int(p[0])
 
-    def _still_capturing_known(self, handle) -> bool:
-        """Whether ``handle`` is being captured, asked after an interrupted call (False when
-        the runtime cannot tell: the count then follows the call's own outcome)."""
+    def _still_capturing(self, handle, unknown: bool = True) -> bool:
+        """Whether ``handle`` is being captured; ``unknown`` when the runtime cannot tell (True
+        after a failed end: assume it is; False after an interrupted begin or end: the count
+        then follows the call's own outcome)."""
         status = self.ffi.new("enum cudaStreamCaptureStatus *")
-        return self.lib.cudaStreamIsCapturing(handle, status) == 0 and status[0] != _CAPTURE_STATUS_NONE
-
-    def _still_capturing(self, handle) -> bool:
-        status = self.ffi.new("enum cudaStreamCaptureStatus *")
-        rc = self.lib.cudaStreamIsCapturing(handle, status)
-        return rc != 0 or status[0] != _CAPTURE_STATUS_NONE   # unknown: assume it is
+        if self.lib.cudaStreamIsCapturing(handle, status) != 0:
+            return unknown
+        return status[0] != _CAPTURE_STATUS_NONE
 
     def stream_is_capturing(self, stream: int) -> bool:
         status = self.ffi.new("enum cudaStreamCaptureStatus *")

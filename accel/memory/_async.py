@@ -626,11 +626,6 @@ class AsyncPoolAllocator:
                 elif use != (stream, self._index):
                     self._wait_for(stream, *use)
 
-    def _queue_free(self, ptr: int, alloc: _Alloc, stream: int) -> None:
-        self._queue_waits(alloc, stream)
-        with on_device(self._be, self._index):
-            self._be.mem_free_async(ptr, stream)
-
     def _unforget(self, ptr: int, alloc: _Alloc, uses) -> None:
         """Undo _forget(keep_marks=True) after a failed cudaFreeAsync: live and counted again."""
         alloc.uses = uses

@@ -238,6 +238,28 @@ def record_uses(owner, block, pending: list) -> bool:
         raise error
 
 
+def cover(owner, stream: int, device: int) -> Optional[_Gate]:
+    """An event of ``device`` recorded on ``stream`` now, or None when it could not be recorded
+    but the stream was synchronized instead (its work is done).  ``owner`` is a device or host
+    caching allocator (its ``_record`` and ``_be``), its lock held."""
+    try:
+        return _Gate(owner._record(stream, device), device)
+    except Exception:
+        if capture_underway(owner._be):
+            raise       # synchronizing would invalidate the capture
+        with on_device(owner._be, device):
+            owner._be.stream_synchronize(stream)   # a second failure propagates
+        return None
+
+
+def gates_back(owner, gates: list) -> None:
+    """The events of ``gates`` (from :func:`cover`; None for none) go back to ``owner``'s cache:
+    the forget they were recorded for did not happen."""
+    for gate in gates:
+        if gate is not None:
+            owner._event_cache.setdefault(gate.device, []).append(gate.event)
+
+
 def uses_forgotten(owner, stream: int, covers: list, gates: list) -> list:
     """Steps (for _locks.publish) that forget ``stream``'s uses: each use in ``covers``
     ((block, use) pairs) is replaced by its gate (``gates``, in the same order; None: the stream
@@ -807,6 +829,8 @@ class DeviceCachingAllocator:
     def _free_ptr_locked(self, ptr: int) -> None:
         block = self._blocks.get(ptr)
         if block is None or block.state != _ALLOCATED:
+            if ptr == 0 and type(ptr) is int:
+                return
             raise self._not_allocated(ptr, block)
         self._free_locked(block)
 
@@ -884,9 +908,9 @@ class DeviceCachingAllocator:
         try:
             try:
                 if retire:
-                    gates.append(self._cover(stream, device))
+                    gates.append(cover(self, stream, device))
                 for _, use in covers:
-                    gates.append(self._cover(stream, use[1]))
+                    gates.append(cover(self, stream, use[1]))
                 steps = []
                 if retire:
                     retired = _Retired(retire)
@@ -908,24 +932,10 @@ class DeviceCachingAllocator:
                 _locks.publish(steps)
             except BaseException:
                 if not done:
-                    for gate in gates:
-                        if gate is not None:
-                            self._event_cache.setdefault(gate.device, []).append(gate.event)
+                    gates_back(self, gates)
                 raise
         finally:
             self._update_special()
-
-    def _cover(self, stream: int, device: int) -> Optional[_Gate]:
-        """An event recorded on ``stream`` now, or None when it could not be recorded but
-        the stream was synchronized instead (its work is done)."""
-        try:
-            return _Gate(self._record(stream, device), device)
-        except Exception:
-            if capture_underway(self._be):
-                raise       # synchronizing would invalidate the capture
-            with on_device(self._be, device):
-                self._be.stream_synchronize(stream)   # a second failure propagates
-            return None
 
     def _record(self, stream: int, device: int) -> int:
         """A (cached or new) event of ``device``, recorded on ``stream``."""

@@ -26,8 +26,8 @@ from .. import _locks
 from .._errors import OutOfMemoryError
 from .._finalize import drain as _drain_finalizers, pending as _finalizers
 from ..streams import on_device
-from ._caching import (_gc_probe, _ONE_EXA_BYTES, _check_size, _Gate, add_use, capture_underway, check_use,
-                       record_uses, uses_forgotten)
+from ._caching import (_gc_probe, _ONE_EXA_BYTES, _check_size, add_use, capture_underway, check_use,
+                       cover, gates_back, record_uses, uses_forgotten)
 
 _MIN_SIZE = 512
 #: torch 2.13's host_memory_stats counters (torch/cuda/memory.py): blocks owned (active +
@@ -194,12 +194,7 @@ class HostCachingAllocator:
             _drain_finalizers()
         _gc_probe(self._lock, "pinned free")   # then `with`: never left held by a KeyboardInterrupt
         with self._lock:
-            block = self._blocks.get(ptr)
-            if block is None or not block.allocated:
-                if ptr == 0 and type(ptr) is int:
-                    return
-                raise self._not_allocated(ptr, block)
-            self._free_locked(block)
+            self._free_ptr_locked(ptr)
 
     def free_nowait(self, ptr: int) -> bool:
         """:meth:`free` for a finalizer, which never waits for the lock: False, nothing done,
@@ -209,6 +204,8 @@ class HostCachingAllocator:
     def _free_ptr_locked(self, ptr: int) -> None:
         block = self._blocks.get(ptr)
         if block is None or not block.allocated:
+            if ptr == 0 and type(ptr) is int:
+                return
             raise self._not_allocated(ptr, block)
         self._free_locked(block)
 
@@ -346,20 +343,11 @@ class HostCachingAllocator:
         done = []
         try:
             for _, use in covers:
-                try:
-                    gates.append(_Gate(self._record(stream, use[1]), use[1]))
-                except Exception:
-                    if capture_underway(self._be):
-                        raise       # synchronizing would invalidate the capture
-                    with on_device(self._be, use[1]):
-                        self._be.stream_synchronize(stream)   # a second failure propagates
-                    gates.append(None)
+                gates.append(cover(self, stream, use[1]))
             _locks.publish(uses_forgotten(self, stream, covers, gates) + [partial(done.append, True)])
         except BaseException:
             if not done:
-                for gate in gates:
-                    if gate is not None:
-                        self._event_cache.setdefault(gate.device, []).append(gate.event)
+                gates_back(self, gates)
             raise
 
     def empty_cache(self) -> None:
