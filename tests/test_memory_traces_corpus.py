@@ -216,3 +216,45 @@ def test_replay_tool_passes_option():
     bad = subprocess.run([sys.executable, tool, trace, "--passes", "0"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--passes 0" in bad.stderr
+
+
+def test_perturb_trace_scales_sizes_and_keeps_the_order_and_lifetimes(monkeypatch):
+    use_sim(monkeypatch, "cuda")
+    from accel.memory import _bench
+
+    trace = {"name": "t", "ops": [["a", 0, 3 * MiB], ["a", 1, 3 * MiB], ["a", 2, 4096], ["f", 0], ["f", 1],
+                                  ["f", 2]]}
+    assert _bench.perturb_trace(trace, 0) is trace                  # seed 0: the trace as recorded
+    one = _bench.perturb_trace(trace, 1, jitter=0.03)
+    assert [op[:2] for op in one["ops"]] == [op[:2] for op in trace["ops"]]
+    a, b, c = (op[2] for op in one["ops"][:3])
+    assert a == b != 3 * MiB                                    # one factor per distinct size
+    assert 0.97 * 3 * MiB <= a <= 1.03 * 3 * MiB and 0.97 * 4096 <= c <= 1.03 * 4096
+    assert _bench.perturb_trace(trace, 1, jitter=0.03) == one        # reproducible
+    assert trace["ops"][0] == ["a", 0, 3 * MiB]                       # the input is not changed
+    scaled = _bench.perturb_trace(trace, 2, jitter=0.2, per_size=False)
+    k = scaled["ops"][0][2] / (3 * MiB)
+    assert 0.8 <= k <= 1.2 and abs(scaled["ops"][2][2] - 4096 * k) <= 1    # one factor for all
+    for bad in ({"seed": -1}, {"seed": 1.5}, {"seed": 1, "jitter": 1.0}, {"seed": 1, "jitter": -0.1}):
+        with pytest.raises(ValueError):
+            _bench.perturb_trace(trace, **bad)
+
+
+def test_replay_tool_perturb_option_summarizes_each_variant():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCEL_")}
+    tool = os.path.join(REPO, "tools", "replay_trace.py")
+    trace = os.path.join(REPO, "tests", "test_memory_traces", "cnn_train.json")
+    proc = subprocess.run([sys.executable, tool, trace, "--json", "--policy", "accel", "--perturb", "2"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert [r["seed"] for r in out["replays"]] == [0, 1, 2]
+    (summary,) = out["summaries"]
+    assert summary["variant"] == "accel" and summary["replays"] == 3
+    ratios = [r["peak_reserved"] / r["peak_live"] for r in out["replays"]]
+    assert summary["worst"] == pytest.approx(max(ratios))
+    assert summary["mean"] == pytest.approx(sum(ratios) / 3)
+    assert summary["over_1.08"] == sum(x > 1.08 for x in ratios)
+    proc = subprocess.run([sys.executable, tool, trace, "--policy", "accel", "--perturb", "1"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "over 1.08" in proc.stdout, proc.stderr[-3000:]

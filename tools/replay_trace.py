@@ -8,6 +8,7 @@
     python tools/replay_trace.py --conf max_split_size_mb:64 --json
     python tools/replay_trace.py --corpus --variant "accel-exp=policy:accel,expandable_segments:True"
     python tools/replay_trace.py --corpus --passes 3  # each trace 3 times back to back: does it creep?
+    python tools/replay_trace.py --corpus --holdout --perturb 5   # + 5 copies each, sizes scaled
 
 Runs on the simulator (ACCEL_SIM=cuda) unless ACCEL_SIM/ACCEL_BACKEND say
 otherwise, and prints per trace and policy: ops, peak live bytes, the 2 MiB
@@ -18,6 +19,12 @@ bisection to 0.5 %) over peak live, backend segment allocations, backend
 map/unmap calls (0 for classic segments), and µs per op (median and min-max
 over --rounds replays).  ``--pairs N`` also times cached 1 MiB malloc+free
 against the bare backend pair.
+
+``--perturb N`` also replays N copies of each trace whose sizes are scaled (each distinct
+size by its own factor within ``--jitter``, or with ``--scale-all`` every size by one
+factor), no timing and no capacity search, and prints per variant the mean, median and
+worst peak reserved over peak live and how many replays pass 1.08 and 1.15: a policy
+tuned on the recorded traces can owe its figures to their exact sizes.
 
 A "variant" is a label and an ACCEL_ALLOC_CONF string; ``--policy`` picks the
 built-in ones (accel, torch), ``--variant LABEL=CONF`` adds more (for instance
@@ -97,6 +104,12 @@ def main(argv=None) -> int:
     parser.add_argument("--passes", type=int, default=1,
                         help="replay each trace N times back to back in one allocator (what a pass "
                              "leaves live is freed before the next); figures cover all passes")
+    parser.add_argument("--perturb", type=int, default=0, metavar="N",
+                        help="also replay N size-scaled copies of each trace; print a summary per variant")
+    parser.add_argument("--jitter", type=float, default=None,
+                        help="--perturb's largest relative change of a size (default 0.03, 0.2 with --scale-all)")
+    parser.add_argument("--scale-all", action="store_true",
+                        help="--perturb scales every size of a copy by one factor (another batch size)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table (for the README)")
     args = parser.parse_args(argv)
@@ -104,6 +117,11 @@ def main(argv=None) -> int:
         parser.error(f"--rounds {args.rounds}: need at least 1")
     if args.passes < 1:
         parser.error(f"--passes {args.passes}: need at least 1")
+    if args.perturb < 0:
+        parser.error(f"--perturb {args.perturb}: need at least 0")
+    jitter = args.jitter if args.jitter is not None else (0.2 if args.scale_all else 0.03)
+    if not 0 <= jitter < 1:
+        parser.error(f"--jitter {jitter}: need 0 <= jitter < 1")
 
     if not (os.environ.get("ACCEL_SIM") or os.environ.get("ACCEL_BACKEND")):
         os.environ["ACCEL_SIM"] = "cuda"
@@ -125,22 +143,47 @@ def main(argv=None) -> int:
                for label, conf in variants]
     progress = Progress()
     results = []
-    steps = len(paths) * len(configs) + (1 if args.pairs else 0)
+    seeds = range(args.perturb + 1)
+    steps = len(paths) * len(configs) * len(seeds) + (1 if args.pairs else 0)
     for path in paths:
-        trace = _bench.repeat_trace(_bench.load_trace(path), args.passes)
-        for label, config in configs:
-            progress.update(f"[{len(results) + 1}/{steps}] replaying {os.path.basename(path)} "
-                            f"({len(trace['ops'])} ops, {label})")
-            r = _bench.replay(trace, config, rounds=args.rounds, capacity=not args.no_capacity)
-            r["variant"] = label
-            results.append(r)
+        recorded = _bench.repeat_trace(_bench.load_trace(path), args.passes)
+        for seed in seeds:
+            trace = _bench.perturb_trace(recorded, seed, jitter, per_size=not args.scale_all)
+            for label, config in configs:
+                progress.update(f"[{len(results) + 1}/{steps}] replaying {os.path.basename(path)} "
+                                f"({len(trace['ops'])} ops, {label}" + (f", copy {seed})" if seed else ")"))
+                if args.perturb:
+                    r = _bench.replay(trace, config, rounds=1, capacity=False)
+                    r["seed"] = seed
+                else:
+                    r = _bench.replay(trace, config, rounds=args.rounds, capacity=not args.no_capacity)
+                r["variant"] = label
+                results.append(r)
     if args.pairs:
         progress.update(f"[{steps}/{steps}] timing {args.pairs} cached 1 MiB alloc+free pairs")
     cost = _bench.alloc_free_cost(n=args.pairs) if args.pairs else None
     progress.clear()
 
+    summaries = []
+    if args.perturb:
+        for label in dict.fromkeys(r["variant"] for r in results):
+            summaries.append(dict(_bench.summarize([r for r in results if r["variant"] == label]), variant=label))
     if args.json:
-        print(json.dumps({"replays": results, "alloc_free_1mib": cost}, indent=2))
+        out = {"replays": results, "alloc_free_1mib": cost}
+        if args.perturb:
+            out["summaries"] = summaries
+        print(json.dumps(out, indent=2))
+        return 0
+    if args.perturb:
+        kind = "every size by one factor" if args.scale_all else "each size by its own factor"
+        print(f"{len(paths)} traces x {len(seeds)} (as recorded + {args.perturb} copies, {kind} within "
+              f"{jitter:.0%}): peak reserved / peak live")
+        print(f"{'variant':16} {'mean':>6} {'median':>6} {'worst':>6} {'over 1.08':>10} {'over 1.15':>10} "
+              f"{'max maps':>8}")
+        for s in summaries:
+            print(f"{s['variant']:16} {s['mean']:6.3f} {s['median']:6.3f} {s['worst']:6.3f} "
+                  f"{s['over_1.08']:>4}/{s['replays']:<5} {s['over_1.15']:>4}/{s['replays']:<5} "
+                  f"{s['max_map_calls']:8}")
         return 0
     if args.markdown:
         print(markdown(results))

@@ -390,6 +390,47 @@ def repeat_trace(trace: dict, passes: int) -> dict:
     return dict(trace, ops=ops, passes=passes)
 
 
+def perturb_trace(trace: dict, seed: int, jitter: float = 0.03, per_size: bool = True) -> dict:
+    """``trace`` with its request sizes scaled (seed 0: the trace itself).
+
+    ``per_size``: every distinct size gets its own factor in ``[1 - jitter, 1 + jitter]``
+    (equal sizes stay equal, the order and every lifetime stay); otherwise one factor
+    scales every size (another batch size).  Why: a placement rule tuned on recorded traces
+    can owe its figure to the exact sizes (a hole that happens to fit the next request);
+    the spread over perturbed copies shows what a trace not seen before gets."""
+    if type(seed) is not int or seed < 0:
+        raise ValueError(f"seed={seed!r}: need an int >= 0")
+    if not 0 <= jitter < 1:
+        raise ValueError(f"jitter={jitter!r}: need 0 <= jitter < 1")
+    if seed == 0:
+        return trace
+    import random
+    rnd = random.Random(seed)
+    factors: Dict[int, float] = {}
+    ops = []
+    for op in trace["ops"]:
+        if op[0] == "a":
+            k = factors.get(op[2] if per_size else 0)
+            if k is None:
+                k = factors[op[2] if per_size else 0] = rnd.uniform(1 - jitter, 1 + jitter)
+            ops.append(["a", op[1], max(1, int(op[2] * k))])
+        else:
+            ops.append(list(op))
+    return dict(trace, ops=ops, seed=seed)
+
+
+def summarize(results: List[dict]) -> dict:
+    """Peak reserved over peak live bytes across ``results`` (replays of one variant): mean,
+    median, worst, how many are over 1.08 and 1.15, and the most map calls."""
+    ratios = sorted(r["peak_reserved"] / r["peak_live"] for r in results if r["peak_live"])
+    n = len(ratios)
+    return {"replays": n, "mean": sum(ratios) / n if n else 0.0,
+            "median": (ratios[(n - 1) // 2] + ratios[n // 2]) / 2 if n else 0.0,
+            "worst": ratios[-1] if n else 0.0,
+            "over_1.08": sum(x > 1.08 for x in ratios), "over_1.15": sum(x > 1.15 for x in ratios),
+            "max_map_calls": max((r["map_calls"] for r in results), default=0)}
+
+
 def many_live_trace(n: int, seed: int = 0) -> dict:
     """A synthetic trace that keeps about ``n`` blocks live: ``n`` small requests (512 B to
     300 KB), every other one freed, ``n // 10`` requests of 0.7-2.5 MiB into the holes and
