@@ -56,10 +56,12 @@ from ._locks import collecting_here, collection_running, forget_collection
 from .backends.base import Backend
 
 __all__ = ["pending", "drain", "release", "finalize", "finalize_later", "release_on_del", "defer", "collecting", "pid",
-           "forked_error", "no_drain"]
+           "forked_error", "no_drain", "releases_settled"]
 
 #: Releases waiting for a safe point: (function, args) tuples.
 pending: deque = deque()
+#: Threads inside drain(): a release one took from ``pending`` may not have run yet.
+_drainers: set = set()
 #: The process accel objects created now belong to (os.getpid(), refreshed at fork).
 pid = os.getpid()
 
@@ -85,6 +87,8 @@ def drain() -> None:
     if collection_running() or getattr(_tls, "draining", False) or (section is not None and section._is_owned()):
         return      # (any thread's collection: the releases it deferred may be for its garbage)
     _tls.draining = True
+    me = threading.get_ident()
+    _drainers.add(me)           # before the first popleft: a release is in pending or counted here
     try:
         while True:
             try:
@@ -100,7 +104,19 @@ def drain() -> None:
             except Exception:
                 pass    # interpreter shutdown or a runtime already torn down
     finally:
+        _drainers.discard(me)
         _tls.draining = False
+
+
+def releases_settled() -> bool:
+    """True when no release of a dropped object can still be on its way: none waits in
+    :data:`pending`, no drain is running one it took from there, and no collection runs (the
+    collector clears the weak references to its garbage *before* it runs their finalizers, which
+    then leave the release for after the collection, :func:`finalize_later`).  An allocator may
+    then take a block whose owner's weak reference is dead for one never released (a Ctrl-C as
+    ``__del__`` began): freeing it earlier lets the late release free the address again, by then
+    maybe another owner's, and lets a finalizer of the same garbage read freed memory."""
+    return not pending and not _drainers and not collection_running()
 
 
 class _FailedRelease:

@@ -96,14 +96,15 @@ from typing import Dict, List, Optional, Tuple
 
 from .._device import check_range
 from .._errors import AcceleratorError, CaptureError, OutOfMemoryError
-from .._finalize import drain as _drain_finalizers, pending as _finalizers
+from .._finalize import drain as _drain_finalizers, pending as _finalizers, releases_settled as _releases_settled
 from .. import _locks
 from .._locks import acquire as _acquire
 from ..streams import on_device
 from . import _config, _stats
 from ._snapfmt import CTX_ALL as _CTX_ALL, CTX_ALLOC as _CTX_ALLOC, Symbols as _Symbols
 from ._snapfmt import allocator_settings as _allocator_settings, stack as _stack, trace_entry as _trace_entry
-from ._expandable import UNMAPPED as _UNMAPPED, Segment as _ExpSegment, pieces as _pieces, place as _place
+from ._expandable import (PIECE_SHARE as _PIECE_SHARE, UNMAPPED as _UNMAPPED, Segment as _ExpSegment,
+                          pieces as _pieces, place as _place)
 from ._stats import (ACTIVE, ACTIVE_BYTES, ALLOCATED_BYTES, ALLOCATION, INACTIVE_SPLIT,
                      INACTIVE_SPLIT_BYTES, LANE_MASK, OVERSIZE_ALLOCATIONS, OVERSIZE_SEGMENTS,
                      REQUESTED_BYTES, RESERVED_BYTES, SEGMENT, raise_peaks, unpack)
@@ -859,10 +860,16 @@ class DeviceCachingAllocator:
         pointer, and as a Buffer's ``__del__`` starts (printed and ignored: the release never
         runs).  Such a block would count as allocated for good; here (empty_cache, the
         out-of-memory retry) it is freed as its owner would have.  A block is freed once:
-        each free clears ``ref`` in the step that frees it."""
-        for block in [b for b in self._blocks.values()
-                      if b.ref is not None and b.state == _ALLOCATED and b.ref() is None]:
-            self._free_locked(block)
+        each free clears ``ref`` in the step that frees it.
+
+        Only when no release can be on its way (``_finalize.releases_settled``), checked after
+        the scan: an owner that died since then (the collector, or a finalizer finding this
+        lock busy) has its release pending, or its collection running, by the time of the check."""
+        orphans = [b for b in self._blocks.values()
+                   if b.ref is not None and b.state == _ALLOCATED and b.ref() is None]
+        if orphans and _releases_settled():
+            for block in orphans:
+                self._free_locked(block)
 
     def record_stream(self, ptr: int, stream: int, device_index: Optional[int] = None) -> None:
         """Mark the allocated block at ``ptr`` as used on ``stream`` (of device

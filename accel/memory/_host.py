@@ -24,7 +24,7 @@ from typing import Dict, List, Optional
 
 from .. import _locks
 from .._errors import OutOfMemoryError
-from .._finalize import drain as _drain_finalizers, pending as _finalizers
+from .._finalize import drain as _drain_finalizers, pending as _finalizers, releases_settled as _releases_settled
 from ..streams import on_device
 from ._caching import (_gc_probe, _ONE_EXA_BYTES, _check_size, add_use, capture_underway, check_use,
                        cover, gates_back, record_uses, uses_forgotten)
@@ -239,10 +239,12 @@ class HostCachingAllocator:
         """Free the allocated blocks whose owner (weakly referenced by malloc's ``ref``: an
         empty_pinned array's memory owner, a copy's staging token) is gone without freeing
         them, the lock held: a KeyboardInterrupt as malloc returned, or as the owner's
-        destructor started (see DeviceCachingAllocator._reap_orphans)."""
-        for block in [b for b in self._blocks.values()
-                      if b.ref is not None and b.allocated and b.ref() is None]:
-            self._free_locked(block)
+        destructor started (see DeviceCachingAllocator._reap_orphans, also for why only when
+        no release can be on its way)."""
+        orphans = [b for b in self._blocks.values() if b.ref is not None and b.allocated and b.ref() is None]
+        if orphans and _releases_settled():
+            for block in orphans:
+                self._free_locked(block)
 
     def owns(self, address: int, nbytes: int) -> Optional[int]:
         """The block start when ``[address, address + nbytes)`` lies inside one allocated
