@@ -414,7 +414,11 @@ def _sweep(be, stride, ops_fn=_ops):
                 inj, what = _run(w, ops[i:], 0, n)
                 site = inj.site
                 if what is None:
-                    continue            # the op ended before point n (a path depends on state)
+                    # the op ended before point n (a path depends on state): nothing was
+                    # interrupted, but this world's memory must still go back, or the next
+                    # run starts with it in the simulator (and reports it as its own leak)
+                    _finish(w)
+                    continue
                 # reconcile: a block handed out whose pointer the program never got
                 known = {(a, p) for a, p in w.live.values()}
                 lost = _allocated(w) - known
