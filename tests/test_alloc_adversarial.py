@@ -262,10 +262,10 @@ def _destroy_stream(be, alloc, stream: int, index: int) -> None:
 
 
 @needs_vmm
-def test_small_segment_of_a_destroyed_stream_keeps_blocks_inside_pages(vmm_backend):
-    """E8 after a stream is destroyed: its small expandable segment joins the default stream's
-    small list, which had none; frees there must still not merge free blocks across a page
-    boundary (they did: that list did not know the segment's page size)."""
+def test_small_blocks_of_a_destroyed_stream_join_the_default_streams_lists(vmm_backend):
+    """After a stream is destroyed, its expandable segment (small requests share it, E12) joins
+    the default stream's lists, which had none: frees and requests there keep every invariant.
+    (Written for E8, retired since, when that list did not know the segment's page size.)"""
     be = vmm_backend
     alloc = _expandable(be, 1)
     s = _stream(be, 1)
@@ -275,7 +275,7 @@ def test_small_segment_of_a_destroyed_stream_keeps_blocks_inside_pages(vmm_backe
     alloc.free(b)
     alloc.free(c)
     check_expandable(alloc)
-    d = alloc.malloc(512 << 10)         # then a 1 MiB block must not straddle the boundary
+    d = alloc.malloc(512 << 10)
     e = alloc.malloc(1 << 20)
     check_expandable(alloc)
     for p in (a, d, e):
@@ -288,11 +288,11 @@ def test_small_segment_of_a_destroyed_stream_keeps_blocks_inside_pages(vmm_backe
 @needs_vmm
 def test_classic_small_segment_beside_an_expandable_one_is_released(vmm_backend, monkeypatch):
     """While another stream is captured (another thread's relaxed capture), a miss of a stream
-    whose small list has an expandable segment takes a classic 2 MiB segment (E6).  The device
-    may place it at any 256-byte boundary (CUDA Programming Guide, "Device Memory Accesses":
-    allocations are "always aligned to at least 256 bytes"), so a page boundary of the
-    expandable segment (E8) can fall inside it: its blocks must still merge there, or the
-    segment never becomes whole again and empty_cache never returns it."""
+    with an expandable segment takes a classic 2 MiB segment (E6).  The device may place it at
+    any 256-byte boundary (CUDA Programming Guide, "Device Memory Accesses": allocations are
+    "always aligned to at least 256 bytes"), so a 2 MiB boundary can fall inside it: its blocks
+    must still merge there (E8, retired since, once kept them apart), or the segment never
+    becomes whole again and empty_cache never returns it."""
     be = vmm_backend
     real_alloc, real_free = be.mem_alloc, be.mem_free
     raw_of = {}
@@ -306,7 +306,7 @@ def test_classic_small_segment_beside_an_expandable_one_is_released(vmm_backend,
     monkeypatch.setattr(be, "mem_alloc", mem_alloc)
     monkeypatch.setattr(be, "mem_free", lambda ptr: real_free(raw_of.pop(ptr)))
     alloc = _expandable(be, 1)
-    keep = [alloc.malloc(MiB), alloc.malloc(MiB)]          # the expandable small page is full
+    keep = [alloc.malloc(MiB), alloc.malloc(MiB)]          # the expandable page is full
     captured = _stream(be, 1)
     be.set_device(1)
     be.capture_begin(captured, "relaxed")

@@ -84,7 +84,7 @@ def _current(alloc) -> dict:
 
 
 def _check_caching(alloc, locked: bool = False) -> None:
-    """Classic segments (check_invariants' rules) and expandable ones (check's E1-E5, E8, E9)
+    """Classic segments (check_invariants' rules) and expandable ones (check's E1-E5, E9)
     of one DeviceCachingAllocator, and the stats against the blocks.  ``locked``: the caller
     holds the allocator's lock (a check while other threads run): the current stats only."""
     C = _caching
@@ -147,15 +147,11 @@ def _check_caching(alloc, locked: bool = False) -> None:
             assert block.seg is seg and block.size > 0
             st = block.state
             pools.add(id(block.pool))
-            page_edge = q == C._SMALL and block.ptr % gran == 0
-            if not (page_edge and st == C._FREE):
-                assert not (st == prev_state and st in (C._FREE, _expandable.UNMAPPED)), "E2"
+            assert not (st == prev_state and st in (C._FREE, _expandable.UNMAPPED)), "E2"
             if st == _expandable.UNMAPPED:
                 assert block.ptr % gran == 0 and block.size % gran == 0, "E4"
                 assert block.ptr not in blocks
             else:
-                if q == C._SMALL:
-                    assert block.ptr // gran == (block.ptr + block.size - 1) // gran, "E8"
                 assert blocks[block.ptr] is block
                 seen.add(block.ptr)
                 mapped += block.size
@@ -170,7 +166,7 @@ def _check_caching(alloc, locked: bool = False) -> None:
         assert mapped == seg.mapped == sum(m for m, _ in seg.maps.values()), "E3"
         assert sorted(seg.maps) == seg.starts
         for a, (m, _) in seg.maps.items():
-            assert m % gran == 0 and 0 < m // gran <= _expandable.PIECE_PAGES, "E9"
+            assert m % gran == 0 and 0 < m // gran <= max(1, alloc._reserved_hw // gran // _expandable.PIECE_SHARE), "E9"
         if seg.mapped:
             for k in (0, q):
                 n["seg"][k] += 1

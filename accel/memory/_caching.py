@@ -320,13 +320,12 @@ class _FreeList:
     """Free blocks of one owner (general cache or a private pool), stream, and size class."""
 
     __slots__ = ("keys", "stream", "kind", "owner", "split_min", "shift", "alloc_deltas", "split_deltas",
-                 "watch_whole", "segments", "exp", "page", "shrink_deltas")
+                 "watch_whole", "segments", "exp", "shrink_deltas")
 
     def __init__(self, stream, kind, owner, split_min, watch_whole):
         self.keys: List[int] = []
         self.segments = 0              # segments whose blocks belong to this list
         self.exp = None                # the expandable segment this list grows, once made
-        self.page = 0                  # small pool of an expandable segment: its page size (E8)
         self.stream = stream
         self.kind = kind
         self.owner = owner
@@ -516,6 +515,7 @@ class DeviceCachingAllocator:
         self._update_special()
         # expandable segments (see _expandable): decided at the first miss
         self._expandable: Optional[bool] = None
+        self._one_range = False   # expandable: small requests use the large pool's lists (E12)
         self._gran = 0
         self._exp_segs: List[_ExpSegment] = []
         self._scalars["num_device_map"] = 0
@@ -583,7 +583,7 @@ class DeviceCachingAllocator:
                 lists = self._general.get(stream)
                 if lists is None:
                     lists = self._new_lists(stream, None)
-                fl = lists[size > SMALL_SIZE]      # (small, large)
+                fl = lists[size > SMALL_SIZE or self._one_range]      # (small, large)
                 keys = fl.keys
                 i = bisect_left(keys, size << _SHIFT)
                 try:
@@ -722,7 +722,7 @@ class DeviceCachingAllocator:
             lists = self._general.get(stream) or self._new_lists(stream, None)
         if (self._pending_events or self._deferred) and not capture_underway(self._be):
             self._resume_events()
-        fl = lists[size > SMALL_SIZE]
+        fl = lists[size > SMALL_SIZE or (pool is None and self._one_range)]
         block = self._find(fl, size) or self._malloc_miss(size, nbytes, fl)
         if block.state == _ALLOCATED:
             return block, block.pool, -1      # _small_in_large handed it out
@@ -1264,11 +1264,9 @@ class DeviceCachingAllocator:
         keys = fl.keys
         prev = block.prev
         nxt = block.next
-        if not completing and (prev is None or prev.state != _FREE or (
-                fl.page and block.seg is not None and block.ptr % fl.page == 0)):
+        if not completing and (prev is None or prev.state != _FREE):
             # The common case, kept short: the previous block does not merge.
-            if nxt is not None and nxt.state == _FREE and not (fl.page and nxt.seg is not None
-                                                               and nxt.ptr % fl.page == 0):
+            if nxt is not None and nxt.state == _FREE:
                 n = nxt.size
                 j = bisect_left(keys, n << _SHIFT | nxt.ptr)
                 dec += fl.split_deltas.get(n) or fl.split_delta(n)
@@ -1333,19 +1331,14 @@ class DeviceCachingAllocator:
         start = block
         after = nxt
         lo = hi = -1        # slots of merged neighbours' keys, lo < hi
-        # E8 (fl.page): in an expandable segment, free blocks do not merge across a page boundary;
-        # a classic segment in the same list merges anywhere (the device places it at any
-        # 256-byte boundary, so a page boundary may fall inside it)
-        if prev is not None and prev.state == _FREE and not (fl.page and block.seg is not None
-                                                             and block.ptr % fl.page == 0):
+        if prev is not None and prev.state == _FREE:
             n = prev.size
             lo = bisect_left(keys, n << _SHIFT | prev.ptr)
             # a merged neighbour is an inactive split block that goes away
             dec += fl.split_deltas.get(n) or fl.split_delta(n)
             size += n
             start = prev
-        if nxt is not None and nxt.state == _FREE and not (fl.page and nxt.seg is not None
-                                                           and nxt.ptr % fl.page == 0):
+        if nxt is not None and nxt.state == _FREE:
             n = nxt.size
             j = bisect_left(keys, n << _SHIFT | nxt.ptr)
             dec += fl.split_deltas.get(n) or fl.split_delta(n)
@@ -1533,6 +1526,13 @@ class DeviceCachingAllocator:
                 return block
         if fl.owner is None and not capturing and self._use_expandable():
             # graph private pools and capture-time misses keep classic segments (E6)
+            if fl.kind == _SMALL:
+                # the first miss of all decided for expandable segments: one address range
+                # per stream, small requests included (E12)
+                fl = self._general[fl.stream][1]
+                block = self._find(fl, size)
+                if block is not None:
+                    return block
             try:
                 return self._exp_grow(size, nbytes, fl)
             except CaptureError:
@@ -1859,6 +1859,7 @@ class DeviceCachingAllocator:
                         self._gran = self._be.vmm_granularity(self._index)
                         use = True
             self._expandable = use
+            self._one_range = use and not self._torch_policy     # torch's rules keep two (E12)
         return use
 
     def _exp_new(self, fl: _FreeList) -> _ExpSegment:
@@ -1879,8 +1880,6 @@ class DeviceCachingAllocator:
             base = self._be.vmm_reserve(self._index, size)
             seg.base = hole.ptr = base
             seg.size = hole.size = size
-            if fl.kind == _SMALL:
-                fl.page = gran                    # E8
             fl.exp = seg
             fl.segments += 1
             self._exp_segs.append(seg)
@@ -1901,7 +1900,7 @@ class DeviceCachingAllocator:
                 return None
         # the request's block starts where _exp_map's block will (joined with a free block
         # before the new pages in the large pool), and malloc takes its low `size` bytes
-        lo = (hole.prev.ptr if seg.kind == _LARGE and addr == hole.ptr and hole.prev is not None
+        lo = (hole.prev.ptr if addr == hole.ptr and hole.prev is not None
               and hole.prev.state == _FREE else addr)
         made = []
         kind = seg.kind
@@ -1910,7 +1909,9 @@ class DeviceCachingAllocator:
         r, rk = RESERVED_BYTES, RESERVED_BYTES + kind
         try:
             with self._on_device():
-                for a, n in _pieces(addr, need, self._gran, lo, lo + size):
+                gran = self._gran
+                most = max(self._reserved_hw, cur[r] + need) // (gran * _PIECE_SHARE) or 1   # E9
+                for a, n in _pieces(addr, need, gran, lo, lo + size, most):
                     item = (a, n)
                     handle = self._be.vmm_create(self._index, n)
                     # recorded with no call in between (CPython checks for a signal after a call)
@@ -1963,13 +1964,13 @@ class DeviceCachingAllocator:
 
     def _exp_grow_in(self, seg: _ExpSegment, size: int, nbytes: int, fl: _FreeList) -> _Block:
         gran = self._gran
-        plan = _place(seg, size, gran, _FREE if seg.kind == _LARGE else None)
+        plan = _place(seg, size, gran, _FREE)
         if plan is not None:
             excess = self._cur[RESERVED_BYTES] + plan[2] - self._reserved_hw
             if excess > 0:
                 self._exp_unmap()
                 self._release_until(excess, largest_first=False)     # classic segments, if any
-                plan = _place(seg, size, gran, _FREE if seg.kind == _LARGE else None)
+                plan = _place(seg, size, gran, _FREE)
         handle = self._exp_create(seg, plan, size) if plan is not None else None
         if handle is None:
             if self._pending_events or self._deferred:
@@ -1981,10 +1982,11 @@ class DeviceCachingAllocator:
             self._reap_orphans()
             self._exp_unmap()
             self._release_segments()
-            plan = _place(seg, size, gran, _FREE if seg.kind == _LARGE else None)
+            plan = _place(seg, size, gran, _FREE)
             handle = self._exp_create(seg, plan, size) if plan is not None else None
             if handle is None:
-                return self._oom(size, self._segment_size(size, fl.kind), fl)
+                # the OOM names the segment the request's own pool would ask for, as torch's
+                return self._oom(size, self._segment_size(size, _SMALL if size <= SMALL_SIZE else fl.kind), fl)
         return self._exp_map(seg, fl, plan, handle)
 
     def _exp_map(self, seg: _ExpSegment, fl: _FreeList, plan, pieces) -> _Block:
@@ -2017,10 +2019,9 @@ class DeviceCachingAllocator:
             raise
         # ---- compute
         # the free neighbours the new pages join leave their lists before links change
-        join = kind == _LARGE          # small-pool blocks never cross a page (E8)
-        before = (hole.prev if join and addr == hole.ptr and hole.prev is not None
-                  and hole.prev.state == _FREE else None)
-        after = (hole.next if join and addr + need == hole.ptr + hole.size and hole.next is not None
+        before = (hole.prev if addr == hole.ptr and hole.prev is not None and hole.prev.state == _FREE
+                  else None)
+        after = (hole.next if addr + need == hole.ptr + hole.size and hole.next is not None
                  and hole.next.state == _FREE else None)
         keys = fl.keys
         new_keys = list(keys)
@@ -2506,8 +2507,6 @@ class DeviceCachingAllocator:
                             steps += [partial(setattr, block, "pool", target) for block in seg.blocks()]
                     if target.exp is None:
                         steps.append(partial(setattr, target, "exp", fl.exp))
-                    # E8 holds in the blocks it now frees
-                    steps.append(partial(setattr, target, "page", target.page or fl.page))
                     steps.append(partial(setattr, fl, "exp", None))
                     drop = True
                 steps.append(partial(setattr, target, "segments", target.segments + fl.segments))

@@ -23,22 +23,34 @@ Invariants (checked by ``tests/test_memory_expandable.py`` after every operation
       refuses: a capture-time miss in the general cache takes a classic segment);
 * E7  before a mapping is unmapped, the device was synchronized (cuMemUnmap does not
       wait for queued work);
-* E8  in a small-pool segment no block crosses a page boundary: free neighbours on
-      either side of a boundary are not merged and new pages join no free neighbour, so
-      a small block pins one page, as a classic 2 MiB small segment would;
+* E8  (retired: small requests now share the large pool's range, E12, where a small block
+      may cross a page boundary as any block does);
 * E9  physical memory is created and mapped in pieces (``pieces``): a new page the request's
       block does not cover whole (it shares it with a neighbour, or with the free tail
       after the block) is a piece of its own; the pages the block covers whole are cut
-      into equal runs of at most ``PIECE_PAGES`` pages.  A mapping is unmapped only
-      whole, so a shared page, the one most likely to stay pinned by a neighbour after
-      the block is freed, never pins the block's other pages, while a big block still
-      needs few map calls;
+      into equal runs of at most footprint / ``PIECE_SHARE`` pages (at least one), the
+      footprint being the most memory ever reserved, this grow included.  A mapping is
+      unmapped only whole, so a shared page, the one most likely to stay pinned by a
+      neighbour after the block is freed, never pins the block's other pages; a piece a
+      live block pins holds back at most about 1/32 of the footprint, while a big block of
+      a big footprint still needs few map calls;
 * E10 reserved memory passes its high-water mark only after every free piece was
       unmapped (``_exp_unmap``), or while a capture is underway (classic segments);
 * E11 reservations are bounded by live streams: a destroyed stream's segment joins the
       default stream's lists and its reservation is freed once nothing in it is mapped;
       empty_cache frees every reservation with nothing mapped; a first request that
-      fails leaves no reservation behind.
+      fails leaves no reservation behind;
+* E12 one address range per stream for every request size: once the general cache uses
+      expandable segments, requests of at most 1 MiB take the large pool's free lists and
+      segment, best fit among all its mapped free blocks (graph private pools, MemPools,
+      capture-time misses and ``policy:torch`` keep both pools).  Their blocks are the large pool's, in
+      the stats too, as every block of a segment is (torch's memory_stats agree with
+      memory_snapshot segment by segment, and test_cuda_multigpu checks that they do).
+      Why: a small pool of its own maps pages that hold a few small blocks beside the large
+      pool's partly used pages; on the 33 traces and their perturbed copies
+      (``tools/replay_trace.py --perturb``) the shared range put 30 % fewer replays over
+      1.08x peak live and needed a third fewer map calls, at the cost of workloads whose
+      small blocks outlive the large ones they were placed among (a DLRM-like model).
 
 Measured with ``tools/replay_trace.py --corpus`` and ``--holdout`` (11 corpus traces and 22
 recorded after the tuning): pieces aligned to a buddy scheme regardless of the block pinned
@@ -55,7 +67,7 @@ from bisect import bisect_left, insort
 from typing import Dict, List, Tuple
 
 UNMAPPED = 3       # block state (after _caching's _FREE, _ALLOCATED, _PENDING)
-PIECE_PAGES = 4    # the largest piece (E9), in pages
+PIECE_SHARE = 32   # a piece is at most the footprint over this (E9)
 
 
 class Segment:
@@ -134,8 +146,7 @@ def place(seg: Segment, size: int, gran: int, free_state: int):
     return best
 
 
-def pieces(addr: int, need: int, gran: int, lo: int, hi: int,
-           most: int = PIECE_PAGES) -> List[Tuple[int, int]]:
+def pieces(addr: int, need: int, gran: int, lo: int, hi: int, most: int) -> List[Tuple[int, int]]:
     """Split the ``need`` bytes mapped at ``addr`` into pieces ``[(address, size)]`` (E9),
     for a request whose block will be ``[lo, hi)``: the pages wholly inside the block in
     equal runs of at most ``most`` pages, every other page alone."""
