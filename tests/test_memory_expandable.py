@@ -1,6 +1,6 @@
 """Expandable segments (issue 15 item 2) on the simulated CUDA runtime, which enforces the
 driver's map/unmap rules (any violation raises or faults), on both devices including the
-non-current one.  Invariants E1-E11: accel/memory/_expandable.py."""
+non-current one.  Invariants E1-E12: accel/memory/_expandable.py."""
 
 import random
 

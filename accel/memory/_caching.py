@@ -36,10 +36,11 @@ allocated (PyTorch's rules: 4-32 %); see ``tools/replay_trace.py``.
 Where the backend has virtual memory (CUDA, Level Zero) the general cache grows
 *expandable segments* instead, by default (``expandable_segments:False`` keeps the
 classic segments above; ``policy:torch`` keeps torch's default, off): one reserved
-address range per (stream, pool) whose pages are mapped and unmapped on demand, so
-fragmentation across segments costs no physical memory (``_expandable``, invariants
-E1-E11; within 8 % of peak allocated on 10 of 11 recorded traces).  Graph private
-pools and misses during a capture keep classic segments.
+address range per stream, for small and large requests alike, whose pages are mapped
+and unmapped on demand, so fragmentation across segments costs no physical memory
+(``_expandable``, invariants E1-E12; within 8 % of peak allocated on 10 of 11 recorded
+traces, 26 of 33 with the held-out ones).  Graph private pools and misses during a
+capture keep classic segments.
 
 Streams are forgotten when they are destroyed (``forget_stream``, called by
 ``accel.streams`` just before the handle is destroyed, because the driver
