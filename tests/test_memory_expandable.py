@@ -382,3 +382,23 @@ def test_pieces_are_at_most_a_thirty_second_of_the_footprint(be):
         alloc.free(x)
     alloc.empty_cache()
     assert alloc.stats()["reserved_bytes.all.current"] == 0
+
+
+def test_list_edits_keep_the_free_list_sorted():
+    """_exp_map and _exp_unmap_one edit a free list in place (no copy of every cached block's
+    key per map call): the edits give the sorted list, for every overlap of the keys."""
+    rng = random.Random(5)
+    for _ in range(2000):
+        keys = sorted(rng.sample(range(1000), rng.randrange(0, 12)))
+        gone = rng.sample(keys, min(len(keys), rng.randrange(0, 3)))
+        new = rng.sample([k for k in range(1000) if k not in keys], rng.randrange(0, 3))
+        want = sorted(set(keys) - set(gone) | set(new))
+        (d1, d2), (p1, k1), (p2, k2) = _caching._list_edits(keys, gone, new)
+        got = list(keys)
+        for d in (d1, d2):
+            if d >= 0:
+                del got[d]
+        for p, k in ((p1, k1), (p2, k2)):
+            if p >= 0:
+                got[p:p] = (k,)
+        assert got == want, (keys, gone, new)

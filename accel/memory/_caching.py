@@ -353,6 +353,20 @@ class _FreeList:
         return _remember(self.split_deltas, nbytes, self.lanes((1 | nbytes << 64) << _ISPLIT))
 
 
+def _list_edits(keys: List[int], gone, new) -> tuple:
+    """The in-place edits that take the sorted ``keys`` to ``sorted(keys - gone + new)``, for at
+    most two keys each way: ``((d1, d2), (p1, k1), (p2, k2))``: delete index d1, then d2 (d1 > d2),
+    then insert k1 at p1, then k2 at p2; -1 where there is nothing to do.  Why: a caller publishes
+    them as plain statements (``del keys[d]``, ``keys[p:p] = (k,)``: no call, so no KeyboardInterrupt
+    between them), where copying the list to publish it with one store cost time proportional to
+    every block cached, at every map and unmap."""
+    dels = sorted((bisect_left(keys, k) for k in gone), reverse=True)
+    ins = sorted(((bisect_left(keys, k) - sum(1 for d in dels if keys[d] < k), k) for k in new), reverse=True)
+    dels += [-1] * (2 - len(dels))
+    ins += [(-1, 0)] * (2 - len(ins))
+    return tuple(dels), ins[0], ins[1]
+
+
 def _remember(memo: Dict[int, int], key: int, value: int) -> int:
     """Store ``value`` in ``memo`` (emptied first when full: bounded whatever the sizes) and return it."""
     if len(memo) >= _MEMO_LIMIT:
@@ -2025,12 +2039,12 @@ class DeviceCachingAllocator:
         after = (hole.next if addr + need == hole.ptr + hole.size and hole.next is not None
                  and hole.next.state == _FREE else None)
         keys = fl.keys
-        new_keys = list(keys)
+        gone_keys = []
         s_cur = self._s_cur
         s_freed = self._s_freed
         for nb in (before, after):
             if nb is not None:
-                del new_keys[bisect_left(new_keys, nb.size << _SHIFT | nb.ptr)]
+                gone_keys.append(nb.size << _SHIFT | nb.ptr)
                 if nb.prev is not None or nb.next is not None:
                     w = fl.split_deltas.get(nb.size) or fl.split_delta(nb.size)
                     s_cur -= w
@@ -2050,22 +2064,18 @@ class DeviceCachingAllocator:
             right = hole.next if after is None else after.next
         if right is after and after is not None:
             right = after.next
-        insort(new_keys, size << _SHIFT | start.ptr)
+        (d1, d2), (p1, k1), _ = _list_edits(keys, gone_keys, (size << _SHIFT | start.ptr,))
         if left is not None or right is not None:
             s_cur += fl.split_deltas.get(size) or fl.split_delta(size)
         pg = self._s_peak_guarded
         if (pg - s_cur) & _GUARD != _GUARD:
             pg = raise_peaks(pg, s_cur, _GUARD)
-        maps = dict(seg.maps)
-        starts = list(seg.starts)
-        for a, n, handle in pieces:
-            maps[a] = (n, handle)
-            insort(starts, a)
+        new_maps = {a: (n, handle) for a, n, handle in pieces}
+        new_starts = sorted(new_maps)          # one run: no mapping starts inside the hole
+        i_start = bisect_left(seg.starts, new_starts[0])
         made = {(handle, n, kind, a) for a, n, handle in pieces}
         left_unreleased = [u for u in unreleased if u not in made]
-        holes = set(seg.holes)
-        if not hole_left:
-            holes.discard(hole)
+        holes_gone = set() if hole_left else {hole}
         first = seg.mapped == 0
         cur, peak = self._cur, self._peak
         s, sk = SEGMENT, SEGMENT + kind
@@ -2114,9 +2124,10 @@ class DeviceCachingAllocator:
         if block.next is not None:
             block.next.undo = 0
         block.undo = 0
-        seg.holes = holes
-        seg.maps = maps
-        seg.starts = starts
+        # in-place edits, each one bytecode (see _list_edits)
+        seg.holes -= holes_gone
+        seg.maps |= new_maps
+        seg.starts[i_start:i_start] = new_starts
         seg.mapped += need
         unreleased[:] = left_unreleased
         cur[s] = segs
@@ -2129,7 +2140,11 @@ class DeviceCachingAllocator:
         self._s_cur = s_cur
         self._s_freed = s_freed
         self._s_peak_guarded = pg
-        keys[:] = new_keys
+        if d1 >= 0:
+            del keys[d1]
+        if d2 >= 0:
+            del keys[d2]
+        keys[p1:p1] = (k1,)
         self._scalars["num_device_map"] = n_maps
         if self._history is not None:
             st = None
@@ -2246,8 +2261,8 @@ class DeviceCachingAllocator:
         end = block.ptr + block.size
         prev, nxt = block.prev, block.next
         keys = fl.keys
-        new_keys = list(keys)
-        del new_keys[bisect_left(new_keys, block.size << _SHIFT | block.ptr)]
+        gone_key = block.size << _SHIFT | block.ptr
+        new_keys = []
         s_cur, s_freed = self._s_cur, self._s_freed
         if prev is not None or nxt is not None:
             w = fl.split_deltas.get(block.size) or fl.split_delta(block.size)
@@ -2264,24 +2279,21 @@ class DeviceCachingAllocator:
         if rsize:
             right = _Block(addr + n, rsize, fl, None, None)
             right.seg = seg
-            insort(new_keys, rsize << _SHIFT | right.ptr)
+            new_keys.append(rsize << _SHIFT | right.ptr)
             s_cur += fl.split_deltas.get(rsize) or fl.split_delta(rsize)
         if left is not None:
-            insort(new_keys, lsize << _SHIFT | left.ptr)
+            new_keys.append(lsize << _SHIFT | left.ptr)
             s_cur += fl.split_deltas.get(lsize) or fl.split_delta(lsize)
+        (d1, d2), (p1, k1), (p2, k2) = _list_edits(keys, (gone_key,), new_keys)
         pg = self._s_peak_guarded
         if (pg - s_cur) & _GUARD != _GUARD:
             pg = raise_peaks(pg, s_cur, _GUARD)
         # the hole merges with unmapped neighbours (E2)
         lo_h = prev if left is None and prev is not None and prev.state == _UNMAPPED else None
         hi_h = nxt if right is None and nxt is not None and nxt.state == _UNMAPPED else None
-        holes = set(seg.holes)
-        holes.discard(hi_h)
-        holes.add(lo_h if lo_h is not None else hole)
-        maps = dict(seg.maps)
-        del maps[addr]
-        starts = list(seg.starts)
-        del starts[bisect_left(starts, addr)]
+        holes_gone = {hi_h} if hi_h is not None else set()
+        hole_new = {hole} if lo_h is None else set()      # (lo_h is one already)
+        i_start = bisect_left(seg.starts, addr)
         mapped = seg.mapped - n
         cur, freed = self._cur, self._freed
         s, sk = SEGMENT, SEGMENT + kind
@@ -2329,15 +2341,24 @@ class DeviceCachingAllocator:
             hole.prev.undo = 0
         if hole.next is not None:
             hole.next.undo = 0
-        seg.holes = holes
-        seg.maps = maps
-        seg.starts = starts
+        # in-place edits, each one bytecode (no call: no signal check between them), so the
+        # lists stay shared and nothing here is proportional to the blocks cached
+        seg.holes -= holes_gone
+        seg.holes |= hole_new
+        del seg.maps[addr]
+        del seg.starts[i_start]
         seg.mapped = mapped
         cur[s], cur[sk], freed[s], freed[sk] = segs, segs_k, fs, fsk
         self._s_cur = s_cur
         self._s_freed = s_freed
         self._s_peak_guarded = pg
-        keys[:] = new_keys
+        del keys[d1]
+        if d2 >= 0:
+            del keys[d2]
+        if p1 >= 0:
+            keys[p1:p1] = (k1,)
+        if p2 >= 0:
+            keys[p2:p2] = (k2,)
         if addr in frames:
             del frames[addr]
         self._unreleased.append((handle, n, kind, addr))       # the last change: a call
