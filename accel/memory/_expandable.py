@@ -63,7 +63,7 @@ traces", which also lists the placement changes tried against it and rejected).
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
+from bisect import bisect_left
 from typing import Dict, List, Tuple
 
 UNMAPPED = 3       # block state (after _caching's _FREE, _ALLOCATED, _PENDING)
@@ -84,17 +84,6 @@ class Segment:
         self.maps: Dict[int, Tuple[int, int]] = {}
         self.starts: List[int] = []           # sorted mapping starts
         self.mapped = 0                       # bytes mapped
-
-    def add_map(self, addr: int, size: int, handle: int) -> None:
-        self.maps[addr] = (size, handle)
-        insort(self.starts, addr)
-        self.mapped += size
-
-    def drop_map(self, addr: int) -> Tuple[int, int]:
-        size, handle = self.maps.pop(addr)
-        del self.starts[bisect_left(self.starts, addr)]
-        self.mapped -= size
-        return size, handle
 
     def maps_within(self, lo: int, hi: int) -> List[Tuple[int, int]]:
         """Mappings (start, size) lying entirely inside ``[lo, hi)``."""
