@@ -37,7 +37,7 @@ import weakref
 from typing import Callable, Dict, List, Optional, Tuple
 
 from . import _finalize as _fin
-from . import _lazy
+from . import _lazy, _locks
 from ._copying import refuse_copies as _refuse_copies
 from ._device import DeviceLike, check_range, check_stream_range, device, device_index
 from ._errors import AcceleratorError, CaptureError, InvalidDeviceError
@@ -63,6 +63,8 @@ _capture_events: Dict[int, Dict[int, "Event"]] = {}
 #: The anchor of each foreign stream (device index, handle) while an accel wrapper of it lives:
 #: every wrapper holds it, and the last one's going forgets the handle (_ForeignAnchor).
 _foreign: "weakref.WeakValueDictionary[Tuple[int, int], _ForeignAnchor]" = weakref.WeakValueDictionary()
+#: Held to find or make an anchor, and by _forget from its check to its hooks' end (never waited
+#: for by a finalizer: run_locked).
 _foreign_lock = threading.Lock()
 #: Stream handles are pointers: every valid one is below 2**64.
 _HANDLE_LIMIT = 1 << 64
@@ -99,6 +101,20 @@ def _forget(backend: Backend, index: int, handle: int, blocking: bool) -> None:
     may allocate from a graph pool through the handle, and torch forgets nothing either."""
     if backend.captures_underway() and backend.capture_id(handle) is not None:
         return
+    # Under _foreign_lock, which _foreign_stream takes to find or make an anchor: no new wrapper
+    # of the handle begins between the check and the hooks.  A finalizer waits for no lock.
+    if not _locks.run_locked(_foreign_lock, blocking, _forget_unless_wrapped, backend, index, handle, blocking):
+        _fin.defer(_forget, backend, index, handle, True)
+
+
+def _forget_unless_wrapped(backend: Backend, index: int, handle: int, blocking: bool) -> None:
+    anchor = _foreign.get((index, handle))
+    if anchor is not None and not anchor.dying:
+        # Wrapped again since this forget was asked for: a collection clears the weak reference
+        # to its garbage anchor before the anchor's __del__ runs and leaves the forget for after
+        # the collection (accel._finalize), and a forget a busy hook deferred waits for the next
+        # safe point.  The handle's state is the live wrappers' now; the new anchor forgets it.
+        return
     for hook in _destroy_hooks:
         if not hook(backend, index, handle, blocking):
             _fin.defer(_forget, backend, index, handle, True)
@@ -109,12 +125,16 @@ class _ForeignAnchor:
     """Held by every accel wrapper of one foreign stream; collected with the last of them,
     when accel forgets the handle (:func:`_forget`).  Takes no lock (a finalizer)."""
 
-    __slots__ = ("backend", "index", "handle", "pid", "__weakref__")
+    __slots__ = ("backend", "index", "handle", "pid", "dying", "__weakref__")
 
     def __init__(self, backend: Backend, index: int, handle: int):
         self.backend, self.index, self.handle, self.pid = backend, index, handle, _fin.pid
+        self.dying = False
 
     def __del__(self, _finalizing=sys.is_finalizing):
+        # First: outside a collection the weak reference in _foreign still finds this anchor
+        # while __del__ runs; a new wrapper must make a new anchor, not take (resurrect) this one.
+        self.dying = True
         if _finalizing():
             return      # interpreter exit: module globals may be gone; the process takes it all
         if self.pid == _fin.pid and _lazy.is_initialized():
@@ -373,7 +393,7 @@ class Stream:
         stream = _live_streams.get((index, stream_id))
         if stream is None or stream._closed:
             anchor = _foreign.get((index, stream_id))
-            if anchor is not None:      # a foreign stream accel still wraps: a new wrapper, as torch
+            if anchor is not None and not anchor.dying:  # a foreign stream accel still wraps: a new wrapper, as torch
                 return cls._wrap(backend, index, stream_id, anchor=anchor)
             raise ValueError(f"Stream(): no live accel stream has stream_id {stream_id:#x} on device "
                              f"{backend.name}:{index} (closed, collected, or made by another library); "
@@ -1164,7 +1184,7 @@ def _foreign_stream(backend: Backend, handle: int, index: Optional[int], what: s
         return own if reuse else Stream._wrap(backend, index, handle, foreign=True)
     with _foreign_lock:
         anchor = _foreign.get(key)
-        if anchor is None:
+        if anchor is None or anchor.dying:     # (dying: its __del__ runs, see _ForeignAnchor)
             anchor = _foreign[key] = _ForeignAnchor(backend, index, handle)
     return Stream._wrap(backend, index, handle, anchor=anchor)
 
