@@ -27,40 +27,8 @@ from accel import _finalize, _lazy, streams
 from conftest import SIMS, use_sim
 
 
-class _Cycle:
-    def __init__(self, *objs):
-        self.objs = objs
-        self.me = self
-
-
-class _Gate:
-    """In the garbage: its finalizer tells the main thread the collection is under way, then
-    waits until the main thread is done."""
-
-    def __init__(self, inside: threading.Event, done: threading.Event):
-        self.inside, self.done = inside, done
-        self.me = self
-
-    def __del__(self):
-        self.inside.set()
-        self.done.wait(10)
-
-
-def _collect_in_thread_while(fn, make_garbage):
-    inside, done = threading.Event(), threading.Event()
-    make_garbage(_Gate(inside, done))
-    gc.disable()            # only the thread's gc.collect() collects, and only once
-    try:
-        thread = threading.Thread(target=gc.collect)
-        thread.start()
-        assert inside.wait(10), "the collection never reached the gate"
-        try:
-            return fn()
-        finally:
-            done.set()
-            thread.join(10)
-    finally:
-        gc.enable()
+# a collection stopped at a gate in another thread: tests/test_orphan_reaping.py's
+from test_orphan_reaping import _Cycle, _collect_in_thread_while
 
 
 @pytest.fixture
