@@ -60,7 +60,8 @@ __all__ = ["pending", "drain", "release", "finalize", "finalize_later", "release
 
 #: Releases waiting for a safe point: (function, args) tuples.
 pending: deque = deque()
-#: Threads inside drain(): a release one took from ``pending`` may not have run yet.
+#: Threads inside drain() (a thread in it does not enter it again): a release one took from
+#: ``pending`` may not have run yet.
 _drainers: set = set()
 #: The process accel objects created now belong to (os.getpid(), refreshed at fork).
 pid = os.getpid()
@@ -84,12 +85,13 @@ def drain() -> None:
     lock; does nothing while a collection runs (in any thread), when this thread is already
     draining, or inside a :data:`no_drain` section."""
     section = getattr(_tls, "nodrain", None)
-    if collection_running() or getattr(_tls, "draining", False) or (section is not None and section._is_owned()):
-        return      # (any thread's collection: the releases it deferred may be for its garbage)
-    _tls.draining = True
     me = threading.get_ident()
-    _drainers.add(me)           # before the first popleft: a release is in pending or counted here
+    if collection_running() or me in _drainers or (section is not None and section._is_owned()):
+        return      # (any thread's collection: the releases it deferred may be for its garbage)
     try:
+        # before the first popleft: a release is in pending or counted here; inside the try, so
+        # a KeyboardInterrupt as the add returns still takes this thread out again
+        _drainers.add(me)
         while True:
             try:
                 fn, args = pending.popleft()
@@ -105,7 +107,6 @@ def drain() -> None:
                 pass    # interpreter shutdown or a runtime already torn down
     finally:
         _drainers.discard(me)
-        _tls.draining = False
 
 
 def releases_settled() -> bool:
@@ -263,6 +264,7 @@ def _after_fork_in_child() -> None:
     pid = os.getpid()
     forget_collection()
     _tls = threading.local()
+    _drainers.clear()   # the parent's threads: none runs in the child
     pending.clear()     # the parent's handles: never released by the child
 
 
