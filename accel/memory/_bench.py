@@ -410,9 +410,10 @@ def perturb_trace(trace: dict, seed: int, jitter: float = 0.03, per_size: bool =
     ops = []
     for op in trace["ops"]:
         if op[0] == "a":
-            k = factors.get(op[2] if per_size else 0)
+            key = op[2] if per_size else 0
+            k = factors.get(key)
             if k is None:
-                k = factors[op[2] if per_size else 0] = rnd.uniform(1 - jitter, 1 + jitter)
+                k = factors[key] = rnd.uniform(1 - jitter, 1 + jitter)
             ops.append(["a", op[1], max(1, int(op[2] * k))])
         else:
             ops.append(list(op))
