@@ -17,7 +17,7 @@ from typing import Optional, Tuple
 import numpy as np
 
 from ._copying import refuse as _refuse
-from .buffer import Buffer, _address, _call_pinned, _check_device_range, _host_view, _refuse_in_capture
+from .buffer import Buffer, _Noting, _address, _call_pinned, _check_device_range, _host_view, _refuse_in_capture
 from .streams import Stream, _Hold
 
 __all__ = ["ArrayView"]
@@ -134,12 +134,15 @@ def _runs(shape, dst_strides, src_strides, itemsize: int):
 
 class _Source:
     """What ``copy_from`` copies: a host array (``host``) or device memory (``ptr`` and layout),
-    with what keeps it valid, and ``after``: what to note once every check passed."""
+    with what keeps it valid, ``after``: what orders the source before the copy once every check
+    passed (a foreign producer's stream waited for), and ``user``: the accel Buffer read, whose
+    use of the copy's stream is noted once the copy was queued."""
 
-    __slots__ = ("host", "ptr", "shape", "strides", "dtype", "keep", "after")
+    __slots__ = ("host", "ptr", "shape", "strides", "dtype", "keep", "after", "user")
 
-    def __init__(self, host=None, ptr=0, shape=(), strides=None, dtype=None, keep=None, after=None):
+    def __init__(self, host=None, ptr=0, shape=(), strides=None, dtype=None, keep=None, after=None, user=None):
         self.host, self.ptr, self.shape, self.dtype, self.keep, self.after = host, ptr, shape, dtype, keep, after
+        self.user = user
         if host is None:
             self.strides = _c_strides(shape, dtype.itemsize) if strides is None else tuple(strides)
 
@@ -442,8 +445,10 @@ class ArrayView:
         with _Hold(stream), _source(self, src, stream) as source:
             run = self._plan(source, stream)     # every check before anything is queued or noted
             source.commit()
-            buffer._note(stream)
-            run()
+            # the uses are noted once the copy was queued: a refused one changes nothing
+            users = (buffer,) if source.user is None else (buffer, source.user)
+            with _Noting(stream, *users) as noting:
+                run(noting)
         return self
 
     # -- internals ---------------------------------------------------------------
@@ -458,14 +463,14 @@ class ArrayView:
     def _plan(self, source, stream: Stream):
         """The copy from ``source`` as a function to call, after every check passed."""
         if not self.size:
-            return lambda: None
+            return lambda noting: None
         backend = self._buffer._backend
         if source.host is not None:
             _refuse_in_capture(backend, stream)
             array = np.ascontiguousarray(source.host)
             run, outer, dst_s, src_s = _runs(self._shape, self._strides, array.strides, self.itemsize)
             _check_count(outer, run)
-            return lambda: self._upload(array, run, outer, dst_s, src_s, stream)
+            return lambda noting: self._upload(array, run, outer, dst_s, src_s, stream, noting)
         dst_lo, src_lo = self.ptr, source.ptr
         dst_hi = dst_lo + _extent(self._shape, self._strides, self.itemsize)
         src_hi = src_lo + source.span
@@ -475,35 +480,38 @@ class ArrayView:
                              f"(view.copy_from(src.to_numpy())) or through a separate buffer")
         run, outer, dst_s, src_s = _runs(self._shape, self._strides, source.strides, self.itemsize)
         if _count(outer) <= _MAX_COPIES:
-            return lambda: self._copy_runs(source, run, outer, dst_s, src_s, stream)
+            return lambda noting: self._copy_runs(source, run, outer, dst_s, src_s, stream, noting)
         # layouts that share only short runs: gather the source on the host, then upload
         _refuse_in_capture(backend, stream)
         c_strides = _c_strides(self._shape, self.itemsize)
         up = _runs(self._shape, self._strides, c_strides, self.itemsize)
         _check_count(up[1], up[0])
 
-        def staged():
+        def staged(noting):
             host = np.empty(source.span, dtype=np.uint8)
-            _download(self._buffer, source.ptr, host, stream)
-            self._upload(_gather(host, source.shape, source.strides, source.dtype), *up, stream)
+            _download(self._buffer, source.ptr, host, stream, noting)
+            self._upload(_gather(host, source.shape, source.strides, source.dtype), *up, stream, noting)
         return staged
 
-    def _upload(self, array: np.ndarray, run, outer, dst_s, src_s, stream: Stream) -> None:
-        """Queue the runs from the C-contiguous host ``array``; blocking."""
+    def _upload(self, array: np.ndarray, run, outer, dst_s, src_s, stream: Stream, noting: _Noting) -> None:
+        """Queue the runs from the C-contiguous host ``array``; blocking.  ``noting.queued`` once
+        one was queued."""
         src = _host_address(array)
         backend, dst = self._buffer._backend, self.ptr
         try:
             with stream._device_scope():
                 for d, s in _pairs(outer, dst_s, src_s):
                     backend.memcpy_async(dst + d, src + s, run, stream.handle)
+                    noting.queued = True
         finally:
             stream.synchronize()     # the host array must outlive the queued copies
 
-    def _copy_runs(self, source: "_Source", run, outer, dst_s, src_s, stream: Stream) -> None:
+    def _copy_runs(self, source: "_Source", run, outer, dst_s, src_s, stream: Stream, noting: _Noting) -> None:
         backend, dst = self._buffer._backend, self.ptr
         with stream._device_scope():
             for d, s in _pairs(outer, dst_s, src_s):
                 backend.memcpy_async(dst + d, source.ptr + s, run, stream.handle)
+                noting.queued = True
         if not stream.is_capturing():
             stream.synchronize()     # blocking, and a DLPack source's memory is handed back after
 
@@ -540,11 +548,14 @@ def _host_address(array: np.ndarray) -> int:
     return _address(memoryview(array.reshape(-1).view(np.uint8)))
 
 
-def _download(buffer: Buffer, ptr: int, out: np.ndarray, stream: Stream) -> None:
-    """Copy ``out.nbytes`` device bytes at ``ptr`` into the contiguous host array ``out``; blocking."""
+def _download(buffer: Buffer, ptr: int, out: np.ndarray, stream: Stream, noting: Optional[_Noting] = None) -> None:
+    """Copy ``out.nbytes`` device bytes at ``ptr`` into the contiguous host array ``out``; blocking.
+    ``noting.queued`` (where given) once the copy was queued."""
     _refuse_in_capture(buffer._backend, stream)
     with stream._device_scope():
         buffer._backend.memcpy_async(_host_address(out), ptr, out.nbytes, stream.handle)
+        if noting is not None:
+            noting.queued = True
     stream.synchronize()
 
 
@@ -569,15 +580,14 @@ class _source:
             src._buffer._live()
             _same_device(buffer, src._buffer._backend.name, src._buffer.device_index, "source view")
             view._check_match(src.shape, src.dtype, "the source view")
-            return _Source(None, src.ptr, src.shape, src.strides, src.dtype, src,
-                           after=lambda: src._buffer._note(stream))
+            return _Source(None, src.ptr, src.shape, src.strides, src.dtype, src, user=src._buffer)
         if isinstance(src, Buffer):
             src._live()
             _same_device(buffer, src._backend.name, src.device_index, "source buffer")
             if src.nbytes != view.nbytes:
                 raise ValueError(f"copy_from: the source buffer has {src.nbytes} bytes, the view {view.nbytes} "
                                  f"({view.shape} of {view.dtype}); nothing was copied")
-            return _Source(None, src.ptr, view.shape, None, view.dtype, src, after=lambda: src._note(stream))
+            return _Source(None, src.ptr, view.shape, None, view.dtype, src, user=src)
         cai = _cai_of(src)
         if cai is not None:
             return self._from_cai(cai)

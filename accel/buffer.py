@@ -278,6 +278,40 @@ def _drain(stream: Stream) -> None:
         pass
 
 
+class _Noting:
+    """``with _Noting(stream, buf, ...) as noting:`` around the vendor calls that queue a copy on
+    ``stream`` reading or writing the Buffers given; the body sets ``noting.queued = True`` after
+    each call that queued work.  The buffers' uses of ``stream`` (the allocator's record_stream,
+    the last-use stream: ``Buffer._record``) are noted as the block ends, once the work was
+    queued, so a vendor call that refused the copy (an Exception, nothing queued) leaves them as
+    they were.  They are noted too when the block raises after something was queued, or is
+    interrupted (a KeyboardInterrupt may land as a call returns, after it queued): the uses then
+    cover whatever may run.  A note that fails drains the stream (its work is then done: nothing
+    is left to protect) and its error propagates.
+
+    The caller holds a pin on each buffer (``_in_use``) and a hold on the stream (``_Hold``), as
+    ``_record`` asks: a close() of a buffer by another thread meanwhile still records the use."""
+
+    __slots__ = ("stream", "buffers", "queued")
+
+    def __init__(self, stream: Stream, *buffers: "Buffer"):
+        self.stream, self.buffers, self.queued = stream, buffers, False
+
+    def __enter__(self) -> "_Noting":
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if kind is not None and issubclass(kind, Exception) and not self.queued:
+            return False        # refused before anything was queued: nothing to note
+        try:
+            for buf in self.buffers:
+                buf._record(self.stream)
+        except BaseException:
+            _drain(self.stream)
+            raise
+        return False
+
+
 def _address(view) -> int:
     from ._hostmem import address_of
     return address_of(view)
@@ -534,10 +568,6 @@ class Buffer:
                 raise ValueError(f"copy_from: the source (bytes {src._ptr:#x}..{src._ptr + src._nbytes:#x}) "
                                  f"overlaps the destination (bytes {self._ptr:#x}..{self._ptr + self._nbytes:#x}); "
                                  f"copy through a separate buffer; nothing was copied")
-            self._note(stream)
-            # Ordering against work on the source's stream is the caller's, as in torch;
-            # recording keeps the allocator from reusing the source under this copy.
-            src.record_stream(stream)
             barrier = None
             if src._index != self._index:
                 # the copy runs on this buffer's device, which reads the other device's memory:
@@ -550,9 +580,14 @@ class Buffer:
                     # waits for the copy.  (In a capture the other stream would join it.)
                     barrier = current_stream(src._index)
                     stream.wait_stream(barrier)
-            if self._nbytes:
-                with stream._device_scope():
-                    backend.memcpy_async(self._ptr, src._ptr, self._nbytes, stream.handle)
+            # Ordering against work on the source's stream is the caller's, as in torch; the
+            # uses noted keep the allocator from reusing either block under this copy (noted
+            # once it was queued: a refused copy changes nothing)
+            with _Noting(stream, self, src) as noting:
+                if self._nbytes:
+                    with stream._device_scope():
+                        backend.memcpy_async(self._ptr, src._ptr, self._nbytes, stream.handle)
+                noting.queued = True
             if barrier is not None:
                 barrier.wait_stream(stream)
             if not non_blocking and not (backend.captures_underway() and stream.is_capturing()):
@@ -569,12 +604,12 @@ class Buffer:
         if not self._nbytes:
             return self
         captured = _capture_hold(backend, stream, _address(view), self._nbytes, non_blocking)
-        self._note(stream)
         if captured is not None:
             host, pinned, hold = captured
             host.hold(pinned, hold)         # first: every replay reads the block again
-            with stream._device_scope():
+            with _Noting(stream, self) as noting, stream._device_scope():
                 backend.memcpy_async(self._ptr, _address(view), self._nbytes, stream.handle)
+                noting.queued = True
             return self
         if non_blocking:
             host = _memory().host_allocator()
@@ -583,8 +618,9 @@ class Buffer:
             if pinned is not None:
                 # torch's pinned-source path: DMA from the caller's block, which the host
                 # allocator keeps from reuse until the copy ran (as copy_to into pinned memory)
-                with on_device(backend, self._index):
+                with on_device(backend, self._index), _Noting(stream, self) as noting:
                     backend.memcpy_async(self._ptr, address, self._nbytes, stream.handle)
+                    noting.queued = True
                     try:
                         host.record_stream(pinned, stream.handle, self._index)
                     except BaseException:
@@ -598,8 +634,9 @@ class Buffer:
                 copy_into(staging, view)
                 # The stream's device current: for the copy on a shared default stream, and
                 # because the host allocator's events live on the stream's device.
-                with on_device(backend, self._index):
+                with on_device(backend, self._index), _Noting(stream, self) as noting:
                     backend.memcpy_async(self._ptr, staging, self._nbytes, stream.handle)
+                    noting.queued = True
                     try:
                         host.record_stream(staging, stream.handle, self._index)
                     except BaseException:
@@ -608,8 +645,9 @@ class Buffer:
             finally:
                 host.free(staging)
         else:
-            with stream._device_scope():
+            with _Noting(stream, self) as noting, stream._device_scope():
                 backend.memcpy_async(self._ptr, _address(view), self._nbytes, stream.handle)
+                noting.queued = True
             stream.synchronize()
         return self
 

@@ -1,0 +1,87 @@
+"""Reliability leftovers (r40): a raised error leaves every state as it was.
+
+1. A copy whose vendor call fails (the runtime refuses the copy: nothing was queued) must not
+   leave a stream use on the copied buffers' allocator blocks: freeing the buffer then makes
+   its block reusable at once on its own stream, with no event pending.  Before r40
+   ``Buffer.copy_from`` and ``ArrayView.copy_from`` recorded the use before the copy was queued.
+"""
+
+import numpy as np
+import pytest
+
+import accel
+from accel import _lazy, memory
+
+N = 4096
+
+
+def _last_device() -> int:
+    return accel.device_count() - 1
+
+
+def _block_uses(buf):
+    return memory.device_allocator(buf.device.index)._blocks[buf.ptr].uses
+
+
+class _Refused(accel.AcceleratorError):
+    pass
+
+
+def _refuse_copies(monkeypatch, backend):
+    """The backend's memcpy_async fails as a vendor refusal does: it raises before queuing."""
+    def memcpy_async(*args, **kwargs):
+        raise _Refused("memcpy_async refused (injected by the test)")
+    monkeypatch.setattr(backend, "memcpy_async", memcpy_async)
+
+
+_COPIES = {
+    "buffer<-buffer": lambda dst, src, s: dst.copy_from(src, stream=s),
+    "buffer<-buffer non_blocking": lambda dst, src, s: dst.copy_from(src, stream=s, non_blocking=True),
+    "buffer<-host": lambda dst, src, s: dst.copy_from(np.ones(N // 4, np.float32), stream=s),
+    "buffer<-host non_blocking": lambda dst, src, s: dst.copy_from(np.ones(N // 4, np.float32), stream=s,
+                                                                    non_blocking=True),
+    "view<-host": lambda dst, src, s: dst.as_array(np.float32).copy_from(np.ones(N // 4, np.float32), stream=s),
+    "strided view<-host": lambda dst, src, s: dst.as_array(np.float32, (N // 8,), (8,)).copy_from(
+        np.ones(N // 8, np.float32), stream=s),
+    "view<-view": lambda dst, src, s: dst.as_array(np.float32).copy_from(src.as_array(np.float32), stream=s),
+    "view<-buffer": lambda dst, src, s: dst.as_array(np.float32).copy_from(src, stream=s),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_COPIES))
+def test_a_refused_copy_records_no_stream_use(sim_backend, monkeypatch, case):
+    dev = _last_device()
+    backend = _lazy.lazy_init()
+    dst, src = accel.Buffer(N, device=dev), accel.Buffer(N, device=dev)
+    s = accel.Stream(device=dev)
+    last = (dst._last, src._last)
+    _refuse_copies(monkeypatch, backend)
+    with pytest.raises(_Refused):
+        _COPIES[case](dst, src, s)
+    monkeypatch.undo()
+    assert _block_uses(dst) is None, f"{case}: the failed copy left a use of its stream on the destination"
+    assert _block_uses(src) is None, f"{case}: the failed copy left a use of its stream on the source"
+    assert (dst._last, src._last) == last, f"{case}: the failed copy changed a buffer's last-use stream"
+    ptr = dst.ptr
+    dst.close()
+    alloc = memory.device_allocator(dev)
+    assert alloc._pending_events == [], f"{case}: the freed block waits for an event of the failed copy's stream"
+    again = accel.Buffer(N, device=dev)
+    assert again.ptr == ptr
+    # and a copy that works still protects both blocks
+    _COPIES[case](again, src, s)
+    s.synchronize()
+    if case.endswith("buffer") or case.endswith("view"):
+        assert _block_uses(src) is not None
+    assert _block_uses(again) is not None
+
+
+def test_a_copy_refused_by_the_simulated_runtime_records_no_use(sim_cuda):
+    from accel import sim
+    dev = _last_device()
+    dst, src = accel.Buffer(N, device=dev), accel.Buffer(N, device=dev)
+    s = accel.Stream(device=dev)
+    sim.inject_error("cudaMemcpyAsync", 1)
+    with pytest.raises(accel.AcceleratorError, match="cudaMemcpyAsync"):
+        dst.copy_from(src, stream=s)
+    assert _block_uses(dst) is None and _block_uses(src) is None
