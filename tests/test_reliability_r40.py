@@ -4,7 +4,12 @@
    leave a stream use on the copied buffers' allocator blocks: freeing the buffer then makes
    its block reusable at once on its own stream, with no event pending.  Before r40
    ``Buffer.copy_from`` and ``ArrayView.copy_from`` recorded the use before the copy was queued.
+2. The Metal backend's ``properties()`` and ``mem_info()`` racing ``close()`` in another thread:
+   a valid answer or a clear AcceleratorError, never a message to the released MTLDevice (a Mac
+   crashes; the simulator raises MetalValidationError, as NSZombie reports it).
 """
+
+import threading
 
 import numpy as np
 import pytest
@@ -85,3 +90,97 @@ def test_a_copy_refused_by_the_simulated_runtime_records_no_use(sim_cuda):
     with pytest.raises(accel.AcceleratorError, match="cudaMemcpyAsync"):
         dst.copy_from(src, stream=s)
     assert _block_uses(dst) is None and _block_uses(src) is None
+
+
+# -- 2. Metal: queries racing close() ------------------------------------------------------------
+
+class _WatchedLock:
+    """The backend's lock, telling ``settled`` when the thread ``closer`` must wait for it."""
+
+    def __init__(self, real, settled: threading.Event):
+        self.real, self.settled, self.closer = real, settled, None
+
+    def __enter__(self):
+        if threading.get_ident() == self.closer and not self.real.acquire(False):
+            self.settled.set()      # the close waits for the query: the gate may open
+            self.real.acquire()
+        elif threading.get_ident() != self.closer:
+            self.real.acquire()
+
+    def __exit__(self, *exc):
+        self.real.release()
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+_QUERIES = {
+    # (the call, the message it is stopped at; the stop is before that message is sent)
+    "properties at name": (lambda be: be.properties(0), "name"),
+    "properties at maxBufferLength": (lambda be: be.properties(0), "maxBufferLength"),
+    "mem_info at recommendedMaxWorkingSetSize": (lambda be: be.mem_info(), "recommendedMaxWorkingSetSize"),
+    "mem_info at currentAllocatedSize": (lambda be: be.mem_info(), "currentAllocatedSize"),
+    "mem_alloc at newBufferWithLength": (lambda be: be.mem_alloc(64), "newBufferWithLength:options:"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_QUERIES))
+def test_mps_query_racing_close_never_messages_a_released_device(monkeypatch, case):
+    from conftest import use_sim
+    use_sim(monkeypatch, "mps")
+    be = _lazy.lazy_init()
+    query, selector = _QUERIES[case]
+    rt = be._rt
+    real_send = rt.send
+    arrived, gate, settled = threading.Event(), threading.Event(), threading.Event()
+    lock = _WatchedLock(be._lock, settled)
+    monkeypatch.setattr(be, "_lock", lock)
+    querier = []
+
+    def send(receiver, msg, *args):
+        if querier and threading.get_ident() == querier[0] and msg.selector == selector and not arrived.is_set():
+            arrived.set()
+            gate.wait()
+        return real_send(receiver, msg, *args)
+
+    monkeypatch.setattr(rt, "send", send)
+    outcome = {}
+
+    def run_query():
+        querier.append(threading.get_ident())
+        try:
+            outcome["query"] = query(be)
+        except BaseException as exc:        # noqa: B902 - reported below
+            outcome["query"] = exc
+        finally:
+            arrived.set()
+
+    def run_close():
+        lock.closer = threading.get_ident()
+        try:
+            be.close()
+        except BaseException as exc:
+            outcome["close"] = exc
+        finally:
+            settled.set()                   # the close ran to its end without waiting
+
+    q = threading.Thread(target=run_query, daemon=True)
+    q.start()
+    assert arrived.wait(60)
+    c = threading.Thread(target=run_close, daemon=True)
+    c.start()
+    assert settled.wait(60)
+    gate.set()
+    q.join(60)
+    c.join(60)
+    assert not q.is_alive() and not c.is_alive()
+    got = outcome["query"]
+    assert "close" not in outcome, outcome
+    if isinstance(got, BaseException):
+        assert isinstance(got, accel.AcceleratorError), f"{case}: {got!r} (a Mac crashes here)"
+        assert "not initialized" in str(got) or "closed" in str(got), f"{case}: {got}"
+    assert be._device is None
+    # after the close: a clear error, as before any init
+    for call, _ in _QUERIES.values():
+        with pytest.raises(accel.AcceleratorError, match="not initialized"):
+            call(be)

@@ -420,14 +420,18 @@ class MPSBackend(Backend):
     @deferred
     def properties(self, index: int) -> DeviceProperties:
         self._check_index(index)
-        rt = self._runtime()
-        dev = self._device
-        with rt.pool():
-            name = rt.string(rt.send(dev, M_NAME))
-            registry = int(rt.send(dev, M_REGISTRY_ID))
-            total = int(rt.send(dev, M_RECOMMENDED_MAX))
-            unified = bool(rt.send(dev, M_HAS_UNIFIED))
-            max_buffer = int(rt.send(dev, M_MAX_BUFFER_LENGTH))
+        # Under the lock: close() in another thread releases the MTLDevice under it, and a message
+        # to a released object crashes the process (NSZombie: "message sent to deallocated
+        # instance"); after a close, _runtime() raises the not-initialized error instead.
+        with self._lock:
+            rt = self._runtime()
+            dev = self._device
+            with rt.pool():
+                name = rt.string(rt.send(dev, M_NAME))
+                registry = int(rt.send(dev, M_REGISTRY_ID))
+                total = int(rt.send(dev, M_RECOMMENDED_MAX))
+                unified = bool(rt.send(dev, M_HAS_UNIFIED))
+                max_buffer = int(rt.send(dev, M_MAX_BUFFER_LENGTH))
         return DeviceProperties(
             index=0, name=name, total_memory=total, compute_capability=(0, 0),
             multi_processor_count=0, supported_dtypes=_SUPPORTED_DTYPES,
@@ -457,9 +461,10 @@ class MPSBackend(Backend):
 
     def mem_info(self) -> Tuple[int, int]:
         """(recommendedMaxWorkingSetSize - currentAllocatedSize, recommendedMaxWorkingSetSize)."""
-        rt = self._runtime()
-        total = int(rt.send(self._device, M_RECOMMENDED_MAX))
-        used = int(rt.send(self._device, M_CURRENT_ALLOCATED))
+        with self._lock:        # the device is not released meanwhile (see properties)
+            rt = self._runtime()
+            total = int(rt.send(self._device, M_RECOMMENDED_MAX))
+            used = int(rt.send(self._device, M_CURRENT_ALLOCATED))
         return max(total - used, 0), total
 
     # -- memory ---------------------------------------------------------------------
@@ -494,17 +499,19 @@ class MPSBackend(Backend):
             raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
         if nbytes < 0:
             raise ValueError(f"cannot allocate a negative number of bytes ({nbytes})")
-        rt = self._runtime()
+        self._runtime()
         if nbytes == 0:
             return 0  # as cudaMalloc(0): a null pointer that may be freed
-        if nbytes >= 1 << 64:
-            # More than an NSUInteger holds (the argument of newBufferWithLength:): no device has it.
-            max_buffer = int(rt.send(self._device, M_MAX_BUFFER_LENGTH))
-            raise OutOfMemoryError(
-                f"mps: cannot allocate {nbytes} bytes: more than an NSUInteger holds; the device's "
-                f"maxBufferLength is {max_buffer} bytes; allocate smaller pieces",
-                library=_LIBRARY, call=M_NEW_BUFFER.selector)
-        return self._new_buffer(nbytes, host).base
+        with self._lock:        # the device is not released meanwhile (see properties)
+            rt = self._runtime()
+            if nbytes >= 1 << 64:
+                # More than an NSUInteger holds (the argument of newBufferWithLength:): no device has it.
+                max_buffer = int(rt.send(self._device, M_MAX_BUFFER_LENGTH))
+                raise OutOfMemoryError(
+                    f"mps: cannot allocate {nbytes} bytes: more than an NSUInteger holds; the device's "
+                    f"maxBufferLength is {max_buffer} bytes; allocate smaller pieces",
+                    library=_LIBRARY, call=M_NEW_BUFFER.selector)
+            return self._new_buffer(nbytes, host).base
 
     def _free(self, ptr: int, host: bool) -> None:
         if ptr == 0:
