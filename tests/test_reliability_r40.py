@@ -7,6 +7,10 @@
 2. The Metal backend's ``properties()`` and ``mem_info()`` racing ``close()`` in another thread:
    a valid answer or a clear AcceleratorError, never a message to the released MTLDevice (a Mac
    crashes; the simulator raises MetalValidationError, as NSZombie reports it).
+3. XPU capture ids: ``id(capture)`` comes back for a later capture once the first is collected
+   (CPython reuses the address), and graphs.py's table of a capture (its external events, its
+   pinned host blocks) is keyed by it: a capture ended before its table was forgotten took the
+   next capture's table with it.
 """
 
 import threading
@@ -184,3 +188,63 @@ def test_mps_query_racing_close_never_messages_a_released_device(monkeypatch, ca
     for call, _ in _QUERIES.values():
         with pytest.raises(accel.AcceleratorError, match="not initialized"):
             call(be)
+
+
+# -- 3. XPU: capture ids ----------------------------------------------------------------------
+
+def test_xpu_capture_ids_are_not_reused(monkeypatch):
+    from conftest import use_sim
+    use_sim(monkeypatch, "xpu")
+    be = _lazy.lazy_init()
+    s = accel.Stream(device=_last_device())
+    seen = set()
+    for _ in range(32):
+        be.capture_begin(s.handle, "global")
+        ident = be.capture_id(s.handle)
+        assert ident not in seen, "a capture got the id of an earlier one"
+        seen.add(ident)
+        be.graph_destroy(be.capture_end(s.handle))
+
+
+def test_xpu_a_late_forget_of_an_ended_capture_keeps_the_next_captures_table(monkeypatch):
+    from conftest import use_sim
+    from accel import streams
+    from accel.backends.xpu import graphs as xpu_graphs
+    use_sim(monkeypatch, "xpu")
+    be = _lazy.lazy_init()
+    # CPython gives a collected capture's address to the next object of its size: every capture
+    # at one address makes the collision certain (what id(capture) gave at random)
+    monkeypatch.setattr(xpu_graphs, "id", lambda obj: 0x1000, raising=False)
+    sa, sb = accel.Stream(device=0), accel.Stream(device=_last_device())
+    ga, gb = accel.Graph(), accel.Graph()
+    buf = accel.Buffer(64, device=sb.device_index)
+    real_end = be.capture_end
+
+    def capture_end(handle):
+        if handle != sa.handle:
+            return real_end(handle)
+        be._invalidate(be._stream(handle).capture, "invalidated by the test")
+        try:
+            return real_end(handle)
+        finally:
+            # (for another thread:) a capture begins after this one ended, before graphs.py forgot
+            # this one's table
+            with sb:
+                gb.capture_begin()
+
+    monkeypatch.setattr(be, "capture_end", capture_end)
+    with sa:
+        ga.capture_begin()
+    with sa, pytest.raises(accel.CaptureError, match="invalidated by the test"):
+        ga.capture_end()
+    monkeypatch.setattr(be, "capture_end", real_end)
+    try:
+        assert gb._capture_id in streams._capture_events, "the ended capture took the new capture's table"
+        assert streams._capture_of(be, sb) == gb._capture_id
+        buf.fill_(7, stream=sb)
+    finally:
+        with sb:
+            gb.capture_end()
+    gb.replay()
+    sb.synchronize()
+    assert (buf.to_numpy(stream=sb) == 7).all()

@@ -28,10 +28,14 @@ _CAPTURE_MODES = ("global", "thread_local", "relaxed")
 
 
 class _Capture:
-    __slots__ = ("list", "mode", "thread", "invalid", "ops", "gate", "done", "device")
+    __slots__ = ("list", "mode", "thread", "invalid", "ops", "gate", "done", "device", "ident")
 
-    def __init__(self, cmdlist, mode, device, gate, done):
+    def __init__(self, cmdlist, mode, device, gate, done, ident):
         self.list, self.mode, self.device, self.gate, self.done = cmdlist, mode, device, gate, done
+        # capture_id: unique in the process, as cudaStreamGetCaptureInfo's id (not id(self): a
+        # collected capture's address comes back for a later one, and accel.graphs keys the
+        # capture's table by it until the graph forgets it, which may be after the capture ended)
+        self.ident = ident
         self.thread = threading.get_ident()
         self.invalid: Optional[str] = None
         self.ops: List[str] = []
@@ -111,7 +115,7 @@ class GraphsMixin:
             slots.append(self._acquire(dev, False))
             slots.append(self._acquire(dev, False))
             gate, done = slots
-            cap = _Capture(p[0], mode, dev, gate, done)
+            cap = _Capture(p[0], mode, dev, gate, done, next(self._ids))
             # The list first waits for the launching stream's earlier work, then re-arms the gate.
             arr = ffi.new("ze_event_handle_t[1]", [gate.event])
             self._append(s, "zeCommandListAppendWaitOnEvents", lib.zeCommandListAppendWaitOnEvents, cap.list, 1, arr)
@@ -162,7 +166,7 @@ class GraphsMixin:
     def capture_id(self, stream: int) -> Optional[int]:
         # A capture records only its own stream's list: other streams never join it.
         cap = self._stream(stream).capture
-        return None if cap is None else id(cap)
+        return None if cap is None else cap.ident
 
     def captures_underway(self) -> int:
         return len(self._captures)
