@@ -409,14 +409,15 @@ class ArrayView:
         with _Hold(stream):     # the copy's calls on the stream, to its end, use the one it began on
             if self.size:
                 _refuse_in_capture(buffer._backend, stream)
-            buffer._note(stream)
-            if self._contiguous or not self.size:
-                out = np.empty(self._shape, dtype=self._dtype)
-                if out.size:
-                    _download(buffer, self.ptr, out, stream)
-                return out
-            span = np.empty(_extent(self._shape, self._strides, self.itemsize), dtype=np.uint8)
-            _download(buffer, self.ptr, span, stream)
+            # the use is noted once the copy was queued: a refused one changes nothing
+            with _Noting(stream, buffer) as noting:
+                if self._contiguous or not self.size:
+                    out = np.empty(self._shape, dtype=self._dtype)
+                    if out.size:
+                        _download(buffer, self.ptr, out, stream, noting)
+                    return out
+                span = np.empty(_extent(self._shape, self._strides, self.itemsize), dtype=np.uint8)
+                _download(buffer, self.ptr, span, stream, noting)
         return _gather(span, self._shape, self._strides, self._dtype)
 
     @_pinning

@@ -298,6 +298,10 @@ class _Noting:
         self.stream, self.buffers, self.queued = stream, buffers, False
 
     def __enter__(self) -> "_Noting":
+        if self.stream._foreign:
+            # before anything is queued: a destroyed one's handle may name another stream by now
+            # (and, recorded, would fail every later free of the memory: see Buffer._record)
+            self.stream._check_alive()
         return self
 
     def __exit__(self, kind, exc, tb) -> bool:
@@ -493,12 +497,6 @@ class Buffer:
         if self._readonly:
             raise ValueError(f"{self!r} is read-only (its producer exported it with the DLPack read-only "
                              f"flag); nothing was written")
-
-    def _stream_for(self, stream: Optional[Stream]) -> Stream:
-        """The stream an operation runs on (checked), noted as the buffer's use."""
-        stream = self._check_stream(stream)
-        self._note(stream)
-        return stream
 
     def _note(self, stream: Stream) -> None:
         if stream != self._stream:
@@ -734,17 +732,19 @@ class Buffer:
         if self._nbytes:
             address = _address(view)
             captured = _capture_hold(self._backend, stream, address, self._nbytes, non_blocking)
-            self._note(stream)
+            # the use is noted once the copy was queued (_Noting): a refused one changes nothing
             if captured is not None:
                 host, pinned, hold = captured
                 host.hold(pinned, hold)     # first: every replay writes the block again
-                with stream._device_scope():
+                with _Noting(stream, self) as noting, stream._device_scope():
                     self._backend.memcpy_async(address, self._ptr, self._nbytes, stream.handle)
+                    noting.queued = True
                 return
             host = _memory().host_allocator() if non_blocking else None
             pinned = host.owns(address, self._nbytes) if host is not None else None
-            with stream._device_scope():
+            with _Noting(stream, self) as noting, stream._device_scope():
                 self._backend.memcpy_async(address, self._ptr, self._nbytes, stream.handle)
+                noting.queued = True
                 if pinned is not None:
                     # the pinned block is not reused (after its array is gone) before the copy ran
                     try:
@@ -788,7 +788,7 @@ class Buffer:
         if non_blocking:
             from ._hostmem import empty_pinned
             from .streams import Event
-            stream = self._stream_for(stream)
+            stream = self._check_stream(stream)     # (copy_to notes the use, once the copy was queued)
             out = empty_pinned(count, dtype)
             self.copy_to(out, stream, non_blocking=True)
             event = Event()
@@ -810,10 +810,11 @@ class Buffer:
         self._writable()
         stream = self._check_stream(stream)
         with _Hold(stream):     # another thread's close() of the stream waits for the fill
-            self._note(stream)
-            if self._nbytes:
-                with stream._device_scope():
-                    self._backend.memset_async(self._ptr, value, self._nbytes, stream._handle)
+            with _Noting(stream, self) as noting:   # noted once queued: a refused fill changes nothing
+                if self._nbytes:
+                    with stream._device_scope():
+                        self._backend.memset_async(self._ptr, value, self._nbytes, stream._handle)
+                    noting.queued = True
         return self
 
     @_in_use

@@ -3,7 +3,8 @@
 1. A copy whose vendor call fails (the runtime refuses the copy: nothing was queued) must not
    leave a stream use on the copied buffers' allocator blocks: freeing the buffer then makes
    its block reusable at once on its own stream, with no event pending.  Before r40
-   ``Buffer.copy_from`` and ``ArrayView.copy_from`` recorded the use before the copy was queued.
+   ``Buffer.copy_from``, ``ArrayView.copy_from`` (and ``fill_``, ``copy_to``, ``to_numpy``) recorded
+   the use before the copy was queued.
 2. The Metal backend's ``properties()`` and ``mem_info()`` racing ``close()`` in another thread:
    a valid answer or a clear AcceleratorError, never a message to the released MTLDevice (a Mac
    crashes; the simulator raises MetalValidationError, as NSZombie reports it).
@@ -37,10 +38,12 @@ class _Refused(accel.AcceleratorError):
 
 
 def _refuse_copies(monkeypatch, backend):
-    """The backend's memcpy_async fails as a vendor refusal does: it raises before queuing."""
+    """The backend's memcpy_async and memset_async fail as a vendor refusal does: they raise
+    before queuing."""
     def memcpy_async(*args, **kwargs):
         raise _Refused("memcpy_async refused (injected by the test)")
     monkeypatch.setattr(backend, "memcpy_async", memcpy_async)
+    monkeypatch.setattr(backend, "memset_async", memcpy_async)
 
 
 _COPIES = {
@@ -54,11 +57,20 @@ _COPIES = {
         np.ones(N // 8, np.float32), stream=s),
     "view<-view": lambda dst, src, s: dst.as_array(np.float32).copy_from(src.as_array(np.float32), stream=s),
     "view<-buffer": lambda dst, src, s: dst.as_array(np.float32).copy_from(src, stream=s),
+    # the other calls that queue work on a buffer (the destination here), refused the same way
+    "fill_": lambda dst, src, s: dst.fill_(1, stream=s),
+    "copy_to": lambda dst, src, s: dst.copy_to(np.empty(N, np.uint8), stream=s),
+    "copy_to pinned non_blocking": lambda dst, src, s: dst.copy_to(accel.empty_pinned(N, np.uint8), stream=s,
+                                                                    non_blocking=True),
+    "to_numpy": lambda dst, src, s: dst.to_numpy(stream=s),
+    "to_numpy non_blocking": lambda dst, src, s: dst.to_numpy(stream=s, non_blocking=True),
+    "view.to_numpy": lambda dst, src, s: dst.as_array(np.float32).to_numpy(stream=s),
+    "strided view.to_numpy": lambda dst, src, s: dst.as_array(np.float32, (N // 8,), (8,)).to_numpy(stream=s),
 }
 
 
 @pytest.mark.parametrize("case", sorted(_COPIES))
-def test_a_refused_copy_records_no_stream_use(sim_backend, monkeypatch, case):
+def test_a_refused_copy_or_fill_records_no_stream_use(sim_backend, monkeypatch, case):
     dev = _last_device()
     backend = _lazy.lazy_init()
     dst, src = accel.Buffer(N, device=dev), accel.Buffer(N, device=dev)
@@ -248,3 +260,23 @@ def test_xpu_a_late_forget_of_an_ended_capture_keeps_the_next_captures_table(mon
     gb.replay()
     sb.synchronize()
     assert (buf.to_numpy(stream=sb) == 7).all()
+
+
+def test_a_copy_on_a_destroyed_foreign_stream_is_refused_before_it_is_queued(sim_backend):
+    """(The uses are noted after the copy now: the wrapper's liveness is checked before it.)"""
+    backend = _lazy.lazy_init()
+    dev = _last_device()
+    with accel.device_index(dev):
+        raw = backend.stream_create()
+    wrapper = accel.Stream.from_handle(raw)
+    dst, src = accel.Buffer(N, device=dev), accel.Buffer(N, device=dev)
+    dst.fill_(4)
+    backend.stream_destroy(raw)
+    for copy in (lambda: dst.copy_from(src, stream=wrapper),
+                 lambda: dst.copy_from(np.zeros(N, np.uint8), stream=wrapper),
+                 lambda: dst.as_array("u1").copy_from(src.as_array("u1"), stream=wrapper),
+                 lambda: dst.as_array("u1").copy_from(np.zeros(N, np.uint8), stream=wrapper)):
+        with pytest.raises(ValueError, match="destroyed"):
+            copy()
+    assert _block_uses(dst) is None and _block_uses(src) is None
+    assert (dst.to_numpy() == 4).all()
