@@ -227,6 +227,15 @@ def _numpy_from_dlpack(obj):
                         f"t.view(torch.{view}); nothing was copied") from None
 
 
+def _own_region(obj):
+    """``(buffer, offset, nbytes)`` when ``obj`` is a C-contiguous :class:`accel.ArrayView`
+    (its elements are one span of its Buffer), else None."""
+    from ._array import ArrayView
+    if type(obj) is ArrayView and obj.c_contiguous:
+        return obj.buffer, obj.offset, obj.nbytes
+    return None
+
+
 def _device_source(obj, index: int):
     """Another library's device array for copy_from: ``("cai", interface, obj)`` for an object
     exporting ``__cuda_array_interface__``, ``("dlpack", None, obj)`` for one with ``__dlpack__``
@@ -530,6 +539,8 @@ class Buffer:
         host source is first copied into pinned staging memory, so it may be
         reused immediately.
 
+        A C-contiguous :class:`accel.ArrayView` is copied as the span of its Buffer it views
+        (exactly ``nbytes`` of it), as a Buffer is.
         Another library's device array (C-contiguous) is copied device to device: an object with
         ``__cuda_array_interface__`` (CUDA only; the copy waits for the producer's
         ``stream``), else one with ``__dlpack__`` on this accelerator (on CUDA the producer is
@@ -545,7 +556,13 @@ class Buffer:
 
     def _copy_from(self, src, stream: Stream, non_blocking: bool) -> "Buffer":
         backend = self._backend
-        if not isinstance(src, Buffer):
+        region = _own_region(src)
+        if region is not None:
+            # accel's own C-contiguous typed view: its bytes are a span of its Buffer, copied as a
+            # Buffer is (not as another library's array, whose producer stream would be waited on:
+            # a synchronize that invalidates a capture)
+            src = region[0]
+        elif not isinstance(src, Buffer):
             device_src = _device_source(src, self._index)
             if device_src is not None:
                 return self._copy_from_foreign(device_src, stream, non_blocking)
@@ -554,16 +571,17 @@ class Buffer:
         self._writable()
         if isinstance(src, Buffer):
             src._live()
-            if src._nbytes != self._nbytes:
-                raise ValueError(f"size mismatch: source buffer has {src._nbytes} bytes, destination "
-                                 f"{self._nbytes}; nothing was copied")
+            src_ptr, src_nbytes = (src._ptr, src._nbytes) if region is None else (src._ptr + region[1], region[2])
+            if src_nbytes != self._nbytes:
+                raise ValueError(f"size mismatch: source {'buffer' if region is None else 'view'} has {src_nbytes} "
+                                 f"bytes, destination {self._nbytes}; nothing was copied")
             if src._backend is not backend:
                 raise ValueError("source buffer belongs to another backend")
-            if src._ptr == self._ptr:
+            if src_ptr == self._ptr:
                 return self     # the same bytes (torch's copy_ returns early too): nothing to copy
-            if self._ptr < src._ptr + src._nbytes and src._ptr < self._ptr + self._nbytes:
+            if self._ptr < src_ptr + src_nbytes and src_ptr < self._ptr + self._nbytes:
                 # CUDA Runtime API, cudaMemcpyAsync: "The memory areas may not overlap."
-                raise ValueError(f"copy_from: the source (bytes {src._ptr:#x}..{src._ptr + src._nbytes:#x}) "
+                raise ValueError(f"copy_from: the source (bytes {src_ptr:#x}..{src_ptr + src_nbytes:#x}) "
                                  f"overlaps the destination (bytes {self._ptr:#x}..{self._ptr + self._nbytes:#x}); "
                                  f"copy through a separate buffer; nothing was copied")
             barrier = None
@@ -584,7 +602,7 @@ class Buffer:
             with _Noting(stream, self, src) as noting:
                 if self._nbytes:
                     with stream._device_scope():
-                        backend.memcpy_async(self._ptr, src._ptr, self._nbytes, stream.handle)
+                        backend.memcpy_async(self._ptr, src_ptr, self._nbytes, stream.handle)
                 noting.queued = True
             if barrier is not None:
                 barrier.wait_stream(stream)

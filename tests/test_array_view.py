@@ -254,6 +254,34 @@ def test_device_copies_between_views_are_captured(sim_graph_backend):
     np.testing.assert_array_equal(dst.to_numpy(), host.reshape(8, 8).T)
 
 
+def test_a_buffer_copies_from_a_contiguous_view_as_from_a_buffer(sim_graph_backend):
+    """Buffer.copy_from(view) of accel's own C-contiguous view is a device copy of the view's
+    span, captured like a Buffer copy (it was taken as another library's array, whose producer
+    stream is synchronized: a capture broke, cudaErrorStreamCaptureIsolation on CUDA)."""
+    dev = accel.device_count() - 1                     # the non-current device
+    src_buf, host = _filled(4096, "float32", dev)
+    out = accel.Buffer(1024, dev)
+    out.fill_(0)
+    view = src_buf.as_array("f4", (256,), offset=1024)   # elements 256..511
+    s = accel.Stream(dev)
+    g = accel.Graph()
+    with accel.graph(g, stream=s):
+        out.copy_from(view, non_blocking=True)
+    assert not out.to_numpy(np.float32).any()          # captured, not run
+    g.replay()
+    np.testing.assert_array_equal(out.to_numpy(np.float32), host[256:512])
+    out.fill_(0)
+    out.copy_from(view)                                # and outside a capture
+    np.testing.assert_array_equal(out.to_numpy(np.float32), host[256:512])
+    with pytest.raises(ValueError, match="source view has 1020 bytes, destination 1024"):
+        out.copy_from(src_buf.as_array("f4", (255,)))
+    assert src_buf.copy_from(src_buf.as_array("f4")) is src_buf     # its own bytes: nothing to copy
+    np.testing.assert_array_equal(src_buf.to_numpy(np.float32), host)
+    src_buf.close()
+    with pytest.raises(RuntimeError, match="was closed"):
+        out.copy_from(view)
+
+
 def test_read_only_imports_are_not_written(sim_backend):
     buf, host = _filled(64, "float32")
     kind, index = buf.__dlpack_device__()
