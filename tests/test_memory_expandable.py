@@ -327,6 +327,50 @@ def test_capture_begun_by_another_thread_mid_miss_takes_a_classic_segment(be, mo
 
 
 @pytest.mark.parametrize("index", [0, 1])
+def test_no_address_range_left_takes_classic_segments(be, index):
+    """cuMemAddressReserve fails with CUDA_ERROR_OUT_OF_MEMORY when the process's virtual
+    address space is used up (each stream's range is the device's whole memory: some 900
+    streams of an H200 fill a 47-bit space), with device memory still free: the stream's
+    requests take classic segments instead of failing (it raised OutOfMemoryError naming
+    cuMemAddressReserve while the device was empty).  A later stream gets its range when
+    the driver has room again."""
+    alloc = make(be, index)
+    sim.inject_error("cuMemAddressReserve", 2, times=2)        # CUDA_ERROR_OUT_OF_MEMORY, twice
+    small, large = alloc.malloc(4096), alloc.malloc(8 * MiB)
+    check(alloc)
+    stats = alloc.stats()
+    assert stats["num_device_alloc"] == 2 and not alloc._exp_segs    # two classic segments
+    assert stats["num_ooms"] == 0 and stats["num_alloc_retries"] == 0
+    alloc.free(small)
+    alloc.free(large)
+    alloc.empty_cache()
+    assert alloc.stats()["reserved_bytes.all.current"] == 0
+    again = alloc.malloc(8 * MiB)                              # the driver has room again
+    assert alloc._exp_segs and alloc.stats()["num_device_alloc"] == 2
+    check(alloc)
+    alloc.free(again)
+    alloc.empty_cache()
+    assert sim.state().vmm_handles == 0 and alloc.stats()["reserved_bytes.all.current"] == 0
+
+
+def test_no_address_range_left_takes_classic_segments_on_level_zero(monkeypatch):
+    """The same on Level Zero: zeVirtualMemReserve out of host memory (its code for a full
+    address space), on the non-current device."""
+    use_sim(monkeypatch, "xpu")
+    be = _lazy.lazy_init()
+    try:
+        alloc = make(be, 1)
+        sim.inject_error("zeVirtualMemReserve", 0x70000002, times=1)   # ZE_RESULT_ERROR_OUT_OF_HOST_MEMORY
+        ptr = alloc.malloc(8 * MiB)
+        assert alloc.stats()["num_device_alloc"] == 1 and not alloc._exp_segs
+        alloc.free(ptr)
+        alloc.empty_cache()
+        assert alloc.stats()["reserved_bytes.all.current"] == 0
+    finally:
+        sim.reset()
+
+
+@pytest.mark.parametrize("index", [0, 1])
 def test_small_requests_share_the_large_range(be, index):
     """E12, one address range per stream for every size: a 64 KiB request takes the free tail
     of the page a 3 MiB block shares with it, and maps nothing (a small pool of its own would

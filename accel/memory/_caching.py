@@ -142,6 +142,10 @@ _MEMO_LIMIT = 4096
 _pool_captures: list = []
 
 
+class _NoAddressRange(Exception):
+    """No virtual address range could be reserved for a stream's expandable segment."""
+
+
 def capture_underway(backend) -> bool:
     """True while a stream capture is underway in this process (begun by accel's
     graphs, or through ``backend``): event queries and synchronizes, device
@@ -1555,6 +1559,8 @@ class DeviceCachingAllocator:
                 # refuses virtual-memory calls, and _exp_grow undid what it had made.  Take a
                 # classic segment, as any capture-time miss does.
                 capturing = True
+            except _NoAddressRange:
+                pass            # a classic segment, below; the next miss asks for a range again
         if fl.kind == _SMALL and not capturing and not self._torch_policy and fl.split_min <= SMALL_SIZE:
             block = self._small_in_large(size, nbytes, fl)     # (never for a no_split MemPool)
             if block is not None:
@@ -1968,7 +1974,13 @@ class DeviceCachingAllocator:
             self._exp_release()
         seg = fl.exp
         if seg is None:
-            seg = self._exp_new(fl)
+            try:
+                seg = self._exp_new(fl)
+            except OutOfMemoryError:
+                # cuMemAddressReserve / zeVirtualMemReserve out of memory: the process's virtual
+                # address space is full (each range is the device's whole memory), not the device
+                self._be.clear_error()
+                raise _NoAddressRange() from None
             try:
                 return self._exp_grow_in(seg, size, nbytes, fl)
             except BaseException:

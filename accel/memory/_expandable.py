@@ -39,7 +39,10 @@ Invariants (checked by ``tests/test_memory_expandable.py`` after every operation
 * E11 reservations are bounded by live streams: a destroyed stream's segment joins the
       default stream's lists and its reservation is freed once nothing in it is mapped;
       empty_cache frees every reservation with nothing mapped; a first request that
-      fails leaves no reservation behind;
+      fails leaves no reservation behind; a reservation the driver refuses for want of
+      address space (out of memory from cuMemAddressReserve / zeVirtualMemReserve, the
+      device's memory untouched) sends that miss to a classic segment, and the stream's
+      next miss asks again;
 * E12 one address range per stream for every request size: once the general cache uses
       expandable segments, requests of at most 1 MiB take the large pool's free lists and
       segment, best fit among all its mapped free blocks (graph private pools, MemPools,
