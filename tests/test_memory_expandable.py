@@ -370,6 +370,24 @@ def test_no_address_range_left_takes_classic_segments_on_level_zero(monkeypatch)
         sim.reset()
 
 
+@pytest.mark.parametrize("conf", ["expandable_segments:True", "expandable_segments:False"])
+def test_a_vendor_error_in_a_miss_is_not_chained_to_an_index_error(be, conf):
+    """malloc finds a miss by an IndexError from its free list; the miss ran inside that
+    handler, so a vendor error raised by it printed "During handling of the above exception
+    (IndexError: list index out of range), another exception occurred", as if accel had
+    failed inside."""
+    from accel._errors import AcceleratorError
+    alloc = make(be, 1, conf)
+    sim.inject_error("cuMemAddressReserve" if conf.endswith("True") else "cudaMalloc", 1)   # INVALID_VALUE
+    with pytest.raises(AcceleratorError, match="INVALID_VALUE|InvalidValue") as info:
+        alloc.malloc(8 * MiB)
+    assert not isinstance(info.value.__context__, IndexError), info.value.__context__
+    ptr = alloc.malloc(8 * MiB)                   # state unchanged: the next one works
+    alloc.free(ptr)
+    alloc.empty_cache()
+    assert alloc.stats()["reserved_bytes.all.current"] == 0
+
+
 @pytest.mark.parametrize("index", [0, 1])
 def test_small_requests_share_the_large_range(be, index):
     """E12, one address range per stream for every size: a 64 KiB request takes the free tail

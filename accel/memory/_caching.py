@@ -608,6 +608,8 @@ class DeviceCachingAllocator:
                 try:
                     block = self._blocks[keys[i] & _MASK]
                 except IndexError:               # nothing cached is big enough
+                    block = None      # the miss runs outside this handler: its errors carry no IndexError
+                if block is None:
                     self._miss_ref = ref      # for a block _small_in_large hands out (its publish)
                     block = self._malloc_miss(size, nbytes, fl)
                     if block.state == _ALLOCATED:
