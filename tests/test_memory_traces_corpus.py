@@ -258,3 +258,20 @@ def test_replay_tool_perturb_option_summarizes_each_variant():
     proc = subprocess.run([sys.executable, tool, trace, "--policy", "accel", "--perturb", "1"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "over 1.08" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("ops, match", [
+    ([["a", 0, 100], ["f", 7]], r"op 1 \['f', 7\] frees id 7, which is not live"),
+    ([["a", 0, 100], ["a", 0, 5]], r"op 1 \['a', 0, 5\] allocates id 0, which is live"),
+    ([["a", 0, -1]], r"op 0 \['a', 0, -1\]: nbytes must be an int >= 0"),
+    ([["x", 0]], r"op 0 \['x', 0\]: expected \['a', id, nbytes\] or \['f', id\]"),
+    ([["a", 0, 1.5]], r"op 0 \['a', 0, 1.5\]: nbytes must be an int >= 0"),
+])
+def test_a_malformed_trace_is_refused_naming_the_op(tmp_path, ops, match):
+    """load_trace checks every op (a replay raised a bare KeyError: 7 at a free of an id
+    never allocated, half way through)."""
+    from accel.memory import _bench
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"name": "bad", "ops": ops}))
+    with pytest.raises(ValueError, match=match):
+        _bench.load_trace(str(path))

@@ -146,7 +146,11 @@ def main(argv=None) -> int:
     seeds = range(args.perturb + 1)
     steps = len(paths) * len(configs) * len(seeds) + (1 if args.pairs else 0)
     for path in paths:
-        recorded = _bench.repeat_trace(_bench.load_trace(path), args.passes)
+        try:
+            loaded = _bench.load_trace(path)
+        except (OSError, ValueError) as exc:      # a missing file, bad JSON, a bad op
+            parser.error(str(exc))
+        recorded = _bench.repeat_trace(loaded, args.passes)
         for seed in seeds:
             trace = _bench.perturb_trace(recorded, seed, jitter, per_size=not args.scale_all)
             for label, config in configs:

@@ -43,10 +43,28 @@ def default_traces() -> List[str]:
 
 
 def load_trace(path: str) -> dict:
+    """The trace in ``path`` (JSON ``{"name", "ops": [["a", id, nbytes] | ["f", id]]}``),
+    every op checked: ValueError naming the first bad one (an id freed that is not live,
+    allocated while live, a size that is no int >= 0)."""
     with open(path) as fh:
         trace = json.load(fh)
     if not isinstance(trace, dict) or not isinstance(trace.get("ops"), list):
         raise ValueError(f"{path}: not a trace (expected {{'name', 'ops': [['a', id, nbytes] | ['f', id]]}})")
+    live = set()
+    for i, op in enumerate(trace["ops"]):
+        kind = op[0] if isinstance(op, list) and op else None
+        if kind == "a" and len(op) == 3:
+            if type(op[2]) is not int or op[2] < 0:
+                raise ValueError(f"{path}: op {i} {op!r}: nbytes must be an int >= 0")
+            if op[1] in live:
+                raise ValueError(f"{path}: op {i} {op!r} allocates id {op[1]!r}, which is live (not freed since)")
+            live.add(op[1])
+        elif kind == "f" and len(op) == 2:
+            if op[1] not in live:
+                raise ValueError(f"{path}: op {i} {op!r} frees id {op[1]!r}, which is not live")
+            live.discard(op[1])
+        else:
+            raise ValueError(f"{path}: op {i} {op!r}: expected ['a', id, nbytes] or ['f', id]")
     return trace
 
 
