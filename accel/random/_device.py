@@ -180,6 +180,8 @@ def _fill_here(backend, index: int, buf, plan: "_fills.Plan", generator, stream)
     try:
         args = generator.philox_args(plan.words, graph=capturing)
     except RuntimeError as exc:
+        if not capturing:
+            raise       # (an exhausted offset: nothing captures, so no CaptureError)
         raise CaptureError(str(exc)) from None
     if kernel is not None:
         kernel_args = [("ptr", ptr), ("u64", plan.n), ("u64", args.seed), ("u64", args.offset),
