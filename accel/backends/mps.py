@@ -360,14 +360,21 @@ class MPSBackend(Backend):
                 for lib, _ in self._modules.values():
                     rt.release(lib)
                 self._modules.clear()
+                # Emptied, not just released (as stream_destroy): a synchronize in another thread
+                # that took the stream or event before this close waits outside the lock on its
+                # own retains, then releases what is still listed on the stream: a second release
+                # of a buffer released here (r43; a Mac crashes).
                 for ev in self._events.values():
                     self._release_committed(ev.cb)
+                    ev.cb = None
                     rt.release(ev.shared)
                 self._events.clear()
                 for st in self._streams.values():
                     rt.release(st.cb)
+                    st.cb = None
                     for cmd in st.inflight:
                         rt.release(cmd.obj)
+                    st.inflight = []
                     rt.release(st.queue)
                 self._streams.clear()
                 for cmd in self._orphans.inflight:
@@ -388,6 +395,21 @@ class MPSBackend(Backend):
             raise AcceleratorError("mps: the Metal runtime is not initialized (call init() first)",
                                    library=_LIBRARY)
         return self._rt
+
+    def _missing(self, kind: str, value: Any, hint: str) -> _InvalidHandle:
+        """The error for a handle or pointer the tables do not hold: the not-initialized error
+        when close() in another thread emptied them after the caller's liveness check (r43: the
+        user's handle was valid; "not a live stream" misled), else the bad-handle error."""
+        self._runtime()
+        return _bad(kind, value, hint)
+
+    def _live(self, buf: _Buffer) -> None:
+        """Refuse a buffer looked up before the lock was taken and released since (lock held):
+        freed, or released by close() (then maybe re-initialized: stream 0 is live again).  A
+        blit or a host copy through it would use a released MTLBuffer (a Mac crashes)."""
+        if self._buffers.get(buf.base) is not buf:
+            raise self._missing("pointer", buf.base, "the allocation was freed (or the backend closed) "
+                                "before the work was queued")
 
     def _new(self, receiver: Any, msg: Message, what: str, *args: Any) -> Any:
         obj = self._rt.send(receiver, msg, *args)
@@ -544,7 +566,7 @@ class MPSBackend(Backend):
         """The live buffer at ``ptr`` of that kind (lock held), else the error naming it."""
         buf = self._buffers.get(ptr)
         if buf is None or buf.host != host:
-            raise _bad("pointer", ptr, f"free only pointers returned by "
+            raise self._missing("pointer", ptr, f"free only pointers returned by "
                        f"{'host_alloc' if host else 'mem_alloc'}, once")
         return buf
 
@@ -595,7 +617,7 @@ class MPSBackend(Backend):
         if st is None:
             if not isinstance(handle, int) or isinstance(handle, bool):
                 raise TypeError(f"stream handle must be an int, got {type(handle).__name__}")
-            raise _bad("stream", handle, "use a handle from stream_create or default_stream(0)")
+            raise self._missing("stream", handle, "use a handle from stream_create or default_stream(0)")
         return st
 
     def _open_cb(self, st: _Stream) -> Any:
@@ -721,8 +743,8 @@ class MPSBackend(Backend):
 
     @deferred
     def stream_create(self, priority: int = 0) -> int:
-        self._runtime()
-        with self._lock:
+        with self._lock:        # the device is not released meanwhile (see properties)
+            self._runtime()
             h = self._handle()
             self._streams[h] = _Stream(h, self._new(self._device, M_NEW_QUEUE, "newCommandQueue"))
         return h
@@ -805,13 +827,13 @@ class MPSBackend(Backend):
     def _event(self, handle: int) -> _Event:
         ev = self._events.get(handle)
         if ev is None:
-            raise _bad("event", handle, "use a handle from event_create that was not destroyed")
+            raise self._missing("event", handle, "use a handle from event_create that was not destroyed")
         return ev
 
     @deferred
     def event_create(self, enable_timing: bool = False, blocking: bool = False) -> int:
-        self._runtime()
-        with self._lock:
+        with self._lock:        # (as stream_create)
+            self._runtime()
             h = self._handle()
             self._events[h] = _Event(h, self._new(self._device, M_NEW_SHARED_EVENT, "newSharedEvent"),
                                      bool(enable_timing))
@@ -935,8 +957,10 @@ class MPSBackend(Backend):
                 raise ValueError(f"mps: memcpy_async {side} pointer {ptr:#x} is not an address (null, negative "
                                  f"or wider than 64 bits); pass memory from mem_alloc/host_alloc or a live "
                                  f"host buffer; nothing was copied")
-        d = self._resolve(dst, nbytes)
-        s = self._resolve(src, nbytes)
+        with self._lock:        # one hold: a close between two lookups would pass a released source as host memory
+            self._runtime()
+            d = self._resolve(dst, nbytes)
+            s = self._resolve(src, nbytes)
         if d is not None and nbytes % 4 == 0 and d[1] % 4 == 0 and (s is None or s[1] % 4 == 0):
             self._enqueue_copy(d, s, src, nbytes, stream)
             return
@@ -946,9 +970,14 @@ class MPSBackend(Backend):
             raise ValueError(f"mps: memcpy_async({dst:#x}, {src:#x}, {nbytes}): neither pointer is inside a "
                              f"live allocation of this device (freed or foreign memory?); copy to or from "
                              f"memory returned by mem_alloc/host_alloc that has not been freed")
-        # Pageable destination or unaligned range: order on the host, copy through unified memory.
+        # Pageable destination or unaligned range: order on the host, copy through unified memory,
+        # under the lock with the buffers still live (close() in another thread releases them).
         self.stream_synchronize(stream)
-        rt.ffi.memmove(self._host(dst), self._host(src), nbytes)
+        with self._lock:
+            for side in (d, s):
+                if side is not None:
+                    self._live(side[0])
+            rt.ffi.memmove(self._host(dst), self._host(src), nbytes)
 
     @deferred
     def _enqueue_copy(self, d: Tuple[_Buffer, int], s: Optional[Tuple[_Buffer, int]], src: int, nbytes: int,
@@ -958,6 +987,9 @@ class MPSBackend(Backend):
         made and ended or released within)."""
         rt = self._rt
         with self._lock, rt.pool():
+            self._live(d[0])    # looked up before this hold: maybe released since (r43)
+            if s is not None:
+                self._live(s[0])
             st = self._stream(stream)
             if s is not None:
                 self._encode_copy(self._open_cb(st), s[0], s[1], d[0], d[1], nbytes)
@@ -978,6 +1010,7 @@ class MPSBackend(Backend):
     @deferred
     def _enqueue_fill(self, d: Tuple[_Buffer, int], value: int, nbytes: int, stream: int) -> None:
         with self._lock, self._rt.pool():
+            self._live(d[0])    # (as _enqueue_copy)
             st = self._stream(stream)
             self._encode_fill(self._open_cb(st), d[0], d[1], nbytes, value)
             self._encoded(st)
@@ -995,12 +1028,14 @@ class MPSBackend(Backend):
             return
         d = self._resolve(ptr, nbytes)
         if d is None:
-            raise _bad("pointer", ptr, "memset needs memory from mem_alloc or host_alloc")
+            raise self._missing("pointer", ptr, "memset needs memory from mem_alloc or host_alloc")
         if nbytes % 4 == 0 and d[1] % 4 == 0:
             self._enqueue_fill(d, value, nbytes, stream)
             return
         self.stream_synchronize(stream)
-        rt.ffi.buffer(self._host(ptr), nbytes)[:] = bytes([value & 0xFF]) * nbytes
+        with self._lock:        # (as memcpy_async's host path)
+            self._live(d[0])
+            rt.ffi.buffer(self._host(ptr), nbytes)[:] = bytes([value & 0xFF]) * nbytes
 
     # -- graphs: Metal has no stream capture (the protocol's methods raise this) --------
     no_capture_reason = _GRAPHS_UNSUPPORTED
@@ -1018,6 +1053,7 @@ class MPSBackend(Backend):
         except UnicodeDecodeError as exc:
             raise ValueError(f"mps: MSL source must be UTF-8 text (Metal takes an NSString): {exc}") from None
         with self._lock, rt.pool():
+            self._runtime()     # (as stream_create: the device is messaged below)
             options = self._new(rt.cls("MTLCompileOptions"), M_NEW_OPTIONS, "[MTLCompileOptions new]")
             try:
                 # IEEE float semantics: the RNG transforms must match the host bit for bit.
@@ -1041,7 +1077,7 @@ class MPSBackend(Backend):
         with self._lock:
             entry = self._modules.pop(module, None)
             if entry is None:
-                raise _bad("module", module, "use a handle from module_load that was not unloaded")
+                raise self._missing("module", module, "use a handle from module_load that was not unloaded")
             lib, functions = entry
             for fn in functions:
                 pipeline, function, _, _ = self._functions.pop(fn)
@@ -1057,7 +1093,7 @@ class MPSBackend(Backend):
         with self._lock, rt.pool():
             entry = self._modules.get(module)
             if entry is None:
-                raise _bad("module", module, "use a handle from module_load that was not unloaded")
+                raise self._missing("module", module, "use a handle from module_load that was not unloaded")
             lib, functions = entry
             function = rt.send(lib, M_NEW_FUNCTION, rt.ns_string(name))
             if function == rt.nil:
@@ -1104,7 +1140,7 @@ class MPSBackend(Backend):
         with self._lock, rt.pool():
             entry = self._functions.get(function)
             if entry is None:
-                raise _bad("kernel", function, "use a handle from module_function")
+                raise self._missing("kernel", function, "use a handle from module_function")
             pipeline, _, _, max_threads = entry
             threads = block[0] * block[1] * block[2]
             if threads > max_threads:
@@ -1119,7 +1155,7 @@ class MPSBackend(Backend):
                         continue
                     r = self._resolve(value, 0)
                     if r is None:
-                        raise _bad("pointer", value,
+                        raise self._missing("pointer", value,
                                    f"kernel argument {i} must point into mem_alloc/host_alloc memory")
                     bindings.append((M_SET_BUFFER, r[0].obj, r[1], i))
                 elif kind in _SCALAR_CTYPES:
