@@ -633,6 +633,13 @@ class _source:
             _check_cai_stream(foreign)
         source = _Source(None, ptr, shape, strides, dtype, self.src,
                          after=None if foreign is None else lambda: _wait_foreign(buffer._backend, stream, foreign))
+        if source.span:
+            # as an ArrayView, Buffer or DLPack source: one device.  A copy queued on the view's
+            # device reading another device's memory faults it where that memory was not made
+            # accessible to it (cudaErrorIllegalAddress, sticky); Buffer.copy_from copies across.
+            where = buffer._backend.pointer_location(ptr)
+            if where is not None and where[0] == "device":
+                _same_device(buffer, buffer._backend.name, where[1], "__cuda_array_interface__ source")
         _check_foreign_range(buffer, ptr, source.span)
         return source
 

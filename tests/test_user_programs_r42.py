@@ -81,3 +81,38 @@ def test_generator_exhausted_offset_is_not_a_capture_error(sim_backend):
     gen.manual_seed(1)
     R.uniform_(buf, generator=gen)
     assert gen.offset == 64
+
+
+# -- 3. a __cuda_array_interface__ source on another device into a typed view -------------------
+class _Foreign:
+    """Another library's array over device memory (CuPy's cupy.asarray(view) looks like this)."""
+
+    def __init__(self, cai: dict):
+        self.__cuda_array_interface__ = cai
+
+
+def test_view_copy_from_a_cai_array_of_another_device(sim_cuda):
+    """A user wraps device 1's data in another library's array (CAI v3) and copies it into a typed
+    view on device 0: refused with a clear error, as a view, Buffer or DLPack source of another
+    device is, and both devices keep working; Buffer.copy_from (which copies between devices)
+    takes the same source.  (The view queued the copy on device 0 reading device 1's memory
+    without access: cudaErrorIllegalAddress, sticky -- every later call failed.)"""
+    data = np.arange(64, dtype=np.float32)
+    src = accel.Buffer(data.nbytes, device=1).copy_from(data)
+    foreign = _Foreign(src.as_array(np.float32, (8, 8)).__cuda_array_interface__)
+    strided = _Foreign(src.as_array(np.float32, (8, 4), strides=(32, 8)).__cuda_array_interface__)
+    dst = accel.Buffer(data.nbytes, device=0)
+    with pytest.raises(ValueError, match="device") as info:
+        dst.as_array(np.float32, (8, 8)).copy_from(foreign)
+    assert "cuda:1" in str(info.value) and "nothing was copied" in str(info.value), str(info.value)
+    with pytest.raises(ValueError, match="device"):
+        dst.as_array(np.float32, (8, 4)).copy_from(strided)
+    assert (dst.fill_(0).to_numpy(np.float32) == 0).all()        # device 0 still works
+    dst.copy_from(foreign)                                      # the Buffer path copies across
+    assert (dst.to_numpy(np.float32) == data).all()
+    mine = accel.Buffer(data.nbytes, device=1)
+    mine.as_array(np.float32, (8, 4)).copy_from(strided)        # same device: a strided copy
+    assert (mine.to_numpy(np.float32)[:32] == data.reshape(8, 8)[:, ::2].ravel()).all()
+    del src, dst, mine, foreign, strided, info
+    settle()
+    assert allocated() == (0, 0)
