@@ -183,7 +183,8 @@ def test_captured_draws_replay_as_eager_draws_at_the_same_state(sim_graph_backen
     assert (out.to_numpy(np.float32) == first).all()
     R.manual_seed_all(5)
     assert (ref["buf"].to_numpy(np.float32) == R.uniform_(accel.Buffer(4 * 256, device=last)).to_numpy(np.float32)).all()
-    del g, ref
+    ref.clear()
+    del g
     gc.collect()
     assert gen._holders == () and gen._graphs == 0
     settle()
@@ -399,7 +400,8 @@ def test_kernels_built_once_used_from_threads_and_captures(sim_backend):
             accel.synchronize(last)
             assert (by.to_numpy(np.float32) == y + 6 * x).all()
             del g, s
-        del kernels, bx, by
+        kernels.clear()
+        del bx, by
         settle()
     finally:
         sim.unregister_kernel("saxpy")
