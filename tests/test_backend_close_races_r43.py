@@ -245,3 +245,80 @@ def test_mps_synchronize_waiting_while_close_releases_the_stream(monkeypatch):
     syncer.join(60)
     assert not closer.is_alive() and not syncer.is_alive()
     assert outcome == {}, f"{outcome} (a Mac crashes: a command buffer released twice)"
+
+
+# -- Level Zero ---------------------------------------------------------------------------------
+
+class _Deadlock(Exception):
+    pass
+
+
+class _WatchedLock(_GatedLock):
+    """A stream's or the backend's lock.  The closer's blocked acquire sets ``settled`` and
+    ``closer_waits``; the worker's acquire of a lock the closer holds while the closer waits for
+    one the worker holds is the deadlock, raised in the worker (so the test ends)."""
+
+    def __init__(self, real, g: _Gate, state: dict, name: str):
+        super().__init__(real, g)
+        self.state, self.name = state, name
+        state.setdefault("held", {})[name] = 0
+
+    def __enter__(self):
+        me, held = threading.get_ident(), self.state["held"]
+        if me == self.g.closer:
+            if not self.real.acquire(False):
+                self.state["closer_waits"] = self.name
+                self.g.settled.set()
+                self.real.acquire()
+                self.state["closer_waits"] = None
+            held[self.name] += 1
+            return
+        if me == self.g.worker and not self.real.acquire(False):
+            if self.state.get("closer_waits") and held[self.name]:
+                raise _Deadlock(f"the call waits for {self.name}, held by close(), which waits for "
+                                f"{self.state['closer_waits']}, held by the call")
+            self.real.acquire()
+        elif me != self.g.worker:
+            self.real.acquire()
+
+    def __exit__(self, *exc):
+        if threading.get_ident() == self.g.closer:
+            self.state["held"][self.name] -= 1
+        self.real.release()
+
+
+class _GatedLib:
+    """The loader's functions; the worker stops before its first call of ``name``."""
+
+    def __init__(self, lib, g: _Gate, name: str):
+        self.lib, self.g, self.name = lib, g, name
+
+    def __getattr__(self, attr):
+        fn = getattr(self.lib, attr)
+        if attr != self.name:
+            return fn
+
+        def gated(*args):
+            if threading.get_ident() == self.g.worker and not self.g.arrived.is_set():
+                self.g.stop_here()
+            return fn(*args)
+        return gated
+
+
+def test_xpu_record_racing_close_does_not_deadlock(monkeypatch):
+    """event_record holds the stream's lock, then takes the backend's; close() held the
+    backend's and then took the stream's (to synchronize it)."""
+    from conftest import use_sim
+    use_sim(monkeypatch, "xpu")
+    be = _lazy.lazy_init()
+    s, e = be.stream_create(), be.event_create()
+    g, state = _Gate(), {}
+    monkeypatch.setattr(be, "_lock", _WatchedLock(be._lock, g, state, "the backend lock"))
+    for st in be._streams.values():
+        st.lock = _WatchedLock(st.lock, g, state, f"stream {st.handle:#x}'s lock")
+    ffi, lib, rest = be._lib
+    monkeypatch.setattr(be, "_lib", (ffi, _GatedLib(lib, g, "zeCommandListAppendSignalEvent"), rest))
+    got = _race(g, lambda: be.event_record(e, s), be.close)
+    assert not isinstance(got, _Deadlock), got
+    assert got is None or isinstance(got, (accel.AcceleratorError, ValueError)), repr(got)
+    assert not be._devices

@@ -103,56 +103,106 @@ class XpuBackend(DiscoveryMixin, MemoryMixin, StreamsMixin, EventsMixin, GraphsM
         Not needed at process exit; tests use it to check that nothing leaks.
         The backend is uninitialized afterwards.
         """
-        with self._lock:
-            if not self._devices:
-                return
-            ffi, lib, _ = self._lib
-            self._quiesce()
-            for g in list(self._graphs.values()) + list(self._execs.values()):
-                g.destroyed, g.execs = True, 0
-                self._release_graph(g)
-            self._graphs.clear()
-            self._execs.clear()
-            # A capture underway is the backend's too: its regular list and its two event slots go
-            # before their pool and context (zeEventPoolDestroy: "must destroy all event handles
-            # created from the pool before destroying the pool itself"; close() failed there).
-            # The stream forgets it by an attribute write, not under s.lock, which is taken
-            # before self._lock elsewhere.
-            for stream, cap in list(self._captures.items()):
-                self._invalidate(cap, "the backend was closed")
-                s = self._streams.get(stream)
-                if s is not None and s.capture is cap:
-                    s.capture = None
-                self._check_rc("zeCommandListDestroy", lib.zeCommandListDestroy(cap.list))
-                del self._captures[stream]
-                self._retire(cap.gate)
-                self._retire(cap.done)
+        # Lock order (r43): a stream's lock before the backend's (event_record, stream_wait_event,
+        # a sync's marker take the backend's lock inside the stream's).  close() used to wait for
+        # the streams holding the backend's lock: a call holding a stream's lock and waiting for
+        # the backend's deadlocked it.  So the streams are waited for without the backend's lock,
+        # then sealed under it (dead: no append from then on) only where a stream's lock is free
+        # and the stream is idle; otherwise the lock is let go and the wait done again.
+        while True:
+            with self._lock:
+                if not self._devices:
+                    return
+                streams = list(self._streams.values())
+            self._quiesce_streams(streams)
+            with self._lock:
+                if not self._devices:
+                    return
+                if self._seal_streams():
+                    self._close_sealed()
+                    return
+
+    def _quiesce_streams(self, streams) -> None:
+        for s in streams:
+            self._sync_stream(s)
+        for g in list(self._graphs.values()) + list(self._execs.values()):
+            if g.launched:
+                self._sync_graph(g)
+
+    def _seal_streams(self) -> bool:
+        """Mark every stream dead if each one's lock is free and its work known done (caller holds
+        the backend's lock); else change nothing and return False.  A dead stream's lock is taken
+        by other threads only to refuse it (_check_live) or skip it, never with the backend's lock
+        after it: waiting for it from here on cannot deadlock."""
+        sealed = []
+        try:
             for s in list(self._streams.values()):
-                self._sync_stream(s)
-            self._sweep()
-            self._kernels_close()
-            self._vmm_close()
-            for ptr, (dev, _n) in list(self._allocs.items()):
-                self._check_rc("zeMemFree", lib.zeMemFree(dev.ctx, ffi.cast("void *", ptr)))
-            for ptr in list(self._host_allocs) + [p for _, p in self._deferred]:
-                self._host_free(ptr)
-            for call, handle in self._orphans:
-                self._check_rc(call, getattr(lib, call)(handle))
-            for s in list(self._streams.values()):
-                self._check_rc("zeCommandListDestroy", lib.zeCommandListDestroy(s.list))
-                s.dead = True
-            slots = [sl for free in self._free_slots.values() for sl in free] + self._retired
-            slots += [e.slot for e in self._events.values() if e.slot is not None]
-            slots += [s.marker[0] for s in self._streams.values() if s.marker is not None]
-            for slot in slots:
-                self._check_rc("zeEventDestroy", lib.zeEventDestroy(slot.event))
-            for pool in self._pools:
-                self._check_rc("zeEventPoolDestroy", lib.zeEventPoolDestroy(pool))
-            for ctx in {id(d.ctx): d.ctx for d in self._devices}.values():
-                self._check_rc("zeContextDestroy", lib.zeContextDestroy(ctx))
-            lib_state = self._lib
-            self.__init__(self.simulated)
-            self._lib = lib_state
+                if s.dead:
+                    continue
+                if not s.lock.acquire(False):
+                    return False
+                try:
+                    if s.done < s.seq or s.waiting:
+                        return False
+                    s.dead = True
+                    sealed.append(s)
+                finally:
+                    s.lock.release()
+            sealed = []
+            return True
+        finally:
+            for s in sealed:        # not all sealed: live again, waited for again
+                s.dead = False
+
+    def _close_sealed(self) -> None:
+        """close()'s destroys (caller holds the backend's lock, the streams sealed)."""
+        ffi, lib, _ = self._lib
+        self._quiesce()
+        for g in list(self._graphs.values()) + list(self._execs.values()):
+            g.destroyed, g.execs = True, 0
+            self._release_graph(g)
+        self._graphs.clear()
+        self._execs.clear()
+        # A capture underway is the backend's too: its regular list and its two event slots go
+        # before their pool and context (zeEventPoolDestroy: "must destroy all event handles
+        # created from the pool before destroying the pool itself"; close() failed there).
+        # The stream forgets it by an attribute write, not under s.lock, which is taken
+        # before self._lock elsewhere.
+        for stream, cap in list(self._captures.items()):
+            self._invalidate(cap, "the backend was closed")
+            s = self._streams.get(stream)
+            if s is not None and s.capture is cap:
+                s.capture = None
+            self._check_rc("zeCommandListDestroy", lib.zeCommandListDestroy(cap.list))
+            del self._captures[stream]
+            self._retire(cap.gate)
+            self._retire(cap.done)
+        for s in list(self._streams.values()):
+            self._sync_stream(s)
+        self._sweep()
+        self._kernels_close()
+        self._vmm_close()
+        for ptr, (dev, _n) in list(self._allocs.items()):
+            self._check_rc("zeMemFree", lib.zeMemFree(dev.ctx, ffi.cast("void *", ptr)))
+        for ptr in list(self._host_allocs) + [p for _, p in self._deferred]:
+            self._host_free(ptr)
+        for call, handle in self._orphans:
+            self._check_rc(call, getattr(lib, call)(handle))
+        for s in list(self._streams.values()):
+            self._check_rc("zeCommandListDestroy", lib.zeCommandListDestroy(s.list))
+            s.dead = True
+        slots = [sl for free in self._free_slots.values() for sl in free] + self._retired
+        slots += [e.slot for e in self._events.values() if e.slot is not None]
+        slots += [s.marker[0] for s in self._streams.values() if s.marker is not None]
+        for slot in slots:
+            self._check_rc("zeEventDestroy", lib.zeEventDestroy(slot.event))
+        for pool in self._pools:
+            self._check_rc("zeEventPoolDestroy", lib.zeEventPoolDestroy(pool))
+        for ctx in {id(d.ctx): d.ctx for d in self._devices}.values():
+            self._check_rc("zeContextDestroy", lib.zeContextDestroy(ctx))
+        lib_state = self._lib
+        self.__init__(self.simulated)
+        self._lib = lib_state
 
 
 _backends: "weakref.WeakSet[XpuBackend]" = weakref.WeakSet()
