@@ -150,6 +150,36 @@ class Graph:
         with _Hold(stream):
             self._capture_begin(backend, stream, mode)
 
+    def register_generator_state(self, generator) -> None:
+        """Register ``generator``'s current state (torch's ``CUDAGraph.register_generator_state``):
+        capture_begin puts it in graph-safe mode, so the captured fills drawing from it read its
+        seed and offset from device holders, and each replay writes them there and advances
+        it by the words the graph draws.  ``generator``: an :class:`accel.random.Generator`, or
+        a state from its ``graphsafe_get_state()``/``clone_state()``.  The default generator's
+        state is registered by every capture.  Before capture_begin only (the holders, two
+        blocks of the caching allocator, are allocated now, on the current stream of the
+        state's device); registering a state twice is a no-op.  The states stay registered
+        until reset() or the graph's collection, which free the holders of a state no other
+        graph has registered."""
+        self._check_process()
+        from . import random
+        if not isinstance(generator, random.Generator):
+            raise TypeError(f"register_generator_state expects an accel.random.Generator (a generator, or a "
+                            f"state from graphsafe_get_state() or clone_state()), got "
+                            f"{type(generator).__name__} {generator!r}")
+        backend = _lazy.lazy_init()
+        if not backend.supports_graphs:
+            raise NotImplementedError(backend.no_capture_reason)
+        if self._stream is not None:
+            raise RuntimeError("Cannot register the state during capturing stage: this graph is being captured; "
+                               "register generator states before capture_begin")
+        if self._graph is not None or self._exec is not None:
+            raise RuntimeError("register_generator_state: this graph already holds a capture, which draws "
+                               "nothing from a state registered now; call reset(), register the states, and "
+                               "capture again")
+        self._rng = random._graph_register(self._rng, generator)
+        self._backend = backend     # (reset() and the finalizer release the registration)
+
     def _check_unused(self) -> None:
         if self._stream is not None:
             raise RuntimeError("capture_begin called twice: this graph is already capturing")
@@ -182,14 +212,15 @@ class Graph:
         allocator = memory.device_allocator(stream.device_index)
         # The generator's seed/offset holders come from the general cache (torch registers
         # the graph with its generator before routing allocations to the graph's pool).
-        self._rng = random._graph_capture_begin(stream.device_index)
+        # (The states registered with register_generator_state join it; on an error before
+        # the capture began they stay registered, for the next capture_begin.)
+        self._rng = random._graph_capture_begin(stream.device_index, self._rng)
         try:
             # backend:cudaMallocAsync returns a token: its replays allocate the graph's own
             # allocations again, and its release frees them (None from the caching allocator)
             allocs = allocator.begin_allocate_to_pool(pool, stream._handle)
         except BaseException:
-            random._graph_capture_abort(self._rng)
-            self._rng = None
+            self._rng = random._graph_capture_abort(self._rng)
             raise
         capture_id = None
         try:
@@ -227,8 +258,7 @@ class Graph:
                 allocator.release_pool(pool)
                 if allocs is not None:
                     allocs.release()
-                random._graph_capture_abort(self._rng)
-                self._rng = None
+                self._rng = random._graph_capture_abort(self._rng)
             raise
 
     def capture_end(self) -> None:
@@ -277,9 +307,7 @@ class Graph:
                 if host is not None:
                     host.release()
             finally:
-                if self._rng is not None:
-                    random._graph_capture_abort(self._rng)
-                    self._rng = None
+                self._rng = random._graph_capture_abort(self._rng)
                 self._pool = None
             raise
         # published with plain stores: the capture is the graph's no more, and what ending it
@@ -533,10 +561,9 @@ def _abandon(backend, index, stream, capture_id, pool, rng, allocs) -> None:
     from . import memory
     allocator = memory.device_allocator(index)
     allocator.end_allocate_to_pool(pool)
-    if rng is not None:
-        from . import random
-        random._graph_capture_abort(rng)
-    _release(backend, index, None, graph_handle, pool, None, allocs, host)
+    from . import random
+    rng = random._graph_capture_abort(rng)      # (the states the user registered: released below)
+    _release(backend, index, None, graph_handle, pool, rng, allocs, host)
 
 
 def _release(backend, index, exec_handle, graph_handle, pool, rng=None, allocs=None, host=None) -> None:
@@ -636,7 +663,7 @@ def _check_device_free(index: int, why: str = "") -> None:
     from . import random
     for g in [g for g in _unfinished if g._index == index]:
         g._finish_end()
-    if random.default_generator(index).capturing:
+    if random._device_capturing(index):
         raise RuntimeError(f"another graph is being captured on device {index}{why}: accel captures "
                            f"one graph per device at a time (the device's default generator follows one "
                            f"capture); end that capture first, or capture on another device")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import operator
 import secrets
 import threading
+import weakref
 from typing import Dict, List
 
 from .. import _lazy
@@ -241,52 +242,155 @@ def register_kernel_source(language: str, loader) -> None:
 
 # -- graph capture hooks (called by accel.graphs) ----------------------------------------
 class _GraphRNG:
-    """The default generator of a capturing graph's device and the words one replay consumes."""
+    """A graph's generator states (torch's ``CUDAGraph::captured_generator_states_``): each
+    registered state and the words one replay consumes from it (None until captured).
 
-    __slots__ = ("generator", "increment")
+    Every state in ``states`` counts this token among its registered graphs (it holds its
+    holders) until :func:`_graph_release`.  ``implicit``: the default generator's state that
+    capture_begin registered because the user had not; an aborted capture unregisters it
+    again, while the states the user registered stay registered until the graph is reset or
+    collected.  ``capturing``: the states this token's capture put in graph-safe mode."""
 
-    def __init__(self, generator: Generator):
-        self.generator = generator
-        self.increment = None
+    __slots__ = ("states", "implicit", "capturing", "device_index", "__weakref__")
+
+    def __init__(self):
+        self.states: Dict[object, object] = {}
+        self.implicit = None
+        self.capturing: List = []
+        self.device_index = None
 
 
-def _graph_capture_begin(device_index: int) -> _GraphRNG:
+# tokens whose capture is underway (one per device at most): bounded by live captures
+_capturing_tokens: "weakref.WeakSet[_GraphRNG]" = weakref.WeakSet()
+
+
+def _device_capturing(device_index: int) -> bool:
+    """Whether a graph capture whose states follow it is underway on ``device_index``."""
+    return any(t.device_index == device_index for t in list(_capturing_tokens)) or \
+        default_generator(device_index).capturing
+
+
+def _graph_register(token, generator: Generator) -> _GraphRNG:
+    """Register ``generator``'s current state with the graph owning ``token`` (None: a new
+    token); returns the token.  Registering a state twice is a no-op, as torch's."""
+    if not isinstance(generator, Generator):
+        raise TypeError(f"register_generator_state expects an accel.random.Generator (a generator, or a "
+                        f"state from graphsafe_get_state() or clone_state()), got {type(generator).__name__} "
+                        f"{generator!r}")
+    state = generator._state
+    if state.capturing or _device_capturing(state.device_index):
+        # torch: assertNotCapturing("Cannot register the state during capturing stage.")
+        raise RuntimeError(f"Cannot register the state during capturing stage: a graph is being captured on "
+                           f"device {state.device_index}; register generator states before capture_begin")
+    if token is None:
+        token = _GraphRNG()
+    if state not in token.states:
+        state.register_graph(token)
+        token.states[state] = None
+    return token
+
+
+def _graph_capture_begin(device_index: int, token=None) -> _GraphRNG:
+    """Before a capture on ``device_index``: the default generator's current state joins the
+    graph's registered states (``token``, None: none), and every one enters graph-safe mode.
+    On any error nothing changed (``token`` as it was)."""
+    if token is not None:
+        for state in token.states:
+            if state.device_index != device_index:
+                raise RuntimeError(f"a generator state of device {state.device_index} is registered with a graph "
+                                   f"about to capture on device {device_index}: a graph replays the states of "
+                                   f"its own device; register states of device {device_index} (nothing was "
+                                   f"captured)")
     # Load (and JIT) the kernels now: module loading is no stream work a capture can
     # record, so it must not happen between cudaStreamBeginCapture and EndCapture.
     from . import _device
     _device.kernel_functions(_lazy.lazy_init(), device_index)
-    gen = default_generator(device_index)
-    token = _GraphRNG(gen)
-    gen.register_graph(token)
+    new = token is None
+    if new:
+        token = _GraphRNG()
+    default_state = default_generator(device_index)._state
+    implicit = None
     try:
-        gen.capture_prologue()
+        if default_state not in token.states:
+            default_state.register_graph(token)
+            token.states[default_state] = None
+            implicit = default_state
+        token.implicit = implicit
+        for state in list(token.states):
+            state.capture_prologue()
+            token.capturing.append(state)
+        token.device_index = device_index
+        _capturing_tokens.add(token)
     except BaseException:
-        gen.unregister_graph(token)
+        _undo_capture(token)
         raise
     return token
 
 
+def _undo_capture(token: _GraphRNG) -> None:
+    """Leave graph-safe mode and unregister the implicit default state (each attempted)."""
+    _capturing_tokens.discard(token)
+    token.device_index = None
+    capturing, token.capturing = token.capturing, []
+    implicit, token.implicit = token.implicit, None
+    try:
+        for state in capturing:
+            if state.capturing:
+                state.capture_epilogue()
+    finally:
+        for state in token.states:
+            token.states[state] = None
+        if implicit is not None and token.states.pop(implicit, False) is None:
+            implicit.unregister_graph(token)
+
+
 def _graph_capture_end(token: _GraphRNG) -> None:
-    # (called again when a KeyboardInterrupt cut the first call short: graphs.Graph._finish_end)
-    if token.generator.capturing:
-        token.increment = token.generator.capture_epilogue()
+    """The capture ended: each state leaves graph-safe mode with the words one replay takes.
+    (Called again when a KeyboardInterrupt cut the first call short: graphs.Graph._finish_end.)"""
+    while token.capturing:
+        state = token.capturing[-1]
+        if state.capturing:
+            token.states[state] = state.capture_epilogue()
+        token.capturing.pop()
+    _capturing_tokens.discard(token)
 
 
-def _graph_capture_abort(token: _GraphRNG) -> None:
-    gen = token.generator
-    if gen.capturing:
-        gen.capture_epilogue()
-    gen.unregister_graph(token)
+def _graph_capture_abort(token):
+    """A capture failed or was discarded: its states leave graph-safe mode and the implicit
+    default state is unregistered.  Returns the token while it still holds states the user
+    registered (they stay registered, for the next capture), else None."""
+    if token is None:
+        return None
+    _undo_capture(token)
+    return token if token.states else None
 
 
 def _graph_release(token: _GraphRNG) -> None:
-    """The graph is reset or gone: unregister it (the last one frees the holders)."""
-    token.generator.unregister_graph(token)
+    """The graph is reset or gone: unregister it from every state (the last graph of a state
+    frees its holders), each attempted."""
+    states = list(token.states)
+    token.states.clear()
+    token.implicit = None
+    _capturing_tokens.discard(token)
+    _release_states(states, token)
+
+
+def _release_states(states, token) -> None:
+    error = None
+    for state in states:
+        try:
+            state.unregister_graph(token)
+        except BaseException as exc:    # the rest are still released; the first error propagates
+            if error is None:
+                error = exc
+    if error is not None:
+        raise error
 
 
 def _graph_replay(token: _GraphRNG) -> None:
-    if not token.increment:
-        return  # the graph draws no random numbers: nothing reads the device-side state
+    """Before a replay: each state the graph draws from writes its seed and offset to its
+    holders (on the current stream of its device) and advances by the graph's words."""
     from ..streams import current_stream
-    gen = token.generator
-    gen.replay_prologue(token.increment, stream=current_stream(gen.device_index).handle)
+    for state, increment in list(token.states.items()):
+        if increment:   # (a state the graph drew nothing from: no kernel reads its holders)
+            state.replay_prologue(increment, stream=current_stream(state.device_index).handle)

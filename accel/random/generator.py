@@ -18,6 +18,16 @@ generator's current seed and offset into that buffer (:meth:`replay_prologue`)
 and advances the offset by the whole graph's increment, so replays draw fresh
 numbers and the offsets advance exactly as if the work had run eagerly.
 
+The state lives in a :class:`_State` the generator points to (torch's
+``CUDAGeneratorState``): :meth:`Generator.graphsafe_get_state` returns a generator
+sharing it, :meth:`Generator.graphsafe_set_state` points a generator at another's,
+:meth:`Generator.clone_state` copies seed and offset into a new state with no
+holders, and ``Graph.register_generator_state`` registers a state with a graph
+(its token in :mod:`accel.random` holds the graph's states; a capture registers
+the default generator's current state too).  The holders belong to the state and
+are shared by every graph registered with it; the last graph unregistered (reset
+or collected) frees them.
+
 No method needs the runtime except :meth:`register_graph` (allocates the
 buffer) and :meth:`replay_prologue` (writes it).  Generators are plain Python
 objects: seeding or querying them never initializes a device.
@@ -118,18 +128,22 @@ def _state_bytes(new_state) -> bytes:
     return new_state.tobytes()
 
 
-class Generator:
-    """Philox4x32-10 state ``(seed, offset)`` for one device.
+class _State:
+    """One Philox state (torch's ``CUDAGeneratorState``): seed, offset and the graph-safe fields
+    (capturing flag, intragraph offset, the device holders the captured kernels read and the
+    count of graphs registered with it).  Generators point to one; several may share it
+    (:meth:`Generator.graphsafe_get_state`, :meth:`Generator.graphsafe_set_state`).  It holds
+    no reference to a graph: a graph's token holds its states, so a state lives as long as a
+    generator or a graph uses it."""
 
-    ``Generator(device_index=0, seed=None)``; the default generators of the
-    devices come from :func:`accel.random.default_generator`.  Thread-safe.
-    """
+    __slots__ = ("device_index", "_lock", "_seed", "_offset", "_capturing", "_intragraph",
+                 "_graph_ptrs", "_holders", "_graphs", "__weakref__")
 
-    def __init__(self, device_index: int = 0, seed: Optional[int] = None):
-        self.device_index = _check_device_index(device_index)
+    def __init__(self, device_index: int, seed: int, offset: int = 0):
+        self.device_index = device_index
         self._lock = threading.RLock()
-        self._seed = DEFAULT_SEED if seed is None else check_seed(seed)
-        self._offset = 0
+        self._seed = seed
+        self._offset = offset
         # graph-safe state
         self._capturing = False
         self._intragraph = 0
@@ -138,124 +152,21 @@ class Generator:
         self._graphs = 0                   # registered graphs
 
     def __repr__(self):
-        return f"<accel.random.Generator device={self.device_index} seed={self._seed} offset={self._offset}>"
+        return (f"<accel.random generator state device={self.device_index} seed={self._seed} "
+                f"offset={self._offset}>")
 
-    def __reduce__(self):
-        """pickle, copy.copy and copy.deepcopy give an independent generator with this one's
-        device, seed and offset, as torch.Generator's do: its own lock, outside graph-safe
-        mode and with no share of this one's graph holders (a shallow copy shared them, and
-        pickling failed with "cannot pickle '_thread.RLock' object")."""
-        with self._lock:
-            return (_rebuild_generator, (self.device_index, self._seed, self._offset))
+    @property
+    def capturing(self) -> bool:
+        return self._capturing
 
-    # -- seeding -------------------------------------------------------------------
     def _not_capturing(self, what: str) -> None:
         if self._capturing:
             raise RuntimeError(f"Cannot call {what} on the generator of device {self.device_index} "
                                f"while a graph is being captured")
 
-    def manual_seed(self, seed) -> "Generator":
-        """Set the seed (an integer in [-2**63, 2**64); negatives mod 2**64) and reset the offset to 0.
-        During a capture only the seed in use may be set again (a no-op), as torch's."""
-        value = check_seed(seed)
-        with self._lock:
-            if self._capturing:
-                if value != self._seed:
-                    raise RuntimeError(f"{self._impl_name()}::set_current_seed can be called during stream capture "
-                                       "only if new seed is the same as the original seed.")
-                return self
-            self._seed, self._offset = value, 0
-        return self
-
-    @staticmethod
-    def _impl_name() -> str:
-        from .. import _lazy
-        name = _lazy.lazy_init().name if _lazy.is_initialized() else "cuda"
-        return {"cuda": "CUDAGeneratorImpl", "xpu": "XPUGeneratorImpl", "mps": "MPSGeneratorImpl"}.get(
-            name, "GeneratorImpl")
-
-    def seed(self) -> int:
-        """Seed from a non-deterministic source (53 bits, as torch's CUDA generators); returns it."""
-        value = secrets.randbits(53)
-        with self._lock:
-            self._not_capturing("seed")
-            self._seed, self._offset = value, 0
-        return value
-
-    def initial_seed(self) -> int:
-        """The seed in use (the last one set), as an int in [0, 2**64)."""
-        return self._seed
-
-    @property
-    def offset(self) -> int:
-        """Words consumed so far (a multiple of 4)."""
-        return self._offset
-
-    def set_offset(self, offset: int) -> None:
-        """Set the offset (a non-negative multiple of 4 below 2**63)."""
-        if isinstance(offset, bool) or not hasattr(type(offset), "__index__"):
-            raise TypeError(f"offset must be an int (a multiple of 4 in [0, 2**63)), got "
-                            f"{type(offset).__name__} {offset!r}")
-        offset = operator.index(offset)
-        if offset % 4:
-            raise RuntimeError(f"offset must be a multiple of 4, got {offset}")
-        if not 0 <= offset <= _I64_MAX:
-            raise RuntimeError(f"offset must be in [0, 2**63), got {offset}")
-        with self._lock:
-            self._not_capturing("set_offset")
-            self._offset = offset
-
-    # -- state ---------------------------------------------------------------------
-    def get_state(self):
-        """16 bytes (numpy uint8): seed uint64, then offset int64, little-endian."""
-        import numpy as np
-        with self._lock:
-            raw = struct.pack("<Qq", self._seed, self._offset)
-        return np.frombuffer(raw, dtype=np.uint8).copy()
-
-    def set_state(self, new_state) -> None:
-        """Restore a state from :meth:`get_state` (16 bytes), or 8 bytes (seed; offset 0).
-
-        TypeError for anything but a 1-D uint8 array (or bytes); RuntimeError
-        "RNG state is wrong size" for other lengths and "offset must be a
-        multiple of 4" for a bad offset.  The state is unchanged on error.
-        """
-        seed, offset = self.parse_state(new_state)
-        with self._lock:
-            self._not_capturing("set_state")
-            self._seed, self._offset = seed, offset
-
-    @staticmethod
-    def parse_state(new_state):
-        """``(seed, offset)`` from a state array, with set_state's checks; changes nothing."""
-        raw = _state_bytes(new_state)
-        if len(raw) == 16:
-            seed, offset = struct.unpack("<Qq", raw)
-        elif len(raw) == 8:
-            (seed,), offset = struct.unpack("<Q", raw), 0
-        else:
-            raise RuntimeError(f"RNG state is wrong size: expected 16 bytes (seed and offset) or 8 "
-                               f"(seed only), got {len(raw)}")
-        if offset % 4:
-            raise RuntimeError(f"offset must be a multiple of 4, got {offset}")
-        if offset < 0:
-            raise RuntimeError(f"offset must be non-negative, got {offset}")
-        return seed, offset
-
     # -- drawing -------------------------------------------------------------------
-    def reserve(self, increment: int) -> int:
-        """Reserve ``increment`` words eagerly: return the offset to use and advance
-        it by ``increment`` rounded up to a multiple of 4."""
-        return self.philox_args(increment, graph=False).offset
-
     def philox_args(self, increment: int, graph: Optional[bool] = None) -> PhiloxArgs:
-        """Reserve ``increment`` words; the seed/offset (or device pointers) a fill uses.
-
-        ``graph``: whether the fill is being captured (its stream is capturing).
-        True takes the words from the intragraph offset (the generator must be in
-        graph-safe mode); False draws eagerly even while a capture is in progress
-        elsewhere; None follows the generator's mode.
-        """
+        """See :meth:`Generator.philox_args`."""
         if increment < 0:
             raise ValueError(f"increment must be >= 0, got {increment}")
         step = (increment + 3) // 4 * 4
@@ -264,9 +175,12 @@ class Generator:
                 graph = self._capturing
             if graph:
                 if not self._capturing:
+                    # (torch: "Attempt to increase offset for a CUDA generator not in capture mode.")
                     raise RuntimeError(
-                        f"{self!r} is not in graph-safe mode, so a captured fill would replay the same "
-                        "numbers every time; draw from the device's default generator while capturing")
+                        f"{self!r} is not in graph-safe mode (no graph being captured has it registered), "
+                        "so a captured fill would replay the same numbers every time: register it with the "
+                        "graph before capture_begin (graph.register_generator_state(generator)), or draw "
+                        "from the device's default generator while capturing")
                 offset = self._intragraph
                 self._intragraph += step
                 return PhiloxArgs(0, offset, *self._graph_ptrs)
@@ -277,11 +191,7 @@ class Generator:
             self._offset = offset + step
             return PhiloxArgs(self._seed, offset)
 
-    # -- graph-safe mode (torch CUDAGeneratorImpl API) -------------------------------
-    @property
-    def capturing(self) -> bool:
-        return self._capturing
-
+    # -- graph-safe mode (torch CUDAGeneratorState) ----------------------------------
     def register_graph(self, graph=None, *, alloc: Optional[Callable[[int], int]] = None,
                        free: Optional[Callable[[int], None]] = None) -> None:
         """A graph will capture fills from this generator: make sure its one-word seed and
@@ -379,3 +289,228 @@ class Generator:
                                    "reseed the generator")
             write(self.device_index, seed_ptr, offset_ptr, seed, offset, stream)
             self._offset = offset + step
+
+
+class Generator:
+    """Philox4x32-10 state ``(seed, offset)`` for one device.
+
+    ``Generator(device_index=0, seed=None)``; the default generators of the
+    devices come from :func:`accel.random.default_generator`.  Thread-safe.
+
+    The state is an object the generator points to (torch's ``CUDAGeneratorState``):
+    :meth:`graphsafe_get_state` returns a generator sharing it, :meth:`graphsafe_set_state`
+    points this generator at another's, :meth:`clone_state` makes an independent copy, and
+    ``Graph.register_generator_state`` registers it with a graph (see
+    :mod:`accel.random.generator`).
+    """
+
+    def __init__(self, device_index: int = 0, seed: Optional[int] = None):
+        self.device_index = _check_device_index(device_index)
+        self._state = _State(self.device_index, DEFAULT_SEED if seed is None else check_seed(seed))
+
+    @classmethod
+    def _with_state(cls, state: _State) -> "Generator":
+        gen = cls.__new__(cls)
+        gen.device_index = state.device_index
+        gen._state = state
+        return gen
+
+    def __repr__(self):
+        st = self._state
+        return f"<accel.random.Generator device={self.device_index} seed={st._seed} offset={st._offset}>"
+
+    def __reduce__(self):
+        """pickle, copy.copy and copy.deepcopy give an independent generator with this one's
+        device, seed and offset, as torch.Generator's do: its own lock, outside graph-safe
+        mode and with no share of this one's graph holders (a shallow copy shared them, and
+        pickling failed with "cannot pickle '_thread.RLock' object")."""
+        st = self._state
+        with st._lock:
+            return (_rebuild_generator, (self.device_index, st._seed, st._offset))
+
+    # the current state's fields (read-only views, for tests and tools)
+    @property
+    def _lock(self):
+        return self._state._lock
+
+    @property
+    def _holders(self):
+        return self._state._holders
+
+    @property
+    def _graphs(self) -> int:
+        return self._state._graphs
+
+    # -- graph-safe states (torch.Generator.graphsafe_get_state & co) --------------
+    def graphsafe_get_state(self) -> "Generator":
+        """A generator pointing to this generator's current state (shared, not copied): draws
+        from either advance both, and registering it with a graph registers this state."""
+        return Generator._with_state(self._state)
+
+    def graphsafe_set_state(self, state: "Generator") -> None:
+        """Make this generator use ``state``'s state object (a generator of the same device,
+        typically from :meth:`graphsafe_get_state` or :meth:`clone_state`).  Allowed during a
+        capture, as torch's: draws then come from that state, which must be registered with
+        the graph being captured."""
+        if not isinstance(state, Generator):
+            raise TypeError(f"graphsafe_set_state expects an accel.random.Generator (from graphsafe_get_state() "
+                            f"or clone_state()), got {type(state).__name__} {state!r}")
+        if state.device_index != self.device_index:
+            raise ValueError(f"graphsafe_set_state: the state is of device {state.device_index} but this "
+                             f"generator is of device {self.device_index}; use a state of device "
+                             f"{self.device_index}")
+        self._state = state._state
+
+    def clone_state(self) -> "Generator":
+        """A generator with a new, independent state: this one's seed and offset, outside
+        graph-safe mode, registered with no graph (its holders are made when it is registered)."""
+        st = self._state
+        with st._lock:
+            if st._capturing:
+                # torch: assertNotCapturing("Cannot call CUDAGeneratorImpl::clone_impl")
+                raise RuntimeError(f"Cannot call clone_state on the generator of device {self.device_index} "
+                                   f"while a graph is being captured: clone it before capture_begin")
+            return Generator._with_state(_State(self.device_index, st._seed, st._offset))
+
+    # -- seeding -------------------------------------------------------------------
+    def _not_capturing(self, what: str) -> None:
+        self._state._not_capturing(what)
+
+    def manual_seed(self, seed) -> "Generator":
+        """Set the seed (an integer in [-2**63, 2**64); negatives mod 2**64) and reset the offset to 0.
+        During a capture only the seed in use may be set again (a no-op), as torch's."""
+        value = check_seed(seed)
+        st = self._state
+        with st._lock:
+            if st._capturing:
+                if value != st._seed:
+                    raise RuntimeError(f"{self._impl_name()}::set_current_seed can be called during stream capture "
+                                       "only if new seed is the same as the original seed.")
+                return self
+            st._seed, st._offset = value, 0
+        return self
+
+    @staticmethod
+    def _impl_name() -> str:
+        from .. import _lazy
+        name = _lazy.lazy_init().name if _lazy.is_initialized() else "cuda"
+        return {"cuda": "CUDAGeneratorImpl", "xpu": "XPUGeneratorImpl", "mps": "MPSGeneratorImpl"}.get(
+            name, "GeneratorImpl")
+
+    def seed(self) -> int:
+        """Seed from a non-deterministic source (53 bits, as torch's CUDA generators); returns it."""
+        value = secrets.randbits(53)
+        st = self._state
+        with st._lock:
+            st._not_capturing("seed")
+            st._seed, st._offset = value, 0
+        return value
+
+    def initial_seed(self) -> int:
+        """The seed in use (the last one set), as an int in [0, 2**64)."""
+        return self._state._seed
+
+    @property
+    def offset(self) -> int:
+        """Words consumed so far (a multiple of 4)."""
+        return self._state._offset
+
+    def get_offset(self) -> int:
+        """The offset (torch.Generator.get_offset): words consumed so far, a multiple of 4."""
+        return self._state._offset
+
+    def set_offset(self, offset: int) -> None:
+        """Set the offset (a non-negative multiple of 4 below 2**63)."""
+        if isinstance(offset, bool) or not hasattr(type(offset), "__index__"):
+            raise TypeError(f"offset must be an int (a multiple of 4 in [0, 2**63)), got "
+                            f"{type(offset).__name__} {offset!r}")
+        offset = operator.index(offset)
+        if offset % 4:
+            raise RuntimeError(f"offset must be a multiple of 4, got {offset}")
+        if not 0 <= offset <= _I64_MAX:
+            raise RuntimeError(f"offset must be in [0, 2**63), got {offset}")
+        st = self._state
+        with st._lock:
+            st._not_capturing("set_offset")
+            st._offset = offset
+
+    # -- state ---------------------------------------------------------------------
+    def get_state(self):
+        """16 bytes (numpy uint8): seed uint64, then offset int64, little-endian."""
+        import numpy as np
+        st = self._state
+        with st._lock:
+            raw = struct.pack("<Qq", st._seed, st._offset)
+        return np.frombuffer(raw, dtype=np.uint8).copy()
+
+    def set_state(self, new_state) -> None:
+        """Restore a state from :meth:`get_state` (16 bytes), or 8 bytes (seed; offset 0).
+
+        TypeError for anything but a 1-D uint8 array (or bytes); RuntimeError
+        "RNG state is wrong size" for other lengths and "offset must be a
+        multiple of 4" for a bad offset.  The state is unchanged on error.
+        """
+        seed, offset = self.parse_state(new_state)
+        st = self._state
+        with st._lock:
+            st._not_capturing("set_state")
+            st._seed, st._offset = seed, offset
+
+    @staticmethod
+    def parse_state(new_state):
+        """``(seed, offset)`` from a state array, with set_state's checks; changes nothing."""
+        raw = _state_bytes(new_state)
+        if len(raw) == 16:
+            seed, offset = struct.unpack("<Qq", raw)
+        elif len(raw) == 8:
+            (seed,), offset = struct.unpack("<Q", raw), 0
+        else:
+            raise RuntimeError(f"RNG state is wrong size: expected 16 bytes (seed and offset) or 8 "
+                               f"(seed only), got {len(raw)}")
+        if offset % 4:
+            raise RuntimeError(f"offset must be a multiple of 4, got {offset}")
+        if offset < 0:
+            raise RuntimeError(f"offset must be non-negative, got {offset}")
+        return seed, offset
+
+    # -- drawing -------------------------------------------------------------------
+    def reserve(self, increment: int) -> int:
+        """Reserve ``increment`` words eagerly: return the offset to use and advance
+        it by ``increment`` rounded up to a multiple of 4."""
+        return self.philox_args(increment, graph=False).offset
+
+    def philox_args(self, increment: int, graph: Optional[bool] = None) -> PhiloxArgs:
+        """Reserve ``increment`` words of the current state; the seed/offset (or device
+        pointers) a fill uses.
+
+        ``graph``: whether the fill is being captured (its stream is capturing).
+        True takes the words from the intragraph offset (the state must be in
+        graph-safe mode: registered with the graph being captured); False draws
+        eagerly even while a capture is in progress elsewhere; None follows the
+        state's mode.
+        """
+        return self._state.philox_args(increment, graph)
+
+    # -- graph-safe mode of the current state (torch CUDAGeneratorImpl API) ---------
+    @property
+    def capturing(self) -> bool:
+        return self._state._capturing
+
+    def register_graph(self, graph=None, *, alloc: Optional[Callable[[int], int]] = None,
+                       free: Optional[Callable[[int], None]] = None) -> None:
+        """See :meth:`_State.register_graph` (the current state)."""
+        self._state.register_graph(graph, alloc=alloc, free=free)
+
+    def unregister_graph(self, graph=None) -> None:
+        self._state.unregister_graph(graph)
+
+    def capture_prologue(self, seed_ptr: Optional[int] = None, offset_ptr: Optional[int] = None) -> None:
+        self._state.capture_prologue(seed_ptr, offset_ptr)
+
+    def capture_epilogue(self) -> int:
+        return self._state.capture_epilogue()
+
+    def replay_prologue(self, wholegraph_increment: int, stream: int = 0,
+                        write: Optional[Callable[[int, int, int, int, int, int], None]] = None,
+                        seed_ptr: Optional[int] = None, offset_ptr: Optional[int] = None) -> None:
+        self._state.replay_prologue(wholegraph_increment, stream, write, seed_ptr, offset_ptr)
