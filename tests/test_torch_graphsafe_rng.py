@@ -219,6 +219,15 @@ def test_registering_or_setting_state_during_capture(sim_graph_backend):
                     R.uniform_(out, generator=loose)     # registered with no capturing graph
                 loose.graphsafe_set_state(gen)           # allowed during capture: now it is
                 R.uniform_(out, generator=loose)
+            # the default generator switched to a state no graph registered: the device is still
+            # capturing, so a second capture on it is refused (accel: one per device)
+            default = R.default_generator(0)
+            mine = default.graphsafe_get_state()
+            default.graphsafe_set_state(late)
+            assert not default.capturing
+            with accel.Stream(0), pytest.raises(RuntimeError, match="another graph is being captured on device 0"):
+                g2.capture_begin()
+            default.graphsafe_set_state(mine)
         finally:
             g.capture_end()
     assert _registered(late) == (0, False) and g2._rng is None

@@ -46,6 +46,7 @@ _generators: Dict[int, Generator] = {}
 def _reset() -> None:
     with _lock:
         _generators.clear()
+        _capturing.clear()
 
 
 _lazy.register_reset_hook(_reset)
@@ -260,14 +261,28 @@ class _GraphRNG:
         self.device_index = None
 
 
-# tokens whose capture is underway (one per device at most): bounded by live captures
-_capturing_tokens: "weakref.WeakSet[_GraphRNG]" = weakref.WeakSet()
+# device -> weak reference to the token whose capture is underway there (one per device):
+# single-key dict operations only (atomic; no lock a finalizer could wait on), and a token
+# collected without its capture ending leaves a dead reference, read as no capture
+_capturing: Dict[int, "weakref.ref[_GraphRNG]"] = {}
 
 
 def _device_capturing(device_index: int) -> bool:
-    """Whether a graph capture whose states follow it is underway on ``device_index``."""
-    return any(t.device_index == device_index for t in list(_capturing_tokens)) or \
+    """Whether a graph capture whose states follow it is underway on ``device_index`` (the
+    default generator's state may have been switched for another during the capture)."""
+    ref = _capturing.get(device_index)
+    token = ref() if ref is not None else None
+    return (token is not None and token.device_index == device_index) or \
         default_generator(device_index).capturing
+
+
+def _not_capturing_anymore(token: _GraphRNG) -> None:
+    index = token.device_index
+    if index is not None:
+        ref = _capturing.get(index)
+        if ref is not None and ref() is token:
+            _capturing.pop(index, None)
+        token.device_index = None
 
 
 def _graph_register(token, generator: Generator) -> _GraphRNG:
@@ -320,7 +335,7 @@ def _graph_capture_begin(device_index: int, token=None) -> _GraphRNG:
             state.capture_prologue()
             token.capturing.append(state)
         token.device_index = device_index
-        _capturing_tokens.add(token)
+        _capturing[device_index] = weakref.ref(token)
     except BaseException:
         _undo_capture(token)
         raise
@@ -329,8 +344,7 @@ def _graph_capture_begin(device_index: int, token=None) -> _GraphRNG:
 
 def _undo_capture(token: _GraphRNG) -> None:
     """Leave graph-safe mode and unregister the implicit default state (each attempted)."""
-    _capturing_tokens.discard(token)
-    token.device_index = None
+    _not_capturing_anymore(token)
     capturing, token.capturing = token.capturing, []
     implicit, token.implicit = token.implicit, None
     try:
@@ -352,7 +366,7 @@ def _graph_capture_end(token: _GraphRNG) -> None:
         if state.capturing:
             token.states[state] = state.capture_epilogue()
         token.capturing.pop()
-    _capturing_tokens.discard(token)
+    _not_capturing_anymore(token)
 
 
 def _graph_capture_abort(token):
@@ -371,7 +385,7 @@ def _graph_release(token: _GraphRNG) -> None:
     states = list(token.states)
     token.states.clear()
     token.implicit = None
-    _capturing_tokens.discard(token)
+    _not_capturing_anymore(token)
     _release_states(states, token)
 
 
