@@ -225,6 +225,11 @@ def _capture_other(ctx, d):
         g.replay()
 
 
+def _register_state(ctx, d):
+    g = ctx.keep(Graph())
+    g.register_generator_state(accel.random.Generator(d))
+
+
 def _graph_enter(ctx, d):
     g = ctx.keep(Graph())
     with ctx.side[d]:
@@ -427,6 +432,7 @@ ROWS = {
     # Graph: a graph captured before, on device d
     "accel.Graph.capture_begin": Row(_capture_other),
     "accel.Graph.capture_end": Row(_capture_other),
+    "accel.Graph.register_generator_state": Row(_register_state),
     "accel.Graph.__enter__": Row(_graph_enter, unsafe=True, invalid=_on_capturing_device),
     "accel.Graph.__exit__": Row(_graph_enter, unsafe=True, invalid=_on_capturing_device),
     "accel.Graph.instantiate": Row(lambda c, d: c.graph[d].instantiate()),
