@@ -92,12 +92,21 @@ class Engine:
         self.on_error = on_error
         self.on_retire = on_retire  # called (lock held) when a closed queue has drained
         self.queues = {}            # live and draining queues (dict as an ordered set; for shutdown)
+        self._closed_later = collections.deque()    # see close_later
         _engines.add(self)
 
     def queue(self, label: str, owner=None) -> "Queue":
         q = Queue(self, label, owner)
         with self.lock:
             queues = self.queues
+            later = self._closed_later
+            while later:
+                # closed by close_later (a drained one is retired here, an undrained one by its
+                # worker as it drains): the table holds live queues and the few closed since
+                # the last queue was made, not every queue ever closed
+                x = later.popleft()
+                if x.done >= x.enqueued and x.worker is None:
+                    self._retire(x)
             if len(queues) % 256 == 255:
                 # Queues closed by setting ``closed`` directly (not through close()) and already
                 # drained are forgotten here now and then.
@@ -105,6 +114,14 @@ class Engine:
                     self._retire(x)
             queues[q] = None
         return q
+
+    def close_later(self, q: "Queue") -> None:
+        """:meth:`close` for a caller that may not take the engine lock (it may hold it already:
+        a Metal queue released by a command buffer's completion marker, run under that lock; or
+        it holds a lock the engine's markers take): ``q`` takes no more work, its worker retires
+        it when it drains, and the next :meth:`queue` retires it if it already had."""
+        q.closed = True
+        self._closed_later.append(q)     # (deque.append: atomic, no lock)
 
     def close(self, q: "Queue") -> None:
         """No more work will be submitted to ``q`` (its stream was destroyed): the queued work

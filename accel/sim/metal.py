@@ -783,7 +783,8 @@ class MTLCommandQueue(SimObject):
         self.q = rt.engine.queue(f"metal-queue-{self.addr:#x}", owner=self)
 
     def dealloc(self):
-        self.q.closed = True  # committed buffers hold the queue: nothing is pending here
+        # committed buffers hold the queue: nothing is pending here
+        self.rt.engine.close_later(self.q)
 
     def m_commandBuffer(self):
         return self.rt.autorelease(MTLCommandBuffer(self.rt, self))

@@ -1126,7 +1126,7 @@ def zeEventDestroy(hEvent):
         rt._forget(ev)
         if ev.pool.events.get(ev.index) is ev:
             del ev.pool.events[ev.index]
-    ev.eq.closed = True   # lets the engine forget the event's queue
+    rt.engine.close_later(ev.eq)   # lets the engine forget the event's queue
     return 0
 
 
@@ -1328,7 +1328,7 @@ def zeCommandListDestroy(hCommandList):
     rt._forget(cl)
     cl.ops = []
     if cl.queue is not None:
-        cl.queue.closed = True
+        rt.engine.close_later(cl.queue)
     return 0
 
 
@@ -1715,7 +1715,7 @@ def zeCommandQueueDestroy(hCommandQueue):
     if not cq.queue.idle():
         return rt.C.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE
     rt._forget(cq)
-    cq.queue.closed = True
+    rt.engine.close_later(cq.queue)
     return 0
 
 
