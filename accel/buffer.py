@@ -400,11 +400,13 @@ class Buffer:
     # -- identity ----------------------------------------------------------------
     @property
     def ptr(self) -> int:
+        """The device address of the first byte (RuntimeError once closed)."""
         self._live()
         return self._ptr
 
     @property
     def nbytes(self) -> int:
+        """The size in bytes, as asked for."""
         return self._nbytes
 
     def __len__(self) -> int:
@@ -412,10 +414,12 @@ class Buffer:
 
     @property
     def device(self) -> device:
+        """The device the memory is on."""
         return device(self._backend.name, self._index)
 
     @property
     def device_index(self) -> int:
+        """The index of :attr:`device`."""
         return self._index
 
     @property

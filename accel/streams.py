@@ -448,6 +448,7 @@ class Stream:
     # -- identity --------------------------------------------------------------
     @property
     def device(self) -> device:
+        """The stream's device (torch's ``Stream.device``)."""
         return device(self._backend.name, self._index)
 
     @property
@@ -500,6 +501,7 @@ class Stream:
 
     @property
     def closed(self) -> bool:
+        """Whether :meth:`close` was called (the handle is released; the object refuses use)."""
         return self._closed
 
     def __eq__(self, other):

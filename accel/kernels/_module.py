@@ -172,6 +172,7 @@ class Module:
 
     @property
     def device_index(self) -> int:
+        """The index of the device the module is loaded on."""
         return self._index
 
     @property
@@ -181,6 +182,7 @@ class Module:
 
     @property
     def closed(self) -> bool:
+        """Whether the module was unloaded (:meth:`close`); its kernels then refuse to launch."""
         return self._handle is None
 
     _closed = closed    # what accel.Graph.replay checks of the objects a capture keeps
@@ -309,10 +311,12 @@ class Kernel:
 
     @property
     def device(self):
+        """The device of the kernel's module."""
         return self.module.device
 
     @property
     def device_index(self) -> int:
+        """The index of :attr:`device`."""
         return self._index
 
     def _attributes(self) -> dict:

@@ -494,6 +494,7 @@ class Generator:
     # -- graph-safe mode of the current state (torch CUDAGeneratorImpl API) ---------
     @property
     def capturing(self) -> bool:
+        """Whether the current state is in graph-safe mode (a capture drawing from it is underway)."""
         return self._state._capturing
 
     def register_graph(self, graph=None, *, alloc: Optional[Callable[[int], int]] = None,
@@ -502,15 +503,19 @@ class Generator:
         self._state.register_graph(graph, alloc=alloc, free=free)
 
     def unregister_graph(self, graph=None) -> None:
+        """See :meth:`_State.unregister_graph` (the current state)."""
         self._state.unregister_graph(graph)
 
     def capture_prologue(self, seed_ptr: Optional[int] = None, offset_ptr: Optional[int] = None) -> None:
+        """See :meth:`_State.capture_prologue` (the current state)."""
         self._state.capture_prologue(seed_ptr, offset_ptr)
 
     def capture_epilogue(self) -> int:
+        """See :meth:`_State.capture_epilogue` (the current state)."""
         return self._state.capture_epilogue()
 
     def replay_prologue(self, wholegraph_increment: int, stream: int = 0,
                         write: Optional[Callable[[int, int, int, int, int, int], None]] = None,
                         seed_ptr: Optional[int] = None, offset_ptr: Optional[int] = None) -> None:
+        """See :meth:`_State.replay_prologue` (the current state)."""
         self._state.replay_prologue(wholegraph_increment, stream, write, seed_ptr, offset_ptr)
