@@ -89,6 +89,22 @@ def census() -> dict:
             seen.add(id(obj))
             for name, v in _attrs(obj):
                 visit(v, f"{path}.{name}", depth + 1)
+        elif isinstance(obj, threading.local):         # this thread's values
+            seen.add(id(obj))
+            for name, v in list(vars(obj).items()):
+                visit(v, f"{path}.{name}", depth + 1)
+
+    def visit_class(cls, path):
+        # class-level state (a cache or table in the class body), and lru_caches
+        for name, v in list(vars(cls).items()):
+            if name.startswith("__"):
+                continue
+            if hasattr(v, "cache_info"):
+                out[f"{path}.{name}.cache"] = v.cache_info().currsize
+            elif isinstance(v, (staticmethod, classmethod)) and hasattr(v.__func__, "cache_info"):
+                out[f"{path}.{name}.cache"] = v.__func__.cache_info().currsize
+            elif not isinstance(v, (types.FunctionType, property, staticmethod, classmethod, type)):
+                visit(v, f"{path}.{name}", 0)
 
     # the owners first, so an object shared by several (a backend, an allocator) is counted
     # under the same path in every census whatever else holds it now
@@ -99,7 +115,13 @@ def census() -> dict:
         if mod is None or not (name == "accel" or name.startswith("accel.")):
             continue
         for attr, v in list(vars(mod).items()):
-            if not attr.startswith("__"):
+            if attr.startswith("__"):
+                continue
+            if isinstance(v, type) and v.__module__ == name:
+                visit_class(v, f"{name}.{attr}")
+            elif hasattr(v, "cache_info"):
+                out[f"{name}.{attr}.cache"] = v.cache_info().currsize
+            else:
                 visit(v, f"{name}.{attr}", 0)
     from accel import sim
     for k, v in vars(sim.state()).items():
@@ -554,4 +576,90 @@ def test_graph_with_fork_join_external_events_and_host_copies(sim2):
         if i % 4 == 0:
             g.reset()
         del g, s, side, b, c, ext, fork, join
+    soak(cycle)
+
+
+# -- short-lived threads -------------------------------------------------------------------------------------
+def test_threads_that_use_streams_pools_and_captures_then_exit(sim2):
+    """Per-thread state (current streams, use_mem_pool routing, capture modes, the simulators'
+    per-thread streams) goes with the thread."""
+    graphs = _backend().supports_graphs
+
+    def body(i, d, errors):
+        try:
+            s = accel.Stream(d)
+            with s:
+                b = accel.Buffer(2048, device=d)
+                b.fill_(1)
+                accel.current_stream(d).synchronize()
+            accel.set_stream(accel.Stream(d))          # left current when the thread ends
+            with accel.device_index(d):
+                pool = accel.memory.MemPool()
+            with accel.memory.use_mem_pool(pool, device=d):
+                c = accel.Buffer(1024, device=d)
+                c.fill_(2)
+            if graphs and i % 3 == 0:
+                g = accel.Graph(capture_error_mode="thread_local")
+                with s, g:
+                    b.fill_(3)
+                g.replay()
+            accel.synchronize(d)
+        except BaseException as exc:   # reported by the cycle
+            errors.append(exc)
+
+    def cycle(i, d):
+        errors = []
+        t = threading.Thread(target=body, args=(i, d, errors))
+        t.start()
+        t.join()
+        assert not errors, errors[0]
+    soak(cycle)
+
+
+def test_graphs_with_registered_user_generators(sim2):
+    """User generators (and their cloned / graph-safe states) registered with graphs, drawn from
+    in the capture, replayed, then graph and generators dropped (r44's graph-safe states)."""
+    _needs_graphs()
+    if not _philox_kernels() or not hasattr(accel.Graph, "register_generator_state"):
+        pytest.skip("no capturable Philox kernels / no Graph.register_generator_state")
+
+    def cycle(i, d):
+        s = accel.Stream(d)
+        b = accel.Buffer(4096, device=d, stream=s)
+        gen = accel.random.Generator(d, seed=i)
+        state = gen.clone_state() if i % 2 else gen.graphsafe_get_state()
+        g = accel.Graph()
+        g.register_generator_state(gen)
+        if i % 2:
+            g.register_generator_state(state)        # a state of its own
+        with s, g:
+            accel.random.uniform_(b, generator=state)
+            accel.random.normal_(b, generator=gen)
+        g.replay()
+        g.replay()
+        if i % 2 == 0:
+            g.reset()
+        elif i % 4 == 1:
+            _Cycle(g, gen, state)
+        del g, gen, state, s, b
+    soak(cycle)
+
+
+def test_graphs_and_streams_under_the_async_allocator(sim2, monkeypatch):
+    """backend:cudaMallocAsync: the graph's own allocations (its token) and the stream-ordered
+    frees of dropped streams leave nothing behind."""
+    if not getattr(_backend(), "supports_async_alloc", False):
+        pytest.skip(f"{_backend().name}: no stream-ordered allocator")
+    monkeypatch.setenv("ACCEL_ALLOC_CONF", "backend:cudaMallocAsync")
+    accel._lazy._reset_for_tests()
+
+    def cycle(i, d):
+        _graph_cycle(i, d)
+        s = accel.Stream(d)
+        b = accel.Buffer(8192, device=d, stream=s)
+        b.fill_(1, stream=s)
+        del s
+        if i % 2:
+            _Cycle(b)
+        del b
     soak(cycle)
