@@ -663,3 +663,27 @@ def test_graphs_and_streams_under_the_async_allocator(sim2, monkeypatch):
             _Cycle(b)
         del b
     soak(cycle)
+
+
+def test_mempool_shared_with_a_graph(sim2):
+    """A MemPool's id given to a capture (torch: graph(g, pool=mempool.id)); pool and graph dropped
+    in either order."""
+    _needs_graphs()
+
+    def cycle(i, d):
+        with accel.device_index(d):
+            pool = accel.memory.MemPool()
+            s = accel.Stream(d)
+            g = accel.Graph()
+            with accel.graphs.graph(g, pool=pool.id, stream=s):
+                b = accel.Buffer(4096, device=d)
+                b.fill_(5)
+            g.replay()
+        if i % 2:
+            del pool
+            g.reset()
+        else:
+            del g
+            del pool
+        del b, s
+    soak(cycle)
