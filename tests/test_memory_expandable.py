@@ -464,3 +464,41 @@ def test_list_edits_keep_the_free_list_sorted():
             if p >= 0:
                 got[p:p] = (k,)
         assert got == want, (keys, gone, new)
+
+
+@pytest.mark.parametrize("sim_name", ["cuda", "xpu"])
+def test_dropped_streams_leave_no_reservations_behind(monkeypatch, sim_name):
+    """E11, state bounded by live streams: each stream's expandable segment is an address range
+    the size of the device.  A stream made, used and dropped in a loop below an earlier high-
+    water mark (no unmap pass comes) left its range and its free pages mapped: 100 dropped
+    streams kept 101 reservations and 200 MiB.  Once the work of a dropped stream is done, the
+    free pieces of its segment are unmapped (its work, the only work that can touch a free
+    block of it, is known complete: no device synchronize) and the range freed.  On the
+    non-current device too."""
+    import gc
+    import accel
+    from accel import memory
+    use_sim(monkeypatch, sim_name)
+    try:
+        dev = accel.device_count() - 1
+        alloc = memory.device_allocator(dev)
+        big = accel.Buffer(256 * MiB, dev)             # a high-water mark far above the loop's needs
+        del big
+        before = len(alloc._exp_segs)
+        for _ in range(40):
+            s = accel.Stream(dev)
+            b = accel.Buffer(2 * MiB, dev, stream=s)
+            b.fill_(1, stream=s)
+            del b
+            s.close()
+            del s
+            gc.collect()
+        keep = accel.Buffer(MiB, dev)                  # a later malloc settles what is pending
+        assert len(alloc._exp_segs) <= before + 1, f"{len(alloc._exp_segs) - before} reservations of dropped streams"
+        st = alloc.stats()
+        assert st["reserved_bytes.all.current"] <= 256 * MiB + 4 * MiB
+        del keep
+        alloc.empty_cache()
+        assert alloc.stats()["reserved_bytes.all.current"] == 0
+    finally:
+        sim.reset()

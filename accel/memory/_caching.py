@@ -2220,6 +2220,30 @@ class DeviceCachingAllocator:
         self._exp_drop_orphans()
         return done
 
+    def _exp_unmap_idle(self, segs: List[_ExpSegment]) -> None:
+        """Unmap the free pieces of destroyed streams' segments ``segs`` once the work of those
+        streams is known complete (_rehome runs when the event covering it did), so that their
+        reservations go (E11: bounded by live streams, not by every stream ever made).  No device
+        synchronize is needed (E7): a free block of a segment is touched by no queued work but its
+        own stream's, which is done; uses recorded on other streams keep a block pending, not
+        free.  Best effort: a vendor error leaves the rest for the next unmap pass."""
+        gran = self._gran
+        victims = []
+        for seg in segs:
+            for block in seg.blocks():
+                if block.state == _FREE and block.size >= gran:
+                    victims += [(addr, n, seg, block) for addr, n in seg.maps_within(block.ptr, block.ptr + block.size)]
+        if not victims:
+            return
+        victims.sort(key=lambda v: -v[0])       # highest first: an unmap keeps a free block's low part
+        try:
+            with self._on_device():
+                for addr, n, seg, block in victims:
+                    self._exp_unmap_one(seg, block, addr, n)
+            self._exp_release()
+        except Exception:
+            self._be.clear_error()              # what is still mapped waits in _unreleased, counted
+
     def _exp_drop(self, seg: _ExpSegment) -> None:
         """Free the reservation of a segment with nothing mapped (one unmapped block).  A
         failure keeps the segment, to be freed at a later unmap; it is not raised, as this
@@ -2523,6 +2547,7 @@ class DeviceCachingAllocator:
         steps = []
         released = []
         drop = False
+        dead = []           # the destroyed stream's expandable segments
         for owner, pair in retired.lists:
             lists = owner.lists if owner is not None else self._general
             targets = lists.get(default) or self._new_lists(default, owner)
@@ -2541,6 +2566,7 @@ class DeviceCachingAllocator:
                     for seg in self._exp_segs:
                         if seg.head.pool is fl:
                             steps += [partial(setattr, block, "pool", target) for block in seg.blocks()]
+                            dead.append(seg)
                     if target.exp is None:
                         steps.append(partial(setattr, target, "exp", fl.exp))
                     steps.append(partial(setattr, fl, "exp", None))
@@ -2556,6 +2582,8 @@ class DeviceCachingAllocator:
             steps.append(partial(operator.delitem, events, -1))
         steps.append(partial(setattr, retired, "events", 0))
         _locks.publish(steps)
+        if dead and not capture_underway(self._be):
+            self._exp_unmap_idle(dead)
         if drop:
             self._exp_drop_orphans()
         for owner, targets in released:

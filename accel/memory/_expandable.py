@@ -22,7 +22,9 @@ Invariants (checked by ``tests/test_memory_expandable.py`` after every operation
 * E6  nothing is mapped or unmapped while a stream capture is underway (the backend
       refuses: a capture-time miss in the general cache takes a classic segment);
 * E7  before a mapping is unmapped, the device was synchronized (cuMemUnmap does not
-      wait for queued work);
+      wait for queued work), or, for the free pieces of a destroyed stream's segment, the
+      event covering that stream's work completed (the only work a free block of it can
+      have queued; ``_exp_unmap_idle``);
 * E8  (retired: small requests now share the large pool's range, E12, where a small block
       may cross a page boundary as any block does);
 * E9  physical memory is created and mapped in pieces (``pieces``): a new page the request's
@@ -37,7 +39,8 @@ Invariants (checked by ``tests/test_memory_expandable.py`` after every operation
 * E10 reserved memory passes its high-water mark only after every free piece was
       unmapped (``_exp_unmap``), or while a capture is underway (classic segments);
 * E11 reservations are bounded by live streams: a destroyed stream's segment joins the
-      default stream's lists and its reservation is freed once nothing in it is mapped;
+      default stream's lists once its work is done, its free pieces are unmapped then, and
+      its reservation is freed once nothing in it is mapped (blocks still allocated keep it);
       empty_cache frees every reservation with nothing mapped; a first request that
       fails leaves no reservation behind; a reservation the driver refuses for want of
       address space (out of memory from cuMemAddressReserve / zeVirtualMemReserve, the
