@@ -492,7 +492,7 @@ def test_dropped_streams_leave_no_reservations_behind(monkeypatch, sim_name):
             del b
             s.close()
             del s
-            gc.collect()
+        gc.collect()
         keep = accel.Buffer(MiB, dev)                  # a later malloc settles what is pending
         assert len(alloc._exp_segs) <= before + 1, f"{len(alloc._exp_segs) - before} reservations of dropped streams"
         st = alloc.stats()

@@ -192,7 +192,15 @@ def soak(cycle, *, every=EVERY, blocks=BLOCKS):
 
 @pytest.fixture(params=SIMS)
 def sim2(request, monkeypatch):
-    return use_sim(monkeypatch, request.param, ACCEL_SIM_DEVICES=2)
+    # The cycles collect garbage often; in the whole suite's process (torch imported, thousands of
+    # tests' objects) a full collection walks all of it: frozen, earlier tests' objects are skipped
+    # (this file took 5 minutes of the suite, 20 s alone).
+    gc.collect()
+    gc.freeze()
+    try:
+        yield use_sim(monkeypatch, request.param, ACCEL_SIM_DEVICES=2)
+    finally:
+        gc.unfreeze()
 
 
 def test_census_catches_a_registry_that_grows(sim2, monkeypatch):
