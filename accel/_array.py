@@ -569,7 +569,7 @@ class _source:
         self.view, self.src, self.stream, self.release = view, src, stream, None
 
     def __enter__(self):
-        view, src, stream = self.view, self.src, self.stream
+        view, src = self.view, self.src
         buffer = view._buffer
         if isinstance(src, np.ndarray):
             if src.dtype.hasobject:

@@ -4,8 +4,6 @@ and the public members of the classes users make."""
 
 import inspect
 
-import pytest
-
 import accel
 import accel.memory
 import accel.random
