@@ -2201,12 +2201,22 @@ class DeviceCachingAllocator:
         # cuMemUnmap does not wait for queued work (torch synchronizes the segment's stream);
         # the whole device, as cudaFree does, because a block's last users may be other streams
         # whose events completed but whose handles are gone.
+        done = self._exp_unmap_pieces(victims, synchronize=True)
+        self._exp_drop_orphans()
+        return done
+
+    def _exp_unmap_pieces(self, victims: list, synchronize: bool) -> int:
+        """Unmap the free pieces ``victims`` (``(address, size, segment, free block)``, each a
+        whole mapping) and release their physical memory; the device synchronized first when
+        ``synchronize`` (E7).  Returns the bytes unmapped.  On a failure what was unmapped
+        before it is released (or waits in ``_unreleased``, counted) and the error propagates."""
         # highest address first: unmapping splits a free block, keeping its low part
         victims.sort(key=lambda v: -v[0])
         done = 0
         try:
             with self._on_device():
-                self._be.device_synchronize()
+                if synchronize:
+                    self._be.device_synchronize()
                 for addr, n, seg, block in victims:
                     self._exp_unmap_one(seg, block, addr, n)
                     done += n
@@ -2217,7 +2227,6 @@ class DeviceCachingAllocator:
                 self._be.clear_error()       # stays counted in _unreleased; the first error propagates
             raise
         self._exp_release()                  # the physical memory of every unmapped piece, in one pass
-        self._exp_drop_orphans()
         return done
 
     def _exp_unmap_idle(self, segs: List[_ExpSegment]) -> None:
@@ -2235,12 +2244,8 @@ class DeviceCachingAllocator:
                     victims += [(addr, n, seg, block) for addr, n in seg.maps_within(block.ptr, block.ptr + block.size)]
         if not victims:
             return
-        victims.sort(key=lambda v: -v[0])       # highest first: an unmap keeps a free block's low part
         try:
-            with self._on_device():
-                for addr, n, seg, block in victims:
-                    self._exp_unmap_one(seg, block, addr, n)
-            self._exp_release()
+            self._exp_unmap_pieces(victims, synchronize=False)
         except Exception:
             self._be.clear_error()              # what is still mapped waits in _unreleased, counted
 
