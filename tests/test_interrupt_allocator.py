@@ -226,8 +226,9 @@ def _ops(w: World, tag: str):
         rs("a", w.side0, 0), rs("c", w.side1, 1), rs("h", w.side0, 0), rs("b", w.side1, 1),
         f("a"), f("c"), f("h"), f("x"),
         ("sync", sync),
+        m("q", E, MiB - 1024, w.s0),    # the high end of a's free block, in the page b holds (E13)
         m("e", E, 2 * MiB, w.s0), m("g", C, MiB + 1, w.s1), hm("h2", 1000),
-        m("big", E, 40 * MiB, w.s0), f("big"), f("b"),
+        m("big", E, 40 * MiB, w.s0), f("big"), f("b"), f("q"),
         call("empty_cache exp", E.empty_cache),
         m("k", E, 12 * MiB, w.s0), m("y", C, 24 * MiB, w.s1), f("d"), f("y"),
         call("empty_cache classic", C.empty_cache),

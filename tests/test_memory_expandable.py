@@ -502,3 +502,48 @@ def test_dropped_streams_leave_no_reservations_behind(monkeypatch, sim_name):
         assert alloc.stats()["reserved_bytes.all.current"] == 0
     finally:
         sim.reset()
+
+
+@pytest.mark.parametrize("history", [False, True])
+@pytest.mark.parametrize("index", [0, 1])
+def test_a_split_block_goes_to_the_end_that_pins_no_new_page(be, index, history):
+    """E13: a request carved out of a larger free block takes the end of it that touches fewer
+    pages no live block holds.  A 3 MiB block at the range's start and a 1 MiB one after it
+    share page 1; once the first is freed, a 512 KiB request taken from the low end would pin
+    page 0 as well, so it goes to the high end, inside page 1, and the unmap pass frees page 0.
+    Recording history (malloc's general path) must not change where blocks go."""
+    alloc = make(be, index)
+    if history:
+        alloc.record_history(True)
+    stream = be.default_stream(index)
+    x = alloc.malloc(3 * MiB, stream)
+    r = alloc.malloc(MiB, stream)
+    assert r == x + 3 * MiB
+    alloc.free(x)
+    small = alloc.malloc(512 << 10, stream)
+    assert small == r - (512 << 10), "carved from the low end: page 0 pinned as well"
+    check(alloc)
+    alloc.empty_cache()
+    stats = check(alloc)
+    assert stats["reserved_bytes.all.current"] == G
+    assert stats["allocated_bytes.all.current"] == MiB + (512 << 10)
+    alloc.free(small)
+    tail = alloc.malloc(2 * MiB + (512 << 10), stream)   # low end again: pins no more
+    check(alloc)
+    for p in (tail, r):
+        alloc.free(p)
+    alloc.empty_cache()
+    assert alloc.stats()["reserved_bytes.all.current"] == 0 and sim.state().vmm_mappings == 0
+
+
+@pytest.mark.parametrize("a, b, size, expected", [
+    (0, 3 * MiB, 512 << 10, True),                 # the right end shares page 1: no new page
+    (0, 4 * MiB, 512 << 10, False),                # both ends page-aligned: the low end
+    (MiB, 4 * MiB, 512 << 10, False),              # the left end shares page 0: the low end
+    (MiB + (512 << 10), 3 * MiB, MiB, False),      # one shared page each side, a tie: the low end
+    (3 * MiB // 2, 8 * MiB - (128 << 10), 2 * MiB + (640 << 10), True),   # low pins pages 1-2, high 2
+    (3 * MiB // 2, 5 * MiB + MiB // 2, 2 * MiB + MiB // 2, False),       # one new page either way
+    (MiB, MiB + (512 << 10), 256 << 10, False),    # inside one page shared on both sides
+])
+def test_high_end_pins_fewer(a, b, size, expected):
+    assert _expandable.high_end_pins_fewer(a, b, size, G) is expected

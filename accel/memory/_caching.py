@@ -38,9 +38,10 @@ Where the backend has virtual memory (CUDA, Level Zero) the general cache grows
 classic segments above; ``policy:torch`` keeps torch's default, off): one reserved
 address range per stream, for small and large requests alike, whose pages are mapped
 and unmapped on demand, so fragmentation across segments costs no physical memory
-(``_expandable``, invariants E1-E12; within 8 % of peak allocated on 10 of 11 recorded
-traces, 26 of 33 with the held-out ones).  Graph private pools and misses during a
-capture keep classic segments.
+(``_expandable``, invariants E1-E13; within 8 % of peak allocated on 10 of 11 recorded
+traces, 26 of 33 with the held-out ones).  A block carved out of a larger free block of
+such a segment takes the end that touches fewer pages no live block holds (E13).  Graph
+private pools and misses during a capture keep classic segments.
 
 Streams are forgotten when they are destroyed (``forget_stream``, called by
 ``accel.streams`` just before the handle is destroyed, because the driver
@@ -105,7 +106,7 @@ from . import _config, _stats
 from ._snapfmt import CTX_ALL as _CTX_ALL, CTX_ALLOC as _CTX_ALLOC, Symbols as _Symbols
 from ._snapfmt import allocator_settings as _allocator_settings, stack as _stack, trace_entry as _trace_entry
 from ._expandable import (PIECE_SHARE as _PIECE_SHARE, UNMAPPED as _UNMAPPED, Segment as _ExpSegment,
-                          pieces as _pieces, place as _place)
+                          high_end_pins_fewer as _high_end_pins_fewer, pieces as _pieces, place as _place)
 from ._stats import (ACTIVE, ACTIVE_BYTES, ALLOCATED_BYTES, ALLOCATION, INACTIVE_SPLIT,
                      INACTIVE_SPLIT_BYTES, LANE_MASK, OVERSIZE_ALLOCATIONS, OVERSIZE_SEGMENTS,
                      REQUESTED_BYTES, RESERVED_BYTES, SEGMENT, raise_peaks, unpack)
@@ -634,6 +635,13 @@ class DeviceCachingAllocator:
             # then count an allocation a KeyboardInterrupt stopped, never less than one made).
             keys = fl.keys
             rest = block.size - size
+            if (rest >= fl.split_min and block.seg is not None and (block.ptr + block.size) % self._gran
+                    and size < self._max_split
+                    and _high_end_pins_fewer(block.ptr, block.ptr + block.size, size, self._gran)):
+                block = self._hand_out_high(block, fl, i, size, nbytes, ref)     # E13
+                if special:
+                    self._after_take(block, fl)
+                return block.ptr
             if rest >= fl.split_min and size < self._max_split:
                 tptr = block.ptr + size
                 nxt = block.next
@@ -1622,43 +1630,57 @@ class DeviceCachingAllocator:
         block = self._blocks[keys[i] & _MASK]
         if block.size >= self._max_split or block.seg is not None:
             return None
-        rest = block.size - size
-        if rest == 0:
+        if block.size == size:
             return block                    # malloc takes it as it takes a found block
+        high = self._hand_out_high(block, large, i, size, nbytes, self._miss_ref)
+        if self._special:
+            self._after_take(high, large)
+        return high
+
+    def _hand_out_high(self, block: _Block, fl: _FreeList, i: int, size: int, nbytes: int, ref) -> _Block:
+        """Split the free ``block`` (``fl.keys[i]``, larger than ``size``) and hand out its high
+        ``size`` bytes, allocated for ``nbytes``, owned by ``ref``; the low rest stays free next
+        to its lower neighbour.  Returns the new block (the caller runs _after_take).
+
+        Interrupt safety: computed first, then the split and the hand-out published in one step
+        with plain stores (no KeyboardInterrupt between them): a split published before the
+        hand-out would leave two adjacent free blocks if interrupted."""
+        keys = fl.keys
+        rest = block.size - size
         was_split = block.prev is not None or block.next is not None
         nxt = block.next
-        high = _Block(block.ptr + rest, size, large, block, nxt)
+        high = _Block(block.ptr + rest, size, fl, block, nxt)
+        high.seg = block.seg
         # packed counters: ``block`` shrinks by ``size``, or, if it was a whole segment, becomes
         # a split block; ``high`` is counted as an inactive split block made and taken, as
         # malloc counts a split block it takes
-        w = large.split_deltas.get(size) or large.split_delta(size)
-        high.stat = v = large.lanes(1 | size << 64 | nbytes << 128)
+        w = fl.split_deltas.get(size) or fl.split_delta(size)
+        high.stat = v = fl.lanes(1 | size << 64 | nbytes << 128)
         high.requested = nbytes
         freed = w
         if was_split:
-            shrink = large.lanes(size << (_ISPLIT + 64))
+            shrink = fl.lanes(size << (_ISPLIT + 64))
             d = v - shrink
             freed += shrink
         else:
-            d = v + (large.split_deltas.get(rest) or large.split_delta(rest))
+            d = v + (fl.split_deltas.get(rest) or fl.split_delta(rest))
         cur = self._s_cur + d
         if (self._s_peak_guarded - cur) & _GUARD != _GUARD:      # raised early, as malloc's
             self._s_peak_guarded = raise_peaks(self._s_peak_guarded, cur, _GUARD)
         new = keys[:i] + keys[i + 1:]
         insort(new, rest << _SHIFT | block.ptr)
         # publish (no call)
+        block.undo = 0
         if nxt is not None:
             nxt.prev = high
         block.next = high
         block.size = rest
         self._blocks[high.ptr] = high
         high.state = _ALLOCATED
-        high.ref = self._miss_ref
+        high.ref = ref
         keys[:] = new
         self._s_cur = cur
         self._s_freed += freed
-        if self._special:
-            self._after_take(high, large)
         return high
 
     def _before_grow(self, seg_size: int) -> None:
@@ -1908,9 +1930,9 @@ class DeviceCachingAllocator:
             self._exp_segs.append(seg)
         return seg
 
-    def _exp_create(self, seg: _ExpSegment, plan, size: int) -> Optional[List[Tuple[int, int, int]]]:
+    def _exp_create(self, seg: _ExpSegment, plan, size: int, fl: _FreeList) -> Optional[List[Tuple[int, int, int]]]:
         """Physical memory for the ``need`` bytes at ``addr`` that ``plan`` (from _place)
-        maps for a request of ``size``, one handle per piece (E9):
+        maps for a request of ``size`` from ``fl``, one handle per piece (E9):
         ``[(address, size, handle)]``, or None when the device (or the
         per_process_memory_fraction cap) has no room.  Nothing is kept on any failure.
 
@@ -1921,10 +1943,15 @@ class DeviceCachingAllocator:
         if self._config.per_process_memory_fraction < 1.0:
             if self._cur[RESERVED_BYTES] + need > self._allowed_bytes():
                 return None
-        # the request's block starts where _exp_map's block will (joined with a free block
-        # before the new pages in the large pool), and malloc takes its low `size` bytes
+        # the request's block: the end malloc will take (E13) of the free block _exp_map makes
+        # (the new pages joined with the free blocks before and after them)
         lo = (hole.prev.ptr if addr == hole.ptr and hole.prev is not None
               and hole.prev.state == _FREE else addr)
+        end = addr + need
+        if end == hole.ptr + hole.size and hole.next is not None and hole.next.state == _FREE:
+            end += hole.next.size
+        if end - lo - size >= fl.split_min and size < self._max_split and _high_end_pins_fewer(lo, end, size, self._gran):
+            lo = end - size
         made = []
         kind = seg.kind
         unreleased = self._unreleased
@@ -2000,7 +2027,7 @@ class DeviceCachingAllocator:
                 self._exp_unmap()
                 self._release_until(excess, largest_first=False)     # classic segments, if any
                 plan = _place(seg, size, gran, _FREE)
-        handle = self._exp_create(seg, plan, size) if plan is not None else None
+        handle = self._exp_create(seg, plan, size, fl) if plan is not None else None
         if handle is None:
             if self._pending_events or self._deferred:
                 self._synchronize_and_free_events()
@@ -2012,7 +2039,7 @@ class DeviceCachingAllocator:
             self._exp_unmap()
             self._release_segments()
             plan = _place(seg, size, gran, _FREE)
-            handle = self._exp_create(seg, plan, size) if plan is not None else None
+            handle = self._exp_create(seg, plan, size, fl) if plan is not None else None
             if handle is None:
                 # the OOM names the segment the request's own pool would ask for, as torch's
                 return self._oom(size, self._segment_size(size, _SMALL if size <= SMALL_SIZE else fl.kind), fl)
