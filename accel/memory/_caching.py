@@ -635,13 +635,18 @@ class DeviceCachingAllocator:
             # then count an allocation a KeyboardInterrupt stopped, never less than one made).
             keys = fl.keys
             rest = block.size - size
-            if (rest >= fl.split_min and block.seg is not None and (block.ptr + block.size) % self._gran
-                    and size < self._max_split
-                    and _high_end_pins_fewer(block.ptr, block.ptr + block.size, size, self._gran)):
-                block = self._hand_out_high(block, fl, i, size, nbytes, ref)     # E13
-                if special:
-                    self._after_take(block, fl)
-                return block.ptr
+            if rest >= fl.split_min and block.seg is not None:
+                # E13: the high end when it touches fewer pages no live block holds.  Tested
+                # only where the low end would touch one (most splits fit in the page the left
+                # neighbour holds: no call then)
+                gran = self._gran
+                x = block.ptr % gran
+                if ((x == 0 or x + size > gran) and (block.ptr + block.size) % gran and size < self._max_split
+                        and _high_end_pins_fewer(block.ptr, block.ptr + block.size, size, gran)):
+                    block = self._hand_out_high(block, fl, i, size, nbytes, ref)
+                    if special:
+                        self._after_take(block, fl)
+                    return block.ptr
             if rest >= fl.split_min and size < self._max_split:
                 tptr = block.ptr + size
                 nxt = block.next
@@ -1667,9 +1672,11 @@ class DeviceCachingAllocator:
         cur = self._s_cur + d
         if (self._s_peak_guarded - cur) & _GUARD != _GUARD:      # raised early, as malloc's
             self._s_peak_guarded = raise_peaks(self._s_peak_guarded, cur, _GUARD)
-        new = keys[:i] + keys[i + 1:]
-        insort(new, rest << _SHIFT | block.ptr)
-        # publish (no call)
+        # the rest keeps the block's address with a smaller size, so its key sorts at or before
+        # the block's slot: usually into it (overwritten), else a delete and an insort (malloc's)
+        key = rest << _SHIFT | block.ptr
+        move = i > 0 and keys[i - 1] > key
+        # publish (no call until the insort)
         block.undo = 0
         if nxt is not None:
             nxt.prev = high
@@ -1678,9 +1685,13 @@ class DeviceCachingAllocator:
         self._blocks[high.ptr] = high
         high.state = _ALLOCATED
         high.ref = ref
-        keys[:] = new
         self._s_cur = cur
         self._s_freed += freed
+        if move:
+            del keys[i]
+            insort(keys, key)
+        else:
+            keys[i] = key
         return high
 
     def _before_grow(self, seg_size: int) -> None:
