@@ -89,18 +89,18 @@ def test_request_takes_a_split_segments_free_block_before_carving_a_whole_free_s
     # Best fit would carve 3 MiB out of the whole free 8 MiB segment and pin all of it; the
     # free 12 MiB of the segment the 2 MiB block already pins costs nothing new.
     alloc, be = make()
-    a = alloc.malloc(12 * MiB + MiB // 2)       # 12.5 MiB at the low end of a 14 MiB segment
-    pin = alloc.malloc(MiB + MiB // 2)          # the 1.5 MiB tail of the 14 (a whole free segment
-    b = alloc.malloc(8 * MiB)                   # would not be carved for it: _grow_instead); an 8 MiB one
-    alloc.free(a)                               # the 14's free 12.5 MiB is split, pinned by `pin`
+    a = alloc.malloc(14 * MiB)                  # a 14 MiB segment
+    b = alloc.malloc(8 * MiB)                   # and an 8 MiB one
+    alloc.free(a)
+    pin = alloc.malloc(2 * MiB)                 # 2 MiB of the 14: its 12 MiB rest is split
     alloc.free(b)                               # a whole free 8 MiB segment
     x = alloc.malloc(3 * MiB)
     check_invariants(alloc, be)
-    assert a <= x < a + 14 * MiB
+    assert pin <= x < pin + 14 * MiB
     whole = [b for b in alloc._blocks.values() if b.prev is None and b.next is None]
     assert [b.size for b in whole] == [8 * MiB]       # still whole: release-before-grow can return it
     stats_before = alloc.stats()["reserved_bytes.all.current"]
-    big = alloc.malloc(9 * MiB)                 # fits the 9.5 MiB left in the 14 MiB segment
+    big = alloc.malloc(9 * MiB)                 # fits the 9 MiB left in the 14 MiB segment
     assert alloc.stats()["reserved_bytes.all.current"] == stats_before == 22 * MiB
     drain(alloc, be, [pin, x, big])
 

@@ -19,7 +19,9 @@ baseline and selectable with ``ACCEL_ALLOC_CONF=policy:torch``.  The default
 ``accel`` policy differs where PyTorch loses memory to fragmentation:
 
 * large segments are the request rounded up to 2 MiB (the device's page
-  granule), not 20 MiB for every request under 10 MiB;
+  granule), not 20 MiB for every request under 10 MiB; a request whose rounding
+  would waste over a quarter of its segment, once such sizes recur, gets a segment
+  for two to four of them (``_packed_segment_size``);
 * a large block is split whenever the rest is at least 512 bytes (PyTorch
   keeps up to 1 MiB of slack inside the block);
 * release-before-grow: a new segment that would lift reserved memory above
@@ -508,7 +510,6 @@ class DeviceCachingAllocator:
         self._allowed: Optional[int] = None
         self._reserved_hw = 0          # most memory ever reserved (not reset by reset_peak_stats)
         self._spare: Optional[_Block] = None     # a block object a merge retired, reused by a split
-        self._carve_whole = False     # _malloc_miss's last resort: _find may carve a whole segment
         self._recent_misses = deque(maxlen=64)    # _packed_segment_size: sizes of recent large misses
         self._miss_ref = None     # malloc's owner reference while a miss runs (_small_in_large publishes it)
         # config, cached as attributes for the hot path
@@ -620,17 +621,11 @@ class DeviceCachingAllocator:
                     fl = block.pool      # a small request may get a large-pool block
                     i = self._slot(block)
                 else:
-                    if size > SMALL_SIZE and block.next is None and block.prev is None and block.size > size:
+                    if (size > SMALL_SIZE and block.next is None and block.prev is None
+                            and block.size >= 2 * size):
                         other = self._split_instead(fl, i, block)
                         if other is not None:
                             block = other
-                            i = self._slot(block)
-                        elif self._grow_instead(size, block):
-                            self._miss_ref = ref
-                            block = self._malloc_miss(size, nbytes, fl)
-                            if block.state == _ALLOCATED:
-                                return block.ptr          # _small_in_large handed it out
-                            fl = block.pool
                             i = self._slot(block)
             # Hand the block out, splitting off the rest when it is worth keeping.
             # (Inlined: this is the hot path.)  Interrupt safety (Ctrl-C): everything is
@@ -1532,18 +1527,22 @@ class DeviceCachingAllocator:
         Why: a request just over a 2 MiB multiple wastes nearly half its segment, and the free
         tail is useless to the next request of the same size (a WaveNet-like trace: 48 blocks of
         2.197 MiB live at the peak, each alone in a 4 MiB segment, 1.571 peak reserved / peak
-        live).  Together with _grow_instead (a larger whole free segment is released rather than
-        carved, so the unused room of a packed segment does not outlive its requests as badly
-        as before: without _grow_instead this packing left 179 of 198 over 1.08), measured with
-        tools/replay_trace.py --corpus --holdout --policy none --variant
-        c=expandable_segments:False --no-capacity --rounds 1 (peak reserved / peak live, before ->
-        after both): --perturb 5 mean 1.203 -> 1.146, over 1.08 179 -> 153 of 198, over 1.15 113 ->
-        72, worst 1.891 -> 1.468; --perturb 9 1.210 -> 1.147, 299 -> 251 of 330, 195 -> 131, worst
-        1.891 -> 1.468; --perturb 5 --scale-all 1.193 -> 1.146, 175 -> 147, 107 -> 75, worst 1.617
-        -> 1.623.  Recorded traces: mean 1.161 -> 1.126, over 1.08 26 -> 20 of 33, WaveNet 1.571 ->
-        1.306.  Tried: k up to 3 (over 1.15: 80), 5 (78, worst 1.694) or 9 (76, worst 1.81); one
-        earlier near miss instead of two (69 over 1.15 but worst 1.543); a waste threshold of 40 %
-        (91 over 1.15)."""
+        live).  Measured (r47) with tools/replay_trace.py --corpus --holdout --policy none
+        --variant c=expandable_segments:False --no-capacity --rounds 1, peak reserved / peak
+        live, before -> after: --perturb 5 mean 1.203 -> 1.192, over 1.15 113 -> 105 of 198, worst
+        1.891 -> 1.653; --perturb 9 1.210 -> 1.196, over 1.15 195 -> 185 of 330; --scale-all mean
+        1.193 both, over 1.15 107 -> 101, worst 1.617 -> 1.791; recorded traces WaveNet 1.571 ->
+        1.443, 26 -> 25 over 1.08; segment frees over the 33 traces 831 -> 709.  Tried: k up to 2
+        (over 1.15: 119) or 3 (112).
+
+        Measured and not adopted (r47): not carving a whole free segment larger than the
+        request's own new segment (a new one made, release-before-grow returning the big one).
+        With this packing it took the population to mean 1.146, 72 over 1.15, worst 1.468, but
+        every such release is a cudaFree or a Metal release after a device synchronize, and in a
+        steady loop they recur: 2,708 segment frees over the 33 traces replayed once (709 with
+        packing alone) and 14,402 over five passes (1,741), some 140-190 per training step of the
+        transformer traces, each a device synchronize.
+        """
         recent = self._recent_misses
         near = 0
         for other in recent:
@@ -1569,16 +1568,14 @@ class DeviceCachingAllocator:
         block = self._blocks[keys[i] & _MASK]
         if self._max_split != _config.UNLIMITED and self._oversize_mismatch(size, block.size):
             return None
-        if size > SMALL_SIZE and block.next is None and block.prev is None and block.size > size:
+        if size > SMALL_SIZE and block.next is None and block.prev is None and block.size >= 2 * size:
             other = self._split_instead(fl, i, block)
             if other is not None:
                 return other
-            if not self._carve_whole and self._grow_instead(size, block):
-                return None
         return block       # still listed: malloc takes it out as it hands it out
 
     def _split_instead(self, fl: _FreeList, i: int, block: _Block) -> Optional[_Block]:
-        """Best fit found ``block`` (``fl.keys[i]``), a whole free segment larger than the
+        """Best fit found ``block`` (``fl.keys[i]``), a whole free segment at least twice the
         request: for a classic segment under accel's rules, the smallest larger free block of a
         segment already split, taken out of the list, or None.
 
@@ -1586,9 +1583,7 @@ class DeviceCachingAllocator:
         segment goes back to the device), while the free block of a segment some live block
         already pins costs nothing new.  Measured on the 25 traces of ``tools/replay_trace.py
         --corpus --holdout`` with expandable_segments:False: a beam-search decode 1.486 -> 1.137
-        peak reserved over peak allocated, no trace worse.  (Asked for any whole segment larger than
-        the request since r47, no longer only one at least twice it: part of _grow_instead's
-        measured change.)  Only the nearest 64 larger blocks are looked at."""
+        peak reserved over peak allocated, no trace worse.  Only the nearest 64 larger blocks are looked at."""
         if block.seg is not None or self._torch_policy or self._max_split != _config.UNLIMITED:
             return None                     # torch's rules and oversize blocks keep best fit
         keys = fl.keys
@@ -1598,27 +1593,6 @@ class DeviceCachingAllocator:
             if other.prev is not None or other.next is not None:
                 return other
         return None
-
-    def _grow_instead(self, size: int, block: _Block) -> bool:
-        """Best fit found ``block``, a whole free classic segment larger than the large request
-        ``size``, and no split segment's block fits (_split_instead): True when a new segment of the
-        request's own size is made instead (under accel's rules, when ``block`` is larger than that
-        new segment would be); release-before-grow may then return ``block`` to the device.  If
-        the new segment cannot be had, the miss carves ``block`` after all (_malloc_miss).
-
-        Why: carved, a far larger segment stays pinned for as long as the small block lives, and
-        the next request of the size it was made for needs a new one (a KV cache freed, a 3 MiB
-        activation carved out of its 32 MiB, the grown cache: 32 MiB more).  Whole, it is either
-        reused for such a request or released before reserved memory grows past its mark.
-        Measured with _segment_size's packing (tools/replay_trace.py --corpus --holdout --policy
-        none --variant c=expandable_segments:False --no-capacity --rounds 1, peak reserved / peak
-        live): see _segment_size for the figures of the two together.  This rule alone: --perturb
-        5 mean 1.203 -> 1.166, over 1.08 179 -> 157 of 198, over 1.15 113 -> 95, worst 1.891 ->
-        1.607 (kv-cache decode copies 1.891 -> 1.36); --scale-all 1.193 -> 1.159, 175 -> 147;
-        --perturb 9: 299 -> 258 of 330 over 1.08.  Carving only a segment at least twice or three
-        times the request (instead of any larger than its own) kept 170 and 180 over 1.08."""
-        return (block.seg is None and not self._torch_policy and self._max_split == _config.UNLIMITED
-                and block.size > (size + ROUND_LARGE - 1) // ROUND_LARGE * ROUND_LARGE)
 
     def _malloc_miss(self, size: int, nbytes: int, fl: _FreeList) -> _Block:
         """No cached block fits: wait for pending blocks, grow, or free the cache and retry.
@@ -1668,16 +1642,6 @@ class DeviceCachingAllocator:
             self._reap_orphans()
             self._release_segments()
             block = self._device_alloc(seg_size, fl)
-        if block is None and fl.kind == _LARGE:
-            # no new segment to be had (a cap, a full device): a whole free segment that
-            # _grow_instead passed over (unless released above) is carved after all
-            self._carve_whole = True
-            try:
-                block = self._find(fl, size)
-            finally:
-                self._carve_whole = False
-            if block is not None:
-                return block
         if block is None:
             return self._oom(size, seg_size, fl)
         if self._history is not None:
@@ -2874,15 +2838,11 @@ class DeviceCachingAllocator:
         """The device is full: a request of the general cache takes a fitting free block of a
         MemPool(use_on_oom=True) of its stream (none grows for it), as torch; else raise."""
         if self._oom_pools and fl.owner is None:
-            self._carve_whole = True          # any fitting block, whole segments too (_grow_instead)
-            try:
-                for pool in self._oom_pools:
-                    lists = pool.lists.get(fl.stream)
-                    block = self._find(lists[fl.kind - 1], size) if lists is not None else None
-                    if block is not None:
-                        return block
-            finally:
-                self._carve_whole = False
+            for pool in self._oom_pools:
+                lists = pool.lists.get(fl.stream)
+                block = self._find(lists[fl.kind - 1], size) if lists is not None else None
+                if block is not None:
+                    return block
         raise self._out_of_memory(size, tried, fl.stream)
 
     def _out_of_memory(self, size: int, tried: int, stream: int) -> OutOfMemoryError:
