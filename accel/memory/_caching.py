@@ -638,19 +638,19 @@ class DeviceCachingAllocator:
             # then count an allocation a KeyboardInterrupt stopped, never less than one made).
             keys = fl.keys
             rest = block.size - size
-            if rest >= fl.split_min and block.seg is not None:
-                # E13: the high end when it touches fewer pages no live block holds.  Tested
-                # only where the low end would touch one (most splits fit in the page the left
-                # neighbour holds: no call then)
-                gran = self._gran
-                x = block.ptr % gran
-                if ((x == 0 or x + size > gran) and (block.ptr + block.size) % gran and size < self._max_split
-                        and _high_end_pins_fewer(block.ptr, block.ptr + block.size, size, gran)):
-                    block = self._hand_out_high(block, fl, i, size, nbytes, ref)
-                    if special:
-                        self._after_take(block, fl)
-                    return block.ptr
             if rest >= fl.split_min and size < self._max_split:
+                if block.seg is not None:
+                    # E13: the high end when it touches fewer pages no live block holds.  Tested
+                    # only where the low end would touch one (most splits fit in the page the
+                    # left neighbour holds: no call then)
+                    gran = self._gran
+                    x = block.ptr % gran
+                    if ((x == 0 or x + size > gran) and (block.ptr + block.size) % gran
+                            and _high_end_pins_fewer(block.ptr, block.ptr + block.size, size, gran)):
+                        block = self._hand_out_high(block, fl, i, size, nbytes, ref)
+                        if special:
+                            self._after_take(block, fl)
+                        return block.ptr
                 tptr = block.ptr + size
                 nxt = block.next
                 tail = self._spare
