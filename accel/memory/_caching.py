@@ -2009,7 +2009,8 @@ class DeviceCachingAllocator:
         end = addr + need
         if end == hole.ptr + hole.size and hole.next is not None and hole.next.state == _FREE:
             end += hole.next.size
-        if end - lo - size >= fl.split_min and size < self._max_split and _high_end_pins_fewer(lo, end, size, self._gran):
+        if (end - lo - size >= fl.split_min and size < self._max_split
+                and _high_end_pins_fewer(lo, end, size, self._gran)):
             lo = end - size
         made = []
         kind = seg.kind
