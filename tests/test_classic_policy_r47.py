@@ -63,3 +63,20 @@ def test_requests_that_waste_little_or_follow_torch_are_not_packed(be, conf, siz
         alloc.free(p)
     alloc.empty_cache()
     assert reserved(alloc) == 0
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_a_packed_segment_that_does_not_fit_under_a_cap_falls_back_to_one_request(be, index):
+    """A segment for several requests is a bigger ask: where the memory cap leaves room for the
+    request's own segment but not for the packed one, the request still succeeds."""
+    alloc = make(be, index)
+    s = be.default_stream(index)
+    total = alloc._allowed_bytes()                       # the device's memory (no cap yet)
+    alloc.set_memory_fraction(14 * MiB / total)
+    size = 2 * MiB + 200 * 1024
+    ptrs = [alloc.malloc(size, s) for _ in range(3)]     # the third would pack four (10 MiB)
+    assert reserved(alloc) <= 14 * MiB
+    for p in ptrs:
+        alloc.free(p)
+    alloc.empty_cache()
+    assert reserved(alloc) == 0

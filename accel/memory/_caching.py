@@ -1626,12 +1626,17 @@ class DeviceCachingAllocator:
             block = self._small_in_large(size, nbytes, fl)     # (never for a no_split MemPool)
             if block is not None:
                 return block
-        seg_size = self._segment_size(size, fl.kind)
+        seg_size = own_size = self._segment_size(size, fl.kind)
         if fl.kind == _LARGE and not self._torch_policy and size < MIN_LARGE_ALLOC:
             seg_size = self._packed_segment_size(size, seg_size)
         if not capturing:
             self._before_grow(seg_size)
         block = self._device_alloc(seg_size, fl)
+        if block is None and seg_size > own_size:
+            # a segment for several requests is a bigger ask: a cap or a full device may still
+            # leave room for the request's own
+            seg_size = own_size
+            block = self._device_alloc(seg_size, fl)
         if block is None and (self._pending_events or self._deferred) and not capturing:
             self._synchronize_and_free_events()
             block = self._find(fl, size)
