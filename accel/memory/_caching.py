@@ -2290,9 +2290,12 @@ class DeviceCachingAllocator:
         if not victims:
             self._exp_drop_orphans()
             return 0
-        # cuMemUnmap does not wait for queued work (torch synchronizes the segment's stream);
-        # the whole device, as cudaFree does, because a block's last users may be other streams
-        # whose events completed but whose handles are gone.
+        # cuMemUnmap does not wait for queued work.  Torch synchronizes the segment's stream; the
+        # whole device here, as cudaFree does: a stream a program destroyed without telling the
+        # allocator (a raw backend handle, a foreign stream) would make cudaStreamSynchronize
+        # undefined, or, its handle recycled, wait for the wrong stream.  Tried 2026-12-05: the
+        # owning streams only (tests/test_memory_streams.py's scenario, raw streams destroyed with
+        # blocks cached on them, then failed with cudaErrorInvalidResourceHandle).
         done = self._exp_unmap_pieces(victims, synchronize=True)
         self._exp_drop_orphans()
         return done
