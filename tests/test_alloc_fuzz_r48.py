@@ -397,8 +397,6 @@ def _layout_rounds(d: Driver, rounds: int, pending=True) -> None:
 
 
 # ------------------------------------------------------------ classic packing: MemPools
-@pytest.mark.xfail(strict=True, reason="r48: _malloc_miss packs a no_split pool's segment; fix: pack only "
-                   "when fl.split_min <= size (branch r48, /tmp/wt_r48)")
 @pytest.mark.parametrize("sim_name", ["cuda", "xpu"])
 @pytest.mark.parametrize("conf", ["", "expandable_segments:False"])
 def test_no_split_mempool_blocks_are_not_packed_segments(monkeypatch, sim_name, conf):

@@ -1627,7 +1627,8 @@ class DeviceCachingAllocator:
             if block is not None:
                 return block
         seg_size = own_size = self._segment_size(size, fl.kind)
-        if fl.kind == _LARGE and not self._torch_policy and size < MIN_LARGE_ALLOC:
+        if fl.kind == _LARGE and not self._torch_policy and size < MIN_LARGE_ALLOC and fl.split_min <= size:
+            # (a no_split MemPool hands a block out whole: a packed segment would be one block)
             seg_size = self._packed_segment_size(size, seg_size)
         if not capturing:
             self._before_grow(seg_size)
