@@ -58,16 +58,13 @@ def _held_pages(alloc, exclude_ptr: int) -> set:
     return out
 
 
-def _snapshot_consistent(alloc, torch_pending: bool = False, torch_segments: bool = False) -> None:
+def _snapshot_consistent(alloc, torch_pending: bool = False) -> None:
     """torch's TestCudaMultiGPU._check_memory_stat_consistency for one allocator: stats
     against the snapshot's per-segment sums.  ``torch_pending``: a pending block's requested
     size counts in its segment's requested_size, as torch's snapshot counts every active
     block's (accel counts only allocated blocks': test_torch_rule_pending_requested_size).
-    ``torch_segments``: segment.* and inactive_split* compared as torch does, counting classic
-    segments and their blocks only (accel counts an expandable reservation holding mapped memory
-    as one segment and its free blocks as inactive split ones: without the flag those are
-    compared only when no expandable segment is there;
-    test_torch_rule_segment_count_with_expandable_segments)."""
+    segment.* and inactive_split* count classic segments and their blocks only, as torch's
+    (E14; test_torch_rule_segment_count_with_expandable_segments)."""
     snap = alloc.snapshot()
     expected = collections.defaultdict(int)
     for seg in snap["segments"]:
@@ -105,11 +102,11 @@ def _snapshot_consistent(alloc, torch_pending: bool = False, torch_segments: boo
         assert sum_req == seg["requested_size"]
         assert sum_alloc == seg["allocated_size"]
     stats = alloc.stats()
-    any_expandable = any(seg["is_expandable"] for seg in snap["segments"])
     for k, v in expected.items():
-        if k.startswith(("segment.", "inactive_split")) and any_expandable and not torch_segments:
-            continue
         assert stats[k] == v, (k, stats[k], v)
+    for k in ("segment", "inactive_split", "inactive_split_bytes"):
+        for pool in ("all", "small_pool", "large_pool"):
+            assert stats[f"{k}.{pool}.current"] == expected[f"{k}.{pool}.current"], (k, pool)
 
 
 class Driver:
@@ -571,8 +568,6 @@ def test_expandable_carve_rounds(be, index, history):
 
 
 # ------------------------------------------- torch's memory_stats-vs-snapshot rule (xfail)
-@pytest.mark.xfail(strict=True, reason="r48: accel counts an expandable reservation as a segment and its "
-                   "free blocks as inactive split; torch counts neither (pre-existing, not E13)")
 def test_torch_rule_segment_count_with_expandable_segments(be):
     import accel
     from accel import memory
@@ -583,7 +578,7 @@ def test_torch_rule_segment_count_with_expandable_segments(be):
         b = accel.Buffer(3 * MiB)                     # the expandable general cache
         c = accel.Buffer(MiB)
         b.close()
-        _snapshot_consistent(memory.device_allocator(1), torch_segments=True)
+        _snapshot_consistent(memory.device_allocator(1))
     del a, c, pool
 
 

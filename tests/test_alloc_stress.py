@@ -155,7 +155,7 @@ def _check_caching(alloc, locked: bool = False) -> None:
                 assert blocks[block.ptr] is block
                 seen.add(block.ptr)
                 mapped += block.size
-                count(block, q, True)
+                count(block, q, False)      # E14: no inactive split block (torch's rule)
             prev_state = st
             end += block.size
             if block.next is not None:
@@ -167,10 +167,8 @@ def _check_caching(alloc, locked: bool = False) -> None:
         assert sorted(seg.maps) == seg.starts
         for a, (m, _) in seg.maps.items():
             assert m % gran == 0 and 0 < m // gran <= max(1, alloc._reserved_hw // gran // _expandable.PIECE_SHARE), "E9"
-        if seg.mapped:
-            for k in (0, q):
-                n["seg"][k] += 1
-                n["res"][k] += seg.mapped
+        for k in (0, q):            # E14: reserved bytes, but no segment (torch's rule)
+            n["res"][k] += seg.mapped
     for _, m, kind, _ in alloc._unreleased:
         for k in (0, kind):
             n["res"][k] += m

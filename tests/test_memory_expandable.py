@@ -403,7 +403,7 @@ def test_small_requests_share_the_large_range(be, index):
     stats = check(alloc)
     assert alloc.map_stats()["num_device_map"] == maps
     assert stats["reserved_bytes.all.current"] == 4 * MiB == stats["reserved_bytes.large_pool.current"]
-    assert stats["segment.all.current"] == 1
+    assert stats["segment.all.current"] == 0          # E14: torch counts classic segments only
     assert stats["allocation.large_pool.current"] == 2 and stats["allocation.small_pool.current"] == 0
     assert stats["allocated_bytes.large_pool.current"] == 3 * MiB + (64 << 10)
     (seg,) = alloc.snapshot()["segments"]

@@ -40,7 +40,7 @@ Where the backend has virtual memory (CUDA, Level Zero) the general cache grows
 classic segments above; ``policy:torch`` keeps torch's default, off): one reserved
 address range per stream, for small and large requests alike, whose pages are mapped
 and unmapped on demand, so fragmentation across segments costs no physical memory
-(``_expandable``, invariants E1-E13; within 8 % of peak allocated on 10 of 11 recorded
+(``_expandable``, invariants E1-E14; within 8 % of peak allocated on 10 of 11 recorded
 traces, 26 of 33 with the held-out ones).  A block carved out of a larger free block of
 such a segment takes the end that touches fewer pages no live block holds (E13).  Graph
 private pools and misses during a capture keep classic segments.
@@ -672,9 +672,10 @@ class DeviceCachingAllocator:
                     # new stat, in a block left free by an interrupt here)
                     block.undo = 0
                     v = block.stat = fl.alloc_deltas.get(nbytes) or fl.alloc_delta(size, nbytes)
-                    # an inactive split block shrinks by `size`
-                    w = fl.shrink_deltas.get(size) or fl.shrink_delta(size)
-                    v -= w
+                    if block.seg is None:   # (expandable blocks are no inactive split ones, as torch's)
+                        # an inactive split block shrinks by `size`
+                        w = fl.shrink_deltas.get(size) or fl.shrink_delta(size)
+                        v -= w
                 elif block.undo and block.requested == nbytes:
                     # This whole segment was split for the same request last time
                     # (a whole block always has the segment's size), so block.stat
@@ -722,7 +723,7 @@ class DeviceCachingAllocator:
                 block.undo = 0
                 v = block.stat = fl.lanes(1 | size << 64 | nbytes << 128)
                 w = 0
-                if block.prev is not None or block.next is not None:
+                if (block.prev is not None or block.next is not None) and block.seg is None:
                     # an inactive split block becomes active
                     w = fl.split_deltas.get(size) or fl.split_delta(size)
                     v -= w
@@ -825,7 +826,7 @@ class DeviceCachingAllocator:
             nxt = block.next
             fl = block.pool
             if (self._special or block.uses or block.prev is not None or nxt is None or nxt.next is not None
-                    or nxt.state != _FREE or fl.watch_whole):
+                    or nxt.state != _FREE or fl.watch_whole or block.seg is not None):
                 self._free_locked(block)
                 return
             # Fast path, _free_block inlined for the common case of a block split off
@@ -1301,12 +1302,16 @@ class DeviceCachingAllocator:
         keys = fl.keys
         prev = block.prev
         nxt = block.next
+        # inactive split blocks are classic segments' (torch leaves expandable segments out of
+        # inactive_split: their free pages can always go back)
+        classic = block.seg is None
         if not completing and (prev is None or prev.state != _FREE):
             # The common case, kept short: the previous block does not merge.
             if nxt is not None and nxt.state == _FREE:
                 n = nxt.size
                 j = bisect_left(keys, n << _SHIFT | nxt.ptr)
-                dec += fl.split_deltas.get(n) or fl.split_delta(n)
+                if classic:
+                    dec += fl.split_deltas.get(n) or fl.split_delta(n)
                 size = block.size + n
                 after = nxt.next
                 key = size << _SHIFT | block.ptr
@@ -1318,7 +1323,9 @@ class DeviceCachingAllocator:
                 key = size << _SHIFT | block.ptr
                 move = True
             if prev is not None or after is not None:
-                cur = self._s_cur - dec + (fl.split_deltas.get(size) or fl.split_delta(size))
+                cur = self._s_cur - dec
+                if classic:
+                    cur += fl.split_deltas.get(size) or fl.split_delta(size)
                 if cur != self._s_peak_ok_free:    # see malloc (a memo of its own: the two alternate)
                     if (self._s_peak_guarded - cur) & _GUARD != _GUARD:
                         self._s_peak_guarded = raise_peaks(self._s_peak_guarded, cur, _GUARD)
@@ -1372,13 +1379,15 @@ class DeviceCachingAllocator:
             n = prev.size
             lo = bisect_left(keys, n << _SHIFT | prev.ptr)
             # a merged neighbour is an inactive split block that goes away
-            dec += fl.split_deltas.get(n) or fl.split_delta(n)
+            if classic:
+                dec += fl.split_deltas.get(n) or fl.split_delta(n)
             size += n
             start = prev
         if nxt is not None and nxt.state == _FREE:
             n = nxt.size
             j = bisect_left(keys, n << _SHIFT | nxt.ptr)
-            dec += fl.split_deltas.get(n) or fl.split_delta(n)
+            if classic:
+                dec += fl.split_deltas.get(n) or fl.split_delta(n)
             size += n
             after = nxt.next
             if lo < 0:
@@ -1399,7 +1408,7 @@ class DeviceCachingAllocator:
                 k += 1
             move = k < len(keys) and keys[k] < key
         split = start.prev is not None or after is not None
-        if split:
+        if split and classic:
             # the merged block is itself an inactive split block (peaks raised early, as malloc's)
             cur = self._s_cur - dec + (fl.split_deltas.get(size) or fl.split_delta(size))
             if cur != self._s_peak_ok_free:    # see malloc (a memo of its own: the two alternate)
@@ -1712,13 +1721,15 @@ class DeviceCachingAllocator:
         high.seg = block.seg
         # packed counters: ``block`` shrinks by ``size``, or, if it was a whole segment, becomes
         # a split block; ``high`` is counted as an inactive split block made and taken, as
-        # malloc counts a split block it takes
-        w = fl.split_deltas.get(size) or fl.split_delta(size)
+        # malloc counts a split block it takes (a classic segment's: expandable blocks are no
+        # inactive split ones, as torch's)
+        classic = block.seg is None
+        w = (fl.split_deltas.get(size) or fl.split_delta(size)) if classic else 0
         high.stat = v = fl.lanes(1 | size << 64 | nbytes << 128)
         high.requested = nbytes
         freed = w
         if was_split:
-            shrink = fl.lanes(size << (_ISPLIT + 64))
+            shrink = fl.lanes(size << (_ISPLIT + 64)) if classic else 0
             d = v - shrink
             freed += shrink
         else:
@@ -2147,47 +2158,25 @@ class DeviceCachingAllocator:
                  and hole.next.state == _FREE else None)
         keys = fl.keys
         gone_keys = []
-        s_cur = self._s_cur
-        s_freed = self._s_freed
         for nb in (before, after):
             if nb is not None:
                 gone_keys.append(nb.size << _SHIFT | nb.ptr)
-                if nb.prev is not None or nb.next is not None:
-                    w = fl.split_deltas.get(nb.size) or fl.split_delta(nb.size)
-                    s_cur -= w
-                    s_freed += w
         block = _Block(addr, need, fl, None, None)
         block.seg = seg
         start = before if before is not None else block
         size = need + (before.size if before is not None else 0) + (after.size if after is not None else 0)
         at_start = addr == hole.ptr
         hole_left = hole.size - need
-        # the merged block's neighbours once published
-        if at_start:
-            left = hole.prev if before is None else before.prev
-            right = hole if hole_left else hole.next
-        else:
-            left = hole if hole_left else hole.prev
-            right = hole.next if after is None else after.next
-        if right is after and after is not None:
-            right = after.next
+        # (the packed counters do not move: a free block of an expandable segment is no inactive
+        # split block, as in torch, and a segment is counted only when classic, E14)
         (d1, d2), (p1, k1), _ = _list_edits(keys, gone_keys, (size << _SHIFT | start.ptr,))
-        if left is not None or right is not None:
-            s_cur += fl.split_deltas.get(size) or fl.split_delta(size)
-        pg = self._s_peak_guarded
-        if (pg - s_cur) & _GUARD != _GUARD:
-            pg = raise_peaks(pg, s_cur, _GUARD)
         new_maps = {a: (n, handle) for a, n, handle in pieces}
         new_starts = sorted(new_maps)          # one run: no mapping starts inside the hole
         i_start = bisect_left(seg.starts, new_starts[0])
         made = {(handle, n, kind, a) for a, n, handle in pieces}
         left_unreleased = [u for u in unreleased if u not in made]
         holes_gone = set() if hole_left else {hole}
-        first = seg.mapped == 0
-        cur, peak = self._cur, self._peak
-        s, sk = SEGMENT, SEGMENT + kind
-        segs, segs_k = cur[s] + first, cur[sk] + first
-        hw = max(self._reserved_hw, cur[RESERVED_BYTES])
+        hw = max(self._reserved_hw, self._cur[RESERVED_BYTES])
         n_maps = self._scalars["num_device_map"] + len(pieces)
         # ---- publish (no call until the history below)
         if at_start:
@@ -2237,16 +2226,7 @@ class DeviceCachingAllocator:
         seg.starts[i_start:i_start] = new_starts
         seg.mapped += need
         unreleased[:] = left_unreleased
-        cur[s] = segs
-        cur[sk] = segs_k
-        if segs > peak[s]:
-            peak[s] = segs
-        if segs_k > peak[sk]:
-            peak[sk] = segs_k
         self._reserved_hw = hw
-        self._s_cur = s_cur
-        self._s_freed = s_freed
-        self._s_peak_guarded = pg
         if d1 >= 0:
             del keys[d1]
         if d2 >= 0:
@@ -2402,11 +2382,6 @@ class DeviceCachingAllocator:
         keys = fl.keys
         gone_key = block.size << _SHIFT | block.ptr
         new_keys = []
-        s_cur, s_freed = self._s_cur, self._s_freed
-        if prev is not None or nxt is not None:
-            w = fl.split_deltas.get(block.size) or fl.split_delta(block.size)
-            s_cur -= w
-            s_freed += w
         hole = _Block(addr, n, fl, None, None)
         hole.state = _UNMAPPED
         hole.seg = seg
@@ -2419,14 +2394,10 @@ class DeviceCachingAllocator:
             right = _Block(addr + n, rsize, fl, None, None)
             right.seg = seg
             new_keys.append(rsize << _SHIFT | right.ptr)
-            s_cur += fl.split_deltas.get(rsize) or fl.split_delta(rsize)
         if left is not None:
             new_keys.append(lsize << _SHIFT | left.ptr)
-            s_cur += fl.split_deltas.get(lsize) or fl.split_delta(lsize)
+        # (the packed counters do not move: expandable blocks are no inactive split ones, E14)
         (d1, d2), (p1, k1), (p2, k2) = _list_edits(keys, (gone_key,), new_keys)
-        pg = self._s_peak_guarded
-        if (pg - s_cur) & _GUARD != _GUARD:
-            pg = raise_peaks(pg, s_cur, _GUARD)
         # the hole merges with unmapped neighbours (E2)
         lo_h = prev if left is None and prev is not None and prev.state == _UNMAPPED else None
         hi_h = nxt if right is None and nxt is not None and nxt.state == _UNMAPPED else None
@@ -2434,10 +2405,6 @@ class DeviceCachingAllocator:
         hole_new = {hole} if lo_h is None else set()      # (lo_h is one already)
         i_start = bisect_left(seg.starts, addr)
         mapped = seg.mapped - n
-        cur, freed = self._cur, self._freed
-        s, sk = SEGMENT, SEGMENT + kind
-        gone = mapped == 0
-        segs, segs_k, fs, fsk = cur[s] - gone, cur[sk] - gone, freed[s] + gone, freed[sk] + gone
         frames = self._seg_frames
         st = frames.get(addr)
         # ---- publish (no call until the append)
@@ -2487,10 +2454,6 @@ class DeviceCachingAllocator:
         del seg.maps[addr]
         del seg.starts[i_start]
         seg.mapped = mapped
-        cur[s], cur[sk], freed[s], freed[sk] = segs, segs_k, fs, fsk
-        self._s_cur = s_cur
-        self._s_freed = s_freed
-        self._s_peak_guarded = pg
         del keys[d1]
         if d2 >= 0:
             del keys[d2]

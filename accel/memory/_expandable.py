@@ -66,6 +66,13 @@ Invariants (checked by ``tests/test_memory_expandable.py`` after every operation
       perturbed populations (``tools/replay_trace.py --perturb``): 198 replays over 1.15x peak
       live 15 -> 11, over 1.08 59 -> 58, worst 1.273 -> 1.243; with 9 copies over 1.08 98 -> 93.
       A block just mapped goes where ``_exp_create`` planned its pieces for (the same test).
+* E14 the stats count an expandable segment's mapped bytes as reserved, but the segment in no
+      ``segment.*`` counter and its free blocks in no ``inactive_split*`` one, as torch's
+      allocator does (``alloc_block`` returns before counting a segment for an expandable
+      block; ``free_block``: "fully free pages of expandable blocks can always be freed ... so we
+      simply just exclude expandable segments from inactive_split").  torch's own consistency
+      check of memory_stats against memory_snapshot (test_cuda_multigpu) counts the same way,
+      and accel, unlike torch, lets classic segments (MemPools, captures) live beside them.
 
 Measured with ``tools/replay_trace.py --corpus`` and ``--holdout`` (11 corpus traces and 22
 recorded after the tuning): pieces aligned to a buddy scheme regardless of the block pinned
