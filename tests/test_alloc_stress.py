@@ -102,6 +102,7 @@ def _check_caching(alloc, locked: bool = False) -> None:
             elif block.state == C._PENDING:
                 n["pend"][k] += 1
                 n["pend_b"][k] += block.size
+                n["req"][k] += block.requested     # until the block is free, as torch's
             elif block.state == C._FREE and split:
                 n["isplit"][k] += 1
                 n["isplit_b"][k] += block.size

@@ -55,6 +55,7 @@ def check_invariants(alloc, be):
                 elif block.state == _caching._PENDING:
                     n["pend"][k] += 1
                     n["pend_b"][k] += block.size
+                    n["req"][k] += block.requested     # until the block is free, as torch's
                 elif split:
                     n["isplit"][k] += 1
                     n["isplit_b"][k] += block.size

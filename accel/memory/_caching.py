@@ -455,9 +455,10 @@ def _snapshot_block(seg: dict, block, symbols: _Symbols) -> None:
              "frames": symbols.frames(block.frames)}
     if block.state == _ALLOCATED:
         seg["allocated_size"] += block.size
-        seg["requested_size"] += block.requested
     if block.state != _FREE:
+        # torch sums the requested size of active blocks, pending ones too (snapshot())
         seg["active_size"] += block.size
+        seg["requested_size"] += block.requested
     seg["blocks"].append(entry)
 
 
@@ -2552,7 +2553,9 @@ class DeviceCachingAllocator:
         pend[p] += 1
         pend[3] += size
         pend[3 + p] += size
-        stat = block.stat
+        # the allocation goes now, its requested bytes once the block is free (_complete), as
+        # torch's free() and free_block() count them
+        stat = block.stat - block.pool.lanes(block.requested << 128)
         block.state = _PENDING
         block.ref = None
         self._s_cur -= stat
@@ -2664,7 +2667,7 @@ class DeviceCachingAllocator:
         if self._history is not None:
             self._trace("free_completed", block.ptr, block.requested, block.pool.stream, block.frames)
         block.frames = None
-        self._free_block(block, 0, True, events)
+        self._free_block(block, block.pool.lanes(block.requested << 128), True, events)
         self._update_special()
 
     def _resume_events(self) -> None:
