@@ -21,7 +21,6 @@ blocks' addresses.
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import random
 
@@ -35,6 +34,7 @@ from accel.sim import _vmm
 from conftest import use_sim
 from test_alloc_stress import _check_caching
 from test_memory_expandable import check as _check_exp
+from torch_port_util import expected_memory_stats
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -66,41 +66,14 @@ def _snapshot_consistent(alloc) -> None:
     segment.* and inactive_split* count classic segments and their blocks only, as torch's
     (E14; test_torch_rule_segment_count_with_expandable_segments)."""
     snap = alloc.snapshot()
-    expected = collections.defaultdict(int)
+    expected = expected_memory_stats(snap["segments"])[alloc.device_index]
     for seg in snap["segments"]:
-        pool = seg["segment_type"] + "_pool"
-        expandable = seg["is_expandable"]
-        if not expandable:
-            expected["segment.all.current"] += 1
-            expected["segment." + pool + ".current"] += 1
-        for key in ("allocated", "reserved", "active", "requested"):
-            field = "total_size" if key == "reserved" else key + "_size"
-            expected[f"{key}_bytes.all.current"] += seg[field]
-            expected[f"{key}_bytes.{pool}.current"] += seg[field]
-        is_split = len(seg["blocks"]) > 1
-        sum_req = 0
-        sum_alloc = 0
         at = seg["address"]
         for b in seg["blocks"]:
             assert b["address"] == at, "snapshot blocks tile the segment"
             at += b["size"]
-            if b["state"] == "active_allocated":
-                expected["allocation.all.current"] += 1
-                expected["allocation." + pool + ".current"] += 1
-                sum_alloc += b["size"]
-            if b["state"].startswith("active_"):
-                sum_req += b["requested_size"]
-            if b["state"].startswith("active_"):
-                expected["active.all.current"] += 1
-                expected["active." + pool + ".current"] += 1
-            if b["state"] == "inactive" and is_split and not expandable:
-                expected["inactive_split.all.current"] += 1
-                expected["inactive_split." + pool + ".current"] += 1
-                expected["inactive_split_bytes.all.current"] += b["size"]
-                expected["inactive_split_bytes." + pool + ".current"] += b["size"]
         assert at == seg["address"] + seg["total_size"], "snapshot blocks cover the segment"
-        assert sum_req == seg["requested_size"]
-        assert sum_alloc == seg["allocated_size"]
+        assert seg["allocated_size"] == sum(b["size"] for b in seg["blocks"] if b["state"] == "active_allocated")
     stats = alloc.stats()
     for k, v in expected.items():
         assert stats[k] == v, (k, stats[k], v)

@@ -8,7 +8,6 @@ simulated stream instead of a timed spin).  Tests that need tensor math, autogra
 lists every case and why.  Two simulated devices, the non-current one included.
 """
 
-import collections
 import contextlib
 import gc
 import random
@@ -22,7 +21,7 @@ import accel
 from accel import _lazy, memory
 
 from conftest import SIMS, use_sim
-from torch_port_util import held
+from torch_port_util import expected_memory_stats, held
 
 MiB = 1 << 20
 
@@ -69,39 +68,7 @@ def test_cuda_multigpu__test_cuda_synchronize(sim_multi):
 def _check_memory_stat_consistency():
     """TestCudaMultiGPU._check_memory_stat_consistency: every counter of memory_stats()
     agrees with what memory_snapshot() shows, device by device."""
-    snapshot = memory.memory_snapshot()
-    expected_each_device = collections.defaultdict(lambda: collections.defaultdict(int))
-    for segment in snapshot:
-        expandable = segment["is_expandable"]
-        expected = expected_each_device[segment["device"]]
-        pool_str = segment["segment_type"] + "_pool"
-        if not expandable:
-            expected["segment.all.current"] += 1
-            expected["segment." + pool_str + ".current"] += 1
-        expected["allocated_bytes.all.current"] += segment["allocated_size"]
-        expected["allocated_bytes." + pool_str + ".current"] += segment["allocated_size"]
-        expected["reserved_bytes.all.current"] += segment["total_size"]
-        expected["reserved_bytes." + pool_str + ".current"] += segment["total_size"]
-        expected["active_bytes.all.current"] += segment["active_size"]
-        expected["active_bytes." + pool_str + ".current"] += segment["active_size"]
-        expected["requested_bytes.all.current"] += segment["requested_size"]
-        expected["requested_bytes." + pool_str + ".current"] += segment["requested_size"]
-        sum_requested = 0
-        is_split = len(segment["blocks"]) > 1
-        for block in segment["blocks"]:
-            if block["state"] == "active_allocated":
-                expected["allocation.all.current"] += 1
-                expected["allocation." + pool_str + ".current"] += 1
-            if block["state"].startswith("active_"):
-                sum_requested += block["requested_size"]
-                expected["active.all.current"] += 1
-                expected["active." + pool_str + ".current"] += 1
-            if block["state"] == "inactive" and is_split and not expandable:
-                expected["inactive_split.all.current"] += 1
-                expected["inactive_split." + pool_str + ".current"] += 1
-                expected["inactive_split_bytes.all.current"] += block["size"]
-                expected["inactive_split_bytes." + pool_str + ".current"] += block["size"]
-        assert sum_requested == segment["requested_size"]
+    expected_each_device = expected_memory_stats(memory.memory_snapshot())
     for device, expected in expected_each_device.items():
         stats = memory.memory_stats(device)
         for k, v in expected.items():

@@ -7,6 +7,7 @@ exactly as long as the test needs it (no timing, no sleeps).  CUDA simulator onl
 with ``ACCEL_SIM_DELAY_US`` > 0 (otherwise the simulator runs each operation inline, in the
 calling thread)."""
 
+import collections
 import contextlib
 import threading
 
@@ -41,3 +42,44 @@ def held(*streams):
             gate.set()
         for s in streams:
             s.synchronize()
+
+
+def expected_memory_stats(segments) -> dict:
+    """TestCudaMultiGPU._check_memory_stat_consistency's expectations: per device, the
+    ``*.current`` counters of memory_stats() as the memory_snapshot() ``segments`` imply them
+    (expandable segments count in no segment.* and their blocks in no inactive_split* counter;
+    requested bytes are summed over active blocks, pending ones too).  Asserts each segment's
+    requested_size is its active blocks' sum, as torch's test does."""
+    expected_each_device = collections.defaultdict(lambda: collections.defaultdict(int))
+    for segment in segments:
+        expandable = segment["is_expandable"]
+        expected = expected_each_device[segment["device"]]
+        pool_str = segment["segment_type"] + "_pool"
+        if not expandable:
+            expected["segment.all.current"] += 1
+            expected["segment." + pool_str + ".current"] += 1
+        expected["allocated_bytes.all.current"] += segment["allocated_size"]
+        expected["allocated_bytes." + pool_str + ".current"] += segment["allocated_size"]
+        expected["reserved_bytes.all.current"] += segment["total_size"]
+        expected["reserved_bytes." + pool_str + ".current"] += segment["total_size"]
+        expected["active_bytes.all.current"] += segment["active_size"]
+        expected["active_bytes." + pool_str + ".current"] += segment["active_size"]
+        expected["requested_bytes.all.current"] += segment["requested_size"]
+        expected["requested_bytes." + pool_str + ".current"] += segment["requested_size"]
+        sum_requested = 0
+        is_split = len(segment["blocks"]) > 1
+        for block in segment["blocks"]:
+            if block["state"] == "active_allocated":
+                expected["allocation.all.current"] += 1
+                expected["allocation." + pool_str + ".current"] += 1
+            if block["state"].startswith("active_"):
+                sum_requested += block["requested_size"]
+                expected["active.all.current"] += 1
+                expected["active." + pool_str + ".current"] += 1
+            if block["state"] == "inactive" and is_split and not expandable:
+                expected["inactive_split.all.current"] += 1
+                expected["inactive_split." + pool_str + ".current"] += 1
+                expected["inactive_split_bytes.all.current"] += block["size"]
+                expected["inactive_split_bytes." + pool_str + ".current"] += block["size"]
+        assert sum_requested == segment["requested_size"]
+    return expected_each_device
