@@ -108,7 +108,8 @@ from . import _config, _stats
 from ._snapfmt import CTX_ALL as _CTX_ALL, CTX_ALLOC as _CTX_ALLOC, Symbols as _Symbols
 from ._snapfmt import allocator_settings as _allocator_settings, stack as _stack, trace_entry as _trace_entry
 from ._expandable import (PIECE_SHARE as _PIECE_SHARE, UNMAPPED as _UNMAPPED, Segment as _ExpSegment,
-                          high_end_pins_fewer as _high_end_pins_fewer, pieces as _pieces, place as _place)
+                          high_end_pins_fewer as _high_end_pins_fewer, joined as _joined, pieces as _pieces,
+                          place as _place)
 from ._stats import (ACTIVE, ACTIVE_BYTES, ALLOCATED_BYTES, ALLOCATION, INACTIVE_SPLIT,
                      INACTIVE_SPLIT_BYTES, LANE_MASK, OVERSIZE_ALLOCATIONS, OVERSIZE_SEGMENTS,
                      REQUESTED_BYTES, RESERVED_BYTES, SEGMENT, raise_peaks, unpack)
@@ -2022,11 +2023,9 @@ class DeviceCachingAllocator:
                 return None
         # the request's block: the end malloc will take (E13) of the free block _exp_map makes
         # (the new pages joined with the free blocks before and after them)
-        lo = (hole.prev.ptr if addr == hole.ptr and hole.prev is not None
-              and hole.prev.state == _FREE else addr)
-        end = addr + need
-        if end == hole.ptr + hole.size and hole.next is not None and hole.next.state == _FREE:
-            end += hole.next.size
+        before, after = _joined(hole, addr, need, _FREE)
+        lo = before.ptr if before is not None else addr
+        end = addr + need + (after.size if after is not None else 0)
         if (end - lo - size >= fl.split_min and size < self._max_split
                 and _high_end_pins_fewer(lo, end, size, self._gran)):
             lo = end - size
@@ -2153,10 +2152,7 @@ class DeviceCachingAllocator:
             raise
         # ---- compute
         # the free neighbours the new pages join leave their lists before links change
-        before = (hole.prev if addr == hole.ptr and hole.prev is not None and hole.prev.state == _FREE
-                  else None)
-        after = (hole.next if addr + need == hole.ptr + hole.size and hole.next is not None
-                 and hole.next.state == _FREE else None)
+        before, after = _joined(hole, addr, need, _FREE)
         keys = fl.keys
         gone_keys = []
         for nb in (before, after):

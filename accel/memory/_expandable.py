@@ -157,6 +157,17 @@ def place(seg: Segment, size: int, gran: int, free_state: int):
     return best
 
 
+def joined(hole, addr: int, need: int, free_state: int):
+    """The free neighbours ``(before, after)`` (each a block or None) that the ``need`` bytes
+    mapped at ``addr`` inside unmapped block ``hole`` join: the free block ending where the new
+    pages start, and the one starting where they end."""
+    before = (hole.prev if addr == hole.ptr and hole.prev is not None and hole.prev.state == free_state
+              else None)
+    after = (hole.next if addr + need == hole.ptr + hole.size and hole.next is not None
+             and hole.next.state == free_state else None)
+    return before, after
+
+
 def high_end_pins_fewer(a: int, b: int, size: int, gran: int) -> bool:
     """Whether ``size`` bytes at the high end of the free block ``[a, b)`` touch fewer pages
     that no live block holds than at its low end (E13).  An end of the block that is not
