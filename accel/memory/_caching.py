@@ -1658,6 +1658,11 @@ class DeviceCachingAllocator:
             self._scalars["num_alloc_retries"] += 1
             self._reap_orphans()
             self._release_segments()
+            if self._exp_segs:
+                # free pages of expandable segments count too, as in torch's release_cached_blocks:
+                # a MemPool's miss (classic segments) beside the general cache's range, or segments
+                # kept after set_allocator_settings("expandable_segments:False")
+                self._exp_unmap()
             block = self._device_alloc(seg_size, fl)
         if block is None:
             return self._oom(size, seg_size, fl)
