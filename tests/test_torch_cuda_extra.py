@@ -179,9 +179,8 @@ def _power2_div(size, div_factor):
                                          ("roundup_power2_divisions:[64:8,128:2,256:2,512:2,1024:1,>:1]", 8)])
 @pytest.mark.parametrize("variable", ["PYTORCH_ALLOC_CONF", "ACCEL_ALLOC_CONF"])
 def test_cuda__test_allocator_settings_roundup(monkeypatch, setting, div, variable):
-    """test_allocator_settings' size checks.  torch changes the settings at run time
-    (torch.cuda.memory._set_allocator_settings); accel reads them when the allocator starts,
-    so each setting gets a fresh process state."""
+    """test_allocator_settings' size checks, each setting read from the environment by a fresh
+    process state (test_allocator_settings_runtime.py ports the test with its run-time changes)."""
     nbytes = 4 * 21 * 1024 * 1024
     use_sim(monkeypatch, "cuda")
     start = memory.memory_stats().get("active_bytes.all.allocated", 0)
@@ -774,8 +773,8 @@ def _cap_to(extra_mib):
 @pytest.mark.parametrize("conf", ["expandable_segments:False,max_split_size_mb:40",
                                   "expandable_segments:True,max_split_size_mb:40"])
 def test_cuda__test_max_split_expandable(monkeypatch, conf):
-    """torch switches expandable_segments between the allocations at run time; accel reads
-    the setting at start, so each setting runs on its own: three 40 MiB blocks fit a 120 MiB
+    """Each setting read from the environment (test_allocator_settings_runtime.py switches
+    expandable_segments between the allocations, as torch's test): three 40 MiB blocks fit a 120 MiB
     cap, a fourth raises, and after freeing them one 120 MiB block fits (release of cached
     blocks, expandable ones included, before growing)."""
     use_sim(monkeypatch, "cuda", PYTORCH_ALLOC_CONF=conf)

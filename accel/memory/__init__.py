@@ -41,15 +41,17 @@ __all__ = [
     "reset_peak_memory_stats", "memory_summary", "memory_snapshot", "record_history", "dump_snapshot",
     "set_per_process_memory_fraction", "get_per_process_memory_fraction", "host_memory_stats",
     "reset_peak_host_memory_stats", "reset_accumulated_host_memory_stats", "MemPool", "use_mem_pool",
+    "set_allocator_settings", "get_allocator_settings",
 ]
 
 _lock = threading.Lock()
+_settings_lock = threading.Lock()      # one set_allocator_settings at a time
 _allocators: Dict[int, DeviceCachingAllocator] = {}
 _host: Optional[HostCachingAllocator] = None
 _history: Optional[_snapfmt.HistoryOptions] = None    # while recording
 
 
-def _reset() -> None:
+def _reset(keep_settings: bool = False) -> None:
     global _host, _history
     with _lock:
         _allocators.clear()
@@ -57,15 +59,18 @@ def _reset() -> None:
         _history = None
         _caching._forget_captures()
         _config._warned.clear()      # a fresh start warns again about ignored allocator options
+        if not keep_settings:
+            _config._runtime = None  # and reads the options from the environment again
 
 
 def _after_fork_in_child() -> None:
     # The parent's cached device memory is not usable in a forked child; forgetting
     # the allocators makes the next use go through lazy_init, which raises the
     # clear "forked subprocess" error instead of handing out the parent's pointers.
-    global _lock
+    global _lock, _settings_lock
     _lock = threading.Lock()
-    _reset()
+    _settings_lock = threading.Lock()
+    _reset(keep_settings=True)      # the options are process state, as torch's: the child keeps them
 
 
 def _forget_stream(backend, index: int, handle: int, blocking: bool) -> bool:
@@ -177,6 +182,55 @@ def set_per_process_memory_fraction(fraction: float, device=None) -> None:
     _resolve_early(device)
     _lazy.lazy_init()
     device_allocator(_index(device)).set_memory_fraction(fraction)
+
+
+def set_allocator_settings(settings: str) -> None:
+    """Change the caching allocator's options, on every device, from now on: torch's
+    ``torch._C._accelerator_setAllocatorSettings`` (``torch.cuda.memory._set_allocator_settings``
+    before torch 2.10).
+
+    ``settings`` is written as ``ACCEL_ALLOC_CONF`` is (PyTorch's option names), e.g.
+    ``"expandable_segments:False,garbage_collection_threshold:0.6"``.  As in torch, each call sets
+    ``max_split_size_mb``, ``roundup_power2_divisions`` and ``garbage_collection_threshold`` back
+    to their defaults unless it names them, and leaves every other option as it was unless it
+    names it.  ``per_process_memory_fraction``, when named, caps every device (as
+    :func:`set_per_process_memory_fraction` on each).  ``backend`` and ``policy`` cannot change
+    (they may be named with their current values).
+
+    Memory already allocated stays as it was made: segments made with expandable segments keep
+    serving the requests they fit after ``expandable_segments:False`` (and go back to the device
+    on :func:`empty_cache` and before a new segment is made past the cap), and classic segments
+    after ``True``.  Options for ``backend:cudaMallocAsync``: only the fraction acts.
+
+    ``AllocatorConfigError`` (a ValueError and RuntimeError) for an unknown option, a bad value
+    or a change of a fixed one; TypeError for a non-str.  A refused call changes nothing.  The
+    runtime is not initialized: called before it starts, the options are those every allocator
+    starts with."""
+    if not isinstance(settings, str):
+        raise TypeError(f"set_allocator_settings() takes a str such as 'max_split_size_mb:128', "
+                        f"got {type(settings).__name__} {settings!r}")
+    with _settings_lock:
+        new, named = _config.changed(_config.current(), settings)
+        with _lock:
+            _config._runtime = new
+            allocators = list(_allocators.values())
+        for alloc in allocators:
+            # a device's own fraction (set_per_process_memory_fraction) stays unless named
+            if "per_process_memory_fraction" not in named:
+                alloc.set_config(new._replace(per_process_memory_fraction=alloc.config.per_process_memory_fraction))
+            else:
+                alloc.set_config(new)
+
+
+def get_allocator_settings() -> str:
+    """The option string last given to :func:`set_allocator_settings`, else the one read from
+    the environment (``ACCEL_ALLOC_CONF``, then ``PYTORCH_ALLOC_CONF``, ``PYTORCH_CUDA_ALLOC_CONF``),
+    else ``""``: torch's ``torch._C._accelerator_getAllocatorSettings``."""
+    return _config.current().text
+
+
+#: torch.cuda.memory's name for set_allocator_settings
+_set_allocator_settings = set_allocator_settings
 
 
 def get_per_process_memory_fraction(device=None) -> float:

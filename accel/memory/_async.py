@@ -87,10 +87,10 @@ def check_backend(backend, index: int, config: _config.AllocConfig) -> None:
 
 
 def create_allocator(backend, index: int, config: Optional[_config.AllocConfig] = None):
-    """The device allocator ``config`` asks for (default: from the environment):
+    """The device allocator ``config`` asks for (default: ``_config.current()``):
     :class:`AsyncPoolAllocator` for ``backend:cudaMallocAsync``, else a
     :class:`~accel.memory._caching.DeviceCachingAllocator`."""
-    config = config if config is not None else _config.from_environment()
+    config = config if config is not None else _config.current()
     if config.backend == "cudaMallocAsync":
         return AsyncPoolAllocator(backend, index, config)
     return _caching.DeviceCachingAllocator(backend, index, config)
@@ -152,7 +152,7 @@ class AsyncPoolAllocator:
     naming the option when there is no pool) and sets the pool up as torch does."""
 
     def __init__(self, backend, device_index: int, config: Optional[_config.AllocConfig] = None):
-        config = config if config is not None else _config.from_environment()
+        config = config if config is not None else _config.current()
         check_backend(backend, device_index, config)
         self._be = backend
         self._index = device_index
@@ -207,6 +207,15 @@ class AsyncPoolAllocator:
         with self._lock:
             self._config = self._config._replace(per_process_memory_fraction=float(fraction))
             self._limit = int(fraction * total) if fraction < 1.0 else None
+
+    def set_config(self, config: _config.AllocConfig) -> None:
+        """Use the options ``config`` from now on (:func:`accel.memory.set_allocator_settings`):
+        only ``per_process_memory_fraction`` acts here, as the module docstring says; the backend
+        and policy cannot change (AllocatorConfigError)."""
+        _config.check_fixed(self._config, config)
+        self.set_memory_fraction(config.per_process_memory_fraction)
+        with self._lock:
+            self._config = config
 
     def malloc(self, nbytes: int, stream: Optional[int] = None, ref=None) -> int:
         """``cudaMallocAsync`` of ``nbytes`` on ``stream`` (a backend stream handle; None = the

@@ -480,7 +480,7 @@ class DeviceCachingAllocator:
     def __init__(self, backend, device_index: int, config: Optional[_config.AllocConfig] = None):
         self._be = backend
         self._index = device_index
-        self._config = config = config if config is not None else _config.from_environment()
+        self._config = config = config if config is not None else _config.current()
         self._lock = threading.Lock()
         self._blocks: Dict[int, _Block] = {}
         self._segments: Dict[int, int] = {}          # base ptr -> segment size
@@ -566,6 +566,51 @@ class DeviceCachingAllocator:
         with self._lock:
             self._config = self._config._replace(per_process_memory_fraction=float(fraction))
             self._allowed = None
+
+    def set_config(self, config: _config.AllocConfig) -> None:
+        """Use the options ``config`` from now on (:func:`accel.memory.set_allocator_settings`).
+        AllocatorConfigError when its ``policy`` or ``backend`` differs (fixed at the start).
+
+        What exists stays as it was made: an oversize block stays whole, a segment keeps its
+        kind (expandable segments made before ``expandable_segments:False`` keep serving the
+        requests that fit them, and are unmapped on empty_cache, before a grow and on the
+        out-of-memory retry; classic segments made before ``True`` likewise).  The oversize
+        counters are recounted under the new ``max_split_size``, so that each free counts down
+        what it counted up."""
+        _config.check_fixed(self._config, config)
+        if _finalizers:
+            _drain_finalizers()
+        with self._lock:
+            old = self._config
+            self._config = config
+            self._max_split = config.max_split_size
+            self._release_threshold = config.release_threshold
+            self._pow2 = any(d > 1 for d in config.roundup_power2_divisions)
+            self._allowed = None
+            if config.max_split_size != old.max_split_size:
+                self._recount_oversize()
+            if (config.release_threshold is None) != (old.release_threshold is None):
+                for pair in self._general.values():
+                    for fl in pair:
+                        fl.watch_whole = config.release_threshold is not None
+            if config.expandable_segments != old.expandable_segments and self._expandable is not None:
+                # decided again now, not at the next miss: malloc picks a free list by it (E12)
+                self._expandable = None
+                self._use_expandable()
+            self._update_special()
+
+    def _recount_oversize(self) -> None:
+        """The oversize counters after max_split_size changed: the allocated blocks and the
+        classic segments at or over the new limit (a free counts down by the limit then)."""
+        limit = self._max_split
+        now = {OVERSIZE_ALLOCATIONS: sum(1 for b in self._blocks.values() if b.state == _ALLOCATED and b.size >= limit),
+               OVERSIZE_SEGMENTS: sum(1 for n in self._segments.values() if n >= limit)}
+        for stat, n in now.items():
+            change = n - self._cur[stat]
+            if change > 0:
+                self._count_up(stat, change)
+            elif change < 0:
+                self._count_down(stat, -change)
 
     def malloc(self, nbytes: int, stream: Optional[int] = None, ref=None) -> int:
         """Allocate ``nbytes`` on ``stream`` (a backend stream handle; None = the device's

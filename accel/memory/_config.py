@@ -5,7 +5,8 @@ The syntax and option names are PyTorch's ``PYTORCH_CUDA_ALLOC_CONF``
 ``max_split_size_mb:128,garbage_collection_threshold:0.8``.  ``ACCEL_ALLOC_CONF``
 wins; ``PYTORCH_ALLOC_CONF`` and ``PYTORCH_CUDA_ALLOC_CONF`` are read when it
 is unset, so a torch configuration carries over.  The string is parsed at the
-allocator's first use.
+allocator's first use.  ``accel.memory.set_allocator_settings`` changes the options while the
+program runs, by torch's rules (``changed``; ``RESET_AT_RUN_TIME``, ``FIXED_AT_RUN_TIME``).
 
 A setting written for torch never breaks accel: every key torch 2.13 accepts is
 accepted, with torch's value checks (booleans exactly ``True``/``False``,
@@ -93,6 +94,8 @@ class AllocConfig(NamedTuple):
     #: "native" (DeviceCachingAllocator) or "cudaMallocAsync" (accel.memory._async)
     backend: str = "native"
     source: str = ""
+    #: the option string these were parsed from (torch's ``last_allocator_settings``)
+    text: str = ""
 
     def divisions_for(self, size: int) -> int:
         """torch's ``roundup_power2_divisions(size)``: the entry for size's power-of-two interval."""
@@ -211,7 +214,12 @@ def parse(text: str, source: str = "ACCEL_ALLOC_CONF") -> AllocConfig:
     ValueError and RuntimeError) for unknown keys or bad values.  From a ``PYTORCH_``
     variable, accel-only keys are skipped; the skipped and the not-implemented torch keys
     give one UserWarning per (variable, setting) in the process."""
-    values = {"source": source}
+    return AllocConfig(**_values(text, source))
+
+
+def _values(text: str, source: str) -> dict:
+    """parse()'s work: the AllocConfig fields ``text`` names, with ``source`` and ``text``."""
+    values = {"source": source, "text": text}
     from_torch = source.startswith("PYTORCH_")
     skipped, ignored = [], []
     for item in _split_options(text.replace(" ", "")):
@@ -283,8 +291,51 @@ def parse(text: str, source: str = "ACCEL_ALLOC_CONF") -> AllocConfig:
         if skipped:
             parts.append(f"{', '.join(skipped)} (accel options, read only from ACCEL_ALLOC_CONF; "
                          f"torch refuses them)")
-        warnings.warn(f"{source}: ignored {' and '.join(parts)}", UserWarning, stacklevel=3)
-    return AllocConfig(**values)
+        warnings.warn(f"{source}: ignored {' and '.join(parts)}", UserWarning, stacklevel=4)
+    return values
+
+
+#: Options a run-time change sets back to their defaults unless it names them; the others keep
+#: their values.  torch's rule: AcceleratorAllocatorConfig::parseArgs (c10/core/AllocatorConfig.cpp),
+#: "The following option will be reset to its default value if not explicitly set each time."
+RESET_AT_RUN_TIME = ("max_split_size", "roundup_power2_divisions", "garbage_collection_threshold")
+#: Options fixed once an allocator started (torch: "Allocator backend parsed at runtime !=
+#: allocator backend parsed at load time"); a change may name them with their current values.
+FIXED_AT_RUN_TIME = ("backend", "policy")
+SET_AT_RUN_TIME = "set_allocator_settings"
+
+#: The options set at run time (accel.memory.set_allocator_settings), or None: the environment's.
+_runtime: Optional[AllocConfig] = None
+
+
+def current() -> AllocConfig:
+    """The options an allocator created now starts with: the last run-time change, else the
+    environment's."""
+    config = _runtime
+    return config if config is not None else from_environment()
+
+
+def changed(base: AllocConfig, text: str) -> Tuple[AllocConfig, frozenset]:
+    """``base`` changed by the option string ``text`` at run time, as torch changes its options
+    (``RESET_AT_RUN_TIME``), and the fields ``text`` names.  AllocatorConfigError for a bad
+    option or one of ``FIXED_AT_RUN_TIME`` given another value."""
+    values = _values(text, SET_AT_RUN_TIME)
+    named = frozenset(values) - {"source", "text"}
+    defaults = AllocConfig()
+    reset = {field: getattr(defaults, field) for field in RESET_AT_RUN_TIME}
+    config = base._replace(**{**reset, **values})
+    check_fixed(base, config)
+    return config, named
+
+
+def check_fixed(before: AllocConfig, after: AllocConfig) -> None:
+    """AllocatorConfigError when ``after`` gives an option of ``FIXED_AT_RUN_TIME`` another value."""
+    for field in FIXED_AT_RUN_TIME:
+        if getattr(after, field) != getattr(before, field):
+            raise AllocatorConfigError(
+                f"{SET_AT_RUN_TIME}: option '{field}:{getattr(after, field)}' cannot change at run time "
+                f"({field} is {getattr(before, field)}); set it in ACCEL_ALLOC_CONF before the program "
+                f"starts, or leave it out")
 
 
 def from_environment() -> AllocConfig:

@@ -136,9 +136,8 @@ def trace_entry(record: tuple, symbols: Symbols) -> dict:
 def allocator_settings(config, expandable: bool) -> dict:
     """torch's ``allocator_settings`` for an allocator with ``config`` (an AllocConfig).  The
     torch options accel accepts and ignores report torch's defaults, which is how accel behaves."""
-    text = os.environ.get(config.source, "") if config.source else ""
     return {
-        "PYTORCH_CUDA_ALLOC_CONF": text,
+        "PYTORCH_CUDA_ALLOC_CONF": config.text,     # torch's last_allocator_settings
         # torch's int64 of SIZE_MAX (no limit) is -1
         "max_split_size": config.max_split_size if config.max_split_size < (1 << 63) else -1,
         "garbage_collection_threshold": float(config.garbage_collection_threshold),
