@@ -370,3 +370,11 @@ def test_a_forked_child_keeps_the_settings(device):
         return 0 if memory.get_allocator_settings() == "garbage_collection_threshold:0.6" else 3
 
     assert run_forked(child) == 0
+
+
+def test_a_snapshot_before_any_allocator_reports_the_settings(monkeypatch):
+    use_sim(monkeypatch, "cuda")
+    memory.set_allocator_settings("max_split_size_mb:64")
+    settings = memory._snapshot()["allocator_settings"]
+    assert settings["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64"
+    assert settings["max_split_size"] == 64 * MiB

@@ -483,8 +483,8 @@ def _snapshot(device=None, augment_with_fx_traces: bool = False) -> dict:
                             else _snapfmt.allocator_settings(alloc.config, False))
         while len(traces) < count:
             traces.append([])
-    if settings is None:
-        settings = _snapfmt.allocator_settings(_config.AllocConfig(), False)
+    if settings is None:      # no allocator yet: the run-time settings, if any (the environment is not parsed here)
+        settings = _snapfmt.allocator_settings(_config._runtime or _config.AllocConfig(), False)
     return {"segments": segments, "device_traces": traces, "allocator_settings": settings,
             "external_annotations": []}
 
