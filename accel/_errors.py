@@ -56,6 +56,10 @@ class OutOfMemoryError(AcceleratorError):
     with a message that gives the allocator state (as torch's).
     """
 
+    #: set by the device allocators: ``(device, bytes tried, allowed or total bytes, free bytes)``,
+    #: the arguments of the out-of-memory observers (accel.memory.attach_out_of_memory_observer)
+    observer_args = None
+
 
 class DeferredCallError(AcceleratorError):
     """A call queued with ``_lazy_call`` before initialization failed at init.

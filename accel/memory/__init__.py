@@ -41,7 +41,8 @@ __all__ = [
     "reset_peak_memory_stats", "memory_summary", "memory_snapshot", "record_history", "dump_snapshot",
     "set_per_process_memory_fraction", "get_per_process_memory_fraction", "host_memory_stats",
     "reset_peak_host_memory_stats", "reset_accumulated_host_memory_stats", "MemPool", "use_mem_pool",
-    "set_allocator_settings", "get_allocator_settings",
+    "set_allocator_settings", "get_allocator_settings", "attach_out_of_memory_observer",
+    "detach_out_of_memory_observer",
 ]
 
 _lock = threading.Lock()
@@ -59,6 +60,7 @@ def _reset(keep_settings: bool = False) -> None:
         _history = None
         _caching._forget_captures()
         _config._warned.clear()      # a fresh start warns again about ignored allocator options
+        _caching._oom_observers.clear()
         if not keep_settings:
             _config._runtime = None  # and reads the options from the environment again
 
@@ -231,6 +233,45 @@ def get_allocator_settings() -> str:
 
 #: torch.cuda.memory's name for set_allocator_settings
 _set_allocator_settings = set_allocator_settings
+
+
+def attach_out_of_memory_observer(observer) -> None:
+    """Call ``observer(device, bytes_tried, allowed_bytes, free_bytes)`` whenever a device
+    allocator raises :class:`accel.OutOfMemoryError` (after freeing its cache and retrying), on
+    every device: torch's ``torch._C._cuda_attach_out_of_memory_observer``.  ``allowed_bytes`` is
+    the per_process_memory_fraction's cap, or the device's total memory when there is none.
+
+    Observers run in the allocating thread once the allocator's lock is released, in the order
+    attached, before the error propagates: one may query or free memory.  An observer's own
+    exception propagates instead, with the OutOfMemoryError as its ``__context__``.  The refusal
+    of a request of 1 EB or more (before the cache is looked at, as torch) calls none."""
+    if not callable(observer):
+        raise TypeError(f"observer must be callable (device, bytes_tried, allowed_bytes, free_bytes), "
+                        f"got {type(observer).__name__} {observer!r}")
+    _caching._oom_observers.append(observer)
+
+
+def detach_out_of_memory_observer(observer) -> None:
+    """Stop calling ``observer`` (attached with :func:`attach_out_of_memory_observer`; torch has
+    no detach).  ValueError when it is not attached."""
+    try:
+        _caching._oom_observers.remove(observer)
+    except ValueError:
+        raise ValueError(f"observer {observer!r} is not attached (attach_out_of_memory_observer)") from None
+
+
+def _set_memory_metadata(metadata: str) -> None:
+    """Record ``metadata`` as ``user_metadata`` on every memory-history entry of the current
+    device from now on ("" clears it): torch.cuda.memory's ``_set_memory_metadata``.  Initializes
+    the runtime (the current device's allocator)."""
+    if not isinstance(metadata, str):
+        raise TypeError(f"_set_memory_metadata() takes a str, got {type(metadata).__name__} {metadata!r}")
+    device_allocator(_index(None)).set_user_metadata(metadata)
+
+
+def _get_memory_metadata() -> str:
+    """The current device's metadata set by :func:`_set_memory_metadata` ("" for none)."""
+    return device_allocator(_index(None)).user_metadata()
 
 
 def get_per_process_memory_fraction(device=None) -> float:

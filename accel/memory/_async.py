@@ -169,6 +169,7 @@ class AsyncPoolAllocator:
         self._doomed: List[Tuple[int, int]] = []   # (event, device) whose destroy failed
         self._default_stream: Optional[int] = None
         self._history: Optional[deque] = None
+        self._user_metadata = ""       # recorded with each history entry (torch's user_metadata)
         self._history_stacks = False
         self._limit: Optional[int] = None
         # accel's counters: allocations and requested bytes (current, peak, allocated, freed)
@@ -246,55 +247,58 @@ class AsyncPoolAllocator:
         if _finalizers:
             _drain_finalizers()
         _caching._gc_probe(self._lock, "malloc")   # then `with`: never left held by a KeyboardInterrupt
-        with self._lock:
-            capturing = self._capture_underway()
-            if self._deferred and not capturing:
-                self._flush_deferred(strict=False)     # an earlier free's error is not this malloc's
-            graph = self._capture_of(stream) if capturing else None
-            if self._limit is not None and self._req[0] + nbytes > self._limit:
-                self._scalars["num_ooms"] += 1
-                raise OutOfMemoryError(self._oom_message(nbytes))
-            be = self._be
-            # Interrupt safety (Ctrl-C): the record is made before the call, and the pointer is
-            # recorded with plain stores as the call returns; a KeyboardInterrupt before that (as
-            # on_device's exit starts) gives the allocation back.
-            alloc = _Alloc(nbytes, stream, graph)
-            ptr = None
-            try:
-                with on_device(be, self._index):
-                    ptr = be.mem_alloc_async(nbytes, stream)
-            except OutOfMemoryError:
-                # cudaErrorMemoryAllocation is not sticky: clear it so torch in the same process
-                # does not report it again (the backend's check cleared it already; harmless twice)
-                be.clear_error()
-                self._scalars["num_ooms"] += 1
-                raise OutOfMemoryError(self._oom_message(nbytes)) from None
-            except BaseException:
-                if ptr is not None:
-                    self._give_back(ptr, stream)
-                raise
-            count, req = self._count, self._req
-            self._scalars["num_device_alloc"] += 1
-            if ptr in self._ptrs:
-                # a held graph allocation whose graph was reset before any replay allocated it:
-                # its address was given back and now reused (see free)
-                self._dead[ptr] = self._dead[ptr] + [self._ptrs[ptr]] if ptr in self._dead else [self._ptrs[ptr]]
-            self._ptrs[ptr] = alloc
-            if graph is not None:
-                graph.allocs[ptr] = alloc
-            count[0] += 1                    # _up, inlined: plain stores, no signal check
-            count[2] += 1
-            if count[0] > count[1]:
-                count[1] = count[0]
-            req[0] += nbytes
-            req[2] += nbytes
-            if req[0] > req[1]:
-                req[1] = req[0]
-            if self._history is not None:
-                if self._history_stacks:
-                    alloc.frames = _caching._frames()
-                self._trace("alloc", ptr, nbytes, stream)
-            return ptr
+        try:
+            with self._lock:
+                capturing = self._capture_underway()
+                if self._deferred and not capturing:
+                    self._flush_deferred(strict=False)     # an earlier free's error is not this malloc's
+                graph = self._capture_of(stream) if capturing else None
+                if self._limit is not None and self._req[0] + nbytes > self._limit:
+                    raise self._out_of_memory(nbytes)
+                be = self._be
+                # Interrupt safety (Ctrl-C): the record is made before the call, and the pointer is
+                # recorded with plain stores as the call returns; a KeyboardInterrupt before that (as
+                # on_device's exit starts) gives the allocation back.
+                alloc = _Alloc(nbytes, stream, graph)
+                ptr = None
+                try:
+                    with on_device(be, self._index):
+                        ptr = be.mem_alloc_async(nbytes, stream)
+                except OutOfMemoryError:
+                    # cudaErrorMemoryAllocation is not sticky: clear it so torch in the same process
+                    # does not report it again (the backend's check cleared it already; harmless twice)
+                    be.clear_error()
+                    raise self._out_of_memory(nbytes) from None
+                except BaseException:
+                    if ptr is not None:
+                        self._give_back(ptr, stream)
+                    raise
+                count, req = self._count, self._req
+                self._scalars["num_device_alloc"] += 1
+                if ptr in self._ptrs:
+                    # a held graph allocation whose graph was reset before any replay allocated it:
+                    # its address was given back and now reused (see free)
+                    self._dead[ptr] = self._dead[ptr] + [self._ptrs[ptr]] if ptr in self._dead else [self._ptrs[ptr]]
+                self._ptrs[ptr] = alloc
+                if graph is not None:
+                    graph.allocs[ptr] = alloc
+                count[0] += 1                    # _up, inlined: plain stores, no signal check
+                count[2] += 1
+                if count[0] > count[1]:
+                    count[1] = count[0]
+                req[0] += nbytes
+                req[2] += nbytes
+                if req[0] > req[1]:
+                    req[1] = req[0]
+                if self._history is not None:
+                    if self._history_stacks:
+                        alloc.frames = _caching._frames()
+                    self._trace("alloc", ptr, nbytes, stream)
+                return ptr
+        except OutOfMemoryError as exc:
+            if _caching._oom_observers and exc.observer_args is not None:     # after unlocking, as torch
+                _caching._notify_oom(exc)
+            raise
 
     def free(self, ptr: int) -> None:
         """``cudaFreeAsync`` of ``ptr`` on its allocation stream, after that stream waits for the
@@ -536,6 +540,16 @@ class AsyncPoolAllocator:
             self._req[2] = self._req[3] = 0
             for name in self._scalars:
                 self._scalars[name] = 0
+
+    def set_user_metadata(self, metadata: str) -> None:
+        """Record ``metadata`` as ``user_metadata`` with every history entry from now on."""
+        if not isinstance(metadata, str):
+            raise TypeError(f"metadata must be a str, got {type(metadata).__name__} {metadata!r}")
+        self._user_metadata = metadata
+
+    def user_metadata(self) -> str:
+        """What :meth:`set_user_metadata` set last ("" for none)."""
+        return self._user_metadata
 
     def record_history(self, enabled: bool, max_entries: int = 100_000, stacks: bool = True) -> None:
         """Start (or stop) recording alloc/free events (and the Python stack of each
@@ -819,6 +833,7 @@ class AsyncPoolAllocator:
 
     def _trace(self, action: str, addr: int, size: int, stream: int) -> None:
         self._history.append({"action": action, "addr": addr, "size": size, "stream": stream,
+                              "compile_context": "", "user_metadata": self._user_metadata,
                               "time_us": time.monotonic_ns() // 1000})
 
     def _not_allocated(self, ptr, alloc) -> Exception:
@@ -831,13 +846,20 @@ class AsyncPoolAllocator:
         return ValueError(f"pointer {ptr:#x} is not allocated (double free?) or was not allocated by the "
                           f"cudaMallocAsync allocator of device {self._index} (foreign or interior pointer)")
 
-    def _oom_message(self, nbytes: int) -> str:
-        fmt = _stats.format_size
+    def _out_of_memory(self, nbytes: int) -> OutOfMemoryError:
+        """Count an OOM of ``nbytes`` and return the error to raise (its observer arguments set)."""
+        self._scalars["num_ooms"] += 1
         try:
             with on_device(self._be, self._index):
                 free, total = self._be.mem_info()
         except AcceleratorError:   # the report must not hide the OOM itself
             free = total = 0
+        err = OutOfMemoryError(self._oom_message(nbytes, free, total))
+        err.observer_args = (self._index, nbytes, self._limit if self._limit is not None else total, free)
+        return err
+
+    def _oom_message(self, nbytes: int, free: int, total: int) -> str:
+        fmt = _stats.format_size
         limit = fmt(self._limit) if self._limit is not None else "none (per_process_memory_fraction 1.0)"
         return (f"{self._be.name.upper()} out of memory. Allocation on device {self._index} would exceed "
                 f"allowed memory. (out of memory)\n"

@@ -146,6 +146,20 @@ _MEMO_LIMIT = 4096
 _pool_captures: list = []
 
 
+#: Out-of-memory observers (accel.memory.attach_out_of_memory_observer), process-wide as torch's
+#: oom_observers_ are per allocator for every device: each is called as ``fn(device, bytes tried,
+#: allowed bytes (the fraction's cap) or the device's total, free bytes)`` once the allocator's
+#: lock is released, before the OutOfMemoryError propagates.
+_oom_observers: List = []
+
+
+def _notify_oom(exc: OutOfMemoryError) -> None:
+    """Call the observers with ``exc``'s arguments; an observer's error propagates (the
+    OutOfMemoryError is its ``__context__``)."""
+    for fn in list(_oom_observers):
+        fn(*exc.observer_args)
+
+
 class _NoAddressRange(Exception):
     """No virtual address range could be reserved for a stream's expandable segment."""
 
@@ -501,9 +515,10 @@ class DeviceCachingAllocator:
         self._used_on: Dict[int, set] = {}           # stream -> blocks whose uses name it
         self._event_cache: Dict[int, List[int]] = {}  # device -> completed events for reuse
         self._default_stream: Optional[int] = None
-        # history (record_history): records (action, addr, size, stream, time_us, stack), see
+        # history (record_history): records (action, addr, size, stream, time_us, stack, metadata), see
         # _snapfmt.trace_entry; _ctx is the torch RecordContext level (_snapfmt.CTX_*)
         self._history: Optional[deque] = None
+        self._user_metadata = ""       # recorded with each history entry (torch's user_metadata)
         self._ctx = 0
         self._skip: frozenset = frozenset()
         # stack of the allocation that made a segment (classic: its base; expandable: each
@@ -638,157 +653,163 @@ class DeviceCachingAllocator:
             _drain_finalizers()
         if _locks._collector is not None:     # a finalizer: see _gc_probe
             _gc_probe(self._lock, "malloc")
-        with self._lock:     # not acquire() + try: a KeyboardInterrupt as acquire returns would keep it
-            special = self._special
-            # The block found is still in its free list (fl.keys[i]) whichever path found it,
-            # so a KeyboardInterrupt before the hand-out below leaves it cached.
-            if special:
-                if self._pow2:
-                    size = self._round_pow2(nbytes)
-                self._miss_ref = ref          # for a block _small_in_large hands out (its publish)
-                block, fl, i = self._find_special(size, nbytes, stream)
-                if i < 0:
-                    return block.ptr          # _small_in_large handed it out
-            else:
-                lists = self._general.get(stream)
-                if lists is None:
-                    lists = self._new_lists(stream, None)
-                fl = lists[size > SMALL_SIZE or self._one_range]      # (small, large)
-                keys = fl.keys
-                i = bisect_left(keys, size << _SHIFT)
-                try:
-                    block = self._blocks[keys[i] & _MASK]
-                except IndexError:               # nothing cached is big enough
-                    block = None      # the miss runs outside this handler: its errors carry no IndexError
-                if block is None:
-                    self._miss_ref = ref      # for a block _small_in_large hands out (its publish)
-                    block = self._malloc_miss(size, nbytes, fl)
-                    if block.state == _ALLOCATED:
+        try:
+            with self._lock:     # not acquire() + try: a KeyboardInterrupt as acquire returns would keep it
+                special = self._special
+                # The block found is still in its free list (fl.keys[i]) whichever path found it,
+                # so a KeyboardInterrupt before the hand-out below leaves it cached.
+                if special:
+                    if self._pow2:
+                        size = self._round_pow2(nbytes)
+                    self._miss_ref = ref          # for a block _small_in_large hands out (its publish)
+                    block, fl, i = self._find_special(size, nbytes, stream)
+                    if i < 0:
                         return block.ptr          # _small_in_large handed it out
-                    fl = block.pool      # a small request may get a large-pool block
-                    i = self._slot(block)
                 else:
-                    if (size > SMALL_SIZE and block.next is None and block.prev is None
-                            and block.size >= 2 * size):
-                        other = self._split_instead(fl, i, block)
-                        if other is not None:
-                            block = other
-                            i = self._slot(block)
-            # Hand the block out, splitting off the rest when it is worth keeping.
-            # (Inlined: this is the hot path.)  Interrupt safety (Ctrl-C): everything is
-            # computed first (calls may be interrupted: nothing changed yet), then published
-            # with plain stores, which CPython runs with no signal check between them; the
-            # one call that changes state (insort) comes last.  The compute part may write
-            # the block's scratch fields (stat, undo, requested: a free block's are only
-            # read by the whole-segment `undo` test below, to which they stay consistent),
-            # a spare block object's fields, and the packed peaks (raised early: a peak may
-            # then count an allocation a KeyboardInterrupt stopped, never less than one made).
-            keys = fl.keys
-            rest = block.size - size
-            if rest >= fl.split_min and size < self._max_split:
-                if block.seg is not None:
-                    # E13: the high end when it touches fewer pages no live block holds.  Tested
-                    # only where the low end would touch one (most splits fit in the page the
-                    # left neighbour holds: no call then)
-                    gran = self._gran
-                    x = block.ptr % gran
-                    if ((x == 0 or x + size > gran) and (block.ptr + block.size) % gran
-                            and _high_end_pins_fewer(block.ptr, block.ptr + block.size, size, gran)):
-                        block = self._hand_out_high(block, fl, i, size, nbytes, ref)
-                        if special:
-                            self._after_take(block, fl)
-                        return block.ptr
-                tptr = block.ptr + size
-                nxt = block.next
-                tail = self._spare
-                if tail is None:
-                    tail = _Block(tptr, rest, fl, block, nxt)
+                    lists = self._general.get(stream)
+                    if lists is None:
+                        lists = self._new_lists(stream, None)
+                    fl = lists[size > SMALL_SIZE or self._one_range]      # (small, large)
+                    keys = fl.keys
+                    i = bisect_left(keys, size << _SHIFT)
+                    try:
+                        block = self._blocks[keys[i] & _MASK]
+                    except IndexError:               # nothing cached is big enough
+                        block = None      # the miss runs outside this handler: its errors carry no IndexError
+                    if block is None:
+                        self._miss_ref = ref      # for a block _small_in_large hands out (its publish)
+                        block = self._malloc_miss(size, nbytes, fl)
+                        if block.state == _ALLOCATED:
+                            return block.ptr          # _small_in_large handed it out
+                        fl = block.pool      # a small request may get a large-pool block
+                        i = self._slot(block)
+                    else:
+                        if (size > SMALL_SIZE and block.next is None and block.prev is None
+                                and block.size >= 2 * size):
+                            other = self._split_instead(fl, i, block)
+                            if other is not None:
+                                block = other
+                                i = self._slot(block)
+                # Hand the block out, splitting off the rest when it is worth keeping.
+                # (Inlined: this is the hot path.)  Interrupt safety (Ctrl-C): everything is
+                # computed first (calls may be interrupted: nothing changed yet), then published
+                # with plain stores, which CPython runs with no signal check between them; the
+                # one call that changes state (insort) comes last.  The compute part may write
+                # the block's scratch fields (stat, undo, requested: a free block's are only
+                # read by the whole-segment `undo` test below, to which they stay consistent),
+                # a spare block object's fields, and the packed peaks (raised early: a peak may
+                # then count an allocation a KeyboardInterrupt stopped, never less than one made).
+                keys = fl.keys
+                rest = block.size - size
+                if rest >= fl.split_min and size < self._max_split:
+                    if block.seg is not None:
+                        # E13: the high end when it touches fewer pages no live block holds.  Tested
+                        # only where the low end would touch one (most splits fit in the page the
+                        # left neighbour holds: no call then)
+                        gran = self._gran
+                        x = block.ptr % gran
+                        if ((x == 0 or x + size > gran) and (block.ptr + block.size) % gran
+                                and _high_end_pins_fewer(block.ptr, block.ptr + block.size, size, gran)):
+                            block = self._hand_out_high(block, fl, i, size, nbytes, ref)
+                            if special:
+                                self._after_take(block, fl)
+                            return block.ptr
+                    tptr = block.ptr + size
+                    nxt = block.next
+                    tail = self._spare
+                    if tail is None:
+                        tail = _Block(tptr, rest, fl, block, nxt)
+                    else:
+                        # reuse the block object the last merge retired (saves an allocation)
+                        self._spare = None
+                        tail.ptr = tptr
+                        tail.size = rest
+                        tail.pool = fl
+                        tail.prev = block
+                        tail.next = nxt
+                    tail.seg = block.seg
+                    key = rest << _SHIFT | tptr
+                    w = 0
+                    if nxt is not None or block.prev is not None:
+                        # (undo cleared before stat changes: a stale undo must never pair with a
+                        # new stat, in a block left free by an interrupt here)
+                        block.undo = 0
+                        v = block.stat = fl.alloc_deltas.get(nbytes) or fl.alloc_delta(size, nbytes)
+                        if block.seg is None:   # (expandable blocks are no inactive split ones, as torch's)
+                            # an inactive split block shrinks by `size`
+                            w = fl.shrink_deltas.get(size) or fl.shrink_delta(size)
+                            v -= w
+                    elif block.undo and block.requested == nbytes:
+                        # This whole segment was split for the same request last time
+                        # (a whole block always has the segment's size), so block.stat
+                        # and the change are the same as then.
+                        v = block.undo
+                    else:
+                        block.undo = 0
+                        v = block.stat = fl.alloc_deltas.get(nbytes) or fl.alloc_delta(size, nbytes)
+                        # a new inactive split block appears
+                        v += fl.split_deltas.get(rest) or fl.split_delta(rest)
+                        # When free() finds the segment as [block][free rest] again, it
+                        # subtracts exactly this (the rest is as large as now).
+                        block.undo = v
+                    block.requested = nbytes
+                    cur = self._s_cur + v
+                    # The lane-wise peak test costs three big-int operations; a repeated
+                    # alloc/free cycle reaches the same `cur` every time, so first compare
+                    # with the last value that passed it.
+                    if cur != self._s_peak_ok:
+                        if (self._s_peak_guarded - cur) & _GUARD != _GUARD:
+                            self._s_peak_guarded = raise_peaks(self._s_peak_guarded, cur, _GUARD)
+                        self._s_peak_ok = cur
+                    # The tail's key is smaller than the block's, so it usually sorts into
+                    # the block's own slot (always when nothing smaller is cached): then
+                    # overwrite it instead of a delete plus an insort.
+                    move = i > 0 and keys[i - 1] > key
+                    # publish (no call until the insort)
+                    if nxt is not None:
+                        nxt.prev = tail
+                    block.next = tail
+                    block.size = size
+                    self._blocks[tptr] = tail
+                    block.state = _ALLOCATED
+                    block.ref = ref
+                    if w:
+                        self._s_freed += w
+                    self._s_cur = cur
+                    if move:
+                        del keys[i]
+                        insort(keys, key)
+                    else:
+                        keys[i] = key
                 else:
-                    # reuse the block object the last merge retired (saves an allocation)
-                    self._spare = None
-                    tail.ptr = tptr
-                    tail.size = rest
-                    tail.pool = fl
-                    tail.prev = block
-                    tail.next = nxt
-                tail.seg = block.seg
-                key = rest << _SHIFT | tptr
-                w = 0
-                if nxt is not None or block.prev is not None:
-                    # (undo cleared before stat changes: a stale undo must never pair with a
-                    # new stat, in a block left free by an interrupt here)
+                    size = block.size
                     block.undo = 0
-                    v = block.stat = fl.alloc_deltas.get(nbytes) or fl.alloc_delta(size, nbytes)
-                    if block.seg is None:   # (expandable blocks are no inactive split ones, as torch's)
-                        # an inactive split block shrinks by `size`
-                        w = fl.shrink_deltas.get(size) or fl.shrink_delta(size)
+                    v = block.stat = fl.lanes(1 | size << 64 | nbytes << 128)
+                    w = 0
+                    if (block.prev is not None or block.next is not None) and block.seg is None:
+                        # an inactive split block becomes active
+                        w = fl.split_deltas.get(size) or fl.split_delta(size)
                         v -= w
-                elif block.undo and block.requested == nbytes:
-                    # This whole segment was split for the same request last time
-                    # (a whole block always has the segment's size), so block.stat
-                    # and the change are the same as then.
-                    v = block.undo
-                else:
-                    block.undo = 0
-                    v = block.stat = fl.alloc_deltas.get(nbytes) or fl.alloc_delta(size, nbytes)
-                    # a new inactive split block appears
-                    v += fl.split_deltas.get(rest) or fl.split_delta(rest)
-                    # When free() finds the segment as [block][free rest] again, it
-                    # subtracts exactly this (the rest is as large as now).
-                    block.undo = v
-                block.requested = nbytes
-                cur = self._s_cur + v
-                # The lane-wise peak test costs three big-int operations; a repeated
-                # alloc/free cycle reaches the same `cur` every time, so first compare
-                # with the last value that passed it.
-                if cur != self._s_peak_ok:
-                    if (self._s_peak_guarded - cur) & _GUARD != _GUARD:
-                        self._s_peak_guarded = raise_peaks(self._s_peak_guarded, cur, _GUARD)
-                    self._s_peak_ok = cur
-                # The tail's key is smaller than the block's, so it usually sorts into
-                # the block's own slot (always when nothing smaller is cached): then
-                # overwrite it instead of a delete plus an insort.
-                move = i > 0 and keys[i - 1] > key
-                # publish (no call until the insort)
-                if nxt is not None:
-                    nxt.prev = tail
-                block.next = tail
-                block.size = size
-                self._blocks[tptr] = tail
-                block.state = _ALLOCATED
-                block.ref = ref
-                if w:
-                    self._s_freed += w
-                self._s_cur = cur
-                if move:
+                    block.requested = nbytes
+                    cur = self._s_cur + v
+                    if cur != self._s_peak_ok:
+                        if (self._s_peak_guarded - cur) & _GUARD != _GUARD:
+                            self._s_peak_guarded = raise_peaks(self._s_peak_guarded, cur, _GUARD)
+                        self._s_peak_ok = cur
+                    # publish (no call)
                     del keys[i]
-                    insort(keys, key)
-                else:
-                    keys[i] = key
-            else:
-                size = block.size
-                block.undo = 0
-                v = block.stat = fl.lanes(1 | size << 64 | nbytes << 128)
-                w = 0
-                if (block.prev is not None or block.next is not None) and block.seg is None:
-                    # an inactive split block becomes active
-                    w = fl.split_deltas.get(size) or fl.split_delta(size)
-                    v -= w
-                block.requested = nbytes
-                cur = self._s_cur + v
-                if cur != self._s_peak_ok:
-                    if (self._s_peak_guarded - cur) & _GUARD != _GUARD:
-                        self._s_peak_guarded = raise_peaks(self._s_peak_guarded, cur, _GUARD)
-                    self._s_peak_ok = cur
-                # publish (no call)
-                del keys[i]
-                block.state = _ALLOCATED
-                block.ref = ref
-                self._s_freed += w
-                self._s_cur = cur
-            if special:
-                self._after_take(block, fl)
-            return block.ptr
+                    block.state = _ALLOCATED
+                    block.ref = ref
+                    self._s_freed += w
+                    self._s_cur = cur
+                if special:
+                    self._after_take(block, fl)
+                return block.ptr
+        except OutOfMemoryError as exc:
+            # torch calls its observers after unlocking ("which might need hold the GIL")
+            if _oom_observers and exc.observer_args is not None:
+                _notify_oom(exc)
+            raise
 
     def _find_special(self, size: int, nbytes: int, stream: int) -> Tuple[_Block, _FreeList, int]:
         """malloc's search while a capture routes allocations, blocks wait for events,
@@ -1296,6 +1317,17 @@ class DeviceCachingAllocator:
                     block.frames = None
                 self._seg_frames.clear()
             self._update_special()
+
+    def set_user_metadata(self, metadata: str) -> None:
+        """Record ``metadata`` as ``user_metadata`` with every history entry from now on ("" for
+        none): torch's ``setUserMetadata``."""
+        if not isinstance(metadata, str):
+            raise TypeError(f"metadata must be a str, got {type(metadata).__name__} {metadata!r}")
+        self._user_metadata = metadata
+
+    def user_metadata(self) -> str:
+        """What :meth:`set_user_metadata` set last ("" for none)."""
+        return self._user_metadata
 
     def allocator_settings(self) -> dict:
         """torch's ``allocator_settings`` of a snapshot, for this allocator."""
@@ -2854,7 +2886,7 @@ class DeviceCachingAllocator:
         if action in self._skip:
             return
         self._history.append((action, addr, size, stream, time.monotonic_ns() // 1000,
-                              (st or ()) if self._ctx >= _CTX_ALLOC else None))
+                              (st or ()) if self._ctx >= _CTX_ALLOC else None, self._user_metadata))
 
     def _oom(self, size: int, tried: int, fl: _FreeList) -> _Block:
         """The device is full: a request of the general cache takes a fitting free block of a
@@ -2880,6 +2912,8 @@ class DeviceCachingAllocator:
             self._trace("oom", free, size, stream, _stack() if self._ctx >= _CTX_ALLOC else None)
         err = OutOfMemoryError(self._oom_message(tried, free, total))
         err.__cause__, self._backend_oom = self._backend_oom, None
+        fraction = self._config.per_process_memory_fraction
+        err.observer_args = (self._index, tried, int(total * fraction) if fraction < 1.0 else total, free)
         return err
 
     def _not_allocated(self, ptr, block) -> Exception:

@@ -121,12 +121,12 @@ class Symbols:
 
 
 def trace_entry(record: tuple, symbols: Symbols) -> dict:
-    """torch's trace entry from an allocator's ``(action, addr, size, stream, time_us, stack)``
-    record; ``addr`` is the device's free bytes for ``oom`` (torch's ``device_free``), and
+    """torch's trace entry from an allocator's ``(action, addr, size, stream, time_us, stack,
+    user_metadata)`` record; ``addr`` is the device's free bytes for ``oom`` (torch's ``device_free``), and
     ``frames`` is present when the entry kept a stack (``stack`` not None)."""
-    action, addr, size, stream, time_us, st = record
+    action, addr, size, stream, time_us, st, metadata = record
     entry = {"action": action, ("device_free" if action == "oom" else "addr"): addr, "size": size,
-             "stream": stream, "compile_context": "", "user_metadata": ""}
+             "stream": stream, "compile_context": "", "user_metadata": metadata}
     if st is not None:
         entry["frames"] = symbols.frames(st)
     entry["time_us"] = time_us
