@@ -191,3 +191,14 @@ def test_metadata_under_the_cudamallocasync_backend(monkeypatch):
         assert events and {e["user_metadata"] for e in events} == {"async phase"}
     finally:
         memory._record_memory_history(None)
+
+
+def test_a_forked_child_keeps_the_observers(device):
+    from conftest import run_forked
+    seen = []
+    memory.attach_out_of_memory_observer(seen.append)
+
+    def child():
+        return 0 if memory._caching._oom_observers == [seen.append] else 3
+
+    assert run_forked(child) == 0

@@ -60,9 +60,9 @@ def _reset(keep_settings: bool = False) -> None:
         _history = None
         _caching._forget_captures()
         _config._warned.clear()      # a fresh start warns again about ignored allocator options
-        _caching._oom_observers.clear()
-        if not keep_settings:
-            _config._runtime = None  # and reads the options from the environment again
+        if not keep_settings:        # (a forked child keeps them: process state, as torch's)
+            _config._runtime = None  # the options are read from the environment again
+            _caching._oom_observers.clear()
 
 
 def _after_fork_in_child() -> None:
@@ -72,7 +72,7 @@ def _after_fork_in_child() -> None:
     global _lock, _settings_lock
     _lock = threading.Lock()
     _settings_lock = threading.Lock()
-    _reset(keep_settings=True)      # the options are process state, as torch's: the child keeps them
+    _reset(keep_settings=True)      # the options and observers are process state: the child keeps them
 
 
 def _forget_stream(backend, index: int, handle: int, blocking: bool) -> bool:
