@@ -188,15 +188,10 @@ def _workload(dev: int, seed: int, steps: int, graphs: bool, repeated: bool = Fa
     memory.set_allocator_settings("")
 
 
-_MEMO_REASON = (
-    "accel/memory/_caching.py: malloc's packed-stat memo _FreeList.alloc_deltas is keyed by the request "
-    "nbytes and holds the delta of the size nbytes rounded to, and a whole free segment's block.undo is "
-    "reused when block.requested == nbytes; both assume nbytes -> size never changes, which "
-    "roundup_power2_divisions changed by set_allocator_settings breaks: the next request of a size seen "
-    "before is counted at its old rounded size (allocated_bytes/active_bytes and their pool lanes and "
-    "peaks off by the difference, e.g. 5243392 counted for a 6291456-byte block) until it is freed. "
-    "Fix: DeviceCachingAllocator.set_config clears fl.alloc_deltas of every free list (general, "
-    "private pools, retired) and block.undo of every free block when roundup_power2_divisions changes")
+# Found here and fixed: malloc's packed-stat memo (_FreeList.alloc_deltas, keyed by the request's
+# nbytes) and a whole free segment's block.undo assumed nbytes always rounds to the same size; after
+# a roundup_power2_divisions change the next request of a size seen before was counted at its old
+# rounding ('assert 5243392 == 6291456'): set_config now drops both when the divisions change.
 
 
 @pytest.mark.parametrize("want", [1, 0], ids=["device1", "device0"])
@@ -207,7 +202,7 @@ def test_settings_switched_between_every_operation(sim_backend, want, seed):
     _all_back(dev)
 
 
-@pytest.mark.xfail(strict=True, reason=_MEMO_REASON)
+
 @pytest.mark.parametrize("want", [1, 0], ids=["device1", "device0"])
 def test_settings_switched_with_repeated_sizes(sim_backend, want):
     """The workload above with the sizes a training loop repeats."""
@@ -216,7 +211,7 @@ def test_settings_switched_with_repeated_sizes(sim_backend, want):
     _all_back(dev)
 
 
-@pytest.mark.xfail(strict=True, reason=_MEMO_REASON)
+
 @pytest.mark.parametrize("expandable", ["True", "False"])
 @pytest.mark.parametrize("path", ["whole_segment", "split_segment"])
 @pytest.mark.parametrize("dev", [1, 0], ids=["device1", "device0"])
@@ -332,10 +327,10 @@ def test_settings_changed_during_a_capture(sim_graph_backend):
     assert memory.get_per_process_memory_fraction(1) == 0.5
 
 
-@pytest.mark.xfail(strict=True, reason=_MEMO_REASON)
+
 def test_roundup_changed_during_a_capture(sim_graph_backend):
     """The same with roundup_power2_divisions turned on and off between the graph's allocations
-    of one size: the private pool's counters go wrong by the memo (see _MEMO_REASON)."""
+    of one size: the private pool's counters stay right (the memo note above)."""
     _capture_with_changes(("roundup_power2_divisions:4", "", "roundup_power2_divisions:4", ""))
 
 
@@ -511,24 +506,17 @@ def test_a_finalizer_while_set_config_holds_the_lock(monkeypatch, conf):
     assert run_forked(child, timeout=60, hung="deadlock: a finalizer while set_config held the lock") == 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "accel/memory/__init__.py set_allocator_settings reads each device's fraction "
-    "(alloc.config.per_process_memory_fraction) outside the allocator's lock and hands it back in "
-    "set_config(new._replace(per_process_memory_fraction=...)): a set_per_process_memory_fraction from "
-    "another thread landing between the read and set_config is overwritten (a lost update: 1.0 instead "
-    "of 0.3, though every serial order gives 0.3). Fix: set_config(config, keep_fraction=True) takes "
-    "self._config.per_process_memory_fraction under self._lock"))
 @pytest.mark.parametrize("dev", [1, 0], ids=["device1", "device0"])
 def test_a_fraction_set_meanwhile_by_another_thread_is_kept(sim_cuda, dev):
     alloc = memory.device_allocator(dev)
     real = type(alloc).set_config
 
-    def other_thread_lands_here(self, config):
+    def other_thread_lands_here(self, config, keep_fraction=False):
         if self.device_index == dev:
             t = threading.Thread(target=memory.set_per_process_memory_fraction, args=(0.3, dev))
             t.start()
             t.join()
-        return real(self, config)
+        return real(self, config, keep_fraction)
 
     type(alloc).set_config = other_thread_lands_here
     try:
@@ -640,30 +628,27 @@ def _interrupted_run(k: int):
     return done, inject.site, problems
 
 
-def _strict_interrupt_reason():
-    return ("set_allocator_settings is not all-or-none under a KeyboardInterrupt: accel/memory/__init__.py "
-            "set_allocator_settings publishes _config._runtime before the loop over the allocators, and "
-            "_caching.DeviceCachingAllocator.set_config stores _config/_max_split/_pow2/... one by one and "
-            "recounts the oversize counters with calls (_recount_oversize, _count_up/_count_down, "
-            "_use_expandable, _update_special): an interrupt between leaves one device new and one old, "
-            "an allocator with config.max_split_size != _max_split, _special stale, oversize counts wrong")
+# Found here and fixed: set_allocator_settings was not all-or-none under a KeyboardInterrupt (the
+# process options published before the loop over the devices; set_config stored its fields one by
+# one, with calls between): set_config now computes first and publishes with _locks.publish, and
+# set_allocator_settings rolls back the devices it changed.
 
 
-@pytest.mark.xfail(strict=True, reason=_strict_interrupt_reason())
+
 def test_interrupt_at_the_oversize_recount_leaves_whole_settings(monkeypatch):
-    """A KeyboardInterrupt as _recount_oversize starts (CPython checks for a signal when a
+    """A KeyboardInterrupt as _oversize_counts starts (CPython checks for a signal when a
     Python function starts) on device 0: each allocator must keep the old or the new settings."""
     use_sim(monkeypatch, "cuda")
     memory.set_allocator_settings(OLD)
     bufs = [accel.Buffer(n, device=d) for d in (1, 0) for n in (50 * MiB, 3 * MiB)]
     allocs = [memory.device_allocator(d) for d in (0, 1)]
-    real = _caching.DeviceCachingAllocator._recount_oversize
+    real = _caching.DeviceCachingAllocator._oversize_counts
 
-    def interrupted(self):
-        monkeypatch.setattr(_caching.DeviceCachingAllocator, "_recount_oversize", real)
-        raise KeyboardInterrupt("as _recount_oversize starts")
+    def interrupted(self, limit):
+        monkeypatch.setattr(_caching.DeviceCachingAllocator, "_oversize_counts", real)
+        raise KeyboardInterrupt("as _oversize_counts starts")
 
-    monkeypatch.setattr(_caching.DeviceCachingAllocator, "_recount_oversize", interrupted)
+    monkeypatch.setattr(_caching.DeviceCachingAllocator, "_oversize_counts", interrupted)
     with pytest.raises(KeyboardInterrupt):
         memory.set_allocator_settings(NEW)
     problems = _whole(allocs)
@@ -672,7 +657,7 @@ def test_interrupt_at_the_oversize_recount_leaves_whole_settings(monkeypatch):
     assert problems == []
 
 
-@pytest.mark.xfail(strict=True, reason=_strict_interrupt_reason())
+
 def test_interrupt_between_the_devices_leaves_one_setting(monkeypatch):
     """A KeyboardInterrupt as device 1's set_config starts (device 0 done): the two devices and
     get_allocator_settings must agree (all old or all new)."""
@@ -681,10 +666,10 @@ def test_interrupt_between_the_devices_leaves_one_setting(monkeypatch):
     allocs = [memory.device_allocator(d) for d in (0, 1)]
     real = _caching.DeviceCachingAllocator.set_config
 
-    def second_interrupted(self, config):
+    def second_interrupted(self, config, keep_fraction=False):
         if self.device_index == 1:
             raise KeyboardInterrupt("as device 1's set_config starts")
-        return real(self, config)
+        return real(self, config, keep_fraction)
 
     monkeypatch.setattr(_caching.DeviceCachingAllocator, "set_config", second_interrupted)
     with pytest.raises(KeyboardInterrupt):
@@ -693,7 +678,7 @@ def test_interrupt_between_the_devices_leaves_one_setting(monkeypatch):
     assert _whole(allocs) == []
 
 
-@pytest.mark.xfail(strict=True, reason=_strict_interrupt_reason())
+
 def test_interrupt_anywhere_in_set_allocator_settings(monkeypatch):
     """The sweep: a KeyboardInterrupt at every 3rd point where CPython can raise one inside
     set_allocator_settings (parsing, the publication, each allocator's set_config)."""
@@ -713,14 +698,6 @@ def test_interrupt_anywhere_in_set_allocator_settings(monkeypatch):
 
 
 # ------------------------------------------------------------------------------ refused calls
-@pytest.mark.xfail(strict=True, reason=(
-    "accel/memory/__init__.py set_allocator_settings: the base is _config.current(), which re-reads "
-    "the environment while no setting was made, not the options the allocators started with; after the "
-    "environment changed (policy:torch at the start, unset later) the call computes policy:accel, "
-    "publishes _config._runtime and only then has device 0's set_config refuse it: the refused call "
-    "changed get_allocator_settings and device 1 starts with another policy than device 0. "
-    "Fix: freeze _config._runtime = _config.current() when the first allocator is made (torch parses "
-    "at load time), and check_fixed against every allocator before publishing"))
 def test_a_refused_call_changes_nothing_after_the_environment_changed(monkeypatch):
     use_sim(monkeypatch, "cuda", ACCEL_ALLOC_CONF="policy:torch")
     first = memory.device_allocator(0)
@@ -793,13 +770,6 @@ def test_repeated_keys_last_wins_and_empty_items(sim_cuda):
     assert memory.device_allocator(1).config.max_split_size == _config.UNLIMITED
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "accel/memory/_config.py _values: text.replace(' ', '') removes only the space; torch's "
-    "ConfigTokenizer (c10/core/AllocatorConfig.h) skips every std::isspace character (\\t \\n \\v \\f \\r), "
-    "so a setting torch accepts (a trailing newline or CRLF read from a file, a tab, options on several "
-    "lines) raises AllocatorConfigError ('unknown allocator option '\\nexpandable_segments'') in "
-    "set_allocator_settings and ACCEL_ALLOC_CONF alike. Fix: drop every C-locale space, "
-    "re.sub('[ \\t\\n\\v\\f\\r]', '', text)"))
 @pytest.mark.parametrize("text", ["max_split_size_mb:40,\nexpandable_segments:False", "\tmax_split_size_mb:40",
                                   "expandable_segments:False\r\n", "max_split_size_mb:4\t0",
                                   "max_split_size_mb:40,\x0bexpandable_segments:False\x0c"])

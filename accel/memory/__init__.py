@@ -113,8 +113,12 @@ def device_allocator(device_index: int) -> DeviceCachingAllocator:
     with _lock:
         alloc = _allocators.get(device_index)
         if alloc is None:
+            if _config._runtime is None:
+                # read once, as torch parses its options at load: a later change of the
+                # environment changes no device's options (set_allocator_settings does)
+                _config._runtime = _config.current()
             # backend:cudaMallocAsync gives an AsyncPoolAllocator (same interface)
-            alloc = _async.create_allocator(be, device_index)
+            alloc = _async.create_allocator(be, device_index, _config._runtime)
             if _history is not None:
                 _start_history(alloc, _history, clear=False)
             _allocators[device_index] = alloc
@@ -212,16 +216,26 @@ def set_allocator_settings(settings: str) -> None:
         raise TypeError(f"set_allocator_settings() takes a str such as 'max_split_size_mb:128', "
                         f"got {type(settings).__name__} {settings!r}")
     with _settings_lock:
-        new, named = _config.changed(_config.current(), settings)
         with _lock:
-            _config._runtime = new
+            before = _config.current()
             allocators = list(_allocators.values())
-        for alloc in allocators:
-            # a device's own fraction (set_per_process_memory_fraction) stays unless named
-            if "per_process_memory_fraction" not in named:
-                alloc.set_config(new._replace(per_process_memory_fraction=alloc.config.per_process_memory_fraction))
-            else:
-                alloc.set_config(new)
+        new, named = _config.changed(before, settings)
+        keep_fraction = "per_process_memory_fraction" not in named
+        for alloc in allocators:      # every refusal before anything changes
+            _config.check_fixed(alloc.config, new)
+        olds = [alloc.config for alloc in allocators]
+        done = []
+        try:
+            for alloc in allocators:
+                done.append(alloc)
+                # a device's own fraction (set_per_process_memory_fraction) stays unless named
+                alloc.set_config(new, keep_fraction)
+            _config._runtime = new
+        except BaseException:
+            # (a KeyboardInterrupt) every device back to its options: all or none
+            for alloc, old in zip(done, olds):
+                alloc.set_config(old)
+            raise
 
 
 def get_allocator_settings() -> str:

@@ -54,6 +54,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from functools import partial
 from typing import Dict, List, Optional, Tuple
 
 from .._errors import AcceleratorError, CaptureError, OutOfMemoryError
@@ -209,14 +210,21 @@ class AsyncPoolAllocator:
             self._config = self._config._replace(per_process_memory_fraction=float(fraction))
             self._limit = int(fraction * total) if fraction < 1.0 else None
 
-    def set_config(self, config: _config.AllocConfig) -> None:
+    def set_config(self, config: _config.AllocConfig, keep_fraction: bool = False) -> None:
         """Use the options ``config`` from now on (:func:`accel.memory.set_allocator_settings`):
-        only ``per_process_memory_fraction`` acts here, as the module docstring says; the backend
-        and policy cannot change (AllocatorConfigError)."""
+        only ``per_process_memory_fraction`` acts here (kept as it is with ``keep_fraction``), as
+        the module docstring says; the backend and policy cannot change (AllocatorConfigError).
+        The config and the limit are published together (a KeyboardInterrupt leaves both old or
+        both new)."""
         _config.check_fixed(self._config, config)
-        self.set_memory_fraction(config.per_process_memory_fraction)
+        with on_device(self._be, self._index):
+            total = self._be.mem_info()[1]
         with self._lock:
-            self._config = config
+            if keep_fraction:
+                config = config._replace(per_process_memory_fraction=self._config.per_process_memory_fraction)
+            fraction = config.per_process_memory_fraction
+            limit = int(fraction * total) if fraction < 1.0 else None
+            _locks.publish((partial(setattr, self, "_config", config), partial(setattr, self, "_limit", limit)))
 
     def malloc(self, nbytes: int, stream: Optional[int] = None, ref=None) -> int:
         """``cudaMallocAsync`` of ``nbytes`` on ``stream`` (a backend stream handle; None = the

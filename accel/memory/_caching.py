@@ -582,8 +582,9 @@ class DeviceCachingAllocator:
             self._config = self._config._replace(per_process_memory_fraction=float(fraction))
             self._allowed = None
 
-    def set_config(self, config: _config.AllocConfig) -> None:
-        """Use the options ``config`` from now on (:func:`accel.memory.set_allocator_settings`).
+    def set_config(self, config: _config.AllocConfig, keep_fraction: bool = False) -> None:
+        """Use the options ``config`` from now on (:func:`accel.memory.set_allocator_settings`);
+        with ``keep_fraction``, this device's per_process_memory_fraction stays as it is.
         AllocatorConfigError when its ``policy`` or ``backend`` differs (fixed at the start).
 
         What exists stays as it was made: an oversize block stays whole, a segment keeps its
@@ -591,41 +592,80 @@ class DeviceCachingAllocator:
         requests that fit them, and are unmapped on empty_cache, before a grow and on the
         out-of-memory retry; classic segments made before ``True`` likewise).  The oversize
         counters are recounted under the new ``max_split_size``, so that each free counts down
-        what it counted up."""
+        what it counted up; after a ``roundup_power2_divisions`` change the memos of what a
+        request size counts are dropped (a size seen before may round to another block size).
+
+        Interrupt safety: everything is computed first (calls; nothing changed yet), then
+        published all at once (``_locks.publish``), so a KeyboardInterrupt leaves the old options
+        or the new ones, never a mix.  set_config is idempotent: applying a config again makes the
+        allocator consistent with it whatever it held before (accel.memory's rollback)."""
         _config.check_fixed(self._config, config)
         if _finalizers:
             _drain_finalizers()
         with self._lock:
             old = self._config
-            self._config = config
-            self._max_split = config.max_split_size
-            self._release_threshold = config.release_threshold
-            self._pow2 = any(d > 1 for d in config.roundup_power2_divisions)
-            self._allowed = None
-            if config.max_split_size != old.max_split_size:
-                self._recount_oversize()
-            if (config.release_threshold is None) != (old.release_threshold is None):
-                for pair in self._general.values():
-                    for fl in pair:
-                        fl.watch_whole = config.release_threshold is not None
-            if config.expandable_segments != old.expandable_segments and self._expandable is not None:
+            if keep_fraction:
+                config = config._replace(per_process_memory_fraction=old.per_process_memory_fraction)
+            max_split = config.max_split_size
+            pow2 = any(d > 1 for d in config.roundup_power2_divisions)
+            steps = [partial(setattr, self, "_max_split", max_split),
+                     partial(setattr, self, "_release_threshold", config.release_threshold),
+                     partial(setattr, self, "_pow2", pow2),
+                     partial(setattr, self, "_allowed", None)]
+            cur, peak, freed = self._cur, self._peak, self._freed
+            for stat, n in self._oversize_counts(max_split).items():
+                change = n - cur[stat]
+                steps.append(partial(operator.setitem, cur, stat, n))
+                if change > 0:                  # counted as allocated, as _count_up would
+                    steps.append(partial(operator.setitem, peak, stat, max(peak[stat], n)))
+                elif change < 0:                # counted as freed, as _count_down would
+                    steps.append(partial(operator.setitem, freed, stat, freed[stat] - change))
+            watch = config.release_threshold is not None
+            for pair in self._general.values():
+                for fl in pair:
+                    steps.append(partial(setattr, fl, "watch_whole", watch))
+            if config.roundup_power2_divisions != old.roundup_power2_divisions:
+                # a request size may now round to another block size: what it counted is not known
+                for fl in self._all_free_lists():
+                    steps.append(fl.alloc_deltas.clear)
+                for block in self._blocks.values():
+                    if block.state == _FREE and block.undo:
+                        steps.append(partial(setattr, block, "undo", 0))
+            if self._expandable is not None:
                 # decided again now, not at the next miss: malloc picks a free list by it (E12)
-                self._expandable = None
-                self._use_expandable()
-            self._update_special()
+                use, gran = self._decide_expandable(config)
+                steps += [partial(setattr, self, "_expandable", use),
+                          partial(setattr, self, "_one_range", use and not self._torch_policy)]
+                if use:        # (kept when off: the segments made stay, unmapped with it)
+                    steps.append(partial(setattr, self, "_gran", gran))
+            steps.append(partial(setattr, self, "_special", bool(
+                self._routes or self._threads or self._pending_events or self._pending or self._deferred
+                or pow2 or self._history is not None or max_split != _config.UNLIMITED)))
+            steps.append(partial(setattr, self, "_config", config))
+            _locks.publish(steps)
 
-    def _recount_oversize(self) -> None:
-        """The oversize counters after max_split_size changed: the allocated blocks and the
-        classic segments at or over the new limit (a free counts down by the limit then)."""
-        limit = self._max_split
-        now = {OVERSIZE_ALLOCATIONS: sum(1 for b in self._blocks.values() if b.state == _ALLOCATED and b.size >= limit),
-               OVERSIZE_SEGMENTS: sum(1 for n in self._segments.values() if n >= limit)}
-        for stat, n in now.items():
-            change = n - self._cur[stat]
-            if change > 0:
-                self._count_up(stat, change)
-            elif change < 0:
-                self._count_down(stat, -change)
+    def _oversize_counts(self, limit: int) -> Dict[int, int]:
+        """What OVERSIZE_ALLOCATIONS and OVERSIZE_SEGMENTS count under the limit ``limit``: the
+        allocated blocks and the classic segments at or over it (a free counts down by the limit
+        then)."""
+        return {OVERSIZE_ALLOCATIONS: sum(1 for b in self._blocks.values() if b.state == _ALLOCATED and b.size >= limit),
+                OVERSIZE_SEGMENTS: sum(1 for n in self._segments.values() if n >= limit)}
+
+    def _all_free_lists(self) -> List[_FreeList]:
+        """Every free list: the general cache's, the private pools', and destroyed streams'
+        waiting for their work (_Retired)."""
+        out = []
+        for pair in self._general.values():
+            out += pair
+        for pool in self._private.values():
+            for pair in pool.lists.values():
+                out += pair
+        for item in self._pending_events:
+            target = item[2]
+            if isinstance(target, _Retired):
+                for _, pair in target.lists:
+                    out += pair
+        return out
 
     def malloc(self, nbytes: int, stream: Optional[int] = None, ref=None) -> int:
         """Allocate ``nbytes`` on ``stream`` (a backend stream handle; None = the device's
@@ -2053,19 +2093,24 @@ class DeviceCachingAllocator:
     def _use_expandable(self) -> bool:
         use = self._expandable
         if use is None:
-            want = self._config.expandable_segments
-            if want is None:
-                # on where the backend has virtual memory; policy:torch keeps torch's default (off)
-                want = not self._torch_policy
-            use = False
-            if want and self._be.supports_vmm:
-                with self._on_device():
-                    if self._be.vmm_supported(self._index):
-                        self._gran = self._be.vmm_granularity(self._index)
-                        use = True
+            use, gran = self._decide_expandable(self._config)
+            if use:
+                self._gran = gran
             self._expandable = use
             self._one_range = use and not self._torch_policy     # torch's rules keep two (E12)
         return use
+
+    def _decide_expandable(self, config: _config.AllocConfig) -> Tuple[bool, int]:
+        """Whether ``config`` gives expandable segments on this device, and the granularity."""
+        want = config.expandable_segments
+        if want is None:
+            # on where the backend has virtual memory; policy:torch keeps torch's default (off)
+            want = not self._torch_policy
+        if want and self._be.supports_vmm:
+            with self._on_device():
+                if self._be.vmm_supported(self._index):
+                    return True, self._be.vmm_granularity(self._index)
+        return False, 0
 
     def _exp_new(self, fl: _FreeList) -> _ExpSegment:
         """Reserve the address range of ``fl``'s expandable segment: the device's total

@@ -29,6 +29,7 @@ from typing import NamedTuple, Optional, Tuple
 from .._errors import AllocatorConfigError
 
 MiB = 1 << 20
+_SPACE = re.compile("[ \t\n\v\f\r]")
 #: "no limit" for max_split_size, as torch's SIZE_MAX; memory_stats reports it as -1.
 UNLIMITED = (1 << 64) - 1
 #: torch keeps one roundup_power2_divisions entry per power-of-two interval from
@@ -222,7 +223,9 @@ def _values(text: str, source: str) -> dict:
     values = {"source": source, "text": text}
     from_torch = source.startswith("PYTORCH_")
     skipped, ignored = [], []
-    for item in _split_options(text.replace(" ", "")):
+    # torch's ConfigTokenizer skips every white-space character (std::isspace: a tab, a newline
+    # or CR of a setting read from a file), wherever it is
+    for item in _split_options(_SPACE.sub("", text)):
         if not item:
             continue
         key, sep, value = item.partition(":")
