@@ -378,3 +378,25 @@ def test_a_snapshot_before_any_allocator_reports_the_settings(monkeypatch):
     settings = memory._snapshot()["allocator_settings"]
     assert settings["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64"
     assert settings["max_split_size"] == 64 * MiB
+
+
+def test_a_device_allocator_made_during_a_change_gets_the_new_settings(monkeypatch):
+    """Device 1's allocator made by another thread while set_allocator_settings is applying the
+    change to device 0: it must start with the new options, not the ones being replaced."""
+    use_sim(monkeypatch, "cuda")
+    first = memory.device_allocator(0)
+    real = type(first).set_config
+    made = []
+
+    def slow(self, config, keep_fraction=False):
+        t = threading.Thread(target=lambda: made.append(memory.device_allocator(1)))
+        t.start()
+        t.join(0.5)            # it finishes now unless allocator creation waits for the change
+        made.append(t)
+        return real(self, config, keep_fraction)
+
+    monkeypatch.setattr(type(first), "set_config", slow)
+    memory.set_allocator_settings("max_split_size_mb:48")
+    monkeypatch.setattr(type(first), "set_config", real)
+    made[-1].join()
+    assert memory.device_allocator(1).config.max_split_size == 48 * MiB

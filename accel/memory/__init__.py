@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 _lock = threading.Lock()
-_settings_lock = threading.Lock()      # one set_allocator_settings at a time
+_settings_lock = threading.Lock()      # one set_allocator_settings at a time (taken before _lock)
 _allocators: Dict[int, DeviceCachingAllocator] = {}
 _host: Optional[HostCachingAllocator] = None
 _history: Optional[_snapfmt.HistoryOptions] = None    # while recording
@@ -110,7 +110,9 @@ def device_allocator(device_index: int) -> DeviceCachingAllocator:
     if not 0 <= device_index < count:
         raise ValueError(f"device index {device_index} is out of range: {count} {be.name} "
                          f"device(s) visible (valid indices 0..{count - 1})")
-    with _lock:
+    # (_settings_lock first: an allocator made while set_allocator_settings runs waits for it
+    # and starts with the new options)
+    with _settings_lock, _lock:
         alloc = _allocators.get(device_index)
         if alloc is None:
             if _config._runtime is None:
