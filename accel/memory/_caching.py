@@ -638,9 +638,7 @@ class DeviceCachingAllocator:
                           partial(setattr, self, "_one_range", use and not self._torch_policy)]
                 if use:        # (kept when off: the segments made stay, unmapped with it)
                     steps.append(partial(setattr, self, "_gran", gran))
-            steps.append(partial(setattr, self, "_special", bool(
-                self._routes or self._threads or self._pending_events or self._pending or self._deferred
-                or pow2 or self._history is not None or max_split != _config.UNLIMITED)))
+            steps.append(partial(setattr, self, "_special", self._needs_special(pow2, max_split)))
             steps.append(partial(setattr, self, "_config", config))
             _locks.publish(steps)
 
@@ -911,9 +909,13 @@ class DeviceCachingAllocator:
         return None
 
     def _update_special(self) -> None:
-        self._special = bool(self._routes or self._threads or self._pending_events or self._pending or self._deferred
-                             or self._pow2
-                             or self._history is not None or self._max_split != _config.UNLIMITED)
+        self._special = self._needs_special(self._pow2, self._max_split)
+
+    def _needs_special(self, pow2: bool, max_split: int) -> bool:
+        """Whether malloc/free must take the general path, with the rounding and split options
+        ``pow2`` and ``max_split``."""
+        return bool(self._routes or self._threads or self._pending_events or self._pending or self._deferred
+                    or pow2 or self._history is not None or max_split != _config.UNLIMITED)
 
     def free(self, ptr: int) -> None:
         """Return ``ptr`` (from :meth:`malloc`) to the cache; 0 is a no-op.
