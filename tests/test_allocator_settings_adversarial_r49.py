@@ -20,11 +20,9 @@ the program runs, with memory live, pending, in MemPools and in graph private po
 
 from __future__ import annotations
 
-import dis
 import gc
 import os
 import random
-import sys
 import threading
 
 import pytest
@@ -36,6 +34,7 @@ from accel.memory import _async, _caching, _config, _expandable
 
 from conftest import run_forked, use_sim
 from test_alloc_stress import _check_async, _check_caching
+from test_interrupt_allocator import _Inject
 from torch_port_util import expected_memory_stats, held
 
 MiB = 1 << 20
@@ -528,60 +527,6 @@ def test_a_fraction_set_meanwhile_by_another_thread_is_kept(sim_cuda, dev):
 
 # ------------------------------------------------------------------------------ KeyboardInterrupt
 _TARGETS = {os.path.abspath(m.__file__) for m in (_caching, _expandable, _config, memory, _async)}
-_BREAK_AFTER = {"CALL", "JUMP_BACKWARD", "CALL_FUNCTION_EX"}
-
-
-class _Inject:
-    """test_interrupt_allocator's injector (KeyboardInterrupt at the ``n``-th point where
-    CPython checks for a signal), over accel.memory's __init__, _config, _caching, _expandable
-    and _async."""
-
-    def __init__(self, n):
-        self.n, self.count, self.site = n, 0, None
-        self._last, self._py_call, self._names = {}, set(), {}
-
-    def __enter__(self):
-        sys.settrace(self._global)
-        return self
-
-    def __exit__(self, *exc):
-        sys.settrace(None)
-
-    def _global(self, frame, event, arg):
-        caller = frame.f_back
-        if caller is not None and caller in self._last:
-            self._py_call.add(caller)
-            if frame.f_code.co_filename not in _TARGETS:
-                self._point(frame)
-        if frame.f_code.co_filename in _TARGETS:
-            frame.f_trace_opcodes = True
-            frame.f_trace_lines = False
-            return self._local
-        return None
-
-    def _point(self, frame):
-        self.count += 1
-        if self.count == self.n:
-            self.site = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} {frame.f_code.co_name}"
-            sys.settrace(None)
-            raise KeyboardInterrupt(self.site)
-
-    def _local(self, frame, event, arg):
-        if event != "opcode":
-            return self._local
-        code = frame.f_code
-        names = self._names.get(code)
-        if names is None:
-            names = self._names[code] = {i.offset: i.opname for i in dis.get_instructions(code)}
-        prev = self._last.get(frame, "")
-        self._last[frame] = names.get(frame.f_lasti, "?")
-        if prev == "CALL" and frame in self._py_call:
-            self._py_call.discard(frame)
-        elif prev == "" or prev in _BREAK_AFTER:
-            self._point(frame)
-        return self._local
-
-
 OLD = "max_split_size_mb:40,expandable_segments:False,release_threshold:0"
 NEW = "expandable_segments:True,roundup_power2_divisions:4,garbage_collection_threshold:0.5"
 
@@ -596,8 +541,7 @@ def _whole(allocs) -> list:
             check(alloc.device_index)
         except AssertionError as exc:
             problems.append(f"device {alloc.device_index}: {exc}")
-        special = bool(alloc._routes or alloc._threads or alloc._pending_events or alloc._pending or alloc._deferred
-                       or alloc._pow2 or alloc._history is not None or alloc._max_split != _config.UNLIMITED)
+        special = alloc._needs_special(alloc._pow2, alloc._max_split)
         if alloc._special != special:
             problems.append(f"device {alloc.device_index}: _special stale")
     texts = {a.config.text for a in allocs} | {memory.get_allocator_settings()}
@@ -611,7 +555,7 @@ def _interrupted_run(k: int):
     memory.set_allocator_settings(OLD)
     bufs = [accel.Buffer(n, device=d) for d in (1, 0) for n in (50 * MiB, 3 * MiB, 100)]
     allocs = [memory.device_allocator(d) for d in (0, 1)]
-    inject = _Inject(k)
+    inject = _Inject(k, _TARGETS)     # test_interrupt_allocator's injector over these files
     try:
         with inject:
             memory.set_allocator_settings(NEW)
@@ -679,6 +623,8 @@ def test_interrupt_between_the_devices_leaves_one_setting(monkeypatch):
 
 
 
+# a point may fall in a weakref callback the collector runs (printed as unraisable, as CPython does)
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_interrupt_anywhere_in_set_allocator_settings(monkeypatch):
     """The sweep: a KeyboardInterrupt at every 3rd point where CPython can raise one inside
     set_allocator_settings (parsing, the publication, each allocator's set_config)."""

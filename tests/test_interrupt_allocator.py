@@ -61,10 +61,12 @@ def _opnames(code):
 
 
 class _Inject:
-    """Raise KeyboardInterrupt at the ``n``-th eval-breaker point (``n`` = 0: only count)."""
+    """Raise KeyboardInterrupt at the ``n``-th eval-breaker point (``n`` = 0: only count) of the
+    code of the files ``targets`` (absolute paths; default: the allocators')."""
 
-    def __init__(self, n):
+    def __init__(self, n, targets=_TARGETS):
         self.n = n
+        self.targets = targets
         self.count = 0
         self.site = None
         self._last = {}
@@ -85,9 +87,9 @@ class _Inject:
             # a Python function called from a traced frame: CPython checks at its start
             # (RESUME), not when it returns, so the caller's CALL is no point of its own
             self._py_call.add(caller)
-            if frame.f_code.co_filename not in _TARGETS:
+            if frame.f_code.co_filename not in self.targets:
                 self._point(frame)
-        if frame.f_code.co_filename in _TARGETS:
+        if frame.f_code.co_filename in self.targets:
             frame.f_trace_opcodes = True
             frame.f_trace_lines = False
             return self._local
