@@ -23,22 +23,9 @@ from accel import MemPool, OutOfMemoryError, memory, use_mem_pool
 from accel._errors import AllocatorConfigError
 
 from conftest import run_forked, use_sim
+from torch_port_util import power2_div
 
 MiB = 1 << 20
-
-
-def _power2_div(size, div_factor):
-    # torch's test helper: the size rounded up to one of div_factor divisions of its power of two
-    pow2 = 1
-    while pow2 < size:
-        pow2 *= 2
-    if pow2 == size:
-        return pow2
-    step = pow2 / 2 / div_factor
-    ret = pow2 / 2
-    while ret < size:
-        ret += step
-    return int(ret)
 
 
 def _cap_to(extra_mib, device=0):
@@ -85,7 +72,7 @@ def test_cuda__test_allocator_settings(device):
     pow2_div4_mem = stats()[key_allocated]
     current_requested = stats()[key_requested]
     assert reg_mem - start_mem == nbytes
-    assert pow2_div4_mem - reg_mem == _power2_div(nbytes, 4)
+    assert pow2_div4_mem - reg_mem == power2_div(nbytes, 4)
     assert current_requested - start_requested == nbytes
 
     memory.set_allocator_settings("garbage_collection_threshold:0.5")
@@ -103,11 +90,11 @@ def test_cuda__test_allocator_settings(device):
         "garbage_collection_threshold:0.5,roundup_power2_divisions:[64:8,128:2,256:2,512:2,1024:1,>:1]")
     start_mem = stats()[key_allocated]
     w = _buffer(nbytes, device)
-    assert stats()[key_allocated] - start_mem == _power2_div(nbytes, 8)
+    assert stats()[key_allocated] - start_mem == power2_div(nbytes, 8)
     memory.empty_cache()
     start_mem = stats()[key_allocated]
     v = _buffer(nbytes_big, device)
-    assert stats()[key_allocated] - start_mem == _power2_div(nbytes_big, 2)
+    assert stats()[key_allocated] - start_mem == power2_div(nbytes_big, 2)
     del x, y, z, w, v
 
     for bad in ("foo:1,bar:2", "garbage_collection_threshold:1.2", "max_split_size_mb:2",

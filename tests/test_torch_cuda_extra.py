@@ -23,7 +23,7 @@ from accel import memory
 from accel._errors import OutOfMemoryError
 
 from conftest import use_sim
-from torch_port_util import held
+from torch_port_util import held, power2_div
 
 MiB = 1 << 20
 
@@ -162,19 +162,6 @@ def test_cuda__test_allocator_fuzz(monkeypatch, conf):
         free()
 
 
-def _power2_div(size, div_factor):
-    pow2 = 1
-    while pow2 < size:
-        pow2 *= 2
-    if pow2 == size:
-        return pow2
-    step = pow2 / 2 / div_factor
-    ret = pow2 / 2
-    while ret < size:
-        ret += step
-    return ret
-
-
 @pytest.mark.parametrize("setting,div", [("roundup_power2_divisions:4", 4),
                                          ("roundup_power2_divisions:[64:8,128:2,256:2,512:2,1024:1,>:1]", 8)])
 @pytest.mark.parametrize("variable", ["PYTORCH_ALLOC_CONF", "ACCEL_ALLOC_CONF"])
@@ -193,13 +180,13 @@ def test_cuda__test_allocator_settings_roundup(monkeypatch, setting, div, variab
     start = memory.memory_stats()["active_bytes.all.allocated"]
     start_requested = memory.memory_stats()["requested_bytes.all.allocated"]
     y = accel.Buffer(nbytes)
-    assert memory.memory_stats()["active_bytes.all.allocated"] - start == _power2_div(nbytes, div)
+    assert memory.memory_stats()["active_bytes.all.allocated"] - start == power2_div(nbytes, div)
     assert memory.memory_stats()["requested_bytes.all.allocated"] - start_requested == nbytes
     y.close()
     if div == 8:                          # >: 1 division for 400 MiB: the next power of two
         start = memory.memory_stats()["active_bytes.all.allocated"]
         v = accel.Buffer(4 * 100 * 1024 * 1024)
-        assert memory.memory_stats()["active_bytes.all.allocated"] - start == _power2_div(4 * 100 * MiB, 2)
+        assert memory.memory_stats()["active_bytes.all.allocated"] - start == power2_div(4 * 100 * MiB, 2)
         v.close()
 
 

@@ -83,3 +83,18 @@ def expected_memory_stats(segments) -> dict:
                 expected["inactive_split_bytes." + pool_str + ".current"] += block["size"]
         assert sum_requested == segment["requested_size"]
     return expected_each_device
+
+
+def power2_div(size, div_factor):
+    """torch's test helper (test_cuda.py): ``size`` rounded up to one of ``div_factor`` divisions
+    of its power-of-two interval, as roundup_power2_divisions rounds a request."""
+    pow2 = 1
+    while pow2 < size:
+        pow2 *= 2
+    if pow2 == size:
+        return pow2
+    step = pow2 / 2 / div_factor
+    ret = pow2 / 2
+    while ret < size:
+        ret += step
+    return ret
