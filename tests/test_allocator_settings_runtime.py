@@ -322,6 +322,7 @@ def test_a_classic_miss_unmaps_free_expandable_pages_before_oom(device):
     """Under a cap, a MemPool (classic segments) miss while the general cache holds free mapped
     expandable pages: the retry unmaps them (torch's release_cached_blocks frees expandable
     segments' free pages too) instead of raising OutOfMemoryError."""
+    memory.set_allocator_settings("expandable_segments:True")     # (whatever ACCEL_TEST_ALLOC_CONF says)
     orig = memory.get_per_process_memory_fraction(device)
     try:
         _cap_to(100, device)
