@@ -257,6 +257,19 @@ def _fraction(ctx, d):
     accel.memory.set_per_process_memory_fraction(ctx.fraction[d], d)
 
 
+def _allocator_settings(ctx, d):
+    before = accel.memory.get_allocator_settings()
+    accel.memory.set_allocator_settings("garbage_collection_threshold:0.7")
+    accel.memory.set_allocator_settings(before)
+
+
+def _oom_observer(ctx, d):
+    def observer(*args):
+        pass
+    accel.memory.attach_out_of_memory_observer(observer)
+    accel.memory.detach_out_of_memory_observer(observer)
+
+
 def _register_kernel_source(ctx, d):
     from accel.random import _device
     accel.random.register_kernel_source("r19-none", lambda: b"")
@@ -352,6 +365,10 @@ ROWS = {
     "accel.memory.dump_snapshot": Row(_dump_snapshot, device=False),
     "accel.memory.set_per_process_memory_fraction": Row(_fraction),
     "accel.memory.get_per_process_memory_fraction": Row(lambda c, d: accel.memory.get_per_process_memory_fraction(d)),
+    "accel.memory.set_allocator_settings": Row(_allocator_settings, device=False),
+    "accel.memory.get_allocator_settings": Row(lambda c, d: accel.memory.get_allocator_settings(), device=False),
+    "accel.memory.attach_out_of_memory_observer": Row(_oom_observer, device=False),
+    "accel.memory.detach_out_of_memory_observer": Row(_oom_observer, device=False),
     "accel.memory.host_memory_stats": Row(lambda c, d: accel.memory.host_memory_stats(), device=False),
     "accel.memory.reset_peak_host_memory_stats": Row(lambda c, d: accel.memory.reset_peak_host_memory_stats(),
                                                      device=False),
