@@ -520,18 +520,14 @@ def test_long_and_unicode_metadata_through_dump_snapshot(device, value, tmp_path
     assert {e["user_metadata"] for e in snap["device_traces"][device]} == {value}
 
 
-_STR_SUBCLASS_XFAIL = pytest.mark.xfail(
-    strict=True, reason="r51: _set_memory_metadata / set_user_metadata (accel/memory/__init__.py, _caching.py, "
-    "_async.py) keep a str subclass as it is: _get_memory_metadata returns it and every trace entry holds it, "
-    "so dump_snapshot pickles the class (the viewer refuses the pickle; an unpicklable one breaks the dump); "
-    "torch keeps a std::string (a plain str back)")
+# r51 found: a str subclass was kept as it is (_get_memory_metadata returned it; dump_snapshot pickled
+# its class, which the viewer refuses, or failed on an unpicklable one); a plain str is stored now.
 
 
 class _Tag(str):
     """A str subclass (an enum-like tag): torch stores a std::string, so a plain str comes back."""
 
 
-@_STR_SUBCLASS_XFAIL
 def test_a_str_subclass_is_stored_as_a_plain_str(any_backend):
     device = 1
     with accel.device_index(device):
@@ -540,7 +536,6 @@ def test_a_str_subclass_is_stored_as_a_plain_str(any_backend):
     assert got == "phase" and type(got) is str
 
 
-@_STR_SUBCLASS_XFAIL
 def test_a_str_subclass_metadata_leaves_a_plain_data_snapshot(any_backend, tmp_path):
     """The snapshot pickle must hold plain data: accel's viewer reads it with an unpickler that
     builds no object, as torch's std::string leaves a plain str."""
@@ -560,7 +555,6 @@ def test_a_str_subclass_metadata_leaves_a_plain_data_snapshot(any_backend, tmp_p
         assert b"_Tag" not in f.read()
 
 
-@_STR_SUBCLASS_XFAIL
 def test_a_str_subclass_that_cannot_be_pickled_does_not_break_dump_snapshot(any_backend, tmp_path):
     device = 1
 
@@ -720,9 +714,8 @@ def test_an_observer_attached_before_the_runtime_starts(monkeypatch):
 
 
 # ------------------------------------------------------------------ the simulator's callback errors
-@pytest.mark.xfail(strict=True, reason="r51: accel/sim/cuda_driver.py _callback_error passes its own _Unraisable "
-                   "object to sys.unraisablehook; CPython's default hook accepts only UnraisableHookArgs and "
-                   "raises TypeError (seen when an OOM observer's recursion reached the driver callbacks)")
+# r51 found: _callback_error passed an object of its own to sys.unraisablehook, which CPython's
+# default hook refuses with TypeError (seen when an OOM observer's recursion reached the callbacks)
 def test_a_driver_callback_error_is_reported_by_the_default_unraisablehook(monkeypatch, capsys):
     from accel.sim import cuda_driver
     monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)

@@ -217,6 +217,7 @@ def set_allocator_settings(settings: str) -> None:
     if not isinstance(settings, str):
         raise TypeError(f"set_allocator_settings() takes a str such as 'max_split_size_mb:128', "
                         f"got {type(settings).__name__} {settings!r}")
+    settings = str.__str__(settings)      # a plain str: it goes into snapshots (pickled)
     with _settings_lock:
         with _lock:
             before = _config.current()

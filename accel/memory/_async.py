@@ -553,7 +553,7 @@ class AsyncPoolAllocator:
         """Record ``metadata`` as ``user_metadata`` with every history entry from now on."""
         if not isinstance(metadata, str):
             raise TypeError(f"metadata must be a str, got {type(metadata).__name__} {metadata!r}")
-        self._user_metadata = metadata
+        self._user_metadata = str.__str__(metadata)      # a plain str (a subclass would go into pickles)
 
     def user_metadata(self) -> str:
         """What :meth:`set_user_metadata` set last ("" for none)."""

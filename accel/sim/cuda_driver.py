@@ -122,21 +122,15 @@ def _callback_error(exc_type, exc, tb):
         ref = weakref.ref(token, functools.partial(set_async, threading.get_ident(), exc_type))
         del token
         return None
-    import sys
-    sys.unraisablehook(_Unraisable(exc_type, exc, tb))
+    # reported as an exception in __del__ is: through sys.unraisablehook, with the argument type
+    # CPython's own hook requires (an object of our own made its default hook raise TypeError)
+    from accel._finalize import _FailedRelease
+    _FailedRelease(exc if exc is not None else exc_type())
     return None
 
 
 class _Token:
     pass
-
-
-class _Unraisable:
-    """What cffi reports for a callback that raised (sys.unraisablehook's argument)."""
-
-    def __init__(self, exc_type, exc, tb):
-        self.exc_type, self.exc_value, self.exc_traceback = exc_type, exc, tb
-        self.err_msg, self.object = "Exception ignored from accel.sim driver callback", None
 
 
 def _runtime():
