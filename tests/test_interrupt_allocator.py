@@ -62,11 +62,12 @@ def _opnames(code):
 
 class _Inject:
     """Raise KeyboardInterrupt at the ``n``-th eval-breaker point (``n`` = 0: only count) of the
-    code of the files ``targets`` (absolute paths; default: the allocators')."""
+    code of the files ``targets`` (absolute paths; default: this module's ``_TARGETS``)."""
 
-    def __init__(self, n, targets=_TARGETS):
+    def __init__(self, n, targets=None):
         self.n = n
-        self.targets = targets
+        # (the module's _TARGETS read now: other sweeps retarget it with monkeypatch)
+        self.targets = targets if targets is not None else _TARGETS
         self.count = 0
         self.site = None
         self._last = {}
