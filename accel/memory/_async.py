@@ -204,24 +204,26 @@ class AsyncPoolAllocator:
         ``CudaMallocAsyncAllocator::setMemoryFraction`` (c10/cuda/CUDAMallocAsyncAllocator.cpp).
         Allocations already made stay; the next one that would pass the cap raises
         :class:`accel.OutOfMemoryError`.  1.0 removes the cap."""
-        with on_device(self._be, self._index):
-            total = self._be.mem_info()[1]
-        with self._lock:
-            self._config = self._config._replace(per_process_memory_fraction=float(fraction))
-            self._limit = int(fraction * total) if fraction < 1.0 else None
+        self._change_config(lambda old: old._replace(per_process_memory_fraction=float(fraction)))
 
     def set_config(self, config: _config.AllocConfig, keep_fraction: bool = False) -> None:
         """Use the options ``config`` from now on (:func:`accel.memory.set_allocator_settings`):
         only ``per_process_memory_fraction`` acts here (kept as it is with ``keep_fraction``), as
-        the module docstring says; the backend and policy cannot change (AllocatorConfigError).
-        The config and the limit are published together (a KeyboardInterrupt leaves both old or
-        both new)."""
+        the module docstring says; the backend and policy cannot change (AllocatorConfigError)."""
         _config.check_fixed(self._config, config)
+        if keep_fraction:
+            self._change_config(lambda old: config._replace(
+                per_process_memory_fraction=old.per_process_memory_fraction))
+        else:
+            self._change_config(lambda old: config)
+
+    def _change_config(self, make) -> None:
+        """Replace the config by ``make(current config)``, under the lock, and the limit with it:
+        both are published together (a KeyboardInterrupt leaves both old or both new)."""
         with on_device(self._be, self._index):
             total = self._be.mem_info()[1]
         with self._lock:
-            if keep_fraction:
-                config = config._replace(per_process_memory_fraction=self._config.per_process_memory_fraction)
+            config = make(self._config)
             fraction = config.per_process_memory_fraction
             limit = int(fraction * total) if fraction < 1.0 else None
             _locks.publish((partial(setattr, self, "_config", config), partial(setattr, self, "_limit", limit)))

@@ -2959,8 +2959,9 @@ class DeviceCachingAllocator:
             self._trace("oom", free, size, stream, _stack() if self._ctx >= _CTX_ALLOC else None)
         err = OutOfMemoryError(self._oom_message(tried, free, total))
         err.__cause__, self._backend_oom = self._backend_oom, None
-        fraction = self._config.per_process_memory_fraction
-        err.observer_args = (self._index, tried, int(total * fraction) if fraction < 1.0 else total, free)
+        # (the allowed bytes as the message gives them, _allowed_bytes)
+        allowed = self._allowed_bytes() if self._config.per_process_memory_fraction < 1.0 else total
+        err.observer_args = (self._index, tried, allowed, free)
         return err
 
     def _not_allocated(self, ptr, block) -> Exception:
