@@ -178,7 +178,7 @@ def release(fn: Callable, *args) -> None:
     unless a collection is running on this thread (a user's ``__del__`` closing its buffer): then
     defer it.  (``Buffer.close`` inlines the case with no collection, nothing pending and the live
     backend, calling the allocator's free directly: a new condition here belongs there too.)"""
-    if _locks._collector is not None and collecting():    # (hot path: no call when no collection runs)
+    if _locks._running and collecting():    # (hot path: no call when no collection runs)
         pending.append((fn, args))
         return
     if pending:
@@ -190,7 +190,7 @@ def release(fn: Callable, *args) -> None:
 def finalize(fn: Callable, *args) -> None:
     """A finalizer's release: run ``fn(*args)`` now, errors swallowed, or defer it while a
     collection runs on this thread."""
-    if _locks._collector is not None and collecting():
+    if _locks._running and collecting():
         pending.append((fn, args))
         return
     if _stale(fn, args):
@@ -220,7 +220,7 @@ def release_on_del(obj, fn: Callable, *args) -> None:
     """What ``obj.__del__`` does with its release ``fn(*args)``: outside a collection, mark ``obj``
     closed and :func:`finalize`; during one (on this thread: only the collector runs the
     finalizers of its garbage), leave it open until its cycle is gone (:func:`finalize_later`)."""
-    if _locks._collector is not None and collecting():
+    if _locks._running and collecting():
         finalize_later(obj, fn, *args)
         return
     obj._closed = True

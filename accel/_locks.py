@@ -14,6 +14,7 @@ thread holding the lock that long is possible but rare; the error then says to r
 
 from __future__ import annotations
 
+import functools
 import gc
 import operator
 import threading
@@ -26,39 +27,32 @@ __all__ = ["acquire", "collecting_here", "collection_running", "Lock", "RLock", 
 #: How long a call made by the collector on this thread waits for a busy lock.
 GC_WAIT_S = 2.0
 
-_collector = None          # thread ident running the cyclic collector, else None
-_collection = 0            # number of collections started (RLock: which one took a hold)
-_started = 0               # _collections() when the last one started
 _get_ident = threading.get_ident
 
 
-def _collections() -> int:
-    """Collections completed so far (CPython counts one as it ends, before "stop")."""
-    return sum(gen["collections"] for gen in gc.get_stats())
+# Which collection runs, and on which thread, told by gc.callbacks that are C callables only.
+# CPython prints and ignores an exception raised in a gc callback, and runs a pending signal
+# handler when a Python function starts: a Python callback would swallow a Ctrl-C that arrived
+# as a collection started or ended (r52: a third of the interrupts in the Ctrl-C program).  A C
+# callable runs no bytecode, so the handler runs once the collection returns to the program.
+# Each phase passes a fresh info dict; ``setattr(_PHASES, phase, info)`` runs the property
+# named after the phase, whose setter is a bound C method of ``_running``:
+#   "start": _running[_PHASES] = info       "stop": _running.pop(_PHASES, info)
+# so ``_running`` is non-empty exactly while a collection runs, and its value (the start's info
+# dict, kept alive there) names that collection.  ``_mine.start`` is the info dict of the last
+# collection each thread started (a thread-local), so "here" is an identity test.
+_running: dict = {}
+_mine = threading.local()
 
 
-def _on_gc(phase: str, info: dict) -> None:
-    global _collector, _collection, _started
-    if phase == "start":
-        _collection += 1
-        _started = _collections()
-        _collector = _get_ident()
-    else:
-        _collector = None
+class _Phases:
+    __slots__ = ()
+    start = property(None, _running.__setitem__)
+    stop = property(None, _running.pop)
 
 
-def _still_collecting() -> bool:
-    """``_collector`` is set: is its collection still running?  A KeyboardInterrupt (a signal
-    handler's exception) landing as the "stop" callback starts is printed and ignored by
-    CPython, and the callback never runs; then the count of completed collections has moved
-    on, and the flag is cleared here.  (One landing as "start" begins leaves that collection
-    unflagged, which nothing in Python can tell: its finalizers run as outside a collection;
-    a Buffer's or pinned array's still never waits for an allocator's lock, see free_nowait.)"""
-    global _collector
-    if _collections() == _started:
-        return True
-    _collector = None
-    return False
+_PHASES = _Phases()
+_CALLBACKS = (functools.partial(setattr, _PHASES), functools.partial(setattr, _mine))
 
 
 # Interrupt safety (r36): ``with lock:`` must never leave the lock held.  CPython runs a signal's
@@ -70,7 +64,7 @@ def _still_collecting() -> bool:
 # it calls ``__enter__``.  Only a finalizer run by the collector on this thread gets the Python
 # ``acquire`` with its checks (an exception there is printed, not raised, anyway).
 def _enter(self):
-    if _collector is None or _collector != _get_ident() or not _still_collecting():
+    if not _running or not collecting_here():
         return self._lock.__enter__
     return self.acquire
 
@@ -78,7 +72,7 @@ def _enter(self):
 _exit = property(operator.attrgetter("_lock.__exit__"))
 
 
-gc.callbacks.append(_on_gc)
+gc.callbacks.extend(_CALLBACKS)
 
 # Steps run by C code with no bytecode in between: CPython runs a Python signal handler (a
 # KeyboardInterrupt) only at bytecode boundaries, so none lands between them.  `map` driven by a
@@ -127,19 +121,19 @@ def try_acquire(lock, out: list) -> None:
 def collecting_here() -> bool:
     """True while the cyclic garbage collector runs on the calling thread (so the code
     running now is a finalizer, possibly entered from inside accel)."""
-    return _collector is not None and _collector == _get_ident() and _still_collecting()
+    now = _running.get(_PHASES)
+    return now is not None and getattr(_mine, "start", None) is now
 
 
 def collection_running() -> bool:
     """True while the cyclic garbage collector runs, on any thread."""
-    return _collector is not None and _still_collecting()
+    return bool(_running)
 
 
 def forget_collection() -> None:
     """In a forked child: a collection another thread of the parent was running never ends
     here (that thread does not exist), so none is taken to run."""
-    global _collector
-    _collector = None
+    _running.clear()
 
 
 def acquire(lock, what: str) -> None:
@@ -207,7 +201,7 @@ class RLock:
     already running on this thread at the outermost acquire) re-enters freely.
 
     ``with`` takes the C ``threading.RLock`` methods outside a collection (see ``_enter``):
-    the owner and depth are the RLock's own; ``_outer_gc`` is the number of the collection
+    the owner and depth are the RLock's own; ``_outer_gc`` is the info dict of the collection
     whose finalizer took the outermost hold (None: none), so a stale one never matches."""
 
     __slots__ = ("_lock", "_outer_gc", "what")
@@ -218,10 +212,11 @@ class RLock:
         self.what = what
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        here = _collector is not None and _collector == _get_ident() and _still_collecting()
+        now = _running.get(_PHASES)
+        here = now is not None and getattr(_mine, "start", None) is now
         lock = self._lock
         if lock._is_owned():
-            if here and self._outer_gc != _collection:
+            if here and self._outer_gc is not now:
                 raise finalizer_error(self.what, "would re-enter the call this thread left half done")
             lock.acquire()
             return True
@@ -233,7 +228,7 @@ class RLock:
                     raise finalizer_error(self.what)
             elif not lock.acquire(True, timeout):
                 return False
-        self._outer_gc = _collection if here else None
+        self._outer_gc = now if here else None
         return True
 
     def release(self) -> None:

@@ -966,7 +966,7 @@ class Buffer:
             # claim, as below: a use that pins it now finds the buffer closed and raises)
             if not self._nbytes:
                 return
-            if _locks._collector is None and not _fin.pending and self._backend is _lazy._initialized_backend:
+            if not _locks._running and not _fin.pending and self._backend is _lazy._initialized_backend:
                 self._alloc.free(self._ptr)     # _fin.release's fast path: no collection, nothing deferred, live runtime
             else:
                 _fin.release(_free, self._backend, self._alloc, self._ptr)

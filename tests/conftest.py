@@ -2,6 +2,7 @@
 ``sim_backend`` runs a test once per simulated runtime."""
 
 import os
+import signal
 import time
 
 import pytest
@@ -53,8 +54,13 @@ def clean_state(request, monkeypatch):
         # reruns test_cuda.py); a test that sets ACCEL_ALLOC_CONF itself overrides it
         monkeypatch.setenv("ACCEL_ALLOC_CONF", os.environ["ACCEL_TEST_ALLOC_CONF"])
     _lazy._reset_for_tests()
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
     yield
     _lazy._reset_for_tests()
+    left = signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    # A signal left blocked in pytest's main thread is blocked in every program a later test
+    # starts (a child inherits the mask): a Ctrl-C test then never sees its SIGALRM (CI hung).
+    assert left == mask, f"the test left the main thread's signal mask {sorted(left)}, not {sorted(mask)}"
 
 
 def use_sim(monkeypatch, kind: str, **env) -> str:
@@ -82,6 +88,21 @@ def sim_backend(request, monkeypatch):
 def sim_graph_backend(request, monkeypatch):
     """Simulated runtimes with stream capture (Metal has none)."""
     return use_sim(monkeypatch, request.param)
+
+
+def pretend_collection(monkeypatch, here: bool = True) -> None:
+    """As accel's gc.callbacks at a collection's start: one runs now, on this thread (``here``)
+    or on another.  :func:`pretend_collection_ends` is its "stop"; the test's end undoes both."""
+    from accel import _locks
+    info = {"generation": 2, "collected": 0, "uncollectable": 0}
+    monkeypatch.setitem(_locks._running, _locks._PHASES, info)
+    if here:
+        monkeypatch.setattr(_locks._mine, "start", info, raising=False)
+
+
+def pretend_collection_ends(monkeypatch) -> None:
+    from accel import _locks
+    monkeypatch.delitem(_locks._running, _locks._PHASES)
 
 
 def run_forked(fn, timeout: float = 60.0, hung: str = "forked child hung") -> int:

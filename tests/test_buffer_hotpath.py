@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import accel
-from accel import _finalize, _lazy, _locks
+from accel import _finalize, _lazy
 from accel.memory import memory_allocated
-from conftest import use_sim
+from conftest import pretend_collection, pretend_collection_ends, use_sim
 
 MiB = 1 << 20
 
@@ -73,12 +73,11 @@ def test_a_current_stream_another_thread_closed_is_refused(sim_cuda):
 
 def test_a_close_during_a_collection_on_this_thread_waits_for_a_safe_point(sim_cuda, monkeypatch):
     buf = accel.Buffer(MiB)
-    monkeypatch.setattr(_locks, "_started", _locks._collections())
-    monkeypatch.setattr(_locks, "_collector", threading.get_ident())    # as gc.callbacks "start"
+    pretend_collection(monkeypatch)         # as gc.callbacks "start"
     buf.close()
     assert buf._closed and len(_finalize.pending) == 1
     assert memory_allocated(0) == MiB       # (stats do not drain while a collection runs)
-    monkeypatch.setattr(_locks, "_collector", None)                      # "stop"
+    pretend_collection_ends(monkeypatch)    # "stop"
     other = accel.Buffer(MiB)               # the allocator drains the deferred free first
     assert not _finalize.pending and memory_allocated(0) == MiB
     other.close()
@@ -87,11 +86,10 @@ def test_a_close_during_a_collection_on_this_thread_waits_for_a_safe_point(sim_c
 
 def test_a_close_while_releases_wait_runs_them_first(sim_cuda, monkeypatch):
     first, second = accel.Buffer(MiB), accel.Buffer(MiB)
-    monkeypatch.setattr(_locks, "_started", _locks._collections())
-    monkeypatch.setattr(_locks, "_collector", threading.get_ident())
+    pretend_collection(monkeypatch)
     first.close()
     assert len(_finalize.pending) == 1 and memory_allocated(0) == 2 * MiB
-    monkeypatch.setattr(_locks, "_collector", None)
+    pretend_collection_ends(monkeypatch)
     second.close()                          # (stats drain too: nothing read before the close)
     assert not _finalize.pending
     assert memory_allocated(0) == 0
@@ -99,8 +97,7 @@ def test_a_close_while_releases_wait_runs_them_first(sim_cuda, monkeypatch):
 
 def test_a_close_while_another_thread_collects_runs_at_once(sim_cuda, monkeypatch):
     buf = accel.Buffer(MiB)
-    monkeypatch.setattr(_locks, "_started", _locks._collections())
-    monkeypatch.setattr(_locks, "_collector", -1)       # some other thread's collection
+    pretend_collection(monkeypatch, here=False)     # some other thread's collection
     buf.close()
     assert not _finalize.pending and memory_allocated(0) == 0
 

@@ -689,7 +689,7 @@ class DeviceCachingAllocator:
             stream = self._get_default_stream()
         if _finalizers:            # frees finalizers left for a safe point (accel._finalize)
             _drain_finalizers()
-        if _locks._collector is not None:     # a finalizer: see _gc_probe
+        if _locks._running:     # a finalizer: see _gc_probe
             _gc_probe(self._lock, "malloc")
         try:
             with self._lock:     # not acquire() + try: a KeyboardInterrupt as acquire returns would keep it
@@ -925,7 +925,7 @@ class DeviceCachingAllocator:
         """
         if _finalizers:
             _drain_finalizers()
-        if _locks._collector is not None:     # a finalizer: see _gc_probe
+        if _locks._running:     # a finalizer: see _gc_probe
             _gc_probe(self._lock, "free")
         with self._lock:     # not acquire() + try: a KeyboardInterrupt as acquire returns would keep it
             block = self._blocks.get(ptr)
@@ -1223,7 +1223,7 @@ class DeviceCachingAllocator:
         # refused now: a peer is granted access to every later mapping, so a bad one would
         # fail each of them (cuMemSetAccess: CUDA_ERROR_INVALID_DEVICE)
         check_range(index, self._be, "add_peer: ")
-        if _locks._collector is not None:     # a finalizer: see _gc_probe
+        if _locks._running:     # a finalizer: see _gc_probe
             _gc_probe(self._lock, "add_peer")
         with self._lock:     # not acquire() + try: a KeyboardInterrupt as acquire returns would keep it
             if index in self._peers:
