@@ -19,6 +19,7 @@ the simulators need (structs and handles arrive as the caller's cdata).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import re
@@ -496,7 +497,9 @@ def deferral_cells() -> dict:
         pthread_sigmask(signal.SIG_BLOCK, ffi.NULL, old)
         _deferral = dict(_D=_Deferring, _ident=threading.get_ident, _mask=pthread_sigmask,
                          _BLOCK=signal.SIG_BLOCK, _SETMASK=signal.SIG_SETMASK, _DEFER=defer, _OLD=old,
-                         _NULL=ffi.NULL)
+                         _NULL=ffi.NULL, _gc=ffi.gc, _ANCHOR=ffi.new("char[]", _SIG_SIZE),
+                         _BLOCKER=functools.partial(pthread_sigmask, signal.SIG_BLOCK, defer),
+                         _RESTORE=functools.partial(pthread_sigmask, signal.SIG_SETMASK, old))
     return _deferral
 
 
@@ -533,18 +536,24 @@ DEFERRED_BODY = """\
 #: the callback would make cffi print it and return the error value (999).  So the unblocking is
 #: done by the C-level destructor of a cffi gc object (``del``: no bytecode checks for pending
 #: signals there, nor in the return that follows); the handler runs once the C caller returned.
+#: The block and the unblock take the same depth of calls, so a RecursionError that lets one
+#: run lets the other: cffi calls the destructor (a ``functools.partial``, which calls a cffi
+#: function through ``tp_call``: two levels of CPython's recursion count) from the ``del``, and
+#: the block goes through the same kind of partial.  Before, the block was one level and the
+#: unblock three (a Python helper made the gc object): a RecursionError at the limit let the
+#: block run and made the destructor fail ("Exception ignored"), leaving every signal blocked
+#: in the main thread for good (r51's observer recursion test, seen by tests/conftest.py's
+#: check of the signal mask; a program started later inherits the mask).
 DEFERRED_CALLBACK_BODY = DEFERRED_BODY.replace("""\
+                _mask(_BLOCK, _DEFER, _OLD)
+""", """\
+                _BLOCKER(_OLD)
+""").replace("""\
                 _mask(_SETMASK, _OLD, _NULL)
 """, """\
-                _g = _unblocker()
+                _g = _gc(_ANCHOR, _RESTORE)
                 del _g
 """)
-
-
-def _unblocker():
-    import functools
-    c = deferral_cells()
-    return ffi.gc(ffi.new("char[]", _SIG_SIZE), functools.partial(c["_mask"], c["_SETMASK"], c["_OLD"]))
 
 
 def deferred(fn: Callable) -> Callable:
@@ -631,7 +640,7 @@ def counted(name: str, fn: Callable, callback: bool = False) -> Callable:
     it is called as a cffi callback (DEFERRED_CALLBACK_BODY)."""
     if callback:
         return exact_wrapper(name, fn, _COUNTED_CALLBACK_BODY, _COUNTED_NS, _box=counter_box(name),
-                             _faults=_faults, _take=take_fault, _name=name, _fn=fn, _unblocker=_unblocker,
+                             _faults=_faults, _take=take_fault, _name=name, _fn=fn,
                              **deferral_cells())
     return exact_wrapper(name, fn, _COUNTED_BODY, _COUNTED_NS, _box=counter_box(name), _faults=_faults,
                          _take=take_fault, _name=name, _fn=fn, **deferral_cells())
