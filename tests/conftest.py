@@ -49,10 +49,14 @@ def clean_state(request, monkeypatch):
     device_test = request.node.get_closest_marker("device") is not None
     for key in dropped_env(os.environ, device_test):
         monkeypatch.delenv(key)
-    if os.environ.get("ACCEL_TEST_ALLOC_CONF"):
+    knob = os.environ.get("ACCEL_TEST_ALLOC_CONF")
+    if knob:
         # rerun a suite under other allocator settings (as torch's test_cuda_expandable_segments.py
-        # reruns test_cuda.py); a test that sets ACCEL_ALLOC_CONF itself overrides it
-        monkeypatch.setenv("ACCEL_ALLOC_CONF", os.environ["ACCEL_TEST_ALLOC_CONF"])
+        # reruns test_cuda.py), through the variable read last, so that a test setting any of the
+        # three itself overrides it; accel's own keys are read only from ACCEL_ALLOC_CONF
+        from accel.memory._config import ACCEL_ONLY
+        accel_keys = any(part.split(":")[0].strip() in ACCEL_ONLY for part in knob.split(","))
+        monkeypatch.setenv("ACCEL_ALLOC_CONF" if accel_keys else "PYTORCH_CUDA_ALLOC_CONF", knob)
     _lazy._reset_for_tests()
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
     yield

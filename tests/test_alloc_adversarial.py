@@ -230,7 +230,7 @@ class _ZeState:
 
 @pytest.fixture(params=["cuda", "xpu"])
 def vmm_backend(request, monkeypatch):
-    use_sim(monkeypatch, request.param)
+    use_sim(monkeypatch, request.param, ACCEL_ALLOC_CONF="expandable_segments:True")
     if request.param == "xpu":
         import test_memory_expandable
         monkeypatch.setattr(test_memory_expandable, "sim", _ZeState)

@@ -93,8 +93,9 @@ def test_failed_free_in_empty_cache_keeps_the_segment(sim_cuda, monkeypatch):
     assert sim.state().live_allocations == {}
 
 
-def test_failed_release_in_empty_cache_keeps_the_memory_counted(sim_cuda):
+def test_failed_release_in_empty_cache_keeps_the_memory_counted(monkeypatch):
     # expandable segments: an unmapped piece whose cuMemRelease fails is still the device's
+    use_sim(monkeypatch, "cuda", ACCEL_ALLOC_CONF="expandable_segments:True")
     accel.Buffer(4096, device=1).close()
     reserved = memory.memory_reserved(1)
     assert reserved > 0 and sim.state().vmm_physical_by_device == {1: reserved}

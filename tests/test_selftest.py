@@ -266,6 +266,7 @@ def test_env_probe_plain():
 def test_device_marked_tests_keep_the_callers_devices_and_libraries(tmp_path):
     probe = str(tmp_path / "env")
     env = dict(os.environ, **_CALLER_ENV, **{_PROBE_VAR: probe})
+    env.pop("ACCEL_TEST_ALLOC_CONF", None)      # (a rerun's knob sets an allocator variable in every test)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "device",
                            "tests/test_selftest.py::test_env_probe_device"], env=env, cwd=REPO,
