@@ -4,6 +4,7 @@ out of memory themselves, freeing, emptying the cache, attaching and detaching),
 several threads, device 1 while 0 is current, and metadata through history, snapshots, pickles
 and the viewer."""
 
+import contextlib
 import pickle
 import sys
 import threading
@@ -415,13 +416,22 @@ def test_observer_args_are_plain_ints(any_backend):
 
 
 # ------------------------------------------------------------------ metadata
+@contextlib.contextmanager
+def _history(*args, **kwargs):
+    """Memory history recorded (``_record_memory_history(*args, **kwargs)``) for the block only."""
+    memory._record_memory_history(*args, **kwargs)
+    try:
+        yield
+    finally:
+        memory._record_memory_history(None)
+
+
 def _events(device):
     return memory._snapshot()["device_traces"][device]
 
 
 def test_metadata_set_on_device1_while_0_is_current_and_allocating_from_0(device):
-    try:
-        memory._record_memory_history()
+    with _history():
         with accel.device_index(1):
             memory._set_memory_metadata("dev1 tag")
         with accel.device_index(0):
@@ -432,16 +442,13 @@ def test_metadata_set_on_device1_while_0_is_current_and_allocating_from_0(device
         assert {e["user_metadata"] for e in _events(0)} == {""}
         b1.close()
         b0.close()
-    finally:
-        memory._record_memory_history(None)
 
 
 def test_metadata_set_while_history_is_off_is_recorded_once_it_is_on(device):
     with accel.device_index(device):
         memory._set_memory_metadata("before history")
         accel.Buffer(MiB, device=device).close()
-        try:
-            memory._record_memory_history()
+        with _history():
             accel.Buffer(MiB, device=device).close()
             first = [e["user_metadata"] for e in _events(device)]
             memory._record_memory_history(None)
@@ -449,29 +456,23 @@ def test_metadata_set_while_history_is_off_is_recorded_once_it_is_on(device):
             memory._record_memory_history()
             accel.Buffer(MiB, device=device).close()
             tags = [e["user_metadata"] for e in _events(device)]
-        finally:
-            memory._record_memory_history(None)
     assert first and set(first) == {"before history"}
     assert tags and tags[-1] == "while off"
 
 
 @pytest.mark.parametrize("context", [None, "state", "alloc", "all"])
 def test_metadata_under_every_context(device, context):
-    try:
-        memory._record_memory_history("all", context=context)
+    with _history("all", context=context):
         with accel.device_index(device):
             memory._set_memory_metadata(f"ctx={context}")
             b = accel.Buffer(MiB, device=device)
             b.close()
         events = _events(device)
         assert events and {e["user_metadata"] for e in events} == {f"ctx={context}"}
-    finally:
-        memory._record_memory_history(None)
 
 
 def test_metadata_on_the_oom_entry_of_device1(device):
-    try:
-        memory._record_memory_history()
+    with _history():
         with accel.device_index(1):
             memory._set_memory_metadata("oom phase")
         with accel.device_index(0):
@@ -479,14 +480,10 @@ def test_metadata_on_the_oom_entry_of_device1(device):
                 accel.Buffer(2 * _total(1), device=1)
         ooms = [e for e in _events(1) if e["action"] == "oom"]
         assert len(ooms) == 1 and ooms[0]["user_metadata"] == "oom phase"
-    finally:
-        memory._record_memory_history(None)
 
 
 def test_metadata_set_from_an_observer_tags_later_entries(device):
-    try:
-        memory._record_memory_history()
-
+    with _history():
         def cb(dev, *rest):
             with accel.device_index(dev):
                 memory._set_memory_metadata("after oom")
@@ -499,22 +496,17 @@ def test_metadata_set_from_an_observer_tags_later_entries(device):
         oom = [i for i, e in enumerate(events) if e["action"] == "oom"][0]
         assert events[oom]["user_metadata"] == ""
         assert {e["user_metadata"] for e in events[oom + 1:]} == {"after oom"}
-    finally:
-        memory._record_memory_history(None)
 
 
 @pytest.mark.parametrize("value", ["x" * 1_000_000, "日本語 ✓ \U0001F600 \x00 nul", "\ud800"])
 def test_long_and_unicode_metadata_through_dump_snapshot(device, value, tmp_path):
     path = tmp_path / "snap.pickle"
-    try:
-        memory._record_memory_history()
+    with _history():
         with accel.device_index(device):
             memory._set_memory_metadata(value)
             assert memory._get_memory_metadata() == value
             accel.Buffer(MiB, device=device).close()
         memory.dump_snapshot(str(path))
-    finally:
-        memory._record_memory_history(None)
     with open(path, "rb") as f:
         snap = pickle.load(f)
     assert {e["user_metadata"] for e in snap["device_traces"][device]} == {value}
@@ -542,14 +534,11 @@ def test_a_str_subclass_metadata_leaves_a_plain_data_snapshot(any_backend, tmp_p
     from accel.memory import _viz
     device = 1
     path = tmp_path / "snap.pickle"
-    try:
-        memory._record_memory_history()
+    with _history():
         with accel.device_index(device):
             memory._set_memory_metadata(_Tag("phase"))
             accel.Buffer(MiB, device=device).close()
         memory.dump_snapshot(str(path))
-    finally:
-        memory._record_memory_history(None)
     assert _viz.read_snapshot(str(path))["device_traces"][device]
     with open(path, "rb") as f:
         assert b"_Tag" not in f.read()
@@ -562,14 +551,11 @@ def test_a_str_subclass_that_cannot_be_pickled_does_not_break_dump_snapshot(any_
         def __reduce__(self):
             raise TypeError("not picklable")
 
-    try:
-        memory._record_memory_history()
+    with _history():
         with accel.device_index(device):
             memory._set_memory_metadata(Local("phase"))
             accel.Buffer(MiB, device=device).close()
         memory.dump_snapshot(str(tmp_path / "snap.pickle"))
-    finally:
-        memory._record_memory_history(None)
 
 
 @pytest.mark.parametrize("bad", [None, 1, b"bytes", ["x"], 3.5])
@@ -594,8 +580,7 @@ def test_metadata_from_several_threads(device):
     """Each thread sets its own tag and allocates; the entries carry some thread's tag, never
     a torn or foreign value (the metadata is per device, not per thread, as torch's)."""
     tags = {f"thread{i}" for i in range(4)}
-    try:
-        memory._record_memory_history()
+    with _history():
         gate = threading.Barrier(4)
 
         def worker(i):
@@ -611,8 +596,6 @@ def test_metadata_from_several_threads(device):
         for t in threads:
             t.join(120)
         assert {e["user_metadata"] for e in _events(device)} <= tags
-    finally:
-        memory._record_memory_history(None)
 
 
 def test_memory_snapshot_segments_are_unchanged_by_metadata(device):
@@ -636,13 +619,10 @@ def test_an_observer_that_dumps_a_snapshot_sees_the_oom_entry(device, tmp_path):
         memory.dump_snapshot(str(path))
         paths.append(path)
 
-    try:
-        memory._record_memory_history()
+    with _history():
         memory.attach_out_of_memory_observer(cb)
         with pytest.raises(OutOfMemoryError):
             accel.Buffer(2 * _total(device), device=device)
-    finally:
-        memory._record_memory_history(None)
     with open(paths[0], "rb") as f:
         snap = pickle.load(f)
     assert [e["action"] for e in snap["device_traces"][device]][-1] == "oom"
