@@ -118,11 +118,16 @@ def try_acquire(lock, out: list) -> None:
     _consume(map(out.append, map(lock.acquire, (False,))))
 
 
+def _collection_here():
+    """The start info dict of the collection running on the calling thread, else None."""
+    now = _running.get(_PHASES)
+    return now if now is not None and getattr(_mine, "start", None) is now else None
+
+
 def collecting_here() -> bool:
     """True while the cyclic garbage collector runs on the calling thread (so the code
     running now is a finalizer, possibly entered from inside accel)."""
-    now = _running.get(_PHASES)
-    return now is not None and getattr(_mine, "start", None) is now
+    return _collection_here() is not None
 
 
 def collection_running() -> bool:
@@ -212,23 +217,22 @@ class RLock:
         self.what = what
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        now = _running.get(_PHASES)
-        here = now is not None and getattr(_mine, "start", None) is now
+        here = _collection_here()      # (None outside a collection on this thread)
         lock = self._lock
         if lock._is_owned():
-            if here and self._outer_gc is not now:
+            if here is not None and self._outer_gc is not here:
                 raise finalizer_error(self.what, "would re-enter the call this thread left half done")
             lock.acquire()
             return True
         if not lock.acquire(False):
             if not blocking:
                 return False
-            if here:
+            if here is not None:
                 if not lock.acquire(True, GC_WAIT_S if timeout < 0 else min(timeout, GC_WAIT_S)):
                     raise finalizer_error(self.what)
             elif not lock.acquire(True, timeout):
                 return False
-        self._outer_gc = now if here else None
+        self._outer_gc = here
         return True
 
     def release(self) -> None:
