@@ -8,9 +8,10 @@ corpus (``tools/record_traces.py``), to check that it generalizes.  Kept apart i
 The first seven were used once to choose between two piece rules of expandable segments
 (E9 in ``accel/memory/_expandable.py``) and one classic-segment rule; the second seven were
 recorded afterwards and only measured (never tuned on, as of their commit); the third eight
-were recorded on 2026-12-03 to validate a policy change and only measured.  Record a fresh
-set before tuning on any of them.  Each returns ``(setup, run, description)`` as the corpus
-workloads do.
+were recorded on 2026-12-03 to validate a policy change and only measured; the fourth eight
+were recorded on 2026-12-05 as a fresh held-out set (program shapes in none of the others)
+and only measured.  Record a fresh set before tuning on any of them.  Each returns
+``(setup, run, description)`` as the corpus workloads do.
 """
 
 from __future__ import annotations
@@ -1267,6 +1268,433 @@ def _gan_train():
                         "batches 64/32/96/48")
 
 
+def _resnet_sgd_train_varbatch():
+    import torch
+    from torch import nn
+
+    class BasicBlock(nn.Module):
+        def __init__(self, i, o, s):
+            super().__init__()
+            self.c1, self.b1 = nn.Conv2d(i, o, 3, s, 1, bias=False), nn.BatchNorm2d(o)
+            self.c2, self.b2 = nn.Conv2d(o, o, 3, 1, 1, bias=False), nn.BatchNorm2d(o)
+            self.short = (nn.Sequential(nn.Conv2d(i, o, 1, s, bias=False), nn.BatchNorm2d(o))
+                          if s != 1 or i != o else nn.Identity())
+
+        def forward(self, x):
+            y = torch.relu(self.b1(self.c1(x)))
+            return torch.relu(self.b2(self.c2(y)) + self.short(x))
+
+    def setup():
+        layers, i = [nn.Conv2d(3, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU(inplace=True)], 32
+        for o, s in ((32, 1), (32, 1), (64, 2), (64, 1), (128, 2), (128, 1), (256, 2), (256, 1)):
+            layers.append(BasicBlock(i, o, s))
+            i = o
+        model = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(256, 100))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
+        return model, opt
+
+    def run(state):
+        model, opt = state
+        g = torch.Generator().manual_seed(15)
+        for _ in range(4):                                              # batch drawn per step in [12, 80]
+            batch = int(torch.randint(12, 81, (1,), generator=g))
+            x, y = torch.randn(batch, 3, 32, 32), torch.randint(0, 100, (batch,))
+            opt.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(model(x), y, label_smoothing=0.1).backward()
+            opt.step()
+    return setup, run, ("ResNet-18-style CIFAR net (8 basic blocks, widths 32-256, projection shortcuts, BatchNorm), "
+                        "SGD nesterov momentum + weight decay, label smoothing, 4 steps of batch drawn in [12, 80] "
+                        "of 3x32x32")
+
+
+def _bert_infer_dynamic_padding():
+    import torch
+    from torch import nn
+
+    V, D, H, L = 8000, 256, 4, 6
+
+    class Encoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok, self.pos, self.typ = nn.Embedding(V, D), nn.Embedding(512, D), nn.Embedding(2, D)
+            self.ln = nn.LayerNorm(D)
+            self.layers = nn.ModuleList(nn.ModuleDict(dict(
+                qkv=nn.Linear(D, 3 * D), o=nn.Linear(D, D), ln1=nn.LayerNorm(D),
+                ff=nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D)), ln2=nn.LayerNorm(D)))
+                for _ in range(L))
+            self.pool, self.cls = nn.Linear(D, D), nn.Linear(D, 3)
+
+        def forward(self, ids, mask):                                   # post-norm BERT, padding mask
+            b, t = ids.shape
+            x = self.ln(self.tok(ids) + self.pos(torch.arange(t)) + self.typ(torch.zeros_like(ids)))
+            att_mask = mask[:, None, None, :]                           # b, 1, 1, t (True = attend)
+            for lyr in self.layers:
+                q, k, v = lyr["qkv"](x).view(b, t, 3, H, D // H).permute(2, 0, 3, 1, 4)
+                a = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=att_mask)
+                x = lyr["ln1"](x + lyr["o"](a.transpose(1, 2).reshape(b, t, D)))
+                x = lyr["ln2"](x + lyr["ff"](x))
+            return self.cls(torch.tanh(self.pool(x[:, 0])))
+
+    def setup():
+        return Encoder().eval()
+
+    def run(model):
+        g = torch.Generator().manual_seed(16)
+        with torch.inference_mode():
+            for batch in (32, 16, 48, 8, 24, 32):
+                lens = torch.randint(6, 257, (batch,), generator=g)
+                t = int(lens.max())                                     # pad to the longest in this batch only
+                ids = torch.randint(1, V, (batch, t), generator=g)
+                mask = torch.arange(t)[None, :] < lens[:, None]
+                ids = ids.masked_fill(~mask, 0)
+                probs = model(ids, mask).softmax(-1)
+                _ = probs.argmax(-1).tolist()
+                del ids, mask, probs
+    return setup, run, ("BERT-like 6-layer d=256 post-norm encoder inference (inference_mode) with dynamic padding: "
+                        "per batch (32/16/48/8/24/32) random lengths in [6, 256], padded to that batch's longest, "
+                        "boolean attention mask into SDPA, pooler + 3-way classifier")
+
+
+def _lstm_tbptt_train():
+    import torch
+    from torch import nn
+
+    V, E, Hd = 6000, 256, 384
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(V, E)
+            self.rnn = nn.LSTM(E, Hd, num_layers=2, dropout=0.2)
+            self.proj = nn.Linear(Hd, E)
+            self.out = nn.Linear(E, V)
+            self.out.weight = self.emb.weight                           # tied embeddings
+
+        def forward(self, x, hidden):                                   # x: seq, batch
+            y, hidden = self.rnn(nn.functional.dropout(self.emb(x), 0.1, self.training), hidden)
+            return self.out(self.proj(y)), hidden
+
+    def setup():
+        model = LM()
+        return model, torch.optim.SGD(model.parameters(), lr=20.0)
+
+    def run(state):
+        model, opt = state
+        g = torch.Generator().manual_seed(17)
+        batch = 24
+        stream = torch.randint(0, V, (400, batch), generator=g)        # batchified token stream (time-major)
+        hidden, pos = None, 0
+        for _ in range(6):                                              # AWD-LSTM-style variable BPTT windows
+            bptt = 35 if float(torch.rand(1, generator=g)) < 0.9 else 18
+            bptt = max(5, int(bptt + 5 * float(torch.randn(1, generator=g))))
+            x, y = stream[pos:pos + bptt], stream[pos + 1:pos + 1 + bptt]
+            pos += bptt
+            if hidden is not None:                                      # truncated BPTT: cut the graph
+                hidden = tuple(h.detach() for h in hidden)
+            opt.zero_grad(set_to_none=True)
+            logits, hidden = model(x, hidden)
+            nn.functional.cross_entropy(logits.reshape(-1, V), y.reshape(-1)).backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 0.25)
+            opt.step()
+    return setup, run, ("2-layer LSTM LM (vocab 6000, emb 256 tied, hidden 384, time-major) with truncated BPTT over "
+                        "one token stream, batch 24: 6 chunks of AWD-LSTM-style random length, hidden state "
+                        "carried and detached each chunk, clip_grad_norm_, plain SGD")
+
+
+def _diffusion_cfg_sampler():
+    import math
+
+    import torch
+    from torch import nn
+
+    C, NCLS = 48, 10
+
+    class Res(nn.Module):
+        def __init__(self, i, o):
+            super().__init__()
+            self.n1, self.c1 = nn.GroupNorm(8, i), nn.Conv2d(i, o, 3, 1, 1)
+            self.t = nn.Linear(4 * C, o)
+            self.n2, self.c2 = nn.GroupNorm(8, o), nn.Conv2d(o, o, 3, 1, 1)
+            self.skip = nn.Conv2d(i, o, 1) if i != o else nn.Identity()
+
+        def forward(self, x, emb):
+            h = self.c1(nn.functional.silu(self.n1(x))) + self.t(emb)[:, :, None, None]
+            return self.skip(x) + self.c2(nn.functional.silu(self.n2(h)))
+
+    class UNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.temb = nn.Sequential(nn.Linear(C, 4 * C), nn.SiLU(), nn.Linear(4 * C, 4 * C))
+            self.cemb = nn.Embedding(NCLS + 1, 4 * C)                   # the last class is "unconditional"
+            self.inp = nn.Conv2d(3, C, 3, 1, 1)
+            self.d1, self.d2, self.d3 = Res(C, C), Res(C, 2 * C), Res(2 * C, 4 * C)
+            self.mid = Res(4 * C, 4 * C)
+            self.u3, self.u2, self.u1 = Res(8 * C, 2 * C), Res(4 * C, C), Res(2 * C, C)
+            self.out = nn.Sequential(nn.GroupNorm(8, C), nn.SiLU(), nn.Conv2d(C, 3, 3, 1, 1))
+
+        def forward(self, x, t, c):
+            half = C // 2
+            f = torch.exp(-math.log(10000) * torch.arange(half) / half)
+            emb = self.temb(torch.cat([torch.sin(t[:, None] * f), torch.cos(t[:, None] * f)], 1)) + self.cemb(c)
+            h1 = self.d1(self.inp(x), emb)
+            h2 = self.d2(nn.functional.avg_pool2d(h1, 2), emb)
+            h3 = self.d3(nn.functional.avg_pool2d(h2, 2), emb)
+            h = self.mid(nn.functional.avg_pool2d(h3, 2), emb)
+            h = self.u3(torch.cat([nn.functional.interpolate(h, scale_factor=2.0), h3], 1), emb)
+            h = self.u2(torch.cat([nn.functional.interpolate(h, scale_factor=2.0), h2], 1), emb)
+            h = self.u1(torch.cat([nn.functional.interpolate(h, scale_factor=2.0), h1], 1), emb)
+            return self.out(h)
+
+    def setup():
+        return UNet().eval()
+
+    def run(model):
+        abar = torch.cumprod(1 - torch.linspace(1e-4, 0.02, 1000), 0)
+        ts = torch.linspace(999, 0, 20).long()
+        with torch.no_grad():
+            for batch, size, scale in ((4, 64, 3.0), (2, 96, 5.0)):
+                x = torch.randn(batch, 3, size, size)
+                labels = torch.randint(0, NCLS, (batch,))
+                c = torch.cat([labels, torch.full((batch,), NCLS)])     # conditional + unconditional halves
+                for i, t in enumerate(ts):                              # DDIM, eta 0
+                    eps_c, eps_u = model(torch.cat([x, x]), t.repeat(2 * batch).float(), c).chunk(2)
+                    eps = eps_u + scale * (eps_c - eps_u)               # classifier-free guidance
+                    a, a_prev = abar[t], (abar[ts[i + 1]] if i + 1 < len(ts) else torch.tensor(1.0))
+                    x0 = (x - (1 - a).sqrt() * eps) / a.sqrt()
+                    x = a_prev.sqrt() * x0.clamp(-1, 1) + (1 - a_prev).sqrt() * eps
+                    del eps_c, eps_u, eps, x0
+                img = ((x + 1) * 127.5).clamp(0, 255).to(torch.uint8)
+                del x, img
+    return setup, run, ("class-conditional diffusion sampler: small U-Net (3 levels, C=48, GroupNorm, time + class "
+                        "embeddings) under no_grad, 20 DDIM steps with classifier-free guidance (batch doubled by "
+                        "torch.cat each step, then chunked), batch x image 4x64 then 2x96, uint8 output")
+
+
+def _clip_contrastive_train():
+    import torch
+    from torch import nn
+
+    V, T, D, P = 4000, 32, 192, 128
+
+    class ImageTower(nn.Module):
+        def __init__(self):
+            super().__init__()
+            def cbr(i, o, s):
+                return nn.Sequential(nn.Conv2d(i, o, 3, s, 1, bias=False), nn.BatchNorm2d(o), nn.ReLU(inplace=True))
+            self.net = nn.Sequential(cbr(3, 32, 2), cbr(32, 64, 2), cbr(64, 64, 1), cbr(64, 128, 2),
+                                     cbr(128, 128, 1), cbr(128, 256, 2), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+            self.proj = nn.Linear(256, P, bias=False)
+
+        def forward(self, x):
+            return self.proj(self.net(x))
+
+    class TextTower(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok, self.pos = nn.Embedding(V, D), nn.Parameter(torch.randn(T, D) * 0.01)
+            layer = nn.TransformerEncoderLayer(D, 4, 4 * D, dropout=0.0, activation="gelu", batch_first=True,
+                                               norm_first=True)
+            self.enc = nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
+            self.ln, self.proj = nn.LayerNorm(D), nn.Linear(D, P, bias=False)
+
+        def forward(self, ids, eot):
+            t = ids.shape[1]
+            mask = nn.Transformer.generate_square_subsequent_mask(t)
+            x = self.ln(self.enc(self.tok(ids) + self.pos[:t], mask=mask, is_causal=True))
+            return self.proj(x[torch.arange(ids.shape[0]), eot])        # features at the end-of-text token
+
+    def setup():
+        img, txt = ImageTower(), TextTower()
+        logit_scale = nn.Parameter(torch.tensor(2.659))
+        params = list(img.parameters()) + list(txt.parameters()) + [logit_scale]
+        return img, txt, logit_scale, torch.optim.AdamW(params, lr=5e-4, weight_decay=0.2)
+
+    def run(state):
+        img, txt, logit_scale, opt = state
+        g = torch.Generator().manual_seed(19)
+        for batch in (96, 64, 128):
+            images = torch.randn(batch, 3, 64, 64, generator=g)
+            ids = torch.randint(1, V, (batch, T), generator=g)
+            eot = torch.randint(4, T, (batch,), generator=g)
+            opt.zero_grad(set_to_none=True)
+            fi = nn.functional.normalize(img(images), dim=-1)
+            ft = nn.functional.normalize(txt(ids, eot), dim=-1)
+            logits = logit_scale.exp().clamp(max=100) * fi @ ft.t()   # batch x batch similarities
+            labels = torch.arange(batch)
+            loss = (nn.functional.cross_entropy(logits, labels) + nn.functional.cross_entropy(logits.t(), labels)) / 2
+            loss.backward()
+            opt.step()
+    return setup, run, ("CLIP-like contrastive training: conv image tower (6 conv-BN-ReLU, 64x64) and 3-layer causal "
+                        "text transformer (d=192, 32 tokens, EOT pooling), normalized projections, learned logit "
+                        "scale, batch x batch similarity matrix with symmetric cross-entropy, AdamW, "
+                        "batches 96/64/128")
+
+
+def _convnext_grad_accum_train():
+    import torch
+    from torch import nn
+
+    class LN2d(nn.LayerNorm):                                           # channels-first LayerNorm via permutes
+        def forward(self, x):
+            return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+    class Block(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.dw = nn.Conv2d(d, d, 7, 1, 3, groups=d)
+            self.ln = nn.LayerNorm(d)
+            self.pw1, self.pw2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+            self.gamma = nn.Parameter(torch.full((d,), 1e-6))
+
+        def forward(self, x):
+            y = self.dw(x).permute(0, 2, 3, 1)                          # NHWC for the MLP
+            y = self.pw2(nn.functional.gelu(self.pw1(self.ln(y)))) * self.gamma
+            return x + y.permute(0, 3, 1, 2)
+
+    def setup():
+        dims = (48, 96, 192, 384)
+        layers = [nn.Conv2d(3, dims[0], 4, 4), LN2d(dims[0])]
+        for i, (d, n) in enumerate(zip(dims, (2, 2, 4, 2))):
+            if i:
+                layers += [LN2d(dims[i - 1]), nn.Conv2d(dims[i - 1], d, 2, 2)]
+            layers += [Block(d) for _ in range(n)]
+        model = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.LayerNorm(dims[-1]),
+                              nn.Linear(dims[-1], 200))
+        return model, torch.optim.AdamW(model.parameters(), lr=4e-3, weight_decay=0.05)
+
+    def run(state):
+        model, opt = state
+        for micro in ((12, 5, 9), (16, 3), (7, 7, 7, 2)):             # uneven micro-batches per optimizer step
+            total = sum(micro)
+            opt.zero_grad(set_to_none=True)
+            for mb in micro:                                            # .grad accumulates across micro-batches
+                x, y = torch.randn(mb, 3, 128, 128), torch.randint(0, 200, (mb,))
+                (nn.functional.cross_entropy(model(x), y) * (mb / total)).backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+    return setup, run, ("ConvNeXt-like classifier (patchify stem, depthwise 7x7 + LayerNorm + inverted MLP blocks, "
+                        "dims 48-384, 128x128 images) with gradient accumulation over uneven micro-batches "
+                        "(12+5+9, 16+3, 7+7+7+2), clip_grad_norm_, AdamW")
+
+
+def _tcn_forecast_train():
+    import torch
+    from torch import nn
+    from torch.nn.utils.parametrizations import weight_norm
+
+    CIN, HID, HORIZON = 21, 64, 24
+
+    class TemporalBlock(nn.Module):
+        def __init__(self, i, o, dil):
+            super().__init__()
+            self.pad = 2 * dil                                          # kernel 3, causal (left) padding
+            self.c1 = weight_norm(nn.Conv1d(i, o, 3, dilation=dil))
+            self.c2 = weight_norm(nn.Conv1d(o, o, 3, dilation=dil))
+            self.down = nn.Conv1d(i, o, 1) if i != o else nn.Identity()
+
+        def forward(self, x):
+            y = nn.functional.dropout(torch.relu(self.c1(nn.functional.pad(x, (self.pad, 0)))), 0.1, self.training)
+            y = nn.functional.dropout(torch.relu(self.c2(nn.functional.pad(y, (self.pad, 0)))), 0.1, self.training)
+            return torch.relu(y + self.down(x))
+
+    class TCN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            chans = [CIN] + [HID] * 7
+            self.blocks = nn.Sequential(*(TemporalBlock(chans[i], chans[i + 1], 2 ** i) for i in range(7)))
+            self.head = nn.Linear(HID, CIN * HORIZON)
+
+        def forward(self, x):                                           # x: b, CIN, L -> b, HORIZON, CIN
+            return self.head(self.blocks(x)[:, :, -1]).view(-1, HORIZON, CIN)
+
+    def setup():
+        model = TCN()
+        return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def run(state):
+        model, opt = state
+        g = torch.Generator().manual_seed(21)
+        series = torch.randn(CIN, 6000, generator=g).cumsum(1) * 0.05  # one long multivariate random walk
+        for batch, window in ((32, 512), (64, 256), (16, 1024), (48, 384)):
+            starts = torch.randint(0, series.shape[1] - window - HORIZON, (batch,), generator=g)
+            idx = starts[:, None] + torch.arange(window + HORIZON)
+            seg = series[:, idx].permute(1, 0, 2)                       # b, CIN, window + HORIZON
+            x, y = seg[:, :, :window], seg[:, :, window:].transpose(1, 2)
+            mu, sd = x.mean(-1, keepdim=True), x.std(-1, keepdim=True) + 1e-5
+            opt.zero_grad(set_to_none=True)
+            pred = model((x - mu) / sd)
+            nn.functional.mse_loss(pred, (y - mu.transpose(1, 2)) / sd.transpose(1, 2)).backward()
+            opt.step()
+    return setup, run, ("temporal conv net forecaster (7 residual blocks of weight-normed causal dilated Conv1d, "
+                        "dilations 1-64, 64 channels, dropout) on windows gathered from a 21-variable series, "
+                        "per-window normalization, 24-step horizon, MSE, Adam; batch x window 32x512, 64x256, "
+                        "16x1024, 48x384")
+
+
+def _fpn_retina_eval_varsize():
+    import torch
+    from torch import nn
+
+    A, NCLS = 9, 20
+
+    def cbr(i, o, s):
+        return nn.Sequential(nn.Conv2d(i, o, 3, s, 1, bias=False), nn.BatchNorm2d(o), nn.ReLU(inplace=True))
+
+    class RetinaLike(nn.Module):
+        def __init__(self, f=96):
+            super().__init__()
+            self.stem = nn.Sequential(cbr(3, 32, 2), cbr(32, 32, 2))                    # /4
+            self.c3 = nn.Sequential(cbr(32, 64, 2), cbr(64, 64, 1))                    # /8
+            self.c4 = nn.Sequential(cbr(64, 128, 2), cbr(128, 128, 1))                 # /16
+            self.c5 = nn.Sequential(cbr(128, 256, 2), cbr(256, 256, 1))                # /32
+            self.lat = nn.ModuleList(nn.Conv2d(c, f, 1) for c in (64, 128, 256))
+            self.smooth = nn.ModuleList(nn.Conv2d(f, f, 3, 1, 1) for _ in range(3))
+            self.p6, self.p7 = nn.Conv2d(256, f, 3, 2, 1), nn.Conv2d(f, f, 3, 2, 1)
+            tower = lambda: nn.Sequential(*[m for _ in range(3) for m in (nn.Conv2d(f, f, 3, 1, 1), nn.ReLU())])
+            self.cls_tower, self.box_tower = tower(), tower()
+            self.cls, self.box = nn.Conv2d(f, A * NCLS, 3, 1, 1), nn.Conv2d(f, A * 4, 3, 1, 1)
+
+        def forward(self, x):
+            c3 = self.c3(self.stem(x))
+            c4 = self.c4(c3)
+            c5 = self.c5(c4)
+            p5 = self.lat[2](c5)
+            p4 = self.lat[1](c4) + nn.functional.interpolate(p5, size=c4.shape[-2:], mode="nearest")
+            p3 = self.lat[0](c3) + nn.functional.interpolate(p4, size=c3.shape[-2:], mode="nearest")
+            p6 = self.p6(c5)
+            feats = [self.smooth[0](p3), self.smooth[1](p4), self.smooth[2](p5), p6, self.p7(torch.relu(p6))]
+            b = x.shape[0]
+            scores = [self.cls(self.cls_tower(p)).permute(0, 2, 3, 1).reshape(b, -1, NCLS) for p in feats]
+            deltas = [self.box(self.box_tower(p)).permute(0, 2, 3, 1).reshape(b, -1, 4) for p in feats]
+            return scores, deltas
+
+    def setup():
+        return RetinaLike().eval()
+
+    def run(model):
+        g = torch.Generator().manual_seed(22)
+        with torch.no_grad():
+            for _ in range(4):
+                h, w = (int(v) * 32 for v in torch.randint(8, 21, (2,), generator=g))  # 256..640, /32
+                batch = int(torch.randint(1, 4, (1,), generator=g))
+                scores, deltas = model(torch.randn(batch, 3, h, w))
+                kept = []
+                for s, d in zip(scores, deltas):                        # per level: top-1000 anchors by score
+                    prob = s.sigmoid().flatten(1)
+                    top, idx = prob.topk(min(1000, prob.shape[1]), 1)
+                    anchor = idx // NCLS
+                    boxes = torch.gather(d, 1, anchor[..., None].expand(-1, -1, 4))
+                    kept.append(torch.cat([boxes, top[..., None], (idx % NCLS)[..., None].float()], -1))
+                dets = torch.cat(kept, 1)
+                order = dets[..., 4].argsort(1, descending=True)[:, :100]
+                _ = torch.gather(dets, 1, order[..., None].expand(-1, -1, 6))
+                del scores, deltas, kept, dets
+    return setup, run, ("RetinaNet-like detector eval under no_grad: small conv backbone, FPN (1x1 laterals, nearest "
+                        "top-down adds, 3x3 smoothing, P6/P7), shared 3-conv class/box towers over 5 levels, 9 "
+                        "anchors x 20 classes, per-level sigmoid top-1000, merged top-100; 4 batches of 1-3 images "
+                        "at random sizes 256-640 (multiples of 32)")
+
+
 WORKLOADS: Dict[str, Callable] = {
     "vit_train_varbatch": _vit_train_varbatch,
     "gru_seq2seq_train": _gru_seq2seq_train,
@@ -1292,4 +1720,13 @@ WORKLOADS: Dict[str, Callable] = {
     "ssm_scan_train": _ssm_scan_train,
     "mobilenet_eval_varsize": _mobilenet_eval_varsize,
     "gan_train": _gan_train,
+    # fourth batch
+    "resnet_sgd_train_varbatch": _resnet_sgd_train_varbatch,
+    "bert_infer_dynamic_padding": _bert_infer_dynamic_padding,
+    "lstm_tbptt_train": _lstm_tbptt_train,
+    "diffusion_cfg_sampler": _diffusion_cfg_sampler,
+    "clip_contrastive_train": _clip_contrastive_train,
+    "convnext_grad_accum_train": _convnext_grad_accum_train,
+    "tcn_forecast_train": _tcn_forecast_train,
+    "fpn_retina_eval_varsize": _fpn_retina_eval_varsize,
 }
