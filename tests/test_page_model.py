@@ -41,3 +41,16 @@ def test_offline_planner_reuses_a_gap_only_for_blocks_that_never_meet():
     # C meets A: it cannot go where A is, and takes a fifth page
     ops = [["a", 0, 4 * MiB], ["a", 1, 4 * MiB], ["a", 2, MiB], ["f", 0], ["f", 1], ["f", 2]]
     assert page_model.offline(ops) == 5 * 2 * MiB / (9 * MiB)
+
+
+def test_help_prints_usage_and_a_missing_trace_is_a_clear_error(capsys):
+    """--help is an option, not a trace path (it raised FileNotFoundError: '--help')."""
+    import pytest
+    with pytest.raises(SystemExit) as exc:
+        page_model.main(["--help"])
+    assert exc.value.code == 0
+    assert "--offline" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        page_model.main(["no_such_trace.json"])
+    assert exc.value.code == 2
+    assert "no_such_trace.json" in capsys.readouterr().err

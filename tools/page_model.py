@@ -28,6 +28,7 @@ overhead is left once partial pages could be recombined freely.
 
 from __future__ import annotations
 
+import argparse
 import bisect
 import glob
 import json
@@ -184,12 +185,17 @@ def offline(ops) -> float:
 
 
 def main(argv=None) -> int:
-    args = list(argv if argv is not None else sys.argv[1:])
-    models = ("pages", "stitch", "mixed")
-    if "--offline" in args:
-        args.remove("--offline")
-        models += ("offline",)
-    paths = args or sorted(
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("traces", nargs="*", help="trace files (default: the corpus and held-out traces)")
+    parser.add_argument("--offline", action="store_true",
+                        help="also the offline planner, every lifetime known (slow: minutes for the corpus)")
+    args = parser.parse_args(argv)
+    for path in args.traces:
+        if not os.path.isfile(path):
+            parser.error(f"no such trace file: {path}")
+    models = ("pages", "stitch", "mixed") + (("offline",) if args.offline else ())
+    paths = args.traces or sorted(
         glob.glob(os.path.join(HERE, "tests/test_memory_traces/*.json"))
         + glob.glob(os.path.join(HERE, "tests/test_memory_traces/holdout/*.json")))
     print(f"{'trace':34s} " + " ".join(f"{m:>7s}" for m in models))
