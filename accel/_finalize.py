@@ -40,15 +40,40 @@ the parent's pending releases.
 runtime and its backend object.  A release whose backend (its first argument, or the object a
 bound method belongs to) is not the live one is dropped: the new runtime recycles handle
 values, so the stale handle may name one of its live objects.
+
+**An interrupted ``__del__`` (r53).**  CPython runs a pending signal handler when a Python
+function starts, so a Ctrl-C that became due just before an object's last reference went is
+raised at its ``__del__``'s first instruction, printed and ignored: the release never ran, and
+the handle stayed alive until the runtime's teardown.  So the handles of live owned Streams,
+Events and kernel Modules are also registered in :data:`owned` (:func:`own`): key -> (weak
+reference, release function, its arguments).  The weak reference is to a *token*, an untracked
+cffi pointer object that only the owner holds, and its callback is ``pending.append``, a C
+method: no Python code, so no signal handler, runs in it.  The token dies only when its owner is
+freed: the collector clears the weak references to its garbage before it runs the finalizers (a
+weak reference to the owner would fire there, also for an owner another finalizer then
+resurrects), but an untracked object is no part of that garbage; it goes when the owner is
+freed, at the collection's end.  Every release of the handle (``close``, ``__del__``, a
+collection's :func:`finalize_later`, a retry) passes the key down to the vendor call, which
+takes the entry out of :data:`owned` (one ``dict.pop``) just before it starts
+(:func:`destroy_owned`); a path that finds the entry gone does nothing.  The entry's weak
+reference dies with it, so the callback runs only for an owner freed with its entry still
+there, and :func:`drain` (the next entry of the API, after any collection) takes the entry and
+releases the handle, once.  An interrupt before the take leaves the release to the registry, one
+after the vendor call returned finds the entry gone: a handle is never destroyed twice (which
+could destroy the recycled handle of a live object); only an interrupt between the take and the
+vendor call leaks it.  In a forked child and for a reset runtime the registry is dropped.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import weakref
 from collections import deque
-from typing import Callable
+from typing import Callable, Optional, Tuple
+
+import _cffi_backend
 
 from . import _lazy, _locks
 from ._errors import AcceleratorError
@@ -56,9 +81,10 @@ from ._locks import collecting_here, collection_running, forget_collection
 from .backends.base import Backend
 
 __all__ = ["pending", "drain", "release", "finalize", "finalize_later", "release_on_del", "defer", "collecting", "pid",
-           "forked_error", "no_drain", "releases_settled"]
+           "forked_error", "no_drain", "releases_settled", "owned", "own", "destroy_owned", "registered"]
 
-#: Releases waiting for a safe point: (function, args) tuples.
+#: Releases waiting for a safe point: (function, args) tuples, and the _Owned weak references of
+#: owners freed with their registered release not taken (:data:`owned`).
 pending: deque = deque()
 #: Threads inside drain() (a thread in it does not enter it again): a release one took from
 #: ``pending`` may not have run yet.
@@ -67,6 +93,68 @@ _drainers: set = set()
 pid = os.getpid()
 
 _tls = threading.local()
+
+#: The releases of the handles of live owned Streams, Events and kernel Modules (see the module
+#: docstring, r53): key -> (its _Owned weak reference, fn, args).  An entry goes when a release
+#: of the owner's takes it (destroy_owned), or drain() for an owner freed without one.
+owned: dict = {}
+_keys = itertools.count(1).__next__
+_ffi = _cffi_backend.FFI()
+_VOIDP = _ffi.typeof("void *")
+_token = _ffi.cast
+_freed = pending.append     # the weak references' callback: a C method (runs no signal handler)
+
+
+class _Owned(weakref.ref):
+    """The registry's weak reference to an owner's token, carrying the entry's key; appended to
+    :data:`pending` by its callback when the token dies with an entry still registered."""
+    __slots__ = ("key",)
+
+
+def own(fn: Callable, *args) -> Tuple[int, object]:
+    """Register the release ``fn(*args)`` of a new handle, for :func:`drain` to run once the
+    owner is freed without a release having taken it; returns ``(key, token)``, which the owner
+    keeps (its only reference to the token).  The owner's own releases pass the key on to
+    :func:`destroy_owned`.  The entry is stored last, after every point where an interrupt can
+    land: an entry exists only for a token the caller receives (an entry whose token died with
+    this frame would release a handle its owner still uses)."""
+    token = _token(_VOIDP, 0)
+    ref = _Owned(token, _freed)
+    key = _keys()
+    ref.key = key
+    mine = (key, token)
+    owned[key] = (ref, fn, args)
+    return mine
+
+
+def destroy_owned(key: int, destroy: Callable, *args) -> None:
+    """``destroy(*args)``, the vendor call that destroys the handle registered under ``key`` (0:
+    none registered), taking its entry out of :data:`owned` as it starts: nothing when another
+    path took it (or the registry was dropped: a reset runtime).  The entry is taken as late as
+    possible, so that an interrupt before leaves it to :func:`drain`; one between the take and
+    the vendor call leaks the handle, one after it returned finds it gone (never destroyed
+    twice).  A vendor error puts the entry back (the handle is still alive; a retry takes it
+    again) and names the key and the vendor call on the error, for :func:`drain` to give the
+    handle up when a retry fails too."""
+    if not key:
+        destroy(*args)
+        return
+    entry = owned.pop(key, None)
+    if entry is None:
+        return
+    try:
+        destroy(*args)
+    except AcceleratorError as exc:
+        owned[key] = entry
+        exc._accel_owned = (key, destroy)
+        raise
+
+
+def registered(mine: Optional[tuple]) -> bool:
+    """Whether the release registered by :func:`own` (``mine`` its result; None: nothing was
+    registered) has not been taken by :func:`destroy_owned`: its handle was not destroyed (an
+    explicit close() that failed may then leave the object open)."""
+    return mine is None or mine[0] in owned
 
 
 def collecting() -> bool:
@@ -81,8 +169,8 @@ def defer(fn: Callable, *args) -> None:
 
 
 def drain() -> None:
-    """Run the deferred releases now.  Call only where this thread holds no accel or vendor
-    lock; does nothing while a collection runs (in any thread), when this thread is already
+    """Run the deferred releases now (and the registered releases of owners freed without one,
+    :data:`owned`).  Call only where this thread holds no accel or vendor lock; does nothing while a collection runs (in any thread), when this thread is already
     draining, or inside a :data:`no_drain` section."""
     section = getattr(_tls, "nodrain", None)
     me = threading.get_ident()
@@ -94,15 +182,26 @@ def drain() -> None:
         _drainers.add(me)
         while True:
             try:
-                fn, args = pending.popleft()
+                item = pending.popleft()
             except IndexError:
                 return
+            if type(item) is _Owned:
+                # an owner freed with its release never taken (a Ctrl-C as its __del__ began):
+                # released as its finalizer would have (a vendor error: tried once more)
+                entry = owned.pop(getattr(item, "key", 0), None)   # (no key: own() interrupted)
+                if entry is None:
+                    continue
+                item = (finalize, (entry[1],) + entry[2])
+            fn, args = item
             if _stale(fn, args):
                 continue
             try:
                 fn(*args)
             except AcceleratorError as exc:
-                _report_leak(fn, exc)   # the retry failed too: what it releases leaks
+                # the retry failed too: what it releases leaks (and leaves the registry)
+                key, call = getattr(exc, "_accel_owned", (0, fn))
+                owned.pop(key, None)
+                _report_leak(call, exc)
             except Exception:
                 pass    # interpreter shutdown or a runtime already torn down
     finally:
@@ -266,10 +365,12 @@ def _after_fork_in_child() -> None:
     _tls = threading.local()
     _drainers.clear()   # the parent's threads: none runs in the child
     pending.clear()     # the parent's handles: never released by the child
+    owned.clear()       # (their weak references go with the entries: no callback runs)
 
 
 def _reset() -> None:
     pending.clear()     # releases for a runtime that is gone
+    owned.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

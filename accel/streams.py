@@ -83,15 +83,30 @@ def on_stream_destroy(hook: Callable[[Backend, int, int, bool], bool]) -> None:
     _destroy_hooks.append(hook)
 
 
-def _destroy(backend: Backend, index: int, handle: int, blocking: bool) -> None:
+def _destroy(backend: Backend, index: int, handle: int, blocking: bool, key: int = 0) -> None:
+    """Destroy owned stream ``handle``, registered under ``key`` (accel._finalize.own; 0: the
+    registry's own call, or none registered): nothing when another path took it."""
+    if key and key not in _fin.owned:
+        return      # destroyed, or being destroyed, by another path: its handle may be reused
     for hook in _destroy_hooks:
         # A hook that fails (the allocator could neither record an event on the stream nor wait
         # for it) leaves the stream alive: destroying it would leave memory that its queued work
         # may still use with nothing to tell when that work ends.  close() can be tried again.
         if not hook(backend, index, handle, blocking):
-            _fin.defer(_destroy, backend, index, handle, True)   # the handle stays valid until then
+            _fin.defer(_destroy, backend, index, handle, True, key)   # the handle stays valid until then
             return
-    backend.stream_destroy(handle)
+    _fin.destroy_owned(key, backend.stream_destroy, handle)
+
+
+def _event_destroy(backend: Backend, handle: int, key: int = 0) -> None:
+    """Destroy owned event ``handle``, registered under ``key`` (as :func:`_destroy`)."""
+    _fin.destroy_owned(key, backend.event_destroy, handle)
+
+
+def _key(obj) -> int:
+    """The registry key of ``obj``'s handle (0: not registered)."""
+    own = obj._own
+    return own[0] if own is not None else 0
 
 
 def _forget(backend: Backend, index: int, handle: int, blocking: bool) -> None:
@@ -334,7 +349,7 @@ class Stream:
     """
 
     __slots__ = ("_backend", "_index", "_handle", "_owned", "_closed", "_shared", "_pid", "_priority",
-                 "_foreign", "_anchor", "_busy", "_releases", "__weakref__")
+                 "_foreign", "_anchor", "_busy", "_releases", "_own", "__weakref__")
 
     def __new__(cls, device: DeviceLike = None, priority: int = 0, *, stream_id: Optional[int] = None,
                 device_index: Optional[int] = None, device_type: Optional[int] = None):
@@ -356,6 +371,8 @@ class Stream:
         with on_device(backend, index):
             handle = backend.stream_create(priority)
         self._init(backend, index, handle, owned=True)
+        # the destroy, registered for an interrupted __del__ (accel._finalize, r53)
+        self._own = _fin.own(_destroy, backend, index, handle, True)
         self._priority = priority
         _live_streams[(index, handle)] = self
         return self
@@ -364,6 +381,7 @@ class Stream:
         self._backend, self._index, self._handle = backend, index, handle
         self._owned, self._closed = owned, False
         self._busy, self._releases = [], []     # see _Use
+        self._own = None                        # (key, token) of the destroy's registration
         self._pid = _fin.pid
         self._priority = 0
         self._foreign, self._anchor = False, None
@@ -699,10 +717,14 @@ class Stream:
         if _live_streams.get((self._index, self._handle)) is self:
             del _live_streams[(self._index, self._handle)]     # the driver may reuse the handle
         try:
-            _close_release(self, _destroy, self._backend, self._index, self._handle, True)
+            _close_release(self, _destroy, self._backend, self._index, self._handle, True, _key(self))
         except BaseException:
-            self._closed = False    # the runtime still has it: close() again (or the finalizer) retries
-            _live_streams[(self._index, self._handle)] = self
+            if _fin.registered(self._own):
+                # the destroy never reached the runtime, or failed there: close() again (or the
+                # finalizer) retries.  (After an interrupt as it returned, the handle may be
+                # another stream's already: closed it stays.)
+                self._closed = False
+                _live_streams[(self._index, self._handle)] = self
             raise
 
     def _capturing(self) -> bool:
@@ -721,8 +743,9 @@ class Stream:
         # Never waits on a lock (hooks try theirs; see accel._finalize); nothing in a forked child.
         if (getattr(self, "_owned", False) and not self._closed and self._pid == _fin.pid
                 and _lazy.is_initialized()):
-            # during a collection, open until its cycle is gone: another finalizer may still use it
-            _fin.release_on_del(self, _destroy, self._backend, self._index, self._handle, False)
+            # during a collection, open until its cycle is gone: another finalizer may still use it.
+            # (A Ctrl-C as this __del__ starts leaves the destroy to the registry: accel._finalize.)
+            _fin.release_on_del(self, _destroy, self._backend, self._index, self._handle, False, _key(self))
 
 
 def ExternalStream(stream_ptr: int, device: DeviceLike = None) -> Stream:
@@ -837,11 +860,12 @@ class Event:
     """
 
     __slots__ = ("_backend", "_index", "_handle", "enable_timing", "blocking", "external", "_recorded",
-                 "_capture", "_closed", "_pid", "_type", "_late", "_busy", "_releases", "__weakref__")
+                 "_capture", "_closed", "_pid", "_type", "_late", "_busy", "_releases", "_own", "__weakref__")
 
     def __init__(self, device: DeviceLike = None, *, enable_timing: bool = False, blocking: bool = False,
                  interprocess: bool = False, external: bool = False):
         self._handle = None     # __del__ reads it even when a check below raises
+        self._own = None        # (key, token) of the destroy's registration (accel._finalize, r53)
         self._busy, self._releases = [], []     # see _Use
         for name, value in (("enable_timing", enable_timing), ("blocking", blocking),
                             ("interprocess", interprocess), ("external", external)):
@@ -963,9 +987,11 @@ class Event:
                 closed = self._closed
                 if not closed:
                     self._handle, self._backend, self._index = handle, backend, index
+                    # under the lock: a close() that sees the handle finds it registered
+                    self._own = _fin.own(_event_destroy, backend, handle)
         if not closed and getattr(self, "_late", False):
             # made by a finalizer after this event's own ran (same garbage): released with it
-            _fin.finalize_later(self, backend.event_destroy, handle)
+            _fin.finalize_later(self, _event_destroy, backend, handle, _key(self))
         if closed:
             _fin.release(backend.event_destroy, handle)
             self._live()
@@ -1068,9 +1094,11 @@ class Event:
             return
         if self._handle is not None:
             try:
-                _close_release(self, self._backend.event_destroy, self._handle)
+                _close_release(self, _event_destroy, self._backend, self._handle, _key(self))
             except BaseException:
-                self._closed = False    # the runtime still has it: close() again (or the finalizer) retries
+                if _fin.registered(self._own):
+                    # not destroyed (as Stream.close): close() again (or the finalizer) retries
+                    self._closed = False
                 raise
 
     def __del__(self, _finalizing=sys.is_finalizing):
@@ -1083,7 +1111,8 @@ class Event:
             # its device event: _create then queues that handle's release)
             self._late = True
         if self._handle is not None:
-            _fin.release_on_del(self, self._backend.event_destroy, self._handle)
+            # (a Ctrl-C as this __del__ starts leaves the destroy to the registry: accel._finalize)
+            _fin.release_on_del(self, _event_destroy, self._backend, self._handle, _key(self))
 
 
 def _as_stream(obj, what: str) -> Stream:
