@@ -1,12 +1,12 @@
-"""A Ctrl-C that lands as an Event's or an owned Stream's ``__del__`` starts loses no handle,
-and one anywhere in a release never destroys a handle twice (r53).
+"""A Ctrl-C that lands as an Event's, an owned Stream's or a kernel Module's ``__del__`` starts
+loses no handle, and one anywhere in a release never destroys a handle twice (r53).
 
 CPython runs a pending signal handler when a Python function starts (RESUME checks the eval
 breaker), so a KeyboardInterrupt that became due just before an object's last reference went
 is raised at the first instruction of its ``__del__``, printed and ignored
 (``sys.unraisablehook``): the release in ``__del__`` never runs.  Buffers survive it (the
-caching allocator frees the blocks of dead owners); before r53 an Event's or Stream's handle
-stayed alive in the runtime until its teardown.  accel._finalize now registers
+caching allocator frees the blocks of dead owners); before r53 an Event's, Stream's or
+Module's handle stayed alive in the runtime until its teardown.  accel._finalize now registers
 each such handle (``owned``) and releases it at the next drain point once its owner is freed.
 
 The interrupt is made to land exactly there: the signal is raised while blocked, then
@@ -334,6 +334,70 @@ def test_the_registry_holds_only_live_objects(monkeypatch, kind):
         assert not _finalize.owned and not _finalize.pending
     settle()
     assert live() == base
+
+
+# -- kernel modules (accel.Module): the same hole, the same registry ----------------------------
+def _modules() -> int:
+    from accel import sim
+    kind = accel.current_accelerator().type
+    if kind == "cuda":
+        return sim.state().modules
+    if kind == "xpu":
+        return sim.state().ze_live_modules
+    from accel.sim import metal
+    return metal.state().live_counts().get("MTLLibrary", 0)
+
+
+def _module_on(dev: int) -> accel.Module:
+    from test_user_kernels import SAXPY_MSL, SAXPY_PTX, spirv_module
+    kind = accel.current_accelerator().type
+    image = {"cuda": SAXPY_PTX, "mps": SAXPY_MSL, "xpu": spirv_module("saxpy") if kind == "xpu" else None}[kind]
+    return accel.Module(image, device=dev)
+
+
+@pytest.mark.parametrize("kind", SIMS)
+@pytest.mark.parametrize("how", ["del", "collected"])
+def test_a_ctrl_c_as_a_modules_del_starts_leaves_it_loaded_only_until_the_next_api_entry(monkeypatch, kind, how):
+    use_sim(monkeypatch, kind)
+
+    class Cycle:
+        pass
+
+    for dev in _devices(kind):
+        settle()
+        base = _modules()
+        box = [_module_on(dev)]
+        assert _modules() == base + 1
+        with _Interrupt(monkeypatch) as run:
+            if how == "del":
+                run(box.clear)
+            else:
+                holder = Cycle()
+                holder.obj, holder.me = box.pop(), holder
+                del holder
+                run(gc.collect)
+        assert run.ignored == [(KeyboardInterrupt, "Module.__del__")], run.ignored
+        assert _modules() == base + 1
+        accel.synchronize(dev)                  # the next entry of the API
+        assert _modules() == base, f"device {dev}: a module stayed loaded"
+    settle()
+    assert not _finalize.owned
+
+
+@pytest.mark.parametrize("kind", SIMS)
+def test_a_closed_or_dropped_module_leaves_no_registration(monkeypatch, kind):
+    use_sim(monkeypatch, kind)
+    settle()
+    base = _modules()
+    dev = _devices(kind)[-1]
+    mods = [_module_on(dev) for _ in range(3)]
+    mods[0].close()
+    mods[0].close()
+    del mods[:2]
+    assert len(_finalize.owned) == 1
+    mods.clear()
+    assert not _finalize.owned and not _finalize.pending
+    assert _modules() == base
 
 
 # -- an interrupt at every point of a release: never a handle destroyed twice -------------------

@@ -120,10 +120,14 @@ class UnknownKernelError(KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-def _unload(backend, index: int, handle: int) -> None:
+def _unload(backend, index: int, handle: int, key: int = 0) -> None:
+    """Unload module ``handle``, registered under ``key`` (accel._finalize.own; 0: the registry's
+    own call): nothing when another path took it."""
     from ..streams import on_device
+    if key and key not in _fin.owned:
+        return
     with on_device(backend, index):
-        backend.module_unload(handle)
+        _fin.destroy_owned(key, backend.module_unload, handle)
 
 
 @_refuse_copies("share the Module object itself, or load the image again with accel.Module(image)")
@@ -159,9 +163,12 @@ class Module:
         self._backend, self._index, self._lock = backend, index, threading.Lock()
         self._kernels = weakref.WeakValueDictionary()   # (name, params) -> Kernel: no cycle with them
         self._handle = None
+        self._own = None
         self._pid = _fin.pid
         with on_device(backend, index):
             self._handle = backend.module_load(data)
+            # the unload, registered for an interrupted __del__ (accel._finalize, r53)
+            self._own = _fin.own(_unload, backend, index, self._handle)
         self.language = language
 
     @property
@@ -245,11 +252,16 @@ class Module:
         with self._lock:
             h, self._handle = self._handle, None
         if h is not None:
+            own = self._own
             try:
-                _fin.release(_unload, self._backend, self._index, h)
+                _fin.release(_unload, self._backend, self._index, h, own[0] if own is not None else 0)
             except BaseException:
-                with self._lock:    # the unload failed: still loaded, as before; close() may be tried again
-                    self._handle = h
+                if _fin.registered(own):
+                    # the unload never reached the runtime, or failed there: still loaded, as
+                    # before; close() may be tried again (after an interrupt as it returned, the
+                    # handle may be another module's already: closed it stays)
+                    with self._lock:
+                        self._handle = h
                 raise
 
     def __del__(self, _finalizing=sys.is_finalizing):
@@ -258,8 +270,10 @@ class Module:
         h = getattr(self, "_handle", None)
         if h is None or getattr(self, "_pid", None) != _fin.pid:
             return
+        # (a Ctrl-C as this __del__ starts leaves the unload to the registry: accel._finalize)
         self._handle = None
-        _fin.finalize(_unload, self._backend, self._index, h)
+        own = self._own
+        _fin.finalize(_unload, self._backend, self._index, h, own[0] if own is not None else 0)
 
     def __enter__(self) -> "Module":
         return self
