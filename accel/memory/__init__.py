@@ -27,7 +27,7 @@ import threading
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Tuple
 
-from .. import _lazy, backends, streams
+from .. import _finalize, _lazy, backends, streams
 from ..streams import on_device
 from . import _async, _caching, _config, _snapfmt
 from ._caching import DeviceCachingAllocator
@@ -331,15 +331,22 @@ def empty_cache() -> None:
     """Return unused cached device memory of every device to the runtime.
 
     No-op before initialization.  ``accel.CaptureError`` while a graph capture
-    allocates from a private pool."""
+    allocates from a private pool.  An entry of the API (accel._finalize): releases deferred
+    by a collection (an Event, a Stream, a Buffer freed in it) are done first, also while no
+    allocator exists yet."""
     if not _lazy.is_initialized():
         return
+    if _finalize.pending:
+        _finalize.drain()
     for alloc in list(_allocators.values()):
         alloc.empty_cache()
 
 
 def empty_host_cache() -> None:
-    """Unpin cached pinned host memory whose work has completed."""
+    """Unpin cached pinned host memory whose work has completed.  Releases deferred by a
+    collection are done first (see :func:`empty_cache`)."""
+    if _finalize.pending:
+        _finalize.drain()
     if _host is not None:
         _host.empty_cache()
 

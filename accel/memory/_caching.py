@@ -186,13 +186,55 @@ def _forget_captures() -> None:
 
 class _Gate:
     """A use of a block by a stream that was destroyed since: the event recorded on it
-    just before the destroy (the handle may already name another stream)."""
+    just before the destroy (the handle may already name another stream).  ``held``: made by
+    :func:`cover` with the forget's gates, its event still in the owner's cache of events until
+    the step that publishes the gate takes it out (see :func:`_recorded`)."""
 
-    __slots__ = ("event", "device")
+    __slots__ = ("event", "device", "held")
 
-    def __init__(self, event, device):
+    def __init__(self, event, device, held=False):
         self.event = event
         self.device = device
+        self.held = held
+
+
+def _recorded(owner, stream: int, device: int, k: int = 0) -> int:
+    """An event of ``device`` recorded on ``stream``, which stays in ``owner._event_cache[device]``
+    (a cached one, or one made and put there first), ``k`` places below the top: the caller's
+    ``k`` events of that device recorded before hold the top places.  The caller takes the top
+    ``k + 1`` out of the cache (``del cache[-n:]``) in the same step (no call in between) as it
+    publishes them elsewhere (``_pending_events``, a block's uses), so a KeyboardInterrupt leaves
+    each event in exactly one place the allocator knows: none is lost, none is in two.  (Until
+    r54 the event was popped first, and an interrupt before it was published, e.g. as
+    ``on_device.__exit__`` or ``_Gate.__init__`` started, lost it: one live event in the runtime
+    each such interrupt, until its teardown.)  A cached event may have been recorded already
+    (left by an interrupted forget or a failed record): recording it again is what reuse does.
+
+    ``owner`` is a device or host caching allocator (its ``_be`` and ``_event_cache``), its lock
+    held; nothing else changes the cache meanwhile."""
+    cache = owner._event_cache.get(device)
+    if cache is None:
+        cache = owner._event_cache[device] = []
+    be = owner._be
+    with on_device(be, device):
+        if len(cache) <= k:
+            # the new event goes in before it is recorded (no call between its creation
+            # returning and the insert); the reserved ones stay on top
+            cache.insert(0, be.event_create())
+        event = cache[-1 - k]
+        be.event_record(event, stream)
+    return event
+
+
+def _taken(owner, gates: list) -> list:
+    """Steps (for _locks.publish) that take the events of the held ``gates`` out of ``owner``'s
+    cache (the top places of each device's list, see :func:`_recorded`)."""
+    counts = {}
+    for gate in gates:
+        if gate is not None and gate.held:
+            counts[gate.device] = counts.get(gate.device, 0) + 1
+    return [partial(operator.delitem, owner._event_cache[device], slice(-n, None))
+            for device, n in counts.items()]
 
 
 def add_use(owner, block, stream: int, device: int) -> None:
@@ -227,11 +269,12 @@ def record_uses(owner, block, pending: list) -> bool:
     propagates.
 
     Interrupt safety: each use leaves ``block.uses`` in the same step (no call in between)
-    as its event joins ``pending``, so a KeyboardInterrupt leaves every use either still to
-    record or waited for, and a retry records only the rest.  (An interrupt as an event is
-    recorded may lose that one event object.)"""
+    as its event leaves the cache (see :func:`_recorded`) and joins ``pending``, so a
+    KeyboardInterrupt leaves every use either still to record or waited for, every event
+    either cached or pending, and a retry records only the rest."""
     error = None
     for use in list(block.uses or ()):
+        cache = None
         if type(use) is _Gate:
             entry = (use.event, use.device, block)
             stream = None
@@ -239,7 +282,8 @@ def record_uses(owner, block, pending: list) -> bool:
             stream, device = use
             entry = None
             try:
-                entry = (owner._record(stream, device), device, block)
+                entry = (_recorded(owner, stream, device), device, block)
+                cache = owner._event_cache[device]
             except Exception:
                 try:
                     with on_device(owner._be, device):
@@ -253,6 +297,8 @@ def record_uses(owner, block, pending: list) -> bool:
         block.uses = rest or None
         if entry is not None:
             block.events += 1
+            if cache is not None:
+                del cache[-1]
             pending.append(entry)
         if users is not None:
             users.discard(block)
@@ -262,12 +308,25 @@ def record_uses(owner, block, pending: list) -> bool:
         raise error
 
 
-def cover(owner, stream: int, device: int) -> Optional[_Gate]:
+def cover(owner, stream: int, device: int, gates: Optional[list] = None) -> Optional[_Gate]:
     """An event of ``device`` recorded on ``stream`` now, or None when it could not be recorded
     but the stream was synchronized instead (its work is done).  ``owner`` is a device or host
-    caching allocator (its ``_record`` and ``_be``), its lock held."""
+    caching allocator (its ``_be`` and ``_event_cache``), its lock held.
+
+    ``gates``: the gates this forget made so far.  Given, the event stays in the cache (held,
+    see :func:`_recorded`) until the forget's publish takes it out (:func:`uses_forgotten`,
+    :func:`_taken`), so a KeyboardInterrupt anywhere before leaves it cached.  Without, it is
+    taken out now and an interrupt before the caller keeps the gate loses that event."""
     try:
-        return _Gate(owner._record(stream, device), device)
+        if gates is None:
+            event = _recorded(owner, stream, device)
+            del owner._event_cache[device][-1]
+            return _Gate(event, device)
+        k = 0
+        for gate in gates:
+            if gate is not None and gate.held and gate.device == device:
+                k += 1
+        return _Gate(_recorded(owner, stream, device, k), device, True)
     except Exception:
         if capture_underway(owner._be):
             raise       # synchronizing would invalidate the capture
@@ -278,17 +337,18 @@ def cover(owner, stream: int, device: int) -> Optional[_Gate]:
 
 def gates_back(owner, gates: list) -> None:
     """The events of ``gates`` (from :func:`cover`; None for none) go back to ``owner``'s cache:
-    the forget they were recorded for did not happen."""
+    the forget they were recorded for did not happen.  (A held gate's event never left it.)"""
     for gate in gates:
-        if gate is not None:
+        if gate is not None and not gate.held:
             owner._event_cache.setdefault(gate.device, []).append(gate.event)
 
 
 def uses_forgotten(owner, stream: int, covers: list, gates: list) -> list:
     """Steps (for _locks.publish) that forget ``stream``'s uses: each use in ``covers``
     ((block, use) pairs) is replaced by its gate (``gates``, in the same order; None: the stream
-    was synchronized, nothing to wait for), and ``owner._used_on`` forgets the stream.
-    ``owner`` is a device or host caching allocator, its lock held."""
+    was synchronized, nothing to wait for), the held gates' events leave the cache, and
+    ``owner._used_on`` forgets the stream.  ``owner`` is a device or host caching allocator, its
+    lock held."""
     uses = {}
     for (block, use), gate in zip(covers, gates):
         rest = uses.get(block)
@@ -298,6 +358,7 @@ def uses_forgotten(owner, stream: int, covers: list, gates: list) -> list:
         if gate is not None:
             rest.add(gate)
     steps = [partial(setattr, block, "uses", rest or None) for block, rest in uses.items()]
+    steps += _taken(owner, gates)
     steps.append(partial(setattr, owner, "_used_on", _without(owner._used_on, stream)))
     return steps
 
@@ -513,7 +574,9 @@ class DeviceCachingAllocator:
         self._pending_events: List[tuple] = []       # (event, device, _Block or _Retired)
         self._deferred: List[_Block] = []            # freed during capture, events not yet recorded
         self._used_on: Dict[int, set] = {}           # stream -> blocks whose uses name it
-        self._event_cache: Dict[int, List[int]] = {}  # device -> completed events for reuse
+        # device -> events for reuse (completed; or recorded by a forget or free that an
+        # interrupt or an error stopped: recording again is reuse); see _recorded
+        self._event_cache: Dict[int, List[int]] = {}
         self._default_stream: Optional[int] = None
         # history (record_history): records (action, addr, size, stream, time_us, stack, metadata), see
         # _snapfmt.trace_entry; _ctx is the torch RecordContext level (_snapfmt.CTX_*)
@@ -1050,8 +1113,9 @@ class DeviceCachingAllocator:
         # work, everything stays keyed by the (still live) stream, the events recorded so far
         # go back to the cache, and the error propagates.
         # Interrupt safety: what changes is computed, then published in one step
-        # (_locks.publish), so a KeyboardInterrupt leaves the stream wholly known (its events back
-        # in the cache; Stream.close() tries again) or wholly forgotten.
+        # (_locks.publish), so a KeyboardInterrupt leaves the stream wholly known (its events in
+        # the cache: they leave it in the publish, see _recorded; Stream.close() tries again) or
+        # wholly forgotten.
         owners = [(None, self._general)] + [(pool, pool.lists) for pool in self._private.values()]
         retire = [(owner, lists[stream]) for owner, lists in owners
                   if stream in lists and (lists[stream][0].segments or lists[stream][1].segments)]
@@ -1063,9 +1127,9 @@ class DeviceCachingAllocator:
         try:
             try:
                 if retire:
-                    gates.append(cover(self, stream, device))
+                    gates.append(cover(self, stream, device, gates))
                 for _, use in covers:
-                    gates.append(cover(self, stream, use[1]))
+                    gates.append(cover(self, stream, use[1], gates))
                 steps = []
                 if retire:
                     retired = _Retired(retire)
@@ -1077,6 +1141,7 @@ class DeviceCachingAllocator:
                     else:
                         steps.append(partial(setattr, self, "_pending_events",
                                              self._pending_events + [(gate.event, device, retired)]))
+                        steps += _taken(self, [gate])
                         steps.append(partial(setattr, self, "_special", True))
                 steps += uses_forgotten(self, stream, covers, gates[1:] if retire else gates)
                 steps.append(partial(setattr, self, "_general", _without(self._general, stream)))
@@ -1091,19 +1156,6 @@ class DeviceCachingAllocator:
                 raise
         finally:
             self._update_special()
-
-    def _record(self, stream: int, device: int) -> int:
-        """A (cached or new) event of ``device``, recorded on ``stream``."""
-        cache = self._event_cache.get(device)
-        be = self._be
-        with on_device(be, device):
-            event = cache.pop() if cache else be.event_create()
-            try:
-                be.event_record(event, stream)
-            except BaseException:
-                self._event_cache.setdefault(device, []).append(event)
-                raise
-        return event
 
     def begin_allocate_to_pool(self, pool_id: Tuple[int, int], stream: Optional[int] = None, *,
                                thread: Optional[int] = None) -> None:
@@ -1263,8 +1315,11 @@ class DeviceCachingAllocator:
                 with on_device(self._be, device):
                     while events:
                         # taken out first: a KeyboardInterrupt as the destroy returns must not
-                        # leave a destroyed event cached (cudaErrorInvalidResourceHandle later)
-                        event = events.pop()
+                        # leave a destroyed event cached (cudaErrorInvalidResourceHandle later).
+                        # No call between (a pop() is one): only an interrupt exactly as the
+                        # destroy starts may lose the event, as a free's start its memory.
+                        event = events[-1]
+                        del events[-1]
                         try:
                             self._be.event_destroy(event)
                         except Exception:
@@ -1410,12 +1465,12 @@ class DeviceCachingAllocator:
 
     # ------------------------------------------------------------------ hot-path helpers
     def _free_block(self, block: _Block, dec: int, completing: bool = False,
-                    events: Optional[list] = None) -> None:
+                    events: Optional[list] = None, cache: Optional[list] = None) -> None:
         """Merge a block that is no longer in use with free neighbours and cache it;
         ``dec`` is the packed allocation counters still to subtract (0 if done).
         ``completing``: a pending block, which leaves ``_pending`` (and ``_deferred``) and the
         pending counts in the same step, and the last entry of ``events`` (its last event)
-        with it.
+        with it, that event joining ``cache`` (the cache of completed events of its device).
 
         Interrupt safety (Ctrl-C): everything is computed first, then published with plain
         stores and the one state-changing call (insort) last, as in malloc."""
@@ -1539,6 +1594,8 @@ class DeviceCachingAllocator:
         else:
             cur = self._s_cur - dec
         if completing:
+            if events is not None:
+                last = (events[-1][0],)
             p = fl.kind
             pend = list(self._pend)
             pend[0] -= 1
@@ -1554,6 +1611,7 @@ class DeviceCachingAllocator:
             block.events = 0
             if events is not None:
                 del events[-1]
+                cache += last       # a list's in-place concatenation: no call
         # publish (no call until the insort)
         block.state = _FREE
         block.ref = None
@@ -2727,12 +2785,13 @@ class DeviceCachingAllocator:
         elif not item.uses:         # else a use still waits in _deferred for its event
             self._complete(item)
 
-    def _rehome(self, retired: _Retired, events: Optional[list] = None) -> None:
+    def _rehome(self, retired: _Retired, events: Optional[list] = None, cache: Optional[list] = None) -> None:
         """The destroyed stream's work completed: its segments join the default stream's lists.
         ``events``: a list whose last entry is the retired lists' event, taken out in the same
-        step.  Computed first, published in one step (_locks.publish): a KeyboardInterrupt
-        leaves every segment in the destroyed stream's lists (still waiting for the event) or
-        every one moved.  Then, each a step of its own that a later call also makes: the
+        step, the event joining ``cache`` (the cache of completed events of its device).
+        Computed first, published in one step (_locks.publish): a KeyboardInterrupt leaves every
+        segment in the destroyed stream's lists (still waiting for the event) or every one
+        moved.  Then, each a step of its own that a later call also makes: the
         reservations left with nothing mapped are freed, a released pool's whole segments go
         to the general cache."""
         default = self._get_default_stream()
@@ -2772,6 +2831,7 @@ class DeviceCachingAllocator:
                 released.append((owner, targets))
         if events is not None:
             steps.append(partial(operator.delitem, events, -1))
+            steps.append(partial(cache.append, events[-1][0]))
         steps.append(partial(setattr, retired, "events", 0))
         _locks.publish(steps)
         if dead and not capture_underway(self._be):
@@ -2786,13 +2846,14 @@ class DeviceCachingAllocator:
                         self._move_to_general(block)
             self._forget_private_if_empty(owner)
 
-    def _complete(self, block: _Block, events: Optional[list] = None) -> None:
+    def _complete(self, block: _Block, events: Optional[list] = None, cache: Optional[list] = None) -> None:
         """A pending block's work is done: cache it.  ``events``: a list whose last entry is
-        the block's last event, taken out as the block is freed (see _free_block)."""
+        the block's last event, taken out as the block is freed, the event joining ``cache``
+        (see _free_block)."""
         if self._history is not None:
             self._trace("free_completed", block.ptr, block.requested, block.pool.stream, block.frames)
         block.frames = None
-        self._free_block(block, block.pool.lanes(block.requested << 128), True, events)
+        self._free_block(block, block.pool.lanes(block.requested << 128), True, events, cache)
         self._update_special()
 
     def _resume_events(self) -> None:
@@ -2824,23 +2885,26 @@ class DeviceCachingAllocator:
 
     def _event_done(self, events: list) -> None:
         """The last entry of ``events`` (event, device, block or _Retired) completed: take it
-        out, count it, cache the event.  With no call between taking it out and the count (the
-        last event of a block frees it in the same step, in _free_block), so a KeyboardInterrupt
-        never leaves a block waiting for nothing; it may lose the event object itself."""
+        out, count it, cache the event.  With no call between taking it out, the count and the
+        event's return to the cache (the last event of a block frees it in the same step, in
+        _free_block; a destroyed stream's moves its lists, in _rehome), so a KeyboardInterrupt
+        never leaves a block waiting for nothing, nor loses the event (until r54 the event was
+        cached last, after _rehome's or _complete's further calls: an interrupt in those lost
+        it, one live event in the runtime each)."""
         event, device, item = events[-1]
         cache = self._event_cache.get(device)
         if cache is None:
             cache = self._event_cache[device] = []
         if type(item) is _Retired:
-            self._rehome(item, events)      # (one event each)
+            self._rehome(item, events, cache)      # (one event each)
         elif item.events == 1 and not item.uses:
-            self._complete(item, events)
+            self._complete(item, events, cache)
         else:
             del events[-1]
             item.events -= 1
+            cache += (event,)       # a list's in-place concatenation: no call
             if item.events == 0:
                 self._done(item)
-        cache.append(event)
 
     def _synchronize_and_free_events(self) -> None:
         """Wait for every pending block's events and free the blocks (torch's
