@@ -278,11 +278,6 @@ def test_pinned_free_with_uses_interrupted_anywhere_loses_no_event(monkeypatch, 
     assert not failures, _report(failures)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "accel/memory/_host.py HostCachingAllocator._forget_stream calls cover(self, stream, use[1]) "
-    "without its gates: the event leaves the cache before the gate is kept, and an interrupt as "
-    "_Gate.__init__ starts loses it; passing them, cover(self, stream, use[1], gates), fixes it "
-    "(measured: 0 failures with that change monkeypatched in)"))
 @pytest.mark.parametrize("kind", KINDS)
 def test_pinned_blocks_stream_destroyed_with_an_interrupt_anywhere_loses_no_event(monkeypatch, kind):
     """The pinned allocator's forget_stream covers each use of a live pinned block by the

@@ -477,7 +477,10 @@ def test_sim_finalized_stream_waits_while_the_allocator_is_busy(sim_cuda):
     with alloc._lock:                             # as if the finalizer ran inside malloc
         del s
         gc.collect()
-        assert len(_finalize.pending) == 1, "the destroy waits: the handle must stay valid"
+        # (the registry's weak reference of the freed stream may be queued beside it: r53's
+        # reclaim, which finds the entry taken by this destroy and does nothing)
+        waiting = [item for item in _finalize.pending if type(item) is not _finalize._Owned]
+        assert len(waiting) == 1, "the destroy waits: the handle must stay valid"
     accel.Stream(0).close()                       # finishes it
     assert not _finalize.pending
     assert len(alloc._general) <= 1

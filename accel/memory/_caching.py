@@ -259,7 +259,7 @@ def record_uses(owner, block, pending: list) -> bool:
     """Record an event on every stream that used the freed ``block`` (``block.uses``) and
     queue ``(event, device, block)`` on ``pending``.  When it returns every use is covered:
     the caller then completes the block if ``block.events`` is 0, else takes it out of
-    ``owner._deferred``.  ``owner`` is a device or host caching allocator (its ``_record``,
+    ``owner._deferred``.  ``owner`` is a device or host caching allocator (its ``_event_cache``,
     ``_be``, ``_used_on`` and ``_deferred``); the caller put ``block`` in ``owner._deferred``
     first, where it waits while its uses are recorded.
 
@@ -308,20 +308,17 @@ def record_uses(owner, block, pending: list) -> bool:
         raise error
 
 
-def cover(owner, stream: int, device: int, gates: Optional[list] = None) -> Optional[_Gate]:
+def cover(owner, stream: int, device: int, gates: list) -> Optional[_Gate]:
     """An event of ``device`` recorded on ``stream`` now, or None when it could not be recorded
     but the stream was synchronized instead (its work is done).  ``owner`` is a device or host
     caching allocator (its ``_be`` and ``_event_cache``), its lock held.
 
-    ``gates``: the gates this forget made so far.  Given, the event stays in the cache (held,
-    see :func:`_recorded`) until the forget's publish takes it out (:func:`uses_forgotten`,
-    :func:`_taken`), so a KeyboardInterrupt anywhere before leaves it cached.  Without, it is
-    taken out now and an interrupt before the caller keeps the gate loses that event."""
+    ``gates``: the gates this forget made so far.  The event stays in the cache (held, see
+    :func:`_recorded`) until the forget's publish takes it out (:func:`uses_forgotten`,
+    :func:`_taken`), so a KeyboardInterrupt anywhere before leaves it cached.  (Taken out at
+    once, as the pinned allocator's forget did until r54, an interrupt before the caller kept
+    the gate lost that event.)"""
     try:
-        if gates is None:
-            event = _recorded(owner, stream, device)
-            del owner._event_cache[device][-1]
-            return _Gate(event, device)
         k = 0
         for gate in gates:
             if gate is not None and gate.held and gate.device == device:

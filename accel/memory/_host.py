@@ -345,7 +345,7 @@ class HostCachingAllocator:
         done = []
         try:
             for _, use in covers:
-                gates.append(cover(self, stream, use[1]))
+                gates.append(cover(self, stream, use[1], gates))
             _locks.publish(uses_forgotten(self, stream, covers, gates) + [partial(done.append, True)])
         except BaseException:
             if not done:
@@ -386,19 +386,6 @@ class HostCachingAllocator:
             out["pending"] = len({id(b) for _, _, b in self._events} | {id(b) for b in self._deferred}
                                  | {id(b) for b in self._parked})
             return out
-
-    def _record(self, stream: int, device: int) -> int:
-        """A (cached or new) event of ``device``, recorded on ``stream``."""
-        be = self._be
-        cache = self._event_cache.get(device)
-        with on_device(be, device):
-            event = cache.pop() if cache else be.event_create()
-            try:
-                be.event_record(event, stream)
-            except BaseException:
-                self._event_cache.setdefault(device, []).append(event)
-                raise
-        return event
 
     def _insert_events(self, block: _HostBlock) -> None:
         """Record an event on every stream that used ``block``, which waits in ``_deferred``
