@@ -20,6 +20,16 @@ How the pieces fit (as ``aten/src/ATen/cuda/CUDAGraph.cpp``):
   (:func:`accel.empty_pinned`) is captured, as torch's: every replay copies again, so the
   graph holds the pinned block (not reused, even after its array is gone) until the graph
   is released and its queued replays ran.  Pageable memory is refused.
+* **An interrupted ``__del__`` (r54).**  What a graph must release (its executable and graph
+  handles, its pool, its own allocations, its pinned blocks, its generator registrations, a
+  capture underway and its stream) lives in a holder (:class:`_Held`) registered in
+  ``accel._finalize.owned`` once the graph first holds something, with a token only the graph
+  holds.  Every release (reset(), ``__del__``, the registry's) takes each thing out of the holder
+  just before releasing it, so none is released twice; a Ctrl-C as ``__del__`` starts (CPython
+  raises it at the first instruction, prints and ignores it) leaves the rest in the holder, and
+  the next entry of the API after the graph is freed releases it.  In a collection ``__del__``
+  leaves it all to the registry: a graph another finalizer resurrects keeps its handles (its
+  replays work) until it is freed for good.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import os
 import sys
 import threading
 import warnings
+import weakref
 from typing import Optional, Tuple
 
 from . import _finalize as _fin
@@ -93,6 +104,35 @@ def _check_mode(mode: str) -> str:
     return mode
 
 
+class _Held:
+    """What a :class:`Graph` holds that must be released (r54): the registry entry's argument
+    (``accel._finalize.own``), so that a graph freed without its release having run (a Ctrl-C as
+    its ``__del__`` started) is released at the next drain.  The graph keeps its state here and
+    every release takes each field (a plain store of None) just before its release call: a
+    thing is released once, by whichever path took it."""
+
+    __slots__ = ("backend", "index", "exec", "graph", "pool", "rng", "allocs", "host", "events", "stream",
+                 "capture_id")
+
+    def __init__(self):
+        self.backend = None
+        self.index = None         # device of the capture
+        self.exec = None          # instantiated executable graph
+        self.graph = None         # backend graph handle, kept when keep_graph
+        self.pool = None          # pool id actually used
+        self.rng = None           # graph-safe RNG state from accel.random during capture/replay
+        self.allocs = None        # the allocator's token for the graph's own allocations (cudaMallocAsync)
+        self.host = None          # the pinned blocks its captured host copies use (memory._host.CaptureHold)
+        self.events = ()          # external events of its event nodes and modules of its kernels, kept for replays
+        self.stream = None        # capturing Stream while capturing
+        self.capture_id = None    # the backend's id of the capture underway
+
+
+def _holder_field(name: str) -> property:
+    """The read-only ``Graph._<name>`` of its holder's field (a C getter: no interrupt point)."""
+    return property(operator.attrgetter("_h." + name), doc=f"the holder's {name} (see _Held)")
+
+
 @_refuse_copies("capture another Graph (sharing this one's pool: Graph(pool=g.pool()))")
 class Graph:
     """A captured sequence of device work that can be replayed.
@@ -108,26 +148,32 @@ class Graph:
         self.keep_graph = bool(keep_graph)
         self.graph_pool = _check_pool(pool) if pool is not None else None
         self.capture_error_mode = _check_mode(capture_error_mode)
-        self._backend = None
-        self._graph = None        # backend graph handle, kept when keep_graph
-        self._exec = None         # instantiated executable graph
-        self._pool = None         # pool id actually used
-        self._index = None        # device of the capture
-        self._stream = None       # capturing Stream while capturing
+        self._h = _Held()         # what it holds (handles, pool, registrations, capture: see _Held)
+        self._own = None          # (key, token) of the holder's registration (accel._finalize.own)
         self._debug = False
-        self._rng = None          # graph-safe RNG state from accel.random during capture/replay
-        self._capture_id = None   # the backend's id of the capture underway
-        self._events = ()         # external events of its event nodes and modules of its kernels, kept for replays
-        self._allocs = None       # the allocator's token for the graph's own allocations (cudaMallocAsync)
         self._finish = None       # what an ended capture still owes (see _finish_end)
-        self._host = None         # the pinned blocks its captured host copies use (memory._host.CaptureHold)
         self._pid = _fin.pid      # the process the graph's handles belong to
 
+    # the holder's fields, read-only (the graph's code stores into self._h)
+    _backend, _index, _exec, _graph, _pool, _rng, _allocs, _host, _events, _stream, _capture_id = map(
+        _holder_field, _Held.__slots__)
+
+    def _register(self, backend) -> "_Held":
+        """Register the holder's release with ``backend`` (once: the entry stays while the graph
+        lives, emptied by reset(); again after a reset runtime dropped the registry)."""
+        h = self._h
+        own = self._own
+        if own is None or own[0] not in _fin.owned:
+            h.backend = backend
+            self._own = _fin.own(_reclaim, backend, h)
+        return h
+
     def __repr__(self) -> str:
-        if self._stream is not None:
-            state = f"capturing device={self._index}"
-        elif self._exec is not None or self._graph is not None:
-            state = f"captured device={self._index} pool={self._pool}"
+        h = self._h
+        if h.stream is not None:
+            state = f"capturing device={h.index}"
+        elif h.exec is not None or h.graph is not None:
+            state = f"captured device={h.index} pool={h.pool}"
         else:
             state = "empty"
         return f"<accel.Graph {state}>"
@@ -170,20 +216,22 @@ class Graph:
         backend = _lazy.lazy_init()
         if not backend.supports_graphs:
             raise NotImplementedError(backend.no_capture_reason)
-        if self._stream is not None:
+        h = self._h
+        if h.stream is not None:
             raise RuntimeError("Cannot register the state during capturing stage: this graph is being captured; "
                                "register generator states before capture_begin")
-        if self._graph is not None or self._exec is not None:
+        if h.graph is not None or h.exec is not None:
             raise RuntimeError("register_generator_state: this graph already holds a capture, which draws "
                                "nothing from a state registered now; call reset(), register the states, and "
                                "capture again")
-        self._rng = random._graph_register(self._rng, generator)
-        self._backend = backend     # (reset() and the finalizer release the registration)
+        self._register(backend)     # first: reset() and the finalizers release the registration
+        h.rng = random._graph_register(h.rng, generator)
 
     def _check_unused(self) -> None:
-        if self._stream is not None:
+        h = self._h
+        if h.stream is not None:
             raise RuntimeError("capture_begin called twice: this graph is already capturing")
-        if self._graph is not None or self._exec is not None:
+        if h.graph is not None or h.exec is not None:
             raise RuntimeError("this graph already holds a capture; call reset() before capturing again")
 
     def _refuse_before_sync(self, index: Optional[int]) -> None:
@@ -210,17 +258,18 @@ class Graph:
         from . import memory, random
         _check_device_free(stream.device_index)
         allocator = memory.device_allocator(stream.device_index)
+        h = self._register(backend)     # before the graph holds anything
         # The generator's seed/offset holders come from the general cache (torch registers
         # the graph with its generator before routing allocations to the graph's pool).
         # (The states registered with register_generator_state join it; on an error before
         # the capture began they stay registered, for the next capture_begin.)
-        self._rng = random._graph_capture_begin(stream.device_index, self._rng)
+        h.rng = random._graph_capture_begin(stream.device_index, h.rng)
         try:
             # backend:cudaMallocAsync returns a token: its replays allocate the graph's own
             # allocations again, and its release frees them (None from the caching allocator)
             allocs = allocator.begin_allocate_to_pool(pool, stream._handle)
         except BaseException:
-            self._rng = random._graph_capture_abort(self._rng)
+            h.rng = random._graph_capture_abort(h.rng)
             raise
         capture_id = None
         try:
@@ -242,14 +291,15 @@ class Graph:
             if capture_id is not None:
                 _capture_events[capture_id] = {}   # external events recorded in the capture (accel.streams)
             # published with plain stores: the graph holds the capture from here on
-            self._capture_id = capture_id
-            self._backend, self._index, self._stream, self._pool = backend, stream.device_index, stream, pool
-            self._allocs = allocs
+            index = stream.device_index
+            h.capture_id = capture_id
+            h.backend, h.index, h.stream, h.pool = backend, index, stream, pool
+            h.allocs = allocs
         except BaseException:
             # Refused, or a KeyboardInterrupt (Ctrl-C) before the graph held the capture: a capture
             # the backend began is ended and discarded, so none is left underway that no one ends.
             try:
-                if self._stream is None and _still_capturing(backend, stream):
+                if h.stream is None and _still_capturing(backend, stream):
                     _discard_capture(backend, stream)
             finally:
                 if capture_id is not None:
@@ -258,7 +308,7 @@ class Graph:
                 allocator.release_pool(pool)
                 if allocs is not None:
                     allocs.release()
-                self._rng = random._graph_capture_abort(self._rng)
+                h.rng = random._graph_capture_abort(h.rng)
             raise
 
     def capture_end(self) -> None:
@@ -271,22 +321,23 @@ class Graph:
 
     def _capture_end(self, warn_empty: bool) -> None:
         self._check_process()
-        stream = self._stream
+        h = self._h
+        stream = h.stream
         if stream is None:
             raise RuntimeError("capture_end called without a matching capture_begin")
         if current_stream(stream.device_index) != stream:
             raise RuntimeError("Capture must end on the same stream it began on.")
         from . import memory, random
-        allocator = memory.device_allocator(self._index)
-        capture_id = self._capture_id
+        allocator = memory.device_allocator(h.index)
+        capture_id = h.capture_id
         # Interrupt safety (Ctrl-C): the graph forgets the capture only once the backend ended it,
         # and the bookkeeping after that (the pool's routing, the generator) runs in `finally`
         # clauses, so a KeyboardInterrupt leaves the capture either held by the graph (still
         # underway: ending it again works) or ended with nothing of it left behind.
         try:
-            graph_handle = self._backend.capture_end(stream.handle)
+            graph_handle = h.backend.capture_end(stream.handle)
         except BaseException as exc:
-            if _still_capturing(self._backend, stream):
+            if _still_capturing(h.backend, stream):
                 # Not ended (CUDA: cudaErrorStreamCaptureWrongThread, ending a global or
                 # thread_local capture on another thread; or an interrupt before the call): the
                 # capture goes on, so the graph keeps it, for the thread that began it to end.
@@ -294,39 +345,39 @@ class Graph:
                     exc.add_note("(the capture is still underway: call capture_end() on the thread that "
                                  "began it, or capture with capture_error_mode='relaxed' to end it on another)")
                 raise
-            self._stream = None
-            self._capture_id = None
+            h.stream = None
+            h.capture_id = None
             events = _capture_events.pop(capture_id, None) or {}
             try:
-                allocator.end_allocate_to_pool(self._pool)
-                allocator.release_pool(self._pool)
-                if self._allocs is not None:
-                    allocs, self._allocs = self._allocs, None
+                allocator.end_allocate_to_pool(h.pool)
+                allocator.release_pool(h.pool)
+                if h.allocs is not None:
+                    allocs, h.allocs = h.allocs, None
                     allocs.release()
                 host = events.pop("host", None)
                 if host is not None:
                     host.release()
             finally:
-                self._rng = random._graph_capture_abort(self._rng)
-                self._pool = None
+                h.rng = random._graph_capture_abort(h.rng)
+                h.pool = None
             raise
         # published with plain stores: the capture is the graph's no more, and what ending it
         # still owes (the pool's routing, the generator) is owed until _finish_end ran whole
-        self._finish = (allocator, self._pool, self._rng)
+        self._finish = (allocator, h.pool, h.rng)
         _unfinished[self] = None
-        self._stream = None
-        self._capture_id = None
+        h.stream = None
+        h.graph = graph_handle      # (with the stores above: the holder has it from here on)
+        h.capture_id = None
         events = host = None
         try:
             events = _capture_events.pop(capture_id, None) or {}
             host = events.pop("host", None)      # see buffer._capture_hold
         finally:
             self._finish_end()
-        self._graph = graph_handle
-        self._host = host
-        self._events = tuple(events.values())
-        if warn_empty and self._backend.graph_node_count(graph_handle) == 0:
-            warnings.warn(f"The {self._backend.name.upper()} Graph is empty. This usually means that the graph "
+        h.host = host
+        h.events = tuple(events.values())
+        if warn_empty and h.backend.graph_node_count(graph_handle) == 0:
+            warnings.warn(f"The {h.backend.name.upper()} Graph is empty. This usually means that the graph "
                           "was attempted to be captured on wrong device or stream.", UserWarning, stacklevel=3)
         if not self.keep_graph:
             self.instantiate()
@@ -352,31 +403,35 @@ class Graph:
     # not leave it to be destroyed twice; one as it starts leaks it) and kept on an error (reset()
     # may be called again).
     def _destroy_graph(self) -> None:
-        self._destroy("_graph", self._backend.graph_destroy)
+        h = self._h
+        handle, h.graph = h.graph, None
+        try:
+            h.backend.graph_destroy(handle)
+        except Exception:
+            h.graph = handle
+            raise
 
     def _destroy_exec(self) -> None:
-        self._destroy("_exec", self._backend.graph_exec_destroy)
-
-    def _destroy(self, attr: str, destroy) -> None:
-        handle = getattr(self, attr)
-        setattr(self, attr, None)
+        h = self._h
+        handle, h.exec = h.exec, None
         try:
-            destroy(handle)
+            h.backend.graph_exec_destroy(handle)
         except Exception:
-            setattr(self, attr, handle)
+            h.exec = handle
             raise
 
     def instantiate(self) -> None:
         """Build the executable graph (done by capture_end, or by the first replay with keep_graph)."""
         self._check_process()
-        if self._exec is not None and not self.keep_graph:
+        h = self._h
+        if h.exec is not None and not self.keep_graph:
             raise RuntimeError("instantiate() is intended to be called by the user only when keep_graph=true")
-        if self._graph is None:
+        if h.graph is None:
             raise RuntimeError("capture_end() must have been called before calling instantiate: capture one "
                                "first (without keep_graph, capture_end instantiates it)")
-        if self._exec is not None:
+        if h.exec is not None:
             self._destroy_exec()
-        self._exec = self._backend.graph_instantiate(self._graph)
+        h.exec = h.backend.graph_instantiate(h.graph)
 
     def raw_cuda_graph(self) -> int:
         """The backend's graph handle (cudaGraph_t); needs ``keep_graph=True`` and a finished capture."""
@@ -400,11 +455,12 @@ class Graph:
     def replay(self) -> None:
         """Launch the captured work on the current stream of the graph's device."""
         self._check_process()
-        if self._exec is None:
-            if self._graph is None:
+        h = self._h
+        if h.exec is None:
+            if h.graph is None:
                 raise RuntimeError("replay() called on a graph with no capture: capture one first")
             self.instantiate()
-        for event in self._events:
+        for event in h.events:
             if event._closed:
                 if not isinstance(event, Event):    # an accel.Module whose kernels it launches
                     raise RuntimeError(f"replay(): {event!r} was closed, but this graph launches its kernels "
@@ -413,13 +469,14 @@ class Graph:
                 raise RuntimeError(f"replay(): {event!r} was closed, but this graph records or waits for it "
                                    f"at every replay (Event(external=True) in its capture); keep the event "
                                    f"open while the graph is replayed, or capture the graph again")
-        stream = current_stream(self._index)
+        backend = h.backend
+        stream = current_stream(h.index)
         # The stream is held to the replay's end: another thread's close() of it waits (its handle
         # is not destroyed, and so not given to the next stream made, while the replay queues on
         # it), and the RNG prologue's write goes to the same stream as the launch.
-        with _Hold(stream), on_device(self._backend, self._index):  # cudaGraphLaunch: the stream's device current
+        with _Hold(stream), on_device(backend, h.index):  # cudaGraphLaunch: the stream's device current
             handle = stream._handle
-            if self._backend.captures_underway() and self._backend.stream_is_capturing(handle):
+            if backend.captures_underway() and backend.stream_is_capturing(handle):
                 # CUDA refuses a graph launched into a stream being captured and invalidates the
                 # capture (cudaErrorStreamCaptureUnsupported, measured on an H200 by
                 # tools/cuda_conformance.py); accel's Level Zero capture does the same.  Refused
@@ -428,66 +485,72 @@ class Graph:
                                    f"graph cannot be launched inside a capture (the runtime would refuse it and "
                                    f"invalidate the capture); replay it before capture_begin() or after "
                                    f"capture_end(), or on a stream that is not being captured; the capture goes on")
-            if self._rng is not None:
+            if h.rng is not None:
                 from . import random
-                random._graph_replay(self._rng)
-            self._backend.graph_launch(self._exec, handle)
-            if self._allocs is not None:
-                self._allocs.replayed(handle)
-            if self._host is not None:
-                self._host.replayed(handle)
+                random._graph_replay(h.rng)
+            backend.graph_launch(h.exec, handle)
+            if h.allocs is not None:
+                h.allocs.replayed(handle)
+            if h.host is not None:
+                h.host.replayed(handle)
 
     def reset(self) -> None:
         """Destroy the captured graph and release its memory pool; the graph may then be recaptured."""
         self._check_process()
-        if self._stream is not None:
+        h = self._h
+        if h.stream is not None:
             raise RuntimeError("reset() during capture: call capture_end() first")
         self._finish_end()
-        backend = self._backend
+        backend = h.backend
         if backend is None:
             return
         if _fin.collecting():
             # Called from a finalizer during a collection: the allocator's lock may be held
-            # by this thread (see accel._finalize).
-            handles = (backend, self._index, self._exec, self._graph, self._pool, self._rng, self._allocs,
-                       self._host)
-            self._exec = self._graph = self._pool = self._rng = self._allocs = self._host = None
-            self._events = ()
-            _fin.defer(_release, *handles)
+            # by this thread (see accel._finalize).  What it holds moves to a holder of its
+            # own, queued with plain stores and a C append (no point where an interrupt drops it).
+            moved = _Held()
+            moved.backend, moved.index, moved.exec, moved.graph, moved.pool = backend, h.index, h.exec, h.graph, h.pool
+            moved.rng, moved.allocs, moved.host, moved.events = h.rng, h.allocs, h.host, h.events
+            h.exec = h.graph = h.pool = h.rng = h.allocs = h.host = None
+            h.events = ()
+            _fin.pending.append((_release_held, (backend, moved)))
             return
         # In order, each handle dropped once released.  A failure stops here and leaves the
         # rest held, so reset() may be called again: the executable's launches use the private
         # pool's memory and the generator's offsets, which must not go while it may still exist.
-        if self._exec is not None:
+        # (Each is taken from the holder just before its release: see _Held.)
+        if h.exec is not None:
             self._destroy_exec()
-        if self._graph is not None:
+        if h.graph is not None:
             self._destroy_graph()
-        self._events = ()
-        if self._pool is not None:
+        h.events = ()
+        if h.pool is not None:
             from . import memory
-            pool, self._pool = self._pool, None      # forgotten first, as the handles above
+            allocator = memory.device_allocator(h.index)
+            pool, h.pool = h.pool, None      # forgotten first, as the handles above
             try:
-                memory.device_allocator(self._index).release_pool(pool)
+                allocator.release_pool(pool)
             except Exception:
-                self._pool = pool
+                h.pool = pool
                 raise
-        if self._allocs is not None:
-            allocs, self._allocs = self._allocs, None
+        if h.allocs is not None:
+            allocs, h.allocs = h.allocs, None
             allocs.release()
-        if self._host is not None:
-            host, self._host = self._host, None
+        if h.host is not None:
+            host, h.host = h.host, None
             host.release()
-        if self._rng is not None:
+        if h.rng is not None:
             from . import random
-            rng, self._rng = self._rng, None
+            rng, h.rng = h.rng, None
             random._graph_release(rng)
 
     def pool(self) -> Tuple[int, int]:
         """The id of this graph's memory pool, to share it: ``Graph(pool=g.pool())``."""
         self._check_process()
-        if self._pool is None:
+        pool = self._h.pool
+        if pool is None:
             raise RuntimeError("pool() is only valid after capture_begin")
-        return self._pool
+        return pool
 
     # -- debugging -----------------------------------------------------------------------
     def enable_debug_mode(self) -> None:
@@ -507,7 +570,7 @@ class Graph:
             # CUDA's cudaGraphDebugDotPrint reports only cudaErrorOperatingSystem: name the path.
             raise FileNotFoundError(f"debug_dump: cannot write {path!r}: the folder {folder!r} does not exist; "
                                     f"create it first or pass a path in an existing folder")
-        self._backend.graph_debug_dot(self._graph, str(path))
+        self._h.backend.graph_debug_dot(self._h.graph, str(path))
 
     # -- context manager -----------------------------------------------------------------
     def __enter__(self) -> None:
@@ -533,66 +596,122 @@ class Graph:
     def __del__(self, _finalizing=sys.is_finalizing):
         if _finalizing():
             return      # interpreter exit: module globals may be gone; the process takes it all
-        # Never waits on a lock (see accel._finalize); nothing in a forked child.
-        if getattr(self, "_backend", None) is None or self._pid != _fin.pid or not _lazy.is_initialized():
+        # Never waits on a lock (see accel._finalize); nothing in a forked child.  A Ctrl-C as
+        # this starts leaves it all to the registry (r54: see _Held); one later, the rest.
+        h = getattr(self, "_h", None)
+        if h is None or h.backend is None or self._pid != _fin.pid or not _lazy.is_initialized():
             return
-        if self._stream is not None:
-            # Dropped mid-capture: nothing else could end the capture, and while it is underway
-            # every sync, free and capture in the process fails.  End it, discarding the graph.
-            _fin.finalize(_abandon, self._backend, self._index, self._stream, self._capture_id, self._pool,
-                          self._rng, self._allocs)
+        own = self._own
+        if own is not None and own[0] in _fin.owned and _fin.collecting():
+            # In a collection: released at the next drain if the graph is gone by then (in the
+            # order of the finalizers, as finalize_later).  Another finalizer of its garbage may
+            # resurrect it: it then keeps its handles, which its replays use, and the registry
+            # releases them once it is freed for good.  (A C append: no point to interrupt.)
+            _fin.pending.append((_reclaim_if_gone, (weakref.ref(self), own[0], h.backend, h)))
             return
-        _fin.finalize(_release, self._backend, self._index, self._exec, self._graph, self._pool, self._rng,
-                      self._allocs, self._host)
+        # (Dropped mid-capture: nothing else could end the capture, and while it is underway
+        # every sync, free and capture in the process fails: _reclaim ends it, discarded.)
+        _fin.finalize(_reclaim, h.backend, h)
+        if own is not None:
+            _fin.owned.pop(own[0], None)    # released (a failure: retried once from the queue)
 
 
-def _abandon(backend, index, stream, capture_id, pool, rng, allocs) -> None:
-    """End the capture of a graph collected while capturing and release what it held.  When
+def _reclaim_if_gone(ref, key: int, backend, h: _Held) -> None:
+    """A collected graph's release (its ``__del__`` ran in a collection): done when the graph is
+    gone, then its registration is taken; nothing for a resurrected one (the registry's)."""
+    if ref() is not None or key not in _fin.owned:
+        return
+    _fin.finalize(_reclaim, backend, h)
+    _fin.owned.pop(key, None)
+
+
+def _reclaim(backend, h: _Held) -> None:
+    """Release what the holder ``h`` of a dropped graph still holds: ``__del__``'s release, and
+    the registry's for a graph freed without it (accel._finalize, r54)."""
+    if h.stream is not None:
+        _abandon(backend, h)
+    else:
+        _release_held(backend, h)
+
+
+def _abandon(backend, h: _Held) -> None:
+    """End the capture of a graph dropped while capturing and release what it held.  When
     the capture cannot be ended (CUDA: a non-relaxed capture ended from another thread), it
-    is left as it was and the failure propagates (the finalizer retries at the next drain)."""
+    is left as it was and the failure propagates (the finalizer retries at the next drain).
+    Each step may run again (a retry): the holder forgets the capture last."""
+    stream = h.stream
     try:
         with stream._device_scope():
             graph_handle = backend.capture_end(stream._handle)
     except AcceleratorError:
         if _still_capturing(backend, stream):
             raise
-        graph_handle = None   # an invalidated capture: ended by the failed call
-    host = (_capture_events.pop(capture_id, None) or {}).get("host")
-    from . import memory
-    allocator = memory.device_allocator(index)
-    allocator.end_allocate_to_pool(pool)
-    from . import random
-    rng = random._graph_capture_abort(rng)      # (the states the user registered: released below)
-    _release(backend, index, None, graph_handle, pool, rng, allocs, host)
+        graph_handle = None   # an invalidated capture (or one a first try ended)
+    if graph_handle is not None:
+        h.graph = graph_handle
+    host = (_capture_events.pop(h.capture_id, None) or {}).get("host")
+    if host is not None:
+        h.host = host
+    from . import memory, random
+    memory.device_allocator(h.index).end_allocate_to_pool(h.pool)
+    h.rng = random._graph_capture_abort(h.rng)      # (the states the user registered: released below)
+    h.stream = h.capture_id = None
+    _release_held(backend, h)
 
 
-def _release(backend, index, exec_handle, graph_handle, pool, rng=None, allocs=None, host=None) -> None:
+def _release_held(backend, h: _Held) -> None:
     """Destroy a graph's executable and graph handles, release its pool, its own
     allocations and the pinned blocks of its host copies, and unregister it from its
-    generator (each attempted)."""
+    generator (each attempted), taking each from the holder just before its release (a path
+    that finds it gone does nothing; one that fails puts it back, for a retry)."""
+    from . import memory, random
     try:
-        if exec_handle is not None:
-            backend.graph_exec_destroy(exec_handle)
+        handle = h.exec
+        if handle is not None:
+            h.exec = None
+            try:
+                backend.graph_exec_destroy(handle)
+            except Exception:
+                h.exec = handle
+                raise
     finally:
         try:
-            if graph_handle is not None:
-                backend.graph_destroy(graph_handle)
+            handle = h.graph
+            if handle is not None:
+                h.graph = None
+                try:
+                    backend.graph_destroy(handle)
+                except Exception:
+                    h.graph = handle
+                    raise
         finally:
+            h.events = ()
             try:
+                pool = h.pool
                 if pool is not None:
-                    from . import memory
-                    memory.device_allocator(index).release_pool(pool)
+                    allocator = memory.device_allocator(h.index)   # (before the take: a call)
+                    h.pool = None
+                    try:
+                        allocator.release_pool(pool)
+                    except Exception:
+                        h.pool = pool
+                        raise
             finally:
                 try:
+                    allocs = h.allocs
                     if allocs is not None:
+                        h.allocs = None
                         allocs.release()
                 finally:
                     try:
+                        host = h.host
                         if host is not None:
+                            h.host = None
                             host.release()
                     finally:
+                        rng = h.rng
                         if rng is not None:
-                            from . import random
+                            h.rng = None
                             random._graph_release(rng)
 
 
