@@ -1308,7 +1308,7 @@ class DeviceCachingAllocator:
             self._release_segments()
             self._exp_unmap()
             self._exp_drop_orphans(every=True)
-            for device, events in self._event_cache.items():
+            for device, events in list(self._event_cache.items()):
                 with on_device(self._be, device):
                     while events:
                         # taken out first: a KeyboardInterrupt as the destroy returns must not
@@ -1322,6 +1322,9 @@ class DeviceCachingAllocator:
                         except Exception:
                             events.append(event)      # a failure keeps it for the next try
                             raise
+                # the device's list goes too: an emptied cache holds nothing, whichever devices'
+                # events it held since the last empty_cache (an interrupt here leaves it empty)
+                del self._event_cache[device]
 
     def stats(self) -> "dict":
         """The torch.cuda.memory_stats() keys as an OrderedDict (sorted)."""
