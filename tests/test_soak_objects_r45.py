@@ -146,6 +146,11 @@ def settle() -> None:
         _finalize.drain()
     for d in range(accel.device_count()):
         accel.synchronize(d)
+    # backend:cudaMallocAsync postpones a free made while any capture is underway (as torch's,
+    # until no capture runs) to the device's next allocation, free or empty_cache: an
+    # allocation on each device lets a free a cleanup made during the last capture go through
+    for d in range(accel.device_count()):
+        accel.Buffer(256, device=d).close()
     gc.collect()
     _finalize.drain()
 
