@@ -109,6 +109,33 @@ def pretend_collection_ends(monkeypatch) -> None:
     monkeypatch.delitem(_locks._running, _locks._PHASES)
 
 
+def deliver_then(signum: int, fn) -> None:
+    """Raise ``signum`` while it is blocked, then unblock it and call ``fn`` (a C callable) in one
+    C step: the first bytecode boundary after the signal arrives is the first one inside what
+    ``fn`` starts, where CPython runs the Python handler (a ``__del__``'s first instruction, a
+    collection's first Python callback).  libc's pthread_sigmask through cffi: Python's own runs
+    the handler itself as it returns."""
+    import functools
+    import signal
+    import _cffi_backend
+    from accel import _locks
+    from accel.backends import _signals
+    ffi = _signals._ffi
+    libc = _cffi_backend.load_library(None)
+    sigemptyset = libc.load_function(ffi.typeof("int(*)(void *)"), "sigemptyset")
+    sigaddset = libc.load_function(ffi.typeof("int(*)(void *, int)"), "sigaddset")
+    one, old = ffi.new("char[]", 128), ffi.new("char[]", 128)
+    sigemptyset(one)
+    sigaddset(one, signum)
+    _signals._mask(signal.SIG_BLOCK, one, old)
+    try:
+        signal.raise_signal(signum)                 # pending: blocked
+        _locks._consume(map(_locks._call, (functools.partial(_signals._mask, signal.SIG_UNBLOCK, one, ffi.NULL),
+                                           fn)))
+    finally:
+        _signals._mask(signal.SIG_SETMASK, old, ffi.NULL)
+
+
 def run_forked(fn, timeout: float = 60.0, hung: str = "forked child hung") -> int:
     """Run fn() in an os.fork child and return its exit status; a child still running after
     ``timeout`` seconds is killed and the test fails with ``hung`` (it never hangs the run)."""

@@ -18,7 +18,6 @@ object lives: one resurrected by another finalizer of its garbage keeps it, and 
 runtime that was reset (tests) or of the parent of a forked child is never touched.
 """
 
-import functools
 import gc
 import signal
 import sys
@@ -27,7 +26,7 @@ import pytest
 
 import accel
 from accel import _finalize, _lazy, _locks
-from conftest import SIMS, run_forked, use_sim
+from conftest import SIMS, deliver_then, run_forked, use_sim
 
 
 # -- helpers -------------------------------------------------------------------------------
@@ -72,29 +71,6 @@ def _expected(what: str, dev: int, reclaim) -> tuple:
     return counts
 
 
-def _deliver_then(signum: int, fn) -> None:
-    """Raise ``signum`` while it is blocked, then unblock it and call ``fn`` (a C callable) in one
-    C step: the first bytecode boundary after the signal arrives is the first one inside what
-    ``fn`` starts, where CPython runs the Python handler.  libc's pthread_sigmask through cffi
-    (Python's own runs the handler itself as it returns)."""
-    import _cffi_backend
-    from accel.backends import _signals
-    ffi = _signals._ffi
-    libc = _cffi_backend.load_library(None)
-    sigemptyset = libc.load_function(ffi.typeof("int(*)(void *)"), "sigemptyset")
-    sigaddset = libc.load_function(ffi.typeof("int(*)(void *, int)"), "sigaddset")
-    one, old = ffi.new("char[]", 128), ffi.new("char[]", 128)
-    sigemptyset(one)
-    sigaddset(one, signum)
-    _signals._mask(signal.SIG_BLOCK, one, old)
-    try:
-        signal.raise_signal(signum)                 # pending: blocked
-        _locks._consume(map(_locks._call, (functools.partial(_signals._mask, signal.SIG_UNBLOCK, one, ffi.NULL),
-                                           fn)))
-    finally:
-        _signals._mask(signal.SIG_SETMASK, old, ffi.NULL)
-
-
 class _Interrupt:
     """``with _Interrupt(monkeypatch) as run: run(fn)``: ``fn`` (a C callable) starts with a
     KeyboardInterrupt due (SIGUSR1's handler raises it); ``run.ignored`` lists (exception type,
@@ -117,7 +93,7 @@ class _Interrupt:
         return self
 
     def __call__(self, fn) -> None:
-        _deliver_then(signal.SIGUSR1, fn)
+        deliver_then(signal.SIGUSR1, fn)
 
     def __exit__(self, *exc):
         signal.signal(signal.SIGUSR1, self._old)

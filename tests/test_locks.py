@@ -6,7 +6,7 @@ import pytest
 
 from accel import _locks
 from accel._errors import AcceleratorError
-from conftest import pretend_collection
+from conftest import deliver_then, pretend_collection
 
 
 @pytest.fixture
@@ -139,32 +139,6 @@ def test_an_interrupted_no_drain_section_does_not_stop_drain_for_good():
     assert ran == ["released"]
 
 
-def _deliver_then_collect(signum: int) -> None:
-    """Unblock ``signum`` (pending) and run a collection in one C step, so that the first
-    bytecode boundary after the signal arrives is inside the collection: where CPython runs
-    the Python signal handler at the first Python function it starts (a gc callback, if one
-    is Python).  libc's pthread_sigmask through cffi: Python's own runs the handler itself."""
-    import functools
-    import gc
-    import signal
-    import _cffi_backend
-    from accel.backends import _signals
-    ffi = _signals._ffi
-    libc = _cffi_backend.load_library(None)
-    sigemptyset = libc.load_function(ffi.typeof("int(*)(void *)"), "sigemptyset")
-    sigaddset = libc.load_function(ffi.typeof("int(*)(void *, int)"), "sigaddset")
-    one, old = ffi.new("char[]", 128), ffi.new("char[]", 128)
-    sigemptyset(one)
-    sigaddset(one, signum)
-    _signals._mask(signal.SIG_BLOCK, one, old)
-    try:
-        signal.raise_signal(signum)                 # pending: blocked
-        _locks._consume(map(_locks._call, (functools.partial(_signals._mask, signal.SIG_UNBLOCK, one, ffi.NULL),
-                                           gc.collect)))
-    finally:
-        _signals._mask(signal.SIG_SETMASK, old, ffi.NULL)
-
-
 def test_a_ctrl_c_arriving_as_a_collection_starts_reaches_the_program(monkeypatch):
     """A Ctrl-C (a signal handler raising KeyboardInterrupt) that arrives while the collector
     runs must reach the program.  CPython prints and ignores an exception raised in a gc
@@ -188,7 +162,7 @@ def test_a_ctrl_c_arriving_as_a_collection_starts_reaches_the_program(monkeypatc
     old = signal.signal(signal.SIGUSR1, handler)
     try:
         with pytest.raises(KeyboardInterrupt, match="arrived as the collection started"):
-            _deliver_then_collect(signal.SIGUSR1)
+            deliver_then(signal.SIGUSR1, gc.collect)     # the collection's callbacks start first
     finally:
         signal.signal(signal.SIGUSR1, old)
         gc.callbacks.extend(others)
