@@ -81,7 +81,7 @@ from ._locks import collecting_here, collection_running, forget_collection
 from .backends.base import Backend
 
 __all__ = ["pending", "drain", "release", "finalize", "finalize_later", "release_on_del", "defer", "collecting", "pid",
-           "forked_error", "no_drain", "releases_settled", "owned", "own", "destroy_owned", "registered"]
+           "forked_error", "no_drain", "releases_settled", "owned", "own", "key_of", "destroy_owned", "registered"]
 
 #: Releases waiting for a safe point: (function, args) tuples, and the _Owned weak references of
 #: owners freed with their registered release not taken (:data:`owned`).
@@ -148,6 +148,12 @@ def destroy_owned(key: int, destroy: Callable, *args) -> None:
         owned[key] = entry
         exc._accel_owned = (key, destroy)
         raise
+
+
+def key_of(mine: Optional[tuple]) -> int:
+    """The registry key of the release registered by :func:`own` (``mine`` its result), for the
+    owner's releases to pass on to :func:`destroy_owned`; 0 when nothing was registered."""
+    return mine[0] if mine is not None else 0
 
 
 def registered(mine: Optional[tuple]) -> bool:

@@ -103,12 +103,6 @@ def _event_destroy(backend: Backend, handle: int, key: int = 0) -> None:
     _fin.destroy_owned(key, backend.event_destroy, handle)
 
 
-def _key(obj) -> int:
-    """The registry key of ``obj``'s handle (0: not registered)."""
-    own = obj._own
-    return own[0] if own is not None else 0
-
-
 def _forget(backend: Backend, index: int, handle: int, blocking: bool) -> None:
     """The last accel wrapper of foreign stream ``handle`` went: run the destroy hooks (the
     allocators forget the handle, covering its queued work with an event), but never destroy
@@ -717,7 +711,7 @@ class Stream:
         if _live_streams.get((self._index, self._handle)) is self:
             del _live_streams[(self._index, self._handle)]     # the driver may reuse the handle
         try:
-            _close_release(self, _destroy, self._backend, self._index, self._handle, True, _key(self))
+            _close_release(self, _destroy, self._backend, self._index, self._handle, True, _fin.key_of(self._own))
         except BaseException:
             if _fin.registered(self._own):
                 # the destroy never reached the runtime, or failed there: close() again (or the
@@ -745,7 +739,7 @@ class Stream:
                 and _lazy.is_initialized()):
             # during a collection, open until its cycle is gone: another finalizer may still use it.
             # (A Ctrl-C as this __del__ starts leaves the destroy to the registry: accel._finalize.)
-            _fin.release_on_del(self, _destroy, self._backend, self._index, self._handle, False, _key(self))
+            _fin.release_on_del(self, _destroy, self._backend, self._index, self._handle, False, _fin.key_of(self._own))
 
 
 def ExternalStream(stream_ptr: int, device: DeviceLike = None) -> Stream:
@@ -991,7 +985,7 @@ class Event:
                     self._own = _fin.own(_event_destroy, backend, handle)
         if not closed and getattr(self, "_late", False):
             # made by a finalizer after this event's own ran (same garbage): released with it
-            _fin.finalize_later(self, _event_destroy, backend, handle, _key(self))
+            _fin.finalize_later(self, _event_destroy, backend, handle, _fin.key_of(self._own))
         if closed:
             _fin.release(backend.event_destroy, handle)
             self._live()
@@ -1094,7 +1088,7 @@ class Event:
             return
         if self._handle is not None:
             try:
-                _close_release(self, _event_destroy, self._backend, self._handle, _key(self))
+                _close_release(self, _event_destroy, self._backend, self._handle, _fin.key_of(self._own))
             except BaseException:
                 if _fin.registered(self._own):
                     # not destroyed (as Stream.close): close() again (or the finalizer) retries
@@ -1112,7 +1106,7 @@ class Event:
             self._late = True
         if self._handle is not None:
             # (a Ctrl-C as this __del__ starts leaves the destroy to the registry: accel._finalize)
-            _fin.release_on_del(self, _event_destroy, self._backend, self._handle, _key(self))
+            _fin.release_on_del(self, _event_destroy, self._backend, self._handle, _fin.key_of(self._own))
 
 
 def _as_stream(obj, what: str) -> Stream:

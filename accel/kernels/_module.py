@@ -254,7 +254,7 @@ class Module:
         if h is not None:
             own = self._own
             try:
-                _fin.release(_unload, self._backend, self._index, h, own[0] if own is not None else 0)
+                _fin.release(_unload, self._backend, self._index, h, _fin.key_of(own))
             except BaseException:
                 if _fin.registered(own):
                     # the unload never reached the runtime, or failed there: still loaded, as
@@ -273,7 +273,7 @@ class Module:
         # (a Ctrl-C as this __del__ starts leaves the unload to the registry: accel._finalize)
         self._handle = None
         own = self._own
-        _fin.finalize(_unload, self._backend, self._index, h, own[0] if own is not None else 0)
+        _fin.finalize(_unload, self._backend, self._index, h, _fin.key_of(own))
 
     def __enter__(self) -> "Module":
         return self
