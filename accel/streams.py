@@ -42,6 +42,7 @@ from ._copying import refuse_copies as _refuse_copies
 from ._device import DeviceLike, check_range, check_stream_range, device, device_index
 from ._errors import AcceleratorError, CaptureError, InvalidDeviceError
 from . import backends as _backends
+from .backends._signals import deferred as _signals_deferred
 from .backends.base import Backend
 
 __all__ = ["Stream", "Event", "current_stream", "set_stream", "default_stream", "on_device"]
@@ -362,14 +363,21 @@ class Stream:
         least, greatest = backend.stream_priority_range()
         priority = min(max(priority, greatest), least)  # CUDA clamps out-of-range priorities
         self = super().__new__(cls)
-        with on_device(backend, index):
-            handle = backend.stream_create(priority)
-        self._init(backend, index, handle, owned=True)
-        # the destroy, registered for an interrupted __del__ (accel._finalize, r53)
-        self._own = _fin.own(_destroy, backend, index, handle, True)
+        handle = self._create(backend, index, priority)
         self._priority = priority
         _live_streams[(index, handle)] = self
         return self
+
+    @_signals_deferred
+    def _create(self, backend: Backend, index: int, priority: int) -> int:
+        """Make the stream's handle and register its destroy (for an interrupted ``__del__``,
+        accel._finalize, r53) with signals deferred (r55): from the moment the runtime's create
+        returns until the registration is stored, a Ctrl-C would leave a handle nobody destroys."""
+        with on_device(backend, index):
+            handle = backend.stream_create(priority)
+        self._init(backend, index, handle, owned=True)
+        self._own = _fin.own(_destroy, backend, index, handle, True)
+        return handle
 
     def _init(self, backend: Backend, index: int, handle: int, owned: bool) -> None:
         self._backend, self._index, self._handle = backend, index, handle
@@ -975,20 +983,30 @@ class Event:
         with _create_lock:
             if self._handle is not None:
                 return
-            with on_device(backend, index):
-                handle = backend.event_create(self.enable_timing, self.blocking)
-            with _close_lock:       # close() claims under it, then reads _handle
-                closed = self._closed
-                if not closed:
-                    self._handle, self._backend, self._index = handle, backend, index
-                    # under the lock: a close() that sees the handle finds it registered
-                    self._own = _fin.own(_event_destroy, backend, handle)
-        if not closed and getattr(self, "_late", False):
-            # made by a finalizer after this event's own ran (same garbage): released with it
-            _fin.finalize_later(self, _event_destroy, backend, handle, _fin.key_of(self._own))
+            closed = self._made(backend, index)
+        if closed:
+            self._live()
+
+    @_signals_deferred
+    def _made(self, backend: Backend, index: int) -> bool:
+        """Make the device event and store it with its destroy registered, or destroy it again
+        when close() ran meanwhile (returns whether it did), with signals deferred (r55): from
+        the moment the runtime's create returns until the handle is stored or destroyed, a
+        Ctrl-C would leave a handle nobody destroys."""
+        with on_device(backend, index):
+            handle = backend.event_create(self.enable_timing, self.blocking)
+        with _close_lock:       # close() claims under it, then reads _handle
+            closed = self._closed
+            if not closed:
+                self._handle, self._backend, self._index = handle, backend, index
+                # under the lock: a close() that sees the handle finds it registered
+                self._own = _fin.own(_event_destroy, backend, handle)
         if closed:
             _fin.release(backend.event_destroy, handle)
-            self._live()
+        elif getattr(self, "_late", False):
+            # made by a finalizer after this event's own ran (same garbage): released with it
+            _fin.finalize_later(self, _event_destroy, backend, handle, _fin.key_of(self._own))
+        return closed
 
     def wait(self, stream: Optional[Stream] = None) -> None:
         """Make ``stream`` (the current stream when None) wait for this event's recorded work."""

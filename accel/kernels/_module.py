@@ -13,6 +13,7 @@ from .. import _finalize as _fin, _lazy, _ptx
 from .._copying import refuse_copies as _refuse_copies
 from .._device import DeviceLike
 from .._errors import AcceleratorError
+from ..backends._signals import deferred as _signals_deferred
 
 _FATBIN_MAGIC = b"\x50\xed\x55\xba"
 
@@ -150,7 +151,6 @@ class Module:
 
     def __init__(self, image, device: DeviceLike = None):
         from .._device import checked_index
-        from ..streams import on_device
         data, self.path = _read_image(image)
         backend = _lazy.lazy_init()
         language = backend.kernel_language
@@ -165,11 +165,18 @@ class Module:
         self._handle = None
         self._own = None
         self._pid = _fin.pid
+        self._load(backend, index, data)
+        self.language = language
+
+    @_signals_deferred
+    def _load(self, backend, index: int, data: bytes) -> None:
+        """Load the image and register the unload (for an interrupted ``__del__``,
+        accel._finalize, r53) with signals deferred (r55): from the moment the runtime's load
+        returns until the registration is stored, a Ctrl-C would leave a module nobody unloads."""
+        from ..streams import on_device
         with on_device(backend, index):
             self._handle = backend.module_load(data)
-            # the unload, registered for an interrupted __del__ (accel._finalize, r53)
             self._own = _fin.own(_unload, backend, index, self._handle)
-        self.language = language
 
     @property
     def device(self):
