@@ -58,10 +58,12 @@ takes the entry out of :data:`owned` (one ``dict.pop``) just before it starts
 (:func:`destroy_owned`); a path that finds the entry gone does nothing.  The entry's weak
 reference dies with it, so the callback runs only for an owner freed with its entry still
 there, and :func:`drain` (the next entry of the API, after any collection) takes the entry and
-releases the handle, once.  An interrupt before the take leaves the release to the registry, one
-after the vendor call returned finds the entry gone: a handle is never destroyed twice (which
-could destroy the recycled handle of a live object); only an interrupt between the take and the
-vendor call leaks it.  In a forked child and for a reset runtime the registry is dropped.
+releases the handle, once.  The take and the vendor call run with signals deferred (r55,
+:mod:`accel.backends._signals`), as do a handle's creation and its registration: an interrupt
+lands before the take (the release is left to the registry) or after the vendor call returned
+(the entry is gone), so a handle is never destroyed twice (which could destroy the recycled
+handle of a live object) and none is left that nobody destroys.  In a forked child and for a
+reset runtime the registry is dropped.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ import _cffi_backend
 from . import _lazy, _locks
 from ._errors import AcceleratorError
 from ._locks import collecting_here, collection_running, forget_collection
+from .backends._signals import deferred
 from .backends.base import Backend
 
 __all__ = ["pending", "drain", "release", "finalize", "finalize_later", "release_on_del", "defer", "collecting", "pid",
@@ -130,15 +133,20 @@ def own(fn: Callable, *args) -> Tuple[int, object]:
 def destroy_owned(key: int, destroy: Callable, *args) -> None:
     """``destroy(*args)``, the vendor call that destroys the handle registered under ``key`` (0:
     none registered), taking its entry out of :data:`owned` as it starts: nothing when another
-    path took it (or the registry was dropped: a reset runtime).  The entry is taken as late as
-    possible, so that an interrupt before leaves it to :func:`drain`; one between the take and
-    the vendor call leaks the handle, one after it returned finds it gone (never destroyed
-    twice).  A vendor error puts the entry back (the handle is still alive; a retry takes it
-    again) and names the key and the vendor call on the error, for :func:`drain` to give the
-    handle up when a retry fails too."""
+    path took it (or the registry was dropped: a reset runtime).  The take and the vendor call
+    run with signals deferred (r55), so that an interrupt lands before both (the entry is left
+    to :func:`drain`) or after both (the entry is gone: never destroyed twice), never between
+    them (a handle nobody destroys).  A vendor error puts the entry back (the handle is still
+    alive; a retry takes it again) and names the key and the vendor call on the error, for
+    :func:`drain` to give the handle up when a retry fails too."""
     if not key:
         destroy(*args)
         return
+    _destroy_taken(key, destroy, args)
+
+
+@deferred
+def _destroy_taken(key: int, destroy: Callable, args: tuple) -> None:
     entry = owned.pop(key, None)
     if entry is None:
         return
