@@ -48,6 +48,7 @@ from . import _finalize as _fin
 from . import _lazy
 from ._copying import refuse_copies as _refuse_copies
 from ._errors import AcceleratorError, CaptureError
+from .backends._signals import deferred as _signals_deferred
 from .streams import Event, Stream, _Hold, _as_stream, _capture_events, current_stream, on_device
 
 __all__ = ["Graph", "graph", "generate_graph_pool_handle", "graph_pool_handle"]
@@ -193,8 +194,14 @@ class Graph:
         # The stream is held to the end: another thread's close() meanwhile leaves the destroy to
         # then (its handle, keyed by the graph pool and captured into, is not handed to the next
         # stream made), and a close that claimed it makes the capture end, discarded, below.
-        with _Hold(stream):
-            self._capture_begin(backend, stream, mode)
+        try:
+            with _Hold(stream):
+                self._capture_begin(backend, stream, mode)
+        except BaseException as exc:
+            if self._h.stream is not None:
+                # begun, then a Ctrl-C as the hold ended (r55): an error leaves nothing begun
+                _end_after_error(self, exc)
+            raise
 
     def register_generator_state(self, generator) -> None:
         """Register ``generator``'s current state (torch's ``CUDAGraph.register_generator_state``):
@@ -255,61 +262,11 @@ class Graph:
                 "capture, it's ok to replay them on the default stream.) Use `with accel.Stream(), graph:` "
                 "or `with accel.graph(graph):`.")
         pool = _check_pool(self.graph_pool) if self.graph_pool is not None else _new_private_pool()
-        from . import memory, random
+        from . import memory
         _check_device_free(stream.device_index)
         allocator = memory.device_allocator(stream.device_index)
         h = self._register(backend)     # before the graph holds anything
-        # The generator's seed/offset holders come from the general cache (torch registers
-        # the graph with its generator before routing allocations to the graph's pool).
-        # (The states registered with register_generator_state join it; on an error before
-        # the capture began they stay registered, for the next capture_begin.)
-        h.rng = random._graph_capture_begin(stream.device_index, h.rng)
-        try:
-            # backend:cudaMallocAsync returns a token: its replays allocate the graph's own
-            # allocations again, and its release frees them (None from the caching allocator)
-            allocs = allocator.begin_allocate_to_pool(pool, stream._handle)
-        except BaseException:
-            h.rng = random._graph_capture_abort(h.rng)
-            raise
-        capture_id = None
-        try:
-            backend.capture_begin(stream._handle, mode)
-            if stream._closed:
-                # Another thread's close() claimed the stream since the hold began.  It checks for a
-                # capture again after claiming, but may have looked before this one began: end the
-                # capture just begun (discarded), so the stream is destroyed with none underway.
-                _discard_capture(backend, stream)
-                raise RuntimeError(f"capture_begin: {stream!r} was closed by another thread while the capture "
-                                   f"began; nothing was captured: capture on a stream no thread closes")
-            try:
-                capture_id = backend.capture_id(stream._handle)
-            except AcceleratorError:
-                # Only keeping external events alive needs the id (cudaStreamGetCaptureInfo): the
-                # capture goes on without it, and an external event recorded in it is kept alive by
-                # its caller alone.
-                capture_id = None
-            if capture_id is not None:
-                _capture_events[capture_id] = {}   # external events recorded in the capture (accel.streams)
-            # published with plain stores: the graph holds the capture from here on
-            index = stream.device_index
-            h.capture_id = capture_id
-            h.backend, h.index, h.stream, h.pool = backend, index, stream, pool
-            h.allocs = allocs
-        except BaseException:
-            # Refused, or a KeyboardInterrupt (Ctrl-C) before the graph held the capture: a capture
-            # the backend began is ended and discarded, so none is left underway that no one ends.
-            try:
-                if h.stream is None and _still_capturing(backend, stream):
-                    _discard_capture(backend, stream)
-            finally:
-                if capture_id is not None:
-                    _capture_events.pop(capture_id, None)
-                allocator.end_allocate_to_pool(pool)
-                allocator.release_pool(pool)
-                if allocs is not None:
-                    allocs.release()
-                h.rng = random._graph_capture_abort(h.rng)
-            raise
+        _begin_held(h, backend, stream, mode, allocator, pool)
 
     def capture_end(self) -> None:
         """End the capture; instantiate it unless ``keep_graph``.
@@ -335,7 +292,7 @@ class Graph:
         # clauses, so a KeyboardInterrupt leaves the capture either held by the graph (still
         # underway: ending it again works) or ended with nothing of it left behind.
         try:
-            graph_handle = h.backend.capture_end(stream.handle)
+            graph_handle = _end_capture(h, stream.handle)
         except BaseException as exc:
             if _still_capturing(h.backend, stream):
                 # Not ended (CUDA: cudaErrorStreamCaptureWrongThread, ending a global or
@@ -349,6 +306,9 @@ class Graph:
             h.capture_id = None
             events = _capture_events.pop(capture_id, None) or {}
             try:
+                # ended, and interrupted as the end returned: its graph is not kept (the pool
+                # its nodes use is released below)
+                _destroy_held(h, "graph", h.backend.graph_destroy)
                 allocator.end_allocate_to_pool(h.pool)
                 allocator.release_pool(h.pool)
                 if h.allocs is not None:
@@ -366,7 +326,6 @@ class Graph:
         self._finish = (allocator, h.pool, h.rng)
         _unfinished[self] = None
         h.stream = None
-        h.graph = graph_handle      # (with the stores above: the holder has it from here on)
         h.capture_id = None
         events = host = None
         try:
@@ -399,26 +358,13 @@ class Graph:
         self._finish = None
         _unfinished.pop(self, None)
 
-    # Each handle is forgotten before its destroy (a KeyboardInterrupt as the destroy returns must
-    # not leave it to be destroyed twice; one as it starts leaks it) and kept on an error (reset()
-    # may be called again).
     def _destroy_graph(self) -> None:
         h = self._h
-        handle, h.graph = h.graph, None
-        try:
-            h.backend.graph_destroy(handle)
-        except Exception:
-            h.graph = handle
-            raise
+        _destroy_held(h, "graph", h.backend.graph_destroy)
 
     def _destroy_exec(self) -> None:
         h = self._h
-        handle, h.exec = h.exec, None
-        try:
-            h.backend.graph_exec_destroy(handle)
-        except Exception:
-            h.exec = handle
-            raise
+        _destroy_held(h, "exec", h.backend.graph_exec_destroy)
 
     def instantiate(self) -> None:
         """Build the executable graph (done by capture_end, or by the first replay with keep_graph)."""
@@ -431,7 +377,7 @@ class Graph:
                                "first (without keep_graph, capture_end instantiates it)")
         if h.exec is not None:
             self._destroy_exec()
-        h.exec = h.backend.graph_instantiate(h.graph)
+        _instantiate(h)
 
     def raw_cuda_graph(self) -> int:
         """The backend's graph handle (cudaGraph_t); needs ``keep_graph=True`` and a finished capture."""
@@ -616,6 +562,105 @@ class Graph:
             _fin.owned.pop(own[0], None)    # released (a failure: retried once from the queue)
 
 
+@_signals_deferred
+def _begin_held(h: _Held, backend, stream: Stream, mode: str, allocator, pool: Tuple[int, int]) -> None:
+    """Graph.capture_begin's work once the graph is registered: the generator follows the
+    capture, allocations on ``stream`` go to ``pool``, the backend begins the capture, and the
+    holder ``h`` holds it all; on an error (or a capture another thread's close() claimed the
+    stream of) nothing of it is left.  With signals deferred (r55): begin_allocate_to_pool
+    publishes the route before its lock is released, so a Ctrl-C there raised from a call that
+    had routed the stream, and the route was never ended (every later empty_cache refused, "a
+    stream capture is underway").  A Ctrl-C lands before all of it or once the graph holds the
+    capture (capture_end() ends it)."""
+    from . import random
+    # The generator's seed/offset holders come from the general cache (torch registers
+    # the graph with its generator before routing allocations to the graph's pool).
+    # (The states registered with register_generator_state join it; on an error before
+    # the capture began they stay registered, for the next capture_begin.)
+    h.rng = random._graph_capture_begin(stream.device_index, h.rng)
+    try:
+        # backend:cudaMallocAsync returns a token: its replays allocate the graph's own
+        # allocations again, and its release frees them (None from the caching allocator)
+        allocs = allocator.begin_allocate_to_pool(pool, stream._handle)
+    except BaseException:
+        h.rng = random._graph_capture_abort(h.rng)
+        raise
+    capture_id = None
+    try:
+        backend.capture_begin(stream._handle, mode)
+        if stream._closed:
+            # Another thread's close() claimed the stream since the hold began.  It checks for a
+            # capture again after claiming, but may have looked before this one began: end the
+            # capture just begun (discarded), so the stream is destroyed with none underway.
+            _discard_capture(backend, stream)
+            raise RuntimeError(f"capture_begin: {stream!r} was closed by another thread while the capture "
+                               f"began; nothing was captured: capture on a stream no thread closes")
+        try:
+            capture_id = backend.capture_id(stream._handle)
+        except AcceleratorError:
+            # Only keeping external events alive needs the id (cudaStreamGetCaptureInfo): the
+            # capture goes on without it, and an external event recorded in it is kept alive by
+            # its caller alone.
+            capture_id = None
+        if capture_id is not None:
+            _capture_events[capture_id] = {}   # external events recorded in the capture (accel.streams)
+        # published with plain stores: the graph holds the capture from here on
+        index = stream.device_index
+        h.capture_id = capture_id
+        h.backend, h.index, h.stream, h.pool = backend, index, stream, pool
+        h.allocs = allocs
+    except BaseException:
+        # Refused, or a KeyboardInterrupt (Ctrl-C) before the graph held the capture: a capture
+        # the backend began is ended and discarded, so none is left underway that no one ends.
+        try:
+            if h.stream is None and _still_capturing(backend, stream):
+                _discard_capture(backend, stream)
+        finally:
+            if capture_id is not None:
+                _capture_events.pop(capture_id, None)
+            allocator.end_allocate_to_pool(pool)
+            allocator.release_pool(pool)
+            if allocs is not None:
+                allocs.release()
+            h.rng = random._graph_capture_abort(h.rng)
+        raise
+
+
+# A graph handle exists from the moment the runtime's call that makes it returns, and a handle the
+# holder forgot before its destroy call exists until that call: a Ctrl-C in between would leave a
+# handle nobody destroys.  So each make-and-store and each take-and-destroy runs with signals
+# deferred (accel/backends/_signals.py, r55): a Ctrl-C lands before or after it, never inside.
+
+@_signals_deferred
+def _end_capture(h: _Held, stream: int) -> Optional[int]:
+    """End the capture underway on the stream handle ``stream`` and store its graph in the
+    holder (None: an empty capture on some runtimes)."""
+    graph_handle = h.backend.capture_end(stream)
+    if graph_handle is not None:
+        h.graph = graph_handle
+    return graph_handle
+
+
+@_signals_deferred
+def _instantiate(h: _Held) -> None:
+    h.exec = h.backend.graph_instantiate(h.graph)
+
+
+@_signals_deferred
+def _destroy_held(h: _Held, name: str, destroy) -> None:
+    """Take the holder's handle ``name`` and destroy it; on a vendor error it is put back (a
+    retry, or reset() again, takes it again)."""
+    handle = getattr(h, name)
+    if handle is None:
+        return
+    setattr(h, name, None)
+    try:
+        destroy(handle)
+    except Exception:
+        setattr(h, name, handle)
+        raise
+
+
 def _reclaim_if_gone(ref, key: int, backend, h: _Held) -> None:
     """A collected graph's release (its ``__del__`` ran in a collection): done when the graph is
     gone, then its registration is taken; nothing for a resurrected one (the registry's)."""
@@ -642,13 +687,11 @@ def _abandon(backend, h: _Held) -> None:
     stream = h.stream
     try:
         with stream._device_scope():
-            graph_handle = backend.capture_end(stream._handle)
+            _end_capture(h, stream._handle)
     except AcceleratorError:
         if _still_capturing(backend, stream):
             raise
-        graph_handle = None   # an invalidated capture (or one a first try ended)
-    if graph_handle is not None:
-        h.graph = graph_handle
+        # an invalidated capture (or one a first try ended)
     host = (_capture_events.pop(h.capture_id, None) or {}).get("host")
     if host is not None:
         h.host = host
@@ -666,24 +709,10 @@ def _release_held(backend, h: _Held) -> None:
     that finds it gone does nothing; one that fails puts it back, for a retry)."""
     from . import memory, random
     try:
-        handle = h.exec
-        if handle is not None:
-            h.exec = None
-            try:
-                backend.graph_exec_destroy(handle)
-            except Exception:
-                h.exec = handle
-                raise
+        _destroy_held(h, "exec", backend.graph_exec_destroy)
     finally:
         try:
-            handle = h.graph
-            if handle is not None:
-                h.graph = None
-                try:
-                    backend.graph_destroy(handle)
-                except Exception:
-                    h.graph = handle
-                    raise
+            _destroy_held(h, "graph", backend.graph_destroy)
         finally:
             h.events = ()
             try:
@@ -788,8 +817,10 @@ def _check_device_free(index: int, why: str = "") -> None:
                            f"capture); end that capture first, or capture on another device")
 
 
+@_signals_deferred
 def _discard_capture(backend, stream: Stream) -> None:
-    """End the capture underway on ``stream`` (begun by this thread) and destroy its graph."""
+    """End the capture underway on ``stream`` (begun by this thread) and destroy its graph
+    (signals deferred: see _end_capture)."""
     graph_handle = backend.capture_end(stream._handle)
     if graph_handle is not None:
         backend.graph_destroy(graph_handle)

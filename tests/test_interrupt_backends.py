@@ -57,9 +57,7 @@ class _Inject(tia._Inject):
 
     def _point(self, frame):
         if _signals.blocked():
-            # a backend deferred signals here (accel/backends/_signals.py): a real one stays
-            # pending in the kernel and no handler can run, so this is no interrupt point
-            return
+            return      # no interrupt point (tia._Inject skips it too)
         if self.count + 1 == self.n:
             names, f = [], frame
             while f is not None:

@@ -41,7 +41,8 @@ def _targets():
 
 
 class _Inject(tia._Inject):
-    """tia's injector; a simulated vendor call is a C call (points as it returns, none inside)."""
+    """tia's injector (no point where signals are blocked: accel/graphs.py makes and destroys
+    its handles so, r55); a simulated vendor call is a C call (points as it returns, none inside)."""
 
     def _global(self, frame, event, arg):
         if frame.f_code.co_filename.startswith(_SIM):

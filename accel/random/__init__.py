@@ -31,6 +31,7 @@ import weakref
 from typing import Dict, List
 
 from .. import _lazy
+from ..backends._signals import deferred as _signals_deferred
 from .generator import DEFAULT_SEED, Generator, PhiloxArgs, check_seed
 
 __all__ = [
@@ -332,14 +333,22 @@ def _graph_capture_begin(device_index: int, token=None) -> _GraphRNG:
             implicit = default_state
         token.implicit = implicit
         for state in list(token.states):
-            state.capture_prologue()
-            token.capturing.append(state)
+            _enter_graph_safe_mode(token, state)
         token.device_index = device_index
         _capturing[device_index] = weakref.ref(token)
     except BaseException:
         _undo_capture(token)
         raise
     return token
+
+
+@_signals_deferred
+def _enter_graph_safe_mode(token: _GraphRNG, state) -> None:
+    """``state`` enters graph-safe mode and ``token`` lists it, with signals deferred (r55): a
+    Ctrl-C as capture_prologue released its lock left the state capturing unlisted, so no
+    abort or end ever took it out (every later capture on the device was refused)."""
+    state.capture_prologue()
+    token.capturing.append(state)
 
 
 def _undo_capture(token: _GraphRNG) -> None:

@@ -20,6 +20,7 @@ import threading
 from typing import List, Optional
 
 from ..._errors import CaptureError
+from .._signals import deferred
 from ._library import LIBRARY, _UINT64_MAX
 from .events import _Event
 
@@ -131,6 +132,9 @@ class GraphsMixin:
         with self._lock:
             self._captures[stream] = cap
 
+    # Signals deferred (r55): the capture is taken from the stream first, and an interrupt
+    # between that and the try below, or as the graph's record is made, lost its command list.
+    @deferred
     def capture_end(self, stream: int) -> int:
         s = self._stream(stream)
         with s.lock:
