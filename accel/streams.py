@@ -647,6 +647,9 @@ class Stream:
             self._exit_out_of_order(stack)
             return
         previous_device, previous_stream, _ = stack.pop()
+        if self._pid != _fin.pid:
+            # a child forked inside the block: the entry goes, and no runtime call (r56)
+            raise _fin.forked_error(self._backend)
         if previous_stream._closed:
             # Closed in the body: the default stream is current again, as after closing the
             # current stream (restoring it made every later call on the current stream raise).

@@ -638,14 +638,6 @@ def test_fork_mid_program_with_capture_imports_and_pools(monkeypatch, kind):
 
 
 # -- 6. a helper process forked inside `with stream:` leaves the block in the child -------------
-@pytest.mark.xfail(strict=True, reason=(
-    "r56 bug: accel/streams.py Stream.__exit__ has no forked-child check: in a child forked inside "
-    "`with stream:` (or accel.graph(...)), leaving the block calls backend.set_device(previous) -- on "
-    "CUDA a cudaSetDevice in the child, raising AcceleratorError 'cudaSetDevice failed with "
-    "cudaErrorInitializationError (3)' (a vendor call, no mention of fork); on Level Zero and Metal it "
-    "silently succeeds. Every other inherited-object method raises the fork error (accel.device_index's "
-    "__exit__ does). Fix: after popping the thread's entry, `if self._pid != _fin.pid: raise "
-    "_fin.forked_error(self._backend)` before set_device"))
 @pytest.mark.parametrize("kind", SIMS)
 def test_child_forked_inside_a_stream_block_leaves_it_with_the_fork_error(monkeypatch, kind):
     """A training script forks a checkpoint writer while inside `with stream:` on the last device;
