@@ -33,6 +33,7 @@ from typing import Iterator, List, Tuple
 from .. import _device, _lazy
 from .. import _finalize as _fin
 from .._copying import refuse_copies as _refuse_copies
+from ..backends._signals import deferred
 
 __all__ = ["MemPool", "use_mem_pool", "new_user_pool_id"]
 
@@ -160,11 +161,30 @@ def use_mem_pool(pool: MemPool, device=None) -> Iterator[None]:
                          f"not device {index}; create the pool while device {index} is current "
                          f"(with accel.device_index({index}): pool = accel.MemPool())")
     alloc = _allocator(index)
-    alloc.begin_allocate_to_pool(pool._id, thread=threading.get_ident())
+    routed = []
     try:
+        _route(alloc, pool._id, routed)
         yield
     finally:
-        try:
-            alloc.end_allocate_to_pool(pool._id)
-        finally:
-            alloc.release_pool(pool._id)
+        if routed:
+            _unroute(alloc, pool._id)
+
+
+# begin_allocate_to_pool publishes the route before its lock is released, so a Ctrl-C could raise
+# from it with the route in place, before the try that ends it (r55).  The route is begun and
+# noted, and ended and released, with signals deferred (accel/backends/_signals.py): a Ctrl-C
+# lands before the begin (nothing to end) or once ``routed`` says it is there.  The window left:
+# one exactly as _unroute starts (as for contextlib's __exit__: the route stays).
+
+@deferred
+def _route(alloc, pool_id: Tuple[int, int], routed: list) -> None:
+    alloc.begin_allocate_to_pool(pool_id, thread=threading.get_ident())
+    routed.append(pool_id)
+
+
+@deferred
+def _unroute(alloc, pool_id: Tuple[int, int]) -> None:
+    try:
+        alloc.end_allocate_to_pool(pool_id)
+    finally:
+        alloc.release_pool(pool_id)
