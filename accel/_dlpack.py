@@ -38,6 +38,7 @@ from ctypes import POINTER, c_char_p, c_int, c_int32, c_int64, c_uint8, c_uint16
 from typing import Any, Dict, Tuple
 
 from ._errors import AcceleratorError
+from .backends._signals import deferred
 
 __all__ = ["DLDeviceType", "export", "parse", "Imported", "DLPACK_VERSION", "sync_for_consumer",
            "device_of", "from_dlpack", "check_max_version", "check_dl_device"]
@@ -300,10 +301,19 @@ def export(owner: Any, ptr: int, device_type: int, device_id: int, dtype, shape,
     _exports[address] = (managed, shape_array, strides_array, (owner, pin),
                          slots + tuple(map(ctypes.byref, slots)))
     try:
-        capsule = _PyCapsule_New(address, NAME_VERSIONED if versioned else NAME, _DESTRUCTOR)
+        return _new_capsule(address, NAME_VERSIONED if versioned else NAME)
     except BaseException:
         _exports.pop(address, None)
         raise
+
+
+@deferred
+def _new_capsule(address: int, name: bytes):
+    """The capsule of the export at ``address``, registered for its destructor, with signals
+    deferred (r55): a capsule dropped before its registration (a Ctrl-C as PyCapsule_New
+    returned) ran a destructor that could not find its export, and returned with the interrupt
+    still pending (SystemError, then a crash as the interpreter unwound a cleared exception)."""
+    capsule = _PyCapsule_New(address, name, _DESTRUCTOR)
     _capsules[id(capsule)] = address
     return capsule
 
