@@ -28,7 +28,9 @@ inject sites the one-runtime sweeps never reach (xpu copies 813 runs / 58 sites 
 Buffer dropped on cuda 194 / 113 against 102 / 74), the warm graph sweep 42 sites more on cuda
 (the graph's release, release_pool, the generator's unregister_graph).  No point failed.
 
-``ACCEL_INTERRUPT_STRIDE`` overrides each sweep's default stride (1: every point);
+Default strides (3 to 12: about 30 s for the file on two workers) keep the CI run short;
+``ACCEL_INTERRUPT_STRIDE`` overrides each sweep's default stride (1: every point, about 3.5
+minutes);
 ``ACCEL_INTERRUPT_REPORT`` (a file) gets points counted / injected and the failures.
 """
 
@@ -210,7 +212,7 @@ def test_fresh_runtime_per_point_backend_memory_calls(monkeypatch, kind, warm):
             op()
         points.append(inj.count)
     tia._finish(w)
-    stride = _stride(4)
+    stride = _stride(12)
     injected, failures, lost = 0, [], []
     for i, total in enumerate(points):
         for n in _picked(total, stride, i):
@@ -225,7 +227,7 @@ def test_fresh_runtime_per_point_backend_memory_calls(monkeypatch, kind, warm):
                 failures.append(((inj.site if inj else None) or f"op {i} point {n}",
                                  f"{type(exc).__name__}: {exc}"[:300]))
     _report(f"{kind} backend memory {'warm' if warm else 'cold'}", sum(points), injected, failures, [f"lost at a free's start: {len(lost)}"])
-    assert injected > 100
+    assert injected > 50
     assert not failures, failures[:6]
 
 
@@ -297,7 +299,7 @@ def test_fresh_runtime_per_point_copies_and_events_on_the_last_device(monkeypatc
     c.check()
     c.close()
     base = tib._leaks(be, kind), tib._objects(kind)     # (what the first use keeps: Metal's pipelines)
-    stride = _stride(1)
+    stride = _stride(3)
     injected, failures = 0, []
     for i, total in enumerate(points):
         for n in _picked(total, stride, i):
@@ -369,7 +371,7 @@ def test_fresh_runtime_per_point_xpu_streams_events_and_copies(monkeypatch, warm
     for i, (what, _) in enumerate(names):
         be, _ = _xpu_fresh(warm)
         points.append((what, _xpu_run(be, i, 0, warm).count))
-    stride = _stride(2)
+    stride = _stride(6)
     injected, failures = 0, []
     for i, (what, total) in enumerate(points):
         for n in _picked(total, stride, i):
@@ -389,7 +391,7 @@ def test_fresh_runtime_per_point_xpu_streams_events_and_copies(monkeypatch, warm
             except BaseException as exc:   # noqa: BLE001 - a failure to report
                 failures.append((f"{what} @{n}", (inj.site if inj else None), f"{type(exc).__name__}: {exc}"[:300]))
     _report(f"xpu streams/events/copies (r37 workload) {'warm' if warm else 'cold'}", sum(t for _, t in points), injected, failures)
-    assert injected > 100
+    assert injected > 50
     assert not failures, failures[:6]
 
 
@@ -415,7 +417,7 @@ def test_fresh_runtime_per_point_buffers_made_and_dropped(monkeypatch, kind, mak
     _buffers_fresh(make, drop, True)    # the process's first use (imports, module caches) out of the way
     _buffers_fresh(make, drop, warm)
     total = tibuf._points(lambda: drop([make()]))
-    stride = _stride(1)
+    stride = _stride(3)
     injected, failures = 0, []
     for n in _picked(total, stride):
         injected += 1
@@ -472,7 +474,7 @@ def test_fresh_runtime_per_point_graph_capture_replay_reset(monkeypatch, kind, w
     total = counter.count
     tig._check(state, be)       # as after an injected run
     counted = tgh._held(kind, be)
-    stride = _stride(4)
+    stride = _stride(12)
     injected, failures, held = 0, [], []
     for n in _picked(total, stride):
         injected += 1
