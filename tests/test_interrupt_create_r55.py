@@ -26,6 +26,8 @@ from conftest import SIMS, use_sim
 from test_interrupt_backends import _Inject, _targets
 from test_interrupt_del_r53 import _devices, _module_on, _modules, live
 
+pytestmark = pytest.mark.usefixtures("frozen_heap")   # (conftest: a collection per point)
+
 
 def _new_event(dev: int) -> accel.Event:
     ev = accel.Event(enable_timing=True)

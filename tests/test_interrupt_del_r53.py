@@ -28,6 +28,8 @@ import accel
 from accel import _finalize, _lazy, _locks
 from conftest import SIMS, deliver_then, run_forked, use_sim
 
+pytestmark = pytest.mark.usefixtures("frozen_heap")   # (conftest: a collection per point)
+
 
 # -- helpers -------------------------------------------------------------------------------
 def live() -> tuple:

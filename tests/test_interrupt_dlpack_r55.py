@@ -24,6 +24,8 @@ from accel import _dlpack
 from conftest import SIMS, use_sim
 from test_interrupt_backends import _Inject
 
+pytestmark = pytest.mark.usefixtures("frozen_heap")   # (conftest: a collection per point)
+
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("kind", SIMS)

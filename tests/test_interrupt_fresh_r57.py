@@ -55,6 +55,8 @@ from accel.sim import _vmm
 from accel.streams import on_device
 from conftest import use_sim
 
+pytestmark = pytest.mark.usefixtures("frozen_heap")   # (conftest: a collection per point)
+
 _ENV_STRIDE = int(os.environ.get("ACCEL_INTERRUPT_STRIDE", "0"))
 _REPORT = os.environ.get("ACCEL_INTERRUPT_REPORT")
 #: development: a list every injected site is appended to (compare with the one-runtime sweeps)

@@ -39,7 +39,8 @@ from test_interrupt_del_r53 import _Interrupt
 R = accel.random
 GRAPH_SIMS = ["cuda", "xpu"]
 DEVICES = [0, 1]
-pytestmark = pytest.mark.filterwarnings("ignore:The (CUDA|XPU) Graph is empty:UserWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore:The (CUDA|XPU) Graph is empty:UserWarning"),
+              pytest.mark.usefixtures("frozen_heap")]   # (conftest: a collection per point)
 
 
 # -- helpers -------------------------------------------------------------------------------

@@ -25,6 +25,8 @@ from accel import _finalize, _lazy, sim
 from conftest import use_sim
 from test_interrupt_backends import _Inject
 
+pytestmark = pytest.mark.usefixtures("frozen_heap")   # (conftest: a collection per point)
+
 
 def _held(kind, be) -> tuple:
     gc.collect()

@@ -21,6 +21,8 @@ from accel import _lazy
 from conftest import use_sim
 from test_interrupt_backends import _Inject
 
+pytestmark = pytest.mark.usefixtures("frozen_heap")   # (conftest: a collection per point)
+
 
 def _routed(dev: int) -> bool:
     """Whether any thread's allocations on ``dev`` are routed to a pool."""
