@@ -99,6 +99,33 @@ def _leaks(be, kind):
 
 
 # ---------------------------------------------------------------------------- sweep 1: allocators
+def _after_point(w, ops, i, check=lambda: None) -> None:
+    """The rest of a run of ``ops`` interrupted in op ``i``: the world's live blocks made to
+    agree with the allocators (an orphan is the interrupted malloc's block; a block the
+    interrupted free released is gone), their invariants, the remaining ops and all of them
+    again, then everything freed; ``check()`` after the first check and at the end."""
+    known = {(a, p) for a, p in w.live.values()}
+    for alloc, ptr in tia._allocated(w) - known:      # an orphan (see tia)
+        w.live[f"orphan{ptr}"] = (alloc, ptr)
+    for name, (alloc, ptr) in list(w.live.items()):
+        if (alloc, ptr) not in tia._allocated(w):
+            del w.live[name]
+    tia._check_all(w)
+    check()
+    for what, op in ops[i + 1:]:
+        name = what.split()[-1]
+        if ("free" in what or "record_stream" in what) and name not in w.live:
+            continue
+        if what.startswith(("malloc", "host malloc")) and name in w.live:
+            continue
+        op()
+    for what, op in tia._ops(w, "again-"):
+        op()
+    tia._check_all(w)
+    tia._finish(w)
+    check()
+
+
 def _sweep_alloc(be, kind, stride):
     w = tia.World(be)
     ops = tia._ops(w, "")
@@ -121,24 +148,7 @@ def _sweep_alloc(be, kind, stride):
                 for what, op in ops[:i]:
                     op()
                 inj, what = tia._run(w, ops[i:], 0, n)   # (what None: the op ended before point n)
-                known = {(a, p) for a, p in w.live.values()}
-                for alloc, ptr in tia._allocated(w) - known:      # an orphan (see tia)
-                    w.live[f"orphan{ptr}"] = (alloc, ptr)
-                for name, (alloc, ptr) in list(w.live.items()):
-                    if (alloc, ptr) not in tia._allocated(w):
-                        del w.live[name]
-                tia._check_all(w)
-                for what2, op in ops[i + 1:]:
-                    name = what2.split()[-1]
-                    if ("free" in what2 or "record_stream" in what2) and name not in w.live:
-                        continue
-                    if what2.startswith(("malloc", "host malloc")) and name in w.live:
-                        continue
-                    op()
-                for what2, op in tia._ops(w, "again-"):
-                    op()
-                tia._check_all(w)
-                tia._finish(w)
+                _after_point(w, ops, i)
                 leaks = _leaks(be, kind)
                 if leaks and _FREES & set(inj.stack) and tia._one_resource(tia._leaks(be)):
                     lost.append(inj.site)

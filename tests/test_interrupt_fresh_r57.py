@@ -34,13 +34,11 @@ minutes);
 ``ACCEL_INTERRUPT_REPORT`` (a file) gets points counted / injected and the failures.
 """
 
-import gc
 import os
 import sys
 import threading
 from collections import deque
 
-import numpy as np
 import pytest
 
 import accel
@@ -170,26 +168,7 @@ def _alloc_point(be, kind, i, n):
     inj, what = tia._run(w, ops[i:], 0, n)
     _note(inj)
     assert what is not None, f"point {n} of op {ops[i][0]!r} was never reached"
-    known = {(a, p) for a, p in w.live.values()}
-    for alloc, ptr in tia._allocated(w) - known:      # an orphan (see tia)
-        w.live[f"orphan{ptr}"] = (alloc, ptr)
-    for name, (alloc, ptr) in list(w.live.items()):
-        if (alloc, ptr) not in tia._allocated(w):
-            del w.live[name]
-    tia._check_all(w)
-    _quiet(be, *w.allocators(), w.host)
-    for what2, op in ops[i + 1:]:
-        name = what2.split()[-1]
-        if ("free" in what2 or "record_stream" in what2) and name not in w.live:
-            continue
-        if what2.startswith(("malloc", "host malloc")) and name in w.live:
-            continue
-        op()
-    for what2, op in tia._ops(w, "again-"):
-        op()
-    tia._check_all(w)
-    tia._finish(w)
-    _quiet(be, *w.allocators(), w.host)
+    tib._after_point(w, ops, i, check=lambda: _quiet(be, *w.allocators(), w.host))
     leaks = tib._leaks(be, kind)
     if leaks and tib._FREES & set(inj.stack) and tia._one_resource(tia._leaks(be)):
         return inj, True        # tib's accepted leak: a free interrupted before its vendor call
