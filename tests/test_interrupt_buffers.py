@@ -71,6 +71,29 @@ def _check_nothing_left():
     assert memory.host_memory_stats()["allocated_bytes.current"] == 0, "pinned bytes still allocated"
 
 
+def _run_interrupted(n, make, drop):
+    """``drop([make()])`` with a KeyboardInterrupt at its point ``n`` (caught); the injector."""
+    inj = _Inject(n)
+    try:
+        with inj:
+            box = [make()]
+            drop(box)           # drops the only reference: a __del__ runs inside
+    except KeyboardInterrupt:
+        pass
+    return inj
+
+
+def _check_released():
+    """Nothing left after a run: refcounts free what it dropped, as a program's would, unless a
+    reference cycle holds it (then the collector's turn)."""
+    try:
+        _settle(collect=False)
+        _check_nothing_left()
+    except AssertionError:
+        _settle()
+        _check_nothing_left()
+
+
 def _sweep(make, drop, stride):
     """Interrupt ``make()`` at each of its points, then ``drop(obj)`` of a made object at each
     of its points; returns the failures (phase, point, error)."""
@@ -84,24 +107,12 @@ def _sweep(make, drop, stride):
     drop(box)
     _settle()
     for n in range(1, total + 1, stride):
-        box = None
+        inj = None
         try:
-            inj = _Inject(n)
-            try:
-                with inj:
-                    box = [make()]
-                    drop(box)           # drops the only reference: a __del__ runs inside
-            except KeyboardInterrupt:
-                pass
-            box = None
-            try:
-                _settle(collect=False)  # refcounts free what the run dropped, as a program's would
-                _check_nothing_left()
-            except AssertionError:
-                _settle()               # unless a reference cycle holds it: the collector's turn
-                _check_nothing_left()
+            inj = _run_interrupted(n, make, drop)
+            _check_released()
         except AssertionError as exc:
-            failures.append(("make" if n <= made else "drop", inj.site, str(exc)[:200]))
+            failures.append(("make" if n <= made else "drop", inj.site if inj else None, str(exc)[:200]))
             _lazy_reset()                   # a fresh runtime, warmed up as the first one was
             drop([make()])
             _settle()

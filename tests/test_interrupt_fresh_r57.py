@@ -403,28 +403,16 @@ def test_fresh_runtime_per_point_buffers_made_and_dropped(monkeypatch, kind, mak
     for n in _picked(total, stride):
         injected += 1
         _buffers_fresh(make, drop, warm)
-        inj = tibuf._Inject(n)
+        inj = None
         try:
-            box = None
-            try:
-                with inj:
-                    box = [make()]
-                    drop(box)           # drops the only reference: a __del__ runs inside
-            except KeyboardInterrupt:
-                pass
-            box = None
+            inj = tibuf._run_interrupted(n, make, drop)
             _note(inj)
             assert inj.site is not None, f"point {n} was never reached"
-            try:
-                tibuf._settle(collect=False)
-                tibuf._check_nothing_left()
-            except AssertionError:
-                tibuf._settle()         # a reference cycle: the collector's turn
-                tibuf._check_nothing_left()
+            tibuf._check_released()
             _quiet(_lazy.lazy_init(), memory.host_allocator(),
                    *(memory.device_allocator(d) for d in range(accel.device_count())))
         except BaseException as exc:   # noqa: BLE001 - a failure to report
-            failures.append((inj.site or f"point {n}", f"{type(exc).__name__}: {exc}"[:300]))
+            failures.append(((inj.site if inj else None) or f"point {n}", f"{type(exc).__name__}: {exc}"[:300]))
     _report(f"{kind} {make.__name__}/{drop.__name__} {'warm' if warm else 'cold'}", total, injected, failures)
     assert injected > 10
     assert not failures, failures[:6]
