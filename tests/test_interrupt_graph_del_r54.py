@@ -143,6 +143,14 @@ def _leaked(base: dict, now: dict) -> dict:
     return {k: (base[k], now[k]) for k in base if base[k] != now[k]}
 
 
+def _check_nothing_held(dev: int, made: "_Made", base: dict, what: str) -> None:
+    """The ``what`` graph of ``made`` holds nothing on ``dev`` any more (``_held`` as in
+    ``base``); then its stream's work is waited for."""
+    now = _held(dev, made.gen)
+    assert _leaked(base, now) == {}, f"device {dev}: the {what} graph leaked {_leaked(base, now)}"
+    made.stream.synchronize()
+
+
 # -- the interrupt as __del__ starts -------------------------------------------------------
 @pytest.mark.parametrize("kind", GRAPH_SIMS)
 @pytest.mark.parametrize("state", ["instantiated", "kept", "capturing"])
@@ -169,9 +177,7 @@ def test_a_ctrl_c_as_a_graphs_del_starts_leaves_nothing_held_after_the_next_api_
         assert _handles() == before, "the interrupt did not land at __del__'s start"
         _RECLAIM[reclaim](dev)                      # the next entry of the API
         assert _handles() == base["handles"], f"device {dev}: graph handles or a capture leaked: {_handles()}"
-        now = _held(dev, made.gen)
-        assert _leaked(base, now) == {}, f"device {dev}: the {state} graph leaked {_leaked(base, now)}"
-        made.stream.synchronize()
+        _check_nothing_held(dev, made, base, state)
         del made
         _settle(dev)
 
@@ -201,9 +207,7 @@ def test_a_ctrl_c_as_a_graphs_del_starts_in_a_collection_leaves_nothing_held(mon
         assert _handles() == before
         accel.Event()                               # the first drain point after the collection
         assert _handles() == base["handles"], f"device {dev}: graph handles or a capture leaked: {_handles()}"
-        now = _held(dev, made.gen)
-        assert _leaked(base, now) == {}, f"device {dev}: the {state} graph leaked {_leaked(base, now)}"
-        made.stream.synchronize()
+        _check_nothing_held(dev, made, base, state)
         del made
         _settle(dev)
 
@@ -249,9 +253,7 @@ def test_a_graph_resurrected_by_another_finalizer_keeps_everything_while_it_live
         assert R.default_generator(dev)._state._graphs == 1 and made.gen._state._graphs == 1
         kept.clear()                                # dropped for good: __del__ does not run again
         accel.Event()
-        now = _held(dev, made.gen)
-        assert _leaked(base, now) == {}, f"device {dev}: the resurrected graph leaked {_leaked(base, now)}"
-        made.stream.synchronize()
+        _check_nothing_held(dev, made, base, "resurrected")
         del made
         _settle(dev)
 
