@@ -67,6 +67,19 @@ class _Inject(tia._Inject):
         super()._point(frame)
 
 
+def interrupted(n, targets, run):
+    """``run()`` with a KeyboardInterrupt at its point ``n`` of ``targets`` (None: tia's
+    ``_TARGETS``), caught; returns the injector and what ``run`` returned (None when
+    interrupted), for the caller to drop once the injector has stopped."""
+    point, result = _Inject(n, targets), None
+    try:
+        with point:
+            result = run()
+    except KeyboardInterrupt:
+        pass
+    return point, result
+
+
 @pytest.fixture
 def traced(monkeypatch):
     monkeypatch.setattr(tia, "_TARGETS", _targets())

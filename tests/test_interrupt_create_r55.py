@@ -23,7 +23,7 @@ import pytest
 import accel
 from accel import _finalize, _lazy
 from conftest import SIMS, use_sim
-from test_interrupt_backends import _Inject, _targets
+from test_interrupt_backends import _Inject, _targets, interrupted
 from test_interrupt_del_r53 import _devices, _module_on, _modules, live
 
 pytestmark = pytest.mark.usefixtures("frozen_heap")   # (conftest: a collection per point)
@@ -81,13 +81,7 @@ def test_a_ctrl_c_anywhere_in_a_creation_leaves_no_handle(monkeypatch, kind, wha
     assert counter.count > 5
     leaks = []
     for n in range(1, counter.count + 1):
-        point = _Inject(n, targets)
-        obj = None
-        try:
-            with point:
-                obj = make(dev)
-        except KeyboardInterrupt:
-            pass
+        point, obj = interrupted(n, targets, lambda: make(dev))
         del obj
         _settle(devices)
         after = _held()

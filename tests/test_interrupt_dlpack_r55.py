@@ -19,10 +19,9 @@ import os
 
 import pytest
 
-import accel
 from accel import _dlpack
 from conftest import SIMS, use_sim
-from test_interrupt_backends import _Inject
+from test_interrupt_backends import _Inject, interrupted
 
 pytestmark = pytest.mark.usefixtures("frozen_heap")   # (conftest: a collection per point)
 
@@ -48,13 +47,7 @@ def test_a_ctrl_c_anywhere_in_an_export_leaves_no_export(monkeypatch, kind, vers
     assert counter.count > 3
     left = []
     for n in range(1, counter.count + 1):
-        point = _Inject(n, targets)
-        capsule = None
-        try:
-            with point:
-                capsule = buf.__dlpack__(**kwargs)
-        except KeyboardInterrupt:
-            pass
+        point, capsule = interrupted(n, targets, lambda: buf.__dlpack__(**kwargs))
         del capsule
         gc.collect()
         if _dlpack.live_exports():

@@ -23,7 +23,7 @@ import test_interrupt_allocator as tia
 import test_interrupt_graphs as tig
 from accel import _finalize, _lazy, sim
 from conftest import use_sim
-from test_interrupt_backends import _Inject
+from test_interrupt_backends import _Inject, interrupted
 
 pytestmark = pytest.mark.usefixtures("frozen_heap")   # (conftest: a collection per point)
 
@@ -55,12 +55,7 @@ def test_a_ctrl_c_anywhere_in_a_graphs_life_leaves_no_graph_handle(monkeypatch, 
     assert counter.count > 50
     leaks = []
     for n in range(1, counter.count + 1, tig._STRIDE):
-        point = _Inject(n)
-        try:
-            with point:
-                tig._work(state)
-        except KeyboardInterrupt:
-            pass
+        point, _ = interrupted(n, None, lambda: tig._work(state))
         tig._cleanup(state)
         after = _held(kind, be)
         if after != base:
@@ -101,13 +96,7 @@ def test_a_ctrl_c_anywhere_as_a_capture_begins_leaves_no_generator_in_graph_safe
     stuck = []
     for n in range(1, counter.count + 1):
         fresh()
-        point = _Inject(n, targets)
-        token = None
-        try:
-            with point:
-                token = R._graph_capture_begin(dev)
-        except KeyboardInterrupt:
-            pass
+        point, token = interrupted(n, targets, lambda: R._graph_capture_begin(dev))
         if token is not None:
             R._graph_capture_abort(token)
         if R._device_capturing(dev):
