@@ -113,6 +113,16 @@ def sim_graph_backend(request, monkeypatch):
     return use_sim(monkeypatch, request.param)
 
 
+def vendor_calls_made_by(fn) -> dict:
+    """The simulated vendor functions ``fn()`` called: name -> how many times
+    (``accel.sim.calls()`` before and after)."""
+    from accel import sim
+    before = dict(sim.calls())
+    fn()
+    after = dict(sim.calls())
+    return {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+
+
 def pretend_collection(monkeypatch, here: bool = True) -> None:
     """As accel's gc.callbacks at a collection's start: one runs now, on this thread (``here``)
     or on another.  :func:`pretend_collection_ends` is its "stop"; the test's end undoes both."""

@@ -16,7 +16,7 @@ import pytest
 
 import accel
 from accel import _finalize, sim
-from conftest import SIMS, use_sim
+from conftest import SIMS, use_sim, vendor_calls_made_by
 
 #: Children per simulator: each forks, calls ~30 methods, exits (about 2-5 ms).
 CHILDREN = {"cuda": 200, "xpu": 200, "mps": 200}
@@ -112,14 +112,9 @@ def _child(objs, kind) -> int:
             bad.append(f"{name}: {type(exc).__name__}: {exc}")
         else:
             bad.append(f"{name}: no error")
-    before = dict(sim.calls())
-    objs.clear()
-    gc.collect()
-    _finalize.drain()
-    after = dict(sim.calls())
-    if after != before:
-        bad.append(f"finalizers called the vendor library: "
-                   f"{ {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)} }")
+    made = vendor_calls_made_by(lambda: (objs.clear(), gc.collect(), _finalize.drain()))
+    if made:
+        bad.append(f"finalizers called the vendor library: {made}")
     if bad:
         os.write(2, ("\n".join(bad) + "\n").encode())
         return 1

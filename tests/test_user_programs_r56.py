@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import accel
-from conftest import SIMS, run_forked, use_sim
+from conftest import SIMS, run_forked, use_sim, vendor_calls_made_by
 from test_user_programs import JOIN_S, _devices, allocated, join_all, live_objects, process_state, settle
 
 MiB = 1 << 20
@@ -535,7 +535,7 @@ def test_fork_mid_program_with_capture_imports_and_pools(monkeypatch, kind):
     replaying, memory info), and dropping them all calls no vendor function.  The parent then
     ends its capture, replays both graphs and gets numpy's results; everything returns to
     baseline.  (The objects live in one dict, so the child's drop frees them.)"""
-    from accel import _dlpack, _finalize, sim
+    from accel import _dlpack, _finalize
     use_sim(monkeypatch, kind)
     accel.set_device_index(0)
     last = _devices()[-1]
@@ -597,14 +597,9 @@ def test_fork_mid_program_with_capture_imports_and_pools(monkeypatch, kind):
             else:
                 bad.append(f"{name}: no error")
         del calls, fn
-        before = dict(sim.calls())
-        o.clear()
-        gc.collect()
-        _finalize.drain()
-        after = dict(sim.calls())
-        if after != before:
-            bad.append(f"the child's drops called the vendor library: "
-                       f"{ {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)} }")
+        made = vendor_calls_made_by(lambda: (o.clear(), gc.collect(), _finalize.drain()))
+        if made:
+            bad.append(f"the child's drops called the vendor library: {made}")
         if bad:
             import sys
             sys.stderr.write("\n".join(bad) + "\n")
@@ -645,7 +640,6 @@ def test_child_forked_inside_a_stream_block_leaves_it_with_the_fork_error(monkey
     the same fork error every other use of an inherited object gives (as leaving
     `with accel.device_index(d):` does), call no vendor function, and leave the child's stack of
     entered streams empty; the parent's block is unaffected."""
-    from accel import sim
     use_sim(monkeypatch, kind)
     accel.set_device_index(0)
     last = _devices()[-1]
@@ -654,21 +648,22 @@ def test_child_forked_inside_a_stream_block_leaves_it_with_the_fork_error(monkey
     results = {}
 
     def child():
-        before = dict(sim.calls())
         errors = []
-        for cm in (s, outer):            # the stream block, then (for comparison) the device block around it
-            try:
-                cm.__exit__(None, None, None)
-            except RuntimeError as exc:
-                errors.append(str(exc))
-            else:
-                errors.append("no error")
-        after = dict(sim.calls())
-        ok = (all(_fork_message(kind) in e for e in errors) and after == before)
+
+        def leave():
+            for cm in (s, outer):        # the stream block, then (for comparison) the device block around it
+                try:
+                    cm.__exit__(None, None, None)
+                except RuntimeError as exc:
+                    errors.append(str(exc))
+                else:
+                    errors.append("no error")
+
+        made = vendor_calls_made_by(leave)
+        ok = all(_fork_message(kind) in e for e in errors) and not made
         if not ok:
             import sys
-            sys.stderr.write(f"{errors}; vendor calls: "
-                             f"{ {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)} }\n")
+            sys.stderr.write(f"{errors}; vendor calls: {made}\n")
         return 0 if ok else 1
 
     outer = accel.device_index(last)
