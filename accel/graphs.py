@@ -247,13 +247,15 @@ class Graph:
         invalidates that capture, so the refusal would otherwise come after the damage.
         ``index``: the device the capture would begin on (None: the current one)."""
         self._check_process()
+        backend = _lazy.lazy_init()
+        if not backend.supports_graphs:
+            raise NotImplementedError(backend.no_capture_reason)
         self._check_unused()
-        if _lazy.is_initialized():
-            if index is None:
-                _check_device_free(_lazy.lazy_init().get_device(), " (`with graph:` and accel.graph() "
-                                   "first synchronize the current device, which would invalidate it)")
-            else:
-                _check_device_free(index)
+        if index is None:
+            _check_device_free(backend.get_device(), " (`with graph:` and accel.graph() "
+                               "first synchronize the current device, which would invalidate it)")
+        else:
+            _check_device_free(index)
 
     def _capture_begin(self, backend, stream: Stream, mode: str) -> None:
         if stream._handle == backend.default_stream(stream.device_index):
@@ -772,6 +774,7 @@ def graph(cuda_graph: Graph, pool: Optional[Tuple[int, int]] = None, stream: Opt
         _check_pool(pool)
     if stream is not None:
         stream = _as_stream(stream, "graph(stream)")
+        stream._live()                          # a closed stream: refused before the synchronize
     cuda_graph._refuse_before_sync(None)        # the device synchronize() waits on
     if stream is not None:
         cuda_graph._refuse_before_sync(stream.device_index)

@@ -676,13 +676,8 @@ def _prepare(env, config):
     accel.synchronize(env.dev)
 
 
-#: cases that meet a library bug, each with its own strict xfail test below: left out of the sweeps
-KNOWN = {
-    "device_allocator(True)": "device_allocator's fast path",
-    "graph(g, stream=closed)": "graph() empties the cache before refusing a closed stream",
-    "Graph.__enter__": "with Graph() on Metal empties the caches before refusing",
-    "graph(Graph())": "graph() on Metal empties the caches before refusing",
-}
+#: cases that meet a library bug, each with its own test below: left out of the sweeps (none now)
+KNOWN: dict = {}
 
 
 def _sweep_cases(cases):
@@ -977,10 +972,7 @@ def test_a_call_that_invalidates_a_capture_leaves_the_state_as_before_it(monkeyp
     assert not problems, "\n".join(problems[:60])
 
 
-# -- library bugs the sweeps found (r58): each left out of the sweeps (KNOWN) and failing here ---------
-@pytest.mark.xfail(strict=True, reason="accel/memory/__init__.py device_allocator: the cache lookup "
-                   "_allocators.get(device_index) runs before the int check, and True == 1.0 == 1 hash alike, "
-                   "so True/1.0 return device 1's allocator once it exists (TypeError before)")
+# -- library bugs the sweeps found (r58), each failing here before its fix ---------
 def test_device_allocator_refuses_a_bool_or_float_once_the_allocator_exists(sim_cuda):
     accel.Buffer(16, 1)
     for bad in (True, 1.0, False, 0.0):
@@ -988,9 +980,6 @@ def test_device_allocator_refuses_a_bool_or_float_once_the_allocator_exists(sim_
             M.device_allocator(bad)
 
 
-@pytest.mark.xfail(strict=True, reason="accel/graphs.py graph(): a closed stream= is only refused by "
-                   "capture_stream.wait_stream(), after accel.synchronize() and empty_cache() ran "
-                   "(the cached segments were released by a refused call)")
 def test_graph_with_a_closed_stream_refuses_before_emptying_the_cache(monkeypatch):
     _setup(monkeypatch, "cuda-expandable")
     accel.Buffer(5 * MiB).close()
@@ -1002,9 +991,6 @@ def test_graph_with_a_closed_stream_refuses_before_emptying_the_cache(monkeypatc
     assert M.memory_stats()["reserved_bytes.all.current"] == before
 
 
-@pytest.mark.xfail(strict=True, reason="accel/graphs.py Graph.__enter__ and graph(): on a backend without "
-                   "stream capture (Metal) _refuse_before_sync does not refuse, so synchronize(), "
-                   "empty_cache() and empty_host_cache() run before capture_begin raises NotImplementedError")
 @pytest.mark.parametrize("how", ["with Graph()", "graph(Graph())"])
 def test_a_graph_on_metal_refuses_before_emptying_the_caches(monkeypatch, how):
     _setup(monkeypatch, "mps")
@@ -1015,9 +1001,6 @@ def test_a_graph_on_metal_refuses_before_emptying_the_caches(monkeypatch, how):
     assert (M.memory_stats()["reserved_bytes.all.current"], dict(M.host_memory_stats())) == before
 
 
-@pytest.mark.xfail(strict=True, reason="accel/random/generator.py _State.philox_args: increment is not "
-                   "checked to be an int (only >= 0): reserve(1.5) or reserve(True) is taken, the offset "
-                   "becomes a float, and get_state()/get_rng_state() then fail with struct.error")
 @pytest.mark.parametrize("bad", [1.5, True, np.float64(4.0)])
 def test_generator_reserve_refuses_a_non_int_increment(sim_cuda, bad):
     gen = R.default_generator(0)
@@ -1027,9 +1010,6 @@ def test_generator_reserve_refuses_a_non_int_increment(sim_cuda, bad):
     assert R.get_rng_state(0).tobytes() == state
 
 
-@pytest.mark.xfail(strict=True, reason="accel/random/_device.py register_kernel_source: neither the "
-                   "language nor the loader is checked; a non-callable loader is stored for good (no reset "
-                   "undoes it) and every later Philox fill fails with \"'int' object is not callable\"")
 def test_register_kernel_source_refuses_a_loader_that_is_not_callable(monkeypatch):
     _setup(monkeypatch, "cuda-expandable")
     _kernel_sources(monkeypatch)                  # (the test's own copy of the sources)
@@ -1040,9 +1020,6 @@ def test_register_kernel_source_refuses_a_loader_that_is_not_callable(monkeypatc
     R.uniform_(buf)
 
 
-@pytest.mark.xfail(strict=True, reason="accel/memory/_snapfmt.py _skip_actions: a non-iterable "
-                   "skip_actions reaches frozenset(), whose TypeError \"'int' object is not iterable\" "
-                   "names neither the argument nor the value")
 def test_record_history_names_a_bad_skip_actions(sim_cuda):
     with pytest.raises(TypeError, match="skip_actions.*5"):
         M.record_history("all", skip_actions=5)

@@ -99,9 +99,10 @@ def device_allocator(device_index: int) -> DeviceCachingAllocator:
     With ``ACCEL_ALLOC_CONF=backend:cudaMallocAsync`` it is an
     :class:`~accel.memory._async.AsyncPoolAllocator` (the same interface, over the
     driver's stream-ordered pool)."""
-    alloc = _allocators.get(device_index)
-    if alloc is not None:
-        return alloc
+    if device_index.__class__ is int:      # (True and 1.0 hash as 1: only an int takes the fast path)
+        alloc = _allocators.get(device_index)
+        if alloc is not None:
+            return alloc
     if isinstance(device_index, bool) or not hasattr(type(device_index), "__index__"):
         raise TypeError(f"device_allocator() takes an int device index, got {device_index!r}")
     device_index = device_index.__index__()     # numpy integers too

@@ -206,7 +206,11 @@ def _skip_actions(skip_actions: Optional[Iterable[str]]) -> frozenset:
     if isinstance(skip_actions, str):
         raise TypeError(f"record_history: skip_actions must be a list of action names, got the string "
                         f"{skip_actions!r}; write [{skip_actions!r}]")
-    names = list(skip_actions)
+    try:
+        names = list(skip_actions)
+    except TypeError:
+        raise TypeError(f"record_history: skip_actions must be a list of action names, got "
+                        f"{skip_actions!r}") from None
     for name in names:
         if name not in ACTIONS:
             raise ValueError(f"record_history: skip_actions names unknown action {name!r}; valid actions: "

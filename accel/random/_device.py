@@ -38,6 +38,8 @@ def _shipped(filename: str) -> Callable[[], bytes]:
     return load
 
 
+#: the backends' ``kernel_language`` values (CUDA, Metal, Level Zero)
+_LANGUAGES = ("ptx", "msl", "spirv")
 #: kernel language -> function returning the source text (bytes)
 _SOURCES: Dict[str, Callable[[], bytes]] = {"ptx": _shipped("philox.ptx"), "msl": _shipped("philox.metal")}
 #: kernel language -> function returning a prebuilt image of the same kernels, tried first
@@ -50,6 +52,12 @@ _functions: Dict[Tuple[int, int], Optional[Dict[str, int]]] = {}
 def register_kernel_source(language: str, loader: Callable[[], bytes]) -> None:
     """Use ``loader()`` as the Philox kernel source for backends whose
     ``kernel_language`` is ``language`` (e.g. ``"msl"``)."""
+    if language not in _LANGUAGES:
+        raise ValueError(f"register_kernel_source: unknown kernel language {language!r}; the backends' "
+                         f"languages are {', '.join(map(repr, _LANGUAGES))}")
+    if not callable(loader):
+        raise TypeError(f"register_kernel_source: loader must be a function returning the source bytes, "
+                        f"got {loader!r}")
     with _lock:
         _SOURCES[language] = loader
         _BINARIES.pop(language, None)   # the shipped image is of the shipped source
