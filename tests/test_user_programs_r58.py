@@ -9,7 +9,7 @@ and cross-device event waits under a memory fraction, while a coordinator synchr
 caches and reads stats and snapshots; a graph captured on device 1 in each capture_error_mode
 while another thread works on device 0; allocator settings, fractions and peak resets changed
 while other threads allocate (and roundup_power2_divisions tuned with blocks alive, which
-leaves the allocator's stats wrong: xfail); producers whose streams close with work queued and
+left the allocator's stats wrong before the fix of r58); producers whose streams close with work queued and
 whose blocks are freed by a consumer thread.  Each also runs with an exception raised half way.  Results
 are checked against numpy; afterwards state is bounded by live objects (no growth when the
 program runs again), no thread hangs (join timeouts), and misuse raises a clear error and
@@ -469,11 +469,12 @@ def test_capture_on_device1_while_a_thread_works_on_device0(monkeypatch, kind, m
 
 
 # -- 4. allocator settings, memory fractions and peak resets changed while threads allocate -----
-#: (roundup_power2_divisions changes are left to the deterministic program after this one: the
-#: allocator's stats go wrong when they change while blocks are allocated)
+#: (the roundup_power2_divisions changes once made the stats go below zero here, intermittently:
+#: program 5 is the deterministic form)
 _SETTINGS = ("expandable_segments:False", "expandable_segments:True",
-             "garbage_collection_threshold:0.8,max_split_size_mb:24", "garbage_collection_threshold:0.6",
-             "expandable_segments:False,max_split_size_mb:32", "")
+             "garbage_collection_threshold:0.8,max_split_size_mb:24", "roundup_power2_divisions:4",
+             "garbage_collection_threshold:0.6", "expandable_segments:False,roundup_power2_divisions:[256:8,>:2]",
+             "expandable_segments:False,max_split_size_mb:32", "roundup_power2_divisions:1", "")
 
 
 def _check_snapshot_agrees() -> None:
@@ -588,12 +589,6 @@ def test_settings_fractions_and_peak_resets_while_threads_allocate(monkeypatch, 
 
 
 # -- 5. roundup_power2_divisions tuned while blocks are allocated -------------------------------
-@pytest.mark.xfail(strict=True, reason="DeviceCachingAllocator.set_config clears the whole-segment "
-                   "split memo (_Block.undo) of free blocks only when roundup_power2_divisions changes: "
-                   "a block allocated then keeps it, frees through free()'s fast path with it, and the "
-                   "next malloc of the same size under the new rounding reuses it as its stats delta, so "
-                   "inactive_split_bytes stays off by the rounding difference (55296 bytes with nothing "
-                   "reserved); under threads the packed lanes go below zero (2**64 - 1)")
 @pytest.mark.parametrize("kind", SIMS)
 def test_roundup_divisions_tuned_with_blocks_alive_keeps_stats_exact(monkeypatch, kind):
     """A user tunes the allocator half way through a run: requests of 600,000 bytes are alive

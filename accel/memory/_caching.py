@@ -688,8 +688,11 @@ class DeviceCachingAllocator:
                 # a request size may now round to another block size: what it counted is not known
                 for fl in self._all_free_lists():
                     steps.append(fl.alloc_deltas.clear)
+                # and the whole-segment split memo of every block, allocated ones too: one allocated
+                # now is freed by free()'s fast path with its memo kept, and the next malloc of the
+                # same request would pair it with a block size of the old rounding
                 for block in self._blocks.values():
-                    if block.state == _FREE and block.undo:
+                    if block.undo:
                         steps.append(partial(setattr, block, "undo", 0))
             if self._expandable is not None:
                 # decided again now, not at the next miss: malloc picks a free list by it (E12)
