@@ -108,7 +108,7 @@ def cuda_sim(monkeypatch):
 def test_properties_read_correctly_on_every_runtime(cuda_sim, runtime):
     cuda_sim(runtime)
     props = accel.get_device_properties(1)
-    expect_sm = sim.cudart._attributes(sim.cudart._R, 1)[16]    # cudaDevAttrMultiProcessorCount
+    expect_sm = sim.cudart.devices._attributes(sim.cudart._R, 1)[16]    # cudaDevAttrMultiProcessorCount
     assert props.multi_processor_count == expect_sm > 1
     assert props.unified_memory is False                          # integrated == 0
     assert props.name == "NVIDIA H200"

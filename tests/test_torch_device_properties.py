@@ -34,7 +34,7 @@ def test_cuda__test_device_properties_cuda_values(sim_cuda):
     for index in range(accel.device_count()):
         p = accel.get_device_properties(index)
         R = sim.cudart._R
-        a = sim.cudart._attributes(R, index)
+        a = sim.cudart.devices._attributes(R, index)
         assert p.warp_size == a[10] == 32
         assert p.L2_cache_size == a[38] > 0
         assert p.max_threads_per_multi_processor == a[39] > 0

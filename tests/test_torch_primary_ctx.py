@@ -4,7 +4,7 @@ device 1 alone must create no primary context on device 0.
 torch reads ``torch._C._cuda_hasPrimaryContext(i)`` (cuDevicePrimaryCtxGetState); the simulator
 records the same per device (``accel.sim.state().primary_contexts``): cudaSetDevice and
 cudaInitDevice initialize their device's primary context (CUDA 12+), every other runtime call
-but the device queries initializes the calling thread's current device's (accel/sim/cudart.py,
+but the device queries initializes the calling thread's current device's (accel/sim/cudart/devices.py,
 ``_NO_CONTEXT``).  Each test starts from a fresh simulated runtime (conftest), as torch's runs
 in a new process.  tests/TORCH_PORTS.md lists the cases.
 """
@@ -41,7 +41,7 @@ def test_cuda_primary_ctx__simulator_records_primary_contexts(sim_cuda_fresh):
     from accel.sim import cudart
     runtime = cudart._R
     runtime.tls.device = 0
-    assert cudart.cudaSetDevice(runtime, 1) == 0
+    assert cudart.devices.cudaSetDevice(runtime, 1) == 0
     assert _contexts() == [False, True]
 
 

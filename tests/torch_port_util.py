@@ -24,7 +24,7 @@ def hold(stream) -> threading.Event:
         raise RuntimeError("hold() needs ACCEL_SIM_DELAY_US > 0 (operations run inline otherwise)")
     runtime = cudart._R
     sim_stream = runtime.streams.get(stream.handle)
-    if sim_stream is cudart._LEGACY:
+    if sim_stream is cudart.state._LEGACY:
         sim_stream = runtime.devices[stream.device_index].legacy
     gate = threading.Event()
     sim_stream.q.submit(lambda: gate.wait(HOLD_LIMIT_S))

@@ -6,7 +6,7 @@
     python tools/cudart_exports.py --check         # exit 1 if a committed list differs
 
 The simulated libcudart of a configured runtime version exposes exactly these
-names (accel/sim/cudart.py), so code that works on the simulator does not
+names (accel/sim/cudart/), so code that works on the simulator does not
 call a function the real runtime of that version lacks (cudaLibrary* before
 12.8, for example).  The ELF dynamic symbol table is read here in Python
 (.dynsym + .dynstr; defined FUNC symbols only), so no binutils is needed.

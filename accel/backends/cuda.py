@@ -58,7 +58,7 @@ _KERNEL_IMAGE_ERRORS = frozenset({200, 209, 218, 221, 222, 223})
 # Drivers before CUDA 12.3 refuse to load a module while a stream capture is underway (900, the
 # capture invalidated); NVIDIA Warp, warp.capture_begin: kernels "can be loaded during graph
 # capture on more recent drivers" (CUDA 12.3 or newer).  Unloading is refused by every driver
-# (Warp issue 401), so accel unloads only when no capture is underway (accel/sim/cudart.py,
+# (Warp issue 401), so accel unloads only when no capture is underway (accel/sim/cudart/modules.py,
 # module_call_in_capture).
 _MODULE_LOAD_IN_CAPTURE = 12030
 

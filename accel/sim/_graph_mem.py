@@ -1,8 +1,8 @@
-"""Graph memory nodes of the simulated CUDA runtime: the state behind cudart.py's
+"""Graph memory nodes of the simulated CUDA runtime: the state behind cudart/graph_memory.py's
 cudaMallocAsync / cudaFreeAsync on a capturing stream, the relaunch rule, and
 cudaDeviceGraphMemTrim / cudaDevice{Get,Set}GraphMemAttribute.
 
-What the documents say, and how it is modelled (the error codes are cudart.py's):
+What the documents say, and how it is modelled (the error codes are cudart/state.py's):
 
 * CUDA Runtime API, cudaMallocAsync: "During stream capture, this function results in the
   creation of an allocation node.  In this case, the allocation is owned by the graph instead

@@ -246,7 +246,7 @@ def cuLaunchKernel(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockD
         return CUDA_ERROR_INVALID_CONTEXT
     if extra != _dffi().NULL:
         return CUDA_ERROR_INVALID_VALUE   # CU_LAUNCH_PARAM_* buffers are not simulated
-    s = cudart._stream(R, _addr(hStream))
+    s = cudart.common._stream(R, _addr(hStream))
     if s is None:
         return CUDA_ERROR_INVALID_HANDLE
     rc = cudart.launch(R, k, (gridDimX, gridDimY, gridDimZ), (blockDimX, blockDimY, blockDimZ),
@@ -286,7 +286,7 @@ def cuFuncSetAttribute(hfunc, attrib, value):
     k = R.kernels.get(_addr(hfunc))
     if k is None:
         return CUDA_ERROR_INVALID_HANDLE
-    rc = cudart.cudaFuncSetAttribute(R, k.key, attrib, value)
+    rc = cudart.modules.cudaFuncSetAttribute(R, k.key, attrib, value)
     return _LAUNCH_CODES.get(rc, rc)
 
 
@@ -300,7 +300,7 @@ def cuOccupancyMaxActiveBlocksPerMultiprocessor(numBlocks, func, blockSize, dyna
         return CUDA_ERROR_INVALID_HANDLE
     if numBlocks == _dffi().NULL:
         return CUDA_ERROR_INVALID_VALUE
-    rc = cudart.cudaOccupancyMaxActiveBlocksPerMultiprocessor(R, core.ffi.cast("int *", _addr(numBlocks)), k.key,
+    rc = cudart.modules.cudaOccupancyMaxActiveBlocksPerMultiprocessor(R, core.ffi.cast("int *", _addr(numBlocks)), k.key,
                                                                blockSize, dynamicSMemSize)
     return _LAUNCH_CODES.get(rc, rc)
 
@@ -376,7 +376,7 @@ def cuDeviceGetAttribute(pi, attrib, dev):
         pi[0] = 1 if vmm_available(R.cfg) else 0
     else:
         # CUdevice_attribute and cudaDeviceAttr share their values (cuda.h / driver_types.h)
-        pi[0] = cudart._attributes(R, d).get(attrib, 0)
+        pi[0] = cudart.devices._attributes(R, d).get(attrib, 0)
     return CUDA_SUCCESS
 
 
@@ -413,7 +413,7 @@ def _unsafe(cudart, R) -> int:
     # cudaMalloc/cudaFree, change what memory exists.  Silent docs: refused as "potentially unsafe"
     # (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, the capture invalidated; relaxed mode allows them).
     if R.captures:
-        return cudart._unsafe_call(R)
+        return cudart.common._unsafe_call(R)
     return 0
 
 

@@ -1,0 +1,243 @@
+"""What most calls share: writing through out-pointers, resolving stream and other handles,
+the rules of stream capture every call obeys (potentially unsafe calls, implicit dependencies on
+the legacy stream, invalidation), queueing work on a stream, and closing streams.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Dict, List, Optional, Tuple
+
+from ..core import ffi
+from .state import (
+    _CAPTURE_GLOBAL, _CAPTURE_RELAXED, _CHARP, _LEGACY, _PER_THREAD, _STATUS_ACTIVE, _STATUS_INVALIDATED,
+    _VOIDPP, Capture, Node, Runtime, Stream, _addr, cudaErrorStreamCaptureImplicit,
+    cudaErrorStreamCaptureInvalidated, cudaErrorStreamCaptureUnsupported,
+)
+
+
+def _put_ptr(p, key) -> bool:
+    """Write pointer/handle ``key`` (void* cdata) through out-pointer ``p``; False if p is NULL."""
+    if p is None:
+        return False
+    try:
+        p[0] = key
+        return True
+    except RuntimeError:    # cffi: "cannot dereference null pointer"
+        return False
+    except TypeError:
+        a = _addr(p)
+        if not a:
+            return False
+        ffi.cast(_VOIDPP, a)[0] = key
+        return True
+
+
+def _is_null(p) -> bool:
+    return p is None or (p.__class__ is int and p == 0) or (p.__class__ is not int and p == ffi.NULL)
+
+
+def _put(p, value, ctype="int *") -> None:
+    try:
+        p[0] = value
+    except TypeError:
+        ffi.cast(ctype, _addr(p))[0] = value
+
+
+def _c_string(x) -> Optional[str]:
+    if isinstance(x, bytes):
+        return x.split(b"\0", 1)[0].decode()
+    if isinstance(x, str):
+        return x
+    if _is_null(x):
+        return None
+    return ffi.string(ffi.cast(_CHARP, x)).decode()
+
+
+def _stream(R: Runtime, x):
+    try:
+        s = R.streams.get(x)
+    except TypeError:
+        return None
+    if s.__class__ is Stream:
+        return s
+    if s is _LEGACY:
+        return R.devices[R.tls.device].legacy
+    if s is _PER_THREAD:
+        return _per_thread_stream(R)
+    return None
+
+
+class _PerThreadStreams(dict):
+    """{device: Stream} of cudaStreamPerThread for one host thread.  When the thread exits its
+    thread-local state goes, and these streams are handed to the runtime to close (a plain
+    list.append: a finalizer must not take a lock the collecting thread may hold)."""
+
+    __slots__ = ("dead",)
+
+    def __init__(self, dead: list):
+        super().__init__()
+        self.dead = dead
+
+    def __del__(self):
+        self.dead.extend(self.values())
+
+
+def _per_thread_stream(R: Runtime) -> Stream:
+    tls = R.tls
+    d = tls.device
+    table = tls.per_thread
+    if table is None:
+        table = tls.per_thread = _PerThreadStreams(R.dead_per_thread)
+    s = table.get(d)
+    if s is None:
+        if R.dead_per_thread:
+            _sweep_finished_threads(R)
+        s = Stream(R.new_handle(), d, 0, 0)
+        s.q = R.engine.queue(f"cuda{d}-per-thread-{threading.get_ident():x}", s)
+        dev = R.devices[d]
+        with R.lock:
+            dev.queues[s.q] = None
+            dev.blocking.append(s)
+        table[d] = s
+    return s
+
+
+def _lookup(table, x):
+    try:
+        return table.get(x)
+    except TypeError:
+        return None
+
+
+# -- stream ordering and capture ------------------------------------------------------
+
+def _implicit_deps(R: Runtime, s: Stream):
+    """Legacy-stream semantics: the points a new operation on ``s`` must wait for."""
+    if s.legacy:
+        return [(b.q, b.q.enqueued) for b in R.devices[s.device].blocking if b.q.done < b.q.enqueued]
+    if s.blocking:
+        lq = R.devices[s.device].legacy.q
+        if lq.done < lq.enqueued:
+            return ((lq, lq.enqueued),)
+    return ()
+
+
+def _legacy_conflict(R: Runtime, device: int) -> int:
+    """Using the legacy stream while a blocking stream of its device captures is
+    invalid (it would depend on the capture): invalidate those captures."""
+    rc = 0
+    with R.clock:
+        for cap in list(R.captures):
+            if cap.device == device and any(st.blocking for st in cap.tails):
+                cap.status = _STATUS_INVALIDATED
+                rc = cudaErrorStreamCaptureImplicit
+    return rc
+
+
+def _unsafe_call(R: Runtime) -> int:
+    """0, or cudaErrorStreamCaptureUnsupported after invalidating the captures that prohibit
+    a "potentially unsafe" call by this thread now.
+
+    CUDA Runtime API, cudaStreamBeginCapture / cudaThreadExchangeStreamCaptureMode: in global
+    mode (the default), a thread with an ongoing non-relaxed capture of its own, or while any
+    other thread has a global-mode capture underway, is prohibited from potentially unsafe
+    calls; thread-local mode ignores other threads' captures; relaxed mode allows them.  The
+    unsafe calls (CUDA Programming Guide, "CUDA Graphs" > "Prohibited and Unhandled
+    Operations"; torch's allocator relies on this list): cudaMalloc/cudaHostAlloc/cudaFree/
+    cudaFreeHost, cudaEventQuery/cudaEventSynchronize of any event, cudaStreamQuery/
+    cudaStreamSynchronize of streams not being captured, cudaDeviceSynchronize, and
+    synchronous cudaMemcpy/cudaMemset.  A prohibited call fails and invalidates the capture
+    (cudaStreamEndCapture then returns cudaErrorStreamCaptureInvalidated)."""
+    mode = R.tls.capture_mode
+    if mode == _CAPTURE_RELAXED:
+        return 0
+    me = threading.get_ident()
+    rc = 0
+    with R.clock:
+        for cap in list(R.captures):
+            if cap.thread == me:
+                hit = cap.mode != _CAPTURE_RELAXED
+            else:
+                hit = mode == _CAPTURE_GLOBAL and cap.mode == _CAPTURE_GLOBAL
+            if hit:
+                cap.status = _STATUS_INVALIDATED
+                rc = cudaErrorStreamCaptureUnsupported
+    return rc
+
+
+def _invalidate(R: Runtime, cap: Optional[Capture]) -> None:
+    if cap is not None and not cap.ended:
+        with R.clock:
+            cap.status = _STATUS_INVALIDATED
+
+
+def _enqueue(R: Runtime, s: Stream, fn, kind: str, label: str, work: bool = True, event=None, kernel=None):
+    """Run ``fn`` in stream order on ``s`` (or record it, if ``s`` is capturing).
+    Returns (rc, seq); seq is 0 for captured or failed operations."""
+    cap = s.capture
+    if cap is not None:
+        with R.clock:
+            if cap.status != _STATUS_ACTIVE:
+                return cudaErrorStreamCaptureInvalidated, 0
+            node = Node(len(cap.nodes), kind, label, fn, cap.tails.get(s, ()), event, kernel)
+            cap.nodes.append(node)
+            cap.tails[s] = (node.id,)
+        return 0, 0
+    if s.legacy and R.captures:
+        rc = _legacy_conflict(R, s.device)
+        if rc:
+            return rc, 0
+    return 0, s.q.submit(fn, _implicit_deps(R, s) if (s.legacy or s.blocking) else (), work)
+
+
+def _wait_device(R: Runtime, device: int) -> None:
+    for q in list(R.devices[device].queues):
+        if q.done < q.enqueued:
+            q.wait()
+
+
+def _device_captures(R: Runtime, device: int) -> List[Capture]:
+    return [c for c in list(R.captures) if c.device == device]
+
+
+# -- error names ---------------------------------------------------------------------
+
+_strings: Dict[Tuple[str, int], object] = {}
+
+
+def _cstr(kind: str, code: int, text: str):
+    key = (kind, code)
+    c = _strings.get(key)
+    if c is None:
+        c = _strings.setdefault(key, ffi.new("char[]", text.encode()))
+    return c
+
+
+def _destroy_stream(R: Runtime, s: Stream) -> None:
+    Runtime.drop(R.streams, s)
+    R.free_streams.append(s.handle)
+    _close_stream(R, s)
+
+
+def _close_stream(R: Runtime, s: Stream) -> None:
+    s.destroyed = True
+    if s.capture is not None:
+        _invalidate(R, s.capture)
+    dev = R.devices[s.device]
+    with R.lock:
+        if s in dev.blocking:
+            dev.blocking.remove(s)
+        R.engine.close(s.q)     # queued work still runs; then the engine and device forget it
+
+
+def _sweep_finished_threads(R: Runtime) -> None:
+    """Close the per-thread default streams of threads that have exited (queued by
+    _PerThreadStreams.__del__, which takes no lock), so they leave every table."""
+    dead = R.dead_per_thread
+    while dead:
+        try:
+            s = dead.pop()
+        except IndexError:
+            break
+        _close_stream(R, s)

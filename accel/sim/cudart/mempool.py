@@ -1,0 +1,201 @@
+"""The stream-ordered allocator: cudaMallocAsync / cudaFreeAsync from each device's default
+pool, pool attributes, trimming, and access from other devices.
+"""
+
+from __future__ import annotations
+
+from .. import _memory, core
+from .state import (
+    cudaErrorInvalidDevice, cudaErrorInvalidResourceHandle, cudaErrorInvalidValue,
+    cudaErrorMemoryAllocation, cudaSuccess, _oom,
+)
+from .common import _enqueue, _is_null, _lookup, _put, _put_ptr, _stream
+from .pools import (
+    _ACCESS_NONE, _ACCESS_READ, _ACCESS_READ_WRITE, _LOCATION_DEVICE, _POOL_CHUNK, _POOL_RELEASE_THRESHOLD,
+    _POOL_RESERVED_CURRENT, _POOL_RESERVED_HIGH, _POOL_USED_CURRENT, _POOL_USED_HIGH, _GraphAllocation,
+    _default_pool, _ints, _pool_value,
+)
+from .graph_memory import _capture_free, _capture_malloc, _graph_free_async
+
+
+def cudaDeviceGetDefaultMemPool(R, memPool, device):
+    if not (0 <= device < len(R.devices)):
+        return cudaErrorInvalidDevice
+    if _is_null(memPool):
+        return cudaErrorInvalidValue
+    _put_ptr(memPool, _default_pool(R, device).key)
+    return cudaSuccess
+
+
+def cudaMallocAsync(R, devPtr, size, hStream):
+    """CUDA Runtime API, cudaMallocAsync: ``size`` bytes from the default pool of the stream's
+    device, usable in stream order on ``hStream``; cudaErrorMemoryAllocation when the device
+    has no room for what the pool must add."""
+    if _is_null(devPtr) or size <= 0:
+        return cudaErrorInvalidValue
+    s = _stream(R, hStream)
+    if s is None:
+        return cudaErrorInvalidResourceHandle
+    if s.capture is not None:
+        return _capture_malloc(R, devPtr, size, s)
+    if _oom and core.take_oom():
+        return cudaErrorMemoryAllocation
+    pool, dev = _default_pool(R, s.device), R.devices[s.device]
+    n = (size + 255) & ~255
+    with R.mlock:
+        grow = -(-max(0, n - (pool.reserved - pool.used)) // _POOL_CHUNK) * _POOL_CHUNK
+        if dev.used + grow > R.cfg.memory - dev.reserved:
+            return cudaErrorMemoryAllocation
+        dev.used += grow
+        dev.peak = max(dev.peak, dev.used)
+        pool.reserved += grow
+        pool.used += n
+        pool.used_high = max(pool.used_high, pool.used)
+        pool.reserved_high = max(pool.reserved_high, pool.reserved)
+    try:
+        a = _memory.allocate(size, _memory.DEVICE, s.device)
+    except MemoryError:
+        a = None
+    if a is None or not _put_ptr(devPtr, a.key):
+        with R.mlock:
+            pool.used -= n
+        return cudaErrorMemoryAllocation if a is None else cudaErrorInvalidValue
+    R.mem.add(a)
+    R.async_allocs[a.base] = (pool, n)
+    return cudaSuccess
+
+
+def cudaFreeAsync(R, devPtr, hStream):
+    """CUDA Runtime API, cudaFreeAsync: returns memory from cudaMallocAsync to its pool in
+    stream order on ``hStream``.  Memory from cudaMalloc, or freed already, is refused
+    (cudaErrorInvalidValue)."""
+    s = _stream(R, hStream)
+    if s is None:
+        return cudaErrorInvalidResourceHandle
+    a = None if _is_null(devPtr) else _lookup(R.mem.by_key, devPtr)
+    if a.__class__ is _GraphAllocation:
+        return _capture_free(R, a, s) if s.capture is not None else _graph_free_async(R, a, s)
+    if a is None or a.base not in R.async_allocs:
+        return cudaErrorInvalidValue
+    if s.capture is not None:
+        # cudaFreeAsync: "During stream capture, this function results in the creation of a free
+        # node and must therefore be passed the address of a graph allocation."
+        return cudaErrorInvalidValue
+    pool, n = R.async_allocs.pop(a.base)
+
+    def run():
+        R.mem.remove(a)
+        with R.mlock:
+            pool.used -= n
+    rc, _seq = _enqueue(R, s, run, "free", "cudaFreeAsync")
+    if rc:
+        R.async_allocs[a.base] = (pool, n)
+    return rc
+
+
+def cudaMemPoolSetAttribute(R, memPool, attr, value):
+    """CUDA Runtime API, cudaMemPoolSetAttribute: the reuse flags (int), the release
+    threshold (cuuint64_t) and the two high watermarks, which can only be reset to 0;
+    the current sizes are read-only (cudaErrorInvalidValue)."""
+    pool = _lookup(R.pools, memPool)
+    if pool is None:
+        return cudaErrorInvalidResourceHandle
+    if _is_null(value):
+        return cudaErrorInvalidValue
+    if attr in pool.reuse:
+        pool.reuse[attr] = 1 if _pool_value(value, "int *") else 0
+    elif attr == _POOL_RELEASE_THRESHOLD:
+        pool.release_threshold = _pool_value(value, "unsigned long long *")
+    elif attr in (_POOL_RESERVED_HIGH, _POOL_USED_HIGH):
+        if _pool_value(value, "unsigned long long *") != 0:
+            return cudaErrorInvalidValue
+        with R.mlock:
+            if attr == _POOL_RESERVED_HIGH:
+                pool.reserved_high = pool.reserved
+            else:
+                pool.used_high = pool.used
+    else:
+        return cudaErrorInvalidValue
+    return cudaSuccess
+
+
+def cudaMemPoolGetAttribute(R, memPool, attr, value):
+    pool = _lookup(R.pools, memPool)
+    if pool is None:
+        return cudaErrorInvalidResourceHandle
+    if _is_null(value):
+        return cudaErrorInvalidValue
+    if attr in pool.reuse:
+        _put(value, pool.reuse[attr], "int *")
+        return cudaSuccess
+    with R.mlock:
+        got = {_POOL_RELEASE_THRESHOLD: pool.release_threshold, _POOL_RESERVED_CURRENT: pool.reserved,
+               _POOL_RESERVED_HIGH: pool.reserved_high, _POOL_USED_CURRENT: pool.used,
+               _POOL_USED_HIGH: pool.used_high}.get(attr)
+    if got is None:
+        return cudaErrorInvalidValue
+    _put(value, got, "unsigned long long *")
+    return cudaSuccess
+
+
+def cudaMemPoolTrimTo(R, memPool, minBytesToKeep):
+    """CUDA Runtime API, cudaMemPoolTrimTo: release unused pool memory until the pool holds at
+    most ``minBytesToKeep`` reserved bytes (memory in use is never released)."""
+    pool = _lookup(R.pools, memPool)
+    if pool is None:
+        return cudaErrorInvalidResourceHandle
+    if minBytesToKeep < 0:
+        return cudaErrorInvalidValue
+    with R.mlock:
+        keep = max(-(-pool.used // _POOL_CHUNK) * _POOL_CHUNK, minBytesToKeep // _POOL_CHUNK * _POOL_CHUNK)
+        release = max(0, pool.reserved - keep)
+        pool.reserved -= release
+        R.devices[pool.device].used -= release
+    return cudaSuccess
+
+
+def cudaMemPoolSetAccess(R, memPool, descList, count):
+    """CUDA Runtime API, cudaMemPoolSetAccess: "Controls visibility of pools between devices";
+    each cudaMemAccessDesc gives one device's access (cudaMemAccessFlagsProtNone / ProtRead /
+    ProtReadWrite).  Refused (cudaErrorInvalidValue, nothing applied): a location that is not a
+    device, a device out of range, another flag value, and any change to the owner's own access
+    (the docs are silent on it: allocations are always accessible from the pool's device)."""
+    pool = _lookup(R.pools, memPool)
+    if pool is None:
+        return cudaErrorInvalidResourceHandle
+    if count < 0 or (count and _is_null(descList)):
+        return cudaErrorInvalidValue
+    fields = _ints(descList, 3 * count) if count else []
+    changes = {}
+    for i in range(count):
+        kind, device, flags = fields[3 * i:3 * i + 3]
+        if kind != _LOCATION_DEVICE or not (0 <= device < len(R.devices)) or \
+                flags not in (_ACCESS_NONE, _ACCESS_READ, _ACCESS_READ_WRITE):
+            return cudaErrorInvalidValue
+        if device == pool.device and flags != _ACCESS_READ_WRITE:
+            return cudaErrorInvalidValue
+        changes[device] = flags
+    with R.mlock:
+        for device, flags in changes.items():
+            if device == pool.device:
+                continue
+            if flags == _ACCESS_NONE:
+                pool.access.pop(device, None)
+            else:
+                pool.access[device] = flags
+    return cudaSuccess
+
+
+def cudaMemPoolGetAccess(R, flags, memPool, location):
+    """CUDA Runtime API, cudaMemPoolGetAccess: "the accessibility of the pool's memory from the
+    specified location" (read-write for the pool's own device)."""
+    pool = _lookup(R.pools, memPool)
+    if pool is None:
+        return cudaErrorInvalidResourceHandle
+    if _is_null(flags) or _is_null(location):
+        return cudaErrorInvalidValue
+    kind, device = _ints(location, 2)
+    if kind != _LOCATION_DEVICE or not (0 <= device < len(R.devices)):
+        return cudaErrorInvalidValue
+    _put(flags, _ACCESS_READ_WRITE if device == pool.device else pool.access.get(device, _ACCESS_NONE))
+    return cudaSuccess

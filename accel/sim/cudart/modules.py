@@ -1,0 +1,302 @@
+"""Modules and kernels: loading images (cudaLibraryLoadData), kernel handles, function
+attributes, occupancy, the driver entry points, and kernel launches.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+from .. import _cuda_images, kernels
+from ..core import ffi
+from .state import (
+    _CHARP, _NULL, _SHARED_PER_BLOCK, _SHARED_PER_BLOCK_OPTIN, _SHARED_PER_SM, KernelHandle, Library,
+    Runtime, Stream, cudaErrorInvalidConfiguration, cudaErrorInvalidDeviceFunction,
+    cudaErrorInvalidResourceHandle, cudaErrorInvalidValue, cudaErrorSymbolNotFound, cudaSuccess,
+)
+from .common import _c_string, _enqueue, _is_null, _lookup, _put, _put_ptr, _stream, _unsafe_call
+from .devices import _device_view, _set_fields
+
+
+# -- kernels ------------------------------------------------------------------------------
+
+ptx_entries = _cuda_images.ptx_entries
+
+
+_MODULE_LOAD_IN_CAPTURE = 12030    # the first driver (CUDA 12.3) that loads modules during a capture
+
+
+def module_call_in_capture(R: Runtime, loading: bool) -> int:
+    """0, or cudaErrorStreamCaptureUnsupported (= CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED) after
+    invalidating the captures that prohibit this thread's potentially unsafe calls
+    (:func:`_unsafe_call`), for loading (cudaLibraryLoadData, cuModuleLoadData) or unloading
+    (cudaLibraryUnload, cuModuleUnload) a module while a capture is underway.
+
+    The CUDA documentation lists neither among the calls prohibited during capture.  Drivers
+    before CUDA 12.3 refuse a load with 900 (NVIDIA Warp, warp.capture_begin: "kernels can be
+    loaded during graph capture on more recent drivers", CUDA 12.3 or newer; Warp reports
+    "error 900: operation not permitted when stream is capturing" from cuModuleLoadDataEx on a
+    12.2 driver); an unload during a capture fails the same way on current drivers (Warp issue
+    401, "Module unloading causes errors during graph capture").  Both are refused as the
+    other potentially unsafe calls: the calling thread's relaxed mode allows them."""
+    if not R.captures or (loading and R.cfg.driver_version >= _MODULE_LOAD_IN_CAPTURE):
+        return cudaSuccess
+    return _unsafe_call(R)
+
+
+def load_image(R: Runtime, code, device=None):
+    """(Library, 0) for the module image at ``code`` (PTX, cubin or fatbin), or (None, error code).
+    ``device`` set: a driver module of that device's context (cuModuleLoadData); None: a
+    context-independent cudaLibrary_t."""
+    rc = module_call_in_capture(R, True)
+    if rc:
+        return None, rc
+    try:
+        data = _cuda_images.image_bytes(ffi, code, _CHARP)
+        # Every simulated device has the configured compute capability.
+        names, jit = _cuda_images.load(data, R.cfg.compute_capability, R.cfg.driver_version)
+    except _cuda_images.ImageError as exc:
+        return None, exc.code
+    if jit:
+        R.jit_compiles += 1
+    lib = Library(R.new_handle(), frozenset(names), device, _cuda_images.declared_params(data))
+    Runtime.put(R.libraries, lib)
+    return lib, cudaSuccess
+
+
+def cudaLibraryLoadData(R, library, code, jitOptions=None, jitOptionsValues=None, numJitOptions=0,
+                        libraryOptions=None, libraryOptionValues=None, numLibraryOptions=0):
+    if _is_null(library) or _is_null(code):
+        return cudaErrorInvalidValue
+    lib, rc = load_image(R, code)
+    if lib is None:
+        return rc
+    _put_ptr(library, lib.key)
+    return cudaSuccess
+
+
+def cudaLibraryUnload(R, library):
+    lib = _lookup(R.libraries, library)
+    if lib is None or lib.device is not None:    # a driver CUmodule is not a cudaLibrary_t
+        return cudaErrorInvalidResourceHandle
+    rc = module_call_in_capture(R, False)
+    if rc:
+        return rc
+    unload(R, lib)
+    return cudaSuccess
+
+
+def unload(R: Runtime, lib: Library) -> None:
+    lib.unloaded = True
+    Runtime.drop(R.libraries, lib)
+    for k in lib.kernels.values():
+        Runtime.drop(R.kernels, k)
+
+
+def kernel_of(R: Runtime, lib: Library, name: str) -> "KernelHandle":
+    """The one handle of kernel ``name`` (in ``lib.names``) of ``lib``."""
+    k = lib.kernels.get(name)
+    if k is None:
+        k = lib.kernels[name] = KernelHandle(R.new_handle(), name, lib)
+        Runtime.put(R.kernels, k)
+    return k
+
+
+def cudaLibraryGetKernel(R, pKernel, library, name):
+    lib = _lookup(R.libraries, library)
+    if lib is None or lib.device is not None:
+        return cudaErrorInvalidResourceHandle
+    n = _c_string(name)
+    if _is_null(pKernel) or n is None:
+        return cudaErrorInvalidValue
+    if n not in lib.names:
+        return cudaErrorSymbolNotFound
+    _put_ptr(pKernel, kernel_of(R, lib, n).key)
+    return cudaSuccess
+
+
+# -- driver entry points -------------------------------------------------------------------
+
+_ENTRY_FLAGS = (0, 1, 2)   # cudaEnableDefault, cudaEnableLegacyStream, cudaEnablePerThreadDefaultStream
+_ENTRY_FOUND, _ENTRY_NOT_FOUND, _ENTRY_VERSION_NOT_SUFFICIENT = 0, 1, 2   # cudaDriverEntryPointQueryResult
+
+
+def _entry_point(R, symbol, funcPtr, version, flags, driverStatus):
+    """CUDA Runtime API, cudaGetDriverEntryPoint[ByVersion]: the driver function ``symbol`` of ABI
+    ``version`` in ``*funcPtr``, or NULL with driverStatus SymbolNotFound (the driver has no such
+    symbol) / VersionNotSufficent (``version`` predates the symbol's first ABI)."""
+    name = _c_string(symbol)
+    if name is None or _is_null(funcPtr) or flags not in _ENTRY_FLAGS:
+        return cudaErrorInvalidValue
+    from .. import cuda_driver
+    status, fn = cuda_driver.entry_point(name, version, R.cfg.driver_version)
+    _put_ptr(funcPtr, fn if fn is not None else _NULL)
+    if not _is_null(driverStatus):
+        _put(driverStatus, status)
+    return cudaSuccess
+
+
+def cudaGetDriverEntryPoint(R, symbol, funcPtr, flags, driverStatus=None):
+    # Without a version the runtime asks for the ABI of its own CUDA version.
+    return _entry_point(R, symbol, funcPtr, R.cfg.runtime_version, flags, driverStatus)
+
+
+def cudaGetDriverEntryPointByVersion(R, symbol, funcPtr, cudaVersion, flags, driverStatus=None):
+    # cuda_runtime_api.h: "If the specified CUDA version is greater than the driver version, the
+    # API will return cudaErrorInvalidValue."
+    if cudaVersion > R.cfg.driver_version:
+        return cudaErrorInvalidValue
+    return _entry_point(R, symbol, funcPtr, cudaVersion, flags, driverStatus)
+
+
+_FUNC_ATTR_MAX_DYNAMIC_SHARED = 8          # cudaFuncAttributeMaxDynamicSharedMemorySize
+_FUNC_ATTR_PREFERRED_CARVEOUT = 9          # cudaFuncAttributePreferredSharedMemoryCarveout
+
+
+def cudaFuncSetAttribute(R, func, attr, value):
+    """Set a kernel attribute for the current device (cudaKernel_t handles as ``func``).
+
+    CUDA Runtime API, cudaFuncSetAttribute: cudaErrorInvalidDeviceFunction for an unknown
+    function; cudaErrorInvalidValue for an attribute that cannot be written or a bad value.
+    cudaFuncAttributeMaxDynamicSharedMemorySize may not exceed cudaDevAttrMaxSharedMemoryPerBlockOptin
+    (kernels here use no static shared memory); the carveout is a percentage (-1: default)."""
+    k = _lookup(R.kernels, func)
+    if k is None:
+        return cudaErrorInvalidDeviceFunction
+    if attr == _FUNC_ATTR_MAX_DYNAMIC_SHARED:
+        if not (0 <= value <= _SHARED_PER_BLOCK_OPTIN):
+            return cudaErrorInvalidValue
+        k.max_dynamic_shared[R.tls.device] = value
+        return cudaSuccess
+    if attr == _FUNC_ATTR_PREFERRED_CARVEOUT:
+        if not -1 <= value <= 100:
+            return cudaErrorInvalidValue
+        k.carveout[R.tls.device] = value
+        return cudaSuccess
+    return cudaErrorInvalidValue
+
+
+def cudaFuncGetAttributes(R, attr, func):
+    """``struct cudaFuncAttributes`` of a kernel (cudaKernel_t handles as ``func``) on the
+    current device.  CUDA Runtime API, cudaFuncGetAttributes: cudaErrorInvalidDeviceFunction
+    for an unknown function.  The struct has the same layout in CUDA 12 and 13; fields are
+    set by name.  The simulated kernels use no static shared, constant or local memory."""
+    k = _lookup(R.kernels, func)
+    if k is None:
+        return cudaErrorInvalidDeviceFunction
+    if _is_null(attr):
+        return cudaErrorInvalidValue
+    _set_fields(attr, function_attributes(R, k))
+    return cudaSuccess
+
+
+def function_attributes(R: Runtime, k: "KernelHandle") -> Dict[str, int]:
+    """The fields of ``struct cudaFuncAttributes`` of ``k`` on the current device (also what the
+    driver's cuFuncGetAttribute reads)."""
+    d = R.tls.device
+    major, minor = R.cfg.compute_capability
+    return {
+        "sharedSizeBytes": 0, "constSizeBytes": 0, "localSizeBytes": 0, "maxThreadsPerBlock": 1024,
+        "numRegs": _SIM_NUM_REGS, "ptxVersion": major * 10 + minor, "binaryVersion": major * 10 + minor,
+        "cacheModeCA": 0, "maxDynamicSharedSizeBytes": k.max_dynamic_shared.get(d, _SHARED_PER_BLOCK),
+        "preferredShmemCarveout": k.carveout.get(d, -1), "clusterDimMustBeSet": 0,
+        "requiredClusterWidth": 0, "requiredClusterHeight": 0, "requiredClusterDepth": 0,
+        "clusterSchedulingPolicyPreference": 0, "nonPortableClusterSizeAllowed": 0,
+    }
+
+
+_MAX_BLOCKS_PER_SM = 32            # cudaDevAttrMaxBlocksPerMultiprocessor (compute capability 9.0)
+_MAX_THREADS_PER_SM = 2048         # cudaDevAttrMaxThreadsPerMultiProcessor
+_REGS_PER_SM = 65536               # cudaDevAttrMaxRegistersPerMultiprocessor
+_SIM_NUM_REGS = 32                 # what cudaFuncGetAttributes reports for a simulated kernel
+
+
+def cudaOccupancyMaxActiveBlocksPerMultiprocessor(R, numBlocks, func, blockSize, dynamicSMemSize):
+    """CUDA Runtime API, cudaOccupancyMaxActiveBlocksPerMultiprocessor: the blocks of the kernel
+    resident on one SM at once.  cudaErrorInvalidDeviceFunction for an unknown function,
+    cudaErrorInvalidValue for a NULL result or a block size outside 1..maxThreadsPerBlock.
+    Computed from the limits the CUDA Programming Guide ("Compute Capabilities", table of
+    technical specifications) gives for compute capability 9.0: 32 blocks, 2048 threads, 64K
+    registers (allocated per warp) and the SM's shared memory, of which each block also
+    reserves 1 KiB for the system ("Shared Memory" in the 9.0 section)."""
+    k = _lookup(R.kernels, func)
+    if k is None:
+        return cudaErrorInvalidDeviceFunction
+    if _is_null(numBlocks) or not (1 <= blockSize <= 1024) or dynamicSMemSize < 0:
+        return cudaErrorInvalidValue
+    warps = -(-blockSize // 32)
+    limits = [_MAX_BLOCKS_PER_SM, _MAX_THREADS_PER_SM // (warps * 32),
+              _REGS_PER_SM // (warps * 32 * _SIM_NUM_REGS)]
+    if dynamicSMemSize > k.max_dynamic_shared.get(R.tls.device, _SHARED_PER_BLOCK):
+        limits.append(0)
+    else:
+        limits.append(_SHARED_PER_SM // (dynamicSMemSize + 1024))
+    _put(numBlocks, max(0, min(limits)))
+    return cudaSuccess
+
+
+def _dim3(d) -> Tuple[int, int, int]:
+    if isinstance(d, int):
+        return (d, 1, 1)
+    if isinstance(d, (tuple, list)):
+        t = tuple(int(v) for v in d) + (1, 1, 1)
+        return t[:3]
+    if isinstance(d, dict):
+        return (d.get("x", 1), d.get("y", 1), d.get("z", 1))
+    return (d.x, d.y, d.z)
+
+
+def _launch_config_ok(grid, block) -> bool:
+    if min(grid) < 1 or min(block) < 1:
+        return False
+    if block[0] > 1024 or block[1] > 1024 or block[2] > 64 or block[0] * block[1] * block[2] > 1024:
+        return False
+    return grid[0] <= 2 ** 31 - 1 and grid[1] <= 65535 and grid[2] <= 65535
+
+
+def cudaLaunchKernel(R, func, gridDim, blockDim, args, sharedMem, stream):
+    k = _lookup(R.kernels, func)
+    if k is None:
+        return cudaErrorInvalidDeviceFunction
+    s = _stream(R, stream)
+    if s is None:
+        return cudaErrorInvalidResourceHandle
+    return launch(R, k, _dim3(gridDim), _dim3(blockDim), args, sharedMem, s)
+
+
+def launch(R: Runtime, k: "KernelHandle", grid, block, args, sharedMem, s: Stream) -> int:
+    """Launch ``k`` on stream ``s`` (cudaLaunchKernel and the driver's cuLaunchKernel);
+    returns a cudaError_t code."""
+    # CUDA Programming Guide, "Multi-Device System" (Stream and Event Behavior): "A kernel launch
+    # will fail if it is issued to a stream that is not associated to the current device."
+    if s.device != R.tls.device:
+        return cudaErrorInvalidResourceHandle
+    if not _launch_config_ok(grid, block):
+        return cudaErrorInvalidConfiguration
+    # CUDA Programming Guide, "Shared Memory" (compute capability 7.x+): more than 48 KB of
+    # dynamic shared memory per block needs an explicit opt-in with cudaFuncSetAttribute(
+    # cudaFuncAttributeMaxDynamicSharedMemorySize); the launch fails with cudaErrorInvalidValue
+    # (CUDA_ERROR_INVALID_VALUE from cuLaunchKernel) otherwise.
+    if sharedMem > _SHARED_PER_BLOCK and sharedMem > k.max_dynamic_shared.get(s.device, _SHARED_PER_BLOCK):
+        return cudaErrorInvalidValue
+    ref = kernels.lookup(k.name)
+    if ref is None:
+        # No Python reference registered (accel.sim.register_kernel): the simulator cannot run it.
+        return cudaErrorInvalidDeviceFunction
+    declared = k.library.params.get(k.name)
+    if declared is not None and not kernels.matches(ref, declared):
+        # The kernel reads its parameters as its .entry declares them (PTX ISA, "Kernel Function
+        # Parameters"); a reference registered with another list would read other bytes.  The
+        # driver does not check argument lists (it cannot); the simulator refuses the launch.
+        return cudaErrorInvalidValue
+    try:
+        values = kernels.decode_args(ref, args)
+    except ValueError:
+        return cudaErrorInvalidValue
+    fn, view, vmm_lock = ref.fn, _device_view(R, s.device), R.vmm.lock
+
+    def run():
+        # holding the mapped pages (the space's lock, shared): no cuMemUnmap pulls them from under
+        # a running kernel, and other work can still be queued and run meanwhile
+        with vmm_lock.shared():
+            fn(grid, block, view, *values)
+    return _enqueue(R, s, run, "kernel", f"{k.name} grid{grid} block{block}", kernel=k)[0]
