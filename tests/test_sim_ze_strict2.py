@@ -336,7 +336,7 @@ def test_a_context_destroyed_by_two_threads_at_once_is_refused(ze, monkeypatch):
     lib = ze.lib
     ctx = ze.context()
     seen = []
-    ready = sim_ze._ready
+    ready = sim_ze.memory._ready
 
     def meanwhile():        # the first call is inside zeContextDestroy when the other thread calls
         if not seen:
@@ -345,10 +345,10 @@ def test_a_context_destroyed_by_two_threads_at_once_is_refused(ze, monkeypatch):
             t.start()
             t.join(60)
         return ready()
-    monkeypatch.setattr(sim_ze, "_ready", meanwhile)
+    monkeypatch.setattr(sim_ze.memory, "_ready", meanwhile)
     assert lib.zeContextDestroy(ctx) == 0
     assert seen == [lib.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE]
-    monkeypatch.setattr(sim_ze, "_ready", ready)
+    monkeypatch.setattr(sim_ze.memory, "_ready", ready)
     assert lib.zeContextDestroy(ctx) == lib.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
 
 

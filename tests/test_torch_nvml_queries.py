@@ -7,7 +7,7 @@ Test names follow PyTorch's test/test_cuda.py and test/test_cuda_multigpu.py whe
 same function exists there (``test_cuda::test_device_memory_used`` ...); the rest say what they check.
 
 On the simulator the readings are the documented model of ``accel/sim/nvml.py`` (CUDA) and
-``accel/sim/ze.py`` (Level Zero Sysman): an idle device reads its idle values.
+``accel/sim/ze/sysman.py`` (Level Zero Sysman): an idle device reads its idle values.
 """
 
 import os
@@ -230,7 +230,7 @@ def test_queries_on_every_backend_both_devices(sim_backend):
 # -- Level Zero (Sysman) --------------------------------------------------------------------------------
 
 def test_xpu_sysman_readings_without_core_init(monkeypatch):
-    # the simulated Sysman's model (accel/sim/ze.py): idle GPU sensor 35 C, GPU frequency 300 MHz
+    # the simulated Sysman's model (accel/sim/ze/sysman.py): idle GPU sensor 35 C, GPU frequency 300 MHz
     use_sim(monkeypatch, "xpu")
     for i in range(2):
         assert accel.temperature(i) == 35

@@ -418,13 +418,13 @@ def test_sim_list_is_free_once_its_last_signal_is_visible(ze_raw, monkeypatch):
     ev = z.event(z.pool(1))
     target = sim_ze._rt.get(ev, "event")
     results = []
-    signal = sim_ze._signal_now
+    signal = sim_ze.events._signal_now
 
     def then_destroy(rt, e):        # the host wakes here and destroys the list at once
         signal(rt, e)
         if e is target:
             results.append(lib.zeCommandListDestroy(cl))
-    monkeypatch.setattr(sim_ze, "_signal_now", then_destroy)
+    monkeypatch.setattr(sim_ze.events, "_signal_now", then_destroy)
     assert lib.zeCommandListAppendSignalEvent(cl, ev) == 0
     assert lib.zeEventHostSynchronize(ev, (1 << 64) - 1) == 0
     assert results == [0]

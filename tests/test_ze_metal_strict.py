@@ -199,17 +199,17 @@ def test_executing_a_list_twice_at_once_is_refused(ze, monkeypatch):
     assert lib.zeCommandQueueExecuteCommandLists(q, 2, twice, ffi.NULL) == lib.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE
     once = ffi.new("ze_command_list_handle_t[1]", [cl])
     seen = []
-    submit = sim_ze._submit
+    submit = sim_ze.commands._submit
 
     def meanwhile(*args, **kwargs):   # the first execute is submitting when another thread executes
         if not seen:
             seen.append(None)
             seen[0] = _from_another_thread(lambda: lib.zeCommandQueueExecuteCommandLists(q, 1, once, ffi.NULL))
         return submit(*args, **kwargs)
-    monkeypatch.setattr(sim_ze, "_submit", meanwhile)
+    monkeypatch.setattr(sim_ze.commands, "_submit", meanwhile)
     assert lib.zeCommandQueueExecuteCommandLists(q, 1, once, ffi.NULL) == 0
     assert seen == [lib.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE]
-    monkeypatch.setattr(sim_ze, "_submit", submit)
+    monkeypatch.setattr(sim_ze.commands, "_submit", submit)
     assert lib.zeCommandQueueSynchronize(q, _UINT64_MAX) == 0
     assert lib.zeCommandQueueExecuteCommandLists(q, 1, once, ffi.NULL) == 0     # once it ran: fine
     assert lib.zeCommandQueueSynchronize(q, _UINT64_MAX) == 0
@@ -249,13 +249,13 @@ def test_event_whose_signal_the_host_saw_may_be_reset_at_once(ze, monkeypatch):
     ev = z.event(z.pool(1))
     target = sim_ze._rt.get(ev, "event")
     results = []
-    signal = sim_ze._signal_now
+    signal = sim_ze.events._signal_now
 
     def then_reset(rt, e):        # the host wakes here and resets the event at once
         signal(rt, e)
         if e is target:
             results.append(lib.zeEventHostReset(ev))
-    monkeypatch.setattr(sim_ze, "_signal_now", then_reset)
+    monkeypatch.setattr(sim_ze.events, "_signal_now", then_reset)
     assert lib.zeCommandListAppendSignalEvent(cl, ev) == 0
     assert lib.zeCommandListHostSynchronize(cl, _UINT64_MAX) == 0
     assert results == [0]
@@ -356,17 +356,17 @@ def test_a_command_list_used_by_two_threads_at_once_is_refused(ze, monkeypatch, 
              "reset": lambda: lib.zeCommandListReset(cl),
              "destroy": lambda: lib.zeCommandListDestroy(cl)}[second]
     seen = []
-    events = sim_ze._events
+    events = sim_ze.commands._events
 
     def meanwhile(*args):     # the first append is inside the library when the other thread calls
         if not seen:
             seen.append(None)
             seen[0] = _from_another_thread(other)
         return events(*args)
-    monkeypatch.setattr(sim_ze, "_events", meanwhile)
+    monkeypatch.setattr(sim_ze.commands, "_events", meanwhile)
     assert z.fill(cl, p, 64, 1) == 0
     assert seen == [lib.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE]
-    monkeypatch.setattr(sim_ze, "_events", events)
+    monkeypatch.setattr(sim_ze.commands, "_events", events)
     assert other() == 0               # one at a time is fine
     if second in ("append", "reset"):
         assert lib.zeCommandListDestroy(cl) == 0

@@ -13,7 +13,10 @@ from __future__ import annotations
 import struct
 
 from . import kernels
-from .ze import _Obj, _Op, _append, _events, _ready, ffi
+from .core import ffi
+from .ze.commands import _Op, _append, _events
+from .ze.common import _ready
+from .ze.objects import _Obj
 
 _FORMATS = {"ptr": "<Q", "u32": "<I", "i32": "<i", "u64": "<Q", "i64": "<q", "f32": "<f", "f64": "<d"}
 

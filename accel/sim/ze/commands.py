@@ -1,0 +1,557 @@
+"""Command lists and queues: immediate and regular lists, copies, fills, event signals, waits
+and resets, barriers, close / reset / destroy, queues executing lists, and host synchronize.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .. import _memory, _ze_counters, core
+from ..core import ffi
+from .objects import _CmdList, _CmdQueue, _Device, _Runtime
+from .common import _addr, _ready
+from .discovery import _GROUPS, _fill_pattern_max
+from .events import _device_signal, _host_wait
+from .virtual_memory import _reservation_ctx, _vmm_range
+
+
+# -- command lists and queues ---------------------------------------------------------------------
+
+def _queue_target(hContext, hDevice, stype, expected_stype: str, ordinal):
+    """The checks every creator of a queue or command list makes: ``(rc, rt, dev)``,
+    with ``rc`` the result code to return when it is not 0."""
+    rt, rc = _ready()
+    if rc:
+        return rc, rt, None
+    C = rt.C
+    if rt.get(hContext, "context") is None:
+        return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE, rt, None
+    dev = rt.get(hDevice, "device")
+    if dev is None:
+        return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE, rt, None
+    if stype != getattr(C, expected_stype):
+        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION, rt, None
+    if ordinal >= len(_GROUPS):
+        return C.ZE_RESULT_ERROR_INVALID_ARGUMENT, rt, None
+    return 0, rt, dev
+
+
+def zeCommandListCreateImmediate(hContext, hDevice, altdesc, phCommandList):
+    rc, rt, dev = _queue_target(hContext, hDevice, altdesc.stype, "ZE_STRUCTURE_TYPE_COMMAND_QUEUE_DESC",
+                                altdesc.ordinal)
+    if rc:
+        return rc
+    C = rt.C
+    in_order = bool(altdesc.flags & C.ZE_COMMAND_QUEUE_FLAG_IN_ORDER)
+    if in_order and rt.zcfg.api_version < (1, 7):
+        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION   # the flag does not exist before API 1.7
+    if altdesc.mode > C.ZE_COMMAND_QUEUE_MODE_ASYNCHRONOUS:
+        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    q = rt.engine.queue(f"xpu{dev.ordinal}-immediate")
+    cl = rt._add(_CmdList(rt.get(hContext, "context"), dev, True, q, in_order, altdesc.ordinal))
+    phCommandList[0] = cl.key
+    return 0
+
+
+def zeCommandListCreate(hContext, hDevice, desc, phCommandList):
+    rc, rt, dev = _queue_target(hContext, hDevice, desc.stype, "ZE_STRUCTURE_TYPE_COMMAND_LIST_DESC",
+                                desc.commandQueueGroupOrdinal)
+    if rc:
+        return rc
+    C = rt.C
+    in_order = bool(desc.flags & C.ZE_COMMAND_LIST_FLAG_IN_ORDER)
+    if in_order and rt.zcfg.api_version < (1, 7):
+        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    cl = rt._add(_CmdList(rt.get(hContext, "context"), dev, False, None, in_order, desc.commandQueueGroupOrdinal))
+    phCommandList[0] = cl.key
+    return 0
+
+
+def _busy(cl: _CmdList) -> bool:
+    if cl.immediate:
+        # Not the engine queue's count: it completes an operation only after the operation's
+        # signal has woken the host, which may destroy the list at once (the device is done).
+        return cl.finished < cl.submitted
+    return cl.executing is not None and cl.executing[0].done < cl.executing[1]
+
+
+def zeCommandListDestroy(hCommandList):
+    rt, rc = _ready()
+    if rc:
+        return rc
+    cl = rt.get(hCommandList, "cmdlist")
+    if cl is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if _busy(cl):
+        return rt.C.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE   # the device still references it
+    rt._forget(cl)
+    cl.ops = []
+    if cl.queue is not None:
+        rt.engine.close_later(cl.queue)
+    return 0
+
+
+def zeCommandListClose(hCommandList):
+    rt, rc = _ready()
+    if rc:
+        return rc
+    cl = rt.get(hCommandList, "cmdlist")
+    if cl is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if cl.immediate:
+        return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+    cl.closed = True
+    return 0
+
+
+def zeCommandListReset(hCommandList):
+    rt, rc = _ready()
+    if rc:
+        return rc
+    cl = rt.get(hCommandList, "cmdlist")
+    if cl is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if _busy(cl):
+        return rt.C.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE
+    cl.ops.clear()
+    cl.closed = False
+    return 0
+
+
+class _Op:
+    """One command: ``fn`` (the work, may be None), the events it waits for, signals and resets;
+    ``traffic`` the (read, written) bytes of device memory it moves (the Sysman counters);
+    ``kernel`` the kernel object a launch runs (_ze_kernels.py), referenced until it ran;
+    ``memory`` the USM allocations it touches, likewise referenced (zeMemFree)."""
+    __slots__ = ("fn", "waits", "signal", "reset", "work", "label", "traffic", "kernel", "memory")
+
+    def __init__(self, fn, waits=(), signal=None, reset=None, work=True, label="", traffic=(0, 0), kernel=None):
+        self.fn, self.waits, self.signal, self.reset, self.work, self.label = fn, waits, signal, reset, work, label
+        self.traffic, self.kernel = traffic, kernel
+        self.memory = ()
+
+
+def _is_device_memory(a) -> bool:
+    """A copy side: a USM allocation, or None for mapped virtual memory (device pages)."""
+    return a is None or a.kind == _memory.DEVICE
+
+
+def _submit(rt: _Runtime, queue, op: _Op, device: Optional[_Device] = None, ordinal: int = 0,
+            owner: Optional["_CmdList"] = None) -> None:
+    """Put ``op`` on an engine queue; the event bookkeeping happens in submission order.  Work
+    (``op.fn``) run for ``device`` is charged to its tiles' Sysman counters (_ze_counters), to
+    the engine group of queue group ``ordinal``, when it completes.  ``owner``: the immediate
+    list it is appended to, which the device references until the operation ran (_busy)."""
+    meters = [device.card.meters[t] for t in device.tiles] if device is not None and op.fn is not None else ()
+    group = _GROUPS[ordinal][0] if ordinal < len(_GROUPS) else "all"
+    reads, writes = op.traffic
+    with rt.lock:
+        deps = [(ev.eq, ev.last_reset_sig + 1) for ev in op.waits]
+        sig, rst, fn = op.signal, op.reset, op.fn
+        used = list(_op_events(op))
+        for ev in used:
+            ev.refs += 1   # the device references it until this operation ran (zeEventDestroy)
+        kernel = op.kernel
+        if kernel is not None:
+            kernel.f["refs"] += 1   # likewise (zeKernelDestroy)
+        memory = op.memory
+        for a in memory:
+            rt.alloc_refs[a] = rt.alloc_refs.get(a, 0) + 1   # likewise (zeMemFree)
+        if owner is not None:
+            owner.submitted += 1
+        if sig is not None:
+            sig.sig_submitted += 1
+            used.remove(sig)        # (released as the signal becomes visible: _device_signal)
+        if rst is not None:
+            rst.last_reset_sig = rst.sig_submitted
+
+        def release(start):
+            # The device is done with the list, the kernel and the other events: released
+            # before the signal, since a host thread that sees it may destroy them at once.
+            with rt.lock:
+                if meters:
+                    _ze_counters.account(meters, group, start, _ze_counters.now_us(), reads, writes)
+                for ev in used:
+                    ev.refs -= 1
+                if kernel is not None:
+                    kernel.f["refs"] -= 1
+                for a in memory:
+                    n = rt.alloc_refs[a] - 1
+                    if n:
+                        rt.alloc_refs[a] = n
+                    else:
+                        del rt.alloc_refs[a]   # bounded by the operations not yet run
+                if owner is not None:
+                    owner.finished += 1
+
+        def run():
+            start = _ze_counters.now_us() - int(core.delay_s * 1e6) if meters else 0   # the engine slept first
+            released = signalled = False
+            try:
+                if fn is not None:
+                    fn()
+                if rst is not None:
+                    rst.signaled = False
+                released = True
+                release(start)
+                if sig is not None:
+                    signalled = True
+                    _device_signal(rt, sig)
+            finally:
+                if not released:
+                    release(start)
+                if sig is not None and not signalled:
+                    with rt.lock:
+                        sig.refs -= 1
+        # Always a "work" operation: the engine runs markers with its lock held, and
+        # signalling an event takes that lock.
+        queue.submit(run, deps, True)
+
+
+def _events(rt, hSignalEvent, numWaitEvents, phWaitEvents):
+    """(signal event or None, wait events) or an error code."""
+    sig = None
+    if hSignalEvent:
+        sig = rt.get(hSignalEvent, "event")
+        if sig is None:
+            return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    waits = []
+    if numWaitEvents:
+        if not phWaitEvents:
+            return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
+        for i in range(numWaitEvents):
+            ev = rt.get(phWaitEvents[i], "event")
+            if ev is None:
+                return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+            waits.append(ev)
+    return sig, tuple(waits)
+
+
+def _op_events(op: _Op) -> tuple:
+    extra = tuple(ev for ev in (op.signal, op.reset) if ev is not None)
+    return op.waits + extra if extra else op.waits
+
+
+def _append(rt: _Runtime, hCommandList, op: _Op, memory=()) -> int:
+    cl = rt.get(hCommandList, "cmdlist")
+    if cl is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    for ev in _op_events(op):
+        # ze_api.h, zeCommandListAppend*: "The application must ensure the events are accessible by
+        # the device on which the command list was created" and "the command list and events were
+        # created on the same context".
+        if ev.pool.context is not cl.ctx or not ev.pool.visible_to(cl.device):
+            return rt.C.ZE_RESULT_ERROR_INVALID_SYNCHRONIZATION_OBJECT
+    for a in memory:
+        # ze_api.h, zeCommandListAppendMemoryCopy/Fill: "... and the memory was allocated, on the
+        # same context."
+        if rt.alloc_ctx.get(a.base) is not cl.ctx:
+            return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+    op.memory = tuple(memory)
+    if cl.immediate:
+        _submit(rt, cl.queue, op, cl.device, cl.ordinal, owner=cl)
+    else:
+        if cl.closed:
+            return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+        cl.ops.append(op)
+    return 0
+
+
+def _usm(rt: _Runtime, addr: int, size: int):
+    """The live USM allocation holding [addr, addr+size), or None (pageable or out of range)."""
+    a = rt.memory.find(addr)
+    if a is None or addr + size > a.base + a.size:
+        return None
+    return a
+
+
+def _checked_range(rt: _Runtime, addr: int, size: int, what: str, expected=None) -> None:
+    # At execution: the memory must still be allocated (a freed buffer means a backend bug), and
+    # be the allocation the command was appended with, not a later one at a reused address.
+    a = _usm(rt, addr, size)
+    if a is None or (expected is not None and a is not expected):
+        raise RuntimeError(f"{what} touches {size} bytes at {addr:#x}, outside every live allocation "
+                           "it was appended with (freed while queued work still used it?)")
+
+
+def zeCommandListAppendMemoryCopy(hCommandList, dstptr, srcptr, size, hSignalEvent, numWaitEvents, phWaitEvents):
+    rt, rc = _ready()
+    if rc:
+        return rc
+    got = _events(rt, hSignalEvent, numWaitEvents, phWaitEvents)
+    if isinstance(got, int):
+        return got
+    sig, waits = got
+    dst, src = _addr(dstptr), _addr(srcptr)
+    if not dst or not src:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
+    if size and dst < src + size and src < dst + size:
+        # ze_api.h, ZE_RESULT_ERROR_OVERLAPPING_REGIONS: "copy operations do not support
+        # overlapping regions of memory" (zeCommandListAppendMemoryCopy's entry is silent:
+        # refused with that code, for USM and virtual memory alike).
+        return rt.C.ZE_RESULT_ERROR_OVERLAPPING_REGIONS
+    memory = ()
+    if size:
+        memory = (_usm(rt, dst, size), _usm(rt, src, size))
+        traffic = (size if _is_device_memory(memory[1]) else 0, size if _is_device_memory(memory[0]) else 0)
+        if None in memory and rt.vmm.reservations:
+            return _vmm_copy(rt, hCommandList, dst, src, size, memory, waits, sig, traffic)
+        if None in memory:
+            return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT   # not device-accessible USM memory
+
+    def copy():
+        if size:
+            _checked_range(rt, src, size, "memory copy source", memory[1])
+            _checked_range(rt, dst, size, "memory copy destination", memory[0])
+            ffi.memmove(_memory.char_ptr(dst), _memory.char_ptr(src), size)
+    return _append(rt, hCommandList, _Op(copy, waits, sig, label=f"copy {size}",
+                                         traffic=traffic if size else (0, 0)), memory)
+
+
+def zeCommandListAppendMemoryFill(hCommandList, ptr, pattern, pattern_size, size, hSignalEvent,
+                                  numWaitEvents, phWaitEvents):
+    rt, rc = _ready()
+    if rc:
+        return rc
+    got = _events(rt, hSignalEvent, numWaitEvents, phWaitEvents)
+    if isinstance(got, int):
+        return got
+    sig, waits = got
+    dst = _addr(ptr)
+    if not dst or not pattern:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
+    cl = rt.get(hCommandList, "cmdlist")
+    # ze_api.h: "The pattern size must be a power-of-two and less than or equal to
+    # ze_command_queue_group_properties_t.maxMemoryFillPatternSize" -- of the list's queue group.
+    most = _fill_pattern_max(cl.ordinal) if cl is not None else 16
+    if pattern_size == 0 or pattern_size & (pattern_size - 1) or pattern_size > most:
+        return rt.C.ZE_RESULT_ERROR_INVALID_SIZE
+    if size % pattern_size:
+        return rt.C.ZE_RESULT_ERROR_INVALID_SIZE
+    memory = (_usm(rt, dst, size),) if size else ()
+    pat = bytes(ffi.buffer(ffi.cast("char *", pattern), pattern_size))   # read at append time
+    if None in memory and rt.vmm.reservations:
+        region = _vmm_range(rt, dst, size, True)
+        if region is not None:
+            data = pat * (size // pattern_size)
+            return _vmm_append(rt, hCommandList, [(dst, region)], lambda: ffi.buffer(
+                _memory.char_ptr(dst), size).__setitem__(slice(None), data), waits, sig, f"fill {size}", (),
+                traffic=(0, size))
+    if None in memory:
+        return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+
+    def fill():
+        if size:
+            _checked_range(rt, dst, size, "memory fill", memory[0])
+            ffi.buffer(_memory.char_ptr(dst), size)[:] = pat * (size // pattern_size)
+    return _append(rt, hCommandList, _Op(fill, waits, sig, label=f"fill {size}", traffic=(0, size)), memory)
+
+
+def _vmm_copy(rt, hCommandList, dst, src, size, memory, waits, sig, traffic=(0, 0)):
+    """A copy with a side in virtual memory (the other a USM allocation, or virtual memory too)."""
+    sides, usm = [], []
+    for addr, a, write in ((dst, memory[0], True), (src, memory[1], False)):
+        if a is not None:
+            usm.append(a)
+            continue
+        region = _vmm_range(rt, addr, size, write)
+        if region is None:
+            return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT      # neither USM nor virtual memory
+        sides.append((addr, region))
+    return _vmm_append(rt, hCommandList, sides, lambda: ffi.memmove(_memory.char_ptr(dst), _memory.char_ptr(src),
+                                                                     size), waits, sig, f"copy {size}", tuple(usm),
+                       usm_ranges=((dst, memory[0]), (src, memory[1])), size=size, traffic=traffic)
+
+
+def _vmm_append(rt, hCommandList, sides, work, waits, sig, label, usm, usm_ranges=(), size=0, traffic=(0, 0)):
+    """Append ``work`` touching virtual memory ``sides`` [(addr, Region | why)].  An access to an
+    unmapped or inaccessible page is appended and faults when it runs (the device's page fault:
+    the device is lost); the mappings are checked again when it runs, under the space's lock
+    (zeVirtualMemUnmap does not wait for queued work)."""
+    cl = rt.get(hCommandList, "cmdlist")
+    if cl is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    for addr, _region in sides:
+        if not _reservation_ctx(rt, addr, cl.ctx):
+            return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+    lock = rt.vmm.lock
+
+    def run():
+        with lock.shared():
+            for addr, region in sides:
+                why = region if region.__class__ is str else region.problem()
+                if why:
+                    raise RuntimeError(f"{label}: page fault at 0x{addr:x}: {why}")
+            for addr, a in usm_ranges:
+                if a is not None:
+                    _checked_range(rt, addr, size, label, a)
+            work()
+    return _append(rt, hCommandList, _Op(run, waits, sig, label=label, traffic=traffic), usm)
+
+
+def zeCommandListAppendSignalEvent(hCommandList, hEvent):
+    rt, rc = _ready()
+    if rc:
+        return rc
+    ev = rt.get(hEvent, "event")
+    if ev is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    return _append(rt, hCommandList, _Op(None, (), ev, work=False, label="signal"))
+
+
+def zeCommandListAppendWaitOnEvents(hCommandList, numEvents, phEvents):
+    rt, rc = _ready()
+    if rc:
+        return rc
+    got = _events(rt, None, numEvents, phEvents)
+    if isinstance(got, int):
+        return got
+    return _append(rt, hCommandList, _Op(None, got[1], work=False, label="wait"))
+
+
+def zeCommandListAppendEventReset(hCommandList, hEvent):
+    rt, rc = _ready()
+    if rc:
+        return rc
+    ev = rt.get(hEvent, "event")
+    if ev is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    return _append(rt, hCommandList, _Op(None, (), None, ev, work=False, label="reset"))
+
+
+def zeCommandListAppendBarrier(hCommandList, hSignalEvent, numWaitEvents, phWaitEvents):
+    rt, rc = _ready()
+    if rc:
+        return rc
+    got = _events(rt, hSignalEvent, numWaitEvents, phWaitEvents)
+    if isinstance(got, int):
+        return got
+    return _append(rt, hCommandList, _Op(None, got[1], got[0], work=False, label="barrier"))
+
+
+def zeCommandListHostSynchronize(hCommandList, timeout):
+    rt, rc = _ready()
+    if rc:
+        return rc
+    if rt.zcfg.api_version < (1, 6):
+        # zeCommandListHostSynchronize is Level Zero API 1.6: an older driver's DDI table has no
+        # pfnHostSynchronize. Loader source/lib/ze_libapi.cpp: a null entry after init returns
+        # ZE_RESULT_ERROR_UNSUPPORTED_FEATURE (the multi-driver intercept in ze_ldrddi.cpp returns
+        # ZE_RESULT_ERROR_UNINITIALIZED instead), whatever the loader's own version.
+        return rt.C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE
+    cl = rt.get(hCommandList, "cmdlist")
+    if cl is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if not cl.immediate:
+        return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+    q = cl.queue
+    target = q.enqueued
+    return _host_wait(rt, lambda: q.done >= target or rt.lost is not None, timeout, q.cv,
+                      "zeCommandListHostSynchronize")
+
+
+def zeCommandQueueCreate(hContext, hDevice, desc, phCommandQueue):
+    rc, rt, dev = _queue_target(hContext, hDevice, desc.stype, "ZE_STRUCTURE_TYPE_COMMAND_QUEUE_DESC",
+                                desc.ordinal)
+    if rc:
+        return rc
+    C = rt.C
+    if desc.flags & C.ZE_COMMAND_QUEUE_FLAG_IN_ORDER:
+        return C.ZE_RESULT_ERROR_INVALID_ARGUMENT   # IN_ORDER is for immediate command lists only
+    cq = rt._add(_CmdQueue(rt.get(hContext, "context"), dev, rt.engine.queue(f"xpu{dev.ordinal}-queue"),
+                           desc.ordinal))
+    phCommandQueue[0] = cq.key
+    return 0
+
+
+def zeCommandQueueDestroy(hCommandQueue):
+    rt, rc = _ready()
+    if rc:
+        return rc
+    cq = rt.get(hCommandQueue, "cmdqueue")
+    if cq is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if not cq.queue.idle():
+        return rt.C.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE
+    rt._forget(cq)
+    rt.engine.close_later(cq.queue)
+    return 0
+
+
+def zeCommandQueueExecuteCommandLists(hCommandQueue, numCommandLists, phCommandLists, hFence):
+    rt, rc = _ready()
+    if rc:
+        return rc
+    C = rt.C
+    cq = rt.get(hCommandQueue, "cmdqueue")
+    if cq is None:
+        return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if numCommandLists == 0:
+        return C.ZE_RESULT_ERROR_INVALID_SIZE
+    if hFence:
+        return C.ZE_RESULT_ERROR_INVALID_SYNCHRONIZATION_OBJECT   # fences are not simulated
+    with rt.lock:   # checked and marked as referenced in one step (two threads may execute at once)
+        lists = _executable(rt, cq, numCommandLists, phCommandLists)
+        if isinstance(lists, int):
+            return lists
+        for cl in lists:
+            # ze_api.h: "The application must ensure the device is not currently referencing
+            # the command list": referenced from here on, so a second execute meanwhile (another
+            # thread, or the same list twice in this call) is refused by _busy.
+            cl.executing = (cq.queue, _SUBMITTING)
+    for cl in lists:
+        for op in cl.ops:
+            _submit(rt, cq.queue, op, cq.device, cq.ordinal)
+        cl.executing = (cq.queue, cq.queue.enqueued)
+    return 0
+
+
+_SUBMITTING = float("inf")   # cl.executing's last sequence number while its operations are being submitted
+
+
+def _executable(rt, cq, numCommandLists, phCommandLists):
+    """The lists to execute on ``cq``, or the code refusing them (caller holds ``rt.lock``)."""
+    C = rt.C
+    lists = []
+    for i in range(numCommandLists):
+        cl = rt.get(phCommandLists[i], "cmdlist")
+        if cl is None:
+            return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+        if cl.immediate:
+            return C.ZE_RESULT_ERROR_INVALID_COMMAND_LIST_TYPE
+        # ze_api.h, zeCommandQueueExecuteCommandLists: the lists must be closed, created for the
+        # queue's ordinal, and "the command queue, command list and fence were created on the same
+        # context".
+        if not cl.closed or cl.ordinal != cq.ordinal or cl.device is not cq.device or cl.ctx is not cq.ctx:
+            return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+        if _busy(cl) or cl in lists:
+            return C.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE   # still referenced by a submission (or twice here)
+        for op in cl.ops:
+            # An event destroyed after it was recorded into the list: the device would use freed
+            # driver memory. The documents are silent; the simulator refuses.
+            if any(not ev.live for ev in _op_events(op)):
+                return C.ZE_RESULT_ERROR_INVALID_SYNCHRONIZATION_OBJECT
+            # Likewise a kernel destroyed after its launch was recorded: the documents are silent;
+            # refused with the code any call gives a destroyed kernel handle.
+            if op.kernel is not None and not op.kernel.live:
+                return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+            # And memory freed after the command was recorded (zeMemFree: the device must not
+            # reference freed memory); at run it would touch whatever now lives at that address.
+            # The documents name no code: refused with INVALID_ARGUMENT, as foreign memory is.
+            if any(not a.live for a in op.memory):
+                return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+        lists.append(cl)
+    return lists
+
+
+def zeCommandQueueSynchronize(hCommandQueue, timeout):
+    rt, rc = _ready()
+    if rc:
+        return rc
+    cq = rt.get(hCommandQueue, "cmdqueue")
+    if cq is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    q = cq.queue
+    target = q.enqueued
+    return _host_wait(rt, lambda: q.done >= target or rt.lost is not None, timeout, q.cv,
+                      "zeCommandQueueSynchronize")

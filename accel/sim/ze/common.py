@@ -1,0 +1,114 @@
+"""What most calls share: the initialization check, writing structures and out-pointers, the
+visible devices (ZE_AFFINITY_MASK, ZE_FLAT_DEVICE_HIERARCHY) and the Sysman handle check.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Optional, Tuple
+
+from .. import _memory
+from .objects import _Card, _Runtime, _runtime
+
+
+# -- helpers ------------------------------------------------------------------------
+
+def _addr(x) -> int:
+    return _memory.addr_of(x)
+
+
+def _fill(pcount, parr, items) -> int:
+    """The usual Level Zero enumeration: count query when *pCount is 0 or the array is NULL."""
+    n = pcount[0]
+    if n == 0 or not parr:
+        pcount[0] = len(items)
+        return 0
+    k = min(n, len(items))
+    for i in range(k):
+        parr[i] = items[i].key
+    pcount[0] = k
+    return 0
+
+
+def _mask_number(text: str) -> Optional[int]:
+    """A ZE_AFFINITY_MASK index: ASCII decimal digits (the driver's C++ string-to-integer knows no
+    others; Python's int() takes "١"), else None: the entry is ignored."""
+    text = text.strip()
+    return int(text) if text.isascii() and text.isdigit() else None
+
+
+def _visible(rt: _Runtime) -> List[Tuple[_Card, List[int], bool]]:
+    """Devices zeDeviceGet returns: (card, tiles, is_sub_device), as the driver builds them."""
+    env = os.environ
+    mode = env.get("ZE_FLAT_DEVICE_HIERARCHY", "")
+    if mode not in ("FLAT", "COMPOSITE", "COMBINED"):
+        mode = rt.zcfg.default_hierarchy    # unset or not a mode name: the driver's default
+    expose_tiles = mode != "COMPOSITE"
+    mask = env.get("ZE_AFFINITY_MASK", "")
+    if expose_tiles:
+        index_map = [(c, t) for c in rt.cards for t in range(c.tiles)]
+    enabled: Dict[int, set] = {}
+    if mask.strip() in ("", "default"):
+        for c in rt.cards:
+            enabled[c.index] = set(range(c.tiles))
+    else:
+        for entry in mask.split(","):
+            parts = entry.split(".")
+            idx = _mask_number(parts[0])
+            if idx is None:
+                continue
+            if expose_tiles:
+                if len(parts) > 1 or not 0 <= idx < len(index_map):
+                    continue
+                c, t = index_map[idx]
+                enabled.setdefault(c.index, set()).add(t)
+            else:
+                if not 0 <= idx < len(rt.cards):
+                    continue
+                c = rt.cards[idx]
+                if len(parts) == 1:
+                    enabled.setdefault(c.index, set()).update(range(c.tiles))
+                elif len(parts) == 2:
+                    sub = _mask_number(parts[1])
+                    if sub is not None and 0 <= sub < c.tiles:
+                        enabled.setdefault(c.index, set()).add(sub)
+    out = []
+    for c in rt.cards:
+        tiles = sorted(enabled.get(c.index, ()))
+        if not tiles:
+            continue
+        if expose_tiles and c.tiles > 1:
+            out.extend((c, [t], True) for t in tiles)
+        elif len(tiles) == 1 and c.tiles > 1:
+            out.append((c, tiles, True))   # one tile of a card: that tile is the device
+        else:
+            out.append((c, tiles, False))
+    return out
+
+
+# Every simulated function takes exactly the vendor function's parameters (the
+# core's wrappers copy the signature), so the checks below are calls, not decorators.
+
+def _ready():
+    """(runtime, 0), or (None, code) for a core call before zeInit or after a device fault."""
+    rt = _runtime()
+    if not rt.initialized:
+        return None, rt.C.ZE_RESULT_ERROR_UNINITIALIZED
+    if rt.lost is not None:
+        return None, rt.C.ZE_RESULT_ERROR_DEVICE_LOST
+    return rt, 0
+
+
+def _sysman(handle):
+    """(runtime, Sysman object, 0) or (None, None, code): cards and memory modules after
+    zesInit; core devices (and their modules) when ZES_ENABLE_SYSMAN=1 was set at zeInit."""
+    rt = _runtime()
+    obj = rt.objects.get(handle)
+    if obj is None or not obj.live:
+        return None, None, (rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE if not handle
+                            else rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT)
+    if obj.kind in ("card", "memmodule", "tempsensor", "freqdomain", "engine", "power") and rt.sysman_initialized:
+        return rt, obj, 0
+    if obj.kind in ("device", "memmodule", "tempsensor", "freqdomain", "engine", "power") and rt.sysman_on_core:
+        return rt, obj, 0
+    return None, None, rt.C.ZE_RESULT_ERROR_UNINITIALIZED

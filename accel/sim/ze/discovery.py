@@ -1,0 +1,268 @@
+"""Initialization and discovery: zeInit / zesInit, drivers, devices and sub-devices, and their
+properties (core, compute, module, memory, queue groups, timestamps, peer access).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from .. import core
+from .objects import _Device, _Runtime, _runtime
+from .common import _fill, _ready, _visible
+
+
+# -- initialization and discovery --------------------------------------------------------
+
+def zeInit(flags):
+    rt = _runtime()
+    if flags & ~3:
+        return rt.C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    if not rt.cfg.driver or not rt.cards or (flags & 3) == 2:   # VPU only: no GPU driver answers
+        return rt.C.ZE_RESULT_ERROR_UNINITIALIZED
+    with rt.lock:
+        if not rt.initialized:
+            rt.sysman_on_core = rt.zcfg.sysman_env and os.environ.get("ZES_ENABLE_SYSMAN") == "1"
+            for ordinal, (card, tiles, is_sub) in enumerate(_visible(rt)):
+                dev = rt._add(_Device(ordinal, card, tiles, is_sub))
+                if not is_sub and len(tiles) > 1:
+                    for t in tiles:
+                        dev.subdevices.append(rt._add(_Device(ordinal, card, [t], True)))
+                rt.devices.append(dev)
+            rt.initialized = True
+    return 0
+
+
+def zesInit(flags):
+    rt = _runtime()
+    if flags != 0:
+        return rt.C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    if not rt.cfg.driver or not rt.cards:
+        return rt.C.ZE_RESULT_ERROR_UNINITIALIZED
+    if rt.zcfg.api_version < (1, 5):
+        # zesInit is Level Zero API 1.5. Loader source/loader/zes_ldrddi.cpp, zesInit: a driver whose
+        # Sysman table has no pfnInit is skipped, and with no valid driver the result is
+        # ZE_RESULT_ERROR_UNINITIALIZED, whatever the loader's own version.
+        return rt.C.ZE_RESULT_ERROR_UNINITIALIZED
+    rt.sysman_initialized = True
+    return 0
+
+
+def zesDriverGet(pCount, phDrivers):
+    rt = _runtime()
+    if not rt.sysman_initialized:
+        return rt.C.ZE_RESULT_ERROR_UNINITIALIZED
+    return _fill(pCount, phDrivers, [rt.zes_driver])
+
+
+def zesDeviceGet(hDriver, pCount, phDevices):
+    rt = _runtime()
+    if not rt.sysman_initialized:
+        return rt.C.ZE_RESULT_ERROR_UNINITIALIZED
+    if rt.get(hDriver, "zesdriver") is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    return _fill(pCount, phDevices, rt.cards)
+
+
+def zeDriverGet(pCount, phDrivers):
+    rt, rc = _ready()
+    if rc:
+        return rc
+    return _fill(pCount, phDrivers, [rt.driver])
+
+
+def zeDriverGetApiVersion(hDriver, version):
+    rt, rc = _ready()
+    if rc:
+        return rc
+    if rt.get(hDriver, "driver") is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    major, minor = rt.zcfg.api_version
+    version[0] = (major << 16) | minor
+    return 0
+
+
+def zeDriverGetProperties(hDriver, props):
+    rt, rc = _ready()
+    if rc:
+        return rc
+    if rt.get(hDriver, "driver") is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if props.stype != rt.C.ZE_STRUCTURE_TYPE_DRIVER_PROPERTIES:
+        return rt.C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    props.uuid.id = list(b"accel-sim-ze-drv")
+    props.driverVersion = 0x01030000 | 29735
+    return 0
+
+
+def zeDeviceGet(hDriver, pCount, phDevices):
+    rt, rc = _ready()
+    if rc:
+        return rc
+    if rt.get(hDriver, "driver") is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    return _fill(pCount, phDevices, rt.devices)
+
+
+def zeDeviceGetSubDevices(hDevice, pCount, phSubdevices):
+    rt, rc = _ready()
+    if rc:
+        return rc
+    dev = rt.get(hDevice, "device")
+    if dev is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    return _fill(pCount, phSubdevices, dev.subdevices)
+
+
+def _write_core_properties(rt: _Runtime, props, dev_uuid: bytes, is_sub: bool, tile: int, tiles: int) -> int:
+    C = rt.C
+    if props.stype not in (C.ZE_STRUCTURE_TYPE_DEVICE_PROPERTIES, C.ZE_STRUCTURE_TYPE_DEVICE_PROPERTIES_1_2):
+        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    z = rt.zcfg
+    props.type = C.ZE_DEVICE_TYPE_GPU
+    props.vendorId = 0x8086
+    props.deviceId = 0x0BD5
+    props.flags = C.ZE_DEVICE_PROPERTY_FLAG_SUBDEVICE if is_sub else 0
+    props.subdeviceId = tile if is_sub else 0
+    props.coreClockRate = 1600
+    props.maxMemAllocSize = core.config().memory * tiles
+    props.maxHardwareContexts = 65536
+    props.maxCommandQueuePriority = 0
+    props.numThreadsPerEU = 8
+    props.physicalEUSimdWidth = 16
+    props.numEUsPerSubslice = 8
+    props.numSubslicesPerSlice = 8 * tiles
+    props.numSlices = 1
+    if props.stype == C.ZE_STRUCTURE_TYPE_DEVICE_PROPERTIES_1_2:
+        props.timerResolution = z.timer_hz                      # ticks per second
+    else:
+        props.timerResolution = round(1_000_000_000 / z.timer_hz)  # whole nanoseconds per tick
+    props.timestampValidBits = z.timestamp_bits
+    props.kernelTimestampValidBits = z.timestamp_bits
+    props.uuid.id = list(dev_uuid)
+    name = core.config().name.encode()[:255]
+    props.name = name
+    return 0
+
+
+def zeDeviceGetProperties(hDevice, props):
+    rt, rc = _ready()
+    if rc:
+        return rc
+    dev = rt.get(hDevice, "device")
+    if dev is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    return _write_core_properties(rt, props, dev.uuid, dev.is_sub, dev.tiles[0], len(dev.tiles))
+
+
+def zeDeviceCanAccessPeer(hDevice, hPeerDevice, value):
+    """ze_api.h, zeDeviceCanAccessPeer: true when the two devices are connected over PCIe (same
+    root complex or a shared switch) or a scale-up fabric, sub-devices and parents included.  The
+    simulated cards share one root complex, so every pair of devices answers true."""
+    rt, rc = _ready()
+    if rc:
+        return rc
+    dev, peer = rt.get(hDevice, "device"), rt.get(hPeerDevice, "device")
+    if dev is None or peer is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if not value:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
+    value[0] = 1
+    return 0
+
+
+def zeDeviceGetComputeProperties(hDevice, props):
+    rt, rc = _ready()
+    if rc:
+        return rc
+    if rt.get(hDevice, "device") is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if props.stype != rt.C.ZE_STRUCTURE_TYPE_DEVICE_COMPUTE_PROPERTIES:
+        return rt.C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    props.maxTotalGroupSize = 1024
+    props.maxGroupSizeX = props.maxGroupSizeY = props.maxGroupSizeZ = 1024
+    props.maxGroupCountX = props.maxGroupCountY = props.maxGroupCountZ = 0xFFFFFFFF
+    props.maxSharedLocalMemory = 128 * 1024
+    props.numSubGroupSizes = 2
+    props.subGroupSizes[0], props.subGroupSizes[1] = 16, 32
+    return 0
+
+
+def zeDeviceGetModuleProperties(hDevice, props):
+    rt, rc = _ready()
+    if rc:
+        return rc
+    if rt.get(hDevice, "device") is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if props.stype != rt.C.ZE_STRUCTURE_TYPE_DEVICE_MODULE_PROPERTIES:
+        return rt.C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    props.spirvVersionSupported = (1 << 16) | 2
+    props.flags = rt.C.ZE_DEVICE_MODULE_FLAG_FP16 | (rt.C.ZE_DEVICE_MODULE_FLAG_FP64 if rt.zcfg.fp64 else 0)
+    return 0
+
+
+def zeDeviceGetMemoryProperties(hDevice, pCount, props):
+    rt, rc = _ready()
+    if rc:
+        return rc
+    dev = rt.get(hDevice, "device")
+    if dev is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if pCount[0] == 0 or not props:
+        pCount[0] = 1
+        return 0
+    if props[0].stype != rt.C.ZE_STRUCTURE_TYPE_DEVICE_MEMORY_PROPERTIES:
+        return rt.C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    props[0].flags = 0
+    props[0].maxClockRate = 3200
+    props[0].maxBusWidth = 8192
+    props[0].totalSize = dev.memory
+    props[0].name = b"HBM"
+    pCount[0] = 1
+    return 0
+
+
+# Ordinal 0 copies only and ordinal 1 computes, so a backend that assumes
+# "ordinal 0 is compute" is caught (real PVC lists compute first).
+_GROUPS = (("copy", 2), ("compute", 1))
+
+
+def _fill_pattern_max(ordinal: int) -> int:
+    """maxMemoryFillPatternSize of queue group ``ordinal``: 16 bytes on compute, 4 on copy engines."""
+    return 16 if ordinal < len(_GROUPS) and _GROUPS[ordinal][0] == "compute" else 4
+
+
+def zeDeviceGetCommandQueueGroupProperties(hDevice, pCount, props):
+    rt, rc = _ready()
+    if rc:
+        return rc
+    if rt.get(hDevice, "device") is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    C = rt.C
+    if pCount[0] == 0 or not props:
+        pCount[0] = len(_GROUPS)
+        return 0
+    k = min(pCount[0], len(_GROUPS))
+    for i in range(k):
+        kind, nq = _GROUPS[i]
+        if props[i].stype != C.ZE_STRUCTURE_TYPE_COMMAND_QUEUE_GROUP_PROPERTIES:
+            return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+        flags = C.ZE_COMMAND_QUEUE_GROUP_PROPERTY_FLAG_COPY
+        if kind == "compute":
+            flags |= C.ZE_COMMAND_QUEUE_GROUP_PROPERTY_FLAG_COMPUTE | C.ZE_COMMAND_QUEUE_GROUP_PROPERTY_FLAG_METRICS
+        props[i].flags = flags
+        props[i].maxMemoryFillPatternSize = _fill_pattern_max(i)
+        props[i].numQueues = nq
+    pCount[0] = k
+    return 0
+
+
+def zeDeviceGetGlobalTimestamps(hDevice, hostTimestamp, deviceTimestamp):
+    rt, rc = _ready()
+    if rc:
+        return rc
+    if rt.get(hDevice, "device") is None:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    hostTimestamp[0] = time.monotonic_ns()
+    deviceTimestamp[0] = rt.ticks()
+    return 0
