@@ -217,9 +217,12 @@ def is_current_stream_capturing() -> bool:
 def synchronize(device: DeviceLike = None, /) -> None:
     """Wait for all work on ``device`` (all its streams).  A no-op before the runtime is
     initialized; the argument is checked first either way, as torch's (``synchronize("cpu")``
-    is a ValueError before initialization as after)."""
+    is a ValueError before initialization as after, and ``synchronize()`` with no device
+    available a RuntimeError)."""
     if not _lazy.is_initialized():
-        _parse_index(device)          # torch resolves the device before its no-op check
+        # torch resolves the device before its no-op check: the current one needs a device
+        if _parse_index(device) is None and not is_available():
+            raise RuntimeError(_lazy._NO_DEVICE)
         return
     backend = _lazy.lazy_init()
     index = _device_index(device, optional=True)

@@ -11,6 +11,7 @@ index that names no device raises :class:`accel.InvalidDeviceError`, which is a
 
 from __future__ import annotations
 
+import builtins
 import operator
 from typing import Optional, Union
 
@@ -23,13 +24,24 @@ _KNOWN_TYPES = ("cuda", "xpu", "mps", "cpu")
 class device:
     """An accelerator device: a type (``"cuda"``, ``"xpu"``, ``"mps"``) and an optional index.
 
-    ``device("cuda:1")``, ``device("cuda", 1)`` and ``device("cuda")`` as torch.device.
+    ``device("cuda:1")``, ``device("cuda", 1)`` and ``device("cuda")`` as torch.device; as
+    torch 2.13's, ``device(1)`` is the current accelerator's device 1.
     Immutable and hashable; compares equal to another device with the same type and index.
     """
 
     __slots__ = ("_type", "_index")
 
-    def __init__(self, type: Union[str, "device"], index: Optional[int] = None):
+    def __init__(self, type: Union[str, "device", int], index: Optional[int] = None):
+        if not isinstance(type, (str, bool, device)) and hasattr(builtins.type(type), "__index__"):
+            # torch.device(1): the current accelerator's device 1
+            if index is not None:
+                raise TypeError(f"device({type!r}, index={index!r}): an int is the index already")
+            index = operator.index(type)
+            if index < 0:
+                raise InvalidDeviceError(f"Device index must not be negative, got {index}")
+            type = accelerator_type()
+            if type is None:
+                raise RuntimeError(_lazy._NO_DEVICE)
         if isinstance(type, device) or is_torch_device(type):
             if index is not None:
                 raise TypeError("device(device, index): give the index in the string or the device, not both")

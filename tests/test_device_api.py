@@ -34,7 +34,9 @@ def test_real_libcudart_without_driver_is_unavailable_and_explains(monkeypatch):
     assert accel.device_count() == 0
     assert accel.current_accelerator() == accel.device("cuda")
     assert accel.current_accelerator(check_available=True) is None
-    accel.synchronize()  # no-op before init, as torch
+    with pytest.raises(RuntimeError, match="none is available"):
+        accel.synchronize()  # torch resolves the current device first, which needs one
+    assert not accel.is_initialized()
     with pytest.raises(accel.AcceleratorError) as info:
         accel.set_device_index(0)
     assert info.value.code == 35

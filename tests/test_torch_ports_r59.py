@@ -234,10 +234,6 @@ def test_torch__test_invalid_generator_raises(sim_backend):
             R.Generator(bad)
 
 
-@pytest.mark.xfail(strict=True, reason="accel.random.Generator takes only an int device index: "
-                   "Generator('cuda:1') / Generator(accel.device(...)) raise TypeError and Generator('opengl') "
-                   "TypeError, where torch.Generator(device) takes a device string or device (RuntimeError "
-                   "'OPENGL device type not an accelerator.' for 'opengl')")
 def test_torch__test_invalid_generator_raises_device_string(sim_backend):
     acc = accel.current_accelerator().type
     with pytest.raises(RuntimeError):
@@ -346,9 +342,6 @@ def test_torch__test_device(sim_backend):
         assert repr(dev) == expected
 
 
-@pytest.mark.xfail(strict=True, reason="accel.device takes no int: accel.device(1) and accel.device(-1) raise "
-                   "TypeError, where torch 2.13's torch.device(1) is the current accelerator's device 1 and "
-                   "torch.device(-1) a RuntimeError ('Device index must not be negative')")
 def test_torch__test_device_int_ordinal(sim_backend):
     acc = accel.current_accelerator().type
     assert accel.device(0) == accel.device(acc, 0)
@@ -372,3 +365,16 @@ def test_torch__test_cuda_not_built(monkeypatch, kind):
     R.manual_seed_all(3)
     with pytest.raises(RuntimeError):
         R.get_rng_state()
+
+
+@pytest.mark.parametrize("kind", SIMS)
+def test_torch_accelerator__synchronize_without_a_device_raises(monkeypatch, kind):
+    """torch.accelerator.synchronize() with no accelerator resolves the current device first
+    and raises RuntimeError ("Cannot access accelerator device when none is available."), as
+    current_device_index() does; before r59 accel returned silently (its no-op before
+    initialization came first)."""
+    use_sim(monkeypatch, kind, ACCEL_SIM_DEVICES=0)
+    for call in (accel.synchronize, lambda: accel.synchronize(None)):
+        with pytest.raises(RuntimeError, match="none is available"):
+            call()
+    assert not accel.is_initialized()

@@ -84,15 +84,20 @@ def check_seed(seed) -> int:
 
 
 def _check_device_index(device_index) -> int:
-    """A generator's device index: an ``__index__`` integer (not bool), and, where the selected
-    backend has devices, one of them (torch's createCUDAGenerator: "The device_index is invalid.").
-    Without a device any index >= 0 is taken: generators are then plain host objects."""
-    if isinstance(device_index, bool) or not hasattr(type(device_index), "__index__"):
-        raise TypeError(f"device_index must be an int, got {type(device_index).__name__} {device_index!r}")
-    index = operator.index(device_index)     # numpy integers too
+    """A generator's device index: an ``__index__`` integer (not bool), or, as torch.Generator's
+    ``device``, a string or device of the current accelerator (``"cuda:1"``; without an index
+    the current device); and, where the selected backend has devices, one of them (torch's
+    createCUDAGenerator: "The device_index is invalid.").  Without a device any index >= 0 is
+    taken: generators are then plain host objects."""
     from .. import backends
-    from .._device import check_range
+    from .._device import check_range, device, device_index as index_of, is_torch_device
     from .._errors import InvalidDeviceError
+    if isinstance(device_index, (str, device)) or is_torch_device(device_index):
+        device_index = index_of(device_index, optional=True)    # a type that is not the accelerator's: an error
+    if isinstance(device_index, bool) or not hasattr(type(device_index), "__index__"):
+        raise TypeError(f"device_index must be an int, a device string such as 'cuda:0' or an accel.device, "
+                        f"got {type(device_index).__name__} {device_index!r}")
+    index = operator.index(device_index)     # numpy integers too
     chosen = backends.select()              # counts devices; initializes nothing
     if chosen is not None and chosen.count() > 0:
         check_range(index, chosen, "Generator: ")
