@@ -223,6 +223,8 @@ def synchronize(device: DeviceLike = None, /) -> None:
         # torch resolves the device before its no-op check: the current one needs a device
         if _parse_index(device) is None and not is_available():
             raise RuntimeError(_lazy._NO_DEVICE)
+        if _lazy.is_in_bad_fork():
+            _lazy.lazy_init()         # the fork error: torch's device counts as initialized there
         return
     backend = _lazy.lazy_init()
     index = _device_index(device, optional=True)

@@ -159,3 +159,29 @@ def test_cuda__test_fork_after_pinned_query_in_process(sim_cuda):
     x = np.zeros(10)
     assert memory.host_allocator().owns(x.ctypes.data, x.nbytes) is None
     assert not accel.is_initialized()
+
+
+def _child_synchronize(q):
+    out = []
+    for call in (accel.synchronize, lambda: accel.synchronize(1), lambda: accel.synchronize("cuda:0")):
+        try:
+            call()
+            out.append("returned")
+        except Exception as e:  # noqa: BLE001
+            out.append(f"{type(e).__name__}: {e}")
+    q.put(out)
+
+
+def test_accelerator_synchronize_in_a_bad_fork_raises(sim_cuda):
+    """torch.accelerator.synchronize in a child forked after init: the device is marked
+    initialized, so it does not return early; the lazy init refuses ("Cannot re-initialize
+    CUDA in forked subprocess").  accel returned quietly there before r59 (its no-op before
+    initialization took the poisoned child for one never initialized)."""
+    accel.current_device_index()
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child_synchronize, args=(q,))
+    p.start()
+    out = q.get(timeout=60)
+    p.join(60)
+    assert all(re.match(r"RuntimeError: Cannot re-initialize CUDA in forked subprocess", o) for o in out), out
