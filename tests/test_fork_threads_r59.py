@@ -694,19 +694,13 @@ def test_children_leave_through_normal_interpreter_shutdown(kind):
     assert "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "accel/sim/_engine.py _drain_at_exit: the atexit hook waits (up to core.WAIT_TIMEOUT_S, 60 s, per "
-    "queue, under the engine lock) for every queue of every engine in _engines, also those a forked "
-    "child inherited from the parent: their workers do not exist in the child and the operation in "
-    "flight never completes, so a child forked while a stream had work in flight hangs at exit "
-    "(forever when a parent thread held the engine lock).  Fix: drop the inherited engines in the "
-    "child (os.register_at_fork(after_in_child=_engines.clear) in _engine, registered before any "
-    "simulator's fork hook makes a new Engine), or have _drain_at_exit skip engines made by another pid"))
-def test_child_forked_with_stream_work_in_flight_exits_normally():
+@pytest.mark.parametrize("kind", ["cuda", "xpu"])
+def test_child_forked_with_stream_work_in_flight_exits_normally(kind):
     """A thread's kernel is running on a stream (parked in its body, the simulated launch in
     flight) when the parent forks; the child must still leave through normal interpreter shutdown
-    (the simulated device is the parent's: nothing of it is the child's to wait for).  Today it
-    prints its atexit line, then hangs in _drain_at_exit: the program reports "HUNG sync"."""
-    proc = _run_program("cuda", ["sync"], child_s=8.0)
+    (the simulated device is the parent's: nothing of it is the child's to wait for).  Before r59's
+    fix it printed its atexit line, then hung in the simulator's _drain_at_exit, waiting for the
+    parent's engines: the program reported "HUNG sync"."""
+    proc = _run_program(kind, ["sync"], child_s=8.0)
     assert proc.returncode == 0 and "OK sync" in proc.stdout.split("\n"), (proc.stdout, proc.stderr[-3000:])
     assert "ATEXIT sync" in proc.stdout.split("\n")

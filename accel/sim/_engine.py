@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import os
 import threading
 import time
 import weakref
@@ -47,7 +48,12 @@ def _drain_at_exit() -> None:
     # now, and run anything submitted later inline in the submitting thread.
     global _exiting
     _exiting = True
+    me = os.getpid()
     for engine in list(_engines):
+        if engine.pid != me:
+            # inherited by a forked child: its workers did not survive the fork, and what they
+            # were running never completes here
+            continue
         for q in list(engine.queues):
             try:
                 q.wait(timeout=core.WAIT_TIMEOUT_S)
@@ -88,6 +94,7 @@ class Engine:
     def __init__(self, on_error: Callable[["Queue", BaseException], None],
                  on_retire: Optional[Callable[["Queue"], None]] = None):
         self.lock = EngineLock()
+        self.pid = os.getpid()
         self.closed = False
         self.on_error = on_error
         self.on_retire = on_retire  # called (lock held) when a closed queue has drained
