@@ -612,16 +612,19 @@ class _source:
         if buffer._backend.name != "cuda":
             raise ValueError(f"copy_from: a __cuda_array_interface__ source is CUDA memory, the view is on "
                              f"{buffer.device}; nothing was copied")
+        if not isinstance(cai, dict):
+            raise ValueError(f"copy_from: malformed __cuda_array_interface__ (a {type(cai).__name__}, not a dict); "
+                             f"nothing was copied")
         if cai.get("mask") is not None:
             raise ValueError("copy_from: masked __cuda_array_interface__ arrays are not supported; "
                              "nothing was copied")
         try:
-            shape = tuple(int(n) for n in cai["shape"])
+            shape = tuple(operator.index(n) for n in cai["shape"])
             dtype = np.dtype(cai["descr"]) if str(cai["typestr"]).lstrip("<>|=").startswith("V") \
                 and cai.get("descr") else np.dtype(cai["typestr"])
-            ptr = int(cai["data"][0])
+            ptr = operator.index(cai["data"][0])
             strides = cai.get("strides")
-            strides = None if strides is None else tuple(int(s) for s in strides)
+            strides = None if strides is None else tuple(operator.index(s) for s in strides)
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise ValueError(f"copy_from: malformed __cuda_array_interface__ ({exc!r}); nothing was copied") \
                 from None

@@ -406,7 +406,7 @@ def _consumer_handle(backend, index: int, stream_arg):
     or None for "no synchronization".  An int names a stream of the buffer's device ``index``
     (legacy and per-thread handles are the current device's); an accel.Stream its own device
     (every device's default stream has the same handle 0 on CUDA)."""
-    from .streams import Stream, check_handle_bits
+    from .streams import Stream, check_handle_bits, cuda_stream_handle
     if isinstance(stream_arg, Stream):
         if stream_arg._backend is not backend:
             raise ValueError(f"stream {stream_arg!r} belongs to {stream_arg._backend.name}, "
@@ -414,7 +414,7 @@ def _consumer_handle(backend, index: int, stream_arg):
         return stream_arg.device_index, stream_arg.handle
     if backend.name == "cuda" and stream_arg is not None and hasattr(stream_arg, "__cuda_stream__"):
         # (0, 0) is a default stream object's (torch, cuda.core): the legacy stream, as _ask maps it
-        stream_arg = stream_arg.__cuda_stream__()[1] or _CUDA_LEGACY
+        stream_arg = cuda_stream_handle(stream_arg, "stream") or _CUDA_LEGACY
     if stream_arg is None:
         return (index, backend.default_stream(index)) if backend.name == "cuda" else "host"
     if isinstance(stream_arg, bool) or not hasattr(type(stream_arg), "__index__"):
@@ -660,6 +660,10 @@ def _c_contiguous(shape, strides) -> bool:
     return True
 
 
+#: The most dimensions a capsule may have (numpy's NPY_MAXDIMS, which its from_dlpack enforces too).
+_MAX_NDIM = 64
+
+
 def parse(capsule) -> Tensor:
     """Read a DLPack capsule without taking it.  TypeError for something that is not a capsule,
     BufferError for a consumed one ("used_dltensor") or one of another name."""
@@ -694,8 +698,12 @@ def parse(capsule) -> Tensor:
     info.device_type, info.device_id = tensor.device.device_type, tensor.device.device_id
     info.code, info.bits, info.lanes = tensor.dtype.code, tensor.dtype.bits, tensor.dtype.lanes
     ndim = tensor.ndim
-    if ndim < 0:
-        raise BufferError(f"DLPack tensor with ndim {ndim}")
+    if not 0 <= ndim <= _MAX_NDIM:
+        # the shape and strides arrays are read ndim entries far: a wrong ndim reads past them
+        raise BufferError(f"DLPack tensor with ndim {ndim}: accel reads 0 to {_MAX_NDIM} dimensions "
+                          f"(numpy's limit); the producer made a malformed capsule")
+    if ndim and not tensor.shape:
+        raise BufferError(f"DLPack tensor with ndim {ndim} and a NULL shape: the producer made a malformed capsule")
     info.shape = tuple(tensor.shape[i] for i in range(ndim))
     info.strides = tuple(tensor.strides[i] for i in range(ndim)) if tensor.strides else None
     info.byte_offset = tensor.byte_offset
@@ -823,7 +831,7 @@ def _ask(obj, backend, device, stream):
     An accel stream whose handle is passed is held meanwhile (``streams._Hold``): the producer
     queues its wait on the handle, which another thread's close() must not destroy (and hand to
     the next stream made) before that."""
-    from .streams import Stream, _Hold, current_stream
+    from .streams import Stream, _Hold, cuda_stream_handle, current_stream
     if stream is None and device is not None and backend.name == "cuda":
         from ._device import check_range
         check_range(device[1])
@@ -834,7 +842,7 @@ def _ask(obj, backend, device, stream):
         if stream is None and held is not None:
             stream = held._handle or _CUDA_LEGACY
         elif stream is not None and hasattr(stream, "__cuda_stream__"):
-            stream = stream.__cuda_stream__()[1] or _CUDA_LEGACY
+            stream = cuda_stream_handle(stream, "stream") or _CUDA_LEGACY
         try:
             return obj.__dlpack__(stream=stream, max_version=(1, 0))
         except TypeError:

@@ -275,7 +275,12 @@ def _parse_cai(cai, what: str):
                 raise ValueError(f"{what} is not C-contiguous (strides {tuple(strides)} for shape {shape}); "
                                  f"copy_from needs contiguous memory: make a contiguous copy first")
             step *= n
-    stream = cai.get("stream") if cai.get("version", 0) >= 3 else None
+    try:
+        version = operator.index(cai.get("version", 0))
+    except TypeError:
+        raise ValueError(f"{what}.__cuda_array_interface__ is malformed: its version is {cai.get('version')!r}, "
+                         f"not an int; nothing was copied") from None
+    stream = cai.get("stream") if version >= 3 else None
     return ptr, count * itemsize, stream
 
 

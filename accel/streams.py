@@ -1153,7 +1153,21 @@ def _as_stream(obj, what: str) -> Stream:
         raise TypeError(f"{what}: expected an accel.Stream or an object with __cuda_stream__ (a cuda.core, "
                         f"CuPy or torch CUDA stream), got {type(obj).__name__} {shown}")
     name = type(obj).__name__
-    value = protocol()
+    handle = cuda_stream_handle(obj, what, protocol)
+    backend = _lazy.lazy_init()
+    if backend.name != "cuda":
+        # torch.accelerator.set_stream: a stream of another device type is a RuntimeError
+        raise InvalidDeviceError(f"{what}: {name} is a CUDA stream (__cuda_stream__) but the accelerator is "
+                                 f"{backend.name}; pass an accel.Stream")
+    return _foreign_stream(backend, handle, None, what, reuse=True, hint=_device_hint(obj))
+
+
+def cuda_stream_handle(obj, what: str, protocol=None) -> int:
+    """The cudaStream_t that ``obj.__cuda_stream__()`` names, checked: a ``(0, handle)`` tuple
+    (version 0, cuda.core's) with an int handle >= 0 that fits in 64 bits; TypeError or
+    ValueError naming ``what`` and the value otherwise."""
+    name = type(obj).__name__
+    value = (protocol or obj.__cuda_stream__)()
     if not isinstance(value, tuple) or len(value) != 2:
         raise TypeError(f"{what}: {name}.__cuda_stream__() returned {value!r}, not the protocol's "
                         f"(version, handle) tuple")
@@ -1166,12 +1180,7 @@ def _as_stream(obj, what: str) -> Stream:
         raise TypeError(f"{what}: {name}.__cuda_stream__() returned handle {handle!r}; the protocol's "
                         f"handle is the cudaStream_t as an int >= 0")
     check_handle_bits(handle, f"{what}: {name}.__cuda_stream__()")
-    backend = _lazy.lazy_init()
-    if backend.name != "cuda":
-        # torch.accelerator.set_stream: a stream of another device type is a RuntimeError
-        raise InvalidDeviceError(f"{what}: {name} is a CUDA stream (__cuda_stream__) but the accelerator is "
-                                 f"{backend.name}; pass an accel.Stream")
-    return _foreign_stream(backend, handle, None, what, reuse=True, hint=_device_hint(obj))
+    return handle
 
 
 def check_handle_bits(handle: int, what: str) -> None:
