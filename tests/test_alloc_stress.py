@@ -35,7 +35,7 @@ import pytest
 import accel
 from accel import _finalize, _lazy, memory, sim
 from accel._errors import CaptureError, OutOfMemoryError
-from accel.memory import _caching, _expandable
+from accel.memory import _blocks, _caching, _expandable
 from accel.memory._async import AsyncPoolAllocator
 from accel.sim import _vmm
 from conftest import use_sim
@@ -182,7 +182,8 @@ def _check_caching(alloc, locked: bool = False) -> None:
     for pair in all_lists:
         for fl in pair:
             assert fl.keys == sorted(fl.keys)
-            assert len(fl.alloc_deltas) <= C._MEMO_LIMIT and len(fl.split_deltas) <= C._MEMO_LIMIT
+            limit = _blocks._MEMO_LIMIT
+            assert len(fl.alloc_deltas) <= limit and len(fl.split_deltas) <= limit
             for key in fl.keys:
                 block = blocks[key & C._MASK]
                 assert block.state == C._FREE and block.pool is fl

@@ -8,7 +8,7 @@ import pytest
 
 from accel import _lazy, sim
 from accel._errors import OutOfMemoryError
-from accel.memory import _caching, _config, _expandable
+from accel.memory import _blocks, _caching, _config, _expandable
 from accel.memory._caching import DeviceCachingAllocator
 from accel.sim import _vmm
 from conftest import use_sim
@@ -455,7 +455,7 @@ def test_list_edits_keep_the_free_list_sorted():
         gone = rng.sample(keys, min(len(keys), rng.randrange(0, 3)))
         new = rng.sample([k for k in range(1000) if k not in keys], rng.randrange(0, 3))
         want = sorted(set(keys) - set(gone) | set(new))
-        (d1, d2), (p1, k1), (p2, k2) = _caching._list_edits(keys, gone, new)
+        (d1, d2), (p1, k1), (p2, k2) = _blocks._list_edits(keys, gone, new)
         got = list(keys)
         for d in (d1, d2):
             if d >= 0:

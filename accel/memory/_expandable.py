@@ -86,9 +86,16 @@ traces", which also lists the placement changes tried against it and rejected).
 from __future__ import annotations
 
 from bisect import bisect_left
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
-UNMAPPED = 3       # block state (after _caching's _FREE, _ALLOCATED, _PENDING)
+from .._errors import AcceleratorError, CaptureError, OutOfMemoryError
+from . import _config
+from ._snapfmt import CTX_ALL as _CTX_ALL, Symbols as _Symbols, stack as _stack
+from ._stats import RESERVED_BYTES
+from ._blocks import (SMALL_SIZE, _FREE, _MASK, _POOL_NAME, _SHIFT, _SMALL, _Block, _FreeList, _NoAddressRange,
+                      _list_edits, _snapshot_block)
+
+UNMAPPED = 3       # block state (after _blocks' _FREE, _ALLOCATED, _PENDING)
 PIECE_SHARE = 32   # a piece is at most the footprint over this (E9)
 
 
@@ -203,3 +210,586 @@ def pieces(addr: int, need: int, gran: int, lo: int, hi: int, most: int) -> List
         at += size
     out += [(a, gran) for a in range(last, end, gran)]
     return out
+
+
+class ExpandableSegments:
+    """The caching allocator's expandable segments (E1-E14 above), as methods of
+    :class:`~accel.memory._caching.DeviceCachingAllocator`, whose state (``self._exp_segs``,
+    the free lists, the stats, the lock the callers hold) they use."""
+
+    # Free blocks of an expandable segment live in the ordinary free lists (best fit over
+    # mapped free space); unmapped blocks are in no list and not in self._blocks.
+    def _use_expandable(self) -> bool:
+        use = self._expandable
+        if use is None:
+            use, gran = self._decide_expandable(self._config)
+            if use:
+                self._gran = gran
+            self._expandable = use
+            self._one_range = use and not self._torch_policy     # torch's rules keep two (E12)
+        return use
+
+    def _decide_expandable(self, config: _config.AllocConfig) -> Tuple[bool, int]:
+        """Whether ``config`` gives expandable segments on this device, and the granularity."""
+        want = config.expandable_segments
+        if want is None:
+            # on where the backend has virtual memory; policy:torch keeps torch's default (off)
+            want = not self._torch_policy
+        if want and self._be.supports_vmm:
+            with self._on_device():
+                if self._be.vmm_supported(self._index):
+                    return True, self._be.vmm_granularity(self._index)
+        return False, 0
+
+    def _exp_new(self, fl: _FreeList) -> Segment:
+        """Reserve the address range of ``fl``'s expandable segment: the device's total
+        memory rounded up to the granularity, so it can grow as far as the device can."""
+        gran = self._gran
+        # made first, recorded as the reserve returns (no call before the append): a
+        # KeyboardInterrupt finds no reservation or a recorded one
+        seg = Segment(0, 0, fl.kind)
+        hole = _Block(0, 0, fl, None, None)
+        hole.state = UNMAPPED
+        hole.seg = seg
+        seg.head = hole
+        seg.holes.add(hole)
+        with self._on_device():
+            total = self._be.mem_info()[1]
+            size = -(-total // gran) * gran
+            base = self._be.vmm_reserve(self._index, size)
+            seg.base = hole.ptr = base
+            seg.size = hole.size = size
+            fl.exp = seg
+            fl.segments += 1
+            self._exp_segs.append(seg)
+        return seg
+
+    def _exp_create(self, seg: Segment, plan, size: int, fl: _FreeList) -> Optional[List[Tuple[int, int, int]]]:
+        """Physical memory for the ``need`` bytes at ``addr`` that ``plan`` (from place)
+        maps for a request of ``size`` from ``fl``, one handle per piece (E9):
+        ``[(address, size, handle)]``, or None when the device (or the
+        per_process_memory_fraction cap) has no room.  Nothing is kept on any failure.
+
+        Interrupt safety: each handle waits in ``_unreleased`` (counted as reserved) from the
+        moment its create returns until _exp_map records its mapping, so a KeyboardInterrupt
+        anywhere leaves it to the next _exp_release instead of losing it."""
+        hole, addr, need = plan
+        if self._config.per_process_memory_fraction < 1.0:
+            if self._cur[RESERVED_BYTES] + need > self._allowed_bytes():
+                return None
+        # the request's block: the end malloc will take (E13) of the free block _exp_map makes
+        # (the new pages joined with the free blocks before and after them)
+        before, after = joined(hole, addr, need, _FREE)
+        lo = before.ptr if before is not None else addr
+        end = addr + need + (after.size if after is not None else 0)
+        if (end - lo - size >= fl.split_min and size < self._max_split
+                and high_end_pins_fewer(lo, end, size, self._gran)):
+            lo = end - size
+        made = []
+        kind = seg.kind
+        unreleased = self._unreleased
+        cur, peak = self._cur, self._peak
+        r, rk = RESERVED_BYTES, RESERVED_BYTES + kind
+        try:
+            with self._on_device():
+                gran = self._gran
+                most = max(self._reserved_hw, cur[r] + need) // (gran * PIECE_SHARE) or 1   # E9
+                for a, n in pieces(addr, need, gran, lo, lo + size, most):
+                    item = (a, n)
+                    handle = self._be.vmm_create(self._index, n)
+                    # recorded with no call in between (CPython checks for a signal after a call)
+                    cur[r] += n
+                    cur[rk] += n
+                    if cur[r] > peak[r]:
+                        peak[r] = cur[r]
+                    if cur[rk] > peak[rk]:
+                        peak[rk] = cur[rk]
+                    unreleased.append((handle, n, kind, None))
+                    made.append(item + (handle,))
+        except OutOfMemoryError:
+            self._be.clear_error()
+            self._exp_discard()
+            return None
+        except BaseException:
+            self._exp_discard()
+            raise
+        return made
+
+    def _exp_discard(self) -> None:
+        """Release what ``_unreleased`` holds (unmapping what is still mapped) while the error
+        of a failed grow propagates: one whose unmap or release fails waits there, counted
+        as reserved, for the next unmap."""
+        try:
+            self._exp_release()
+        except Exception:
+            self._be.clear_error()
+
+    def _exp_grow(self, size: int, nbytes: int, fl: _FreeList) -> _Block:
+        """No mapped free block fits: map a run of pages into ``fl``'s segment.  Free
+        mappings are unmapped first when the new pages would lift reserved memory above
+        its high-water mark; on OOM every free mapping of the device is unmapped and the
+        create retried once."""
+        if any(u[3] is not None for u in self._unreleased):
+            # A piece of a grow undone while its unmap was refused (a capture began in another
+            # thread between two pieces) is still mapped where its segment now has a hole, which
+            # place() may pick: unmap it first (a failure propagates; nothing was changed).
+            self._exp_release()
+        seg = fl.exp
+        if seg is None:
+            try:
+                seg = self._exp_new(fl)
+            except OutOfMemoryError:
+                # cuMemAddressReserve / zeVirtualMemReserve out of memory: the process's virtual
+                # address space is full (each range is the device's whole memory), not the device
+                self._be.clear_error()
+                raise _NoAddressRange() from None
+            try:
+                return self._exp_grow_in(seg, size, nbytes, fl)
+            except BaseException:
+                if seg.mapped == 0:
+                    self._exp_drop(seg)      # a failed first request leaves no reservation behind
+                raise
+        return self._exp_grow_in(seg, size, nbytes, fl)
+
+    def _exp_grow_in(self, seg: Segment, size: int, nbytes: int, fl: _FreeList) -> _Block:
+        gran = self._gran
+        plan = place(seg, size, gran, _FREE)
+        if plan is not None:
+            excess = self._cur[RESERVED_BYTES] + plan[2] - self._reserved_hw
+            if excess > 0:
+                self._exp_unmap()
+                self._release_until(excess, largest_first=False)     # classic segments, if any
+                plan = place(seg, size, gran, _FREE)
+        handle = self._exp_create(seg, plan, size, fl) if plan is not None else None
+        if handle is None:
+            if self._pending_events or self._deferred:
+                self._synchronize_and_free_events()
+                block = self._find(fl, size)
+                if block is not None:
+                    return block
+            self._scalars["num_alloc_retries"] += 1
+            self._reap_orphans()
+            self._exp_unmap()
+            self._release_segments()
+            plan = place(seg, size, gran, _FREE)
+            handle = self._exp_create(seg, plan, size, fl) if plan is not None else None
+            if handle is None:
+                # the OOM names the segment the request's own pool would ask for, as torch's
+                return self._oom(size, self._segment_size(size, _SMALL if size <= SMALL_SIZE else fl.kind), fl)
+        return self._exp_map(seg, fl, plan, handle)
+
+    def _exp_map(self, seg: Segment, fl: _FreeList, plan, pieces) -> _Block:
+        """Map ``pieces`` (from _exp_create, waiting in ``_unreleased``) where ``plan`` says and
+        return the free block that now fits (counted, in its free list, as _find returns one).
+
+        Interrupt safety: a piece is marked mapped in ``_unreleased`` as its map returns; once
+        all are mapped, the new block, its merges, the free list, the segment's mappings and
+        the counters are computed, then published with plain stores (no call, so no
+        KeyboardInterrupt between them), which also takes the pieces out of ``_unreleased``."""
+        hole, addr, need = plan
+        unreleased = self._unreleased
+        kind = seg.kind
+        try:
+            with self._on_device():
+                for a, n, handle in pieces:
+                    i = unreleased.index((handle, n, kind, None))
+                    try:
+                        self._be.vmm_map(a, n, handle, self._index)
+                    except BaseException as exc:
+                        # a piece whose access could not be set nor its mapping undone is still mapped
+                        if getattr(exc, "still_mapped", False):
+                            unreleased[i] = (handle, n, kind, a)
+                        raise
+                    unreleased[i] = (handle, n, kind, a)
+                    for peer in self._peers:
+                        self._be.vmm_set_access(a, n, peer)
+        except BaseException:
+            self._exp_discard()
+            raise
+        # ---- compute
+        # the free neighbours the new pages join leave their lists before links change
+        before, after = joined(hole, addr, need, _FREE)
+        keys = fl.keys
+        gone_keys = []
+        for nb in (before, after):
+            if nb is not None:
+                gone_keys.append(nb.size << _SHIFT | nb.ptr)
+        block = _Block(addr, need, fl, None, None)
+        block.seg = seg
+        start = before if before is not None else block
+        size = need + (before.size if before is not None else 0) + (after.size if after is not None else 0)
+        at_start = addr == hole.ptr
+        hole_left = hole.size - need
+        # (the packed counters do not move: a free block of an expandable segment is no inactive
+        # split block, as in torch, and a segment is counted only when classic, E14)
+        (d1, d2), (p1, k1), _ = _list_edits(keys, gone_keys, (size << _SHIFT | start.ptr,))
+        new_maps = {a: (n, handle) for a, n, handle in pieces}
+        new_starts = sorted(new_maps)          # one run: no mapping starts inside the hole
+        i_start = bisect_left(seg.starts, new_starts[0])
+        made = {(handle, n, kind, a) for a, n, handle in pieces}
+        left_unreleased = [u for u in unreleased if u not in made]
+        holes_gone = set() if hole_left else {hole}
+        hw = max(self._reserved_hw, self._cur[RESERVED_BYTES])
+        n_maps = self._scalars["num_device_map"] + len(pieces)
+        # ---- publish (no call until the history below)
+        if at_start:
+            block.prev, block.next = hole.prev, hole
+            if hole.prev is not None:
+                hole.prev.next = block
+            else:
+                seg.head = block
+            hole.prev = block
+            hole.ptr += need
+            hole.size -= need
+        else:
+            block.prev, block.next = hole, hole.next
+            if hole.next is not None:
+                hole.next.prev = block
+            hole.next = block
+            hole.size -= need
+        if not hole_left:                         # filled: the hole goes
+            if hole.prev is not None:
+                hole.prev.next = hole.next
+            else:
+                seg.head = hole.next
+            if hole.next is not None:
+                hole.next.prev = hole.prev
+        self._blocks[addr] = block
+        if before is not None:
+            before.size += block.size
+            before.next = block.next
+            if block.next is not None:
+                block.next.prev = before
+            del self._blocks[addr]
+            block = before
+        if after is not None:
+            block.size += after.size
+            block.next = after.next
+            if after.next is not None:
+                after.next.prev = block
+            del self._blocks[after.ptr]
+        if block.prev is not None:                # see malloc's whole-segment `undo`
+            block.prev.undo = 0
+        if block.next is not None:
+            block.next.undo = 0
+        block.undo = 0
+        # in-place edits, each one bytecode (see _list_edits)
+        seg.holes -= holes_gone
+        seg.maps |= new_maps
+        seg.starts[i_start:i_start] = new_starts
+        seg.mapped += need
+        unreleased[:] = left_unreleased
+        self._reserved_hw = hw
+        if d1 >= 0:
+            del keys[d1]
+        if d2 >= 0:
+            del keys[d2]
+        keys[p1:p1] = (k1,)
+        self._scalars["num_device_map"] = n_maps
+        if self._history is not None:
+            st = None
+            if self._ctx:
+                st = _stack()
+                for a, _, _ in pieces:
+                    self._seg_frames[a] = st
+            self._trace("segment_map", addr, need, fl.stream, st)
+        return block
+
+    def _exp_unmap(self) -> int:
+        """Unmap every free piece (whole mappings only, E3) of every expandable segment,
+        after synchronizing the device (E7).  Never called during a capture
+        (E6).  Returns the bytes unmapped.
+
+        Why every free piece and not just enough: this runs only where reserved memory
+        would pass its high-water mark (and on empty_cache and the OOM retry), and after it
+        the only mapped free bytes left share a piece with live blocks, so ``place``, which
+        maps the fewest new bytes, packs the new block against live ones (E10)."""
+        self._exp_release()
+        victims = []
+        blocks = self._blocks
+        gran = self._gran
+        # A destroyed stream's blocks wait, in no live list, for the event covering its work
+        # (_forget_stream); they are unmapped once they joined the default stream.  Only free
+        # blocks of a page or more can hold a whole mapping: the rest of each sorted list is
+        # skipped, so this costs the same with thousands of small blocks cached.
+        for pair in self._general.values():
+            for fl in pair:
+                keys = fl.keys
+                for i in range(bisect_left(keys, gran << _SHIFT), len(keys)):
+                    block = blocks[keys[i] & _MASK]
+                    seg = block.seg
+                    if seg is not None:
+                        for addr, n in seg.maps_within(block.ptr, block.ptr + block.size):
+                            victims.append((addr, n, seg, block))
+        if not victims:
+            self._exp_drop_orphans()
+            return 0
+        # cuMemUnmap does not wait for queued work.  Torch synchronizes the segment's stream; the
+        # whole device here, as cudaFree does: a stream a program destroyed without telling the
+        # allocator (a raw backend handle, a foreign stream) would make cudaStreamSynchronize
+        # undefined, or, its handle recycled, wait for the wrong stream.  Tried 2026-12-05: the
+        # owning streams only (tests/test_memory_streams.py's scenario, raw streams destroyed with
+        # blocks cached on them, then failed with cudaErrorInvalidResourceHandle).
+        done = self._exp_unmap_pieces(victims, synchronize=True)
+        self._exp_drop_orphans()
+        return done
+
+    def _exp_unmap_pieces(self, victims: list, synchronize: bool) -> int:
+        """Unmap the free pieces ``victims`` (``(address, size, segment, free block)``, each a
+        whole mapping) and release their physical memory; the device synchronized first when
+        ``synchronize`` (E7).  Returns the bytes unmapped.  On a failure what was unmapped
+        before it is released (or waits in ``_unreleased``, counted) and the error propagates."""
+        # highest address first: unmapping splits a free block, keeping its low part
+        victims.sort(key=lambda v: -v[0])
+        done = 0
+        try:
+            with self._on_device():
+                if synchronize:
+                    self._be.device_synchronize()
+                for addr, n, seg, block in victims:
+                    self._exp_unmap_one(seg, block, addr, n)
+                    done += n
+        except BaseException:
+            try:
+                self._exp_release()          # what was unmapped before the failure
+            except Exception:
+                self._be.clear_error()       # stays counted in _unreleased; the first error propagates
+            raise
+        self._exp_release()                  # the physical memory of every unmapped piece, in one pass
+        return done
+
+    def _exp_unmap_idle(self, segs: List[Segment]) -> None:
+        """Unmap the free pieces of destroyed streams' segments ``segs`` once the work of those
+        streams is known complete (_rehome runs when the event covering it did), so that their
+        reservations go (E11: bounded by live streams, not by every stream ever made).  No device
+        synchronize is needed (E7): a free block of a segment is touched by no queued work but its
+        own stream's, which is done; uses recorded on other streams keep a block pending, not
+        free.  Best effort: a vendor error leaves the rest for the next unmap pass."""
+        gran = self._gran
+        victims = []
+        for seg in segs:
+            for block in seg.blocks():
+                if block.state == _FREE and block.size >= gran:
+                    victims += [(addr, n, seg, block) for addr, n in seg.maps_within(block.ptr, block.ptr + block.size)]
+        if not victims:
+            return
+        try:
+            self._exp_unmap_pieces(victims, synchronize=False)
+        except Exception:
+            self._be.clear_error()              # what is still mapped waits in _unreleased, counted
+
+    def _exp_drop(self, seg: Segment) -> None:
+        """Free the reservation of a segment with nothing mapped (one unmapped block).  A
+        failure keeps the segment, to be freed at a later unmap; it is not raised, as this
+        runs while another error propagates or as housekeeping.
+
+        A segment holding a piece of an undone grow that waits, still mapped, in ``_unreleased``
+        is kept until that piece is unmapped: Level Zero's zeVirtualMemFree unmaps it behind our
+        back (cuMemAddressFree refuses), and the piece's later unmap would hit the range's next
+        reservation."""
+        end = seg.base + seg.size
+        if any(u[3] is not None and seg.base <= u[3] < end for u in self._unreleased):
+            return
+        # forgotten first, freed last, as _free_segments does (an interrupt as the free starts
+        # may leak the reservation; a freed range is never kept, to be mapped into)
+        fl = seg.head.pool
+        before = self._exp_segs
+        after = [s for s in before if s is not seg]
+        grows = fl.exp is seg
+        try:
+            with self._on_device():
+                self._exp_segs = after
+                fl.segments -= 1
+                if grows:
+                    fl.exp = None
+                self._be.vmm_free(seg.base, seg.size)
+        except AcceleratorError:
+            self._be.clear_error()
+            self._exp_segs = before
+            fl.segments += 1
+            if grows:
+                fl.exp = seg
+
+    def _exp_drop_orphans(self, every: bool = False) -> None:
+        """Free the reservations with nothing mapped that no stream grows any more (a
+        destroyed stream's segment joined the default stream's lists, E11), or ``every``
+        one with nothing mapped (empty_cache: the next miss reserves again)."""
+        for seg in [seg for seg in self._exp_segs
+                    if seg.mapped == 0 and (every or seg.head.pool.exp is not seg)]:
+            self._exp_drop(seg)
+
+    def _exp_unmap_one(self, seg: Segment, block: _Block, addr: int, n: int) -> None:
+        """Turn the free piece ``[addr, addr + n)`` of ``block`` into a hole; its mapping moves
+        to ``_unreleased``, still mapped, for the caller's ``_exp_release`` to unmap (the caller
+        synchronized the device, E7) and release.
+
+        Interrupt safety: computed first, then published with plain stores and the append
+        last, so a KeyboardInterrupt finds the piece either still in the segment or in
+        ``_unreleased`` (a hole whose mapping waits there is never mapped again before it
+        was unmapped: see _exp_grow)."""
+        fl = block.pool
+        kind = seg.kind
+        handle = seg.maps[addr][1]
+        end = block.ptr + block.size
+        prev, nxt = block.prev, block.next
+        keys = fl.keys
+        gone_key = block.size << _SHIFT | block.ptr
+        new_keys = []
+        hole = _Block(addr, n, fl, None, None)
+        hole.state = UNMAPPED
+        hole.seg = seg
+        # left part: the block itself, shrunk; or nothing; right part: a new block, or nothing
+        left = block if addr > block.ptr else None
+        lsize = addr - block.ptr
+        right = None
+        rsize = end - addr - n
+        if rsize:
+            right = _Block(addr + n, rsize, fl, None, None)
+            right.seg = seg
+            new_keys.append(rsize << _SHIFT | right.ptr)
+        if left is not None:
+            new_keys.append(lsize << _SHIFT | left.ptr)
+        # (the packed counters do not move: expandable blocks are no inactive split ones, E14)
+        (d1, d2), (p1, k1), (p2, k2) = _list_edits(keys, (gone_key,), new_keys)
+        # the hole merges with unmapped neighbours (E2)
+        lo_h = prev if left is None and prev is not None and prev.state == UNMAPPED else None
+        hi_h = nxt if right is None and nxt is not None and nxt.state == UNMAPPED else None
+        holes_gone = {hi_h} if hi_h is not None else set()
+        hole_new = {hole} if lo_h is None else set()      # (lo_h is one already)
+        i_start = bisect_left(seg.starts, addr)
+        mapped = seg.mapped - n
+        frames = self._seg_frames
+        st = frames.get(addr)
+        # ---- publish (no call until the append)
+        if left is not None:
+            block.size = lsize
+            block.undo = 0
+            left.next = hole
+            hole.prev = left
+            first = left
+        else:
+            del self._blocks[block.ptr]
+            first = hole
+        if right is not None:
+            self._blocks[right.ptr] = right
+            right.prev = hole
+            hole.next = right
+            last = right
+        else:
+            last = hole
+        first.prev = prev
+        last.next = nxt
+        if prev is not None:
+            prev.next = first
+        else:
+            seg.head = first
+        if nxt is not None:
+            nxt.prev = last
+        if lo_h is not None:
+            lo_h.size += hole.size
+            lo_h.next = hole.next
+            if hole.next is not None:
+                hole.next.prev = lo_h
+            hole = lo_h
+        if hi_h is not None:
+            hole.size += hi_h.size
+            hole.next = hi_h.next
+            if hi_h.next is not None:
+                hi_h.next.prev = hole
+        if hole.prev is not None:
+            hole.prev.undo = 0
+        if hole.next is not None:
+            hole.next.undo = 0
+        # in-place edits, each one bytecode (no call: no signal check between them), so the
+        # lists stay shared and nothing here is proportional to the blocks cached
+        seg.holes -= holes_gone
+        seg.holes |= hole_new
+        del seg.maps[addr]
+        del seg.starts[i_start]
+        seg.mapped = mapped
+        del keys[d1]
+        if d2 >= 0:
+            del keys[d2]
+        if p1 >= 0:
+            keys[p1:p1] = (k1,)
+        if p2 >= 0:
+            keys[p2:p2] = (k2,)
+        if addr in frames:
+            del frames[addr]
+        self._unreleased.append((handle, n, kind, addr))       # the last change: a call
+        if self._history is not None:
+            self._trace("segment_unmap", addr, n, fl.stream, _stack() if self._ctx >= _CTX_ALL else st)
+
+    def _exp_release(self) -> None:
+        """Unmap (where still mapped) and release what ``_unreleased`` holds; a handle whose
+        unmap or release fails stays there, counted as reserved (the device still holds it),
+        and is released again at the next unmap.  Each vendor call's result is recorded with
+        plain stores as it returns (no KeyboardInterrupt in between)."""
+        unreleased = self._unreleased
+        cur, freed = self._cur, self._freed
+        scalars = self._scalars
+        with self._on_device():
+            while unreleased:
+                handle, n, kind, addr = unreleased[-1]
+                if addr is not None:
+                    # Marked unsure while the unmap runs: after a KeyboardInterrupt there (as it
+                    # returns, in the backend) the retry cannot tell whether it unmapped, and
+                    # takes a refusal as done; the address is in our own reservation, where
+                    # nothing maps while this entry waits.
+                    again = addr in self._unsure
+                    marked = self._unsure | {addr}
+                    self._unsure = marked
+                    try:
+                        self._be.vmm_unmap(addr, n)
+                    except CaptureError:
+                        self._unsure = marked - {addr}
+                        raise
+                    except AcceleratorError:
+                        if not again:
+                            self._unsure = marked - {addr}
+                            raise
+                        self._be.clear_error()      # an earlier try unmapped it
+                    unreleased[-1] = (handle, n, kind, None)
+                    self._unsure = marked - {addr}
+                    scalars["num_device_unmap"] += 1
+                # forgotten first, released last (plain stores between): an interrupt as the
+                # release starts may leak this handle, but a released handle (whose value the
+                # driver may give to the next create) is never released again
+                r, rk = RESERVED_BYTES, RESERVED_BYTES + kind
+                del unreleased[-1]
+                cur[r] -= n
+                cur[rk] -= n
+                freed[r] += n
+                freed[rk] += n
+                try:
+                    self._be.vmm_release(handle)
+                except Exception:
+                    cur[r] += n
+                    cur[rk] += n
+                    freed[r] -= n
+                    freed[rk] -= n
+                    unreleased.append((handle, n, kind, None))
+                    raise
+
+    def _exp_snapshot(self, exp: Segment, symbols: _Symbols) -> List[dict]:
+        """torch reports each mapped run of an expandable segment as a segment with
+        ``is_expandable``; its ``frames`` are those of the allocation that mapped its first
+        pages (a run starts at a mapping's start, E3)."""
+        out = []
+        seg = None
+        for block in exp.blocks():
+            if block.state == UNMAPPED:
+                seg = None
+                continue
+            if seg is None:
+                fl = block.pool
+                seg = {"device": self._index, "address": block.ptr, "total_size": 0,
+                       "allocated_size": 0, "active_size": 0, "requested_size": 0,
+                       "stream": fl.stream, "segment_type": _POOL_NAME[exp.kind],
+                       "segment_pool_id": (0, 0), "is_expandable": True,
+                       "frames": symbols.frames(self._seg_frames.get(block.ptr)), "blocks": []}
+                out.append(seg)
+            seg["total_size"] += block.size
+            _snapshot_block(seg, block, symbols)
+        return out
+
