@@ -40,8 +40,8 @@ Where the backend has virtual memory (CUDA, Level Zero) the general cache grows
 classic segments above; ``policy:torch`` keeps torch's default, off): one reserved
 address range per stream, for small and large requests alike, whose pages are mapped
 and unmapped on demand, so fragmentation across segments costs no physical memory
-(``_expandable``, invariants E1-E14; within 8 % of peak allocated on 10 of 11 recorded
-traces, 26 of 33 with the held-out ones).  A block carved out of a larger free block of
+(``_expandable``: the invariants E1-E14 and the methods that keep them; within 8 % of peak
+allocated on 10 of 11 recorded traces, 32 of 41 with the held-out ones).  A block carved out of a larger free block of
 such a segment takes the end that touches fewer pages no live block holds (E13).  Graph
 private pools and misses during a capture keep classic segments.
 
