@@ -37,6 +37,7 @@ import threading
 from ctypes import POINTER, c_char_p, c_int, c_int32, c_int64, c_uint8, c_uint16, c_uint32, c_uint64, c_void_p
 from typing import Any, Dict, Tuple
 
+from . import _finalize
 from ._errors import AcceleratorError
 from .backends._signals import deferred
 
@@ -508,7 +509,9 @@ def _sync_for_consumer(buffer, stream_arg) -> None:
                         f"stream), None for the legacy default stream, or -1 for no synchronization",
                         library=exc.library, call=exc.call, code=exc.code, code_name=exc.code_name) from exc
         finally:
-            backend.event_destroy(event)   # the wait is queued; CUDA frees the event when it completes
+            # the wait is queued; CUDA frees the event when it completes.  A failed destroy is
+            # tried again at the next drain (_finalize.finalize), not lost with the error
+            _finalize.finalize(backend.event_destroy, event)
     finally:
         hold.__exit__(None, None, None)
     known = _accel_stream(backend, device, handle)
@@ -592,7 +595,7 @@ def wait_for_producer(backend, index: int, producer, stream) -> None:
                 with stream._device_scope():
                     backend.stream_wait_event(stream._handle, event)
             finally:
-                backend.event_destroy(event)
+                _finalize.finalize(backend.event_destroy, event)      # (as in _sync_for_consumer)
     finally:
         if held is not None:
             held.__exit__(None, None, None)
@@ -724,7 +727,6 @@ class Imported:
     __slots__ = ("_address", "_versioned", "_done", "_keep", "_pid")
 
     def __init__(self, capsule, address: int, versioned: bool, keep: Any = None):
-        from . import _finalize
         # Checked and renamed under one lock: two accel consumers (threads) that both parsed the
         # capsule must not both take it, or the producer's deleter would run twice.  Never taken
         # by a finalizer or deleter.
@@ -738,7 +740,6 @@ class Imported:
         self._pid = _finalize.pid
 
     def release(self) -> None:
-        from . import _finalize
         if self._done:
             return
         self._done = True

@@ -480,13 +480,11 @@ def _user_kernel(ctx):
 
 
 _OPS = {
-    # (the two leaks pinned by the strict xfails below are left out of the sweep)
-    "dlpack": Op("dlpack", _dlpack_roundtrip, _dlpack_setup, skip=["cudaEventDestroy"]),
+    "dlpack": Op("dlpack", _dlpack_roundtrip, _dlpack_setup),
     "array_copies": Op("array_copies", _array_copies, _array_copies_setup),
     "staged_to_host": Op("staged_to_host", _staged_to_host, _staged_to_host_setup),
     "foreign_stream": Op("foreign_stream", _foreign_stream, _foreign_setup),
-    "graph_pool": Op("graph_pool", _graph_with_pool, _graph_pool_setup, kinds=("cuda", "xpu"),
-                     skip=["cudaThreadExchangeStreamCaptureMode"]),
+    "graph_pool": Op("graph_pool", _graph_with_pool, _graph_pool_setup, kinds=("cuda", "xpu")),
     "mempool": Op("mempool", _mempool_route, _mempool_setup, kinds=("cuda", "xpu")),
     "settings_switch": Op("settings_switch", _settings_switch, _settings_switch_setup, kinds=("cuda", "xpu")),
     "expandable_empty_cache": Op("expandable_empty_cache", _expandable_empty, kinds=("cuda", "xpu")),
@@ -528,9 +526,6 @@ def test_one_failed_call_leaves_nothing_behind(monkeypatch, kind, name):
 
 # -- leaks the sweep found (library bugs, files this test does not own) -------------------------
 
-@pytest.mark.xfail(strict=True, reason="accel/_dlpack.py _sync_for_consumer (and wait_for_producer): the "
-                   "handshake's temporary event is dropped when cudaEventDestroy fails (the error propagates "
-                   "from the finally, the handle is lost): one live event leaked per failure, never retried")
 def test_failed_event_destroy_in_the_dlpack_handshake_is_not_leaked(sim_cuda):
     buf, s = accel.Buffer(4096, device=1), accel.Stream(device=1)
     buf.fill_(1, stream=s)                    # last used on s: the consumer's stream waits for an event
@@ -551,10 +546,6 @@ def test_failed_event_destroy_in_the_dlpack_handshake_is_not_leaked(sim_cuda):
     assert sim.state().events == events
 
 
-@pytest.mark.xfail(strict=True, reason="accel/backends/cuda.py CudaBackend._alloc_maybe_capturing: when "
-                   "_Relaxed.__exit__'s cudaThreadExchangeStreamCaptureMode (restoring the capture mode) fails "
-                   "after cudaMalloc succeeded, the AcceleratorError propagates and the pointer is never freed "
-                   "(only a BaseException frees it): device memory leaked, unknown to the allocator")
 def test_failed_capture_mode_restore_after_a_capture_malloc_frees_it(sim_cuda):
     s = accel.Stream(device=1)
     before = sim.state().live_allocations

@@ -429,6 +429,7 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
     def _alloc_maybe_capturing(self, call: str, alloc, free, *args) -> int:
         """``alloc(void **, *args)`` (cudaMalloc, cudaHostAlloc), checked; the pointer as an int."""
         p = self.ffi.new("void **")
+        rc = None
         try:
             if self._captures:
                 # cudaMalloc is a "potentially unsafe" call that invalidates a global-mode
@@ -440,14 +441,14 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
                 rc = alloc(p, *args)
             self._check(rc, call)
             return self._as_int(p[0])
-        except Exception:
-            raise
         except BaseException:
-            # A KeyboardInterrupt as the runtime returned (CPython runs a signal's handler right
-            # after a C call, before its result is stored): the memory is allocated but the
-            # caller never gets it.  Freed here, so an interrupted allocation leaves nothing
-            # (the runtime writes the pointer only on success; p starts NULL).
-            if p[0] != self.ffi.NULL:
+            # The memory is allocated but the caller never gets it: a KeyboardInterrupt as the
+            # runtime returned (CPython runs a signal's handler right after a C call, before its
+            # result is stored), or the capture mode's restore failing after the allocation (the
+            # thread is still relaxed then, so the free is allowed).  Freed here, so a failed or
+            # interrupted allocation leaves nothing (the runtime writes the pointer only on
+            # success; p starts NULL).
+            if rc in (None, 0) and p[0] != self.ffi.NULL:
                 free(p[0])
             raise
 
