@@ -224,8 +224,8 @@ class APIMachine(RuleBasedStateMachine):
         self.graphs_ok = kind != "mps"
         # touch everything once so that the baseline holds the runtime's own objects
         for d in range(self.n):
-            accel.Buffer(16, d).close()
-            R.get_rng_state(d)
+            with accel.Buffer(16, d) as warm:
+                R.uniform_(warm)        # the RNG kernels load once per process (Metal: a library)
             accel.current_stream(d)
         accel.set_device_index(0)
         settle(self.n)
