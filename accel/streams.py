@@ -1086,11 +1086,11 @@ class Event:
         self._live()
         if not isinstance(end_event, Event):
             raise TypeError(f"elapsed_time expects an accel.Event, got {type(end_event).__name__}")
+        end_event._live()
         if not (self.enable_timing and end_event.enable_timing):
             raise ValueError("Both events must be created with argument 'enable_timing=True'.")
         if not (self._recorded and end_event._recorded):
             raise ValueError("Both events must be recorded before calculating elapsed time.")
-        end_event._live()
         if end_event._backend is not self._backend or end_event._index != self._index:
             # cudaEventElapsedTime: events of two devices have no common clock.
             raise _DeviceMismatchError(f"elapsed_time needs two events of one device: this event was recorded on "

@@ -809,9 +809,6 @@ def test_api_state_machine(monkeypatch, config):
 
 
 # -- deterministic reproductions of what the machine found --------------------------------------
-@pytest.mark.xfail(strict=True, reason="accel.random.uniform_ (random/__init__.py _target/_run) checks the "
-                   "buffer's size and loads the Philox kernels (CUDA module, Metal library) before "
-                   "Buffer._live(): a closed buffer gets a size ValueError or changes the runtime")
 def test_uniform_on_a_closed_buffer_is_refused_first(sim_backend):
     """uniform_ on a closed Buffer raises its 'was closed' RuntimeError and changes nothing, as
     fill_ does, whatever the buffer's size (found by the state machine: a refused uniform_ of a
@@ -837,8 +834,6 @@ def test_uniform_on_a_closed_buffer_is_refused_first(sim_backend):
     assert not problems, problems
 
 
-@pytest.mark.xfail(strict=True, reason="Event.elapsed_time (streams.py) tests end_event._recorded before "
-                   "end_event._live(): a closed end event never recorded is 'must be recorded', not closed")
 def test_elapsed_time_to_a_closed_unrecorded_event(sim_backend):
     """elapsed_time with a closed end event names it as closed (found by the state machine: a
     closed, never-recorded end event gave 'Both events must be recorded')."""

@@ -190,6 +190,7 @@ def _target(buf, generator, what: str):
     from ..buffer import Buffer
     if not isinstance(buf, Buffer):
         raise TypeError(f"{what} fills an accel.Buffer, got {type(buf).__name__}")
+    buf._live()         # a closed buffer first, as fill_ (before its size is read or a kernel loaded)
     buf._writable()     # a read-only DLPack import, as fill_/copy_from refuse it (before any offset moves)
     if generator is None:
         return default_generator(buf.device_index)
