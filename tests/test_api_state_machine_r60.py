@@ -28,7 +28,6 @@ runs N random examples per configuration instead.
 """
 
 import collections
-import contextlib
 import gc
 import os
 import warnings
@@ -44,7 +43,7 @@ from hypothesis.stateful import (Bundle, RuleBasedStateMachine, initialize, inva
 import accel  # noqa: E402
 import accel.memory as M  # noqa: E402
 import accel.random as R  # noqa: E402
-from accel import _finalize, _lazy, sim  # noqa: E402
+from accel import _finalize, sim  # noqa: E402
 from conftest import use_sim  # noqa: E402
 from torch_port_util import expected_memory_stats  # noqa: E402
 
