@@ -506,7 +506,7 @@ def _cases():
 
 
 @pytest.mark.parametrize("kind, name", _cases())
-def test_one_failed_call_leaves_nothing_behind(monkeypatch, kind, name):
+def test_one_failed_call_leaves_nothing_behind(monkeypatch, frozen_heap, kind, name):
     use_sim(monkeypatch, kind, **_ENV.get(name, {}))
     op = _OPS[name]
     if name == "oom_retry":
