@@ -524,7 +524,7 @@ def test_one_failed_call_leaves_nothing_behind(monkeypatch, frozen_heap, kind, n
     assert total > 0
 
 
-# -- leaks the sweep found (library bugs, files this test does not own) -------------------------
+# -- leaks the sweep found (r60), each failing here before its fix --------------------------------
 
 def test_failed_event_destroy_in_the_dlpack_handshake_is_not_leaked(sim_cuda):
     buf, s = accel.Buffer(4096, device=1), accel.Stream(device=1)

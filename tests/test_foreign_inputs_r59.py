@@ -543,12 +543,7 @@ def _cai_cases():
     params = []
     for name, make, on_buffer, on_view in rows:
         for path, expect in (("Buffer", on_buffer), ("ArrayView", on_view)):
-            marks = ()
-            if isinstance(expect, tuple) and len(expect) == 2 and isinstance(expect[1], str) and \
-                    isinstance(expect[0], tuple):
-                expect, reason = expect
-                marks = pytest.mark.xfail(strict=True, reason=reason)
-            params.append(pytest.param(make, path, expect, id=f"{name}-{path}", marks=marks))
+            params.append(pytest.param(make, path, expect, id=f"{name}-{path}"))
     return params
 
 
