@@ -134,6 +134,14 @@ def _holder_field(name: str) -> property:
     return property(operator.attrgetter("_h." + name), doc=f"the holder's {name} (see _Held)")
 
 
+def _graph_backend():
+    """The initialized backend; NotImplementedError saying why where it has no stream capture."""
+    backend = _lazy.lazy_init()
+    if not backend.supports_graphs:
+        raise NotImplementedError(backend.no_capture_reason)
+    return backend
+
+
 @_refuse_copies("capture another Graph (sharing this one's pool: Graph(pool=g.pool()))")
 class Graph:
     """A captured sequence of device work that can be replayed.
@@ -183,9 +191,7 @@ class Graph:
     def capture_begin(self) -> None:
         """Begin capturing work queued on the current stream into this graph."""
         self._check_process()
-        backend = _lazy.lazy_init()
-        if not backend.supports_graphs:
-            raise NotImplementedError(backend.no_capture_reason)
+        backend = _graph_backend()
         self._check_unused()
         mode = _check_mode(self.capture_error_mode)
         if mode == "default":
@@ -220,9 +226,7 @@ class Graph:
             raise TypeError(f"register_generator_state expects an accel.random.Generator (a generator, or a "
                             f"state from graphsafe_get_state() or clone_state()), got "
                             f"{type(generator).__name__} {generator!r}")
-        backend = _lazy.lazy_init()
-        if not backend.supports_graphs:
-            raise NotImplementedError(backend.no_capture_reason)
+        backend = _graph_backend()
         h = self._h
         if h.stream is not None:
             raise RuntimeError("Cannot register the state during capturing stage: this graph is being captured; "
@@ -247,9 +251,7 @@ class Graph:
         invalidates that capture, so the refusal would otherwise come after the damage.
         ``index``: the device the capture would begin on (None: the current one)."""
         self._check_process()
-        backend = _lazy.lazy_init()
-        if not backend.supports_graphs:
-            raise NotImplementedError(backend.no_capture_reason)
+        backend = _graph_backend()
         self._check_unused()
         if index is None:
             _check_device_free(backend.get_device(), " (`with graph:` and accel.graph() "

@@ -1153,7 +1153,7 @@ def _as_stream(obj, what: str) -> Stream:
         raise TypeError(f"{what}: expected an accel.Stream or an object with __cuda_stream__ (a cuda.core, "
                         f"CuPy or torch CUDA stream), got {type(obj).__name__} {shown}")
     name = type(obj).__name__
-    handle = cuda_stream_handle(obj, what, protocol)
+    handle = cuda_stream_handle(obj, what)
     backend = _lazy.lazy_init()
     if backend.name != "cuda":
         # torch.accelerator.set_stream: a stream of another device type is a RuntimeError
@@ -1162,12 +1162,12 @@ def _as_stream(obj, what: str) -> Stream:
     return _foreign_stream(backend, handle, None, what, reuse=True, hint=_device_hint(obj))
 
 
-def cuda_stream_handle(obj, what: str, protocol=None) -> int:
+def cuda_stream_handle(obj, what: str) -> int:
     """The cudaStream_t that ``obj.__cuda_stream__()`` names, checked: a ``(0, handle)`` tuple
     (version 0, cuda.core's) with an int handle >= 0 that fits in 64 bits; TypeError or
     ValueError naming ``what`` and the value otherwise."""
     name = type(obj).__name__
-    value = (protocol or obj.__cuda_stream__)()
+    value = obj.__cuda_stream__()
     if not isinstance(value, tuple) or len(value) != 2:
         raise TypeError(f"{what}: {name}.__cuda_stream__() returned {value!r}, not the protocol's "
                         f"(version, handle) tuple")

@@ -133,14 +133,6 @@ def _state_bytes(new_state) -> bytes:
     return new_state.tobytes()
 
 
-def _word_count(increment) -> int:
-    """``increment`` as an int (numpy integers too); TypeError naming it for a bool, float or other."""
-    if isinstance(increment, bool) or not hasattr(type(increment), "__index__"):
-        raise TypeError(f"increment must be an int number of 32-bit words, got {increment!r} "
-                        f"({type(increment).__name__})")
-    return increment.__index__()
-
-
 class _State:
     """One Philox state (torch's ``CUDAGeneratorState``): seed, offset and the graph-safe fields
     (capturing flag, intragraph offset, the device holders the captured kernels read and the
@@ -180,8 +172,9 @@ class _State:
     # -- drawing -------------------------------------------------------------------
     def philox_args(self, increment: int, graph: Optional[bool] = None) -> PhiloxArgs:
         """See :meth:`Generator.philox_args`."""
-        if increment.__class__ is not int:
-            increment = _word_count(increment)
+        if increment.__class__ is not int:      # (numpy integers too; a bool or float: TypeError)
+            from .._device import _as_index
+            increment = _as_index(increment, "increment (a number of 32-bit words)")
         if increment < 0:
             raise ValueError(f"increment must be >= 0, got {increment}")
         step = (increment + 3) // 4 * 4
