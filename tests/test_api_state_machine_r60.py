@@ -45,20 +45,13 @@ import accel.memory as M  # noqa: E402
 import accel.random as R  # noqa: E402
 from accel import _finalize, sim  # noqa: E402
 from conftest import use_sim  # noqa: E402
+from test_refusals_r58 import CONFIGS  # noqa: E402  (name -> (simulator, ACCEL_ALLOC_CONF))
 from torch_port_util import expected_memory_stats  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("frozen_heap")
 
 KiB, MiB = 1 << 10, 1 << 20
 
-#: name -> (simulator, ACCEL_ALLOC_CONF)
-CONFIGS = {
-    "cuda-expandable": ("cuda", ""),
-    "cuda-classic": ("cuda", "expandable_segments:False"),
-    "cuda-async": ("cuda", "backend:cudaMallocAsync"),
-    "xpu": ("xpu", ""),
-    "mps": ("mps", ""),
-}
 
 _LONG = int(os.environ.get("ACCEL_STATEFUL_EXAMPLES", "0") or 0)
 SETTINGS = settings(max_examples=_LONG or 25, stateful_step_count=40, deadline=None, derandomize=not _LONG,

@@ -283,19 +283,24 @@ def _workload(kind: str, objs: _Objects) -> None:
     memory.empty_host_cache()
 
 
-def _teardown(objs: _Objects) -> None:
-    sim.clear_faults()
-    accel.set_device_index(0)     # a failed device restore (it warns, as torch) may have left 1 current
-    objs.close()
+def synchronize_every_device() -> None:
+    """Wait for every device.  The failure of work queued earlier (Metal: a command buffer of a
+    stream closed since, or one whose commit failed) is reported once, by the first device-wide
+    wait; the next one is clean."""
     try:
         accel.synchronize()
     except AcceleratorError:
-        # The failure of the workload's own queued work (Metal: a command buffer of a stream
-        # closed since), reported once by the device-wide wait; the next one is clean.
         accel.synchronize()
     for i in range(accel.device_count()):
         with accel.device_index(i):
             accel.synchronize()
+
+
+def _teardown(objs: _Objects) -> None:
+    sim.clear_faults()
+    accel.set_device_index(0)     # a failed device restore (it warns, as torch) may have left 1 current
+    objs.close()
+    synchronize_every_device()
 
 
 def _live(kind: str) -> dict:

@@ -26,6 +26,7 @@ import accel
 from accel import memory, sim
 from accel._errors import AcceleratorError
 from conftest import SIMS, use_sim
+from test_fault_sweep import synchronize_every_device
 
 #: A generic, non-sticky error of each vendor API (as tests/test_fault_sweep.py).
 _CODES = {"cuda": 1, "xpu": 0x7FFFFFFE, "mps": 1}
@@ -85,16 +86,7 @@ def _metal_named(kind, name, err):
 
 def _settle():
     gc.collect()
-    try:
-        accel.synchronize()
-    except AcceleratorError:
-        # Metal: the failure of a command buffer committed earlier (a failed commit, or a wait
-        # for an event that commit would have signalled) is reported once, by the next
-        # device-wide wait; the next one is clean (as tests/test_fault_sweep.py's teardown).
-        accel.synchronize()
-    for i in range(accel.device_count()):
-        with accel.device_index(i):
-            accel.synchronize()
+    synchronize_every_device()
     memory.empty_cache()
     memory.empty_host_cache()
 
