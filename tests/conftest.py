@@ -123,6 +123,24 @@ def vendor_calls_made_by(fn) -> dict:
     return {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
 
 
+def not_refused_with(calls, message: str, exact: bool = True) -> list:
+    """One line for each ``(name, fn)`` of ``calls`` whose ``fn()`` does not raise a RuntimeError
+    with ``message`` (the whole message; with ``exact=False``, a part of it): another error, another
+    message, or no error (a forked child's calls, each of which must raise the fork error)."""
+    bad = []
+    for name, fn in calls:
+        try:
+            fn()
+        except RuntimeError as exc:
+            if (str(exc) != message) if exact else (message not in str(exc)):
+                bad.append(f"{name}: {type(exc).__name__}: {exc}")
+        except BaseException as exc:
+            bad.append(f"{name}: {type(exc).__name__}: {exc}")
+        else:
+            bad.append(f"{name}: no error")
+    return bad
+
+
 def pretend_collection(monkeypatch, here: bool = True) -> None:
     """As accel's gc.callbacks at a collection's start: one runs now, on this thread (``here``)
     or on another.  :func:`pretend_collection_ends` is its "stop"; the test's end undoes both."""

@@ -16,7 +16,7 @@ import pytest
 
 import accel
 from accel import _finalize, sim
-from conftest import SIMS, use_sim, vendor_calls_made_by
+from conftest import SIMS, not_refused_with, use_sim, vendor_calls_made_by
 
 #: Children per simulator: each forks, calls ~30 methods, exits (about 2-5 ms).
 CHILDREN = {"cuda": 200, "xpu": 200, "mps": 200}
@@ -101,17 +101,7 @@ def _calls(o, kind):
 def _child(objs, kind) -> int:
     """Runs in the forked child: every call raises the fork error; finalizers call nothing."""
     expected = _message(kind)
-    bad = []
-    for name, fn in _calls(objs, kind):
-        try:
-            fn()
-        except RuntimeError as exc:
-            if str(exc) != expected:
-                bad.append(f"{name}: {type(exc).__name__}: {exc}")
-        except BaseException as exc:
-            bad.append(f"{name}: {type(exc).__name__}: {exc}")
-        else:
-            bad.append(f"{name}: no error")
+    bad = not_refused_with(_calls(objs, kind), expected)
     made = vendor_calls_made_by(lambda: (objs.clear(), gc.collect(), _finalize.drain()))
     if made:
         bad.append(f"finalizers called the vendor library: {made}")

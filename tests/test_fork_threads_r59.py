@@ -32,7 +32,7 @@ import pytest
 
 import accel
 from accel import _finalize, _lazy, sim
-from conftest import SIMS, run_forked, use_sim, vendor_calls_made_by
+from conftest import SIMS, not_refused_with, run_forked, use_sim, vendor_calls_made_by
 from test_user_programs import _devices, allocated, live_objects, settle
 
 HOLD_S = 30.0       # the longest a parked thread waits to be released (a test bug, never reached)
@@ -233,18 +233,8 @@ def _child_checks(kind: str, o: dict, more=()) -> int:
     if "g" in o:
         calls += [("Graph.replay", lambda: o["g"].replay()), ("new capture", lambda: accel.Graph().capture_begin())]
     calls += list(more)
-    msg = _message(kind)
-    for name, fn in calls:
-        try:
-            fn()
-        except RuntimeError as exc:
-            if str(exc) != msg:
-                bad.append(f"{name}: {type(exc).__name__}: {exc}")
-        except BaseException as exc:
-            bad.append(f"{name}: {type(exc).__name__}: {exc}")
-        else:
-            bad.append(f"{name}: no error")
-    del calls, fn
+    bad += not_refused_with(calls, _message(kind))
+    del calls
     if accel.memory.memory_allocated(last) != 0 or accel.device_count() != len(_devices_no_init()):
         bad.append("queries")
     made = vendor_calls_made_by(lambda: (o.clear(), gc.collect(), _finalize.drain()))

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import accel
-from conftest import SIMS, run_forked, use_sim, vendor_calls_made_by
+from conftest import SIMS, not_refused_with, run_forked, use_sim, vendor_calls_made_by
 from test_user_programs import JOIN_S, _devices, allocated, join_all, live_objects, process_state, settle
 
 MiB = 1 << 20
@@ -586,17 +586,8 @@ def test_fork_mid_program_with_capture_imports_and_pools(monkeypatch, kind):
         if graphs:
             calls += [("Graph.replay", lambda: o["g1"].replay()), ("Graph.capture_end", lambda: o["g2"].capture_end()),
                       ("Graph.reset", lambda: o["g1"].reset()), ("new capture", lambda: accel.Graph().capture_begin())]
-        for name, fn in calls:
-            try:
-                fn()
-            except RuntimeError as exc:
-                if msg not in str(exc):
-                    bad.append(f"{name}: {type(exc).__name__}: {exc}")
-            except BaseException as exc:
-                bad.append(f"{name}: {type(exc).__name__}: {exc}")
-            else:
-                bad.append(f"{name}: no error")
-        del calls, fn
+        bad += not_refused_with(calls, msg, exact=False)
+        del calls
         made = vendor_calls_made_by(lambda: (o.clear(), gc.collect(), _finalize.drain()))
         if made:
             bad.append(f"the child's drops called the vendor library: {made}")
