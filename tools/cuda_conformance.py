@@ -1633,23 +1633,58 @@ def run_one(name: str, real: bool) -> dict:
         return {"steps": c.steps, "error": f"{type(exc).__name__}: {exc}"}
 
 
-def run_all(real: bool, only: List[str], timeout: float = 60) -> dict:
-    out = {}
+def _run_in_process(name: str, real: bool, env: dict, timeout: float) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", name] + (["--real"] if real else [])
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"hung: killed after {timeout:.0f} s"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("@result ")]
+    if not lines:
+        return {"error": f"exit {proc.returncode} without a result", "stderr": proc.stderr[-2000:]}
+    return json.loads(lines[-1][len("@result "):])
+
+
+def run_all(real: bool, only: List[str], timeout: float = 60, jobs: int = 1,
+            on_result: Callable[[dict], None] = None) -> dict:
+    """Each scenario in its own process, ``jobs`` at a time; ``on_result(results so far)`` after
+    each one, so that a run stopped from outside (a lease ending) keeps what it recorded."""
+    from concurrent.futures import ThreadPoolExecutor
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
-    for name in only or SCENARIOS:
-        cmd = [sys.executable, os.path.abspath(__file__), "--one", name] + (["--real"] if real else [])
-        try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            out[name] = {"error": f"hung: killed after {timeout:.0f} s"}
-            continue
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("@result ")]
-        if not lines:
-            out[name] = {"error": f"exit {proc.returncode} without a result", "stderr": proc.stderr[-2000:]}
-            continue
-        out[name] = json.loads(lines[-1][len("@result "):])
-    return out
+    names = list(only or SCENARIOS)
+    done = {}
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        futures = [(name, pool.submit(_run_in_process, name, real, env, timeout)) for name in names]
+        for name, future in futures:
+            done[name] = future.result()
+            if on_result is not None:
+                on_result(done)
+    return done
+
+
+def _meta(real: bool) -> dict:
+    """Where a run was recorded: the device, driver and runtime versions as libcudart reports them."""
+    meta = {"recorded": __import__("datetime").date.today().isoformat(),
+            "command": "python tools/cuda_conformance.py " + " ".join(sys.argv[1:])}
+    if not real:
+        return meta
+    try:
+        ffi, lib = _open(True)
+        version = ffi.new("int *")
+        if lib.cudaDriverGetVersion(version) == 0:
+            meta["driver_cuda_version"] = version[0]
+        if lib.cudaRuntimeGetVersion(version) == 0:
+            meta["runtime_version"] = version[0]
+        count = ffi.new("int *")
+        if lib.cudaGetDeviceCount(count) == 0 and count[0] > 0:
+            prop = ffi.new("struct cudaDeviceProp *")
+            if lib.cudaGetDeviceProperties(prop, 0) == 0:
+                meta["device"] = (f"{ffi.string(prop.name).decode()} (cc {prop.major}.{prop.minor}, "
+                                  f"{count[0]} GPU)")
+    except Exception as exc:  # noqa: BLE001 - the meta is informative; the scenarios say what broke
+        meta["meta_error"] = f"{type(exc).__name__}: {exc}"
+    return meta
 
 
 def compare(sim: dict, real: dict) -> dict:
@@ -1688,16 +1723,24 @@ def main(argv=None) -> int:
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--compare", metavar="REAL_JSON", help="run on the simulator and compare with a real run")
     parser.add_argument("--only", default="", help="comma-separated scenario names (prefixes allowed)")
+    parser.add_argument("--jobs", type=int, default=1, help="scenarios run at once (each in its own process)")
+    parser.add_argument("--timeout", type=float, default=60, help="seconds before a scenario counts as hung")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
         print("@result " + json.dumps(run_one(args.one, args.real)), flush=True)
         return 0
     only = [n for n in SCENARIOS if any(n.startswith(p) for p in args.only.split(",") if p)] if args.only else []
-    results = run_all(args.real, only)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(results, fh, indent=1)
+    meta = _meta(args.real) if args.json else {}
+
+    def write(results):
+        tmp = args.json + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump({"_meta": meta, **results}, fh, indent=1)
+        os.replace(tmp, args.json)
+
+    results = run_all(args.real, only, timeout=args.timeout, jobs=args.jobs,
+                      on_result=write if args.json else None)
     if args.compare:
         with open(args.compare) as fh:
             real = json.load(fh)
