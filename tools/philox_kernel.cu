@@ -48,6 +48,38 @@ __device__ __forceinline__ void load_state(uint64_t &seed, uint64_t &offset,
     for (uint64_t c = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; c < (n_ctr); \
          c += (uint64_t)gridDim.x * blockDim.x)
 
+// One 16-byte store per counter where the counter's elements are all in range and `out` is
+// 16-byte aligned (then every out + i is: i advances 16 bytes per counter).  A thread's four
+// scalar stores 16 bytes apart touch each 32-byte sector of a warp's span twice per
+// instruction: ncu on an H100 (2026-12-05) counted 2.0x the minimum L2 write sectors for the
+// raw fill and 4.4x for uniform float32, which ran at 0.42x the raw fill's speed.  The tail
+// (the last counter of an n not a multiple of its elements, or a misaligned view) stores one
+// element at a time, computing only the elements in range.
+__device__ __forceinline__ bool whole_and_aligned(const void *out, uint64_t i, uint64_t count,
+                                                  uint64_t n) {
+    return i + count <= n && ((uintptr_t)out & 15u) == 0;
+}
+#define STORE4(T4, make, out, i, n, e0, e1, e2, e3)                             \
+    do {                                                                         \
+        if (whole_and_aligned(out, i, 4, n)) {                                   \
+            *reinterpret_cast<T4 *>((out) + (i)) = make(e0, e1, e2, e3);         \
+        } else {                                                                 \
+            (out)[i] = (e0);                                                     \
+            if ((i) + 1 < (n)) (out)[(i) + 1] = (e1);                            \
+            if ((i) + 2 < (n)) (out)[(i) + 2] = (e2);                            \
+            if ((i) + 3 < (n)) (out)[(i) + 3] = (e3);                            \
+        }                                                                        \
+    } while (0)
+#define STORE2(T2, make, out, i, n, e0, e1)                                     \
+    do {                                                                         \
+        if (whole_and_aligned(out, i, 2, n)) {                                   \
+            *reinterpret_cast<T2 *>((out) + (i)) = make(e0, e1);                 \
+        } else {                                                                 \
+            (out)[i] = (e0);                                                     \
+            if ((i) + 1 < (n)) (out)[(i) + 1] = (e1);                            \
+        }                                                                        \
+    } while (0)
+
 // ---- math shared by the normal kernels (mirrors _transforms.log_f64 / sincos_octant) ----
 __device__ __forceinline__ double horner_log(double s2) {
     double p = LOG_C[LOG_N - 1];
@@ -111,10 +143,7 @@ extern "C" __global__ void accel_philox_raw_u32(uint32_t *out, FILL_ARGS) {
     GRID_STRIDE(c, n_ctr) {
         Words v = philox(base + c, seed);
         uint64_t i = 4 * c;
-        out[i] = v.x;
-        if (i + 1 < n) out[i + 1] = v.y;
-        if (i + 2 < n) out[i + 2] = v.z;
-        if (i + 3 < n) out[i + 3] = v.w;
+        STORE4(uint4, make_uint4, out, i, n, v.x, v.y, v.z, v.w);
     }
 }
 
@@ -131,10 +160,9 @@ extern "C" __global__ void accel_philox_uniform_f32(float *out, FILL_ARGS, float
     GRID_STRIDE(c, n_ctr) {
         Words v = philox(base + c, seed);
         uint64_t i = 4 * c;
-        out[i] = uniform_f32(v.x, low, scale, high);
-        if (i + 1 < n) out[i + 1] = uniform_f32(v.y, low, scale, high);
-        if (i + 2 < n) out[i + 2] = uniform_f32(v.z, low, scale, high);
-        if (i + 3 < n) out[i + 3] = uniform_f32(v.w, low, scale, high);
+        STORE4(float4, make_float4, out, i, n, uniform_f32(v.x, low, scale, high),
+               uniform_f32(v.y, low, scale, high), uniform_f32(v.z, low, scale, high),
+               uniform_f32(v.w, low, scale, high));
     }
 }
 
@@ -153,8 +181,8 @@ extern "C" __global__ void accel_philox_uniform_f64(double *out, FILL_ARGS, doub
     GRID_STRIDE(c, n_ctr) {
         Words v = philox(base + c, seed);
         uint64_t i = 2 * c;
-        out[i] = uniform_f64(v.x, v.y, low, scale, high);
-        if (i + 1 < n) out[i + 1] = uniform_f64(v.z, v.w, low, scale, high);
+        STORE2(double2, make_double2, out, i, n, uniform_f64(v.x, v.y, low, scale, high),
+               uniform_f64(v.z, v.w, low, scale, high));
     }
 }
 
@@ -164,17 +192,14 @@ extern "C" __global__ void accel_philox_normal_f32(float *out, FILL_ARGS, double
     GRID_STRIDE(c, n_ctr) {
         Words v = philox(base + c, seed);
         uint64_t i = 4 * c;
-        double z0, z1, z2, z3;
+        double z0, z1, z2 = 0.0, z3 = 0.0;
         box_muller(((double)v.x + 1.0) * 0x1p-32, v.y >> 29, (double)(v.y & 0x1FFFFFFFu) * 0x1p-29,
                    z0, z1);
-        out[i] = (float)(z0 * std + mean);
-        if (i + 1 < n) out[i + 1] = (float)(z1 * std + mean);
-        if (i + 2 < n) {
+        if (i + 2 < n)
             box_muller(((double)v.z + 1.0) * 0x1p-32, v.w >> 29,
                        (double)(v.w & 0x1FFFFFFFu) * 0x1p-29, z2, z3);
-            out[i + 2] = (float)(z2 * std + mean);
-            if (i + 3 < n) out[i + 3] = (float)(z3 * std + mean);
-        }
+        STORE4(float4, make_float4, out, i, n, (float)(z0 * std + mean), (float)(z1 * std + mean),
+               (float)(z2 * std + mean), (float)(z3 * std + mean));
     }
 }
 
@@ -188,8 +213,7 @@ extern "C" __global__ void accel_philox_normal_f64(double *out, FILL_ARGS, doubl
         double z0, z1;
         box_muller(((double)a + 1.0) * 0x1p-53, (uint32_t)(b >> 50),
                    (double)(b & ((1ull << 50) - 1)) * 0x1p-50, z0, z1);
-        out[i] = z0 * std + mean;
-        if (i + 1 < n) out[i + 1] = z1 * std + mean;
+        STORE2(double2, make_double2, out, i, n, z0 * std + mean, z1 * std + mean);
     }
 }
 
@@ -202,10 +226,9 @@ extern "C" __global__ void accel_philox_randint_i32(int32_t *out, FILL_ARGS, uin
     GRID_STRIDE(c, n_ctr) {
         Words v = philox(base + c, seed);
         uint64_t i = 4 * c;
-        out[i] = (int32_t)(lo + (uint64_t)v.x % range);
-        if (i + 1 < n) out[i + 1] = (int32_t)(lo + (uint64_t)v.y % range);
-        if (i + 2 < n) out[i + 2] = (int32_t)(lo + (uint64_t)v.z % range);
-        if (i + 3 < n) out[i + 3] = (int32_t)(lo + (uint64_t)v.w % range);
+        STORE4(int4, make_int4, out, i, n, (int32_t)(lo + (uint64_t)v.x % range),
+               (int32_t)(lo + (uint64_t)v.y % range), (int32_t)(lo + (uint64_t)v.z % range),
+               (int32_t)(lo + (uint64_t)v.w % range));
     }
 }
 
@@ -217,10 +240,12 @@ extern "C" __global__ void accel_philox_randint_i64(int64_t *out, FILL_ARGS, uin
     GRID_STRIDE(c, n_ctr) {
         Words v = philox(base + c, seed);
         uint64_t i = 4 * c;
-        out[i] = (int64_t)(lo + (uint64_t)v.x % range);
-        if (i + 1 < n) out[i + 1] = (int64_t)(lo + (uint64_t)v.y % range);
-        if (i + 2 < n) out[i + 2] = (int64_t)(lo + (uint64_t)v.z % range);
-        if (i + 3 < n) out[i + 3] = (int64_t)(lo + (uint64_t)v.w % range);
+        // 32 bytes a counter: two 16-byte stores where all four are in range
+        STORE2(longlong2, make_longlong2, out, i, n, (long long)(lo + (uint64_t)v.x % range),
+               (long long)(lo + (uint64_t)v.y % range));
+        if (i + 2 < n)
+            STORE2(longlong2, make_longlong2, out, i + 2, n, (long long)(lo + (uint64_t)v.z % range),
+                   (long long)(lo + (uint64_t)v.w % range));
     }
 }
 
@@ -234,8 +259,8 @@ extern "C" __global__ void accel_philox_randint_i64_wide(int64_t *out, FILL_ARGS
         Words v = philox(base + c, seed);
         uint64_t i = 2 * c;
         uint64_t a = (uint64_t)v.x | ((uint64_t)v.y << 32), b = (uint64_t)v.z | ((uint64_t)v.w << 32);
-        out[i] = (int64_t)(lo + (range ? a % range : a));
-        if (i + 1 < n) out[i + 1] = (int64_t)(lo + (range ? b % range : b));
+        STORE2(longlong2, make_longlong2, out, i, n, (long long)(lo + (range ? a % range : a)),
+               (long long)(lo + (range ? b % range : b)));
     }
 }
 
