@@ -611,11 +611,17 @@ def check_philox_kernel(ctx: Context) -> dict:
     R.manual_seed(SEED)
     gen = R.default_generator(ctx.device)
     mismatches = {}
+    # The kernels store 16 bytes at a time where the buffer is 16-byte aligned and one element
+    # at a time elsewhere: a view one element into a buffer (as a DLPack import of a slice
+    # may be) takes the second path.
+    misaligned_counts = counts[1:4]
     with accel.device_index(ctx.device):
         for kind, (fill, plan_for, dtype) in _rng_cases().items():
-            for n in counts:
-                nbytes = n * np.dtype(dtype).itemsize
-                buf = accel.Buffer(nbytes, ctx.device)
+            itemsize = np.dtype(dtype).itemsize
+            for n, skew in [(n, 0) for n in counts] + [(n, itemsize) for n in misaligned_counts]:
+                nbytes = n * itemsize
+                base = accel.Buffer(nbytes + skew, ctx.device)
+                buf = accel.Buffer.from_ptr(base.ptr + skew, nbytes, ctx.device, owner=base) if skew else base
                 offset = gen.offset
                 fill(buf)
                 got = buf.to_numpy(dtype)
@@ -623,15 +629,18 @@ def check_philox_kernel(ctx: Context) -> dict:
                 refs = [("", want)]
                 if kind == "raw_u32":     # and the Philox stream itself, not only the fill plan
                     refs.append((" vs philox.raw_words", philox.raw_words(gen.initial_seed(), offset, n)))
+                where = f"{kind}[n={n}" + (f", {skew} bytes into a buffer]" if skew else "]")
                 for label, ref in refs:
                     bad = np.flatnonzero(got.view(np.uint8) != ref.view(np.uint8))
                     if bad.size:
                         i = int(bad[0]) // got.itemsize
-                        mismatches[f"{kind}[n={n}]{label}"] = {
+                        mismatches[where + label] = {
                             "bytes_differing": int(bad.size), "first_element": i,
                             "device": repr(got[i]), "host": repr(ref[i])}
-                buf.close()
-    details["cases"] = len(_rng_cases()) * len(counts)
+                if skew:
+                    buf.close()
+                base.close()
+    details["cases"] = len(_rng_cases()) * (len(counts) + len(misaligned_counts))
     details["counts"] = counts
     details["mismatches"] = mismatches
     _expect(not mismatches, f"device fills differ from the host path: {', '.join(mismatches)}", details)

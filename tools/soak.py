@@ -136,21 +136,42 @@ def settle() -> None:
         accel.synchronize(d)
 
 
-def soak(cycles: int, every: int, out=None) -> dict:
+def _top_functions(profile, count: int = 12) -> str:
+    """The ``count`` functions of a cProfile run with the most time of their own."""
+    import io
+    import pstats
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(count)
+    return "\n".join(line for line in text.getvalue().splitlines() if line.strip())
+
+
+def soak(cycles: int, every: int, out=None, profile: bool = False) -> dict:
     """Run ``cycles`` cycles; returns {"blocks": [(seconds, rss, counts)], ...} and prints a
-    line per block to ``out`` when given."""
+    line per block to ``out`` when given.  ``profile``: run each block under cProfile and
+    return the top functions of the first and last blocks as "profiles" (where a slowdown
+    comes from; the profiler adds its own time to every call)."""
     devices = accel.device_count()
     for i in range(every):          # warm-up: lazy state, caches, worker threads
         cycle(i, devices)
     settle()
     blocks = []
+    profiles = []
     i = 0
     while i < cycles:
+        prof = None
+        if profile:
+            import cProfile
+            prof = cProfile.Profile()
+            prof.enable()
         t0 = time.perf_counter()
         for _ in range(every):
             cycle(i, devices)
             i += 1
         elapsed = time.perf_counter() - t0
+        if prof is not None:
+            prof.disable()
+            if not profiles or i >= cycles:
+                profiles.append(f"block ending at cycle {i}:\n{_top_functions(prof)}")
         settle()
         row = (elapsed, rss_bytes(), counts())
         blocks.append(row)
@@ -158,7 +179,7 @@ def soak(cycles: int, every: int, out=None) -> dict:
             c = row[2]
             print(f"{i:>7} cycles  {elapsed * 1e3:8.1f} ms/{every}  rss {row[1] / 2**20:7.1f} MiB  "
                   + "  ".join(f"{k}={v}" for k, v in c.items()), file=out, flush=True)
-    return {"blocks": blocks}
+    return {"blocks": blocks, "profiles": profiles}
 
 
 def main(argv=None) -> int:
@@ -168,6 +189,8 @@ def main(argv=None) -> int:
     parser.add_argument("--cycles", type=int, default=50_000)
     parser.add_argument("--every", type=int, default=1_000)
     parser.add_argument("--json", metavar="PATH", help="also write the blocks (seconds, rss, counts) as JSON")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile each block; print the top functions of the first and last")
     args = parser.parse_args(argv)
     if args.cycles < args.every or args.every < 1:
         parser.error(f"--cycles ({args.cycles}) must be at least --every ({args.every}), which must be >= 1")
@@ -178,7 +201,10 @@ def main(argv=None) -> int:
     accel._lazy.lazy_init()
     print(f"soak: {args.cycles} cycles on {accel.current_accelerator()} "
           f"({os.environ.get('ACCEL_SIM', 'hardware')}), {accel.device_count()} device(s)")
-    blocks = soak(args.cycles, args.every, sys.stdout)["blocks"]
+    result = soak(args.cycles, args.every, sys.stdout, profile=args.profile)
+    blocks = result["blocks"]
+    for text in result["profiles"]:
+        print(text)
     if args.json:
         import json
         with open(args.json, "w") as fh:
