@@ -413,8 +413,16 @@ class Space:
             if p is None or p.released:
                 raise VmmError("invalid", f"handle 0x{handle:x} is not a live physical allocation")
             if whole and (size != p.size or offset):
-                raise VmmError("invalid", f"a mapping of handle 0x{handle:x} must cover all its {p.size} bytes, "
-                                          f"not {size} from offset {offset}")
+                # CUDA_ERROR_NOT_SUPPORTED (the Driver API, cuMemMap: offset "currently must be
+                # zero"), measured on an H100, tests/conformance/cuda_h100_2026-12-05.json, scenario
+                # vmm_rules (driver 580.159.04): an offset of 1 granule, 1 or 3 granules of a
+                # 2-granule handle, and 1 granule of it at an unaligned address (this check comes
+                # before the address's).
+                raise VmmError("unsupported", f"a mapping of handle 0x{handle:x} must cover all its {p.size} "
+                                              f"bytes, not {size} from offset {offset}")
+            if base % GRANULARITY or size % GRANULARITY:
+                raise VmmError("invalid", f"0x{base:x}+{size} is not a multiple of the {GRANULARITY}-byte "
+                                          f"granularity")
             if offset % GRANULARITY or offset + size > p.size:
                 raise VmmError("invalid", f"{size} bytes from offset {offset} are not inside the {p.size}-byte "
                                           f"handle 0x{handle:x}")

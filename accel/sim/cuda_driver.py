@@ -524,10 +524,13 @@ def cuMemMap(ptr, size, offset, handle, flags):
     # live mapping is refused (no double map), and a mapping covers the whole handle (offset 0 and
     # "offset + size must be less than the size of the memory allocation" leave only size ==
     # the handle's size meaningful).  "Please note calling cuMemMap does not make the address
-    # accessible": until cuMemSetAccess every access faults.
-    if offset != 0 or flags != 0 or size <= 0 or not _aligned(int(ptr), size):
+    # accessible": until cuMemSetAccess every access faults.  A mapping of part of the handle
+    # or from an offset is CUDA_ERROR_NOT_SUPPORTED, checked (in _vmm.Vmm.map) before the
+    # address's alignment (CUDA_ERROR_INVALID_VALUE): measured on an H100,
+    # tests/conformance/cuda_h100_2026-12-05.json, scenario vmm_rules.
+    if flags != 0 or size <= 0:
         return CUDA_ERROR_INVALID_VALUE
-    rc = _vmm_call(R.vmm.map, int(ptr), size, int(handle))
+    rc = _vmm_call(R.vmm.map, int(ptr), size, int(handle), offset)
     core.vmm_cost()
     return rc
 
