@@ -14,7 +14,7 @@ from .state import (
     _CHARP, _L2, _PRIORITY_GREATEST, _PRIORITY_LEAST, _SHARED_PER_BLOCK, _SHARED_PER_BLOCK_OPTIN,
     _SHARED_PER_SM, _SM_COUNT, Runtime, Stream, _addr, cudaErrorInvalidDevice, cudaErrorInvalidValue,
     cudaErrorNotSupported, cudaErrorPeerAccessAlreadyEnabled, cudaErrorPeerAccessNotEnabled,
-    cudaErrorStreamCaptureUnsupported, cudaSuccess, _error_name,
+    cudaErrorPeerAccessUnsupported, cudaErrorStreamCaptureUnsupported, cudaSuccess, _error_name,
 )
 from .common import (
     _cstr, _destroy_stream, _device_captures, _invalidate, _is_null, _put, _unsafe_call, _wait_device,
@@ -268,11 +268,16 @@ def cudaDeviceEnablePeerAccess(R, peerDevice, flags):
     """Let kernels of the current device access ``peerDevice``'s memory (one direction only).
 
     CUDA Runtime API, cudaDeviceEnablePeerAccess: access is unidirectional; flags must be 0;
-    cudaErrorPeerAccessAlreadyEnabled when already enabled; cudaErrorInvalidDevice for a bad
-    (or the current) device."""
+    cudaErrorPeerAccessAlreadyEnabled when already enabled; cudaErrorInvalidDevice for a device
+    out of range.  The current device itself (cudaDeviceCanAccessPeer(d, d) is 0): the docs name
+    no code; cudaErrorPeerAccessUnsupported ("P2P access is not supported across the given
+    devices"), measured on an H100, tests/conformance/cuda_h100_2026-12-05.json, scenario
+    peer_access_one_device (driver 580.159.04, libcudart 13.0), with any number of devices."""
     d = R.tls.device
-    if not (0 <= peerDevice < len(R.devices)) or peerDevice == d:
+    if not (0 <= peerDevice < len(R.devices)):
         return cudaErrorInvalidDevice
+    if peerDevice == d:
+        return cudaErrorPeerAccessUnsupported
     if flags != 0:
         return cudaErrorInvalidValue
     peers = R.devices[d].peers

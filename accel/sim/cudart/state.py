@@ -30,6 +30,7 @@ cudaErrorInsufficientDriver = 35
 cudaErrorInvalidDeviceFunction = 98
 cudaErrorNoDevice = 100
 cudaErrorInvalidDevice = 101
+cudaErrorPeerAccessUnsupported = 217
 cudaErrorInvalidPtx = 218
 cudaErrorOperatingSystem = 304
 cudaErrorInvalidResourceHandle = 400
