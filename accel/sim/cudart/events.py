@@ -7,7 +7,7 @@ from __future__ import annotations
 from .state import (
     _EVENT_DISABLE_TIMING, _EVENT_INTERPROCESS, _EVENT_RECORD_EXTERNAL, _EVENT_WAIT_EXTERNAL,
     _STATUS_ACTIVE, _STATUS_INVALIDATED, Event, Rec, Runtime, Stream, cudaErrorCapturedEvent,
-    cudaErrorInvalidResourceHandle, cudaErrorInvalidValue, cudaErrorNotReady,
+    cudaErrorIllegalState, cudaErrorInvalidResourceHandle, cudaErrorInvalidValue, cudaErrorNotReady,
     cudaErrorStreamCaptureImplicit, cudaErrorStreamCaptureInvalidated, cudaErrorStreamCaptureIsolation,
     cudaErrorStreamCaptureMerge, cudaErrorStreamCaptureUnsupported, cudaSuccess,
 )
@@ -62,7 +62,10 @@ def _external_wait(R: Runtime, s: Stream, e: Event) -> int:
     the wait was captured."""
     cap = s.capture
     if cap is None:
-        return cudaErrorInvalidValue
+        # Outside capture: cudaErrorIllegalState, measured on an H100,
+        # tests/conformance/cuda_h100_2026-12-05.json, scenario event_external_outside_capture
+        # (driver 580.159.04, libcudart 13.0); the Runtime API names no code for it.
+        return cudaErrorIllegalState
     r = e.rec
     if r is not None and r.cap is not None and not r.cap.ended:
         # The event was last recorded inside a capture underway (a capture-internal
@@ -171,7 +174,10 @@ def cudaEventRecordWithFlags(R, event, stream=None, flags=0):
     if e is None or s is None or e.device != s.device:   # event and stream must share a context
         return cudaErrorInvalidResourceHandle
     if s.capture is None:
-        return cudaErrorInvalidValue
+        # cudaErrorIllegalState, measured on an H100, tests/conformance/cuda_h100_2026-12-05.json,
+        # scenario event_external_outside_capture (driver 580.159.04, libcudart 13.0); the
+        # Runtime API names no code for it.
+        return cudaErrorIllegalState
     return _enqueue(R, s, None, "event_record", f"event {e.handle:#x}", event=e)[0]
 
 
