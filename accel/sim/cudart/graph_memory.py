@@ -152,7 +152,9 @@ def _graph_mem_instantiate(R: Runtime, g: Graph, flags: int):
     contains any allocation or free nodes, there can be at most one executable graph in existence
     for that graph at a time.  An attempt to instantiate a second executable graph before
     destroying the first with cudaGraphExecDestroy will result in an error" (which one the docs
-    do not say: cudaErrorInvalidValue here); DeviceLaunch "cannot be used in conjunction with
+    do not say: cudaErrorNotSupported, measured on an H100, tests/conformance/
+    cuda_h100_2026-12-05.json, scenario graph_mem_second_instantiation, driver 580.159.04,
+    libcudart 13.0, whether or not the graph frees its allocations); DeviceLaunch "cannot be used in conjunction with
     cudaGraphInstantiateFlagAutoFreeOnLaunch"; unknown flags are refused."""
     if flags & ~_GRAPH_INSTANTIATE_FLAGS or \
             flags & (_AUTO_FREE_ON_LAUNCH | _DEVICE_LAUNCH) == _AUTO_FREE_ON_LAUNCH | _DEVICE_LAUNCH:
@@ -165,7 +167,7 @@ def _graph_mem_instantiate(R: Runtime, g: Graph, flags: int):
     if not allocs:
         return cudaSuccess, None
     if any(ga.exec is not None for ga in allocs):
-        return cudaErrorInvalidValue, None
+        return cudaErrorNotSupported, None      # measured on an H100 (see above)
     if flags & _DEVICE_LAUNCH:
         return cudaErrorNotSupported, None      # device launch is not simulated
     return cudaSuccess, _graph_mem.ExecMem(allocs, bool(flags & _AUTO_FREE_ON_LAUNCH))

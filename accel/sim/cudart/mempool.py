@@ -7,11 +7,11 @@ from __future__ import annotations
 from .. import _memory, core
 from .state import (
     cudaErrorInvalidDevice, cudaErrorInvalidResourceHandle, cudaErrorInvalidValue,
-    cudaErrorMemoryAllocation, cudaSuccess, _oom,
+    cudaErrorMemoryAllocation, cudaErrorNotSupported, cudaSuccess, _oom,
 )
 from .common import _enqueue, _is_null, _lookup, _put, _put_ptr, _stream
 from .pools import (
-    _ACCESS_NONE, _ACCESS_READ, _ACCESS_READ_WRITE, _LOCATION_DEVICE, _POOL_CHUNK, _POOL_RELEASE_THRESHOLD,
+    _ACCESS_NONE, _ACCESS_READ, _ACCESS_READ_WRITE, _LOCATION_DEVICE, _LOCATION_HOST, _POOL_CHUNK, _POOL_RELEASE_THRESHOLD,
     _POOL_RESERVED_CURRENT, _POOL_RESERVED_HIGH, _POOL_USED_CURRENT, _POOL_USED_HIGH, _GraphAllocation,
     _default_pool, _ints, _pool_value,
 )
@@ -157,9 +157,14 @@ def cudaMemPoolTrimTo(R, memPool, minBytesToKeep):
 def cudaMemPoolSetAccess(R, memPool, descList, count):
     """CUDA Runtime API, cudaMemPoolSetAccess: "Controls visibility of pools between devices";
     each cudaMemAccessDesc gives one device's access (cudaMemAccessFlagsProtNone / ProtRead /
-    ProtReadWrite).  Refused (cudaErrorInvalidValue, nothing applied): a location that is not a
-    device, a device out of range, another flag value, and any change to the owner's own access
-    (the docs are silent on it: allocations are always accessible from the pool's device)."""
+    ProtReadWrite).  A refused list applies nothing; the first refused entry gives the code.
+    The Runtime API lists only cudaErrorInvalidValue; the other codes were measured on an H100,
+    tests/conformance/cuda_h100_2026-12-05.json, scenario pool_rules_one_device (driver
+    580.159.04, libcudart 13.0): the host location cudaErrorNotSupported, a device out of range
+    cudaErrorInvalidDevice, another flag value cudaErrorInvalidValue, and a change to the owner's
+    own access (allocations are always accessible from the pool's device) cudaErrorNotSupported
+    to read-only, cudaErrorInvalidDevice to none.  Other location types (not measured):
+    cudaErrorInvalidValue."""
     pool = _lookup(R.pools, memPool)
     if pool is None:
         return cudaErrorInvalidResourceHandle
@@ -169,11 +174,16 @@ def cudaMemPoolSetAccess(R, memPool, descList, count):
     changes = {}
     for i in range(count):
         kind, device, flags = fields[3 * i:3 * i + 3]
-        if kind != _LOCATION_DEVICE or not (0 <= device < len(R.devices)) or \
-                flags not in (_ACCESS_NONE, _ACCESS_READ, _ACCESS_READ_WRITE):
+        if kind == _LOCATION_HOST:
+            return cudaErrorNotSupported
+        if kind != _LOCATION_DEVICE:
+            return cudaErrorInvalidValue
+        if not (0 <= device < len(R.devices)):
+            return cudaErrorInvalidDevice
+        if flags not in (_ACCESS_NONE, _ACCESS_READ, _ACCESS_READ_WRITE):
             return cudaErrorInvalidValue
         if device == pool.device and flags != _ACCESS_READ_WRITE:
-            return cudaErrorInvalidValue
+            return cudaErrorNotSupported if flags == _ACCESS_READ else cudaErrorInvalidDevice
         changes[device] = flags
     with R.mlock:
         for device, flags in changes.items():

@@ -62,6 +62,7 @@ def _pool_value(value, ctype):
 
 _ACCESS_NONE, _ACCESS_READ, _ACCESS_READ_WRITE = 0, 1, 3     # cudaMemAccessFlags
 _LOCATION_DEVICE = 1                                         # cudaMemLocationTypeDevice
+_LOCATION_HOST = 2                                           # cudaMemLocationTypeHost
 _GraphAllocation = _graph_mem.GraphAllocation
 
 
