@@ -16,6 +16,7 @@ from .._errors import AcceleratorError
 from ..backends._signals import deferred as _signals_deferred
 
 _FATBIN_MAGIC = b"\x50\xed\x55\xba"
+_CUDA_KINDS = frozenset(("ptx", "cubin", "fatbin"))     # what _image_kind calls CUDA's images
 
 
 def _read_image(image) -> Tuple[bytes, Optional[str]]:
@@ -172,11 +173,30 @@ class Module:
     def _load(self, backend, index: int, data: bytes) -> None:
         """Load the image and register the unload (for an interrupted ``__del__``,
         accel._finalize, r53) with signals deferred (r55): from the moment the runtime's load
-        returns until the registration is stored, a Ctrl-C would leave a module nobody unloads."""
+        returns until the registration is stored, a Ctrl-C would leave a module nobody unloads.
+
+        CUDA loads lazily by default (CUDA_MODULE_LOADING=LAZY, CUDA 12.2+): cudaLibraryLoadData
+        accepts any bytes and the image's errors come from the first cudaLibraryGetKernel
+        (measured on an H100, tests/conformance/cuda_h100_2026-12-05.json, scenario
+        library_bad_images), and the driver loads a kernel at cuModuleGetFunction.  So the first
+        kernel the image declares is looked up here: an image the device cannot run raises
+        KernelImageError from Module(...) in both modes, with the module unloaded again."""
         from ..streams import on_device
         with on_device(backend, index):
-            self._handle = backend.module_load(data)
-            self._own = _fin.own(_unload, backend, index, self._handle)
+            handle = backend.module_load(data)
+            if self.kind in _CUDA_KINDS and self._entries:
+                name = next(iter(self._entries))
+                try:
+                    backend.module_function(handle, name)
+                except BaseException as exc:
+                    backend.module_unload(handle)
+                    if isinstance(exc, AcceleratorError):
+                        exc.add_note(f"Module(image): looking up kernel {name!r} of the {self.kind} image failed "
+                                     f"(CUDA reports an image's errors there when it loads lazily, the "
+                                     f"default); the module was unloaded")
+                    raise
+            self._handle = handle
+            self._own = _fin.own(_unload, backend, index, handle)
 
     @property
     def device(self):

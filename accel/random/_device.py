@@ -111,8 +111,14 @@ def kernel_functions(backend, index: int) -> Optional[Dict[str, int]]:
 
 def _load(backend, source: bytes, binary: Optional[Callable[[], bytes]]) -> Dict[str, int]:
     """Kernel handles of ``source``'s kernels, from the prebuilt image when it loads, else from
-    ``source`` (the driver JITs it)."""
+    ``source`` (the driver JITs it).
+
+    With CUDA's lazy loading (the default since 12.2) a load accepts an image the device cannot
+    run and the kernel lookup (:func:`_functions_of`) refuses it with the same KernelImageError:
+    both fall back from the prebuilt image to the source, the refused module unloaded."""
     names = defined_kernels(source)
+    if not names:
+        return {}    # none of the kernels: nothing to load (a loaded module would never be unloaded)
     if binary is not None:
         try:
             image = binary()
@@ -127,7 +133,8 @@ def _load(backend, source: bytes, binary: Optional[Callable[[], bytes]]) -> Dict
 
 
 def _functions_of(backend, module: int, names) -> Dict[str, int]:
-    """The kernels ``names`` of a loaded ``module``; the module is unloaded when one fails."""
+    """The kernels ``names`` of a loaded ``module``; the module is unloaded when one fails (a
+    lazily loaded image's errors come from these lookups)."""
     try:
         return {name: backend.module_function(module, name) for name in names}
     except BaseException:
