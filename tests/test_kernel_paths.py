@@ -196,6 +196,12 @@ def test_shipped_fatbin_holds_sass_for_every_target_and_the_ptx():
 
 def test_sim_refuses_a_fatbin_with_no_image_for_the_device(monkeypatch):
     backend = _cuda(monkeypatch, runtime="13.0", cc="7.0")
+    # loaded lazily (the default): at the first kernel lookup (tests/test_lazy_loading_r61.py)
+    module = backend.module_load(_fatbin_without_ptx(_fatbin()))
+    with pytest.raises(KernelImageError, match=r"cudaErrorNoKernelImageForDevice \(209\)"):
+        backend.module_function(module, "accel_philox_store_state")
+    backend.module_unload(module)
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "EAGER")
     with pytest.raises(KernelImageError, match=r"cudaErrorNoKernelImageForDevice \(209\)"):
         backend.module_load(_fatbin_without_ptx(_fatbin()))
     # the same image through the driver path: CUDA_ERROR_NO_BINARY_FOR_GPU

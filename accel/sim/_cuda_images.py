@@ -65,10 +65,17 @@ def ptx_entries(text: bytes) -> List[str]:
     return list(_ptx.ptx_entries(text))
 
 
-def _jit(ptx: bytes, cc: Tuple[int, int], driver_version: int) -> List[str]:
+def _jit(ptx: bytes, cc: Tuple[int, int], driver_version: int, lazy: bool = False) -> List[str]:
     m = _VERSION_RE.search(ptx)
     names = ptx_entries(ptx)
-    if m is None or not names:
+    if lazy:
+        # Measured on an H100 (driver 580.159.04, libcudart 13.0; tests/conformance/
+        # cuda_h100_2026-12-05.json, scenario library_bad_images), cudaLibraryGetKernel of a library
+        # loaded lazily: text without a .version directive is no image at all, 200 (as bytes that
+        # are no image); PTX with .version but no .entry loads, without kernels (a lookup is 500).
+        if m is None:
+            raise ImageError(INVALID_KERNEL_IMAGE, "neither a fatbin, a cubin nor PTX (no .version directive)")
+    elif m is None or not names:
         raise ImageError(INVALID_PTX, "PTX without a .version directive or any .entry")
     isa = (int(m.group(1)), int(m.group(2)))
     limit = max_ptx_isa(driver_version)
@@ -132,8 +139,12 @@ def fatbin_entries(data: bytes) -> List[Tuple[int, int, bytes]]:
     return out
 
 
-def load(data: bytes, cc: Tuple[int, int], driver_version: int) -> Tuple[List[str], bool]:
-    """(kernel names, JIT used) for image ``data`` on a device of compute capability ``cc``."""
+def load(data: bytes, cc: Tuple[int, int], driver_version: int, lazy: bool = False) -> Tuple[List[str], bool]:
+    """(kernel names, JIT used) for image ``data`` on a device of compute capability ``cc``.
+
+    ``lazy``: the checks a lazily loaded cudaLibrary_t meets at its first cudaLibraryGetKernel,
+    with the codes measured there (PTX without .version or .entry is read as _jit says); the
+    other checks and codes are the same at load and at the lookup."""
     if data[:4] == struct.pack("<I", FATBIN_MAGIC):
         entries = fatbin_entries(data)
         # CUDA Programming Guide, "Binary Compatibility": a cubin for sm_XY runs on devices of
@@ -145,7 +156,7 @@ def load(data: bytes, cc: Tuple[int, int], driver_version: int) -> Tuple[List[st
             return elf_entries(max(sass)[1]), False
         ptx = [(sm, body) for kind, sm, body in entries if kind == KIND_PTX and sm <= cc[0] * 10 + cc[1]]
         if ptx:
-            return _jit(max(ptx)[1].split(b"\0", 1)[0], cc, driver_version), True
+            return _jit(max(ptx)[1].split(b"\0", 1)[0], cc, driver_version, lazy), True
         have = ", ".join(f"{'sm' if k == KIND_ELF else 'compute'}_{sm}" for k, sm, _ in entries) or "nothing"
         raise ImageError(NO_KERNEL_IMAGE, f"the fatbin holds {have}: no SASS for sm_{cc[0]}{cc[1]} "
                                           "and no PTX it can JIT")
@@ -157,7 +168,7 @@ def load(data: bytes, cc: Tuple[int, int], driver_version: int) -> Tuple[List[st
             raise ImageError(NO_KERNEL_IMAGE, f"cubin for sm_{sm} does not run on compute capability "
                                               f"{cc[0]}.{cc[1]}")
         return elf_entries(data), False
-    return _jit(data.split(b"\0", 1)[0], cc, driver_version), True
+    return _jit(data.split(b"\0", 1)[0], cc, driver_version, lazy), True
 
 
 def image_bytes(ffi, code, charp) -> bytes:

@@ -34,7 +34,10 @@ CUDA_ERROR_NOT_FOUND = 500
 CUDA_ERROR_NOT_SUPPORTED = 801
 
 # cudaError_t from the shared launch path -> the CUresult cuLaunchKernel returns (cuda.h); the
-# other codes the path returns (1, 400, 700, 719, 900-908) have the same value in both enums.
+# other codes the path returns (1, 400, 700, 719, 900-908) have the same value in both enums.  A
+# block or grid outside the limits is cudaErrorInvalidValue there (as an H100,
+# tests/conformance/cuda_h100_2026-12-05.json, scenario launch_configurations), so
+# CUDA_ERROR_INVALID_VALUE here; cudaErrorInvalidConfiguration is mapped should it come back.
 _LAUNCH_CODES = {9: CUDA_ERROR_INVALID_VALUE,      # cudaErrorInvalidConfiguration
                  98: CUDA_ERROR_INVALID_HANDLE}    # cudaErrorInvalidDeviceFunction
 
@@ -189,6 +192,10 @@ def cuModuleLoadData(module, image):
     if module == _dffi().NULL or image == _dffi().NULL:
         return CUDA_ERROR_INVALID_VALUE
     # CUDA Driver API, cuModuleLoadData: "loads the corresponding module ... into the current context".
+    # The image is checked here whatever CUDA_MODULE_LOADING says: lazy loading defers loading a
+    # kernel to cuModuleGetFunction (CUDA Programming Guide, "Lazy Loading"), but an H100 with the
+    # default (lazy) loading refused PTX .target sm_100 here, 218 (tests/conformance/
+    # cuda_h100_2026-12-05.json, scenario driver_module_calls_in_capture); see cudart/modules.py.
     lib, rc = cudart.load_image(R, core.ffi.cast("char *", _addr(image)), device=R.tls.device)
     if lib is None:
         return rc       # 200/209/218/222/900: the same values as CUresult

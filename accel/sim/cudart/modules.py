@@ -4,13 +4,16 @@ attributes, occupancy, the driver entry points, and kernel launches.
 
 from __future__ import annotations
 
+import os
+import threading
+import weakref
 from typing import Dict, Tuple
 
 from .. import _cuda_images, kernels
 from ..core import ffi
 from .state import (
     _CHARP, _NULL, _SHARED_PER_BLOCK, _SHARED_PER_BLOCK_OPTIN, _SHARED_PER_SM, KernelHandle, Library,
-    Runtime, Stream, cudaErrorInvalidConfiguration, cudaErrorInvalidDeviceFunction,
+    Runtime, Stream, cudaErrorInvalidDeviceFunction,
     cudaErrorInvalidResourceHandle, cudaErrorInvalidValue, cudaErrorSymbolNotFound, cudaSuccess,
 )
 from .common import _c_string, _enqueue, _is_null, _lookup, _put, _put_ptr, _stream, _unsafe_call
@@ -43,13 +46,84 @@ def module_call_in_capture(R: Runtime, loading: bool) -> int:
     return _unsafe_call(R)
 
 
+# -- lazy loading ---------------------------------------------------------------------------
+#
+# CUDA Programming Guide, "Lazy Loading" (https://docs.nvidia.com/cuda/cuda-programming-guide/
+# 04-special-topics/lazy-loading.html; 12.2 edition: .../archive/12.2.1/cuda-c-programming-guide/
+# lazy-loading.html): introduced in CUDA 11.7, the default on Linux since 12.2, chosen with
+# CUDA_MODULE_LOADING=LAZY or EAGER; "loading a module (cuModuleLoad*() family of functions) will
+# not be loading kernels immediately, instead it will delay loading of a kernel until
+# cuModuleGetFunction() is called ... relevant to both CUDA Runtime and CUDA Driver users".
+#
+# Measured on an H100 (driver 580.159.04, libcudart 13.0, CUDA_MODULE_LOADING unset;
+# tests/conformance/cuda_h100_2026-12-05.json), scenario library_bad_images: cudaLibraryLoadData
+# returned 0 for every bad image (PTX .version 9.9, PTX without .entry, PTX without .version, PTX
+# .target sm_100 on the cc 9.0 device, bytes that are no image); cudaLibraryGetKernel returned 222,
+# 500, 200, 218 and 200, cudaGetLastError then the same code, and cudaLibraryUnload 0.  Scenario
+# driver_module_calls_in_capture of the same run: cuModuleLoadData(PTX .target sm_100) returned
+# 218 at load, so the driver JITs a PTX module when it is loaded, lazy or not; the simulator's
+# cuModuleLoadData checks every image at load in both modes (at least as strict; the scenarios
+# driver_module_bad_images[_eager] of tools/cuda_conformance.py record the rest).
+#
+# The simulator reads CUDA_MODULE_LOADING at each cudaLibraryLoadData call (a real runtime reads it
+# once, when it starts), so a library keeps the mode it was loaded in.  "EAGER" (any case): every
+# image is checked at load, with the codes of _cuda_images.load; otherwise (unset, "LAZY") the
+# bytes are kept and checked at the library's first cudaLibraryGetKernel, with the codes measured
+# there.  Runtimes or drivers before 11.7 always load eagerly, and before 12.2 only LAZY asks.
+_LAZY_FIRST = 11070           # CUDA 11.7: lazy loading needs a runtime and a driver this new
+_LAZY_DEFAULT = 12020         # CUDA 12.2: lazy loading is the default
+
+
+def lazy_loading(R: Runtime) -> bool:
+    """Whether a cudaLibraryLoadData call now loads lazily (CUDA_MODULE_LOADING, see above)."""
+    mode = os.environ.get("CUDA_MODULE_LOADING", "").strip().upper()
+    if mode == "EAGER":
+        return False
+    newest_both = min(R.cfg.runtime_version, R.cfg.driver_version)
+    return newest_both >= (_LAZY_FIRST if mode == "LAZY" else _LAZY_DEFAULT)
+
+
+#: runtime -> {Library loaded lazily and not looked up yet: its image bytes, or one whose image
+#: failed at its first lookup: the code every lookup returns} (a library of neither has no entry)
+_lazy_images: "weakref.WeakKeyDictionary[Runtime, Dict[Library, object]]" = weakref.WeakKeyDictionary()
+_lazy_lock = threading.Lock()
+
+
+def _resolve(R: Runtime, lib: Library) -> int:
+    """0, or the image error of ``lib``: a library loaded lazily is read at its first lookup."""
+    pending = _lazy_images.get(R)
+    if not pending or lib not in pending:
+        return cudaSuccess
+    with _lazy_lock:
+        data = pending.get(lib, cudaSuccess)
+        if isinstance(data, bytes):
+            try:
+                names, jit = _cuda_images.load(data, R.cfg.compute_capability, R.cfg.driver_version, lazy=True)
+            except _cuda_images.ImageError as exc:
+                pending[lib] = exc.code
+                return exc.code
+            del pending[lib]
+            lib.names, lib.params = frozenset(names), _cuda_images.declared_params(data)
+            if jit:
+                R.jit_compiles += 1
+            return cudaSuccess
+        return data
+
+
 def load_image(R: Runtime, code, device=None):
     """(Library, 0) for the module image at ``code`` (PTX, cubin or fatbin), or (None, error code).
-    ``device`` set: a driver module of that device's context (cuModuleLoadData); None: a
-    context-independent cudaLibrary_t."""
+    ``device`` set: a driver module of that device's context (cuModuleLoadData), checked at load;
+    None: a context-independent cudaLibrary_t, checked at load or, loaded lazily, at its first
+    cudaLibraryGetKernel (:func:`_resolve`)."""
     rc = module_call_in_capture(R, True)
     if rc:
         return None, rc
+    if device is None and lazy_loading(R):
+        lib = Library(R.new_handle(), frozenset(), None)
+        with _lazy_lock:
+            _lazy_images.setdefault(R, {})[lib] = _cuda_images.image_bytes(ffi, code, _CHARP)
+        Runtime.put(R.libraries, lib)
+        return lib, cudaSuccess
     try:
         data = _cuda_images.image_bytes(ffi, code, _CHARP)
         # Every simulated device has the configured compute capability.
@@ -87,6 +161,10 @@ def cudaLibraryUnload(R, library):
 
 def unload(R: Runtime, lib: Library) -> None:
     lib.unloaded = True
+    pending = _lazy_images.get(R)
+    if pending:
+        with _lazy_lock:
+            pending.pop(lib, None)
     Runtime.drop(R.libraries, lib)
     for k in lib.kernels.values():
         Runtime.drop(R.kernels, k)
@@ -108,6 +186,9 @@ def cudaLibraryGetKernel(R, pKernel, library, name):
     n = _c_string(name)
     if _is_null(pKernel) or n is None:
         return cudaErrorInvalidValue
+    rc = _resolve(R, lib)      # a lazily loaded library's image errors come here (see lazy_loading)
+    if rc:
+        return rc
     if n not in lib.names:
         return cudaErrorSymbolNotFound
     _put_ptr(pKernel, kernel_of(R, lib, n).key)
@@ -271,7 +352,10 @@ def launch(R: Runtime, k: "KernelHandle", grid, block, args, sharedMem, s: Strea
     if s.device != R.tls.device:
         return cudaErrorInvalidResourceHandle
     if not _launch_config_ok(grid, block):
-        return cudaErrorInvalidConfiguration
+        # Measured on an H100 (driver 580.159.04, libcudart 13.0; tests/conformance/
+        # cuda_h100_2026-12-05.json, scenario launch_configurations): block 1025, block (32, 32, 2),
+        # grid 0 and grid.y 65536 are cudaErrorInvalidValue, not cudaErrorInvalidConfiguration.
+        return cudaErrorInvalidValue
     # CUDA Programming Guide, "Shared Memory" (compute capability 7.x+): more than 48 KB of
     # dynamic shared memory per block needs an explicit opt-in with cudaFuncSetAttribute(
     # cudaFuncAttributeMaxDynamicSharedMemorySize); the launch fails with cudaErrorInvalidValue
