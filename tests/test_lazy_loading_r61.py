@@ -357,3 +357,27 @@ def test_random_loads_nothing_from_a_source_without_its_kernels(monkeypatch, mod
     assert np.array_equal(got, philox.raw_words(SEED, 0, 37))
     assert sim.state().modules == 0
     assert sim.calls("cudaLibraryLoadData") == 0
+
+
+@pytest.mark.parametrize("outer", [None, "EAGER", "LAZY"])
+def test_conformance_scenarios_set_their_loading_mode_and_restore_the_environment(monkeypatch, outer):
+    _mode(monkeypatch, outer)
+    results = {}
+    for name in ("library_bad_images", "library_bad_images_eager", "library_bad_containers",
+                 "driver_module_bad_images", "driver_module_bad_images_eager"):
+        sim.reset()
+        results[name] = conformance.run_one(name, real=False)
+        assert "error" not in results[name], results[name]
+        assert os.environ.get("CUDA_MODULE_LOADING") == outer
+    steps = {name: dict(r["steps"]) for name, r in results.items()}
+    # library_bad_images runs with CUDA_MODULE_LOADING unset (lazy) whatever the caller's setting
+    assert steps["library_bad_images"]["cudaLibraryLoadData(PTX .target sm_100)"] == 0
+    assert steps["library_bad_images"]["cudaLibraryGetKernel(PTX .target sm_100)"] == 218
+    assert steps["library_bad_images_eager"]["cudaLibraryLoadData(PTX .target sm_100)"] == 218
+    assert steps["library_bad_images_eager"]["cudaLibraryLoadData(fatbin of sm_120 SASS only)"] == 209
+    assert steps["library_bad_containers"]["cudaLibraryGetKernel(cubin for sm_120)"] == 209
+    for name in ("driver_module_bad_images", "driver_module_bad_images_eager"):
+        assert steps[name]["cuModuleLoadData(PTX .target sm_100)"] == 218
+        assert steps[name]["cuModuleLoadData(fatbin of sm_120 SASS only)"] == 209
+        assert steps[name]["cuModuleGetFunction(PTX .target sm_80)"] == 0
+    sim.reset()

@@ -14,7 +14,9 @@ listed so each can be justified), or refuses with another code.  Rows whose labe
 (and the " status" rows) are observations, values or yes/no, not return codes: a difference is
 reported ("differs"), never a failure.  A call that needs a handle an earlier call failed to
 produce is not made and recorded as -1, so both runs keep the same steps.  Scenarios need one
-device and never depend on timing.  tests/test_sim_cuda_conformance.py checks the simulator
+device and never depend on timing.  A scenario marked ``with_env`` runs with those environment
+variables set (or unset) before the runtime is opened: the *_eager ones with
+CUDA_MODULE_LOADING=EAGER, their twins with it unset (lazy loading, CUDA's default).  tests/test_sim_cuda_conformance.py checks the simulator
 against the run recorded in tests/conformance/; scenarios added after it (the launch_*, pool_*,
 vmm_* ones and everything after "rules of accel/sim/README.md" below) are checked from the next
 GPU run on (tools/device_check.sh records one).
@@ -52,6 +54,15 @@ _PTX = b"""
 def scenario(fn):
     SCENARIOS[fn.__name__] = fn
     return fn
+
+
+def with_env(**env):
+    """The scenario runs with these environment variables (None: unset), set before the runtime is
+    opened (run_one) and restored after: e.g. CUDA_MODULE_LOADING, which CUDA reads when it starts."""
+    def mark(fn):
+        fn.env = env
+        return fn
+    return mark
 
 
 class Calls:
@@ -614,8 +625,9 @@ def _nop_kernel(c: Calls):
     return lib_p[0], k[0]
 
 
-def _launch(c: Calls, k, s, label: str, grid=(1, 1, 1), block=(32, 1, 1), shared: int = 0):
-    argv = c.ffi.new("void *[]", [c.ffi.NULL])
+def _launch(c: Calls, k, s, label: str, grid=(1, 1, 1), block=(32, 1, 1), shared: int = 0, argv=None):
+    if argv is None:
+        argv = c.ffi.new("void *[]", [c.ffi.NULL])
     return c.rec(label, c.lib.cudaLaunchKernel(c.ffi.cast("void *", k), c.ffi.new("dim3 *", grid)[0],
                                                c.ffi.new("dim3 *", block)[0], argv, shared, s))
 
@@ -1487,29 +1499,68 @@ def _ptx(version: str = "8.0", target: str = "sm_90", entry: bool = True, with_v
     return (head + f".target {target}\n.address_size 64\n" + body).encode()
 
 
-@scenario
-def library_bad_images(c: Calls):
+_NOP = b"accel_conformance_nop"
+
+
+def _bad_images():
+    """(label, image) of library_bad_images: a good PTX, then four bad ones and bytes that are no image."""
+    return (("PTX .target sm_80", _ptx(target="sm_80")), ("PTX .version 9.9", _ptx(version="9.9")),
+            ("PTX without .entry", _ptx(entry=False)), ("PTX without .version", _ptx(with_version=False)),
+            ("PTX .target sm_100", _ptx(version="8.8", target="sm_100")),
+            ("bytes that are no image", b"no image at all\n"))
+
+
+def _bad_containers():
+    """(label, image) of containers a cc 9.0 device cannot run, from accel's shipped Philox fatbin
+    (nvcc/fatbinary 13.0; SASS for sm_75..sm_120 and the PTX): the fatbin with only its sm_120 SASS,
+    and that sm_120 cubin alone.  Their kernel is accel_philox_store_state."""
+    import struct
+    from importlib import resources
+    from accel.sim import _cuda_images as images
+    data = resources.files("accel.random").joinpath("kernels").joinpath("philox.fatbin").read_bytes()
+    _magic, version, hsize, size = struct.unpack_from("<IHHQ", data, 0)
+    pos, kept, cubin = hsize, b"", b""
+    while pos < hsize + size:
+        kind, _v, ehsize, payload = struct.unpack_from("<HHIQ", data, pos)
+        sm, = struct.unpack_from("<I", data, pos + 28)
+        if kind == images.KIND_ELF and sm == 120:
+            kept, cubin = data[pos:pos + ehsize + payload], data[pos + ehsize:pos + ehsize + payload]
+        pos += ehsize + payload
+    fatbin = struct.pack("<IHHQ", images.FATBIN_MAGIC, version, hsize, len(kept)) + kept
+    return (("fatbin of sm_120 SASS only", fatbin), ("cubin for sm_120", cubin))
+
+
+def _store_state_args(c: Calls, ptr):
+    """The argument array of accel_philox_store_state(seed_ptr, offset_ptr, seed, offset) writing
+    16 bytes at ``ptr``, and the values it points to (keep them alive)."""
+    values = [c.ffi.new("void **", ptr), c.ffi.new("void **", c.ffi.cast("char *", ptr) + 8),
+              c.ffi.new("uint64_t *", 1), c.ffi.new("uint64_t *", 2)]
+    return c.ffi.new("void *[]", [c.ffi.cast("void *", v) for v in values]), values
+
+
+def _library_image(c: Calls, s, label: str, image: bytes, name: bytes = _NOP, argv=None):
+    """Load ``image`` with cudaLibraryLoadData, look up ``name``, launch it, unload."""
+    lib_p = c.ffi.new("cudaLibrary_t *")
+    rc = c.rec(f"cudaLibraryLoadData({label})", c.lib.cudaLibraryLoadData(
+        lib_p, image, c.ffi.NULL, c.ffi.NULL, 0, c.ffi.NULL, c.ffi.NULL, 0))
+    c.last_error()
+    k = c.ffi.new("cudaKernel_t *")
+    krc = c.rec(f"cudaLibraryGetKernel({label})",
+                c.lib.cudaLibraryGetKernel(k, lib_p[0], name) if rc == 0 else -1)
+    if rc == 0 and krc == 0:
+        _launch(c, k[0], s, f"launch ({label})", argv=argv)
+        _sync(c, s, f"cudaStreamSynchronize ({label})")
+    else:
+        c.rec(f"launch ({label})", -1)
+        c.rec(f"cudaStreamSynchronize ({label})", -1)
+    c.last_error()
+    c.rec(f"cudaLibraryUnload({label})", c.lib.cudaLibraryUnload(lib_p[0]) if rc == 0 else -1)
+
+
+def _library_bad_images(c: Calls, containers: bool = False):
     s = c.stream()
-    images = (("PTX .target sm_80", _ptx(target="sm_80")), ("PTX .version 9.9", _ptx(version="9.9")),
-              ("PTX without .entry", _ptx(entry=False)), ("PTX without .version", _ptx(with_version=False)),
-              ("PTX .target sm_100", _ptx(version="8.8", target="sm_100")),
-              ("bytes that are no image", b"no image at all\n"))
-    for label, image in images:
-        lib_p = c.ffi.new("cudaLibrary_t *")
-        rc = c.rec(f"cudaLibraryLoadData({label})", c.lib.cudaLibraryLoadData(
-            lib_p, image, c.ffi.NULL, c.ffi.NULL, 0, c.ffi.NULL, c.ffi.NULL, 0))
-        c.last_error()
-        k = c.ffi.new("cudaKernel_t *")
-        krc = c.rec(f"cudaLibraryGetKernel({label})",
-                    c.lib.cudaLibraryGetKernel(k, lib_p[0], b"accel_conformance_nop") if rc == 0 else -1)
-        if rc == 0 and krc == 0:
-            _launch(c, k[0], s, f"launch ({label})")
-            _sync(c, s, f"cudaStreamSynchronize ({label})")
-        else:
-            c.rec(f"launch ({label})", -1)
-            c.rec(f"cudaStreamSynchronize ({label})", -1)
-        c.last_error()
-        c.rec(f"cudaLibraryUnload({label})", c.lib.cudaLibraryUnload(lib_p[0]) if rc == 0 else -1)
+    for label, image in _bad_images():
+        _library_image(c, s, label, image)
     lib_p = c.ffi.new("cudaLibrary_t *")
     rc = c.rec("cudaLibraryLoadData", c.lib.cudaLibraryLoadData(lib_p, _PTX, c.ffi.NULL, c.ffi.NULL, 0, c.ffi.NULL,
                                                                c.ffi.NULL, 0))
@@ -1517,6 +1568,85 @@ def library_bad_images(c: Calls):
     c.rec("cudaLibraryGetKernel(unknown name)",
           c.lib.cudaLibraryGetKernel(k, lib_p[0], b"no_such_kernel") if rc == 0 else -1)
     c.last_error()
+    if containers:
+        argv, _keep = _store_state_args(c, c.malloc(256))
+        for label, image in _bad_containers():
+            _library_image(c, s, label, image, b"accel_philox_store_state", argv)
+
+
+# CUDA_MODULE_LOADING unset: lazy loading, the default since CUDA 12.2 (recorded on the H100 on
+# 2026-12-05: every load 0, the errors from cudaLibraryGetKernel; accel/sim/cudart/modules.py).
+@scenario
+@with_env(CUDA_MODULE_LOADING=None)
+def library_bad_images(c: Calls):
+    _library_bad_images(c)
+
+
+# The same images loaded eagerly, then two containers the device cannot run (not yet recorded:
+# the simulator checks every image at load here, with its codes from before lazy loading).
+@scenario
+@with_env(CUDA_MODULE_LOADING="EAGER")
+def library_bad_images_eager(c: Calls):
+    _library_bad_images(c, containers=True)
+
+
+# The two containers loaded lazily (not yet recorded).
+@scenario
+@with_env(CUDA_MODULE_LOADING=None)
+def library_bad_containers(c: Calls):
+    s = c.stream()
+    argv, _keep = _store_state_args(c, c.malloc(256))
+    for label, image in _bad_containers():
+        _library_image(c, s, label, image, b"accel_philox_store_state", argv)
+
+
+def _driver_bad_images(c: Calls):
+    """library_bad_images and its containers through the driver's cuModuleLoadData /
+    cuModuleGetFunction / cuLaunchKernel / cuModuleUnload (cudaGetDriverEntryPoint), each
+    followed by cudaGetLastError (driver calls are expected to leave it alone)."""
+    from accel.backends._cuda_driver import DriverKernels
+    c.rec("cudaFree(NULL) (starts the runtime)", c.lib.cudaFree(c.ffi.NULL))
+    drv = DriverKernels(c.ffi, c.lib)
+    s = c.stream()
+    store_argv, _keep = _store_state_args(c, c.malloc(256))
+    nop_argv = c.ffi.new("void *[]", [c.ffi.NULL])
+    work = [(label, image, "accel_conformance_nop", nop_argv) for label, image in _bad_images()]
+    work += [(label, image, "accel_philox_store_state", store_argv) for label, image in _bad_containers()]
+    for label, image, name, argv in work:
+        m, rc = drv.load(c.ffi.new("char[]", image))
+        c.rec(f"cuModuleLoadData({label})", rc)
+        c.last_error()
+        f, frc = drv.function(m, name) if rc == 0 else (0, -1)
+        c.rec(f"cuModuleGetFunction({label})", frc)
+        if rc == 0 and frc == 0:
+            c.rec(f"cuLaunchKernel({label})", drv.launch(f, (1, 1, 1), (32, 1, 1), argv, 0,
+                                                         int(c.ffi.cast("uintptr_t", s))))
+            _sync(c, s, f"cudaStreamSynchronize ({label})")
+        else:
+            c.rec(f"cuLaunchKernel({label})", -1)
+            c.rec(f"cudaStreamSynchronize ({label})", -1)
+        c.last_error()
+        c.rec(f"cuModuleUnload({label})", drv.unload(m) if rc == 0 else -1)
+    m, rc = drv.load(c.ffi.new("char[]", _PTX))
+    c.rec("cuModuleLoadData", rc)
+    c.rec("cuModuleGetFunction(unknown name)", drv.function(m, "no_such_kernel")[1] if rc == 0 else -1)
+    c.last_error()
+    c.rec("cuModuleUnload", drv.unload(m) if rc == 0 else -1)
+
+
+# library_bad_images' twins through the driver API, lazily (the default) and eagerly (not yet
+# recorded; the H100 refused PTX .target sm_100 at cuModuleLoadData with the default loading,
+# scenario driver_module_calls_in_capture, so the simulator checks every image at load).
+@scenario
+@with_env(CUDA_MODULE_LOADING=None)
+def driver_module_bad_images(c: Calls):
+    _driver_bad_images(c)
+
+
+@scenario
+@with_env(CUDA_MODULE_LOADING="EAGER")
+def driver_module_bad_images_eager(c: Calls):
+    _driver_bad_images(c)
 
 
 @scenario
@@ -1623,14 +1753,29 @@ def _open(real: bool):
     return _cudart_ffi_for(lib), lib
 
 
+def _set_env(env: dict) -> None:
+    for key, value in env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 def run_one(name: str, real: bool) -> dict:
-    ffi, lib = _open(real)
-    c = Calls(ffi, lib)
+    fn = SCENARIOS[name]
+    env = getattr(fn, "env", {})
+    saved = {key: os.environ.get(key) for key in env}
+    _set_env(env)       # before the runtime is opened (each scenario of a run is a fresh process)
     try:
-        SCENARIOS[name](c)
-        return {"steps": c.steps}
-    except Exception as exc:  # noqa: BLE001 - recorded: the scenario itself broke
-        return {"steps": c.steps, "error": f"{type(exc).__name__}: {exc}"}
+        ffi, lib = _open(real)
+        c = Calls(ffi, lib)
+        try:
+            fn(c)
+            return {"steps": c.steps}
+        except Exception as exc:  # noqa: BLE001 - recorded: the scenario itself broke
+            return {"steps": c.steps, "error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        _set_env(saved)
 
 
 def _run_in_process(name: str, real: bool, env: dict, timeout: float) -> dict:
