@@ -162,6 +162,11 @@ class Graph:
         self._debug = False
         self._finish = None       # what an ended capture still owes (see _finish_end)
         self._pid = _fin.pid      # the process the graph's handles belong to
+        # Held by replay() from reading the executable to its launch, and by reset() while it
+        # destroys it: a reset in another thread waits for a replay in flight, whose launch of a
+        # destroyed executable would be undefined in CUDA (a launch of a kernel whose library
+        # was unloaded killed the process on an H100).  Never taken by a finalizer.
+        self._launch_lock = threading.Lock()
 
     # the holder's fields, read-only (the graph's code stores into self._h)
     _backend, _index, _exec, _graph, _pool, _rng, _allocs, _host, _events, _stream, _capture_id = map(
@@ -424,7 +429,11 @@ class Graph:
         # The stream is held to the replay's end: another thread's close() of it waits (its handle
         # is not destroyed, and so not given to the next stream made, while the replay queues on
         # it), and the RNG prologue's write goes to the same stream as the launch.
-        with _Hold(stream), on_device(backend, h.index):  # cudaGraphLaunch: the stream's device current
+        # (cudaGraphLaunch: the stream's device current)
+        with self._launch_lock, _Hold(stream), on_device(backend, h.index):
+            if h.exec is None:
+                raise RuntimeError("replay(): the graph was reset (by another thread) as the replay began; "
+                                   "capture it again")
             handle = stream._handle
             if backend.captures_underway() and backend.stream_is_capturing(handle):
                 # CUDA refuses a graph launched into a stream being captured and invalidates the
@@ -465,6 +474,12 @@ class Graph:
             h.events = ()
             _fin.pending.append((_release_held, (backend, moved)))
             return
+        with self._launch_lock:
+            self._release_handles()
+
+    def _release_handles(self) -> None:
+        """reset()'s releases, with no replay in flight."""
+        h = self._h
         # In order, each handle dropped once released.  A failure stops here and leaves the
         # rest held, so reset() may be called again: the executable's launches use the private
         # pool's memory and the generator's offsets, which must not go while it may still exist.

@@ -1,0 +1,68 @@
+"""A handle destroyed by another thread while a call that passes it is in flight.
+
+On an H100 (tools/cuda_conformance.py, scenario launch_after_library_unload, 2026-12-05) a
+kernel launched after its library was unloaded killed the process (SIGSEGV), and a destroyed
+graph exec or library handle passed to the runtime is undefined there.  accel checks that an
+object is open when a call begins; these tests close or reset the object from another thread
+after that check and before the runtime call, and require the call to complete on the handle it
+began with, the destroy to happen after it, and nothing to leak.  On the simulator the
+destroyed handle is refused (an AcceleratorError); on hardware it may crash.
+"""
+
+import threading
+
+import pytest
+
+import accel
+from accel import _lazy
+
+
+def _in_other_thread(fn, wait=0.5):
+    """Run ``fn`` in a new thread; give it ``wait`` seconds (it may wait for the caller); return
+    the thread (joined later) and the list its result or exception lands in."""
+    out = []
+
+    def body():
+        try:
+            out.append(("ok", fn()))
+        except BaseException as exc:   # noqa: BLE001 - reported to the test
+            out.append(("raised", exc))
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    t.join(wait)
+    return t, out
+
+
+def _captured_fill(device):
+    with accel.device_index(device):
+        s = accel.Stream()
+        buf = accel.Buffer(256, stream=s)
+        g = accel.Graph()
+        with accel.graph(g, stream=s):
+            buf.fill_(7, stream=s)
+    return g, buf
+
+
+@pytest.mark.parametrize("device", [0, 1])
+def test_graph_reset_in_another_thread_waits_for_a_replay_in_flight(sim_cuda, monkeypatch, device):
+    g, buf = _captured_fill(device)
+    g.replay()                                  # instantiated
+    backend = _lazy.lazy_init()
+    real_launch = backend.graph_launch
+    others = []
+
+    def launch(exec_handle, stream_handle):
+        others.append(_in_other_thread(g.reset))
+        return real_launch(exec_handle, stream_handle)
+    monkeypatch.setattr(backend, "graph_launch", launch)
+    with accel.device_index(device):
+        g.replay()
+    monkeypatch.setattr(backend, "graph_launch", real_launch)
+    (t, out), = others
+    t.join(10)
+    assert not t.is_alive()
+    assert out == [("ok", None)]
+    accel.synchronize(device)
+    assert bytes(buf.to_numpy()) == b"\x07" * 256
+    with pytest.raises(RuntimeError, match="no capture"):
+        g.replay()                              # reset: nothing to replay until captured again
