@@ -381,12 +381,13 @@ class Graph:
         h = self._h
         if h.exec is not None and not self.keep_graph:
             raise RuntimeError("instantiate() is intended to be called by the user only when keep_graph=true")
-        if h.graph is None:
-            raise RuntimeError("capture_end() must have been called before calling instantiate: capture one "
-                               "first (without keep_graph, capture_end instantiates it)")
-        if h.exec is not None:
-            self._destroy_exec()
-        _instantiate(h)
+        with self._launch_lock:     # the executable it replaces may be in a replay's launch
+            if h.graph is None:
+                raise RuntimeError("capture_end() must have been called before calling instantiate: capture one "
+                                   "first (without keep_graph, capture_end instantiates it)")
+            if h.exec is not None:
+                self._destroy_exec()
+            _instantiate(h)
 
     def raw_cuda_graph(self) -> int:
         """The backend's graph handle (cudaGraph_t); needs ``keep_graph=True`` and a finished capture."""
@@ -535,7 +536,10 @@ class Graph:
             # CUDA's cudaGraphDebugDotPrint reports only cudaErrorOperatingSystem: name the path.
             raise FileNotFoundError(f"debug_dump: cannot write {path!r}: the folder {folder!r} does not exist; "
                                     f"create it first or pass a path in an existing folder")
-        self._h.backend.graph_debug_dot(self._h.graph, str(path))
+        with self._launch_lock:     # not a graph that a reset() in another thread destroys
+            if self._h.graph is None:
+                raise RuntimeError("debug_dump: no captured graph to dump (it was reset)")
+            self._h.backend.graph_debug_dot(self._h.graph, str(path))
 
     # -- context manager -----------------------------------------------------------------
     def __enter__(self) -> None:

@@ -33,11 +33,11 @@ def _in_other_thread(fn, wait=0.5):
     return t, out
 
 
-def _captured_fill(device):
+def _captured_fill(device, keep_graph=False):
     with accel.device_index(device):
         s = accel.Stream()
         buf = accel.Buffer(256, stream=s)
-        g = accel.Graph()
+        g = accel.Graph(keep_graph=keep_graph)
         with accel.graph(g, stream=s):
             buf.fill_(7, stream=s)
     return g, buf
@@ -66,3 +66,29 @@ def test_graph_reset_in_another_thread_waits_for_a_replay_in_flight(sim_cuda, mo
     assert bytes(buf.to_numpy()) == b"\x07" * 256
     with pytest.raises(RuntimeError, match="no capture"):
         g.replay()                              # reset: nothing to replay until captured again
+
+
+@pytest.mark.parametrize("device", [0, 1])
+def test_instantiate_in_another_thread_waits_for_a_replay_in_flight(sim_cuda, monkeypatch, device):
+    # instantiate() of a keep_graph graph destroys the executable it replaces
+    g, buf = _captured_fill(device, keep_graph=True)
+    g.replay()
+    backend = _lazy.lazy_init()
+    real_launch = backend.graph_launch
+    others = []
+
+    def launch(exec_handle, stream_handle):
+        others.append(_in_other_thread(g.instantiate))
+        return real_launch(exec_handle, stream_handle)
+    monkeypatch.setattr(backend, "graph_launch", launch)
+    with accel.device_index(device):
+        g.replay()
+    monkeypatch.setattr(backend, "graph_launch", real_launch)
+    (t, out), = others
+    t.join(10)
+    assert out == [("ok", None)]
+    buf.fill_(0)
+    with accel.device_index(device):
+        g.replay()                              # the new executable
+    accel.synchronize(device)
+    assert bytes(buf.to_numpy()) == b"\x07" * 256
