@@ -227,11 +227,13 @@ def test_mps__test_mps_generator_clone_state(target):
     assert np.array_equal(a, b)
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError,
-                   reason="AttributeError: 'Generator' object has no attribute 'device' "
-                          "(torch.Generator.device is the generator's torch.device)")
 def test_mps__test_accelerator_default_generator(target):
+    """Failed first (strict xfail): AttributeError: 'Generator' object has no attribute
+    'device'.  accel.random.Generator now has torch.Generator's ``device``."""
     kind, device = target
+    # the device of a generator never initializes the runtime
+    assert R.Generator(device).device == accel.device(kind, device)
+    assert not accel.is_initialized()
     accel.set_device_index(device)
     # torch.mps._get_default_mps_generator() and torch._C._accelerator_getDefaultGenerator(d):
     # one GeneratorImpl; accel has one accessor, default_generator(d)

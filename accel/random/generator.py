@@ -336,6 +336,20 @@ class Generator:
         with st._lock:
             return (_rebuild_generator, (self.device_index, st._seed, st._offset))
 
+    @property
+    def device(self):
+        """The generator's device (torch's ``Generator.device``): ``accel.device`` of the
+        accelerator's type and this generator's index, e.g. ``device('mps', 0)``.  Never
+        initializes the runtime (the type is the runtime accel selects, as
+        :func:`accel.current_accelerator`); RuntimeError when no accelerator runtime exists."""
+        from .. import current_accelerator
+        from .._device import device
+        accelerator = current_accelerator()
+        if accelerator is None:
+            raise RuntimeError(f"Generator.device: no accelerator runtime is available, so device "
+                               f"{self.device_index} has no type (the generator is a host object)")
+        return device(accelerator.type, self.device_index)
+
     # the current state's fields (read-only views, for tests and tools)
     @property
     def _lock(self):
