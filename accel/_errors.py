@@ -77,8 +77,10 @@ class KernelImageError(AcceleratorError):
     """The device cannot run a kernel: no image for its architecture, or PTX the
     driver cannot JIT-compile (too new for the driver, invalid, JIT disabled).
 
-    Raised at module load or, when the runtime loads lazily, at the first launch;
-    callers with a host path (accel.random) fall back to it.
+    Raised by ``accel.Module(...)``: when the runtime loads lazily (CUDA_MODULE_LOADING=LAZY,
+    the default since CUDA 12.2) the load accepts any bytes and the error comes from the first
+    kernel lookup (cudaLibraryGetKernel, measured on an H100), which Module makes right after
+    loading.  Callers with a host path (accel.random) fall back to it.
     """
 
 

@@ -12,7 +12,8 @@ from accel import _lazy
 
 _ENV_PREFIXES = ("ACCEL_", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "ZE_AFFINITY_MASK", "ZES_ENABLE_SYSMAN",
                  "ZE_ENABLE_ALT_DRIVERS",
-                 "ZE_FLAT_DEVICE_HIERARCHY", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+                 "ZE_FLAT_DEVICE_HIERARCHY", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF",
+                 "CUDA_MODULE_LOADING")
 _KEEP = ("ACCEL_TEST_SIMS", "ACCEL_TEST_LOAD_S", "ACCEL_TEST_ALLOC_CONF")
 
 #: What a real-device test (``pytest -m device``) keeps from the caller: which physical devices

@@ -92,3 +92,70 @@ def test_instantiate_in_another_thread_waits_for_a_replay_in_flight(sim_cuda, mo
         g.replay()                              # the new executable
     accel.synchronize(device)
     assert bytes(buf.to_numpy()) == b"\x07" * 256
+
+
+# -- a kernel launch and Module.close() -------------------------------------------------------------
+
+@pytest.fixture
+def saxpy(sim_cuda):
+    from accel import sim
+    from test_user_kernels import saxpy_reference
+    sim.register_kernel("saxpy", saxpy_reference, "f32, ptr, ptr, u64")
+    yield
+    sim.unregister_kernel("saxpy")
+
+
+def _live_modules():
+    from accel import sim
+    return sim.state().modules if hasattr(sim.state(), "modules") else None
+
+
+@pytest.mark.parametrize("device", [0, 1])
+def test_module_close_in_another_thread_waits_for_a_launch_in_flight(saxpy, monkeypatch, device):
+    import numpy as np
+    from test_user_kernels import SAXPY_PTX, expected
+    m = accel.Module(SAXPY_PTX, device=device)
+    k = m.function("saxpy")
+    x = np.arange(64, dtype=np.float32)
+    y = np.ones(64, dtype=np.float32)
+    with accel.device_index(device):
+        bx, by = accel.Buffer(256), accel.Buffer(256)
+        bx.copy_from(x)
+        by.copy_from(y)
+    backend = _lazy.lazy_init()
+    real_launch = backend.launch
+    others = []
+
+    def launch(*args, **kwargs):
+        others.append(_in_other_thread(m.close))
+        return real_launch(*args, **kwargs)
+    monkeypatch.setattr(backend, "launch", launch)
+    accel.launch(k, 1, 64, 2.0, bx, by, 64)
+    monkeypatch.setattr(backend, "launch", real_launch)
+    (t, out), = others
+    t.join(10)
+    assert out == [("ok", None)]
+    assert m.closed
+    assert by.to_numpy("float32").tobytes() == expected(2.0, x, y).tobytes()
+    with pytest.raises(ValueError, match="closed"):
+        accel.launch(k, 1, 64, 2.0, bx, by, 64)
+
+
+@pytest.mark.parametrize("device", [0, 1])
+def test_module_close_in_another_thread_waits_for_a_kernel_lookup_in_flight(saxpy, monkeypatch, device):
+    from test_user_kernels import SAXPY_PTX
+    m = accel.Module(SAXPY_PTX, device=device)
+    backend = _lazy.lazy_init()
+    real_lookup = backend.module_function
+    others = []
+
+    def lookup(*args, **kwargs):
+        others.append(_in_other_thread(m.close))
+        return real_lookup(*args, **kwargs)
+    monkeypatch.setattr(backend, "module_function", lookup)
+    k = m.function("saxpy")
+    monkeypatch.setattr(backend, "module_function", real_lookup)
+    (t, out), = others
+    t.join(10)
+    assert out == [("ok", None)]
+    assert m.closed and k.name == "saxpy"

@@ -255,8 +255,12 @@ class Module:
             if k is not None:
                 return k
         from ..streams import on_device
-        with on_device(self._backend, self._index):
+        # Under the lock, as a launch: a close() in another thread cannot unload the module
+        # between the check and the lookup (a lookup in an unloaded library is undefined).
+        with on_device(self._backend, self._index), self._lock:
             try:
+                if self._handle is None:
+                    self._live()        # raises: closed (in another thread since the check above)
                 fn = self._backend.module_function(handle, name)
             except AcceleratorError as exc:
                 if self._entries:
@@ -362,8 +366,9 @@ class Kernel:
 
     def _attributes(self) -> dict:
         from ..streams import on_device
-        self.module._live()
-        with on_device(self._backend, self._index):
+        module = self.module
+        with on_device(self._backend, self._index), module._lock:    # not unloaded meanwhile (see launch)
+            module._live()
             return self._backend.function_attributes(self.handle)
 
     @property
@@ -391,10 +396,12 @@ class Kernel:
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"max_potential_block_size: {what} must be an int >= 0, got {v!r}")
         from ..streams import on_device
-        self.module._live()
+        module = self.module
+        module._live()
         props = self._backend.properties(self._index)
         limits = self._backend.launch_limits(self._index)
-        with on_device(self._backend, self._index):
+        with on_device(self._backend, self._index), module._lock:    # not unloaded meanwhile (see launch)
+            module._live()
             func_max = self._backend.function_attributes(self.handle)["max_threads_per_block"]
             limit = block_size_limit or limits["max_threads_per_block"]
             limit = min(limit, limits["max_threads_per_block"], func_max)
