@@ -68,12 +68,15 @@ def with_env(**env):
 class Calls:
     """The runtime under test and the record of what each call returned."""
 
-    def __init__(self, ffi, lib):
+    def __init__(self, ffi, lib, echo: bool = False):
         self.ffi, self.lib = ffi, lib
         self.steps: List[list] = []
+        self.echo = echo        # print each step as it is made (a scenario process: see _run_in_process)
 
     def rec(self, label: str, rc) -> int:
         self.steps.append([label, int(rc)])
+        if self.echo:
+            print("@step " + json.dumps([label, int(rc)]), flush=True)
         return int(rc)
 
     def stream(self, flags: int = NON_BLOCKING):
@@ -1761,14 +1764,14 @@ def _set_env(env: dict) -> None:
             os.environ[key] = value
 
 
-def run_one(name: str, real: bool) -> dict:
+def run_one(name: str, real: bool, echo: bool = False) -> dict:
     fn = SCENARIOS[name]
     env = getattr(fn, "env", {})
     saved = {key: os.environ.get(key) for key in env}
     _set_env(env)       # before the runtime is opened (each scenario of a run is a fresh process)
     try:
         ffi, lib = _open(real)
-        c = Calls(ffi, lib)
+        c = Calls(ffi, lib, echo)
         try:
             fn(c)
             return {"steps": c.steps}
@@ -1782,12 +1785,20 @@ def _run_in_process(name: str, real: bool, env: dict, timeout: float) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--one", name] + (["--real"] if real else [])
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"hung: killed after {timeout:.0f} s"}
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        return dict(_steps_made(out), error=f"hung: killed after {timeout:.0f} s")
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("@result ")]
     if not lines:
-        return {"error": f"exit {proc.returncode} without a result", "stderr": proc.stderr[-2000:]}
+        # The process died (a real runtime may crash on a call): the steps it printed say where.
+        return dict(_steps_made(proc.stdout), error=f"exit {proc.returncode} without a result",
+                    stderr=proc.stderr[-2000:])
     return json.loads(lines[-1][len("@result "):])
+
+
+def _steps_made(stdout: str) -> dict:
+    steps = [json.loads(ln[len("@step "):]) for ln in stdout.splitlines() if ln.startswith("@step ")]
+    return {"steps": steps, "died_after": steps[-1][0] if steps else None}
 
 
 def run_all(real: bool, only: List[str], timeout: float = 60, jobs: int = 1,
@@ -1873,7 +1884,7 @@ def main(argv=None) -> int:
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
-        print("@result " + json.dumps(run_one(args.one, args.real)), flush=True)
+        print("@result " + json.dumps(run_one(args.one, args.real, echo=True)), flush=True)
         return 0
     only = [n for n in SCENARIOS if any(n.startswith(p) for p in args.only.split(",") if p)] if args.only else []
     meta = _meta(args.real) if args.json else {}
