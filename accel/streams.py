@@ -599,7 +599,14 @@ class Stream:
     def _device_scope(self):
         """The context calls naming this stream run in: its device current where the
         handle needs it (a shared default stream), else nothing to do."""
-        return on_device(self._backend, self._index) if self._shared else _NO_SCOPE
+        if not self._shared:
+            return _NO_SCOPE
+        backend = self._backend
+        if backend.get_device() == self._index and not backend.device_deferred():
+            # Already current (a default stream of the current device, the common case): the
+            # scope would switch nothing and restore nothing (see on_device.__enter__).
+            return _NO_SCOPE
+        return on_device(backend, self._index)
 
     def wait_event(self, event: "Event") -> None:
         """Make work queued on this stream after now wait for ``event``'s recorded work."""
@@ -808,7 +815,14 @@ def current_stream(dev: DeviceLike = None) -> Stream:
     """The calling thread's current stream on ``dev`` (the current device when None)."""
     # Hot path (called for every queued operation): no helper calls beyond get_device.
     backend = _lazy.ready or _lazy.lazy_init()
-    index = backend.get_device() if dev is None else _index_for(dev)
+    if dev is None:
+        index = backend.get_device()
+    elif type(dev) is int:
+        # (an object's own device, say) checked only when neither table below has it: both
+        # hold checked indices only, and default_stream checks the rest as _index_for would
+        index = dev
+    else:
+        index = _index_for(dev)
     try:
         return _tls.current[index]
     except (AttributeError, KeyError):
@@ -932,12 +946,21 @@ class Event:
 
     def record(self, stream: Optional[Stream] = None) -> None:
         """Record the event at the current end of ``stream`` (the current stream when None)."""
-        self._live()
+        # Hot path (a record per timed region): _live and _as_stream are called only when their
+        # checks have something to say (closed, forked, not an accel Stream).
+        if self._closed or self._pid != _fin.pid:
+            self._live()
         if stream is None:
             stream = current_stream()
+            # The current device's stream: a shared default stream needs no device switch, unless
+            # the device is only named current (a deferred restore: on_device makes it current).
+            switch = stream._shared and stream._backend.device_deferred()
         else:
-            stream = _as_stream(stream, "Event.record(stream)")
-        stream._live()
+            if type(stream) is not Stream:
+                stream = _as_stream(stream, "Event.record(stream)")
+            switch = stream._shared
+        if stream._closed or stream._pid != _fin.pid:
+            stream._live()
         self._check_device(stream, "record")
         mine, theirs = self._busy, stream._busy     # _Use(self, stream), inlined: a hot path
         mine.append(None)
@@ -947,7 +970,7 @@ class Event:
                 self._live()
             if stream._closed:
                 stream._live()
-            self._record_on(stream)
+            self._record_on(stream, switch)
         finally:
             mine.pop()
             theirs.pop()
@@ -956,7 +979,9 @@ class Event:
             if stream._closed:
                 _closed_during_use(stream)
 
-    def _record_on(self, stream: "Stream") -> None:
+    def _record_on(self, stream: "Stream", switch: bool) -> None:
+        """record's work; ``switch``: the stream may need its device made current (a shared
+        default stream given, or the current one with a deferred device: its _device_scope)."""
         backend = stream._backend
         keep = None
         if self.external:
@@ -971,8 +996,8 @@ class Event:
                 backend.event_record(self._handle, stream._handle, external=True)
             if keep is not None:
                 keep[id(self)] = self
-        elif stream._shared:
-            with on_device(backend, stream._index):
+        elif switch:
+            with stream._device_scope():
                 backend.event_record(self._handle, stream._handle)
         else:
             backend.event_record(self._handle, stream._handle)

@@ -223,7 +223,8 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
     def _cast(self, ctype: str, handle: int):
         cdata = self._handles.get(handle)
         if cdata is None:
-            cdata = self.ffi.cast(ctype, handle)
+            # NULL (the legacy default stream, 0) passes for any pointer type, without a cast
+            cdata = self.ffi.cast(ctype, handle) if handle else self.ffi.NULL
         return cdata
 
     def _as_int(self, cdata) -> int:
@@ -524,10 +525,12 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
                     "cudaStreamSynchronize")
 
     def stream_query(self, stream: int) -> bool:
-        rc = self.lib.cudaStreamQuery(self._cast("cudaStream_t", stream))
-        if rc == _ERR_NOT_READY:
-            return False
-        self._check(rc, "cudaStreamQuery")
+        # Hot path (polled): the cached cdata read inline (_cast's lookup), _check only on failure.
+        rc = self.lib.cudaStreamQuery(self._handles.get(stream) or self._cast("cudaStream_t", stream))
+        if rc:
+            if rc == _ERR_NOT_READY:
+                return False
+            self._check(rc, "cudaStreamQuery")
         return True
 
     def stream_wait_event(self, stream: int, event: int, external: bool = False) -> None:
@@ -559,8 +562,12 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
                                                           self._cast("cudaStream_t", stream),
                                                           _EVENT_RECORD_EXTERNAL), "cudaEventRecordWithFlags")
             return
-        self._check(self.lib.cudaEventRecord(self._cast("cudaEvent_t", event),
-                                             self._cast("cudaStream_t", stream)), "cudaEventRecord")
+        # Hot path: the cached cdata read inline (_cast's lookup), _check only on failure.
+        handles = self._handles
+        rc = self.lib.cudaEventRecord(handles.get(event) or self._cast("cudaEvent_t", event),
+                                      handles.get(stream) or self._cast("cudaStream_t", stream))
+        if rc:
+            self._check(rc, "cudaEventRecord")
 
     def event_synchronize(self, event: int) -> None:
         self._check(self.lib.cudaEventSynchronize(self._cast("cudaEvent_t", event)), "cudaEventSynchronize")
@@ -609,8 +616,11 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
                     "cudaMemcpyAsync")
 
     def memset_async(self, ptr: int, value: int, nbytes: int, stream: int) -> None:
-        self._check(self.lib.cudaMemsetAsync(self.ffi.cast("void *", ptr), value, nbytes,
-                                             self._cast("cudaStream_t", stream)), "cudaMemsetAsync")
+        # Hot path: the cached cdata read inline (_cast's lookup), _check only on failure.
+        rc = self.lib.cudaMemsetAsync(self.ffi.cast("void *", ptr), value, nbytes,
+                                      self._handles.get(stream) or self._cast("cudaStream_t", stream))
+        if rc:
+            self._check(rc, "cudaMemsetAsync")
 
     # -- graphs ------------------------------------------------------------------
     def capture_begin(self, stream: int, mode: str) -> None:
