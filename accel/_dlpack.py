@@ -241,7 +241,7 @@ def _ints(values, what: str) -> Tuple[int, ...]:
 
 # -- producer ---------------------------------------------------------------------------------
 def export(owner: Any, ptr: int, device_type: int, device_id: int, dtype, shape, strides, byte_offset: int,
-           *, versioned: bool, readonly: bool = False):
+           *, versioned: bool, readonly: bool = False, held: bool = False):
     """A new DLPack capsule describing ``ptr`` (+ ``byte_offset``) as an array of ``dtype`` and
     ``shape`` (``strides`` in elements, None for C order) on ``(device_type, device_id)``.
 
@@ -251,9 +251,15 @@ def export(owner: Any, ptr: int, device_type: int, device_id: int, dtype, shape,
     ``DLManagedTensorVersioned`` (version :data:`DLPACK_VERSION`; ``readonly`` sets
     DLPACK_FLAG_BITMASK_READ_ONLY), else a legacy ``"dltensor"`` ``DLManagedTensor``.  Strides are
     always written (DLPack 1.x forbids NULL strides for ndim > 0).  A zero-size array has a NULL
-    data pointer, as dlpack.h asks."""
+    data pointer, as dlpack.h asks.
+
+    ``held``: the caller has held a pin on that buffer since before its open check (``Buffer``'s
+    ``_in_use``), so a close() by another thread since then left the memory to the pins: the
+    export is made all the same (the call completes on the memory it began with) and its own pin
+    takes the memory on to the deleter.  Without it a buffer closed meanwhile is refused: its
+    memory may be freed already."""
     pin = _pin_of(owner)
-    if pin is not None and pin._buf._closed:
+    if pin is not None and pin._buf._closed and not held:
         # A close() (another thread's) landed after the caller's live check and before the pin: its
         # memory may be freed already.  Pinned first, a later close() leaves the memory to the deleter.
         closed, pin = pin._buf, None        # dropping the pin hands on a release close() deferred
