@@ -629,3 +629,190 @@ def test_dlpack_export_of_a_buffer_its_caller_pinned(sim_backend):
     assert imported.ptr == ptr and bytes(imported.to_numpy()) == b"\x06" * N
     imported.close()                    # the deleter: the buffer's memory goes now
     assert accel.memory.memory_allocated() < allocated
+
+
+# -- the allocator configurations: memory handed back to the runtime --------------------------------
+# With expandable segments empty_cache unmaps the free pages of a segment (cuMemUnmap, then the
+# physical handle's cuMemRelease); without them it frees whole free segments (cudaFree); under
+# backend:cudaMallocAsync a free is cudaFreeAsync and empty_cache trims the driver's pool.  A
+# buffer in a call must be none of those until the call ends.
+
+_CONFIGS = [("cuda", "expandable_segments:True"), ("cuda", "expandable_segments:False"),
+            ("cuda", "backend:cudaMallocAsync"), ("xpu", "expandable_segments:True"),
+            ("xpu", "expandable_segments:False")]
+
+
+@pytest.fixture(params=_CONFIGS, ids=[f"{k}-{c}" for k, c in _CONFIGS])
+def configured(request, monkeypatch):
+    kind, conf = request.param
+    use_sim(monkeypatch, kind, ACCEL_ALLOC_CONF=conf)
+    return conf
+
+
+def _spy_release_to_runtime(race, backend, ptr, nbytes):
+    """Log "unmapped" when the runtime is handed back memory overlapping [ptr, ptr + nbytes)."""
+    segments = [(s["address"], s["total_size"]) for s in accel.memory.memory_snapshot()
+                if s["address"] <= ptr < s["address"] + s["total_size"]]
+
+    def overlaps(va, size):
+        return va < ptr + nbytes and ptr < va + size
+    race.spy(backend, "vmm_unmap", "unmapped", match=lambda va, size, *a, **k: overlaps(va, size))
+    race.spy(backend, "mem_free", "unmapped", match=lambda p, *a, **k: any(p == base for base, _ in segments))
+    race.spy(backend, "mem_free_async", "unmapped", match=lambda p, *a, **k: p == ptr)
+
+
+@pytest.mark.parametrize("nbytes", [N, 4 << 20], ids=["small", "large"])
+@pytest.mark.parametrize("method", ["fill_", "copy_to(numpy)", "copy_from(Buffer)"])
+@pytest.mark.parametrize("dev", [0, 1])
+def test_buffer_call_vs_close_and_empty_cache_per_allocator(race, configured, dev, method, nbytes):
+    """A fill or copy in flight while another thread closes the buffer and empties the cache, under
+    each allocator configuration: the memory is neither reused nor handed back to the runtime
+    (unmapped, cudaFree'd, cudaFreeAsync'd) before the call returned; afterwards it is."""
+    backend = _backend()
+    race.settle_baseline()
+    s = _stream(dev)
+    with accel.device_index(dev):
+        buf, other = accel.Buffer(nbytes, stream=s), accel.Buffer(nbytes, stream=s)
+    other.fill_(8, stream=s)
+    s.synchronize()
+    call = {"fill_": lambda: buf.fill_(5, stream=s),
+            "copy_to(numpy)": lambda: buf.copy_to(np.empty(nbytes, np.uint8), stream=s),
+            "copy_from(Buffer)": lambda: buf.copy_from(other, stream=s)}[method]
+    runtime, when = ("memset_async", _dst_is(buf)) if method == "fill_" else \
+        ("memcpy_async", _src_is(buf) if method == "copy_to(numpy)" else _dst_is(buf))
+    _spy_free(race, accel.memory.device_allocator(dev), buf._ptr)
+    _spy_release_to_runtime(race, backend, buf._ptr, nbytes)
+    race.before(backend, runtime, lambda: (buf.close(), accel.memory.empty_cache()), when=when)
+    call()
+    race.check(f"{runtime} returned", "freed")
+    assert "unmapped" not in race.log[:race.log.index(f"{runtime} returned")], race.log
+    other.close()
+    s.close()
+    race.no_leaks()
+
+
+def test_buffer_of_a_mempool_vs_pool_release(race, device):
+    """A buffer allocated in an accel.MemPool has a fill in flight while another thread closes it,
+    drops the pool (its release: the pool's free segments go back to the runtime) and empties
+    the cache: the block is freed after the fill, and the segment is handed back only then."""
+    backend = _backend()
+    race.settle_baseline()
+    s = _stream(device)
+    with accel.device_index(device):
+        pools = [accel.MemPool()]
+        with accel.memory.use_mem_pool(pools[0]):
+            buf = accel.Buffer(N, stream=s)
+    assert accel.memory.memory_snapshot(pools[0].id)
+
+    def destroy():
+        buf.close()
+        pools.clear()
+        gc.collect()
+        accel.memory.empty_cache()
+    _spy_free(race, accel.memory.device_allocator(device), buf._ptr)
+    _spy_release_to_runtime(race, backend, buf._ptr, N)
+    race.before(backend, "memset_async", destroy, when=_dst_is(buf))
+    buf.fill_(3, stream=s)
+    race.check("memset_async returned", "freed")
+    assert "unmapped" not in race.log[:race.log.index("memset_async returned")], race.log
+    s.close()
+    race.no_leaks()
+
+
+# -- DLPack imports ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["fill_", "to_numpy", "copy_from(numpy)"])
+def test_imported_buffer_call_vs_close(race, device, method):
+    """A Buffer imported with accel.from_dlpack (here of another accel Buffer, already closed by its
+    owner so that the capsule alone keeps its memory) has a call in flight while another thread
+    closes it: the capsule's deleter (which hands the memory back to the producer, who frees it)
+    runs after the call."""
+    from accel import _dlpack
+    backend = _backend()
+    race.settle_baseline()
+    s = _stream(device)
+    with accel.device_index(device):
+        producer = accel.Buffer(N, stream=s)
+    producer.fill_(2, stream=s)
+    ptr = producer._ptr
+    imported = accel.from_dlpack(producer.__dlpack__(stream=s, max_version=(1, 0)))
+    producer.close()                    # the capsule's pin keeps the memory
+    call, runtime, when = {
+        "fill_": (lambda: imported.fill_(7, stream=s), "memset_async", _dst_is(imported)),
+        "to_numpy": (lambda: imported.to_numpy(stream=s), "memcpy_async", _src_is(imported)),
+        "copy_from(numpy)": (lambda: imported.copy_from(np.zeros(N, np.uint8), stream=s), "memcpy_async",
+                             _dst_is(imported)),
+    }[method]
+    race.spy(_dlpack.Imported, "release", "deleter ran")
+    _spy_free(race, accel.memory.device_allocator(device), ptr)
+    race.before(backend, runtime, imported.close, when=when)
+    call()
+    race.check(f"{runtime} returned", "deleter ran")
+    assert race.log.index("deleter ran") < race.log.index("freed"), race.log
+    s.close()
+    race.no_leaks()
+
+
+def test_from_dlpack_vs_close_of_the_consumer_stream(race, device):
+    """accel.from_dlpack(obj) passes accel's current stream of the producer's device to
+    obj.__dlpack__ (the producer makes it wait for its work); another thread closes that stream
+    as the producer queues the wait: the wait completes on its handle, the destroy comes after."""
+    backend = _backend()
+    if backend.name != "cuda":
+        pytest.skip(f"on {backend.name} from_dlpack passes the producer no stream (it waits on the host)")
+    race.settle_baseline()
+    s, current = _stream(device), _stream(device)
+    with accel.device_index(device):
+        producer = accel.Buffer(N, stream=s)
+    producer.fill_(2, stream=s)
+    hc = current.handle
+    race.before(backend, "stream_wait_event", current.close, when=_handle_is(hc))
+    race.spy(backend, "stream_destroy", "destroyed", match=_handle_is(hc))
+    with accel.device_index(device), current:
+        imported = accel.from_dlpack(producer)
+    race.check("stream_wait_event returned", "destroyed")
+    assert bytes(imported.to_numpy()) == b"\x02" * N
+    for obj in (imported, producer, s):
+        obj.close()
+    race.no_leaks()
+
+
+# -- pinned host memory -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["copy_from(pinned)", "copy_to(pinned)", "copy_from(numpy) via staging"])
+def test_pinned_copy_vs_empty_host_cache(race, device, method):
+    """A non_blocking copy between a Buffer and pinned host memory (an accel.empty_pinned array, or
+    the staging block of a pageable source) while another thread empties the pinned cache: the
+    block is not unpinned (host_free) under the copy; once the array is dropped and the copy ran,
+    empty_host_cache unpins it."""
+    backend = _backend()
+    race.settle_baseline()
+    s = _stream(device)
+    with accel.device_index(device):
+        buf = accel.Buffer(N, stream=s)
+    host = accel.memory.host_allocator()
+    arr = _pinned() if method != "copy_from(numpy) via staging" else np.full(N, 5, np.uint8)
+    call, when = {
+        "copy_from(pinned)": (lambda: buf.copy_from(arr, stream=s, non_blocking=True), _dst_is(buf)),
+        "copy_to(pinned)": (lambda: buf.copy_to(arr, stream=s, non_blocking=True), _src_is(buf)),
+        "copy_from(numpy) via staging": (lambda: buf.copy_from(arr, stream=s, non_blocking=True), _dst_is(buf)),
+    }[method]
+    blocks = []
+
+    def note_block(dst, src, nbytes, stream, **kw):
+        address = src if method != "copy_to(pinned)" else dst
+        blocks.append(host.owns(address, nbytes))
+        return True
+    race.before(backend, "memcpy_async", accel.memory.empty_host_cache,
+                when=lambda *a, **k: when(*a, **k) and note_block(*a, **k))
+    race.spy(backend, "host_free", "unpinned", match=lambda p, *a, **k: p in blocks)
+    call()
+    assert blocks and blocks[0] is not None, "the copy's host memory is not a pinned block"
+    del arr
+    gc.collect()
+    s.synchronize()
+    accel.memory.empty_host_cache()
+    race.check("memcpy_async returned", "unpinned")
+    buf.close()
+    s.close()
+    race.no_leaks()
