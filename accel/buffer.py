@@ -151,8 +151,15 @@ def _in_use(method):
     after the pin is taken, so a close that came first makes it raise."""
     @functools.wraps(method)
     def call(self, *args, **kwargs):
-        return _call_pinned([b for b in (self, *args, *kwargs.values()) if type(b) is Buffer],
-                            method, self, args, kwargs)
+        values = (*args, *kwargs.values()) if kwargs else args
+        if Buffer in map(type, values):     # a Buffer argument (a copy's source): pinned too
+            return _call_pinned([self, *(b for b in values if type(b) is Buffer)], method, self, args, kwargs)
+        # Only self to pin (a fill, a copy from host memory): no lists built, a hot path
+        key = _begin_use(self)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            _end_use(self, key)
     return call
 
 
@@ -188,6 +195,15 @@ def _size(value, what: str) -> int:
         return operator.index(value)
     except TypeError:
         raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}") from None
+
+
+def _byte(value) -> int:
+    """fill_'s value: an ``__index__`` integer 0..255 as an int; bool and the rest are refused."""
+    if not isinstance(value, bool) and hasattr(type(value), "__index__"):
+        value = operator.index(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 255:
+        raise ValueError(f"fill_ takes a byte value 0..255, got {value!r}")
+    return value
 
 
 def _is_host_object(obj) -> bool:
@@ -830,10 +846,8 @@ class Buffer:
     def fill_(self, value: int, stream: Optional[Stream] = None) -> "Buffer":
         """Set every byte to ``value`` (0..255), ordered on ``stream``; returns self."""
         self._live()
-        if not isinstance(value, bool) and hasattr(type(value), "__index__"):
-            value = operator.index(value)
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 255:
-            raise ValueError(f"fill_ takes a byte value 0..255, got {value!r}")
+        if type(value) is not int or not 0 <= value <= 255:     # (a plain byte passes at once)
+            value = _byte(value)
         self._writable()
         stream = self._check_stream(stream)
         with _Hold(stream):     # another thread's close() of the stream waits for the fill
@@ -863,7 +877,7 @@ class Buffer:
         after the work was queued (a kernel launch, a random fill)."""
         if stream._foreign:
             stream._check_alive()   # a destroyed one, recorded, would fail every later free of the memory
-        if self._nbytes and stream != self._stream and self._uses is None:
+        if self._nbytes and stream is not self._stream and stream != self._stream and self._uses is None:
             _memory().device_allocator(self._index).record_stream(self._ptr, stream._handle, stream._index)
         self._used(stream)
 
