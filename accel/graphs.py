@@ -416,22 +416,17 @@ class Graph:
             if h.graph is None:
                 raise RuntimeError("replay() called on a graph with no capture: capture one first")
             self.instantiate()
-        for event in h.events:
-            if event._closed:
-                if not isinstance(event, Event):    # an accel.Module whose kernels it launches
-                    raise RuntimeError(f"replay(): {event!r} was closed, but this graph launches its kernels "
-                                       f"at every replay; keep the module open while the graph is replayed, "
-                                       f"or capture the graph again")
-                raise RuntimeError(f"replay(): {event!r} was closed, but this graph records or waits for it "
-                                   f"at every replay (Event(external=True) in its capture); keep the event "
-                                   f"open while the graph is replayed, or capture the graph again")
+        for kept in h.events:
+            if kept._closed:
+                raise _closed_kept(kept)
         backend = h.backend
         stream = current_stream(h.index)
         # The stream is held to the replay's end: another thread's close() of it waits (its handle
         # is not destroyed, and so not given to the next stream made, while the replay queues on
-        # it), and the RNG prologue's write goes to the same stream as the launch.
-        # (cudaGraphLaunch: the stream's device current)
-        with self._launch_lock, _Hold(stream), on_device(backend, h.index):
+        # it), and the RNG prologue's write goes to the same stream as the launch.  So are the
+        # graph's external events and modules (_KeptInUse): a close() of one meanwhile waits, or
+        # leaves its destroy to the replay's end.  (cudaGraphLaunch: the stream's device current)
+        with self._launch_lock, _Hold(stream), _KeptInUse(h.events), on_device(backend, h.index):
             if h.exec is None:
                 raise RuntimeError("replay(): the graph was reset (by another thread) as the replay began; "
                                    "capture it again")
@@ -583,6 +578,61 @@ class Graph:
         _fin.finalize(_reclaim, h.backend, h)
         if own is not None:
             _fin.owned.pop(own[0], None)    # released (a failure: retried once from the queue)
+
+
+def _closed_kept(kept) -> RuntimeError:
+    """replay()'s refusal of a graph whose external event or module ``kept`` was closed."""
+    if not isinstance(kept, Event):    # an accel.Module whose kernels it launches
+        return RuntimeError(f"replay(): {kept!r} was closed, but this graph launches its kernels "
+                            f"at every replay; keep the module open while the graph is replayed, "
+                            f"or capture the graph again")
+    return RuntimeError(f"replay(): {kept!r} was closed, but this graph records or waits for it "
+                        f"at every replay (Event(external=True) in its capture); keep the event "
+                        f"open while the graph is replayed, or capture the graph again")
+
+
+class _KeptInUse:
+    """``with _KeptInUse(h.events):`` around a replay's launch, which passes the runtime the
+    handles of the graph's external events (its event record and wait nodes) and the kernels of
+    its modules: each event is marked in use (as streams._Use: another thread's close() leaves
+    its destroy to the launch's end) and each module's lock is held (Module.close waits for it,
+    as for a launch: a launch of an unloaded library's kernel killed the process on an H100).
+    Each is checked open once held (closed by another thread since replay's own check: raises
+    as that check).  Nothing to do for a graph that keeps none (the common case)."""
+
+    __slots__ = ("_kept", "_marked", "_locked")
+
+    def __init__(self, kept):
+        self._kept = kept
+
+    def __enter__(self) -> None:
+        self._marked, self._locked = [], []
+        if not self._kept:
+            return
+        try:
+            for kept in self._kept:
+                if isinstance(kept, Event):
+                    kept._busy.append(None)
+                    self._marked.append(kept)
+                else:
+                    kept._lock.acquire()
+                    self._locked.append(kept)
+                if kept._closed:
+                    raise _closed_kept(kept)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc) -> None:
+        from .streams import _used
+        locked, self._locked = self._locked, []
+        marked, self._marked = self._marked, []
+        try:
+            for module in reversed(locked):
+                module._lock.release()
+        finally:
+            for event in marked:
+                _used(event)    # the last use of an event closed meanwhile destroys it
 
 
 @_signals_deferred

@@ -76,7 +76,9 @@ def _settle():
 def _warm_up():
     """Make what the runtime and the allocators keep once made (XPU's event pool, the allocators'
     cached events), so that a baseline taken after it counts only the case's objects."""
+    from accel.random import _device as random_kernels
     for d in range(accel.device_count()):
+        random_kernels.kernel_functions(_lazy.lazy_init(), d)     # loaded once, kept (a capture loads them)
         with accel.device_index(d):
             s = accel.Stream(d)
             b = accel.Buffer(64, stream=s)
@@ -816,3 +818,234 @@ def test_pinned_copy_vs_empty_host_cache(race, device, method):
     buf.close()
     s.close()
     race.no_leaks()
+
+
+# -- accel.Module / accel.Kernel --------------------------------------------------------------------
+
+@pytest.fixture
+def saxpy():
+    from test_user_kernels import saxpy_reference
+    sim.register_kernel("saxpy", saxpy_reference, "f32, ptr, ptr, u64")
+    yield
+    sim.unregister_kernel("saxpy")
+
+
+def _module(device):
+    from test_user_kernels import SAXPY_MSL, SAXPY_PTX, spirv_module
+    image = {"cuda": SAXPY_PTX, "mps": SAXPY_MSL, "xpu": None}[_backend().name] or spirv_module("saxpy")
+    return accel.Module(image, device=device)
+
+
+def _kernel(m):
+    return m.function("saxpy", "f32, ptr, ptr, u64")
+
+
+def _saxpy_args(device, s):
+    x = np.arange(64, dtype=np.float32)
+    with accel.device_index(device):
+        bx, by = accel.Buffer(256, stream=s), accel.Buffer(256, stream=s)
+    bx.copy_from(x, stream=s)
+    by.copy_from(np.ones(64, np.float32), stream=s)
+    return x, bx, by
+
+
+@pytest.mark.parametrize("closed", ["module", "stream", "buffer argument"])
+def test_launch_vs_close(race, saxpy, device, closed):
+    """accel.launch(kernel, ...) while another thread closes the kernel's module (the unload waits
+    for the launch: a launch of an unloaded library's kernel killed the process on an H100), the
+    stream it queues on, or a Buffer it passes: the launch completes, the destroy comes after."""
+    from test_user_kernels import expected
+    backend = _backend()
+    race.settle_baseline()
+    s = _stream(device)
+    m = _module(device)
+    k = _kernel(m)
+    x, bx, by = _saxpy_args(device, s)
+    if closed == "module":
+        race.spy(backend, "module_unload", "destroyed")
+        victim = m
+    elif closed == "stream":
+        race.spy(backend, "stream_destroy", "destroyed", match=_handle_is(s.handle))
+        victim = s
+    else:
+        _spy_free(race, accel.memory.device_allocator(device), by._ptr)
+        race.before(backend, "launch", by.close)
+        victim = None
+        accel.launch(k, 1, 64, 2.0, bx, by, 64, stream=s)
+        race.check("launch returned", "freed")
+    if victim is not None:
+        race.before(backend, "launch", victim.close)
+        accel.launch(k, 1, 64, 2.0, bx, by, 64, stream=s)
+        race.check("launch returned", "destroyed")
+        accel.synchronize(device)
+        assert by.to_numpy("float32", stream=accel.current_stream(device)).tobytes() == \
+            expected(2.0, x, np.ones(64, np.float32)).tobytes()
+    for obj in (m, bx, by, s):
+        obj.close()
+    race.no_leaks()
+
+
+def test_launch_with_shared_memory_opt_in_vs_module_close(race, saxpy, device):
+    """A launch above 48 KiB of dynamic shared memory first opts the kernel in
+    (function_set_max_dynamic_shared on its handle); another thread closes the module just then:
+    the opt-in and the launch complete, the unload comes after."""
+    from accel.kernels._launch import _device_limits
+    backend = _backend()
+    lim = _device_limits(backend, device)
+    if lim["max_shared_per_block_optin"] <= lim["max_shared_per_block"]:
+        pytest.skip(f"{backend.name} has no shared memory opt-in")
+    race.settle_baseline()
+    s = _stream(device)
+    m = _module(device)
+    k = _kernel(m)
+    _, bx, by = _saxpy_args(device, s)
+    race.before(backend, "function_set_max_dynamic_shared", m.close)
+    race.spy(backend, "module_unload", "destroyed")
+    accel.launch(k, 1, 64, 2.0, bx, by, 64, shared_mem=lim["max_shared_per_block"] + 1024, stream=s)
+    race.check("function_set_max_dynamic_shared returned", "destroyed")
+    for obj in (bx, by, s):
+        obj.close()
+    race.no_leaks()
+
+
+_KERNEL_QUERIES = {
+    "Module.function": (lambda m, k: _kernel(m), "module_function"),
+    "Kernel.max_threads_per_block": (lambda m, k: k.max_threads_per_block, "function_attributes"),
+    "Kernel.num_regs": (lambda m, k: k.num_regs, "function_attributes"),
+    "Kernel.shared_size_bytes": (lambda m, k: k.shared_size_bytes, "function_attributes"),
+    "Kernel.max_potential_block_size": (lambda m, k: k.max_potential_block_size(), "occupancy_max_active_blocks"),
+}
+
+
+@pytest.mark.parametrize("query", list(_KERNEL_QUERIES))
+def test_kernel_query_vs_module_close(race, saxpy, device, query):
+    """Module.function and the Kernel's attribute and occupancy queries pass the library's or the
+    kernel's handle to the runtime; another thread closes the module just then: the query
+    completes, the unload comes after it."""
+    backend = _backend()
+    call, runtime = _KERNEL_QUERIES[query]
+    race.settle_baseline()
+    m = _module(device)
+    k = _kernel(m) if query != "Module.function" else None
+    if k is not None:
+        try:
+            call(m, k)
+        except NotImplementedError as exc:
+            pytest.skip(f"{backend.name}: {exc}")
+    race.before(backend, runtime, m.close)
+    race.spy(backend, "module_unload", "destroyed")
+    call(m, k)
+    race.check(f"{runtime} returned", "destroyed")
+    assert m.closed
+    race.no_leaks()
+
+
+# -- accel.Graph ------------------------------------------------------------------------------------
+
+@pytest.fixture(params=[0, 1])
+def gdevice(request, sim_graph_backend):
+    """Device 0, and device 1 (not current), of the simulators with stream capture."""
+    return request.param
+
+
+def _capture(device, body, **graph_kwargs):
+    """A graph captured on a created stream of ``device`` with ``body(stream)``; returns (graph, stream)."""
+    with accel.device_index(device):
+        s = accel.Stream()
+        g = accel.Graph(**graph_kwargs)
+        with accel.graph(g, stream=s):
+            body(s)
+    return g, s
+
+
+def _fill_body(buf):
+    return lambda s: buf.fill_(7, stream=s)
+
+
+@pytest.mark.parametrize("destroyer, destroy", [
+    ("reset", "graph_exec_destroy"),
+    ("instantiate", "graph_exec_destroy"),      # keep_graph: it replaces the executable
+    ("close of the replay stream", "stream_destroy"),
+])
+def test_graph_replay_vs_destroy(race, gdevice, destroyer, destroy):
+    """Graph.replay() while another thread resets the graph, instantiates it again (which destroys
+    the executable it replaces), or closes the stream the replay is queued on: the launch
+    completes on the executable and the stream it began with, the destroy comes after it."""
+    backend = _backend()
+    race.settle_baseline()
+    with accel.device_index(gdevice):
+        buf = accel.Buffer(N)
+    g, cs = _capture(gdevice, _fill_body(buf), keep_graph=destroyer == "instantiate")
+    g.replay()
+    rs = _stream(gdevice)
+    exec_handle = g.raw_cuda_graph_exec()
+    if destroyer == "close of the replay stream":
+        race.before(backend, "graph_launch", rs.close)
+        race.spy(backend, destroy, "destroyed", match=_handle_is(rs.handle))
+    else:
+        race.before(backend, "graph_launch", getattr(g, destroyer))
+        race.spy(backend, destroy, "destroyed", match=_handle_is(exec_handle))
+    buf.fill_(0)
+    accel.synchronize(gdevice)
+    with accel.device_index(gdevice), rs:
+        g.replay()
+    race.check("graph_launch returned", "destroyed")
+    accel.synchronize(gdevice)
+    assert bytes(buf.to_numpy()) == b"\x07" * N
+    g.reset()
+    for obj in (buf, cs, rs):
+        obj.close()
+    race.no_leaks()
+
+
+def test_graph_replay_vs_module_close(race, saxpy, gdevice):
+    """A graph that captured a kernel launch launches the kernel at every replay (the graph keeps
+    its module, but not against close()); another thread closes the module as the replay
+    launches: the replay completes, the unload comes after it."""
+    backend = _backend()
+    race.settle_baseline()
+    m = _module(gdevice)
+    k = _kernel(m)
+    with accel.device_index(gdevice):
+        s0 = accel.Stream()
+    x, bx, by = _saxpy_args(gdevice, s0)
+    s0.synchronize()
+    g, cs = _capture(gdevice, lambda s: accel.launch(k, 1, 64, 2.0, bx, by, 64, stream=s))
+    race.before(backend, "graph_launch", m.close)
+    race.spy(backend, "module_unload", "destroyed")
+    with accel.device_index(gdevice):
+        g.replay()
+    race.check("graph_launch returned", "destroyed")
+    accel.synchronize(gdevice)
+    g.reset()
+    for obj in (bx, by, cs, s0):
+        obj.close()
+    race.no_leaks()
+
+
+def test_graph_replay_vs_external_event_close(race, sim_cuda):
+    """A graph whose capture recorded an Event(external=True) records it at every replay; another
+    thread closes the event as the replay launches: the replay completes, the event is destroyed
+    after it."""
+    backend = _backend()
+    for device in (0, 1):
+        race.__init__(race.mp)
+        race.settle_baseline()
+        with accel.device_index(device):
+            buf = accel.Buffer(N)
+        e = accel.Event(external=True)
+
+        def body(s):
+            buf.fill_(3, stream=s)
+            e.record(s)
+        g, cs = _capture(device, body)
+        race.before(backend, "graph_launch", e.close)
+        race.spy(backend, "event_destroy", "destroyed", match=_handle_is(e.handle))
+        with accel.device_index(device):
+            g.replay()
+        race.check("graph_launch returned", "destroyed")
+        accel.synchronize(device)
+        g.reset()
+        for obj in (buf, cs):
+            obj.close()
+        race.no_leaks()
