@@ -873,11 +873,14 @@ class DeviceCachingAllocator(ExpandableSegments):
                 if ptr == 0 and type(ptr) is int:
                     return
                 raise self._not_allocated(ptr, block)
+            if self._special or block.uses:
+                self._free_locked(block)
+                return
             nxt = block.next
             fl = block.pool
-            if (self._special or block.uses or block.prev is not None or nxt is None or nxt.next is not None
-                    or nxt.state != _FREE or fl.watch_whole or block.seg is not None):
-                self._free_locked(block)
+            if (block.prev is not None or nxt is None or nxt.next is not None or nxt.state != _FREE
+                    or fl.watch_whole or block.seg is not None):
+                self._free_block(block, block.stat)     # _free_locked's common case (expandable blocks)
                 return
             # Fast path, _free_block inlined for the common case of a block split off
             # the front of a whole free segment: merging it with the free rest makes
