@@ -210,23 +210,38 @@ def _stream(device):
     return s
 
 
+#: How another thread destroys a Stream or an Event: close() (then a synchronize, whose drain of
+#: deferred releases must not run a destroy a call in flight put off, or an empty_cache), or the
+#: test drops its last reference and collects (the call in flight still holds the object: its
+#: __del__ runs when the call let go of it).
+_DESTROYERS = {
+    "close": lambda refs: refs[0].close(),
+    "close+synchronize": lambda refs: (refs[0].close(), accel.synchronize(refs[1])),
+    "close+empty_cache": lambda refs: (refs[0].close(), accel.memory.empty_cache()),
+    "drop+collect": lambda refs: (refs.clear(), gc.collect()),
+}
+
+
+@pytest.mark.parametrize("destroyer", list(_DESTROYERS))
 @pytest.mark.parametrize("method", ["synchronize", "query", "is_capturing"])
-def test_stream_call_vs_close(race, device, method):
-    """Stream.synchronize / query / is_capturing while another thread closes the stream: the
-    destroy (stream_destroy) comes after the runtime call."""
+def test_stream_call_vs_close(race, device, method, destroyer):
+    """Stream.synchronize / query / is_capturing while another thread closes the stream (or drops
+    the last reference the test has): the destroy (stream_destroy) comes after the runtime call."""
     backend = _backend()
     race.settle_baseline()
-    s = _stream(device)
-    h = s.handle
+    refs = [_stream(device), device]
+    h = refs[0].handle
     name = {"synchronize": "stream_synchronize", "query": "stream_query",
             "is_capturing": "stream_is_capturing"}[method]
     if method == "is_capturing" and not backend.supports_graphs:
         pytest.skip(f"{backend.name} has no capture: is_capturing() makes no runtime call")
-    race.before(backend, name, s.close, when=_handle_is(h))
+    race.before(backend, name, lambda: _DESTROYERS[destroyer](refs), when=_handle_is(h))
     race.spy(backend, "stream_destroy", "destroyed", match=_handle_is(h))
-    getattr(s, method)()
+    call = getattr(refs[0], method)
+    call()
+    del call            # the call's last reference (drop+collect: the stream goes now)
+    gc.collect()
     race.check(f"{name} returned", "destroyed")
-    assert s.closed
     race.no_leaks()
 
 
@@ -289,24 +304,27 @@ def _event(device, stream, **flags):
     return e
 
 
+@pytest.mark.parametrize("destroyer", list(_DESTROYERS))
 @pytest.mark.parametrize("method, call", [
     ("query", "event_query"),
     ("synchronize", "event_synchronize"),
     ("record", "event_record"),             # a record again: the event's handle exists
 ])
-def test_event_call_vs_close(race, device, method, call):
-    """Event.query / synchronize / record (again) while another thread closes the event: the
-    runtime call completes, event_destroy comes after it."""
+def test_event_call_vs_close(race, device, method, call, destroyer):
+    """Event.query / synchronize / record (again) while another thread closes the event (or drops
+    the test's last reference to it): the runtime call completes, event_destroy comes after it."""
     backend = _backend()
     race.settle_baseline()
     s = _stream(device)
-    e = _event(device, s)
-    h = e.handle
-    race.before(backend, call, e.close, when=_handle_is(h))
+    refs = [_event(device, s), device]
+    h = refs[0].handle
+    race.before(backend, call, lambda: _DESTROYERS[destroyer](refs), when=_handle_is(h))
     race.spy(backend, "event_destroy", "destroyed", match=_handle_is(h))
-    getattr(e, method)(*((s,) if method == "record" else ()))
+    bound = getattr(refs[0], method)
+    bound(*((s,) if method == "record" else ()))
+    del bound
+    gc.collect()
     race.check(f"{call} returned", "destroyed")
-    assert e._closed
     s.close()
     race.no_leaks()
 
@@ -1049,3 +1067,230 @@ def test_graph_replay_vs_external_event_close(race, sim_cuda):
         for obj in (buf, cs):
             obj.close()
         race.no_leaks()
+
+
+def _capturable_random(backend):
+    from accel.random import _device as random_kernels
+    fns = random_kernels.kernel_functions(backend, 0)
+    if not fns or "accel_philox_uniform_f32" not in fns:
+        pytest.skip(f"{backend.name} has no Philox kernel to capture a random fill with")
+
+
+def test_graph_replay_with_random_state_vs_reset(race, gdevice):
+    """A graph that captured a random fill first writes the generator's seed and offset to its
+    device holders at every replay (a store-state kernel launch, or a copy), then launches; another
+    thread resets the graph during that write: the write and the launch complete, then the
+    executable is destroyed and the holders freed."""
+    backend = _backend()
+    _capturable_random(backend)
+    race.settle_baseline()
+    with accel.device_index(gdevice):
+        buf = accel.Buffer(N)
+    g, cs = _capture(gdevice, lambda s: accel.random.uniform_(buf))
+    exec_handle = g.raw_cuda_graph_exec()
+    state = accel.random.default_generator(gdevice)._state
+    holders = state._holders[:2]
+    assert holders
+    alloc = accel.memory.device_allocator(gdevice)
+    race.spy(backend, "graph_exec_destroy", "destroyed", match=_handle_is(exec_handle))
+    race.spy(alloc, "free", "holders freed", match=lambda p, *a, **k: p in holders)
+    race.before(backend, "launch", g.reset)         # the replay's store-state kernel
+    race.before(backend, "memcpy_async", g.reset)   # (or its copy, where there is no such kernel)
+    with accel.device_index(gdevice):
+        g.replay()
+    first = next(entry for entry in race.log if entry.endswith("returned"))
+    race.check(first, "destroyed")
+    assert race.log.index("graph_launch returned" if "graph_launch returned" in race.log else first) \
+        < race.log.index("holders freed"), race.log
+    for obj in (buf, cs):
+        obj.close()
+    race.no_leaks()
+
+
+def test_graph_replay_with_pinned_copy_vs_reset(race, gdevice):
+    """A graph that captured a non_blocking copy from pinned memory holds the pinned block (each
+    replay copies from it again); another thread resets the graph as a replay launches: the
+    launch completes, and the block is unpinned (host_free) only after it ran and the graph let go."""
+    backend = _backend()
+    race.settle_baseline()
+    with accel.device_index(gdevice):
+        buf = accel.Buffer(N)
+    src = _pinned()
+    src[:] = 6
+    host = accel.memory.host_allocator()
+    block = host.owns(src.__array_interface__["data"][0], N)
+    g, cs = _capture(gdevice, lambda s: buf.copy_from(src, stream=s, non_blocking=True))
+    exec_handle = g.raw_cuda_graph_exec()
+    race.before(backend, "graph_launch", g.reset)
+    race.spy(backend, "graph_exec_destroy", "destroyed", match=_handle_is(exec_handle))
+    race.spy(backend, "host_free", "unpinned", match=_handle_is(block))
+    with accel.device_index(gdevice):
+        g.replay()
+    race.check("graph_launch returned", "destroyed")
+    accel.synchronize(gdevice)
+    assert bytes(buf.to_numpy()) == b"\x06" * N
+    del src
+    gc.collect()
+    accel.memory.empty_host_cache()
+    assert race.log.index("destroyed") < race.log.index("unpinned"), race.log
+    for obj in (buf, cs):
+        obj.close()
+    race.no_leaks()
+
+
+def test_graph_debug_dump_vs_reset(race, gdevice, tmp_path):
+    """Graph.debug_dump(path) passes the kept graph's handle to the runtime; another thread resets
+    the graph just then: the dump completes, the graph is destroyed after it."""
+    backend = _backend()
+    race.settle_baseline()
+    with accel.device_index(gdevice):
+        buf = accel.Buffer(N)
+        s = accel.Stream()
+        g = accel.Graph()
+        g.enable_debug_mode()
+        with accel.graph(g, stream=s):
+            buf.fill_(1, stream=s)
+    graph_handle = g._graph
+    race.before(backend, "graph_debug_dot", g.reset)
+    race.spy(backend, "graph_destroy", "destroyed", match=_handle_is(graph_handle))
+    g.debug_dump(tmp_path / "g.dot")
+    race.check("graph_debug_dot returned", "destroyed")
+    assert (tmp_path / "g.dot").exists()
+    for obj in (buf, s):
+        obj.close()
+    race.no_leaks()
+
+
+def test_graph_replay_vs_reset_of_a_graph_sharing_its_pool(race, gdevice):
+    """Two graphs captured into one pool: a replay of the first is in flight while another thread
+    resets the second and empties the cache: the first's executable and its pool's memory stay
+    (nothing unmapped or freed to the runtime under the replay)."""
+    backend = _backend()
+    race.settle_baseline()
+    pool = accel.graphs.graph_pool_handle()
+    with accel.device_index(gdevice):
+        out = []
+        g1, s1 = _capture(gdevice, lambda s: out.append(accel.Buffer(N, stream=s)) or out[-1].fill_(1, stream=s),
+                          pool=pool)
+        g2, s2 = _capture(gdevice, lambda s: out.append(accel.Buffer(N, stream=s)) or out[-1].fill_(2, stream=s),
+                          pool=pool)
+    mine = out[0]
+    first = g1.raw_cuda_graph_exec()
+    _spy_release_to_runtime(race, backend, mine._ptr, N)
+    race.spy(backend, "graph_exec_destroy", "destroyed", match=_handle_is(first))
+    race.before(backend, "graph_launch", lambda: (g2.reset(), accel.memory.empty_cache()), when=_handle_is(first))
+    with accel.device_index(gdevice):
+        g1.replay()
+    accel.synchronize(gdevice)
+    assert bytes(mine.to_numpy()) == b"\x01" * N
+    for obj in out:
+        obj.close()
+    g1.reset()
+    race.check("graph_launch returned", "destroyed")
+    assert "unmapped" not in race.log[:race.log.index("graph_launch returned")], race.log
+    for obj in (s1, s2):
+        obj.close()
+    race.no_leaks()
+
+
+def test_capture_begin_vs_stream_close(race, gdevice):
+    """capture_begin() while another thread closes the stream being captured: the close claims
+    the stream after capture_begin's check and before the capture began.  Capturing on a stream
+    whose destroy is pending would leave a capture no one can end, so the begun capture is ended
+    and discarded and capture_begin raises saying so (graphs._begin_held, by design); the stream
+    is destroyed after, and nothing is left behind."""
+    backend = _backend()
+    race.settle_baseline()
+    s = _stream(gdevice)
+    g = accel.Graph()
+    race.before(backend, "capture_begin", s.close)
+    race.spy(backend, "stream_destroy", "destroyed", match=_handle_is(s.handle))
+    with accel.device_index(gdevice), s:
+        with pytest.raises(RuntimeError, match="was closed by another thread while the capture began"):
+            g.capture_begin()
+    race.check("capture_begin returned", "destroyed")
+    assert g._stream is None and not backend.captures_underway()
+    race.no_leaks()
+
+
+def test_stream_close_during_capture_is_refused(race, gdevice):
+    """Another thread closes the capturing stream while a captured fill is being queued on it:
+    the close is refused (destroying a capturing stream would leave a capture without an end) and
+    the capture goes on; after capture_end the stream closes."""
+    backend = _backend()
+    race.settle_baseline()
+    with accel.device_index(gdevice):
+        buf = accel.Buffer(N)
+        s = accel.Stream()
+        g = accel.Graph()
+        race.before(backend, "memset_async", s.close, when=_dst_is(buf))
+        with accel.graph(g, stream=s):
+            buf.fill_(4, stream=s)
+    out = race.done()
+    assert len(out) == 1 and out[0][0] == "raised" and "a graph capture on it is underway" in str(out[0][1])
+    g.replay()
+    accel.synchronize(gdevice)
+    assert bytes(buf.to_numpy()) == b"\x04" * N
+    g.reset()
+    for obj in (buf, s):
+        obj.close()
+    race.no_leaks()
+
+
+@pytest.mark.parametrize("dev", [0, 1])
+def test_graph_replay_with_graph_allocations_vs_reset(race, monkeypatch, dev):
+    """backend:cudaMallocAsync: a graph that captured an allocation allocates it again at every
+    replay, and its reset frees what the replays allocated; another thread resets the graph as a
+    replay launches: the launch (and the allocator's note of it) completes, then the executable
+    is destroyed and the graph's memory freed."""
+    use_sim(monkeypatch, "cuda", ACCEL_ALLOC_CONF="backend:cudaMallocAsync")
+    backend = _backend()
+    race.settle_baseline()
+    out = []
+
+    def body(s):
+        out.append(accel.Buffer(N, stream=s))
+        out[-1].fill_(5, stream=s)
+    g, cs = _capture(dev, body)
+    exec_handle = g.raw_cuda_graph_exec()
+    race.before(backend, "graph_launch", g.reset)
+    race.spy(backend, "graph_exec_destroy", "destroyed", match=_handle_is(exec_handle))
+    with accel.device_index(dev):
+        g.replay()
+    race.check("graph_launch returned", "destroyed")
+    accel.synchronize(dev)
+    assert bytes(out[0].to_numpy()) == b"\x05" * N
+    out[0].close()
+    cs.close()
+    race.no_leaks()
+
+
+# -- accel.random fills -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("closed", ["buffer", "stream"])
+@pytest.mark.parametrize("fill", ["uniform_", "normal_", "randint_", "random_raw_"])
+def test_random_fill_vs_close(race, device, fill, closed):
+    """A random fill (a Philox kernel launch, or the host path's staged copy) while another thread
+    closes the buffer filled or the current stream it queues on: the fill completes, the free or
+    the destroy comes after it."""
+    backend = _backend()
+    race.settle_baseline()
+    s = _stream(device)
+    with accel.device_index(device):
+        buf = accel.Buffer(N, stream=s)
+    if closed == "buffer":
+        _spy_free(race, accel.memory.device_allocator(device), buf._ptr)
+        victim, label = buf, "freed"
+    else:
+        race.spy(backend, "stream_destroy", "destroyed", match=_handle_is(s.handle))
+        victim, label = s, "destroyed"
+    race.before(backend, "launch", victim.close)
+    race.before(backend, "memcpy_async", victim.close, when=_dst_is(buf))
+    args = {"uniform_": (), "normal_": (), "randint_": (0, 10), "random_raw_": ()}[fill]
+    with accel.device_index(device), s:
+        getattr(accel.random, fill)(buf, *args)
+    first = next(entry for entry in race.log if entry.endswith("returned"))
+    race.check(first, label)
+    for obj in (buf, s):
+        obj.close()
+    race.no_leaks()
