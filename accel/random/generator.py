@@ -297,6 +297,21 @@ class _State:
                                    "reseed the generator")
             write(self.device_index, seed_ptr, offset_ptr, seed, offset, stream)
             self._offset = offset + step
+            self._used_on(seed_ptr, offset_ptr, stream)
+
+    def _used_on(self, seed_ptr: int, offset_ptr: int, stream: int) -> None:
+        """The replay's work on ``stream`` writes and reads the holders: the caching allocator
+        notes the use (record_stream), so their free (the last registered graph's reset) does not
+        hand them to the next allocation on their allocation stream (the capture's) before that
+        work ran (r61e: a replay queued on another stream wrote the seed into a buffer allocated
+        after the reset).  Holders of a caller's ``alloc`` or pointers it passed: its own affair."""
+        holders = self._holders
+        if not holders or holders[2] != self._cache_free or (seed_ptr, offset_ptr) != holders[:2]:
+            return
+        from .. import memory
+        alloc = memory.device_allocator(self.device_index)
+        alloc.record_stream(seed_ptr, stream, self.device_index)
+        alloc.record_stream(offset_ptr, stream, self.device_index)
 
 
 class Generator:
