@@ -165,8 +165,11 @@ class Graph:
         # Held by replay() from reading the executable to its launch, and by reset() while it
         # destroys it: a reset in another thread waits for a replay in flight, whose launch of a
         # destroyed executable would be undefined in CUDA (a launch of a kernel whose library
-        # was unloaded killed the process on an H100).  Never taken by a finalizer.
+        # was unloaded killed the process on an H100).  Never waited for by a finalizer: a reset()
+        # in a collection that finds it held leaves a note in _owed, and whoever holds the lock
+        # moves the graph's handles to their queued release as it lets go (_settle_owed).
         self._launch_lock = threading.Lock()
+        self._owed = []
 
     # the holder's fields, read-only (the graph's code stores into self._h)
     _backend, _index, _exec, _graph, _pool, _rng, _allocs, _host, _events, _stream, _capture_id = map(
@@ -381,13 +384,17 @@ class Graph:
         h = self._h
         if h.exec is not None and not self.keep_graph:
             raise RuntimeError("instantiate() is intended to be called by the user only when keep_graph=true")
-        with self._launch_lock:     # the executable it replaces may be in a replay's launch
-            if h.graph is None:
-                raise RuntimeError("capture_end() must have been called before calling instantiate: capture one "
-                                   "first (without keep_graph, capture_end instantiates it)")
-            if h.exec is not None:
-                self._destroy_exec()
-            _instantiate(h)
+        try:
+            with self._launch_lock:     # the executable it replaces may be in a replay's launch
+                if h.graph is None:
+                    raise RuntimeError("capture_end() must have been called before calling instantiate: capture "
+                                       "one first (without keep_graph, capture_end instantiates it)")
+                if h.exec is not None:
+                    self._destroy_exec()
+                _instantiate(h)
+        finally:
+            if self._owed:
+                self._settle_owed()
 
     def raw_cuda_graph(self) -> int:
         """The backend's graph handle (cudaGraph_t); needs ``keep_graph=True`` and a finished capture."""
@@ -426,28 +433,32 @@ class Graph:
         # it), and the RNG prologue's write goes to the same stream as the launch.  So are the
         # graph's external events and modules (_KeptInUse): a close() of one meanwhile waits, or
         # leaves its destroy to the replay's end.  (cudaGraphLaunch: the stream's device current)
-        with self._launch_lock, _Hold(stream), _KeptInUse(h.events), on_device(backend, h.index):
-            if h.exec is None:
-                raise RuntimeError("replay(): the graph was reset (by another thread) as the replay began; "
-                                   "capture it again")
-            handle = stream._handle
-            if backend.captures_underway() and backend.stream_is_capturing(handle):
-                # CUDA refuses a graph launched into a stream being captured and invalidates the
-                # capture (cudaErrorStreamCaptureUnsupported, measured on an H200 by
-                # tools/cuda_conformance.py); accel's Level Zero capture does the same.  Refused
-                # here instead, so the capture goes on.
-                raise CaptureError(f"replay() onto {stream!r}, which is being captured: a "
-                                   f"graph cannot be launched inside a capture (the runtime would refuse it and "
-                                   f"invalidate the capture); replay it before capture_begin() or after "
-                                   f"capture_end(), or on a stream that is not being captured; the capture goes on")
-            if h.rng is not None:
-                from . import random
-                random._graph_replay(h.rng)
-            backend.graph_launch(h.exec, handle)
-            if h.allocs is not None:
-                h.allocs.replayed(handle)
-            if h.host is not None:
-                h.host.replayed(handle)
+        try:
+            with self._launch_lock, _Hold(stream), _KeptInUse(h.events), on_device(backend, h.index):
+                if h.exec is None:
+                    raise RuntimeError("replay(): the graph was reset (by another thread) as the replay began; "
+                                       "capture it again")
+                handle = stream._handle
+                if backend.captures_underway() and backend.stream_is_capturing(handle):
+                    # CUDA refuses a graph launched into a stream being captured and invalidates the
+                    # capture (cudaErrorStreamCaptureUnsupported, measured on an H200 by
+                    # tools/cuda_conformance.py); accel's Level Zero capture does the same.  Refused
+                    # here instead, so the capture goes on.
+                    raise CaptureError(f"replay() onto {stream!r}, which is being captured: a "
+                                       f"graph cannot be launched inside a capture (the runtime would refuse it and "
+                                       f"invalidate the capture); replay it before capture_begin() or after "
+                                       f"capture_end(), or on a stream that is not being captured; the capture goes on")
+                if h.rng is not None:
+                    from . import random
+                    random._graph_replay(h.rng)
+                backend.graph_launch(h.exec, handle)
+                if h.allocs is not None:
+                    h.allocs.replayed(handle)
+                if h.host is not None:
+                    h.host.replayed(handle)
+        finally:
+            if self._owed:
+                self._settle_owed()     # a reset a finalizer made meanwhile: now the launch is done
 
     def reset(self) -> None:
         """Destroy the captured graph and release its memory pool; the graph may then be recaptured."""
@@ -461,17 +472,55 @@ class Graph:
             return
         if _fin.collecting():
             # Called from a finalizer during a collection: the allocator's lock may be held
-            # by this thread (see accel._finalize).  What it holds moves to a holder of its
-            # own, queued with plain stores and a C append (no point where an interrupt drops it).
-            moved = _Held()
-            moved.backend, moved.index, moved.exec, moved.graph, moved.pool = backend, h.index, h.exec, h.graph, h.pool
-            moved.rng, moved.allocs, moved.host, moved.events = h.rng, h.allocs, h.host, h.events
-            h.exec = h.graph = h.pool = h.rng = h.allocs = h.host = None
-            h.events = ()
-            _fin.pending.append((_release_held, (backend, moved)))
+            # by this thread (see accel._finalize), and so may the graph's launch lock (a replay
+            # in flight on this thread or another, whose launch passes the executable): nothing
+            # waits.  The reset is noted, then done now if the lock is free, else by its holder as
+            # it lets go (_settle_owed: one of the two always sees the other's step).
+            self._owed.append(None)
+            self._settle_owed()
             return
-        with self._launch_lock:
-            self._release_handles()
+        try:
+            with self._launch_lock:
+                self._release_handles()
+        finally:
+            if self._owed:
+                self._settle_owed()
+
+    def _settle_owed(self) -> None:
+        """Do the resets finalizers asked for (``_owed``) unless the launch lock is held (its
+        holder calls this again as it lets go): what the graph holds moves to a holder of its
+        own, queued for the next safe point with plain stores and a C append (no point where an
+        interrupt drops it), so a replay after it finds nothing to launch."""
+        while self._owed:
+            if not self._launch_lock.acquire(blocking=False):
+                return
+            try:
+                taken = False
+                while True:
+                    try:
+                        self._owed.pop()
+                    except IndexError:
+                        break
+                    taken = True
+                if taken:
+                    self._move_to_release()
+            finally:
+                self._launch_lock.release()
+
+    def _move_to_release(self) -> None:
+        """What the graph holds moves to a holder of its own, whose release is queued (the launch
+        lock held: no replay reads the handles meanwhile)."""
+        h = self._h
+        backend = h.backend
+        if backend is None or (h.exec is None and h.graph is None and h.pool is None and h.rng is None
+                               and h.allocs is None and h.host is None and not h.events):
+            return
+        moved = _Held()
+        moved.backend, moved.index, moved.exec, moved.graph, moved.pool = backend, h.index, h.exec, h.graph, h.pool
+        moved.rng, moved.allocs, moved.host, moved.events = h.rng, h.allocs, h.host, h.events
+        h.exec = h.graph = h.pool = h.rng = h.allocs = h.host = None
+        h.events = ()
+        _fin.pending.append((_release_held, (backend, moved)))
 
     def _release_handles(self) -> None:
         """reset()'s releases, with no replay in flight."""
@@ -531,10 +580,14 @@ class Graph:
             # CUDA's cudaGraphDebugDotPrint reports only cudaErrorOperatingSystem: name the path.
             raise FileNotFoundError(f"debug_dump: cannot write {path!r}: the folder {folder!r} does not exist; "
                                     f"create it first or pass a path in an existing folder")
-        with self._launch_lock:     # not a graph that a reset() in another thread destroys
-            if self._h.graph is None:
-                raise RuntimeError("debug_dump: no captured graph to dump (it was reset)")
-            self._h.backend.graph_debug_dot(self._h.graph, str(path))
+        try:
+            with self._launch_lock:     # not a graph that a reset() in another thread destroys
+                if self._h.graph is None:
+                    raise RuntimeError("debug_dump: no captured graph to dump (it was reset)")
+                self._h.backend.graph_debug_dot(self._h.graph, str(path))
+        finally:
+            if self._owed:
+                self._settle_owed()
 
     # -- context manager -----------------------------------------------------------------
     def __enter__(self) -> None:

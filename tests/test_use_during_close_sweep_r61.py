@@ -1418,3 +1418,45 @@ def test_foreign_stream_call_vs_close_of_its_last_wrapper(race, device, method):
         backend.stream_synchronize(raw)
         backend.stream_destroy(raw)
     race.no_leaks()
+
+
+# -- a reset made by a finalizer ---------------------------------------------------------------------
+# A user's __del__ may reset a graph while the cyclic collector runs; a finalizer must not wait for
+# a lock (the collecting thread may hold it), so reset() then moves what the graph holds to a
+# release queued for the next safe point (accel._finalize.pending), which any thread's next API
+# entry drains.  A replay in flight in another thread must still complete first.
+
+def _reset_in_a_collection(g):
+    """``g.reset()`` as a finalizer running in a collection on this thread makes it (what the
+    collector's gc.callbacks record, accel._locks), then the next safe point (a synchronize)."""
+    from accel import _locks
+    info = {"generation": 2, "collected": 0, "uncollectable": 0}
+    _locks._running[_locks._PHASES] = info
+    _locks._mine.start = info
+    try:
+        g.reset()
+    finally:
+        _locks._running.pop(_locks._PHASES, None)
+        _locks._mine.start = None
+    accel.synchronize()
+
+
+def test_graph_replay_vs_reset_from_a_finalizer(race, gdevice):
+    """Graph.replay() while a finalizer in another thread's collection resets the graph and that
+    thread then reaches a safe point (which runs the release the reset queued): the launch
+    completes on its executable, which is destroyed after it."""
+    backend = _backend()
+    race.settle_baseline()
+    with accel.device_index(gdevice):
+        buf = accel.Buffer(N)
+    g, cs = _capture(gdevice, _fill_body(buf))
+    exec_handle = g.raw_cuda_graph_exec()
+    race.before(backend, "graph_launch", lambda: _reset_in_a_collection(g))
+    race.spy(backend, "graph_exec_destroy", "destroyed", match=_handle_is(exec_handle))
+    with accel.device_index(gdevice):
+        g.replay()
+    accel.synchronize()         # a safe point of this thread too
+    race.check("graph_launch returned", "destroyed")
+    for obj in (buf, cs):
+        obj.close()
+    race.no_leaks()
