@@ -1460,3 +1460,53 @@ def test_graph_replay_vs_reset_from_a_finalizer(race, gdevice):
     for obj in (buf, cs):
         obj.close()
     race.no_leaks()
+
+
+def _in_a_collection(fn):
+    """``fn()`` as a finalizer the cyclic collector runs on this thread."""
+    from accel import _locks
+    info = {"generation": 2, "collected": 0, "uncollectable": 0}
+    _locks._running[_locks._PHASES] = info
+    _locks._mine.start = info
+    try:
+        return fn()
+    finally:
+        _locks._running.pop(_locks._PHASES, None)
+        _locks._mine.start = None
+
+
+@pytest.mark.parametrize("query", ["launch", "Kernel.num_regs"])
+def test_module_close_from_a_finalizer_inside_its_own_launch(saxpy, sim_cuda, query):
+    """A user's __del__ (run by the collector on the launching thread, inside accel.launch or a
+    Kernel query, which hold the module's lock across the runtime call) closes the module: no
+    finalizer waits for a lock its own thread may hold (accel._finalize), so the close must not
+    deadlock; the call completes and the module is unloaded after it."""
+    from conftest import run_forked
+
+    def child():
+        backend = _backend()
+        m = _module(0)
+        k = _kernel(m)
+        s = accel.Stream()
+        _, bx, by = _saxpy_args(0, s)
+        name = "launch" if query == "launch" else "function_attributes"
+        real = getattr(backend, name)
+        log = []
+
+        def hooked(*args, **kwargs):
+            setattr(backend, name, real)
+            _in_a_collection(m.close)
+            out = real(*args, **kwargs)
+            log.append("returned")
+            return out
+        setattr(backend, name, hooked)
+        real_unload = backend.module_unload
+        backend.module_unload = lambda h: (log.append("unloaded"), real_unload(h))[1]
+        if query == "launch":
+            accel.launch(k, 1, 64, 2.0, bx, by, 64, stream=s)
+        else:
+            k.num_regs
+        accel.synchronize()         # a safe point
+        return 0 if m.closed and log == ["returned", "unloaded"] else 3
+    assert run_forked(child, timeout=30, hung="deadlock: Module.close() from a finalizer inside the module's "
+                                               "own launch waited for the lock its thread holds") == 0

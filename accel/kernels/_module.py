@@ -132,6 +132,14 @@ def _unload(backend, index: int, handle: int, key: int = 0) -> None:
         _fin.destroy_owned(key, backend.module_unload, handle)
 
 
+def _unload_after_calls(backend, index: int, handle: int, key: int, lock) -> None:
+    """A finalizer's close() (see Module.close): once the calls holding the module's ``lock``
+    ended (a safe point holds none), unload."""
+    with lock:
+        pass
+    _unload(backend, index, handle, key)
+
+
 @_refuse_copies("share the Module object itself, or load the image again with accel.Module(image)")
 class Module:
     """``Module(image, device=None)``: a kernel image loaded on one device.
@@ -279,6 +287,17 @@ class Module:
         refuse an unload during a capture, and invalidate the capture)."""
         if self._pid != _fin.pid:
             self._handle = None
+            return
+        if _fin.collecting():
+            # A finalizer (a user's __del__) in a collection: it must not wait for the lock, which
+            # this very thread may hold below it (a launch, a lookup or a query of this module).
+            # Closed now (one store: every call checks the handle under the lock), the unload
+            # waits for the next safe point and takes the lock first, so that no call in flight
+            # still passes the runtime the library or one of its kernels.
+            h, self._handle = self._handle, None
+            if h is not None:
+                _fin.pending.append((_unload_after_calls, (self._backend, self._index, h,
+                                                           _fin.key_of(self._own), self._lock)))
             return
         with self._lock:
             h, self._handle = self._handle, None
