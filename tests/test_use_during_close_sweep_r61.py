@@ -1510,3 +1510,42 @@ def test_module_close_from_a_finalizer_inside_its_own_launch(saxpy, sim_cuda, qu
         return 0 if m.closed and log == ["returned", "unloaded"] else 3
     assert run_forked(child, timeout=30, hung="deadlock: Module.close() from a finalizer inside the module's "
                                                "own launch waited for the lock its thread holds") == 0
+
+
+def test_graph_replay_vs_reset_of_another_graph_of_the_same_generator(race, gdevice):
+    """Two graphs registered with one generator's state share its seed/offset holders (freed with
+    the last registered graph): a replay of the first writes them while another thread resets the
+    second and drops the generator: the holders stay until the first graph is reset too."""
+    backend = _backend()
+    _capturable_random(backend)
+    race.settle_baseline()
+    with accel.device_index(gdevice):
+        buf1, buf2 = accel.Buffer(N), accel.Buffer(N)
+    gens = [accel.random.Generator(gdevice)]
+    graphs = []
+    for buf in (buf1, buf2):
+        g = accel.Graph()
+        g.register_generator_state(gens[0])
+        with accel.device_index(gdevice):
+            s = accel.Stream()
+            with accel.graph(g, stream=s):
+                accel.random.uniform_(buf, generator=gens[0])
+        graphs.append((g, s))
+    (g1, s1), (g2, s2) = graphs
+    holders = gens[0]._state._holders[:2]
+    alloc = accel.memory.device_allocator(gdevice)
+    race.spy(alloc, "free", "holders freed", match=lambda p, *a, **k: p in holders)
+
+    def destroy():
+        g2.reset()
+        gens.clear()
+        gc.collect()
+    race.before(backend, "launch", destroy)          # g1's store-state kernel
+    with accel.device_index(gdevice):
+        g1.replay()
+    assert "holders freed" not in race.log, race.log
+    g1.reset()
+    race.check("launch returned", "holders freed")
+    for obj in (buf1, buf2, s1, s2):
+        obj.close()
+    race.no_leaks()
