@@ -196,11 +196,6 @@ def _handle_is(h):
     return lambda *args, **kwargs: args and args[0] == h
 
 
-def _passes(h):
-    """``when`` for a call that passes the handle ``h`` in any argument."""
-    return lambda *args, **kwargs: h in args or h in kwargs.values()
-
-
 # -- accel.Stream ---------------------------------------------------------------------------------
 
 def _stream(device):
