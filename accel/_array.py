@@ -318,6 +318,11 @@ class ArrayView:
         """Device address of the first element (``buffer.ptr + offset``)."""
         return self._buffer.ptr + self._offset
 
+    def _address(self) -> int:
+        """:attr:`ptr` without the open check, for a method holding a pin on the buffer (``_pinning``):
+        a close() by another thread since the method's own check leaves the memory to the pin."""
+        return self._buffer._ptr + self._offset
+
     def __len__(self) -> int:
         if not self._shape:
             raise TypeError("len() of a 0-d ArrayView")
@@ -354,6 +359,7 @@ class ArrayView:
         from . import _dlpack
         return _dlpack.device_of(self._buffer._backend.name, self._buffer.device_index)
 
+    @_pinning
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
         """A DLPack capsule of the view (zero copy): its dtype, shape and element strides, the data
         pointer at the first element (``byte_offset`` 0).  The arguments and the stream
@@ -371,8 +377,8 @@ class ArrayView:
         _dlpack.sync_for_consumer(buffer, stream)
         item = self._dtype.itemsize
         strides = None if self._contiguous else tuple(s // item for s in self._strides)
-        return _dlpack.export(self, self.ptr, own[0], own[1], self._dtype, self._shape, strides, 0,
-                              versioned=versioned, readonly=_readonly(buffer))
+        return _dlpack.export(self, self._address(), own[0], own[1], self._dtype, self._shape, strides, 0,
+                              versioned=versioned, readonly=_readonly(buffer), held=True)
 
     # -- streams -----------------------------------------------------------------
     def record_stream(self, stream: Stream) -> None:
@@ -414,10 +420,10 @@ class ArrayView:
                 if self._contiguous or not self.size:
                     out = np.empty(self._shape, dtype=self._dtype)
                     if out.size:
-                        _download(buffer, self.ptr, out, stream, noting)
+                        _download(buffer, self._address(), out, stream, noting)
                     return out
                 span = np.empty(_extent(self._shape, self._strides, self.itemsize), dtype=np.uint8)
-                _download(buffer, self.ptr, span, stream, noting)
+                _download(buffer, self._address(), span, stream, noting)
         return _gather(span, self._shape, self._strides, self._dtype)
 
     @_pinning
@@ -472,7 +478,7 @@ class ArrayView:
             run, outer, dst_s, src_s = _runs(self._shape, self._strides, array.strides, self.itemsize)
             _check_count(outer, run)
             return lambda noting: self._upload(array, run, outer, dst_s, src_s, stream, noting)
-        dst_lo, src_lo = self.ptr, source.ptr
+        dst_lo, src_lo = self._address(), source.ptr
         dst_hi = dst_lo + _extent(self._shape, self._strides, self.itemsize)
         src_hi = src_lo + source.span
         if dst_lo < src_hi and src_lo < dst_hi:
@@ -498,7 +504,7 @@ class ArrayView:
         """Queue the runs from the C-contiguous host ``array``; blocking.  ``noting.queued`` once
         one was queued."""
         src = _host_address(array)
-        backend, dst = self._buffer._backend, self.ptr
+        backend, dst = self._buffer._backend, self._address()
         try:
             with stream._device_scope():
                 for d, s in _pairs(outer, dst_s, src_s):
@@ -508,7 +514,7 @@ class ArrayView:
             stream.synchronize()     # the host array must outlive the queued copies
 
     def _copy_runs(self, source: "_Source", run, outer, dst_s, src_s, stream: Stream, noting: _Noting) -> None:
-        backend, dst = self._buffer._backend, self.ptr
+        backend, dst = self._buffer._backend, self._address()
         with stream._device_scope():
             for d, s in _pairs(outer, dst_s, src_s):
                 backend.memcpy_async(dst + d, source.ptr + s, run, stream.handle)
@@ -581,14 +587,14 @@ class _source:
             src._buffer._live()
             _same_device(buffer, src._buffer._backend.name, src._buffer.device_index, "source view")
             view._check_match(src.shape, src.dtype, "the source view")
-            return _Source(None, src.ptr, src.shape, src.strides, src.dtype, src, user=src._buffer)
+            return _Source(None, src._address(), src.shape, src.strides, src.dtype, src, user=src._buffer)
         if isinstance(src, Buffer):
             src._live()
             _same_device(buffer, src._backend.name, src.device_index, "source buffer")
             if src.nbytes != view.nbytes:
                 raise ValueError(f"copy_from: the source buffer has {src.nbytes} bytes, the view {view.nbytes} "
                                  f"({view.shape} of {view.dtype}); nothing was copied")
-            return _Source(None, src.ptr, view.shape, None, view.dtype, src, user=src)
+            return _Source(None, src._ptr, view.shape, None, view.dtype, src, user=src)
         cai = _cai_of(src)
         if cai is not None:
             return self._from_cai(cai)

@@ -374,11 +374,6 @@ def _graph_of_saxpy(index):
     return m, g, s, (x, y, by)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "accel/graphs.py Graph.replay checks that the graph's modules are open before `with self._launch_lock` "
-    "and holds no module's lock to the launch: a Module.close() in another thread between the check and "
-    "cudaGraphLaunch unloads the library first; on the H100 the launch then returns 0 (what runs is undefined), "
-    "on the simulator cudaGraphLaunch fails with cudaErrorInvalidDeviceFunction (98)"))
 @pytest.mark.parametrize("index", [0, 1])
 def test_close_racing_a_replay_never_unloads_before_the_launch(be, saxpy_on, monkeypatch, index):
     """A close() in another thread as replay() runs: either replay refuses (the module was closed)

@@ -420,12 +420,6 @@ _BUFFER_CALLS = {
         "captures_underway", lambda b: None),
 }
 
-_VIEW_PTR_BUG = (
-    "bug (accel/_array.py, ArrayView.to_numpy/_upload/_copy_runs/_plan): after the pin and the open check "
-    "the view reads its address through ArrayView.ptr -> Buffer.ptr, whose _live() raises once another "
-    "thread closed the buffer meanwhile ('RuntimeError: <accel.Buffer 256 bytes on cuda:0 closed> was "
-    "closed; allocate a new Buffer'), though the pin keeps the memory until the call ends; fix: read "
-    "self._buffer._ptr + self._offset (an internal _address()) inside the pinned methods")
 _TO_NUMPY_EVENT_BUG = (
     "bug (accel/buffer.py, Buffer.to_numpy non_blocking branch): copy_to's _Hold of the stream ends "
     "before event.record(stream), so a close() of the stream by another thread during the copy makes "
@@ -435,8 +429,6 @@ _TO_NUMPY_EVENT_BUG = (
 
 #: Cases that fail today: (call, "buffer" | "stream") -> the bug.
 _BUFFER_XFAIL = {
-    ("as_array.to_numpy (closed before the address is read)", "buffer"): _VIEW_PTR_BUG,
-    ("as_array.copy_from(numpy) (closed before the address is read)", "buffer"): _VIEW_PTR_BUG,
     ("to_numpy(non_blocking)", "stream"): _TO_NUMPY_EVENT_BUG,
 }
 
@@ -579,7 +571,7 @@ _DLPACK_CLOSE_BUG = (
     "last-use stream",
     "consumer stream",
     pytest.param("buffer", marks=pytest.mark.xfail(strict=True, reason=_DLPACK_CLOSE_BUG)),
-    pytest.param("buffer of a view", marks=pytest.mark.xfail(strict=True, reason=_DLPACK_CLOSE_BUG)),
+    "buffer of a view",
 ])
 def test_buffer_dlpack_export_vs_close(race, device, closed):
     """Buffer.__dlpack__(stream=consumer) while another thread closes the buffer's last-use
