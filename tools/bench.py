@@ -11,10 +11,11 @@ Prints one table: name | accel | baseline | ratio | target | ok.  Groups:
 ``import``        ``import accel; is_available(); device_count()`` vs ``python -c pass``
                   (real libraries, and again under ACCEL_SIM=cuda), added ms; also against
                   ``import numpy`` and, where installed, ``import torch`` + the same queries.
-``percall``       ``current_stream()``, ``Event.record()``, ``Stream.query()`` under
+``percall``       ``current_stream()``, ``Event.record()`` (on a created stream and on the
+                  current one), ``Stream.query()``, ``Buffer(256).fill_(1)`` under
                   ACCEL_SIM=cuda vs the bare call of the same simulated function;
                   ``accel.Buffer(1 MiB).close()`` vs the device caching allocator's own
-                  ``malloc``+``free`` pair it wraps.
+                  ``malloc``+``free`` pair it wraps; each row notes its spread over rounds.
 ``percall_real``  the real libcudart (no driver needed): accel's checked call vs the bare
                   cffi call; ctypes, ``cuda.bindings`` and ``pynvml`` where installed.
 ``alloc``         allocator trace replay (../shared/traces) and cached 1 MiB alloc+free vs
