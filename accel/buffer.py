@@ -833,9 +833,12 @@ class Buffer:
             from .streams import Event
             stream = self._check_stream(stream)     # (copy_to notes the use, once the copy was queued)
             out = empty_pinned(count, dtype)
-            self.copy_to(out, stream, non_blocking=True)
             event = Event()
-            event.record(stream)
+            # One hold over the copy and the record: a close() of the stream by another thread
+            # between them would leave a copy queued and no event to say when it ran.
+            with _Hold(stream):
+                self.copy_to(out, stream, non_blocking=True)
+                event.record(stream)
             return (out.reshape(shape + dtype.shape) if shape is not None else out), event
         out = np.empty(count, dtype=dtype)
         self.copy_to(out, stream)
@@ -919,6 +922,7 @@ class Buffer:
         return {"shape": (self._nbytes,), "typestr": "|u1", "data": (self._ptr, self._readonly),
                 "strides": None, "version": 3, "stream": handle if handle else _CAI_LEGACY_DEFAULT_STREAM}
 
+    @_in_use
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
         """A DLPack capsule of the buffer: a 1-D ``uint8`` tensor of shape ``(nbytes,)`` (the
         array API standard's ``__dlpack__``; typed tensors come from :meth:`as_array`).
@@ -941,8 +945,10 @@ class Buffer:
         _dlpack.check_dl_device(dl_device, own, copy)
         _dlpack.check_legacy_read_only(versioned, self._readonly)
         _dlpack.sync_for_consumer(self, stream)
+        # pinned since before the open check (_in_use): a close() in another thread meanwhile
+        # leaves the memory to the pins, and the export's own pin takes it on to the deleter
         return _dlpack.export(self, self._ptr, own[0], own[1], "uint8", (self._nbytes,), None, 0,
-                              versioned=versioned, readonly=self._readonly)
+                              versioned=versioned, readonly=self._readonly, held=True)
 
     def __dlpack_device__(self):
         """``(device_type, device_id)``: kDLCUDA (2) on CUDA, kDLOneAPI (14) on XPU, kDLMetal (8)

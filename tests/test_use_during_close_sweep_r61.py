@@ -420,16 +420,9 @@ _BUFFER_CALLS = {
         "captures_underway", lambda b: None),
 }
 
-_TO_NUMPY_EVENT_BUG = (
-    "bug (accel/buffer.py, Buffer.to_numpy non_blocking branch): copy_to's _Hold of the stream ends "
-    "before event.record(stream), so a close() of the stream by another thread during the copy makes "
-    "the record raise 'RuntimeError: <accel.Stream device=cuda:0 handle=0x100000 closed> was closed; "
-    "create a new Stream' after the copy was queued (the pinned array and its event are lost); fix: "
-    "wrap the branch's copy_to and event.record in one `with _Hold(stream):`")
 
 #: Cases that fail today: (call, "buffer" | "stream") -> the bug.
 _BUFFER_XFAIL = {
-    ("to_numpy(non_blocking)", "stream"): _TO_NUMPY_EVENT_BUG,
 }
 
 
@@ -557,20 +550,12 @@ def test_buffer_copy_from_other_device_vs_source_close(race, sim_backend):
 
 #: The DLPack export's stream handshake (sync_for_consumer): an event recorded on the buffer's
 #: last-use stream, then the consumer's stream waits for it.
-_DLPACK_CLOSE_BUG = (
-    "bug (accel/buffer.py Buffer.__dlpack__, accel/_array.py ArrayView.__dlpack__): no pin is held "
-    "from the open check to the export, so a close() by another thread during the stream handshake "
-    "frees the memory and the export then refuses: 'RuntimeError: <accel.Buffer 256 bytes on cuda:0 "
-    "closed> was closed while it was being exported; allocate a new Buffer'; fix: decorate "
-    "Buffer.__dlpack__ with _in_use (ArrayView.__dlpack__ with _pinning) and pass held=True to "
-    "_dlpack.export (r61e: export then exports a buffer its caller pinned, its own pin taking the "
-    "memory on to the deleter)")
 
 
 @pytest.mark.parametrize("closed", [
     "last-use stream",
     "consumer stream",
-    pytest.param("buffer", marks=pytest.mark.xfail(strict=True, reason=_DLPACK_CLOSE_BUG)),
+    "buffer",
     "buffer of a view",
 ])
 def test_buffer_dlpack_export_vs_close(race, device, closed):
