@@ -103,15 +103,14 @@ def _drop_joined_stream_in_capture(index):
         return g, out, s, gone, error
 
 
-_DROPPED_STREAM_BUG = (
-    "accel/streams.py _destroy (the finalizer path of an owned Stream: __del__, the registry) destroys a stream "
-    "that takes part in a capture, which close() refuses; its destroy hook (accel/memory/_caching.py "
-    "_forget_stream -> cover) first records a plain event on the capturing stream, a captured event, and "
-    "_process_events then queries it after the capture: AcceleratorError: libcudart: cudaEventQuery failed with "
-    "cudaErrorInvalidValue (1) from capture_end and from every later empty_cache()")
+# Until r61g (strict xfails): accel/streams.py _destroy (the finalizer path of an owned Stream: __del__, the
+# registry) destroyed a stream that takes part in a capture, which close() refuses; its destroy hook
+# (accel/memory/_caching.py _forget_stream -> cover) first recorded a plain event on the capturing stream, a
+# captured event, and _process_events then queried it after the capture: "AcceleratorError: libcudart:
+# cudaEventQuery failed with cudaErrorInvalidValue (1)" from capture_end and from every later empty_cache().
+# Now the whole destroy waits for the end of the captures.
 
 
-@pytest.mark.xfail(strict=True, reason=_DROPPED_STREAM_BUG)
 @pytest.mark.parametrize("index", [0, 1])
 def test_stream_dropped_in_capture_h100(be, monkeypatch, index):
     """H100: the destroy returns 0 and the capture goes on: the graph is fine, so capture_end must
@@ -132,7 +131,6 @@ def test_stream_dropped_in_capture_h100(be, monkeypatch, index):
     assert len(destroyed) <= 1
 
 
-@pytest.mark.xfail(strict=True, reason=_DROPPED_STREAM_BUG)
 @pytest.mark.parametrize("index", [0, 1])
 def test_stream_dropped_in_capture_sim(be, index):
     """The simulator as it is (the destroy refused, the capture invalidated): capture_end may report
@@ -300,12 +298,6 @@ def test_failed_end_beside_another_capture_h100(be, monkeypatch, index):
     assert sim.state().captures == 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "accel/backends/cuda.py capture_end: after a failed cudaStreamEndCapture that left the capture underway it "
-    "ends it again and calls cudaGraphDestroy at once, while another capture may be underway (graph_destroy "
-    "defers it with _after_captures, this cleanup does not): the simulator refuses it (900) and invalidates "
-    "the other capture: CaptureError: libcudart: cudaStreamEndCapture failed with "
-    "cudaErrorStreamCaptureInvalidated (901); the graph is left undestroyed"))
 @pytest.mark.parametrize("index", [0, 1])
 def test_failed_end_beside_another_capture_sim(be, monkeypatch, index):
     """The simulator as it is (graph destroys refused during a capture, as torch PR 161037 and Warp

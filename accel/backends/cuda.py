@@ -670,7 +670,9 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
                 # captures in the whole process, so end it again and discard what it captured.
                 again = self.ffi.new("cudaGraph_t *")
                 if self.lib.cudaStreamEndCapture(handle, again) == 0 and again[0] != self.ffi.NULL:
-                    self.lib.cudaGraphDestroy(again[0])
+                    # deferred while another capture is underway, as graph_destroy
+                    if not self._after_captures(self._graph_destroy_now, self._as_int(again[0])):
+                        self.lib.cudaGraphDestroy(again[0])
         except BaseException:
             if self._still_capturing(handle, unknown=False):
                 self._captures += 1
