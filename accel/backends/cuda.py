@@ -53,7 +53,8 @@ _CAPTURE_ERRORS = frozenset(range(900, 909))
 # cudaErrorNoKernelImageForDevice (209), cudaErrorInvalidPtx (218),
 # cudaErrorJitCompilerNotFound (221), cudaErrorUnsupportedPtxVersion (222),
 # cudaErrorJitCompilationDisabled (223).  With lazy loading (CUDA_MODULE_LOADING=LAZY,
-# the default since 12.2) they surface at the first launch, not at cudaLibraryLoadData.
+# the default since 12.2) they come from the first cudaLibraryGetKernel, not from
+# cudaLibraryLoadData (measured on an H100: tests/conformance/cuda_h100_2026-12-05.json).
 _KERNEL_IMAGE_ERRORS = frozenset({200, 209, 218, 221, 222, 223})
 # Drivers before CUDA 12.3 refuse to load a module while a stream capture is underway (900, the
 # capture invalidated); NVIDIA Warp, warp.capture_begin: kernels "can be loaded during graph
