@@ -17,7 +17,8 @@ import pytest
 
 np = pytest.importorskip("numpy")
 
-from accel.random import _fills  # noqa: E402
+#: kind -> (plan for a byte count, element size), as the simulator's kernel models are checked
+from test_random_kernels import PLAN_MAKERS as KINDS  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOLS = os.path.join(ROOT, "tools")
@@ -129,18 +130,6 @@ def host_kernels(tmp_path_factory):
 
 def _arg(kind, value):
     return float(value).hex() if kind.startswith("f") else str(int(value))
-
-
-KINDS = {
-    "raw_u32": (lambda nb: _fills.plan_raw(nb), 4),
-    "uniform_f32": (lambda nb: _fills.plan_uniform(nb, "float32", -3, 0.5), 4),
-    "uniform_f64": (lambda nb: _fills.plan_uniform(nb, "float64", 10, 20), 8),
-    "normal_f32": (lambda nb: _fills.plan_normal(nb, "float32", 1, 3), 4),
-    "normal_f64": (lambda nb: _fills.plan_normal(nb, "float64", 0, 1), 8),
-    "randint_i32": (lambda nb: _fills.plan_randint(nb, "int32", -(2**31), 2**31), 4),
-    "randint_i64": (lambda nb: _fills.plan_randint(nb, "int64", 5, 17), 8),
-    "randint_i64_wide": (lambda nb: _fills.plan_randint(nb, "int64", -(2**63), 2**63), 8),
-}
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))

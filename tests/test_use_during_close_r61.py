@@ -43,16 +43,15 @@ def _captured_fill(device, keep_graph=False):
     return g, buf
 
 
-@pytest.mark.parametrize("device", [0, 1])
-def test_graph_reset_in_another_thread_waits_for_a_replay_in_flight(sim_cuda, monkeypatch, device):
-    g, buf = _captured_fill(device)
-    g.replay()                                  # instantiated
+def _replay_while_another_thread_runs(monkeypatch, g, device, other):
+    """Replay ``g`` on ``device``; just before its cudaGraphLaunch, ``other()`` starts in another
+    thread (and may wait for the launch).  Returns what ``other`` returned or raised."""
     backend = _lazy.lazy_init()
     real_launch = backend.graph_launch
     others = []
 
     def launch(exec_handle, stream_handle):
-        others.append(_in_other_thread(g.reset))
+        others.append(_in_other_thread(other))
         return real_launch(exec_handle, stream_handle)
     monkeypatch.setattr(backend, "graph_launch", launch)
     with accel.device_index(device):
@@ -61,7 +60,14 @@ def test_graph_reset_in_another_thread_waits_for_a_replay_in_flight(sim_cuda, mo
     (t, out), = others
     t.join(10)
     assert not t.is_alive()
-    assert out == [("ok", None)]
+    return out
+
+
+@pytest.mark.parametrize("device", [0, 1])
+def test_graph_reset_in_another_thread_waits_for_a_replay_in_flight(sim_cuda, monkeypatch, device):
+    g, buf = _captured_fill(device)
+    g.replay()                                  # instantiated
+    assert _replay_while_another_thread_runs(monkeypatch, g, device, g.reset) == [("ok", None)]
     accel.synchronize(device)
     assert bytes(buf.to_numpy()) == b"\x07" * 256
     with pytest.raises(RuntimeError, match="no capture"):
@@ -73,20 +79,7 @@ def test_instantiate_in_another_thread_waits_for_a_replay_in_flight(sim_cuda, mo
     # instantiate() of a keep_graph graph destroys the executable it replaces
     g, buf = _captured_fill(device, keep_graph=True)
     g.replay()
-    backend = _lazy.lazy_init()
-    real_launch = backend.graph_launch
-    others = []
-
-    def launch(exec_handle, stream_handle):
-        others.append(_in_other_thread(g.instantiate))
-        return real_launch(exec_handle, stream_handle)
-    monkeypatch.setattr(backend, "graph_launch", launch)
-    with accel.device_index(device):
-        g.replay()
-    monkeypatch.setattr(backend, "graph_launch", real_launch)
-    (t, out), = others
-    t.join(10)
-    assert out == [("ok", None)]
+    assert _replay_while_another_thread_runs(monkeypatch, g, device, g.instantiate) == [("ok", None)]
     buf.fill_(0)
     with accel.device_index(device):
         g.replay()                              # the new executable
