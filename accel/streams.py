@@ -1005,36 +1005,38 @@ class Event:
         self._capture = _capture_of(backend, stream) if _capture_events else None
 
     def _create(self, backend: Backend, index: int) -> None:
-        """The first record's device event, made once when threads record a new event at once;
-        one made while another thread closed this event is destroyed again (close() found no
-        handle to destroy), and the record raises as on a closed event."""
+        """The first record's device event, made once when threads record a new event at once.
+        Called inside record's use of this event (its ``_busy`` mark)."""
         with _create_lock:
             if self._handle is not None:
                 return
-            closed = self._made(backend, index)
-        if closed:
-            self._live()
+            self._made(backend, index)
 
     @_signals_deferred
-    def _made(self, backend: Backend, index: int) -> bool:
-        """Make the device event and store it with its destroy registered, or destroy it again
-        when close() ran meanwhile (returns whether it did), with signals deferred (r55): from
-        the moment the runtime's create returns until the handle is stored or destroyed, a
-        Ctrl-C would leave a handle nobody destroys."""
+    def _made(self, backend: Backend, index: int) -> None:
+        """Make the device event and store it with its destroy registered, with signals deferred
+        (r55): from the moment the runtime's create returns until the handle is stored, a Ctrl-C
+        would leave a handle nobody destroys.
+
+        A close() by another thread since record's open check found no handle to destroy (it
+        claims and reads ``_handle`` in one step under _close_lock, as this stores it): the
+        record goes on with the handle made, and its destroy is left to the last use in flight
+        (:func:`_close_release`; record's own use runs it as it ends), as for a close() during
+        any other use.  (Destroyed at once, the record raised 'was closed' though it began on
+        an open event.)"""
         with on_device(backend, index):
             handle = backend.event_create(self.enable_timing, self.blocking)
-        with _close_lock:       # close() claims under it, then reads _handle
+        with _close_lock:
+            self._handle, self._backend, self._index = handle, backend, index
+            # under the lock: a close() that sees the handle finds it registered
+            self._own = _fin.own(_event_destroy, backend, handle)
             closed = self._closed
-            if not closed:
-                self._handle, self._backend, self._index = handle, backend, index
-                # under the lock: a close() that sees the handle finds it registered
-                self._own = _fin.own(_event_destroy, backend, handle)
         if closed:
-            _fin.release(backend.event_destroy, handle)
+            # (no use of the handle has ended yet: record's mark is held, so it is not lost)
+            self._releases.append((_event_destroy, (backend, handle, _fin.key_of(self._own))))
         elif getattr(self, "_late", False):
             # made by a finalizer after this event's own ran (same garbage): released with it
             _fin.finalize_later(self, _event_destroy, backend, handle, _fin.key_of(self._own))
-        return closed
 
     def wait(self, stream: Optional[Stream] = None) -> None:
         """Make ``stream`` (the current stream when None) wait for this event's recorded work."""
@@ -1130,11 +1132,16 @@ class Event:
         """Destroy the device event.  Idempotent."""
         if self._pid != _fin.pid:
             raise _fin.forked_error(self._backend)
-        if self._closed or not _claim_close(self):
+        if self._closed:
             return
-        if self._handle is not None:
+        with _close_lock:       # the claim and the handle read in one step: see _made
+            if self._closed:
+                return      # another thread's close() got there first
+            self._closed = True
+            handle, own = self._handle, self._own
+        if handle is not None:
             try:
-                _close_release(self, _event_destroy, self._backend, self._handle, _fin.key_of(self._own))
+                _close_release(self, _event_destroy, self._backend, handle, _fin.key_of(own))
             except BaseException:
                 if _fin.registered(self._own):
                     # not destroyed (as Stream.close): close() again (or the finalizer) retries

@@ -216,7 +216,9 @@ def test_two_threads_recording_a_new_event_create_one_handle(sim_backend, monkey
 
 def test_event_closed_during_its_first_record_keeps_no_handle(sim_backend, monkeypatch):
     """close() while another thread's first record was creating the handle found no handle to
-    destroy; the record then stored one on the closed event, which nothing destroys."""
+    destroy; the record then stored one on the closed event, which nothing destroys.  (r61g: the
+    record completes on the handle it made, and its end destroys it; until then it raised 'was
+    closed', tests/test_use_during_close_sweep_r61.py::test_event_first_record_vs_close.)"""
     from accel import _lazy
     backend = _lazy.lazy_init()
     s = accel.Stream(0)
@@ -246,7 +248,7 @@ def test_event_closed_during_its_first_record_keeps_no_handle(sim_backend, monke
     closed.set()
     t.join()
     assert e.closed if hasattr(e, "closed") else e._closed
-    assert len(errors) == 1 and "closed" in str(errors[0]), errors
+    assert errors == []
     assert _live_events(sim_backend, backend) == base
     s.close()
 

@@ -324,12 +324,6 @@ def test_event_call_vs_close(race, device, method, call, destroyer):
     race.no_leaks()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug (accel/streams.py, Event._made): a close() that claims the event while its first record "
-    "makes the device event (after record's open check) makes the record destroy the new handle and "
-    "raise 'RuntimeError: <accel.Event recorded=False timing=False closed> was closed; create a new "
-    "Event' instead of completing; fix: when closed meanwhile, store the handle and queue its destroy "
-    "in _releases, which record's _closed_during_use runs at the record's end"))
 def test_event_first_record_vs_close(race, device):
     """The first Event.record() makes the device event (event_create); another thread closes the
     event just then: the record completes on the event it made, which is destroyed after it."""
