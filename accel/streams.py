@@ -277,6 +277,12 @@ def _close_release(obj, fn, *args) -> None:
     _run_deferred(obj, _fin.release)
 
 
+def _drop_anchor(stream: "Stream") -> None:
+    """A foreign wrapper's "destroy" (:meth:`Stream.close`): it lets go of the handle's anchor,
+    and with the last wrapper's the anchor goes and accel forgets the handle."""
+    stream._anchor = None
+
+
 def _claim_close(obj) -> bool:
     """Mark ``obj`` (a Stream or Event) closed; False when it already was (another thread's close)."""
     with _close_lock:
@@ -724,7 +730,11 @@ class Stream:
         if table is not None and table.get(self._index) is self:
             del table[self._index]
         if not self._owned:
-            self._anchor = None     # the last wrapper of the handle: accel forgets it (_ForeignAnchor)
+            # The last wrapper of the handle: accel forgets it (_ForeignAnchor), which lets its
+            # owner destroy it, so only once no call on this wrapper is in flight (the last one
+            # drops the anchor as it ends).  (Dropped at once, the allocators forgot the handle
+            # while a call in another thread still queued work on it.)
+            _close_release(self, _drop_anchor, self)
             return
         if _live_streams.get((self._index, self._handle)) is self:
             del _live_streams[(self._index, self._handle)]     # the driver may reuse the handle

@@ -1351,14 +1351,6 @@ def test_graph_pool_freed_by_reset_waits_for_a_replay_on_another_stream(monkeypa
 # it), after which its owner may destroy it.  That forget is the wrapper's destroy: a call queuing
 # on the wrapper must complete first.
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug (accel/streams.py, Stream.close for a foreign wrapper): close() drops the wrapper's anchor "
-    "at once, so the last wrapper's close by another thread makes the allocators forget the handle "
-    "(and lets its owner destroy it) while a call on the wrapper is still queuing on it; the call "
-    "then records its use on the forgotten handle.  Logged order: ['forgotten', 'memset_async "
-    "returned'].  Fix: `if not self._owned: _close_release(self, _drop_anchor, self); return` with "
-    "_drop_anchor(stream) setting stream._anchor = None, so the last use in flight (its _Use/_Hold "
-    "mark) drops the anchor (checked in-process: the cases pass)"))
 @pytest.mark.parametrize("method", ["fill_", "copy_to(numpy)"])
 def test_foreign_stream_call_vs_close_of_its_last_wrapper(race, device, method):
     """A Buffer call queued on a foreign stream's only wrapper while another thread closes the
