@@ -89,6 +89,14 @@ def _destroy(backend: Backend, index: int, handle: int, blocking: bool, key: int
     registry's own call, or none registered): nothing when another path took it."""
     if key and key not in _fin.owned:
         return      # destroyed, or being destroyed, by another path: its handle may be reused
+    if backend.captures_underway() and backend.capture_id(handle) is not None:
+        # The stream takes part in a capture (close() refuses then; this is its finalizer, or
+        # the registry's release): the destroy, hooks included, waits for the end of the
+        # captures.  The hooks would record on the capturing stream (the caching allocator's
+        # cover: a captured event, which CUDA refuses to query once the capture has ended), and
+        # destroying it would leave the capture without that stream.
+        if _after_captures(backend, _fin.finalize, _destroy, backend, index, handle, False, key):
+            return
     for hook in _destroy_hooks:
         # A hook that fails (the allocator could neither record an event on the stream nor wait
         # for it) leaves the stream alive: destroying it would leave memory that its queued work
@@ -97,6 +105,16 @@ def _destroy(backend: Backend, index: int, handle: int, blocking: bool, key: int
             _fin.defer(_destroy, backend, index, handle, True, key)   # the handle stays valid until then
             return
     _fin.destroy_owned(key, backend.stream_destroy, handle)
+
+
+def _after_captures(backend: Backend, fn: Callable, *args) -> bool:
+    """Queue ``fn(*args)`` for when no capture this process began through ``backend`` is
+    underway, and return True; False (nothing queued) when none is, or when the backend keeps no
+    such queue (only CUDA's streams join another stream's capture: XPU's captures record their
+    own stream only, which the capturing Graph holds).  ``fn`` may run in whichever thread ends
+    the last capture, or in this one: it must wait for no lock (a finalizer's release)."""
+    queue = getattr(backend, "_after_captures", None)
+    return queue is not None and queue(fn, *args)
 
 
 def _event_destroy(backend: Backend, handle: int, key: int = 0) -> None:

@@ -290,7 +290,18 @@ def cover(owner, stream: int, device: int, gates: list) -> Optional[_Gate]:
     :func:`_recorded`) until the forget's publish takes it out (:func:`uses_forgotten`,
     :func:`_taken`), so a KeyboardInterrupt anywhere before leaves it cached.  (Taken out at
     once, as the pinned allocator's forget did until r54, an interrupt before the caller kept
-    the gate lost that event.)"""
+    the gate lost that event.)
+
+    Refused (CaptureError, nothing recorded) while ``stream`` takes part in a capture: an event
+    recorded there is a node of the graph, not a point of the stream's work, and CUDA refuses to
+    query it once the capture has ended (cudaErrorInvalidValue), which _process_events would do
+    at every later free.  (accel.streams defers the destroy of such a stream to the end of the
+    captures and never forgets a foreign one inside a capture: this is a second line.)"""
+    be = owner._be
+    if capture_underway(be) and be.capture_id(stream) is not None:
+        raise CaptureError(f"stream {stream:#x} takes part in a graph capture: its work cannot be covered "
+                           f"with an event until the capture ends (an event recorded now would be a node of "
+                           f"the graph); forget or destroy the stream after the capture")
     try:
         k = 0
         for gate in gates:
