@@ -451,6 +451,14 @@ class Graph:
                 if h.rng is not None:
                     from . import random
                     random._graph_replay(h.rng)
+                if h.pool is not None:
+                    # before the launch: a pool replayed on a stream other than its own is kept
+                    # from the general cache once a reset releases it, as torch keeps every
+                    # released pool (P1 in memory._caching release_pool; r61h: a replay queued on
+                    # another stream overwrote the temporary the next allocation on the capture
+                    # stream had been given)
+                    from . import memory
+                    memory.device_allocator(h.index).pool_used_on(h.pool, handle, h.index)
                 backend.graph_launch(h.exec, handle)
                 if h.allocs is not None:
                     h.allocs.replayed(handle)

@@ -1307,16 +1307,6 @@ def test_rng_holders_freed_by_reset_wait_for_a_replay_on_another_stream(monkeypa
         assert bytes(new.to_numpy(stream=cs)) == b"\xab" * 16
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug (accel/memory/_caching.py release_pool, with accel/graphs.py): Graph.reset releases the "
-    "private pool and its free blocks join the capture stream's general cache at once, though a "
-    "replay queued on another stream still writes them: the next allocation on the capture stream "
-    "gets the graph's temporary and the replay overwrites it ('1111111111111111' instead of "
-    "'abababababababab'); torch keeps a released private pool's blocks out of reuse until "
-    "emptyCache, which synchronizes first.  Fix: Graph.replay notes its stream on the pool (e.g. an "
-    "allocator call pool_used_on(pool, stream) that release_pool turns into events on the pool's "
-    "free blocks, as record_stream does for a block), or release_pool keeps the freed blocks in "
-    "the retired pool until an event recorded on every stream that replayed it completed"))
 @pytest.mark.parametrize("dev", [0, 1])
 def test_graph_pool_freed_by_reset_waits_for_a_replay_on_another_stream(monkeypatch, dev):
     """A graph whose capture allocated and freed a temporary (a block of its private pool) is

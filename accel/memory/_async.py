@@ -452,6 +452,17 @@ class AsyncPoolAllocator:
             if self._deferred and not self._capture_underway():
                 self._flush_deferred(strict=False)
 
+    def pool_used_on(self, pool_id: Tuple[int, int], stream: int, device_index: Optional[int] = None) -> None:
+        """A launch of a graph of ``pool_id`` is queued on ``stream`` (accel.graphs, at every
+        replay).  Nothing to note with this backend: the pool holds no memory, the graph's own
+        allocations are the driver's (graph memory, freed once the executable's launches in
+        flight completed: cudaGraphExecDestroy), and what a launch allocated and nobody holds is
+        freed on its last launch's stream (``replayed``).  ValueError for a pool nothing holds."""
+        pool_id = _caching.DeviceCachingAllocator._check_pool_id(pool_id)
+        if pool_id not in self._pools:
+            raise ValueError(f"pool_used_on: no private pool {pool_id} held on device {self._index} "
+                             f"(released, or never created)")
+
     def release_pool(self, pool_id: Tuple[int, int]) -> None:
         """A graph using ``pool_id`` was destroyed (the pool holds nothing with this backend;
         its allocations go with its token's ``release()``)."""

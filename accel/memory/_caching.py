@@ -363,13 +363,21 @@ class _Retired:
 class _PrivatePool:
     """Memory of graph captures and MemPools sharing one pool id (torch's PrivatePool)."""
 
-    __slots__ = ("id", "use_count", "lists", "no_split")
+    __slots__ = ("id", "use_count", "lists", "no_split", "replays", "kept")
 
     def __init__(self, pool_id):
         self.id = pool_id
         self.use_count = 0
         self.lists: Dict[int, Tuple[_FreeList, _FreeList]] = {}
         self.no_split = False     # MemPool(no_split=True): blocks are handed out whole
+        # streams its graphs were replayed on (DeviceCachingAllocator.pool_used_on; two at most:
+        # the second already says "not only the stream of its free lists")
+        self.replays: Optional[set] = None
+        self.kept = False         # released, its memory kept from the general cache (P1, release_pool)
+
+    def released(self) -> bool:
+        """Released, and its whole free segments may join the general cache (P1)."""
+        return self.use_count == 0 and not self.kept
 
 
 def _segment_size_key(block: "_Block") -> int:
@@ -1122,10 +1130,48 @@ class DeviceCachingAllocator(ExpandableSegments):
                 self._resume_events()
             self._update_special()
 
+    def pool_used_on(self, pool_id: Tuple[int, int], stream: int, device_index: Optional[int] = None) -> None:
+        """A launch of a graph whose memory is private pool ``pool_id`` is queued on ``stream``
+        (of device ``device_index``, default this allocator's): accel.graphs calls it at every
+        replay, before the launch.  A pool replayed on a stream other than that of its free
+        lists is kept from the general cache once released (P1 in :meth:`release_pool`).
+        TypeError/ValueError as record_stream's for a bad stream or device; ValueError for a
+        pool nothing holds."""
+        device = check_use(self._be, stream, device_index, self._index)
+        pool_id = self._check_pool_id(pool_id)
+        if _locks._running:     # a finalizer: see _gc_probe
+            _gc_probe(self._lock, "pool_used_on")
+        with self._lock:
+            pool = self._private.get(pool_id)
+            if pool is None or pool.use_count <= 0:
+                raise ValueError(f"pool_used_on: no private pool {pool_id} held on device {self._index} "
+                                 f"(released, or never created)")
+            replays = pool.replays
+            if replays is None:
+                pool.replays = {(stream, device)}
+            elif len(replays) < 2:
+                replays.add((stream, device))
+
     def release_pool(self, pool_id: Tuple[int, int], *, mempool: bool = False) -> None:
         """A graph (or use_mem_pool) using ``pool_id`` ended.  When nothing uses the pool any
         more, its segments go back to the general cache as soon as all their blocks
-        are free (segments still holding live blocks follow when those are freed).
+        are free (segments still holding live blocks follow when those are freed), unless:
+
+        P1.  A pool whose graphs were replayed on a stream other than that of its free lists
+             (:meth:`pool_used_on`; a pool with free lists on several streams: on any stream) is
+             kept from the general cache once released, as torch keeps every released pool
+             (releasePool only makes it graph_pools_freeable; release_cached_blocks cudaFrees its
+             unsplit blocks): a replay queued there may still read and write its memory, and the
+             next allocation on its stream is not ordered after that replay.  Its segments stay
+             in its free lists, where no request looks: reserved, listed in the snapshot with the
+             pool's id, and returned to the device by empty_cache, release-before-grow (and E10's
+             unmap before a grow), the release threshold and the out-of-memory retry.  A device
+             free (cudaFree, zeMemFree) waits for the device's queued work first, so the memory
+             can be handed out again only after every replay ran.  (Before r61h the segments
+             joined the general cache at once: the next allocation on the capture stream got the
+             graph's temporary, which a replay queued on another stream then overwrote.)  A
+             replay on the stream of the pool's only free lists is ordered before the next
+             allocation there: such a pool joins the general cache as before.
 
         ``mempool``: the pool's MemPool died (torch's ~MemPool: releasePool, then
         emptyCache of the pool): it serves no OOM any more, and when nothing else uses
@@ -1137,20 +1183,32 @@ class DeviceCachingAllocator(ExpandableSegments):
                 raise ValueError(f"release_pool: no private pool {pool_id} on device {self._index}")
             if pool.use_count <= 0:
                 raise ValueError(f"release_pool: private pool {pool_id} was already released")
+            if pool.use_count == 1 and pool.replays and not pool.kept:
+                lists = list(pool.lists)
+                if len(lists) != 1 or pool.replays != {(lists[0], self._index)}:
+                    pool.kept = True        # (before the count: a new count 0 is never handed over)
             pool.use_count -= 1
             if mempool and pool in self._oom_pools:
                 self._oom_pools.remove(pool)
             if pool.use_count == 0:
-                moved = []
-                for fl in [fl for pair in pool.lists.values() for fl in pair]:
-                    for key in list(fl.keys):
-                        block = self._blocks[key & _MASK]
-                        if block.prev is None and block.next is None:
-                            self._move_to_general(block)
-                            moved.append(block)
-                if mempool and moved and not capture_underway(self._be):
-                    self._release_blocks(moved)
+                whole = self._whole_of(pool)
+                if pool.released():
+                    for block in whole:
+                        self._move_to_general(block)
+                if mempool and whole and not capture_underway(self._be):
+                    # a kept pool's too: the device free waits for the device (P1)
+                    self._release_blocks(whole)
                 self._forget_private_if_empty(pool)
+
+    def _whole_of(self, pool: _PrivatePool) -> List[_Block]:
+        """The whole free classic segments in ``pool``'s free lists."""
+        out = []
+        for fl in [fl for pair in pool.lists.values() for fl in pair]:
+            for key in fl.keys:
+                block = self._blocks[key & _MASK]
+                if block.prev is None and block.next is None:
+                    out.append(block)
+        return out
 
     def add_peer(self, index: int) -> None:
         """Let device ``index`` access this device's memory, now and later (torch's
@@ -1550,7 +1608,7 @@ class DeviceCachingAllocator(ExpandableSegments):
         if owner is not None:
             # A destroyed stream's list waits for the event covering the stream's work; _rehome
             # then moves the segment (to the general cache, as here, once the pool is released).
-            if owner.use_count == 0 and fl in owner.lists.get(fl.stream, ()):
+            if owner.released() and fl in owner.lists.get(fl.stream, ()):
                 self._move_to_general(block)
                 self._forget_private_if_empty(owner)
         elif self._release_threshold is not None:
@@ -2143,7 +2201,7 @@ class DeviceCachingAllocator(ExpandableSegments):
                 if fl.keys:
                     steps.append(partial(operator.setitem, target.keys, slice(None), sorted(target.keys + fl.keys)))
                     steps.append(partial(operator.setitem, fl.keys, slice(None), []))
-            if owner is not None and owner.use_count == 0:   # a released pool: see release_pool
+            if owner is not None and owner.released():   # see release_pool
                 released.append((owner, targets))
         if events is not None:
             steps.append(partial(operator.delitem, events, -1))
