@@ -37,31 +37,15 @@ import accel
 from accel import _lazy, sim
 
 from conftest import use_sim
+from test_use_during_close_r61 import _in_other_thread  # the destroyer gets a 0.5 s head start
 
 # -- the harness ------------------------------------------------------------------------------------
 
-_JOIN = 0.5     # the destroyer's head start: it may wait for the call in flight (a lock)
 
 #: The simulators' live counts of runtime objects (accel.sim.state()).
 _COUNTED = ("streams", "events", "graphs", "graph_execs", "captures", "modules", "host_allocations",
             "ze_live_events", "ze_live_event_pools", "ze_live_command_lists", "ze_live_command_queues",
             "ze_live_modules", "ze_live_kernels")
-
-
-def _in_other_thread(fn, wait=_JOIN):
-    """Run ``fn`` in a new thread; give it ``wait`` seconds (it may wait for the caller); return
-    the thread (joined later) and the list its result or exception lands in."""
-    out = []
-
-    def body():
-        try:
-            out.append(("ok", fn()))
-        except BaseException as exc:   # noqa: BLE001 - reported to the test
-            out.append(("raised", exc))
-    t = threading.Thread(target=body, daemon=True)
-    t.start()
-    t.join(wait)
-    return t, out
 
 
 def _settle():
