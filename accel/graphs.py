@@ -670,8 +670,12 @@ class _KeptInUse:
         self._marked, self._locked = [], []
         if not self._kept:
             return
+        # Module locks in one order for every replay (by id): two graphs launching kernels of the
+        # same two modules, captured in opposite orders, replayed at once, must not deadlock.
+        events = [kept for kept in self._kept if isinstance(kept, Event)]
+        modules = sorted((kept for kept in self._kept if not isinstance(kept, Event)), key=id)
         try:
-            for kept in self._kept:
+            for kept in events + modules:
                 if isinstance(kept, Event):
                     kept._busy.append(None)
                     self._marked.append(kept)

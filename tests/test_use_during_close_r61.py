@@ -152,3 +152,52 @@ def test_module_close_in_another_thread_waits_for_a_kernel_lookup_in_flight(saxp
     t.join(10)
     assert out == [("ok", None)]
     assert m.closed and k.name == "saxpy"
+
+
+class _RecordingLock:
+    """A module's lock that notes the order replays take it in."""
+
+    def __init__(self, name, log):
+        self._lock, self._name, self._log = threading.Lock(), name, log
+
+    def acquire(self, *args, **kwargs):
+        self._log.append(self._name)
+        return self._lock.acquire(*args, **kwargs)
+
+    def release(self):
+        self._lock.release()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+@pytest.mark.parametrize("device", [0, 1])
+def test_replays_take_their_modules_locks_in_one_order(saxpy, device):
+    # Two graphs launching kernels of the same two modules, captured in opposite orders: if each
+    # replay locked its modules in capture order, two threads replaying them at once could each
+    # hold one lock and wait for the other's.
+    from test_user_kernels import SAXPY_PTX
+    with accel.device_index(device):
+        ma, mb = accel.Module(SAXPY_PTX), accel.Module(SAXPY_PTX)
+        ka, kb = ma.function("saxpy"), mb.function("saxpy")
+        s = accel.Stream()
+        bx, by = accel.Buffer(256, stream=s), accel.Buffer(256, stream=s)
+        graphs = []
+        for first, second in ((ka, kb), (kb, ka)):
+            g = accel.Graph()
+            with accel.graph(g, stream=s):
+                accel.launch(first, 1, 64, 1.0, bx, by, 64, stream=s)
+                accel.launch(second, 1, 64, 1.0, bx, by, 64, stream=s)
+            graphs.append(g)
+    log = []
+    ma._lock, mb._lock = _RecordingLock("a", log), _RecordingLock("b", log)
+    orders = []
+    for g in graphs:
+        del log[:]
+        with accel.device_index(device):
+            g.replay()
+        orders.append(tuple(log))
+    assert orders[0] == orders[1], orders
+    accel.synchronize(device)
