@@ -17,7 +17,7 @@ import accel
 from accel import _lazy
 
 
-def _in_other_thread(fn, wait=0.5):
+def _in_other_thread(fn, wait=0.2):
     """Run ``fn`` in a new thread; give it ``wait`` seconds (it may wait for the caller); return
     the thread (joined later) and the list its result or exception lands in."""
     out = []

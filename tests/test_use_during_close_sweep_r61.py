@@ -37,7 +37,7 @@ import accel
 from accel import _lazy, sim
 
 from conftest import use_sim
-from test_use_during_close_r61 import _in_other_thread  # the destroyer gets a 0.5 s head start
+from test_use_during_close_r61 import _in_other_thread  # the destroyer gets a 0.2 s head start
 
 # -- the harness ------------------------------------------------------------------------------------
 
