@@ -28,6 +28,9 @@ from accel import memory
 
 from conftest import use_sim
 
+# hundreds of short tests that collect: see conftest.frozen_module_heap
+pytestmark = pytest.mark.usefixtures("frozen_module_heap")
+
 BIG = 4 << 20       # a segment of its own (the large pool: not shared with the RNG holders)
 CLASSIC = "expandable_segments:False"
 CONFS = [CLASSIC, "expandable_segments:True", "policy:torch", "backend:cudaMallocAsync"]

@@ -21,6 +21,9 @@ from accel.sim import _vmm
 
 from conftest import use_sim
 
+# hundreds of short tests that collect: see conftest.frozen_module_heap
+pytestmark = pytest.mark.usefixtures("frozen_module_heap")
+
 MiB = 1 << 20
 
 needs_vmm = pytest.mark.skipif(not _vmm.supported(), reason="this host cannot play virtual memory (mmap)")

@@ -39,6 +39,9 @@ from accel import _lazy, sim
 from conftest import use_sim
 from test_use_during_close_r61 import _in_other_thread  # the destroyer gets a 0.2 s head start
 
+# hundreds of short tests that collect: see conftest.frozen_module_heap
+pytestmark = pytest.mark.usefixtures("frozen_module_heap")
+
 # -- the harness ------------------------------------------------------------------------------------
 
 
