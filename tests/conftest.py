@@ -1,6 +1,7 @@
 """Shared fixtures: every test starts with accel's process state forgotten, and
 ``sim_backend`` runs a test once per simulated runtime."""
 
+import contextlib
 import gc
 import os
 import signal
@@ -69,12 +70,9 @@ def clean_state(request, monkeypatch):
     assert left == mask, f"the test left the main thread's signal mask {sorted(left)}, not {sorted(mask)}"
 
 
-@pytest.fixture
-def frozen_heap():
-    """``gc.freeze()`` for the test: a sweep that collects after each of its hundreds of runs
-    then scans only the objects the test made, not every one the worker's earlier tests left
-    (late in a full run each collection took tens of milliseconds, and the r55 sweeps ran 5 to
-    10 times slower there than alone)."""
+@contextlib.contextmanager
+def _heap_frozen():
+    """``gc.freeze()`` for the body, after a collection, and a collection after ``unfreeze``."""
     gc.collect()
     gc.freeze()
     try:
@@ -87,19 +85,24 @@ def frozen_heap():
         gc.collect()
 
 
+@pytest.fixture
+def frozen_heap():
+    """``gc.freeze()`` for the test: a sweep that collects after each of its hundreds of runs
+    then scans only the objects the test made, not every one the worker's earlier tests left
+    (late in a full run each collection took tens of milliseconds, and the r55 sweeps ran 5 to
+    10 times slower there than alone)."""
+    with _heap_frozen():
+        yield
+
+
 @pytest.fixture(scope="module")
 def frozen_module_heap():
     """``gc.freeze()`` for a whole test module (``pytestmark = pytest.mark.usefixtures(...)``):
     for a module of hundreds of short tests that each collect once or twice, where a freeze per
     test (:func:`frozen_heap`) would itself cost two full collections.  Late in a full run a
     collection scans every object the worker's earlier tests left; frozen, only the module's."""
-    gc.collect()
-    gc.freeze()
-    try:
+    with _heap_frozen():
         yield
-    finally:
-        gc.unfreeze()
-        gc.collect()
 
 
 def use_sim(monkeypatch, kind: str, **env) -> str:
