@@ -7,7 +7,8 @@
 # selftest.log (python -m accel.selftest: every check in its own process, peers' interop and
 # per-call figures included), soak.log (tools/soak.py on the device: state and resources stay
 # flat over create/destroy cycles; CUDA: soak_raw.log, the same cycle in raw libcudart calls,
-# and soak_profile.log, the soak's top functions in its first and last blocks),
+# soak_raw_vmm.log, with the driver's virtual-memory calls, soak_classic.log, the soak with
+# classic segments, and soak_profile.log, the soak's top functions in its first and last blocks),
 # conformance.json (CUDA: tools/cuda_conformance.py --real: every raw runtime call's code, to
 # compare with the simulator; copy it to tests/conformance/), pytest.log (the device-marked
 # tests not already run by the self-test), profile.csv and philox_sm90.sass (CUDA, where ncu is
@@ -75,6 +76,14 @@ if [ "$kind" = cuda ]; then
     # The H100's soak slowed 1.57x over 10,000 cycles (2026-12-05) with every count flat: the same
     # cycle in raw libcudart calls says whether the driver slows, the profiled soak where accel does.
     step soak_raw 60 "$py" tools/soak_raw.py --cycles 30000 --every 3000 > "$out/soak_raw.log" 2>&1
+    # Each soak cycle's fresh stream reserves an address range of the device's memory and maps a
+    # page for its first Buffer (expandable segments), unmapped and freed once the stream is gone:
+    # the raw cycle with those driver calls, and the soak with classic segments, say whether that
+    # churn is what slows.
+    step soak_raw_vmm 60 "$py" tools/soak_raw.py --cycles 10000 --every 2000 --variant vmm \
+        > "$out/soak_raw_vmm.log" 2>&1
+    step soak_classic 60 env ACCEL_BACKEND="$kind" ACCEL_ALLOC_CONF=expandable_segments:False \
+        "$py" tools/soak.py --cycles 10000 --every 2000 > "$out/soak_classic.log" 2>&1
     step soak_profile 60 env ACCEL_BACKEND="$kind" "$py" tools/soak.py --cycles 10000 --every 2000 --profile \
         > "$out/soak_profile.log" 2>&1
 fi

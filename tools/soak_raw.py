@@ -8,7 +8,11 @@ One cycle: cudaStreamCreateWithFlags(non-blocking), cudaMemsetAsync of a buffer 
 cudaEventCreateWithFlags(disable timing), cudaEventRecord, cudaStreamWaitEvent of the legacy
 default stream on it (as tools/soak.py's ``default_stream(d).wait_event(e)``), cudaEventDestroy,
 cudaStreamDestroy.  ``--variant no-default-wait`` leaves out the wait, ``--variant sync-every``
-also synchronizes the device at each report.  Each report line gives the time of that block;
+also synchronizes the device at each report, ``--variant vmm`` adds what accel's expandable
+segments do for a fresh stream's first allocation and after the stream is gone: reserve an address
+range of the device's total memory, create one granule of physical memory, map it, grant access,
+fill it instead of the buffer, then unmap, release and free the range (through accel's backend:
+thin wrappers of the driver entry points).  Each report line gives the time of that block;
 the summary compares the last block with the first, as tools/soak.py does.
 """
 
@@ -37,7 +41,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cycles", type=int, default=30000)
     ap.add_argument("--every", type=int, default=2000)
-    ap.add_argument("--variant", choices=("soak", "no-default-wait", "sync-every"), default="soak")
+    ap.add_argument("--variant", choices=("soak", "no-default-wait", "sync-every", "vmm"), default="soak")
     args = ap.parse_args(argv)
     ffi, lib = open_cudart()
 
@@ -50,12 +54,27 @@ def main(argv=None) -> int:
     buf = p[0]
     sp, ep = ffi.new("cudaStream_t *"), ffi.new("cudaEvent_t *")
     legacy = ffi.cast("cudaStream_t", 1)     # cudaStreamLegacy
+    vmm = None
+    if args.variant == "vmm":
+        from accel import _lazy
+        be = _lazy.lazy_init()
+        gran = be.vmm_granularity(0)
+        total = -(-be.mem_info()[1] // gran) * gran
+        vmm = (be, gran, total)
     blocks = []
     t0 = time.perf_counter()
     for i in range(1, args.cycles + 1):
         ok(lib.cudaStreamCreateWithFlags(sp, 1), "cudaStreamCreateWithFlags")
         s = sp[0]
-        ok(lib.cudaMemsetAsync(buf, i & 255, 1024 + 512 * (i % 5), s), "cudaMemsetAsync")
+        target = buf
+        if vmm is not None:
+            be, gran, total = vmm
+            va = be.vmm_reserve(0, total)
+            handle = be.vmm_create(0, gran)
+            be.vmm_map(va, gran, handle, 0)
+            be.vmm_set_access(va, gran, 0)
+            target = ffi.cast("void *", va)
+        ok(lib.cudaMemsetAsync(target, i & 255, 1024 + 512 * (i % 5), s), "cudaMemsetAsync")
         ok(lib.cudaEventCreateWithFlags(ep, 2), "cudaEventCreateWithFlags")
         e = ep[0]
         ok(lib.cudaEventRecord(e, s), "cudaEventRecord")
@@ -63,6 +82,11 @@ def main(argv=None) -> int:
             ok(lib.cudaStreamWaitEvent(legacy, e, 0), "cudaStreamWaitEvent")
         ok(lib.cudaEventDestroy(e), "cudaEventDestroy")
         ok(lib.cudaStreamDestroy(s), "cudaStreamDestroy")
+        if vmm is not None:
+            ok(lib.cudaStreamSynchronize(legacy), "cudaStreamSynchronize")    # unmap waits for no work
+            be.vmm_unmap(va, gran)
+            be.vmm_release(handle)
+            be.vmm_free(va, total)
         if i % args.every == 0:
             if args.variant == "sync-every":
                 ok(lib.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
