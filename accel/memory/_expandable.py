@@ -254,8 +254,9 @@ class ExpandableSegments:
         seg.head = hole
         seg.holes.add(hole)
         with self._on_device():
-            total = self._be.mem_info()[1]
-            size = -(-total // gran) * gran
+            size = self._exp_range
+            if not size:    # the device's total memory does not change: asked once, not per stream
+                size = self._exp_range = -(-self._be.mem_info()[1] // gran) * gran
             base = self._be.vmm_reserve(self._index, size)
             seg.base = hole.ptr = base
             seg.size = hole.size = size
