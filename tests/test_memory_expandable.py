@@ -504,6 +504,42 @@ def test_dropped_streams_leave_no_reservations_behind(monkeypatch, sim_name):
         sim.reset()
 
 
+@pytest.mark.parametrize("sim_name", ["cuda", "xpu"])
+def test_a_stream_churn_reuses_one_address_range(monkeypatch, sim_name):
+    """A program that makes a stream per step (each with its first allocation, its segment
+    dropped once the stream's work is done) reserved and freed an address range the size of
+    the device for every stream: 40 steps, 40 cuMemAddressReserve and 40 cuMemAddressFree
+    (torch's streams come from a fixed pool, so its per-stream ranges never churn).  The range
+    of a dropped segment is kept as the allocator's one spare and taken by the next new
+    segment; empty_cache frees it.  On the non-current device too."""
+    import gc
+    import accel
+    from accel import memory
+    use_sim(monkeypatch, sim_name)
+    reserve, release = {"cuda": ("cuMemAddressReserve", "cuMemAddressFree"),
+                        "xpu": ("zeVirtualMemReserve", "zeVirtualMemFree")}[sim_name]
+    dev = accel.device_count() - 1
+    alloc = memory.device_allocator(dev)
+    keep = accel.Buffer(MiB, dev)
+    before = sim.calls(reserve), sim.calls(release)
+    for _ in range(40):
+        s = accel.Stream(dev)
+        b = accel.Buffer(4096, dev, stream=s)
+        b.fill_(1, stream=s)
+        del b
+        s.close()
+        del s
+    gc.collect()
+    again = accel.Buffer(MiB, dev)                 # a later malloc settles what is pending
+    made, freed = sim.calls(reserve) - before[0], sim.calls(release) - before[1]
+    assert made <= 2 and freed <= 1, f"{made} reservations made and {freed} freed for 40 short-lived streams"
+    del keep, again
+    memory.empty_cache()
+    assert not alloc._exp_segs and not alloc._exp_spare
+    state = sim.state()
+    assert (state.vmm_reservations if sim_name == "cuda" else state.ze_vmm_reservations) == 0
+
+
 @pytest.mark.parametrize("history", [False, True])
 @pytest.mark.parametrize("index", [0, 1])
 def test_a_split_block_goes_to_the_end_that_pins_no_new_page(be, index, history):

@@ -514,6 +514,7 @@ class DeviceCachingAllocator(ExpandableSegments):
         self._one_range = False   # expandable: small requests use the large pool's lists (E12)
         self._gran = 0
         self._exp_range = 0     # an expandable segment's reservation: the device's memory, rounded to _gran
+        self._exp_spare = 0     # a freed segment's range kept for the next new one (E11), or 0
         self._exp_segs: List[_ExpSegment] = []
         self._scalars["num_device_map"] = 0
         self._scalars["num_device_unmap"] = 0

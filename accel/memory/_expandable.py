@@ -40,8 +40,10 @@ Invariants (checked by ``tests/test_memory_expandable.py`` after every operation
       unmapped (``_exp_unmap``), or while a capture is underway (classic segments);
 * E11 reservations are bounded by live streams: a destroyed stream's segment joins the
       default stream's lists once its work is done, its free pieces are unmapped then, and
-      its reservation is freed once nothing in it is mapped (blocks still allocated keep it);
-      empty_cache frees every reservation with nothing mapped; a first request that
+      its reservation is freed once nothing in it is mapped (blocks still allocated keep it),
+      or kept as the allocator's one spare range, which the next new segment takes instead
+      of reserving (a stream made per step reserves once, not per step);
+      empty_cache frees every reservation with nothing mapped, the spare too; a first request that
       fails leaves no reservation behind; a reservation the driver refuses for want of
       address space (out of memory from cuMemAddressReserve / zeVirtualMemReserve, the
       device's memory untouched) sends that miss to a classic segment, and the stream's
@@ -257,7 +259,11 @@ class ExpandableSegments:
             size = self._exp_range
             if not size:    # the device's total memory does not change: asked once, not per stream
                 size = self._exp_range = -(-self._be.mem_info()[1] // gran) * gran
-            base = self._be.vmm_reserve(self._index, size)
+            base = self._exp_spare
+            if base:
+                self._exp_spare = 0     # taken with plain stores only, up to the append
+            else:
+                base = self._be.vmm_reserve(self._index, size)
             seg.base = hole.ptr = base
             seg.size = hole.size = size
             fl.exp = seg
@@ -579,10 +585,14 @@ class ExpandableSegments:
         except Exception:
             self._be.clear_error()              # what is still mapped waits in _unreleased, counted
 
-    def _exp_drop(self, seg: Segment) -> None:
+    def _exp_drop(self, seg: Segment, keep: bool = True) -> None:
         """Free the reservation of a segment with nothing mapped (one unmapped block).  A
         failure keeps the segment, to be freed at a later unmap; it is not raised, as this
         runs while another error propagates or as housekeeping.
+
+        With ``keep``, the range becomes the allocator's one spare when it has none (E11):
+        the next new segment takes it instead of reserving, so a program that makes a stream
+        per step does not reserve and free a device-sized range at every step.
 
         A segment holding a piece of an undone grow that waits, still mapped, in ``_unreleased``
         is kept until that piece is unmapped: Level Zero's zeVirtualMemFree unmaps it behind our
@@ -597,6 +607,13 @@ class ExpandableSegments:
         before = self._exp_segs
         after = [s for s in before if s is not seg]
         grows = fl.exp is seg
+        if keep and not self._exp_spare and seg.size == self._exp_range:
+            self._exp_segs = after
+            fl.segments -= 1
+            if grows:
+                fl.exp = None
+            self._exp_spare = seg.base
+            return
         try:
             with self._on_device():
                 self._exp_segs = after
@@ -617,7 +634,16 @@ class ExpandableSegments:
         one with nothing mapped (empty_cache: the next miss reserves again)."""
         for seg in [seg for seg in self._exp_segs
                     if seg.mapped == 0 and (every or seg.head.pool.exp is not seg)]:
-            self._exp_drop(seg)
+            self._exp_drop(seg, keep=not every)
+        if every and self._exp_spare:
+            spare = self._exp_spare
+            try:
+                with self._on_device():
+                    self._exp_spare = 0         # forgotten first, freed last, as _exp_drop does
+                    self._be.vmm_free(spare, self._exp_range)
+            except AcceleratorError:
+                self._be.clear_error()
+                self._exp_spare = spare
 
     def _exp_unmap_one(self, seg: Segment, block: _Block, addr: int, n: int) -> None:
         """Turn the free piece ``[addr, addr + n)`` of ``block`` into a hole; its mapping moves
