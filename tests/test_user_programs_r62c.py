@@ -24,27 +24,20 @@ import numpy as np
 import pytest
 
 import accel
+from accel import sim
 from conftest import SIMS, use_sim
 from test_user_programs import _devices, allocated, live_objects, process_state, settle
 
 MiB = 1 << 20
 GRAPH_SIMS = [s for s in SIMS if s != "mps"]
 
-#: Found by r62c: the Level Zero simulator runs a kernel's reference with the plain
-#: ``accel.sim.kernels.view``, which checks a range against one simulated allocation; in an
-#: expandable segment (zeVirtualMemReserve + one zeVirtualMemMap per 2 MiB physical page) a
-#: buffer that crosses a page boundary lies in two mappings, so a kernel touching it faults the
-#: simulated device ("MemoryRangeError: range ... runs N byte(s) past the end of the
-#: 2097152-byte allocation", then ZE_RESULT_ERROR_DEVICE_LOST) although the range is mapped and
-#: contiguous, as it is on the hardware.  The CUDA simulator resolves such ranges through its
-#: VMM space (accel/sim/cudart/devices.py _device_view); accel/sim/_ze_kernels.py does not.
-XPU_STRADDLE = pytest.mark.xfail(
-    strict=True, raises=accel.AcceleratorError,
-    reason="sim/ze: a kernel on a buffer spanning two 2 MiB VMM mappings faults the device (r62c)")
-
-
+#: Until r62 the Level Zero simulator faulted a kernel whose buffer crossed a page boundary of an
+#: expandable segment (two mappings, mapped and contiguous as on the hardware): strict xfails
+#: failed with "MemoryRangeError: range ... runs N byte(s) past the end of the 2097152-byte
+#: allocation", then ZE_RESULT_ERROR_DEVICE_LOST.  accel/sim/_ze_kernels.py now resolves such
+#: ranges through its virtual memory, as the CUDA simulator does (_device_view).
 def _sims(kinds, xfail_xpu=False):
-    return [pytest.param(k, marks=XPU_STRADDLE) if (k == "xpu" and xfail_xpu) else k for k in kinds]
+    return list(kinds)
 
 
 # -- kernels (cuda.core examples' sources, one module) -------------------------------------------
@@ -997,3 +990,20 @@ def test_cupy_stream_capture_then_launch_with_keep_graph_on_device1(monkeypatch,
     stream.close()
     _check_end(base)
     _still_works(dev)
+
+
+def test_level_zero_kernel_past_the_mapped_pages_faults(monkeypatch, kernels):
+    """The other side of the fix above: a kernel whose range runs from mapped pages into pages
+    of the reservation that are not mapped faults the simulated device (on the hardware a page
+    fault), as a copy there does, instead of reading or writing unmapped address space."""
+    dev, _ = _start(monkeypatch, "xpu")
+    add = kernels(dev)["vector_add"]
+    x = accel.Buffer(4096, device=dev)      # the only block: one 2 MiB page mapped
+    n = (2 * MiB) // 4 + 1024               # 4 KiB past the page
+    try:
+        with pytest.raises(accel.AcceleratorError):
+            accel.launch(add, n // 256, 256, x, x, x, n)
+            accel.synchronize(dev)
+    finally:
+        del x, add
+        sim.reset()

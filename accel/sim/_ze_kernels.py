@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import struct
 
-from . import kernels
+from . import _memory, kernels
 from .core import ffi
 from .ze.commands import _Op, _append, _events
 from .ze.common import _ready
 from .ze.objects import _Obj
+from .ze.virtual_memory import _vmm_range
 
 _FORMATS = {"ptr": "<Q", "u32": "<I", "i32": "<i", "u64": "<Q", "i64": "<q", "f32": "<f", "f64": "<d"}
 
@@ -246,12 +247,37 @@ def zeCommandListAppendLaunchKernel(hCommandList, hKernel, pLaunchFuncArgs, hSig
             # use the memory allocation for the context ... which was provided during
             # allocation"), and the launch references it until it ran (zeMemFree).
             memory.append(a)
-    fn, view = ref.fn, kernels.view
+    fn, view = ref.fn, _kernel_view(rt)
 
     def run():
         fn(grid, block, view, *values)
     return _append(rt, hCommandList, _Op(run, waits, sig, label=f"kernel {f['name']} grid{grid}", kernel=obj),
                    memory)
+
+
+def _kernel_view(rt):
+    """``kernels.view`` as a kernel sees memory.  Virtual memory (zeVirtualMemMap) is reachable
+    where every byte is mapped with access for the context (zeVirtualMemSetAccessAttribute), a
+    range spanning several mappings being contiguous, as on the device; any other address is a
+    USM allocation, checked by ``kernels.view``.  A fault raises MemoryRangeError (the device is
+    lost, as for a kernel out of range)."""
+    if not rt.vmm.reservations:
+        return kernels.view
+
+    def view(ptr, nbytes, dtype=None):
+        addr = _memory.addr_of(ptr)
+        region = _vmm_range(rt, addr, nbytes, True)
+        if region is None:
+            return kernels.view(addr, nbytes, dtype)
+        if region.__class__ is str:
+            raise kernels.MemoryRangeError(f"a kernel touched {region}")
+        buf = ffi.buffer(_memory.char_ptr(addr), nbytes)
+        if dtype is None:
+            return memoryview(buf)
+        import numpy as np
+        dt = np.dtype(dtype)
+        return np.frombuffer(buf, dtype=dt, count=nbytes // dt.itemsize)
+    return view
 
 
 FUNCTIONS = (zeModuleCreate, zeModuleBuildLogGetString, zeModuleBuildLogDestroy, zeModuleDestroy,
