@@ -347,8 +347,10 @@ class ArrayView:
         if buffer._closed:
             raise AttributeError("__cuda_array_interface__: the view's buffer was closed")
         base = buffer.__cuda_array_interface__
+        # CUDA Array Interface v3, data: "For zero-size arrays, use 0 here."
+        ptr = base["data"][0] + self._offset if 0 not in self._shape else 0
         cai = {"shape": self._shape, "typestr": self._dtype.str,
-               "data": (base["data"][0] + self._offset, _readonly(buffer)),
+               "data": (ptr, _readonly(buffer)),
                "strides": None if self._contiguous else self._strides, "version": 3, "stream": base["stream"]}
         if self._dtype.fields is not None:
             cai["descr"] = self._dtype.descr

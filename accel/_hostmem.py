@@ -92,11 +92,15 @@ def empty_pinned(shape, dtype="uint8"):
         raise ValueError(f"empty_pinned: array is too big: shape {shape} of {dtype} needs {nbytes} bytes, more "
                          f"than an array can index ({sys.maxsize}); nothing was allocated")
     host = memory.host_allocator()
+    if not nbytes:
+        # nothing to pin: torch's CachingHostAllocator::allocate(0) returns a null pointer and
+        # counts no block (a 0-byte array pinned a 512-byte block before, in the stats too)
+        return np.empty(shape, dtype)
     # The allocator keeps a weak reference to `token` with the block, and the destructor below
     # keeps `token` alive: should the block outlive them (a Ctrl-C as malloc returns, or as the
     # destructor starts), the host allocator's empty_cache frees it.
     token = _Token()
-    ptr = host.malloc(max(nbytes, 1), weakref.ref(token))
+    ptr = host.malloc(nbytes, weakref.ref(token))
     ffi = _get_ffi()
     # The cdata owns the block: numpy's base chain (array -> buffer -> cdata) keeps it alive
     # for every view, and its destructor frees it through the finalizer path (no lock wait).

@@ -821,8 +821,10 @@ class Buffer:
         count = self._nbytes // dtype.itemsize
         if shape is not None:
             try:
-                shape = tuple(operator.index(n) for n in shape) if hasattr(shape, "__iter__") \
-                    else (operator.index(shape),)
+                dims = tuple(shape) if hasattr(shape, "__iter__") else (shape,)
+                if any(isinstance(n, (bool, np.bool_)) for n in dims):
+                    raise TypeError     # numpy and torch refuse a bool in a shape; index() takes True as 1
+                shape = tuple(operator.index(n) for n in dims)
             except TypeError:
                 raise TypeError(f"to_numpy: shape must be an int or a tuple of ints, got {shape!r}") from None
             if any(n < 0 for n in shape) or int(np.prod(shape, dtype=object)) != count:

@@ -313,10 +313,6 @@ def _synchronized(result):
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="r62a: accel.empty_pinned(0) (and Buffer(0).to_numpy(non_blocking=True)) "
-                   "pins a 512-byte host block and counts it in host_memory_stats; torch's "
-                   "CachingHostAllocatorImpl::allocate(0) returns nullptr and counts nothing "
-                   "(accel/_hostmem.py empty_pinned: host.malloc(max(nbytes, 1)))")
 def test_empty_pinned_of_no_bytes_pins_nothing(sim_backend):
     """An empty pinned array holds no memory, as torch.empty(0, pin_memory=True): no pinned block,
     no host_memory_stats change (r62a: active_requests.allocated 0->1, active_bytes 0->512, and
@@ -345,9 +341,6 @@ def test_empty_pinned_of_no_bytes_pins_nothing(sim_backend):
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.xfail(strict=True, reason="r62a: ArrayView.__cuda_array_interface__ of a zero-size view at an "
-                   "offset gives data=(buffer ptr + offset); the CUDA Array Interface (v3) says: 'For zero-size "
-                   "arrays, use 0 here' (accel/_array.py ArrayView.__cuda_array_interface__)")
 def test_cuda_array_interface_of_an_empty_view_points_at_0(sim_cuda):
     """r62a: data[0] was buffer.ptr + 16 for a (0,) view at offset 16, and for a (3, 0) view."""
     buf = accel.Buffer(64, 1)
@@ -481,9 +474,6 @@ def test_seeds_at_the_ends_of_the_range_as_torch(sim_backend, seed):
     assert R.Generator(d, seed).initial_seed() == want
 
 
-@pytest.mark.xfail(strict=True, reason="r62a: Buffer.to_numpy(shape=...) takes True for 1 (operator.index(True)); "
-                   "numpy and torch refuse a bool in a shape (TypeError), as Buffer.as_array and empty_pinned do "
-                   "(accel/buffer.py Buffer.to_numpy)")
 def test_to_numpy_refuses_a_bool_in_its_shape(sim_backend):
     """r62a: b.to_numpy(np.uint8, (True,)) on a 1-byte buffer returned an array of shape (1,)
     (and shape=True, (1, True), and (False,) on an empty buffer)."""
@@ -499,9 +489,6 @@ def test_to_numpy_refuses_a_bool_in_its_shape(sim_backend):
     assert not problems, problems
 
 
-@pytest.mark.xfail(strict=True, reason="r62a: uniform_/normal_ take a numpy bool for low/high/mean/std (float() of "
-                   "it) though they refuse Python's bool; accel/random/_fills.py _finite checks isinstance(value, "
-                   "bool) only")
 def test_random_fills_refuse_a_numpy_bool_for_a_bound(sim_backend):
     """r62a: R.uniform_(b, low=np.False_) filled the buffer and moved the offset; low=False is
     refused ('low must be a real number, got bool')."""

@@ -59,8 +59,8 @@ def _dtype_name(dtype, allowed: Tuple[str, ...], what: str) -> str:
 
 
 def _finite(value, what: str) -> float:
-    if isinstance(value, bool):
-        raise TypeError(f"{what} must be a real number, got bool")
+    if isinstance(value, bool) or getattr(getattr(value, "dtype", None), "kind", None) == "b":
+        raise TypeError(f"{what} must be a real number, got {type(value).__name__}")    # bool, numpy.bool
     try:
         f = float(value)
     except (TypeError, ValueError):
