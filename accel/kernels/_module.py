@@ -10,6 +10,7 @@ import weakref
 from typing import Dict, Optional, Tuple
 
 from .. import _finalize as _fin, _lazy, _ptx
+from .. import _copying
 from .._copying import refuse_copies as _refuse_copies
 from .._device import DeviceLike
 from .._errors import AcceleratorError
@@ -377,6 +378,23 @@ class Kernel:
     def device(self):
         """The device of the kernel's module."""
         return self.module.device
+
+    # -- copies (accel/_copying.py): a copy shares the module; a deep copy or a pickle would
+    # have to copy the loaded module, which refuses (r62b: the refusal named the Module)
+    def __copy__(self) -> "Kernel":
+        new = Kernel.__new__(type(self))
+        for name in Kernel.__slots__[:-1]:         # not __weakref__
+            setattr(new, name, getattr(self, name))
+        return new
+
+    def __deepcopy__(self, memo):
+        raise _copying.refuse(self, "deepcopy", "share the Kernel (copy.copy gives one of the same module), or "
+                                                "load the image again with accel.Module(image) and call "
+                                                ".function(name) on it")
+
+    def __reduce_ex__(self, protocol):
+        raise _copying.refuse(self, "pickle", "send the module's image and the kernel's name, and load them "
+                                              "with accel.Module(image).function(name) on the other side")
 
     @property
     def device_index(self) -> int:
