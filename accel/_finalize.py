@@ -68,8 +68,10 @@ reset runtime the registry is dropped.
 
 from __future__ import annotations
 
+import _thread
 import itertools
 import os
+import signal
 import threading
 import weakref
 from collections import deque
@@ -314,6 +316,21 @@ def finalize(fn: Callable, *args) -> None:
         pending.append((fn, args))  # a failed vendor call: tried once more at the next drain
     except Exception:
         pass    # interpreter shutdown or a runtime already torn down
+
+
+class _RaiseAgain(dict):
+    """``RAISE_AGAIN[SIGINT]``, the last statement of a finalizer's ``except KeyboardInterrupt:``,
+    trips SIGINT again (``_thread.interrupt_main``), so a Ctrl-C whose handler ran inside the
+    finalizer reaches the program: CPython discards an exception leaving ``__del__`` or a cffi
+    destructor ("Exception ignored in ...").  Not a call: CPython runs a pending signal's handler
+    as a call returns, which would still be inside the finalizer; a subscript that reaches
+    ``__missing__`` calls it with no such check, so the handler runs at the first check point
+    after the finalizer returned, in the program's code (r62)."""
+    __missing__ = staticmethod(_thread.interrupt_main)
+
+
+RAISE_AGAIN = _RaiseAgain()
+SIGINT = signal.SIGINT
 
 
 def finalize_later(obj, fn: Callable, *args) -> None:

@@ -6,6 +6,7 @@ built-in C types are needed to take a buffer's address and move bytes.
 
 from __future__ import annotations
 
+import functools
 import operator
 import sys
 import weakref
@@ -38,6 +39,15 @@ class _Token:
     (see HostCachingAllocator.malloc's ``ref``)."""
 
     __slots__ = ("__weakref__",)
+
+
+def _pinned_destructor(be, host, ptr: int, pid: int, token, _cdata) -> None:
+    """The destructor of a pinned array's owning cdata (``token``: kept alive until it runs)."""
+    from . import _finalize
+    try:
+        _finalize.finalize(_free_pinned, be, host, ptr, pid)
+    except KeyboardInterrupt:
+        _finalize.RAISE_AGAIN[_finalize.SIGINT]     # a Ctrl-C handled in here reaches the program (r62)
 
 
 def _free_pinned(backend, host, ptr: int, pid: int, wait: bool = False) -> None:
@@ -104,8 +114,8 @@ def empty_pinned(shape, dtype="uint8"):
     ffi = _get_ffi()
     # The cdata owns the block: numpy's base chain (array -> buffer -> cdata) keeps it alive
     # for every view, and its destructor frees it through the finalizer path (no lock wait).
-    owner = ffi.gc(ffi.cast("char *", ptr), lambda _p, ptr=ptr, be=host._be, pid=_finalize.pid, token=token:
-                   _finalize.finalize(_free_pinned, be, host, ptr, pid))
+    owner = ffi.gc(ffi.cast("char *", ptr), functools.partial(_pinned_destructor, host._be, host, ptr,
+                                                               _finalize.pid, token))
     # a subarray dtype such as ('f4', (2,)) adds its dimensions, as numpy.empty
     items = count * (dtype.itemsize // dtype.base.itemsize if dtype.base.itemsize else 1)
     return np.frombuffer(ffi.buffer(owner, nbytes), dtype=dtype.base, count=items).reshape(shape + dtype.shape)

@@ -1063,20 +1063,23 @@ class Buffer:
     def __del__(self, _finalizing=sys.is_finalizing):
         if _finalizing():
             return      # interpreter exit: module globals may be gone; the process takes it all
-        # Never waits on the allocator's lock (see accel._finalize); nothing in a forked child.
-        if getattr(self, "_closed", True) or self._pid != _fin.pid:
-            return
-        # During a collection the buffer stays open until its cycle is gone: another finalizer of
-        # the same garbage may still use it (accel._finalize.release_on_del).
-        if self._uses is not None:
-            # a non-owning buffer: its owner is released even after a runtime reset (the
-            # release skips the wait then), so a DLPack deleter still runs exactly once
-            _fin.release_on_del(self, _release_foreign_uses, self._owner, self._backend, self._uses)
-        elif _lazy.is_initialized():
-            if self._nbytes:
-                _fin.release_on_del(self, _free_from_finalizer, self._backend, self._alloc, self._ptr)
-            elif not _fin.collecting():
-                self._closed = True
+        try:
+            # Never waits on the allocator's lock (see accel._finalize); nothing in a forked child.
+            if getattr(self, "_closed", True) or self._pid != _fin.pid:
+                return
+            # During a collection the buffer stays open until its cycle is gone: another finalizer of
+            # the same garbage may still use it (accel._finalize.release_on_del).
+            if self._uses is not None:
+                # a non-owning buffer: its owner is released even after a runtime reset (the
+                # release skips the wait then), so a DLPack deleter still runs exactly once
+                _fin.release_on_del(self, _release_foreign_uses, self._owner, self._backend, self._uses)
+            elif _lazy.is_initialized():
+                if self._nbytes:
+                    _fin.release_on_del(self, _free_from_finalizer, self._backend, self._alloc, self._ptr)
+                elif not _fin.collecting():
+                    self._closed = True
+        except KeyboardInterrupt:
+            _fin.RAISE_AGAIN[_fin.SIGINT]    # a Ctrl-C handled in here reaches the program (r62)
 
 
 def _free(backend, alloc, ptr: int) -> None:
@@ -1110,13 +1113,16 @@ class _Pin:
     def __del__(self, _finalizing=sys.is_finalizing):
         if _finalizing():
             return      # interpreter exit: module globals may be gone; the process takes it all
-        buf = self._buf
-        buf._pins.discard(id(self))
-        if buf._pid != _fin.pid or buf._backend is not _lazy._initialized_backend:
-            return      # a forked child, or a runtime that was reset: nothing of the parent's is freed
-        call = buf._unpinned_release() if buf._deferred else None
-        if call is not None:
-            _fin.finalize(call[0], *call[1])
+        try:
+            buf = self._buf
+            buf._pins.discard(id(self))
+            if buf._pid != _fin.pid or buf._backend is not _lazy._initialized_backend:
+                return      # a forked child, or a runtime that was reset: nothing of the parent's is freed
+            call = buf._unpinned_release() if buf._deferred else None
+            if call is not None:
+                _fin.finalize(call[0], *call[1])
+        except KeyboardInterrupt:
+            _fin.RAISE_AGAIN[_fin.SIGINT]    # a Ctrl-C handled in here reaches the program (r62)
 
 
 def _release_foreign(owner, backend, streams) -> None:

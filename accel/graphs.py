@@ -621,24 +621,27 @@ class Graph:
     def __del__(self, _finalizing=sys.is_finalizing):
         if _finalizing():
             return      # interpreter exit: module globals may be gone; the process takes it all
-        # Never waits on a lock (see accel._finalize); nothing in a forked child.  A Ctrl-C as
-        # this starts leaves it all to the registry (r54: see _Held); one later, the rest.
-        h = getattr(self, "_h", None)
-        if h is None or h.backend is None or self._pid != _fin.pid or not _lazy.is_initialized():
-            return
-        own = self._own
-        if own is not None and own[0] in _fin.owned and _fin.collecting():
-            # In a collection: released at the next drain if the graph is gone by then (in the
-            # order of the finalizers, as finalize_later).  Another finalizer of its garbage may
-            # resurrect it: it then keeps its handles, which its replays use, and the registry
-            # releases them once it is freed for good.  (A C append: no point to interrupt.)
-            _fin.pending.append((_reclaim_if_gone, (weakref.ref(self), own[0], h.backend, h)))
-            return
-        # (Dropped mid-capture: nothing else could end the capture, and while it is underway
-        # every sync, free and capture in the process fails: _reclaim ends it, discarded.)
-        _fin.finalize(_reclaim, h.backend, h)
-        if own is not None:
-            _fin.owned.pop(own[0], None)    # released (a failure: retried once from the queue)
+        try:
+            # Never waits on a lock (see accel._finalize); nothing in a forked child.  A Ctrl-C as
+            # this starts leaves it all to the registry (r54: see _Held); one later, the rest.
+            h = getattr(self, "_h", None)
+            if h is None or h.backend is None or self._pid != _fin.pid or not _lazy.is_initialized():
+                return
+            own = self._own
+            if own is not None and own[0] in _fin.owned and _fin.collecting():
+                # In a collection: released at the next drain if the graph is gone by then (in the
+                # order of the finalizers, as finalize_later).  Another finalizer of its garbage may
+                # resurrect it: it then keeps its handles, which its replays use, and the registry
+                # releases them once it is freed for good.  (A C append: no point to interrupt.)
+                _fin.pending.append((_reclaim_if_gone, (weakref.ref(self), own[0], h.backend, h)))
+                return
+            # (Dropped mid-capture: nothing else could end the capture, and while it is underway
+            # every sync, free and capture in the process fails: _reclaim ends it, discarded.)
+            _fin.finalize(_reclaim, h.backend, h)
+            if own is not None:
+                _fin.owned.pop(own[0], None)    # released (a failure: retried once from the queue)
+        except KeyboardInterrupt:
+            _fin.RAISE_AGAIN[_fin.SIGINT]    # a Ctrl-C handled in here reaches the program (r62)
 
 
 def _closed_kept(kept) -> RuntimeError:

@@ -165,8 +165,11 @@ class _ForeignAnchor:
         self.dying = True
         if _finalizing():
             return      # interpreter exit: module globals may be gone; the process takes it all
-        if self.pid == _fin.pid and _lazy.is_initialized():
-            _fin.finalize(_forget, self.backend, self.index, self.handle, False)
+        try:
+            if self.pid == _fin.pid and _lazy.is_initialized():
+                _fin.finalize(_forget, self.backend, self.index, self.handle, False)
+        except KeyboardInterrupt:
+            _fin.RAISE_AGAIN[_fin.SIGINT]    # a Ctrl-C handled in here reaches the program (r62)
 
 
 #: Makes "closed yet? then mark it closed" one step, so two threads closing one Stream or Event
@@ -780,12 +783,21 @@ class Stream:
     def __del__(self, _finalizing=sys.is_finalizing):
         if _finalizing():
             return      # interpreter exit: module globals may be gone; the process takes it all
-        # Never waits on a lock (hooks try theirs; see accel._finalize); nothing in a forked child.
-        if (getattr(self, "_owned", False) and not self._closed and self._pid == _fin.pid
-                and _lazy.is_initialized()):
-            # during a collection, open until its cycle is gone: another finalizer may still use it.
-            # (A Ctrl-C as this __del__ starts leaves the destroy to the registry: accel._finalize.)
-            _fin.release_on_del(self, _destroy, self._backend, self._index, self._handle, False, _fin.key_of(self._own))
+        try:
+            # Never waits on a lock (hooks try theirs; see accel._finalize); nothing in a forked child.
+            if (getattr(self, "_owned", False) and not self._closed and self._pid == _fin.pid
+                    and _lazy.is_initialized()):
+                # during a collection, open until its cycle is gone: another finalizer may still use it.
+                # (A Ctrl-C as this __del__ starts leaves the destroy to the registry: accel._finalize.)
+                _fin.release_on_del(self, _destroy, self._backend, self._index, self._handle, False,
+                                    _fin.key_of(self._own))
+        except KeyboardInterrupt:
+            # _live_streams' weak reference to this stream goes now: its callback, Python code run
+            # as the stream is freed, would be where the Ctrl-C raised again lands (and is lost)
+            key = (getattr(self, "_index", None), getattr(self, "_handle", None))
+            if _live_streams.get(key) is self:
+                del _live_streams[key]
+            _fin.RAISE_AGAIN[_fin.SIGINT]    # a Ctrl-C handled in here reaches the program (r62)
 
 
 def ExternalStream(stream_ptr: int, device: DeviceLike = None) -> Stream:
@@ -1179,15 +1191,18 @@ class Event:
     def __del__(self, _finalizing=sys.is_finalizing):
         if _finalizing():
             return      # interpreter exit: module globals may be gone; the process takes it all
-        if getattr(self, "_closed", True) or self._pid != _fin.pid or not _lazy.is_initialized():
-            return
-        if _fin.collecting():
-            # open until its cycle is gone: another finalizer of it may still use it (even make
-            # its device event: _create then queues that handle's release)
-            self._late = True
-        if self._handle is not None:
-            # (a Ctrl-C as this __del__ starts leaves the destroy to the registry: accel._finalize)
-            _fin.release_on_del(self, _event_destroy, self._backend, self._handle, _fin.key_of(self._own))
+        try:
+            if getattr(self, "_closed", True) or self._pid != _fin.pid or not _lazy.is_initialized():
+                return
+            if _fin.collecting():
+                # open until its cycle is gone: another finalizer of it may still use it (even make
+                # its device event: _create then queues that handle's release)
+                self._late = True
+            if self._handle is not None:
+                # (a Ctrl-C as this __del__ starts leaves the destroy to the registry: accel._finalize)
+                _fin.release_on_del(self, _event_destroy, self._backend, self._handle, _fin.key_of(self._own))
+        except KeyboardInterrupt:
+            _fin.RAISE_AGAIN[_fin.SIGINT]    # a Ctrl-C handled in here reaches the program (r62)
 
 
 def _as_stream(obj, what: str) -> Stream:

@@ -318,13 +318,16 @@ class Module:
     def __del__(self, _finalizing=sys.is_finalizing):
         if _finalizing():
             return      # interpreter exit: module globals may be gone; the process takes it all
-        h = getattr(self, "_handle", None)
-        if h is None or getattr(self, "_pid", None) != _fin.pid:
-            return
-        # (a Ctrl-C as this __del__ starts leaves the unload to the registry: accel._finalize)
-        self._handle = None
-        own = self._own
-        _fin.finalize(_unload, self._backend, self._index, h, _fin.key_of(own))
+        try:
+            h = getattr(self, "_handle", None)
+            if h is None or getattr(self, "_pid", None) != _fin.pid:
+                return
+            # (a Ctrl-C as this __del__ starts leaves the unload to the registry: accel._finalize)
+            self._handle = None
+            own = self._own
+            _fin.finalize(_unload, self._backend, self._index, h, _fin.key_of(own))
+        except KeyboardInterrupt:
+            _fin.RAISE_AGAIN[_fin.SIGINT]    # a Ctrl-C handled in here reaches the program (r62)
 
     def __enter__(self) -> "Module":
         return self

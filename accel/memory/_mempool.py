@@ -133,9 +133,12 @@ class MemPool:
     def __del__(self, _finalizing=sys.is_finalizing):
         if _finalizing():
             return      # interpreter exit: module globals may be gone; the process takes it all
-        # Never waits on a lock (see accel._finalize); nothing in a forked child.
-        if getattr(self, "_backend", None) is not None and self._pid == _fin.pid and _lazy.is_initialized():
-            _fin.finalize(_release, self._backend, self._index, self._id)
+        try:
+            # Never waits on a lock (see accel._finalize); nothing in a forked child.
+            if getattr(self, "_backend", None) is not None and self._pid == _fin.pid and _lazy.is_initialized():
+                _fin.finalize(_release, self._backend, self._index, self._id)
+        except KeyboardInterrupt:
+            _fin.RAISE_AGAIN[_fin.SIGINT]    # a Ctrl-C handled in here reaches the program (r62)
 
 
 def _release(backend, index: int, pool_id: Tuple[int, int]) -> None:
