@@ -1756,7 +1756,8 @@ class DeviceCachingAllocator(ExpandableSegments):
                 if block is not None:
                     return block
             try:
-                return self._exp_grow(size, nbytes, fl)
+                with self._on_device():     # one device switch for the grow's driver calls, not one each
+                    return self._exp_grow(size, nbytes, fl)
             except CaptureError:
                 # Another thread began a capture after `capturing` was read: the driver now
                 # refuses virtual-memory calls, and _exp_grow undid what it had made.  Take a
