@@ -275,3 +275,40 @@ def test_a_malformed_trace_is_refused_naming_the_op(tmp_path, ops, match):
     path.write_text(json.dumps({"name": "bad", "ops": ops}))
     with pytest.raises(ValueError, match=match):
         _bench.load_trace(str(path))
+
+
+def test_a_memory_snapshot_pickle_replays_as_a_trace(tmp_path, monkeypatch):
+    """tools/replay_trace.py takes what torch's and accel's ``_dump_snapshot`` write (a pickle
+    with ``device_traces``), so a workload recorded on a real GPU with
+    ``torch.cuda.memory._record_memory_history()`` replays as the JSON traces do: each alloc a
+    new id, each free_requested frees the block at its address (one freed before the recording
+    began is skipped); the device with allocations is taken."""
+    import accel
+    from accel.memory import _bench
+    from conftest import use_sim
+    use_sim(monkeypatch, "cuda")
+    accel.memory._record_memory_history()
+    a = accel.Buffer(3 << 20, device=1)
+    b = accel.Buffer(4096, device=1)
+    a.close()
+    c = accel.Buffer(1000, device=1)
+    b.close()
+    c.close()
+    path = str(tmp_path / "snap.pickle")
+    accel.set_device_index(1)
+    accel.memory._dump_snapshot(path)
+    accel.memory._record_memory_history(None)
+    trace = _bench.load_trace(path)
+    sizes = {op[1]: op[2] for op in trace["ops"] if op[0] == "a"}
+    shape = [(op[0], sizes[op[1]]) for op in trace["ops"]]
+    assert shape == [("a", 3 << 20), ("a", 4096), ("f", 3 << 20), ("a", 1000), ("f", 4096), ("f", 1000)], shape
+    assert trace["name"] == "snap"
+
+
+def test_a_pickle_that_is_no_snapshot_is_refused(tmp_path):
+    import pickle
+    from accel.memory import _bench
+    path = tmp_path / "x.pickle"
+    path.write_bytes(pickle.dumps({"segments": []}))
+    with pytest.raises(ValueError, match="no memory snapshot with history"):
+        _bench.load_trace(str(path))

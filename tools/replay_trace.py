@@ -88,7 +88,9 @@ def markdown(results) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("traces", nargs="*", help="trace files (default: the shared traces)")
+    parser.add_argument("traces", nargs="*",
+                        help="trace files: JSON, or a memory snapshot pickle (torch.cuda.memory._dump_snapshot or "
+                             "accel.memory._dump_snapshot after _record_memory_history()); default: the shared traces")
     parser.add_argument("--corpus", action="store_true",
                         help="replay every trace in tests/test_memory_traces (the corpus and the shared two)")
     parser.add_argument("--holdout", action="store_true",

@@ -45,9 +45,16 @@ def default_traces() -> List[str]:
 def load_trace(path: str) -> dict:
     """The trace in ``path`` (JSON ``{"name", "ops": [["a", id, nbytes] | ["f", id]]}``),
     every op checked: ValueError naming the first bad one (an id freed that is not live,
-    allocated while live, a size that is no int >= 0)."""
-    with open(path) as fh:
-        trace = json.load(fh)
+    allocated while live, a size that is no int >= 0).  A pickle is read as a memory snapshot
+    (:func:`trace_from_snapshot`); like torch's memory_viz, load only snapshots you trust."""
+    with open(path, "rb") as fh:
+        head = fh.read(1)
+        fh.seek(0)
+        if head == b"\x80":        # pickle protocol 2+
+            import pickle
+            trace = trace_from_snapshot(pickle.load(fh), path)
+        else:
+            trace = json.loads(fh.read().decode())
     if not isinstance(trace, dict) or not isinstance(trace.get("ops"), list):
         raise ValueError(f"{path}: not a trace (expected {{'name', 'ops': [['a', id, nbytes] | ['f', id]]}})")
     live = set()
@@ -66,6 +73,31 @@ def load_trace(path: str) -> dict:
         else:
             raise ValueError(f"{path}: op {i} {op!r}: expected ['a', id, nbytes] or ['f', id]")
     return trace
+
+
+def trace_from_snapshot(snapshot, path: str) -> dict:
+    """A trace from a memory snapshot with history (what torch's and accel's
+    ``memory._dump_snapshot`` pickle after ``_record_memory_history()``: ``device_traces``, a
+    list per device of ``{"action", "addr", "size", ...}``), for the first device that has
+    allocations: each ``alloc`` a new id, each ``free_requested`` (``free_completed`` in a
+    history that has none) frees the block at its address.  A free of a block allocated before
+    the recording began (torch keeps the last ``max_entries``) is skipped."""
+    traces = snapshot.get("device_traces") if isinstance(snapshot, dict) else None
+    if not isinstance(traces, list):
+        raise ValueError(f"{path}: a pickle, but no memory snapshot with history (no 'device_traces'; "
+                         f"record with memory._record_memory_history() before memory._dump_snapshot())")
+    entries = next((t for t in traces if any(e.get("action") == "alloc" for e in t)), [])
+    free = "free_requested" if any(e.get("action") == "free_requested" for e in entries) else "free_completed"
+    ops, ids = [], {}
+    for e in entries:
+        action = e.get("action")
+        if action == "alloc":
+            ids[e["addr"]] = n = len(ops)       # a new id each time (the op's index)
+            ops.append(["a", n, int(e["size"])])
+        elif action == free and e.get("addr") in ids:
+            ops.append(["f", ids.pop(e["addr"])])
+    name = os.path.splitext(os.path.basename(path))[0]
+    return {"name": name, "source": f"memory snapshot {os.path.basename(path)}", "ops": ops}
 
 
 PAGE = 2 * MiB
