@@ -2,10 +2,12 @@
 Metal forbids, leaves undefined, or (where the documentation is silent) that a Mac's API
 validation refuses.  A lenient simulator turns accel's tests into false passes.
 
-Each leniency has a strict-xfail test quoting the documentation (developer.apple.com, Metal
-framework reference, as stored by the search tool), and the module's last tests run accel's mps
-backend and public API through a *strict* simulator (the fixes proposed below, monkeypatched in)
-to show whether accel relies on the leniency.
+Each leniency has a test quoting the documentation (developer.apple.com, Metal framework
+reference, as stored by the search tool); each was a strict xfail first, failing for the reason it
+names, until accel/sim/metal.py (and accel/sim/kernels.py, for typed views at misaligned
+addresses) refused it.  The module's last tests run accel's mps backend and public API through
+the strict simulator: accel relied on none of the leniencies (they ran first on a monkeypatched
+copy of the fixes).
 
 Already covered elsewhere (not repeated): commit twice, encoding after commit, one active encoder,
 endEncoding before commit/another encoder, waitUntilCompleted before commit, blit offsets/sizes
@@ -139,9 +141,6 @@ def test_blit_fill_and_copy_within_the_rules_still_work(mtl):
         rt.release(o)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "sim leniency: MTLBlitCommandEncoder.m_fillBuffer_range_value_ accepts range.length 0; Apple, "
-    "fillBuffer:range:value: 'The range's count property needs to be greater than 0' (fix: refuse n == 0)"))
 def test_fill_of_an_empty_range_is_refused(mtl):
     """Apple, MTLBlitCommandEncoder fillBuffer:range:value: (range): "The range's count property
     needs to be greater than 0." The simulator encoded a fill of (0, 0)."""
@@ -156,9 +155,6 @@ def test_fill_of_an_empty_range_is_refused(mtl):
         rt.release(q)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "sim leniency: MTLBlitCommandEncoder.m_copyFromBuffer_... accepts size 0 (the docs give no meaning "
-    "to an empty copy; fillBuffer requires count > 0): refuse n == 0"))
 def test_copy_of_zero_bytes_is_refused(mtl):
     """copyFromBuffer:...:size: "The number of bytes the command copies" (the docs are silent on 0;
     the sibling fillBuffer:range:value: requires "greater than 0"): the simulator should refuse."""
@@ -173,9 +169,6 @@ def test_copy_of_zero_bytes_is_refused(mtl):
             rt.release(o)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "sim leniency: MTLBlitCommandEncoder.m_copyFromBuffer_... runs an overlapping same-buffer copy with "
-    "memmove semantics; Apple documents none (silent) - refuse src is dst with intersecting ranges"))
 def test_copy_between_overlapping_ranges_of_one_buffer_is_refused(mtl):
     """Apple's copyFromBuffer:sourceOffset:toBuffer:destinationOffset:size: says nothing of a source
     range overlapping the destination range in the same buffer (the GPU copies in parallel, so the
@@ -195,10 +188,6 @@ def test_copy_between_overlapping_ranges_of_one_buffer_is_refused(mtl):
 
 # -- MTLDevice / MTLBuffer --------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "sim leniency: MTLBuffer.m_contents returns host memory for MTLStorageModePrivate; Apple, contents: "
-    "'or NULL for buffers allocated with a private resource storage mode' (fix: record the storage mode "
-    "in MTLDevice._buffer, answer None)"))
 def test_contents_of_a_private_buffer_is_null(mtl):
     """Apple, MTLBuffer contents, Return Value: "A pointer to the shared copy of the buffer data, or
     NULL for buffers allocated with a private resource storage mode (MTLStorageMode.private)."
@@ -212,10 +201,6 @@ def test_contents_of_a_private_buffer_is_null(mtl):
         rt.release(buf)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "sim leniency: managed storage is accepted but didModifyRange: is not simulated, so a CPU write "
-    "the GPU then reads without didModifyRange: (undefined, Apple MTLBuffer didModifyRange:) passes; "
-    "fix: MTLDevice._buffer refuses MTLStorageModeManaged ('not simulated') or tracks it"))
 def test_managed_buffer_written_by_the_cpu_without_did_modify_range_is_refused(mtl):
     """Apple, MTLBuffer didModifyRange:: "If you write information to a buffer created with the
     MTLStorageMode.managed storage mode, you need to call this method to inform the GPU that the
@@ -243,10 +228,6 @@ def test_managed_buffer_written_by_the_cpu_without_did_modify_range_is_refused(m
     pytest.param(0x1000, id="undefined-bit-12"),
     pytest.param(1 << 40, id="undefined-bit-40"),
 ])
-@pytest.mark.xfail(strict=True, reason=(
-    "sim leniency: MTLDevice._buffer checks only the storage-mode bits; MTLResourceOptions defines "
-    "cpuCacheMode 0/1 (bits 0-3), storageMode 0-3 (bits 4-7), hazardTrackingMode 0-2 (bits 8-9) and "
-    "nothing else (docs silent on other values): refuse options & ~0x3FF, cache mode > 1, hazard mode 3"))
 def test_resource_options_metal_does_not_define_are_refused(mtl, options):
     """Apple, MTLResourceOptions: CPU cache modes MTLResourceCPUCacheModeDefaultCache (0) and
     cpuCacheModeWriteCombined (1); storage modes shared/managed/private/memoryless (0x00..0x30);
@@ -260,10 +241,6 @@ def test_resource_options_metal_does_not_define_are_refused(mtl, options):
     assert metal.state().live_counts() == before
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "sim fidelity: MTLBuffer.__init__ takes _memory.allocate's uncleared memory; Apple, "
-    "newBufferWithLength:options: 'Creates a buffer the method clears with zero values' (fix: clear "
-    "the length bytes in MTLBuffer.__init__)"))
 def test_new_buffer_is_cleared_with_zero_values(mtl):
     """Apple, MTLDevice newBufferWithLength:options: (makeBuffer(length:options:)): "Creates a buffer
     the method clears with zero values." The simulator's buffers hold whatever the host allocator
@@ -323,10 +300,6 @@ def _null_child(which):
                           timeout=120).returncode
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "sim crash: MTLDevice.m_newBufferWithBytes_length_options_ copies from a NULL pointer with "
-    "ffi.buffer (SIGSEGV of the whole process); Apple: 'pointer: A pointer to the starting memory "
-    "address the method copies the initialization data from' - refuse a null pointer"))
 def test_new_buffer_with_bytes_from_null_is_refused_not_a_crash():
     """Apple, newBufferWithBytes:length:options: "pointer: A pointer to the starting memory address
     the method copies the initialization data from." NULL is no such address: a Mac crashes, and
@@ -335,9 +308,6 @@ def test_new_buffer_with_bytes_from_null_is_refused_not_a_crash():
     assert status == 0, f"child exit status {status} (-11: SIGSEGV; 1: the null pointer was accepted)"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "sim crash: MTLComputeCommandEncoder.m_setBytes_length_atIndex_ reads length bytes at a NULL "
-    "pointer (SIGSEGV); refuse a null pointer with a nonzero length"))
 def test_set_bytes_from_null_is_refused_not_a_crash():
     """setBytes:length:atIndex: copies ``length`` bytes from the pointer ("Use this method for single-
     use data smaller than 4 KB"); NULL with length 4 crashed the simulator (SIGSEGV)."""
@@ -365,10 +335,6 @@ def test_a_dispatch_within_the_rules_still_works(mtl):
         rt.release(o)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "sim leniency: MTLComputeCommandEncoder.m_setThreadgroupMemoryLength_atIndex_ keeps one length "
-    "(tg_memory) and checks each call alone; Apple: 'The sum of all threadgroup memory allocations ... "
-    "can't exceed the device limits' (fix: a dict per index, check the sum at set and dispatch)"))
 def test_threadgroup_memory_summed_over_indices_above_the_limit_is_refused(mtl):
     """Apple, setThreadgroupMemoryLength:atIndex: "Important: The sum of all threadgroup memory
     allocations (whether made using this method or directly in the shader) can't exceed the device
@@ -392,9 +358,6 @@ def test_threadgroup_memory_summed_over_indices_above_the_limit_is_refused(mtl):
             rt.release(o)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "sim leniency: m_setThreadgroupMemoryLength_atIndex_ does not check index (the docs give no "
-    "range; the threadgroup argument table has 31 entries as [[buffer]]'s): refuse index >= 31"))
 def test_threadgroup_memory_index_out_of_the_argument_table_is_refused(mtl):
     """setThreadgroupMemoryLength:atIndex: "index: The index in the threadgroup memory argument
     table" - the docs give no range; index 1000 is in no table, yet the simulator accepted it."""
@@ -409,10 +372,6 @@ def test_threadgroup_memory_index_out_of_the_argument_table_is_refused(mtl):
         rt.release(q)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "sim leniency: MTLComputeCommandEncoder.m_setBuffer_offset_atIndex_ refuses only offset > length; "
-    "offset == length binds no byte (docs silent; Metal's validation refuses it, WebKit bug 277557): "
-    "refuse offset >= length"))
 def test_set_buffer_offset_at_the_end_of_the_buffer_is_refused(mtl):
     """setBuffer:offset:atIndex: "offset: The number of bytes to skip in the buffer before the first
     element of data" - at offset == length there is no first element (the docs are silent; Metal's
@@ -430,10 +389,6 @@ def test_set_buffer_offset_at_the_end_of_the_buffer_is_refused(mtl):
             rt.release(o)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "sim leniency: setBuffer:offset:atIndex: / accel.sim.kernels.view accept a device pointer not "
-    "aligned to the kernel's element type; Apple: 'align the offset to the data type's size' (fix: "
-    "kernels.view(ptr, n, dtype) refuses ptr % itemsize, failing the command buffer as a GPU fault)"))
 def test_kernel_buffer_offset_misaligned_for_its_element_type_is_refused(mtl):
     """Apple, setBuffer:offset:atIndex: "For buffers binding to an argument using the device address
     space, align the offset to the data type's size." accel_test_fill_u32 writes uint (4 bytes)
@@ -471,11 +426,6 @@ def test_kernel_buffer_offset_misaligned_for_its_element_type_is_refused(mtl):
 
 # -- MTLCommandQueue / MTLCommandBuffer -------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "sim leniency (a hang on a Mac): MTLCommandQueue.m_commandBuffer gives any number of command "
-    "buffers; Apple newCommandQueue: 'allow up to 64 uncompleted command buffers', commandBuffer "
-    "'blocks the calling CPU thread when the queue doesn't have any free command buffers' (fix: count "
-    "the queue's uncompleted buffers; with 64 none committed, refuse: it would block forever)"))
 def test_a_65th_command_buffer_while_64_are_uncommitted_is_refused(mtl):
     """Apple, MTLDevice newCommandQueue: "The command queues you create with this method allow up to
     64 uncompleted command buffers at time." MTLCommandQueue commandBuffer: "Each command queue has
@@ -519,120 +469,9 @@ def test_unsimulated_selectors_are_refused_not_ignored(mtl):
 
 # -- does accel rely on any of these leniencies? ----------------------------------------------------
 
-def _strict_metal(monkeypatch):
-    """The fixes proposed above, monkeypatched into the simulator (the test's own copy)."""
-    M, V = metal, metal.MetalValidationError
-
-    fill = M.MTLBlitCommandEncoder.m_fillBuffer_range_value_
-
-    def strict_fill(self, buf, rng, value):
-        if int(rng.length) == 0:
-            raise V("fillBuffer:range:value: range count must be greater than 0")
-        return fill(self, buf, rng, value)
-
-    copy = M.MTLBlitCommandEncoder.m_copyFromBuffer_sourceOffset_toBuffer_destinationOffset_size_
-
-    def strict_copy(self, src, soff, dst, doff, n):
-        if n == 0:
-            raise V("copyFromBuffer: size 0")
-        if src is dst and soff < doff + n and doff < soff + n:
-            raise V("copyFromBuffer: overlapping ranges of one buffer")
-        return copy(self, src, soff, dst, doff, n)
-
-    new_buffer = M.MTLDevice._buffer
-
-    def strict_buffer(self, length, options):
-        if options & ~0x3FF or options & 0xF > 1 or (options >> 8) & 3 == 3:
-            raise V(f"newBuffer: undefined MTLResourceOptions {options:#x}")
-        if options & 0xF0 == MANAGED:
-            raise V("newBuffer: managed storage is not simulated (didModifyRange:)")
-        buf = new_buffer(self, length, options)
-        if buf is not None:
-            buf.private = options & 0xF0 == PRIVATE
-        return buf
-
-    def strict_contents(self):
-        return None if getattr(self, "private", False) else self.base
-
-    with_bytes = M.MTLDevice.m_newBufferWithBytes_length_options_
-
-    def strict_with_bytes(self, ptr, length, options):
-        if not ptr:
-            raise V("newBufferWithBytes: NULL pointer")
-        return with_bytes(self, ptr, length, options)
-
-    set_bytes = M.MTLComputeCommandEncoder.m_setBytes_length_atIndex_
-
-    def strict_set_bytes(self, ptr, length, index):
-        if not ptr and length:
-            raise V("setBytes: NULL pointer")
-        return set_bytes(self, ptr, length, index)
-
-    set_tg = M.MTLComputeCommandEncoder.m_setThreadgroupMemoryLength_atIndex_
-
-    def strict_set_tg(self, length, index):
-        set_tg(self, length, index)
-        if index >= 31:
-            raise V(f"threadgroup memory index {index}")
-        per = self.__dict__.setdefault("tg_per_index", {})
-        per[index] = length
-        if sum(per.values()) > M.MAX_THREADGROUP_MEMORY:
-            raise V("threadgroup memory summed over indices exceeds the limit")
-
-    set_buffer = M.MTLComputeCommandEncoder.m_setBuffer_offset_atIndex_
-
-    def strict_set_buffer(self, buf, offset, index):
-        if buf is not None and offset >= buf.length:
-            raise V(f"setBuffer: offset {offset} >= length {buf.length}")
-        if offset % 4:        # every kernel accel ships reads >= 4-byte elements through its pointers
-            raise V(f"setBuffer: offset {offset} misaligned")
-        return set_buffer(self, buf, offset, index)
-
-    command_buffer = M.MTLCommandQueue.m_commandBuffer
-
-    def strict_command_buffer(self):
-        pending = [o for o in self.rt.live() if isinstance(o, M.MTLCommandBuffer) and o.queue is self
-                   and o.status not in (M.COMPLETED, M.ERROR)]
-        if len(pending) >= 64 and all(o.status == M.NOT_ENQUEUED for o in pending):
-            raise V("commandBuffer: 64 uncommitted command buffers: a Mac blocks forever")
-        return command_buffer(self)
-
-    for cls, name, fn in (
-            (M.MTLBlitCommandEncoder, "m_fillBuffer_range_value_", strict_fill),
-            (M.MTLBlitCommandEncoder, "m_copyFromBuffer_sourceOffset_toBuffer_destinationOffset_size_", strict_copy),
-            (M.MTLDevice, "_buffer", strict_buffer),
-            (M.MTLBuffer, "m_contents", strict_contents),
-            (M.MTLDevice, "m_newBufferWithBytes_length_options_", strict_with_bytes),
-            (M.MTLComputeCommandEncoder, "m_setBytes_length_atIndex_", strict_set_bytes),
-            (M.MTLComputeCommandEncoder, "m_setThreadgroupMemoryLength_atIndex_", strict_set_tg),
-            (M.MTLComputeCommandEncoder, "m_setBuffer_offset_atIndex_", strict_set_buffer),
-            (M.MTLCommandQueue, "m_commandBuffer", strict_command_buffer)):
-        monkeypatch.setattr(cls, name, fn)
-
-
 @pytest.fixture
-def strict_be(monkeypatch, mps_backend):
-    _strict_metal(monkeypatch)
+def strict_be(mps_backend):
     return mps_backend
-
-
-def test_the_strict_simulator_refuses_what_the_xfail_tests_expect(monkeypatch, mtl):
-    """The proposed fixes (monkeypatched) make the leniencies above fail: the xfail tests' claims hold
-    for a simulator that has them."""
-    _strict_metal(monkeypatch)
-    rt = mtl.rt
-    q = rt.send(mtl.device, M_QUEUE)
-    buf = rt.send(mtl.device, M_NEW_BUFFER, 64, SHARED)
-    with pytest.raises(metal.MetalValidationError, match="greater than 0"):
-        _encode(mtl, q, lambda enc: rt.send(enc, M_FILL, buf, _rng(mtl, 0, 0), 1))
-    with pytest.raises(metal.MetalValidationError, match="overlapping"):
-        _encode(mtl, q, lambda enc: rt.send(enc, M_COPY, buf, 0, buf, 4, 32))
-    with pytest.raises(metal.MetalValidationError, match="(?i)options"):
-        rt.send(mtl.device, M_NEW_BUFFER, 64, 0x300)
-    private = rt.send(mtl.device, M_NEW_BUFFER, 64, PRIVATE)
-    assert rt.send(private, M_CONTENTS) == mtl.ffi.NULL
-    for o in (private, buf, q):
-        rt.release(o)
 
 
 def test_accel_mps_backend_runs_on_the_strict_simulator(strict_be):
@@ -681,7 +520,6 @@ def test_accel_public_api_runs_on_the_strict_simulator(monkeypatch):
     use_sim(monkeypatch, "mps")
     metal.reset()
     core.reset()
-    _strict_metal(monkeypatch)
     np = pytest.importorskip("numpy")
     errors = []
 

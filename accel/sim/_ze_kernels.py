@@ -276,6 +276,8 @@ def _kernel_view(rt):
             return memoryview(buf)
         import numpy as np
         dt = np.dtype(dtype)
+        if addr % dt.base.itemsize:
+            raise kernels.MisalignedAddress(f"0x{addr:x} is not aligned for {dt}")
         return np.frombuffer(buf, dtype=dt, count=nbytes // dt.itemsize)
     return view
 

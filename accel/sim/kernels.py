@@ -51,6 +51,13 @@ class MemoryRangeError(ValueError):
     (the simulator reports it as cudaErrorIllegalAddress)."""
 
 
+class MisalignedAddress(MemoryRangeError):
+    """A reference kernel read typed elements at an address that is not a multiple of their
+    size (CUDA: cudaErrorMisalignedAddress, "the device encountered a load or store instruction
+    on a memory address which is not aligned"; Metal, setBuffer:offset:atIndex: "align the offset
+    to the data type's size")."""
+
+
 class Kernel(NamedTuple):
     name: str
     argtypes: Tuple[str, ...]
@@ -190,6 +197,8 @@ def view(ptr: int, nbytes: int, dtype=None):
         return memoryview(buf)
     import numpy as np
     dt = np.dtype(dtype)
+    if ptr % dt.base.itemsize:
+        raise MisalignedAddress(f"0x{ptr:x} is not aligned for {dt} ({dt.base.itemsize}-byte elements)")
     return np.frombuffer(buf, dtype=dt, count=nbytes // dt.itemsize)
 
 

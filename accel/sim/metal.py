@@ -72,6 +72,8 @@ PAGE = 16384  # Apple silicon page: Metal rounds allocations and aligns contents
 #: Deallocated addresses remembered for "message sent to deallocated instance" (as NSZombie does);
 #: older ones still fail, as "not an Objective-C object". Bounded: no state per dead object.
 ZOMBIES_KEPT = 1024
+_MAX_UNCOMPLETED = 64               # MTLDevice newCommandQueue: "up to 64 uncompleted command buffers"
+_MAX_THREADGROUP_INDEX = 31         # threadgroup memory indices taken (undocumented: as buffer indices)
 MAX_THREADGROUP_MEMORY = 32 * 1024  # MTLDevice.maxThreadgroupMemoryLength on Apple GPU families
 
 
@@ -276,15 +278,18 @@ class MTLCompileOptions(SimObject):
 class MTLBuffer(SimObject):
     cls_name = "MTLBuffer"
 
-    def __init__(self, rt, device: "MTLDevice", length: int):
+    def __init__(self, rt, device: "MTLDevice", length: int, private: bool = False):
         super().__init__(rt)
         self.device = device
         self.length = length
+        self.private = private
         self.size = -(-length // PAGE) * PAGE  # what currentAllocatedSize counts
         # Host memory from the shared simulator allocator, in a table so kernel
         # references (accel.sim.kernels.view) can range-check what they touch.
         self.alloc = _memory.allocate(length, _memory.DEVICE, 0)
         self.base = self.alloc.base
+        # MTLDevice newBufferWithLength:options: "Creates a buffer the method clears with zero values"
+        ctypes.memset(self.base, 0, length)
         rt.table.add(self.alloc)
         device.allocated += self.size
 
@@ -293,7 +298,8 @@ class MTLBuffer(SimObject):
         self.rt.table.remove(self.alloc)  # queued commands keep the memory itself alive
 
     def m_contents(self):
-        return self.base
+        # MTLBuffer contents: "... or NULL for buffers allocated with a private resource storage mode"
+        return None if self.private else self.base
 
     def m_length(self):
         return self.length
@@ -436,6 +442,17 @@ class MTLBlitCommandEncoder(_Encoder):
         for what, v in (("sourceOffset", soff), ("destinationOffset", doff), ("size", n)):
             if v % 4:
                 raise MetalValidationError(f"copyFromBuffer: {what} ({v}) must be a multiple of 4 on macOS")
+        if n == 0:
+            # copyFromBuffer:sourceOffset:toBuffer:destinationOffset:size: says nothing of size 0:
+            # the simulator refuses what the documentation does not define
+            raise MetalValidationError("copyFromBuffer: size 0 (Metal documents no empty copy; the simulator "
+                                       "refuses)")
+        if src is dst and soff < doff + n and doff < soff + n:
+            # the documentation does not define a copy between overlapping ranges of one buffer
+            # (a blit need not copy front to back): refused, as the Level Zero simulator does
+            raise MetalValidationError(f"copyFromBuffer: source [{soff}, {soff + n}) and destination "
+                                       f"[{doff}, {doff + n}) overlap in one buffer (undefined in Metal's "
+                                       f"documentation; the simulator refuses)")
         _check_range("copyFromBuffer: source", src, soff, n)
         _check_range("copyFromBuffer: destination", dst, doff, n)
         self.cb.uses(src, dst)
@@ -450,6 +467,9 @@ class MTLBlitCommandEncoder(_Encoder):
         if off % 4 or n % 4:
             raise MetalValidationError(f"fillBuffer:range:value: range ({off}, {n}) must be a multiple "
                                        f"of 4 on macOS")
+        if n == 0:
+            # fillBuffer:range:value: "The range's count property needs to be greater than 0."
+            raise MetalValidationError("fillBuffer:range:value: the range's count must be greater than 0")
         _check_range("fillBuffer:", buf, off, n)
         self.cb.uses(buf)
         self.cb.commands.append(("op", lambda: ctypes.memset(buf.base + off, value, n)))
@@ -462,7 +482,7 @@ class MTLComputeCommandEncoder(_Encoder):
         super().__init__(rt, cb)
         self.pipeline: Optional[MTLComputePipelineState] = None
         self.bindings: Dict[int, Tuple[str, Any]] = {}
-        self.tg_memory = 0
+        self.tg_memory: Dict[int, int] = {}     # threadgroup memory length per index
 
     def m_setComputePipelineState_(self, pipeline):
         self._check("setComputePipelineState:")
@@ -479,8 +499,9 @@ class MTLComputeCommandEncoder(_Encoder):
             self.bindings[index] = ("buffer", (None, 0))
             return
         buf = _as(self.rt, buf, MTLBuffer)
-        if offset > buf.length:
-            raise MetalValidationError(f"setBuffer: offset {offset} beyond the buffer's {buf.length} bytes")
+        if offset >= buf.length:
+            # Apple's validation layer refuses an offset at the end too (the binding would hold no byte)
+            raise MetalValidationError(f"setBuffer: offset {offset} not inside the buffer's {buf.length} bytes")
         self.bindings[index] = ("buffer", (buf, offset))
 
     def m_setBytes_length_atIndex_(self, ptr, length, index):
@@ -488,6 +509,8 @@ class MTLComputeCommandEncoder(_Encoder):
         self._index(index)
         if length > 4096:
             raise MetalValidationError("setBytes:length:atIndex: takes at most 4 KB; use a buffer")
+        if not ptr and length:
+            raise MetalValidationError("setBytes:length:atIndex: bytes is NULL (the method copies from it)")
         self.bindings[index] = ("bytes", bytes(self.rt.ffi.buffer(self.rt.ffi.cast("char *", ptr), length)))
 
     def m_setThreadgroupMemoryLength_atIndex_(self, length, index):
@@ -500,7 +523,16 @@ class MTLComputeCommandEncoder(_Encoder):
             # "Metal Feature Set Tables").
             raise MetalValidationError(f"threadgroup memory length {length} exceeds maxThreadgroupMemoryLength "
                                        f"({MAX_THREADGROUP_MEMORY})")
-        self.tg_memory = length
+        if index >= _MAX_THREADGROUP_INDEX:
+            # the documentation gives no range of indices: the simulator takes as many as buffers
+            raise MetalValidationError(f"threadgroup memory index {index} out of range "
+                                       f"[0, {_MAX_THREADGROUP_INDEX}) (undocumented; the simulator refuses)")
+        lengths = {**self.tg_memory, index: length}
+        if sum(lengths.values()) > MAX_THREADGROUP_MEMORY:
+            # "The sum of all threadgroup memory allocations ... can't exceed the device limits"
+            raise MetalValidationError(f"threadgroup memory {lengths} sums past maxThreadgroupMemoryLength "
+                                       f"({MAX_THREADGROUP_MEMORY})")
+        self.tg_memory = lengths
 
     def m_dispatchThreadgroups_threadsPerThreadgroup_(self, groups, threads):
         self._check("dispatchThreadgroups:")
@@ -564,6 +596,7 @@ class MTLCommandBuffer(SimObject):
         super().__init__(rt)
         self.queue = rt.retain(queue)
         self.status = NOT_ENQUEUED
+        queue.uncommitted += 1
         # ("op", fn) | ("wait", event, value) | ("signal", event, value), in encoding order
         self.commands: List[tuple] = []
         self.held: List[SimObject] = []
@@ -575,6 +608,8 @@ class MTLCommandBuffer(SimObject):
 
     def dealloc(self):
         self._drop_held()
+        if self.status == NOT_ENQUEUED:
+            self.queue.uncommitted -= 1
         self.rt.release(self.queue)
         if self.error_obj is not None:
             self.rt.release(self.error_obj)
@@ -630,6 +665,7 @@ class MTLCommandBuffer(SimObject):
             raise MetalValidationError(f"commit: command buffer {self.addr:#x} was already committed")
         if self.encoder is not None:
             raise MetalValidationError("commit: command buffer has an active encoder; call endEncoding first")
+        self.queue.uncommitted -= 1
         code = core.take_fault("commit")
         if code:
             # The injected failure comes first: none of the buffer's commands run, its
@@ -781,12 +817,19 @@ class MTLCommandQueue(SimObject):
         super().__init__(rt)
         self.device = device
         self.q = rt.engine.queue(f"metal-queue-{self.addr:#x}", owner=self)
+        self.uncommitted = 0        # command buffers made and not yet committed
 
     def dealloc(self):
         # committed buffers hold the queue: nothing is pending here
         self.rt.engine.close_later(self.q)
 
     def m_commandBuffer(self):
+        if self.uncommitted >= _MAX_UNCOMPLETED:
+            # newCommandQueue: the queue allows "up to 64 uncompleted command buffers", and
+            # commandBuffer "blocks the calling CPU thread when the queue doesn't have any free
+            # command buffers": with 64 never committed, none can complete, and a Mac blocks forever
+            raise MetalValidationError(f"commandBuffer: the queue holds {self.uncommitted} uncommitted command "
+                                       f"buffers; on a Mac this call would block forever")
         return self.rt.autorelease(MTLCommandBuffer(self.rt, self))
 
 
@@ -822,6 +865,15 @@ class MTLDevice(SimObject):
     def _buffer(self, length, options):
         if options & 0xF0 not in (0x00, 0x10, 0x20):  # storage mode shared/managed/private
             raise MetalValidationError(f"newBuffer: invalid storage mode in options {options:#x}")
+        if options & ~0x3FF or options & 0xF > 1 or (options >> 8) & 3 == 3:
+            # MTLResourceOptions: CPU cache mode 0-1 (bits 0-3), storage mode (bits 4-7), hazard
+            # tracking mode 0-2 (bits 8-9); any other value is undefined: refused
+            raise MetalValidationError(f"newBuffer: undefined MTLResourceOptions bits in {options:#x}")
+        if options & 0xF0 == 0x10:
+            # MTLStorageModeManaged: didModifyRange: must announce CPU writes before the GPU reads
+            # them ("... the behavior is undefined"); the simulator cannot see CPU writes
+            raise MetalValidationError("newBuffer: MTLStorageModeManaged is not simulated (the simulator cannot "
+                                       "check didModifyRange:); use shared or private storage")
         if length == 0:
             raise MetalValidationError("newBuffer: length must be greater than 0")
         self.allocations += 1
@@ -835,12 +887,16 @@ class MTLDevice(SimObject):
         limit = core.config().memory
         if self.allocated + size > limit:
             return None  # Metal answers nil when it cannot back the buffer
-        return MTLBuffer(self.rt, self, length)
+        return MTLBuffer(self.rt, self, length, private=options & 0xF0 == 0x20)
 
     def m_newBufferWithLength_options_(self, length, options):
         return self._buffer(length, options)
 
     def m_newBufferWithBytes_length_options_(self, ptr, length, options):
+        if not ptr:
+            # "pointer: A pointer to the starting memory address the method copies the
+            # initialization data from"
+            raise MetalValidationError("newBufferWithBytes:length:options: pointer is NULL")
         buf = self._buffer(length, options)
         if buf is not None:
             buf.view(0, length)[:] = self.rt.ffi.buffer(self.rt.ffi.cast("char *", ptr), length)

@@ -324,6 +324,8 @@ def _device_view(R: Runtime, device: int):
                         return memoryview(buf)
                     import numpy as np
                     dt = np.dtype(dtype)
+                    if addr % dt.base.itemsize:
+                        raise kernels.MisalignedAddress(f"0x{addr:x} is not aligned for {dt}")
                     return np.frombuffer(buf, dtype=dt, count=nbytes // dt.itemsize)
             a = find(addr)
             if a is not None and a.kind == _memory.DEVICE and (a.device != device or not a.live):

@@ -38,6 +38,7 @@ cudaErrorIllegalState = 401
 cudaErrorSymbolNotFound = 500
 cudaErrorNotReady = 600
 cudaErrorIllegalAddress = 700
+cudaErrorMisalignedAddress = 716
 cudaErrorPeerAccessAlreadyEnabled = 704
 cudaErrorPeerAccessNotEnabled = 705
 cudaErrorLaunchFailure = 719
@@ -366,7 +367,8 @@ class Runtime:
             self.devices[owner.device].queues.pop(q, None)
 
     def _on_error(self, q: _engine.Queue, exc: BaseException) -> None:
-        code = cudaErrorIllegalAddress if isinstance(exc, (_IllegalAddress, kernels.MemoryRangeError)) \
+        code = cudaErrorMisalignedAddress if isinstance(exc, kernels.MisalignedAddress) else \
+            cudaErrorIllegalAddress if isinstance(exc, (_IllegalAddress, kernels.MemoryRangeError)) \
             else cudaErrorLaunchFailure
         # CUDA Runtime API, "Error Handling" / cudaErrorIllegalAddress, cudaErrorLaunchFailure: "This
         # leaves the process in an inconsistent state and any further CUDA work will return the same
