@@ -2,10 +2,11 @@
 ze_api.h (Level Zero 1.17, oneapi-src/level-zero include/ze_api.h; older headers such as the 1.4
 one in /usr/include/level_zero allow fewer flag bits, never more) forbids or leaves undefined.
 
-Each finding is a strict xfail quoting the rule, called through the simulated loader as a Level
-Zero program calls it (device 1 where a device matters, device 0 being current).  The last test
-runs accel's public API through the simulator made strict on every one of these rules
-(``_strict``) and checks accel never meets them: fixing the simulator breaks nothing in accel.
+Each finding quotes the rule and is called through the simulated loader as a Level Zero program
+calls it (device 1 where a device matters, device 0 being current).  Each was a strict xfail
+first (22 cases), until accel/sim/ze and accel/sim/_ze_kernels.py enforced it.  The last test runs
+accel's public API through the simulator: accel meets none of these rules (it ran first through
+wrappers enforcing them, with no refusal).
 
 Rules the simulator already enforces (tests/test_sim_ze_strict2.py, test_ze_metal_strict.py,
 test_sim_ze_metal_strict.py, test_vmm_ze.py) are not repeated; checked again here on device 1
@@ -146,10 +147,6 @@ def test_alloc_properties_of_an_interior_pointer_name_the_allocation(ze):
 _PRIORITY = "ze_api.h, zeCommandQueueCreate / zeCommandListCreateImmediate @returns ZE_RESULT_ERROR_INVALID_ENUMERATION "
 
 
-@pytest.mark.xfail(strict=True, reason=_PRIORITY + "for `ZE_COMMAND_QUEUE_PRIORITY_PRIORITY_HIGH < desc->priority`, "
-                   "`ZE_COMMAND_QUEUE_MODE_ASYNCHRONOUS < desc->mode` and `0x7 < desc->flags`: sim/ze/commands.py "
-                   "zeCommandQueueCreate checks none of them (priority 3, mode 3, flags 0x100 accepted), "
-                   "zeCommandListCreateImmediate checks only the mode")
 @pytest.mark.parametrize("create, field", [("queue", "priority"), ("queue", "mode"), ("queue", "flags"),
                                            ("immediate", "priority"), ("immediate", "flags")])
 def test_queue_descriptor_enumerations_beyond_the_spec_are_refused(ze, create, field):
@@ -170,10 +167,6 @@ def test_immediate_list_mode_beyond_the_spec_is_refused(ze):
     assert rc == z.lib.ZE_RESULT_ERROR_INVALID_ENUMERATION and _live(z) == before
 
 
-@pytest.mark.xfail(strict=True, reason="ze_api.h, ze_command_queue_desc_t.index: \"command queue index within the group; "
-                   "must be zero\" (1.4: \"must be zero if ZE_COMMAND_QUEUE_FLAG_EXPLICIT_ONLY is not set\"; the "
-                   "simulated groups have numQueues 1 and 2): sim/ze/commands.py _queue_target never reads the index "
-                   "(index 7 accepted)")
 @pytest.mark.parametrize("create", ["queue", "immediate"])
 def test_queue_index_beyond_the_group_is_refused(ze, create):
     z = ze()
@@ -183,10 +176,6 @@ def test_queue_index_beyond_the_group_is_refused(ze, create):
     assert _live(z) == before
 
 
-@pytest.mark.xfail(strict=True, reason="ze_api.h, zeCommandListCreate @returns ZE_RESULT_ERROR_INVALID_ENUMERATION for "
-                   "`0x3f < desc->flags` (1.4: `0x7 <`); ze_command_list_flag_t IN_ORDER: \"Cannot be combined with "
-                   "ZE_COMMAND_LIST_FLAG_RELAXED_ORDERING\": sim/ze/commands.py zeCommandListCreate reads only the "
-                   "IN_ORDER bit")
 @pytest.mark.parametrize("flags", [0x100, "in_order|relaxed"])
 def test_command_list_flags_beyond_the_spec_are_refused(ze, flags):
     z = ze()
@@ -199,8 +188,6 @@ def test_command_list_flags_beyond_the_spec_are_refused(ze, flags):
     assert _live(z) == before
 
 
-@pytest.mark.xfail(strict=True, reason="ze_api.h, zeEventCreate @returns ZE_RESULT_ERROR_INVALID_ENUMERATION for "
-                   "`0x7 < desc->signal` and `0x7 < desc->wait`: sim/ze/events.py zeEventCreate never reads them")
 @pytest.mark.parametrize("field", ["signal", "wait"])
 def test_event_scope_flags_beyond_the_spec_are_refused(ze, field):
     z = ze()
@@ -213,9 +200,6 @@ def test_event_scope_flags_beyond_the_spec_are_refused(ze, field):
     assert _live(z) == before
 
 
-@pytest.mark.xfail(strict=True, reason="ze_api.h, zeEventPoolCreate @returns ZE_RESULT_ERROR_INVALID_SIZE for "
-                   "`(nullptr == phDevices) && (0 < numDevices)`: sim/ze/events.py zeEventPoolCreate indexes the null "
-                   "array and a Python RuntimeError ('cannot dereference null pointer') escapes the C function")
 def test_event_pool_with_a_device_count_and_no_device_array_is_refused(ze):
     z = ze()
     lib = z.lib
@@ -230,9 +214,6 @@ def test_event_pool_with_a_device_count_and_no_device_array_is_refused(ze):
 _MAPPED_TIMESTAMP = 0x8   # ZE_EVENT_POOL_FLAG_KERNEL_MAPPED_TIMESTAMP (API 1.6; not in accel's generated FFI)
 
 
-@pytest.mark.xfail(strict=True, reason="ze_api.h, ze_event_pool_flag_t: ZE_EVENT_POOL_FLAG_KERNEL_MAPPED_TIMESTAMP "
-                   "\"cannot be combined with ZE_EVENT_POOL_FLAG_KERNEL_TIMESTAMP\": sim/ze/events.py zeEventPoolCreate "
-                   "checks only `flags & ~0xF`")
 def test_event_pool_with_both_timestamp_kinds_is_refused(ze):
     z = ze()
     lib = z.lib
@@ -245,8 +226,6 @@ def test_event_pool_with_both_timestamp_kinds_is_refused(ze):
     assert _live(z) == before
 
 
-@pytest.mark.xfail(strict=True, reason="ze_api.h, zeContextCreate @returns ZE_RESULT_ERROR_INVALID_ENUMERATION for "
-                   "`0x1 < desc->flags`: sim/ze/memory.py zeContextCreate never reads the flags")
 def test_context_flags_beyond_the_spec_are_refused(ze):
     z = ze()
     lib = z.lib
@@ -255,10 +234,6 @@ def test_context_flags_beyond_the_spec_are_refused(ze):
     assert lib.zeContextCreate(z.driver, desc, p) == lib.ZE_RESULT_ERROR_INVALID_ENUMERATION
 
 
-@pytest.mark.xfail(strict=True, reason="ze_api.h, zeCommandListAppendMemoryFill: \"The ptr must be aligned to "
-                   "pattern_size\" (@returns ZE_RESULT_ERROR_UNSUPPORTED_ALIGNMENT): sim/ze/commands.py checks the "
-                   "pattern size and size % pattern_size, not ptr % pattern_size (a 4-byte pattern at ptr+2 was "
-                   "filled)")
 @pytest.mark.parametrize("kind", ["immediate", "regular"])
 def test_fill_at_a_pointer_not_aligned_to_the_pattern_is_refused(ze, kind):
     z = ze()
@@ -274,11 +249,6 @@ def test_fill_at_a_pointer_not_aligned_to_the_pattern_is_refused(ze, kind):
     assert lib.zeCommandListAppendMemoryFill(cl, ffi.cast("char *", p) + 4, pat, 4, 64, ffi.NULL, 0, ffi.NULL) == 0
 
 
-@pytest.mark.xfail(strict=True, reason="ze_api.h, zeMemGetAllocProperties: \"The application may query attributes of a "
-                   "memory allocation unrelated to the context. When this occurs, the returned allocation type will be "
-                   "ZE_MEMORY_TYPE_UNKNOWN\": sim/ze/memory.py zeMemGetAllocProperties finds the allocation in every "
-                   "context (another context's device allocation reported ZE_MEMORY_TYPE_DEVICE with its device); "
-                   "tests/test_ze_metal_strict.py:178 relies on it (queries ctx's allocation through z.ctx)")
 def test_alloc_properties_through_another_context_are_unknown(ze):
     z = ze()
     lib = z.lib
@@ -289,8 +259,6 @@ def test_alloc_properties_through_another_context_are_unknown(ze):
     assert props.type == lib.ZE_MEMORY_TYPE_UNKNOWN
 
 
-@pytest.mark.xfail(strict=True, reason="ze_api.h, zeMemGetAllocProperties @returns ZE_RESULT_ERROR_INVALID_NULL_POINTER "
-                   "for `nullptr == ptr`: sim/ze/memory.py answers ZE_RESULT_SUCCESS with ZE_MEMORY_TYPE_UNKNOWN")
 def test_alloc_properties_of_a_null_pointer_are_refused(ze):
     z = ze()
     lib = z.lib
@@ -298,10 +266,6 @@ def test_alloc_properties_of_a_null_pointer_are_refused(ze):
     assert lib.zeMemGetAllocProperties(z.ctx, ffi.NULL, props, ffi.NULL) == lib.ZE_RESULT_ERROR_INVALID_NULL_POINTER
 
 
-@pytest.mark.xfail(strict=True, reason="ze_api.h, zeCommandListAppendLaunchKernel: \"This may **only** be called for a "
-                   "command list created with command queue group ordinal that supports compute.\": "
-                   "sim/_ze_kernels.py zeCommandListAppendLaunchKernel never looks at cl.ordinal (a launch on the "
-                   "copy-only group 0 ran)")
 @pytest.mark.parametrize("kind", ["immediate", "regular"])
 def test_kernel_launch_on_a_copy_only_list_is_refused(ze, kind):
     z = ze()
@@ -334,12 +298,6 @@ def _timestamp(lib, ev):
     return lib.zeEventQueryKernelTimestamp(ev, ts), ts
 
 
-@pytest.mark.xfail(strict=True, reason="ze_api.h, zeCommandListAppendSignalEvent / zeEventHostSignal: \"The duration of "
-                   "an event created from an event pool that was created using ZE_EVENT_POOL_FLAG_KERNEL_TIMESTAMP ... "
-                   "flags is undefined\" (PROG.rst: \"The duration of a kernel timestamp for "
-                   "zeCommandListAppendSignalEvent and zeEventHostSignal is undefined\"): sim/ze/events.py "
-                   "zeEventQueryKernelTimestamp answers a plausible zero-length (t, t) for such an event, so a backend "
-                   "timing with them would pass here and read garbage on a GPU")
 @pytest.mark.parametrize("how", ["append_signal", "host_signal"])
 def test_kernel_timestamp_of_a_plain_signal_is_not_a_plausible_value(ze, how):
     z = ze()
@@ -374,165 +332,6 @@ def test_kernel_timestamp_of_a_signalling_barrier_or_copy_is_valid(ze):
 
 
 # -- accel through a simulator strict on every rule above ------------------------------------------
-
-def _strict(monkeypatch):
-    """Make the simulated loader enforce the xfail rules above (the proposed fixes, as wrappers
-    with the vendor functions' parameters) and record every refusal.  Returns the list of
-    refusals ("function: rule")."""
-    hits = []
-    seen = _strict.seen = set()   # the wrappers called (the strict rules were in force)
-    rt = lambda: sim_ze.objects._rt   # noqa: E731
-    orig = {f.__name__: f for f in sim_ze._FUNCTIONS}
-
-    def refuse(name, why, code):
-        hits.append(f"{name}: {why}")
-        return getattr(rt().C, code)
-
-    def zeCommandQueueCreate(hContext, hDevice, desc, phCommandQueue):
-        seen.add('zeCommandQueueCreate')
-        C = rt().C
-        if desc.priority > C.ZE_COMMAND_QUEUE_PRIORITY_PRIORITY_HIGH or desc.mode > C.ZE_COMMAND_QUEUE_MODE_ASYNCHRONOUS \
-                or desc.flags > 0x7:
-            return refuse("zeCommandQueueCreate", "enumeration", "ZE_RESULT_ERROR_INVALID_ENUMERATION")
-        if desc.index:
-            return refuse("zeCommandQueueCreate", "index", "ZE_RESULT_ERROR_INVALID_ARGUMENT")
-        return orig["zeCommandQueueCreate"](hContext, hDevice, desc, phCommandQueue)
-
-    def zeCommandListCreateImmediate(hContext, hDevice, altdesc, phCommandList):
-        seen.add('zeCommandListCreateImmediate')
-        C = rt().C
-        if altdesc.priority > C.ZE_COMMAND_QUEUE_PRIORITY_PRIORITY_HIGH or altdesc.flags > 0x7:
-            return refuse("zeCommandListCreateImmediate", "enumeration", "ZE_RESULT_ERROR_INVALID_ENUMERATION")
-        if altdesc.index:
-            return refuse("zeCommandListCreateImmediate", "index", "ZE_RESULT_ERROR_INVALID_ARGUMENT")
-        return orig["zeCommandListCreateImmediate"](hContext, hDevice, altdesc, phCommandList)
-
-    def zeCommandListCreate(hContext, hDevice, desc, phCommandList):
-        seen.add('zeCommandListCreate')
-        C = rt().C
-        both = C.ZE_COMMAND_LIST_FLAG_IN_ORDER | C.ZE_COMMAND_LIST_FLAG_RELAXED_ORDERING
-        if desc.flags > 0x3F or desc.flags & both == both:
-            return refuse("zeCommandListCreate", "flags", "ZE_RESULT_ERROR_INVALID_ENUMERATION")
-        return orig["zeCommandListCreate"](hContext, hDevice, desc, phCommandList)
-
-    def zeEventCreate(hEventPool, desc, phEvent):
-        seen.add('zeEventCreate')
-        if desc.signal > 0x7 or desc.wait > 0x7:
-            return refuse("zeEventCreate", "scope", "ZE_RESULT_ERROR_INVALID_ENUMERATION")
-        return orig["zeEventCreate"](hEventPool, desc, phEvent)
-
-    def zeEventPoolCreate(hContext, desc, numDevices, phDevices, phEventPool):
-        seen.add('zeEventPoolCreate')
-        if numDevices and not phDevices:
-            return refuse("zeEventPoolCreate", "no device array", "ZE_RESULT_ERROR_INVALID_SIZE")
-        if desc.flags & 0xC == 0xC:
-            return refuse("zeEventPoolCreate", "both timestamp kinds", "ZE_RESULT_ERROR_INVALID_ENUMERATION")
-        return orig["zeEventPoolCreate"](hContext, desc, numDevices, phDevices, phEventPool)
-
-    def zeContextCreate(hDriver, desc, phContext):
-        seen.add('zeContextCreate')
-        if desc.flags > 0x1:
-            return refuse("zeContextCreate", "flags", "ZE_RESULT_ERROR_INVALID_ENUMERATION")
-        return orig["zeContextCreate"](hDriver, desc, phContext)
-
-    def zeCommandListAppendMemoryFill(hCommandList, ptr, pattern, pattern_size, size, hSignalEvent,
-                                      numWaitEvents, phWaitEvents):
-        seen.add('zeCommandListAppendMemoryFill')
-        if pattern_size and int(ffi.cast("uintptr_t", ptr)) % pattern_size:
-            return refuse("zeCommandListAppendMemoryFill", "ptr % pattern_size", "ZE_RESULT_ERROR_UNSUPPORTED_ALIGNMENT")
-        return orig["zeCommandListAppendMemoryFill"](hCommandList, ptr, pattern, pattern_size, size, hSignalEvent,
-                                                     numWaitEvents, phWaitEvents)
-
-    def zeMemGetAllocProperties(hContext, ptr, props, phDevice):
-        seen.add('zeMemGetAllocProperties')
-        r = rt()
-        if not ptr:
-            return refuse("zeMemGetAllocProperties", "null ptr", "ZE_RESULT_ERROR_INVALID_NULL_POINTER")
-        rc = orig["zeMemGetAllocProperties"](hContext, ptr, props, phDevice)
-        a = r.memory.find(int(ffi.cast("uintptr_t", ptr)))
-        if rc == 0 and a is not None and r.alloc_ctx.get(a.base) is not r.get(hContext, "context"):
-            hits.append("zeMemGetAllocProperties: another context's allocation")
-            props.type = r.C.ZE_MEMORY_TYPE_UNKNOWN
-        return rc
-
-    def zeCommandListAppendLaunchKernel(hCommandList, hKernel, pLaunchFuncArgs, hSignalEvent, numWaitEvents,
-                                        phWaitEvents):
-        seen.add('zeCommandListAppendLaunchKernel')
-        cl = rt().get(hCommandList, "cmdlist")
-        if cl is not None and cl.ordinal == _COPY_ORDINAL:
-            return refuse("zeCommandListAppendLaunchKernel", "copy-only list", "ZE_RESULT_ERROR_INVALID_ARGUMENT")
-        return orig["zeCommandListAppendLaunchKernel"](hCommandList, hKernel, pLaunchFuncArgs, hSignalEvent,
-                                                       numWaitEvents, phWaitEvents)
-
-    # Timestamps of plain signals: the event remembers how it was signalled.
-    plain = set()
-
-    def zeCommandListAppendSignalEvent(hCommandList, hEvent):
-        seen.add('zeCommandListAppendSignalEvent')
-        rc = orig["zeCommandListAppendSignalEvent"](hCommandList, hEvent)
-        if rc == 0:
-            plain.add(int(ffi.cast("uintptr_t", hEvent)))
-        return rc
-
-    def zeEventHostSignal(hEvent):
-        seen.add('zeEventHostSignal')
-        rc = orig["zeEventHostSignal"](hEvent)
-        if rc == 0:
-            plain.add(int(ffi.cast("uintptr_t", hEvent)))
-        return rc
-
-    def zeEventQueryKernelTimestamp(hEvent, dstptr):
-        seen.add('zeEventQueryKernelTimestamp')
-        if int(ffi.cast("uintptr_t", hEvent)) in plain:
-            return refuse("zeEventQueryKernelTimestamp", "plain signal", "ZE_RESULT_ERROR_INVALID_ARGUMENT")
-        return orig["zeEventQueryKernelTimestamp"](hEvent, dstptr)
-
-    def zeCommandListAppendBarrier(hCommandList, hSignalEvent, numWaitEvents, phWaitEvents):
-        seen.add('zeCommandListAppendBarrier')
-        rc = orig["zeCommandListAppendBarrier"](hCommandList, hSignalEvent, numWaitEvents, phWaitEvents)
-        if rc == 0 and hSignalEvent:
-            plain.discard(int(ffi.cast("uintptr_t", hSignalEvent)))
-        return rc
-
-    def zeEventHostReset(hEvent):
-        seen.add('zeEventHostReset')
-        rc = orig["zeEventHostReset"](hEvent)
-        if rc == 0:
-            plain.discard(int(ffi.cast("uintptr_t", hEvent)))
-        return rc
-
-    def zeEventDestroy(hEvent):
-        seen.add('zeEventDestroy')
-        rc = orig["zeEventDestroy"](hEvent)
-        if rc == 0:
-            plain.discard(int(ffi.cast("uintptr_t", hEvent)))
-        return rc
-
-    new = dict(orig)
-    for fn in (zeCommandQueueCreate, zeCommandListCreateImmediate, zeCommandListCreate, zeEventCreate,
-               zeEventPoolCreate, zeContextCreate, zeCommandListAppendMemoryFill, zeMemGetAllocProperties,
-               zeCommandListAppendLaunchKernel, zeCommandListAppendSignalEvent, zeEventHostSignal,
-               zeEventQueryKernelTimestamp, zeCommandListAppendBarrier, zeEventHostReset, zeEventDestroy):
-        new[fn.__name__] = fn
-    monkeypatch.setattr(sim_ze, "_FUNCTIONS", tuple(new.values()))
-    return hits
-
-
-def test_the_strict_wrappers_refuse_what_the_xfails_expect(ze, monkeypatch):
-    """The wrappers of _strict (the proposed fixes) do refuse the calls above."""
-    hits = _strict(monkeypatch)
-    z = ze()
-    lib = z.lib
-    assert _create_queue(z, priority=lib.ZE_COMMAND_QUEUE_PRIORITY_PRIORITY_HIGH + 1)[0] == \
-        lib.ZE_RESULT_ERROR_INVALID_ENUMERATION
-    assert _create_immediate(z, index=7)[0] == lib.ZE_RESULT_ERROR_INVALID_ARGUMENT
-    cl = z.immediate(dev=1)
-    pat = ffi.new("uint32_t *", 1)
-    p = z.alloc(256, dev=1)
-    assert lib.zeCommandListAppendMemoryFill(cl, ffi.cast("char *", p) + 2, pat, 4, 64, ffi.NULL, 0, ffi.NULL) == \
-        lib.ZE_RESULT_ERROR_UNSUPPORTED_ALIGNMENT
-    assert len(hits) == 3
-
 
 def _accel_workload():
     """accel's public API on device 1 while device 0 is current: allocations, fills, copies,
@@ -587,19 +386,11 @@ def _accel_workload():
                                  {"ACCEL_SIM_ZE_TILES": "2", "ZE_FLAT_DEVICE_HIERARCHY": "COMPOSITE"}],
                          ids=["api-1.x", "api-1.5-old-loader", "composite-2-tiles"])
 def test_accel_never_meets_the_stricter_rules(monkeypatch, env):
-    """accel's XPU backend through the strict simulator: no refusal, the same results (a new
-    driver; a pre-1.6 driver under the 1.8.12 loader, ordered with barriers; two-tile cards as
-    root devices)."""
+    """accel's XPU backend through the simulator that enforces every rule above: the same results
+    (a new driver; a pre-1.6 driver under the 1.8.12 loader, ordered with barriers; two-tile cards
+    as root devices).  (r62d ran it first with the rules as wrappers, and saw no refusal.)"""
     use_sim(monkeypatch, "xpu", **env)
-    baseline = _accel_workload()
-    assert baseline["copy"] == [0.0, 1.0, 2.0, 3.0] and baseline["graph"] == [3.0, 3.0]
-    assert baseline["pinned"] == [5, 5] and baseline["kernel"] == [1.0, 1.0] and baseline["elapsed"] >= 0
-    use_sim(monkeypatch, "xpu", **env)
-    hits = _strict(monkeypatch)
-    strict = _accel_workload()
-    assert hits == []
-    assert {"zeCommandQueueCreate", "zeCommandListCreateImmediate", "zeCommandListCreate", "zeEventPoolCreate",
-            "zeEventCreate", "zeContextCreate", "zeCommandListAppendMemoryFill", "zeMemGetAllocProperties",
-            "zeCommandListAppendLaunchKernel", "zeEventQueryKernelTimestamp"} <= _strict.seen
-    assert {k: v for k, v in strict.items() if k != "elapsed"} == {k: v for k, v in baseline.items() if k != "elapsed"}
+    out = _accel_workload()
+    assert out["copy"] == [0.0, 1.0, 2.0, 3.0] and out["graph"] == [3.0, 3.0]
+    assert out["pinned"] == [5, 5] and out["kernel"] == [1.0, 1.0] and out["elapsed"] >= 0
     accel.synchronize(1)

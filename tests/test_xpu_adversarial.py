@@ -420,8 +420,8 @@ def test_sim_list_is_free_once_its_last_signal_is_visible(ze_raw, monkeypatch):
     results = []
     signal = sim_ze.events._signal_now
 
-    def then_destroy(rt, e):        # the host wakes here and destroys the list at once
-        signal(rt, e)
+    def then_destroy(rt, e, *timed):        # the host wakes here and destroys the list at once
+        signal(rt, e, *timed)
         if e is target:
             results.append(lib.zeCommandListDestroy(cl))
     monkeypatch.setattr(sim_ze.events, "_signal_now", then_destroy)

@@ -175,7 +175,9 @@ def test_context_destroy_while_the_device_references_it_is_refused_and_frees_its
     assert lib.zeCommandListDestroy(cl) == 0
     assert lib.zeEventDestroy(gate) == 0 and lib.zeEventPoolDestroy(pool) == 0
     props = ffi.new("ze_memory_allocation_properties_t *", {"stype": lib.ZE_STRUCTURE_TYPE_MEMORY_ALLOCATION_PROPERTIES})
-    assert lib.zeMemGetAllocProperties(z.ctx, p, props, ffi.NULL) == 0 and props.type == lib.ZE_MEMORY_TYPE_DEVICE
+    assert lib.zeMemGetAllocProperties(ctx, p, props, ffi.NULL) == 0 and props.type == lib.ZE_MEMORY_TYPE_DEVICE
+    # through another context: "memory allocation unrelated to the context ... ZE_MEMORY_TYPE_UNKNOWN"
+    assert lib.zeMemGetAllocProperties(z.ctx, p, props, ffi.NULL) == 0 and props.type == lib.ZE_MEMORY_TYPE_UNKNOWN
     assert lib.zeContextDestroy(ctx) == 0
     # "The implementation of this function may immediately free all Host and Device allocations
     # associated with this context": the simulator does, so nothing can go on using them (it
@@ -251,8 +253,8 @@ def test_event_whose_signal_the_host_saw_may_be_reset_at_once(ze, monkeypatch):
     results = []
     signal = sim_ze.events._signal_now
 
-    def then_reset(rt, e):        # the host wakes here and resets the event at once
-        signal(rt, e)
+    def then_reset(rt, e, *timed):        # the host wakes here and resets the event at once
+        signal(rt, e, *timed)
         if e is target:
             results.append(lib.zeEventHostReset(ev))
     monkeypatch.setattr(sim_ze.events, "_signal_now", then_reset)

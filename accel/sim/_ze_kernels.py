@@ -16,6 +16,7 @@ from . import _memory, kernels
 from .core import ffi
 from .ze.commands import _Op, _append, _events
 from .ze.common import _ready
+from .ze.discovery import _GROUPS
 from .ze.objects import _Obj
 from .ze.virtual_memory import _vmm_range
 
@@ -223,6 +224,10 @@ def zeCommandListAppendLaunchKernel(hCommandList, hKernel, pLaunchFuncArgs, hSig
     # A module is built for one device in one context (zeModuleCreate's hContext, hDevice): its
     # kernels run on command lists of that device and context only.
     if cl.ctx is not mfields["ctx"] or cl.device is not mfields["device"]:
+        return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+    if _GROUPS[cl.ordinal][0] != "compute":
+        # ze_api.h, zeCommandListAppendLaunchKernel: "may **only** be called for a command list
+        # created with command queue group ordinal that supports compute"
         return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
     grid = (pLaunchFuncArgs.groupCountX, pLaunchFuncArgs.groupCountY, pLaunchFuncArgs.groupCountZ)
     if min(grid) < 1:

@@ -36,6 +36,21 @@ def _queue_target(hContext, hDevice, stype, expected_stype: str, ordinal):
     return 0, rt, dev
 
 
+def _queue_desc_code(C, desc) -> int:
+    """The checks of a ze_command_queue_desc_t (zeCommandQueueCreate, zeCommandListCreateImmediate):
+    ZE_RESULT_ERROR_INVALID_ENUMERATION for "0x7 < desc->flags", "ZE_COMMAND_QUEUE_MODE_ASYNCHRONOUS <
+    desc->mode" and "ZE_COMMAND_QUEUE_PRIORITY_PRIORITY_HIGH < desc->priority" (ze_api.h); ``index``
+    "must be zero if ZE_COMMAND_QUEUE_FLAG_EXPLICIT_ONLY is not set", and below the group's queue
+    count when it is (ZE_RESULT_ERROR_INVALID_ARGUMENT: the header names no code)."""
+    if (desc.flags > 0x7 or desc.mode > C.ZE_COMMAND_QUEUE_MODE_ASYNCHRONOUS
+            or desc.priority > C.ZE_COMMAND_QUEUE_PRIORITY_PRIORITY_HIGH):
+        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    if desc.index and (not desc.flags & C.ZE_COMMAND_QUEUE_FLAG_EXPLICIT_ONLY
+                       or desc.index >= _GROUPS[desc.ordinal][1]):
+        return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+    return 0
+
+
 def zeCommandListCreateImmediate(hContext, hDevice, altdesc, phCommandList):
     rc, rt, dev = _queue_target(hContext, hDevice, altdesc.stype, "ZE_STRUCTURE_TYPE_COMMAND_QUEUE_DESC",
                                 altdesc.ordinal)
@@ -45,8 +60,9 @@ def zeCommandListCreateImmediate(hContext, hDevice, altdesc, phCommandList):
     in_order = bool(altdesc.flags & C.ZE_COMMAND_QUEUE_FLAG_IN_ORDER)
     if in_order and rt.zcfg.api_version < (1, 7):
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION   # the flag does not exist before API 1.7
-    if altdesc.mode > C.ZE_COMMAND_QUEUE_MODE_ASYNCHRONOUS:
-        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    rc = _queue_desc_code(C, altdesc)
+    if rc:
+        return rc
     q = rt.engine.queue(f"xpu{dev.ordinal}-immediate")
     cl = rt._add(_CmdList(rt.get(hContext, "context"), dev, True, q, in_order, altdesc.ordinal))
     phCommandList[0] = cl.key
@@ -61,6 +77,11 @@ def zeCommandListCreate(hContext, hDevice, desc, phCommandList):
     C = rt.C
     in_order = bool(desc.flags & C.ZE_COMMAND_LIST_FLAG_IN_ORDER)
     if in_order and rt.zcfg.api_version < (1, 7):
+        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    # ze_api.h, zeCommandListCreate: INVALID_ENUMERATION for "0x3f < desc->flags" (0x7 before the
+    # later flags); ZE_COMMAND_LIST_FLAG_IN_ORDER "Cannot be combined with
+    # ZE_COMMAND_LIST_FLAG_RELAXED_ORDERING"
+    if desc.flags > 0x3F or (in_order and desc.flags & C.ZE_COMMAND_LIST_FLAG_RELAXED_ORDERING):
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
     cl = rt._add(_CmdList(rt.get(hContext, "context"), dev, False, None, in_order, desc.commandQueueGroupOrdinal))
     phCommandList[0] = cl.key
@@ -148,6 +169,9 @@ def _submit(rt: _Runtime, queue, op: _Op, device: Optional[_Device] = None, ordi
     with rt.lock:
         deps = [(ev.eq, ev.last_reset_sig + 1) for ev in op.waits]
         sig, rst, fn = op.signal, op.reset, op.fn
+        # PROG.rst: "The duration of a kernel timestamp for zeCommandListAppendSignalEvent and
+        # zeEventHostSignal is undefined": a plain signal leaves no timestamp to query
+        timed = op.label != "signal"
         used = list(_op_events(op))
         for ev in used:
             ev.refs += 1   # the device references it until this operation ran (zeEventDestroy)
@@ -196,7 +220,7 @@ def _submit(rt: _Runtime, queue, op: _Op, device: Optional[_Device] = None, ordi
                 release(start)
                 if sig is not None:
                     signalled = True
-                    _device_signal(rt, sig)
+                    _device_signal(rt, sig, timed)
             finally:
                 if not released:
                     release(start)
@@ -328,6 +352,9 @@ def zeCommandListAppendMemoryFill(hCommandList, ptr, pattern, pattern_size, size
         return rt.C.ZE_RESULT_ERROR_INVALID_SIZE
     if size % pattern_size:
         return rt.C.ZE_RESULT_ERROR_INVALID_SIZE
+    if dst % pattern_size:
+        # ze_api.h, zeCommandListAppendMemoryFill: "The ptr must be aligned to pattern_size"
+        return rt.C.ZE_RESULT_ERROR_UNSUPPORTED_ALIGNMENT
     memory = (_usm(rt, dst, size),) if size else ()
     pat = bytes(ffi.buffer(ffi.cast("char *", pattern), pattern_size))   # read at append time
     if None in memory and rt.vmm.reservations:
@@ -456,6 +483,9 @@ def zeCommandQueueCreate(hContext, hDevice, desc, phCommandQueue):
     if rc:
         return rc
     C = rt.C
+    rc = _queue_desc_code(C, desc)
+    if rc:
+        return rc
     if desc.flags & C.ZE_COMMAND_QUEUE_FLAG_IN_ORDER:
         return C.ZE_RESULT_ERROR_INVALID_ARGUMENT   # IN_ORDER is for immediate command lists only
     cq = rt._add(_CmdQueue(rt.get(hContext, "context"), dev, rt.engine.queue(f"xpu{dev.ordinal}-queue"),

@@ -27,6 +27,13 @@ def zeEventPoolCreate(hContext, desc, numDevices, phDevices, phEventPool):
         return C.ZE_RESULT_ERROR_INVALID_SIZE
     if desc.flags & ~0xF:
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    # ze_api.h: ZE_EVENT_POOL_FLAG_KERNEL_TIMESTAMP "cannot be combined with ZE_EVENT_POOL_FLAG_IPC", and
+    # ZE_EVENT_POOL_FLAG_KERNEL_MAPPED_TIMESTAMP (0x8) "cannot be combined with
+    # ZE_EVENT_POOL_FLAG_KERNEL_TIMESTAMP" (no code named: INVALID_ENUMERATION, as for other flags)
+    if desc.flags & 0x6 == 0x6 or desc.flags & 0xC == 0xC:
+        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    if numDevices and not phDevices:
+        return C.ZE_RESULT_ERROR_INVALID_SIZE       # "(nullptr == phDevices) && (0 < numDevices)"
     devices = []
     for i in range(numDevices):
         dev = rt.get(phDevices[i], "device")
@@ -65,6 +72,8 @@ def zeEventCreate(hEventPool, desc, phEvent):
         return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     if desc.stype != C.ZE_STRUCTURE_TYPE_EVENT_DESC:
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    if desc.signal > 0x7 or desc.wait > 0x7:
+        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION    # "0x7 < desc->signal", "0x7 < desc->wait"
     if desc.index >= pool.count:
         return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
     old = pool.events.get(desc.index)
@@ -95,22 +104,23 @@ def zeEventDestroy(hEvent):
     return 0
 
 
-def _signal_now(rt: _Runtime, ev: _Event) -> None:
-    """The device (or host) signals ``ev``: runs when the signal operation executes."""
+def _signal_now(rt: _Runtime, ev: _Event, timed: bool = True) -> None:
+    """The device (or host) signals ``ev``: runs when the signal operation executes.  Not
+    ``timed`` (a plain signal): its kernel timestamp is undefined (zeEventQueryKernelTimestamp)."""
     t = rt.ticks()
-    ev.ts = (t, t)
+    ev.ts = (t, t) if timed else None
     ev.signaled = True
     ev.eq.submit(None, work=False)   # one more executed signal: wakes waits and host syncs
 
 
-def _device_signal(rt: _Runtime, ev: _Event) -> None:
+def _device_signal(rt: _Runtime, ev: _Event, timed: bool = True) -> None:
     """A submitted signal operation executes: the device's reference of ``ev`` ends as the signal
     becomes visible, in one step under ``rt.lock``, so a host thread that saw the signal may
     reset or destroy the event (zeEventHostReset, zeEventDestroy check ``refs`` under that lock).
     No engine lock is ever held while ``rt.lock`` is taken, so the marker submitted here is safe."""
     with rt.lock:
         ev.refs -= 1
-        _signal_now(rt, ev)
+        _signal_now(rt, ev, timed)
 
 
 def _host_event(rt: _Runtime, hEvent):
@@ -135,7 +145,7 @@ def zeEventHostSignal(hEvent):
         return ev
     with rt.lock:
         ev.sig_submitted += 1
-    _signal_now(rt, ev)
+    _signal_now(rt, ev, timed=False)
     return 0
 
 
@@ -214,6 +224,10 @@ def zeEventQueryKernelTimestamp(hEvent, dstptr):
         return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
     if not ev.signaled:
         return C.ZE_RESULT_NOT_READY
+    if ev.ts is None:
+        # PROG.rst: "The duration of a kernel timestamp for zeCommandListAppendSignalEvent and
+        # zeEventHostSignal is undefined": refused (no code named) rather than a made-up (t, t)
+        return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
     start, end = ev.ts
     wall = getattr(dstptr, "global")   # a C field named like a Python keyword
     wall.kernelStart, wall.kernelEnd = start, end

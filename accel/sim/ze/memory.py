@@ -18,8 +18,8 @@ def zeContextCreate(hDriver, desc, phContext):
         return rc
     if rt.get(hDriver, "driver") is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
-    if desc.stype != rt.C.ZE_STRUCTURE_TYPE_CONTEXT_DESC:
-        return rt.C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    if desc.stype != rt.C.ZE_STRUCTURE_TYPE_CONTEXT_DESC or desc.flags > 0x1:
+        return rt.C.ZE_RESULT_ERROR_INVALID_ENUMERATION     # ze_api.h: "0x1 < desc->flags"
     ctx = rt._add(_Obj("context"))
     phContext[0] = ctx.key
     return 0
@@ -192,7 +192,12 @@ def zeMemGetAllocProperties(hContext, ptr, props, phDevice):
         return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     if props.stype != C.ZE_STRUCTURE_TYPE_MEMORY_ALLOCATION_PROPERTIES:
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    if not _addr(ptr):
+        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER      # "nullptr == ptr"
     a = rt.memory.find(_addr(ptr))
+    if a is not None and rt.alloc_ctx.get(a.base) is not rt.get(hContext, "context"):
+        # "memory allocation unrelated to the context ... type will be ZE_MEMORY_TYPE_UNKNOWN"
+        a = None
     if a is None:
         props.type, props.id, props.pageSize = C.ZE_MEMORY_TYPE_UNKNOWN, 0, 0
         if phDevice:
