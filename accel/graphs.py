@@ -576,10 +576,13 @@ class Graph:
         self._debug = True
 
     def debug_dump(self, path: str) -> None:
-        """Write the captured graph as a Graphviz DOT file (needs :meth:`enable_debug_mode` before capture)."""
+        """Write the captured graph as a Graphviz DOT file.  The graph must have been kept:
+        :meth:`enable_debug_mode` before capture, or ``keep_graph=True`` (torch's
+        ``CUDAGraph::debug_dump`` dumps when either holds)."""
         self._check_process()
-        if not self._debug:
-            raise RuntimeError("debug_dump needs enable_debug_mode() to be called before capture")
+        if not (self._debug or self.keep_graph):
+            raise RuntimeError("debug_dump needs enable_debug_mode() before capture, or a Graph(keep_graph=True): "
+                               "otherwise the graph is not kept after capture_end")
         if self._graph is None:
             raise RuntimeError("debug_dump: no captured graph to dump")
         path = os.fspath(path)

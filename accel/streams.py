@@ -838,10 +838,11 @@ def _current_table() -> Dict[int, Stream]:
     return table
 
 
-def default_stream(dev: DeviceLike = None) -> Stream:
-    """The default stream of ``dev`` (the current device when None)."""
+def default_stream(device: DeviceLike = None) -> Stream:
+    """The default stream of ``device`` (the current device when None), as
+    ``torch.cuda.default_stream(device=None)``."""
     backend = _lazy.lazy_init()
-    index = _index_for(dev)
+    index = _index_for(device)
     stream = _defaults.get(index)
     if stream is None:
         with _defaults_lock:
@@ -851,18 +852,19 @@ def default_stream(dev: DeviceLike = None) -> Stream:
     return stream
 
 
-def current_stream(dev: DeviceLike = None) -> Stream:
-    """The calling thread's current stream on ``dev`` (the current device when None)."""
+def current_stream(device: DeviceLike = None) -> Stream:
+    """The calling thread's current stream on ``device`` (the current device when None), as
+    ``torch.cuda.current_stream(device=None)`` and ``torch.accelerator.current_stream``."""
     # Hot path (called for every queued operation): no helper calls beyond get_device.
     backend = _lazy.ready or _lazy.lazy_init()
-    if dev is None:
+    if device is None:
         index = backend.get_device()
-    elif type(dev) is int:
+    elif type(device) is int:
         # (an object's own device, say) checked only when neither table below has it: both
         # hold checked indices only, and default_stream checks the rest as _index_for would
-        index = dev
+        index = device
     else:
-        index = _index_for(dev)
+        index = _index_for(device)
     try:
         return _tls.current[index]
     except (AttributeError, KeyError):

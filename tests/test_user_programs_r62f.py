@@ -594,9 +594,8 @@ def test_torch_accelerator_call_forms_and_return_types(sim_backend):
 #: torch.xpu.current_stream(device=None) take the device by the keyword ``device``;
 #: torch.accelerator.current_stream(device=None, /) names it ``device`` too.  accel names the
 #: parameter ``dev``: ``accel.current_stream(device=1)`` raised "TypeError: current_stream() got
-#: an unexpected keyword argument 'device'" (accel/streams.py current_stream, default_stream).
-@pytest.mark.xfail(strict=True, reason="accel.current_stream/default_stream name their parameter `dev`; "
-                   "torch.cuda/torch.xpu's `device=` keyword is a TypeError (accel/streams.py)")
+#: an unexpected keyword argument 'device'" (accel/streams.py current_stream, default_stream; a
+#: strict xfail until r62 renamed it).
 def test_current_and_default_stream_take_the_device_keyword(sim_backend):
     dev, base = _begin()
     s = accel.Stream(dev)
@@ -658,9 +657,7 @@ def test_seeded_training_step_reproducible_on_device1(sim_backend):
 #: ``_cuda_graphs_debug || keep_graph_``: a graph made with ``keep_graph=True`` keeps its
 #: cudaGraph_t and can be dumped without enable_debug_mode().  accel raised "RuntimeError:
 #: debug_dump needs enable_debug_mode() to be called before capture" (accel/graphs.py
-#: Graph.debug_dump checks only self._debug).
-@pytest.mark.xfail(strict=True, reason="Graph.debug_dump refuses a keep_graph=True graph without "
-                   "enable_debug_mode(); torch 2.13 dumps it (accel/graphs.py Graph.debug_dump)")
+#: Graph.debug_dump checked only self._debug; a strict xfail until r62).
 @pytest.mark.parametrize("kind", GRAPH_SIMS)
 def test_keep_graph_debug_dump_without_debug_mode(monkeypatch, kind, tmp_path):
     from conftest import use_sim
