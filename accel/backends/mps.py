@@ -941,6 +941,17 @@ class MPSBackend(Backend):
         with self._encoding(cb, M_BLIT_ENCODER) as enc:
             rt.send(enc, M_FILL, dst.obj, rng, value & 0xFF)
 
+    def _before_host_write(self, d, stream: int) -> None:
+        """Order a host-side copy or fill after the GPU work it must follow.  Into a Metal buffer
+        (``d``), every stream: MTLBuffer.h, "The contents become undefined if both the CPU and GPU
+        write to the same buffer without a synchronizing action between those writes.  This is
+        true even when the regions written do not overlap", and the allocator carves many blocks,
+        used on any stream, out of one MTLBuffer.  Into host memory, ``stream`` only."""
+        if d is None:
+            self.stream_synchronize(stream)
+        else:
+            self.device_synchronize()
+
     def _host(self, ptr: int) -> Any:
         return self._rt.ffi.cast("void *", ptr)
 
@@ -972,7 +983,7 @@ class MPSBackend(Backend):
                              f"memory returned by mem_alloc/host_alloc that has not been freed")
         # Pageable destination or unaligned range: order on the host, copy through unified memory,
         # under the lock with the buffers still live (close() in another thread releases them).
-        self.stream_synchronize(stream)
+        self._before_host_write(d, stream)
         with self._lock:
             for side in (d, s):
                 if side is not None:
@@ -1032,7 +1043,7 @@ class MPSBackend(Backend):
         if nbytes % 4 == 0 and d[1] % 4 == 0:
             self._enqueue_fill(d, value, nbytes, stream)
             return
-        self.stream_synchronize(stream)
+        self._before_host_write(d, stream)
         with self._lock:        # (as memcpy_async's host path)
             self._live(d[0])
             rt.ffi.buffer(self._host(ptr), nbytes)[:] = bytes([value & 0xFF]) * nbytes
