@@ -276,14 +276,7 @@ def _kernel_view(rt):
             return kernels.view(addr, nbytes, dtype)
         if region.__class__ is str:
             raise kernels.MemoryRangeError(f"a kernel touched {region}")
-        buf = ffi.buffer(_memory.char_ptr(addr), nbytes)
-        if dtype is None:
-            return memoryview(buf)
-        import numpy as np
-        dt = np.dtype(dtype)
-        if addr % dt.base.itemsize:
-            raise kernels.MisalignedAddress(f"0x{addr:x} is not aligned for {dt}")
-        return np.frombuffer(buf, dtype=dt, count=nbytes // dt.itemsize)
+        return kernels.view_checked_range(addr, nbytes, dtype)
     return view
 
 

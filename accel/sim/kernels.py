@@ -192,6 +192,12 @@ def view(ptr: int, nbytes: int, dtype=None):
     """
     ptr = _memory.addr_of(ptr)
     _check_range(ptr, nbytes)
+    return view_checked_range(ptr, nbytes, dtype)
+
+
+def view_checked_range(ptr: int, nbytes: int, dtype=None):
+    """:func:`view` of a range the caller checked (a simulator's own rules: peer access, virtual
+    memory): a typed view refuses a misaligned address as a device does."""
     buf = ffi.buffer(_memory.char_ptr(ptr), nbytes)
     if dtype is None:
         return memoryview(buf)

@@ -319,14 +319,7 @@ def _device_view(R: Runtime, device: int):
                 if region.__class__ is str:
                     raise kernels.MemoryRangeError(f"a kernel on device {device} touched {region}")
                 if region is not None:
-                    buf = ffi.buffer(ffi.cast(_CHARP, addr), nbytes)
-                    if dtype is None:
-                        return memoryview(buf)
-                    import numpy as np
-                    dt = np.dtype(dtype)
-                    if addr % dt.base.itemsize:
-                        raise kernels.MisalignedAddress(f"0x{addr:x} is not aligned for {dt}")
-                    return np.frombuffer(buf, dtype=dt, count=nbytes // dt.itemsize)
+                    return kernels.view_checked_range(addr, nbytes, dtype)
             a = find(addr)
             if a is not None and a.kind == _memory.DEVICE and (a.device != device or not a.live):
                 why = _pool_access_problem(R, a, device, None)
