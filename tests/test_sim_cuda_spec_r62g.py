@@ -1,0 +1,320 @@
+"""Calls the simulated CUDA runtime accepts that the CUDA Runtime API reference forbids or leaves
+undefined (session r62g), beyond the 136 H100 scenarios (tests/conformance) and the earlier strict
+audits.  Each finding is a strict xfail quoting the rule; the library is driven as a CUDA program
+drives it (cdata out-pointers, integer codes), on device 1 as well as device 0.
+
+Codes (driver_types.h): cudaErrorInvalidValue 1, cudaErrorNotReady 600.
+"""
+
+import time
+
+import pytest
+
+from accel import sim
+from accel._ffi._cudart import ffi
+from conftest import run_forked, use_sim
+from test_sim_cuda import _gates, gate, malloc, ok, stream
+
+INVALID_VALUE, NOT_READY = 1, 600
+HOST_TO_HOST, DEFAULT = 0, 4                    # cudaMemcpyKind
+MEMORY_TYPE_DEVICE = 2                          # cudaMemoryTypeDevice
+POOL_USED_CURRENT = 7                           # cudaMemPoolAttrUsedMemCurrent
+_gate_ids = iter(range(62_700, 62_800))
+
+
+@pytest.fixture
+def lib(monkeypatch):
+    use_sim(monkeypatch, "cuda")
+    sim.reset()
+    sim.configure(delay_us=1)       # every operation goes through the stream workers
+    yield sim.open_library("cudart")
+    for g in _gates.values():
+        g.set()
+    sim.reset()
+
+
+def _finished_within(lib, s, seconds: float = 0.5) -> bool:
+    """Whether stream ``s`` drains within ``seconds`` (never asserts a duration: a stream that must
+    stay blocked is polled for a while, one that runs ahead of its order shows up at once)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        rc = lib.cudaStreamQuery(s)
+        if rc != NOT_READY:
+            return rc == 0
+        time.sleep(0.01)
+    return False
+
+
+def _gated_stream(lib, device: int):
+    """A non-blocking stream of ``device`` held by a gate kernel, and the gate; device 0 current."""
+    ok(lib.cudaSetDevice(device))
+    s = stream(lib)
+    g = gate(lib, s, next(_gate_ids))
+    ok(lib.cudaSetDevice(0))
+    return s, g
+
+
+def _malloc_async(lib, n, s):
+    p = ffi.new("void **")
+    ok(lib.cudaMallocAsync(p, n, s))
+    return p[0]
+
+
+# -- cudaGraphLaunch: launches of one executable graph are ordered ---------------------------------
+
+@pytest.mark.xfail(strict=True, reason=(
+    "sim cudart/graphs.py cudaGraphLaunch queues a launch only behind its stream: a second launch of "
+    "the same exec on another stream runs at once. CUDA Runtime API, cudaGraphLaunch: 'Only one "
+    "instance of graphExec may be executing at a time. Each launch is ordered behind both any "
+    "previous work in stream and any previous launches of graphExec.' Fix: keep the exec's last "
+    "launch point (queue, seq) and add it to the deps of the next launch"))
+@pytest.mark.parametrize("device", [0, 1])
+def test_launches_of_one_graph_exec_are_ordered_across_streams(lib, device):
+    ok(lib.cudaSetDevice(device))
+    a, b = stream(lib), stream(lib)
+    p = malloc(lib, 256)
+    ok(lib.cudaStreamBeginCapture(a, 0))
+    ok(lib.cudaMemsetAsync(p, 7, 256, a))
+    graph = ffi.new("cudaGraph_t *")
+    ok(lib.cudaStreamEndCapture(a, graph))
+    x = ffi.new("cudaGraphExec_t *")
+    ok(lib.cudaGraphInstantiate(x, graph[0], 0))
+    g = gate(lib, a, next(_gate_ids))
+    ok(lib.cudaGraphLaunch(x[0], a))          # held behind the gate
+    ok(lib.cudaGraphLaunch(x[0], b))          # must wait for the launch on a
+    ahead = _finished_within(lib, b)
+    g.set()
+    ok(lib.cudaDeviceSynchronize())
+    ok(lib.cudaGraphExecDestroy(x[0]))
+    ok(lib.cudaGraphDestroy(graph[0]))
+    assert not ahead, "the second launch of the graph exec ran before the first"
+
+
+# -- cudaMallocAsync / cudaFreeAsync: stream-ordered lifetime --------------------------------------
+
+@pytest.mark.xfail(strict=True, reason=(
+    "sim cudart/mempool.py cudaFreeAsync only queues the removal; until its stream reaches it, a "
+    "memset (or copy, or kernel) of the pointer queued on another stream is accepted and runs on the "
+    "freed allocation. CUDA Runtime API, cudaFreeAsync: 'After this API returns, accessing the memory "
+    "from any subsequent work launched on the GPU or querying its pointer attributes results in "
+    "undefined behavior.' Fix: at cudaFreeAsync mark the allocation freed (out of R.mem.find for new "
+    "work; the queued free keeps the object) so later memset/memcpy/launch views refuse it (1)"))
+@pytest.mark.parametrize("device", [0, 1])
+def test_work_queued_after_free_async_is_refused(lib, device):
+    s, g = _gated_stream(lib, device)
+    ok(lib.cudaSetDevice(device))
+    other = stream(lib)
+    ok(lib.cudaSetDevice(0))
+    p = _malloc_async(lib, 4096, s)
+    ok(lib.cudaFreeAsync(p, s))               # the free waits behind the gate
+    rc = lib.cudaMemsetAsync(p, 1, 4096, other)
+    lib.cudaGetLastError()
+    g.set()
+    ok(lib.cudaStreamSynchronize(s))
+    lib.cudaStreamSynchronize(other)
+    assert rc == INVALID_VALUE
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "sim cudart/memory.py cudaPointerGetAttributes reports device memory for a pointer cudaFreeAsync "
+    "has freed (its stream has not reached the free yet). cudaFreeAsync: '... or querying its pointer "
+    "attributes results in undefined behavior' -- the simulator should refuse (1), not answer"))
+@pytest.mark.parametrize("device", [0, 1])
+def test_pointer_attributes_after_free_async_are_refused(lib, device):
+    s, g = _gated_stream(lib, device)
+    p = _malloc_async(lib, 4096, s)
+    ok(lib.cudaFreeAsync(p, s))
+    attrs = ffi.new("struct cudaPointerAttributes *")
+    rc = lib.cudaPointerGetAttributes(attrs, p)
+    kind = attrs.type
+    lib.cudaGetLastError()
+    g.set()
+    ok(lib.cudaStreamSynchronize(s))
+    assert rc == INVALID_VALUE, f"answered rc={rc}, type={kind}"
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "sim cudart/mempool.py cudaMallocAsync makes the allocation usable at once on every stream. CUDA "
+    "Runtime API, cudaMallocAsync: 'The allocation must not be accessed until the allocation operation "
+    "completes' ('Stream query, stream synchronize, and CUDA events can be used to guarantee that the "
+    "allocation operation completes before work submitted in a separate stream runs'). Fix: queue the "
+    "allocation point on the stream; work on another stream not ordered after it is refused (1)"))
+@pytest.mark.parametrize("device", [0, 1])
+def test_pool_allocation_used_on_another_stream_before_it_is_made_is_refused(lib, device):
+    s, g = _gated_stream(lib, device)
+    ok(lib.cudaSetDevice(device))
+    other = stream(lib)
+    ok(lib.cudaSetDevice(0))
+    p = _malloc_async(lib, 4096, s)           # the allocation operation waits behind the gate
+    rc = lib.cudaMemsetAsync(p, 1, 4096, other)
+    lib.cudaGetLastError()
+    g.set()
+    ok(lib.cudaStreamSynchronize(s))
+    lib.cudaStreamSynchronize(other)
+    ok(lib.cudaFreeAsync(p, s))
+    ok(lib.cudaStreamSynchronize(s))
+    assert rc == INVALID_VALUE
+
+
+def test_pool_allocation_used_in_order_is_accepted(lib):
+    """What stays valid: the allocating stream, and another stream after an event or a synchronize."""
+    ok(lib.cudaSetDevice(1))
+    s, other = stream(lib), stream(lib)
+    ok(lib.cudaSetDevice(0))
+    p = _malloc_async(lib, 4096, s)
+    ok(lib.cudaMemsetAsync(p, 1, 4096, s))
+    ok(lib.cudaStreamSynchronize(s))
+    ok(lib.cudaMemsetAsync(p, 2, 4096, other))
+    ok(lib.cudaStreamSynchronize(other))
+    ok(lib.cudaFreeAsync(p, other))
+    ok(lib.cudaStreamSynchronize(other))
+    assert sim.state().live_allocations == {}
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "sim cudart/memory.py cudaFree of a cudaMallocAsync pointer (0, as on an H100, scenario "
+    "pool_free_mismatches) removes the allocation but leaves R.async_allocs[base] and the pool's "
+    "used bytes: cudaMemPoolAttrUsedMemCurrent keeps counting memory no allocation holds, the entry "
+    "leaks (state not bounded by live objects), and dev.used is lowered by the cudaMalloc rounding "
+    "while the pool keeps its 2 MiB. Fix: in cudaFree, pop R.async_allocs[a.base] and give the bytes "
+    "back to the pool (pool.used -= n) instead of dev.used"))
+@pytest.mark.parametrize("device", [0, 1])
+def test_cudafree_of_a_pool_allocation_returns_it_to_the_pool(lib, device):
+    ok(lib.cudaSetDevice(device))
+    s = stream(lib)
+    ok(lib.cudaSetDevice(0))
+    pool = ffi.new("cudaMemPool_t *")
+    ok(lib.cudaDeviceGetDefaultMemPool(pool, device))
+    p = _malloc_async(lib, 1 << 20, s)
+    ok(lib.cudaStreamSynchronize(s))
+    ok(lib.cudaFree(p))
+    used = ffi.new("unsigned long long *")
+    ok(lib.cudaMemPoolGetAttribute(pool[0], POOL_USED_CURRENT, used))
+    assert sim.state().live_allocations == {}
+    assert used[0] == 0, f"the pool still counts {used[0]} bytes in use"
+
+
+# -- cudaHostAlloc flags ---------------------------------------------------------------------------
+
+@pytest.mark.xfail(strict=True, reason=(
+    "sim cudart/memory.py cudaHostAlloc accepts flag 0x8 (checks flags & ~0xF). CUDA Runtime API, "
+    "cudaHostAlloc lists only cudaHostAllocDefault 0, cudaHostAllocPortable 1, cudaHostAllocMapped 2 "
+    "and cudaHostAllocWriteCombined 4 (driver_types.h defines no other; 0x8 is cudaHostRegister's "
+    "ReadOnly). Fix: refuse flags & ~0x7 with cudaErrorInvalidValue"))
+@pytest.mark.parametrize("device", [0, 1])
+def test_host_alloc_refuses_undefined_flag_bits(lib, device):
+    ok(lib.cudaSetDevice(device))
+    before = sim.state().host_allocations
+    p = ffi.new("void **")
+    for flags in (0x10, 0x8):
+        assert lib.cudaHostAlloc(p, 64, flags) == INVALID_VALUE, hex(flags)
+        assert lib.cudaGetLastError() == INVALID_VALUE
+    assert sim.state().host_allocations == before
+
+
+def test_host_alloc_takes_each_documented_flag(lib):
+    p = ffi.new("void **")
+    for flags in (0, 1, 2, 4, 7):
+        ok(lib.cudaHostAlloc(p, 64, flags))
+        ok(lib.cudaFreeHost(p[0]))
+
+
+# -- copies with a freed device pointer ------------------------------------------------------------
+
+def _copy_with_freed_pointer(kind: int, n: int, into: bool) -> int:
+    """Forked child: free a device-1 allocation (device 0 current), then cudaMemcpy into or out of
+    it.  Exit 0: refused; 3: accepted (the sim copied to or from freed host memory)."""
+    sim.reset()
+    lib = sim.open_library("cudart")
+    ok(lib.cudaSetDevice(1))
+    p = malloc(lib, n)
+    ok(lib.cudaSetDevice(0))
+    ok(lib.cudaFree(p))
+    host = ffi.new("char[]", n)
+    rc = lib.cudaMemcpy(p, host, n, kind) if into else lib.cudaMemcpy(host, p, n, kind)
+    return 0 if rc == INVALID_VALUE else 3
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "sim cudart/copies.py _memcpy: an address no live allocation holds is taken for pageable host "
+    "memory, so cudaMemcpy(Default or HostToHost) into or out of a cudaFree'd pointer memmoves into "
+    "freed host memory: silent heap corruption for small buffers, SIGSEGV (-11) for large ones (their "
+    "pages are unmapped). CUDA Runtime API, cudaFree: 'Frees the memory space pointed to by devPtr'; "
+    "cudaMemcpy needs valid dst/src and is silent on freed device pointers, so the simulator must "
+    "refuse (1). Fix: carve device memory out of a reserved address range (as _vmm reserves), so an "
+    "address in it with no live allocation is a freed device pointer, never pageable host memory"))
+@pytest.mark.parametrize("kind", [HOST_TO_HOST, DEFAULT])
+@pytest.mark.parametrize("n", [256, 4 << 20])
+@pytest.mark.parametrize("into", [True, False], ids=["into", "from"])
+def test_copy_with_a_freed_device_pointer_is_refused(monkeypatch, kind, n, into):
+    use_sim(monkeypatch, "cuda")
+    assert run_forked(lambda: _copy_with_freed_pointer(kind, n, into)) == 0
+
+
+# -- does accel rely on the leniency? --------------------------------------------------------------
+
+def test_accel_async_allocator_never_touches_memory_after_free_async(monkeypatch):
+    """The cudaFreeAsync rule made strict inside the simulator (a memset or copy naming a pool
+    allocation whose cudaFreeAsync was called is refused with cudaErrorInvalidValue), then accel's
+    backend:cudaMallocAsync allocator used across streams of device 1 (device 0 current), with
+    record_stream, as test_memory_async does: accel never queues work on freed pool memory, so the
+    fix proposed above would not break it."""
+    import accel
+    from accel import _lazy, memory
+    from accel.sim.cudart import copies, state
+
+    use_sim(monkeypatch, "cuda", ACCEL_ALLOC_CONF="backend:cudaMallocAsync")
+    seen, refused = set(), []
+
+    def pending_free(ptr) -> bool:
+        R = state.runtime()
+        seen.update(R.async_allocs)
+        a = R.mem.find(state._addr(ptr)) if ptr is not None else None
+        return a is not None and a.live and a.base in seen and a.base not in R.async_allocs
+
+    real_memset, real_memcpy = copies._memset, copies._memcpy
+
+    def strict_memset(R, devPtr, *args, **kw):
+        if pending_free(devPtr):
+            refused.append(("memset", devPtr))
+            return INVALID_VALUE
+        return real_memset(R, devPtr, *args, **kw)
+
+    def strict_memcpy(R, dst, src, *args, **kw):
+        if pending_free(dst) or (not isinstance(src, (bytes, bytearray, memoryview)) and pending_free(src)):
+            refused.append(("memcpy", dst, src))
+            return INVALID_VALUE
+        return real_memcpy(R, dst, src, *args, **kw)
+
+    monkeypatch.setattr(copies, "_memset", strict_memset)
+    monkeypatch.setattr(copies, "_memcpy", strict_memcpy)
+    be = _lazy.lazy_init()
+    try:
+        alloc = memory.device_allocator(1)
+        with accel.streams.on_device(be, 1):
+            mine, slow = be.stream_create(), be.stream_create()
+        for _ in range(3):
+            ptr = alloc.malloc(1 << 16, mine)
+            seen.update(state.runtime().async_allocs)
+            be.memset_async(ptr, 0xAA, 1 << 16, slow)
+            alloc.record_stream(ptr, slow)
+            alloc.free(ptr)
+        be.stream_synchronize(mine)
+        be.stream_synchronize(slow)
+        with accel.streams.on_device(be, 1):
+            for s in (mine, slow):
+                be.stream_destroy(s)
+        assert refused == []
+        assert sim.state().errors == []
+        # the strict rule is live: a raw use after cudaFreeAsync (the free held by a gate) is refused
+        lib = sim.open_library("cudart")
+        sim.configure(delay_us=1)
+        s, g = _gated_stream(lib, 1)
+        p = _malloc_async(lib, 4096, s)
+        seen.update(state.runtime().async_allocs)
+        ok(lib.cudaFreeAsync(p, s))
+        assert lib.cudaMemsetAsync(p, 1, 4096, s) == INVALID_VALUE and refused
+        g.set()
+        ok(lib.cudaStreamSynchronize(s))
+    finally:
+        sim.reset()
