@@ -458,27 +458,17 @@ def test_set_allocator_settings_resets_unnamed_and_refuses_fixed(sim_backend):
     assert M.get_allocator_settings() == "expandable_segments:False"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "r62i: garbage_collection_threshold accepts 0 < t < 1 (1.0 is refused, as torch's "
-    "'garbage_collect_threshold too big'), but a value past either end is refused with "
-    "'expected 0 < value <= 1', naming 1 as valid: accel/memory/_config.py's parse of "
-    "garbage_collection_threshold calls _parse_float(.., 0.0, 1.0) whose generic message "
-    "closes the upper bound; fix: give _parse_float an open upper bound there (or check "
-    "the range itself) so every refusal says 'expected 0 < value < 1'"))
 @pytest.mark.parametrize("value", ["1.5", "0"])
 def test_gc_threshold_refusal_names_the_valid_range(monkeypatch, value):
-    """The option list: garbage_collection_threshold "(0 < t < 1)"; the refusal of 1.0 says
+    """r62i, a strict xfail until fixed: 1.5 and 0 were refused with 'expected 0 < value <= 1'.
+    The option list: garbage_collection_threshold "(0 < t < 1)"; the refusal of 1.0 says
     "expected 0 < value < 1"; every refusal should name that range."""
     with pytest.raises(ValueError, match=r"0 < value < 1\b"):
         _first_use(monkeypatch, ACCEL_ALLOC_CONF=f"garbage_collection_threshold:{value}")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "r62i: the option list printed with 'valid options are' says per_process_memory_fraction "
-    "takes '(0..1]', but 0 is accepted (set_per_process_memory_fraction: '0.0 is valid'; "
-    "torch: 'set it in [0.0, 1.0]'); fix the text in accel/memory/_config.py's option "
-    "descriptions (per_process_memory_fraction) to '[0, 1]'"))
 def test_fraction_option_description_matches_accepted_range(monkeypatch):
+    """r62i, a strict xfail until fixed: the option list said '(0..1]', but 0 is valid."""
     with pytest.raises(accel.OutOfMemoryError, match="0 bytes allowed"):
         _first_use(monkeypatch, ACCEL_ALLOC_CONF="per_process_memory_fraction:0")
     with pytest.raises(ValueError) as info:
@@ -548,15 +538,10 @@ def test_rng_threads_give_the_same_numbers(monkeypatch):
         philox._threads()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "r62i: a host-path random fill refused for a malformed ACCEL_RNG_THREADS ('abc' is not an "
-    "integer) has already advanced the generator's offset (by the fill's words): "
-    "accel/random/_device.py _fill_here reserves with generator.philox_args before plan.host "
-    "-> philox.philox_counters -> _threads() raises; fix: call philox._threads() (or validate "
-    "the variable) before philox_args on the host path, so a refused fill leaves the RNG state "
-    "unchanged"))
 @pytest.mark.parametrize("kind, dtype", [("xpu", "float32"), ("mps", "float64")])
 def test_bad_rng_threads_refusal_leaves_rng_state(monkeypatch, kind, dtype):
+    """r62i, a strict xfail until fixed: the refused host-path fill had moved the generator's
+    offset (0 -> 32 for a 64-byte float64 normal fill on MPS)."""
     use_sim(monkeypatch, kind, ACCEL_RNG_THREADS="abc")
     d = accel.device_count() - 1
     gen = R.default_generator(d)
@@ -565,3 +550,13 @@ def test_bad_rng_threads_refusal_leaves_rng_state(monkeypatch, kind, dtype):
     with pytest.raises(ValueError, match="ACCEL_RNG_THREADS"):
         R.normal_(accel.Buffer(64, device=d), dtype=dtype)
     assert gen.get_state().tobytes() == before
+
+
+
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_rng_threads_below_one_is_refused(monkeypatch, value):
+    """r62i noticed ACCEL_RNG_THREADS=0 or a negative count quietly meant 1; now refused, naming
+    the value and the fix, like a malformed one."""
+    monkeypatch.setenv("ACCEL_RNG_THREADS", value)
+    with pytest.raises(ValueError, match=f"ACCEL_RNG_THREADS='{value}'.*at least 1"):
+        philox._threads()

@@ -53,7 +53,7 @@ OPTIONS = {
                          "more are returned to the device when a block is freed",
     "expandable_segments": "True/False: grow one virtual address range per stream and pool by mapping "
                            "2 MiB pages where the backend has virtual memory (default: True there; False under policy:torch, as torch)",
-    "per_process_memory_fraction": "cap reserved memory at this fraction (0..1] of the device's total",
+    "per_process_memory_fraction": "cap reserved memory at this fraction [0, 1] of the device's total",
     "policy": "(ACCEL_ALLOC_CONF only) accel (default: tight segments, release-before-grow) or torch (PyTorch's sizing rules)",
     "backend": "native (accel's caching allocator, the default) or cudaMallocAsync (the driver's "
                "stream-ordered pool, where the backend has one; only per_process_memory_fraction applies)",
@@ -117,13 +117,14 @@ def _parse_bool(key, value, source):
     raise _fail(key, value, f"Expected a single True/False argument for {key}", source)
 
 
-def _parse_float(key, value, source, lo, hi, lo_open=True):
+def _parse_float(key, value, source, lo, hi, lo_open=True, hi_open=False):
     try:
         number = float(value)
     except ValueError:
         raise _fail(key, value, "expected a number", source) from None
-    if not ((lo < number if lo_open else lo <= number) and number <= hi):
-        raise _fail(key, value, f"expected {lo:g} {'<' if lo_open else '<='} value <= {hi:g}", source)
+    if not ((lo < number if lo_open else lo <= number) and (number < hi if hi_open else number <= hi)):
+        raise _fail(key, value, f"expected {lo:g} {'<' if lo_open else '<='} value {'<' if hi_open else '<='} "
+                                f"{hi:g}", source)
     return number
 
 
@@ -253,10 +254,8 @@ def _values(text: str, source: str) -> dict:
                 raise _fail(key, value, "must not be negative", source)
             values["max_non_split_rounding"] = mb * MiB
         elif key == "garbage_collection_threshold":
-            threshold = _parse_float(key, value, source, 0.0, 1.0)
-            if threshold >= 1.0:
-                raise _fail(key, value, "expected 0 < value < 1", source)
-            values["garbage_collection_threshold"] = threshold
+            # torch: "garbage_collect_threshold too small, set it 0.0~1.0" / "too big": 0 < t < 1
+            values["garbage_collection_threshold"] = _parse_float(key, value, source, 0.0, 1.0, hi_open=True)
         elif key == "roundup_power2_divisions":
             values["roundup_power2_divisions"] = _parse_divisions(key, value, source)
         elif key == "release_threshold":

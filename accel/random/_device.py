@@ -24,7 +24,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 from .. import _lazy
 from .._errors import AcceleratorError, CaptureError, KernelImageError
-from . import _fills
+from . import _fills, philox
 
 _BLOCK = 256
 _MAX_BLOCKS = 1024   # grid-stride loops cover the rest; ~ resident blocks of a large GPU
@@ -192,6 +192,8 @@ def _fill_here(backend, index: int, buf, plan: "_fills.Plan", generator, stream)
             f"random fills of this kind cannot be captured on {backend.name}: it has no {plan.kernel} "
             "kernel, and the host path would bake one set of numbers into the graph")
     ptr = buf.ptr
+    if kernel is None:
+        philox._threads()       # a bad ACCEL_RNG_THREADS is refused before the generator's offset moves
     try:
         args = generator.philox_args(plan.words, graph=capturing)
     except RuntimeError as exc:

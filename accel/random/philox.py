@@ -248,9 +248,14 @@ def _threads() -> int:
     env = os.environ.get("ACCEL_RNG_THREADS")
     if env:
         try:
-            return max(1, int(env))
+            n = int(env)
         except ValueError:
-            raise ValueError(f"ACCEL_RNG_THREADS={env!r} is not an integer") from None
+            raise ValueError(f"ACCEL_RNG_THREADS={env!r} is not an integer; set a thread count >= 1 "
+                             f"(1: no threads)") from None
+        if n < 1:
+            raise ValueError(f"ACCEL_RNG_THREADS={env!r}: the host Philox path needs at least 1 thread; "
+                             f"set 1 for no extra threads")
+        return n
     return max(1, min(os.cpu_count() or 1, 8))
 
 
