@@ -172,9 +172,11 @@ def _invalidate(R: Runtime, cap: Optional[Capture]) -> None:
             cap.status = _STATUS_INVALIDATED
 
 
-def _enqueue(R: Runtime, s: Stream, fn, kind: str, label: str, work: bool = True, event=None, kernel=None):
-    """Run ``fn`` in stream order on ``s`` (or record it, if ``s`` is capturing).
-    Returns (rc, seq); seq is 0 for captured or failed operations."""
+def _enqueue(R: Runtime, s: Stream, fn, kind: str, label: str, work: bool = True, event=None, kernel=None,
+             after=()):
+    """Run ``fn`` in stream order on ``s`` (or record it, if ``s`` is capturing), and after the
+    points ``after`` (of other queues).  Returns (rc, seq); seq is 0 for captured or failed
+    operations."""
     cap = s.capture
     if cap is not None:
         with R.clock:
@@ -188,7 +190,8 @@ def _enqueue(R: Runtime, s: Stream, fn, kind: str, label: str, work: bool = True
         rc = _legacy_conflict(R, s.device)
         if rc:
             return rc, 0
-    return 0, s.q.submit(fn, _implicit_deps(R, s) if (s.legacy or s.blocking) else (), work)
+    deps = _implicit_deps(R, s) if (s.legacy or s.blocking) else ()
+    return 0, s.q.submit(fn, list(deps) + list(after) if after else deps, work)
 
 
 def _wait_device(R: Runtime, device: int) -> None:

@@ -210,6 +210,7 @@ def _launch_with_events(R: Runtime, x: GraphExec, s: Stream) -> int:
         if rc:
             return rc
     deps = list(_implicit_deps(R, s)) if (s.legacy or s.blocking) else []
+    deps += _after_previous_launch(x)
     q = s.q
     x.launches += 1
     for kind, arg, point in steps:
@@ -223,7 +224,18 @@ def _launch_with_events(R: Runtime, x: GraphExec, s: Stream) -> int:
         else:
             q.submit(None, deps + [point], False)
         deps = []               # later steps follow the first in stream order
+    x.last = (q, q.enqueued)
     return cudaSuccess
+
+
+def _after_previous_launch(x: GraphExec) -> list:
+    """cudaGraphLaunch: "Only one instance of graphExec may be executing at a time. Each launch
+    is ordered behind both any previous work in stream and any previous launches of graphExec."
+    The dependency on the latest launch (on whatever stream), while it has not run."""
+    last = x.last
+    if last is None or last[0].done >= last[1]:
+        return []
+    return [last]
 
 
 def _replay(nodes: Sequence[Node]):
@@ -290,7 +302,10 @@ def cudaGraphLaunch(R, graphExec, stream):
         rc = _launch_with_events(R, x, s)
     else:
         x.launches += 1
-        rc = _enqueue(R, s, _replay(x.nodes), "graph", f"graph exec {x.handle:#x}")[0]
+        rc, seq = _enqueue(R, s, _replay(x.nodes), "graph", f"graph exec {x.handle:#x}",
+                           after=_after_previous_launch(x))
+        if seq:
+            x.last = (s.q, seq)
     if em is not None:
         _graph_mem_after_launch(R, em, s, rc, mapped)
     return rc

@@ -83,6 +83,14 @@ def cudaFree(R, devPtr):
         return _graph_free_now(R, a)
     _wait_device(R, a.device)   # cudaFree synchronizes: no queued work may still use the buffer
     R.mem.remove(a)
+    entry = R.async_allocs.pop(a.base, None)
+    if entry is not None:
+        # cudaMallocAsync memory given to cudaFree (an H100 returned 0: scenario pool_free_mismatches):
+        # its bytes go back to its pool, as a cudaFreeAsync's would
+        pool, n = entry
+        with R.mlock:
+            pool.used -= n
+        return cudaSuccess
     dev = R.devices[a.device]
     with R.mlock:
         dev.used -= (a.size + 255) & ~255
@@ -90,7 +98,9 @@ def cudaFree(R, devPtr):
 
 
 def cudaHostAlloc(R, pHost, size, flags):
-    if pHost is None or size < 0 or flags & ~0xF:
+    # cudaHostAlloc: cudaHostAllocDefault/Portable/Mapped/WriteCombined (0, 1, 2, 4) only; 8 is
+    # cudaHostRegister's cudaHostRegisterIoMemory
+    if pHost is None or size < 0 or flags & ~0x7:
         return cudaErrorInvalidValue
     if R.captures:
         rc = _unsafe_call(R)
@@ -144,6 +154,8 @@ def cudaPointerGetAttributes(R, attributes, ptr):
         return cudaErrorInvalidValue
     addr = _addr(ptr)
     a = R.mem.find(addr) if addr else None
+    if a is not None and R.freeing and a.base in R.freeing:
+        return cudaErrorInvalidValue    # "or querying its pointer attributes results in undefined behavior"
     if a is None and addr and R.vmm.reservations:
         a = R.vmm.mapping_at(addr)      # mapped virtual memory is device memory of its handle's device
     buf = ffi.buffer(attributes)

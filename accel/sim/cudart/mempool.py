@@ -82,13 +82,18 @@ def cudaFreeAsync(R, devPtr, hStream):
         # node and must therefore be passed the address of a graph allocation."
         return cudaErrorInvalidValue
     pool, n = R.async_allocs.pop(a.base)
+    # cudaFreeAsync: "After this API returns, accessing the memory from any subsequent work launched
+    # on the GPU or querying its pointer attributes results in undefined behavior": refused from now
+    R.freeing.add(a.base)
 
     def run():
         R.mem.remove(a)
+        R.freeing.discard(a.base)
         with R.mlock:
             pool.used -= n
     rc, _seq = _enqueue(R, s, run, "free", "cudaFreeAsync")
     if rc:
+        R.freeing.discard(a.base)
         R.async_allocs[a.base] = (pool, n)
     return rc
 

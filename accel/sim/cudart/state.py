@@ -206,13 +206,14 @@ class Graph:
 
 
 class GraphExec:
-    __slots__ = ("handle", "key", "nodes", "launches", "device", "plan", "libraries")
+    __slots__ = ("handle", "key", "nodes", "launches", "device", "plan", "libraries", "last")
 
     def __init__(self, handle, nodes, device):
         self.handle = handle
         self.key = ffi.cast(_VOIDP, handle)
         self.nodes = nodes
         self.launches = 0
+        self.last = None        # (queue, seq): the end of the latest launch (cudaGraphLaunch orders the next after it)
         self.device = device
         self.plan = _event_plan(nodes)     # None: no event nodes, one operation per launch
         # the modules whose kernels the graph launches (checked loaded at each cudaGraphLaunch)
@@ -300,6 +301,9 @@ class Runtime:
         self.pools: Dict[object, MemPool] = {}           # by handle and by void* key
         self.default_pools: Dict[int, MemPool] = {}      # device -> its default pool
         self.async_allocs: Dict[int, Tuple[MemPool, int]] = {}   # base -> (pool, accounted bytes)
+        # bases of cudaMallocAsync allocations a cudaFreeAsync freed that their stream has not
+        # reached yet: work submitted after the free may not touch them (cudaFreeAsync)
+        self.freeing: set = set()
         self.gmem = _graph_mem.Space()      # graph memory nodes (cudaMallocAsync during capture)
         self.captures: set = set()
         self.errors: List[Tuple[str, str]] = []
