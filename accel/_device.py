@@ -179,9 +179,17 @@ def check_range(index: int, backend=None, what: str = "") -> None:
     count = chosen.count()
     if not 0 <= index < count:
         if count == 0:
-            raise InvalidDeviceError(f"{what}device index {index} is invalid: no {chosen.name} device is available")
+            raise InvalidDeviceError(f"{what}device index {index} is invalid: no {chosen.name} device is "
+                                     f"available{_why_none(chosen)}")
         raise InvalidDeviceError(f"{what}device index {index} is out of range: {count} {chosen.name} "
                                  f"device{'s' if count != 1 else ''} visible (valid indices 0..{count - 1})")
+
+
+def _why_none(backend) -> str:
+    """Why ``backend`` counts no device (the vendor error and its fix, when counting failed), as
+    ": <reason>", or ""."""
+    reason = getattr(backend, "_count_reason", "")
+    return f": {reason}" if reason else ""
 
 
 def check_stream_range(index: int) -> None:
@@ -191,6 +199,6 @@ def check_stream_range(index: int) -> None:
     chosen = _lazy.backend()
     count = chosen.count()
     if not 0 <= index < count:
-        valid = f"valid indices 0..{count - 1}" if count else f"no {chosen.name} device is available"
+        valid = f"valid indices 0..{count - 1}" if count else f"no {chosen.name} device is available{_why_none(chosen)}"
         raise InvalidDeviceError(f"Device index value {index} is out of index range [0, {count}): {count} "
                                  f"{chosen.name} device{'s' if count != 1 else ''} visible ({valid})")

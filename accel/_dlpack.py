@@ -781,16 +781,23 @@ def from_dlpack(obj, *, stream=None):
     is refused with BufferError."""
     from . import _lazy
     from .buffer import Buffer
-    backend = _lazy.lazy_init()
-    own_type = BACKEND_DEVICE_TYPES.get(backend.name)
     capsule = obj
-    if type(obj).__name__ != "PyCapsule":
+    device = None
+    producer = type(obj).__name__ != "PyCapsule"
+    if producer:
+        # what needs no device is refused before the runtime starts (a wrong argument is named,
+        # not hidden behind a driver error on a machine without a device)
         if not hasattr(obj, "__dlpack__"):
             raise TypeError(f"from_dlpack expects an object with __dlpack__ or a DLPack capsule, got "
                             f"{type(obj).__name__}")
-        device = None
         if hasattr(obj, "__dlpack_device__"):
             device = _device_pair(obj)
+            if device[0] in HOST_DEVICE_TYPES:
+                _check_device_type(device[0], None, "")
+    backend = _lazy.lazy_init()
+    own_type = BACKEND_DEVICE_TYPES.get(backend.name)
+    if producer:
+        if device is not None:
             _check_device_type(device[0], own_type, backend.name)
         capsule = _ask(obj, backend, device, stream)
         if type(capsule).__name__ != "PyCapsule":

@@ -17,7 +17,10 @@ sweeps every public name:
 * several threads hitting the failing init at once all get the same error, none hangs;
 * ``python -m accel`` and ``python -m accel.selftest`` report the reason, exit 0.
 
-The strict xfails are what this sweep found (see each reason).  Skipped, saying why, where
+Three tests were strict xfails, what this sweep found (r62p; fixed in r62): ACCEL_NVRTC_PATH naming
+another library gave cffi's "symbol 'nvrtcVersion' not found"; "no device" refusals did not say
+why there is none (now the count's reason: the vendor error and its fix); from_dlpack of a
+non-DLPack object or host memory raised the driver's error instead of TypeError/BufferError.  Skipped, saying why, where
 a library is absent or a driver is installed."""
 
 import json
@@ -392,11 +395,6 @@ print(json.dumps(out))
 '''
 
 
-@pytest.mark.xfail(strict=True, reason="r62p: accel/_ffi/__init__.py open_nvrtc() takes any library that "
-                   "dlopens (no entry-point check as open_library() does for NVML/Level Zero) and "
-                   "_preload_nvrtc_builtins() then calls lib.nvrtcVersion: ACCEL_NVRTC_PATH naming "
-                   "libcudart gives cffi's ffi.error \"symbol 'nvrtcVersion' not found\" from accel.compile "
-                   "(and python -m accel prints it as the nvrtc error)")
 def test_accel_nvrtc_path_naming_another_library_is_refused_by_name():
     if CUDA13_WHEEL is None:
         pytest.skip("the nvidia-cuda-runtime wheel is not installed")
@@ -428,12 +426,6 @@ print(json.dumps(out))
 '''
 
 
-@pytest.mark.xfail(strict=True, reason="r62p: accel/_device.py check_range() with count 0 says only "
-                   "'device index 0 is invalid: no cuda device is available' (xpu alike): telemetry (temperature, "
-                   "device_memory_used, list_gpu_processes) and random.initial_seed/get_rng_state/"
-                   "default_generator on a machine with the library but no driver never say why (no "
-                   "vendor error, no fix), while every other call names cudaErrorInsufficientDriver (35) "
-                   "and R580 (Level Zero: zeInit's error and intel-level-zero-gpu); fix: append the backend's count reason (report()['reason']) when count == 0")
 def test_no_device_index_errors_say_why_there_is_no_device(config):
     name, env, backend = config[0], config[1], config[2]
     got = _fresh_python(_INVALID_DEVICE % backend, env)
@@ -460,11 +452,6 @@ print(json.dumps(out))
 '''
 
 
-@pytest.mark.xfail(strict=True, reason="r62p: accel/_dlpack.py from_dlpack() runs _lazy.lazy_init() before "
-                   "looking at obj: on a machine without a driver from_dlpack(42) and from_dlpack(numpy "
-                   "array) raise the driver's AcceleratorError instead of the documented TypeError (no "
-                   "__dlpack__) and BufferError (host memory, kDLCPU), which need no device; fix: check "
-                   "__dlpack__ and __dlpack_device__ (kDLCPU/kDLCUDAHost refused) before lazy_init()")
 def test_from_dlpack_refuses_non_device_objects_without_a_device(config):
     got = _fresh_python(_DLPACK, config[1])
     # before: ['AcceleratorError', 'libcudart: cudaGetDeviceCount failed with cudaErrorInsufficientDriver (35): ...']

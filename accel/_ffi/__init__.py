@@ -206,6 +206,11 @@ def open_nvrtc(prefer_major=None):
             except OSError as e:
                 tried.append((path, str(e).splitlines()[0] if str(e) else type(e).__name__))
                 continue
+            if not has_symbol(lib, "nvrtcVersion"):
+                # as open_library checks each library's entry point: a file that loads but is
+                # another library (ACCEL_NVRTC_PATH naming libcudart, say)
+                tried.append((path, "loads, but is not the nvrtc library: it does not export nvrtcVersion"))
+                continue
             resolved = _resolved(path)
             _preload_nvrtc_builtins(ffi, lib, resolved)
             got = _opened["nvrtc"] = (ffi, lib, resolved)

@@ -217,6 +217,8 @@ class MemoryMixin:
         # own mapping table tells its device.
         if not self._devices:
             return None
+        if not ptr:
+            return ("unknown", -1)      # zeMemGetAllocProperties refuses a null ptr (INVALID_NULL_POINTER)
         mapped = self._vmm_device_at(ptr)
         if mapped is not None:
             return ("device", mapped)

@@ -68,6 +68,16 @@ class TelemetryMixin:
         if self._sysman_legacy and self._devices:
             dev = self._device(index)
             return ffi, lib, dev.handle, dev.subdevice_id, index
+        if not self._devices:
+            # Without zesInit, Sysman handles are the core devices of a zeInit made with
+            # ZES_ENABLE_SYSMAN=1; readings never start the runtime (a fork afterwards stays safe),
+            # so before the first device use there is nothing to read through
+            raise AcceleratorError(
+                "Level Zero Sysman readings on this loader need the runtime initialized: the loader or "
+                "driver has no zesInit (Level Zero API 1.5+), and readings never initialize the runtime "
+                "themselves (so that a fork afterwards stays safe). Use the device first (any call that "
+                "initializes it, e.g. accel.current_device_index() or a Buffer) with ZES_ENABLE_SYSMAN "
+                "unset or 1, or install a newer loader and driver", library=LIBRARY)
         raise AcceleratorError(
             "Level Zero Sysman is not available: the loader or driver has no zesInit (Level Zero API "
             "1.5+), and ZES_ENABLE_SYSMAN=1 was not in effect when the runtime initialized. Use a "
