@@ -183,13 +183,13 @@ def test_mps_copy_racing_close_and_init_never_uses_a_released_buffer(monkeypatch
 def test_mps_host_path_copy_racing_close_never_writes_a_released_buffer(monkeypatch, reinit):
     be, h = _mps(monkeypatch)
     g = _Gate()
-    real = be.stream_synchronize
+    real = be._before_host_write
 
-    def stream_synchronize(stream):
-        real(stream)
+    def before_host_write(d, stream):
+        real(d, stream)
         if threading.get_ident() == g.worker:
             g.stop_here()       # ordered; next: the host copy through the buffers' contents
-    monkeypatch.setattr(be, "stream_synchronize", stream_synchronize)
+    monkeypatch.setattr(be, "_before_host_write", before_host_write)
 
     def close():
         be.close()
