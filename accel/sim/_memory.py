@@ -45,10 +45,11 @@ class Allocation:
         return self.base + self.size
 
 
-def allocate(size: int, kind: str, device: int, align: int = ALIGN) -> Allocation:
-    """A new buffer of ``size`` bytes aligned to ``align`` (a power of two, 256 unless given);
-    raises MemoryError when the host has no room."""
-    raw = _new_raw("char[]", size + align)
+def allocate(size: int, kind: str, device: int, align: int = ALIGN, zeroed: bool = False) -> Allocation:
+    """A new buffer of ``size`` bytes aligned to ``align`` (a power of two, 256 unless given),
+    ``zeroed`` or not (calloc: large zeroed buffers touch no page until used); raises MemoryError
+    when the host has no room."""
+    raw = (ffi.new if zeroed else _new_raw)("char[]", size + align)
     addr = int(ffi.cast(_UINTPTR, raw))
     base = (addr + align - 1) & ~(align - 1)
     return Allocation(base, size, kind, device, raw)

@@ -286,10 +286,9 @@ class MTLBuffer(SimObject):
         self.size = -(-length // PAGE) * PAGE  # what currentAllocatedSize counts
         # Host memory from the shared simulator allocator, in a table so kernel
         # references (accel.sim.kernels.view) can range-check what they touch.
-        self.alloc = _memory.allocate(length, _memory.DEVICE, 0)
-        self.base = self.alloc.base
         # MTLDevice newBufferWithLength:options: "Creates a buffer the method clears with zero values"
-        ctypes.memset(self.base, 0, length)
+        self.alloc = _memory.allocate(length, _memory.DEVICE, 0, zeroed=True)
+        self.base = self.alloc.base
         rt.table.add(self.alloc)
         device.allocated += self.size
 
