@@ -319,18 +319,24 @@ def finalize(fn: Callable, *args) -> None:
 
 
 class _RaiseAgain(dict):
-    """``RAISE_AGAIN[SIGINT]``, the last statement of a finalizer's ``except KeyboardInterrupt:``,
-    trips SIGINT again (``_thread.interrupt_main``), so a Ctrl-C whose handler ran inside the
-    finalizer reaches the program: CPython discards an exception leaving ``__del__`` or a cffi
-    destructor ("Exception ignored in ...").  Not a call: CPython runs a pending signal's handler
-    as a call returns, which would still be inside the finalizer; a subscript that reaches
-    ``__missing__`` calls it with no such check, so the handler runs at the first check point
-    after the finalizer returned, in the program's code (r62)."""
+    """``RAISE_AGAIN[interrupt_key()]``, the last statement of a finalizer's ``except
+    KeyboardInterrupt:``, trips SIGINT again (``_thread.interrupt_main``), so a Ctrl-C whose
+    handler ran inside the finalizer reaches the program: CPython discards an exception leaving
+    ``__del__`` or a cffi destructor ("Exception ignored in ...").  Not a call: CPython runs a
+    pending signal's handler as a call returns, which would still be inside the finalizer; a
+    subscript that reaches ``__missing__`` calls it with no such check, so the handler runs at
+    the first check point after the finalizer returned, in the program's code (r62)."""
     __missing__ = staticmethod(_thread.interrupt_main)
 
 
-RAISE_AGAIN = _RaiseAgain()
-SIGINT = signal.SIGINT
+RAISE_AGAIN = _RaiseAgain({0: None})
+
+
+def interrupt_key() -> int:
+    """SIGINT in the main thread (the only one that runs signal handlers, so a KeyboardInterrupt
+    there came from Ctrl-C); elsewhere 0, a key RAISE_AGAIN holds: an asynchronous exception
+    injected into another thread is not turned into a Ctrl-C of the main one."""
+    return signal.SIGINT if threading.current_thread() is threading.main_thread() else 0
 
 
 def finalize_later(obj, fn: Callable, *args) -> None:

@@ -47,7 +47,7 @@ def _pinned_destructor(be, host, ptr: int, pid: int, token, _cdata) -> None:
     try:
         _finalize.finalize(_free_pinned, be, host, ptr, pid)
     except KeyboardInterrupt:
-        _finalize.RAISE_AGAIN[_finalize.SIGINT]     # a Ctrl-C handled in here reaches the program (r62)
+        _finalize.RAISE_AGAIN[_finalize.interrupt_key()]     # a Ctrl-C handled in here reaches the program (r62)
 
 
 def _free_pinned(backend, host, ptr: int, pid: int, wait: bool = False) -> None:

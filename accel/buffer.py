@@ -1079,7 +1079,7 @@ class Buffer:
                 elif not _fin.collecting():
                     self._closed = True
         except KeyboardInterrupt:
-            _fin.RAISE_AGAIN[_fin.SIGINT]    # a Ctrl-C handled in here reaches the program (r62)
+            _fin.RAISE_AGAIN[_fin.interrupt_key()]    # a Ctrl-C handled in here reaches the program (r62)
 
 
 def _free(backend, alloc, ptr: int) -> None:
@@ -1122,7 +1122,7 @@ class _Pin:
             if call is not None:
                 _fin.finalize(call[0], *call[1])
         except KeyboardInterrupt:
-            _fin.RAISE_AGAIN[_fin.SIGINT]    # a Ctrl-C handled in here reaches the program (r62)
+            _fin.RAISE_AGAIN[_fin.interrupt_key()]    # a Ctrl-C handled in here reaches the program (r62)
 
 
 def _release_foreign(owner, backend, streams) -> None:

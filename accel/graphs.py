@@ -644,7 +644,7 @@ class Graph:
             if own is not None:
                 _fin.owned.pop(own[0], None)    # released (a failure: retried once from the queue)
         except KeyboardInterrupt:
-            _fin.RAISE_AGAIN[_fin.SIGINT]    # a Ctrl-C handled in here reaches the program (r62)
+            _fin.RAISE_AGAIN[_fin.interrupt_key()]    # a Ctrl-C handled in here reaches the program (r62)
 
 
 def _closed_kept(kept) -> RuntimeError:

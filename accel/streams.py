@@ -169,7 +169,7 @@ class _ForeignAnchor:
             if self.pid == _fin.pid and _lazy.is_initialized():
                 _fin.finalize(_forget, self.backend, self.index, self.handle, False)
         except KeyboardInterrupt:
-            _fin.RAISE_AGAIN[_fin.SIGINT]    # a Ctrl-C handled in here reaches the program (r62)
+            _fin.RAISE_AGAIN[_fin.interrupt_key()]    # a Ctrl-C handled in here reaches the program (r62)
 
 
 #: Makes "closed yet? then mark it closed" one step, so two threads closing one Stream or Event
@@ -797,7 +797,7 @@ class Stream:
             key = (getattr(self, "_index", None), getattr(self, "_handle", None))
             if _live_streams.get(key) is self:
                 del _live_streams[key]
-            _fin.RAISE_AGAIN[_fin.SIGINT]    # a Ctrl-C handled in here reaches the program (r62)
+            _fin.RAISE_AGAIN[_fin.interrupt_key()]    # a Ctrl-C handled in here reaches the program (r62)
 
 
 def ExternalStream(stream_ptr: int, device: DeviceLike = None) -> Stream:
@@ -1204,7 +1204,7 @@ class Event:
                 # (a Ctrl-C as this __del__ starts leaves the destroy to the registry: accel._finalize)
                 _fin.release_on_del(self, _event_destroy, self._backend, self._handle, _fin.key_of(self._own))
         except KeyboardInterrupt:
-            _fin.RAISE_AGAIN[_fin.SIGINT]    # a Ctrl-C handled in here reaches the program (r62)
+            _fin.RAISE_AGAIN[_fin.interrupt_key()]    # a Ctrl-C handled in here reaches the program (r62)
 
 
 def _as_stream(obj, what: str) -> Stream:

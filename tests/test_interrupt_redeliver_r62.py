@@ -100,3 +100,21 @@ def test_a_ctrl_c_inside_a_finalizer_reaches_the_program(sim_cuda, monkeypatch, 
     after = sim.state()
     assert (after.streams, after.events) == (before.streams, before.events)
     assert memory.memory_allocated(1) == 0
+
+
+def test_an_interrupt_raised_in_another_threads_finalizer_stays_there(sim_cuda, monkeypatch):
+    """Only the main thread runs signal handlers: a KeyboardInterrupt inside a finalizer on
+    another thread (an asynchronous exception injected there) is not turned into a Ctrl-C of
+    the main thread."""
+    import threading
+    gc.collect()
+    calls = _raising_after(monkeypatch, streams, "_event_destroy")
+    t = threading.Thread(target=lambda: _drop_and_look(_event))
+    t.start()
+    t.join(30)
+    assert not t.is_alive() and len(calls) == 1
+    try:
+        for _ in range(3):
+            pass
+    except KeyboardInterrupt:      # pragma: no cover - the failure
+        pytest.fail("an interrupt of another thread's finalizer reached the main thread")

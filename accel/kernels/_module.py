@@ -327,7 +327,7 @@ class Module:
             own = self._own
             _fin.finalize(_unload, self._backend, self._index, h, _fin.key_of(own))
         except KeyboardInterrupt:
-            _fin.RAISE_AGAIN[_fin.SIGINT]    # a Ctrl-C handled in here reaches the program (r62)
+            _fin.RAISE_AGAIN[_fin.interrupt_key()]    # a Ctrl-C handled in here reaches the program (r62)
 
     def __enter__(self) -> "Module":
         return self

@@ -138,7 +138,7 @@ class MemPool:
             if getattr(self, "_backend", None) is not None and self._pid == _fin.pid and _lazy.is_initialized():
                 _fin.finalize(_release, self._backend, self._index, self._id)
         except KeyboardInterrupt:
-            _fin.RAISE_AGAIN[_fin.SIGINT]    # a Ctrl-C handled in here reaches the program (r62)
+            _fin.RAISE_AGAIN[_fin.interrupt_key()]    # a Ctrl-C handled in here reaches the program (r62)
 
 
 def _release(backend, index: int, pool_id: Tuple[int, int]) -> None:
