@@ -105,6 +105,25 @@ def frozen_module_heap():
         yield
 
 
+#: tests between two freezes of the worker's heap (pytest_runtest_teardown below)
+FREEZE_EVERY = 25
+_since_freeze = [0]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Every FREEZE_EVERY tests, after a collection, freeze what earlier tests left alive
+    (``gc.freeze``): a later test's collections then scan only the objects made since, not the
+    whole heap a worker builds up over thousands of tests (late in a run each full collection
+    took tens of milliseconds; see frozen_heap).  What survives a collection here is never
+    garbage of a later test; frozen_heap's unfreeze undoes it, and the next freeze redoes it."""
+    _since_freeze[0] += 1
+    if _since_freeze[0] >= FREEZE_EVERY:
+        _since_freeze[0] = 0
+        gc.collect()
+        gc.freeze()
+
+
 def use_sim(monkeypatch, kind: str, **env) -> str:
     """Switch this process to the ``kind`` simulator (fresh state), with extra env settings."""
     monkeypatch.setenv("ACCEL_SIM", kind)
