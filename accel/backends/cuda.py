@@ -141,7 +141,7 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         self._deferring = [0]
         self._deferring_lock = threading.Lock()
         self._ctx_fns = None     # cuDeviceGet + cuDevicePrimaryCtxGetState, or why there are none (str)
-        self._ctx_seen = set()   # devices whose primary context was seen active (accel never releases one)
+        self._ctx_seen = bytearray()   # [index]: 1 once that device's primary context was seen active
         self._rt_module = None   # accel._ffi.cudart_module of the opened runtime's major (checked)
         self._capture_info = (None, ())  # cudaStreamGetCaptureInfo[_v2] and its NULL outputs
         self._choice = None      # _cuda_libs.Choice: which libcudart, and every candidate's verdict
@@ -375,8 +375,9 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         up at the first restore, while the scope's device (which has its context) is current:
         the simulator counts cudaGetDriverEntryPoint as a call needing the current device's
         context, the runtime documentation being silent on it."""
-        if index in self._ctx_seen:
-            return True
+        seen = self._ctx_seen
+        if index < len(seen) and seen[index]:
+            return True             # accel never releases a primary context: once active, active
         fns = self._ctx_fns
         if fns is None:
             from ._cuda_driver import NoDriverFunction, resolve
@@ -397,7 +398,9 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         if fns["cuDeviceGet"](dev, index) or fns["cuDevicePrimaryCtxGetState"](dev[0], flags, active):
             return True          # unknown: restore eagerly (what cudaSetDevice reports is then checked)
         if active[0]:
-            self._ctx_seen.add(index)
+            if len(seen) <= index:      # one entry per device, made at the first answer
+                seen.extend(bytes(max(index + 1, self.count()) - len(seen)))
+            seen[index] = 1
         return bool(active[0])
 
     def _bind_get_device(self):
