@@ -376,6 +376,8 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         the simulator counts cudaGetDriverEntryPoint as a call needing the current device's
         context, the runtime documentation being silent on it."""
         seen = self._ctx_seen
+        if not seen:
+            seen.extend(bytes(self.count()))    # one entry per device, made at the first question
         if index < len(seen) and seen[index]:
             return True             # accel never releases a primary context: once active, active
         fns = self._ctx_fns
@@ -398,9 +400,8 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         if fns["cuDeviceGet"](dev, index) or fns["cuDevicePrimaryCtxGetState"](dev[0], flags, active):
             return True          # unknown: restore eagerly (what cudaSetDevice reports is then checked)
         if active[0]:
-            if len(seen) <= index:      # one entry per device, made at the first answer
-                seen.extend(bytes(max(index + 1, self.count()) - len(seen)))
-            seen[index] = 1
+            if index < len(seen):
+                seen[index] = 1
         return bool(active[0])
 
     def _bind_get_device(self):
