@@ -964,23 +964,20 @@ class Buffer:
         same bytes (torch's deepcopy of a tensor), copied on the device's current stream."""
         self._live()
         cls = type(self)
-        if cls is Buffer:
-            new = Buffer(self._nbytes, device=self._index)
-            memo[id(self)] = new
-            return new.copy_from(self, non_blocking=True)
         # A subclass keeps its type and its own attributes, deep-copied (torch's Tensor.__deepcopy__);
         # its __init__ is not called again, as torch does not.
         new = cls.__new__(cls)
         Buffer.__init__(new, self._nbytes, device=self._index)
         memo[id(self)] = new
         try:
-            import copy
-            import copyreg
-            for name in copyreg._slotnames(cls):
-                if name not in Buffer.__slots__ and hasattr(self, name):
-                    setattr(new, name, copy.deepcopy(getattr(self, name), memo))
-            if hasattr(self, "__dict__"):
-                new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+            if cls is not Buffer:
+                import copy
+                import copyreg
+                for name in copyreg._slotnames(cls):
+                    if name not in Buffer.__slots__ and hasattr(self, name):
+                        setattr(new, name, copy.deepcopy(getattr(self, name), memo))
+                if hasattr(self, "__dict__"):
+                    new.__dict__.update(copy.deepcopy(self.__dict__, memo))
             return Buffer.copy_from(new, self, non_blocking=True)    # not an override of the subclass
         except BaseException:
             new.close()

@@ -103,8 +103,8 @@ def _memcpy(R: Runtime, dst, src, count, kind, s: Stream, sync: bool, label: str
             sa = sv
     if not _range_ok(da, dp, count) or not _range_ok(sa, sp, count):
         return cudaErrorInvalidValue
-    if R.freeing and ((da is not None and da.base in R.freeing) or (sa is not None and sa.base in R.freeing)):
-        return cudaErrorInvalidValue    # memory a cudaFreeAsync freed (see Runtime.freeing)
+    if R.freed_async(da) or R.freed_async(sa):
+        return cudaErrorInvalidValue
     if R.async_allocs or R.gmem.allocs:
         # pool and graph memory: only the devices the pool lets in (cudaMemPoolSetAccess)
         why = _pool_access_problem(R, da, s.device, True) or _pool_access_problem(R, sa, s.device, False)
@@ -199,7 +199,7 @@ def _memset(R: Runtime, devPtr, value, count, s: Stream, sync: bool) -> int:
         a = R.vmm.resolve(dp, count, s.device, True)
         if a.__class__ is str:
             return _vmm_fault(R, s, a, sync, "memset")
-    if a is None or dp + count > a.end or (R.freeing and a.base in R.freeing):
+    if a is None or dp + count > a.end or R.freed_async(a):
         return cudaErrorInvalidValue
     if R.async_allocs or R.gmem.allocs:
         why = _pool_access_problem(R, a, s.device, True)

@@ -154,7 +154,7 @@ def cudaPointerGetAttributes(R, attributes, ptr):
         return cudaErrorInvalidValue
     addr = _addr(ptr)
     a = R.mem.find(addr) if addr else None
-    if a is not None and R.freeing and a.base in R.freeing:
+    if R.freed_async(a):
         return cudaErrorInvalidValue    # "or querying its pointer attributes results in undefined behavior"
     if a is None and addr and R.vmm.reservations:
         a = R.vmm.mapping_at(addr)      # mapped virtual memory is device memory of its handle's device

@@ -354,6 +354,11 @@ class Runtime:
                 pass
         return next(self.handles)
 
+    def freed_async(self, a) -> bool:
+        """Whether allocation ``a`` (None: no allocation) is memory a cudaFreeAsync freed, which
+        work submitted since may not touch (``freeing``)."""
+        return bool(self.freeing) and a is not None and a.base in self.freeing
+
     @staticmethod
     def put(table, obj) -> None:
         table[obj.handle] = obj
