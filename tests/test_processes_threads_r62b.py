@@ -40,7 +40,8 @@ import pytest
 
 import accel
 from conftest import run_forked
-from test_user_programs import JOIN_S, _devices, allocated, live_objects, process_state, settle
+from test_user_programs import (JOIN_S, _devices, allocated, communicate_or_abort, live_objects, process_state,
+                                settle)
 
 pytestmark = pytest.mark.usefixtures("frozen_module_heap")
 
@@ -253,19 +254,7 @@ def _run_script(path, cwd, timeout: float = 120.0) -> subprocess.CompletedProces
     env = dict(os.environ, PYTHONFAULTHANDLER="1")
     proc = subprocess.Popen([sys.executable, str(path)], cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGABRT)
-        try:
-            out, err = proc.communicate(timeout=5)
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-        pytest.fail(f"program hung:\n{out}\n{err[-4000:]}")
+    out, err = communicate_or_abort(proc, timeout)
     # the forkserver and resource tracker leave when they read EOF from the dead parent: give
     # them a moment, then nothing of the program may be left
     import time

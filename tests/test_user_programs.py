@@ -213,6 +213,27 @@ def test_training_loop_graph_replay_and_reseed(sim_graph_backend):
 
 
 # -- helpers for whole programs in a fresh interpreter ----------------------------------------
+def communicate_or_abort(proc, timeout: float):
+    """``proc.communicate()`` (``proc`` started in its own session); still running after
+    ``timeout`` seconds: SIGABRT to its group (faulthandler prints every thread's stack), then
+    SIGKILL, and the test fails with what it printed."""
+    import signal
+    import subprocess
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGABRT)
+        try:
+            out, err = proc.communicate(timeout=5)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        pytest.fail(f"program hung:\n{out}\n{err[-4000:]}")
+
+
 def run_program(source: str, timeout: float = 60.0):
     """Run ``source`` in a fresh interpreter (the test's ACCEL_SIM environment), in its own
     process group; a program (or a child it forked) still running after ``timeout`` seconds
@@ -227,18 +248,7 @@ def run_program(source: str, timeout: float = 60.0):
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGABRT)
-        try:
-            out, err = proc.communicate(timeout=5)
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-        pytest.fail(f"program hung:\n{out}\n{err}")
+        out, err = communicate_or_abort(proc, timeout)
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)     # no forked child outlives the test
