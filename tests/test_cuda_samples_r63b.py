@@ -569,3 +569,346 @@ def test_closed_streams_leave_no_events_on_a_live_buffer(monkeypatch, case):
     del weights
     _check_end(base, "closed streams")
     assert later <= first, f"{later - first} more vendor events after 200 more closed streams ({kind})"
+
+
+# -- 5. simpleMultiGPU (0_Introduction) -------------------------------------------------------------
+@pytest.mark.parametrize("kind", SIMS)
+def test_simple_multi_gpu(monkeypatch, kernels, kind):
+    """simpleMultiGPU: per GPU (``cudaSetDevice(i)`` in each loop): a stream, d_Data, d_Sum, pinned
+    h_Data and h_Sum_from_device; then per GPU: H2D async, reduceKernel (ACCUM_N partial sums),
+    D2H async, all on its stream; then per GPU: stream synchronize and the host sum; then per GPU:
+    frees and stream destroy.  The sample leaves the last device current; here the program sets
+    device 0 again at the end."""
+    base = _start(monkeypatch, kind)
+    devs = _devices()
+    gpu_n = len(devs)
+    mods = [kernels(d) for d in devs]
+    data_n, accum_n = 8192 * gpu_n, 1024
+    rng = np.random.default_rng(1)
+    plan = []
+    for i in devs:
+        accel.set_device_index(i)
+        p = {"stream": accel.Stream(), "dataN": data_n // gpu_n}
+        p["d_Data"] = accel.Buffer(4 * p["dataN"])
+        p["d_Sum"] = accel.Buffer(4 * accum_n)
+        p["h_Sum_from_device"] = accel.empty_pinned(accum_n, np.float32)
+        p["h_Data"] = accel.empty_pinned(p["dataN"], np.float32)
+        p["h_Data"][:] = rng.random(p["dataN"], dtype=np.float32)
+        plan.append(p)
+    for i in devs:
+        accel.set_device_index(i)
+        p = plan[i]
+        with p["stream"]:
+            p["d_Data"].copy_from(p["h_Data"], non_blocking=True)
+            accel.launch(mods[i][1]["reduce"], accum_n // 256, 256, p["d_Data"], p["d_Sum"], p["dataN"], accum_n)
+            p["d_Sum"].copy_to(p["h_Sum_from_device"], non_blocking=True)
+    sums = []
+    for i in devs:
+        accel.set_device_index(i)
+        plan[i]["stream"].synchronize()
+        assert plan[i]["h_Sum_from_device"].tobytes() == reduce_host(plan[i]["h_Data"], accum_n).tobytes()
+        sums.append(plan[i]["h_Sum_from_device"].astype(np.float64).sum())
+    for i in devs:
+        accel.set_device_index(i)
+        p = plan[i]
+        p["d_Sum"].close()
+        p["d_Data"].close()
+        p["h_Sum_from_device"] = p["h_Data"] = None               # cudaFreeHost
+        p["stream"].close()
+    assert accel.current_device_index() == devs[-1]
+    accel.set_device_index(0)
+    assert np.isfinite(sum(sums))
+    del plan, p, mods
+    _check_end(base, "simpleMultiGPU")
+
+
+# -- 6. simpleZeroCopy and vectorAdd (0_Introduction) -----------------------------------------------
+@pytest.mark.parametrize("case", _cases(SIMS), ids=_ids)
+def test_simple_zero_copy_and_vector_add(monkeypatch, kernels, case):
+    """simpleZeroCopy (cudaHostAlloc path; accel has no cudaHostRegister): mapped pinned a, b, c
+    passed to vectorAddGPU by address, cudaDeviceSynchronize, c == a + b, cudaFreeHost.  Then
+    vectorAdd: d_A, d_B, d_C, synchronous copies in, the kernel, the copy out, the check, frees."""
+    kind, dev = case
+    base = _start(monkeypatch, kind)
+    mod, k = kernels(dev)
+    nelem = 1 << 14
+    rng = np.random.default_rng(2)
+    a = accel.empty_pinned(nelem, np.float32)
+    b = accel.empty_pinned(nelem, np.float32)
+    c = accel.empty_pinned(nelem, np.float32)
+    a[:] = rng.random(nelem, dtype=np.float32)
+    b[:] = rng.random(nelem, dtype=np.float32)
+    accel.launch(k["vectorAdd"], nelem // 256, 256, a.ctypes.data, b.ctypes.data, c.ctypes.data, nelem,
+                 stream=accel.current_stream(dev))
+    accel.synchronize(dev)                                        # cudaDeviceSynchronize
+    assert c.tobytes() == (a + b).tobytes()
+    del a, b, c                                                   # cudaFreeHost
+
+    n = 50000
+    h_A, h_B = rng.random(n, dtype=np.float32), rng.random(n, dtype=np.float32)
+    d_A, d_B, d_C = (accel.Buffer(4 * n, device=dev) for _ in range(3))
+    d_A.copy_from(h_A)
+    d_B.copy_from(h_B)
+    threads = 256
+    accel.launch(k["vectorAdd"], (n + threads - 1) // threads, threads, d_A, d_B, d_C, n)
+    h_C = d_C.to_numpy(np.float32)
+    assert h_C.tobytes() == (h_A + h_B).tobytes()
+    for d in (d_A, d_B, d_C):
+        d.close()
+    assert accel.current_device_index() == 0
+    del d_A, d_B, d_C, d, k, mod
+    _check_end(base, "simpleZeroCopy/vectorAdd")
+
+
+# -- 7. streamOrderedAllocation (2_Concepts_and_Techniques) ----------------------------------------
+@pytest.mark.parametrize("case", _cases(SIMS) + [("cuda-async", 1)], ids=_ids)
+def test_stream_ordered_allocation(monkeypatch, kernels, case):
+    """streamOrderedAllocation: basicStreamOrderedAllocation (cudaMallocAsync of A, B, C on a
+    non-blocking stream, H2D, vectorAddGPU, cudaFreeAsync A and B, D2H, cudaFreeAsync C, stream
+    synchronize, check) then streamOrderedAllocationPostSync (release threshold UINT64_MAX on the
+    pool; the same body MAX_ITER times, one synchronize after the loop; the memory stays
+    reserved; check).  On "cuda-async" under ``backend:cudaMallocAsync`` with accel's
+    ``release_threshold``; elsewhere the caching allocator keeps its segments likewise."""
+    kind, dev = case
+    env = {}
+    if kind == "cuda-async":
+        kind = "cuda"
+        env["ACCEL_ALLOC_CONF"] = "backend:cudaMallocAsync,release_threshold:1G"
+    base = _start(monkeypatch, kind, ACCEL_SIM_DELAY_US=50, **env)
+    mod, k = kernels(dev)
+    nelem = 1 << 14
+    nbytes = 4 * nelem
+    rng = np.random.default_rng(3)
+    a, b = accel.empty_pinned(nelem, np.float32), accel.empty_pinned(nelem, np.float32)
+    c = accel.empty_pinned(nelem, np.float32)
+    a[:] = rng.random(nelem, dtype=np.float32)
+    b[:] = rng.random(nelem, dtype=np.float32)
+
+    def body(stream):
+        d_A = accel.Buffer(nbytes, device=dev, stream=stream)     # cudaMallocAsync
+        d_B = accel.Buffer(nbytes, device=dev, stream=stream)
+        d_C = accel.Buffer(nbytes, device=dev, stream=stream)
+        d_A.copy_from(a, stream=stream, non_blocking=True)
+        d_B.copy_from(b, stream=stream, non_blocking=True)
+        accel.launch(k["vectorAdd"], nelem // 256, 256, d_A, d_B, d_C, nelem, stream=stream)
+        d_A.close()                                               # cudaFreeAsync (its stream)
+        d_B.close()
+        d_C.copy_to(c, stream=stream, non_blocking=True)
+        d_C.close()
+
+    stream = accel.Stream(dev)                                    # basicStreamOrderedAllocation
+    c[:] = 0
+    body(stream)
+    stream.synchronize()
+    assert c.tobytes() == (a + b).tobytes()
+    stream.close()
+
+    stream = accel.Stream(dev)                                    # streamOrderedAllocationPostSync
+    c[:] = 0
+    for _ in range(20):
+        body(stream)
+    stream.synchronize()
+    assert c.tobytes() == (a + b).tobytes()
+    assert memory.memory_allocated(dev) == 0
+    assert memory.memory_reserved(dev) > 0                        # the threshold kept it
+    _check_stats(dev, "postSync")
+    stream.close()
+    del a, b, c, k, mod, stream
+    _check_end(base, "streamOrderedAllocation")
+
+
+# -- 8. graphMemoryNodes (3_CUDA_Features) ---------------------------------------------------------
+def _negate_squares_in_stream(stream1, k, dev, host, keep_out=False, side=None):
+    """doNegateSquaresInStream: two streams, three events; d_input and d_square allocated on
+    stream1, d_input freed on stream1 after the square kernel, d_negSquare allocated in its
+    place, d_square freed on stream2 (record_stream + close: accel frees on the allocation
+    stream, after the streams it was recorded on) after both its readers; stream1 joins stream2.
+    Returns d_negSquare when ``keep_out`` (the graph output the sample frees later).
+
+    The sample destroys stream2 at the end, inside the capture when captured; accel refuses to
+    close a stream that takes part in a capture (until the capture ends), so a capture passes
+    ``side``, a list that gets stream2 to close after the capture."""
+    nbytes, n = host["bytes"], host["numElements"]
+    blocks, threads = (n + 255) // 256, 256
+    stream2 = accel.Stream(dev)
+    square_done, negate_done, square_free = (accel.Event(dev) for _ in range(3))
+    d_input = accel.Buffer(nbytes, device=dev, stream=stream1)
+    d_square = accel.Buffer(nbytes, device=dev, stream=stream1)
+    d_input.copy_from(host["input"], stream=stream1, non_blocking=True)
+    accel.launch(k["squareArray"], blocks, threads, d_input, d_square, n, stream=stream1)
+    square_done.record(stream1)
+    stream2.wait_event(square_done)
+    d_square.copy_to(host["square"], stream=stream2, non_blocking=True)
+    d_input.close()                                               # cudaFreeAsync(d_input, stream1)
+    d_neg = accel.Buffer(nbytes, device=dev, stream=stream1)
+    accel.launch(k["negateArray"], blocks, threads, d_square, d_neg, n, stream=stream1)
+    negate_done.record(stream1)
+    d_neg.copy_to(host["negSquare"], stream=stream1, non_blocking=True)
+    if not keep_out:
+        d_neg.close()
+        d_neg = None
+    stream2.wait_event(negate_done)
+    d_square.record_stream(stream2)                               # cudaFreeAsync(d_square, stream2)
+    d_square.close()
+    square_free.record(stream2)
+    stream1.wait_event(square_free)
+    if side is None:
+        stream2.close()
+    else:
+        side.append(stream2)
+    for e in (square_done, negate_done, square_free):
+        e.close()
+    return d_neg
+
+
+@pytest.mark.parametrize("case", _cases(SIMS), ids=_ids)
+def test_graph_memory_nodes(monkeypatch, kernels, case):
+    """graphMemoryNodes: negateSquares in a stream (validated), then the same captured from a
+    non-blocking stream (the side stream created, the allocations made and freed, the events
+    destroyed, all inside the capture), launched and validated; then captured keeping
+    d_negSquare (allocated by the graph, freed outside it: the sample's createFreeGraph, here a
+    close after the launch), launched twice, the output read on the device too.  Host arrays are
+    pinned (a capture refuses pageable copies).  Metal has no capture: the stream part only."""
+    kind, dev = case
+    base = _start(monkeypatch, kind, ACCEL_SIM_DELAY_US=50)
+    mod, k = kernels(dev)
+    n = 4096
+    rng = np.random.default_rng(4)
+    host = {"numElements": n, "bytes": 4 * n}
+    for name in ("input", "square", "negSquare"):
+        host[name] = accel.empty_pinned(n, np.float32)
+        host[name][:] = rng.random(n, dtype=np.float32)
+    want_sq = host["input"] * host["input"]
+    want_neg = want_sq * np.float32(-1)
+
+    def validate():
+        assert host["square"].tobytes() == want_sq.tobytes()
+        assert host["negSquare"].tobytes() == want_neg.tobytes()
+        host["square"][:] = 0                                     # resetOutputArrays
+        host["negSquare"][:] = 0
+
+    stream = accel.Stream(dev)
+    _negate_squares_in_stream(stream, k, dev, host)
+    stream.synchronize()
+    validate()
+    if kind == "xpu":
+        # Level Zero: a capture records no events (one command list, no cross-stream capture):
+        # refused with the capture ended and discarded, nothing else changed
+        cap = accel.Stream(dev)
+        graph = accel.Graph()
+        with pytest.raises(accel.CaptureError, match="cross-stream capture is not supported"):
+            with cap, graph:
+                _negate_squares_in_stream(cap, k, dev, host)
+        assert not cap.is_capturing() and process_state() == base[2]
+        graph.reset()
+        cap.close()
+        del graph, cap
+    if kind == "cuda":
+        # the sample's order (stream2 destroyed inside the capture): refused, and nothing changed
+        cap = accel.Stream(dev)
+        graph = accel.Graph()
+        with pytest.raises(RuntimeError, match="a graph capture on it is underway; end the capture first"):
+            with cap, graph:
+                _negate_squares_in_stream(cap, k, dev, host)
+        assert not cap.is_capturing() and process_state() == base[2]
+        graph.reset()
+        cap.close()
+        settle()
+        host["square"][:] = 0
+        host["negSquare"][:] = 0
+
+        cap = accel.Stream(dev)                                   # createNegateSquaresGraphWithStreamCapture
+        graph = accel.Graph()
+        side = []
+        with cap, graph:
+            _negate_squares_in_stream(cap, k, dev, host, side=side)
+        side.pop().close()
+        cap.close()
+        with stream:
+            graph.replay()                                        # cudaGraphLaunch(graphExec, stream)
+        stream.synchronize()
+        validate()
+        graph.reset()
+
+        cap = accel.Stream(dev)
+        graph = accel.Graph()
+        with cap, graph:
+            d_neg = _negate_squares_in_stream(cap, k, dev, host, keep_out=True, side=side)
+        side.pop().close()
+        cap.close()
+        for _ in range(2):
+            with stream:
+                graph.replay()
+            stream.synchronize()
+            validate()
+        assert d_neg.to_numpy(np.float32, stream=stream).tobytes() == want_neg.tobytes()
+        d_neg.close()                                             # the free graph / cudaFreeAsync
+        graph.reset()
+        del graph, cap, d_neg, side
+    stream.close()
+    assert accel.current_device_index() == 0
+    del host, stream, k, mod
+    _check_end(base, "graphMemoryNodes")
+
+
+# -- 9. jacobiCudaGraphs (3_CUDA_Features) ---------------------------------------------------------
+@pytest.mark.parametrize("case", _cases(GRAPH_SIMS), ids=_ids)
+def test_jacobi_cuda_graphs(monkeypatch, kernels, case):
+    """jacobiCudaGraphs (JacobiMethodGpuCudaGraphExecKernelSetParams): iteration 0 captures
+    memset(d_sum), JacobiMethod(x, x_new), memcpy d_sum -> pinned h_sum on a non-blocking stream;
+    later iterations swap x and x_new in the kernel node and launch; after each launch the
+    stream is synchronized and h_sum checked against the threshold.  accel has no
+    cudaGraphExecKernelNodeSetParams / cudaGraphExecUpdate: the odd iterations' graph is a
+    second capture (sharing the first one's pool), and the loop alternates them.  The iterations,
+    the sums and the final x must equal numpy's, byte for byte."""
+    kind, dev = case
+    base = _start(monkeypatch, kind)
+    mod, k = kernels(dev)
+    N, conv_threshold, max_iter = 48, np.float32(1e-4), 200
+    rng = np.random.default_rng(5)
+    A = rng.random((N, N), dtype=np.float32)
+    A[np.arange(N), np.arange(N)] = np.float32(N + 1)             # diagonally dominant, as the sample
+    b = rng.random(N, dtype=np.float32) * np.float32(N)
+    stream = accel.Stream(dev)
+    d_A = accel.Buffer(4 * N * N, device=dev, stream=stream)
+    d_b = accel.Buffer(4 * N, device=dev, stream=stream)
+    d_x = accel.Buffer(4 * N, device=dev, stream=stream).fill_(0, stream=stream)
+    d_x_new = accel.Buffer(4 * N, device=dev, stream=stream).fill_(0, stream=stream)
+    d_sum = accel.Buffer(4, device=dev, stream=stream)
+    h_sum = accel.empty_pinned(1, np.float32)
+    d_A.copy_from(A, stream=stream)
+    d_b.copy_from(b, stream=stream)
+    graphs = []
+    iters = None
+    for kk in range(max_iter):
+        if kk < 2:
+            g = accel.Graph() if kk == 0 else accel.Graph(pool=graphs[0].pool())
+            src, dst = (d_x, d_x_new) if kk % 2 == 0 else (d_x_new, d_x)
+            with stream, g:
+                d_sum.fill_(0)                                    # cudaMemsetAsync(d_sum, 0)
+                accel.launch(k["JacobiMethod"], (N + 31) // 32, 32, d_A, d_b, src, dst, d_sum, N)
+                d_sum.copy_to(h_sum, non_blocking=True)
+            graphs.append(g)
+        with stream:
+            graphs[kk % 2].replay()
+        stream.synchronize()
+        if h_sum[0] <= conv_threshold:
+            iters = kk + 1
+            break
+    # numpy's run of the same iteration
+    x, want_iters = np.zeros(N, np.float32), None
+    for kk in range(max_iter):
+        x, total = jacobi_host(A, b, x)
+        if total <= conv_threshold:
+            want_iters = kk + 1
+            break
+    assert iters == want_iters and iters is not None and iters > 2
+    result = (d_x_new if iters % 2 else d_x).to_numpy(np.float32, stream=stream)
+    assert result.tobytes() == x.tobytes()
+    for g in graphs:
+        g.reset()
+    for buf in (d_A, d_b, d_x, d_x_new, d_sum):
+        buf.close()
+    stream.close()
+    del graphs, g, h_sum, d_A, d_b, d_x, d_x_new, d_sum, buf, stream, k, mod, src, dst
+    _check_end(base, "jacobiCudaGraphs")
