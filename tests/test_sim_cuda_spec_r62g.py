@@ -4,10 +4,10 @@ audits.  Each finding quotes the rule; the library is driven as a CUDA program d
 out-pointers, integer codes), on device 1 as well as device 0.  Each was a strict xfail first; five
 are enforced since r62 (graph launches ordered across streams, work and pointer queries after
 cudaFreeAsync refused, cudaFree of pool memory returns it to the pool, cudaHostAlloc flag 0x8
-refused).  Still strict xfails, the simulator more lenient than the hardware (accel/sim/README.md):
-pool memory usable on other streams before cudaMallocAsync's stream reached the allocation, and a
-cudaFree'd device address taken for pageable host memory by copies (device memory is host
-memory here; a reserved address range would fix it).
+refused), one since r63a: a cudaFree'd device address is no longer taken for pageable host memory
+by copies (device memory is carved out of a reserved address range, accel/sim/_memory.py).  Still a
+strict xfail (accel/sim/README.md): pool memory usable on other streams before cudaMallocAsync's
+stream reached the allocation.  More cases: tests/test_sim_freed_memory_r63a.py.
 
 Codes (driver_types.h): cudaErrorInvalidValue 1, cudaErrorNotReady 600.
 """
@@ -212,19 +212,13 @@ def _copy_with_freed_pointer(kind: int, n: int, into: bool) -> int:
     return 0 if rc == INVALID_VALUE else 3
 
 
-@pytest.mark.xfail(strict=False, reason=(   # not strict: when another live simulated allocation took the
-    # freed address (earlier tests of the same worker), the copy is refused for its kind and the test passes
-    "sim cudart/copies.py _memcpy: an address no live allocation holds is taken for pageable host "
-    "memory, so cudaMemcpy(Default or HostToHost) into or out of a cudaFree'd pointer memmoves into "
-    "freed host memory: silent heap corruption for small buffers, SIGSEGV (-11) for large ones (their "
-    "pages are unmapped). CUDA Runtime API, cudaFree: 'Frees the memory space pointed to by devPtr'; "
-    "cudaMemcpy needs valid dst/src and is silent on freed device pointers, so the simulator must "
-    "refuse (1). Fix: carve device memory out of a reserved address range (as _vmm reserves), so an "
-    "address in it with no live allocation is a freed device pointer, never pageable host memory"))
 @pytest.mark.parametrize("kind", [HOST_TO_HOST, DEFAULT])
 @pytest.mark.parametrize("n", [256, 4 << 20])
 @pytest.mark.parametrize("into", [True, False], ids=["into", "from"])
 def test_copy_with_a_freed_device_pointer_is_refused(monkeypatch, kind, n, into):
+    """A cudaMemcpy (HostToHost or Default) naming a cudaFree'd device address: refused (1), not
+    memmoved into freed host memory (r62g's non-strict xfail: glibc abort or SIGSEGV in the child;
+    enforced since r63a: device memory is a reserved address range, cudart/copies.py)."""
     use_sim(monkeypatch, "cuda")
     assert run_forked(lambda: _copy_with_freed_pointer(kind, n, into)) == 0
 

@@ -1,8 +1,15 @@
 """Simulated device and pinned memory: host buffers at real addresses.
 
-A "device pointer" is the address of a host buffer allocated with cffi (not
-cleared, so big allocations cost only address space until touched), aligned
-to 256 bytes as cudaMalloc guarantees.  Copies are plain ``memmove``.  Every
+A "device pointer" is an address in the **device range**: address space reserved for device
+memory (anonymous ``mmap``, ``PROT_NONE`` and ``MAP_NORESERVE``, as _vmm.py reserves), carved
+into allocations by :class:`_Arena` and committed (``mprotect``) as it is used.  Nothing else in
+the process gets those addresses, so an address in the device range that no live allocation holds
+is a freed (or never allocated) device address, never pageable host memory: the copy paths refuse
+it (:func:`in_device_range`).  Pages cost nothing until touched, and the whole pages of a freed
+allocation go back to the host at once (``MADV_DONTNEED``), so resident memory is what the live
+allocations touched, as with the host heap before.  Pinned host memory ("host" allocations) is a
+host buffer allocated with cffi (not cleared).  Both are aligned to 256 bytes as cudaMalloc
+guarantees.  Copies are plain ``memmove``.  Every
 live allocation is in a :class:`MemoryTable`, which finds the allocation
 containing any address (so interior pointers and copy ranges can be checked)
 and keeps the buffer alive.  Tables register themselves so
@@ -12,8 +19,12 @@ and keeps the buffer alive.  Tables register themselves so
 from __future__ import annotations
 
 import bisect
+import ctypes
+import mmap
+import os
+import sys
 import threading
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from .core import ffi
 
@@ -48,7 +59,11 @@ class Allocation:
 def allocate(size: int, kind: str, device: int, align: int = ALIGN, zeroed: bool = False) -> Allocation:
     """A new buffer of ``size`` bytes aligned to ``align`` (a power of two, 256 unless given),
     ``zeroed`` or not (calloc: large zeroed buffers touch no page until used); raises MemoryError
-    when the host has no room."""
+    when the host has no room.  Device memory comes from the device range (its memory goes back
+    when the allocation's last reference, ``buf``, is dropped: queued work keeps it alive)."""
+    if kind == DEVICE and _arena is not None:
+        base, buf = _arena.take(size, align, zeroed)
+        return Allocation(base, size, kind, device, buf)
     raw = (ffi.new if zeroed else _new_raw)("char[]", size + align)
     addr = int(ffi.cast(_UINTPTR, raw))
     base = (addr + align - 1) & ~(align - 1)
@@ -144,3 +159,233 @@ def addr_of(x) -> int:
 
 def char_ptr(addr: int):
     return ffi.cast(_CHARP, addr)
+
+
+# -- the device range ----------------------------------------------------------------------------
+
+_PAGE = mmap.PAGESIZE
+_CHUNK = 1 << 36            # address space reserved at a time: 64 GiB (a larger one for a larger block)
+_RECENT = 64                # freed blocks remembered for reuse at the same address
+_COMMIT_STEP = 64 << 20     # mprotect'ed read/write in steps (one mapping grows; pages untouched cost nothing)
+_PROT_NONE, _PROT_RW = 0, 3
+if sys.platform.startswith("linux"):
+    _MAP_FLAGS, _MAP_FIXED, _MADV_DONTNEED = 0x2 | 0x20 | 0x4000, 0x10, 4      # PRIVATE|ANON|NORESERVE
+elif sys.platform == "darwin":
+    _MAP_FLAGS, _MAP_FIXED, _MADV_DONTNEED = 0x2 | 0x1000 | 0x40, 0x10, None    # (darwin: remap to drop)
+else:
+    _MAP_FLAGS = None
+
+
+class _Chunk:
+    """One reservation: ``[base, end)``, read/write up to ``committed``, its free ranges
+    (start -> end, and the sorted starts)."""
+    __slots__ = ("base", "end", "committed", "free", "starts", "live")
+
+    def __init__(self, base: int, size: int):
+        self.base, self.end, self.committed = base, base + size, base
+        self.free: Dict[int, int] = {base: base + size}
+        self.starts: List[int] = [base]
+        self.live = 0           # allocations in it
+
+
+class _Arena:
+    """The device range: first-fit blocks of 256-byte multiples in reserved chunks.  A block
+    is given back by its ``buf``'s finalizer; that may run on any thread, inside a take or a give
+    of the same thread (the garbage collector), so a give that cannot take the lock at once is
+    queued and done by the holder before it lets go.  Invariant: a whole page inside a free range
+    is untouched or was dropped (MADV_DONTNEED), so it reads zeros."""
+
+    def __init__(self):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_long]
+        for name in ("mprotect", "madvise"):
+            f = getattr(libc, name)
+            f.restype = ctypes.c_int
+            f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        self._libc = libc
+        self._lock = threading.Lock()
+        self._pending: List[tuple] = []
+        self._recent: List[tuple] = []  # the last blocks freed (base, size), at most _RECENT
+        self.chunks: List[_Chunk] = []
+        self._bases: List[int] = []     # chunk bases, sorted
+        self._index = ((), ())          # (bases, chunks) as tuples: read without the lock
+
+    # address space
+    def _mmap(self, addr: int, size: int, flags: int) -> int:
+        p = self._libc.mmap(addr or None, size, _PROT_NONE, flags, -1, 0)
+        if p is None or p == (1 << (8 * ctypes.sizeof(ctypes.c_void_p))) - 1:
+            raise MemoryError(f"cannot reserve {size} bytes of address space for device memory: "
+                              f"{os.strerror(ctypes.get_errno())}")
+        return p
+
+    def _drop(self, start: int, end: int) -> None:
+        """Give the pages of [start, end) (page-aligned, read/write) back to the host: they read
+        zeros from then on."""
+        if _MADV_DONTNEED is not None:
+            self._libc.madvise(start, end - start, _MADV_DONTNEED)
+        else:
+            self._mmap(start, end - start, _MAP_FLAGS | _MAP_FIXED)
+            self._libc.mprotect(start, end - start, _PROT_RW)
+
+    # blocks
+    def take(self, size: int, align: int, zeroed: bool):
+        n = (max(size, 1) + ALIGN - 1) & ~(ALIGN - 1)
+        align = max(align, ALIGN)
+        with self._lock:
+            try:
+                base = self._take(n, align)
+            finally:
+                self._settle()
+        self._after()
+        if zeroed:
+            # the whole pages inside are zero (the invariant); a part page may hold old bytes
+            head = min(base + n, (base + _PAGE - 1) & ~(_PAGE - 1))
+            tail = max(head, (base + n) & ~(_PAGE - 1))
+            if head > base:
+                ctypes.memset(base, 0, head - base)
+            if base + n > tail:
+                ctypes.memset(tail, 0, base + n - tail)
+        return base, ffi.gc(ffi.cast(_CHARP, base), self._finalizer(base, n))
+
+    def _finalizer(self, base: int, n: int):
+        def give(_):
+            self.give(base, n)
+        return give
+
+    def _take(self, n: int, align: int) -> int:
+        # The block of this size freed last, if still free, as the host heap and the CUDA pools
+        # hand out a freed address again (accel's tests of reused addresses rely on it).
+        recent = self._recent
+        for j in range(len(recent) - 1, -1, -1):
+            b, m = recent[j]
+            if m == n and not b & (align - 1):
+                del recent[j]
+                c = self.chunks[bisect.bisect_right(self._bases, b) - 1]
+                i = bisect.bisect_right(c.starts, b) - 1
+                if i >= 0 and b + n <= c.free[c.starts[i]]:
+                    return self._carve(c, c.starts[i], b, n)
+                break
+        for c in self.chunks:
+            for s in c.starts:
+                a = (s + align - 1) & ~(align - 1)
+                if a + n <= c.free[s]:
+                    return self._carve(c, s, a, n)
+        size = max(_CHUNK, (n + align + _CHUNK - 1) & ~(_CHUNK - 1))
+        c = _Chunk(self._mmap(0, size, _MAP_FLAGS), size)
+        i = bisect.bisect_left(self._bases, c.base)
+        self._bases.insert(i, c.base)
+        self.chunks.insert(i, c)
+        self._index = (tuple(self._bases), tuple(self.chunks))
+        a = (c.base + align - 1) & ~(align - 1)
+        return self._carve(c, c.base, a, n)
+
+    def _carve(self, c: _Chunk, s: int, a: int, n: int) -> int:
+        t = c.free[s]
+        if a + n > c.committed:
+            top = min(c.end, (a + n + _COMMIT_STEP - 1) & ~(_COMMIT_STEP - 1))
+            if self._libc.mprotect(c.committed, top - c.committed, _PROT_RW):
+                raise MemoryError(f"cannot commit {top - c.committed} bytes of device memory: "
+                                  f"{os.strerror(ctypes.get_errno())}")
+            c.committed = top
+        i = bisect.bisect_left(c.starts, s)
+        if a > s:
+            c.free[s] = a
+        else:
+            del c.free[s]
+            del c.starts[i]
+        if a + n < t:
+            c.free[a + n] = t
+            bisect.insort(c.starts, a + n)
+        c.live += 1
+        return a
+
+    def give(self, base: int, n: int) -> None:
+        try:
+            self._pending.append((base, n))
+            if self._lock.acquire(blocking=False):     # else the holder gives it back
+                try:
+                    self._settle()
+                finally:
+                    self._lock.release()
+                self._after()
+        except Exception:
+            if not sys.is_finalizing():
+                raise
+            # interpreter shutdown: the process gives everything back
+
+    def _after(self) -> None:
+        """Gives queued while the lock was held, after it was let go (another thread's)."""
+        while self._pending and self._lock.acquire(blocking=False):
+            try:
+                self._settle()
+            finally:
+                self._lock.release()
+
+    def _settle(self) -> None:
+        while self._pending:
+            self._give(*self._pending.pop())
+
+    def _give(self, b: int, n: int) -> None:
+        c = self.chunks[bisect.bisect_right(self._bases, b) - 1]
+        e = b + n
+        lo, hi = b, e
+        i = bisect.bisect_left(c.starts, b)
+        if i > 0 and c.free[c.starts[i - 1]] == b:       # the free range before
+            i -= 1
+            lo = c.starts[i]
+        else:
+            c.starts.insert(i, b)
+        if e in c.free:                                   # the free range after
+            hi = c.free.pop(e)
+            del c.starts[i + 1]
+        c.free[lo] = hi
+        c.live -= 1
+        self._recent.append((b, n))
+        if len(self._recent) > _RECENT:
+            del self._recent[0]
+        if c.live == 0 and c.committed > c.base:
+            # all free: drop the commitment too (address space stays reserved: still device range)
+            self._mmap(c.base, c.committed - c.base, _MAP_FLAGS | _MAP_FIXED)
+            c.committed = c.base
+            return
+        # the whole pages of [lo, hi) that [b, e) touched (the others were free already: zero)
+        first = max((lo + _PAGE - 1) & ~(_PAGE - 1), b & ~(_PAGE - 1))
+        last = min(hi & ~(_PAGE - 1), (e + _PAGE - 1) & ~(_PAGE - 1), c.committed)
+        if first < last:
+            self._drop(first, last)
+
+    def contains(self, addr: int, n: int = 1) -> bool:
+        bases, chunks = self._index
+        i = bisect.bisect_right(bases, addr + max(n, 1) - 1) - 1
+        return i >= 0 and addr < chunks[i].end
+
+    def before_fork(self) -> None:
+        self._lock.acquire()
+
+    def after_fork_in_parent(self) -> None:
+        self._lock.release()
+        self._after()
+
+    def after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()
+
+
+def in_device_range(addr: int, n: int = 1) -> bool:
+    """Whether [addr, addr+n) touches the device range: device memory, live or not, never host
+    memory (a freed device address is not pageable memory)."""
+    return _arena is not None and _arena.contains(addr, n)
+
+
+_arena: Optional[_Arena] = None
+if _MAP_FLAGS is not None:
+    try:
+        _arena = _Arena()
+    except (OSError, AttributeError):   # no mmap/mprotect/madvise: device memory is host memory
+        _arena = None
+    if _arena is not None and hasattr(os, "register_at_fork"):
+        # a fork happens between two arena operations (the forking thread holds the lock across
+        # it), so the child's copy is whole; the child gets a new lock, the parent lets go
+        os.register_at_fork(before=_arena.before_fork, after_in_parent=_arena.after_fork_in_parent,
+                            after_in_child=_arena.after_fork_in_child)

@@ -101,6 +101,13 @@ def _memcpy(R: Runtime, dst, src, count, kind, s: Stream, sync: bool, label: str
             da = dv
         if sv is not None:
             sa = sv
+    if (da is None and _memory.in_device_range(dp, count)) or (
+            sa is None and staged is None and _memory.in_device_range(sp, count)):
+        # Device memory no live allocation of this runtime holds: freed (cudaFree: "Frees the
+        # memory space pointed to by devPtr"), or another library's.  Not pageable host memory
+        # (the device range is reserved address space); cudaMemcpy needs valid dst/src and is
+        # silent on freed device pointers: refused.
+        return cudaErrorInvalidValue
     if not _range_ok(da, dp, count) or not _range_ok(sa, sp, count):
         return cudaErrorInvalidValue
     if R.freed_async(da) or R.freed_async(sa):
