@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import sys
 import threading
 
 import numpy as np
@@ -93,6 +94,28 @@ def _accel_objects() -> collections.Counter:
     return out
 
 
+def _holders(grown: dict, depth: int = 4) -> list:
+    """For a failed census: what holds the objects of each grown type (a few referrer chains,
+    by type name), so that a rare failure says where the reference lives."""
+    out = []
+    here = sys._getframe()
+    targets = [obj for obj in gc.get_objects()
+               if type(obj).__qualname__ in grown and (type(obj).__module__ or "").startswith("accel")]
+    for obj in targets:
+        chain, seen, ref = [], {id(obj), id(targets)}, obj
+        for _ in range(depth):
+            refs = [r for r in gc.get_referrers(ref) if id(r) not in seen and r is not out and r is not here]
+            if not refs:
+                break
+            ref = refs[0]
+            del refs            # (else the next step finds this list among ref's referrers)
+            seen.add(id(ref))
+            chain.append(type(ref).__qualname__ + (f" {ref.f_code.co_name}" if hasattr(ref, "f_code") else ""))
+        if (type(obj).__qualname__, chain) not in out:
+            out.append((type(obj).__qualname__, chain))
+    return out[:12]
+
+
 def _check_stats(dev: int, where: str) -> dict:
     s = memory.memory_stats(dev)
     assert s["allocated_bytes.all.current"] <= s["reserved_bytes.all.current"], (where, s)
@@ -152,7 +175,7 @@ def _check_clean(kind: str, base, where: str, ooms=None, objects=None, slack=Non
     now_objects = _accel_objects()
     grown = {k: (objects.get(k, 0), v) for k, v in now_objects.items()
              if v > objects.get(k, 0) + (slack or {}).get(k, 0)}
-    assert not grown, (where, "accel objects outlived the program", grown)
+    assert not grown, (where, "accel objects outlived the program", grown, _holders(grown))
     if ooms is not None:
         assert memory.memory_stats(_dev(kind))["num_ooms"] == ooms, (where, "num_ooms", ooms)
     live, now_cached = _split(_sim_counts(kind))

@@ -1262,6 +1262,9 @@ class DeviceCachingAllocator(ExpandableSegments):
             self._release_segments()
             self._exp_unmap()
             self._exp_drop_orphans(every=True)
+            # the retired block object a split would reuse still names its old free list and
+            # neighbours (a destroyed stream's, a freed segment's): not kept past empty_cache
+            self._spare = None
             for device, events in list(self._event_cache.items()):
                 with on_device(self._be, device):
                     while events:
