@@ -90,11 +90,13 @@ def test_forget_stream_that_cannot_cover_its_work_changes_nothing(be, conf, fail
     for ptr in users:
         alloc.record_stream(ptr, s, DEV)
     events = sim.state().events
+    busy = _hold(s)             # work in flight: an idle stream needs no event (r63)
     sim.inject_error("cudaEventRecord", CUDA_INVALID_VALUE, times=1, after=fails_at)
     sim.inject_error("cudaStreamSynchronize", CUDA_INVALID_VALUE, times=1)
     with pytest.raises(AcceleratorError, match="cudaStreamSynchronize"):
         alloc.forget_stream(s, DEV)
     sim.clear_faults()
+    busy.set()
     _check_caching(alloc)
     assert s in alloc._general, "the live stream's free lists were set aside"
     for ptr in users:
@@ -266,11 +268,14 @@ def test_host_forget_stream_that_cannot_cover_its_work_replaces_no_use(be):
     ptrs = [host.malloc(4096), host.malloc(4096)]
     for ptr in ptrs:
         host.record_stream(ptr, s, DEV)
+    busy = _hold(s)             # work in flight: an idle stream needs no event (r63)
     sim.inject_error("cudaEventRecord", CUDA_INVALID_VALUE, times=1, after=1)
     sim.inject_error("cudaStreamSynchronize", CUDA_INVALID_VALUE, times=1)
     with pytest.raises(AcceleratorError, match="cudaStreamSynchronize"):
         host.forget_stream(s, DEV)
     sim.clear_faults()
+    busy.set()
+    _on(be, be.stream_synchronize, s)
     for ptr in ptrs:
         assert host._blocks[ptr].uses == {(s, DEV)}, "a use on the live stream was replaced"
     host.forget_stream(s, DEV)

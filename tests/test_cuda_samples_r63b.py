@@ -536,9 +536,6 @@ def _vendor_events(kind: str) -> int:
     return sum(v for k, v in c.items() if k in ("events", "ze_live_events", "metal.MTLSharedEvent", "metal.MTLEvent"))
 
 
-@pytest.mark.xfail(strict=True, reason="r63b: a live block keeps one vendor event per closed stream it was "
-                   "used on (accel/memory/_caching.py _forget_stream/uses_forgotten: the gate is added to "
-                   "block.uses and only released when the block is freed, even once it has completed)")
 @pytest.mark.parametrize("case", _cases(SIMS), ids=_ids)
 def test_closed_streams_leave_no_events_on_a_live_buffer(monkeypatch, case):
     """Found translating simpleStreams and simpleCallback: a program keeps a buffer (weights, a
@@ -553,9 +550,13 @@ def test_closed_streams_leave_no_events_on_a_live_buffer(monkeypatch, case):
     weights = accel.Buffer(4096, device=dev).fill_(0)
 
     def requests(n):
+        done = None
         for i in range(n):
             s = accel.Stream(dev)
+            if done is not None:
+                s.wait_event(done)        # the requests write in turn
             weights.fill_(i % 256, stream=s)
+            done = s.record_event()
             weights.record_stream(s)
             s.close()
         accel.synchronize(dev)

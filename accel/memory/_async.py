@@ -401,7 +401,9 @@ class AsyncPoolAllocator:
                 self._routes.pop(stream, None)
             if not made and not used:
                 return
-            mark = self._cover(stream, device)
+            self._drop_done_marks(made + used)
+            # a stream whose work is done needs no event (r63b; see _caching.stream_done)
+            mark = None if _caching.stream_done(self, stream, device) else self._cover(stream, device)
             default = self._get_default_stream()
             for alloc in made:
                 alloc.stream = default
@@ -518,6 +520,7 @@ class AsyncPoolAllocator:
                 self._scalars["num_sync_all_streams"] += 1
                 be.mem_pool_trim(self._index, 0)
                 be.graph_mem_trim(self._index)      # graph memory no graph uses (not the pool's)
+            self._drop_done_marks(list(self._ptrs.values()))
             self._destroy_doomed()
 
     def stats(self) -> "dict":
@@ -677,6 +680,29 @@ class AsyncPoolAllocator:
         self._ptrs[ptr] = alloc
         self._up(self._count, 1)
         self._up(self._req, alloc.size)
+
+    def _drop_done_marks(self, allocs) -> None:
+        """The marks ``allocs`` (live) hold whose events completed are dropped (the event
+        destroyed with its last reference): an allocation that outlives many streams holds
+        one mark per stream whose work is still queued, not one per stream it ever saw.  Not
+        while a capture is underway (a query would invalidate it)."""
+        if self._capture_underway():
+            return
+        done = {}
+        for alloc in allocs:
+            for mark in [use for use in (alloc.uses or ()) if type(use) is _Mark]:
+                ok = done.get(mark)
+                if ok is None:
+                    try:
+                        ok = done[mark] = bool(self._be.event_query(mark.event))
+                    except Exception:
+                        self._be.clear_error()
+                        ok = done[mark] = False
+                if ok:
+                    alloc.uses.discard(mark)
+                    mark.refs -= 1
+                    if mark.refs == 0:
+                        self._destroy_event(mark.event, mark.device)
 
     def _drop_marks(self, uses) -> None:
         for mark in [use for use in (uses or ()) if type(use) is _Mark]:

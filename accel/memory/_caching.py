@@ -316,6 +316,54 @@ def cover(owner, stream: int, device: int, gates: list) -> Optional[_Gate]:
         return None
 
 
+def stream_done(owner, stream: int, device: int) -> bool:
+    """True when all work queued on the dying ``stream`` (of ``device``) has completed: what it
+    used needs no gate (r63b: a kept block used on a stream per request held one vendor event
+    per request until its own free).  Not asked while a capture is underway (a query would
+    invalidate it), and False when the query fails: the caller then covers the stream."""
+    be = owner._be
+    if capture_underway(be):
+        return False
+    try:
+        with on_device(be, device):
+            return bool(be.stream_query(stream))
+    except Exception:
+        be.clear_error()
+        return False
+
+
+def drop_done_gates(owner, blocks) -> None:
+    """For empty_cache: the gates that ``blocks`` (in use: a freed block's gates were queued)
+    still hold are dropped once their events completed, the events joining ``owner``'s cache,
+    which empty_cache then destroys.  One block's change is one step (_locks.publish).  Not
+    called while a capture is underway (a query would invalidate it)."""
+    for block in [b for b in blocks if b.uses and any(type(u) is _Gate for u in b.uses)]:
+        done = _completed(owner, block.uses)
+        if done:
+            _locks.publish([partial(setattr, block, "uses", block.uses.difference(done) or None)]
+                           + _cached_again(owner, done))
+
+
+def _completed(owner, uses) -> list:
+    """The gates among ``uses`` whose events completed (a failed query keeps its gate: the
+    block waits for it at its free)."""
+    query = owner._be.event_query
+    done = []
+    for gate in [u for u in uses if type(u) is _Gate]:
+        try:
+            if query(gate.event):
+                done.append(gate)
+        except Exception:
+            owner._be.clear_error()
+    return done
+
+
+def _cached_again(owner, gates: list) -> list:
+    """Steps (for _locks.publish) that put the events of completed ``gates`` back in the cache,
+    below the top places that :func:`_taken`'s steps delete (see :func:`_recorded`)."""
+    return [partial(owner._event_cache.setdefault(g.device, []).insert, 0, g.event) for g in gates]
+
+
 def gates_back(owner, gates: list) -> None:
     """The events of ``gates`` (from :func:`cover`; None for none) go back to ``owner``'s cache:
     the forget they were recorded for did not happen.  (A held gate's event never left it.)"""
@@ -329,17 +377,27 @@ def uses_forgotten(owner, stream: int, covers: list, gates: list) -> list:
     ((block, use) pairs) is replaced by its gate (``gates``, in the same order; None: the stream
     was synchronized, nothing to wait for), the held gates' events leave the cache, and
     ``owner._used_on`` forgets the stream.  ``owner`` is a device or host caching allocator, its
-    lock held."""
+    lock held.
+
+    The gates of earlier forgets that a block in ``covers`` still holds are dropped when their
+    events completed, the events going back to the cache: a block that outlives many streams
+    holds one gate per stream whose work is still queued, not one per stream it ever saw."""
+    query = not capture_underway(owner._be)        # (a query would invalidate a capture)
     uses = {}
+    done = []
     for (block, use), gate in zip(covers, gates):
         rest = uses.get(block)
         if rest is None:
             rest = uses[block] = set(block.uses)
+            if query:
+                old = _completed(owner, rest)
+                rest.difference_update(old)
+                done += old
         rest.discard(use)
         if gate is not None:
             rest.add(gate)
     steps = [partial(setattr, block, "uses", rest or None) for block, rest in uses.items()]
-    steps += _taken(owner, gates)
+    steps += _taken(owner, gates) + _cached_again(owner, done)
     steps.append(partial(setattr, owner, "_used_on", _without(owner._used_on, stream)))
     return steps
 
@@ -1027,10 +1085,11 @@ class DeviceCachingAllocator(ExpandableSegments):
         done = []
         try:
             try:
+                idle = bool(retire or covers) and stream_done(self, stream, device)
                 if retire:
-                    gates.append(cover(self, stream, device, gates))
+                    gates.append(None if idle else cover(self, stream, device, gates))
                 for _, use in covers:
-                    gates.append(cover(self, stream, use[1], gates))
+                    gates.append(None if idle and use[1] == device else cover(self, stream, use[1], gates))
                 steps = []
                 if retire:
                     retired = _Retired(retire)
@@ -1259,6 +1318,7 @@ class DeviceCachingAllocator(ExpandableSegments):
                                    f"(device {self._index}'s allocator); call it after capture_end()")
             self._reap_orphans()
             self._synchronize_and_free_events()
+            drop_done_gates(self, self._blocks.values())
             self._release_segments()
             self._exp_unmap()
             self._exp_drop_orphans(every=True)

@@ -27,7 +27,8 @@ from .._errors import OutOfMemoryError
 from .._finalize import drain as _drain_finalizers, pending as _finalizers, releases_settled as _releases_settled
 from ..streams import on_device
 from ._caching import (_gc_probe, _ONE_EXA_BYTES, _check_size, add_use, capture_underway, check_use,
-                       cover, gates_back, record_uses, uses_forgotten)
+                       cover, drop_done_gates, gates_back, record_uses, stream_done,
+                       uses_forgotten)
 
 _MIN_SIZE = 512
 #: torch 2.13's host_memory_stats counters (torch/cuda/memory.py): blocks owned (active +
@@ -344,8 +345,9 @@ class HostCachingAllocator:
         gates = []
         done = []
         try:
+            idle = bool(covers) and stream_done(self, stream, device_index)
             for _, use in covers:
-                gates.append(cover(self, stream, use[1], gates))
+                gates.append(None if idle and use[1] == device_index else cover(self, stream, use[1], gates))
             _locks.publish(uses_forgotten(self, stream, covers, gates) + [partial(done.append, True)])
         except BaseException:
             if not done:
@@ -366,6 +368,7 @@ class HostCachingAllocator:
                 self._resume_events(strict=True)
             finally:
                 self._release_free()
+            drop_done_gates(self, self._blocks.values())
             for device, events in self._event_cache.items():
                 with on_device(be, device):
                     while events:
