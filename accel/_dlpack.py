@@ -48,6 +48,7 @@ __all__ = ["DLDeviceType", "export", "parse", "Imported", "DLPACK_VERSION", "syn
 DLPACK_VERSION = (1, 1)
 FLAG_READ_ONLY = 1 << 0          # DLPACK_FLAG_BITMASK_READ_ONLY
 FLAG_IS_COPIED = 1 << 1          # DLPACK_FLAG_BITMASK_IS_COPIED
+FLAG_SUBBYTE_PADDED = 1 << 2     # DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED
 
 
 class DLDeviceType(enum.IntEnum):
@@ -225,6 +226,14 @@ def dl_dtype(dtype) -> Tuple[int, int, int]:
     if not dt.isnative:
         raise BufferError(f"DLPack data are native-endian; dtype {dt} is byte-swapped: use "
                           f"{dt.newbyteorder('=')} and swap the bytes first")
+    if (dt.kind == "f" and dt.itemsize > 8) or (dt.kind == "c" and dt.itemsize > 16):
+        # dlpack.h: kDLFloat is "IEEE floating point"; numpy's long double is x87 extended
+        # precision padded to 16 bytes on x86 (its complex: 256 bits, past DLDataType.bits, a
+        # uint8).  numpy refuses them the same way (dlpack.c: "DLPack only supports IEEE
+        # floating point types without padding (longdouble typically is not IEEE)").
+        raise BufferError(f"DLPack only describes IEEE floating point types without padding; dtype {dt} "
+                          f"({dt.itemsize} bytes) is numpy's long double: convert to float64 "
+                          f"(or complex128) first")
     return code, dt.itemsize * 8, 1
 
 
@@ -630,7 +639,12 @@ class Tensor:
 
     @property
     def itemsize_bits(self) -> int:
-        return self.bits * self.lanes
+        """Bits an element occupies: a padded sub-byte element (DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED)
+        takes whole bytes, as dlpack.h's GetDataSize counts it; packed (the default) its bits."""
+        bits = self.bits * self.lanes
+        if self.flags & FLAG_SUBBYTE_PADDED and bits % 8:
+            bits += 8 - bits % 8
+        return bits
 
     def span(self) -> Tuple[int, int]:
         """``(address, nbytes)`` of the bytes the tensor's elements occupy, from the lowest to the
@@ -723,7 +737,20 @@ def parse(capsule) -> Tensor:
     if not info.bits or not info.lanes:
         raise BufferError(f"DLPack tensor of dtype code {info.code} with {info.bits} bits and {info.lanes} lanes: "
                           f"an element of 0 bits or 0 lanes is malformed")
+    # dlpack.h DLDataTypeCode: FP6 "Setting bits != 6 is currently unspecified, and the producer
+    # must ensure it is set while the consumer must stop importing if the value is unexpected"
+    # (FP4 the same, bits != 4)
+    expected = _SUBBYTE_BITS.get(info.code)
+    if expected is not None and info.bits != expected:
+        raise BufferError(f"DLPack tensor of dtype code {info.code} ({_SUBBYTE_NAMES[info.code]}) with "
+                          f"{info.bits} bits: dlpack.h sets {expected}, and a consumer must stop importing "
+                          f"another value; the producer made a malformed capsule")
     return info
+
+
+#: dlpack.h DLDataTypeCode: the sub-byte float codes and the only bits each may have
+_SUBBYTE_BITS = {15: 6, 16: 6, 17: 4}
+_SUBBYTE_NAMES = {15: "kDLFloat6_e2m3fn", 16: "kDLFloat6_e3m2fn", 17: "kDLFloat4_e2m1fn"}
 
 
 class Imported:

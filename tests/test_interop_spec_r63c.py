@@ -222,9 +222,7 @@ def test_producer_dl_device_and_copy(dev):
 
 @pytest.mark.skipif(np.dtype(np.longdouble).itemsize <= 8, reason="longdouble is double here")
 @pytest.mark.parametrize("dtype", [np.longdouble, np.clongdouble], ids=["longdouble", "clongdouble"])
-@pytest.mark.xfail(strict=True, reason="r63c: _dlpack.dl_dtype maps numpy's x87 long double (80 bits padded "
-                                       "to 16 bytes) to kDLFloat/kDLComplex; complex256's 256 bits wrap to 0 "
-                                       "in DLDataType.bits (uint8)")
+
 def test_producer_refuses_non_ieee_long_double(dev, dtype):
     """dlpack.h: kDLFloat is "IEEE floating point", kDLComplex a "compact struct per complex
     number"; DLDataType.bits is a uint8_t.  numpy's long double (x87 extended, 80 bits padded to
@@ -379,8 +377,7 @@ def test_consumer_reads_data_byte_offset_and_null_strides(dev):
     assert _state() == before
 
 
-@pytest.mark.xfail(strict=True, reason="r63c: _dlpack.Tensor.span ignores DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED "
-                                       "and sizes a padded sub-byte tensor as packed (half its bytes)")
+
 def test_consumer_span_of_a_padded_subbyte_tensor(dev):
     """dlpack.h: "DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED: bit mask to indicate that whether a
     sub-byte type is packed or padded. The default for sub-byte types (ex: fp4/fp6) is assumed
@@ -400,7 +397,7 @@ def test_consumer_span_of_a_padded_subbyte_tensor(dev):
 
 
 @pytest.mark.parametrize("code, bits", [(15, 8), (16, 8), (17, 8), (17, 1)], ids=["fp6e2m3-8", "fp6e3m2-8", "fp4-8", "fp4-1"])
-@pytest.mark.xfail(strict=True, reason="r63c: _dlpack.parse does not check the bits of the FP6/FP4 codes")
+
 def test_consumer_stops_importing_fp6_fp4_of_unexpected_bits(dev, code, bits):
     """dlpack.h DLDataTypeCode, FP6 (kDLFloat6_e2m3fn 15, kDLFloat6_e3m2fn 16): "Setting bits != 6 is
     currently unspecified, and the producer must ensure it is set while the consumer must stop
