@@ -311,7 +311,9 @@ class _Worker:
             self.run.ooms += 1
             return
         buf.fill_(self.rng.randrange(256), stream=s)
-        self.items.append(["buf", dev, buf, s])
+        # another stream uses it only after this event: cudaMallocAsync memory "must not be
+        # accessed until the allocation operation completes" (a stream may be closed by then)
+        self.items.append(["buf", dev, buf, s, s.record_event()])
 
     def release(self, item, drop_ok=True) -> None:
         what = item[0]
@@ -343,6 +345,8 @@ class _Worker:
         other = self.stream(other_dev)
         if item[0] == "buf":
             if other_dev == dev:
+                if item[4] is not None:
+                    other.wait_event(item[4])           # (see buffer)
                 item[2].fill_(7, stream=other)          # a use on another stream: recorded by the buffer
             else:
                 item[2].record_stream(other)
@@ -510,13 +514,17 @@ class _Worker:
         except OutOfMemoryError:
             self.run.ooms += 1
             return
-        self.items.append(["buf", dev, dst, s])
+        item = ["buf", dev, dst, s, None]
+        self.items.append(item)
         try:
+            if src[4] is not None:
+                s.wait_event(src[4])            # (see buffer)
             dst.copy_from(src[2], stream=s, non_blocking=True)
         except CaptureError:
             # the first copy between the two devices while another thread captures: access to
             # expandable memory cannot be granted then (E6; the error says so)
             pass
+        item[4] = s.record_event()
 
     def mailbox(self) -> None:
         """Hand an item to whichever thread takes it next, or take one: frees (and closes,

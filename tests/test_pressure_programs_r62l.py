@@ -543,7 +543,7 @@ def _odd_points(dev: int, steps: int) -> int:
                 memory.reset_peak_memory_stats(dev)
                 _check_stats(dev, f"odd step {step}")
             # the next allocation on s1 may get a's block only after s2's copy ran
-            c = accel.Buffer(a.nbytes, device=dev, stream=s1).fill_(0)
+            c = accel.Buffer(a.nbytes, device=dev, stream=s1).fill_(0, stream=s1)
             held.append((value, b))
             c.close()
             del a, b, c

@@ -4,10 +4,10 @@ audits.  Each finding quotes the rule; the library is driven as a CUDA program d
 out-pointers, integer codes), on device 1 as well as device 0.  Each was a strict xfail first; five
 are enforced since r62 (graph launches ordered across streams, work and pointer queries after
 cudaFreeAsync refused, cudaFree of pool memory returns it to the pool, cudaHostAlloc flag 0x8
-refused), one since r63a: a cudaFree'd device address is no longer taken for pageable host memory
-by copies (device memory is carved out of a reserved address range, accel/sim/_memory.py).  Still a
-strict xfail (accel/sim/README.md): pool memory usable on other streams before cudaMallocAsync's
-stream reached the allocation.  More cases: tests/test_sim_freed_memory_r63a.py.
+refused), the last two since r63a (accel/sim/README.md): pool memory used on another stream before
+cudaMallocAsync's stream reached the allocation is refused, and a cudaFree'd device address is no
+longer taken for pageable host memory by copies (device memory is carved out of a reserved address
+range, accel/sim/_memory.py).  More cases: tests/test_sim_freed_memory_r63a.py.
 
 Codes (driver_types.h): cudaErrorInvalidValue 1, cudaErrorNotReady 600.
 """
@@ -122,14 +122,10 @@ def test_pointer_attributes_after_free_async_are_refused(lib, device):
     assert rc == INVALID_VALUE, f"answered rc={rc}, type={kind}"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "sim cudart/mempool.py cudaMallocAsync makes the allocation usable at once on every stream. CUDA "
-    "Runtime API, cudaMallocAsync: 'The allocation must not be accessed until the allocation operation "
-    "completes' ('Stream query, stream synchronize, and CUDA events can be used to guarantee that the "
-    "allocation operation completes before work submitted in a separate stream runs'). Fix: queue the "
-    "allocation point on the stream; work on another stream not ordered after it is refused (1)"))
 @pytest.mark.parametrize("device", [0, 1])
 def test_pool_allocation_used_on_another_stream_before_it_is_made_is_refused(lib, device):
+    """CUDA Runtime API, cudaMallocAsync: "The allocation must not be accessed until the allocation
+    operation completes" (strict xfail in r62g; enforced since r63a, cudart/mempool.py)."""
     s, g = _gated_stream(lib, device)
     ok(lib.cudaSetDevice(device))
     other = stream(lib)

@@ -26,8 +26,9 @@ import accel
 from accel import sim
 from accel._ffi._cudart import ffi
 from accel.sim import _memory
+from accel.sim.cudart import state as cudart_state
 from conftest import run_forked, use_sim
-from test_sim_cuda import _gates, malloc, ok, stream
+from test_sim_cuda import _gates, gate, malloc, ok, stream
 
 INVALID_VALUE, MEMORY_ALLOCATION, NOT_READY = 1, 2, 600
 HOST_TO_HOST, H2D, D2H, DEFAULT = 0, 1, 2, 4            # cudaMemcpyKind
@@ -231,6 +232,139 @@ def test_public_api_copies_on_every_simulator(sim_backend):
     other.close()
     with pytest.raises(Exception):
         buf.copy_from(src)
+
+
+# -- 2. cudaMallocAsync: the allocation point ------------------------------------------------------
+
+def _gated(lib, device, flags=1):
+    ok(lib.cudaSetDevice(device))
+    s = stream(lib, flags)
+    g = gate(lib, s, next(_gate_ids))
+    ok(lib.cudaSetDevice(0))
+    return s, g
+
+
+def _pool_used(lib, device):
+    pool = ffi.new("cudaMemPool_t *")
+    ok(lib.cudaDeviceGetDefaultMemPool(pool, device))
+    used = ffi.new("unsigned long long *")
+    ok(lib.cudaMemPoolGetAttribute(pool[0], POOL_USED_CURRENT, used))
+    return used[0]
+
+
+@pytest.mark.parametrize("device", [0, 1])
+def test_unmade_pool_memory_refused_on_another_stream_state_unchanged(lib, device):
+    s, g = _gated(lib, device)
+    ok(lib.cudaSetDevice(device))
+    other = stream(lib)
+    ok(lib.cudaSetDevice(0))
+    p = _malloc_async(lib, 4096, s)
+    q = malloc(lib, 4096)
+    used = _pool_used(lib, device)
+    host = bytearray(4096)
+    refused = [lib.cudaMemsetAsync(p, 1, 4096, other),
+               lib.cudaMemcpyAsync(q, p, 4096, DEFAULT, other),
+               lib.cudaMemcpyAsync(p, q, 4096, DEFAULT, other),
+               lib.cudaMemcpyAsync(ffi.from_buffer(host), p, 4096, D2H, other),
+               lib.cudaFreeAsync(p, other)]
+    assert refused == [INVALID_VALUE] * 5
+    assert lib.cudaGetLastError() == INVALID_VALUE
+    assert _pool_used(lib, device) == used
+    assert lib.cudaStreamQuery(other) == 0      # nothing was queued
+    # the allocating stream itself may use it at once
+    ok(lib.cudaMemsetAsync(p, 3, 4096, s))
+    g.set()
+    ok(lib.cudaStreamSynchronize(s))
+    # made: every stream may use it now
+    ok(lib.cudaMemcpyAsync(q, p, 4096, DEFAULT, other))
+    ok(lib.cudaStreamSynchronize(other))
+    assert _host_read(lib, q, 4096) == b"\x03" * 4096
+    assert cudart_state.runtime().making == {}
+    ok(lib.cudaFreeAsync(p, other))
+    ok(lib.cudaStreamSynchronize(other))
+    ok(lib.cudaFree(q))
+    assert sim.state().live_allocations == {} and sim.state().errors == []
+
+
+@pytest.mark.parametrize("device", [0, 1])
+def test_unmade_pool_memory_ordered_by_events_is_accepted(lib, device):
+    """cudaMallocAsync: "CUDA events can be used to guarantee that the allocation operation
+    completes before work submitted in a separate stream runs": an event recorded after the
+    allocation and waited on, directly or through a third stream, orders the use."""
+    s, g = _gated(lib, device)
+    ok(lib.cudaSetDevice(device))
+    direct, middle, far = stream(lib), stream(lib), stream(lib)
+    e1, e2 = ffi.new("cudaEvent_t *"), ffi.new("cudaEvent_t *")
+    ok(lib.cudaEventCreateWithFlags(e1, 2))
+    ok(lib.cudaEventCreateWithFlags(e2, 2))
+    ok(lib.cudaSetDevice(0))
+    p = _malloc_async(lib, 4096, s)
+    ok(lib.cudaEventRecord(e1[0], s))
+    ok(lib.cudaStreamWaitEvent(direct, e1[0], 0))
+    ok(lib.cudaMemsetAsync(p, 5, 2048, direct))
+    ok(lib.cudaStreamWaitEvent(middle, e1[0], 0))
+    ok(lib.cudaEventRecord(e2[0], middle))
+    ok(lib.cudaStreamWaitEvent(far, e2[0], 0))
+    ok(lib.cudaMemsetAsync(ffi.cast("char *", p) + 2048, 6, 2048, far))
+    assert lib.cudaStreamQuery(direct) == NOT_READY      # held behind the allocation
+    g.set()
+    for x in (s, direct, far):
+        ok(lib.cudaStreamSynchronize(x))
+    ok(lib.cudaSetDevice(device))       # (device 0 has no access to device 1's pool)
+    assert _host_read(lib, p, 4096) == b"\x05" * 2048 + b"\x06" * 2048
+    ok(lib.cudaSetDevice(0))
+    ok(lib.cudaFreeAsync(p, far))
+    ok(lib.cudaStreamSynchronize(far))
+    for e in (e1, e2):
+        ok(lib.cudaEventDestroy(e[0]))
+    assert sim.state().live_allocations == {} and sim.state().errors == []
+
+
+def test_legacy_stream_orders_after_a_blocking_streams_allocation(lib):
+    """The legacy default stream waits for the device's blocking streams (implicit
+    synchronization): pool memory a blocking stream allocated may be used on it at once; a
+    non-blocking stream's is not."""
+    null = ffi.cast("cudaStream_t", 0)
+    ok(lib.cudaSetDevice(1))
+    blocking, g1 = _gated(lib, 1, flags=0)
+    ok(lib.cudaSetDevice(1))
+    p = _malloc_async(lib, 4096, blocking)
+    ok(lib.cudaMemsetAsync(p, 9, 4096, null))
+    nonblocking, g2 = _gated(lib, 1, flags=1)
+    ok(lib.cudaSetDevice(1))
+    q = _malloc_async(lib, 4096, nonblocking)
+    assert lib.cudaMemsetAsync(q, 9, 4096, null) == INVALID_VALUE
+    lib.cudaGetLastError()
+    g1.set()
+    g2.set()
+    ok(lib.cudaDeviceSynchronize())
+    assert _host_read(lib, p, 4096) == b"\x09" * 4096
+    ok(lib.cudaMemsetAsync(q, 9, 4096, null))
+    for x in (p, q):
+        ok(lib.cudaFreeAsync(x, null))
+    ok(lib.cudaDeviceSynchronize())
+    ok(lib.cudaSetDevice(0))
+    assert sim.state().live_allocations == {} and sim.state().errors == []
+
+
+def test_accel_async_allocator_across_streams_is_accepted(monkeypatch):
+    """accel's backend:cudaMallocAsync allocator used across streams of device 1 (device 0
+    current) with record_stream: accel orders its uses after the allocation."""
+    use_sim(monkeypatch, "cuda", ACCEL_ALLOC_CONF="backend:cudaMallocAsync", ACCEL_SIM_DELAY_US="1")
+    src = np.arange(1 << 14, dtype=np.float32)
+    with accel.device_index(1):
+        side = accel.Stream()
+        for _ in range(3):
+            with side:
+                buf = accel.Buffer(src.nbytes)
+                buf.copy_from(src, non_blocking=True)
+            accel.current_stream().wait_stream(side)
+            out = buf.to_numpy(np.float32)
+            buf.record_stream(accel.current_stream())
+            buf.close()
+            assert (out == src).all()
+        accel.synchronize()
+    assert sim.state().errors == []
 
 
 # -- 3. Level Zero: zeMemFree'd USM ----------------------------------------------------------------

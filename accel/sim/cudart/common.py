@@ -123,6 +123,46 @@ def _implicit_deps(R: Runtime, s: Stream):
     return ()
 
 
+def _ordered_after(R: Runtime, s: Stream, point) -> bool:
+    """Whether work queued on ``s`` now would run after ``point`` (queue, seq): the point is
+    complete, or on ``s``'s queue, or a wait still pending on ``s`` (a cudaStreamWaitEvent, the
+    legacy stream's implicit synchronization), directly or through other queues' pending waits,
+    reaches it.  A pending operation's dependencies are all that can still hold it back: a point
+    it depends on that completed cannot have depended on ``point``, which has not."""
+    q0, seq0 = point
+    if q0.done >= seq0 or s.q is q0:
+        return True
+    with R.engine.lock:
+        todo = [(s.q, s.q.enqueued)] + list(_implicit_deps(R, s))
+        seen: Dict[object, int] = {}
+        while todo:
+            q, k = todo.pop()
+            if q is q0:
+                if k >= seq0:
+                    return True
+                continue
+            if q.done >= k or seen.get(q, 0) >= k:
+                continue
+            below = seen.get(q, 0)
+            seen[q] = k
+            for seq, _fn, deps, _work in q.ops:
+                if below < seq <= k:
+                    todo.extend(deps)
+    return False
+
+
+def _unmade(R: Runtime, a, s: Stream) -> bool:
+    """Whether ``a`` is cudaMallocAsync memory that work queued on ``s`` now could touch before
+    the allocating stream reaches the allocation.  CUDA Runtime API, cudaMallocAsync: "The
+    allocation must not be accessed until the allocation operation completes"; "Stream query,
+    stream synchronize, and CUDA events can be used to guarantee that the allocation operation
+    completes before work submitted in a separate stream runs"."""
+    if a is None or s.capture is not None:
+        return False    # captured work runs at a graph launch: its order is not known here
+    point = R.making.get(a.base)
+    return point is not None and point[1] is not None and not _ordered_after(R, s, point)
+
+
 def _legacy_conflict(R: Runtime, device: int) -> int:
     """Using the legacy stream while a blocking stream of its device captures is
     invalid (it would depend on the capture): invalidate those captures."""

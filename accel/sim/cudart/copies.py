@@ -11,7 +11,7 @@ from .state import (
     cudaErrorInvalidDevice, cudaErrorInvalidMemcpyDirection, cudaErrorInvalidResourceHandle,
     cudaErrorInvalidValue, cudaErrorStreamCaptureUnsupported, cudaSuccess,
 )
-from .common import _enqueue, _invalidate, _stream, _unsafe_call
+from .common import _enqueue, _invalidate, _stream, _unmade, _unsafe_call
 from .pools import _pool_access_problem
 
 
@@ -110,7 +110,7 @@ def _memcpy(R: Runtime, dst, src, count, kind, s: Stream, sync: bool, label: str
         return cudaErrorInvalidValue
     if not _range_ok(da, dp, count) or not _range_ok(sa, sp, count):
         return cudaErrorInvalidValue
-    if R.freed_async(da) or R.freed_async(sa):
+    if R.freed_async(da) or R.freed_async(sa) or (R.making and (_unmade(R, da, s) or _unmade(R, sa, s))):
         return cudaErrorInvalidValue
     if R.async_allocs or R.gmem.allocs:
         # pool and graph memory: only the devices the pool lets in (cudaMemPoolSetAccess)
@@ -206,7 +206,7 @@ def _memset(R: Runtime, devPtr, value, count, s: Stream, sync: bool) -> int:
         a = R.vmm.resolve(dp, count, s.device, True)
         if a.__class__ is str:
             return _vmm_fault(R, s, a, sync, "memset")
-    if a is None or dp + count > a.end or R.freed_async(a):
+    if a is None or dp + count > a.end or R.freed_async(a) or (R.making and _unmade(R, a, s)):
         return cudaErrorInvalidValue
     if R.async_allocs or R.gmem.allocs:
         why = _pool_access_problem(R, a, s.device, True)

@@ -9,7 +9,7 @@ from .state import (
     cudaErrorInvalidDevice, cudaErrorInvalidResourceHandle, cudaErrorInvalidValue,
     cudaErrorMemoryAllocation, cudaErrorNotSupported, cudaSuccess, _oom,
 )
-from .common import _enqueue, _is_null, _lookup, _put, _put_ptr, _stream
+from .common import _enqueue, _implicit_deps, _is_null, _unmade, _lookup, _put, _put_ptr, _stream
 from .pools import (
     _ACCESS_NONE, _ACCESS_READ, _ACCESS_READ_WRITE, _LOCATION_DEVICE, _LOCATION_HOST, _POOL_CHUNK, _POOL_RELEASE_THRESHOLD,
     _POOL_RESERVED_CURRENT, _POOL_RESERVED_HIGH, _POOL_USED_CURRENT, _POOL_USED_HIGH, _GraphAllocation,
@@ -62,6 +62,18 @@ def cudaMallocAsync(R, devPtr, size, hStream):
         return cudaErrorMemoryAllocation if a is None else cudaErrorInvalidValue
     R.mem.add(a)
     R.async_allocs[a.base] = (pool, n)
+    # The allocation point, in stream order on s: until s reaches it, work on a stream not
+    # ordered after it may not touch the memory (cudaMallocAsync: "The allocation must not be
+    # accessed until the allocation operation completes"; common._unmade).
+    point = [s.q, None]
+    R.making[a.base] = point
+
+    def made():
+        if R.making.get(a.base) is point:
+            del R.making[a.base]
+    seq = s.q.submit(made, _implicit_deps(R, s) if (s.legacy or s.blocking) else (), work=False)
+    if R.making.get(a.base) is point:
+        point[1] = seq
     return cudaSuccess
 
 
@@ -75,7 +87,9 @@ def cudaFreeAsync(R, devPtr, hStream):
     a = None if _is_null(devPtr) else _lookup(R.mem.by_key, devPtr)
     if a.__class__ is _GraphAllocation:
         return _capture_free(R, a, s) if s.capture is not None else _graph_free_async(R, a, s)
-    if a is None or a.base not in R.async_allocs:
+    if a is None or a.base not in R.async_allocs or (R.making and _unmade(R, a, s)):
+        # (cudaMallocAsync: "The allocation must not be accessed until the allocation operation
+        # completes": freeing it on a stream not ordered after the allocation is refused too)
         return cudaErrorInvalidValue
     if s.capture is not None:
         # cudaFreeAsync: "During stream capture, this function results in the creation of a free

@@ -304,6 +304,9 @@ class Runtime:
         # bases of cudaMallocAsync allocations a cudaFreeAsync freed that their stream has not
         # reached yet: work submitted after the free may not touch them (cudaFreeAsync)
         self.freeing: set = set()
+        # bases of cudaMallocAsync allocations whose stream has not reached the allocation yet ->
+        # the allocation point [queue, seq] (seq None until submitted); gone when the point runs
+        self.making: Dict[int, list] = {}
         self.gmem = _graph_mem.Space()      # graph memory nodes (cudaMallocAsync during capture)
         self.captures: set = set()
         self.errors: List[Tuple[str, str]] = []
