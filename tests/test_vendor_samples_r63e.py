@@ -519,6 +519,7 @@ def test_all_devices_loop_then_wait_for_all(monkeypatch, kernels, env):
     sim_env = {k: v for k, v in env.items() if k.startswith("ACCEL_")}
     base = _start(monkeypatch, "xpu", ACCEL_SIM_DELAY_US=1000, **sim_env)
     devices = _devices()[::-1]
+    assert devices == [1, 0]            # two cards, two tiles of one card, two composite cards
     n = 1 << 14
     work = []
     for d in devices:
