@@ -854,16 +854,31 @@ class MPSBackend(Backend):
         with self._lock, rt.pool():
             ev = self._event(event)
             st = self._stream(stream)
-            cb = self._open_cb(st)
-            if ev.timing:
-                # Give the command buffer GPU work of its own so it carries timestamps.
-                self._encode_fill(cb, self._scratch, 0, 4, 0)
-            ev.value += 1
-            rt.send(cb, M_SIGNAL_EVENT, ev.shared, ev.value)
-            cmd = self._commit(st)
+            shared, value, fresh = ev.shared, ev.value, None
+            if value and int(rt.send(shared, M_SIGNALED_VALUE)) < value:
+                # The latest record is still pending.  A wait encoded for it waits until the
+                # event's value "reaches value or higher" (MTLEvent.h), so this record's higher
+                # value, signalled first from another stream, would end that wait before the work
+                # it waits for (r63e): a new MTLSharedEvent carries this record instead.  The
+                # command buffers that wait for or signal the old one retain it.
+                fresh = self._new(self._device, M_NEW_SHARED_EVENT, "newSharedEvent")
+                shared, value = fresh, 0
+            try:
+                cb = self._open_cb(st)
+                if ev.timing:
+                    # Give the command buffer GPU work of its own so it carries timestamps.
+                    self._encode_fill(cb, self._scratch, 0, 4, 0)
+                rt.send(cb, M_SIGNAL_EVENT, shared, value + 1)
+                cmd = self._commit(st)
+            except BaseException:
+                if fresh is not None:
+                    rt.release(fresh)
+                raise
             rt.retain(cmd.obj)
             self._release_committed(ev.cb)
-            ev.cb = cmd
+            if fresh is not None:
+                rt.release(ev.shared)
+            ev.shared, ev.value, ev.cb = shared, value + 1, cmd
 
     def event_synchronize(self, event: int) -> None:
         rt = self._runtime()
