@@ -228,6 +228,15 @@ class EventsMixin:
                     self._retired += [rec[0]]
         if e is None:
             raise ValueError(f"{event!r} is not a live XPU event handle")
+        slot = rec[0] if rec is not None else None
+        if slot is not None and not slot.waiters and all(s.done >= seq for s, seq in slot.deps):
+            # Its work is known done: recycled now, so it no longer names the streams it depended
+            # on (destroyed ones among them) until some later operation sweeps (r63).  The event
+            # is gone whatever happens here: a failed reset leaves the slot to the next sweep.
+            try:
+                self._sweep()
+            except Exception:
+                pass
 
     def event_record(self, event: int, stream: int) -> None:
         e = self._event(event)
