@@ -332,6 +332,9 @@ def _worker(q: Queue) -> None:
                     fn()
             except BaseException as exc:
                 err = exc
+        # let go of the operation now: its closure holds what it touched (a freed allocation's
+        # memory goes back only when the last reference does), and this frame lives on idle
+        fn = deps = None
         if err is not None:
             # Reported before the operation counts as complete: a host thread waiting on it
             # (cudaStreamSynchronize) must wake to the fault, not to success (CUDA Runtime API,

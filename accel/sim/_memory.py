@@ -7,9 +7,11 @@ the process gets those addresses, so an address in the device range that no live
 is a freed (or never allocated) device address, never pageable host memory: the copy paths refuse
 it (:func:`in_device_range`).  Pages cost nothing until touched, and the whole pages of a freed
 allocation go back to the host at once (``MADV_DONTNEED``), so resident memory is what the live
-allocations touched, as with the host heap before.  Pinned host memory ("host" allocations) is a
-host buffer allocated with cffi (not cleared).  Both are aligned to 256 bytes as cudaMalloc
-guarantees.  Copies are plain ``memmove``.  Every
+allocations touched, as with the host heap before.  Pinned host memory ("host" allocations:
+cudaHostAlloc, zeMemAllocHost) is carved out of a second reserved range of its own, the **pinned
+range**, the same way (r63d): a real cudaFreeHost unmaps the pages, so an address in the pinned
+range that no live allocation holds is freed pinned memory, never pageable host memory
+(:func:`in_pinned_range`).  Both are aligned to 256 bytes as cudaMalloc guarantees.  Copies are plain ``memmove``.  Every
 live allocation is in a :class:`MemoryTable`, which finds the allocation
 containing any address (so interior pointers and copy ranges can be checked)
 and keeps the buffer alive.  Tables register themselves so
@@ -61,8 +63,9 @@ def allocate(size: int, kind: str, device: int, align: int = ALIGN, zeroed: bool
     ``zeroed`` or not (calloc: large zeroed buffers touch no page until used); raises MemoryError
     when the host has no room.  Device memory comes from the device range (its memory goes back
     when the allocation's last reference, ``buf``, is dropped: queued work keeps it alive)."""
-    if kind == DEVICE and _arena is not None:
-        base, buf = _arena.take(size, align, zeroed)
+    arena = _arena if kind == DEVICE else _pinned_arena
+    if arena is not None:
+        base, buf = arena.take(size, align, zeroed)
         return Allocation(base, size, kind, device, buf)
     raw = (ffi.new if zeroed else _new_raw)("char[]", size + align)
     addr = int(ffi.cast(_UINTPTR, raw))
@@ -195,7 +198,8 @@ class _Arena:
     queued and done by the holder before it lets go.  Invariant: a whole page inside a free range
     is untouched or was dropped (MADV_DONTNEED), so it reads zeros."""
 
-    def __init__(self):
+    def __init__(self, what: str = "device memory"):
+        self.what = what
         libc = ctypes.CDLL(None, use_errno=True)
         libc.mmap.restype = ctypes.c_void_p
         libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
@@ -216,7 +220,7 @@ class _Arena:
     def _mmap(self, addr: int, size: int, flags: int) -> int:
         p = self._libc.mmap(addr or None, size, _PROT_NONE, flags, -1, 0)
         if p is None or p == (1 << (8 * ctypes.sizeof(ctypes.c_void_p))) - 1:
-            raise MemoryError(f"cannot reserve {size} bytes of address space for device memory: "
+            raise MemoryError(f"cannot reserve {size} bytes of address space for {self.what}: "
                               f"{os.strerror(ctypes.get_errno())}")
         return p
 
@@ -286,7 +290,7 @@ class _Arena:
         if a + n > c.committed:
             top = min(c.end, (a + n + _COMMIT_STEP - 1) & ~(_COMMIT_STEP - 1))
             if self._libc.mprotect(c.committed, top - c.committed, _PROT_RW):
-                raise MemoryError(f"cannot commit {top - c.committed} bytes of device memory: "
+                raise MemoryError(f"cannot commit {top - c.committed} bytes of {self.what}: "
                                   f"{os.strerror(ctypes.get_errno())}")
             c.committed = top
         i = bisect.bisect_left(c.starts, s)
@@ -378,14 +382,28 @@ def in_device_range(addr: int, n: int = 1) -> bool:
     return _arena is not None and _arena.contains(addr, n)
 
 
-_arena: Optional[_Arena] = None
-if _MAP_FLAGS is not None:
+def in_pinned_range(addr: int, n: int = 1) -> bool:
+    """Whether [addr, addr+n) touches the pinned range: pinned host memory, live or not.  CUDA
+    Runtime API, cudaFreeHost: "Frees the memory space pointed to by ptr, which must have been
+    returned by a previous call to cudaMallocHost() or cudaHostAlloc()": the pages are unmapped,
+    so a freed pinned address is not pageable host memory either."""
+    return _pinned_arena is not None and _pinned_arena.contains(addr, n)
+
+
+def _new_arena(what: str) -> Optional[_Arena]:
+    if _MAP_FLAGS is None:
+        return None
     try:
-        _arena = _Arena()
-    except (OSError, AttributeError):   # no mmap/mprotect/madvise: device memory is host memory
-        _arena = None
-    if _arena is not None and hasattr(os, "register_at_fork"):
+        arena = _Arena(what)
+    except (OSError, AttributeError):   # no mmap/mprotect/madvise: the memory is host heap
+        return None
+    if hasattr(os, "register_at_fork"):
         # a fork happens between two arena operations (the forking thread holds the lock across
         # it), so the child's copy is whole; the child gets a new lock, the parent lets go
-        os.register_at_fork(before=_arena.before_fork, after_in_parent=_arena.after_fork_in_parent,
-                            after_in_child=_arena.after_fork_in_child)
+        os.register_at_fork(before=arena.before_fork, after_in_parent=arena.after_fork_in_parent,
+                            after_in_child=arena.after_fork_in_child)
+    return arena
+
+
+_arena: Optional[_Arena] = _new_arena("device memory")
+_pinned_arena: Optional[_Arena] = _new_arena("pinned host memory")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 from typing import Dict, List, Optional, Tuple
 
+from .. import _memory
 from ..core import ffi
 from .state import (
     _CAPTURE_GLOBAL, _CAPTURE_RELAXED, _CHARP, _LEGACY, _PER_THREAD, _STATUS_ACTIVE, _STATUS_INVALIDATED,
@@ -161,6 +162,61 @@ def _unmade(R: Runtime, a, s: Stream) -> bool:
         return False    # captured work runs at a graph launch: its order is not known here
     point = R.making.get(a.base)
     return point is not None and point[1] is not None and not _ordered_after(R, s, point)
+
+
+def _unmade_pointers(R: Runtime, ptrs, s: Stream) -> bool:
+    """Whether a kernel launched on ``s`` now with the pointer arguments ``ptrs`` would be handed
+    cudaMallocAsync memory whose allocation ``s`` is not ordered after (:func:`_unmade`).  CUDA
+    Runtime API, cudaMallocAsync: "The allocation must not be accessed until the allocation
+    operation completes".  What such a launch does is not documented (the kernel would touch memory
+    the pool may not have mapped yet): the simulator refuses it, cudaErrorInvalidValue, nothing
+    queued.  Only the pointers the kernel is passed are seen (a pointer the kernel reads from
+    memory is not)."""
+    if not R.making or s.capture is not None:
+        return False
+    find = R.mem.find
+    return any(p and _unmade(R, find(p), s) for p in ptrs)
+
+
+def _freed_ranges(R: Runtime) -> tuple:
+    """The [base, end) ranges of cudaMallocAsync memory a cudaFreeAsync freed that its stream has
+    not reached yet (``R.freeing``), for work queued now.  CUDA Runtime API, cudaFreeAsync: "After
+    this API returns, accessing the memory from any subsequent work launched on the GPU or querying
+    its pointer attributes results in undefined behavior"; a kernel queued now that touches one of
+    them faults (:func:`guard_freed`), whichever stream it runs on and whenever the free runs."""
+    if not R.freeing:
+        return ()
+    while True:
+        try:
+            bases = tuple(R.freeing)
+            break
+        except RuntimeError:        # the set changed during the copy (a free ran): again
+            continue
+    out = []
+    for b in bases:
+        a = R.mem.by_key.get(b)
+        if a is not None:           # (gone: the free ran; the memory is no allocation's any more)
+            out.append((a.base, a.end))
+    return tuple(out)
+
+
+def guard_freed(view, freed: tuple, device: int):
+    """``view`` (a kernel's view of memory) that faults on the ranges ``freed``
+    (:func:`_freed_ranges` at the launch): cudaErrorIllegalAddress (700, sticky), as a device
+    touching memory that is no longer allocated ("an invalid memory address")."""
+    from .. import kernels
+    addr_of = _memory.addr_of
+
+    def v(ptr, nbytes, dtype=None):
+        addr = addr_of(ptr)
+        for b, e in freed:
+            if addr < e and b < addr + max(nbytes, 1):
+                raise kernels.MemoryRangeError(
+                    f"a kernel on device {device} touched 0x{addr:x}, memory a cudaFreeAsync freed before "
+                    f"the kernel was launched (cudaFreeAsync: \"accessing the memory from any subsequent work "
+                    f"launched on the GPU ... results in undefined behavior\")")
+        return view(ptr, nbytes, dtype)
+    return v
 
 
 def _legacy_conflict(R: Runtime, device: int) -> int:

@@ -36,12 +36,14 @@ def _copy_op(dst: int, src: int, staged, n: int, da, sa):
                     if why:
                         raise _IllegalAddress(f"copy of {n} bytes 0x{src:x} -> 0x{dst:x}: {why}")
                 ffi.memmove(ffi.cast(_CHARP, dst), staged if staged is not None else ffi.cast(_CHARP, src), n)
+        vop.allocs = (da, sa)
         return vop
 
     def op():
         if (da is not None and not da.live) or (sa is not None and not sa.live):
             raise _IllegalAddress(f"copy of {n} bytes 0x{src:x} -> 0x{dst:x} touches freed memory")
         ffi.memmove(ffi.cast(_CHARP, dst), staged if staged is not None else ffi.cast(_CHARP, src), n)
+    op.allocs = (da, sa)    # what it touches (a graph launch checks its copy nodes: graphs.py)
     return op
 
 
@@ -107,6 +109,13 @@ def _memcpy(R: Runtime, dst, src, count, kind, s: Stream, sync: bool, label: str
         # memory space pointed to by devPtr"), or another library's.  Not pageable host memory
         # (the device range is reserved address space); cudaMemcpy needs valid dst/src and is
         # silent on freed device pointers: refused.
+        return cudaErrorInvalidValue
+    if (da is None and _memory.in_pinned_range(dp, count)) or (
+            sa is None and staged is None and _memory.in_pinned_range(sp, count)):
+        # Pinned host memory no live allocation holds: cudaFreeHost'd (cudaFreeHost: "Frees the
+        # memory space pointed to by ptr"; the pages are unmapped, a copy would fault), never
+        # pageable memory (the pinned range is reserved address space).  cudaMemcpy needs valid
+        # pointers and is silent on freed ones: refused, as a freed device address is.
         return cudaErrorInvalidValue
     if not _range_ok(da, dp, count) or not _range_ok(sa, sp, count):
         return cudaErrorInvalidValue
@@ -185,6 +194,7 @@ def _memset_op(dp: int, value: int, n: int, a):
                     raise _IllegalAddress(f"memset of {n} bytes at 0x{dp:x}: {why}")
                 import ctypes
                 ctypes.memset(dp, value, n)
+        vop.allocs = (a,)
         return vop
 
     def op():
@@ -192,6 +202,7 @@ def _memset_op(dp: int, value: int, n: int, a):
             raise _IllegalAddress(f"memset of {n} bytes at 0x{dp:x} touches freed memory")
         import ctypes
         ctypes.memset(dp, value, n)
+    op.allocs = (a,)
     return op
 
 

@@ -21,8 +21,8 @@ from .state import (
     cudaSuccess,
 )
 from .common import (
-    _c_string, _enqueue, _implicit_deps, _invalidate, _is_null, _legacy_conflict, _lookup, _put, _put_ptr,
-    _stream, _unsafe_call,
+    _c_string, _enqueue, _freed_ranges, _implicit_deps, _invalidate, _is_null, _legacy_conflict, _lookup, _put,
+    _put_ptr, _stream, _unmade, _unmade_pointers, _unsafe_call,
 )
 from .graph_memory import (
     _graph_mem_after_launch, _graph_mem_before_launch, _graph_mem_bind, _graph_mem_captured,
@@ -169,7 +169,7 @@ def cudaThreadExchangeStreamCaptureMode(R, mode):
     return cudaSuccess
 
 
-def _launch_with_events(R: Runtime, x: GraphExec, s: Stream) -> int:
+def _launch_with_events(R: Runtime, x: GraphExec, s: Stream, freed: tuple = ()) -> int:
     """cudaGraphLaunch of a graph with event record / wait nodes, as stream operations in
     capture order: each record node records its event when the launch reaches it (timestamp
     and completion, cudaGraphAddEventRecordNode: "Each launch of the graph will record
@@ -215,7 +215,7 @@ def _launch_with_events(R: Runtime, x: GraphExec, s: Stream) -> int:
     x.launches += 1
     for kind, arg, point in steps:
         if kind == "work":
-            q.submit(_replay(arg), deps, True)
+            q.submit(_replay(arg, freed), deps, True)
         elif kind == "record":
             rec = Rec()
             rec.q = q
@@ -238,14 +238,28 @@ def _after_previous_launch(x: GraphExec) -> list:
     return [last]
 
 
-def _replay(nodes: Sequence[Node]):
+def _stale_copy(R: Runtime, n: Node, s: Stream) -> bool:
+    """Whether copy or memset node ``n`` touches cudaMallocAsync memory freed (cudaFreeAsync) or not
+    yet made for work queued on ``s`` now (common._unmade)."""
+    allocs = getattr(n.fn, "allocs", None) if n.kernel is None else None
+    if not allocs:
+        return False
+    return any(a is not None and (R.freed_async(a) or (R.making and _unmade(R, a, s))) for a in allocs)
+
+
+def _replay(nodes: Sequence[Node], freed: tuple = ()):
+    """One launch's run of ``nodes``; ``freed``: the memory cudaFreeAsync freed before the launch
+    was queued, which its kernel nodes may not touch (common._freed_ranges)."""
     def run():
         delay = core.delay_s
         for i, node in enumerate(nodes):
             if node.fn is not None:
                 if delay and i:
                     time.sleep(delay)
-                node.fn()
+                if freed and node.kernel is not None:
+                    node.fn(freed)
+                else:
+                    node.fn()
     return run
 
 
@@ -293,16 +307,30 @@ def cudaGraphLaunch(R, graphExec, stream):
             # kernels would run freed code.  The docs name no error for it: the simulator refuses
             # the launch with the one an unknown kernel gets (cudaLaunchKernel).
             return cudaErrorInvalidDeviceFunction
+    if R.making and any(n.kernel is not None and _unmade_pointers(R, n.fn.ptrs, s) for n in x.nodes):
+        # cudaMallocAsync: "The allocation must not be accessed until the allocation operation
+        # completes": a kernel node is passed cudaMallocAsync memory whose allocation the launch's
+        # stream is not ordered after (its order was not known at capture).  No code is
+        # documented: refused (cudaErrorInvalidValue), as cudaLaunchKernel is, nothing queued.
+        return cudaErrorInvalidValue
+    if (R.making or R.freeing) and any(_stale_copy(R, n, s) for n in x.nodes):
+        # A copy or memset node on cudaMallocAsync memory a cudaFreeAsync freed before this launch
+        # ("accessing the memory from any subsequent work launched on the GPU ... results in
+        # undefined behavior") or whose allocation this stream is not ordered after ("must not be
+        # accessed until the allocation operation completes"): refused (cudaErrorInvalidValue), as
+        # cudaMemcpyAsync / cudaMemsetAsync refuse them outside a graph, nothing queued.
+        return cudaErrorInvalidValue
     em = R.gmem.execs.get(x) if R.gmem.execs else None
     if em is not None:
         rc, mapped = _graph_mem_before_launch(R, em, s)
         if rc:
             return rc
+    freed = _freed_ranges(R) if R.freeing else ()
     if x.plan is not None:
-        rc = _launch_with_events(R, x, s)
+        rc = _launch_with_events(R, x, s, freed)
     else:
         x.launches += 1
-        rc, seq = _enqueue(R, s, _replay(x.nodes), "graph", f"graph exec {x.handle:#x}",
+        rc, seq = _enqueue(R, s, _replay(x.nodes, freed), "graph", f"graph exec {x.handle:#x}",
                            after=_after_previous_launch(x))
         if seq:
             x.last = (s.q, seq)

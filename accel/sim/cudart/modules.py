@@ -16,7 +16,10 @@ from .state import (
     Runtime, Stream, cudaErrorInvalidDeviceFunction,
     cudaErrorInvalidResourceHandle, cudaErrorInvalidValue, cudaErrorSymbolNotFound, cudaSuccess,
 )
-from .common import _c_string, _enqueue, _is_null, _lookup, _put, _put_ptr, _stream, _unsafe_call
+from .common import (
+    _c_string, _enqueue, _freed_ranges, _is_null, _lookup, _put, _put_ptr, _stream, _unmade_pointers, _unsafe_call,
+    guard_freed,
+)
 from .devices import _device_view, _set_fields
 
 
@@ -376,11 +379,26 @@ def launch(R: Runtime, k: "KernelHandle", grid, block, args, sharedMem, s: Strea
         values = kernels.decode_args(ref, args)
     except ValueError:
         return cudaErrorInvalidValue
-    fn, view, vmm_lock = ref.fn, _device_view(R, s.device), R.vmm.lock
+    ptrs = tuple(v for t, v in zip(ref.argtypes, values) if t == "ptr")
+    if R.making and _unmade_pointers(R, ptrs, s):
+        # cudaMallocAsync: "The allocation must not be accessed until the allocation operation
+        # completes"; the launch's stream is not ordered after the allocation of memory it is
+        # passed.  No code is documented: refused (cudaErrorInvalidValue), nothing queued.
+        return cudaErrorInvalidValue
+    fn, view, vmm_lock, device = ref.fn, _device_view(R, s.device), R.vmm.lock, s.device
 
-    def run():
+    def run(freed=()):
         # holding the mapped pages (the space's lock, shared): no cuMemUnmap pulls them from under
-        # a running kernel, and other work can still be queued and run meanwhile
+        # a running kernel, and other work can still be queued and run meanwhile.  ``freed``: the
+        # memory cudaFreeAsync freed before this launch (or, for a graph's kernel node, before the
+        # graph launch) was queued; touching it faults (common.guard_freed).
         with vmm_lock.shared():
-            fn(grid, block, view, *values)
-    return _enqueue(R, s, run, "kernel", f"{k.name} grid{grid} block{block}", kernel=k)[0]
+            fn(grid, block, guard_freed(view, freed, device) if freed else view, *values)
+    run.ptrs = ptrs         # the pointers the kernel is passed (a graph launch checks them too)
+    work = run
+    if s.capture is None and R.freeing:
+        freed = _freed_ranges(R)
+        if freed:
+            def work():
+                run(freed)
+    return _enqueue(R, s, work, "kernel", f"{k.name} grid{grid} block{block}", kernel=k)[0]
