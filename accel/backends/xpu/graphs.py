@@ -258,9 +258,15 @@ class GraphsMixin:
                     # reset: the next launch's waits would take either as their own (_rearm_graph).
                     g.stale = s
                     raise
-                if len(g.deps) > 64:
-                    g.deps = [max((d for d in g.deps if d[0] is st), key=lambda d: d[1])
-                              for st in {d[0] for d in g.deps}]
+                if len(g.deps) > 16:
+                    # bounded by the streams whose part may still run: an entry a stream passed
+                    # (a destroyed stream's among them) waits for nothing (r63h: one entry per
+                    # stream the graph was ever replayed on, kept while the graph lived)
+                    latest = {}
+                    for st, n in g.deps:
+                        if st.done < n and latest.get(st, 0) < n:
+                            latest[st] = n
+                    g.deps = list(latest.items())
             g.last_stream = s
             self._record(g.completion, s)
 
