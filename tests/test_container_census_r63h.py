@@ -17,8 +17,9 @@ synchronize + empty_cache + empty_host_cache + gc.collect + _finalize.drain().  
 be as large after the 200 as after the 20 (:func:`_bounded` lists the documented fixed bounds).
 The ``long_*`` churns work against long-lived objects (a buffer, event, stream, graph, generator,
 MemPool, pinned array, view, module), walked too: new streams come and go, the old objects
-must not remember them.  Findings (strict xfail): a live MemPool keeps a whole segment per dead
-stream; an XPU graph exec keeps one entry per stream it was ever launched on.
+must not remember them.  Findings (each a strict xfail first, fixed in r63): a live MemPool kept
+a whole segment per dead stream; an XPU graph exec kept one entry per stream it was ever
+launched on.
 """
 
 from __future__ import annotations
@@ -832,9 +833,6 @@ def sim2(request, monkeypatch):
 
 #: (simulator, churn) pairs that find a bug today: strict xfail, see the tests below
 _KNOWN = {
-    ("cuda", "long_mempool"): "live MemPool keeps a whole segment per dead stream (test_mempool_of_dead_streams...)",
-    ("xpu", "long_mempool"): "live MemPool keeps a whole segment per dead stream (test_mempool_of_dead_streams...)",
-    ("mps", "long_mempool"): "live MemPool keeps a whole segment per dead stream (test_mempool_of_dead_streams...)",
 }
 
 
@@ -903,15 +901,15 @@ def test_census_bounds_a_capped_deque_and_sees_past_its_cap(sim2, monkeypatch):
 
 
 # ------------------------------------------------------------------------------ the findings
-@pytest.mark.xfail(strict=True, reason="r63h: a live MemPool keeps, on its default-stream lists, a whole free "
-                   "segment per destroyed stream that allocated in it (_caching._rehome); no later stream can "
-                   "take them and empty_cache leaves a live pool alone: 30 short-lived streams fill a 64 MiB "
-                   "device, 0 bytes allocated")
 @pytest.mark.parametrize("kind", SIMS)
 def test_mempool_of_dead_streams_is_reused_or_released(monkeypatch, kind):
     """A loop over short-lived streams that each allocate 4 KiB from one live MemPool, free it and
     close: the memory of a dead stream must serve the next one (or go back to the device), not
-    stay reserved for ever (state bounded by live objects; a valid request must not OOM)."""
+    stay reserved for ever (state bounded by live objects; a valid request must not OOM).  Until
+    r63 a live MemPool kept, on its default-stream lists, a whole free segment per destroyed
+    stream that allocated in it (_caching._rehome); no later stream could take them and
+    empty_cache leaves a live pool alone: 30 short-lived streams filled a 64 MiB device, 0 bytes
+    allocated.  Now such a segment joins the general cache once wholly free."""
     use_sim(monkeypatch, kind, ACCEL_SIM_DEVICES=2, ACCEL_SIM_MEMORY="64M")
     d = 0 if kind == "mps" else 1
     with accel.device_index(d):

@@ -421,11 +421,14 @@ class _Retired:
 class _PrivatePool:
     """Memory of graph captures and MemPools sharing one pool id (torch's PrivatePool)."""
 
-    __slots__ = ("id", "use_count", "lists", "no_split", "replays", "kept")
+    __slots__ = ("id", "use_count", "lists", "no_split", "replays", "kept", "captured")
 
     def __init__(self, pool_id):
         self.id = pool_id
         self.use_count = 0
+        # a capture allocated from it: a free block may be a temporary its graph's replays still
+        # write (freed during the capture), so none leaves the pool while the pool lives (P2)
+        self.captured = False
         self.lists: Dict[int, Tuple[_FreeList, _FreeList]] = {}
         self.no_split = False     # MemPool(no_split=True): blocks are handed out whole
         # streams its graphs were replayed on (DeviceCachingAllocator.pool_used_on; two at most:
@@ -513,6 +516,9 @@ class DeviceCachingAllocator(ExpandableSegments):
         # classic segments that became wholly free (base ptr -> block), checked when read:
         # release-before-grow looks at these instead of every cached block
         self._whole: Dict[int, _Block] = {}
+        # classic segments (base ptrs) of destroyed streams that joined a live pool's default
+        # lists, no capture using the pool: each joins the general cache once wholly free (_rehome)
+        self._pool_orphans: set = set()
         self._general: Dict[int, Tuple[_FreeList, _FreeList]] = {}
         self._routes: Dict[int, _PrivatePool] = {}   # capturing stream -> private pool
         self._origins: Dict[int, _PrivatePool] = {}  # streams of begin_allocate_to_pool
@@ -1146,6 +1152,7 @@ class DeviceCachingAllocator(ExpandableSegments):
             if thread is not None:
                 self._threads.setdefault(thread, []).append(pool)
             else:
+                pool.captured = True
                 self._routes[stream] = self._origins[stream] = pool
                 self._origin_ids.pop(stream, None)
                 _count_captures(1)
@@ -1676,6 +1683,8 @@ class DeviceCachingAllocator(ExpandableSegments):
             if owner.released() and fl in owner.lists.get(fl.stream, ()):
                 self._move_to_general(block)
                 self._forget_private_if_empty(owner)
+            elif block.ptr in self._pool_orphans and not owner.captured:
+                self._move_to_general(block)        # a destroyed stream's (see _rehome)
         elif self._release_threshold is not None:
             self._apply_release_threshold()
 
@@ -2125,6 +2134,7 @@ class DeviceCachingAllocator(ExpandableSegments):
             oc, _, of = self._seg_change(kind, 0, 0, 0)
             whole = ptr in self._whole
             st = self._seg_frames.get(ptr)
+            self._pool_orphans.discard(ptr)     # (a call: before the stores below)
             del fl.keys[j]
             del self._blocks[ptr]
             del self._segments[ptr]
@@ -2239,15 +2249,24 @@ class DeviceCachingAllocator(ExpandableSegments):
         released = []
         drop = False
         dead = []           # the destroyed stream's expandable segments
+        # Segments of a live pool no capture used (a MemPool's): no stream made later can take
+        # them from the default stream's lists (accel's streams are new handles, not torch's
+        # recycled pool of 32), so each joins the general cache once wholly free, where the
+        # default stream reuses it and empty_cache or an OOM retry frees it (r63h: 30
+        # short-lived streams allocating 4 KiB each from one MemPool filled a 64 MiB device).
+        orphans = []
         for owner, pair in retired.lists:
             lists = owner.lists if owner is not None else self._general
             targets = lists.get(default) or self._new_lists(default, owner)
+            orphaned = owner is not None and not owner.captured and not owner.released()
             for fl, target in zip(pair, targets):
                 if not fl.segments:
                     continue
                 for base in self._segments:
                     block = self._blocks[base]
                     if block.pool is fl:
+                        if orphaned:
+                            orphans.append(base)
                         while block is not None:
                             steps.append(partial(setattr, block, "pool", target))
                             block = block.next
@@ -2278,6 +2297,12 @@ class DeviceCachingAllocator(ExpandableSegments):
             self._exp_unmap_idle(dead)
         if drop:
             self._exp_drop_orphans()
+        if orphans:
+            self._pool_orphans.update(orphans)
+            for base in orphans:
+                block = self._blocks[base]
+                if block.state == _FREE and block.next is None:
+                    self._move_to_general(block)
         for owner, targets in released:
             for fl in targets:
                 for key in list(fl.keys):
@@ -2408,6 +2433,7 @@ class DeviceCachingAllocator(ExpandableSegments):
         block.pool = target
         fl.segments -= 1
         target.segments += 1
+        self._pool_orphans.discard(block.ptr)
 
     def _forget_private_if_empty(self, pool: _PrivatePool) -> None:
         if pool.use_count == 0 and self._private.get(pool.id) is pool:
