@@ -70,6 +70,11 @@ class MemPool:
     ``use_mem_pool`` contexts and graphs using the pool; ``snapshot()`` lists its segments
     (torch's ``memory_snapshot`` layout).  NotImplementedError under
     ``backend:cudaMallocAsync`` (its driver pool has no private pools).
+
+    Where accel differs: a segment that a destroyed Stream allocated in the pool leaves the pool
+    for the general cache once wholly free, unless a graph capture used the pool.  torch's
+    streams come from a fixed pool of handles that later streams reuse; accel's are new each
+    time, so no later stream could reuse such a segment.
     """
 
     def __init__(self, allocator=None, use_on_oom: bool = False, no_split: bool = False):
