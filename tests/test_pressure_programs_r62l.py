@@ -157,6 +157,44 @@ def _census(kind: str):
     return _split(_sim_counts(kind))[1], _accel_objects()
 
 
+def _event_slots_accounted(kind: str, where: str) -> tuple:
+    """Level Zero: the backend's event slots (64 a pool, a pool made when none is free) are a
+    cache bounded by the most events in flight at once, and that peak depends on timing: how
+    far the lagging consumer queue (ACCEL_SIM_DELAY_US) got when the host asked for a slot.
+    The warm-up run does not fix it: about 1 run in 4 with the GIL switched every 10 us (and
+    now and then under CPU load) the measured run needed a second pool, and the census saw
+    _Slot 64 -> 128 with no slot lost.  So the pooled slots are checked exactly instead of
+    against the warm-up: once the device is synchronized and a sweep ran, no slot is left
+    retired and every slot is free or named by a live event or stream (a slot that never comes
+    back is the leak that would make the pools grow), every _Slot belongs to a live pool, and the simulator has exactly the backend's pools and their
+    events.  Returns the census names those checks cover (none on the other backends)."""
+    if kind != "xpu":
+        return ()
+    from accel import _lazy
+    from accel.backends.xpu.events import _EVENTS_PER_POOL as per_pool
+    be = _lazy.lazy_init()
+    with be._lock:
+        be._poll()
+        be._sweep()
+        retired = list(be._retired)
+        pools = len(be._pools)
+        free = {id(slot) for slots in be._free_slots.values() for slot in slots}
+        # what live objects still name: an event's latest record, a stream's marker and last signal
+        named = {id(e.rec[0]) for e in be._events.values() if e.rec is not None}
+        named |= {id(p[0]) for st in be._streams.values() for p in (st.marker, st.last) if p is not None}
+    assert not retired, (where, "event slots still retired after a synchronize", len(retired))
+    assert len(free | named) == per_pool * pools, (
+        where, "event slots neither free nor named by a live event or stream", per_pool * pools - len(free | named))
+    gc.collect()
+    slots = sum(1 for obj in gc.get_objects() if type(obj).__qualname__ == "_Slot"
+                and type(obj).__module__.startswith("accel.backends.xpu"))
+    assert slots == per_pool * pools, (where, "event slots outside the backend's pools", slots, pools)
+    st = sim.state()
+    assert (st.ze_live_event_pools, st.ze_live_events) == (pools, per_pool * pools), (
+        where, "simulator event pools and events", st.ze_live_event_pools, st.ze_live_events, pools)
+    return ("_Slot", "ze_live_events", "ze_live_event_pools")
+
+
 def _check_clean(kind: str, base, where: str, ooms=None, objects=None, slack=None) -> None:
     """Everything the program made is gone; the stats and the simulator say so.  ``objects``:
     the census after a warm-up run (default: the baseline's)."""
@@ -172,15 +210,16 @@ def _check_clean(kind: str, base, where: str, ooms=None, objects=None, slack=Non
         assert s["allocation.all.allocated"] == s["allocation.all.freed"], (where, d)
         assert s["reserved_bytes.all.current"] == 0, (where, d, "empty_cache left reserved memory")
         assert memory.memory_allocated(d) == 0
+    pooled = _event_slots_accounted(kind, where)
     now_objects = _accel_objects()
     grown = {k: (objects.get(k, 0), v) for k, v in now_objects.items()
-             if v > objects.get(k, 0) + (slack or {}).get(k, 0)}
+             if v > objects.get(k, 0) + (slack or {}).get(k, 0) and k not in pooled}
     assert not grown, (where, "accel objects outlived the program", grown, _holders(grown))
     if ooms is not None:
         assert memory.memory_stats(_dev(kind))["num_ooms"] == ooms, (where, "num_ooms", ooms)
     live, now_cached = _split(_sim_counts(kind))
     assert live == _split(counts)[0], (where, "simulator state")
-    grown = {k: (cached.get(k, 0), v) for k, v in now_cached.items() if v > cached.get(k, 0)}
+    grown = {k: (cached.get(k, 0), v) for k, v in now_cached.items() if v > cached.get(k, 0) and k not in pooled}
     assert not grown, (where, "simulator caches grew", grown)
     # later valid calls still work on both devices
     for d in _devices(kind):
