@@ -161,9 +161,9 @@ def _event_slots_accounted(kind: str, where: str) -> tuple:
     """Level Zero: the backend's event slots (64 a pool, a pool made when none is free) are a
     cache bounded by the most events in flight at once, and that peak depends on timing: how
     far the lagging consumer queue (ACCEL_SIM_DELAY_US) got when the host asked for a slot.
-    The warm-up run does not fix it: about 1 run in 4 with the GIL switched every 10 us (and
-    now and then under CPU load) the measured run needed a second pool, and the census saw
-    _Slot 64 -> 128 with no slot lost.  So the pooled slots are checked exactly instead of
+    The warm-up run does not fix it: about 1 run in 4 with the GIL switched every 10 us (a
+    wider form of the window a loaded CI worker opens) the measured run needed a second pool,
+    and the census saw _Slot 64 -> 128 with no slot lost.  So the pooled slots are checked exactly instead of
     against the warm-up: once the device is synchronized and a sweep ran, no slot is left
     retired and every slot is free or named by a live event or stream (a slot that never comes
     back is the leak that would make the pools grow), every _Slot belongs to a live pool, and the simulator has exactly the backend's pools and their
