@@ -162,20 +162,25 @@ def test_failed_event_record_and_synchronize_retry_later(sim_cuda):
     assert _cuda_live() == {"allocations": {}, "host": 0, "streams": 0, "events": 0}
 
 
-def test_stream_close_that_cannot_cover_its_work_keeps_the_stream(sim_cuda):
+def test_stream_close_that_cannot_cover_its_work_keeps_the_stream(monkeypatch):
     """Closing a stream records an event on it for the memory it used (or waits for it).  When
     both fail, the stream stays open and keeps its memory: destroyed, its queued work could
-    still use memory nothing tells the end of (and the segment was orphaned)."""
+    still use memory nothing tells the end of (and the segment was orphaned).  (Its work is
+    still queued: a stream found idle at its close needs no event, r63.)"""
+    from torch_port_util import hold
+    use_sim(monkeypatch, "cuda", ACCEL_SIM_DELAY_US=1)
     s = accel.Stream(device=1)
     b = accel.Buffer(4096, device=1, stream=s)
     staged = accel.Buffer(4096, device=1)
     b.fill_(1, stream=s)
     staged.copy_from(np.ones(1024, np.float32), stream=s, non_blocking=True)   # pinned block used on s
+    busy = hold(s)
     sim.inject_error("cudaEventRecord", CUDA_INVALID_VALUE, times=-1)
     sim.inject_error("cudaStreamSynchronize", CUDA_INVALID_VALUE, times=-1)
     with pytest.raises(AcceleratorError, match="cudaStreamSynchronize"):
         s.close()
     sim.clear_faults()
+    busy.set()
     assert sim.state().streams == 1 and not s.closed
     b.fill_(2, stream=s)                 # still usable
     b.close()
