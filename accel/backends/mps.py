@@ -813,6 +813,17 @@ class MPSBackend(Backend):
             return not pending
 
     @deferred
+    def stream_idle(self, stream: int) -> bool:
+        """Whether every command buffer of ``stream`` has ended (completed or failed), reporting
+        nothing: stream_query reports a failed buffer and forgets it, so a close that asked it
+        lost the error its synchronize (or, after the destroy, the device's) would have raised."""
+        rt = self._runtime()
+        with self._lock:
+            st = self._stream(stream)
+            self._commit(st)
+            return all(int(rt.send(cmd.obj, M_STATUS)) in (_CB_COMPLETED, _CB_ERROR) for cmd in st.inflight)
+
+    @deferred
     def stream_wait_event(self, stream: int, event: int) -> None:
         rt = self._runtime()
         with self._lock, rt.pool():

@@ -685,30 +685,57 @@ class AsyncPoolAllocator:
         """The marks ``allocs`` (live) hold whose events completed are dropped (the event
         destroyed with its last reference): an allocation that outlives many streams holds
         one mark per stream whose work is still queued, not one per stream it ever saw.  Not
-        while a capture is underway (a query would invalidate it)."""
+        while a capture is underway (a query would invalidate it).
+
+        Interrupt safety: the queries come first; the new uses, the marks' counts and the events
+        left with no reference (into ``_doomed``) are published in one step (_locks.publish), and
+        those events are destroyed from ``_doomed``, each leaving it only once destroyed."""
         if self._capture_underway():
             return
         done = {}
+        uses = []
         for alloc in allocs:
-            for mark in [use for use in (alloc.uses or ()) if type(use) is _Mark]:
+            marks = [use for use in (alloc.uses or ()) if type(use) is _Mark]
+            gone = []
+            for mark in marks:
                 ok = done.get(mark)
                 if ok is None:
                     try:
-                        ok = done[mark] = bool(self._be.event_query(mark.event))
+                        ok = bool(self._be.event_query(mark.event))
                     except Exception:
                         self._be.clear_error()
-                        ok = done[mark] = False
+                        ok = False
+                    done[mark] = ok
                 if ok:
-                    alloc.uses.discard(mark)
-                    mark.refs -= 1
-                    if mark.refs == 0:
-                        self._destroy_event(mark.event, mark.device)
+                    gone.append(mark)
+            if gone:
+                uses.append((alloc, alloc.uses.difference(gone), gone))
+        if uses:
+            self._unref([mark for _, _, gone in uses for mark in gone],
+                        [partial(setattr, alloc, "uses", rest) for alloc, rest, _ in uses])
 
     def _drop_marks(self, uses) -> None:
-        for mark in [use for use in (uses or ()) if type(use) is _Mark]:
-            mark.refs -= 1
-            if mark.refs == 0:
-                self._destroy_event(mark.event, mark.device)
+        self._unref([use for use in (uses or ()) if type(use) is _Mark])
+
+    def _unref(self, marks: list, steps: Optional[list] = None) -> None:
+        """Each of ``marks`` (a mark once per reference dropped) loses a reference; the events
+        left with none are destroyed.  Interrupt safety: the new counts and those events' entry
+        into ``_doomed`` are published in one step with the caller's ``steps`` (_locks.publish),
+        then ``_doomed`` is emptied (see _destroy_doomed); a failed destroy waits there for
+        empty_cache, which reports it."""
+        refs = {}
+        for mark in marks:
+            refs[mark] = refs.get(mark, mark.refs) - 1
+        steps = list(steps or ()) + [partial(setattr, mark, "refs", n) for mark, n in refs.items()]
+        doomed = [(mark.event, mark.device) for mark, n in refs.items() if n == 0]
+        if doomed:
+            steps.append(partial(self._doomed.extend, doomed))
+        _locks.publish(steps)
+        if doomed:
+            try:
+                self._destroy_doomed()
+            except Exception:
+                self._be.clear_error()
 
     def _forget(self, ptr: int, alloc: _Alloc, keep_marks: bool = False) -> None:
         """The owner's free is done: drop ``alloc`` from the counts (once) and its uses
@@ -735,10 +762,8 @@ class AsyncPoolAllocator:
             req[3] += size
             if self._history is not None:
                 self._trace("free_completed", ptr, alloc.size, alloc.stream)
-        for mark in marks:
-            mark.refs -= 1
-            if mark.refs == 0:
-                self._destroy_event(mark.event, mark.device)
+        if marks:
+            self._unref(marks)
 
     def _free_in_capture(self, ptr: int, alloc: _Alloc) -> None:
         """A free node: cudaFreeAsync of an allocation of the capture underway, queued on the
@@ -834,14 +859,22 @@ class AsyncPoolAllocator:
             self._doomed.append((event, device))
 
     def _destroy_doomed(self) -> None:
-        """Destroy the events whose destroy failed before; the first error propagates and
-        leaves the rest for the next empty_cache."""
+        """Destroy the events in ``_doomed`` (a mark's last reference gone, or a destroy that
+        failed before); the first error propagates and leaves the rest for the next empty_cache.
+        Each is taken out just before its destroy, with the device set (a destroyed handle must
+        never stay, to be destroyed again: the runtime may have given its value to a new event;
+        an interrupt exactly as the destroy starts may lose that one, as everywhere in the
+        allocators), and put back when the destroy fails."""
         be = self._be
         while self._doomed:
             event, device = self._doomed[-1]
             with on_device(be, device):
-                be.event_destroy(event)
-            self._doomed.pop()
+                del self._doomed[-1]
+                try:
+                    be.event_destroy(event)
+                except Exception:
+                    self._doomed.append((event, device))
+                    raise
 
     def _flush_deferred(self, strict: bool = True) -> None:
         """Queue the frees deferred during a capture or after a failure.  One that fails

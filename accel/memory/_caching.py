@@ -326,7 +326,7 @@ def stream_done(owner, stream: int, device: int) -> bool:
         return False
     try:
         with on_device(be, device):
-            return bool(be.stream_query(stream))
+            return bool(be.stream_idle(stream))     # (a failure stays for a synchronize to report)
     except Exception:
         be.clear_error()
         return False
