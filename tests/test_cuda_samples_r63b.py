@@ -204,11 +204,12 @@ REFS = {"increment_kernel": _increment, "init_array": _init_array, "vectorAdd": 
         "JacobiMethod": _jacobi}
 
 
-@pytest.fixture
-def kernels():
-    """``make(dev) -> (Module, {name: Kernel})``: the samples' module for the current simulator."""
-    for name, fn in REFS.items():
-        sim.register_kernel(name, fn, SIGS[name])
+def module_maker(refs: dict, sigs: dict, cuda_src: str, msl_src: str, filename: str):
+    """A fixture body: registers the reference kernels ``refs`` (signatures ``sigs``), yields
+    ``make(dev) -> (Module, {name: Kernel})`` for the current simulator (CUDA C through NVRTC,
+    SPIR-V entry points, MSL), and unregisters them after."""
+    for name, fn in refs.items():
+        sim.register_kernel(name, fn, sigs[name])
     images = {}
 
     def make(dev):
@@ -216,21 +217,29 @@ def kernels():
         if kind not in images:
             if kind == "cuda":
                 try:
-                    images[kind] = accel.compile(CUDA_SRC, name="samples.cu").ptx
+                    images[kind] = accel.compile(cuda_src, name=filename).ptx
                 except accel.CompileError:
                     raise
                 except RuntimeError as exc:
                     pytest.skip(f"NVRTC absent: {str(exc).splitlines()[0]}")
             elif kind == "xpu":
                 from test_user_kernels import spirv_module
-                images[kind] = spirv_module(*REFS)
+                images[kind] = spirv_module(*refs)
             else:
-                images[kind] = MSL_SRC
+                images[kind] = msl_src
         mod = accel.Module(images[kind], device=dev)
-        return mod, {name: mod.function(name, None if kind == "cuda" else SIGS[name]) for name in REFS}
-    yield make
-    for name in REFS:
-        sim.unregister_kernel(name)
+        return mod, {name: mod.function(name, None if kind == "cuda" else sigs[name]) for name in refs}
+    try:
+        yield make
+    finally:
+        for name in refs:
+            sim.unregister_kernel(name)
+
+
+@pytest.fixture
+def kernels():
+    """``make(dev) -> (Module, {name: Kernel})``: the samples' module for the current simulator."""
+    yield from module_maker(REFS, SIGS, CUDA_SRC, MSL_SRC, "samples.cu")
 
 
 # -- program harness --------------------------------------------------------------------------------

@@ -36,9 +36,9 @@ import numpy as np
 import pytest
 
 import accel
-from accel import memory, sim
+from accel import memory
 from conftest import SIMS
-from test_cuda_samples_r63b import _cases, _check_end, _devices, _ids, _start
+from test_cuda_samples_r63b import _cases, _check_end, _devices, _ids, _start, module_maker
 from test_pressure_programs_r62l import _accel_objects
 
 pytestmark = pytest.mark.usefixtures("frozen_module_heap")
@@ -105,30 +105,7 @@ REFS = {"add_arrays": _add_arrays, "render_frame": _render_frame, "consume": _co
 @pytest.fixture
 def kernels():
     """``make(dev) -> (Module, {name: Kernel})`` for the current simulator."""
-    for name, fn in REFS.items():
-        sim.register_kernel(name, fn, SIGS[name])
-    images = {}
-
-    def make(dev):
-        kind = accel.current_accelerator().type
-        if kind not in images:
-            if kind == "cuda":
-                try:
-                    images[kind] = accel.compile(CUDA_SRC, name="vendor.cu").ptx
-                except accel.CompileError:
-                    raise
-                except RuntimeError as exc:
-                    pytest.skip(f"NVRTC absent: {str(exc).splitlines()[0]}")
-            elif kind == "xpu":
-                from test_user_kernels import spirv_module
-                images[kind] = spirv_module(*REFS)
-            else:
-                images[kind] = MSL_SRC
-        mod = accel.Module(images[kind], device=dev)
-        return mod, {name: mod.function(name, None if kind == "cuda" else SIGS[name]) for name in REFS}
-    yield make
-    for name in REFS:
-        sim.unregister_kernel(name)
+    yield from module_maker(REFS, SIGS, CUDA_SRC, MSL_SRC, "vendor.cu")
 
 
 def _grid(n: int, block: int = 256):
