@@ -290,17 +290,19 @@ class VmmMixin:
         t = self.__dict__.get("_vmm_state")
         if not t or not t["bases"]:
             return False
-        bases = t["bases"]
-        i = bisect.bisect_right(bases, ptr) - 1
-        return i >= 0 and ptr < bases[i] + t["mapped"].get(bases[i], 0)
+        with self._lock:        # (another device's allocator unmaps from its own thread: r63g)
+            bases = t["bases"]
+            i = bisect.bisect_right(bases, ptr) - 1
+            return i >= 0 and ptr < bases[i] + t["mapped"].get(bases[i], 0)
 
     def _vmm_device_at(self, ptr: int):
         """The device index of the physical memory mapped at ``ptr``, or None when unmapped."""
         t = self.__dict__.get("_vmm_state")
         if not t or not t["bases"]:
             return None
-        bases = t["bases"]
-        i = bisect.bisect_right(bases, ptr) - 1
-        if i < 0 or ptr >= bases[i] + t["mapped"].get(bases[i], 0):
-            return None
-        return t.get("devices", {}).get(bases[i])
+        with self._lock:        # (as _vmm_mapped_at)
+            bases = t["bases"]
+            i = bisect.bisect_right(bases, ptr) - 1
+            if i < 0 or ptr >= bases[i] + t["mapped"].get(bases[i], 0):
+                return None
+            return t.get("devices", {}).get(bases[i])
