@@ -713,6 +713,11 @@ def _np_dtype(info) -> np.dtype:
     if info.lanes != 1 or kind is None or info.bits % 8:
         raise TypeError(f"copy_from: the DLPack source has dtype code {info.code}, {info.bits} bits, "
                         f"{info.lanes} lanes, which accel's views do not read; nothing was copied")
+    if (kind == "f" and info.bits > 64) or (kind == "c" and info.bits > 128):
+        # dlpack.h: kDLFloat is "IEEE floating point"; numpy's 16-byte float is x87 extended
+        # precision padded, not binary128: the bytes would be read as other numbers
+        raise TypeError(f"copy_from: the DLPack source holds {info.bits}-bit IEEE floats, which numpy has "
+                        f"no dtype for (its long double is x87 extended precision); nothing was copied")
     try:
         return np.dtype(f"{kind}{info.bits // 8}")
     except TypeError:

@@ -377,7 +377,6 @@ def test_consumer_reads_data_byte_offset_and_null_strides(dev):
     assert _state() == before
 
 
-
 def test_consumer_span_of_a_padded_subbyte_tensor(dev):
     """dlpack.h: "DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED: bit mask to indicate that whether a
     sub-byte type is packed or padded. The default for sub-byte types (ex: fp4/fp6) is assumed
@@ -397,7 +396,6 @@ def test_consumer_span_of_a_padded_subbyte_tensor(dev):
 
 
 @pytest.mark.parametrize("code, bits", [(15, 8), (16, 8), (17, 8), (17, 1)], ids=["fp6e2m3-8", "fp6e3m2-8", "fp4-8", "fp4-1"])
-
 def test_consumer_stops_importing_fp6_fp4_of_unexpected_bits(dev, code, bits):
     """dlpack.h DLDataTypeCode, FP6 (kDLFloat6_e2m3fn 15, kDLFloat6_e3m2fn 16): "Setting bits != 6 is
     currently unspecified, and the producer must ensure it is set while the consumer must stop
@@ -735,3 +733,39 @@ def test_host_side_handshake_on_streamless_consumers(monkeypatch):
         with pytest.raises(ValueError, match="stream"):
             buf.__dlpack__(stream=5)
         del capsule
+
+
+class _Producer:
+    """An object with ``__dlpack__`` handing out a Foreign capsule (another library's tensor)."""
+
+    def __init__(self, foreign, device):
+        self.foreign, self.device = foreign, device
+
+    def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
+        return self.foreign.capsule()
+
+    def __dlpack_device__(self):
+        return self.device
+
+
+@pytest.mark.skipif(np.dtype(np.longdouble).itemsize != 16, reason="longdouble is not 16 bytes here")
+def test_consumer_refuses_ieee_quad_into_a_long_double_view(dev):
+    """The import side of test_producer_refuses_non_ieee_long_double: a kDLFloat of 128 bits is
+    IEEE binary128 (dlpack.h: kDLFloat is "IEEE floating point"), numpy's 16-byte long double is
+    x87 extended precision padded: a copy into a long double view would give silently wrong
+    values (r63i).  Refused (TypeError, nothing copied), as numpy has no such dtype.  (A complex
+    of two quads, 256 bits, cannot even be described: DLDataType.bits is a uint8.)"""
+    code, bits, dtype = 2, 128, np.longdouble
+    kind, index = dev
+    src = _source(index, 64)
+    dst = accel.Buffer(64, device=index)
+    dst.copy_from(np.zeros(64, np.uint8))
+    f = Foreign(src)
+    f.shape[0] = 64 // (bits // 8)
+    f.tensor.dtype.code, f.tensor.dtype.bits = code, bits
+    view = dst.as_array(dtype, (64 // (bits // 8),))
+    with pytest.raises(TypeError, match="IEEE|no .*dtype|does not read"):
+        view.copy_from(_Producer(f, src.__dlpack_device__()))
+    assert (dst.to_numpy() == 0).all()
+    src.close()
+    dst.close()
