@@ -48,6 +48,7 @@ _GRANULARITY_MINIMUM = 0         # CU_MEM_ALLOC_GRANULARITY_MINIMUM
 _PROT_READWRITE = 3              # CU_MEM_ACCESS_FLAGS_PROT_READWRITE
 
 
+
 class DriverVmm:
     """The driver's virtual-memory functions, resolved once per backend.
 
@@ -166,10 +167,11 @@ class CudaVmmMixin:
     def vmm_reserve(self, index: int, nbytes: int) -> int:
         """cuMemAddressReserve of ``nbytes`` (a multiple of the granularity); the base address."""
         drv = self._vmm()
-        self._vmm_not_capturing("cuMemAddressReserve")
         out = drv.dffi.new("CUdeviceptr_v2 *")
         try:
-            va, rc = drv.reserve(nbytes, out)
+            with self._capture_gate:        # (see CudaBackend._capture_gate)
+                self._vmm_not_capturing("cuMemAddressReserve")
+                va, rc = drv.reserve(nbytes, out)
             self._check_driver(drv, rc, "cuMemAddressReserve")
             return va
         except Exception:
@@ -185,17 +187,20 @@ class CudaVmmMixin:
     def vmm_free(self, va: int, nbytes: int) -> None:
         """cuMemAddressFree of a whole reservation (nothing may be mapped in it)."""
         drv = self._vmm()
-        self._vmm_not_capturing("cuMemAddressFree")
-        self._check_driver(drv, drv.free(va, nbytes), "cuMemAddressFree")
+        with self._capture_gate:
+            self._vmm_not_capturing("cuMemAddressFree")
+            rc = drv.free(va, nbytes)
+        self._check_driver(drv, rc, "cuMemAddressFree")
 
     def vmm_create(self, index: int, nbytes: int) -> int:
         """cuMemCreate of ``nbytes`` of pinned memory on device ``index`` (the driver's ordinal);
         OutOfMemoryError when the device is full."""
         drv = self._vmm()
-        self._vmm_not_capturing("cuMemCreate")
         out = drv.dffi.new("CUmemGenericAllocationHandle_v1 *")
         try:
-            handle, rc = drv.create(index, nbytes, out)
+            with self._capture_gate:
+                self._vmm_not_capturing("cuMemCreate")
+                handle, rc = drv.create(index, nbytes, out)
             self._check_driver(drv, rc, "cuMemCreate")
             return handle
         except Exception:
@@ -208,14 +213,15 @@ class CudaVmmMixin:
     def vmm_release(self, handle: int) -> None:
         """cuMemRelease (the memory goes once no mapping of it is left)."""
         drv = self._vmm()
-        self._vmm_not_capturing("cuMemRelease")
-        self._check_driver(drv, drv.release(handle), "cuMemRelease")
+        with self._capture_gate:
+            self._vmm_not_capturing("cuMemRelease")
+            rc = drv.release(handle)
+        self._check_driver(drv, rc, "cuMemRelease")
 
     def vmm_map(self, va: int, nbytes: int, handle: int, index: int) -> None:
         """cuMemMap of all of ``handle`` at ``va``, then cuMemSetAccess read-write for device ``index``;
         when the access cannot be set the mapping is undone before the error is raised."""
         drv = self._vmm()
-        self._vmm_not_capturing("cuMemMap")
         # Interrupt safety: a KeyboardInterrupt anywhere from the map on (CPython runs a signal's
         # handler right after a C call returns, before its result is stored) unmaps again, so an
         # interrupted vmm_map leaves nothing mapped, as a failed one.  ``maybe`` is set before
@@ -224,23 +230,25 @@ class CudaVmmMixin:
         # ``va`` is in the caller's own reservation, where nobody else maps meanwhile.
         maybe = False
         try:
-            maybe = True
-            rc = drv.map(va, nbytes, handle)
-            if rc:
-                maybe = False
-                self._check_driver(drv, rc, "cuMemMap")
-            rc = drv.set_access(va, nbytes, index)
-            if rc:
-                maybe = False
-                undo = drv.unmap(va, nbytes)
-                try:
-                    self._check_driver(drv, rc, "cuMemSetAccess")
-                except AcceleratorError as exc:
-                    if undo:
-                        exc.still_mapped = True       # the caller must unmap it before releasing
-                        exc.add_note(f"the mapping at 0x{va:x} could not be undone either: cuMemUnmap failed "
-                                     f"with {drv.error_name(undo)} ({undo})")
-                    raise
+            with self._capture_gate:        # (see CudaBackend._capture_gate)
+                self._vmm_not_capturing("cuMemMap")
+                maybe = True
+                rc = drv.map(va, nbytes, handle)
+                if rc:
+                    maybe = False
+                    self._check_driver(drv, rc, "cuMemMap")
+                rc = drv.set_access(va, nbytes, index)
+                if rc:
+                    maybe = False
+                    undo = drv.unmap(va, nbytes)
+                    try:
+                        self._check_driver(drv, rc, "cuMemSetAccess")
+                    except AcceleratorError as exc:
+                        if undo:
+                            exc.still_mapped = True       # the caller must unmap it before releasing
+                            exc.add_note(f"the mapping at 0x{va:x} could not be undone either: cuMemUnmap "
+                                         f"failed with {drv.error_name(undo)} ({undo})")
+                        raise
         except Exception:
             raise
         except BaseException:
@@ -252,11 +260,15 @@ class CudaVmmMixin:
         """cuMemSetAccess read-write for device ``index`` on mapped ``[va, va + nbytes)`` (a peer that
         copies from or runs kernels on memory another device mapped)."""
         drv = self._vmm()
-        self._vmm_not_capturing("cuMemSetAccess")
-        self._check_driver(drv, drv.set_access(va, nbytes, index), "cuMemSetAccess")
+        with self._capture_gate:
+            self._vmm_not_capturing("cuMemSetAccess")
+            rc = drv.set_access(va, nbytes, index)
+        self._check_driver(drv, rc, "cuMemSetAccess")
 
     def vmm_unmap(self, va: int, nbytes: int) -> None:
         """cuMemUnmap of whole mappings; does not wait for queued work (synchronize first)."""
         drv = self._vmm()
-        self._vmm_not_capturing("cuMemUnmap")
-        self._check_driver(drv, drv.unmap(va, nbytes), "cuMemUnmap")
+        with self._capture_gate:
+            self._vmm_not_capturing("cuMemUnmap")
+            rc = drv.unmap(va, nbytes)
+        self._check_driver(drv, rc, "cuMemUnmap")

@@ -134,6 +134,11 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         self._driver_cuda = None  # cudaDriverGetVersion, read at first need
         self._kpath = None       # kernel path: "library", a _cuda_driver.DriverKernels, or why none
         self._captures = 0       # stream captures underway in this process
+        # Held from a "no capture underway" check through the potentially unsafe call it allows
+        # (cudaMalloc outside relaxed mode, the cuMem* calls), and by capture_begin from its count
+        # through cudaStreamBeginCapture: without it another thread's capture could begin between
+        # the two, and the call invalidate it (global mode; r63, a CI flake)
+        self._capture_gate = threading.RLock()
         self._capture_owners = {}  # capturing stream handle -> thread that began a non-relaxed capture
         self._out = threading.local()  # per-thread out-pointers for hot getters (no ffi.new per call)
         self._deferred = _DeferredDevice()  # per thread: a restore waiting for a primary context
@@ -442,14 +447,15 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         p = self.ffi.new("void **")
         rc = None
         try:
-            if self._captures:
-                # cudaMalloc is a "potentially unsafe" call that invalidates a global-mode
-                # capture; it is fine as long as the memory outlives replays, so relax the
-                # mode around it (torch's cudaMallocMaybeCapturing does the same).
-                with self._relaxed_capture_mode():
+            with self._capture_gate:
+                if self._captures:
+                    # cudaMalloc is a "potentially unsafe" call that invalidates a global-mode
+                    # capture; it is fine as long as the memory outlives replays, so relax the
+                    # mode around it (torch's cudaMallocMaybeCapturing does the same).
+                    with self._relaxed_capture_mode():
+                        rc = alloc(p, *args)
+                else:
                     rc = alloc(p, *args)
-            else:
-                rc = alloc(p, *args)
             self._check(rc, call)
             return self._as_int(p[0])
         except BaseException:
@@ -641,16 +647,18 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         # as the call returns must not leave a capture the count misses (capture_underway() then
         # lets event queries invalidate it).
         me = threading.get_ident()
-        try:
-            self._captures += 1
-            if mode != "relaxed":
-                self._capture_owners[stream] = me
-            self._check(self.lib.cudaStreamBeginCapture(handle, _CAPTURE_MODES[mode]), "cudaStreamBeginCapture")
-        except BaseException:
-            if not self._still_capturing(handle, unknown=False):
-                self._captures -= 1
-                self._capture_owners.pop(stream, None)
-            raise
+        with self._capture_gate:
+            try:
+                self._captures += 1
+                if mode != "relaxed":
+                    self._capture_owners[stream] = me
+                self._check(self.lib.cudaStreamBeginCapture(handle, _CAPTURE_MODES[mode]),
+                            "cudaStreamBeginCapture")
+            except BaseException:
+                if not self._still_capturing(handle, unknown=False):
+                    self._captures -= 1
+                    self._capture_owners.pop(stream, None)
+                raise
 
     def capture_end(self, stream: int) -> int:
         owner = self._capture_owners.get(stream)
