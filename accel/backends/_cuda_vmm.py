@@ -48,7 +48,6 @@ _GRANULARITY_MINIMUM = 0         # CU_MEM_ALLOC_GRANULARITY_MINIMUM
 _PROT_READWRITE = 3              # CU_MEM_ACCESS_FLAGS_PROT_READWRITE
 
 
-
 class DriverVmm:
     """The driver's virtual-memory functions, resolved once per backend.
 

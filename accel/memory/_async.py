@@ -700,12 +700,7 @@ class AsyncPoolAllocator:
             for mark in marks:
                 ok = done.get(mark)
                 if ok is None:
-                    try:
-                        ok = bool(self._be.event_query(mark.event))
-                    except Exception:
-                        self._be.clear_error()
-                        ok = False
-                    done[mark] = ok
+                    ok = done[mark] = _caching.event_done(self._be, mark.event)
                 if ok:
                     gone.append(mark)
             if gone:

@@ -345,17 +345,19 @@ def drop_done_gates(owner, blocks) -> None:
 
 
 def _completed(owner, uses) -> list:
-    """The gates among ``uses`` whose events completed (a failed query keeps its gate: the
-    block waits for it at its free)."""
-    query = owner._be.event_query
-    done = []
-    for gate in [u for u in uses if type(u) is _Gate]:
-        try:
-            if query(gate.event):
-                done.append(gate)
-        except Exception:
-            owner._be.clear_error()
-    return done
+    """The gates among ``uses`` whose events completed."""
+    be = owner._be
+    return [u for u in uses if type(u) is _Gate and event_done(be, u.event)]
+
+
+def event_done(be, event) -> bool:
+    """Whether ``event`` completed; a failed query counts as not (what waits for it keeps
+    waiting, for its owner's free or synchronize to see the failure), its error cleared."""
+    try:
+        return bool(be.event_query(event))
+    except Exception:
+        be.clear_error()
+        return False
 
 
 def _cached_again(owner, gates: list) -> list:

@@ -156,7 +156,7 @@ class EventsMixin:
                 keep, start = [], 0
                 try:
                     for i, slot in enumerate(self._retired):
-                        if not slot.waiters and all(s.done >= seq for s, seq in slot.deps):
+                        if _passed(slot):
                             rc = lib.zeEventHostReset(slot.event)
                             if rc:
                                 self._fail("zeEventHostReset", rc)
@@ -228,8 +228,7 @@ class EventsMixin:
                     self._retired += [rec[0]]
         if e is None:
             raise ValueError(f"{event!r} is not a live XPU event handle")
-        slot = rec[0] if rec is not None else None
-        if slot is not None and not slot.waiters and all(s.done >= seq for s, seq in slot.deps):
+        if rec is not None and _passed(rec[0]):
             # Its work is known done: recycled now, so it no longer names the streams it depended
             # on (destroyed ones among them) until some later operation sweeps (r63).  The event
             # is gone whatever happens here: a failed reset leaves the slot to the next sweep.
@@ -383,3 +382,9 @@ class EventsMixin:
         if delta > mask >> 1:
             delta -= mask + 1                  # end before start: negative, as CUDA reports it
         return delta * dev.ns_per_tick / 1e6
+
+
+def _passed(slot) -> bool:
+    """Whether a retired slot may be reset and reused: nobody waits on it on the host and every
+    stream it depends on passed it."""
+    return not slot.waiters and all(s.done >= seq for s, seq in slot.deps)

@@ -287,22 +287,19 @@ class VmmMixin:
 
     def _vmm_mapped_at(self, ptr: int) -> bool:
         """Whether ``ptr`` is inside a live mapping this backend made (device-accessible memory)."""
-        t = self.__dict__.get("_vmm_state")
-        if not t or not t["bases"]:
-            return False
-        with self._lock:        # (another device's allocator unmaps from its own thread: r63g)
-            bases = t["bases"]
-            i = bisect.bisect_right(bases, ptr) - 1
-            return i >= 0 and ptr < bases[i] + t["mapped"].get(bases[i], 0)
+        return self._vmm_mapping_at(ptr) is not None
 
     def _vmm_device_at(self, ptr: int):
         """The device index of the physical memory mapped at ``ptr``, or None when unmapped."""
+        base = self._vmm_mapping_at(ptr)
+        return None if base is None else self._vmm_state.get("devices", {}).get(base)
+
+    def _vmm_mapping_at(self, ptr: int):
+        """The start of the live mapping holding ``ptr``, or None."""
         t = self.__dict__.get("_vmm_state")
         if not t or not t["bases"]:
             return None
-        with self._lock:        # (as _vmm_mapped_at)
+        with self._lock:        # (another device's allocator unmaps from its own thread: r63g)
             bases = t["bases"]
             i = bisect.bisect_right(bases, ptr) - 1
-            if i < 0 or ptr >= bases[i] + t["mapped"].get(bases[i], 0):
-                return None
-            return t.get("devices", {}).get(bases[i])
+            return bases[i] if i >= 0 and ptr < bases[i] + t["mapped"].get(bases[i], 0) else None
