@@ -168,7 +168,7 @@ class CudaVmmMixin:
         drv = self._vmm()
         out = drv.dffi.new("CUdeviceptr_v2 *")
         try:
-            with self._capture_gate:        # (see CudaBackend._capture_gate)
+            with self.capture_gate:        # (see CudaBackend.capture_gate)
                 self._vmm_not_capturing("cuMemAddressReserve")
                 va, rc = drv.reserve(nbytes, out)
             self._check_driver(drv, rc, "cuMemAddressReserve")
@@ -186,7 +186,7 @@ class CudaVmmMixin:
     def vmm_free(self, va: int, nbytes: int) -> None:
         """cuMemAddressFree of a whole reservation (nothing may be mapped in it)."""
         drv = self._vmm()
-        with self._capture_gate:
+        with self.capture_gate:
             self._vmm_not_capturing("cuMemAddressFree")
             rc = drv.free(va, nbytes)
         self._check_driver(drv, rc, "cuMemAddressFree")
@@ -197,7 +197,7 @@ class CudaVmmMixin:
         drv = self._vmm()
         out = drv.dffi.new("CUmemGenericAllocationHandle_v1 *")
         try:
-            with self._capture_gate:
+            with self.capture_gate:
                 self._vmm_not_capturing("cuMemCreate")
                 handle, rc = drv.create(index, nbytes, out)
             self._check_driver(drv, rc, "cuMemCreate")
@@ -212,7 +212,7 @@ class CudaVmmMixin:
     def vmm_release(self, handle: int) -> None:
         """cuMemRelease (the memory goes once no mapping of it is left)."""
         drv = self._vmm()
-        with self._capture_gate:
+        with self.capture_gate:
             self._vmm_not_capturing("cuMemRelease")
             rc = drv.release(handle)
         self._check_driver(drv, rc, "cuMemRelease")
@@ -229,7 +229,7 @@ class CudaVmmMixin:
         # ``va`` is in the caller's own reservation, where nobody else maps meanwhile.
         maybe = False
         try:
-            with self._capture_gate:        # (see CudaBackend._capture_gate)
+            with self.capture_gate:        # (see CudaBackend.capture_gate)
                 self._vmm_not_capturing("cuMemMap")
                 maybe = True
                 rc = drv.map(va, nbytes, handle)
@@ -259,7 +259,7 @@ class CudaVmmMixin:
         """cuMemSetAccess read-write for device ``index`` on mapped ``[va, va + nbytes)`` (a peer that
         copies from or runs kernels on memory another device mapped)."""
         drv = self._vmm()
-        with self._capture_gate:
+        with self.capture_gate:
             self._vmm_not_capturing("cuMemSetAccess")
             rc = drv.set_access(va, nbytes, index)
         self._check_driver(drv, rc, "cuMemSetAccess")
@@ -267,7 +267,7 @@ class CudaVmmMixin:
     def vmm_unmap(self, va: int, nbytes: int) -> None:
         """cuMemUnmap of whole mappings; does not wait for queued work (synchronize first)."""
         drv = self._vmm()
-        with self._capture_gate:
+        with self.capture_gate:
             self._vmm_not_capturing("cuMemUnmap")
             rc = drv.unmap(va, nbytes)
         self._check_driver(drv, rc, "cuMemUnmap")

@@ -124,6 +124,18 @@ KERNEL_ARG_TYPES = ("ptr", "u32", "i32", "u64", "i64", "f32", "f64")
 KernelArgs = Sequence[Tuple[str, Any]]
 
 
+class _NoGate:
+    """The capture gate of a backend where no call made outside a capture invalidates one."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+
 class Backend(abc.ABC):
     """One vendor runtime.  Subclasses set ``name`` (``"cuda"``, ``"xpu"``, ``"mps"``)."""
 
@@ -167,6 +179,16 @@ class Backend(abc.ABC):
     #: Level Zero Sysman) without initializing the runtime: the smi_* methods, which torch.cuda's
     #: utilization / temperature / power_draw / clock_rate / list_gpu_processes mirror.
     supports_smi: bool = False
+
+    #: Held (``with be.capture_gate:``) from a "no capture underway" check (:meth:`captures_underway`)
+    #: through the vendor calls that check allows, and by :meth:`capture_begin` around its count and
+    #: call, so that no capture begins in between.  CUDA needs it: a query, synchronize, malloc or
+    #: free by one thread while another thread's global-mode capture is underway invalidates that
+    #: capture (CUDA Runtime API, cudaStreamBeginCapture), so an allocator that checks and then
+    #: queries could invalidate a capture begun between the two.  It is a reentrant lock there,
+    #: taken after an allocator's lock, never before one.  Elsewhere it does nothing: Level Zero captures
+    #: record one command list and Metal has none.
+    capture_gate = _NoGate()
 
     @property
     def no_smi_reason(self) -> str:

@@ -134,11 +134,11 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         self._driver_cuda = None  # cudaDriverGetVersion, read at first need
         self._kpath = None       # kernel path: "library", a _cuda_driver.DriverKernels, or why none
         self._captures = 0       # stream captures underway in this process
-        # Held from a "no capture underway" check through the potentially unsafe call it allows
-        # (cudaMalloc outside relaxed mode, the cuMem* calls), and by capture_begin from its count
-        # through cudaStreamBeginCapture: without it another thread's capture could begin between
-        # the two, and the call invalidate it (global mode; r63, a CI flake)
-        self._capture_gate = threading.RLock()
+        # Backend.capture_gate: held from a "no capture underway" check through the potentially
+        # unsafe calls it allows (cudaMalloc outside relaxed mode and the cuMem* calls here; the
+        # allocators' event and stream queries, synchronizes and frees), and by capture_begin from
+        # its count through cudaStreamBeginCapture (r63: a CI flake; r64: the queries)
+        self.capture_gate = threading.RLock()
         self._capture_owners = {}  # capturing stream handle -> thread that began a non-relaxed capture
         self._out = threading.local()  # per-thread out-pointers for hot getters (no ffi.new per call)
         self._deferred = _DeferredDevice()  # per thread: a restore waiting for a primary context
@@ -447,7 +447,7 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         p = self.ffi.new("void **")
         rc = None
         try:
-            with self._capture_gate:
+            with self.capture_gate:
                 if self._captures:
                     # cudaMalloc is a "potentially unsafe" call that invalidates a global-mode
                     # capture; it is fine as long as the memory outlives replays, so relax the
@@ -647,7 +647,7 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         # as the call returns must not leave a capture the count misses (capture_underway() then
         # lets event queries invalidate it).
         me = threading.get_ident()
-        with self._capture_gate:
+        with self.capture_gate:
             try:
                 self._captures += 1
                 if mode != "relaxed":

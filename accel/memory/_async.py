@@ -261,7 +261,7 @@ class AsyncPoolAllocator:
             with self._lock:
                 capturing = self._capture_underway()
                 if self._deferred and not capturing:
-                    self._flush_deferred(strict=False)     # an earlier free's error is not this malloc's
+                    self._flush_unless_capturing(strict=False)     # an earlier free's error is not this malloc's
                 graph = self._capture_of(stream) if capturing else None
                 if self._limit is not None and self._req[0] + nbytes > self._limit:
                     raise self._out_of_memory(nbytes)
@@ -327,7 +327,8 @@ class AsyncPoolAllocator:
         if _finalizers:
             _drain_finalizers()
         _caching._gc_probe(self._lock, "free")   # then `with`: never left held by a KeyboardInterrupt
-        with self._lock:
+        # (the gate: no capture begins between the checks below and the queries of the free)
+        with self._lock, self._be.capture_gate:
             if self._dead and ptr in self._dead:
                 # The stale one first: forgetting it frees nothing, so whichever owner frees
                 # first, no memory goes before its owner is done (at worst one stays held).
@@ -451,8 +452,8 @@ class AsyncPoolAllocator:
                     self._capture = None
                     if not record.allocs:
                         self._records.discard(record)    # nothing outlives the capture
-            if self._deferred and not self._capture_underway():
-                self._flush_deferred(strict=False)
+            if self._deferred:
+                self._flush_unless_capturing(strict=False)
 
     def pool_used_on(self, pool_id: Tuple[int, int], stream: int, device_index: Optional[int] = None) -> None:
         """A launch of a graph of ``pool_id`` is queued on ``stream`` (accel.graphs, at every
@@ -508,7 +509,7 @@ class AsyncPoolAllocator:
         tried again first (their error propagates).  CaptureError while a capture is underway."""
         if _finalizers:
             _drain_finalizers()
-        with self._lock:
+        with self._lock, self._be.capture_gate:
             if self._routes or self._capture_underway():
                 raise CaptureError("empty_cache() is not allowed while a stream capture is underway "
                                    f"(device {self._index}'s allocator); call it after capture_end()")
@@ -690,8 +691,11 @@ class AsyncPoolAllocator:
         Interrupt safety: the queries come first; the new uses, the marks' counts and the events
         left with no reference (into ``_doomed``) are published in one step (_locks.publish), and
         those events are destroyed from ``_doomed``, each leaving it only once destroyed."""
-        if self._capture_underway():
-            return
+        with self._be.capture_gate:         # (no capture begins before the queries)
+            if not self._capture_underway():
+                self._drop_marks_now(allocs)
+
+    def _drop_marks_now(self, allocs) -> None:
         done = {}
         uses = []
         for alloc in allocs:
@@ -837,10 +841,10 @@ class AsyncPoolAllocator:
             except Exception:
                 if event is not None:
                     self._destroy_event(event, device)
-                if _caching.capture_underway(be):
-                    raise       # synchronizing would invalidate the capture
-        with on_device(be, device):
-            be.stream_synchronize(stream)
+                with be.capture_gate:
+                    if _caching.capture_underway(be):
+                        raise       # synchronizing would invalidate the capture
+                    be.stream_synchronize(stream)
         return None
 
     def _destroy_event(self, event: int, device: int) -> None:
@@ -870,6 +874,13 @@ class AsyncPoolAllocator:
                 except Exception:
                     self._doomed.append((event, device))
                     raise
+
+    def _flush_unless_capturing(self, strict: bool = True) -> None:
+        """_flush_deferred, unless a capture is underway (its queries would invalidate it); no
+        capture begins in between (Backend.capture_gate)."""
+        with self._be.capture_gate:
+            if not self._capture_underway():
+                self._flush_deferred(strict)
 
     def _flush_deferred(self, strict: bool = True) -> None:
         """Queue the frees deferred during a capture or after a failure.  One that fails

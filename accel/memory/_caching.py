@@ -145,6 +145,16 @@ def capture_underway(backend) -> bool:
     return bool(_pool_captures) or backend.captures_underway() > 0
 
 
+def unless_capturing(be, fn, *args) -> bool:
+    """``fn(*args)`` unless a capture is underway, with no capture beginning in between
+    (``be.capture_gate``: fn's queries, synchronizes and frees would invalidate it); whether it ran."""
+    with be.capture_gate:
+        if capture_underway(be):
+            return False
+        fn(*args)
+        return True
+
+
 def _count_captures(n: int) -> None:
     if n > 0:
         _pool_captures.extend([None] * n)
@@ -298,22 +308,23 @@ def cover(owner, stream: int, device: int, gates: list) -> Optional[_Gate]:
     at every later free.  (accel.streams defers the destroy of such a stream to the end of the
     captures and never forgets a foreign one inside a capture: this is a second line.)"""
     be = owner._be
-    if capture_underway(be) and be.capture_id(stream) is not None:
-        raise CaptureError(f"stream {stream:#x} takes part in a graph capture: its work cannot be covered "
-                           f"with an event until the capture ends (an event recorded now would be a node of "
-                           f"the graph); forget or destroy the stream after the capture")
-    try:
-        k = 0
-        for gate in gates:
-            if gate is not None and gate.held and gate.device == device:
-                k += 1
-        return _Gate(_recorded(owner, stream, device, k), device, True)
-    except Exception:
-        if capture_underway(owner._be):
-            raise       # synchronizing would invalidate the capture
-        with on_device(owner._be, device):
-            owner._be.stream_synchronize(stream)   # a second failure propagates
-        return None
+    with be.capture_gate:
+        if capture_underway(be) and be.capture_id(stream) is not None:
+            raise CaptureError(f"stream {stream:#x} takes part in a graph capture: its work cannot be covered "
+                               f"with an event until the capture ends (an event recorded now would be a node "
+                               f"of the graph); forget or destroy the stream after the capture")
+        try:
+            k = 0
+            for gate in gates:
+                if gate is not None and gate.held and gate.device == device:
+                    k += 1
+            return _Gate(_recorded(owner, stream, device, k), device, True)
+        except Exception:
+            if capture_underway(be):
+                raise       # synchronizing would invalidate the capture
+            with on_device(be, device):
+                be.stream_synchronize(stream)   # a second failure propagates
+            return None
 
 
 def stream_done(owner, stream: int, device: int) -> bool:
@@ -322,14 +333,15 @@ def stream_done(owner, stream: int, device: int) -> bool:
     per request until its own free).  Not asked while a capture is underway (a query would
     invalidate it), and False when the query fails: the caller then covers the stream."""
     be = owner._be
-    if capture_underway(be):
-        return False
-    try:
-        with on_device(be, device):
-            return bool(be.stream_idle(stream))     # (a failure stays for a synchronize to report)
-    except Exception:
-        be.clear_error()
-        return False
+    with be.capture_gate:
+        if capture_underway(be):
+            return False
+        try:
+            with on_device(be, device):
+                return bool(be.stream_idle(stream))     # (a failure stays for a synchronize to report)
+        except Exception:
+            be.clear_error()
+            return False
 
 
 def drop_done_gates(owner, blocks) -> None:
@@ -384,20 +396,21 @@ def uses_forgotten(owner, stream: int, covers: list, gates: list) -> list:
     The gates of earlier forgets that a block in ``covers`` still holds are dropped when their
     events completed, the events going back to the cache: a block that outlives many streams
     holds one gate per stream whose work is still queued, not one per stream it ever saw."""
-    query = not capture_underway(owner._be)        # (a query would invalidate a capture)
     uses = {}
     done = []
-    for (block, use), gate in zip(covers, gates):
-        rest = uses.get(block)
-        if rest is None:
-            rest = uses[block] = set(block.uses)
-            if query:
-                old = _completed(owner, rest)
-                rest.difference_update(old)
-                done += old
-        rest.discard(use)
-        if gate is not None:
-            rest.add(gate)
+    with owner._be.capture_gate:
+        query = not capture_underway(owner._be)        # (a query would invalidate a capture)
+        for (block, use), gate in zip(covers, gates):
+            rest = uses.get(block)
+            if rest is None:
+                rest = uses[block] = set(block.uses)
+                if query:
+                    old = _completed(owner, rest)
+                    rest.difference_update(old)
+                    done += old
+            rest.discard(use)
+            if gate is not None:
+                rest.add(gate)
     steps = [partial(setattr, block, "uses", rest or None) for block, rest in uses.items()]
     steps += _taken(owner, gates) + _cached_again(owner, done)
     steps.append(partial(setattr, owner, "_used_on", _without(owner._used_on, stream)))
@@ -891,8 +904,8 @@ class DeviceCachingAllocator(ExpandableSegments):
             lists = pool.lists.get(stream) or self._new_lists(stream, pool)
         else:
             lists = self._general.get(stream) or self._new_lists(stream, None)
-        if (self._pending_events or self._deferred) and not capture_underway(self._be):
-            self._resume_events()
+        if self._pending_events or self._deferred:
+            unless_capturing(self._be, self._resume_events)
         fl = lists[size > SMALL_SIZE or (pool is None and self._one_range)]
         block = self._find(fl, size) or self._malloc_miss(size, nbytes, fl)
         if block.state == _ALLOCATED:
@@ -1196,8 +1209,8 @@ class DeviceCachingAllocator(ExpandableSegments):
                             partial(setattr, self, "_origin_ids", origin_ids),
                             partial(setattr, self, "_threads", threads)]
                            + [_pool_captures.pop for _ in ended])
-            if (self._deferred or self._pending_events) and not capture_underway(self._be):
-                self._resume_events()
+            if self._deferred or self._pending_events:
+                unless_capturing(self._be, self._resume_events)
             self._update_special()
 
     def pool_used_on(self, pool_id: Tuple[int, int], stream: int, device_index: Optional[int] = None) -> None:
@@ -1265,9 +1278,9 @@ class DeviceCachingAllocator(ExpandableSegments):
                 if pool.released():
                     for block in whole:
                         self._move_to_general(block)
-                if mempool and whole and not capture_underway(self._be):
+                if mempool and whole:
                     # a kept pool's too: the device free waits for the device (P1)
-                    self._release_blocks(whole)
+                    unless_capturing(self._be, self._release_blocks, whole)
                 self._forget_private_if_empty(pool)
 
     def _whole_of(self, pool: _PrivatePool) -> List[_Block]:
@@ -1320,7 +1333,7 @@ class DeviceCachingAllocator(ExpandableSegments):
         events of pending blocks).  CaptureError while a capture allocates to a pool."""
         if _finalizers:
             _drain_finalizers()
-        with self._lock:
+        with self._lock, self._be.capture_gate:
             if self._routes or capture_underway(self._be):
                 # synchronizing events and cudaFree would invalidate a global-mode capture
                 raise CaptureError("empty_cache() is not allowed while a stream capture is underway "
@@ -1813,7 +1826,12 @@ class DeviceCachingAllocator(ExpandableSegments):
     def _malloc_miss(self, size: int, nbytes: int, fl: _FreeList) -> _Block:
         """No cached block fits: wait for pending blocks, grow, or free the cache and retry.
         Returns a free block that fits, in its free list (which may be another list than ``fl``'s:
-        see _small_in_large and _oom), as _find does."""
+        see _small_in_large and _oom), as _find does.  No capture begins meanwhile
+        (Backend.capture_gate): what it may do depends on whether one is underway."""
+        with self._be.capture_gate:
+            return self._malloc_miss_gated(size, nbytes, fl)
+
+    def _malloc_miss_gated(self, size: int, nbytes: int, fl: _FreeList) -> _Block:
         capturing = capture_underway(self._be)
         if self._pending_events and not capturing:
             self._process_events()
@@ -2170,8 +2188,10 @@ class DeviceCachingAllocator(ExpandableSegments):
                             _stack() if self._ctx >= _CTX_ALL else st)
 
     def _apply_release_threshold(self) -> None:
-        if capture_underway(self._be):
-            return        # cudaFree would invalidate the capture; the next free does it
+        # (during a capture, cudaFree would invalidate it; the next free does it)
+        unless_capturing(self._be, self._release_over_threshold)
+
+    def _release_over_threshold(self) -> None:
         cached = sum(block.size for block in self._whole_free_segments())
         if cached > self._release_threshold:
             self._release_until(cached - self._release_threshold, largest_first=True)
@@ -2199,12 +2219,10 @@ class DeviceCachingAllocator(ExpandableSegments):
         self._pending += (block,)
         self._deferred += (block,)
         self._special = True
-        if capture_underway(self._be):
-            # An event recorded on a capturing stream cannot be queried afterwards, and none
-            # may be queried now; torch defers them too (insert_events_deferred_until_no_capture).
-            return
+        # An event recorded on a capturing stream cannot be queried afterwards, and none may be
+        # queried during a capture: deferred then, as torch's insert_events_deferred_until_no_capture
         try:
-            self._insert_events(block)
+            unless_capturing(self._be, self._insert_events, block)
         finally:
             self._update_special()
 
@@ -2295,8 +2313,8 @@ class DeviceCachingAllocator(ExpandableSegments):
             steps.append(partial(cache.append, events[-1][0]))
         steps.append(partial(setattr, retired, "events", 0))
         _locks.publish(steps)
-        if dead and not capture_underway(self._be):
-            self._exp_unmap_idle(dead)
+        if dead:
+            unless_capturing(self._be, self._exp_unmap_idle, dead)
         if drop:
             self._exp_drop_orphans()
         if orphans:

@@ -28,7 +28,7 @@ from .._finalize import drain as _drain_finalizers, pending as _finalizers, rele
 from ..streams import on_device
 from ._caching import (_gc_probe, _ONE_EXA_BYTES, _check_size, add_use, capture_underway, check_use,
                        cover, drop_done_gates, gates_back, record_uses, stream_done,
-                       uses_forgotten)
+                       unless_capturing, uses_forgotten)
 
 _MIN_SIZE = 512
 #: torch 2.13's host_memory_stats counters (torch/cuda/memory.py): blocks owned (active +
@@ -134,8 +134,8 @@ class HostCachingAllocator:
             _drain_finalizers()
         _gc_probe(self._lock, "pinned malloc")   # then `with`: never left held by a KeyboardInterrupt
         with self._lock:
-            if (self._events or self._deferred) and not capture_underway(be):
-                self._resume_events(strict=False)
+            if self._events or self._deferred:
+                unless_capturing(be, self._resume_events, False)
             # Interrupt safety (Ctrl-C): the new counts are computed first and published with
             # plain stores (CPython checks for a signal only after a call), the one call that
             # changes state last; a new block is recorded as the backend call returns.
@@ -164,10 +164,11 @@ class HostCachingAllocator:
                 ptr = be.host_alloc(size)
             except OutOfMemoryError:
                 be.clear_error()            # handled: no stale error for another library
-                if capture_underway(be):
-                    raise                   # cudaFreeHost would invalidate the capture
-                self._reap_orphans()
-                self._release_free()
+                with be.capture_gate:       # (no capture begins before the frees)
+                    if capture_underway(be):
+                        raise               # cudaFreeHost would invalidate the capture
+                    self._reap_orphans()
+                    self._release_free()
                 allocations = _counted(tally["allocations"], 1)
                 allocated = _counted(tally["allocated_bytes"], size)
                 start = time.perf_counter()
@@ -233,8 +234,8 @@ class HostCachingAllocator:
                 ready += (ptr,)
         else:
             self._deferred += (block,)      # waits there until its events are recorded
-            if not capture_underway(self._be):     # see _caching: no events during a capture
-                self._insert_events(block)     # a failure raises; the block stays deferred
+            # (see _caching: no events during a capture); a failure raises, the block stays deferred
+            unless_capturing(self._be, self._insert_events, block)
 
     def _reap_orphans(self) -> None:
         """Free the allocated blocks whose owner (weakly referenced by malloc's ``ref``: an
@@ -321,11 +322,10 @@ class HostCachingAllocator:
                         ready += (block.ptr,)
                     continue
                 self._deferred += (block,)
-                if not capture_underway(self._be):
-                    try:
-                        self._insert_events(block)
-                    except Exception as exc:    # the block waits in _deferred; the others go on
-                        error = error or exc
+                try:
+                    unless_capturing(self._be, self._insert_events, block)
+                except Exception as exc:    # the block waits in _deferred; the others go on
+                    error = error or exc
             if error is not None:
                 raise error
 
@@ -359,9 +359,11 @@ class HostCachingAllocator:
         while a capture is underway (event queries and cudaFreeHost would invalidate it)."""
         if _finalizers:
             _drain_finalizers()
-        with self._lock:
-            be = self._be
-            if be is None or capture_underway(be):
+        be = self._be
+        if be is None:
+            return
+        with self._lock, be.capture_gate:
+            if capture_underway(be):
                 return
             self._reap_orphans()
             try:
