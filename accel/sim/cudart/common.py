@@ -164,6 +164,12 @@ def _unmade(R: Runtime, a, s: Stream) -> bool:
     return point is not None and point[1] is not None and not _ordered_after(R, s, point)
 
 
+def _async_unusable(R: Runtime, a, s: Stream) -> bool:
+    """Whether work queued on ``s`` now may not touch allocation ``a`` (None: none): cudaMallocAsync
+    memory a pending cudaFreeAsync freed (Runtime.freed_async), or not yet made (:func:`_unmade`)."""
+    return a is not None and (R.freed_async(a) or (bool(R.making) and _unmade(R, a, s)))
+
+
 def _unmade_pointers(R: Runtime, ptrs, s: Stream) -> bool:
     """Whether a kernel launched on ``s`` now with the pointer arguments ``ptrs`` would be handed
     cudaMallocAsync memory whose allocation ``s`` is not ordered after (:func:`_unmade`).  CUDA

@@ -11,7 +11,7 @@ from .state import (
     cudaErrorInvalidDevice, cudaErrorInvalidMemcpyDirection, cudaErrorInvalidResourceHandle,
     cudaErrorInvalidValue, cudaErrorStreamCaptureUnsupported, cudaSuccess,
 )
-from .common import _enqueue, _invalidate, _stream, _unmade, _unsafe_call
+from .common import _async_unusable, _enqueue, _invalidate, _stream, _unsafe_call
 from .pools import _pool_access_problem
 
 
@@ -103,23 +103,17 @@ def _memcpy(R: Runtime, dst, src, count, kind, s: Stream, sync: bool, label: str
             da = dv
         if sv is not None:
             sa = sv
-    if (da is None and _memory.in_device_range(dp, count)) or (
-            sa is None and staged is None and _memory.in_device_range(sp, count)):
-        # Device memory no live allocation of this runtime holds: freed (cudaFree: "Frees the
-        # memory space pointed to by devPtr"), or another library's.  Not pageable host memory
-        # (the device range is reserved address space); cudaMemcpy needs valid dst/src and is
-        # silent on freed device pointers: refused.
-        return cudaErrorInvalidValue
-    if (da is None and _memory.in_pinned_range(dp, count)) or (
-            sa is None and staged is None and _memory.in_pinned_range(sp, count)):
-        # Pinned host memory no live allocation holds: cudaFreeHost'd (cudaFreeHost: "Frees the
-        # memory space pointed to by ptr"; the pages are unmapped, a copy would fault), never
-        # pageable memory (the pinned range is reserved address space).  cudaMemcpy needs valid
-        # pointers and is silent on freed ones: refused, as a freed device address is.
-        return cudaErrorInvalidValue
+    for freed in (_memory.in_device_range, _memory.in_pinned_range):
+        if (da is None and freed(dp, count)) or (sa is None and staged is None and freed(sp, count)):
+            # Device or pinned host memory no live allocation of this runtime holds: freed
+            # (cudaFree: "Frees the memory space pointed to by devPtr"; cudaFreeHost: "Frees the
+            # memory space pointed to by ptr", its pages unmapped), or another library's.  Never
+            # pageable host memory: both ranges are reserved address space.  cudaMemcpy needs
+            # valid pointers and is silent on freed ones: refused.
+            return cudaErrorInvalidValue
     if not _range_ok(da, dp, count) or not _range_ok(sa, sp, count):
         return cudaErrorInvalidValue
-    if R.freed_async(da) or R.freed_async(sa) or (R.making and (_unmade(R, da, s) or _unmade(R, sa, s))):
+    if _async_unusable(R, da, s) or _async_unusable(R, sa, s):
         return cudaErrorInvalidValue
     if R.async_allocs or R.gmem.allocs:
         # pool and graph memory: only the devices the pool lets in (cudaMemPoolSetAccess)
@@ -217,7 +211,7 @@ def _memset(R: Runtime, devPtr, value, count, s: Stream, sync: bool) -> int:
         a = R.vmm.resolve(dp, count, s.device, True)
         if a.__class__ is str:
             return _vmm_fault(R, s, a, sync, "memset")
-    if a is None or dp + count > a.end or R.freed_async(a) or (R.making and _unmade(R, a, s)):
+    if a is None or dp + count > a.end or _async_unusable(R, a, s):
         return cudaErrorInvalidValue
     if R.async_allocs or R.gmem.allocs:
         why = _pool_access_problem(R, a, s.device, True)

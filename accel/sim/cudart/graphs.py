@@ -21,8 +21,8 @@ from .state import (
     cudaSuccess,
 )
 from .common import (
-    _c_string, _enqueue, _freed_ranges, _implicit_deps, _invalidate, _is_null, _legacy_conflict, _lookup, _put,
-    _put_ptr, _stream, _unmade, _unmade_pointers, _unsafe_call,
+    _async_unusable, _c_string, _enqueue, _freed_ranges, _implicit_deps, _invalidate, _is_null, _legacy_conflict, _lookup, _put,
+    _put_ptr, _stream, _unmade_pointers, _unsafe_call,
 )
 from .graph_memory import (
     _graph_mem_after_launch, _graph_mem_before_launch, _graph_mem_bind, _graph_mem_captured,
@@ -244,7 +244,7 @@ def _stale_copy(R: Runtime, n: Node, s: Stream) -> bool:
     allocs = getattr(n.fn, "allocs", None) if n.kernel is None else None
     if not allocs:
         return False
-    return any(a is not None and (R.freed_async(a) or (R.making and _unmade(R, a, s))) for a in allocs)
+    return any(_async_unusable(R, a, s) for a in allocs)
 
 
 def _replay(nodes: Sequence[Node], freed: tuple = ()):

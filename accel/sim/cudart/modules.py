@@ -4,6 +4,7 @@ attributes, occupancy, the driver entry points, and kernel launches.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import weakref
@@ -399,6 +400,5 @@ def launch(R: Runtime, k: "KernelHandle", grid, block, args, sharedMem, s: Strea
     if s.capture is None and R.freeing:
         freed = _freed_ranges(R)
         if freed:
-            def work():
-                run(freed)
+            work = functools.partial(run, freed)
     return _enqueue(R, s, work, "kernel", f"{k.name} grid{grid} block{block}", kernel=k)[0]
