@@ -38,7 +38,7 @@ from ctypes import POINTER, c_char_p, c_int, c_int32, c_int64, c_uint8, c_uint16
 from typing import Any, Dict, Tuple
 
 from . import _finalize
-from ._errors import AcceleratorError
+from ._errors import AcceleratorError, CaptureError
 from .backends._signals import deferred
 
 __all__ = ["DLDeviceType", "export", "parse", "Imported", "DLPACK_VERSION", "sync_for_consumer",
@@ -561,10 +561,19 @@ def _refuse_waiting_on_capture(backend, last, consumer) -> None:
 def wait_for_closed(backend, stream) -> None:
     """Wait on the host for the work a closed ``stream`` may still run: it still runs after the
     stream is closed (cudaStreamDestroy returns at once), but no event can be recorded on it any
-    more, so its device is synchronized."""
+    more, so its device is synchronized.  CaptureError while a capture is underway: the device
+    synchronize would invalidate it (a global-mode capture of any thread: CUDA Runtime API,
+    cudaStreamBeginCapture), and none begins between the check and the synchronize
+    (``backend.capture_gate``)."""
     from .streams import on_device
-    with on_device(backend, stream.device_index):
-        backend.device_synchronize()
+    with backend.capture_gate:
+        if backend.captures_underway():
+            raise CaptureError(f"the buffer was last used on a stream that is closed ({stream!r}): its queued "
+                               f"work can only be waited for by a device synchronize, which would invalidate "
+                               f"the stream capture underway; export it after the capture ends, or keep the "
+                               f"stream open until the buffer is exported")
+        with on_device(backend, stream.device_index):
+            backend.device_synchronize()
 
 
 def wait_for_producer(backend, index: int, producer, stream) -> None:

@@ -901,8 +901,9 @@ class Buffer:
 
         ``stream`` is the buffer's last-use stream (:attr:`last_stream`), where accel's latest
         work on the memory was queued; a consumer (CuPy, Numba) orders its work after it.  A
-        last-use stream closed since is waited for on the host and the current stream given.
-        CAI v3 forbids 0, so the legacy default stream (handle 0) is given as 1.  torch differs:
+        last-use stream closed since is waited for on the host (a device synchronize) and the
+        current stream given; while a stream capture is underway that wait would invalidate it,
+        so CaptureError is raised instead.  CAI v3 forbids 0, so the legacy default stream (handle 0) is given as 1.  torch differs:
         its tensors export version 2, without ``stream``, and leave synchronization to the
         user.  Only CUDA buffers have it: elsewhere and after :meth:`close` the attribute
         raises AttributeError, so ``hasattr(buf, "__cuda_array_interface__")`` is False there
@@ -1124,27 +1125,39 @@ class _Pin:
 
 def _release_foreign(owner, backend, streams) -> None:
     """Hand a non-owning buffer's memory back: wait for the work queued on the streams it was
-    used on (skipped for a runtime that was reset, and for a capturing stream, which must not
-    be synchronized), then release ``owner`` (a DLPack capsule's deleter runs here, once).
-    A stream closed since still runs its queued work (cudaStreamDestroy returns at once) but
-    takes no more calls: its device is synchronized instead, unless a capture is underway
-    (a device synchronize would invalidate it)."""
+    used on (skipped for a runtime that was reset, and for a stream another library captures),
+    then release ``owner`` (a DLPack capsule's deleter runs here, once).  A stream closed since
+    still runs its queued work (cudaStreamDestroy returns at once) but takes no more calls: its
+    device is synchronized instead.  While a capture is underway the whole release waits for the
+    end of the last capture (the backend's queue of releases, run by the thread that ends it): a
+    synchronize would invalidate another thread's global-mode capture, and no capture begins
+    between the check and the waits (``backend.capture_gate``)."""
+    from .streams import _after_captures
+    queued = False
     try:
         if backend is _lazy._initialized_backend:
-            for stream in streams:
-                try:
-                    if stream.closed:
-                        if not backend.captures_underway():
-                            from ._dlpack import wait_for_closed
-                            wait_for_closed(backend, stream)
-                    elif not stream.is_capturing():
-                        stream.synchronize()
-                except Exception:
-                    pass    # a failed wait (sticky error): the owner is released all the same
+            with backend.capture_gate:
+                queued = _after_captures(backend, _release_foreign, owner, backend, streams)
+                if not queued:
+                    _wait_for_uses(backend, streams)
     finally:
         from ._dlpack import Imported
-        if isinstance(owner, Imported):
+        if not queued and isinstance(owner, Imported):
             owner.release()
+
+
+def _wait_for_uses(backend, streams) -> None:
+    """_release_foreign's waits, no capture underway (errors dropped: the owner is released all
+    the same)."""
+    for stream in streams:
+        try:
+            if stream.closed:
+                from ._dlpack import wait_for_closed
+                wait_for_closed(backend, stream)
+            elif not stream.is_capturing():
+                stream.synchronize()
+        except Exception:
+            pass    # a failed wait (sticky error): the owner is released all the same
 
 
 def _release_foreign_uses(owner, backend, uses: dict) -> None:

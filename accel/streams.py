@@ -110,9 +110,8 @@ def _destroy(backend: Backend, index: int, handle: int, blocking: bool, key: int
 def _after_captures(backend: Backend, fn: Callable, *args) -> bool:
     """Queue ``fn(*args)`` for when no capture this process began through ``backend`` is
     underway, and return True; False (nothing queued) when none is, or when the backend keeps no
-    such queue (only CUDA's streams join another stream's capture: XPU's captures record their
-    own stream only, which the capturing Graph holds).  ``fn`` may run in whichever thread ends
-    the last capture, or in this one: it must wait for no lock (a finalizer's release)."""
+    such queue (Backend._after_captures: Metal has no captures).  ``fn`` runs in whichever thread
+    ends the last capture: it must wait for no lock (a finalizer's release)."""
     queue = getattr(backend, "_after_captures", None)
     return queue is not None and queue(fn, *args)
 

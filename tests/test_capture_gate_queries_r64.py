@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import threading
+import weakref
 
 import pytest
 
@@ -155,3 +156,31 @@ def test_an_allocator_query_on_device_0_does_not_invalidate_a_capture_on_device_
     assert opened, "no check before a query: the test did not open its window"
     assert not errors, errors
     assert results == [True]
+
+
+@pytest.mark.parametrize("kind", ["cuda", "xpu"])
+def test_a_foreign_buffer_closed_during_a_capture_keeps_its_owner_until_the_capture_ends(monkeypatch, kind):
+    # Its release synchronizes the streams it was used on, which a capture forbids: the whole
+    # release (waits, then the owner) is queued for the end of the last capture, not dropped.
+    use_sim(monkeypatch, kind)
+    owner = accel.Buffer(4096)
+    owner.fill_(0)
+    alive = weakref.ref(owner)
+    foreign = accel.Buffer.from_ptr(owner.ptr, 4096, owner=owner)
+    del owner
+    side = accel.Stream()
+    foreign.fill_(5, stream=side)
+    with accel.device_index(1):
+        s, buf, g = accel.Stream(), accel.Buffer(256), accel.Graph()
+        with s:
+            g.capture_begin()
+            try:
+                buf.fill_(1, stream=s)
+                foreign.close()
+                assert alive() is not None, "the owner went while the capture was underway"
+            finally:
+                g.capture_end()
+        g.replay()
+        g.reset()
+    assert alive() is None, "the owner was kept after the last capture ended"
+    side.close()

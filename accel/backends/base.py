@@ -36,6 +36,8 @@ from __future__ import annotations
 import abc
 from typing import Any, Optional, Sequence, Tuple
 
+from .._errors import AcceleratorError
+
 
 class DeviceProperties:
     """What :meth:`Backend.properties` returns for one device (immutable).
@@ -412,6 +414,49 @@ class Backend(abc.ABC):
         """How many stream captures this process has begun through the backend and not
         ended (a capture begun by another library in the process is not counted)."""
         return 0
+
+    #: Releases queued while a capture is underway (:meth:`_after_captures`): a deque where the
+    #: backend refuses calls during a capture (CUDA, XPU), None where it has no captures.
+    _after_capture = None
+
+    def _after_captures(self, fn, *args) -> bool:
+        """Queue ``fn(*args)`` for when no stream capture is underway in this process and return
+        True; False (nothing queued) when none is.  For releases a driver refuses during a capture
+        (900, the capture invalidated): module unloads, graph and executable graph destroys,
+        synchronizes before a foreign buffer's release.  The thread that ends the last capture
+        runs the queue, the gate held (:meth:`_run_after_captures`)."""
+        queue = self._after_capture
+        if queue is None:
+            return False
+        with self.capture_gate:
+            if not self.captures_underway():
+                return False
+            queue.append((fn, args))
+            return True
+
+    def _now_or_after_captures(self, fn, *args) -> None:
+        """``fn(*args)`` now, with no capture beginning meanwhile (:attr:`capture_gate`), or queued
+        for the end of the last capture while one is underway (:meth:`_after_captures`)."""
+        with self.capture_gate:
+            if not self._after_captures(fn, *args):
+                fn(*args)
+
+    def _run_after_captures(self) -> None:
+        """Run the releases queued during captures (errors dropped, as a finalizer's), with no
+        capture beginning meanwhile; capture_end calls it once the last capture ended."""
+        queue = self._after_capture
+        if not queue:
+            return
+        with self.capture_gate:
+            while queue and not self.captures_underway():
+                try:
+                    fn, args = queue.popleft()
+                except IndexError:
+                    return
+                try:
+                    fn(*args)
+                except AcceleratorError:
+                    pass
 
     def graph_instantiate(self, graph: int) -> int:
         raise NotImplementedError(self.no_capture_reason)

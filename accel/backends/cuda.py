@@ -16,6 +16,7 @@ the driver's cuModuleLoadData / cuModuleGetFunction / cuLaunchKernel through
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections import deque
@@ -674,6 +675,16 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
                                library="libcudart", call="cudaStreamEndCapture")
         p = self.ffi.new("cudaGraph_t *")
         handle = self._cast("cudaStream_t", stream)
+        with self.capture_gate:
+            # (the gate: until the call has ended the capture, no other thread may find it ended
+            # by the count and make a call that invalidates it)
+            rc = self._end_capture(stream, owner, handle, p)
+        self._check(rc, "cudaStreamEndCapture")
+        return self._as_int(p[0])
+
+    def _end_capture(self, stream: int, owner, handle, p) -> int:
+        """capture_end's call, the gate held: its return code, the count and owners updated, and
+        the releases queued during the captures run once the last one ended."""
         # Uncounted before the call, counted again while the capture goes on: a KeyboardInterrupt
         # as the call returns must not leave an ended capture counted (capture_underway() would
         # then refuse syncs and frees for good).
@@ -703,8 +714,7 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
                 self._capture_owners[stream] = owner
         elif not self._captures and self._after_capture:
             self._run_after_captures()
-        self._check(rc, "cudaStreamEndCapture")
-        return self._as_int(p[0])
+        return rc
 
     def _still_capturing(self, handle, unknown: bool = True) -> bool:
         """Whether ``handle`` is being captured; ``unknown`` when the runtime cannot tell (True
@@ -760,44 +770,18 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
     def graph_destroy(self, graph: int) -> None:
         """cudaGraphDestroy; while a capture is underway in this process, once the last one ended
         (drivers refuse it during a capture and invalidate the capture: PyTorch PR 161037)."""
-        if not self._after_captures(self._graph_destroy_now, graph):
-            self._graph_destroy_now(graph)
+        self._now_or_after_captures(self._graph_destroy_now, graph)
 
     def _graph_destroy_now(self, graph: int) -> None:
         self._check(self.lib.cudaGraphDestroy(self.ffi.cast("cudaGraph_t", graph)), "cudaGraphDestroy")
 
     def graph_exec_destroy(self, graph_exec: int) -> None:
         """cudaGraphExecDestroy, deferred during captures as :meth:`graph_destroy`."""
-        if not self._after_captures(self._graph_exec_destroy_now, graph_exec):
-            self._graph_exec_destroy_now(graph_exec)
+        self._now_or_after_captures(self._graph_exec_destroy_now, graph_exec)
 
     def _graph_exec_destroy_now(self, graph_exec: int) -> None:
         self._check(self.lib.cudaGraphExecDestroy(self.ffi.cast("cudaGraphExec_t", graph_exec)),
                     "cudaGraphExecDestroy")
-
-    def _after_captures(self, fn, *args) -> bool:
-        """Queue ``fn(*args)`` for when no stream capture is underway in this process and return
-        True; False (nothing queued) when none is.  For releases a driver refuses during a capture
-        (900, the capture invalidated): module unloads, graph and executable graph destroys."""
-        if not self._captures:
-            return False
-        self._after_capture.append((fn, args))
-        if not self._captures:      # the last capture ended meanwhile: nobody else will run it
-            self._run_after_captures()
-        return True
-
-    def _run_after_captures(self) -> None:
-        """Run the releases queued during captures (errors dropped, as a finalizer's)."""
-        queue = self._after_capture
-        while queue and not self._captures:
-            try:
-                fn, args = queue.popleft()
-            except IndexError:
-                return
-            try:
-                fn(*args)
-            except AcceleratorError:
-                pass
 
     def graph_node_count(self, graph: int) -> Optional[int]:
         n = self.ffi.new("size_t *")
@@ -864,13 +848,20 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         if isinstance(source, str):
             source = source.encode()
         path = self._kernels()
-        if self._captures and self._driver_cuda_version() < _MODULE_LOAD_IN_CAPTURE:
-            v = self._driver_cuda_version()
-            # refused before the driver would refuse it, which would also invalidate the capture
-            raise CaptureError(f"cannot load a module while a stream capture is underway: the driver supports "
-                               f"CUDA {v // 1000}.{v % 1000 // 10}, and drivers before CUDA 12.3 refuse it "
-                               f"(and invalidate the capture); load the module before the capture begins, "
-                               f"or update the driver", library="libcudart", call="module_load")
+        old = self._driver_cuda_version() < _MODULE_LOAD_IN_CAPTURE
+        # (on such a driver, the gate: no capture begins between the check and the load)
+        with self.capture_gate if old else contextlib.nullcontext():
+            if old and self._captures:
+                v = self._driver_cuda_version()
+                # refused before the driver would refuse it, which would also invalidate the capture
+                raise CaptureError(f"cannot load a module while a stream capture is underway: the driver "
+                                   f"supports CUDA {v // 1000}.{v % 1000 // 10}, and drivers before CUDA 12.3 "
+                                   f"refuse it (and invalidate the capture); load the module before the "
+                                   f"capture begins, or update the driver", library="libcudart",
+                                   call="module_load")
+            return self._load(path, source)
+
+    def _load(self, path, source: bytes) -> int:
         image = self.ffi.new("char[]", source)  # NUL-terminated, as the JIT requires for PTX
         if path != "library":
             handle, rc = path.load(image)
@@ -889,8 +880,7 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         """Unload ``module`` (of the current device); while a capture is underway in this process
         the unload waits for the last capture to end (a driver refuses it, 900, and invalidates
         the capture)."""
-        if not self._after_captures(self._unload_on, module, self.get_device()):
-            self._unload_now(module)
+        self._now_or_after_captures(self._unload_on, module, self.get_device())
 
     def _unload_now(self, module: int) -> None:
         path = self._kernels()

@@ -29,6 +29,7 @@ import itertools
 import os
 import threading
 import weakref
+from collections import deque
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 from ..base import Backend
@@ -87,6 +88,12 @@ class XpuBackend(DiscoveryMixin, MemoryMixin, StreamsMixin, EventsMixin, GraphsM
         self._deferred: List[Tuple[list, object]] = []   # (deps, pinned staging pointer) to free later
         self._orphans: List[Tuple[str, object]] = []      # (destroy call, handle) an error path failed to release
         self._captures: Dict[int, _Capture] = {}
+        # Backend.capture_gate: _unsafe applies CUDA's rule (a free, query or synchronize by one
+        # thread invalidates another thread's global-mode capture), so a check and the call it
+        # allows are one step; capture_begin registers a capture under it.  Taken before a
+        # stream's lock and the backend's.
+        self.capture_gate = threading.RLock()
+        self._after_capture = deque()   # (fn, args): releases _unsafe would refuse during a capture
         self._patterns: Dict[int, object] = {}
         self._allocs: Dict[int, Tuple[_Device, int]] = {}
         self._host_allocs: Dict[int, int] = {}

@@ -127,10 +127,11 @@ class GraphsMixin:
             for slot in slots:
                 self._retire(slot)
             raise
-        with s.lock:
-            s.capture = cap
-        with self._lock:
-            self._captures[stream] = cap
+        with self.capture_gate:         # (no check-then-call of another thread straddles it)
+            with s.lock:
+                s.capture = cap
+            with self._lock:
+                self._captures[stream] = cap
 
     # Signals deferred (r55): the capture is taken from the stream first, and an interrupt
     # between that and the try below, or as the graph's record is made, lost its command list.
@@ -158,10 +159,12 @@ class GraphsMixin:
             self._discard("zeCommandListDestroy", cap.list)
             self._retire(cap.gate)
             self._retire(cap.done)
+            self._run_after_captures()
             raise
         handle = next(self._ids)
         with self._lock:
             self._graphs[handle] = _Graph(handle, cap)
+        self._run_after_captures()
         return handle
 
     def stream_is_capturing(self, stream: int) -> bool:
