@@ -72,10 +72,12 @@ class device:
 
     @property
     def type(self) -> str:
+        """The device type: ``"cuda"``, ``"xpu"`` or ``"mps"``."""
         return self._type
 
     @property
     def index(self) -> Optional[int]:
+        """The device index, or None for a device string without one (``"cuda"``)."""
         return self._index
 
     def __eq__(self, other):

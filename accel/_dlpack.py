@@ -813,8 +813,8 @@ def from_dlpack(obj, *, stream=None):
     producer's allocation); ``copy_from``/``fill_`` on it write those gaps too.  A read-only
     tensor (DLPACK_FLAG_BITMASK_READ_ONLY) gives a read-only Buffer.  Host memory (kDLCPU,
     kDLCUDAHost) is refused: copy it with ``numpy.from_dlpack(obj)`` and ``Buffer.copy_from``.
-    A device type other than the current accelerator's, or a device index accel does not have,
-    is refused with BufferError."""
+    A device type other than the current accelerator's is refused with BufferError; a device
+    index accel does not have raises :class:`accel.InvalidDeviceError`, as every bad index."""
     from . import _lazy
     from .buffer import Buffer
     capsule = obj

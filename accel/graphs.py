@@ -13,9 +13,10 @@ How the pieces fit (as ``aten/src/ATen/cuda/CUDAGraph.cpp``):
 * **RNG.** Default generators switch to graph-safe mode during capture: the
   captured kernels read seed and offset from device memory, and every replay
   writes fresh values there first, so each replay draws new numbers.
-* **Illegal work.** Synchronizing a capturing stream or device, blocking host
-  copies and ``empty_cache`` raise :class:`accel.CaptureError`; the runtime then
-  invalidates the capture and :meth:`capture_end` reports it.
+* **Illegal work.** Synchronizing a capturing stream or its device raises
+  :class:`accel.CaptureError`; the runtime then invalidates the capture and
+  :meth:`capture_end` reports it.  A blocking (pageable) host copy and ``empty_cache()``
+  are refused by accel with CaptureError before any runtime call, and the capture goes on.
 * **Host copies.** A ``non_blocking`` copy between a Buffer and pinned memory
   (:func:`accel.empty_pinned`) is captured, as torch's: every replay copies again, so the
   graph holds the pinned block (not reused, even after its array is gone) until the graph

@@ -1080,7 +1080,10 @@ class Event:
             _fin.finalize_later(self, _event_destroy, backend, handle, _fin.key_of(self._own))
 
     def wait(self, stream: Optional[Stream] = None) -> None:
-        """Make ``stream`` (the current stream when None) wait for this event's recorded work."""
+        """Make ``stream`` (the current stream when None) wait for this event's recorded work.
+        CaptureError, unless the event is ``external``, for an event last recorded inside a
+        capture that has ended (it stands for a graph node), and for a capturing stream waiting
+        on an event recorded outside its capture."""
         self._live()
         if stream is None:
             stream = current_stream()
@@ -1123,7 +1126,9 @@ class Event:
                            f"capture, or make it Event(external=True) so that each replay records it")
 
     def query(self) -> bool:
-        """True when the recorded work has completed (or the event was never recorded)."""
+        """True when the recorded work has completed (or the event was never recorded).
+        CaptureError for an event last recorded inside a graph capture, during it or after it
+        ended (it stands for a graph node), unless the event is ``external``."""
         self._live()
         if self._handle is None:
             return True
@@ -1141,7 +1146,8 @@ class Event:
                 _closed_during_use(self)
 
     def synchronize(self) -> None:
-        """Block the host until the recorded work has completed."""
+        """Block the host until the recorded work has completed.  CaptureError for an event
+        last recorded inside a graph capture (as :meth:`query`)."""
         self._live()
         if self._handle is not None:
             if self._capture is not None and not self.external:

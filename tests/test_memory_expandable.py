@@ -318,7 +318,7 @@ def test_capture_begun_by_another_thread_mid_miss_takes_a_classic_segment(be, mo
     ptr = alloc.malloc(8 * MiB)
     assert ptr and calls
     check(alloc)
-    assert alloc.stats()["num_device_alloc"] == 1     # the classic segment
+    assert alloc.stats()["num_device_alloc"] == 2     # keep's map, then the classic segment (torch counts both)
     monkeypatch.setattr(be, "vmm_create", real_create)
     alloc.free(ptr)
     alloc.free(keep)
@@ -346,7 +346,7 @@ def test_no_address_range_left_takes_classic_segments(be, index):
     alloc.empty_cache()
     assert alloc.stats()["reserved_bytes.all.current"] == 0
     again = alloc.malloc(8 * MiB)                              # the driver has room again
-    assert alloc._exp_segs and alloc.stats()["num_device_alloc"] == 2
+    assert alloc._exp_segs and alloc.stats()["num_device_alloc"] == 3      # and a map, counted as torch does
     check(alloc)
     alloc.free(again)
     alloc.empty_cache()

@@ -368,7 +368,10 @@ def memory_stats(device_index=None, /) -> "OrderedDict[str, Any]":
     active_bytes,inactive_split_bytes,requested_bytes}.{all,small_pool,large_pool}.
     {current,peak,allocated,freed}``, ``oversize_{allocations,segments}.*``,
     ``num_alloc_retries``, ``num_ooms``, ``num_sync_all_streams``,
-    ``num_device_alloc``, ``num_device_free``, ``max_split_size`` (-1: unlimited).
+    ``num_device_alloc``, ``num_device_free`` (device allocations and frees: cudaMalloc and
+    cudaFree, and, as torch counts them, each map and unmap of expandable-segment pages;
+    :meth:`DeviceCachingAllocator.map_stats` counts the driver calls), ``max_split_size``
+    (-1: unlimited).
     An empty OrderedDict before the runtime is initialized (a malformed argument raises
     then too, see :func:`_form`).
     """

@@ -605,10 +605,12 @@ class DeviceCachingAllocator(ExpandableSegments):
     # ------------------------------------------------------------------ public API
     @property
     def device_index(self) -> int:
+        """The device this allocator serves."""
         return self._index
 
     @property
     def config(self) -> _config.AllocConfig:
+        """The options in effect (ACCEL_ALLOC_CONF and set_allocator_settings, parsed)."""
         return self._config
 
     def set_memory_fraction(self, fraction: float) -> None:

@@ -493,6 +493,7 @@ class ExpandableSegments:
             del keys[d2]
         keys[p1:p1] = (k1,)
         self._scalars["num_device_map"] = n_maps
+        self._scalars["num_device_alloc"] += 1      # one per segment_map event, as torch counts it
         if self._history is not None:
             st = None
             if self._ctx:
@@ -779,6 +780,7 @@ class ExpandableSegments:
                     unreleased[-1] = (handle, n, kind, None)
                     self._unsure = marked - {addr}
                     scalars["num_device_unmap"] += 1
+                    scalars["num_device_free"] += 1     # (one per segment_unmap event, as torch)
                 # forgotten first, released last (plain stores between): an interrupt as the
                 # release starts may leak this handle, but a released handle (whose value the
                 # driver may give to the next create) is never released again

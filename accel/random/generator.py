@@ -66,6 +66,8 @@ class PhiloxArgs(NamedTuple):
 
     @property
     def captured(self) -> bool:
+        """Whether these arguments were taken during a graph capture: a kernel reads the seed
+        and offset from device memory (``seed_ptr``, ``offset_ptr``) that each replay writes."""
         return self.seed_ptr != 0
 
 
