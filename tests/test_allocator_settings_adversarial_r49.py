@@ -47,7 +47,7 @@ SETTINGS = (
     "release_threshold:0", "release_threshold:8M,expandable_segments:False",
     "garbage_collection_threshold:0.9,max_split_size_mb:25,expandable_segments:True",
     "per_process_memory_fraction:0.5", "per_process_memory_fraction:1.0",
-    "max_non_split_rounding_mb:0", "max_non_split_rounding_mb:100,max_split_size_mb:20",
+    "max_non_split_rounding_mb:20", "max_non_split_rounding_mb:100,max_split_size_mb:20",
 )
 
 

@@ -107,7 +107,7 @@ def test_initializing_queries_refuse_a_bad_device_without_initializing(sim_backe
 
 
 def test_stats_of_device1_while_device0_is_current(sim_backend):
-    """memory_stats: "torch.cuda.memory_stats()'s 122 keys, sorted", "max_split_size (-1:
+    """memory_stats: "torch 2.13's torch.cuda.memory_stats() keys, sorted: 123", "max_split_size (-1:
     unlimited)"; memory_allocated: "Bytes currently allocated (allocated_bytes.all.current)"
     (the block's rounded size, 512 for 100 bytes, as torch; requested_bytes keeps the 100);
     memory_reserved: "Bytes held by the caching allocator"; max_*: "Peak ... since start or the
@@ -117,7 +117,7 @@ def test_stats_of_device1_while_device0_is_current(sim_backend):
     d = _dev1()
     buf = accel.Buffer(100, device=d)
     stats = M.memory_stats(d)
-    assert len(stats) == 122 and list(stats) == sorted(stats)
+    assert len(stats) == 123 and list(stats) == sorted(stats)
     assert stats["max_split_size"] == -1
     assert M.memory_allocated(d) == stats["allocated_bytes.all.current"] == 512
     assert stats["requested_bytes.all.current"] == 100
@@ -709,13 +709,13 @@ def test_torch_comparisons_on_cpu(sim_cuda):
 def test_cuda_malloc_async_backend_refusals(monkeypatch, kind):
     """MemPool: "NotImplementedError under backend:cudaMallocAsync (its driver pool has no private
     pools)"; device_allocator: "ValueError ... for backend:cudaMallocAsync on a backend or device
-    without a memory pool" (Level Zero and Metal have none); memory_stats keeps torch's 122 keys
+    without a memory pool" (Level Zero and Metal have none); memory_stats keeps torch's 123 keys
     there too."""
     use_sim(monkeypatch, kind, ACCEL_ALLOC_CONF="backend:cudaMallocAsync")
     d = _dev1()
     if kind == "cuda":
         keep = accel.Buffer(100, device=d)
-        assert len(M.memory_stats(d)) == 122 and M.memory_allocated(d) > 0
+        assert len(M.memory_stats(d)) == 123 and M.memory_allocated(d) > 0
         keep.close()
         with pytest.raises(NotImplementedError, match="no private pools"):
             accel.MemPool()

@@ -99,13 +99,28 @@ def check_invariants(alloc, be):
             assert stats[f"{name}.{pool}.current"] == value, f"{name}.{pool}.current"
             assert stats[f"{name}.{pool}.peak"] >= value
             assert stats[f"{name}.{pool}.allocated"] - stats[f"{name}.{pool}.freed"] <= value
-    assert len(stats) == 122
+    # torch 2.13's 123 keys, and 12 per private pool: the bytes of the segments it owns
+    per_pool = [k for k in stats if k.startswith("reserved_bytes_by_private_pools.")]
+    assert len(stats) - len(per_pool) == 123
+    owned = {}
+    for base, seg_size in alloc._segments.items():
+        owner = blocks[base].pool.owner
+        if owner is not None:
+            mine = owned.setdefault(owner.id, [0, 0, 0])
+            mine[0] += seg_size
+            mine[blocks[base].pool.kind] += seg_size
+    for pool_id, entry in alloc.private_pool_stats().items():
+        want = owned.pop(pool_id, [0, 0, 0])
+        for q, pool in enumerate(("all", "small_pool", "large_pool")):
+            assert entry[pool]["current"] == want[q], f"reserved_bytes_by_private_pools {pool_id} {pool}"
+            assert entry[pool]["peak"] >= entry[pool]["current"]
+    assert not owned, f"pools owning segments with no reserved_bytes_by_private_pools entry: {owned}"
 
 
 def test_fresh_stats_have_torch_keys():
     alloc, _ = make()
     stats = alloc.stats()
-    assert len(stats) == 122
+    assert len(stats) == 123
     assert list(stats) == sorted(stats)
     assert stats["max_split_size"] == -1
     assert all(v == 0 for k, v in stats.items() if k != "max_split_size")

@@ -70,7 +70,7 @@ def test_stats_keys_and_device_arguments(sim_backend):
     alloc = memory.device_allocator(0)
     ptr = alloc.malloc(3000, None)
     stats = memory.memory_stats()
-    assert len(stats) == 122 and list(stats) == sorted(stats)
+    assert len(stats) == 123 and list(stats) == sorted(stats)
     assert stats["allocation.all.current"] == 1
     assert memory.memory_allocated() == 3072
     assert memory.memory_allocated(0) == memory.memory_allocated(f"{sim_backend}:0") \

@@ -340,7 +340,7 @@ def test_exceptions_round_trip_with_their_attributes(sim_backend):
     assert type(raised[0]) is accel.OutOfMemoryError and raised[0].observer_args[0] == last
     assert isinstance(raised[1], accel.InvalidDeviceError), raised[1]
     with pytest.raises(ValueError, match="max_split_size_mb") as info:      # AllocatorConfigError
-        accel.memory.set_allocator_settings("max_split_size_mb:-3")
+        accel.memory.set_allocator_settings("max_split_size_mb:3")
     assert type(info.value).__name__ == "AllocatorConfigError"
     raised.append(info.value)
     for exc in raised:

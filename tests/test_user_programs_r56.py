@@ -461,7 +461,7 @@ def test_allocator_phases_caps_oom_and_snapshots(monkeypatch, kind):
         core.configure(delay_us=0)
 
         # refused settings change nothing
-        for bad in ("backend:cudaMallocAsync" if kind == "cuda" else "policy:torch", "max_split_size_mb:-3",
+        for bad in ("backend:cudaMallocAsync" if kind == "cuda" else "policy:torch", "max_split_size_mb:3",
                     "no_such_key:1", "expandable_segments:sometimes"):
             with pytest.raises(ValueError):
                 M.set_allocator_settings(bad)

@@ -362,7 +362,8 @@ def get_memory_info(device_index=None, /) -> Tuple[int, int]:
 
 
 def memory_stats(device_index=None, /) -> "OrderedDict[str, Any]":
-    """The allocator statistics with ``torch.cuda.memory_stats()``'s 122 keys, sorted.
+    """The allocator statistics with torch 2.13's ``torch.cuda.memory_stats()`` keys, sorted:
+    123, and 12 per private pool.
 
     ``{allocation,segment,active,inactive_split,allocated_bytes,reserved_bytes,
     active_bytes,inactive_split_bytes,requested_bytes}.{all,small_pool,large_pool}.
@@ -371,7 +372,11 @@ def memory_stats(device_index=None, /) -> "OrderedDict[str, Any]":
     ``num_device_alloc``, ``num_device_free`` (device allocations and frees: cudaMalloc and
     cudaFree, and, as torch counts them, each map and unmap of expandable-segment pages;
     :meth:`DeviceCachingAllocator.map_stats` counts the driver calls), ``max_split_size``
-    (-1: unlimited).
+    (-1: unlimited), ``num_oom_rejections`` (requests refused at once under
+    ``throw_on_cudamalloc_oom``), and for each private pool (MemPool or graph pool) id ``(a, b)``
+    ``reserved_bytes_by_private_pools.a_b.{all,small_pool,large_pool}.{current,peak,allocated,freed}``:
+    the reserved bytes of the pool's own segments (its entry stays, current 0, once the pool is
+    gone, until :func:`reset_accumulated_memory_stats`).
     An empty OrderedDict before the runtime is initialized (a malformed argument raises
     then too, see :func:`_form`).
     """
@@ -379,6 +384,28 @@ def memory_stats(device_index=None, /) -> "OrderedDict[str, Any]":
         _form(device_index)
         return OrderedDict()
     return device_allocator(_index(device_index)).stats()
+
+
+def memory_stats_as_nested_dict(device_index=None, /) -> dict:
+    """:func:`memory_stats` as nested dicts (torch's ``memory_stats_as_nested_dict``):
+    ``stats["allocated_bytes"]["all"]["current"]``, scalars at the top, and
+    ``reserved_bytes_by_private_pools`` keyed by pool id tuples.  ``{}`` before the runtime
+    is initialized."""
+    if not _lazy.is_initialized():
+        _form(device_index)
+        return {}
+    alloc = device_allocator(_index(device_index))
+    nested: dict = {}
+    for key, value in alloc.stats().items():
+        if key.startswith("reserved_bytes_by_private_pools."):
+            continue
+        *path, last = key.split(".")
+        node = nested
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+    nested["reserved_bytes_by_private_pools"] = alloc.private_pool_stats()
+    return nested
 
 
 def _stat(key: str, device_index) -> int:

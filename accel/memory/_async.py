@@ -543,6 +543,11 @@ class AsyncPoolAllocator:
             scalars["max_split_size"] = -1
         return _stats.flatten(cur, peak, allocated, freed, scalars)
 
+    def private_pool_stats(self) -> dict:
+        """``{}``: this backend's pools are the driver's (torch's cudaMallocAsync backend reports
+        no reserved_bytes_by_private_pools either)."""
+        return {}
+
     def map_stats(self) -> dict:
         """``{"num_device_map": 0, "num_device_unmap": 0}``: the pool maps nothing accel sees."""
         return {"num_device_map": 0, "num_device_unmap": 0}

@@ -20,7 +20,6 @@ from ._stats import ALLOCATED_BYTES, ALLOCATION, INACTIVE_SPLIT, INACTIVE_SPLIT_
 MIN_BLOCK_SIZE = 512          # kMinBlockSize: every size is rounded to a multiple
 SMALL_SIZE = 1 << 20          # kSmallSize: requests up to this use the small pool
 SMALL_BUFFER = 2 << 20        # kSmallBuffer: small-pool segment size
-LARGE_BUFFER = 20 << 20       # kLargeBuffer: torch's segment size for 1-10 MiB requests
 MIN_LARGE_ALLOC = 10 << 20    # kMinLargeAlloc
 ROUND_LARGE = 2 << 20         # kRoundLarge: large segments are a multiple of this
 

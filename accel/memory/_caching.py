@@ -108,7 +108,7 @@ from . import _config, _stats
 from ._snapfmt import CTX_ALL as _CTX_ALL, CTX_ALLOC as _CTX_ALLOC, Symbols as _Symbols
 from ._snapfmt import allocator_settings as _allocator_settings, stack as _stack, trace_entry as _trace_entry
 from ._blocks import (
-    LARGE_BUFFER, MIN_BLOCK_SIZE, MIN_LARGE_ALLOC, ROUND_LARGE, SMALL_BUFFER, SMALL_SIZE, _ALLOCATED, _FREE, _GUARD,
+    MIN_BLOCK_SIZE, MIN_LARGE_ALLOC, ROUND_LARGE, SMALL_BUFFER, SMALL_SIZE, _ALLOCATED, _FREE, _GUARD,
     _ISPLIT, _LANES, _LARGE, _MASK, _PACK_FIELDS, _PENDING, _POOL_NAME, _SHIFT, _SMALL, _Block, _FreeList,
     _NoAddressRange, _snapshot_block,
 )
@@ -539,6 +539,11 @@ class DeviceCachingAllocator(ExpandableSegments):
         self._origins: Dict[int, _PrivatePool] = {}  # streams of begin_allocate_to_pool
         self._origin_ids: Dict[int, int] = {}        # origin stream -> its capture id, once known
         self._private: Dict[tuple, _PrivatePool] = {}
+        # torch 2.13's reserved_bytes_by_private_pools: pool id -> reserved bytes of the pool's
+        # segments as [current, peak, allocated, freed] x (all, small, large), flat (_POOL_STAT);
+        # a pool's entry outlives it (current 0) until reset_accumulated_stats, the last
+        # _DEAD_POOL_STATS of them only, so this stays bounded by live pools
+        self._pool_reserved: Dict[tuple, List[int]] = {}
         # use_mem_pool: thread ident -> its pools, innermost last (torch's thread filter)
         self._threads: Dict[int, List[_PrivatePool]] = {}
         self._oom_pools: List[_PrivatePool] = []     # MemPool(use_on_oom=True), in creation order
@@ -585,7 +590,7 @@ class DeviceCachingAllocator(ExpandableSegments):
         self._pend_base = [0, 0, 0, 0, 0, 0]
         self._active_peak = [0, 0, 0, 0, 0, 0]
         self._scalars = {"num_alloc_retries": 0, "num_ooms": 0, "num_sync_all_streams": 0,
-                         "num_device_alloc": 0, "num_device_free": 0}
+                         "num_device_alloc": 0, "num_device_free": 0, "num_oom_rejections": 0}
         self._special = False     # True when malloc/free must take the general (slow) path
         self._update_special()
         # expandable segments (see _expandable): decided at the first miss
@@ -1385,12 +1390,12 @@ class DeviceCachingAllocator(ExpandableSegments):
             scalars.pop("num_device_map")       # accel's own counters: see map_stats()
             scalars.pop("num_device_unmap")
             scalars["max_split_size"] = -1 if self._max_split == _config.UNLIMITED else self._max_split
-        out = _stats.flatten(cur, peak, allocated, freed, scalars)
-        return out
+            pools = {pool_id: list(st) for pool_id, st in self._pool_reserved.items()}
+        return _stats.flatten(cur, peak, allocated, freed, scalars, pools)
 
     def map_stats(self) -> dict:
         """Backend map/unmap calls of the expandable segments so far (accel's own keys,
-        kept out of :meth:`stats`, which has exactly torch's 122):
+        kept out of :meth:`stats`, which has exactly torch's keys):
         ``{"num_device_map": n, "num_device_unmap": m}``; reset by reset_accumulated_stats."""
         with self._lock:
             return {"num_device_map": self._scalars["num_device_map"],
@@ -1413,6 +1418,8 @@ class DeviceCachingAllocator(ExpandableSegments):
         """Peaks become the current values (torch's resetPeakStats)."""
         with self._lock:
             self._peak[:] = self._cur
+            for st in self._pool_reserved.values():
+                st[3:6] = st[0:3]
             self._s_peak_guarded = self._s_cur | _GUARD
             self._s_peak_ok = self._s_peak_ok_free = self._s_cur
             lanes = unpack(self._s_cur, _LANES)
@@ -1429,6 +1436,11 @@ class DeviceCachingAllocator(ExpandableSegments):
             self._pend_base[:] = self._pend
             for name in self._scalars:
                 self._scalars[name] = 0
+            for pool_id in list(self._pool_reserved):
+                if pool_id in self._private:
+                    self._pool_reserved[pool_id][6:] = [0] * 6
+                else:
+                    del self._pool_reserved[pool_id]     # a dead pool's entry: all zeros now
 
     def record_history(self, enabled: bool, max_entries: int = 100_000, stacks: bool = True, *,
                        context: int = _CTX_ALL, skip_actions: frozenset = frozenset(),
@@ -1745,7 +1757,7 @@ class DeviceCachingAllocator(ExpandableSegments):
         if kind == _SMALL:
             return SMALL_BUFFER
         if self._torch_policy and size < MIN_LARGE_ALLOC:
-            return LARGE_BUFFER
+            return self._config.large_segment_size      # torch's kLargeBuffer (large_segment_size_mb)
         return (size + ROUND_LARGE - 1) // ROUND_LARGE * ROUND_LARGE
 
     def _packed_segment_size(self, size: int, seg_size: int) -> int:
@@ -1867,6 +1879,8 @@ class DeviceCachingAllocator(ExpandableSegments):
         if fl.kind == _LARGE and not self._torch_policy and size < MIN_LARGE_ALLOC and fl.split_min <= size:
             # (a no_split MemPool hands a block out whole: a packed segment would be one block)
             seg_size = self._packed_segment_size(size, seg_size)
+        if self._config.throw_on_cudamalloc_oom:
+            self._reject_past_cap(own_size, size)
         if not capturing:
             self._before_grow(seg_size)
         block = self._device_alloc(seg_size, fl)
@@ -2022,6 +2036,27 @@ class DeviceCachingAllocator(ExpandableSegments):
             nbytes -= block.size
         self._release_blocks(victims)
 
+    def _reject_past_cap(self, nbytes: int, size: int) -> None:
+        """throw_on_cudamalloc_oom (torch 2.13, PR #179473): a request whose device allocation of
+        ``nbytes`` (a new segment, or an expandable segment's new pages) would take reserved memory
+        past the cap (per_process_memory_fraction of the device's total; the total when no
+        fraction is set) is refused at once, before the allocation and before anything is freed:
+        OutOfMemoryError, counted in num_oom_rejections (not in num_ooms; the out-of-memory
+        observers are not called).  Nothing changes otherwise."""
+        reserved = self._cur[RESERVED_BYTES]
+        allowed = self._allowed_bytes()
+        if reserved + nbytes <= allowed:
+            return
+        self._scalars["num_oom_rejections"] += 1
+        fmt = _stats.format_size
+        raise OutOfMemoryError(
+            f"{self._be.name.upper()} out of memory. Allocation was preemptively rejected because it would "
+            f"exceed per_process_memory_fraction limit. Requested size: {fmt(size)} (a new allocation of "
+            f"{fmt(nbytes)} on device {self._index}, with {fmt(reserved)} reserved by accel and "
+            f"{fmt(allowed)} allowed). accel refused it before any device allocation and kept its cache "
+            f"(throw_on_cudamalloc_oom:True); free memory, call empty_cache(), raise the fraction, or set "
+            f"throw_on_cudamalloc_oom:False to free the cache and retry instead.")
+
     def _allowed_bytes(self) -> int:
         if self._allowed is None:
             with self._on_device():
@@ -2048,6 +2083,8 @@ class DeviceCachingAllocator(ExpandableSegments):
         nc, npk, _ = self._seg_change(kind, 1, nbytes, nbytes >= self._max_split)
         hw = max(self._reserved_hw, nc[2])
         scalars = self._scalars
+        owner = fl.owner
+        pool_stat = self._pool_stat_after(owner.id, kind, nbytes) if owner is not None else None
         try:
             with self._on_device():
                 ptr = self._be.mem_alloc(nbytes)
@@ -2061,6 +2098,8 @@ class DeviceCachingAllocator(ExpandableSegments):
                     peak[OVERSIZE_SEGMENTS] = npk
                 self._reserved_hw = hw
                 scalars["num_device_alloc"] += 1
+                if pool_stat is not None:
+                    self._pool_reserved[owner.id] = pool_stat
                 # a whole free segment until malloc takes it (an entry no longer whole and free
                 # is dropped by _whole_free_segments): an interrupt before then leaves it releasable
                 self._whole[ptr] = block
@@ -2154,6 +2193,10 @@ class DeviceCachingAllocator(ExpandableSegments):
             j = bisect_left(fl.keys, key)
             nc, _, nf = self._seg_change(kind, -1, -block.size, -(block.size >= self._max_split))
             oc, _, of = self._seg_change(kind, 0, 0, 0)
+            owner = fl.owner
+            if owner is not None:
+                old_stat = self._pool_reserved.get(owner.id)
+                pool_stat = self._pool_stat_after(owner.id, kind, -block.size)
             whole = ptr in self._whole
             st = self._seg_frames.get(ptr)
             self._pool_orphans.discard(ptr)     # (a call: before the stores below)
@@ -2167,9 +2210,16 @@ class DeviceCachingAllocator(ExpandableSegments):
                 cur[OVERSIZE_SEGMENTS] = nc
             freed[SEGMENT], freed[SEGMENT + kind], freed[RESERVED_BYTES], freed[RESERVED_BYTES + kind], \
                 freed[OVERSIZE_SEGMENTS] = nf
+            if owner is not None:
+                self._pool_reserved[owner.id] = pool_stat
             try:
                 self._be.mem_free(ptr)
             except Exception:
+                if owner is not None:
+                    if old_stat is not None:
+                        self._pool_reserved[owner.id] = old_stat
+                    else:
+                        del self._pool_reserved[owner.id]
                 self._blocks[ptr] = block
                 self._segments[ptr] = block.size
                 if whole:
@@ -2445,6 +2495,8 @@ class DeviceCachingAllocator(ExpandableSegments):
         fl = block.pool
         lists = self._general.get(fl.stream) or self._new_lists(fl.stream, None)
         target = lists[0] if fl.kind == _SMALL else lists[1]
+        owner = fl.owner
+        pool_stat = self._pool_stat_after(owner.id, fl.kind, -block.size) if owner is not None else None
         key = block.size << _SHIFT | block.ptr
         src = list(fl.keys)
         del src[bisect_left(src, key)]
@@ -2455,12 +2507,42 @@ class DeviceCachingAllocator(ExpandableSegments):
         block.pool = target
         fl.segments -= 1
         target.segments += 1
+        if pool_stat is not None:
+            self._pool_reserved[owner.id] = pool_stat      # (its bytes leave the pool's share)
         self._pool_orphans.discard(block.ptr)
 
     def _forget_private_if_empty(self, pool: _PrivatePool) -> None:
         if pool.use_count == 0 and self._private.get(pool.id) is pool:
             if not any(self._blocks[b].pool.owner is pool for b in self._segments):
                 del self._private[pool.id]
+                dead = [k for k in self._pool_reserved if k not in self._private]
+                for k in dead[:-_DEAD_POOL_STATS]:
+                    del self._pool_reserved[k]
+
+    def _pool_stat_after(self, pool_id: tuple, kind: int, n: int) -> List[int]:
+        """Pool ``pool_id``'s reserved_bytes_by_private_pools entry once ``n`` bytes of a ``kind``
+        segment joined it (n > 0) or left it (n < 0): a new list, stored by the caller."""
+        new = list(self._pool_reserved.get(pool_id) or _NO_POOL_STAT)
+        for q in (0, kind):
+            new[q] += n
+            if n > 0:
+                new[6 + q] += n
+                if new[q] > new[3 + q]:
+                    new[3 + q] = new[q]
+            else:
+                new[9 + q] -= n
+        return new
+
+    def private_pool_stats(self) -> Dict[tuple, dict]:
+        """torch 2.13's ``reserved_bytes_by_private_pools``: for each private pool (MemPool or
+        graph pool, by id) that held segments, the reserved bytes of its segments as
+        ``{all,small_pool,large_pool}: {current,peak,allocated,freed}``.  A pool's entry stays,
+        current 0, once the pool is gone, until reset_accumulated_stats (the newest 8 such
+        entries: a program that makes graphs in a loop keeps a bounded dict)."""
+        with self._lock:
+            return {pool_id: {name: dict(zip(_stats.STAT_FIELDS, st[q::3]))
+                              for q, name in enumerate(_stats.POOL_NAMES)}
+                    for pool_id, st in self._pool_reserved.items()}
 
     @staticmethod
     def _check_pool_id(pool_id) -> tuple:
@@ -2556,6 +2638,12 @@ class DeviceCachingAllocator(ExpandableSegments):
                 f"unallocated memory is large try setting ACCEL_ALLOC_CONF=max_split_size_mb:N "
                 f"(or garbage_collection_threshold:0.8) to avoid fragmentation.")
 
+
+#: a private pool's reserved_bytes_by_private_pools entry before its first segment
+_NO_POOL_STAT = (0,) * 12
+#: how many gone pools' entries reserved_bytes_by_private_pools keeps until a reset (state stays
+#: bounded by live pools plus this)
+_DEAD_POOL_STATS = 8
 
 #: torch's one_exa_bytes (CUDACachingAllocator.cpp and CUDAMallocAsyncAllocator.cpp allocate():
 #: TORCH_CHECK_WITH(OutOfMemoryError, size < 1152921504606846976, ...) before the allocator runs)

@@ -10,7 +10,8 @@ program runs, by torch's rules (``changed``; ``RESET_AT_RUN_TIME``, ``FIXED_AT_R
 
 A setting written for torch never breaks accel: every key torch 2.13 accepts is
 accepted, with torch's value checks (booleans exactly ``True``/``False``,
-``pinned_num_register_threads`` a power of two <= 128, ...).  The torch keys accel
+``pinned_num_register_threads`` a power of two <= 128, MiB counts read as ``std::stoull``
+reads them, so ``-1`` is no limit, ...).  The torch keys accel
 does not implement (``TORCH_ONLY``) give one warning and are ignored.  accel's own
 keys (``policy``, ``release_threshold``) are read only from ``ACCEL_ALLOC_CONF``: in
 a PYTORCH_ variable, which torch refuses them from, they give one warning and are
@@ -43,8 +44,11 @@ BACKENDS = ("native", "cudaMallocAsync")
 ENV_VARS = ("ACCEL_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 
 OPTIONS = {
-    "max_split_size_mb": "blocks at least this large (MiB, >= 20) are never split",
-    "max_non_split_rounding_mb": "an oversize request may take a cached block up to this much larger (MiB)",
+    "max_split_size_mb": "blocks at least this large (MiB, >= large_segment_size_mb) are never split",
+    "max_non_split_rounding_mb": "an oversize request may take a cached block up to this much larger "
+                                 "(MiB, >= large_segment_size_mb)",
+    "large_segment_size_mb": "the segment that requests of 1 to 10 MiB share under policy:torch (MiB, > 10; "
+                             "default 20); the least max_split_size_mb and max_non_split_rounding_mb",
     "garbage_collection_threshold": "release unused cached segments when reserved memory exceeds "
                                     "this fraction (0 < t < 1) of the allowed memory",
     "roundup_power2_divisions": "round request sizes up to one of N divisions per power of two "
@@ -54,6 +58,9 @@ OPTIONS = {
     "expandable_segments": "True/False: grow one virtual address range per stream and pool by mapping "
                            "2 MiB pages where the backend has virtual memory (default: True there; False under policy:torch, as torch)",
     "per_process_memory_fraction": "cap reserved memory at this fraction [0, 1] of the device's total",
+    "throw_on_cudamalloc_oom": "True/False: refuse a request whose new segment or pages would take reserved "
+                               "memory past the fraction's cap (or the device's total) at once, without "
+                               "freeing the cache and retrying; counted in num_oom_rejections",
     "policy": "(ACCEL_ALLOC_CONF only) accel (default: tight segments, release-before-grow) or torch (PyTorch's sizing rules)",
     "backend": "native (accel's caching allocator, the default) or cudaMallocAsync (the driver's "
                "stream-ordered pool, where the backend has one; only per_process_memory_fraction applies)",
@@ -65,6 +72,9 @@ OPTIONS = {
     "release_lock_on_cudamalloc": "True/False; accepted for PyTorch compatibility, no effect",
     "release_lock_on_hipmalloc": "True/False; accepted for PyTorch compatibility, no effect",
     "graph_capture_record_stream_reuse": "True/False; accepted for PyTorch compatibility, no effect",
+    "pinned_free_catch_all": "True/False; accepted for PyTorch compatibility, no effect",
+    "pinned_max_round_threshold_mb": "MiB; accepted for PyTorch compatibility, no effect",
+    "pinned_max_cached_size_mb": "MiB; accepted for PyTorch compatibility, no effect",
 }
 
 #: keys only accel knows: read from ACCEL_ALLOC_CONF only (torch refuses them)
@@ -72,9 +82,12 @@ ACCEL_ONLY = ("policy", "release_threshold")
 #: keys torch accepts that accel parses and validates as torch does, then ignores (one warning)
 TORCH_ONLY = ("pinned_use_background_threads", "pinned_use_cuda_host_register", "pinned_use_hip_host_register",
               "pinned_num_register_threads", "pinned_reserve_segment_size_mb", "release_lock_on_cudamalloc",
-              "release_lock_on_hipmalloc", "graph_capture_record_stream_reuse")
+              "release_lock_on_hipmalloc", "graph_capture_record_stream_reuse", "pinned_free_catch_all",
+              "pinned_max_round_threshold_mb", "pinned_max_cached_size_mb")
 #: torch's pinned_max_register_threads() (c10/cuda/CUDAAllocatorConfig.h)
 _MAX_REGISTER_THREADS = 128
+#: torch's kMinLargeAlloc in MiB: a large segment must be larger (parseLargeSegmentSize)
+_MIN_LARGE_ALLOC_MB = 10
 #: (variable, setting) pairs already warned about: one warning per process, not per device
 _warned = set()
 
@@ -84,6 +97,8 @@ class AllocConfig(NamedTuple):
 
     max_split_size: int = UNLIMITED
     max_non_split_rounding: int = 20 * MiB
+    #: torch's kLargeBuffer, large_segment_size_mb (torch 2.13)
+    large_segment_size: int = 20 * MiB
     garbage_collection_threshold: float = 0.0
     #: divisions per power-of-two interval (all 0 = plain 512-byte rounding)
     roundup_power2_divisions: Tuple[int, ...] = (0,) * _POW2_INTERVALS
@@ -91,6 +106,7 @@ class AllocConfig(NamedTuple):
     #: None = the default: on where the backend has virtual memory, off under policy:torch
     expandable_segments: Optional[bool] = None
     per_process_memory_fraction: float = 1.0
+    throw_on_cudamalloc_oom: bool = False
     policy: str = "accel"
     #: "native" (DeviceCachingAllocator) or "cudaMallocAsync" (accel.memory._async)
     backend: str = "native"
@@ -141,10 +157,13 @@ def _parse_int(key, value, source):
 
 
 def _parse_mb(key, value, source):
-    """A MiB count as torch reads one (parseMaxSplitSize): refused past what a size_t holds,
-    clamped to SIZE_MAX / 1 MiB so the byte count fits one."""
+    """A MiB count as torch reads one (std::stoull, then parseMaxSplitSize's clamp): a negative
+    number wraps modulo 2**64 (``-1`` is 2**64 - 1: no limit), anything past what a size_t holds
+    is refused, and the count is clamped to SIZE_MAX / 1 MiB so the byte count fits a size_t."""
     mb = _parse_int(key, value, source)
-    if mb > UNLIMITED:
+    if mb < 0 and -mb <= UNLIMITED:
+        mb += UNLIMITED + 1
+    if not 0 <= mb <= UNLIMITED:
         raise _fail(key, value, f"more than a size_t holds (at most {UNLIMITED})", source)
     return min(mb, UNLIMITED // MiB)
 
@@ -216,7 +235,21 @@ def parse(text: str, source: str = "ACCEL_ALLOC_CONF") -> AllocConfig:
     ValueError and RuntimeError) for unknown keys or bad values.  From a ``PYTORCH_``
     variable, accel-only keys are skipped; the skipped and the not-implemented torch keys
     give one UserWarning per (variable, setting) in the process."""
-    return AllocConfig(**_values(text, source))
+    values = _values(text, source)
+    return _check_minimums(AllocConfig(**values), source, values)
+
+
+def _check_minimums(config: AllocConfig, source: str, named) -> AllocConfig:
+    """torch's checks of a max_split_size_mb or max_non_split_rounding_mb the setting names (the
+    fields in ``named``) against the large segment size in effect, whatever the order of the keys
+    ("too small, must be >= 20")."""
+    large_mb = config.large_segment_size // MiB
+    for key, field in (("max_split_size_mb", "max_split_size"), ("max_non_split_rounding_mb", "max_non_split_rounding")):
+        size = getattr(config, field)
+        if field in named and size < config.large_segment_size:
+            raise _fail(key, str(size // MiB), f"too small, must be >= {large_mb} (MiB, large_segment_size_mb)",
+                        source)
+    return config
 
 
 def _values(text: str, source: str) -> dict:
@@ -243,16 +276,21 @@ def _values(text: str, source: str) -> dict:
         if key in TORCH_ONLY:
             ignored.append(key)
         if key == "max_split_size_mb":
+            # (at least large_segment_size_mb: _check_minimums, once every key is read)
             mb = _parse_mb(key, value, source)
-            if mb < 20:     # torch: "max_split_size_mb too small, must be >= 20"
-                raise _fail(key, value, "must be >= 20 (MiB), the large-buffer size", source)
             # torch's clamped maximum is SIZE_MAX less one MiB; accel spells "no limit" SIZE_MAX
             values["max_split_size"] = UNLIMITED if mb == UNLIMITED // MiB else mb * MiB
         elif key == "max_non_split_rounding_mb":
             mb = _parse_mb(key, value, source)
-            if mb < 0:
-                raise _fail(key, value, "must not be negative", source)
-            values["max_non_split_rounding"] = mb * MiB
+            values["max_non_split_rounding"] = UNLIMITED if mb == UNLIMITED // MiB else mb * MiB
+        elif key == "large_segment_size_mb":
+            mb = _parse_mb(key, value, source)
+            if mb <= _MIN_LARGE_ALLOC_MB:      # torch: "large_segment_size_mb must be > 10 MB"
+                raise _fail(key, value, f"must be > {_MIN_LARGE_ALLOC_MB} (MiB, the largest request that "
+                                        f"shares a large segment)", source)
+            values["large_segment_size"] = UNLIMITED if mb == UNLIMITED // MiB else mb * MiB
+        elif key == "throw_on_cudamalloc_oom":
+            values["throw_on_cudamalloc_oom"] = _parse_bool(key, value, source)
         elif key == "garbage_collection_threshold":
             # torch: "garbage_collect_threshold too small, set it 0.0~1.0" / "too big": 0 < t < 1
             values["garbage_collection_threshold"] = _parse_float(key, value, source, 0.0, 1.0, hi_open=True)
@@ -283,6 +321,8 @@ def _values(text: str, source: str) -> dict:
         elif key == "pinned_reserve_segment_size_mb":
             if _parse_int(key, value, source) <= 0:
                 raise _fail(key, value, "Pinned reserve segment size has to be greater than 0", source)
+        elif key in ("pinned_max_round_threshold_mb", "pinned_max_cached_size_mb"):
+            _parse_mb(key, value, source)
         elif key in TORCH_ONLY:                   # the True/False ones
             _parse_bool(key, value, source)
     if (skipped or ignored) and (source, text) not in _warned:
@@ -325,7 +365,7 @@ def changed(base: AllocConfig, text: str) -> Tuple[AllocConfig, frozenset]:
     named = frozenset(values) - {"source", "text"}
     defaults = AllocConfig()
     reset = {field: getattr(defaults, field) for field in RESET_AT_RUN_TIME}
-    config = base._replace(**{**reset, **values})
+    config = _check_minimums(base._replace(**{**reset, **values}), SET_AT_RUN_TIME, named)
     check_fixed(base, config)
     return config, named
 

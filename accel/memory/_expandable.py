@@ -361,6 +361,9 @@ class ExpandableSegments:
     def _exp_grow_in(self, seg: Segment, size: int, nbytes: int, fl: _FreeList) -> _Block:
         gran = self._gran
         plan = place(seg, size, gran, _FREE)
+        if self._config.throw_on_cudamalloc_oom:
+            # (no plan: the request is larger than the range, the device's whole memory)
+            self._reject_past_cap(plan[2] if plan is not None else size, size)
         if plan is not None:
             excess = self._cur[RESERVED_BYTES] + plan[2] - self._reserved_hw
             if excess > 0:

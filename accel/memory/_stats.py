@@ -20,7 +20,7 @@ OVERSIZE_SEGMENTS = 28
 N_STATS = 29
 
 SCALARS = ("num_alloc_retries", "num_ooms", "max_split_size", "num_sync_all_streams",
-           "num_device_alloc", "num_device_free")
+           "num_device_alloc", "num_device_free", "num_oom_rejections")
 STAT_FIELDS = ("current", "peak", "allocated", "freed")
 
 
@@ -29,9 +29,17 @@ def empty_counters():
     return [0] * N_STATS, [0] * N_STATS, [0] * N_STATS, [0] * N_STATS
 
 
-def flatten(current, peak, allocated, freed, scalars) -> "OrderedDict[str, int]":
-    """The 122 flat keys of torch.cuda.memory_stats(), sorted."""
+def flatten(current, peak, allocated, freed, scalars, pools=None) -> "OrderedDict[str, int]":
+    """The flat keys of torch 2.13's torch.cuda.memory_stats(), sorted: 123, and for each private
+    pool in ``pools`` (id -> [current, peak, allocated, freed] x (all, small, large)) its
+    ``reserved_bytes_by_private_pools.<a>_<b>.<pool>.<field>`` (torch joins the id's parts with
+    "_")."""
     out = {}
+    for pool_id, st in (pools or {}).items():
+        name = "_".join(str(part) for part in pool_id)
+        for p, pool in enumerate(POOL_NAMES):
+            for f, field in enumerate(STAT_FIELDS):
+                out[f"reserved_bytes_by_private_pools.{name}.{pool}.{field}"] = st[3 * f + p]
     columns = (current, peak, allocated, freed)
     for s, name in enumerate(POOLED):
         for p, pool in enumerate(POOL_NAMES):
