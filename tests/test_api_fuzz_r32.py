@@ -223,7 +223,7 @@ def test_generator_pickles_and_copies_independently(sim_backend):
         assert out.get_state().tobytes() == gen.get_state().tobytes(), how
         out.manual_seed(5)
         assert gen.initial_seed() == 1234 and gen.offset == 40, how
-        assert out._lock is not gen._lock and out._holders == () and out._graphs == 0, how
+        assert out._lock is not gen._lock and not out._holders and out._graphs == 0, how
 
 
 def test_closed_objects_repr_hash_eq_double_close(sim_backend):

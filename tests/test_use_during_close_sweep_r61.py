@@ -1043,7 +1043,7 @@ def test_graph_replay_with_random_state_vs_reset(race, gdevice):
     g, cs = _capture(gdevice, lambda s: accel.random.uniform_(buf))
     exec_handle = g.raw_cuda_graph_exec()
     state = accel.random.default_generator(gdevice)._state
-    holders = state._holders[:2]
+    holders = state._holders[g._rng][:2]
     assert holders
     alloc = accel.memory.device_allocator(gdevice)
     race.spy(backend, "graph_exec_destroy", "destroyed", match=_handle_is(exec_handle))
@@ -1448,9 +1448,9 @@ def test_module_close_from_a_finalizer_inside_its_own_launch(saxpy, sim_cuda, qu
 
 
 def test_graph_replay_vs_reset_of_another_graph_of_the_same_generator(race, gdevice):
-    """Two graphs registered with one generator's state share its seed/offset holders (freed with
-    the last registered graph): a replay of the first writes them while another thread resets the
-    second and drops the generator: the holders stay until the first graph is reset too."""
+    """Two graphs registered with one generator's state (each with holders of its own, r64): a
+    replay of the first writes its holders while another thread resets the second and drops the
+    generator: the first graph's holders stay until it is reset too."""
     backend = _backend()
     _capturable_random(backend)
     race.settle_baseline()
@@ -1467,7 +1467,7 @@ def test_graph_replay_vs_reset_of_another_graph_of_the_same_generator(race, gdev
                 accel.random.uniform_(buf, generator=gens[0])
         graphs.append((g, s))
     (g1, s1), (g2, s2) = graphs
-    holders = gens[0]._state._holders[:2]
+    holders = gens[0]._state._holders[g1._rng][:2]
     alloc = accel.memory.device_allocator(gdevice)
     race.spy(alloc, "free", "holders freed", match=lambda p, *a, **k: p in holders)
 

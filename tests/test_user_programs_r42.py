@@ -143,7 +143,7 @@ def test_captured_draws_replay_as_eager_draws_at_the_same_state(sim_graph_backen
             R.uniform_(out)
             raise KeyError("model code failed")
     gc.collect()
-    assert not gen.capturing and gen.offset == 0 and gen._holders == ()
+    assert not gen.capturing and gen.offset == 0 and not gen._holders
     ref, started, done = {}, threading.Event(), threading.Event()
 
     def eager_neighbour():
@@ -186,7 +186,7 @@ def test_captured_draws_replay_as_eager_draws_at_the_same_state(sim_graph_backen
     ref.clear()
     del g
     gc.collect()
-    assert gen._holders == () and gen._graphs == 0
+    assert not gen._holders and gen._graphs == 0
     settle()
 
 

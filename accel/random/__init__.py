@@ -348,7 +348,7 @@ def _enter_graph_safe_mode(token: _GraphRNG, state) -> None:
     """``state`` enters graph-safe mode and ``token`` lists it, with signals deferred (r55): a
     Ctrl-C as capture_prologue released its lock left the state capturing unlisted, so no
     abort or end ever took it out (every later capture on the device was refused)."""
-    state.capture_prologue()
+    state.capture_prologue(graph=token)
     token.capturing.append(state)
 
 
@@ -417,4 +417,4 @@ def _graph_replay(token: _GraphRNG) -> None:
     from ..streams import current_stream
     for state, increment in list(token.states.items()):
         if increment:   # (a state the graph drew nothing from: no kernel reads its holders)
-            state.replay_prologue(increment, stream=current_stream(state.device_index).handle)
+            state.replay_prologue(increment, stream=current_stream(state.device_index).handle, graph=token)

@@ -24,9 +24,11 @@ sharing it, :meth:`Generator.graphsafe_set_state` points a generator at another'
 :meth:`Generator.clone_state` copies seed and offset into a new state with no
 holders, and ``Graph.register_generator_state`` registers a state with a graph
 (its token in :mod:`accel.random` holds the graph's states; a capture registers
-the default generator's current state too).  The holders belong to the state and
-are shared by every graph registered with it; the last graph unregistered (reset
-or collected) frees them.
+the default generator's current state too).  Each (state, graph) pair has holders
+of its own, as torch 2.13's ``CUDAGeneratorCaptureState`` per capture: two graphs
+drawing from one state and replayed at the same time on two streams each read the
+offset their own replay wrote.  A graph unregistered (reset or collected) frees its
+pair's holders.
 
 No method needs the runtime except :meth:`register_graph` (allocates the
 buffer) and :meth:`replay_prologue` (writes it).  Generators are plain Python
@@ -137,14 +139,14 @@ def _state_bytes(new_state) -> bytes:
 
 class _State:
     """One Philox state (torch's ``CUDAGeneratorState``): seed, offset and the graph-safe fields
-    (capturing flag, intragraph offset, the device holders the captured kernels read and the
-    count of graphs registered with it).  Generators point to one; several may share it
+    (capturing flag, intragraph offset, and the device holders of each graph registered with
+    it, which its captured kernels read).  Generators point to one; several may share it
     (:meth:`Generator.graphsafe_get_state`, :meth:`Generator.graphsafe_set_state`).  It holds
     no reference to a graph: a graph's token holds its states, so a state lives as long as a
     generator or a graph uses it."""
 
     __slots__ = ("device_index", "_lock", "_seed", "_offset", "_capturing", "_intragraph",
-                 "_graph_ptrs", "_holders", "_graphs", "__weakref__")
+                 "_graph_ptrs", "_holders", "__weakref__")
 
     def __init__(self, device_index: int, seed: int, offset: int = 0):
         self.device_index = device_index
@@ -155,8 +157,11 @@ class _State:
         self._capturing = False
         self._intragraph = 0
         self._graph_ptrs = (0, 0)          # (seed_ptr, offset_ptr) the captured kernels read
-        self._holders = ()                 # (seed_ptr, offset_ptr) register_graph allocated, and their free
-        self._graphs = 0                   # registered graphs
+        # registered graph -> (seed_ptr, offset_ptr, free): holders of its own for each graph, as
+        # torch 2.13's CUDAGeneratorCaptureState per (generator, capture).  Shared holders let
+        # two graphs replayed at once on two streams race: one's kernels read the offset the
+        # other's replay wrote (r64f, torch's test_graph_rng_concurrent_replay_on_different_streams).
+        self._holders: dict = {}
 
     def __repr__(self):
         return (f"<accel.random generator state device={self.device_index} seed={self._seed} "
@@ -165,6 +170,11 @@ class _State:
     @property
     def capturing(self) -> bool:
         return self._capturing
+
+    @property
+    def _graphs(self) -> int:
+        """How many graphs are registered (each holds its own holders)."""
+        return len(self._holders)
 
     def _not_capturing(self, what: str) -> None:
         if self._capturing:
@@ -204,35 +214,38 @@ class _State:
     # -- graph-safe mode (torch CUDAGeneratorState) ----------------------------------
     def register_graph(self, graph=None, *, alloc: Optional[Callable[[int], int]] = None,
                        free: Optional[Callable[[int], None]] = None) -> None:
-        """A graph will capture fills from this generator: make sure its one-word seed and
-        offset holders exist on the device (torch's seed_extragraph_/offset_extragraph_, two
-        small blocks of the caching allocator on the device's current stream, which at
-        capture_begin is the stream about to capture: CUDAGeneratorImpl::register_graph
-        allocates them with at::empty).  Call before capture
-        begins (the allocation is not allowed during capture).  ``alloc(nbytes) -> ptr`` and
-        ``free(ptr)`` replace the caching allocator (tests)."""
+        """``graph`` (any hashable key; None is one too) will capture fills from this generator:
+        make the one-word seed and offset holders of this (generator, graph) pair on the device
+        (torch 2.13's CUDAGeneratorCaptureState seed_extragraph_/offset_extragraph_, two small
+        blocks of the caching allocator on the device's current stream, which at capture_begin
+        is the stream about to capture).  Each graph has its own, so graphs replayed at the same
+        time on different streams do not overwrite each other's offset.  Registering a graph
+        twice is a no-op.  Call before capture begins (the allocation is not allowed during
+        capture).  ``alloc(nbytes) -> ptr`` and ``free(ptr)`` replace the caching allocator
+        (tests)."""
         with self._lock, _fin.no_drain:     # no deferred release runs in here (issue r18)
-            if not self._holders:
-                if alloc is None:
-                    alloc, free = self._cache_alloc, self._cache_free
-                seed_ptr = alloc(8)
-                try:
-                    offset_ptr = alloc(8)
-                except BaseException:
-                    if free is not None:
-                        free(seed_ptr)
-                    raise
-                self._holders = (seed_ptr, offset_ptr, free)
-            self._graphs += 1
+            if graph in self._holders:
+                return
+            if alloc is None:
+                alloc, free = self._cache_alloc, self._cache_free
+            seed_ptr = alloc(8)
+            try:
+                offset_ptr = alloc(8)
+            except BaseException:
+                if free is not None:
+                    free(seed_ptr)
+                raise
+            self._holders[graph] = (seed_ptr, offset_ptr, free)
 
     def unregister_graph(self, graph=None) -> None:
-        """A registered graph is gone; the holders are freed with the last one (as torch's)."""
+        """``graph`` is gone: its holders are freed (unless its capture is underway: then at
+        :meth:`capture_epilogue`)."""
         with self._lock:
-            self._graphs = max(0, self._graphs - 1)
-            if self._graphs or self._capturing or not self._holders:
+            held = self._holders.get(graph)
+            if held is None or (self._capturing and self._graph_ptrs == held[:2]):
                 return
-            seed_ptr, offset_ptr, free = self._holders
-            self._holders = ()
+            del self._holders[graph]
+            seed_ptr, offset_ptr, free = held
             if free is not None:
                 try:
                     free(seed_ptr)
@@ -249,16 +262,20 @@ class _State:
         from .. import memory
         memory.device_allocator(self.device_index).free(ptr)
 
-    def capture_prologue(self, seed_ptr: Optional[int] = None, offset_ptr: Optional[int] = None) -> None:
+    def capture_prologue(self, seed_ptr: Optional[int] = None, offset_ptr: Optional[int] = None,
+                         graph=None) -> None:
         """Enter graph-safe mode: fills read ``*seed_ptr`` and ``*offset_ptr`` (8-byte device
-        words; default: the buffer made by :meth:`register_graph`) and count an intragraph offset from 0."""
+        words; default: the holders :meth:`register_graph` made for ``graph``) and count an
+        intragraph offset from 0."""
         with self._lock:
             if self._capturing:
                 raise RuntimeError(f"the generator of device {self.device_index} is already capturing")
             if seed_ptr is None or offset_ptr is None:
-                if not self._holders:
-                    raise RuntimeError("capture_prologue() without pointers needs register_graph() first")
-                seed_ptr, offset_ptr = self._holders[0], self._holders[1]
+                held = self._holders.get(graph)
+                if held is None:
+                    raise RuntimeError("capture_prologue() without pointers needs register_graph() of the "
+                                       "graph first")
+                seed_ptr, offset_ptr = held[0], held[1]
             if not seed_ptr or not offset_ptr:
                 raise ValueError("seed_ptr and offset_ptr must be non-null device addresses")
             self._graph_ptrs = (int(seed_ptr), int(offset_ptr))
@@ -275,16 +292,19 @@ class _State:
 
     def replay_prologue(self, wholegraph_increment: int, stream: int = 0,
                         write: Optional[Callable[[int, int, int, int, int, int], None]] = None,
-                        seed_ptr: Optional[int] = None, offset_ptr: Optional[int] = None) -> None:
-        """Before a replay on ``stream``: write the current seed and offset to the
-        device words the graph reads, then advance the offset by ``wholegraph_increment``.
+                        seed_ptr: Optional[int] = None, offset_ptr: Optional[int] = None,
+                        graph=None) -> None:
+        """Before a replay of ``graph`` on ``stream``: write the current seed and offset to the
+        device words the graph reads (its holders; without them, those of the last capture),
+        then advance the offset by ``wholegraph_increment``.
 
         ``write(device_index, seed_ptr, offset_ptr, seed, offset, stream)`` queues
         the write on ``stream``; the default uses the store-state kernel where the
         backend has one, else a copy from pinned memory.
         """
         if seed_ptr is None or offset_ptr is None:
-            seed_ptr, offset_ptr = self._graph_ptrs
+            held = self._holders.get(graph)
+            seed_ptr, offset_ptr = held[:2] if held is not None else self._graph_ptrs
         if not seed_ptr:
             raise RuntimeError("replay_prologue() before any capture_prologue()")
         if write is None:
@@ -307,8 +327,8 @@ class _State:
         hand them to the next allocation on their allocation stream (the capture's) before that
         work ran (r61e: a replay queued on another stream wrote the seed into a buffer allocated
         after the reset).  Holders of a caller's ``alloc`` or pointers it passed: its own affair."""
-        holders = self._holders
-        if not holders or holders[2] != self._cache_free or (seed_ptr, offset_ptr) != holders[:2]:
+        if not any(held[2] == self._cache_free and held[:2] == (seed_ptr, offset_ptr)
+                   for held in self._holders.values()):
             return
         from .. import memory
         alloc = memory.device_allocator(self.device_index)
@@ -545,9 +565,10 @@ class Generator:
         """See :meth:`_State.unregister_graph` (the current state)."""
         self._state.unregister_graph(graph)
 
-    def capture_prologue(self, seed_ptr: Optional[int] = None, offset_ptr: Optional[int] = None) -> None:
+    def capture_prologue(self, seed_ptr: Optional[int] = None, offset_ptr: Optional[int] = None,
+                         graph=None) -> None:
         """See :meth:`_State.capture_prologue` (the current state)."""
-        self._state.capture_prologue(seed_ptr, offset_ptr)
+        self._state.capture_prologue(seed_ptr, offset_ptr, graph)
 
     def capture_epilogue(self) -> int:
         """See :meth:`_State.capture_epilogue` (the current state)."""
@@ -555,6 +576,7 @@ class Generator:
 
     def replay_prologue(self, wholegraph_increment: int, stream: int = 0,
                         write: Optional[Callable[[int, int, int, int, int, int], None]] = None,
-                        seed_ptr: Optional[int] = None, offset_ptr: Optional[int] = None) -> None:
+                        seed_ptr: Optional[int] = None, offset_ptr: Optional[int] = None,
+                        graph=None) -> None:
         """See :meth:`_State.replay_prologue` (the current state)."""
-        self._state.replay_prologue(wholegraph_increment, stream, write, seed_ptr, offset_ptr)
+        self._state.replay_prologue(wholegraph_increment, stream, write, seed_ptr, offset_ptr, graph)
