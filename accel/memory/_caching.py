@@ -1079,9 +1079,18 @@ class DeviceCachingAllocator(ExpandableSegments):
             block = self._blocks.get(ptr)
             if block is None or block.state != _ALLOCATED:
                 raise self._not_allocated(ptr, block)
-            if stream == block.pool.stream and device == self._index:
-                return
+            fl = block.pool
+            if stream == fl.stream and device == self._index and self._live_list(fl):
+                return      # the block's own stream: its free is ordered after that work already
             add_use(self, block, stream, device)
+
+    def _live_list(self, fl: _FreeList) -> bool:
+        """Whether ``fl`` is a free list of a live stream, not one of a destroyed stream waiting
+        for its work (_Retired), whose handle value the driver may have given to a new stream
+        (r64a: a use by that new stream was taken for the block's own and dropped, and the block
+        was reused under the new stream's queued work)."""
+        lists = (fl.owner.lists if fl.owner is not None else self._general).get(fl.stream)
+        return lists is not None and (fl is lists[0] or fl is lists[1])
 
     def forget_stream(self, stream: int, device_index: Optional[int] = None, blocking: bool = True) -> bool:
         """``stream`` (of device ``device_index``, default this allocator's) is about to be
