@@ -165,9 +165,18 @@ class Space:
     # -- addresses ------------------------------------------------------------------------
     def release_if_unused(self, R, ga: GraphAllocation) -> None:
         """Give the address back once no graph, executable graph or live allocation holds it
-        (its physical memory stays cached).  Takes ``R.mlock``."""
+        (its physical memory stays cached).  Takes ``R.mlock``.
+
+        (r64a) Nor while the allocation is alive on the GPU (``live``): a ``cudaFreeAsync`` issued
+        (``outstanding`` already cleared) whose stream has not reached it yet.  CUDA Programming
+        Guide, "Graph Memory Nodes": a graph allocation's lifetime "ends when ... GPU execution
+        reaches the freeing cudaFreeAsync() stream call", and "Graph destruction does not
+        automatically free any live graph-allocated memory, even though it ends the lifetime of
+        the allocation node".  The free's own step releases it when it runs.  (Before, destroying
+        the graph or its executable in that window gave the address back at once, and work the
+        program had ordered before the free faulted with cudaErrorIllegalAddress.)"""
         with R.mlock:
-            if ga.refs > 0 or ga.outstanding or self.allocs.get(ga.base) is not ga:
+            if ga.refs > 0 or ga.outstanding or ga.live or self.allocs.get(ga.base) is not ga:
                 return
             del self.allocs[ga.base]
             self.unmap(ga)
