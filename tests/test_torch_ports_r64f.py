@@ -38,10 +38,6 @@ from torch_port_util import hold
 
 MiB = 1 << 20
 
-NOT_TRACEBACK = ("r64f: no API: torch 2.13's torch.cuda.memory._allocation_traceback(ptr) (the recorded "
-                 "frames of a live allocation, None when freed or not recorded); accel.memory has none")
-NOT_POOL_ID = ("r64f: not implemented: torch 2.13's snapshot trace entries carry pool_id (torch/cuda/memory.py "
-               "TraceEntry); accel's trace entries have no pool_id key")
 NOT_PINNED_LIMITS = ("r64f: not implemented: pinned_max_round_threshold_mb / pinned_max_cached_size_mb "
                      "(torch 2.13 CachingHostAllocator) are accepted and ignored, accel/memory/_config.py:76-77")
 
@@ -504,7 +500,7 @@ def test_cuda__test_expandable_segments_empty_cache_wrong_device(monkeypatch):
     assert (out == 1).all()
 
 
-@pytest.mark.xfail(strict=True, reason=NOT_TRACEBACK)
+
 def test_cuda__test_allocation_traceback(sim_cuda):
     def this_is_a_funky_allocator():
         return R.uniform_(Buffer(4 * 311 * 411))
@@ -524,7 +520,7 @@ def test_cuda__test_allocation_traceback(sim_cuda):
         memory._record_memory_history(None)
 
 
-@pytest.mark.xfail(strict=True, reason=NOT_TRACEBACK)
+
 def test_cuda__test_allocation_traceback_no_recording(sim_cuda):
     memory._record_memory_history(None)
     x = Buffer(4 * 64)
@@ -659,7 +655,7 @@ def _limit(free_mib: int, device: int = 0) -> float:
     return before
 
 
-@pytest.mark.xfail(strict=True, reason=NOT_POOL_ID)
+
 def test_cuda__test_pool_id_in_snapshot(sim_cuda):
     try:
         memory.empty_cache()

@@ -585,6 +585,21 @@ def _snapshot(device=None, augment_with_fx_traces: bool = False) -> dict:
             "external_annotations": []}
 
 
+def _allocation_traceback(data_ptr: int) -> Optional[List[dict]]:
+    """torch 2.13's ``torch.cuda.memory._allocation_traceback``: the stack (frames, innermost
+    first, as in a snapshot) that allocated the live block starting at ``data_ptr`` on any
+    device, or None when no device allocator holds such a block or no stack was kept for it
+    (history not recorded with stacks when it was allocated: see :func:`record_history`)."""
+    if not isinstance(data_ptr, int) or isinstance(data_ptr, bool):
+        raise TypeError(f"data_ptr must be an int (a device address), got {type(data_ptr).__name__} {data_ptr!r}")
+    for alloc in list(_allocators.values()):
+        frames = getattr(alloc, "allocation_frames", None)
+        found = frames(int(data_ptr)) if frames is not None else None
+        if found is not None:
+            return found
+    return None
+
+
 def memory_snapshot(mempool_id: Optional[Tuple[int, int]] = None, include_traces: bool = True) -> List[dict]:
     """Every segment of every device with its blocks (torch.cuda.memory_snapshot
     layout: address, total_size, allocated_size, segment_type, is_expandable, frames,

@@ -934,7 +934,7 @@ class DeviceCachingAllocator(ExpandableSegments):
             if self._ctx:
                 st = block.frames = _stack()
             # torch records the size asked (orig_size), as for the frees
-            self._trace("alloc", block.ptr, block.requested, fl.stream, st)
+            self._trace("alloc", block.ptr, block.requested, fl.stream, st, fl.owner)
 
     def _joined_pool(self, stream: int) -> Optional[_PrivatePool]:
         """The private pool of the capture ``stream`` joined through an event wait, if any
@@ -1041,9 +1041,10 @@ class DeviceCachingAllocator(ExpandableSegments):
             if self._history is not None:
                 # torch: the free's own stack under context "all", else the allocation's
                 st = _stack() if self._ctx >= _CTX_ALL else block.frames
-                self._trace("free_requested", block.ptr, block.requested, block.pool.stream, st)
+                self._trace("free_requested", block.ptr, block.requested, block.pool.stream, st, block.pool.owner)
                 if not block.uses:
-                    self._trace("free_completed", block.ptr, block.requested, block.pool.stream, st)
+                    self._trace("free_completed", block.ptr, block.requested, block.pool.stream, st,
+                                block.pool.owner)
             if not block.uses:
                 block.frames = None     # a pending block keeps its allocation's stack, as torch's
         if block.uses:
@@ -1497,6 +1498,15 @@ class DeviceCachingAllocator(ExpandableSegments):
                 expandable = (not self._torch_policy if want is None else want) and self._be.supports_vmm
             return _allocator_settings(self._config, expandable)
 
+    def allocation_frames(self, ptr: int) -> Optional[list]:
+        """The frames of the stack that allocated the live block at ``ptr`` (innermost first),
+        or None: no such block, or no stack kept for it (accel.memory._allocation_traceback)."""
+        with self._lock:
+            block = self._blocks.get(ptr)
+            if block is None or block.state != _ALLOCATED or not block.frames:
+                return None
+            return _Symbols().frames(block.frames)
+
     def snapshot(self) -> dict:
         """``{"segments": [...], "device_traces": [...]}`` in torch's snapshot layout
         (:mod:`accel.memory._snapfmt`): segments and blocks with ``frames`` (empty without a
@@ -1919,7 +1929,7 @@ class DeviceCachingAllocator(ExpandableSegments):
             st = None
             if self._ctx:
                 st = self._seg_frames[block.ptr] = _stack()
-            self._trace("segment_alloc", block.ptr, seg_size, fl.stream, st)
+            self._trace("segment_alloc", block.ptr, seg_size, fl.stream, st, fl.owner)
         return block
 
     def _small_in_large(self, size: int, nbytes: int, fl: _FreeList) -> Optional[_Block]:
@@ -2246,7 +2256,7 @@ class DeviceCachingAllocator(ExpandableSegments):
             if self._history is not None:
                 # torch: the releasing call's stack under context "all", else the segment's
                 self._trace("segment_free", block.ptr, block.size, fl.stream,
-                            _stack() if self._ctx >= _CTX_ALL else st)
+                            _stack() if self._ctx >= _CTX_ALL else st, fl.owner)
 
     def _apply_release_threshold(self) -> None:
         # (during a capture, cudaFree would invalidate it; the next free does it)
@@ -2397,7 +2407,8 @@ class DeviceCachingAllocator(ExpandableSegments):
         the block's last event, taken out as the block is freed, the event joining ``cache``
         (see _free_block)."""
         if self._history is not None:
-            self._trace("free_completed", block.ptr, block.requested, block.pool.stream, block.frames)
+            self._trace("free_completed", block.ptr, block.requested, block.pool.stream, block.frames,
+                        block.pool.owner)
         block.frames = None
         self._free_block(block, block.pool.lanes(block.requested << 128), True, events, cache)
         self._update_special()
@@ -2570,13 +2581,15 @@ class DeviceCachingAllocator(ExpandableSegments):
         """Backend calls are device-scoped: make this allocator's device current."""
         return on_device(self._be, self._index)
 
-    def _trace(self, action: str, addr: int, size: int, stream: int, st=None) -> None:
+    def _trace(self, action: str, addr: int, size: int, stream: int, st=None, owner=None) -> None:
         """Record an event (a tuple; snapshot() makes torch's dict of it).  Under context
-        "alloc" or "all" every entry carries a stack (empty when none was kept)."""
+        "alloc" or "all" every entry carries a stack (empty when none was kept).  ``owner``: the
+        private pool of the memory (None: the general cache), its id torch 2.13's ``pool_id``."""
         if action in self._skip:
             return
         self._history.append((action, addr, size, stream, time.monotonic_ns() // 1000,
-                              (st or ()) if self._ctx >= _CTX_ALLOC else None, self._user_metadata))
+                              (st or ()) if self._ctx >= _CTX_ALLOC else None, self._user_metadata,
+                              owner.id if owner is not None else (0, 0)))
 
     def _oom(self, size: int, tried: int, fl: _FreeList) -> _Block:
         """The device is full: a request of the general cache takes a fitting free block of a
@@ -2587,9 +2600,9 @@ class DeviceCachingAllocator(ExpandableSegments):
                 block = self._find(lists[fl.kind - 1], size) if lists is not None else None
                 if block is not None:
                     return block
-        raise self._out_of_memory(size, tried, fl.stream)
+        raise self._out_of_memory(size, tried, fl.stream, fl.owner)
 
-    def _out_of_memory(self, size: int, tried: int, stream: int) -> OutOfMemoryError:
+    def _out_of_memory(self, size: int, tried: int, stream: int, owner=None) -> OutOfMemoryError:
         """Count an OOM, record torch's ``oom`` trace entry (the rounded ``size`` asked and the
         device's free bytes) and return the error to raise."""
         self._scalars["num_ooms"] += 1
@@ -2599,7 +2612,7 @@ class DeviceCachingAllocator(ExpandableSegments):
         except Exception:  # the report must not hide the OOM itself
             free = total = 0
         if self._history is not None:
-            self._trace("oom", free, size, stream, _stack() if self._ctx >= _CTX_ALLOC else None)
+            self._trace("oom", free, size, stream, _stack() if self._ctx >= _CTX_ALLOC else None, owner)
         err = OutOfMemoryError(self._oom_message(tried, free, total))
         err.__cause__, self._backend_oom = self._backend_oom, None
         # (the allowed bytes as the message gives them, _allowed_bytes)

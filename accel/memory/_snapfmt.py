@@ -7,7 +7,7 @@ torch's snapshot (``torch.cuda.memory._snapshot()``, built by ``_memory_snapshot
                    stream, segment_type, segment_pool_id, is_expandable, frames,
                    blocks: [{address, size, requested_size, state, frames}]}],
      "device_traces": [[{action, addr | device_free (oom), size, stream, compile_context,
-                         user_metadata, frames (when recorded), time_us}]],   # one list per device
+                         user_metadata, pool_id, frames (when recorded), time_us}]],   # per device
      "allocator_settings": {...}, "external_annotations": []}
 
 A frame is ``{"filename", "line", "name"}`` and a stack lists them innermost first: torch's
@@ -122,11 +122,12 @@ class Symbols:
 
 def trace_entry(record: tuple, symbols: Symbols) -> dict:
     """torch's trace entry from an allocator's ``(action, addr, size, stream, time_us, stack,
-    user_metadata)`` record; ``addr`` is the device's free bytes for ``oom`` (torch's ``device_free``), and
+    user_metadata, pool_id)`` record; ``addr`` is the device's free bytes for ``oom`` (torch's
+    ``device_free``), ``pool_id`` the memory's private pool ((0, 0): none; torch 2.13), and
     ``frames`` is present when the entry kept a stack (``stack`` not None)."""
-    action, addr, size, stream, time_us, st, metadata = record
+    action, addr, size, stream, time_us, st, metadata, pool_id = record
     entry = {"action": action, ("device_free" if action == "oom" else "addr"): addr, "size": size,
-             "stream": stream, "compile_context": "", "user_metadata": metadata}
+             "stream": stream, "compile_context": "", "user_metadata": metadata, "pool_id": pool_id}
     if st is not None:
         entry["frames"] = symbols.frames(st)
     entry["time_us"] = time_us
