@@ -888,13 +888,8 @@ def test_xpu__test_oom_mempool_with_limited_memory(sim_graph_backend):
 
 
 # ============================================================ test_xpu.py
-NOT_XPU_RECOUNT = ("r64f: bug: the Level Zero backend caches its device count before init "
-                   "(accel/backends/xpu/discovery.py:74-83 count() keeps self._count, _sysman_discover keeps "
-                   "the visible list), so a ZE_AFFINITY_MASK set afterwards is ignored; torch 2.13's "
-                   "torch.xpu.device_count() caches only after init (and accel's CUDA count does too)")
 
 
-@pytest.mark.xfail(strict=True, reason=NOT_XPU_RECOUNT)
 @pytest.mark.filterwarnings("ignore:accel. the count before init")
 def test_xpu__test_device_count_not_cached_pre_init(monkeypatch):
     """Before init the count follows ZE_AFFINITY_MASK as it changes; init then sees the count

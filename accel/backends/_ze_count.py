@@ -52,11 +52,19 @@ def probe_gpu_drivers() -> Optional[List[str]]:
     return found
 
 
-def count_in_child(sim_config: Optional[dict] = None, timeout: float = 120.0) -> Tuple[int, str]:
+#: The variables the driver applies to the devices zeDeviceGet returns, read at zeInit.
+VISIBILITY_VARS = ("ZE_AFFINITY_MASK", "ZE_FLAT_DEVICE_HIERARCHY")
+
+
+def count_in_child(sim_config: Optional[dict] = None, timeout: float = 120.0,
+                   visibility: Optional[Tuple[Optional[str], Optional[str]]] = None) -> Tuple[int, str]:
     """(GPU count, reason when 0) from ``zeInit`` in a child process.
 
     ``sim_config`` (from ``accel.sim.ze.export_config()``) makes the child
     count on the simulator with the same machine instead of the real loader.
+    ``visibility`` is the (``ZE_AFFINITY_MASK``, ``ZE_FLAT_DEVICE_HIERARCHY``)
+    pair to count for (None: unset) in place of this process's values; by
+    default the child inherits them.
     """
     import json  # here, not at import: `import accel` stays small
     import subprocess
@@ -65,6 +73,12 @@ def count_in_child(sim_config: Optional[dict] = None, timeout: float = 120.0) ->
         env[SIM_CONFIG_ENV] = json.dumps(sim_config)
     else:
         env.pop(SIM_CONFIG_ENV, None)
+    if visibility is not None:
+        for name, value in zip(VISIBILITY_VARS, visibility):
+            if value is None:
+                env.pop(name, None)
+            else:
+                env[name] = value
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     cmd = [sys.executable, "-c", "from accel.backends._ze_count import child_main; child_main()"]

@@ -16,6 +16,14 @@
   driver.  Without ``zesInit`` the backend sets ``ZES_ENABLE_SYSMAN=1``
   before ``zeInit`` (unless the user set it) so core device handles double
   as Sysman handles for :meth:`mem_info`.
+* **Until init** the count follows ``ZE_AFFINITY_MASK`` and ``ZE_FLAT_DEVICE_HIERARCHY`` as they
+  are now, as torch's ``torch.xpu.device_count()`` (which caches only once initialized) and this
+  package's CUDA backend do: only what does not depend on them is kept (the Sysman card list),
+  and the count is cached per pair of values, so a repeated count with unchanged variables costs
+  two environment reads.  The driver reads the two variables once, at the first successful
+  ``zeInit`` (compute-runtime builds its device list there, as ``accel.sim.ze``'s ``zeInit``
+  does; a later ``zeInit`` is a no-op), so from then on the values it read are the ones that
+  count, whatever the environment says later.
 * **After init** the initialized driver's count is the count; a different count before init
   (another default hierarchy, variables changed meanwhile) is reported once as a warning.
 """
@@ -24,7 +32,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 from .. import _ze_count, _ze_visible
 from ..._errors import AcceleratorError
@@ -62,7 +70,23 @@ class _Device:
 class DiscoveryMixin:
     """Counting (fork-safe, no core init), init, device properties and the current device.
 
-    Owns ``_count*``, ``_sysman_*``, ``_zes_*``, ``_probe`` and ``_devices`` (one :class:`_Device` each)."""
+    Owns ``_count*``, ``_sysman_*``, ``_zes_*``, ``_probe``, ``_init_env`` and ``_devices`` (one
+    :class:`_Device` each)."""
+
+    # Defaults here, not in XpuBackend.__init__: close() re-runs __init__, and the driver keeps
+    # what it read at zeInit for the life of the process (close() does not undo zeInit).
+    _count_memo = None        # (visibility key, count) the last count was made for
+    _sysman_memo = None       # (visibility key, _sysman_visible) the list was computed for
+    _init_env = None          # the visibility key the driver read at the first successful zeInit
+
+    def _visibility_env(self) -> Tuple:
+        """(ZE_AFFINITY_MASK, ZE_FLAT_DEVICE_HIERARCHY) that decide which devices are visible: as
+        the driver read them at zeInit once it ran in this process, else as they are now."""
+        frozen = self._init_env
+        if frozen is not None:
+            return frozen
+        env = os.environ
+        return env.get("ZE_AFFINITY_MASK"), env.get("ZE_FLAT_DEVICE_HIERARCHY")
 
     def loads(self) -> bool:
         try:
@@ -72,17 +96,28 @@ class DiscoveryMixin:
             return False
 
     def count(self) -> int:
+        # Before zeInit the count follows the variables as they are now (cached per their
+        # values); afterwards the driver's view is fixed (see the module docstring).
         if self._devices:
             return len(self._devices)
-        count = self._count
-        if count is None:
-            with self._lock:
-                if self._count is None:
-                    self._count = self._discover()
-                count = self._count
-        return count
+        key = self._visibility_env()
+        memo = self._count_memo     # one attribute: the key and its count are read together
+        if memo is not None and memo[0] == key and self._count is not None:
+            return memo[1]
+        with self._lock:
+            if self._devices:
+                return len(self._devices)
+            key = self._visibility_env()
+            memo = self._count_memo
+            if memo is None or memo[0] != key or self._count is None:
+                count = self._discover(key)
+                self._count, self._count_memo = count, (key, count)
+            return self._count
 
-    def _discover(self) -> int:
+    def _discover(self, key: Tuple) -> int:
+        """The count for the visibility variables ``key`` (see :meth:`_visibility_env`); sets
+        ``_count_path`` and, for 0, ``_count_reason``.  Starts no driver in this process."""
+        self._count_reason = ""
         try:
             ffi, lib, _ = self._library()
         except AcceleratorError as exc:
@@ -92,12 +127,12 @@ class DiscoveryMixin:
         if self._zes_usable():
             self._count_path = "zesInit"
             try:
-                visible = self._sysman_discover()
+                visible = self._sysman_discover(key)
             except AcceleratorError as exc:
                 self._count_reason = str(exc)
                 return 0
             if not visible:
-                self._count_reason = self._empty_reason(len(self._sysman_cards))
+                self._count_reason = self._empty_reason(len(self._sysman_cards), key)
             return len(visible)
         if self._zes_error:
             missing = (f"zesInit failed with {self._zes_error}: no driver, or one older than Level Zero "
@@ -113,17 +148,17 @@ class DiscoveryMixin:
                                       f"({missing})")
                 return 0
         self._count_path = "child-zeInit"
-        count, reason = self._count_in_child()
+        count, reason = self._count_in_child(key)
         if not count:
             self._count_reason = f"{reason} (counted by zeInit in a child process: {missing})"
         return count
 
-    def _empty_reason(self, cards: int) -> str:
+    def _empty_reason(self, cards: int, key: Tuple) -> str:
         if cards == 0:
             return "Sysman reports no Intel GPU"
-        mask = os.environ.get("ZE_AFFINITY_MASK")
+        mask, mode = key
         return (f"Sysman sees {cards} GPU card(s) but ZE_AFFINITY_MASK={mask!r} "
-                f"(ZE_FLAT_DEVICE_HIERARCHY={os.environ.get('ZE_FLAT_DEVICE_HIERARCHY')!r}) selects none")
+                f"(ZE_FLAT_DEVICE_HIERARCHY={mode!r}) selects none")
 
     def _zes_usable(self) -> bool:
         """Whether Sysman counts without core init: the loader exports zesInit and friends AND a
@@ -141,10 +176,26 @@ class DiscoveryMixin:
             self._zes_ok = ok
         return ok
 
-    def _sysman_discover(self):
-        """Cards from zesDeviceGet and the visible (card, tile) list; cached. Needs _zes_usable()."""
-        if self._sysman_visible is not None:
-            return self._sysman_visible
+    def _sysman_discover(self, key: Optional[Tuple] = None):
+        """The visible (card, tile) list for the visibility variables ``key`` (default: as
+        :meth:`_visibility_env` gives them).  Needs _zes_usable().  The cards from zesDeviceGet
+        do not depend on the variables (Sysman lists whole cards and ignores both) and are read
+        once; the list is cached for the last key."""
+        if key is None:
+            key = self._visibility_env()
+        memo = self._sysman_memo    # one attribute: the key and its list are read together
+        if memo is not None and memo[0] == key and memo[1] is self._sysman_visible:
+            return memo[1]          # (the fork handler and close() drop _sysman_visible)
+        cards = self._sysman_cards
+        if cards is None:
+            cards = self._sysman_cards = self._sysman_read_cards()
+        visible = _ze_visible.visible_devices([c[1] for c in cards], key[0], key[1])
+        self._sysman_visible = visible
+        self._sysman_memo = (key, visible)
+        return visible
+
+    def _sysman_read_cards(self) -> list:
+        """[(zes handle, tiles, uuid bytes)] of every GPU card zesDeviceGet lists."""
         ffi, lib, _ = self._lib
         n = ffi.new("uint32_t *", 0)
         rc = lib.zesDriverGet(n, ffi.NULL)
@@ -177,17 +228,14 @@ class DiscoveryMixin:
                 if props.core.type != lib.ZE_DEVICE_TYPE_GPU:
                     continue
                 cards.append((handles[i], props.numSubdevices, bytes(props.core.uuid.id)))
-        self._sysman_cards = cards
-        self._sysman_visible = _ze_visible.visible_devices(
-            [c[1] for c in cards], os.environ.get("ZE_AFFINITY_MASK"), os.environ.get("ZE_FLAT_DEVICE_HIERARCHY"))
-        return self._sysman_visible
+        return cards
 
-    def _count_in_child(self) -> Tuple[int, str]:
+    def _count_in_child(self, key: Tuple) -> Tuple[int, str]:
         sim_config = None
         if self.simulated:
             from ...sim import ze as sim_ze
             sim_config = sim_ze.export_config()
-        return _ze_count.count_in_child(sim_config)
+        return _ze_count.count_in_child(sim_config, visibility=key)
 
     def report(self) -> dict:
         info = {"backend": self.name, "simulated": self.simulated}
@@ -232,6 +280,7 @@ class DiscoveryMixin:
             ffi, lib, _ = self._library()
             has_zes = self._zes_usable()
             user_sysman = os.environ.get("ZES_ENABLE_SYSMAN")
+            env_key = self._visibility_env()   # what this zeInit reads (the first one that succeeds)
             if not has_zes and user_sysman is None:
                 # Legacy Sysman: core handles serve as Sysman handles when this is set at zeInit.
                 # The driver reads it only there, so it is removed again right after.
@@ -243,6 +292,10 @@ class DiscoveryMixin:
                     os.environ.pop("ZES_ENABLE_SYSMAN", None)
             if rc:
                 self._fail("zeInit", rc, "is an Intel GPU driver (intel-level-zero-gpu) installed?")
+            if self._init_env is None:
+                # The driver built its device list from these values; a ZE_AFFINITY_MASK or
+                # ZE_FLAT_DEVICE_HIERARCHY set from now on changes nothing in this process.
+                self._init_env = env_key
             self._sysman_legacy = not has_zes and (user_sysman is None or user_sysman == "1")
             devices = []
             contexts = self._new_contexts = []     # made by _init_driver, destroyed if init fails
@@ -287,11 +340,11 @@ class DiscoveryMixin:
         so once, naming both numbers and the hierarchy mode, rather than let indices past the
         driver's devices fail later (caller holds ``self._lock``)."""
         before = self._count
-        self._count = runtime_count
+        self._count, self._count_memo = runtime_count, (self._init_env, runtime_count)
         if before is None or before == runtime_count:
             return
         self._count_before_init = before
-        raw = os.environ.get("ZE_FLAT_DEVICE_HIERARCHY")
+        raw = self._init_env[1] if self._init_env is not None else os.environ.get("ZE_FLAT_DEVICE_HIERARCHY")
         mode = f"ZE_FLAT_DEVICE_HIERARCHY={raw!r}" if raw is not None else "ZE_FLAT_DEVICE_HIERARCHY unset"
         warnings.warn(f"accel: the count before init ({self._count_path}) found {before} XPU device(s) but the "
                       f"initialized driver (zeDeviceGet) reports {runtime_count}; using {runtime_count}. "
