@@ -139,9 +139,10 @@ def check_host(host):
     assert host._starts == sorted(blocks)
     free = [p for ptrs in host._free.values() for p in ptrs]
     assert len(free) == len(set(free))
-    for size, ptrs in host._free.items():
-        for p in ptrs:
-            assert blocks[p].size == size and not blocks[p].allocated
+    for bucket, ptrs in host._free.items():
+        for p in ptrs:      # keyed by bucket: the power of two at or above the size (r64g)
+            size = blocks[p].size
+            assert bucket == 1 << (size - 1).bit_length() and not blocks[p].allocated
     waiting = {id(b) for _, _, b in host._events} | {id(b) for b in host._deferred} | {id(b) for b in host._parked}
     for ptr, block in blocks.items():
         if not block.allocated:

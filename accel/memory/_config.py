@@ -73,8 +73,11 @@ OPTIONS = {
     "release_lock_on_hipmalloc": "True/False; accepted for PyTorch compatibility, no effect",
     "graph_capture_record_stream_reuse": "True/False; accepted for PyTorch compatibility, no effect",
     "pinned_free_catch_all": "True/False; accepted for PyTorch compatibility, no effect",
-    "pinned_max_round_threshold_mb": "MiB; accepted for PyTorch compatibility, no effect",
-    "pinned_max_cached_size_mb": "MiB; accepted for PyTorch compatibility, no effect",
+    "pinned_max_round_threshold_mb": "pinned host requests above this size (MiB) are not rounded up to a power "
+                                     "of two, only to 512 bytes (default: no limit)",
+    "pinned_max_cached_size_mb": "freed pinned host blocks above this size (MiB) are not cached: they are unpinned "
+                                 "once their streams' work completed; requests above it are not rounded up "
+                                 "(default: no limit)",
 }
 
 #: keys only accel knows: read from ACCEL_ALLOC_CONF only (torch refuses them)
@@ -82,8 +85,7 @@ ACCEL_ONLY = ("policy", "release_threshold")
 #: keys torch accepts that accel parses and validates as torch does, then ignores (one warning)
 TORCH_ONLY = ("pinned_use_background_threads", "pinned_use_cuda_host_register", "pinned_use_hip_host_register",
               "pinned_num_register_threads", "pinned_reserve_segment_size_mb", "release_lock_on_cudamalloc",
-              "release_lock_on_hipmalloc", "graph_capture_record_stream_reuse", "pinned_free_catch_all",
-              "pinned_max_round_threshold_mb", "pinned_max_cached_size_mb")
+              "release_lock_on_hipmalloc", "graph_capture_record_stream_reuse", "pinned_free_catch_all")
 #: torch's pinned_max_register_threads() (c10/cuda/CUDAAllocatorConfig.h)
 _MAX_REGISTER_THREADS = 128
 #: torch's kMinLargeAlloc in MiB: a large segment must be larger (parseLargeSegmentSize)
@@ -110,6 +112,11 @@ class AllocConfig(NamedTuple):
     policy: str = "accel"
     #: "native" (DeviceCachingAllocator) or "cudaMallocAsync" (accel.memory._async)
     backend: str = "native"
+    #: pinned_max_round_threshold_mb in bytes: larger pinned host requests are not rounded up to a
+    #: power of two (torch 2.13's CachingHostAllocator; UNLIMITED: no limit)
+    pinned_max_round_threshold: int = UNLIMITED
+    #: pinned_max_cached_size_mb in bytes: larger freed pinned blocks are unpinned, not cached
+    pinned_max_cached_size: int = UNLIMITED
     source: str = ""
     #: the option string these were parsed from (torch's ``last_allocator_settings``)
     text: str = ""
@@ -322,9 +329,11 @@ def _values(text: str, source: str) -> dict:
             if _parse_int(key, value, source) <= 0:
                 raise _fail(key, value, "Pinned reserve segment size has to be greater than 0", source)
         elif key in ("pinned_max_round_threshold_mb", "pinned_max_cached_size_mb"):
-            _parse_mb(key, value, source)
+            mb = _parse_mb(key, value, source)
+            values[key[:-3]] = UNLIMITED if mb == UNLIMITED // MiB else mb * MiB
         elif key in TORCH_ONLY:                   # the True/False ones
             _parse_bool(key, value, source)
+    _check_pinned_limits(values)
     if (skipped or ignored) and (source, text) not in _warned:
         _warned.add((source, text))
         parts = []
@@ -335,6 +344,23 @@ def _values(text: str, source: str) -> dict:
                          f"torch refuses them)")
         warnings.warn(f"{source}: ignored {' and '.join(parts)}", UserWarning, stacklevel=4)
     return values
+
+
+def _check_pinned_limits(values: dict) -> None:
+    """torch's warning (AcceleratorAllocatorConfig::parseArgs, once per process) when one setting
+    names both pinned limits and the round threshold is the larger: the cache limit wins, as
+    requests above it are never rounded up."""
+    rounds, cached = values.get("pinned_max_round_threshold"), values.get("pinned_max_cached_size")
+    if rounds is None or cached is None or rounds <= cached or _PINNED_PRECEDENCE in _warned:
+        return
+    _warned.add(_PINNED_PRECEDENCE)
+    warnings.warn(f"pinned_max_round_threshold_mb ({rounds >> 20}) > pinned_max_cached_size_mb ({cached >> 20}). "
+                  f"The cache size limit takes precedence: allocations above pinned_max_cached_size_mb are "
+                  f"never rounded up.", UserWarning, stacklevel=5)
+
+
+#: the _warned key of _check_pinned_limits' warning (torch: TORCH_WARN_ONCE)
+_PINNED_PRECEDENCE = ("pinned_max_round_threshold_mb", "pinned_max_cached_size_mb")
 
 
 #: Options a run-time change sets back to their defaults unless it names them; the others keep

@@ -2,7 +2,17 @@
 
 Blocks come from ``Backend.host_alloc`` (cudaHostAlloc, zeMemAllocHost, a
 shared MTLBuffer) in power-of-two sizes and are cached by size after
-``free``.  A block used by asynchronous copies is tied to those streams with
+``free``.
+
+torch 2.13's two limits (``pinned_max_round_threshold_mb``, ``pinned_max_cached_size_mb``,
+read from the allocator options in effect at each call, :mod:`accel.memory._config`): a
+request above either is not rounded up to a power of two, only to a multiple of 512 bytes;
+such a block is cached in the list of its size's power of two (torch's ``size_index``,
+``Log2_64_Ceil``) and handed only to a request it is at least as large as.  A block above the
+cache limit is not cached: once free and its streams' work done, it goes back to the driver
+(at once, or as soon as no capture is underway: the next malloc, free or empty_cache).
+
+A block used by asynchronous copies is tied to those streams with
 ``record_stream``; at ``free`` an event is recorded on each such stream and
 the block is reused only after all of them completed.
 
@@ -23,6 +33,7 @@ from functools import partial
 from typing import Dict, List, Optional
 
 from .. import _locks
+from . import _config
 from .._errors import OutOfMemoryError
 from .._finalize import drain as _drain_finalizers, pending as _finalizers, releases_settled as _releases_settled
 from ..streams import on_device
@@ -30,18 +41,26 @@ from ._caching import (_gc_probe, _ONE_EXA_BYTES, _check_size, add_use, capture_
                        cover, drop_done_gates, gates_back, record_uses, stream_done,
                        unless_capturing, uses_forgotten)
 
+#: the smallest block, and the granularity of a request that is not rounded to a power of two
 _MIN_SIZE = 512
 #: torch 2.13's host_memory_stats counters (torch/cuda/memory.py): blocks owned (active +
 #: cached), their bytes, blocks handed out, their bytes; each current/peak/allocated/freed
 _TORCH_STATS = ("allocations", "allocated_bytes", "active_requests", "active_bytes")
 
 
+def _bucket(size: int) -> int:
+    """The free list of a block of ``size`` bytes: the power of two at or above it (torch's
+    ``size_index``); a power-of-two block's is its own size."""
+    return max(_MIN_SIZE, 1 << (size - 1).bit_length())
+
+
 class _HostBlock:
-    __slots__ = ("ptr", "size", "allocated", "uses", "events", "holds", "ref")
+    __slots__ = ("ptr", "size", "bucket", "allocated", "uses", "events", "holds", "ref")
 
     def __init__(self, ptr, size):
         self.ptr = ptr
         self.size = size
+        self.bucket = _bucket(size)       # the key of its free list in HostCachingAllocator._free
         self.allocated = True
         self.uses = None
         self.events = 0
@@ -96,7 +115,11 @@ class HostCachingAllocator:
         self._lock = threading.Lock()
         self._blocks: Dict[int, _HostBlock] = {}
         self._starts: List[int] = []                   # sorted block starts (owns bisects them)
-        self._free: Dict[int, List[int]] = {}          # size -> ptrs ready for reuse
+        self._free: Dict[int, List[int]] = {}          # bucket (_bucket) -> ptrs ready for reuse
+        # cached blocks past pinned_max_cached_size, to unpin as soon as no capture is underway
+        # (_trim; an entry whose block was reused or unpinned since is skipped)
+        self._oversize: List[_HostBlock] = []
+        self._env_config = None                        # the environment's options (see _limits)
         self._events: List[tuple] = []                 # (event, device, block)
         # freed during a capture (events not recorded yet), or with a use whose event could be
         # neither recorded nor waited for (retried at the next malloc and empty_cache)
@@ -109,6 +132,17 @@ class HostCachingAllocator:
         self._tally = {key: [0, 0, 0, 0] for key in _TORCH_STATS}   # current, peak, allocated, freed
         self._timing = {"host_alloc_time": [0, 0, 0, 0],             # total, max, min, count (µs)
                         "host_free_time": [0, 0, 0, 0]}
+
+    def _limits(self) -> tuple:
+        """(pinned_max_round_threshold, pinned_max_cached_size) in bytes, of the options in effect:
+        the last ``set_allocator_settings``, else the environment's (read once per allocator, as
+        the device allocators read it once)."""
+        config = _config._runtime
+        if config is None:
+            config = self._env_config
+            if config is None:
+                config = self._env_config = _config.from_environment()
+        return config.pinned_max_round_threshold, config.pinned_max_cached_size
 
     def _backend(self):
         if self._be is None:
@@ -128,32 +162,42 @@ class HostCachingAllocator:
             name = (self._be if self._be is not None else _lazy.backend()).name.upper()
             raise OutOfMemoryError(f"{name} out of memory. Tried to allocate more than 1EB of pinned "
                                    f"host memory ({nbytes} bytes requested).")
-        size = max(_MIN_SIZE, 1 << (nbytes - 1).bit_length())
+        max_round, max_cached = self._limits()
+        if nbytes <= max_round and nbytes <= max_cached:
+            size = max(_MIN_SIZE, 1 << (nbytes - 1).bit_length())
+        else:                      # torch: not rounded (here to 512 bytes), in its power of two's list
+            size = -(-nbytes // _MIN_SIZE) * _MIN_SIZE
         be = self._backend()
         if _finalizers:            # releases finalizers left for a safe point (accel._finalize)
             _drain_finalizers()
         _gc_probe(self._lock, "pinned malloc")   # then `with`: never left held by a KeyboardInterrupt
         with self._lock:
-            if self._events or self._deferred:
+            if self._events or self._deferred or self._oversize:
                 unless_capturing(be, self._resume_events, False)
             # Interrupt safety (Ctrl-C): the new counts are computed first and published with
             # plain stores (CPython checks for a signal only after a call), the one call that
             # changes state last; a new block is recorded as the backend call returns.
             stats, tally = self._stats, self._tally
             requests = _counted(tally["active_requests"], 1)
-            active = _counted(tally["active_bytes"], size)
-            ready = self._free.get(size)
-            if ready:
-                ptr = ready[-1]
+            ready = self._free.get(_bucket(size))
+            i = len(ready) - 1 if ready else -1
+            # the last one cached that is large enough: in a power-of-two list, a power-of-two
+            # block is, a smaller unrounded one (cached above the round threshold) may not be
+            while i >= 0 and self._blocks[ready[i]].size < size:
+                i -= 1
+            if i >= 0:
+                ptr = ready[i]
                 block = self._blocks[ptr]
-                del ready[-1]
+                active = _counted(tally["active_bytes"], block.size)
+                del ready[i]
                 block.allocated = True
                 block.ref = ref
-                stats["allocated_bytes"] += size
+                stats["allocated_bytes"] += block.size
                 stats["allocations"] += 1
                 tally["active_requests"] = requests
                 tally["active_bytes"] = active
                 return ptr
+            active = _counted(tally["active_bytes"], size)
             block = _HostBlock(0, size)
             block.allocated = True
             block.ref = ref
@@ -218,7 +262,8 @@ class HostCachingAllocator:
         stats, tally = self._stats, self._tally
         requests = _counted(tally["active_requests"], -1)
         active = _counted(tally["active_bytes"], -block.size)
-        ready = self._free.get(block.size)
+        ready = self._free.get(block.bucket)
+        over = block.size > self._limits()[1]
         block.allocated = False
         block.ref = None
         stats["allocated_bytes"] -= block.size
@@ -229,13 +274,18 @@ class HostCachingAllocator:
             self._parked.add(block)         # a graph's replays still copy from or into it
         elif not block.uses:
             if ready is None:
-                self._free[block.size] = [ptr]
+                self._free[block.bucket] = [ptr]
             else:
                 ready += (ptr,)
+            if over:                        # past the cache limit: unpinned now (or after a capture)
+                self._oversize += (block,)
+                unless_capturing(self._be, self._trim)
         else:
             self._deferred += (block,)      # waits there until its events are recorded
             # (see _caching: no events during a capture); a failure raises, the block stays deferred
             unless_capturing(self._be, self._insert_events, block)
+            if self._oversize:              # (its uses were waited for: none to wait for now)
+                unless_capturing(self._be, self._trim)
 
     def _reap_orphans(self) -> None:
         """Free the allocated blocks whose owner (weakly referenced by malloc's ``ref``: an
@@ -313,19 +363,24 @@ class HostCachingAllocator:
                     continue                # its free takes the normal path
                 # out of _parked and into its free list or _deferred in one step (no call)
                 parked = self._parked - {block}
-                ready = self._free.get(block.size)
+                ready = self._free.get(block.bucket)
+                over = block.size > self._limits()[1]
                 self._parked = parked
                 if not block.uses:
                     if ready is None:
-                        self._free[block.size] = [block.ptr]
+                        self._free[block.bucket] = [block.ptr]
                     else:
                         ready += (block.ptr,)
+                    if over:
+                        self._oversize += (block,)
                     continue
                 self._deferred += (block,)
                 try:
                     unless_capturing(self._be, self._insert_events, block)
                 except Exception as exc:    # the block waits in _deferred; the others go on
                     error = error or exc
+            if self._oversize:
+                unless_capturing(self._be, self._trim)
             if error is not None:
                 raise error
 
@@ -398,13 +453,16 @@ class HostCachingAllocator:
         now, leaving ``_deferred`` in the same step (no call in between)."""
         record_uses(self, block, self._events)
         deferred = [b for b in self._deferred if b is not block]
-        ready = self._free.get(block.size)
+        ready = self._free.get(block.bucket)
+        over = block.size > self._limits()[1]
         self._deferred = deferred
         if block.events == 0:
             if ready is None:
-                self._free[block.size] = [block.ptr]
+                self._free[block.bucket] = [block.ptr]
             else:
                 ready += (block.ptr,)
+            if over:                        # unpinned by the caller's _trim
+                self._oversize += (block,)
 
     def _resume_events(self, strict: bool) -> None:
         """Record the events of deferred blocks and reuse blocks whose events completed.
@@ -418,10 +476,13 @@ class HostCachingAllocator:
                 error = error or exc
         if self._events:
             self._process_events()
+        if self._oversize:
+            self._trim()
         if error is not None and strict:
             raise error
 
     def _process_events(self) -> None:
+        max_cached = self._limits()[1]         # (a call: before the events leave _events)
         events, self._events = self._events, []
         query = self._be.event_query
         try:
@@ -432,15 +493,17 @@ class HostCachingAllocator:
                     cache = self._event_cache.get(device)
                     if cache is None:
                         cache = self._event_cache[device] = []
-                    ready = self._free.get(block.size)
+                    ready = self._free.get(block.bucket)
                     # no call from here to the append: see _caching
                     del events[-1]
                     block.events -= 1
                     if block.events == 0 and not block.uses:   # else deferred: a use waits
                         if ready is None:
-                            self._free[block.size] = [block.ptr]
+                            self._free[block.bucket] = [block.ptr]
                         else:
                             ready += (block.ptr,)
+                        if block.size > max_cached:            # unpinned by _resume_events' _trim
+                            self._oversize += (block,)
                     cache.append(event)
                 else:
                     self._events.append(entry)
@@ -451,43 +514,67 @@ class HostCachingAllocator:
     def _release_free(self) -> None:
         for ptrs in self._free.values():
             while ptrs:
-                # a failed cudaFreeHost leaves the block pinned: it stays cached (and counted)
-                # Forgotten first, freed last, with no call in between the record changes: a
-                # KeyboardInterrupt may then leak this one block (interrupted before the free ran)
-                # but never leaves a freed block cached, to be freed twice or handed out again.
-                ptr = ptrs[-1]
-                block = self._blocks[ptr]
-                starts = self._starts
-                i = bisect_right(starts, ptr) - 1
-                start = time.perf_counter()
-                del ptrs[-1]
-                del self._blocks[ptr]
-                del starts[i]
-                stats, tally = self._stats, self._tally
-                stats["reserved_bytes"] -= block.size
-                stats["segments"] -= 1
-                stats["num_host_free"] += 1
-                t = tally["allocations"]
-                t[0] -= 1
-                t[3] += 1
-                t = tally["allocated_bytes"]
-                t[0] -= block.size
-                t[3] += block.size
+                self._unpin(ptrs, len(ptrs) - 1)
+        del self._oversize[:]              # (each was cached: unpinned now, or it stays cached)
+
+    def _trim(self) -> None:
+        """Unpin the cached blocks of ``_oversize`` (past pinned_max_cached_size when freed), the
+        lock held and no capture underway.  Never raises an error of the runtime: a block whose
+        cudaFreeHost failed stays cached (and counted), for empty_cache to release or report."""
+        oversize = self._oversize
+        while oversize:
+            block = oversize[-1]
+            ptrs = self._free.get(block.bucket)
+            # skipped when handed out since (and freed again: listed again) or already unpinned
+            i = ptrs.index(block.ptr) if (ptrs and not block.allocated and self._blocks.get(block.ptr) is block
+                                          and block.ptr in ptrs) else -1
+            del oversize[-1]               # an interrupt from here leaves it cached: no leak
+            if i >= 0:
                 try:
-                    self._be.host_free(ptr)
+                    self._unpin(ptrs, i)
                 except Exception:
-                    # a failed cudaFreeHost leaves the block pinned: it stays cached (and counted)
-                    self._blocks[ptr] = block
-                    insort(starts, ptr)
-                    ptrs.append(ptr)
-                    stats["reserved_bytes"] += block.size
-                    stats["segments"] += 1
-                    stats["num_host_free"] -= 1
-                    for key, n in (("allocations", 1), ("allocated_bytes", block.size)):
-                        tally[key][0] += n
-                        tally[key][3] -= n
-                    raise
-                self._time("host_free_time", start)
+                    pass
+
+    def _unpin(self, ptrs: list, i: int) -> None:
+        """Give the cached block ``ptrs[i]`` (an entry of a free list) back to the driver, the
+        lock held and no capture underway; a failed cudaFreeHost leaves it pinned, cached and
+        counted, and raises."""
+        # Forgotten first, freed last, with no call in between the record changes: a
+        # KeyboardInterrupt may then leak this one block (interrupted before the free ran)
+        # but never leaves a freed block cached, to be freed twice or handed out again.
+        ptr = ptrs[i]
+        block = self._blocks[ptr]
+        starts = self._starts
+        j = bisect_right(starts, ptr) - 1
+        start = time.perf_counter()
+        del ptrs[i]
+        del self._blocks[ptr]
+        del starts[j]
+        stats, tally = self._stats, self._tally
+        stats["reserved_bytes"] -= block.size
+        stats["segments"] -= 1
+        stats["num_host_free"] += 1
+        t = tally["allocations"]
+        t[0] -= 1
+        t[3] += 1
+        t = tally["allocated_bytes"]
+        t[0] -= block.size
+        t[3] += block.size
+        try:
+            self._be.host_free(ptr)
+        except Exception:
+            # a failed cudaFreeHost leaves the block pinned: it stays cached (and counted)
+            self._blocks[ptr] = block
+            insort(starts, ptr)
+            ptrs.insert(i, ptr)
+            stats["reserved_bytes"] += block.size
+            stats["segments"] += 1
+            stats["num_host_free"] -= 1
+            for key, n in (("allocations", 1), ("allocated_bytes", block.size)):
+                tally[key][0] += n
+                tally[key][3] -= n
+            raise
+        self._time("host_free_time", start)
 
     def _time(self, key: str, start: float) -> None:
         us = int((time.perf_counter() - start) * 1e6)
