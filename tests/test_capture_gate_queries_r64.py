@@ -16,7 +16,6 @@ begin meanwhile: the wait times out, the query goes on, and the capture begins a
 from __future__ import annotations
 
 import importlib
-import threading
 import weakref
 
 import pytest
@@ -26,65 +25,17 @@ from accel import memory
 from accel.memory import _caching
 
 from conftest import use_sim
+from test_capture_windows_r64b import (_kept_buffer_on_closed_stream, _pending_block_then, _pinned_pending, _Race,
+                                       _run, _warm)
 
-#: how long the querying thread holds its window open for the capture
-WINDOW_S = 0.5
-
-
-def _pending_buffer_then(act):
-    """A buffer used on a side stream and freed (its block waits for an event), then ``act``."""
-    def prepare():
-        s = accel.Stream()
-        b = accel.Buffer(1 << 16)
-        b.fill_(1, stream=s)
-        b.record_stream(s)
-        b.close()
-        return s
-    return prepare, act
-
-
-def _malloc(_):
-    accel.Buffer(1 << 16).close()       # a malloc asks whether the pending block's event completed
-
-
-def _empty_cache(_):
-    memory.device_allocator(0).empty_cache()    # synchronizes the pending block's event
-
-
-def _kept_buffer_on_closed_stream():
-    def prepare():
-        keep = accel.Buffer(1 << 16)
-        s = accel.Stream()
-        keep.fill_(2, stream=s)
-        keep.record_stream(s)
-        return keep, s
-
-    def act(state):
-        keep, s = state
-        s.close()                       # the idle check queries the dying stream
-        keep.close()
-    return prepare, act
-
-
-def _pinned():
-    def prepare():
-        s = accel.Stream()
-        host = accel.empty_pinned(4096)
-        dst = accel.Buffer(4096)
-        dst.copy_from(host, stream=s, non_blocking=True)
-        del host                        # its block waits for an event recorded on s
-        return s, dst
-
-    def act(_):
-        accel.empty_pinned(4096)        # the pinned allocator queries the pending event
-    return prepare, act
-
-
+# The window-opening harness and the scenarios are r64b's (test_capture_windows_r64b.py), which
+# also runs them on Level Zero and with the capture on the same device; here each runs under
+# every allocator of CUDA (caching with expandable or classic segments, cudaMallocAsync).
 SCENARIOS = {
-    "malloc-processes-events": lambda: _pending_buffer_then(_malloc),
-    "empty-cache-synchronizes": lambda: _pending_buffer_then(_empty_cache),
+    "malloc-processes-events": lambda: _pending_block_then(lambda _: accel.Buffer(1 << 16).close()),
+    "empty-cache-synchronizes": lambda: _pending_block_then(lambda _: memory.device_allocator(0).empty_cache()),
     "closed-stream-idle-check": _kept_buffer_on_closed_stream,
-    "pinned-events": _pinned,
+    "pinned-events": _pinned_pending,
 }
 
 
@@ -93,69 +44,20 @@ SCENARIOS = {
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_an_allocator_query_on_device_0_does_not_invalidate_a_capture_on_device_1(monkeypatch, scenario, conf):
     use_sim(monkeypatch, "cuda", **({"ACCEL_ALLOC_CONF": conf} if conf else {}))
-    for d in (0, 1):
-        accel.Buffer(256, device=d).close()
-    prepare, act = SCENARIOS[scenario]()
-    began, window, done = threading.Event(), threading.Event(), threading.Event()
-    armed = threading.Event()
+    _warm()
+    race = _Race()
     check = _caching.capture_underway
 
     def check_then_wait(be):
         underway = check(be)
-        if (not underway and armed.is_set() and threading.current_thread().name == "query"
-                and not window.is_set()):
-            opened.append(True)
-            window.set()
-            began.wait(WINDOW_S)        # another thread's capture would begin here
+        if not underway:
+            race.wait_here()            # another thread's capture would begin here
         return underway
     monkeypatch.setattr(_caching, "capture_underway", check_then_wait)
     monkeypatch.setattr(importlib.import_module("accel.memory._host"), "capture_underway", check_then_wait)
-    errors, results, opened = [], [], []
-
-    def capture():
-        try:
-            with accel.device_index(1):
-                s, src, dst = accel.Stream(), accel.Buffer(4096), accel.Buffer(4096)
-                src.copy_from(bytes(range(256)) * 16)
-                accel.synchronize()
-                g = accel.Graph()
-                window.wait(10)
-                with s:
-                    g.capture_begin()
-                    began.set()
-                    try:
-                        done.wait(10)       # the query ran while this captures
-                        dst.copy_from(src, non_blocking=True)
-                    finally:
-                        g.capture_end()
-                dst.fill_(0)
-                g.replay()
-                results.append(dst.to_numpy().tobytes() == bytes(range(256)) * 16)
-                g.reset()
-                s.close()
-        except Exception as exc:            # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    def query():
-        try:
-            with accel.device_index(0):
-                state = prepare()
-                armed.set()
-                act(state)
-        except Exception as exc:            # noqa: BLE001
-            errors.append(exc)
-        finally:
-            window.set()
-            done.set()
-
-    threads = [threading.Thread(target=capture, name="capture"), threading.Thread(target=query, name="query")]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert opened, "no check before a query: the test did not open its window"
-    assert not errors, errors
-    assert results == [True]
+    _run(race, 1, *SCENARIOS[scenario]())
+    assert race.opened, "no check before a query: the test did not open its window"
+    race.assert_clean()
 
 
 @pytest.mark.parametrize("kind", ["cuda", "xpu"])
