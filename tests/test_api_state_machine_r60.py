@@ -743,9 +743,10 @@ class APIMachine(RuleBasedStateMachine):
         for d in range(self.n):
             stats = M.memory_stats(d)
             live = [b for b in self.bufs if not b.closed and b.dev == d]
-            # a captured graph of the device holds its default generator's graph-safe seed and
-            # offset (two 8-byte holders), allocated as the capture begins, freed with the graph
-            holders = 2 if any(g.ops is not None and g.dev == d for g in self.grs) else 0
+            # each captured graph of the device holds its default generator's graph-safe seed and
+            # offset (two 8-byte holders of its own, torch 2.13's per-capture state), allocated as
+            # the capture begins, freed with the graph
+            holders = 2 * sum(g.ops is not None and g.dev == d for g in self.grs)
             if self.asyncpool:
                 assert not [s for s in snap if s["device"] == d]
                 assert stats["allocation.all.current"] == len(live) + holders

@@ -375,8 +375,8 @@ def memory_stats(device_index=None, /) -> "OrderedDict[str, Any]":
     (-1: unlimited), ``num_oom_rejections`` (requests refused at once under
     ``throw_on_cudamalloc_oom``), and for each private pool (MemPool or graph pool) id ``(a, b)``
     ``reserved_bytes_by_private_pools.a_b.{all,small_pool,large_pool}.{current,peak,allocated,freed}``:
-    the reserved bytes of the pool's own segments (its entry stays, current 0, once the pool is
-    gone, until :func:`reset_accumulated_memory_stats`).
+    the reserved bytes of the pool's own segments (the entry of the pool that went last stays,
+    current 0, until another goes or :func:`reset_accumulated_memory_stats`).
     An empty OrderedDict before the runtime is initialized (a malformed argument raises
     then too, see :func:`_form`).
     """

@@ -541,8 +541,8 @@ class DeviceCachingAllocator(ExpandableSegments):
         self._private: Dict[tuple, _PrivatePool] = {}
         # torch 2.13's reserved_bytes_by_private_pools: pool id -> reserved bytes of the pool's
         # segments as [current, peak, allocated, freed] x (all, small, large), flat (_POOL_STAT);
-        # a pool's entry outlives it (current 0) until reset_accumulated_stats, the last
-        # _DEAD_POOL_STATS of them only, so this stays bounded by live pools
+        # the entry of the pool that went last outlives it (current 0: torch keeps every gone
+        # pool's until a reset), so this stays bounded by the live pools (_DEAD_POOL_STATS)
         self._pool_reserved: Dict[tuple, List[int]] = {}
         # use_mem_pool: thread ident -> its pools, innermost last (torch's thread filter)
         self._threads: Dict[int, List[_PrivatePool]] = {}
@@ -2556,9 +2556,10 @@ class DeviceCachingAllocator(ExpandableSegments):
     def private_pool_stats(self) -> Dict[tuple, dict]:
         """torch 2.13's ``reserved_bytes_by_private_pools``: for each private pool (MemPool or
         graph pool, by id) that held segments, the reserved bytes of its segments as
-        ``{all,small_pool,large_pool}: {current,peak,allocated,freed}``.  A pool's entry stays,
-        current 0, once the pool is gone, until reset_accumulated_stats (the newest 8 such
-        entries: a program that makes graphs in a loop keeps a bounded dict)."""
+        ``{all,small_pool,large_pool}: {current,peak,allocated,freed}``.  The entry of the pool
+        that went last stays, current 0, until another pool goes or reset_accumulated_stats
+        (torch keeps every gone pool's until a reset: a program that makes graphs in a loop
+        would grow it without bound)."""
         with self._lock:
             return {pool_id: {name: dict(zip(_stats.STAT_FIELDS, st[q::3]))
                               for q, name in enumerate(_stats.POOL_NAMES)}
@@ -2663,9 +2664,9 @@ class DeviceCachingAllocator(ExpandableSegments):
 
 #: a private pool's reserved_bytes_by_private_pools entry before its first segment
 _NO_POOL_STAT = (0,) * 12
-#: how many gone pools' entries reserved_bytes_by_private_pools keeps until a reset (state stays
-#: bounded by live pools plus this)
-_DEAD_POOL_STATS = 8
+#: how many gone pools' entries reserved_bytes_by_private_pools keeps (the last one: what a program
+#: reads right after a pool goes; state stays bounded by the live pools)
+_DEAD_POOL_STATS = 1
 
 #: torch's one_exa_bytes (CUDACachingAllocator.cpp and CUDAMallocAsyncAllocator.cpp allocate():
 #: TORCH_CHECK_WITH(OutOfMemoryError, size < 1152921504606846976, ...) before the allocator runs)
