@@ -447,12 +447,9 @@ class Backend(abc.ABC):
         queue = self._after_capture
         if not queue:
             return
-        with self.capture_gate:
+        with self.capture_gate:     # (the queue changes only under it: _after_captures appends)
             while queue and not self.captures_underway():
-                try:
-                    fn, args = queue.popleft()
-                except IndexError:
-                    return
+                fn, args = queue.popleft()
                 try:
                     fn(*args)
                 except AcceleratorError:

@@ -593,8 +593,7 @@ def _allocation_traceback(data_ptr: int) -> Optional[List[dict]]:
     if not isinstance(data_ptr, int) or isinstance(data_ptr, bool):
         raise TypeError(f"data_ptr must be an int (a device address), got {type(data_ptr).__name__} {data_ptr!r}")
     for alloc in list(_allocators.values()):
-        frames = getattr(alloc, "allocation_frames", None)
-        found = frames(int(data_ptr)) if frames is not None else None
+        found = alloc.allocation_frames(data_ptr)
         if found is not None:
             return found
     return None

@@ -261,7 +261,8 @@ class AsyncPoolAllocator:
             with self._lock:
                 capturing = self._capture_underway()
                 if self._deferred and not capturing:
-                    self._flush_unless_capturing(strict=False)     # an earlier free's error is not this malloc's
+                    # (not strict: an earlier free's error is not this malloc's)
+                    self._unless_capturing(self._flush_deferred, False)
                 graph = self._capture_of(stream) if capturing else None
                 if self._limit is not None and self._req[0] + nbytes > self._limit:
                     raise self._out_of_memory(nbytes)
@@ -453,7 +454,7 @@ class AsyncPoolAllocator:
                     if not record.allocs:
                         self._records.discard(record)    # nothing outlives the capture
             if self._deferred:
-                self._flush_unless_capturing(strict=False)
+                self._unless_capturing(self._flush_deferred, False)
 
     def pool_used_on(self, pool_id: Tuple[int, int], stream: int, device_index: Optional[int] = None) -> None:
         """A launch of a graph of ``pool_id`` is queued on ``stream`` (accel.graphs, at every
@@ -542,6 +543,11 @@ class AsyncPoolAllocator:
             scalars = dict(self._scalars)
             scalars["max_split_size"] = -1
         return _stats.flatten(cur, peak, allocated, freed, scalars)
+
+    def allocation_frames(self, ptr: int) -> None:
+        """None: this backend keeps no allocation's stack outside its history (torch's
+        cudaMallocAsync backend has no _allocation_traceback either)."""
+        return None
 
     def private_pool_stats(self) -> dict:
         """``{}``: this backend's pools are the driver's (torch's cudaMallocAsync backend reports
@@ -696,9 +702,7 @@ class AsyncPoolAllocator:
         Interrupt safety: the queries come first; the new uses, the marks' counts and the events
         left with no reference (into ``_doomed``) are published in one step (_locks.publish), and
         those events are destroyed from ``_doomed``, each leaving it only once destroyed."""
-        with self._be.capture_gate:         # (no capture begins before the queries)
-            if not self._capture_underway():
-                self._drop_marks_now(allocs)
+        self._unless_capturing(self._drop_marks_now, allocs)
 
     def _drop_marks_now(self, allocs) -> None:
         done = {}
@@ -880,12 +884,13 @@ class AsyncPoolAllocator:
                     self._doomed.append((event, device))
                     raise
 
-    def _flush_unless_capturing(self, strict: bool = True) -> None:
-        """_flush_deferred, unless a capture is underway (its queries would invalidate it); no
-        capture begins in between (Backend.capture_gate)."""
+    def _unless_capturing(self, fn, *args) -> None:
+        """``fn(*args)`` unless a capture is underway (this allocator's routes count: see
+        _capture_underway), with no capture beginning in between (Backend.capture_gate): its
+        queries and frees would invalidate one."""
         with self._be.capture_gate:
             if not self._capture_underway():
-                self._flush_deferred(strict)
+                fn(*args)
 
     def _flush_deferred(self, strict: bool = True) -> None:
         """Queue the frees deferred during a capture or after a failure.  One that fails

@@ -175,6 +175,12 @@ def _parse_mb(key, value, source):
     return min(mb, UNLIMITED // MiB)
 
 
+def _mb_bytes(mb: int) -> int:
+    """The bytes of a MiB count from :func:`_parse_mb`.  Its clamp, torch's "no limit" (SIZE_MAX
+    less one MiB in bytes), is accel's UNLIMITED (SIZE_MAX)."""
+    return UNLIMITED if mb == UNLIMITED // MiB else mb * MiB
+
+
 def _parse_bytes(key, value, source):
     text = value.strip().upper().rstrip("B").rstrip("I")
     scale = 1
@@ -251,7 +257,8 @@ def _check_minimums(config: AllocConfig, source: str, named) -> AllocConfig:
     fields in ``named``) against the large segment size in effect, whatever the order of the keys
     ("too small, must be >= 20")."""
     large_mb = config.large_segment_size // MiB
-    for key, field in (("max_split_size_mb", "max_split_size"), ("max_non_split_rounding_mb", "max_non_split_rounding")):
+    for key, field in (("max_split_size_mb", "max_split_size"),
+                       ("max_non_split_rounding_mb", "max_non_split_rounding")):
         size = getattr(config, field)
         if field in named and size < config.large_segment_size:
             raise _fail(key, str(size // MiB), f"too small, must be >= {large_mb} (MiB, large_segment_size_mb)",
@@ -284,18 +291,15 @@ def _values(text: str, source: str) -> dict:
             ignored.append(key)
         if key == "max_split_size_mb":
             # (at least large_segment_size_mb: _check_minimums, once every key is read)
-            mb = _parse_mb(key, value, source)
-            # torch's clamped maximum is SIZE_MAX less one MiB; accel spells "no limit" SIZE_MAX
-            values["max_split_size"] = UNLIMITED if mb == UNLIMITED // MiB else mb * MiB
+            values["max_split_size"] = _mb_bytes(_parse_mb(key, value, source))
         elif key == "max_non_split_rounding_mb":
-            mb = _parse_mb(key, value, source)
-            values["max_non_split_rounding"] = UNLIMITED if mb == UNLIMITED // MiB else mb * MiB
+            values["max_non_split_rounding"] = _mb_bytes(_parse_mb(key, value, source))
         elif key == "large_segment_size_mb":
             mb = _parse_mb(key, value, source)
             if mb <= _MIN_LARGE_ALLOC_MB:      # torch: "large_segment_size_mb must be > 10 MB"
                 raise _fail(key, value, f"must be > {_MIN_LARGE_ALLOC_MB} (MiB, the largest request that "
                                         f"shares a large segment)", source)
-            values["large_segment_size"] = UNLIMITED if mb == UNLIMITED // MiB else mb * MiB
+            values["large_segment_size"] = _mb_bytes(mb)
         elif key == "throw_on_cudamalloc_oom":
             values["throw_on_cudamalloc_oom"] = _parse_bool(key, value, source)
         elif key == "garbage_collection_threshold":
@@ -329,8 +333,7 @@ def _values(text: str, source: str) -> dict:
             if _parse_int(key, value, source) <= 0:
                 raise _fail(key, value, "Pinned reserve segment size has to be greater than 0", source)
         elif key in ("pinned_max_round_threshold_mb", "pinned_max_cached_size_mb"):
-            mb = _parse_mb(key, value, source)
-            values[key[:-3]] = UNLIMITED if mb == UNLIMITED // MiB else mb * MiB
+            values[key[:-3]] = _mb_bytes(_parse_mb(key, value, source))
         elif key in TORCH_ONLY:                   # the True/False ones
             _parse_bool(key, value, source)
     _check_pinned_limits(values)

@@ -238,8 +238,9 @@ class _State:
             self._holders[graph] = (seed_ptr, offset_ptr, free)
 
     def unregister_graph(self, graph=None) -> None:
-        """``graph`` is gone: its holders are freed (unless its capture is underway: then at
-        :meth:`capture_epilogue`)."""
+        """``graph`` is gone: its holders are freed.  While its own capture is underway (the
+        captured kernels read them) this does nothing: unregister it again after the capture.
+        (accel.graphs never does that: Graph.reset() is refused during its capture.)"""
         with self._lock:
             held = self._holders.get(graph)
             if held is None or (self._capturing and self._graph_ptrs == held[:2]):
