@@ -15,18 +15,16 @@ begin meanwhile: the wait times out, the query goes on, and the capture begins a
 
 from __future__ import annotations
 
-import importlib
 import weakref
 
 import pytest
 
 import accel
 from accel import memory
-from accel.memory import _caching
 
 from conftest import use_sim
 from test_capture_windows_r64b import (_kept_buffer_on_closed_stream, _pending_block_then, _pinned_pending, _Race,
-                                       _run, _warm)
+                                       _run, _warm, _watch_allocator_checks)
 
 # The window-opening harness and the scenarios are r64b's (test_capture_windows_r64b.py), which
 # also runs them on Level Zero and with the capture on the same device; here each runs under
@@ -46,15 +44,7 @@ def test_an_allocator_query_on_device_0_does_not_invalidate_a_capture_on_device_
     use_sim(monkeypatch, "cuda", **({"ACCEL_ALLOC_CONF": conf} if conf else {}))
     _warm()
     race = _Race()
-    check = _caching.capture_underway
-
-    def check_then_wait(be):
-        underway = check(be)
-        if not underway:
-            race.wait_here()            # another thread's capture would begin here
-        return underway
-    monkeypatch.setattr(_caching, "capture_underway", check_then_wait)
-    monkeypatch.setattr(importlib.import_module("accel.memory._host"), "capture_underway", check_then_wait)
+    _watch_allocator_checks(monkeypatch, race)
     _run(race, 1, *SCENARIOS[scenario]())
     assert race.opened, "no check before a query: the test did not open its window"
     race.assert_clean()

@@ -517,6 +517,20 @@ def _allocator_cases():
                 yield pytest.param(kind, device, scenario, id=f"{scenario}-capture-on-{device}-{kind}")
 
 
+def _watch_allocator_checks(monkeypatch, race: _Race) -> None:
+    """Make the allocators' "capture underway?" check (``_caching.capture_underway``, also
+    imported by the pinned allocator) wait in ``race`` after a negative answer."""
+    check = _caching.capture_underway
+
+    def check_then_wait(be):
+        underway = check(be)
+        if not underway:
+            race.wait_here()            # another thread's capture would begin here
+        return underway
+    monkeypatch.setattr(_caching, "capture_underway", check_then_wait)
+    monkeypatch.setattr(importlib.import_module("accel.memory._host"), "capture_underway", check_then_wait)
+
+
 @pytest.mark.parametrize("kind, capture_device, scenario", list(_allocator_cases()))
 def test_an_allocator_call_does_not_invalidate_a_capture_beginning_meanwhile(monkeypatch, kind, capture_device,
                                                                             scenario):
@@ -524,15 +538,7 @@ def test_an_allocator_call_does_not_invalidate_a_capture_beginning_meanwhile(mon
     use_sim(monkeypatch, kind, **({"ACCEL_ALLOC_CONF": conf} if conf else {}))
     _warm()
     race = _Race()
-    check = _caching.capture_underway
-
-    def check_then_wait(be):
-        underway = check(be)
-        if not underway:
-            race.wait_here()
-        return underway
-    monkeypatch.setattr(_caching, "capture_underway", check_then_wait)
-    monkeypatch.setattr(importlib.import_module("accel.memory._host"), "capture_underway", check_then_wait)
+    _watch_allocator_checks(monkeypatch, race)
     _run(race, capture_device, *make())
     assert race.opened, "no check before the allocator's call: the window was not opened"
     race.assert_clean()
