@@ -2,27 +2,31 @@
 
 Argument rules, per parameter type of the kernel (``Kernel.params``):
 
-* ``ptr``: a Buffer, an ArrayView or anything with ``.ptr`` and ``.device`` (its device must be
-  the kernel's), a Python int address (0 .. 2**64-1) or None (NULL).
+* ``ptr``: a Buffer, an ArrayView or anything with ``.ptr`` (an int address) and ``.device``
+  (an index, a string such as ``"cuda:1"`` or an accel.device; it must be the kernel's device),
+  a Python int address (0 .. 2**64-1) or None (NULL).
 * ``u64`` (what PTX declares for pointers too): the same objects as ``ptr``, or an int.
 * ``u32``/``i32``/``i64``: a Python int within the type's range (``u32``: 0 .. 2**32-1,
   ``i32``: -2**31 .. 2**31-1, ...).  bool (and ``np.bool_``) is refused (pass ``int(flag)``).
-* ``f32``/``f64``: a Python float (or subclass) or int (rounded to nearest; a finite value
-  beyond the float32 range is refused rather than becoming inf).
+* ``f32``/``f64``: a Python float (or subclass) or int (rounded to nearest, as C converts; a
+  finite value that would round to inf in float32 is refused).
 * numpy scalars: accepted when numpy's ``can_cast(scalar.dtype, param dtype, "safe")`` holds,
-  i.e. the conversion is lossless for every value of the dtype (np.uint16 -> u32, np.float32 ->
-  f64 and np.int32 -> f64 are; np.int32 -> u32 and np.float64 -> f32 are not: cast first).
+  (np.uint16 -> u32, np.float32 -> f64 and np.int32 -> f64 are; np.int32 -> u32 and np.float64
+  -> f32 are not: cast first).  numpy counts np.int64/np.uint64 -> f64 as safe, though above
+  2**53 the value is rounded.
 
 Every refusal is a TypeError or ValueError naming the kernel, the argument's position and type.
 """
 
 from __future__ import annotations
 
+import operator
 import os
 import threading
 from typing import Dict, Tuple
 
 from .. import _lazy
+from .._device import device
 from .._errors import AcceleratorError
 from ..buffer import Buffer, _begin_use, _end_use
 from ..streams import Stream, _Hold, _as_stream, _capture_events, _capture_table, current_stream, on_device
@@ -33,6 +37,7 @@ _RANGES = {"u32": (0, 2 ** 32 - 1), "i32": (-2 ** 31, 2 ** 31 - 1), "u64": (0, 2
 _NUMPY = {"u32": "uint32", "i32": "int32", "u64": "uint64", "i64": "int64", "f32": "float32",
           "f64": "float64", "ptr": "uint64"}
 _F32_MAX = 3.4028234663852886e38
+_F32_ROUNDS_TO_INF = _F32_MAX + 2.0 ** 103
 _PTR_KINDS = frozenset(("ptr", "u64"))
 #: (numpy scalar type, parameter type) -> int or float, for the pairs _pack has accepted once.
 _NUMPY_SAFE: Dict[tuple, type] = {}
@@ -116,16 +121,31 @@ def _pointer(kernel: Kernel, i: int, kind: str, value) -> int:
     except AttributeError:
         raise TypeError(_bad(kernel, i, kind, value, "expected a Buffer, a typed view or an int address")) from None
     dev = getattr(value, "device", None)
-    index = getattr(dev, "index", dev if isinstance(dev, int) else None)
-    dtype = getattr(dev, "type", kernel._backend.name)
-    if index is None or dtype != kernel._backend.name:
-        raise TypeError(_bad(kernel, i, kind, value, "an object with .ptr must also say its device (.device)"))
+    if isinstance(dev, str):                 # "cuda:1": a DeviceLike, as everywhere in accel
+        try:
+            dev = device(dev)
+        except ValueError as exc:
+            raise TypeError(_bad(kernel, i, kind, value, f"its .device names no device ({exc})")) from None
+    if isinstance(dev, int) and not isinstance(dev, bool):
+        index, dtype = dev, kernel._backend.name
+    else:
+        index, dtype = getattr(dev, "index", None), getattr(dev, "type", kernel._backend.name)
+    if not isinstance(index, int) or isinstance(index, bool) or dtype != kernel._backend.name:
+        raise TypeError(_bad(kernel, i, kind, value, "an object with .ptr must also say its device (.device: an "
+                                                     f"index, '{kernel._backend.name}:N' or accel.device)"))
     if index != kernel._index:
         raise ValueError(_bad(kernel, i, kind, value,
                               f"it is memory of device {index} but the kernel's module is loaded on device "
                               f"{kernel._index}; load the module on device {index} (Module(image, device={index})) "
                               f"or copy the data"))
-    return int(ptr)
+    # The same rule as an int address: a C pointer is 0 .. 2**64-1, and an address that is no
+    # int (a str, a float) is no address at all.
+    if isinstance(ptr, bool) or not hasattr(type(ptr), "__index__"):
+        raise TypeError(_bad(kernel, i, kind, value, f"its .ptr is {type(ptr).__name__} {ptr!r}, not an int address"))
+    ptr = operator.index(ptr)
+    if not 0 <= ptr <= 2 ** 64 - 1:
+        raise ValueError(_bad(kernel, i, kind, value, f"its .ptr {ptr} is out of range for an address (0 .. 2**64-1)"))
+    return ptr
 
 
 def _numpy_scalar(kernel, i, kind, value):
@@ -177,7 +197,11 @@ def _pack(kernel: Kernel, i: int, kind: str, value):
     if hasattr(value, "ptr"):
         raise TypeError(_bad(kernel, i, kind, value, f"device memory for a {kind} parameter (the kernel "
                                                      "takes a number here)"))
-    raise TypeError(_bad(kernel, i, kind, value, f"expected {'a Buffer, a typed view, an int address or None' if kind == 'ptr' else 'an int' if kind in _RANGES else 'a float'}"))
+    if kind in _PTR_KINDS:
+        foreign = (" (a CUDA-array-interface array: pass its address, "
+                   "obj.__cuda_array_interface__['data'][0])" if hasattr(value, "__cuda_array_interface__") else "")
+        raise TypeError(_bad(kernel, i, kind, value, f"expected a Buffer, a typed view, an int address or None{foreign}"))
+    raise TypeError(_bad(kernel, i, kind, value, f"expected {'an int' if kind in _RANGES else 'a float'}"))
 
 
 def _float(kernel, i, kind, value) -> float:
@@ -185,7 +209,9 @@ def _float(kernel, i, kind, value) -> float:
         f = float(value)
     except OverflowError:
         raise ValueError(_bad(kernel, i, kind, value, f"too large for {kind}")) from None
-    if kind == "f32" and abs(f) > _F32_MAX and f == f and abs(f) != float("inf"):
+    # C (IEEE 754 round to nearest, ties to even) takes a double to FLT_MAX below half an ulp past
+    # it (FLT_MAX + 2**103, where the tie goes to inf: FLT_MAX's significand is odd).
+    if kind == "f32" and abs(f) >= _F32_ROUNDS_TO_INF and f == f and abs(f) != float("inf"):
         raise ValueError(_bad(kernel, i, kind, value, "beyond the float32 range (it would become inf)"))
     return f
 
@@ -235,10 +261,15 @@ def _launch_here(backend, kernel: Kernel, grid, block, packed, shared_mem: int, 
 
 
 def _launch_locked(backend, kernel: Kernel, grid, block, packed, shared_mem: int, stream, lim: dict) -> None:
-    if shared_mem > lim["max_shared_per_block"] and shared_mem > kernel._smem_optin:
-        # CUDA Programming Guide, "Shared Memory" (7.x+): above 48 KB a kernel must opt in.
-        backend.function_set_max_dynamic_shared(kernel.handle, shared_mem)
-        kernel._smem_optin = shared_mem
+    if shared_mem > lim["max_shared_per_block"]:
+        # CUDA Programming Guide, "Shared Memory" (7.x+): above 48 KB a kernel must opt in.  The
+        # attribute is the function's (cudaFuncSetAttribute), shared by every Kernel object of it
+        # (another signature, a copy): kept per handle in its module, under the module's lock,
+        # and only ever raised.
+        optin = kernel.module._smem_optin
+        if shared_mem > optin.get(kernel.handle, 0):
+            backend.function_set_max_dynamic_shared(kernel.handle, shared_mem)
+            optin[kernel.handle] = shared_mem
     # An accel.Graph capturing the stream keeps the module loaded: each replay launches the kernel.
     keep = _capture_table(backend, stream) if _capture_events else None    # first: it may raise
     backend.launch(kernel.handle, grid, block, packed, shared_mem, stream.handle)

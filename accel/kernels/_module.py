@@ -13,7 +13,7 @@ from .. import _finalize as _fin, _lazy, _ptx
 from .. import _copying
 from .._copying import refuse_copies as _refuse_copies
 from .._device import DeviceLike
-from .._errors import AcceleratorError
+from .._errors import AcceleratorError, KernelImageError
 from ..backends._signals import deferred as _signals_deferred
 
 _FATBIN_MAGIC = b"\x50\xed\x55\xba"
@@ -172,6 +172,7 @@ class Module:
         self._entries = _entries(data, self.kind)
         self._backend, self._index, self._lock = backend, index, threading.Lock()
         self._kernels = weakref.WeakValueDictionary()   # (name, params) -> Kernel: no cycle with them
+        self._smem_optin = {}       # function handle -> the dynamic shared memory it is opted in to (CUDA)
         self._handle = None
         self._own = None
         self._pid = _fin.pid
@@ -272,8 +273,8 @@ class Module:
                     self._live()        # raises: closed (in another thread since the check above)
                 fn = self._backend.module_function(handle, name)
             except AcceleratorError as exc:
-                if self._entries:
-                    raise       # a kernel the image defines: the runtime's own error says why
+                if self._entries or isinstance(exc, KernelImageError):
+                    raise       # a kernel the image defines, or an image the device cannot run
                 raise UnknownKernelError(f"the module has no kernel named {name!r} ({exc})") from None
         k = Kernel(self, name, fn, params)
         with self._lock:
@@ -367,13 +368,12 @@ class Kernel:
     :attr:`shared_size_bytes` and :meth:`max_potential_block_size`, read on the module's device.
     """
 
-    __slots__ = ("module", "name", "handle", "params", "_backend", "_index", "_smem_optin", "_packers",
+    __slots__ = ("module", "name", "handle", "params", "_backend", "_index", "_packers",
                  "_sim_ref", "__weakref__")
 
     def __init__(self, module: Module, name: str, handle: int, params: Tuple[str, ...]):
         self.module, self.name, self.handle, self.params = module, name, handle, params
         self._backend, self._index = module._backend, module._index
-        self._smem_optin = 0        # the dynamic shared memory the kernel is opted in to (CUDA)
         self._packers = None        # built on the first launch (accel.kernels._launch)
         self._sim_ref = None        # the simulator's reference a launch last found matching
 
