@@ -101,6 +101,28 @@ def _params(entry: str, body: Optional[str]) -> Tuple[str, ...]:
     return tuple(out)
 
 
+# PTX ISA 11.4.3 ".reqntid": "The size of each CTA dimension specified in any invocation of the
+# kernel is required to be equal to that specified in this directive.  Specifying a different
+# CTA dimension at launch will result in a runtime error or kernel launch failure."  It stands
+# between the .entry's parameter list and its body, with one to three extents (the others are 1).
+_ENTRY_HEAD_RE = re.compile(r"\.entry\s+([A-Za-z_$%][\w$%]*)\s*(?:\([^)]*\))?([^{]*)\{", re.S)
+_REQNTID_RE = re.compile(r"\.reqntid\s+(\d+)\s*(?:,\s*(\d+)\s*)?(?:,\s*(\d+))?")
+
+
+def ptx_required_blocks(text) -> Dict[str, Tuple[int, int, int]]:
+    """{entry name: the block shape its ``.reqntid`` requires} for the entries of PTX ``text``
+    that declare one (``__launch_bounds__`` gives ``.maxntid``, a limit the runtime reports;
+    ``.reqntid`` is a shape it does not)."""
+    if isinstance(text, (bytes, bytearray, memoryview)):
+        text = bytes(text).split(b"\0", 1)[0].decode("utf-8", "replace")
+    out: Dict[str, Tuple[int, int, int]] = {}
+    for m in _ENTRY_HEAD_RE.finditer(_COMMENT_RE.sub(" ", text)):
+        r = _REQNTID_RE.search(m.group(2))
+        if r is not None:
+            out[m.group(1)] = tuple(int(d) if d else 1 for d in r.groups())
+    return out
+
+
 def msl_entries(text) -> List[str]:
     """Kernel names of MSL source: ``kernel void NAME(``."""
     if isinstance(text, (bytes, bytearray, memoryview)):

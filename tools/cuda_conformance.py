@@ -1738,6 +1738,87 @@ def vmm_flags_locations_and_kinds(c: Calls):
     c.rec("cuMemAddressFree", v.free(va, 4 * g))
 
 
+# -- a kernel's own launch limits: PTX .maxntid / .reqntid and static .shared (r65e) ---------------------
+# PTX ISA 11.4.2/11.4.3 say only "a runtime error or kernel launch failure": no code is documented,
+# so the simulator's codes (accel/sim/cudart/modules.py) wait for this scenario's GPU record.
+_BOUNDS_PTX = b"""
+.version 8.0
+.target sm_90
+.address_size 64
+.visible .entry accel_conformance_max256() .maxntid 256 { ret; }
+.visible .entry accel_conformance_req3d() .reqntid 4, 4, 2 { ret; }
+.visible .entry accel_conformance_static()
+{
+    .reg .b32 %r<2>;
+    .shared .align 16 .b8 tile[40960];
+    ld.shared.u32 %r1, [tile];
+    ret;
+}
+\0"""
+_BOUNDS_BOTH = (b".version 8.0\n.target sm_90\n.address_size 64\n"
+                b".visible .entry accel_conformance_both() .maxntid 64 .reqntid 64 { ret; }\n\0")
+_BOUNDS_BIG = (b".version 8.0\n.target sm_90\n.address_size 64\n.visible .entry accel_conformance_big()\n{\n"
+               b" .reg .b32 %r<2>;\n .shared .align 16 .b8 tile[49168];\n ld.shared.u32 %r1, [tile];\n ret;\n}\n\0")
+_BOUNDS_NAMES = ("accel_conformance_max256", "accel_conformance_req3d", "accel_conformance_static",
+                 "accel_conformance_both", "accel_conformance_big")
+
+
+def _bounds_kernel(c: Calls, image: bytes, name: str):
+    lib_p, k = c.ffi.new("cudaLibrary_t *"), c.ffi.new("cudaKernel_t *")
+    short = name[len("accel_conformance_"):]
+    rc = c.rec(f"cudaLibraryLoadData({short})", c.lib.cudaLibraryLoadData(
+        lib_p, image, c.ffi.NULL, c.ffi.NULL, 0, c.ffi.NULL, c.ffi.NULL, 0))
+    krc = c.rec(f"cudaLibraryGetKernel({short})",
+                c.lib.cudaLibraryGetKernel(k, lib_p[0], name.encode()) if rc == 0 else -1)
+    c.last_error()
+    return k[0] if krc == 0 else None
+
+
+@scenario
+def kernel_launch_bounds(c: Calls):
+    s = c.stream()
+    ks = {name: _bounds_kernel(c, _BOUNDS_PTX, name) for name in _BOUNDS_NAMES[:3]}
+    _bounds_kernel(c, _BOUNDS_BOTH, _BOUNDS_NAMES[3])
+    _bounds_kernel(c, _BOUNDS_BIG, _BOUNDS_NAMES[4])
+    a = c.ffi.new("struct cudaFuncAttributes *")
+    for name, k in ks.items():
+        if k is not None and c.lib.cudaFuncGetAttributes(a, c.ffi.cast("void *", k)) == 0:
+            for field in ("maxThreadsPerBlock", "sharedSizeBytes", "maxDynamicSharedSizeBytes"):
+                c.seen(f"{name[len('accel_conformance_'):]}.{field}", getattr(a, field))
+    k = ks["accel_conformance_max256"]
+    if k is not None:
+        for block in ((256, 1, 1), (257, 1, 1), (16, 17, 1)):
+            _launch(c, k, s, f"launch max256 block {block}", block=block)
+            c.last_error()
+        n = c.ffi.new("int *")
+        c.rec("occupancy(max256, block 512)", c.lib.cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            n, c.ffi.cast("void *", k), 512, 0))
+        c.seen("blocks per SM (max256, block 512)", n[0])
+        c.last_error()
+    k = ks["accel_conformance_req3d"]
+    if k is not None:
+        for block in ((4, 4, 2), (2, 4, 4), (4, 4, 1), (64, 1, 1)):
+            _launch(c, k, s, f"launch req3d block {block}", block=block)
+            c.last_error()
+    k = ks["accel_conformance_static"]
+    if k is not None:
+        f = c.ffi.cast("void *", k)
+        _launch(c, k, s, "launch static 40 KiB + dynamic 8 KiB", shared=8192)
+        _launch(c, k, s, "launch static 40 KiB + dynamic 8 KiB + 1", shared=8193)
+        c.last_error()
+        c.rec("cudaFuncSetAttribute(static, max dynamic 227 KiB - 40 KiB + 1)",
+              c.lib.cudaFuncSetAttribute(f, 8, 227 * 1024 - 40960 + 1))
+        c.last_error()
+        c.rec("cudaFuncSetAttribute(static, max dynamic 227 KiB - 40 KiB)",
+              c.lib.cudaFuncSetAttribute(f, 8, 227 * 1024 - 40960))
+        _launch(c, k, s, "launch static 40 KiB + dynamic 187 KiB after the attribute", shared=227 * 1024 - 40960)
+        c.rec("cudaFuncSetAttribute(static, max dynamic 1000)", c.lib.cudaFuncSetAttribute(f, 8, 1000))
+        _launch(c, k, s, "launch static + dynamic 1001, attribute 1000", shared=1001)
+        c.last_error()
+    _sync(c, s)
+    c.last_error()
+
+
 # -- running -------------------------------------------------------------------------------------------
 def _nop(grid, block, view):
     """The simulator's reference of accel_conformance_nop: it does nothing, as the kernel."""
@@ -1752,6 +1833,8 @@ def _open(real: bool):
     from accel import sim
     from accel.backends.cuda import _cudart_ffi_for
     sim.register_kernel("accel_conformance_nop", _nop, "", replace=True)
+    for name in _BOUNDS_NAMES:
+        sim.register_kernel(name, _nop, "", replace=True)
     lib = sim.open_library("cudart")
     return _cudart_ffi_for(lib), lib
 

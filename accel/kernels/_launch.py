@@ -260,9 +260,36 @@ def _launch_here(backend, kernel: Kernel, grid, block, packed, shared_mem: int, 
         _launch_locked(backend, kernel, grid, block, packed, shared_mem, stream, lim)
 
 
+def _kernel_bounds(backend, kernel: Kernel) -> Tuple[int, int]:
+    """(most threads per block, static shared bytes) of the kernel's function on the current
+    device (cudaFuncGetAttributes: its __launch_bounds__ or registers lower the device's thread
+    limit).  Backends that cannot say check the kernel's limit at launch themselves (Metal's
+    pipeline maxTotalThreadsPerThreadgroup): no limit here."""
+    try:
+        attrs = backend.function_attributes(kernel.handle)
+    except NotImplementedError:
+        return 1 << 62, 0
+    return attrs["max_threads_per_block"], attrs["shared_size_bytes"]
+
+
 def _launch_locked(backend, kernel: Kernel, grid, block, packed, shared_mem: int, stream, lim: dict) -> None:
-    if shared_mem > lim["max_shared_per_block"]:
-        # CUDA Programming Guide, "Shared Memory" (7.x+): above 48 KB a kernel must opt in.  The
+    bounds = kernel._bounds
+    if bounds is None:
+        bounds = kernel._bounds = _kernel_bounds(backend, kernel)
+    most_threads, static = bounds
+    threads = block[0] * block[1] * block[2]
+    if threads > most_threads:
+        raise ValueError(f"launch({kernel.name}): block {block} has {threads} threads, above the kernel's own "
+                         f"limit of {most_threads} threads per block (Kernel.max_threads_per_block: its "
+                         f"__launch_bounds__ / PTX .maxntid, or the registers it uses); launch smaller blocks")
+    if static and static + shared_mem > lim["max_shared_per_block_optin"]:
+        raise ValueError(f"launch({kernel.name}): shared_mem={shared_mem} bytes and the kernel's {static} bytes of "
+                         f"static shared memory pass the device's limit of {lim['max_shared_per_block_optin']} "
+                         f"bytes per block; at most {lim['max_shared_per_block_optin'] - static} bytes of "
+                         f"dynamic shared memory fit")
+    if shared_mem > lim["max_shared_per_block"] - static:
+        # CUDA Programming Guide, "Shared Memory" (7.x+): above 48 KB a kernel must opt in (its
+        # default maxDynamicSharedSizeBytes is 48 KB less its static shared memory).  The
         # attribute is the function's (cudaFuncSetAttribute), shared by every Kernel object of it
         # (another signature, a copy): kept per handle in its module, under the module's lock,
         # and only ever raised.
@@ -320,6 +347,9 @@ def launch(kernel: Kernel, grid, block, *args, shared_mem: int = 0, stream=None)
     if threads > lim["max_threads_per_block"]:
         raise ValueError(f"launch({name}): block {block} has {threads} threads, above the device's "
                          f"{lim['max_threads_per_block']} threads per block")
+    if kernel._required is not None and block != kernel._required:
+        raise ValueError(f"launch({name}): block {block} is not the block shape {kernel._required} the kernel "
+                         f"requires (its PTX .reqntid); launch it with block={kernel._required}")
     if type(shared_mem) is not int or shared_mem < 0:
         smem = shared_mem
         if not isinstance(smem, bool) and hasattr(type(smem), "__index__"):     # numpy integers too

@@ -116,6 +116,23 @@ def _entries(data: bytes, kind: str) -> Dict[str, Optional[Tuple[str, ...]]]:
         return {}   # the driver says what is wrong at load
 
 
+def _required_blocks(data: bytes, kind: str) -> Dict[str, Tuple[int, int, int]]:
+    """{kernel name: required block shape} from the image's PTX (``.reqntid``), if it has any."""
+    if kind == "ptx":
+        return _ptx.ptx_required_blocks(data)
+    if kind != "fatbin":
+        return {}
+    from ..sim import _cuda_images
+    out: Dict[str, Tuple[int, int, int]] = {}
+    try:
+        for k, _sm, body in _cuda_images.fatbin_entries(data):
+            if k == _cuda_images.KIND_PTX:
+                out.update(_ptx.ptx_required_blocks(body))
+    except _cuda_images.ImageError:
+        pass        # the driver says what is wrong at load
+    return out
+
+
 class UnknownKernelError(KeyError):
     """No kernel of that name in the module (a KeyError whose message reads as a sentence)."""
 
@@ -170,6 +187,7 @@ class Module:
         index = checked_index(device)
         self.kind = _image_kind(data, language)
         self._entries = _entries(data, self.kind)
+        self._required_blocks = _required_blocks(data, self.kind)
         self._backend, self._index, self._lock = backend, index, threading.Lock()
         self._kernels = weakref.WeakValueDictionary()   # (name, params) -> Kernel: no cycle with them
         self._smem_optin = {}       # function handle -> the dynamic shared memory it is opted in to (CUDA)
@@ -368,13 +386,15 @@ class Kernel:
     :attr:`shared_size_bytes` and :meth:`max_potential_block_size`, read on the module's device.
     """
 
-    __slots__ = ("module", "name", "handle", "params", "_backend", "_index", "_packers",
+    __slots__ = ("module", "name", "handle", "params", "_backend", "_index", "_packers", "_bounds", "_required",
                  "_sim_ref", "__weakref__")
 
     def __init__(self, module: Module, name: str, handle: int, params: Tuple[str, ...]):
         self.module, self.name, self.handle, self.params = module, name, handle, params
         self._backend, self._index = module._backend, module._index
         self._packers = None        # built on the first launch (accel.kernels._launch)
+        self._bounds = None         # (most threads per block, static shared bytes), read at the first launch
+        self._required = module._required_blocks.get(name)     # the block shape PTX .reqntid requires
         self._sim_ref = None        # the simulator's reference a launch last found matching
 
     @property

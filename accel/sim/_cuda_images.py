@@ -89,7 +89,180 @@ def _jit(ptx: bytes, cc: Tuple[int, int], driver_version: int, lazy: bool = Fals
     if t is not None and int(t.group(1)) > cc[0] * 10 + cc[1]:
         raise ImageError(INVALID_PTX, f"PTX .target sm_{t.group(1).decode()} is above the device's "
                                       f"compute capability {cc[0]}.{cc[1]}")
+    ptx_bounds(ptx)     # ptxas refuses .maxntid with .reqntid, and too much static shared memory
     return names
+
+
+# -- per-entry launch bounds and static shared memory (PTX ISA, "Performance-Tuning Directives") --
+#
+# PTX ISA 11.4.2 ".maxntid": "The maximum number of threads in the thread block, computed as the
+# product of the maximum extent specified for each dimension, is guaranteed not to be exceeded in
+# any invocation of the kernel in which this directive appears.  Exceeding the maximum number of
+# threads results in a runtime error or kernel launch failure" (only the total is bounded, not
+# each dimension).  11.4.3 ".reqntid": "The size of each CTA dimension specified in any invocation
+# of the kernel is required to be equal to that specified in this directive.  Specifying a
+# different CTA dimension at launch will result in a runtime error or kernel launch failure";
+# "The .reqntid directive cannot be used in conjunction with the .maxntid directive".  Both "may
+# be applied per-entry and must appear between an .entry directive and its body" (11.4), with one
+# to three extents (".maxntid nx, ny, nz").  A kernel's static shared memory is its .shared
+# variables (PTX ISA, "State Spaces": .shared; `.extern .shared` arrays of no size are the dynamic
+# shared memory sized at launch, not counted).  The CUDA Runtime API reports both per function:
+# cudaFuncAttributes::maxThreadsPerBlock "The maximum number of threads per block, beyond which a
+# launch of the function would fail" and ::sharedSizeBytes "The size in bytes of statically-
+# allocated shared memory per block required by this function".
+
+#: Static shared memory one block may declare: CUDA Programming Guide, "Shared Memory" for compute
+#: capability 7.x, 8.x and 9.0: "Kernels relying on shared memory allocations over 48 KB per block
+#: are architecture-specific, as such they must use dynamic shared memory (rather than statically
+#: sized arrays)"; ptxas refuses a kernel that declares more ("uses too much shared data").
+MAX_STATIC_SHARED = 48 * 1024
+
+
+class EntryBounds:
+    """What the PTX of one ``.entry`` says about its launches: ``maxntid`` / ``reqntid`` (3-tuples
+    of extents, or None) and ``shared`` (bytes of static shared memory per block)."""
+    __slots__ = ("maxntid", "reqntid", "shared")
+
+    def __init__(self, maxntid=None, reqntid=None, shared=0):
+        self.maxntid, self.reqntid, self.shared = maxntid, reqntid, shared
+
+    def max_threads(self, device_limit: int = 1024) -> int:
+        """cudaFuncAttributes::maxThreadsPerBlock: the device's limit, lowered by the directive."""
+        dims = self.reqntid or self.maxntid
+        return device_limit if dims is None else min(device_limit, dims[0] * dims[1] * dims[2])
+
+    def __repr__(self):
+        return f"EntryBounds(maxntid={self.maxntid}, reqntid={self.reqntid}, shared={self.shared})"
+
+
+_COMMENTS = re.compile(rb"//[^\n]*|/\*.*?\*/", re.S)
+_ENTRY_HEAD = re.compile(rb"\.entry\s+([A-Za-z_$%][\w$%]*)\s*(\([^)]*\))?")
+_NTID = re.compile(rb"\.(maxntid|reqntid)\s+([0-9][^.{]*)")
+# a declaration starts a statement: `.shared .align 4 .b8 name[64];` (not `ld.shared.u32`)
+_SHARED_DECL = re.compile(rb"(?:^|(?<=[;{}]))[ \t\r\n]*(\.extern\s+)?\.shared\s+([^;{}]*);", re.M)
+_TYPE_SIZES = {b"b8": 1, b"u8": 1, b"s8": 1, b"b16": 2, b"u16": 2, b"s16": 2, b"f16": 2, b"bf16": 2,
+               b"f16x2": 4, b"b32": 4, b"u32": 4, b"s32": 4, b"f32": 4, b"b64": 8, b"u64": 8, b"s64": 8,
+               b"f64": 8, b"b128": 16}
+_VAR = re.compile(rb"([A-Za-z_$%][\w$%]*)\s*((?:\[\s*\d*\s*\])*)\s*(?:=.*)?$", re.S)
+
+
+_BRACES = re.compile(rb"[{}]")
+
+
+def _blocks(text: bytes) -> List[Tuple[int, int]]:
+    """(start, end) of every top-level { ... } block of ``text`` (comments removed)."""
+    out, depth, start = [], 0, 0
+    for m in _BRACES.finditer(text):
+        i = m.start()
+        if m.group() == b"{":
+            if depth == 0:
+                start = i
+            depth += 1
+        elif depth:
+            depth -= 1
+            if depth == 0:
+                out.append((start, i + 1))
+    return out
+
+
+def _shared_vars(text: bytes, where: str) -> List[Tuple[bytes, int, int]]:
+    """[(name, size, alignment)] of the non-extern .shared declarations in ``text``."""
+    out = []
+    for m in _SHARED_DECL.finditer(text):
+        if m.group(1):
+            continue            # .extern .shared: dynamic shared memory, sized at launch
+        first, *more = m.group(2).split(b",")
+        tokens = first.split()
+        align, vec, size, names, i = 0, 1, None, [], 0
+        while i < len(tokens):
+            t = tokens[i]
+            if t == b".align" and i + 1 < len(tokens) and tokens[i + 1].isdigit():
+                align, i = int(tokens[i + 1]), i + 2
+                continue
+            if t[:1] == b"." and t[1:] in (b"v2", b"v4", b"v8"):
+                vec = int(t[2:])
+            elif t[:1] == b"." and t[1:] in _TYPE_SIZES:
+                size = _TYPE_SIZES[t[1:]]
+            elif t[:1] != b".":
+                names.append(t)
+            i += 1
+        if size is None:
+            raise ImageError(INVALID_PTX, f"{where}: .shared declaration {m.group(2).decode(errors='replace')!r} "
+                                          "has no type accel.sim can size")
+        for part in [b" ".join(names)] + more:
+            v = _VAR.match(part.strip())
+            if v is None:
+                continue
+            count = 1
+            for d in re.findall(rb"\[\s*(\d*)\s*\]", v.group(2)):
+                count *= int(d) if d else 0
+            out.append((v.group(1), size * vec * count, max(align, size * vec)))
+    return out
+
+
+def _layout(variables) -> int:
+    """Bytes of shared memory the variables take laid out in order, each at its alignment."""
+    offset = 0
+    for _name, size, align in variables:
+        offset = -(-offset // align) * align + size
+    return offset
+
+
+def _extents(entry: str, kind: bytes, spec: bytes) -> Tuple[int, int, int]:
+    parts = [p.strip() for p in spec.split(b",")]
+    if not 1 <= len(parts) <= 3 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise ImageError(INVALID_PTX, f"kernel {entry}: .{kind.decode()} {spec.decode(errors='replace').strip()!r} "
+                                      "is not 1 to 3 positive extents")
+    dims = [int(p) for p in parts] + [1, 1]
+    return dims[0], dims[1], dims[2]
+
+
+def ptx_bounds(ptx) -> dict:
+    """{entry: :class:`EntryBounds`} of PTX text ``ptx`` (str or bytes).  ImageError (218, as the
+    JIT's ptxas refuses them) for an entry with both .maxntid and .reqntid, extents that are not
+    1 to 3 positive integers, or more than 48 KiB of static shared memory."""
+    if isinstance(ptx, str):
+        ptx = ptx.encode()
+    text = _COMMENTS.sub(b" ", bytes(ptx).split(b"\0", 1)[0])
+    blocks = _blocks(text)
+    # module-scope .shared variables (outside every body): an entry uses one its body, or any
+    # .func body (which an entry may call), names
+    outside, pos = [], 0
+    for a, b in blocks:
+        outside.append(text[pos:a])
+        pos = b
+    outside.append(text[pos:])
+    module_vars = _shared_vars(b" ".join(outside), "module scope")
+    entries, funcs, prev = [], [], 0
+    for a, b in blocks:
+        m = None
+        for m in _ENTRY_HEAD.finditer(text, prev, a):
+            pass                # the last .entry header before this body (if any) owns it
+        if m is not None and b".func" not in text[m.end():a]:
+            entries.append((m, (a, b)))
+        else:
+            funcs.append(text[a:b])
+        prev = b
+    funcs = b" ".join(funcs)
+    out = {}
+    for m, body in entries:
+        name = m.group(1).decode()
+        head = text[m.end():body[0]]
+        found = {}
+        for d in _NTID.finditer(head):
+            found[d.group(1)] = _extents(name, d.group(1), d.group(2))
+        if len(found) == 2:
+            raise ImageError(INVALID_PTX, f"kernel {name}: .reqntid cannot be used in conjunction with .maxntid "
+                                          "(PTX ISA, .reqntid)")
+        own = text[body[0]:body[1]]
+        used = [v for v in module_vars if re.search(rb"(?<![\w$%])" + re.escape(v[0]) + rb"(?![\w$%])", own + funcs)]
+        shared = _layout(used + _shared_vars(own, f"kernel {name}"))
+        if shared > MAX_STATIC_SHARED:
+            raise ImageError(INVALID_PTX, f"kernel {name} declares {shared} bytes of static shared memory, above "
+                                          f"the {MAX_STATIC_SHARED} a block may declare statically (use dynamic "
+                                          "shared memory and cudaFuncAttributeMaxDynamicSharedMemorySize)")
+        out[name] = EntryBounds(found.get(b"maxntid"), found.get(b"reqntid"), shared)
+    return out
 
 
 def elf_entries(elf: bytes) -> List[str]:
@@ -205,3 +378,20 @@ def declared_params(data: bytes) -> dict:
     if data[:4] == b"\x7fELF":
         return {}
     return _ptx.ptx_entries(data)
+
+
+def declared_bounds(data: bytes) -> dict:
+    """{entry: :class:`EntryBounds`} from the PTX of image ``data`` (PTX text, or the PTX entries
+    of a fatbin); {} for a cubin, whose launch bounds and shared sizes accel.sim does not read."""
+    try:
+        if data[:4] == struct.pack("<I", FATBIN_MAGIC):
+            out: dict = {}
+            for kind, _sm, body in fatbin_entries(data):
+                if kind == KIND_PTX:
+                    out.update(ptx_bounds(body))
+            return out
+        if data[:4] == b"\x7fELF":
+            return {}
+        return ptx_bounds(data)
+    except ImageError:
+        return {}       # not loadable as PTX: load() said why, or a cubin was used instead

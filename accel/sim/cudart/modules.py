@@ -14,7 +14,7 @@ from .. import _cuda_images, kernels
 from ..core import ffi
 from .state import (
     _CHARP, _NULL, _SHARED_PER_BLOCK, _SHARED_PER_BLOCK_OPTIN, _SHARED_PER_SM, KernelHandle, Library,
-    Runtime, Stream, cudaErrorInvalidDeviceFunction,
+    Runtime, Stream, cudaErrorInvalidDeviceFunction, cudaErrorLaunchOutOfResources,
     cudaErrorInvalidResourceHandle, cudaErrorInvalidValue, cudaErrorSymbolNotFound, cudaSuccess,
 )
 from .common import (
@@ -108,6 +108,7 @@ def _resolve(R: Runtime, lib: Library) -> int:
                 return exc.code
             del pending[lib]
             lib.names, lib.params = frozenset(names), _cuda_images.declared_params(data)
+            lib.bounds = _cuda_images.declared_bounds(data)
             if jit:
                 R.jit_compiles += 1
             return cudaSuccess
@@ -136,7 +137,8 @@ def load_image(R: Runtime, code, device=None):
         return None, exc.code
     if jit:
         R.jit_compiles += 1
-    lib = Library(R.new_handle(), frozenset(names), device, _cuda_images.declared_params(data))
+    lib = Library(R.new_handle(), frozenset(names), device, _cuda_images.declared_params(data),
+                  _cuda_images.declared_bounds(data))
     Runtime.put(R.libraries, lib)
     return lib, cudaSuccess
 
@@ -242,13 +244,15 @@ def cudaFuncSetAttribute(R, func, attr, value):
 
     CUDA Runtime API, cudaFuncSetAttribute: cudaErrorInvalidDeviceFunction for an unknown
     function; cudaErrorInvalidValue for an attribute that cannot be written or a bad value.
-    cudaFuncAttributeMaxDynamicSharedMemorySize may not exceed cudaDevAttrMaxSharedMemoryPerBlockOptin
-    (kernels here use no static shared memory); the carveout is a percentage (-1: default)."""
+    cudaFuncAttributeMaxDynamicSharedMemorySize: "The sum of this value and the function attribute
+    sharedSizeBytes cannot exceed the device attribute cudaDevAttrMaxSharedMemoryPerBlockOptin"
+    (the kernel's static shared memory, read from its PTX, counts); the carveout is a percentage
+    (-1: default)."""
     k = _lookup(R.kernels, func)
     if k is None:
         return cudaErrorInvalidDeviceFunction
     if attr == _FUNC_ATTR_MAX_DYNAMIC_SHARED:
-        if not (0 <= value <= _SHARED_PER_BLOCK_OPTIN):
+        if not (0 <= value <= _SHARED_PER_BLOCK_OPTIN - bounds_of(k).shared):
             return cudaErrorInvalidValue
         k.max_dynamic_shared[R.tls.device] = value
         return cudaSuccess
@@ -264,7 +268,8 @@ def cudaFuncGetAttributes(R, attr, func):
     """``struct cudaFuncAttributes`` of a kernel (cudaKernel_t handles as ``func``) on the
     current device.  CUDA Runtime API, cudaFuncGetAttributes: cudaErrorInvalidDeviceFunction
     for an unknown function.  The struct has the same layout in CUDA 12 and 13; fields are
-    set by name.  The simulated kernels use no static shared, constant or local memory."""
+    set by name.  The simulated kernels use no constant or local memory; the static shared memory
+    and the thread limit are read from the kernel's PTX (:func:`bounds_of`)."""
     k = _lookup(R.kernels, func)
     if k is None:
         return cudaErrorInvalidDeviceFunction
@@ -279,14 +284,41 @@ def function_attributes(R: Runtime, k: "KernelHandle") -> Dict[str, int]:
     driver's cuFuncGetAttribute reads)."""
     d = R.tls.device
     major, minor = R.cfg.compute_capability
+    b = bounds_of(k)
+    # cudaFuncAttributes::maxThreadsPerBlock: "The maximum number of threads per block, beyond which
+    # a launch of the function would fail" (.maxntid / .reqntid lower it: PTX ISA 11.4.2, 11.4.3);
+    # ::sharedSizeBytes: "The size in bytes of statically-allocated shared memory per block required
+    # by this function"; ::maxDynamicSharedSizeBytes: what cudaFuncAttributeMaxDynamicSharedMemorySize
+    # set, by default what is left of the 48 KiB a block gets without the opt-in.
     return {
-        "sharedSizeBytes": 0, "constSizeBytes": 0, "localSizeBytes": 0, "maxThreadsPerBlock": 1024,
+        "sharedSizeBytes": b.shared, "constSizeBytes": 0, "localSizeBytes": 0,
+        "maxThreadsPerBlock": b.max_threads(),
         "numRegs": _SIM_NUM_REGS, "ptxVersion": major * 10 + minor, "binaryVersion": major * 10 + minor,
-        "cacheModeCA": 0, "maxDynamicSharedSizeBytes": k.max_dynamic_shared.get(d, _SHARED_PER_BLOCK),
+        "cacheModeCA": 0, "maxDynamicSharedSizeBytes": max_dynamic_shared(k, d),
         "preferredShmemCarveout": k.carveout.get(d, -1), "clusterDimMustBeSet": 0,
         "requiredClusterWidth": 0, "requiredClusterHeight": 0, "requiredClusterDepth": 0,
         "clusterSchedulingPolicyPreference": 0, "nonPortableClusterSizeAllowed": 0,
     }
+
+
+_NO_BOUNDS = _cuda_images.EntryBounds()
+
+
+def bounds_of(k: "KernelHandle") -> "_cuda_images.EntryBounds":
+    """The launch bounds and static shared memory of kernel ``k`` (none where its image has no PTX
+    for it: a cubin's are not read)."""
+    return k.library.bounds.get(k.name, _NO_BOUNDS)
+
+
+def max_dynamic_shared(k: "KernelHandle", device: int) -> int:
+    """cudaFuncAttributes::maxDynamicSharedSizeBytes of ``k`` on ``device``: "The maximum size in
+    bytes of dynamic shared memory per block for this function.  Any launch must have a dynamic
+    shared memory size smaller than this value" (the H100 refused 80 KiB after the attribute was set
+    to 64 KiB, cudaErrorInvalidValue: tests/conformance/cuda_h100_2026-12-05.json, scenario
+    launch_dynamic_shared_memory).  Without cudaFuncSetAttribute, what the kernel's static shared
+    memory leaves of the 48 KiB per block (Programming Guide, "Shared Memory": above 48 KB a kernel
+    must opt in)."""
+    return k.max_dynamic_shared.get(device, _SHARED_PER_BLOCK - bounds_of(k).shared)
 
 
 _MAX_BLOCKS_PER_SM = 32            # cudaDevAttrMaxBlocksPerMultiprocessor (compute capability 9.0)
@@ -309,12 +341,13 @@ def cudaOccupancyMaxActiveBlocksPerMultiprocessor(R, numBlocks, func, blockSize,
     if _is_null(numBlocks) or not (1 <= blockSize <= 1024) or dynamicSMemSize < 0:
         return cudaErrorInvalidValue
     warps = -(-blockSize // 32)
+    b = bounds_of(k)
     limits = [_MAX_BLOCKS_PER_SM, _MAX_THREADS_PER_SM // (warps * 32),
               _REGS_PER_SM // (warps * 32 * _SIM_NUM_REGS)]
-    if dynamicSMemSize > k.max_dynamic_shared.get(R.tls.device, _SHARED_PER_BLOCK):
-        limits.append(0)
+    if dynamicSMemSize > max_dynamic_shared(k, R.tls.device) or blockSize > b.max_threads():
+        limits.append(0)        # no block of this size or shared memory can launch (see launch)
     else:
-        limits.append(_SHARED_PER_SM // (dynamicSMemSize + 1024))
+        limits.append(_SHARED_PER_SM // (b.shared + dynamicSMemSize + 1024))
     _put(numBlocks, max(0, min(limits)))
     return cudaSuccess
 
@@ -360,11 +393,31 @@ def launch(R: Runtime, k: "KernelHandle", grid, block, args, sharedMem, s: Strea
         # cuda_h100_2026-12-05.json, scenario launch_configurations): block 1025, block (32, 32, 2),
         # grid 0 and grid.y 65536 are cudaErrorInvalidValue, not cudaErrorInvalidConfiguration.
         return cudaErrorInvalidValue
+    b = bounds_of(k)
+    threads = block[0] * block[1] * block[2]
+    if threads > b.max_threads():
+        # PTX ISA 11.4.2 .maxntid: "Exceeding the maximum number of threads results in a runtime
+        # error or kernel launch failure"; 11.4.3 .reqntid the same for another block shape;
+        # cudaFuncAttributes::maxThreadsPerBlock: "beyond which a launch of the function would
+        # fail".  No code is documented: cudaErrorLaunchOutOfResources (701, "too many resources
+        # requested for launch"; CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES), the code CUDA documents for
+        # "too many threads for the kernel's register count", the other per-function thread limit
+        # (tools/cuda_conformance.py --only kernel_launch_bounds --real records what a GPU returns for these cases).
+        return cudaErrorLaunchOutOfResources
+    if b.reqntid is not None and tuple(block) != b.reqntid:
+        # PTX ISA 11.4.3 .reqntid: "The size of each CTA dimension specified in any invocation of
+        # the kernel is required to be equal to that specified in this directive.  Specifying a
+        # different CTA dimension at launch will result in a runtime error or kernel launch
+        # failure."  No code is documented: refused with cudaErrorInvalidValue (what an H100 gave
+        # for block shapes outside the device's limits, scenario launch_configurations).
+        return cudaErrorInvalidValue
     # CUDA Programming Guide, "Shared Memory" (compute capability 7.x+): more than 48 KB of
-    # dynamic shared memory per block needs an explicit opt-in with cudaFuncSetAttribute(
-    # cudaFuncAttributeMaxDynamicSharedMemorySize); the launch fails with cudaErrorInvalidValue
-    # (CUDA_ERROR_INVALID_VALUE from cuLaunchKernel) otherwise.
-    if sharedMem > _SHARED_PER_BLOCK and sharedMem > k.max_dynamic_shared.get(s.device, _SHARED_PER_BLOCK):
+    # shared memory per block needs an explicit opt-in with cudaFuncSetAttribute(
+    # cudaFuncAttributeMaxDynamicSharedMemorySize); a launch whose dynamic shared memory is above
+    # the function's maxDynamicSharedSizeBytes (by default 48 KiB less its static shared memory:
+    # max_dynamic_shared) fails with cudaErrorInvalidValue (CUDA_ERROR_INVALID_VALUE from
+    # cuLaunchKernel), as the H100 did (scenario launch_dynamic_shared_memory).
+    if sharedMem > max_dynamic_shared(k, s.device):
         return cudaErrorInvalidValue
     ref = kernels.lookup(k.name)
     if ref is None:

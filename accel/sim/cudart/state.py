@@ -38,6 +38,7 @@ cudaErrorIllegalState = 401
 cudaErrorSymbolNotFound = 500
 cudaErrorNotReady = 600
 cudaErrorIllegalAddress = 700
+cudaErrorLaunchOutOfResources = 701     # "too many resources requested for launch"
 cudaErrorMisalignedAddress = 716
 cudaErrorPeerAccessAlreadyEnabled = 704
 cudaErrorPeerAccessNotEnabled = 705
@@ -222,9 +223,9 @@ class GraphExec:
 
 class Library:
     """A cudaLibrary_t (device None) or a driver CUmodule (loaded into ``device``'s context)."""
-    __slots__ = ("handle", "key", "names", "kernels", "device", "params", "unloaded")
+    __slots__ = ("handle", "key", "names", "kernels", "device", "params", "unloaded", "bounds")
 
-    def __init__(self, handle, names, device=None, params=None):
+    def __init__(self, handle, names, device=None, params=None, bounds=None):
         self.handle = handle
         self.key = ffi.cast(_VOIDP, handle)
         self.names = names
@@ -234,6 +235,9 @@ class Library:
         # entry -> accel argument types from the PTX .entry declaration (None: the image has
         # no PTX for it, or a parameter type accel cannot pass); see accel/_ptx.py
         self.params: Dict[str, Optional[tuple]] = params or {}
+        # entry -> _cuda_images.EntryBounds (.maxntid/.reqntid and static shared memory read from
+        # the PTX; an entry without one, e.g. of a cubin, has no launch bounds and no static shared)
+        self.bounds: dict = bounds or {}
 
 
 class KernelHandle:
