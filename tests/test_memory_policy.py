@@ -87,12 +87,12 @@ def test_randomized_small_and_large_mix_keeps_invariants():
 
 def test_request_takes_a_split_segments_free_block_before_carving_a_whole_free_segment():
     # Best fit would carve 3 MiB out of the whole free 8 MiB segment and pin all of it; the
-    # free 12 MiB of the segment the 2 MiB block already pins costs nothing new.
+    # free 10 MiB of the segment the 4 MiB block already pins costs nothing new.
     alloc, be = make()
     a = alloc.malloc(14 * MiB)                  # a 14 MiB segment
     b = alloc.malloc(8 * MiB)                   # and an 8 MiB one
     alloc.free(a)
-    pin = alloc.malloc(2 * MiB)                 # 2 MiB of the 14: its 12 MiB rest is split
+    pin = alloc.malloc(4 * MiB)                 # 4 MiB of the 14 (not over 4x its own 4): its 10 MiB rest is split
     alloc.free(b)                               # a whole free 8 MiB segment
     x = alloc.malloc(3 * MiB)
     check_invariants(alloc, be)
@@ -100,7 +100,7 @@ def test_request_takes_a_split_segments_free_block_before_carving_a_whole_free_s
     whole = [b for b in alloc._blocks.values() if b.prev is None and b.next is None]
     assert [b.size for b in whole] == [8 * MiB]       # still whole: release-before-grow can return it
     stats_before = alloc.stats()["reserved_bytes.all.current"]
-    big = alloc.malloc(9 * MiB)                 # fits the 9 MiB left in the 14 MiB segment
+    big = alloc.malloc(7 * MiB)                 # fits the 7 MiB left in the 14 MiB segment
     assert alloc.stats()["reserved_bytes.all.current"] == stats_before == 22 * MiB
     drain(alloc, be, [pin, x, big])
 
