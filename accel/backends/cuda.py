@@ -98,6 +98,24 @@ def _cudart_ffi_for(lib):
     return cudart_module(v[0] // 1000).ffi
 
 
+def _arg_cells(ffi, n: int):
+    """A set of kernelParams for a launch of ``n`` arguments (CudaBackend.launch): ``(argv, slots,
+    dims, owners)``.  ``argv`` is the ``void *[]`` pointing at one 8-byte cell per argument;
+    ``slots[kind]`` is (view, stride): argument ``i`` of type ``kind`` is written at
+    ``view[i * stride]``, its cell's first bytes (a 4-byte type through a 4-byte view).  ``dims`` is
+    ``[grid, grid dim3, block, block dim3]``, the dimensions the two dim3s hold (None: not yet
+    written).  ``owners``: the cdata that own the memory (casts, items and pointer arithmetic do
+    not keep it alive)."""
+    cells = ffi.new("uint64_t[]", max(n, 1))
+    argv = ffi.new("void *[]", [ffi.cast("void *", cells + i) for i in range(n)] or [ffi.NULL])
+    u64 = ffi.cast("uint64_t *", cells)
+    slots = {"ptr": (u64, 1), "u64": (u64, 1), "i64": (ffi.cast("int64_t *", cells), 1),
+             "f64": (ffi.cast("double *", cells), 1), "u32": (ffi.cast("uint32_t *", cells), 2),
+             "i32": (ffi.cast("int32_t *", cells), 2), "f32": (ffi.cast("float *", cells), 2)}
+    dim3s = ffi.new("dim3[2]")
+    return argv, slots, [None, dim3s[0], None, dim3s[1]], (cells, dim3s)
+
+
 class _DeferredDevice(threading.local):
     """A device scope's restore that CudaBackend.restore_device deferred (-1: none), per thread
     as CUDA's current device is."""
@@ -130,6 +148,7 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         self._count_path = ""
         self._count_reason = ""
         self._handles = {}       # int handle -> cdata, so hot calls skip ffi.cast
+        self._arg_pools = {}     # argument count -> [_arg_cells sets free for a launch] (launch)
         self._live_modules = {}  # library handle -> PTX buffer kept alive for the runtime
         self._after_capture = deque()  # (fn, args): releases drivers refuse while a capture is underway
         self._driver_cuda = None  # cudaDriverGetVersion, read at first need
@@ -914,25 +933,50 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         return self._as_int(p[0])
 
     def launch(self, function, grid, block, args, shared_mem, stream) -> None:
-        ffi = self.ffi
+        # Hot path (issue 18: host time per launch within 2x of a bare cudaLaunchKernel): the
+        # argument cells, their void *[] and the dim3s are reused, not made per call.  cuLaunchKernel
+        # (under cudaLaunchKernel): each kernelParams entry points to "a region of memory from which
+        # the actual kernel parameter will be copied", at the call (a capture copies them into the
+        # node), so once the call returns the cells are free for the next launch.  A set is taken
+        # from its pool (list.pop: atomic) for this call alone, so two threads never share one, and
+        # goes back only after a call that returned: an error or a Ctrl-C in between leaves that
+        # set (maybe half written) to the collector.
         try:
-            values = [ffi.new(_ARG_CTYPES[kind], value) for kind, value in args]
+            cells = self._arg_pools[len(args)].pop()
+        except (KeyError, IndexError):
+            cells = _arg_cells(self.ffi, len(args))
+        argv, slots, dims, _ = cells
+        try:
+            i = 0
+            for kind, value in args:
+                view, at = slots[kind]
+                view[i * at] = value
+                i += 1
         except KeyError as exc:
             raise ValueError(f"unknown kernel argument type {exc.args[0]!r}; "
                              f"expected one of {', '.join(_ARG_CTYPES)}") from None
-        argv = ffi.new("void *[]", [ffi.cast("void *", v) for v in values] or [ffi.NULL])
         path = self._kpath
         if path is not None and path != "library":
-            self._check_driver(path, path.launch(function, tuple(grid), tuple(block), argv, shared_mem, stream),
-                               "cuLaunchKernel")
+            rc = path.launch(function, tuple(grid), tuple(block), argv, shared_mem, stream)
+            self._arg_pools.setdefault(len(args), []).append(cells)
+            self._check_driver(path, rc, "cuLaunchKernel")
             return
-        # cudaLaunchKernel accepts a cudaKernel_t in place of a host function pointer.
-        grid_dim = ffi.new("dim3 *", tuple(grid))[0]  # dim3 is passed by value
-        block_dim = ffi.new("dim3 *", tuple(block))[0]
-        self._check(self.lib.cudaLaunchKernel(ffi.cast("void *", function), grid_dim, block_dim,
-                                              argv, shared_mem, self._cast("cudaStream_t", stream)),
-                    "cudaLaunchKernel")
-
+        # cudaLaunchKernel accepts a cudaKernel_t in place of a host function pointer.  dim3 is
+        # passed by value (cffi copies it into the call): the set's two are rewritten only when
+        # the launch's dimensions differ from its last ones.
+        if dims[0] != grid:
+            d = dims[1]
+            d.x, d.y, d.z = grid
+            dims[0] = grid if type(grid) is tuple else None
+        if dims[2] != block:
+            d = dims[3]
+            d.x, d.y, d.z = block
+            dims[2] = block if type(block) is tuple else None
+        rc = self.lib.cudaLaunchKernel(self.ffi.cast("void *", function), dims[1], dims[3], argv, shared_mem,
+                                       self._handles.get(stream) or self._cast("cudaStream_t", stream))
+        self._arg_pools.setdefault(len(args), []).append(cells)
+        if rc:
+            self._check(rc, "cudaLaunchKernel")
 
     # -- user kernels: limits, attributes, occupancy (accel.kernels) ---------------------------
     def launch_limits(self, index: int) -> dict:
