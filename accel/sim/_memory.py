@@ -133,13 +133,23 @@ class MemoryTable:
 _tables: List[MemoryTable] = []
 
 
+#: A forked child's tables of the parent's allocations (see forget): never released here.
+_inherited: List[MemoryTable] = []
+
+
 def forget(table: MemoryTable) -> None:
     """Unregister ``table`` without taking its lock (a forked child: the lock may be
-    held by a parent thread that does not exist here)."""
+    held by a parent thread that does not exist here).  Its allocations stay mapped for the
+    child's life: fork(2), "The entire virtual address space of the parent is replicated in the
+    child", so memory the parent allocated (a pinned array the child inherited) reads there as
+    in the parent.  Dropping the table would give its blocks back to the arena, which unmaps a
+    chunk's pages once no block is left in it: the child's read of an inherited pinned array
+    then faulted."""
     try:
         _tables.remove(table)
     except ValueError:
         pass
+    _inherited.append(table)
 
 
 def find_any(addr: int) -> Optional[Allocation]:
