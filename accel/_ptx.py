@@ -140,6 +140,11 @@ def spirv_entries(data: bytes) -> List[str]:
     specification, 2.3 "Physical Layout" and 3.52.5 OpEntryPoint: word 0 is the word count
     << 16 | opcode, then the execution model, the function id and a NUL-terminated name).
     ValueError when ``data`` is not SPIR-V."""
+    return [name for _id, name in _spirv_kernels(_spirv_words(data))]
+
+
+def _spirv_words(data: bytes) -> Tuple[int, ...]:
+    """The 32-bit words of SPIR-V ``data`` in its byte order; ValueError when it is not SPIR-V."""
     data = bytes(data)
     if len(data) < 20 or len(data) % 4:
         raise ValueError(f"not a SPIR-V module: {len(data)} bytes (a module is a header of 5 words "
@@ -149,17 +154,54 @@ def spirv_entries(data: bytes) -> List[str]:
             break
     else:
         raise ValueError(f"not a SPIR-V module: magic {data[:4].hex()} (expected 0x07230203)")
-    words = struct.unpack(f"{order}{len(data) // 4}I", data)
-    names, pos = [], 5
+    return struct.unpack(f"{order}{len(data) // 4}I", data)
+
+
+def _spirv_instructions(words: Tuple[int, ...]):
+    """(opcode, operand words) of each instruction after the 5-word header (SPIR-V 2.3: word 0 of
+    an instruction is its word count << 16 | opcode); ValueError for a count of 0 or one that
+    runs past the module's end."""
+    pos = 5
     while pos < len(words):
         count, op = words[pos] >> 16, words[pos] & 0xFFFF
-        if count == 0:
-            raise ValueError(f"not a SPIR-V module: instruction of 0 words at word {pos}")
-        if op == _OP_ENTRY_POINT and words[pos + 1] == _EXECUTION_MODEL_KERNEL:
-            raw = struct.pack(f"<{count - 3}I", *words[pos + 3:pos + count])
-            names.append(raw.split(b"\0", 1)[0].decode("utf-8", "replace"))
+        if count == 0 or pos + count > len(words):
+            raise ValueError(f"not a SPIR-V module: the instruction at word {pos} has {count} words, "
+                             f"{len(words) - pos} left in the module")
+        yield op, words[pos + 1:pos + count]
         pos += count
-    return names
+
+
+def _spirv_kernels(words) -> List[Tuple[int, str]]:
+    """(function id, name) of each ``OpEntryPoint Kernel`` (3.52.5: the execution model, the
+    function id, then a NUL-terminated name)."""
+    out = []
+    for op, operands in _spirv_instructions(words):
+        if op == _OP_ENTRY_POINT and operands and operands[0] == _EXECUTION_MODEL_KERNEL:
+            if len(operands) < 3:
+                raise ValueError(f"not a SPIR-V module: an OpEntryPoint of {len(operands) + 1} words "
+                                 "(at least 4: the execution model, the function and a name)")
+            raw = struct.pack(f"<{len(operands) - 2}I", *operands[2:])
+            out.append((operands[1], raw.split(b"\0", 1)[0].decode("utf-8", "replace")))
+    return out
+
+
+_OP_EXECUTION_MODE = 16
+_EXECUTION_MODE_LOCAL_SIZE = 17
+
+
+def spirv_required_blocks(data: bytes) -> Dict[str, Tuple[int, int, int]]:
+    """{kernel name: the work-group size it requires} for the kernels of SPIR-V ``data`` with an
+    ``OpExecutionMode LocalSize x y z`` (OpenCL C's reqd_work_group_size; Level Zero reports it as
+    ze_kernel_properties_t.requiredGroupSize, and a launch with another size fails)."""
+    words = _spirv_words(data)
+    names = dict(_spirv_kernels(words))
+    out: Dict[str, Tuple[int, int, int]] = {}
+    for op, operands in _spirv_instructions(words):
+        if op == _OP_EXECUTION_MODE and len(operands) >= 5 and operands[1] == _EXECUTION_MODE_LOCAL_SIZE:
+            name = names.get(operands[0])
+            if name is not None:
+                out[name] = (operands[2], operands[3], operands[4])
+    return out
 
 
 def parse_signature(signature, what: str = "signature") -> Tuple[str, ...]:

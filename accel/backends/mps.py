@@ -67,7 +67,7 @@ import threading
 from typing import Any, Dict, List, Optional, Tuple
 
 from .. import _locks
-from .._errors import AcceleratorError, OutOfMemoryError
+from .._errors import AcceleratorError, CompileError, OutOfMemoryError
 from . import _objc
 from ._objc import Message
 from ._signals import deferred
@@ -1102,8 +1102,10 @@ class MPSBackend(Backend):
                 rt.release(options)
             if lib == rt.nil:
                 code, text = rt.error_text(err[0])
-                raise AcceleratorError.from_call(_LIBRARY, M_NEW_LIBRARY.selector, code,
-                                                 "MTLLibraryErrorCompileFailure", text)
+                exc = CompileError.from_call(_LIBRARY, M_NEW_LIBRARY.selector, code,
+                                             "MTLLibraryErrorCompileFailure", text)
+                exc.log = text
+                raise exc
             h = self._handle()
             self._modules[h] = (lib, [])
         return h

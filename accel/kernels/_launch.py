@@ -349,7 +349,7 @@ def launch(kernel: Kernel, grid, block, *args, shared_mem: int = 0, stream=None)
                          f"{lim['max_threads_per_block']} threads per block")
     if kernel._required is not None and block != kernel._required:
         raise ValueError(f"launch({name}): block {block} is not the block shape {kernel._required} the kernel "
-                         f"requires (its PTX .reqntid); launch it with block={kernel._required}")
+                         f"requires (its PTX .reqntid or SPIR-V LocalSize); launch it with block={kernel._required}")
     if type(shared_mem) is not int or shared_mem < 0:
         smem = shared_mem
         if not isinstance(smem, bool) and hasattr(type(smem), "__index__"):     # numpy integers too

@@ -117,9 +117,12 @@ def _entries(data: bytes, kind: str) -> Dict[str, Optional[Tuple[str, ...]]]:
 
 
 def _required_blocks(data: bytes, kind: str) -> Dict[str, Tuple[int, int, int]]:
-    """{kernel name: required block shape} from the image's PTX (``.reqntid``), if it has any."""
+    """{kernel name: required block shape} from the image's PTX (``.reqntid``) or SPIR-V
+    (``OpExecutionMode LocalSize``), if it has any."""
     if kind == "ptx":
         return _ptx.ptx_required_blocks(data)
+    if kind == "spirv":
+        return _ptx.spirv_required_blocks(data)
     if kind != "fatbin":
         return {}
     from ..sim import _cuda_images
@@ -191,6 +194,7 @@ class Module:
         self._backend, self._index, self._lock = backend, index, threading.Lock()
         self._kernels = weakref.WeakValueDictionary()   # (name, params) -> Kernel: no cycle with them
         self._smem_optin = {}       # function handle -> the dynamic shared memory it is opted in to (CUDA)
+        self._functions = {}        # kernel name -> its function handle, looked up once (bounded by the image's kernels)
         self._handle = None
         self._own = None
         self._pid = _fin.pid
@@ -289,7 +293,12 @@ class Module:
             try:
                 if self._handle is None:
                     self._live()        # raises: closed (in another thread since the check above)
-                fn = self._backend.module_function(handle, name)
+                # One handle per name for the module's life: Level Zero's zeKernelCreate and
+                # Metal's pipeline compile make a new object per lookup, which the backends keep
+                # until the module unloads, so a lookup per Kernel made would grow with the calls.
+                fn = self._functions.get(name)
+                if fn is None:
+                    fn = self._functions[name] = self._backend.module_function(handle, name)
             except AcceleratorError as exc:
                 if self._entries or isinstance(exc, KernelImageError):
                     raise       # a kernel the image defines, or an image the device cannot run

@@ -38,6 +38,84 @@ def _get(rt, handle, kind: str):
     return (None, None) if obj is None else (obj, obj.f)
 
 
+#: ze_device_module_properties_t.spirvVersionSupported of the simulated devices (ze/discovery.py).
+_SPIRV_VERSION_SUPPORTED = (1, 2)
+_OP_CAPABILITY, _OP_ENTRY_POINT, _EXECUTION_MODEL_KERNEL, _CAPABILITY_FLOAT64 = 17, 15, 6, 10
+_OP_EXECUTION_MODE, _MODE_LOCAL_SIZE = 16, 17
+
+
+def _spirv_kernels(data: bytes, fp64: bool):
+    """(the ``OpEntryPoint Kernel`` names of a SPIR-V module, {name: required group size}), read
+    as a driver must before it builds: ValueError (a build failure, its text the build log) for
+    what is no valid module.  ``OpExecutionMode %f LocalSize x y z`` (OpenCL C's
+    ``reqd_work_group_size``) is the kernel's required group size (ze_kernel_properties_t:
+    requiredGroupSizeX/Y/Z, "required group size ... or zero if there is no required group size").
+
+    SPIR-V specification 2.3, "Physical Layout of a SPIR-V Module and Instruction": a module is
+    a stream of 32-bit words, the first five the header (magic; version "0 | Major Number |
+    Minor Number | 0"; generator; bound, "all <id>s in this module are guaranteed to satisfy
+    0 < id < Bound"; schema), then instructions whose first word holds the "WordCount: the
+    complete number of words taken by an instruction" (so at least 1, and inside the module).
+    3.x OpEntryPoint: the Name is a literal string (2.2.1: "nul-terminated"), and "A module must
+    not have two OpEntryPoint instructions with the same Execution Model and the same Name
+    string."  Level Zero SPIR-V Programming Guide, "Supported SPIR-V Versions": "The maximum
+    SPIR-V version supported by a device is described by
+    ze_device_module_properties_t.spirvVersionSupported"; the Float64 capability needs a device
+    whose module properties have ZE_DEVICE_MODULE_FLAG_FP64 (double precision is optional)."""
+    if len(data) < 20 or len(data) % 4:
+        raise ValueError(f"not a SPIR-V module: {len(data)} bytes (a module is a header of 5 words and whole "
+                         f"32-bit words)")
+    for order in "<>":
+        if struct.unpack_from(order + "I", data, 0)[0] == 0x07230203:
+            break
+    else:
+        raise ValueError(f"not a SPIR-V module: magic {data[:4].hex()} (expected 0x07230203)")
+    words = struct.unpack(f"{order}{len(data) // 4}I", data)
+    version, bound = words[1], words[3]
+    major, minor = (version >> 16) & 0xFF, (version >> 8) & 0xFF
+    if version & 0xFF0000FF or major != 1:
+        raise ValueError(f"SPIR-V version word {version:#010x} is no SPIR-V version (0 | major | minor | 0)")
+    if (major, minor) > _SPIRV_VERSION_SUPPORTED:
+        raise ValueError(f"SPIR-V {major}.{minor} is above the device's spirvVersionSupported "
+                         f"{_SPIRV_VERSION_SUPPORTED[0]}.{_SPIRV_VERSION_SUPPORTED[1]}")
+    names, ids, local, pos = [], {}, {}, 5
+    while pos < len(words):
+        count, op = words[pos] >> 16, words[pos] & 0xFFFF
+        if count == 0:
+            raise ValueError(f"instruction of 0 words at word {pos}")
+        if pos + count > len(words):
+            raise ValueError(f"instruction at word {pos} (opcode {op}) has {count} words but the module ends "
+                             f"after {len(words) - pos}: the module is truncated")
+        if op == _OP_CAPABILITY and count == 2 and words[pos + 1] == _CAPABILITY_FLOAT64 and not fp64:
+            raise ValueError("the module declares OpCapability Float64 but the device does not support "
+                             "64-bit floating point (ze_device_module_properties_t.flags lacks "
+                             "ZE_DEVICE_MODULE_FLAG_FP64)")
+        if op == _OP_ENTRY_POINT:
+            if count < 4:
+                raise ValueError(f"OpEntryPoint at word {pos} has {count} words, too few for its execution "
+                                 f"model, function <id> and name")
+            if not 0 < words[pos + 2] < bound:
+                raise ValueError(f"OpEntryPoint at word {pos} names <id> {words[pos + 2]}, outside the "
+                                 f"header's bound {bound}")
+            raw = struct.pack(f"<{count - 3}I", *words[pos + 3:pos + count])
+            if b"\0" not in raw:
+                raise ValueError(f"OpEntryPoint at word {pos}: its name is not nul-terminated")
+            if words[pos + 1] == _EXECUTION_MODEL_KERNEL:
+                name = raw.split(b"\0", 1)[0].decode("utf-8", "replace")
+                if name in names:
+                    raise ValueError(f"two OpEntryPoint Kernel instructions are named {name!r}")
+                names.append(name)
+                ids[words[pos + 2]] = name
+        if op == _OP_EXECUTION_MODE and count == 6 and words[pos + 2] == _MODE_LOCAL_SIZE:
+            size = tuple(words[pos + 3:pos + 6])
+            if min(size) < 1 or max(size) > 1024 or size[0] * size[1] * size[2] > 1024:
+                raise ValueError(f"LocalSize {size} of <id> {words[pos + 1]} is beyond the device's group "
+                                 f"limits (maxGroupSizeX/Y/Z and maxTotalGroupSize 1024)")
+            local[words[pos + 1]] = size
+        pos += count
+    return names, {ids[i]: size for i, size in local.items() if i in ids}
+
+
 def zeModuleCreate(hContext, hDevice, desc, phModule, phBuildLog):
     rt, rc = _ready()
     if rc:
@@ -58,9 +136,8 @@ def zeModuleCreate(hContext, hDevice, desc, phModule, phBuildLog):
         return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER if desc.pInputModule == ffi.NULL else C.ZE_RESULT_ERROR_INVALID_SIZE
     else:
         data = bytes(ffi.buffer(ffi.cast("char *", desc.pInputModule), desc.inputSize))
-        from .._ptx import spirv_entries
         try:
-            names = spirv_entries(data)
+            names, required = _spirv_kernels(data, rt.zcfg.fp64)
             rc = 0 if names else C.ZE_RESULT_ERROR_MODULE_BUILD_FAILURE
             if not names:
                 log = "error: the SPIR-V module has no OpEntryPoint Kernel"
@@ -73,7 +150,7 @@ def zeModuleCreate(hContext, hDevice, desc, phModule, phBuildLog):
         phBuildLog[0] = log_obj.key
     if rc:
         return rc
-    mod = rt._add(_KObj("module", names=frozenset(names), device=dev, ctx=ctx, kernels=0))
+    mod = rt._add(_KObj("module", names=frozenset(names), required=required, device=dev, ctx=ctx, kernels=0))
     phModule[0] = mod.key
     return 0
 
@@ -176,6 +253,12 @@ def zeKernelSetGroupSize(hKernel, groupSizeX, groupSizeY, groupSizeZ):
     # support (ze_device_compute_properties_t: maxGroupSize{X,Y,Z}, maxTotalGroupSize; the
     # simulated device reports 1024 for each).
     if min(size) < 1 or max(size) > 1024 or size[0] * size[1] * size[2] > 1024:
+        return rt.C.ZE_RESULT_ERROR_INVALID_GROUP_SIZE_DIMENSION
+    required = f["mfields"]["required"].get(f["name"])
+    if required is not None and size != required:
+        # A kernel with OpExecutionMode LocalSize (reqd_work_group_size) runs only with that group
+        # size (ze_kernel_properties_t.requiredGroupSizeX/Y/Z: "required group size"): another
+        # size is refused, as a size the device does not support.
         return rt.C.ZE_RESULT_ERROR_INVALID_GROUP_SIZE_DIMENSION
     f["group"] = size
     return 0

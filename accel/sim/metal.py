@@ -375,9 +375,10 @@ class MTLFunction(SimObject):
 class MTLLibrary(SimObject):
     cls_name = "MTLLibrary"
 
-    def __init__(self, rt, names: List[str]):
+    def __init__(self, rt, names: List[str], thread_limits: Optional[Dict[str, int]] = None):
         super().__init__(rt)
         self.names = names
+        self.thread_limits = thread_limits or {}    # [[max_total_threads_per_threadgroup(N)]] per kernel
 
     def m_newFunctionWithName_(self, name):
         text = _as(self.rt, name, NSString).text
@@ -398,7 +399,12 @@ class MTLComputePipelineState(SimObject):
         self.rt.release(self.function)
 
     def m_maxTotalThreadsPerThreadgroup(self):
-        return _MAX_THREADS_PER_GROUP
+        # MTLComputePipelineState.maxTotalThreadsPerThreadgroup: "may be different for different
+        # pipeline objects"; MTLComputePipelineDescriptor.maxTotalThreadsPerThreadgroup: "Your
+        # shader can also configure the maximum number of threads per threadgroup with the
+        # [[max_total_threads_per_threadgroup]] attribute".
+        limit = self.function.library.thread_limits.get(self.function.name)
+        return _MAX_THREADS_PER_GROUP if limit is None else min(limit, _MAX_THREADS_PER_GROUP)
 
     def m_threadExecutionWidth(self):
         return 32
@@ -922,8 +928,14 @@ class MTLDevice(SimObject):
             line = code.count("\n", 0, m.start()) + 1
             self.rt.set_error(error, 3, f"program_source:{line}: error: '{m.group()}' is not supported in Metal")
             return None
-        names = re.findall(r"\bkernel\s+void\s+([A-Za-z_]\w*)\s*\(", text)
-        return MTLLibrary(self.rt, names)
+        problem = _msl_syntax_error(code)
+        if problem:
+            self.rt.set_error(error, 3, f"program_source:{problem[0]}: error: {problem[1]}")
+            return None
+        # Metal Shading Language Specification 1.5 ("Metal and C++14"): comments are C++ comments,
+        # so a kernel written inside one is no function of the library (newFunctionWithName: nil).
+        names = _MSL_KERNEL.findall(code)
+        return MTLLibrary(self.rt, names, _msl_thread_limits(code))
 
     def m_newComputePipelineStateWithFunction_error_(self, function, error):
         function = _as(self.rt, function, MTLFunction)
@@ -945,6 +957,71 @@ class MTLDevice(SimObject):
 
 _MSL_COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
 _MSL_DOUBLE = re.compile(r"\b(?:long\s+)?double\d*\b")
+_MSL_KERNEL = re.compile(r"\bkernel\s+void\s+([A-Za-z_]\w*)\s*\(")
+_MSL_LITERAL = re.compile(r'"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'')
+_MSL_CLOSE = {")": "(", "]": "[", "}": "{"}
+_MSL_OPEN = {v: k for k, v in _MSL_CLOSE.items()}
+
+
+_MSL_MAX_THREADS = r"\[\[\s*max_total_threads_per_threadgroup\s*\(\s*(\d+)\s*\)\s*\]\]"
+_MSL_MAX_THREADS_BEFORE = re.compile(_MSL_MAX_THREADS + r"\s*kernel\s+void\s+([A-Za-z_]\w*)\s*\(")
+_MSL_MAX_THREADS_AFTER = re.compile(r"\s*" + _MSL_MAX_THREADS)
+
+
+def _msl_thread_limits(code: str) -> Dict[str, int]:
+    """{kernel name: N} of the kernels declared with ``[[max_total_threads_per_threadgroup(N)]]``,
+    before ``kernel void NAME(`` or after its parameter list (comments blanked)."""
+    limits = {name: int(n) for n, name in _MSL_MAX_THREADS_BEFORE.findall(code)}
+    for m in _MSL_KERNEL.finditer(code):
+        end = _close_paren(code, m.end() - 1)
+        after = _MSL_MAX_THREADS_AFTER.match(code, end + 1)
+        if after:
+            limits[m.group(1)] = int(after.group(1))
+    return limits
+
+
+def _close_paren(code: str, j: int) -> int:
+    """The index of the ')' closing the '(' at ``code[j]`` (len(code) when it is never closed)."""
+    depth = 0
+    while j < len(code):
+        depth += {"(": 1, ")": -1}.get(code[j], 0)
+        if depth == 0:
+            return j
+        j += 1
+    return j
+
+
+def _msl_syntax_error(code: str):
+    """(line, message) of the first error the simulated compiler can see in MSL whose comments
+    were blanked, or None.  Metal Shading Language Specification 1.5: MSL is C++14 with
+    restrictions, so parentheses, brackets and braces pair up as in any C++ program (an unclosed
+    one fails the compile), and 1.5.1 "Overloading": graphics and kernel functions cannot be
+    overloaded, so two definitions of one kernel name fail too."""
+    code = _MSL_LITERAL.sub(lambda m: re.sub(r"[^\n]", " ", m.group()), code)
+    stack = []
+    for i, ch in enumerate(code):
+        if ch in "([{":
+            stack.append((ch, i))
+        elif ch in _MSL_CLOSE:
+            if not stack or stack[-1][0] != _MSL_CLOSE[ch]:
+                return code.count("\n", 0, i) + 1, f"unexpected '{ch}'"
+            stack.pop()
+    if stack:
+        ch, i = stack[-1]
+        return code.count("\n", 0, i) + 1, f"'{ch}' is never closed (expected '{_MSL_OPEN[ch]}')"
+    defined = {}
+    for m in _MSL_KERNEL.finditer(code):
+        rest = code[_close_paren(code, m.end() - 1) + 1:].lstrip()
+        if rest.startswith("[["):     # an attribute after the parameter list
+            rest = rest[rest.find("]]") + 2:].lstrip()
+        if rest.startswith("{"):      # a definition, not a declaration
+            name = m.group(1)
+            line = code.count("\n", 0, m.start()) + 1
+            if name in defined:
+                return line, (f"redefinition of kernel '{name}' (first defined at line {defined[name]}; kernel "
+                              f"functions cannot be overloaded)")
+            defined[name] = line
+    return None
 
 
 def _check_range(what: str, buf: MTLBuffer, off: int, n: int) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from typing import Tuple
 
-from ..._errors import AcceleratorError
+from ..._errors import AcceleratorError, CompileError
 from ._library import LIBRARY
 
 _SCALAR_CTYPES = {"u32": "uint32_t", "i32": "int32_t", "u64": "uint64_t", "i64": "int64_t",
@@ -50,7 +50,11 @@ class KernelsMixin:
         rc = lib.zeModuleCreate(dev.ctx, dev.handle, desc, mod, log)
         text = self._build_log(log[0]) if log[0] != ffi.NULL else ""
         if rc:
-            self._fail("zeModuleCreate", rc, f"build log: {text.strip() or '(empty)'}")
+            err = self._error("zeModuleCreate", rc, f"build log: {text.strip() or '(empty)'}")
+            if err.code_name == "ZE_RESULT_ERROR_MODULE_BUILD_FAILURE":    # the SPIR-V did not build
+                err = CompileError(str(err), log=text, library=err.library, call=err.call, code=err.code,
+                                   code_name=err.code_name)
+            raise err
         handle = int(ffi.cast("uintptr_t", mod[0]))
         modules, _kernels, klock = self._kernel_state()
         with klock:
