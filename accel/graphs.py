@@ -451,7 +451,7 @@ class Graph:
                                        f"capture_end(), or on a stream that is not being captured; the capture goes on")
                 if h.rng is not None:
                     from . import random
-                    random._graph_replay(h.rng)
+                    random._graph_replay(h.rng, stream)
                 if h.pool is not None:
                     # before the launch: a pool replayed on a stream other than its own is kept
                     # from the general cache once a reset releases it, as torch keeps every
@@ -461,6 +461,8 @@ class Graph:
                     from . import memory
                     memory.device_allocator(h.index).pool_used_on(h.pool, handle, h.index)
                 backend.graph_launch(h.exec, handle)
+                if h.rng is not None:
+                    random._graph_replayed(h.rng, stream)
                 if h.allocs is not None:
                     h.allocs.replayed(handle)
                 if h.host is not None:

@@ -825,17 +825,23 @@ class AsyncPoolAllocator:
                 raise error
 
     def _wait_for(self, waiter: int, stream: int, device: int) -> None:
-        """``waiter`` (of this device, current) waits for the work queued on ``stream`` so far."""
+        """``waiter`` (a stream of this allocator's device) waits for the work queued on
+        ``stream`` (of ``device``) so far."""
         be = self._be
         with on_device(be, device):          # cudaEventRecord: the event's and stream's device
             event = be.event_create()
-            try:
+        try:
+            with on_device(be, device):
                 be.event_record(event, stream)
+            # The waiter's own device current: its handle may be 0, the legacy stream, which
+            # names the current device's (r65a: the other device's legacy stream waited instead,
+            # and the free was not ordered after the use)
+            with on_device(be, self._index):
                 be.stream_wait_event(waiter, event)
-            finally:
-                # an event destroyed before its work completes is released once it does
-                # (CUDA Runtime API, cudaEventDestroy); the wait already holds the dependency
-                self._destroy_event(event, device)
+        finally:
+            # an event destroyed before its work completes is released once it does
+            # (CUDA Runtime API, cudaEventDestroy); the wait already holds the dependency
+            self._destroy_event(event, device)
 
     def _cover(self, stream: int, device: int) -> Optional[_Mark]:
         """An event recorded on the dying ``stream``, or None when it could not be recorded

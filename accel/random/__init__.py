@@ -254,13 +254,31 @@ class _GraphRNG:
     again, while the states the user registered stay registered until the graph is reset or
     collected.  ``capturing``: the states this token's capture put in graph-safe mode."""
 
-    __slots__ = ("states", "implicit", "capturing", "device_index", "__weakref__")
+    __slots__ = ("states", "implicit", "capturing", "device_index", "waits", "after", "__weakref__")
 
     def __init__(self):
         self.states: Dict[object, object] = {}
         self.implicit = None
         self.capturing: List = []
         self.device_index = None
+        # The holders' last users, which a replay's prologue (a write of the holders on the
+        # replay's stream) must come after: the streams their blocks were allocated on (events
+        # recorded right after), then the graph's previous launch, which reads them (``after``,
+        # one event re-recorded per replay).  r65a: a replay on a second stream overwrote the
+        # holders before the first stream's replay had read them (both drew the same numbers).
+        self.waits: List = []
+        self.after = None
+
+
+def _note_holders_made(token: _GraphRNG, device_index: int) -> None:
+    """Holders of ``token`` were just allocated on the current stream of ``device_index``: its
+    first replay's prologue, on whichever stream, waits for that point (the caching allocator's
+    block may still be read by earlier work of that stream; a cudaMallocAsync allocation must
+    have completed: CUDA Runtime API, cudaMallocAsync)."""
+    from ..streams import Event, current_stream
+    event = Event()
+    event.record(current_stream(device_index))
+    token.waits.append(event)
 
 
 # device -> weak reference to the token whose capture is underway there (one per device):
@@ -304,6 +322,7 @@ def _graph_register(token, generator: Generator) -> _GraphRNG:
     if state not in token.states:
         state.register_graph(token)
         token.states[state] = None
+        _note_holders_made(token, state.device_index)
     return token
 
 
@@ -332,6 +351,7 @@ def _graph_capture_begin(device_index: int, token=None) -> _GraphRNG:
             default_state.register_graph(token)
             token.states[default_state] = None
             implicit = default_state
+            _note_holders_made(token, device_index)
         token.implicit = implicit
         for state in list(token.states):
             _enter_graph_safe_mode(token, state)
@@ -411,10 +431,23 @@ def _release_states(states, token) -> None:
         raise error
 
 
-def _graph_replay(token: _GraphRNG) -> None:
-    """Before a replay: each state the graph draws from writes its seed and offset to its
-    holders (on the current stream of its device) and advances by the graph's words."""
+def _graph_replay(token: _GraphRNG, stream) -> None:
+    """Before a replay on ``stream`` (the current stream of the graph's device): each state the
+    graph draws from writes its seed and offset to its holders there, after their last users,
+    and advances by the graph's words."""
     from ..streams import current_stream
+    for event in token.waits:       # the holders' last users (see _GraphRNG.waits)
+        stream.wait_event(event)
     for state, increment in list(token.states.items()):
         if increment:   # (a state the graph drew nothing from: no kernel reads its holders)
             state.replay_prologue(increment, stream=current_stream(state.device_index).handle, graph=token)
+
+
+def _graph_replayed(token: _GraphRNG, stream) -> None:
+    """After a replay's launch on ``stream``: the next replay's prologue waits for it (it reads
+    the holders the prologue overwrites)."""
+    from ..streams import Event
+    if token.after is None:
+        token.after = Event()
+    token.after.record(stream)
+    token.waits = [token.after]

@@ -124,17 +124,19 @@ def _implicit_deps(R: Runtime, s: Stream):
     return ()
 
 
-def _ordered_after(R: Runtime, s: Stream, point) -> bool:
+def _ordered_after(R: Runtime, s: Stream, point, also=()) -> bool:
     """Whether work queued on ``s`` now would run after ``point`` (queue, seq): the point is
     complete, or on ``s``'s queue, or a wait still pending on ``s`` (a cudaStreamWaitEvent, the
     legacy stream's implicit synchronization), directly or through other queues' pending waits,
     reaches it.  A pending operation's dependencies are all that can still hold it back: a point
-    it depends on that completed cannot have depended on ``point``, which has not."""
+    it depends on that completed cannot have depended on ``point``, which has not.  ``also``:
+    more (queue, seq) points the work will wait for (r65a: the records a graph's event wait
+    nodes wait for, cudaGraphAddEventWaitNode, which order the nodes depending on them)."""
     q0, seq0 = point
     if q0.done >= seq0 or s.q is q0:
         return True
     with R.engine.lock:
-        todo = [(s.q, s.q.enqueued)] + list(_implicit_deps(R, s))
+        todo = [(s.q, s.q.enqueued)] + list(_implicit_deps(R, s)) + list(also)
         seen: Dict[object, int] = {}
         while todo:
             q, k = todo.pop()
@@ -152,7 +154,7 @@ def _ordered_after(R: Runtime, s: Stream, point) -> bool:
     return False
 
 
-def _unmade(R: Runtime, a, s: Stream) -> bool:
+def _unmade(R: Runtime, a, s: Stream, also=()) -> bool:
     """Whether ``a`` is cudaMallocAsync memory that work queued on ``s`` now could touch before
     the allocating stream reaches the allocation.  CUDA Runtime API, cudaMallocAsync: "The
     allocation must not be accessed until the allocation operation completes"; "Stream query,
@@ -161,16 +163,16 @@ def _unmade(R: Runtime, a, s: Stream) -> bool:
     if a is None or s.capture is not None:
         return False    # captured work runs at a graph launch: its order is not known here
     point = R.making.get(a.base)
-    return point is not None and point[1] is not None and not _ordered_after(R, s, point)
+    return point is not None and point[1] is not None and not _ordered_after(R, s, point, also)
 
 
-def _async_unusable(R: Runtime, a, s: Stream) -> bool:
+def _async_unusable(R: Runtime, a, s: Stream, also=()) -> bool:
     """Whether work queued on ``s`` now may not touch allocation ``a`` (None: none): cudaMallocAsync
     memory a pending cudaFreeAsync freed (Runtime.freed_async), or not yet made (:func:`_unmade`)."""
-    return a is not None and (R.freed_async(a) or (bool(R.making) and _unmade(R, a, s)))
+    return a is not None and (R.freed_async(a) or (bool(R.making) and _unmade(R, a, s, also)))
 
 
-def _unmade_pointers(R: Runtime, ptrs, s: Stream) -> bool:
+def _unmade_pointers(R: Runtime, ptrs, s: Stream, also=()) -> bool:
     """Whether a kernel launched on ``s`` now with the pointer arguments ``ptrs`` would be handed
     cudaMallocAsync memory whose allocation ``s`` is not ordered after (:func:`_unmade`).  CUDA
     Runtime API, cudaMallocAsync: "The allocation must not be accessed until the allocation
@@ -181,7 +183,7 @@ def _unmade_pointers(R: Runtime, ptrs, s: Stream) -> bool:
     if not R.making or s.capture is not None:
         return False
     find = R.mem.find
-    return any(p and _unmade(R, find(p), s) for p in ptrs)
+    return any(p and _unmade(R, find(p), s, also) for p in ptrs)
 
 
 def _freed_ranges(R: Runtime) -> tuple:

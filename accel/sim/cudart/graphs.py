@@ -238,13 +238,38 @@ def _after_previous_launch(x: GraphExec) -> list:
     return [last]
 
 
-def _stale_copy(R: Runtime, n: Node, s: Stream) -> bool:
+def _stale_copy(R: Runtime, n: Node, s: Stream, also=()) -> bool:
     """Whether copy or memset node ``n`` touches cudaMallocAsync memory freed (cudaFreeAsync) or not
-    yet made for work queued on ``s`` now (common._unmade)."""
+    yet made for work queued on ``s`` now (common._unmade); ``also``: the points its event wait
+    ancestors wait for (:func:`_wait_points`)."""
     allocs = getattr(n.fn, "allocs", None) if n.kernel is None else None
     if not allocs:
         return False
-    return any(_async_unusable(R, a, s) for a in allocs)
+    return any(_async_unusable(R, a, s, also) for a in allocs)
+
+
+def _wait_points(R: Runtime, x: GraphExec) -> dict:
+    """node id -> the (queue, seq) records that the event wait nodes it depends on (directly or
+    through other nodes) wait for at a launch now.  cudaMallocAsync: "Stream query, stream
+    synchronize, and CUDA events can be used to guarantee that the allocation operation completes
+    before work submitted in a separate stream runs"; an event wait node (cudaGraphAddEventWaitNode,
+    cudaEventWaitExternal in a capture) is such an event wait for the nodes after it, so a launch
+    ordered after an allocation only through its own wait node is not refused (r65a: it was).  A
+    wait for a record made by the same launch, or never made, adds nothing (as the launch itself)."""
+    points, recorded = {}, set()
+    for n in x.nodes:       # capture order: every dependency comes before its node
+        mine = set()
+        for d in n.deps:
+            mine |= points.get(d, frozenset())
+        if n.event is not None:
+            if n.kind == "event_record":
+                recorded.add(id(n.event))
+            elif id(n.event) not in recorded:
+                r = n.event.rec
+                if r is not None and r.cap is None and r.q.done < r.seq:
+                    mine.add((r.q, r.seq))
+        points[n.id] = frozenset(mine)
+    return points
 
 
 def _replay(nodes: Sequence[Node], freed: tuple = ()):
@@ -307,13 +332,15 @@ def cudaGraphLaunch(R, graphExec, stream):
             # kernels would run freed code.  The docs name no error for it: the simulator refuses
             # the launch with the one an unknown kernel gets (cudaLaunchKernel).
             return cudaErrorInvalidDeviceFunction
-    if R.making and any(n.kernel is not None and _unmade_pointers(R, n.fn.ptrs, s) for n in x.nodes):
+    waits = _wait_points(R, x) if (R.making and x.plan is not None) else {}
+    if R.making and any(n.kernel is not None and _unmade_pointers(R, n.fn.ptrs, s, waits.get(n.id, ()))
+                        for n in x.nodes):
         # cudaMallocAsync: "The allocation must not be accessed until the allocation operation
         # completes": a kernel node is passed cudaMallocAsync memory whose allocation the launch's
         # stream is not ordered after (its order was not known at capture).  No code is
         # documented: refused (cudaErrorInvalidValue), as cudaLaunchKernel is, nothing queued.
         return cudaErrorInvalidValue
-    if (R.making or R.freeing) and any(_stale_copy(R, n, s) for n in x.nodes):
+    if (R.making or R.freeing) and any(_stale_copy(R, n, s, waits.get(n.id, ())) for n in x.nodes):
         # A copy or memset node on cudaMallocAsync memory a cudaFreeAsync freed before this launch
         # ("accessing the memory from any subsequent work launched on the GPU ... results in
         # undefined behavior") or whose allocation this stream is not ordered after ("must not be
