@@ -606,8 +606,11 @@ class Graph:
     # -- context manager -----------------------------------------------------------------
     def __enter__(self) -> None:
         import accel
-        self._refuse_before_sync(None)
-        accel.synchronize()
+        # The check and the synchronize under the capture gate: a capture another thread began
+        # between them would be invalidated by the synchronize (r65j)
+        with _graph_backend().capture_gate:
+            self._refuse_before_sync(None)
+            accel.synchronize()
         accel.memory.empty_cache()
         accel.memory.empty_host_cache()
         self.capture_begin()
@@ -920,11 +923,12 @@ def graph(cuda_graph: Graph, pool: Optional[Tuple[int, int]] = None, stream: Opt
     if stream is not None:
         stream = _as_stream(stream, "graph(stream)")
         stream._live()                          # a closed stream: refused before the synchronize
-    cuda_graph._refuse_before_sync(None)        # the device synchronize() waits on
-    if stream is not None:
-        cuda_graph._refuse_before_sync(stream.device_index)
     import accel
-    accel.synchronize()
+    with _graph_backend().capture_gate:         # check and synchronize as one (see Graph.__enter__)
+        cuda_graph._refuse_before_sync(None)    # the device synchronize() waits on
+        if stream is not None:
+            cuda_graph._refuse_before_sync(stream.device_index)
+        accel.synchronize()
     accel.memory.empty_cache()
     capture_stream = stream if stream is not None else _side_stream()
     capture_stream.wait_stream(current_stream(capture_stream.device_index))

@@ -339,12 +339,19 @@ class Space:
         _munmap(base, size)
 
     def reservation_of(self, addr: int) -> Optional[Reservation]:
-        bases = self._bases
-        i = bisect.bisect_right(bases, addr) - 1
-        if i < 0:
-            return None
-        r = self.reservations.get(bases[i])
-        return r if r is not None and addr < r.end else None
+        # Under the space's lock, shared (r65j), as mapping_at: callers outside it (Level Zero's
+        # context check of a copy or fill, zeCommandListAppendMemoryFill/Copy) ran while another
+        # thread's reserve/free shifted _bases between the bisect and the index, and a live
+        # reservation read as none (ZE_RESULT_ERROR_INVALID_ARGUMENT).  The Level Zero API is
+        # free-threaded (Level Zero spec, Core Programming Guide, multithreading) and a range stays
+        # reserved until zeVirtualMemFree (ze_api.h, zeVirtualMemReserve).  Reentrant.
+        with self.lock.shared():
+            bases = self._bases
+            i = bisect.bisect_right(bases, addr) - 1
+            if i < 0:
+                return None
+            r = self.reservations.get(bases[i])
+            return r if r is not None and addr < r.end else None
 
     # -- physical memory ------------------------------------------------------------------
     def create(self, device: int, size: int) -> int:
@@ -513,14 +520,22 @@ class Space:
             return m.access.get(device)
 
     def mapping_at(self, addr: int) -> Optional[Mapping]:
-        r = self.reservation_of(addr)
-        if r is None:
-            return None
-        i = bisect.bisect_right(r.bases, addr) - 1
-        if i < 0:
-            return None
-        m = r.maps[r.bases[i]]
-        return m if addr < m.end else None
+        # Under the space's lock, shared (r65j): callers outside it (cudaPointerGetAttributes,
+        # cudaMemcpyPeerAsync, zeVirtualMemGetAccessAttribute) ran while another thread's
+        # cuMemMap/cuMemUnmap inserted into or removed from r.bases between the bisect and the
+        # index, and a live mapped address read as unregistered (or a KeyError).  The runtime is
+        # thread-safe, and a range mapped with cuMemMap is device memory until cuMemUnmap (CUDA
+        # Driver API, Virtual Memory Management: cuMemMap/cuMemUnmap; Runtime API,
+        # cudaPointerGetAttributes).  Reentrant: callers already holding it pass through.
+        with self.lock.shared():
+            r = self.reservation_of(addr)
+            if r is None:
+                return None
+            i = bisect.bisect_right(r.bases, addr) - 1
+            if i < 0:
+                return None
+            m = r.maps[r.bases[i]]
+            return m if addr < m.end else None
 
     # -- what copies, memsets and kernels check --------------------------------------------
     def resolve(self, addr: int, nbytes: int, accessor: Optional[int], write: bool):
