@@ -144,6 +144,22 @@ def _graph_backend():
 
 
 @_refuse_copies("capture another Graph (sharing this one's pool: Graph(pool=g.pool()))")
+def _refuse_then_synchronize(graph: "Graph", indices) -> None:
+    """``with g:`` and :func:`graph`: capture_begin's refusals for the devices ``indices`` (None:
+    the current one), then a synchronize of the current device, as one step under the capture
+    gate: a capture another thread began between the check and the synchronize would be
+    invalidated by it (r65j).  Deferred releases run first, outside the gate: they take the
+    allocators' locks, which every other path takes before the gate (holding the gate across
+    accel.synchronize()'s drain deadlocked against a record_stream: tests/test_gc_stress.py)."""
+    if _fin.pending:
+        _fin.drain()
+    backend = _graph_backend()
+    with backend.capture_gate:
+        for index in indices:
+            graph._refuse_before_sync(index)
+        backend.device_synchronize()
+
+
 class Graph:
     """A captured sequence of device work that can be replayed.
 
@@ -606,11 +622,7 @@ class Graph:
     # -- context manager -----------------------------------------------------------------
     def __enter__(self) -> None:
         import accel
-        # The check and the synchronize under the capture gate: a capture another thread began
-        # between them would be invalidated by the synchronize (r65j)
-        with _graph_backend().capture_gate:
-            self._refuse_before_sync(None)
-            accel.synchronize()
+        _refuse_then_synchronize(self, (None,))
         accel.memory.empty_cache()
         accel.memory.empty_host_cache()
         self.capture_begin()
@@ -924,11 +936,8 @@ def graph(cuda_graph: Graph, pool: Optional[Tuple[int, int]] = None, stream: Opt
         stream = _as_stream(stream, "graph(stream)")
         stream._live()                          # a closed stream: refused before the synchronize
     import accel
-    with _graph_backend().capture_gate:         # check and synchronize as one (see Graph.__enter__)
-        cuda_graph._refuse_before_sync(None)    # the device synchronize() waits on
-        if stream is not None:
-            cuda_graph._refuse_before_sync(stream.device_index)
-        accel.synchronize()
+    # the current device (the one the synchronize waits on), and the capture stream's
+    _refuse_then_synchronize(cuda_graph, (None,) if stream is None else (None, stream.device_index))
     accel.memory.empty_cache()
     capture_stream = stream if stream is not None else _side_stream()
     capture_stream.wait_stream(current_stream(capture_stream.device_index))

@@ -415,6 +415,7 @@ def _graph_release(token: _GraphRNG) -> None:
     states = list(token.states)
     token.states.clear()
     token.implicit = None
+    token.waits, token.after = [], None     # its order points (Events) go with it
     _not_capturing_anymore(token)
     _release_states(states, token)
 
