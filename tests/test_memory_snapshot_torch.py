@@ -151,7 +151,9 @@ def test_dump_snapshot_is_pickle_protocol_4_and_json_only_for_json(sim_cuda, tmp
     assert set(data) >= {"segments", "device_traces", "allocator_settings"}
     assert pickle.loads((tmp_path / "torch_name.pickle").read_bytes())["segments"]
     text = json.loads((tmp_path / "snap.json").read_text())
-    assert [e["action"] for e in text["device_traces"][0]] == [e["action"] for e in data["device_traces"][0]]
+    # the json dump's trace also has the "snapshot" entry the pickle dump recorded (torch's
+    # TraceEntry::SNAPSHOT, recorded after a snapshot reads the trace)
+    assert [e["action"] for e in text["device_traces"][0]] == [e["action"] for e in data["device_traces"][0]] + ["snapshot"]
     # any other name is a pickle, as torch's
     memory.dump_snapshot(str(tmp_path / "snap"))
     assert (tmp_path / "snap").read_bytes()[:2] == b"\x80\x04"
@@ -163,7 +165,8 @@ def test_bad_path_raises_and_leaves_history(sim_cuda, tmp_path):
         buf = accel.Buffer(1000)
         with pytest.raises(FileNotFoundError):
             memory.dump_snapshot(str(tmp_path / "missing-dir" / "snap.pickle"))
-        assert [e["action"] for e in memory._snapshot()["device_traces"][0]][-1] == "alloc"
+        # the failed dump took its snapshot (recorded as torch's "snapshot" entry) before the write
+        assert [e["action"] for e in memory._snapshot()["device_traces"][0]][-2:] == ["alloc", "snapshot"]
         buf.close()
     finally:
         memory.record_history(False)
@@ -400,8 +403,8 @@ def test_record_history_bad_arguments(sim_cuda, kwargs, match):
         with pytest.raises(ValueError, match=match):
             memory._record_memory_history(**{"enabled": "all", **kwargs})
         accel.Buffer(100).close()
-        # state unchanged: still recording as before, with stacks
-        assert len(memory._snapshot()["device_traces"][0]) == len(before[0]) + 3
+        # state unchanged: still recording as before, with stacks (+1: the snapshot `before` took)
+        assert len(memory._snapshot()["device_traces"][0]) == len(before[0]) + 1 + 3
         assert _frames_of_last("alloc")[0]["name"] == "test_record_history_bad_arguments"
     finally:
         memory.record_history(False)

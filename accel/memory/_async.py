@@ -938,7 +938,7 @@ class AsyncPoolAllocator:
     def _trace(self, action: str, addr: int, size: int, stream: int) -> None:
         self._history.append({"action": action, "addr": addr, "size": size, "stream": stream,
                               "compile_context": "", "user_metadata": self._user_metadata,
-                              "time_us": time.monotonic_ns() // 1000})
+                              "time_us": time.monotonic_ns() // 1000, "pool_id": (0, 0)})
 
     def _not_allocated(self, ptr, alloc) -> Exception:
         if type(ptr) is not int:

@@ -1541,6 +1541,11 @@ class DeviceCachingAllocator(ExpandableSegments):
                 segments.extend(self._exp_snapshot(exp, symbols))
             segments.sort(key=lambda seg: seg["address"])
             records = list(self._history) if self._history is not None else []
+            if self._history is not None:
+                # torch (c10/cuda/CUDACachingAllocator.cpp): the device allocator's snapshot() ends
+                # with record_trace(SNAPSHOT, 0, total_active, ...), after the trace was read, so
+                # later traces line up with the snapshots taken during them
+                self._trace("snapshot", 0, sum(seg["active_size"] for seg in segments), 0)
         traces = [_trace_entry(record, symbols) for record in records]
         return {"segments": segments, "device_traces": traces}
 
