@@ -607,7 +607,8 @@ def test_snapshot_and_history():
     assert seg["blocks"][1]["state"] == "inactive"
     alloc.free(ptr)
     actions = [e["action"] for e in alloc.snapshot()["device_traces"]]
-    assert actions == ["segment_alloc", "alloc", "free_requested", "free_completed"]
+    # "snapshot": the first snapshot's entry (torch's TraceEntry::SNAPSHOT, recorded after it read the trace)
+    assert actions == ["segment_alloc", "alloc", "snapshot", "free_requested", "free_completed"]
     alloc.record_history(False)
     assert alloc.snapshot()["device_traces"] == []
 
