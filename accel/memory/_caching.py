@@ -1848,6 +1848,11 @@ class DeviceCachingAllocator(ExpandableSegments):
             other = self._split_instead(fl, i, block)
             if other is not None:
                 return other
+            if self._grow_instead(size, block, fl):
+                # as malloc's hot path: the request's own segment (the miss path), so that
+                # recording history, pending events, a MemPool context or roundup_power2_divisions
+                # (malloc's other path, through here) do not change where a request goes
+                return None
         return block       # still listed: malloc takes it out as it hands it out
 
     def _split_instead(self, fl: _FreeList, i: int, block: _Block) -> Optional[_Block]:
