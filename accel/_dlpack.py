@@ -882,6 +882,14 @@ def _ask(obj, backend, device, stream):
     queues its wait on the handle, which another thread's close() must not destroy (and hand to
     the next stream made) before that."""
     from .streams import Stream, _Hold, cuda_stream_handle, current_stream
+    consumer = None
+    if (isinstance(stream, Stream) and stream._handle == 0 and device is not None and backend.name == "cuda"
+            and stream._index != device[1]):
+        # Another device's legacy default stream: DLPack's 1 ("the legacy default stream") would
+        # name the producer's own device's (r65m: device 1's default stream was left unordered).
+        # The producer orders its work before its device's current stream instead, and the
+        # requested stream waits for that one.
+        consumer, stream = stream, None
     if stream is None and device is not None and backend.name == "cuda":
         from ._device import check_range
         check_range(device[1])
@@ -894,6 +902,9 @@ def _ask(obj, backend, device, stream):
         elif stream is not None and hasattr(stream, "__cuda_stream__"):
             stream = cuda_stream_handle(stream, "stream") or _CUDA_LEGACY
         try:
-            return obj.__dlpack__(stream=stream, max_version=(1, 0))
+            capsule = obj.__dlpack__(stream=stream, max_version=(1, 0))
         except TypeError:
-            return obj.__dlpack__(stream=stream)
+            capsule = obj.__dlpack__(stream=stream)
+        if consumer is not None:
+            wait_for_producer(backend, device[1], stream, consumer)
+        return capsule

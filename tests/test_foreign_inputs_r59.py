@@ -360,6 +360,10 @@ def test_misbehaving_producers(dev):
     src = _source(index)
     mine = (_KIND[kind], index)
     consumers = _consumers(index)
+    for i in range(accel.device_count()):
+        # every device's context made first: a producer that names another device has accel order
+        # that device's current stream before the copy's (r65m), which makes its context
+        accel.synchronize(i)
     before = _state()
     host = np.zeros(256, np.uint8)
     for what, consume in consumers.items():
