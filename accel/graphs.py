@@ -143,7 +143,6 @@ def _graph_backend():
     return backend
 
 
-@_refuse_copies("capture another Graph (sharing this one's pool: Graph(pool=g.pool()))")
 def _refuse_then_synchronize(graph: "Graph", indices) -> None:
     """``with g:`` and :func:`graph`: capture_begin's refusals for the devices ``indices`` (None:
     the current one), then a synchronize of the current device, as one step under the capture
@@ -160,6 +159,7 @@ def _refuse_then_synchronize(graph: "Graph", indices) -> None:
         backend.device_synchronize()
 
 
+@_refuse_copies("capture another Graph (sharing this one's pool: Graph(pool=g.pool()))")
 class Graph:
     """A captured sequence of device work that can be replayed.
 

@@ -341,6 +341,10 @@ class Module:
                     # handle may be another module's already: closed it stays)
                     with self._lock:
                         self._handle = h
+                        # the backend may have destroyed the kernels before the unload failed
+                        # (Level Zero: zeKernelDestroy, then zeModuleDestroy): looked up again
+                        self._functions.clear()
+                        self._smem_optin.clear()
                 raise
 
     def __del__(self, _finalizing=sys.is_finalizing):

@@ -513,9 +513,9 @@ class AsyncPoolAllocator:
         with self._lock, self._be.capture_gate:
             if self._routes or self._capture_underway():
                 raise CaptureError("empty_cache() is not allowed while a stream capture is underway "
-                                   "on any device (a capture in global mode is invalidated by the event "
-                                   f"synchronizes and frees; refused by device {self._index}'s allocator, "
-                                   "the first one asked); call it after capture_end()")
+                                   f"(device {self._index}'s allocator); call it after capture_end() (a capture "
+                                   "on any device blocks it: its event synchronizes and frees would invalidate "
+                                   "a global-mode capture)")
             if self._deferred:
                 self._flush_deferred()
             be = self._be

@@ -1361,9 +1361,9 @@ class DeviceCachingAllocator(ExpandableSegments):
             if self._routes or capture_underway(self._be):
                 # synchronizing events and cudaFree would invalidate a global-mode capture
                 raise CaptureError("empty_cache() is not allowed while a stream capture is underway "
-                                   "on any device (a capture in global mode is invalidated by the event "
-                                   f"synchronizes and frees; refused by device {self._index}'s allocator, "
-                                   "the first one asked); call it after capture_end()")
+                                   f"(device {self._index}'s allocator); call it after capture_end() (a capture "
+                                   "on any device blocks it: its event synchronizes and frees would invalidate "
+                                   "a global-mode capture)")
             self._reap_orphans()
             self._synchronize_and_free_events()
             drop_done_gates(self, self._blocks.values())

@@ -31,6 +31,7 @@ import weakref
 from typing import Dict, List
 
 from .. import _lazy
+from .._errors import CaptureError
 from ..backends._signals import deferred as _signals_deferred
 from .generator import DEFAULT_SEED, Generator, PhiloxArgs, check_seed
 
@@ -254,31 +255,72 @@ class _GraphRNG:
     again, while the states the user registered stay registered until the graph is reset or
     collected.  ``capturing``: the states this token's capture put in graph-safe mode."""
 
-    __slots__ = ("states", "implicit", "capturing", "device_index", "waits", "after", "__weakref__")
+    __slots__ = ("states", "implicit", "capturing", "device_index", "last", "__weakref__")
 
     def __init__(self):
         self.states: Dict[object, object] = {}
         self.implicit = None
         self.capturing: List = []
         self.device_index = None
-        # The holders' last users, which a replay's prologue (a write of the holders on the
-        # replay's stream) must come after: the streams their blocks were allocated on (events
-        # recorded right after), then the graph's previous launch, which reads them (``after``,
-        # one event re-recorded per replay).  r65a: a replay on a second stream overwrote the
-        # holders before the first stream's replay had read them (both drew the same numbers).
-        self.waits: List = []
-        self.after = None
+        # The stream the holders were last used on (a weak reference; None: not known, e.g.
+        # allocated on two streams): a replay's prologue writes them on the replay's stream, so
+        # when that is another stream it waits for this one first (r65a: a replay on a second
+        # stream overwrote the holders before the first stream's replay had read them, and both
+        # drew the same numbers; under cudaMallocAsync a replay wrote them before their
+        # allocation had run on the capture stream).
+        self.last = None
 
 
 def _note_holders_made(token: _GraphRNG, device_index: int) -> None:
-    """Holders of ``token`` were just allocated on the current stream of ``device_index``: its
-    first replay's prologue, on whichever stream, waits for that point (the caching allocator's
-    block may still be read by earlier work of that stream; a cudaMallocAsync allocation must
-    have completed: CUDA Runtime API, cudaMallocAsync)."""
-    from ..streams import Event, current_stream
-    event = Event()
-    event.record(current_stream(device_index))
-    token.waits.append(event)
+    """Holders of ``token`` were just allocated on the current stream of ``device_index``
+    (``_State._cache_alloc``): the stream its first replay's prologue must come after (the
+    caching allocator's block may still be read by earlier work of that stream; a cudaMallocAsync
+    allocation must have run: CUDA Runtime API, cudaMallocAsync).  Holders allocated on two
+    streams: not known (the first replay synchronizes the device)."""
+    from ..streams import current_stream
+    stream = current_stream(device_index)
+    if token.last is None:
+        token.last = weakref.ref(stream)
+    elif token.last() is not stream:
+        token.last = _UNKNOWN
+
+
+def _unknown():
+    return None
+
+
+_UNKNOWN = _unknown     # a "reference" to no stream: order after the whole device
+
+
+def _after_last_use(token: _GraphRNG, stream) -> None:
+    """Before a replay's prologue on ``stream``: the holders' last use (``token.last``) done, when
+    it was on another stream.  A host wait, not an event (an event that cannot be destroyed would
+    outlive the graph): the stream's, or the device's when the stream is unknown or closed; under
+    the capture gate, since a synchronize invalidates a capture another thread runs in global
+    mode.  With a capture underway the replay's stream waits on the device for the last one
+    instead; a closed or unknown one then refuses the replay (nothing queued)."""
+    last_ref = token.last
+    last = last_ref() if last_ref is not None else None
+    if last is stream:
+        return
+    from ..memory._caching import capture_underway
+    from ..streams import _Hold, on_device
+    be = stream._backend
+    with be.capture_gate:
+        if not capture_underway(be):
+            if last is not None and not last.closed:
+                with _Hold(last), on_device(be, last._index):
+                    be.stream_synchronize(last._handle)
+            else:
+                with on_device(be, stream._index):
+                    be.device_synchronize()
+            return
+    if last is None or last.closed:
+        raise CaptureError(f"replay() on {stream!r}: the graph's random-number state was last used on a stream that "
+                           f"is gone or not known, and a stream capture is underway, so it cannot be waited for; "
+                           f"replay it on the stream of its last replay, or after the capture ends (nothing was "
+                           f"queued)")
+    stream.wait_stream(last)
 
 
 # device -> weak reference to the token whose capture is underway there (one per device):
@@ -321,8 +363,12 @@ def _graph_register(token, generator: Generator) -> _GraphRNG:
         token = _GraphRNG()
     if state not in token.states:
         state.register_graph(token)
+        try:
+            _note_holders_made(token, state.device_index)
+        except BaseException:       # nothing registered: the holders go back
+            state.unregister_graph(token)
+            raise
         token.states[state] = None
-        _note_holders_made(token, state.device_index)
     return token
 
 
@@ -351,8 +397,9 @@ def _graph_capture_begin(device_index: int, token=None) -> _GraphRNG:
             default_state.register_graph(token)
             token.states[default_state] = None
             implicit = default_state
-            _note_holders_made(token, device_index)
         token.implicit = implicit
+        if implicit is not None:
+            _note_holders_made(token, device_index)     # on failure _undo_capture unregisters it
         for state in list(token.states):
             _enter_graph_safe_mode(token, state)
         token.device_index = device_index
@@ -415,7 +462,6 @@ def _graph_release(token: _GraphRNG) -> None:
     states = list(token.states)
     token.states.clear()
     token.implicit = None
-    token.waits, token.after = [], None     # its order points (Events) go with it
     _not_capturing_anymore(token)
     _release_states(states, token)
 
@@ -437,18 +483,13 @@ def _graph_replay(token: _GraphRNG, stream) -> None:
     graph draws from writes its seed and offset to its holders there, after their last users,
     and advances by the graph's words."""
     from ..streams import current_stream
-    for event in token.waits:       # the holders' last users (see _GraphRNG.waits)
-        stream.wait_event(event)
+    _after_last_use(token, stream)
     for state, increment in list(token.states.items()):
         if increment:   # (a state the graph drew nothing from: no kernel reads its holders)
             state.replay_prologue(increment, stream=current_stream(state.device_index).handle, graph=token)
 
 
 def _graph_replayed(token: _GraphRNG, stream) -> None:
-    """After a replay's launch on ``stream``: the next replay's prologue waits for it (it reads
-    the holders the prologue overwrites)."""
-    from ..streams import Event
-    if token.after is None:
-        token.after = Event()
-    token.after.record(stream)
-    token.waits = [token.after]
+    """After a replay's launch on ``stream``: a next replay on another stream waits for it (it
+    reads the holders that replay's prologue overwrites)."""
+    token.last = weakref.ref(stream)
