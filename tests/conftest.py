@@ -222,6 +222,25 @@ def deliver_then(signum: int, fn) -> None:
         _signals._mask(signal.SIG_SETMASK, old, ffi.NULL)
 
 
+def shrink_plan(plan: list, fails) -> list:
+    """The shortest sublist of a failing fuzz ``plan`` that still ``fails(plan)`` by deleting
+    chunks of it (delta debugging, halving the chunk size until single steps), for the model
+    fuzzers' shrinkers."""
+    n = 2
+    while len(plan) > 1:
+        chunk = max(1, len(plan) // n)
+        for i in range(0, len(plan), chunk):
+            cand = plan[:i] + plan[i + chunk:]
+            if cand and fails(cand):
+                plan, n = cand, max(n - 1, 2)
+                break
+        else:
+            if chunk == 1:
+                break
+            n = min(len(plan), 2 * n)
+    return plan
+
+
 def run_forked(fn, timeout: float = 60.0, hung: str = "forked child hung") -> int:
     """Run fn() in an os.fork child and return its exit status; a child still running after
     ``timeout`` seconds is killed and the test fails with ``hung`` (it never hangs the run)."""

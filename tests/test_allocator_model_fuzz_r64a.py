@@ -61,7 +61,7 @@ import accel
 from accel import memory, sim
 from accel._errors import OutOfMemoryError
 
-from conftest import use_sim
+from conftest import shrink_plan, use_sim
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -740,19 +740,7 @@ def shrink(kind: str, conf: str, seed: int, ops: int, needle: str, tries: int = 
 
     plan = Fuzz(kind, conf, seed, 2, ops).plan()
     assert fails(plan), f"seed {seed} does not fail with {needle!r}"
-    n = 2
-    while len(plan) > 1:
-        chunk = max(1, len(plan) // n)
-        for i in range(0, len(plan), chunk):
-            candidate = plan[:i] + plan[i + chunk:]
-            if candidate and fails(candidate):
-                plan, n = candidate, max(n - 1, 2)
-                break
-        else:
-            if chunk == 1:
-                break
-            n = min(len(plan), 2 * n)
-    return plan
+    return shrink_plan(plan, fails)
 
 
 # ---------------------------------------------------------------------------------- the sweeps

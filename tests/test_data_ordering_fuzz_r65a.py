@@ -88,7 +88,7 @@ from accel import memory
 from accel import random as R
 from accel.random import philox
 
-from conftest import use_sim
+from conftest import shrink_plan, use_sim
 from test_alloc_stress import _check_caching
 
 SEEDS = int(os.environ.get("R65A_ORDER_SEEDS", "10"))
@@ -1307,19 +1307,7 @@ def shrink(kind: str, seed: int, ops: int, needle: str, tries: int = 1, conf: st
         plan = Program(kind, seed, accel.device_count()).plan(ops)
         accel._lazy._reset_for_tests()
     assert fails(plan), f"seed {seed} does not fail with {needle!r}"
-    n = 2
-    while len(plan) > 1:
-        chunk = max(1, len(plan) // n)
-        for i in range(0, len(plan), chunk):
-            cand = plan[:i] + plan[i + chunk:]
-            if cand and fails(cand):
-                plan, n = cand, max(n - 1, 2)
-                break
-        else:
-            if chunk == 1:
-                break
-            n = min(len(plan), 2 * n)
-    return plan
+    return shrink_plan(plan, fails)
 
 
 BASE_SEED = {"cuda": 0, "xpu": 100000, "mps": 200000}

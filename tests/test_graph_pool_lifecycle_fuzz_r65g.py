@@ -87,7 +87,7 @@ import accel  # noqa: E402
 from accel import _finalize, memory, sim, streams as _streams  # noqa: E402
 from accel._errors import CaptureError  # noqa: E402
 from accel.memory import _caching  # noqa: E402
-from conftest import use_sim  # noqa: E402
+from conftest import shrink_plan, use_sim  # noqa: E402
 from test_alloc_stress import _check_caching, _sizes_of  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -813,19 +813,7 @@ def shrink(config: str, seed: int, steps: int, needle: str, extra: bool = True) 
 
     plan = plan_for(seed, steps)
     assert fails(plan), f"seed {seed} does not fail with {needle!r}"
-    n = 2
-    while len(plan) > 1:
-        chunk = max(1, len(plan) // n)
-        for i in range(0, len(plan), chunk):
-            cand = plan[:i] + plan[i + chunk:]
-            if cand and fails(cand):
-                plan, n = cand, max(n - 1, 2)
-                break
-        else:
-            if chunk == 1:
-                break
-            n = min(len(plan), 2 * n)
-    return plan
+    return shrink_plan(plan, fails)
 
 
 WALK_SEEDS = int(os.environ.get("R65G_WALK_SEEDS", "3"))

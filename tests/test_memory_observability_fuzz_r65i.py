@@ -70,7 +70,7 @@ import accel
 from accel import memory
 from accel._errors import OutOfMemoryError
 
-from conftest import use_sim
+from conftest import shrink_plan, use_sim
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -873,19 +873,7 @@ def shrink(kind: str, conf: str, seed: int, ops: int, needle: str) -> List[tuple
 
     plan = Oracle(kind, conf, seed, ops).plan()
     assert fails(plan)
-    n = 2
-    while len(plan) > 1:
-        chunk = max(1, len(plan) // n)
-        for i in range(0, len(plan), chunk):
-            cand = plan[:i] + plan[i + chunk:]
-            if cand and fails(cand):
-                plan, n = cand, max(n - 1, 2)
-                break
-        else:
-            if chunk == 1:
-                break
-            n = min(len(plan), 2 * n)
-    return plan
+    return shrink_plan(plan, fails)
 
 
 CUDA_CONFS = ["", "expandable_segments:False", "backend:cudaMallocAsync"]
