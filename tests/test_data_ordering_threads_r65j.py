@@ -76,6 +76,7 @@ from accel import memory
 
 from conftest import use_sim
 from test_alloc_stress import _check_caching
+from test_data_ordering_fuzz_r65a import Mismatch, join
 
 SEEDS = int(os.environ.get("R65J_SEEDS", "6"))
 OPS = int(os.environ.get("R65J_OPS", "40"))
@@ -92,20 +93,8 @@ BUSY_DEVICE = ("another graph is being captured", "is already capturing")
 Op = Tuple[int, int]
 
 
-def join(a: Dict[int, int], b: Dict[int, int]) -> Dict[int, int]:
-    out = dict(a)
-    for k, v in b.items():
-        if out.get(k, 0) < v:
-            out[k] = v
-    return out
-
-
 def hb(op: Optional[Op], vc: Dict[int, int]) -> bool:
     return op is None or vc.get(op[0], 0) >= op[1]
-
-
-class Mismatch(AssertionError):
-    pass
 
 
 class Abort(Exception):
