@@ -148,3 +148,50 @@ def test_a_launch_refused_while_filling_its_cells_leaves_the_next_one_right(sim_
     accel.launch(k, 1, 32, out, n, 3)
     accel.synchronize()
     assert (out.to_numpy(np.uint32) == 3).all()
+
+
+def test_threads_that_died_leave_no_argument_cells(seen, monkeypatch):
+    """Eight threads inside a launch at once each need a set of cells; once they have died the
+    backend holds none of theirs (state bounded by live threads, not by the most that ever
+    launched at once: CI's dying-threads program saw the shared pool grow from 11 to 16 sets)."""
+    import gc
+    import weakref
+    from accel.backends import cuda as cuda_backend
+    be = accel._lazy.lazy_init()
+    made = []
+    real_cells = cuda_backend._arg_cells
+
+    def tracked(ffi, n):
+        cells = real_cells(ffi, n)
+        made.append(weakref.ref(cells[3][0]))
+        return cells
+    monkeypatch.setattr(cuda_backend, "_arg_cells", tracked)
+    together = threading.Barrier(8)
+    real_launch = be.lib.cudaLaunchKernel
+
+    def launch_together(*a):
+        together.wait(timeout=30)
+        return real_launch(*a)
+    # one module each: a module's launches hold its lock
+    fs = [_module(b".visible .entry wide_r65d(.param .u64 a, .param .s64 b, .param .f64 c)").function("wide_r65d")
+          for _ in range(8)]
+    monkeypatch.setattr(be.lib, "cudaLaunchKernel", launch_together)
+    errors = []
+
+    def worker(i):
+        try:
+            accel.launch(fs[i], 1, 1, i, -i, 0.5)
+        except BaseException as exc:     # noqa: BLE001 - reported below
+            errors.append(exc)
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    monkeypatch.setattr(be.lib, "cudaLaunchKernel", real_launch)
+    accel.synchronize()
+    assert not errors, errors[0]
+    assert len(made) >= 8
+    gc.collect()
+    assert sum(r() is not None for r in made) == 0, "argument cells of dead threads are still held"
+    assert sorted(a[1] for a in seen) == list(range(8))

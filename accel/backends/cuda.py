@@ -116,6 +116,15 @@ def _arg_cells(ffi, n: int):
     return argv, slots, [None, dim3s[0], None, dim3s[1]], (cells, dim3s)
 
 
+class _ArgPools(threading.local):
+    """Per thread, argument count -> [_arg_cells sets free for a launch] (CudaBackend.launch).
+    Per thread so that the sets are bounded by the live threads: a thread's die with it (a shared
+    pool kept as many as were ever in flight at once)."""
+
+    def __init__(self):
+        self.by_count = {}
+
+
 class _DeferredDevice(threading.local):
     """A device scope's restore that CudaBackend.restore_device deferred (-1: none), per thread
     as CUDA's current device is."""
@@ -148,7 +157,7 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         self._count_path = ""
         self._count_reason = ""
         self._handles = {}       # int handle -> cdata, so hot calls skip ffi.cast
-        self._arg_pools = {}     # argument count -> [_arg_cells sets free for a launch] (launch)
+        self._arg_pools = _ArgPools()  # this thread's argument cells free for a launch
         self._live_modules = {}  # library handle -> PTX buffer kept alive for the runtime
         self._after_capture = deque()  # (fn, args): releases drivers refuse while a capture is underway
         self._driver_cuda = None  # cudaDriverGetVersion, read at first need
@@ -938,11 +947,13 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         # (under cudaLaunchKernel): each kernelParams entry points to "a region of memory from which
         # the actual kernel parameter will be copied", at the call (a capture copies them into the
         # node), so once the call returns the cells are free for the next launch.  A set is taken
-        # from its pool (list.pop: atomic) for this call alone, so two threads never share one, and
-        # goes back only after a call that returned: an error or a Ctrl-C in between leaves that
-        # set (maybe half written) to the collector.
+        # from the calling thread's pool for this call alone (popped: a launch reentered on this
+        # thread from a finalizer or signal handler takes another), and goes back only after a
+        # call that returned: an error or a Ctrl-C in between leaves that set (maybe half
+        # written) to the collector.
+        pools = self._arg_pools.by_count
         try:
-            cells = self._arg_pools[len(args)].pop()
+            cells = pools[len(args)].pop()
         except (KeyError, IndexError):
             cells = _arg_cells(self.ffi, len(args))
         argv, slots, dims, _ = cells
@@ -958,7 +969,7 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         path = self._kpath
         if path is not None and path != "library":
             rc = path.launch(function, tuple(grid), tuple(block), argv, shared_mem, stream)
-            self._arg_pools.setdefault(len(args), []).append(cells)
+            pools.setdefault(len(args), []).append(cells)
             self._check_driver(path, rc, "cuLaunchKernel")
             return
         # cudaLaunchKernel accepts a cudaKernel_t in place of a host function pointer.  dim3 is
@@ -974,7 +985,7 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
             dims[2] = block if type(block) is tuple else None
         rc = self.lib.cudaLaunchKernel(self.ffi.cast("void *", function), dims[1], dims[3], argv, shared_mem,
                                        self._handles.get(stream) or self._cast("cudaStream_t", stream))
-        self._arg_pools.setdefault(len(args), []).append(cells)
+        pools.setdefault(len(args), []).append(cells)
         if rc:
             self._check(rc, "cudaLaunchKernel")
 
