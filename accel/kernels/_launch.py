@@ -272,6 +272,23 @@ def _kernel_bounds(backend, kernel: Kernel) -> Tuple[int, int]:
     return attrs["max_threads_per_block"], attrs["shared_size_bytes"]
 
 
+def _opt_in_shared(backend, kernel: Kernel, shared_mem: int, static: int, lim: dict) -> None:
+    """Let ``kernel``'s function take ``shared_mem`` bytes of dynamic shared memory (its static
+    bytes ``static`` beside them), as a launch or an occupancy query of that size needs; the
+    caller holds the module's lock and checked the device's opt-in limit."""
+    if shared_mem <= lim["max_shared_per_block"] - static:
+        return
+    # CUDA Programming Guide, "Shared Memory" (7.x+): above 48 KB a kernel must opt in (its
+    # default maxDynamicSharedSizeBytes is 48 KB less its static shared memory).  The
+    # attribute is the function's (cudaFuncSetAttribute), shared by every Kernel object of it
+    # (another signature, a copy): kept per handle in its module, under the module's lock,
+    # and only ever raised.
+    optin = kernel.module._smem_optin
+    if shared_mem > optin.get(kernel.handle, 0):
+        backend.function_set_max_dynamic_shared(kernel.handle, shared_mem)
+        optin[kernel.handle] = shared_mem
+
+
 def _launch_locked(backend, kernel: Kernel, grid, block, packed, shared_mem: int, stream, lim: dict) -> None:
     bounds = kernel._bounds
     if bounds is None:
@@ -287,16 +304,7 @@ def _launch_locked(backend, kernel: Kernel, grid, block, packed, shared_mem: int
                          f"static shared memory pass the device's limit of {lim['max_shared_per_block_optin']} "
                          f"bytes per block; at most {lim['max_shared_per_block_optin'] - static} bytes of "
                          f"dynamic shared memory fit")
-    if shared_mem > lim["max_shared_per_block"] - static:
-        # CUDA Programming Guide, "Shared Memory" (7.x+): above 48 KB a kernel must opt in (its
-        # default maxDynamicSharedSizeBytes is 48 KB less its static shared memory).  The
-        # attribute is the function's (cudaFuncSetAttribute), shared by every Kernel object of it
-        # (another signature, a copy): kept per handle in its module, under the module's lock,
-        # and only ever raised.
-        optin = kernel.module._smem_optin
-        if shared_mem > optin.get(kernel.handle, 0):
-            backend.function_set_max_dynamic_shared(kernel.handle, shared_mem)
-            optin[kernel.handle] = shared_mem
+    _opt_in_shared(backend, kernel, shared_mem, static, lim)
     # An accel.Graph capturing the stream keeps the module loaded: each replay launches the kernel.
     keep = _capture_table(backend, stream) if _capture_events else None    # first: it may raise
     backend.launch(kernel.handle, grid, block, packed, shared_mem, stream.handle)

@@ -464,7 +464,8 @@ class Kernel:
         ``cudaOccupancyMaxPotentialBlockSize`` computes it (cuda_runtime.h; it is not an
         exported function): every block size from the limit down in steps of the warp size,
         through cudaOccupancyMaxActiveBlocksPerMultiprocessor, keeping the first that runs the
-        most threads per multiprocessor; min_grid_size fills every multiprocessor."""
+        most threads per multiprocessor; min_grid_size fills every multiprocessor.  Above 48 KiB of
+        ``dynamic_smem`` the function is opted in first, as accel.launch does for that size."""
         for what, v in (("dynamic_smem", dynamic_smem), ("block_size_limit", block_size_limit)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"max_potential_block_size: {what} must be an int >= 0, got {v!r}")
@@ -475,7 +476,15 @@ class Kernel:
         limits = self._backend.launch_limits(self._index)
         with on_device(self._backend, self._index), module._lock:    # not unloaded meanwhile (see launch)
             module._live()
-            func_max = self._backend.function_attributes(self.handle)["max_threads_per_block"]
+            attrs = self._backend.function_attributes(self.handle)
+            func_max, static = attrs["max_threads_per_block"], attrs["shared_size_bytes"]
+            most = limits["max_shared_per_block_optin"]
+            if static + dynamic_smem > most:
+                raise ValueError(f"max_potential_block_size: dynamic_smem={dynamic_smem} bytes and the kernel's "
+                                 f"{static} bytes of static shared memory pass the device's limit of {most} bytes "
+                                 f"per block; at most {most - static} bytes of dynamic shared memory fit")
+            from ._launch import _opt_in_shared
+            _opt_in_shared(self._backend, self, dynamic_smem, static, limits)     # as a launch would
             limit = block_size_limit or limits["max_threads_per_block"]
             limit = min(limit, limits["max_threads_per_block"], func_max)
             warp, per_sm = props.warp_size or 32, props.max_threads_per_multi_processor
