@@ -213,6 +213,10 @@ def zeKernelCreate(hModule, desc, phKernel):
         return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
     if desc.stype != C.ZE_STRUCTURE_TYPE_KERNEL_DESC:
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    if desc.flags > 0x3:
+        # ze_api.h, zeKernelCreate @returns: ZE_RESULT_ERROR_INVALID_ENUMERATION for
+        # `0x3 < desc->flags` (ze_kernel_flag_t has FORCE_RESIDENCY 0x1, EXPLICIT_RESIDENCY 0x2)
+        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
     name = ffi.string(desc.pKernelName).decode("utf-8", "replace")
     if name not in f["names"]:
         return C.ZE_RESULT_ERROR_INVALID_KERNEL_NAME

@@ -874,6 +874,15 @@ class MTLDevice(SimObject):
             # MTLResourceOptions: CPU cache mode 0-1 (bits 0-3), storage mode (bits 4-7), hazard
             # tracking mode 0-2 (bits 8-9); any other value is undefined: refused
             raise MetalValidationError(f"newBuffer: undefined MTLResourceOptions bits in {options:#x}")
+        if (options >> 8) & 3 == 1:
+            # MTLResourceHazardTrackingModeUntracked (1 << 8): "Metal doesn't track memory
+            # dependencies for untracked resources, which means you're responsible for ensuring
+            # that commands access those resources safely with barriers, fences, or events"
+            # (MTLHazardTrackingMode.untracked). The simulator runs every command in order, as if
+            # tracked, so it could not show a missing fence: not simulated, refused.
+            raise MetalValidationError("newBuffer: MTLResourceHazardTrackingModeUntracked is not simulated (the "
+                                       "simulator orders every command as if tracked, so it cannot check your "
+                                       "fences); use the default or tracked hazard tracking mode")
         if options & 0xF0 == 0x10:
             # MTLStorageModeManaged: didModifyRange: must announce CPU writes before the GPU reads
             # them ("... the behavior is undefined"); the simulator cannot see CPU writes
@@ -902,6 +911,13 @@ class MTLDevice(SimObject):
             # "pointer: A pointer to the starting memory address the method copies the
             # initialization data from"
             raise MetalValidationError("newBufferWithBytes:length:options: pointer is NULL")
+        if options & 0xF0 == 0x20:
+            # The method "initializes its contents by copying existing data into it" on the CPU,
+            # and a private buffer's storage is not the CPU's (MTLBuffer.contents: "Private
+            # resources aren't CPU-accessible"). The documentation is silent on private storage
+            # here (Metal's API validation asserts); the simulator refuses rather than copy.
+            raise MetalValidationError("newBufferWithBytes:length:options: private storage cannot be "
+                                       "initialized from CPU bytes; make a shared buffer and blit it")
         buf = self._buffer(length, options)
         if buf is not None:
             buf.view(0, length)[:] = self.rt.ffi.buffer(self.rt.ffi.cast("char *", ptr), length)

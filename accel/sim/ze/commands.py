@@ -430,6 +430,11 @@ def zeCommandListAppendWaitOnEvents(hCommandList, numEvents, phEvents):
     rt, rc = _ready()
     if rc:
         return rc
+    if not phEvents:
+        # ze_api.h, zeCommandListAppendWaitOnEvents @returns: ZE_RESULT_ERROR_INVALID_NULL_POINTER
+        # for `nullptr == phEvents`, whatever numEvents is (the loader's parameter validation
+        # checks it unconditionally); the simulator took (0, NULL) as an empty wait.
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
     got = _events(rt, None, numEvents, phEvents)
     if isinstance(got, int):
         return got
@@ -516,6 +521,10 @@ def zeCommandQueueExecuteCommandLists(hCommandQueue, numCommandLists, phCommandL
     cq = rt.get(hCommandQueue, "cmdqueue")
     if cq is None:
         return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if not phCommandLists:
+        # ze_api.h, zeCommandQueueExecuteCommandLists @returns: INVALID_NULL_POINTER for
+        # `nullptr == phCommandLists` (the simulator dereferenced it: a Python RuntimeError)
+        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
     if numCommandLists == 0:
         return C.ZE_RESULT_ERROR_INVALID_SIZE
     if hFence:

@@ -217,9 +217,14 @@ def zeEventQueryKernelTimestamp(hEvent, dstptr):
     if rc:
         return rc
     C = rt.C
-    ev = rt.get(hEvent, "event")
-    if ev is None:
-        return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    # ze_api.h, zeEventQueryKernelTimestamp: "Queries an event's timestamp value on the host", and
+    # answers ZE_RESULT_NOT_READY while the event is "not signaled": a host observation of the
+    # signal state, which only ZE_EVENT_POOL_FLAG_HOST_VISIBLE makes "also visible to host". The
+    # documents are silent on a pool without it: refused as zeEventQueryStatus refuses it
+    # (INVALID_ARGUMENT, _host_event); the simulator answered from such a pool.
+    ev = _host_event(rt, hEvent)
+    if isinstance(ev, int):
+        return ev
     if not ev.pool.flags & C.ZE_EVENT_POOL_FLAG_KERNEL_TIMESTAMP:
         return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
     if not ev.signaled:
