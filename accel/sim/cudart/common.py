@@ -227,16 +227,36 @@ def guard_freed(view, freed: tuple, device: int):
     return v
 
 
+def _blocks_legacy(cap: Capture, device: int) -> bool:
+    """Whether capture ``cap`` holds a blocking stream of ``device`` (its origin, or a stream of
+    any device that joined it by waiting on one of its events).  CUDA Programming Guide, "CUDA
+    Graphs" > "Prohibited and Unhandled Operations": "When any stream in the same context is being
+    captured, and it was not created with cudaStreamNonBlocking, any attempted use of the legacy
+    stream is invalid.  This is because the legacy stream handle at all times encompasses these
+    other streams".  The context is the stream's device, not the capture's origin (r66c: a blocking
+    stream of device 1 joined to a capture begun on device 0 left device 1's legacy stream usable,
+    and made device 0's legacy stream unusable though it does not encompass it)."""
+    return any(st.blocking and st.device == device for st in list(cap.tails))
+
+
 def _legacy_conflict(R: Runtime, device: int) -> int:
     """Using the legacy stream while a blocking stream of its device captures is
-    invalid (it would depend on the capture): invalidate those captures."""
+    invalid (it would depend on the capture): invalidate those captures
+    (cudaErrorStreamCaptureImplicit; :func:`_blocks_legacy`)."""
     rc = 0
     with R.clock:
         for cap in list(R.captures):
-            if cap.device == device and any(st.blocking for st in cap.tails):
+            if _blocks_legacy(cap, device):
                 cap.status = _STATUS_INVALIDATED
                 rc = cudaErrorStreamCaptureImplicit
     return rc
+
+
+def _legacy_captured(R: Runtime, device: int) -> bool:
+    """Whether a capture underway holds a blocking stream of ``device`` (a query of the legacy
+    stream then returns cudaErrorStreamCaptureImplicit: cudaStreamIsCapturing,
+    cudaStreamGetCaptureInfo)."""
+    return any(_blocks_legacy(c, device) for c in list(R.captures))
 
 
 def _unsafe_call(R: Runtime) -> int:
@@ -305,7 +325,12 @@ def _wait_device(R: Runtime, device: int) -> None:
 
 
 def _device_captures(R: Runtime, device: int) -> List[Capture]:
-    return [c for c in list(R.captures) if c.device == device]
+    """The captures underway with a stream of ``device`` (begun there, or joined by one of its
+    streams).  CUDA Programming Guide, "CUDA Graphs" > "Prohibited and Unhandled Operations": "It
+    is also invalid to query the execution status of or synchronize a broader handle which
+    encompasses an active stream capture, such as a device or context handle when any associated
+    stream is in capture mode" (r66c: only captures begun on ``device`` were counted)."""
+    return [c for c in list(R.captures) if c.device == device or any(st.device == device for st in list(c.tails))]
 
 
 # -- error names ---------------------------------------------------------------------

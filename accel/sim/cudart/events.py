@@ -27,6 +27,14 @@ def cudaStreamWaitEvent(R, stream, event, flags=0):
     if flags & _EVENT_WAIT_EXTERNAL:
         return _external_wait(R, s, e)
     r = e.rec
+    if s.legacy and R.captures and (r is None or r.cap is None):
+        # CUDA Programming Guide, "CUDA Graphs" > "Prohibited and Unhandled Operations": while a
+        # blocking stream of the device captures, "any attempted use of the legacy stream is
+        # invalid" -- a wait that is a no-op (the event never recorded, or its work already done)
+        # included (r66c: those returned cudaSuccess).  (An event of a capture: below, 906 too.)
+        rc = _legacy_conflict(R, s.device)
+        if rc:
+            return rc
     if r is None:
         return cudaSuccess      # never recorded: the wait is a no-op
     if r.cap is not None:
@@ -41,10 +49,6 @@ def cudaStreamWaitEvent(R, stream, event, flags=0):
         return cudaErrorStreamCaptureIsolation
     if r.q.done >= r.seq:
         return cudaSuccess      # already complete: nothing to wait for
-    if s.legacy and R.captures:
-        rc = _legacy_conflict(R, s.device)
-        if rc:
-            return rc
     deps = list(_implicit_deps(R, s))
     deps.append((r.q, r.seq))
     s.q.submit(None, deps, work=False)

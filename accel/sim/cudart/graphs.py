@@ -15,14 +15,14 @@ from .state import (
     _CAPTURE_GLOBAL, _CAPTURE_RELAXED, _CAPTURE_THREAD_LOCAL, _EVENT_DISABLE_TIMING, _NULL, _STATUS_ACTIVE,
     _STATUS_INVALIDATED, _STATUS_NONE, Capture, Graph, GraphExec, Node, Rec, Runtime, Stream, _addr,
     cudaErrorCapturedEvent, cudaErrorIllegalState, cudaErrorInvalidDeviceFunction,
-    cudaErrorInvalidResourceHandle, cudaErrorInvalidValue, cudaErrorOperatingSystem,
+    cudaErrorInvalidResourceHandle, cudaErrorInvalidValue, cudaErrorNotSupported, cudaErrorOperatingSystem,
     cudaErrorStreamCaptureImplicit, cudaErrorStreamCaptureInvalidated, cudaErrorStreamCaptureUnjoined,
     cudaErrorStreamCaptureUnmatched, cudaErrorStreamCaptureUnsupported, cudaErrorStreamCaptureWrongThread,
     cudaSuccess,
 )
 from .common import (
-    _async_unusable, _c_string, _enqueue, _freed_ranges, _implicit_deps, _invalidate, _is_null, _legacy_conflict, _lookup, _put,
-    _put_ptr, _stream, _unmade_pointers, _unsafe_call,
+    _async_unusable, _c_string, _enqueue, _freed_ranges, _implicit_deps, _invalidate, _is_null, _legacy_captured,
+    _legacy_conflict, _lookup, _put, _put_ptr, _stream, _unmade_pointers, _unsafe_call,
 )
 from .graph_memory import (
     _graph_mem_after_launch, _graph_mem_before_launch, _graph_mem_bind, _graph_mem_captured,
@@ -112,9 +112,11 @@ def cudaStreamIsCapturing(R, stream, pCaptureStatus):
         return cudaErrorInvalidResourceHandle
     if _is_null(pCaptureStatus):
         return cudaErrorInvalidValue
-    if s.legacy and R.captures:
-        if any(c.device == s.device and any(st.blocking for st in c.tails) for c in list(R.captures)):
-            return cudaErrorStreamCaptureImplicit
+    if s.legacy and R.captures and _legacy_captured(R, s.device):
+        # cudaStreamIsCapturing: on cudaStreamLegacy "while a blocking stream in the same device is
+        # capturing, it will return cudaErrorStreamCaptureImplicit" (a stream of the device that
+        # joined a capture begun on another device counts: common._blocks_legacy)
+        return cudaErrorStreamCaptureImplicit
     cap = s.capture
     _put(pCaptureStatus, _STATUS_NONE if cap is None else cap.status, "int *")
     return cudaSuccess
@@ -127,16 +129,27 @@ def cudaStreamGetCaptureInfo(R, stream, captureStatus_out, id_out=None, graph_ou
         return cudaErrorInvalidResourceHandle
     if _is_null(captureStatus_out):
         return cudaErrorInvalidValue
-    if s.legacy and R.captures:
-        if any(c.device == s.device and any(st.blocking for st in c.tails) for c in list(R.captures)):
-            return cudaErrorStreamCaptureImplicit
+    if not _is_null(edgeData_out) and _is_null(dependencies_out):
+        # cudaStreamGetCaptureInfo (CUDA 12.3+): "If edgeData_out is non-NULL then dependencies_out
+        # must be as well" (r66c: accepted before); no code is named: cudaErrorInvalidValue
+        return cudaErrorInvalidValue
+    if s.legacy and R.captures and _legacy_captured(R, s.device):
+        # "If called on cudaStreamLegacy (the "null stream") while a stream not created with
+        # cudaStreamNonBlocking is capturing, returns cudaErrorStreamCaptureImplicit"
+        return cudaErrorStreamCaptureImplicit
     cap = s.capture
+    if cap is not None and cap.status == _STATUS_ACTIVE and not (_is_null(graph_out) and _is_null(dependencies_out)):
+        # graph_out: "the graph being captured into", dependencies_out: "the array of nodes" the
+        # next captured node will depend on.  The simulator has no graph or node objects until
+        # cudaStreamEndCapture; it wrote NULL for both (and a count with no array), which a caller
+        # would go on to use as a graph and a node array (r66c).  Not simulated: refused.
+        return cudaErrorNotSupported
     _put(captureStatus_out, _STATUS_NONE if cap is None else cap.status, "int *")
     if cap is not None:
         if not _is_null(id_out):
             _put(id_out, cap.id, "unsigned long long *")
         if not _is_null(graph_out):
-            _put_ptr(graph_out, _NULL)      # the simulator has no graph object until EndCapture
+            _put_ptr(graph_out, _NULL)      # (invalidated: "valid data" only while active)
         if not _is_null(dependencies_out):
             _put_ptr(dependencies_out, _NULL)
         if not _is_null(edgeData_out):
@@ -201,7 +214,13 @@ def _launch_with_events(R: Runtime, x: GraphExec, s: Stream, freed: tuple = ()) 
             continue            # recorded earlier in this launch, or never: nothing more to wait for
         if r.cap is not None:
             if r.cap.ended:
-                continue        # as cudaStreamWaitEvent on an event of an ended capture
+                # The event was last recorded in a capture that has ended (it stands for a node of
+                # that graph).  What an event wait node waits for then, the docs do not say
+                # (cudaGraphAddEventWaitNode: "wait for all work captured in event"); a plain
+                # cudaStreamWaitEvent on such an event is cudaErrorInvalidValue on an H200 (see
+                # events._wait_captured_event).  r66c: the launch skipped the wait; refused the same
+                # way now, nothing queued.
+                return cudaErrorInvalidValue
             return cudaErrorCapturedEvent
         if r.q.done < r.seq:
             steps.append((kind, arg, (r.q, r.seq)))

@@ -68,6 +68,13 @@ def _allocation_to_free(R, ptr, kind):
         return (cudaSuccess if ptr == ffi.NULL else cudaErrorInvalidValue), None
     if a.kind != kind:
         return cudaErrorInvalidValue, None
+    if R.freed_async(a):
+        # cudaMallocAsync memory a cudaFreeAsync already freed (the free still queued): a double
+        # free.  CUDA Runtime API, cudaFree: "Otherwise, or if cudaFree(devPtr) has already been
+        # called before, an error is returned"; cudaFreeAsync: "After this API returns, accessing
+        # the memory ... results in undefined behavior".  r66c: it returned cudaSuccess and took
+        # the bytes off the device's count as well as off the pool's.
+        return cudaErrorInvalidValue, None
     if R.captures:
         rc = _unsafe_call(R)
         if rc:

@@ -9,7 +9,9 @@ from .state import (
     cudaErrorInvalidDevice, cudaErrorInvalidResourceHandle, cudaErrorInvalidValue,
     cudaErrorMemoryAllocation, cudaErrorNotSupported, cudaSuccess, _oom,
 )
-from .common import _enqueue, _implicit_deps, _is_null, _unmade, _lookup, _put, _put_ptr, _stream
+from .common import (
+    _enqueue, _implicit_deps, _is_null, _legacy_conflict, _unmade, _lookup, _put, _put_ptr, _stream,
+)
 from .pools import (
     _ACCESS_NONE, _ACCESS_READ, _ACCESS_READ_WRITE, _LOCATION_DEVICE, _LOCATION_HOST, _POOL_CHUNK, _POOL_RELEASE_THRESHOLD,
     _POOL_RESERVED_CURRENT, _POOL_RESERVED_HIGH, _POOL_USED_CURRENT, _POOL_USED_HIGH, _GraphAllocation,
@@ -38,6 +40,15 @@ def cudaMallocAsync(R, devPtr, size, hStream):
         return cudaErrorInvalidResourceHandle
     if s.capture is not None:
         return _capture_malloc(R, devPtr, size, s)
+    if s.legacy and R.captures:
+        # cudaMallocAsync "uses standard default stream semantics": an allocation queued on the
+        # legacy stream while a blocking stream of its device captures would depend on the capture
+        # (CUDA Programming Guide, "CUDA Graphs" > "Prohibited and Unhandled Operations": "any
+        # attempted use of the legacy stream is invalid"): cudaErrorStreamCaptureImplicit and the
+        # capture is invalidated, as for every other operation queued there (r66c: accepted before).
+        rc = _legacy_conflict(R, s.device)
+        if rc:
+            return rc
     if _oom and core.take_oom():
         return cudaErrorMemoryAllocation
     pool, dev = _default_pool(R, s.device), R.devices[s.device]
