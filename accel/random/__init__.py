@@ -297,7 +297,8 @@ def _after_last_use(token: _GraphRNG, stream) -> None:
     outlive the graph): the stream's, or the device's when the stream is unknown or closed; under
     the capture gate, since a synchronize invalidates a capture another thread runs in global
     mode.  With a capture underway the replay's stream waits on the device for the last one
-    instead, and a closed or unknown one is not waited for (no way is left that is safe)."""
+    instead, and a closed, unknown or capturing one is not waited for (no way is left that is
+    safe)."""
     last_ref = token.last
     last = last_ref() if last_ref is not None else None
     if last is stream:
@@ -314,9 +315,11 @@ def _after_last_use(token: _GraphRNG, stream) -> None:
                 with on_device(be, stream._index):
                     be.device_synchronize()
             return
-    if last is None or last.closed:
+    if last is None or last.closed or be.stream_is_capturing(last._handle):
         # Neither a synchronize (it would invalidate the other thread's capture) nor a device-side
-        # wait (the stream is gone or not known) is possible: the replay goes on unordered, as
+        # wait (the stream is gone or not known; or it is being captured, where the event would
+        # be recorded into the capture and the replay's stream join it: Programming Guide,
+        # "Cross-stream Dependencies and Events") is possible: the replay goes on unordered, as
         # before r65a's fix; refusing it would fail a program whose only fault is the timing.
         return
     stream.wait_stream(last)
