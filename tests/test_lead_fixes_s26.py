@@ -18,3 +18,27 @@ def test_max_potential_block_size_counts_the_opt_in_a_launch_would_make(sim_cuda
     limit = accel._lazy.lazy_init().launch_limits(1)["max_shared_per_block_optin"]
     with pytest.raises(ValueError, match=rf"dynamic_smem={limit + 1}.*at most {limit} bytes"):
         k.max_potential_block_size(dynamic_smem=limit + 1)
+
+
+@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")
+def test_a_grow_instead_miss_that_meets_a_capture_takes_the_cached_segment(monkeypatch):
+    """r66e's case with the capture begun after _grow_instead chose the miss path (the rule made
+    to answer True whatever the capture): the miss, which frees nothing during a capture, serves
+    the request from the cached segment instead of raising OutOfMemoryError."""
+    from accel.memory import _caching
+    from conftest import use_sim
+    from test_review_r66e import MiB, _big_free_segment_under_cap
+    use_sim(monkeypatch, "cuda", ACCEL_ALLOC_CONF="expandable_segments:False")
+    monkeypatch.setattr(_caching.DeviceCachingAllocator, "_grow_instead",
+                        lambda self, size, block, fl: block.seg is None and fl.owner is None)
+    a, s2 = accel.Stream(0), accel.Stream(0)
+    with a:
+        _big_free_segment_under_cap(67, s2)
+        g = accel.Graph(capture_error_mode="relaxed")
+        g.capture_begin()
+        try:
+            y = accel.Buffer(4 * MiB, stream=s2)
+            y.close()
+        finally:
+            g.capture_end()
+    g.reset()

@@ -180,9 +180,6 @@ def _big_free_segment_under_cap(cap_mib, stream):
     assert sorted(s["total_size"] // MiB for s in memory.memory_snapshot()) == [2, 64]
 
 
-@pytest.mark.xfail(strict=True, reason="r66e: _grow_instead sends the request to the miss path, which may "
-                                       "not free the cached segment during a capture: OOM with 64 MiB cached "
-                                       "(memory/_caching.py malloc -> _grow_instead -> _malloc_miss_gated)")
 @pytest.mark.parametrize("mode", ["relaxed", "thread_local", "global"])
 @pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")
 def test_a_request_the_cached_segment_fits_is_served_during_a_capture(monkeypatch, mode):
@@ -210,9 +207,6 @@ def test_the_same_request_without_a_capture_is_served(monkeypatch):
     y.close()
 
 
-@pytest.mark.xfail(strict=True, reason="r66e: _grow_instead asks for a new segment that "
-                                       "throw_on_cudamalloc_oom then rejects although the cached segment fits "
-                                       "(memory/_caching.py _grow_instead / _reject_past_cap)")
 def test_throw_on_cudamalloc_oom_serves_a_request_the_cache_fits(monkeypatch):
     use_sim(monkeypatch, "cuda", ACCEL_ALLOC_CONF="expandable_segments:False,throw_on_cudamalloc_oom:True")
     big = accel.Buffer(64 * MiB)

@@ -1836,7 +1836,7 @@ class DeviceCachingAllocator(ExpandableSegments):
                 best, waste = packed, w
         return best
 
-    def _find(self, fl: _FreeList, size: int) -> Optional[_Block]:
+    def _find(self, fl: _FreeList, size: int, grow_instead: bool = True) -> Optional[_Block]:
         keys = fl.keys
         i = bisect_left(keys, size << _SHIFT)
         if i == len(keys):
@@ -1848,7 +1848,7 @@ class DeviceCachingAllocator(ExpandableSegments):
             other = self._split_instead(fl, i, block)
             if other is not None:
                 return other
-            if self._grow_instead(size, block, fl):
+            if grow_instead and self._grow_instead(size, block, fl):
                 # as malloc's hot path: the request's own segment (the miss path), so that
                 # recording history, pending events, a MemPool context or roundup_power2_divisions
                 # (malloc's other path, through here) do not change where a request goes
@@ -1901,7 +1901,10 @@ class DeviceCachingAllocator(ExpandableSegments):
         release (reserved + own within the high-water mark): 1.182 / 125 / 5, 1,051 frees."""
         if block.seg is not None or self._torch_policy or self._max_split != _config.UNLIMITED or fl.owner is not None:
             return False
-        return block.size > 4 * ((size + ROUND_LARGE - 1) // ROUND_LARGE * ROUND_LARGE)
+        # During a capture the miss path frees nothing (no cudaFree), so the new segment could
+        # fail where the cached one fits: best fit then (_malloc_miss_gated's `cached` covers a
+        # capture that begins after this test)
+        return block.size > 4 * ((size + ROUND_LARGE - 1) // ROUND_LARGE * ROUND_LARGE) and not capture_underway(self._be)
 
     def _malloc_miss(self, size: int, nbytes: int, fl: _FreeList) -> _Block:
         """No cached block fits: wait for pending blocks, grow, or free the cache and retry.
@@ -1913,6 +1916,11 @@ class DeviceCachingAllocator(ExpandableSegments):
 
     def _malloc_miss_gated(self, size: int, nbytes: int, fl: _FreeList) -> _Block:
         capturing = capture_underway(self._be)
+        if capturing:
+            # a miss _grow_instead chose (a capture began since): the cached block, as best fit
+            cached = self._find(fl, size, grow_instead=False)
+            if cached is not None:
+                return cached
         if self._pending_events and not capturing:
             self._process_events()
             block = self._find(fl, size)
@@ -1946,6 +1954,11 @@ class DeviceCachingAllocator(ExpandableSegments):
             # (a no_split MemPool hands a block out whole: a packed segment would be one block)
             seg_size = self._packed_segment_size(size, seg_size)
         if self._config.throw_on_cudamalloc_oom:
+            if self._cur[RESERVED_BYTES] + own_size > self._allowed_bytes():
+                # a miss _grow_instead chose: the cached block it passed over still serves
+                cached = self._find(fl, size, grow_instead=False)
+                if cached is not None:
+                    return cached
             self._reject_past_cap(own_size, size)
         if not capturing:
             self._before_grow(seg_size)
@@ -1971,6 +1984,11 @@ class DeviceCachingAllocator(ExpandableSegments):
                 self._exp_unmap()
             block = self._device_alloc(seg_size, fl)
         if block is None:
+            # a miss _grow_instead chose, where the retry could not free the cached block it
+            # passed over (another thread's use, a cap it alone does not satisfy): best fit
+            cached = self._find(fl, size, grow_instead=False)
+            if cached is not None:
+                return cached
             return self._oom(size, seg_size, fl)
         if self._history is not None:
             st = None
