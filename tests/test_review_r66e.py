@@ -223,9 +223,6 @@ FILL = "accel_test_fill_u32"
 SIG = "ptr, u64, u32"
 
 
-@pytest.mark.xfail(strict=True, reason="r66e: after a failed unload Module.function returns the cached "
-                                       "Kernel whose ze kernel the backend destroyed (kernels/_module.py "
-                                       "close clears _functions, not _kernels)")
 def test_a_failed_unload_leaves_the_module_launchable(monkeypatch):
     use_sim(monkeypatch, "xpu")
     m = accel.Module(spirv_module(FILL))
@@ -239,6 +236,8 @@ def test_a_failed_unload_leaves_the_module_launchable(monkeypatch):
     assert not m.closed, "a failed unload leaves the module loaded (close may be tried again)"
     accel.launch(m.function(FILL, SIG), 1, 64, out, 64, 9)
     assert (out.to_numpy(np.uint32)[:64] == 9).all()
+    accel.launch(k, 1, 64, out, 64, 11)         # the Kernel the program held through it
+    assert (out.to_numpy(np.uint32)[:64] == 11).all()
     m.close()
     out.close()
 

@@ -345,7 +345,23 @@ class Module:
                         # (Level Zero: zeKernelDestroy, then zeModuleDestroy): looked up again
                         self._functions.clear()
                         self._smem_optin.clear()
+                        self._look_up_again(h)
                 raise
+
+    def _look_up_again(self, handle: int) -> None:
+        """After a failed unload (under the lock): the live Kernel objects get their functions
+        looked up again, since the backend may have destroyed the old ones.  One that cannot be
+        looked up keeps its old handle, which the backend then refuses by name at launch."""
+        from ..streams import on_device
+        for k in list(self._kernels.values()):
+            try:
+                fn = self._functions.get(k.name)
+                if fn is None:
+                    with on_device(self._backend, self._index):
+                        fn = self._functions[k.name] = self._backend.module_function(handle, k.name)
+            except Exception:       # noqa: BLE001 - the unload's own error is the one raised
+                continue
+            k.handle = fn
 
     def __del__(self, _finalizing=sys.is_finalizing):
         if _finalizing():
