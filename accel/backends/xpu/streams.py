@@ -165,6 +165,12 @@ class StreamsMixin:
         if s.marker is not None:
             self._retire(s.marker[0])
             s.marker = None
+        # The kernels it launched forget it (their records are for module_unload's waits, and
+        # the stream ran dry above): kept, they held up to 16 dead streams per kernel.
+        _modules, kernels, klock = self._kernel_state()
+        with klock:
+            for entry in kernels.values():
+                entry[3].pop(s, None)
 
     def _destroy_list(self, s: _Stream) -> None:
         """zeCommandListDestroy of an idle stream (caller holds ``s.lock``); on failure it stays live."""
