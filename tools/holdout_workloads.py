@@ -10,8 +10,8 @@ The first seven were used once to choose between two piece rules of expandable s
 recorded afterwards and only measured (never tuned on, as of their commit); the third eight
 were recorded on 2026-12-03 to validate a policy change and only measured; the fourth eight
 were recorded on 2026-12-05 as a fresh held-out set (program shapes in none of the others)
-and only measured.  Record a fresh set before tuning on any of them.  Each returns
-``(setup, run, description)`` as the corpus workloads do.
+and only measured; the fifth eight likewise on 2026-12-06.  Record a fresh set before
+tuning on any of them.  Each returns ``(setup, run, description)`` as the corpus workloads do.
 """
 
 from __future__ import annotations
@@ -1695,6 +1695,615 @@ def _fpn_retina_eval_varsize():
                         "at random sizes 256-640 (multiples of 32)")
 
 
+# -- fifth batch (recorded 2026-12-06 by helper r66f as a fresh held-out set, only measured) --
+
+def _whisper_like_asr_train():
+    import math
+    import torch
+    from torch import nn
+
+    V, D, H, PAD = 4000, 192, 4, -100
+
+    def sinusoids(t, d):
+        inv = torch.exp(-math.log(10000) * torch.arange(0, d, 2) / d)
+        ang = torch.arange(t)[:, None] * inv[None]
+        return torch.cat([ang.sin(), ang.cos()], 1)
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.kv, self.o = nn.Linear(D, D), nn.Linear(D, 2 * D), nn.Linear(D, D)
+
+        def forward(self, x, mem=None, causal=False):
+            b, t, _ = x.shape
+            src = x if mem is None else mem
+            q = self.q(x).view(b, t, H, -1).transpose(1, 2)
+            k, v = self.kv(src).view(b, src.shape[1], 2, H, -1).permute(2, 0, 3, 1, 4)
+            a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return self.o(a.transpose(1, 2).reshape(b, t, D))
+
+    class EncLayer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.att, self.ln2 = nn.LayerNorm(D), Attn(), nn.LayerNorm(D)
+            self.ff = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D))
+
+        def forward(self, x):
+            x = x + self.att(self.ln1(x))
+            return x + self.ff(self.ln2(x))
+
+    class DecLayer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.self_att = nn.LayerNorm(D), Attn()
+            self.ln2, self.cross = nn.LayerNorm(D), Attn()
+            self.ln3 = nn.LayerNorm(D)
+            self.ff = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D))
+
+        def forward(self, x, mem):
+            x = x + self.self_att(self.ln1(x), causal=True)
+            x = x + self.cross(self.ln2(x), mem)
+            return x + self.ff(self.ln3(x))
+
+    class Whisper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1 = nn.Conv1d(80, D, 3, padding=1)
+            self.conv2 = nn.Conv1d(D, D, 3, stride=2, padding=1)
+            self.enc = nn.ModuleList(EncLayer() for _ in range(3))
+            self.enc_ln = nn.LayerNorm(D)
+            self.tok, self.pos = nn.Embedding(V, D), nn.Embedding(256, D)
+            self.dec = nn.ModuleList(DecLayer() for _ in range(3))
+            self.dec_ln = nn.LayerNorm(D)
+
+        def forward(self, mel, tokens):
+            x = nn.functional.gelu(self.conv2(nn.functional.gelu(self.conv1(mel)))).transpose(1, 2)
+            x = x + sinusoids(x.shape[1], D)
+            for lyr in self.enc:
+                x = lyr(x)
+            mem = self.enc_ln(x)
+            y = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1]))
+            for lyr in self.dec:
+                y = lyr(y, mem)
+            return self.dec_ln(y) @ self.tok.weight.t()                 # tied output projection
+
+    def setup():
+        model = Whisper()
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def run(state):
+        model, opt = state
+        g = torch.Generator().manual_seed(31)
+        for batch, frames, max_tok in ((6, 1000, 48), (4, 1500, 80), (8, 600, 32), (5, 1200, 64)):
+            mel = torch.randn(batch, 80, frames, generator=g).log_softmax(1)   # log-mel stand-in
+            lens = torch.randint(max_tok // 3, max_tok + 1, (batch,), generator=g)
+            t = int(lens.max())
+            toks = torch.randint(1, V, (batch, t + 1), generator=g)
+            keep = torch.arange(t + 1)[None] <= lens[:, None]
+            inp = toks[:, :-1].masked_fill(~keep[:, :-1], 0)
+            tgt = toks[:, 1:].masked_fill(~keep[:, 1:], PAD)
+            opt.zero_grad(set_to_none=True)
+            logits = model(mel, inp)
+            loss = nn.functional.cross_entropy(logits.reshape(-1, V), tgt.reshape(-1), ignore_index=PAD)
+            loss.backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+    return setup, run, ("Whisper-like ASR encoder-decoder (Conv1d stem with stride 2 over 80 log-mel bins, 3 "
+                        "pre-norm encoder + 3 decoder layers with causal self- and cross-attention, d=192, tied "
+                        "embedding vocab 4000), padded targets, clip_grad_norm_, AdamW; batch x frames x max "
+                        "tokens 6x1000x48, 4x1500x80, 8x600x32, 5x1200x64")
+
+
+def _two_tower_inbatch_train():
+    import torch
+    from torch import nn
+
+    U, I, C, D = 60_000, 150_000, 500, 64
+
+    class UserTower(nn.Module):
+        def __init__(self, item_table):
+            super().__init__()
+            self.uid = nn.Embedding(U, D)
+            self.items = item_table
+            self.mlp = nn.Sequential(nn.Linear(3 * D, 256), nn.ReLU(), nn.Linear(256, D))
+
+        def forward(self, uid, hist, hist_off, recent):
+            h = nn.functional.embedding_bag(hist, self.items.weight, hist_off, mode="mean")
+            r = self.items(recent).mean(1)                              # last 5 items, averaged
+            return self.mlp(torch.cat([self.uid(uid), h, r], 1))
+
+    class ItemTower(nn.Module):
+        def __init__(self, item_table):
+            super().__init__()
+            self.items, self.cat = item_table, nn.Embedding(C, 16)
+            self.mlp = nn.Sequential(nn.Linear(D + 16 + 8, 256), nn.ReLU(), nn.Linear(256, D))
+
+        def forward(self, iid, cat, feats):
+            return self.mlp(torch.cat([self.items(iid), self.cat(cat), feats], 1))
+
+    def setup():
+        items = nn.Embedding(I, D)
+        user, item = UserTower(items), ItemTower(items)
+        params = list({id(p): p for p in list(user.parameters()) + list(item.parameters())}.values())
+        return user, item, torch.optim.Adagrad(params, lr=0.05)
+
+    def run(state):
+        user, item, opt = state
+        g = torch.Generator().manual_seed(32)
+        logq_table = torch.log(torch.rand(I, generator=g) * 1e-4 + 1e-6)   # sampling-probability estimate
+        for batch, hist_len in ((1024, 30), (4096, 10), (2048, 50), (512, 80)):
+            uid = torch.randint(0, U, (batch,), generator=g)
+            lens = torch.randint(1, 2 * hist_len, (batch,), generator=g)
+            off = torch.cat([lens.new_zeros(1), lens.cumsum(0)[:-1]])
+            hist = torch.randint(0, I, (int(lens.sum()),), generator=g)
+            recent = torch.randint(0, I, (batch, 5), generator=g)
+            iid = torch.randint(0, I, (batch,), generator=g)
+            cat, feats = torch.randint(0, C, (batch,), generator=g), torch.randn(batch, 8, generator=g)
+            opt.zero_grad(set_to_none=True)
+            u = nn.functional.normalize(user(uid, hist, off, recent), dim=1)
+            v = nn.functional.normalize(item(iid, cat, feats), dim=1)
+            logits = u @ v.t() / 0.05 - logq_table[iid][None, :]        # in-batch negatives, logQ correction
+            loss = nn.functional.cross_entropy(logits, torch.arange(batch))
+            loss.backward()
+            opt.step()
+    return setup, run, ("two-tower retrieval model (user tower: id embedding 60k + mean EmbeddingBag over history "
+                        "and last-5 items from a shared 150k x 64 item table + MLP; item tower: shared table + "
+                        "category + dense features + MLP), normalized dot products, batch x batch in-batch "
+                        "softmax with logQ correction, Adagrad (dense); batch x history 1024x30, 4096x10, "
+                        "2048x50, 512x80")
+
+
+def _speculative_decode():
+    import torch
+    from torch import nn
+
+    V = 6000
+
+    def decoder(d, heads, layers):
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+                self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
+                self.ff = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+            def forward(self, x, cache):
+                b, t, _ = x.shape
+                q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+                past = cache.get("k")
+                if past is not None:
+                    k, v = torch.cat([past, k], 2), torch.cat([cache["v"], v], 2)
+                cache["k"], cache["v"] = k, v
+                s = k.shape[2]
+                mask = torch.ones(t, s, dtype=torch.bool).tril(s - t)   # causal over the new tokens
+                a = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                x = x + self.o(a.transpose(1, 2).reshape(b, t, d))
+                return x + self.ff(self.ln2(x))
+
+        class LM(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.tok, self.pos = nn.Embedding(V, d), nn.Embedding(1024, d)
+                self.blocks = nn.ModuleList(Block() for _ in range(layers))
+                self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, V, bias=False)
+
+            def forward(self, idx, caches, start):
+                x = self.tok(idx) + self.pos(torch.arange(start, start + idx.shape[1]))
+                for blk, c in zip(self.blocks, caches):
+                    x = blk(x, c)
+                return self.head(self.ln(x))
+        return LM().eval()
+
+    def crop(caches, n):                                                # drop rejected positions (views)
+        for c in caches:
+            c["k"], c["v"] = c["k"][:, :, :n], c["v"][:, :, :n]
+
+    def setup():
+        return decoder(384, 6, 4), decoder(128, 4, 1)
+
+    def run(state):
+        target, draft = state
+        g = torch.Generator().manual_seed(33)
+        gamma = 4
+        with torch.no_grad():
+            for batch, prompt, new in ((4, 96, 28), (2, 200, 20), (6, 40, 20)):
+                tc, dc = [dict() for _ in target.blocks], [dict() for _ in draft.blocks]
+                seq = torch.randint(0, V, (batch, prompt), generator=g)
+                tlog = target(seq[:, :-1], tc, 0)                        # prefill both, last token pending
+                draft(seq[:, :-1], dc, 0)
+                del tlog
+                while seq.shape[1] < prompt + new:
+                    n = seq.shape[1]
+                    last, qs, props = seq[:, -1:], [], []
+                    for j in range(gamma):                              # draft proposes gamma tokens
+                        q = draft(last, dc, n - 1 + j)[:, -1].softmax(-1)
+                        last = torch.multinomial(q, 1, generator=g)
+                        qs.append(q)
+                        props.append(last)
+                    prop = torch.cat(props, 1)
+                    p = target(torch.cat([seq[:, -1:], prop], 1), tc, n - 1).softmax(-1)   # b, gamma+1, V
+                    q = torch.stack(qs, 1)
+                    pt = p[:, :gamma].gather(2, prop[..., None])[..., 0]
+                    qt = q.gather(2, prop[..., None])[..., 0]
+                    ok = torch.rand(batch, gamma, generator=g) < (pt / qt).clamp(max=1)
+                    acc = int(ok.cumprod(1).sum(1).min())                # accept the common prefix
+                    if acc < gamma:                                      # resample from the residual
+                        resid = (p[:, acc] - q[:, acc]).clamp(min=0) + 1e-9
+                        fix = torch.multinomial(resid / resid.sum(-1, keepdim=True), 1, generator=g)
+                    else:
+                        fix = torch.multinomial(p[:, gamma], 1, generator=g)
+                    seq = torch.cat([seq, prop[:, :acc], fix], 1)
+                    crop(tc, n + acc)
+                    crop(dc, n + acc)
+                    del p, q, qs, props, prop, pt, qt, ok
+                del tc, dc, seq
+    return setup, run, ("speculative decoding under no_grad: 1-layer d=128 draft proposes 4 sampled tokens, 4-layer "
+                        "d=384 target (vocab 6000) verifies them in one forward with a masked KV cache grown by "
+                        "torch.cat, rejection sampling with residual resample, both caches cropped by slicing; "
+                        "batch x prompt x new tokens 4x96x28, 2x200x20, 6x40x20")
+
+
+def _pointnet_seg_varpoints_train():
+    import torch
+    from torch import nn
+
+    def mlp(chs):
+        layers = []
+        for i, o in zip(chs, chs[1:]):
+            layers += [nn.Conv1d(i, o, 1), nn.BatchNorm1d(o), nn.ReLU()]
+        return nn.Sequential(*layers)
+
+    class TNet(nn.Module):
+        def __init__(self, k):
+            super().__init__()
+            self.k = k
+            self.feat = mlp([k, 64, 128, 512])
+            self.fc = nn.Sequential(nn.Linear(512, 256), nn.BatchNorm1d(256), nn.ReLU(), nn.Linear(256, k * k))
+
+        def forward(self, x):
+            m = self.fc(self.feat(x).amax(2)).view(-1, self.k, self.k)
+            return m + torch.eye(self.k)
+
+    class PointNetSeg(nn.Module):
+        def __init__(self, parts=16):
+            super().__init__()
+            self.t3, self.t64 = TNet(3), TNet(64)
+            self.f1, self.f2 = mlp([3, 64, 64]), mlp([64, 128, 1024])
+            self.head = nn.Sequential(mlp([1088, 512, 256, 128]), nn.Conv1d(128, parts, 1))
+
+        def forward(self, pts):                                         # b, 3, N
+            x = torch.bmm(self.t3(pts).transpose(1, 2), pts)
+            x = self.f1(x)
+            t = self.t64(x)
+            local = torch.bmm(t.transpose(1, 2), x)
+            glob = self.f2(local).amax(2, keepdim=True)
+            out = self.head(torch.cat([local, glob.expand(-1, -1, local.shape[2])], 1))
+            return out, t
+
+    def setup():
+        model = PointNetSeg()
+        return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def run(state):
+        model, opt = state
+        g = torch.Generator().manual_seed(34)
+        for batch, n in ((8, 1024), (5, 2048), (12, 512), (4, 1536)):
+            pts = torch.randn(batch, 3, n, generator=g)
+            labels = torch.randint(0, 16, (batch, n), generator=g)
+            opt.zero_grad(set_to_none=True)
+            out, t = model(pts)
+            reg = (t @ t.transpose(1, 2) - torch.eye(64)).square().sum((1, 2)).mean()
+            loss = nn.functional.cross_entropy(out, labels) + 1e-3 * reg
+            loss.backward()
+            opt.step()
+    return setup, run, ("PointNet part segmentation (input 3x3 and feature 64x64 T-Nets, Conv1d shared MLPs to 1024, "
+                        "max-pooled global feature concatenated per point, BatchNorm1d, orthogonality "
+                        "regularizer), Adam; batch x points 8x1024, 5x2048, 12x512, 4x1536")
+
+
+def _vae_decoder_eval_multires():
+    import torch
+    from torch import nn
+
+    class Res(nn.Module):
+        def __init__(self, i, o):
+            super().__init__()
+            self.n1, self.c1 = nn.GroupNorm(32, i), nn.Conv2d(i, o, 3, padding=1)
+            self.n2, self.c2 = nn.GroupNorm(32, o), nn.Conv2d(o, o, 3, padding=1)
+            self.skip = nn.Conv2d(i, o, 1) if i != o else nn.Identity()
+
+        def forward(self, x):
+            h = self.c1(nn.functional.silu(self.n1(x)))
+            return self.skip(x) + self.c2(nn.functional.silu(self.n2(h)))
+
+    class MidAttn(nn.Module):
+        def __init__(self, c):
+            super().__init__()
+            self.n, self.qkv, self.o = nn.GroupNorm(32, c), nn.Conv2d(c, 3 * c, 1), nn.Conv2d(c, c, 1)
+
+        def forward(self, x):
+            b, c, h, w = x.shape
+            q, k, v = self.qkv(self.n(x)).reshape(b, 3, 1, c, h * w).transpose(-1, -2).unbind(1)
+            a = nn.functional.scaled_dot_product_attention(q, k, v)     # one head over h*w tokens
+            return x + self.o(a.transpose(-1, -2).reshape(b, c, h, w))
+
+    class Decoder(nn.Module):
+        def __init__(self, ch=(128, 128, 64, 32)):
+            super().__init__()
+            self.post_quant = nn.Conv2d(4, 4, 1)
+            self.conv_in = nn.Conv2d(4, ch[0], 3, padding=1)
+            self.mid = nn.Sequential(Res(ch[0], ch[0]), MidAttn(ch[0]), Res(ch[0], ch[0]))
+            ups = []
+            for i in range(len(ch)):
+                o = ch[i]
+                prev = ch[max(i - 1, 0)]
+                blocks = [Res(prev, o), Res(o, o)]
+                if i < len(ch) - 1:
+                    blocks += [nn.Upsample(scale_factor=2, mode="nearest"), nn.Conv2d(o, o, 3, padding=1)]
+                ups.append(nn.Sequential(*blocks))
+            self.up = nn.Sequential(*ups)
+            self.out = nn.Sequential(nn.GroupNorm(32, ch[-1]), nn.SiLU(), nn.Conv2d(ch[-1], 3, 3, padding=1))
+
+        def forward(self, z):
+            x = self.conv_in(self.post_quant(z / 0.18215))
+            return self.out(self.up(self.mid(x)))
+
+    def setup():
+        return Decoder().eval()
+
+    def run(model):
+        g = torch.Generator().manual_seed(35)
+        with torch.inference_mode():
+            for batch, h, w in ((2, 16, 16), (1, 24, 32), (1, 32, 32), (3, 12, 20), (2, 20, 24)):
+                z = torch.randn(batch, 4, h, w, generator=g)
+                img = model(z)
+                img = ((img.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+                del z, img
+    return setup, run, ("Stable-Diffusion-like VAE decoder eval under inference_mode (4-ch latent, mid ResBlocks + "
+                        "single-head spatial self-attention, 4 up stages 128-128-64-32 with GroupNorm/SiLU and "
+                        "nearest x2 upsampling, uint8 HWC output); batch x latent 2x16x16, 1x24x32, 1x32x32, "
+                        "3x12x20, 2x20x24 (images 8x larger)")
+
+
+def _gpt_lora_accum_finetune():
+    import torch
+    from torch import nn
+
+    V, D, H, L, R, PAD = 5000, 256, 8, 4, 8, -100
+
+    class LoRALinear(nn.Module):
+        def __init__(self, i, o):
+            super().__init__()
+            self.base = nn.Linear(i, o)
+            self.base.requires_grad_(False)
+            self.a = nn.Parameter(torch.randn(R, i) * 0.01)
+            self.b = nn.Parameter(torch.zeros(o, R))
+
+        def forward(self, x):
+            return self.base(x) + nn.functional.linear(nn.functional.linear(x, self.a), self.b) * 2.0
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+            self.qkv, self.o = LoRALinear(D, 3 * D), LoRALinear(D, D)
+            self.ff = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D))
+
+        def forward(self, x, mask):
+            b, t, _ = x.shape
+            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, H, D // H).permute(2, 0, 3, 1, 4)
+            a = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.1)
+            x = x + self.o(a.transpose(1, 2).reshape(b, t, D))
+            return x + self.ff(self.ln2(x))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok, self.pos = nn.Embedding(V, D), nn.Embedding(512, D)
+            self.blocks = nn.ModuleList(Block() for _ in range(L))
+            self.ln = nn.LayerNorm(D)
+
+        def forward(self, ids, pad_mask):
+            t = ids.shape[1]
+            mask = torch.ones(t, t, dtype=torch.bool).tril()[None, None] & pad_mask[:, None, None, :]
+            x = self.tok(ids) + self.pos(torch.arange(t))
+            for blk in self.blocks:
+                x = blk(x, mask)
+            return self.ln(x) @ self.tok.weight.t()
+
+    def setup():
+        model = GPT()
+        for n, p in model.named_parameters():
+            if not n.endswith((".a", ".b")):
+                p.requires_grad_(False)
+        model.train()
+        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-4)
+
+    def run(state):
+        model, opt = state
+        g = torch.Generator().manual_seed(36)
+        for micro in ((6, 4, 5), (3, 6), (6, 2, 5, 4)):               # uneven micro-batches per step
+            opt.zero_grad(set_to_none=True)
+            total = sum(micro)
+            for b in micro:
+                lens = torch.randint(16, 257, (b,), generator=g)
+                t = int(lens.max())                                     # pad to this micro-batch's longest
+                ids = torch.randint(1, V, (b, t), generator=g)
+                keep = torch.arange(t)[None] < lens[:, None]
+                ids = ids.masked_fill(~keep, 0)
+                labels = ids[:, 1:].masked_fill(~keep[:, 1:], PAD)
+                logits = model(ids, keep)[:, :-1]
+                loss = nn.functional.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), ignore_index=PAD)
+                (loss * b / total).backward()
+                del logits, loss
+            nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+            opt.step()
+    return setup, run, ("GPT-like 4-layer d=256 (vocab 5000, tied head) LoRA fine-tune: frozen base, rank-8 "
+                        "adapters on qkv and output projections, attention dropout, causal + padding bool mask, "
+                        "gradient accumulation over uneven micro-batches (6+4+5, 3+6, 6+2+5+4) each padded "
+                        "to its longest of lengths in [16, 256], clip_grad_norm_, AdamW")
+
+
+def _perceiver_io_mlm_train():
+    import torch
+    from torch import nn
+
+    V, D, NL, DL = 262, 128, 96, 256                                    # bytes + specials, d, latents, latent d
+
+    class XAttn(nn.Module):
+        def __init__(self, dq, dkv, out):
+            super().__init__()
+            self.lnq, self.lnkv = nn.LayerNorm(dq), nn.LayerNorm(dkv)
+            self.q, self.kv, self.o = nn.Linear(dq, out), nn.Linear(dkv, 2 * out), nn.Linear(out, out)
+            self.heads = 4
+
+        def forward(self, xq, xkv, mask=None):
+            b, tq, _ = xq.shape
+            tk = xkv.shape[1]
+            q = self.q(self.lnq(xq)).view(b, tq, self.heads, -1).transpose(1, 2)
+            k, v = self.kv(self.lnkv(xkv)).view(b, tk, 2, self.heads, -1).permute(2, 0, 3, 1, 4)
+            a = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            return self.o(a.transpose(1, 2).reshape(b, tq, -1))
+
+    class Perceiver(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.pos = nn.Embedding(V, D), nn.Embedding(4096, D)
+            self.latents = nn.Parameter(torch.randn(NL, DL) * 0.02)
+            self.encode = XAttn(DL, D, DL)
+            self.self_layers = nn.ModuleList(
+                nn.TransformerEncoderLayer(DL, 8, 2 * DL, dropout=0.0, batch_first=True, norm_first=True)
+                for _ in range(4))
+            self.decode = XAttn(D, DL, D)
+            self.out = nn.Linear(D, V)
+
+        def forward(self, ids, pad):                                    # pad: b, T (True = real byte)
+            b, t = ids.shape
+            pos = self.pos(torch.arange(t))
+            x = self.emb(ids) + pos
+            lat = self.latents.expand(b, -1, -1)
+            lat = lat + self.encode(lat, x, pad[:, None, None, :])
+            for lyr in self.self_layers:
+                lat = lyr(lat)
+            q = pos.expand(b, -1, -1)                                   # output queries: positions
+            return self.out(q + self.decode(q, lat))
+
+    def setup():
+        model = Perceiver()
+        return model, torch.optim.Adam(model.parameters(), lr=3e-4)
+
+    def run(state):
+        model, opt = state
+        g = torch.Generator().manual_seed(37)
+        for batch, maxlen in ((8, 2048), (4, 4096), (12, 1024), (6, 3000)):
+            lens = torch.randint(maxlen // 4, maxlen + 1, (batch,), generator=g)
+            t = int(lens.max())
+            pad = torch.arange(t)[None] < lens[:, None]
+            ids = torch.randint(6, V, (batch, t), generator=g).masked_fill(~pad, 0)
+            masked = (torch.rand(batch, t, generator=g) < 0.15) & pad
+            labels = ids.masked_fill(~masked, -100)
+            inp = ids.masked_fill(masked, 3)                            # [MASK]
+            opt.zero_grad(set_to_none=True)
+            logits = model(inp, pad)
+            loss = nn.functional.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), ignore_index=-100)
+            loss.backward()
+            opt.step()
+    return setup, run, ("Perceiver IO byte-level masked LM: 96 learned latents (d=256) cross-attend to padded byte "
+                        "inputs (d=128, key padding mask), 4 latent self-attention layers, decoder cross-attention "
+                        "with positional output queries to 262-way logits per byte, Adam; batch x max bytes "
+                        "8x2048, 4x4096, 12x1024, 6x3000 (lengths varying within each batch)")
+
+
+def _yolo_multiscale_ema_train():
+    import copy
+    import torch
+    from torch import nn
+
+    NC, NA = 10, 3
+
+    def cbs(i, o, k=3, s=1):
+        return nn.Sequential(nn.Conv2d(i, o, k, s, k // 2, bias=False), nn.BatchNorm2d(o), nn.SiLU(inplace=True))
+
+    class CSP(nn.Module):
+        def __init__(self, c, n):
+            super().__init__()
+            h = c // 2
+            self.a, self.b = cbs(c, h, 1), cbs(c, h, 1)
+            self.m = nn.Sequential(*(nn.Sequential(cbs(h, h, 1), cbs(h, h, 3)) for _ in range(n)))
+            self.out = cbs(2 * h, c, 1)
+
+        def forward(self, x):
+            return self.out(torch.cat([self.m(self.a(x)), self.b(x)], 1))
+
+    class Yolo(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = cbs(3, 16, 3, 2)
+            self.s2 = nn.Sequential(cbs(16, 32, 3, 2), CSP(32, 1))
+            self.s3 = nn.Sequential(cbs(32, 64, 3, 2), CSP(64, 2))          # stride 8
+            self.s4 = nn.Sequential(cbs(64, 128, 3, 2), CSP(128, 2))        # stride 16
+            self.s5 = nn.Sequential(cbs(128, 256, 3, 2), CSP(256, 1))       # stride 32
+            self.lat5, self.lat4 = cbs(256, 128, 1), cbs(128, 64, 1)
+            self.td4, self.td3 = CSP(256, 1), CSP(128, 1)
+            self.td4r = cbs(256, 128, 1)
+            self.heads = nn.ModuleList(nn.Conv2d(c, NA * (5 + NC), 1) for c in (128, 128, 256))
+
+        def forward(self, x):
+            c3 = self.s3(self.s2(self.stem(x)))
+            c4 = self.s4(c3)
+            c5 = self.s5(c4)
+            p5 = self.lat5(c5)
+            p4 = self.td4r(self.td4(torch.cat([nn.functional.interpolate(p5, scale_factor=2.0), c4], 1)))
+            p3 = self.td3(torch.cat([nn.functional.interpolate(self.lat4(p4), scale_factor=2.0), c3], 1))
+            outs = []
+            for head, p in zip(self.heads, (p3, p4, c5)):
+                b, _, h, w = p.shape
+                outs.append(head(p).view(b, NA, 5 + NC, h, w).permute(0, 1, 3, 4, 2))
+            return outs
+
+    def setup():
+        model = Yolo()
+        ema = copy.deepcopy(model).eval()
+        for p in ema.parameters():
+            p.requires_grad_(False)
+        decay, no_decay = [], []
+        for n, p in model.named_parameters():
+            (no_decay if p.ndim == 1 else decay).append(p)
+        opt = torch.optim.SGD([{"params": decay, "weight_decay": 5e-4}, {"params": no_decay}],
+                              lr=0.01, momentum=0.937, nesterov=True)
+        return model, ema, opt
+
+    def run(state):
+        model, ema, opt = state
+        g = torch.Generator().manual_seed(38)
+        for batch, size in ((8, 256), (8, 352), (8, 192), (8, 320), (8, 224)):   # multi-scale: new size a step
+            imgs = torch.rand(batch, 3, size, size, generator=g)
+            opt.zero_grad(set_to_none=True)
+            preds = model(imgs)
+            loss = imgs.new_zeros(())
+            for p in preds:
+                obj_t = (torch.rand(p.shape[:4], generator=g) < 0.02).float()     # assigned anchors
+                loss = loss + nn.functional.binary_cross_entropy_with_logits(p[..., 4], obj_t)
+                pos = obj_t.bool()
+                if pos.any():
+                    pp = p[pos]                                                   # n, 5 + NC
+                    box_t = torch.rand(pp.shape[0], 4, generator=g)
+                    cls_t = nn.functional.one_hot(torch.randint(0, NC, (pp.shape[0],), generator=g), NC).float()
+                    loss = loss + (pp[:, :4].sigmoid() - box_t).abs().mean()
+                    loss = loss + nn.functional.binary_cross_entropy_with_logits(pp[:, 5:], cls_t)
+            (loss * batch).backward()
+            opt.step()
+            with torch.no_grad():                                                 # EMA of weights and buffers
+                msd = model.state_dict()
+                for k, v in ema.state_dict().items():
+                    if v.dtype.is_floating_point:
+                        v.mul_(0.999).add_(msd[k].detach(), alpha=0.001)
+    return setup, run, ("YOLO-like detector training (CSP conv-BN-SiLU backbone, FPN top-down path, 3 heads at "
+                        "strides 8/16/32, 3 anchors x 10 classes), multi-scale: batch 8 at 256, 352, 192, 320, "
+                        "224 px, objectness BCE + L1 box + class BCE on randomly assigned anchors, SGD nesterov "
+                        "with decay groups, EMA model updated each step")
+
+
 WORKLOADS: Dict[str, Callable] = {
     "vit_train_varbatch": _vit_train_varbatch,
     "gru_seq2seq_train": _gru_seq2seq_train,
@@ -1729,4 +2338,13 @@ WORKLOADS: Dict[str, Callable] = {
     "convnext_grad_accum_train": _convnext_grad_accum_train,
     "tcn_forecast_train": _tcn_forecast_train,
     "fpn_retina_eval_varsize": _fpn_retina_eval_varsize,
+    # fifth batch
+    "whisper_like_asr_train": _whisper_like_asr_train,
+    "two_tower_inbatch_train": _two_tower_inbatch_train,
+    "speculative_decode": _speculative_decode,
+    "pointnet_seg_varpoints_train": _pointnet_seg_varpoints_train,
+    "vae_decoder_eval_multires": _vae_decoder_eval_multires,
+    "gpt_lora_accum_finetune": _gpt_lora_accum_finetune,
+    "perceiver_io_mlm_train": _perceiver_io_mlm_train,
+    "yolo_multiscale_ema_train": _yolo_multiscale_ema_train,
 }
