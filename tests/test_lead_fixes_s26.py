@@ -42,3 +42,17 @@ def test_a_grow_instead_miss_that_meets_a_capture_takes_the_cached_segment(monke
         finally:
             g.capture_end()
     g.reset()
+
+
+@pytest.mark.parametrize("value, want", [("{0},1", [0]), ("{0}, {1}", [0]), ("{1},{0}", [1, 0]),
+                                         ("1, 0", [1, 0]), ("0,{1}", [0])])
+def test_sim_visible_devices_read_mixed_lists_as_torch_does(value, want):
+    """r66g: the simulated runtime counted `GPU-<uuid0>,1` and `GPU-a, GPU-b` as two devices where
+    accel's NVML count (torch's parser) counts one: a list's kind is its first entry's."""
+    from accel.backends import _visible
+    from accel.sim import core
+    from accel.sim.cudart.state import visible_ordinals
+    uuids = [core.uuid_text(i) for i in range(2)]
+    value = value.format(*uuids)
+    assert visible_ordinals(value, 2) == want
+    assert _visible.visible_ordinals(value, 2, lambda: uuids) == want

@@ -477,14 +477,22 @@ def visible_ordinals(value: Optional[str], count: int) -> List[int]:
     """Physical ordinals the runtime exposes, in order, as the CUDA runtime parses
     CUDA_VISIBLE_DEVICES: indices (strtoul: leading digits count) or ``GPU-``
     UUID prefixes; stop at the first invalid entry; a repeated device empties
-    the list (MIG- entries are invalid: the simulator has no MIG)."""
+    the list (MIG- entries are invalid: the simulator has no MIG).
+
+    The list's kind is its first entry's: after a UUID, an index or a UUID with a space before
+    it ends the list.  NVIDIA's documentation ("CUDA Environment Variables") is silent on mixed
+    lists and spaces; torch's _parse_visible_devices, written against the driver, reads them so
+    (and only strtoul skips leading spaces), and that is the stricter reading (fewer devices)."""
     if value is None:
         return list(range(count))
     out: List[int] = []
     uuids = None
+    by_uuid = value.startswith("GPU-")
     for raw in value.split(","):
-        item = raw.strip()
-        if item.startswith("GPU-"):
+        item = raw if by_uuid else raw.strip()
+        if by_uuid != item.startswith("GPU-"):
+            break
+        if by_uuid:
             if uuids is None:
                 uuids = [core.uuid_text(i) for i in range(count)]
             matches = [i for i, u in enumerate(uuids) if u.startswith(item)]
