@@ -239,7 +239,7 @@ def test_no_driver_and_no_device(lib):
 @pytest.mark.parametrize("value, expected", [
     (None, [0, 1, 2]), ("", []), ("1", [1]), ("2,0", [2, 0]), ("1,0,7,2", [1, 0]),
     ("1gpu2", [1]), ("-1,0", []), ("0,0", []), ("1, 2", [1, 2]), ("GPU-acce1111", [1]),
-    ("GPU-acce2222,0", [2, 0]), ("GPU-acce", []), ("0,GPU-nope,1", [0]), ("MIG-xyz", []),
+    ("GPU-acce2222,0", [2]), ("0,GPU-acce1111", [0]), ("GPU-acce", []), ("0,GPU-nope,1", [0]), ("MIG-xyz", []),
 ])
 def test_visible_devices_parsing(value, expected):
     assert cudart.visible_ordinals(value, 3) == expected
