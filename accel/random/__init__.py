@@ -293,36 +293,114 @@ _UNKNOWN = _unknown     # a "reference" to no stream: order after the whole devi
 
 def _after_last_use(token: _GraphRNG, stream) -> None:
     """Before a replay's prologue on ``stream``: the holders' last use (``token.last``) done, when
-    it was on another stream.  A host wait, not an event (an event that cannot be destroyed would
-    outlive the graph): the stream's, or the device's when the stream is unknown or closed; under
-    the capture gate, since a synchronize invalidates a capture another thread runs in global
-    mode.  With a capture underway the replay's stream waits on the device for the last one
-    instead, and a closed, unknown or capturing one is not waited for (no way is left that is
-    safe)."""
+    it was on another stream.
+
+    On the device, when the last stream is open (r66h): an event recorded on it and waited for
+    by ``stream`` (:func:`_wait_on_device`), so a pipeline replaying one graph on two streams by
+    turns queues each replay without blocking the host (1bc2eb7's host wait, per replay, did).
+    The event is one of the device allocator's cached events, used where it lies (a wait queued
+    by cudaStreamWaitEvent is not changed by a later record or destroy of the event: CUDA
+    Runtime API, cudaStreamWaitEvent), or one made for the wait and destroyed after it (see
+    :func:`_queue_wait`), so the replay owns no event: nothing for a finalizer to destroy, and a
+    destroy that fails leaves the event in the allocator's cache, whose ``empty_cache``
+    destroys it or reports the failure and keeps it for its next call.  (A temporary Event per
+    replay, and an Event owned by the graph, were destroyed by finalizers, and a persistently
+    failing cudaEventDestroy leaked them: test_fault_sweep.)
+
+    On the host where the device cannot order it: the last stream closed or not known (the
+    device synchronized), or the device-side wait failed (the last stream synchronized); both
+    under the capture gate, since a synchronize invalidates a capture another thread runs in
+    global mode, and skipped while a capture is underway.  A last stream being captured is not
+    waited for at all (3ecb155: the record would join the capture and the replay's stream with
+    it; a synchronize would invalidate it): the replay goes on unordered."""
     last_ref = token.last
     last = last_ref() if last_ref is not None else None
     if last is stream:
         return
     from ..memory._caching import capture_underway
-    from ..streams import _Hold, on_device
+    from ..streams import _hold_open, on_device
     be = stream._backend
-    with be.capture_gate:
-        if not capture_underway(be):
-            if last is not None and not last.closed:
-                with _Hold(last), on_device(be, last._index):
+    hold = _hold_open(last) if last is not None else None     # None: closed (or unknown)
+    try:
+        if hold is not None and _wait_on_device(be, stream, last):
+            return
+        with be.capture_gate:
+            if capture_underway(be):
+                # Neither a synchronize (it would invalidate the other thread's capture) nor a
+                # device-side wait (the stream is gone or not known, or the wait failed) is
+                # possible: the replay goes on unordered, as before r65a's fix; refusing it would
+                # fail a program whose only fault is the timing.
+                return
+            if hold is not None:
+                with on_device(be, last._index):
                     be.stream_synchronize(last._handle)
             else:
                 with on_device(be, stream._index):
                     be.device_synchronize()
-            return
-    if last is None or last.closed or be.stream_is_capturing(last._handle):
-        # Neither a synchronize (it would invalidate the other thread's capture) nor a device-side
-        # wait (the stream is gone or not known; or it is being captured, where the event would
-        # be recorded into the capture and the replay's stream join it: Programming Guide,
-        # "Cross-stream Dependencies and Events") is possible: the replay goes on unordered, as
-        # before r65a's fix; refusing it would fail a program whose only fault is the timing.
+    finally:
+        if hold is not None:
+            hold.__exit__(None, None, None)
+
+
+def _wait_on_device(be, stream, last) -> bool:
+    """``stream`` waits on the device for the work queued on ``last`` (held open by the caller,
+    the same device) so far, through an event of the device allocator (see :func:`_queue_wait`).
+    False when the host must wait instead (the event could not
+    be recorded or waited for; the allocator keeps no event cache); True when done, or when
+    ``last`` is being captured (no wait is safe: the replay goes on unordered).
+
+    Under the allocator's lock (its cache's) and then the capture gate (that order, as every
+    allocator path), so that no capture begins on ``last`` between the check and the record.
+    Interrupt safety: the vendor calls run with signals deferred, and the event is in the cache
+    from its creation until its destroy (``_caching._recorded``), so a KeyboardInterrupt leaves
+    nothing to release; the replay then raises before its prologue (the generator not
+    advanced)."""
+    from .. import memory
+    from .._errors import AcceleratorError
+    from ..memory import _caching
+    from ..memory._caching import capture_underway
+    alloc = memory.device_allocator(stream._index)
+    if getattr(alloc, "_event_cache", None) is None and not hasattr(alloc, "_wait_for"):
+        return False        # (_wait_for: cudaMallocAsync's, its failed destroy kept for empty_cache)
+    _caching._gc_probe(alloc._lock, "graph replay")   # then `with` (see _gc_probe)
+    with alloc._lock, be.capture_gate:
+        if capture_underway(be) and be.stream_is_capturing(last._handle):
+            return True
+        try:
+            _queue_wait(alloc, be, stream, last)
+        except AcceleratorError:    # (already cleared in the runtime): the host waits instead
+            return False
+    return True
+
+
+@_signals_deferred
+def _queue_wait(alloc, be, stream, last) -> None:
+    """_wait_on_device's vendor calls, with signals deferred (short, none waits: a Ctrl-C as an
+    event's create returns would lose it).  The caching allocator: one of its cached events of
+    the device, recorded and waited for where it lies (``_caching._recorded``); when the cache
+    had none, the one made for it is destroyed after the wait, and kept in the cache when that
+    fails (its ``empty_cache`` destroys it, or reports the failure and keeps it): the replay
+    leaves as many live events as it found.  cudaMallocAsync: its ``_wait_for`` (a temporary
+    event, a failed destroy kept in ``_doomed`` for its empty_cache)."""
+    from ..memory import _caching
+    from ..streams import on_device
+    if getattr(alloc, "_event_cache", None) is None:
+        alloc._wait_for(stream._handle, last._handle, last._index)
         return
-    stream.wait_stream(last)
+    device = last._index
+    fresh = not alloc._event_cache.get(device)
+    event = _caching._recorded(alloc, last._handle, device)
+    with on_device(be, stream._index):
+        be.stream_wait_event(stream._handle, event)
+    if fresh:
+        cache = alloc._event_cache[device]
+        if cache and cache[-1] == event:    # (the only one: made for this wait)
+            del cache[-1]
+            try:
+                with on_device(be, device):
+                    be.event_destroy(event)
+            except Exception:       # (the wait is queued: not this replay's failure)
+                cache.append(event)
 
 
 # device -> weak reference to the token whose capture is underway there (one per device):
