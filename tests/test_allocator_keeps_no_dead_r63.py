@@ -25,6 +25,7 @@ MiB = 1 << 20
 @pytest.mark.parametrize("conf", ["", "expandable_segments:False"], ids=lambda v: v or "default")
 @pytest.mark.parametrize("dev", [0, 1])
 @pytest.mark.parametrize("kind", SIMS)
+@pytest.mark.usefixtures("frozen_heap")     # its heap scan sees only this test's objects (r66i)
 def test_no_free_list_of_a_destroyed_stream_outlives_empty_cache(monkeypatch, kind, dev, conf):
     if kind == "mps" and (dev or conf):
         pytest.skip("Metal has one device and no expandable segments")

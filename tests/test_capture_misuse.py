@@ -635,6 +635,10 @@ def _eager_run(kind: str, row: Row, d: int):
     try:
         ctx.cs, ctx.g = accel.Stream(0), Graph()
         value, err = _call(row, ctx, d, "capturing thread")
+        if err is not None:
+            # cached for the session (_EAGER): its traceback would keep this backend's frames,
+            # and with them its allocator, streams and blocks, for every later test (r66i)
+            err.__traceback__ = err.__context__ = err.__cause__ = None
         accel.synchronize(0)
         accel.synchronize(1)
         observed = row.observe(ctx, d) if row.observe and err is None else None
