@@ -60,6 +60,7 @@ from typing import Dict, List, Optional, Tuple
 from .._errors import AcceleratorError, CaptureError, OutOfMemoryError
 from .._finalize import drain as _drain_finalizers, pending as _finalizers
 from .. import _locks
+from ..backends._signals import deferred as _signals_deferred
 from ..streams import on_device
 from . import _caching, _config, _stats
 from ._stats import ACTIVE_BYTES, ALLOCATED_BYTES, ALLOCATION, REQUESTED_BYTES, RESERVED_BYTES
@@ -826,6 +827,27 @@ class AsyncPoolAllocator:
             if error is not None:
                 raise error
 
+    def order_after(self, waiter: int, stream: int, device_index: Optional[int] = None) -> bool:
+        """``waiter`` (a stream of this allocator's device) waits on the device for the work
+        queued on ``stream`` (of device ``device_index``, default this allocator's) so far, as
+        :meth:`DeviceCachingAllocator.order_after <accel.memory.DeviceCachingAllocator.order_after>`:
+        True when queued or when ``stream`` is being captured (nothing is safe to queue), False
+        when the caller must wait on the host.  The event is a temporary one, and one whose
+        destroy fails waits in ``_doomed`` for empty_cache: nothing for the caller to own."""
+        device = _caching.check_use(self._be, stream, device_index, self._index)
+        be = self._be
+        _caching._gc_probe(self._lock, "order_after")   # then `with` (see _gc_probe)
+        with self._lock, be.capture_gate:
+            if _caching.capture_underway(be):
+                with on_device(be, device):
+                    if be.stream_is_capturing(stream):
+                        return True
+            try:
+                self._wait_deferred(waiter, stream, device)
+            except AcceleratorError:
+                return False
+        return True
+
     def _wait_for(self, waiter: int, stream: int, device: int) -> None:
         """``waiter`` (a stream of this allocator's device) waits for the work queued on
         ``stream`` (of ``device``) so far."""
@@ -844,6 +866,9 @@ class AsyncPoolAllocator:
             # an event destroyed before its work completes is released once it does
             # (CUDA Runtime API, cudaEventDestroy); the wait already holds the dependency
             self._destroy_event(event, device)
+
+    # (a Ctrl-C as an event's create returns would lose it)
+    _wait_deferred = _signals_deferred(_wait_for)
 
     def _cover(self, stream: int, device: int) -> Optional[_Mark]:
         """An event recorded on the dying ``stream``, or None when it could not be recorded

@@ -103,6 +103,7 @@ from .._errors import AcceleratorError, CaptureError, OutOfMemoryError
 from .._finalize import drain as _drain_finalizers, pending as _finalizers, releases_settled as _releases_settled
 from .. import _locks
 from .._locks import acquire as _acquire
+from ..backends._signals import deferred as _signals_deferred
 from ..streams import on_device
 from . import _config, _stats
 from ._snapfmt import CTX_ALL as _CTX_ALL, CTX_ALLOC as _CTX_ALLOC, Symbols as _Symbols
@@ -218,6 +219,31 @@ def _taken(owner, gates: list) -> list:
             counts[gate.device] = counts.get(gate.device, 0) + 1
     return [partial(operator.delitem, owner._event_cache[device], slice(-n, None))
             for device, n in counts.items()]
+
+
+@_signals_deferred
+def _queue_wait(owner, waiter: int, stream: int, device: int) -> None:
+    """:meth:`DeviceCachingAllocator.order_after`'s vendor calls, with signals deferred (short,
+    none waits: a Ctrl-C as an event's create returns would lose it): a cached event of
+    ``device`` recorded on ``stream`` where it lies (a wait queued by cudaStreamWaitEvent is not
+    changed by a later record or destroy of the event: CUDA Runtime API, cudaStreamWaitEvent)
+    and waited for by ``waiter``.  When the cache had none, the one made for it is destroyed
+    after the wait, and kept in the cache when that fails (empty_cache destroys it, or reports
+    the failure and keeps it): the call leaves as many live events as it found."""
+    be = owner._be
+    fresh = not owner._event_cache.get(device)
+    event = _recorded(owner, stream, device)
+    with on_device(be, owner._index):
+        be.stream_wait_event(waiter, event)
+    if fresh:
+        cache = owner._event_cache[device]
+        if cache and cache[-1] == event:    # (the only one: made for this wait)
+            del cache[-1]
+            try:
+                with on_device(be, device):
+                    be.event_destroy(event)
+            except Exception:       # (the wait is queued: not the caller's failure)
+                cache.append(event)
 
 
 def add_use(owner, block, stream: int, device: int) -> None:
@@ -516,7 +542,8 @@ class DeviceCachingAllocator(ExpandableSegments):
 
     ``malloc(nbytes, stream)`` returns a device pointer (0 for 0 bytes) usable on
     ``stream``; ``free(ptr)`` returns it to the cache; ``record_stream(ptr, s)``
-    says the block is also used on ``s``.  ``begin_allocate_to_pool`` /
+    says the block is also used on ``s``; ``order_after(waiter, s)`` makes ``waiter`` wait on
+    the device for ``s``'s work so far.  ``begin_allocate_to_pool`` /
     ``end_allocate_to_pool`` / ``release_pool`` route graph-capture allocations
     to private pools.  ``empty_cache()`` returns unused segments to the device.
     """
@@ -1091,6 +1118,34 @@ class DeviceCachingAllocator(ExpandableSegments):
             if stream == fl.stream and device == self._index and self._live_list(fl):
                 return      # the block's own stream: its free is ordered after that work already
             add_use(self, block, stream, device)
+
+    def order_after(self, waiter: int, stream: int, device_index: Optional[int] = None) -> bool:
+        """``waiter`` (a stream of this allocator's device) waits on the device for the work
+        queued on ``stream`` (of device ``device_index``, default this allocator's) so far,
+        through one of the cached events: nothing for the caller to own or destroy (a graph RNG
+        replay orders itself after the holders' last use this way, r66h).  True when the wait is
+        queued, or when ``stream`` is being captured (no wait is safe there: recording into it
+        would join ``waiter`` to the capture; the caller goes on unordered).  False when it
+        could not be queued (the error already cleared in the runtime): the caller waits on the
+        host instead.
+
+        Under the lock and then the capture gate (that order, as every path here), so that no
+        capture begins on ``stream`` between the check and the record.  The vendor calls run
+        with signals deferred and the event stays in the cache from its creation until its
+        destroy (:func:`_recorded`), so a KeyboardInterrupt leaves nothing to release."""
+        device = check_use(self._be, stream, device_index, self._index)
+        be = self._be
+        _gc_probe(self._lock, "order_after")   # then `with` (see _gc_probe)
+        with self._lock, be.capture_gate:
+            if capture_underway(be):
+                with on_device(be, device):
+                    if be.stream_is_capturing(stream):
+                        return True
+            try:
+                _queue_wait(self, waiter, stream, device)
+            except AcceleratorError:
+                return False
+        return True
 
     def _live_list(self, fl: _FreeList) -> bool:
         """Whether ``fl`` is a free list of a live stream, not one of a destroyed stream waiting

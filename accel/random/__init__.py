@@ -298,14 +298,10 @@ def _after_last_use(token: _GraphRNG, stream) -> None:
     On the device, when the last stream is open (r66h): an event recorded on it and waited for
     by ``stream`` (:func:`_wait_on_device`), so a pipeline replaying one graph on two streams by
     turns queues each replay without blocking the host (1bc2eb7's host wait, per replay, did).
-    The event is one of the device allocator's cached events, used where it lies (a wait queued
-    by cudaStreamWaitEvent is not changed by a later record or destroy of the event: CUDA
-    Runtime API, cudaStreamWaitEvent), or one made for the wait and destroyed after it (see
-    :func:`_queue_wait`), so the replay owns no event: nothing for a finalizer to destroy, and a
-    destroy that fails leaves the event in the allocator's cache, whose ``empty_cache``
-    destroys it or reports the failure and keeps it for its next call.  (A temporary Event per
-    replay, and an Event owned by the graph, were destroyed by finalizers, and a persistently
-    failing cudaEventDestroy leaked them: test_fault_sweep.)
+    The event is the device allocator's (``order_after``), so the replay owns none: nothing for
+    a finalizer to destroy.  (A temporary Event per replay, and an Event owned by the graph, were
+    destroyed by finalizers, and a persistently failing cudaEventDestroy leaked them:
+    test_fault_sweep.)
 
     On the host where the device cannot order it: the last stream closed or not known (the
     device synchronized), or the device-side wait failed (the last stream synchronized); both
@@ -343,64 +339,15 @@ def _after_last_use(token: _GraphRNG, stream) -> None:
 
 
 def _wait_on_device(be, stream, last) -> bool:
-    """``stream`` waits on the device for the work queued on ``last`` (held open by the caller,
-    the same device) so far, through an event of the device allocator (see :func:`_queue_wait`).
-    False when the host must wait instead (the event could not
-    be recorded or waited for; the allocator keeps no event cache); True when done, or when
-    ``last`` is being captured (no wait is safe: the replay goes on unordered).
-
-    Under the allocator's lock (its cache's) and then the capture gate (that order, as every
-    allocator path), so that no capture begins on ``last`` between the check and the record.
-    Interrupt safety: the vendor calls run with signals deferred, and the event is in the cache
-    from its creation until its destroy (``_caching._recorded``), so a KeyboardInterrupt leaves
-    nothing to release; the replay then raises before its prologue (the generator not
-    advanced)."""
+    """``stream`` waits on the device for the work queued on ``last`` (held open by the caller)
+    so far, through the device allocator's :meth:`order_after` (its cached events: the replay
+    owns none).  False when the host must wait instead (the wait could not be queued, or the
+    allocator orders nothing); True when done, or when ``last`` is being captured (no wait is
+    safe: the replay goes on unordered).  A KeyboardInterrupt leaves nothing to release; the
+    replay then raises before its prologue (the generator not advanced)."""
     from .. import memory
-    from .._errors import AcceleratorError
-    from ..memory import _caching
-    from ..memory._caching import capture_underway
-    alloc = memory.device_allocator(stream._index)
-    if getattr(alloc, "_event_cache", None) is None and not hasattr(alloc, "_wait_for"):
-        return False        # (_wait_for: cudaMallocAsync's, its failed destroy kept for empty_cache)
-    _caching._gc_probe(alloc._lock, "graph replay")   # then `with` (see _gc_probe)
-    with alloc._lock, be.capture_gate:
-        if capture_underway(be) and be.stream_is_capturing(last._handle):
-            return True
-        try:
-            _queue_wait(alloc, be, stream, last)
-        except AcceleratorError:    # (already cleared in the runtime): the host waits instead
-            return False
-    return True
-
-
-@_signals_deferred
-def _queue_wait(alloc, be, stream, last) -> None:
-    """_wait_on_device's vendor calls, with signals deferred (short, none waits: a Ctrl-C as an
-    event's create returns would lose it).  The caching allocator: one of its cached events of
-    the device, recorded and waited for where it lies (``_caching._recorded``); when the cache
-    had none, the one made for it is destroyed after the wait, and kept in the cache when that
-    fails (its ``empty_cache`` destroys it, or reports the failure and keeps it): the replay
-    leaves as many live events as it found.  cudaMallocAsync: its ``_wait_for`` (a temporary
-    event, a failed destroy kept in ``_doomed`` for its empty_cache)."""
-    from ..memory import _caching
-    from ..streams import on_device
-    if getattr(alloc, "_event_cache", None) is None:
-        alloc._wait_for(stream._handle, last._handle, last._index)
-        return
-    device = last._index
-    fresh = not alloc._event_cache.get(device)
-    event = _caching._recorded(alloc, last._handle, device)
-    with on_device(be, stream._index):
-        be.stream_wait_event(stream._handle, event)
-    if fresh:
-        cache = alloc._event_cache[device]
-        if cache and cache[-1] == event:    # (the only one: made for this wait)
-            del cache[-1]
-            try:
-                with on_device(be, device):
-                    be.event_destroy(event)
-            except Exception:       # (the wait is queued: not this replay's failure)
-                cache.append(event)
+    order_after = getattr(memory.device_allocator(stream._index), "order_after", None)
+    return order_after is not None and order_after(stream._handle, last._handle, last._index)
 
 
 # device -> weak reference to the token whose capture is underway there (one per device):

@@ -1,0 +1,86 @@
+"""The lead's fixes and refactors of session 27.
+
+``order_after`` on the device allocators: ``waiter`` waits on the device for the work queued
+on another stream so far, through the allocator's own events (the graph RNG replay's ordering,
+r66h, which used to reach into the allocator's private cache from accel.random).  Checked on
+both simulated devices, the non-current one included, under the three allocator
+configurations: True, a cudaStreamWaitEvent queued, no host wait, as many live events after as
+before (that the order holds on the device is tests/test_rng_replay_no_host_wait_r66h.py's
+log, with its guard); bad arguments raise before anything changes; a stream being captured is not waited for (the
+waiter does not join the capture).
+"""
+
+import pytest
+
+import accel
+from accel import memory, sim
+from conftest import use_sim
+
+HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+CONFS = {"expandable": "", "classic": "expandable_segments:False", "async": "backend:cudaMallocAsync"}
+
+
+def _host_waits() -> int:
+    return sum(sim.calls(name) for name in HOST_WAITS)
+
+
+@pytest.mark.parametrize("device", [0, 1])
+@pytest.mark.parametrize("conf", sorted(CONFS))
+def test_order_after_queues_a_device_wait_and_keeps_no_event(monkeypatch, conf, device):
+    use_sim(monkeypatch, "cuda", ACCEL_ALLOC_CONF=CONFS[conf])
+    accel.set_device_index(0)
+    a, b = accel.Stream(device), accel.Stream(device)
+    src = accel.Buffer(1 << 16, device=device, stream=a)
+    alloc = memory.device_allocator(device)
+    for value in range(1, 9):
+        src.fill_(value, stream=a)          # a backlog on a
+    events, waits, hosts = sim.state().events, sim.calls("cudaStreamWaitEvent"), _host_waits()
+    assert alloc.order_after(b.handle, a.handle, device) is True
+    assert sim.calls("cudaStreamWaitEvent") == waits + 1
+    assert _host_waits() == hosts
+    assert sim.state().events == events
+    assert accel.current_device_index() == 0
+    accel.synchronize(device)
+    for obj in (src, a, b):
+        obj.close()
+
+
+@pytest.mark.parametrize("conf", sorted(CONFS))
+@pytest.mark.parametrize("bad, error", [("1", TypeError), (-1, ValueError), (1 << 64, ValueError),
+                                        (None, TypeError)])
+def test_order_after_refuses_bad_streams_and_changes_nothing(monkeypatch, conf, bad, error):
+    use_sim(monkeypatch, "cuda", ACCEL_ALLOC_CONF=CONFS[conf])
+    s = accel.Stream(0)
+    alloc = memory.device_allocator(0)
+    before = sim.state().calls.copy()
+    with pytest.raises(error, match="stream"):
+        alloc.order_after(s.handle, bad)
+    with pytest.raises(TypeError, match="device_index"):
+        alloc.order_after(s.handle, s.handle, "0")
+    with pytest.raises(ValueError):
+        alloc.order_after(s.handle, s.handle, 7)
+    assert sim.state().calls == before
+    s.close()
+
+
+@pytest.mark.parametrize("conf", sorted(CONFS))
+def test_order_after_a_stream_being_captured_does_not_join_the_capture(monkeypatch, conf):
+    use_sim(monkeypatch, "cuda", ACCEL_ALLOC_CONF=CONFS[conf])
+    a, b = accel.Stream(0), accel.Stream(0)
+    buf = accel.Buffer(256, stream=a)
+    g = accel.Graph()
+    with a:
+        g.capture_begin()
+        try:
+            buf.fill_(3, stream=a)
+            records = sim.calls("cudaEventRecord")
+            assert memory.device_allocator(0).order_after(b.handle, a.handle) is True
+            assert sim.calls("cudaEventRecord") == records
+            assert a.is_capturing() and not b.is_capturing()
+        finally:
+            g.capture_end()
+    g.replay()
+    accel.synchronize(0)
+    g.reset()
+    for obj in (buf, a, b):
+        obj.close()
