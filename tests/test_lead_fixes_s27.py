@@ -84,3 +84,41 @@ def test_order_after_a_stream_being_captured_does_not_join_the_capture(monkeypat
     g.reset()
     for obj in (buf, a, b):
         obj.close()
+
+
+# -- Metal: a kernel's thread limit is known (its pipeline's maxTotalThreadsPerThreadgroup) ----
+
+LIMITED_MSL = """
+#include <metal_stdlib>
+using namespace metal;
+[[max_total_threads_per_threadgroup(256)]]
+kernel void saxpy(constant float &a [[buffer(0)]], device const float *x [[buffer(1)]],
+                  device float *y [[buffer(2)]], constant ulong &n [[buffer(3)]],
+                  uint i [[thread_position_in_grid]]) {
+    if (i < n) y[i] = fma(a, x[i], y[i]);
+}
+"""
+
+
+def test_metal_kernel_reports_its_thread_limit_and_says_what_it_cannot(monkeypatch):
+    from test_user_kernels import SAXPY_MSL, saxpy_reference
+    use_sim(monkeypatch, "mps")
+    sim.register_kernel("saxpy", saxpy_reference, "f32, ptr, ptr, u64", replace=True)
+    try:
+        for source, most in ((SAXPY_MSL, 1024), (LIMITED_MSL, 256)):
+            k = accel.Module(source).function("saxpy", "f32, ptr, ptr, u64")
+            assert k.max_threads_per_block == most
+            with pytest.raises(NotImplementedError, match="mps.*registers"):
+                k.num_regs
+            with pytest.raises(NotImplementedError, match="mps.*occupancy"):
+                k.max_potential_block_size()
+            x, y = accel.Buffer(4 * 512), accel.Buffer(4 * 512)
+            with pytest.raises(ValueError, match=f"limit of {most}[ )]"):
+                accel.launch(k, 1, most + 1, 1.0, x, y, 512)
+            accel.launch(k, 1, most, 1.0, x, y, 512)
+            accel.synchronize()
+            x.close()
+            y.close()
+            k.module.close()
+    finally:
+        sim.unregister_kernel("saxpy")

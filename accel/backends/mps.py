@@ -1220,6 +1220,17 @@ class MPSBackend(Backend):
                 rt.send(enc, M_DISPATCH, *sizes)
             self._encoded(st)
 
+    def function_attributes(self, function: int) -> dict:
+        """The kernel's ``max_threads_per_block`` only: its pipeline's
+        maxTotalThreadsPerThreadgroup (read at module_function; the kernel's
+        [[max_total_threads_per_threadgroup]] lowers it).  Metal reports no registers per
+        thread, and no occupancy: the keys are absent."""
+        with self._lock:
+            entry = self._functions.get(function)
+            if entry is None:
+                raise self._missing("kernel", function, "use a handle from module_function")
+            return {"max_threads_per_block": entry[3]}
+
     def launch_limits(self, index: int) -> dict:
         # Apple, "Metal Feature Set Tables" (Apple GPU families): 1024 threads per threadgroup
         # (maxThreadsPerThreadgroup is 1024 in each dimension) and 32 KB of threadgroup memory,

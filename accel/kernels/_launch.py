@@ -263,13 +263,14 @@ def _launch_here(backend, kernel: Kernel, grid, block, packed, shared_mem: int, 
 def _kernel_bounds(backend, kernel: Kernel) -> Tuple[int, int]:
     """(most threads per block, static shared bytes) of the kernel's function on the current
     device (cudaFuncGetAttributes: its __launch_bounds__ or registers lower the device's thread
-    limit).  Backends that cannot say check the kernel's limit at launch themselves (Metal's
-    pipeline maxTotalThreadsPerThreadgroup): no limit here."""
+    limit; Metal: the pipeline's maxTotalThreadsPerThreadgroup, static threadgroup memory not
+    reported: 0).  Backends that cannot say check the kernel's limit at launch themselves: no
+    limit here."""
     try:
         attrs = backend.function_attributes(kernel.handle)
     except NotImplementedError:
         return 1 << 62, 0
-    return attrs["max_threads_per_block"], attrs["shared_size_bytes"]
+    return attrs["max_threads_per_block"], attrs.get("shared_size_bytes", 0)
 
 
 def _opt_in_shared(backend, kernel: Kernel, shared_mem: int, static: int, lim: dict) -> None:
@@ -289,6 +290,12 @@ def _opt_in_shared(backend, kernel: Kernel, shared_mem: int, static: int, lim: d
         optin[kernel.handle] = shared_mem
 
 
+#: What lowers a kernel's thread limit below the device's, per backend (for the launch's error).
+_WHY_LIMIT = {"cuda": "its __launch_bounds__ / PTX .maxntid, or the registers it uses",
+              "mps": "this Metal pipeline's maxTotalThreadsPerThreadgroup, which its "
+                     "[[max_total_threads_per_threadgroup]] or resources lower"}
+
+
 def _launch_locked(backend, kernel: Kernel, grid, block, packed, shared_mem: int, stream, lim: dict) -> None:
     bounds = kernel._bounds
     if bounds is None:
@@ -297,8 +304,8 @@ def _launch_locked(backend, kernel: Kernel, grid, block, packed, shared_mem: int
     threads = block[0] * block[1] * block[2]
     if threads > most_threads:
         raise ValueError(f"launch({kernel.name}): block {block} has {threads} threads, above the kernel's own "
-                         f"limit of {most_threads} threads per block (Kernel.max_threads_per_block: its "
-                         f"__launch_bounds__ / PTX .maxntid, or the registers it uses); launch smaller blocks")
+                         f"limit of {most_threads} threads per block (Kernel.max_threads_per_block: "
+                         f"{_WHY_LIMIT.get(backend.name, _WHY_LIMIT['cuda'])}); launch smaller blocks")
     if static and static + shared_mem > lim["max_shared_per_block_optin"]:
         raise ValueError(f"launch({kernel.name}): shared_mem={shared_mem} bytes and the kernel's {static} bytes of "
                          f"static shared memory pass the device's limit of {lim['max_shared_per_block_optin']} "

@@ -412,7 +412,8 @@ class Kernel:
     :func:`accel.launch`.  ``params`` is its parameter list (accel argument types).
 
     Occupancy (CUDA): :attr:`max_threads_per_block`, :attr:`num_regs`,
-    :attr:`shared_size_bytes` and :meth:`max_potential_block_size`, read on the module's device.
+    :attr:`shared_size_bytes` and :meth:`max_potential_block_size`, read on the module's device;
+    Metal reports :attr:`max_threads_per_block` only (the others raise NotImplementedError).
     """
 
     __slots__ = ("module", "name", "handle", "params", "_backend", "_index", "_packers", "_bounds", "_required",
@@ -460,20 +461,28 @@ class Kernel:
             module._live()
             return self._backend.function_attributes(self.handle)
 
+    def _attribute(self, key: str, what: str):
+        value = self._attributes().get(key)
+        if value is None:
+            raise NotImplementedError(f"{self._backend.name} does not report a kernel's {what}")
+        return value
+
     @property
     def max_threads_per_block(self) -> int:
-        """The most threads a block of this kernel may have on its device (cudaFuncGetAttributes)."""
-        return self._attributes()["max_threads_per_block"]
+        """The most threads a block of this kernel may have on its device (cudaFuncGetAttributes;
+        Metal: the pipeline's maxTotalThreadsPerThreadgroup)."""
+        return self._attribute("max_threads_per_block", "thread limit")
 
     @property
     def num_regs(self) -> int:
-        """Registers each thread uses."""
-        return self._attributes()["num_regs"]
+        """Registers each thread uses (CUDA; NotImplementedError where the backend does not say)."""
+        return self._attribute("num_regs", "registers per thread")
 
     @property
     def shared_size_bytes(self) -> int:
-        """Static shared memory per block, in bytes."""
-        return self._attributes()["shared_size_bytes"]
+        """Static shared memory per block, in bytes (CUDA; NotImplementedError where the backend
+        does not say)."""
+        return self._attribute("shared_size_bytes", "static shared memory")
 
     def max_potential_block_size(self, dynamic_smem: int = 0, block_size_limit: int = 0) -> Tuple[int, int]:
         """(min_grid_size, block_size) reaching the best occupancy, as the CUDA header template
@@ -493,7 +502,7 @@ class Kernel:
         with on_device(self._backend, self._index), module._lock:    # not unloaded meanwhile (see launch)
             module._live()
             attrs = self._backend.function_attributes(self.handle)
-            func_max, static = attrs["max_threads_per_block"], attrs["shared_size_bytes"]
+            func_max, static = attrs["max_threads_per_block"], attrs.get("shared_size_bytes", 0)
             most = limits["max_shared_per_block_optin"]
             if static + dynamic_smem > most:
                 raise ValueError(f"max_potential_block_size: dynamic_smem={dynamic_smem} bytes and the kernel's "
