@@ -121,8 +121,9 @@ class CudaMemPoolMixin:
                     "cudaMemPoolSetAttribute")
 
     def mem_pool_trim(self, index: int, keep: int = 0) -> None:
-        """cudaMemPoolTrimTo: release unused memory of device ``index``'s default pool until it
-        holds at most ``keep`` bytes (memory in use, or freed by work not yet done, stays)."""
+        """cudaMemPoolTrimTo: release unused memory of device ``index``'s default pool, keeping
+        at least ``keep`` bytes reserved (the runtime's guarantee; memory in use, or freed by
+        work not yet done, stays too)."""
         self._check(self.lib.cudaMemPoolTrimTo(self._default_pool(index), keep), "cudaMemPoolTrimTo")
 
     def mem_pool_set_access(self, index: int, peer: int) -> None:

@@ -17,6 +17,7 @@ cuMemSetAccess/GetAccess, cuMemGetAllocationGranularity) works on the runtime's
 
 from __future__ import annotations
 
+import mmap
 import threading
 from typing import Dict, Optional, Tuple
 
@@ -324,6 +325,7 @@ _LOCATION_TYPE_DEVICE = 1       # CU_MEM_LOCATION_TYPE_DEVICE
 _GRANULARITY_OPTIONS = (0, 1)   # CU_MEM_ALLOC_GRANULARITY_MINIMUM, _RECOMMENDED
 _ACCESS = {0: None, 1: "r", 3: "rw"}   # CU_MEM_ACCESS_FLAGS_PROT_NONE / _READ / _READWRITE
 _ACCESS_FLAGS = {"r": 1, "rw": 3}
+_HOST_PAGE = mmap.PAGESIZE      # cuMemAddressReserve: addresses are multiples of the host page size
 _VMM_CODES = {"invalid": CUDA_ERROR_INVALID_VALUE, "oom": CUDA_ERROR_OUT_OF_MEMORY,
               "unsupported": CUDA_ERROR_NOT_SUPPORTED}
 
@@ -463,6 +465,11 @@ def cuMemAddressReserve(ptr, size, alignment, addr, flags):
     if ptr == _dffi().NULL or flags != 0 or size <= 0 or not _aligned(size):
         return CUDA_ERROR_INVALID_VALUE
     if alignment and alignment & (alignment - 1):
+        return CUDA_ERROR_INVALID_VALUE
+    # r67c: the address hint too ("The size and address parameters must be a multiple of the host
+    # page size"); it was ignored whatever it was.  A page-aligned hint is only a hint ("when it is
+    # non-zero then the driver treats it as a hint about where to place the reservation").
+    if int(addr) % _HOST_PAGE:
         return CUDA_ERROR_INVALID_VALUE
     if not vmm_available(R.cfg):
         return CUDA_ERROR_NOT_SUPPORTED

@@ -356,10 +356,16 @@ def _close_stream(R: Runtime, s: Stream) -> None:
     s.destroyed = True
     if s.capture is not None:
         _invalidate(R, s.capture)
-    dev = R.devices[s.device]
     with R.lock:
-        if s in dev.blocking:
-            dev.blocking.remove(s)
+        # r67c: a blocking stream stays among the device's blocking streams until its queued work
+        # has run (Runtime._on_retire forgets it then; at once when nothing is queued).  CUDA
+        # Runtime API, cudaStreamDestroy: "In case the device is still doing work in the stream
+        # stream when cudaStreamDestroy() is called, the function will return immediately and the
+        # resources associated with stream will be released automatically once the device has
+        # completed all work in stream"; "Stream synchronization behavior": the legacy default
+        # stream "synchronizes with all other streams in the same CUcontext except for non-blocking
+        # streams".  That work is still the context's, so the legacy stream (its operations,
+        # cudaStreamQuery, cudaStreamSynchronize) waits for it; before, it overtook the work.
         R.engine.close(s.q)     # queued work still runs; then the engine and device forget it
 
 

@@ -169,15 +169,21 @@ def cudaMemPoolGetAttribute(R, memPool, attr, value):
 
 
 def cudaMemPoolTrimTo(R, memPool, minBytesToKeep):
-    """CUDA Runtime API, cudaMemPoolTrimTo: release unused pool memory until the pool holds at
-    most ``minBytesToKeep`` reserved bytes (memory in use is never released)."""
+    """CUDA Runtime API, cudaMemPoolTrimTo: release unused pool memory, keeping at least
+    ``minBytesToKeep`` reserved bytes (whole pages) and memory in use."""
     pool = _lookup(R.pools, memPool)
     if pool is None:
         return cudaErrorInvalidResourceHandle
     if minBytesToKeep < 0:
         return cudaErrorInvalidValue
+    # minBytesToKeep (Runtime API, cudaMemPoolTrimTo): "If the pool has less than minBytesToKeep
+    # reserved, the TrimTo operation is a no-op.  Otherwise the pool will be guaranteed to have at
+    # least minBytesToKeep bytes reserved after the operation."  The pool holds whole pages, so
+    # it keeps the fewest pages covering the bound, rounded up (r67c: it rounded down and left
+    # less reserved than asked), and never the pages backing bytes in use ("The allocator cannot
+    # release OS allocations that back outstanding asynchronous allocations").
     with R.mlock:
-        keep = max(-(-pool.used // _POOL_CHUNK) * _POOL_CHUNK, minBytesToKeep // _POOL_CHUNK * _POOL_CHUNK)
+        keep = max(-(-pool.used // _POOL_CHUNK) * _POOL_CHUNK, -(-minBytesToKeep // _POOL_CHUNK) * _POOL_CHUNK)
         release = max(0, pool.reserved - keep)
         pool.reserved -= release
         R.devices[pool.device].used -= release

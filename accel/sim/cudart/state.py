@@ -115,7 +115,8 @@ class Device:
         self.peak = 0
         self.legacy: Optional[Stream] = None
         self.queues: Dict[_engine.Queue, None] = {}   # live and draining queues (device sync)
-        self.blocking: List[Stream] = []        # live streams that synchronize with the legacy stream
+        self.blocking: List[Stream] = []        # streams that synchronize with the legacy stream (a
+        #                                         destroyed one until its queued work ran: r67c)
         self.attrs: Optional[Dict[int, int]] = None
         self.peers: set = set()     # devices whose memory this one may access (cudaDeviceEnablePeerAccess)
         self.view = None            # the kernels' memory view for this device (see _device_view)
@@ -380,7 +381,13 @@ class Runtime:
         # A destroyed stream's queue drained (engine lock held): the device forgets it too.
         owner = q.owner
         if owner is not None and 0 <= owner.device < len(self.devices):
-            self.devices[owner.device].queues.pop(q, None)
+            dev = self.devices[owner.device]
+            dev.queues.pop(q, None)
+            if owner in dev.blocking:
+                # r67c: a destroyed blocking stream held the legacy stream until its work ran
+                # (common._close_stream).  A new list, not remove(): readers iterate the list
+                # without the lock (streams.cudaStreamQuery, common._implicit_deps).
+                dev.blocking = [b for b in dev.blocking if b is not owner]
 
     def _on_error(self, q: _engine.Queue, exc: BaseException) -> None:
         code = cudaErrorMisalignedAddress if isinstance(exc, kernels.MisalignedAddress) else \
