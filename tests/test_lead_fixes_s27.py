@@ -122,3 +122,28 @@ def test_metal_kernel_reports_its_thread_limit_and_says_what_it_cannot(monkeypat
             k.module.close()
     finally:
         sim.unregister_kernel("saxpy")
+
+
+def test_async_frees_used_on_other_streams_keep_events_bounded_when_destroy_fails(monkeypatch):
+    """cudaMallocAsync: a free of memory used on another stream orders the free after that use
+    through an event; with cudaEventDestroy failing on every call the failed ones wait for
+    empty_cache, and each next wait reuses one of them (r67a's replay case, the free path)."""
+    use_sim(monkeypatch, "cuda", ACCEL_ALLOC_CONF="backend:cudaMallocAsync")
+    a, b = accel.Stream(1), accel.Stream(1)
+    memory.empty_cache()
+    events = sim.state().events
+    sim.inject_error("cudaEventDestroy", 1, times=-1)
+    try:
+        for _ in range(6):
+            buf = accel.Buffer(4096, device=1, stream=a)
+            buf.fill_(1, stream=b)          # used on b: its free waits for that use
+            buf.close()
+        during = sim.state().events
+    finally:
+        sim.clear_faults()
+    memory.empty_cache()
+    accel.synchronize(1)
+    assert during <= events + 1, f"{during - events} events kept by 6 frees"
+    assert sim.state().events == events
+    a.close()
+    b.close()

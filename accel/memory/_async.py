@@ -850,10 +850,15 @@ class AsyncPoolAllocator:
 
     def _wait_for(self, waiter: int, stream: int, device: int) -> None:
         """``waiter`` (a stream of this allocator's device) waits for the work queued on
-        ``stream`` (of ``device``) so far."""
+        ``stream`` (of ``device``) so far.  The event is one of ``_doomed`` when one of that
+        device is there (its destroy failed: still live, and nothing else uses it), else a new
+        one; either is destroyed after the wait, so a persistently failing cudaEventDestroy keeps
+        one event per device in ``_doomed``, not one per wait (r67a: 6 replays, 6 events)."""
         be = self._be
-        with on_device(be, device):          # cudaEventRecord: the event's and stream's device
-            event = be.event_create()
+        event = self._undoom(device)
+        if event is None:
+            with on_device(be, device):          # cudaEventRecord: the event's and stream's device
+                event = be.event_create()
         try:
             with on_device(be, device):
                 be.event_record(event, stream)
@@ -887,6 +892,14 @@ class AsyncPoolAllocator:
                     if _caching.capture_underway(be):
                         raise       # synchronizing would invalidate the capture
                     be.stream_synchronize(stream)
+        return None
+
+    def _undoom(self, device: int) -> Optional[int]:
+        """An event of ``device`` taken out of ``_doomed`` to be used again, or None."""
+        doomed = self._doomed
+        for i in range(len(doomed) - 1, -1, -1):
+            if doomed[i][1] == device:
+                return doomed.pop(i)[0]
         return None
 
     def _destroy_event(self, event: int, device: int) -> None:
