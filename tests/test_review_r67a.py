@@ -212,9 +212,6 @@ def test_a_large_request_is_served_from_the_capture_time_segment(monkeypatch):
     _classic_segment_from_a_capture(16)
 
 
-@pytest.mark.xfail(strict=True, reason="r67a: _grow_instead sends the request to _exp_grow, whose "
-                                       "throw_on_cudamalloc_oom rejection has no cached-block fallback: "
-                                       "accel/memory/_caching.py:1962 and :1995")
 def test_a_small_request_is_served_from_the_capture_time_segment(monkeypatch):
     use_sim(monkeypatch, "cuda", ACCEL_ALLOC_CONF="throw_on_cudamalloc_oom:True")
     _classic_segment_from_a_capture(4)      # OutOfMemoryError: "preemptively rejected"
@@ -519,6 +516,7 @@ def _ze_streams():
                if type(o).__name__ == "_Stream" and type(o).__module__.endswith("xpu.streams"))
 
 
+@pytest.mark.usefixtures("frozen_heap")     # (counts only this test's streams: earlier tests' die meanwhile)
 def test_closed_level_zero_streams_are_not_kept_by_their_kernels(monkeypatch):
     use_sim(monkeypatch, "xpu")
     m = accel.Module(spirv_module(FILL))
