@@ -87,8 +87,6 @@ def _never_the_other_kernel(result, value):
 
 
 # -- Level Zero: kernels after a failed unload -----------------------------------------------
-@pytest.mark.xfail(strict=True, reason="r67a: _look_up_again keeps a failed lookup's destroyed handle, which the "
-                                       "driver reuses for the next kernel: accel/kernels/_module.py:363")
 def test_a_kernel_whose_lookup_failed_after_a_failed_unload_never_runs_another(monkeypatch, other_kernel):
     use_sim(monkeypatch, "xpu")
     m = accel.Module(spirv_module(FILL, OTHER))
@@ -106,8 +104,6 @@ def test_a_kernel_whose_lookup_failed_after_a_failed_unload_never_runs_another(m
     out.close()
 
 
-@pytest.mark.xfail(strict=True, reason="r67a: _look_up_again fixes only the Kernels in Module._kernels; a "
-                                       "copy.copy of one keeps the destroyed handle: accel/kernels/_module.py:356")
 def test_a_kernel_copy_after_a_failed_unload_launches_its_own_kernel(monkeypatch, other_kernel):
     use_sim(monkeypatch, "xpu")
     m = accel.Module(spirv_module(FILL, OTHER))
@@ -125,9 +121,6 @@ def test_a_kernel_copy_after_a_failed_unload_launches_its_own_kernel(monkeypatch
     out.close()
 
 
-@pytest.mark.xfail(strict=True, reason="r67a: _look_up_again makes a new kernel per live Kernel after every failed "
-                                       "unload, also when the old ones were not destroyed: "
-                                       "accel/kernels/_module.py:361")
 def test_failed_unloads_do_not_grow_the_drivers_kernels(monkeypatch):
     use_sim(monkeypatch, "xpu")
     m = accel.Module(spirv_module(FILL))
@@ -149,9 +142,6 @@ def test_failed_unloads_do_not_grow_the_drivers_kernels(monkeypatch):
     assert live == 1, f"{live} kernels live for one Kernel after 5 failed unloads"
 
 
-@pytest.mark.xfail(strict=True, reason="r67a: a failed Level Zero unload destroyed the kernels a live graph's "
-                                       "command list holds; replay reaches the driver with them "
-                                       "(accel/backends/xpu/kernels.py:105, accel/kernels/_module.py:348)")
 def test_a_graph_of_the_module_after_a_failed_unload(monkeypatch):
     use_sim(monkeypatch, "xpu")
     m = accel.Module(spirv_module(FILL))

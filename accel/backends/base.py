@@ -583,6 +583,12 @@ class Backend(abc.ABC):
     def module_function(self, module: int, name: str) -> int:
         raise NotImplementedError(f"{self.name} has no kernel path")
 
+    def function_live(self, module: int, function: int) -> bool:
+        """Whether ``function`` (from module_function) is still a live kernel of ``module``.
+        After a failed module_unload: a backend that destroys kernels before the module (Level
+        Zero) may have destroyed it; elsewhere a failed unload destroys nothing."""
+        return True
+
     # -- management-library readings (only when supports_smi) ----------------------------------
     # ``index`` is a visible device index; none of these initializes the runtime (they must be
     # safe before fork, as counting is).  Failures raise AcceleratorError naming the call.

@@ -297,6 +297,8 @@ _WHY_LIMIT = {"cuda": "its __launch_bounds__ / PTX .maxntid, or the registers it
 
 
 def _launch_locked(backend, kernel: Kernel, grid, block, packed, shared_mem: int, stream, lim: dict) -> None:
+    if kernel.module._functions.get(kernel.name) != kernel.handle:
+        kernel._function()      # destroyed by a failed unload: looked up again (or it raises)
     bounds = kernel._bounds
     if bounds is None:
         bounds = kernel._bounds = _kernel_bounds(backend, kernel)

@@ -341,27 +341,25 @@ class Module:
                     # handle may be another module's already: closed it stays)
                     with self._lock:
                         self._handle = h
-                        # the backend may have destroyed the kernels before the unload failed
-                        # (Level Zero: zeKernelDestroy, then zeModuleDestroy): looked up again
-                        self._functions.clear()
-                        self._smem_optin.clear()
-                        self._look_up_again(h)
+                        self._forget_destroyed(h)
                 raise
 
-    def _look_up_again(self, handle: int) -> None:
-        """After a failed unload (under the lock): the live Kernel objects get their functions
-        looked up again, since the backend may have destroyed the old ones.  One that cannot be
-        looked up keeps its old handle, which the backend then refuses by name at launch."""
-        from ..streams import on_device
-        for k in list(self._kernels.values()):
-            try:
-                fn = self._functions.get(k.name)
-                if fn is None:
-                    with on_device(self._backend, self._index):
-                        fn = self._functions[k.name] = self._backend.module_function(handle, k.name)
-            except Exception:       # noqa: BLE001 - the unload's own error is the one raised
-                continue
-            k.handle = fn
+    def _forget_destroyed(self, handle: int) -> None:
+        """After a failed unload (under the lock): the backend may have destroyed some of the
+        module's functions before the unload failed (Level Zero: zeKernelDestroy, then
+        zeModuleDestroy), and the driver may give their handle values to new kernels.  Those
+        leave ``_functions``; every Kernel (a copy too) reads its function from there at each
+        use (:meth:`Kernel._function`), so the next use looks a destroyed one up again, and a
+        function still live is kept (r67a: a new one per Kernel per failed unload grew the
+        driver's kernels; a Kernel whose new lookup failed kept a destroyed handle and launched
+        whichever kernel the driver gave that value to next)."""
+        live = self._backend.function_live
+        old = dict(self._functions)
+        self._functions.clear()
+        self._smem_optin.clear()
+        for name, fn in old.items():
+            if live(handle, fn):
+                self._functions[name] = fn
 
     def __del__(self, _finalizing=sys.is_finalizing):
         if _finalizing():
@@ -454,12 +452,26 @@ class Kernel:
         """The index of :attr:`device`."""
         return self._index
 
+    def _function(self) -> int:
+        """This kernel's function now (the module's lock held, the module loaded): the module's
+        ``_functions`` entry, looked up again when a failed unload destroyed it (see
+        Module._forget_destroyed); ``handle`` follows it."""
+        module = self.module
+        fn = module._functions.get(self.name)
+        if fn is None:
+            from ..streams import on_device
+            with on_device(self._backend, self._index):
+                fn = module._functions[self.name] = self._backend.module_function(module._handle, self.name)
+        if fn != self.handle:
+            self.handle = fn
+        return fn
+
     def _attributes(self) -> dict:
         from ..streams import on_device
         module = self.module
         with on_device(self._backend, self._index), module._lock:    # not unloaded meanwhile (see launch)
             module._live()
-            return self._backend.function_attributes(self.handle)
+            return self._backend.function_attributes(self._function())
 
     def _attribute(self, key: str, what: str):
         value = self._attributes().get(key)
@@ -501,7 +513,8 @@ class Kernel:
         limits = self._backend.launch_limits(self._index)
         with on_device(self._backend, self._index), module._lock:    # not unloaded meanwhile (see launch)
             module._live()
-            attrs = self._backend.function_attributes(self.handle)
+            fn = self._function()
+            attrs = self._backend.function_attributes(fn)
             func_max, static = attrs["max_threads_per_block"], attrs.get("shared_size_bytes", 0)
             most = limits["max_shared_per_block_optin"]
             if static + dynamic_smem > most:
@@ -517,7 +530,7 @@ class Kernel:
             aligned = -(-limit // warp) * warp
             for tried in range(aligned, 0, -warp):
                 size = min(tried, limit)
-                blocks = self._backend.occupancy_max_active_blocks(self.handle, size, dynamic_smem)
+                blocks = self._backend.occupancy_max_active_blocks(fn, size, dynamic_smem)
                 if size * blocks > best[0]:
                     best = (size * blocks, size, blocks)
                 if best[0] == per_sm:

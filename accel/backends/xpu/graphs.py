@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 from typing import List, Optional
 
-from ..._errors import CaptureError
+from ..._errors import AcceleratorError, CaptureError
 from .._signals import deferred
 from ._library import LIBRARY, _UINT64_MAX
 from .events import _Event
@@ -29,7 +29,7 @@ _CAPTURE_MODES = ("global", "thread_local", "relaxed")
 
 
 class _Capture:
-    __slots__ = ("list", "mode", "thread", "invalid", "ops", "gate", "done", "device", "ident")
+    __slots__ = ("list", "mode", "thread", "invalid", "ops", "gate", "done", "device", "ident", "kernels")
 
     def __init__(self, cmdlist, mode, device, gate, done, ident):
         self.list, self.mode, self.device, self.gate, self.done = cmdlist, mode, device, gate, done
@@ -40,11 +40,13 @@ class _Capture:
         self.thread = threading.get_ident()
         self.invalid: Optional[str] = None
         self.ops: List[str] = []
+        self.kernels = set()        # the kernels its list launches (module_unload's failure path)
 
 
 class _Graph:
     __slots__ = ("handle", "device", "list", "gate", "done", "ops", "queue", "execs", "destroyed",
-                 "launched", "last_stream", "completion", "lock", "deps", "released", "stale", "launches")
+                 "launched", "last_stream", "completion", "lock", "deps", "released", "stale", "launches",
+                 "kernels", "broken")
 
     def __init__(self, handle, cap: _Capture):
         self.handle, self.device, self.list = handle, cap.device, cap.list
@@ -60,6 +62,8 @@ class _Graph:
         self.deps = []                 # stream points that signal/wait/reset the gate events
         self.released = False          # list, queue and events given back (_release_graph)
         self.stale = None              # the stream of a launch that failed half way (_rearm_graph)
+        self.kernels = cap.kernels     # the kernels its list launches
+        self.broken: Optional[str] = None   # why it can never launch again (module_unload)
 
 
 class GraphsMixin:
@@ -223,6 +227,9 @@ class GraphsMixin:
                 # events may be gone (the gate's slot even given to another record).
                 raise ValueError(f"{graph_exec!r} is not a live XPU graph exec handle (the graph exec was "
                                  f"destroyed by another thread meanwhile)")
+            if g.broken is not None:
+                raise AcceleratorError(f"the XPU graph cannot be replayed: {g.broken}; capture it again "
+                                       f"after loading the module again")
             if g.launched:
                 # The spec forbids resubmitting a list the device still references.
                 self._sync_graph(g)

@@ -99,11 +99,33 @@ class KernelsMixin:
             if modules.get(module) is not entry:
                 raise ValueError(f"xpu: {module:#x} was unloaded by another thread meanwhile")
             ks = entry[1]
-            while ks:
-                self._check_rc("zeKernelDestroy", lib.zeKernelDestroy(kernels[ks[-1]][0]))
-                del kernels[ks.pop()]
-            self._check_rc("zeModuleDestroy", lib.zeModuleDestroy(ffi.cast("ze_module_handle_t", module)))
+            destroyed = []
+            try:
+                while ks:
+                    self._check_rc("zeKernelDestroy", lib.zeKernelDestroy(kernels[ks[-1]][0]))
+                    destroyed.append(ks[-1])
+                    del kernels[ks.pop()]
+                self._check_rc("zeModuleDestroy", lib.zeModuleDestroy(ffi.cast("ze_module_handle_t", module)))
+            except BaseException:
+                if destroyed:
+                    self._break_graphs(destroyed, module)
+                raise
             del modules[module]
+
+    def _break_graphs(self, destroyed, module: int) -> None:
+        """A failed unload destroyed ``destroyed`` kernels of a module that stays loaded: the
+        graphs whose lists launch any of them can never be executed again (ze_api.h,
+        zeKernelDestroy: the device must not reference a destroyed kernel; their lists do, and
+        the driver may give the handles to new kernels).  Their replays are refused (r67a: the
+        driver was handed the destroyed kernels)."""
+        gone = set(destroyed)
+        why = (f"its list launches kernels that a failed unload of module {module:#x} destroyed "
+               f"(zeModuleDestroy failed after zeKernelDestroy)")
+        with self._lock:
+            graphs = set(self._graphs.values()) | set(self._execs.values())
+        for g in graphs:
+            if g.broken is None and not gone.isdisjoint(g.kernels):
+                g.broken = why
 
     def _kernels_close(self) -> None:
         """Destroy every kernel and module (backend close: the device is idle)."""
@@ -111,6 +133,12 @@ class KernelsMixin:
             return
         for module in list(self._kstate[0]):
             self.module_unload(module)
+
+    def function_live(self, module: int, function: int) -> bool:
+        _modules, kernels, klock = self._kernel_state()
+        with klock:
+            entry = kernels.get(function)
+            return entry is not None and entry[1] == module
 
     def module_function(self, module: int, name: str) -> int:
         ffi, lib, _ = self._lib
@@ -181,7 +209,8 @@ class KernelsMixin:
             for i, (size, p) in enumerate(values):
                 self._check_rc("zeKernelSetArgumentValue", lib.zeKernelSetArgumentValue(k, i, size, p))
             seq = self._enqueue(s, f"kernel grid{tuple(grid)} block{tuple(block)}", "zeCommandListAppendLaunchKernel",
-                                lib.zeCommandListAppendLaunchKernel, k, count, ffi.NULL, 0, ffi.NULL)
+                                lib.zeCommandListAppendLaunchKernel, k, count, ffi.NULL, 0, ffi.NULL,
+                                kernel=function)
             if seq is not None:         # (captured: the graph's replays are waited for at unload)
                 uses[s] = seq
                 if len(uses) > 16:      # bounded by the streams it may still run on

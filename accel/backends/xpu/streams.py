@@ -387,13 +387,16 @@ class StreamsMixin:
         if rc:
             self._fail(call, rc)
 
-    def _enqueue(self, s: _Stream, what: str, call: str, fn, *args) -> Optional[int]:
-        """Append one command to the stream, or to its capture; returns its number on the stream."""
+    def _enqueue(self, s: _Stream, what: str, call: str, fn, *args, kernel=None) -> Optional[int]:
+        """Append one command to the stream, or to its capture; returns its number on the stream.
+        ``kernel``: the launched kernel's handle, which a capture keeps (its graph's list holds it)."""
         with s.lock:
             cap = s.capture
             if cap is not None:
                 self._append(s, call, fn, cap.list, *args)
                 cap.ops.append(what)
+                if kernel is not None:
+                    cap.kernels.add(kernel)
                 return None
             self._check_live(s)
             seq = self._number(s)
