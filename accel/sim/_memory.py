@@ -67,6 +67,9 @@ def allocate(size: int, kind: str, device: int, align: int = ALIGN, zeroed: bool
     if arena is not None:
         base, buf = arena.take(size, align, zeroed)
         return Allocation(base, size, kind, device, buf)
+    if kind == HOST and _PHYSICAL is not None and size > _PHYSICAL:
+        raise MemoryError(f"cannot allocate {size} bytes of pinned host memory: the host has {_PHYSICAL} bytes "
+                          f"of physical memory")
     raw = (ffi.new if zeroed else _new_raw)("char[]", size + align)
     addr = int(ffi.cast(_UINTPTR, raw))
     base = (addr + align - 1) & ~(align - 1)
@@ -208,8 +211,10 @@ class _Arena:
     queued and done by the holder before it lets go.  Invariant: a whole page inside a free range
     is untouched or was dropped (MADV_DONTNEED), so it reads zeros."""
 
-    def __init__(self, what: str = "device memory"):
+    def __init__(self, what: str = "device memory", limit: Optional[int] = None):
         self.what = what
+        self.limit = limit              # most live bytes at once (None: address space only)
+        self.live_bytes = 0             # bytes of the live blocks (256-byte multiples)
         libc = ctypes.CDLL(None, use_errno=True)
         libc.mmap.restype = ctypes.c_void_p
         libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
@@ -249,7 +254,12 @@ class _Arena:
         align = max(align, ALIGN)
         with self._lock:
             try:
+                self._settle()          # gives queued by other threads count before the limit
+                if self.limit is not None and self.live_bytes + n > self.limit:
+                    raise MemoryError(f"cannot allocate {size} bytes of {self.what}: {self.live_bytes} bytes are "
+                                      f"live and the host has {self.limit} bytes of physical memory")
                 base = self._take(n, align)
+                self.live_bytes += n
             finally:
                 self._settle()
         self._after()
@@ -356,6 +366,7 @@ class _Arena:
             del c.starts[i + 1]
         c.free[lo] = hi
         c.live -= 1
+        self.live_bytes -= n
         self._recent.append((b, n))
         if len(self._recent) > _RECENT:
             del self._recent[0]
@@ -415,5 +426,23 @@ def _new_arena(what: str) -> Optional[_Arena]:
     return arena
 
 
+def _physical_memory() -> Optional[int]:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+#: Pinned (page-locked) host memory is never more than the host's physical memory, live at once
+#: (r67b): page-locked pages stay resident in RAM (CUDA C++ Programming Guide, "Page-Locked Host
+#: Memory": "page-locked host memory is a scarce resource ... allocations in page-locked memory will
+#: start failing long before allocations in pageable memory"), so cudaHostAlloc past it returns
+#: cudaErrorMemoryAllocation (Runtime API, cudaHostAlloc) and zeMemAllocHost
+#: ZE_RESULT_ERROR_OUT_OF_HOST_MEMORY (ze_api.h).  The range alone would hand out terabytes that
+#: a program touching them could not have (the OOM killer instead of the vendor's error).
+_PHYSICAL = _physical_memory()
+
 _arena: Optional[_Arena] = _new_arena("device memory")
 _pinned_arena: Optional[_Arena] = _new_arena("pinned host memory")
+if _pinned_arena is not None:
+    _pinned_arena.limit = _PHYSICAL
