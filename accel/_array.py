@@ -328,6 +328,12 @@ class ArrayView:
             raise TypeError("len() of a 0-d ArrayView")
         return self._shape[0]
 
+    def __array__(self, dtype=None, copy=None):
+        """numpy's implicit conversion is refused with TypeError, as :meth:`Buffer.__array__
+        <accel.Buffer.__array__>`: :meth:`to_numpy` copies the view to the host."""
+        raise TypeError(f"numpy cannot use {self!r} directly (device memory); copy it to the host with "
+                        f".to_numpy()")
+
     def __repr__(self):
         layout = "" if self._contiguous else f", strides={self._strides}"
         where = f"{self._buffer.device}"

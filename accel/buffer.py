@@ -433,6 +433,14 @@ class Buffer:
     def __len__(self) -> int:
         return self._nbytes
 
+    def __array__(self, dtype=None, copy=None):
+        """numpy's implicit conversion (``np.asarray(buf)``, ``np.testing`` comparisons) is
+        refused with TypeError: device memory reaches the host only by a copy,
+        :meth:`to_numpy` (numpy otherwise wraps the Buffer in a 0-d object array, and a
+        comparison with it is silently False; torch and CuPy refuse the same way)."""
+        raise TypeError(f"numpy cannot use {self!r} directly (device memory); copy it to the host with "
+                        f".to_numpy(dtype, shape)")
+
     @property
     def device(self) -> device:
         """The device the memory is on."""

@@ -680,10 +680,6 @@ class warnings_off:
 
 
 # -- numpy's implicit conversion of device memory ------------------------------------------------
-@pytest.mark.xfail(strict=True, reason="r67b: Buffer and ArrayView define no __array__, so np.asarray(buf) "
-                                       "silently makes a 0-d object array holding the Buffer instead of "
-                                       "refusing as torch and CuPy do (accel/buffer.py class Buffer, "
-                                       "accel/_array.py class ArrayView)")
 @pytest.mark.parametrize("kind", SIMS)
 def test_numpy_asarray_of_device_memory_is_refused(monkeypatch, kind):
     """A user checks a result with numpy the way they would a host array: ``np.asarray(buf)``,
