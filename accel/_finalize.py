@@ -294,7 +294,7 @@ def release(fn: Callable, *args) -> None:
     defer it.  (``Buffer.close`` inlines the case with no collection, nothing pending and the live
     backend, calling the allocator's free directly: a new condition here belongs there too.)"""
     if _locks._running and collecting():    # (hot path: no call when no collection runs)
-        pending.append((fn, args))
+        pending.append((finalize, (fn,) + args))    # (a failed vendor call: tried once more)
         return
     if pending:
         drain()
@@ -304,9 +304,10 @@ def release(fn: Callable, *args) -> None:
 
 def finalize(fn: Callable, *args) -> None:
     """A finalizer's release: run ``fn(*args)`` now, errors swallowed, or defer it while a
-    collection runs on this thread."""
+    collection runs on this thread (as ``finalize(fn, *args)``: drain() takes an item's failure
+    for its last, so a deferred release queued bare got one attempt, r67d)."""
     if _locks._running and collecting():
-        pending.append((fn, args))
+        pending.append((finalize, (fn,) + args))
         return
     if _stale(fn, args):
         return

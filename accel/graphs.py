@@ -547,7 +547,7 @@ class Graph:
         moved.rng, moved.allocs, moved.host, moved.events = h.rng, h.allocs, h.host, h.events
         h.exec = h.graph = h.pool = h.rng = h.allocs = h.host = None
         h.events = ()
-        _fin.pending.append((_release_held, (backend, moved)))
+        _fin.pending.append((_fin.finalize, (_release_held, backend, moved)))   # (tried twice: r67d)
 
     def _release_handles(self) -> None:
         """reset()'s releases, with no replay in flight."""
@@ -754,16 +754,14 @@ def _begin_held(h: _Held, backend, stream: Stream, mode: str, allocator, pool: T
             # Another thread's close() claimed the stream since the hold began.  It checks for a
             # capture again after claiming, but may have looked before this one began: end the
             # capture just begun (discarded), so the stream is destroyed with none underway.
-            _discard_capture(backend, stream)
+            _discard_capture(h, backend, stream)
             raise RuntimeError(f"capture_begin: {stream!r} was closed by another thread while the capture "
                                f"began; nothing was captured: capture on a stream no thread closes")
-        try:
-            capture_id = backend.capture_id(stream._handle)
-        except AcceleratorError:
-            # Only keeping external events alive needs the id (cudaStreamGetCaptureInfo): the
-            # capture goes on without it, and an external event recorded in it is kept alive by
-            # its caller alone.
-            capture_id = None
+        # The id (cudaStreamGetCaptureInfo) keys what the graph must keep: the modules it
+        # launches, the pinned blocks of its host copies, the external events recorded in it.
+        # A failure is the capture_begin's (the capture discarded below): going on without it
+        # let a replay after Module.close() launch an unloaded kernel (r67d).
+        capture_id = backend.capture_id(stream._handle)
         if capture_id is not None:
             _capture_events[capture_id] = {}   # external events recorded in the capture (accel.streams)
         # published with plain stores: the graph holds the capture from here on
@@ -771,12 +769,14 @@ def _begin_held(h: _Held, backend, stream: Stream, mode: str, allocator, pool: T
         h.capture_id = capture_id
         h.backend, h.index, h.stream, h.pool = backend, index, stream, pool
         h.allocs = allocs
-    except BaseException:
+    except BaseException as exc:
         # Refused, or a KeyboardInterrupt (Ctrl-C) before the graph held the capture: a capture
         # the backend began is ended and discarded, so none is left underway that no one ends.
         try:
             if h.stream is None and _still_capturing(backend, stream):
-                _discard_capture(backend, stream)
+                _discard_capture(h, backend, stream)
+        except Exception as discard_error:      # the first error stays the one raised
+            exc.add_note(f"(ending and discarding the capture then failed: {discard_error})")
         finally:
             if capture_id is not None:
                 _capture_events.pop(capture_id, None)
@@ -979,12 +979,13 @@ def _check_device_free(index: int, why: str = "") -> None:
 
 
 @_signals_deferred
-def _discard_capture(backend, stream: Stream) -> None:
+def _discard_capture(h: _Held, backend, stream: Stream) -> None:
     """End the capture underway on ``stream`` (begun by this thread) and destroy its graph
-    (signals deferred: see _end_capture)."""
-    graph_handle = backend.capture_end(stream._handle)
-    if graph_handle is not None:
-        backend.graph_destroy(graph_handle)
+    (signals deferred: see _end_capture).  The graph goes through the holder ``h`` (registered
+    with ``backend``): a destroy that fails leaves it there, for reset() or the graph's release
+    to try again (r67d: it leaked)."""
+    h.graph = backend.capture_end(stream._handle)
+    _destroy_held(h, "graph", backend.graph_destroy)
 
 
 def _still_capturing(backend, stream: Stream) -> bool:
@@ -1010,7 +1011,11 @@ def _end_after_error(g: Graph, exc: BaseException) -> None:
     except Exception as end_error:     # the capture is ended (and its pool released) either way
         exc.add_note(f"(the capture was then ended and discarded: {end_error})")
     else:
-        g.reset()   # a capture cut short by an error is not a graph anyone asked for
+        try:
+            g.reset()   # a capture cut short by an error is not a graph anyone asked for
+        except Exception as reset_error:    # the body's error stays the one raised (r67d)
+            exc.add_note(f"(discarding the captured graph then failed: {reset_error}; what it still "
+                         f"holds is released by graph.reset() or when the graph is dropped)")
 
 
 def _end_block_or_discard(g: Graph) -> None:

@@ -27,10 +27,11 @@ simulator's live objects (``accel.sim.state()``), accel's allocator statistics, 
 the current device and streams are as before; the operation then works again, and
 empty_cache/empty_host_cache succeed.
 
-The bugs found are strict xfails below (each reason names the cause, file:line):
-a failed cudaFreeAsync of a graph allocation during its capture, a cudaStreamGetCaptureInfo
-failure swallowed by capture_begin, releases deferred past a capture whose vendor call fails,
-and a failed unload on the error path of a module load.
+The bugs found (each test below failed first, fixed in session 27): a failed cudaFreeAsync of a
+graph allocation during its capture, a cudaStreamGetCaptureInfo failure swallowed by
+capture_begin, releases deferred past a capture or by a collection that got one attempt (or
+none), a failed unload on the error path of a module load, and a capture body's error replaced
+by a failing discard.
 """
 
 import gc
@@ -532,9 +533,8 @@ _CASES = {
     "cuda-cai_copy": ("cuda", (_cai_setup, _cai_copy),
                       {"cudaStreamGetDevice", "cudaEventCreateWithFlags", "cudaEventRecord", "cudaStreamWaitEvent",
                        "cudaEventDestroy"}, {}, True),
-    # (cudaFreeAsync: see the xfail below)
     "cuda-async_graph_alloc": ("cuda", (_graph_alloc_setup, _graph_alloc),
-                               {"cudaMallocAsync", "cudaDeviceGraphMemTrim", "cudaMemPoolTrimTo",
+                               {"cudaMallocAsync", "cudaFreeAsync", "cudaDeviceGraphMemTrim", "cudaMemPoolTrimTo",
                                 "cudaMemPoolGetAttribute", "cudaGraphLaunch",
                                 "cudaGraphExecDestroy"}, _ASYNC, True),
     "cuda-async_deferred": ("cuda", (_async_deferred_setup, _async_deferred),
@@ -550,9 +550,8 @@ _CASES = {
     "cuda-oom_history": ("cuda", (lambda dev: dev, _oom_history), {"cudaMemGetInfo"}, {}, True),
     "cuda-async_oom_history": ("cuda", (lambda dev: dev, _oom_history), {"cudaMemGetInfo", "cudaMallocAsync",
                                                                        "cudaFreeAsync"}, _ASYNC, True),
-    # (cudaStreamGetCaptureInfo: see the xfail below)
     "cuda-graph_host_copy": ("cuda", (_graph_host_setup, _graph_host),
-                             {"cudaHostAlloc", "cudaMemcpyAsync", "cudaEventCreateWithFlags", "cudaEventRecord",
+                             {"cudaHostAlloc", "cudaStreamGetCaptureInfo", "cudaMemcpyAsync", "cudaEventCreateWithFlags", "cudaEventRecord",
                               "cudaGraphDestroy", "cudaGraphExecDestroy"}, {}, True),
     # a release that keeps failing in a finalizer is reported and leaked by design (accel._finalize)
     "cuda-dropped": ("cuda", (_dropped_setup, _dropped),
@@ -686,11 +685,6 @@ class _Cycle:
         self.me = self
 
 
-@pytest.mark.xfail(strict=True, reason="r67d: a release deferred by a collection gets one attempt: drain() takes "
-                   "its first failure for the retry's (reported 'failed twice', the handle leaks): the bare "
-                   "(fn, args) queued by accel/_finalize.py:309 (finalize, for Module.__del__, "
-                   "accel/kernels/_module.py:374), accel/kernels/_module.py:328 (Module.close in a collection) and "
-                   "accel/graphs.py:550 (_move_to_release: a reset in a collection during a replay)")
 @pytest.mark.parametrize("how", ["module_collected_in_a_cycle", "module_closed_in_a_collection",
                                  "graph_reset_in_a_collection_during_its_replay"])
 def test_release_deferred_by_a_collection_retries_a_call_that_fails_once(monkeypatch, how):
@@ -747,9 +741,6 @@ def test_release_deferred_by_a_collection_retries_a_call_that_fails_once(monkeyp
 
 # -- the bugs ---------------------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="r67d: a failed cudaFreeAsync of a graph allocation during its capture "
-                   "leaves the allocation held forever (no retry; the next allocation at its address is then "
-                   "never freed): accel/memory/_async.py:796 (_free_in_capture) has no error path, free():358")
 def test_failed_free_in_capture_of_a_graph_allocation_is_not_lost(monkeypatch):
     use_sim(monkeypatch, "cuda", **_ASYNC)
     s = accel.Stream(device=1)
@@ -783,10 +774,6 @@ def test_failed_free_in_capture_of_a_graph_allocation_is_not_lost(monkeypatch):
     s.close()
 
 
-@pytest.mark.xfail(strict=True, reason="r67d: capture_begin swallows a failed cudaStreamGetCaptureInfo and "
-                   "captures without an id, so the graph keeps neither its modules (replay after Module.close() "
-                   "launches an unloaded kernel) nor its pinned blocks (a captured pinned copy is refused as 'not "
-                   "into an accel.Graph'): accel/graphs.py:761 (_begin_held)")
 @pytest.mark.parametrize("work", ["launch", "pinned_copy"])
 def test_failed_capture_info_at_capture_begin_is_not_swallowed(monkeypatch, work):
     """Either capture_begin raises the failure (nothing left underway), or the graph is a full
@@ -825,9 +812,6 @@ def test_failed_capture_info_at_capture_begin_is_not_swallowed(monkeypatch, work
         sim.unregister_kernel("saxpy")
 
 
-@pytest.mark.xfail(strict=True, reason="r67d: a module unload or graph destroy deferred past a capture whose "
-                   "vendor call fails when the last capture ends is dropped: no retry, no report, the handle "
-                   "leaks: accel/backends/base.py:455 (_run_after_captures: except AcceleratorError: pass)")
 @pytest.mark.parametrize("call", ["cudaLibraryUnload", "cudaGraphExecDestroy", "cudaGraphDestroy"])
 def test_release_deferred_past_a_capture_is_retried_when_it_fails(monkeypatch, call):
     use_sim(monkeypatch, "cuda")
@@ -873,9 +857,6 @@ def test_release_deferred_past_a_capture_is_retried_when_it_fails(monkeypatch, c
         sim.unregister_kernel("saxpy")
 
 
-@pytest.mark.xfail(strict=True, reason="r67d: Module(...) whose first kernel lookup fails unloads the module on "
-                   "the error path without protection: a failing unload replaces the lookup's error and leaks the "
-                   "module: accel/kernels/_module.py:224 (Module._load)")
 def test_failed_unload_after_a_failed_lookup_in_module_load(monkeypatch):
     use_sim(monkeypatch, "cuda")
     accel.Module(SAXPY_PTX, device=1).close()
@@ -894,8 +875,6 @@ def test_failed_unload_after_a_failed_lookup_in_module_load(monkeypatch):
     assert "cudaLibraryGetKernel" in str(info.value), "the lookup's error was replaced by the unload's"
 
 
-@pytest.mark.xfail(strict=True, reason="r67d: the same unprotected unload in accel.random's kernel load: "
-                   "accel/random/_device.py:141 (_functions_of) leaks the Philox module when its unload fails")
 def test_failed_unload_after_a_failed_lookup_in_the_random_kernels(monkeypatch):
     use_sim(monkeypatch, "cuda")
     b = accel.Buffer(4096, device=1)
@@ -916,9 +895,6 @@ def test_failed_unload_after_a_failed_lookup_in_the_random_kernels(monkeypatch):
     b.close()
 
 
-@pytest.mark.xfail(strict=True, reason="r67d: a capture body's own exception is replaced by a failing reset() of "
-                   "the discarded graph (e.g. cudaGraphExecDestroy): accel/graphs.py:1013 (_end_after_error calls "
-                   "g.reset() unguarded, while the capture end's error is only a note)")
 def test_body_error_of_a_capture_survives_a_failed_discard(monkeypatch):
     use_sim(monkeypatch, "cuda")
     s, b = accel.Stream(device=1), accel.Buffer(4096, device=1)

@@ -442,18 +442,23 @@ class Backend(abc.ABC):
                 fn(*args)
 
     def _run_after_captures(self) -> None:
-        """Run the releases queued during captures (errors dropped, as a finalizer's), with no
-        capture beginning meanwhile; capture_end calls it once the last capture ended."""
+        """Run the releases queued during captures, with no capture beginning meanwhile;
+        capture_end calls it once the last capture ended.  One whose vendor call fails is tried
+        once more at the next safe point (after the captures then underway), as a finalizer's
+        (accel._finalize: a second failure is reported; r67d: it was dropped, and the handle
+        leaked unreported)."""
         queue = self._after_capture
         if not queue:
             return
+        from .. import _finalize
         with self.capture_gate:     # (the queue changes only under it: _after_captures appends)
             while queue and not self.captures_underway():
                 fn, args = queue.popleft()
                 try:
                     fn(*args)
                 except AcceleratorError:
-                    pass
+                    # (again past any capture then underway: a release would invalidate it)
+                    _finalize.pending.append((self._now_or_after_captures, (fn,) + args))
 
     def graph_instantiate(self, graph: int) -> int:
         raise NotImplementedError(self.no_capture_reason)

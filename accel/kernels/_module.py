@@ -221,7 +221,10 @@ class Module:
                 try:
                     backend.module_function(handle, name)
                 except BaseException as exc:
-                    backend.module_unload(handle)
+                    # the lookup's error is the one raised: an unload that fails too is tried once
+                    # more at the next safe point, as a finalizer's (r67d: its error replaced the
+                    # lookup's, and the module leaked)
+                    _fin.finalize(backend.module_unload, handle)
                     if isinstance(exc, AcceleratorError):
                         exc.add_note(f"Module(image): looking up kernel {name!r} of the {self.kind} image failed "
                                      f"(CUDA reports an image's errors there when it loads lazily, the "
@@ -325,8 +328,8 @@ class Module:
             # still passes the runtime the library or one of its kernels.
             h, self._handle = self._handle, None
             if h is not None:
-                _fin.pending.append((_unload_after_calls, (self._backend, self._index, h,
-                                                           _fin.key_of(self._own), self._lock)))
+                _fin.pending.append((_fin.finalize, (_unload_after_calls, self._backend, self._index, h,
+                                                     _fin.key_of(self._own), self._lock)))
             return
         with self._lock:
             h, self._handle = self._handle, None

@@ -355,7 +355,13 @@ class AsyncPoolAllocator:
                 self._trace("free_requested", ptr, alloc.size, alloc.stream)
             if self._capture_underway():
                 if alloc.graph is not None and alloc.graph is self._capture:
-                    self._free_in_capture(ptr, alloc)
+                    try:
+                        self._free_in_capture(ptr, alloc)
+                    except BaseException:
+                        if alloc.held:      # nothing freed: tried again after the capture (r67d)
+                            alloc.deferred = alloc.retry = True
+                            self._deferred.append((ptr, alloc))
+                        raise
                     return
                 alloc.deferred = True
                 self._deferred.append((ptr, alloc))

@@ -138,7 +138,10 @@ def _functions_of(backend, module: int, names) -> Dict[str, int]:
     try:
         return {name: backend.module_function(module, name) for name in names}
     except BaseException:
-        backend.module_unload(module)
+        # the lookup's error is the one raised; a failing unload is tried once more at the next
+        # safe point, as a finalizer's (r67d: its error replaced the lookup's, the module leaked)
+        from .. import _finalize
+        _finalize.finalize(backend.module_unload, module)
         raise
 
 
