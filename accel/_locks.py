@@ -22,7 +22,8 @@ from collections import deque
 
 from ._errors import AcceleratorError
 
-__all__ = ["acquire", "collecting_here", "collection_running", "Lock", "RLock", "publish", "run_locked", "try_acquire"]
+__all__ = ["acquire", "acquire_into", "collecting_here", "collection_running", "Lock", "RLock", "publish", "run_locked",
+           "try_acquire"]
 
 #: How long a call made by the collector on this thread waits for a busy lock.
 GC_WAIT_S = 2.0
@@ -116,6 +117,13 @@ def try_acquire(lock, out: list) -> None:
     lock.acquire(False)`` can be interrupted as the call returns, before the store: the lock
     is then held and nobody knows.)"""
     _consume(map(out.append, map(lock.acquire, (False,))))
+
+
+def acquire_into(lock, out: list) -> None:
+    """``lock.acquire()`` (waiting) with True appended to ``out`` in the same C step, as
+    :func:`try_acquire`: the caller knows from ``out`` whether it holds the lock even when a
+    KeyboardInterrupt lands as the acquire returns (one that stops the wait takes nothing)."""
+    _consume(map(out.append, map(lock.acquire, (True,))))
 
 
 def _collection_here():

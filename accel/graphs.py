@@ -46,11 +46,11 @@ import weakref
 from typing import Optional, Tuple
 
 from . import _finalize as _fin
-from . import _lazy
+from . import _lazy, _locks
 from ._copying import refuse_copies as _refuse_copies
 from ._errors import AcceleratorError, CaptureError
 from .backends._signals import deferred as _signals_deferred
-from .streams import Event, Stream, _Hold, _as_stream, _capture_events, current_stream, on_device
+from .streams import Event, Stream, _Hold, _as_stream, _capture_events, _closed_during_use, current_stream, on_device
 
 __all__ = ["Graph", "graph", "generate_graph_pool_handle", "graph_pool_handle"]
 
@@ -450,8 +450,9 @@ class Graph:
         # it), and the RNG prologue's write goes to the same stream as the launch.  So are the
         # graph's external events and modules (_KeptInUse): a close() of one meanwhile waits, or
         # leaves its destroy to the replay's end.  (cudaGraphLaunch: the stream's device current)
+        hold, kept = _Hold(stream), _KeptInUse(h.events)
         try:
-            with self._launch_lock, _Hold(stream), _KeptInUse(h.events), on_device(backend, h.index):
+            with self._launch_lock, hold, kept, on_device(backend, h.index):
                 if h.exec is None:
                     raise RuntimeError("replay(): the graph was reset (by another thread) as the replay began; "
                                        "capture it again")
@@ -484,6 +485,14 @@ class Graph:
                 if h.host is not None:
                     h.host.replayed(handle)
         finally:
+            # A Ctrl-C as the with statement called kept's or the hold's __exit__ (Python functions:
+            # CPython checks for signals as one starts) left all it releases taken: released here
+            # (each can finish in a second call), or the module's lock would hang the next replay and
+            # the stream's mark keep its close() from destroying it (r66h).  (Plain reads: no point.)
+            if kept._marked or kept._locked:
+                kept.__exit__(None, None, None)
+            if hold._in:
+                hold.__exit__(None, None, None)
             if self._owed:
                 self._settle_owed()     # a reset a finalizer made meanwhile: now the launch is done
 
@@ -683,45 +692,55 @@ class _KeptInUse:
     its destroy to the launch's end) and each module's lock is held (Module.close waits for it,
     as for a launch: a launch of an unloaded library's kernel killed the process on an H100).
     Each is checked open once held (closed by another thread since replay's own check: raises
-    as that check).  Nothing to do for a graph that keeps none (the common case)."""
+    as that check).  Nothing to do for a graph that keeps none (the common case).
 
-    __slots__ = ("_kept", "_marked", "_locked")
+    Interrupt safety (r67e; as streams._Hold): what is taken is recorded in the same step, so
+    ``__enter__`` takes all or nothing and ``__exit__`` can be called again to finish (a Ctrl-C
+    as the with statement's call of it started: Graph.replay's ``finally`` calls it again while
+    a record is left).  ``_marked`` counts the events marked (stored just before each mark: no
+    interrupt point between), ``_locked`` holds one True per module lock taken (appended in the
+    acquire's own C step; an acquire interrupted as it waits takes nothing), and ``__exit__``
+    drops each record just before the release or the pop it stands for."""
+
+    __slots__ = ("_kept", "_events", "_modules", "_marked", "_locked")
 
     def __init__(self, kept):
-        self._kept = kept
+        self._kept, self._marked, self._locked = kept, 0, None
 
     def __enter__(self) -> None:
-        self._marked, self._locked = [], []
         if not self._kept:
             return
         # Module locks in one order for every replay (by id): two graphs launching kernels of the
         # same two modules, captured in opposite orders, replayed at once, must not deadlock.
-        events = [kept for kept in self._kept if isinstance(kept, Event)]
-        modules = sorted((kept for kept in self._kept if not isinstance(kept, Event)), key=id)
+        events = self._events = [kept for kept in self._kept if isinstance(kept, Event)]
+        modules = self._modules = sorted((kept for kept in self._kept if not isinstance(kept, Event)), key=id)
+        locked = self._locked = []
         try:
-            for kept in events + modules:
-                if isinstance(kept, Event):
-                    kept._busy.append(None)
-                    self._marked.append(kept)
-                else:
-                    kept._lock.acquire()
-                    self._locked.append(kept)
+            for kept in events:
+                self._marked += 1               # (a plain store, then the mark: no point between)
+                kept._busy.append(None)
+                if kept._closed:
+                    raise _closed_kept(kept)
+            for kept in modules:
+                _locks.acquire_into(kept._lock, locked)     # taken and recorded in one C step
                 if kept._closed:
                     raise _closed_kept(kept)
         except BaseException:
-            self.__exit__(None, None, None)
+            self.__exit__(None, None, None)     # (a Ctrl-C as it starts: replay's finally calls it again)
             raise
 
     def __exit__(self, *exc) -> None:
-        from .streams import _used
-        locked, self._locked = self._locked, []
-        marked, self._marked = self._marked, []
-        try:
-            for module in reversed(locked):
-                module._lock.release()
-        finally:
-            for event in marked:
-                _used(event)    # the last use of an event closed meanwhile destroys it
+        locked = self._locked
+        while locked:
+            lock = self._modules[len(locked) - 1]._lock
+            del locked[-1]          # (a plain delete, then the release: no point between)
+            lock.release()
+        while self._marked:
+            event = self._events[self._marked - 1]
+            self._marked -= 1
+            event._busy.pop()
+            if event._closed:
+                _closed_during_use(event)   # the last use of an event closed meanwhile destroys it
 
 
 @_signals_deferred

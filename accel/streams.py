@@ -222,32 +222,59 @@ class _Hold:
     ends, the stream's own methods and :attr:`Stream.handle` go on working when another thread
     closes it meanwhile (its handle stays valid until then), so the operation completes on the
     stream it began on instead of failing halfway (a copy queued, its synchronize refused).
-    Hot paths (Stream.query, Event.record) mark their use inline and need no hold."""
+    Hot paths (Stream.query, Event.record) mark their use inline and need no hold.
 
-    __slots__ = ("_stream", "_held")
+    Interrupt safety (r67e): CPython runs a Ctrl-C's handler right after a C call returns and
+    as a Python function starts, never between a plain store and the C call after it.  So
+    ``_in`` is stored just before each step: 1 as the stream's use mark is appended, 2 as the
+    stream goes on this thread's hold stack.  ``__enter__`` takes all or nothing (its handler
+    undoes what ``_in`` names, with no call before the mark's pop), and ``__exit__`` drops
+    ``_in`` and pops the stack (plain stores) before its one call, the mark's pop, so it can be
+    called again to finish.  The with statement's call of it can be stopped as it starts (a
+    Python function), having done nothing, and will not be made again: a caller that must not
+    leave the mark (Graph.replay, random's ordering) calls it once more while ``_in`` is set."""
+
+    __slots__ = ("_stream", "_held", "_in")
 
     def __init__(self, stream: "Stream"):
         self._stream = stream
+        self._in = 0
 
     def __enter__(self) -> "Stream":
         stream = self._stream
-        stream._busy.append(None)
-        if stream._closed or stream._pid != _fin.pid:
-            try:
-                stream._live()      # raises: closed (maybe by another thread just now), or forked
-            except BaseException:
-                _used(stream)
-                raise
         held = _tls.__dict__.get("held")
         if held is None:
             held = _tls.held = []
-        held.append(id(stream))     # unique while held: the hold keeps the stream alive
         self._held = held
-        return stream
+        key = id(stream)
+        busy = stream._busy
+        try:
+            self._in = 1
+            busy.append(None)
+            if stream._closed or stream._pid != _fin.pid:
+                stream._live()      # raises: closed (maybe by another thread just now), or forked
+            self._in = 2            # (after the check: _live lets a stream this thread holds go on)
+            held.append(key)        # unique while held: the hold keeps the stream alive
+            return stream
+        except BaseException:
+            if self._in == 2:
+                del held[-1]
+            self._in = 0
+            busy.pop()
+            if stream._closed:
+                _closed_during_use(stream)
+            raise
 
     def __exit__(self, *exc) -> None:
-        self._held.pop()    # holds of one thread nest (with statements): the last one is ours
-        _used(self._stream)
+        state = self._in
+        if state:
+            self._in = 0
+            if state == 2:
+                del self._held[-1]  # holds of one thread nest (with statements): the last one is ours
+            stream = self._stream
+            stream._busy.pop()
+            if stream._closed:
+                _closed_during_use(stream)
 
 
 def _hold_open(stream: "Stream") -> "Optional[_Hold]":

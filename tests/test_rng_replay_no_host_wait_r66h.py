@@ -278,7 +278,7 @@ def test_a_ctrl_c_anywhere_in_alternating_replays_leaves_no_event(monkeypatch):
     leaves the simulator the events it had; the next replays draw from the generator's offset."""
     from accel import _finalize
     use_sim(monkeypatch, "cuda")
-    p = _Pipeline(observe=False)        # (a graph keeping a module: see the xfail test below)
+    p = _Pipeline(observe=False)        # (a graph keeping a module: see the test below)
     p.replay_on(p.b)
     p.replay_on(p.a)
     accel.synchronize(0)
@@ -298,8 +298,6 @@ def test_a_ctrl_c_anywhere_in_alternating_replays_leaves_no_event(monkeypatch):
         if sim.state().events != base[0]:
             problems.append((n, "events", sim.state().events))
             base[0] = sim.state().events
-        for s in (p.a, p.b):
-            s._busy.clear()     # (a mark _Hold.__enter__ left: the xfail test below)
 
     assert _sweep_interrupts(work, check) > 20
     assert not problems, problems[:8]
@@ -313,9 +311,6 @@ def test_a_ctrl_c_anywhere_in_alternating_replays_leaves_no_event(monkeypatch):
     assert sim.state().streams == 0 and sim.state().events == 0
 
 
-@pytest.mark.xfail(strict=True, reason="r66h: a Ctrl-C as _KeptInUse.__enter__'s kept._lock.acquire() returns "
-                                       "(or in __exit__ before the releases) leaves the module's lock held; the "
-                                       "graph's next replay hangs on it (accel/graphs.py:707, 716)")
 @pytest.mark.usefixtures("frozen_heap")
 def test_a_ctrl_c_in_a_replay_of_a_graph_with_a_kernel_leaves_no_module_lock_held(monkeypatch):
     use_sim(monkeypatch, "cuda")
@@ -336,9 +331,6 @@ def test_a_ctrl_c_in_a_replay_of_a_graph_with_a_kernel_leaves_no_module_lock_hel
     assert not held, f"the module's lock was left held at interrupt points {held[:8]}"
 
 
-@pytest.mark.xfail(strict=True, reason="r66h: a Ctrl-C inside streams._Hold.__enter__ after its "
-                                       "stream._busy.append (streams.py:234-244) leaves the stream marked in use "
-                                       "for good: its close() then never destroys the handle")
 @pytest.mark.usefixtures("frozen_heap")
 def test_a_ctrl_c_in_a_replay_leaves_no_stream_marked_in_use(monkeypatch):
     use_sim(monkeypatch, "cuda")

@@ -335,7 +335,11 @@ def _after_last_use(token: _GraphRNG, stream) -> None:
                     be.device_synchronize()
     finally:
         if hold is not None:
-            hold.__exit__(None, None, None)
+            try:
+                hold.__exit__(None, None, None)
+            finally:
+                if hold._in:    # a Ctrl-C as that call started (it released nothing): once more
+                    hold.__exit__(None, None, None)
 
 
 def _wait_on_device(be, stream, last) -> bool:
