@@ -401,8 +401,8 @@ class Buffer:
             if alloc is None:
                 alloc = _memory().device_allocator(index)
             busy = stream._busy     # streams._Use(stream), inlined: a close() in another thread
-            busy.append(None)       # leaves the destroy to this call's end (the allocator keys by handle)
-            try:
+            try:                    # leaves the destroy to this call's end (the allocator keys by handle)
+                busy.append(None)   # (inside: a Ctrl-C as it returns is undone by the finally)
                 # stream.handle's checks, read inline: it refuses a stream closed (by another thread,
                 # while still its current stream) or made by the parent of this forked process
                 handle = stream._handle if stream._pid == pid and not stream._closed else stream.handle

@@ -191,27 +191,31 @@ class _Use:
     ``list.append``/``pop`` are atomic, and each object's ``_busy`` (uses in flight) and
     ``_releases`` (a close's deferred destroy, taken by exactly one caller) are plain lists."""
 
-    __slots__ = ("_objs",)
+    __slots__ = ("_objs", "_n")
 
     def __init__(self, *objs):
         self._objs = objs
+        self._n = 0     # marks taken: stored just before each (as _Hold._in: no interrupt point between)
 
     def __enter__(self) -> None:
-        taken = []
         try:
             for obj in self._objs:
+                self._n += 1
                 obj._busy.append(None)
-                taken.append(obj)
                 if obj._closed:
                     obj._live()     # raises: closed (maybe by another thread just now)
         except BaseException:
-            for obj in taken:
-                _used(obj)
+            self.__exit__()
             raise
 
     def __exit__(self, *exc) -> None:
-        for obj in self._objs:
-            _used(obj)
+        objs = self._objs
+        while self._n:
+            self._n -= 1        # (a plain store, then the pop: no point between)
+            obj = objs[self._n]
+            obj._busy.pop()
+            if obj._closed:
+                _closed_during_use(obj)     # the last use of an object closed meanwhile destroys it
 
 
 class _Hold:
@@ -616,20 +620,28 @@ class Stream:
     def synchronize(self) -> None:
         """Block the host until all work queued on this stream has completed."""
         self._live()
-        with _Use(self):
+        busy = self._busy   # _Use(self), inlined: where a Ctrl-C is most likely (a wait), no __exit__
+        try:                # call a Ctrl-C could stop as it starts
+            busy.append(None)
+            if self._closed:
+                self._live()
             if self._shared:
                 with on_device(self._backend, self._index):
                     self._backend.stream_synchronize(self._handle)
             else:
                 self._backend.stream_synchronize(self._handle)
+        finally:
+            busy.pop()
+            if self._closed:
+                _closed_during_use(self)
 
     def query(self) -> bool:
         """True when all work queued on this stream has completed."""
         if self._closed or self._pid != _fin.pid:
             self._live()
         busy = self._busy           # _Use(self), inlined: this is a hot path
-        busy.append(None)
         try:
+            busy.append(None)       # (inside: a Ctrl-C as it returns is undone by the finally)
             if self._closed:
                 self._live()
             if self._shared:
@@ -1031,21 +1043,25 @@ class Event:
             stream._live()
         self._check_device(stream, "record")
         mine, theirs = self._busy, stream._busy     # _Use(self, stream), inlined: a hot path
-        mine.append(None)
-        theirs.append(None)
+        # each mark taken first thing in its own try (a Ctrl-C as the append returns is undone by
+        # that try's finally, and one in the inner finally's call still leaves the outer's pop)
         try:
-            if self._closed:
-                self._live()
-            if stream._closed:
-                stream._live()
-            self._record_on(stream, switch)
+            mine.append(None)
+            try:
+                theirs.append(None)
+                if self._closed:
+                    self._live()
+                if stream._closed:
+                    stream._live()
+                self._record_on(stream, switch)
+            finally:
+                theirs.pop()
+                if stream._closed:
+                    _closed_during_use(stream)
         finally:
             mine.pop()
-            theirs.pop()
             if self._closed:
                 _closed_during_use(self)
-            if stream._closed:
-                _closed_during_use(stream)
 
     def _record_on(self, stream: "Stream", switch: bool) -> None:
         """record's work; ``switch``: the stream may need its device made current (a shared
@@ -1162,8 +1178,8 @@ class Event:
         if self._capture is not None and not self.external:
             self._refuse_captured("Event.query()")
         busy = self._busy           # _Use(self), inlined: this is a hot path
-        busy.append(None)
         try:
+            busy.append(None)       # (inside: a Ctrl-C as it returns is undone by the finally)
             if self._closed:
                 self._live()
             return self._backend.event_query(self._handle)
@@ -1179,8 +1195,16 @@ class Event:
         if self._handle is not None:
             if self._capture is not None and not self.external:
                 self._refuse_captured("Event.synchronize()")
-            with _Use(self):
+            busy = self._busy   # _Use(self), inlined as Stream.synchronize's
+            try:
+                busy.append(None)
+                if self._closed:
+                    self._live()
                 self._backend.event_synchronize(self._handle)
+            finally:
+                busy.pop()
+                if self._closed:
+                    _closed_during_use(self)
 
     def elapsed_time(self, end_event: "Event") -> float:
         """Milliseconds between this event and ``end_event`` (waits for both to complete)."""

@@ -147,3 +147,42 @@ def test_async_frees_used_on_other_streams_keep_events_bounded_when_destroy_fail
     assert sim.state().events == events
     a.close()
     b.close()
+
+
+# -- a Ctrl-C in the inlined hot paths leaves no use mark (r67e's "still open" 2 and 3) ----------
+
+@pytest.mark.usefixtures("frozen_heap")
+def test_a_ctrl_c_anywhere_in_the_hot_paths_leaves_no_use_mark(monkeypatch):
+    """Stream.query / synchronize, Event.record / query / synchronize and Buffer(n, stream=) mark the stream or
+    event in use while its handle is passed to the backend (a close() by another thread leaves
+    the destroy to the last use).  The marks were appended before the ``try`` whose ``finally``
+    drops them (and _Use recorded each mark one call after taking it), so a KeyboardInterrupt as
+    an append returned left a mark for good: the object's close() then never destroyed its
+    handle.  Swept at every interrupt point of accel's stream, buffer and allocator code."""
+    from test_interrupt_holds_r67e import _sweep
+    use_sim(monkeypatch, "cuda")
+    s = accel.Stream(1)
+    e = accel.Event()
+    e.record(s)
+    left = []
+
+    def work():
+        s.query()
+        e.record(s)
+        e.query()
+        e.synchronize()
+        s.synchronize()
+        accel.Buffer(64, device=1, stream=s).close()
+
+    def check(n, point, result):
+        for obj in (s, e):
+            if obj._busy:
+                left.append((n, type(obj).__name__, point.site))
+                obj._busy.clear()       # (so that the sweep goes on)
+
+    points = _sweep(work, check)
+    assert points > 20
+    accel.synchronize(1)
+    assert not left, f"a use mark was left at interrupt points {left[:8]} of {points}"
+    e.close()
+    s.close()
