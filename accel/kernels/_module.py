@@ -91,49 +91,33 @@ def _image_kind(data: bytes, language: str) -> str:
     return language
 
 
-def _entries(data: bytes, kind: str) -> Dict[str, Optional[Tuple[str, ...]]]:
-    """{kernel name: parameter types, or None when the image does not declare them}."""
+def _image_info(data: bytes, kind: str):
+    """``(entries, required)`` of an image, one walk over it: ``entries`` is {kernel name:
+    parameter types, or None when the image does not declare them}, ``required`` {kernel name:
+    required block shape} from PTX ``.reqntid`` or SPIR-V ``OpExecutionMode LocalSize``."""
     if kind == "ptx":
-        return _ptx.ptx_entries(data)
+        return _ptx.ptx_entries(data), _ptx.ptx_required_blocks(data)
     if kind == "msl":
-        return dict.fromkeys(_ptx.msl_entries(data))
+        return dict.fromkeys(_ptx.msl_entries(data)), {}
     if kind == "spirv":
-        return dict.fromkeys(_ptx.spirv_entries(data))
+        return dict.fromkeys(_ptx.spirv_entries(data)), _ptx.spirv_required_blocks(data)
     # The container layouts (accel/sim/_cuda_images.py reads them as the driver does).
     from ..sim import _cuda_images
+    entries: Dict[str, Optional[Tuple[str, ...]]] = {}
+    required: Dict[str, Tuple[int, int, int]] = {}
     try:
         if kind == "cubin":
-            return dict.fromkeys(_cuda_images.elf_entries(data))
-        out: Dict[str, Optional[Tuple[str, ...]]] = {}
+            return dict.fromkeys(_cuda_images.elf_entries(data)), {}
         for k, _sm, body in _cuda_images.fatbin_entries(data):
             if k == _cuda_images.KIND_PTX:
-                out.update(_ptx.ptx_entries(body))
+                entries.update(_ptx.ptx_entries(body))
+                required.update(_ptx.ptx_required_blocks(body))
             else:
                 for name in _cuda_images.elf_entries(body):
-                    out.setdefault(name, None)
-        return out
+                    entries.setdefault(name, None)
+        return entries, required
     except _cuda_images.ImageError:
-        return {}   # the driver says what is wrong at load
-
-
-def _required_blocks(data: bytes, kind: str) -> Dict[str, Tuple[int, int, int]]:
-    """{kernel name: required block shape} from the image's PTX (``.reqntid``) or SPIR-V
-    (``OpExecutionMode LocalSize``), if it has any."""
-    if kind == "ptx":
-        return _ptx.ptx_required_blocks(data)
-    if kind == "spirv":
-        return _ptx.spirv_required_blocks(data)
-    if kind != "fatbin":
-        return {}
-    from ..sim import _cuda_images
-    out: Dict[str, Tuple[int, int, int]] = {}
-    try:
-        for k, _sm, body in _cuda_images.fatbin_entries(data):
-            if k == _cuda_images.KIND_PTX:
-                out.update(_ptx.ptx_required_blocks(body))
-    except _cuda_images.ImageError:
-        pass        # the driver says what is wrong at load
-    return out
+        return {}, {}   # the driver says what is wrong at load
 
 
 class UnknownKernelError(KeyError):
@@ -189,8 +173,7 @@ class Module:
                                    library=backend.name)
         index = checked_index(device)
         self.kind = _image_kind(data, language)
-        self._entries = _entries(data, self.kind)
-        self._required_blocks = _required_blocks(data, self.kind)
+        self._entries, self._required_blocks = _image_info(data, self.kind)
         self._backend, self._index, self._lock = backend, index, threading.Lock()
         self._kernels = weakref.WeakValueDictionary()   # (name, params) -> Kernel: no cycle with them
         self._smem_optin = {}       # function handle -> the dynamic shared memory it is opted in to (CUDA)
