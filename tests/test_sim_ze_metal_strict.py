@@ -84,7 +84,12 @@ class Ze:
         return p[0]
 
     def event(self, pool, index=0):
-        desc = ffi.new("ze_event_desc_t *", {"stype": self.lib.ZE_STRUCTURE_TYPE_EVENT_DESC, "index": index})
+        # HOST signal and wait scopes, as accel makes its events: the tests host-query device
+        # signals and wait across lists, which a scope-0 event does not allow (ze_api.h,
+        # ze_event_desc_t.signal: the default is "synchronization within the command list only")
+        desc = ffi.new("ze_event_desc_t *", {"stype": self.lib.ZE_STRUCTURE_TYPE_EVENT_DESC, "index": index,
+                                             "signal": self.lib.ZE_EVENT_SCOPE_FLAG_HOST,
+                                             "wait": self.lib.ZE_EVENT_SCOPE_FLAG_HOST})
         p = ffi.new("ze_event_handle_t *")
         assert self.lib.zeEventCreate(pool, desc, p) == 0
         return p[0]

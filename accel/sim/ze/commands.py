@@ -11,7 +11,7 @@ from ..core import ffi
 from .objects import _CmdList, _CmdQueue, _Device, _Runtime
 from .common import _addr, _ready
 from .discovery import _GROUPS, _fill_pattern_max
-from .events import _device_signal, _host_wait
+from .events import _device_signal, _host_wait, _scope_problem
 from .virtual_memory import _reservation_ctx, _vmm_range
 
 
@@ -158,17 +158,19 @@ def _is_device_memory(a) -> bool:
 
 
 def _submit(rt: _Runtime, queue, op: _Op, device: Optional[_Device] = None, ordinal: int = 0,
-            owner: Optional["_CmdList"] = None) -> None:
+            owner: Optional["_CmdList"] = None, source: Optional["_CmdList"] = None) -> None:
     """Put ``op`` on an engine queue; the event bookkeeping happens in submission order.  Work
     (``op.fn``) run for ``device`` is charged to its tiles' Sysman counters (_ze_counters), to
     the engine group of queue group ``ordinal``, when it completes.  ``owner``: the immediate
-    list it is appended to, which the device references until the operation ran (_busy)."""
+    list it is appended to, which the device references until the operation ran (_busy).
+    ``source``: the command list (immediate or regular) the operation belongs to, for the
+    event-scope rules (events.py)."""
     meters = [device.card.meters[t] for t in device.tiles] if device is not None and op.fn is not None else ()
     group = _GROUPS[ordinal][0] if ordinal < len(_GROUPS) else "all"
     reads, writes = op.traffic
     with rt.lock:
         deps = [(ev.eq, ev.last_reset_sig + 1) for ev in op.waits]
-        sig, rst, fn = op.signal, op.reset, op.fn
+        sig, rst, fn, waits = op.signal, op.reset, op.fn, op.waits
         # PROG.rst: "The duration of a kernel timestamp for zeCommandListAppendSignalEvent and
         # zeEventHostSignal is undefined": a plain signal leaves no timestamp to query
         timed = op.label != "signal"
@@ -212,6 +214,16 @@ def _submit(rt: _Runtime, queue, op: _Op, device: Optional[_Device] = None, ordi
             start = _ze_counters.now_us() - int(core.delay_s * 1e6) if meters else 0   # the engine slept first
             released = signalled = False
             try:
+                if waits:
+                    # ze_api.h, ze_event_desc_t.signal (events.py, "event scopes"): a wait released by
+                    # another command list's signal whose scope does not reach this list (0: "within
+                    # the command list only"; SUBDEVICE: "local sub-device access") would read what
+                    # the signalling work left in caches it never flushed: the command faults, as on
+                    # a page fault (the device is lost), instead of running as if synchronized.
+                    with rt.lock:
+                        why = next(filter(None, (_scope_problem(rt, ev, source) for ev in waits)), None)
+                    if why:
+                        raise RuntimeError(f"{op.label}: {why}")
                 if fn is not None:
                     fn()
                 if rst is not None:
@@ -220,7 +232,7 @@ def _submit(rt: _Runtime, queue, op: _Op, device: Optional[_Device] = None, ordi
                 release(start)
                 if sig is not None:
                     signalled = True
-                    _device_signal(rt, sig, timed)
+                    _device_signal(rt, sig, timed, source)
             finally:
                 if not released:
                     release(start)
@@ -273,7 +285,7 @@ def _append(rt: _Runtime, hCommandList, op: _Op, memory=()) -> int:
             return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
     op.memory = tuple(memory)
     if cl.immediate:
-        _submit(rt, cl.queue, op, cl.device, cl.ordinal, owner=cl)
+        _submit(rt, cl.queue, op, cl.device, cl.ordinal, owner=cl, source=cl)
     else:
         if cl.closed:
             return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
@@ -540,7 +552,7 @@ def zeCommandQueueExecuteCommandLists(hCommandQueue, numCommandLists, phCommandL
             cl.executing = (cq.queue, _SUBMITTING)
     for cl in lists:
         for op in cl.ops:
-            _submit(rt, cq.queue, op, cq.device, cq.ordinal)
+            _submit(rt, cq.queue, op, cq.device, cq.ordinal, source=cl)
         cl.executing = (cq.queue, cq.queue.enqueued)
     return 0
 

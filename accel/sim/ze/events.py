@@ -5,8 +5,10 @@ synchronize, kernel timestamps; and how a device signal or wait is ordered.
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 from .. import core
+from ..core import ffi
 from .objects import _UINT64_MAX, _Event, _Pool, _Runtime
 from .common import _ready
 
@@ -79,7 +81,7 @@ def zeEventCreate(hEventPool, desc, phEvent):
     old = pool.events.get(desc.index)
     if old is not None and old.live:
         return C.ZE_RESULT_ERROR_INVALID_ARGUMENT   # index already holds an event
-    ev = rt._add(_Event(pool, desc.index, rt.engine.queue(f"event-{desc.index}")))
+    ev = rt._add(_Event(pool, desc.index, rt.engine.queue(f"event-{desc.index}"), desc.signal))
     pool.events[desc.index] = ev
     phEvent[0] = ev.key
     return 0
@@ -113,14 +115,59 @@ def _signal_now(rt: _Runtime, ev: _Event, timed: bool = True) -> None:
     ev.eq.submit(None, work=False)   # one more executed signal: wakes waits and host syncs
 
 
-def _device_signal(rt: _Runtime, ev: _Event, timed: bool = True) -> None:
+def _device_signal(rt: _Runtime, ev: _Event, timed: bool = True, origin=None) -> None:
     """A submitted signal operation executes: the device's reference of ``ev`` ends as the signal
     becomes visible, in one step under ``rt.lock``, so a host thread that saw the signal may
     reset or destroy the event (zeEventHostReset, zeEventDestroy check ``refs`` under that lock).
-    No engine lock is ever held while ``rt.lock`` is taken, so the marker submitted here is safe."""
+    No engine lock is ever held while ``rt.lock`` is taken, so the marker submitted here is safe.
+    ``origin``: the command list whose operation signals (the event-scope rules)."""
     with rt.lock:
         ev.refs -= 1
+        ev.origin = origin
         _signal_now(rt, ev, timed)
+
+
+# -- event scopes ------------------------------------------------------------------------------------
+# ze_api.h, ze_event_desc_t.signal: "defines the scope of relevant cache hierarchies to flush on a
+# signal action before the event is triggered ... default behavior is synchronization within the
+# command list only, no additional cache hierarchies are flushed"; ze_event_scope_flag_t:
+# ZE_EVENT_SCOPE_FLAG_SUBDEVICE "sufficient for local sub-device access", _DEVICE "sufficient for
+# global device access and peer device access", _HOST "sufficient for device and host access". A
+# wider flag covers the narrower accesses, so a scope reaches a level when its highest bit does.
+# The simulator ignored the scopes: a scope-0 device signal released host waits and other lists'
+# waits with the writes it orders visible everywhere. Not enforced: ze_event_desc_t.wait (Intel's
+# SYCL runtime waits with wait scope 0 on signal=HOST events, intel/llvm PR 3413 "Avoid HOST .wait
+# scope; .signal=HOST is expected to be enough": refusing it would be stricter than the vendor).
+
+def _scope_needed(rt: _Runtime, origin, waiter) -> int:
+    """The signal scope a wait in command list ``waiter`` (None: the host) needs for a signal by
+    command list ``origin``: 0 in the same list; SUBDEVICE in another list of the same one-tile
+    device; DEVICE on another device or tile (or a multi-tile root device, whose lists run on every
+    tile); HOST for the host."""
+    C = rt.C
+    if waiter is None:
+        return C.ZE_EVENT_SCOPE_FLAG_HOST
+    if waiter is origin:
+        return 0
+    if waiter.device is origin.device and len(waiter.device.tiles) == 1:
+        return C.ZE_EVENT_SCOPE_FLAG_SUBDEVICE
+    return C.ZE_EVENT_SCOPE_FLAG_DEVICE
+
+
+def _scope_problem(rt: _Runtime, ev: _Event, waiter) -> Optional[str]:
+    """Why a wait (in ``waiter``, None: the host) released by ``ev``'s latest signal is not
+    synchronized with the signalling work, or None. A host signal flushes no device cache."""
+    origin = ev.origin
+    if origin is None:
+        return None
+    need = _scope_needed(rt, origin, waiter)
+    if ev.signal_scope >= need:     # need is one bit: the scope's highest bit reaches it
+        return None
+    where = "the host" if waiter is None else "another command list" if waiter.device is origin.device \
+        else "another device"
+    return (f"event {int(ffi.cast('uintptr_t', ev.key)):#x} was signalled by a command list with signal scope "
+            f"{ev.signal_scope:#x} and waited for by {where}, which needs scope {need:#x} (ze_event_desc_t.signal: "
+            f"the default is synchronization within the command list only)")
 
 
 def _host_event(rt: _Runtime, hEvent):
@@ -145,6 +192,7 @@ def zeEventHostSignal(hEvent):
         return ev
     with rt.lock:
         ev.sig_submitted += 1
+        ev.origin = None       # the host's own signal: visible to the host whatever the scope
     _signal_now(rt, ev, timed=False)
     return 0
 
@@ -175,7 +223,19 @@ def zeEventQueryStatus(hEvent):
     ev = _host_event(rt, hEvent)
     if isinstance(ev, int):
         return ev
-    return 0 if ev.signaled else rt.C.ZE_RESULT_NOT_READY
+    if not ev.signaled:
+        return rt.C.ZE_RESULT_NOT_READY
+    return _host_sees(rt, ev)
+
+
+def _host_sees(rt: _Runtime, ev: _Event) -> int:
+    """0, or the refusal of a host wait on a signalled event whose device signal lacks
+    ZE_EVENT_SCOPE_FLAG_HOST scope (the event-scope rules above): the host would go on before the
+    device's writes reach it. zeEventHostSynchronize and zeEventQueryStatus list
+    ZE_RESULT_ERROR_INVALID_SYNCHRONIZATION_OBJECT among their results: that code."""
+    with rt.lock:
+        why = _scope_problem(rt, ev, None)
+    return 0 if why is None else rt.C.ZE_RESULT_ERROR_INVALID_SYNCHRONIZATION_OBJECT
 
 
 def _host_wait(rt: _Runtime, cond, timeout_ns: int, cv, what: str) -> int:
@@ -209,7 +269,8 @@ def zeEventHostSynchronize(hEvent, timeout):
     ev = _host_event(rt, hEvent)
     if isinstance(ev, int):
         return ev
-    return _host_wait(rt, lambda: ev.signaled or rt.lost is not None, timeout, ev.eq.cv, "zeEventHostSynchronize")
+    rc = _host_wait(rt, lambda: ev.signaled or rt.lost is not None, timeout, ev.eq.cv, "zeEventHostSynchronize")
+    return rc or _host_sees(rt, ev)
 
 
 def zeEventQueryKernelTimestamp(hEvent, dstptr):

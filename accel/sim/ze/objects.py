@@ -221,11 +221,17 @@ class _Device(_Obj):
 
 
 class _Event(_Obj):
-    __slots__ = ("pool", "index", "eq", "signaled", "sig_submitted", "last_reset_sig", "ts", "refs")
+    __slots__ = ("pool", "index", "eq", "signaled", "sig_submitted", "last_reset_sig", "ts", "refs",
+                 "signal_scope", "origin")
 
-    def __init__(self, pool, index, eq):
+    def __init__(self, pool, index, eq, signal_scope=0):
         super().__init__("event")
         self.pool, self.index, self.eq = pool, index, eq
+        # ze_event_desc_t.signal: the caches a device signal flushes (ze_event_scope_flag_t); and
+        # where the latest executed signal came from: None (the host) or the command list whose
+        # operation signalled (events.py, commands.py: the event-scope rules)
+        self.signal_scope = signal_scope
+        self.origin: Optional["_CmdList"] = None
         self.signaled = False
         self.sig_submitted = 0     # signal operations submitted (and host signals)
         self.last_reset_sig = 0    # sig_submitted when the latest reset was submitted
