@@ -180,8 +180,10 @@ def collecting() -> bool:
 
 
 def defer(fn: Callable, *args) -> None:
-    """Run ``fn(*args)`` at the next safe point (see the module docstring)."""
-    pending.append((fn, args))
+    """Run the release ``fn(*args)`` at the next safe point (see the module docstring), as a
+    finalizer's: a failed vendor call is tried once more (r67f: a stream destroy deferred by a
+    busy allocator was reported as "failed twice" at its first failure, and leaked)."""
+    pending.append((finalize, (fn,) + args))
 
 
 def drain() -> None:

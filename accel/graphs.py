@@ -114,7 +114,7 @@ class _Held:
     thing is released once, by whichever path took it."""
 
     __slots__ = ("backend", "index", "exec", "graph", "pool", "rng", "allocs", "host", "events", "stream",
-                 "capture_id")
+                 "capture_id", "discarded")
 
     def __init__(self):
         self.backend = None
@@ -128,6 +128,7 @@ class _Held:
         self.events = ()          # external events of its event nodes and modules of its kernels, kept for replays
         self.stream = None        # capturing Stream while capturing
         self.capture_id = None    # the backend's id of the capture underway
+        self.discarded = None     # the graph of a capture discarded at capture_begin, its destroy failed
 
 
 def _holder_field(name: str) -> property:
@@ -189,7 +190,7 @@ class Graph:
         self._owed = []
 
     # the holder's fields, read-only (the graph's code stores into self._h)
-    _backend, _index, _exec, _graph, _pool, _rng, _allocs, _host, _events, _stream, _capture_id = map(
+    _backend, _index, _exec, _graph, _pool, _rng, _allocs, _host, _events, _stream, _capture_id, _discarded = map(
         _holder_field, _Held.__slots__)
 
     def _register(self, backend) -> "_Held":
@@ -450,9 +451,11 @@ class Graph:
         # it), and the RNG prologue's write goes to the same stream as the launch.  So are the
         # graph's external events and modules (_KeptInUse): a close() of one meanwhile waits, or
         # leaves its destroy to the replay's end.  (cudaGraphLaunch: the stream's device current)
-        hold, kept = _Hold(stream), _KeptInUse(h.events)
+        hold, kept = _Hold(stream), _KeptInUse(())
         try:
-            with self._launch_lock, hold, kept, on_device(backend, h.index):
+            # kept.of(h): the graph's kept objects read once the launch lock is held (a reset and a
+            # new capture by another thread meanwhile change them: r67f)
+            with self._launch_lock, hold, kept.of(h), on_device(backend, h.index):
                 if h.exec is None:
                     raise RuntimeError("replay(): the graph was reset (by another thread) as the replay began; "
                                        "capture it again")
@@ -549,12 +552,13 @@ class Graph:
         h = self._h
         backend = h.backend
         if backend is None or (h.exec is None and h.graph is None and h.pool is None and h.rng is None
-                               and h.allocs is None and h.host is None and not h.events):
+                               and h.allocs is None and h.host is None and not h.events and h.discarded is None):
             return
         moved = _Held()
         moved.backend, moved.index, moved.exec, moved.graph, moved.pool = backend, h.index, h.exec, h.graph, h.pool
         moved.rng, moved.allocs, moved.host, moved.events = h.rng, h.allocs, h.host, h.events
-        h.exec = h.graph = h.pool = h.rng = h.allocs = h.host = None
+        moved.discarded = h.discarded
+        h.exec = h.graph = h.pool = h.rng = h.allocs = h.host = h.discarded = None
         h.events = ()
         _fin.pending.append((_fin.finalize, (_release_held, backend, moved)))   # (tried twice: r67d)
 
@@ -565,6 +569,8 @@ class Graph:
         # rest held, so reset() may be called again: the executable's launches use the private
         # pool's memory and the generator's offsets, which must not go while it may still exist.
         # (Each is taken from the holder just before its release: see _Held.)
+        if h.discarded is not None:
+            _destroy_held(h, "discarded", h.backend.graph_destroy)
         if h.exec is not None:
             self._destroy_exec()
         if h.graph is not None:
@@ -706,6 +712,11 @@ class _KeptInUse:
 
     def __init__(self, kept):
         self._kept, self._marked, self._locked = kept, 0, None
+
+    def of(self, h: "_Held") -> "_KeptInUse":
+        """Keep the holder ``h``'s events and modules (read now); returns self, to enter."""
+        self._kept = h.events
+        return self
 
     def __enter__(self) -> None:
         if not self._kept:
@@ -890,6 +901,7 @@ def _release_held(backend, h: _Held) -> None:
     that finds it gone does nothing; one that fails puts it back, for a retry)."""
     from . import memory, random
     try:
+        _destroy_held(h, "discarded", backend.graph_destroy)
         _destroy_held(h, "exec", backend.graph_exec_destroy)
     finally:
         try:
@@ -1001,10 +1013,17 @@ def _check_device_free(index: int, why: str = "") -> None:
 def _discard_capture(h: _Held, backend, stream: Stream) -> None:
     """End the capture underway on ``stream`` (begun by this thread) and destroy its graph
     (signals deferred: see _end_capture).  The graph goes through the holder ``h`` (registered
-    with ``backend``): a destroy that fails leaves it there, for reset() or the graph's release
-    to try again (r67d: it leaked)."""
-    h.graph = backend.capture_end(stream._handle)
-    _destroy_held(h, "graph", backend.graph_destroy)
+    with ``backend``) as ``discarded``: a destroy that fails leaves it there for reset() or the
+    graph's release to try again (r67d: it leaked), and the graph stays empty (r67f: as
+    ``h.graph`` it read as captured, and a replay failed inside accel)."""
+    graph = backend.capture_end(stream._handle)
+    if graph is None:
+        return
+    if h.discarded is not None:         # (one left by an earlier failed discard: retried first)
+        _fin.finalize(backend.graph_destroy, graph)
+        return
+    h.discarded = graph
+    _destroy_held(h, "discarded", backend.graph_destroy)
 
 
 def _still_capturing(backend, stream: Stream) -> bool:

@@ -207,7 +207,7 @@ class Module:
                     # the lookup's error is the one raised: an unload that fails too is tried once
                     # more at the next safe point, as a finalizer's (r67d: its error replaced the
                     # lookup's, and the module leaked)
-                    _fin.finalize(backend.module_unload, handle)
+                    _fin.finalize(_unload, backend, index, handle)     # (on its device, also when retried)
                     if isinstance(exc, AcceleratorError):
                         exc.add_note(f"Module(image): looking up kernel {name!r} of the {self.kind} image failed "
                                      f"(CUDA reports an image's errors there when it loads lazily, the "

@@ -141,7 +141,9 @@ def _functions_of(backend, module: int, names) -> Dict[str, int]:
         # the lookup's error is the one raised; a failing unload is tried once more at the next
         # safe point, as a finalizer's (r67d: its error replaced the lookup's, the module leaked)
         from .. import _finalize
-        _finalize.finalize(backend.module_unload, module)
+        from ..kernels._module import _unload
+        # (the caller made the module's device current: the retry makes it current again)
+        _finalize.finalize(_unload, backend, backend.get_device(), module)
         raise
 
 

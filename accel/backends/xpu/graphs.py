@@ -29,7 +29,8 @@ _CAPTURE_MODES = ("global", "thread_local", "relaxed")
 
 
 class _Capture:
-    __slots__ = ("list", "mode", "thread", "invalid", "ops", "gate", "done", "device", "ident", "kernels")
+    __slots__ = ("list", "mode", "thread", "invalid", "ops", "gate", "done", "device", "ident", "kernels",
+                 "broken")
 
     def __init__(self, cmdlist, mode, device, gate, done, ident):
         self.list, self.mode, self.device, self.gate, self.done = cmdlist, mode, device, gate, done
@@ -41,6 +42,7 @@ class _Capture:
         self.invalid: Optional[str] = None
         self.ops: List[str] = []
         self.kernels = set()        # the kernels its list launches (module_unload's failure path)
+        self.broken: Optional[str] = None   # its graph can never launch (see _Graph.broken)
 
 
 class _Graph:
@@ -63,7 +65,7 @@ class _Graph:
         self.released = False          # list, queue and events given back (_release_graph)
         self.stale = None              # the stream of a launch that failed half way (_rearm_graph)
         self.kernels = cap.kernels     # the kernels its list launches
-        self.broken: Optional[str] = None   # why it can never launch again (module_unload)
+        self.broken: Optional[str] = cap.broken     # why it can never launch again (module_unload)
 
 
 class GraphsMixin:

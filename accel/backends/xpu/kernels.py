@@ -122,7 +122,8 @@ class KernelsMixin:
         why = (f"its list launches kernels that a failed unload of module {module:#x} destroyed "
                f"(zeModuleDestroy failed after zeKernelDestroy)")
         with self._lock:
-            graphs = set(self._graphs.values()) | set(self._execs.values())
+            # (captures underway too: a graph they end with holds the destroyed kernels, r67f)
+            graphs = set(self._graphs.values()) | set(self._execs.values()) | set(self._captures.values())
         for g in graphs:
             if g.broken is None and not gone.isdisjoint(g.kernels):
                 g.broken = why
