@@ -387,6 +387,8 @@ def check_dl_device(dl_device, own: Tuple[int, int], copy) -> None:
         raise TypeError(f"copy must be None, True or False, got {copy!r}")
     if dl_device is not None:
         try:
+            if any(isinstance(v, bool) for v in dl_device):
+                raise TypeError     # (as max_version: a bool is no device type or id)
             kind, index = (operator.index(v) for v in dl_device)
         except (TypeError, ValueError):
             raise TypeError(f"dl_device must be None or a (device_type, device_id) tuple as __dlpack_device__ "
@@ -543,8 +545,9 @@ def _refuse_waiting_on_capture(backend, last, consumer) -> None:
     capture goes on."""
     from ._errors import CaptureError
     with last._device_scope():
-        capturing = backend.capture_id(last._handle) is not None
-    if not capturing:
+        capturing = backend.capture_id(last._handle)
+    if capturing is None:
+        _refuse_waiting_from_capture(backend, last, consumer)
         return
     if consumer != "host" and consumer[1] != backend.default_stream(consumer[0]):
         if backend.records_events_in_capture or consumer == (last._index, last._handle):
@@ -556,6 +559,38 @@ def _refuse_waiting_on_capture(backend, last, consumer) -> None:
     raise CaptureError(f"__dlpack__ with {what}: the buffer was last used on {last!r}, which is capturing, and "
                        f"waiting for a capturing stream there would invalidate the capture: pass the "
                        f"consumer's own stream (e.g. the capturing one) or stream=-1; nothing was exported")
+
+
+def _refuse_waiting_from_capture(backend, last, consumer) -> None:
+    """The last-use stream is not capturing: a consumer inside a capture cannot wait for it.  A
+    capturing consumer stream would wait on an event recorded outside its capture (CUDA refuses
+    it and invalidates the capture: Programming Guide, "CUDA Graphs" > "Cross-stream
+    Dependencies and Events"; Level Zero's capture records no cross-list wait), and a host wait
+    from inside a capture on this thread's current stream invalidates it (a synchronize during
+    capture).  Refused before anything is queued (r67i: from_dlpack of a buffer last used on the
+    default stream invalidated the capture it was called in)."""
+    from ._errors import CaptureError
+    from .streams import current_stream
+    if consumer == "host":
+        here = current_stream(last._index)
+        with here._device_scope():
+            if backend.capture_id(here._handle) is None:
+                return
+        raise CaptureError(f"__dlpack__ with stream=None (a host wait) inside a capture on {here!r}: waiting "
+                           f"for {last!r}, the buffer's last use, would invalidate the capture; synchronize "
+                           f"before capture_begin(), or pass the capturing stream or stream=-1; nothing was "
+                           f"exported")
+    device, handle = consumer
+    if handle == last._handle and device == last._index:
+        return
+    from .streams import on_device
+    with on_device(backend, device):
+        if backend.capture_id(handle) is None:
+            return
+    raise CaptureError(f"the consumer's stream is capturing, and the buffer was last used outside the capture, on "
+                       f"{last!r}: a captured wait for work outside the capture would invalidate it; "
+                       f"synchronize (or make the capturing stream wait) before capture_begin(), or pass "
+                       f"stream=-1; nothing was exported")
 
 
 def wait_for_closed(backend, stream) -> None:

@@ -14,6 +14,7 @@ This mirrors ``torch/cuda/__init__.py`` and ``device_lazy_init.cpp``.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -162,8 +163,40 @@ def _reset_for_tests() -> None:
         backends.reset()
 
 
+def _drop_stale_imports() -> None:
+    """In a forked child: forget accel's imports another thread of the parent was in the middle
+    of (a lazy one: the backend module at the first call, ``accel.memory`` at its first use).
+    CPython keeps each module's import lock across fork, held by a thread the child does not
+    have, so the child's first import of that module would wait for good (r67h: a
+    multiprocessing 'fork' pool replacing a worker while the main thread made its first call).
+    The lock leaves ``importlib._bootstrap._module_locks`` (the next import makes a new one) and
+    the half-run module ``sys.modules``, so the child imports it afresh.  Best effort: the table
+    is CPython's own (3.9 to 3.13 keep it); only ``accel`` modules are touched."""
+    try:
+        from importlib import _bootstrap
+        locks = _bootstrap._module_locks
+    except (ImportError, AttributeError):
+        return
+    me = threading.get_ident()
+    for name, ref in list(locks.items()):
+        if name != "accel" and not name.startswith("accel."):
+            continue
+        lock = ref()
+        owner = getattr(lock, "owner", None)
+        if owner is None or owner == me:
+            continue
+        locks.pop(name, None)
+        module = sys.modules.get(name)
+        if module is not None and getattr(getattr(module, "__spec__", None), "_initializing", False):
+            del sys.modules[name]
+            parent, _, attr = name.rpartition(".")
+            if getattr(sys.modules.get(parent), attr, None) is module:
+                delattr(sys.modules[parent], attr)
+
+
 def _after_fork_in_child() -> None:
     global _in_bad_fork, _lock, ready
+    _drop_stale_imports()
     # The parent may have held the lock while forking; the child gets a fresh one.
     _lock = threading.RLock()
     # Counting through the runtime (CUDA without NVML, MIG UUIDs) starts the driver

@@ -1061,6 +1061,7 @@ class Buffer:
         return _Pin(self)
 
     def __enter__(self) -> "Buffer":
+        self._live()        # (as a closed Stream refuses: r67i)
         return self
 
     def __exit__(self, *exc) -> None:

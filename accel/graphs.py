@@ -83,14 +83,18 @@ def _new_private_pool() -> Tuple[int, int]:
 
 
 def _check_pool(pool) -> Tuple[int, int]:
-    """``pool`` as the (int, int) id it must be, or TypeError naming it."""
+    """``pool`` as the (int, int) id it must be (numpy integers too), or TypeError naming it;
+    ValueError for an id outside [0, 2**64) (r67i: a negative one, or past 64 bits, made a pool)."""
     try:
-        ids = tuple(operator.index(x) for x in pool)
+        ids = tuple(operator.index(x) for x in pool if not isinstance(x, bool))
     except TypeError:
         ids = ()
-    if len(ids) != 2:
+    if len(ids) != 2 or len(tuple(pool)) != 2:
         raise TypeError(f"pool must be a (int, int) tuple from generate_graph_pool_handle() or "
                         f"Graph.pool(), got {pool!r}")
+    if not all(0 <= x < 1 << 64 for x in ids):
+        raise ValueError(f"pool ids are in [0, 2**64), got {pool!r}; use generate_graph_pool_handle() or "
+                         f"Graph.pool()")
     return ids
 
 
@@ -619,7 +623,12 @@ class Graph:
                                "otherwise the graph is not kept after capture_end")
         if self._graph is None:
             raise RuntimeError("debug_dump: no captured graph to dump")
-        path = os.fspath(path)
+        path = os.fsdecode(os.fspath(path))     # (bytes too: str(b"x.dot") named a file "b'x.dot'", r67i)
+        if "\0" in path:
+            raise ValueError(f"debug_dump: the path {path!r} has a NUL character (the C call would cut it there)")
+        if os.path.isdir(path):
+            raise IsADirectoryError(f"debug_dump: {path!r} is a folder; pass a file name, e.g. "
+                                    f"{os.path.join(path, 'graph.dot')!r}")
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
             # CUDA's cudaGraphDebugDotPrint reports only cudaErrorOperatingSystem: name the path.
@@ -629,7 +638,7 @@ class Graph:
             with self._launch_lock:     # not a graph that a reset() in another thread destroys
                 if self._h.graph is None:
                     raise RuntimeError("debug_dump: no captured graph to dump (it was reset)")
-                self._h.backend.graph_debug_dot(self._h.graph, str(path))
+                self._h.backend.graph_debug_dot(self._h.graph, path)
         finally:
             if self._owed:
                 self._settle_owed()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import struct as _struct
+import operator
 import sys
 import threading
 import weakref
@@ -362,6 +363,7 @@ class Module:
             _fin.RAISE_AGAIN[_fin.interrupt_key()]    # a Ctrl-C handled in here reaches the program (r62)
 
     def __enter__(self) -> "Module":
+        self._live()        # (as a closed Stream refuses: r67i)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -489,9 +491,15 @@ class Kernel:
         through cudaOccupancyMaxActiveBlocksPerMultiprocessor, keeping the first that runs the
         most threads per multiprocessor; min_grid_size fills every multiprocessor.  Above 48 KiB of
         ``dynamic_smem`` the function is opted in first, as accel.launch does for that size."""
+        checked = []
         for what, v in (("dynamic_smem", dynamic_smem), ("block_size_limit", block_size_limit)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            if isinstance(v, bool) or not hasattr(type(v), "__index__"):    # (numpy integers too)
+                raise TypeError(f"max_potential_block_size: {what} must be an int >= 0, got "
+                                f"{type(v).__name__} {v!r}")
+            if v < 0:
                 raise ValueError(f"max_potential_block_size: {what} must be an int >= 0, got {v!r}")
+            checked.append(operator.index(v))
+        dynamic_smem, block_size_limit = checked
         from ..streams import on_device
         module = self.module
         module._live()

@@ -57,12 +57,15 @@ def _reset(keep_settings: bool = False) -> None:
     with _lock:
         _allocators.clear()
         _host = None
-        _history = None
         _caching._forget_captures()
         _config._warned.clear()      # a fresh start warns again about ignored allocator options
         if not keep_settings:        # (a forked child keeps them: process state, as torch's)
             _config._runtime = None  # the options are read from the environment again
             _caching._oom_observers.clear()
+            # the history option too: a child forked before init records as the parent asked
+            # (r67h: _record_memory_history() at the top of a script, then a fork: the child's
+            # snapshot had no trace); its own allocators start recording when they are made
+            _history = None
 
 
 def _after_fork_in_child() -> None:
@@ -608,13 +611,12 @@ def memory_snapshot(mempool_id: Optional[Tuple[int, int]] = None, include_traces
     segments = _snapshot()["segments"]
     if mempool_id is None:
         return segments
+    from ..graphs import _check_pool        # (as Graph(pool=): numpy integers too)
     try:
-        wanted = tuple(mempool_id)
-    except TypeError:
-        wanted = ()
-    if len(wanted) != 2 or not all(type(x) is int for x in wanted):
+        wanted = _check_pool(mempool_id)
+    except (TypeError, ValueError):
         raise TypeError(f"memory_snapshot(mempool_id=...) takes a pool id, a tuple of two ints such as "
-                        f"MemPool().id, got {mempool_id!r}")
+                        f"MemPool().id, got {mempool_id!r}") from None
     return [seg for seg in segments if tuple(seg["segment_pool_id"]) == wanted]
 
 

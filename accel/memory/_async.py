@@ -381,6 +381,7 @@ class AsyncPoolAllocator:
         default this allocator's): its free waits for the work queued there by then.  TypeError/
         ValueError for a stream that is no handle or a device index naming no device."""
         device = _caching.check_use(self._be, stream, device_index, self._index)
+        _caching.check_stream_live(self._be, stream, device)
         with self._lock:
             alloc = self._ptrs.get(ptr)
             if alloc is None or alloc.deferred:

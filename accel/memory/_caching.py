@@ -513,6 +513,24 @@ def check_use(backend, stream, device_index, default: int) -> int:
     return device_index
 
 
+def check_stream_live(backend, stream: int, device: int) -> None:
+    """ValueError when ``stream`` (a handle check_use took) is no live stream of ``device``:
+    record_stream would keep it, and every later free of the block and every empty_cache would
+    then fail on it (r67i: 0x3039 was kept, and the allocator wedged).  A stream accel made (or
+    wraps) is known; another handle is asked of the runtime (Backend.foreign_stream: CUDA's
+    cudaStreamGetDevice, or the backend's own table), as Stream.from_handle does."""
+    from ..streams import _live_streams
+    if _live_streams.get((device, stream)) is not None:
+        return
+    try:
+        _handle, where = backend.foreign_stream(stream)
+    except ValueError as exc:
+        raise ValueError(f"record_stream: {exc}") from None
+    if where is not None and where != device:
+        raise ValueError(f"record_stream: stream {stream:#x} is a stream of device {where}, not of device "
+                         f"{device}; pass device_index={where}")
+
+
 def _gc_probe(lock, what: str) -> None:
     """The cyclic collector runs on this thread (a user's ``__del__`` may have re-entered accel
     while this thread holds ``lock``): wait for ``lock`` a bounded time, or raise instead of
@@ -1110,6 +1128,7 @@ class DeviceCachingAllocator(ExpandableSegments):
         once the work queued on ``stream`` by then has completed.  TypeError/ValueError for a
         stream that is no handle or a device index naming no device (nothing is recorded)."""
         device = check_use(self._be, stream, device_index, self._index)
+        check_stream_live(self._be, stream, device)
         with self._lock:
             block = self._blocks.get(ptr)
             if block is None or block.state != _ALLOCATED:

@@ -37,7 +37,7 @@ from . import _config
 from .._errors import OutOfMemoryError
 from .._finalize import drain as _drain_finalizers, pending as _finalizers, releases_settled as _releases_settled
 from ..streams import on_device
-from ._caching import (_gc_probe, _ONE_EXA_BYTES, _check_size, add_use, capture_underway, check_use,
+from ._caching import (check_stream_live, _gc_probe, _ONE_EXA_BYTES, _check_size, add_use, capture_underway, check_use,
                        cover, drop_done_gates, gates_back, record_uses, stream_done,
                        unless_capturing, uses_forgotten)
 
@@ -320,6 +320,7 @@ class HostCachingAllocator:
         device = check_use(be, stream, device_index, None)
         if device is None:
             device = be.get_device()
+        check_stream_live(be, stream, device)
         with self._lock:
             block = self._blocks.get(ptr)
             if block is None or not block.allocated:

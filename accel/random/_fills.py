@@ -46,25 +46,35 @@ class Plan(NamedTuple):
 
 
 def _dtype_name(dtype, allowed: Tuple[str, ...], what: str) -> str:
-    name = getattr(dtype, "name", None) or (dtype if isinstance(dtype, str) else None)
-    if name is None:
+    """The numpy name of ``dtype`` when the fill writes it; TypeError otherwise, also for None
+    (numpy reads it as float64) and a non-native byte order (the kernels write native values:
+    '>f4' was filled as native float32, r67i)."""
+    name = None
+    if dtype is not None:
         try:
             import numpy as np
-            name = np.dtype(dtype).name
+            d = np.dtype(dtype)
+            if d.isnative:
+                name = d.name
         except TypeError:
-            name = None
+            pass
     if name not in allowed:
-        raise TypeError(f"{what} supports dtype {' or '.join(repr(a) for a in allowed)}, got {dtype!r}")
+        raise TypeError(f"{what} supports dtype {' or '.join(repr(a) for a in allowed)} in native byte order, "
+                        f"got {dtype!r}")
     return name
 
 
 def _finite(value, what: str) -> float:
-    if isinstance(value, bool) or getattr(getattr(value, "dtype", None), "kind", None) == "b":
-        raise TypeError(f"{what} must be a real number, got {type(value).__name__}")    # bool, numpy.bool
+    if (isinstance(value, (bool, str, bytes, bytearray))
+            or getattr(getattr(value, "dtype", None), "kind", None) == "b"):
+        # bool, numpy.bool; a str or bytes float() would parse (r67i: '0.5' was taken)
+        raise TypeError(f"{what} must be a real number, got {type(value).__name__} {value!r}")
     try:
         f = float(value)
     except (TypeError, ValueError):
         raise TypeError(f"{what} must be a real number, got {type(value).__name__} {value!r}") from None
+    except OverflowError:
+        raise ValueError(f"{what} must be finite, got a {type(value).__name__} too large for a float") from None
     if not math.isfinite(f):
         raise ValueError(f"{what} must be finite, got {f}")
     return f

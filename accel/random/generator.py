@@ -228,6 +228,9 @@ class _State:
                 return
             if alloc is None:
                 alloc, free = self._cache_alloc, self._cache_free
+            elif not callable(alloc) or (free is not None and not callable(free)):
+                raise TypeError(f"register_graph: alloc and free must be callables (nbytes -> pointer, "
+                                f"pointer -> None), got alloc={alloc!r}, free={free!r}")
             seed_ptr = alloc(8)
             try:
                 offset_ptr = alloc(8)
