@@ -32,8 +32,8 @@ Level Zero "xpu", Metal "mps"; two devices where the runtime has them):
 4. all of it on Level Zero and Metal as well, where the API exists (Metal has no graphs and one
    device).
 
-Every accel bug found is a strict xfail naming the cause (two: memory history is dropped in a
-child forked before init; a child forked during one of accel's lazy imports hangs).
+Two accel bugs were found (each test failed first; fixed in session 27): memory history was
+dropped in a child forked before init; a child forked during one of accel's lazy imports hung.
 """
 import random
 import threading
