@@ -566,20 +566,18 @@ def _refuse_waiting_from_capture(backend, last, consumer) -> None:
     capturing consumer stream would wait on an event recorded outside its capture (CUDA refuses
     it and invalidates the capture: Programming Guide, "CUDA Graphs" > "Cross-stream
     Dependencies and Events"; Level Zero's capture records no cross-list wait), and a host wait
-    from inside a capture on this thread's current stream invalidates it (a synchronize during
-    capture).  Refused before anything is queued (r67i: from_dlpack of a buffer last used on the
-    default stream invalidated the capture it was called in)."""
+    invalidates the captures whose modes forbid it (Backend.host_wait_refused).  Refused before
+    anything is queued (r67i: from_dlpack of a buffer last used on the default stream
+    invalidated the capture it was called in)."""
     from ._errors import CaptureError
-    from .streams import current_stream
     if consumer == "host":
-        here = current_stream(last._index)
-        with here._device_scope():
-            if backend.capture_id(here._handle) is None:
-                return
-        raise CaptureError(f"__dlpack__ with stream=None (a host wait) inside a capture on {here!r}: waiting "
-                           f"for {last!r}, the buffer's last use, would invalidate the capture; synchronize "
-                           f"before capture_begin(), or pass the capturing stream or stream=-1; nothing was "
-                           f"exported")
+        why = backend.host_wait_refused(last._handle)     # (by capture mode: r67j)
+        if why is None:
+            return
+        raise CaptureError(f"__dlpack__ with stream=None (a host wait for {last!r}, the buffer's last use) "
+                           f"while {why}: the wait would invalidate the capture; synchronize before "
+                           f"capture_begin(), capture in relaxed mode, or pass the consumer's stream or "
+                           f"stream=-1; nothing was exported")
     device, handle = consumer
     if handle == last._handle and device == last._index:
         return

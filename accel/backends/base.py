@@ -415,6 +415,11 @@ class Backend(abc.ABC):
         ended (a capture begun by another library in the process is not counted)."""
         return 0
 
+    def host_wait_refused(self, stream: int) -> Optional[str]:
+        """Why a host wait for ``stream`` (not itself capturing) now would invalidate a capture
+        underway, or None.  The default is conservative: any capture."""
+        return "a stream capture is underway" if self.captures_underway() else None
+
     #: Releases queued while a capture is underway (:meth:`_after_captures`): a deque where the
     #: backend refuses calls during a capture (CUDA, XPU), None where it has no captures.
     _after_capture = None

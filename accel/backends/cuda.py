@@ -782,6 +782,14 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
     def captures_underway(self) -> int:
         return self._captures
 
+    def host_wait_refused(self, stream: int) -> Optional[str]:
+        # Programming Guide, "CUDA Graphs" > "Prohibited and Unhandled Operations": synchronizing
+        # a stream not being captured is valid, except the legacy stream, which synchronizes with
+        # the blocking streams of its device (those in a capture included)
+        if self._captures and stream == 0:
+            return "the legacy default stream synchronizes with the streams being captured"
+        return None
+
     def graph_instantiate(self, graph: int) -> int:
         p = self.ffi.new("cudaGraphExec_t *")
         # As torch's CUDAGraph::instantiate: allocations a graph does not free itself (its

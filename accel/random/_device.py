@@ -135,6 +135,7 @@ def _load(backend, source: bytes, binary: Optional[Callable[[], bytes]]) -> Dict
 def _functions_of(backend, module: int, names) -> Dict[str, int]:
     """The kernels ``names`` of a loaded ``module``; the module is unloaded when one fails (a
     lazily loaded image's errors come from these lookups)."""
+    index = backend.get_device()    # (the caller made the module's device current: the retry does too)
     try:
         return {name: backend.module_function(module, name) for name in names}
     except BaseException:
@@ -142,8 +143,7 @@ def _functions_of(backend, module: int, names) -> Dict[str, int]:
         # safe point, as a finalizer's (r67d: its error replaced the lookup's, the module leaked)
         from .. import _finalize
         from ..kernels._module import _unload
-        # (the caller made the module's device current: the retry makes it current again)
-        _finalize.finalize(_unload, backend, backend.get_device(), module)
+        _finalize.finalize(_unload, backend, index, module)
         raise
 
 

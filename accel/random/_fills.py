@@ -65,9 +65,10 @@ def _dtype_name(dtype, allowed: Tuple[str, ...], what: str) -> str:
 
 
 def _finite(value, what: str) -> float:
-    if (isinstance(value, (bool, str, bytes, bytearray))
-            or getattr(getattr(value, "dtype", None), "kind", None) == "b"):
-        # bool, numpy.bool; a str or bytes float() would parse (r67i: '0.5' was taken)
+    kind = getattr(getattr(value, "dtype", None), "kind", None)
+    if isinstance(value, (bool, str, bytes, bytearray, complex)) or kind not in (None, "i", "u", "f"):
+        # bool, numpy.bool; a str or bytes float() would parse (r67i: '0.5' was taken), numpy's
+        # too; a numpy complex would lose its imaginary part (r67j)
         raise TypeError(f"{what} must be a real number, got {type(value).__name__} {value!r}")
     try:
         f = float(value)

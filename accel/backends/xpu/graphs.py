@@ -96,6 +96,16 @@ class GraphsMixin:
             raise CaptureError(f"{what} is not permitted while a stream is being captured "
                                f"({hit[0].mode} capture mode); the capture is invalidated")
 
+    def host_wait_refused(self, stream: int) -> Optional[str]:
+        """Whether a host wait now falls under :meth:`_unsafe`'s rule (without invalidating)."""
+        if not self._captures:
+            return None
+        me = threading.get_ident()
+        for cap in list(self._captures.values()):
+            if cap.mode != "relaxed" if cap.thread == me else cap.mode == "global":
+                return f"a {cap.mode}-mode capture is underway"
+        return None
+
     @staticmethod
     def _invalidate(cap: _Capture, why: str) -> None:
         if cap.invalid is None:
