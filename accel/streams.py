@@ -295,13 +295,6 @@ def _hold_open(stream: "Stream") -> "Optional[_Hold]":
     return hold
 
 
-def _used(obj) -> None:
-    """A use of ``obj``'s handle ended: the last one after a close() runs its deferred destroy."""
-    obj._busy.pop()
-    if obj._closed:
-        _closed_during_use(obj)
-
-
 def _closed_during_use(obj) -> None:
     """After a use of closed ``obj`` ended (its mark popped): the last use runs the deferred destroy.
     (The hot paths inline _Use: mark, check _closed, call, pop, then this when closed.)"""
@@ -324,7 +317,7 @@ def _close_release(obj, fn, *args) -> None:
     releases = obj._releases
     releases.append((fn, args))
     if obj._busy:
-        return      # the last use's _used() takes it (or took it already)
+        return      # the last use's _closed_during_use() takes it (or took it already)
     _run_deferred(obj, _fin.release)
 
 
