@@ -257,7 +257,7 @@ class Module:
         listing the module's kernels."""
         if not isinstance(name, str):
             raise TypeError(f"Module.function(name): name must be a str, got {type(name).__name__}")
-        handle = self._live()
+        self._live()
         if self._entries and name not in self._entries:
             raise UnknownKernelError(f"the module has no kernel named {name!r}; its kernels: "
                            f"{', '.join(self._entries) or 'none'} (a C++ kernel's name is mangled unless "
@@ -280,12 +280,7 @@ class Module:
             try:
                 if self._handle is None:
                     self._live()        # raises: closed (in another thread since the check above)
-                # One handle per name for the module's life: Level Zero's zeKernelCreate and
-                # Metal's pipeline compile make a new object per lookup, which the backends keep
-                # until the module unloads, so a lookup per Kernel made would grow with the calls.
-                fn = self._functions.get(name)
-                if fn is None:
-                    fn = self._functions[name] = self._backend.module_function(handle, name)
+                fn = self._function_of(name)
             except AcceleratorError as exc:
                 if self._entries or isinstance(exc, KernelImageError):
                     raise       # a kernel the image defines, or an image the device cannot run
@@ -293,6 +288,17 @@ class Module:
         k = Kernel(self, name, fn, params)
         with self._lock:
             return self._kernels.setdefault(key, k)
+
+    def _function_of(self, name: str) -> int:
+        """The function of kernel ``name`` (the lock held, the module loaded, its device
+        current): one handle per name for the module's life (Level Zero's zeKernelCreate and
+        Metal's pipeline compile make a new object per lookup, which the backends keep until the
+        module unloads, so a lookup per Kernel made would grow with the calls), looked up again
+        once a failed unload destroyed it (_forget_destroyed)."""
+        fn = self._functions.get(name)
+        if fn is None:
+            fn = self._functions[name] = self._backend.module_function(self._handle, name)
+        return fn
 
     def close(self) -> None:
         """Unload the module now; its kernels cannot be launched afterwards, nor can an
@@ -444,12 +450,9 @@ class Kernel:
         """This kernel's function now (the module's lock held, the module loaded): the module's
         ``_functions`` entry, looked up again when a failed unload destroyed it (see
         Module._forget_destroyed); ``handle`` follows it."""
-        module = self.module
-        fn = module._functions.get(self.name)
-        if fn is None:
-            from ..streams import on_device
-            with on_device(self._backend, self._index):
-                fn = module._functions[self.name] = self._backend.module_function(module._handle, self.name)
+        from ..streams import on_device
+        with on_device(self._backend, self._index):
+            fn = self.module._function_of(self.name)
         if fn != self.handle:
             self.handle = fn
         return fn

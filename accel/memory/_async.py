@@ -841,19 +841,7 @@ class AsyncPoolAllocator:
         True when queued or when ``stream`` is being captured (nothing is safe to queue), False
         when the caller must wait on the host.  The event is a temporary one, and one whose
         destroy fails waits in ``_doomed`` for empty_cache: nothing for the caller to own."""
-        device = _caching.check_use(self._be, stream, device_index, self._index)
-        be = self._be
-        _caching._gc_probe(self._lock, "order_after")   # then `with` (see _gc_probe)
-        with self._lock, be.capture_gate:
-            if _caching.capture_underway(be):
-                with on_device(be, device):
-                    if be.stream_is_capturing(stream):
-                        return True
-            try:
-                self._wait_deferred(waiter, stream, device)
-            except AcceleratorError:
-                return False
-        return True
+        return _caching.order_after(self, waiter, stream, device_index, self._wait_deferred)
 
     def _wait_for(self, waiter: int, stream: int, device: int) -> None:
         """``waiter`` (a stream of this allocator's device) waits for the work queued on

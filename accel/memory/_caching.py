@@ -246,6 +246,28 @@ def _queue_wait(owner, waiter: int, stream: int, device: int) -> None:
                 cache.append(event)
 
 
+def order_after(owner, waiter: int, stream: int, device_index, queue_wait) -> bool:
+    """The two device allocators' ``order_after`` (``owner``: the allocator): the checks, then
+    ``queue_wait(waiter, stream, device)`` (its vendor calls, signals deferred) under the lock
+    and then the capture gate (that order, as every allocator path), so that no capture begins
+    on ``stream`` between the check and the record.  True when queued, or when ``stream`` is
+    being captured (nothing is safe to queue); False when the wait failed (the runtime's error
+    cleared): the caller waits on the host."""
+    device = check_use(owner._be, stream, device_index, owner._index)
+    be = owner._be
+    _gc_probe(owner._lock, "order_after")   # then `with` (see _gc_probe)
+    with owner._lock, be.capture_gate:
+        if capture_underway(be):
+            with on_device(be, device):
+                if be.stream_is_capturing(stream):
+                    return True
+        try:
+            queue_wait(waiter, stream, device)
+        except AcceleratorError:
+            return False
+    return True
+
+
 def add_use(owner, block, stream: int, device: int) -> None:
     """``block`` is used by work on ``stream`` of ``device``: its ``uses`` and ``owner._used_on``
     (the stream's users, for forget_stream) say so.  ``owner`` is a device or host caching
@@ -1148,23 +1170,10 @@ class DeviceCachingAllocator(ExpandableSegments):
         could not be queued (the error already cleared in the runtime): the caller waits on the
         host instead.
 
-        Under the lock and then the capture gate (that order, as every path here), so that no
-        capture begins on ``stream`` between the check and the record.  The vendor calls run
-        with signals deferred and the event stays in the cache from its creation until its
-        destroy (:func:`_recorded`), so a KeyboardInterrupt leaves nothing to release."""
-        device = check_use(self._be, stream, device_index, self._index)
-        be = self._be
-        _gc_probe(self._lock, "order_after")   # then `with` (see _gc_probe)
-        with self._lock, be.capture_gate:
-            if capture_underway(be):
-                with on_device(be, device):
-                    if be.stream_is_capturing(stream):
-                        return True
-            try:
-                _queue_wait(self, waiter, stream, device)
-            except AcceleratorError:
-                return False
-        return True
+        Locking as :func:`order_after`'s.  The vendor calls run with signals deferred and the
+        event stays in the cache from its creation until its destroy (:func:`_recorded`), so a
+        KeyboardInterrupt leaves nothing to release."""
+        return order_after(self, waiter, stream, device_index, partial(_queue_wait, self))
 
     def _live_list(self, fl: _FreeList) -> bool:
         """Whether ``fl`` is a free list of a live stream, not one of a destroyed stream waiting
@@ -1980,6 +1989,17 @@ class DeviceCachingAllocator(ExpandableSegments):
         # capture that begins after this test)
         return block.size > 4 * ((size + ROUND_LARGE - 1) // ROUND_LARGE * ROUND_LARGE) and not capture_underway(self._be)
 
+    def _passed_over(self, fl: _FreeList, size: int, need: Optional[int]) -> Optional[_Block]:
+        """Where the miss cannot grow by ``need`` bytes (past the cap; None: at all, a capture
+        under way or the device full after the retry): the cached block best fit finds for
+        ``size``, which _grow_instead may have passed over for a new segment, or None.  Checked
+        before a rejection or an OutOfMemoryError is counted and reported, by the classic miss
+        path and expandable segments' grow (r67a: a 4 MiB request beside a free 64 MiB
+        capture-time segment was refused)."""
+        if need is not None and self._cur[RESERVED_BYTES] + need <= self._allowed_bytes():
+            return None
+        return self._find(fl, size, grow_instead=False)
+
     def _malloc_miss(self, size: int, nbytes: int, fl: _FreeList) -> _Block:
         """No cached block fits: wait for pending blocks, grow, or free the cache and retry.
         Returns a free block that fits, in its free list (which may be another list than ``fl``'s:
@@ -1992,7 +2012,7 @@ class DeviceCachingAllocator(ExpandableSegments):
         capturing = capture_underway(self._be)
         if capturing:
             # a miss _grow_instead chose (a capture began since): the cached block, as best fit
-            cached = self._find(fl, size, grow_instead=False)
+            cached = self._passed_over(fl, size, None)
             if cached is not None:
                 return cached
         if self._pending_events and not capturing:
@@ -2028,11 +2048,9 @@ class DeviceCachingAllocator(ExpandableSegments):
             # (a no_split MemPool hands a block out whole: a packed segment would be one block)
             seg_size = self._packed_segment_size(size, seg_size)
         if self._config.throw_on_cudamalloc_oom:
-            if self._cur[RESERVED_BYTES] + own_size > self._allowed_bytes():
-                # a miss _grow_instead chose: the cached block it passed over still serves
-                cached = self._find(fl, size, grow_instead=False)
-                if cached is not None:
-                    return cached
+            cached = self._passed_over(fl, size, own_size)
+            if cached is not None:
+                return cached
             self._reject_past_cap(own_size, size)
         if not capturing:
             self._before_grow(seg_size)
@@ -2058,9 +2076,9 @@ class DeviceCachingAllocator(ExpandableSegments):
                 self._exp_unmap()
             block = self._device_alloc(seg_size, fl)
         if block is None:
-            # a miss _grow_instead chose, where the retry could not free the cached block it
-            # passed over (another thread's use, a cap it alone does not satisfy): best fit
-            cached = self._find(fl, size, grow_instead=False)
+            # the retry could not free the cached block _grow_instead passed over (another
+            # thread's use, a cap it alone does not satisfy)
+            cached = self._passed_over(fl, size, None)
             if cached is not None:
                 return cached
             return self._oom(size, seg_size, fl)

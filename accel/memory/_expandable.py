@@ -359,17 +359,6 @@ class ExpandableSegments:
                     self._exp_drop(seg)
         return self._exp_grow_in(seg, size, nbytes, fl)
 
-    def _passed_over(self, fl, size: int, need: int):
-        """Where growing by ``need`` bytes cannot be done (past the cap, or the device full after
-        the retry): the cached block best fit finds for ``size``, which _grow_instead may have
-        passed over for a new segment (a whole free classic segment over four times the request,
-        left by a capture or by expandable_segments:False), or None.  Checked before the
-        rejection or the OutOfMemoryError is counted and reported, as the classic miss path
-        does (r67a: a 4 MiB request beside a free 64 MiB capture-time segment was refused)."""
-        if need is not None and self._cur[RESERVED_BYTES] + need <= self._allowed_bytes():
-            return None
-        return self._find(fl, size, grow_instead=False)
-
     def _exp_grow_in(self, seg: Segment, size: int, nbytes: int, fl: _FreeList) -> _Block:
         gran = self._gran
         plan = place(seg, size, gran, _FREE)
