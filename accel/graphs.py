@@ -50,6 +50,7 @@ from . import _lazy, _locks
 from ._copying import refuse_copies as _refuse_copies
 from ._errors import AcceleratorError, CaptureError
 from .backends._signals import deferred as _signals_deferred
+from .memory._mempool import check_pool_id as _check_pool
 from .streams import Event, Stream, _Hold, _as_stream, _capture_events, _closed_during_use, current_stream, on_device
 
 __all__ = ["Graph", "graph", "generate_graph_pool_handle", "graph_pool_handle"]
@@ -80,22 +81,6 @@ graph_pool_handle = generate_graph_pool_handle  # torch.cuda's name
 def _new_private_pool() -> Tuple[int, int]:
     with _pool_lock:
         return (next(_graph_pool_ids), 0)
-
-
-def _check_pool(pool) -> Tuple[int, int]:
-    """``pool`` as the (int, int) id it must be (numpy integers too), or TypeError naming it;
-    ValueError for an id outside [0, 2**64) (r67i: a negative one, or past 64 bits, made a pool)."""
-    try:
-        ids = tuple(operator.index(x) for x in pool if not isinstance(x, bool))
-    except TypeError:
-        ids = ()
-    if len(ids) != 2 or len(tuple(pool)) != 2:
-        raise TypeError(f"pool must be a (int, int) tuple from generate_graph_pool_handle() or "
-                        f"Graph.pool(), got {pool!r}")
-    if not all(0 <= x < 1 << 64 for x in ids):
-        raise ValueError(f"pool ids are in [0, 2**64), got {pool!r}; use generate_graph_pool_handle() or "
-                         f"Graph.pool()")
-    return ids
 
 
 class _UnknownCaptureMode(ValueError, RuntimeError):

@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from .. import _finalize, _lazy, backends, streams
 from ..streams import on_device
-from . import _async, _caching, _config, _snapfmt
+from . import _async, _caching, _config, _mempool, _snapfmt
 from ._caching import DeviceCachingAllocator
 from ._host import HostCachingAllocator
 from ._mempool import MemPool, use_mem_pool
@@ -611,9 +611,8 @@ def memory_snapshot(mempool_id: Optional[Tuple[int, int]] = None, include_traces
     segments = _snapshot()["segments"]
     if mempool_id is None:
         return segments
-    from ..graphs import _check_pool        # (as Graph(pool=): numpy integers too)
     try:
-        wanted = _check_pool(mempool_id)
+        wanted = _mempool.check_pool_id(mempool_id)    # as Graph(pool=): numpy integers too
     except (TypeError, ValueError):
         raise TypeError(f"memory_snapshot(mempool_id=...) takes a pool id, a tuple of two ints such as "
                         f"MemPool().id, got {mempool_id!r}") from None

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import operator
 import sys
 import threading
 from typing import Iterator, List, Tuple
@@ -35,7 +36,7 @@ from .. import _finalize as _fin
 from .._copying import refuse_copies as _refuse_copies
 from ..backends._signals import deferred
 
-__all__ = ["MemPool", "use_mem_pool", "new_user_pool_id"]
+__all__ = ["MemPool", "use_mem_pool", "new_user_pool_id", "check_pool_id"]
 
 # torch's MempoolId_t (c10/cuda MemPool::graph_pool_handle): ids a user asks for are
 # {0, n} (graph_pool_handle, MemPool), the pool a graph makes for itself {n, 0}.
@@ -47,6 +48,23 @@ def new_user_pool_id() -> Tuple[int, int]:
     """A fresh user pool id ``(0, n)`` (shared by MemPool and graph_pool_handle)."""
     with _ids_lock:
         return (0, next(_user_ids))
+
+
+def check_pool_id(pool) -> Tuple[int, int]:
+    """``pool`` (a graph's or MemPool's id) as the (int, int) id it must be (numpy integers
+    too), or TypeError naming it; ValueError for an id outside [0, 2**64) (r67i: a negative
+    one, or past 64 bits, made a pool).  Graph(pool=) and memory_snapshot(mempool_id=) share it."""
+    try:
+        ids = tuple(operator.index(x) for x in pool if not isinstance(x, bool))
+    except TypeError:
+        ids = ()
+    if len(ids) != 2 or len(tuple(pool)) != 2:
+        raise TypeError(f"pool must be a (int, int) tuple from generate_graph_pool_handle() or "
+                        f"Graph.pool(), got {pool!r}")
+    if not all(0 <= x < 1 << 64 for x in ids):
+        raise ValueError(f"pool ids are in [0, 2**64), got {pool!r}; use generate_graph_pool_handle() or "
+                         f"Graph.pool()")
+    return ids
 
 
 def _allocator(index: int):
