@@ -198,6 +198,8 @@ def _parse_bytes(key, value, source):
 def _parse_divisions(key, value, source):
     def check(div_text):
         div = _parse_int(key, div_text, source)
+        if div > UNLIMITED:     # torch reads it with std::stoull, which refuses it
+            raise _fail(key, value, f"more than a size_t holds (at most {UNLIMITED})", source)
         if div != 0 and (div < 1 or div & (div - 1)):
             raise _fail(key, value, "divisions must be a power of two (or 0 to disable)", source)
         return 1 if div == 1 else div
@@ -220,6 +222,8 @@ def _parse_divisions(key, value, source):
             last = _POW2_INTERVALS
             continue
         mb = _parse_int(key, size_text, source)
+        if mb > UNLIMITED:
+            raise _fail(key, value, f"list key {size_text!r} is more than a size_t holds", source)
         if mb <= 0 or mb & (mb - 1):
             raise _fail(key, value, f"list key {size_text!r} must be a power-of-two MiB count", source)
         index = min(mb.bit_length() - 1, _POW2_INTERVALS - 1)

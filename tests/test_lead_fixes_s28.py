@@ -1,0 +1,29 @@
+"""The lead's fixes of session 28.
+
+``roundup_power2_divisions`` reads its divisions as torch's parser does (std::stoull, then a
+power-of-two check): a count past what a size_t holds is refused, as torch 2.13 refuses it
+(``torch._C._accelerator_setAllocatorSettings("roundup_power2_divisions:18446744073709551616")``
+raises "stoull"); accel took 2**64 as a division count.
+"""
+
+import pytest
+
+from accel.memory import _config
+
+
+@pytest.mark.parametrize("text", ["roundup_power2_divisions:18446744073709551616",
+                                  "roundup_power2_divisions:[256:18446744073709551616,>:4]",
+                                  "roundup_power2_divisions:[>:36893488147419103232]"])
+def test_divisions_past_a_size_t_are_refused(text):
+    with pytest.raises(_config.AllocatorConfigError, match="size_t"):
+        _config.parse(text)
+
+
+@pytest.mark.parametrize("div", [1, 2, 4, 1 << 32, 1 << 63])
+def test_divisions_a_size_t_holds_are_taken(div):
+    assert set(_config.parse(f"roundup_power2_divisions:{div}").roundup_power2_divisions) == {div}
+
+
+def test_a_list_key_past_a_size_t_is_refused():
+    with pytest.raises(_config.AllocatorConfigError, match="size_t"):
+        _config.parse("roundup_power2_divisions:[36893488147419103232:4]")
