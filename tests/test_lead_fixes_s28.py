@@ -27,3 +27,16 @@ def test_divisions_a_size_t_holds_are_taken(div):
 def test_a_list_key_past_a_size_t_is_refused():
     with pytest.raises(_config.AllocatorConfigError, match="size_t"):
         _config.parse("roundup_power2_divisions:[36893488147419103232:4]")
+
+
+@pytest.mark.parametrize("kind", ["cuda", "xpu", "mps"])
+def test_pinned_out_of_memory_names_the_bytes_asked_for(monkeypatch, kind):
+    """A pinned allocation the host cannot hold says how much was asked for on every backend
+    (CUDA's message was only cudaErrorMemoryAllocation's text)."""
+    import accel
+    from conftest import use_sim
+    use_sim(monkeypatch, kind)
+    size = 1 << 45
+    with pytest.raises(accel.OutOfMemoryError, match=str(size)):
+        accel.memory.host_allocator().malloc(size)
+    assert accel.memory.host_memory_stats()["allocations.current"] == 0

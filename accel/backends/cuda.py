@@ -227,7 +227,7 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
             self.ffi, self.lib = rt[0], rt[1]
         return rt
 
-    def _check(self, rc: int, call: str) -> None:
+    def _check(self, rc: int, call: str, detail: str = "") -> None:
         if rc == 0:
             return
         ffi, lib = self.ffi, self.lib
@@ -249,7 +249,7 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
             cls = KernelImageError
         else:
             cls = AcceleratorError
-        raise cls.from_call("libcudart", call, rc, name, text)
+        raise cls.from_call("libcudart", call, rc, name, f"{text}; {detail}" if detail else text)
 
     def clear_error(self) -> None:
         rt = self._rt
@@ -469,10 +469,12 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
 
     # -- memory ----------------------------------------------------------------
     def mem_alloc(self, nbytes: int) -> int:
-        return self._alloc_maybe_capturing("cudaMalloc", self.lib.cudaMalloc, self.lib.cudaFree, nbytes)
+        return self._alloc_maybe_capturing("cudaMalloc", self.lib.cudaMalloc, self.lib.cudaFree, nbytes,
+                                           what="device memory")
 
-    def _alloc_maybe_capturing(self, call: str, alloc, free, *args) -> int:
-        """``alloc(void **, *args)`` (cudaMalloc, cudaHostAlloc), checked; the pointer as an int."""
+    def _alloc_maybe_capturing(self, call: str, alloc, free, nbytes, *args, what: str) -> int:
+        """``alloc(void **, nbytes, *args)`` (cudaMalloc, cudaHostAlloc), checked (the error
+        names ``nbytes`` of ``what``); the pointer as an int."""
         p = self.ffi.new("void **")
         rc = None
         try:
@@ -482,10 +484,10 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
                     # capture; it is fine as long as the memory outlives replays, so relax the
                     # mode around it (torch's cudaMallocMaybeCapturing does the same).
                     with self._relaxed_capture_mode():
-                        rc = alloc(p, *args)
+                        rc = alloc(p, nbytes, *args)
                 else:
-                    rc = alloc(p, *args)
-            self._check(rc, call)
+                    rc = alloc(p, nbytes, *args)
+            self._check(rc, call, f"requested {nbytes} bytes of {what}")
             return self._as_int(p[0])
         except BaseException:
             # The memory is allocated but the caller never gets it: a KeyboardInterrupt as the
@@ -518,7 +520,7 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
 
     def host_alloc(self, nbytes: int) -> int:
         return self._alloc_maybe_capturing("cudaHostAlloc", self.lib.cudaHostAlloc, self.lib.cudaFreeHost,
-                                           nbytes, _HOST_ALLOC_DEFAULT)
+                                           nbytes, _HOST_ALLOC_DEFAULT, what="pinned host memory")
 
     def host_free(self, ptr: int) -> None:
         self._check(self.lib.cudaFreeHost(self.ffi.cast("void *", ptr)), "cudaFreeHost")
