@@ -70,6 +70,20 @@ class CudaMemPoolMixin:
             pool = pools[index] = p[0]
         return pool
 
+    def _pool_call(self, call: str, fn, *args) -> None:
+        """``fn(*args)``, a pool or graph-memory call, checked; in relaxed capture mode while a
+        capture is underway.  Reading or changing a pool is a "potentially unsafe" call: in a
+        global or thread-local capture it fails with cudaErrorStreamCaptureUnsupported and
+        invalidates the capture (NVIDIA/cccl PR 11360, which relaxes the mode around it the same
+        way); it acts at once either way, nothing is captured."""
+        with self.capture_gate:
+            if self._captures:
+                with self._relaxed_capture_mode():
+                    rc = fn(*args)
+            else:
+                rc = fn(*args)
+        self._check(rc, call)
+
     def async_alloc_supported(self, index: int) -> bool:
         """cudaDevAttrMemoryPoolsSupported of device ``index``."""
         return bool(self._device_attribute(_ATTR_MEMORY_POOLS_SUPPORTED, index))
@@ -108,23 +122,22 @@ class CudaMemPoolMixin:
         :data:`POOL_ATTRIBUTES` (e.g. ``"reserved_current"``)."""
         attr, ctype = self._pool_attribute(name)
         value = self.ffi.new(ctype + " *")
-        self._check(self.lib.cudaMemPoolGetAttribute(self._default_pool(index), attr, value),
-                    "cudaMemPoolGetAttribute")
+        self._pool_call("cudaMemPoolGetAttribute", self.lib.cudaMemPoolGetAttribute, self._default_pool(index),
+                        attr, value)
         return int(value[0])
 
     def mem_pool_set(self, index: int, name: str, value: int) -> None:
         """cudaMemPoolSetAttribute of device ``index``'s default pool (the high-water marks
         accept only 0, which resets them to the current value)."""
         attr, ctype = self._pool_attribute(name)
-        self._check(self.lib.cudaMemPoolSetAttribute(self._default_pool(index), attr,
-                                                     self.ffi.new(ctype + " *", value)),
-                    "cudaMemPoolSetAttribute")
+        self._pool_call("cudaMemPoolSetAttribute", self.lib.cudaMemPoolSetAttribute, self._default_pool(index),
+                        attr, self.ffi.new(ctype + " *", value))
 
     def mem_pool_trim(self, index: int, keep: int = 0) -> None:
         """cudaMemPoolTrimTo: release unused memory of device ``index``'s default pool, keeping
         at least ``keep`` bytes reserved (the runtime's guarantee; memory in use, or freed by
         work not yet done, stays too)."""
-        self._check(self.lib.cudaMemPoolTrimTo(self._default_pool(index), keep), "cudaMemPoolTrimTo")
+        self._pool_call("cudaMemPoolTrimTo", self.lib.cudaMemPoolTrimTo, self._default_pool(index), keep)
 
     def mem_pool_set_access(self, index: int, peer: int) -> None:
         """cudaMemPoolSetAccess: device ``peer`` gets read-write access to the memory of device
@@ -134,7 +147,7 @@ class CudaMemPoolMixin:
         desc.location.type = _LOCATION_DEVICE
         desc.location.id = peer
         desc.flags = _ACCESS_READ_WRITE
-        self._check(self.lib.cudaMemPoolSetAccess(self._default_pool(index), desc, 1), "cudaMemPoolSetAccess")
+        self._pool_call("cudaMemPoolSetAccess", self.lib.cudaMemPoolSetAccess, self._default_pool(index), desc, 1)
 
     def graph_mem_get(self, index: int, name: str) -> int:
         """cudaDeviceGetGraphMemAttribute of device ``index``: ``name`` is a key of
@@ -145,10 +158,10 @@ class CudaMemPoolMixin:
             raise ValueError(f"unknown graph memory attribute {name!r}; expected one of "
                              f"{', '.join(GRAPH_MEM_ATTRIBUTES)}") from None
         value = self.ffi.new("unsigned long long *")
-        self._check(self.lib.cudaDeviceGetGraphMemAttribute(index, attr, value), "cudaDeviceGetGraphMemAttribute")
+        self._pool_call("cudaDeviceGetGraphMemAttribute", self.lib.cudaDeviceGetGraphMemAttribute, index, attr, value)
         return int(value[0])
 
     def graph_mem_trim(self, index: int) -> None:
         """cudaDeviceGraphMemTrim: give device ``index``'s graph memory that no graph uses (or
         is about to) back to the device."""
-        self._check(self.lib.cudaDeviceGraphMemTrim(index), "cudaDeviceGraphMemTrim")
+        self._pool_call("cudaDeviceGraphMemTrim", self.lib.cudaDeviceGraphMemTrim, index)

@@ -375,7 +375,14 @@ def cudaDeviceReset(R):
     for base in [b for b, (p, _n) in R.async_allocs.items() if p.device == d]:
         del R.async_allocs[base]
     R.gmem.forget_device(d)
+    # CUDA Runtime API, cudaDeviceEnablePeerAccess: peer allocations "will remain accessible until
+    # access is explicitly disabled using cudaDeviceDisablePeerAccess() or either device is reset
+    # using cudaDeviceReset()": the reset ends this device's access to its peers and every other
+    # device's access to this one (r68d: the other devices kept it, so their kernels could touch
+    # this device's memory after the reset and re-enabling returned 704).
     dev.peers.clear()
+    for other in R.devices:
+        other.peers.discard(d)
     for s in [s for s in set(R.streams.values()) if s.__class__ is Stream and s.device == d]:
         _destroy_stream(R, s)
     for e in [e for e in set(R.events.values()) if e.device == d]:

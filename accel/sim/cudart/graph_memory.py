@@ -11,7 +11,7 @@ from .state import (
     cudaErrorInvalidDevice, cudaErrorInvalidValue, cudaErrorMemoryAllocation, cudaErrorNotSupported,
     cudaErrorStreamCaptureUnsupported, cudaSuccess, _oom,
 )
-from .common import _enqueue, _invalidate, _is_null, _put, _put_ptr, _wait_device
+from .common import _enqueue, _invalidate, _is_null, _put, _put_ptr, _unsafe_call, _wait_device
 from .pools import _GraphAllocation, _default_pool, _pool_value
 
 
@@ -246,12 +246,26 @@ def _graph_mem_graph_destroyed(R: Runtime, g: Graph) -> None:
         R.gmem.release_if_unused(R, ga)
 
 
+def _graph_mem_call_in_capture(R) -> int:
+    """(r68d) cudaDeviceGraphMemTrim and cudaDevice{Get,Set}GraphMemAttribute inside a global or
+    thread-local capture (common._unsafe_call's rule): the Runtime API pages are silent on
+    capture.  The device's graph memory is a pool like the stream-ordered ones, whose attribute
+    calls are "potentially unsafe" on the hardware (NVIDIA/cccl PR 11360: they "fail with
+    CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and invalidate the capture"), and trimming gives memory
+    back to the OS as cudaFree does: refused alike (900, the capture invalidated; relaxed mode
+    allows them).  Before r68d they were accepted in any capture."""
+    return _unsafe_call(R) if R.captures else 0
+
+
 def cudaDeviceGraphMemTrim(R, device):
     """CUDA Runtime API, cudaDeviceGraphMemTrim: "Free unused memory that was cached on the
     specified device for use with graphs back to the OS.  Blocks which are not in use by a graph
     that is either currently executing or scheduled to execute are freed"."""
     if not (0 <= device < len(R.devices)):
         return cudaErrorInvalidDevice
+    rc = _graph_mem_call_in_capture(R)
+    if rc:
+        return rc
     with R.mlock:
         R.gmem.trim(R, device)
     return cudaSuccess
@@ -266,6 +280,9 @@ def cudaDeviceGetGraphMemAttribute(R, device, attr, value):
     which = _GRAPH_MEM_ATTRS.get(attr)
     if which is None or _is_null(value):
         return cudaErrorInvalidValue
+    rc = _graph_mem_call_in_capture(R)
+    if rc:
+        return rc
     with R.mlock:
         got = R.gmem.attribute(device, which)
     _put(value, got, "unsigned long long *")
@@ -281,6 +298,9 @@ def cudaDeviceSetGraphMemAttribute(R, device, attr, value):
     if which not in ("used_high", "reserved_high") or _is_null(value) or \
             _pool_value(value, "unsigned long long *") != 0:
         return cudaErrorInvalidValue
+    rc = _graph_mem_call_in_capture(R)
+    if rc:
+        return rc
     with R.mlock:
         R.gmem.reset_high(device, which)
     return cudaSuccess

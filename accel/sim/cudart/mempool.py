@@ -4,13 +4,16 @@ pool, pool attributes, trimming, and access from other devices.
 
 from __future__ import annotations
 
+import functools
+
 from .. import _memory, core
 from .state import (
     cudaErrorInvalidDevice, cudaErrorInvalidResourceHandle, cudaErrorInvalidValue,
     cudaErrorMemoryAllocation, cudaErrorNotSupported, cudaSuccess, _oom,
 )
 from .common import (
-    _enqueue, _implicit_deps, _is_null, _legacy_conflict, _unmade, _lookup, _put, _put_ptr, _stream,
+    _enqueue, _implicit_deps, _is_null, _legacy_conflict, _ordered_after, _unmade, _lookup, _put, _put_ptr,
+    _stream, _unsafe_call,
 )
 from .pools import (
     _ACCESS_NONE, _ACCESS_READ, _ACCESS_READ_WRITE, _LOCATION_DEVICE, _LOCATION_HOST, _POOL_CHUNK, _POOL_RELEASE_THRESHOLD,
@@ -18,6 +21,65 @@ from .pools import (
     _default_pool, _ints, _pool_value,
 )
 from .graph_memory import _capture_free, _capture_malloc, _graph_free_async
+
+
+def _touches(fn, a) -> bool:
+    """Whether the queued operation ``fn`` touches allocation ``a``: a copy or memset naming it
+    (``allocs``), or a kernel passed a pointer into it (``ptrs``, interior pointers included)."""
+    allocs = getattr(fn, "allocs", None)
+    if allocs and any(x is a for x in allocs):
+        return True
+    ptrs = getattr(fn, "ptrs", None)
+    if ptrs is None and fn.__class__ is functools.partial:
+        ptrs = getattr(fn.func, "ptrs", None)       # a kernel launched with freed ranges to guard
+    return bool(ptrs) and any(p.__class__ is int and a.base <= p < a.end for p in ptrs)
+
+
+def _use_not_ordered_before(R, a, s) -> bool:
+    """(r68d) Whether work queued on another stream that touches ``a`` has not run yet and is not
+    ordered before work queued on ``s`` now, so that a free queued on ``s`` could be reached first.
+
+    CUDA Runtime API, cudaFreeAsync: "The allocation must not be accessed after stream execution
+    reaches the free"; Programming Guide, "Graph Memory Nodes": "It is illegal to access memory
+    after it has been freed - the free operation must be ordered after all operations accessing the
+    memory using graph dependencies, CUDA events and other stream ordering mechanisms"; the Stream
+    Ordered Memory Allocator section orders a free on another stream after the kernel there with an
+    event (cudaEventRecord on that stream, cudaStreamWaitEvent on the freeing one).  A free on a
+    stream not ordered after a pending use is a race the hardware cannot see (the use may touch
+    memory the pool reused, or fault).  Before r68d the simulator let the two race: the use faulted
+    only when the free happened to run first.  No code is documented for refusing it:
+    cudaErrorInvalidValue, nothing queued, as for a free not ordered after the allocation.
+    Copies, memsets and kernels are seen; a graph launch's nodes are not."""
+    last = {}
+    with R.engine.lock:
+        for dev in R.devices:
+            for q in list(dev.queues):
+                if q is s.q or q.done >= q.enqueued:
+                    continue
+                for seq, fn, _deps, _work in q.ops:
+                    if fn is not None and seq > q.done and _touches(fn, a):
+                        last[q] = seq
+    return any(not _ordered_after(R, s, (q, seq)) for q, seq in last.items())
+
+
+def _pool_call_in_capture(R) -> int:
+    """0, or cudaErrorStreamCaptureUnsupported (900) after invalidating the captures that prohibit a
+    potentially unsafe call by this thread now (common._unsafe_call: the thread's own non-relaxed
+    capture, or another thread's global capture unless this thread is relaxed).
+
+    (r68d) The pool calls cudaMemPoolGetAttribute / cudaMemPoolSetAttribute, cudaMemPoolTrimTo and
+    cudaMemPoolSetAccess / cudaMemPoolGetAccess.  The Runtime API pages are silent on capture; the
+    attribute calls are "potentially unsafe" on the hardware: NVIDIA/cccl PR 11360 ("Make resolving
+    a default memory pool legal under stream capture", NVIDIA's libcu++): "cuMemPoolGetAttribute /
+    cuMemPoolSetAttribute are 'potentially unsafe' driver calls: while the calling thread is inside a
+    global or thread-local stream capture they fail with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and
+    invalidate the capture" ("operation not permitted when stream is capturing(900)"), while
+    cudaDeviceGetDefaultMemPool "is a pure query and is legal under capture" (not checked here).
+    Trimming (memory back to the OS, as cudaFree) and access changes (mappings, as cuMemSetAccess,
+    which the simulator refuses too): docs silent, refused alike; HIP refuses all five during a
+    non-relaxed capture (ROCm/rocm-systems PR 7845/10166, CHECK_STREAM_CAPTURE_SUPPORTED).  Before
+    r68d all five were accepted in any capture."""
+    return _unsafe_call(R) if R.captures else 0
 
 
 def cudaDeviceGetDefaultMemPool(R, memPool, device):
@@ -97,7 +159,11 @@ def cudaFreeAsync(R, devPtr, hStream):
         return cudaErrorInvalidResourceHandle
     a = None if _is_null(devPtr) else _lookup(R.mem.by_key, devPtr)
     if a.__class__ is _GraphAllocation:
-        return _capture_free(R, a, s) if s.capture is not None else _graph_free_async(R, a, s)
+        if s.capture is not None:
+            return _capture_free(R, a, s)
+        if _use_not_ordered_before(R, a, s):
+            return cudaErrorInvalidValue    # r68d: a pending use on another stream could come after it
+        return _graph_free_async(R, a, s)
     if a is None or a.base not in R.async_allocs or (R.making and _unmade(R, a, s)):
         # (cudaMallocAsync: "The allocation must not be accessed until the allocation operation
         # completes": freeing it on a stream not ordered after the allocation is refused too)
@@ -105,6 +171,10 @@ def cudaFreeAsync(R, devPtr, hStream):
     if s.capture is not None:
         # cudaFreeAsync: "During stream capture, this function results in the creation of a free
         # node and must therefore be passed the address of a graph allocation."
+        return cudaErrorInvalidValue
+    if _use_not_ordered_before(R, a, s):
+        # r68d: "The allocation must not be accessed after stream execution reaches the free":
+        # a pending use on another stream the free is not ordered after (no event wait) races it
         return cudaErrorInvalidValue
     pool, n = R.async_allocs.pop(a.base)
     # cudaFreeAsync: "After this API returns, accessing the memory from any subsequent work launched
@@ -132,6 +202,9 @@ def cudaMemPoolSetAttribute(R, memPool, attr, value):
         return cudaErrorInvalidResourceHandle
     if _is_null(value):
         return cudaErrorInvalidValue
+    rc = _pool_call_in_capture(R)     # r68d: potentially unsafe in a capture (NVIDIA/cccl PR 11360)
+    if rc:
+        return rc
     if attr in pool.reuse:
         pool.reuse[attr] = 1 if _pool_value(value, "int *") else 0
     elif attr == _POOL_RELEASE_THRESHOLD:
@@ -155,6 +228,9 @@ def cudaMemPoolGetAttribute(R, memPool, attr, value):
         return cudaErrorInvalidResourceHandle
     if _is_null(value):
         return cudaErrorInvalidValue
+    rc = _pool_call_in_capture(R)     # r68d: potentially unsafe in a capture (NVIDIA/cccl PR 11360)
+    if rc:
+        return rc
     if attr in pool.reuse:
         _put(value, pool.reuse[attr], "int *")
         return cudaSuccess
@@ -176,6 +252,9 @@ def cudaMemPoolTrimTo(R, memPool, minBytesToKeep):
         return cudaErrorInvalidResourceHandle
     if minBytesToKeep < 0:
         return cudaErrorInvalidValue
+    rc = _pool_call_in_capture(R)     # r68d: potentially unsafe in a capture (docs silent: refused)
+    if rc:
+        return rc
     # minBytesToKeep (Runtime API, cudaMemPoolTrimTo): "If the pool has less than minBytesToKeep
     # reserved, the TrimTo operation is a no-op.  Otherwise the pool will be guaranteed to have at
     # least minBytesToKeep bytes reserved after the operation."  The pool holds whole pages, so
@@ -206,6 +285,9 @@ def cudaMemPoolSetAccess(R, memPool, descList, count):
         return cudaErrorInvalidResourceHandle
     if count < 0 or (count and _is_null(descList)):
         return cudaErrorInvalidValue
+    rc = _pool_call_in_capture(R)     # r68d: potentially unsafe in a capture (docs silent: refused)
+    if rc:
+        return rc
     fields = _ints(descList, 3 * count) if count else []
     changes = {}
     for i in range(count):
@@ -243,5 +325,8 @@ def cudaMemPoolGetAccess(R, flags, memPool, location):
     kind, device = _ints(location, 2)
     if kind != _LOCATION_DEVICE or not (0 <= device < len(R.devices)):
         return cudaErrorInvalidValue
+    rc = _pool_call_in_capture(R)     # r68d: potentially unsafe in a capture (docs silent: refused)
+    if rc:
+        return rc
     _put(flags, _ACCESS_READ_WRITE if device == pool.device else pool.access.get(device, _ACCESS_NONE))
     return cudaSuccess
