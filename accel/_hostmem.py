@@ -11,6 +11,11 @@ import operator
 import sys
 import weakref
 
+# Imported here, not in the destructors: a pinned array kept in __main__'s globals dies at
+# interpreter exit after sys.modules["accel"] was cleared when multiprocessing (torch imports
+# it) aliased __main__ as __mp_main__ after accel, and an import there fails (r68c).
+from . import _finalize
+
 _ffi = None
 
 
@@ -43,7 +48,6 @@ class _Token:
 
 def _pinned_destructor(be, host, ptr: int, pid: int, token, _cdata) -> None:
     """The destructor of a pinned array's owning cdata (``token``: kept alive until it runs)."""
-    from . import _finalize
     try:
         _finalize.finalize(_free_pinned, be, host, ptr, pid)
     except KeyboardInterrupt:
@@ -55,7 +59,6 @@ def _free_pinned(backend, host, ptr: int, pid: int, wait: bool = False) -> None:
     reset since; nothing in a forked child (the block and its events are the parent's runtime's).
     A finalizer never waits for the lock (this thread may hold it: see
     DeviceCachingAllocator.free_nowait): a busy one defers the free to the next safe point."""
-    from . import _finalize
     if pid != _finalize.pid:
         return
     if wait:
@@ -71,7 +74,7 @@ def empty_pinned(shape, dtype="uint8"):
     ``torch.empty(..., pin_memory=True)``.  The memory returns to the cache when the array
     and every view of it are gone.  Initializes the runtime."""
     import numpy as np
-    from . import _finalize, memory
+    from . import memory
     try:
         dtype = np.dtype(dtype)
     except TypeError as exc:
