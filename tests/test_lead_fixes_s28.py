@@ -40,3 +40,28 @@ def test_pinned_out_of_memory_names_the_bytes_asked_for(monkeypatch, kind):
     with pytest.raises(accel.OutOfMemoryError, match=str(size)):
         accel.memory.host_allocator().malloc(size)
     assert accel.memory.host_memory_stats()["allocations.current"] == 0
+
+
+# roundup_power2_divisions tables from torch 2.13's own parser (libc10:
+# c10::CachingAllocator::setAllocatorSettings, then
+# AcceleratorAllocatorConfig::roundup_power2_divisions(), a 10-line C++ program against the wheel's
+# headers).  accel filled every interval up to each key: 1024 MiB between 512 and 2048 took 8 (r68b).
+TORCH_DIVISIONS = {
+    "[128:8,256:16,512:1,2048:8,>:2]": (8, 8, 8, 8, 8, 8, 8, 8, 16, 1, 0, 8, 2, 2, 2, 2),
+    "[256:4]": (4,) * 9 + (0,) * 7,
+    "[1:2,4:8]": (2, 0, 8) + (0,) * 13,
+    "[>:2]": (0,) + (2,) * 15,
+    "[>:2,256:4]": (4,) * 9 + (2,) * 7,
+    "[256:4,128:2]": (4,) * 7 + (2, 4) + (0,) * 7,
+    "[256:4,256:8]": (4,) * 8 + (8,) + (0,) * 7,
+    "[65536:4]": (4,) * 16,
+    "[32768:4,>:8]": (4,) * 16,
+    "[1:1]": (1,) + (0,) * 15,
+    "[2:1,>:4]": (1, 1) + (4,) * 14,
+    "[128:8,>:2,512:1]": (8,) * 8 + (2, 1) + (2,) * 6,
+}
+
+
+@pytest.mark.parametrize("text", sorted(TORCH_DIVISIONS))
+def test_division_lists_fill_intervals_as_torch(text):
+    assert _config.parse(f"roundup_power2_divisions:{text}").roundup_power2_divisions == TORCH_DIVISIONS[text]

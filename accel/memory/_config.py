@@ -208,8 +208,11 @@ def _parse_divisions(key, value, source):
         return (check(value),) * _POW2_INTERVALS
     if not value.endswith("]"):
         raise _fail(key, value, "a list must look like [256:1,512:2,>:4]", source)
+    # torch's parseRoundUpPower2Divisions (c10/core/AllocatorConfig.cpp, checked against
+    # libc10 2.13): the first size key also fills every interval below its own, each later key
+    # sets only its own, ">" fills the intervals above the last key seen; the rest stay 0.
     table = [0] * _POW2_INTERVALS
-    last = 0
+    last, first = 0, True
     for item in filter(None, value[1:-1].split(",")):
         size_text, sep, div_text = item.partition(":")
         if not sep:
@@ -217,9 +220,8 @@ def _parse_divisions(key, value, source):
         div = check(div_text.strip())
         size_text = size_text.strip()
         if size_text == ">":
-            for i in range(last, _POW2_INTERVALS):
+            for i in range(last + 1, _POW2_INTERVALS):
                 table[i] = div
-            last = _POW2_INTERVALS
             continue
         mb = _parse_int(key, size_text, source)
         if mb > UNLIMITED:
@@ -227,9 +229,11 @@ def _parse_divisions(key, value, source):
         if mb <= 0 or mb & (mb - 1):
             raise _fail(key, value, f"list key {size_text!r} must be a power-of-two MiB count", source)
         index = min(mb.bit_length() - 1, _POW2_INTERVALS - 1)
-        for i in range(last, index + 1):
-            table[i] = div
-        last = index + 1
+        if first:
+            table[:index] = [div] * index
+            first = False
+        table[index] = div
+        last = index
     return tuple(table)
 
 
