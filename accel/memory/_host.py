@@ -595,8 +595,10 @@ class HostCachingAllocator:
         with self._lock:
             out = {key: dict(zip(("current", "peak", "allocated", "freed"), tally))
                    for key, tally in self._tally.items()}
-            out["num_host_alloc"] = self._stats["num_host_alloc"]
-            out["num_host_free"] = self._stats["num_host_free"]
+            # derived from the blocks' counters as torch's getStats does, so that
+            # reset_accumulated_stats zeroes them too (r68b)
+            out["num_host_alloc"] = out["allocations"]["allocated"]
+            out["num_host_free"] = out["allocations"]["freed"]
             for key, (total, most, least, count) in self._timing.items():
                 out[key] = {"total": total, "max": most, "min": least, "count": count,
                             "avg": total // count if count else 0}
