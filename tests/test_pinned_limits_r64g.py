@@ -3,7 +3,7 @@ and ``pinned_max_cached_size_mb`` (c10/core/AllocatorConfig.h, ATen/core/Caching
 
 torch's rules, which accel.memory._host follows:
 - a request at most both limits is rounded up to a power of two (``PowerOf2Ceil``); one above
-  either is not (accel: rounded to 512 bytes only), and its block is cached in the free list of
+  either is not rounded at all (accel rounded it to 512 bytes until r68b), and its block is cached in the free list of
   its size's power of two (``size_index`` = ``Log2_64_Ceil``);
 - a block of that list is handed only to a request it is at least as large as (torch 2.13 hands
   any block of the list: a 150 MiB block to a 200 MiB request; torch later fixed it);
@@ -65,7 +65,6 @@ def _check(host) -> None:
             assert b.bucket == bucket and bucket // 2 < b.size <= bucket and not b.allocated
     waiting = {id(b) for _, _, b in host._events} | {id(b) for b in host._deferred} | {id(b) for b in host._parked}
     for ptr, b in blocks.items():
-        assert b.size % 512 == 0
         if not b.allocated:
             assert (ptr in free) != (id(b) in waiting), f"pinned block {ptr:#x} is cached exactly once"
         else:
@@ -125,7 +124,7 @@ def test_bad_values_are_refused_and_change_nothing(host, text):
     with pytest.raises(AllocatorConfigError):
         memory.set_allocator_settings(text)
     ptr = host.malloc(MiB + 1)                 # the limit in effect still applies
-    assert _owned() == MiB + 512
+    assert _owned() == MiB + 1
     host.free(ptr)
     assert _owned() == 0
 
@@ -152,13 +151,14 @@ def test_round_threshold_above_cache_limit_warns_once_with_torchs_text(host):
 
 # ----------------------------------------------------------------------------- rounding
 @pytest.mark.parametrize("kind", ["cuda", "xpu", "mps"])
-def test_requests_above_the_round_threshold_round_to_512_bytes(monkeypatch, kind):
+def test_requests_above_the_round_threshold_are_not_rounded(monkeypatch, kind):
     use_sim(monkeypatch, kind)
     _lazy.lazy_init()
     host = memory.host_allocator()
     _set("pinned_max_round_threshold_mb:1")
-    expect = {1: 512, MiB - 1: MiB, MiB: MiB, MiB + 1: MiB + 512, 3 * MiB - 100: 3 * MiB,
-              3 * MiB + 513: 3 * MiB + 1024}
+    # at most the threshold: PowerOf2Ceil, no minimum (1 byte: a 1-byte block); above: as asked
+    expect = {1: 1, 100: 128, MiB - 1: MiB, MiB: MiB, MiB + 1: MiB + 1, 3 * MiB - 100: 3 * MiB - 100,
+              3 * MiB + 513: 3 * MiB + 513}
     ptrs = []
     for nbytes, size in expect.items():
         before = _owned()
@@ -176,10 +176,10 @@ def test_requests_above_the_round_threshold_round_to_512_bytes(monkeypatch, kind
 def test_requests_above_the_cache_limit_are_not_rounded_either(host):
     _set("pinned_max_cached_size_mb:1")
     ptr = host.malloc(MiB + 1)
-    assert _owned() == MiB + 512
+    assert _owned() == MiB + 1
     keep = host.malloc(MiB)                             # at the limit: rounded (a power of two already)
     small = host.malloc(MiB // 2 + 1)
-    assert _owned() == MiB + 512 + MiB + MiB
+    assert _owned() == MiB + 1 + MiB + MiB
     for p in (ptr, keep, small):
         host.free(p)
     assert _owned() == 2 * MiB                          # the two at or below the limit stay cached
@@ -188,7 +188,7 @@ def test_requests_above_the_cache_limit_are_not_rounded_either(host):
 def test_zero_limits_round_nothing_and_cache_nothing(host):
     _set("pinned_max_round_threshold_mb:0,pinned_max_cached_size_mb:0")
     ptrs = [host.malloc(n) for n in (1, 100, 513, 4096)]
-    assert _owned() == 512 + 512 + 1024 + 4096
+    assert _owned() == 1 + 100 + 513 + 4096
     for p in ptrs:
         host.free(p)
     st = _stats()
@@ -287,11 +287,11 @@ def test_empty_host_cache_also_releases_a_completed_one(slow):
 def test_empty_pinned_arrays_follow_the_limits(host):
     _set("pinned_max_round_threshold_mb:1,pinned_max_cached_size_mb:4")
     a = accel.empty_pinned(3 * MiB + 1)
-    assert _owned() == 3 * MiB + 512
+    assert _owned() == 3 * MiB + 1
     b = accel.empty_pinned(5 * MiB)
     del a, b
     gc.collect()
-    assert _owned() == 3 * MiB + 512             # a cached, b back to the driver
+    assert _owned() == 3 * MiB + 1             # a cached, b back to the driver
     assert _stats()["num_host_free"] == 1
 
 
@@ -345,20 +345,20 @@ def test_a_run_time_change_applies_to_later_calls(host):
     first = host.malloc(MiB + 1)                          # no limit: 2 MiB
     _set("pinned_max_round_threshold_mb:1")
     second = host.malloc(MiB + 1)
-    assert _owned() == 2 * MiB + MiB + 512
+    assert _owned() == 2 * MiB + MiB + 1
     _set("")                                              # not named: kept, as torch
     third = host.malloc(MiB + 1)
-    assert _owned() == 2 * MiB + 2 * (MiB + 512)
+    assert _owned() == 2 * MiB + 2 * (MiB + 1)
     _set("pinned_max_round_threshold_mb:-1")
     _set("pinned_max_cached_size_mb:1")
     host.free(first)                                      # freed under the new limit: unpinned
-    assert _owned() == 2 * (MiB + 512)
+    assert _owned() == 2 * (MiB + 1)
     _set("pinned_max_cached_size_mb:2")
     host.free(second)
     host.free(third)
-    assert _owned() == 2 * (MiB + 512)                    # both cached now
+    assert _owned() == 2 * (MiB + 1)                    # both cached now
     _set("pinned_max_cached_size_mb:1")                   # a lower limit unpins nothing cached
-    assert _owned() == 2 * (MiB + 512)
+    assert _owned() == 2 * (MiB + 1)
     memory.empty_host_cache()
     assert _owned() == 0
     assert memory.get_allocator_settings() == "pinned_max_cached_size_mb:1"
@@ -369,7 +369,7 @@ def test_host_memory_stats_keys_and_counters(host):
     _set("pinned_max_round_threshold_mb:1,pinned_max_cached_size_mb:2")
     memory.reset_accumulated_host_memory_stats()
     memory.reset_peak_host_memory_stats()
-    kept = host.malloc(MiB + 1)                           # MiB + 512, cached at free
+    kept = host.malloc(MiB + 1)                           # MiB + 1, cached at free
     gone = host.malloc(3 * MiB)                           # 3 MiB, unpinned at free
     host.free(kept)
     host.free(gone)
@@ -378,12 +378,12 @@ def test_host_memory_stats_keys_and_counters(host):
     assert (st["allocations.current"], st["allocations.peak"], st["allocations.allocated"],
             st["allocations.freed"]) == (1, 2, 2, 1)
     assert (st["allocated_bytes.current"], st["allocated_bytes.peak"], st["allocated_bytes.allocated"],
-            st["allocated_bytes.freed"]) == (MiB + 512, 4 * MiB + 512, 4 * MiB + 512, 3 * MiB)
+            st["allocated_bytes.freed"]) == (MiB + 1, 4 * MiB + 1, 4 * MiB + 1, 3 * MiB)
     assert (st["active_requests.current"], st["active_bytes.current"], st["active_bytes.freed"]) == (
-        0, 0, 4 * MiB + 512)
+        0, 0, 4 * MiB + 1)
     assert st["num_host_free"] == 1 and st["host_free_time.count"] == 1
     assert st["num_host_alloc"] == 2 and st["host_alloc_time.count"] == 2
-    assert host.stats()["reserved_bytes"] == MiB + 512 and host.stats()["pending"] == 0
+    assert host.stats()["reserved_bytes"] == MiB + 1 and host.stats()["pending"] == 0
 
 
 def test_refusals_are_unchanged_under_limits(host):

@@ -6,8 +6,8 @@ shared MTLBuffer) in power-of-two sizes and are cached by size after
 
 torch 2.13's two limits (``pinned_max_round_threshold_mb``, ``pinned_max_cached_size_mb``,
 read from the allocator options in effect at each call, :mod:`accel.memory._config`): a
-request above either is not rounded up to a power of two, only to a multiple of 512 bytes;
-such a block is cached in the list of its size's power of two (torch's ``size_index``,
+request above either is not rounded at all (a request at most both is rounded up to a power of
+two, ``PowerOf2Ceil``, with no minimum: 100 bytes take a 128-byte block); such a block is cached in the list of its size's power of two (torch's ``size_index``,
 ``Log2_64_Ceil``) and handed only to a request it is at least as large as.  A block above the
 cache limit is not cached: once free and its streams' work done, it goes back to the driver
 (at once, or as soon as no capture is underway: the next malloc, free or empty_cache).
@@ -41,8 +41,6 @@ from ._caching import (check_stream_live, _gc_probe, _ONE_EXA_BYTES, _check_size
                        cover, drop_done_gates, gates_back, record_uses, stream_done,
                        unless_capturing, uses_forgotten)
 
-#: the smallest block, and the granularity of a request that is not rounded to a power of two
-_MIN_SIZE = 512
 #: torch 2.13's host_memory_stats counters (torch/cuda/memory.py): blocks owned (active +
 #: cached), their bytes, blocks handed out, their bytes; each current/peak/allocated/freed
 _TORCH_STATS = ("allocations", "allocated_bytes", "active_requests", "active_bytes")
@@ -51,7 +49,7 @@ _TORCH_STATS = ("allocations", "allocated_bytes", "active_requests", "active_byt
 def _bucket(size: int) -> int:
     """The free list of a block of ``size`` bytes: the power of two at or above it (torch's
     ``size_index``); a power-of-two block's is its own size."""
-    return max(_MIN_SIZE, 1 << (size - 1).bit_length())
+    return 1 << (size - 1).bit_length()
 
 
 class _HostBlock:
@@ -164,9 +162,9 @@ class HostCachingAllocator:
                                    f"host memory ({nbytes} bytes requested).")
         max_round, max_cached = self._limits()
         if nbytes <= max_round and nbytes <= max_cached:
-            size = max(_MIN_SIZE, 1 << (nbytes - 1).bit_length())
-        else:                      # torch: not rounded (here to 512 bytes), in its power of two's list
-            size = -(-nbytes // _MIN_SIZE) * _MIN_SIZE
+            size = 1 << (nbytes - 1).bit_length()
+        else:                      # torch: not rounded, cached in its power of two's list
+            size = nbytes
         be = self._backend()
         if _finalizers:            # releases finalizers left for a safe point (accel._finalize)
             _drain_finalizers()
