@@ -159,7 +159,8 @@ class device_index:
             backend = _lazy.lazy_init()
             check_range(self.idx)
             self.prev_idx = previous = backend.get_device()
-            if previous != self.idx:
+            # torch's exchangeDevice: a device only recorded current (below) is made current now
+            if previous != self.idx or backend.device_deferred():
                 backend.set_device(self.idx)
             self._saved.append((threading.get_ident(), previous))
 
@@ -169,9 +170,10 @@ class device_index:
             if self._saved[i][0] == me:
                 previous = self._saved.pop(i)[1]
                 backend = _lazy.lazy_init()
-                # torch's maybeExchangeDevice(prev_idx): back to the saved device whatever the body did
+                # torch's maybeExchangeDevice(prev_idx): back to the saved device whatever the body
+                # did; on CUDA one without a primary context is only recorded (restore_device)
                 if backend.get_device() != previous:
-                    backend.set_device(previous)
+                    backend.restore_device(previous)
                 return
 
 
