@@ -557,9 +557,9 @@ class Graph:
         # In order, each handle dropped once released.  A failure stops here and leaves the
         # rest held, so reset() may be called again: the executable's launches use the private
         # pool's memory and the generator's offsets, which must not go while it may still exist.
-        # (Each is taken from the holder just before its release: see _Held.)
-        if h.discarded is not None:
-            _destroy_held(h, "discarded", h.backend.graph_destroy)
+        # (Each is taken from the holder just before its release: see _Held.)  A graph left by
+        # a capture discarded at capture_begin is not this graph's: its destroy is tried last, so
+        # a failing one does not keep the executable, the pool and the offsets (r68a).
         if h.exec is not None:
             self._destroy_exec()
         if h.graph is not None:
@@ -584,6 +584,8 @@ class Graph:
             from . import random
             rng, h.rng = h.rng, None
             random._graph_release(rng)
+        if h.discarded is not None:
+            _destroy_held(h, "discarded", h.backend.graph_destroy)
 
     def pool(self) -> Tuple[int, int]:
         """The id of this graph's memory pool, to share it: ``Graph(pool=g.pool())``."""
@@ -895,7 +897,16 @@ def _release_held(backend, h: _Held) -> None:
     that finds it gone does nothing; one that fails puts it back, for a retry)."""
     from . import memory, random
     try:
+        _release_own(backend, h, memory, random)
+    finally:
+        # the graph of a capture discarded at capture_begin: a failing destroy of it keeps
+        # nothing else (r68a: the executable leaked beside it)
         _destroy_held(h, "discarded", backend.graph_destroy)
+
+
+def _release_own(backend, h: _Held, memory, random) -> None:
+    """_release_held's steps for what the graph's own capture left, each attempted."""
+    try:
         _destroy_held(h, "exec", backend.graph_exec_destroy)
     finally:
         try:
