@@ -280,7 +280,9 @@ class Graph:
                 f"{backend.name.upper()} graphs must be captured on a non-default stream. (However, after "
                 "capture, it's ok to replay them on the default stream.) Use `with accel.Stream(), graph:` "
                 "or `with accel.graph(graph):`.")
-        pool = _check_pool(self.graph_pool) if self.graph_pool is not None else _new_private_pool()
+        pool = _check_pool(self.graph_pool) if self.graph_pool is not None else (0, 0)
+        if pool == (0, 0):      # torch's MempoolId_t {0, 0}: no pool given, so a private one (r68a)
+            pool = _new_private_pool()
         from . import memory
         _check_device_free(stream.device_index)
         allocator = memory.device_allocator(stream.device_index)
