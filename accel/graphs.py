@@ -435,8 +435,8 @@ class Graph:
         for kept in h.events:
             if kept._closed:
                 raise _closed_kept(kept)
-        backend = h.backend
-        stream = current_stream(h.index)
+        backend, index = h.backend, h.index
+        stream = current_stream(index)
         # The stream is held to the replay's end: another thread's close() of it waits (its handle
         # is not destroyed, and so not given to the next stream made, while the replay queues on
         # it), and the RNG prologue's write goes to the same stream as the launch.  So are the
@@ -446,10 +446,14 @@ class Graph:
         try:
             # kept.of(h): the graph's kept objects read once the launch lock is held (a reset and a
             # new capture by another thread meanwhile change them: r67f)
-            with self._launch_lock, hold, kept.of(h), on_device(backend, h.index):
+            with self._launch_lock, hold, kept.of(h), on_device(backend, index):
                 if h.exec is None:
                     raise RuntimeError("replay(): the graph was reset (by another thread) as the replay began; "
                                        "capture it again")
+                if h.index != index:    # (the stream above is device `index`'s: r68a)
+                    raise RuntimeError(f"replay(): the graph was reset and captured again on device {h.index} "
+                                       f"(by another thread) as the replay began on device {index}; replay it "
+                                       f"again")
                 handle = stream._handle
                 if backend.captures_underway() and backend.stream_is_capturing(handle):
                     # CUDA refuses a graph launched into a stream being captured and invalidates the

@@ -170,10 +170,7 @@ def test_pool_0_0_gives_each_graph_a_private_pool_as_torch(monkeypatch, kind):
 
 
 # -- Graph.replay: the stream is read before the launch lock ----------------------------------
-@pytest.mark.xfail(strict=True, reason="r68a: Graph.replay reads current_stream(h.index) before it takes the "
-                                       "launch lock (accel/graphs.py replay, as r67f's kept objects): a reset and "
-                                       "recapture on another device meanwhile launch the new graph onto the old "
-                                       "device's stream, and the backend refuses it")
+# (r68a: a strict xfail first: cudaGraphLaunch 400 / the backend's ValueError)
 @pytest.mark.parametrize("kind", ["cuda", "xpu"])
 def test_a_replay_after_another_thread_recaptured_on_another_device(monkeypatch, kind):
     """A replay waits for the launch lock while another thread resets the graph and captures it
