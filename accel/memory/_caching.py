@@ -26,8 +26,8 @@ baseline and selectable with ``ACCEL_ALLOC_CONF=policy:torch``.  The default
   keeps up to 1 MiB of slack inside the block);
 * release-before-grow: a new segment that would lift reserved memory above
   its high-water mark is paid for by first returning unused cached segments
-  (smallest first) to the device, so a fragmented cache cannot make the
-  footprint creep upwards;
+  to the device (the smallest that covers the excess alone, else smallest
+  first), so a fragmented cache cannot make the footprint creep upwards;
 * a small request that would still lift reserved memory past that mark with a
   new 2 MiB small segment takes the high end of a free large-pool block instead
   (``_small_in_large``); below the mark the pools stay apart, as in torch.
@@ -502,6 +502,11 @@ class _PrivatePool:
     def released(self) -> bool:
         """Released, and its whole free segments may join the general cache (P1)."""
         return self.use_count == 0 and not self.kept
+
+
+#: _grow_instead (accel's rules): a whole free classic segment larger than this (torch's kLargeBuffer)
+#: is carved for a smaller request only when up to four such requests fill all but 15 % of it.
+KEEP_WHOLE_OVER = 20 << 20
 
 
 def _segment_size_key(block: "_Block") -> int:
@@ -1962,10 +1967,11 @@ class DeviceCachingAllocator(ExpandableSegments):
         """Best fit found ``block``, a whole free classic segment at least twice the large request
         ``size``, and no split segment has room (_split_instead): under accel's rules, in the
         general cache, True when the segment is over four times the request's own new segment
-        (``size`` rounded up to 2 MiB), for malloc to take the miss path instead: a new segment of
-        the request's own size, release-before-grow returning cached whole segments (this one
-        among them, smallest first) only if reserved memory would pass its high-water mark, and
-        the out-of-memory retry freeing it if the device or the cap is full.
+        (``size`` rounded up to 2 MiB), or over KEEP_WHOLE_OVER and ill-fitting (below), for malloc
+        to take the miss path instead: a new segment of the request's own size, release-before-grow
+        returning cached whole segments (this one among them: _release_for) only if reserved memory
+        would pass its high-water mark, and the out-of-memory retry freeing it if the device or
+        the cap is full.
 
         Why: carving a small request out of a large free segment pins all of it while the request
         lives, and the next request of that segment's size then needs a new segment (a wide & deep
@@ -1981,13 +1987,35 @@ class DeviceCachingAllocator(ExpandableSegments):
         free segment larger than the own one (r47's rule) 1.148 / 96 / 8 (tcn 1.175 -> 1.283,
         gpt_small 1.051 -> 1.099) with 4,578 segment frees; over 1.5x 1.160 / 102 / 7; 2x 1.165 /
         101 / 8; 3x 1.177 / 120 / 6; 5x 1.177 / 124 / 5.  Only when the new segment needs no
-        release (reserved + own within the high-water mark): 1.182 / 125 / 5, 1,051 frees."""
+        release (reserved + own within the high-water mark): 1.182 / 125 / 5, 1,051 frees.
+
+        Also (r68e) when the segment is over KEEP_WHOLE_OVER (20 MiB) and over the request's own
+        segment, and up to four requests of this size would leave more than 15 % of it unused: a
+        segment made for a large tensor is then not pinned by a 2-8 MiB block beside which no
+        request of its own size fits (it stays whole for the next one, or release-before-grow
+        returns it), while a segment the request divides well (16 MiB blocks in 32 MiB) is still
+        carved: without that test a CNN's 16 MiB blocks passed over its 32 MiB segments and each
+        training step freed and remade them (cnn_train: 15 -> 90 segment frees over three passes).
+        Measured with tools/replay_trace.py --corpus --holdout --policy none --variant
+        c=expandable_segments:False, peak reserved / peak live, together with _release_for's rule:
+        --perturb 5 (294 replays) mean 1.1735 -> 1.1668, median 1.1466 -> 1.1401, over 1.15
+        142 -> 131, worst 1.554 both; perturbation seeds 6-15 (539 replays) mean 1.1738 -> 1.1679,
+        over 1.15 278 -> 265, worst 1.524 both; --passes 3 mean 1.1873 -> 1.1812; segment frees
+        7,977 -> 7,919 (--perturb 5) and 2,983 -> 3,007 (--passes 3); minimum capacity lower on 5
+        traces (bert_infer_dynamic_padding 1.309 -> 1.124, perceiver_io 1.266 -> 1.190, wide_deep
+        1.100 -> 1.014), higher on 3 (mobilenet_eval 1.088 -> 1.107, swin_like 1.101 -> 1.118,
+        two_tower 1.021 -> 1.036).  Without the 15 % test: mean 1.1633, over 1.15 128, --passes 3
+        mean 1.166, but 3,455 segment frees over three passes (cnn_train's 90 among them)."""
         if block.seg is not None or self._torch_policy or self._max_split != _config.UNLIMITED or fl.owner is not None:
             return False
         # During a capture the miss path frees nothing (no cudaFree), so the new segment could
         # fail where the cached one fits: best fit then (_malloc_miss_gated's `cached` covers a
         # capture that begins after this test)
-        return block.size > 4 * ((size + ROUND_LARGE - 1) // ROUND_LARGE * ROUND_LARGE) and not capture_underway(self._be)
+        own = (size + ROUND_LARGE - 1) // ROUND_LARGE * ROUND_LARGE
+        n = block.size
+        if n <= 4 * own and (n <= KEEP_WHOLE_OVER or n <= own or (n - min(n // size, 4) * size) * 20 <= n * 3):
+            return False
+        return not capture_underway(self._be)
 
     def _passed_over(self, fl: _FreeList, size: int, need: Optional[int]) -> Optional[_Block]:
         """Where the miss cannot grow by ``need`` bytes (past the cap; None: at all, a capture
@@ -2197,15 +2225,34 @@ class DeviceCachingAllocator(ExpandableSegments):
         excess = reserved + seg_size - self._reserved_hw
         if excess <= 0:
             return
-        # Smallest first: big segments can still serve most requests by splitting.
-        # (Measured on the shared traces: 1.051 vs 1.083 for largest-first on gpt_small.)
-        self._release_until(excess, largest_first=False)
+        self._release_for(excess)
 
-    def _release_until(self, nbytes: int, largest_first: bool) -> None:
+    def _release_for(self, nbytes: int) -> None:
+        """Release-before-grow's victims: the smallest whole free segment of ``nbytes`` or more
+        alone, else whole free segments smallest first until ``nbytes`` went back (or none is left).
+
+        Smallest first: big segments can still serve most requests by splitting (measured on the
+        shared traces: 1.051 vs 1.083 for largest-first on gpt_small).  One segment that covers the
+        excess alone, where there is one, rather than several smaller ones: one device free (each
+        a device synchronize) instead of several, and the small segments, which more requests fit,
+        stay.  Measured alone (r68e, the population of _grow_instead): peak reserved / peak live
+        the same (--perturb 5 mean 1.1738 vs 1.1735), segment frees over three passes 2,983 ->
+        2,883; with _grow_instead's KEEP_WHOLE_OVER rule see there.  (Tried: largest first, mean
+        1.1705 but a recorded worst of 1.424; the subset of least overshoot, 1.1733.)"""
+        whole = self._whole_free_segments()       # by size, smallest first
+        for block in whole:
+            if block.size >= nbytes:
+                self._release_blocks([block])
+                return
+        self._release_until(nbytes, largest_first=False, whole=whole)
+
+    def _release_until(self, nbytes: int, largest_first: bool, whole: Optional[List[_Block]] = None) -> None:
         """Return whole free segments to the device until at least ``nbytes`` went back
-        (or none is left)."""
+        (or none is left); ``whole``: _whole_free_segments(), where the caller has it."""
         victims = []
-        for block in sorted(self._whole_free_segments(), key=_segment_size_key, reverse=largest_first):
+        if whole is None:
+            whole = self._whole_free_segments()
+        for block in sorted(whole, key=_segment_size_key, reverse=largest_first):
             if nbytes <= 0:
                 break
             victims.append(block)
