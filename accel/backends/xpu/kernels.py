@@ -44,7 +44,10 @@ class KernelsMixin:
         desc.format = lib.ZE_MODULE_FORMAT_IL_SPIRV
         desc.inputSize = len(data)
         desc.pInputModule = image
-        desc.pBuildFlags = ffi.new("char[]", b"")
+        # a struct field does not keep a cdata alive (cffi: "the owning cdata ... must be kept
+        # alive"): the flags are held here until zeModuleCreate returned (r68g)
+        flags = ffi.new("char[]", b"")
+        desc.pBuildFlags = flags
         mod = ffi.new("ze_module_handle_t *")
         log = ffi.new("ze_module_build_log_handle_t *")
         rc = lib.zeModuleCreate(dev.ctx, dev.handle, desc, mod, log)
