@@ -607,7 +607,8 @@ def memory_snapshot(mempool_id: Optional[Tuple[int, int]] = None, include_traces
     layout: address, total_size, allocated_size, segment_type, is_expandable, frames,
     blocks with state, requested_size and, while :func:`record_history` keeps stacks, the
     allocation's ``frames``).  With ``mempool_id`` (a :class:`MemPool`'s or graph's pool id)
-    only that pool's segments, as torch 2.13; ``include_traces`` is accepted as torch's."""
+    only that pool's segments, as torch 2.13 (``(0, 0)``, torch's id for none, gives every segment);
+    ``include_traces`` is accepted as torch's."""
     segments = _snapshot()["segments"]
     if mempool_id is None:
         return segments
@@ -616,6 +617,8 @@ def memory_snapshot(mempool_id: Optional[Tuple[int, int]] = None, include_traces
     except (TypeError, ValueError):
         raise TypeError(f"memory_snapshot(mempool_id=...) takes a pool id, a tuple of two ints such as "
                         f"MemPool().id, got {mempool_id!r}") from None
+    if wanted == (0, 0):        # torch passes (0, 0) for None: every segment (r68g)
+        return segments
     return [seg for seg in segments if tuple(seg["segment_pool_id"]) == wanted]
 
 
