@@ -128,12 +128,27 @@ def zeModuleCreate(hContext, hDevice, desc, phModule, phBuildLog):
         return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
     if desc.stype != C.ZE_STRUCTURE_TYPE_MODULE_DESC:
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    if desc.pNext:
+        # an extension structure (ze/memory.py, _no_extension: ze_module_program_exp_desc_t links
+        # several inputs): not simulated, refused
+        return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE
     log = ""
     if desc.format != C.ZE_MODULE_FORMAT_IL_SPIRV:
         # ZE_MODULE_FORMAT_NATIVE is a device binary of one driver; the simulator has none.
         rc, log = C.ZE_RESULT_ERROR_INVALID_NATIVE_BINARY, "accel.sim builds SPIR-V only (ZE_MODULE_FORMAT_IL_SPIRV)"
     elif desc.inputSize == 0 or desc.pInputModule == ffi.NULL:
         return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER if desc.pInputModule == ffi.NULL else C.ZE_RESULT_ERROR_INVALID_SIZE
+    elif desc.pConstants != ffi.NULL and desc.pConstants.numConstants == 0:
+        # ze_module_desc_t.pConstants: "This must be set to nullptr if no specialization constants
+        # are provided" (no code named: INVALID_ARGUMENT)
+        rc, log = C.ZE_RESULT_ERROR_INVALID_ARGUMENT, "error: pConstants with no constant (pass NULL instead)"
+    elif desc.pConstants != ffi.NULL:
+        # The SPIR-V SpecId decorations are not read, so overridden constants would be ignored
+        # and the reference kernel run as if they were not: not simulated, refused.
+        rc, log = (C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE,
+                   "error: accel.sim does not simulate SPIR-V specialization constants (pConstants)")
+    elif _bad_build_option(desc.pBuildFlags):
+        rc, log = C.ZE_RESULT_ERROR_MODULE_BUILD_FAILURE, f"error: {_bad_build_option(desc.pBuildFlags)}"
     else:
         data = bytes(ffi.buffer(ffi.cast("char *", desc.pInputModule), desc.inputSize))
         try:
@@ -153,6 +168,41 @@ def zeModuleCreate(hContext, hDevice, desc, phModule, phBuildLog):
     mod = rt._add(_KObj("module", names=frozenset(names), required=required, device=dev, ctx=ctx, kernels=0))
     phModule[0] = mod.key
     return 0
+
+
+#: PROG.rst, "Module Build Options" (and ze_module_desc_t.pBuildFlags: "Following options are
+#: supported"): the options a module build takes.  "-ze-opt-level" takes one of the levels listed
+#: there (0, 1, 2), as "-ze-opt-level=N" (the form Intel's SYCL runtime passes) or as the next word.
+_BUILD_OPTIONS = frozenset(("-ze-opt-disable", "-ze-opt-greater-than-4GB-buffer-required",
+                            "-ze-opt-large-register-file", "-ze-opt-has-buffer-offset-arg", "-g"))
+_OPT_LEVELS = ("0", "1", "2")
+
+
+def _bad_build_option(flags) -> str:
+    """Why ``pBuildFlags`` is refused, or "" (NULL or only documented options).  Any other option
+    is outside what the specification documents: a driver's compiler may take more (or reject
+    them), so the simulator refuses it, as MODULE_BUILD_FAILURE with the reason in the build log
+    (the simulator ignored the flags whatever they said)."""
+    if flags == ffi.NULL:
+        return ""
+    words = ffi.string(flags).decode("utf-8", "replace").split()
+    i = 0
+    while i < len(words):
+        w = words[i]
+        if w == "-ze-opt-level":
+            if i + 1 >= len(words) or words[i + 1] not in _OPT_LEVELS:
+                return "-ze-opt-level needs a level of 0, 1 or 2"
+            i += 2
+            continue
+        if w.startswith("-ze-opt-level="):
+            if w.partition("=")[2] not in _OPT_LEVELS:
+                return f"{w}: the levels are 0, 1 and 2"
+        elif w not in _BUILD_OPTIONS:
+            return (f"unknown build option {w!r} (Level Zero documents -ze-opt-disable, -ze-opt-level, "
+                    f"-ze-opt-greater-than-4GB-buffer-required, -ze-opt-large-register-file, "
+                    f"-ze-opt-has-buffer-offset-arg and -g)")
+        i += 1
+    return ""
 
 
 def zeModuleBuildLogGetString(hModuleBuildLog, pSize, pBuildLog):
@@ -213,6 +263,8 @@ def zeKernelCreate(hModule, desc, phKernel):
         return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
     if desc.stype != C.ZE_STRUCTURE_TYPE_KERNEL_DESC:
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    if desc.pNext:
+        return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE   # an extension structure (ze/memory.py, _no_extension)
     if desc.flags > 0x3:
         # ze_api.h, zeKernelCreate @returns: ZE_RESULT_ERROR_INVALID_ENUMERATION for
         # `0x3 < desc->flags` (ze_kernel_flag_t has FORCE_RESIDENCY 0x1, EXPLICIT_RESIDENCY 0x2)

@@ -17,7 +17,7 @@ from .virtual_memory import _reservation_ctx, _vmm_range
 
 # -- command lists and queues ---------------------------------------------------------------------
 
-def _queue_target(hContext, hDevice, stype, expected_stype: str, ordinal):
+def _queue_target(hContext, hDevice, stype, expected_stype: str, ordinal, pnext=None):
     """The checks every creator of a queue or command list makes: ``(rc, rt, dev)``,
     with ``rc`` the result code to return when it is not 0."""
     rt, rc = _ready()
@@ -31,6 +31,9 @@ def _queue_target(hContext, hDevice, stype, expected_stype: str, ordinal):
         return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE, rt, None
     if stype != getattr(C, expected_stype):
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION, rt, None
+    if pnext:
+        # an extension structure (memory.py, _no_extension): not simulated, refused
+        return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE, rt, None
     if ordinal >= len(_GROUPS):
         return C.ZE_RESULT_ERROR_INVALID_ARGUMENT, rt, None
     return 0, rt, dev
@@ -53,7 +56,7 @@ def _queue_desc_code(C, desc) -> int:
 
 def zeCommandListCreateImmediate(hContext, hDevice, altdesc, phCommandList):
     rc, rt, dev = _queue_target(hContext, hDevice, altdesc.stype, "ZE_STRUCTURE_TYPE_COMMAND_QUEUE_DESC",
-                                altdesc.ordinal)
+                                altdesc.ordinal, altdesc.pNext)
     if rc:
         return rc
     C = rt.C
@@ -71,7 +74,7 @@ def zeCommandListCreateImmediate(hContext, hDevice, altdesc, phCommandList):
 
 def zeCommandListCreate(hContext, hDevice, desc, phCommandList):
     rc, rt, dev = _queue_target(hContext, hDevice, desc.stype, "ZE_STRUCTURE_TYPE_COMMAND_LIST_DESC",
-                                desc.commandQueueGroupOrdinal)
+                                desc.commandQueueGroupOrdinal, desc.pNext)
     if rc:
         return rc
     C = rt.C
@@ -136,6 +139,9 @@ def zeCommandListReset(hCommandList):
         return rt.C.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE
     cl.ops.clear()
     cl.closed = False
+    # Its earlier executions are forgotten: the next execution runs new contents, not a
+    # re-execution (the event-reset rule in _executable).  Not busy, so nothing references it.
+    cl.executing = None
     return 0
 
 
@@ -496,7 +502,7 @@ def zeCommandListHostSynchronize(hCommandList, timeout):
 
 def zeCommandQueueCreate(hContext, hDevice, desc, phCommandQueue):
     rc, rt, dev = _queue_target(hContext, hDevice, desc.stype, "ZE_STRUCTURE_TYPE_COMMAND_QUEUE_DESC",
-                                desc.ordinal)
+                                desc.ordinal, desc.pNext)
     if rc:
         return rc
     C = rt.C
@@ -564,6 +570,7 @@ def _executable(rt, cq, numCommandLists, phCommandLists):
     """The lists to execute on ``cq``, or the code refusing them (caller holds ``rt.lock``)."""
     C = rt.C
     lists = []
+    pending = {}    # event -> whether it holds a signal with no reset after it, as the call submits
     for i in range(numCommandLists):
         cl = rt.get(phCommandLists[i], "cmdlist")
         if cl is None:
@@ -591,8 +598,37 @@ def _executable(rt, cq, numCommandLists, phCommandLists):
             # The documents name no code: refused with INVALID_ARGUMENT, as foreign memory is.
             if any(not a.live for a in op.memory):
                 return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+        if _unreset_signal(cl, pending):
+            return C.ZE_RESULT_ERROR_INVALID_SYNCHRONIZATION_OBJECT
         lists.append(cl)
     return lists
+
+
+def _unreset_signal(cl, pending: dict) -> bool:
+    """Whether re-executing ``cl`` would signal an event that still holds a signal: PROG.rst,
+    Command Lists > Submission: "A command list may be submitted multiple times.  It is up to
+    the application to ensure that the command list can be executed multiple times.  For
+    example, events must be explicitly reset prior to re-execution."  An event the list signals
+    must have had a reset submitted (zeEventHostReset, zeCommandListAppendEventReset executed
+    or appended to an immediate list, or a reset earlier in this list or in an earlier list of
+    the same call) after its latest signal; else the new run's waiters -- the host, another list
+    -- would pass at once, before the work they wait for (the simulator let them: a silent race
+    on hardware).  The first execution after creation or zeCommandListReset is exempt: "Signaling
+    a signaled event ... is valid and has no effect" (PROG.rst, Events).  Caller holds rt.lock;
+    ``pending`` carries the state the earlier lists of the call leave (updated here)."""
+    again = cl.executing is not None
+    state = {}          # this list's effect, op by op: event -> signalled (True) or reset (False)
+    for op in cl.ops:
+        ev = op.reset
+        if ev is not None:
+            state[ev] = False
+        ev = op.signal
+        if ev is not None:
+            if again and ev not in state and pending.get(ev, ev.sig_submitted > ev.last_reset_sig):
+                return True
+            state[ev] = True
+    pending.update(state)
+    return False
 
 
 def zeCommandQueueSynchronize(hCommandQueue, timeout):

@@ -25,6 +25,8 @@ def zeEventPoolCreate(hContext, desc, numDevices, phDevices, phEventPool):
         return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     if desc.stype != C.ZE_STRUCTURE_TYPE_EVENT_POOL_DESC:
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    if desc.pNext:
+        return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE   # an extension structure (memory.py, _no_extension)
     if desc.count == 0:
         return C.ZE_RESULT_ERROR_INVALID_SIZE
     if desc.flags & ~0xF:
@@ -74,6 +76,8 @@ def zeEventCreate(hEventPool, desc, phEvent):
         return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     if desc.stype != C.ZE_STRUCTURE_TYPE_EVENT_DESC:
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    if desc.pNext:
+        return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE   # an extension structure (memory.py, _no_extension)
     if desc.signal > 0x7 or desc.wait > 0x7:
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION    # "0x7 < desc->signal", "0x7 < desc->wait"
     if desc.index >= pool.count:
@@ -241,7 +245,10 @@ def _host_sees(rt: _Runtime, ev: _Event) -> int:
 def _host_wait(rt: _Runtime, cond, timeout_ns: int, cv, what: str) -> int:
     """Wait on ``cv`` (engine lock) until ``cond()``; the Level Zero timeout rules."""
     if cond():
-        return 0
+        # ``cond`` holds as well when the device was lost after the caller's _ready(): that is
+        # DEVICE_LOST, as after the wait below (PROG.rst, Contexts: "If a device was hung or
+        # reset ... all APIs will return ZE_RESULT_ERROR_DEVICE_LOST"); the simulator answered 0.
+        return 0 if rt.lost is None else rt.C.ZE_RESULT_ERROR_DEVICE_LOST
     if timeout_ns == 0:
         return rt.C.ZE_RESULT_NOT_READY
     limit = core.WAIT_TIMEOUT_S if timeout_ns == _UINT64_MAX else min(timeout_ns / 1e9, core.WAIT_TIMEOUT_S)

@@ -20,10 +20,21 @@ def zeContextCreate(hDriver, desc, phContext):
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     if desc.stype != rt.C.ZE_STRUCTURE_TYPE_CONTEXT_DESC or desc.flags > 0x1:
         return rt.C.ZE_RESULT_ERROR_INVALID_ENUMERATION     # ze_api.h: "0x1 < desc->flags"
+    if desc.pNext:
+        return rt.C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE     # an extension structure: _no_extension
     ctx = rt._add(_Obj("context"))
     phContext[0] = ctx.key
     return 0
 
+
+# _no_extension (ze_api.h, every descriptor's pNext: "[in][optional] must be null or a pointer to
+# an extension-specific structure (i.e. contains stype and pNext)"): an extension structure changes
+# what the call does -- ze_relaxed_allocation_limits_exp_desc_t lifts maxMemAllocSize,
+# ze_external_memory_export_desc_t / _import_fd_t export or import the memory, counter-based event
+# pools change event semantics -- and the simulator simulates none of them: it ignored the chain and
+# did the plain call.  Refused now (UNSUPPORTED_FEATURE: not simulated) for the creation descriptors:
+# contexts, USM allocations (here), event pools and events (events.py), command queues and lists
+# (commands.py), modules and kernels (_ze_kernels.py).
 
 #: The attribute naming the context an object was created from, per kind (zeContextDestroy; a
 #: module, _ze_kernels._KObj, keeps it in its fields as "ctx").
@@ -107,6 +118,8 @@ def zeMemAllocDevice(hContext, desc, size, alignment, hDevice, pptr):
         return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     if desc.stype != C.ZE_STRUCTURE_TYPE_DEVICE_MEM_ALLOC_DESC:
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    if desc.pNext:
+        return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE     # an extension structure: _no_extension
     rc = _alloc_checks(rt, size, alignment, desc.flags, 0x7)
     if rc:
         return rc
@@ -141,6 +154,8 @@ def zeMemAllocHost(hContext, desc, size, alignment, pptr):
         return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     if desc.stype != C.ZE_STRUCTURE_TYPE_HOST_MEM_ALLOC_DESC:
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    if desc.pNext:
+        return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE     # an extension structure: _no_extension
     rc = _alloc_checks(rt, size, alignment, desc.flags, 0xF)
     if rc:
         return rc
