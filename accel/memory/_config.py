@@ -195,29 +195,39 @@ def _parse_bytes(key, value, source):
     return number * scale
 
 
-def _parse_divisions(key, value, source):
-    def check(div_text):
+def _parse_divisions(key, value, source, table=None):
+    """One ``roundup_power2_divisions`` value onto ``table``, the one an earlier occurrence in the
+    same string built (torch fills one table per parse: ``8,...:[256:4]`` keeps 8 above 256 MiB)."""
+    def check(div_text, in_list):
         div = _parse_int(key, div_text, source)
         if div > UNLIMITED:     # torch reads it with std::stoull, which refuses it
             raise _fail(key, value, f"more than a size_t holds (at most {UNLIMITED})", source)
+        if div == 0 and not in_list:    # torch: 0 only in a list (a single count must be a power of 2)
+            raise _fail(key, value, "a single division count must be a power of two (0 turns an "
+                                    "interval off only in a list such as [256:0,>:4])", source)
         if div != 0 and (div < 1 or div & (div - 1)):
             raise _fail(key, value, "divisions must be a power of two (or 0 to disable)", source)
         return 1 if div == 1 else div
 
     if not value.startswith("["):
-        return (check(value),) * _POW2_INTERVALS
+        return (check(value, False),) * _POW2_INTERVALS
     if not value.endswith("]"):
         raise _fail(key, value, "a list must look like [256:1,512:2,>:4]", source)
+    items = value[1:-1].split(",")
+    if items[-1] == "":
+        items.pop()             # one trailing comma (or "[]"), as torch's tokenizer
+    if "" in items:
+        raise _fail(key, value, "a list entry is empty (two commas in a row, or a leading one)", source)
     # torch's parseRoundUpPower2Divisions (c10/core/AllocatorConfig.cpp, checked against
     # libc10 2.13): the first size key also fills every interval below its own, each later key
     # sets only its own, ">" fills the intervals above the last key seen; the rest stay 0.
-    table = [0] * _POW2_INTERVALS
+    table = list(table) if table is not None else [0] * _POW2_INTERVALS
     last, first = 0, True
-    for item in filter(None, value[1:-1].split(",")):
+    for item in items:
         size_text, sep, div_text = item.partition(":")
         if not sep:
             raise _fail(key, value, f"list entry {item!r} is not size_mb:divisions", source)
-        div = check(div_text.strip())
+        div = check(div_text.strip(), True)
         size_text = size_text.strip()
         if size_text == ">":
             for i in range(last + 1, _POW2_INTERVALS):
@@ -314,7 +324,8 @@ def _values(text: str, source: str) -> dict:
             # torch: "garbage_collect_threshold too small, set it 0.0~1.0" / "too big": 0 < t < 1
             values["garbage_collection_threshold"] = _parse_float(key, value, source, 0.0, 1.0, hi_open=True)
         elif key == "roundup_power2_divisions":
-            values["roundup_power2_divisions"] = _parse_divisions(key, value, source)
+            values["roundup_power2_divisions"] = _parse_divisions(key, value, source,
+                                                                  values.get("roundup_power2_divisions"))
         elif key == "release_threshold":
             values["release_threshold"] = _parse_bytes(key, value, source)
         elif key == "expandable_segments":
