@@ -13,9 +13,11 @@ This mirrors ``torch/cuda/__init__.py`` and ``device_lazy_init.cpp``.
 
 from __future__ import annotations
 
+import _thread
 import os
 import sys
 import threading
+import weakref
 from typing import Callable, Dict, List, Optional, Tuple
 
 from . import backends
@@ -163,35 +165,136 @@ def _reset_for_tests() -> None:
         backends.reset()
 
 
-def _drop_stale_imports() -> None:
-    """In a forked child: forget accel's imports another thread of the parent was in the middle
-    of (a lazy one: the backend module at the first call, ``accel.memory`` at its first use).
-    CPython keeps each module's import lock across fork, held by a thread the child does not
-    have, so the child's first import of that module would wait for good (r67h: a
-    multiprocessing 'fork' pool replacing a worker while the main thread made its first call).
-    The lock leaves ``importlib._bootstrap._module_locks`` (the next import makes a new one) and
-    the half-run module ``sys.modules``, so the child imports it afresh.  Best effort: the table
-    is CPython's own (3.9 to 3.13 keep it); only ``accel`` modules are touched."""
-    try:
-        from importlib import _bootstrap
-        locks = _bootstrap._module_locks
-    except (ImportError, AttributeError):
+def _is_accel(name: str) -> bool:
+    return name == "accel" or name.startswith("accel.")
+
+
+def _fresh_like(old):
+    """A new, free lock of ``old``'s kind (3.11's module locks use a plain lock, 3.12+ an RLock)."""
+    return _thread.RLock() if isinstance(old, _thread.RLock) else _thread.allocate_lock()
+
+
+def _free(lock) -> bool:
+    """Whether nobody holds ``lock`` (in the child only this thread runs, so trying is safe)."""
+    if lock is None:
+        return True
+    if lock.acquire(False):
+        lock.release()
+        return True
+    return False
+
+
+def _waits(bootstrap, me: int) -> Dict[int, list]:
+    """``_blocking_on`` as {thread: [module locks it waits for]}, the other threads only
+    (3.11: a dict of one lock per thread; 3.12+: a _WeakValueDictionary of lists, over ``.data``)."""
+    table = getattr(bootstrap, "_blocking_on", None)
+    data = getattr(table, "data", table)
+    out: Dict[int, list] = {}
+    if isinstance(data, dict):
+        for tid, value in list(data.items()):
+            if isinstance(value, weakref.ref):
+                value = value()
+            if tid != me and value is not None:
+                out[tid] = list(value) if isinstance(value, list) else [value]
+    return out
+
+
+def _forget_waits(bootstrap, me: int) -> None:
+    """Drop the waits of threads the child does not have: a new thread of the child may get a
+    dead one's identifier, and deadlock detection would follow the dead thread's wait."""
+    table = getattr(bootstrap, "_blocking_on", None)
+    data = getattr(table, "data", table)
+    if not isinstance(data, dict):
         return
+    for tid, value in list(data.items()):
+        if tid == me:
+            continue
+        if isinstance(value, weakref.ref):      # 3.12+: empty the list (the weak entry goes with it)
+            value = value()
+            if isinstance(value, list):
+                del value[:]
+        else:
+            data.pop(tid, None)
+
+
+def _drop_stale_imports() -> None:
+    """In a forked child: undo the imports that other threads of the parent were in the middle
+    of when they took part in an import of accel (a lazy one: the backend module at the first
+    call, ``accel.memory`` / ``accel.random`` at first use), so that the child's import of any
+    of those modules runs afresh instead of waiting for good.
+
+    CPython keeps each module's import lock (``importlib._bootstrap._module_locks``) across fork,
+    owned by a thread the child does not have (r67h: a multiprocessing 'fork' pool replacing a
+    worker while the main thread made its first call).  The interrupted import is a chain: the
+    modules that import accel (a user's module) and those accel's module imports in turn
+    (``secrets``, ``json``, ``inspect``: r68f, the child hung on ``import secrets`` in its fresh
+    import of ``accel.random``).  So the chain is every lock owned by, or waited for by, a
+    thread that owned or waited for an accel module's lock, transitively.  Each lock of the
+    chain owned by a gone thread leaves ``_module_locks`` (the next import makes a new one) and
+    its half-run module (``__spec__._initializing``) leaves ``sys.modules`` and its package, as
+    when an import fails.  Modules other threads were importing, unrelated to accel, stay as
+    CPython leaves them.  Besides: a lock no thread owns but that a gone thread left mid-update
+    (its inner lock or wake-up lock held) is replaced, and one this thread owns is repaired in
+    place; the waits of gone threads are forgotten.
+
+    Runs in an at-fork hook: it must not import (r68f: reading the package attribute through
+    ``getattr`` ran ``accel.__getattr__``, which imported the module again inside the hook, before
+    ``signal.alarm`` or anything else of the child ran, and hung there) nor raise.  Best effort:
+    the tables are CPython's own (3.9 to 3.13 keep them)."""
+    bootstrap = sys.modules.get("_frozen_importlib") or sys.modules.get("importlib._bootstrap")
+    locks = getattr(bootstrap, "_module_locks", None)
+    if not isinstance(locks, dict):
+        return
+    imp = sys.modules.get("_imp")
     me = threading.get_ident()
-    for name, ref in list(locks.items()):
-        if name != "accel" and not name.startswith("accel."):
-            continue
-        lock = ref()
-        owner = getattr(lock, "owner", None)
-        if owner is None or owner == me:
-            continue
-        locks.pop(name, None)
-        module = sys.modules.get(name)
-        if module is not None and getattr(getattr(module, "__spec__", None), "_initializing", False):
-            del sys.modules[name]
-            parent, _, attr = name.rpartition(".")
-            if getattr(sys.modules.get(parent), attr, None) is module:
-                delattr(sys.modules[parent], attr)
+    if imp is not None:
+        imp.acquire_lock()          # fresh after fork (CPython re-initializes it); reentrant
+    try:
+        table = {}
+        for name, ref in list(locks.items()):
+            lock = ref() if callable(ref) else None
+            if lock is not None and hasattr(lock, "owner"):
+                table[name] = lock
+        waits = _waits(bootstrap, me)
+        # the chain: locks and gone threads reachable from accel's locks
+        chain = {name for name in table if _is_accel(name)}
+        gone: set = set()
+        while True:
+            held = {table[n].owner for n in chain} - {None, me}
+            waiting = {tid for tid, ws in waits.items()
+                       if any(table.get(getattr(w, "name", None)) is w and w.name in chain for w in ws)}
+            new = (held | waiting) - gone
+            if not new:
+                break
+            gone |= new
+            chain |= {name for name, lock in table.items() if lock.owner in gone}
+            chain |= {w.name for tid in new for w in waits.get(tid, ()) if table.get(getattr(w, "name", None)) is w}
+        for name, lock in table.items():
+            owner = lock.owner
+            dirty = not (_free(lock.lock) and _free(lock.wakeup)) or bool(lock.waiters)
+            if owner == me:
+                if dirty:           # every waiter is gone; this thread's ownership stands
+                    lock.lock, lock.wakeup = _fresh_like(lock.lock), _fresh_like(lock.wakeup)
+                    lock.waiters = type(lock.waiters)()
+            elif owner is None:
+                if dirty:
+                    locks.pop(name, None)
+            elif name in chain:
+                locks.pop(name, None)
+                module = sys.modules.get(name)
+                if module is not None and getattr(getattr(module, "__spec__", None), "_initializing", False):
+                    del sys.modules[name]
+                    parent, _, attr = name.rpartition(".")
+                    namespace = getattr(sys.modules.get(parent), "__dict__", None)
+                    # the package's own dict, not getattr: accel's __getattr__ would import
+                    if isinstance(namespace, dict) and namespace.get(attr) is module:
+                        del namespace[attr]
+        _forget_waits(bootstrap, me)
+    except Exception:               # noqa: BLE001 (an at-fork hook must not raise)
+        pass
+    finally:
+        if imp is not None:
+            imp.release_lock()
 
 
 def _after_fork_in_child() -> None:

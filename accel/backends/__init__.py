@@ -119,9 +119,15 @@ def started_drivers() -> Tuple[Backend, ...]:
 
 def _fresh_lock_in_child() -> None:
     # A thread of the parent may have been inside selection (holding the lock) when another
-    # forked; the child, which may still initialize when the parent did not, gets a free lock.
+    # forked; the child, which may still initialize when the parent did not, gets a free lock,
+    # and free counting locks in each backend (the parent's thread may have been counting).
     global _lock
     _lock = threading.Lock()
+    for backend in list(_instances.values()):
+        try:
+            backend.fresh_locks_in_child()
+        except Exception:   # noqa: BLE001 (an at-fork hook must not raise)
+            pass
 
 
 os.register_at_fork(after_in_child=_fresh_lock_in_child)

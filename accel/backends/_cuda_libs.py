@@ -256,6 +256,15 @@ _probe_lock = threading.Lock()
 _probed: Dict[str, Tuple[Optional[str], Optional[int], str, str]] = {}
 
 
+def _fresh_probe_lock() -> None:
+    # a child forked while another thread of the parent probed (the first call) gets a free lock
+    global _probe_lock
+    _probe_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_probe_lock)
+
+
 def probe(c: Candidate) -> Candidate:
     """Fill ``resolved``/``version`` (or ``reason`` when it does not load).  Cached per path."""
     with _probe_lock:

@@ -224,6 +224,13 @@ class Backend(abc.ABC):
         return f"{self.name} has no stream-ordered memory pool (cudaMallocAsync)"
 
     # -- discovery: fork-safe, never initializes the runtime ------------------
+    def fresh_locks_in_child(self) -> None:
+        """In a forked child: replace the locks counting and library loading take (the first
+        call) with free ones.  Another thread of the parent may have held one when a thread
+        forked (r68f: a child forked while the main thread's ``device_count()`` counted waited
+        for good on the count lock at its own first call); only this thread exists in the
+        child, so none is held there.  Called by an at-fork hook: attributes only."""
+
     @abc.abstractmethod
     def count(self) -> int:
         """Number of visible devices, without initializing the runtime; 0 when unavailable."""

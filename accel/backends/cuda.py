@@ -182,6 +182,10 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         self._choice_lock = threading.Lock()
         self._rt_refused = None  # (ffi, lib, path) of an ACCEL_CUDART_PATH runtime the driver cannot run
 
+    def fresh_locks_in_child(self) -> None:
+        # _lock: opening libcudart and the kernel path; the others: counting, the runtime choice
+        self._lock, self._count_lock, self._choice_lock = threading.Lock(), threading.Lock(), threading.Lock()
+
     # -- libraries -------------------------------------------------------------
     def _open(self, which: str):
         from .._ffi import open_cudart

@@ -266,6 +266,10 @@ class MPSBackend(Backend):
         # for them (cudaDeviceSynchronize waits for a destroyed stream's work too)
         self._orphans = _Stream(0, None)
 
+    def fresh_locks_in_child(self) -> None:
+        # loading the libraries (count) takes it; after init the child is refused anyway
+        self._lock = _locks.RLock("the Metal backend")
+
     # -- discovery ---------------------------------------------------------------
     def _libraries(self) -> _Libraries:
         if self._libs is None:

@@ -104,6 +104,10 @@ class XpuBackend(DiscoveryMixin, MemoryMixin, StreamsMixin, EventsMixin, GraphsM
         self._kstate = None            # modules and kernels (kernels.py)
         self._new_contexts = None      # contexts an init underway made (discovery.py)
 
+    def fresh_locks_in_child(self) -> None:
+        # the one backend lock: loading the library and counting take it too
+        self._lock = threading.RLock()
+
     def close(self) -> None:
         """Wait for all work and destroy every Level Zero object this backend made.
 
