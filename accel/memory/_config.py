@@ -74,7 +74,7 @@ OPTIONS = {
     "graph_capture_record_stream_reuse": "True/False; accepted for PyTorch compatibility, no effect",
     "pinned_free_catch_all": "True/False; accepted for PyTorch compatibility, no effect",
     "pinned_max_round_threshold_mb": "pinned host requests above this size (MiB) are not rounded up to a power "
-                                     "of two, only to 512 bytes (default: no limit)",
+                                     "of two (default: no limit)",
     "pinned_max_cached_size_mb": "freed pinned host blocks above this size (MiB) are not cached: they are unpinned "
                                  "once their streams' work completed; requests above it are not rounded up "
                                  "(default: no limit)",
