@@ -38,7 +38,6 @@ import pytest
 
 import accel
 from accel import _lazy, memory, sim
-from accel._errors import CaptureError
 from accel.sim import kernels
 from accel._ffi._cudart import ffi
 from conftest import use_sim
