@@ -49,7 +49,7 @@ __all__ = ["Stream", "Event", "current_stream", "set_stream", "default_stream", 
 
 _tls = threading.local()
 _defaults: Dict[int, "Stream"] = {}
-_defaults_lock = threading.Lock()
+_defaults_lock = _locks.Lock("making a device's default stream")  # (r68i: a __del__ run inside it)
 _destroy_hooks: List[Callable[[Backend, int, int, bool], bool]] = []
 #: Created streams by (device index, handle), for Stream(stream_id=...).  Weak: a stream no
 #: one holds is collected (and its entry goes) before its handle can be handed out again.
@@ -178,8 +178,9 @@ _close_lock = threading.Lock()
 
 
 #: Serializes an Event's first record (which creates its device event); held across
-#: event_create, which no finalizer calls.
-_create_lock = threading.Lock()
+#: event_create, inside which a collection may run a user's __del__ that records an Event (r68i:
+#: it waited on this lock, held by its own thread): accel._locks.Lock refuses that instead.
+_create_lock = _locks.Lock("an Event's first record")
 
 
 class _Use:

@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Tuple
 
-from .. import _finalize, _lazy, backends, streams
+from .. import _finalize, _lazy, _locks, backends, streams
 from ..streams import on_device
 from . import _async, _caching, _config, _mempool, _snapfmt
 from ._caching import DeviceCachingAllocator
@@ -45,8 +44,11 @@ __all__ = [
     "detach_out_of_memory_observer",
 ]
 
-_lock = threading.Lock()
-_settings_lock = threading.Lock()      # one set_allocator_settings at a time (taken before _lock)
+# accel._locks.Lock: a collection inside the first allocator of a device (an allocation, a vendor
+# call) may run a user's __del__ that allocates there; it gets the finalizer error, not a wait on
+# a lock its own thread holds (r68i)
+_lock = _locks.Lock("making a device's caching allocator")
+_settings_lock = _locks.Lock("set_allocator_settings")  # one at a time (taken before _lock)
 _allocators: Dict[int, DeviceCachingAllocator] = {}
 _host: Optional[HostCachingAllocator] = None
 _history: Optional[_snapfmt.HistoryOptions] = None    # while recording
@@ -73,8 +75,8 @@ def _after_fork_in_child() -> None:
     # the allocators makes the next use go through lazy_init, which raises the
     # clear "forked subprocess" error instead of handing out the parent's pointers.
     global _lock, _settings_lock
-    _lock = threading.Lock()
-    _settings_lock = threading.Lock()
+    _lock = _locks.Lock("making a device's caching allocator")
+    _settings_lock = _locks.Lock("set_allocator_settings")
     _reset(keep_settings=True)      # the options and observers are process state: the child keeps them
 
 

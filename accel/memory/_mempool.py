@@ -31,7 +31,7 @@ import sys
 import threading
 from typing import Iterator, List, Tuple
 
-from .. import _device, _lazy
+from .. import _device, _lazy, _locks
 from .. import _finalize as _fin
 from .._copying import refuse_copies as _refuse_copies
 from ..backends._signals import deferred
@@ -41,7 +41,7 @@ __all__ = ["MemPool", "use_mem_pool", "new_user_pool_id", "check_pool_id"]
 # torch's MempoolId_t (c10/cuda MemPool::graph_pool_handle): ids a user asks for are
 # {0, n} (graph_pool_handle, MemPool), the pool a graph makes for itself {n, 0}.
 _user_ids = itertools.count(1)
-_ids_lock = threading.Lock()
+_ids_lock = _locks.Lock("a new pool id")       # (r68i: a __del__ run inside it made a MemPool)
 
 
 def new_user_pool_id() -> Tuple[int, int]:
