@@ -25,12 +25,12 @@ generator runs in graph-safe mode (see :mod:`accel.random.generator`).
 from __future__ import annotations
 
 import operator
+import os
 import secrets
-import threading
 import weakref
 from typing import Dict, List
 
-from .. import _lazy
+from .. import _lazy, _locks
 from ..backends._signals import deferred as _signals_deferred
 from .generator import DEFAULT_SEED, Generator, PhiloxArgs, check_seed
 
@@ -40,8 +40,18 @@ __all__ = [
     "seed", "seed_all", "uniform_", "normal_", "randint_", "random_raw_", "register_kernel_source",
 ]
 
-_lock = threading.Lock()
+# accel._locks.Lock: making a default generator allocates (a collection may run a user's __del__
+# that seeds) (r68i); made anew in a forked child (_fresh_locks_in_child)
+_lock = _locks.Lock("making a default generator")
 _generators: Dict[int, Generator] = {}
+
+
+def _fresh_lock_in_child() -> None:
+    global _lock     # a parent thread may have been making a default generator (r68i)
+    _lock = _locks.Lock("making a default generator")
+
+
+os.register_at_fork(after_in_child=_fresh_lock_in_child)
 
 
 def _reset() -> None:

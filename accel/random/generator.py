@@ -38,9 +38,11 @@ objects: seeding or querying them never initializes a device.
 from __future__ import annotations
 
 import operator
+import os
 import secrets
 import struct
 import threading
+import weakref
 from typing import Callable, NamedTuple, Optional
 
 from .. import _finalize as _fin
@@ -137,6 +139,21 @@ def _state_bytes(new_state) -> bytes:
     return new_state.tobytes()
 
 
+#: every live Philox state (weakly: bounded by the live ones), for the forked child's fresh locks
+_states: "weakref.WeakSet[_State]" = weakref.WeakSet()
+
+
+def _fresh_locks_in_child() -> None:
+    # A thread of the parent may have held a state's lock as another forked (a default
+    # generator being made, a graph replay's prologue writing the offset): only this thread
+    # exists in the child, where seeding or reading the state then waited for good (r68i).
+    for state in list(_states):
+        state._lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_fresh_locks_in_child)
+
+
 class _State:
     """One Philox state (torch's ``CUDAGeneratorState``): seed, offset and the graph-safe fields
     (capturing flag, intragraph offset, and the device holders of each graph registered with
@@ -151,6 +168,7 @@ class _State:
     def __init__(self, device_index: int, seed: int, offset: int = 0):
         self.device_index = device_index
         self._lock = threading.RLock()
+        _states.add(self)
         self._seed = seed
         self._offset = offset
         # graph-safe state
