@@ -1127,7 +1127,12 @@ class _Pin:
                 return      # a forked child, or a runtime that was reset: nothing of the parent's is freed
             call = buf._unpinned_release() if buf._deferred else None
             if call is not None:
-                _fin.finalize(call[0], *call[1])
+                # a finalizer: the free must not wait for the allocator's lock, which another
+                # thread may hold while it waits for a capture gate this thread holds (r68i: a
+                # capture_end running an imported buffer's release under the gate deadlocked
+                # with a close() on another thread)
+                fn = _free_from_finalizer if call[0] is _free else call[0]
+                _fin.finalize(fn, *call[1])
         except KeyboardInterrupt:
             _fin.RAISE_AGAIN[_fin.interrupt_key()]    # a Ctrl-C handled in here reaches the program (r62)
 
