@@ -6,9 +6,10 @@ shared MTLBuffer) in power-of-two sizes and are cached by size after
 
 torch 2.13's two limits (``pinned_max_round_threshold_mb``, ``pinned_max_cached_size_mb``,
 read from the allocator options in effect at each call, :mod:`accel.memory._config`): a
-request above either is not rounded at all (a request at most both is rounded up to a power of
-two, ``PowerOf2Ceil``, with no minimum: 100 bytes take a 128-byte block); such a block is cached in the list of its size's power of two (torch's ``size_index``,
-``Log2_64_Ceil``) and handed only to a request it is at least as large as.  A block above the
+request above either is not rounded at all (a request at most both is rounded up to a power
+of two, ``PowerOf2Ceil``, with no minimum: 100 bytes take a 128-byte block); such a block is
+cached in the list of its size's power of two (torch's ``size_index``, ``Log2_64_Ceil``) and
+handed only to a request it is at least as large as.  A block above the
 cache limit is not cached: once free and its streams' work done, it goes back to the driver
 (at once, or as soon as no capture is underway: the next malloc, free or empty_cache).
 
