@@ -76,13 +76,7 @@ class CudaMemPoolMixin:
         global or thread-local capture it fails with cudaErrorStreamCaptureUnsupported and
         invalidates the capture (NVIDIA/cccl PR 11360, which relaxes the mode around it the same
         way); it acts at once either way, nothing is captured."""
-        with self.capture_gate:
-            if self._captures:
-                with self._relaxed_capture_mode():
-                    rc = fn(*args)
-            else:
-                rc = fn(*args)
-        self._check(rc, call)
+        self._check(self._call_maybe_capturing(fn, *args), call)
 
     def async_alloc_supported(self, index: int) -> bool:
         """cudaDevAttrMemoryPoolsSupported of device ``index``."""

@@ -482,15 +482,10 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         p = self.ffi.new("void **")
         rc = None
         try:
-            with self.capture_gate:
-                if self._captures:
-                    # cudaMalloc is a "potentially unsafe" call that invalidates a global-mode
-                    # capture; it is fine as long as the memory outlives replays, so relax the
-                    # mode around it (torch's cudaMallocMaybeCapturing does the same).
-                    with self._relaxed_capture_mode():
-                        rc = alloc(p, nbytes, *args)
-                else:
-                    rc = alloc(p, nbytes, *args)
+            # cudaMalloc is a "potentially unsafe" call that invalidates a global-mode capture; it
+            # is fine as long as the memory outlives replays, so the mode is relaxed around it
+            # (torch's cudaMallocMaybeCapturing does the same)
+            rc = self._call_maybe_capturing(alloc, p, nbytes, *args)
             self._check(rc, call, f"requested {nbytes} bytes of {what}")
             return self._as_int(p[0])
         except BaseException:
@@ -503,6 +498,16 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
             if rc in (None, 0) and p[0] != self.ffi.NULL:
                 free(p[0])
             raise
+
+    def _call_maybe_capturing(self, fn, *args) -> int:
+        """``fn(*args)``'s return code, in relaxed capture mode while a capture is underway in
+        this process (no capture begins meanwhile: the gate), for a "potentially unsafe" call
+        that acts at once and must not invalidate a capture (allocations, memory pool calls)."""
+        with self.capture_gate:
+            if self._captures:
+                with self._relaxed_capture_mode():
+                    return fn(*args)
+            return fn(*args)
 
     def _relaxed_capture_mode(self):
         backend = self
