@@ -136,6 +136,16 @@ def _ordered_after(R: Runtime, s: Stream, point, also=()) -> bool:
     if q0.done >= seq0 or s.q is q0:
         return True
     with R.engine.lock:
+        # (r68j) Asked again under the lock, where the workers complete operations: the walk below
+        # sees only pending operations, so a point and the waits ordering ``s`` after it that
+        # completed since the check above (this thread preempted: heavy load) read as unordered,
+        # and cudaFreeAsync was refused 1 after a cudaStreamWaitEvent (Runtime API: "Makes all
+        # future work submitted to stream wait for all work captured in event") or beside the
+        # legacy stream's implicit synchronization ("Stream synchronization behavior").  Under the
+        # lock, a pending point's every pending successor is still queued (an operation completes
+        # only after its dependencies, and under this lock).
+        if q0.done >= seq0:
+            return True
         todo = [(s.q, s.q.enqueued)] + list(_implicit_deps(R, s)) + list(also)
         seen: Dict[object, int] = {}
         while todo:
