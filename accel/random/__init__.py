@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 # accel._locks.Lock: making a default generator allocates (a collection may run a user's __del__
-# that seeds) (r68i); made anew in a forked child (_fresh_locks_in_child)
+# that seeds) (r68i); made anew in a forked child (_fresh_lock_in_child)
 _lock = _locks.Lock("making a default generator")
 _generators: Dict[int, Generator] = {}
 
