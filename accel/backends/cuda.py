@@ -503,11 +503,15 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         """``fn(*args)``'s return code, in relaxed capture mode while a capture is underway in
         this process (no capture begins meanwhile: the gate), for a "potentially unsafe" call
         that acts at once and must not invalidate a capture (allocations, memory pool calls)."""
+        # (rc stored inside the with: a signal checked as the call returns then lands in the
+        # with's cleanup range, which releases the gate; tests/test_interrupt_fresh_r57.py)
         with self.capture_gate:
             if self._captures:
                 with self._relaxed_capture_mode():
-                    return fn(*args)
-            return fn(*args)
+                    rc = fn(*args)
+            else:
+                rc = fn(*args)
+        return rc
 
     def _relaxed_capture_mode(self):
         backend = self
