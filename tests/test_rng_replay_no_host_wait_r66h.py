@@ -123,10 +123,10 @@ def test_alternating_replays_queue_without_a_host_wait(monkeypatch, conf):
         p.close()
 
 
-def _alternating_log(monkeypatch, streams: str, conf: str = "") -> list:
+def _alternating_log(monkeypatch, streams: str, conf: str = "", delay_us: int = 2000) -> list:
     """Six replays, each on a freshly backlogged stream (``streams``: "ab" alternates, "a" all on
     a), with 2 ms per simulated device operation so that unordered work really races."""
-    use_sim(monkeypatch, "cuda", ACCEL_SIM_DELAY_US=2000, **({"ACCEL_ALLOC_CONF": conf} if conf else {}))
+    use_sim(monkeypatch, "cuda", ACCEL_SIM_DELAY_US=delay_us, **({"ACCEL_ALLOC_CONF": conf} if conf else {}))
     p = _Pipeline(seed=11)
     try:
         for i in range(6):
@@ -152,7 +152,9 @@ def test_the_log_catches_a_missing_order(monkeypatch):
     """Guard for the test above: with the ordering switched off, the backlogged first replay's
     prologue overwrites the holders after the second replay's, and both launches draw alike."""
     monkeypatch.setattr(R, "_after_last_use", lambda token, stream: None)
-    two, want = _alternating_log(monkeypatch, "ab")
+    # 20 ms per operation: the race must show even when a loaded machine slows the host (at 2 ms
+    # the backlog sometimes drained first and the guard failed in a full -n auto run)
+    two, want = _alternating_log(monkeypatch, "ab", delay_us=20000)
     assert two != want and len(set(two)) < 6
 
 
