@@ -81,15 +81,20 @@ class GraphsMixin:
             raise CaptureError(f"{what} would wait on a stream that is being captured; "
                                f"the capture is invalidated")
 
+    def _prohibiting(self) -> List[_Capture]:
+        """The captures underway whose modes forbid a "potentially unsafe" call by this thread
+        now (CUDA's rules: the thread's own capture unless relaxed, another thread's global one)."""
+        if not self._captures:
+            return []
+        me = threading.get_ident()
+        return [cap for cap in list(self._captures.values())
+                if (cap.mode != "relaxed" if cap.thread == me else cap.mode == "global")]
+
     def _unsafe(self, what: str) -> None:
         """CUDA's rules for "potentially unsafe" calls during capture (cudaFree, cudaFreeHost:
         here the frees, which wait for the device): refused in the capturing thread unless its
         capture is relaxed, and in other threads while a global-mode capture runs."""
-        if not self._captures:
-            return
-        me = threading.get_ident()
-        hit = [cap for cap in list(self._captures.values())
-               if (cap.mode != "relaxed" if cap.thread == me else cap.mode == "global")]
+        hit = self._prohibiting()
         if hit:
             for cap in hit:
                 self._invalidate(cap, what)
@@ -98,13 +103,8 @@ class GraphsMixin:
 
     def host_wait_refused(self, stream: int) -> Optional[str]:
         """Whether a host wait now falls under :meth:`_unsafe`'s rule (without invalidating)."""
-        if not self._captures:
-            return None
-        me = threading.get_ident()
-        for cap in list(self._captures.values()):
-            if cap.mode != "relaxed" if cap.thread == me else cap.mode == "global":
-                return f"a {cap.mode}-mode capture is underway"
-        return None
+        hit = self._prohibiting()
+        return f"a {hit[0].mode}-mode capture is underway" if hit else None
 
     @staticmethod
     def _invalidate(cap: _Capture, why: str) -> None:
