@@ -114,7 +114,10 @@ def test_copies_with_genuine_host_memory_still_work(lib, device):
             ctypes.memmove(raw, src.ctypes.data, 4096)
             ctypes.memmove(_memory.addr_of(pinned[0]), src.ctypes.data, 4096)
             for kind in (H2D, DEFAULT):
-                ok(lib.cudaMemset(p, 0, 4096))
+                # (r69d) on p's own device: a memset by device 0 into device 1's memory without peer
+                # access faults (cudaDeviceEnablePeerAccess; accel/sim/README.md)
+                ok(lib.cudaMemsetAsync(p, 0, 4096, s))
+                ok(lib.cudaStreamSynchronize(s))
                 ok(lib.cudaMemcpy(p, host, 4096, kind))
                 assert _host_read(lib, p, 4096) == src.tobytes()
                 ok(lib.cudaMemcpyAsync(p, host, 4096, kind, s))

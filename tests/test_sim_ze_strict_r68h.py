@@ -62,6 +62,9 @@ def _regular_signalling(z, ev, how, ptr):
     else:
         assert z.fill(cl, ptr, 64, 7) == 0
         if how == "signal":
+            # (r69f) the list has no IN_ORDER flag: a barrier orders the signal after the fill, else
+            # the signal may complete first (PROG.rst, Execution Barriers) and the simulator faults
+            assert lib.zeCommandListAppendBarrier(cl, ffi.NULL, 0, ffi.NULL) == 0
             assert lib.zeCommandListAppendSignalEvent(cl, ev) == 0
         else:
             assert lib.zeCommandListAppendBarrier(cl, ev, 0, ffi.NULL) == 0

@@ -247,12 +247,25 @@ class Region:
     """The live mappings under ``[base, base + size)`` as the device ``device`` sees them;
     passed to queued operations in place of an Allocation (``live``, ``end``, ``device``)."""
 
-    __slots__ = ("base", "size", "maps", "accessor", "write", "lock")
+    __slots__ = ("base", "size", "maps", "accessor", "write", "lock", "space")
     kind = _memory.DEVICE
 
-    def __init__(self, base, size, maps, accessor, write, lock):
+    def __init__(self, base, size, maps, accessor, write, lock, space=None):
         self.base, self.size, self.maps, self.accessor, self.write, self.lock = \
             base, size, maps, accessor, write, lock
+        self.space = space      # set: resolved again at each check (at_launch)
+
+    @classmethod
+    def at_launch(cls, space: "Space", base: int, size: int, accessor: Optional[int], write: bool) -> "Region":
+        """``[base, base + size)`` of ``space`` as a graph node touches it: whatever is mapped there,
+        with the access set, when each launch runs the node (r70d).  CUDA Programming Guide, "CUDA
+        Graphs" > Stream Capture: captured work "is appended to an internal graph" instead of
+        running, so a copy or memset captured on virtual memory touches the address as mapped at
+        the launch (cuMemUnmap: the range "can be used for a future calls to cuMemMap"; cuMemMap:
+        accessibility comes from cuMemSetAccess), as kernel nodes already did; it kept the mappings
+        and access of capture time before, so a launch after cuMemSetAccess, or after unmap + map +
+        access, faulted."""
+        return cls(base, size, (), accessor, write, space.lock, space)
 
     @property
     def end(self) -> int:
@@ -260,6 +273,9 @@ class Region:
 
     @property
     def device(self) -> int:
+        if self.space is not None:
+            m = self.space.mapping_at(self.base)
+            return m.device if m is not None else self.accessor
         return self.maps[0].device
 
     @property
@@ -268,6 +284,12 @@ class Region:
         return self.problem() is None
 
     def problem(self) -> Optional[str]:
+        if self.space is not None:
+            got = self.space.resolve(self.base, self.size, self.accessor, self.write)
+            if got is None:
+                return (f"0x{self.base:x}+{self.size} is no longer reserved (cuMemAddressFree) when the "
+                        f"operation ran")
+            return got if got.__class__ is str else None
         for m in self.maps:
             if not m.live:
                 return f"0x{m.base:x}+{m.size} was unmapped before the operation ran"

@@ -132,6 +132,10 @@ def zeModuleCreate(hContext, hDevice, desc, phModule, phBuildLog):
         # an extension structure (ze/memory.py, _no_extension: ze_module_program_exp_desc_t links
         # several inputs): not simulated, refused
         return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE
+    if desc.format > C.ZE_MODULE_FORMAT_NATIVE:
+        # (r70h) ze_api.h, zeModuleCreate @returns: ZE_RESULT_ERROR_INVALID_ENUMERATION for
+        # "ZE_MODULE_FORMAT_NATIVE < desc->format" (the simulator answered INVALID_NATIVE_BINARY)
+        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
     log = ""
     if desc.format != C.ZE_MODULE_FORMAT_IL_SPIRV:
         # ZE_MODULE_FORMAT_NATIVE is a device binary of one driver; the simulator has none.
@@ -392,11 +396,45 @@ def zeCommandListAppendLaunchKernel(hCommandList, hKernel, pLaunchFuncArgs, hSig
             # allocation"), and the launch references it until it ran (zeMemFree).
             memory.append(a)
     fn, view = ref.fn, _kernel_view(rt)
+    op = _Op(None, waits, sig, label=f"kernel {f['name']} grid{grid}", kernel=obj)
 
     def run():
-        fn(grid, block, view, *values)
-    return _append(rt, hCommandList, _Op(run, waits, sig, label=f"kernel {f['name']} grid{grid}", kernel=obj),
-                   memory)
+        rec = op.rec
+        if rec is None:
+            fn(grid, block, view, *values)
+        else:
+            _run_recording(rec, fn, grid, block, view, values)
+    op.fn = run
+    return _append(rt, hCommandList, op, memory)
+
+
+def _run_recording(rec, fn, grid, block, view, values) -> None:
+    """(r69f) Run a launch appended to a command list without IN_ORDER, recording what it touched
+    for that list's ordering rules (ze/commands.py, "lists without IN_ORDER"): the ranges its
+    reference viewed are its reads, the bytes among them it changed its writes (a byte rewritten
+    with its old value is not seen: the reference's reads and writes cannot be told apart else)."""
+    import numpy as np
+    seen = []
+
+    def recording_view(ptr, nbytes, dtype=None):
+        out = view(ptr, nbytes, dtype)
+        addr = _memory.addr_of(ptr)
+        seen.append((addr, nbytes, ffi.buffer(_memory.char_ptr(addr), nbytes)[:]))
+        return out
+    rec.reads = rec.writes = ()
+    try:
+        fn(grid, block, recording_view, *values)
+    finally:
+        reads, writes = [], []
+        for addr, nbytes, old in seen:
+            if not nbytes:
+                continue
+            reads.append((addr, addr + nbytes))
+            new = ffi.buffer(_memory.char_ptr(addr), nbytes)[:]
+            if new != old:
+                changed = np.flatnonzero(np.frombuffer(new, np.uint8) != np.frombuffer(old, np.uint8))
+                writes.append((addr + int(changed[0]), addr + int(changed[-1]) + 1))
+        rec.reads, rec.writes = tuple(reads), tuple(writes)
 
 
 def _kernel_view(rt):

@@ -84,8 +84,10 @@ def _dffi():
     return _DFFI
 
 
-def entry_point(name: str, version: int, driver_version: int):
-    """(cudaDriverEntryPointQueryResult, void* or None) for driver symbol ``name`` of ABI ``version``."""
+def entry_point(name: str, version: int, driver_version: int, flags: int = 0):
+    """(cudaDriverEntryPointQueryResult, void* or None) for driver symbol ``name`` of ABI ``version``;
+    ``flags`` cudaEnablePerThreadDefaultStream (2) hands out the per-thread version where the driver
+    has one (cuLaunchKernel_ptsz)."""
     # CUDA Driver API, cuGetProcAddress (what the runtime calls): SymbolNotFound for a symbol the
     # driver lacks; VersionNotSufficient when it exists but ``version`` predates its first ABI.
     # A ``version`` newer than the driver gets the newest ABI the driver has (minor version
@@ -95,13 +97,22 @@ def entry_point(name: str, version: int, driver_version: int):
         return 1, None        # cudaDriverEntryPointSymbolNotFound
     if version < spec[1]:
         return 2, None        # cudaDriverEntryPointVersionNotSufficent
+    # (r70d) CUDA Runtime API, cudaGetDriverEntryPoint[ByVersion]: cudaEnableLegacyStream searches
+    # "all driver symbols that match the requested driver symbol name except the corresponding
+    # per-thread versions"; cudaEnablePerThreadDefaultStream "including the per-thread versions"
+    # (cudaEnableDefault is legacy unless the caller is built with --default-stream per-thread,
+    # which a cffi caller is not).  The per-thread cuLaunchKernel (cuLaunchKernel_ptsz) takes a NULL
+    # stream as the calling thread's per-thread default stream; before r70d every flag got the
+    # legacy function, so a per-thread program's launches were serialized on the legacy stream.
+    key = name + "_ptsz" if flags == _ENTRY_PER_THREAD and name in _PER_THREAD_IMPLS else name
     with _lock:
-        cb = _callbacks.get(name)
+        cb = _callbacks.get(key)
         if cb is None:
             dffi = _dffi()
-            impl = core.counted(name, _IMPLS[name], callback=True)   # counters, inject_error, signals deferred
-            cb = _callbacks[name] = dffi.callback(spec[0], impl, error=999,   # CUDA_ERROR_UNKNOWN
-                                                  onerror=_callback_error)
+            fn = _PER_THREAD_IMPLS[name] if key != name else _IMPLS[name]
+            impl = core.counted(name, fn, callback=True)   # counters, inject_error, signals deferred
+            cb = _callbacks[key] = dffi.callback(spec[0], impl, error=999,   # CUDA_ERROR_UNKNOWN
+                                                 onerror=_callback_error)
     return 0, core.ffi.cast("void *", int(_dffi().cast("uintptr_t", cb)))
 
 
@@ -242,6 +253,13 @@ def cuModuleGetFunction(hfunc, hmod, name):
 
 def cuLaunchKernel(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes,
                    hStream, kernelParams, extra):
+    return _launch_kernel(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes,
+                          hStream, kernelParams, extra, 0)
+
+
+def _launch_kernel(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes,
+                   hStream, kernelParams, extra, null):
+    """cuLaunchKernel; ``null``: the stream a NULL hStream names (0 legacy, 2 per-thread)."""
     cudart, R, rc = _started()
     if rc:
         return rc
@@ -254,12 +272,26 @@ def cuLaunchKernel(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockD
         return CUDA_ERROR_INVALID_CONTEXT
     if extra != _dffi().NULL:
         return CUDA_ERROR_INVALID_VALUE   # CU_LAUNCH_PARAM_* buffers are not simulated
-    s = cudart.common._stream(R, _addr(hStream))
+    s = cudart.common._stream(R, _addr(hStream) or null)
     if s is None:
         return CUDA_ERROR_INVALID_HANDLE
     rc = cudart.launch(R, k, (gridDimX, gridDimY, gridDimZ), (blockDimX, blockDimY, blockDimZ),
                        core.ffi.cast("void **", _addr(kernelParams)), sharedMemBytes, s)
     return _LAUNCH_CODES.get(rc, rc)
+
+
+def cuLaunchKernel_ptsz(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes,
+                        hStream, kernelParams, extra):
+    """cuLaunchKernel's per-thread version (cuda.h, CUDA_API_PER_THREAD_DEFAULT_STREAM): a NULL
+    stream is CU_STREAM_PER_THREAD, the calling thread's per-thread default stream (cudaStreamPerThread);
+    CU_STREAM_LEGACY still names the legacy stream."""
+    return _launch_kernel(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes,
+                          hStream, kernelParams, extra, _CU_STREAM_PER_THREAD)
+
+
+_ENTRY_PER_THREAD = 2           # cudaEnablePerThreadDefaultStream
+_CU_STREAM_PER_THREAD = 2       # CU_STREAM_PER_THREAD (cuda.h) = cudaStreamPerThread (driver_types.h)
+_PER_THREAD_IMPLS = {"cuLaunchKernel": cuLaunchKernel_ptsz}
 
 
 # CUfunction_attribute (cuda.h) -> the field of struct cudaFuncAttributes with the same value (the
@@ -323,6 +355,7 @@ _ATTR_VMM = 102                 # CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_
 _ALLOCATION_TYPE_PINNED = 1     # CU_MEM_ALLOCATION_TYPE_PINNED
 _LOCATION_TYPE_DEVICE = 1       # CU_MEM_LOCATION_TYPE_DEVICE
 _GRANULARITY_OPTIONS = (0, 1)   # CU_MEM_ALLOC_GRANULARITY_MINIMUM, _RECOMMENDED
+_HOST_LOCATIONS = (2, 3)        # CU_MEM_LOCATION_TYPE_HOST, _HOST_NUMA: valid, not simulated
 _ACCESS = {0: None, 1: "r", 3: "rw"}   # CU_MEM_ACCESS_FLAGS_PROT_NONE / _READ / _READWRITE
 _ACCESS_FLAGS = {"r": 1, "rw": 3}
 _HOST_PAGE = mmap.PAGESIZE      # cuMemAddressReserve: addresses are multiples of the host page size
@@ -405,7 +438,11 @@ def _prop_device(R, prop):
         return -1, CUDA_ERROR_INVALID_VALUE if prop.type == 0 else CUDA_ERROR_NOT_SUPPORTED
     loc = prop.location
     if loc.type != _LOCATION_TYPE_DEVICE:
-        return -1, CUDA_ERROR_INVALID_VALUE if loc.type == 0 else CUDA_ERROR_NOT_SUPPORTED
+        # (r70d) cuMemCreate: "Specifying CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT as the
+        # CUmemLocation::type will result in CUDA_ERROR_INVALID_VALUE" (it was NOT_SUPPORTED, as the
+        # host locations that are valid but not simulated still are); so is a value that is no
+        # CUmemLocationType at all (cuda.h), or CU_MEM_LOCATION_TYPE_INVALID.
+        return -1, CUDA_ERROR_NOT_SUPPORTED if loc.type in _HOST_LOCATIONS else CUDA_ERROR_INVALID_VALUE
     if not (0 <= loc.id < len(R.devices)):
         return -1, CUDA_ERROR_INVALID_DEVICE
     if prop.win32HandleMetaData != _dffi().NULL or any(prop.allocFlags.reserved):
@@ -576,6 +613,7 @@ def cuMemSetAccess(ptr, size, desc, count):
     if desc == _dffi().NULL or count <= 0 or size <= 0:
         return CUDA_ERROR_INVALID_VALUE
     grants = []
+    seen = set()
     for i in range(count):
         loc, flags = desc[i].location, desc[i].flags
         if loc.type != _LOCATION_TYPE_DEVICE:
@@ -584,6 +622,12 @@ def cuMemSetAccess(ptr, size, desc, count):
             return CUDA_ERROR_INVALID_DEVICE
         if flags not in _ACCESS:
             return CUDA_ERROR_INVALID_VALUE
+        if loc.id in seen:
+            # (r70d) Two CUmemAccessDesc for one location in one call: the reference says each sets
+            # "the access flags for the target locations", not which of two wins.  Silent docs:
+            # refused (CUDA_ERROR_INVALID_VALUE), nothing changed; it applied the last one.
+            return CUDA_ERROR_INVALID_VALUE
+        seen.add(loc.id)
         grants.append((loc.id, _ACCESS[flags]))
     return _vmm_call(R.vmm.set_access, int(ptr), size, grants)
 

@@ -800,11 +800,17 @@ class MTLCommandBuffer(SimObject):
     def m_error(self):
         return self.error_obj
 
+    def _finished(self) -> bool:
+        return self.status in (COMPLETED, ERROR)
+
+    # Apple, MTLCommandBuffer gpuStartTime / gpuEndTime (Discussion): "The GPU start and end times
+    # remain 0.0 until the GPU finishes running the command buffer. Check this value after the
+    # waitUntilCompleted() method returns" (r69e: the start time was answered while it ran).
     def m_GPUStartTime(self):
-        return self.start
+        return self.start if self._finished() else 0.0
 
     def m_GPUEndTime(self):
-        return self.end
+        return self.end if self._finished() else 0.0
 
 
 class _CommandFailure(Exception):
@@ -1098,8 +1104,21 @@ class _State:
 
     def _define_classes(self) -> None:
         def string_with_utf8(ptr):
-            text = ptr if isinstance(ptr, bytes) else self.ffi.string(ptr)
-            return self.autorelease(NSString(self, text.decode("utf-8")))
+            # Apple, NSString init(utf8String:): "A NULL-terminated C array of bytes in UTF-8 encoding.
+            # This value must not be NULL" (a Mac raises NSInvalidArgumentException), and the
+            # initializer is failable ("convenience init?"): bytes that are not UTF-8 give nil.
+            # r69e: the bytes after a NUL were kept, a char[] cdata, NULL and non-UTF-8 bytes raised
+            # Python errors out of objc_msgSend.
+            if not ptr:
+                raise MetalValidationError("+[NSString stringWithUTF8String:]: NULL cString (NSString "
+                                           "init(utf8String:): \"This value must not be NULL\"; a Mac raises "
+                                           "NSInvalidArgumentException)")
+            raw = self.ffi.string(self.ffi.cast("char *", ptr))     # C reads up to the first NUL
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return None
+            return self.autorelease(NSString(self, text))
 
         for name, factory, methods in (
                 ("NSObject", None, {}),
@@ -1306,13 +1325,20 @@ class _Sender:
             if selector in NIL_ON_FAULT and core.take_fault(selector):
                 return self._result(None)
         values = []
+        keep = []   # bytes arguments' copies, alive for the call
         for objc_type, ctype, value in zip(declared_args, self.ctype.args[2:], args):
             value = self._arg(ctype, value)
             if objc_type == "id":
                 value = self._object(value)
             elif objc_type == "id *":
                 value = None if value == ffi.NULL else ffi.cast("void **", value)
-            elif ctype.kind == "pointer" and not isinstance(value, bytes):
+            elif ctype.kind == "pointer":
+                if isinstance(value, bytes):
+                    # cffi passes a bytes object to a char * / void * parameter as a pointer to its
+                    # data (NUL-terminated, as CPython keeps it): the method sees an address, as on a
+                    # Mac (r69e: newBufferWithBytes:/setBytes: raised TypeError for bytes).
+                    keep.append(ffi.new("char[]", value))
+                    value = keep[-1]
                 value = int(ffi.cast("uintptr_t", value))
             values.append(value)
         fn = target.method(selector)

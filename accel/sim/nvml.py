@@ -5,11 +5,15 @@ business, not NVML's) and never initializes the CUDA runtime.  UUIDs, PCI
 bus ids and names are the ones the simulated runtime reports in
 cudaDeviceProp, so a backend can map between them.  nvmlInit_v2 /
 nvmlShutdown are reference counted, as in NVML; other calls return
-NVML_ERROR_UNINITIALIZED while the count is zero.
+NVML_ERROR_UNINITIALIZED while the count is zero, and the handles of an
+initialization die with its last nvmlShutdown (r70k).  NULL out-pointers are
+NVML_ERROR_INVALID_ARGUMENT, as each function's nvml.h @return list says.
 """
 
 from __future__ import annotations
 
+import itertools
+import re
 import threading
 from typing import Dict, Optional
 
@@ -23,7 +27,14 @@ NVML_ERROR_NOT_SUPPORTED = 3
 NVML_ERROR_NOT_FOUND = 6
 NVML_ERROR_INSUFFICIENT_SIZE = 7
 NVML_ERROR_DRIVER_NOT_LOADED = 9
+NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25
 NVML_ERROR_UNKNOWN = 999
+
+# nvml.h: NVML_INIT_FLAG_NO_GPUS (1 << 0), NVML_INIT_FLAG_NO_ATTACH (1 << 1), NVML_INIT_FLAG_FORCE_INIT (1 << 2)
+_INIT_FLAGS = 0x7
+# nvml.h: #define NVML_STRUCT_VERSION(data, ver) (sizeof(nvml##data##_v##ver##_t) | (ver << 24U));
+# nvmlMemory_v2_t is {unsigned int version; unsigned long long total, reserved, free, used;}: 40 bytes
+NVML_MEMORY_V2 = 40 | (2 << 24)
 
 DRIVER_VERSION = "580.65.06"
 # The first driver branch of each simulated driver CUDA version (CUDA Toolkit release notes,
@@ -69,6 +80,10 @@ class _State:
 
 
 _S = _State()
+# Each complete initialization (the reference count going from 0 to 1) hands out new handle
+# values; the count is never reset (not by a reset, nor in a forked child), so a handle from an
+# earlier initialization, or the parent's, is never valid again (r70k; nvml.h nvmlShutdown).
+_GENERATIONS = itertools.count()
 
 
 def _reset() -> None:
@@ -88,10 +103,13 @@ def _device(handle) -> Optional[int]:
 
 def _write_string(buf, length, text: str) -> int:
     data = text.encode() + b"\0"
-    if buf is None or length is None or length < len(data):
-        return NVML_ERROR_INSUFFICIENT_SIZE if buf is not None else NVML_ERROR_INVALID_ARGUMENT
-    if buf.__class__ is not int and buf == ffi.NULL:
+    # nvml.h (nvmlDeviceGetName, GetUUID, nvmlSystemGetDriverVersion ...): INVALID_ARGUMENT "if
+    # \a name is NULL", INSUFFICIENT_SIZE "if \a length is too small": a NULL buffer is refused
+    # first, whatever the length (r70k: a NULL buffer with a short length answered 7)
+    if buf is None or (buf.__class__ is not int and buf == ffi.NULL) or buf == 0:
         return NVML_ERROR_INVALID_ARGUMENT
+    if length is None or length < len(data):
+        return NVML_ERROR_INSUFFICIENT_SIZE
     ffi.memmove(ffi.cast(_CHARP, buf) if buf.__class__ is int else buf, data, len(data))
     return NVML_SUCCESS
 
@@ -100,6 +118,11 @@ def _ready() -> int:
     if _S.refcount <= 0:
         return NVML_ERROR_UNINITIALIZED
     return NVML_SUCCESS
+
+
+def _out(ptr) -> bool:
+    """An out-pointer the caller gave: not None / NULL (nvml.h: INVALID_ARGUMENT "if ... is NULL")."""
+    return ptr is not None and ptr != ffi.NULL
 
 
 # -- functions -----------------------------------------------------------------
@@ -113,15 +136,23 @@ def nvmlInit_v2():
         S.init_calls += 1
         S.refcount += 1
         if not S.keys:
+            base = _HANDLE_BASE + 0x10000 * next(_GENERATIONS)
+            keys, handles = [], {}
             for i in range(cfg.devices):
-                key = ffi.cast(_VOIDP, _HANDLE_BASE + 0x100 * i)
-                S.keys.append(key)
-                S.handles[key] = i
-                S.handles[_HANDLE_BASE + 0x100 * i] = i
+                key = ffi.cast(_VOIDP, base + 0x100 * i)
+                keys.append(key)
+                handles[key] = i
+                handles[base + 0x100 * i] = i
+            S.handles, S.keys = handles, keys
     return NVML_SUCCESS
 
 
 def nvmlInitWithFlags(flags):
+    # nvml.h nvmlInitWithFlags: "NVML_INIT_FLAG_* flags that can modify NVML Init behavior";
+    # the docs are silent on other bits: refused (r70k).  The three flags only relax init, which
+    # never fails here for want of devices, so each is a plain init.
+    if flags & ~_INIT_FLAGS:
+        return NVML_ERROR_INVALID_ARGUMENT
     return nvmlInit_v2()
 
 
@@ -131,6 +162,13 @@ def nvmlShutdown():
         if S.refcount <= 0:
             return NVML_ERROR_UNINITIALIZED
         S.refcount -= 1
+        if S.refcount == 0:
+            # nvml.h nvmlShutdown: "shut down and cleanup NVML Library state by releasing all
+            # device and library resources previously allocated with nvmlInit_v2()": a handle
+            # from before is invalid (INVALID_ARGUMENT "if device is invalid"), also after the next
+            # init, which hands out new values (r70k).  New objects: a call racing the shutdown
+            # reads the old ones whole.
+            S.handles, S.keys = {}, []
     return NVML_SUCCESS
 
 
@@ -162,6 +200,8 @@ def nvmlSystemGetCudaDriverVersion_v2(cudaDriverVersion):
     rc = _ready()
     if rc:
         return rc
+    if not _out(cudaDriverVersion):       # nvml.h: INVALID_ARGUMENT "if cudaDriverVersion is NULL"
+        return NVML_ERROR_INVALID_ARGUMENT
     # The CUDA version the simulated driver supports (Config.driver_version).
     cudaDriverVersion[0] = core.config().driver_version
     return NVML_SUCCESS
@@ -175,7 +215,7 @@ def nvmlDeviceGetCount_v2(deviceCount):
     rc = _ready()
     if rc:
         return rc
-    if deviceCount is None or deviceCount == ffi.NULL:
+    if not _out(deviceCount):
         return NVML_ERROR_INVALID_ARGUMENT
     deviceCount[0] = len(_S.keys)
     return NVML_SUCCESS
@@ -185,22 +225,77 @@ def nvmlDeviceGetHandleByIndex_v2(index, device):
     rc = _ready()
     if rc:
         return rc
-    if not (0 <= index < len(_S.keys)) or device is None or device == ffi.NULL:
+    keys = _S.keys
+    if not (0 <= index < len(keys)) or not _out(device):
         return NVML_ERROR_INVALID_ARGUMENT
-    device[0] = _S.keys[index]
+    device[0] = keys[index]
     return NVML_SUCCESS
+
+
+def _c_string(arg) -> Optional[bytes]:
+    """The bytes of a ``const char *`` argument (Python bytes or a char cdata); None for NULL."""
+    if isinstance(arg, bytes):
+        return arg.split(b"\0", 1)[0]
+    if arg is None or arg == ffi.NULL:
+        return None
+    return ffi.string(ffi.cast(_CHARP, arg))
+
+
+# nvmlDeviceGetUUID's form, "GPU-" (or "MIG-" for a MIG device) and 8-4-4-4-12 hexadecimal digits
+_UUID_FORM = re.compile(rb"(GPU|MIG)-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 
 
 def nvmlDeviceGetHandleByUUID(uuid, device):
     rc = _ready()
     if rc:
         return rc
-    text = uuid if isinstance(uuid, bytes) else ffi.string(ffi.cast(_CHARP, uuid))
-    for i in range(len(_S.keys)):
+    # nvml.h nvmlDeviceGetHandleByUUID: INVALID_ARGUMENT "if uuid is invalid or device is null",
+    # NOT_FOUND "if uuid does not match a valid device on the system".  A text that is not a
+    # whole UUID (a CUDA_VISIBLE_DEVICES style prefix, junk) is invalid (r70k: it answered
+    # NOT_FOUND, and NULL pointers raised Python errors).  No MIG devices: a MIG- UUID matches none.
+    text = _c_string(uuid)
+    if text is None or not _out(device) or not _UUID_FORM.fullmatch(text):
+        return NVML_ERROR_INVALID_ARGUMENT
+    keys = _S.keys
+    for i in range(len(keys)):
         if core.uuid_text(i).encode() == text:
-            device[0] = _S.keys[i]
+            device[0] = keys[i]
             return NVML_SUCCESS
     return NVML_ERROR_NOT_FOUND
+
+
+# nvml.h nvmlDeviceGetHandleByPciBusId_v2, pciBusId: "Accept the following formats (all numbers
+# in hexadecimal): domain:bus:device.function in format %x:%x:%x.%x, domain:bus:device in format
+# %x:%x:%x, bus:device.function in format %x:%x.%x".  Only hexadecimal digits are taken (no 0x,
+# sign or blanks, which scanf would also read: the docs name the digits only).
+_PCI_FORMS = (
+    re.compile(rb"(?P<domain>[0-9a-fA-F]+):(?P<bus>[0-9a-fA-F]+):(?P<device>[0-9a-fA-F]+)\.(?P<function>[0-9a-fA-F]+)"),
+    re.compile(rb"(?P<domain>[0-9a-fA-F]+):(?P<bus>[0-9a-fA-F]+):(?P<device>[0-9a-fA-F]+)"),
+    re.compile(rb"(?P<bus>[0-9a-fA-F]+):(?P<device>[0-9a-fA-F]+)\.(?P<function>[0-9a-fA-F]+)"),
+)
+
+
+def nvmlDeviceGetHandleByPciBusId_v2(pciBusId, device):
+    rc = _ready()
+    if rc:
+        return rc
+    text = _c_string(pciBusId)
+    if text is None or not _out(device):       # INVALID_ARGUMENT "if ... device is NULL"
+        return NVML_ERROR_INVALID_ARGUMENT
+    m = next((m for m in (f.fullmatch(text) for f in _PCI_FORMS) if m is not None), None)
+    if m is None:                               # INVALID_ARGUMENT "if pciBusId is invalid"
+        return NVML_ERROR_INVALID_ARGUMENT
+    parts = m.groupdict()
+    domain = int(parts.get("domain") or b"0", 16)
+    bus, dev = int(parts["bus"], 16), int(parts["device"], 16)
+    function = int(parts["function"], 16) if parts.get("function") is not None else 0
+    keys = _S.keys
+    for i in range(len(keys)):
+        # every simulated device is domain 0, bus core.pci_bus(i), device 0, function 0
+        if (domain, bus, dev, function) == (0, core.pci_bus(i), 0, 0):
+            device[0] = keys[i]
+            return NVML_SUCCESS
+    return NVML_ERROR_NOT_FOUND                 # "if pciBusId does not match a valid device"
 
 
 def _with_device(device):
@@ -217,6 +312,8 @@ def nvmlDeviceGetIndex(device, index):
     rc, i = _with_device(device)
     if rc:
         return rc
+    if not _out(index):                   # nvml.h: INVALID_ARGUMENT "if ... index is NULL"
+        return NVML_ERROR_INVALID_ARGUMENT
     index[0] = i
     return NVML_SUCCESS
 
@@ -265,10 +362,36 @@ def nvmlDeviceGetMemoryInfo(device, memory):
     return NVML_SUCCESS
 
 
+def nvmlDeviceGetMemoryInfo_v2(device, memory):
+    rc, i = _with_device(device)
+    if rc:
+        return rc
+    if not _out(memory):                  # nvml.h: INVALID_ARGUMENT "if ... memory is NULL"
+        return NVML_ERROR_INVALID_ARGUMENT
+    # nvml.h nvmlMemory_v2_t.version: "Structure format version (must be 2)", meaning the macro
+    # nvmlMemory_v2 = NVML_STRUCT_VERSION(Memory, 2) (NVIDIA/nvidia-settings issue 78: a plain 2
+    # is refused; drivers of that time answered FUNCTION_NOT_FOUND); nvmlReturn_t:
+    # ARGUMENT_VERSION_MISMATCH "The provided version is invalid/unsupported" (r70k)
+    if memory.version != NVML_MEMORY_V2:
+        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH
+    from . import cudart
+    total = core.config().memory
+    used = cudart.device_used_bytes(i)
+    # no memory is reserved before a context (README, "still more lenient"): reserved 0, and the
+    # contexts' reservation is in used as in v1, so total = reserved + used + free as in v1
+    memory.total = total
+    memory.reserved = 0
+    memory.used = used
+    memory.free = total - used
+    return NVML_SUCCESS
+
+
 def nvmlDeviceGetCudaComputeCapability(device, major, minor):
     rc, i = _with_device(device)
     if rc:
         return rc
+    if not _out(major) or not _out(minor):    # nvml.h: INVALID_ARGUMENT "if ... major or minor are NULL"
+        return NVML_ERROR_INVALID_ARGUMENT
     cc = core.config().compute_capability
     major[0], minor[0] = cc
     return NVML_SUCCESS
@@ -278,6 +401,8 @@ def nvmlDeviceGetMultiGpuBoard(device, multiGpuBool):
     rc, i = _with_device(device)
     if rc:
         return rc
+    if not _out(multiGpuBool):            # nvml.h: INVALID_ARGUMENT "if ... multiGpuBool is NULL"
+        return NVML_ERROR_INVALID_ARGUMENT
     multiGpuBool[0] = 0
     return NVML_SUCCESS
 
@@ -293,7 +418,9 @@ def nvmlDeviceGetMaxMigDeviceCount(device, count):
     rc, i = _with_device(device)
     if rc:
         return rc
-    count[0] = 0
+    if not _out(count):                   # nvml.h: INVALID_ARGUMENT "if device or count reference is invalid"
+        return NVML_ERROR_INVALID_ARGUMENT
+    count[0] = 0                          # "Returns zero if MIG is not supported or enabled"
     return NVML_SUCCESS
 
 
@@ -354,10 +481,6 @@ def busy(physical: int) -> bool:
 
 def _reading(i: int) -> dict:
     return BUSY if busy(i) else IDLE
-
-
-def _out(ptr) -> bool:
-    return ptr is not None and ptr != ffi.NULL
 
 
 def nvmlDeviceGetUtilizationRates(device, utilization):

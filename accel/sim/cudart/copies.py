@@ -12,7 +12,7 @@ from .state import (
     cudaErrorInvalidValue, cudaErrorStreamCaptureUnsupported, cudaSuccess,
 )
 from .common import _async_unusable, _enqueue, _invalidate, _stream, _unsafe_call
-from .pools import _pool_access_problem
+from .pools import _pool_access_problem, _pool_memory
 
 
 # -- copies ------------------------------------------------------------------------------
@@ -96,6 +96,13 @@ def _memcpy(R: Runtime, dst, src, count, kind, s: Stream, sync: bool, label: str
         # devices: refused unless that device was granted access).
         dv = R.vmm.resolve(dp, count, s.device, True) if da is None else None
         sv = R.vmm.resolve(sp, count, s.device, False) if sa is None and staged is None else None
+        if s.capture is not None:
+            # (r70d) A captured copy runs at each graph launch: it touches the addresses as mapped,
+            # and with the access set, then (_vmm.Region.at_launch; it kept capture time's before).
+            if dv is not None:
+                dv = _vmm.Region.at_launch(R.vmm, dp, count, s.device, True)
+            if sv is not None:
+                sv = _vmm.Region.at_launch(R.vmm, sp, count, s.device, False)
         for v in (dv, sv):
             if v.__class__ is str:
                 return _vmm_fault(R, s, v, sync, "memcpy")
@@ -179,7 +186,21 @@ def cudaMemcpyPeerAsync(R, dst, dstDevice, src, srcDevice, count, stream=None):
     return _memcpy(R, dst, src, count, _MEMCPY_D2D, s, False, "memcpy-peer")
 
 
-def _memset_op(dp: int, value: int, n: int, a):
+def _memset_op(dp: int, value: int, n: int, a, foreign=None):
+    if foreign is not None:
+        peers, device = foreign
+
+        def fop():
+            # (r69d) checked when the memset runs, as a kernel's access is (devices._device_view):
+            # peer access enabled or disabled meanwhile counts ("immediately")
+            if a.device not in peers:
+                raise _IllegalAddress(
+                    f"memset of {n} bytes at 0x{dp:x} on device {device}: memory of device {a.device} without "
+                    f"peer access (cudaDeviceEnablePeerAccess({a.device}, 0) on device {device})")
+            op()
+        op = _memset_op(dp, value, n, a)
+        fop.allocs = op.allocs
+        return fop
     if a.__class__ is _vmm.Region:
         def vop():
             with a.lock.shared():
@@ -209,7 +230,10 @@ def _memset(R: Runtime, devPtr, value, count, s: Stream, sync: bool) -> int:
     a = R.mem.find(dp) if dp else None
     if a is None and dp and R.vmm.reservations:
         a = R.vmm.resolve(dp, count, s.device, True)
-        if a.__class__ is str:
+        if a is not None and s.capture is not None:
+            # (r70d) a captured memset touches the address as mapped at each launch (as a copy)
+            a = _vmm.Region.at_launch(R.vmm, dp, count, s.device, True)
+        elif a.__class__ is str:
             return _vmm_fault(R, s, a, sync, "memset")
     if a is None or dp + count > a.end or _async_unusable(R, a, s):
         return cudaErrorInvalidValue
@@ -217,11 +241,23 @@ def _memset(R: Runtime, devPtr, value, count, s: Stream, sync: bool) -> int:
         why = _pool_access_problem(R, a, s.device, True)
         if why is not None:
             return _vmm_fault(R, s, f"0x{dp:x}: {why}", sync, "memset")
+    foreign = None
+    if a.__class__ is not _vmm.Region and a.kind == _memory.DEVICE and a.device != s.device \
+            and not _pool_memory(R, a):
+        # (r69d) A memset by one device (the stream's) into another device's cudaMalloc memory.  CUDA
+        # Runtime API, cudaDeviceEnablePeerAccess: "On success, all allocations from peerDevice will
+        # immediately be accessible by the current device" -- not before; the pages of cudaMemset /
+        # cudaMemsetAsync are silent on memory the stream's device cannot access.  Kernels already
+        # fault there (cudaErrorIllegalAddress, devices._device_view); the memset ran before r69d (the
+        # README listed it as still lenient).  It is queued and faults when it runs (700, sticky),
+        # unless the stream's device has peer access to the memory's then.  Pool and graph memory
+        # follow cudaMemPoolSetAccess instead (above); pinned host memory is every device's.
+        foreign = (R.devices[s.device].peers, s.device)
     if sync and R.captures:
         rc = _unsafe_call(R)
         if rc:
             return rc
-    rc, seq = _enqueue(R, s, _memset_op(dp, value & 0xFF, count, a), "memset", "memset")
+    rc, seq = _enqueue(R, s, _memset_op(dp, value & 0xFF, count, a, foreign), "memset", "memset")
     if rc:
         return rc
     if sync and seq:

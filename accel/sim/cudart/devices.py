@@ -264,6 +264,23 @@ def cudaDeviceCanAccessPeer(R, canAccessPeer, device, peerDevice):
     return cudaSuccess
 
 
+def _peer_call_in_capture(R: Runtime) -> int:
+    """0, or cudaErrorStreamCaptureUnsupported (900) after invalidating the captures that prohibit a
+    potentially unsafe call by this thread now (common._unsafe_call: the thread's own non-relaxed
+    capture, or another thread's global capture unless this thread is relaxed).
+
+    (r69d) cudaDeviceEnablePeerAccess / cudaDeviceDisablePeerAccess.  The Runtime API pages say
+    nothing of stream capture; the calls are not stream operations: "On success, all allocations
+    from peerDevice will immediately be accessible by the current device.  They will remain
+    accessible until access is explicitly disabled using cudaDeviceDisablePeerAccess()" -- a change,
+    at once and for the whole context, of what every kernel may touch (work already queued or
+    captured included), which no graph node can stand for.  Docs silent: refused as potentially
+    unsafe, as the simulator refuses the other access changes (cudaMemPoolSetAccess, r68d;
+    cuMemSetAccess), 900 and the capture invalidated; the thread's relaxed mode allows them.
+    Before r69d both were accepted in any capture."""
+    return _unsafe_call(R) if R.captures else 0
+
+
 def cudaDeviceEnablePeerAccess(R, peerDevice, flags):
     """Let kernels of the current device access ``peerDevice``'s memory (one direction only).
 
@@ -280,6 +297,9 @@ def cudaDeviceEnablePeerAccess(R, peerDevice, flags):
         return cudaErrorPeerAccessUnsupported
     if flags != 0:
         return cudaErrorInvalidValue
+    rc = _peer_call_in_capture(R)
+    if rc:
+        return rc
     peers = R.devices[d].peers
     if peerDevice in peers:
         return cudaErrorPeerAccessAlreadyEnabled
@@ -292,6 +312,9 @@ def cudaDeviceDisablePeerAccess(R, peerDevice):
     cudaDeviceEnablePeerAccess(peerDevice) was called on the current device."""
     if not (0 <= peerDevice < len(R.devices)):
         return cudaErrorInvalidDevice
+    rc = _peer_call_in_capture(R)
+    if rc:
+        return rc
     peers = R.devices[R.tls.device].peers
     if peerDevice not in peers:
         return cudaErrorPeerAccessNotEnabled
@@ -342,17 +365,26 @@ def cudaDeviceGetStreamPriorityRange(R, leastPriority, greatestPriority):
     return cudaSuccess
 
 
+def _refused_with_device_captures(R, d) -> int:
+    """0, or the error of a call that waits for device ``d`` (or resets it) while a capture is
+    underway: a potentially unsafe call's refusal (``_unsafe_call``), else 900 with the
+    device's captures invalidated."""
+    if not R.captures:
+        return 0
+    rc = _unsafe_call(R)
+    if rc:
+        return rc
+    caps = _device_captures(R, d)
+    for cap in caps:
+        _invalidate(R, cap)
+    return cudaErrorStreamCaptureUnsupported if caps else 0
+
+
 def cudaDeviceSynchronize(R):
     d = R.tls.device
-    if R.captures:
-        rc = _unsafe_call(R)
-        if rc:
-            return rc
-        caps = _device_captures(R, d)
-        if caps:
-            for cap in caps:
-                _invalidate(R, cap)
-            return cudaErrorStreamCaptureUnsupported
+    rc = _refused_with_device_captures(R, d)
+    if rc:
+        return rc
     _wait_device(R, d)
     return R.sticky
 
@@ -361,8 +393,22 @@ def cudaDeviceReset(R):
     """Wait for the current device, then drop its memory, streams and events."""
     d = R.tls.device
     dev = R.devices[d]
-    for cap in _device_captures(R, d):
-        _invalidate(R, cap)
+    if R.captures:
+        # (r69d) CUDA Runtime API, cudaDeviceReset: "Explicitly destroys and cleans up all resources
+        # associated with the current device in the current process" -- it frees the device's memory
+        # (as cudaFree, a potentially unsafe call: _unsafe_call) and destroys its streams, a
+        # capture's among them; CUDA Programming Guide, "CUDA Graphs" > "Prohibited and Unhandled
+        # Operations": "It is also invalid to query the execution status of or synchronize a broader
+        # handle which encompasses an active stream capture, such as a device or context handle when
+        # any associated stream is in capture mode" (cudaDeviceSynchronize: 900 in any mode).  The
+        # docs do not say what a reset does to a capture underway; before r69d the simulator
+        # invalidated it and reset anyway, destroying the capture's origin stream, so the capture
+        # could never be ended and every later potentially unsafe call (cudaMalloc, ...) in global
+        # mode returned 900 for good.  Refused now as cudaDeviceSynchronize is: 900, the captures
+        # invalidated, nothing reset.
+        rc = _refused_with_device_captures(R, d)
+        if rc:
+            return rc
     _wait_device(R, d)
     for a in R.mem.all():
         if a.kind == _memory.DEVICE and a.device == d:

@@ -206,7 +206,14 @@ def cudaMemPoolSetAttribute(R, memPool, attr, value):
     if rc:
         return rc
     if attr in pool.reuse:
-        pool.reuse[attr] = 1 if _pool_value(value, "int *") else 0
+        # (r69d) CUDA Runtime API, cudaMemPoolSetAttribute: cudaMemPoolReuseFollowEventDependencies,
+        # cudaMemPoolReuseAllowOpportunistic and cudaMemPoolReuseAllowInternalDependencies are
+        # "(value type = int) Allow ... (default enabled)": on/off switches.  The page says nothing
+        # of other values (2 or -1 were read as 1 before r69d): refused, nothing changed.
+        v = _pool_value(value, "int *")
+        if v not in (0, 1):
+            return cudaErrorInvalidValue
+        pool.reuse[attr] = v
     elif attr == _POOL_RELEASE_THRESHOLD:
         pool.release_threshold = _pool_value(value, "unsigned long long *")
     elif attr in (_POOL_RESERVED_HIGH, _POOL_USED_HIGH):

@@ -215,7 +215,7 @@ def _entry_point(R, symbol, funcPtr, version, flags, driverStatus):
     if name is None or _is_null(funcPtr) or flags not in _ENTRY_FLAGS:
         return cudaErrorInvalidValue
     from .. import cuda_driver
-    status, fn = cuda_driver.entry_point(name, version, R.cfg.driver_version)
+    status, fn = cuda_driver.entry_point(name, version, R.cfg.driver_version, flags)   # r70d: flags too
     _put_ptr(funcPtr, fn if fn is not None else _NULL)
     if not _is_null(driverStatus):
         _put(driverStatus, status)

@@ -102,6 +102,11 @@ def cudaStreamGetPriority(R, hStream, priority):
     s = _stream(R, hStream)
     if s is None:
         return cudaErrorInvalidResourceHandle
+    if _is_null(priority):
+        # (r69d) CUDA Runtime API, cudaStreamGetPriority / cudaStreamGetFlags / cudaStreamGetDevice:
+        # the out-pointer receives the answer; the pages list cudaErrorInvalidValue among the
+        # returns.  A NULL one raised a Python RuntimeError out of the library before r69d.
+        return cudaErrorInvalidValue
     _put(priority, s.priority)
     return cudaSuccess
 
@@ -110,6 +115,8 @@ def cudaStreamGetFlags(R, hStream, flags):
     s = _stream(R, hStream)
     if s is None:
         return cudaErrorInvalidResourceHandle
+    if _is_null(flags):
+        return cudaErrorInvalidValue        # (r69d: see cudaStreamGetPriority)
     _put(flags, s.flags, "unsigned int *")
     return cudaSuccess
 
@@ -118,5 +125,7 @@ def cudaStreamGetDevice(R, hStream, device):
     s = _stream(R, hStream)
     if s is None:
         return cudaErrorInvalidResourceHandle
+    if _is_null(device):
+        return cudaErrorInvalidValue        # (r69d: see cudaStreamGetPriority)
     _put(device, s.device)
     return cudaSuccess

@@ -150,6 +150,15 @@ _ONE_THREAD.update(zeKernelSetArgumentValue="kernel", zeKernelSetGroupSize="kern
 # zeContextDestroy: "The application must **not** call this function from simultaneous threads
 # with the same context handle" (the second destroyed the context under the first).
 _ONE_THREAD.update(zeContextDestroy="context")
+# (r70h) The same words in ze_api.h for zeEventCreate and zeEventPoolDestroy ("... with the same
+# event pool handle"), zeEventDestroy ("event"), zeCommandQueueDestroy ("command queue"),
+# zeKernelDestroy ("kernel": one claim with zeKernelSetArgumentValue/SetGroupSize), zeModuleDestroy
+# ("module") and zeModuleBuildLogDestroy ("build log"): the simulator let two threads in at once
+# (two zeEventCreate calls on one pool raced for its slots; a destroy ran under another thread's
+# call on the handle).  The second is refused, HANDLE_OBJECT_IN_USE, as above.
+_ONE_THREAD.update(zeEventCreate="eventpool", zeEventPoolDestroy="eventpool", zeEventDestroy="event",
+                   zeCommandQueueDestroy="cmdqueue", zeKernelDestroy="kernel", zeModuleDestroy="module",
+                   zeModuleBuildLogDestroy="buildlog")
 
 
 def _claim(handle, kind: str):

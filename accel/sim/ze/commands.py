@@ -17,7 +17,7 @@ from .virtual_memory import _reservation_ctx, _vmm_range
 
 # -- command lists and queues ---------------------------------------------------------------------
 
-def _queue_target(hContext, hDevice, stype, expected_stype: str, ordinal, pnext=None):
+def _queue_target(hContext, hDevice, desc, out, expected_stype: str, ordinal_field: str):
     """The checks every creator of a queue or command list makes: ``(rc, rt, dev)``,
     with ``rc`` the result code to return when it is not 0."""
     rt, rc = _ready()
@@ -29,6 +29,12 @@ def _queue_target(hContext, hDevice, stype, expected_stype: str, ordinal, pnext=
     dev = rt.get(hDevice, "device")
     if dev is None:
         return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE, rt, None
+    if not desc or not out:
+        # (r70h) ze_api.h @returns: "nullptr == desc" (altdesc), "nullptr == phCommandList" /
+        # "nullptr == phCommandQueue" (memory.py, _null_pointers): the list or queue, with its
+        # engine queue, was made and leaked before the write to a NULL out-pointer raised
+        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER, rt, None
+    stype, pnext, ordinal = desc.stype, desc.pNext, getattr(desc, ordinal_field)
     if stype != getattr(C, expected_stype):
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION, rt, None
     if pnext:
@@ -55,8 +61,8 @@ def _queue_desc_code(C, desc) -> int:
 
 
 def zeCommandListCreateImmediate(hContext, hDevice, altdesc, phCommandList):
-    rc, rt, dev = _queue_target(hContext, hDevice, altdesc.stype, "ZE_STRUCTURE_TYPE_COMMAND_QUEUE_DESC",
-                                altdesc.ordinal, altdesc.pNext)
+    rc, rt, dev = _queue_target(hContext, hDevice, altdesc, phCommandList, "ZE_STRUCTURE_TYPE_COMMAND_QUEUE_DESC",
+                                "ordinal")
     if rc:
         return rc
     C = rt.C
@@ -68,13 +74,15 @@ def zeCommandListCreateImmediate(hContext, hDevice, altdesc, phCommandList):
         return rc
     q = rt.engine.queue(f"xpu{dev.ordinal}-immediate")
     cl = rt._add(_CmdList(rt.get(hContext, "context"), dev, True, q, in_order, altdesc.ordinal))
+    if not in_order:
+        cl.order = _Order(True)     # (r69f) "lists without IN_ORDER" below
     phCommandList[0] = cl.key
     return 0
 
 
 def zeCommandListCreate(hContext, hDevice, desc, phCommandList):
-    rc, rt, dev = _queue_target(hContext, hDevice, desc.stype, "ZE_STRUCTURE_TYPE_COMMAND_LIST_DESC",
-                                desc.commandQueueGroupOrdinal, desc.pNext)
+    rc, rt, dev = _queue_target(hContext, hDevice, desc, phCommandList, "ZE_STRUCTURE_TYPE_COMMAND_LIST_DESC",
+                                "commandQueueGroupOrdinal")
     if rc:
         return rc
     C = rt.C
@@ -87,6 +95,8 @@ def zeCommandListCreate(hContext, hDevice, desc, phCommandList):
     if desc.flags > 0x3F or (in_order and desc.flags & C.ZE_COMMAND_LIST_FLAG_RELAXED_ORDERING):
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
     cl = rt._add(_CmdList(rt.get(hContext, "context"), dev, False, None, in_order, desc.commandQueueGroupOrdinal))
+    if not in_order:
+        cl.order = _Order(False)    # (r69f) "lists without IN_ORDER" below
     phCommandList[0] = cl.key
     return 0
 
@@ -139,6 +149,8 @@ def zeCommandListReset(hCommandList):
         return rt.C.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE
     cl.ops.clear()
     cl.closed = False
+    if cl.order is not None:
+        cl.order = _Order(cl.immediate)     # a fresh list: nothing appended orders what comes next
     # Its earlier executions are forgotten: the next execution runs new contents, not a
     # re-execution (the event-reset rule in _executable).  Not busy, so nothing references it.
     cl.executing = None
@@ -149,13 +161,19 @@ class _Op:
     """One command: ``fn`` (the work, may be None), the events it waits for, signals and resets;
     ``traffic`` the (read, written) bytes of device memory it moves (the Sysman counters);
     ``kernel`` the kernel object a launch runs (_ze_kernels.py), referenced until it ran;
-    ``memory`` the USM allocations it touches, likewise referenced (zeMemFree)."""
-    __slots__ = ("fn", "waits", "signal", "reset", "work", "label", "traffic", "kernel", "memory")
+    ``memory`` the USM allocations it touches, likewise referenced (zeMemFree).  (r69f) On a list
+    without IN_ORDER: ``ranges`` the (reads, writes) address ranges a copy or fill touches (a
+    kernel's are seen as it runs, _ze_kernels.py), and ``rec`` its place among the list's
+    commands (:class:`_Rec`, set by :func:`_order`)."""
+    __slots__ = ("fn", "waits", "signal", "reset", "work", "label", "traffic", "kernel", "memory", "ranges", "rec")
 
-    def __init__(self, fn, waits=(), signal=None, reset=None, work=True, label="", traffic=(0, 0), kernel=None):
+    def __init__(self, fn, waits=(), signal=None, reset=None, work=True, label="", traffic=(0, 0), kernel=None,
+                 ranges=((), ())):
         self.fn, self.waits, self.signal, self.reset, self.work, self.label = fn, waits, signal, reset, work, label
         self.traffic, self.kernel = traffic, kernel
         self.memory = ()
+        self.ranges = ranges
+        self.rec = None
 
 
 def _is_device_memory(a) -> bool:
@@ -176,7 +194,7 @@ def _submit(rt: _Runtime, queue, op: _Op, device: Optional[_Device] = None, ordi
     reads, writes = op.traffic
     with rt.lock:
         deps = [(ev.eq, ev.last_reset_sig + 1) for ev in op.waits]
-        sig, rst, fn, waits = op.signal, op.reset, op.fn, op.waits
+        sig, rst, fn, waits, rec = op.signal, op.reset, op.fn, op.waits, op.rec
         # PROG.rst: "The duration of a kernel timestamp for zeCommandListAppendSignalEvent and
         # zeEventHostSignal is undefined": a plain signal leaves no timestamp to query
         timed = op.label != "signal"
@@ -230,15 +248,21 @@ def _submit(rt: _Runtime, queue, op: _Op, device: Optional[_Device] = None, ordi
                         why = next(filter(None, (_scope_problem(rt, ev, source) for ev in waits)), None)
                     if why:
                         raise RuntimeError(f"{op.label}: {why}")
+                if rec is not None and rec.fault:
+                    raise RuntimeError(rec.fault)   # (r69f) a signal not ordered after earlier work
                 if fn is not None:
                     fn()
+                if rec is not None and rec.peers:
+                    why = _hazard(rec)              # (r69f) unordered commands touching one range
+                    if why:
+                        raise RuntimeError(why)
                 if rst is not None:
                     rst.signaled = False
                 released = True
                 release(start)
                 if sig is not None:
                     signalled = True
-                    _device_signal(rt, sig, timed, source)
+                    _device_signal(rt, sig, timed, source, rec)
             finally:
                 if not released:
                     release(start)
@@ -274,6 +298,159 @@ def _op_events(op: _Op) -> tuple:
     return op.waits + extra if extra else op.waits
 
 
+# -- lists without IN_ORDER (r69f) -----------------------------------------------------------------
+# PROG.rst, Barriers > Execution Barriers: "Commands executed on a command list are only guaranteed
+# to start in the same order in which they are submitted; i.e. there is no implicit definition of
+# the order of completion"; Memory Barriers: "Commands executed on a command list are *not*
+# guaranteed to maintain memory coherency with other commands".  Only ZE_COMMAND_LIST_FLAG_IN_ORDER
+# (ZE_COMMAND_QUEUE_FLAG_IN_ORDER for an immediate list; API 1.7) makes the driver enforce
+# "dependencies between them"; otherwise the orderings are the application's:
+# zeCommandListAppendBarrier with no wait events ("all previous commands ... must complete prior to
+# the execution of the barrier"; "This command blocks all following commands from beginning until
+# the execution of the barrier completes"), a barrier with wait events (it waits for those events
+# only, and still blocks what follows), a command's phWaitEvents, zeCommandListAppendWaitOnEvents
+# ("events to wait on before continuing"), and, on an immediate list, the host having seen work
+# complete before appending more.  The simulator ran such lists in order: a program missing a
+# barrier worked here and raced on a GPU (commands overlap, or complete out of order).  It still runs
+# them in order, and faults (the device is lost, the reason in sim.state()["ze_errors"], as for the
+# other device faults) when the order mattered:
+#   * two commands of the list that nothing above orders touch overlapping bytes, one of them
+#     writing: the later one faults as it runs (copies and fills by their ranges; a kernel by the
+#     bytes its reference viewed, and changed: _ze_kernels.py);
+#   * zeCommandListAppendSignalEvent (or a signalling barrier with wait events) of an event from a
+#     ZE_EVENT_POOL_FLAG_HOST_VISIBLE pool while earlier work of the list is not ordered before it:
+#     the signal may complete first, so the host waiting for it would go on before that work (its
+#     only content is its place in the list, which such a list does not keep).  A command's own
+#     signal event ("signal on completion") covers that command only and is not checked.
+# Events signalled and waited for across lists, queues and the host are the existing rules
+# (events.py); the commands of one list are analysed, with at most _OPEN_LIMIT unordered ones kept.
+
+_OPEN_LIMIT = 1024
+
+
+class _Rec:
+    """One command of a list without IN_ORDER: ``n`` its number in the list; ``before`` the
+    numbers of the earlier unordered work commands ordered before it (by events, waits); ``peers``
+    the earlier work commands nothing orders before it; ``reads``/``writes`` the address ranges it
+    touches (a kernel's: of its latest run); ``fault`` why it faults as it runs (a signal)."""
+    __slots__ = ("n", "label", "work", "before", "peers", "reads", "writes", "fault", "order")
+
+    def __init__(self, order, n, label, work, before):
+        self.order, self.n, self.label, self.work, self.before = order, n, label, work, before
+        self.peers = ()
+        self.reads = self.writes = ()
+        self.fault = None
+
+
+class _Order:
+    """What orders the commands of a command list without IN_ORDER (``cl.order``): ``open`` the
+    work commands since the last barrier that later commands may still overlap; ``gate`` what every
+    later command is ordered after (waits, barriers with wait events); ``signals`` event -> the
+    command of the list whose signal of it comes last.  Changed under ``rt.lock``."""
+    __slots__ = ("immediate", "open", "gate", "signals", "count")
+
+    def __init__(self, immediate: bool):
+        self.immediate = immediate
+        self.count = 0
+        self.open, self.gate, self.signals = [], frozenset(), {}
+
+    def host_saw(self, rec: _Rec) -> None:
+        """The host saw ``rec``'s signal (zeEventHostSynchronize / zeEventQueryStatus): on an
+        immediate list, ``rec`` and what the list orders before it are ordered before every command
+        appended from now on (caller holds rt.lock)."""
+        if self.immediate:
+            gone = rec.before | {rec.n}
+            self.open = [r for r in self.open if r.n not in gone]
+
+    def host_synchronized(self, upto: int) -> None:
+        """zeCommandListHostSynchronize saw the immediate list's commands up to number ``upto``
+        complete (caller holds rt.lock)."""
+        self.open = [r for r in self.open if r.n > upto]
+
+
+def _order(rt: _Runtime, o: _Order, op: _Op) -> None:
+    """Place ``op``, being appended to a list without IN_ORDER, among the list's commands: what
+    orders it after which earlier ones, and which earlier ones it may overlap (op.rec)."""
+    with rt.lock:
+        o.count += 1
+        n = o.count
+        label = op.label
+        if label == "barrier" and not op.waits:
+            # "all previous commands ... must complete prior to the execution of the barrier" and it
+            # "blocks all following commands": everything before is ordered before everything after
+            # (its own signal included)
+            o.open, o.gate, o.signals = [], frozenset(), {}
+            return
+        if label == "reset":
+            o.signals.pop(op.reset, None)   # a later wait is released by some later signal
+            return
+        live = {r.n for r in o.open}
+        before = set(o.gate)
+        for ev in op.waits:
+            r = o.signals.get(ev)
+            if r is not None:
+                before.add(r.n)
+                before |= r.before
+        before = frozenset(before & live)
+        if label in ("wait", "barrier"):
+            # zeCommandListAppendWaitOnEvents, or a barrier with wait events: the commands after it
+            # start once the events are signalled (and their signalling commands ran)
+            o.gate = before
+            if op.signal is None:
+                return
+        work = op.fn is not None
+        rec = _Rec(o, n, f"command {n} ({label})", work, before)
+        peers = tuple(r for r in o.open if r.n not in before)
+        if work:
+            rec.peers = peers
+            rec.reads, rec.writes = op.ranges
+            o.open.append(rec)
+            if len(o.open) > _OPEN_LIMIT:
+                del o.open[0]
+        elif peers and op.signal.pool.flags & rt.C.ZE_EVENT_POOL_FLAG_HOST_VISIBLE:
+            what = "signal" if label == "signal" else "barrier with wait events"
+            rec.fault = (
+                f"{rec.label}: the {what} of host-visible event {int(ffi.cast('uintptr_t', op.signal.key)):#x} "
+                f"follows {peers[-1].label} with no barrier or event wait ordering it after that work, on a "
+                f"command list without IN_ORDER: the signal may complete first, and a host waiting for it "
+                f"go on before the work is done (PROG.rst, Barriers > Execution Barriers: \"Commands executed "
+                f"on a command list are only guaranteed to start in the same order in which they are "
+                f"submitted; i.e. there is no implicit definition of the order of completion\"); signal it "
+                f"from zeCommandListAppendBarrier(hCommandList, hEvent, 0, nullptr), or create the list "
+                f"with the IN_ORDER flag")
+        if op.signal is not None:
+            o.signals[op.signal] = rec
+        op.rec = rec
+
+
+def _overlap(a, b):
+    """The first overlap of two lists of [lo, hi) ranges, or None."""
+    for lo, hi in a:
+        for lo2, hi2 in b:
+            if lo < hi2 and lo2 < hi:
+                return max(lo, lo2), min(hi, hi2)
+    return None
+
+
+def _hazard(rec: _Rec) -> Optional[str]:
+    """Why ``rec``, having run, raced an earlier command of its list that nothing ordered before
+    it (both touch a byte, one writing), or None."""
+    for y in rec.peers:
+        hit = _overlap(rec.writes, y.writes) or _overlap(rec.writes, y.reads) or _overlap(rec.reads, y.writes)
+        if hit is not None:
+            lo, hi = hit
+            return (f"{rec.label} and {y.label}, appended before it, both touch [{lo:#x}, {hi:#x}), one "
+                    f"writing, and nothing orders them on a command list without IN_ORDER (no barrier, "
+                    f"event wait or host synchronization between them): they may run concurrently or "
+                    f"complete in either order (PROG.rst, Barriers > Execution Barriers: \"Commands "
+                    f"executed on a command list are only guaranteed to start in the same order in which "
+                    f"they are submitted; i.e. there is no implicit definition of the order of "
+                    f"completion\"; Memory Barriers: \"not guaranteed to maintain memory coherency with "
+                    f"other commands\"); append zeCommandListAppendBarrier between them, or create the list "
+                    f"with the IN_ORDER flag")
+    return None
+
+
 def _append(rt: _Runtime, hCommandList, op: _Op, memory=()) -> int:
     cl = rt.get(hCommandList, "cmdlist")
     if cl is None:
@@ -290,11 +467,13 @@ def _append(rt: _Runtime, hCommandList, op: _Op, memory=()) -> int:
         if rt.alloc_ctx.get(a.base) is not cl.ctx:
             return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
     op.memory = tuple(memory)
+    if not cl.immediate and cl.closed:
+        return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+    if cl.order is not None:
+        _order(rt, cl.order, op)
     if cl.immediate:
         _submit(rt, cl.queue, op, cl.device, cl.ordinal, owner=cl, source=cl)
     else:
-        if cl.closed:
-            return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
         cl.ops.append(op)
     return 0
 
@@ -347,7 +526,8 @@ def zeCommandListAppendMemoryCopy(hCommandList, dstptr, srcptr, size, hSignalEve
             _checked_range(rt, dst, size, "memory copy destination", memory[0])
             ffi.memmove(_memory.char_ptr(dst), _memory.char_ptr(src), size)
     return _append(rt, hCommandList, _Op(copy, waits, sig, label=f"copy {size}",
-                                         traffic=traffic if size else (0, 0)), memory)
+                                         traffic=traffic if size else (0, 0),
+                                         ranges=(((src, src + size),), ((dst, dst + size),))), memory)
 
 
 def zeCommandListAppendMemoryFill(hCommandList, ptr, pattern, pattern_size, size, hSignalEvent,
@@ -381,7 +561,7 @@ def zeCommandListAppendMemoryFill(hCommandList, ptr, pattern, pattern_size, size
             data = pat * (size // pattern_size)
             return _vmm_append(rt, hCommandList, [(dst, region)], lambda: ffi.buffer(
                 _memory.char_ptr(dst), size).__setitem__(slice(None), data), waits, sig, f"fill {size}", (),
-                traffic=(0, size))
+                traffic=(0, size), ranges=((), ((dst, dst + size),)))
     if None in memory:
         return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
 
@@ -389,7 +569,8 @@ def zeCommandListAppendMemoryFill(hCommandList, ptr, pattern, pattern_size, size
         if size:
             _checked_range(rt, dst, size, "memory fill", memory[0])
             ffi.buffer(_memory.char_ptr(dst), size)[:] = pat * (size // pattern_size)
-    return _append(rt, hCommandList, _Op(fill, waits, sig, label=f"fill {size}", traffic=(0, size)), memory)
+    return _append(rt, hCommandList, _Op(fill, waits, sig, label=f"fill {size}", traffic=(0, size),
+                                         ranges=((), ((dst, dst + size),))), memory)
 
 
 def _vmm_copy(rt, hCommandList, dst, src, size, memory, waits, sig, traffic=(0, 0)):
@@ -405,10 +586,12 @@ def _vmm_copy(rt, hCommandList, dst, src, size, memory, waits, sig, traffic=(0, 
         sides.append((addr, region))
     return _vmm_append(rt, hCommandList, sides, lambda: ffi.memmove(_memory.char_ptr(dst), _memory.char_ptr(src),
                                                                      size), waits, sig, f"copy {size}", tuple(usm),
-                       usm_ranges=((dst, memory[0]), (src, memory[1])), size=size, traffic=traffic)
+                       usm_ranges=((dst, memory[0]), (src, memory[1])), size=size, traffic=traffic,
+                       ranges=(((src, src + size),), ((dst, dst + size),)))
 
 
-def _vmm_append(rt, hCommandList, sides, work, waits, sig, label, usm, usm_ranges=(), size=0, traffic=(0, 0)):
+def _vmm_append(rt, hCommandList, sides, work, waits, sig, label, usm, usm_ranges=(), size=0, traffic=(0, 0),
+                ranges=((), ())):
     """Append ``work`` touching virtual memory ``sides`` [(addr, Region | why)].  An access to an
     unmapped or inaccessible page is appended and faults when it runs (the device's page fault:
     the device is lost); the mappings are checked again when it runs, under the space's lock
@@ -431,7 +614,7 @@ def _vmm_append(rt, hCommandList, sides, work, waits, sig, label, usm, usm_range
                 if a is not None:
                     _checked_range(rt, addr, size, label, a)
             work()
-    return _append(rt, hCommandList, _Op(run, waits, sig, label=label, traffic=traffic), usm)
+    return _append(rt, hCommandList, _Op(run, waits, sig, label=label, traffic=traffic, ranges=ranges), usm)
 
 
 def zeCommandListAppendSignalEvent(hCommandList, hEvent):
@@ -496,13 +679,18 @@ def zeCommandListHostSynchronize(hCommandList, timeout):
         return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
     q = cl.queue
     target = q.enqueued
-    return _host_wait(rt, lambda: q.done >= target or rt.lost is not None, timeout, q.cv,
-                      "zeCommandListHostSynchronize")
+    upto = cl.order.count if cl.order is not None else 0
+    rc = _host_wait(rt, lambda: q.done >= target or rt.lost is not None, timeout, q.cv,
+                    "zeCommandListHostSynchronize")
+    if rc == 0 and cl.order is not None:
+        with rt.lock:   # (r69f) the host saw them complete: ordered before what it appends next
+            cl.order.host_synchronized(upto)
+    return rc
 
 
 def zeCommandQueueCreate(hContext, hDevice, desc, phCommandQueue):
-    rc, rt, dev = _queue_target(hContext, hDevice, desc.stype, "ZE_STRUCTURE_TYPE_COMMAND_QUEUE_DESC",
-                                desc.ordinal, desc.pNext)
+    rc, rt, dev = _queue_target(hContext, hDevice, desc, phCommandQueue, "ZE_STRUCTURE_TYPE_COMMAND_QUEUE_DESC",
+                                "ordinal")
     if rc:
         return rc
     C = rt.C

@@ -18,7 +18,11 @@ def _addr(x) -> int:
 
 
 def _fill(pcount, parr, items) -> int:
-    """The usual Level Zero enumeration: count query when *pCount is 0 or the array is NULL."""
+    """The usual Level Zero enumeration: count query when *pCount is 0 or the array is NULL.
+    (r70h) A NULL ``pCount`` is ZE_RESULT_ERROR_INVALID_NULL_POINTER (ze_api.h / zes_api.h @returns:
+    "nullptr == pCount"); the simulator raised a Python error out of the library."""
+    if not pcount:
+        return _runtime().C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
     n = pcount[0]
     if n == 0 or not parr:
         pcount[0] = len(items)

@@ -14,6 +14,12 @@ from .common import _fill, _ready, _visible
 
 # -- initialization and discovery --------------------------------------------------------
 
+# _NULL_OUT (r70h): ze_api.h, each query's @returns: ZE_RESULT_ERROR_INVALID_NULL_POINTER for
+# "nullptr == version", "nullptr == pDriverProperties", "nullptr == pDeviceProperties", "nullptr ==
+# pComputeProperties", "nullptr == pModuleProperties", "nullptr == pCount", "nullptr ==
+# hostTimestamp" ... (the loader's parameter validation layer checks the same): the simulator
+# dereferenced the NULL and raised a Python error out of the library (memory.py, _null_pointers).
+
 def zeInit(flags):
     rt = _runtime()
     if flags & ~3:
@@ -22,7 +28,15 @@ def zeInit(flags):
         return rt.C.ZE_RESULT_ERROR_UNINITIALIZED
     with rt.lock:
         if not rt.initialized:
-            rt.sysman_on_core = rt.zcfg.sysman_env and os.environ.get("ZES_ENABLE_SYSMAN") == "1"
+            # Legacy Sysman (core device handles double as Sysman handles) needs ZES_ENABLE_SYSMAN=1
+            # at zeInit and no zesInit before it: Intel compute-runtime, "Level Zero Sysman
+            # Initialization", table row "zesInit + (Legacy mode)": "Not supported" ("Only one
+            # initialization of sysman is supported for a process"); level-zero-tests SysmanInitTests
+            # GivenSysmanInitializedFromZesInitAndCoreInitializedWithSysmanFlag...: after zesInit then
+            # zeInit with ZES_ENABLE_SYSMAN=1, every zes call on a core handle returns
+            # ZE_RESULT_ERROR_UNINITIALIZED (r69g).
+            rt.sysman_on_core = (rt.zcfg.sysman_env and os.environ.get("ZES_ENABLE_SYSMAN") == "1"
+                                 and not rt.sysman_initialized)
             for ordinal, (card, tiles, is_sub) in enumerate(_visible(rt)):
                 dev = rt._add(_Device(ordinal, card, tiles, is_sub))
                 if not is_sub and len(tiles) > 1:
@@ -77,6 +91,8 @@ def zeDriverGetApiVersion(hDriver, version):
         return rc
     if rt.get(hDriver, "driver") is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if not version:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER    # _NULL_OUT
     major, minor = rt.zcfg.api_version
     version[0] = (major << 16) | minor
     return 0
@@ -88,6 +104,8 @@ def zeDriverGetProperties(hDriver, props):
         return rc
     if rt.get(hDriver, "driver") is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if not props:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER    # _NULL_OUT
     if props.stype != rt.C.ZE_STRUCTURE_TYPE_DRIVER_PROPERTIES:
         return rt.C.ZE_RESULT_ERROR_INVALID_ENUMERATION
     props.uuid.id = list(b"accel-sim-ze-drv")
@@ -116,6 +134,8 @@ def zeDeviceGetSubDevices(hDevice, pCount, phSubdevices):
 
 def _write_core_properties(rt: _Runtime, props, dev_uuid: bytes, is_sub: bool, tile: int, tiles: int) -> int:
     C = rt.C
+    if not props:
+        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER       # _NULL_OUT
     if props.stype not in (C.ZE_STRUCTURE_TYPE_DEVICE_PROPERTIES, C.ZE_STRUCTURE_TYPE_DEVICE_PROPERTIES_1_2):
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
     z = rt.zcfg
@@ -177,6 +197,8 @@ def zeDeviceGetComputeProperties(hDevice, props):
         return rc
     if rt.get(hDevice, "device") is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if not props:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER    # _NULL_OUT
     if props.stype != rt.C.ZE_STRUCTURE_TYPE_DEVICE_COMPUTE_PROPERTIES:
         return rt.C.ZE_RESULT_ERROR_INVALID_ENUMERATION
     props.maxTotalGroupSize = 1024
@@ -194,6 +216,8 @@ def zeDeviceGetModuleProperties(hDevice, props):
         return rc
     if rt.get(hDevice, "device") is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if not props:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER    # _NULL_OUT
     if props.stype != rt.C.ZE_STRUCTURE_TYPE_DEVICE_MODULE_PROPERTIES:
         return rt.C.ZE_RESULT_ERROR_INVALID_ENUMERATION
     props.spirvVersionSupported = (1 << 16) | 2
@@ -208,6 +232,8 @@ def zeDeviceGetMemoryProperties(hDevice, pCount, props):
     dev = rt.get(hDevice, "device")
     if dev is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if not pCount:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER    # _NULL_OUT
     if pCount[0] == 0 or not props:
         pCount[0] = 1
         return 0
@@ -239,6 +265,8 @@ def zeDeviceGetCommandQueueGroupProperties(hDevice, pCount, props):
     if rt.get(hDevice, "device") is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     C = rt.C
+    if not pCount:
+        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER       # _NULL_OUT
     if pCount[0] == 0 or not props:
         pCount[0] = len(_GROUPS)
         return 0
@@ -263,6 +291,8 @@ def zeDeviceGetGlobalTimestamps(hDevice, hostTimestamp, deviceTimestamp):
         return rc
     if rt.get(hDevice, "device") is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if not hostTimestamp or not deviceTimestamp:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER    # _NULL_OUT
     hostTimestamp[0] = time.monotonic_ns()
     deviceTimestamp[0] = rt.ticks()
     return 0

@@ -23,6 +23,10 @@ def zeEventPoolCreate(hContext, desc, numDevices, phDevices, phEventPool):
     ctx = rt.get(hContext, "context")
     if ctx is None:
         return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if not desc or not phEventPool:
+        # (r70h) "nullptr == desc", "nullptr == phEventPool" (memory.py, _null_pointers): the pool
+        # was made and leaked before the write to a NULL phEventPool raised
+        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
     if desc.stype != C.ZE_STRUCTURE_TYPE_EVENT_POOL_DESC:
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
     if desc.pNext:
@@ -74,6 +78,10 @@ def zeEventCreate(hEventPool, desc, phEvent):
     pool = rt.get(hEventPool, "eventpool")
     if pool is None:
         return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if not desc or not phEvent:
+        # (r70h) "nullptr == desc", "nullptr == phEvent" (memory.py, _null_pointers): the event was
+        # made, and held its index of the pool for good, before the write to a NULL phEvent raised
+        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
     if desc.stype != C.ZE_STRUCTURE_TYPE_EVENT_DESC:
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
     if desc.pNext:
@@ -119,15 +127,17 @@ def _signal_now(rt: _Runtime, ev: _Event, timed: bool = True) -> None:
     ev.eq.submit(None, work=False)   # one more executed signal: wakes waits and host syncs
 
 
-def _device_signal(rt: _Runtime, ev: _Event, timed: bool = True, origin=None) -> None:
+def _device_signal(rt: _Runtime, ev: _Event, timed: bool = True, origin=None, cmd=None) -> None:
     """A submitted signal operation executes: the device's reference of ``ev`` ends as the signal
     becomes visible, in one step under ``rt.lock``, so a host thread that saw the signal may
     reset or destroy the event (zeEventHostReset, zeEventDestroy check ``refs`` under that lock).
     No engine lock is ever held while ``rt.lock`` is taken, so the marker submitted here is safe.
-    ``origin``: the command list whose operation signals (the event-scope rules)."""
+    ``origin``: the command list whose operation signals (the event-scope rules); ``cmd``: that
+    operation's place in a list without IN_ORDER (commands._Rec, r69f), else None."""
     with rt.lock:
         ev.refs -= 1
         ev.origin = origin
+        ev.origin_cmd = cmd
         _signal_now(rt, ev, timed)
 
 
@@ -197,6 +207,7 @@ def zeEventHostSignal(hEvent):
     with rt.lock:
         ev.sig_submitted += 1
         ev.origin = None       # the host's own signal: visible to the host whatever the scope
+        ev.origin_cmd = None
     _signal_now(rt, ev, timed=False)
     return 0
 
@@ -239,6 +250,12 @@ def _host_sees(rt: _Runtime, ev: _Event) -> int:
     ZE_RESULT_ERROR_INVALID_SYNCHRONIZATION_OBJECT among their results: that code."""
     with rt.lock:
         why = _scope_problem(rt, ev, None)
+        cmd = ev.origin_cmd
+        if why is None and cmd is not None:
+            # (r69f) the host saw the signal of a command of an immediate list without IN_ORDER:
+            # that command, and what the list orders before it, are complete before anything the
+            # host appends to the list from now on (commands.py, "lists without IN_ORDER")
+            cmd.order.host_saw(cmd)
     return 0 if why is None else rt.C.ZE_RESULT_ERROR_INVALID_SYNCHRONIZATION_OBJECT
 
 
@@ -293,6 +310,8 @@ def zeEventQueryKernelTimestamp(hEvent, dstptr):
     ev = _host_event(rt, hEvent)
     if isinstance(ev, int):
         return ev
+    if not dstptr:
+        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER   # (r70h) "nullptr == dstptr" (memory.py, _null_pointers)
     if not ev.pool.flags & C.ZE_EVENT_POOL_FLAG_KERNEL_TIMESTAMP:
         return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
     if not ev.signaled:

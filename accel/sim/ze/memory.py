@@ -18,6 +18,8 @@ def zeContextCreate(hDriver, desc, phContext):
         return rc
     if rt.get(hDriver, "driver") is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if not desc or not phContext:
+        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER     # _null_pointers
     if desc.stype != rt.C.ZE_STRUCTURE_TYPE_CONTEXT_DESC or desc.flags > 0x1:
         return rt.C.ZE_RESULT_ERROR_INVALID_ENUMERATION     # ze_api.h: "0x1 < desc->flags"
     if desc.pNext:
@@ -26,6 +28,14 @@ def zeContextCreate(hDriver, desc, phContext):
     phContext[0] = ctx.key
     return 0
 
+
+# _null_pointers (r70h; ze_api.h, each function's @returns: ZE_RESULT_ERROR_INVALID_NULL_POINTER for
+# "nullptr == desc" / "nullptr == phContext" / "nullptr == pptr" ..., checked by the loader's
+# parameter validation layer too): the simulator read the descriptor or wrote the out-pointer of a
+# NULL and raised a Python error out of the library -- for the creators after the object was made,
+# which then leaked (a pool, an event slot, a command list with its engine queue).  Every creator
+# and query here, in events.py, commands.py and discovery.py (and common._fill for pCount) now
+# checks its pointers first and changes nothing.
 
 # _no_extension (ze_api.h, every descriptor's pNext: "[in][optional] must be null or a pointer to
 # an extension-specific structure (i.e. contains stype and pNext)"): an extension structure changes
@@ -82,6 +92,9 @@ def zeContextDestroy(hContext):
     return 0
 
 
+#: zeDeviceGetMemoryProperties' count for every simulated device (discovery.py): one HBM memory.
+_MEMORY_ORDINALS = 1
+
 # The largest alignment the simulator honours: ze_api.h names no upper bound; above this the
 # simulator refuses (UNSUPPORTED_ALIGNMENT) rather than reserve that much address space.
 _MAX_ALIGNMENT = 1 << 30
@@ -116,6 +129,8 @@ def zeMemAllocDevice(hContext, desc, size, alignment, hDevice, pptr):
     dev = rt.get(hDevice, "device")
     if dev is None:
         return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if not desc or not pptr:
+        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER    # "nullptr == device_desc", "nullptr == pptr"
     if desc.stype != C.ZE_STRUCTURE_TYPE_DEVICE_MEM_ALLOC_DESC:
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
     if desc.pNext:
@@ -123,6 +138,11 @@ def zeMemAllocDevice(hContext, desc, size, alignment, hDevice, pptr):
     rc = _alloc_checks(rt, size, alignment, desc.flags, 0x7)
     if rc:
         return rc
+    if desc.ordinal >= _MEMORY_ORDINALS:
+        # (r70h) ze_device_mem_alloc_desc_t.ordinal: "ordinal of the device's local memory to
+        # allocate from. must be less than the count returned from zeDeviceGetMemoryProperties"
+        # (1 here: discovery.py).  No code is named: INVALID_ARGUMENT.  The simulator ignored it.
+        return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
     if size > dev.memory:
         return C.ZE_RESULT_ERROR_UNSUPPORTED_SIZE   # above maxMemAllocSize
     with rt.lock:
@@ -152,6 +172,8 @@ def zeMemAllocHost(hContext, desc, size, alignment, pptr):
     C = rt.C
     if rt.get(hContext, "context") is None:
         return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if not desc or not pptr:
+        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER    # "nullptr == host_desc", "nullptr == pptr"
     if desc.stype != C.ZE_STRUCTURE_TYPE_HOST_MEM_ALLOC_DESC:
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
     if desc.pNext:
@@ -159,6 +181,15 @@ def zeMemAllocHost(hContext, desc, size, alignment, pptr):
     rc = _alloc_checks(rt, size, alignment, desc.flags, 0xF)
     if rc:
         return rc
+    if rt.devices and size > rt.devices[0].memory:
+        # (r70h) Intel compute-runtime, level_zero/core/source/context/context_imp.cpp,
+        # ContextImp::allocHostMem: without ze_relaxed_allocation_limits_exp_desc_t (refused here:
+        # _no_extension) "size > this->driverHandle->devices[0]->...maxMemAllocSize" returns
+        # ZE_RESULT_ERROR_UNSUPPORTED_SIZE, as zeMemAllocDevice does above its device's limit
+        # (ze_api.h: size "must be less-than ze_device_properties_t.maxMemAllocSize").  The driver's
+        # first device reports maxMemAllocSize = its memory (discovery.py).  The simulator handed
+        # out host allocations of any size up to the host's physical memory (r67b, _memory.py).
+        return C.ZE_RESULT_ERROR_UNSUPPORTED_SIZE
     if core.take_oom():
         return C.ZE_RESULT_ERROR_OUT_OF_HOST_MEMORY
     try:
@@ -205,10 +236,10 @@ def zeMemGetAllocProperties(hContext, ptr, props, phDevice):
     C = rt.C
     if rt.get(hContext, "context") is None:
         return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    if not _addr(ptr) or not props:
+        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER      # "nullptr == ptr", "nullptr == pMemAllocProperties"
     if props.stype != C.ZE_STRUCTURE_TYPE_MEMORY_ALLOCATION_PROPERTIES:
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
-    if not _addr(ptr):
-        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER      # "nullptr == ptr"
     a = rt.memory.find(_addr(ptr))
     if a is not None and rt.alloc_ctx.get(a.base) is not rt.get(hContext, "context"):
         # "memory allocation unrelated to the context ... type will be ZE_MEMORY_TYPE_UNKNOWN"

@@ -222,7 +222,7 @@ class _Device(_Obj):
 
 class _Event(_Obj):
     __slots__ = ("pool", "index", "eq", "signaled", "sig_submitted", "last_reset_sig", "ts", "refs",
-                 "signal_scope", "origin")
+                 "signal_scope", "origin", "origin_cmd")
 
     def __init__(self, pool, index, eq, signal_scope=0):
         super().__init__("event")
@@ -232,6 +232,10 @@ class _Event(_Obj):
         # operation signalled (events.py, commands.py: the event-scope rules)
         self.signal_scope = signal_scope
         self.origin: Optional["_CmdList"] = None
+        # (r69f) the command of a list without IN_ORDER whose execution signalled it last (a
+        # commands._Rec, else None): a host that sees the signal is ordered after that command and
+        # what the list orders before it (commands.py, "lists without IN_ORDER")
+        self.origin_cmd = None
         self.signaled = False
         self.sig_submitted = 0     # signal operations submitted (and host signals)
         self.last_reset_sig = 0    # sig_submitted when the latest reset was submitted
@@ -254,7 +258,7 @@ class _Pool(_Obj):
 
 class _CmdList(_Obj):
     __slots__ = ("device", "immediate", "queue", "ops", "closed", "in_order", "executing", "ordinal", "ctx",
-                 "submitted", "finished")
+                 "submitted", "finished", "order")
 
     def __init__(self, ctx, device, immediate, queue, in_order, ordinal):
         super().__init__("cmdlist")
@@ -263,6 +267,8 @@ class _CmdList(_Obj):
         self.ops: list = []
         self.closed = False
         self.in_order = in_order
+        # (r69f) without IN_ORDER: what orders its commands (commands._Order), else None
+        self.order = None
         self.executing: Optional[Tuple[object, int]] = None   # (engine queue, last seq) of the latest submission
         self.ordinal = ordinal
 
