@@ -10,7 +10,7 @@ import threading
 import weakref
 from typing import Dict, Optional, Tuple
 
-from .. import _finalize as _fin, _lazy, _ptx
+from .. import _cuda_containers, _finalize as _fin, _lazy, _ptx
 from .. import _copying
 from .._copying import refuse_copies as _refuse_copies
 from .._device import DeviceLike
@@ -102,22 +102,20 @@ def _image_info(data: bytes, kind: str):
         return dict.fromkeys(_ptx.msl_entries(data)), {}
     if kind == "spirv":
         return dict.fromkeys(_ptx.spirv_entries(data)), _ptx.spirv_required_blocks(data)
-    # The container layouts (accel/sim/_cuda_images.py reads them as the driver does).
-    from ..sim import _cuda_images
     entries: Dict[str, Optional[Tuple[str, ...]]] = {}
     required: Dict[str, Tuple[int, int, int]] = {}
     try:
         if kind == "cubin":
-            return dict.fromkeys(_cuda_images.elf_entries(data)), {}
-        for k, _sm, body in _cuda_images.fatbin_entries(data):
-            if k == _cuda_images.KIND_PTX:
+            return dict.fromkeys(_cuda_containers.elf_entries(data)), {}
+        for k, _sm, body in _cuda_containers.fatbin_entries(data):
+            if k == _cuda_containers.KIND_PTX:
                 entries.update(_ptx.ptx_entries(body))
                 required.update(_ptx.ptx_required_blocks(body))
             else:
-                for name in _cuda_images.elf_entries(body):
+                for name in _cuda_containers.elf_entries(body):
                     entries.setdefault(name, None)
         return entries, required
-    except _cuda_images.ImageError:
+    except _cuda_containers.ContainerError:
         return {}, {}   # the driver says what is wrong at load
 
 

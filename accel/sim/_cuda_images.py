@@ -2,12 +2,8 @@
 
 :func:`load` reads an image the way cuModuleLoadData / cudaLibraryLoadData do
 and answers which kernels it defines and whether loading it needed the PTX
-JIT, or the vendor error code the real driver returns.  The fatbin container
-(nvcc -fatbin, fatbinary --create) is undocumented; the layout read here is
-the one fatbinary 13.0 writes, checked against its output
-(tests/test_kernel_paths.py): a 16-byte header (magic 0xBA55ED50, version,
-header size, size of the entries) and entries of (kind 1 = PTX / 2 = ELF,
-header size, payload size, flags, sm) followed by the payload.
+JIT, or the vendor error code the real driver returns.  The containers' layouts
+(cubin, fatbin) are read by :mod:`accel._cuda_containers`.
 """
 
 from __future__ import annotations
@@ -16,9 +12,8 @@ import re
 import struct
 from typing import List, Optional, Tuple
 
-FATBIN_MAGIC = 0xBA55ED50
-KIND_PTX, KIND_ELF = 1, 2
-_FLAG_COMPRESSED = 0x2000     # fatbinary --compress: the payload is compressed
+from accel import _cuda_containers as _containers
+from accel._cuda_containers import FATBIN_MAGIC, KIND_ELF, KIND_PTX
 
 # Codes shared by cudaError_t and CUresult (driver_types.h / cuda.h give them the same values).
 INVALID_KERNEL_IMAGE = 200    # cudaErrorInvalidKernelImage / CUDA_ERROR_INVALID_IMAGE
@@ -266,50 +261,20 @@ def ptx_bounds(ptx) -> dict:
 
 
 def elf_entries(elf: bytes) -> List[str]:
-    """Kernel names in a cubin: global FUNC symbols marked STO_CUDA_ENTRY (st_other 0x10)."""
-    if elf[:4] != b"\x7fELF" or len(elf) < 64:
-        raise ImageError(INVALID_KERNEL_IMAGE, "not an ELF image")
-    e_shoff, = struct.unpack_from("<Q", elf, 0x28)
-    e_shentsize, e_shnum = struct.unpack_from("<HH", elf, 0x3A)
+    """Kernel names in a cubin (:func:`accel._cuda_containers.elf_entries`), or the driver's refusal."""
     try:
-        sections = [struct.unpack_from("<IIQQQQIIQQ", elf, e_shoff + i * e_shentsize) for i in range(e_shnum)]
-        names = []
-        for sec in sections:
-            if sec[1] != 2:          # SHT_SYMTAB
-                continue
-            off, size, link, entsize = sec[4], sec[5], sec[6], sec[9]
-            stroff = sections[link][4]
-            for i in range(size // entsize):
-                st_name, st_info, st_other, _shndx, _value, _size = struct.unpack_from("<IBBHQQ", elf, off + i * entsize)
-                if st_info & 0xF == 2 and st_info >> 4 == 1 and st_other & 0x10:
-                    names.append(elf[stroff + st_name:elf.index(b"\0", stroff + st_name)].decode())
-        return names
-    except (struct.error, ValueError, IndexError):
-        raise ImageError(INVALID_KERNEL_IMAGE, "truncated ELF image") from None
+        return _containers.elf_entries(elf)
+    except _containers.ContainerError as e:
+        raise ImageError(INVALID_KERNEL_IMAGE, str(e)) from None
 
 
 def fatbin_entries(data: bytes) -> List[Tuple[int, int, bytes]]:
-    """[(kind, sm, payload)] of a fatbin."""
-    magic, _version, hsize, fat_size = struct.unpack_from("<IHHQ", data, 0)
-    if magic != FATBIN_MAGIC:
-        raise ImageError(INVALID_KERNEL_IMAGE, "not a fatbin")
-    out, pos, end = [], hsize, hsize + fat_size
-    if end > len(data):
-        raise ImageError(INVALID_KERNEL_IMAGE, "truncated fatbin")
-    while pos < end:
-        kind, _v, ehsize, payload = struct.unpack_from("<HHIQ", data, pos)
-        sm, = struct.unpack_from("<I", data, pos + 28)
-        flags, = struct.unpack_from("<Q", data, pos + 40)
-        body = data[pos + ehsize:pos + ehsize + payload]
-        if len(body) != payload or ehsize < 48:
-            raise ImageError(INVALID_KERNEL_IMAGE, "truncated fatbin entry")
-        if flags & _FLAG_COMPRESSED:
-            # The real driver inflates these; the simulator does not model the compression.
-            raise ImageError(INVALID_KERNEL_IMAGE, "accel.sim does not read compressed fatbin entries "
-                                                   "(build with fatbinary --compress=false)")
-        out.append((kind, sm, body))
-        pos += ehsize + payload
-    return out
+    """[(kind, sm, payload)] of a fatbin (:func:`accel._cuda_containers.fatbin_entries`), or the
+    driver's refusal."""
+    try:
+        return _containers.fatbin_entries(data)
+    except _containers.ContainerError as e:
+        raise ImageError(INVALID_KERNEL_IMAGE, str(e)) from None
 
 
 def load(data: bytes, cc: Tuple[int, int], driver_version: int, lazy: bool = False) -> Tuple[List[str], bool]:
