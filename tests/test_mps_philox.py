@@ -56,6 +56,10 @@ void randint_i32(int *out, ulong n, ulong seed, ulong offset, ulong range, long 
 void randint_i64(long *out, ulong n, ulong seed, ulong offset, ulong range, long low, uint nthreads) {
     GRID(accel_philox_randint_i64(out, n, seed, offset, nullptr, nullptr, range, low, t, nthreads));
 }
+void randint_i32_wide(int *out, ulong n, ulong seed, ulong offset, ulong range, long low,
+                      uint nthreads) {
+    GRID(accel_philox_randint_i32_wide(out, n, seed, offset, nullptr, nullptr, range, low, t, nthreads));
+}
 void randint_i64_wide(long *out, ulong n, ulong seed, ulong offset, ulong range, long low,
                       uint nthreads) {
     GRID(accel_philox_randint_i64_wide(out, n, seed, offset, nullptr, nullptr, range, low, t, nthreads));
@@ -71,6 +75,8 @@ void randint_i32(int32_t *out, uint64_t n, uint64_t seed, uint64_t offset, uint6
                  uint32_t nthreads);
 void randint_i64(int64_t *out, uint64_t n, uint64_t seed, uint64_t offset, uint64_t range, int64_t low,
                  uint32_t nthreads);
+void randint_i32_wide(int32_t *out, uint64_t n, uint64_t seed, uint64_t offset, uint64_t range,
+                      int64_t low, uint32_t nthreads);
 void randint_i64_wide(int64_t *out, uint64_t n, uint64_t seed, uint64_t offset, uint64_t range,
                       int64_t low, uint32_t nthreads);
 """
@@ -134,7 +140,7 @@ def test_uniform_f32_matches_host(cpu_kernels, low, high, seed, offset):
 
 
 @pytest.mark.parametrize("low,high,dtype", [
-    (0, 10, "int32"), (-5, 5, "int32"), (-(1 << 31), 1 << 31, "int32"),
+    (0, 10, "int32"), (-5, 5, "int32"), (-(1 << 31), 1 << 31, "int32"), (0, 3 << 28, "int32"),
     (0, 1000, "int64"), (-(1 << 40), -(1 << 40) + (1 << 32), "int64"),
     (0, (1 << 32) + 1, "int64"), (-(1 << 63), (1 << 63) - 1, "int64"), (-(1 << 63), 1 << 63, "int64"),
 ])
@@ -147,7 +153,7 @@ def test_randint_matches_host(cpu_kernels, low, high, dtype):
     span = (high - low) % (1 << 64)  # 2**64 -> 0, as the kernel takes it
     out = np.zeros(n, dtype=np.int32 if dtype == "int32" else np.int64)
     {"randint_i32": lib.randint_i32, "randint_i64": lib.randint_i64,
-     "randint_i64_wide": lib.randint_i64_wide}[kind](_ptr(ffi, out), n, seed, offset, span, low, 3)
+     "randint_i32_wide": lib.randint_i32_wide, "randint_i64_wide": lib.randint_i64_wide}[kind](_ptr(ffi, out), n, seed, offset, span, low, 3)
     assert np.array_equal(out, want)
 
 

@@ -48,15 +48,17 @@ struct alignas(16) int4 { int32_t x, y, z, w; };
 struct alignas(16) float4 { float x, y, z, w; };
 struct alignas(16) double2 { double x, y; };
 struct alignas(16) longlong2 { long long x, y; };
+struct alignas(8) int2 { int32_t x, y; };
 static inline uint4 make_uint4(uint32_t a, uint32_t b, uint32_t c, uint32_t d) { return {a, b, c, d}; }
 static inline int4 make_int4(int32_t a, int32_t b, int32_t c, int32_t d) { return {a, b, c, d}; }
 static inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 static inline double2 make_double2(double a, double b) { return {a, b}; }
 static inline longlong2 make_longlong2(long long a, long long b) { return {a, b}; }
-// A 16-byte store to a misaligned address is a fault on a GPU: count them.
+static inline int2 make_int2(int32_t a, int32_t b) { return {a, b}; }
+// A vector store to an address not aligned to its size is a fault on a GPU: count them.
 static long misaligned_vector_stores = 0;
 template <typename T> static inline void check_vector_store(const void *p) {
-    if (((uintptr_t)p & 15u) != 0) ++misaligned_vector_stores;
+    if (((uintptr_t)p & (alignof(T) - 1)) != 0) ++misaligned_vector_stores;
 }
 """
 
@@ -95,6 +97,8 @@ int main(int argc, char **argv) {
                 accel_philox_randint_i32((int32_t *)out, n, seed, offset, 0, 0, U(0), I(1));
             else if (!strcmp(kernel, "accel_philox_randint_i64"))
                 accel_philox_randint_i64((int64_t *)out, n, seed, offset, 0, 0, U(0), I(1));
+            else if (!strcmp(kernel, "accel_philox_randint_i32_wide"))
+                accel_philox_randint_i32_wide((int32_t *)out, n, seed, offset, 0, 0, U(0), I(1));
             else if (!strcmp(kernel, "accel_philox_randint_i64_wide"))
                 accel_philox_randint_i64_wide((int64_t *)out, n, seed, offset, 0, 0, U(0), I(1));
             else { fprintf(stderr, "unknown kernel %s\n", kernel); return 2; }
@@ -102,7 +106,7 @@ int main(int argc, char **argv) {
     // the bytes after the buffer are untouched
     for (size_t i = nbytes + skew; i < nbytes + 64; ++i)
         if (raw[i] != 0xA5) { fprintf(stderr, "wrote past the end at byte %zu\n", i - skew); return 3; }
-    if (misaligned_vector_stores) { fprintf(stderr, "%ld misaligned 16-byte stores\n", misaligned_vector_stores); return 4; }
+    if (misaligned_vector_stores) { fprintf(stderr, "%ld misaligned vector stores\n", misaligned_vector_stores); return 4; }
     fwrite(out, 1, nbytes, stdout);
     return 0;
 }
@@ -114,7 +118,7 @@ def host_kernels(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("philox_host")
     with open(os.path.join(TOOLS, "philox_kernel.cu")) as fh:
         source = fh.read()
-    # every 16-byte store goes through check_vector_store first (a fault on a GPU if misaligned)
+    # every vector store goes through check_vector_store first (a fault on a GPU if misaligned)
     source = source.replace("*reinterpret_cast<T4 *>((out) + (i)) =",
                             "check_vector_store<T4>((out) + (i)), *reinterpret_cast<T4 *>((out) + (i)) =")
     source = source.replace("*reinterpret_cast<T2 *>((out) + (i)) =",

@@ -201,15 +201,21 @@ def test_randint_rules():
     v = _transforms.randint(w, -5, 7, "int64")
     assert v.dtype == np.int64 and v.min() >= -5 and v.max() < 7
     assert np.array_equal(v, w.astype(np.int64) % 12 - 5)
-    v32 = _transforms.randint(w, -(2**31), 2**31, "int32")      # span 2**32: the word itself
-    assert v32.dtype == np.int32 and np.array_equal(v32.view(np.uint32), w + np.uint32(2**31))
+    v32 = _transforms.randint(w, -(2**31), 2**31, "int32")      # span 2**32: the low word of a pair
+    assert v32.dtype == np.int32 and np.array_equal(v32.view(np.uint32), w[0::2] + np.uint32(2**31))
+    # spans from 2**28 take two words, as torch's uniform_int_from_to (one word is skewed, r69b)
+    assert np.array_equal(_transforms.randint(w, 0, (1 << 28) - 1, "int64"), w.astype(np.int64) % ((1 << 28) - 1))
+    v64 = w[0::2].astype(np.uint64) | (w[1::2].astype(np.uint64) << np.uint64(32))
+    assert np.array_equal(_transforms.randint(w, 0, 1 << 28, "int32"), (v64 % np.uint64(1 << 28)).astype(np.int32))
     wide = _transforms.randint(w, 0, 2**40, "int64")
     v64 = w[0::2].astype(np.uint64) | (w[1::2].astype(np.uint64) << np.uint64(32))
     assert wide.shape == (500,) and np.array_equal(wide.astype(np.uint64), v64 % np.uint64(2**40))
     full = _transforms.randint(w, -(2**63), 2**63, "int64")
     assert np.array_equal(full.view(np.uint64), v64 + np.uint64(2**63))
-    assert _transforms.randint_kind(0, 2**32, "int64") == "randint_i64"
-    assert _transforms.randint_kind(0, 2**32 + 1, "int64") == "randint_i64_wide"
+    assert _transforms.randint_kind(0, 2**28 - 1, "int64") == "randint_i64"
+    assert _transforms.randint_kind(0, 2**28, "int64") == "randint_i64_wide"    # (torch: from 2**28 on)
+    assert _transforms.randint_kind(0, 2**28 - 1, "int32") == "randint_i32"
+    assert _transforms.randint_kind(0, 2**28, "int32") == "randint_i32_wide"
 
 
 @pytest.mark.parametrize("kind,n,words", [
@@ -239,7 +245,7 @@ def test_fill_plans_check_arguments():
         _fills.plan_randint(16, "int32", 0, 2**31 + 1)
     with pytest.raises(TypeError, match="integer"):
         _fills.plan_randint(16, "int64", 0.5, 3)
-    assert _fills.plan_randint(16, "int32", -(2**31), 2**31).kind == "randint_i32"
+    assert _fills.plan_randint(16, "int32", -(2**31), 2**31).kind == "randint_i32_wide"
     assert _fills.plan_randint(16, "int64", -(2**63), 2**63).kernel_args == [("u64", 0), ("i64", -(2**63))]
 
 

@@ -33,6 +33,7 @@ PLANS = {
     "normal_f64": _fills.plan_normal(16, "float64", 0, 1),
     "randint_i32": _fills.plan_randint(16, "int32", 0, 9),
     "randint_i64": _fills.plan_randint(16, "int64", 0, 9),
+    "randint_i32_wide": _fills.plan_randint(16, "int32", 0, 2**30),
     "randint_i64_wide": _fills.plan_randint(16, "int64", 0, 2**40),
 }
 

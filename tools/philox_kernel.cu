@@ -217,7 +217,7 @@ extern "C" __global__ void accel_philox_normal_f64(double *out, FILL_ARGS, doubl
     }
 }
 
-// randint: low + x % range (mod 2**64); range <= 2**32 here, so one word per element.
+// randint: low + x % range (mod 2**64); range < 2**28 here, so one word per element.
 extern "C" __global__ void accel_philox_randint_i32(int32_t *out, FILL_ARGS, uint64_t range,
                                                     int64_t low) {
     load_state(seed, offset, seed_ptr, offset_ptr);
@@ -249,7 +249,22 @@ extern "C" __global__ void accel_philox_randint_i64(int64_t *out, FILL_ARGS, uin
     }
 }
 
-// range > 2**32: two words per element, v = W[2i] | W[2i+1] << 32; range 0 stands for 2**64.
+// range >= 2**28: two words per element, v = W[2i] | W[2i+1] << 32 (one word modulo such a
+// range is skewed: torch's uniform_int_from_to draws 64 bits from 2**28 on too).
+extern "C" __global__ void accel_philox_randint_i32_wide(int32_t *out, FILL_ARGS, uint64_t range,
+                                                         int64_t low) {
+    load_state(seed, offset, seed_ptr, offset_ptr);
+    const uint64_t base = offset >> 2, n_ctr = (n + 1) / 2;
+    const uint64_t lo = (uint64_t)low;
+    GRID_STRIDE(c, n_ctr) {
+        Words v = philox(base + c, seed);
+        uint64_t i = 2 * c;
+        uint64_t a = (uint64_t)v.x | ((uint64_t)v.y << 32), b = (uint64_t)v.z | ((uint64_t)v.w << 32);
+        STORE2(int2, make_int2, out, i, n, (int32_t)(lo + a % range), (int32_t)(lo + b % range));
+    }
+}
+
+// range 0 stands for 2**64.
 extern "C" __global__ void accel_philox_randint_i64_wide(int64_t *out, FILL_ARGS, uint64_t range,
                                                          int64_t low) {
     load_state(seed, offset, seed_ptr, offset_ptr);

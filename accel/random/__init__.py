@@ -10,7 +10,9 @@ Generators are plain Python objects, so seeding and state queries never
 initialize a runtime (``fork`` stays safe).  Seeding before initialization is
 applied at once, to device 0's generator for the current-device calls (the
 device CUDA makes current at initialization), which is where torch's queued
-``_lazy_call`` seeding lands; queries then see it without initializing.
+``_lazy_call`` seeding lands; queries then see it without initializing.  As torch
+runs that queue, the latest ``manual_seed`` and ``manual_seed_all`` land after the
+other seeding calls made before initialization (``set_rng_state``, ``seed``).
 Without any device the seeding calls do nothing, as ``torch.cuda.manual_seed``.
 
 Fills (``uniform_``, ``normal_``, ``randint_``, ``random_raw_``) write a whole
@@ -25,7 +27,6 @@ generator runs in graph-safe mode (see :mod:`accel.random.generator`).
 from __future__ import annotations
 
 import operator
-import os
 import secrets
 import weakref
 from typing import Dict, List
@@ -41,23 +42,69 @@ __all__ = [
 ]
 
 # accel._locks.Lock: making a default generator allocates (a collection may run a user's __del__
-# that seeds) (r68i); made anew in a forked child (_fresh_lock_in_child)
+# that seeds) (r68i); a forked child finds it free (accel._locks renews every Lock there)
 _lock = _locks.Lock("making a default generator")
 _generators: Dict[int, Generator] = {}
-
-
-def _fresh_lock_in_child() -> None:
-    global _lock     # a parent thread may have been making a default generator (r68i)
-    _lock = _locks.Lock("making a default generator")
-
-
-os.register_at_fork(after_in_child=_fresh_lock_in_child)
 
 
 def _reset() -> None:
     with _lock:
         _generators.clear()
         _capturing.clear()
+        _seeds_before_init.clear()
+        _queried_once.clear()
+
+
+# torch.cuda queues the seeding done before initialization and runs it in _lazy_init: the plain
+# calls (set_rng_state, seed, seed_all) in call order, then the latest manual_seed and the latest
+# manual_seed_all, the later of those two last (torch/_utils.py _LazySeedTracker, torch/cuda/
+# __init__.py _lazy_call/_lazy_init).  accel applies each call at once (a query sees it without
+# initializing) and, after a plain call, applies the two latest seed calls again in their order,
+# so the states end as torch's (r70b: manual_seed_all(7) then set_rng_state(S, 1) left device 1 at
+# S where torch seeds it 7).  torch's queries initialize (get_rng_state, initial_seed call
+# _lazy_init), so a query, like initialization, ends the tracking.
+# kind ("one" | "all") -> seed, in the order of the latest calls
+_seeds_before_init: Dict[str, int] = {}
+# True once a query was made: torch would be initialized from then on, and run seeding at once
+_queried_once: List[bool] = []
+# Over a seeding call and its tracking, so that two threads seeding before initialization end as
+# torch's queue does in either order (r70g); accel._locks.Lock: a __del__ seeding inside is refused
+_seeding = _locks.Lock("seeding a device's generator")
+
+
+def _torch_would_run_at_once() -> bool:
+    # (a child forked after initialization counts as initialized: torch's queue ran in the parent)
+    return bool(_queried_once) or _lazy.is_initialized() or _lazy.is_in_bad_fork()
+
+
+def _track_seed(kind: str, value: int) -> None:
+    if _torch_would_run_at_once():
+        _seeds_before_init.clear()
+        return
+    _seeds_before_init.pop(kind, None)
+    _seeds_before_init[kind] = value
+
+
+def _seeds_again() -> None:
+    """After a plain call made before initialization: the latest seed calls again (see above)."""
+    if not _seeds_before_init:
+        return
+    if _torch_would_run_at_once():
+        _seeds_before_init.clear()
+        return
+    for kind, value in list(_seeds_before_init.items()):
+        if kind == "one":
+            _default_generator(0).manual_seed(value)      # (device 0: current at initialization)
+        else:
+            for i in range(_device_count()):
+                _default_generator(i).manual_seed(value)
+
+
+def _queried() -> None:
+    # (torch initializes here: its queued seeding has run, and later seeding runs at once)
+    if not _queried_once:
+        _queried_once.append(True)
+    _seeds_before_init.clear()
 
 
 _lazy.register_reset_hook(_reset)
@@ -93,7 +140,16 @@ def _resolve(device) -> int:
 
 
 def default_generator(device_index: int) -> Generator:
-    """The default generator of device ``device_index`` (created on first use; no runtime init)."""
+    """The default generator of device ``device_index`` (created on first use; no runtime init).
+    Ends the tracking of seeding before initialization (torch's default generators exist only
+    once the runtime is initialized: a call on one is made after torch's queued seeding ran)."""
+    if not _queried_once:
+        with _seeding:      # (not inside another thread's seeding and its re-application, r70m)
+            _queried()
+    return _default_generator(device_index)
+
+
+def _default_generator(device_index: int) -> Generator:
     if type(device_index) is not int:       # the fast path: an int, already a key
         if isinstance(device_index, bool) or not hasattr(type(device_index), "__index__"):
             # (True would find device 1's generator: True == 1 as a key)
@@ -114,23 +170,39 @@ def default_generator(device_index: int) -> Generator:
 # -- torch.accelerator / torch.cuda random API -------------------------------------------
 def initial_seed(device=None, /) -> int:
     """The seed of ``device``'s default generator (current device when None)."""
-    return default_generator(_resolve(device)).initial_seed()
+    gen = _default_generator(_resolve(device))
+    with _seeding:      # (no state another thread's seeding leaves half re-applied, r70m)
+        value = gen.initial_seed()
+        _queried()
+    return value
 
 
 def get_rng_state(device=None):
     """``device``'s generator state: numpy uint8 array of 16 bytes (seed, offset; little-endian)."""
-    return default_generator(_resolve(device)).get_state()
+    gen = _default_generator(_resolve(device))
+    with _seeding:
+        state = gen.get_state()
+        _queried()
+    return state
 
 
 def set_rng_state(new_state, device=None) -> None:
     """Restore ``device``'s generator from :func:`get_rng_state` output (16 bytes) or an
-    8-byte seed (offset 0).  Errors leave the state unchanged."""
-    default_generator(_resolve(device)).set_state(new_state)
+    8-byte seed (offset 0).  Errors leave the state unchanged.  Before initialization, a
+    ``manual_seed``/``manual_seed_all`` made earlier still lands last, as in torch."""
+    gen = _default_generator(_resolve(device))
+    with _seeding:
+        gen.set_state(new_state)
+        _seeds_again()
 
 
 def get_rng_state_all() -> List:
     """States of all devices' generators, in device order."""
-    return [default_generator(i).get_state() for i in range(_device_count())]
+    gens = [_default_generator(i) for i in range(_device_count())]
+    with _seeding:
+        states = [gen.get_state() for gen in gens]
+        _queried()
+    return states
 
 
 def set_rng_state_all(new_states) -> None:
@@ -147,11 +219,13 @@ def set_rng_state_all(new_states) -> None:
     if len(states) > count:
         raise ValueError(f"set_rng_state_all got {len(states)} states but only {count} device(s) exist")
     parsed = [Generator.parse_state(s) for s in states]
-    gens = [default_generator(i) for i in range(len(parsed))]
+    gens = [_default_generator(i) for i in range(len(parsed))]
     for gen in gens:            # a capture refuses set_state: refuse before any generator changed
         gen._not_capturing("set_state")
-    for gen, (seed_value, offset) in zip(gens, parsed):
-        gen.set_state(_state_of(seed_value, offset))
+    with _seeding:
+        for gen, (seed_value, offset) in zip(gens, parsed):
+            gen.set_state(_state_of(seed_value, offset))
+        _seeds_again()
 
 
 def _state_of(seed_value: int, offset: int) -> bytes:
@@ -165,7 +239,10 @@ def manual_seed(seed) -> None:
     value = check_seed(seed)
     if _device_count() == 0:
         return
-    default_generator(_current_index()).manual_seed(value)
+    gen = _default_generator(_current_index())
+    with _seeding:
+        gen.manual_seed(value)
+        _track_seed("one", value)
 
 
 def manual_seed_all(seed) -> None:
@@ -173,25 +250,43 @@ def manual_seed_all(seed) -> None:
     A generator whose device is capturing takes only its own seed again (torch's rule): then
     RuntimeError, and no generator changed."""
     value = check_seed(seed)
-    gens = [default_generator(i) for i in range(_device_count())]
+    with _seeding:
+        if _seed_every_device(value):
+            _track_seed("all", value)
+
+
+def _seed_every_device(value: int) -> bool:
+    """Seed every device's generator with ``value`` (offset 0), each capturing device checked
+    before any is seeded; False when there is no device."""
+    gens = [_default_generator(i) for i in range(_device_count())]
     for gen in gens:            # check every device before seeding any
         if gen.capturing and gen.initial_seed() != value:
             gen.manual_seed(value)      # raises torch's capture error
     for gen in gens:
         gen.manual_seed(value)
+    return bool(gens)
 
 
 def seed() -> int:
-    """Seed the current device's generator non-deterministically; returns the seed (0 without a device)."""
+    """Seed the current device's generator non-deterministically; returns the seed (0 without a
+    device).  Before initialization, a ``manual_seed``/``manual_seed_all`` made earlier still
+    lands last, as in torch."""
     if _device_count() == 0:
         return 0
-    return default_generator(_current_index()).seed()
+    gen = _default_generator(_current_index())
+    with _seeding:
+        value = gen.seed()
+        _seeds_again()
+    return value
 
 
 def seed_all() -> int:
-    """Seed every device's generator with one non-deterministic seed; returns it."""
+    """Seed every device's generator with one non-deterministic seed; returns it.  Before
+    initialization, a ``manual_seed``/``manual_seed_all`` made earlier still lands last, as in torch."""
     value = secrets.randbits(53)
-    manual_seed_all(value)
+    with _seeding:      # (as manual_seed_all, but a plain call: torch queues it so)
+        _seed_every_device(value)
+        _seeds_again()
     return value
 
 
@@ -206,9 +301,8 @@ def _target(buf, generator, what: str):
         return default_generator(buf.device_index)
     if not isinstance(generator, Generator):
         raise TypeError(f"generator must be an accel.random.Generator or None, got {type(generator).__name__}")
-    if generator.device_index != buf.device_index:
-        raise ValueError(f"generator is for device {generator.device_index} but the buffer is on device "
-                         f"{buf.device_index}")
+    # A generator of another device draws too, as torch (which checks the device type only:
+    # test_randperm_device_compatibility, r69b); not in a capture (_device._fill_here).
     return generator
 
 
@@ -233,7 +327,12 @@ def normal_(buf, mean: float = 0.0, std: float = 1.0, dtype="float32", generator
 
 
 def randint_(buf, low: int, high: int, dtype="int64", generator: Generator = None):
-    """Fill ``buf`` with integers in [low, high) of ``dtype`` (int64 or int32); returns ``buf``."""
+    """Fill ``buf`` with integers in [low, high) of ``dtype`` (int64 or int32); returns ``buf``.
+
+    Each value is ``low + x % (high - low)``: ``x`` one 32-bit Philox word for spans under
+    2**28, a 64-bit draw (two words) from 2**28 on, as torch's ``random_from_to``: the modulo's
+    skew stays under about 5 % for spans up to 2**32 and grows with spans past 2**62 (a 64-bit
+    draw modulo such a span favours the low values, as torch's does)."""
     from . import _fills
     gen = _target(buf, generator, "randint_")
     return _run(buf, _fills.plan_randint(buf.nbytes, dtype, low, high), gen)

@@ -18,11 +18,10 @@ the current stream.
 from __future__ import annotations
 
 import re
-import threading
 import warnings
 from typing import Callable, Dict, Optional, Tuple
 
-from .. import _lazy
+from .. import _lazy, _locks
 from .._errors import AcceleratorError, CaptureError, KernelImageError
 from . import _fills, philox
 
@@ -45,7 +44,7 @@ _SOURCES: Dict[str, Callable[[], bytes]] = {"ptx": _shipped("philox.ptx"), "msl"
 #: kernel language -> function returning a prebuilt image of the same kernels, tried first
 _BINARIES: Dict[str, Callable[[], bytes]] = {"ptx": _shipped("philox.fatbin")}
 
-_lock = threading.Lock()
+_lock = _locks.module_lock(globals(), "_lock")
 _functions: Dict[Tuple[int, int], Optional[Dict[str, int]]] = {}
 
 
@@ -192,6 +191,11 @@ def _fill_here(backend, index: int, buf, plan: "_fills.Plan", generator, stream)
     fns = kernel_functions(backend, index)
     kernel = fns.get(plan.kernel) if fns else None
     capturing = backend.supports_graphs and backend.stream_is_capturing(stream.handle)
+    if capturing and generator.device_index != index:
+        # (a captured fill reads the generator's state from its device's memory at each replay)
+        raise ValueError(f"a capture on device {index} cannot draw from the generator of device "
+                         f"{generator.device_index}: its replays read the state from that device's "
+                         f"memory; use default_generator({index}) or a Generator({index})")
     if capturing and kernel is None:
         raise CaptureError(
             f"random fills of this kind cannot be captured on {backend.name}: it has no {plan.kernel} "

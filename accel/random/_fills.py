@@ -21,6 +21,7 @@ KINDS = {
     "normal_f64": ("float64", 2),
     "randint_i32": ("int32", 4),
     "randint_i64": ("int64", 4),
+    "randint_i32_wide": ("int32", 2),
     "randint_i64_wide": ("int64", 2),
 }
 

@@ -26,9 +26,10 @@ Word use per element (``W`` is the fill's word stream, see ``philox``):
   ``x[2k+1] = mean + std * r sin(2 pi u2)``, rounded to float32 for float32
   output.  An odd ``n`` still consumes the last pair's words.
   Float32: 2 words per pair; float64: 4 words per pair.
-* ``randint`` in [low, high), ``R = high - low``: ``R <= 2**32``: ``x = low + W[i] % R``
+* ``randint`` in [low, high), ``R = high - low``: ``R < 2**28``: ``x = low + W[i] % R``
   (1 word per element); otherwise ``v = W[2i] | W[2i+1] << 32`` and
-  ``x = low + v % R`` (2 words; ``R = 2**64`` takes ``v`` itself), all modulo 2**64.
+  ``x = low + v % R`` (2 words; ``R = 2**64`` takes ``v`` itself), all modulo 2**64, for int32
+  and int64 alike (torch's rule: :data:`WIDE_SPAN`).
 
 A fill then advances the generator offset by its words rounded up to a multiple of 4.
 """
@@ -56,7 +57,7 @@ def words_for(kind: str, n: int) -> int:
     """32-bit words a fill of ``n`` elements of ``kind`` consumes (before rounding to 4)."""
     if kind in ("raw_u32", "uniform_f32", "randint_i32", "randint_i64"):
         return n
-    if kind in ("uniform_f64", "randint_i64_wide"):
+    if kind in ("uniform_f64", "randint_i32_wide", "randint_i64_wide"):
         return 2 * n
     if kind == "normal_f32":
         return 2 * ((n + 1) // 2)
@@ -179,21 +180,25 @@ def normal_f64(words: np.ndarray, n: int, mean: float = 0.0, std: float = 1.0) -
 
 
 # --- randint ---------------------------------------------------------------------------------
+#: Spans from 2**28 on take two words per value (a 64-bit draw), as torch's
+#: uniform_int_from_to (ATen/core/DistributionsHelper.h, "allow approx 5% skew in uniform int
+#: generation using %"): one 32-bit word modulo a span near 2**32 gives the low values up to
+#: twice the odds of the high ones (r69b: 0.75 * 2**32 put half the draws in the lowest third).
+WIDE_SPAN = 1 << 28
+
+
 def randint_kind(low: int, high: int, dtype: str) -> str:
-    """"randint_i32", "randint_i64" (1 word each) or "randint_i64_wide" (2 words) for [low, high)."""
-    span = high - low
-    if dtype == "int32":
-        return "randint_i32"
-    return "randint_i64" if span <= 1 << 32 else "randint_i64_wide"
+    """"randint_i32" / "randint_i64" (1 word each) below :data:`WIDE_SPAN`, else
+    "randint_i32_wide" / "randint_i64_wide" (2 words each), for [low, high)."""
+    wide = "_wide" if high - low >= WIDE_SPAN else ""
+    return ("randint_i32" if dtype == "int32" else "randint_i64") + wide
 
 
 def randint(words: np.ndarray, low: int, high: int, dtype: str) -> np.ndarray:
     span = high - low
     low_u = np.uint64(low & ((1 << 64) - 1))
-    if span <= 1 << 32:
-        v = words.astype(np.uint64)
-        if span < 1 << 32:
-            v %= np.uint64(span)
+    if span < WIDE_SPAN:
+        v = words.astype(np.uint64) % np.uint64(span)
     else:
         v = words[0::2].astype(np.uint64) | (words[1::2].astype(np.uint64) << np.uint64(32))
         if span < 1 << 64:

@@ -38,14 +38,13 @@ objects: seeding or querying them never initializes a device.
 from __future__ import annotations
 
 import operator
-import os
 import secrets
 import struct
 import threading
-import weakref
 from typing import Callable, NamedTuple, Optional
 
 from .. import _finalize as _fin
+from .. import _locks
 
 __all__ = ["Generator", "PhiloxArgs", "DEFAULT_SEED", "check_seed"]
 
@@ -139,21 +138,6 @@ def _state_bytes(new_state) -> bytes:
     return new_state.tobytes()
 
 
-#: every live Philox state (weakly: bounded by the live ones), for the forked child's fresh locks
-_states: "weakref.WeakSet[_State]" = weakref.WeakSet()
-
-
-def _fresh_locks_in_child() -> None:
-    # A thread of the parent may have held a state's lock as another forked (a default
-    # generator being made, a graph replay's prologue writing the offset): only this thread
-    # exists in the child, where seeding or reading the state then waited for good (r68i).
-    for state in list(_states):
-        state._lock = threading.RLock()
-
-
-os.register_at_fork(after_in_child=_fresh_locks_in_child)
-
-
 class _State:
     """One Philox state (torch's ``CUDAGeneratorState``): seed, offset and the graph-safe fields
     (capturing flag, intragraph offset, and the device holders of each graph registered with
@@ -165,10 +149,16 @@ class _State:
     __slots__ = ("device_index", "_lock", "_seed", "_offset", "_capturing", "_intragraph",
                  "_graph_ptrs", "_holders", "__weakref__")
 
+    def _fresh(self) -> None:
+        # A thread of the parent may have held the lock as another forked (a default generator
+        # being made, a graph replay's prologue writing the offset): only this thread exists in
+        # the child, where seeding or reading the state then waited for good (r68i).
+        self._lock = threading.RLock()
+
     def __init__(self, device_index: int, seed: int, offset: int = 0):
         self.device_index = device_index
         self._lock = threading.RLock()
-        _states.add(self)
+        _locks.renew_in_child(self)
         self._seed = seed
         self._offset = offset
         # graph-safe state
@@ -361,8 +351,10 @@ class _State:
 class Generator:
     """Philox4x32-10 state ``(seed, offset)`` for one device.
 
-    ``Generator(device_index=0, seed=None)``; the default generators of the
-    devices come from :func:`accel.random.default_generator`.  Thread-safe.
+    ``Generator(device_index=0, seed=None)``, or ``Generator(device="cuda:1")`` as
+    ``torch.Generator(device=...)`` (an index, a device string or a torch.device either way);
+    the default generators of the devices come from :func:`accel.random.default_generator`.
+    Thread-safe.
 
     The state is an object the generator points to (torch's ``CUDAGeneratorState``):
     :meth:`graphsafe_get_state` returns a generator sharing it, :meth:`graphsafe_set_state`
@@ -371,7 +363,12 @@ class Generator:
     :mod:`accel.random.generator`).
     """
 
-    def __init__(self, device_index: int = 0, seed: Optional[int] = None):
+    def __init__(self, device_index: int = 0, seed: Optional[int] = None, *, device=None):
+        if device is not None:
+            if device_index is not None and not (type(device_index) is int and device_index == 0):
+                raise TypeError(f"Generator() got both device_index={device_index!r} and device={device!r}; "
+                                f"give one")
+            device_index = device
         self.device_index = _check_device_index(device_index)
         self._state = _State(self.device_index, DEFAULT_SEED if seed is None else check_seed(seed))
 

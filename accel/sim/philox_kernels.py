@@ -127,14 +127,17 @@ def _randint_narrow(dtype):
     return fn
 
 
-def randint_i64_wide(grid, block, view, out, n, seed, offset, seed_ptr, offset_ptr, span, low):
-    c, w = _words(grid, block, view, (n + 1) // 2, seed, offset, seed_ptr, offset_ptr)
-    w64 = w.astype(np.uint64)
-    v = np.stack([w64[:, 0] | (w64[:, 1] << np.uint64(32)), w64[:, 2] | (w64[:, 3] << np.uint64(32))], axis=1)
-    if span:                                              # span 0 stands for 2**64
-        v %= np.uint64(span)
-    v += np.uint64(low % (1 << 64))
-    _store(view, out, n, np.int64, c, v.view(np.int64), 2)
+def _randint_wide(dtype):
+    def fn(grid, block, view, out, n, seed, offset, seed_ptr, offset_ptr, span, low):
+        c, w = _words(grid, block, view, (n + 1) // 2, seed, offset, seed_ptr, offset_ptr)
+        w64 = w.astype(np.uint64)
+        v = np.stack([w64[:, 0] | (w64[:, 1] << np.uint64(32)), w64[:, 2] | (w64[:, 3] << np.uint64(32))], axis=1)
+        if span:                                              # span 0 stands for 2**64
+            v %= np.uint64(span)
+        v += np.uint64(low % (1 << 64))
+        _store(view, out, n, dtype, c, v.view(np.int64).astype(dtype), 2)
+    fn.__name__ = fn.__qualname__ = f"randint_{np.dtype(dtype).name}_wide"
+    return fn
 
 
 def store_state(grid, block, view, seed_ptr, offset_ptr, seed, offset):
@@ -153,6 +156,7 @@ for _name, _extra, _fn in (
         ("normal_f64", ("f64", "f64"), normal_f64),
         ("randint_i32", _RANGE, _randint_narrow(np.int32)),
         ("randint_i64", _RANGE, _randint_narrow(np.int64)),
-        ("randint_i64_wide", _RANGE, randint_i64_wide)):
+        ("randint_i32_wide", _RANGE, _randint_wide(np.int32)),
+        ("randint_i64_wide", _RANGE, _randint_wide(np.int64))):
     kernels.register("accel_philox_" + _name, _COMMON + _extra, _fn)
 kernels.register("accel_philox_store_state", ("ptr", "ptr", "u64", "u64"), store_state)

@@ -91,7 +91,7 @@ kernel void accel_philox_uniform_f32(device float *out [[buffer(0)]], FILL_PARAM
     }
 }
 
-// randint: low + x % range (mod 2**64); range <= 2**32 here, so one word per element.
+// randint: low + x % range (mod 2**64); range < 2**28 here, so one word per element.
 kernel void accel_philox_randint_i32(device int *out [[buffer(0)]], FILL_PARAMS,
                                      constant ulong &range [[buffer(6)]],
                                      constant long &low [[buffer(7)]], THREAD_PARAMS) {
@@ -122,7 +122,23 @@ kernel void accel_philox_randint_i64(device long *out [[buffer(0)]], FILL_PARAMS
     }
 }
 
-// range > 2**32: two words per element, v = W[2i] | W[2i+1] << 32; range 0 stands for 2**64.
+// range >= 2**28: two words per element, v = W[2i] | W[2i+1] << 32 (one word modulo such a
+// range is skewed: torch's uniform_int_from_to draws 64 bits from 2**28 on too).
+kernel void accel_philox_randint_i32_wide(device int *out [[buffer(0)]], FILL_PARAMS,
+                                          constant ulong &range [[buffer(6)]],
+                                          constant long &low [[buffer(7)]], THREAD_PARAMS) {
+    const ulong base = offset >> 2, n_ctr = (n + 1) / 2;
+    const ulong lo = as_type<ulong>(low);
+    for (ulong c = tid; c < n_ctr; c += nthreads) {
+        Words v = philox(base + c, seed);
+        ulong i = 2 * c;
+        ulong a = ulong(v.x) | (ulong(v.y) << 32), b = ulong(v.z) | (ulong(v.w) << 32);
+        out[i] = as_type<int>(uint(lo + a % range));
+        if (i + 1 < n) out[i + 1] = as_type<int>(uint(lo + b % range));
+    }
+}
+
+// range 0 stands for 2**64.
 kernel void accel_philox_randint_i64_wide(device long *out [[buffer(0)]], FILL_PARAMS,
                                           constant ulong &range [[buffer(6)]],
                                           constant long &low [[buffer(7)]], THREAD_PARAMS) {
