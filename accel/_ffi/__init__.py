@@ -42,7 +42,7 @@ import operator
 import os
 import sys
 import threading
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 __all__ = ["LibraryNotFound", "LIBRARIES", "open_library", "module", "has_symbol",
            "missing_symbols", "candidates", "is_open", "CUDART_MAJORS", "cudart_module",
@@ -58,9 +58,21 @@ class LibraryNotFound(OSError):
     def __init__(self, name: str, tried: List[Tuple[str, str]]):
         self.name = name
         self.tried = list(tried)
+        env = _ENV.get(name)
+        value = os.environ.get(env) if env else None
+        #: the override variable that named the only candidate, a file or the directory it was
+        #: looked for in (None: the usual search)
+        only = self.tried[0][0] if len(self.tried) == 1 else None
+        named = only is not None and value and (
+            only == value or os.path.normpath(os.path.dirname(only)) == os.path.normpath(value))
+        self.override = env if named else None
+        if self.override:
+            # (r69g: it said "set ACCEL_NVML_PATH to the library's full path", which was set)
+            super().__init__("%s=%r cannot be used: %s; point it at the %s library file, or unset it to "
+                             "search the usual places" % (env, value, self.tried[0][1], name))
+            return
         lines = ["cannot load the %s library; tried:" % name]
         lines += ["  %s: %s" % (p, r) for p, r in self.tried]
-        env = _ENV.get(name)
         if env:
             lines.append("set %s to the library's full path to choose it explicitly" % env)
         super().__init__("\n".join(lines))
@@ -84,10 +96,100 @@ _ENV = {
     "objc": "ACCEL_OBJC_PATH", "metal": "ACCEL_METAL_PATH", "nvrtc": "ACCEL_NVRTC_PATH",
 }
 
-#: The function every user of the library calls first: a file without it is another library.
-_ENTRY_POINT = {"nvml": "nvmlInit_v2", "ze": "zeInit"}
+#: Functions every user of the library calls: a file without one is another library, or a
+#: loader too incomplete to use (r70l: a loader exporting only zeInit was taken ahead of a
+#: complete one, and init raised cffi's "symbol not found"; libm as ACCEL_METAL_PATH counted a
+#: Metal device).
+_ENTRY_POINT = {
+    "nvml": ("nvmlInit_v2",),
+    "ze": ("zeInit", "zeDriverGet", "zeDriverGetApiVersion", "zeDeviceGet", "zeDeviceGetProperties",
+           "zeContextCreate", "zeMemAllocDevice", "zeCommandListCreateImmediate", "zeEventPoolCreate"),
+    "objc": ("objc_msgSend", "sel_registerName", "objc_getClass"),
+    "metal": ("MTLCreateSystemDefaultDevice",),
+}
+
+
+def elf_problem(path: str) -> Optional[str]:
+    """Why the file at ``path`` cannot be a shared library of this process, read from its ELF
+    header before it is handed to the dynamic loader, or None.  glibc maps a truncated library's
+    segments and the process dies of SIGBUS at the first touch past the file's end (r70l: half a
+    libcudart under CUDA_HOME killed ``device_count()``); a library of another architecture is
+    named as such (glibc says "No such file or directory").  Not an ELF file, or unreadable: None
+    (the loader says why)."""
+    import struct
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+            size = os.fstat(f.fileno()).st_size
+            if head[:4] != b"\x7fELF" or len(head) < 64 or head[4] != 2 or head[5] != 1:
+                return None     # (not a little-endian ELF64: the loader refuses it with its reason)
+            e_type, machine = struct.unpack_from("<HH", head, 16)
+            if e_type not in (2, 3):    # ET_EXEC, ET_DYN: an object file, a core dump: the loader says
+                return None
+            own = _own_machine()
+            if own is not None and machine != own:
+                return (f"built for another architecture (ELF machine {machine}; this process is "
+                        f"machine {own})")
+            phoff, = struct.unpack_from("<Q", head, 32)
+            phentsize, phnum = struct.unpack_from("<HH", head, 54)
+            if phnum and (phoff + phentsize * phnum > size or phentsize < 56):
+                return f"truncated: its program headers end past the file's {size} bytes"
+            f.seek(phoff)
+            table = f.read(phentsize * phnum)
+    except OSError:
+        return None
+    for i in range(phnum):
+        p_type, _flags, p_offset, _vaddr, _paddr, p_filesz = struct.unpack_from("<IIQQQQ", table, i * phentsize)
+        if p_type == 1 and p_offset + p_filesz > size:      # PT_LOAD
+            return (f"truncated: a loadable segment ends at byte {p_offset + p_filesz} of a "
+                    f"{size}-byte file (an interrupted copy or download?)")
+    return None
+
+
+def _dlopen_candidate(ffi, path: str, tried: List[Tuple[str, str]]):
+    """``ffi.dlopen(path)`` for one candidate of a search, or None with why appended to ``tried``:
+    a missing file, an ELF header that shows it unloadable (:func:`elf_problem`), or the
+    loader's first line."""
+    if os.sep in path:
+        if not os.path.exists(path):
+            tried.append((path, "no such file"))
+            return None
+        problem = elf_problem(path)
+        if problem:
+            tried.append((path, problem))
+            return None
+    try:
+        return ffi.dlopen(path)
+    except OSError as e:
+        tried.append((path, str(e).splitlines()[0] if str(e) else type(e).__name__))
+        return None
+
+
+_machine: List[int] = []
+
+
+def _own_machine() -> Optional[int]:
+    """The ELF machine of this process's executable (62 x86-64, 183 AArch64), or None."""
+    if not _machine:
+        try:
+            with open("/proc/self/exe", "rb") as f:
+                head = f.read(20)
+            _machine.append(int.from_bytes(head[18:20], "little") if head[:4] == b"\x7fELF" else -1)
+        except OSError:
+            _machine.append(-1)
+    return None if _machine[0] < 0 else _machine[0]
 
 _lock = threading.Lock()
+
+
+def _fresh_lock_in_child() -> None:
+    # a thread of the parent may have been opening a library at the fork (r69i: the child hung
+    # in device_count()); the libraries it opened stay open in the child
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_lock_in_child)
 _opened: Dict[str, Tuple[object, object, str]] = {}
 
 
@@ -95,11 +197,36 @@ _CUDART_SONAMES = ("libcudart.so.13", "libcudart.so.12")
 
 
 def _site_dirs() -> List[str]:
+    """The ``sys.path`` entries that hold an ``nvidia/`` package directory (the NVIDIA wheels'
+    namespace), in order: site-packages, and a ``pip install --target`` directory on PYTHONPATH
+    as torch's ``_preload_cuda_deps`` finds it (r70l: only entries named site-packages or
+    dist-packages were searched)."""
     out = []
     for p in sys.path:
-        if p and p.endswith(("site-packages", "dist-packages")) and p not in out:
+        if p and p not in out and (p.endswith(("site-packages", "dist-packages"))
+                                   or os.path.isdir(os.path.join(p, "nvidia"))):
             out.append(p)
     return out
+
+
+def _homes() -> List[Tuple[str, str]]:
+    """(variable, directory) of the toolkit-like trees to search: CUDA_HOME, CUDA_PATH, a conda
+    environment's prefix (CONDA_PREFIX: conda's cuda-cudart puts lib/libcudart.so.12 there), and
+    /usr/local/cuda."""
+    homes = [(v, os.environ.get(v)) for v in ("CUDA_HOME", "CUDA_PATH", "CONDA_PREFIX")]
+    return [(v, h) for v, h in homes if h] + [("/usr/local/cuda", "/usr/local/cuda")]
+
+
+def _explicit(env: str, sonames: Tuple[str, ...]) -> List[str]:
+    """The files an ACCEL_*_PATH value names: the value itself (absolute, so a later chdir does
+    not change it: r70l), or every soname a ``lib/`` directory holds (r70l: only the first was
+    taken, so a directory with .12 and .13 always gave .13, even on a 12 driver)."""
+    if os.sep in env or os.path.exists(env):     # (a bare name that exists nowhere: a soname)
+        env = os.path.abspath(env)
+    if os.path.isdir(env):
+        files = [os.path.join(env, s) for s in sonames]
+        return [f for f in files if os.path.exists(f)] or files[:1]
+    return [env]
 
 
 def cudart_search() -> Tuple[List[Tuple[str, str]], bool]:
@@ -109,15 +236,10 @@ def cudart_search() -> Tuple[List[Tuple[str, str]], bool]:
     versions and chooses by the driver (``accel.backends._cuda_libs``)."""
     env = os.environ.get("ACCEL_CUDART_PATH")
     if env:
-        if os.path.isdir(env):   # a wheel's or toolkit's lib/ directory: the libcudart in it
-            files = [os.path.join(env, s) for s in _CUDART_SONAMES]
-            env = next((f for f in files if os.path.exists(f)), files[0])
-        return [(env, "ACCEL_CUDART_PATH")], True
+        return [(path, "ACCEL_CUDART_PATH") for path in _explicit(env, _CUDART_SONAMES)], True
     # the sonames, then the unversioned development link (its version is read like any other)
     out = [(s, "dynamic loader (soname)") for s in _CUDART_SONAMES + ("libcudart.so",)]
-    homes = [(v, os.environ.get(v)) for v in ("CUDA_HOME", "CUDA_PATH")]
-    homes = [(v, h) for v, h in homes if h] + [("/usr/local/cuda", "/usr/local/cuda")]
-    for var, home in homes:
+    for var, home in _homes():
         for sub in ("lib64", "lib"):
             out += [(os.path.join(home, sub, s), var) for s in _CUDART_SONAMES]
     for sp in _site_dirs():
@@ -147,17 +269,13 @@ def nvrtc_search() -> Tuple[List[Tuple[str, str]], bool]:
     then the dynamic loader's sonames.  Paths only: nothing is loaded."""
     env = os.environ.get("ACCEL_NVRTC_PATH")
     if env:
-        if os.path.isdir(env):
-            files = [os.path.join(env, s) for s in _NVRTC_SONAMES]
-            env = next((f for f in files if os.path.exists(f)), files[0])
-        return [(env, "ACCEL_NVRTC_PATH")], True
+        return [(path, "ACCEL_NVRTC_PATH") for path in _explicit(env, _NVRTC_SONAMES)], True
     out: List[Tuple[str, str]] = []
     for sp in _site_dirs():
         out.append((os.path.join(sp, "nvidia", "cu13", "lib", "libnvrtc.so.13"), "pip nvidia-cuda-nvrtc"))
         out.append((os.path.join(sp, "nvidia", "cuda_nvrtc", "lib", "libnvrtc.so.12"),
                     "pip nvidia-cuda-nvrtc-cu12"))
-    homes = [(v, os.environ.get(v)) for v in ("CUDA_HOME", "CUDA_PATH")]
-    for var, home in [(v, h) for v, h in homes if h] + [("/usr/local/cuda", "/usr/local/cuda")]:
+    for var, home in _homes():
         for sub in ("lib64", "lib"):
             out += [(os.path.join(home, sub, s), var) for s in _NVRTC_SONAMES]
     out += [(s, "dynamic loader (soname)") for s in _NVRTC_SONAMES + ("libnvrtc.so",)]
@@ -192,26 +310,21 @@ def open_nvrtc(prefer_major=None):
         if got is not None:
             return got
         ffi = module("nvrtc").ffi
-        found, _explicit = nvrtc_search()
+        found, _named = nvrtc_search()
         paths = [p for p, _s in found]
         if prefer_major is not None:
             paths.sort(key=lambda p: _soname_major(p) != prefer_major)   # stable: search order within
         tried: List[Tuple[str, str]] = []
         for path in paths:
-            if os.sep in path and not os.path.exists(path):
-                tried.append((path, "no such file"))
-                continue
-            try:
-                lib = ffi.dlopen(path)
-            except OSError as e:
-                tried.append((path, str(e).splitlines()[0] if str(e) else type(e).__name__))
+            lib = _dlopen_candidate(ffi, path, tried)
+            if lib is None:
                 continue
             if not has_symbol(lib, "nvrtcVersion"):
                 # as open_library checks each library's entry point: a file that loads but is
                 # another library (ACCEL_NVRTC_PATH naming libcudart, say)
                 tried.append((path, "loads, but is not the nvrtc library: it does not export nvrtcVersion"))
                 continue
-            resolved = _resolved(path)
+            resolved = _resolved(path, ffi, lib, "nvrtc")
             _preload_nvrtc_builtins(ffi, lib, resolved)
             got = _opened["nvrtc"] = (ffi, lib, resolved)
             return got
@@ -314,20 +427,42 @@ def _preload(name: str) -> None:
             pass
 
 
-def _resolved(path: str) -> str:
-    """Full path of a library opened by bare soname (Linux: from /proc/self/maps)."""
+#: A function of each library whose address names the file a bare soname loaded (dladdr).
+_ANY_SYMBOL = {"cudart": "cudaRuntimeGetVersion", "nvml": "nvmlInit_v2", "ze": "zeInit",
+               "nvrtc": "nvrtcVersion"}
+
+_dl = None
+
+
+def _dladdr_file(ffi, lib, symbol: str) -> Optional[str]:
+    """The file that holds ``lib``'s ``symbol`` (dladdr), or None where it cannot tell."""
+    global _dl
+    try:
+        if _dl is None:
+            import _cffi_backend     # (not cffi's parser: importing it costs milliseconds)
+            dl = _cffi_backend.FFI()
+            libc = _cffi_backend.load_library(None)
+            _dl = (dl, libc.load_function(dl.typeof("int(*)(void *, void *)"), "dladdr"))
+        dl, dladdr = _dl
+        info = dl.new("void *[4]")   # Dl_info: dli_fname, dli_fbase, dli_sname, dli_saddr
+        addr = dl.cast("void *", int(ffi.cast("uintptr_t", getattr(lib, symbol))))
+        if dladdr(addr, info) and info[0] != dl.NULL:
+            return dl.string(dl.cast("char *", info[0])).decode(errors="surrogateescape")
+    except Exception:
+        pass
+    return None
+
+
+def _resolved(path: str, ffi=None, lib=None, name: str = "cudart") -> str:
+    """Full path of the file a library was opened from.  A bare soname is resolved by dladdr on
+    one of its functions (r69g: reading /proc/self/maps for the first file whose name starts
+    with the soname named whichever libcudart sat lowest in memory, another version's)."""
     if os.sep in path:
         return os.path.abspath(path)
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                parts = line.split(None, 5)
-                if len(parts) == 6:
-                    file = parts[5].strip()
-                    if os.path.basename(file).startswith(path):
-                        return file
-    except OSError:
-        pass
+    if lib is not None and name in _ANY_SYMBOL:
+        found = _dladdr_file(ffi, lib, _ANY_SYMBOL[name])
+        if found and os.sep in found:
+            return os.path.abspath(found)    # (a relative LD_LIBRARY_PATH entry gives a relative name, r69i)
     return path
 
 
@@ -359,21 +494,17 @@ def open_library(name: str):
         _preload(name)
         tried: List[Tuple[str, str]] = []
         for path in candidates(name):
-            if os.sep in path and not os.path.exists(path):
-                tried.append((path, "no such file"))
+            lib = _dlopen_candidate(ffi, path, tried)
+            if lib is None:
                 continue
-            try:
-                lib = ffi.dlopen(path)
-            except OSError as e:
-                tried.append((path, str(e).splitlines()[0] if str(e) else type(e).__name__))
-                continue
-            key = _ENTRY_POINT.get(name)
-            if key is not None and not has_symbol(lib, key):
+            lacking = [key for key in _ENTRY_POINT.get(name, ()) if not has_symbol(lib, key)]
+            if lacking:
                 # another library (ACCEL_NVML_PATH=libcudart...): every first call would raise
                 # cffi's "symbol not found" instead of "NVML is not available"
-                tried.append((path, "loads, but is not the %s library: it does not export %s" % (name, key)))
+                tried.append((path, "loads, but is not a usable %s library: it does not export %s"
+                              % (name, ", ".join(lacking))))
                 continue
-            got = (ffi, lib, _resolved(path))
+            got = (ffi, lib, _resolved(path, ffi, lib, name))
             _opened[name] = got
             return got
         raise LibraryNotFound(name, tried)
@@ -387,13 +518,8 @@ def _open_first_cudart():
     from . import _cudart    # cudaRuntimeGetVersion has one signature in every major
     tried: List[Tuple[str, str]] = []
     for path, _source in cudart_search()[0]:
-        if os.sep in path and not os.path.exists(path):
-            tried.append((path, "no such file"))
-            continue
-        try:
-            probe = _cudart.ffi.dlopen(path)
-        except OSError as e:
-            tried.append((path, str(e).splitlines()[0] if str(e) else type(e).__name__))
+        probe = _dlopen_candidate(_cudart.ffi, path, tried)
+        if probe is None:
             continue
         v = _cudart.ffi.new("int *")
         if probe.cudaRuntimeGetVersion(v) != 0:
@@ -417,7 +543,7 @@ def open_cudart(path: str, major: int):
         if got is None:
             ffi = cudart_module(major).ffi
             lib = ffi.dlopen(path)
-            got = _cudart_by_path[path] = (ffi, lib, _resolved(path))
+            got = _cudart_by_path[path] = (ffi, lib, _resolved(path, ffi, lib, "cudart"))
         return got
 
 

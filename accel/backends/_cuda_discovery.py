@@ -28,8 +28,9 @@ class CudaDiscoveryMixin:
 
     def cudart_choice(self):
         """Which libcudart this backend uses and why (``_cuda_libs.Choice``): every candidate
-        with its CUDA version and verdict, and the driver's CUDA version read from NVML
-        (no CUDA started).  Made once; the simulator offers its installed runtimes."""
+        with its CUDA version and verdict, and the driver's CUDA version read from NVML, or
+        where NVML is unavailable from a candidate's ``cudaDriverGetVersion`` (no CUDA started
+        either way).  Made once; the simulator offers its installed runtimes."""
         choice = self._choice
         if choice is not None:
             return choice
@@ -40,7 +41,10 @@ class CudaDiscoveryMixin:
                 if nvml is not None:
                     driver, note = _cuda_libs.driver_version_from_nvml(nvml[0], nvml[1])
                 else:
-                    driver, note = None, "driver version unknown: NVML missing"
+                    # (r69g: "NVML missing" was written also when NVML loaded and its init failed)
+                    why = self._nvml_error or "not loaded"
+                    why = why.split(";")[0] if "\n" in why else why    # (a load's list of tries: its head)
+                    driver, note = None, f"NVML unavailable: {why}"
                 if self.simulated:
                     self._choice = self._sim_choice(driver, note)
                 else:
@@ -52,6 +56,10 @@ class CudaDiscoveryMixin:
         from .._ffi import CUDART_MAJORS
         from . import _cuda_libs
         cfg = sim.config()
+        if driver is None and cfg.runtimes and cfg.cudart:
+            # the simulated libcudart's cudaDriverGetVersion, as _cuda_libs.driver_version_from_runtime
+            driver, note = _cuda_libs.driver_version_note(cfg.driver_version if cfg.driver else 0,
+                                                          "accel.sim", note)
         cands = []
         for v in reversed(cfg.runtimes):   # newest first, as the sonames are searched
             c = _cuda_libs.Candidate(f"accel.sim (libcudart {_cuda_libs.vtext(v)})", "ACCEL_SIM_CUDA_RUNTIME")
@@ -69,15 +77,23 @@ class CudaDiscoveryMixin:
             # a forked child: initialize NVML again, as torch's readings do (pynvml's nvmlInit on
             # every call); the parent's initialization answers NVML_ERROR_UNINITIALIZED here
             self._nvml = None
-        if self._nvml is None and self._nvml_error is None:
-            try:
-                ffi, lib, path = self._open("nvml")
-                rc = lib.nvmlInit_v2()
-                if rc != _NVML_SUCCESS:
-                    raise OSError(f"nvmlInit_v2 returned {rc} ({self._nvml_error_name(ffi, lib, rc)})")
-                self._nvml, self._nvml_pid = (ffi, lib, path), os.getpid()
-            except OSError as exc:
-                self._nvml_error = str(exc)
+        if self._nvml is None and not self._nvml_missing:
+            # One lock over open + init (r70k: a first count and a first init in two threads each
+            # called nvmlInit_v2, and one initialization was never matched).  A library that does
+            # not load is remembered; a failed nvmlInit_v2 is tried again at the next use, as
+            # torch's readings call nvmlInit each time (r70k: one failure disabled NVML for good).
+            with self._nvml_lock:
+                if self._nvml is None and not self._nvml_missing:
+                    try:
+                        ffi, lib, path = self._open("nvml")
+                    except OSError as exc:
+                        self._nvml_error, self._nvml_missing = str(exc), True
+                        return None
+                    rc = lib.nvmlInit_v2()
+                    if rc != _NVML_SUCCESS:
+                        self._nvml_error = f"nvmlInit_v2 returned {rc} ({self._nvml_error_name(ffi, lib, rc)})"
+                        return None
+                    self._nvml, self._nvml_pid, self._nvml_error = (ffi, lib, path), os.getpid(), None
         return self._nvml
 
     @staticmethod
@@ -103,6 +119,14 @@ class CudaDiscoveryMixin:
 
     def _discover(self) -> int:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if _visible.parse(visible) == []:
+            # nothing selected ("", "-1", a duplicate, garbage): 0 from the variable alone, as
+            # torch's _device_count_nvml, starting nothing, so a later change of the variable is
+            # read again and a forked child can still use CUDA (r69j: without NVML it asked
+            # cudaGetDeviceCount, which starts the driver)
+            self._count_path = "CUDA_VISIBLE_DEVICES"
+            self._count_reason = f"CUDA_VISIBLE_DEVICES={visible!r} selects no device"
+            return 0
         nvml = self._nvml_lib()
         if nvml is not None:
             ffi, lib, _ = nvml

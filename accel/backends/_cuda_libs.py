@@ -25,7 +25,6 @@ CUDA backend calls :func:`choose`.  The simulator supplies its installed runtime
 from __future__ import annotations
 
 import os
-import re
 import threading
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -34,7 +33,6 @@ MIN_DRIVER_BRANCH = {12: "R525", 13: "R580"}
 #: What to install for a runtime of each major when the driver is older.
 RUNTIME_WHEEL = {12: "nvidia-cuda-runtime-cu12", 13: "nvidia-cuda-runtime"}
 
-_VERSION_IN_NAME = re.compile(r"libcudart\.so\.(\d+)\.(\d+)(?:\.\d+)?$")
 
 
 def vtext(version: Optional[int]) -> str:
@@ -127,6 +125,15 @@ def insufficient_driver_message(runtime_version: int, driver_version: int) -> st
     if driver_version <= 0:
         return (f"no NVIDIA driver is installed (cudaDriverGetVersion reports none); libcudart "
                 f"{vtext(runtime_version)} needs one >= {MIN_DRIVER_BRANCH.get(major, 'supporting CUDA %d' % major)}")
+    if supports(driver_version, runtime_version):
+        # (r69g: it read "needs a driver supporting CUDA 12.0 or newer; the driver supports CUDA
+        # 12.2"; r69i: nor is "update the driver" right for a driver past the branch minimum)
+        return (f"libcudart {vtext(runtime_version)} refused the driver, though the driver supports CUDA "
+                f"{vtext(driver_version)}, which runs CUDA {major}.x runtimes: unexpected.  Most likely the "
+                f"libcuda loaded does not match the kernel driver (a CUDA compat package, or a container's "
+                f"libcuda from another driver version; compare nvidia-smi's driver version with libcuda's), "
+                f"or the driver is older than branch "
+                f"{MIN_DRIVER_BRANCH.get(major, 'supporting CUDA %d' % major)}, the oldest CUDA {major}.x runs on")
     return (f"libcudart {vtext(runtime_version)} needs a driver supporting CUDA {major}.0 or newer; the driver "
             f"supports CUDA {vtext(driver_version)}: {_install_hint(runtime_version, driver_version)}")
 
@@ -139,10 +146,26 @@ def choose(cands: Sequence[Candidate], driver_version: Optional[int], driver_not
     for c in cands:
         c.verdict = "rejected"
     loaded = [c for c in cands if c.version]
+
+    def rank(c):
+        # a runtime the driver fully supports first (<= its version), then the newest
+        full = driver_version is None or c.version <= driver_version
+        return (full, c.version)
+
     if explicit:
         # ACCEL_CUDART_PATH is honoured: it is the only candidate and it is taken when it
-        # loads; a runtime the driver cannot run is an error at first runtime use.
+        # loads; a runtime the driver cannot run is an error at first runtime use.  A lib/
+        # directory holding several majors gives one candidate each: the one the driver runs
+        # is taken, as below (r70l: .13 was always taken, also on a 12 driver).
         c = cands[0]
+        if len(cands) > 1:
+            usable = [x for x in loaded if x.version // 1000 in majors]
+            runs = [x for x in usable if driver_version is None or supports(driver_version, x.version)]
+            if runs or usable:
+                c = max(runs or usable, key=rank)
+            for x in cands:
+                if x is not c and not x.reason:
+                    x.reason = f"{c.resolved or c.path}, in the same ACCEL_CUDART_PATH directory, was taken"
         if not c.version:
             env = os.environ.get("ACCEL_CUDART_PATH", "")
             if env and os.path.isdir(env) and not os.path.exists(c.path):   # the loader looked inside it
@@ -175,18 +198,23 @@ def choose(cands: Sequence[Candidate], driver_version: Optional[int], driver_not
             eligible.append(c)
     if not eligible:
         too_new = [c for c in loaded if c.version // 1000 in majors]
+        # (r70l: the too-new message left out a broken runtime of the driver's own major, and told
+        # the user to install what was installed; "no libcudart found" gave no fix)
+        broken = [c for c in cands if not c.version and c.reason not in ("", "not found", "no such file")]
+        also = ("; also tried: " + "; ".join(f"{c.resolved or c.path}: {c.reason}" for c in broken)
+                if broken else "")
         if too_new:
-            error = "no libcudart the driver can run: " + "; ".join(c.reason for c in too_new)
+            error = "no libcudart the driver can run: " + "; ".join(c.reason for c in too_new) + also
         elif loaded:
             error = "no libcudart accel has bindings for: " + "; ".join(
-                f"{c.resolved or c.path}: {c.reason}" for c in loaded)
+                f"{c.resolved or c.path}: {c.reason}" for c in loaded) + also
         else:
-            error = "no libcudart found: " + "; ".join(f"{c.path}: {c.reason}" for c in cands)
+            error = ("no libcudart found: " + "; ".join(f"{c.path}: {c.reason}" for c in cands)
+                     + ".  Install one (pip install nvidia-cuda-runtime for CUDA 13, or "
+                       "nvidia-cuda-runtime-cu12 for CUDA 12), or set ACCEL_CUDART_PATH to a libcudart file "
+                       "or the lib/ directory that holds one")
         return Choice(None, cands, driver_version, driver_note, False, error)
 
-    def rank(c):
-        full = driver_version is None or c.version <= driver_version
-        return (full, c.version)
     best = max(eligible, key=rank)   # max() keeps the first of equals: the search order decides
     best.verdict = "taken"
     if driver_version is None:
@@ -245,10 +273,10 @@ def real_candidates() -> Tuple[List[Candidate], bool]:
     return out, explicit
 
 
-def _resolved(path: str) -> str:
-    """The real file a path or bare soname loads (the loader's answer, links followed)."""
-    from .._ffi import _resolved as loaded
-    found = loaded(path)
+def _resolved(path: str, lib) -> str:
+    """The real file a path or bare soname loaded as ``lib`` (links followed)."""
+    from .._ffi import _cudart, _resolved as loaded
+    found = loaded(path, _cudart.ffi, lib, "cudart")
     return os.path.realpath(found) if os.sep in found else found
 
 
@@ -280,19 +308,20 @@ def _probe(path: str):
         if os.path.islink(path):
             return None, None, "", "a symbolic link that leads to no file (dangling, or a loop)"
         return None, None, "", "no such file"
-    m = _VERSION_IN_NAME.search(os.path.realpath(path)) if os.sep in path else None
-    from .._ffi import _cudart   # cudaRuntimeGetVersion: one signature in every major
+    from .._ffi import _cudart, elf_problem   # cudaRuntimeGetVersion: one signature in every major
+    problem = elf_problem(path) if os.sep in path else None
+    if problem:
+        return None, None, "", f"does not load: {problem}"
     try:
         lib = _cudart.ffi.dlopen(path)
     except OSError as exc:
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         return None, None, "", ("not found" if "cannot open shared object" in text and os.sep not in path
                                 else f"does not load: {text}")
-    resolved = _resolved(path)
-    if m is None:
-        m = _VERSION_IN_NAME.search(resolved)
-    if m is not None:
-        return resolved, 1000 * int(m.group(1)) + 10 * int(m.group(2)), "file name", ""
+    resolved = _resolved(path, lib)
+    # The library's own answer, never its file name's (r70l: another library named
+    # libcudart.so.12.4.127 was taken as CUDA 12.4, and a 12.4 runtime named libcudart.so.13.0.96
+    # was opened with the 13 bindings, whose structures differ)
     try:
         v = _cudart.ffi.new("int *")
         rc = lib.cudaRuntimeGetVersion(v)   # initializes nothing
@@ -325,6 +354,34 @@ def driver_version_from_nvml(ffi, lib) -> Tuple[Optional[int], str]:
     return v[0], "NVML nvmlSystemGetCudaDriverVersion_v2"
 
 
+def driver_version_note(version: int, source: str, nvml_note: str) -> Tuple[Optional[int], str]:
+    """``cudaDriverGetVersion``'s answer ``version`` (0: no driver), read from ``source``, as the
+    (driver version, note) a choice records; ``nvml_note`` says why NVML gave none."""
+    if version <= 0:
+        return None, f"no NVIDIA driver: cudaDriverGetVersion of {source} reports none ({nvml_note})"
+    return version, f"cudaDriverGetVersion of {source} ({nvml_note})"
+
+
+def driver_version_from_runtime(cands: Sequence[Candidate], nvml_note: str) -> Tuple[Optional[int], str]:
+    """The driver's CUDA version from the first loadable candidate's ``cudaDriverGetVersion``
+    (it starts nothing and answers 0 without a driver), for when NVML cannot say: a container
+    given the compute capability only has libcuda but no NVML (r69g: accel then took the newest
+    runtime, one the driver could not run)."""
+    from .._ffi import _cudart   # cudaDriverGetVersion: one signature in every major
+    for c in cands:
+        if not c.version:
+            continue
+        try:
+            lib = _cudart.ffi.dlopen(c.resolved or c.path)
+            v = _cudart.ffi.new("int *")
+            rc = lib.cudaDriverGetVersion(v)
+        except (OSError, AttributeError, _cudart.ffi.error):
+            continue
+        if rc == 0:
+            return driver_version_note(v[0], c.resolved or c.path, nvml_note)
+    return None, f"driver version unknown: {nvml_note}, and no runtime answered cudaDriverGetVersion"
+
+
 def choose_real(driver_version: Optional[int], driver_note: str) -> Choice:
     """Enumerate, probe and choose among the real libcudart files."""
     from .._ffi import CUDART_MAJORS
@@ -333,6 +390,8 @@ def choose_real(driver_version: Optional[int], driver_note: str) -> Choice:
         probe(c)
     if not explicit:
         dedupe(cands)
+    if driver_version is None:
+        driver_version, driver_note = driver_version_from_runtime(cands, driver_note)
     return choose(cands, driver_version, driver_note, CUDART_MAJORS, explicit)
 
 

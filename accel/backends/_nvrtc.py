@@ -22,17 +22,37 @@ from typing import List, Optional, Tuple
 from .._errors import AcceleratorError, CompileError
 
 #: What to install when no libnvrtc loads.
-INSTALL_HINT = ("pip install 'accel[nvrtc]' (the nvidia-cuda-nvrtc wheel, CUDA 13; nvidia-cuda-nvrtc-cu12 "
-                "for CUDA 12), or set ACCEL_NVRTC_PATH to a libnvrtc.so")
+INSTALL_WHEEL = ("pip install 'accel[nvrtc]' (the nvidia-cuda-nvrtc wheel, CUDA 13; nvidia-cuda-nvrtc-cu12 "
+                 "for CUDA 12)")
+INSTALL_HINT = INSTALL_WHEEL + ", or set ACCEL_NVRTC_PATH to a libnvrtc.so"
 
 
 def _runtime_major() -> Optional[int]:
-    """The CUDA major of the libcudart the initialized CUDA backend loaded, else None."""
+    """The CUDA major of the libcudart the CUDA backend loaded or, before initialization, would
+    load (its choice starts nothing), else None.  r70l: before initialization no major was
+    preferred, so a compile first cached NVRTC 13 for the process, whose PTX a CUDA 12 driver
+    running the chosen 12.4 runtime cannot JIT.  Left: in a process that selected no backend
+    yet and names none, a compile before any device call still prefers no major."""
     from .. import _lazy
     backend = _lazy.ready
-    if backend is None or getattr(backend, "name", None) != "cuda":
+    if backend is None:
+        # the CUDA backend already selected, or the one ACCEL_BACKEND/ACCEL_SIM asks for; not a
+        # selection made here (it would count every runtime's devices and fix the choice early)
+        from .. import backends
+        try:
+            if backends._selected_done:
+                backend = backends._selected
+            elif backends._requested() == "cuda":
+                backend = backends.get("cuda")
+            if backend is None or getattr(backend, "name", None) != "cuda":
+                return None
+            choice = backend.cudart_choice()
+        except Exception:       # (no runtime at all: the compile says so itself)
+            return None
+    elif getattr(backend, "name", None) != "cuda":
         return None
-    choice = getattr(backend, "_choice", None)
+    else:
+        choice = getattr(backend, "_choice", None)
     chosen = getattr(choice, "chosen", None)
     version = getattr(chosen, "version", None)
     return version // 1000 if version else None
@@ -45,6 +65,9 @@ def open_lib():
     try:
         return open_nvrtc(_runtime_major())
     except LibraryNotFound as exc:
+        if exc.override:        # (r69g: installed, but the variable names a file that is not it)
+            raise AcceleratorError(f"accel.compile needs NVRTC (libnvrtc): {exc} (to install it: {INSTALL_WHEEL})",
+                                   library="nvrtc") from None
         raise AcceleratorError(f"accel.compile needs NVRTC (libnvrtc), which is not installed: {INSTALL_HINT}.\n"
                                f"{exc}", library="nvrtc") from None
 

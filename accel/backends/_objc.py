@@ -32,6 +32,8 @@ import re
 import threading
 from typing import Any, Dict, Iterator, Tuple
 
+from .._locks import _call, _consume
+
 __all__ = ["Message", "Runtime", "C_TYPES", "returns_retained"]
 
 # Objective-C / Foundation / Metal scalar typedefs -> the C type the ABI sees.
@@ -185,11 +187,15 @@ class Runtime:
     @contextlib.contextmanager
     def pool(self) -> Iterator[None]:
         """An autorelease pool around a block of sends; +0 objects die at exit."""
-        token = self.lib.objc_autoreleasePoolPush()
+        tokens: list = []
         try:
+            # the push and the token's store in one C step: a KeyboardInterrupt as the push returned
+            # left a pool pushed that nobody popped (r70i)
+            _consume(map(tokens.append, map(_call, (self.lib.objc_autoreleasePoolPush,))))
             yield
         finally:
-            self.lib.objc_autoreleasePoolPop(token)
+            if tokens:
+                self.lib.objc_autoreleasePoolPop(tokens[0])
 
     # -- conversions -----------------------------------------------------------
     def ns_string(self, text: str) -> Any:

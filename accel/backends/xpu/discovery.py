@@ -134,7 +134,9 @@ class DiscoveryMixin:
             if not visible:
                 self._count_reason = self._empty_reason(len(self._sysman_cards), key)
             return len(visible)
-        if self._zes_error:
+        if self._zes_legacy_asked:
+            missing = "ZES_ENABLE_SYSMAN=1 asks for legacy Sysman, which a zesInit would break"
+        elif self._zes_error:
             missing = (f"zesInit failed with {self._zes_error}: no driver, or one older than Level Zero "
                        f"API 1.5, which zesInit needs to count without initializing")
         else:
@@ -168,7 +170,13 @@ class DiscoveryMixin:
         if ok is None:
             ffi, lib, _ = self._lib
             ok = False
-            if all(self._has(lib, s) for s in ("zesInit", "zesDriverGet", "zesDeviceGet")):
+            if os.environ.get("ZES_ENABLE_SYSMAN") == "1":
+                # The process asked for legacy Sysman (oneCCL and geopm set it): after a zesInit its
+                # core handles answer no Sysman call (Intel compute-runtime, "Level Zero Sysman
+                # Initialization": zesInit + legacy mode is not supported), so accel makes none
+                # and counts as a loader without zesInit does (r69g).
+                self._zes_legacy_asked = True
+            elif all(self._has(lib, s) for s in ("zesInit", "zesDriverGet", "zesDeviceGet")):
                 rc = lib.zesInit(0)
                 ok = rc == 0
                 if not ok:
