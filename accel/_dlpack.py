@@ -33,11 +33,10 @@ import contextlib
 import ctypes
 import enum
 import operator
-import threading
 from ctypes import POINTER, c_char_p, c_int, c_int32, c_int64, c_uint8, c_uint16, c_uint32, c_uint64, c_void_p
 from typing import Any, Dict, Tuple
 
-from . import _finalize
+from . import _finalize, _locks
 from ._errors import AcceleratorError, CaptureError
 from .backends._signals import deferred
 
@@ -140,7 +139,7 @@ _exports: Dict[int, tuple] = {}
 #: Live capsules: capsule address -> struct address (the destructor's way to the entry).
 _capsules: Dict[int, int] = {}
 #: Held while a consumer checks a capsule is unconsumed and renames it (Imported).
-_take_lock = threading.Lock()
+_take_lock = _locks.module_lock(globals(), "_take_lock")
 
 # The consumer may call the deleter, or drop a refused capsule (running the destructor), with
 # its own exception already set (numpy and torch do on their error paths).  A ctypes callback

@@ -189,11 +189,18 @@ def defer(fn: Callable, *args) -> None:
 def drain() -> None:
     """Run the deferred releases now (and the registered releases of owners freed without one,
     :data:`owned`).  Call only where this thread holds no accel or vendor lock; does nothing while a collection runs (in any thread), when this thread is already
-    draining, or inside a :data:`no_drain` section."""
+    draining, inside a :data:`no_drain` section, or while this thread holds the live backend's
+    capture gate."""
     section = getattr(_tls, "nodrain", None)
     me = threading.get_ident()
     if collection_running() or me in _drainers or (section is not None and section._is_owned()):
         return      # (any thread's collection: the releases it deferred may be for its garbage)
+    gate = getattr(getattr(_lazy._initialized_backend, "capture_gate", None), "_is_owned", None)
+    if gate is not None and gate():
+        # user code run inside accel (a gc callback, a signal handler) calling the API while this
+        # thread holds the capture gate: a release run here (a DLPack deleter freeing a Buffer)
+        # would wait for a lock another thread holds while it waits for the gate (r69a, r70g)
+        return
     try:
         # before the first popleft: a release is in pending or counted here; inside the try, so
         # a KeyboardInterrupt as the add returns still takes this thread out again

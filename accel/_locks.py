@@ -14,16 +14,19 @@ thread holding the lock that long is possible but rare; the error then says to r
 
 from __future__ import annotations
 
+import _thread
 import functools
 import gc
 import operator
+import os
 import threading
+import weakref
 from collections import deque
 
 from ._errors import AcceleratorError
 
-__all__ = ["acquire", "acquire_into", "collecting_here", "collection_running", "Lock", "RLock", "publish", "run_locked",
-           "try_acquire"]
+__all__ = ["acquire_into", "collecting_here", "collection_running", "held", "Lock", "module_lock", "RLock", "publish",
+           "run_locked", "try_acquire"]
 
 #: How long a call made by the collector on this thread waits for a busy lock.
 GC_WAIT_S = 2.0
@@ -67,7 +70,14 @@ _CALLBACKS = (functools.partial(setattr, _PHASES), functools.partial(setattr, _m
 def _enter(self):
     if not _running or not collecting_here():
         return self._lock.__enter__
-    return self.acquire
+    return self._enter_checked
+
+
+def _enter_once(self):
+    # (Lock: a second hold by its holder goes to _enter_checked(), which refuses it)
+    if (not _running or not collecting_here()) and not self._lock._is_owned():
+        return self._lock.__enter__
+    return self._enter_checked
 
 
 _exit = property(operator.attrgetter("_lock.__exit__"))
@@ -95,6 +105,13 @@ def run_locked(lock, blocking: bool, fn, *args) -> bool:
     """``fn(*args)`` with ``lock`` held; True.  With ``blocking=False`` (a finalizer's call)
     nothing waits: False, and ``fn`` not run, when the lock is busy.  A KeyboardInterrupt never
     leaves the lock held (``with``; :func:`try_acquire`)."""
+    owned = getattr(lock, "_is_owned", None)
+    if owned is not None and owned():
+        # an RLock this thread holds: its call is half done, a finalizer must not re-enter it
+        if not blocking:
+            return False
+        raise finalizer_error(getattr(fn, "__qualname__", "a release"),
+                              "would re-enter work this thread left half done")
     if blocking:
         with lock:
             fn(*args)
@@ -119,11 +136,14 @@ def try_acquire(lock, out: list) -> None:
     _consume(map(out.append, map(lock.acquire, (False,))))
 
 
-def acquire_into(lock, out: list) -> None:
-    """``lock.acquire()`` (waiting) with True appended to ``out`` in the same C step, as
+def acquire_into(lock, out: list, timeout: float = -1) -> None:
+    """``lock.acquire(True, timeout)`` with its result appended to ``out`` in the same C step, as
     :func:`try_acquire`: the caller knows from ``out`` whether it holds the lock even when a
-    KeyboardInterrupt lands as the acquire returns (one that stops the wait takes nothing)."""
-    _consume(map(out.append, map(lock.acquire, (True,))))
+    KeyboardInterrupt lands as the acquire returns (one that stops the wait takes nothing).  In a
+    Python ``__enter__``, call it inside a ``try`` whose ``except BaseException`` releases when
+    ``out == [True]`` and re-raises, with no call between the ``try`` and the return (r70a:
+    ``got = lock.acquire(...)`` interrupted as the call returned left the lock held for good)."""
+    _consume(map(out.append, map(functools.partial(lock.acquire, True), (timeout,))))
 
 
 def _collection_here():
@@ -149,19 +169,6 @@ def forget_collection() -> None:
     _running.clear()
 
 
-def acquire(lock, what: str) -> None:
-    """``lock.acquire()``, except that a finalizer run by the collector on this thread does
-    not wait forever for a lock this thread may already hold (see the module docstring)."""
-    if lock.acquire(False):
-        return
-    if not collecting_here():
-        lock.acquire()
-        return
-    if lock.acquire(timeout=GC_WAIT_S):
-        return
-    raise finalizer_error(what)
-
-
 def finalizer_error(what: str, why: str = "would wait on a lock the thread already holds") -> AcceleratorError:
     return AcceleratorError(
         f"accel: {what} was called from a finalizer (__del__) that the garbage collector ran while "
@@ -170,21 +177,48 @@ def finalizer_error(what: str, why: str = "would wait on a lock the thread alrea
         f"the lock, retry")
 
 
-class Lock:
-    """A ``threading.Lock`` that takes itself through :func:`acquire` (``what`` names the call
-    in the error): for locks held across calls into the vendor library, where the collector
-    may start and run a user's ``__del__`` that calls accel again (issue r18)."""
+# Every Lock and RLock made, and every object given to renew_in_child, so that a forked child
+# gets each one's locks fresh (``_fresh()``): a thread of the parent may have held one at the
+# fork, and that thread does not exist in the child (r69a: a pool id's lock had no at-fork hook
+# of its own).  Bounded by the live objects.
+_all_locks: "weakref.WeakSet" = weakref.WeakSet()
 
-    __slots__ = ("_lock", "release", "locked", "what")
+
+def renew_in_child(obj) -> None:
+    """Have ``obj._fresh()`` (which makes its locks anew) called in a forked child, for as long as
+    ``obj`` lives; for objects that hold plain ``threading`` locks of their own."""
+    _all_locks.add(obj)
+
+
+class Lock:
+    """A non-reentrant lock whose ``with`` refuses its holder and bounds a finalizer's wait, as
+    :class:`held` (``what`` names the call in the error): for locks held across calls into the vendor library, where the collector
+    may start and run a user's ``__del__`` that calls accel again (issue r18).  A second hold by
+    its holder raises instead of waiting forever.  A forked child finds it free
+    (:func:`_fresh_in_child`)."""
+
+    __slots__ = ("_lock", "release", "locked", "what", "__weakref__")
 
     def __init__(self, what: str):
-        self._lock = threading.Lock()
+        self.what = what
+        self._fresh()
+        _all_locks.add(self)
+
+    def _fresh(self) -> None:
+        # An RLock only to tell its holder: a second hold by the same thread is user code run
+        # inside accel's (a signal handler, a gc callback at a collection's "stop", r69h) and
+        # is refused (acquire, _enter_checked) instead of waiting forever on the thread itself.
+        self._lock = OwnedLock()
         self.release = self._lock.release
         self.locked = self._lock.locked
-        self.what = what
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         lock = self._lock
+        if lock._is_owned():
+            # (busy, as a plain lock held by this thread answers: threading.Condition asks so)
+            if not blocking:
+                return False
+            raise self._reentry_error()
         if lock.acquire(False):
             return True
         if not blocking:
@@ -198,7 +232,28 @@ class Lock:
     def _error(self) -> Exception:
         return finalizer_error(self.what)
 
-    __enter__ = property(_enter)
+    def _reentry_error(self) -> Exception:
+        return finalizer_error(self.what, "would re-enter what this thread left half done (a signal "
+                               "handler, gc callback or __del__ that ran inside accel)")
+
+    def _enter_checked(self) -> None:
+        """``with``'s acquire off the hot path (see ``_enter_once``): a second hold by the holder is
+        refused, and a finalizer run by the collector on this thread waits a bounded time."""
+        lock = self._lock
+        if lock._is_owned():
+            raise self._reentry_error()
+        timeout = GC_WAIT_S if collecting_here() else -1
+        got: list = []
+        try:
+            acquire_into(lock, got, timeout)
+        except BaseException:
+            if got and got[0]:
+                lock.release()
+            raise
+        if not got[0]:
+            raise self._error()
+
+    __enter__ = property(_enter_once)
     __exit__ = _exit
 
 
@@ -217,12 +272,16 @@ class RLock:
     the owner and depth are the RLock's own; ``_outer_gc`` is the info dict of the collection
     whose finalizer took the outermost hold (None: none), so a stale one never matches."""
 
-    __slots__ = ("_lock", "_outer_gc", "what")
+    __slots__ = ("_lock", "_outer_gc", "what", "__weakref__")
 
     def __init__(self, what: str):
+        self.what = what
+        self._fresh()
+        _all_locks.add(self)
+
+    def _fresh(self) -> None:
         self._lock = threading.RLock()
         self._outer_gc = None
-        self.what = what
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         here = _collection_here()      # (None outside a collection on this thread)
@@ -246,6 +305,30 @@ class RLock:
     def release(self) -> None:
         self._lock.release()
 
+    def _enter_checked(self) -> None:
+        """``with``'s acquire for a finalizer run by the collector on this thread (see ``_enter``):
+        as :meth:`acquire`, each take stored in the same C step (:func:`acquire_into`)."""
+        here = _collection_here()
+        lock = self._lock
+        inner = lock._is_owned()
+        if inner and here is not None and self._outer_gc is not here:
+            raise finalizer_error(self.what, "would re-enter the call this thread left half done")
+        got: list = []
+        try:
+            acquire_into(lock, got, GC_WAIT_S if here is not None and not inner else -1)
+        except BaseException:
+            if got and got[0]:
+                lock.release()
+            raise
+        if not got[0]:
+            raise finalizer_error(self.what)
+        if not inner:
+            self._outer_gc = here       # (plain stores: no interrupt point after the take)
+
+    def owned(self) -> bool:
+        """Whether the calling thread holds it."""
+        return self._lock._is_owned()
+
     @property
     def _owner(self):
         """The calling thread's ident while it holds the lock, else None (for tests)."""
@@ -260,16 +343,73 @@ class RLock:
     __exit__ = _exit
 
 
+class OwnedLock(_thread.RLock):
+    """A C ``RLock`` (``with`` stays C code) that can also say whether any thread holds it, as a
+    plain lock's ``locked()``.  For the caching allocators' locks: ``_is_owned()`` tells their
+    holder, so that re-entry by it (user code run inside accel) is refused instead of waiting
+    forever on itself (accel.memory._caching._probe, r69h)."""
+
+    __slots__ = ()
+
+    def locked(self) -> bool:
+        if self._is_owned():
+            return True
+        if self.acquire(False):
+            self.release()
+            return False
+        return True
+
+
 class held:
-    """``with held(lock, "what"):`` is ``with lock:`` through :func:`acquire` (not for hot paths)."""
+    """``with held(lock, "what"):`` is ``with lock:`` (not for hot paths), except that a finalizer
+    run by the collector on this thread waits for ``lock`` at most :data:`GC_WAIT_S` and then
+    raises :func:`finalizer_error` (``what`` names the call) instead of waiting forever on a lock
+    this thread may hold.  ``bounded=True``: the wait is bounded whoever calls, for a call made
+    where waiting could be waiting on this thread itself (accel.memory._caching._probe: a thread
+    holding the capture gate).  The wait and the hold are one (r70a: a probe that waited, let go
+    and then took the lock with ``with`` let another thread in between, which then waited for
+    the gate this one held).  Never left held by a KeyboardInterrupt: the take is stored in the
+    same C step (:func:`acquire_into`; r70g: backend selection's lock stayed held when one
+    landed as ``acquire(False)`` returned), and ``__exit__`` is the lock's C method."""
 
-    __slots__ = ("lock", "what")
+    __slots__ = ("lock", "what", "bounded")
 
-    def __init__(self, lock, what: str):
-        self.lock, self.what = lock, what
+    def __init__(self, lock, what: str, bounded: bool = False):
+        self.lock, self.what, self.bounded = lock, what, bounded
 
     def __enter__(self) -> None:
-        acquire(self.lock, self.what)
+        lock = self.lock
+        got: list = []
+        try:
+            acquire_into(lock, got, GC_WAIT_S if self.bounded or collecting_here() else -1)
+        except BaseException:
+            if got and got[0]:
+                lock.release()
+            raise
+        if not got[0]:
+            raise finalizer_error(self.what)
 
-    def __exit__(self, *exc) -> None:
-        self.lock.release()
+    __exit__ = property(operator.attrgetter("lock.__exit__"))     # (C: never left held)
+
+
+# Module-level plain locks made anew in a forked child: (module globals, name).
+_module_locks: list = []
+
+
+def module_lock(namespace: dict, name: str):
+    """A ``threading.Lock`` stored as ``namespace[name]`` (a module's ``globals()``) and made anew
+    there in a forked child, as every Lock and RLock here (r70a: module locks of streams, DLPack,
+    launches and device RNG were inherited as the parent's threads left them)."""
+    namespace[name] = threading.Lock()
+    _module_locks.append((namespace, name))
+    return namespace[name]
+
+
+def _fresh_in_child() -> None:
+    for lock in list(_all_locks):
+        lock._fresh()
+    for namespace, name in _module_locks:
+        namespace[name] = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_in_child)

@@ -389,6 +389,8 @@ class Buffer:
                 raise ValueError(f"stream is on device {stream.device_index} but the buffer was asked "
                                  f"for device {index}")
         else:
+            if type(device) is int and device == -1:
+                _index_for(device)      # refused: only current_stream takes -1 as the current device (c10)
             stream = current_stream(device)     # checks ``device`` (None: the current device)
             index = stream._index
         self._backend, self._index, self._nbytes, self._stream = backend, index, nbytes, stream
@@ -1157,7 +1159,8 @@ def _release_foreign(owner, backend, streams) -> None:
     finally:
         from ._dlpack import Imported
         if not queued and isinstance(owner, Imported):
-            owner.release()
+            # (after the gate: the producer's deleter may free an accel Buffer, r69a)
+            backend.after_gate(owner.release)
 
 
 def _wait_for_uses(backend, streams) -> None:

@@ -64,7 +64,7 @@ _MODES = ("default", "global", "thread_local", "relaxed")
 # {0, n} (graph_pool_handle and MemPool share accel.memory._mempool's counter), the pool a
 # graph makes for itself {n, 0}, each from its own counter.
 _graph_pool_ids = itertools.count(1)
-_pool_lock = threading.Lock()
+_pool_lock = _locks.Lock("a graph's private pool id")
 
 
 def generate_graph_pool_handle() -> Tuple[int, int]:
@@ -133,11 +133,21 @@ def _graph_backend():
     return backend
 
 
-def _refuse_then_synchronize(graph: "Graph", indices) -> None:
+def _refuse_default_stream(backend, stream: Stream) -> None:
+    if stream._handle == backend.default_stream(stream.device_index):
+        raise RuntimeError(
+            f"{backend.name.upper()} graphs must be captured on a non-default stream. (However, after "
+            "capture, it's ok to replay them on the default stream.) Use `with accel.Stream(), graph:` "
+            "or `with accel.graph(graph):`.")
+
+
+def _refuse_then_synchronize(graph: "Graph", indices, stream: Optional[Stream] = None) -> None:
     """``with g:`` and :func:`graph`: capture_begin's refusals for the devices ``indices`` (None:
-    the current one), then a synchronize of the current device, as one step under the capture
-    gate: a capture another thread began between the check and the synchronize would be
-    invalidated by it (r65j).  Deferred releases run first, outside the gate: they take the
+    the current one) and for the capture ``stream`` when known (the default stream: r70c, the
+    refusal came after the synchronize and the emptied caches), then a synchronize of the
+    current device, as one step under the capture gate: a capture another thread began between
+    the check and the synchronize would be invalidated by it (r65j).  Deferred releases run
+    first, outside the gate: they take the
     allocators' locks, which every other path takes before the gate (holding the gate across
     accel.synchronize()'s drain deadlocked against a record_stream: tests/test_gc_stress.py)."""
     if _fin.pending:
@@ -146,6 +156,8 @@ def _refuse_then_synchronize(graph: "Graph", indices) -> None:
     with backend.capture_gate:
         for index in indices:
             graph._refuse_before_sync(index)
+        if stream is not None:
+            _refuse_default_stream(backend, stream)
         backend.device_synchronize()
 
 
@@ -275,11 +287,7 @@ class Graph:
             _check_device_free(index)
 
     def _capture_begin(self, backend, stream: Stream, mode: str) -> None:
-        if stream._handle == backend.default_stream(stream.device_index):
-            raise RuntimeError(
-                f"{backend.name.upper()} graphs must be captured on a non-default stream. (However, after "
-                "capture, it's ok to replay them on the default stream.) Use `with accel.Stream(), graph:` "
-                "or `with accel.graph(graph):`.")
+        _refuse_default_stream(backend, stream)
         pool = _check_pool(self.graph_pool) if self.graph_pool is not None else (0, 0)
         if pool == (0, 0):      # torch's MempoolId_t {0, 0}: no pool given, so a private one (r68a)
             pool = _new_private_pool()
@@ -363,6 +371,11 @@ class Graph:
             self.instantiate()
             if not self._debug:
                 self._destroy_graph()
+        if _fin.pending:
+            # a safe point, now that the pool routes no more: what ending the capture released
+            # (a from_ptr owner's or a DLPack producer's deleter) runs here, with signals
+            # delivered, and an allocation it makes gets no memory the replays write (r70m)
+            _fin.drain()
 
     def _finish_end(self) -> None:
         """What an ended capture still owes: allocations stop going to its pool, and the
@@ -514,11 +527,15 @@ class Graph:
             self._settle_owed()
             return
         try:
-            with self._launch_lock:
+            # (no drain under the launch lock: user code a deferred release runs, a deleter, could
+            # need the graph; r70m) then a safe point once the lock is free
+            with self._launch_lock, _fin.no_drain:
                 self._release_handles()
         finally:
             if self._owed:
                 self._settle_owed()
+        if _fin.pending:
+            _fin.drain()
 
     def _settle_owed(self) -> None:
         """Do the resets finalizers asked for (``_owed``) unless the launch lock is held (its
@@ -639,7 +656,7 @@ class Graph:
     # -- context manager -----------------------------------------------------------------
     def __enter__(self) -> None:
         import accel
-        _refuse_then_synchronize(self, (None,))
+        _refuse_then_synchronize(self, (None,), current_stream())
         accel.memory.empty_cache()
         accel.memory.empty_host_cache()
         self.capture_begin()
@@ -934,7 +951,11 @@ def _release_own(backend, h: _Held, memory, random) -> None:
                     allocs = h.allocs
                     if allocs is not None:
                         h.allocs = None
-                        allocs.release()
+                        try:
+                            allocs.release()
+                        except Exception:
+                            h.allocs = allocs       # (for the retry: r69l, refused under its lock)
+                            raise
                 finally:
                     try:
                         host = h.host
@@ -979,7 +1000,7 @@ def graph(cuda_graph: Graph, pool: Optional[Tuple[int, int]] = None, stream: Opt
         stream._live()                          # a closed stream: refused before the synchronize
     import accel
     # the current device (the one the synchronize waits on), and the capture stream's
-    _refuse_then_synchronize(cuda_graph, (None,) if stream is None else (None, stream.device_index))
+    _refuse_then_synchronize(cuda_graph, (None,) if stream is None else (None, stream.device_index), stream)
     accel.memory.empty_cache()
     capture_stream = stream if stream is not None else _side_stream()
     capture_stream.wait_stream(current_stream(capture_stream.device_index))

@@ -66,7 +66,7 @@ _capture_events: Dict[int, Dict[int, "Event"]] = {}
 _foreign: "weakref.WeakValueDictionary[Tuple[int, int], _ForeignAnchor]" = weakref.WeakValueDictionary()
 #: Held to find or make an anchor, and by _forget from its check to its hooks' end (never waited
 #: for by a finalizer: run_locked).
-_foreign_lock = threading.Lock()
+_foreign_lock = _locks.module_lock(globals(), "_foreign_lock")
 #: Stream handles are pointers: every valid one is below 2**64.
 _HANDLE_LIMIT = 1 << 64
 
@@ -174,7 +174,7 @@ class _ForeignAnchor:
 #: Makes "closed yet? then mark it closed" one step, so two threads closing one Stream or Event
 #: destroy its handle once (the driver gives a freed handle value to the next object it makes).
 #: Held for no call, so no finalizer ever waits for it.
-_close_lock = threading.Lock()
+_close_lock = _locks.module_lock(globals(), "_close_lock")
 
 
 #: Serializes an Event's first record (which creates its device event); held across
@@ -374,8 +374,12 @@ class on_device:
                               RuntimeWarning, stacklevel=2)
 
 
-def _index_for(dev: DeviceLike) -> int:
+def _index_for(dev: DeviceLike, minus_one_current: bool = False) -> int:
     index = device_index(dev, optional=True)
+    if minus_one_current and index == -1 and type(dev) is int:
+        # -1 is the current device for the current and default streams, as c10's
+        # getCurrentCUDAStream(-1) / getDefaultCUDAStream(-1) (r69j: accel refused it)
+        return _lazy.lazy_init().get_device()
     if dev is not None:
         check_stream_range(index)
     return index
@@ -388,8 +392,11 @@ class Stream:
 
     ``Stream(device=None, priority=0)`` creates a new stream on ``device``
     (default: the current device); a lower ``priority`` number is more urgent,
-    as in CUDA.  ``with stream:`` makes it the thread's current stream (and its
-    device current) and restores both on exit, even on exception.  The stream
+    as in CUDA.  A priority outside :meth:`priority_range` is clamped into it, as the
+    CUDA runtime does (torch.cuda.Stream refuses a positive one and offers only 0 to -3 of
+    the device's range; accel gives the whole range).  ``with stream:`` makes it the
+    thread's current stream (and its device current) and restores both on exit, even on
+    exception.  The stream
     is destroyed by :meth:`close` or when garbage-collected; a closed stream
     raises on use.
     """
@@ -874,7 +881,7 @@ def default_stream(device: DeviceLike = None) -> Stream:
     """The default stream of ``device`` (the current device when None), as
     ``torch.cuda.default_stream(device=None)``."""
     backend = _lazy.lazy_init()
-    index = _index_for(device)
+    index = _index_for(device, minus_one_current=True)
     stream = _defaults.get(index)
     if stream is None:
         with _defaults_lock:
@@ -888,15 +895,15 @@ def current_stream(device: DeviceLike = None) -> Stream:
     """The calling thread's current stream on ``device`` (the current device when None), as
     ``torch.cuda.current_stream(device=None)`` and ``torch.accelerator.current_stream``."""
     # Hot path (called for every queued operation): no helper calls beyond get_device.
-    backend = _lazy.ready or _lazy.lazy_init()
     if device is None:
-        index = backend.get_device()
-    elif type(device) is int:
+        index = (_lazy.ready or _lazy.lazy_init()).get_device()
+    elif type(device) is int and device != -1:
         # (an object's own device, say) checked only when neither table below has it: both
         # hold checked indices only, and default_stream checks the rest as _index_for would
+        _lazy.ready or _lazy.lazy_init()    # (initialized, or the forked child's error, first)
         index = device
     else:
-        index = _index_for(device)
+        index = _index_for(device, minus_one_current=True)     # (checked before anything starts, r69j)
     try:
         return _tls.current[index]
     except (AttributeError, KeyError):
@@ -1066,29 +1073,48 @@ class Event:
             _check_external(backend)
             with stream._device_scope():
                 keep = _capture_table(backend, stream)  # first: it may raise, nothing done yet
+        made = None
         if self._handle is None:
-            self._create(backend, stream._index)
+            made = self._create(backend, stream._index)
             self._check_device(stream, "record")    # another thread's first record may have won
-        if self.external:
-            with stream._device_scope():
-                backend.event_record(self._handle, stream._handle, external=True)
-            if keep is not None:
-                keep[id(self)] = self
-        elif switch:
-            with stream._device_scope():
+        try:
+            if self.external:
+                with stream._device_scope():
+                    backend.event_record(self._handle, stream._handle, external=True)
+                if keep is not None:
+                    keep[id(self)] = self
+            elif switch:
+                with stream._device_scope():
+                    backend.event_record(self._handle, stream._handle)
+            else:
                 backend.event_record(self._handle, stream._handle)
-        else:
-            backend.event_record(self._handle, stream._handle)
+        except BaseException:
+            if made is not None and not self._recorded:
+                self._unmake(made)
+            raise
         self._recorded = True
         self._capture = _capture_of(backend, stream) if _capture_events else None
 
-    def _create(self, backend: Backend, index: int) -> None:
+    def _create(self, backend: Backend, index: int) -> Optional[int]:
         """The first record's device event, made once when threads record a new event at once.
-        Called inside record's use of this event (its ``_busy`` mark)."""
+        Called inside record's use of this event (its ``_busy`` mark).  The handle when this call
+        made it, else None."""
         with _create_lock:
             if self._handle is not None:
-                return
+                return None
             self._made(backend, index)
+            return self._handle
+
+    def _unmake(self, handle: int) -> None:
+        """The first record was refused (a capture refusing it, an invalidated capture's 901):
+        the event it made is destroyed and the Event is unbound again, as before the record (r70c:
+        it stayed bound to that device, and a later record on another device was refused)."""
+        with _create_lock, _close_lock:
+            if self._handle != handle or self._recorded or self._closed:
+                return      # (another thread's record went on with it, or a close() owns it now)
+            backend, own = self._backend, self._own
+            self._handle = self._backend = self._index = self._own = None
+        _event_destroy(backend, handle, _fin.key_of(own))
 
     @_signals_deferred
     def _made(self, backend: Backend, index: int) -> None:

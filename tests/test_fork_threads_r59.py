@@ -102,6 +102,9 @@ class GateLock:
     def locked(self):
         return self._real.locked()
 
+    def _is_owned(self):          # (the allocator's lock is an RLock: _gc_probe asks who holds it)
+        return self._real._is_owned()
+
     def __enter__(self):
         self.acquire()
         return self

@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import operator
 import os
-import threading
 from typing import Dict, Tuple
 
-from .. import _lazy
+from .. import _lazy, _locks
 from .._device import device
 from .._errors import AcceleratorError
 from ..buffer import Buffer, _begin_use, _end_use
@@ -43,7 +42,7 @@ _PTR_KINDS = frozenset(("ptr", "u64"))
 _NUMPY_SAFE: Dict[tuple, type] = {}
 
 _limits: Dict[Tuple[int, int], dict] = {}
-_limits_lock = threading.Lock()
+_limits_lock = _locks.module_lock(globals(), "_limits_lock")
 
 
 def _reset() -> None:

@@ -74,9 +74,7 @@ def _after_fork_in_child() -> None:
     # The parent's cached device memory is not usable in a forked child; forgetting
     # the allocators makes the next use go through lazy_init, which raises the
     # clear "forked subprocess" error instead of handing out the parent's pointers.
-    global _lock, _settings_lock
-    _lock = _locks.Lock("making a device's caching allocator")
-    _settings_lock = _locks.Lock("set_allocator_settings")
+    # (_lock and _settings_lock are fresh here: accel._locks renews every Lock in a child)
     _reset(keep_settings=True)      # the options and observers are process state: the child keeps them
 
 
@@ -155,7 +153,9 @@ def _form(device_index) -> None:
     resolving their argument: another device type or an index past the count stays a no-op
     there, and the same mistake raises before init as after."""
     from .. import _device
-    if isinstance(device_index, str):
+    if isinstance(device_index, str) or _device.is_torch_device(device_index):
+        # (a torch.device as the accel.device it names, as its string: r69j, torch.device("cpu")
+        # was refused where "cpu" was taken)
         index = _device.device(device_index).index
     elif isinstance(device_index, _device.device):
         index = device_index.index
@@ -249,7 +249,8 @@ def set_allocator_settings(settings: str) -> None:
 
 def get_allocator_settings() -> str:
     """The option string last given to :func:`set_allocator_settings`, else the one read from
-    the environment (``ACCEL_ALLOC_CONF``, then ``PYTORCH_ALLOC_CONF``, ``PYTORCH_CUDA_ALLOC_CONF``),
+    the environment (``ACCEL_ALLOC_CONF``, then ``PYTORCH_CUDA_ALLOC_CONF``, ``PYTORCH_HIP_ALLOC_CONF``,
+    ``PYTORCH_ALLOC_CONF``),
     else ``""``: torch's ``torch._C._accelerator_getAllocatorSettings``."""
     return _config.current().text
 
@@ -391,15 +392,15 @@ def memory_stats(device_index=None, /) -> "OrderedDict[str, Any]":
     return device_allocator(_index(device_index)).stats()
 
 
-def memory_stats_as_nested_dict(device_index=None, /) -> dict:
-    """:func:`memory_stats` as nested dicts (torch's ``memory_stats_as_nested_dict``):
-    ``stats["allocated_bytes"]["all"]["current"]``, scalars at the top, and
-    ``reserved_bytes_by_private_pools`` keyed by pool id tuples.  ``{}`` before the runtime
+def memory_stats_as_nested_dict(device=None) -> dict:
+    """:func:`memory_stats` as nested dicts (``torch.cuda.memory_stats_as_nested_dict(device=None)``,
+    whose keyword it takes): ``stats["allocated_bytes"]["all"]["current"]``, scalars at the top,
+    and ``reserved_bytes_by_private_pools`` keyed by pool id tuples.  ``{}`` before the runtime
     is initialized."""
     if not _lazy.is_initialized():
-        _form(device_index)
+        _form(device)
         return {}
-    alloc = device_allocator(_index(device_index))
+    alloc = device_allocator(_index(device))
     nested: dict = {}
     for key, value in alloc.stats().items():
         if key.startswith("reserved_bytes_by_private_pools."):

@@ -51,7 +51,6 @@ from it; graph allocations keep the access the pool gave when they were captured
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
 from functools import partial
@@ -157,9 +156,10 @@ class AsyncPoolAllocator:
         config = config if config is not None else _config.current()
         check_backend(backend, device_index, config)
         self._be = backend
+        self._gate_owned = _caching._gate_owned(backend)    # (_caching._probe: bounded under the gate)
         self._index = device_index
         self._config = config
-        self._lock = threading.Lock()
+        self._lock = _locks.OwnedLock()   # (to tell its holder: _caching._probe refuses re-entry)
         self._ptrs: Dict[int, _Alloc] = {}
         self._deferred: List[Tuple[int, _Alloc]] = []    # frees asked for during a capture, or failed
         self._pools: Dict[tuple, int] = {}         # private pool id -> use count (nothing routed)
@@ -223,7 +223,7 @@ class AsyncPoolAllocator:
         both are published together (a KeyboardInterrupt leaves both old or both new)."""
         with on_device(self._be, self._index):
             total = self._be.mem_info()[1]
-        with self._lock:
+        with _caching._probe(self._lock, "changing the allocator's settings", self._gate_owned):
             config = make(self._config)
             fraction = config.per_process_memory_fraction
             limit = int(fraction * total) if fraction < 1.0 else None
@@ -257,9 +257,8 @@ class AsyncPoolAllocator:
                              f"pass Stream.handle")
         if _finalizers:
             _drain_finalizers()
-        _caching._gc_probe(self._lock, "malloc")   # then `with`: never left held by a KeyboardInterrupt
         try:
-            with self._lock:
+            with _caching._probe(self._lock, "malloc", self._gate_owned):
                 capturing = self._capture_underway()
                 if self._deferred and not capturing:
                     # (not strict: an earlier free's error is not this malloc's)
@@ -328,9 +327,8 @@ class AsyncPoolAllocator:
         hand out; the allocator state is then unchanged."""
         if _finalizers:
             _drain_finalizers()
-        _caching._gc_probe(self._lock, "free")   # then `with`: never left held by a KeyboardInterrupt
         # (the gate: no capture begins between the checks below and the queries of the free)
-        with self._lock, self._be.capture_gate:
+        with _caching._probe(self._lock, "free", self._gate_owned), self._be.capture_gate:
             if self._dead and ptr in self._dead:
                 # The stale one first: forgetting it frees nothing, so whichever owner frees
                 # first, no memory goes before its owner is done (at worst one stays held).
@@ -382,7 +380,7 @@ class AsyncPoolAllocator:
         ValueError for a stream that is no handle or a device index naming no device."""
         device = _caching.check_use(self._be, stream, device_index, self._index)
         _caching.check_stream_live(self._be, stream, device)
-        with self._lock:
+        with _caching._probe(self._lock, "record_stream", self._gate_owned):
             alloc = self._ptrs.get(ptr)
             if alloc is None or alloc.deferred:
                 raise self._not_allocated(ptr, alloc)
@@ -435,7 +433,7 @@ class AsyncPoolAllocator:
         destroyed).  CaptureError while another capture on this device is underway (torch:
         "Only one capture at a time is allowed in a process.")."""
         pool_id = _caching.DeviceCachingAllocator._check_pool_id(pool_id)
-        with self._lock:
+        with _caching._probe(self._lock, "begin_allocate_to_pool", self._gate_owned):
             if self._routes:
                 busy = next(iter(self._routes))
                 raise CaptureError(f"Only one capture at a time is allowed in a process. (backend:cudaMallocAsync: "
@@ -452,7 +450,7 @@ class AsyncPoolAllocator:
         """The capture of ``pool_id`` ended; frees deferred during it are queued once no
         capture is underway."""
         pool_id = _caching.DeviceCachingAllocator._check_pool_id(pool_id)
-        with self._lock:
+        with _caching._probe(self._lock, "end_allocate_to_pool", self._gate_owned):
             for stream in [s for s, p in self._routes.items() if p == pool_id]:
                 del self._routes[stream]
                 _caching._count_captures(-1)
@@ -479,7 +477,7 @@ class AsyncPoolAllocator:
         """A graph using ``pool_id`` was destroyed (the pool holds nothing with this backend;
         its allocations go with its token's ``release()``)."""
         pool_id = _caching.DeviceCachingAllocator._check_pool_id(pool_id)
-        with self._lock:
+        with _caching._probe(self._lock, "release_pool", self._gate_owned):
             count = self._pools.get(pool_id)
             if count is None:
                 raise ValueError(f"release_pool: no private pool {pool_id} on device {self._index} "
@@ -502,8 +500,7 @@ class AsyncPoolAllocator:
             raise TypeError(f"add_peer: device index must be an int, got {type(index).__name__}")
         if index == self._index or index in self._peers:
             return
-        _caching._gc_probe(self._lock, "add_peer")   # then `with`: never left held by a KeyboardInterrupt
-        with self._lock:
+        with _caching._probe(self._lock, "add_peer", self._gate_owned):
             if index not in self._peers:
                 be = self._be
                 with on_device(be, self._index):
@@ -518,7 +515,7 @@ class AsyncPoolAllocator:
         tried again first (their error propagates).  CaptureError while a capture is underway."""
         if _finalizers:
             _drain_finalizers()
-        with self._lock, self._be.capture_gate:
+        with _caching._probe(self._lock, "empty_cache", self._gate_owned), self._be.capture_gate:
             if self._routes or self._capture_underway():
                 raise CaptureError("empty_cache() is not allowed while a stream capture is underway "
                                    f"(device {self._index}'s allocator); call it after capture_end() (a capture "
@@ -540,7 +537,7 @@ class AsyncPoolAllocator:
         if _finalizers:
             _drain_finalizers()
         be, index = self._be, self._index
-        with self._lock:
+        with _caching._probe(self._lock, "stats", self._gate_owned):
             pool = {name: be.mem_pool_get(index, name)
                     for name in ("reserved_current", "reserved_high", "used_current", "used_high")}
             cur, peak, allocated, freed = _stats.empty_counters()
@@ -571,7 +568,7 @@ class AsyncPoolAllocator:
     def reset_peak_stats(self) -> None:
         """Peaks become the current values: accel's counters, and the pool's high-water marks
         (set to 0, which the driver takes as "reset to current")."""
-        with self._lock:
+        with _caching._probe(self._lock, "reset_peak_stats", self._gate_owned):
             with on_device(self._be, self._index):
                 self._be.mem_pool_set(self._index, "reserved_high", 0)
                 self._be.mem_pool_set(self._index, "used_high", 0)
@@ -581,7 +578,7 @@ class AsyncPoolAllocator:
     def reset_accumulated_stats(self) -> None:
         """Zero accel's allocated/freed counters and the OOM/call counts (torch's
         cudaMallocAsync backend ignores this call; accel's counters are its own)."""
-        with self._lock:
+        with _caching._probe(self._lock, "reset_accumulated_stats", self._gate_owned):
             self._count[2] = self._count[3] = 0
             self._req[2] = self._req[3] = 0
             for name in self._scalars:
@@ -600,7 +597,7 @@ class AsyncPoolAllocator:
     def record_history(self, enabled: bool, max_entries: int = 100_000, stacks: bool = True) -> None:
         """Start (or stop) recording alloc/free events (and the Python stack of each
         allocation when ``stacks``) for :meth:`snapshot`'s ``device_traces``."""
-        with self._lock:
+        with _caching._probe(self._lock, "record_history", self._gate_owned):
             if enabled:
                 self._history = deque(self._history or (), maxlen=max_entries)
                 self._history_stacks = stacks
@@ -613,7 +610,7 @@ class AsyncPoolAllocator:
     def snapshot(self) -> dict:
         """``{"segments": [], "device_traces": [...]}``: the driver's pool has no segments
         accel could list (see the module docstring)."""
-        with self._lock:
+        with _caching._probe(self._lock, "snapshot", self._gate_owned):
             traces = list(self._history) if self._history is not None else []
         return {"segments": [], "device_traces": traces}
 
@@ -806,7 +803,7 @@ class AsyncPoolAllocator:
         self._forget(ptr, alloc)
 
     def _replayed(self, graph: _GraphRecord, stream: int) -> None:
-        with self._lock:
+        with _caching._probe(self._lock, "a graph replay", self._gate_owned):
             graph.launches += 1
             for alloc in graph.allocs.values():
                 alloc.stream = stream
@@ -817,7 +814,9 @@ class AsyncPoolAllocator:
         for the next free, malloc or empty_cache: the graph forgets its token either way."""
         if _finalizers:
             _drain_finalizers()
-        with self._lock:
+        # (r69l: a Graph dropped by user code run inside this lock re-entered it once the lock
+        # became an RLock; refused now, and _release_own keeps the record for a retry)
+        with _caching._probe(self._lock, "releasing a graph's allocations", self._gate_owned):
             graph.released = True
             error = None
             for ptr, alloc in list(graph.allocs.items()):

@@ -102,7 +102,7 @@ from .._device import check_range
 from .._errors import AcceleratorError, CaptureError, OutOfMemoryError
 from .._finalize import drain as _drain_finalizers, pending as _finalizers, releases_settled as _releases_settled
 from .. import _locks
-from .._locks import acquire as _acquire
+
 from ..backends._signals import deferred as _signals_deferred
 from ..streams import on_device
 from . import _config, _stats
@@ -255,8 +255,7 @@ def order_after(owner, waiter: int, stream: int, device_index, queue_wait) -> bo
     cleared): the caller waits on the host."""
     device = check_use(owner._be, stream, device_index, owner._index)
     be = owner._be
-    _gc_probe(owner._lock, "order_after")   # then `with` (see _gc_probe)
-    with owner._lock, be.capture_gate:
+    with _probe(owner._lock, "order_after", _gate_owned(be)), be.capture_gate:
         if capture_underway(be):
             with on_device(be, device):
                 if be.stream_is_capturing(stream):
@@ -558,14 +557,47 @@ def check_stream_live(backend, stream: int, device: int) -> None:
                          f"{device}; pass device_index={where}")
 
 
-def _gc_probe(lock, what: str) -> None:
-    """The cyclic collector runs on this thread (a user's ``__del__`` may have re-entered accel
-    while this thread holds ``lock``): wait for ``lock`` a bounded time, or raise instead of
-    hanging (accel._locks).  Then the caller takes it with ``with``, which CPython never leaves
-    held on a KeyboardInterrupt (BEFORE_WITH enters it with no signal check in between)."""
-    if _locks.collecting_here():
-        _acquire(lock, what)
-        lock.release()
+def _never() -> bool:
+    return False
+
+
+def _gate_owned(be):
+    """"Does this thread hold the lock the backend takes inside allocator paths": the capture
+    gate's (a C method); on Metal, which has no gate, its backend lock's (r69h: a gc callback
+    run while a copy held it closed a Buffer, as another thread's free held the allocator's lock
+    and recorded an event, which waits for the backend lock)."""
+    owned = getattr(be.capture_gate, "_is_owned", None)
+    if owned is None:
+        owned = getattr(getattr(be, "_lock", None), "owned", None)
+    return owned or _never
+
+
+def _probe(lock, what: str, gate_owned=_never):
+    """What an allocator's ``with`` takes instead of ``lock`` (an RLock) itself.
+
+    * This thread already holds ``lock``: refused.  A signal handler, a gc callback or a
+      ``__del__`` that calls accel from inside the allocator would re-enter its half-done work
+      (r69h: such calls waited forever on the plain lock of before).
+    * The collector runs on this thread, or this thread holds the backend's capture gate
+      (``gate_owned``; every path takes an allocator's lock before the gate, so a thread that
+      holds the gate and waits for an allocator's lock is user code run inside accel, r69h:
+      a gc callback at a collection's "stop", inside a pinned free, closing a device Buffer
+      while another thread's free held that device's lock and waited for the gate): a
+      bounded ``accel._locks.held``, which waits a bounded time, then raises instead of
+      hanging.  Its wait is the hold: a probe that waited, let go, and then took the lock with
+      ``with`` let another thread in between (r70a: a free that then waited for the gate this
+      thread held, a deadlock).
+    * Otherwise ``lock`` itself: ``with`` gets its C methods, which CPython never leaves held on
+      a KeyboardInterrupt (BEFORE_WITH enters it with no signal check in between).
+
+    Hot paths call it only when ``_locks._running or lock._is_owned() or gate_owned()``."""
+    if lock._is_owned():
+        raise _locks.finalizer_error(what, "would re-enter the caching allocator in the middle of "
+                                     "this thread's own call (a signal handler, gc callback or __del__ "
+                                     "that ran inside it); make the call after it returned")
+    if _locks.collecting_here() or gate_owned():
+        return _locks.held(lock, what, bounded=True)
+    return lock
 
 
 def _check_size(nbytes) -> int:
@@ -597,7 +629,8 @@ class DeviceCachingAllocator(ExpandableSegments):
         self._be = backend
         self._index = device_index
         self._config = config = config if config is not None else _config.current()
-        self._lock = threading.Lock()
+        self._lock = _locks.OwnedLock()   # (an RLock only to tell its holder: _probe refuses re-entry)
+        self._gate_owned = _gate_owned(backend)
         self._blocks: Dict[int, _Block] = {}
         self._segments: Dict[int, int] = {}          # base ptr -> segment size
         # classic segments that became wholly free (base ptr -> block), checked when read:
@@ -694,7 +727,7 @@ class DeviceCachingAllocator(ExpandableSegments):
         """Cap reserved memory at ``fraction`` (0..1, checked by the caller) of the device's
         total from now on: torch's ``setMemoryFraction``.  Memory already reserved stays;
         the next segment that would pass the cap fails (free the cache, retry, then OOM)."""
-        with self._lock:
+        with _probe(self._lock, "set_memory_fraction", self._gate_owned):
             self._config = self._config._replace(per_process_memory_fraction=float(fraction))
             self._allowed = None
 
@@ -718,7 +751,7 @@ class DeviceCachingAllocator(ExpandableSegments):
         _config.check_fixed(self._config, config)
         if _finalizers:
             _drain_finalizers()
-        with self._lock:
+        with _probe(self._lock, "set_config", self._gate_owned):
             old = self._config
             if keep_fraction:
                 config = config._replace(per_process_memory_fraction=old.per_process_memory_fraction)
@@ -808,10 +841,11 @@ class DeviceCachingAllocator(ExpandableSegments):
             stream = self._get_default_stream()
         if _finalizers:            # frees finalizers left for a safe point (accel._finalize)
             _drain_finalizers()
-        if _locks._running:     # a finalizer: see _gc_probe
-            _gc_probe(self._lock, "malloc")
+        lock = self._lock
+        if _locks._running or lock._is_owned() or self._gate_owned():     # see _probe
+            lock = _probe(lock, "malloc", self._gate_owned)
         try:
-            with self._lock:     # not acquire() + try: a KeyboardInterrupt as acquire returns would keep it
+            with lock:     # not acquire() + try: a KeyboardInterrupt as acquire returns would keep it
                 special = self._special
                 # The block found is still in its free list (fl.keys[i]) whichever path found it,
                 # so a KeyboardInterrupt before the hand-out below leaves it cached.
@@ -1051,9 +1085,10 @@ class DeviceCachingAllocator(ExpandableSegments):
         """
         if _finalizers:
             _drain_finalizers()
-        if _locks._running:     # a finalizer: see _gc_probe
-            _gc_probe(self._lock, "free")
-        with self._lock:     # not acquire() + try: a KeyboardInterrupt as acquire returns would keep it
+        lock = self._lock
+        if _locks._running or lock._is_owned() or self._gate_owned():     # see _probe
+            lock = _probe(lock, "free", self._gate_owned)
+        with lock:     # not acquire() + try: a KeyboardInterrupt as acquire returns would keep it
             block = self._blocks.get(ptr)
             if block is None or block.state != _ALLOCATED:
                 if ptr == 0 and type(ptr) is int:
@@ -1156,7 +1191,7 @@ class DeviceCachingAllocator(ExpandableSegments):
         stream that is no handle or a device index naming no device (nothing is recorded)."""
         device = check_use(self._be, stream, device_index, self._index)
         check_stream_live(self._be, stream, device)
-        with self._lock:
+        with _probe(self._lock, "record_stream", self._gate_owned):
             block = self._blocks.get(ptr)
             if block is None or block.state != _ALLOCATED:
                 raise self._not_allocated(ptr, block)
@@ -1263,7 +1298,7 @@ class DeviceCachingAllocator(ExpandableSegments):
         pool_id = self._check_pool_id(pool_id)
         if (stream is None) == (thread is None):
             raise TypeError("begin_allocate_to_pool takes a stream or thread= (one of them)")
-        with self._lock:
+        with _probe(self._lock, "begin_allocate_to_pool", self._gate_owned):
             if any(p.id == pool_id for pools in self._threads.values() for p in pools) or (
                     thread is not None and any(p.id == pool_id for p in self._routes.values())):
                 raise RuntimeError(f"beginAllocateToPool: already recording to mempool_id {pool_id}: "
@@ -1291,7 +1326,7 @@ class DeviceCachingAllocator(ExpandableSegments):
         pool that finds the device full takes a free block of the pool instead of failing;
         ``no_split``: the pool hands blocks out whole."""
         pool_id = self._check_pool_id(pool_id)
-        with self._lock:
+        with _probe(self._lock, "create_pool", self._gate_owned):
             pool = self._private.get(pool_id)
             if pool is None:
                 pool = self._private[pool_id] = _PrivatePool(pool_id)
@@ -1309,7 +1344,7 @@ class DeviceCachingAllocator(ExpandableSegments):
     def end_allocate_to_pool(self, pool_id: Tuple[int, int]) -> None:
         """Stop routing allocations to ``pool_id`` (the capture ended)."""
         pool_id = self._check_pool_id(pool_id)
-        with self._lock:
+        with _probe(self._lock, "end_allocate_to_pool", self._gate_owned):
             # computed, then published in one step (a KeyboardInterrupt leaves every route or none)
             routes = {s: pool for s, pool in self._routes.items() if pool.id != pool_id}
             ended = [s for s, pool in self._origins.items() if pool.id == pool_id]
@@ -1334,9 +1369,10 @@ class DeviceCachingAllocator(ExpandableSegments):
         pool nothing holds."""
         device = check_use(self._be, stream, device_index, self._index)
         pool_id = self._check_pool_id(pool_id)
-        if _locks._running:     # a finalizer: see _gc_probe
-            _gc_probe(self._lock, "pool_used_on")
-        with self._lock:
+        lock = self._lock
+        if _locks._running or lock._is_owned() or self._gate_owned():     # see _probe
+            lock = _probe(lock, "pool_used_on", self._gate_owned)
+        with lock:
             pool = self._private.get(pool_id)
             if pool is None or pool.use_count <= 0:
                 raise ValueError(f"pool_used_on: no private pool {pool_id} held on device {self._index} "
@@ -1372,7 +1408,7 @@ class DeviceCachingAllocator(ExpandableSegments):
         emptyCache of the pool): it serves no OOM any more, and when nothing else uses
         it its whole free segments go back to the device (unless a capture is underway)."""
         pool_id = self._check_pool_id(pool_id)
-        with self._lock:
+        with _probe(self._lock, "release_pool", self._gate_owned):
             pool = self._private.get(pool_id)
             if pool is None:
                 raise ValueError(f"release_pool: no private pool {pool_id} on device {self._index}")
@@ -1419,9 +1455,10 @@ class DeviceCachingAllocator(ExpandableSegments):
         # refused now: a peer is granted access to every later mapping, so a bad one would
         # fail each of them (cuMemSetAccess: CUDA_ERROR_INVALID_DEVICE)
         check_range(index, self._be, "add_peer: ")
-        if _locks._running:     # a finalizer: see _gc_probe
-            _gc_probe(self._lock, "add_peer")
-        with self._lock:     # not acquire() + try: a KeyboardInterrupt as acquire returns would keep it
+        lock = self._lock
+        if _locks._running or lock._is_owned() or self._gate_owned():     # see _probe
+            lock = _probe(lock, "add_peer", self._gate_owned)
+        with lock:     # not acquire() + try: a KeyboardInterrupt as acquire returns would keep it
             if index in self._peers:
                 return
             if any(seg.maps for seg in self._exp_segs):
@@ -1445,7 +1482,7 @@ class DeviceCachingAllocator(ExpandableSegments):
         events of pending blocks).  CaptureError while a capture allocates to a pool."""
         if _finalizers:
             _drain_finalizers()
-        with self._lock, self._be.capture_gate:
+        with _probe(self._lock, "empty_cache", self._gate_owned), self._be.capture_gate:
             if self._routes or capture_underway(self._be):
                 # synchronizing events and cudaFree would invalidate a global-mode capture
                 raise CaptureError("empty_cache() is not allowed while a stream capture is underway "
@@ -1483,7 +1520,7 @@ class DeviceCachingAllocator(ExpandableSegments):
         """The torch.cuda.memory_stats() keys as an OrderedDict (sorted)."""
         if _finalizers:
             _drain_finalizers()
-        with self._lock:
+        with _probe(self._lock, "stats", self._gate_owned):
             cur, peak, base, freed = self._columns()
             allocated = [c - b + f for c, b, f in zip(cur, base, freed)]
             pend, pend_base = self._pend, self._pend_base
@@ -1504,7 +1541,7 @@ class DeviceCachingAllocator(ExpandableSegments):
         """Backend map/unmap calls of the expandable segments so far (accel's own keys,
         kept out of :meth:`stats`, which has exactly torch's keys):
         ``{"num_device_map": n, "num_device_unmap": m}``; reset by reset_accumulated_stats."""
-        with self._lock:
+        with _probe(self._lock, "map_stats", self._gate_owned):
             return {"num_device_map": self._scalars["num_device_map"],
                     "num_device_unmap": self._scalars["num_device_unmap"]}
 
@@ -1523,7 +1560,7 @@ class DeviceCachingAllocator(ExpandableSegments):
 
     def reset_peak_stats(self) -> None:
         """Peaks become the current values (torch's resetPeakStats)."""
-        with self._lock:
+        with _probe(self._lock, "reset_peak_stats", self._gate_owned):
             self._peak[:] = self._cur
             for st in self._pool_reserved.values():
                 st[3:6] = st[0:3]
@@ -1536,7 +1573,7 @@ class DeviceCachingAllocator(ExpandableSegments):
 
     def reset_accumulated_stats(self) -> None:
         """Zero the allocated/freed counters and the retry/OOM/device call counts."""
-        with self._lock:
+        with _probe(self._lock, "reset_accumulated_stats", self._gate_owned):
             self._base[:] = self._cur
             self._freed[:] = [0] * len(self._freed)
             self._s_base, self._s_freed = self._s_cur, 0
@@ -1559,7 +1596,7 @@ class DeviceCachingAllocator(ExpandableSegments):
         Stopping forgets the history and every stack.  (Arguments as
         :func:`accel.memory.record_history` checked them.)"""
         ctx = context if stacks else 0
-        with self._lock:
+        with _probe(self._lock, "record_history", self._gate_owned):
             if enabled:
                 kept = self._history if self._history is not None and not clear_history else ()
                 self._history = deque(kept, maxlen=max_entries)
@@ -1588,7 +1625,7 @@ class DeviceCachingAllocator(ExpandableSegments):
 
     def allocator_settings(self) -> dict:
         """torch's ``allocator_settings`` of a snapshot, for this allocator."""
-        with self._lock:
+        with _probe(self._lock, "allocator_settings", self._gate_owned):
             expandable = self._expandable
             if expandable is None:       # not decided before the first miss: what it would be
                 want = self._config.expandable_segments
@@ -1598,7 +1635,7 @@ class DeviceCachingAllocator(ExpandableSegments):
     def allocation_frames(self, ptr: int) -> Optional[list]:
         """The frames of the stack that allocated the live block at ``ptr`` (innermost first),
         or None: no such block, or no stack kept for it (accel.memory._allocation_traceback)."""
-        with self._lock:
+        with _probe(self._lock, "allocation_frames", self._gate_owned):
             block = self._blocks.get(ptr)
             if block is None or block.state != _ALLOCATED or not block.frames:
                 return None
@@ -1609,7 +1646,7 @@ class DeviceCachingAllocator(ExpandableSegments):
         (:mod:`accel.memory._snapfmt`): segments and blocks with ``frames`` (empty without a
         stack), trace entries with ``frames`` while history keeps stacks in the trace."""
         symbols = _Symbols()
-        with self._lock:
+        with _probe(self._lock, "snapshot", self._gate_owned):
             segments = []
             seg_frames = self._seg_frames
             for base in sorted(self._segments):
@@ -2764,7 +2801,7 @@ class DeviceCachingAllocator(ExpandableSegments):
         that went last stays, current 0, until another pool goes or reset_accumulated_stats
         (torch keeps every gone pool's until a reset: a program that makes graphs in a loop
         would grow it without bound)."""
-        with self._lock:
+        with _probe(self._lock, "private_pool_stats", self._gate_owned):
             return {pool_id: {name: dict(zip(_stats.STAT_FIELDS, st[q::3]))
                               for q, name in enumerate(_stats.POOL_NAMES)}
                     for pool_id, st in self._pool_reserved.items()}

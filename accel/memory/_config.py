@@ -3,9 +3,9 @@
 The syntax and option names are PyTorch's ``PYTORCH_CUDA_ALLOC_CONF``
 (``c10/core/AllocatorConfig.cpp``): comma-separated ``key:value`` pairs, e.g.
 ``max_split_size_mb:128,garbage_collection_threshold:0.8``.  ``ACCEL_ALLOC_CONF``
-wins; ``PYTORCH_ALLOC_CONF`` and ``PYTORCH_CUDA_ALLOC_CONF`` are read when it
-is unset, so a torch configuration carries over.  The string is parsed at the
-allocator's first use.  ``accel.memory.set_allocator_settings`` changes the options while the
+wins; when it is unset the first of ``PYTORCH_CUDA_ALLOC_CONF``, ``PYTORCH_HIP_ALLOC_CONF`` and
+``PYTORCH_ALLOC_CONF`` that is set is read (torch's order), so a torch configuration carries
+over.  The string is parsed at the allocator's first use.  ``accel.memory.set_allocator_settings`` changes the options while the
 program runs, by torch's rules (``changed``; ``RESET_AT_RUN_TIME``, ``FIXED_AT_RUN_TIME``).
 
 A setting written for torch never breaks accel: every key torch 2.13 accepts is
@@ -41,7 +41,11 @@ _POW2_INTERVALS = 16
 #: values of the ``backend`` key, spelled as torch spells them
 BACKENDS = ("native", "cudaMallocAsync")
 
-ENV_VARS = ("ACCEL_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+# torch 2.13 reads the first of PYTORCH_CUDA_ALLOC_CONF, PYTORCH_HIP_ALLOC_CONF, PYTORCH_ALLOC_CONF
+# that is set, an empty one too, whatever the device (c10/core/AllocatorConfig.cpp,
+# AcceleratorAllocatorConfig::instance; measured with the 2.13 wheel, tests/test_torch_ports_r70b.py,
+# tests/test_review_r70g.py); accel's own variable comes first.
+ENV_VARS = ("ACCEL_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 OPTIONS = {
     "max_split_size_mb": "blocks at least this large (MiB, >= large_segment_size_mb) are never split",
@@ -429,8 +433,8 @@ def check_fixed(before: AllocConfig, after: AllocConfig) -> None:
 
 
 def from_environment() -> AllocConfig:
-    """The configuration from the first of ACCEL_ALLOC_CONF, PYTORCH_ALLOC_CONF,
-    PYTORCH_CUDA_ALLOC_CONF that is set (defaults when none is)."""
+    """The configuration from the first of :data:`ENV_VARS` that is set, even to "" (defaults
+    when none is), in torch's order."""
     for name in ENV_VARS:
         text = os.environ.get(name)
         if text is not None:

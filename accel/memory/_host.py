@@ -27,7 +27,6 @@ a capture is underway, and frees that need events wait until it ended.
 
 from __future__ import annotations
 
-import threading
 import time
 from bisect import bisect_right, insort
 from functools import partial
@@ -38,8 +37,8 @@ from . import _config
 from .._errors import OutOfMemoryError
 from .._finalize import drain as _drain_finalizers, pending as _finalizers, releases_settled as _releases_settled
 from ..streams import on_device
-from ._caching import (check_stream_live, _gc_probe, _ONE_EXA_BYTES, _check_size, add_use, capture_underway, check_use,
-                       cover, drop_done_gates, gates_back, record_uses, stream_done,
+from ._caching import (check_stream_live, _gate_owned, _probe, _ONE_EXA_BYTES, _check_size, add_use,
+                       capture_underway, check_use, cover, drop_done_gates, gates_back, record_uses, stream_done,
                        unless_capturing, uses_forgotten)
 
 #: torch 2.13's host_memory_stats counters (torch/cuda/memory.py): blocks owned (active +
@@ -111,7 +110,7 @@ class HostCachingAllocator:
 
     def __init__(self, backend=None):
         self._be = backend
-        self._lock = threading.Lock()
+        self._lock = _locks.OwnedLock()   # (to tell its holder: _caching._probe refuses re-entry)
         self._blocks: Dict[int, _HostBlock] = {}
         self._starts: List[int] = []                   # sorted block starts (owns bisects them)
         self._free: Dict[int, List[int]] = {}          # bucket (_bucket) -> ptrs ready for reuse
@@ -143,6 +142,12 @@ class HostCachingAllocator:
                 config = self._env_config = _config.from_environment()
         return config.pinned_max_round_threshold, config.pinned_max_cached_size
 
+    def _gate_owned(self) -> bool:
+        """Whether this thread holds the backend's capture gate (_caching._probe: a call made
+        under it waits for the pinned lock a bounded time, r70g)."""
+        be = self._be
+        return be is not None and _gate_owned(be)()
+
     def _backend(self):
         if self._be is None:
             from .. import _lazy
@@ -169,8 +174,7 @@ class HostCachingAllocator:
         be = self._backend()
         if _finalizers:            # releases finalizers left for a safe point (accel._finalize)
             _drain_finalizers()
-        _gc_probe(self._lock, "pinned malloc")   # then `with`: never left held by a KeyboardInterrupt
-        with self._lock:
+        with _probe(self._lock, "pinned malloc", self._gate_owned):
             if self._events or self._deferred or self._oversize:
                 unless_capturing(be, self._resume_events, False)
             # Interrupt safety (Ctrl-C): the new counts are computed first and published with
@@ -237,8 +241,7 @@ class HostCachingAllocator:
         or a pointer this allocator did not hand out; the state is then unchanged."""
         if _finalizers:
             _drain_finalizers()
-        _gc_probe(self._lock, "pinned free")   # then `with`: never left held by a KeyboardInterrupt
-        with self._lock:
+        with _probe(self._lock, "pinned free", self._gate_owned):
             self._free_ptr_locked(ptr)
 
     def free_nowait(self, ptr: int) -> bool:
@@ -300,7 +303,7 @@ class HostCachingAllocator:
     def owns(self, address: int, nbytes: int) -> Optional[int]:
         """The block start when ``[address, address + nbytes)`` lies inside one allocated
         pinned block of this allocator, else None (e.g. pageable memory)."""
-        with self._lock:
+        with _probe(self._lock, "pinned owns", self._gate_owned):
             starts = self._starts
             i = bisect_right(starts, address) - 1     # blocks never overlap: the last start <= address
             if i >= 0:
@@ -320,7 +323,7 @@ class HostCachingAllocator:
         if device is None:
             device = be.get_device()
         check_stream_live(be, stream, device)
-        with self._lock:
+        with _probe(self._lock, "pinned record_stream", self._gate_owned):
             block = self._blocks.get(ptr)
             if block is None or not block.allocated:
                 raise self._not_allocated(ptr, block)
@@ -332,8 +335,7 @@ class HostCachingAllocator:
 
     def hold(self, ptr: int, hold: CaptureHold) -> None:
         """The allocated block at ``ptr`` is read or written by a copy captured into ``hold``'s graph."""
-        _gc_probe(self._lock, "pinned hold")   # then `with`: never left held by a KeyboardInterrupt
-        with self._lock:
+        with _probe(self._lock, "pinned hold", self._gate_owned):
             block = self._blocks.get(ptr)
             if block is None or not block.allocated:
                 raise self._not_allocated(ptr, block)
@@ -344,14 +346,12 @@ class HostCachingAllocator:
             hold.blocks.add(block)
 
     def _hold_replayed(self, hold: CaptureHold, stream: int) -> None:
-        _gc_probe(self._lock, "pinned hold")   # then `with`: never left held by a KeyboardInterrupt
-        with self._lock:
+        with _probe(self._lock, "pinned hold", self._gate_owned):
             for block in hold.blocks:
                 add_use(self, block, stream, hold.device)
 
     def _release_hold(self, hold: CaptureHold) -> None:
-        _gc_probe(self._lock, "pinned hold release")   # then `with`: never left held by a KeyboardInterrupt
-        with self._lock:
+        with _probe(self._lock, "pinned hold release", self._gate_owned):
             blocks, hold.blocks = hold.blocks, set()
             error = None
             for block in blocks:
@@ -417,7 +417,7 @@ class HostCachingAllocator:
         be = self._be
         if be is None:
             return
-        with self._lock, be.capture_gate:
+        with _probe(self._lock, "empty_host_cache", self._gate_owned), be.capture_gate:
             if capture_underway(be):
                 return
             self._reap_orphans()
@@ -441,7 +441,7 @@ class HostCachingAllocator:
         num_host_alloc, num_host_free, pending (blocks waiting for events)."""
         if _finalizers:
             _drain_finalizers()
-        with self._lock:
+        with _probe(self._lock, "pinned stats", self._gate_owned):
             out = dict(self._stats)
             out["pending"] = len({id(b) for _, _, b in self._events} | {id(b) for b in self._deferred}
                                  | {id(b) for b in self._parked})
@@ -590,8 +590,7 @@ class HostCachingAllocator:
         allocated, freed}; ``num_host_alloc``, ``num_host_free``; ``host_alloc_time`` and
         ``host_free_time`` as {total, max, min, count, avg} in microseconds.  A block counts
         as active from malloc to free (torch: until its stream uses complete)."""
-        _gc_probe(self._lock, "pinned stats")   # then `with`: never left held by a KeyboardInterrupt
-        with self._lock:
+        with _probe(self._lock, "pinned stats", self._gate_owned):
             out = {key: dict(zip(("current", "peak", "allocated", "freed"), tally))
                    for key, tally in self._tally.items()}
             # derived from the blocks' counters as torch's getStats does, so that
@@ -605,15 +604,13 @@ class HostCachingAllocator:
 
     def reset_peak_stats(self) -> None:
         """Set each torch_stats peak to its current value."""
-        _gc_probe(self._lock, "pinned stats")   # then `with`: never left held by a KeyboardInterrupt
-        with self._lock:
+        with _probe(self._lock, "pinned stats", self._gate_owned):
             for tally in self._tally.values():
                 tally[1] = tally[0]
 
     def reset_accumulated_stats(self) -> None:
         """Zero the torch_stats allocated/freed counters and the timings."""
-        _gc_probe(self._lock, "pinned stats")   # then `with`: never left held by a KeyboardInterrupt
-        with self._lock:
+        with _probe(self._lock, "pinned stats", self._gate_owned):
             for tally in self._tally.values():
                 tally[2] = tally[3] = 0
             for timing in self._timing.values():
