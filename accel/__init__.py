@@ -182,6 +182,7 @@ _capabilities: dict = {}
 
 def get_device_properties(device: DeviceLike = None):      # torch.cuda's: device= works
     """The :class:`accel.backends.DeviceProperties` of ``device`` (initializes the runtime)."""
+    _parse_index(device)            # a refused argument starts nothing (torch checks it first, r69j)
     backend = _lazy.lazy_init()
     index = _device_index(device, optional=True)
     check_range(index)
@@ -191,6 +192,7 @@ def get_device_properties(device: DeviceLike = None):      # torch.cuda's: devic
 def get_device_capability(device: DeviceLike = None, /) -> dict:
     """What ``device`` supports: ``supported_dtypes`` (numpy dtype names, torch's key), plus
     ``compute_capability``, ``name``, ``total_memory`` and ``multi_processor_count``.  Cached."""
+    _parse_index(device)            # a refused argument starts nothing (torch checks it first, r69j)
     backend = _lazy.lazy_init()
     index = _device_index(device, optional=True)
     key = (backend.name, index)
@@ -225,8 +227,11 @@ def synchronize(device: DeviceLike = None, /) -> None:
         # torch resolves the device before its no-op check: the current one needs a device
         if _parse_index(device) is None and not is_available():
             raise RuntimeError(_lazy._NO_DEVICE)
-        if _lazy.is_in_bad_fork():
-            _lazy.lazy_init()         # the fork error: torch's device counts as initialized there
+        if _lazy.is_in_bad_fork() and _parse_index(device) is None:
+            # torch's current-device lookup initializes (the fork error); with an index its
+            # _accelerator_synchronizeDevice returns at once, since the child's at-fork handler
+            # marks the device as never initialized (set_requires_device_init(kCUDA, true)) (r70e)
+            _lazy.lazy_init()
         return
     backend = _lazy.lazy_init()
     index = _device_index(device, optional=True)

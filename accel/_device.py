@@ -19,6 +19,8 @@ from . import _lazy, backends
 from ._errors import InvalidDeviceError
 
 _KNOWN_TYPES = ("cuda", "xpu", "mps", "cpu")
+# c10::DeviceType numbers (c10/core/DeviceType.h): torch.device's hash uses them
+_TORCH_TYPE_NUMBERS = {"cpu": 0, "cuda": 1, "xpu": 12, "mps": 13}
 
 
 class device:
@@ -83,10 +85,18 @@ class device:
     def __eq__(self, other):
         if isinstance(other, device):
             return self._type == other._type and self._index == other._index
+        if is_torch_device(other):
+            # (r70f) equal to the torch.device it names, as accel takes one wherever it takes a device
+            return self._type == other.type and self._index == other.index
         return NotImplemented
 
     def __hash__(self):
-        return hash((self._type, self._index))
+        # torch.device's hash (c10::Device: the DeviceType number << 16 | the index as a uint8,
+        # None as -1), so that an accel.device finds a torch.device's dict entry and back
+        number = _TORCH_TYPE_NUMBERS.get(self._type)
+        if number is None:
+            return hash((self._type, self._index))
+        return (number << 16) | ((-1 if self._index is None else self._index) & 0xFF)
 
     def __str__(self):
         return self._type if self._index is None else f"{self._type}:{self._index}"

@@ -577,6 +577,8 @@ def _rng_cases():
                         lambda nb: _fills.plan_randint(nb, "int32", -7, 1000), "int32"),
         "randint_i64": (lambda b: R.randint_(b, 0, 10, "int64"),
                         lambda nb: _fills.plan_randint(nb, "int64", 0, 10), "int64"),
+        "randint_i32_wide": (lambda b: R.randint_(b, -(2 ** 31), 2 ** 31 - 1, "int32"),
+                             lambda nb: _fills.plan_randint(nb, "int32", -(2 ** 31), 2 ** 31 - 1), "int32"),
         "randint_i64_wide": (lambda b: R.randint_(b, -(2 ** 62), 2 ** 62, "int64"),
                              lambda nb: _fills.plan_randint(nb, "int64", -(2 ** 62), 2 ** 62), "int64"),
     }

@@ -537,8 +537,7 @@ case("uniform-not-whole", lambda c: R().uniform_(c.buf3), ValueError, "3", "floa
 case("uniform-bounds", lambda c: R().uniform_(c.buf, low=1.0, high=0.0), ValueError, "1.0", "0.0")
 case("uniform-low-str", lambda c: R().uniform_(c.buf, low="a"), TypeError, "'a'", "low")
 case("uniform-generator-int", lambda c: R().uniform_(c.buf, generator=3), TypeError, "int", "Generator")
-case("uniform-generator-device", lambda c: R().uniform_(c.buf, generator=R().Generator(1)), ValueError,
-     "device 1", "device 0", only=("cuda", "xpu"))
+# (a generator of another device draws outside a capture, as torch's: r69b; test_lead_fixes_s29)
 case("normal-std-negative", lambda c: R().normal_(c.buf, std=-1.0), ValueError, "-1.0", "std")
 case("normal-dtype", lambda c: R().normal_(c.buf, dtype="float16"), TypeError, "float16", "float32")
 case("normal-mean-str", lambda c: R().normal_(c.buf, mean="m"), TypeError, "'m'", "mean")

@@ -38,6 +38,9 @@ from typing import Any, Optional, Sequence, Tuple
 
 from .._errors import AcceleratorError
 
+def _drop(args) -> None:
+    """Nothing: ``args`` dies with the call (:meth:`Backend._run_after_captures`)."""
+
 
 class DeviceProperties:
     """What :meth:`Backend.properties` returns for one device (immutable).
@@ -458,7 +461,9 @@ class Backend(abc.ABC):
         capture_end calls it once the last capture ended.  One whose vendor call fails is tried
         once more at the next safe point (after the captures then underway), as a finalizer's
         (accel._finalize: a second failure is reported; r67d: it was dropped, and the handle
-        leaked unreported)."""
+        leaked unreported).  What the releases hand back to their owners (a DLPack deleter, a
+        ``from_ptr`` owner, the queued arguments themselves) is dropped only once this thread
+        holds the gate no more (:meth:`after_gate`)."""
         queue = self._after_capture
         if not queue:
             return
@@ -471,6 +476,27 @@ class Backend(abc.ABC):
                 except AcceleratorError:
                     # (again past any capture then underway: a release would invalidate it)
                     _finalize.pending.append((self._now_or_after_captures, (fn,) + args))
+                finally:
+                    self.after_gate(_drop, args)     # (args may hold the last reference to an owner)
+                    args = None
+
+    def after_gate(self, fn, *args) -> None:
+        """``fn(*args)`` now (errors propagating), or, while this thread holds :attr:`capture_gate`,
+        deferred to the next safe point (accel._finalize.defer: the next entry of the API in any
+        thread, e.g. the end of Graph.capture_end once the capture's pool routing ended; r70a: a
+        list of this thread's own, run only where a capture ended, kept a deleter for good when the
+        hold ended elsewhere; r70m: draining where the hold ended ran user code inside the
+        signal-deferred capture end, before the pool stopped routing, and under a graph's launch
+        lock), as a finalizer's release (errors swallowed, a failed vendor call tried once more).
+        For what must not run under the gate: a user's DLPack deleter or ``from_ptr`` owner may free an accel Buffer,
+        which takes the allocator's lock and then the gate; another thread holding that lock and
+        waiting for the gate would deadlock with it (r69a)."""
+        owned = getattr(self.capture_gate, "_is_owned", None)
+        if owned is None or not owned():
+            fn(*args)
+            return
+        from .. import _finalize
+        _finalize.defer(fn, *args)
 
     def graph_instantiate(self, graph: int) -> int:
         raise NotImplementedError(self.no_capture_reason)

@@ -22,11 +22,13 @@ import threading
 from collections import deque
 from typing import Optional, Tuple
 
+from .. import _locks
 from .._errors import AcceleratorError, CaptureError, KernelImageError, OutOfMemoryError
 from ._cuda_discovery import _ERR_INSUFFICIENT_DRIVER, CudaDiscoveryMixin
 from ._cuda_mempool import CudaMemPoolMixin
 from ._cuda_nvml import CudaNvmlMixin
 from ._cuda_vmm import CudaVmmMixin
+from ._signals import deferred
 from .base import Backend, DeviceProperties
 
 # Integer #defines from driver_types.h (CUDA 13).
@@ -146,11 +148,15 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
     def __init__(self, simulated: bool):
         self.simulated = simulated
         self._lock = threading.Lock()
-        self._count_lock = threading.Lock()
+        # accel._locks.Lock: a __del__ run by a collection inside the first count that counts
+        # devices (device_count, manual_seed) is refused instead of waiting on its own thread (r70m)
+        self._count_lock = _locks.Lock("counting CUDA devices")
         self._rt = None          # (ffi, lib, path) of libcudart, opened on first use
         self._rt_error = None    # why libcudart could not be opened
         self._nvml = None        # (ffi, lib, path) of NVML, opened on first count
         self._nvml_error = None
+        self._nvml_missing = False   # the library does not load (a failed nvmlInit_v2 is tried again)
+        self._nvml_lock = _locks.Lock("initializing NVML")
         self._count = None
         self._count_env = None    # CUDA_VISIBLE_DEVICES the count was computed for
         self._count_final = False  # the runtime counted: it read the variable once, at cuInit
@@ -179,12 +185,15 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         self._rt_module = None   # accel._ffi.cudart_module of the opened runtime's major (checked)
         self._capture_info = (None, ())  # cudaStreamGetCaptureInfo[_v2] and its NULL outputs
         self._choice = None      # _cuda_libs.Choice: which libcudart, and every candidate's verdict
-        self._choice_lock = threading.Lock()
+        self._choice_lock = _locks.Lock("choosing the CUDA runtime")
         self._rt_refused = None  # (ffi, lib, path) of an ACCEL_CUDART_PATH runtime the driver cannot run
 
     def fresh_locks_in_child(self) -> None:
         # _lock: opening libcudart and the kernel path; the others: counting, the runtime choice
-        self._lock, self._count_lock, self._choice_lock = threading.Lock(), threading.Lock(), threading.Lock()
+        self._lock = threading.Lock()
+        self._count_lock = _locks.Lock("counting CUDA devices")
+        self._choice_lock = _locks.Lock("choosing the CUDA runtime")
+        self._nvml_lock = _locks.Lock("initializing NVML")
 
     # -- libraries -------------------------------------------------------------
     def _open(self, which: str):
@@ -496,7 +505,9 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
             # interrupted allocation leaves nothing (the runtime writes the pointer only on
             # success; p starts NULL).
             if rc in (None, 0) and p[0] != self.ffi.NULL:
-                free(p[0])
+                # (relaxed as the allocation was: in a global capture a plain cudaFree is refused
+                # and invalidates it, r69a)
+                self._call_maybe_capturing(free, p[0])
             raise
 
     def _call_maybe_capturing(self, fn, *args) -> int:
@@ -507,26 +518,30 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         # with's cleanup range, which releases the gate; tests/test_interrupt_fresh_r57.py)
         with self.capture_gate:
             if self._captures:
-                with self._relaxed_capture_mode():
-                    rc = fn(*args)
+                rc = self._call_relaxed(fn, *args)
             else:
                 rc = fn(*args)
         return rc
 
-    def _relaxed_capture_mode(self):
-        backend = self
-
-        class _Relaxed:
-            def __enter__(self):
-                self.mode = backend.ffi.new("enum cudaStreamCaptureMode *", _CAPTURE_MODES["relaxed"])
-                backend._check(backend.lib.cudaThreadExchangeStreamCaptureMode(self.mode),
-                               "cudaThreadExchangeStreamCaptureMode")
-
-            def __exit__(self, *exc):
-                backend._check(backend.lib.cudaThreadExchangeStreamCaptureMode(self.mode),
-                               "cudaThreadExchangeStreamCaptureMode")
-
-        return _Relaxed()
+    @deferred
+    def _call_relaxed(self, fn, *args) -> int:
+        """``fn(*args)`` with this thread in relaxed capture mode, its own mode restored after.
+        Signals are deferred (none of these calls waits): a Ctrl-C between the two exchanges
+        would leave the thread relaxed, every later unsafe call of it unchecked (r69a).  A
+        failed restore is tried once more before it raises, for the same reason."""
+        exchange = self.lib.cudaThreadExchangeStreamCaptureMode
+        mode = self.ffi.new("enum cudaStreamCaptureMode *", _CAPTURE_MODES["relaxed"])
+        self._check(exchange(mode), "cudaThreadExchangeStreamCaptureMode")
+        try:
+            rc = fn(*args)
+        finally:
+            err = exchange(mode)     # (a failed exchange leaves *mode as it was)
+            if err:
+                err = exchange(mode)
+                if not err:
+                    self.lib.cudaGetLastError()      # (the first failure's, now moot)
+        self._check(err, "cudaThreadExchangeStreamCaptureMode", "restoring this thread's capture mode")
+        return rc
 
     def mem_free(self, ptr: int) -> None:
         self._check(self.lib.cudaFree(self.ffi.cast("void *", ptr)), "cudaFree")

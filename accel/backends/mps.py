@@ -153,7 +153,7 @@ _GRAPHS_UNSUPPORTED = (
 
 
 def _simulated() -> bool:
-    return os.environ.get("ACCEL_SIM") == "mps"
+    return os.environ.get("ACCEL_SIM", "").strip().lower() == "mps"     # (as cuda and xpu read it, r70l)
 
 
 class _InvalidHandle(AcceleratorError, ValueError):
@@ -324,25 +324,31 @@ class MPSBackend(Backend):
             if not libs.ok:
                 raise AcceleratorError(f"mps: cannot initialize Metal: {libs.reason}",
                                        library=_LIBRARY, call="MTLCreateSystemDefaultDevice")
-            rt = _objc.Runtime(libs.objc_ffi, libs.objc_lib)
-            # MTLCreateSystemDefaultDevice returns +1 (ns_returns_retained).  The
-            # real loader opens CoreGraphics first: without it the call returns
-            # nil in processes that are not apps.
-            device = libs.metal_lib.MTLCreateSystemDefaultDevice()
-            if device == rt.nil:
-                raise AcceleratorError(
-                    "mps: MTLCreateSystemDefaultDevice returned nil: this Mac exposes no Metal device "
-                    "(a VM or a headless session without GPU access?)",
-                    library=_LIBRARY, call="MTLCreateSystemDefaultDevice")
-            self._rt, self._device = rt, device
-            self.driver_started = True   # Metal does not survive fork from here on
-            try:
-                with rt.pool():
-                    self._streams[0] = _Stream(0, self._new(device, M_NEW_QUEUE, "newCommandQueue"))
-                    self._scratch = self._new_buffer(4, host=False, register=False)
-            except BaseException:
-                self.close()
-                raise
+            self._make_device(libs)
+
+    @deferred
+    def _make_device(self, libs) -> None:
+        # (signals deferred: a KeyboardInterrupt as a make returned, before its store, leaked the
+        # device's +1, the default queue or the scratch buffer, r70i; nothing here waits)
+        rt = _objc.Runtime(libs.objc_ffi, libs.objc_lib)
+        # MTLCreateSystemDefaultDevice returns +1 (ns_returns_retained).  The
+        # real loader opens CoreGraphics first: without it the call returns
+        # nil in processes that are not apps.
+        device = libs.metal_lib.MTLCreateSystemDefaultDevice()
+        if device == rt.nil:
+            raise AcceleratorError(
+                "mps: MTLCreateSystemDefaultDevice returned nil: this Mac exposes no Metal device "
+                "(a VM or a headless session without GPU access?)",
+                library=_LIBRARY, call="MTLCreateSystemDefaultDevice")
+        self._rt, self._device = rt, device
+        self.driver_started = True   # Metal does not survive fork from here on
+        try:
+            with rt.pool():
+                self._streams[0] = _Stream(0, self._new(device, M_NEW_QUEUE, "newCommandQueue"))
+                self._scratch = self._new_buffer(4, host=False, register=False)
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
         """Release every Metal object this backend owns (tests use it to check for leaks).
@@ -356,43 +362,49 @@ class MPSBackend(Backend):
         try:
             self._sync_streams(list(self._streams.values()))
         finally:
-            with self._lock, rt.pool():
-                for fn in list(self._functions):
-                    pipeline, function, _, _ = self._functions.pop(fn)
-                    rt.release(pipeline)
-                    rt.release(function)
-                for lib, _ in self._modules.values():
-                    rt.release(lib)
-                self._modules.clear()
-                # Emptied, not just released (as stream_destroy): a synchronize in another thread
-                # that took the stream or event before this close waits outside the lock on its
-                # own retains, then releases what is still listed on the stream: a second release
-                # of a buffer released here (r43; a Mac crashes).
-                for ev in self._events.values():
-                    self._release_committed(ev.cb)
-                    ev.cb = None
-                    rt.release(ev.shared)
-                self._events.clear()
-                for st in self._streams.values():
-                    rt.release(st.cb)
-                    st.cb = None
-                    for cmd in st.inflight:
-                        rt.release(cmd.obj)
-                    st.inflight = []
-                    rt.release(st.queue)
-                self._streams.clear()
-                for cmd in self._orphans.inflight:
+            self._release_everything(rt)
+
+    @deferred
+    def _release_everything(self, rt) -> None:
+        """close()'s releases, signals deferred: a KeyboardInterrupt between a release and the
+        table's emptying made a second close() release the same objects again (r70i)."""
+        with self._lock, rt.pool():
+            for fn in list(self._functions):
+                pipeline, function, _, _ = self._functions.pop(fn)
+                rt.release(pipeline)
+                rt.release(function)
+            for lib, _ in self._modules.values():
+                rt.release(lib)
+            self._modules.clear()
+            # Emptied, not just released (as stream_destroy): a synchronize in another thread
+            # that took the stream or event before this close waits outside the lock on its
+            # own retains, then releases what is still listed on the stream: a second release
+            # of a buffer released here (r43; a Mac crashes).
+            for ev in self._events.values():
+                self._release_committed(ev.cb)
+                ev.cb = None
+                rt.release(ev.shared)
+            self._events.clear()
+            for st in self._streams.values():
+                rt.release(st.cb)
+                st.cb = None
+                for cmd in st.inflight:
                     rt.release(cmd.obj)
-                self._orphans.inflight = []
-                for buf in self._buffers.values():
-                    rt.release(buf.obj)
-                self._buffers.clear()
-                self._bases.clear()
-                if self._scratch is not None:
-                    rt.release(self._scratch.obj)
-                    self._scratch = None
-                rt.release(self._device)
-                self._device = None
+                st.inflight = []
+                rt.release(st.queue)
+            self._streams.clear()
+            for cmd in self._orphans.inflight:
+                rt.release(cmd.obj)
+            self._orphans.inflight = []
+            for buf in self._buffers.values():
+                rt.release(buf.obj)
+            self._buffers.clear()
+            self._bases.clear()
+            if self._scratch is not None:
+                rt.release(self._scratch.obj)
+                self._scratch = None
+            rt.release(self._device)
+            self._device = None
 
     def _runtime(self) -> _objc.Runtime:
         if self._device is None:
@@ -1133,6 +1145,9 @@ class MPSBackend(Backend):
         rt = self._runtime()
         if not isinstance(name, str):
             raise TypeError(f"mps: the kernel name must be a str, got {type(name).__name__} {name!r}")
+        if "\0" in name:
+            # (stringWithUTF8String: stops at the NUL: "k\0junk" found kernel "k", r70i)
+            raise ValueError(f"mps: the kernel name must not contain a NUL character, got {name!r}")
         with self._lock, rt.pool():
             entry = self._modules.get(module)
             if entry is None:

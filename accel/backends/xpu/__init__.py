@@ -99,6 +99,7 @@ class XpuBackend(DiscoveryMixin, MemoryMixin, StreamsMixin, EventsMixin, GraphsM
         self._host_allocs: Dict[int, int] = {}
         self._host_sync = False
         self._zes_ok: Optional[bool] = None   # zesInit exists and the driver answered it (API 1.5+)
+        self._zes_legacy_asked = False         # ZES_ENABLE_SYSMAN=1 was set: no zesInit made
         self._zes_error = ""
         self._mem_info_path = ""
         self._kstate = None            # modules and kernels (kernels.py)
@@ -226,6 +227,7 @@ def _forget_sysman_in_child() -> None:
     for be in list(_backends):
         be._zes_ok = None
         be._zes_error = ""
+        be._zes_legacy_asked = False
         be._sysman_cards = None
         be._sysman_visible = None
 

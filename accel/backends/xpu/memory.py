@@ -110,20 +110,24 @@ class MemoryMixin:
     def _alloc_device(self, ffi, lib, dev, desc, nbytes: int, p) -> int:
         rc = lib.zeMemAllocDevice(dev.ctx, desc, nbytes, _DEVICE_ALIGN, dev.handle, p)
         if rc:
-            extra = f"requested {nbytes} bytes on XPU device {dev.index}"
-            if nbytes > dev.max_alloc:
-                extra += f" (maxMemAllocSize is {dev.max_alloc})"
-                error = self._error("zeMemAllocDevice", rc, extra)
-                # A request above the device's capacity is out of memory to the caller (as on
-                # CUDA and torch's XPU allocator); Level Zero reports it as UNSUPPORTED_SIZE.
-                raise OutOfMemoryError(str(error), library=error.library, call=error.call,
-                                       code=error.code, code_name=error.code_name)
-            self._fail("zeMemAllocDevice", rc, extra)
+            self._fail_alloc("zeMemAllocDevice", rc, f"requested {nbytes} bytes on XPU device {dev.index}",
+                             nbytes, dev.max_alloc)
         ptr = int(ffi.cast("uintptr_t", p[0]))
         with self._lock:
             self._allocs[ptr] = (dev, nbytes)
             dev.used += nbytes
         return ptr
+
+    def _fail_alloc(self, call: str, rc: int, extra: str, nbytes: int, max_alloc: int) -> None:
+        """Raise for a failed allocation.  A request above ``maxMemAllocSize`` is out of memory to
+        the caller (as on CUDA and torch's XPU allocator), so the caching allocators free their
+        cache and retry; Level Zero reports it as UNSUPPORTED_SIZE (r70h: for pinned memory
+        zeMemAllocHost checks device 0's maxMemAllocSize, and the host allocator's retry never ran)."""
+        if nbytes > max_alloc:
+            error = self._error(call, rc, f"{extra} (maxMemAllocSize is {max_alloc})")
+            raise OutOfMemoryError(str(error), library=error.library, call=error.call,
+                                   code=error.code, code_name=error.code_name)
+        self._fail(call, rc, extra)
 
     def mem_free(self, ptr: int) -> None:
         if ptr == 0:
@@ -174,7 +178,8 @@ class MemoryMixin:
         p = ffi.new("void **") if p is None else p
         rc = lib.zeMemAllocHost(self._devices[0].ctx, desc, nbytes, _HOST_ALIGN, p)
         if rc:
-            self._fail("zeMemAllocHost", rc, f"requested {nbytes} bytes of pinned host memory")
+            self._fail_alloc("zeMemAllocHost", rc, f"requested {nbytes} bytes of pinned host memory",
+                             nbytes, self._devices[0].max_alloc)
         return int(ffi.cast("uintptr_t", p[0]))
 
     def host_free(self, ptr: int) -> None:

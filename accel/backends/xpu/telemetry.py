@@ -72,6 +72,13 @@ class TelemetryMixin:
             # Without zesInit, Sysman handles are the core devices of a zeInit made with
             # ZES_ENABLE_SYSMAN=1; readings never start the runtime (a fork afterwards stays safe),
             # so before the first device use there is nothing to read through
+            if self._zes_legacy_asked:      # (r69i: it blamed the loader, which has zesInit)
+                raise AcceleratorError(
+                    "Level Zero Sysman readings under ZES_ENABLE_SYSMAN=1 (legacy Sysman, which accel "
+                    "keeps by making no zesInit) read through the initialized runtime's devices, and "
+                    "readings never initialize the runtime themselves (so that a fork afterwards stays "
+                    "safe). Use the device first (e.g. accel.current_device_index() or a Buffer), or "
+                    "unset ZES_ENABLE_SYSMAN to read through zesInit", library=LIBRARY)
             raise AcceleratorError(
                 "Level Zero Sysman readings on this loader need the runtime initialized: the loader or "
                 "driver has no zesInit (Level Zero API 1.5+), and readings never initialize the runtime "
