@@ -13,7 +13,7 @@ from accel import _lazy
 
 _ENV_PREFIXES = ("ACCEL_", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "ZE_AFFINITY_MASK", "ZES_ENABLE_SYSMAN",
                  "ZE_ENABLE_ALT_DRIVERS",
-                 "ZE_FLAT_DEVICE_HIERARCHY", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF",
+                 "ZE_FLAT_DEVICE_HIERARCHY", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF",
                  "CUDA_MODULE_LOADING")
 _KEEP = ("ACCEL_TEST_SIMS", "ACCEL_TEST_LOAD_S", "ACCEL_TEST_ALLOC_CONF")
 
@@ -59,7 +59,7 @@ def clean_state(request, monkeypatch):
         # three itself overrides it; accel's own keys are read only from ACCEL_ALLOC_CONF
         from accel.memory._config import ACCEL_ONLY
         accel_keys = any(part.split(":")[0].strip() in ACCEL_ONLY for part in knob.split(","))
-        monkeypatch.setenv("ACCEL_ALLOC_CONF" if accel_keys else "PYTORCH_CUDA_ALLOC_CONF", knob)
+        monkeypatch.setenv("ACCEL_ALLOC_CONF" if accel_keys else "PYTORCH_ALLOC_CONF", knob)
     _lazy._reset_for_tests()
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
     yield

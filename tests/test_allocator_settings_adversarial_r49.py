@@ -487,6 +487,9 @@ def test_a_finalizer_while_set_config_holds_the_lock(monkeypatch, conf):
             def locked(self):
                 return lock.locked()
 
+            def _is_owned(self):      # (the allocator's lock is an RLock: _gc_probe asks who holds it)
+                return lock._is_owned()
+
         gc.disable()
         Cycle(3 * MiB)
         Cycle(100)

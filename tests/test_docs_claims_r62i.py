@@ -405,7 +405,7 @@ def test_record_history_bad_values_change_nothing(sim_backend):
 
 # -- allocator configuration (README "Environment variables") -------------------------------
 def _first_use(monkeypatch, kind="cuda", **env):
-    for key in ("ACCEL_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+    for key in ("ACCEL_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"):
         monkeypatch.delenv(key, raising=False)
     use_sim(monkeypatch, kind, **env)
     with warnings.catch_warnings(record=True) as caught:
@@ -415,13 +415,13 @@ def _first_use(monkeypatch, kind="cuda", **env):
 
 
 def test_alloc_conf_variables_precedence(monkeypatch):
-    """ACCEL_ALLOC_CONF: "When it is unset, PYTORCH_ALLOC_CONF, else PYTORCH_CUDA_ALLOC_CONF,
-    is read"."""
+    """ACCEL_ALLOC_CONF: "When it is unset, the first of PYTORCH_CUDA_ALLOC_CONF,
+    PYTORCH_HIP_ALLOC_CONF and PYTORCH_ALLOC_CONF that is set (even empty) is read"."""
     assert _first_use(monkeypatch, PYTORCH_ALLOC_CONF="max_split_size_mb:64",
                       PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:128") == []
-    assert M.memory_stats(1)["max_split_size"] == 64 << 20
+    assert M.memory_stats(1)["max_split_size"] == 128 << 20
     assert _first_use(monkeypatch, ACCEL_ALLOC_CONF="max_split_size_mb:32",
-                      PYTORCH_ALLOC_CONF="max_split_size_mb:64") == []
+                      PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:64") == []
     assert M.memory_stats(1)["max_split_size"] == 32 << 20
     assert M.get_allocator_settings() == "max_split_size_mb:32"
 
