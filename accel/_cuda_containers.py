@@ -28,6 +28,9 @@ def elf_entries(elf: bytes) -> List[str]:
         raise ContainerError("not an ELF image")
     e_shoff, = struct.unpack_from("<Q", elf, 0x28)
     e_shentsize, e_shnum = struct.unpack_from("<HH", elf, 0x3A)
+    if e_shnum and e_shentsize != 64:
+        # (r71b: any size was taken; 0 read the first header e_shnum times)
+        raise ContainerError(f"ELF section headers of {e_shentsize} bytes (an Elf64_Shdr is 64)")
     try:
         sections = [struct.unpack_from("<IIQQQQIIQQ", elf, e_shoff + i * e_shentsize) for i in range(e_shnum)]
         names = []
@@ -65,9 +68,13 @@ def fatbin_entries(data: bytes) -> List[Tuple[int, int, bytes]]:
             flags, = struct.unpack_from("<Q", data, pos + 40)
         except struct.error:
             raise ContainerError("truncated fatbin entry") from None
+        if ehsize < 48:
+            raise ContainerError(f"truncated fatbin entry at offset {pos}: a header of {ehsize} bytes (at least 48)")
+        if pos + ehsize + payload > end:
+            # (r71b: it was read from the bytes after the container)
+            raise ContainerError(f"truncated fatbin entry at offset {pos}: it ends at byte {pos + ehsize + payload}, "
+                                 f"past the container's end at byte {end}")
         body = data[pos + ehsize:pos + ehsize + payload]
-        if len(body) != payload or ehsize < 48:
-            raise ContainerError("truncated fatbin entry")
         if flags & _FLAG_COMPRESSED:
             # The real driver inflates these; the compression is not modelled here.
             raise ContainerError("compressed fatbin entries are not read here "

@@ -60,22 +60,36 @@ class LibraryNotFound(OSError):
         self.tried = list(tried)
         env = _ENV.get(name)
         value = os.environ.get(env) if env else None
-        #: the override variable that named the only candidate, a file or the directory it was
-        #: looked for in (None: the usual search)
-        only = self.tried[0][0] if len(self.tried) == 1 else None
-        named = only is not None and value and (
-            only == value or os.path.normpath(os.path.dirname(only)) == os.path.normpath(value))
-        self.override = env if named else None
+        #: the override variable that named every candidate tried, a file or the directory they were
+        #: looked for in (None: the usual search).  Compared as absolute normalized paths: the
+        #: search makes a relative value absolute (r71b: a relative value, or a lib/ directory whose
+        #: .13 and .12 both failed, was not recognised, and the message said to set the variable)
+        self.override = env if value and self.tried and all(
+            _under_override(p, value) for p, _r in self.tried) else None
         if self.override:
             # (r69g: it said "set ACCEL_NVML_PATH to the library's full path", which was set)
+            why = (self.tried[0][1] if len(self.tried) == 1
+                   else "; ".join("%s: %s" % (p, r) for p, r in self.tried))
             super().__init__("%s=%r cannot be used: %s; point it at the %s library file, or unset it to "
-                             "search the usual places" % (env, value, self.tried[0][1], name))
+                             "search the usual places" % (env, value, why, name))
             return
         lines = ["cannot load the %s library; tried:" % name]
         lines += ["  %s: %s" % (p, r) for p, r in self.tried]
         if env:
             lines.append("set %s to the library's full path to choose it explicitly" % env)
         super().__init__("\n".join(lines))
+
+
+def _under_override(path: str, value: str) -> bool:
+    """True when the tried ``path`` is the override ``value`` (a file or a bare soname) or a file
+    directly inside it (a ``lib/`` directory), compared as absolute normalized paths."""
+    if path == value:
+        return True
+    if os.sep not in path:
+        return False
+    want = os.path.normpath(os.path.abspath(value))
+    path = os.path.normpath(os.path.abspath(path))
+    return path == want or os.path.dirname(path) == want
 
 
 # key -> generated module under accel._ffi
@@ -150,19 +164,88 @@ def _dlopen_candidate(ffi, path: str, tried: List[Tuple[str, str]]):
     """``ffi.dlopen(path)`` for one candidate of a search, or None with why appended to ``tried``:
     a missing file, an ELF header that shows it unloadable (:func:`elf_problem`), or the
     loader's first line."""
-    if os.sep in path:
-        if not os.path.exists(path):
-            tried.append((path, "no such file"))
-            return None
-        problem = elf_problem(path)
-        if problem:
-            tried.append((path, problem))
-            return None
+    if os.sep in path and not os.path.exists(path):
+        tried.append((path, "a symbolic link that leads to no file (dangling, or a loop)"
+                      if os.path.islink(path) else "no such file"))
+        return None
+    problem = loader_file_problem(path)
+    if problem:
+        tried.append((path, problem))
+        return None
     try:
         return ffi.dlopen(path)
     except OSError as e:
         tried.append((path, str(e).splitlines()[0] if str(e) else type(e).__name__))
         return None
+
+
+def loader_file_problem(path: str) -> Optional[str]:
+    """:func:`elf_problem` of the file the dynamic loader would open for ``path``: the path itself,
+    or for a bare soname the file :func:`soname_file` finds (r71b: a truncated libcudart.so.12
+    on LD_LIBRARY_PATH, reached by soname, was never checked and killed the process)."""
+    if os.sep in path:
+        return elf_problem(path)
+    found = soname_file(path)
+    problem = elf_problem(found) if found else None
+    return f"{os.path.abspath(found)} (its soname's file): {problem}" if problem else None
+
+
+def soname_file(soname: str) -> Optional[str]:
+    """The file the dynamic loader would take for the bare ``soname``, or None (none found).
+
+    This approximates ld.so's search order (ld.so(8)): the LD_LIBRARY_PATH entries in order
+    (an empty one is the current directory); then the directories of /etc/ld.so.conf, its
+    ``include`` globs followed (what ldconfig puts in /etc/ld.so.cache); then the default
+    directories.  As ld.so, a file of another ELF class or machine is passed over.  Not
+    modelled: the caller's DT_RPATH/DT_RUNPATH, $ORIGIN-style tokens, glibc-hwcaps
+    subdirectories, and a library already loaded under that soname (which dlopen reuses).
+    Reads a few directories and small files; runs nothing."""
+    own = _own_machine()
+    for d in _loader_dirs():
+        path = os.path.join(d, soname)
+        try:
+            with open(path, "rb") as f:
+                head = f.read(20)
+        except OSError:
+            continue
+        if head[:4] == b"\x7fELF" and len(head) == 20 and (
+                head[4] != 2 or (head[5] == 1 and own is not None
+                                 and int.from_bytes(head[18:20], "little") != own)):
+            continue    # ELFCLASS32, another machine: ld.so looks on
+        return path
+    return None
+
+
+def _loader_dirs() -> List[str]:
+    """The directories :func:`soname_file` searches, in order."""
+    env = os.environ.get("LD_LIBRARY_PATH")
+    dirs = [d for d in env.replace(";", ":").split(":") if "$" not in d] if env else []
+    dirs += _ld_so_conf_dirs("/etc/ld.so.conf", 0)
+    arch = getattr(sys.implementation, "_multiarch", None) or os.uname().machine + "-linux-gnu"
+    dirs += [f"/lib/{arch}", f"/usr/lib/{arch}", "/lib64", "/usr/lib64", "/lib", "/usr/lib"]
+    return dirs
+
+
+def _ld_so_conf_dirs(conf: str, depth: int) -> List[str]:
+    """The directories an ld.so.conf file lists: one or more a line, ``#`` comments, and
+    ``include`` lines whose globs name more such files (relative to the file's directory)."""
+    import glob
+    try:
+        with open(conf, errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    out: List[str] = []
+    for line in lines:
+        words = line.split("#", 1)[0].replace(",", " ").split()
+        if words[:1] == ["include"] and depth < 8:
+            for pattern in words[1:]:
+                pattern = os.path.join(os.path.dirname(conf), pattern)
+                for name in sorted(glob.glob(pattern)):
+                    out += _ld_so_conf_dirs(name, depth + 1)
+        elif words and words[0] != "hwcap":
+            out += [w.split("=", 1)[0] for w in words if w.startswith("/")]
+    return out
 
 
 _machine: List[int] = []
@@ -203,6 +286,7 @@ def _site_dirs() -> List[str]:
     dist-packages were searched)."""
     out = []
     for p in sys.path:
+        p = os.path.abspath(p) if p else p    # (r71b: a relative entry gave a path a chdir broke)
         if p and p not in out and (p.endswith(("site-packages", "dist-packages"))
                                    or os.path.isdir(os.path.join(p, "nvidia"))):
             out.append(p)
@@ -212,9 +296,9 @@ def _site_dirs() -> List[str]:
 def _homes() -> List[Tuple[str, str]]:
     """(variable, directory) of the toolkit-like trees to search: CUDA_HOME, CUDA_PATH, a conda
     environment's prefix (CONDA_PREFIX: conda's cuda-cudart puts lib/libcudart.so.12 there), and
-    /usr/local/cuda."""
+    /usr/local/cuda.  Absolute: a path found under a relative one is opened later (r71b)."""
     homes = [(v, os.environ.get(v)) for v in ("CUDA_HOME", "CUDA_PATH", "CONDA_PREFIX")]
-    return [(v, h) for v, h in homes if h] + [("/usr/local/cuda", "/usr/local/cuda")]
+    return [(v, os.path.abspath(h)) for v, h in homes if h] + [("/usr/local/cuda", "/usr/local/cuda")]
 
 
 def _explicit(env: str, sonames: Tuple[str, ...]) -> List[str]:
@@ -225,7 +309,8 @@ def _explicit(env: str, sonames: Tuple[str, ...]) -> List[str]:
         env = os.path.abspath(env)
     if os.path.isdir(env):
         files = [os.path.join(env, s) for s in sonames]
-        return [f for f in files if os.path.exists(f)] or files[:1]
+        # lexists: a dangling link is tried, and named as one (r71b)
+        return [f for f in files if os.path.lexists(f)] or files[:1]
     return [env]
 
 
@@ -520,6 +605,10 @@ def _open_first_cudart():
     for path, _source in cudart_search()[0]:
         probe = _dlopen_candidate(_cudart.ffi, path, tried)
         if probe is None:
+            continue
+        if not has_symbol(probe, "cudaRuntimeGetVersion"):
+            # another library (ACCEL_CUDART_PATH naming libm): as _cuda_libs' probe says it
+            tried.append((path, "not a libcudart (no cudaRuntimeGetVersion)"))
             continue
         v = _cudart.ffi.new("int *")
         if probe.cudaRuntimeGetVersion(v) != 0:

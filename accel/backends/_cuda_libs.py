@@ -3,11 +3,10 @@
 The dynamic loader takes the first ``libcudart`` it finds; with the CUDA 13 wheel on
 an R535-R570 driver (CUDA 12.x) every runtime call then returns
 cudaErrorInsufficientDriver (35).  This module lists every candidate, reads each one's
-version without starting CUDA (the real file name ``libcudart.so.12.4.127`` where the
-realpath has it, else ``cudaRuntimeGetVersion``, which initializes nothing), reads the
-CUDA version the driver supports without starting CUDA (NVML
-``nvmlSystemGetCudaDriverVersion_v2``), and picks one, keeping a verdict per candidate
-for ``python -m accel``.
+version without starting CUDA (the library's own ``cudaRuntimeGetVersion``, which
+initializes nothing; never its file name, which may lie), reads the CUDA version the
+driver supports without starting CUDA (NVML ``nvmlSystemGetCudaDriverVersion_v2``), and
+picks one, keeping a verdict per candidate for ``python -m accel``.
 
 What "the driver supports runtime X.Y" means here (REFERENCE.md "Runtime vs driver
 versions"; CUDA Compatibility guide, "Minor Version Compatibility"): a runtime runs on
@@ -168,7 +167,7 @@ def choose(cands: Sequence[Candidate], driver_version: Optional[int], driver_not
                     x.reason = f"{c.resolved or c.path}, in the same ACCEL_CUDART_PATH directory, was taken"
         if not c.version:
             env = os.environ.get("ACCEL_CUDART_PATH", "")
-            if env and os.path.isdir(env) and not os.path.exists(c.path):   # the loader looked inside it
+            if env and os.path.isdir(env) and not os.path.lexists(c.path):  # the loader looked inside it
                 return Choice(None, cands, driver_version, driver_note, True,
                               f"ACCEL_CUDART_PATH={env!r} is a directory with no libcudart.so.13 or "
                               f"libcudart.so.12 in it: point it at the libcudart file, or at the lib/ "
@@ -308,8 +307,8 @@ def _probe(path: str):
         if os.path.islink(path):
             return None, None, "", "a symbolic link that leads to no file (dangling, or a loop)"
         return None, None, "", "no such file"
-    from .._ffi import _cudart, elf_problem   # cudaRuntimeGetVersion: one signature in every major
-    problem = elf_problem(path) if os.sep in path else None
+    from .._ffi import _cudart, loader_file_problem   # cudaRuntimeGetVersion: one signature in every major
+    problem = loader_file_problem(path)     # a bare soname: the file the loader would take (r71b)
     if problem:
         return None, None, "", f"does not load: {problem}"
     try:

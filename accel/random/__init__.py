@@ -100,11 +100,34 @@ def _seeds_again() -> None:
                 _default_generator(i).manual_seed(value)
 
 
+def _refuse_in_bad_fork() -> None:
+    # torch's queries call _lazy_init() first, which raises in a child forked after
+    # initialization (r71e: accel answered the parent's state there)
+    if _lazy.is_in_bad_fork():
+        _lazy.lazy_init()
+
+
 def _queried() -> None:
-    # (torch initializes here: its queued seeding has run, and later seeding runs at once)
+    # (torch initializes here: its queued seeding runs now, on every device counted now, and
+    # later seeding runs at once)
     if not _queried_once:
+        _seeds_again()
         _queried_once.append(True)
     _seeds_before_init.clear()
+
+
+def _queue_for_init() -> None:
+    # after _seeding is released: initialization takes _seeding under accel._lazy's lock
+    if _seeds_before_init:
+        _lazy.lazy_call(_seeds_at_init, seed_all=True)
+
+
+def _seeds_at_init() -> None:
+    # queued (accel._lazy.lazy_call) by a seed call made before initialization: torch runs its
+    # queued seeding on every device counted at initialization, so a device made visible since
+    # (CUDA_VISIBLE_DEVICES widened) is seeded too (r71b)
+    with _seeding:
+        _seeds_again()
 
 
 _lazy.register_reset_hook(_reset)
@@ -143,10 +166,11 @@ def default_generator(device_index: int) -> Generator:
     """The default generator of device ``device_index`` (created on first use; no runtime init).
     Ends the tracking of seeding before initialization (torch's default generators exist only
     once the runtime is initialized: a call on one is made after torch's queued seeding ran)."""
+    gen = _default_generator(device_index)      # (a refused index ends nothing: r71b)
     if not _queried_once:
         with _seeding:      # (not inside another thread's seeding and its re-application, r70m)
             _queried()
-    return _default_generator(device_index)
+    return gen
 
 
 def _default_generator(device_index: int) -> Generator:
@@ -170,6 +194,7 @@ def _default_generator(device_index: int) -> Generator:
 # -- torch.accelerator / torch.cuda random API -------------------------------------------
 def initial_seed(device=None, /) -> int:
     """The seed of ``device``'s default generator (current device when None)."""
+    _refuse_in_bad_fork()
     gen = _default_generator(_resolve(device))
     with _seeding:      # (no state another thread's seeding leaves half re-applied, r70m)
         value = gen.initial_seed()
@@ -179,6 +204,7 @@ def initial_seed(device=None, /) -> int:
 
 def get_rng_state(device=None):
     """``device``'s generator state: numpy uint8 array of 16 bytes (seed, offset; little-endian)."""
+    _refuse_in_bad_fork()
     gen = _default_generator(_resolve(device))
     with _seeding:
         state = gen.get_state()
@@ -198,6 +224,7 @@ def set_rng_state(new_state, device=None) -> None:
 
 def get_rng_state_all() -> List:
     """States of all devices' generators, in device order."""
+    _refuse_in_bad_fork()
     gens = [_default_generator(i) for i in range(_device_count())]
     with _seeding:
         states = [gen.get_state() for gen in gens]
@@ -243,6 +270,7 @@ def manual_seed(seed) -> None:
     with _seeding:
         gen.manual_seed(value)
         _track_seed("one", value)
+    _queue_for_init()
 
 
 def manual_seed_all(seed) -> None:
@@ -253,6 +281,7 @@ def manual_seed_all(seed) -> None:
     with _seeding:
         if _seed_every_device(value):
             _track_seed("all", value)
+    _queue_for_init()
 
 
 def _seed_every_device(value: int) -> bool:
