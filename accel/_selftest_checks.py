@@ -831,7 +831,9 @@ def check_vmm(ctx: Context) -> dict:
                 "a handle mapped again elsewhere lost its contents", details)
         if b.count() > 1:
             other = 1 if d == 0 else 0
-            if b.vmm_supported(other):
+            # memory of another device is reachable here only through peer access (cuMemSetAccess
+            # refuses a device that cudaDeviceCanAccessPeer says cannot reach it)
+            if b.vmm_supported(other) and b.can_access_peer(d, other):
                 h3 = b.vmm_create(other, g)
                 handles.append(h3)
                 b.vmm_map(va + 6 * g, g, h3, other)

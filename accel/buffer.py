@@ -620,10 +620,16 @@ class Buffer:
                                  f"overlaps the destination (bytes {self._ptr:#x}..{self._ptr + self._nbytes:#x}); "
                                  f"copy through a separate buffer; nothing was copied")
             barrier = None
+            direct = True
             if src._index != self._index:
                 # the copy runs on this buffer's device, which reads the other device's memory:
-                # mapped (virtual) memory needs explicit access for it (cuMemSetAccess)
-                _memory().device_allocator(src._index).add_peer(self._index)
+                # mapped (virtual) and pool memory need explicit access for it (cuMemSetAccess,
+                # cudaMemPoolSetAccess), which only a peer-capable pair can have; between
+                # others the driver stages the copy (torch asks cudaDeviceCanAccessPeer too,
+                # at::cuda::get_p2p_access, and copies with cudaMemcpyPeerAsync then)
+                direct = backend.can_access_peer(self._index, src._index)
+                if direct:
+                    _memory().device_allocator(src._index).add_peer(self._index)
                 if self._nbytes and not stream.is_capturing():
                     # torch's two-way barrier between the devices' current streams (ATen
                     # cuda/Copy.cu copy_device_to_device): the copy waits for the work queued
@@ -637,7 +643,11 @@ class Buffer:
             with _Noting(stream, self, src) as noting:
                 if self._nbytes:
                     with stream._device_scope():
-                        backend.memcpy_async(self._ptr, src_ptr, self._nbytes, stream.handle)
+                        if direct:
+                            backend.memcpy_async(self._ptr, src_ptr, self._nbytes, stream.handle)
+                        else:
+                            backend.memcpy_peer_async(self._ptr, self._index, src_ptr, src._index, self._nbytes,
+                                                      stream.handle)
                 noting.queued = True
             if barrier is not None:
                 barrier.wait_stream(stream)
@@ -1161,6 +1171,13 @@ def _release_foreign(owner, backend, streams) -> None:
         if not queued and isinstance(owner, Imported):
             # (after the gate: the producer's deleter may free an accel Buffer, r69a)
             backend.after_gate(owner.release)
+        elif not queued and owner is not None:
+            # a from_ptr owner: its last reference (the caller's arguments) dies as this returns,
+            # maybe under an outer hold of the gate (a gc callback that closed the Buffer inside a
+            # free that holds it; r71a), and its __del__ may free an accel Buffer as a deleter may:
+            # while this thread holds the gate, a reference waits for the next safe point
+            from .backends.base import _drop
+            backend.after_gate(_drop, owner)
 
 
 def _wait_for_uses(backend, streams) -> None:

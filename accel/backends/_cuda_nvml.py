@@ -59,7 +59,29 @@ class CudaNvmlMixin:
         if not 0 <= index < len(ordinals):
             raise ValueError(f"device {index} is not visible (CUDA_VISIBLE_DEVICES={env!r} selects "
                              f"NVML devices {ordinals}); valid indices 0..{len(ordinals) - 1}")
+        if self.driver_started and len(ordinals) > 1:
+            found = self._nvml_index_of(index, n[0])
+            if found is not None:
+                return found
         return ordinals[index]
+
+    def _nvml_index_of(self, index: int, raw_count: int) -> Optional[int]:
+        """NVML's index of CUDA device ``index``, matched by UUID, once the runtime runs.  NVML
+        enumerates by PCI bus id and CUDA, by default, fastest first (nvml.h: "The NVML index
+        may not correlate with other APIs, such as the CUDA device index"; CUDA Programming
+        Guide, CUDA_DEVICE_ORDER), so position alone may name another GPU (r71g; torch's
+        ``_get_nvml_device_index`` does).  Before the runtime runs, only the position is
+        known: exact under CUDA_DEVICE_ORDER=PCI_BUS_ID and with identical GPUs.  None when
+        no NVML device has the UUID (a MIG instance)."""
+        cache = self._smi_by_uuid
+        if index not in cache:
+            try:
+                text = f"GPU-{self.properties(index).uuid}"      # a uuid.UUID: nvidia-smi's form
+            except AcceleratorError:
+                return None
+            uuids = self._nvml_uuids(raw_count)
+            cache[index] = uuids.index(text) if text in uuids else None
+        return cache[index]
 
     def _smi_handle(self, index: int):
         ffi, lib = self._smi_lib()

@@ -400,6 +400,14 @@ class Backend(abc.ABC):
         host); ordered on ``stream``.  Pageable host sources may be copied before the
         call returns (as cudaMemcpyAsync does)."""
 
+    def memcpy_peer_async(self, dst: int, dst_index: int, src: int, src_index: int, nbytes: int,
+                          stream: int) -> None:
+        """Copy ``nbytes`` from device ``src_index``'s memory to device ``dst_index``'s, ordered on
+        ``stream`` (of ``dst_index``), between devices that cannot access each other's memory
+        (``can_access_peer`` False).  This default is :meth:`memcpy_async`, for a backend whose
+        copies reach any device's memory."""
+        self.memcpy_async(dst, src, nbytes, stream)
+
     @abc.abstractmethod
     def memset_async(self, ptr: int, value: int, nbytes: int, stream: int) -> None: ...
 

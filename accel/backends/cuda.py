@@ -159,6 +159,7 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         self._nvml_lock = _locks.Lock("initializing NVML")
         self._count = None
         self._count_env = None    # CUDA_VISIBLE_DEVICES the count was computed for
+        self._smi_by_uuid: dict = {}   # CUDA index -> NVML index, matched by UUID (_cuda_nvml)
         self._count_final = False  # the runtime counted: it read the variable once, at cuInit
         self._count_path = ""
         self._count_reason = ""
@@ -689,6 +690,18 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         self._check(self.lib.cudaMemcpyAsync(cast("void *", dst), cast("void *", src), nbytes,
                                              _MEMCPY_DEFAULT, self._cast("cudaStream_t", stream)),
                     "cudaMemcpyAsync")
+
+    def memcpy_peer_async(self, dst: int, dst_index: int, src: int, src_index: int, nbytes: int,
+                          stream: int) -> None:
+        # Between devices without peer access the driver stages the copy through the host, and
+        # only cudaMemcpyPeerAsync does so for pool (cudaMallocAsync) and mapped (cuMemMap)
+        # memory (torch, ATen/native/cuda/Copy.cu and CUDACachingAllocator's memcpyAsync:
+        # "when p2p is not enabled, only cudaMemcpyPeerAsync correctly handles memory not
+        # allocated via cudaMalloc"); cudaMemcpyAsync faults there (cudaErrorIllegalAddress).
+        cast = self.ffi.cast
+        self._check(self.lib.cudaMemcpyPeerAsync(cast("void *", dst), dst_index, cast("void *", src), src_index,
+                                                 nbytes, self._cast("cudaStream_t", stream)),
+                    "cudaMemcpyPeerAsync")
 
     def memset_async(self, ptr: int, value: int, nbytes: int, stream: int) -> None:
         # Hot path: the cached cdata read inline (_cast's lookup), _check only on failure.

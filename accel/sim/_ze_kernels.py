@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import struct
 
-from . import _memory, kernels
+from . import _memory, core, kernels
 from .core import ffi
-from .ze.commands import _Op, _append, _events
+from .ze.commands import _Op, _append, _events, _inaccessible
 from .ze.common import _ready
 from .ze.discovery import _GROUPS
 from .ze.objects import _Obj
@@ -395,7 +395,7 @@ def zeCommandListAppendLaunchKernel(hCommandList, hKernel, pLaunchFuncArgs, hSig
             # use the memory allocation for the context ... which was provided during
             # allocation"), and the launch references it until it ran (zeMemFree).
             memory.append(a)
-    fn, view = ref.fn, _kernel_view(rt)
+    fn, view = ref.fn, _kernel_view(rt, cl.device)
     op = _Op(None, waits, sig, label=f"kernel {f['name']} grid{grid}", kernel=obj)
 
     def run():
@@ -437,22 +437,35 @@ def _run_recording(rec, fn, grid, block, view, values) -> None:
         rec.reads, rec.writes = tuple(reads), tuple(writes)
 
 
-def _kernel_view(rt):
-    """``kernels.view`` as a kernel sees memory.  Virtual memory (zeVirtualMemMap) is reachable
-    where every byte is mapped with access for the context (zeVirtualMemSetAccessAttribute), a
-    range spanning several mappings being contiguous, as on the device; any other address is a
+def _kernel_view(rt, device):
+    """``kernels.view`` as a kernel of ``device`` sees memory.  Virtual memory (zeVirtualMemMap) is
+    reachable where every byte is mapped with access for the context (zeVirtualMemSetAccessAttribute),
+    a range spanning several mappings being contiguous, as on the device; any other address is a
     USM allocation, checked by ``kernels.view``.  A fault raises MemoryRangeError (the device is
-    lost, as for a kernel out of range)."""
-    if not rt.vmm.reservations:
+    lost, as for a kernel out of range).  (r71k) With cards that are not peers (ACCEL_SIM_PEER), a
+    kernel's access to device memory (USM or mapped) of a card ``device`` cannot access faults
+    too: ze_api.h zeMemAllocDevice, "a device allocation may only be accessed by the device that
+    owns it" unless zeDeviceCanAccessPeer says otherwise (ze/commands.py, _inaccessible; pointer
+    arguments were already refused at append, this catches the memory a kernel reaches
+    indirectly)."""
+    peers_limited = core.config().peer is not None
+    if not rt.vmm.reservations and not peers_limited:
         return kernels.view
 
     def view(ptr, nbytes, dtype=None):
         addr = _memory.addr_of(ptr)
         region = _vmm_range(rt, addr, nbytes, True)
         if region is None:
+            if peers_limited:
+                why = _inaccessible(rt, device, rt.memory.find(addr))
+                if why:
+                    raise kernels.MemoryRangeError(f"a kernel touched {why}")
             return kernels.view(addr, nbytes, dtype)
         if region.__class__ is str:
             raise kernels.MemoryRangeError(f"a kernel touched {region}")
+        why = next(filter(None, (_inaccessible(rt, device, m) for m in region.maps)), None)
+        if why:
+            raise kernels.MemoryRangeError(f"a kernel touched {why}")
         return kernels.view_checked_range(addr, nbytes, dtype)
     return view
 

@@ -78,6 +78,13 @@ class Config:
     runtimes: Tuple[int, ...] = ()
     vmm: bool = True
     vmm_cost_us: float = 0.0
+    #: (r71g) which pairs of physical devices are peer-capable: None every distinct pair (the
+    #: default, as before), else the sorted pairs (a, b), a < b, that are (env ``ACCEL_SIM_PEER``:
+    #: ``all``, ``none`` or ``0:1,2:3``); see :func:`peer_capable`.
+    peer: Optional[Tuple[Tuple[int, int], ...]] = None
+    #: (r71g) physical devices in ascending PCI bus id order (env ``ACCEL_SIM_PCI_ORDER``, e.g.
+    #: ``1,0``); () is the identity.  See :func:`pci_bus` and :func:`pci_rank`.
+    pci_order: Tuple[int, ...] = ()
 
 
 #: Runtime versions the simulator can play: those with a committed export list.
@@ -142,6 +149,75 @@ def parse_cc(text) -> Tuple[int, int]:
     return major, minor
 
 
+def parse_peer(text, what: str = "ACCEL_SIM_PEER") -> Optional[Tuple[Tuple[int, int], ...]]:
+    """``"all"`` / None -> None (every pair), ``"none"`` / ``""`` -> (), ``"0:1,2:3"`` (or pairs as
+    a list) -> the sorted unordered pairs ``((0, 1), (2, 3))`` of physical devices that are
+    peer-capable, both directions (JSON-able, for :func:`accel.sim.ze.export_config`)."""
+    if text is None:
+        return None
+    if isinstance(text, (set, frozenset, list, tuple)):
+        items = [tuple(p) for p in text]
+    else:
+        raw = str(text).strip().lower()
+        if raw == "all":
+            return None
+        if raw in ("none", ""):
+            return ()
+        items = []
+        for elem in raw.split(","):
+            m = re.match(r"^\s*(\d+)\s*[:-]\s*(\d+)\s*$", elem)
+            if not m:
+                raise ValueError(f"{what}={text!r}: {elem!r} is not a pair of device indices; use 'all', "
+                                 f"'none' or pairs such as '0:1,2:3'")
+            items.append((int(m.group(1)), int(m.group(2))))
+    out = set()
+    for pair in items:
+        if len(pair) != 2 or not all(type(i) is int and i >= 0 for i in pair) or pair[0] == pair[1]:
+            raise ValueError(f"{what}={text!r}: {pair!r} is not a pair of two distinct device indices")
+        out.add((min(pair), max(pair)))
+    return tuple(sorted(out))
+
+
+def parse_pci_order(text, what: str = "ACCEL_SIM_PCI_ORDER") -> Tuple[int, ...]:
+    """``"1,0"`` / (1, 0) -> (1, 0): the physical devices in ascending PCI bus id order."""
+    if text is None or text == "" or text == ():
+        return ()
+    try:
+        items = tuple(int(t) for t in (text.split(",") if isinstance(text, str) else text))
+    except (TypeError, ValueError):
+        raise ValueError(f"{what}={text!r} is not a comma-separated list of device indices") from None
+    if sorted(items) != list(range(len(items))):
+        raise ValueError(f"{what}={text!r} must list each physical device 0..n-1 exactly once")
+    return items
+
+
+def peer_capable(a: int, b: int) -> bool:
+    """(r71g) Whether physical devices ``a`` and ``b`` (distinct) can access each other's memory
+    directly: ``Config.peer`` (ACCEL_SIM_PEER).  Real machines answer 0 for PCIe GPUs under
+    different root complexes, mixed models and some VMs (CUDA Programming Guide, "Peer-to-Peer
+    Memory Access": "depending on the system properties, specifically the PCIe and/or NVLINK
+    topology, devices are able to address each other's memory"; ze_api.h, zeDeviceCanAccessPeer:
+    true when "connected by a direct or indirect scale-up fabric or over PCIe (same root complex
+    or shared PCIe switch)")."""
+    if a == b:
+        return False
+    peer = config().peer
+    return peer is None or (min(a, b), max(a, b)) in peer
+
+
+def pci_rank(physical: int) -> int:
+    """(r71g) Position of physical device ``physical`` in ascending PCI bus id order."""
+    order = config().pci_order
+    if order and physical < len(order):
+        return order.index(physical)
+    return physical
+
+
+def by_pci_bus(count: int) -> List[int]:
+    """(r71g) Physical devices 0..count-1 in ascending PCI bus id order (NVML's enumeration)."""
+    return sorted(range(count), key=pci_rank)
+
+
 def _env_config() -> Config:
     env = os.environ
     kw = {}
@@ -180,6 +256,12 @@ def _env_config() -> Config:
     raw = env.get("ACCEL_SIM_CUDA_DRIVER")
     if raw and raw.strip():
         kw["driver_version"] = parse_cuda_version(raw, "ACCEL_SIM_CUDA_DRIVER")
+    raw = env.get("ACCEL_SIM_PEER")
+    if raw is not None:
+        kw["peer"] = parse_peer(raw, "ACCEL_SIM_PEER")
+    raw = env.get("ACCEL_SIM_PCI_ORDER")
+    if raw and raw.strip():
+        kw["pci_order"] = parse_pci_order(raw, "ACCEL_SIM_PCI_ORDER")
     return _validated(Config(**kw))
 
 
@@ -226,6 +308,9 @@ def _validated(cfg: Config) -> Config:
                          f"runtimes {cfg.runtimes!r}")
     if not isinstance(cfg.driver_version, int) or cfg.driver_version < 1000:
         raise ValueError(f"simulated driver CUDA version must be an int like 12040, got {cfg.driver_version!r}")
+    if cfg.pci_order and len(cfg.pci_order) != cfg.devices:
+        raise ValueError(f"simulated PCI order {cfg.pci_order!r} must list each of the {cfg.devices} "
+                         f"physical devices once (ACCEL_SIM_PCI_ORDER)")
     if not isinstance(cfg.name, str) or not cfg.name:
         raise ValueError(f"device name must be a non-empty str, got {cfg.name!r}")
     return cfg
@@ -256,7 +341,7 @@ def config() -> Config:
 _FIELDS = {f.name for f in fields(Config)}
 #: Changing these rebuilds the simulated machine (its runtime state is dropped).
 _STRUCTURAL = {"devices", "memory", "compute_capability", "name", "driver", "runtime_version", "driver_version",
-               "runtimes", "vmm"}
+               "runtimes", "vmm", "pci_order"}
 
 
 def vmm_cost() -> None:
@@ -276,7 +361,9 @@ def configure(**settings) -> Config:
     (False: the library "is not installed"), ``driver`` (False: no driver),
     ``runtime_version`` / ``driver_version`` ("12.4" or 12040; ``runtime_version``
     also takes several, "12.4,13.0": all installed, the newest opened until
-    :func:`select_runtime` picks another).
+    :func:`select_runtime` picks another), ``peer`` ("all", "none", "0:1" or a set of
+    pairs: which physical devices are peer-capable; applies at once) and ``pci_order``
+    ("1,0": the physical devices in PCI bus id order; rebuilds the machine).
 
     ``delay_us``, ``nvml`` and ``cudart`` apply immediately.  Changing the
     machine itself (devices, memory, compute capability, name, driver) drops
@@ -309,6 +396,10 @@ def configure(**settings) -> Config:
             _selected_runtime = None
     if "driver_version" in settings:
         settings["driver_version"] = parse_cuda_version(settings["driver_version"], "driver_version")
+    if "peer" in settings:
+        settings["peer"] = parse_peer(settings["peer"], "peer")
+    if "pci_order" in settings:
+        settings["pci_order"] = parse_pci_order(settings["pci_order"], "pci_order")
     for key in ("nvml", "cudart", "driver", "vmm"):
         if key in settings and not isinstance(settings[key], bool):
             raise TypeError(f"configure({key}=...) takes a bool, got {settings[key]!r}")
@@ -742,8 +833,9 @@ def uuid_text(physical: int) -> str:
 
 
 def pci_bus(physical: int) -> int:
-    """PCI bus number of simulated physical device ``physical`` (domain 0, device 0, function 0)."""
-    return (0x18 + 0x10 * physical) & 0xFF
+    """PCI bus number of simulated physical device ``physical`` (domain 0, device 0, function 0);
+    (r71g) ascending in ``Config.pci_order`` (ACCEL_SIM_PCI_ORDER), the identity by default."""
+    return (0x18 + 0x10 * pci_rank(physical)) & 0xFF
 
 
 # -- reset and fork -------------------------------------------------------------

@@ -629,6 +629,19 @@ def cuMemSetAccess(ptr, size, desc, count):
             return CUDA_ERROR_INVALID_VALUE
         seen.add(loc.id)
         grants.append((loc.id, _ACCESS[flags]))
+    m = R.vmm.mapping_at(int(ptr))
+    if m is not None:
+        for device, access in grants:
+            if access is not None and device != m.device and not core.peer_capable(
+                    R.devices[device].physical, R.devices[m.device].physical):
+                # (r71g) Access for a device that cannot access the memory's device directly
+                # (cuDeviceCanAccessPeer 0: ACCEL_SIM_PEER).  CUDA Programming Guide, Virtual
+                # Memory Management, "Controlling Access Rights": access is granted per device
+                # with cuMemSetAccess; NVIDIA's cuda-samples vectorAddMMAP grants it only to the
+                # devices for which cuDeviceCanAccessPeer is 1 (and the backing device itself).
+                # What cuMemSetAccess returns for another device is not documented (docs silent,
+                # not measured): refused with CUDA_ERROR_INVALID_DEVICE, nothing changed.
+                return CUDA_ERROR_INVALID_DEVICE
     return _vmm_call(R.vmm.set_access, int(ptr), size, grants)
 
 

@@ -228,7 +228,15 @@ def nvmlDeviceGetHandleByIndex_v2(index, device):
     keys = _S.keys
     if not (0 <= index < len(keys)) or not _out(device):
         return NVML_ERROR_INVALID_ARGUMENT
-    device[0] = keys[index]
+    # (r71g) NVML enumerates by PCI bus id (nvml.h, nvmlDeviceGetHandleByIndex_v2: "The order in
+    # which NVML enumerates devices has no guarantees of consistency between reboots. For that
+    # reason it is recommended that devices be looked up by their PCI ids or UUID"; "The NVML
+    # index may not correlate with other APIs, such as the CUDA device index"), while the CUDA
+    # runtime's default order is CUDA_DEVICE_ORDER=FASTEST_FIRST (CUDA Programming Guide, "CUDA
+    # Environment Variables").  ``keys`` is by physical device (the CUDA default order); NVML's
+    # index i is the i-th physical device by PCI bus (core.by_pci_bus; the identity unless
+    # ACCEL_SIM_PCI_ORDER says otherwise).  Before r71g the two orders were always equal.
+    device[0] = keys[core.by_pci_bus(len(keys))[index]]
     return NVML_SUCCESS
 
 
@@ -314,7 +322,7 @@ def nvmlDeviceGetIndex(device, index):
         return rc
     if not _out(index):                   # nvml.h: INVALID_ARGUMENT "if ... index is NULL"
         return NVML_ERROR_INVALID_ARGUMENT
-    index[0] = i
+    index[0] = core.by_pci_bus(len(_S.keys)).index(i)      # (r71g) NVML's own index: PCI bus order
     return NVML_SUCCESS
 
 

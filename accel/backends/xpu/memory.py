@@ -335,6 +335,55 @@ class MemoryMixin:
             with self._lock:
                 self._deferred.append(([], staging))
 
+    def memcpy_peer_async(self, dst: int, dst_index: int, src: int, src_index: int, nbytes: int,
+                          stream: int) -> None:
+        """Between cards that cannot reach each other's memory, through pinned host memory, which
+        every device can reach.  Level Zero has no staged peer copy: a device allocation "may only
+        be accessed by the device that owns it" unless zeDeviceCanAccessPeer says otherwise
+        (ze_api.h zeMemAllocDevice, zeCommandListAppendMemoryCopy: the memory "is accessible by
+        the device on which the command list was created"; PROG.rst, Peer-to-Peer Access).  The
+        source card's default stream copies into the staging block once ``stream`` has run what
+        came before (it waited for the source's stream), and ``stream`` copies it out; blocking
+        until the first half ran.  Not capturable (a graph lives on one device)."""
+        _check_size(nbytes)
+        s = self._stream(stream)
+        if nbytes == 0:
+            return
+        source = self._device(src_index).default
+        if s.capture is not None or source.capture is not None:
+            if s.capture is not None:
+                self._invalidate(s.capture, "copy between cards without peer access")
+            raise CaptureError(f"a copy from xpu:{src_index} to xpu:{dst_index}, which cannot access each other's "
+                               f"memory (zeDeviceCanAccessPeer), goes through host memory and cannot be captured; "
+                               f"copy before the capture, or through a Buffer of this device")
+        ffi, lib, _ = self._lib
+        copy = lib.zeCommandListAppendMemoryCopy
+        p = ffi.new("void **")          # the staging pointer while this call owns it (see memcpy_async)
+        deps = []
+        try:
+            staging = self._host_alloc(nbytes, p)
+            self._sync_stream(s)
+            seq = self._enqueue(source, f"copy {nbytes} B to host", "zeCommandListAppendMemoryCopy", copy,
+                                ffi.cast("void *", staging), ffi.cast("void *", src), nbytes, ffi.NULL, 0, ffi.NULL)
+            deps.append((source, seq))
+            self._sync_stream(source)
+            seq = self._enqueue(s, f"copy {nbytes} B", "zeCommandListAppendMemoryCopy", copy,
+                                ffi.cast("void *", dst), ffi.cast("void *", staging), nbytes, ffi.NULL, 0, ffi.NULL)
+            with self._lock:
+                self._deferred += [([(s, seq)], staging)]
+                p[0] = ffi.NULL
+        except BaseException as exc:
+            if p[0] != ffi.NULL:
+                staging = int(ffi.cast("uintptr_t", p[0]))
+                if deps or not isinstance(exc, Exception):
+                    # a queued copy may still read or write it: freed once both streams passed it
+                    with self._lock:
+                        self._deferred += [([(source, source.seq), (s, s.seq)], staging)]
+                        p[0] = ffi.NULL
+                else:
+                    self._free_staging(staging)
+            raise
+
     def _staging_interrupted(self, p, s) -> None:
         """A KeyboardInterrupt while a copy owned the staging memory in ``p`` (NULL: none): to
         the sweep, freed once ``s`` passed every command counted on it so far."""

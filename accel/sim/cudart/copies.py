@@ -4,7 +4,7 @@ device may not: freed, unmapped or no-access virtual memory, pool memory without
 
 from __future__ import annotations
 
-from .. import _memory, _vmm
+from .. import _memory, _vmm, core
 from ..core import ffi
 from .state import (
     _CHARP, _MEMCPY_D2D, _MEMCPY_DEFAULT, _MEMCPY_KINDS, _IllegalAddress, Runtime, Stream, _addr,
@@ -65,7 +65,11 @@ def _vmm_fault(R: Runtime, s: Stream, why: str, sync: bool, kind: str) -> int:
     return cudaSuccess
 
 
-def _memcpy(R: Runtime, dst, src, count, kind, s: Stream, sync: bool, label: str = "memcpy") -> int:
+def _memcpy(R: Runtime, dst, src, count, kind, s: Stream, sync: bool, label: str = "memcpy",
+            staged_peer=None) -> int:
+    """``staged_peer``: (dstDevice, srcDevice) of a cudaMemcpyPeerAsync between two devices that
+    are not peer-capable (r71g): the driver stages it, each device touching its own memory only,
+    so each side's access is checked for its own device instead of the stream's."""
     if not (0 <= kind <= 4):
         return cudaErrorInvalidMemcpyDirection
     if count < 0:
@@ -94,15 +98,16 @@ def _memcpy(R: Runtime, dst, src, count, kind, s: Stream, sync: bool, label: str
         # The stream's device reads the source and writes the destination: both must be mapped
         # with access for it, else the copy faults (cuMemSetAccess; docs silent on copies of other
         # devices: refused unless that device was granted access).
-        dv = R.vmm.resolve(dp, count, s.device, True) if da is None else None
-        sv = R.vmm.resolve(sp, count, s.device, False) if sa is None and staged is None else None
+        dd, sd = staged_peer or (s.device, s.device)
+        dv = R.vmm.resolve(dp, count, dd, True) if da is None else None
+        sv = R.vmm.resolve(sp, count, sd, False) if sa is None and staged is None else None
         if s.capture is not None:
             # (r70d) A captured copy runs at each graph launch: it touches the addresses as mapped,
             # and with the access set, then (_vmm.Region.at_launch; it kept capture time's before).
             if dv is not None:
-                dv = _vmm.Region.at_launch(R.vmm, dp, count, s.device, True)
+                dv = _vmm.Region.at_launch(R.vmm, dp, count, dd, True)
             if sv is not None:
-                sv = _vmm.Region.at_launch(R.vmm, sp, count, s.device, False)
+                sv = _vmm.Region.at_launch(R.vmm, sp, count, sd, False)
         for v in (dv, sv):
             if v.__class__ is str:
                 return _vmm_fault(R, s, v, sync, "memcpy")
@@ -124,7 +129,8 @@ def _memcpy(R: Runtime, dst, src, count, kind, s: Stream, sync: bool, label: str
         return cudaErrorInvalidValue
     if R.async_allocs or R.gmem.allocs:
         # pool and graph memory: only the devices the pool lets in (cudaMemPoolSetAccess)
-        why = _pool_access_problem(R, da, s.device, True) or _pool_access_problem(R, sa, s.device, False)
+        dd, sd = staged_peer or (s.device, s.device)
+        why = _pool_access_problem(R, da, dd, True) or _pool_access_problem(R, sa, sd, False)
         if why is not None:
             return _vmm_fault(R, s, f"0x{sp:x} -> 0x{dp:x}: {why}", sync, "memcpy")
     if kind != _MEMCPY_DEFAULT and _MEMCPY_KINDS[kind] != (
@@ -183,7 +189,23 @@ def cudaMemcpyPeerAsync(R, dst, dstDevice, src, srcDevice, count, stream=None):
         sa = sa or R.vmm.mapping_at(_addr(src))
     if da is None or sa is None or da.device != dstDevice or sa.device != srcDevice:
         return cudaErrorInvalidValue
-    return _memcpy(R, dst, src, count, _MEMCPY_D2D, s, False, "memcpy-peer")
+    staged_peer = None
+    if dstDevice != srcDevice and not core.peer_capable(R.devices[dstDevice].physical,
+                                                        R.devices[srcDevice].physical):
+        # (r71g) Between devices that cannot access each other (cudaDeviceCanAccessPeer 0,
+        # ACCEL_SIM_PEER) the copy is staged by the driver through the host, each device reading or
+        # writing its own memory.  CUDA Runtime API, cudaMemcpyPeerAsync: "Copies memory from one
+        # device to memory on another device", with no condition on peer access (Programming Guide,
+        # "Peer-to-Peer Memory Copy": "Memory copies can be performed between the memories of two
+        # different devices").  torch relies on it for pool memory (ATen/native/cuda/Copy.cu:
+        # "copies of cudaMallocAsynced memory between devices that aren't peer-to-peer-capable
+        # need cudaMemcpyPeerAsync"), as NVIDIA advised (alpaka-group/alpaka issue 1909, NVIDIA bug
+        # 3446335: cudaMemcpy/cudaMemcpyAsync "are not able to copy memory allocated by
+        # cudaMallocAsync across different devices ... use cudaMemcpyPeer or cudaMemcpyPeerAsync").
+        # So pool and mapped memory need access only for their own device here, which they always
+        # have; cudaMemcpyAsync keeps the stream device's rule.
+        staged_peer = (dstDevice, srcDevice)
+    return _memcpy(R, dst, src, count, _MEMCPY_D2D, s, False, "memcpy-peer", staged_peer)
 
 
 def _memset_op(dp: int, value: int, n: int, a, foreign=None):

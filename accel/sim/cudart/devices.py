@@ -260,8 +260,19 @@ def cudaDeviceCanAccessPeer(R, canAccessPeer, device, peerDevice):
         return cudaErrorInvalidDevice
     if _is_null(canAccessPeer):
         return cudaErrorInvalidValue
-    _put(canAccessPeer, 1 if device != peerDevice else 0)
+    # (r71g) CUDA Runtime API, cudaDeviceCanAccessPeer: "Returns in *canAccessPeer a value of 1 if
+    # device device is capable of directly accessing memory from peerDevice and 0 otherwise";
+    # whether it can depends on the machine (Programming Guide, "Peer-to-Peer Memory Access":
+    # "depending on the system properties, specifically the PCIe and/or NVLINK topology").  Before
+    # r71g every distinct pair answered 1; core.peer_capable follows ACCEL_SIM_PEER (default: all).
+    _put(canAccessPeer, 1 if _peer_capable(R, device, peerDevice) else 0)
     return cudaSuccess
+
+
+def _peer_capable(R: Runtime, device: int, peer: int) -> bool:
+    """(r71g) Whether runtime devices ``device`` and ``peer`` are peer-capable (by their physical
+    devices: CUDA_VISIBLE_DEVICES reorders ordinals, not the PCIe/NVLink topology)."""
+    return device != peer and core.peer_capable(R.devices[device].physical, R.devices[peer].physical)
 
 
 def _peer_call_in_capture(R: Runtime) -> int:
@@ -297,6 +308,14 @@ def cudaDeviceEnablePeerAccess(R, peerDevice, flags):
         return cudaErrorPeerAccessUnsupported
     if flags != 0:
         return cudaErrorInvalidValue
+    if not _peer_capable(R, d, peerDevice):
+        # (r71g) CUDA Runtime API, cudaDeviceEnablePeerAccess: "Returns
+        # cudaErrorPeerAccessUnsupported if cudaDeviceCanAccessPeer() indicates that the current
+        # device cannot directly access memory from peerDevice" (Driver API, cuCtxEnablePeerAccess:
+        # CUDA_ERROR_PEER_ACCESS_UNSUPPORTED likewise).  Nothing is enabled; kernels of the current
+        # device keep faulting on peerDevice's memory (_device_view).  Copies need no peer access:
+        # cudaMemcpyPeer/cudaMemcpyPeerAsync and cudaMemcpy between devices are staged by the driver.
+        return cudaErrorPeerAccessUnsupported
     rc = _peer_call_in_capture(R)
     if rc:
         return rc

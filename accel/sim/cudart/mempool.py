@@ -9,7 +9,7 @@ import functools
 from .. import _memory, core
 from .state import (
     cudaErrorInvalidDevice, cudaErrorInvalidResourceHandle, cudaErrorInvalidValue,
-    cudaErrorMemoryAllocation, cudaErrorNotSupported, cudaSuccess, _oom,
+    cudaErrorMemoryAllocation, cudaErrorNotSupported, cudaErrorPeerAccessUnsupported, cudaSuccess, _oom,
 )
 from .common import (
     _enqueue, _implicit_deps, _is_null, _legacy_conflict, _ordered_after, _unmade, _lookup, _put, _put_ptr,
@@ -309,6 +309,17 @@ def cudaMemPoolSetAccess(R, memPool, descList, count):
             return cudaErrorInvalidValue
         if device == pool.device and flags != _ACCESS_READ_WRITE:
             return cudaErrorNotSupported if flags == _ACCESS_READ else cudaErrorInvalidDevice
+        if device != pool.device and flags != _ACCESS_NONE and not core.peer_capable(
+                R.devices[device].physical, R.devices[pool.device].physical):
+            # (r71g) Access for a device that cannot access the pool's device directly
+            # (cudaDeviceCanAccessPeer 0: ACCEL_SIM_PEER).  CUDA Programming Guide, Stream Ordered
+            # Memory Allocator, "Device Accessibility for Multi-GPU Support": pool accessibility
+            # "does not follow cudaDeviceEnablePeerAccess", and the section's example
+            # setAccessOnDevice checks cudaDeviceCanAccessPeer first and returns
+            # cudaErrorPeerAccessUnsupported when it is 0, before calling cudaMemPoolSetAccess.  What
+            # cudaMemPoolSetAccess itself returns then is not documented (not measured): refused
+            # with cudaErrorPeerAccessUnsupported, the code the guide's example uses; nothing applied.
+            return cudaErrorPeerAccessUnsupported
         changes[device] = flags
     with R.mlock:
         for device, flags in changes.items():

@@ -490,8 +490,15 @@ def visible_ordinals(value: Optional[str], count: int) -> List[int]:
     it ends the list.  NVIDIA's documentation ("CUDA Environment Variables") is silent on mixed
     lists and spaces; torch's _parse_visible_devices, written against the driver, reads them so
     (and only strtoul skips leading spaces), and that is the stricter reading (fewer devices)."""
+    # (r71g) CUDA Programming Guide, "CUDA Environment Variables": CUDA_DEVICE_ORDER
+    # "FASTEST_FIRST, PCI_BUS_ID, (default is FASTEST_FIRST)": FASTEST_FIRST "causes CUDA to
+    # enumerate the available devices in fastest to slowest order using a simple heuristic";
+    # PCI_BUS_ID "orders devices by PCI bus ID in ascending order".  The simulator's physical
+    # numbering is its FASTEST_FIRST order; PCI_BUS_ID follows core.pci_bus (ACCEL_SIM_PCI_ORDER),
+    # and CUDA_VISIBLE_DEVICES indices name devices in the order chosen.
+    enum = core.by_pci_bus(count) if os.environ.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID" else list(range(count))
     if value is None:
-        return list(range(count))
+        return enum
     out: List[int] = []
     uuids = None
     by_uuid = value.startswith("GPU-")
@@ -515,6 +522,7 @@ def visible_ordinals(value: Optional[str], count: int) -> List[int]:
             idx = int(m.group(0))
             if not 0 <= idx < count:
                 break
+            idx = enum[idx]
         if idx in out:
             return []
         out.append(idx)

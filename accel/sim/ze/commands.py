@@ -134,6 +134,13 @@ def zeCommandListClose(hCommandList):
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     if cl.immediate:
         return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+    if cl.closed:
+        # (r71g) A second close of a closed list.  ze_api.h, zeCommandListClose ("Closes a command
+        # list; ready to be executed by a command queue") lists no code for it and PROG.rst does not
+        # say what closing a closed list does: the spec is silent, so it is refused, with the code
+        # an append to a closed list gets (ZE_RESULT_ERROR_INVALID_ARGUMENT); the list stays closed
+        # and executable.  Before r71g it was accepted.
+        return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
     cl.closed = True
     return 0
 
@@ -466,6 +473,8 @@ def _append(rt: _Runtime, hCommandList, op: _Op, memory=()) -> int:
         # same context."
         if rt.alloc_ctx.get(a.base) is not cl.ctx:
             return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+        if _inaccessible(rt, cl.device, a):
+            return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT     # (r71k) see _inaccessible
     op.memory = tuple(memory)
     if not cl.immediate and cl.closed:
         return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
@@ -476,6 +485,44 @@ def _append(rt: _Runtime, hCommandList, op: _Op, memory=()) -> int:
     else:
         cl.ops.append(op)
     return 0
+
+
+def _inaccessible(rt: _Runtime, device: _Device, a) -> Optional[str]:
+    """(r71k) Why ``device`` (a command list's) may not touch ``a``, device memory of a card it has
+    no peer access to (zeDeviceCanAccessPeer false: ACCEL_SIM_PEER), or None.  ``a``: a USM
+    allocation or a virtual-memory mapping (_vmm.Mapping), whose ``device`` is the owning device's
+    ordinal.  Level Zero specification (ze_api.h 1.4 on this machine; level-zero-spec
+    scripts/core/*.yml and PROG.rst):
+
+    - zeMemAllocDevice: "In general, a device allocation may only be accessed by the device that
+      owns it" and "The application must only use the memory allocation for the context and
+      device, or its sub-devices, which was provided during allocation".
+    - zeDeviceCanAccessPeer: "Queries if one device can directly access peer device allocations";
+      PROG.rst, Memory: a device allocation is accessible by "Another Device: Optional (may
+      require p2p)"; "Peer-to-Peer Access and Queries": "Copy data between devices over
+      peer-to-peer fabric: zeCommandListAppendMemoryCopy".  So a peer device (the query true:
+      same card, or cards on one root complex / fabric) may access it: nothing is refused then.
+    - zeCommandListAppendMemoryCopy / AppendMemoryFill: "The application must ensure the memory
+      pointed to by dstptr and srcptr is accessible by the device on which the command list was
+      created"; zeCommandListAppendLaunchKernel: "the memory was allocated, on the same context".
+    - PROG.rst, "P2P Access to Physical Memory on Another Device": "This cross-device physical
+      memory access is only valid if zeDeviceCanAccessPeer returns success for the two devices
+      involved. Attempting to use physical memory from a device without verified P2P access
+      results in undefined behavior" (and likewise for one VA range mapped over two devices).
+
+    No code is named for device memory the list's device cannot access (undefined behaviour):
+    refused, with ZE_RESULT_ERROR_INVALID_ARGUMENT as memory of another context is, at append;
+    where only the run sees it (a kernel's indirect access) the device faults (DEVICE_LOST).  Host
+    allocations are reachable from every device ("Any Device: Yes"); a copy between two cards
+    without peer access must be staged through host memory by the application."""
+    if a is None or a.kind != _memory.DEVICE or not 0 <= a.device < len(rt.devices):
+        return None
+    owner = rt.devices[a.device]
+    if owner.card is device.card or core.peer_capable(owner.card.index, device.card.index):
+        return None
+    return (f"device memory 0x{a.base:x}+{a.size} of device {a.device} (card {owner.card.index}) used by "
+            f"device {device.ordinal} (card {device.card.index}), which cannot access it "
+            f"(zeDeviceCanAccessPeer false; ACCEL_SIM_PEER): stage the copy through host memory")
 
 
 def _usm(rt: _Runtime, addr: int, size: int):
@@ -599,8 +646,13 @@ def _vmm_append(rt, hCommandList, sides, work, waits, sig, label, usm, usm_range
     cl = rt.get(hCommandList, "cmdlist")
     if cl is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
-    for addr, _region in sides:
+    for addr, region in sides:
         if not _reservation_ctx(rt, addr, cl.ctx):
+            return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+        if region.__class__ is not str and any(_inaccessible(rt, cl.device, m) for m in region.maps):
+            # (r71k) physical memory of a card without peer access, mapped here: PROG.rst "P2P
+            # Access to Physical Memory on Another Device" ("only valid if zeDeviceCanAccessPeer
+            # returns success"; _inaccessible): refused at append, as USM is
             return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
     lock = rt.vmm.lock
 

@@ -176,9 +176,13 @@ def zeDeviceGetProperties(hDevice, props):
 
 
 def zeDeviceCanAccessPeer(hDevice, hPeerDevice, value):
-    """ze_api.h, zeDeviceCanAccessPeer: true when the two devices are connected over PCIe (same
-    root complex or a shared switch) or a scale-up fabric, sub-devices and parents included.  The
-    simulated cards share one root complex, so every pair of devices answers true."""
+    """ze_api.h, zeDeviceCanAccessPeer: "If both device and peer device are the same then return
+    true", likewise a sub-device and itself, two sub-devices of one parent, and a sub-device and
+    its parent; "If both device and remote device are connected by a direct or indirect scale-up
+    fabric or over PCIe (same root complex or shared PCIe switch) then true".  (r71g) Devices of two
+    cards answer what ACCEL_SIM_PEER says of the two cards (core.peer_capable; default: every pair,
+    the cards sharing one root complex, as before r71g); "none" plays cards under different root
+    complexes with no fabric, which answer false."""
     rt, rc = _ready()
     if rc:
         return rc
@@ -187,7 +191,7 @@ def zeDeviceCanAccessPeer(hDevice, hPeerDevice, value):
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     if not value:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
-    value[0] = 1
+    value[0] = 1 if dev.card is peer.card or core.peer_capable(dev.card.index, peer.card.index) else 0
     return 0
 
 
