@@ -153,6 +153,12 @@ def _refuse_then_synchronize(graph: "Graph", indices, stream: Optional[Stream] =
     if _fin.pending:
         _fin.drain()
     backend = _graph_backend()
+    # An ended capture whose bookkeeping a Ctrl-C cut short is finished first, outside the gate
+    # too: its end_allocate_to_pool takes the allocator's lock (r71a: taken under the gate, the
+    # reverse of every allocator path's order, against another thread's empty_cache or free).
+    graph._check_process()
+    for index in indices:
+        _finish_owed_ends(backend.get_device() if index is None else index)
     with backend.capture_gate:
         for index in indices:
             graph._refuse_before_sync(index)
@@ -280,11 +286,13 @@ class Graph:
         self._check_process()
         backend = _graph_backend()
         self._check_unused()
+        # (under the capture gate: the owed ends were finished before it, nothing here takes
+        # an allocator's lock; r71a)
         if index is None:
             _check_device_free(backend.get_device(), " (`with graph:` and accel.graph() "
-                               "first synchronize the current device, which would invalidate it)")
+                               "first synchronize the current device, which would invalidate it)", finish=False)
         else:
-            _check_device_free(index)
+            _check_device_free(index, finish=False)
 
     def _capture_begin(self, backend, stream: Stream, mode: str) -> None:
         _refuse_default_stream(backend, stream)
@@ -334,6 +342,9 @@ class Graph:
             h.stream = None
             h.capture_id = None
             events = _capture_events.pop(capture_id, None) or {}
+            # (the graph holds the pinned hold until its release below succeeds: a step that fails
+            # or is refused leaves it, and the allocations, to reset() or the graph's release; r71i)
+            h.host = events.pop("host", None)
             try:
                 # ended, and interrupted as the end returned: its graph is not kept (the pool
                 # its nodes use is released below)
@@ -342,10 +353,15 @@ class Graph:
                 allocator.release_pool(h.pool)
                 if h.allocs is not None:
                     allocs, h.allocs = h.allocs, None
-                    allocs.release()
-                host = events.pop("host", None)
+                    try:
+                        allocs.release()
+                    except Exception:
+                        h.allocs = allocs
+                        raise
+                host = h.host
                 if host is not None:
-                    host.release()
+                    host.release()      # (idempotent)
+                    h.host = None
             finally:
                 h.rng = random._graph_capture_abort(h.rng)
                 h.pool = None
@@ -356,14 +372,14 @@ class Graph:
         _unfinished[self] = None
         h.stream = None
         h.capture_id = None
-        events = host = None
         try:
+            # the graph holds them before _finish_end, which a Ctrl-C may cut short (r71a: the
+            # pinned hold, kept in a local until after it, was lost and its blocks parked for good)
             events = _capture_events.pop(capture_id, None) or {}
-            host = events.pop("host", None)      # see buffer._capture_hold
+            h.host = events.pop("host", None)      # see buffer._capture_hold
+            h.events = tuple(events.values())
         finally:
             self._finish_end()
-        h.host = host
-        h.events = tuple(events.values())
         if warn_empty and h.backend.graph_node_count(graph_handle) == 0:
             warnings.warn(f"The {h.backend.name.upper()} Graph is empty. This usually means that the graph "
                           "was attempted to be captured on wrong device or stream.", UserWarning, stacklevel=3)
@@ -599,10 +615,18 @@ class Graph:
                 raise
         if h.allocs is not None:
             allocs, h.allocs = h.allocs, None
-            allocs.release()
+            try:
+                allocs.release()
+            except Exception:
+                h.allocs = allocs       # (for reset() again: refused under its lock, r71a)
+                raise
         if h.host is not None:
             host, h.host = h.host, None
-            host.release()
+            try:
+                host.release()          # (idempotent: a retry after an interrupt inside is fine)
+            except BaseException:
+                h.host = host           # (refused inside the pinned allocator: r71a)
+                raise
         if h.rng is not None:
             from . import random
             rng, h.rng = h.rng, None
@@ -626,11 +650,15 @@ class Graph:
     def debug_dump(self, path: str) -> None:
         """Write the captured graph as a Graphviz DOT file.  The graph must have been kept:
         :meth:`enable_debug_mode` before capture, or ``keep_graph=True`` (torch's
-        ``CUDAGraph::debug_dump`` dumps when either holds)."""
+        ``CUDAGraph::debug_dump`` dumps when either holds); otherwise it warns, writes nothing
+        and returns, as torch does."""
         self._check_process()
         if not (self._debug or self.keep_graph):
-            raise RuntimeError("debug_dump needs enable_debug_mode() before capture, or a Graph(keep_graph=True): "
-                               "otherwise the graph is not kept after capture_end")
+            # torch's CUDAGraph::debug_dump: TORCH_WARN("CUDA Graphs debug not enabled, ...") (r71c)
+            warnings.warn("Graph debug not enabled, set with [graph].enable_debug_mode() before capture "
+                          "(or make the Graph with keep_graph=True): nothing was written", UserWarning,
+                          stacklevel=2)
+            return
         if self._graph is None:
             raise RuntimeError("debug_dump: no captured graph to dump")
         path = os.fsdecode(os.fspath(path))     # (bytes too: str(b"x.dot") named a file "b'x.dot'", r67i)
@@ -961,7 +989,11 @@ def _release_own(backend, h: _Held, memory, random) -> None:
                         host = h.host
                         if host is not None:
                             h.host = None
-                            host.release()
+                            try:
+                                host.release()      # (idempotent: back after a Ctrl-C inside too)
+                            except BaseException:
+                                h.host = host       # (for the retry: r71a, refused under its lock)
+                                raise
                     finally:
                         rng = h.rng
                         if rng is not None:
@@ -1029,12 +1061,20 @@ def graph(cuda_graph: Graph, pool: Optional[Tuple[int, int]] = None, stream: Opt
             raise
 
 
-def _check_device_free(index: int, why: str = "") -> None:
-    """RuntimeError when an accel capture is underway on device ``index`` (one that ended but
-    whose bookkeeping a KeyboardInterrupt cut short is finished here first)."""
-    from . import random
+def _finish_owed_ends(index: int) -> None:
+    """Finish the bookkeeping of the ended captures of device ``index`` that a KeyboardInterrupt
+    cut short (Graph._finish_end: takes the allocator's lock, so never under the capture gate)."""
     for g in [g for g in _unfinished if g._index == index]:
         g._finish_end()
+
+
+def _check_device_free(index: int, why: str = "", finish: bool = True) -> None:
+    """RuntimeError when an accel capture is underway on device ``index`` (one that ended but
+    whose bookkeeping a KeyboardInterrupt cut short is finished here first, unless ``finish`` is
+    False: the caller holds the capture gate and finished them before taking it)."""
+    from . import random
+    if finish:
+        _finish_owed_ends(index)
     if random._device_capturing(index):
         raise RuntimeError(f"another graph is being captured on device {index}{why}: accel captures "
                            f"one graph per device at a time (the device's default generator follows one "

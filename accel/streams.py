@@ -65,8 +65,11 @@ _capture_events: Dict[int, Dict[int, "Event"]] = {}
 #: every wrapper holds it, and the last one's going forgets the handle (_ForeignAnchor).
 _foreign: "weakref.WeakValueDictionary[Tuple[int, int], _ForeignAnchor]" = weakref.WeakValueDictionary()
 #: Held to find or make an anchor, and by _forget from its check to its hooks' end (never waited
-#: for by a finalizer: run_locked).
-_foreign_lock = _locks.module_lock(globals(), "_foreign_lock")
+#: for by a finalizer: run_locked).  An accel._locks.Lock (r71a): the anchor and its weak
+#: reference are allocations, and so are the hooks' calls, where a collection may run a user's gc
+#: callback or __del__ that wraps a foreign stream: refused, where a plain lock waited forever on
+#: its own thread.  (A forked child finds it free: accel._locks.)
+_foreign_lock = _locks.Lock("wrapping a foreign stream")
 #: Stream handles are pointers: every valid one is below 2**64.
 _HANDLE_LIMIT = 1 << 64
 
@@ -173,8 +176,11 @@ class _ForeignAnchor:
 
 #: Makes "closed yet? then mark it closed" one step, so two threads closing one Stream or Event
 #: destroy its handle once (the driver gives a freed handle value to the next object it makes).
-#: Held for no call, so no finalizer ever waits for it.
-_close_lock = _locks.module_lock(globals(), "_close_lock")
+#: Held for no vendor call, so no finalizer ever waits for it; but Event._made registers the
+#: handle's destroy under it (_fin.own: allocations, where a collection may run a user's gc
+#: callback that closes another Event), so it is an accel._locks.Lock (r71a): that close is
+#: refused instead of waiting forever on its own thread.  (A forked child finds it free.)
+_close_lock = _locks.Lock("closing a Stream or Event")
 
 
 #: Serializes an Event's first record (which creates its device event); held across

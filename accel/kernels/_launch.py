@@ -56,10 +56,12 @@ def _device_limits(backend, index: int) -> dict:
     key = (id(backend), index)
     lim = _limits.get(key)
     if lim is None:
-        with _limits_lock:
-            lim = _limits.get(key)
-            if lim is None:
-                lim = _limits[key] = dict(backend.launch_limits(index), simulated=_is_simulated(backend))
+        # Asked outside the lock (r71i): the query and the dict are allocations, where a collection
+        # may run a user's gc callback or __del__ that launches a kernel (which waited forever for
+        # the plain lock its own thread held).  Two threads asking at once both ask; one is kept.
+        made = dict(backend.launch_limits(index), simulated=_is_simulated(backend))
+        with _limits_lock:      # (held for no call)
+            lim = _limits.setdefault(key, made)
     return lim
 
 

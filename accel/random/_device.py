@@ -44,7 +44,11 @@ _SOURCES: Dict[str, Callable[[], bytes]] = {"ptx": _shipped("philox.ptx"), "msl"
 #: kernel language -> function returning a prebuilt image of the same kernels, tried first
 _BINARIES: Dict[str, Callable[[], bytes]] = {"ptx": _shipped("philox.fatbin")}
 
-_lock = _locks.module_lock(globals(), "_lock")
+#: Held across the kernels' load (loader(), module_load: calls and allocations, where a collection
+#: may run a user's gc callback or __del__ that draws random numbers): an accel._locks.Lock, which
+#: refuses that re-entry instead of waiting forever on its own thread (r71i).  A forked child
+#: finds it free (accel._locks).
+_lock = _locks.Lock("loading the Philox kernels")
 _functions: Dict[Tuple[int, int], Optional[Dict[str, int]]] = {}
 
 
