@@ -193,7 +193,7 @@ def test_keep_graph_instantiate_reset_and_debug_dump(sim_graph_backend, tmp_path
     g = Graph(keep_graph=True)
     with pytest.raises(RuntimeError, match="no captured graph"):    # kept graphs dump without debug mode
         g.debug_dump(tmp_path / "x.dot")
-    with pytest.raises(RuntimeError, match="enable_debug_mode"):
+    with pytest.warns(UserWarning, match="enable_debug_mode"):      # torch warns too (r71c)
         Graph().debug_dump(tmp_path / "x.dot")
     g.enable_debug_mode()
     with s, g:

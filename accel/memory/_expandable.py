@@ -810,6 +810,8 @@ class ExpandableSegments:
         and is released again at the next unmap.  Each vendor call's result is recorded with
         plain stores as it returns (no KeyboardInterrupt in between)."""
         unreleased = self._unreleased
+        if not unreleased:
+            return      # (no device scope: it would make an unused device's context, r71c)
         cur, freed = self._cur, self._freed
         scalars = self._scalars
         with self._on_device():
