@@ -59,28 +59,36 @@ class CudaNvmlMixin:
         if not 0 <= index < len(ordinals):
             raise ValueError(f"device {index} is not visible (CUDA_VISIBLE_DEVICES={env!r} selects "
                              f"NVML devices {ordinals}); valid indices 0..{len(ordinals) - 1}")
-        if self.driver_started and len(ordinals) > 1:
+        if self._uuids is not None:
             found = self._nvml_index_of(index, n[0])
             if found is not None:
                 return found
         return ordinals[index]
 
     def _nvml_index_of(self, index: int, raw_count: int) -> Optional[int]:
-        """NVML's index of CUDA device ``index``, matched by UUID, once the runtime runs.  NVML
+        """NVML's index of CUDA device ``index``, matched by the UUID read at init.  NVML
         enumerates by PCI bus id and CUDA, by default, fastest first (nvml.h: "The NVML index
         may not correlate with other APIs, such as the CUDA device index"; CUDA Programming
         Guide, CUDA_DEVICE_ORDER), so position alone may name another GPU (r71g; torch's
-        ``_get_nvml_device_index`` does).  Before the runtime runs, only the position is
-        known: exact under CUDA_DEVICE_ORDER=PCI_BUS_ID and with identical GPUs.  None when
-        no NVML device has the UUID (a MIG instance)."""
+        ``_get_nvml_device_index`` does).  Before init only the position is known: exact under
+        CUDA_DEVICE_ORDER=PCI_BUS_ID and with identical GPUs.  A GPU NVML cannot read (lost)
+        is passed over; None when no NVML device has the UUID (a MIG instance)."""
         cache = self._smi_by_uuid
         if index not in cache:
-            try:
-                text = f"GPU-{self.properties(index).uuid}"      # a uuid.UUID: nvidia-smi's form
-            except AcceleratorError:
+            uuids = self._uuids
+            if uuids is None or index >= len(uuids):
                 return None
-            uuids = self._nvml_uuids(raw_count)
-            cache[index] = uuids.index(text) if text in uuids else None
+            ffi, lib = self._smi_lib()
+            handle = ffi.new("nvmlDevice_t *")
+            buf = ffi.new("char[]", 96)         # NVML_DEVICE_UUID_V2_BUFFER_SIZE
+            found = None
+            for i in range(raw_count):
+                if (lib.nvmlDeviceGetHandleByIndex_v2(i, handle) == _NVML_SUCCESS
+                        and lib.nvmlDeviceGetUUID(handle[0], buf, 96) == _NVML_SUCCESS
+                        and ffi.string(buf).decode(errors="replace") == uuids[index]):
+                    found = i
+                    break
+            cache[index] = found
         return cache[index]
 
     def _smi_handle(self, index: int):

@@ -20,7 +20,7 @@ import contextlib
 import os
 import threading
 from collections import deque
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 from .. import _locks
 from .._errors import AcceleratorError, CaptureError, KernelImageError, OutOfMemoryError
@@ -160,6 +160,7 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         self._count = None
         self._count_env = None    # CUDA_VISIBLE_DEVICES the count was computed for
         self._smi_by_uuid: dict = {}   # CUDA index -> NVML index, matched by UUID (_cuda_nvml)
+        self._uuids: Optional[List[str]] = None   # each device's "GPU-..." UUID, read at init
         self._count_final = False  # the runtime counted: it read the variable once, at cuInit
         self._count_path = ""
         self._count_reason = ""
@@ -305,6 +306,23 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
                                    library="libcudart", call="cudaGetDeviceCount")
         self._reconcile_count(n[0])
         self.get_device = self._bind_get_device()
+        self._uuids = self._read_uuids(n[0])
+
+    def _read_uuids(self, count: int) -> Optional[List[str]]:
+        """Each device's UUID as NVML prints it, read once at init so that NVML readings find
+        their GPU by it later, in a child forked after init too, where the runtime refuses
+        every call (_cuda_nvml.smi_index); None when one cannot be read."""
+        ffi = self.ffi
+        get_properties = self._rt_fn("cudaGetDeviceProperties")
+        prop = ffi.new("struct cudaDeviceProp *")
+        out = []
+        for i in range(count):
+            if get_properties(prop, i):
+                self.lib.cudaGetLastError()      # (not sticky; cleared so no later call reports it)
+                return None
+            h = bytes(ffi.buffer(prop.uuid.bytes, 16)).hex()
+            out.append(f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}")
+        return out
 
     def _bindings(self):
         """The generated module (accel._ffi.cudart_module) whose ffi the runtime was opened
