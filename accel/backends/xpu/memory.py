@@ -373,6 +373,13 @@ class MemoryMixin:
                 self._deferred += [([(s, seq)], staging)]
                 p[0] = ffi.NULL
         except BaseException as exc:
+            if deps:
+                # the source's read runs on the source card's stream, which the caller's noting
+                # (uses recorded on ``stream``) does not cover: wait for it here, best effort
+                try:
+                    self._sync_stream(source)
+                except BaseException:
+                    pass
             if p[0] != ffi.NULL:
                 staging = int(ffi.cast("uintptr_t", p[0]))
                 if deps or not isinstance(exc, Exception):
