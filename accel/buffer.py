@@ -622,6 +622,22 @@ class Buffer:
             barrier = None
             direct = True
             if src._index != self._index:
+                if self._nbytes and not stream.is_capturing():
+                    # torch's two-way barrier between the devices' current streams (ATen
+                    # cuda/Copy.cu copy_device_to_device): the copy waits for the work queued
+                    # on the source device's current stream, and that stream's later work
+                    # waits for the copy.  (In a capture the other stream would join it.)
+                    barrier = current_stream(src._index)
+                    if barrier.is_capturing():
+                        # the wait would pull this stream into that capture: the copy would
+                        # run only at replays, silently (r71m)
+                        from ._errors import CaptureError
+                        raise CaptureError(
+                            f"copy_from: device {src._index}'s current stream is capturing a graph, and a copy "
+                            f"from device {src._index} waits for the work on that stream (the two-way barrier "
+                            f"torch puts between the devices' current streams), which would join the copy to "
+                            f"the capture; copy before or after the capture, or with a stream of device "
+                            f"{src._index} that is not capturing made current; nothing was copied")
                 # the copy runs on this buffer's device, which reads the other device's memory:
                 # mapped (virtual) and pool memory need explicit access for it (cuMemSetAccess,
                 # cudaMemPoolSetAccess), which only a peer-capable pair can have; between
@@ -630,12 +646,7 @@ class Buffer:
                 direct = backend.can_access_peer(self._index, src._index)
                 if direct:
                     _memory().device_allocator(src._index).add_peer(self._index)
-                if self._nbytes and not stream.is_capturing():
-                    # torch's two-way barrier between the devices' current streams (ATen
-                    # cuda/Copy.cu copy_device_to_device): the copy waits for the work queued
-                    # on the source device's current stream, and that stream's later work
-                    # waits for the copy.  (In a capture the other stream would join it.)
-                    barrier = current_stream(src._index)
+                if barrier is not None:
                     stream.wait_stream(barrier)
             # Ordering against work on the source's stream is the caller's, as in torch; the
             # uses noted keep the allocator from reusing either block under this copy (noted

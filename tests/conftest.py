@@ -1,5 +1,10 @@
 """Shared fixtures: every test starts with accel's process state forgotten, and
-``sim_backend`` runs a test once per simulated runtime."""
+``sim_backend`` runs a test once per simulated runtime.
+
+Test-run knobs (kept from the caller's environment): ACCEL_TEST_SIMS, ACCEL_TEST_LOAD_S,
+ACCEL_TEST_ALLOC_CONF (rerun under other allocator settings) and ACCEL_TEST_SIM_PEER (rerun with
+ACCEL_SIM_PEER set to it, e.g. ``none``: simulated devices that cannot reach each other's memory;
+a test setting ACCEL_SIM_PEER itself overrides it; device tests never see it)."""
 
 import contextlib
 import gc
@@ -15,7 +20,7 @@ _ENV_PREFIXES = ("ACCEL_", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "ZE_AFFI
                  "ZE_ENABLE_ALT_DRIVERS",
                  "ZE_FLAT_DEVICE_HIERARCHY", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF",
                  "CUDA_MODULE_LOADING")
-_KEEP = ("ACCEL_TEST_SIMS", "ACCEL_TEST_LOAD_S", "ACCEL_TEST_ALLOC_CONF")
+_KEEP = ("ACCEL_TEST_SIMS", "ACCEL_TEST_LOAD_S", "ACCEL_TEST_ALLOC_CONF", "ACCEL_TEST_SIM_PEER")
 
 #: What a real-device test (``pytest -m device``) keeps from the caller: which physical devices
 #: it may use and in what order, which runtime, and where the vendor libraries are.  Without
@@ -60,6 +65,10 @@ def clean_state(request, monkeypatch):
         from accel.memory._config import ACCEL_ONLY
         accel_keys = any(part.split(":")[0].strip() in ACCEL_ONLY for part in knob.split(","))
         monkeypatch.setenv("ACCEL_ALLOC_CONF" if accel_keys else "PYTORCH_ALLOC_CONF", knob)
+    peer = os.environ.get("ACCEL_TEST_SIM_PEER")
+    if peer and not device_test:
+        # rerun a suite on a simulated machine whose devices are peers only as it says (r71p)
+        monkeypatch.setenv("ACCEL_SIM_PEER", peer)
     _lazy._reset_for_tests()
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
     yield

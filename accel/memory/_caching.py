@@ -1447,7 +1447,9 @@ class DeviceCachingAllocator(ExpandableSegments):
         only by the devices granted access (CUDA Driver API, cuMemSetAccess), unlike
         cudaMalloc memory.  Call it before work on device ``index`` touches memory of this
         allocator (a copy queued on its stream, a kernel with peer access).  A no-op for this
-        device itself, a device already added, and an allocator without mappings yet."""
+        device itself, a device already added, an allocator without mappings yet, and a device
+        that cannot access this one (``can_access_peer`` False: copies between the two are
+        staged by the driver)."""
         if type(index) is not int:
             raise TypeError(f"add_peer: device index must be an int, got {type(index).__name__}")
         if index == self._index or index in self._peers:
@@ -1455,6 +1457,11 @@ class DeviceCachingAllocator(ExpandableSegments):
         # refused now: a peer is granted access to every later mapping, so a bad one would
         # fail each of them (cuMemSetAccess: CUDA_ERROR_INVALID_DEVICE)
         check_range(index, self._be, "add_peer: ")
+        if not self._be.can_access_peer(index, self._index):
+            # no access can be granted to a device that cannot reach this one (cuMemSetAccess:
+            # CUDA_ERROR_INVALID_DEVICE, and every later mapping would fail); copies between the
+            # two go through the driver's staged path, as torch grants only peers that can (r71p)
+            return
         lock = self._lock
         if _locks._running or lock._is_owned() or self._gate_owned():     # see _probe
             lock = _probe(lock, "add_peer", self._gate_owned)
