@@ -301,8 +301,11 @@ def _child_seeds(dev: int):
     """The child seeds and reads its generators (host state; no device needed)."""
     def checks():
         accel.random.manual_seed_all(5)
-        assert accel.random.initial_seed(dev) == 5
-        assert accel.random.get_rng_state(dev)[:8].tobytes() == (5).to_bytes(8, "little")
+        # the generators' own reads: accel.random.initial_seed/get_rng_state raise in a child
+        # forked after initialization, as torch's do (r71e)
+        gen = accel.random.default_generator(dev)
+        assert gen.initial_seed() == 5
+        assert gen.get_state()[:8].tobytes() == (5).to_bytes(8, "little")
     return lambda: _child(checks, 2 * HANG_S)     # (unheld, the checks take milliseconds)
 
 

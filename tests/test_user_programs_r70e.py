@@ -634,8 +634,15 @@ def test_rng_state_round_trips_between_replays_of_graphs_with_captured_rng(monke
     parent_states = (bytes(np.asarray(R.get_rng_state(dev))), bytes(np.asarray(gen.get_state())))
 
     def child():
-        got = (bytes(np.asarray(R.get_rng_state(dev))), bytes(np.asarray(gen.get_state())))
-        return 0 if got == parent_states else 3
+        # a user Generator's state is host state; the default generators' queries initialize in
+        # torch (_lazy_init), which raises in a child forked after init (r71e)
+        if bytes(np.asarray(gen.get_state())) != parent_states[1]:
+            return 3
+        try:
+            R.get_rng_state(dev)
+        except RuntimeError as exc:
+            return 0 if "forked subprocess" in str(exc) else 4
+        return 5
     assert run_forked(child) == 0
     replay()
     assert bytes(np.asarray(R.get_rng_state(0))) == state0
