@@ -670,7 +670,8 @@ class _source:
             raise TypeError(f"copy_from: {type(src).__name__}.__dlpack_device__() failed: {exc}") from None
         if kind in _dlpack.HOST_DEVICE_TYPES:
             # host memory is copied from as a host array, never wrapped as device memory
-            return self._host_from(np.from_dlpack(src))
+            from .buffer import _numpy_from_dlpack      # (a dtype numpy lacks: a clear TypeError, r71o)
+            return self._host_from(_numpy_from_dlpack(src))
         mine = tuple(view.__dlpack_device__())
         if (kind, index) != mine:
             raise ValueError(f"copy_from: the DLPack source is on device ({kind}, {index}), the view on "
@@ -692,6 +693,12 @@ class _source:
         view._check_match(info.shape, dtype, "the DLPack source")
         source = _Source(None, info.data + info.byte_offset, info.shape, strides, dtype)
         # before the capsule is taken: a refused one is freed by its producer's destructor
+        if source.span:
+            # memory of another device under this device's id (as for __cuda_array_interface__):
+            # the copy queued here would fault on it (r71o)
+            where = buffer._backend.pointer_location(source.ptr)
+            if where is not None and where[0] == "device":
+                _same_device(buffer, buffer._backend.name, where[1], "DLPack source's memory")
         _check_foreign_range(buffer, source.ptr, source.span)
         imported = _dlpack.Imported(capsule, info.address, info.versioned, keep=src)
         self.release = imported.release
