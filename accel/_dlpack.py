@@ -590,7 +590,7 @@ def _refuse_waiting_from_capture(backend, last, consumer) -> None:
                        f"stream=-1; nothing was exported")
 
 
-def wait_for_closed(backend, stream) -> None:
+def wait_for_closed(backend, stream, why: str = "") -> None:
     """Wait on the host for the work a closed ``stream`` may still run: it still runs after the
     stream is closed (cudaStreamDestroy returns at once), but no event can be recorded on it any
     more, so its device is synchronized.  CaptureError while a capture is underway: the device
@@ -600,10 +600,10 @@ def wait_for_closed(backend, stream) -> None:
     from .streams import on_device
     with backend.capture_gate:
         if backend.captures_underway():
-            raise CaptureError(f"the buffer was last used on a stream that is closed ({stream!r}): its queued "
-                               f"work can only be waited for by a device synchronize, which would invalidate "
-                               f"the stream capture underway; export it after the capture ends, or keep the "
-                               f"stream open until the buffer is exported")
+            raise CaptureError(f"the buffer was last used on {why or 'a stream that is closed'} ({stream!r}): "
+                               f"its queued work can only be waited for by a device synchronize, which would "
+                               f"invalidate the stream capture underway; export it after the capture ends"
+                               + ("" if why else ", or keep the stream open until the buffer is exported"))
         with on_device(backend, stream.device_index):
             backend.device_synchronize()
 

@@ -933,8 +933,8 @@ class Buffer:
         ``stream`` is the buffer's last-use stream (:attr:`last_stream`), where accel's latest
         work on the memory was queued; a consumer (CuPy, Numba) orders its work after it.  A
         last-use stream closed since is waited for on the host (a device synchronize) and the
-        current stream given; a last-use stream of another device (a copy there read the buffer)
-        is waited for by the buffer's device's current stream, which is given; while a stream capture is underway that wait would invalidate it,
+        current stream given, and so is one of another device (a copy there read the buffer:
+        the consumer would read its handle as a stream of the buffer's device); while a stream capture is underway that wait would invalidate it,
         so CaptureError is raised instead.  CAI v3 forbids 0, so the legacy default stream (handle 0) is given as 1.  torch differs:
         its tensors export version 2, without ``stream``, and leave synchronization to the
         user.  Only CUDA buffers have it: elsewhere and after :meth:`close` the attribute
@@ -955,11 +955,12 @@ class Buffer:
             self._last = last = current_stream(self._index)
         elif last._index != self._index:
             # a stream of another device (a copy it queued read this buffer): the consumer reads
-            # the integer as a stream of the buffer's device (1: that device's legacy stream), so
-            # this device's current stream is made to wait for it and is given instead (r71o)
-            cur = current_stream(self._index)
-            cur.wait_stream(last)
-            last = cur
+            # the integer as a stream of the buffer's device (1: that device's legacy stream)
+            # (r71o).  Waited for on the host, as a closed one: a getter that queued a wait could
+            # join a capture or invalidate it, and would queue one at every read (r71q)
+            from ._dlpack import wait_for_closed
+            wait_for_closed(self._backend, last, f"a stream of device {last._index}")
+            self._last = last = current_stream(self._index)
         handle = last._handle
         return {"shape": (self._nbytes,), "typestr": "|u1", "data": (self._ptr, self._readonly),
                 "strides": None, "version": 3, "stream": handle if handle else _CAI_LEGACY_DEFAULT_STREAM}

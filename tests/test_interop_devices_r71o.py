@@ -187,23 +187,29 @@ def test_cai_of_device1_buffer_last_used_on_device0_default_stream(sim_cuda, las
     else:
         buf.__dlpack__(stream=zero, max_version=(1, 0))     # a consumer on device 0's legacy stream
     assert buf.last_stream == zero
-    recorded = []
-    real = backend.event_record
+    recorded, synced = [], []
+    real, real_sync = backend.event_record, backend.device_synchronize
 
     def spy(event, stream, *a, **kw):
         recorded.append((backend.get_device(), stream))
         return real(event, stream, *a, **kw)
 
-    backend.event_record = spy
+    def spy_sync(*a, **kw):
+        synced.append(backend.get_device())
+        return real_sync(*a, **kw)
+
+    backend.event_record, backend.device_synchronize = spy, spy_sync
     try:
         cai = buf.__cuda_array_interface__
         accel.Buffer(64, device=1).copy_from(CAI(cai, buf))
         accel.Buffer(64, device=1).as_array("u1").copy_from(CAI(cai, buf))
     finally:
-        del backend.event_record
-    # device 0's legacy stream must be recorded on (by the producer or the consumers), for the
-    # device-1 consumers' copies to wait for it
-    assert (0, backend.default_stream(0)) in recorded, (cai["stream"], recorded)
+        del backend.event_record, backend.device_synchronize
+    # device 0's legacy stream must be waited for (an event recorded on it, by the producer or
+    # the consumers, or device 0 synchronized: accel's getter waits on the host since r71q) before
+    # the device-1 consumers' copies
+    assert (0, backend.default_stream(0)) in recorded or 0 in synced, (cai["stream"], recorded, synced)
+    assert cai["stream"] in (1, accel.current_stream(1).handle or 1)
 
 
 def test_cai_fields_of_a_device1_view_while_device0_current(sim_cuda):

@@ -363,9 +363,9 @@ class MemoryMixin:
         try:
             staging = self._host_alloc(nbytes, p)
             self._sync_stream(s)
-            seq = self._enqueue(source, f"copy {nbytes} B to host", "zeCommandListAppendMemoryCopy", copy,
-                                ffi.cast("void *", staging), ffi.cast("void *", src), nbytes, ffi.NULL, 0, ffi.NULL)
-            deps.append((source, seq))
+            deps.append(source)     # before the append: a Ctrl-C as it returns leaves the read queued (r71q)
+            self._enqueue(source, f"copy {nbytes} B to host", "zeCommandListAppendMemoryCopy", copy,
+                          ffi.cast("void *", staging), ffi.cast("void *", src), nbytes, ffi.NULL, 0, ffi.NULL)
             self._sync_stream(source)
             seq = self._enqueue(s, f"copy {nbytes} B", "zeCommandListAppendMemoryCopy", copy,
                                 ffi.cast("void *", dst), ffi.cast("void *", staging), nbytes, ffi.NULL, 0, ffi.NULL)
