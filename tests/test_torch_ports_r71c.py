@@ -769,9 +769,7 @@ def test_cuda__test_mempool_use_mem_pool__device1(sim2):
     assert memory.memory_reserved(D1) == 0
 
 
-@pytest.mark.xfail(strict=True, reason="r71c: empty_cache() skips a device whose allocator was not made yet, so "
-                   "its num_sync_all_streams misses the calls torch counts on every device "
-                   "(accel/memory/__init__.py empty_cache walks _allocators only)")
+# (r71c found; fixed in session 32)
 def test_caching_allocator__empty_cache_counts_on_a_device_not_used_yet(sim2):
     """torch's ``init(device_count)`` makes a DeviceCachingAllocator for every device, and
     ``NativeCachingAllocator::emptyCache`` walks them all (``for (auto& da : device_allocator)

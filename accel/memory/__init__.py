@@ -345,6 +345,13 @@ def empty_cache() -> None:
         return
     if _finalize.pending:
         _finalize.drain()
+    if _config._runtime is None or _config._runtime.backend != "cudaMallocAsync":
+        # torch makes a DeviceCachingAllocator for every device at init and emptyCache walks
+        # them all, each counting num_sync_all_streams; one made here touches no device
+        # (cudaMallocAsync's emptyCache walks only the devices it initialized, as here)
+        for index in range(_lazy.lazy_init().count()):
+            if index not in _allocators:
+                device_allocator(index)
     for alloc in list(_allocators.values()):
         alloc.empty_cache()
 
