@@ -412,7 +412,9 @@ def cuDeviceGetAttribute(pi, attrib, dev):
     cudart, R, d, rc = _started_on(dev)
     if rc:
         return rc
-    if pi == _dffi().NULL or not (1 <= attrib <= 147):
+    # (r72a) an attribute newer than the driver is no CUdevice_attribute to it (cudart/devices.py,
+    # last_attribute): CUDA_ERROR_INVALID_VALUE
+    if pi == _dffi().NULL or not (1 <= attrib <= cudart.devices.last_attribute(R.cfg.driver_version)):
         return CUDA_ERROR_INVALID_VALUE
     if attrib == _ATTR_VMM:
         pi[0] = 1 if vmm_available(R.cfg) else 0

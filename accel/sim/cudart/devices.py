@@ -144,10 +144,28 @@ def _attributes(R: Runtime, d: int) -> Dict[int, int]:
     return dev.attrs
 
 
+#: The last cudaDeviceAttr / CUdevice_attribute a driver of CUDA 12.4 knows: cudaDevAttrHostNumaId = 134
+#: (its driver_types.h ends the enumeration at cudaDevAttrMax = 135: accel/_ffi/_cudart12.py, generated
+#: from the 12.4 headers).  CUDA 13.0's ends at 148 (cudaDevAttrOnlyPartialHostNativeAtomicSupported =
+#: 147).  The releases between add attributes 135-147 in steps the simulator does not model: a driver
+#: from 12.5 to 12.9 answers all of them (still lenient).
+_LAST_ATTRIBUTE_12_4, _LAST_ATTRIBUTE_13_0 = 134, 147
+
+
+def last_attribute(driver_version: int) -> int:
+    """The highest device attribute value a driver of CUDA ``driver_version`` knows."""
+    return _LAST_ATTRIBUTE_12_4 if driver_version < 12050 else _LAST_ATTRIBUTE_13_0
+
+
 def cudaDeviceGetAttribute(R, value, attr, device):
     if not (0 <= device < len(R.devices)):
         return cudaErrorInvalidDevice
-    if _is_null(value) or not (1 <= attr <= 147):
+    # (r72a) CUDA Runtime API, cudaDeviceGetAttribute: cudaErrorInvalidValue for an attribute that is no
+    # cudaDeviceAttr.  The runtime asks the driver (cuDeviceGetAttribute, which has the same values and
+    # code), and an attribute added after the driver's release is none to it: a 12.4 driver refuses
+    # cudaDevAttrGpuPciDeviceId (139), say, whatever the runtime's headers.  The simulator answered every
+    # value up to 147 on every driver version.
+    if _is_null(value) or not (1 <= attr <= last_attribute(R.cfg.driver_version)):
         return cudaErrorInvalidValue
     _put(value, _attributes(R, device).get(attr, 0))
     return cudaSuccess

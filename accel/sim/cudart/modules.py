@@ -15,7 +15,8 @@ from ..core import ffi
 from .state import (
     _CHARP, _NULL, _SHARED_PER_BLOCK, _SHARED_PER_BLOCK_OPTIN, _SHARED_PER_SM, KernelHandle, Library,
     Runtime, Stream, cudaErrorInvalidDeviceFunction, cudaErrorLaunchOutOfResources,
-    cudaErrorInvalidResourceHandle, cudaErrorInvalidValue, cudaErrorSymbolNotFound, cudaSuccess,
+    cudaErrorInvalidResourceHandle, cudaErrorInvalidValue, cudaErrorNotSupported, cudaErrorSymbolNotFound,
+    cudaSuccess,
 )
 from .common import (
     _c_string, _enqueue, _freed_ranges, _is_null, _lookup, _put, _put_ptr, _stream, _unmade_pointers, _unsafe_call,
@@ -147,6 +148,21 @@ def cudaLibraryLoadData(R, library, code, jitOptions=None, jitOptionsValues=None
                         libraryOptions=None, libraryOptionValues=None, numLibraryOptions=0):
     if _is_null(library) or _is_null(code):
         return cudaErrorInvalidValue
+    # (r72a) CUDA Runtime API, cudaLibraryLoadData: "Options are passed as an array via jitOptions and
+    # any corresponding parameters are passed in jitOptionsValues. The number of total JIT options is
+    # supplied via numJitOptions. Any outputs will be returned via jitOptionsValues" (the wall time,
+    # the info and error logs and their sizes); the library options likewise.  A count with no array
+    # to read it from is not described (cuLibraryLoadData would read through NULL): refused,
+    # cudaErrorInvalidValue.  Options themselves are not simulated -- the simulator ignored them, so a
+    # program read its own bytes back as the JIT's log or wall time, and cudaLibraryBinaryIsPreserved
+    # went unhonoured -- refused, cudaErrorNotSupported, nothing loaded, as the unsimulated cuMemCreate
+    # properties are (cuda_driver.py).  accel passes none.
+    for count, options, values in ((numJitOptions, jitOptions, jitOptionsValues),
+                                   (numLibraryOptions, libraryOptions, libraryOptionValues)):
+        if count and (_is_null(options) or _is_null(values)):
+            return cudaErrorInvalidValue
+    if numJitOptions or numLibraryOptions:
+        return cudaErrorNotSupported
     lib, rc = load_image(R, code)
     if lib is None:
         return rc

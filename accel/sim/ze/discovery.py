@@ -98,6 +98,19 @@ def zeDriverGetApiVersion(hDriver, version):
     return 0
 
 
+# (r72a) pNext of every property structure: "[in,out][optional] must be null or a pointer to an
+# extension-specific structure (i.e. contains sType and pNext)" (ze_api.h).  A chained structure asks
+# the driver to fill an extension's properties too (ze_device_ip_version_ext_t,
+# ze_device_memory_ext_properties_t, ze_device_luid_ext_properties_t, ze_external_memory_export_fd_t
+# on zeMemGetAllocProperties, ...).  The simulator has no extension: it returned success and left the
+# chained structure as the caller wrote it, so a program read its own zeros (or garbage) as the
+# driver's answer.  Refused now, as the creation descriptors' chains are (memory.py, _no_extension):
+# ZE_RESULT_ERROR_UNSUPPORTED_FEATURE, nothing written.
+def _extension_chain(props) -> bool:
+    """Whether a property structure (ze_* or zes_*) has an extension structure chained to it."""
+    return bool(props.pNext)
+
+
 def zeDriverGetProperties(hDriver, props):
     rt, rc = _ready()
     if rc:
@@ -108,6 +121,8 @@ def zeDriverGetProperties(hDriver, props):
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER    # _NULL_OUT
     if props.stype != rt.C.ZE_STRUCTURE_TYPE_DRIVER_PROPERTIES:
         return rt.C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    if _extension_chain(props):
+        return rt.C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE     # (r72a) _extension_chain
     props.uuid.id = list(b"accel-sim-ze-drv")
     props.driverVersion = 0x01030000 | 29735
     return 0
@@ -172,6 +187,22 @@ def zeDeviceGetProperties(hDevice, props):
     dev = rt.get(hDevice, "device")
     if dev is None:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    C = rt.C
+    if props:
+        if props.stype == C.ZE_STRUCTURE_TYPE_DEVICE_PROPERTIES_1_2 and rt.zcfg.api_version < (1, 2):
+            # (r72a) ZE_STRUCTURE_TYPE_DEVICE_PROPERTIES_1_2 came with API 1.2, with its timerResolution
+            # in cycles/sec (ze_api.h, ze_device_properties_t.timerResolution: "When
+            # stype==ZE_STRUCTURE_TYPE_DEVICE_PROPERTIES the units are in nanoseconds. When
+            # stype==ZE_STRUCTURE_TYPE_DEVICE_PROPERTIES_1_2 units are in cycles/sec"; the Level Zero
+            # tutorial and Intel's PTI pick it only when zeDriverGetApiVersion >= ZE_API_VERSION_1_2:
+            # "Before to v1.2" the ns field).  A driver of an older API knows no such structure type: it
+            # would fill the 1.0 structure, nanoseconds per tick included, and a caller reading cycles/sec
+            # would be off by orders of magnitude.  The simulator answered in cycles/sec whatever the API;
+            # now the stype is refused as IN_ORDER flags are before 1.7 (commands.py): INVALID_ENUMERATION.
+            return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+        if props.stype in (C.ZE_STRUCTURE_TYPE_DEVICE_PROPERTIES, C.ZE_STRUCTURE_TYPE_DEVICE_PROPERTIES_1_2) \
+                and _extension_chain(props):
+            return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE     # (r72a) _extension_chain
     return _write_core_properties(rt, props, dev.uuid, dev.is_sub, dev.tiles[0], len(dev.tiles))
 
 
@@ -205,6 +236,8 @@ def zeDeviceGetComputeProperties(hDevice, props):
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER    # _NULL_OUT
     if props.stype != rt.C.ZE_STRUCTURE_TYPE_DEVICE_COMPUTE_PROPERTIES:
         return rt.C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    if _extension_chain(props):
+        return rt.C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE     # (r72a) _extension_chain
     props.maxTotalGroupSize = 1024
     props.maxGroupSizeX = props.maxGroupSizeY = props.maxGroupSizeZ = 1024
     props.maxGroupCountX = props.maxGroupCountY = props.maxGroupCountZ = 0xFFFFFFFF
@@ -224,6 +257,8 @@ def zeDeviceGetModuleProperties(hDevice, props):
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER    # _NULL_OUT
     if props.stype != rt.C.ZE_STRUCTURE_TYPE_DEVICE_MODULE_PROPERTIES:
         return rt.C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    if _extension_chain(props):
+        return rt.C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE     # (r72a) _extension_chain
     props.spirvVersionSupported = (1 << 16) | 2
     props.flags = rt.C.ZE_DEVICE_MODULE_FLAG_FP16 | (rt.C.ZE_DEVICE_MODULE_FLAG_FP64 if rt.zcfg.fp64 else 0)
     return 0
@@ -243,6 +278,8 @@ def zeDeviceGetMemoryProperties(hDevice, pCount, props):
         return 0
     if props[0].stype != rt.C.ZE_STRUCTURE_TYPE_DEVICE_MEMORY_PROPERTIES:
         return rt.C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    if _extension_chain(props[0]):
+        return rt.C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE     # (r72a) _extension_chain
     props[0].flags = 0
     props[0].maxClockRate = 3200
     props[0].maxBusWidth = 8192
@@ -279,6 +316,8 @@ def zeDeviceGetCommandQueueGroupProperties(hDevice, pCount, props):
         kind, nq = _GROUPS[i]
         if props[i].stype != C.ZE_STRUCTURE_TYPE_COMMAND_QUEUE_GROUP_PROPERTIES:
             return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+        if _extension_chain(props[i]):
+            return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE    # (r72a) _extension_chain
         flags = C.ZE_COMMAND_QUEUE_GROUP_PROPERTY_FLAG_COPY
         if kind == "compute":
             flags |= C.ZE_COMMAND_QUEUE_GROUP_PROPERTY_FLAG_COMPUTE | C.ZE_COMMAND_QUEUE_GROUP_PROPERTY_FLAG_METRICS

@@ -240,6 +240,11 @@ def zeMemGetAllocProperties(hContext, ptr, props, phDevice):
         return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER      # "nullptr == ptr", "nullptr == pMemAllocProperties"
     if props.stype != C.ZE_STRUCTURE_TYPE_MEMORY_ALLOCATION_PROPERTIES:
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    if props.pNext:
+        # (r72a) an extension structure chained to the properties (ze_external_memory_export_fd_t
+        # exports the allocation as a dma-buf fd, ze_memory_sub_allocations_exp_properties_t lists
+        # its sub-allocations): not simulated, refused (discovery.py, _extension_chain)
+        return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE
     a = rt.memory.find(_addr(ptr))
     if a is not None and rt.alloc_ctx.get(a.base) is not rt.get(hContext, "context"):
         # "memory allocation unrelated to the context ... type will be ZE_MEMORY_TYPE_UNKNOWN"

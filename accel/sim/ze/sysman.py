@@ -10,7 +10,7 @@ from .. import _ze_counters, core
 from . import objects
 from .objects import _Card
 from .common import _fill, _sysman
-from .discovery import _write_core_properties
+from .discovery import _extension_chain, _write_core_properties
 
 
 # -- Sysman -------------------------------------------------------------------------------------------
@@ -26,6 +26,8 @@ def zesDeviceGetProperties(hDevice, props):
     C = rt.C
     if props.stype != C.ZES_STRUCTURE_TYPE_DEVICE_PROPERTIES:
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    if _extension_chain(props):
+        return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE   # (r72a) discovery._extension_chain
     card = _card_of(dev)
     props.core.stype = C.ZE_STRUCTURE_TYPE_DEVICE_PROPERTIES
     rc = _write_core_properties(rt, props.core, card.uuid, False, 0, card.tiles)
@@ -57,6 +59,8 @@ def zesMemoryGetProperties(hMemory, props):
         return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
     if props.stype != C.ZES_STRUCTURE_TYPE_MEM_PROPERTIES:
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    if _extension_chain(props):
+        return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE   # (r72a) discovery._extension_chain
     props.type = C.ZES_MEM_TYPE_HBM if mod.location == C.ZES_MEM_LOC_DEVICE else C.ZES_MEM_TYPE_DDR5
     props.onSubdevice = 1 if mod.tile is not None else 0
     props.subdeviceId = mod.tile or 0
@@ -76,6 +80,8 @@ def zesMemoryGetState(hMemory, st):
         return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
     if st.stype != C.ZES_STRUCTURE_TYPE_MEM_STATE:
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    if _extension_chain(st):
+        return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE   # (r72a) discovery._extension_chain
     st.health = C.ZES_MEM_HEALTH_OK
     if mod.location != C.ZES_MEM_LOC_DEVICE:
         st.size, st.free = 64 << 30, 48 << 30
@@ -145,6 +151,8 @@ def zesTemperatureGetProperties(hTemperature, pProperties):
         return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
     if pProperties.stype != C.ZES_STRUCTURE_TYPE_TEMP_PROPERTIES:
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    if _extension_chain(pProperties):
+        return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE   # (r72a) discovery._extension_chain
     pProperties.type = C.ZES_TEMP_SENSORS_GPU
     pProperties.onSubdevice = 0
     pProperties.subdeviceId = 0
@@ -187,6 +195,8 @@ def zesFrequencyGetProperties(hFrequency, pProperties):
         return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
     if pProperties.stype != C.ZES_STRUCTURE_TYPE_FREQ_PROPERTIES:
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    if _extension_chain(pProperties):
+        return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE   # (r72a) discovery._extension_chain
     pProperties.type = C.ZES_FREQ_DOMAIN_GPU
     pProperties.onSubdevice = 0
     pProperties.subdeviceId = 0
@@ -208,6 +218,8 @@ def zesFrequencyGetState(hFrequency, pState):
         return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
     if pState.stype != C.ZES_STRUCTURE_TYPE_FREQ_STATE:
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    if _extension_chain(pState):
+        return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE   # (r72a) discovery._extension_chain
     actual = _FREQ_MAX if card_busy(part.card) else _FREQ_MIN
     pState.currentVoltage = -1.0      # zes_api.h: negative = not known
     pState.request = actual
@@ -243,6 +255,8 @@ def zesDeviceProcessesGetState(hDevice, pCount, pProcesses):
         st = pProcesses[k]
         if st.stype != C.ZES_STRUCTURE_TYPE_PROCESS_STATE:
             return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+        if _extension_chain(st):
+            return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE   # (r72a) discovery._extension_chain
         st.processId = pid
         st.memSize = mem
         st.sharedSize = 0
@@ -292,6 +306,8 @@ def zesEngineGetProperties(hEngine, pProperties):
         return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
     if pProperties.stype != C.ZES_STRUCTURE_TYPE_ENGINE_PROPERTIES:
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    if _extension_chain(pProperties):
+        return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE   # (r72a) discovery._extension_chain
     pProperties.type = getattr(C, _ENGINE_GROUP[eng.group])
     pProperties.onSubdevice = 0 if eng.tile is None else 1
     pProperties.subdeviceId = eng.tile or 0
@@ -365,6 +381,8 @@ def zesPowerGetProperties(hPower, pProperties):
         return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
     if pProperties.stype != C.ZES_STRUCTURE_TYPE_POWER_PROPERTIES:
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    if _extension_chain(pProperties):
+        return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE   # (r72a) discovery._extension_chain
     pProperties.onSubdevice = 0 if pwr.tile is None else 1
     pProperties.subdeviceId = pwr.tile or 0
     pProperties.canControl = 0
