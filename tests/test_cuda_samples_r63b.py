@@ -268,6 +268,7 @@ def _start(monkeypatch, kind: str, **env):
         accel.synchronize(d)
     accel.empty_pinned(16)                # the host allocator is made at the first pinned array
     importlib.import_module("accel._dlpack")   # its enums are module state, not program state
+    importlib.import_module("accel.graphs")    # its module lock too (the file alone imported it in a program)
     settle()
     return _sim_counts(kind), _accel_objects(), process_state(), kind
 
