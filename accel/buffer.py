@@ -889,7 +889,7 @@ class Buffer:
         with _Hold(stream):     # another thread's close() of the stream waits for the fill
             with _Noting(stream, self) as noting:   # noted once queued: a refused fill changes nothing
                 if self._nbytes:
-                    with stream._device_scope():
+                    with stream._current_scope():
                         self._backend.memset_async(self._ptr, value, self._nbytes, stream._handle)
                     noting.queued = True
         return self

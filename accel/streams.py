@@ -680,6 +680,15 @@ class Stream:
             return _NO_SCOPE
         return on_device(backend, self._index)
 
+    def _current_scope(self):
+        """The context a call that must run with this stream's device current runs in (a memset:
+        unlike a copy, the CUDA guide does not say it may go to another device's stream, see
+        accel/sim/cudart/copies.py cudaMemsetAsync): nothing to do when it is current."""
+        backend = self._backend
+        if backend.get_device() == self._index and not backend.device_deferred():
+            return _NO_SCOPE
+        return on_device(backend, self._index)
+
     def wait_event(self, event: "Event") -> None:
         """Make work queued on this stream after now wait for ``event``'s recorded work."""
         self._live()

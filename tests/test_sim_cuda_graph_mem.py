@@ -299,7 +299,11 @@ def test_capture_on_device_1_while_0_is_current(lib):
     ok(lib.cudaSetDevice(0))
     ok(lib.cudaStreamBeginCapture(s1, GLOBAL))
     p = malloc_async(lib, 4096, s1)                  # from the stream's device, not the current one
+    # (a memset, unlike a copy, needs its stream's device current: accel/sim/cudart/copies.py)
+    assert lib.cudaMemsetAsync(p, 2, 4096, s1) == lib.cudaErrorInvalidResourceHandle
+    ok(lib.cudaSetDevice(1))
     ok(lib.cudaMemsetAsync(p, 2, 4096, s1))
+    ok(lib.cudaSetDevice(0))
     graph = end_capture(lib, s1)
     attrs = ffi.new("struct cudaPointerAttributes *")
     ok(lib.cudaPointerGetAttributes(attrs, p))

@@ -96,8 +96,7 @@ def test_launches_of_one_graph_exec_are_ordered_across_streams(lib, device):
 def test_work_queued_after_free_async_is_refused(lib, device):
     s, g = _gated_stream(lib, device)
     ok(lib.cudaSetDevice(device))
-    other = stream(lib)
-    ok(lib.cudaSetDevice(0))
+    other = stream(lib)                       # (device stays current: memsets go to its streams only)
     p = _malloc_async(lib, 4096, s)
     ok(lib.cudaFreeAsync(p, s))               # the free waits behind the gate
     rc = lib.cudaMemsetAsync(p, 1, 4096, other)
@@ -128,8 +127,7 @@ def test_pool_allocation_used_on_another_stream_before_it_is_made_is_refused(lib
     operation completes" (strict xfail in r62g; enforced since r63a, cudart/mempool.py)."""
     s, g = _gated_stream(lib, device)
     ok(lib.cudaSetDevice(device))
-    other = stream(lib)
-    ok(lib.cudaSetDevice(0))
+    other = stream(lib)                       # (device stays current: memsets go to its streams only)
     p = _malloc_async(lib, 4096, s)           # the allocation operation waits behind the gate
     rc = lib.cudaMemsetAsync(p, 1, 4096, other)
     lib.cudaGetLastError()
@@ -145,7 +143,6 @@ def test_pool_allocation_used_in_order_is_accepted(lib):
     """What stays valid: the allocating stream, and another stream after an event or a synchronize."""
     ok(lib.cudaSetDevice(1))
     s, other = stream(lib), stream(lib)
-    ok(lib.cudaSetDevice(0))
     p = _malloc_async(lib, 4096, s)
     ok(lib.cudaMemsetAsync(p, 1, 4096, s))
     ok(lib.cudaStreamSynchronize(s))
@@ -264,7 +261,8 @@ def test_accel_async_allocator_never_touches_memory_after_free_async(monkeypatch
         for _ in range(3):
             ptr = alloc.malloc(1 << 16, mine)
             seen.update(state.runtime().async_allocs)
-            be.memset_async(ptr, 0xAA, 1 << 16, slow)
+            with accel.streams.on_device(be, 1):      # (a memset needs its stream's device current)
+                be.memset_async(ptr, 0xAA, 1 << 16, slow)
             alloc.record_stream(ptr, slow)
             alloc.free(ptr)
         be.stream_synchronize(mine)
@@ -281,6 +279,7 @@ def test_accel_async_allocator_never_touches_memory_after_free_async(monkeypatch
         p = _malloc_async(lib, 4096, s)
         seen.update(state.runtime().async_allocs)
         ok(lib.cudaFreeAsync(p, s))
+        ok(lib.cudaSetDevice(1))
         assert lib.cudaMemsetAsync(p, 1, 4096, s) == INVALID_VALUE and refused
         g.set()
         ok(lib.cudaStreamSynchronize(s))

@@ -246,10 +246,10 @@ def test_memset_into_peer_memory_with_peer_access_runs(lib):
     ok(lib.cudaSetDevice(1))
     d1 = malloc(lib, 64)
     s1 = stream(lib)
-    ok(lib.cudaSetDevice(0))
-    s = stream(lib)
     ok(lib.cudaMemsetAsync(d1, 4, 64, s1))        # device 1's own stream: no peer access needed
     ok(lib.cudaStreamSynchronize(s1))
+    ok(lib.cudaSetDevice(0))
+    s = stream(lib)
     assert read(d1, 64) == b"\x04" * 64
     ok(lib.cudaDeviceEnablePeerAccess(1, 0))
     ok(lib.cudaMemsetAsync(d1, 3, 64, s))

@@ -116,7 +116,10 @@ def test_copies_with_genuine_host_memory_still_work(lib, device):
             for kind in (H2D, DEFAULT):
                 # (r69d) on p's own device: a memset by device 0 into device 1's memory without peer
                 # access faults (cudaDeviceEnablePeerAccess; accel/sim/README.md)
+                # (r72) and with its device current: a memset, unlike a copy, needs it (copies.py)
+                ok(lib.cudaSetDevice(device))
                 ok(lib.cudaMemsetAsync(p, 0, 4096, s))
+                ok(lib.cudaSetDevice(0))
                 ok(lib.cudaStreamSynchronize(s))
                 ok(lib.cudaMemcpy(p, host, 4096, kind))
                 assert _host_read(lib, p, 4096) == src.tobytes()
@@ -258,9 +261,8 @@ def _pool_used(lib, device):
 @pytest.mark.parametrize("device", [0, 1])
 def test_unmade_pool_memory_refused_on_another_stream_state_unchanged(lib, device):
     s, g = _gated(lib, device)
-    ok(lib.cudaSetDevice(device))
+    ok(lib.cudaSetDevice(device))             # (current throughout: memsets need their stream's device)
     other = stream(lib)
-    ok(lib.cudaSetDevice(0))
     p = _malloc_async(lib, 4096, s)
     q = malloc(lib, 4096)
     used = _pool_used(lib, device)
@@ -300,8 +302,7 @@ def test_unmade_pool_memory_ordered_by_events_is_accepted(lib, device):
     e1, e2 = ffi.new("cudaEvent_t *"), ffi.new("cudaEvent_t *")
     ok(lib.cudaEventCreateWithFlags(e1, 2))
     ok(lib.cudaEventCreateWithFlags(e2, 2))
-    ok(lib.cudaSetDevice(0))
-    p = _malloc_async(lib, 4096, s)
+    p = _malloc_async(lib, 4096, s)           # (device stays current: memsets need their stream's device)
     ok(lib.cudaEventRecord(e1[0], s))
     ok(lib.cudaStreamWaitEvent(direct, e1[0], 0))
     ok(lib.cudaMemsetAsync(p, 5, 2048, direct))

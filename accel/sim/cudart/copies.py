@@ -292,6 +292,13 @@ def cudaMemsetAsync(R, devPtr, value, count, stream=None):
     s = _stream(R, stream)
     if s is None:
         return cudaErrorInvalidResourceHandle
+    # CUDA Programming Guide, "Multi-Device System" (Stream and Event Behavior): "A kernel launch will
+    # fail if it is issued to a stream that is not associated to the current device ... A memory copy
+    # will succeed even if it is issued to a stream that is not associated to the current device."
+    # A memset is neither; the guide is silent, so the simulator refuses it as a launch (r72): a
+    # caller sets the stream's device first, as accel does.
+    if s.device != R.tls.device:
+        return cudaErrorInvalidResourceHandle
     return _memset(R, devPtr, value, count, s, False)
 
 
