@@ -634,8 +634,7 @@ class _source:
                              "nothing was copied")
         try:
             shape = tuple(operator.index(n) for n in cai["shape"])
-            dtype = np.dtype(cai["descr"]) if str(cai["typestr"]).lstrip("<>|=").startswith("V") \
-                and cai.get("descr") else np.dtype(cai["typestr"])
+            dtype = _cai_dtype(cai)
             ptr = operator.index(cai["data"][0])
             strides = cai.get("strides")
             strides = None if strides is None else tuple(operator.index(s) for s in strides)
@@ -766,12 +765,25 @@ def _cai_of(obj) -> Optional[dict]:
         return None
 
 
+def _cai_dtype(cai: dict) -> np.dtype:
+    """The element type of a CUDA array interface: ``typestr``, or ``descr`` for a structured
+    void type.  ``descr`` "follows the same specification as in the NumPy array interface", whose
+    default is ``[('', typestr)]``: that names the plain type, not a structure with one field
+    (numpy and CuPy always send it)."""
+    typestr, descr = cai["typestr"], cai.get("descr")
+    if not str(typestr).lstrip("<>|=").startswith("V") or not descr:
+        return np.dtype(typestr)
+    if len(descr) == 1 and len(descr[0]) == 2 and descr[0][0] == "" and np.dtype(descr[0][1]) == np.dtype(typestr):
+        return np.dtype(typestr)
+    return np.dtype(descr)
+
+
 def _check_cai_stream(foreign) -> None:
-    if isinstance(foreign, bool) or not isinstance(foreign, int) or foreign <= 0:
+    if isinstance(foreign, bool) or not hasattr(type(foreign), "__index__") or operator.index(foreign) <= 0:
         raise ValueError(f"copy_from: __cuda_array_interface__ stream {foreign!r} is invalid (v3: None, 1, 2 "
                          f"or a stream handle; 0 is disallowed); nothing was copied")
     from .streams import check_handle_bits
-    check_handle_bits(foreign, "copy_from: __cuda_array_interface__ stream")
+    check_handle_bits(operator.index(foreign), "copy_from: __cuda_array_interface__ stream")
 
 
 def _wait_foreign(backend, stream: Stream, foreign) -> None:

@@ -616,6 +616,19 @@ def wait_for_producer(backend, index: int, producer, stream) -> None:
     producer stream's device current, as cudaEventRecord asks.  ``stream``, and the producer's
     stream when it is a live accel stream (an accel buffer's interface), are held meanwhile
     (``streams._Hold``): another thread's close() of one leaves its destroy to the end."""
+    _order_with_producer(backend, index, producer, stream, True)
+
+
+def order_producer_after(backend, index: int, producer, stream) -> None:
+    """The consumer's other half of CAI v3's handshake, once its work on the data is queued on
+    ``stream`` and control returns before it ran (a non-blocking copy): the producer's stream
+    waits for it, so that the producer's next work cannot overwrite the data under it ("Placing
+    a wait on an event in the provided stream that occurs once all of the consumer's operations
+    on the data are completed").  ``producer`` as for :func:`wait_for_producer`."""
+    _order_with_producer(backend, index, producer, stream, False)
+
+
+def _order_with_producer(backend, index: int, producer, stream, producer_first: bool) -> None:
     from .streams import _Hold, _hold_open, check_handle_bits, on_device
     if isinstance(producer, bool) or not hasattr(type(producer), "__index__"):
         raise ValueError(f"__cuda_array_interface__ stream must be an int or None, got {producer!r}")
@@ -643,13 +656,18 @@ def wait_for_producer(backend, index: int, producer, stream) -> None:
         with _Hold(stream):
             if handle == stream._handle and device == stream._index:
                 return
-            with on_device(backend, device):
+            # the signalling side's device is current for the event's creation and record, as
+            # cudaEventRecord asks; a wait may name another device's event
+            (signal, signal_device), (waiter, waiter_device) = (
+                ((handle, device), (stream._handle, stream._index)) if producer_first
+                else ((stream._handle, stream._index), (handle, device)))
+            with on_device(backend, signal_device):
                 event = backend.event_create(False, False)
             try:
-                with on_device(backend, device):
-                    backend.event_record(event, handle)
-                with stream._device_scope():
-                    backend.stream_wait_event(stream._handle, event)
+                with on_device(backend, signal_device):
+                    backend.event_record(event, signal)
+                with on_device(backend, waiter_device):
+                    backend.stream_wait_event(waiter, event)
             finally:
                 _finalize.finalize(backend.event_destroy, event)      # (as in _sync_for_consumer)
     finally:

@@ -82,6 +82,8 @@ def _host_view(src):
     if not view.c_contiguous:
         raise ValueError("source array is not C-contiguous; pass numpy.ascontiguousarray(a) "
                          "(nothing was copied)")
+    if not view.nbytes:
+        return memoryview(b"")      # (cast() refuses a shape with a 0 in it: "zero-length" dimensions)
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
@@ -772,7 +774,13 @@ class Buffer:
             if producer is not None:
                 from ._dlpack import wait_for_producer
                 wait_for_producer(self._backend, index, producer, stream)
-            return self.copy_from(temp, stream, non_blocking)
+            self.copy_from(temp, stream, non_blocking)
+            if producer is not None and non_blocking:
+                # CAI v3: control returns before the copy ran, so the producer's stream waits for
+                # it (its next write would otherwise overwrite the source under the copy)
+                from ._dlpack import order_producer_after
+                order_producer_after(self._backend, index, producer, stream)
+            return self
         finally:
             temp._closed = True     # the caller keeps `obj` alive, as for any source (torch's rule)
 
