@@ -261,8 +261,7 @@ def xpu_no_peer(monkeypatch):
     sim.reset()
 
 
-@pytest.mark.xfail(strict=True, reason="r72d: XPU MemoryMixin.memcpy_peer_async invalidates the capture "
-                                       "(nothing queued yet) and its CaptureError does not say so")
+# (r72d found; fixed in session 31)
 def test_xpu_refused_staged_copy_in_a_capture_says_the_capture_is_invalidated(xpu_no_peer):
     """The refusal is decided before any vendor call, yet the capture is invalidated; the message
     says only that the copy "cannot be captured", so a program that catches it and goes on (as
@@ -393,8 +392,7 @@ def xpu_peers(monkeypatch):
     sim.reset()
 
 
-@pytest.mark.xfail(strict=True, reason="r72d: DeviceCachingAllocator.add_peer's CaptureError names "
-                                       "cuMemSetAccess on XPU (Level Zero: zeVirtualMemSetAccessAttribute)")
+# (r72d found; fixed in session 31)
 def test_xpu_add_peer_refused_in_a_capture_names_the_level_zero_call(xpu_peers):
     """copy_from grants the destination card access to the source's mapped memory (add_peer) on
     the first copy between two peer cards; inside a capture that is refused, and the message says

@@ -351,11 +351,14 @@ class MemoryMixin:
             return
         source = self._device(src_index).default
         if s.capture is not None or source.capture is not None:
+            invalidated = ""
             if s.capture is not None:
+                # (as memcpy_async's pageable copies: a command the capture cannot hold ends it)
                 self._invalidate(s.capture, "copy between cards without peer access")
+                invalidated = "; the capture is invalidated"
             raise CaptureError(f"a copy from xpu:{src_index} to xpu:{dst_index}, which cannot access each other's "
                                f"memory (zeDeviceCanAccessPeer), goes through host memory and cannot be captured; "
-                               f"copy before the capture, or through a Buffer of this device")
+                               f"copy before the capture, or through a Buffer of this device{invalidated}")
         ffi, lib, _ = self._lib
         copy = lib.zeCommandListAppendMemoryCopy
         p = ffi.new("void **")          # the staging pointer while this call owns it (see memcpy_async)
