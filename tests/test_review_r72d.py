@@ -100,8 +100,7 @@ def swapped_bus(monkeypatch):
     sim.reset()
 
 
-@pytest.mark.xfail(strict=True, reason="r72d: CudaNvmlMixin.smi_index falls back to the position when "
-                                       "_nvml_index_of finds no UUID, reading another GPU")
+# (r72d found; fixed in session 31)
 def test_telemetry_of_the_lost_gpu_itself_is_not_the_other_gpus(swapped_bus, monkeypatch):
     """CUDA device 0 is NVML index 1, which NVML cannot read.  _nvml_index_of passes the lost GPU
     over, finds no UUID, and smi_index returns the position, NVML index 0: device 0's readings are

@@ -81,13 +81,25 @@ class CudaNvmlMixin:
             ffi, lib = self._smi_lib()
             handle = ffi.new("nvmlDevice_t *")
             buf = ffi.new("char[]", 96)         # NVML_DEVICE_UUID_V2_BUFFER_SIZE
-            found = None
+            found, unread = None, []
             for i in range(raw_count):
-                if (lib.nvmlDeviceGetHandleByIndex_v2(i, handle) == _NVML_SUCCESS
-                        and lib.nvmlDeviceGetUUID(handle[0], buf, 96) == _NVML_SUCCESS
-                        and ffi.string(buf).decode(errors="replace") == uuids[index]):
+                rc = lib.nvmlDeviceGetHandleByIndex_v2(i, handle)
+                if rc == _NVML_SUCCESS:
+                    rc = lib.nvmlDeviceGetUUID(handle[0], buf, 96)
+                if rc != _NVML_SUCCESS:
+                    unread.append((i, rc))
+                elif ffi.string(buf).decode(errors="replace") == uuids[index]:
                     found = i
                     break
+            if found is None and unread and not uuids[index].startswith("MIG-"):
+                # r72d: the GPU is most likely the one NVML could not read; its position would
+                # name another GPU, whose readings would pass for this one's.  Not cached: a
+                # GPU that recovers (or a transient failure) is matched next time.
+                i, rc = unread[0]
+                raise AcceleratorError(
+                    f"NVML cannot read CUDA device {index} ({uuids[index]}): no readable NVML device has its "
+                    f"UUID, and NVML device {i} did not answer ({_nvml_code_name(ffi, rc)}); "
+                    f"the GPU may be lost or in reset (nvidia-smi -q shows its state)")
             cache[index] = found
         return cache[index]
 
