@@ -608,6 +608,29 @@ def wait_for_closed(backend, stream, why: str = "") -> None:
             backend.device_synchronize()
 
 
+def wait_for_stream(backend, stream, why: str) -> None:
+    """Wait on the host for the work queued so far on ``stream`` (another device's, still
+    open): a stream synchronize, not the device's (r72d: work of other streams there, maybe
+    waiting for what the caller does next, is not waited for).  A stream closed meanwhile is
+    waited for as :func:`wait_for_closed` does.  CaptureError while a capture is underway, as
+    there (a wait on the host would invalidate a global-mode capture)."""
+    from .streams import _hold_open, on_device
+    held = _hold_open(stream)
+    if held is None:
+        wait_for_closed(backend, stream, why)
+        return
+    try:
+        with backend.capture_gate:
+            if backend.captures_underway():
+                raise CaptureError(f"the buffer was last used on {why} ({stream!r}): waiting for it on the host "
+                                   f"would invalidate the stream capture underway; export it after the capture "
+                                   f"ends")
+            with on_device(backend, stream.device_index):
+                backend.stream_synchronize(stream._handle)
+    finally:
+        held.__exit__(None, None, None)
+
+
 def wait_for_producer(backend, index: int, producer, stream) -> None:
     """Make accel ``stream`` wait for the work a producer queued on its stream ``producer``
     (the ``stream`` of a __cuda_array_interface__ v3: 1 legacy default, 2 per-thread default

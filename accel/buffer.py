@@ -966,8 +966,8 @@ class Buffer:
             # the integer as a stream of the buffer's device (1: that device's legacy stream)
             # (r71o).  Waited for on the host, as a closed one: a getter that queued a wait could
             # join a capture or invalidate it, and would queue one at every read (r71q)
-            from ._dlpack import wait_for_closed
-            wait_for_closed(self._backend, last, f"a stream of device {last._index}")
+            from ._dlpack import wait_for_stream
+            wait_for_stream(self._backend, last, f"a stream of device {last._index}")
             self._last = last = current_stream(self._index)
         handle = last._handle
         return {"shape": (self._nbytes,), "typestr": "|u1", "data": (self._ptr, self._readonly),

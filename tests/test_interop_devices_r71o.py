@@ -188,7 +188,7 @@ def test_cai_of_device1_buffer_last_used_on_device0_default_stream(sim_cuda, las
         buf.__dlpack__(stream=zero, max_version=(1, 0))     # a consumer on device 0's legacy stream
     assert buf.last_stream == zero
     recorded, synced = [], []
-    real, real_sync = backend.event_record, backend.device_synchronize
+    real, real_sync, real_stream_sync = backend.event_record, backend.device_synchronize, backend.stream_synchronize
 
     def spy(event, stream, *a, **kw):
         recorded.append((backend.get_device(), stream))
@@ -198,17 +198,23 @@ def test_cai_of_device1_buffer_last_used_on_device0_default_stream(sim_cuda, las
         synced.append(backend.get_device())
         return real_sync(*a, **kw)
 
-    backend.event_record, backend.device_synchronize = spy, spy_sync
+    def spy_stream_sync(stream, *a, **kw):
+        synced.append((backend.get_device(), stream))
+        return real_stream_sync(stream, *a, **kw)
+
+    backend.event_record, backend.device_synchronize, backend.stream_synchronize = spy, spy_sync, spy_stream_sync
     try:
         cai = buf.__cuda_array_interface__
         accel.Buffer(64, device=1).copy_from(CAI(cai, buf))
         accel.Buffer(64, device=1).as_array("u1").copy_from(CAI(cai, buf))
     finally:
-        del backend.event_record, backend.device_synchronize
+        del backend.event_record, backend.device_synchronize, backend.stream_synchronize
     # device 0's legacy stream must be waited for (an event recorded on it, by the producer or
-    # the consumers, or device 0 synchronized: accel's getter waits on the host since r71q) before
-    # the device-1 consumers' copies
-    assert (0, backend.default_stream(0)) in recorded or 0 in synced, (cai["stream"], recorded, synced)
+    # the consumers, or it or device 0 synchronized: accel's getter waits on the host since r71q,
+    # for the stream alone since r72d) before the device-1 consumers' copies
+    zero_handle = backend.default_stream(0)
+    assert (0, zero_handle) in recorded or 0 in synced or (0, zero_handle) in synced, \
+        (cai["stream"], recorded, synced)
     assert cai["stream"] in (1, accel.current_stream(1).handle or 1)
 
 

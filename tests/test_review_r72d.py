@@ -223,8 +223,7 @@ def cuda2(request, monkeypatch):
     sim.reset()
 
 
-@pytest.mark.xfail(strict=True, reason="r72d: Buffer.__cuda_array_interface__ waits for all of the other "
-                                       "device (cudaDeviceSynchronize), not the last-use stream")
+# (r72d found; fixed in session 31)
 def test_cai_getter_waits_for_the_last_use_stream_not_the_whole_other_device(cuda2):
     """The last-use stream s1 of device 1 is open (a stream synchronize, or the DLPack handshake's
     event, would do); the getter synchronizes the whole of device 1, so it waits for unrelated
