@@ -647,7 +647,9 @@ class Buffer:
                 # at::cuda::get_p2p_access, and copies with cudaMemcpyPeerAsync then)
                 direct = backend.can_access_peer(self._index, src._index)
                 if direct:
-                    _memory().device_allocator(src._index).add_peer(self._index)
+                    source_allocator = _memory().device_allocator(src._index)
+                    source_allocator.add_peer(self._index)
+                    direct = source_allocator.reachable_from(src._ptr, self._index)
                 if barrier is not None:
                     stream.wait_stream(barrier)
             # Ordering against work on the source's stream is the caller's, as in torch; the

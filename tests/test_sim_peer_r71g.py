@@ -200,18 +200,27 @@ def test_pool_memory_crosses_with_memcpy_peer_not_with_memcpy_async(cudart):
     assert lib.cudaStreamSynchronize(s1) == ILLEGAL_ADDRESS
 
 
-def test_memcpy_peer_between_peer_capable_devices_keeps_the_pool_rule(cudart):
-    """Unchanged on the default machine: the stream's device needs the pool's access."""
+def test_memcpy_peer_between_peer_capable_devices_without_pool_access_is_staged(cudart):
+    """(session 32; r71g had it fault) Between peer-capable devices whose pool access was not
+    granted, cudaMemcpyPeerAsync is staged by the driver as between others: the Programming Guide,
+    "Peer-to-Peer Memory Copy", says only that enabled peer access makes the copy no longer need
+    staging through the host.  A cudaMemcpyAsync by the other device still faults."""
     lib = cudart()
     p = ffi.new("void **")
     s0 = stream(lib)
     ok(lib.cudaMallocAsync(p, 64, s0))
     src = p[0]
+    ok(lib.cudaMemsetAsync(src, 7, 64, s0))
     ok(lib.cudaStreamSynchronize(s0))
     ok(lib.cudaSetDevice(1))
     d1 = malloc(lib, 64)
     s1 = stream(lib)
     ok(lib.cudaMemcpyPeerAsync(d1, 1, src, 0, 64, s1))
+    ok(lib.cudaStreamSynchronize(s1))
+    out = bytearray(64)
+    ok(lib.cudaMemcpy(ffi.from_buffer(out), d1, 64, 2))
+    assert bytes(out) == b"\x07" * 64
+    ok(lib.cudaMemcpyAsync(d1, src, 64, 3, s1))
     assert lib.cudaStreamSynchronize(s1) == ILLEGAL_ADDRESS
 
 

@@ -888,10 +888,7 @@ def test_thread_local_captures_on_device1_while_a_loader_works_on_device0(monkey
 
 
 # (r72b found) a strict xfail: the fix should make it pass
-@pytest.mark.xfail(strict=True, reason="r72b: backend:cudaMallocAsync, peer-capable devices: copy_from of a "
-                   "graph allocation of device 1 to device 0 grants pool access only after the capture "
-                   "(graph allocations keep the access of capture time), so the copy faults: sticky "
-                   "cudaErrorIllegalAddress (700), reported as a failed cudaGetDevice")
+# (r72b found; fixed in session 31)
 def test_async_backend_graph_output_copied_to_the_other_device_without_a_warm_up_copy(monkeypatch):
     """A graph captured on device 1 (device 0 current) allocates its output; after a replay the
     user copies the output to device 0, the first cross-device copy of the program.  accel's

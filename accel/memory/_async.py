@@ -117,11 +117,14 @@ class _GraphRecord:
     """One capture through this allocator: the token :mod:`accel.graphs` keeps.  Holds the
     graph allocations that outlive the capture and counts the graph's launches, each of which
     allocates them again."""
-    __slots__ = ("_owner", "stream", "allocs", "launches", "released")
+    __slots__ = ("_owner", "stream", "allocs", "launches", "released", "peers")
 
     def __init__(self, owner: "AsyncPoolAllocator", stream: int):
         self._owner = owner
         self.stream = stream        # the capture's origin stream: frees during the capture go there
+        # the devices the pool let in when the capture began: the graph's allocations keep that
+        # access for good (CUDA Programming Guide, Graph Memory Nodes, "Peer Access")
+        self.peers = tuple(owner._peers)
         self.allocs: Dict[int, _Alloc] = {}     # ptr -> allocation left allocated by the capture
         self.launches = 0
         self.released = False
@@ -507,6 +510,13 @@ class AsyncPoolAllocator:
                     if be.can_access_peer(index, self._index):
                         be.mem_pool_set_access(self._index, index)
                 self._peers.append(index)
+
+    def reachable_from(self, ptr: int, index: int) -> bool:
+        """Whether device ``index``, once :meth:`add_peer` let it in, reads the allocation at
+        ``ptr`` directly: not a graph allocation captured before that (r72b: the copy faulted;
+        copy through the driver's staged path instead).  True for memory not from here."""
+        alloc = self._ptrs.get(ptr)
+        return alloc is None or alloc.graph is None or index in alloc.graph.peers
 
     def empty_cache(self) -> None:
         """Synchronize the device and trim its pool to 0 bytes (``cudaMemPoolTrimTo``), and its

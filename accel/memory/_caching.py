@@ -1445,6 +1445,11 @@ class DeviceCachingAllocator(ExpandableSegments):
                     out.append(block)
         return out
 
+    def reachable_from(self, ptr: int, index: int) -> bool:
+        """Whether device ``index``, once :meth:`add_peer` let it in, reads the block at ``ptr``
+        directly: always here (add_peer grants access to every mapping, now and later)."""
+        return True
+
     def add_peer(self, index: int) -> None:
         """Let device ``index`` access this device's memory, now and later (torch's
         ``ExpandableSegment::addPeer``): memory mapped through virtual memory is accessible

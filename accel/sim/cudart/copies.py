@@ -67,9 +67,10 @@ def _vmm_fault(R: Runtime, s: Stream, why: str, sync: bool, kind: str) -> int:
 
 def _memcpy(R: Runtime, dst, src, count, kind, s: Stream, sync: bool, label: str = "memcpy",
             staged_peer=None) -> int:
-    """``staged_peer``: (dstDevice, srcDevice) of a cudaMemcpyPeerAsync between two devices that
-    are not peer-capable (r71g): the driver stages it, each device touching its own memory only,
-    so each side's access is checked for its own device instead of the stream's."""
+    """``staged_peer``: (dstDevice, srcDevice) of a cudaMemcpyPeerAsync between two devices
+    (r71g; any two since session 32): the driver stages it where no access was granted, each
+    device touching its own memory only, so each side's access is checked for its own device
+    instead of the stream's."""
     if not (0 <= kind <= 4):
         return cudaErrorInvalidMemcpyDirection
     if count < 0:
@@ -190,12 +191,16 @@ def cudaMemcpyPeerAsync(R, dst, dstDevice, src, srcDevice, count, stream=None):
     if da is None or sa is None or da.device != dstDevice or sa.device != srcDevice:
         return cudaErrorInvalidValue
     staged_peer = None
-    if dstDevice != srcDevice and not core.peer_capable(R.devices[dstDevice].physical,
-                                                        R.devices[srcDevice].physical):
+    if dstDevice != srcDevice:
         # (r71g) Between devices that cannot access each other (cudaDeviceCanAccessPeer 0,
         # ACCEL_SIM_PEER) the copy is staged by the driver through the host, each device reading or
-        # writing its own memory.  CUDA Runtime API, cudaMemcpyPeerAsync: "Copies memory from one
-        # device to memory on another device", with no condition on peer access (Programming Guide,
+        # writing its own memory; between peer-capable ones too when the access was not granted
+        # (session 32: a graph's pool allocation keeps the access of capture time): the
+        # Programming Guide, "Peer-to-Peer Memory Copy": "if peer-to-peer access is enabled ...
+        # peer-to-peer memory copy between these two devices no longer needs to be staged through
+        # the host", so without it the copy is staged, not refused.  The simulator stages every
+        # peer copy: the bytes and ordering are the same, only speed differs.  CUDA Runtime API,
+        # cudaMemcpyPeerAsync: "Copies memory from one device to memory on another device", with no condition on peer access (Programming Guide,
         # "Peer-to-Peer Memory Copy": "Memory copies can be performed between the memories of two
         # different devices").  torch relies on it for pool memory (ATen/native/cuda/Copy.cu:
         # "copies of cudaMallocAsynced memory between devices that aren't peer-to-peer-capable
