@@ -655,15 +655,27 @@ class Buffer:
             # Ordering against work on the source's stream is the caller's, as in torch; the
             # uses noted keep the allocator from reusing either block under this copy (noted
             # once it was queued: a refused copy changes nothing)
-            with _Noting(stream, self, src) as noting:
-                if self._nbytes:
-                    with stream._device_scope():
-                        if direct:
-                            backend.memcpy_async(self._ptr, src_ptr, self._nbytes, stream.handle)
-                        else:
-                            backend.memcpy_peer_async(self._ptr, self._index, src_ptr, src._index, self._nbytes,
-                                                      stream.handle)
-                noting.queued = True
+            noting = _Noting(stream, self, src)
+            try:
+                with noting:
+                    if self._nbytes:
+                        with stream._device_scope():
+                            if direct:
+                                backend.memcpy_async(self._ptr, src_ptr, self._nbytes, stream.handle)
+                            else:
+                                backend.memcpy_peer_async(self._ptr, self._index, src_ptr, src._index,
+                                                          self._nbytes, stream.handle)
+                    noting.queued = True
+            except Exception:
+                if barrier is not None and noting.queued:
+                    barrier.wait_stream(stream)
+                raise
+            except BaseException:
+                # (r72d) a KeyboardInterrupt as the copy call returned: it may be queued, so the
+                # source device's later work still waits for it (the barrier's second half)
+                if barrier is not None:
+                    barrier.wait_stream(stream)
+                raise
             if barrier is not None:
                 barrier.wait_stream(stream)
             if not non_blocking and not (backend.captures_underway() and stream.is_capturing()):

@@ -202,8 +202,7 @@ def test_copy_from_orders_the_source_devices_later_work_after_the_copy(gated, mo
     assert _later_source_work_waits_for_the_copy(gated, monkeypatch, interrupt=False)
 
 
-@pytest.mark.xfail(strict=True, reason="r72d: Buffer._copy_from skips barrier.wait_stream(stream) when a "
-                                       "Ctrl-C lands as the copy call returns (the copy is queued)")
+# (r72d found; fixed in session 31)
 def test_copy_from_interrupted_as_the_copy_returns_still_orders_the_source_device(gated, monkeypatch):
     """The copy was queued (its uses are noted, _Noting), but ``barrier.wait_stream(stream)`` after
     it never runs: device 0's current stream is not ordered after the copy, and a program that
