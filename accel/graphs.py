@@ -341,10 +341,9 @@ class Graph:
                 raise
             h.stream = None
             h.capture_id = None
-            events = _capture_events.pop(capture_id, None) or {}
             # (the graph holds the pinned hold until its release below succeeds: a step that fails
             # or is refused leaves it, and the allocations, to reset() or the graph's release; r71i)
-            h.host = events.pop("host", None)
+            _take_capture_table(h, capture_id, False)
             try:
                 # ended, and interrupted as the end returned: its graph is not kept (the pool
                 # its nodes use is released below)
@@ -375,9 +374,7 @@ class Graph:
         try:
             # the graph holds them before _finish_end, which a Ctrl-C may cut short (r71a: the
             # pinned hold, kept in a local until after it, was lost and its blocks parked for good)
-            events = _capture_events.pop(capture_id, None) or {}
-            h.host = events.pop("host", None)      # see buffer._capture_hold
-            h.events = tuple(events.values())
+            _take_capture_table(h, capture_id, True)
         finally:
             self._finish_end()
         if warn_empty and h.backend.graph_node_count(graph_handle) == 0:
@@ -799,6 +796,18 @@ class _KeptInUse:
             event._busy.pop()
             if event._closed:
                 _closed_during_use(event)   # the last use of an event closed meanwhile destroys it
+
+
+@_signals_deferred
+def _take_capture_table(h, capture_id, keep_events: bool) -> None:
+    """Move what an ended capture left in ``streams._capture_events`` to the graph's handles: the
+    pinned hold (buffer._capture_hold) and, with ``keep_events``, the events recorded in it.  With
+    signals deferred (r72d: a Ctrl-C as a pop returned left the hold on the stack only, and its
+    pinned block parked for good)."""
+    events = _capture_events.pop(capture_id, None) or {}
+    h.host = events.pop("host", None)
+    if keep_events:
+        h.events = tuple(events.values())
 
 
 @_signals_deferred

@@ -304,8 +304,7 @@ def _parked() -> int:
 
 
 @pytest.mark.parametrize("kind", ["cuda", "xpu"])
-@pytest.mark.xfail(strict=True, reason="r72d: Graph._capture_end pops the pinned hold from the capture's "
-                                       "table into h.host in two interruptible steps: a Ctrl-C between loses it")
+# (r72d found; fixed in session 31)
 def test_ctrl_c_as_capture_end_takes_the_pinned_hold_keeps_it_with_the_graph(monkeypatch, kind):
     """r71a moved ``h.host = events.pop("host")`` before ``_finish_end`` so that an interrupt
     there keeps the hold with the graph; but the hold still passes through the stack: a SIGINT as
