@@ -348,8 +348,7 @@ print(repr((found and os.path.realpath(found), mapped)))
 """
 
 
-@pytest.mark.xfail(strict=True, reason="r72d: accel._ffi._loader_dirs reads LD_LIBRARY_PATH from os.environ "
-                                       "now; ld.so searches the value the process started with")
+# (r72d found; fixed in session 31)
 def test_soname_file_names_the_file_the_loader_maps(tmp_path):
     """glibc's ld.so reads LD_LIBRARY_PATH once, at process start (_dl_init_paths); setting or
     removing os.environ["LD_LIBRARY_PATH"] later changes nothing for dlopen.  soname_file reads

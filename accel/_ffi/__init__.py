@@ -218,12 +218,29 @@ def soname_file(soname: str) -> Optional[str]:
 
 def _loader_dirs() -> List[str]:
     """The directories :func:`soname_file` searches, in order."""
-    env = os.environ.get("LD_LIBRARY_PATH")
+    env = _startup_ld_library_path()
     dirs = [d for d in env.replace(";", ":").split(":") if "$" not in d] if env else []
     dirs += _ld_so_conf_dirs("/etc/ld.so.conf", 0)
     arch = getattr(sys.implementation, "_multiarch", None) or os.uname().machine + "-linux-gnu"
     dirs += [f"/lib/{arch}", f"/usr/lib/{arch}", "/lib64", "/usr/lib64", "/lib", "/usr/lib"]
     return dirs
+
+
+def _startup_ld_library_path() -> Optional[str]:
+    """LD_LIBRARY_PATH as the process started with it: glibc's ld.so reads it once, at start
+    (_dl_init_paths), so setting or removing it in ``os.environ`` later changes nothing for
+    dlopen (r72d: the header check looked at a file the loader would not map, or missed the one
+    it would).  /proc/self/environ holds the starting environment; ``os.environ`` where it
+    cannot be read."""
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            data = f.read()
+    except OSError:
+        return os.environ.get("LD_LIBRARY_PATH")
+    for item in data.split(b"\0"):
+        if item.startswith(b"LD_LIBRARY_PATH="):
+            return os.fsdecode(item[len(b"LD_LIBRARY_PATH="):])
+    return None
 
 
 def _ld_so_conf_dirs(conf: str, depth: int) -> List[str]:

@@ -39,7 +39,8 @@ def probe_gpu_drivers() -> Optional[List[str]]:
     """
     if not sys.platform.startswith("linux") or os.environ.get("ZE_ENABLE_ALT_DRIVERS"):
         return None
-    dirs = [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d] + list(_SEARCH_DIRS)
+    from .._ffi import _startup_ld_library_path     # (ld.so reads it once, at start: r72d)
+    dirs = [d for d in (_startup_ld_library_path() or "").split(":") if d] + list(_SEARCH_DIRS)
     try:
         with open("/etc/ld.so.cache", "rb") as f:
             cache = f.read()
