@@ -862,8 +862,7 @@ def test_async_graph_output_copied_to_a_peer_device(monkeypatch):
     assert (dst.to_numpy() == 7).all()
 
 
-@pytest.mark.xfail(strict=True, reason="r72c: release_threshold never releases expandable segments (the default "
-                                       "on CUDA and Level Zero): a freed 25 MiB stays reserved over a 4 MiB threshold")
+# (r72c found; fixed in session 31)
 @pytest.mark.parametrize("kind", ["cuda", "xpu"])
 def test_release_threshold_with_expandable_segments(monkeypatch, kind):
     """Found by cuda-release-throw-nonsplit (ops: ``Buffer(25 MiB, 0)``, then close it).
@@ -882,8 +881,7 @@ def test_release_threshold_with_expandable_segments(monkeypatch, kind):
     assert M.memory_reserved(1) <= 4 * MiB, M.memory_reserved(1)
 
 
-@pytest.mark.xfail(strict=True, reason="r72c: a block freed from a released MemPool moves its whole segment to "
-                                       "the general cache without applying release_threshold (until the next free)")
+# (r72c found; fixed in session 31)
 def test_release_threshold_after_a_released_pools_block_is_freed(monkeypatch):
     """Found by cuda-release-throw-nonsplit seed 0 (ops: two Buffers in a MemPool, the MemPool
     dropped, the Buffers closed).

@@ -1751,6 +1751,8 @@ class DeviceCachingAllocator(ExpandableSegments):
                     if j >= 0:
                         del keys[j]
                     insort(keys, key)
+                if fl.watch_whole and block.seg is not None:
+                    self._whole_segment_free(block)     # release_threshold: free pages count (r72c)
                 return
             cur = self._s_cur - dec
             # publish (no call until the insort)
@@ -1888,7 +1890,10 @@ class DeviceCachingAllocator(ExpandableSegments):
                 self._forget_private_if_empty(owner)
             elif block.ptr in self._pool_orphans and not owner.captured:
                 self._move_to_general(block)        # a destroyed stream's (see _rehome)
-        elif self._release_threshold is not None:
+            else:
+                return
+        # (r72c: a segment a released pool handed to the general cache is cached there too)
+        if self._release_threshold is not None:
             self._apply_release_threshold()
 
     # ------------------------------------------------------------------ slow paths
@@ -2523,6 +2528,10 @@ class DeviceCachingAllocator(ExpandableSegments):
         cached = sum(block.size for block in self._whole_free_segments())
         if cached > self._release_threshold:
             self._release_until(cached - self._release_threshold, largest_first=True)
+            cached = sum(block.size for block in self._whole_free_segments())
+        if self._exp_segs:
+            # expandable segments' free pages count too (r72c: a wholly free range stayed mapped)
+            self._exp_release_over(max(self._release_threshold - cached, 0))
 
     # ------------------------------------------------------------------ streams and events
     def _free_with_uses(self, block: _Block) -> None:

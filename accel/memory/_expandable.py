@@ -598,6 +598,24 @@ class ExpandableSegments:
         self._exp_unmap_pieces(chosen, synchronize=True)
         return place(seg, size, self._gran, _FREE)
 
+    def _exp_release_over(self, budget: int) -> None:
+        """``release_threshold`` for expandable segments: free pieces beyond ``budget`` bytes are
+        unmapped, those of the smallest free blocks first (as ``_exp_unmap_enough``), after a
+        device synchronize (E7).  Never during a capture (E6: the caller's ``unless_capturing``)."""
+        victims = self._exp_free_pieces()
+        excess = sum(v[1] for v in victims) - budget
+        if excess <= 0:
+            return
+        victims.sort(key=lambda v: (v[3].size, v[0]))
+        chosen = []
+        for v in victims:
+            chosen.append(v)
+            excess -= v[1]
+            if excess <= 0:
+                break
+        self._exp_unmap_pieces(chosen, synchronize=True)
+        self._exp_drop_orphans()
+
     def _exp_unmap_pieces(self, victims: list, synchronize: bool) -> int:
         """Unmap the free pieces ``victims`` (``(address, size, segment, free block)``, each a
         whole mapping) and release their physical memory; the device synchronized first when
