@@ -775,7 +775,10 @@ def _cai_dtype(cai: dict) -> np.dtype:
         return np.dtype(typestr)
     if len(descr) == 1 and len(descr[0]) == 2 and descr[0][0] == "" and np.dtype(descr[0][1]) == np.dtype(typestr):
         return np.dtype(typestr)
-    return np.dtype(descr)
+    # numpy's own reading of an interface descr: unnamed void entries are padding, not fields
+    # (r72g: np.dtype(descr) made an aligned structure's padding a field "f1")
+    from numpy.lib.format import descr_to_dtype
+    return descr_to_dtype(descr)
 
 
 def _check_cai_stream(foreign) -> None:

@@ -87,6 +87,11 @@ def _host_view(src):
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
+def _order_producer_after(backend, index: int, producer, stream: Stream) -> None:
+    from ._dlpack import order_producer_after
+    order_producer_after(backend, index, producer, stream)
+
+
 def _refuse_in_capture(backend, stream: Stream) -> None:
     """A blocking host copy (array views' copies) on a capturing stream: refused before
     anything is taken, so the capture stays valid (see :func:`_capture_hold` for the copies
@@ -788,12 +793,17 @@ class Buffer:
             if producer is not None:
                 from ._dlpack import wait_for_producer
                 wait_for_producer(self._backend, index, producer, stream)
-            self.copy_from(temp, stream, non_blocking)
+            try:
+                self.copy_from(temp, stream, non_blocking)
+            except BaseException as exc:
+                if producer is not None and non_blocking and not isinstance(exc, Exception):
+                    # (r72g) a KeyboardInterrupt as the copy call returned: it may be queued
+                    _order_producer_after(self._backend, index, producer, stream)
+                raise
             if producer is not None and non_blocking:
                 # CAI v3: control returns before the copy ran, so the producer's stream waits for
                 # it (its next write would otherwise overwrite the source under the copy)
-                from ._dlpack import order_producer_after
-                order_producer_after(self._backend, index, producer, stream)
+                _order_producer_after(self._backend, index, producer, stream)
             return self
         finally:
             temp._closed = True     # the caller keeps `obj` alive, as for any source (torch's rule)

@@ -345,7 +345,7 @@ def empty_cache() -> None:
         return
     if _finalize.pending:
         _finalize.drain()
-    if _config._runtime is None or _config._runtime.backend != "cudaMallocAsync":
+    if (_config._runtime or _config.current()).backend != "cudaMallocAsync":
         # torch makes a DeviceCachingAllocator for every device at init and emptyCache walks
         # them all, each counting num_sync_all_streams; one made here touches no device
         # (cudaMallocAsync's emptyCache walks only the devices it initialized, as here)

@@ -516,7 +516,16 @@ class AsyncPoolAllocator:
         ``ptr`` directly: not a graph allocation captured before that (r72b: the copy faulted;
         copy through the driver's staged path instead).  True for memory not from here."""
         alloc = self._ptrs.get(ptr)
-        return alloc is None or alloc.graph is None or index in alloc.graph.peers
+        if alloc is not None:
+            return alloc.graph is None or index in alloc.graph.peers
+        # a pointer inside one (a view, another library's array at an offset; r72g): the graph
+        # allocations are few, so they are looked through
+        for record in list(self._records):
+            if index not in record.peers:
+                for base, graph_alloc in list(record.allocs.items()):
+                    if base <= ptr < base + graph_alloc.size:
+                        return False
+        return True
 
     def empty_cache(self) -> None:
         """Synchronize the device and trim its pool to 0 bytes (``cudaMemPoolTrimTo``), and its
