@@ -912,5 +912,10 @@ def test_async_backend_graph_output_copied_to_the_other_device_without_a_warm_up
         on0 = accel.Buffer(MiB, device=0).copy_from(out)
         assert (on0.to_numpy() == 5).all()
         assert _sim_errors() == []
+        on0.close()
+        out.close()
+        g.reset()
+        s.close()
     finally:
+        gc.collect()            # what is left goes before the simulator does, not after
         sim.reset()
