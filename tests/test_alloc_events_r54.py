@@ -408,7 +408,9 @@ def test_empty_cache_drains_deferred_releases_before_any_allocator(sim_cuda, mon
             assert _finalize.pending, "the release was not deferred: the test sees nothing"
             assert sim.state().events == before
             empty()
-            assert not memory._allocators and memory._host is None
+            # (empty_cache makes every device's caching allocator since session 32, as torch's
+            # init does; neither makes the host allocator)
+            assert memory._host is None
             assert sim.state().events == before - 1, f"{empty.__name__}() left the event alive"
         finally:
             if enabled:

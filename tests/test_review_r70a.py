@@ -307,6 +307,11 @@ class _Inject:
         self.count, self.site, self._last, self._ops = 0, None, {}, {}
 
     def __enter__(self):
+        if sys.version_info >= (3, 12):
+            # sys.settrace runs on sys.monitoring from 3.12 (PEP 669): f_trace_opcodes set in the
+            # "call" event gives no opcode events on a code object's first traced run, and the
+            # eval-breaker opcodes were renamed, so the points counted here are not CPython's
+            pytest.skip("the KeyboardInterrupt injector models CPython 3.11's eval-breaker points")
         sys.settrace(self._global)
         return self
 
