@@ -4,7 +4,7 @@ device may not: freed, unmapped or no-access virtual memory, pool memory without
 
 from __future__ import annotations
 
-from .. import _memory, _vmm, core
+from .. import _memory, _vmm
 from ..core import ffi
 from .state import (
     _CHARP, _MEMCPY_D2D, _MEMCPY_DEFAULT, _MEMCPY_KINDS, _IllegalAddress, Runtime, Stream, _addr,
