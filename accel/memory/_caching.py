@@ -1484,8 +1484,8 @@ class DeviceCachingAllocator(ExpandableSegments):
                     raise CaptureError(
                         f"add_peer: device {index} cannot be granted access to device {self._index}'s "
                         f"expandable-segment memory while a stream capture is underway (the virtual-memory "
-                        f"access call, {_ACCESS_CALL.get(self._be.name, 'set access')}, is not allowed then); copy between the two devices once before the capture "
-                        f"(a warm-up), or call accel.memory.device_allocator({self._index}).add_peer({index}) "
+                        f"access call, {_ACCESS_CALL.get(self._be.name, 'set access')}, is not allowed then); "
+                        f"copy between the two devices once before the capture (a warm-up), or call accel.memory.device_allocator({self._index}).add_peer({index}) "
                         f"before the capture begins")
                 with self._on_device():
                     for seg in self._exp_segs:

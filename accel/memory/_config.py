@@ -57,8 +57,9 @@ OPTIONS = {
                                     "this fraction (0 < t < 1) of the allowed memory",
     "roundup_power2_divisions": "round request sizes up to one of N divisions per power of two "
                                 "(N, or a list such as [256:1,512:2,>:4] keyed by MiB)",
-    "release_threshold": "(ACCEL_ALLOC_CONF only) bytes (suffix K/M/G allowed) of completely free segments kept cached; "
-                         "more are returned to the device when a block is freed",
+    "release_threshold": "(ACCEL_ALLOC_CONF only) bytes (suffix K/M/G allowed) of completely free segments "
+                         "(with expandable segments: free mapped pages) kept cached; more are returned to the "
+                         "device when a block is freed",
     "expandable_segments": "True/False: grow one virtual address range per stream and pool by mapping "
                            "2 MiB pages where the backend has virtual memory (default: True there; False under policy:torch, as torch)",
     "per_process_memory_fraction": "cap reserved memory at this fraction [0, 1] of the device's total",

@@ -214,6 +214,19 @@ def pieces(addr: int, need: int, gran: int, lo: int, hi: int, most: int) -> List
     return out
 
 
+def _smallest_first(victims: list, excess: int) -> list:
+    """Of the free pieces ``victims`` (``(address, size, segment, free block)``), those of the
+    smallest free blocks first (then by address), until their bytes cover ``excess``."""
+    victims.sort(key=lambda v: (v[3].size, v[0]))
+    chosen = []
+    for v in victims:
+        chosen.append(v)
+        excess -= v[1]
+        if excess <= 0:
+            break
+    return chosen
+
+
 class ExpandableSegments:
     """The caching allocator's expandable segments (E1-E14 above), as methods of
     :class:`~accel.memory._caching.DeviceCachingAllocator`, whose state (``self._exp_segs``,
@@ -587,15 +600,7 @@ class ExpandableSegments:
         victims = self._exp_free_pieces()
         if sum(v[1] for v in victims) < excess:
             return None
-        victims.sort(key=lambda v: (v[3].size, v[0]))
-        chosen = []
-        got = 0
-        for v in victims:
-            chosen.append(v)
-            got += v[1]
-            if got >= excess:
-                break
-        self._exp_unmap_pieces(chosen, synchronize=True)
+        self._exp_unmap_pieces(_smallest_first(victims, excess), synchronize=True)
         return place(seg, size, self._gran, _FREE)
 
     def _exp_release_over(self, budget: int) -> None:
@@ -606,14 +611,7 @@ class ExpandableSegments:
         excess = sum(v[1] for v in victims) - budget
         if excess <= 0:
             return
-        victims.sort(key=lambda v: (v[3].size, v[0]))
-        chosen = []
-        for v in victims:
-            chosen.append(v)
-            excess -= v[1]
-            if excess <= 0:
-                break
-        self._exp_unmap_pieces(chosen, synchronize=True)
+        self._exp_unmap_pieces(_smallest_first(victims, excess), synchronize=True)
         self._exp_drop_orphans()
 
     def _exp_unmap_pieces(self, victims: list, synchronize: bool) -> int:
