@@ -621,10 +621,17 @@ def wait_for_stream(backend, stream, why: str) -> None:
         return
     try:
         with backend.capture_gate:
+            refused = None
             if backend.captures_underway():
+                # (r72g: a relaxed capture, or one another thread's mode keeps to itself, allows
+                # it, as it allows Stream.synchronize)
+                with on_device(backend, stream.device_index):
+                    capturing = backend.capture_id(stream._handle) is not None
+                refused = "that stream is capturing" if capturing else backend.host_wait_refused(stream._handle)
+            if refused:
                 raise CaptureError(f"the buffer was last used on {why} ({stream!r}): waiting for it on the host "
-                                   f"would invalidate the stream capture underway; export it after the capture "
-                                   f"ends")
+                                   f"now would invalidate the stream capture underway ({refused}); export it "
+                                   f"after the capture ends")
             with on_device(backend, stream.device_index):
                 backend.stream_synchronize(stream._handle)
     finally:

@@ -64,3 +64,4 @@ def test_fill_on_an_owned_stream_of_the_other_device(monkeypatch, kind, current)
     assert sim.state().errors == []
     b.close()
     s.close()
+

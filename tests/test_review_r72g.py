@@ -267,10 +267,7 @@ def test_cai_copy_inside_a_capture_with_an_outside_producer_stream_leaves_the_ca
 
 
 # == 6. __cuda_array_interface__ waiting for another device's open stream (wait_for_stream) ========
-@pytest.mark.xfail(strict=True, reason="r72g: _dlpack.wait_for_stream refuses whenever captures_underway(), "
-                   "also during a relaxed-mode capture on another device, where the stream synchronize it "
-                   "needs is allowed (Stream.synchronize of the same stream succeeds there): "
-                   "__cuda_array_interface__ raises CaptureError for nothing")
+# (r72g found; fixed in session 31)
 def test_cai_of_buffer_last_used_on_device1_during_a_relaxed_capture_on_device0(monkeypatch):
     _need("cuda")
     use_sim(monkeypatch, "cuda")

@@ -846,9 +846,20 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
     def host_wait_refused(self, stream: int) -> Optional[str]:
         # Programming Guide, "CUDA Graphs" > "Prohibited and Unhandled Operations": synchronizing
         # a stream not being captured is valid, except the legacy stream, which synchronizes with
-        # the blocking streams of its device (those in a capture included)
-        if self._captures and stream == 0:
+        # the blocking streams of its device (those in a capture included).  But cudaStreamSynchronize
+        # and cudaEventSynchronize are "potentially unsafe" calls (cudaStreamBeginCapture's modes):
+        # measured on an H100 (tests/conformance/cuda_h100_2026-12-05.json, unsafe_cudaStreamSynchronize_*)
+        # they fail with 900 and invalidate the capture while this thread has a global or thread_local
+        # capture, or another thread a global one (thread_local ones of other threads allow them; the
+        # mode is not kept per stream here, so those refuse too)
+        if not self._captures:
+            return None
+        if stream == 0:
             return "the legacy default stream synchronizes with the streams being captured"
+        me = threading.get_ident()
+        for owner in self._capture_owners.values():
+            return ("this thread's global or thread_local capture forbids a host wait" if owner == me
+                    else "another thread's global capture forbids a host wait")
         return None
 
     def graph_instantiate(self, graph: int) -> int:
