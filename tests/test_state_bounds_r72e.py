@@ -1025,13 +1025,8 @@ def test_a_capture_whose_thread_exited_is_ended_when_its_graph_goes(graph_sim2, 
     which another object held, is dropped in the main thread.  accel ends the capture of a
     dropped graph (graphs._abandon), as it does when the graph goes in its own thread; the
     thread that could end a non-relaxed CUDA capture is gone, so nothing else ever will."""
-    if graph_sim2 == "cuda" and mode != "relaxed":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "r72e: CudaBackend._capture_owners keeps a dead thread's ident (capture_begin adds it; "
-            "capture_end refuses every other thread): graphs._abandon never ends a non-relaxed capture "
-            "whose thread exited, its finalizer 'fails twice' and leaks, and the process stays capturing "
-            "(streams._capture_events, random._capturing, the allocator's _routes keep the entry; every "
-            "synchronize, empty_cache and capture is refused from then on)")))
+    # (r72e found, on CUDA with non-relaxed modes: CudaBackend.capture_end refused every thread but
+    # the dead owner, so nothing ever ended the capture; fixed in session 32)
     be = _backend()
     for i in range(3):
         d = _devices()[i % len(_devices())]

@@ -133,6 +133,12 @@ class _DeferredDevice(threading.local):
     index = -1
 
 
+def _thread_alive(ident: int) -> bool:
+    """Whether a thread with this ident runs (threads Python started, and foreign ones that
+    called into it: those stay listed, so a foreign owner is taken to be alive)."""
+    return any(t.ident == ident for t in threading.enumerate())
+
+
 class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMixin, Backend):
     """The CUDA runtime (libcudart) as a :class:`Backend`."""
 
@@ -752,11 +758,13 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
 
     def capture_end(self, stream: int) -> int:
         owner = self._capture_owners.get(stream)
-        if owner is not None and owner != threading.get_ident():
+        if owner is not None and owner != threading.get_ident() and _thread_alive(owner):
             # Only the thread that began a global or thread_local capture may end it (Runtime API,
             # cudaStreamEndCapture: cudaErrorStreamCaptureWrongThread), and the refused call still
             # ends the capture, discarding it (measured on an H200, tools/cuda_conformance.py): so it
-            # is not made, and the capture goes on for its own thread to end.
+            # is not made, and the capture goes on for its own thread to end.  When that thread has
+            # exited, nothing else ever could (r72e: every later synchronize, free and capture was
+            # refused): the call is made, and the capture discarded with its error.
             raise CaptureError(f"cudaStreamEndCapture from another thread than the one that began the capture "
                                f"of stream {stream:#x}: CUDA refuses it (cudaErrorStreamCaptureWrongThread) and "
                                f"discards the capture, so accel did not call it; end the capture on the thread "
