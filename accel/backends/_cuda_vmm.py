@@ -120,6 +120,8 @@ class DriverVmm:
 class CudaVmmMixin:
     """The Backend protocol's vmm_* methods for :class:`accel.backends.cuda.CudaBackend`."""
 
+    vmm_access_call = "cuMemSetAccess"
+
     def _vmm(self):
         v = self._vmm_fns
         if v is None:

@@ -162,6 +162,8 @@ class Backend(abc.ABC):
     #: caching allocator's expandable segments use.  Whether they work on a device
     #: may still depend on the driver: check :meth:`vmm_supported` after init.
     supports_vmm: bool = False
+    #: The vendor call that grants a device access to mapped memory (named in messages).
+    vmm_access_call: str = "the virtual-memory access call"
     #: True when the backend implements stream-ordered allocation from each device's default
     #: memory pool (mem_alloc_async, mem_free_async, mem_pool_*), which the allocator's
     #: ``backend:cudaMallocAsync`` uses.  Whether a device has pools may still depend on the

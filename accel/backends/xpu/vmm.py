@@ -23,6 +23,7 @@ class VmmMixin:
     """zeVirtualMem*/zePhysicalMem* as the Backend's vmm_* methods."""
 
     supports_vmm = True
+    vmm_access_call = "zeVirtualMemSetAccessAttribute"
 
     def _vmm_tables(self):
         t = self.__dict__.get("_vmm_state")
