@@ -636,7 +636,11 @@ keep_p = accel.empty_pinned(1 << 14, np.float32)
 keep_b.copy_to(keep_p.view(np.uint8)[: 1 << 16], non_blocking=True)
 keep_e = keep_s.record_event()
 if kind != "mps":
-    keep_g = accel.Graph()
+    # thread_local, not the default global: a global capture forbids the issuers' synchronize
+    # in other threads (cudaStreamBeginCapture: "if any other thread has a concurrent capture
+    # sequence initiated with cudaStreamCaptureModeGlobal, this thread is prohibited from
+    # potentially unsafe API calls"), and their refusal invalidates this capture.
+    keep_g = accel.Graph(capture_error_mode="thread_local")
     with accel.Stream(dev), keep_g:
         keep_b.fill_(1)
     keep_g.replay()
