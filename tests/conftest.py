@@ -2,14 +2,15 @@
 ``sim_backend`` runs a test once per simulated runtime.
 
 Test-run knobs (kept from the caller's environment): ACCEL_TEST_SIMS, ACCEL_TEST_LOAD_S,
-ACCEL_TEST_ALLOC_CONF (rerun under other allocator settings) and ACCEL_TEST_SIM_PEER (rerun with
-ACCEL_SIM_PEER set to it, e.g. ``none``: simulated devices that cannot reach each other's memory;
+ACCEL_TEST_THOROUGH (the long soaks, fuzzers and sweeps at full size), ACCEL_TEST_ALLOC_CONF
+(rerun under other allocator settings) and ACCEL_TEST_SIM_PEER (rerun with ACCEL_SIM_PEER set to it, e.g. ``none``: simulated devices that cannot reach each other's memory;
 a test setting ACCEL_SIM_PEER itself overrides it; device tests never see it)."""
 
 import contextlib
 import gc
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -20,7 +21,7 @@ _ENV_PREFIXES = ("ACCEL_", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "ZE_AFFI
                  "ZE_ENABLE_ALT_DRIVERS",
                  "ZE_FLAT_DEVICE_HIERARCHY", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF",
                  "CUDA_MODULE_LOADING")
-_KEEP = ("ACCEL_TEST_SIMS", "ACCEL_TEST_LOAD_S", "ACCEL_TEST_ALLOC_CONF", "ACCEL_TEST_SIM_PEER")
+_KEEP = ("ACCEL_TEST_SIMS", "ACCEL_TEST_LOAD_S", "ACCEL_TEST_ALLOC_CONF", "ACCEL_TEST_SIM_PEER", "ACCEL_TEST_THOROUGH")
 
 #: What a real-device test (``pytest -m device``) keeps from the caller: which physical devices
 #: it may use and in what order, which runtime, and where the vendor libraries are.  Without
@@ -31,6 +32,21 @@ _DEVICE_KEEP = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "ZE_AFFINITY_MASK",
 #: Simulators the shared suites run on; ACCEL_TEST_SIMS=cuda,xpu narrows it.
 ALL_SIMS = ("cuda", "xpu", "mps")
 SIMS = tuple(s for s in os.environ.get("ACCEL_TEST_SIMS", ",".join(ALL_SIMS)).split(",") if s)
+
+#: ACCEL_TEST_THOROUGH=1: the long soaks, fuzzers and Ctrl-C sweeps at their full sizes (every
+#: injection point, more seeds and steps).  The default run (CI) runs each at a part of that, so
+#: the whole suite stays near 20 minutes on two cores.
+THOROUGH = os.environ.get("ACCEL_TEST_THOROUGH", "") not in ("", "0")
+
+
+# A run started in the background by a non-interactive shell (``pytest ... &``, ``nohup``)
+# inherits SIGINT ignored (POSIX: an asynchronous list without job control gets SIG_IGN), and
+# CPython then installs no KeyboardInterrupt handler: _thread.interrupt_main does nothing (the
+# Ctrl-C redelivery tests failed) and every program a test starts inherits the ignored signal
+# across exec (a child sent SIGINT never stopped: a 120 s hang).  The suite tests Ctrl-C, so it
+# runs with the handler an interactive Python has.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def kept_for_device_tests(key: str) -> bool:
@@ -73,6 +89,12 @@ def clean_state(request, monkeypatch):
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
     yield
     _lazy._reset_for_tests()
+    # pytest keeps a failed (or xfailed) test's exception in sys.last_* for post-mortem debugging:
+    # its frames hold the test's accel objects until the next failure, and a freeze of the heap
+    # meanwhile (pytest_runtest_teardown) would make them immortal
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if getattr(sys, name, None) is not None:
+            setattr(sys, name, None)
     left = signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     # A signal left blocked in pytest's main thread is blocked in every program a later test
     # starts (a child inherits the mask): a Ctrl-C test then never sees its SIGALRM (CI hung).
@@ -80,18 +102,16 @@ def clean_state(request, monkeypatch):
 
 
 @contextlib.contextmanager
-def _heap_frozen():
-    """``gc.freeze()`` for the body, after a collection, and a collection after ``unfreeze``."""
+def _heap_frozen(clean: bool = False):
+    """``gc.freeze()`` of what lives now, after a collection, for the body.  With ``clean``, the
+    heap is unfrozen first, so the collection also takes what earlier freezes kept that has
+    become garbage since.  Nothing is unfrozen after the body: the next freeze of
+    pytest_runtest_teardown unfreezes, collects and freezes the whole heap again."""
+    if clean:
+        gc.unfreeze()
     gc.collect()
     gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-        # now, not at some allocation of a later test: unfrozen, the oldest generation grew by
-        # the whole heap, which makes the collector's next full collection due at once (a test
-        # that pretends a collection, pretend_collection, would see a real one end it)
-        gc.collect()
+    yield
 
 
 @pytest.fixture
@@ -110,7 +130,7 @@ def frozen_module_heap():
     for a module of hundreds of short tests that each collect once or twice, where a freeze per
     test (:func:`frozen_heap`) would itself cost two full collections.  Late in a full run a
     collection scans every object the worker's earlier tests left; frozen, only the module's."""
-    with _heap_frozen():
+    with _heap_frozen(clean=True):
         yield
 
 
@@ -124,11 +144,14 @@ def pytest_runtest_teardown(item, nextitem):
     """Every FREEZE_EVERY tests, after a collection, freeze what earlier tests left alive
     (``gc.freeze``): a later test's collections then scan only the objects made since, not the
     whole heap a worker builds up over thousands of tests (late in a run each full collection
-    took tens of milliseconds; see frozen_heap).  What survives a collection here is never
-    garbage of a later test; frozen_heap's unfreeze undoes it, and the next freeze redoes it."""
+    took tens of milliseconds; see frozen_heap).  What was frozen and became garbage since is
+    collected here at the latest (the freeze before is undone first)."""
     _since_freeze[0] += 1
     if _since_freeze[0] >= FREEZE_EVERY:
         _since_freeze[0] = 0
+        # unfrozen first: what was alive at the last freeze and is garbage now (a module's
+        # fixture, a cache a test emptied) is collected, not kept for the rest of the run
+        gc.unfreeze()
         gc.collect()
         gc.freeze()
 

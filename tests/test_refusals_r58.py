@@ -699,8 +699,9 @@ def _kernel_sources(monkeypatch):
 
 
 def _freeze():
-    """The objects made so far out of the collector's sight (``frozen_heap`` unfreezes at the
-    end): each fingerprint's collection and object count then see only what a case made."""
+    """The objects made so far out of the collector's sight (conftest's periodic freeze
+    unfreezes them later): each fingerprint's collection and object count then see only what a
+    case made."""
     gc.collect()
     gc.freeze()
 

@@ -209,10 +209,7 @@ def sim2(request, monkeypatch):
     # (this file took 5 minutes of the suite, 20 s alone).
     gc.collect()
     gc.freeze()
-    try:
-        yield use_sim(monkeypatch, request.param, ACCEL_SIM_DEVICES=2)
-    finally:
-        gc.unfreeze()
+    yield use_sim(monkeypatch, request.param, ACCEL_SIM_DEVICES=2)     # (conftest unfreezes later)
 
 
 def test_census_catches_a_registry_that_grows(sim2, monkeypatch):

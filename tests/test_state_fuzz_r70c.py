@@ -84,7 +84,7 @@ import accel  # noqa: E402
 import accel.memory as M  # noqa: E402
 import accel.random as R  # noqa: E402
 from accel import _finalize, _lazy, sim  # noqa: E402
-from conftest import SIMS, use_sim  # noqa: E402
+from conftest import SIMS, THOROUGH, use_sim  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("frozen_heap")
 
@@ -97,7 +97,7 @@ _LONG = int(os.environ.get("ACCEL_STATEFUL_EXAMPLES", "0") or 0)
 #: whole; ACCEL_STATE_FUZZ_SHRINK=1 shrinks it
 _SHRINK = os.environ.get("ACCEL_STATE_FUZZ_SHRINK", "") not in ("", "0")
 _STEPS = int(os.environ.get("ACCEL_STATE_FUZZ_STEPS", "0") or 0) or 50
-SETTINGS = settings(max_examples=_LONG or 60, stateful_step_count=_STEPS, deadline=None, derandomize=not _LONG,
+SETTINGS = settings(max_examples=_LONG or (60 if THOROUGH else 30), stateful_step_count=_STEPS, deadline=None, derandomize=not _LONG,
                     database=None, report_multiple_bugs=False, suppress_health_check=list(HealthCheck),
                     print_blob=True, phases=list(Phase) if _SHRINK else [Phase.explicit, Phase.generate])
 
@@ -270,7 +270,7 @@ class FuzzMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         # the census scans only what this run makes (hypothesis keeps every earlier run's data;
-        # the test's frozen_heap unfreezes it all at the end)
+        # conftest's periodic freeze unfreezes it all later)
         gc.collect()
         gc.freeze()
         self.kind = use_sim(self.monkeypatch, self.kind, ACCEL_SIM_DEVICES=2)
