@@ -8,8 +8,8 @@ sequence, so a lock taken by ``with`` is never left held.  The injector below tr
 in accel/memory/_caching.py, _expandable.py and _host.py and raises KeyboardInterrupt at the
 K-th such point (every CALL is taken as one, which over-approximates: after a call of a Python
 function CPython does not check), for K = 1, 2, ... until the workload completes without one
-(``ACCEL_INTERRUPT_STRIDE``, default 3, samples every 3rd point, offset per op, so the CI run
-stays short; 1 is the full sweep).
+(``ACCEL_INTERRUPT_STRIDE``, default 6, samples every 6th point, offset per op, so the CI run
+stays short; 1, the full sweep, is ACCEL_TEST_THOROUGH's).
 
 After each injected run: the allocators' invariants hold (structure, free lists, statistics,
 no lock left held); the workload runs again; freeing everything and emptying the caches
@@ -41,7 +41,7 @@ from accel.memory._caching import DeviceCachingAllocator
 from accel.memory._host import HostCachingAllocator
 from accel.sim import _vmm
 from accel.streams import on_device
-from conftest import use_sim
+from conftest import THOROUGH, use_sim
 from test_alloc_stress import _check_caching
 
 MiB = 1 << 20
@@ -50,7 +50,7 @@ _TARGETS = {os.path.abspath(m.__file__) for m in (_caching, _expandable, _host)}
 _BREAK_AFTER = {"CALL", "JUMP_BACKWARD", "CALL_FUNCTION_EX"}
 _OPNAMES = {}
 # read at import: the clean_state fixture hides ACCEL_* variables from the test itself
-_STRIDE = int(os.environ.get("ACCEL_INTERRUPT_STRIDE", "3"))
+_STRIDE = int(os.environ.get("ACCEL_INTERRUPT_STRIDE", "1" if THOROUGH else "6"))   # every 6th point in CI
 _REPORT = os.environ.get("ACCEL_INTERRUPT_REPORT")     # a file to append a summary to
 
 

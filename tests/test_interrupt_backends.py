@@ -28,13 +28,13 @@ import test_interrupt_allocator as tia
 from accel import _lazy, sim
 from accel.backends import _signals
 from accel.sim import _vmm
-from conftest import use_sim
+from conftest import THOROUGH, use_sim
 
 _SIM = os.path.dirname(os.path.abspath(sim.__file__)) + os.sep
-# every 2nd point by default (the allocator sweep's 3 misses the XPU wedge below: an interrupt as
+# every 2nd point by default, every point under ACCEL_TEST_THOROUGH (the allocator sweep's 3 misses the XPU wedge below: an interrupt as
 # a stream sync's lock was released kept the stream's waiter count up, and stream_destroy waited
 # for it forever); ACCEL_INTERRUPT_STRIDE overrides both
-_STRIDE = int(os.environ.get("ACCEL_INTERRUPT_STRIDE", "2"))
+_STRIDE = int(os.environ.get("ACCEL_INTERRUPT_STRIDE", "1" if THOROUGH else "2"))
 _FREES = {"mem_free", "vmm_release", "vmm_free", "host_free", "_free"}
 
 

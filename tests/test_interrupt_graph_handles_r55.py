@@ -10,8 +10,8 @@ before its destroy call was lost when the interrupt landed between the two.  Her
 is tests/test_interrupt_backends.py's (no point where signals are blocked: a real signal stays
 pending there), over the same files as the r37 sweep, and after each interrupted run and the
 user's cleanup (end the capture if the graph still holds it, reset, drop) the simulator must hold
-exactly the graphs, executable graphs and command lists it held before.  Every second point by
-default, as the r37 sweep (``ACCEL_INTERRUPT_STRIDE=1``: all of them).
+exactly the graphs, executable graphs and command lists it held before.  Every fourth point by
+default, as tests/test_interrupt_graphs.py (``ACCEL_TEST_THOROUGH=1``: all of them).
 """
 
 import gc

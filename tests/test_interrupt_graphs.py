@@ -26,7 +26,7 @@ import pytest
 import accel
 import test_interrupt_allocator as tia
 from accel import _lazy, memory
-from conftest import use_sim
+from conftest import THOROUGH, use_sim
 
 
 def _targets():
@@ -51,7 +51,7 @@ class _Inject(tia._Inject):
 
 
 _SIM = os.path.dirname(os.path.abspath(importlib.import_module("accel.sim").__file__)) + os.sep
-_STRIDE = int(os.environ.get("ACCEL_INTERRUPT_STRIDE", "2"))
+_STRIDE = int(os.environ.get("ACCEL_INTERRUPT_STRIDE", "1" if THOROUGH else "4"))   # every 4th point in CI
 
 
 def _work(state):

@@ -15,15 +15,17 @@ import sys
 
 import pytest
 
-from conftest import SIMS
+from conftest import SIMS, THOROUGH
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tools"))
 import soak  # noqa: E402
 
-#: 25,000 cycles on the CUDA simulator (~0.6 ms each on a 2-core machine); the slower simulators
-#: fewer.  The structural counts catch a leak within a block; tools/soak.py runs longer soaks.
-CYCLES = {"cuda": 25_000, "xpu": 10_000, "mps": 5_000}
+#: 25,000 cycles on the CUDA simulator (~0.6 ms each on a 2-core machine), the slower simulators
+#: fewer, under ACCEL_TEST_THOROUGH; the default run 10,000 / 5,000 / 3,000.  The structural counts
+#: catch a leak within a block of 1,000; tools/soak.py runs longer soaks.
+CYCLES = ({"cuda": 25_000, "xpu": 10_000, "mps": 5_000} if THOROUGH else
+          {"cuda": 10_000, "xpu": 5_000, "mps": 3_000})
 #: RSS may move by allocator arenas, not by a leak (one 200-byte object per cycle is 5 MB here).
 RSS_SLACK = 4 << 20
 

@@ -23,7 +23,7 @@ Level Zero "xpu", Metal "mps"; two devices where the runtime has them):
    simulator state), every child is reaped.  Children forked *before* init keep the process
    state the parent set (seed, allocator settings, OOM observer, memory history) and may work;
    a child forked while another thread runs accel's first call must not hang;
-3. a soak: 2,000 iterations of a training-like step (allocate, fill, launch a kernel or copy,
+3. a soak: 2,000 iterations (1,000 unless ACCEL_TEST_THOROUGH) of a training-like step (allocate, fill, launch a kernel or copy,
    record/wait events across two streams, free, now and then a peer copy and a timed download
    on a new stream) on the non-current device, under four allocator configurations; every
    table accel keeps (tests/test_soak_objects_r45.census: the allocators' blocks and event
@@ -43,7 +43,7 @@ import numpy as np
 import pytest
 
 import accel
-from conftest import SIMS, use_sim
+from conftest import SIMS, THOROUGH, use_sim
 from test_user_programs import JOIN_S, _devices, join_all, live_objects, process_state, run_program, settle
 from test_user_programs2 import accel_object_count, assert_same_footprint
 from test_user_programs_r56 import saxpy  # noqa: F401  (fixture: the saxpy kernel per simulator)
@@ -667,7 +667,7 @@ def test_memory_history_started_before_fork_records_in_the_child(monkeypatch, ki
 
 
 # -- 3. a soak: 2,000 training-like steps, every table flat from step 200 to step 2,000 ---------
-SOAK_STEPS, SOAK_FIRST = 2000, 200
+SOAK_STEPS, SOAK_FIRST = 2000 if THOROUGH else 1000, 200
 #: Level Zero streams keep their last event slot, whose ``deps`` lists the streams waiting on it:
 #: bounded by the streams alive, and it depends on which step came last (not on how many)
 LAST_SLACK = 4

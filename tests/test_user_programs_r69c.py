@@ -5,7 +5,7 @@ wherever a second device exists.
 Earlier rounds (test_user_programs*.py, _r41 .. _r68c) took loader rings, ring all-reduce by
 hand, graphs replayed from threads, OOM loops, fork pools and DLPack.  These take six new ones:
 
-1. a long-running service: 5,000 requests from a thread pool (plus requests served by a thread of
+1. a long-running service: 5,000 requests (2,000 unless ACCEL_TEST_THOROUGH) from a thread pool (plus requests served by a thread of
    their own, and requests that fail half way), each making a short-lived Stream and Event,
    allocating, copying host -> device -> host and dropping everything, some kept alive for a
    while as keep-alive sessions.  accel's internal state (every container reachable from its
@@ -60,7 +60,7 @@ import pytest
 
 import accel
 from accel import _finalize, _lazy
-from conftest import SIMS, run_forked, use_sim
+from conftest import SIMS, THOROUGH, run_forked, use_sim
 from test_container_census_r63h import census, grown
 from test_container_census_r63h import settle as census_settle
 from test_user_programs import JOIN_S, _devices, live_objects, process_state, settle
@@ -97,7 +97,7 @@ def _threads() -> list:
 
 
 # -- 1. a long-running service: 5,000 requests ---------------------------------------------------
-N_REQUESTS, CHECKPOINT, KEEP_ALIVE = 5000, 500, 6
+N_REQUESTS, CHECKPOINT, KEEP_ALIVE = 5000 if THOROUGH else 2000, 500, 6
 
 
 class _Cycle:
