@@ -44,7 +44,7 @@ import accel  # noqa: E402
 import accel.memory as M  # noqa: E402
 import accel.random as R  # noqa: E402
 from accel import _finalize, sim  # noqa: E402
-from conftest import use_sim  # noqa: E402
+from conftest import THOROUGH, use_sim  # noqa: E402
 from test_refusals_r58 import CONFIGS  # noqa: E402  (name -> (simulator, ACCEL_ALLOC_CONF))
 from torch_port_util import expected_memory_stats  # noqa: E402
 
@@ -54,7 +54,7 @@ KiB, MiB = 1 << 10, 1 << 20
 
 
 _LONG = int(os.environ.get("ACCEL_STATEFUL_EXAMPLES", "0") or 0)
-SETTINGS = settings(max_examples=_LONG or 25, stateful_step_count=40, deadline=None, derandomize=not _LONG,
+SETTINGS = settings(max_examples=_LONG or (25 if THOROUGH else 15), stateful_step_count=40, deadline=None, derandomize=not _LONG,
                     database=None, report_multiple_bugs=False, suppress_health_check=list(HealthCheck), print_blob=True)
 
 SIZES = st.one_of(st.integers(1, 4 * KiB), st.integers(1, MiB),

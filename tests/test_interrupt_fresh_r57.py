@@ -65,6 +65,11 @@ def _stride(default: int) -> int:
     return _ENV_STRIDE or (1 if THOROUGH else 2 * default)
 
 
+def _at_least(n: int) -> int:
+    """The fewest points a sweep of the code's stride injects, ``n``: half in the default run."""
+    return n if _ENV_STRIDE or THOROUGH else n // 2
+
+
 def _picked(total: int, stride: int, offset: int = 0) -> range:
     return range(1 + offset % stride, total + 1, stride)
 
@@ -208,7 +213,7 @@ def test_fresh_runtime_per_point_backend_memory_calls(monkeypatch, kind, warm):
                 failures.append(((inj.site if inj else None) or f"op {i} point {n}",
                                  f"{type(exc).__name__}: {exc}"[:300]))
     _report(f"{kind} backend memory {'warm' if warm else 'cold'}", sum(points), injected, failures, [f"lost at a free's start: {len(lost)}"])
-    assert injected > 50
+    assert injected > _at_least(50)
     assert not failures, failures[:6]
 
 
@@ -292,7 +297,7 @@ def test_fresh_runtime_per_point_copies_and_events_on_the_last_device(monkeypatc
             except BaseException as exc:   # noqa: BLE001 - a failure to report
                 failures.append((inj.site or f"op {c.ops()[i][0]} point {n}", f"{type(exc).__name__}: {exc}"[:300]))
     _report(f"{kind} copies/events on the last device {'warm' if warm else 'cold'}", sum(points), injected, failures)
-    assert injected > 20
+    assert injected > _at_least(20)
     assert not failures, failures[:6]
 
 
@@ -372,7 +377,7 @@ def test_fresh_runtime_per_point_xpu_streams_events_and_copies(monkeypatch, warm
             except BaseException as exc:   # noqa: BLE001 - a failure to report
                 failures.append((f"{what} @{n}", (inj.site if inj else None), f"{type(exc).__name__}: {exc}"[:300]))
     _report(f"xpu streams/events/copies (r37 workload) {'warm' if warm else 'cold'}", sum(t for _, t in points), injected, failures)
-    assert injected > 50
+    assert injected > _at_least(50)
     assert not failures, failures[:6]
 
 
@@ -414,7 +419,7 @@ def test_fresh_runtime_per_point_buffers_made_and_dropped(monkeypatch, kind, mak
         except BaseException as exc:   # noqa: BLE001 - a failure to report
             failures.append(((inj.site if inj else None) or f"point {n}", f"{type(exc).__name__}: {exc}"[:300]))
     _report(f"{kind} {make.__name__}/{drop.__name__} {'warm' if warm else 'cold'}", total, injected, failures)
-    assert injected > 10
+    assert injected > _at_least(10)
     assert not failures, failures[:6]
 
 

@@ -4,11 +4,11 @@ cross-device copies, fills, events and cross-stream waits, and checks every byte
 reads back.  Afterwards no thread has failed and nothing has leaked: the allocators
 hold no allocated bytes, and the simulator's live objects are back to the baseline.
 
-Duration: ``ACCEL_TEST_LOAD_S`` seconds (default 20) on the CUDA simulator, whose
+Duration: ``ACCEL_TEST_LOAD_S`` seconds (default 8, 20 under ACCEL_TEST_THOROUGH) on the CUDA simulator, whose
 rules are the strictest and which most of accel's multi-device bugs concern; the
 other simulators run a tenth of that (at least 1 s) because the layers above the
 backend (streams, allocator, pinned memory) are shared code already loaded by the CUDA
-run, and what differs is only the backend glue.  That keeps the default run of the three
+run, and what differs is only the backend glue.  That keeps the thorough run of the three
 near 24 s.  ``ACCEL_TEST_LOAD_S=0`` skips the load.
 """
 
@@ -23,7 +23,7 @@ import pytest
 
 import accel
 
-from conftest import SIMS, use_sim
+from conftest import SIMS, THOROUGH, use_sim
 
 THREADS = 8
 SIZES = (1, 4097, 1 << 16, 3 << 19)      # small pool, odd, large pool, split of a 2 MiB+ segment
@@ -31,7 +31,7 @@ DELAY_US = 20
 
 
 def _duration(kind: str) -> float:
-    full = float(os.environ.get("ACCEL_TEST_LOAD_S", "20"))
+    full = float(os.environ.get("ACCEL_TEST_LOAD_S", "20" if THOROUGH else "8"))
     if full <= 0:
         pytest.skip("ACCEL_TEST_LOAD_S=0")
     return full if kind == "cuda" else max(1.0, full / 10)
