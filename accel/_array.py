@@ -379,7 +379,8 @@ class ArrayView:
         buffer._live()
         versioned = _dlpack.check_max_version(max_version)
         own = self.__dlpack_device__()
-        _dlpack.check_dl_device(dl_device, own, copy)
+        if _dlpack.check_dl_device(dl_device, own, copy):
+            return _dlpack.export_host_copy(self, buffer, stream, versioned)
         _dlpack.check_legacy_read_only(versioned, _readonly(buffer))
         _dlpack.dl_dtype(self._dtype)        # a dtype DLPack cannot describe fails before any sync
         _dlpack.sync_for_consumer(buffer, stream)

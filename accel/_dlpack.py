@@ -41,7 +41,7 @@ from ._errors import AcceleratorError, CaptureError
 from .backends._signals import deferred
 
 __all__ = ["DLDeviceType", "export", "parse", "Imported", "DLPACK_VERSION", "sync_for_consumer",
-           "device_of", "from_dlpack", "check_max_version", "check_dl_device"]
+           "device_of", "from_dlpack", "check_max_version", "check_dl_device", "export_host_copy"]
 
 #: The DLPack version accel writes into versioned capsules (dlpack.h DLPACK_MAJOR/MINOR_VERSION).
 DLPACK_VERSION = (1, 1)
@@ -378,10 +378,12 @@ def check_legacy_read_only(versioned: bool, readonly: bool) -> None:
                           "Buffer (Buffer(n, device).copy_from(buf)) and export that")
 
 
-def check_dl_device(dl_device, own: Tuple[int, int], copy) -> None:
-    """The array API standard's ``dl_device``/``copy`` rules for a producer that never copies:
-    ``copy=True`` and another device raise BufferError; a host device with ``copy=False`` raises
-    ValueError (the standard's wording: a copy would be needed but is forbidden)."""
+def check_dl_device(dl_device, own: Tuple[int, int], copy) -> bool:
+    """The array API standard's ``dl_device``/``copy`` rules.  True for the one copy accel makes
+    on export, ``dl_device=(kDLCPU, 0)`` with ``copy=True`` (:func:`export_host_copy`); else False
+    when the export is zero-copy.  Another ``copy=True`` and another device raise BufferError; a
+    host device with ``copy=False`` raises ValueError (the standard's wording: a copy would be
+    needed but is forbidden)."""
     if copy is not None and not isinstance(copy, bool):
         raise TypeError(f"copy must be None, True or False, got {copy!r}")
     if dl_device is not None:
@@ -392,6 +394,12 @@ def check_dl_device(dl_device, own: Tuple[int, int], copy) -> None:
         except (TypeError, ValueError):
             raise TypeError(f"dl_device must be None or a (device_type, device_id) tuple as __dlpack_device__ "
                             f"returns, got {dl_device!r}") from None
+        if (kind, index) == (DLDeviceType.kDLCPU, 0) and copy is True:
+            # array API __dlpack__: "The v2023.12 standard only mandates that a compliant library
+            # should offer a way for __dlpack__ to return a capsule referencing an array whose
+            # underlying memory is accessible to the Python interpreter (kDLCPU)", with copy=True
+            # (numpy's from_dlpack(x, device="cpu", copy=True) asks exactly that)
+            return True
         if (kind, index) != tuple(own):
             name = DLDeviceType(kind).name if kind in DLDeviceType._value2member_map_ else str(kind)
             if kind in HOST_DEVICE_TYPES and copy is False:
@@ -402,8 +410,30 @@ def check_dl_device(dl_device, own: Tuple[int, int], copy) -> None:
                               f"for host memory use buf.to_numpy(), for another device copy into a "
                               f"Buffer there (Buffer(n, device).copy_from(buf)) and export that")
     if copy:
-        raise BufferError("copy=True: accel's __dlpack__ never copies; make the copy explicitly "
-                          "(Buffer(buf.nbytes, buf.device).copy_from(buf)) and export that buffer")
+        raise BufferError("copy=True: accel's __dlpack__ copies only to host memory (dl_device=(kDLCPU, 0)); "
+                          "for a device copy make it explicitly (Buffer(buf.nbytes, buf.device).copy_from(buf)) "
+                          "and export that buffer")
+    return False
+
+
+def export_host_copy(obj, buffer, stream_arg, versioned: bool):
+    """``obj.__dlpack__(dl_device=(kDLCPU, 0), copy=True)`` (``obj`` a Buffer or a typed view of
+    ``buffer``): a host copy of its elements after the buffer's queued work (waited for on the
+    host: the consumer is the host), as numpy's kDLCPU capsule, flagged
+    DLPACK_FLAG_BITMASK_IS_COPIED when versioned (array API: "When a copy happens, the
+    DLPACK_FLAG_BITMASK_IS_COPIED flag must be set").  The copy is the consumer's alone: not
+    read-only, nothing of accel is kept alive by it.  ``stream`` must be None or -1: the copy
+    is done when this returns."""
+    if stream_arg is not None and not (type(stream_arg) is int and stream_arg == -1):
+        raise ValueError(f"stream={stream_arg!r} with dl_device=(kDLCPU, 0): a host copy needs no consumer "
+                         f"stream (pass None or -1); accel waits for the buffer's work before copying")
+    buffer._live()
+    wait_for_stream(buffer._backend, buffer._last, "the buffer's last-use stream")
+    host = obj.to_numpy()
+    capsule = host.__dlpack__(max_version=DLPACK_VERSION if versioned else None)
+    if versioned:
+        DLManagedTensorVersioned.from_address(parse(capsule).address).flags |= FLAG_IS_COPIED
+    return capsule
 
 
 def device_of(backend_name: str, index: int) -> Tuple[DLDeviceType, int]:

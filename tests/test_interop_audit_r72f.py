@@ -107,7 +107,7 @@ _ZERO_SOURCES = {
 }
 
 
-# (r72f found; fixed in session 31)
+# (r72f found; fixed in session 33)
 @pytest.mark.parametrize("source", list(_ZERO_SOURCES))
 def test_buffer_copy_from_zero_size_multidim_host_source(dev, source):
     """A zero-size source into a zero-byte Buffer is a no-op, whatever its shape: copy_to, a 1-D
@@ -123,7 +123,7 @@ def test_buffer_copy_from_zero_size_multidim_host_source(dev, source):
     assert accel.current_device_index() == 0
 
 
-# (r72f found; fixed in session 31)
+# (r72f found; fixed in session 33)
 def test_view_copy_from_zero_size_multidim_bytes_like(dev):
     kind, index = dev
     view = accel.Buffer(16, device=index).as_array(np.float32, (0, 3))
@@ -131,7 +131,7 @@ def test_view_copy_from_zero_size_multidim_bytes_like(dev):
 
 
 # == CUDA Array Interface v3: the consumer's obligation ===========================================
-# (r72f found; fixed in session 31)
+# (r72f found; fixed in session 33)
 def test_cai_consumer_non_blocking_copy_orders_the_producer_stream_after_it(gated_cuda):
     """CAI v3: a consumer that synchronizes on the provided stream "must ensure that no computation
     can take place in the provided stream until its operations in its own choice of stream have
@@ -193,7 +193,7 @@ def test_view_copy_from_cai_stream_as_numpy_integer(gated_cuda):
     assert set(view.to_numpy().tolist()) == {3}
 
 
-# (r72f found; fixed in session 31)
+# (r72f found; fixed in session 33)
 def test_view_copy_from_cai_with_the_default_descr(gated_cuda):
     """CAI v3 ``descr``: "This follows the same specification as in the NumPy array interface",
     where descr defaults to ``[('', typestr)]`` -- the default and an absent descr mean the same
@@ -412,10 +412,7 @@ def test_host_dlpack_sources_into_views(dev):
 
 
 # == dl_device=kDLCPU with copy=True: the one cross-device export the standard asks for =============
-@pytest.mark.xfail(strict=True, reason="r72f: __dlpack__(dl_device=(kDLCPU, 0), copy=True) refuses instead of "
-                                       "returning a host copy flagged IS_COPIED, so numpy.from_dlpack(x, "
-                                       "device='cpu', copy=True) fails (accel/_dlpack.py check_dl_device; "
-                                       "Buffer/ArrayView.__dlpack__)")
+# (r72f found; fixed in session 33)
 def test_numpy_from_dlpack_with_device_cpu_and_copy_true(dev):
     """array API ``__dlpack__``: "The v2023.12 standard only mandates that a compliant library should
     offer a way for __dlpack__ to return a capsule referencing an array whose underlying memory is

@@ -310,13 +310,19 @@ def test_dlpack__test_no_copy(sim_backend, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_dlpack__test_copy(sim_backend, device):
-    # torch copies for copy=True or a host dl_device; accel's producer never copies: BufferError
+    # torch copies for copy=True or a host dl_device; accel's producer copies only for a host
+    # dl_device with copy=True (the array API's one mandated copy), else BufferError
     _need(device)
     inp = _tensor(_values(np.float32), device)
     cpu = (DLDeviceType.kDLCPU, 0)
-    for dl_device, copy in ((None, True), (inp.__dlpack_device__(), True), (cpu, None), (cpu, True)):
+    for dl_device, copy in ((None, True), (inp.__dlpack_device__(), True), (cpu, None)):
         with pytest.raises(BufferError):
             inp.__dlpack__(max_version=(1, 0), dl_device=dl_device, copy=copy)
+    capsule = inp.__dlpack__(max_version=(1, 0), dl_device=cpu, copy=True)
+    info = _dlpack.parse(capsule)
+    assert (info.device_type, info.flags & _dlpack.FLAG_IS_COPIED) == (DLDeviceType.kDLCPU, _dlpack.FLAG_IS_COPIED)
+    assert info.data != inp.ptr
+    np.testing.assert_array_equal(np.from_dlpack(inp, device="cpu", copy=True), inp.to_numpy())
 
 
 @pytest.mark.parametrize("device", DEVICES)
