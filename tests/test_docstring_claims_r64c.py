@@ -646,7 +646,8 @@ def test_closing_an_external_event_of_a_graph_makes_replays_raise(sim_cuda):
 def test_dlpack_export_refusals(sim_backend):
     """Buffer.__dlpack_device__: "kDLCUDA (2) on CUDA, kDLOneAPI (14) on XPU, kDLMetal (8) on MPS,
     with the buffer's device index"; __dlpack__: "dl_device other than __dlpack_device__() raises
-    BufferError (ValueError for a host device with copy=False), copy=True BufferError"; on CUDA
+    BufferError (ValueError for a host device with copy=False), as does any other copy=True" (than
+    dl_device=(kDLCPU, 0)'s host copy); on CUDA
     stream "0 is refused".  A refused export leaves no capsule alive."""
     d = _dev1()
     buf = accel.Buffer(64, device=d)
