@@ -380,6 +380,7 @@ class ArrayView:
         versioned = _dlpack.check_max_version(max_version)
         own = self.__dlpack_device__()
         if _dlpack.check_dl_device(dl_device, own, copy):
+            _dlpack.dl_dtype(self._dtype)    # a dtype DLPack cannot describe fails before the download
             return _dlpack.export_host_copy(self, buffer, stream, versioned)
         _dlpack.check_legacy_read_only(versioned, _readonly(buffer))
         _dlpack.dl_dtype(self._dtype)        # a dtype DLPack cannot describe fails before any sync
