@@ -107,7 +107,7 @@ _ZERO_SOURCES = {
 }
 
 
-# (r72f found; fixed in session 33)
+# (r72f found; fixed in session 32)
 @pytest.mark.parametrize("source", list(_ZERO_SOURCES))
 def test_buffer_copy_from_zero_size_multidim_host_source(dev, source):
     """A zero-size source into a zero-byte Buffer is a no-op, whatever its shape: copy_to, a 1-D
@@ -123,7 +123,7 @@ def test_buffer_copy_from_zero_size_multidim_host_source(dev, source):
     assert accel.current_device_index() == 0
 
 
-# (r72f found; fixed in session 33)
+# (r72f found; fixed in session 32)
 def test_view_copy_from_zero_size_multidim_bytes_like(dev):
     kind, index = dev
     view = accel.Buffer(16, device=index).as_array(np.float32, (0, 3))
@@ -131,7 +131,28 @@ def test_view_copy_from_zero_size_multidim_bytes_like(dev):
 
 
 # == CUDA Array Interface v3: the consumer's obligation ===========================================
-# (r72f found; fixed in session 33)
+def producer_ran_past_the_copy(queue_copy, src, producer, consumer) -> bool:
+    """With ``consumer`` held (torch_port_util.hold), ``queue_copy()`` queues a non-blocking copy
+    of ``src`` there; then the producer's next work on its own stream overwrites ``src`` (9).
+    Whether ``producer`` ran it before the held copy (a bounded wait for what must not happen);
+    the consumer is let go and both streams are synchronized before returning."""
+    gate = hold(consumer)
+    try:
+        queue_copy()
+        src.fill_(9, stream=producer)             # the producer's next work on its own stream
+        deadline = time.monotonic() + 1.0
+        while not producer.query() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        overwritten_first = producer.query()
+    finally:
+        gate.set()
+    consumer.synchronize()
+    producer.synchronize()
+    return overwritten_first
+
+
+
+# (r72f found; fixed in session 32)
 def test_cai_consumer_non_blocking_copy_orders_the_producer_stream_after_it(gated_cuda):
     """CAI v3: a consumer that synchronizes on the provided stream "must ensure that no computation
     can take place in the provided stream until its operations in its own choice of stream have
@@ -144,18 +165,9 @@ def test_cai_consumer_non_blocking_copy_orders_the_producer_stream_after_it(gate
     dst = accel.Buffer(256, device=index, stream=consumer).fill_(0, stream=consumer)
     producer.synchronize()
     consumer.synchronize()
-    gate = hold(consumer)
-    try:
-        dst.copy_from(CAI(src, producer.handle), stream=consumer, non_blocking=True)
-        src.fill_(9, stream=producer)             # the producer's next work on its own stream
-        deadline = time.monotonic() + 1.0         # (a bounded wait for what must not happen)
-        while not producer.query() and time.monotonic() < deadline:
-            time.sleep(0.001)
-        overwritten_first = producer.query()
-    finally:
-        gate.set()
-    consumer.synchronize()
-    producer.synchronize()
+    overwritten_first = producer_ran_past_the_copy(
+        lambda: dst.copy_from(CAI(src, producer.handle), stream=consumer, non_blocking=True),
+        src, producer, consumer)
     assert accel.current_device_index() == 0
     assert not overwritten_first, "the producer's stream ran past the consumer's pending copy"
     assert set(dst.to_numpy().tolist()) == {1}
@@ -193,7 +205,7 @@ def test_view_copy_from_cai_stream_as_numpy_integer(gated_cuda):
     assert set(view.to_numpy().tolist()) == {3}
 
 
-# (r72f found; fixed in session 33)
+# (r72f found; fixed in session 32)
 def test_view_copy_from_cai_with_the_default_descr(gated_cuda):
     """CAI v3 ``descr``: "This follows the same specification as in the NumPy array interface",
     where descr defaults to ``[('', typestr)]`` -- the default and an absent descr mean the same

@@ -4,7 +4,6 @@ Every accel bug is a strict xfail naming the accel function; the other tests pin
 checked and found right.  Two simulated devices; work on device 1 while device 0 is current.
 """
 import gc
-import time
 
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ import accel
 from accel import sim
 
 from conftest import SIMS, use_sim
-from torch_port_util import hold
+from test_interop_audit_r72f import producer_ran_past_the_copy
 
 MiB = 1 << 20
 
@@ -77,7 +76,7 @@ def _graph_output_on_device1(monkeypatch):
 
 
 # == 1. AsyncPoolAllocator.reachable_from: an interior pointer ======================================
-# (r72g found; fixed in session 31)
+# (r72g found; fixed in session 32)
 @pytest.mark.parametrize("how", ["cai", "dlpack"])
 def test_graph_allocation_interior_pointer_copied_to_the_other_device(monkeypatch, how):
     """The r72b fix, reached through an interior pointer: the CAI of a typed view at byte 4096 of
@@ -139,7 +138,7 @@ def test_graph_allocation_whole_and_own_view_copied_to_the_other_device(monkeypa
 
 
 # == 2. memory.empty_cache under backend:cudaMallocAsync before any allocator ======================
-# (r72g found; fixed in session 31)
+# (r72g found; fixed in session 32)
 def test_empty_cache_under_cuda_malloc_async_sets_up_no_unused_device(monkeypatch):
     _need("cuda")
     use_sim(monkeypatch, "cuda", PYTORCH_ALLOC_CONF="backend:cudaMallocAsync")
@@ -189,18 +188,8 @@ def test_cai_non_blocking_copy_from_device1_orders_device1_producer_after_it(mon
     consumer.synchronize()
     cai = {"shape": (256,), "typestr": "|u1", "data": (src.ptr, False), "version": 3, "strides": None,
            "stream": np.uint64(producer.handle)}
-    gate = hold(consumer)
-    try:
-        dst.copy_from(CAI(cai), stream=consumer, non_blocking=True)
-        src.fill_(9, stream=producer)
-        deadline = time.monotonic() + 1.0         # (a bounded wait for what must not happen)
-        while not producer.query() and time.monotonic() < deadline:
-            time.sleep(0.001)
-        overwritten_first = producer.query()
-    finally:
-        gate.set()
-    consumer.synchronize()
-    producer.synchronize()
+    overwritten_first = producer_ran_past_the_copy(
+        lambda: dst.copy_from(CAI(cai), stream=consumer, non_blocking=True), src, producer, consumer)
     assert accel.current_device_index() == 0
     assert not overwritten_first
     assert set(dst.to_numpy().tolist()) == {1}
@@ -267,7 +256,7 @@ def test_cai_copy_inside_a_capture_with_an_outside_producer_stream_leaves_the_ca
 
 
 # == 6. __cuda_array_interface__ waiting for another device's open stream (wait_for_stream) ========
-# (r72g found; fixed in session 31)
+# (r72g found; fixed in session 32)
 def test_cai_of_buffer_last_used_on_device1_during_a_relaxed_capture_on_device0(monkeypatch):
     _need("cuda")
     use_sim(monkeypatch, "cuda")
@@ -294,7 +283,7 @@ def test_cai_of_buffer_last_used_on_device1_during_a_relaxed_capture_on_device0(
 
 
 # == 7. Ctrl-C as the non-blocking CAI copy returns (Buffer._copy_from_foreign) ====================
-# (r72g found; fixed in session 31)
+# (r72g found; fixed in session 32)
 def test_cai_non_blocking_copy_interrupted_as_queued_still_orders_the_producer(monkeypatch):
     _need("cuda")
     use_sim(monkeypatch, "cuda", ACCEL_SIM_DELAY_US=50)
@@ -314,21 +303,13 @@ def test_cai_non_blocking_copy_interrupted_as_queued_still_orders_the_producer(m
         real(*args)
         raise KeyboardInterrupt     # (a Ctrl-C as the C call returns: the copy is queued)
 
-    gate = hold(consumer)
-    try:
+    def queue_copy():
         monkeypatch.setattr(backend, "memcpy_async", interrupted)
         with pytest.raises(KeyboardInterrupt):
             dst.copy_from(CAI(cai), stream=consumer, non_blocking=True)
         monkeypatch.setattr(backend, "memcpy_async", real)
-        src.fill_(9, stream=producer)             # the producer's next work on its own stream
-        deadline = time.monotonic() + 1.0         # (a bounded wait for what must not happen)
-        while not producer.query() and time.monotonic() < deadline:
-            time.sleep(0.001)
-        overwritten_first = producer.query()
-    finally:
-        gate.set()
-    consumer.synchronize()
-    producer.synchronize()
+
+    overwritten_first = producer_ran_past_the_copy(queue_copy, src, producer, consumer)
     assert accel.current_device_index() == 0
     assert not overwritten_first, "the producer's stream ran past the consumer's pending copy"
     assert set(dst.to_numpy().tolist()) == {1}
@@ -359,7 +340,7 @@ def test_many_non_blocking_cai_copies_leave_no_events(monkeypatch):
 
 
 # == 9. ArrayView CAI descr with padding (_array._cai_dtype) =======================================
-# (r72g found; fixed in session 31)
+# (r72g found; fixed in session 32)
 def test_view_copy_from_cai_of_an_aligned_structure_with_padding(monkeypatch):
     """NumPy array interface, descr: ``dtype.descr`` gives unnamed void entries for the padding
     of an aligned structure; numpy.lib.format.descr_to_dtype reads them back as the same dtype."""
