@@ -1480,7 +1480,7 @@ class DeviceCachingAllocator(ExpandableSegments):
                     raise CaptureError(
                         f"add_peer: device {index} cannot be granted access to device {self._index}'s "
                         f"expandable-segment memory while a stream capture is underway (the virtual-memory "
-                        f"access call, {getattr(self._be, 'vmm_access_call', 'set access')}, is not allowed then); "
+                        f"access call, {self._be.vmm_access_call}, is not allowed then); "
                         f"copy between the two devices once before the capture (a warm-up), or call accel.memory.device_allocator({self._index}).add_peer({index}) "
                         f"before the capture begins")
                 with self._on_device():
