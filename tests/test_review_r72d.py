@@ -100,7 +100,7 @@ def swapped_bus(monkeypatch):
     sim.reset()
 
 
-# (r72d found; fixed in session 31)
+# (r72d found; fixed in session 32)
 def test_telemetry_of_the_lost_gpu_itself_is_not_the_other_gpus(swapped_bus, monkeypatch):
     """CUDA device 0 is NVML index 1, which NVML cannot read.  _nvml_index_of passes the lost GPU
     over, finds no UUID, and smi_index returns the position, NVML index 0: device 0's readings are
@@ -202,7 +202,7 @@ def test_copy_from_orders_the_source_devices_later_work_after_the_copy(gated, mo
     assert _later_source_work_waits_for_the_copy(gated, monkeypatch, interrupt=False)
 
 
-# (r72d found; fixed in session 31)
+# (r72d found; fixed in session 32)
 def test_copy_from_interrupted_as_the_copy_returns_still_orders_the_source_device(gated, monkeypatch):
     """The copy was queued (its uses are noted, _Noting), but ``barrier.wait_stream(stream)`` after
     it never runs: device 0's current stream is not ordered after the copy, and a program that
@@ -222,7 +222,7 @@ def cuda2(request, monkeypatch):
     sim.reset()
 
 
-# (r72d found; fixed in session 31)
+# (r72d found; fixed in session 32)
 def test_cai_getter_waits_for_the_last_use_stream_not_the_whole_other_device(cuda2):
     """The last-use stream s1 of device 1 is open (a stream synchronize, or the DLPack handshake's
     event, would do); the getter synchronizes the whole of device 1, so it waits for unrelated
@@ -258,7 +258,7 @@ def xpu_no_peer(monkeypatch):
     sim.reset()
 
 
-# (r72d found; fixed in session 31)
+# (r72d found; fixed in session 32)
 def test_xpu_refused_staged_copy_in_a_capture_says_the_capture_is_invalidated(xpu_no_peer):
     """The refusal is decided before any vendor call, yet the capture is invalidated; the message
     says only that the copy "cannot be captured", so a program that catches it and goes on (as
@@ -304,7 +304,7 @@ def _parked() -> int:
 
 
 @pytest.mark.parametrize("kind", ["cuda", "xpu"])
-# (r72d found; fixed in session 31)
+# (r72d found; fixed in session 32)
 def test_ctrl_c_as_capture_end_takes_the_pinned_hold_keeps_it_with_the_graph(monkeypatch, kind):
     """r71a moved ``h.host = events.pop("host")`` before ``_finish_end`` so that an interrupt
     there keeps the hold with the graph; but the hold still passes through the stack: a SIGINT as
@@ -348,7 +348,7 @@ print(repr((found and os.path.realpath(found), mapped)))
 """
 
 
-# (r72d found; fixed in session 31)
+# (r72d found; fixed in session 32)
 def test_soname_file_names_the_file_the_loader_maps(tmp_path):
     """glibc's ld.so reads LD_LIBRARY_PATH once, at process start (_dl_init_paths); setting or
     removing os.environ["LD_LIBRARY_PATH"] later changes nothing for dlopen.  soname_file reads
@@ -387,7 +387,7 @@ def xpu_peers(monkeypatch):
     sim.reset()
 
 
-# (r72d found; fixed in session 31)
+# (r72d found; fixed in session 32)
 def test_xpu_add_peer_refused_in_a_capture_names_the_level_zero_call(xpu_peers):
     """copy_from grants the destination card access to the source's mapped memory (add_peer) on
     the first copy between two peer cards; inside a capture that is refused, and the message says

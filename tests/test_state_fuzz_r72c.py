@@ -862,7 +862,7 @@ def test_async_graph_output_copied_to_a_peer_device(monkeypatch):
     assert (dst.to_numpy() == 7).all()
 
 
-# (r72c found; fixed in session 31)
+# (r72c found; fixed in session 32)
 @pytest.mark.parametrize("kind", ["cuda", "xpu"])
 def test_release_threshold_with_expandable_segments(monkeypatch, kind):
     """Found by cuda-release-throw-nonsplit (ops: ``Buffer(25 MiB, 0)``, then close it).
@@ -881,7 +881,7 @@ def test_release_threshold_with_expandable_segments(monkeypatch, kind):
     assert M.memory_reserved(1) <= 4 * MiB, M.memory_reserved(1)
 
 
-# (r72c found; fixed in session 31)
+# (r72c found; fixed in session 32)
 def test_release_threshold_after_a_released_pools_block_is_freed(monkeypatch):
     """Found by cuda-release-throw-nonsplit seed 0 (ops: two Buffers in a MemPool, the MemPool
     dropped, the Buffers closed).

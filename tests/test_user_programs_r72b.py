@@ -888,7 +888,7 @@ def test_thread_local_captures_on_device1_while_a_loader_works_on_device0(monkey
 
 
 # (r72b found) a strict xfail: the fix should make it pass
-# (r72b found; fixed in session 31)
+# (r72b found; fixed in session 32)
 def test_async_backend_graph_output_copied_to_the_other_device_without_a_warm_up_copy(monkeypatch):
     """A graph captured on device 1 (device 0 current) allocates its output; after a replay the
     user copies the output to device 0, the first cross-device copy of the program.  accel's
