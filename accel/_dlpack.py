@@ -519,6 +519,7 @@ def _sync_for_consumer(buffer, stream_arg) -> None:
     hold = _hold_open(last)
     if hold is None:    # closed (maybe by another thread just now)
         wait_for_closed(backend, last)
+        order_after_other_uses(buffer, last, consumer)
         known = None if consumer == "host" else _accel_stream(backend, *consumer)
         if known is not None:
             buffer._used(known)
@@ -526,6 +527,7 @@ def _sync_for_consumer(buffer, stream_arg) -> None:
     try:
         if backend.captures_underway():
             _refuse_waiting_on_capture(backend, last, consumer)
+        order_after_other_uses(buffer, last, consumer)
         if consumer == "host":
             last.synchronize()
             return
@@ -659,13 +661,83 @@ def wait_for_stream(backend, stream, why: str) -> None:
                     capturing = backend.capture_id(stream._handle) is not None
                 refused = "that stream is capturing" if capturing else backend.host_wait_refused(stream._handle)
             if refused:
-                raise CaptureError(f"the buffer was last used on {why} ({stream!r}): waiting for it on the host "
+                raise CaptureError(f"the buffer was used on {why} ({stream!r}): waiting for it on the host "
                                    f"now would invalidate the stream capture underway ({refused}); export it "
                                    f"after the capture ends")
             with on_device(backend, stream.device_index):
                 backend.stream_synchronize(stream._handle)
     finally:
         held.__exit__(None, None, None)
+
+
+def order_after_other_uses(buffer, last, waiter) -> None:
+    """Order ``waiter`` after the work on ``buffer`` still queued on a stream other than ``last``
+    (its last-use stream).  ``waiter`` is ``(device, handle)``, the stream an export names (CAI:
+    ``last`` itself; ``__dlpack__``: the consumer's), or "host".  CAI v3: "If the Producer has
+    enqueued work on the data on multiple streams, then it must enqueue events on those streams
+    that follow the enqueued work, and then wait on those events in the provided stream"; the
+    array API's ``__dlpack__`` likewise makes the data safe to use on the consumer's stream.
+    The other streams: the buffer's allocation stream, those :meth:`Buffer.record_stream` noted
+    with the allocator (a non-owning buffer's noted streams), each only when a query says it
+    has work queued; the wait is an event (the allocator's ``order_after``).  Work of such a
+    stream closed since (or of one accel no longer wraps) is waited for by a synchronize of its
+    device.  While a capture is underway: nothing when ``waiter`` is capturing (its work runs at
+    a replay); otherwise each wait is on the host, and one that would invalidate the capture
+    raises CaptureError (:func:`wait_for_stream`)."""
+    backend = buffer._backend
+    others, closed = [], []
+
+    def note(stream):
+        if stream is last or stream == last:
+            return
+        if stream.closed:
+            closed.append(stream.device_index)
+        elif stream not in others:
+            others.append(stream)
+
+    note(buffer._stream)
+    if buffer._uses is not None:
+        for stream in list(buffer._uses.values()):
+            note(stream)
+    elif buffer._recorded:
+        live, gone = buffer._alloc.stream_uses(buffer._ptr)
+        closed += gone
+        for handle, device in live:
+            stream = _accel_stream(backend, device, handle)
+            if stream is None:
+                closed.append(device)   # a foreign stream whose wrapper is gone: its device
+            else:
+                note(stream)
+    if not others and not closed:
+        return
+    from .streams import on_device
+    if waiter != "host" and backend.captures_underway():
+        with on_device(backend, waiter[0]):
+            if backend.capture_id(waiter[1]) is not None:
+                # the consumer's work is captured: it runs at a replay, and a capture cannot wait
+                # for work queued outside it (CUDA Programming Guide, "CUDA Graphs" > "Cross-stream
+                # Dependencies and Events"): order the replay instead, as for any graph input
+                return
+    for device in sorted(set(closed)):
+        with backend.capture_gate:
+            if backend.captures_underway():
+                raise CaptureError(f"{buffer!r} was used on a stream of device {device} that is closed now: its "
+                                   f"queued work can only be waited for by a device synchronize, which would "
+                                   f"invalidate the stream capture underway; export it after the capture ends")
+            with on_device(backend, device):
+                backend.device_synchronize()
+    from . import memory
+    for stream in others:
+        if not backend.captures_underway():
+            try:
+                if stream.query():
+                    continue
+                if waiter != "host" and memory.device_allocator(waiter[0]).order_after(
+                        waiter[1], stream._handle, stream._index):
+                    continue
+            except RuntimeError:
+                pass        # closed meanwhile: wait_for_stream waits for its device
+        wait_for_stream(backend, stream, "another stream than the one exported, with work still queued")
 
 
 def wait_for_producer(backend, index: int, producer, stream) -> None:

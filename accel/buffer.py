@@ -21,7 +21,7 @@ from . import _finalize as _fin
 from . import _lazy, _locks
 from ._copying import refuse as _refuse
 from ._device import DeviceLike, device
-from .streams import (Stream, _Hold, _as_stream, _claim_close, _closed_during_use, _index_for, current_stream,
+from .streams import (Stream, _ExportMark, _Hold, _as_stream, _claim_close, _closed_during_use, _index_for, current_stream,
                       on_device)
 
 __all__ = ["Buffer"]
@@ -380,7 +380,7 @@ class Buffer:
     """
 
     __slots__ = ("_backend", "_index", "_ptr", "_nbytes", "_stream", "_closed", "_pid", "_last", "_owner",
-                 "_uses", "_readonly", "_pins", "_deferred", "_alloc", "__weakref__")
+                 "_uses", "_readonly", "_pins", "_deferred", "_alloc", "_recorded", "_export", "__weakref__")
 
     def __init__(self, nbytes: int, device: DeviceLike = None, stream: Optional[Stream] = None):
         # Hot path (a Buffer per tensor): each check once, no helper call the common case skips.
@@ -402,7 +402,7 @@ class Buffer:
             index = stream._index
         self._backend, self._index, self._nbytes, self._stream = backend, index, nbytes, stream
         self._last, self._owner, self._uses, self._readonly = stream, None, None, False
-        self._pins, self._deferred = set(), []
+        self._pins, self._deferred, self._recorded, self._export = set(), [], False, None
         self._closed = True
         self._pid = pid = _fin.pid
         if nbytes:
@@ -521,7 +521,7 @@ class Buffer:
         self = object.__new__(cls)
         self._backend, self._index, self._ptr, self._nbytes, self._stream = backend, index, ptr, nbytes, stream
         self._last, self._owner, self._uses, self._readonly = stream, owner, {}, bool(readonly)
-        self._pins, self._deferred, self._alloc = set(), [], None
+        self._pins, self._deferred, self._alloc, self._recorded, self._export = set(), [], None, False, None
         self._pid = _fin.pid
         self._closed = False
         return self
@@ -947,6 +947,7 @@ class Buffer:
             stream._check_alive()   # a destroyed one, recorded, would fail every later free of the memory
         if self._nbytes and stream is not self._stream and stream != self._stream and self._uses is None:
             _memory().device_allocator(self._index).record_stream(self._ptr, stream._handle, stream._index)
+            self._recorded = True       # (an export then waits for the other streams: _dlpack.wait_for_other_uses)
         self._used(stream)
 
     # -- interop -----------------------------------------------------------------
@@ -963,7 +964,12 @@ class Buffer:
         """The CUDA array interface (v3): ``nbytes`` bytes (``|u1``) at ``ptr``.
 
         ``stream`` is the buffer's last-use stream (:attr:`last_stream`), where accel's latest
-        work on the memory was queued; a consumer (CuPy, Numba) orders its work after it.  A
+        work on the memory was queued; a consumer (CuPy, Numba) orders its work after it.  Work
+        still queued on the buffer's other streams (its allocation stream, those of
+        :meth:`record_stream`) is waited for by that stream through events, as CAI v3 asks of a
+        producer (``accel._dlpack.order_after_other_uses``); the stream's destroy by a
+        :meth:`Stream.close` waits for this buffer's close or collection (CAI v3 "Lifetime
+        management"), or for an export that names another stream.  A
         last-use stream closed since is waited for on the host (a device synchronize) and the
         current stream given, and so is one of another device (a copy there read the buffer:
         the consumer would read its handle as a stream of the buffer's device); while a stream capture is underway that wait would invalidate it,
@@ -993,6 +999,12 @@ class Buffer:
             from ._dlpack import wait_for_stream
             wait_for_stream(self._backend, last, f"a stream of device {last._index}")
             self._last = last = current_stream(self._index)
+        from ._dlpack import order_after_other_uses
+        order_after_other_uses(self, last, (self._index, last._handle))
+        if (last._owned or last._foreign) and (self._export is None or self._export._stream is not last):
+            # the exported stream outlives a close() while this buffer lives (CAI v3 "Lifetime
+            # management"; streams._ExportMark); the mark of an earlier export goes
+            self._export = _ExportMark(last)
         handle = last._handle
         return {"shape": (self._nbytes,), "typestr": "|u1", "data": (self._ptr, self._readonly),
                 "strides": None, "version": 3, "stream": handle if handle else _CAI_LEGACY_DEFAULT_STREAM}
@@ -1080,6 +1092,8 @@ class Buffer:
             raise _fin.forked_error(self._backend)
         if self._closed or not _claim_close(self):
             return      # closed already, or another thread's close() got there first
+        if self._export is not None:
+            self._export = None     # an exported stream closed meanwhile is destroyed now
         if self._uses is None and not self._pins:
             # the common case: owned memory no export or call in flight pins (checked after the
             # claim, as below: a use that pins it now finds the buffer closed and raises)

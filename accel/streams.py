@@ -288,6 +288,37 @@ class _Hold:
                 _closed_during_use(stream)
 
 
+class _ExportMark:
+    """A use mark (``_busy``) on a stream that a live object exported, held for as long as this
+    mark lives: a close() of the stream meanwhile leaves its destroy to the mark's end, so the
+    exported handle names no newer stream.  CAI v3, "Lifetime management" > "Streams": a Producer
+    exporting a stream "ensures that the exported stream's lifetime is equal to or surpasses the
+    lifetime of the object from which the interface was exported" (Numba keeps it as the imported
+    array's stream).  Unlike :class:`_Hold`, it lets no call use the stream once it is closed.
+
+    Interrupt safety: the stream is stored before the mark's append (a call), and a Ctrl-C's
+    handler runs only after that call returns, so a mark appended is always one ``__del__`` pops."""
+
+    __slots__ = ("_stream",)
+
+    def __init__(self, stream: "Stream"):
+        self._stream = stream
+        stream._busy.append(None)
+
+    def __del__(self, _finalizing=sys.is_finalizing):
+        if _finalizing():
+            return      # interpreter exit: the process takes it all
+        stream = getattr(self, "_stream", None)
+        if stream is None:
+            return      # interrupted before anything was marked
+        try:
+            stream._busy.pop()
+            if stream._closed and stream._pid == _fin.pid:
+                _closed_during_use(stream)      # the close() left its destroy to this mark
+        except KeyboardInterrupt:
+            _fin.RAISE_AGAIN[_fin.interrupt_key()]    # a Ctrl-C handled in here reaches the program (r62)
+
+
 def _hold_open(stream: "Stream") -> "Optional[_Hold]":
     """An entered :class:`_Hold` of ``stream`` (leave it with ``__exit__``), or None when the
     stream is closed (by another thread maybe just now): for callers that then take another way

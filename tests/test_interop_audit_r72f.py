@@ -234,10 +234,7 @@ def test_view_copy_from_cai_with_the_default_descr(gated_cuda):
 
 
 # == the producer's obligation: every stream with pending work =====================================
-@pytest.mark.xfail(strict=True, reason="r72f: the stream accel exports (CAI 'stream', __dlpack__'s consumer "
-                                       "wait) covers only the last-use stream, not work still pending on an "
-                                       "earlier stream (accel/buffer.py __cuda_array_interface__, "
-                                       "accel/_dlpack.py _sync_for_consumer use Buffer._last alone)")
+# (r72f found; fixed in session 34)
 @pytest.mark.parametrize("how", ["cai", "dlpack"])
 def test_exported_stream_covers_pending_work_on_every_stream(gated_cuda, how):
     """CAI v3: "If the Producer has enqueued work on the data on multiple streams, then it must
@@ -270,11 +267,7 @@ def test_exported_stream_covers_pending_work_on_every_stream(gated_cuda, how):
     assert waits_for_a, "the consumer's stream does not wait for the read still pending on stream A"
 
 
-@pytest.mark.xfail(strict=True, reason="r72f: the stream a CAI export names dies with Stream.close() while the "
-                                       "exported Buffer lives, and its handle goes to the next stream made "
-                                       "(accel/buffer.py Buffer.__cuda_array_interface__; accel/streams.py "
-                                       "Stream.close destroys a stream that is a live buffer's exported last-use "
-                                       "stream)")
+# (r72f found; fixed in session 34)
 def test_cai_exported_stream_outlives_a_close_while_the_buffer_lives(gated_cuda):
     """CAI v3, "Lifetime management" > "Streams": "it is therefore required that a Producer exporting
     data on the interface with an associated stream ensures that the exported stream's lifetime is

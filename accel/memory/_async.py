@@ -394,6 +394,10 @@ class AsyncPoolAllocator:
             else:
                 alloc.uses.add((stream, device))
 
+    def stream_uses(self, ptr: int) -> Tuple[List[Tuple[int, int]], List[int]]:
+        """As :meth:`DeviceCachingAllocator.stream_uses <accel.memory._caching.DeviceCachingAllocator.stream_uses>`."""
+        return _caching.stream_uses(self, ptr, lambda: self._ptrs.get(ptr), lambda alloc: not alloc.deferred)
+
     def forget_stream(self, stream: int, device_index: Optional[int] = None, blocking: bool = True) -> bool:
         """``stream`` (of device ``device_index``) is about to be destroyed: allocations made or
         used on it get an event recorded there now (or the stream is synchronized when that

@@ -267,6 +267,19 @@ def order_after(owner, waiter: int, stream: int, device_index, queue_wait) -> bo
     return True
 
 
+def stream_uses(owner, ptr: int, find, allocated) -> Tuple[List[Tuple[int, int]], List[int]]:
+    """The two device allocators' ``stream_uses``: ``find()`` gives the block or allocation at
+    ``ptr`` (or None), ``allocated(item)`` whether it is allocated.  The uses are copied under
+    the lock: the caller waits for them without it."""
+    with _probe(owner._lock, "stream_uses", owner._gate_owned):
+        item = find()
+        if item is None or not allocated(item):
+            return [], []
+        uses = list(item.uses or ())
+    live = [use for use in uses if type(use) is tuple]
+    return live, [use.device for use in uses if type(use) is not tuple]
+
+
 def add_use(owner, block, stream: int, device: int) -> None:
     """``block`` is used by work on ``stream`` of ``device``: its ``uses`` and ``owner._used_on``
     (the stream's users, for forget_stream) say so.  ``owner`` is a device or host caching
@@ -1199,6 +1212,13 @@ class DeviceCachingAllocator(ExpandableSegments):
             if stream == fl.stream and device == self._index and self._live_list(fl):
                 return      # the block's own stream: its free is ordered after that work already
             add_use(self, block, stream, device)
+
+    def stream_uses(self, ptr: int) -> Tuple[List[Tuple[int, int]], List[int]]:
+        """The uses :meth:`record_stream` noted on the allocated block at ``ptr``:
+        ``(streams, closed)``, the ``(handle, device)`` of each live stream, and the device of
+        each stream destroyed since (its work covered by an event).  ``([], [])`` for an address
+        that is no allocated block.  For an exporter (``accel._dlpack.wait_for_other_uses``)."""
+        return stream_uses(self, ptr, lambda: self._blocks.get(ptr), lambda block: block.state == _ALLOCATED)
 
     def order_after(self, waiter: int, stream: int, device_index: Optional[int] = None) -> bool:
         """``waiter`` (a stream of this allocator's device) waits on the device for the work
