@@ -793,6 +793,8 @@ def _order_with_producer(backend, index: int, producer, stream, producer_first: 
             (signal, signal_device), (waiter, waiter_device) = (
                 ((handle, device), (stream._handle, stream._index)) if producer_first
                 else ((stream._handle, stream._index), (handle, device)))
+            if backend.captures_underway():
+                _refuse_wait_into_capture(backend, signal, signal_device, waiter, waiter_device)
             with on_device(backend, signal_device):
                 event = backend.event_create(False, False)
             try:
@@ -805,6 +807,25 @@ def _order_with_producer(backend, index: int, producer, stream, producer_first: 
     finally:
         if held is not None:
             held.__exit__(None, None, None)
+
+
+def _refuse_wait_into_capture(backend, signal: int, signal_device: int, waiter: int, waiter_device: int) -> None:
+    """CaptureError, before anything is queued, when ``waiter`` is capturing and ``signal`` is
+    not part of the same capture: the wait would name an event recorded outside the capture,
+    which CUDA refuses and which invalidates it (cudaErrorStreamCaptureIsolation; Programming
+    Guide, "CUDA Graphs" > "Cross-stream Dependencies and Events")."""
+    from .streams import on_device
+    with on_device(backend, waiter_device):
+        capture = backend.capture_id(waiter)
+    if capture is None:
+        return      # (a signal stream that captures makes the waiter join its capture: allowed)
+    with on_device(backend, signal_device):
+        if backend.capture_id(signal) == capture:
+            return
+    raise CaptureError(f"the __cuda_array_interface__ producer's stream ({signal:#x}, device {signal_device}) is "
+                       f"outside the stream capture underway on {waiter:#x}: a captured wait for it would "
+                       f"invalidate the capture.  Synchronize the producer before capture_begin() and pass "
+                       f"an object without 'stream' (or copy outside the capture); nothing was copied")
 
 
 def _accel_stream(backend, index: int, handle: int):

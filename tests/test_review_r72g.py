@@ -223,10 +223,7 @@ def test_fill_on_device1_stream_inside_a_capture_from_device0(monkeypatch, kind)
 
 
 # == 5. CAI consumer inside a capture (wait_for_producer / _order_with_producer) ===================
-@pytest.mark.xfail(strict=True, reason="r72g: _dlpack._order_with_producer (wait_for_producer) queues "
-                   "cudaStreamWaitEvent on the capturing consumer stream for an event recorded outside the "
-                   "capture: the driver refuses it (cudaErrorStreamCaptureIsolation) and the capture is "
-                   "invalidated, instead of a CaptureError raised before anything is queued")
+# (r72g found; fixed in session 34)
 def test_cai_copy_inside_a_capture_with_an_outside_producer_stream_leaves_the_capture_valid(monkeypatch):
     _need("cuda")
     use_sim(monkeypatch, "cuda")
