@@ -11,7 +11,7 @@ from ..core import ffi
 from .objects import _CmdList, _CmdQueue, _Device, _Runtime
 from .common import _addr, _ready
 from .discovery import _GROUPS, _fill_pattern_max
-from .events import _device_signal, _host_wait, _scope_problem
+from .events import _device_signal, _host_wait, _host_waiting, _scope_problem
 from .virtual_memory import _reservation_ctx, _vmm_range
 
 
@@ -118,7 +118,12 @@ def zeCommandListDestroy(hCommandList):
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     if _busy(cl):
         return rt.C.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE   # the device still references it
-    rt._forget(cl)
+    with rt.lock:
+        if cl in rt.host_waits:
+            # (r73c) another host thread is inside zeCommandListHostSynchronize on it (level-zero-spec
+            # INTRO.rst, "Multithreading and Concurrency"; events._host_waiting): refused, nothing changed
+            return rt.C.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE
+        rt._forget(cl)
     cl.ops = []
     if cl.queue is not None:
         rt.engine.close_later(cl.queue)
@@ -732,8 +737,9 @@ def zeCommandListHostSynchronize(hCommandList, timeout):
     q = cl.queue
     target = q.enqueued
     upto = cl.order.count if cl.order is not None else 0
-    rc = _host_wait(rt, lambda: q.done >= target or rt.lost is not None, timeout, q.cv,
-                    "zeCommandListHostSynchronize")
+    with _host_waiting(rt, cl):     # (r73c) zeCommandListDestroy meanwhile is refused
+        rc = _host_wait(rt, lambda: q.done >= target or rt.lost is not None, timeout, q.cv,
+                        "zeCommandListHostSynchronize")
     if rc == 0 and cl.order is not None:
         with rt.lock:   # (r69f) the host saw them complete: ordered before what it appends next
             cl.order.host_synchronized(upto)
@@ -766,7 +772,11 @@ def zeCommandQueueDestroy(hCommandQueue):
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     if not cq.queue.idle():
         return rt.C.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE
-    rt._forget(cq)
+    with rt.lock:
+        if cq in rt.host_waits:
+            # (r73c) another host thread is inside zeCommandQueueSynchronize on it (events._host_waiting)
+            return rt.C.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE
+        rt._forget(cq)
     rt.engine.close_later(cq.queue)
     return 0
 
@@ -880,5 +890,6 @@ def zeCommandQueueSynchronize(hCommandQueue, timeout):
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     q = cq.queue
     target = q.enqueued
-    return _host_wait(rt, lambda: q.done >= target or rt.lost is not None, timeout, q.cv,
-                      "zeCommandQueueSynchronize")
+    with _host_waiting(rt, cq):     # (r73c) zeCommandQueueDestroy meanwhile is refused
+        return _host_wait(rt, lambda: q.done >= target or rt.lost is not None, timeout, q.cv,
+                          "zeCommandQueueSynchronize")

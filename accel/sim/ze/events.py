@@ -5,6 +5,7 @@ synchronize, kernel timestamps; and how a device signal or wait is ordered.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from typing import Optional
 
 from .. import core
@@ -110,6 +111,9 @@ def zeEventDestroy(hEvent):
         # ze_api.h, zeEventDestroy: "The application must ensure the device is not currently
         # referencing the event before it is deleted."
         if ev.refs:
+            return rt.C.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE
+        if ev in rt.host_waits:
+            # (r73c) another host thread is inside zeEventHostSynchronize on it (_host_waiting)
             return rt.C.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE
         rt._forget(ev)
         if ev.pool.events.get(ev.index) is ev:
@@ -259,6 +263,35 @@ def _host_sees(rt: _Runtime, ev: _Event) -> int:
     return 0 if why is None else rt.C.ZE_RESULT_ERROR_INVALID_SYNCHRONIZATION_OBJECT
 
 
+# (r73c) A host thread inside a synchronize holds the handle it waits on.  level-zero-spec
+# scripts/core/INTRO.rst, "Multithreading and Concurrency": "APIs are not thread-safe with other APIs
+# that use the same driver's object handle ... the application must ensure multiple threads do not
+# enter these APIs when the handle is the same" (the synchronizes are free-threaded only among
+# themselves: "The application may call this function from simultaneous threads"); and
+# zeEventDestroy / zeCommandListDestroy / zeCommandQueueDestroy: "The application must **not** call
+# this function from simultaneous threads with the same ... handle".  A destroy while another thread
+# waits on the handle frees what that wait reads (on a GPU the waiter faults or never returns).  The
+# simulator let it through; now such a destroy is refused with HANDLE_OBJECT_IN_USE (the code the
+# destroys give while the device references the object; the documents name none for this) and
+# nothing changes.  zeEventHostReset is not covered: it is free-threaded ("may call this function
+# from simultaneous threads") and frees nothing.
+
+@contextmanager
+def _host_waiting(rt: _Runtime, obj):
+    """The calling thread is inside a host synchronize on ``obj`` (rt.host_waits)."""
+    with rt.lock:
+        rt.host_waits[obj] = rt.host_waits.get(obj, 0) + 1
+    try:
+        yield
+    finally:
+        with rt.lock:
+            n = rt.host_waits[obj] - 1
+            if n:
+                rt.host_waits[obj] = n
+            else:
+                del rt.host_waits[obj]
+
+
 def _host_wait(rt: _Runtime, cond, timeout_ns: int, cv, what: str) -> int:
     """Wait on ``cv`` (engine lock) until ``cond()``; the Level Zero timeout rules."""
     if cond():
@@ -293,8 +326,10 @@ def zeEventHostSynchronize(hEvent, timeout):
     ev = _host_event(rt, hEvent)
     if isinstance(ev, int):
         return ev
-    rc = _host_wait(rt, lambda: ev.signaled or rt.lost is not None, timeout, ev.eq.cv, "zeEventHostSynchronize")
-    return rc or _host_sees(rt, ev)
+    with _host_waiting(rt, ev):     # (r73c) a destroy meanwhile is refused
+        rc = _host_wait(rt, lambda: ev.signaled or rt.lost is not None, timeout, ev.eq.cv,
+                        "zeEventHostSynchronize")
+        return rc or _host_sees(rt, ev)
 
 
 def zeEventQueryKernelTimestamp(hEvent, dstptr):

@@ -330,6 +330,9 @@ class _Runtime:
         self.alloc_ctx: Dict[int, _Obj] = {}   # allocation base -> the context it was made in
         self.alloc_refs: Dict[object, int] = {}   # allocation -> submitted operations not yet run
         self.busy: Dict[_Obj, int] = {}   # command list / kernel -> the thread inside a call on it (_one_thread)
+        # (r73c) event / command list / queue -> host threads inside a synchronize on it (events.py,
+        # _host_waiting): a destroy meanwhile is refused; bounded by the calls in progress
+        self.host_waits: Dict[_Obj, int] = {}
 
     def _add(self, obj: _Obj) -> _Obj:
         self.objects[obj.key] = obj
