@@ -36,13 +36,13 @@ not returned from the driver yet.  The tests widen it deterministically by holdi
 inside the simulated call after its wait (``_held_after_wait``), as a descheduled thread would be.
 
 accel: stream_destroy already waits for threads inside zeCommandListHostSynchronize (``s.waiting``),
-and passes.  Two of its paths do not (strict xfails):
+and passes.  Two of its paths did not (strict xfails until session 34, which fixed both):
 
-* ``XpuBackend._release_graph`` (graph_destroy / graph_exec_destroy) calls zeCommandQueueDestroy on the
+* ``XpuBackend._release_graph`` (graph_destroy / graph_exec_destroy) called zeCommandQueueDestroy on the
   graph's queue while ``device_synchronize`` on another thread is inside zeCommandQueueSynchronize on it
   (device_synchronize's ``_sync_graph`` takes no graph lock; the destroy raises AcceleratorError, and on
   a GPU the waiter reads a freed queue);
-* ``XpuBackend.close`` (``_close_sealed``) calls zeEventDestroy on an event's slot while
+* ``XpuBackend.close`` (``_close_sealed``) called zeEventDestroy on an event's slot while
   ``event_synchronize`` on another thread is inside zeEventHostSynchronize on it (close seals streams
   only after list waiters, ``s.waiting``, left; event waiters, ``slot.waiters``, are not checked).
 """
@@ -52,7 +52,6 @@ import threading
 import pytest
 
 from accel import _lazy, sim
-from accel._errors import AcceleratorError
 from accel._ffi._ze import ffi
 from accel.sim.ze import commands as ze_commands, events as ze_events, objects as ze_objects
 from conftest import use_sim
@@ -236,9 +235,7 @@ def _graph(b, s):
     return p, g, b.graph_instantiate(g)
 
 
-@pytest.mark.xfail(strict=True, raises=AcceleratorError,
-                   reason="r73c: XpuBackend._release_graph destroys the graph's queue while "
-                   "device_synchronize on another thread is inside zeCommandQueueSynchronize on it")
+# (r73c found; fixed in session 34)
 def test_accel_graph_destroy_while_device_synchronize_waits_on_its_queue(xpu, monkeypatch):
     b = xpu
     b.set_device(1)
@@ -263,9 +260,7 @@ def test_accel_graph_destroy_while_device_synchronize_waits_on_its_queue(xpu, mo
     b.mem_free(p)
 
 
-@pytest.mark.xfail(strict=True, raises=AcceleratorError,
-                   reason="r73c: XpuBackend.close destroys an event's slot (zeEventDestroy) while "
-                   "event_synchronize on another thread is inside zeEventHostSynchronize on it")
+# (r73c found; fixed in session 34)
 def test_accel_close_while_another_thread_synchronizes_an_event(monkeypatch):
     use_sim(monkeypatch, "xpu")
     b = _lazy.lazy_init()
@@ -279,8 +274,10 @@ def test_accel_close_while_another_thread_synchronizes_an_event(monkeypatch):
         hold = _held_after_wait(monkeypatch, ze_events)
         t, out = hold.run(b.event_synchronize, e)
         assert hold.inside.wait(_WAIT_S)
+        # close() waits for the other thread's wait to return: let it return a little later
+        threading.Timer(0.2, hold.release.set).start()
         try:
-            b.close()                            # AcceleratorError: zeEventDestroy IN_USE
+            b.close()                            # (was AcceleratorError: zeEventDestroy IN_USE)
         finally:
             hold.release.set()
             t.join(_WAIT_S)

@@ -160,11 +160,23 @@ class XpuBackend(DiscoveryMixin, MemoryMixin, StreamsMixin, EventsMixin, GraphsM
                     sealed.append(s)
                 finally:
                     s.lock.release()
+            if self._host_waits():
+                return False
             sealed = []
             return True
         finally:
             for s in sealed:        # not all sealed: live again, waited for again
                 s.dead = False
+
+    def _host_waits(self) -> bool:
+        """Whether another thread is inside a host wait on an event slot or a graph's queue (an
+        event_synchronize, a graph's sync): close() waits for it to return before destroying
+        what it waits on (level-zero-spec INTRO.rst, "Multithreading and Concurrency")."""
+        if any(e.rec is not None and e.rec[0].waiters for e in self._events.values()):
+            return True
+        if any(slot.waiters for slot in self._retired):
+            return True
+        return any(g.waiting for g in list(self._graphs.values()) + list(self._execs.values()))
 
     def _close_sealed(self) -> None:
         """close()'s destroys (caller holds the backend's lock, the streams sealed)."""

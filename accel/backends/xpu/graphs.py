@@ -48,7 +48,7 @@ class _Capture:
 class _Graph:
     __slots__ = ("handle", "device", "list", "gate", "done", "ops", "queue", "execs", "destroyed",
                  "launched", "last_stream", "completion", "lock", "deps", "released", "stale", "launches",
-                 "kernels", "broken")
+                 "kernels", "broken", "waiting", "orphan")
 
     def __init__(self, handle, cap: _Capture):
         self.handle, self.device, self.list = handle, cap.device, cap.list
@@ -66,6 +66,8 @@ class _Graph:
         self.stale = None              # the stream of a launch that failed half way (_rearm_graph)
         self.kernels = cap.kernels     # the kernels its list launches
         self.broken: Optional[str] = cap.broken     # why it can never launch again (module_unload)
+        self.waiting = 0               # host threads inside zeCommandQueueSynchronize on the queue
+        self.orphan = None             # the queue, destroyed once the last of them left (_sync_graph)
 
 
 class GraphsMixin:
@@ -311,10 +313,23 @@ class GraphsMixin:
     def _sync_graph(self, g: _Graph) -> None:
         """Wait for the graph's queue.  Callers without ``g.lock`` (frees, device_synchronize)
         may race a launch: the graph is noted idle only if no launch came after the wait began."""
-        if not g.launched or g.queue is None:
-            return
-        launches = g.launches
-        rc = self._lib[1].zeCommandQueueSynchronize(g.queue, _UINT64_MAX)
+        with self._lock:
+            queue = g.queue
+            if not g.launched or queue is None:
+                return
+            g.waiting += 1      # (the queue read once: _release_graph may clear g.queue meanwhile)
+            launches = g.launches
+        try:
+            rc = self._lib[1].zeCommandQueueSynchronize(queue, _UINT64_MAX)
+        finally:
+            with self._lock:
+                g.waiting -= 1
+                if not g.waiting and g.orphan is not None:
+                    # the graph was released while this thread waited: its queue goes now, at the
+                    # next sweep (level-zero-spec INTRO.rst, "Multithreading and Concurrency": no
+                    # destroy while another thread uses the handle)
+                    self._orphans.append(("zeCommandQueueDestroy", g.orphan))
+                    g.orphan = None
         if rc:
             self._fail("zeCommandQueueSynchronize", rc)
         if g.launches == launches:
@@ -364,10 +379,16 @@ class GraphsMixin:
                     self._fail("zeCommandListDestroy", rc)
                 g.list = None
             if g.queue is not None:
-                rc = lib.zeCommandQueueDestroy(g.queue)
-                if rc:
-                    self._fail("zeCommandQueueDestroy", rc)
-                g.queue = None
+                with self._lock:
+                    queue, g.queue = g.queue, None      # no new wait starts on it
+                    if g.waiting:
+                        g.orphan, queue = queue, None   # another thread's device_synchronize waits
+                                                        # on it: the last such wait hands it on
+                if queue is not None:
+                    rc = lib.zeCommandQueueDestroy(queue)
+                    if rc:
+                        g.queue = queue                 # (a retry destroys it)
+                        self._fail("zeCommandQueueDestroy", rc)
                 with self._lock:
                     g.device.graphs.discard(g)
             for slot in (g.gate, g.done):
