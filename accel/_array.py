@@ -643,6 +643,9 @@ class _source:
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise ValueError(f"copy_from: malformed __cuda_array_interface__ ({exc!r}); nothing was copied") \
                 from None
+        if strides is not None and len(strides) != len(shape):
+            raise ValueError(f"copy_from: malformed __cuda_array_interface__: strides {strides} for shape {shape} "
+                             f"(one stride per dimension, as numpy requires); nothing was copied")
         view._check_match(shape, dtype, "the __cuda_array_interface__ source")
         if strides is not None and any(s < 0 for s in strides):
             raise ValueError(f"copy_from: the source has negative strides {strides}; nothing was copied")
@@ -773,7 +776,10 @@ def _cai_dtype(cai: dict) -> np.dtype:
     default is ``[('', typestr)]``: that names the plain type, not a structure with one field
     (numpy and CuPy always send it)."""
     typestr, descr = cai["typestr"], cai.get("descr")
-    if not str(typestr).lstrip("<>|=").startswith("V") or not descr:
+    if not isinstance(typestr, str):
+        # (np.dtype(None) is float64: a missing type must not read as one)
+        raise TypeError(f"typestr {typestr!r} is not a string such as '<f4'")
+    if not typestr.lstrip("<>|=").startswith("V") or not descr:
         return np.dtype(typestr)
     if len(descr) == 1 and len(descr[0]) == 2 and descr[0][0] == "" and np.dtype(descr[0][1]) == np.dtype(typestr):
         return np.dtype(typestr)

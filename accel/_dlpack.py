@@ -428,6 +428,7 @@ def export_host_copy(obj, buffer, stream_arg, versioned: bool):
         raise ValueError(f"stream={stream_arg!r} with dl_device=(kDLCPU, 0): a host copy needs no consumer "
                          f"stream (pass None or -1); accel waits for the buffer's work before copying")
     buffer._live()
+    check_foreign_alive(buffer._last)
     wait_for_stream(buffer._backend, buffer._last, "the buffer's last-use stream")
     host = obj.to_numpy()
     capsule = host.__dlpack__(max_version=DLPACK_VERSION if versioned else None)
@@ -516,6 +517,7 @@ def _sync_for_consumer(buffer, stream_arg) -> None:
     if consumer is None:
         return
     last = buffer._last
+    check_foreign_alive(last)
     hold = _hold_open(last)
     if hold is None:    # closed (maybe by another thread just now)
         wait_for_closed(backend, last)
@@ -670,6 +672,14 @@ def wait_for_stream(backend, stream, why: str) -> None:
         held.__exit__(None, None, None)
 
 
+def check_foreign_alive(stream) -> None:
+    """ValueError naming the stream when ``stream`` is an open :meth:`Stream.from_handle` wrapper
+    whose owner destroyed it: its handle may name the next stream the driver made, so no export
+    may hand it on or wait on it (as ``fill_``/``copy_to`` refuse it: ``Stream._check_alive``)."""
+    if stream._foreign and not stream._closed:
+        stream._check_alive()
+
+
 def order_after_other_uses(buffer, last, waiter) -> None:
     """Order ``waiter`` after the work on ``buffer`` still queued on a stream other than ``last``
     (its last-use stream).  ``waiter`` is ``(device, handle)``, the stream an export names (CAI:
@@ -810,22 +820,25 @@ def _order_with_producer(backend, index: int, producer, stream, producer_first: 
 
 
 def _refuse_wait_into_capture(backend, signal: int, signal_device: int, waiter: int, waiter_device: int) -> None:
-    """CaptureError, before anything is queued, when ``waiter`` is capturing and ``signal`` is
-    not part of the same capture: the wait would name an event recorded outside the capture,
-    which CUDA refuses and which invalidates it (cudaErrorStreamCaptureIsolation; Programming
-    Guide, "CUDA Graphs" > "Cross-stream Dependencies and Events")."""
+    """CaptureError, before anything is queued, when one of the two streams is capturing and the
+    other is not part of that capture.  A capturing waiter would wait for an event recorded
+    outside its capture, which CUDA refuses and which invalidates it (cudaErrorStreamCaptureIsolation;
+    Programming Guide, "CUDA Graphs" > "Cross-stream Dependencies and Events"); a waiter outside a
+    capturing signaller would be forked into the capture, so the copy it queues next is captured
+    instead of run, and the capture cannot end until that stream joins back
+    (cudaErrorStreamCaptureUnjoined)."""
     from .streams import on_device
     with on_device(backend, waiter_device):
-        capture = backend.capture_id(waiter)
-    if capture is None:
-        return      # (a signal stream that captures makes the waiter join its capture: allowed)
+        theirs = backend.capture_id(waiter)
     with on_device(backend, signal_device):
-        if backend.capture_id(signal) == capture:
-            return
-    raise CaptureError(f"the __cuda_array_interface__ producer's stream ({signal:#x}, device {signal_device}) is "
-                       f"outside the stream capture underway on {waiter:#x}: a captured wait for it would "
-                       f"invalidate the capture.  Synchronize the producer before capture_begin() and pass "
-                       f"an object without 'stream' (or copy outside the capture); nothing was copied")
+        ours = backend.capture_id(signal)
+    if theirs == ours:
+        return
+    raise CaptureError(f"the __cuda_array_interface__ producer's stream and the copy's stream ({signal:#x} on "
+                       f"device {signal_device}, {waiter:#x} on device {waiter_device}) are not in the same "
+                       f"stream capture: ordering them would invalidate the capture or pull the other stream "
+                       f"into it.  Copy on the capturing stream itself, or outside the capture (synchronize the "
+                       f"producer first); nothing was copied")
 
 
 def _accel_stream(backend, index: int, handle: int):

@@ -281,6 +281,9 @@ def _parse_cai(cai, what: str):
     import numpy as np
     try:
         shape = tuple(operator.index(n) for n in cai["shape"])
+        if not isinstance(cai["typestr"], str):
+            # (np.dtype(None) is float64: a missing type must not read as one)
+            raise TypeError(f"typestr {cai['typestr']!r} is not a string such as '<f4'")
         itemsize = np.dtype(cai["typestr"]).itemsize
         ptr = operator.index(cai["data"][0])
     except (KeyError, TypeError, IndexError) as exc:
@@ -291,6 +294,9 @@ def _parse_cai(cai, what: str):
     for n in shape:
         count *= n
     strides = cai.get("strides")
+    if strides is not None and len(tuple(strides)) != len(shape):
+        raise ValueError(f"{what}.__cuda_array_interface__ is malformed: strides {tuple(strides)} for shape {shape} "
+                         f"(one stride per dimension, as numpy requires); nothing was copied")
     if strides is not None and count:
         step = itemsize
         for n, s in zip(reversed(shape), reversed(tuple(strides))):
@@ -987,6 +993,9 @@ class Buffer:
         if self._closed:
             raise AttributeError(f"__cuda_array_interface__: {self!r} was closed")
         last = self._last
+        if last._foreign:
+            from ._dlpack import check_foreign_alive
+            check_foreign_alive(last)
         if last.closed:     # its queued work still runs: wait for it, then any stream will do
             from ._dlpack import wait_for_closed
             wait_for_closed(self._backend, last)
