@@ -691,9 +691,9 @@ def order_after_other_uses(buffer, last, waiter) -> None:
     with the allocator (a non-owning buffer's noted streams), each only when a query says it
     has work queued; the wait is an event (the allocator's ``order_after``).  Work of such a
     stream closed since (or of one accel no longer wraps) is waited for by a synchronize of its
-    device.  While a capture is underway: nothing when ``waiter`` is capturing (its work runs at
-    a replay); otherwise each wait is on the host, and one that would invalidate the capture
-    raises CaptureError (:func:`wait_for_stream`)."""
+    device, once (``Buffer._drained`` counts them).  While a capture is underway: nothing when
+    ``waiter`` is capturing (its work runs at a replay); otherwise each wait is on the host, and
+    one that would invalidate the capture raises CaptureError (:func:`wait_for_stream`)."""
     backend = buffer._backend
     others, closed = [], []
 
@@ -728,6 +728,8 @@ def order_after_other_uses(buffer, last, waiter) -> None:
                 # for work queued outside it (CUDA Programming Guide, "CUDA Graphs" > "Cross-stream
                 # Dependencies and Events"): order the replay instead, as for any graph input
                 return
+    if len(closed) <= buffer._drained:
+        closed = []     # waited for at an earlier export: a closed stream queues nothing more
     for device in sorted(set(closed)):
         with backend.capture_gate:
             if backend.captures_underway():
@@ -736,6 +738,8 @@ def order_after_other_uses(buffer, last, waiter) -> None:
                                    f"invalidate the stream capture underway; export it after the capture ends")
             with on_device(backend, device):
                 backend.device_synchronize()
+    if closed:
+        buffer._drained = len(closed)
     from . import memory
     for stream in others:
         if not backend.captures_underway():

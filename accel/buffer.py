@@ -21,8 +21,8 @@ from . import _finalize as _fin
 from . import _lazy, _locks
 from ._copying import refuse as _refuse
 from ._device import DeviceLike, device
-from .streams import (Stream, _ExportMark, _Hold, _as_stream, _claim_close, _closed_during_use, _index_for, current_stream,
-                      on_device)
+from .streams import (Stream, _ExportMark, _Hold, _as_stream, _claim_close, _closed_during_use, _index_for,
+                      current_stream, on_device)
 
 __all__ = ["Buffer"]
 
@@ -386,7 +386,8 @@ class Buffer:
     """
 
     __slots__ = ("_backend", "_index", "_ptr", "_nbytes", "_stream", "_closed", "_pid", "_last", "_owner",
-                 "_uses", "_readonly", "_pins", "_deferred", "_alloc", "_recorded", "_export", "__weakref__")
+                 "_uses", "_readonly", "_pins", "_deferred", "_alloc", "_recorded", "_export",
+                 "_drained", "__weakref__")
 
     def __init__(self, nbytes: int, device: DeviceLike = None, stream: Optional[Stream] = None):
         # Hot path (a Buffer per tensor): each check once, no helper call the common case skips.
@@ -408,7 +409,7 @@ class Buffer:
             index = stream._index
         self._backend, self._index, self._nbytes, self._stream = backend, index, nbytes, stream
         self._last, self._owner, self._uses, self._readonly = stream, None, None, False
-        self._pins, self._deferred, self._recorded, self._export = set(), [], False, None
+        self._pins, self._deferred, self._recorded, self._export, self._drained = set(), [], False, None, 0
         self._closed = True
         self._pid = pid = _fin.pid
         if nbytes:
@@ -528,6 +529,7 @@ class Buffer:
         self._backend, self._index, self._ptr, self._nbytes, self._stream = backend, index, ptr, nbytes, stream
         self._last, self._owner, self._uses, self._readonly = stream, owner, {}, bool(readonly)
         self._pins, self._deferred, self._alloc, self._recorded, self._export = set(), [], None, False, None
+        self._drained = 0
         self._pid = _fin.pid
         self._closed = False
         return self
@@ -953,7 +955,7 @@ class Buffer:
             stream._check_alive()   # a destroyed one, recorded, would fail every later free of the memory
         if self._nbytes and stream is not self._stream and stream != self._stream and self._uses is None:
             _memory().device_allocator(self._index).record_stream(self._ptr, stream._handle, stream._index)
-            self._recorded = True       # (an export then waits for the other streams: _dlpack.wait_for_other_uses)
+            self._recorded = True       # (an export then orders after them: _dlpack.order_after_other_uses)
         self._used(stream)
 
     # -- interop -----------------------------------------------------------------
@@ -1102,7 +1104,8 @@ class Buffer:
         if self._closed or not _claim_close(self):
             return      # closed already, or another thread's close() got there first
         if self._export is not None:
-            self._export = None     # an exported stream closed meanwhile is destroyed now
+            mark, self._export = self._export, None
+            mark.release()          # an exported stream closed meanwhile is destroyed now
         if self._uses is None and not self._pins:
             # the common case: owned memory no export or call in flight pins (checked after the
             # claim, as below: a use that pins it now finds the buffer closed and raises)

@@ -305,16 +305,28 @@ class _ExportMark:
         self._stream = stream
         stream._busy.append(None)
 
+    def release(self) -> None:
+        """Drop the mark now (the exporter's close()): a close() of the stream meanwhile destroys
+        it here, as the end of any use does."""
+        stream, self._stream = getattr(self, "_stream", None), None
+        if stream is not None:
+            stream._busy.pop()
+            if stream._closed and stream._pid == _fin.pid:
+                _closed_during_use(stream)
+
     def __del__(self, _finalizing=sys.is_finalizing):
         if _finalizing():
             return      # interpreter exit: the process takes it all
         stream = getattr(self, "_stream", None)
         if stream is None:
-            return      # interrupted before anything was marked
+            return      # released, or interrupted before anything was marked
         try:
             stream._busy.pop()
-            if stream._closed and stream._pid == _fin.pid:
-                _closed_during_use(stream)      # the close() left its destroy to this mark
+            if stream._closed and stream._pid == _fin.pid and stream._releases and not stream._busy:
+                # the close() left its destroy to this mark.  A finalizer (the exporter collected,
+                # maybe inside a lock this thread holds): the destroy, whose hooks take the
+                # allocators' locks, runs at the next safe point
+                _run_deferred(stream, _fin.defer)
         except KeyboardInterrupt:
             _fin.RAISE_AGAIN[_fin.interrupt_key()]    # a Ctrl-C handled in here reaches the program (r62)
 

@@ -126,3 +126,26 @@ def test_export_inside_a_capture_of_the_exported_stream_refuses_nothing(d1):
     assert set(buf.to_numpy().tolist()) == {4}
     del g
     gc.collect()
+
+
+def test_a_closed_allocation_stream_is_waited_for_once(d1):
+    """A buffer allocated on a stream closed since: its queued work is waited for by a device
+    synchronize at the first export only (a closed stream queues nothing more), not at every read
+    of the interface."""
+    side = accel.Stream(d1)
+    buf = accel.Buffer(256, device=d1, stream=side).fill_(5, stream=side)
+    side.close()
+    backend = accel._lazy.lazy_init()
+    calls = []
+    real = backend.device_synchronize
+    backend.device_synchronize = lambda: calls.append(1) or real()
+    try:
+        buf.__cuda_array_interface__
+        first = len(calls)
+        for _ in range(3):
+            buf.__cuda_array_interface__
+            buf.__dlpack__(stream=-1)
+    finally:
+        del backend.device_synchronize
+    assert first >= 1 and len(calls) == first
+    assert set(buf.to_numpy().tolist()) == {5}
