@@ -907,9 +907,7 @@ def test_release_threshold_after_a_released_pools_block_is_freed(monkeypatch):
     assert sum(idle) <= 4 * MiB, idle
 
 
-@pytest.mark.xfail(strict=True, reason="r72c: cudaMallocAsync: freeing a Buffer at an address a reset graph's "
-                                       "unreplayed output still holds forgets the stale record: requested_bytes "
-                                       "and the memory stay counted for the wrong Buffer")
+# (r72c found; fixed in session 34)
 def test_async_reset_graph_output_address_reused_misattributes_frees(monkeypatch):
     """Found by cuda-async-peer seed 0 (step 95: requested_bytes 3584 B over the live Buffers
     after every pending free was flushed by empty_cache).
@@ -924,15 +922,21 @@ def test_async_reset_graph_output_address_reused_misattributes_frees(monkeypatch
     (and one allocation too many) for live Buffers of 512 B plus the two graphs' 16 B of RNG
     state, and b's memory is not given back when b is freed."""
     use_sim(monkeypatch, "cuda", ACCEL_SIM_DEVICES=2, ACCEL_ALLOC_CONF="backend:cudaMallocAsync")
-    side, ga, gb = accel.Stream(0), accel.Graph(), accel.Graph()
-    with accel.graph(ga, stream=side):
-        a = accel.Buffer(512, 0)
-        a.fill_(1)
-    ga.reset()
-    with accel.graph(gb, stream=side):
-        b = accel.Buffer(4096, 0)
-        b.fill_(2)
-    assert b.ptr == a.ptr           # (the address the reset gave back; the bug needs it reused)
+    side, tries = accel.Stream(0), []
+    for _ in range(20):     # (the simulated pool's addresses are host allocations: reuse is likely, not sure)
+        ga, gb = accel.Graph(), accel.Graph()
+        with accel.graph(ga, stream=side):
+            a = accel.Buffer(512, 0)
+            a.fill_(1)
+        ga.reset()
+        with accel.graph(gb, stream=side):
+            b = accel.Buffer(4096, 0)
+            b.fill_(2)
+        if b.ptr == a.ptr:  # the address the reset gave back: the bug needs it reused
+            break
+        tries.append((ga, gb, a, b))
+    else:
+        pytest.skip("the simulated pool never handed the reset graph's address out again")
     before = M.memory_stats(0)["requested_bytes.all.current"]
     b.close()
     after = M.memory_stats(0)["requested_bytes.all.current"]

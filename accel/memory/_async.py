@@ -99,9 +99,9 @@ def create_allocator(backend, index: int, config: Optional[_config.AllocConfig] 
 
 class _Alloc:
     """One live cudaMallocAsync allocation."""
-    __slots__ = ("size", "stream", "uses", "deferred", "retry", "frames", "graph", "gen", "held")
+    __slots__ = ("size", "stream", "uses", "deferred", "retry", "frames", "graph", "gen", "held", "ref")
 
-    def __init__(self, size: int, stream: int, graph: Optional["_GraphRecord"] = None):
+    def __init__(self, size: int, stream: int, graph: Optional["_GraphRecord"] = None, ref=None):
         self.size = size            # bytes asked for (torch's PtrUsage.size)
         self.stream = stream        # where it is freed (the allocation stream; a graph's: its last replay's)
         self.uses = None            # set of (stream, device) and _Mark, from record_stream/forget_stream
@@ -111,6 +111,18 @@ class _Alloc:
         self.graph = graph          # the capture that allocated it (a graph allocation), or None
         self.gen = 0                # graph.launches when it was last freed: allocated iff fewer now
         self.held = True            # in _ptrs (its owner has not freed it)
+        self.ref = ref              # a weak reference to the owner (a Buffer), or None (see free)
+
+
+def _owner_done(alloc: _Alloc) -> bool:
+    """Whether the owner of ``alloc`` is freeing it or gone: its weak reference is dead, or the
+    Buffer is closed (Buffer.close marks it closed before its free).  Unknown (no reference):
+    False."""
+    ref = alloc.ref
+    if ref is None:
+        return False
+    owner = ref()
+    return owner is None or getattr(owner, "_closed", False)
 
 
 class _GraphRecord:
@@ -235,8 +247,9 @@ class AsyncPoolAllocator:
     def malloc(self, nbytes: int, stream: Optional[int] = None, ref=None) -> int:
         """``cudaMallocAsync`` of ``nbytes`` on ``stream`` (a backend stream handle; None = the
         device's default stream).  Returns the pointer, 0 for ``nbytes == 0``.  ``ref`` (the
-        caching allocator's owner reference) is accepted and not kept: an owner that dies
-        without freeing its memory (a KeyboardInterrupt as this returns) leaks it here.
+        owner's weak reference, as the caching allocator takes it) tells, at a free of an address
+        two records share, which owner frees (:meth:`_freeing_live`); an owner that dies without
+        freeing its memory (a KeyboardInterrupt as this returns) leaks it here.
 
         On a stream this device's capture (:meth:`begin_allocate_to_pool`) records, the
         allocation is a graph allocation (see the module docstring).
@@ -273,7 +286,7 @@ class AsyncPoolAllocator:
                 # Interrupt safety (Ctrl-C): the record is made before the call, and the pointer is
                 # recorded with plain stores as the call returns; a KeyboardInterrupt before that (as
                 # on_device's exit starts) gives the allocation back.
-                alloc = _Alloc(nbytes, stream, graph)
+                alloc = _Alloc(nbytes, stream, graph, ref)
                 ptr = None
                 try:
                     with on_device(be, self._index):
@@ -314,6 +327,16 @@ class AsyncPoolAllocator:
                 _caching._notify_oom(exc)
             raise
 
+    def _freeing_live(self, ptr: int) -> bool:
+        """At a free of ``ptr``, which a live allocation and stale records (graph outputs of a
+        graph reset before any replay) share: whether the live one's owner is the one freeing,
+        i.e. it is done (closed or gone) while every stale record's owner still lives (r72c:
+        the stale record was forgotten in its place, and the live allocation stayed counted and
+        held until the older owner went)."""
+        live = self._ptrs.get(ptr)
+        return (live is not None and live.ref is not None and _owner_done(live)
+                and not any(_owner_done(rec) for rec in self._dead[ptr]))
+
     def free(self, ptr: int) -> None:
         """``cudaFreeAsync`` of ``ptr`` on its allocation stream, after that stream waits for the
         streams ``record_stream`` named; deferred while a capture is underway.  0 is a no-op.
@@ -332,11 +355,12 @@ class AsyncPoolAllocator:
             _drain_finalizers()
         # (the gate: no capture begins between the checks below and the queries of the free)
         with _caching._probe(self._lock, "free", self._gate_owned), self._be.capture_gate:
-            if self._dead and ptr in self._dead:
-                # The stale one first: forgetting it frees nothing, so whichever owner frees
-                # first, no memory goes before its owner is done (at worst one stays held).
+            if self._dead and ptr in self._dead and not self._freeing_live(ptr):
+                # A stale one: forgetting it frees nothing, so whichever owner frees first, no
+                # memory goes before its owner is done (at worst one stays held).
                 dead = self._dead[ptr]
-                alloc = dead.pop()
+                done = [k for k, rec in enumerate(dead) if _owner_done(rec)]
+                alloc = dead.pop(done[-1] if done else -1)
                 if not dead:
                     del self._dead[ptr]
                 self._forget(ptr, alloc)
