@@ -688,6 +688,7 @@ class _source:
         if (info.device_type, info.device_id) != mine:
             raise ValueError(f"copy_from: the DLPack capsule describes device ({info.device_type}, "
                              f"{info.device_id}), the view is on {mine}; nothing was copied")
+        _dlpack.to_address(buffer._backend, info)
         dtype = _np_dtype(info)
         item = dtype.itemsize
         strides = None if info.strides is None else tuple(s * item for s in info.strides)

@@ -36,7 +36,7 @@ import operator
 from ctypes import POINTER, c_char_p, c_int, c_int32, c_int64, c_uint8, c_uint16, c_uint32, c_uint64, c_void_p
 from typing import Any, Dict, Tuple
 
-from . import _finalize, _locks
+from . import _finalize, _lazy, _locks
 from ._errors import AcceleratorError, CaptureError
 from .backends._signals import deferred
 
@@ -293,6 +293,11 @@ def export(owner: Any, ptr: int, device_type: int, device_id: int, dtype, shape,
     ptr, byte_offset = operator.index(ptr), operator.index(byte_offset)
     if byte_offset < 0 or ptr < 0:
         raise ValueError(f"ptr ({ptr:#x}) and byte_offset ({byte_offset}) must be >= 0")
+    empty = any(n == 0 for n in shape)
+    if device_type == DLDeviceType.kDLMetal and ptr and not empty:
+        # the MTLBuffer and the offset into it (MetalBackend.dlpack_data)
+        ptr, start = _lazy.lazy_init().dlpack_data(ptr + byte_offset)
+        byte_offset = start
     ndim = len(shape)
     managed = DLManagedTensorVersioned() if versioned else DLManagedTensor()
     if versioned:
@@ -301,7 +306,6 @@ def export(owner: Any, ptr: int, device_type: int, device_id: int, dtype, shape,
     shape_array = (c_int64 * max(ndim, 1))(*shape)
     strides_array = (c_int64 * max(ndim, 1))(*strides)
     tensor = managed.dl_tensor
-    empty = any(n == 0 for n in shape)
     tensor.data = None if empty or not ptr else ptr
     tensor.byte_offset = 0 if empty else byte_offset
     tensor.device.device_type, tensor.device.device_id = int(device_type), int(device_id)
@@ -1035,7 +1039,6 @@ def from_dlpack(obj, *, stream=None):
     kDLCUDAHost) is refused: copy it with ``numpy.from_dlpack(obj)`` and ``Buffer.copy_from``.
     A device type other than the current accelerator's is refused with BufferError; a device
     index accel does not have raises :class:`accel.InvalidDeviceError`, as every bad index."""
-    from . import _lazy
     from .buffer import Buffer
     capsule = obj
     device = None
@@ -1063,6 +1066,7 @@ def from_dlpack(obj, *, stream=None):
     _check_device_type(info.device_type, own_type, backend.name)
     from ._device import check_range
     check_range(info.device_id)
+    to_address(backend, info)
     ptr, nbytes = info.span()
     imported = Imported(capsule, info.address, info.versioned, keep=obj)
     try:
@@ -1070,6 +1074,13 @@ def from_dlpack(obj, *, stream=None):
     except BaseException:
         imported.release()
         raise
+
+
+def to_address(backend, info) -> None:
+    """Make a parsed capsule's ``data + byte_offset`` the device address of its first byte
+    (a kDLMetal capsule names an MTLBuffer: ``Backend.dlpack_address``)."""
+    if info.device_type == DLDeviceType.kDLMetal and info.data and all(n != 0 for n in info.shape):
+        info.data, info.byte_offset = backend.dlpack_address(info.data, info.byte_offset), 0
 
 
 def _device_pair(obj) -> Tuple[int, int]:

@@ -300,11 +300,7 @@ def _mtl_buffer_id(ptr):
     return int(_cffi_backend.FFI().cast("uintptr_t", block.obj)), offset
 
 
-@pytest.mark.xfail(strict=True, reason="r72f: accel's kDLMetal capsules carry the MTLBuffer's contents address as "
-                                       "DLTensor.data, where torch (MPS), TVM and MLX read and write an "
-                                       "id<MTLBuffer> with the offset in byte_offset; accel also refuses capsules "
-                                       "of that form (accel/_dlpack.py export/from_dlpack; Buffer/ArrayView."
-                                       "__dlpack__ on mps)")
+# (r72f found; fixed in session 34)
 @pytest.mark.parametrize("side", ["export", "import"])
 def test_metal_capsule_data_is_the_mtlbuffer_handle(monkeypatch, side):
     """dlpack.h DLTensor.data: "This will be CUDA device pointer or cl_mem handle in OpenCL. It may be

@@ -309,6 +309,16 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def mem_free(self, ptr: int) -> None: ...
 
+    def dlpack_data(self, ptr: int) -> Tuple[int, int]:
+        """``(DLTensor.data, byte_offset)`` describing device address ``ptr`` in a DLPack capsule:
+        the pointer itself (Metal: the MTLBuffer and the offset into it)."""
+        return ptr, 0
+
+    def dlpack_address(self, data: int, byte_offset: int) -> int:
+        """The device address a capsule's ``data`` and ``byte_offset`` describe (the inverse of
+        :meth:`dlpack_data`): their sum (Metal: inside the MTLBuffer ``data`` names)."""
+        return data + byte_offset
+
     def pointer_location(self, ptr: int) -> Optional[Tuple[str, int]]:
         """What memory ``ptr`` points into, as the runtime knows it: ``("device", index)``,
         ``("managed", index)``, ``("host", index)`` (pinned; index -1 when not tied to a device)

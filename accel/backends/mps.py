@@ -610,6 +610,34 @@ class MPSBackend(Backend):
             return ("unknown", -1)
         return ("host", -1) if found[0].host else ("device", 0)
 
+    def dlpack_data(self, ptr: int) -> Tuple[int, int]:
+        """A kDLMetal capsule's ``data`` is the id<MTLBuffer> (``byte_offset`` the offset into it),
+        as torch's MPS tensors, MLX and TVM read it (torch: getMTLBufferStorage bit-casts the
+        storage's data pointer to id<MTLBuffer>); dlpack.h: data "may be opaque on some device
+        types", and byte_offset points "to the beginning of the data"."""
+        found = self._resolve(ptr, 1)
+        if found is None:
+            raise ValueError(f"mps: {ptr:#x} is not in an MTLBuffer of this backend; nothing was exported")
+        buf, offset = found
+        return self._runtime().address(buf.obj), offset
+
+    def dlpack_address(self, data: int, byte_offset: int) -> int:
+        """The contents address of a kDLMetal capsule's bytes: ``data`` names one of this
+        backend's MTLBuffers (the form torch and accel export), or, as accel exported before, is
+        an address inside one.  An MTLBuffer another library made is refused: accel encodes
+        work only on buffers it allocated (and messaging an unknown object could crash)."""
+        if not data:
+            return byte_offset      # (a zero-size tensor's NULL data)
+        with self._lock:
+            for buf in self._buffers.values():
+                if self._runtime().address(buf.obj) == data:
+                    return buf.base + byte_offset
+        if self._resolve(data, 1) is not None:
+            return data + byte_offset
+        raise ValueError(f"mps: the DLPack capsule's data {data:#x} is no MTLBuffer accel allocated (nor an "
+                         f"address inside one): accel works only on its own Metal memory; copy the data "
+                         f"into an accel Buffer on the producer's side")
+
     def _resolve(self, ptr: int, nbytes: int) -> Optional[Tuple[_Buffer, int]]:
         """(buffer, offset) holding [ptr, ptr+nbytes), or None for memory Metal does not own."""
         if not isinstance(ptr, int) or isinstance(ptr, bool):
