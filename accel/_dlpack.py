@@ -433,7 +433,9 @@ def export_host_copy(obj, buffer, stream_arg, versioned: bool):
                          f"stream (pass None or -1); accel waits for the buffer's work before copying")
     buffer._live()
     check_foreign_alive(buffer._last)
-    wait_for_stream(buffer._backend, buffer._last, "the buffer's last-use stream")
+    last = buffer._last
+    wait_for_stream(buffer._backend, last, "the buffer's last-use stream")
+    order_after_other_uses(buffer, last, "host")      # (its other streams' work too: r73d)
     host = obj.to_numpy()
     capsule = host.__dlpack__(max_version=DLPACK_VERSION if versioned else None)
     if versioned:
@@ -608,7 +610,8 @@ def _refuse_waiting_from_capture(backend, last, consumer) -> None:
     invalidated the capture it was called in)."""
     from ._errors import CaptureError
     if consumer == "host":
-        why = backend.host_wait_refused(last._handle)     # (by capture mode: r67j)
+        with last._device_scope():      # (host_wait_refused reads the stream's device as current)
+            why = backend.host_wait_refused(last._handle)     # (by capture mode: r67j)
         if why is None:
             return
         raise CaptureError(f"__dlpack__ with stream=None (a host wait for {last!r}, the buffer's last use) "
@@ -665,7 +668,8 @@ def wait_for_stream(backend, stream, why: str) -> None:
                 # it, as it allows Stream.synchronize)
                 with on_device(backend, stream.device_index):
                     capturing = backend.capture_id(stream._handle) is not None
-                refused = "that stream is capturing" if capturing else backend.host_wait_refused(stream._handle)
+                    refused = ("that stream is capturing" if capturing
+                               else backend.host_wait_refused(stream._handle))
             if refused:
                 raise CaptureError(f"the buffer was used on {why} ({stream!r}): waiting for it on the host "
                                    f"now would invalidate the stream capture underway ({refused}); export it "
@@ -691,23 +695,30 @@ def order_after_other_uses(buffer, last, waiter) -> None:
     enqueued work on the data on multiple streams, then it must enqueue events on those streams
     that follow the enqueued work, and then wait on those events in the provided stream"; the
     array API's ``__dlpack__`` likewise makes the data safe to use on the consumer's stream.
+
     The other streams: the buffer's allocation stream, those :meth:`Buffer.record_stream` noted
-    with the allocator (a non-owning buffer's noted streams), each only when a query says it
-    has work queued; the wait is an event (the allocator's ``order_after``).  Work of such a
-    stream closed since (or of one accel no longer wraps) is waited for by a synchronize of its
-    device, once (``Buffer._drained`` counts them).  While a capture is underway: nothing when
-    ``waiter`` is capturing (its work runs at a replay); otherwise each wait is on the host, and
-    one that would invalidate the capture raises CaptureError (:func:`wait_for_stream`)."""
+    with the allocator (a non-owning buffer's noted streams).  Each is skipped when a query says
+    its work is done, else ``waiter`` waits for an event recorded on it (the allocator's
+    ``order_after``; a "host" waiter waits on the host).  Work of such a stream closed since is
+    waited for by a synchronize of its device, once per closed stream (``Buffer._drained``).
+
+    While a capture is underway (CUDA's rules for the calls, Programming Guide "CUDA Graphs" >
+    "Prohibited and Unhandled Operations", and cudaStreamBeginCapture's modes): nothing when
+    ``waiter`` is capturing (its work runs at a replay; a capture cannot wait for work outside
+    it); a stream that is capturing is skipped (what it queued before its capture began cannot be
+    waited for without invalidating it); a query only where a host wait is allowed
+    (``Backend.host_wait_refused``), else the event wait, which is; a host wait or a device
+    synchronize that would invalidate the capture raises CaptureError instead."""
     backend = buffer._backend
-    others, closed = [], []
+    others, closed = {}, {}
 
     def note(stream):
         if stream is last or stream == last:
             return
         if stream.closed:
-            closed.append(stream.device_index)
-        elif stream not in others:
-            others.append(stream)
+            closed[id(stream)] = (stream.device_index, stream)
+        else:
+            others.setdefault((stream._index, stream._handle), stream)
 
     note(buffer._stream)
     if buffer._uses is not None:
@@ -715,26 +726,25 @@ def order_after_other_uses(buffer, last, waiter) -> None:
             note(stream)
     elif buffer._recorded:
         live, gone = buffer._alloc.stream_uses(buffer._ptr)
-        closed += gone
+        for key, device in gone:
+            closed[key] = (device, None)
         for handle, device in live:
-            stream = _accel_stream(backend, device, handle)
-            if stream is None:
-                closed.append(device)   # a foreign stream whose wrapper is gone: its device
-            else:
-                note(stream)
+            if (device, handle) != (last._index, last._handle):
+                # (a raw handle: an accel stream, or a foreign one whose wrapper still lives; a
+                # destroyed stream's use is a covering event, in ``gone``)
+                others.setdefault((device, handle), None)
+    drained = buffer._drained
+    if drained:
+        closed = {key: v for key, v in closed.items() if key not in drained}
     if not others and not closed:
         return
-    from .streams import on_device
-    if waiter != "host" and backend.captures_underway():
+    from .streams import _hold_open, on_device
+    capturing = backend.captures_underway()
+    if waiter != "host" and capturing:
         with on_device(backend, waiter[0]):
             if backend.capture_id(waiter[1]) is not None:
-                # the consumer's work is captured: it runs at a replay, and a capture cannot wait
-                # for work queued outside it (CUDA Programming Guide, "CUDA Graphs" > "Cross-stream
-                # Dependencies and Events"): order the replay instead, as for any graph input
                 return
-    if len(closed) <= buffer._drained:
-        closed = []     # waited for at an earlier export: a closed stream queues nothing more
-    for device in sorted(set(closed)):
+    for device in sorted({device for device, _ in closed.values()}):
         with backend.capture_gate:
             if backend.captures_underway():
                 raise CaptureError(f"{buffer!r} was used on a stream of device {device} that is closed now: its "
@@ -743,19 +753,46 @@ def order_after_other_uses(buffer, last, waiter) -> None:
             with on_device(backend, device):
                 backend.device_synchronize()
     if closed:
-        buffer._drained = len(closed)
+        buffer._drained = (drained or set()) | set(closed)
     from . import memory
-    for stream in others:
-        if not backend.captures_underway():
-            try:
-                if stream.query():
-                    continue
-                if waiter != "host" and memory.device_allocator(waiter[0]).order_after(
-                        waiter[1], stream._handle, stream._index):
-                    continue
-            except RuntimeError:
-                pass        # closed meanwhile: wait_for_stream waits for its device
+    for (device, handle), stream in others.items():
+        held = None if stream is None else _hold_open(stream)
+        if stream is not None and held is None:
+            wait_for_closed(backend, stream, "another stream than the one exported, closed just now")
+            continue
+        try:
+            _order_after_one(backend, memory, device, handle, waiter, stream)
+        finally:
+            if held is not None:
+                held.__exit__(None, None, None)
+
+
+def _order_after_one(backend, memory, device: int, handle: int, waiter, stream) -> None:
+    """:func:`order_after_other_uses` for the stream ``handle`` of ``device`` (``stream`` its
+    accel Stream, held open, or None)."""
+    from .streams import on_device
+    with on_device(backend, device):
+        if backend.captures_underway():
+            if backend.capture_id(handle) is not None:
+                return
+            query = backend.host_wait_refused(handle) is None
+        else:
+            query = True
+        if query and backend.stream_query(handle):
+            return
+    if waiter != "host":
+        if memory.device_allocator(waiter[0]).order_after(waiter[1], handle, device):
+            return
+    if stream is not None:
         wait_for_stream(backend, stream, "another stream than the one exported, with work still queued")
+        return
+    with backend.capture_gate, on_device(backend, device):
+        refused = backend.host_wait_refused(handle) if backend.captures_underway() else None
+        if refused:
+            raise CaptureError(f"the buffer was used on stream {handle:#x} of device {device}: waiting for it on the "
+                               f"host now would invalidate the stream capture underway ({refused}); export it "
+                               f"after the capture ends")
+        backend.stream_synchronize(handle)
 
 
 def wait_for_producer(backend, index: int, producer, stream) -> None:

@@ -313,6 +313,13 @@ def _parse_cai(cai, what: str):
     return ptr, count * itemsize, stream
 
 
+def _released(mark) -> None:
+    """Release an export mark (``streams._ExportMark``) or nothing; None, for the caller's variable."""
+    if mark is not None:
+        mark.release()
+    return None
+
+
 def _drain(stream: Stream) -> None:
     """Wait for ``stream`` on an error path, keeping the error being raised."""
     try:
@@ -409,7 +416,7 @@ class Buffer:
             index = stream._index
         self._backend, self._index, self._nbytes, self._stream = backend, index, nbytes, stream
         self._last, self._owner, self._uses, self._readonly = stream, None, None, False
-        self._pins, self._deferred, self._recorded, self._export, self._drained = set(), [], False, None, 0
+        self._pins, self._deferred, self._recorded, self._export, self._drained = set(), [], False, None, None
         self._closed = True
         self._pid = pid = _fin.pid
         if nbytes:
@@ -529,7 +536,7 @@ class Buffer:
         self._backend, self._index, self._ptr, self._nbytes, self._stream = backend, index, ptr, nbytes, stream
         self._last, self._owner, self._uses, self._readonly = stream, owner, {}, bool(readonly)
         self._pins, self._deferred, self._alloc, self._recorded, self._export = set(), [], None, False, None
-        self._drained = 0
+        self._drained = None    # closed streams already waited for (_dlpack.order_after_other_uses)
         self._pid = _fin.pid
         self._closed = False
         return self
@@ -549,8 +556,16 @@ class Buffer:
         remembers it, to wait for its work before the memory goes back to its owner."""
         self._last = stream
         uses = self._uses
-        if uses is not None and (stream._index, stream._handle) not in uses:
-            uses[(stream._index, stream._handle)] = stream
+        if uses is not None:
+            key = (stream._index, stream._handle)
+            noted = uses.get(key)
+            if noted is None:
+                uses[key] = stream
+            elif noted is not stream and noted._closed:
+                # a new stream given a closed one's handle (the driver reuses them): both are
+                # waited for, the closed one by its device's synchronize, one kept per device (r73d)
+                uses[("closed", stream._index)] = noted
+                uses[key] = stream
 
     def _writable(self) -> None:
         if self._readonly:
@@ -994,28 +1009,39 @@ class Buffer:
             raise _fin.forked_error(self._backend)
         if self._closed:
             raise AttributeError(f"__cuda_array_interface__: {self!r} was closed")
-        last = self._last
-        if last._foreign:
-            from ._dlpack import check_foreign_alive
-            check_foreign_alive(last)
-        if last.closed:     # its queued work still runs: wait for it, then any stream will do
-            from ._dlpack import wait_for_closed
-            wait_for_closed(self._backend, last)
-            self._last = last = current_stream(self._index)
-        elif last._index != self._index:
-            # a stream of another device (a copy it queued read this buffer): the consumer reads
-            # the integer as a stream of the buffer's device (1: that device's legacy stream)
-            # (r71o).  Waited for on the host, as a closed one: a getter that queued a wait could
-            # join a capture or invalidate it, and would queue one at every read (r71q)
-            from ._dlpack import wait_for_stream
-            wait_for_stream(self._backend, last, f"a stream of device {last._index}")
-            self._last = last = current_stream(self._index)
-        from ._dlpack import order_after_other_uses
-        order_after_other_uses(self, last, (self._index, last._handle))
-        if (last._owned or last._foreign) and (self._export is None or self._export._stream is not last):
-            # the exported stream outlives a close() while this buffer lives (CAI v3 "Lifetime
-            # management"; streams._ExportMark); the mark of an earlier export goes
-            self._export = _ExportMark(last)
+        from . import _dlpack
+        mark = None
+        try:
+            while True:
+                last = self._last
+                if last._foreign:
+                    _dlpack.check_foreign_alive(last)
+                # marked before the closed check, as a use is: a close() in another thread either
+                # came first (seen here) or leaves the stream's destroy to this export (r73d)
+                mark = _ExportMark(last) if last._owned or last._foreign else None
+                if last._closed:
+                    # its queued work still runs: wait for it, then any stream will do
+                    mark = _released(mark)
+                    _dlpack.wait_for_closed(self._backend, last)
+                elif last._index != self._index:
+                    # a stream of another device (a copy it queued read this buffer): the consumer
+                    # reads the integer as a stream of the buffer's device (1: that device's legacy
+                    # stream) (r71o).  Waited for on the host, as a closed one: a getter that queued a
+                    # wait could join a capture or invalidate it, and would queue one at every read
+                    # (r71q)
+                    mark = _released(mark)
+                    _dlpack.wait_for_stream(self._backend, last, f"a stream of device {last._index}")
+                else:
+                    break
+                self._last = current_stream(self._index)
+            _dlpack.order_after_other_uses(self, last, (self._index, last._handle))
+        except BaseException:
+            _released(mark)
+            raise
+        # the exported stream outlives a close() while this buffer lives (CAI v3 "Lifetime
+        # management"; streams._ExportMark); the mark of an earlier export goes
+        earlier, self._export = self._export, mark
+        _released(earlier)
         handle = last._handle
         return {"shape": (self._nbytes,), "typestr": "|u1", "data": (self._ptr, self._readonly),
                 "strides": None, "version": 3, "stream": handle if handle else _CAI_LEGACY_DEFAULT_STREAM}
@@ -1105,7 +1131,7 @@ class Buffer:
             return      # closed already, or another thread's close() got there first
         if self._export is not None:
             mark, self._export = self._export, None
-            mark.release()          # an exported stream closed meanwhile is destroyed now
+            _released(mark)         # an exported stream closed meanwhile is destroyed now
         if self._uses is None and not self._pins:
             # the common case: owned memory no export or call in flight pins (checked after the
             # claim, as below: a use that pins it now finds the buffer closed and raises)

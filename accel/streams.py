@@ -295,9 +295,13 @@ class _ExportMark:
     exporting a stream "ensures that the exported stream's lifetime is equal to or surpasses the
     lifetime of the object from which the interface was exported" (Numba keeps it as the imported
     array's stream).  Unlike :class:`_Hold`, it lets no call use the stream once it is closed.
+    The exporter takes the mark before it checks that the stream is open (as a use does), so a
+    close() in another thread either comes first (the exporter sees it closed) or waits for it.
 
     Interrupt safety: the stream is stored before the mark's append (a call), and a Ctrl-C's
-    handler runs only after that call returns, so a mark appended is always one ``__del__`` pops."""
+    handler runs only after that call returns, so a mark appended is always one that ``release``
+    or ``__del__`` pops; both pop it and run a destroy it holds back with signals deferred
+    (``_drop_export_mark``), so a Ctrl-C cannot land between the two (r73d)."""
 
     __slots__ = ("_stream",)
 
@@ -308,27 +312,30 @@ class _ExportMark:
     def release(self) -> None:
         """Drop the mark now (the exporter's close()): a close() of the stream meanwhile destroys
         it here, as the end of any use does."""
-        stream, self._stream = getattr(self, "_stream", None), None
-        if stream is not None:
-            stream._busy.pop()
-            if stream._closed and stream._pid == _fin.pid:
-                _closed_during_use(stream)
+        _drop_export_mark(self, _fin.finalize)
 
     def __del__(self, _finalizing=sys.is_finalizing):
-        if _finalizing():
-            return      # interpreter exit: the process takes it all
-        stream = getattr(self, "_stream", None)
-        if stream is None:
-            return      # released, or interrupted before anything was marked
         try:
-            stream._busy.pop()
-            if stream._closed and stream._pid == _fin.pid and stream._releases and not stream._busy:
-                # the close() left its destroy to this mark.  A finalizer (the exporter collected,
-                # maybe inside a lock this thread holds): the destroy, whose hooks take the
-                # allocators' locks, runs at the next safe point
-                _run_deferred(stream, _fin.defer)
+            if not _finalizing():       # (at interpreter exit the process takes it all)
+                # A finalizer (the exporter collected, maybe inside a lock this thread holds): the
+                # destroy, whose hooks take the allocators' locks, runs at the next safe point
+                _drop_export_mark(self, _fin.defer)
         except KeyboardInterrupt:
+            # (a Ctrl-C as a call above returned, before the drop's signals were deferred)
+            _drop_export_mark(self, _fin.defer)
             _fin.RAISE_AGAIN[_fin.interrupt_key()]    # a Ctrl-C handled in here reaches the program (r62)
+
+
+@_signals_deferred
+def _drop_export_mark(mark: _ExportMark, how) -> None:
+    """Pop ``mark``'s use mark once, and run the destroy a close() left to it with ``how``."""
+    stream = getattr(mark, "_stream", None)
+    if stream is None:
+        return      # dropped already, or interrupted before anything was marked
+    mark._stream = None
+    stream._busy.pop()
+    if stream._closed and stream._pid == _fin.pid and stream._releases and not stream._busy:
+        _run_deferred(stream, how)
 
 
 def _hold_open(stream: "Stream") -> "Optional[_Hold]":

@@ -27,6 +27,7 @@ an OOM caused by ``set_per_process_memory_fraction(0.0)`` (torch.mps: "no limit"
 fraction.
 """
 
+import gc
 import os
 import subprocess
 import sys
@@ -55,6 +56,21 @@ def _join(threads, timeout=20.0):
     for t in threads:
         t.join(timeout)
     assert not any(t.is_alive() for t in threads), "a worker thread hung"
+
+
+_EXPORTS_AT_START = [0]
+
+
+def _exports() -> int:
+    """Live DLPack exports made since the test began (an earlier test's capsule may still await
+    its collection: counted from the fixture's baseline, session 34)."""
+    return _dlpack.live_exports() - _EXPORTS_AT_START[0]
+
+
+@pytest.fixture(autouse=True)
+def _export_baseline():
+    gc.collect()
+    _EXPORTS_AT_START[0] = _dlpack.live_exports()
 
 
 @pytest.fixture
@@ -323,7 +339,7 @@ def test_numpy_implicit_conversion_of_metal_memory_is_refused_with_the_fix(mps):
         np.asarray(buf)
     with pytest.raises(BufferError, match="to_numpy"):
         np.from_dlpack(buf, device="cpu")          # copy=None: accel copies only when asked to
-    assert _dlpack.live_exports() == 0
+    assert _exports() == 0
     assert (buf.to_numpy() == 1).all()
 
 
@@ -338,9 +354,9 @@ def test_dlpack_round_trip_on_metal_shares_the_bytes_and_frees_every_export(mps)
     alias.fill_(0x3F)
     got = buf.to_numpy()
     assert (got[:512] == 0).all() and (got[512:] == 0x3F).all()
-    assert _dlpack.live_exports() == 1                          # the alias holds one export
+    assert _exports() == 1                          # the alias holds one export
     alias.close()
-    assert _dlpack.live_exports() == 0
+    assert _exports() == 0
     assert (buf.to_numpy()[512:] == 0x3F).all()                 # the alias never owned the memory
 
 
@@ -351,7 +367,7 @@ def test_host_tensors_are_refused_by_from_dlpack_naming_the_copy(mps):
     before = memory.memory_allocated()
     with pytest.raises(BufferError, match=r"host memory \(kDLCPU\).*copy_from"):
         accel.from_dlpack(host)
-    assert memory.memory_allocated() == before and _dlpack.live_exports() == 0
+    assert memory.memory_allocated() == before and _exports() == 0
     dev = accel.Buffer(64).copy_from(np.from_dlpack(host))     # the fix the message names
     assert np.array_equal(dev.to_numpy(np.float32), np.arange(16, dtype=np.float32))
 
@@ -376,7 +392,7 @@ def test_another_device_types_tensor_is_refused_before_the_capsule_is_made(mps, 
     p = _Producer(kind)
     with pytest.raises(BufferError, match=rf"{name}, not on the current accelerator \(mps, kDLMetal\)"):
         accel.from_dlpack(p)
-    assert p.asked == 0 and _dlpack.live_exports() == 0
+    assert p.asked == 0 and _exports() == 0
 
 
 # == threads: kernels, copies, events and the allocator at once ==================================

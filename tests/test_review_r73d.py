@@ -84,10 +84,7 @@ def _capture_on_device_0(body, mode="relaxed"):
 
 # -- _ExportMark against a close() in another thread ----------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="r73d: Buffer.__cuda_array_interface__ checks last.closed, then orders "
-                   "(order_after_other_uses queues on last's handle), and only then appends _ExportMark: a close() "
-                   "in another thread between them destroys the stream at once and the export hands on its dead "
-                   "handle (a _Use/_Hold marks first, then checks)")
+# (r73d found; fixed in session 34)
 def test_cai_racing_a_close_in_another_thread_hands_on_no_destroyed_stream(d1):
     side = accel.Stream(d1)
     buf = accel.Buffer(256, device=d1, stream=side).fill_(1, stream=side)
@@ -131,17 +128,7 @@ def test_close_in_another_thread_after_the_export_waits_for_the_buffer(d1):
 
 # -- order_after_other_uses during captures ---------------------------------------------------------
 
-@pytest.mark.parametrize("mode", [
-    pytest.param("relaxed", marks=pytest.mark.xfail(strict=True, reason=(
-        "r73d: order_after_other_uses host-waits (wait_for_stream) for every other stream while any capture is "
-        "underway; the buffer's allocation stream is device 1's legacy default stream, and "
-        "CudaBackend.host_wait_refused(0) refuses it for a relaxed capture on device 0, which device 1's legacy "
-        "stream cannot touch: a CAI read accepted before r73 raises CaptureError"))),
-    pytest.param("global", marks=pytest.mark.xfail(strict=True, reason=(
-        "r73d: order_after_other_uses host-waits (wait_for_stream) for an idle other stream during this thread's "
-        "global capture on device 0 and raises CaptureError; an event recorded on it and waited for by the "
-        "exported stream (both outside the capture, neither legacy) is valid there (the allocator's "
-        "order_after): a CAI read accepted before r73 is refused")))])
+@pytest.mark.parametrize("mode", ["relaxed", "global"])     # (r73d found; fixed in session 34)
 def test_cai_of_a_device_1_buffer_during_a_capture_on_device_0(d1, mode):
     w = accel.Stream(d1)
     if mode == "relaxed":
@@ -157,7 +144,7 @@ def test_cai_of_a_device_1_buffer_during_a_capture_on_device_0(d1, mode):
 
 
 def test_an_event_wait_between_two_device_1_streams_is_valid_in_a_global_capture_on_device_0(d1):
-    """What the "global" xfail above asks is valid: an event recorded on one device-1 stream and
+    """What the "global" case above (an r73d xfail until session 34) asks is valid: an event recorded on one device-1 stream and
     waited for by another while this thread captures device 0 in global mode."""
     a, w = accel.Stream(d1), accel.Stream(d1)
     buf = accel.Buffer(256, device=d1, stream=a).fill_(8, stream=a)
@@ -171,7 +158,7 @@ def test_an_event_wait_between_two_device_1_streams_is_valid_in_a_global_capture
 
 
 def test_the_legacy_stream_of_device_1_may_be_synchronized_in_a_capture_on_device_0(d1):
-    """What the xfail above asks is valid: the simulator lets device 1's legacy stream be waited
+    """What the "relaxed" case above (an r73d xfail until session 34) asks is valid: the simulator lets device 1's legacy stream be waited
     for on the host while device 0 captures in relaxed mode, and the capture stays valid."""
     buf = accel.Buffer(256, device=d1).fill_(4)
     backend = _backend()
@@ -183,11 +170,8 @@ def test_the_legacy_stream_of_device_1_may_be_synchronized_in_a_capture_on_devic
     assert set(buf.to_numpy().tolist()) == {4}
 
 
-@pytest.mark.parametrize("kind", ["accel", pytest.param("foreign", marks=pytest.mark.xfail(
-    strict=True, reason="r73d: order_after_other_uses reads a record_stream use of a live Stream.from_handle stream "
-                        "as a closed stream's (_accel_stream finds accel-made streams only): its device is "
-                        "synchronized, refused with CaptureError during a relaxed capture on device 0; an accel "
-                        "stream in its place is waited for"))])
+# (r73d found the "foreign" case; fixed in session 34)
+@pytest.mark.parametrize("kind", ["accel", "foreign"])
 def test_a_recorded_live_stream_is_not_read_as_a_closed_one_during_a_capture(d1, kind):
     handle = None
     if kind == "foreign":
@@ -216,10 +200,7 @@ def test_a_recorded_live_stream_is_not_read_as_a_closed_one_during_a_capture(d1,
 
 # -- Buffer._drained ------------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="r73d: order_after_other_uses skips the closed streams when their count is "
-                   "not above Buffer._drained, but the count of a block's closed-stream gates falls when a "
-                   "completed gate is dropped (_caching.uses_forgotten): a second closed stream whose work is "
-                   "still queued takes the first one's place and is neither waited for nor ordered after")
+# (r73d found; fixed in session 34)
 def test_a_new_closed_recorded_stream_is_waited_for_after_an_earlier_one_was(d1):
     w, a, b = accel.Stream(d1), accel.Stream(d1), accel.Stream(d1)
     buf = accel.Buffer(256, device=d1, stream=w).fill_(1, stream=w)
@@ -248,11 +229,7 @@ def test_a_new_closed_recorded_stream_is_waited_for_after_an_earlier_one_was(d1)
     buf.close()
 
 
-@pytest.mark.xfail(strict=True, reason="r73d: order_after_other_uses reads a non-owning buffer's streams from "
-                   "Buffer._uses, keyed by (device, handle) and never replaced (Buffer._used): a stream made after "
-                   "a used one was closed takes its handle value and is never noted, so once the first export "
-                   "synchronized the device for the closed one (Buffer._drained), the exported stream is not "
-                   "ordered after the new stream's queued work")
+# (r73d found; fixed in session 34)
 def test_a_non_owning_buffer_orders_after_a_stream_that_reuses_a_closed_handle(d1):
     owner = accel.Buffer(256, device=d1)
     accel.synchronize(d1)
@@ -311,10 +288,7 @@ def test_a_closed_allocation_stream_then_a_closed_recorded_one_are_both_waited_f
     buf.close()
 
 
-@pytest.mark.xfail(strict=True, reason="r73d: export_host_copy (__dlpack__ with dl_device=(kDLCPU, 0), copy=True) "
-                   "waits on the host for the last-use stream only, not order_after_other_uses: the host copy is "
-                   "made before the buffer's work still queued on its allocation stream (stale bytes), where the "
-                   "device exports and a host-consumer __dlpack__(stream=None) now wait for it")
+# (r73d found; fixed in session 34)
 def test_a_host_copy_export_waits_for_the_buffer_work_on_every_stream(d1):
     import numpy as np
     a, b = accel.Stream(d1), accel.Stream(d1)
@@ -383,9 +357,7 @@ def _sweep_lost(setup, work, recover):
     return lost
 
 
-@pytest.mark.xfail(strict=True, reason="r73d: _ExportMark.release pops the mark and then runs the deferred "
-                   "destroy: a Ctrl-C as the pop returns leaves the closed stream's destroy pending for good "
-                   "(the mark is gone: nothing ever runs it)")
+# (r73d found; fixed in session 34)
 def test_a_ctrl_c_in_buffer_close_never_loses_the_exported_stream_destroy(d1):
     def setup():
         side = accel.Stream(d1)
@@ -407,9 +379,7 @@ def test_a_ctrl_c_in_buffer_close_never_loses_the_exported_stream_destroy(d1):
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-@pytest.mark.xfail(strict=True, reason="r73d: _ExportMark.__del__ calls sys.is_finalizing and getattr before its "
-                   "try, and runs the deferred destroy after the pop inside it: a Ctrl-C after either call or "
-                   "after the pop leaves the mark or the destroy (the closed stream is never destroyed)")
+# (r73d found; fixed in session 34)
 def test_a_ctrl_c_as_an_export_moves_the_mark_never_loses_the_destroy(d1):
     def setup():
         s1, s2 = accel.Stream(d1), accel.Stream(d1)
@@ -539,10 +509,7 @@ def test_dlpack_of_a_buffer_used_on_two_streams_on_other_backends(monkeypatch, k
 
 # -- XPU: the released graph's orphaned queue ------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="r73d: XpuBackend._host_waits looks for waiters only among the live graphs "
-                   "(_graphs, _execs): a graph released while device_synchronize waits on its queue is gone from "
-                   "both, so close() does not wait for that waiter; it destroys the context with the orphaned "
-                   "queue still alive (refused), and the waiter then adds the queue to _orphans of a closed backend")
+# (r73d found; fixed in session 34)
 def test_xpu_close_waits_for_a_waiter_on_a_released_graph_queue(monkeypatch):
     if "xpu" not in SIMS:
         pytest.skip("ACCEL_TEST_SIMS leaves out xpu")

@@ -183,6 +183,7 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         # its count through cudaStreamBeginCapture (r63: a CI flake; r64: the queries)
         self.capture_gate = threading.RLock()
         self._capture_owners = {}  # capturing stream handle -> thread that began a non-relaxed capture
+        self._capture_devices = {}  # capturing stream handle -> its device (host_wait_refused)
         self._out = threading.local()  # per-thread out-pointers for hot getters (no ffi.new per call)
         self._deferred = _DeferredDevice()  # per thread: a restore waiting for a primary context
         # threads that may have one (a hint, so the hot get_device skips the thread-local lookup)
@@ -743,9 +744,11 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         # as the call returns must not leave a capture the count misses (capture_underway() then
         # lets event queries invalidate it).
         me = threading.get_ident()
+        device = self.get_device()      # (the caller makes the stream's device current)
         with self.capture_gate:
             try:
                 self._captures += 1
+                self._capture_devices[stream] = device
                 if mode != "relaxed":
                     self._capture_owners[stream] = me
                 self._check(self.lib.cudaStreamBeginCapture(handle, _CAPTURE_MODES[mode]),
@@ -754,6 +757,7 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
                 if not self._still_capturing(handle, unknown=False):
                     self._captures -= 1
                     self._capture_owners.pop(stream, None)
+                    self._capture_devices.pop(stream, None)
                 raise
 
     def capture_end(self, stream: int) -> int:
@@ -785,8 +789,10 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         # Uncounted before the call, counted again while the capture goes on: a KeyboardInterrupt
         # as the call returns must not leave an ended capture counted (capture_underway() would
         # then refuse syncs and frees for good).
+        device = self._capture_devices.get(stream)
         try:
             self._captures -= 1
+            self._capture_devices.pop(stream, None)
             if owner is not None:
                 del self._capture_owners[stream]
             rc = self.lib.cudaStreamEndCapture(handle, p)
@@ -802,11 +808,13 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         except BaseException:
             if self._still_capturing(handle, unknown=False):
                 self._captures += 1
+                self._capture_devices[stream] = device
                 if owner is not None:
                     self._capture_owners[stream] = owner
             raise
         if rc != 0 and self._still_capturing(handle):
             self._captures += 1
+            self._capture_devices[stream] = device
             if owner is not None:
                 self._capture_owners[stream] = owner
         elif not self._captures and self._after_capture:
@@ -862,7 +870,10 @@ class CudaBackend(CudaDiscoveryMixin, CudaVmmMixin, CudaMemPoolMixin, CudaNvmlMi
         # mode is not kept per stream here, so those refuse too)
         if not self._captures:
             return None
-        if stream == 0:
+        if stream == 0 and (len(self._capture_devices) < self._captures
+                            or self.get_device() in self._capture_devices.values()):
+            # (the current device's legacy stream: it synchronizes with that device's blocking
+            # streams only, Programming Guide "Implicit Synchronization")
             return "the legacy default stream synchronizes with the streams being captured"
         me = threading.get_ident()
         for owner in self._capture_owners.values():

@@ -624,19 +624,18 @@ class MPSBackend(Backend):
     def dlpack_address(self, data: int, byte_offset: int) -> int:
         """The contents address of a kDLMetal capsule's bytes: ``data`` names one of this
         backend's MTLBuffers (the form torch and accel export), or, as accel exported before, is
-        an address inside one.  An MTLBuffer another library made is refused: accel encodes
-        work only on buffers it allocated (and messaging an unknown object could crash)."""
+        an address inside one.  Anything else is taken as an address, which the importer then
+        refuses as memory Metal does not own here: accel encodes work only on buffers it
+        allocated, and messaging an unknown object could crash."""
         if not data:
             return byte_offset      # (a zero-size tensor's NULL data)
         with self._lock:
             for buf in self._buffers.values():
                 if self._runtime().address(buf.obj) == data:
                     return buf.base + byte_offset
-        if self._resolve(data, 1) is not None:
-            return data + byte_offset
-        raise ValueError(f"mps: the DLPack capsule's data {data:#x} is no MTLBuffer accel allocated (nor an "
-                         f"address inside one): accel works only on its own Metal memory; copy the data "
-                         f"into an accel Buffer on the producer's side")
+        # an address inside one (accel's earlier form), or memory Metal does not own here, which
+        # the importer's range checks then refuse by name (never messaged as an object)
+        return data + byte_offset
 
     def _resolve(self, ptr: int, nbytes: int) -> Optional[Tuple[_Buffer, int]]:
         """(buffer, offset) holding [ptr, ptr+nbytes), or None for memory Metal does not own."""

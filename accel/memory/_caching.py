@@ -277,7 +277,7 @@ def stream_uses(owner, ptr: int, find, allocated) -> Tuple[List[Tuple[int, int]]
             return [], []
         uses = list(item.uses or ())
     live = [use for use in uses if type(use) is tuple]
-    return live, [use.device for use in uses if type(use) is not tuple]
+    return live, [(id(use), use.device) for use in uses if type(use) is not tuple]
 
 
 def add_use(owner, block, stream: int, device: int) -> None:
@@ -1215,8 +1215,9 @@ class DeviceCachingAllocator(ExpandableSegments):
 
     def stream_uses(self, ptr: int) -> Tuple[List[Tuple[int, int]], List[int]]:
         """The uses :meth:`record_stream` noted on the allocated block at ``ptr``:
-        ``(streams, closed)``, the ``(handle, device)`` of each live stream, and the device of
-        each stream destroyed since (its work covered by an event).  ``([], [])`` for an address
+        ``(streams, closed)``, the ``(handle, device)`` of each live stream, and ``(key, device)``
+        of each stream destroyed since (its work covered by an event; the key stays the same
+        while the use is kept).  ``([], [])`` for an address
         that is no allocated block.  For an exporter (``accel._dlpack.wait_for_other_uses``)."""
         return stream_uses(self, ptr, lambda: self._blocks.get(ptr), lambda block: block.state == _ALLOCATED)
 

@@ -86,6 +86,7 @@ class XpuBackend(DiscoveryMixin, MemoryMixin, StreamsMixin, EventsMixin, GraphsM
         self._pools: List[object] = []
         self._retired: List[_Slot] = []
         self._deferred: List[Tuple[list, object]] = []   # (deps, pinned staging pointer) to free later
+        self._graph_waits = 0      # host threads inside zeCommandQueueSynchronize on a graph's queue
         self._orphans: List[Tuple[str, object]] = []      # (destroy call, handle) an error path failed to release
         self._captures: Dict[int, _Capture] = {}
         # Backend.capture_gate: _unsafe applies CUDA's rule (a free, query or synchronize by one
@@ -176,7 +177,7 @@ class XpuBackend(DiscoveryMixin, MemoryMixin, StreamsMixin, EventsMixin, GraphsM
             return True
         if any(slot.waiters for slot in self._retired):
             return True
-        return any(g.waiting for g in list(self._graphs.values()) + list(self._execs.values()))
+        return self._graph_waits > 0
 
     def _close_sealed(self) -> None:
         """close()'s destroys (caller holds the backend's lock, the streams sealed)."""

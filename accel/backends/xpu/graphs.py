@@ -318,12 +318,14 @@ class GraphsMixin:
             if not g.launched or queue is None:
                 return
             g.waiting += 1      # (the queue read once: _release_graph may clear g.queue meanwhile)
+            self._graph_waits += 1      # close() waits for these, released graphs' included
             launches = g.launches
         try:
             rc = self._lib[1].zeCommandQueueSynchronize(queue, _UINT64_MAX)
         finally:
             with self._lock:
                 g.waiting -= 1
+                self._graph_waits -= 1
                 if not g.waiting and g.orphan is not None:
                     # the graph was released while this thread waited: its queue goes now, at the
                     # next sweep (level-zero-spec INTRO.rst, "Multithreading and Concurrency": no
