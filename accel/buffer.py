@@ -1038,6 +1038,12 @@ class Buffer:
         except BaseException:
             _released(mark)
             raise
+        if not last._handle and self._backend.get_device() != self._index:
+            # 1, the legacy default stream, names the current device's when the consumer syncs
+            # (CUDA resolves cudaStreamLegacy per calling thread's device; CuPy syncs with no device
+            # switch): with another device current, that is not this one's, so its work is waited
+            # for here (r73e)
+            _dlpack.wait_for_stream(self._backend, last, f"device {self._index}'s default stream")
         # the exported stream outlives a close() while this buffer lives (CAI v3 "Lifetime
         # management"; streams._ExportMark); the mark of an earlier export goes
         earlier, self._export = self._export, mark
