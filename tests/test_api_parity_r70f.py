@@ -462,7 +462,7 @@ def test_graph_pool_ids_and_attributes_as_torch(sim_graph_backend):
 def test_generator_methods_return_torch_generator_types(sim_backend):
     """torch.Generator's methods: manual_seed returns the generator, seed()/initial_seed()/
     get_offset() ints, get_state() 16 bytes (accel: numpy uint8, documented), set_offset and
-    set_state None, clone_state/graphsafe_get_state a Generator; device names the index.
+    set_state the generator, clone_state/graphsafe_get_state a Generator; device names the index.
     A negative seed is taken modulo 2**64 and 2**64 refused with ValueError, as torch's."""
     last = accel.device_count() - 1
     gen = arandom.Generator(last)
@@ -470,7 +470,8 @@ def test_generator_methods_return_torch_generator_types(sim_backend):
     assert _plain_int(gen.seed()) and _plain_int(gen.initial_seed()) and gen.get_offset() == 0
     state = gen.get_state()
     assert state.dtype == np.uint8 and state.shape == (16,)
-    assert gen.set_offset(8) is None and gen.get_offset() == 8 and gen.set_state(state) is None
+    # (torch's return the generator itself, THPGenerator_setOffset/setState: r73f)
+    assert gen.set_offset(8) is gen and gen.get_offset() == 8 and gen.set_state(state) is gen
     assert isinstance(gen.clone_state(), arandom.Generator)
     assert isinstance(gen.graphsafe_get_state(), arandom.Generator)
     assert gen.device.type == sim_backend and gen.device.index == last

@@ -55,8 +55,7 @@ def test_torch_generator_set_state_returns_the_generator_oracle():
     assert g.manual_seed(3) is g
 
 
-@pytest.mark.xfail(strict=True, reason="r73f: accel.random.Generator.set_state/set_offset/graphsafe_set_state "
-                                       "return None; torch.Generator's return the generator (Generator.cpp)")
+# (r73f found; fixed in session 34)
 @pytest.mark.parametrize("method", ["set_state", "set_offset", "graphsafe_set_state"])
 def test_generator_setters_return_the_generator_as_torch(sim_cuda, method):
     gen = R.Generator(1, 5)

@@ -425,11 +425,11 @@ class Generator:
         from either advance both, and registering it with a graph registers this state."""
         return Generator._with_state(self._state)
 
-    def graphsafe_set_state(self, state: "Generator") -> None:
+    def graphsafe_set_state(self, state: "Generator") -> "Generator":
         """Make this generator use ``state``'s state object (a generator of the same device,
         typically from :meth:`graphsafe_get_state` or :meth:`clone_state`).  Allowed during a
         capture, as torch's: draws then come from that state, which must be registered with
-        the graph being captured."""
+        the graph being captured.  Returns this generator, as torch's."""
         if not isinstance(state, Generator):
             raise TypeError(f"graphsafe_set_state expects an accel.random.Generator (from graphsafe_get_state() "
                             f"or clone_state()), got {type(state).__name__} {state!r}")
@@ -438,6 +438,7 @@ class Generator:
                              f"generator is of device {self.device_index}; use a state of device "
                              f"{self.device_index}")
         self._state = state._state
+        return self
 
     def clone_state(self) -> "Generator":
         """A generator with a new, independent state: this one's seed and offset, outside
@@ -497,8 +498,9 @@ class Generator:
         """The offset (torch.Generator.get_offset): words consumed so far, a multiple of 4."""
         return self._state._offset
 
-    def set_offset(self, offset: int) -> None:
-        """Set the offset (a non-negative multiple of 4 below 2**63)."""
+    def set_offset(self, offset: int) -> "Generator":
+        """Set the offset (a non-negative multiple of 4 below 2**63).  Returns this generator,
+        as torch's (torch/csrc/Generator.cpp THPGenerator_setOffset returns self)."""
         if isinstance(offset, bool) or not hasattr(type(offset), "__index__"):
             raise TypeError(f"offset must be an int (a multiple of 4 in [0, 2**63)), got "
                             f"{type(offset).__name__} {offset!r}")
@@ -511,6 +513,7 @@ class Generator:
         with st._lock:
             st._not_capturing("set_offset")
             st._offset = offset
+        return self
 
     # -- state ---------------------------------------------------------------------
     def get_state(self):
@@ -521,18 +524,20 @@ class Generator:
             raw = struct.pack("<Qq", st._seed, st._offset)
         return np.frombuffer(raw, dtype=np.uint8).copy()
 
-    def set_state(self, new_state) -> None:
+    def set_state(self, new_state) -> "Generator":
         """Restore a state from :meth:`get_state` (16 bytes), or 8 bytes (seed; offset 0).
 
         TypeError for anything but a 1-D uint8 array (or bytes); RuntimeError
         "RNG state is wrong size" for other lengths and "offset must be a
-        multiple of 4" for a bad offset.  The state is unchanged on error.
+        multiple of 4" for a bad offset.  The state is unchanged on error.  Returns this
+        generator, as torch's.
         """
         seed, offset = self.parse_state(new_state)
         st = self._state
         with st._lock:
             st._not_capturing("set_state")
             st._seed, st._offset = seed, offset
+        return self
 
     @staticmethod
     def parse_state(new_state):
