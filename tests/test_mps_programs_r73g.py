@@ -165,10 +165,7 @@ def test_fraction_for_a_device_metal_does_not_have_names_the_index(mps, device):
     assert memory.get_per_process_memory_fraction("mps:0") == 0.25
 
 
-@pytest.mark.xfail(strict=True, reason="r73g: memory._caching DeviceCachingAllocator._oom_message: an OOM caused "
-                                       "only by set_per_process_memory_fraction (0.0, which torch.mps documents "
-                                       "as 'no limit') says '0 bytes allowed' but never names the fraction or "
-                                       "how to lift it, while 255 MiB are free")
+# (r73g found; fixed in session 34)
 def test_oom_from_a_zero_fraction_names_the_fraction_and_how_to_lift_it(mps):
     """A Mac user's ``torch.mps.set_per_process_memory_fraction(0.0)`` ("Passing 0 to fraction
     means unlimited allocations") ported as is: accel takes 0.0 as torch.cuda does (every new
@@ -206,10 +203,7 @@ def test_pinned_and_device_memory_come_from_one_metal_pool(mps_small):
     assert _driver_allocated() == base
 
 
-@pytest.mark.xfail(strict=True, reason="r73g: memory._host HostCachingAllocator.malloc on mps: a 40 MiB empty_pinned is "
-                                       "rounded up to 64 MiB, past maxBufferLength (48 MiB), and refused with "
-                                       "'cannot allocate 67108864 bytes in one buffer ... allocate smaller pieces' "
-                                       "though the 40 MiB asked for fits")
+# (r73g found; fixed in session 34)
 def test_a_pinned_request_that_fits_one_metal_buffer_is_not_rounded_past_it(mps_small):
     """torch's MPS pinned allocator takes a shared buffer of the MPS allocator (MPSPinnedAllocator
     over _getSharedAllocator(), MPSAllocator.mm): no power-of-two rounding.  accel rounds as
@@ -239,13 +233,15 @@ def test_a_device_allocation_on_unified_memory_frees_the_pinned_cache_before_oom
 
 @pytest.mark.xfail(strict=True, reason="r73g: memory._host HostCachingAllocator.malloc on mps releases only its own cache "
                                        "before giving up: the device caching allocator's free cached segments hold "
-                                       "the same unified memory, so a 20 MiB empty_pinned fails with 40 MiB cached")
+                                       "the same unified memory, so a 32 MiB empty_pinned fails with 40 MiB cached")
 def test_a_pinned_allocation_on_unified_memory_frees_the_device_cache_before_oom(mps_small):
     activations = accel.Buffer(40 * MiB)                 # a forward pass's memory, then freed: cached
     del activations
     assert memory.memory_reserved() == 40 * MiB and memory.memory_allocated() == 0
-    pinned = accel.empty_pinned(20 * MiB, np.uint8)      # fits once the device cache is released
-    assert pinned.nbytes == 20 * MiB
+    # (32 MiB, a power of two: since session 34 a rounded pinned request that fails falls back to
+    # its own size, which 20 MiB here would fit beside the cache without releasing it)
+    pinned = accel.empty_pinned(32 * MiB, np.uint8)      # fits once the device cache is released
+    assert pinned.nbytes == 32 * MiB
 
 
 # == streams and events: a pipeline that re-records its events ==================================

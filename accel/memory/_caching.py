@@ -2934,15 +2934,20 @@ class DeviceCachingAllocator(ExpandableSegments):
         fmt = _stats.format_size
         allocated = self._allocated_bytes()
         reserved = self._cur[RESERVED_BYTES]
-        allowed = ""
-        if self._config.per_process_memory_fraction < 1.0:
+        allowed = cap = ""
+        fraction = self._config.per_process_memory_fraction
+        if fraction < 1.0:
             allowed = f"{fmt(self._allowed_bytes())} allowed; "
+            if self._allowed_bytes() < reserved + tried:
+                # (after torch's text, which names no cause: which knob refused it, r73g)
+                cap = (f" The per-process memory fraction {fraction:g} caps this process: raise it with "
+                       f"set_per_process_memory_fraction (1.0 lifts it).")
         return (f"{name} out of memory. Tried to allocate {fmt(tried)}. GPU {self._index} "
                 f"has a total capacity of {fmt(total)} of which {fmt(free)} is free. {allowed}"
                 f"Of the allocated memory {fmt(allocated)} is allocated by accel, and "
                 f"{fmt(reserved - allocated)} is reserved by accel but unallocated. If reserved but "
                 f"unallocated memory is large try setting ACCEL_ALLOC_CONF=max_split_size_mb:N "
-                f"(or garbage_collection_threshold:0.8) to avoid fragmentation.")
+                f"(or garbage_collection_threshold:0.8) to avoid fragmentation.{cap}")
 
 
 #: a private pool's reserved_bytes_by_private_pools entry before its first segment

@@ -216,6 +216,15 @@ class HostCachingAllocator:
                         raise               # cudaFreeHost would invalidate the capture
                     self._reap_orphans()
                     self._release_free()
+                if size > nbytes:
+                    # the rounding is for reuse only: the size asked for may still fit where its
+                    # power of two does not (Metal: past maxBufferLength, the most one MTLBuffer
+                    # holds; r73g); cached in its power of two's list, as an unrounded block is
+                    size = nbytes
+                    active = _counted(tally["active_bytes"], size)
+                    block = _HostBlock(0, size)
+                    block.allocated = True
+                    block.ref = ref
                 allocations = _counted(tally["allocations"], 1)
                 allocated = _counted(tally["allocated_bytes"], size)
                 start = time.perf_counter()
