@@ -17,7 +17,8 @@ from typing import Optional, Tuple
 import numpy as np
 
 from ._copying import refuse as _refuse
-from .buffer import Buffer, _Noting, _address, _call_pinned, _check_device_range, _host_view, _refuse_in_capture
+from .buffer import (Buffer, _Noting, _address, _cai_typestr, _call_pinned, _check_device_range, _host_view,
+                     _refuse_in_capture)
 from .streams import Stream, _Hold
 
 __all__ = ["ArrayView"]
@@ -776,10 +777,7 @@ def _cai_dtype(cai: dict) -> np.dtype:
     void type.  ``descr`` "follows the same specification as in the NumPy array interface", whose
     default is ``[('', typestr)]``: that names the plain type, not a structure with one field
     (numpy and CuPy always send it)."""
-    typestr, descr = cai["typestr"], cai.get("descr")
-    if not isinstance(typestr, str):
-        # (np.dtype(None) is float64: a missing type must not read as one)
-        raise TypeError(f"typestr {typestr!r} is not a string such as '<f4'")
+    typestr, descr = _cai_typestr(cai), cai.get("descr")
     if not typestr.lstrip("<>|=").startswith("V") or not descr:
         return np.dtype(typestr)
     if len(descr) == 1 and len(descr[0]) == 2 and descr[0][0] == "" and np.dtype(descr[0][1]) == np.dtype(typestr):

@@ -655,29 +655,32 @@ def wait_for_stream(backend, stream, why: str) -> None:
     waiting for what the caller does next, is not waited for).  A stream closed meanwhile is
     waited for as :func:`wait_for_closed` does.  CaptureError while a capture is underway, as
     there (a wait on the host would invalidate a global-mode capture)."""
-    from .streams import _hold_open, on_device
+    from .streams import _hold_open
     held = _hold_open(stream)
     if held is None:
         wait_for_closed(backend, stream, why)
         return
     try:
-        with backend.capture_gate:
-            refused = None
-            if backend.captures_underway():
-                # (r72g: a relaxed capture, or one another thread's mode keeps to itself, allows
-                # it, as it allows Stream.synchronize)
-                with on_device(backend, stream.device_index):
-                    capturing = backend.capture_id(stream._handle) is not None
-                    refused = ("that stream is capturing" if capturing
-                               else backend.host_wait_refused(stream._handle))
-            if refused:
-                raise CaptureError(f"the buffer was used on {why} ({stream!r}): waiting for it on the host "
-                                   f"now would invalidate the stream capture underway ({refused}); export it "
-                                   f"after the capture ends")
-            with on_device(backend, stream.device_index):
-                backend.stream_synchronize(stream._handle)
+        _host_wait(backend, stream.device_index, stream._handle, f"{why} ({stream!r})")
     finally:
         held.__exit__(None, None, None)
+
+
+def _host_wait(backend, device: int, handle: int, what: str) -> None:
+    """Synchronize stream ``handle`` of ``device``, no capture beginning meanwhile
+    (``backend.capture_gate``); CaptureError naming ``what`` where the wait would invalidate a
+    capture underway (r72g: a relaxed capture, or one another thread's mode keeps to itself,
+    allows it, as it allows Stream.synchronize)."""
+    from .streams import on_device
+    with backend.capture_gate, on_device(backend, device):
+        refused = None
+        if backend.captures_underway():
+            refused = ("that stream is capturing" if backend.capture_id(handle) is not None
+                       else backend.host_wait_refused(handle))
+        if refused:
+            raise CaptureError(f"the buffer was used on {what}: waiting for it on the host now would invalidate "
+                               f"the stream capture underway ({refused}); export it after the capture ends")
+        backend.stream_synchronize(handle)
 
 
 def check_foreign_alive(stream) -> None:
@@ -739,8 +742,7 @@ def order_after_other_uses(buffer, last, waiter) -> None:
     if not others and not closed:
         return
     from .streams import _hold_open, on_device
-    capturing = backend.captures_underway()
-    if waiter != "host" and capturing:
+    if waiter != "host" and backend.captures_underway():
         with on_device(backend, waiter[0]):
             if backend.capture_id(waiter[1]) is not None:
                 return
@@ -754,22 +756,22 @@ def order_after_other_uses(buffer, last, waiter) -> None:
                 backend.device_synchronize()
     if closed:
         buffer._drained = (drained or set()) | set(closed)
-    from . import memory
     for (device, handle), stream in others.items():
         held = None if stream is None else _hold_open(stream)
         if stream is not None and held is None:
             wait_for_closed(backend, stream, "another stream than the one exported, closed just now")
             continue
         try:
-            _order_after_one(backend, memory, device, handle, waiter, stream)
+            _order_after_one(backend, device, handle, waiter, stream)
         finally:
             if held is not None:
                 held.__exit__(None, None, None)
 
 
-def _order_after_one(backend, memory, device: int, handle: int, waiter, stream) -> None:
+def _order_after_one(backend, device: int, handle: int, waiter, stream) -> None:
     """:func:`order_after_other_uses` for the stream ``handle`` of ``device`` (``stream`` its
     accel Stream, held open, or None)."""
+    from . import memory
     from .streams import on_device
     with on_device(backend, device):
         if backend.captures_underway():
@@ -783,16 +785,8 @@ def _order_after_one(backend, memory, device: int, handle: int, waiter, stream) 
     if waiter != "host":
         if memory.device_allocator(waiter[0]).order_after(waiter[1], handle, device):
             return
-    if stream is not None:
-        wait_for_stream(backend, stream, "another stream than the one exported, with work still queued")
-        return
-    with backend.capture_gate, on_device(backend, device):
-        refused = backend.host_wait_refused(handle) if backend.captures_underway() else None
-        if refused:
-            raise CaptureError(f"the buffer was used on stream {handle:#x} of device {device}: waiting for it on the "
-                               f"host now would invalidate the stream capture underway ({refused}); export it "
-                               f"after the capture ends")
-        backend.stream_synchronize(handle)
+    what = repr(stream) if stream is not None else f"stream {handle:#x} of device {device}"
+    _host_wait(backend, device, handle, f"another stream than the one exported, with work still queued ({what})")
 
 
 def wait_for_producer(backend, index: int, producer, stream) -> None:

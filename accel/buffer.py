@@ -276,15 +276,21 @@ def _device_source(obj, index: int):
     return None
 
 
+def _cai_typestr(cai) -> str:
+    """A __cuda_array_interface__'s ``typestr``; TypeError when it is no string (np.dtype(None)
+    is float64: a missing type must not read as one)."""
+    typestr = cai["typestr"]
+    if not isinstance(typestr, str):
+        raise TypeError(f"typestr {typestr!r} is not a string such as '<f4'")
+    return typestr
+
+
 def _parse_cai(cai, what: str):
     """``(ptr, nbytes, producer stream or None)`` of a C-contiguous __cuda_array_interface__."""
     import numpy as np
     try:
         shape = tuple(operator.index(n) for n in cai["shape"])
-        if not isinstance(cai["typestr"], str):
-            # (np.dtype(None) is float64: a missing type must not read as one)
-            raise TypeError(f"typestr {cai['typestr']!r} is not a string such as '<f4'")
-        itemsize = np.dtype(cai["typestr"]).itemsize
+        itemsize = np.dtype(_cai_typestr(cai)).itemsize
         ptr = operator.index(cai["data"][0])
     except (KeyError, TypeError, IndexError) as exc:
         raise ValueError(f"{what}.__cuda_array_interface__ is malformed ({exc!r}); nothing was copied") from None
@@ -1014,8 +1020,7 @@ class Buffer:
         try:
             while True:
                 last = self._last
-                if last._foreign:
-                    _dlpack.check_foreign_alive(last)
+                _dlpack.check_foreign_alive(last)
                 # marked before the closed check, as a use is: a close() in another thread either
                 # came first (seen here) or leaves the stream's destroy to this export (r73d)
                 mark = _ExportMark(last) if last._owned or last._foreign else None

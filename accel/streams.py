@@ -334,8 +334,8 @@ def _drop_export_mark(mark: _ExportMark, how) -> None:
         return      # dropped already, or interrupted before anything was marked
     mark._stream = None
     stream._busy.pop()
-    if stream._closed and stream._pid == _fin.pid and stream._releases and not stream._busy:
-        _run_deferred(stream, how)
+    if stream._closed and stream._pid == _fin.pid:
+        _closed_during_use(stream, how)
 
 
 def _hold_open(stream: "Stream") -> "Optional[_Hold]":
@@ -352,11 +352,12 @@ def _hold_open(stream: "Stream") -> "Optional[_Hold]":
     return hold
 
 
-def _closed_during_use(obj) -> None:
-    """After a use of closed ``obj`` ended (its mark popped): the last use runs the deferred destroy.
-    (The hot paths inline _Use: mark, check _closed, call, pop, then this when closed.)"""
+def _closed_during_use(obj, how=_fin.finalize) -> None:
+    """After a use of closed ``obj`` ended (its mark popped): the last use runs the deferred destroy
+    (with ``how``: a finalizer's defers it).  (The hot paths inline _Use: mark, check _closed,
+    call, pop, then this when closed.)"""
     if obj._releases and not obj._busy:
-        _run_deferred(obj, _fin.finalize)
+        _run_deferred(obj, how)
 
 
 def _run_deferred(obj, how) -> None:

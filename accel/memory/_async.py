@@ -418,7 +418,7 @@ class AsyncPoolAllocator:
             else:
                 alloc.uses.add((stream, device))
 
-    def stream_uses(self, ptr: int) -> Tuple[List[Tuple[int, int]], List[int]]:
+    def stream_uses(self, ptr: int) -> Tuple[List[Tuple[int, int]], List[Tuple[int, int]]]:
         """As :meth:`DeviceCachingAllocator.stream_uses <accel.memory._caching.DeviceCachingAllocator.stream_uses>`."""
         return _caching.stream_uses(self, ptr, lambda: self._ptrs.get(ptr), lambda alloc: not alloc.deferred)
 

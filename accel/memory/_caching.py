@@ -267,7 +267,7 @@ def order_after(owner, waiter: int, stream: int, device_index, queue_wait) -> bo
     return True
 
 
-def stream_uses(owner, ptr: int, find, allocated) -> Tuple[List[Tuple[int, int]], List[int]]:
+def stream_uses(owner, ptr: int, find, allocated) -> Tuple[List[Tuple[int, int]], List[Tuple[int, int]]]:
     """The two device allocators' ``stream_uses``: ``find()`` gives the block or allocation at
     ``ptr`` (or None), ``allocated(item)`` whether it is allocated.  The uses are copied under
     the lock: the caller waits for them without it."""
@@ -1213,12 +1213,12 @@ class DeviceCachingAllocator(ExpandableSegments):
                 return      # the block's own stream: its free is ordered after that work already
             add_use(self, block, stream, device)
 
-    def stream_uses(self, ptr: int) -> Tuple[List[Tuple[int, int]], List[int]]:
+    def stream_uses(self, ptr: int) -> Tuple[List[Tuple[int, int]], List[Tuple[int, int]]]:
         """The uses :meth:`record_stream` noted on the allocated block at ``ptr``:
         ``(streams, closed)``, the ``(handle, device)`` of each live stream, and ``(key, device)``
         of each stream destroyed since (its work covered by an event; the key stays the same
-        while the use is kept).  ``([], [])`` for an address
-        that is no allocated block.  For an exporter (``accel._dlpack.wait_for_other_uses``)."""
+        while the use is kept).  ``([], [])`` for an address that is no allocated block.  For an
+        exporter (``accel._dlpack.order_after_other_uses``)."""
         return stream_uses(self, ptr, lambda: self._blocks.get(ptr), lambda block: block.state == _ALLOCATED)
 
     def order_after(self, waiter: int, stream: int, device_index: Optional[int] = None) -> bool:
