@@ -29,28 +29,40 @@ def empty_counters():
     return [0] * N_STATS, [0] * N_STATS, [0] * N_STATS, [0] * N_STATS
 
 
+def _layout():
+    """[(key, column, index)] of flatten's counter keys: column 0..3 (current, peak, allocated,
+    freed) and the stat slot, or column None and a scalar's name."""
+    rows = []
+    for s, name in enumerate(POOLED):
+        for p, pool in enumerate(POOL_NAMES):
+            rows += [(f"{name}.{pool}.{field}", c, 3 * s + p) for c, field in enumerate(STAT_FIELDS)]
+    for name, index in (("oversize_allocations", OVERSIZE_ALLOCATIONS),
+                        ("oversize_segments", OVERSIZE_SEGMENTS)):
+        rows += [(f"{name}.{field}", c, index) for c, field in enumerate(STAT_FIELDS)]
+    rows += [(name, None, name) for name in SCALARS]
+    return rows
+
+
+_LAYOUT = _layout()
+#: memory_stats() is read in loops (a training step's logging, the tests' invariants): the
+#: sorted key order without private pools is computed once
+_SORTED = sorted(_LAYOUT)
+
+
 def flatten(current, peak, allocated, freed, scalars, pools=None) -> "OrderedDict[str, int]":
     """The flat keys of torch 2.13's torch.cuda.memory_stats(), sorted: 123, and for each private
     pool in ``pools`` (id -> [current, peak, allocated, freed] x (all, small, large)) its
     ``reserved_bytes_by_private_pools.<a>_<b>.<pool>.<field>`` (torch joins the id's parts with
     "_")."""
-    out = {}
-    for pool_id, st in (pools or {}).items():
+    columns = (current, peak, allocated, freed)
+    if not pools:
+        return OrderedDict([(key, scalars.get(i, 0) if c is None else columns[c][i]) for key, c, i in _SORTED])
+    out = {key: scalars.get(i, 0) if c is None else columns[c][i] for key, c, i in _LAYOUT}
+    for pool_id, st in pools.items():
         name = "_".join(str(part) for part in pool_id)
         for p, pool in enumerate(POOL_NAMES):
             for f, field in enumerate(STAT_FIELDS):
                 out[f"reserved_bytes_by_private_pools.{name}.{pool}.{field}"] = st[3 * f + p]
-    columns = (current, peak, allocated, freed)
-    for s, name in enumerate(POOLED):
-        for p, pool in enumerate(POOL_NAMES):
-            for field, column in zip(STAT_FIELDS, columns):
-                out[f"{name}.{pool}.{field}"] = column[3 * s + p]
-    for name, index in (("oversize_allocations", OVERSIZE_ALLOCATIONS),
-                        ("oversize_segments", OVERSIZE_SEGMENTS)):
-        for field, column in zip(STAT_FIELDS, columns):
-            out[f"{name}.{field}"] = column[index]
-    for name in SCALARS:
-        out[name] = scalars.get(name, 0)
     return OrderedDict(sorted(out.items()))
 
 

@@ -17,6 +17,7 @@ the current stream.
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 from typing import Callable, Dict, Optional, Tuple
@@ -75,11 +76,18 @@ def _reset() -> None:
 _lazy.register_reset_hook(_reset)
 
 
+_DEFINITION = re.compile(r"(?:\.entry|\bkernel\s+void)\s+(\w+)\s*\(")
+
+
 def defined_kernels(source: bytes) -> Tuple[str, ...]:
     """The names of ``_fills.KERNEL_NAMES`` that ``source`` defines (PTX ``.entry``, MSL ``kernel void``)."""
-    text = source.decode("utf-8", "replace")
-    return tuple(name for name in _fills.KERNEL_NAMES
-                 if re.search(r"(\.entry|\bkernel\s+void)\s+" + name + r"\s*\(", text))
+    return _defined_kernels(bytes(source))
+
+
+@functools.lru_cache(maxsize=8)     # each fresh runtime loads the same source again
+def _defined_kernels(source: bytes) -> Tuple[str, ...]:
+    found = set(_DEFINITION.findall(source.decode("utf-8", "replace")))
+    return tuple(name for name in _fills.KERNEL_NAMES if name in found)
 
 
 def kernel_functions(backend, index: int) -> Optional[Dict[str, int]]:

@@ -8,6 +8,7 @@ JIT, or the vendor error code the real driver returns.  The containers' layouts
 
 from __future__ import annotations
 
+import functools
 import re
 import struct
 from typing import List, Optional, Tuple
@@ -218,7 +219,14 @@ def ptx_bounds(ptx) -> dict:
     1 to 3 positive integers, or more than 48 KiB of static shared memory."""
     if isinstance(ptx, str):
         ptx = ptx.encode()
-    text = _COMMENTS.sub(b" ", bytes(ptx).split(b"\0", 1)[0])
+    return dict(_ptx_bounds(bytes(ptx)))
+
+
+# The same image is loaded again by nearly every test (the Philox kernels, on each device of each
+# fresh runtime), and parsing its PTX dominated a load: the result is a function of the bytes.
+@functools.lru_cache(maxsize=16)
+def _ptx_bounds(ptx: bytes) -> dict:
+    text = _COMMENTS.sub(b" ", ptx.split(b"\0", 1)[0])
     blocks = _blocks(text)
     # module-scope .shared variables (outside every body): an entry uses one its body, or any
     # .func body (which an entry may call), names

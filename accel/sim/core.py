@@ -532,9 +532,9 @@ def call_counts() -> Dict[str, int]:
     """{vendor function name: calls since the last reset} for every function called."""
     out = {}
     for name, box in list(_boxes.items()):
-        n = int(repr(box[0])[6:-1])     # "count(5)": the next value is the number of calls
-        if n:
-            out[name] = n
+        text = repr(box[0])             # "count(5)": the next value is the number of calls
+        if text != "count(0)":
+            out[name] = int(text[6:-1])
     return out
 
 
