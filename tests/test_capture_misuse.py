@@ -43,6 +43,9 @@ WHERE = ("capturing thread", "other thread")
 N = 256          # bytes of each test buffer
 HANG_S = 120     # a call that has not returned by then is reported as a wedge (not a timing assert)
 
+# each case collects a few times: scan only what this module made (conftest.frozen_module_heap)
+pytestmark = pytest.mark.usefixtures("frozen_module_heap")
+
 
 # -- the context each row works on ------------------------------------------------------------
 class Ctx:
