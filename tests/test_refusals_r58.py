@@ -34,7 +34,7 @@ import accel
 import accel.memory as M
 import accel.random as R
 from accel import _finalize, _lazy, sim
-from conftest import use_sim
+from conftest import THOROUGH, use_sim
 
 pytestmark = pytest.mark.usefixtures("frozen_heap")   # gc.get_objects() sees only the test's objects
 
@@ -123,20 +123,31 @@ class Case:
 
 
 class Sweep:
-    def __init__(self, where, valid, extra=()):
-        self.where, self.valid, self.extra = where, valid, extra
+    """``reuse``: each case's fingerprint after it (and the valid operation, which must then leave
+    the fingerprint as it was) is the next case's before; a fresh one after the last case."""
+
+    def __init__(self, where, valid, extra=(), reuse=False):
+        self.where, self.valid, self.extra, self.reuse = where, valid, extra, reuse
         self.problems, self.count = [], 0
+        self._last = None
 
     def run(self, cases):
         for case in cases:
             if not self.check(case):
                 break                               # the state is no longer known: stop this sweep
+        else:
+            if self._last is not None:
+                now = _fingerprint(self.extra)
+                if now != self._last:
+                    self.problems.append(f"{self.where} the valid operation after the last case changed the "
+                                         f"state: {_diff(self._last, now)}")
         return self
 
     def check(self, case) -> bool:
         self.count += 1
         label = f"{self.where} {case.label}"
-        before = _fingerprint(self.extra)
+        before = self._last if self._last is not None else _fingerprint(self.extra)
+        self._last = None
         err = None
         try:
             with warnings.catch_warnings():
@@ -166,6 +177,8 @@ class Sweep:
         except Exception as exc:
             self.problems.append(f"{label}: the next valid operation failed: {type(exc).__name__}: {exc}")
             return False
+        if self.reuse:
+            self._last = after
         return True
 
 
@@ -218,8 +231,10 @@ class Env:
 
 
 # -- the cases --------------------------------------------------------------------------------------
-def _device_cases(env):
-    """Every public function taking a device, with each bad device."""
+def _device_cases(env, part=None):
+    """Every public function taking a device, with each bad device (``part`` in 0..2: a third of
+    them, each function with every third bad device, shifted by one from one function to the next,
+    so the three parts together are all of them)."""
     takers = [
         ("current_stream", accel.current_stream), ("default_stream", accel.default_stream),
         ("get_device_capability", accel.get_device_capability),
@@ -252,10 +267,12 @@ def _device_cases(env):
                    ("clock_rate", "device_memory_used", "list_gpu_processes", "memory_usage", "power_draw",
                     "temperature", "utilization")]
     out = []
-    for name, fn in takers:
+    for i, (name, fn) in enumerate(takers):
         if fn is None:
             continue
-        for value, named in env.bad_devices():
+        for j, (value, named) in enumerate(env.bad_devices()):
+            if part is not None and (i + j) % 3 != part:
+                continue
             if name in ("device_allocator", "default_generator", "Generator") and isinstance(value, str):
                 named = (named, "int")                  # these take an int index only
             if name == "use_mem_pool":
@@ -638,8 +655,8 @@ def _graph_cases(env):
     ]
 
 
-def _plain_cases(env):
-    return (_device_cases(env) + _memory_cases(env) + _random_cases(env) + _stream_event_cases(env)
+def _plain_cases(env, part=None):
+    return (_device_cases(env, part) + _memory_cases(env) + _random_cases(env) + _stream_event_cases(env)
             + _buffer_cases(env) + _kernel_cases(env) + _graph_cases(env))
 
 
@@ -669,6 +686,7 @@ def _prepare(env, config):
         R.randint_(env.b, 0, 9, generator=gen)
         R.random_raw_(env.b, generator=gen)
     accel.from_dlpack(env.b)
+    accel.Graph          # accel.graphs is imported on first use: its module locks are no refusal's
     env.b.as_array(np.float32).__dlpack__()
     if env.other is not None:
         env.e_other_timed = accel.Event(env.other, enable_timing=True)
@@ -707,6 +725,14 @@ def _freeze():
 
 
 # -- the sweeps -------------------------------------------------------------------------------------
+def _part(config, dev, shift=0):
+    """Which third of the bad-device cases a sweep makes (None: all, THOROUGH).  Default run: a
+    third per device, another on each device and configuration, so the three CUDA configurations
+    together make all of them on each device (inside use_mem_pool, with two, over both devices);
+    every other case on each device and configuration, as THOROUGH."""
+    return None if THOROUGH else (list(CONFIGS).index(config) + dev + shift) % 3
+
+
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_refused_calls_leave_the_state_unchanged(monkeypatch, config):
     kind = _setup(monkeypatch, config)
@@ -720,7 +746,8 @@ def test_refused_calls_leave_the_state_unchanged(monkeypatch, config):
         fp = _fingerprint(extra)
         env.valid()
         assert _fingerprint(extra) == fp, f"the valid operation changes the fingerprint: {_diff(fp, _fingerprint())}"
-        sweeps.append(Sweep(f"[{config} dev {dev}]", env.valid, extra).run(_sweep_cases(_plain_cases(env))))
+        sweeps.append(Sweep(f"[{config} dev {dev}]", env.valid, extra, reuse=not THOROUGH)
+                      .run(_sweep_cases(_plain_cases(env, _part(config, dev)))))
         accel.set_device_index(0)
     assert not any(s.problems for s in sweeps), _report(sweeps)
     assert sum(s.count for s in sweeps) > 150 * accel.device_count()
@@ -743,7 +770,7 @@ def _invalidating_cases(env, cap):
     ]
 
 
-def _capture_cases(env, cap, g):
+def _capture_cases(env, cap, g, part=None):
     """Misuse of a capture underway on ``cap`` (device ``env.dev``) that is refused without
     invalidating it, and bad arguments meanwhile."""
     b, keep, dev = env.b, env.keep, env.dev
@@ -789,7 +816,7 @@ def _capture_cases(env, cap, g):
             Case("Event.record(other device's stream) during capture", lambda: env.e.record(env.s_other),
                  str(env.other)),
         ]
-    return out + _device_cases(env)
+    return out + _device_cases(env, part)
 
 
 @pytest.mark.parametrize("config", CAPTURE_CONFIGS)
@@ -826,7 +853,7 @@ def test_refused_calls_during_a_capture_leave_it_and_the_state_unchanged(monkeyp
                 assert now == fp, _diff(fp, now)
                 sweep = Sweep(f"[{config} dev {dev} capturing]", captured,
                               extra + (("capturing", cap.is_capturing),))
-                sweep.run(_sweep_cases(_capture_cases(env, cap, g)))
+                sweep.run(_sweep_cases(_capture_cases(env, cap, g, _part(config, dev, 1))))
                 problems += sweep.problems
             finally:
                 try:
@@ -843,7 +870,7 @@ def test_refused_calls_during_a_capture_leave_it_and_the_state_unchanged(monkeyp
 
 
 # -- inside use_mem_pool --------------------------------------------------------------------------------
-def _pool_cases(env, pool):
+def _pool_cases(env, pool, part=None):
     dev = env.dev
     out = [
         Case("use_mem_pool(the same pool) again", lambda: M.use_mem_pool(pool).__enter__(), "already"),
@@ -870,7 +897,7 @@ def _pool_cases(env, pool):
             Case("Buffer(16, stream of the other device) inside use_mem_pool",
                  lambda: accel.Buffer(16, dev, stream=env.s_other), str(env.other)),
         ]
-    return out + _random_cases(env)[:12] + _device_cases(env)
+    return out + _random_cases(env)[:12] + _device_cases(env, part)
 
 
 @pytest.mark.parametrize("config", POOL_CONFIGS)
@@ -887,8 +914,9 @@ def test_refused_calls_inside_use_mem_pool_leave_the_pool_and_the_state_unchange
             inside.append(accel.Buffer(4096, dev))
             _freeze()
             sweep = Sweep(f"[{config} dev {dev} in use_mem_pool]", env.valid,
-                          extra + (("pool use_count", pool.use_count), ("pool snapshot", pool.snapshot)))
-            sweep.run(_sweep_cases(_pool_cases(env, pool)))
+                          extra + (("pool use_count", pool.use_count), ("pool snapshot", pool.snapshot)),
+                          reuse=not THOROUGH)
+            sweep.run(_sweep_cases(_pool_cases(env, pool, _part(config, dev, 2))))
             problems += sweep.problems
             inside.append(accel.Buffer(4096, dev))      # the route still works
         outside = accel.Buffer(4096, dev)

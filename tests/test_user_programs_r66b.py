@@ -135,12 +135,27 @@ def _bounded_footprint():
     return live, tables, objs
 
 
+#: accel's tables sized by a peak of work in flight, not by objects made: the XPU backend's event
+#: pools (64 slots each) grow when more events are pending at once than ever before, which the
+#: threads' scheduling decides (a loaded machine: the second run's peak was higher, r74)
+_PEAK_SIZED = {"backend._free_slots", "backend._pools"}
+
+
 def _run_twice(program):
-    """Run ``program`` once, settle, take the footprint, run it again: same footprint."""
+    """Run ``program`` once, settle, take the footprint, run it again: same footprint.  Where
+    only peak-sized tables grew (:data:`_PEAK_SIZED`), a third run must leave the second's
+    footprint as it was: a cache that follows a peak settles, a leak grows every run."""
     program(0)
     before = _bounded_footprint()
     program(1)
-    assert_same_footprint(before, _bounded_footprint())
+    after = _bounded_footprint()
+    tables0, tables1 = before[1], after[1]
+    grew = {k for k, v in tables1.items() if v > tables0.get(k, 0)}
+    if grew and grew <= _PEAK_SIZED:
+        before = after
+        program(2)
+        after = _bounded_footprint()
+    assert_same_footprint(before, after)
 
 
 # -- Philox4x32-10 in numpy, written from Random123's philox.h (not accel's code) --------------
