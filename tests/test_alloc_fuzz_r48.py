@@ -31,7 +31,7 @@ from accel._errors import OutOfMemoryError
 from accel.memory import _caching, _config, _expandable
 from accel.memory._caching import DeviceCachingAllocator
 from accel.sim import _vmm
-from conftest import use_sim
+from conftest import THOROUGH, use_sim
 from test_alloc_stress import _check_caching
 from test_memory_expandable import check as _check_exp
 from torch_port_util import expected_memory_stats
@@ -329,7 +329,8 @@ def _random_ops(d: Driver, steps: int, pending=True, streams=True) -> None:
                                   "expandable_segments:True,garbage_collection_threshold:0.5"])
 def test_expandable_random_ops(be, index, conf):
     d = Driver(be, index, conf, E13_SIZES, seed=index * 7 + len(conf), history=True)
-    _random_ops(d, 120)
+    # default: 40 steps per case (16 cases, E13's choice still checked in each); THOROUGH: 120
+    _random_ops(d, 120 if THOROUGH else 40)
     assert d.e13_checked
     print("E13", conf, d.e13_checked, d.e13_high)
     d.close()
@@ -450,7 +451,8 @@ def test_classic_random_ops(monkeypatch, index, conf):
     be = _lazy.lazy_init()
     try:
         d = Driver(be, index, conf, PACK_SIZES, seed=index + 3 * len(conf), history=True)
-        _classic_ops(d, 150)
+        # default: the first 50 steps of each case (12 cases: 6 confs x 2 devices, with their own seeds); THOROUGH: 150
+        _classic_ops(d, 150 if THOROUGH else 50)
         d.close()
     finally:
         vars(be).pop("event_query", None)
@@ -492,7 +494,8 @@ def test_public_api_buffers_pools_graphs_and_streams(monkeypatch, sim_name, conf
     with accel.device_index(dev):
         side = accel.Stream()
         pool = memory.MemPool()
-        for step in range(70):
+        # default: 25 steps (pools, side-stream frees, graphs in 3 of 4 graph-capable cases); THOROUGH: 70
+        for step in range(70 if THOROUGH else 25):
             r = rng.random()
             if live and r < 0.35:
                 buf, _ = live.pop(rng.randrange(len(live)))
@@ -537,7 +540,8 @@ def test_expandable_carve_rounds(be, index, history):
     """E13's ground made on purpose: runs of blocks of 0.2-3 pages, some freed (some pending on
     another stream while its work 'runs'), smaller requests carved out of the free blocks."""
     d = Driver(be, index, "expandable_segments:True", E13_SIZES, seed=11 * index + history, history=history)
-    _layout_rounds(d, 20)
+    # default: 7 rounds (E13's high end and a pending block still seen in each case); THOROUGH: 20
+    _layout_rounds(d, 20 if THOROUGH else 7)
     assert d.e13_high > 0 and d.pending_seen > 0
     d.close()
 

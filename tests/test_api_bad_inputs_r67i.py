@@ -159,9 +159,15 @@ def _problem(case, fp_before, fp_after, err):
 
 
 def _sweep(where: str, cases) -> list:
+    """Each case's fingerprint after it is the next one's before (nothing runs between them); a
+    fresh one after the last case (what dropping its error released shows there)."""
     problems = []
+    # what the test made so far out of the collector's sight (conftest's freeze unfreezes it
+    # later): each fingerprint's collection then scans only what the cases made
+    gc.collect()
+    gc.freeze()
+    before = _fingerprint()
     for case in cases:
-        before = _fingerprint()
         err = None
         try:
             case.fn()
@@ -172,6 +178,10 @@ def _sweep(where: str, cases) -> list:
         if problem:
             problems.append(f"[{where}] {problem}")
         del err
+        before = after
+    after = _fingerprint()
+    if after != before:
+        problems.append(f"[{where}] after the last case: state changed: {_diff(before, after)}")
     return problems
 
 

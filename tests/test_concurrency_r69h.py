@@ -62,13 +62,18 @@ import threading
 import pytest
 
 import accel
-from conftest import SIMS, use_sim
+from conftest import SIMS, THOROUGH, use_sim
 from test_user_programs import run_program
 
 #: a call still running after this is hung (every point of the sweeps takes milliseconds)
 HANG_S = 2.0
 PROGRAM_S = 45.0
 JOIN_S = 20.0
+#: Points of the sweeps (collections of the gc sweeps, accel lines of the signal sweep).  The
+#: default strides over a third of THOROUGH's points: still spread over every part of the workload
+#: (allocator, copies, streams, events, graph replay), each point a fresh run of it.
+GC_POINTS = 60 if THOROUGH else 20
+SIGNAL_POINTS = 150 if THOROUGH else 50
 
 
 def _run(kind: str, monkeypatch, source: str, timeout: float = PROGRAM_S, **env):
@@ -262,7 +267,7 @@ run(-1)
 TOTAL = run(-1)
 n = threading.Thread(target=neighbour, daemon=True, name="r69h-neighbour")
 n.start()
-stride = max(1, TOTAL // 60)
+stride = max(1, TOTAL // GC_POINTS)
 for k in range(1, TOTAL + 1, stride):
     run(k)
 stop.set()
@@ -279,7 +284,7 @@ def _gc_sweep(phase: str, before_import: bool) -> str:
     # (no stats read: a finalizer's memory_allocated inside the allocator's lock is the next
     # section's bug; these sweeps check the marker alone)
     return (f"PHASE = {phase!r}\nBEFORE_IMPORT = {before_import!r}\nHANG_S = {HANG_S!r}\nSTATS = False\n"
-            + _GC_SWEEP)
+            f"GC_POINTS = {GC_POINTS!r}\n" + _GC_SWEEP)
 
 
 @pytest.mark.parametrize("kind", SIMS)
@@ -471,7 +476,7 @@ def run(at):
 
 run(-1)
 TOTAL = run(-1)
-stride = max(1, TOTAL // 150)
+stride = max(1, TOTAL // SIGNAL_POINTS)
 for k in range(1 + TOTAL % 7, TOTAL + 1, stride):
     run(k)
 final_checks(STATE["tally"])
@@ -484,11 +489,12 @@ print("OK", TOTAL, sorted(STATE["tally"].items()))
 def test_signal_handler_calling_accel_anywhere_never_hangs(monkeypatch, kind):
     """A handler reading ``memory_allocated(1)`` and copying a small buffer of device 1 to the
     host, delivered at every line of accel's code a workload on device 1 runs (stride: about
-    150 points): each handler call works or raises AcceleratorError, never hangs; the workload
+    50 points, 150 with ACCEL_TEST_THOROUGH): each handler call works or raises AcceleratorError, never hangs; the workload
     and the stats stay right.  Today the first point inside ``DeviceCachingAllocator.malloc``'s
     ``with self._lock:`` hangs: the handler's ``memory_stats`` (``stats``) or ``Buffer``
     (``malloc``) waits for the lock the interrupted frame holds."""
-    _ok(_run(kind, monkeypatch, f"HANG_S = {HANG_S!r}\nSTATS = True\n" + _SIGNAL_SWEEP))
+    _ok(_run(kind, monkeypatch, f"HANG_S = {HANG_S!r}\nSTATS = True\nSIGNAL_POINTS = {SIGNAL_POINTS!r}\n"
+             + _SIGNAL_SWEEP))
 
 
 # =============================================================================================

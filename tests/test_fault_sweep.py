@@ -16,7 +16,7 @@ import pytest
 import accel
 from accel import memory, sim
 from accel._errors import AcceleratorError
-from conftest import SIMS, use_sim
+from conftest import SIMS, THOROUGH, use_sim
 
 # Non-sticky generic errors (a device fault, 700/719, poisons a CUDA process by design).
 CUDA_INVALID_VALUE = 1
@@ -211,6 +211,10 @@ _NO_RECOVERY = {"cudaStreamEndCapture"}
 
 
 def _samples(n: int, most: int = _SAMPLES) -> list:
+    if most == 1:                   # (the first call)
+        return [0] if n else []
+    if most == 2:                   # (the first and the last call)
+        return sorted({0, n - 1}) if n else []
     if n <= most:
         return list(range(n))
     step = (n - 1) / (most - 2)
@@ -398,7 +402,10 @@ def test_fault_sweep(sim_backend):
     function fails from its first, and its middle, call on until the faults are cleared): the
     workload raises an accel error or recovers, and after teardown nothing is left behind and
     a fresh workload works."""
-    _sweep(sim_backend, _SAMPLES, persistent=True)
+    # default run: each function's first and last call fail once, and each called more than
+    # once fails from its first call on (every function still hit, both ways; ~40% of the
+    # runs); THOROUGH: up to 64 calls each, and from the first and the middle call on
+    _sweep(sim_backend, _SAMPLES if THOROUGH else 2, persistent=True)
 
 
 @pytest.mark.parametrize("kind", SIMS)
@@ -406,7 +413,9 @@ def test_fault_sweep_slow_device(monkeypatch, kind):
     """The same (sampled) with 300 us per device operation: failures while work is still queued
     (a wait that fails must not free memory the queued work still uses)."""
     use_sim(monkeypatch, kind, ACCEL_SIM_DELAY_US=300)
-    _sweep(kind, 8, persistent=False)
+    # default run: each function's first call only (every function still hit once; the first
+    # always comes, whatever the delays do to the counts of the later ones); THOROUGH: 8 calls each
+    _sweep(kind, 8 if THOROUGH else 1, persistent=False)
 
 
 def _sweep(kind: str, most: int, persistent: bool) -> None:
@@ -423,8 +432,11 @@ def _sweep(kind: str, most: int, persistent: bool) -> None:
     start = time.perf_counter()
     plan = [(name, k, 1) for name in sorted(calls) for k in _samples(calls[name], most)]
     if persistent:
+        # (default run: a function called once fails from its first call on only in THOROUGH,
+        # its one call already failed above)
         plan += [(name, k, -1) for name in sorted(calls) if name not in _NO_RECOVERY
-                 for k in sorted({0, calls[name] // 2})]
+                 and (THOROUGH or calls[name] > 1)
+                 for k in (sorted({0, calls[name] // 2}) if THOROUGH else [0])]
     for name, k, times in plan:
         where = (f"{kind}: {name} failing at call {k + 1} of {calls[name]}"
                  + (" and every later call" if times == -1 else ""))
@@ -459,6 +471,11 @@ def test_fault_sweep_pairs(sim_backend):
     names = [name for name in sorted(calls) if name not in _NO_RECOVERY]
     start = time.perf_counter()
     pairs = list(itertools.combinations(names, 2))
+    if not THOROUGH:
+        # default run: every third pair (a third of the runs; every function is still in a
+        # pair, checked below); THOROUGH: every pair
+        pairs = pairs[::3]
+        assert {n for p in pairs for n in p} == set(names), "a function in no pair"
     for a, b in pairs:
         where = f"{kind}: {a} and {b} failing on every call"
         sim.inject_error(a, _CODES[kind], times=-1)
@@ -507,7 +524,9 @@ def test_fault_sweep_cold_start(sim_backend):
     fired = 0
     start = time.perf_counter()
     for name in sorted(calls):
-        for k in _samples(calls[name], 5):
+        # default run: each function's first call (where a process's one-time setup fails);
+        # THOROUGH: 5 calls each
+        for k in (_samples(calls[name], 5) if THOROUGH else [0]):
             where = f"{kind} (cold): {name} failing at call {k + 1} of {calls[name]}"
             _fresh_process()
             fired += _run_faulty(kind, name, k, 1, where)[0]

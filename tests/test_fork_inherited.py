@@ -16,10 +16,11 @@ import pytest
 
 import accel
 from accel import _finalize, sim
-from conftest import SIMS, not_refused_with, use_sim, vendor_calls_made_by
+from conftest import SIMS, THOROUGH, not_refused_with, use_sim, vendor_calls_made_by
 
-#: Children per simulator: each forks, calls ~30 methods, exits (about 2-5 ms).
-CHILDREN = {"cuda": 200, "xpu": 200, "mps": 200}
+#: Children per simulator: each forks, calls ~30 methods, exits (about 2-5 ms; ~70 ms in a full
+#: run).  The children are identical: by default 30 each still repeat every call many times over.
+CHILDREN = {k: 200 if THOROUGH else 30 for k in ("cuda", "xpu", "mps")}
 CHILD_TIMEOUT_S = 20.0
 
 

@@ -26,7 +26,7 @@ import pytest
 import accel
 from accel import memory
 
-from conftest import use_sim
+from conftest import THOROUGH, use_sim
 
 # hundreds of short tests that collect: see conftest.frozen_module_heap
 pytestmark = pytest.mark.usefixtures("frozen_module_heap")
@@ -36,12 +36,19 @@ CLASSIC = "expandable_segments:False"
 CONFS = [CLASSIC, "expandable_segments:True", "policy:torch", "backend:cudaMallocAsync"]
 
 
+#: every stream operation's latency (µs), and the fills that hold the replay stream back: the hold
+#: (FILLS x DELAY_US) only has to outlast the few host calls between queuing the replay and the
+#: capture stream's fill; the default run keeps 0.2 s of it with 5 ms per operation (every other
+#: operation of a case pays the latency too).  THOROUGH: 8 fills of 50 ms, as before.
+DELAY_US, FILLS = (50000, 8) if THOROUGH else (5000, 40)
+
+
 def _busy_stream(dev):
-    """A created stream whose next work waits for 8 delayed fills on a third stream."""
+    """A created stream whose next work waits for FILLS delayed fills on a third stream."""
     slow, rs = accel.Stream(dev), accel.Stream(dev)
     with accel.device_index(dev):
         pad = accel.Buffer(256, stream=slow)
-    for _ in range(8):
+    for _ in range(FILLS):
         pad.fill_(1, stream=slow)
     rs.wait_event(slow.record_event())
     return rs, (slow, pad)
@@ -70,7 +77,7 @@ def _head(buf, cs):
 
 
 def _sim(monkeypatch, conf):
-    use_sim(monkeypatch, "cuda", ACCEL_SIM_DELAY_US=50000, ACCEL_ALLOC_CONF=conf)
+    use_sim(monkeypatch, "cuda", ACCEL_SIM_DELAY_US=DELAY_US, ACCEL_ALLOC_CONF=conf)
 
 
 @pytest.mark.parametrize("conf", CONFS)

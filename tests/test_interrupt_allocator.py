@@ -8,8 +8,9 @@ sequence, so a lock taken by ``with`` is never left held.  The injector below tr
 in accel/memory/_caching.py, _expandable.py and _host.py and raises KeyboardInterrupt at the
 K-th such point (every CALL is taken as one, which over-approximates: after a call of a Python
 function CPython does not check), for K = 1, 2, ... until the workload completes without one
-(``ACCEL_INTERRUPT_STRIDE``, default 6, samples every 6th point, offset per op, so the CI run
-stays short; 1, the full sweep, is ACCEL_TEST_THOROUGH's).
+(``ACCEL_INTERRUPT_STRIDE``, default 24, samples every 24th point, offset per op, plus the first
+point of each file and backend function no sampled point hit and one point of each op (r74b:
+``sampled``), so the CI run stays short; 1, the full sweep, is ACCEL_TEST_THOROUGH's).
 
 After each injected run: the allocators' invariants hold (structure, free lists, statistics,
 no lock left held); the workload runs again; freeing everything and emptying the caches
@@ -50,7 +51,9 @@ _TARGETS = {os.path.abspath(m.__file__) for m in (_caching, _expandable, _host)}
 _BREAK_AFTER = {"CALL", "JUMP_BACKWARD", "CALL_FUNCTION_EX"}
 _OPNAMES = {}
 # read at import: the clean_state fixture hides ACCEL_* variables from the test itself
-_STRIDE = int(os.environ.get("ACCEL_INTERRUPT_STRIDE", "1" if THOROUGH else "6"))   # every 6th point in CI
+# every 24th point in CI (r74b, was 6): with sampled()'s first point of each file and backend
+# function and one point per op, every op and every vendor call wrapper is still interrupted
+_STRIDE = int(os.environ.get("ACCEL_INTERRUPT_STRIDE", "1" if THOROUGH else "24"))
 _REPORT = os.environ.get("ACCEL_INTERRUPT_REPORT")     # a file to append a summary to
 
 
@@ -71,6 +74,7 @@ class _Inject:
         self.targets = targets if targets is not None else _TARGETS
         self.count = 0
         self.site = None
+        self.codes = [] if n == 0 else None    # a counting run: each point's function (sampled())
         self._last = {}
         self._py_call = set()
 
@@ -108,6 +112,8 @@ class _Inject:
             # in the kernel and its handler runs only once they are unblocked, so no point
             return
         self.count += 1
+        if self.codes is not None:
+            self.codes.append(frame.f_code)
         if self.count == self.n:
             self.site = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} {frame.f_code.co_name}"
             sys.settrace(None)
@@ -124,6 +130,36 @@ class _Inject:
         elif prev == "" or prev in _BREAK_AFTER:
             self._point(frame)
         return self._local
+
+
+_BACKENDS = os.path.dirname(os.path.abspath(importlib.import_module("accel.backends").__file__)) + os.sep
+
+
+def point_kind(code):
+    """A point's kind for :func:`sampled`: its function in accel/backends (each wraps vendor
+    calls: a point as one returns, or as the wrapper starts), else its file."""
+    return code if code.co_filename.startswith(_BACKENDS) else code.co_filename
+
+
+def sampled(codes, stride, offset=0, seen=None, every=()):
+    """The points (1-based) a sweep injects at, from a counting run's ``codes`` (``_Inject(0)
+    .codes``: each point's function): every ``stride``-th (from ``1 + offset % stride``), and the
+    first point of each kind (:func:`point_kind`) that no chosen point has hit yet, so every
+    backend function (each vendor call) and every file in the sweep is still interrupted at
+    least once.  ``seen``: kinds already hit (a set, updated), for a sweep made of several runs;
+    ``every``: qualified names of functions (``_Hold.__enter__``) whose every point is kept (the
+    points that found a bug)."""
+    stride = max(stride, 1)
+    chosen = set(range(1 + offset % stride, len(codes) + 1, stride))
+    chosen.update(n for n, code in enumerate(codes, 1) if code.co_qualname in every)
+    seen = set() if seen is None else seen
+    seen.update(point_kind(codes[n - 1]) for n in chosen)
+    for n, code in enumerate(codes, 1):
+        kind = point_kind(code)
+        if kind not in seen:
+            seen.add(kind)
+            chosen.add(n)
+    return sorted(chosen)
 
 
 # ---------------------------------------------------------------------------- invariants
@@ -405,20 +441,24 @@ def _sweep(be, stride, ops_fn=_ops):
     for i, (what, op) in enumerate(ops):
         if what == "sync":
             op()
-            points.append(0)
+            points.append([])
             continue
         inj = _Inject(0)
         with inj:
             op()
-        points.append(inj.count)
+        points.append(inj.codes)
     _finish(w)
     assert not _leaks(be)
     failures = []
     orphans = []
     at_free = []
     runs = 0
-    for i, total in enumerate(points):
-        for n in range(1 + i % stride, total + 1, stride):
+    seen = set()
+    for i, codes in enumerate(points):
+        picks = sampled(codes, stride, i, seen)
+        if codes and not picks:
+            picks = [1 + i % len(codes)]    # each op interrupted at least once
+        for n in picks:
             runs += 1
             w = World(be)
             ops = ops_fn(w, "")

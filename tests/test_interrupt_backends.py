@@ -35,6 +35,12 @@ _SIM = os.path.dirname(os.path.abspath(sim.__file__)) + os.sep
 # a stream sync's lock was released kept the stream's waiter count up, and stream_destroy waited
 # for it forever); ACCEL_INTERRUPT_STRIDE overrides both
 _STRIDE = int(os.environ.get("ACCEL_INTERRUPT_STRIDE", "1" if THOROUGH else "2"))
+# the allocator sweep (r74a): by default every 10th point of each op PLUS the first point of each
+# distinct site (file:line) the workload reaches (first_of_each_site), so every call site the
+# sweep names is still interrupted once (the XPU wedge above was one site: a stream sync's lock
+# release) at about a third of stride 2's runs; ACCEL_TEST_THOROUGH: every point
+_ALLOC_STRIDE = int(os.environ.get("ACCEL_INTERRUPT_STRIDE", "1" if THOROUGH else "10"))
+_EVERY_SITE = not THOROUGH and "ACCEL_INTERRUPT_STRIDE" not in os.environ
 _FREES = {"mem_free", "vmm_release", "vmm_free", "host_free", "_free"}
 
 
@@ -65,6 +71,47 @@ class _Inject(tia._Inject):
                 f = f.f_back
             self.stack = tuple(names)
         super()._point(frame)
+
+
+def site_recorder(base):
+    """``base`` (an injector class) that only counts (n = 0) and keeps each point's site."""
+
+    class _Sites(base):
+        def __init__(self, *args):
+            super().__init__(0, *args)
+            self.sites = []
+
+        def _point(self, frame):
+            if not _signals.blocked():
+                code = frame.f_code
+                self.sites.append(f"{os.path.basename(code.co_filename)}:{frame.f_lineno} {code.co_name}")
+            super()._point(frame)
+
+    return _Sites
+
+
+def first_of_each_site(sites_per_op, skip=object(), key=lambda site: site):
+    """[{point n}] per op: the first point of each distinct site (``key(site)``) over the whole
+    workload (not of the sites equal to ``skip``)."""
+    seen, out = set(), []
+    for sites in sites_per_op:
+        out.append(set())
+        for n, site in enumerate(sites, 1):
+            if site != skip and key(site) not in seen:
+                seen.add(key(site))
+                out[-1].add(n)
+    return out
+
+
+def function_of(site):
+    """``file:line name`` -> (file, name): a site's function (first_of_each_site's ``key``)."""
+    where, name = site.split(" ", 1)
+    return where.rsplit(":", 1)[0], name
+
+
+def picked(total, stride, offset=0, extra=()):
+    """Points 1..total: every ``stride``-th (from ``offset``) and those in ``extra``."""
+    return sorted(set(range(1 + offset % stride, total + 1, stride)) | {n for n in extra if n <= total})
 
 
 def interrupted(n, targets, run):
@@ -150,9 +197,22 @@ def _sweep_alloc(be, kind, stride):
         points.append(inj.count)
     tia._finish(w)
     assert not _leaks(be, kind)
+    extra = [()] * len(points)
+    if _EVERY_SITE:
+        # the sites of a second run: the runs below take a used runtime's path, not the first's
+        w = tia.World(be)
+        sites = []
+        for what, op in tia._ops(w, ""):
+            rec = site_recorder(_Inject)()
+            with rec:
+                op()
+            sites.append(rec.sites)
+        tia._finish(w)
+        assert not _leaks(be, kind)
+        extra = first_of_each_site(sites)
     runs, failures, lost = 0, [], []
     for i, total in enumerate(points):
-        for n in range(1 + i % stride, total + 1, stride):
+        for n in picked(total, stride, i, extra[i]):
             runs += 1
             w = tia.World(be)
             ops = tia._ops(w, "")
@@ -182,7 +242,7 @@ def _sweep_alloc(be, kind, stride):
 def test_keyboard_interrupt_anywhere_in_backend_memory_calls(monkeypatch, traced, kind):
     use_sim(monkeypatch, kind)
     be = _lazy.lazy_init()
-    runs, failures, lost = _sweep_alloc(be, kind, _STRIDE)
+    runs, failures, lost = _sweep_alloc(be, kind, _ALLOC_STRIDE)
     _report(kind + " alloc", runs, failures, lost)
     assert runs > 50
     assert not failures, failures[:5]

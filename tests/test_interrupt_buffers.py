@@ -25,7 +25,7 @@ import pytest
 import accel
 import test_interrupt_allocator as tia
 from accel import _finalize, memory
-from conftest import use_sim
+from conftest import THOROUGH, use_sim
 
 _TARGETS = {os.path.abspath(importlib.import_module(m).__file__) for m in (
     "accel.buffer", "accel._hostmem", "accel._finalize", "accel.memory._caching", "accel.memory._host",
@@ -106,7 +106,17 @@ def _sweep(make, drop, stride):
     made = _points(lambda: box.append(make()))
     drop(box)
     _settle()
-    for n in range(1, total + 1, stride):
+    extra = ()
+    if _EVERY_SITE:
+        import test_interrupt_backends as tib
+        rec = tib.site_recorder(_Inject)()
+        with rec:
+            drop([make()])
+        _settle()
+        # (each function once: nearly every point of these straight-line paths is a line of its own)
+        extra = tib.first_of_each_site([rec.sites], key=tib.function_of)[0]
+    picked = sorted(set(range(1, total + 1, stride)) | {n for n in extra if n <= total})
+    for n in picked:
         inj = None
         try:
             inj = _run_interrupted(n, make, drop)
@@ -150,12 +160,18 @@ def _random_filled():
 
 
 _STRIDE = int(os.environ.get("ACCEL_INTERRUPT_STRIDE", "1"))
+_MADE_STRIDE = int(os.environ.get("ACCEL_INTERRUPT_STRIDE", "1" if THOROUGH else "6"))
+# default (r74a): every 6th point and the first point of each function the run reaches
+# (tib.first_of_each_site), so every function is still interrupted once; ACCEL_TEST_THOROUGH
+# (or ACCEL_INTERRUPT_STRIDE): stride only
+_EVERY_SITE = not THOROUGH and "ACCEL_INTERRUPT_STRIDE" not in os.environ
 
 
 @pytest.mark.parametrize("kind", ["cuda", "xpu", "mps"])
 @pytest.mark.parametrize("make, drop", [(_buffer_on_last, _close), (_buffer_on_last, _drop), (_pinned, _drop),
                                         (_random_filled, _close)],
                          ids=["buffer-close", "buffer-del", "pinned-del", "random-fill"])
+@pytest.mark.usefixtures("frozen_heap")     # (r74a: _sweep's collections were most of a case's time)
 def test_keyboard_interrupt_while_memory_is_made_and_dropped_loses_nothing(monkeypatch, kind, make, drop):
     use_sim(monkeypatch, kind)
     monkeypatch.setattr(tia, "_TARGETS", _TARGETS)
@@ -163,7 +179,7 @@ def test_keyboard_interrupt_while_memory_is_made_and_dropped_loses_nothing(monke
     # the interrupted __del__s, which CPython prints: only the text kept (the traceback would keep
     # the dying object alive)
     monkeypatch.setattr(sys, "unraisablehook", lambda u: unraisable.append(repr(u.exc_value)))
-    failures = _sweep(make, drop, _STRIDE)
+    failures = _sweep(make, drop, _MADE_STRIDE)
     assert not failures, failures[:6]
 
 

@@ -28,8 +28,10 @@ inject sites the one-runtime sweeps never reach (xpu copies 813 runs / 58 sites 
 Buffer dropped on cuda 194 / 113 against 102 / 74), the warm graph sweep 42 sites more on cuda
 (the graph's release, release_pool, the generator's unregister_graph).  No point failed.
 
-Default strides (6 to 24, twice the numbers in the code: about 60 s of one worker) keep the CI
-run short; ACCEL_TEST_THOROUGH=1 injects every point (about 3.5 minutes);
+Default strides (18 to 120, 5 to 10 times the numbers in the code, r74a: about a third of r57's
+twice, whose 60 s of one worker were too long for CI; each op still gets at least one point, see
+_picked, and the cold allocator and copies sweeps every site a warm run never reaches, see
+_cold_only) keep the CI run short; ACCEL_TEST_THOROUGH=1 injects every point (about 3.5 minutes);
 ``ACCEL_INTERRUPT_STRIDE`` overrides each sweep's stride;
 ``ACCEL_INTERRUPT_REPORT`` (a file) gets points counted / injected and the failures.
 """
@@ -56,22 +58,40 @@ from conftest import THOROUGH, use_sim
 pytestmark = pytest.mark.usefixtures("frozen_heap")   # (conftest: a collection per point)
 
 _ENV_STRIDE = int(os.environ.get("ACCEL_INTERRUPT_STRIDE", "0"))
+_EVERY_SITE = tib._EVERY_SITE
 _REPORT = os.environ.get("ACCEL_INTERRUPT_REPORT")
 #: development: a list every injected site is appended to (compare with the one-runtime sweeps)
 SITES = None
 
 
-def _stride(default: int) -> int:
-    return _ENV_STRIDE or (1 if THOROUGH else 2 * default)
+#: the default run's stride: this many times the code's (r74a: 5, was 2 - CI's 20 minutes; the
+#: one-runtime sweeps still interrupt every site, these each op at least once, see _picked)
+_DEFAULT_TIMES = 5
 
 
-def _at_least(n: int) -> int:
-    """The fewest points a sweep of the code's stride injects, ``n``: half in the default run."""
-    return n if _ENV_STRIDE or THOROUGH else n // 2
+def _stride(default: int, times: int = _DEFAULT_TIMES) -> int:
+    return _ENV_STRIDE or (1 if THOROUGH else times * default)
 
 
-def _picked(total: int, stride: int, offset: int = 0) -> range:
-    return range(1 + offset % stride, total + 1, stride)
+def _at_least(n: int, times: int = _DEFAULT_TIMES) -> int:
+    """The fewest points a sweep of the code's stride injects, ``n``: 1/``times`` in the default run."""
+    return n if _ENV_STRIDE or THOROUGH else n // times
+
+
+def _cold_only(warm_sites, cold_sites) -> list:
+    """[{point n}] per op: the first point of each site the cold run reaches and a warm run
+    does not (the first-use paths this file exists for; r74a keeps them all by default)."""
+    seen = {site for sites in warm_sites for site in sites}
+    return tib.first_of_each_site([[s if s not in seen else None for s in sites] for sites in cold_sites],
+                                  skip=None)
+
+
+def _picked(total: int, stride: int, offset: int = 0, extra=()) -> list:
+    """Every ``stride``-th point from ``offset`` and those in ``extra``; an op (or run) with
+    points but shorter than the offset still gets one (r74a: the default stride would otherwise
+    skip short ops whole)."""
+    out = tib.picked(total, stride, offset, extra)
+    return out or ([1 + offset % total] if total else [])
 
 
 def _note(inj) -> None:
@@ -164,6 +184,19 @@ def _alloc_fresh(warm):
     return be
 
 
+def _alloc_sites(be):
+    """The allocators' workload once on ``be``: each op's points' sites."""
+    w = tia.World(be)
+    sites = []
+    for what, op in tia._ops(w, ""):
+        rec = tib.site_recorder(tib._Inject)()
+        with rec:
+            op()
+        sites.append(rec.sites)
+    tia._finish(w)
+    return sites
+
+
 def _alloc_point(be, kind, i, n):
     """tib._sweep_alloc's run for op ``i`` interrupted at point ``n``: returns (injector, lost)."""
     w = tia.World(be)
@@ -188,20 +221,17 @@ def test_fresh_runtime_per_point_backend_memory_calls(monkeypatch, kind, warm):
     use_sim(monkeypatch, kind)
     monkeypatch.setattr(tia, "_TARGETS", tib._targets())
     monkeypatch.setattr(tia, "_Inject", tib._Inject)
-    _alloc_fresh(True)          # the process's first use (imports, module caches) out of the way
+    be = _alloc_fresh(True)     # the process's first use (imports, module caches) out of the way
+    warm_sites = _alloc_sites(be) if not warm else None     # (a used runtime's sites)
     be = _alloc_fresh(warm)
-    w = tia.World(be)
-    points = []
-    for what, op in tia._ops(w, ""):
-        inj = tib._Inject(0)
-        with inj:
-            op()
-        points.append(inj.count)
-    tia._finish(w)
-    stride = _stride(12)
+    sites = _alloc_sites(be)
+    points = [len(s) for s in sites]
+    # default: every 120th point, each op once (_picked) and, cold, each first-use site once
+    stride = _stride(12, times=10)
+    extra = _cold_only(warm_sites, sites) if not warm and _EVERY_SITE else [()] * len(points)
     injected, failures, lost = 0, [], []
     for i, total in enumerate(points):
-        for n in _picked(total, stride, i):
+        for n in _picked(total, stride, i, extra[i]):
             injected += 1
             be = _alloc_fresh(warm)
             inj = None
@@ -213,7 +243,7 @@ def test_fresh_runtime_per_point_backend_memory_calls(monkeypatch, kind, warm):
                 failures.append(((inj.site if inj else None) or f"op {i} point {n}",
                                  f"{type(exc).__name__}: {exc}"[:300]))
     _report(f"{kind} backend memory {'warm' if warm else 'cold'}", sum(points), injected, failures, [f"lost at a free's start: {len(lost)}"])
-    assert injected > _at_least(50)
+    assert injected > _at_least(50, times=10)
     assert not failures, failures[:6]
 
 
@@ -246,6 +276,21 @@ def _copies_fresh(warm):
     return be
 
 
+def _copies_sites(be):
+    """Copies1's workload once on ``be``: its op names and each op's points' sites."""
+    c = Copies1(be)
+    names, sites = [], []
+    for what, op in c.ops():
+        names.append(what)
+        rec = tib.site_recorder(tib._Inject)()
+        with rec:
+            op()
+        sites.append(rec.sites)
+    c.check()
+    c.close()
+    return names, sites
+
+
 def _copies_point(be, kind, i, n, inj, base_leaks, base_objects):
     c = Copies1(be)
     ops = c.ops()
@@ -273,31 +318,27 @@ def _copies_point(be, kind, i, n, inj, base_leaks, base_objects):
 def test_fresh_runtime_per_point_copies_and_events_on_the_last_device(monkeypatch, kind, warm):
     use_sim(monkeypatch, kind)
     monkeypatch.setattr(tia, "_TARGETS", tib._targets())
-    _copies_fresh(True)         # the process's first use (imports, module caches) out of the way
+    be = _copies_fresh(True)    # the process's first use (imports, module caches) out of the way
+    warm_sites = _copies_sites(be)[1] if not warm else None     # (a used runtime's sites)
     be = _copies_fresh(warm)
-    c = Copies1(be)
-    points = []
-    for what, op in c.ops():
-        inj = tib._Inject(0)
-        with inj:
-            op()
-        points.append(inj.count)
-    c.check()
-    c.close()
+    names, sites = _copies_sites(be)
+    points = [len(s) for s in sites]
     base = tib._leaks(be, kind), tib._objects(kind)     # (what the first use keeps: Metal's pipelines)
-    stride = _stride(3)
+    # default: every 24th point, each op once (_picked) and, cold, each first-use site once
+    stride = _stride(3, times=8)
+    extra = _cold_only(warm_sites, sites) if not warm and _EVERY_SITE else [()] * len(points)
     injected, failures = 0, []
     for i, total in enumerate(points):
-        for n in _picked(total, stride, i):
+        for n in _picked(total, stride, i, extra[i]):
             injected += 1
             be = _copies_fresh(warm)
             inj = tib._Inject(n)
             try:
                 _copies_point(be, kind, i, n, inj, *base)
             except BaseException as exc:   # noqa: BLE001 - a failure to report
-                failures.append((inj.site or f"op {c.ops()[i][0]} point {n}", f"{type(exc).__name__}: {exc}"[:300]))
+                failures.append((inj.site or f"op {names[i]} point {n}", f"{type(exc).__name__}: {exc}"[:300]))
     _report(f"{kind} copies/events on the last device {'warm' if warm else 'cold'}", sum(points), injected, failures)
-    assert injected > _at_least(20)
+    assert injected > _at_least(20, times=8)
     assert not failures, failures[:6]
 
 
@@ -403,7 +444,7 @@ def test_fresh_runtime_per_point_buffers_made_and_dropped(monkeypatch, kind, mak
     _buffers_fresh(make, drop, True)    # the process's first use (imports, module caches) out of the way
     _buffers_fresh(make, drop, warm)
     total = tibuf._points(lambda: drop([make()]))
-    stride = _stride(3)
+    stride = _stride(3, times=6)      # default: every 18th point (the drop's 24 cases share the sites)
     injected, failures = 0, []
     for n in _picked(total, stride):
         injected += 1
@@ -419,7 +460,7 @@ def test_fresh_runtime_per_point_buffers_made_and_dropped(monkeypatch, kind, mak
         except BaseException as exc:   # noqa: BLE001 - a failure to report
             failures.append(((inj.site if inj else None) or f"point {n}", f"{type(exc).__name__}: {exc}"[:300]))
     _report(f"{kind} {make.__name__}/{drop.__name__} {'warm' if warm else 'cold'}", total, injected, failures)
-    assert injected > _at_least(10)
+    assert injected > _at_least(10, times=6)
     assert not failures, failures[:6]
 
 
@@ -448,7 +489,7 @@ def test_fresh_runtime_per_point_graph_capture_replay_reset(monkeypatch, kind, w
     total = counter.count
     tig._check(state, be)       # as after an injected run
     counted = tgh._held(kind, be)
-    stride = _stride(12)
+    stride = _stride(12, times=6)     # default: every 72nd point (each run reaches every op)
     injected, failures, held = 0, [], []
     for n in _picked(total, stride):
         injected += 1

@@ -70,7 +70,7 @@ import accel
 from accel import memory
 from accel._errors import OutOfMemoryError
 
-from conftest import shrink_plan, use_sim
+from conftest import THOROUGH, shrink_plan, use_sim
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -878,8 +878,11 @@ def shrink(kind: str, conf: str, seed: int, ops: int, needle: str) -> List[tuple
 
 CUDA_CONFS = ["", "expandable_segments:False", "backend:cudaMallocAsync"]
 XPU_CONFS = ["", "expandable_segments:False"]
-SEEDS = int(os.environ.get("R65I_SEEDS", "3"))
+# default: seed 0 per CUDA conf and seed 100's first 70 ops per Level Zero conf (a plan's ops are
+# a prefix-stable draw, so these are today's first checks); THOROUGH (or R65I_SEEDS): 3 and 2 seeds of 100
+SEEDS = int(os.environ.get("R65I_SEEDS", "0")) or (3 if THOROUGH else 1)
 OPS = 100
+XPU_OPS = OPS if THOROUGH or SEEDS > 1 else 70
 
 
 def _id(conf):
@@ -895,8 +898,8 @@ def test_cuda_memory_observability_fuzz(monkeypatch, conf):
 
 @pytest.mark.parametrize("conf", XPU_CONFS, ids=_id)
 def test_xpu_memory_observability_fuzz(monkeypatch, conf):
-    for seed in range(100, 100 + SEEDS - 1):
-        run_seed(monkeypatch, "xpu", conf, seed, OPS)
+    for seed in range(100, 100 + max(1, SEEDS - 1)):
+        run_seed(monkeypatch, "xpu", conf, seed, XPU_OPS)
         accel._lazy._reset_for_tests()
 
 

@@ -38,7 +38,7 @@ from accel import memory, sim
 from accel import random as R
 from accel._errors import AcceleratorError
 from accel.random import philox
-from conftest import use_sim
+from conftest import THOROUGH, use_sim
 from test_user_kernels import SAXPY_PTX
 
 WORDS = 1024
@@ -258,17 +258,20 @@ def test_a_closed_last_stream_is_still_waited_for_on_the_host(monkeypatch):
     p.close()
 
 
-def _sweep_interrupts(work, check, stride=2):
+def _sweep_interrupts(work, check, stride=2, every=()):
     """``work()`` with a KeyboardInterrupt at every ``stride``-th interrupt point (the injector of
     tests/test_interrupt_backends.py over accel's graph, RNG, stream, allocator and backend
-    files), each followed by ``check(n)``; returns the points counted."""
+    files), and at the first point of each file and backend function that stride missed and
+    every point of the functions ``every`` (test_interrupt_allocator.sampled), each followed by
+    ``check(n)``; returns the points counted."""
+    import test_interrupt_allocator as tia
     import test_interrupt_graphs as tig
     from test_interrupt_backends import _Inject, interrupted
     targets = tig._targets()
     counter = _Inject(0, targets)
     with counter:
         work()
-    for n in range(1, counter.count + 1, stride):
+    for n in tia.sampled(counter.codes, stride, every=every):
         interrupted(n, targets, work)
         check(n)
     return counter.count
@@ -301,7 +304,8 @@ def test_a_ctrl_c_anywhere_in_alternating_replays_leaves_no_event(monkeypatch):
             problems.append((n, "events", sim.state().events))
             base[0] = sim.state().events
 
-    assert _sweep_interrupts(work, check) > 20
+    # every 6th point and each file and backend function by default (r74b; every 2nd before)
+    assert _sweep_interrupts(work, check, stride=2 if THOROUGH else 6) > 20
     assert not problems, problems[:8]
     seed, offset = struct.unpack("<Qq", bytes(p.gen.get_state().tobytes()))
     p.replay_on(p.b)
@@ -346,7 +350,11 @@ def test_a_ctrl_c_in_a_replay_leaves_no_stream_marked_in_use(monkeypatch):
                 s._busy.clear()
 
     try:
-        _sweep_interrupts(lambda: (p.replay_on(p.b), p.replay_on(p.a)), check, stride=1)
+        # every 4th point by default (r74b; all before), and every point of the stream holds
+        # (_Hold, _KeptInUse), where r66h found the window this test guards, and of replay
+        _sweep_interrupts(lambda: (p.replay_on(p.b), p.replay_on(p.a)), check, stride=1 if THOROUGH else 4,
+                          every={"_Hold.__enter__", "_Hold.__exit__", "_KeptInUse.__enter__",
+                                 "_KeptInUse.__exit__", "Graph.replay"})
     finally:
         accel.synchronize(0)
         p.close()

@@ -13,7 +13,7 @@ from accel import _selftest_checks as checks
 from accel import selftest
 from accel.backends import _nvrtc
 
-from conftest import use_sim
+from conftest import THOROUGH, use_sim
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,7 +53,10 @@ def test_accel_sim_is_ignored_without_allow_sim(tmp_path, no_real_device):
 
 def test_dry_run_on_the_simulator_passes_every_check(tmp_path):
     out = tmp_path / "report.json"
-    proc = _run(["--allow-sim", "--quick", "--json", str(out)], ACCEL_SIM_DEVICES="2")
+    # default run: 512 MiB simulated devices (the OOM check allocates until OOM and fills half
+    # the device afterwards; the allocator-trace bench needs ~240 MiB); THOROUGH: the tool's 1 GiB
+    memory = {} if THOROUGH else {"ACCEL_SIM_MEMORY": "512M"}
+    proc = _run(["--allow-sim", "--quick", "--json", str(out)], ACCEL_SIM_DEVICES="2", **memory)
     report = json.loads(out.read_text())
     assert proc.returncode == 0, json.dumps(report, indent=1)[:6000] + proc.stderr
     assert report["dry_run"] is True and report["skipped"] is False and report["ok"] is True
@@ -268,14 +271,16 @@ def test_device_marked_tests_keep_the_callers_devices_and_libraries(tmp_path):
     env = dict(os.environ, **_CALLER_ENV, **{_PROBE_VAR: probe})
     env.pop("ACCEL_TEST_ALLOC_CONF", None)      # (a rerun's knob sets an allocator variable in every test)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "device",
-                           "tests/test_selftest.py::test_env_probe_device"], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "tests/test_selftest.py::test_env_probe_plain"], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    device_probe = "tests/test_selftest.py::test_env_probe_device"
+    plain_probe = "tests/test_selftest.py::test_env_probe_plain"
+    if THOROUGH:    # as a caller runs them: `pytest -m device`, and a plain run
+        runs = [["-m", "device", device_probe], [plain_probe]]
+    else:           # one pytest (seconds each) runs both probes: the env filter goes by each test's marker
+        runs = [[device_probe, plain_probe]]
+    for args in runs:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"] + args, env=env,
+                              cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
     seen_device = json.loads(open(probe + ".device").read())
     seen_plain = json.loads(open(probe + ".plain").read())
     for key, value in _CALLER_ENV.items():

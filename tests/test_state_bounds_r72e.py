@@ -46,7 +46,7 @@ import pytest
 import accel
 from accel import _finalize, memory, sim
 from accel._errors import AcceleratorError
-from conftest import SIMS, use_sim
+from conftest import SIMS, THOROUGH, use_sim
 from test_container_census_r63h import census, grown, settle
 from test_fault_sweep_r60 import _CODES, _live as _r60_live
 
@@ -618,7 +618,11 @@ def test_failed_vendor_calls_leave_nothing(sim2, op, request):
     # the warm-up fails every call once on each device: a failure path's first run fills the
     # caches it uses (Metal selectors), bounded by the calls there are
     warm = WARM + 2 * max(len(f) for f in faults.values())
-    g = bounded_churn(sim2, cycle, warm=warm, large=max(100, LARGE - warm),
+    # default run: after the first census, half the failures and then one more round of every
+    # failure on each device (each failure path run again after the census: what grows per
+    # failure still shows); THOROUGH: 20, then the rest of 120 (at least 100)
+    small, large = (SMALL, max(100, LARGE - warm)) if THOROUGH else (SMALL // 2, max(20, warm - WARM))
+    g = bounded_churn(sim2, cycle, warm=warm, small=small, large=large,
                       extra={f"gen{d}": g for d, c in ctxs.items() for g in c.get("gen", {}).values()})
     assert not errors, errors[:5]
     assert not g, f"{sim2} {op}: grown (after {warm + SMALL} failures, after the rest): {g}"
@@ -654,7 +658,9 @@ def test_out_of_memory_leaves_nothing(sim2, op):
         if accel.current_device_index() != 0:
             accel.set_device_index(0)
 
-    g = bounded_churn(sim2, cycle, warm=WARM + 12, small=10, large=60,
+    # default run: 5 failures before the first census, then one round of the six (on each
+    # device) before the second; THOROUGH: 10, then 60
+    g = bounded_churn(sim2, cycle, warm=WARM + 12, small=10 if THOROUGH else 5, large=60 if THOROUGH else 12,
                       extra={f"gen{d}": g for d, c in ctxs.items() for g in c.get("gen", {}).values()})
     assert not errors, errors[:5]
     assert not g, f"{sim2} {op}: grown (after 27 failures, after 87): {g}"

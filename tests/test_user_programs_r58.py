@@ -24,11 +24,18 @@ import numpy as np
 import pytest
 
 import accel
-from conftest import SIMS, use_sim
+from conftest import SIMS, THOROUGH, use_sim
 from test_user_programs_r56 import saxpy  # noqa: F401 (the fixture)
 from test_user_programs import JOIN_S, _devices, allocated, join_all, live_objects, process_state, settle
 
 MiB = 1 << 20
+#: rounds of four pool tasks (program 1): the default keeps 2 of THOROUGH's 6 (r74c); 8 tasks
+#: still take every stream choice (i % 3, (i // 2) % 2, i % 2) and every raising/clean branch
+ROUNDS = 6 if THOROUGH else 2
+#: buffers each allocating thread makes (program 4): the default keeps 8 of THOROUGH's 30 (r74c);
+#: still every size of the cycle of 7 per thread and the keep-3 window, and the controller still
+#: cycles through all settings (it runs at least len(_SETTINGS) rounds)
+ALLOCS = 30 if THOROUGH else 8
 
 
 def _host_live() -> int:
@@ -66,7 +73,7 @@ def _thread_state() -> tuple:
 @pytest.mark.parametrize("fail", [False, True], ids=["clean", "raising"])
 @pytest.mark.parametrize("kind", SIMS)
 def test_thread_pool_tasks_never_leak_device_or_stream(monkeypatch, kind, fail):
-    """A ThreadPoolExecutor of four threads runs 24 tasks in rounds of four that all sit inside
+    """A ThreadPoolExecutor of four threads runs 24 tasks (8 by default: ROUNDS) in rounds of four that all sit inside
     their blocks at once (a barrier): each enters ``with accel.device_index(d)`` and then
     ``with stream:`` of one of two streams per device shared by the tasks (sometimes a stream of
     the other device, which moves the current device), uploads, fills, downloads and checks its
@@ -118,7 +125,7 @@ def test_thread_pool_tasks_never_leak_device_or_stream(monkeypatch, kind, fail):
     def run():
         results, errors = [], []
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="task") as pool:
-            for r in range(6):
+            for r in range(ROUNDS):
                 barrier = threading.Barrier(workers)
                 futs = [pool.submit(task, r * workers + k, barrier) for k in range(workers)]
                 for f in futs:
@@ -127,7 +134,7 @@ def test_thread_pool_tasks_never_leak_device_or_stream(monkeypatch, kind, fail):
                     except Boom as exc:
                         errors.append(str(exc))
                 assert _thread_state() == main_state
-        want = list(range(24))
+        want = list(range(ROUNDS * workers))
         if fail:
             assert errors == [f"task {i}" for i in want if i % 2]
             want = [i for i in want if not i % 2]
@@ -198,7 +205,9 @@ def test_data_parallel_workers_exchange_gradients_through_peer_copies(monkeypatc
     fractions = [accel.memory.get_per_process_memory_fraction(d) for d in (0, 1)]
     for d in (0, 1):
         accel.memory.set_per_process_memory_fraction(cap / accel.get_memory_info(d)[1], d)
-    n, steps, lr = 1 << 16, 6, np.float32(0.25)
+    # the default keeps 4 of THOROUGH's 6 steps (r74c): worker 1 still raises in step 3, after
+    # three full exchanges, and a clean run still has a step after it
+    n, steps, lr = 1 << 16, (6 if THOROUGH else 4), np.float32(0.25)
     rng = np.random.default_rng(58)
     grads = rng.standard_normal((2, steps, n)).astype(np.float32)
     init = rng.standard_normal(n).astype(np.float32)
@@ -521,7 +530,7 @@ def test_settings_fractions_and_peak_resets_while_threads_allocate(monkeypatch, 
             try:
                 s = accel.Stream(d)
                 keep = []
-                for i in range(30):
+                for i in range(ALLOCS):
                     n = sizes[(tid + i) % len(sizes)]
                     host = np.full(n, (tid * 31 + i) % 256, np.uint8)
                     buf = accel.Buffer(n, device=d, stream=s).copy_from(host, stream=s)
@@ -530,7 +539,7 @@ def test_settings_fractions_and_peak_resets_while_threads_allocate(monkeypatch, 
                     keep.append(buf)
                     if len(keep) > 3:
                         keep.pop(0)
-                    if fail and tid == 1 and i == 15:
+                    if fail and tid == 1 and i == ALLOCS // 2:
                         raise Boom(f"worker {tid}")
                 del keep, buf
             except Boom as exc:

@@ -49,7 +49,7 @@ import numpy as np
 import pytest
 
 import accel
-from conftest import SIMS, use_sim
+from conftest import SIMS, THOROUGH, use_sim
 from test_user_programs import (JOIN_S, _devices, communicate_or_abort, join_all, live_objects, run_program,
                                 process_state, settle)
 from test_user_programs2 import accel_object_count, accel_tables, assert_same_footprint
@@ -754,7 +754,8 @@ def test_sliding_window_of_objects_handle_counts_follow_live_ones(monkeypatch, k
     assert counts() == model[0]
     empty = (model[0], accel_tables(), accel_object_count())
     window = collections.deque()
-    for i in range(150):
+    # by default 50 steps: the window turns over a dozen times, checked at step 25 and at the end
+    for i in range(150 if THOROUGH else 50):
         window.append(make(i))
         if len(window) > WINDOW:
             window.popleft()
@@ -877,7 +878,9 @@ if __name__ == "__main__":
         ctx = mp.get_context(method)
         if method == "forkserver":
             ctx.set_forkserver_preload(["numpy", "accel"])
-        with cf.ProcessPoolExecutor(2, mp_context=ctx) as pool:
+        # a spawn worker costs ~1 s to start: by default one takes every task (ACCEL_TEST_THOROUGH: two)
+        workers = 2 if method == "forkserver" or os.environ.get("ACCEL_TEST_THOROUGH", "") not in ("", "0") else 1
+        with cf.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
             res = list(pool.map(draw_task, [(dev, 77, 1000), (dev, 78, 500), (0, 77, 1000)], timeout=60))
             oom = pool.submit(oom_task, dev).exception(60)
         assert res[0][0] == 0 and res[2][0] == 0, [r[0] for r in res]       # device 0 stays current
