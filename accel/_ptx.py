@@ -79,6 +79,34 @@ def ptx_entries(text) -> Dict[str, Optional[Tuple[str, ...]]]:
     return out
 
 
+#: PTX fundamental types by size in bytes (PTX ISA, "Fundamental Types")
+_PTX_TYPE_BYTES = {t: n for n, ts in ((1, "b8 u8 s8"), (2, "b16 u16 s16 f16 bf16"), (4, "b32 u32 s32 f32"),
+                                      (8, "b64 u64 s64 f64")) for t in ts.split()}
+_DIMS_RE = re.compile(r"\[\s*(\d*)\s*\]")
+
+
+def ptx_param_sizes(text) -> Dict[str, Tuple[Optional[int], ...]]:
+    """{entry name: the size in bytes of each parameter, None where PTX does not size it} of
+    every ``.entry`` in PTX ``text``: what a signature given for a kernel whose parameters accel
+    cannot type (a struct by value, ``.param .align 8 .b8 p[16]``) must still agree with."""
+    if isinstance(text, (bytes, bytearray, memoryview)):
+        text = bytes(text).split(b"\0", 1)[0].decode("utf-8", "replace")
+    text = _COMMENT_RE.sub(" ", text)
+    out: Dict[str, Tuple[Optional[int], ...]] = {}
+    for m in _ENTRY_RE.finditer(text):
+        sizes: List[Optional[int]] = []
+        for d in (d.strip() for d in (m.group(2) or "").split(",")):
+            if not d:
+                continue
+            kinds = [w[1:] for w in d.split() if w.startswith(".")]
+            size = 8 if "ptr" in kinds else next((_PTX_TYPE_BYTES[k] for k in kinds if k in _PTX_TYPE_BYTES), None)
+            for n in _DIMS_RE.findall(d):
+                size = size * int(n) if size is not None and n else None
+            sizes.append(size)
+        out[m.group(1)] = tuple(sizes)
+    return out
+
+
 def ptx_params(text, entry: str) -> Tuple[str, ...]:
     """The accel argument types of kernel ``entry`` declared in PTX ``text``.
     KeyError when there is no such entry; :class:`UnsupportedParam` for a type accel cannot pass."""

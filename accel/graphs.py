@@ -381,7 +381,10 @@ class Graph:
             warnings.warn(f"The {h.backend.name.upper()} Graph is empty. This usually means that the graph "
                           "was attempted to be captured on wrong device or stream.", UserWarning, stacklevel=3)
         if not self.keep_graph:
-            self.instantiate()
+            if not any(kept._closed for kept in h.events):
+                self.instantiate()
+            # else a module closed during the capture was unloaded as it ended: no executable
+            # of its kernel nodes is made, and replay() refuses, naming the module
             if not self._debug:
                 self._destroy_graph()
         if _fin.pending:
@@ -424,9 +427,14 @@ class Graph:
                 if h.graph is None:
                     raise RuntimeError("capture_end() must have been called before calling instantiate: capture "
                                        "one first (without keep_graph, capture_end instantiates it)")
+                for kept in h.events:
+                    if kept._closed:
+                        raise _closed_kept(kept, "instantiate()")
                 if h.exec is not None:
                     self._destroy_exec()
-                _instantiate(h)
+                # the modules' kernels are the graph's kernel nodes: none is unloaded meanwhile
+                with _KeptInUse(h.events):
+                    _instantiate(h)
         finally:
             if self._owed:
                 self._settle_owed()
@@ -454,13 +462,13 @@ class Graph:
         """Launch the captured work on the current stream of the graph's device."""
         self._check_process()
         h = self._h
+        for kept in h.events:
+            if kept._closed:
+                raise _closed_kept(kept)
         if h.exec is None:
             if h.graph is None:
                 raise RuntimeError("replay() called on a graph with no capture: capture one first")
             self.instantiate()
-        for kept in h.events:
-            if kept._closed:
-                raise _closed_kept(kept)
         backend, index = h.backend, h.index
         stream = current_stream(index)
         # The stream is held to the replay's end: another thread's close() of it waits (its handle
@@ -724,13 +732,13 @@ class Graph:
             _fin.RAISE_AGAIN[_fin.interrupt_key()]    # a Ctrl-C handled in here reaches the program (r62)
 
 
-def _closed_kept(kept) -> RuntimeError:
-    """replay()'s refusal of a graph whose external event or module ``kept`` was closed."""
+def _closed_kept(kept, call: str = "replay()") -> RuntimeError:
+    """``call``'s refusal of a graph whose external event or module ``kept`` was closed."""
     if not isinstance(kept, Event):    # an accel.Module whose kernels it launches
-        return RuntimeError(f"replay(): {kept!r} was closed, but this graph launches its kernels "
+        return RuntimeError(f"{call}: {kept!r} was closed, but this graph launches its kernels "
                             f"at every replay; keep the module open while the graph is replayed, "
                             f"or capture the graph again")
-    return RuntimeError(f"replay(): {kept!r} was closed, but this graph records or waits for it "
+    return RuntimeError(f"{call}: {kept!r} was closed, but this graph records or waits for it "
                         f"at every replay (Event(external=True) in its capture); keep the event "
                         f"open while the graph is replayed, or capture the graph again")
 

@@ -92,6 +92,24 @@ def _image_kind(data: bytes, language: str) -> str:
     return language
 
 
+def _untyped_param_sizes(data: bytes, kind: str, entries) -> Dict[str, Tuple[Optional[int], ...]]:
+    """{kernel name: its parameters' sizes} for the PTX entries whose types accel cannot name
+    (None in ``entries``), from the PTX of a ``ptx`` or ``fatbin`` image; {} for the rest."""
+    if kind not in ("ptx", "fatbin") or None not in entries.values():
+        return {}
+    if kind == "ptx":
+        sizes = _ptx.ptx_param_sizes(data)
+    else:
+        sizes = {}
+        try:
+            for k, _sm, body in _cuda_containers.fatbin_entries(data):
+                if k == _cuda_containers.KIND_PTX:
+                    sizes.update(_ptx.ptx_param_sizes(body))
+        except _cuda_containers.ContainerError:
+            return {}
+    return {name: sizes[name] for name, params in entries.items() if params is None and name in sizes}
+
+
 def _image_info(data: bytes, kind: str):
     """``(entries, required)`` of an image, one walk over it: ``entries`` is {kernel name:
     parameter types, or None when the image does not declare them}, ``required`` {kernel name:
@@ -173,6 +191,8 @@ class Module:
         index = checked_index(device)
         self.kind = _image_kind(data, language)
         self._entries, self._required_blocks = _image_info(data, self.kind)
+        # parameter sizes of the PTX entries accel cannot type, which a signature must match
+        self._untyped_sizes = _untyped_param_sizes(data, self.kind, self._entries)
         self._backend, self._index, self._lock = backend, index, threading.Lock()
         self._kernels = weakref.WeakValueDictionary()   # (name, params) -> Kernel: no cycle with them
         self._smem_optin = {}       # function handle -> the dynamic shared memory it is opted in to (CUDA)
@@ -261,7 +281,8 @@ class Module:
                            f"{', '.join(self._entries) or 'none'} (a C++ kernel's name is mangled unless "
                            f"it is declared extern \"C\")")
         declared = self._entries.get(name)
-        params = _resolve_params(name, declared, signature, self.kind, self._entries)
+        params = _resolve_params(name, declared, signature, self.kind, self._entries,
+                                 self._untyped_sizes.get(name))
         if self.kind == "msl" and "f64" in params:
             # Metal Shading Language Specification, 2.1: no double, so no kernel parameter of it.
             raise ValueError(f"Module.function({name!r}): parameter {params.index('f64')} is f64, and Metal has no "
@@ -379,13 +400,29 @@ class Module:
                 f"entries={list(self._entries)}{state}>")
 
 
-def _resolve_params(name, declared, signature, kind, entries) -> Tuple[str, ...]:
+def _resolve_params(name, declared, signature, kind, entries, sizes=None) -> Tuple[str, ...]:
+    """The kernel's parameter types: ``declared`` (from PTX) or the ``signature`` given, which
+    must agree with them, or where PTX declares a type accel cannot name (a struct by value),
+    with each parameter's size in bytes (``sizes``): the driver copies as many bytes as the
+    kernel declares from each argument (cudaLaunchKernel's kernelParams), so a smaller argument
+    would be read past its end."""
     if signature is not None:
         given = _ptx.parse_signature(signature, f"Module.function({name!r}, signature=...)")
         if declared is not None:
             if len(given) != len(declared) or not all(_ptx.compatible(a, b) for a, b in zip(given, declared)):
                 raise ValueError(f"Module.function({name!r}): signature {', '.join(given) or '(none)'} does not "
                                  f"match the PTX .entry parameters {', '.join(declared) or '(none)'}")
+        elif sizes is not None:
+            if len(given) != len(sizes):
+                raise ValueError(f"Module.function({name!r}): signature {', '.join(given) or '(none)'} has "
+                                 f"{len(given)} parameter(s), but the PTX .entry declares {len(sizes)}")
+            for i, (g, n) in enumerate(zip(given, sizes)):
+                if n != _ptx.ARG_SIZES[g]:
+                    what = "an unsized array" if n is None else f"{n} bytes"
+                    raise ValueError(f"Module.function({name!r}): parameter {i} is {what} in the PTX .entry, but "
+                                     f"the signature gives {g} ({_ptx.ARG_SIZES[g]} bytes); accel passes each "
+                                     f"argument as one scalar or pointer, so declare the kernel's parameters "
+                                     f"that way (a struct by value cannot be passed)")
         return given
     if declared is not None:
         return declared
@@ -458,6 +495,7 @@ class Kernel:
     def _attributes(self) -> dict:
         from ..streams import on_device
         module = self.module
+        module._live()      # a forked child's or a closed module's refusal, before on_device's runtime calls
         with on_device(self._backend, self._index), module._lock:    # not unloaded meanwhile (see launch)
             module._live()
             return self._backend.function_attributes(self._function())
