@@ -1051,6 +1051,7 @@ def graph(cuda_graph: Graph, pool: Optional[Tuple[int, int]] = None, stream: Opt
     # the current device (the one the synchronize waits on), and the capture stream's
     _refuse_then_synchronize(cuda_graph, (None,) if stream is None else (None, stream.device_index), stream)
     accel.memory.empty_cache()
+    accel.memory.empty_host_cache()     # torch 2.13 graph.__enter__: torch._C._host_emptyCache()
     capture_stream = stream if stream is not None else _side_stream()
     capture_stream.wait_stream(current_stream(capture_stream.device_index))
     saved = (cuda_graph.graph_pool, cuda_graph.capture_error_mode)
@@ -1060,9 +1061,9 @@ def graph(cuda_graph: Graph, pool: Optional[Tuple[int, int]] = None, stream: Opt
     with capture_stream:
         try:
             cuda_graph.capture_begin()
-        except BaseException:
-            cuda_graph.graph_pool, cuda_graph.capture_error_mode = saved   # refused: the graph as it was
-            raise
+        finally:
+            # torch passes pool and mode to this capture_begin only: the graph's own stay as they were
+            cuda_graph.graph_pool, cuda_graph.capture_error_mode = saved
         try:
             yield cuda_graph
         except BaseException as exc:

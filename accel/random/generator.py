@@ -74,14 +74,21 @@ class PhiloxArgs(NamedTuple):
         return self.seed_ptr != 0
 
 
+class _NotALong(TypeError, RuntimeError):
+    """A seed or offset that is not an integer.  torch.Generator's manual_seed and set_offset
+    raise RuntimeError ("manual_seed expected a long, but got float": torch/csrc/Generator.cpp);
+    accel raised TypeError: this class is both."""
+
+
 def check_seed(seed) -> int:
     """A seed as torch takes it: an integer in [-2**63, 2**64), negative values mod 2**64."""
     if isinstance(seed, bool):
-        raise TypeError("seed must be an integer, got bool")
+        raise _NotALong("manual_seed expected a long, but got bool: seed must be an integer")
     try:
         value = operator.index(seed)
     except TypeError:
-        raise TypeError(f"seed must be an integer in [-2**63, 2**64), got {type(seed).__name__} {seed!r}") from None
+        raise _NotALong(f"manual_seed expected a long, but got {type(seed).__name__}: seed must be an integer "
+                        f"in [-2**63, 2**64), got {seed!r}") from None
     if not -(1 << 63) <= value < _U64:
         raise ValueError(f"seed {value} does not fit in 64 bits: expected an integer in "
                          f"[-2**63, 2**64) (negative seeds are taken modulo 2**64)")
@@ -502,8 +509,8 @@ class Generator:
         """Set the offset (a non-negative multiple of 4 below 2**63).  Returns this generator,
         as torch's (torch/csrc/Generator.cpp THPGenerator_setOffset returns self)."""
         if isinstance(offset, bool) or not hasattr(type(offset), "__index__"):
-            raise TypeError(f"offset must be an int (a multiple of 4 in [0, 2**63)), got "
-                            f"{type(offset).__name__} {offset!r}")
+            raise _NotALong(f"manual_offset expected a long, but got {type(offset).__name__}: offset must be an "
+                            f"int (a multiple of 4 in [0, 2**63)), got {offset!r}")
         offset = operator.index(offset)
         if offset % 4:
             raise RuntimeError(f"offset must be a multiple of 4, got {offset}")
