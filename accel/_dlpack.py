@@ -33,6 +33,7 @@ import contextlib
 import ctypes
 import enum
 import operator
+import weakref
 from ctypes import POINTER, c_char_p, c_int, c_int32, c_int64, c_uint8, c_uint16, c_uint32, c_uint64, c_void_p
 from typing import Any, Dict, Tuple
 
@@ -703,7 +704,9 @@ def order_after_other_uses(buffer, last, waiter) -> None:
     with the allocator (a non-owning buffer's noted streams).  Each is skipped when a query says
     its work is done, else ``waiter`` waits for an event recorded on it (the allocator's
     ``order_after``; a "host" waiter waits on the host).  Work of such a stream closed since is
-    waited for by a synchronize of its device, once per closed stream (``Buffer._drained``).
+    waited for by a synchronize of its device, once per closed stream (``Buffer._drained``: the
+    closed streams, or the allocator's records of them, already waited for, by id, held weakly:
+    an entry goes with its object, so it is bounded by them and an id never names another).
 
     While a capture is underway (CUDA's rules for the calls, Programming Guide "CUDA Graphs" >
     "Prohibited and Unhandled Operations", and cudaStreamBeginCapture's modes): nothing when
@@ -729,8 +732,8 @@ def order_after_other_uses(buffer, last, waiter) -> None:
             note(stream)
     elif buffer._recorded:
         live, gone = buffer._alloc.stream_uses(buffer._ptr)
-        for key, device in gone:
-            closed[key] = (device, None)
+        for record, device in gone:
+            closed[id(record)] = (device, record)
         for handle, device in live:
             if (device, handle) != (last._index, last._handle):
                 # (a raw handle: an accel stream, or a foreign one whose wrapper still lives; a
@@ -738,7 +741,8 @@ def order_after_other_uses(buffer, last, waiter) -> None:
                 others.setdefault((device, handle), None)
     drained = buffer._drained
     if drained:
-        closed = {key: v for key, v in closed.items() if key not in drained}
+        # (an entry lives only while its object does, so a key never names another object)
+        closed = {key: v for key, v in closed.items() if drained.get(key) is not v[1]}
     if not others and not closed:
         return
     from .streams import _hold_open, on_device
@@ -755,7 +759,11 @@ def order_after_other_uses(buffer, last, waiter) -> None:
             with on_device(backend, device):
                 backend.device_synchronize()
     if closed:
-        buffer._drained = (drained or set()) | set(closed)
+        done = buffer._drained
+        if done is None:
+            done = buffer._drained = weakref.WeakValueDictionary()
+        for key, (_device, obj) in closed.items():
+            done[key] = obj
     for (device, handle), stream in others.items():
         held = None if stream is None else _hold_open(stream)
         if stream is not None and held is None:

@@ -154,7 +154,7 @@ class _GraphRecord:
 class _Mark:
     """An event recorded on a stream that was destroyed (forget_stream): allocations that
     used it, or were made on it, wait for it before their free; destroyed after the last."""
-    __slots__ = ("event", "device", "refs")
+    __slots__ = ("event", "device", "refs", "__weakref__")    # (weakly held by Buffer._drained)
 
     def __init__(self, event: int, device: int):
         self.event, self.device, self.refs = event, device, 0
@@ -418,7 +418,7 @@ class AsyncPoolAllocator:
             else:
                 alloc.uses.add((stream, device))
 
-    def stream_uses(self, ptr: int) -> Tuple[List[Tuple[int, int]], List[Tuple[int, int]]]:
+    def stream_uses(self, ptr: int) -> Tuple[List[Tuple[int, int]], List[Tuple[object, int]]]:
         """As :meth:`DeviceCachingAllocator.stream_uses <accel.memory._caching.DeviceCachingAllocator.stream_uses>`."""
         return _caching.stream_uses(self, ptr, lambda: self._ptrs.get(ptr), lambda alloc: not alloc.deferred)
 

@@ -174,7 +174,7 @@ class _Gate:
     :func:`cover` with the forget's gates, its event still in the owner's cache of events until
     the step that publishes the gate takes it out (see :func:`_recorded`)."""
 
-    __slots__ = ("event", "device", "held")
+    __slots__ = ("event", "device", "held", "__weakref__")    # (weakly held by Buffer._drained)
 
     def __init__(self, event, device, held=False):
         self.event = event
@@ -267,7 +267,7 @@ def order_after(owner, waiter: int, stream: int, device_index, queue_wait) -> bo
     return True
 
 
-def stream_uses(owner, ptr: int, find, allocated) -> Tuple[List[Tuple[int, int]], List[Tuple[int, int]]]:
+def stream_uses(owner, ptr: int, find, allocated) -> Tuple[List[Tuple[int, int]], List[Tuple[object, int]]]:
     """The two device allocators' ``stream_uses``: ``find()`` gives the block or allocation at
     ``ptr`` (or None), ``allocated(item)`` whether it is allocated.  The uses are copied under
     the lock: the caller waits for them without it."""
@@ -277,7 +277,7 @@ def stream_uses(owner, ptr: int, find, allocated) -> Tuple[List[Tuple[int, int]]
             return [], []
         uses = list(item.uses or ())
     live = [use for use in uses if type(use) is tuple]
-    return live, [(id(use), use.device) for use in uses if type(use) is not tuple]
+    return live, [(use, use.device) for use in uses if type(use) is not tuple]
 
 
 def add_use(owner, block, stream: int, device: int) -> None:
@@ -1213,10 +1213,10 @@ class DeviceCachingAllocator(ExpandableSegments):
                 return      # the block's own stream: its free is ordered after that work already
             add_use(self, block, stream, device)
 
-    def stream_uses(self, ptr: int) -> Tuple[List[Tuple[int, int]], List[Tuple[int, int]]]:
+    def stream_uses(self, ptr: int) -> Tuple[List[Tuple[int, int]], List[Tuple[object, int]]]:
         """The uses :meth:`record_stream` noted on the allocated block at ``ptr``:
-        ``(streams, closed)``, the ``(handle, device)`` of each live stream, and ``(key, device)``
-        of each stream destroyed since (its work covered by an event; the key stays the same
+        ``(streams, closed)``, the ``(handle, device)`` of each live stream, and ``(record,
+        device)`` of each stream destroyed since (its work covered by an event; the same record
         while the use is kept).  ``([], [])`` for an address that is no allocated block.  For an
         exporter (``accel._dlpack.order_after_other_uses``)."""
         return stream_uses(self, ptr, lambda: self._blocks.get(ptr), lambda block: block.state == _ALLOCATED)
