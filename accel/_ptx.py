@@ -52,8 +52,8 @@ class UnsupportedParam(ValueError):
 def _param_type(decl: str, entry: str, i: int) -> str:
     words = decl.split()
     kinds = [w[1:] for w in words if w.startswith(".")]
-    if "ptr" in kinds:
-        return "ptr"
+    if "ptr" in kinds and not any(k in ("u32", "b32", "s32") for k in kinds):
+        return "ptr"            # (a .u32 .ptr is a 32-bit address: typed by its .u32 below)
     for k in kinds:
         if k in PTX_TYPES:
             if "[" in decl:     # .b32 name[4]: an array (a struct by value)
@@ -99,7 +99,7 @@ def ptx_param_sizes(text) -> Dict[str, Tuple[Optional[int], ...]]:
             if not d:
                 continue
             kinds = [w[1:] for w in d.split() if w.startswith(".")]
-            size = 8 if "ptr" in kinds else next((_PTX_TYPE_BYTES[k] for k in kinds if k in _PTX_TYPE_BYTES), None)
+            size = next((_PTX_TYPE_BYTES[k] for k in kinds if k in _PTX_TYPE_BYTES), 8 if "ptr" in kinds else None)
             for n in _DIMS_RE.findall(d):
                 size = size * int(n) if size is not None and n else None
             sizes.append(size)

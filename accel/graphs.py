@@ -381,12 +381,13 @@ class Graph:
             warnings.warn(f"The {h.backend.name.upper()} Graph is empty. This usually means that the graph "
                           "was attempted to be captured on wrong device or stream.", UserWarning, stacklevel=3)
         if not self.keep_graph:
+            # A module closed during the capture was unloaded as it ended: no executable of its
+            # kernel nodes is made, and the graph is kept (replay() refuses, naming the module;
+            # a new capture_begin asks for reset(), which releases the graph and its pool).
             if not any(kept._closed for kept in h.events):
                 self.instantiate()
-            # else a module closed during the capture was unloaded as it ended: no executable
-            # of its kernel nodes is made, and replay() refuses, naming the module
-            if not self._debug:
-                self._destroy_graph()
+                if not self._debug:
+                    self._destroy_graph()
         if _fin.pending:
             # a safe point, now that the pool routes no more: what ending the capture released
             # (a from_ptr owner's or a DLPack producer's deleter) runs here, with signals
@@ -422,20 +423,24 @@ class Graph:
         h = self._h
         if h.exec is not None and not self.keep_graph:
             raise RuntimeError("instantiate() is intended to be called by the user only when keep_graph=true")
+        kept = _KeptInUse(())
         try:
             with self._launch_lock:     # the executable it replaces may be in a replay's launch
                 if h.graph is None:
                     raise RuntimeError("capture_end() must have been called before calling instantiate: capture "
                                        "one first (without keep_graph, capture_end instantiates it)")
-                for kept in h.events:
-                    if kept._closed:
-                        raise _closed_kept(kept, "instantiate()")
+                for one in h.events:
+                    if one._closed:
+                        raise _closed_kept(one, "instantiate()")
                 if h.exec is not None:
                     self._destroy_exec()
                 # the modules' kernels are the graph's kernel nodes: none is unloaded meanwhile
-                with _KeptInUse(h.events):
+                with kept.of(h):
                     _instantiate(h)
         finally:
+            # a Ctrl-C as the with statement called kept's __exit__: finished here (as replay's)
+            if kept._marked or kept._locked:
+                kept.__exit__(None, None, None)
             if self._owed:
                 self._settle_owed()
 
@@ -1055,11 +1060,12 @@ def graph(cuda_graph: Graph, pool: Optional[Tuple[int, int]] = None, stream: Opt
     capture_stream = stream if stream is not None else _side_stream()
     capture_stream.wait_stream(current_stream(capture_stream.device_index))
     saved = (cuda_graph.graph_pool, cuda_graph.capture_error_mode)
-    if pool is not None:
-        cuda_graph.graph_pool = pool
-    cuda_graph.capture_error_mode = mode
     with capture_stream:
         try:
+            # (set inside the try: a Ctrl-C as the stream was entered changes nothing of the graph)
+            if pool is not None:
+                cuda_graph.graph_pool = pool
+            cuda_graph.capture_error_mode = mode
             cuda_graph.capture_begin()
         finally:
             # torch passes pool and mode to this capture_begin only: the graph's own stay as they were
