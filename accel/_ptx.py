@@ -64,12 +64,18 @@ def _param_type(decl: str, entry: str, i: int) -> str:
                            f"pointers); give Module.function(name, signature=...) instead")
 
 
+def _ptx_text(text) -> str:
+    """PTX source (str, or bytes ending at a NUL as a driver reads them) with comments removed
+    (PTX ISA, "Comments": they are whitespace)."""
+    if isinstance(text, (bytes, bytearray, memoryview)):
+        text = bytes(text).split(b"\0", 1)[0].decode("utf-8", "replace")
+    return _COMMENT_RE.sub(" ", text)
+
+
 def ptx_entries(text) -> Dict[str, Optional[Tuple[str, ...]]]:
     """{entry name: parameter types} of every ``.entry`` in PTX ``text`` (str or bytes), in order.
     An entry with a parameter accel cannot pass maps to None (:func:`ptx_params` says why)."""
-    if isinstance(text, (bytes, bytearray, memoryview)):
-        text = bytes(text).split(b"\0", 1)[0].decode("utf-8", "replace")
-    text = _COMMENT_RE.sub(" ", text)
+    text = _ptx_text(text)
     out: Dict[str, Optional[Tuple[str, ...]]] = {}
     for m in _ENTRY_RE.finditer(text):
         try:
@@ -89,9 +95,7 @@ def ptx_param_sizes(text) -> Dict[str, Tuple[Optional[int], ...]]:
     """{entry name: the size in bytes of each parameter, None where PTX does not size it} of
     every ``.entry`` in PTX ``text``: what a signature given for a kernel whose parameters accel
     cannot type (a struct by value, ``.param .align 8 .b8 p[16]``) must still agree with."""
-    if isinstance(text, (bytes, bytearray, memoryview)):
-        text = bytes(text).split(b"\0", 1)[0].decode("utf-8", "replace")
-    text = _COMMENT_RE.sub(" ", text)
+    text = _ptx_text(text)
     out: Dict[str, Tuple[Optional[int], ...]] = {}
     for m in _ENTRY_RE.finditer(text):
         sizes: List[Optional[int]] = []
@@ -110,9 +114,7 @@ def ptx_param_sizes(text) -> Dict[str, Tuple[Optional[int], ...]]:
 def ptx_params(text, entry: str) -> Tuple[str, ...]:
     """The accel argument types of kernel ``entry`` declared in PTX ``text``.
     KeyError when there is no such entry; :class:`UnsupportedParam` for a type accel cannot pass."""
-    if isinstance(text, (bytes, bytearray, memoryview)):
-        text = bytes(text).split(b"\0", 1)[0].decode("utf-8", "replace")
-    text = _COMMENT_RE.sub(" ", text)
+    text = _ptx_text(text)
     for m in _ENTRY_RE.finditer(text):
         if m.group(1) == entry:
             return _params(entry, m.group(2))
@@ -141,10 +143,8 @@ def ptx_required_blocks(text) -> Dict[str, Tuple[int, int, int]]:
     """{entry name: the block shape its ``.reqntid`` requires} for the entries of PTX ``text``
     that declare one (``__launch_bounds__`` gives ``.maxntid``, a limit the runtime reports;
     ``.reqntid`` is a shape it does not)."""
-    if isinstance(text, (bytes, bytearray, memoryview)):
-        text = bytes(text).split(b"\0", 1)[0].decode("utf-8", "replace")
     out: Dict[str, Tuple[int, int, int]] = {}
-    for m in _ENTRY_HEAD_RE.finditer(_COMMENT_RE.sub(" ", text)):
+    for m in _ENTRY_HEAD_RE.finditer(_ptx_text(text)):
         r = _REQNTID_RE.search(m.group(2))
         if r is not None:
             out[m.group(1)] = tuple(int(d) if d else 1 for d in r.groups())

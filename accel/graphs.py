@@ -429,9 +429,7 @@ class Graph:
                 if h.graph is None:
                     raise RuntimeError("capture_end() must have been called before calling instantiate: capture "
                                        "one first (without keep_graph, capture_end instantiates it)")
-                for one in h.events:
-                    if one._closed:
-                        raise _closed_kept(one, "instantiate()")
+                _refuse_closed_kept(h, "instantiate()")
                 if h.exec is not None:
                     self._destroy_exec()
                 # the modules' kernels are the graph's kernel nodes: none is unloaded meanwhile
@@ -467,9 +465,7 @@ class Graph:
         """Launch the captured work on the current stream of the graph's device."""
         self._check_process()
         h = self._h
-        for kept in h.events:
-            if kept._closed:
-                raise _closed_kept(kept)
+        _refuse_closed_kept(h, "replay()")
         if h.exec is None:
             if h.graph is None:
                 raise RuntimeError("replay() called on a graph with no capture: capture one first")
@@ -735,6 +731,13 @@ class Graph:
                 _fin.owned.pop(own[0], None)    # released (a failure: retried once from the queue)
         except KeyboardInterrupt:
             _fin.RAISE_AGAIN[_fin.interrupt_key()]    # a Ctrl-C handled in here reaches the program (r62)
+
+
+def _refuse_closed_kept(h: "_Held", call: str) -> None:
+    """``call``'s refusal of a graph one of whose external events or modules was closed."""
+    for kept in h.events:
+        if kept._closed:
+            raise _closed_kept(kept, call)
 
 
 def _closed_kept(kept, call: str = "replay()") -> RuntimeError:
