@@ -110,6 +110,15 @@ def _destroy(backend: Backend, index: int, handle: int, blocking: bool, key: int
     _fin.destroy_owned(key, backend.stream_destroy, handle)
 
 
+def announced(index: int, handle: int) -> bool:
+    """True when accel hears of stream ``handle`` of device ``index`` before it can be destroyed
+    (:func:`on_stream_destroy`): a live accel Stream's, or a foreign stream an accel wrapper
+    holds.  A raw handle given to the allocators directly is not: its owner may destroy it
+    unannounced, and the driver may hand its value to the next stream."""
+    key = (index, handle)
+    return key in _live_streams or key in _foreign
+
+
 def _after_captures(backend: Backend, fn: Callable, *args) -> bool:
     """Queue ``fn(*args)`` for when no capture this process began through ``backend`` is
     underway, and return True; False (nothing queued) when none is, or when the backend keeps no

@@ -806,10 +806,7 @@ def test_cupy_import_with_another_device_current_waits_for_the_legacy_stream_wor
 
 
 # == found on the way: an allocation that waits for other streams' work ===========================
-@pytest.mark.xfail(strict=True, reason="r73e: the caching allocator's release-before-grow for expandable segments "
-                                       "(accel/memory/_expandable.py _exp_grow_in -> _exp_unmap_enough -> "
-                                       "_exp_unmap_pieces) synchronizes the whole device inside malloc: Buffer() "
-                                       "waits on the host for another library's unrelated work on that device")
+# (r73e found; fixed in session 36)
 def test_allocation_does_not_wait_for_a_foreign_stream_s_work(monkeypatch):
     """Another library (CuPy) has a long kernel running on its own stream of device 1 (held).
     accel then allocates for its stream B while a free page of its stream A's segment is mapped

@@ -21,10 +21,13 @@ Invariants (checked by ``tests/test_memory_expandable.py`` after every operation
 * E5  reserved bytes (the stats) == the sum of the sizes of all mappings;
 * E6  nothing is mapped or unmapped while a stream capture is underway (the backend
       refuses: a capture-time miss in the general cache takes a classic segment);
-* E7  before a mapping is unmapped, the device was synchronized (cuMemUnmap does not
-      wait for queued work), or, for the free pieces of a destroyed stream's segment, the
-      event covering that stream's work completed (the only work a free block of it can
-      have queued; ``_exp_unmap_idle``);
+* E7  before a mapping is unmapped, the work that may touch it completed (cuMemUnmap does
+      not wait for queued work): the streams owning the free blocks it lies in were
+      synchronized (a free block's only queued work is its own stream's: uses recorded on
+      other streams keep a block pending), or the whole device where accel cannot vouch
+      for one of those handles (``_exp_quiesce``); for the free pieces of a destroyed
+      stream's segment, the event covering that stream's work completed
+      (``_exp_unmap_idle``);
 * E8  (retired: small requests now share the large pool's range, E12, where a small block
       may cross a page boundary as any block does);
 * E9  physical memory is created and mapped in pieces (``pieces``): a new page the request's
@@ -91,6 +94,7 @@ from bisect import bisect_left
 from typing import Dict, List, Optional, Tuple
 
 from .._errors import AcceleratorError, CaptureError, OutOfMemoryError
+from .. import streams as _streams
 from . import _config
 from ._snapfmt import CTX_ALL as _CTX_ALL, Symbols as _Symbols, stack as _stack
 from ._stats import RESERVED_BYTES
@@ -531,7 +535,7 @@ class ExpandableSegments:
 
     def _exp_unmap(self) -> int:
         """Unmap every free piece (whole mappings only, E3) of every expandable segment,
-        after synchronizing the device (E7).  Never called during a capture
+        after waiting for their streams' work (E7).  Never called during a capture
         (E6).  Returns the bytes unmapped.
 
         Why every free piece and not just enough: this runs only where reserved memory
@@ -544,12 +548,6 @@ class ExpandableSegments:
         if not victims:
             self._exp_drop_orphans()
             return 0
-        # cuMemUnmap does not wait for queued work.  Torch synchronizes the segment's stream; the
-        # whole device here, as cudaFree does: a stream a program destroyed without telling the
-        # allocator (a raw backend handle, a foreign stream) would make cudaStreamSynchronize
-        # undefined, or, its handle recycled, wait for the wrong stream.  Tried 2026-12-05: the
-        # owning streams only (tests/test_memory_streams.py's scenario, raw streams destroyed with
-        # blocks cached on them, then failed with cudaErrorInvalidResourceHandle).
         done = self._exp_unmap_pieces(victims, synchronize=True)
         self._exp_drop_orphans()
         return done
@@ -577,7 +575,7 @@ class ExpandableSegments:
 
     def _exp_unmap_enough(self, seg: Segment, size: int, excess: int):
         """A grow of ``seg`` for ``size`` bytes would lift reserved memory ``excess`` bytes past its
-        high-water mark: unmap free pieces (E7: after a device synchronize), those of the smallest
+        high-water mark: unmap free pieces (E7: after their streams' work), those of the smallest
         free blocks first, until their bytes cover ``excess``, and return ``place``'s new plan; or
         None, nothing done, when all the free pieces together do not cover it.  The caller unmaps
         every free piece (``_exp_unmap``) when the plan still passes the mark (E10).
@@ -606,7 +604,7 @@ class ExpandableSegments:
     def _exp_release_over(self, budget: int) -> None:
         """``release_threshold`` for expandable segments: free pieces beyond ``budget`` bytes are
         unmapped, those of the smallest free blocks first (as ``_exp_unmap_enough``), after a
-        device synchronize (E7).  Never during a capture (E6: the caller's ``unless_capturing``)."""
+        wait for their streams' work (E7).  Never during a capture (E6: the caller's ``unless_capturing``)."""
         victims = self._exp_free_pieces()
         excess = sum(v[1] for v in victims) - budget
         if excess <= 0:
@@ -616,7 +614,7 @@ class ExpandableSegments:
 
     def _exp_unmap_pieces(self, victims: list, synchronize: bool) -> int:
         """Unmap the free pieces ``victims`` (``(address, size, segment, free block)``, each a
-        whole mapping) and release their physical memory; the device synchronized first when
+        whole mapping) and release their physical memory; their streams' work waited for first when
         ``synchronize`` (E7).  Returns the bytes unmapped.  On a failure what was unmapped
         before it is released (or waits in ``_unreleased``, counted) and the error propagates."""
         # highest address first: unmapping splits a free block, keeping its low part
@@ -625,7 +623,7 @@ class ExpandableSegments:
         try:
             with self._on_device():
                 if synchronize:
-                    self._be.device_synchronize()
+                    self._exp_quiesce(victims)
                 for addr, n, seg, block in victims:
                     self._exp_unmap_one(seg, block, addr, n)
                     done += n
@@ -637,6 +635,23 @@ class ExpandableSegments:
             raise
         self._exp_release()                  # the physical memory of every unmapped piece, in one pass
         return done
+
+    def _exp_quiesce(self, victims: list) -> None:
+        """E7: wait for the queued work that may touch the free blocks of ``victims``: that of
+        the streams owning them, as torch does (``ExpandableSegment::unmapHandles``:
+        cudaStreamSynchronize of the segment's stream), so that an allocation never waits for
+        unrelated work on the device, another library's included (r73e).  The whole device
+        instead when a stream is neither the default one nor one accel hears of before it is
+        destroyed (``streams.announced``): a raw handle its owner destroyed unannounced would
+        make the stream's synchronize fail, or, its value handed to a new stream, wait for the
+        wrong one (tests/test_memory_streams.py's scenario)."""
+        default = self._get_default_stream()
+        owners = {v[3].pool.stream for v in victims}
+        if all(s == default or _streams.announced(self._index, s) for s in owners):
+            for stream in owners:
+                self._be.stream_synchronize(stream)
+        else:
+            self._be.device_synchronize()
 
     def _exp_unmap_idle(self, segs: List[Segment]) -> None:
         """Unmap the free pieces of destroyed streams' segments ``segs`` once the work of those
