@@ -300,10 +300,11 @@ def test_user_finalizer_in_a_first_use_section_never_hangs(monkeypatch, kind, na
 def _child_seeds(dev: int):
     """The child seeds and reads its generators (host state; no device needed)."""
     def checks():
-        accel.random.manual_seed_all(5)
-        # the generators' own reads: accel.random.initial_seed/get_rng_state raise in a child
-        # forked after initialization, as torch's do (r71e)
+        accel.random.manual_seed_all(5)     # (dropped in a child forked after init, as torch's: r75b)
+        # the generators' own calls: accel.random.initial_seed/get_rng_state raise in a child
+        # forked after initialization, as torch's do (r71e); Generator.manual_seed seeds in any child
         gen = accel.random.default_generator(dev)
+        gen.manual_seed(5)
         assert gen.initial_seed() == 5
         assert gen.get_state()[:8].tobytes() == (5).to_bytes(8, "little")
     return lambda: _child(checks, 2 * HANG_S)     # (unheld, the checks take milliseconds)

@@ -103,9 +103,7 @@ def _child_seeds_everything() -> int:
     return 0
 
 
-@pytest.mark.xfail(strict=True, reason="r73f: accel.random.manual_seed/manual_seed_all/seed/seed_all/"
-                                       "set_rng_state(_all) in a child forked after init change the default "
-                                       "generators; torch queues them (_lazy_call) and never runs them")
+# (r73f found; fixed in session 36)
 @pytest.mark.parametrize("kind", ["cuda", "xpu"])
 def test_bad_fork_child_seeding_leaves_the_default_generators(monkeypatch, kind):
     """Parent: manual_seed_all(5), device 1 current, a fill there (initializes; device 1's offset
@@ -130,8 +128,7 @@ def _child_manual_seed_and_seed() -> int:
     return 0
 
 
-@pytest.mark.xfail(strict=True, reason="r73f: accel.random.manual_seed/seed in a child forked after init seed "
-                                       "device 0 though the parent's thread had device 1 current (torch: nothing)")
+# (r73f found; fixed in session 36)
 def test_bad_fork_child_manual_seed_does_not_seed_a_device_that_was_not_current(sim_cuda):
     """Even under accel's own rule ("the child may seed its generators"), the current device of
     the forking thread was 1: device 0's generator must not take the child's seed."""

@@ -544,11 +544,12 @@ def test_a_seed_and_a_state_set_by_two_threads_before_init_end_as_torch(monkeypa
 
 
 def _bad_fork_child_sets_state() -> int:
-    before0 = bytes(R.default_generator(0).get_state())     # (the generator's read: no query)
+    # (the generators' reads, no query: torch's get_rng_state raises in this child, as accel's does since r71e)
+    before0, before1 = bytes(R.default_generator(0).get_state()), bytes(R.default_generator(1).get_state())
     R.set_rng_state(np.frombuffer(_S1, np.uint8).copy(), 1)
-    # (the generators' reads: torch's get_rng_state raises in this child, as accel's does since r71e)
+    # torch queues it (is_initialized() is False in a bad fork) and never runs it (r73f, r75b)
     got1, got0 = bytes(R.default_generator(1).get_state()), bytes(R.default_generator(0).get_state())
-    if got1 != _S1:
+    if got1 != before1:
         return 3
     if got0 != before0:
         return 4
@@ -557,7 +558,8 @@ def _bad_fork_child_sets_state() -> int:
 
 def test_guard_a_bad_fork_child_sets_a_state_after_a_query_in_the_parent(monkeypatch):
     """Guard of the test below: the same program with one query in the parent after its
-    initialization (which ends the tracking): the child's set_rng_state lands, device 0 stays."""
+    initialization (which ends the tracking): the child's set_rng_state is dropped (torch queues it
+    for good), both devices stay."""
     use_sim(monkeypatch, "cuda")
     R.manual_seed_all(7)
     R.uniform_(accel.Buffer(4 * KiB))       # initializes, advances device 0's offset
@@ -568,8 +570,8 @@ def test_guard_a_bad_fork_child_sets_a_state_after_a_query_in_the_parent(monkeyp
 # (r70g found; fixed in session 30)
 def test_a_bad_fork_child_sets_a_state(monkeypatch):
     """Parent: manual_seed_all(7), then a fill (initializes; device 0's offset moves), fork.  The
-    child (which may seed and read its generators) sets device 1's state: device 1 must read S and
-    device 0 keep its offset; accel seeds both 7 again (status 3)."""
+    child sets device 1's state, which torch queues there and never runs (r73f): both devices keep
+    the parent's states; accel seeded both 7 again (device 0's offset lost: status 4)."""
     use_sim(monkeypatch, "cuda")
     R.manual_seed_all(7)
     R.uniform_(accel.Buffer(4 * KiB))

@@ -13,7 +13,9 @@ device CUDA makes current at initialization), which is where torch's queued
 ``_lazy_call`` seeding lands; queries then see it without initializing.  As torch
 runs that queue, the latest ``manual_seed`` and ``manual_seed_all`` land after the
 other seeding calls made before initialization (``set_rng_state``, ``seed``).
-Without any device the seeding calls do nothing, as ``torch.cuda.manual_seed``.
+Without any device the seeding calls do nothing, as ``torch.cuda.manual_seed``; in a
+child forked after initialization they check their arguments and do nothing, as torch's
+(queued there for an initialization that never comes).
 
 Fills (``uniform_``, ``normal_``, ``randint_``, ``random_raw_``) write a whole
 :class:`accel.Buffer` on the current stream.  Number layout: element ``i``
@@ -98,6 +100,14 @@ def _seeds_again() -> None:
         else:
             for i in range(_device_count()):
                 _default_generator(i).manual_seed(value)
+
+
+def _queued_for_good() -> bool:
+    """Whether this is a child forked after initialization, where torch's seeding calls never
+    reach the default generators: ``is_initialized()`` is False there, so ``_lazy_call`` queues
+    each one, and the queue never runs (``_lazy_init`` raises the fork error).  accel checks the
+    arguments as usual, then drops the call (a queue nobody runs would only grow)."""
+    return _lazy.is_in_bad_fork()
 
 
 def _refuse_in_bad_fork() -> None:
@@ -217,6 +227,9 @@ def set_rng_state(new_state, device=None) -> None:
     8-byte seed (offset 0).  Errors leave the state unchanged.  Before initialization, a
     ``manual_seed``/``manual_seed_all`` made earlier still lands last, as in torch."""
     gen = _default_generator(_resolve(device))
+    if _queued_for_good():
+        Generator.parse_state(new_state)
+        return
     with _seeding:
         gen.set_state(new_state)
         _seeds_again()
@@ -246,6 +259,8 @@ def set_rng_state_all(new_states) -> None:
     if len(states) > count:
         raise ValueError(f"set_rng_state_all got {len(states)} states but only {count} device(s) exist")
     parsed = [Generator.parse_state(s) for s in states]
+    if _queued_for_good():
+        return
     gens = [_default_generator(i) for i in range(len(parsed))]
     for gen in gens:            # a capture refuses set_state: refuse before any generator changed
         gen._not_capturing("set_state")
@@ -264,7 +279,7 @@ def manual_seed(seed) -> None:
     """Seed the current device's generator (offset reset to 0).  ``seed`` is an integer in
     [-2**63, 2**64); negatives are taken mod 2**64.  No-op without a device; never initializes."""
     value = check_seed(seed)
-    if _device_count() == 0:
+    if _device_count() == 0 or _queued_for_good():
         return
     gen = _default_generator(_current_index())
     with _seeding:
@@ -278,6 +293,8 @@ def manual_seed_all(seed) -> None:
     A generator whose device is capturing takes only its own seed again (torch's rule): then
     RuntimeError, and no generator changed."""
     value = check_seed(seed)
+    if _queued_for_good():
+        return
     with _seeding:
         if _seed_every_device(value):
             _track_seed("all", value)
@@ -302,6 +319,8 @@ def seed() -> int:
     lands last, as in torch."""
     if _device_count() == 0:
         return 0
+    if _queued_for_good():
+        return secrets.randbits(53)     # (the seed that is never applied, as torch's queued call)
     gen = _default_generator(_current_index())
     with _seeding:
         value = gen.seed()
@@ -313,6 +332,8 @@ def seed_all() -> int:
     """Seed every device's generator with one non-deterministic seed; returns it.  Before
     initialization, a ``manual_seed``/``manual_seed_all`` made earlier still lands last, as in torch."""
     value = secrets.randbits(53)
+    if _queued_for_good():
+        return value
     with _seeding:      # (as manual_seed_all, but a plain call: torch queues it so)
         _seed_every_device(value)
         _seeds_again()
