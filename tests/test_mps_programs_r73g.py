@@ -214,9 +214,7 @@ def test_a_pinned_request_that_fits_one_metal_buffer_is_not_rounded_past_it(mps_
     assert pinned.nbytes == 40 * MiB
 
 
-@pytest.mark.xfail(strict=True, reason="r73g: memory._caching DeviceCachingAllocator OOM retry on mps frees only "
-                                       "the device cache: freed pinned blocks cached by memory._host hold the same "
-                                       "unified memory, so a 40 MiB Buffer fails with 32 MiB of cached pinned memory")
+# (r73g found; fixed in session 36)
 def test_a_device_allocation_on_unified_memory_frees_the_pinned_cache_before_oom(mps_small):
     """On a Mac pinned host memory and device memory are one pool (shared MTLBuffers, one
     recommendedMaxWorkingSetSize), and torch's MPS allocator frees every cached pool, the shared
@@ -231,9 +229,7 @@ def test_a_device_allocation_on_unified_memory_frees_the_pinned_cache_before_oom
     assert big.nbytes == 40 * MiB
 
 
-@pytest.mark.xfail(strict=True, reason="r73g: memory._host HostCachingAllocator.malloc on mps releases only its own cache "
-                                       "before giving up: the device caching allocator's free cached segments hold "
-                                       "the same unified memory, so a 32 MiB empty_pinned fails with 40 MiB cached")
+# (r73g found; fixed in session 36)
 def test_a_pinned_allocation_on_unified_memory_frees_the_device_cache_before_oom(mps_small):
     activations = accel.Buffer(40 * MiB)                 # a forward pass's memory, then freed: cached
     del activations

@@ -169,6 +169,12 @@ class Backend(abc.ABC):
     #: ``backend:cudaMallocAsync`` uses.  Whether a device has pools may still depend on the
     #: driver: check :meth:`async_alloc_supported` after init.
     supports_async_alloc: bool = False
+    #: True when pinned host memory (:meth:`host_alloc`) and device memory (:meth:`mem_alloc`) come
+    #: from one pool of the driver (Metal: shared MTLBuffers under one recommendedMaxWorkingSetSize),
+    #: so that either caching allocator's out-of-memory retry frees the other's cache too, as
+    #: torch's MPS allocator frees every cached pool (release_cached_buffers).  Not on CUDA or
+    #: Level Zero, whose pinned memory is host RAM beside the device's own.
+    pinned_shares_device_memory: bool = False
 
     #: True when an event can be recorded on (waited on by) a capturing stream, so another stream
     #: can join the capture (CUDA).  Level Zero's capture into a command list cannot: there the

@@ -247,6 +247,7 @@ class MPSBackend(Backend):
     name = "mps"
     kernel_language = "msl"
     supports_graphs = False
+    pinned_shares_device_memory = True      # host_alloc's buffers are shared MTLBuffers, as mem_alloc's
 
     def __init__(self) -> None:
         self._lock = _locks.RLock("the Metal backend")

@@ -89,6 +89,29 @@ def _forget_stream(backend, index: int, handle: int, blocking: bool) -> bool:
     return True
 
 
+def _release_unified(backend, caller) -> None:
+    """The out-of-memory retry of ``caller`` (a caching allocator of ``backend``, its lock held)
+    where pinned and device memory are one pool (``Backend.pinned_shares_device_memory``: Metal):
+    the cached memory of the other allocators of ``backend`` goes back too, as torch's MPS
+    allocator frees every cached pool, the shared buffers that back pinned memory included,
+    before it reports out of memory (MPSHeapAllocatorImpl::release_cached_buffers).
+
+    Never waits for their locks (their own retries call here holding theirs: waiting could
+    deadlock): one busy keeps its cache.  Their errors (a failed free) stay theirs: the block
+    stays cached and counted, for their empty_cache to report; ``caller``'s OOM is what counts."""
+    others = [_host] + list(_allocators.values())
+    for alloc in others:
+        if alloc is None or alloc is caller or alloc._be is not backend:
+            continue
+        release = getattr(alloc, "release_cached_nowait", None)   # (not an AsyncPoolAllocator)
+        if release is not None:
+            try:
+                release()
+            except Exception:
+                pass
+
+
+_caching._release_unified = _release_unified
 _lazy.register_reset_hook(_reset)
 os.register_at_fork(after_in_child=_after_fork_in_child)
 streams.on_stream_destroy(_forget_stream)

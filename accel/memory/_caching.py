@@ -131,6 +131,12 @@ _pool_captures: list = []
 _oom_observers: List = []
 
 
+#: accel.memory._release_unified(backend, caller), set there: on a backend whose pinned memory is
+#: device memory (Backend.pinned_shares_device_memory) an out-of-memory retry frees the other
+#: caching allocators' caches of that backend too, never waiting for their locks.
+_release_unified = None
+
+
 def _notify_oom(exc: OutOfMemoryError) -> None:
     """Call the observers with ``exc``'s arguments; an observer's error propagates (the
     OutOfMemoryError is its ``__context__``)."""
@@ -1145,6 +1151,26 @@ class DeviceCachingAllocator(ExpandableSegments):
                 insort(keys, key)
             else:
                 keys[j] = key
+
+    def release_cached_nowait(self) -> bool:
+        """Return the cached segments to the device, as the out-of-memory retry does, for the
+        pinned allocator's retry on a backend whose pinned memory is device memory
+        (accel.memory._release_unified).  Never waits: False, nothing done, when the lock is busy
+        (the other allocator holds its own lock meanwhile, and this one's retry may be waiting
+        for it)."""
+        return _locks.run_locked(self._lock, False, self._release_cached)
+
+    def _release_cached(self) -> None:
+        with self._be.capture_gate:
+            if self._routes or capture_underway(self._be):
+                return          # event queries and frees would invalidate the capture
+            self._reap_orphans()
+            if self._pending_events:
+                self._process_events()
+            self._release_segments()
+            if self._exp_segs:
+                self._exp_unmap()
+            self._update_special()
 
     def free_nowait(self, ptr: int) -> bool:
         """:meth:`free` for a finalizer, which never waits for the lock: False, nothing done,
@@ -2177,6 +2203,9 @@ class DeviceCachingAllocator(ExpandableSegments):
                 # a MemPool's miss (classic segments) beside the general cache's range, or segments
                 # kept after set_allocator_settings("expandable_segments:False")
                 self._exp_unmap()
+            if self._be.pinned_shares_device_memory and _release_unified is not None:
+                # Metal: cached pinned blocks hold the same memory (r73g); see _release_unified
+                _release_unified(self._be, self)
             block = self._device_alloc(seg_size, fl)
         if block is None:
             # the retry could not free the cached block _grow_instead passed over (another

@@ -33,7 +33,7 @@ from functools import partial
 from typing import Dict, List, Optional
 
 from .. import _locks
-from . import _config
+from . import _caching, _config
 from .._errors import OutOfMemoryError
 from .._finalize import drain as _drain_finalizers, pending as _finalizers, releases_settled as _releases_settled
 from ..streams import on_device
@@ -216,6 +216,9 @@ class HostCachingAllocator:
                         raise               # cudaFreeHost would invalidate the capture
                     self._reap_orphans()
                     self._release_free()
+                    if be.pinned_shares_device_memory and _caching._release_unified is not None:
+                        # Metal: the device allocators' cached segments hold the same memory (r73g)
+                        _caching._release_unified(be, self)
                 if size > nbytes:
                     # the rounding is for reuse only: the size asked for may still fit where its
                     # power of two does not (Metal: past maxBufferLength, the most one MTLBuffer
@@ -297,6 +300,25 @@ class HostCachingAllocator:
             unless_capturing(self._be, self._insert_events, block)
             if self._oversize:              # (its uses were waited for: none to wait for now)
                 unless_capturing(self._be, self._trim)
+
+    def release_cached_nowait(self) -> bool:
+        """Unpin the cached blocks whose work has completed, for a device allocator's
+        out-of-memory retry on a backend whose pinned memory is device memory
+        (accel.memory._release_unified).  Never waits: False, nothing done, when the lock is busy
+        (see DeviceCachingAllocator.release_cached_nowait)."""
+        return _locks.run_locked(self._lock, False, self._release_cached)
+
+    def _release_cached(self) -> None:
+        be = self._be
+        if be is None:
+            return
+        with be.capture_gate:
+            if capture_underway(be):
+                return          # cudaFreeHost would invalidate the capture
+            self._reap_orphans()
+            if self._events or self._deferred or self._oversize:
+                self._resume_events(False)
+            self._release_free()
 
     def _reap_orphans(self) -> None:
         """Free the allocated blocks whose owner (weakly referenced by malloc's ``ref``: an
