@@ -70,13 +70,14 @@ class _FreeList:
     """Free blocks of one owner (general cache or a private pool), stream, and size class."""
 
     __slots__ = ("keys", "stream", "kind", "owner", "split_min", "shift", "alloc_deltas", "split_deltas",
-                 "watch_whole", "segments", "exp", "shrink_deltas")
+                 "watch_whole", "segments", "exp", "shrink_deltas", "vouched")
 
     def __init__(self, stream, kind, owner, split_min, watch_whole):
         self.keys: List[int] = []
         self.segments = 0              # segments whose blocks belong to this list
         self.exp = None                # the expandable segment this list grows, once made
         self.stream = stream
+        self.vouched = False           # accel hears of the stream's destroy first (see _new_lists)
         self.kind = kind
         self.owner = owner
         self.split_min = split_min     # smallest remainder worth splitting off

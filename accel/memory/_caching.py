@@ -104,7 +104,7 @@ from .._finalize import drain as _drain_finalizers, pending as _finalizers, rele
 from .. import _locks
 
 from ..backends._signals import deferred as _signals_deferred
-from ..streams import on_device
+from ..streams import announced, on_device
 from . import _config, _stats
 from ._snapfmt import CTX_ALL as _CTX_ALL, CTX_ALLOC as _CTX_ALLOC, Symbols as _Symbols
 from ._snapfmt import allocator_settings as _allocator_settings, stack as _stack, trace_entry as _trace_entry
@@ -2817,6 +2817,12 @@ class DeviceCachingAllocator(ExpandableSegments):
         whole = owner is not None and owner.no_split      # a remainder is never split off
         lists = (_FreeList(stream, _SMALL, owner, _ONE_EXA_BYTES if whole else MIN_BLOCK_SIZE, watch),
                  _FreeList(stream, _LARGE, owner, _ONE_EXA_BYTES if whole else self._large_split_min, watch))
+        # Whether accel hears of the stream's destroy before it happens (the default stream, a
+        # live accel Stream, a wrapped foreign one), told now, when the lists are made: a raw
+        # handle destroyed unannounced whose value a later accel Stream took must not be
+        # vouched for by that stream (r75g; _exp_quiesce synchronizes the device for it)
+        vouched = stream == self._get_default_stream() or announced(self._index, stream)
+        lists[0].vouched = lists[1].vouched = vouched
         (owner.lists if owner is not None else self._general)[stream] = lists
         return lists
 

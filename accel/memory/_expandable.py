@@ -94,7 +94,6 @@ from bisect import bisect_left
 from typing import Dict, List, Optional, Tuple
 
 from .._errors import AcceleratorError, CaptureError, OutOfMemoryError
-from .. import streams as _streams
 from . import _config
 from ._snapfmt import CTX_ALL as _CTX_ALL, Symbols as _Symbols, stack as _stack
 from ._stats import RESERVED_BYTES
@@ -641,14 +640,14 @@ class ExpandableSegments:
         the streams owning them, as torch does (``ExpandableSegment::unmapHandles``:
         cudaStreamSynchronize of the segment's stream), so that an allocation never waits for
         unrelated work on the device, another library's included (r73e).  The whole device
-        instead when a stream is neither the default one nor one accel hears of before it is
-        destroyed (``streams.announced``): a raw handle its owner destroyed unannounced would
-        make the stream's synchronize fail, or, its value handed to a new stream, wait for the
-        wrong one (tests/test_memory_streams.py's scenario)."""
-        default = self._get_default_stream()
-        owners = {v[3].pool.stream for v in victims}
-        if all(s == default or _streams.announced(self._index, s) for s in owners):
-            for stream in owners:
+        instead when the free lists of a stream were made for one that was neither the default
+        one nor one accel hears of before it is destroyed (``_FreeList.vouched``,
+        ``streams.announced``): a raw handle its owner destroyed unannounced would make the
+        stream's synchronize fail, or, its value handed to a new stream, wait for the wrong one
+        (tests/test_memory_streams.py's scenario, tests/test_review_r75g.py)."""
+        pools = {v[3].pool for v in victims}
+        if all(fl.vouched for fl in pools):
+            for stream in {fl.stream for fl in pools}:
                 self._be.stream_synchronize(stream)
         else:
             self._be.device_synchronize()
