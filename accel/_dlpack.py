@@ -542,6 +542,10 @@ def _sync_for_consumer(buffer, stream_arg) -> None:
             return
         device, handle = consumer
         if handle == last._handle and device == last._index:
+            if backend.captures_underway():
+                # the consumer's work joins the capture: each replay runs it (r75f)
+                from .buffer import _note_captured
+                _note_captured(buffer, last)
             return
         # The event lives on the last-use stream's device (a peer copy may have used the buffer on
         # another device's stream: cudaEventRecord needs the stream's device); the wait runs with the
@@ -580,9 +584,9 @@ def _refuse_waiting_on_capture(backend, last, consumer) -> None:
     """A consumer that waits on the host ("host"), or the legacy default stream (CUDA: it
     synchronizes with every blocking stream), cannot wait for a capturing last-use stream: CUDA
     invalidates the capture (cudaErrorStreamCaptureImplicit; Programming Guide, "CUDA Graphs" >
-    "Prohibited and Unhandled Operations"), as would a host wait; nor can another stream where
-    the backend records no event in a capture (XPU).  Refused before anything is queued, so the
-    capture goes on."""
+    "Prohibited and Unhandled Operations"), as would a host wait; nor can another stream outside
+    that capture (it would be forked into it) or any other stream where the backend records no
+    event in a capture (XPU).  Refused before anything is queued, so the capture goes on."""
     from ._errors import CaptureError
     with last._device_scope():
         capturing = backend.capture_id(last._handle)
@@ -590,8 +594,25 @@ def _refuse_waiting_on_capture(backend, last, consumer) -> None:
         _refuse_waiting_from_capture(backend, last, consumer)
         return
     if consumer != "host" and consumer[1] != backend.default_stream(consumer[0]):
-        if backend.records_events_in_capture or consumer == (last._index, last._handle):
+        if consumer == (last._index, last._handle):
             return
+        if backend.records_events_in_capture:
+            from .streams import on_device
+            with on_device(backend, consumer[0]):
+                theirs = backend.capture_id(consumer[1])
+            if theirs == capturing:
+                return      # a stream of the same capture: the wait is captured too
+            # (as _refuse_wait_into_capture: a stream outside the capture waiting for an event
+            # recorded in it is forked into it, so the consumer's next work is captured instead
+            # of run, and the capture cannot end until that stream joins back,
+            # cudaErrorStreamCaptureUnjoined; one in another capture is refused by CUDA,
+            # cudaErrorStreamCaptureIsolation)
+            where = "is not capturing" if theirs is None else "is in another stream capture"
+            raise CaptureError(f"__dlpack__(stream={consumer[1]:#x}): the buffer was last used on {last!r}, "
+                               f"which is capturing, and the consumer's stream {where}: its wait for the "
+                               f"captured work would pull it into the capture (its next work captured "
+                               f"instead of run) or be refused; export after the capture ends (after a "
+                               f"replay), pass a stream of the capture or stream=-1; nothing was exported")
         raise CaptureError(f"__dlpack__(stream=<another stream>): the buffer was last used on {last!r}, which is "
                            f"capturing, and {backend.name}'s capture cannot record the event another stream "
                            f"would wait for: pass the capturing stream itself or stream=-1; nothing was exported")

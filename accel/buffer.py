@@ -15,14 +15,15 @@ import operator
 import re
 import sys
 from typing import Optional
+from weakref import WeakValueDictionary as _WeakValueDictionary
 from weakref import ref as _weakref
 
 from . import _finalize as _fin
 from . import _lazy, _locks
 from ._copying import refuse as _refuse
 from ._device import DeviceLike, device
-from .streams import (Stream, _ExportMark, _Hold, _as_stream, _claim_close, _closed_during_use, _index_for,
-                      current_stream, on_device)
+from .streams import (Stream, _ExportMark, _Hold, _as_stream, _capture_events, _claim_close, _closed_during_use,
+                      _index_for, current_stream, on_device)
 
 __all__ = ["Buffer"]
 
@@ -319,6 +320,26 @@ def _parse_cai(cai, what: str):
     return ptr, count * itemsize, stream
 
 
+#: Held to make a Buffer's table of export marks (``Buffer._export``).
+_export_lock = _locks.Lock("making a Buffer's table of CUDA array interface exports")
+
+
+def _note_captured(buf: "Buffer", stream: Stream) -> None:
+    """While an accel.Graph captures on ``stream``, the graph notes ``buf`` (weakly), so that each
+    replay notes its use on the replay stream (``Buffer._replayed_on``)."""
+    if not stream._backend.captures_underway():
+        return
+    from .streams import _capture_table
+    with stream._device_scope():
+        table = _capture_table(stream._backend, stream)
+    if table is not None:
+        used = table.get("buffers")
+        if used is None:
+            # by id (a subclass may be unhashable), held weakly: an entry goes with its buffer
+            used = table.setdefault("buffers", _WeakValueDictionary())
+        used[id(buf)] = buf
+
+
 def _released(mark) -> None:
     """Release an export mark (``streams._ExportMark``) or nothing; None, for the caller's variable."""
     if mark is not None:
@@ -561,17 +582,40 @@ class Buffer:
         """Note a use on ``stream``: it becomes the last-use stream; a non-owning buffer also
         remembers it, to wait for its work before the memory goes back to its owner."""
         self._last = stream
+        if _capture_events:
+            _note_captured(self, stream)
+        if self._uses is not None:
+            self._note_use(stream)
+
+    def _note_use(self, stream: Stream) -> None:
+        """A non-owning buffer's record of a use on ``stream`` (the release waits for them)."""
         uses = self._uses
-        if uses is not None:
-            key = (stream._index, stream._handle)
-            noted = uses.get(key)
-            if noted is None:
-                uses[key] = stream
-            elif noted is not stream and noted._closed:
-                # a new stream given a closed one's handle (the driver reuses them): both are
-                # waited for, the closed one by its device's synchronize, one kept per device (r73d)
-                uses[("closed", stream._index)] = noted
-                uses[key] = stream
+        key = (stream._index, stream._handle)
+        noted = uses.get(key)
+        if noted is None:
+            uses[key] = stream
+        elif noted is not stream and noted._closed:
+            # a new stream given a closed one's handle (the driver reuses them): both are
+            # waited for, the closed one by its device's synchronize, one kept per device (r73d)
+            uses[("closed", stream._index)] = noted
+            uses[key] = stream
+
+    def _replayed_on(self, stream: Stream) -> None:
+        """A graph replay on ``stream`` ran captured work on this buffer (``Graph.replay``): noted
+        as another use, as :meth:`record_stream`'s is, so that an export orders its consumer after
+        it (CAI v3 "multiple streams": ``_dlpack.order_after_other_uses``) and the free waits for
+        it; the last-use stream stays the one of accel's latest own call.  Nothing once closed."""
+        key = _begin_use(self)      # (a close() in another thread meanwhile leaves the memory to the pin)
+        try:
+            if self._closed or not self._nbytes:
+                return
+            if self._uses is not None:
+                self._note_use(stream)
+            elif stream is not self._stream and stream != self._stream:
+                _memory().device_allocator(self._index).record_stream(self._ptr, stream._handle, stream._index)
+                self._recorded = True
+        finally:
+            _end_use(self, key)
 
     def _writable(self) -> None:
         if self._readonly:
@@ -998,7 +1042,7 @@ class Buffer:
         :meth:`record_stream`) is waited for by that stream through events, as CAI v3 asks of a
         producer (``accel._dlpack.order_after_other_uses``); the stream's destroy by a
         :meth:`Stream.close` waits for this buffer's close or collection (CAI v3 "Lifetime
-        management"), or for an export that names another stream.  A
+        management").  A
         last-use stream closed since is waited for on the host (a device synchronize) and the
         current stream given, and so is one of another device (a copy there read the buffer:
         the consumer would read its handle as a stream of the buffer's device); while a stream capture is underway that wait would invalidate it,
@@ -1049,10 +1093,27 @@ class Buffer:
             # switch): with another device current, that is not this one's, so its work is waited
             # for here (r73e)
             _dlpack.wait_for_stream(self._backend, last, f"device {self._index}'s default stream")
-        # the exported stream outlives a close() while this buffer lives (CAI v3 "Lifetime
-        # management"; streams._ExportMark); the mark of an earlier export goes
-        earlier, self._export = self._export, mark
-        _released(earlier)
+        # every exported stream outlives a close() while this buffer lives (CAI v3 "Lifetime
+        # management"; streams._ExportMark: an earlier consumer may still use the stream it was
+        # given), one mark per stream exported (by id: the mark holds the stream, so the id names
+        # no other), an export of a stream already marked dropping its own
+        if mark is not None:
+            marks = self._export
+            if marks is None:
+                fresh = {}
+                with _export_lock:      # two first exports at once make one table (r75f)
+                    if self._export is None:
+                        self._export = fresh
+                    marks = self._export
+            if marks.setdefault(id(last), mark) is not mark:
+                _released(mark)
+            elif self._closed and marks.pop(id(last), None) is mark:
+                # a close() in another thread after the checks above took the table before this
+                # mark was in it: the stream's destroy waits for nothing now (r75f)
+                _released(mark)
+        if _capture_events and self._backend.captures_underway():
+            # the consumer's work on the exported stream is captured: each replay runs it (r75f)
+            _note_captured(self, last)
         handle = last._handle
         return {"shape": (self._nbytes,), "typestr": "|u1", "data": (self._ptr, self._readonly),
                 "strides": None, "version": 3, "stream": handle if handle else _CAI_LEGACY_DEFAULT_STREAM}
@@ -1141,8 +1202,9 @@ class Buffer:
         if self._closed or not _claim_close(self):
             return      # closed already, or another thread's close() got there first
         if self._export is not None:
-            mark, self._export = self._export, None
-            _released(mark)         # an exported stream closed meanwhile is destroyed now
+            marks, self._export = self._export, None
+            while marks:            # an exported stream closed meanwhile is destroyed now
+                _released(marks.popitem()[1])
         if self._uses is None and not self._pins:
             # the common case: owned memory no export or call in flight pins (checked after the
             # claim, as below: a use that pins it now finds the buffer closed and raises)

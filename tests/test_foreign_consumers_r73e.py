@@ -326,9 +326,7 @@ def test_numba_work_on_the_exported_stream_follows_every_pending_writer(cuda, wr
     assert set(buf.to_numpy().tolist()) == {9}, "Numba's write on the exported stream ran before accel's pending fill"
 
 
-@pytest.mark.xfail(strict=True, reason="r73e: Buffer.__cuda_array_interface__ keeps only the latest export's "
-                                       "stream alive (_ExportMark replaced): a stream an earlier export handed "
-                                       "to a consumer is destroyed by close() while the buffer lives")
+# (r73e found; fixed in session 36)
 def test_numba_first_import_stream_outlives_a_later_export_naming_another(cuda):
     """CAI v3 Lifetime management: every exported stream lives at least as long as the buffer.
     Numba array #1 keeps stream A (its default stream), #2 keeps B; both keep ``buf`` alive.  The
@@ -535,10 +533,7 @@ def test_dlpack_capsule_dropped_unconsumed_after_close_releases(cuda):
     assert D.live_exports() == live
 
 
-@pytest.mark.xfail(strict=True, reason="r73e: Buffer.__dlpack__ (accel._dlpack._refuse_waiting_on_capture) makes a "
-                                       "non-capturing consumer stream wait on an event recorded in a capture: the "
-                                       "consumer's stream joins the capture, its next work is captured instead of "
-                                       "run and capture_end fails (cudaErrorStreamCaptureUnjoined)")
+# (r73e found; fixed in session 36)
 def test_dlpack_export_during_a_capture_to_a_consumer_stream_outside_it(cuda):
     """A buffer last written inside a capture (device 1) is exported to a consumer whose own
     stream is not capturing.  The copy path refuses the same wait into a capture
@@ -607,9 +602,7 @@ def test_cai_export_during_a_capture_names_the_capturing_stream(cuda):
     assert accel.current_device_index() == 0
 
 
-@pytest.mark.xfail(strict=True, reason="r73e: Graph.replay does not note the buffers its capture used on the "
-                                       "replay stream, so Buffer.__cuda_array_interface__ names the capture "
-                                       "stream and does not order the consumer after the pending replay")
+# (r73e found; fixed in session 36)
 def test_cai_export_after_a_replay_on_another_stream_covers_the_replay(cuda):
     """A graph captured on S writes ``buf`` (7); it is replayed with another stream R current (R
     held), the graph's documented replay stream.  accel has enqueued work on the data on R: the

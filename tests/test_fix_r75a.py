@@ -1,0 +1,116 @@
+"""r75a: the fixes of three r73e interop bugs, at their edges.
+
+- Buffer.__cuda_array_interface__ keeps every exported stream alive while the buffer lives (CAI v3
+  "Lifetime management" > "Streams"), one mark per distinct stream, all dropped by close().
+- Buffer.__dlpack__ refuses a consumer stream outside the capture its data was last written in
+  (the wait would fork it into the capture), and still serves a stream of that capture.
+- Graph.replay notes the buffers its capture used on the replay stream, weakly (a graph keeps no
+  buffer alive), so an export orders its consumer after the replay.
+"""
+
+import gc
+import weakref
+
+import pytest
+
+import accel
+from accel import _dlpack as D
+
+from conftest import SIMS, use_sim
+from torch_port_util import hold
+
+DEV = 1
+N = 256
+
+
+@pytest.fixture
+def cuda(monkeypatch):
+    if "cuda" not in SIMS:
+        pytest.skip("ACCEL_TEST_SIMS leaves out cuda")
+    use_sim(monkeypatch, "cuda", ACCEL_SIM_DELAY_US=50)
+    accel.set_device_index(0)
+    return accel._lazy.lazy_init()
+
+
+def _alive(handle):
+    from accel.sim import cudart
+    return handle in cudart._R.streams
+
+
+def test_cai_marks_one_per_distinct_stream_and_close_drops_them(cuda):
+    a, b = accel.Stream(DEV), accel.Stream(DEV)
+    buf = accel.Buffer(N, device=DEV)
+    for i in range(10):
+        stream = a if i % 2 else b
+        buf.fill_(i, stream=stream)
+        assert buf.__cuda_array_interface__["stream"] == stream.handle
+    assert (len(a._busy), len(b._busy)) == (1, 1)
+    handles = a.handle, b.handle
+    a.close()
+    b.close()
+    assert all(_alive(h) for h in handles), "an exported stream was destroyed while its buffer lives"
+    buf.close()
+    assert not a._busy and not b._busy
+    accel.synchronize(DEV)
+    assert not any(_alive(h) for h in handles), "the closed exported streams outlived the buffer's close"
+
+
+def test_dlpack_during_a_capture_refused_outside_it_served_inside_it(cuda):
+    with accel.device_index(DEV):
+        s, forked, outside = accel.Stream(), accel.Stream(), accel.Stream()
+        buf = accel.Buffer(N, stream=s)
+        accel.synchronize()
+        live = D.live_exports()
+        g = accel.Graph()
+        with s:
+            g.capture_begin()
+            try:
+                buf.fill_(3)
+                with pytest.raises(accel.CaptureError, match="not capturing"):
+                    buf.__dlpack__(stream=outside.handle, max_version=(1, 0))
+                assert buf.last_stream == s and D.live_exports() == live
+                forked.wait_stream(s)               # joins the capture
+                capsule = buf.__dlpack__(stream=forked.handle, max_version=(1, 0))
+                buf.fill_(5, stream=forked)
+                s.wait_stream(forked)               # and back, so the capture can end
+            finally:
+                g.capture_end()
+        del capsule
+        gc.collect()
+        assert D.live_exports() == live
+        g.replay()
+        accel.synchronize()
+        assert set(buf.to_numpy().tolist()) == {5}
+
+
+def test_replay_orders_a_dlpack_consumer_and_keeps_no_buffer_alive(cuda):
+    with accel.device_index(DEV):
+        s, r, consumer = accel.Stream(), accel.Stream(), accel.Stream()
+        buf = accel.Buffer(N, stream=s).fill_(0, stream=s)
+        accel.synchronize()
+        g = accel.Graph()
+        with s:
+            g.capture_begin()
+            try:
+                buf.fill_(7)
+            finally:
+                g.capture_end()
+        gate = hold(r)
+        try:
+            with r:
+                g.replay()                          # pending behind the gate
+            capsule = buf.__dlpack__(stream=consumer.handle, max_version=(1, 0))
+            buf.fill_(9, stream=consumer)           # the consumer's own work on its stream
+        finally:
+            gate.set()
+        accel.synchronize()
+        assert set(buf.to_numpy().tolist()) == {9}, "the consumer's write ran before the replay's"
+        del capsule
+        ref = weakref.ref(buf)
+        buf.close()
+        del buf
+        gc.collect()
+        assert ref() is None, "the graph keeps a buffer its capture used alive"
+        g.replay()                                  # a closed or collected buffer is skipped
+        accel.synchronize()
+        g.reset()
