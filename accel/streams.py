@@ -30,6 +30,7 @@ ExternalStream "is being used").
 
 from __future__ import annotations
 
+import functools
 import operator
 import sys
 import threading
@@ -777,66 +778,64 @@ class Stream:
     def __enter__(self) -> "Stream":
         self._live()
         backend = self._backend
-        saved = (backend.get_device(), current_stream(self._index), self)
-        stack = _tls.__dict__.setdefault("stack", [])
-        stack.append(saved)
+        # The frame running the with statement: it calls __exit__ too, on whichever thread
+        # closes it (see _exit_elsewhere).  (No allocation once the stack lock is held.)
+        entry = _Entry(backend.get_device(), current_stream(self._index), self, id(sys._getframe(1)))
+        stack = _tls.__dict__.get("stack")
+        if stack is None:
+            stack = _new_stack()
+        with stack.lock:
+            stack.append(entry)
         try:
             set_stream(self)
         except BaseException:
-            stack.pop()         # __exit__ will not run: leave no entry for another one to pop
+            with stack.lock:
+                _remove(stack, entry)    # __exit__ will not run: leave no entry for another one to pop
             raise
         return self
 
     def __exit__(self, *exc) -> None:
-        stack = getattr(_tls, "stack", None)
-        if not stack:
-            raise self._unmatched_exit()
-        if stack[-1][2] != self:
-            self._exit_out_of_order(stack)
-            return
-        previous_device, previous_stream, _ = stack.pop()
+        frame = id(sys._getframe(1))
+        mine = _tls.__dict__.get("stack")
+        # The block this frame entered on this thread; else one it entered on another thread
+        # (_exit_elsewhere); else this thread's newest block of this stream, entered by another
+        # frame (an ExitStack, a helper that calls __enter__ and __exit__).  Frame first (r75e):
+        # a collection run inside this thread's own block of the stream may close another
+        # thread's generator suspended in a block of the same stream.
+        taken = _take_matching(mine, self, frame) if mine else None
+        if taken is None:
+            if self._exit_elsewhere(frame, mine):
+                return
+            taken = _take_matching(mine, self, None) if mine else None
+            if taken is None:
+                raise self._unmatched_exit()
+        entry = taken[0]
+        if entry.device is None:
+            return      # left out of order: a newer block is still inside, the device stays (_take_out)
         if self._pid != _fin.pid:
             # a child forked inside the block: the entry goes, and no runtime call (r56)
             raise _fin.forked_error(self._backend)
-        if previous_stream._closed:
-            # Closed in the body: the default stream is current again, as after closing the
-            # current stream (restoring it made every later call on the current stream raise).
-            _current_table().pop(self._index, None)
-        else:
-            _current_table()[self._index] = previous_stream
-        self._backend.set_device(previous_device)
+        self._backend.set_device(entry.device)
 
     def _unmatched_exit(self) -> RuntimeError:
         return RuntimeError(f"{self!r}.__exit__ without a matching __enter__ on this thread: the current "
                             f"stream is per thread, so leave `with stream:` on the thread that entered it")
 
-    def _exit_out_of_order(self, stack: list) -> None:
-        """Leave this stream's innermost ``with`` while a newer one is still entered (asyncio
-        tasks of one thread, each in its own ``with stream:``, leave in any order; issue r15).
-
-        The entry is taken out of the thread's stack and what it saved passes to the entries
-        entered after it: the next one restores this one's device when it exits, and the next
-        one on this stream's device restores this one's previous stream.  With none on this
-        device, this stream stops being its device's current stream now.  The current device
-        stays (a newer block is still inside).  (Restoring the saved pair here would make a
-        newer block's stream, maybe another device's, lose its place: r4's bug.)"""
-        for k in range(len(stack) - 1, -1, -1):
-            if stack[k][2] == self:
-                break
-        else:
-            raise self._unmatched_exit()
-        previous_device, previous_stream, _ = stack.pop(k)
-        device_, stream_, entered = stack[k]
-        stack[k] = (previous_device, stream_, entered)
-        for j in range(k, len(stack)):
-            device_, stream_, entered = stack[j]
-            if entered._index == self._index:
-                stack[j] = (device_, previous_stream, entered)
-                return
-        if previous_stream._closed:
-            _current_table().pop(self._index, None)
-        else:
-            _current_table()[self._index] = previous_stream
+    def _exit_elsewhere(self, frame: int, mine: Optional["_Stack"]) -> bool:
+        """Leave a ``with self:`` block that another thread entered, from the frame that entered
+        it: a generator or coroutine suspended inside the block and closed by a collection that
+        runs in this thread (CPython collects in whichever thread allocates, and closes the
+        generator there).  Its entry is taken out of the entering thread's stack as an
+        out-of-order exit there (``_take_out``), so it keeps nothing alive; that thread's
+        current device stays (only a thread sets its own), and this thread's current stream
+        and device are untouched.  (torch's StreamContext restores its saved streams on the
+        exiting thread: the entering thread's streams became this one's.)  False when no
+        other thread has such a block."""
+        for ref in list(_stacks.values()):      # (a C copy: no thread switch midway)
+            stack = ref()
+            if stack is not None and stack is not mine and stack and _take_matching(stack, self, frame):
+                return True
+        return False
 
     # -- lifetime ------------------------------------------------------------------
     def close(self) -> None:
@@ -912,6 +911,100 @@ class Stream:
             if _live_streams.get(key) is self:
                 del _live_streams[key]
             _fin.RAISE_AGAIN[_fin.interrupt_key()]    # a Ctrl-C handled in here reaches the program (r62)
+
+
+class _Entry:
+    """One open ``with stream:`` block on a thread's stack: the device and the stream of the
+    entered stream's device that were current at its entry (restored at its exit), the stream
+    entered, and ``id()`` of the frame that entered it.  Mutable, so that passing saved state on
+    (``_take_out``) allocates nothing under the stack's lock."""
+
+    __slots__ = ("device", "stream", "entered", "frame")
+
+    def __init__(self, device: Optional[int], stream: "Stream", entered: "Stream", frame: int):
+        self.device, self.stream, self.entered, self.frame = device, stream, entered, frame
+
+    def __repr__(self):
+        return f"<with {self.entered!r}: saved device {self.device}, {self.stream!r}>"
+
+
+class _Stack(list):
+    """A thread's open ``with stream:`` blocks, oldest first, with its current-stream table
+    (``current``).  ``lock`` is held for each change: another thread's collection may close a
+    block of this thread (Stream._exit_elsewhere).  Nothing is allocated while it is held, so
+    no collection (and no finalizer that leaves a block) starts inside it."""
+
+    __slots__ = ("lock", "current", "__weakref__")
+
+
+#: Every thread's _Stack by id, for Stream._exit_elsewhere: a thread's goes with its
+#: thread-local data (the weak reference's callback).  (A list is unhashable: no WeakSet.)
+_stacks: Dict[int, "weakref.ref[_Stack]"] = {}
+
+
+def _drop_stack(ref: "weakref.ref[_Stack]", key: int) -> None:
+    if _stacks.get(key) is ref:
+        del _stacks[key]
+
+
+def _new_stack() -> _Stack:
+    stack = _Stack()
+    stack.lock = _locks.Lock("entering or leaving a `with stream:` block")
+    stack.current = _current_table()
+    key = id(stack)
+    _stacks[key] = weakref.ref(stack, functools.partial(_drop_stack, key=key))
+    _tls.stack = stack
+    return stack
+
+
+def _take_matching(stack: _Stack, stream: "Stream", frame: Optional[int]) -> Optional[tuple]:
+    """Take the newest entry of ``stream`` out of ``stack`` (entered by frame ``frame``, any when
+    None): ``_take_out``'s pair, or None when there is none.  The pair is kept by the caller
+    until the lock is released: a stream it replaced as current may be the last reference, and
+    its ``__del__`` (a collection) must not run under the lock."""
+    with stack.lock:
+        for k in range(len(stack) - 1, -1, -1):
+            entry = stack[k]
+            if (frame is None or entry.frame == frame) and (entry.entered is stream or entry.entered == stream):
+                return _take_out(stack, k, stream._index)
+    return None
+
+
+def _remove(stack: _Stack, entry: _Entry) -> None:
+    for k in range(len(stack) - 1, -1, -1):
+        if stack[k] is entry:
+            del stack[k]
+            return
+
+
+def _take_out(stack: _Stack, k: int, index: int) -> tuple:
+    """Take entry ``k`` (its stream on device ``index``) out of ``stack``, under its lock, and
+    restore what it saved in the stack's thread.  The newest entry restores that thread's stream
+    of ``index``; its device is left to the caller (``device`` stays set).  An older one (asyncio
+    tasks of one thread, each in its own ``with stream:``, leave in any order; issue r15) passes
+    what it saved to the entries entered after it: the next one restores this one's device when
+    it exits, and the next one on device ``index`` restores this one's stream.  With none on
+    ``index``, that stream is restored now.  The current device stays (a newer block is still
+    inside): ``device`` is set to None.  (Restoring the saved pair at once would make a newer
+    block's stream, maybe another device's, lose its place: r4's bug.)  Returns ``(entry, the
+    stream it replaced)``, for the caller to drop once the lock is released."""
+    entry = stack.pop(k)
+    if k < len(stack):
+        stack[k].device = entry.device
+        for j in range(k, len(stack)):
+            if stack[j].entered._index == index:
+                replaced, stack[j].stream = stack[j].stream, entry.stream
+                entry.device = None
+                return entry, replaced
+        entry.device = None
+    table = stack.current
+    if entry.stream._closed:
+        # Closed in the body: the default stream is current again, as after closing the current
+        # stream (restoring it made every later call on the current stream raise).
+        return entry, table.pop(index, None)
+    replaced = table.get(index)
+    table[index] = entry.stream
+    return entry, replaced
 
 
 def ExternalStream(stream_ptr: int, device: DeviceLike = None) -> Stream:
@@ -1527,6 +1620,7 @@ def _event_type(dev: DeviceLike) -> Optional[str]:
 def _reset() -> None:
     global _tls
     _tls = threading.local()
+    _stacks.clear()
     _defaults.clear()
     _live_streams.clear()
     _capture_events.clear()

@@ -267,6 +267,8 @@ def _start(monkeypatch, kind: str, **env):
         del warm
         accel.synchronize(d)
     accel.empty_pinned(16)                # the host allocator is made at the first pinned array
+    with accel.current_stream():          # a thread's `with stream:` stack is made at its first block
+        pass
     importlib.import_module("accel._dlpack")   # its enums are module state, not program state
     importlib.import_module("accel.graphs")    # its module lock too (the file alone imported it in a program)
     settle()

@@ -353,17 +353,15 @@ def test_with_stream_blocks_of_abandoned_generators_leave_nothing(sim2):
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-@pytest.mark.xfail(strict=True, reason=(
-    "r72e: accel.streams._tls.stack (the entering thread's) keeps one entry, and its Stream and the "
-    "generator's buffers, per `with stream:` block that a gc pass run by another thread closes: "
-    "Stream.__exit__ (accel/streams.py) finds no entry on the collecting thread's stack and raises "
-    "_unmatched_exit there, so the entering thread's entry is never removed"))
+# (r72e found; fixed in session 36)
 def test_a_with_stream_block_closed_by_another_threads_collection_leaves_nothing(sim2):
     """A generator suspended inside ``with stream:`` sits in a reference cycle; the collection
     that frees it runs in another thread (CPython collects in whichever thread allocates),
     which closes the generator there.  Nothing of it may stay: 60 of them."""
     for d in _devices():                 # (what the first fill makes once: XPU's event pool)
-        accel.Buffer(1024, device=d).fill_(1)
+        gen = _in_stream(accel.Stream(d), accel.Buffer(1024, device=d))
+        next(gen)
+        del gen
     settle()
     live = _live(sim2)
     for i in range(60):
