@@ -542,10 +542,6 @@ def _sync_for_consumer(buffer, stream_arg) -> None:
             return
         device, handle = consumer
         if handle == last._handle and device == last._index:
-            if backend.captures_underway():
-                # the consumer's work joins the capture: each replay runs it (r75f)
-                from .buffer import _note_captured
-                _note_captured(buffer, last)
             return
         # The event lives on the last-use stream's device (a peer copy may have used the buffer on
         # another device's stream: cudaEventRecord needs the stream's device); the wait runs with the

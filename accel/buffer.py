@@ -15,15 +15,14 @@ import operator
 import re
 import sys
 from typing import Optional
-from weakref import WeakValueDictionary as _WeakValueDictionary
 from weakref import ref as _weakref
 
 from . import _finalize as _fin
 from . import _lazy, _locks
 from ._copying import refuse as _refuse
 from ._device import DeviceLike, device
-from .streams import (Stream, _ExportMark, _Hold, _as_stream, _capture_events, _claim_close, _closed_during_use,
-                      _index_for, current_stream, on_device)
+from .streams import (Stream, _ExportMark, _Hold, _as_stream, _claim_close, _closed_during_use, _index_for,
+                      current_stream, on_device)
 
 __all__ = ["Buffer"]
 
@@ -324,22 +323,6 @@ def _parse_cai(cai, what: str):
 _export_lock = _locks.Lock("making a Buffer's table of CUDA array interface exports")
 
 
-def _note_captured(buf: "Buffer", stream: Stream) -> None:
-    """While an accel.Graph captures on ``stream``, the graph notes ``buf`` (weakly), so that each
-    replay notes its use on the replay stream (``Buffer._replayed_on``)."""
-    if not stream._backend.captures_underway():
-        return
-    from .streams import _capture_table
-    with stream._device_scope():
-        table = _capture_table(stream._backend, stream)
-    if table is not None:
-        used = table.get("buffers")
-        if used is None:
-            # by id (a subclass may be unhashable), held weakly: an entry goes with its buffer
-            used = table.setdefault("buffers", _WeakValueDictionary())
-        used[id(buf)] = buf
-
-
 def _released(mark) -> None:
     """Release an export mark (``streams._ExportMark``) or nothing; None, for the caller's variable."""
     if mark is not None:
@@ -582,8 +565,6 @@ class Buffer:
         """Note a use on ``stream``: it becomes the last-use stream; a non-owning buffer also
         remembers it, to wait for its work before the memory goes back to its owner."""
         self._last = stream
-        if _capture_events:
-            _note_captured(self, stream)
         if self._uses is not None:
             self._note_use(stream)
 
@@ -599,23 +580,6 @@ class Buffer:
             # waited for, the closed one by its device's synchronize, one kept per device (r73d)
             uses[("closed", stream._index)] = noted
             uses[key] = stream
-
-    def _replayed_on(self, stream: Stream) -> None:
-        """A graph replay on ``stream`` ran captured work on this buffer (``Graph.replay``): noted
-        as another use, as :meth:`record_stream`'s is, so that an export orders its consumer after
-        it (CAI v3 "multiple streams": ``_dlpack.order_after_other_uses``) and the free waits for
-        it; the last-use stream stays the one of accel's latest own call.  Nothing once closed."""
-        key = _begin_use(self)      # (a close() in another thread meanwhile leaves the memory to the pin)
-        try:
-            if self._closed or not self._nbytes:
-                return
-            if self._uses is not None:
-                self._note_use(stream)
-            elif stream is not self._stream and stream != self._stream:
-                _memory().device_allocator(self._index).record_stream(self._ptr, stream._handle, stream._index)
-                self._recorded = True
-        finally:
-            _end_use(self, key)
 
     def _writable(self) -> None:
         if self._readonly:
@@ -1111,9 +1075,6 @@ class Buffer:
                 # a close() in another thread after the checks above took the table before this
                 # mark was in it: the stream's destroy waits for nothing now (r75f)
                 _released(mark)
-        if _capture_events and self._backend.captures_underway():
-            # the consumer's work on the exported stream is captured: each replay runs it (r75f)
-            _note_captured(self, last)
         handle = last._handle
         return {"shape": (self._nbytes,), "typestr": "|u1", "data": (self._ptr, self._readonly),
                 "strides": None, "version": 3, "stream": handle if handle else _CAI_LEGACY_DEFAULT_STREAM}

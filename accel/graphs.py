@@ -103,7 +103,7 @@ class _Held:
     thing is released once, by whichever path took it."""
 
     __slots__ = ("backend", "index", "exec", "graph", "pool", "rng", "allocs", "host", "events", "stream",
-                 "capture_id", "discarded", "buffers", "noted")
+                 "capture_id", "discarded")
 
     def __init__(self):
         self.backend = None
@@ -118,8 +118,6 @@ class _Held:
         self.stream = None        # capturing Stream while capturing
         self.capture_id = None    # the backend's id of the capture underway
         self.discarded = None     # the graph of a capture discarded at capture_begin, its destroy failed
-        self.buffers = None       # the accel.Buffers its capture used (weakly, by id): each replay notes its stream
-        self.noted = None         # the replay streams noted on all of them so far (weakly, by id)
 
 
 def _holder_field(name: str) -> property:
@@ -199,8 +197,8 @@ class Graph:
         self._owed = []
 
     # the holder's fields, read-only (the graph's code stores into self._h)
-    (_backend, _index, _exec, _graph, _pool, _rng, _allocs, _host, _events, _stream, _capture_id, _discarded,
-     _buffers, _noted) = map(_holder_field, _Held.__slots__)
+    _backend, _index, _exec, _graph, _pool, _rng, _allocs, _host, _events, _stream, _capture_id, _discarded = map(
+        _holder_field, _Held.__slots__)
 
     def _register(self, backend) -> "_Held":
         """Register the holder's release with ``backend`` (once: the entry stays while the graph
@@ -519,16 +517,6 @@ class Graph:
                     h.allocs.replayed(handle)
                 if h.host is not None:
                     h.host.replayed(handle)
-                if h.buffers and (h.noted is None or h.noted.get(id(stream)) is not stream):
-                    # accel's work on them is queued on this stream now: an export orders its
-                    # consumer after it (CAI v3 "multiple streams"), as after a record_stream.  A
-                    # use stays noted while the buffer lives, so once per stream: a replay loop
-                    # pays nothing per buffer
-                    for buf in list(h.buffers.values()):
-                        buf._replayed_on(stream)
-                    if h.noted is None:
-                        h.noted = weakref.WeakValueDictionary()
-                    h.noted[id(stream)] = stream
         finally:
             # A Ctrl-C as the with statement called kept's or the hold's __exit__ (Python functions:
             # CPython checks for signals as one starts) left all it releases taken: released here
@@ -604,7 +592,7 @@ class Graph:
         moved.backend, moved.index, moved.exec, moved.graph, moved.pool = backend, h.index, h.exec, h.graph, h.pool
         moved.rng, moved.allocs, moved.host, moved.events = h.rng, h.allocs, h.host, h.events
         moved.discarded = h.discarded
-        h.exec = h.graph = h.pool = h.rng = h.allocs = h.host = h.discarded = h.buffers = h.noted = None
+        h.exec = h.graph = h.pool = h.rng = h.allocs = h.host = h.discarded = None
         h.events = ()
         _fin.pending.append((_fin.finalize, (_release_held, backend, moved)))   # (tried twice: r67d)
 
@@ -622,7 +610,6 @@ class Graph:
         if h.graph is not None:
             self._destroy_graph()
         h.events = ()
-        h.buffers = h.noted = None
         if h.pool is not None:
             from . import memory
             allocator = memory.device_allocator(h.index)
@@ -830,15 +817,11 @@ class _KeptInUse:
 @_signals_deferred
 def _take_capture_table(h, capture_id, keep_events: bool) -> None:
     """Move what an ended capture left in ``streams._capture_events`` to the graph's handles: the
-    pinned hold (buffer._capture_hold) and, with ``keep_events``, the events recorded in it and the
-    buffers it used (buffer._note_captured).  With
+    pinned hold (buffer._capture_hold) and, with ``keep_events``, the events recorded in it.  With
     signals deferred (r72d: a Ctrl-C as a pop returned left the hold on the stack only, and its
     pinned block parked for good)."""
     events = _capture_events.pop(capture_id, None) or {}
     h.host = events.pop("host", None)
-    buffers = events.pop("buffers", None)
-    h.buffers = buffers if keep_events else None
-    h.noted = None
     if keep_events:
         h.events = tuple(events.values())
 

@@ -602,7 +602,9 @@ def test_cai_export_during_a_capture_names_the_capturing_stream(cuda):
     assert accel.current_device_index() == 0
 
 
-# (r73e found; fixed in session 36)
+@pytest.mark.xfail(strict=True, reason="r73e: Graph.replay does not note the buffers its capture used on the "
+                                       "replay stream, so Buffer.__cuda_array_interface__ names the capture "
+                                       "stream and does not order the consumer after the pending replay")
 def test_cai_export_after_a_replay_on_another_stream_covers_the_replay(cuda):
     """A graph captured on S writes ``buf`` (7); it is replayed with another stream R current (R
     held), the graph's documented replay stream.  accel has enqueued work on the data on R: the
