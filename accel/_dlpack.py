@@ -593,9 +593,7 @@ def _refuse_waiting_on_capture(backend, last, consumer) -> None:
         if consumer == (last._index, last._handle):
             return
         if backend.records_events_in_capture:
-            from .streams import on_device
-            with on_device(backend, consumer[0]):
-                theirs = backend.capture_id(consumer[1])
+            theirs = _capture_of(backend, consumer[1], consumer[0])
             if theirs == capturing:
                 return      # a stream of the same capture: the wait is captured too
             # (as _refuse_wait_into_capture: a stream outside the capture waiting for an event
@@ -891,18 +889,21 @@ def _refuse_wait_into_capture(backend, signal: int, signal_device: int, waiter: 
     capturing signaller would be forked into the capture, so the copy it queues next is captured
     instead of run, and the capture cannot end until that stream joins back
     (cudaErrorStreamCaptureUnjoined)."""
-    from .streams import on_device
-    with on_device(backend, waiter_device):
-        theirs = backend.capture_id(waiter)
-    with on_device(backend, signal_device):
-        ours = backend.capture_id(signal)
-    if theirs == ours:
+    if _capture_of(backend, waiter, waiter_device) == _capture_of(backend, signal, signal_device):
         return
     raise CaptureError(f"the __cuda_array_interface__ producer's stream and the copy's stream ({signal:#x} on "
                        f"device {signal_device}, {waiter:#x} on device {waiter_device}) are not in the same "
                        f"stream capture: ordering them would invalidate the capture or pull the other stream "
                        f"into it.  Copy on the capturing stream itself, or outside the capture (synchronize the "
                        f"producer first); nothing was copied")
+
+
+def _capture_of(backend, handle: int, device: int):
+    """The id of the capture stream ``handle`` of ``device`` takes part in, or None (asked with
+    that device current: legacy and per-thread handles name the current device's stream)."""
+    from .streams import on_device
+    with on_device(backend, device):
+        return backend.capture_id(handle)
 
 
 def _accel_stream(backend, index: int, handle: int):

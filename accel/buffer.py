@@ -565,21 +565,17 @@ class Buffer:
         """Note a use on ``stream``: it becomes the last-use stream; a non-owning buffer also
         remembers it, to wait for its work before the memory goes back to its owner."""
         self._last = stream
-        if self._uses is not None:
-            self._note_use(stream)
-
-    def _note_use(self, stream: Stream) -> None:
-        """A non-owning buffer's record of a use on ``stream`` (the release waits for them)."""
         uses = self._uses
-        key = (stream._index, stream._handle)
-        noted = uses.get(key)
-        if noted is None:
-            uses[key] = stream
-        elif noted is not stream and noted._closed:
-            # a new stream given a closed one's handle (the driver reuses them): both are
-            # waited for, the closed one by its device's synchronize, one kept per device (r73d)
-            uses[("closed", stream._index)] = noted
-            uses[key] = stream
+        if uses is not None:
+            key = (stream._index, stream._handle)
+            noted = uses.get(key)
+            if noted is None:
+                uses[key] = stream
+            elif noted is not stream and noted._closed:
+                # a new stream given a closed one's handle (the driver reuses them): both are
+                # waited for, the closed one by its device's synchronize, one kept per device (r73d)
+                uses[("closed", stream._index)] = noted
+                uses[key] = stream
 
     def _writable(self) -> None:
         if self._readonly:

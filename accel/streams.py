@@ -789,8 +789,9 @@ class Stream:
         try:
             set_stream(self)
         except BaseException:
-            with stack.lock:
-                _remove(stack, entry)    # __exit__ will not run: leave no entry for another one to pop
+            with stack.lock:             # __exit__ will not run: leave no entry for another one to pop
+                if entry in stack:       # (by identity: _Entry has no __eq__)
+                    stack.remove(entry)
             raise
         return self
 
@@ -968,13 +969,6 @@ def _take_matching(stack: _Stack, stream: "Stream", frame: Optional[int]) -> Opt
             if (frame is None or entry.frame == frame) and (entry.entered is stream or entry.entered == stream):
                 return _take_out(stack, k, stream._index)
     return None
-
-
-def _remove(stack: _Stack, entry: _Entry) -> None:
-    for k in range(len(stack) - 1, -1, -1):
-        if stack[k] is entry:
-            del stack[k]
-            return
 
 
 def _take_out(stack: _Stack, k: int, index: int) -> tuple:
