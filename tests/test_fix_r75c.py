@@ -4,6 +4,7 @@ MPSHeapAllocatorImpl::release_cached_buffers), without ever waiting for the othe
 counters and the OOM error stay as before, and CUDA (pinned memory beside the device's) is left alone.
 """
 
+import contextlib
 import threading
 
 import numpy as np
@@ -73,16 +74,13 @@ def test_an_oom_after_both_caches_went_still_names_the_sizes(mps_small):
     assert keep.nbytes == 32 * MiB
 
 
-def test_a_busy_pinned_lock_is_not_waited_for(mps_small):
-    """The cross-release never waits: a thread holding the pinned allocator's lock (as its own
-    retry would, calling into the device allocator) leaves the device OOM to be reported."""
-    staged = accel.empty_pinned(32 * MiB, np.uint8)
-    del staged
-    host = memory.host_allocator()
+@contextlib.contextmanager
+def _held_by_another_thread(lock):
+    """``lock`` held by another thread for the body; the thread ends after it."""
     taken, done = threading.Event(), threading.Event()
 
     def hold():
-        with host._lock:
+        with lock:
             taken.set()
             done.wait(20)
 
@@ -90,12 +88,21 @@ def test_a_busy_pinned_lock_is_not_waited_for(mps_small):
     t.start()
     try:
         assert taken.wait(20)
-        with pytest.raises(accel.OutOfMemoryError):
-            accel.Buffer(40 * MiB)
+        yield
     finally:
         done.set()
         t.join(20)
-    assert not t.is_alive()
+        assert not t.is_alive()     # (also when the body raised, as the tests expect it to)
+
+
+def test_a_busy_pinned_lock_is_not_waited_for(mps_small):
+    """The cross-release never waits: a thread holding the pinned allocator's lock (as its own
+    retry would, calling into the device allocator) leaves the device OOM to be reported."""
+    staged = accel.empty_pinned(32 * MiB, np.uint8)
+    del staged
+    host = memory.host_allocator()
+    with pytest.raises(accel.OutOfMemoryError), _held_by_another_thread(host._lock):
+        accel.Buffer(40 * MiB)
     assert accel.Buffer(40 * MiB).nbytes == 40 * MiB    # lock free again: the pinned cache goes
 
 
@@ -103,23 +110,8 @@ def test_a_busy_device_lock_is_not_waited_for(mps_small):
     activations = accel.Buffer(40 * MiB)
     del activations
     alloc = memory.device_allocator(0)
-    taken, done = threading.Event(), threading.Event()
-
-    def hold():
-        with alloc._lock:
-            taken.set()
-            done.wait(20)
-
-    t = threading.Thread(target=hold, daemon=True)
-    t.start()
-    try:
-        assert taken.wait(20)
-        with pytest.raises(accel.OutOfMemoryError):
-            accel.empty_pinned(32 * MiB, np.uint8)
-    finally:
-        done.set()
-        t.join(20)
-    assert not t.is_alive()
+    with pytest.raises(accel.OutOfMemoryError), _held_by_another_thread(alloc._lock):
+        accel.empty_pinned(32 * MiB, np.uint8)
     assert accel.empty_pinned(32 * MiB, np.uint8).nbytes == 32 * MiB
 
 

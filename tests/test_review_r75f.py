@@ -14,17 +14,7 @@ from accel import _finalize as _fin
 
 from conftest import SIMS, use_sim
 
-DEV = 1
-N = 256
-
-
-@pytest.fixture
-def cuda(monkeypatch):
-    if "cuda" not in SIMS:
-        pytest.skip("ACCEL_TEST_SIMS leaves out cuda")
-    use_sim(monkeypatch, "cuda", ACCEL_SIM_DELAY_US=50)
-    accel.set_device_index(0)
-    return accel._lazy.lazy_init()
+from test_foreign_consumers_r73e import DEV, N, cuda  # noqa: F401  (the fixture: device 1 data, device 0 current)
 
 
 @pytest.fixture
