@@ -61,7 +61,7 @@ def collect() -> dict:
 
 def _nvrtc() -> dict:
     """Which libnvrtc accel.compile would use, and its version (loading it initializes nothing)."""
-    from .backends import _nvrtc
+    from .backends.cuda import nvrtc as _nvrtc
     try:
         _ffi, _lib, path = _nvrtc.open_lib()
         return {"library": str(path), "version": "%d.%d" % _nvrtc.version()}

@@ -678,7 +678,7 @@ def check_user_kernel(ctx: Context) -> dict:
     import accel
     if ctx.backend.name != "cuda":
         return {"skipped": f"accel.compile makes PTX for CUDA; this is {ctx.backend.name}"}
-    from .backends import _nvrtc
+    from .backends.cuda import nvrtc as _nvrtc
     why = _nvrtc.missing()
     if why:
         return {"skipped": f"NVRTC is not available: {why}"}

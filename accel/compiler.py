@@ -16,7 +16,7 @@ names read from the PTX, and the architecture it targets.  Declare kernels
 ``extern "C"`` so their entry names are the C names; C++ names are mangled.
 
 NVRTC comes from the nvidia-cuda-nvrtc wheel (``pip install 'accel[nvrtc]'``) or the
-toolkit; ``accel.backends._nvrtc`` binds it.  PTX from an NVRTC newer than the driver has a
+toolkit; ``accel.backends.cuda.nvrtc`` binds it.  PTX from an NVRTC newer than the driver has a
 PTX ISA version the driver cannot JIT: use an NVRTC no newer than the driver's CUDA version.
 """
 
@@ -177,7 +177,7 @@ def compile(source: Union[str, bytes], *, name: Optional[str] = None, options: S
         raise ValueError(f"the architecture is given twice: arch={arch!r} and options {arch_opts}; give one")
     target = _parse_arch(arch) if arch is not None else None
 
-    from .backends import _nvrtc
+    from .backends.cuda import nvrtc as _nvrtc
     nvrtc = _nvrtc.version()
     supported = _nvrtc.supported_archs()
     if target is not None:

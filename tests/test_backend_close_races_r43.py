@@ -206,7 +206,7 @@ def test_mps_synchronize_waiting_while_close_releases_the_stream(monkeypatch):
     """A stream_synchronize waiting on a command buffer outside the lock while close() releases
     the stream: the close empties the stream's in-flight list, so the synchronize's cleanup
     does not release that buffer a second time."""
-    from accel.backends import mps
+    from accel.backends.mps import _library as mps_lib
     be, h = _mps(monkeypatch)
     rt = be._rt
     real_send = rt.send
@@ -214,7 +214,7 @@ def test_mps_synchronize_waiting_while_close_releases_the_stream(monkeypatch):
 
     def send(receiver, msg, *args):
         stop = stops.get(threading.get_ident())
-        if stop is not None and msg is mps.M_WAIT and not stop[0].is_set():
+        if stop is not None and msg is mps_lib.M_WAIT and not stop[0].is_set():
             stop[0].set()
             assert stop[1].wait(60)
         return real_send(receiver, msg, *args)

@@ -11,8 +11,8 @@ import pytest
 
 import accel
 from accel import _lazy, sim
-from accel.backends import _cuda_libs
-from accel.backends._cuda_libs import Candidate, choose
+from accel.backends.cuda import libs as _cuda_libs
+from accel.backends.cuda.libs import Candidate, choose
 
 MAJORS = (13, 12)
 

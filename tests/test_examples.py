@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from accel.backends import _nvrtc
+from accel.backends.cuda import nvrtc as _nvrtc
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(REPO, "examples")

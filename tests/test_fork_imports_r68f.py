@@ -15,7 +15,7 @@ lock held) while another thread forks:
    ``accel.memory`` / ``accel.random`` / ``accel.sim`` ``accel.__getattr__`` imported the module
    again *inside the fork hook* (before the child's ``signal.alarm`` ran) and hung there;
 2. ``device_count()`` holds the backend's counting locks (CUDA ``_count_lock``, ``_choice_lock``,
-   ``_cuda_libs._probe_lock``; Level Zero's and Metal's backend lock) while it imports the
+   ``accel.backends.cuda.libs._probe_lock``; Level Zero's and Metal's backend lock) while it imports the
    simulator or loads libraries: the child's first call waited for them for good.
 
 A child that hangs gets SIGALRM (exit -14) from an at-fork hook registered before accel's.
@@ -113,7 +113,7 @@ _CASES = [
     ("cuda", "backend", "accel.backends.cuda"),       # the r67h case, held where it meant to be
     ("cuda", "backend", "accel.sim.core"),            # accel.sim is half run: getattr imported it
     ("cuda", "backend", "inspect"),                    # the count lock held, a stdlib module half run
-    ("cuda", "backend", "accel.backends._cuda_libs"),  # the runtime choice's lock held
+    ("cuda", "backend", "accel.backends.cuda.libs"),  # the runtime choice's lock held
     ("xpu", "backend", "accel.backends.xpu.discovery"),
     ("xpu", "backend", "ctypes"),                      # Level Zero's backend lock held
     ("mps", "backend", "accel.sim.metal"),

@@ -311,7 +311,7 @@ def test_metal_capsule_data_is_the_mtlbuffer_handle(monkeypatch, side):
     torch 2.13's from_dlpack of a kDLMetal capsule makes an MPS tensor over DLTensor.data (even
     the CPU build here, checked below).  accel
     hands out the contents address of a shared MTLBuffer as its "device pointer" (accel/backends/
-    mps.py) and exports that: a torch/MLX/TVM consumer on a Mac would message it as an
+    mps/memory.py) and exports that: a torch/MLX/TVM consumer on a Mac would message it as an
     Objective-C object.  NB: r63c's test_producer_capsule_fields asserts ``data + byte_offset ==
     buf.ptr + offset`` on mps too; a fix changes that expectation for Metal."""
     if "mps" not in SIMS:

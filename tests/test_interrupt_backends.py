@@ -47,7 +47,8 @@ _FREES = {"mem_free", "vmm_release", "vmm_free", "host_free", "_free"}
 def _targets():
     import accel.backends
     root = os.path.dirname(os.path.abspath(accel.backends.__file__))
-    return {os.path.abspath(p) for p in glob.glob(os.path.join(root, "*.py")) + glob.glob(os.path.join(root, "xpu", "*.py"))}
+    return {os.path.abspath(p) for p in glob.glob(os.path.join(root, "*.py")) + glob.glob(os.path.join(root, "xpu", "*.py"))
+            + glob.glob(os.path.join(root, "mps", "*.py")) + glob.glob(os.path.join(root, "cuda", "*.py"))}
 
 
 class _Inject(tia._Inject):

@@ -37,7 +37,8 @@ def _targets():
     # this file too: the program's own `with accel.graph(...)` (contextlib's __enter__/__exit__
     # start as Python functions called from it)
     return {os.path.abspath(p) for p in mods + [__file__] + glob.glob(os.path.join(root, "*.py"))
-            + glob.glob(os.path.join(root, "xpu", "*.py"))}
+            + glob.glob(os.path.join(root, "xpu", "*.py")) + glob.glob(os.path.join(root, "mps", "*.py"))
+            + glob.glob(os.path.join(root, "cuda", "*.py"))}
 
 
 class _Inject(tia._Inject):

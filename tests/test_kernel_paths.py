@@ -16,7 +16,7 @@ from _cffi_backend import FFI  # noqa: E402
 from accel import _lazy, sim  # noqa: E402
 from accel._ffi import has_symbol  # noqa: E402
 from accel._errors import AcceleratorError, KernelImageError  # noqa: E402
-from accel.backends import _cuda_driver  # noqa: E402
+from accel.backends.cuda import driver as _cuda_driver  # noqa: E402
 from accel.random import _device, philox  # noqa: E402
 from accel.sim import _cuda_images  # noqa: E402
 from conftest import use_sim  # noqa: E402

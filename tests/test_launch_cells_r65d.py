@@ -156,16 +156,16 @@ def test_threads_that_died_leave_no_argument_cells(seen, monkeypatch):
     launched at once: CI's dying-threads program saw the shared pool grow from 11 to 16 sets)."""
     import gc
     import weakref
-    from accel.backends import cuda as cuda_backend
+    from accel.backends.cuda import kernels as cuda_kernels
     be = accel._lazy.lazy_init()
     made = []
-    real_cells = cuda_backend._arg_cells
+    real_cells = cuda_kernels._arg_cells
 
     def tracked(ffi, n):
         cells = real_cells(ffi, n)
         made.append(weakref.ref(cells[3][0]))
         return cells
-    monkeypatch.setattr(cuda_backend, "_arg_cells", tracked)
+    monkeypatch.setattr(cuda_kernels, "_arg_cells", tracked)
     together = threading.Barrier(8)
     real_launch = be.lib.cudaLaunchKernel
 

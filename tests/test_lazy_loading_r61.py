@@ -30,7 +30,7 @@ import accel.random as R  # noqa: E402
 from accel import _finalize as _fin, _lazy, sim  # noqa: E402
 from accel._errors import AcceleratorError, KernelImageError  # noqa: E402
 from accel._ffi._cudart import ffi  # noqa: E402
-from accel.backends._cuda_driver import DriverKernels  # noqa: E402
+from accel.backends.cuda.driver import DriverKernels  # noqa: E402
 from accel.random import _device, philox  # noqa: E402
 from accel.sim import _cuda_images, kernels  # noqa: E402
 from conftest import use_sim  # noqa: E402

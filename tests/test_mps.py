@@ -400,7 +400,7 @@ def test_threads_share_the_backend(be):
 
 
 def test_selectors_and_casts_are_cached(be, monkeypatch):
-    from accel.backends import mps
+    from accel.backends.mps import _library as mps_lib
     rt = be._rt
     registered = []
     real = rt.lib.sel_registerName
@@ -408,12 +408,12 @@ def test_selectors_and_casts_are_cached(be, monkeypatch):
     p = be.mem_alloc(64)
     with rt.pool():
         buf = be._resolve(p, 64)[0].obj
-        assert rt.send(buf, mps.M_LENGTH) == 64
-        assert rt.send(buf, mps.M_LENGTH) == 64
+        assert rt.send(buf, mps_lib.M_LENGTH) == 64
+        assert rt.send(buf, mps_lib.M_LENGTH) == 64
     assert registered == [b"length"]
     # one cast per C signature, shared by every selector with that signature
-    assert rt._sender(mps.M_COMMIT) is rt._sender(mps.M_WAIT) is rt._sender(mps.M_END_ENCODING)
-    assert rt._sender(mps.M_COMMIT) is not rt._sender(mps.M_STATUS)
+    assert rt._sender(mps_lib.M_COMMIT) is rt._sender(mps_lib.M_WAIT) is rt._sender(mps_lib.M_END_ENCODING)
+    assert rt._sender(mps_lib.M_COMMIT) is not rt._sender(mps_lib.M_STATUS)
     be.mem_free(p)
 
 
@@ -430,18 +430,18 @@ def test_sim_rejects_a_cast_that_does_not_match_the_declaration(be):
 
 def test_sim_enforces_metal_validation_rules(be):
     rt = be._rt
-    from accel.backends import mps
+    from accel.backends.mps import _library as mps_lib
     with rt.pool():
-        a = rt.send(be._device, mps.M_NEW_BUFFER, 64, 0)
-        cb = rt.send(rt.send(be._device, mps.M_NEW_QUEUE), mps.M_COMMAND_BUFFER)
-        enc = rt.send(cb, mps.M_BLIT_ENCODER)
+        a = rt.send(be._device, mps_lib.M_NEW_BUFFER, 64, 0)
+        cb = rt.send(rt.send(be._device, mps_lib.M_NEW_QUEUE), mps_lib.M_COMMAND_BUFFER)
+        enc = rt.send(cb, mps_lib.M_BLIT_ENCODER)
         with pytest.raises(metal.MetalValidationError, match="multiple of 4"):
-            rt.send(enc, mps.M_COPY, a, 1, a, 8, 4)
+            rt.send(enc, mps_lib.M_COPY, a, 1, a, 8, 4)
         with pytest.raises(metal.MetalValidationError, match="active encoder"):
-            rt.send(cb, mps.M_COMMIT)
-        rt.send(enc, mps.M_END_ENCODING)
+            rt.send(cb, mps_lib.M_COMMIT)
+        rt.send(enc, mps_lib.M_END_ENCODING)
         with pytest.raises(metal.MetalValidationError, match="never committed"):
-            rt.send(cb, mps.M_WAIT)
+            rt.send(cb, mps_lib.M_WAIT)
         rt.release(a)
         with pytest.raises(metal.MetalValidationError, match="deallocated"):
-            rt.send(a, mps.M_LENGTH)
+            rt.send(a, mps_lib.M_LENGTH)

@@ -78,23 +78,23 @@ def test_bad_launch_geometry_is_refused_before_encoding(be, grid, block, shared)
 def test_sim_refuses_threadgroup_memory_and_grids_metal_cannot_run(be):
     """The simulator is as strict as Metal: more than maxThreadgroupMemoryLength (32 KB) is a
     validation error, and a grid a 32-bit threadgroup position cannot address is refused."""
-    from accel.backends import mps
+    from accel.backends.mps import _library as mps_lib
     rt = be._rt
     m = be.module_load(MSL)
     f = be.module_function(m, "accel_test_fill_u32")
     pipeline = be._functions[f][0]
     with rt.pool():
-        queue = rt.send(be._device, mps.M_NEW_QUEUE)
-        cb = rt.send(queue, mps.M_COMMAND_BUFFER)
-        enc = rt.send(cb, mps.M_COMPUTE_ENCODER)
-        rt.send(enc, mps.M_SET_PIPELINE, pipeline)
+        queue = rt.send(be._device, mps_lib.M_NEW_QUEUE)
+        cb = rt.send(queue, mps_lib.M_COMMAND_BUFFER)
+        enc = rt.send(cb, mps_lib.M_COMPUTE_ENCODER)
+        rt.send(enc, mps_lib.M_SET_PIPELINE, pipeline)
         with pytest.raises(metal.MetalValidationError, match="maxThreadgroupMemoryLength"):
-            rt.send(enc, mps.M_SET_THREADGROUP_MEMORY, 64 * 1024, 0)
+            rt.send(enc, mps_lib.M_SET_THREADGROUP_MEMORY, 64 * 1024, 0)
         big = rt.ffi.new("MTLSize *", (2 ** 32, 1, 1))[0]
         one = rt.ffi.new("MTLSize *", (1, 1, 1))[0]
         with pytest.raises(metal.MetalValidationError, match="2\\*\\*32-1"):
-            rt.send(enc, mps.M_DISPATCH, big, one)
-        rt.send(enc, mps.M_END_ENCODING)
+            rt.send(enc, mps_lib.M_DISPATCH, big, one)
+        rt.send(enc, mps_lib.M_END_ENCODING)
         rt.release(queue)
     be.module_unload(m)
 
@@ -224,7 +224,7 @@ def test_destroying_a_stream_while_another_thread_synchronizes_it(be, monkeypatc
     crashes on the over-release).  The destroy happens, deterministically, while the first
     thread waits outside the lock."""
     import threading
-    from accel.backends import mps
+    from accel.backends.mps import _library as mps_lib
     s = be.stream_create()
     p = be.mem_alloc(64)
     be.memset_async(p, 1, 64, s)
@@ -233,7 +233,7 @@ def test_destroying_a_stream_while_another_thread_synchronizes_it(be, monkeypatc
     fired = []
 
     def send(receiver, msg, *args):
-        if msg is mps.M_WAIT and not fired:
+        if msg is mps_lib.M_WAIT and not fired:
             fired.append(True)
             other = threading.Thread(target=be.stream_destroy, args=(s,))
             other.start()

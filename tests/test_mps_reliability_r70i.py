@@ -3,8 +3,8 @@ object accel makes is released exactly once on every path, autorelease pools are
 every path, Metal's nil / NSError answers become Python exceptions that name the call, and
 state stays bounded by live objects.
 
-accel/backends/mps.py talks to Metal through accel/backends/_objc.py (``objc_msgSend`` cast per
-signature, ``objc_retain``/``objc_release``, ``objc_autoreleasePoolPush``/``Pop``).  The
+The accel/backends/mps package talks to Metal through accel/backends/_objc.py (``objc_msgSend``
+cast per signature, ``objc_retain``/``objc_release``, ``objc_autoreleasePoolPush``/``Pop``).  The
 simulator (accel/sim/metal.py) counts references as Cocoa does: it raises
 ``MetalValidationError`` for a message to a deallocated object or an over-release (a Mac
 crashes there), reports ``live_counts()`` ({class: objects not yet deallocated}) and
@@ -28,7 +28,7 @@ Paths checked:
    NSError answers the simulator cannot inject (a test stands in for the simulator's method:
    ``newFunctionWithName:`` nil, ``newComputePipelineStateWithFunction:error:`` NSError,
    ``[MTLCompileOptions new]`` nil, no system device);
-3. a KeyboardInterrupt at each point CPython can raise one in mps.py and _objc.py
+3. a KeyboardInterrupt at each point CPython can raise one in accel/backends/mps/*.py and _objc.py
    (tests/test_interrupt_backends.py's injector), through a kernel / event / copy / free
    workload, ``init()``, ``close()``, and the synchronizes that report a failed command buffer;
 4. gc of the owning accel objects (Stream, Event, Buffer, Module/Kernel, in reference cycles);
@@ -36,7 +36,7 @@ Paths checked:
    graphs: live objects, backend tables, simulator queues and the finalizer registry flat;
 6. two threads at once on the backend and on the public API;
 7. a user's ``gc.callbacks`` function calling accel while this thread holds the backend's lock
-   (a collection started at each line of mps.py run under it: tests/test_concurrency_r69h.py's
+   (a collection started at each line of the mps package run under it: tests/test_concurrency_r69h.py's
    hook, made deterministic), and accel's own finalizers run by such a collection.
 
 Bugs found are strict xfails (r70i); see each test's reason.
@@ -44,6 +44,7 @@ Bugs found are strict xfails (r70i); see each test's reason.
 
 import ctypes
 import gc
+import glob
 import os
 import sys
 import threading
@@ -68,7 +69,8 @@ MSL = (b"kernel void accel_test_fill_u32(device uint *out [[buffer(0)]], constan
        b"{ if (i < n) out[i] = value; }\n")
 MSL_TEXT = "\n" + MSL.decode()       # accel.Module takes source text with newlines
 N = 1024
-TARGETS = {os.path.abspath(mps_mod.__file__), os.path.abspath(_objc.__file__)}
+MPS_FILES = {os.path.abspath(p) for p in glob.glob(os.path.join(os.path.dirname(mps_mod.__file__), "*.py"))}
+TARGETS = MPS_FILES | {os.path.abspath(_objc.__file__)}
 HANG_S = 30.0
 
 
@@ -973,12 +975,11 @@ def test_two_threads_at_once_on_the_backend_and_the_api(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # 7. a collection inside the backend's lock: a user's gc callback, accel's own finalizers
 # ---------------------------------------------------------------------------------------------
-_MPS = os.path.abspath(mps_mod.__file__)
 
 
 class _CollectInsideLock:
-    """Starts a collection at the ``fire``-th line of mps.py run while this thread holds the
-    backend's lock (as an allocation there would), with ``before()`` run first (to leave
+    """Starts a collection at the ``fire``-th line of the mps package run while this thread holds
+    the backend's lock (as an allocation there would), with ``before()`` run first (to leave
     garbage for it); counts the lines when ``fire`` is 0."""
 
     def __init__(self, be, fire: int, before=None):
@@ -986,13 +987,14 @@ class _CollectInsideLock:
         self.count, self.site = 0, None
 
     def _global(self, frame, event, arg):
-        return self._local if frame.f_code.co_filename == _MPS else None
+        return self._local if frame.f_code.co_filename in MPS_FILES else None
 
     def _local(self, frame, event, arg):
         if event == "line" and self.be._lock.owned():
             self.count += 1
             if self.count == self.fire:
-                self.site = f"mps.py:{frame.f_lineno} {frame.f_code.co_name}"
+                where = os.path.basename(frame.f_code.co_filename)
+                self.site = f"mps/{where}:{frame.f_lineno} {frame.f_code.co_name}"
                 if self.before is not None:
                     self.before()
                 gc.collect()
@@ -1028,7 +1030,7 @@ class _ApiWork:
 
 
 def _sweep_collections(phase: str, user_call, garbage=None, stride=1):
-    """Run _ApiWork with a collection at each line of mps.py under the backend's lock (every
+    """Run _ApiWork with a collection at each line of the mps package under the backend's lock (every
     ``stride``-th), a user's gc callback calling ``user_call`` at ``phase`` (None: no call); with
     ``garbage``, a reference cycle it makes before each run is dropped just before that
     collection (so the collection frees it there).  In a thread, so that a hang fails the test.
@@ -1094,7 +1096,7 @@ def _sweep_collections(phase: str, user_call, garbage=None, stride=1):
 
 def test_a_gc_callback_at_collection_start_inside_the_backend_lock_is_refused_cleanly(monkeypatch):
     """A user's gc callback (appended after ``import accel``) calls ``accel.synchronize()`` as a
-    collection starts at each line of mps.py run under the backend's lock: the call works or is
+    collection starts at each line of the mps package run under the backend's lock: the call works or is
     refused with AcceleratorError (accel._locks.RLock: it would re-enter the half-done call),
     and the interrupted work completes with the right results."""
     use_sim(monkeypatch, "mps")
@@ -1126,7 +1128,7 @@ def test_a_gc_callback_after_a_collection_inside_the_backend_lock_never_corrupts
 
 
 def test_finalizers_run_by_a_collection_inside_the_backend_lock_are_deferred(monkeypatch):
-    """A collection starting at each line of mps.py under the backend's lock frees a reference
+    """A collection starting at each line of the mps package under the backend's lock frees a reference
     cycle holding a Stream, an Event, a Buffer, pinned memory and a Module with its Kernel:
     their finalizers never wait on the lock this thread holds (they are deferred), the work
     completes, nothing is reported as unraisable, and at the next entry of the API every Metal

@@ -11,7 +11,7 @@ version 13): each function's ``@return`` list, the struct comments and ``nvmlIni
   string buffers one byte short, ``nvmlDeviceGetHandleByUUID`` / ``...ByPciBusId_v2`` formats,
   the versioned ``nvmlMemory_v2_t``, the ``nvmlDeviceGetComputeRunningProcesses_v3`` buffer
   protocol and its struct layout, MIG queries on a GPU without MIG, flags, threads, fork.
-* accel's own NVML use (``accel/backends/_cuda_discovery.py``, ``_cuda_nvml.py``): one
+* accel's own NVML use (``accel/backends/cuda/discovery.py``, ``nvml.py``): one
   nvmlInit_v2 per process that accel keeps (never a second, never a lost one), every failing
   NVML call of a reading raised as an AcceleratorError naming the call and the error, and a
   forked child initializing NVML for itself once.
@@ -508,7 +508,7 @@ def test_accel_initializes_nvml_once_whatever_it_reads(monkeypatch):
     assert _held() == (1, 1)
 
 
-_RACE_BUG = ("r70k: CudaDiscoveryMixin._nvml_lib (accel/backends/_cuda_discovery.py:75-89) checks and sets "
+_RACE_BUG = ("r70k: CudaDiscoveryMixin._nvml_lib (accel/backends/cuda/discovery.py:75-89) checks and sets "
              "self._nvml without a lock; count() (under _count_lock) and init() -> _open('cudart') -> "
              "cudart_choice() (under _choice_lock) both reach it, so two first uses each call nvmlInit_v2 "
              "and one reference is never shut down")
@@ -781,7 +781,7 @@ def test_torch_device_count_nvml_and_index_mapping_agree(monkeypatch, torch_over
 
 
 _STICKY_BUG = ("r70k: a failed nvmlInit_v2 is remembered for the process (CudaDiscoveryMixin._nvml_lib, "
-               "accel/backends/_cuda_discovery.py:80-88 sets _nvml_error and never tries again); torch's "
+               "accel/backends/cuda/discovery.py:80-88 sets _nvml_error and never tries again); torch's "
                "readings call pynvml.nvmlInit() each time and answer once NVML initializes")
 
 

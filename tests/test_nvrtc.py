@@ -18,7 +18,7 @@ import pytest
 import accel
 import accel._ffi as F
 from accel import compiler
-from accel.backends import _nvrtc
+from accel.backends.cuda import nvrtc as _nvrtc
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -16,7 +16,7 @@ import pytest
 import accel
 from accel import _ffi, _lazy, backends
 from accel._ffi import _site_dirs
-from accel.backends import _cuda_libs
+from accel.backends.cuda import libs as _cuda_libs
 
 #: major -> (wheel, its libcudart under site-packages, the version it is pinned to in .ci/run)
 WHEELS = {12: ("nvidia-cuda-runtime-cu12", os.path.join("nvidia", "cuda_runtime", "lib", "libcudart.so.12"), 12040),

@@ -48,6 +48,7 @@ num_host_alloc/num_host_free after reset_accumulated_host_memory_stats against
 CachingHostAllocator.h on the three simulators (100 bytes -> 128, 0 bytes allowed).
 """
 
+import glob
 import os
 import threading
 import faulthandler
@@ -222,8 +223,8 @@ def _sweep(which: str) -> list:
     capture mode afterwards, whether the capture was still valid, and the simulator
     allocations left (the allocation a completed run returned is freed after the capture)."""
     be = _lazy.lazy_init()
-    import accel.backends.cuda as cuda_module
-    targets = {os.path.abspath(cuda_module.__file__)}
+    import accel.backends.cuda as cuda_package
+    targets = {os.path.abspath(p) for p in glob.glob(os.path.join(os.path.dirname(cuda_package.__file__), "*.py"))}
     alloc, free = (be.mem_alloc, be.mem_free) if which == "device" else (be.host_alloc, be.host_free)
     with on_device(be, 1):
         stream = be.stream_create()

@@ -63,7 +63,7 @@ np = pytest.importorskip("numpy")
 
 import accel  # noqa: E402
 from accel import _ffi, _finalize, _lazy, _locks  # noqa: E402
-from accel.backends import _cuda_libs  # noqa: E402
+from accel.backends.cuda import libs as _cuda_libs  # noqa: E402
 from accel.random import _fills, _transforms  # noqa: E402
 from conftest import SIMS, run_forked, use_sim  # noqa: E402
 
@@ -229,7 +229,7 @@ def test_an_nvrtc_override_naming_a_directory_is_refused_naming_the_variable(mon
     """ACCEL_NVRTC_PATH may name a wheel's lib/ directory (nvrtc_search takes the libnvrtc in
     it).  When that directory holds none, the error must name the variable and its value, not
     say NVRTC is not installed and advise setting the variable that is set."""
-    from accel.backends import _nvrtc
+    from accel.backends.cuda import nvrtc as _nvrtc
     monkeypatch.setenv("ACCEL_NVRTC_PATH", str(tmp_path))
     monkeypatch.delitem(_ffi._opened, "nvrtc", raising=False)
     with pytest.raises(accel.AcceleratorError) as err:

@@ -1,7 +1,7 @@
 """Adversarial review (r70m) of the lead's fixes since 9ba9859 and of acaad4e/7a7a88d they build
 on: ``Backend.after_gate`` deferring to ``accel._finalize.pending`` and ``drain`` skipping under
 the capture gate; the runtime loader's ELF check (``accel._ffi.elf_problem``), ``_explicit`` and
-the explicit-directory branch of ``_cuda_libs.choose``; NVML's open+init lock; the Metal
+the explicit-directory branch of ``accel.backends.cuda.libs.choose``; NVML's open+init lock; the Metal
 backend's deferred init/close; the ``_seeding`` lock of ``accel.random``.
 
 What the project promises and these tests hold it to: user code that accel runs (a DLPack

@@ -1,6 +1,6 @@
 """Adversarial review (r71b) of sessions 29-30 (6044cf2..4fd6984): the library loader
 (accel/_ffi: ``elf_problem``, ``_explicit``, ``LibraryNotFound.override``, the entry symbols), the
-runtime choice (accel/backends/_cuda_libs.py, _cuda_discovery.py, _nvrtc.py), seeding before
+runtime choice (accel/backends/cuda/libs.py, discovery.py, nvrtc.py), seeding before
 initialization and the int32 ``_wide`` randint rule (accel/random), and the fatbin/cubin readers
 (accel/_cuda_containers.py).
 
@@ -24,7 +24,7 @@ Bugs (strict xfails; each reason names the cause):
    set_rng_state is no longer followed by the earlier manual_seed, as torch's queue has it.
 5. elf_entries reads section headers at any e_shentsize (0: one header read e_shnum times).
 6. fatbin_entries takes an entry whose payload runs past the container's declared end.
-7. _cuda_libs' module docstring says versions are read from file names (the code never does).
+7. accel.backends.cuda.libs' module docstring says versions are read from file names (the code never does).
 8. A runtime found through a relative sys.path entry (or a relative CUDA_HOME) is chosen by a
    relative path, opened at init: after a chdir it is "cannot open shared object file".
 9. manual_seed_all before init seeds only the devices counted at the call; torch's queued call
@@ -56,7 +56,7 @@ import pytest
 import accel
 import accel.random as R
 from accel import _cuda_containers, _ffi
-from accel.backends import _cuda_libs
+from accel.backends.cuda import libs as _cuda_libs
 from accel.kernels import _module
 from accel.random import _fills, _transforms
 from conftest import use_sim
@@ -111,7 +111,7 @@ def test_a_relative_override_that_fails_is_named_as_the_override(monkeypatch, tm
 
 # (r71b found; fixed in session 31)
 def test_accel_compile_with_a_bad_relative_nvrtc_path_names_the_variable(monkeypatch, tmp_path):
-    from accel.backends import _nvrtc
+    from accel.backends.cuda import nvrtc as _nvrtc
     _fresh_loader(monkeypatch)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("ACCEL_NVRTC_PATH", os.path.join("nolib", "libnvrtc.so.13"))
@@ -192,7 +192,7 @@ def test_open_library_cudart_on_another_library_is_library_not_found(monkeypatch
 # =============================================================================================
 _CHOOSE = """
 import json
-from accel.backends import _cuda_libs
+from accel.backends.cuda import libs as _cuda_libs
 ch = _cuda_libs.choose_real(12040, "test: a CUDA 12.4 driver")
 print(json.dumps(ch.as_dict()))
 """

@@ -1,7 +1,7 @@
 """Adversarial review of session 31's changes (round r71n): peer copies without peer access, NVML
 matched by UUID, the loader's soname resolution, RNG seeding queued for init, graphs.
 
-accel bugs shown (strict xfail), all in accel/backends/_cuda_nvml.py smi_index/_nvml_index_of:
+accel bugs shown (strict xfail), all in accel/backends/cuda/nvml.py smi_index/_nvml_index_of:
 
 * the UUID match runs only when more than one device is visible (``len(ordinals) > 1``): with
   CUDA_VISIBLE_DEVICES=1 on a machine whose CUDA order is not its PCI order, telemetry of device 0

@@ -35,7 +35,7 @@ import pytest
 
 import accel
 from accel import _lazy, backends, sim
-from accel.backends import _cuda_libs
+from accel.backends.cuda import libs as _cuda_libs
 from conftest import run_forked, use_sim
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -284,7 +284,7 @@ def test_cudart_path_naming_another_real_library_is_refused_by_name(monkeypatch)
 _PROBE_BAD_OVERRIDES = """
 import json
 from accel import backends
-from accel.backends import _nvrtc
+from accel.backends.cuda import nvrtc as _nvrtc
 out = {"ACCEL_NVML_PATH": backends.get("cuda").report().get("nvml_error") or "",
        "ACCEL_ZE_PATH": backends.get("xpu").report().get("reason") or ""}
 try:
@@ -310,7 +310,7 @@ def test_a_bad_library_override_is_refused_naming_the_variable(tmp_path):
 
 _PROBE_RESOLVED = """
 import ctypes, json, os, sys
-from accel.backends import _cuda_libs
+from accel.backends.cuda import libs as _cuda_libs
 from accel._ffi import _cudart
 for path in sys.argv[1:3]:          # other code of the process loaded these first
     ctypes.CDLL(path)

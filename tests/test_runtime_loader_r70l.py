@@ -36,7 +36,7 @@ import pytest
 
 import accel
 from accel import _lazy, backends
-from accel.backends import _cuda_libs
+from accel.backends.cuda import libs as _cuda_libs
 from conftest import run_forked, use_sim
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -157,7 +157,7 @@ def test_a_library_of_another_architecture_is_named_as_such(tmp_path):
 
 _PROBE_CHOICE = """
 import json
-from accel.backends import _cuda_libs
+from accel.backends.cuda import libs as _cuda_libs
 ch = _cuda_libs.choose_real(12040, "test: a CUDA 12.4 driver")
 print(json.dumps(ch.as_dict()))
 """
@@ -206,7 +206,7 @@ def test_probing_leaves_no_library_loaded_but_the_one_opened():
     w12 = _wheel12()
     got = _fresh_python("""
 import gc, json, os
-from accel.backends import _cuda_libs
+from accel.backends.cuda import libs as _cuda_libs
 from accel import _ffi
 def mapped():
     return sorted({l.split()[-1] for l in open("/proc/self/maps") if "libcudart" in l})
@@ -335,7 +335,7 @@ _PROBE_THREADS = """
 import collections, json, threading
 import accel
 from accel import backends
-from accel.backends import _cuda_libs
+from accel.backends.cuda import libs as _cuda_libs
 calls = collections.Counter()
 real = _cuda_libs._probe
 def counting(path):
@@ -388,7 +388,7 @@ _PROBE_NVRTC = """
 import json, sys
 sys.path.append(sys.argv[1])
 import accel
-from accel.backends import _nvrtc
+from accel.backends.cuda import nvrtc as _nvrtc
 first = _nvrtc.version() if sys.argv[2] == "compile first" else None
 accel.current_device_index()
 from accel import backends

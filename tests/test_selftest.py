@@ -11,7 +11,7 @@ import pytest
 import accel
 from accel import _selftest_checks as checks
 from accel import selftest
-from accel.backends import _nvrtc
+from accel.backends.cuda import nvrtc as _nvrtc
 
 from conftest import THOROUGH, use_sim
 
@@ -96,7 +96,7 @@ def test_user_kernel_check_on_the_simulator_says_so(monkeypatch):
 
 def test_user_kernel_check_skips_with_the_reason_without_nvrtc(monkeypatch):
     use_sim(monkeypatch, "cuda")
-    from accel.backends import _nvrtc
+    from accel.backends.cuda import nvrtc as _nvrtc
 
     def absent():
         raise RuntimeError("no libnvrtc: pip install 'accel[nvrtc]'\nsearched: ...")

@@ -244,7 +244,7 @@ def test_origin_stream_dropped_in_capture_is_held_until_the_end(be, monkeypatch,
 def _unjoined_end_once(monkeypatch, be) -> None:
     """The first cudaStreamEndCapture fails as for unjoined work (904) and leaves the capture
     underway, which the Runtime API allows for a capture that was not invalidated (only an
-    invalidated capture is documented to end on failure): accel/backends/cuda.py capture_end then
+    invalidated capture is documented to end on failure): accel/backends/cuda/graphs.py capture_end then
     ends it again and destroys what it captured."""
     real = be.lib.cudaStreamEndCapture
     state = {"n": 0}
@@ -317,7 +317,7 @@ def test_failed_end_beside_another_capture_sim(be, monkeypatch, index):
 @pytest.mark.parametrize("index", [0, 1])
 def test_graph_reset_during_another_capture_defers_the_destroys(be, monkeypatch, index):
     """Graph.reset() / a graph's collection while another capture is underway: the backend
-    queues cudaGraphExecDestroy/cudaGraphDestroy for the end of the captures (cuda.py graph_destroy,
+    queues cudaGraphExecDestroy/cudaGraphDestroy for the end of the captures (accel/backends/cuda/graphs.py graph_destroy,
     _after_captures), so neither reaches the runtime inside a capture."""
     destroys = _spy(monkeypatch, be, "cudaGraphDestroy")
     exec_destroys = _spy(monkeypatch, be, "cudaGraphExecDestroy")
@@ -445,7 +445,7 @@ def h100_vmm_in_capture(monkeypatch) -> None:
 def test_expandable_segments_make_no_vmm_call_in_an_accel_capture(monkeypatch, index, h100):
     """accel never calls cuMem* while its own capture is underway: the allocator takes classic
     segments for capture-time misses (_caching.py _malloc_miss), frees to the graph's pool, and the
-    backend refuses any cuMem* itself first (_cuda_vmm.py _vmm_not_capturing).  The H100's 0 is
+    backend refuses any cuMem* itself first (accel/backends/cuda/vmm.py _vmm_not_capturing).  The H100's 0 is
     therefore never reached, and the allocator does the same on both."""
     use_sim(monkeypatch, "cuda", PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
     if h100:
@@ -637,7 +637,7 @@ def test_async_allocator_never_makes_the_refused_pool_calls(monkeypatch, index):
 
 @pytest.mark.parametrize("index", [0, 1])
 def test_copies_pass_cudaMemcpyDefault_and_never_cudaMemcpy(be, monkeypatch, index):
-    """Every copy accel makes is cudaMemcpyAsync with cudaMemcpyDefault (cuda.py memcpy_async), so a
+    """Every copy accel makes is cudaMemcpyAsync with cudaMemcpyDefault (accel/backends/cuda/memory.py memcpy_async), so a
     kind that does not match pinned, pool or mapped memory (H100: 0, the simulator: 1) never
     happens; synchronous cudaMemcpy (overlapping, wrong kind, or in a global capture: H100 0,
     the simulator 1 or 900) is never called (no binding of accel calls it)."""
@@ -694,7 +694,7 @@ def test_pageable_copy_in_a_capture_is_refused_before_the_call(be, monkeypatch, 
 
 @pytest.mark.parametrize("index", [0, 1])
 def test_capture_mode_exchange_passes_only_known_modes(be, monkeypatch, index):
-    """The only caller (cuda.py _relaxed_capture_mode, around a cudaMalloc/cudaHostAlloc in a
+    """The only caller (accel/backends/cuda/memory.py _relaxed_capture_mode, around a cudaMalloc/cudaHostAlloc in a
     capture) passes cudaStreamCaptureModeRelaxed and then the mode it got back."""
     calls = _spy(monkeypatch, be, "cudaThreadExchangeStreamCaptureMode")
     with accel.device_index(index):
@@ -720,7 +720,7 @@ def test_capture_mode_exchange_passes_only_known_modes(be, monkeypatch, index):
 @pytest.mark.parametrize("index", [0, 1])
 def test_external_event_waited_in_its_own_capture(be, monkeypatch, index):
     """An Event(external=True) recorded inside a capture is recorded with cudaEventRecordExternal
-    (an event record node, cuda.py event_record), never plainly, so a wait on it with the external
+    (an event record node, accel/backends/cuda/streams.py event_record), never plainly, so a wait on it with the external
     flag in the same capture is not the refused case (the simulator: 900 for an event *plainly*
     recorded in the capture; H100: 0): no wait returns 900 and the capture stays valid."""
     waits = _spy(monkeypatch, be, "cudaStreamWaitEvent")
@@ -767,7 +767,7 @@ def test_occupancy_queries_stay_within_the_block_limit(be, saxpy_on, monkeypatch
 @pytest.mark.parametrize("index", [0, 1])
 def test_forked_child_counts_without_the_runtime(be, index):
     """device_count() in a child forked after init answers from the parent's final count
-    (_cuda_discovery.py count): the child never calls cudaGetDeviceCount, and lazy_init refuses
+    (accel/backends/cuda/discovery.py count): the child never calls cudaGetDeviceCount, and lazy_init refuses
     there before any runtime call (_lazy.py), so the H100's 0 is never relied on or reached."""
     from conftest import run_forked, vendor_calls_made_by
     accel.Buffer(64, device=index)

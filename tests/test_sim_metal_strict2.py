@@ -17,7 +17,8 @@ import pytest
 import accel
 from accel import backends
 from accel._errors import AcceleratorError
-from accel.backends import _objc, mps
+from accel.backends import _objc
+from accel.backends.mps import _library as mps_lib
 from accel.sim import core, metal
 from conftest import use_sim
 
@@ -162,7 +163,7 @@ def test_interrupted_synchronize_releases_its_command_buffer_retains(be, monkeyp
     real_send = rt.send
 
     def send(receiver, msg, *args):
-        if msg is mps.M_WAIT:
+        if msg is mps_lib.M_WAIT:
             monkeypatch.setattr(rt, "send", real_send)
             raise KeyboardInterrupt
         return real_send(receiver, msg, *args)
@@ -350,7 +351,7 @@ def test_close_while_another_thread_synchronizes(monkeypatch):
     closed = []
 
     def send(receiver, msg, *args):
-        if msg is mps.M_WAIT and not closed:
+        if msg is mps_lib.M_WAIT and not closed:
             closed.append(True)
             other = threading.Thread(target=be.close)
             other.start()

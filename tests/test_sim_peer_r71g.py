@@ -24,13 +24,13 @@ Simulator rules added (each cites its document in the simulator's comments; acce
 accel bugs shown (strict xfail):
 
 * cudaMallocAsync backend: Buffer.copy_from between devices that are not peer-capable queues a
-  ``cudaMemcpyAsync`` the copying device has no pool access for (accel/backends/cuda.py memcpy_async;
+  ``cudaMemcpyAsync`` the copying device has no pool access for (accel/backends/cuda/memory.py memcpy_async;
   accel/memory/_async.py add_peer skips the access it cannot grant): it faults; torch uses
   ``cudaMemcpyPeerAsync`` there.
 * expandable segments: the same copy calls ``cuMemSetAccess`` for the other device unconditionally
   (accel/memory/_caching.py add_peer; torch's ``enablePeerAccess`` grants it only when
   ``cudaDeviceCanAccessPeer`` is 1), which is refused, so the copy raises.
-* NVML telemetry is read by index (accel/backends/_cuda_nvml.py smi_index: CUDA ordinal == NVML
+* NVML telemetry is read by index (accel/backends/cuda/nvml.py smi_index: CUDA ordinal == NVML
   index, as torch's ``_get_nvml_device_index``): when the CUDA order is not the PCI bus order,
   ``device_memory_used(0)`` reads another GPU.
 """

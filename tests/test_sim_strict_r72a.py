@@ -312,7 +312,7 @@ def test_library_load_with_jit_options_is_not_simulated(cuda):
 
 
 def test_accel_module_loads_without_options(monkeypatch):
-    """accel's module_load passes no options (accel/backends/cuda.py): a module still loads and runs on
+    """accel's module_load passes no options (accel/backends/cuda/kernels.py): a module still loads and runs on
     device 1."""
     from accel.sim import kernels
     use_sim(monkeypatch, "cuda")

@@ -44,7 +44,7 @@ the copy runs at each replay (buffer.py ``Buffer._copy_from``).
 
 Not a bug, noted: before the runtime starts, under the default FASTEST_FIRST order,
 ``list_gpu_processes(0)`` names NVML GPU 0, after it GPU 1 (the UUID match); accel documents the
-position as exact only under PCI_BUS_ID or with identical GPUs (accel/backends/_cuda_nvml.py), and
+position as exact only under PCI_BUS_ID or with identical GPUs (accel/backends/cuda/nvml.py), and
 the simulator's GPUs are identical yet out of bus order.
 """
 
@@ -987,7 +987,7 @@ def test_state_fuzz_two_devices_no_peer_pci_order(monkeypatch, conf, order, seed
     assert post == [f"GPU:{core.pci_rank(p)}" for p in sim.state().visible_devices], post
     if order == "pci":
         # before the runtime runs only the position is known: exact under PCI_BUS_ID
-        # (accel/backends/_cuda_nvml.py); under FASTEST_FIRST accel documents the position as a guess
+        # (accel/backends/cuda/nvml.py); under FASTEST_FIRST accel documents the position as a guess
         assert pre == post, (pre, post)
     assert M.get_allocator_settings() == (CONFS[conf] or "")
     fuzz = Fuzz(random.Random(f"r71m-{conf}-{order}-{seed}"), conf, order)

@@ -723,7 +723,7 @@ def pool_free_mismatches(c: Calls):
 
 # -- virtual memory management (the driver's cuMem*, as accel's expandable segments use them) -----------
 def _vmm(c: Calls):
-    from accel.backends._cuda_vmm import DriverVmm
+    from accel.backends.cuda.vmm import DriverVmm
     c.rec("cudaFree(NULL) (starts the runtime)", c.lib.cudaFree(c.ffi.NULL))
     v = DriverVmm(c.ffi, c.lib)
     gran, rc = v.granularity(0)
@@ -1607,7 +1607,7 @@ def _driver_bad_images(c: Calls):
     """library_bad_images and its containers through the driver's cuModuleLoadData /
     cuModuleGetFunction / cuLaunchKernel / cuModuleUnload (cudaGetDriverEntryPoint), each
     followed by cudaGetLastError (driver calls are expected to leave it alone)."""
-    from accel.backends._cuda_driver import DriverKernels
+    from accel.backends.cuda.driver import DriverKernels
     c.rec("cudaFree(NULL) (starts the runtime)", c.lib.cudaFree(c.ffi.NULL))
     drv = DriverKernels(c.ffi, c.lib)
     s = c.stream()
@@ -1675,7 +1675,7 @@ def driver_entry_points(c: Calls):
 
 @scenario
 def driver_module_calls_in_capture(c: Calls):
-    from accel.backends._cuda_driver import DriverKernels
+    from accel.backends.cuda.driver import DriverKernels
     c.rec("cudaFree(NULL) (starts the runtime)", c.lib.cudaFree(c.ffi.NULL))
     drv = DriverKernels(c.ffi, c.lib)
     image = c.ffi.new("char[]", _PTX)
@@ -1831,7 +1831,7 @@ def _open(real: bool):
         return ffi, lib
     os.environ.setdefault("ACCEL_SIM", "cuda")
     from accel import sim
-    from accel.backends.cuda import _cudart_ffi_for
+    from accel.backends.cuda.runtime import _cudart_ffi_for
     sim.register_kernel("accel_conformance_nop", _nop, "", replace=True)
     for name in _BOUNDS_NAMES:
         sim.register_kernel(name, _nop, "", replace=True)

@@ -549,7 +549,7 @@ LIBRARIES: Dict[str, Library] = {
 }
 
 # ---------------------------------------------------------------------------
-# CUDA driver entry points (issue 14 item 3; kernel path, owned with accel/backends/_cuda_driver.py).
+# CUDA driver entry points (issue 14 item 3; kernel path, owned with accel/backends/cuda/driver.py).
 # Not a library accel opens: accel/_ffi/_cudadrv.py holds the driver's function-pointer
 # types (cudaTypedefs.h PFN_*, with their cuda.h types and the CUresult enum) that the
 # pointers cudaGetDriverEntryPoint[ByVersion] hands out are cast to.  The _v<N> suffix

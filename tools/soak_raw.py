@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def open_cudart():
     if os.environ.get("ACCEL_SIM"):
         from accel import sim
-        from accel.backends.cuda import _cudart_ffi_for
+        from accel.backends.cuda.runtime import _cudart_ffi_for
         lib = sim.open_library("cudart")
         return _cudart_ffi_for(lib), lib
     from accel._ffi import open_library

@@ -24,7 +24,7 @@ locations, then the pip ``nvidia-*`` wheels.  When nothing loads,
 libcudart: :func:`cudart_search` lists the candidates; :func:`open_library`
 ("cudart") opens the first that loads with the bindings of its own major
 (:func:`cudart_module`).  The CUDA backend does not use that pick: it chooses the
-newest runtime the driver supports (``accel.backends._cuda_libs``, which uses this
+newest runtime the driver supports (``accel.backends.cuda.libs``, which uses this
 search) and opens it with :func:`open_cudart`.
 
 libnvrtc (CUDA C -> PTX, for ``accel.compile``; needs no driver and no GPU):
@@ -335,7 +335,7 @@ def cudart_search() -> Tuple[List[Tuple[str, str]], bool]:
     """Every libcudart to consider, in search order, as ``(path or soname, where it came
     from)``, and whether ``ACCEL_CUDART_PATH`` named the only one (a file, or a ``lib/``
     directory holding one).  Paths only: nothing is loaded.  The CUDA backend probes their
-    versions and chooses by the driver (``accel.backends._cuda_libs``)."""
+    versions and chooses by the driver (``accel.backends.cuda.libs``)."""
     env = os.environ.get("ACCEL_CUDART_PATH")
     if env:
         return [(path, "ACCEL_CUDART_PATH") for path in _explicit(env, _CUDART_SONAMES)], True
@@ -616,7 +616,7 @@ def _open_first_cudart():
     """The loader's own pick: the first candidate that loads and whose CUDA major has
     bindings, opened with that major's (:func:`cudart_module`).  It knows nothing of the
     driver; the CUDA backend chooses by the driver's CUDA version instead
-    (``accel.backends._cuda_libs``), which is what ``python -m accel`` reports."""
+    (``accel.backends.cuda.libs``), which is what ``python -m accel`` reports."""
     from . import _cudart    # cudaRuntimeGetVersion has one signature in every major
     tried: List[Tuple[str, str]] = []
     for path, _source in cudart_search()[0]:
@@ -624,7 +624,7 @@ def _open_first_cudart():
         if probe is None:
             continue
         if not has_symbol(probe, "cudaRuntimeGetVersion"):
-            # another library (ACCEL_CUDART_PATH naming libm): as _cuda_libs' probe says it
+            # another library (ACCEL_CUDART_PATH naming libm): as accel.backends.cuda.libs' probe says it
             tried.append((path, "not a libcudart (no cudaRuntimeGetVersion)"))
             continue
         v = _cudart.ffi.new("int *")

@@ -1,7 +1,7 @@
 """The Backend protocol: the only runtime surface the layers above may use.
 
 Streams, events, graphs, the caching allocator and the RNG are written once
-against this class; each vendor runtime (``cuda.py``, the ``xpu`` package, ``mps.py``)
+against this class; each vendor runtime (the ``cuda`` package, the ``xpu`` package, the ``mps`` package)
 implements it over its own library.  Everything here speaks plain Python
 values: device pointers, streams, events, graphs and kernels are ``int``
 handles, sizes are ``int`` bytes.  Vendor failures become

@@ -3,7 +3,7 @@
 torch.cuda reads utilization, memory_usage, temperature, power_draw, clock_rate,
 device_memory_used and list_gpu_processes through pynvml, never through the CUDA runtime, so
 they work before ``cuInit`` and leave ``fork`` safe.  Here the same NVML calls go through the
-NVML this backend already opened to count devices (``_cuda_discovery``).  Visible index ``i`` is
+NVML this backend already opened to count devices (``discovery``).  Visible index ``i`` is
 turned into NVML's index as torch's ``_get_nvml_device_index`` does: through
 CUDA_VISIBLE_DEVICES (ordinals or GPU- UUID prefixes), as it was when the devices were counted
 (after init: as the driver read it).  ``can_device_access_peer`` is the runtime's question
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
-from .._errors import AcceleratorError
-from . import _visible
+from ..._errors import AcceleratorError
+from .. import _visible
 
 _NVML_SUCCESS = 0
 _NVML_ERROR_INSUFFICIENT_SIZE = 7

@@ -4,7 +4,7 @@
 Counting uses NVML, which does not initialize the CUDA driver, so it is safe before
 ``fork``; only the fallback (no NVML, or MIG UUIDs in CUDA_VISIBLE_DEVICES) asks the runtime,
 which starts the driver as torch's fallback does.  Which libcudart serves the process is
-decided here too (``_cuda_libs``): NVML's driver CUDA version against every installed
+decided here too (``libs``): NVML's driver CUDA version against every installed
 runtime's version.  After init the runtime's count wins (``_reconcile_count``).
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 import warnings
 
-from .._errors import AcceleratorError
-from . import _visible
+from ..._errors import AcceleratorError
+from .. import _visible
 
 _NVML_SUCCESS = 0
 _NVML_UUID_BUFFER = 96   # NVML_DEVICE_UUID_V2_BUFFER_SIZE
@@ -27,7 +27,7 @@ class CudaDiscoveryMixin:
     ``CudaBackend.__init__``."""
 
     def cudart_choice(self):
-        """Which libcudart this backend uses and why (``_cuda_libs.Choice``): every candidate
+        """Which libcudart this backend uses and why (``libs.Choice``): every candidate
         with its CUDA version and verdict, and the driver's CUDA version read from NVML, or
         where NVML is unavailable from a candidate's ``cudaDriverGetVersion`` (no CUDA started
         either way).  Made once; the simulator offers its installed runtimes."""
@@ -36,10 +36,10 @@ class CudaDiscoveryMixin:
             return choice
         with self._choice_lock:
             if self._choice is None:
-                from . import _cuda_libs
+                from . import libs
                 nvml = self._nvml_lib()
                 if nvml is not None:
-                    driver, note = _cuda_libs.driver_version_from_nvml(nvml[0], nvml[1])
+                    driver, note = libs.driver_version_from_nvml(nvml[0], nvml[1])
                 else:
                     # (r69g: "NVML missing" was written also when NVML loaded and its init failed)
                     why = self._nvml_error or "not loaded"
@@ -48,27 +48,27 @@ class CudaDiscoveryMixin:
                 if self.simulated:
                     self._choice = self._sim_choice(driver, note)
                 else:
-                    self._choice = _cuda_libs.choose_real(driver, note)
+                    self._choice = libs.choose_real(driver, note)
             return self._choice
 
     def _sim_choice(self, driver, note):
-        from .. import sim
-        from .._ffi import CUDART_MAJORS
-        from . import _cuda_libs
+        from ... import sim
+        from ..._ffi import CUDART_MAJORS
+        from . import libs
         cfg = sim.config()
         if driver is None and cfg.runtimes and cfg.cudart:
-            # the simulated libcudart's cudaDriverGetVersion, as _cuda_libs.driver_version_from_runtime
-            driver, note = _cuda_libs.driver_version_note(cfg.driver_version if cfg.driver else 0,
+            # the simulated libcudart's cudaDriverGetVersion, as libs.driver_version_from_runtime
+            driver, note = libs.driver_version_note(cfg.driver_version if cfg.driver else 0,
                                                           "accel.sim", note)
         cands = []
         for v in reversed(cfg.runtimes):   # newest first, as the sonames are searched
-            c = _cuda_libs.Candidate(f"accel.sim (libcudart {_cuda_libs.vtext(v)})", "ACCEL_SIM_CUDA_RUNTIME")
+            c = libs.Candidate(f"accel.sim (libcudart {libs.vtext(v)})", "ACCEL_SIM_CUDA_RUNTIME")
             if cfg.cudart:
                 c.resolved, c.version, c.version_from = c.path, v, "simulator"
             else:
                 c.reason = "not found (configure(cudart=False))"
             cands.append(c)
-        return _cuda_libs.choose(cands, driver, note, CUDART_MAJORS)
+        return libs.choose(cands, driver, note, CUDART_MAJORS)
 
     _nvml_pid = None     # the process that initialized NVML
 
@@ -187,7 +187,7 @@ class CudaDiscoveryMixin:
     def _insufficient_driver(ffi, lib) -> str:
         """Why the runtime answers cudaErrorInsufficientDriver: no driver, or which one (neither
         version query starts anything)."""
-        from ._cuda_libs import insufficient_driver_message
+        from .libs import insufficient_driver_message
         rt, drv = ffi.new("int *"), ffi.new("int *")
         if lib.cudaRuntimeGetVersion(rt) != 0 or lib.cudaDriverGetVersion(drv) != 0:
             lib.cudaGetLastError()
@@ -197,7 +197,7 @@ class CudaDiscoveryMixin:
     def _nvml_uuids(self, raw_count: int):
         """Every NVML device's UUID; AcceleratorError naming the call and the device when one
         cannot be read (taking it as "" made a GPU- prefix naming that device select nothing)."""
-        from ._cuda_nvml import _nvml_code_name
+        from .nvml import _nvml_code_name
         ffi, lib, _ = self._nvml
         uuids = []
         handle = ffi.new("nvmlDevice_t *")

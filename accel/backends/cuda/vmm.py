@@ -3,7 +3,7 @@
 The allocator's expandable segments need the driver's cuMem* calls (CUDA Driver API,
 "Virtual Memory Management"); libcudart has no equivalent, but every runtime accel supports
 hands out the driver's own functions through ``cudaGetDriverEntryPoint[ByVersion]``
-(``_cuda_driver.resolve``), cast to their ``PFN_*`` prototypes from cudaTypedefs.h
+(``driver.resolve``), cast to their ``PFN_*`` prototypes from cudaTypedefs.h
 (``accel/_ffi/_cudadrv.py``).  No libcuda binding is opened.
 
 Device numbers: the runtime's device ``i`` is the driver's ordinal ``i`` (both count the
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import Dict, Tuple
 
-from .._errors import AcceleratorError, CaptureError
-from ._cuda_driver import NoDriverFunction, error_name, resolve
+from ..._errors import AcceleratorError, CaptureError
+from .driver import NoDriverFunction, error_name, resolve
 
 __all__ = ["SYMBOLS", "DriverVmm", "NoDriverFunction", "CudaVmmMixin"]
 
@@ -55,7 +55,7 @@ class DriverVmm:
     driver error, so the backend decides how to report it and what to undo."""
 
     def __init__(self, ffi, lib):
-        from .._ffi import _cudadrv
+        from ..._ffi import _cudadrv
         self.dffi = _cudadrv.ffi
         self.fns, self.getter = resolve(ffi, lib, SYMBOLS)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
-from .._errors import AcceleratorError, CompileError
+from ..._errors import AcceleratorError, CompileError
 
 #: What to install when no libnvrtc loads.
 INSTALL_WHEEL = ("pip install 'accel[nvrtc]' (the nvidia-cuda-nvrtc wheel, CUDA 13; nvidia-cuda-nvrtc-cu12 "
@@ -33,12 +33,12 @@ def _runtime_major() -> Optional[int]:
     preferred, so a compile first cached NVRTC 13 for the process, whose PTX a CUDA 12 driver
     running the chosen 12.4 runtime cannot JIT.  Left: in a process that selected no backend
     yet and names none, a compile before any device call still prefers no major."""
-    from .. import _lazy
+    from ... import _lazy
     backend = _lazy.ready
     if backend is None:
         # the CUDA backend already selected, or the one ACCEL_BACKEND/ACCEL_SIM asks for; not a
         # selection made here (it would count every runtime's devices and fix the choice early)
-        from .. import backends
+        from ... import backends
         try:
             if backends._selected_done:
                 backend = backends._selected
@@ -61,7 +61,7 @@ def _runtime_major() -> Optional[int]:
 def open_lib():
     """``(ffi, lib, path)`` of libnvrtc; AcceleratorError (a RuntimeError) naming the wheel to
     install and every path tried when none loads."""
-    from .._ffi import LibraryNotFound, open_nvrtc
+    from ..._ffi import LibraryNotFound, open_nvrtc
     try:
         return open_nvrtc(_runtime_major())
     except LibraryNotFound as exc:

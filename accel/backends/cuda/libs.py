@@ -262,7 +262,7 @@ def real_candidates() -> Tuple[List[Candidate], bool]:
     """The candidate libcudart files in search order (the loader's ``cudart_search``, then
     ``cuda.pathfinder``'s find when it is installed), and whether ACCEL_CUDART_PATH chose one.
     Not probed yet (no version)."""
-    from .._ffi import cudart_search
+    from ..._ffi import cudart_search
     found, explicit = cudart_search()
     out = [Candidate(path, source) for path, source in found]
     if not explicit:
@@ -274,7 +274,7 @@ def real_candidates() -> Tuple[List[Candidate], bool]:
 
 def _resolved(path: str, lib) -> str:
     """The real file a path or bare soname loaded as ``lib`` (links followed)."""
-    from .._ffi import _cudart, _resolved as loaded
+    from ..._ffi import _cudart, _resolved as loaded
     found = loaded(path, _cudart.ffi, lib, "cudart")
     return os.path.realpath(found) if os.sep in found else found
 
@@ -307,7 +307,7 @@ def _probe(path: str):
         if os.path.islink(path):
             return None, None, "", "a symbolic link that leads to no file (dangling, or a loop)"
         return None, None, "", "no such file"
-    from .._ffi import _cudart, loader_file_problem   # cudaRuntimeGetVersion: one signature in every major
+    from ..._ffi import _cudart, loader_file_problem   # cudaRuntimeGetVersion: one signature in every major
     problem = loader_file_problem(path)     # a bare soname: the file the loader would take (r71b)
     if problem:
         return None, None, "", f"does not load: {problem}"
@@ -366,7 +366,7 @@ def driver_version_from_runtime(cands: Sequence[Candidate], nvml_note: str) -> T
     (it starts nothing and answers 0 without a driver), for when NVML cannot say: a container
     given the compute capability only has libcuda but no NVML (r69g: accel then took the newest
     runtime, one the driver could not run)."""
-    from .._ffi import _cudart   # cudaDriverGetVersion: one signature in every major
+    from ..._ffi import _cudart   # cudaDriverGetVersion: one signature in every major
     for c in cands:
         if not c.version:
             continue
@@ -383,7 +383,7 @@ def driver_version_from_runtime(cands: Sequence[Candidate], nvml_note: str) -> T
 
 def choose_real(driver_version: Optional[int], driver_note: str) -> Choice:
     """Enumerate, probe and choose among the real libcudart files."""
-    from .._ffi import CUDART_MAJORS
+    from ..._ffi import CUDART_MAJORS
     cands, explicit = real_candidates()
     for c in cands:
         probe(c)
@@ -396,7 +396,7 @@ def choose_real(driver_version: Optional[int], driver_note: str) -> Choice:
 
 def read_driver_version() -> Tuple[Optional[int], str]:
     """The driver's CUDA version from NVML, opening and initializing it for this call only."""
-    from .._ffi import open_library
+    from ..._ffi import open_library
     try:
         ffi, lib, _path = open_library("nvml")
     except OSError:

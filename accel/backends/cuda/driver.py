@@ -7,7 +7,7 @@ the driver's own functions.  The pointers are cast to the driver's prototypes
 libcuda binding is opened.  Errors are CUresult codes, named through the
 driver's cuGetErrorName ("cuModuleLoadData failed with
 CUDA_ERROR_INVALID_PTX (218)").  The same mechanism serves the cuMem* virtual
-memory calls (``_cuda_vmm``) are resolved the same way, by :func:`resolve`.
+memory calls (``vmm``) are resolved the same way, by :func:`resolve`.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class NoKernelPath(Exception):
 def plan(lib) -> Tuple[str, str]:
     """("library" | "driver" | "", why) from the symbols ``lib`` exports, without calling anything.
     (A declared symbol the library lacks raises ffi.error, not AttributeError: has_symbol.)"""
-    from .._ffi import has_symbol
+    from ..._ffi import has_symbol
     if all(has_symbol(lib, n) for n in ("cudaLibraryLoadData", "cudaLibraryGetKernel", "cudaLibraryUnload")):
         return "library", "cudaLibraryLoadData/cudaLibraryGetKernel + cudaLaunchKernel (runtime 12.8+)"
     for getter in ("cudaGetDriverEntryPointByVersion", "cudaGetDriverEntryPoint"):
@@ -58,7 +58,7 @@ def resolve(ffi, lib, symbols: Dict[str, str]):
     """({symbol: function cast to its PFN type}, the getter used) for ``symbols`` (symbol -> PFN
     type of ``accel._ffi._cudadrv``), through cudaGetDriverEntryPointByVersion (12.5+) or
     cudaGetDriverEntryPoint.  Raises :class:`NoDriverFunction` naming the first one missing."""
-    from .._ffi import _cudadrv, has_symbol
+    from ..._ffi import _cudadrv, has_symbol
     dffi = _cudadrv.ffi
     fns = {}
     by_version = has_symbol(lib, "cudaGetDriverEntryPointByVersion")
@@ -85,7 +85,7 @@ def resolve(ffi, lib, symbols: Dict[str, str]):
 
 def error_name(fns, rc: int) -> str:
     """The CUresult name of ``rc`` through the driver's cuGetErrorName (in ``fns``)."""
-    from .._ffi import _cudadrv
+    from ..._ffi import _cudadrv
     dffi = _cudadrv.ffi
     get = fns.get("cuGetErrorName")
     if get is not None:
@@ -99,7 +99,7 @@ class DriverKernels:
     """The driver functions accel launches kernels with, resolved once per backend."""
 
     def __init__(self, ffi, lib):
-        from .._ffi import _cudadrv
+        from ..._ffi import _cudadrv
         self.rffi, self.dffi = ffi, _cudadrv.ffi
         try:
             self.fns, self.getter = resolve(ffi, lib, SYMBOLS)
