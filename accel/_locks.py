@@ -347,7 +347,7 @@ class OwnedLock(_thread.RLock):
     """A C ``RLock`` (``with`` stays C code) that can also say whether any thread holds it, as a
     plain lock's ``locked()``.  For the caching allocators' locks: ``_is_owned()`` tells their
     holder, so that re-entry by it (user code run inside accel) is refused instead of waiting
-    forever on itself (accel.memory._caching._probe, r69h)."""
+    forever on itself (accel.memory._guards.probe, r69h)."""
 
     __slots__ = ()
 
@@ -365,7 +365,7 @@ class held:
     run by the collector on this thread waits for ``lock`` at most :data:`GC_WAIT_S` and then
     raises :func:`finalizer_error` (``what`` names the call) instead of waiting forever on a lock
     this thread may hold.  ``bounded=True``: the wait is bounded whoever calls, for a call made
-    where waiting could be waiting on this thread itself (accel.memory._caching._probe: a thread
+    where waiting could be waiting on this thread itself (accel.memory._guards.probe: a thread
     holding the capture gate).  The wait and the hold are one (r70a: a probe that waited, let go
     and then took the lock with ``with`` let another thread in between, which then waited for
     the gate this one held).  Never left held by a KeyboardInterrupt: the take is stored in the

@@ -35,7 +35,7 @@ import pytest
 import accel
 from accel import _finalize, _lazy, memory, sim
 from accel._errors import CaptureError, OutOfMemoryError
-from accel.memory import _blocks, _caching, _expandable
+from accel.memory import _blocks, _caching, _expandable, _guards
 from accel.memory._async import AsyncPoolAllocator
 from accel.sim import _vmm
 from conftest import THOROUGH, use_sim
@@ -695,7 +695,7 @@ def _check_phase(run: _Run, where: str, base: dict) -> None:
         for fl in [fl for lists in [alloc._general] + [p.lists for p in alloc._private.values()]
                    for pair in lists.values() for fl in pair]:
             assert fl.exp is None or fl.exp in alloc._exp_segs
-    assert not _caching._pool_captures, where
+    assert not _guards.pool_captures, where
     from accel import streams
     assert not streams._capture_events, (where, "capture events left")
     if run.caching:

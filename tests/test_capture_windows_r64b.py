@@ -16,7 +16,7 @@ the capture cannot begin meanwhile: the wait times out, the call goes on, the ca
 after it and replays correctly.  (Written by r64b with the open windows as strict xfails; each
 failed before its fix: the capture invalidated, cudaErrorStreamCaptureInvalidated at capture_end.)  The backend's checks read ``CudaBackend._captures``; they are
 watched through an int subclass whose truth test waits when read as 0 by the named function; the
-allocators' through ``_caching.capture_underway``.  One window is held open by the capturing
+allocators' through ``_guards.capture_underway``.  One window is held open by the capturing
 thread instead: capture_end uncounts its capture before cudaStreamEndCapture.
 
 Also here: internal synchronizes accel made with no capture check at all while another thread
@@ -36,7 +36,7 @@ import pytest
 
 import accel
 from accel import _lazy, memory
-from accel.memory import _caching
+from accel.memory import _caching, _guards, _uses
 from accel.sim import kernels
 
 from conftest import THOROUGH, use_sim
@@ -357,7 +357,7 @@ def test_exporting_a_buffer_whose_stream_closed_does_not_invalidate_another_thre
 
 def _ending_cases():
     for device in (1, 0):
-        # the allocators still count an accel.Graph capture then (_caching._pool_captures, until
+        # the allocators still count an accel.Graph capture then (_guards.pool_captures, until
         # end_allocate_to_pool): a guard
         yield pytest.param(device, "allocator-query", id=f"allocator-query-capture-on-{device}")
         yield pytest.param(device, "module-close", id=f"module-close-capture-on-{device}")
@@ -520,17 +520,17 @@ def _allocator_cases():
 
 
 def _watch_allocator_checks(monkeypatch, race: _Race) -> None:
-    """Make the allocators' "capture underway?" check (``_caching.capture_underway``, also
-    imported by the pinned allocator) wait in ``race`` after a negative answer."""
-    check = _caching.capture_underway
+    """Make the allocators' "capture underway?" check (``_guards.capture_underway``, also
+    imported by _caching, _uses and the pinned allocator) wait in ``race`` after a negative answer."""
+    check = _guards.capture_underway
 
     def check_then_wait(be):
         underway = check(be)
         if not underway:
             race.wait_here()            # another thread's capture would begin here
         return underway
-    monkeypatch.setattr(_caching, "capture_underway", check_then_wait)
-    monkeypatch.setattr(importlib.import_module("accel.memory._host"), "capture_underway", check_then_wait)
+    for module in (_guards, _caching, _uses, importlib.import_module("accel.memory._host")):
+        monkeypatch.setattr(module, "capture_underway", check_then_wait)
 
 
 @pytest.mark.parametrize("kind, capture_device, scenario", list(_allocator_cases()))

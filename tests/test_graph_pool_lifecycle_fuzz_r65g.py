@@ -86,7 +86,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 import accel  # noqa: E402
 from accel import _finalize, memory, sim, streams as _streams  # noqa: E402
 from accel._errors import CaptureError  # noqa: E402
-from accel.memory import _caching  # noqa: E402
+from accel.memory import _caching, _guards  # noqa: E402
 from conftest import THOROUGH, shrink_plan, use_sim  # noqa: E402
 from test_alloc_stress import _check_caching, _sizes_of  # noqa: E402
 
@@ -713,7 +713,7 @@ class GraphPoolMachine(RuleBasedStateMachine):
             assert not grown, (d, "allocator state grew with the steps", grown)
         assert sim_objects(self.kind) == self.base_sim
         assert len(_finalize.owned) <= self.base_owned
-        assert not _caching._pool_captures and not _streams._capture_events
+        assert not _guards.pool_captures and not _streams._capture_events
         assert not accel.graphs._unfinished
 
 

@@ -1,7 +1,7 @@
 """Adversarial review (r67j) of the lead's fix commits 45066e9, 389f801 and 38bc910 (with
 2605ae7 for context), outside the simulator.
 
-Looked at: ``check_stream_live`` (accel/memory/_caching.py), now called by the caching, host
+Looked at: ``check_stream_live`` (accel/memory/_uses.py), now called by the caching, host
 and cudaMallocAsync allocators' record_stream; ``_refuse_waiting_from_capture``
 (accel/_dlpack.py), the refusal of a DLPack wait for work outside a capture; ``_drop_stale_imports``
 (accel/_lazy.py) in a forked child; the graph holder's ``discarded`` slot, ``_KeptInUse.of`` and

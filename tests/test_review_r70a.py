@@ -58,7 +58,7 @@ import pytest
 import accel
 from accel import _dlpack, _finalize, _lazy, _locks
 from accel.backends import _signals
-from accel.memory import _caching, _mempool
+from accel.memory import _guards, _mempool
 from conftest import run_forked, use_sim
 from test_concurrency_gc_r68i import _child
 
@@ -367,7 +367,7 @@ def _sweep(which: str) -> list:
         alloc = accel.memory.device_allocator(0)
         real = alloc._lock
         api = lambda: accel.memory.memory_allocated(0)     # noqa: E731
-        sites = {(os.path.abspath(_caching.__file__), "_probe"), (lock_file, "__enter__"), (lock_file, "acquire_into")}
+        sites = {(os.path.abspath(_guards.__file__), "probe"), (lock_file, "__enter__"), (lock_file, "acquire_into")}
     else:
         real = _mempool._ids_lock._lock
         api = accel.graphs.generate_graph_pool_handle
@@ -401,7 +401,7 @@ def test_guard_the_sweep_reaches_the_finalizers_acquire(monkeypatch, which):
     points = _sweep(which)
     assert points[-1][1] is None and points[-1][3], points[-1]
     sites = [p[1] for p in points[:-1]]
-    names = ("_probe", "__enter__", "acquire_into") if which == "probe" else ("_enter_once", "_enter_checked", "acquire_into")
+    names = ("probe", "__enter__", "acquire_into") if which == "probe" else ("_enter_once", "_enter_checked", "acquire_into")
     assert len(sites) >= 3 and all(s.endswith(names) for s in sites), sites
     assert any(s.endswith("acquire_into") for s in sites), sites
 

@@ -7,7 +7,7 @@ reset() may be called again"; ``_release_held``: "one that fails puts it back, f
 Ctrl-C anywhere leaves nothing half-done (``_finish_end``: "Each step may run again"); user code
 that runs inside accel (a gc callback, a ``__del__``) is refused, never hangs (r68i, r69h); accel's
 own paths take an allocator's lock before the capture gate, never after (Backend.capture_gate,
-_caching._probe).
+_guards.probe).
 
 Every interleaving is forced, nothing depends on timing: user code inside the pinned allocator
 is a wrapper of its vendor call (``host_alloc``, made under the allocator's lock); a Ctrl-C is a

@@ -51,10 +51,11 @@ def test_async_drop_done_marks_interrupt_leaks_no_event(monkeypatch):
     was never destroyed (6 runs of the sweep left one alive).  Now published in one step, the
     events with no reference destroyed from _doomed."""
     import accel.memory._async as _async
+    from accel.memory import _uses
     use_sim(monkeypatch, "cuda", ACCEL_ALLOC_CONF="backend:cudaMallocAsync")
     # the stream counts as busy at its forget: it gets a mark (as a stream destroyed right
     # after its work was queued), whose event completes before the empty_cache swept here
-    monkeypatch.setattr(_caching, "stream_done", lambda owner, stream, device: False)
+    monkeypatch.setattr(_uses, "stream_done", lambda owner, stream, device: False)
     monkeypatch.setattr(tia, "_TARGETS", {os.path.abspath(_async.__file__)})
     be, alloc, live = _async_world(monkeypatch)
     with _Inject(0) as inj:

@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from .. import _finalize, _lazy, _locks, backends, streams
 from ..streams import on_device
-from . import _async, _caching, _config, _mempool, _snapfmt
+from . import _async, _caching, _config, _guards, _mempool, _snapfmt
 from ._caching import DeviceCachingAllocator
 from ._host import HostCachingAllocator
 from ._mempool import MemPool, use_mem_pool
@@ -59,7 +59,7 @@ def _reset(keep_settings: bool = False) -> None:
     with _lock:
         _allocators.clear()
         _host = None
-        _caching._forget_captures()
+        _guards.forget_captures()
         _config._warned.clear()      # a fresh start warns again about ignored allocator options
         if not keep_settings:        # (a forked child keeps them: process state, as torch's)
             _config._runtime = None  # the options are read from the environment again

@@ -61,7 +61,7 @@ from .._finalize import drain as _drain_finalizers, pending as _finalizers
 from .. import _locks
 from ..backends._signals import deferred as _signals_deferred
 from ..streams import on_device
-from . import _caching, _config, _stats
+from . import _caching, _config, _guards, _stats, _uses
 from ._stats import ACTIVE_BYTES, ALLOCATED_BYTES, ALLOCATION, REQUESTED_BYTES, RESERVED_BYTES
 
 __all__ = ["AsyncPoolAllocator", "create_allocator", "check_backend"]
@@ -171,10 +171,10 @@ class AsyncPoolAllocator:
         config = config if config is not None else _config.current()
         check_backend(backend, device_index, config)
         self._be = backend
-        self._gate_owned = _caching._gate_owned(backend)    # (_caching._probe: bounded under the gate)
+        self._gate_owned = _guards.gate_owned(backend)    # (_guards.probe: bounded under the gate)
         self._index = device_index
         self._config = config
-        self._lock = _locks.OwnedLock()   # (to tell its holder: _caching._probe refuses re-entry)
+        self._lock = _locks.OwnedLock()   # (to tell its holder: _guards.probe refuses re-entry)
         self._ptrs: Dict[int, _Alloc] = {}
         self._deferred: List[Tuple[int, _Alloc]] = []    # frees asked for during a capture, or failed
         self._pools: Dict[tuple, int] = {}         # private pool id -> use count (nothing routed)
@@ -238,7 +238,7 @@ class AsyncPoolAllocator:
         both are published together (a KeyboardInterrupt leaves both old or both new)."""
         with on_device(self._be, self._index):
             total = self._be.mem_info()[1]
-        with _caching._probe(self._lock, "changing the allocator's settings", self._gate_owned):
+        with _guards.probe(self._lock, "changing the allocator's settings", self._gate_owned):
             config = make(self._config)
             fraction = config.per_process_memory_fraction
             limit = int(fraction * total) if fraction < 1.0 else None
@@ -274,7 +274,7 @@ class AsyncPoolAllocator:
         if _finalizers:
             _drain_finalizers()
         try:
-            with _caching._probe(self._lock, "malloc", self._gate_owned):
+            with _guards.probe(self._lock, "malloc", self._gate_owned):
                 capturing = self._capture_underway()
                 if self._deferred and not capturing:
                     # (not strict: an earlier free's error is not this malloc's)
@@ -354,7 +354,7 @@ class AsyncPoolAllocator:
         if _finalizers:
             _drain_finalizers()
         # (the gate: no capture begins between the checks below and the queries of the free)
-        with _caching._probe(self._lock, "free", self._gate_owned), self._be.capture_gate:
+        with _guards.probe(self._lock, "free", self._gate_owned), self._be.capture_gate:
             if self._dead and ptr in self._dead and not self._freeing_live(ptr):
                 # A stale one: forgetting it frees nothing, so whichever owner frees first, no
                 # memory goes before its owner is done (at worst one stays held).
@@ -405,9 +405,9 @@ class AsyncPoolAllocator:
         """Mark the allocation at ``ptr`` as used on ``stream`` (of device ``device_index``,
         default this allocator's): its free waits for the work queued there by then.  TypeError/
         ValueError for a stream that is no handle or a device index naming no device."""
-        device = _caching.check_use(self._be, stream, device_index, self._index)
-        _caching.check_stream_live(self._be, stream, device)
-        with _caching._probe(self._lock, "record_stream", self._gate_owned):
+        device = _uses.check_use(self._be, stream, device_index, self._index)
+        _uses.check_stream_live(self._be, stream, device)
+        with _guards.probe(self._lock, "record_stream", self._gate_owned):
             alloc = self._ptrs.get(ptr)
             if alloc is None or alloc.deferred:
                 raise self._not_allocated(ptr, alloc)
@@ -420,7 +420,7 @@ class AsyncPoolAllocator:
 
     def stream_uses(self, ptr: int) -> Tuple[List[Tuple[int, int]], List[Tuple[object, int]]]:
         """As :meth:`DeviceCachingAllocator.stream_uses <accel.memory._caching.DeviceCachingAllocator.stream_uses>`."""
-        return _caching.stream_uses(self, ptr, lambda: self._ptrs.get(ptr), lambda alloc: not alloc.deferred)
+        return _uses.stream_uses(self, ptr, lambda: self._ptrs.get(ptr), lambda alloc: not alloc.deferred)
 
     def forget_stream(self, stream: int, device_index: Optional[int] = None, blocking: bool = True) -> bool:
         """``stream`` (of device ``device_index``) is about to be destroyed: allocations made or
@@ -441,8 +441,8 @@ class AsyncPoolAllocator:
             if not made and not used:
                 return
             self._drop_done_marks(made + used)
-            # a stream whose work is done needs no event (r63b; see _caching.stream_done)
-            mark = None if _caching.stream_done(self, stream, device) else self._cover(stream, device)
+            # a stream whose work is done needs no event (r63b; see _uses.stream_done)
+            mark = None if _uses.stream_done(self, stream, device) else self._cover(stream, device)
             default = self._get_default_stream()
             for alloc in made:
                 alloc.stream = default
@@ -464,7 +464,7 @@ class AsyncPoolAllocator:
         destroyed).  CaptureError while another capture on this device is underway (torch:
         "Only one capture at a time is allowed in a process.")."""
         pool_id = _caching.DeviceCachingAllocator._check_pool_id(pool_id)
-        with _caching._probe(self._lock, "begin_allocate_to_pool", self._gate_owned):
+        with _guards.probe(self._lock, "begin_allocate_to_pool", self._gate_owned):
             if self._routes:
                 busy = next(iter(self._routes))
                 raise CaptureError(f"Only one capture at a time is allowed in a process. (backend:cudaMallocAsync: "
@@ -474,17 +474,17 @@ class AsyncPoolAllocator:
             self._routes[stream] = pool_id
             record = self._capture = _GraphRecord(self, stream)
             self._records.add(record)
-            _caching._count_captures(1)
+            _guards.count_captures(1)
             return record
 
     def end_allocate_to_pool(self, pool_id: Tuple[int, int]) -> None:
         """The capture of ``pool_id`` ended; frees deferred during it are queued once no
         capture is underway."""
         pool_id = _caching.DeviceCachingAllocator._check_pool_id(pool_id)
-        with _caching._probe(self._lock, "end_allocate_to_pool", self._gate_owned):
+        with _guards.probe(self._lock, "end_allocate_to_pool", self._gate_owned):
             for stream in [s for s, p in self._routes.items() if p == pool_id]:
                 del self._routes[stream]
-                _caching._count_captures(-1)
+                _guards.count_captures(-1)
                 record = self._capture
                 if record is not None and record.stream == stream:
                     self._capture = None
@@ -508,7 +508,7 @@ class AsyncPoolAllocator:
         """A graph using ``pool_id`` was destroyed (the pool holds nothing with this backend;
         its allocations go with its token's ``release()``)."""
         pool_id = _caching.DeviceCachingAllocator._check_pool_id(pool_id)
-        with _caching._probe(self._lock, "release_pool", self._gate_owned):
+        with _guards.probe(self._lock, "release_pool", self._gate_owned):
             count = self._pools.get(pool_id)
             if count is None:
                 raise ValueError(f"release_pool: no private pool {pool_id} on device {self._index} "
@@ -531,7 +531,7 @@ class AsyncPoolAllocator:
             raise TypeError(f"add_peer: device index must be an int, got {type(index).__name__}")
         if index == self._index or index in self._peers:
             return
-        with _caching._probe(self._lock, "add_peer", self._gate_owned):
+        with _guards.probe(self._lock, "add_peer", self._gate_owned):
             if index not in self._peers:
                 be = self._be
                 with on_device(be, self._index):
@@ -562,7 +562,7 @@ class AsyncPoolAllocator:
         tried again first (their error propagates).  CaptureError while a capture is underway."""
         if _finalizers:
             _drain_finalizers()
-        with _caching._probe(self._lock, "empty_cache", self._gate_owned), self._be.capture_gate:
+        with _guards.probe(self._lock, "empty_cache", self._gate_owned), self._be.capture_gate:
             if self._routes or self._capture_underway():
                 raise CaptureError("empty_cache() is not allowed while a stream capture is underway "
                                    f"(device {self._index}'s allocator); call it after capture_end() (a capture "
@@ -584,7 +584,7 @@ class AsyncPoolAllocator:
         if _finalizers:
             _drain_finalizers()
         be, index = self._be, self._index
-        with _caching._probe(self._lock, "stats", self._gate_owned):
+        with _guards.probe(self._lock, "stats", self._gate_owned):
             pool = {name: be.mem_pool_get(index, name)
                     for name in ("reserved_current", "reserved_high", "used_current", "used_high")}
             cur, peak, allocated, freed = _stats.empty_counters()
@@ -615,7 +615,7 @@ class AsyncPoolAllocator:
     def reset_peak_stats(self) -> None:
         """Peaks become the current values: accel's counters, and the pool's high-water marks
         (set to 0, which the driver takes as "reset to current")."""
-        with _caching._probe(self._lock, "reset_peak_stats", self._gate_owned):
+        with _guards.probe(self._lock, "reset_peak_stats", self._gate_owned):
             with on_device(self._be, self._index):
                 self._be.mem_pool_set(self._index, "reserved_high", 0)
                 self._be.mem_pool_set(self._index, "used_high", 0)
@@ -625,7 +625,7 @@ class AsyncPoolAllocator:
     def reset_accumulated_stats(self) -> None:
         """Zero accel's allocated/freed counters and the OOM/call counts (torch's
         cudaMallocAsync backend ignores this call; accel's counters are its own)."""
-        with _caching._probe(self._lock, "reset_accumulated_stats", self._gate_owned):
+        with _guards.probe(self._lock, "reset_accumulated_stats", self._gate_owned):
             self._count[2] = self._count[3] = 0
             self._req[2] = self._req[3] = 0
             for name in self._scalars:
@@ -644,7 +644,7 @@ class AsyncPoolAllocator:
     def record_history(self, enabled: bool, max_entries: int = 100_000, stacks: bool = True) -> None:
         """Start (or stop) recording alloc/free events (and the Python stack of each
         allocation when ``stacks``) for :meth:`snapshot`'s ``device_traces``."""
-        with _caching._probe(self._lock, "record_history", self._gate_owned):
+        with _guards.probe(self._lock, "record_history", self._gate_owned):
             if enabled:
                 self._history = deque(self._history or (), maxlen=max_entries)
                 self._history_stacks = stacks
@@ -657,13 +657,13 @@ class AsyncPoolAllocator:
     def snapshot(self) -> dict:
         """``{"segments": [], "device_traces": [...]}``: the driver's pool has no segments
         accel could list (see the module docstring)."""
-        with _caching._probe(self._lock, "snapshot", self._gate_owned):
+        with _guards.probe(self._lock, "snapshot", self._gate_owned):
             traces = list(self._history) if self._history is not None else []
         return {"segments": [], "device_traces": traces}
 
     # ------------------------------------------------------------------ internals
     def _capture_underway(self) -> bool:
-        return bool(self._routes) or _caching.capture_underway(self._be)
+        return bool(self._routes) or _guards.capture_underway(self._be)
 
     def _capture_of(self, stream: int) -> Optional[_GraphRecord]:
         """The capture record an allocation on ``stream`` belongs to (None: the stream is not
@@ -767,7 +767,7 @@ class AsyncPoolAllocator:
             for mark in marks:
                 ok = done.get(mark)
                 if ok is None:
-                    ok = done[mark] = _caching.event_done(self._be, mark.event)
+                    ok = done[mark] = _uses.event_done(self._be, mark.event)
                 if ok:
                     gone.append(mark)
             if gone:
@@ -850,7 +850,7 @@ class AsyncPoolAllocator:
         self._forget(ptr, alloc)
 
     def _replayed(self, graph: _GraphRecord, stream: int) -> None:
-        with _caching._probe(self._lock, "a graph replay", self._gate_owned):
+        with _guards.probe(self._lock, "a graph replay", self._gate_owned):
             graph.launches += 1
             for alloc in graph.allocs.values():
                 alloc.stream = stream
@@ -863,7 +863,7 @@ class AsyncPoolAllocator:
             _drain_finalizers()
         # (r69l: a Graph dropped by user code run inside this lock re-entered it once the lock
         # became an RLock; refused now, and _release_own keeps the record for a retry)
-        with _caching._probe(self._lock, "releasing a graph's allocations", self._gate_owned):
+        with _guards.probe(self._lock, "releasing a graph's allocations", self._gate_owned):
             graph.released = True
             error = None
             for ptr, alloc in list(graph.allocs.items()):
@@ -887,7 +887,7 @@ class AsyncPoolAllocator:
         True when queued or when ``stream`` is being captured (nothing is safe to queue), False
         when the caller must wait on the host.  The event is a temporary one, and one whose
         destroy fails waits in ``_doomed`` for empty_cache: nothing for the caller to own."""
-        return _caching.order_after(self, waiter, stream, device_index, self._wait_deferred)
+        return _uses.order_after(self, waiter, stream, device_index, self._wait_deferred)
 
     def _wait_for(self, waiter: int, stream: int, device: int) -> None:
         """``waiter`` (a stream of this allocator's device) waits for the work queued on
@@ -930,7 +930,7 @@ class AsyncPoolAllocator:
                 if event is not None:
                     self._destroy_event(event, device)
                 with be.capture_gate:
-                    if _caching.capture_underway(be):
+                    if _guards.capture_underway(be):
                         raise       # synchronizing would invalidate the capture
                     be.stream_synchronize(stream)
         return None

@@ -12,7 +12,8 @@ each list is a sorted ``list`` of ints ``size << 64 | ptr``, so ``bisect``
 finds the best fit (smallest adequate size, then lowest address) in
 O(log n) without any third-party sorted container.  A block is only ever
 reused on the stream it was allocated for; ``record_stream`` makes its
-release wait for events recorded on the other streams at free time.
+release wait for events recorded on the other streams at free time
+(``_uses``: the stream uses and their events, shared with the pinned allocator).
 
 Policy.  PyTorch's rules (``c10/cuda/CUDACachingAllocator.cpp``) are the
 baseline and selectable with ``ACCEL_ALLOC_CONF=policy:torch``.  The default
@@ -33,7 +34,8 @@ baseline and selectable with ``ACCEL_ALLOC_CONF=policy:torch``.  The default
   (``_small_in_large``); below the mark the pools stay apart, as in torch.
 
 On the shared training traces this keeps peak reserved within 6 % of peak
-allocated (PyTorch's rules: 4-32 %); see ``tools/replay_trace.py``.
+allocated (PyTorch's rules: 4-32 %); see ``tools/replay_trace.py``.  These rules'
+methods, each with its measurements, are ``_classic``'s.
 
 Where the backend has virtual memory (CUDA, Level Zero) the general cache grows
 *expandable segments* instead, by default (``expandable_segments:False`` keeps the
@@ -109,20 +111,16 @@ from . import _config, _stats
 from ._snapfmt import CTX_ALL as _CTX_ALL, CTX_ALLOC as _CTX_ALLOC, Symbols as _Symbols
 from ._snapfmt import allocator_settings as _allocator_settings, stack as _stack, trace_entry as _trace_entry
 from ._blocks import (
-    MIN_BLOCK_SIZE, MIN_LARGE_ALLOC, ROUND_LARGE, SMALL_BUFFER, SMALL_SIZE, _ALLOCATED, _FREE, _GUARD,
-    _ISPLIT, _LANES, _LARGE, _MASK, _PACK_FIELDS, _PENDING, _POOL_NAME, _SHIFT, _SMALL, _Block, _FreeList,
+    MIN_BLOCK_SIZE, MIN_LARGE_ALLOC, SMALL_SIZE, _ALLOCATED, _FREE, _GUARD, _LANES, _LARGE, _MASK, _PACK_FIELDS, _PENDING, _POOL_NAME, _SHIFT, _SMALL, _Block, _FreeList,
     _NoAddressRange, _snapshot_block,
 )
+from ._guards import count_captures, capture_underway, gate_owned, pool_captures, probe, unless_capturing
+from ._uses import (add_use, check_stream_live, check_use, cover, drop_done_gates, gates_back, order_after,
+                    record_uses, recorded, stream_done, stream_uses, taken, uses_forgotten, without)
+from ._classic import ClassicSegments
 from ._expandable import ExpandableSegments, Segment as _ExpSegment, high_end_pins_fewer as _high_end_pins_fewer
 from ._stats import (ACTIVE, ACTIVE_BYTES, ALLOCATED_BYTES, ALLOCATION, LANE_MASK, OVERSIZE_ALLOCATIONS,
                      OVERSIZE_SEGMENTS, RESERVED_BYTES, SEGMENT, raise_peaks, unpack)
-
-# Captures begun through begin_allocate_to_pool, not yet ended, over every allocator
-# of the process: a global-mode capture on one device forbids event queries on all.  One
-# entry each, in a list: append and pop are atomic (no lock), so a _locks.publish step can
-# take one out together with the routes it ends.
-_pool_captures: list = []
-
 
 #: Out-of-memory observers (accel.memory.attach_out_of_memory_observer), process-wide as torch's
 #: oom_observers_ are per allocator for every device: each is called as ``fn(device, bytes tried,
@@ -142,351 +140,6 @@ def _notify_oom(exc: OutOfMemoryError) -> None:
     OutOfMemoryError is its ``__context__``)."""
     for fn in list(_oom_observers):
         fn(*exc.observer_args)
-
-
-def capture_underway(backend) -> bool:
-    """True while a stream capture is underway in this process (begun by accel's
-    graphs, or through ``backend``): event queries and synchronizes, device
-    frees and synchronous work would then invalidate a global-mode capture.
-    A capture begun by another library outside the backend is not seen."""
-    return bool(_pool_captures) or backend.captures_underway() > 0
-
-
-def unless_capturing(be, fn, *args) -> bool:
-    """``fn(*args)`` unless a capture is underway, with no capture beginning in between
-    (``be.capture_gate``: fn's queries, synchronizes and frees would invalidate it); whether it ran."""
-    with be.capture_gate:
-        if capture_underway(be):
-            return False
-        fn(*args)
-        return True
-
-
-def _count_captures(n: int) -> None:
-    if n > 0:
-        _pool_captures.extend([None] * n)
-    elif n < 0:
-        del _pool_captures[n:]
-
-
-def _forget_captures() -> None:
-    """The allocators were dropped (lazy reset, fork): so were their captures."""
-    del _pool_captures[:]
-
-
-class _Gate:
-    """A use of a block by a stream that was destroyed since: the event recorded on it
-    just before the destroy (the handle may already name another stream).  ``held``: made by
-    :func:`cover` with the forget's gates, its event still in the owner's cache of events until
-    the step that publishes the gate takes it out (see :func:`_recorded`)."""
-
-    __slots__ = ("event", "device", "held", "__weakref__")    # (weakly held by Buffer._drained)
-
-    def __init__(self, event, device, held=False):
-        self.event = event
-        self.device = device
-        self.held = held
-
-
-def _recorded(owner, stream: int, device: int, k: int = 0) -> int:
-    """An event of ``device`` recorded on ``stream``, which stays in ``owner._event_cache[device]``
-    (a cached one, or one made and put there first), ``k`` places below the top: the caller's
-    ``k`` events of that device recorded before hold the top places.  The caller takes the top
-    ``k + 1`` out of the cache (``del cache[-n:]``) in the same step (no call in between) as it
-    publishes them elsewhere (``_pending_events``, a block's uses), so a KeyboardInterrupt leaves
-    each event in exactly one place the allocator knows: none is lost, none is in two.  (Until
-    r54 the event was popped first, and an interrupt before it was published, e.g. as
-    ``on_device.__exit__`` or ``_Gate.__init__`` started, lost it: one live event in the runtime
-    each such interrupt, until its teardown.)  A cached event may have been recorded already
-    (left by an interrupted forget or a failed record): recording it again is what reuse does.
-
-    ``owner`` is a device or host caching allocator (its ``_be`` and ``_event_cache``), its lock
-    held; nothing else changes the cache meanwhile."""
-    cache = owner._event_cache.get(device)
-    if cache is None:
-        cache = owner._event_cache[device] = []
-    be = owner._be
-    with on_device(be, device):
-        if len(cache) <= k:
-            # the new event goes in before it is recorded (no call between its creation
-            # returning and the insert); the reserved ones stay on top
-            cache.insert(0, be.event_create())
-        event = cache[-1 - k]
-        be.event_record(event, stream)
-    return event
-
-
-def _taken(owner, gates: list) -> list:
-    """Steps (for _locks.publish) that take the events of the held ``gates`` out of ``owner``'s
-    cache (the top places of each device's list, see :func:`_recorded`)."""
-    counts = {}
-    for gate in gates:
-        if gate is not None and gate.held:
-            counts[gate.device] = counts.get(gate.device, 0) + 1
-    return [partial(operator.delitem, owner._event_cache[device], slice(-n, None))
-            for device, n in counts.items()]
-
-
-@_signals_deferred
-def _queue_wait(owner, waiter: int, stream: int, device: int) -> None:
-    """:meth:`DeviceCachingAllocator.order_after`'s vendor calls, with signals deferred (short,
-    none waits: a Ctrl-C as an event's create returns would lose it): a cached event of
-    ``device`` recorded on ``stream`` where it lies (a wait queued by cudaStreamWaitEvent is not
-    changed by a later record or destroy of the event: CUDA Runtime API, cudaStreamWaitEvent)
-    and waited for by ``waiter``.  When the cache had none, the one made for it is destroyed
-    after the wait, and kept in the cache when that fails (empty_cache destroys it, or reports
-    the failure and keeps it): the call leaves as many live events as it found."""
-    be = owner._be
-    fresh = not owner._event_cache.get(device)
-    event = _recorded(owner, stream, device)
-    with on_device(be, owner._index):
-        be.stream_wait_event(waiter, event)
-    if fresh:
-        cache = owner._event_cache[device]
-        if cache and cache[-1] == event:    # (the only one: made for this wait)
-            del cache[-1]
-            try:
-                with on_device(be, device):
-                    be.event_destroy(event)
-            except Exception:       # (the wait is queued: not the caller's failure)
-                cache.append(event)
-
-
-def order_after(owner, waiter: int, stream: int, device_index, queue_wait) -> bool:
-    """The two device allocators' ``order_after`` (``owner``: the allocator): the checks, then
-    ``queue_wait(waiter, stream, device)`` (its vendor calls, signals deferred) under the lock
-    and then the capture gate (that order, as every allocator path), so that no capture begins
-    on ``stream`` between the check and the record.  True when queued, or when ``stream`` is
-    being captured (nothing is safe to queue); False when the wait failed (the runtime's error
-    cleared): the caller waits on the host."""
-    device = check_use(owner._be, stream, device_index, owner._index)
-    be = owner._be
-    with _probe(owner._lock, "order_after", _gate_owned(be)), be.capture_gate:
-        if capture_underway(be):
-            with on_device(be, device):
-                if be.stream_is_capturing(stream):
-                    return True
-        try:
-            queue_wait(waiter, stream, device)
-        except AcceleratorError:
-            return False
-    return True
-
-
-def stream_uses(owner, ptr: int, find, allocated) -> Tuple[List[Tuple[int, int]], List[Tuple[object, int]]]:
-    """The two device allocators' ``stream_uses``: ``find()`` gives the block or allocation at
-    ``ptr`` (or None), ``allocated(item)`` whether it is allocated.  The uses are copied under
-    the lock: the caller waits for them without it."""
-    with _probe(owner._lock, "stream_uses", owner._gate_owned):
-        item = find()
-        if item is None or not allocated(item):
-            return [], []
-        uses = list(item.uses or ())
-    live = [use for use in uses if type(use) is tuple]
-    return live, [(use, use.device) for use in uses if type(use) is not tuple]
-
-
-def add_use(owner, block, stream: int, device: int) -> None:
-    """``block`` is used by work on ``stream`` of ``device``: its ``uses`` and ``owner._used_on``
-    (the stream's users, for forget_stream) say so.  ``owner`` is a device or host caching
-    allocator, its lock held.
-
-    The stream's users first: a KeyboardInterrupt between the two leaves a block among them
-    that has no use of the stream, which forget_stream skips (as record_uses may leave one)."""
-    users = owner._used_on.get(stream)
-    if users is None:
-        owner._used_on[stream] = {block}
-    else:
-        users.add(block)
-    if block.uses is None:
-        block.uses = {(stream, device)}
-    else:
-        block.uses.add((stream, device))
-
-
-def record_uses(owner, block, pending: list) -> bool:
-    """Record an event on every stream that used the freed ``block`` (``block.uses``) and
-    queue ``(event, device, block)`` on ``pending``.  When it returns every use is covered:
-    the caller then completes the block if ``block.events`` is 0, else takes it out of
-    ``owner._deferred``.  ``owner`` is a device or host caching allocator (its ``_event_cache``,
-    ``_be``, ``_used_on`` and ``_deferred``); the caller put ``block`` in ``owner._deferred``
-    first, where it waits while its uses are recorded.
-
-    A stream whose event cannot be recorded is synchronized instead (its work is then done:
-    nothing to wait for).  A use for which both fail stays on the block, which stays in
-    ``owner._deferred`` for the next try (never reused before), and the first error
-    propagates.
-
-    Interrupt safety: each use leaves ``block.uses`` in the same step (no call in between)
-    as its event leaves the cache (see :func:`_recorded`) and joins ``pending``, so a
-    KeyboardInterrupt leaves every use either still to record or waited for, every event
-    either cached or pending, and a retry records only the rest."""
-    error = None
-    for use in list(block.uses or ()):
-        cache = None
-        if type(use) is _Gate:
-            entry = (use.event, use.device, block)
-            stream = None
-        else:
-            stream, device = use
-            entry = None
-            try:
-                entry = (_recorded(owner, stream, device), device, block)
-                cache = owner._event_cache[device]
-            except Exception:
-                try:
-                    with on_device(owner._be, device):
-                        owner._be.stream_synchronize(stream)
-                except Exception as exc:
-                    error = error or exc
-                    continue                # still in _used_on: forget_stream can cover it
-        rest = block.uses - {use}
-        users = owner._used_on.get(stream) if stream is not None else None
-        # publish: the use goes as its event comes (the append is the last change, a call)
-        block.uses = rest or None
-        if entry is not None:
-            block.events += 1
-            if cache is not None:
-                del cache[-1]
-            pending.append(entry)
-        if users is not None:
-            users.discard(block)
-            if not users:
-                del owner._used_on[stream]
-    if error is not None:
-        raise error
-
-
-def cover(owner, stream: int, device: int, gates: list) -> Optional[_Gate]:
-    """An event of ``device`` recorded on ``stream`` now, or None when it could not be recorded
-    but the stream was synchronized instead (its work is done).  ``owner`` is a device or host
-    caching allocator (its ``_be`` and ``_event_cache``), its lock held.
-
-    ``gates``: the gates this forget made so far.  The event stays in the cache (held, see
-    :func:`_recorded`) until the forget's publish takes it out (:func:`uses_forgotten`,
-    :func:`_taken`), so a KeyboardInterrupt anywhere before leaves it cached.  (Taken out at
-    once, as the pinned allocator's forget did until r54, an interrupt before the caller kept
-    the gate lost that event.)
-
-    Refused (CaptureError, nothing recorded) while ``stream`` takes part in a capture: an event
-    recorded there is a node of the graph, not a point of the stream's work, and CUDA refuses to
-    query it once the capture has ended (cudaErrorInvalidValue), which _process_events would do
-    at every later free.  (accel.streams defers the destroy of such a stream to the end of the
-    captures and never forgets a foreign one inside a capture: this is a second line.)"""
-    be = owner._be
-    with be.capture_gate:
-        if capture_underway(be) and be.capture_id(stream) is not None:
-            raise CaptureError(f"stream {stream:#x} takes part in a graph capture: its work cannot be covered "
-                               f"with an event until the capture ends (an event recorded now would be a node "
-                               f"of the graph); forget or destroy the stream after the capture")
-        try:
-            k = 0
-            for gate in gates:
-                if gate is not None and gate.held and gate.device == device:
-                    k += 1
-            return _Gate(_recorded(owner, stream, device, k), device, True)
-        except Exception:
-            if capture_underway(be):
-                raise       # synchronizing would invalidate the capture
-            with on_device(be, device):
-                be.stream_synchronize(stream)   # a second failure propagates
-            return None
-
-
-def stream_done(owner, stream: int, device: int) -> bool:
-    """True when all work queued on the dying ``stream`` (of ``device``) has completed: what it
-    used needs no gate (r63b: a kept block used on a stream per request held one vendor event
-    per request until its own free).  Not asked while a capture is underway (a query would
-    invalidate it), and False when the query fails: the caller then covers the stream."""
-    be = owner._be
-    with be.capture_gate:
-        if capture_underway(be):
-            return False
-        try:
-            with on_device(be, device):
-                return bool(be.stream_idle(stream))     # (a failure stays for a synchronize to report)
-        except Exception:
-            be.clear_error()
-            return False
-
-
-def drop_done_gates(owner, blocks) -> None:
-    """For empty_cache: the gates that ``blocks`` (in use: a freed block's gates were queued)
-    still hold are dropped once their events completed, the events joining ``owner``'s cache,
-    which empty_cache then destroys.  One block's change is one step (_locks.publish).  Not
-    called while a capture is underway (a query would invalidate it)."""
-    for block in [b for b in blocks if b.uses and any(type(u) is _Gate for u in b.uses)]:
-        done = _completed(owner, block.uses)
-        if done:
-            _locks.publish([partial(setattr, block, "uses", block.uses.difference(done) or None)]
-                           + _cached_again(owner, done))
-
-
-def _completed(owner, uses) -> list:
-    """The gates among ``uses`` whose events completed."""
-    be = owner._be
-    return [u for u in uses if type(u) is _Gate and event_done(be, u.event)]
-
-
-def event_done(be, event) -> bool:
-    """Whether ``event`` completed; a failed query counts as not (what waits for it keeps
-    waiting, for its owner's free or synchronize to see the failure), its error cleared."""
-    try:
-        return bool(be.event_query(event))
-    except Exception:
-        be.clear_error()
-        return False
-
-
-def _cached_again(owner, gates: list) -> list:
-    """Steps (for _locks.publish) that put the events of completed ``gates`` back in the cache,
-    below the top places that :func:`_taken`'s steps delete (see :func:`_recorded`)."""
-    return [partial(owner._event_cache.setdefault(g.device, []).insert, 0, g.event) for g in gates]
-
-
-def gates_back(owner, gates: list) -> None:
-    """The events of ``gates`` (from :func:`cover`; None for none) go back to ``owner``'s cache:
-    the forget they were recorded for did not happen.  (A held gate's event never left it.)"""
-    for gate in gates:
-        if gate is not None and not gate.held:
-            owner._event_cache.setdefault(gate.device, []).append(gate.event)
-
-
-def uses_forgotten(owner, stream: int, covers: list, gates: list) -> list:
-    """Steps (for _locks.publish) that forget ``stream``'s uses: each use in ``covers``
-    ((block, use) pairs) is replaced by its gate (``gates``, in the same order; None: the stream
-    was synchronized, nothing to wait for), the held gates' events leave the cache, and
-    ``owner._used_on`` forgets the stream.  ``owner`` is a device or host caching allocator, its
-    lock held.
-
-    The gates of earlier forgets that a block in ``covers`` still holds are dropped when their
-    events completed, the events going back to the cache: a block that outlives many streams
-    holds one gate per stream whose work is still queued, not one per stream it ever saw."""
-    uses = {}
-    done = []
-    with owner._be.capture_gate:
-        query = not capture_underway(owner._be)        # (a query would invalidate a capture)
-        for (block, use), gate in zip(covers, gates):
-            rest = uses.get(block)
-            if rest is None:
-                rest = uses[block] = set(block.uses)
-                if query:
-                    old = _completed(owner, rest)
-                    rest.difference_update(old)
-                    done += old
-            rest.discard(use)
-            if gate is not None:
-                rest.add(gate)
-    steps = [partial(setattr, block, "uses", rest or None) for block, rest in uses.items()]
-    steps += _taken(owner, gates) + _cached_again(owner, done)
-    steps.append(partial(setattr, owner, "_used_on", _without(owner._used_on, stream)))
-    return steps
-
-
-def _without(mapping: dict, key) -> dict:
-    out = dict(mapping)
-    out.pop(key, None)
-    return out
 
 
 class _Retired:
@@ -522,15 +175,6 @@ class _PrivatePool:
         return self.use_count == 0 and not self.kept
 
 
-#: _grow_instead (accel's rules): a whole free classic segment larger than this (torch's kLargeBuffer)
-#: is carved for a smaller request only when up to four such requests fill all but 15 % of it.
-KEEP_WHOLE_OVER = 20 << 20
-
-
-def _segment_size_key(block: "_Block") -> int:
-    return block.size
-
-
 def _roundup_power2_next_division(size: int, divisions: int) -> int:
     # torch's roundup_power2_next_division: split [2^k, 2^(k+1)) into `divisions` steps.
     if size & (size - 1) == 0:
@@ -543,80 +187,29 @@ def _roundup_power2_next_division(size: int, divisions: int) -> int:
     return size if low == size else low + step
 
 
-def check_use(backend, stream, device_index, default: int) -> int:
-    """The device of a ``record_stream(ptr, stream, device_index)`` call, after checking that
-    ``stream`` can be a handle (an int in [0, 2**64)) and ``device_index`` names a device
-    (None: ``default``).  A bad value kept would fail every later free and empty_cache."""
-    if type(stream) is not int or not 0 <= stream < 1 << 64:
-        raise (ValueError if isinstance(stream, int) else TypeError)(
-            f"record_stream: stream must be a stream handle (an int in [0, 2**64)), got {stream!r}")
-    if device_index is None:
-        return default
-    if type(device_index) is not int:
-        raise TypeError(f"record_stream: device_index must be an int, got {device_index!r}")
-    check_range(device_index, backend, "record_stream: ")
-    return device_index
-
-
-def check_stream_live(backend, stream: int, device: int) -> None:
-    """ValueError when ``stream`` (a handle check_use took) is no live stream of ``device``:
-    record_stream would keep it, and every later free of the block and every empty_cache would
-    then fail on it (r67i: 0x3039 was kept, and the allocator wedged).  A stream accel made (or
-    wraps) is known; another handle is asked of the runtime (Backend.foreign_stream: CUDA's
-    cudaStreamGetDevice, or the backend's own table), as Stream.from_handle does."""
-    from ..streams import _live_streams
-    if _live_streams.get((device, stream)) is not None:
-        return
-    try:
-        _handle, where = backend.foreign_stream(stream)
-    except ValueError as exc:
-        raise ValueError(f"record_stream: {exc}") from None
-    if where is not None and where != device:
-        raise ValueError(f"record_stream: stream {stream:#x} is a stream of device {where}, not of device "
-                         f"{device}; pass device_index={where}")
-
-
-def _never() -> bool:
-    return False
-
-
-def _gate_owned(be):
-    """"Does this thread hold the lock the backend takes inside allocator paths": the capture
-    gate's (a C method); on Metal, which has no gate, its backend lock's (r69h: a gc callback
-    run while a copy held it closed a Buffer, as another thread's free held the allocator's lock
-    and recorded an event, which waits for the backend lock)."""
-    owned = getattr(be.capture_gate, "_is_owned", None)
-    if owned is None:
-        owned = getattr(getattr(be, "_lock", None), "owned", None)
-    return owned or _never
-
-
-def _probe(lock, what: str, gate_owned=_never):
-    """What an allocator's ``with`` takes instead of ``lock`` (an RLock) itself.
-
-    * This thread already holds ``lock``: refused.  A signal handler, a gc callback or a
-      ``__del__`` that calls accel from inside the allocator would re-enter its half-done work
-      (r69h: such calls waited forever on the plain lock of before).
-    * The collector runs on this thread, or this thread holds the backend's capture gate
-      (``gate_owned``; every path takes an allocator's lock before the gate, so a thread that
-      holds the gate and waits for an allocator's lock is user code run inside accel, r69h:
-      a gc callback at a collection's "stop", inside a pinned free, closing a device Buffer
-      while another thread's free held that device's lock and waited for the gate): a
-      bounded ``accel._locks.held``, which waits a bounded time, then raises instead of
-      hanging.  Its wait is the hold: a probe that waited, let go, and then took the lock with
-      ``with`` let another thread in between (r70a: a free that then waited for the gate this
-      thread held, a deadlock).
-    * Otherwise ``lock`` itself: ``with`` gets its C methods, which CPython never leaves held on
-      a KeyboardInterrupt (BEFORE_WITH enters it with no signal check in between).
-
-    Hot paths call it only when ``_locks._running or lock._is_owned() or gate_owned()``."""
-    if lock._is_owned():
-        raise _locks.finalizer_error(what, "would re-enter the caching allocator in the middle of "
-                                     "this thread's own call (a signal handler, gc callback or __del__ "
-                                     "that ran inside it); make the call after it returned")
-    if _locks.collecting_here() or gate_owned():
-        return _locks.held(lock, what, bounded=True)
-    return lock
+@_signals_deferred
+def _queue_wait(owner, waiter: int, stream: int, device: int) -> None:
+    """:meth:`DeviceCachingAllocator.order_after`'s vendor calls, with signals deferred (short,
+    none waits: a Ctrl-C as an event's create returns would lose it): a cached event of
+    ``device`` recorded on ``stream`` where it lies (a wait queued by cudaStreamWaitEvent is not
+    changed by a later record or destroy of the event: CUDA Runtime API, cudaStreamWaitEvent)
+    and waited for by ``waiter``.  When the cache had none, the one made for it is destroyed
+    after the wait, and kept in the cache when that fails (empty_cache destroys it, or reports
+    the failure and keeps it): the call leaves as many live events as it found."""
+    be = owner._be
+    fresh = not owner._event_cache.get(device)
+    event = recorded(owner, stream, device)
+    with on_device(be, owner._index):
+        be.stream_wait_event(waiter, event)
+    if fresh:
+        cache = owner._event_cache[device]
+        if cache and cache[-1] == event:    # (the only one: made for this wait)
+            del cache[-1]
+            try:
+                with on_device(be, device):
+                    be.event_destroy(event)
+            except Exception:       # (the wait is queued: not the caller's failure)
+                cache.append(event)
 
 
 def _check_size(nbytes) -> int:
@@ -629,7 +222,7 @@ def _check_size(nbytes) -> int:
     return nbytes
 
 
-class DeviceCachingAllocator(ExpandableSegments):
+class DeviceCachingAllocator(ClassicSegments, ExpandableSegments):
     """Caching allocator for one device; every method is thread-safe.
 
     Normally obtained with :func:`accel.memory.device_allocator`; constructing
@@ -648,8 +241,8 @@ class DeviceCachingAllocator(ExpandableSegments):
         self._be = backend
         self._index = device_index
         self._config = config = config if config is not None else _config.current()
-        self._lock = _locks.OwnedLock()   # (an RLock only to tell its holder: _probe refuses re-entry)
-        self._gate_owned = _gate_owned(backend)
+        self._lock = _locks.OwnedLock()   # (an RLock only to tell its holder: probe refuses re-entry)
+        self._gate_owned = gate_owned(backend)
         self._blocks: Dict[int, _Block] = {}
         self._segments: Dict[int, int] = {}          # base ptr -> segment size
         # classic segments that became wholly free (base ptr -> block), checked when read:
@@ -676,7 +269,7 @@ class DeviceCachingAllocator(ExpandableSegments):
         self._deferred: List[_Block] = []            # freed during capture, events not yet recorded
         self._used_on: Dict[int, set] = {}           # stream -> blocks whose uses name it
         # device -> events for reuse (completed; or recorded by a forget or free that an
-        # interrupt or an error stopped: recording again is reuse); see _recorded
+        # interrupt or an error stopped: recording again is reuse); see recorded
         self._event_cache: Dict[int, List[int]] = {}
         self._default_stream: Optional[int] = None
         # history (record_history): records (action, addr, size, stream, time_us, stack, metadata), see
@@ -746,7 +339,7 @@ class DeviceCachingAllocator(ExpandableSegments):
         """Cap reserved memory at ``fraction`` (0..1, checked by the caller) of the device's
         total from now on: torch's ``setMemoryFraction``.  Memory already reserved stays;
         the next segment that would pass the cap fails (free the cache, retry, then OOM)."""
-        with _probe(self._lock, "set_memory_fraction", self._gate_owned):
+        with probe(self._lock, "set_memory_fraction", self._gate_owned):
             self._config = self._config._replace(per_process_memory_fraction=float(fraction))
             self._allowed = None
 
@@ -770,7 +363,7 @@ class DeviceCachingAllocator(ExpandableSegments):
         _config.check_fixed(self._config, config)
         if _finalizers:
             _drain_finalizers()
-        with _probe(self._lock, "set_config", self._gate_owned):
+        with probe(self._lock, "set_config", self._gate_owned):
             old = self._config
             if keep_fraction:
                 config = config._replace(per_process_memory_fraction=old.per_process_memory_fraction)
@@ -861,8 +454,8 @@ class DeviceCachingAllocator(ExpandableSegments):
         if _finalizers:            # frees finalizers left for a safe point (accel._finalize)
             _drain_finalizers()
         lock = self._lock
-        if _locks._running or lock._is_owned() or self._gate_owned():     # see _probe
-            lock = _probe(lock, "malloc", self._gate_owned)
+        if _locks._running or lock._is_owned() or self._gate_owned():     # see probe
+            lock = probe(lock, "malloc", self._gate_owned)
         try:
             with lock:     # not acquire() + try: a KeyboardInterrupt as acquire returns would keep it
                 special = self._special
@@ -1105,8 +698,8 @@ class DeviceCachingAllocator(ExpandableSegments):
         if _finalizers:
             _drain_finalizers()
         lock = self._lock
-        if _locks._running or lock._is_owned() or self._gate_owned():     # see _probe
-            lock = _probe(lock, "free", self._gate_owned)
+        if _locks._running or lock._is_owned() or self._gate_owned():     # see probe
+            lock = probe(lock, "free", self._gate_owned)
         with lock:     # not acquire() + try: a KeyboardInterrupt as acquire returns would keep it
             block = self._blocks.get(ptr)
             if block is None or block.state != _ALLOCATED:
@@ -1230,7 +823,7 @@ class DeviceCachingAllocator(ExpandableSegments):
         stream that is no handle or a device index naming no device (nothing is recorded)."""
         device = check_use(self._be, stream, device_index, self._index)
         check_stream_live(self._be, stream, device)
-        with _probe(self._lock, "record_stream", self._gate_owned):
+        with probe(self._lock, "record_stream", self._gate_owned):
             block = self._blocks.get(ptr)
             if block is None or block.state != _ALLOCATED:
                 raise self._not_allocated(ptr, block)
@@ -1258,7 +851,7 @@ class DeviceCachingAllocator(ExpandableSegments):
         host instead.
 
         Locking as :func:`order_after`'s.  The vendor calls run with signals deferred and the
-        event stays in the cache from its creation until its destroy (:func:`_recorded`), so a
+        event stays in the cache from its creation until its destroy (:func:`recorded`), so a
         KeyboardInterrupt leaves nothing to release."""
         return order_after(self, waiter, stream, device_index, partial(_queue_wait, self))
 
@@ -1288,7 +881,7 @@ class DeviceCachingAllocator(ExpandableSegments):
         # go back to the cache, and the error propagates.
         # Interrupt safety: what changes is computed, then published in one step
         # (_locks.publish), so a KeyboardInterrupt leaves the stream wholly known (its events in
-        # the cache: they leave it in the publish, see _recorded; Stream.close() tries again) or
+        # the cache: they leave it in the publish, see recorded; Stream.close() tries again) or
         # wholly forgotten.
         owners = [(None, self._general)] + [(pool, pool.lists) for pool in self._private.values()]
         retire = [(owner, lists[stream]) for owner, lists in owners
@@ -1316,13 +909,13 @@ class DeviceCachingAllocator(ExpandableSegments):
                     else:
                         steps.append(partial(setattr, self, "_pending_events",
                                              self._pending_events + [(gate.event, device, retired)]))
-                        steps += _taken(self, [gate])
+                        steps += taken(self, [gate])
                         steps.append(partial(setattr, self, "_special", True))
                 steps += uses_forgotten(self, stream, covers, gates[1:] if retire else gates)
-                steps.append(partial(setattr, self, "_general", _without(self._general, stream)))
-                steps += [partial(setattr, pool, "lists", _without(lists, stream))
+                steps.append(partial(setattr, self, "_general", without(self._general, stream)))
+                steps += [partial(setattr, pool, "lists", without(lists, stream))
                           for pool, lists in owners[1:] if stream in lists]
-                steps.append(partial(setattr, self, "_routes", _without(self._routes, stream)))
+                steps.append(partial(setattr, self, "_routes", without(self._routes, stream)))
                 steps.append(partial(done.append, True))
                 _locks.publish(steps)
             except BaseException:
@@ -1345,7 +938,7 @@ class DeviceCachingAllocator(ExpandableSegments):
         pool_id = self._check_pool_id(pool_id)
         if (stream is None) == (thread is None):
             raise TypeError("begin_allocate_to_pool takes a stream or thread= (one of them)")
-        with _probe(self._lock, "begin_allocate_to_pool", self._gate_owned):
+        with probe(self._lock, "begin_allocate_to_pool", self._gate_owned):
             if any(p.id == pool_id for pools in self._threads.values() for p in pools) or (
                     thread is not None and any(p.id == pool_id for p in self._routes.values())):
                 raise RuntimeError(f"beginAllocateToPool: already recording to mempool_id {pool_id}: "
@@ -1364,7 +957,7 @@ class DeviceCachingAllocator(ExpandableSegments):
                 pool.captured = True
                 self._routes[stream] = self._origins[stream] = pool
                 self._origin_ids.pop(stream, None)
-                _count_captures(1)
+                count_captures(1)
             self._update_special()
 
     def create_pool(self, pool_id: Tuple[int, int], *, use_on_oom: bool = False, no_split: bool = False) -> None:
@@ -1373,7 +966,7 @@ class DeviceCachingAllocator(ExpandableSegments):
         pool that finds the device full takes a free block of the pool instead of failing;
         ``no_split``: the pool hands blocks out whole."""
         pool_id = self._check_pool_id(pool_id)
-        with _probe(self._lock, "create_pool", self._gate_owned):
+        with probe(self._lock, "create_pool", self._gate_owned):
             pool = self._private.get(pool_id)
             if pool is None:
                 pool = self._private[pool_id] = _PrivatePool(pool_id)
@@ -1391,7 +984,7 @@ class DeviceCachingAllocator(ExpandableSegments):
     def end_allocate_to_pool(self, pool_id: Tuple[int, int]) -> None:
         """Stop routing allocations to ``pool_id`` (the capture ended)."""
         pool_id = self._check_pool_id(pool_id)
-        with _probe(self._lock, "end_allocate_to_pool", self._gate_owned):
+        with probe(self._lock, "end_allocate_to_pool", self._gate_owned):
             # computed, then published in one step (a KeyboardInterrupt leaves every route or none)
             routes = {s: pool for s, pool in self._routes.items() if pool.id != pool_id}
             ended = [s for s, pool in self._origins.items() if pool.id == pool_id]
@@ -1402,7 +995,7 @@ class DeviceCachingAllocator(ExpandableSegments):
             _locks.publish([partial(setattr, self, "_routes", routes), partial(setattr, self, "_origins", origins),
                             partial(setattr, self, "_origin_ids", origin_ids),
                             partial(setattr, self, "_threads", threads)]
-                           + [_pool_captures.pop for _ in ended])
+                           + [pool_captures.pop for _ in ended])
             if self._deferred or self._pending_events:
                 unless_capturing(self._be, self._resume_events)
             self._update_special()
@@ -1417,8 +1010,8 @@ class DeviceCachingAllocator(ExpandableSegments):
         device = check_use(self._be, stream, device_index, self._index)
         pool_id = self._check_pool_id(pool_id)
         lock = self._lock
-        if _locks._running or lock._is_owned() or self._gate_owned():     # see _probe
-            lock = _probe(lock, "pool_used_on", self._gate_owned)
+        if _locks._running or lock._is_owned() or self._gate_owned():     # see probe
+            lock = probe(lock, "pool_used_on", self._gate_owned)
         with lock:
             pool = self._private.get(pool_id)
             if pool is None or pool.use_count <= 0:
@@ -1455,7 +1048,7 @@ class DeviceCachingAllocator(ExpandableSegments):
         emptyCache of the pool): it serves no OOM any more, and when nothing else uses
         it its whole free segments go back to the device (unless a capture is underway)."""
         pool_id = self._check_pool_id(pool_id)
-        with _probe(self._lock, "release_pool", self._gate_owned):
+        with probe(self._lock, "release_pool", self._gate_owned):
             pool = self._private.get(pool_id)
             if pool is None:
                 raise ValueError(f"release_pool: no private pool {pool_id} on device {self._index}")
@@ -1515,8 +1108,8 @@ class DeviceCachingAllocator(ExpandableSegments):
             # two go through the driver's staged path, as torch grants only peers that can (r71p)
             return
         lock = self._lock
-        if _locks._running or lock._is_owned() or self._gate_owned():     # see _probe
-            lock = _probe(lock, "add_peer", self._gate_owned)
+        if _locks._running or lock._is_owned() or self._gate_owned():     # see probe
+            lock = probe(lock, "add_peer", self._gate_owned)
         with lock:     # not acquire() + try: a KeyboardInterrupt as acquire returns would keep it
             if index in self._peers:
                 return
@@ -1541,7 +1134,7 @@ class DeviceCachingAllocator(ExpandableSegments):
         events of pending blocks).  CaptureError while a capture allocates to a pool."""
         if _finalizers:
             _drain_finalizers()
-        with _probe(self._lock, "empty_cache", self._gate_owned), self._be.capture_gate:
+        with probe(self._lock, "empty_cache", self._gate_owned), self._be.capture_gate:
             if self._routes or capture_underway(self._be):
                 # synchronizing events and cudaFree would invalidate a global-mode capture
                 raise CaptureError("empty_cache() is not allowed while a stream capture is underway "
@@ -1579,7 +1172,7 @@ class DeviceCachingAllocator(ExpandableSegments):
         """The torch.cuda.memory_stats() keys as an OrderedDict (sorted)."""
         if _finalizers:
             _drain_finalizers()
-        with _probe(self._lock, "stats", self._gate_owned):
+        with probe(self._lock, "stats", self._gate_owned):
             cur, peak, base, freed = self._columns()
             allocated = [c - b + f for c, b, f in zip(cur, base, freed)]
             pend, pend_base = self._pend, self._pend_base
@@ -1600,7 +1193,7 @@ class DeviceCachingAllocator(ExpandableSegments):
         """Backend map/unmap calls of the expandable segments so far (accel's own keys,
         kept out of :meth:`stats`, which has exactly torch's keys):
         ``{"num_device_map": n, "num_device_unmap": m}``; reset by reset_accumulated_stats."""
-        with _probe(self._lock, "map_stats", self._gate_owned):
+        with probe(self._lock, "map_stats", self._gate_owned):
             return {"num_device_map": self._scalars["num_device_map"],
                     "num_device_unmap": self._scalars["num_device_unmap"]}
 
@@ -1619,7 +1212,7 @@ class DeviceCachingAllocator(ExpandableSegments):
 
     def reset_peak_stats(self) -> None:
         """Peaks become the current values (torch's resetPeakStats)."""
-        with _probe(self._lock, "reset_peak_stats", self._gate_owned):
+        with probe(self._lock, "reset_peak_stats", self._gate_owned):
             self._peak[:] = self._cur
             for st in self._pool_reserved.values():
                 st[3:6] = st[0:3]
@@ -1632,7 +1225,7 @@ class DeviceCachingAllocator(ExpandableSegments):
 
     def reset_accumulated_stats(self) -> None:
         """Zero the allocated/freed counters and the retry/OOM/device call counts."""
-        with _probe(self._lock, "reset_accumulated_stats", self._gate_owned):
+        with probe(self._lock, "reset_accumulated_stats", self._gate_owned):
             self._base[:] = self._cur
             self._freed[:] = [0] * len(self._freed)
             self._s_base, self._s_freed = self._s_cur, 0
@@ -1655,7 +1248,7 @@ class DeviceCachingAllocator(ExpandableSegments):
         Stopping forgets the history and every stack.  (Arguments as
         :func:`accel.memory.record_history` checked them.)"""
         ctx = context if stacks else 0
-        with _probe(self._lock, "record_history", self._gate_owned):
+        with probe(self._lock, "record_history", self._gate_owned):
             if enabled:
                 kept = self._history if self._history is not None and not clear_history else ()
                 self._history = deque(kept, maxlen=max_entries)
@@ -1684,7 +1277,7 @@ class DeviceCachingAllocator(ExpandableSegments):
 
     def allocator_settings(self) -> dict:
         """torch's ``allocator_settings`` of a snapshot, for this allocator."""
-        with _probe(self._lock, "allocator_settings", self._gate_owned):
+        with probe(self._lock, "allocator_settings", self._gate_owned):
             expandable = self._expandable
             if expandable is None:       # not decided before the first miss: what it would be
                 want = self._config.expandable_segments
@@ -1694,7 +1287,7 @@ class DeviceCachingAllocator(ExpandableSegments):
     def allocation_frames(self, ptr: int) -> Optional[list]:
         """The frames of the stack that allocated the live block at ``ptr`` (innermost first),
         or None: no such block, or no stack kept for it (accel.memory._allocation_traceback)."""
-        with _probe(self._lock, "allocation_frames", self._gate_owned):
+        with probe(self._lock, "allocation_frames", self._gate_owned):
             block = self._blocks.get(ptr)
             if block is None or block.state != _ALLOCATED or not block.frames:
                 return None
@@ -1705,7 +1298,7 @@ class DeviceCachingAllocator(ExpandableSegments):
         (:mod:`accel.memory._snapfmt`): segments and blocks with ``frames`` (empty without a
         stack), trace entries with ``frames`` while history keeps stacks in the trace."""
         symbols = _Symbols()
-        with _probe(self._lock, "snapshot", self._gate_owned):
+        with probe(self._lock, "snapshot", self._gate_owned):
             segments = []
             seg_frames = self._seg_frames
             for base in sorted(self._segments):
@@ -1975,56 +1568,6 @@ class DeviceCachingAllocator(ExpandableSegments):
             return found >= self._max_split
         return found >= size + self._config.max_non_split_rounding
 
-    def _segment_size(self, size: int, kind: int) -> int:
-        if kind == _SMALL:
-            return SMALL_BUFFER
-        if self._torch_policy and size < MIN_LARGE_ALLOC:
-            return self._config.large_segment_size      # torch's kLargeBuffer (large_segment_size_mb)
-        return (size + ROUND_LARGE - 1) // ROUND_LARGE * ROUND_LARGE
-
-    def _packed_segment_size(self, size: int, seg_size: int) -> int:
-        """The size of a new classic segment for the large request ``size`` (under 10 MiB) under
-        accel's rules, ``seg_size`` being the request rounded up to 2 MiB: room for k = 2..4 such
-        requests, the k whose 2 MiB rounding wastes the smallest share (by at least 5 points),
-        when one request's rounding wastes over a quarter of its segment and at least two of the
-        last 64 such misses were within 3 % of the size; else ``seg_size``.  Records the miss.
-
-        Why: a request just over a 2 MiB multiple wastes nearly half its segment, and the free
-        tail is useless to the next request of the same size (a WaveNet-like trace: 48 blocks of
-        2.197 MiB live at the peak, each alone in a 4 MiB segment, 1.571 peak reserved / peak
-        live).  Measured (r47) with tools/replay_trace.py --corpus --holdout --policy none
-        --variant c=expandable_segments:False --no-capacity --rounds 1, peak reserved / peak
-        live, before -> after: --perturb 5 mean 1.203 -> 1.192, over 1.15 113 -> 105 of 198, worst
-        1.891 -> 1.653; --perturb 9 1.210 -> 1.196, over 1.15 195 -> 185 of 330; --scale-all mean
-        1.193 both, over 1.15 107 -> 101, worst 1.617 -> 1.791; recorded traces WaveNet 1.571 ->
-        1.443, 26 -> 25 over 1.08; segment frees over the 33 traces 831 -> 709.  Tried: k up to 2
-        (over 1.15: 119) or 3 (112).
-
-        Measured and not adopted (r47): not carving a whole free segment larger than the
-        request's own new segment (a new one made, release-before-grow returning the big one).
-        With this packing it took the population to mean 1.146, 72 over 1.15, worst 1.468, but
-        every such release is a cudaFree or a Metal release after a device synchronize, and in a
-        steady loop they recur: 2,708 segment frees over the 33 traces replayed once (709 with
-        packing alone) and 14,402 over five passes (1,741), some 140-190 per training step of the
-        transformer traces, each a device synchronize.
-        """
-        recent = self._recent_misses
-        near = 0
-        for other in recent:
-            if abs(other - size) * 100 <= size * 3:
-                near += 1
-        # recorded even if the segment below is not made (an OOM): bounded (maxlen), statistics only
-        recent.append(size)
-        if near < 2 or (seg_size - size) * 4 <= seg_size:
-            return seg_size
-        best, waste = seg_size, (seg_size - size) / seg_size
-        for k in range(2, 5):
-            packed = (k * size + ROUND_LARGE - 1) // ROUND_LARGE * ROUND_LARGE
-            w = (packed - k * size) / packed
-            if w < waste - 0.05:
-                best, waste = packed, w
-        return best
-
     def _find(self, fl: _FreeList, size: int, grow_instead: bool = True) -> Optional[_Block]:
         keys = fl.keys
         i = bisect_left(keys, size << _SHIFT)
@@ -2043,80 +1586,6 @@ class DeviceCachingAllocator(ExpandableSegments):
                 # (malloc's other path, through here) do not change where a request goes
                 return None
         return block       # still listed: malloc takes it out as it hands it out
-
-    def _split_instead(self, fl: _FreeList, i: int, block: _Block) -> Optional[_Block]:
-        """Best fit found ``block`` (``fl.keys[i]``), a whole free segment at least twice the
-        request: for a classic segment under accel's rules, the smallest larger free block of a
-        segment already split, taken out of the list, or None.
-
-        Why: carving a request out of a whole free segment pins all of it (only a whole free
-        segment goes back to the device), while the free block of a segment some live block
-        already pins costs nothing new.  Measured on the 25 traces of ``tools/replay_trace.py
-        --corpus --holdout`` with expandable_segments:False: a beam-search decode 1.486 -> 1.137
-        peak reserved over peak allocated, no trace worse.  Only the nearest 64 larger blocks are looked at."""
-        if block.seg is not None or self._torch_policy or self._max_split != _config.UNLIMITED:
-            return None                     # torch's rules and oversize blocks keep best fit
-        keys = fl.keys
-        blocks = self._blocks
-        for j in range(i + 1, min(len(keys), i + 65)):
-            other = blocks[keys[j] & _MASK]
-            if other.prev is not None or other.next is not None:
-                return other
-        return None
-
-    def _grow_instead(self, size: int, block: _Block, fl: _FreeList) -> bool:
-        """Best fit found ``block``, a whole free classic segment at least twice the large request
-        ``size``, and no split segment has room (_split_instead): under accel's rules, in the
-        general cache, True when the segment is over four times the request's own new segment
-        (``size`` rounded up to 2 MiB), or over KEEP_WHOLE_OVER and ill-fitting (below), for malloc
-        to take the miss path instead: a new segment of the request's own size, release-before-grow
-        returning cached whole segments (this one among them: _release_for) only if reserved memory
-        would pass its high-water mark, and the out-of-memory retry freeing it if the device or
-        the cap is full.
-
-        Why: carving a small request out of a large free segment pins all of it while the request
-        lives, and the next request of that segment's size then needs a new segment (a wide & deep
-        trace under a cap: a 2 MiB block alone in a 32 MiB segment; a GNN: 7.8 MiB in 36 MiB).
-        Measured (r65c) with tools/replay_trace.py --corpus --holdout --policy none --variant
-        c=expandable_segments:False, peak reserved / peak live, before -> after: --perturb 5
-        (246 replays) mean 1.192 -> 1.174, over 1.15 136 -> 115, worst 1.653 -> 1.554; --perturb 9
-        1.194 -> 1.176, over 1.15 236 -> 202 of 410, worst 1.687 -> 1.554; --scale-all mean
-        1.197 -> 1.178, over 1.15 134 -> 114; as recorded worst 1.443 -> 1.386, and minimum
-        capacity above torch's rules on 5 traces instead of 7.  Segment frees over the 41 traces
-        1,029 -> 1,179, and over five passes (--passes 5) 2,496 -> 3,556.  Other thresholds
-        (--perturb 5 mean / over 1.15 / traces whose minimum capacity is above torch's): any whole
-        free segment larger than the own one (r47's rule) 1.148 / 96 / 8 (tcn 1.175 -> 1.283,
-        gpt_small 1.051 -> 1.099) with 4,578 segment frees; over 1.5x 1.160 / 102 / 7; 2x 1.165 /
-        101 / 8; 3x 1.177 / 120 / 6; 5x 1.177 / 124 / 5.  Only when the new segment needs no
-        release (reserved + own within the high-water mark): 1.182 / 125 / 5, 1,051 frees.
-
-        Also (r68e) when the segment is over KEEP_WHOLE_OVER (20 MiB) and over the request's own
-        segment, and up to four requests of this size would leave more than 15 % of it unused: a
-        segment made for a large tensor is then not pinned by a 2-8 MiB block beside which no
-        request of its own size fits (it stays whole for the next one, or release-before-grow
-        returns it), while a segment the request divides well (16 MiB blocks in 32 MiB) is still
-        carved: without that test a CNN's 16 MiB blocks passed over its 32 MiB segments and each
-        training step freed and remade them (cnn_train: 15 -> 90 segment frees over three passes).
-        Measured with tools/replay_trace.py --corpus --holdout --policy none --variant
-        c=expandable_segments:False, peak reserved / peak live, together with _release_for's rule:
-        --perturb 5 (294 replays) mean 1.1735 -> 1.1668, median 1.1466 -> 1.1401, over 1.15
-        142 -> 131, worst 1.554 both; perturbation seeds 6-15 (539 replays) mean 1.1738 -> 1.1679,
-        over 1.15 278 -> 265, worst 1.524 both; --passes 3 mean 1.1873 -> 1.1812; segment frees
-        7,977 -> 7,919 (--perturb 5) and 2,983 -> 3,007 (--passes 3); minimum capacity lower on 5
-        traces (bert_infer_dynamic_padding 1.309 -> 1.124, perceiver_io 1.266 -> 1.190, wide_deep
-        1.100 -> 1.014), higher on 3 (mobilenet_eval 1.088 -> 1.107, swin_like 1.101 -> 1.118,
-        two_tower 1.021 -> 1.036).  Without the 15 % test: mean 1.1633, over 1.15 128, --passes 3
-        mean 1.166, but 3,455 segment frees over three passes (cnn_train's 90 among them)."""
-        if block.seg is not None or self._torch_policy or self._max_split != _config.UNLIMITED or fl.owner is not None:
-            return False
-        # During a capture the miss path frees nothing (no cudaFree), so the new segment could
-        # fail where the cached one fits: best fit then (_malloc_miss_gated's `cached` covers a
-        # capture that begins after this test)
-        own = (size + ROUND_LARGE - 1) // ROUND_LARGE * ROUND_LARGE
-        n = block.size
-        if n <= 4 * own and (n <= KEEP_WHOLE_OVER or n <= own or (n - min(n // size, 4) * size) * 20 <= n * 3):
-            return False
-        return not capture_underway(self._be)
 
     def _passed_over(self, fl: _FreeList, size: int, need: Optional[int]) -> Optional[_Block]:
         """Where the miss cannot grow by ``need`` bytes (past the cap; None: at all, a capture
@@ -2220,148 +1689,6 @@ class DeviceCachingAllocator(ExpandableSegments):
                 st = self._seg_frames[block.ptr] = _stack()
             self._trace("segment_alloc", block.ptr, seg_size, fl.stream, st, fl.owner)
         return block
-
-    def _small_in_large(self, size: int, nbytes: int, fl: _FreeList) -> Optional[_Block]:
-        """A small request whose new 2 MiB small segment would lift reserved memory past
-        its high-water mark (even after release-before-grow) takes the high end of the
-        best-fitting free block of the same owner and stream's large pool instead, or None.
-
-        Why: a small trace's peak is often a tiny allocation needing a whole small
-        segment while the tails of large segments (their 2 MiB rounding) sit free;
-        below the mark a small segment costs nothing and keeps the pools apart, as torch
-        does (small blocks scattered in large segments pin them).  The high end, so the
-        rest of the free block stays next to its lower neighbour and merges with it.
-        The block is the large pool's (segment, stats, free list), as every block of a
-        segment is.  Oversize and expandable blocks are never used.
-
-        The high end is handed out here, allocated (malloc returns it as it is), in the same
-        step as the split (plain stores, no KeyboardInterrupt between them): a split published
-        before the hand-out would leave two adjacent free blocks if interrupted.  A block that
-        fits exactly is returned free and listed, as _find returns one."""
-        reserved = self._cur[RESERVED_BYTES]
-        if reserved + SMALL_BUFFER <= self._reserved_hw:
-            return None
-        whole = sum(block.size for block in self._whole_free_segments())
-        if reserved + SMALL_BUFFER - whole <= self._reserved_hw:
-            return None                     # releasing whole free segments pays for it
-        lists = (fl.owner.lists if fl.owner is not None else self._general).get(fl.stream)
-        large = lists[1]
-        keys = large.keys
-        i = bisect_left(keys, size << _SHIFT)
-        if i == len(keys):
-            return None
-        block = self._blocks[keys[i] & _MASK]
-        if block.size >= self._max_split or block.seg is not None:
-            return None
-        if block.size == size:
-            return block                    # malloc takes it as it takes a found block
-        high = self._hand_out_high(block, large, i, size, nbytes, self._miss_ref)
-        if self._special:
-            self._after_take(high, large)
-        return high
-
-    def _hand_out_high(self, block: _Block, fl: _FreeList, i: int, size: int, nbytes: int, ref) -> _Block:
-        """Split the free ``block`` (``fl.keys[i]``, larger than ``size``) and hand out its high
-        ``size`` bytes, allocated for ``nbytes``, owned by ``ref``; the low rest stays free next
-        to its lower neighbour.  Returns the new block (the caller runs _after_take).
-
-        Interrupt safety: computed first, then the split and the hand-out published in one step
-        with plain stores (no KeyboardInterrupt between them): a split published before the
-        hand-out would leave two adjacent free blocks if interrupted."""
-        keys = fl.keys
-        rest = block.size - size
-        was_split = block.prev is not None or block.next is not None
-        nxt = block.next
-        high = _Block(block.ptr + rest, size, fl, block, nxt)
-        high.seg = block.seg
-        # packed counters: ``block`` shrinks by ``size``, or, if it was a whole segment, becomes
-        # a split block; ``high`` is counted as an inactive split block made and taken, as
-        # malloc counts a split block it takes (a classic segment's: expandable blocks are no
-        # inactive split ones, as torch's)
-        classic = block.seg is None
-        w = (fl.split_deltas.get(size) or fl.split_delta(size)) if classic else 0
-        high.stat = v = fl.lanes(1 | size << 64 | nbytes << 128)
-        high.requested = nbytes
-        freed = w
-        if was_split:
-            shrink = fl.lanes(size << (_ISPLIT + 64)) if classic else 0
-            d = v - shrink
-            freed += shrink
-        else:
-            d = v + (fl.split_deltas.get(rest) or fl.split_delta(rest))
-        cur = self._s_cur + d
-        if (self._s_peak_guarded - cur) & _GUARD != _GUARD:      # raised early, as malloc's
-            self._s_peak_guarded = raise_peaks(self._s_peak_guarded, cur, _GUARD)
-        # the rest keeps the block's address with a smaller size, so its key sorts at or before
-        # the block's slot: usually into it (overwritten), else a delete and an insort (malloc's)
-        key = rest << _SHIFT | block.ptr
-        move = i > 0 and keys[i - 1] > key
-        # publish (no call until the insort)
-        block.undo = 0
-        if nxt is not None:
-            nxt.prev = high
-        block.next = high
-        block.size = rest
-        self._blocks[high.ptr] = high
-        high.state = _ALLOCATED
-        high.ref = ref
-        self._s_cur = cur
-        self._s_freed += freed
-        if move:
-            del keys[i]
-            insort(keys, key)
-        else:
-            keys[i] = key
-        return high
-
-    def _before_grow(self, seg_size: int) -> None:
-        """Decide whether cached segments go back to the device before a new one is made."""
-        reserved = self._cur[RESERVED_BYTES]
-        gc = self._config.garbage_collection_threshold
-        if gc and reserved + seg_size > gc * self._allowed_bytes():
-            self._release_segments()
-            return
-        if self._torch_policy:
-            return
-        # Release-before-grow: a new segment that would lift reserved memory above
-        # its high-water mark is paid for with unused cached segments first, so
-        # fragmentation of the cache cannot make the footprint creep upwards.
-        excess = reserved + seg_size - self._reserved_hw
-        if excess <= 0:
-            return
-        self._release_for(excess)
-
-    def _release_for(self, nbytes: int) -> None:
-        """Release-before-grow's victims: the smallest whole free segment of ``nbytes`` or more
-        alone, else whole free segments smallest first until ``nbytes`` went back (or none is left).
-
-        Smallest first: big segments can still serve most requests by splitting (measured on the
-        shared traces: 1.051 vs 1.083 for largest-first on gpt_small).  One segment that covers the
-        excess alone, where there is one, rather than several smaller ones: one device free (each
-        a device synchronize) instead of several, and the small segments, which more requests fit,
-        stay.  Measured alone (r68e, the population of _grow_instead): peak reserved / peak live
-        the same (--perturb 5 mean 1.1738 vs 1.1735), segment frees over three passes 2,983 ->
-        2,883; with _grow_instead's KEEP_WHOLE_OVER rule see there.  (Tried: largest first, mean
-        1.1705 but a recorded worst of 1.424; the subset of least overshoot, 1.1733.)"""
-        whole = self._whole_free_segments()       # by size, smallest first
-        for block in whole:
-            if block.size >= nbytes:
-                self._release_blocks([block])
-                return
-        self._release_until(nbytes, largest_first=False, whole=whole)
-
-    def _release_until(self, nbytes: int, largest_first: bool, whole: Optional[List[_Block]] = None) -> None:
-        """Return whole free segments to the device until at least ``nbytes`` went back
-        (or none is left); ``whole``: _whole_free_segments(), where the caller has it."""
-        victims = []
-        if whole is None:
-            whole = self._whole_free_segments()
-        for block in sorted(whole, key=_segment_size_key, reverse=largest_first):
-            if nbytes <= 0:
-                break
-            victims.append(block)
-            nbytes -= block.size
-        self._release_blocks(victims)
 
     def _reject_past_cap(self, nbytes: int, size: int) -> None:
         """throw_on_cudamalloc_oom (torch 2.13, PR #179473): a request whose device allocation of
@@ -2878,7 +2205,7 @@ class DeviceCachingAllocator(ExpandableSegments):
         that went last stays, current 0, until another pool goes or reset_accumulated_stats
         (torch keeps every gone pool's until a reset: a program that makes graphs in a loop
         would grow it without bound)."""
-        with _probe(self._lock, "private_pool_stats", self._gate_owned):
+        with probe(self._lock, "private_pool_stats", self._gate_owned):
             return {pool_id: {name: dict(zip(_stats.STAT_FIELDS, st[q::3]))
                               for q, name in enumerate(_stats.POOL_NAMES)}
                     for pool_id, st in self._pool_reserved.items()}

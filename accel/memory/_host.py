@@ -37,9 +37,10 @@ from . import _caching, _config
 from .._errors import OutOfMemoryError
 from .._finalize import drain as _drain_finalizers, pending as _finalizers, releases_settled as _releases_settled
 from ..streams import on_device
-from ._caching import (check_stream_live, _gate_owned, _probe, _ONE_EXA_BYTES, _check_size, add_use,
-                       capture_underway, check_use, cover, drop_done_gates, gates_back, record_uses, stream_done,
-                       unless_capturing, uses_forgotten)
+from ._caching import _ONE_EXA_BYTES, _check_size
+from ._guards import capture_underway, gate_owned, probe, unless_capturing
+from ._uses import (add_use, check_stream_live, check_use, cover, drop_done_gates, gates_back, record_uses,
+                    stream_done, uses_forgotten)
 
 #: torch 2.13's host_memory_stats counters (torch/cuda/memory.py): blocks owned (active +
 #: cached), their bytes, blocks handed out, their bytes; each current/peak/allocated/freed
@@ -110,7 +111,7 @@ class HostCachingAllocator:
 
     def __init__(self, backend=None):
         self._be = backend
-        self._lock = _locks.OwnedLock()   # (to tell its holder: _caching._probe refuses re-entry)
+        self._lock = _locks.OwnedLock()   # (to tell its holder: _guards.probe refuses re-entry)
         self._blocks: Dict[int, _HostBlock] = {}
         self._starts: List[int] = []                   # sorted block starts (owns bisects them)
         self._free: Dict[int, List[int]] = {}          # bucket (_bucket) -> ptrs ready for reuse
@@ -143,10 +144,10 @@ class HostCachingAllocator:
         return config.pinned_max_round_threshold, config.pinned_max_cached_size
 
     def _gate_owned(self) -> bool:
-        """Whether this thread holds the backend's capture gate (_caching._probe: a call made
+        """Whether this thread holds the backend's capture gate (_guards.probe: a call made
         under it waits for the pinned lock a bounded time, r70g)."""
         be = self._be
-        return be is not None and _gate_owned(be)()
+        return be is not None and gate_owned(be)()
 
     def _backend(self):
         if self._be is None:
@@ -174,7 +175,7 @@ class HostCachingAllocator:
         be = self._backend()
         if _finalizers:            # releases finalizers left for a safe point (accel._finalize)
             _drain_finalizers()
-        with _probe(self._lock, "pinned malloc", self._gate_owned):
+        with probe(self._lock, "pinned malloc", self._gate_owned):
             if self._events or self._deferred or self._oversize:
                 unless_capturing(be, self._resume_events, False)
             # Interrupt safety (Ctrl-C): the new counts are computed first and published with
@@ -253,7 +254,7 @@ class HostCachingAllocator:
         or a pointer this allocator did not hand out; the state is then unchanged."""
         if _finalizers:
             _drain_finalizers()
-        with _probe(self._lock, "pinned free", self._gate_owned):
+        with probe(self._lock, "pinned free", self._gate_owned):
             self._free_ptr_locked(ptr)
 
     def free_nowait(self, ptr: int) -> bool:
@@ -334,7 +335,7 @@ class HostCachingAllocator:
     def owns(self, address: int, nbytes: int) -> Optional[int]:
         """The block start when ``[address, address + nbytes)`` lies inside one allocated
         pinned block of this allocator, else None (e.g. pageable memory)."""
-        with _probe(self._lock, "pinned owns", self._gate_owned):
+        with probe(self._lock, "pinned owns", self._gate_owned):
             starts = self._starts
             i = bisect_right(starts, address) - 1     # blocks never overlap: the last start <= address
             if i >= 0:
@@ -354,7 +355,7 @@ class HostCachingAllocator:
         if device is None:
             device = be.get_device()
         check_stream_live(be, stream, device)
-        with _probe(self._lock, "pinned record_stream", self._gate_owned):
+        with probe(self._lock, "pinned record_stream", self._gate_owned):
             block = self._blocks.get(ptr)
             if block is None or not block.allocated:
                 raise self._not_allocated(ptr, block)
@@ -366,7 +367,7 @@ class HostCachingAllocator:
 
     def hold(self, ptr: int, hold: CaptureHold) -> None:
         """The allocated block at ``ptr`` is read or written by a copy captured into ``hold``'s graph."""
-        with _probe(self._lock, "pinned hold", self._gate_owned):
+        with probe(self._lock, "pinned hold", self._gate_owned):
             block = self._blocks.get(ptr)
             if block is None or not block.allocated:
                 raise self._not_allocated(ptr, block)
@@ -377,12 +378,12 @@ class HostCachingAllocator:
             hold.blocks.add(block)
 
     def _hold_replayed(self, hold: CaptureHold, stream: int) -> None:
-        with _probe(self._lock, "pinned hold", self._gate_owned):
+        with probe(self._lock, "pinned hold", self._gate_owned):
             for block in hold.blocks:
                 add_use(self, block, stream, hold.device)
 
     def _release_hold(self, hold: CaptureHold) -> None:
-        with _probe(self._lock, "pinned hold release", self._gate_owned):
+        with probe(self._lock, "pinned hold release", self._gate_owned):
             blocks, hold.blocks = hold.blocks, set()
             error = None
             for block in blocks:
@@ -448,7 +449,7 @@ class HostCachingAllocator:
         be = self._be
         if be is None:
             return
-        with _probe(self._lock, "empty_host_cache", self._gate_owned), be.capture_gate:
+        with probe(self._lock, "empty_host_cache", self._gate_owned), be.capture_gate:
             if capture_underway(be):
                 return
             self._reap_orphans()
@@ -472,7 +473,7 @@ class HostCachingAllocator:
         num_host_alloc, num_host_free, pending (blocks waiting for events)."""
         if _finalizers:
             _drain_finalizers()
-        with _probe(self._lock, "pinned stats", self._gate_owned):
+        with probe(self._lock, "pinned stats", self._gate_owned):
             out = dict(self._stats)
             out["pending"] = len({id(b) for _, _, b in self._events} | {id(b) for b in self._deferred}
                                  | {id(b) for b in self._parked})
@@ -621,7 +622,7 @@ class HostCachingAllocator:
         allocated, freed}; ``num_host_alloc``, ``num_host_free``; ``host_alloc_time`` and
         ``host_free_time`` as {total, max, min, count, avg} in microseconds.  A block counts
         as active from malloc to free (torch: until its stream uses complete)."""
-        with _probe(self._lock, "pinned stats", self._gate_owned):
+        with probe(self._lock, "pinned stats", self._gate_owned):
             out = {key: dict(zip(("current", "peak", "allocated", "freed"), tally))
                    for key, tally in self._tally.items()}
             # derived from the blocks' counters as torch's getStats does, so that
@@ -635,13 +636,13 @@ class HostCachingAllocator:
 
     def reset_peak_stats(self) -> None:
         """Set each torch_stats peak to its current value."""
-        with _probe(self._lock, "pinned stats", self._gate_owned):
+        with probe(self._lock, "pinned stats", self._gate_owned):
             for tally in self._tally.values():
                 tally[1] = tally[0]
 
     def reset_accumulated_stats(self) -> None:
         """Zero the torch_stats allocated/freed counters and the timings."""
-        with _probe(self._lock, "pinned stats", self._gate_owned):
+        with probe(self._lock, "pinned stats", self._gate_owned):
             for tally in self._tally.values():
                 tally[2] = tally[3] = 0
             for timing in self._timing.values():

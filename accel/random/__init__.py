@@ -472,7 +472,7 @@ def _after_last_use(token: _GraphRNG, stream) -> None:
     last = last_ref() if last_ref is not None else None
     if last is stream:
         return
-    from ..memory._caching import capture_underway
+    from ..memory._guards import capture_underway
     from ..streams import _hold_open, on_device
     be = stream._backend
     hold = _hold_open(last) if last is not None else None     # None: closed (or unknown)
