@@ -458,7 +458,9 @@ class Stream:
     """An ordered queue of work on one device.
 
     ``Stream(device=None, priority=0)`` creates a new stream on ``device``
-    (default: the current device); a lower ``priority`` number is more urgent,
+    (default: the current device); ``Stream(stream_id, device_index, device_type)``
+    (positional or keywords, as torch's) gives the live stream those name.  A lower
+    ``priority`` number is more urgent,
     as in CUDA.  A priority outside :meth:`priority_range` is clamped into it, as the
     CUDA runtime does (torch.cuda.Stream refuses a positive one and offers only 0 to -3 of
     the device's range; accel gives the whole range).  ``with stream:`` makes it the
@@ -471,8 +473,16 @@ class Stream:
     __slots__ = ("_backend", "_index", "_handle", "_owned", "_closed", "_shared", "_pid", "_priority",
                  "_foreign", "_anchor", "_busy", "_releases", "_own", "__weakref__")
 
-    def __new__(cls, device: DeviceLike = None, priority: int = 0, *, stream_id: Optional[int] = None,
-                device_index: Optional[int] = None, device_type: Optional[int] = None):
+    def __new__(cls, device: DeviceLike = None, priority: int = 0, *positional_type: int,
+                stream_id: Optional[int] = None, device_index: Optional[int] = None,
+                device_type: Optional[int] = None):
+        if positional_type:
+            # torch's second overload, positional: Stream(stream_id, device_index, device_type)
+            if len(positional_type) > 1 or stream_id is not None or device_index is not None \
+                    or device_type is not None:
+                raise TypeError("Stream(): takes Stream(device=None, priority=0) or Stream(stream_id, "
+                                "device_index, device_type), each argument once")
+            return cls._rebuild(device, priority, positional_type[0])
         if stream_id is not None or device_index is not None or device_type is not None:
             if device is not None:
                 raise TypeError("Stream(): give either device (a new stream) or stream_id, device_index "
@@ -1387,6 +1397,18 @@ class Event:
                 busy.pop()
                 if self._closed:
                     _closed_during_use(self)
+
+    def ipc_handle(self) -> bytes:
+        """torch's inter-process handle: refused (NotImplementedError, a RuntimeError as torch's
+        refusal for an event made without ``interprocess=True``); accel has no inter-process events."""
+        raise NotImplementedError("Event.ipc_handle(): accel has no inter-process events (Event(interprocess=True) "
+                                  "is refused too); share results between processes through host memory instead")
+
+    @classmethod
+    def from_ipc_handle(cls, device: DeviceLike, handle: bytes) -> "Event":
+        """torch's event from another process's ``ipc_handle()``: refused (NotImplementedError)."""
+        raise NotImplementedError("Event.from_ipc_handle(): accel has no inter-process events; share results "
+                                  "between processes through host memory instead")
 
     def elapsed_time(self, end_event: "Event") -> float:
         """Milliseconds between this event and ``end_event`` (waits for both to complete)."""
