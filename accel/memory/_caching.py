@@ -269,7 +269,7 @@ class DeviceCachingAllocator(ClassicSegments, ExpandableSegments):
         self._deferred: List[_Block] = []            # freed during capture, events not yet recorded
         self._used_on: Dict[int, set] = {}           # stream -> blocks whose uses name it
         # device -> events for reuse (completed; or recorded by a forget or free that an
-        # interrupt or an error stopped: recording again is reuse); see recorded
+        # interrupt or an error stopped: recording again is reuse); see _uses.recorded
         self._event_cache: Dict[int, List[int]] = {}
         self._default_stream: Optional[int] = None
         # history (record_history): records (action, addr, size, stream, time_us, stack, metadata), see
@@ -454,7 +454,7 @@ class DeviceCachingAllocator(ClassicSegments, ExpandableSegments):
         if _finalizers:            # frees finalizers left for a safe point (accel._finalize)
             _drain_finalizers()
         lock = self._lock
-        if _locks._running or lock._is_owned() or self._gate_owned():     # see probe
+        if _locks._running or lock._is_owned() or self._gate_owned():     # see _guards.probe
             lock = probe(lock, "malloc", self._gate_owned)
         try:
             with lock:     # not acquire() + try: a KeyboardInterrupt as acquire returns would keep it
@@ -698,7 +698,7 @@ class DeviceCachingAllocator(ClassicSegments, ExpandableSegments):
         if _finalizers:
             _drain_finalizers()
         lock = self._lock
-        if _locks._running or lock._is_owned() or self._gate_owned():     # see probe
+        if _locks._running or lock._is_owned() or self._gate_owned():     # see _guards.probe
             lock = probe(lock, "free", self._gate_owned)
         with lock:     # not acquire() + try: a KeyboardInterrupt as acquire returns would keep it
             block = self._blocks.get(ptr)
@@ -850,9 +850,9 @@ class DeviceCachingAllocator(ClassicSegments, ExpandableSegments):
         could not be queued (the error already cleared in the runtime): the caller waits on the
         host instead.
 
-        Locking as :func:`order_after`'s.  The vendor calls run with signals deferred and the
-        event stays in the cache from its creation until its destroy (:func:`recorded`), so a
-        KeyboardInterrupt leaves nothing to release."""
+        Locking as :func:`~accel.memory._uses.order_after`'s.  The vendor calls run with signals
+        deferred and the event stays in the cache from its creation until its destroy
+        (:func:`~accel.memory._uses.recorded`), so a KeyboardInterrupt leaves nothing to release."""
         return order_after(self, waiter, stream, device_index, partial(_queue_wait, self))
 
     def _live_list(self, fl: _FreeList) -> bool:
@@ -881,7 +881,7 @@ class DeviceCachingAllocator(ClassicSegments, ExpandableSegments):
         # go back to the cache, and the error propagates.
         # Interrupt safety: what changes is computed, then published in one step
         # (_locks.publish), so a KeyboardInterrupt leaves the stream wholly known (its events in
-        # the cache: they leave it in the publish, see recorded; Stream.close() tries again) or
+        # the cache: they leave it in the publish, see _uses.recorded; Stream.close() tries again) or
         # wholly forgotten.
         owners = [(None, self._general)] + [(pool, pool.lists) for pool in self._private.values()]
         retire = [(owner, lists[stream]) for owner, lists in owners
@@ -1010,7 +1010,7 @@ class DeviceCachingAllocator(ClassicSegments, ExpandableSegments):
         device = check_use(self._be, stream, device_index, self._index)
         pool_id = self._check_pool_id(pool_id)
         lock = self._lock
-        if _locks._running or lock._is_owned() or self._gate_owned():     # see probe
+        if _locks._running or lock._is_owned() or self._gate_owned():     # see _guards.probe
             lock = probe(lock, "pool_used_on", self._gate_owned)
         with lock:
             pool = self._private.get(pool_id)
@@ -1108,7 +1108,7 @@ class DeviceCachingAllocator(ClassicSegments, ExpandableSegments):
             # two go through the driver's staged path, as torch grants only peers that can (r71p)
             return
         lock = self._lock
-        if _locks._running or lock._is_owned() or self._gate_owned():     # see probe
+        if _locks._running or lock._is_owned() or self._gate_owned():     # see _guards.probe
             lock = probe(lock, "add_peer", self._gate_owned)
         with lock:     # not acquire() + try: a KeyboardInterrupt as acquire returns would keep it
             if index in self._peers:
@@ -1938,7 +1938,7 @@ class DeviceCachingAllocator(ClassicSegments, ExpandableSegments):
 
     def _insert_events(self, block: _Block) -> None:
         """Record an event on every stream that used the freed (pending) ``block``, which waits in
-        ``_deferred`` meanwhile; it is reused once they all completed (see ``record_uses``)."""
+        ``_deferred`` meanwhile; it is reused once they all completed (see ``_uses.record_uses``)."""
         record_uses(self, block, self._pending_events)
         if block.events == 0:
             self._complete(block)        # takes it out of _deferred as it frees it

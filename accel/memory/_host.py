@@ -297,7 +297,7 @@ class HostCachingAllocator:
                 unless_capturing(self._be, self._trim)
         else:
             self._deferred += (block,)      # waits there until its events are recorded
-            # (see _caching: no events during a capture); a failure raises, the block stays deferred
+            # (see _guards: no events during a capture); a failure raises, the block stays deferred
             unless_capturing(self._be, self._insert_events, block)
             if self._oversize:              # (its uses were waited for: none to wait for now)
                 unless_capturing(self._be, self._trim)
@@ -526,7 +526,7 @@ class HostCachingAllocator:
                     if cache is None:
                         cache = self._event_cache[device] = []
                     ready = self._free.get(block.bucket)
-                    # no call from here to the append: see _caching
+                    # no call from here to the append: see _uses.recorded
                     del events[-1]
                     block.events -= 1
                     if block.events == 0 and not block.uses:   # else deferred: a use waits

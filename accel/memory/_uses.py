@@ -1,6 +1,8 @@
 """Stream uses of blocks, and the events that gate their reuse.
 
-Shared by the device and pinned caching allocators (and the cudaMallocAsync allocator's checks).
+Shared by the device and pinned caching allocators (``_caching``, ``_host``); the cudaMallocAsync
+allocator (``_async``) shares :func:`order_after`, :func:`stream_uses`, :func:`stream_done`,
+:func:`event_done` and record_stream's argument checks (:func:`check_use`, :func:`check_stream_live`).
 A block is reused only on the stream it was allocated for; ``record_stream`` adds a *use* by
 another stream (:func:`add_use`), and a free records an event on every such stream
 (:func:`record_uses`): the block is reused once those events complete.  A stream destroyed while
@@ -21,6 +23,7 @@ from .._errors import AcceleratorError, CaptureError
 from .. import _locks
 from ..streams import on_device
 from ._guards import gate_owned, probe, capture_underway
+
 
 class _Gate:
     """A use of a block by a stream that was destroyed since: the event recorded on it
@@ -127,7 +130,7 @@ def add_use(owner, block, stream: int, device: int) -> None:
         block.uses.add((stream, device))
 
 
-def record_uses(owner, block, pending: list) -> bool:
+def record_uses(owner, block, pending: list) -> None:
     """Record an event on every stream that used the freed ``block`` (``block.uses``) and
     queue ``(event, device, block)`` on ``pending``.  When it returns every use is covered:
     the caller then completes the block if ``block.events`` is 0, else takes it out of

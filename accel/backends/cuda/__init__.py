@@ -73,7 +73,6 @@ class CudaBackend(CudaRuntimeMixin, CudaDevicesMixin, CudaMemoryMixin, CudaStrea
     shared_default_stream = True  # handle 0, the legacy stream of the *current* device
     supports_vmm = True           # cuMem* through cudaGetDriverEntryPoint (vmm); vmm_supported per device
     _vmm_fns = None               # vmm.DriverVmm, or why there is none (str), resolved at first use
-    supports_async_alloc = True   # cudaMallocAsync + the default pool (mempool); async_alloc_supported per device
 
     def __init__(self, simulated: bool):
         self.simulated = simulated
@@ -102,7 +101,7 @@ class CudaBackend(CudaRuntimeMixin, CudaDevicesMixin, CudaMemoryMixin, CudaStrea
         self._kpath = None       # kernel path: "library", a driver.DriverKernels, or why none
         self._captures = 0       # stream captures underway in this process
         # Backend.capture_gate: held from a "no capture underway" check through the potentially
-        # unsafe calls it allows (cudaMalloc outside relaxed mode and the cuMem* calls here; the
+        # unsafe calls it allows (cudaMalloc outside relaxed mode and vmm's cuMem* calls; the
         # allocators' event and stream queries, synchronizes and frees), and by capture_begin from
         # its count through cudaStreamBeginCapture (r63: a CI flake; r64: the queries)
         self.capture_gate = threading.RLock()

@@ -15,8 +15,8 @@ import warnings
 
 from ..._errors import AcceleratorError
 from .. import _visible
+from .nvml import _NVML_SUCCESS
 
-_NVML_SUCCESS = 0
 _NVML_UUID_BUFFER = 96   # NVML_DEVICE_UUID_V2_BUFFER_SIZE
 _ERR_NO_DEVICE = 100     # cudaErrorNoDevice
 _ERR_INSUFFICIENT_DRIVER = 35   # cudaErrorInsufficientDriver: no driver, or one too old for the runtime
@@ -59,7 +59,7 @@ class CudaDiscoveryMixin:
         if driver is None and cfg.runtimes and cfg.cudart:
             # the simulated libcudart's cudaDriverGetVersion, as libs.driver_version_from_runtime
             driver, note = libs.driver_version_note(cfg.driver_version if cfg.driver else 0,
-                                                          "accel.sim", note)
+                                                    "accel.sim", note)
         cands = []
         for v in reversed(cfg.runtimes):   # newest first, as the sonames are searched
             c = libs.Candidate(f"accel.sim (libcudart {libs.vtext(v)})", "ACCEL_SIM_CUDA_RUNTIME")

@@ -6,8 +6,9 @@ the driver's own functions.  The pointers are cast to the driver's prototypes
 (``PFN_*`` in ``accel/_ffi/_cudadrv.py``, generated from cudaTypedefs.h), so no
 libcuda binding is opened.  Errors are CUresult codes, named through the
 driver's cuGetErrorName ("cuModuleLoadData failed with
-CUDA_ERROR_INVALID_PTX (218)").  The same mechanism serves the cuMem* virtual
-memory calls (``vmm``) are resolved the same way, by :func:`resolve`.
+CUDA_ERROR_INVALID_PTX (218)").  The cuMem* virtual memory calls (:mod:`.vmm`)
+and the primary-context query (:mod:`.devices`) are resolved the same way, by
+:func:`resolve`.
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ device reaches a pool's memory only once ``cudaMemPoolSetAccess`` lets it (Progr
 
 A mixin of :class:`accel.backends.cuda.CudaBackend`; it uses the backend's ``ffi``, ``lib``,
 ``_check`` (cudaError_t -> AcceleratorError, cudaErrorMemoryAllocation -> OutOfMemoryError,
-the thread's last error cleared), ``_cast`` and ``_device_attribute``.
+the thread's last error cleared), ``_cast``, ``_device_attribute`` and ``_call_maybe_capturing``
+(:mod:`.memory`).
 """
 
 from __future__ import annotations

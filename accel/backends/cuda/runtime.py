@@ -11,7 +11,7 @@ calls is the same code.  The runtime is touched only by :meth:`CudaBackend.init`
 OutOfMemoryError, the capture errors: CaptureError, the kernel image errors: KernelImageError)
 and clears the thread's last error; ``_check_driver`` does the same for a CUresult of a driver
 function reached through cudaGetDriverEntryPoint (:mod:`.driver`, :mod:`.vmm`, :mod:`.kernels`).
-``_cast`` reads the cdata kept for every stream and event handle made here, so hot calls skip
+``_cast`` reads the cdata kept for every stream and event handle :mod:`.streams` made, so hot calls skip
 ``ffi.cast``.  Every other mixin calls through these.
 """
 

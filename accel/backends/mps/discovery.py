@@ -1,4 +1,5 @@
-"""Discovery: loading the libraries, counting, ``report``, init (the one device), its properties.
+"""Discovery: loading the libraries, counting, ``report``, init (the one device), its properties
+and the current device (always 0).
 
 Metal exposes one device, the system default (index 0).  Counting only loads libobjc and
 Metal: ``MTLCreateSystemDefaultDevice`` starts Metal's services, which do not survive

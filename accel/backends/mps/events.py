@@ -46,7 +46,7 @@ class EventsMixin:
 
     @deferred
     def event_create(self, enable_timing: bool = False, blocking: bool = False) -> int:
-        with self._lock:        # (as stream_create)
+        with self._lock:        # (as StreamsMixin.stream_create)
             self._runtime()
             h = self._handle()
             self._events[h] = _Event(h, self._new(self._device, M_NEW_SHARED_EVENT, "newSharedEvent"),

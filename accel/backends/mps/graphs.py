@@ -1,10 +1,8 @@
 """Graphs: refused, because Metal has no stream capture.
 
-* **Graphs.**  Not supported: Metal has no stream capture (work submitted to
-  a command queue cannot be recorded for replay), so ``supports_graphs`` is
-  False and the graph methods raise ``NotImplementedError`` saying so (the
-  reason is :attr:`GraphsMixin.no_capture_reason`, which ``Backend``'s capture
-  and graph methods raise with).
+Work submitted to a command queue cannot be recorded for replay, so ``supports_graphs`` is
+False and ``Backend``'s capture and graph methods raise ``NotImplementedError`` with
+:attr:`GraphsMixin.no_capture_reason`.
 """
 
 _GRAPHS_UNSUPPORTED = (

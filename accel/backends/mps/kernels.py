@@ -1,11 +1,9 @@
 """Kernels: Metal Shading Language compiled at run time, compute pipelines, launches.
 
-* **Kernels.**  Metal Shading Language compiled at run time
-  (``newLibraryWithSource:options:error:``, fast math off), one compute
-  pipeline per function.  CUDA's grid of blocks maps to
-  ``dispatchThreadgroups:threadsPerThreadgroup:``; argument ``i`` binds to
-  ``[[buffer(i)]]``: pointers with ``setBuffer:offset:atIndex:``, scalars with
-  ``setBytes:length:atIndex:``.
+MSL source is compiled with ``newLibraryWithSource:options:error:`` (fast math off), one
+compute pipeline per function.  CUDA's grid of blocks maps to
+``dispatchThreadgroups:threadsPerThreadgroup:``; argument ``i`` binds to ``[[buffer(i)]]``:
+pointers with ``setBuffer:offset:atIndex:``, scalars with ``setBytes:length:atIndex:``.
 """
 
 from __future__ import annotations
@@ -43,7 +41,7 @@ class KernelsMixin:
         except UnicodeDecodeError as exc:
             raise ValueError(f"mps: MSL source must be UTF-8 text (Metal takes an NSString): {exc}") from None
         with self._lock, rt.pool():
-            self._runtime()     # (as stream_create: the device is messaged below)
+            self._runtime()     # (as StreamsMixin.stream_create: the device is messaged below)
             options = self._new(rt.cls("MTLCompileOptions"), M_NEW_OPTIONS, "[MTLCompileOptions new]")
             try:
                 # IEEE float semantics: the RNG transforms must match the host bit for bit.

@@ -41,7 +41,7 @@ class MemoryMixin:
 
     def mem_info(self) -> Tuple[int, int]:
         """(recommendedMaxWorkingSetSize - currentAllocatedSize, recommendedMaxWorkingSetSize)."""
-        with self._lock:        # the device is not released meanwhile (see properties)
+        with self._lock:        # the device is not released meanwhile (see DiscoveryMixin.properties)
             rt = self._runtime()
             total = int(rt.send(self._device, M_RECOMMENDED_MAX))
             used = int(rt.send(self._device, M_CURRENT_ALLOCATED))
@@ -81,7 +81,7 @@ class MemoryMixin:
         self._runtime()
         if nbytes == 0:
             return 0  # as cudaMalloc(0): a null pointer that may be freed
-        with self._lock:        # the device is not released meanwhile (see properties)
+        with self._lock:        # the device is not released meanwhile (see DiscoveryMixin.properties)
             rt = self._runtime()
             if nbytes >= 1 << 64:
                 # More than an NSUInteger holds (the argument of newBufferWithLength:): no device has it.
@@ -141,8 +141,8 @@ class MemoryMixin:
         self._free(ptr, host=True)
 
     def pointer_location(self, ptr: int) -> Optional[Tuple[str, int]]:
-        """Inside a live MTLBuffer of this backend: device memory (private storage) or pinned
-        host memory (host_alloc's shared buffers); Metal knows no other addresses."""
+        """Inside a live MTLBuffer of this backend: device memory (mem_alloc's buffers) or pinned
+        host memory (host_alloc's; both in shared storage); Metal knows no other addresses."""
         try:
             found = self._resolve(ptr, 1)
         except ValueError:

@@ -193,7 +193,7 @@ class StreamsMixin:
 
     @deferred
     def stream_create(self, priority: int = 0) -> int:
-        with self._lock:        # the device is not released meanwhile (see properties)
+        with self._lock:        # the device is not released meanwhile (see DiscoveryMixin.properties)
             self._runtime()
             h = self._handle()
             self._streams[h] = _Stream(h, self._new(self._device, M_NEW_QUEUE, "newCommandQueue"))
