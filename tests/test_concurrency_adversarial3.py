@@ -52,7 +52,7 @@ def test_capture_begun_between_close_checking_and_claiming_the_stream(monkeypatc
     before = _settled_counts()
     s = accel.Stream(DEV)
     buf = accel.Buffer(N, DEV)
-    pause = _Pause(monkeypatch, accel.streams, "_claim_close")
+    pause = _Pause(monkeypatch, accel.streams.stream, "_claim_close")
     t, out = pause.run(s.close)
     g = accel.Graph()
     with s:

@@ -225,7 +225,7 @@ def _bounded() -> dict:
         # the streams that passed them past 16 entries, dead ones included)
         "accel.backends.xpu.graphs._Graph.deps": 16,
         # the Metal simulator's zombies (NSZombieEnabled): the last ZOMBIES_KEPT released objects
-        "accel.sim.metal._State.zombies": metal.ZOMBIES_KEPT,
+        "accel.sim.metal.runtime._State.zombies": metal.ZOMBIES_KEPT,
         # the live accel._locks locks and Philox states (a WeakSet, for the at-fork renewal): one
         # lock per live XPU stream,
         # among them the dead streams an XPU graph's deps (16 at most) still name; measured 6-12

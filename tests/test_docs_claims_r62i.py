@@ -116,7 +116,7 @@ def test_mps_has_no_management_library(monkeypatch):
 
 
 def test_mps_simulates_one_device(monkeypatch):
-    """accel/sim/metal.py: "ACCEL_SIM_DEVICES: Metal exposes one default device" (the README's
+    """accel/sim/metal/__init__.py: "ACCEL_SIM_DEVICES: Metal exposes one default device" (the README's
     ACCEL_SIM_DEVICES row says only "simulated device count")."""
     use_sim(monkeypatch, "mps", ACCEL_SIM_DEVICES=2)
     assert accel.device_count() == 1

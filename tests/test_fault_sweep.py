@@ -357,7 +357,7 @@ def _check_clean(kind: str, baseline: dict, base_bytes: list, where: str) -> Non
     assert _live(kind) == baseline, where
     assert _device_bytes(kind) == base_bytes, where
     from accel import streams
-    assert getattr(streams._tls, "stack", []) == [], f"{where}: a `with stream:` was left on the stack"
+    assert getattr(streams._state._tls, "stack", []) == [], f"{where}: a `with stream:` was left on the stack"
     for i in range(n):
         assert accel.current_stream(i) == accel.default_stream(i), f"{where}: device {i}'s current stream"
 

@@ -58,7 +58,7 @@ def _accel_state():
     n = accel.device_count()
     out = {"device": accel.current_device_index(),
            "streams": [accel.current_stream(i) for i in range(n)],
-           "stack": list(getattr(streams._tls, "stack", []))}
+           "stack": list(getattr(streams._state._tls, "stack", []))}
     for i in range(n):
         s = memory.memory_stats(i)
         out[f"stats{i}"] = (s.get("allocated_bytes.all.current", 0), s.get("active_bytes.all.current", 0))

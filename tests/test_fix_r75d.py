@@ -28,7 +28,7 @@ def _collect_in_thread() -> dict:
         before = (accel.current_device_index(), accel.current_stream(0), accel.current_stream(1))
         gc.collect()
         seen["same"] = before == (accel.current_device_index(), accel.current_stream(0), accel.current_stream(1))
-        seen["stack"] = len(getattr(streams._tls, "stack", []))
+        seen["stack"] = len(getattr(streams._state._tls, "stack", []))
         mine.close()
     t = threading.Thread(target=run)
     t.start()
@@ -53,14 +53,14 @@ def test_a_block_closed_by_another_threads_collection_passes_its_state_on(sim_cu
             assert accel.current_stream(0) == s0
             seen = _collect_in_thread()
             assert seen == {"same": True, "stack": 0}
-            assert [e.entered for e in streams._tls.stack] == [s1]
+            assert [e.entered for e in streams._state._tls.stack] == [s1]
             assert accel.current_stream(0) == before0     # nothing newer on device 0: restored at once
             assert accel.current_device_index() == 1
     finally:
         gc.enable()
     assert accel.current_device_index() == 0           # what the closed block saved
     assert accel.current_stream(1) == accel.default_stream(1)
-    assert not streams._tls.stack
+    assert not streams._state._tls.stack
     s0.close()
     s1.close()
 
@@ -81,7 +81,7 @@ def test_a_thread_that_never_entered_the_block_is_still_refused(sim_cuda):
     t.start()
     t.join()
     assert len(errors) == 1 and "without a matching __enter__" in str(errors[0])
-    assert accel.current_stream(0) == s and len(streams._tls.stack) == 1
+    assert accel.current_stream(0) == s and len(streams._state._tls.stack) == 1
     s.__exit__(None, None, None)
-    assert not streams._tls.stack
+    assert not streams._state._tls.stack
     s.close()

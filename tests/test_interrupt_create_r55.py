@@ -62,8 +62,10 @@ def test_a_ctrl_c_anywhere_in_a_creation_leaves_no_handle(monkeypatch, kind, wha
     import accel.kernels
     import accel.streams
     kernels = os.path.dirname(os.path.abspath(accel.kernels.__file__))
-    targets = _targets() | {os.path.abspath(accel.streams.__file__), os.path.abspath(_finalize.__file__)} | {
-        os.path.join(kernels, name) for name in os.listdir(kernels) if name.endswith(".py")}
+    streams = os.path.dirname(os.path.abspath(accel.streams.__file__))
+    targets = _targets() | {os.path.abspath(_finalize.__file__)} | {
+        os.path.join(package, name) for package in (kernels, streams) for name in os.listdir(package)
+        if name.endswith(".py")}
     devices = _devices(kind)
     dev = devices[-1]           # device 1 where there are two: not the current device
     make = _MAKERS[what]

@@ -395,7 +395,9 @@ def test_a_ctrl_c_anywhere_in_a_release_destroys_the_handle_once(monkeypatch, ki
     import os
     from test_interrupt_backends import _Inject
     use_sim(monkeypatch, kind)
-    targets = {os.path.abspath(accel.streams.__file__), os.path.abspath(_finalize.__file__)}
+    streams = os.path.dirname(os.path.abspath(accel.streams.__file__))
+    targets = {os.path.abspath(_finalize.__file__)} | {
+        os.path.join(streams, name) for name in os.listdir(streams) if name.endswith(".py")}
     be = _lazy.lazy_init()
     name = f"{what}_destroy"
     real = getattr(be, name)

@@ -33,10 +33,12 @@ def _targets():
     import accel.backends
     root = os.path.dirname(os.path.abspath(accel.backends.__file__))
     mods = [importlib.import_module(m).__file__ for m in ("accel.graphs", "accel.random", "accel.random.generator",
-                                                           "accel.streams", "accel.buffer", "accel.memory._caching")]
+                                                           "accel.buffer", "accel.memory._caching")]
+    streams = os.path.dirname(os.path.abspath(importlib.import_module("accel.streams").__file__))
     # this file too: the program's own `with accel.graph(...)` (contextlib's __enter__/__exit__
     # start as Python functions called from it)
     return {os.path.abspath(p) for p in mods + [__file__] + glob.glob(os.path.join(root, "*.py"))
+            + glob.glob(os.path.join(streams, "*.py"))
             + glob.glob(os.path.join(root, "xpu", "*.py")) + glob.glob(os.path.join(root, "mps", "*.py"))
             + glob.glob(os.path.join(root, "cuda", "*.py"))}
 

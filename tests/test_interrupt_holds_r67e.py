@@ -58,7 +58,7 @@ def _sweep(work, check):
 
 
 def _held():
-    return list(streams._tls.__dict__.get("held") or ())
+    return list(streams._state._tls.__dict__.get("held") or ())
 
 
 @pytest.fixture
@@ -110,7 +110,7 @@ def test_a_ctrl_c_anywhere_in_a_replay_with_kept_events_and_modules_leaves_nothi
                     m._lock.release()       # (so that the sweep goes on instead of hanging)
             for obj in (e1, e2, s, r):
                 obj._busy.clear()
-            streams._tls.__dict__.pop("held", None)
+            streams._state._tls.__dict__.pop("held", None)
 
     points = _sweep(work, check)
     assert points > 30
@@ -152,7 +152,7 @@ def test_nested_holds_leave_nothing_at_any_interrupt_point(monkeypatch):
         if s._busy or t._busy or _held():
             left.append((i, point.site, len(s._busy), len(t._busy), _held()))
             s._busy.clear(), t._busy.clear()
-            streams._tls.__dict__.pop("held", None)
+            streams._state._tls.__dict__.pop("held", None)
 
     points = _sweep(lambda: _replay_style(s, s, t), check)
     assert points > 20
@@ -184,7 +184,7 @@ def test_a_plain_with_hold_keeps_an_exact_record_at_any_interrupt_point(monkeypa
         if s._busy or _held():
             wrong.append((i, point.site, "after a second __exit__", len(s._busy), _held()))
             s._busy.clear()
-            streams._tls.__dict__.pop("held", None)
+            streams._state._tls.__dict__.pop("held", None)
 
     points = _sweep(work, check)
     assert points > 5

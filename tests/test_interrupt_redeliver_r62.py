@@ -72,10 +72,10 @@ def test_a_ctrl_c_inside_a_finalizer_reaches_the_program(sim_cuda, monkeypatch, 
     gc.collect()
     accel.synchronize(1)
     if what == "event":
-        calls = _raising_after(monkeypatch, streams, "_event_destroy")
+        calls = _raising_after(monkeypatch, streams.event, "_event_destroy")
         make = _event
     elif what == "stream":
-        calls = _raising_after(monkeypatch, streams, "_destroy")
+        calls = _raising_after(monkeypatch, streams.stream, "_destroy")
         make = lambda: accel.Stream(1)                      # noqa: E731
     elif what == "buffer":
         calls = _raising_after(monkeypatch, buffer, "_free_from_finalizer")
@@ -108,7 +108,7 @@ def test_an_interrupt_raised_in_another_threads_finalizer_stays_there(sim_cuda, 
     the main thread."""
     import threading
     gc.collect()
-    calls = _raising_after(monkeypatch, streams, "_event_destroy")
+    calls = _raising_after(monkeypatch, streams.event, "_event_destroy")
     t = threading.Thread(target=lambda: _drop_and_look(_event))
     t.start()
     t.join(30)

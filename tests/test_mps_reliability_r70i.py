@@ -5,7 +5,7 @@ state stays bounded by live objects.
 
 The accel/backends/mps package talks to Metal through accel/backends/_objc.py (``objc_msgSend``
 cast per signature, ``objc_retain``/``objc_release``, ``objc_autoreleasePoolPush``/``Pop``).  The
-simulator (accel/sim/metal.py) counts references as Cocoa does: it raises
+simulator (accel/sim/metal/) counts references as Cocoa does: it raises
 ``MetalValidationError`` for a message to a deallocated object or an over-release (a Mac
 crashes there), reports ``live_counts()`` ({class: objects not yet deallocated}) and
 ``leaked_autoreleases``, and keeps each thread's pool stack (``state().tls.pools``).  So

@@ -314,7 +314,7 @@ _OPS = {
 @pytest.mark.xfail(strict=True, reason="r67f, left as a documented CPython limit: a Ctrl-C exactly as a plain "
                    "with statement calls _Hold/_Use.__exit__ (a Python function: a handler runs as it starts, "
                    "and the with statement does not call it again) leaves the use mark until the object is "
-                   "collected (accel/buffer.py:587,866; accel/streams.py:1152,1224); Graph.replay, random's "
+                   "collected (accel/buffer.py, accel/streams/uses.py: _Use, _Hold); Graph.replay, random's "
                    "ordering and the inlined hot paths finish it, 17 other sites do not")
 @pytest.mark.parametrize("op", sorted(_OPS))
 @pytest.mark.usefixtures("frozen_heap")
@@ -335,7 +335,7 @@ def test_a_ctrl_c_anywhere_in_an_operation_leaves_close_destroying_its_objects(m
     for n in range(1, counter.count + 1):
         objs = _objects()
         point, _ = interrupted(n, targets, lambda: work(objs))
-        held = list(streams._tls.__dict__.get("held") or ())
+        held = list(streams._state._tls.__dict__.get("held") or ())
         accel.synchronize(0)
         for o in objs.values():
             o.close()
@@ -343,7 +343,7 @@ def test_a_ctrl_c_anywhere_in_an_operation_leaves_close_destroying_its_objects(m
         if now != base or held:
             left.append(f"point {n} ({'/'.join(point.stack[:3])}): (streams, events) {base} -> {now}, "
                         f"this thread still holds {len(held)} stream(s)")
-            streams._tls.held = []
+            streams._state._tls.held = []
             for o in (objs["s"], objs["r"], objs["e1"], objs["e2"]):   # the next point starts clean
                 del o._busy[:]
                 if getattr(o, "_releases", None):

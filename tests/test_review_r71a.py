@@ -302,20 +302,20 @@ def _foreign_wrap(monkeypatch, act) -> list:
     with on_device(be, DEV):
         raw, spare = be.stream_create(0), be.stream_create(0)
 
-    class Anchor(streams._ForeignAnchor):
+    class Anchor(streams.foreign._ForeignAnchor):
         __slots__ = ()
 
         def __init__(self, *args):
             gc.collect()    # (the collection the anchor's allocation may start)
             super().__init__(*args)
 
-    monkeypatch.setattr(streams, "_ForeignAnchor", Anchor)
+    monkeypatch.setattr(streams.foreign, "_ForeignAnchor", Anchor)
     cb = _InsideLock(lambda: streams._foreign_lock, lambda: act(spare))
     try:
         with cb:
             kept = accel.Stream.from_handle(raw, device=DEV)
     finally:
-        monkeypatch.setattr(streams, "_ForeignAnchor", Anchor.__mro__[1])
+        monkeypatch.setattr(streams.foreign, "_ForeignAnchor", Anchor.__mro__[1])
     del kept
     return cb.out
 

@@ -314,18 +314,21 @@ def test_a_host_copy_export_waits_for_the_buffer_work_on_every_stream(d1):
 # -- Ctrl-C inside the mark ---------------------------------------------------------------------------
 
 def _mark_lines():
-    """Line numbers of _ExportMark's body in streams.py, less each ``def`` line (where a Ctrl-C as
+    """Line numbers of _ExportMark's body in accel/streams/uses.py, less each ``def`` line (where a Ctrl-C as
     the function starts cannot be helped)."""
     src, start = inspect.getsourcelines(_streams._ExportMark)
     return {start + i for i, line in enumerate(src) if not line.lstrip().startswith("def ")}
 
 
 def _sweep_lost(setup, work, recover):
-    """``work(state)`` with a KeyboardInterrupt at each interrupt point of streams.py/buffer.py in
+    """``work(state)`` with a KeyboardInterrupt at each interrupt point of accel/streams/*.py and buffer.py in
     turn; after each, ``recover(state)`` and then whether the closed stream was destroyed.  Returns
     the sites inside _ExportMark where it never was."""
     from test_interrupt_backends import _Inject, interrupted
-    targets = {os.path.abspath(_streams.__file__), os.path.abspath(_buffer_mod.__file__)}
+    streams = os.path.dirname(os.path.abspath(_streams.__file__))
+    targets = {os.path.abspath(_buffer_mod.__file__)} | {
+        os.path.join(streams, name) for name in os.listdir(streams) if name.endswith(".py")}
+    mark_file = os.path.basename(inspect.getsourcefile(_streams._ExportMark))
     lines = _mark_lines()
     state = setup()
     counter = _Inject(0, targets)
@@ -350,7 +353,7 @@ def _sweep_lost(setup, work, recover):
             site = (point.site if point is not None else None) or ""
             name, _, rest = site.partition(":")
             lineno = int(rest.split()[0]) if rest else 0
-            if name == "streams.py" and lineno in lines and (side._busy or side._releases):
+            if name == mark_file and lineno in lines and (side._busy or side._releases):
                 lost.append(site)
             side._busy.clear()              # (so the sweep goes on)
             side._releases.clear()

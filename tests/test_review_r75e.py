@@ -46,7 +46,7 @@ def _on_thread(fn, *args):
 
 
 def _stack():
-    return list(getattr(streams._tls, "stack", []) or [])
+    return list(getattr(streams._state._tls, "stack", []) or [])
 
 
 @contextlib.contextmanager
@@ -150,7 +150,7 @@ def _sweep(thresholds):
                 gc.collect()
                 out.append((t, len(_stack()), accel.current_stream(0) == sg, [type(e).__name__ for e in seen]))
                 seen.clear()
-                del streams._tls.stack[:]
+                del streams._state._tls.stack[:]
                 accel.set_stream(dflt)
     finally:
         gc.set_threshold(*old)

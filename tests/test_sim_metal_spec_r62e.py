@@ -4,7 +4,7 @@ validation refuses.  A lenient simulator turns accel's tests into false passes.
 
 Each leniency has a test quoting the documentation (developer.apple.com, Metal framework
 reference, as stored by the search tool); each was a strict xfail first, failing for the reason it
-names, until accel/sim/metal.py (and accel/sim/kernels.py, for typed views at misaligned
+names, until accel/sim/metal (and accel/sim/kernels.py, for typed views at misaligned
 addresses) refused it.  The module's last tests run accel's mps backend and public API through
 the strict simulator: accel relied on none of the leniencies (they ran first on a monkeypatched
 copy of the fixes).

@@ -19,7 +19,7 @@ and found three places where the simulator answered differently from a Mac:
   ``setBytes:length:atIndex:``): cffi passes a bytes object to any pointer parameter as a pointer to
   its data; the simulator raised TypeError inside the method.
 
-Each test failed on the simulator before accel/sim/metal.py was changed (claimed in
+Each test failed on the simulator before accel/sim/metal was changed (claimed in
 /work/notes/claims.txt).  The last test runs accel's mps backend timing and kernel paths, which read
 the GPU times only after the command buffer completed and pass kernel names as str: accel relies on
 none of the old behaviour.

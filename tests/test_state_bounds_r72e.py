@@ -28,7 +28,7 @@ that runs in another thread; out-of-memory errors injected into the operations o
 Each churn runs on every simulator, alternating device 1 (device 0 current) and device 0.
 Findings (strict xfail): a non-relaxed CUDA capture whose thread exited is never ended when its
 graph goes (``CudaBackend._capture_owners``); a ``with stream:`` block closed by another
-thread's collection leaves its entry on the entering thread's ``streams._tls.stack``.
+thread's collection leaves its entry on the entering thread's ``streams._state._tls.stack``.
 """
 
 from __future__ import annotations
@@ -117,10 +117,10 @@ def _snapshot(kind, extra):
 #: ``code``, ``localizedDescription``): their entries are compared with the bound only.
 _NAME_CACHES = {
     "accel.backends._objc.Runtime._selectors": 512,
-    "accel.sim.metal._State.selectors": 512,
-    "accel.sim.metal._State.selector_addr": 512,
-    "accel.sim.metal._State.selector_names": 512,
-    "accel.sim.metal._Sender.checked": 512,
+    "accel.sim.metal.runtime._State.selectors": 512,
+    "accel.sim.metal.runtime._State.selector_addr": 512,
+    "accel.sim.metal.runtime._State.selector_names": 512,
+    "accel.sim.metal.messaging._Sender.checked": 512,
 }
 
 
@@ -347,7 +347,7 @@ def test_with_stream_blocks_of_abandoned_generators_leave_nothing(sim2):
         del gen
     gens.clear()
     settle()
-    assert not getattr(accel.streams._tls, "stack", []), accel.streams._tls.stack[:3]
+    assert not getattr(accel.streams._state._tls, "stack", []), accel.streams._state._tls.stack[:3]
     assert {d: accel.current_stream(d) for d in _devices()} == before
     assert _live(sim2) == live
 
@@ -374,7 +374,7 @@ def test_a_with_stream_block_closed_by_another_threads_collection_leaves_nothing
             warnings.simplefilter("ignore")
             _run_thread(gc.collect)
     settle()
-    stack = getattr(accel.streams._tls, "stack", [])
+    stack = getattr(accel.streams._state._tls, "stack", [])
     assert len(stack) == 0, f"{len(stack)} entries left on the main thread's stream stack"
     assert _live(sim2) == live
 

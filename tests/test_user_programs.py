@@ -1164,7 +1164,7 @@ def test_asyncio_handlers_with_streams_interleaved(sim_backend):
     assert sorted(log) == sorted([(i, i) for i in range(4)] * 2)
     assert process_state() == before
     from accel import streams
-    assert not getattr(streams._tls, "stack", None)
+    assert not getattr(streams._state._tls, "stack", None)
 
 
 _FIRST_FILLS_RACE = r'''
