@@ -8,7 +8,7 @@ reads and checks the out-parameter, the device scope is restored, the object sto
 KeyboardInterrupt that lands in between used to leave a handle that nobody would ever destroy.
 
 The injector is tests/test_interrupt_backends.py's: a point at every place CPython checks for a
-signal in accel/streams.py, accel/_finalize.py, accel/kernels and the backends, a simulated vendor call counting
+signal in accel/streams/, accel/_finalize.py, accel/kernels and the backends, a simulated vendor call counting
 as a C call (the point is as it returns), and no point where a backend blocked signals
 (accel/backends/_signals.py: a real signal stays pending in the kernel there).  After each
 interrupted creation, the object (if any) is dropped and the next API entry drains: the

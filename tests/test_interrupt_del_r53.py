@@ -384,7 +384,7 @@ def test_a_closed_or_dropped_module_leaves_no_registration(monkeypatch, kind):
 @pytest.mark.parametrize("how", ["close", "del", "collected"])
 def test_a_ctrl_c_anywhere_in_a_release_destroys_the_handle_once(monkeypatch, kind, what, how):
     """tests/test_interrupt_allocator.py's injector raises KeyboardInterrupt at each point of
-    accel/streams.py and accel/_finalize.py (and at the start of each function they call) while
+    accel/streams/ and accel/_finalize.py (and at the start of each function they call) while
     an Event or Stream is closed, dropped or collected.  Its handle is destroyed once (closed,
     finalized or reclaimed at the next drain point), never twice: before r53 an interrupt as the
     destroy in close() returned reopened the object, whose __del__ destroyed the handle again

@@ -112,7 +112,7 @@ def test_a_capture_begin_a_ctrl_c_cut_short_leaves_no_capture(monkeypatch, kind)
     raised with the capture underway and held by the graph, and accel.graph() took the error for
     a refusal (every later synchronize and empty_cache in the process then failed).  Found by
     the r37 sweep once r55 moved its sampled points.  Every point of accel/graphs.py,
-    accel/streams.py and accel.random in capture_begin is swept."""
+    accel/streams/ and accel.random in capture_begin is swept."""
     import os
     import accel.graphs
     import accel.streams
