@@ -86,8 +86,7 @@ def test_gen_close_on_another_thread_restores_the_entering_thread_only(sim_cuda)
     s1.close()
 
 
-@pytest.mark.xfail(strict=True, reason="r75e: a block entered on a thread that has ended since raises "
-                   "RuntimeError at its exit on another thread (streams.Stream._exit_elsewhere finds no stack)")
+# (r75e found; fixed in session 37)
 def test_a_generator_entered_on_a_thread_that_ended_finishes_on_another(sim_cuda):
     """A generator's first batch made on a worker thread that has ended since; the main thread
     runs it to its end.  The block's exit has nothing left to restore (the worker's stack went

@@ -25,6 +25,10 @@ from .uses import _claim_close, _close_release, _closed_during_use, _drop_anchor
 
 #: torch's c10::DeviceType numbers of accel's accelerators (Stream.device_type).
 _DEVICE_TYPES = {"cuda": 1, "xpu": 12, "mps": 13}
+#: Frames that can be suspended inside a with block and resumed on another thread: code flags
+#: CO_GENERATOR | CO_COROUTINE | CO_ASYNC_GENERATOR (inspect's values; inspect is not imported
+#: for them, as it costs milliseconds at import).
+_SUSPENDABLE = 0x20 | 0x80 | 0x200
 
 
 class on_device:
@@ -442,6 +446,11 @@ class Stream:
                 return
             taken = _take_matching(mine, self, None) if mine else None
             if taken is None:
+                if sys._getframe(1).f_code.co_flags & _SUSPENDABLE:
+                    # a generator or coroutine entered the block on a thread that has ended since
+                    # (no stack holds its entry): that thread's streams went with it, and this
+                    # thread's were never changed by the block, so nothing is left to restore
+                    return
                 raise self._unmatched_exit()
         entry = taken[0]
         if entry.device is None:
