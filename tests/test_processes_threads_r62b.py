@@ -548,8 +548,9 @@ def test_threads_ending_inside_stream_and_device_blocks(sim_backend):
     ``set_stream``) takes its per-thread state with it: its stream, buffer and event are freed
     by the collector on the main thread, whose device and stream never changed, and the live
     simulator handles and stats come back.  A generator suspended inside ``with stream:`` on a
-    worker thread and closed on the main thread raises the clear "on the thread that entered
-    it" error and changes nothing of the main thread's state."""
+    worker thread and closed on the main thread after the worker ended closes quietly (its entry
+    went with the worker's stack; session 37, r75e) and changes nothing of the main thread's
+    state."""
     def body():
         devs = _devices()
         last = devs[-1]
@@ -608,8 +609,7 @@ def test_threads_ending_inside_stream_and_device_blocks(sim_backend):
         t.join(JOIN_S)
         assert not t.is_alive() and not errors, errors
         g = gens.pop()
-        with pytest.raises(RuntimeError, match="on the thread that entered it"):
-            g.close()
+        g.close()
         assert process_state() == before
         del g
         settle()
