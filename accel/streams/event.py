@@ -69,9 +69,7 @@ class Event:
             _check_flag(name, value)
         self._type = _event_type(device)
         if interprocess:
-            raise NotImplementedError(
-                "Event(interprocess=True): accel has no inter-process events (torch's ipc_handle / "
-                "from_ipc_handle); share results between processes through host memory instead")
+            raise _no_interprocess("Event(interprocess=True)")
         if external:
             _check_external(_backends.fallback())
         if _fin.pending:
@@ -326,14 +324,12 @@ class Event:
     def ipc_handle(self) -> bytes:
         """torch's inter-process handle: refused (NotImplementedError, a RuntimeError as torch's
         refusal for an event made without ``interprocess=True``); accel has no inter-process events."""
-        raise NotImplementedError("Event.ipc_handle(): accel has no inter-process events (Event(interprocess=True) "
-                                  "is refused too); share results between processes through host memory instead")
+        raise _no_interprocess("Event.ipc_handle()")
 
     @classmethod
     def from_ipc_handle(cls, device: DeviceLike, handle: bytes) -> "Event":
         """torch's event from another process's ``ipc_handle()``: refused (NotImplementedError)."""
-        raise NotImplementedError("Event.from_ipc_handle(): accel has no inter-process events; share results "
-                                  "between processes through host memory instead")
+        raise _no_interprocess("Event.from_ipc_handle()")
 
     def elapsed_time(self, end_event: "Event") -> float:
         """Milliseconds between this event and ``end_event`` (waits for both to complete)."""
@@ -414,6 +410,14 @@ def _check_external(backend: Optional[Backend]) -> None:
     if backend is not None and not backend.supports_external_events:
         raise NotImplementedError(f"Event(external=True) is not available on {backend.name}: "
                                   f"{backend.no_external_events_reason}")
+
+
+def _no_interprocess(call: str) -> NotImplementedError:
+    """The refusal of each inter-process event call (``interprocess=True``, torch's ipc_handle and
+    from_ipc_handle): one message, naming the call."""
+    return NotImplementedError(f"{call}: accel has no inter-process events (Event(interprocess=True), "
+                               f"ipc_handle and from_ipc_handle are refused); share results between "
+                               f"processes through host memory instead")
 
 
 def _check_flag(name: str, value) -> None:
