@@ -11,7 +11,7 @@ program runs, by torch's rules (``changed``; ``RESET_AT_RUN_TIME``, ``FIXED_AT_R
 A setting written for torch never breaks accel: every key torch 2.13 accepts is
 accepted, with torch's value checks (booleans exactly ``True``/``False``,
 ``pinned_num_register_threads`` a power of two <= 128, MiB counts read as ``std::stoull``
-reads them, so ``-1`` is no limit, ...).  The torch keys accel
+reads them, so ``-1`` is no limit and ``64MB`` is 64, ...).  The torch keys accel
 does not implement (``TORCH_ONLY``) give one warning and are ignored.  accel's own
 keys (``policy``, ``release_threshold``) are read only from ``ACCEL_ALLOC_CONF``: in
 a PYTORCH_ variable, which torch refuses them from, they give one warning and are
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import warnings
 from typing import NamedTuple, Optional, Tuple
 
@@ -145,11 +146,21 @@ def _parse_bool(key, value, source):
     raise _fail(key, value, f"Expected a single True/False argument for {key}", source)
 
 
+#: the number std::stod reads at the start of a value (strtod: decimal, hexadecimal, inf, nan),
+#: which ignores what follows it: torch reads ``0.6abc`` as 0.6
+_LEADING_FLOAT = re.compile(r"[ \t\n\v\f\r]*(?:(?P<hex>[+-]?0x(?:[0-9a-f]+\.?[0-9a-f]*|\.[0-9a-f]+)(?:p[+-]?[0-9]+)?)"
+                            r"|(?P<dec>[+-]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[+-]?[0-9]+)?|inf(?:inity)?|nan)))",
+                            re.IGNORECASE)
+
+
 def _parse_float(key, value, source, lo, hi, lo_open=True, hi_open=False):
-    try:
-        number = float(value)
-    except ValueError:
-        raise _fail(key, value, "expected a number", source) from None
+    match = _LEADING_FLOAT.match(value) if _one_token(value) else None
+    if match is None:
+        raise _fail(key, value, "expected a number", source)
+    number = float.fromhex(match["hex"]) if match["hex"] else float(match["dec"])
+    if number != 0 and abs(number) < sys.float_info.min:
+        # strtod's ERANGE for a subnormal result, which std::stod throws as out_of_range
+        raise _fail(key, value, "out of the range of a normal double", source)
     if not ((lo < number if lo_open else lo <= number) and (number < hi if hi_open else number <= hi)):
         raise _fail(key, value, f"expected {lo:g} {'<' if lo_open else '<='} value {'<' if hi_open else '<='} "
                                 f"{hi:g}", source)
@@ -159,13 +170,23 @@ def _parse_float(key, value, source, lo, hi, lo_open=True, hi_open=False):
 #: an integer as torch's std::stoull/stoi read one: ASCII digits, an optional sign (Python's
 #: int() also takes "1_000" and non-ASCII digits, which torch refuses or reads differently)
 _DECIMAL = re.compile(r"[+-]?[0-9]+")
+#: the integer std::stoull/stoi read at the start of a value, after white space; they ignore what
+#: follows it, so torch reads ``max_split_size_mb:64MB`` as 64
+_LEADING_DECIMAL = re.compile(r"[ \t\n\v\f\r]*([+-]?[0-9]+)")
+
+
+def _one_token(value: str) -> bool:
+    """Whether ``value`` is one token of torch's tokenizer, which ends a token at ``:``, ``[``,
+    ``]`` and ``,``: a number read by its prefix must not swallow the next token (torch refuses
+    ``max_split_size_mb:64:1``)."""
+    return not any(ch in value for ch in ":[],")
 
 
 def _parse_int(key, value, source):
-    text = value.strip()
-    if not _DECIMAL.fullmatch(text):
+    match = _LEADING_DECIMAL.match(value) if _one_token(value) else None
+    if match is None:
         raise _fail(key, value, "expected an integer", source)
-    return int(text)
+    return int(match.group(1))
 
 
 def _parse_mb(key, value, source):
