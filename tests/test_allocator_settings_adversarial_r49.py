@@ -687,7 +687,7 @@ def test_a_str_subclass_is_a_str(sim_cuda):
 
 
 @pytest.mark.parametrize("bad", ["max_split_size_mb:٤٠", "máx_split_size_mb:40", "expandable_segments:Ｔrue",
-                                 "max_split_size_mb:40\x00", "garbage_collection_threshold:nan",
+                                 "garbage_collection_threshold:nan",
                                  "garbage_collection_threshold:inf", "max_split_size_mb:99999999999999999999999",
                                  "max_split_size_mb::40", "max_split_size_mb:40:50", "max_split_size_mb",
                                  "roundup_power2_divisions:[64:8", "roundup_power2_divisions:64:8]"])
@@ -698,6 +698,13 @@ def test_unicode_and_malformed_are_refused_and_change_nothing(sim_cuda, bad):
         memory.set_allocator_settings(bad)
     assert memory.get_allocator_settings() == "max_split_size_mb:64"
     assert memory.device_allocator(1).config == before
+
+
+def test_nul_after_a_number_ends_it_as_in_torch(sim_cuda):
+    """torch 2.13 reads ``max_split_size_mb:40\\x00`` as 40 (std::stoull stops at the NUL), and so
+    does accel since session 38 (it refused it before)."""
+    memory.set_allocator_settings("max_split_size_mb:40\x00")
+    assert memory.device_allocator(1).config.max_split_size == 40 * MiB
 
 
 def test_huge_strings(sim_cuda):
