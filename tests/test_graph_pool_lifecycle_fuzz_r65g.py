@@ -86,7 +86,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 import accel  # noqa: E402
 from accel import _finalize, memory, sim, streams as _streams  # noqa: E402
 from accel._errors import CaptureError  # noqa: E402
-from accel.memory import _caching, _guards  # noqa: E402
+from accel.memory import _guards, _private_pools  # noqa: E402
 from conftest import THOROUGH, shrink_plan, use_sim  # noqa: E402
 from test_alloc_stress import _check_caching, _sizes_of  # noqa: E402
 
@@ -618,7 +618,7 @@ class GraphPoolMachine(RuleBasedStateMachine):
             self._drop(rec)
         if then.endswith("_alloc"):
             # at once, on the capture stream, before the queued replays ran: the released pool's
-            # blocks they write must not be handed out here (r61h, P1 in _caching.release_pool)
+            # blocks they write must not be handed out here (r61h, P1 in _private_pools.release_pool)
             sizes = rec.temps + [b.nbytes for b, _ in rec.fills if b.graph is rec]
             for n in sizes[:4]:
                 new = accel.Buffer(n, device=rec.dev, stream=rec.stream)
@@ -707,7 +707,7 @@ class GraphPoolMachine(RuleBasedStateMachine):
             assert memory.memory_reserved(d) == 0, (d, memory.memory_reserved(d))
             alloc = memory.device_allocator(d)
             assert not alloc._private, (d, "private pools outlive their graphs and MemPools")
-            assert len(alloc.private_pool_stats()) <= _caching._DEAD_POOL_STATS
+            assert len(alloc.private_pool_stats()) <= _private_pools._DEAD_POOL_STATS
             sizes = _sizes_of(alloc)
             grown = {k: (self.base_sizes[d][k], v) for k, v in sizes.items() if v > self.base_sizes[d][k]}
             assert not grown, (d, "allocator state grew with the steps", grown)

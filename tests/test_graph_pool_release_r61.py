@@ -8,7 +8,7 @@ reuse until emptyCache frees them (c10/cuda/CUDACachingAllocator.cpp: releasePoo
 pool to graph_pools_freeable; release_cached_blocks frees its unsplit blocks with cudaFree, which
 waits for the device).  accel does the same for a pool its graphs were replayed on another stream
 (Graph.replay tells the allocator, pool_used_on); one replayed only on the stream of its free
-lists joins the general cache at once, as before (P1 in accel/memory/_caching.py release_pool).
+lists joins the general cache at once, as before (P1 in accel/memory/_private_pools.py release_pool).
 With backend:cudaMallocAsync a graph's temporaries are the driver's graph memory, which no
 cudaMallocAsync gets: those cases pass as they did.
 

@@ -5,7 +5,8 @@ CPython 3.11 runs a signal handler only at an "eval breaker" check: right after 
 function returns (the CALL instruction), at a loop's backward jump, and when a Python function
 starts.  A ``with`` statement's ``__enter__``/``__exit__`` run inside BEFORE_WITH and the exit
 sequence, so a lock taken by ``with`` is never left held.  The injector below traces opcodes
-in accel/memory/_caching.py, _classic.py, _expandable.py, _guards.py, _uses.py and _host.py
+in accel/memory/_caching.py, _classic.py, _expandable.py, _guards.py, _uses.py, _requests.py, _oom_hooks.py,
+_private_pools.py and _host.py
 and raises KeyboardInterrupt at the K-th such point (every CALL is taken as one, which
 over-approximates: after a call of a Python function CPython does not check), for K = 1, 2, ... until the workload completes without one
 (``ACCEL_INTERRUPT_STRIDE``, default 24, samples every 24th point, offset per op, plus the first
@@ -37,7 +38,7 @@ from accel import _lazy, sim
 from accel.backends import _signals
 import importlib
 
-from accel.memory import _caching, _classic, _config, _expandable, _guards, _uses
+from accel.memory import _caching, _classic, _config, _expandable, _guards, _oom_hooks, _private_pools, _requests, _uses
 from accel.memory._caching import DeviceCachingAllocator
 from accel.memory._host import HostCachingAllocator
 from accel.sim import _vmm
@@ -47,7 +48,8 @@ from test_alloc_stress import _check_caching
 
 MiB = 1 << 20
 _host = importlib.import_module("accel.memory._host")
-_TARGETS = {os.path.abspath(m.__file__) for m in (_caching, _classic, _expandable, _guards, _host, _uses)}
+_TARGETS = {os.path.abspath(m.__file__) for m in (_caching, _classic, _expandable, _guards, _host, _oom_hooks,
+                                                     _private_pools, _requests, _uses)}
 _BREAK_AFTER = {"CALL", "JUMP_BACKWARD", "CALL_FUNCTION_EX"}
 _OPNAMES = {}
 # read at import: the clean_state fixture hides ACCEL_* variables from the test itself

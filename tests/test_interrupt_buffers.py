@@ -29,6 +29,7 @@ from conftest import THOROUGH, use_sim
 
 _TARGETS = {os.path.abspath(importlib.import_module(m).__file__) for m in (
     "accel.buffer", "accel._hostmem", "accel._finalize", "accel.memory._caching", "accel.memory._host",
+    "accel.memory._requests", "accel.memory._oom_hooks", "accel.memory._private_pools",
     "accel.random._device")}
 
 

@@ -34,8 +34,11 @@ def _routed(dev: int) -> bool:
 def test_a_ctrl_c_anywhere_in_use_mem_pool_leaves_no_route(monkeypatch, kind):
     import accel.memory._caching
     import accel.memory._mempool
+    import accel.memory._private_pools
+    import accel.memory._requests
     use_sim(monkeypatch, kind)
-    targets = {os.path.abspath(m.__file__) for m in (accel.memory._caching, accel.memory._mempool)}
+    targets = {os.path.abspath(m.__file__) for m in (accel.memory._caching, accel.memory._mempool,
+                                                     accel.memory._private_pools, accel.memory._requests)}
     dev = accel.device_count() - 1
 
     def fresh():

@@ -199,6 +199,6 @@ def test_a_forked_child_keeps_the_observers(device):
     memory.attach_out_of_memory_observer(seen.append)
 
     def child():
-        return 0 if memory._caching._oom_observers == [seen.append] else 3
+        return 0 if memory._oom_hooks._oom_observers == [seen.append] else 3
 
     assert run_forked(child) == 0

@@ -24,7 +24,7 @@ import pytest
 import accel
 from accel import memory
 from accel._errors import OutOfMemoryError
-from accel.memory import _caching
+from accel.memory import _caching, _requests
 from accel.sim import _vmm
 from conftest import THOROUGH, use_sim
 
@@ -431,6 +431,7 @@ def test_stacks_are_not_walked_while_history_is_off(sim_cuda, monkeypatch):
         raise AssertionError("a stack was captured while history is off")
     accel.Buffer(100).close()
     monkeypatch.setattr(_caching, "_stack", boom)
+    monkeypatch.setattr(_requests, "_stack", boom)      # (the cudaMallocAsync allocator's _frames)
     side = accel.Stream()
     for _ in range(3):
         buf = accel.Buffer(3 * MiB)

@@ -13,7 +13,7 @@ import pytest
 
 import accel
 from accel import OutOfMemoryError, memory
-from accel.memory import _caching
+from accel.memory import _oom_hooks
 
 from conftest import run_forked, use_sim
 
@@ -404,7 +404,7 @@ def test_observers_survive_a_reset(device):
 
     assert run_forked(child) == 0
     _lazy._reset_for_tests()
-    assert _caching._oom_observers == []
+    assert _oom_hooks._oom_observers == []
 
 
 def test_observer_args_are_plain_ints(any_backend):
@@ -685,7 +685,7 @@ def test_an_observer_attached_before_the_runtime_starts(monkeypatch):
     called = []
     memory.attach_out_of_memory_observer(lambda *a: called.append(a))
     use_sim(monkeypatch, "cuda")      # a reset forgets it
-    assert _caching._oom_observers == []
+    assert _oom_hooks._oom_observers == []
     memory.attach_out_of_memory_observer(lambda *a: called.append(a))
     assert not _lazy.is_initialized() if hasattr(_lazy, "is_initialized") else True
     with pytest.raises(OutOfMemoryError):

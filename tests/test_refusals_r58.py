@@ -84,7 +84,7 @@ def _fingerprint(extra=()) -> dict:
     fp["allocator_settings"] = M.get_allocator_settings()
     fp["host_memory_stats"] = dict(M.host_memory_stats())
     fp["history"] = M._history
-    fp["oom_observers"] = list(M._caching._oom_observers)
+    fp["oom_observers"] = list(M._oom_hooks._oom_observers)
     state = vars(sim.state())
     for key in ("calls", "config"):
         state.pop(key)

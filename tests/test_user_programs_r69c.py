@@ -86,8 +86,8 @@ def _hooks() -> tuple:
     """The lengths of the registries a program must not grow: gc callbacks, stream-destroy hooks,
     OOM observers, lazy-init queues and reset hooks, owned handle releases, pending releases."""
     from accel import streams
-    from accel.memory import _caching
-    return (len(gc.callbacks), len(streams._destroy_hooks), len(_caching._oom_observers), len(_lazy._queued),
+    from accel.memory import _oom_hooks
+    return (len(gc.callbacks), len(streams._destroy_hooks), len(_oom_hooks._oom_observers), len(_lazy._queued),
             len(_lazy._seeds), len(_lazy._reset_hooks), len(_finalize.owned), len(_finalize.pending))
 
 

@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from .. import _finalize, _lazy, _locks, backends, streams
 from ..streams import on_device
-from . import _async, _caching, _config, _guards, _mempool, _snapfmt
+from . import _async, _config, _guards, _mempool, _oom_hooks, _snapfmt
 from ._caching import DeviceCachingAllocator
 from ._host import HostCachingAllocator
 from ._mempool import MemPool, use_mem_pool
@@ -63,7 +63,7 @@ def _reset(keep_settings: bool = False) -> None:
         _config._warned.clear()      # a fresh start warns again about ignored allocator options
         if not keep_settings:        # (a forked child keeps them: process state, as torch's)
             _config._runtime = None  # the options are read from the environment again
-            _caching._oom_observers.clear()
+            _oom_hooks._oom_observers.clear()
             # the history option too: a child forked before init records as the parent asked
             # (r67h: _record_memory_history() at the top of a script, then a fork: the child's
             # snapshot had no trace); its own allocators start recording when they are made
@@ -111,7 +111,7 @@ def _release_unified(backend, caller) -> None:
                 pass
 
 
-_caching._release_unified = _release_unified
+_oom_hooks._release_unified = _release_unified
 _lazy.register_reset_hook(_reset)
 os.register_at_fork(after_in_child=_after_fork_in_child)
 streams.on_stream_destroy(_forget_stream)
@@ -295,14 +295,14 @@ def attach_out_of_memory_observer(observer) -> None:
     if not callable(observer):
         raise TypeError(f"observer must be callable (device, bytes_tried, allowed_bytes, free_bytes), "
                         f"got {type(observer).__name__} {observer!r}")
-    _caching._oom_observers.append(observer)
+    _oom_hooks._oom_observers.append(observer)
 
 
 def detach_out_of_memory_observer(observer) -> None:
     """Stop calling ``observer`` (attached with :func:`attach_out_of_memory_observer`; torch has
     no detach).  ValueError when it is not attached."""
     try:
-        _caching._oom_observers.remove(observer)
+        _oom_hooks._oom_observers.remove(observer)
     except ValueError:
         raise ValueError(f"observer {observer!r} is not attached (attach_out_of_memory_observer)") from None
 

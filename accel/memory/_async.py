@@ -61,7 +61,8 @@ from .._finalize import drain as _drain_finalizers, pending as _finalizers
 from .. import _locks
 from ..backends._signals import deferred as _signals_deferred
 from ..streams import on_device
-from . import _caching, _config, _guards, _stats, _uses
+from . import _caching, _config, _guards, _oom_hooks, _stats, _uses
+from ._requests import _ONE_EXA_BYTES, _check_pool_id, _check_size, _exabyte_error, _frames
 from ._stats import ACTIVE_BYTES, ALLOCATED_BYTES, ALLOCATION, REQUESTED_BYTES, RESERVED_BYTES
 
 __all__ = ["AsyncPoolAllocator", "create_allocator", "check_backend"]
@@ -257,12 +258,12 @@ class AsyncPoolAllocator:
         TypeError/ValueError for a bad size, :class:`accel.OutOfMemoryError` when the pool
         cannot grow or the memory fraction would be passed, :class:`accel.CaptureError` on a
         stream captured by a capture not begun on this device."""
-        if type(nbytes) is not int or nbytes <= 0 or nbytes >= _caching._ONE_EXA_BYTES:
-            nbytes = _caching._check_size(nbytes)
+        if type(nbytes) is not int or nbytes <= 0 or nbytes >= _ONE_EXA_BYTES:
+            nbytes = _check_size(nbytes)
             if nbytes == 0:
                 return 0
-            if nbytes >= _caching._ONE_EXA_BYTES:     # torch's allocate() refuses first
-                raise _caching._exabyte_error(self._be.name)
+            if nbytes >= _ONE_EXA_BYTES:     # torch's allocate() refuses first
+                raise _exabyte_error(self._be.name)
         if stream is None:
             stream = self._get_default_stream()
         elif isinstance(stream, bool) or not isinstance(stream, int):
@@ -319,12 +320,12 @@ class AsyncPoolAllocator:
                     req[1] = req[0]
                 if self._history is not None:
                     if self._history_stacks:
-                        alloc.frames = _caching._frames()
+                        alloc.frames = _frames()
                     self._trace("alloc", ptr, nbytes, stream)
                 return ptr
         except OutOfMemoryError as exc:
-            if _caching._oom_observers and exc.observer_args is not None:     # after unlocking, as torch
-                _caching._notify_oom(exc)
+            if _oom_hooks._oom_observers and exc.observer_args is not None:     # after unlocking, as torch
+                _oom_hooks._notify_oom(exc)
             raise
 
     def _freeing_live(self, ptr: int) -> bool:
@@ -463,7 +464,7 @@ class AsyncPoolAllocator:
         (``replayed(stream)`` after each launch of its graph, ``release()`` when the graph is
         destroyed).  CaptureError while another capture on this device is underway (torch:
         "Only one capture at a time is allowed in a process.")."""
-        pool_id = _caching.DeviceCachingAllocator._check_pool_id(pool_id)
+        pool_id = _check_pool_id(pool_id)
         with _guards.probe(self._lock, "begin_allocate_to_pool", self._gate_owned):
             if self._routes:
                 busy = next(iter(self._routes))
@@ -480,7 +481,7 @@ class AsyncPoolAllocator:
     def end_allocate_to_pool(self, pool_id: Tuple[int, int]) -> None:
         """The capture of ``pool_id`` ended; frees deferred during it are queued once no
         capture is underway."""
-        pool_id = _caching.DeviceCachingAllocator._check_pool_id(pool_id)
+        pool_id = _check_pool_id(pool_id)
         with _guards.probe(self._lock, "end_allocate_to_pool", self._gate_owned):
             for stream in [s for s, p in self._routes.items() if p == pool_id]:
                 del self._routes[stream]
@@ -499,7 +500,7 @@ class AsyncPoolAllocator:
         allocations are the driver's (graph memory, freed once the executable's launches in
         flight completed: cudaGraphExecDestroy), and what a launch allocated and nobody holds is
         freed on its last launch's stream (``replayed``).  ValueError for a pool nothing holds."""
-        pool_id = _caching.DeviceCachingAllocator._check_pool_id(pool_id)
+        pool_id = _check_pool_id(pool_id)
         if pool_id not in self._pools:
             raise ValueError(f"pool_used_on: no private pool {pool_id} held on device {self._index} "
                              f"(released, or never created)")
@@ -507,7 +508,7 @@ class AsyncPoolAllocator:
     def release_pool(self, pool_id: Tuple[int, int]) -> None:
         """A graph using ``pool_id`` was destroyed (the pool holds nothing with this backend;
         its allocations go with its token's ``release()``)."""
-        pool_id = _caching.DeviceCachingAllocator._check_pool_id(pool_id)
+        pool_id = _check_pool_id(pool_id)
         with _guards.probe(self._lock, "release_pool", self._gate_owned):
             count = self._pools.get(pool_id)
             if count is None:

@@ -33,11 +33,11 @@ from functools import partial
 from typing import Dict, List, Optional
 
 from .. import _locks
-from . import _caching, _config
+from . import _config, _oom_hooks
 from .._errors import OutOfMemoryError
 from .._finalize import drain as _drain_finalizers, pending as _finalizers, releases_settled as _releases_settled
 from ..streams import on_device
-from ._caching import _ONE_EXA_BYTES, _check_size
+from ._requests import _ONE_EXA_BYTES, _check_size
 from ._guards import capture_underway, gate_owned, probe, unless_capturing
 from ._uses import (add_use, check_stream_live, check_use, cover, drop_done_gates, gates_back, record_uses,
                     stream_done, uses_forgotten)
@@ -217,9 +217,9 @@ class HostCachingAllocator:
                         raise               # cudaFreeHost would invalidate the capture
                     self._reap_orphans()
                     self._release_free()
-                    if be.pinned_shares_device_memory and _caching._release_unified is not None:
+                    if be.pinned_shares_device_memory and _oom_hooks._release_unified is not None:
                         # Metal: the device allocators' cached segments hold the same memory (r73g)
-                        _caching._release_unified(be, self)
+                        _oom_hooks._release_unified(be, self)
                 if size > nbytes:
                     # the rounding is for reuse only: the size asked for may still fit where its
                     # power of two does not (Metal: past maxBufferLength, the most one MTLBuffer
