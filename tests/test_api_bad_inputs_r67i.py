@@ -29,7 +29,7 @@ Bugs found (each of these tests failed first; all fixed in session 27):
   its ``.name`` is "float32") and fill native bytes: the caller reads garbage; ``dtype=None`` is
   taken as float64 (``np.dtype(None)``), not the documented default (``_fills._dtype_name``).
 * ``Graph(pool=...)`` / ``graph(pool=...)`` take a bool, a negative id and ids past 64 bits
-  (graphs.py ``_check_pool``: ``operator.index``, no range), where memory_snapshot refuses a bool.
+  (accel.graphs ``_check_pool``: ``operator.index``, no range), where memory_snapshot refuses a bool.
 * ``memory_snapshot(mempool_id=...)`` refuses numpy integer ids (``type(x) is int``) that
   Graph(pool=...) takes.
 * ``Kernel.max_potential_block_size`` refuses numpy integers, with ValueError
@@ -42,7 +42,7 @@ Bugs found (each of these tests failed first; all fixed in session 27):
   ``check_use`` checks the range only; _host.py likewise).
 * ``Graph.debug_dump`` writes ``str(path)``: a bytes path becomes a file named ``"b'x.dot'"``, a
   path with a NUL is cut at the NUL by the C call (another file is written), and a folder path
-  gives cudaErrorOperatingSystem without naming it (graphs.py ``debug_dump``).
+  gives cudaErrorOperatingSystem without naming it (graphs/graph_class.py ``debug_dump``).
 * ``with closed_buffer:`` and ``with closed_module:`` enter silently (a closed Stream refuses):
   buffer.py / kernels/_module.py ``__enter__``.
 * During a capture, importing (``from_dlpack``) or exporting (``__dlpack__()``, a host wait on

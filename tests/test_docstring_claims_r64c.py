@@ -446,7 +446,7 @@ def test_invalidated_capture_leaves_the_graph_empty_and_recapturable(sim_graph_b
 
 
 def test_refused_work_in_a_capture_does_not_invalidate_it(sim_graph_backend):
-    """accel/graphs.py's module docstring says "Synchronizing a capturing stream or device,
+    """accel/graphs/__init__.py's module docstring says "Synchronizing a capturing stream or device,
     blocking host copies and empty_cache raise accel.CaptureError; the runtime then invalidates
     the capture and capture_end reports it".  For empty_cache() and a blocking (pageable) host
     copy that is not what happens, and rightly: accel refuses them itself, before any runtime

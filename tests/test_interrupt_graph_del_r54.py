@@ -343,7 +343,7 @@ def test_graphs_are_refused_on_metal_as_documented(monkeypatch):
 @pytest.mark.parametrize("how", ["del", "collected", "reset"])
 def test_a_ctrl_c_anywhere_in_a_graphs_release_releases_each_thing_once(monkeypatch, kind, how):
     """tests/test_interrupt_allocator.py's injector raises KeyboardInterrupt at each point of
-    accel/graphs.py and accel/_finalize.py (and at the start of each function they call) while
+    accel/graphs/ and accel/_finalize.py (and at the start of each function they call) while
     a captured graph (keep_graph: both handles) is dropped, collected, or reset then dropped.
     Its executable and graph handles, its pool and its generator registration are each
     released once (by its own path or, after the interrupt, at the next drain point), never
@@ -355,7 +355,9 @@ def test_a_ctrl_c_anywhere_in_a_graphs_release_releases_each_thing_once(monkeypa
     from test_interrupt_backends import _Inject
     from accel import graphs, memory
     use_sim(monkeypatch, kind)
-    targets = {os.path.abspath(graphs.__file__), os.path.abspath(_finalize.__file__)}
+    package = os.path.dirname(os.path.abspath(graphs.__file__))     # every file of accel/graphs/
+    targets = {os.path.join(package, name) for name in os.listdir(package) if name.endswith(".py")} | {
+        os.path.abspath(_finalize.__file__)}
     be = _lazy.lazy_init()
     dev = DEVICES[-1]
     released = []

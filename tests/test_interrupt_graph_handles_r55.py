@@ -111,7 +111,7 @@ def test_a_capture_begin_a_ctrl_c_cut_short_leaves_no_capture(monkeypatch, kind)
     Ctrl-C as its stream hold ended (accel.streams._Hold.__exit__, after the capture had begun)
     raised with the capture underway and held by the graph, and accel.graph() took the error for
     a refusal (every later synchronize and empty_cache in the process then failed).  Found by
-    the r37 sweep once r55 moved its sampled points.  Every point of accel/graphs.py,
+    the r37 sweep once r55 moved its sampled points.  Every point of accel/graphs/,
     accel/streams/ and accel.random in capture_begin is swept."""
     import os
     import accel.graphs
@@ -120,8 +120,10 @@ def test_a_capture_begin_a_ctrl_c_cut_short_leaves_no_capture(monkeypatch, kind)
     from accel.random import generator
     use_sim(monkeypatch, kind)
     streams = os.path.dirname(os.path.abspath(accel.streams.__file__))
-    targets = {os.path.abspath(m.__file__) for m in (accel.graphs, R, generator)} | {
-        os.path.join(streams, name) for name in os.listdir(streams) if name.endswith(".py")}
+    graphs = os.path.dirname(os.path.abspath(accel.graphs.__file__))
+    targets = {os.path.abspath(m.__file__) for m in (R, generator)} | {
+        os.path.join(folder, name) for folder in (streams, graphs) for name in os.listdir(folder)
+        if name.endswith(".py")}
     dev = accel.device_count() - 1
 
     def fresh():

@@ -1,7 +1,7 @@
 """A KeyboardInterrupt (Ctrl-C) anywhere in a graph capture, replay or reset leaves no capture
 underway and the device free for the next one (r37).
 
-The injector is tests/test_interrupt_allocator.py's, over accel/graphs.py, accel/random (the
+The injector is tests/test_interrupt_allocator.py's, over accel/graphs/, accel/random (the
 default generator follows each capture) and the backends, on the non-current device of the
 CUDA and Level Zero simulators.  After each injected run the program cleans up as a user
 would (ends or resets the graph if it can), then: no capture is underway in the backend, the
@@ -32,19 +32,21 @@ from conftest import THOROUGH, use_sim
 def _targets():
     import accel.backends
     root = os.path.dirname(os.path.abspath(accel.backends.__file__))
-    mods = [importlib.import_module(m).__file__ for m in ("accel.graphs", "accel.random", "accel.random.generator",
-                                                           "accel.buffer", "accel.memory._caching")]
+    mods = [importlib.import_module(m).__file__ for m in ("accel.random", "accel.random.generator",
+                                                           "accel.buffer", "accel.memory._caching",
+                                                           "accel.memory._private_pools")]
     streams = os.path.dirname(os.path.abspath(importlib.import_module("accel.streams").__file__))
+    graphs = os.path.dirname(os.path.abspath(importlib.import_module("accel.graphs").__file__))
     # this file too: the program's own `with accel.graph(...)` (contextlib's __enter__/__exit__
     # start as Python functions called from it)
     return {os.path.abspath(p) for p in mods + [__file__] + glob.glob(os.path.join(root, "*.py"))
-            + glob.glob(os.path.join(streams, "*.py"))
+            + glob.glob(os.path.join(streams, "*.py")) + glob.glob(os.path.join(graphs, "*.py"))
             + glob.glob(os.path.join(root, "xpu", "*.py")) + glob.glob(os.path.join(root, "mps", "*.py"))
             + glob.glob(os.path.join(root, "cuda", "*.py"))}
 
 
 class _Inject(tia._Inject):
-    """tia's injector (no point where signals are blocked: accel/graphs.py makes and destroys
+    """tia's injector (no point where signals are blocked: accel/graphs/held.py makes and destroys
     its handles so, r55); a simulated vendor call is a C call (points as it returns, none inside)."""
 
     def _global(self, frame, event, arg):

@@ -1,7 +1,7 @@
 """A Ctrl-C anywhere in a stream hold or a replay's hold of its kept events and modules leaves
 nothing taken (r67e).
 
-``streams._Hold`` marks a stream in use for a whole operation, and ``graphs._KeptInUse`` marks
+``streams._Hold`` marks a stream in use for a whole operation, and ``graphs.kept._KeptInUse`` marks
 a replayed graph's external events in use and holds the locks of the modules whose kernels it
 launches.  Before r67e a KeyboardInterrupt as a mark's append or a lock's acquire returned, or
 as either ``__exit__`` started, left the mark (the stream's close() then never destroyed it) or

@@ -84,7 +84,7 @@ def test_a_ctrl_c_inside_a_finalizer_reaches_the_program(sim_cuda, monkeypatch, 
         calls = _raising_after(monkeypatch, _hostmem, "_free_pinned")
         make = lambda: accel.empty_pinned(4096, np.uint8)   # noqa: E731
     elif what == "graph":
-        calls = _raising_after(monkeypatch, graphs, "_reclaim")
+        calls = _raising_after(monkeypatch, graphs.graph_class, "_reclaim")    # (Graph.__del__'s)
         make = _graph
     elif what == "module":
         calls = _raising_after(monkeypatch, _module_impl, "_unload")

@@ -169,9 +169,9 @@ def test_seeding_before_init_keeps_torchs_order_of_latest_calls(sim_backend, las
 # -- REFERENCE: `with g:` = synchronize(); empty_cache(); empty_host_cache(); capture_begin() --
 def test_graph_with_block_synchronizes_and_empties_both_caches_before_capture(sim_graph_backend, monkeypatch):
     calls = []
-    from accel import graphs as _graphs
+    from accel.graphs import graph_class as _graphs     # Graph.__enter__ looks it up there
     # "synchronize": the device synchronize `with g:` makes as one step with its no-capture check
-    # (graphs._refuse_then_synchronize: under the capture gate, r65j), torch's synchronize()
+    # (graphs.block._refuse_then_synchronize: under the capture gate, r65j), torch's synchronize()
     original_sync = _graphs._refuse_then_synchronize
     monkeypatch.setattr(_graphs, "_refuse_then_synchronize",
                         lambda *a: (calls.append("synchronize"), original_sync(*a))[1])

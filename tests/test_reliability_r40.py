@@ -9,7 +9,7 @@
    a valid answer or a clear AcceleratorError, never a message to the released MTLDevice (a Mac
    crashes; the simulator raises MetalValidationError, as NSZombie reports it).
 3. XPU capture ids: ``id(capture)`` comes back for a later capture once the first is collected
-   (CPython reuses the address), and graphs.py's table of a capture (its external events, its
+   (CPython reuses the address), and accel/graphs/'s table of a capture (its external events, its
    pinned host blocks) is keyed by it: a capture ended before its table was forgotten took the
    next capture's table with it.
 """
@@ -239,7 +239,7 @@ def test_xpu_a_late_forget_of_an_ended_capture_keeps_the_next_captures_table(mon
         try:
             return real_end(handle)
         finally:
-            # (for another thread:) a capture begins after this one ended, before graphs.py forgot
+            # (for another thread:) a capture begins after this one ended, before accel/graphs/ forgot
             # this one's table
             with sb:
                 gb.capture_begin()

@@ -17,7 +17,7 @@ Bugs found (strict xfails, each names its cause):
   ``discarded`` slot.  ``_release_held`` destroys that slot first *in the same try body* as the
   executable: while cudaGraphDestroy keeps failing, dropping the Graph never even tries
   cudaGraphExecDestroy, and the executable of a later, good capture leaks with the discarded
-  graph (graphs.py ``_release_held``).
+  graph (graphs/held.py ``_release_held``).
 * ``Graph.reset()`` (``_release_handles``) also destroys the leftover first and stops there: the
   Graph's own executable and private pool are never released, and it can never capture again
   ("already holds a capture; call reset()"), although none of its own handles needs

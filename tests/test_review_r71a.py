@@ -2,7 +2,7 @@
 accel/_locks.py, accel/_finalize.py, the caching allocators' ``_probe``, graphs, streams, buffer.
 
 What the project promises and these tests hold it to: a refused call changes nothing and can be
-made again (graphs.py ``_release_handles``: "A failure stops here and leaves the rest held, so
+made again (graphs/graph_class.py ``_release_handles``: "A failure stops here and leaves the rest held, so
 reset() may be called again"; ``_release_held``: "one that fails puts it back, for a retry"); a
 Ctrl-C anywhere leaves nothing half-done (``_finish_end``: "Each step may run again"); user code
 that runs inside accel (a gc callback, a ``__del__``) is refused, never hangs (r68i, r69h); accel's

@@ -412,7 +412,7 @@ def test_close_racing_a_replay_never_unloads_before_the_launch(be, saxpy_on, mon
 @pytest.mark.parametrize("index", [0, 1])
 def test_replay_after_close_is_refused_before_the_launch(be, saxpy_on, monkeypatch, index):
     """Without a race, replay() of a graph whose module was closed raises before cudaGraphLaunch
-    (graphs.py replay), so the H100's 0 is never reached."""
+    (graphs/graph_class.py replay), so the H100's 0 is never reached."""
     m, g, s, (x, y, by) = _graph_of_saxpy(index)
     calls = _spy(monkeypatch, be, "cudaGraphLaunch")
     m.close()

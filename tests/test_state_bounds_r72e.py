@@ -1027,7 +1027,7 @@ def test_a_capture_whose_thread_exited_is_ended_when_its_graph_goes(graph_sim2, 
                                                                       quiet_thread_exits):
     """A thread begins a capture and exits (by an exception) without ending it; the graph,
     which another object held, is dropped in the main thread.  accel ends the capture of a
-    dropped graph (graphs._abandon), as it does when the graph goes in its own thread; the
+    dropped graph (graphs.held._abandon), as it does when the graph goes in its own thread; the
     thread that could end a non-relaxed CUDA capture is gone, so nothing else ever will."""
     # (r72e found, on CUDA with non-relaxed modes: CudaBackend.capture_end refused every thread but
     # the dead owner, so nothing ever ended the capture; fixed in session 32)

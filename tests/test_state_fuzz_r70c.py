@@ -58,7 +58,7 @@ Bugs found (strict xfails at the end of the file):
 
 * ``accel.graph(g, stream=<default stream>)`` and ``with g:`` on the default stream synchronize
   and empty the caches before capture_begin refuses the default stream: the refusal releases
-  cached memory (graphs.py graph() / Graph.__enter__; every other refusal comes first).
+  cached memory (graphs/context.py graph() / graphs/graph_class.py Graph.__enter__; every other refusal comes first).
 * A first ``Event.record`` the runtime refuses (Level Zero's capture; CUDA's 901 in an
   invalidated capture) leaves the device event it made: the event is bound to that device and a
   later record on the other device raises "the event belongs to device 0" (streams.py

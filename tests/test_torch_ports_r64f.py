@@ -286,7 +286,7 @@ def test_cuda__test_graph_rng_after_failed_capture(sim_cuda):
     draw eagerly and capture an RNG fill again, the new graph replays fresh numbers, and nothing
     the failed capture allocated (its RNG holders included) stays live.  torch's ``(x + 1).item()``
     is a copy to pageable memory plus a synchronize; accel refuses the pageable copy before any
-    runtime call (the capture goes on: accel/graphs.py), so the port makes the synchronize itself."""
+    runtime call (the capture goes on: accel/graphs/), so the port makes the synchronize itself."""
     accel.synchronize()
     gc.collect()
     memory.empty_cache()

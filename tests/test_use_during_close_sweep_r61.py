@@ -1160,7 +1160,7 @@ def test_capture_begin_vs_stream_close(race, gdevice):
     """capture_begin() while another thread closes the stream being captured: the close claims
     the stream after capture_begin's check and before the capture began.  Capturing on a stream
     whose destroy is pending would leave a capture no one can end, so the begun capture is ended
-    and discarded and capture_begin raises saying so (graphs._begin_held, by design); the stream
+    and discarded and capture_begin raises saying so (graphs.held._begin_held, by design); the stream
     is destroyed after, and nothing is left behind."""
     backend = _backend()
     race.settle_baseline()

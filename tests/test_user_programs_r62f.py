@@ -656,7 +656,7 @@ def test_seeded_training_step_reproducible_on_device1(sim_backend):
 #: torch 2.13's CUDAGraph::debug_dump (behind torch.accelerator.Graph.debug_dump) dumps when
 #: ``_cuda_graphs_debug || keep_graph_``: a graph made with ``keep_graph=True`` keeps its
 #: cudaGraph_t and can be dumped without enable_debug_mode().  accel raised "RuntimeError:
-#: debug_dump needs enable_debug_mode() to be called before capture" (accel/graphs.py
+#: debug_dump needs enable_debug_mode() to be called before capture" (accel/graphs/graph_class.py
 #: Graph.debug_dump checked only self._debug; a strict xfail until r62).
 @pytest.mark.parametrize("kind", GRAPH_SIMS)
 def test_keep_graph_debug_dump_without_debug_mode(monkeypatch, kind, tmp_path):
