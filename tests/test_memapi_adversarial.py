@@ -232,17 +232,27 @@ def test_pinned_malloc_of_an_absurd_size_is_out_of_memory(sim_backend, nbytes):
 
 
 # -- ACCEL_ALLOC_CONF --------------------------------------------------------------------------------
-@pytest.mark.parametrize("text", ["max_split_size_mb:1_000", "max_split_size_mb:\u0661\u0660\u0660",
-                                  "max_non_split_rounding_mb:\uff12\uff10", "pinned_num_register_threads:0_8",
-                                  "roundup_power2_divisions:[2_56:1]"])
+@pytest.mark.parametrize("text", ["max_split_size_mb:\u0661\u0660\u0660", "max_non_split_rounding_mb:\uff12\uff10",
+                                  "pinned_num_register_threads:_8", "roundup_power2_divisions:[_256:1]"])
 def test_config_integers_are_plain_decimal(text):
-    """Python's int() reads "1_000" and non-ASCII digits; torch's parser (std::stoull) does not:
-    a value torch would refuse or read differently is refused."""
+    """Python's int() reads non-ASCII digits and "1_000"; torch's parser (std::stoull) does not:
+    a value that does not start with ASCII digits is refused."""
     with pytest.raises(AllocatorConfigError, match="expected an integer"):
         _config.parse(text)
     with pytest.raises(AllocatorConfigError, match="expected a byte count"):
         _config.parse("release_threshold:1_000M")
     assert _config.parse(" max_split_size_mb : +128 ").max_split_size == 128 * MiB
+
+
+def test_config_integers_read_by_their_prefix_as_std_stoull():
+    """std::stoull stops at the first character that is not a digit, so torch 2.13 reads
+    ``1_000`` as 1 (then refuses it as below 20 MiB) and ``[2_56:1]`` as an interval of 2 MiB;
+    accel reads them so since session 38 (it refused them as not plain decimal)."""
+    with pytest.raises(AllocatorConfigError, match="too small"):
+        _config.parse("max_split_size_mb:1_000")
+    assert _config.parse("max_split_size_mb:64_000").max_split_size == 64 * MiB
+    assert (_config.parse("roundup_power2_divisions:[2_56:1]").roundup_power2_divisions
+            == _config.parse("roundup_power2_divisions:[2:1]").roundup_power2_divisions)
 
 
 @pytest.mark.parametrize("key, field", [("max_split_size_mb", "max_split_size"),
