@@ -11,7 +11,9 @@ program runs, by torch's rules (``changed``; ``RESET_AT_RUN_TIME``, ``FIXED_AT_R
 A setting written for torch never breaks accel: every key torch 2.13 accepts is
 accepted, with torch's value checks (booleans exactly ``True``/``False``,
 ``pinned_num_register_threads`` a power of two <= 128, MiB counts read as ``std::stoull``
-reads them, so ``-1`` is no limit and ``64MB`` is 64, ...).  The torch keys accel
+reads them, so ``-1`` is no limit and ``64MB`` is 64, ...), and a setting torch's CUDA build
+refuses is refused (an empty option, two different ``backend`` values, a fraction that
+underflows).  The torch keys accel
 does not implement (``TORCH_ONLY``) give one warning and are ignored.  accel's own
 keys (``policy``, ``release_threshold``) are read only from ``ACCEL_ALLOC_CONF``: in
 a PYTORCH_ variable, which torch refuses them from, they give one warning and are
@@ -26,6 +28,7 @@ import os
 import re
 import sys
 import warnings
+from fractions import Fraction
 from typing import NamedTuple, Optional, Tuple
 
 from .._errors import AllocatorConfigError
@@ -88,6 +91,18 @@ OPTIONS = {
 
 #: keys only accel knows: read from ACCEL_ALLOC_CONF only (torch refuses them)
 ACCEL_ONLY = ("policy", "release_threshold")
+#: the keys only torch's CUDA parser reads (CUDAAllocatorConfig::getKeys, torch 2.13), which on a
+#: CUDA (non-ROCm) build reads PYTORCH_CUDA_ALLOC_CONF and PYTORCH_ALLOC_CONF only: in
+#: PYTORCH_HIP_ALLOC_CONF the generic parser skips them, unchecked
+_CUDA_PARSER_KEYS = ("backend", "release_lock_on_cudamalloc", "release_lock_on_hipmalloc",
+                     "pinned_use_cuda_host_register", "pinned_use_hip_host_register",
+                     "graph_capture_record_stream_reuse", "pinned_reserve_segment_size_mb",
+                     "pinned_num_register_threads", "per_process_memory_fraction", "pinned_free_catch_all",
+                     "throw_on_cudamalloc_oom")
+#: options of the caching allocator (backend:native) that backend:cudaMallocAsync ignores
+_NATIVE_ONLY = ("max_split_size_mb", "max_non_split_rounding_mb", "large_segment_size_mb",
+                "garbage_collection_threshold", "roundup_power2_divisions", "expandable_segments",
+                "throw_on_cudamalloc_oom", "policy")
 #: keys torch accepts that accel parses and validates as torch does, then ignores (one warning)
 TORCH_ONLY = ("pinned_use_background_threads", "pinned_use_cuda_host_register", "pinned_use_hip_host_register",
               "pinned_num_register_threads", "pinned_reserve_segment_size_mb", "release_lock_on_cudamalloc",
@@ -153,14 +168,27 @@ _LEADING_FLOAT = re.compile(r"[ \t\n\v\f\r]*(?:(?P<hex>[+-]?0x(?:[0-9a-f]+\.?[0-
                             re.IGNORECASE)
 
 
+def _exact(match) -> Fraction:
+    """The exact value of a number :data:`_LEADING_FLOAT` matched (inf and nan are never
+    small, so never asked)."""
+    if match["dec"]:
+        return Fraction(match["dec"])
+    text = match["hex"].lower()
+    sign = -1 if text.startswith("-") else 1
+    digits, _, exponent = text.lstrip("+-")[2:].partition("p")
+    whole, _, fraction = digits.partition(".")
+    return sign * Fraction(int(whole + fraction or "0", 16), 16 ** len(fraction)) * Fraction(2) ** int(exponent or 0)
+
+
 def _parse_float(key, value, source, lo, hi, lo_open=True, hi_open=False):
     match = _LEADING_FLOAT.match(value) if _one_token(value) else None
     if match is None:
         raise _fail(key, value, "expected a number", source)
     number = float.fromhex(match["hex"]) if match["hex"] else float(match["dec"])
-    if number != 0 and abs(number) < sys.float_info.min:
-        # strtod's ERANGE for a subnormal result, which std::stod throws as out_of_range
-        raise _fail(key, value, "out of the range of a normal double", source)
+    if abs(number) < sys.float_info.min and _exact(match) != number:
+        # strtod's ERANGE for a result that underflows (to zero or an inexact subnormal), which
+        # std::stod throws as out_of_range
+        raise _fail(key, value, "underflows a double (std::stod: out of range)", source)
     if not ((lo < number if lo_open else lo <= number) and (number < hi if hi_open else number <= hi)):
         raise _fail(key, value, f"expected {lo:g} {'<' if lo_open else '<='} value {'<' if hi_open else '<='} "
                                 f"{hi:g}", source)
@@ -189,16 +217,22 @@ def _parse_int(key, value, source):
     return int(match.group(1))
 
 
-def _parse_mb(key, value, source):
-    """A MiB count as torch reads one (std::stoull, then parseMaxSplitSize's clamp): a negative
-    number wraps modulo 2**64 (``-1`` is 2**64 - 1: no limit), anything past what a size_t holds
-    is refused, and the count is clamped to SIZE_MAX / 1 MiB so the byte count fits a size_t."""
-    mb = _parse_int(key, value, source)
-    if mb < 0 and -mb <= UNLIMITED:
-        mb += UNLIMITED + 1
-    if not 0 <= mb <= UNLIMITED:
+def _parse_size_t(key, value, source):
+    """A size_t as std::stoull reads one (torch's ConfigTokenizer::toSizeT): a negative number
+    wraps modulo 2**64 (``-1`` is 2**64 - 1), anything past what a size_t holds is refused."""
+    number = _parse_int(key, value, source)
+    if number < 0 and -number <= UNLIMITED:
+        number += UNLIMITED + 1
+    if not 0 <= number <= UNLIMITED:
         raise _fail(key, value, f"more than a size_t holds (at most {UNLIMITED})", source)
-    return min(mb, UNLIMITED // MiB)
+    return number
+
+
+def _parse_mb(key, value, source):
+    """A MiB count as torch reads one (:func:`_parse_size_t`, then parseMaxSplitSize's clamp):
+    ``-1`` is no limit, and the count is clamped to SIZE_MAX / 1 MiB so the byte count fits a
+    size_t."""
+    return min(_parse_size_t(key, value, source), UNLIMITED // MiB)
 
 
 def _mb_bytes(mb: int) -> int:
@@ -314,12 +348,18 @@ def _values(text: str, source: str) -> dict:
     """parse()'s work: the AllocConfig fields ``text`` names, with ``source`` and ``text``."""
     values = {"source": source, "text": text}
     from_torch = source.startswith("PYTORCH_")
-    skipped, ignored = [], []
+    skipped, ignored, unread = [], [], []
     # torch's ConfigTokenizer skips every white-space character (std::isspace: a tab, a newline
     # or CR of a setting read from a file), wherever it is
-    for item in _split_options(_SPACE.sub("", text)):
+    items = list(_split_options(_SPACE.sub("", text)))
+    if items[-1] == "":
+        items.pop()     # one trailing comma (or nothing at all), as torch's CUDA parser takes it
+    for item in items:
         if not item:
-            continue
+            # torch's CUDA parser reads the second comma as a key (CUDAAllocatorConfig::parseArgs:
+            # "Unrecognized key ','"); the generic one reads one empty item and asserts on two
+            raise AllocatorConfigError(f"{source}: an empty option (a comma at the start, or two in a "
+                                       f"row) in {text!r}; separate key:value options with one comma")
         key, sep, value = item.partition(":")
         if not sep:
             # "key=value" is not torch syntax, but an easy slip worth a precise message.
@@ -330,6 +370,9 @@ def _values(text: str, source: str) -> dict:
             raise AllocatorConfigError(f"{source}: unknown allocator option {key!r}; valid options are:\n{valid}")
         if from_torch and key in ACCEL_ONLY:
             skipped.append(key)          # torch refuses it; a shared variable must not break torch
+            continue
+        if source == "PYTORCH_HIP_ALLOC_CONF" and key in _CUDA_PARSER_KEYS:
+            unread.append(key)           # as torch's CUDA build, which never reads them there
             continue
         if key in TORCH_ONLY:
             ignored.append(key)
@@ -366,30 +409,42 @@ def _values(text: str, source: str) -> dict:
         elif key == "backend":
             if value not in BACKENDS:
                 raise _fail(key, value, f"expected {' or '.join(BACKENDS)} (torch's spelling)", source)
+            if values.get("backend", value) != value:
+                # torch asserts each backend token equals the one allocator loaded
+                # (CUDAAllocatorConfig::parseAllocatorConfig), so one of two different ones fails
+                raise _fail(key, value, f"backend is already {values['backend']} in this setting; "
+                                        f"name one backend", source)
             values["backend"] = value
         elif key == "pinned_num_register_threads":
-            threads = _parse_int(key, value, source)
+            threads = _parse_size_t(key, value, source)
             if threads <= 0 or threads & (threads - 1):
                 raise _fail(key, value, "Number of register threads has to be power of 2", source)
             if threads > _MAX_REGISTER_THREADS:
                 raise _fail(key, value, "Number of register threads should be less than or equal to "
                                         f"{_MAX_REGISTER_THREADS}", source)
         elif key == "pinned_reserve_segment_size_mb":
-            if _parse_int(key, value, source) <= 0:
+            if _parse_size_t(key, value, source) <= 0:
                 raise _fail(key, value, "Pinned reserve segment size has to be greater than 0", source)
         elif key in ("pinned_max_round_threshold_mb", "pinned_max_cached_size_mb"):
             values[key[:-3]] = _mb_bytes(_parse_mb(key, value, source))
         elif key in TORCH_ONLY:                   # the True/False ones
             _parse_bool(key, value, source)
     _check_pinned_limits(values)
-    if (skipped or ignored) and (source, text) not in _warned:
+    if values.get("backend") == "cudaMallocAsync":
+        # torch warns too (CUDAAllocatorConfig::parseArgs, "backend:cudaMallocAsync ignores ...")
+        ignored.extend(key for key in _NATIVE_ONLY if f"{key}:" in _SPACE.sub("", text) and key not in ignored)
+    if (skipped or ignored or unread) and (source, text) not in _warned:
         _warned.add((source, text))
         parts = []
         if ignored:
-            parts.append(f"{', '.join(ignored)} (torch options accel does not implement)")
+            parts.append(f"{', '.join(ignored)} (torch options accel does not implement"
+                         f"{', or options of the native allocator under backend:cudaMallocAsync' if values.get('backend') == 'cudaMallocAsync' else ''})")
         if skipped:
             parts.append(f"{', '.join(skipped)} (accel options, read only from ACCEL_ALLOC_CONF; "
                          f"torch refuses them)")
+        if unread:
+            parts.append(f"{', '.join(unread)} (CUDA options, which torch's CUDA build reads only from "
+                         f"PYTORCH_CUDA_ALLOC_CONF and PYTORCH_ALLOC_CONF)")
         warnings.warn(f"{source}: ignored {' and '.join(parts)}", UserWarning, stacklevel=4)
     return values
 
