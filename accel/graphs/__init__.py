@@ -15,7 +15,7 @@ How the pieces fit (as ``aten/src/ATen/cuda/CUDAGraph.cpp``):
   writes fresh values there first, so each replay draws new numbers.
 * **Illegal work.** Synchronizing a capturing stream or its device raises
   :class:`accel.CaptureError`; the runtime then invalidates the capture and
-  :meth:`capture_end` reports it.  A blocking (pageable) host copy and ``empty_cache()``
+  :meth:`Graph.capture_end` reports it.  A blocking (pageable) host copy and ``empty_cache()``
   are refused by accel with CaptureError before any runtime call, and the capture goes on.
 * **Host copies.** A ``non_blocking`` copy between a Buffer and pinned memory
   (:func:`accel.empty_pinned`) is captured, as torch's: every replay copies again, so the
@@ -23,7 +23,7 @@ How the pieces fit (as ``aten/src/ATen/cuda/CUDAGraph.cpp``):
   is released and its queued replays ran.  Pageable memory is refused.
 * **An interrupted ``__del__`` (r54).**  What a graph must release (its executable and graph
   handles, its pool, its own allocations, its pinned blocks, its generator registrations, a
-  capture underway and its stream) lives in a holder (:class:`_Held`) registered in
+  capture underway and its stream) lives in a holder (:class:`.held._Held`) registered in
   ``accel._finalize.owned`` once the graph first holds something, with a token only the graph
   holds.  Every release (reset(), ``__del__``, the registry's) takes each thing out of the holder
   just before releasing it, so none is released twice; a Ctrl-C as ``__del__`` starts (CPython
@@ -45,7 +45,8 @@ The package, one module per concern, each with its part of the design in its doc
   bookkeeping is still owed (``_unfinished``);
 * :mod:`.held`: what a graph holds (:class:`_Held`) and its lifecycle: the begin, end,
   instantiate and destroy of its handles with signals deferred, the discard of a capture, and
-  the releases (reset's, ``__del__``'s, the registry's);
+  the releases (``__del__``'s, the registry's, and that of what a reset in a collection moved
+  aside; a plain reset() releases through ``Graph._release_handles``);
 * :mod:`.kept`: the external events and modules a replay keeps in use (``_KeptInUse``);
 * :mod:`.pools`: the ids of the graphs' memory pools (``graph_pool_handle``, a graph's own).
 

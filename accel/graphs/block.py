@@ -20,14 +20,14 @@ if TYPE_CHECKING:
 
 
 def _refuse_then_synchronize(graph: "Graph", indices, stream: Optional[Stream] = None) -> None:
-    """``with g:`` and :func:`graph`: capture_begin's refusals for the devices ``indices`` (None:
-    the current one) and for the capture ``stream`` when known (the default stream: r70c, the
-    refusal came after the synchronize and the emptied caches), then a synchronize of the
-    current device, as one step under the capture gate: a capture another thread began between
-    the check and the synchronize would be invalidated by it (r65j).  Deferred releases run
-    first, outside the gate: they take the
-    allocators' locks, which every other path takes before the gate (holding the gate across
-    accel.synchronize()'s drain deadlocked against a record_stream: tests/test_gc_stress.py)."""
+    """``with g:`` and :func:`accel.graph`: capture_begin's refusals for ``graph`` (the Graph) on the
+    devices ``indices`` (None: the current one) and for the capture ``stream`` when known (the
+    default stream: r70c, the refusal came after the synchronize and the emptied caches), then a
+    synchronize of the current device, as one step under the capture gate: a capture another thread
+    began between the check and the synchronize would be invalidated by it (r65j).  Deferred
+    releases run first, outside the gate: they take the allocators' locks, which every other path
+    takes before the gate (holding the gate across accel.synchronize()'s drain deadlocked against a
+    record_stream: tests/test_gc_stress.py)."""
     if _fin.pending:
         _fin.drain()
     backend = _graph_backend()
@@ -79,7 +79,7 @@ def _end_block_or_discard(g: Graph) -> None:
 
 
 def _end_block(g: Graph) -> None:
-    """End the capture of a ``with g:`` or :func:`graph` block whose body returned.  A body
+    """End the capture of a ``with g:`` or :func:`accel.graph` block whose body returned.  A body
     that left another stream current cannot end it as asked (torch's capture_end check): the
     capture is ended on its own stream and discarded, and RuntimeError says why, so no
     capture is left underway to make every later sync fail."""

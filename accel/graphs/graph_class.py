@@ -45,7 +45,7 @@ class Graph:
     ``Graph(keep_graph=False, *, pool=None, capture_error_mode="default")``.
     ``with g:`` synchronizes, empties the caches and captures the body on the
     current stream (which must not be the legacy default stream: use
-    ``with stream, g:`` or :func:`graph`).
+    ``with stream, g:`` or :func:`accel.graph`).
     """
 
     def __init__(self, keep_graph: bool = False, *, pool: Optional[Tuple[int, int]] = None,
@@ -151,7 +151,7 @@ class Graph:
 
     def _refuse_before_sync(self, index: Optional[int]) -> None:
         """capture_begin's refusals that need no stream, made before ``with g:`` and
-        :func:`graph` synchronize: a synchronize while a capture is underway on the device
+        :func:`accel.graph` synchronize: a synchronize while a capture is underway on the device
         invalidates that capture, so the refusal would otherwise come after the damage.
         ``index``: the device the capture would begin on (None: the current one)."""
         self._check_process()

@@ -7,7 +7,9 @@ took it.  Each runtime call that makes or destroys a handle runs with signals de
 the store or the take, so a Ctrl-C lands before or after it, never between.  Here: the begin of
 a capture (the generator, the pool's routing, the backend's capture), its end, the instantiate,
 the destroy of a handle, the discard of a capture, and the releases of a dropped graph
-(``_reclaim``: ``__del__``'s and the registry's) and of a reset one (``_release_held``).
+(``_reclaim``: ``__del__``'s and the registry's) and of what a reset in a collection moved to a
+holder of its own (``_release_held``, queued by ``Graph._move_to_release``; a plain reset()
+releases through ``Graph._release_handles``, with :func:`_destroy_held` for the handles).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from ..streams import Stream, _capture_events
 
 
 class _Held:
-    """What a :class:`Graph` holds that must be released (r54): the registry entry's argument
+    """What a :class:`accel.Graph` holds that must be released (r54): the registry entry's argument
     (``accel._finalize.own``), so that a graph freed without its release having run (a Ctrl-C as
     its ``__del__`` started) is released at the next drain.  The graph keeps its state here and
     every release takes each field (a plain store of None) just before its release call: a
@@ -47,8 +49,8 @@ class _Held:
 
 @_signals_deferred
 def _take_capture_table(h, capture_id, keep_events: bool) -> None:
-    """Move what an ended capture left in ``streams._capture_events`` to the graph's handles: the
-    pinned hold (buffer._capture_hold) and, with ``keep_events``, the events recorded in it.  With
+    """Move what an ended capture left in ``streams._capture_events`` to the holder ``h``: the
+    pinned hold (buffer.capture._capture_hold) and, with ``keep_events``, the events recorded in it.  With
     signals deferred (r72d: a Ctrl-C as a pop returned left the hold on the stack only, and its
     pinned block parked for good)."""
     events = _capture_events.pop(capture_id, None) or {}
@@ -267,7 +269,9 @@ def _discard_capture(h: _Held, backend, stream: Stream) -> None:
     graph = backend.capture_end(stream._handle)
     if graph is None:
         return
-    if h.discarded is not None:         # (one left by an earlier failed discard: retried first)
+    if h.discarded is not None:
+        # (h keeps one an earlier failed discard left: this one is destroyed as a finalizer's
+        # release, whose failure is tried once more at the next drain)
         _fin.finalize(backend.graph_destroy, graph)
         return
     h.discarded = graph

@@ -35,13 +35,14 @@ def _closed_kept(kept, call: str = "replay()") -> RuntimeError:
 
 
 class _KeptInUse:
-    """``with _KeptInUse(h.events):`` around a replay's launch, which passes the runtime the
-    handles of the graph's external events (its event record and wait nodes) and the kernels of
-    its modules: each event is marked in use (as streams._Use: another thread's close() leaves
-    its destroy to the launch's end) and each module's lock is held (Module.close waits for it,
-    as for a launch: a launch of an unloaded library's kernel killed the process on an H100).
-    Each is checked open once held (closed by another thread since replay's own check: raises
-    as that check).  Nothing to do for a graph that keeps none (the common case).
+    """``kept = _KeptInUse(())`` before the ``try``, then ``with kept.of(h):`` around a replay's launch
+    (or an instantiate), which passes the runtime the handles of the graph's external events (its
+    event record and wait nodes) and the kernels of its modules: each event is marked in use (as
+    streams._Use: another thread's close() leaves its destroy to the launch's end) and each module's
+    lock is held (Module.close waits for it, as for a launch: a launch of an unloaded library's
+    kernel killed the process on an H100).  Each is checked open once held (closed by another thread
+    since replay's own check: raises as that check).  Nothing to do for a graph that keeps none (the
+    common case).
 
     Interrupt safety (r67e; as streams._Hold): what is taken is recorded in the same step, so
     ``__enter__`` takes all or nothing and ``__exit__`` can be called again to finish (a Ctrl-C

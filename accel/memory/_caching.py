@@ -208,9 +208,10 @@ class DeviceCachingAllocator(ClassicSegments, ExpandableSegments, PrivatePools):
         self._origin_ids: Dict[int, int] = {}        # origin stream -> its capture id, once known
         self._private: Dict[tuple, _PrivatePool] = {}
         # torch 2.13's reserved_bytes_by_private_pools: pool id -> reserved bytes of the pool's
-        # segments as [current, peak, allocated, freed] x (all, small, large), flat (_POOL_STAT);
-        # the entry of the pool that went last outlives it (current 0: torch keeps every gone
-        # pool's until a reset), so this stays bounded by the live pools (_DEAD_POOL_STATS)
+        # segments as [current, peak, allocated, freed] x (all, small, large), flat (computed by
+        # _private_pools's _pool_stat_after; _NO_POOL_STAT before the first segment); the entry of
+        # the pool that went last outlives it (current 0: torch keeps every gone pool's until a
+        # reset), so this stays bounded by the live pools (_private_pools._DEAD_POOL_STATS)
         self._pool_reserved: Dict[tuple, List[int]] = {}
         # use_mem_pool: thread ident -> its pools, innermost last (torch's thread filter)
         self._threads: Dict[int, List[_PrivatePool]] = {}

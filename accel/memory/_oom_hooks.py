@@ -1,12 +1,14 @@
 """What an out-of-memory does beyond the allocator that hit it: the process-wide hooks.
 
-Shared by the device caching allocator (``_caching``), the pinned one (``_host``) and the
-cudaMallocAsync one (``_async``).  Both hooks are module state that exists once, here:
+Shared by the device caching allocator (``_caching``: both hooks), the cudaMallocAsync one
+(``_async``: the observers) and the pinned one (``_host``: the unified-memory release only; it
+calls no observer).  Both hooks are module state that exists once, here:
 ``_oom_observers`` is changed in place (``accel.memory.attach_out_of_memory_observer`` and its
-detach), ``_release_unified`` is rebound by ``accel.memory`` when it is imported; so every reader
-looks them up through this module at use time (``_oom_hooks._oom_observers``), never with a
-``from`` import that would keep the value of the moment.  An allocator calls the observers only
-once its lock is released (``_notify_oom``), as torch does.
+detach; emptied by ``accel.memory``'s reset), ``_release_unified`` is rebound by ``accel.memory``
+when it is imported; so every reader looks them up through this module at use time
+(``_oom_hooks._oom_observers``), never with a ``from`` import that would keep the value of the
+moment.  An allocator calls the observers only once its lock is released (``_notify_oom``), as
+torch does.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ A mixin of :class:`~accel.memory._caching.DeviceCachingAllocator`, as ``_classic
 ``_expandable``'s are: the state lives there (``_private``: pool id -> :class:`_PrivatePool`;
 ``_routes``/``_origins``/``_origin_ids``: capturing streams and the streams that joined their
 capture; ``_threads``: use_mem_pool's thread routes; ``_oom_pools``; ``_pool_reserved``:
-``reserved_bytes_by_private_pools``), and malloc asks :meth:`~PrivatePools._joined_pool` on its
-general path.  These methods are torch's PrivatePool bookkeeping (``beginAllocateToPool``,
+``reserved_bytes_by_private_pools``), and malloc's general (not hot) path, ``_find_special``,
+asks :meth:`~PrivatePools._joined_pool` for a stream with no route of its own while a capture is
+routing.  These methods are torch's PrivatePool bookkeeping (``beginAllocateToPool``,
 ``createOrIncrefPool``, ``releasePool``, ``endAllocateToPool``), plus what accel adds:
 
 * a pool's free lists hold its blocks only: no request outside the pool looks there, except in

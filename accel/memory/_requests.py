@@ -2,12 +2,14 @@
 
 Shared by the three allocators (``_caching``'s device caching allocator, ``_host``'s pinned one,
 ``_async``'s cudaMallocAsync one), so that each refuses a bad request with the same error, as
-torch's allocators do: a size that is no int number of bytes or is negative (:func:`_check_size`),
-1 EB or more (:data:`_ONE_EXA_BYTES`, :func:`_exabyte_error`: torch's ``allocate()`` refuses it
-before the allocator runs, so nothing is freed, synchronized or counted), a pool id that is not
-two ints (:func:`_check_pool_id`, torch's ``MempoolId_t``).  :func:`_frames` is the caller's stack
-as a snapshot's ``frames`` give it (the cudaMallocAsync allocator's; the caching allocators keep
-the raw stack and symbolize it when a snapshot is taken).
+torch's allocators do: a size that is no int number of bytes or is negative (:func:`_check_size`,
+all three), 1 EB or more (:data:`_ONE_EXA_BYTES`, all three; :func:`_exabyte_error`, the device
+allocators' error, torch's ``allocate()`` refusal before the allocator runs, so nothing is freed,
+synchronized or counted; the pinned one raises its own, naming pinned host memory), a pool id that
+is not two ints (:func:`_check_pool_id`, torch's ``MempoolId_t``: ``_private_pools``'s and
+``_async``'s pool methods).  :func:`_frames` is the caller's stack as a snapshot's ``frames`` give
+it (the cudaMallocAsync allocator's; the device caching allocator keeps the raw stack and
+symbolizes it when a snapshot is taken).
 """
 
 from __future__ import annotations
