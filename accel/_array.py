@@ -157,7 +157,7 @@ class _Source:
 
 
 def _pinning(method):
-    """As ``buffer._in_use``, for an ArrayView method that hands memory to the backend: while it
+    """As ``buffer.buffer_class._in_use``, for an ArrayView method that hands memory to the backend: while it
     runs, the view's buffer (and the buffer of a Buffer or ArrayView argument, a copy's source)
     holds a pin, so a close() in another thread leaves the memory to the call's end instead of
     giving it to the next allocation while the call still copies into or out of it.  The

@@ -35,7 +35,7 @@ Bugs found (each of these tests failed first; all fixed in session 27):
 * ``Kernel.max_potential_block_size`` refuses numpy integers, with ValueError
   (kernels/_module.py: ``isinstance(v, int)``).
 * ``__dlpack__(dl_device=...)`` takes a bool device id (``operator.index``), where
-  ``max_version`` refuses bools (_dlpack.py ``check_dl_device``).
+  ``max_version`` refuses bools (_dlpack/exporting.py ``check_dl_device``).
 * ``device_allocator(i).record_stream`` / ``host_allocator().record_stream`` take an int that is
   no live stream: the later ``free`` raises the runtime's invalid-handle error with the block
   half freed, and every ``empty_cache``/``empty_host_cache`` after it fails (memory/_caching.py
@@ -44,11 +44,11 @@ Bugs found (each of these tests failed first; all fixed in session 27):
   path with a NUL is cut at the NUL by the C call (another file is written), and a folder path
   gives cudaErrorOperatingSystem without naming it (graphs/graph_class.py ``debug_dump``).
 * ``with closed_buffer:`` and ``with closed_module:`` enter silently (a closed Stream refuses):
-  buffer.py / kernels/_module.py ``__enter__``.
+  buffer/buffer_class.py / kernels/_module.py ``__enter__``.
 * During a capture, importing (``from_dlpack``) or exporting (``__dlpack__()``, a host wait on
   Level Zero) a buffer last used on a stream outside the capture invalidates the capture (CUDA
   905 from the consumer's wait, Level Zero's host synchronize) instead of being refused first
-  (_dlpack.py ``_refuse_waiting_on_capture`` only looks at a capturing *producer* stream).
+  (_dlpack/ordering.py ``_refuse_waiting_on_capture`` only looks at a capturing *producer* stream).
 * ``Generator.register_graph(alloc=5)`` leaks "'int' object is not callable".
 """
 

@@ -271,7 +271,7 @@ def test_a_module_load_on_an_old_driver_during_another_threads_capture_is_refuse
     assert len(race.check_errors) == 1 and "CUDA 12.2" in str(race.check_errors[0])
 
 
-# -- 4. a foreign buffer's release (accel/buffer.py _release_foreign) --------------------------------
+# -- 4. a foreign buffer's release (accel/buffer/release.py _release_foreign) ------------------------
 
 def _foreign_used_on_closed_stream():
     owner = accel.Buffer(4096)
@@ -329,9 +329,9 @@ def _buffer_last_used_on_closed_stream():
 
 
 EXPORTS = {
-    # accel/buffer.py:921 Buffer.__cuda_array_interface__ -> wait_for_closed (cudaDeviceSynchronize)
+    # accel/buffer/buffer_class.py:748 Buffer.__cuda_array_interface__ -> wait_for_closed (cudaDeviceSynchronize)
     "cuda-array-interface": lambda buf, consumer: buf.__cuda_array_interface__,
-    # accel/_dlpack.py:490 _sync_for_consumer -> wait_for_closed (cudaDeviceSynchronize)
+    # accel/_dlpack/ordering.py:104 _sync_for_consumer -> wait_for_closed (cudaDeviceSynchronize)
     "dlpack": lambda buf, consumer: buf.__dlpack__(stream=consumer),
 }
 

@@ -356,7 +356,7 @@ def test_fork_while_a_thread_holds_an_rng_lock(monkeypatch, kind, where):
 
 
 _FORK_LOCKS = ("streams._defaults_lock", "streams._foreign_lock", "streams._close_lock", "streams._create_lock",
-               "graphs._pool_lock", "_mempool._ids_lock", "_launch._limits_lock", "_dlpack._take_lock",
+               "graphs._pool_lock", "_mempool._ids_lock", "_launch._limits_lock", "_dlpack.importing._take_lock",
                "_ffi._lock", "backends._lock", "memory._lock", "memory._settings_lock", "device allocator",
                "host allocator", "backend._lock", "backend.capture_gate", "_finalize.no_drain", "_lazy._lock")
 
@@ -370,7 +370,7 @@ def _module_lock(name: str):
     table = {"streams._defaults_lock": S._defaults_lock, "streams._foreign_lock": S._foreign_lock,
              "streams._close_lock": S._close_lock, "streams._create_lock": S._create_lock,
              "graphs._pool_lock": graphs._pool_lock, "_mempool._ids_lock": _mempool._ids_lock,
-             "_launch._limits_lock": _launch._limits_lock, "_dlpack._take_lock": _dlpack._take_lock,
+             "_launch._limits_lock": _launch._limits_lock, "_dlpack.importing._take_lock": _dlpack.importing._take_lock,
              "_ffi._lock": _ffi._lock, "backends._lock": backends._lock, "memory._lock": memory._lock,
              "memory._settings_lock": memory._settings_lock,
              "device allocator": memory.device_allocator(_last())._lock,

@@ -537,7 +537,7 @@ def test_dlpack_capsule_dropped_unconsumed_after_close_releases(cuda):
 def test_dlpack_export_during_a_capture_to_a_consumer_stream_outside_it(cuda):
     """A buffer last written inside a capture (device 1) is exported to a consumer whose own
     stream is not capturing.  The copy path refuses the same wait into a capture
-    (accel._dlpack._refuse_wait_into_capture: "a waiter outside a capturing signaller would be
+    (accel._dlpack.ordering._refuse_wait_into_capture: "a waiter outside a capturing signaller would be
     forked into the capture").  Either the export is refused (CaptureError, nothing queued) or
     the consumer's stream stays outside the capture, and the capture ends."""
     mine = raw_stream_create(DEV)

@@ -453,7 +453,7 @@ def test_capsule_taken_by_two_consumers_at_once(sim_backend, monkeypatch):
             inner[0] = accel.from_dlpack(capsule)        # the other consumer, in this window
         return info
 
-    monkeypatch.setattr(_dlpack, "parse", racing)
+    monkeypatch.setattr(_dlpack.importing, "parse", racing)   # (from_dlpack looks it up there)
     with pytest.raises(BufferError, match="consumed"):
         accel.from_dlpack(producer.capsule)
     monkeypatch.undo()

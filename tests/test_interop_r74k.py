@@ -1,5 +1,5 @@
 """Review (r74k) of the interop code session 34 added and session 35 reshaped (5535ba1):
-``_dlpack.order_after_other_uses`` / ``_order_after_one`` / ``_host_wait`` / ``to_address``,
+``_dlpack.ordering.order_after_other_uses`` / ``_order_after_one`` / ``_host_wait``, ``_dlpack.importing.to_address``,
 ``Buffer.__cuda_array_interface__`` / ``__dlpack__`` / ``from_dlpack``, ``streams._ExportMark`` /
 ``_drop_export_mark`` and the allocators' ``stream_uses``.
 

@@ -1,7 +1,7 @@
 """A KeyboardInterrupt (Ctrl-C) anywhere while a Buffer or a pinned array is made, closed or
 dropped loses no memory (r37).
 
-The injector is tests/test_interrupt_allocator.py's, tracing accel/buffer.py, accel/_hostmem.py,
+The injector is tests/test_interrupt_allocator.py's, tracing accel/buffer/, accel/_hostmem.py,
 accel/_finalize.py and the allocators: it raises KeyboardInterrupt at the K-th point where
 CPython 3.11 checks for a signal (after a C call returns, at a backward jump, at a Python
 function's start), for every K.  A ``__del__`` interrupted at its start is exactly what CPython
@@ -28,9 +28,11 @@ from accel import _finalize, memory
 from conftest import THOROUGH, use_sim
 
 _TARGETS = {os.path.abspath(importlib.import_module(m).__file__) for m in (
-    "accel.buffer", "accel._hostmem", "accel._finalize", "accel.memory._caching", "accel.memory._host",
+    "accel._hostmem", "accel._finalize", "accel.memory._caching", "accel.memory._host",
     "accel.memory._requests", "accel.memory._oom_hooks", "accel.memory._private_pools",
     "accel.random._device")}
+_BUFFER = os.path.dirname(os.path.abspath(importlib.import_module("accel.buffer").__file__))
+_TARGETS |= {os.path.join(_BUFFER, name) for name in os.listdir(_BUFFER) if name.endswith(".py")}  # accel/buffer/
 
 
 class _Inject(tia._Inject):

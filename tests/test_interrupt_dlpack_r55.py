@@ -4,7 +4,7 @@
 accel.Buffer) before it makes the capsule, and the capsule's address after: a KeyboardInterrupt
 between the capsule's creation and that registration dropped a capsule whose destructor could
 not find its export, so the owner stayed alive, pinned, for the rest of the process.  Each point
-of accel/_dlpack.py and accel/buffer.py in ``Buffer.__dlpack__`` is injected, in both capsule
+of accel/_dlpack/ and accel/buffer/ in ``Buffer.__dlpack__`` is injected, in both capsule
 kinds, on the non-current device of each simulator.  Before the fix the point as
 PyCapsule_New returned crashed the interpreter: the destructor of the unregistered capsule
 returned with the interrupt still pending ("returned a result with an exception set"), which
@@ -33,6 +33,10 @@ def test_a_ctrl_c_anywhere_in_an_export_leaves_no_export(monkeypatch, kind, vers
     import accel.buffer
     use_sim(monkeypatch, kind)
     targets = {os.path.abspath(m.__file__) for m in (_dlpack, accel.buffer)}
+    dlpack = os.path.dirname(os.path.abspath(_dlpack.__file__))        # every module of accel/_dlpack/
+    targets |= {os.path.join(dlpack, name) for name in os.listdir(dlpack) if name.endswith(".py")}
+    buffer = os.path.dirname(os.path.abspath(accel.buffer.__file__))    # every module of accel/buffer/
+    targets |= {os.path.join(buffer, name) for name in os.listdir(buffer) if name.endswith(".py")}
     dev = accel.device_count() - 1
     buf = accel.Buffer(256, device=dev)
     kwargs = {"max_version": (1, 0)} if versioned else {}

@@ -33,14 +33,16 @@ def _targets():
     import accel.backends
     root = os.path.dirname(os.path.abspath(accel.backends.__file__))
     mods = [importlib.import_module(m).__file__ for m in ("accel.random", "accel.random.generator",
-                                                           "accel.buffer", "accel.memory._caching",
+                                                           "accel.memory._caching",
                                                            "accel.memory._private_pools")]
+    buffer = os.path.dirname(os.path.abspath(importlib.import_module("accel.buffer").__file__))
     streams = os.path.dirname(os.path.abspath(importlib.import_module("accel.streams").__file__))
     graphs = os.path.dirname(os.path.abspath(importlib.import_module("accel.graphs").__file__))
     # this file too: the program's own `with accel.graph(...)` (contextlib's __enter__/__exit__
     # start as Python functions called from it)
     return {os.path.abspath(p) for p in mods + [__file__] + glob.glob(os.path.join(root, "*.py"))
             + glob.glob(os.path.join(streams, "*.py")) + glob.glob(os.path.join(graphs, "*.py"))
+            + glob.glob(os.path.join(buffer, "*.py"))
             + glob.glob(os.path.join(root, "xpu", "*.py")) + glob.glob(os.path.join(root, "mps", "*.py"))
             + glob.glob(os.path.join(root, "cuda", "*.py"))}
 

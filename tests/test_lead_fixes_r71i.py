@@ -7,7 +7,7 @@ same thread.
 * ``random._device.kernel_functions`` holds ``_lock`` across the kernels' load (``module_load``):
   it is an ``accel._locks.Lock`` now, so the re-entry is refused (AcceleratorError) instead of
   waiting forever on its own thread.
-* ``buffer._release_foreign``: a ``from_ptr`` owner closed with no gate held still goes at once.
+* ``buffer.release._release_foreign``: a ``from_ptr`` owner closed with no gate held still goes at once.
 
 A possible hang runs in a forked child under a watchdog (faulthandler ends it, exit 1).
 Work is on device 1 (device 0 current).

@@ -50,7 +50,7 @@ def test_module_locks_are_fresh_in_a_forked_child():
     from accel.kernels import _launch
     from accel.random import _device
     places = [(streams, "_close_lock"), (streams, "_foreign_lock"), (_device, "_lock"),
-              (_launch, "_limits_lock"), (_dlpack, "_take_lock")]
+              (_launch, "_limits_lock"), (_dlpack.importing, "_take_lock")]
     taken, release = threading.Event(), threading.Event()
 
     def hold():

@@ -1,5 +1,5 @@
 """Session 33's own checks of the host copy ``__dlpack__(dl_device=(kDLCPU, 0), copy=True)``
-(accel/_dlpack.py export_host_copy): what it refuses, before any download, and that the copy
+(accel/_dlpack/exporting.py export_host_copy): what it refuses, before any download, and that the copy
 holds the data queued last, on device 1 while device 0 is current."""
 
 import gc

@@ -1,4 +1,4 @@
-"""Session 34's own checks of the exporter's stream obligations (accel/_dlpack.py
+"""Session 34's own checks of the exporter's stream obligations (accel/_dlpack/ordering.py
 order_after_other_uses, accel/streams.py _ExportMark): the stream a ``__cuda_array_interface__``
 or ``__dlpack__`` consumer is given orders after the buffer's work on every stream, and an
 exported stream outlives a close() while the buffer lives.  On device 1 while device 0 is

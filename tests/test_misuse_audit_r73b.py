@@ -7,7 +7,7 @@ last-use stream and bytes, memory statistics, live DLPack exports, the capture u
 crash, wedge or silent wrong result.  Surfaces:
 
 * ``Buffer.__dlpack__`` / ``ArrayView.__dlpack__`` with ``dl_device=(kDLCPU, 0), copy=True``
-  (accel/_dlpack.py export_host_copy): every stream value, copy/max_version/dl_device forms, a
+  (accel/_dlpack/exporting.py export_host_copy): every stream value, copy/max_version/dl_device forms, a
   closed buffer, a capture on either device in each mode, a buffer last used on a closed stream or
   on the other device; numpy.from_dlpack and torch.from_dlpack (2.13, CPU) as the consumers;
 * ``Buffer.__cuda_array_interface__`` (closed, other backends, during a capture);

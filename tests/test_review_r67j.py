@@ -3,7 +3,7 @@
 
 Looked at: ``check_stream_live`` (accel/memory/_uses.py), now called by the caching, host
 and cudaMallocAsync allocators' record_stream; ``_refuse_waiting_from_capture``
-(accel/_dlpack.py), the refusal of a DLPack wait for work outside a capture; ``_drop_stale_imports``
+(accel/_dlpack/ordering.py), the refusal of a DLPack wait for work outside a capture; ``_drop_stale_imports``
 (accel/_lazy.py) in a forked child; the graph holder's ``discarded`` slot, ``_KeptInUse.of`` and
 ``_fin.defer`` queuing ``(finalize, (fn,) + args)``; ``_finite``/``_dtype_name`` of the random
 fills; ``_check_pool``; ``with`` on a closed Buffer or Module.

@@ -159,7 +159,7 @@ def test_refused_copy_of_a_strided_device1_view_queues_no_wait(cuda2):
 # -- 4. the last-use stream closed by another thread between the check and the wait ----------------
 # (r71q found; fixed in session 31)
 def test_cai_getter_survives_the_last_use_stream_closing_meanwhile(cuda2, monkeypatch):
-    import accel.buffer as B
+    import accel.buffer.buffer_class as B
     b0 = accel.Buffer(256).copy_from(_pattern())
     s1 = accel.Stream(1)
     accel.Buffer(256, device=1).copy_from(b0, stream=s1)

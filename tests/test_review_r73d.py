@@ -321,12 +321,13 @@ def _mark_lines():
 
 
 def _sweep_lost(setup, work, recover):
-    """``work(state)`` with a KeyboardInterrupt at each interrupt point of accel/streams/*.py and buffer.py in
-    turn; after each, ``recover(state)`` and then whether the closed stream was destroyed.  Returns
+    """``work(state)`` with a KeyboardInterrupt at each interrupt point of accel/streams/*.py and
+    accel/buffer/*.py in turn; after each, ``recover(state)`` and then whether the closed stream was destroyed.  Returns
     the sites inside _ExportMark where it never was."""
     from test_interrupt_backends import _Inject, interrupted
     streams = os.path.dirname(os.path.abspath(_streams.__file__))
-    targets = {os.path.abspath(_buffer_mod.__file__)} | {
+    buffer = os.path.dirname(os.path.abspath(_buffer_mod.__file__))
+    targets = {os.path.join(buffer, name) for name in os.listdir(buffer) if name.endswith(".py")} | {
         os.path.join(streams, name) for name in os.listdir(streams) if name.endswith(".py")}
     mark_file = os.path.basename(inspect.getsourcefile(_streams._ExportMark))
     lines = _mark_lines()

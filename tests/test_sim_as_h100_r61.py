@@ -670,7 +670,7 @@ def test_copies_pass_cudaMemcpyDefault_and_never_cudaMemcpy(be, monkeypatch, ind
 @pytest.mark.parametrize("index", [0, 1])
 def test_pageable_copy_in_a_capture_is_refused_before_the_call(be, monkeypatch, index):
     """A pageable host copy on a capturing stream (H100: 0; the simulator: 900, capture invalidated)
-    is refused by accel before any runtime call (buffer.py _capture_hold), and the capture goes on."""
+    is refused by accel before any runtime call (buffer/capture.py _capture_hold), and the capture goes on."""
     asyncs = _spy(monkeypatch, be, "cudaMemcpyAsync")
     with accel.device_index(index):
         s = accel.Stream()

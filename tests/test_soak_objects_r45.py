@@ -108,8 +108,8 @@ def census() -> dict:
 
     # the owners first, so an object shared by several (a backend, an allocator) is counted
     # under the same path in every census whatever else holds it now
-    first = ("accel._lazy", "accel.backends", "accel.memory", "accel.buffer", "accel.streams", "accel.graphs",
-             "accel.random", "accel.kernels", "accel.sim")
+    first = ("accel._lazy", "accel.backends", "accel.memory", "accel.buffer", "accel.buffer.buffer_class",
+             "accel.streams", "accel.graphs", "accel.random", "accel.kernels", "accel.sim")
     for name, mod in sorted(sys.modules.items(), key=lambda kv: (kv[0] not in first, first.index(kv[0])
                                                                   if kv[0] in first else 0, kv[0])):
         if mod is None or not (name == "accel" or name.startswith("accel.")):

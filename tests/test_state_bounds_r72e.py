@@ -80,8 +80,8 @@ def _devices():
 
 
 def _allocators():
-    from accel import buffer
-    return dict(buffer._allocators)
+    from accel.buffer import buffer_class
+    return dict(buffer_class._allocators)
 
 
 def _keyed_by_thread() -> dict:

@@ -40,7 +40,7 @@ the current device unchanged.
 Bug found (strict xfail at the end): a blocking cross-device ``Buffer.copy_from(src, stream=side)``
 on a stream that is not capturing, while the source device's current stream is capturing, joins
 ``side`` to that capture through the two-way barrier: nothing is copied when the call returns and
-the copy runs at each replay (buffer.py ``Buffer._copy_from``).
+the copy runs at each replay (buffer/buffer_class.py ``Buffer._copy_from``).
 
 Not a bug, noted: before the runtime starts, under the default FASTEST_FIRST order,
 ``list_gpu_processes(0)`` names NVML GPU 0, after it GPU 1 (the UUID match); accel documents the
@@ -1024,7 +1024,7 @@ def test_cross_device_copy_on_a_stream_not_capturing_is_not_pulled_into_the_othe
     the copy runs now and the blocking call returns with the bytes there ("a copy from another
     Buffer on a capturing stream is captured instead": not this one).  Device 1's current stream is
     capturing (``accel.graph(g, stream=s1)``).  The cross-device barrier (torch's two-way barrier
-    with the source device's current stream, buffer.py) makes ``side`` wait on an event recorded
+    with the source device's current stream, buffer/buffer_class.py) makes ``side`` wait on an event recorded
     in the capture, which joins ``side`` to it (CUDA: a stream waiting on a captured event is
     captured from then on): the copy is recorded into ``g`` instead, the call returns with
     ``dst`` untouched, and ``side`` stays capturing to the capture's end.  Expected: the copy

@@ -840,7 +840,7 @@ def test_async_graph_output_copied_to_a_peer_device(monkeypatch):
     Under ``backend:cudaMallocAsync`` on two peer-capable devices, a Buffer a graph capture
     allocates on device 0 (a graph allocation node: its memory has the access device 0's pool
     gave when it was captured) and the graph replayed, ``Buffer(n, 1).copy_from(out)`` takes the
-    direct path (buffer.py ``Buffer._copy_from``: ``can_access_peer`` is true, so
+    direct path (buffer/buffer_class.py ``Buffer._copy_from``: ``can_access_peer`` is true, so
     ``device_allocator(0).add_peer(1)`` then ``cudaMemcpyAsync`` on device 1's stream).
     ``add_peer`` sets access on the pool (``cudaMemPoolSetAccess``), which does not reach graph
     allocations made before (memory/_async.py says so: "graph allocations keep the access the

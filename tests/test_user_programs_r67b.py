@@ -666,7 +666,7 @@ def mem_allocated(dev: int) -> int:
 
 class warnings_off:
     """numpy's refusal reaches accel's capsule destructor with its error set; accel reports it
-    through sys.unraisablehook (accel/_dlpack.py, module comment): keep it out of the output."""
+    through sys.unraisablehook (accel/_dlpack/exporting.py, module comment): keep it out of the output."""
 
     def __enter__(self):
         import sys

@@ -1,34 +1,36 @@
-"""``accel.Buffer``: an owned range of device memory, and host↔device copies.
+"""The :class:`Buffer` class: construction, properties, copies, fills, uses and
+``record_stream``, interop exports (``as_array``, ``__cuda_array_interface__``, DLPack), the
+copy and pickle refusals, and close/``__del__``.
 
-Memory comes from the device's caching allocator and goes back to it when the
-buffer is closed or collected; the allocator keeps it unused until the work
-queued on the buffer's streams has finished.  Copies are ordered on a stream
-(by default the current stream of the buffer's device, as every torch operation);
-blocking copies return when the data has arrived, ``non_blocking`` host→device
-copies stage through pinned host memory and return at once.
+Owned memory comes from the device's caching allocator (``accel.memory``, imported on the first
+Buffer: :func:`_memory`, whose table of allocators ``Buffer.__init__`` reads directly) and goes
+back to it by :mod:`.release`.  The methods that hand the memory to the backend run with a pin
+on each Buffer they touch (:func:`_in_use`, :mod:`.pins`).  What a copy's source is comes from
+:mod:`.sources`, and its rules under a stream capture from :mod:`.capture`.
 """
 
 from __future__ import annotations
 
 import functools
 import operator
-import re
 import sys
 from typing import Optional
 from weakref import ref as _weakref
 
-from . import _finalize as _fin
-from . import _lazy, _locks
-from ._copying import refuse as _refuse
-from ._device import DeviceLike, device
-from .streams import (Stream, _ExportMark, _Hold, _as_stream, _claim_close, _closed_during_use, _index_for,
-                      current_stream, on_device)
+from .. import _finalize as _fin
+from .. import _lazy, _locks
+from .._copying import refuse as _refuse
+from .._device import DeviceLike, device
+from ..streams import (Stream, _ExportMark, _Hold, _as_stream, _claim_close, _closed_during_use, _index_for,
+                       current_stream, on_device)
+from .pins import _begin_use, _call_pinned, _drain, _end_use, _Noting, _Pin, _released
+from .release import _free, _free_from_finalizer, _release_foreign_uses
+from .sources import (_address, _check_device_range, _check_plain, _device_source, _dlpack_host, _host_view,
+                      _is_host_object, _memoryview, _numpy_from_dlpack, _order_producer_after, _own_region,
+                      _parse_cai)
 
-__all__ = ["Buffer"]
 
-_FIELD_NAMES = re.compile(r":[^:]*:")   # struct-format field names, e.g. T{<q:a:O:b:}
 _CAI_LEGACY_DEFAULT_STREAM = 1  # __cuda_array_interface__ v3: 0 is disallowed, 1 means the legacy stream
-_ADDRESS_LIMIT = 1 << 64         # device addresses are 64-bit pointers
 
 
 #: accel.memory's table of device allocators (index -> allocator) once _memory() imported it:
@@ -42,111 +44,13 @@ def _memory():
     global _memory_module, _allocators
     memory = _memory_module
     if memory is None:
-        from . import memory
+        from .. import memory
         _allocators, _memory_module = memory._allocators, memory
     return memory
 
 
-def _check_plain(obj, view, what: str) -> None:
-    """Refuse buffers holding Python object references: their bytes are PyObject* addresses,
-    so copying device bytes into them (or uploading them) corrupts the interpreter."""
-    dtype = getattr(obj, "dtype", None)
-    if getattr(dtype, "hasobject", False) or "O" in _FIELD_NAMES.sub("", view.format):
-        shown = dtype if dtype is not None else f"format {view.format!r}"
-        raise TypeError(f"cannot copy {what} an array of dtype {shown}: it holds Python object references, "
-                        f"not data; use an array of plain numbers (e.g. numpy.float32 or uint8); "
-                        f"nothing was copied")
-
-
-def _memoryview(obj) -> memoryview:
-    """``memoryview(obj)``; a numpy datetime64/timedelta64 array, for which numpy gives no buffer
-    ("cannot include dtype 'M' in a buffer"), as a view of its integers (same bytes, strides and
-    read-only flag)."""
-    try:
-        return memoryview(obj)
-    except ValueError:
-        dtype = getattr(obj, "dtype", None)
-        if getattr(dtype, "kind", None) not in ("M", "m") or not hasattr(obj, "view"):
-            raise
-        return memoryview(obj.view(f"i{dtype.itemsize}"))
-
-
-def _host_view(src):
-    """A read-only contiguous byte memoryview of a host object, or a clear error."""
-    try:
-        view = _memoryview(src)
-    except TypeError:
-        raise TypeError(f"cannot copy from {type(src).__name__}: expected a numpy array, an accel.Buffer, "
-                        f"or a bytes-like object") from None
-    _check_plain(src, view, "from")
-    if not view.c_contiguous:
-        raise ValueError("source array is not C-contiguous; pass numpy.ascontiguousarray(a) "
-                         "(nothing was copied)")
-    if not view.nbytes:
-        return memoryview(b"")      # (cast() refuses a shape with a 0 in it: "zero-length" dimensions)
-    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
-
-
-def _order_producer_after(backend, index: int, producer, stream: Stream) -> None:
-    from ._dlpack import order_producer_after
-    order_producer_after(backend, index, producer, stream)
-
-
-def _refuse_in_capture(backend, stream: Stream) -> None:
-    """A blocking host copy (array views' copies) on a capturing stream: refused before
-    anything is taken, so the capture stays valid (see :func:`_capture_hold` for the copies
-    a capture may hold)."""
-    if backend.captures_underway():
-        with stream._device_scope():
-            capturing = backend.capture_id(stream.handle) is not None
-        if capturing:
-            name = backend.name.upper()
-            from ._errors import CaptureError
-            raise CaptureError(f"Cannot copy between CPU and {name} tensors during {name} graph capture "
-                               f"(the stream {stream!r} is capturing): copy before the capture, capture a "
-                               f"copy between two accel.Buffers, or use Buffer.copy_from/copy_to with an "
-                               f"accel.empty_pinned array and non_blocking=True; nothing was copied")
-
-
-def _capture_hold(backend, stream: Stream, address: int, nbytes: int, non_blocking: bool):
-    """For a host copy on ``stream``: None when the stream is not capturing, else the
-    ``(host allocator, pinned block, hold)`` the copy is captured with.
-
-    torch's rule (ATen ``copy_kernel_cuda``): "Cannot copy between CPU and CUDA tensors during
-    CUDA graph capture unless the CPU tensor is pinned", and only ``non_blocking`` (a blocking
-    copy synchronizes the stream, which invalidates the capture).  The pinned block is held
-    by the capturing accel.Graph: its replays copy from or into it again, so it is not reused
-    before the graph is released (a capture some other library began cannot say when that
-    is: refused).  Refused before anything is taken, so the capture stays valid."""
-    if not backend.captures_underway():
-        return None
-    from .streams import _capture_table
-    with stream._device_scope():
-        if backend.capture_id(stream.handle) is None:
-            return None
-        table = _capture_table(backend, stream)
-    name = backend.name.upper()
-    from ._errors import CaptureError
-    host = _memory().host_allocator()
-    pinned = host.owns(address, nbytes)
-    if pinned is None:
-        raise CaptureError(f"Cannot copy between CPU and {name} tensors during {name} graph capture unless the "
-                           f"CPU memory is pinned (the stream {stream!r} is capturing): use an "
-                           f"accel.empty_pinned array with non_blocking=True, copy before the capture, or "
-                           f"capture a copy between two accel.Buffers; nothing was copied")
-    if not non_blocking:
-        raise CaptureError(f"a blocking copy between CPU and {name} memory waits for the stream, which a "
-                           f"{name} graph capture does not allow (the stream {stream!r} is capturing): pass "
-                           f"non_blocking=True; nothing was copied")
-    if table is None:
-        raise CaptureError(f"the stream {stream!r} is capturing, but not into an accel.Graph: accel cannot "
-                           f"tell when the graph stops copying from or into the pinned memory, so it cannot "
-                           f"keep the memory from reuse until then; capture with accel.Graph, or copy before "
-                           f"the capture; nothing was copied")
-    hold = table.get("host")
-    if hold is None:
-        hold = table["host"] = host.capture_hold(stream.device_index)
-    return host, pinned, hold
+# (here, not above: capture.py takes _memory from this module, which must define it first)
+from .capture import _capture_hold  # noqa: E402
 
 
 def _in_use(method):
@@ -170,30 +74,6 @@ def _in_use(method):
     return call
 
 
-def _call_pinned(held, method, self, args, kwargs):
-    """``method(self, *args, **kwargs)`` with a pin on each Buffer of ``held`` until it returns."""
-    keys = [_begin_use(b) for b in held]
-    try:
-        return method(self, *args, **kwargs)
-    finally:
-        for b, key in zip(held, keys):
-            _end_use(b, key)
-
-
-def _begin_use(buf) -> object:
-    key = object()
-    buf._pins.add(id(key))
-    return key
-
-
-def _end_use(buf, key) -> None:
-    buf._pins.discard(id(key))
-    if buf._deferred and not buf._pins and buf._pid == _fin.pid and buf._backend is _lazy._initialized_backend:
-        call = buf._unpinned_release()      # closed by another thread meanwhile: the last use frees
-        if call is not None:
-            _fin.finalize(call[0], *call[1])
-
-
 def _size(value, what: str) -> int:
     """An ``__index__`` integer (int, numpy integer) as an int; bool and floats are refused."""
     if isinstance(value, bool):
@@ -213,172 +93,8 @@ def _byte(value) -> int:
     return value
 
 
-def _is_host_object(obj) -> bool:
-    try:
-        _memoryview(obj)
-    except TypeError:
-        return False
-    return True
-
-
-def _dlpack_host(obj) -> bool:
-    """True for an object whose DLPack device is host memory (a torch CPU tensor)."""
-    device = getattr(obj, "__dlpack_device__", None)
-    if device is None or not hasattr(obj, "__dlpack__"):
-        return False
-    from ._dlpack import HOST_DEVICE_TYPES
-    try:
-        return device()[0] in HOST_DEVICE_TYPES
-    except Exception:
-        return False
-
-
-def _numpy_from_dlpack(obj):
-    """``numpy.from_dlpack(obj)`` for a host DLPack object (a torch CPU tensor); a dtype numpy
-    has not (bfloat16, float8) is refused naming the integer view that copies the same bytes."""
-    import numpy as np
-    try:
-        return np.from_dlpack(obj)
-    except RuntimeError as exc:
-        if "dtype" not in str(exc):
-            raise
-        dtype = getattr(obj, "dtype", "?")
-        size = getattr(obj, "element_size", lambda: None)()
-        view = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}.get(size, "uint8")
-        raise TypeError(f"cannot copy from {type(obj).__name__} of dtype {dtype}: numpy.from_dlpack cannot "
-                        f"read it ({exc}); copy the same bytes through an integer view, e.g. "
-                        f"t.view(torch.{view}); nothing was copied") from None
-
-
-def _own_region(obj):
-    """``(buffer, offset, nbytes)`` when ``obj`` is a C-contiguous :class:`accel.ArrayView`
-    (its elements are one span of its Buffer), else None."""
-    from ._array import ArrayView
-    if type(obj) is ArrayView and obj.c_contiguous:
-        return obj.buffer, obj.offset, obj.nbytes
-    return None
-
-
-def _device_source(obj, index: int):
-    """Another library's device array for copy_from: ``("cai", interface, obj)`` for an object
-    exporting ``__cuda_array_interface__``, ``("dlpack", None, obj)`` for one with ``__dlpack__``
-    not in host memory, None for host objects (and anything else, which the host path refuses)."""
-    if _is_host_object(obj):
-        return None
-    try:
-        cai = obj.__cuda_array_interface__
-    except AttributeError:
-        cai = None
-    if cai is not None:
-        return ("cai", cai, obj)
-    if hasattr(obj, "__dlpack__") and not _dlpack_host(obj):
-        return ("dlpack", None, obj)
-    return None
-
-
-def _cai_typestr(cai) -> str:
-    """A __cuda_array_interface__'s ``typestr``; TypeError when it is no string (np.dtype(None)
-    is float64: a missing type must not read as one)."""
-    typestr = cai["typestr"]
-    if not isinstance(typestr, str):
-        raise TypeError(f"typestr {typestr!r} is not a string such as '<f4'")
-    return typestr
-
-
-def _parse_cai(cai, what: str):
-    """``(ptr, nbytes, producer stream or None)`` of a C-contiguous __cuda_array_interface__."""
-    import numpy as np
-    try:
-        shape = tuple(operator.index(n) for n in cai["shape"])
-        itemsize = np.dtype(_cai_typestr(cai)).itemsize
-        ptr = operator.index(cai["data"][0])
-    except (KeyError, TypeError, IndexError) as exc:
-        raise ValueError(f"{what}.__cuda_array_interface__ is malformed ({exc!r}); nothing was copied") from None
-    if cai.get("mask") is not None:
-        raise ValueError(f"{what}.__cuda_array_interface__ has a mask; copy_from takes unmasked arrays only")
-    count = 1
-    for n in shape:
-        count *= n
-    strides = cai.get("strides")
-    if strides is not None and len(tuple(strides)) != len(shape):
-        raise ValueError(f"{what}.__cuda_array_interface__ is malformed: strides {tuple(strides)} for shape {shape} "
-                         f"(one stride per dimension, as numpy requires); nothing was copied")
-    if strides is not None and count:
-        step = itemsize
-        for n, s in zip(reversed(shape), reversed(tuple(strides))):
-            if n != 1 and s != step:
-                raise ValueError(f"{what} is not C-contiguous (strides {tuple(strides)} for shape {shape}); "
-                                 f"copy_from needs contiguous memory: make a contiguous copy first")
-            step *= n
-    try:
-        version = operator.index(cai.get("version", 0))
-    except TypeError:
-        raise ValueError(f"{what}.__cuda_array_interface__ is malformed: its version is {cai.get('version')!r}, "
-                         f"not an int; nothing was copied") from None
-    stream = cai.get("stream") if version >= 3 else None
-    return ptr, count * itemsize, stream
-
-
 #: Held to make a Buffer's table of export marks (``Buffer._export``).
 _export_lock = _locks.Lock("making a Buffer's table of CUDA array interface exports")
-
-
-def _released(mark) -> None:
-    """Release an export mark (``streams._ExportMark``) or nothing; None, for the caller's variable."""
-    if mark is not None:
-        mark.release()
-    return None
-
-
-def _drain(stream: Stream) -> None:
-    """Wait for ``stream`` on an error path, keeping the error being raised."""
-    try:
-        stream.synchronize()
-    except Exception:
-        pass
-
-
-class _Noting:
-    """``with _Noting(stream, buf, ...) as noting:`` around the vendor calls that queue a copy on
-    ``stream`` reading or writing the Buffers given; the body sets ``noting.queued = True`` after
-    each call that queued work.  The buffers' uses of ``stream`` (the allocator's record_stream,
-    the last-use stream: ``Buffer._record``) are noted as the block ends, once the work was
-    queued, so a vendor call that refused the copy (an Exception, nothing queued) leaves them as
-    they were.  They are noted too when the block raises after something was queued, or is
-    interrupted (a KeyboardInterrupt may land as a call returns, after it queued): the uses then
-    cover whatever may run.  A note that fails drains the stream (its work is then done: nothing
-    is left to protect) and its error propagates.
-
-    The caller holds a pin on each buffer (``_in_use``) and a hold on the stream (``_Hold``), as
-    ``_record`` asks: a close() of a buffer by another thread meanwhile still records the use."""
-
-    __slots__ = ("stream", "buffers", "queued")
-
-    def __init__(self, stream: Stream, *buffers: "Buffer"):
-        self.stream, self.buffers, self.queued = stream, buffers, False
-
-    def __enter__(self) -> "_Noting":
-        if self.stream._foreign:
-            # before anything is queued: a destroyed one's handle may name another stream by now
-            # (and, recorded, would fail every later free of the memory: see Buffer._record)
-            self.stream._check_alive()
-        return self
-
-    def __exit__(self, kind, exc, tb) -> bool:
-        if kind is not None and issubclass(kind, Exception) and not self.queued:
-            return False        # refused before anything was queued: nothing to note
-        try:
-            for buf in self.buffers:
-                buf._record(self.stream)
-        except BaseException:
-            _drain(self.stream)
-            raise
-        return False
-
-
-def _address(view) -> int:
-    from ._hostmem import address_of
-    return address_of(view)
 
 
 class Buffer:
@@ -671,7 +387,7 @@ class Buffer:
                     if barrier.is_capturing():
                         # the wait would pull this stream into that capture: the copy would
                         # run only at replays, silently (r71m)
-                        from ._errors import CaptureError
+                        from .._errors import CaptureError
                         raise CaptureError(
                             f"copy_from: device {src._index}'s current stream is capturing a graph, and a copy "
                             f"from device {src._index} waits for the work on that stream (the two-way barrier "
@@ -753,7 +469,7 @@ class Buffer:
                         _drain(stream)
                         raise
                 return self
-            from ._hostmem import _Token, copy_into
+            from .._hostmem import _Token, copy_into
             token = _Token()        # the staging block's owner until this call ends (a Ctrl-C: see _Token)
             staging = host.malloc(self._nbytes, _weakref(token))
             try:
@@ -782,7 +498,7 @@ class Buffer:
         ``("dlpack", None, obj)`` (see :func:`_device_source`)."""
         kind, cai, obj = source
         if kind == "dlpack":
-            from . import _dlpack
+            from .. import _dlpack
             device = _dlpack._device_pair(obj) if hasattr(obj, "__dlpack_device__") else None
             if device is not None:
                 _dlpack._check_device_type(device[0], _dlpack.BACKEND_DEVICE_TYPES.get(self._backend.name),
@@ -824,7 +540,7 @@ class Buffer:
         temp = Buffer._wrap_foreign(ptr, nbytes, index, None)     # checks the range
         try:
             if producer is not None:
-                from ._dlpack import wait_for_producer
+                from .._dlpack import wait_for_producer
                 wait_for_producer(self._backend, index, producer, stream)
             try:
                 self.copy_from(temp, stream, non_blocking)
@@ -927,8 +643,8 @@ class Buffer:
                 raise ValueError(f"to_numpy: shape {shape} does not hold the buffer's {count} {dtype} items "
                                  f"({self._nbytes} bytes); pass a shape whose product is {count}")
         if non_blocking:
-            from ._hostmem import empty_pinned
-            from .streams import Event
+            from .._hostmem import empty_pinned
+            from ..streams import Event
             stream = self._check_stream(stream)     # (copy_to notes the use, once the copy was queued)
             out = empty_pinned(count, dtype)
             event = Event()
@@ -989,7 +705,7 @@ class Buffer:
         (default: every whole item after ``offset``), byte ``strides`` (default C order) and a
         byte ``offset``; bounds and alignment are checked.  The view shares the memory and
         keeps the buffer alive."""
-        from ._array import ArrayView
+        from .._array import ArrayView
         return ArrayView(self, dtype, shape, strides, offset)
 
     @property
@@ -1019,7 +735,7 @@ class Buffer:
             raise _fin.forked_error(self._backend)
         if self._closed:
             raise AttributeError(f"__cuda_array_interface__: {self!r} was closed")
-        from . import _dlpack
+        from .. import _dlpack
         mark = None
         try:
             while True:
@@ -1093,7 +809,7 @@ class Buffer:
         ``copy=False``), as does any other ``copy=True``: accel copies on export to the host only.
         The capsule keeps the buffer alive until the consumer calls its deleter (or the capsule
         is dropped unconsumed); the memory is freed once, by the buffer."""
-        from . import _dlpack
+        from .. import _dlpack
         self._live()
         versioned = _dlpack.check_max_version(max_version)
         own = self.__dlpack_device__()
@@ -1109,7 +825,7 @@ class Buffer:
     def __dlpack_device__(self):
         """``(device_type, device_id)``: kDLCUDA (2) on CUDA, kDLOneAPI (14) on XPU, kDLMetal (8)
         on MPS, with the buffer's device index."""
-        from . import _dlpack
+        from .. import _dlpack
         return _dlpack.device_of(self._backend.name, self._index)
 
     # -- copies (accel/_copying.py) -----------------------------------------------
@@ -1236,133 +952,3 @@ class Buffer:
                     self._closed = True
         except KeyboardInterrupt:
             _fin.RAISE_AGAIN[_fin.interrupt_key()]    # a Ctrl-C handled in here reaches the program (r62)
-
-
-def _free(backend, alloc, ptr: int) -> None:
-    # ``backend`` first: accel._finalize drops the release when that runtime was reset since (a
-    # new runtime's allocator may hold a live block at the same address).  ``alloc``: the
-    # allocator the buffer came from (one per device until a runtime reset).
-    alloc.free(ptr)
-
-
-def _free_from_finalizer(backend, alloc, ptr: int) -> None:
-    # A finalizer never waits for the allocator's lock (this thread may hold it: see
-    # DeviceCachingAllocator.free_nowait); a busy lock defers the free to the next safe point.
-    nowait = getattr(alloc, "free_nowait", None)       # (cudaMallocAsync's allocator has none)
-    if nowait is None:
-        alloc.free(ptr)
-    elif not nowait(ptr):
-        _fin.defer(_free, backend, alloc, ptr)
-
-
-class _Pin:
-    """Held by a DLPack export of a Buffer: the buffer's memory outlives an explicit close()
-    until the export's deleter drops the pin (see Buffer.close).  No lock: set.add/discard and
-    list.pop are atomic, and the release goes through accel._finalize's rules."""
-
-    __slots__ = ("_buf",)
-
-    def __init__(self, buf: Buffer):
-        self._buf = buf
-        buf._pins.add(id(self))
-
-    def __del__(self, _finalizing=sys.is_finalizing):
-        if _finalizing():
-            return      # interpreter exit: module globals may be gone; the process takes it all
-        try:
-            buf = self._buf
-            buf._pins.discard(id(self))
-            if buf._pid != _fin.pid or buf._backend is not _lazy._initialized_backend:
-                return      # a forked child, or a runtime that was reset: nothing of the parent's is freed
-            call = buf._unpinned_release() if buf._deferred else None
-            if call is not None:
-                # a finalizer: the free must not wait for the allocator's lock, which another
-                # thread may hold while it waits for a capture gate this thread holds (r68i: a
-                # capture_end running an imported buffer's release under the gate deadlocked
-                # with a close() on another thread)
-                fn = _free_from_finalizer if call[0] is _free else call[0]
-                _fin.finalize(fn, *call[1])
-        except KeyboardInterrupt:
-            _fin.RAISE_AGAIN[_fin.interrupt_key()]    # a Ctrl-C handled in here reaches the program (r62)
-
-
-def _release_foreign(owner, backend, streams) -> None:
-    """Hand a non-owning buffer's memory back: wait for the work queued on the streams it was
-    used on (skipped for a runtime that was reset, and for a stream another library captures),
-    then release ``owner`` (a DLPack capsule's deleter runs here, once).  A stream closed since
-    still runs its queued work (cudaStreamDestroy returns at once) but takes no more calls: its
-    device is synchronized instead.  While a capture is underway the whole release waits for the
-    end of the last capture (the backend's queue of releases, run by the thread that ends it): a
-    synchronize would invalidate another thread's global-mode capture, and no capture begins
-    between the check and the waits (``backend.capture_gate``)."""
-    from .streams import _after_captures
-    queued = False
-    try:
-        if backend is _lazy._initialized_backend:
-            with backend.capture_gate:
-                queued = _after_captures(backend, _release_foreign, owner, backend, streams)
-                if not queued:
-                    _wait_for_uses(backend, streams)
-    finally:
-        from ._dlpack import Imported
-        if not queued and isinstance(owner, Imported):
-            # (after the gate: the producer's deleter may free an accel Buffer, r69a)
-            backend.after_gate(owner.release)
-        elif not queued and owner is not None:
-            # a from_ptr owner: its last reference (the caller's arguments) dies as this returns,
-            # maybe under an outer hold of the gate (a gc callback that closed the Buffer inside a
-            # free that holds it; r71a), and its __del__ may free an accel Buffer as a deleter may:
-            # while this thread holds the gate, a reference waits for the next safe point
-            from .backends.base import _drop
-            backend.after_gate(_drop, owner)
-
-
-def _wait_for_uses(backend, streams) -> None:
-    """_release_foreign's waits, no capture underway (errors dropped: the owner is released all
-    the same)."""
-    for stream in streams:
-        try:
-            if stream.closed:
-                from ._dlpack import wait_for_closed
-                wait_for_closed(backend, stream)
-            elif not stream.is_capturing():
-                stream.synchronize()
-        except Exception:
-            pass    # a failed wait (sticky error): the owner is released all the same
-
-
-def _release_foreign_uses(owner, backend, uses: dict) -> None:
-    """_release_foreign with the streams of ``uses`` as they are when it runs (a call in flight at
-    close() notes its stream when its work is queued; during a collection, a finalizer that ran
-    after the buffer's own may have used it on another stream)."""
-    streams = tuple(uses.values())
-    uses.clear()    # a closed buffer keeps no Stream alive (collection destroys a stream no one holds)
-    _release_foreign(owner, backend, streams)
-
-
-def _check_device_range(backend, ptr: int, nbytes: int, index: int) -> None:
-    """Refuse a foreign range that is not device memory of device ``index``, where the backend
-    can tell (``Backend.pointer_location``); otherwise the caller's word is taken."""
-    if ptr < 0 or ptr + nbytes > _ADDRESS_LIMIT:
-        # a C cast keeps the low 64 bits: the runtime would be asked about another address
-        raise ValueError(f"cannot wrap {nbytes} bytes at {ptr:#x}: the range reaches outside the 64-bit address "
-                         f"space; pass the address and size of a live device allocation; nothing was wrapped")
-    name = backend.name
-    for addr in (ptr, ptr + nbytes - 1):
-        where = backend.pointer_location(addr)
-        if where is None:
-            return
-        kind, dev = where
-        if kind == "device" and dev == index:
-            continue
-        end = "start" if addr == ptr else f"last byte ({addr:#x})"
-        if kind == "device":
-            what, fix = f"device memory of {name}:{dev}", f"pass device={dev}"
-        elif kind in ("host", "managed"):
-            what = "pinned host memory" if kind == "host" else f"managed memory of {name}:{dev}"
-            fix = "copy host data with Buffer.copy_from instead of wrapping it"
-        else:
-            what = f"not memory the {name} runtime knows (freed, host, or past the end of its allocation)"
-            fix = "pass the address and size of a live device allocation"
-        raise ValueError(f"cannot wrap {nbytes} bytes at {ptr:#x} as device memory of {name}:{index}: its "
-                         f"{end} is {what}; {fix}; nothing was wrapped")
