@@ -78,7 +78,7 @@ def test_a_ctrl_c_inside_a_finalizer_reaches_the_program(sim_cuda, monkeypatch, 
         calls = _raising_after(monkeypatch, streams.stream, "_destroy")
         make = lambda: accel.Stream(1)                      # noqa: E731
     elif what == "buffer":
-        calls = _raising_after(monkeypatch, buffer, "_free_from_finalizer")
+        calls = _raising_after(monkeypatch, buffer.buffer_class, "_free_from_finalizer")
         make = lambda: accel.Buffer(4096, device=1)         # noqa: E731
     elif what == "pinned":
         calls = _raising_after(monkeypatch, _hostmem, "_free_pinned")
