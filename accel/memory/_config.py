@@ -348,7 +348,7 @@ def _values(text: str, source: str) -> dict:
     """parse()'s work: the AllocConfig fields ``text`` names, with ``source`` and ``text``."""
     values = {"source": source, "text": text}
     from_torch = source.startswith("PYTORCH_")
-    skipped, ignored, unread = [], [], []
+    skipped, ignored, unread, named = [], [], [], set()
     # torch's ConfigTokenizer skips every white-space character (std::isspace: a tab, a newline
     # or CR of a setting read from a file), wherever it is
     items = list(_split_options(_SPACE.sub("", text)))
@@ -361,6 +361,7 @@ def _values(text: str, source: str) -> dict:
             raise AllocatorConfigError(f"{source}: an empty option (a comma at the start, or two in a "
                                        f"row) in {text!r}; separate key:value options with one comma")
         key, sep, value = item.partition(":")
+        named.add(key)
         if not sep:
             # "key=value" is not torch syntax, but an easy slip worth a precise message.
             raise AllocatorConfigError(f"{source}: option {item!r} must be written key:value "
@@ -430,15 +431,16 @@ def _values(text: str, source: str) -> dict:
         elif key in TORCH_ONLY:                   # the True/False ones
             _parse_bool(key, value, source)
     _check_pinned_limits(values)
-    if values.get("backend") == "cudaMallocAsync":
-        # torch warns too (CUDAAllocatorConfig::parseArgs, "backend:cudaMallocAsync ignores ...")
-        ignored.extend(key for key in _NATIVE_ONLY if f"{key}:" in _SPACE.sub("", text) and key not in ignored)
-    if (skipped or ignored or unread) and (source, text) not in _warned:
+    # torch warns too (CUDAAllocatorConfig::parseArgs, "backend:cudaMallocAsync ignores ...")
+    unused = [key for key in _NATIVE_ONLY if key in named] if values.get("backend") == "cudaMallocAsync" else []
+    if (skipped or ignored or unread or unused) and (source, text) not in _warned:
         _warned.add((source, text))
         parts = []
         if ignored:
-            parts.append(f"{', '.join(ignored)} (torch options accel does not implement"
-                         f"{', or options of the native allocator under backend:cudaMallocAsync' if values.get('backend') == 'cudaMallocAsync' else ''})")
+            parts.append(f"{', '.join(ignored)} (torch options accel does not implement)")
+        if unused:
+            parts.append(f"{', '.join(unused)} (options of the native allocator, which "
+                         f"backend:cudaMallocAsync replaces)")
         if skipped:
             parts.append(f"{', '.join(skipped)} (accel options, read only from ACCEL_ALLOC_CONF; "
                          f"torch refuses them)")
