@@ -23,6 +23,7 @@ from .._copying import refuse as _refuse
 from .._device import DeviceLike, device
 from ..streams import (Stream, _ExportMark, _Hold, _as_stream, _claim_close, _closed_during_use, _index_for,
                        current_stream, on_device)
+from .capture import _capture_hold
 from .pins import _begin_use, _call_pinned, _drain, _end_use, _Noting, _Pin, _released
 from .release import _free, _free_from_finalizer, _release_foreign_uses
 from .sources import (_address, _check_device_range, _check_plain, _device_source, _dlpack_host, _host_view,
@@ -48,9 +49,6 @@ def _memory():
         _allocators, _memory_module = memory._allocators, memory
     return memory
 
-
-# (here, not above: capture.py takes _memory from this module, which must define it first)
-from .capture import _capture_hold  # noqa: E402
 
 
 def _in_use(method):

@@ -12,7 +12,6 @@ a blocking copy (it would synchronize the stream), and a capture that another li
 from __future__ import annotations
 
 from ..streams import Stream
-from .buffer_class import _memory
 
 
 def _refuse_in_capture(backend, stream: Stream) -> None:
@@ -50,6 +49,7 @@ def _capture_hold(backend, stream: Stream, address: int, nbytes: int, non_blocki
         table = _capture_table(backend, stream)
     name = backend.name.upper()
     from .._errors import CaptureError
+    from .buffer_class import _memory      # (buffer_class imports this module)
     host = _memory().host_allocator()
     pinned = host.owns(address, nbytes)
     if pinned is None:
