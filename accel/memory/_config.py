@@ -195,11 +195,11 @@ def _parse_float(key, value, source, lo, hi, lo_open=True, hi_open=False):
     return number
 
 
-#: an integer as torch's std::stoull/stoi read one: ASCII digits, an optional sign (Python's
-#: int() also takes "1_000" and non-ASCII digits, which torch refuses or reads differently)
+#: a whole integer: ASCII digits, an optional sign (Python's int() also takes "1_000" and
+#: non-ASCII digits), for accel's own byte counts (:func:`_parse_bytes`), which take no trailing text
 _DECIMAL = re.compile(r"[+-]?[0-9]+")
 #: the integer std::stoull/stoi read at the start of a value, after white space; they ignore what
-#: follows it, so torch reads ``max_split_size_mb:64MB`` as 64
+#: follows it, so torch reads ``max_split_size_mb:64MB`` as 64 and ``1_000`` as 1
 _LEADING_DECIMAL = re.compile(r"[ \t\n\v\f\r]*([+-]?[0-9]+)")
 
 
