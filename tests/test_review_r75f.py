@@ -1,6 +1,6 @@
 """r75f: review of the r75a fixes (CAI export marks per stream, DLPack refusal of a consumer
 outside a capture), at their edges: bounded state, threads, device 1 non-current, XPU.  (Its
-tests of replay noting went with that change: see test_foreign_consumers_r73e's open xfail.)"""
+tests of replay noting went with that change; replays note their buffers since session 39: tests/test_lead_fixes_s39.py.)"""
 
 import gc
 import sys

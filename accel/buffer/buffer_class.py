@@ -205,8 +205,9 @@ class Buffer:
 
     @property
     def last_stream(self) -> Stream:
-        """The stream of the buffer's last operation (copy, fill, random fill, record_stream,
-        DLPack export to an accel stream); the allocation stream before any."""
+        """The stream of the buffer's last operation (copy, fill, random fill, kernel launch,
+        record_stream, DLPack export to an accel stream, the replay of a graph whose capture used
+        the buffer); the allocation stream before any."""
         return self._last
 
     @property

@@ -7,11 +7,16 @@ from or into the same pinned block again, so the capturing :class:`accel.Graph` 
 refused with CaptureError before anything is taken, so the capture stays valid: pageable memory,
 a blocking copy (it would synchronize the stream), and a capture that another library began
 (accel cannot tell when its graph stops using the block).
+
+The Buffers a capture uses are noted in its table too (:func:`note_captured`): each replay of the
+graph makes its stream their last-use stream, where accel's latest work on them is queued.
 """
 
 from __future__ import annotations
 
-from ..streams import Stream
+import weakref
+
+from ..streams import Stream, _capture_events, _capture_table
 
 
 def _refuse_in_capture(backend, stream: Stream) -> None:
@@ -42,7 +47,6 @@ def _capture_hold(backend, stream: Stream, address: int, nbytes: int, non_blocki
     is: refused).  Refused before anything is taken, so the capture stays valid."""
     if not backend.captures_underway():
         return None
-    from ..streams import _capture_table
     with stream._device_scope():
         if backend.capture_id(stream.handle) is None:
             return None
@@ -70,3 +74,25 @@ def _capture_hold(backend, stream: Stream, address: int, nbytes: int, non_blocki
     if hold is None:
         hold = table["host"] = host.capture_hold(stream.device_index)
     return host, pinned, hold
+
+
+def captured_table(stream: Stream):
+    """The table (``streams._capture_events``) of the accel.Graph capture ``stream`` takes part
+    in, or None.  Asked before work is queued on ``stream``: it may raise."""
+    if not _capture_events or not stream._backend.captures_underway():
+        return None
+    with stream._device_scope():
+        return _capture_table(stream._backend, stream)
+
+
+def note_captured(table, buffers) -> None:
+    """Note ``buffers`` as used by the capture of ``table``: each replay of its graph makes the
+    replay stream their last-use stream (``Buffer._used``), so an export names the stream where
+    accel's latest work on the memory is queued (r73e).  Weak references, keyed by id (a
+    subclass may be unhashable): the graph keeps no buffer alive; an id reused by a new buffer
+    replaces a dead one's entry, so the table is bounded by the buffers the capture used."""
+    kept = table.get("buffers")
+    if kept is None:
+        kept = table["buffers"] = {}
+    for buf in buffers:
+        kept[id(buf)] = weakref.ref(buf)

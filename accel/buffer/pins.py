@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 
 from .. import _finalize as _fin
 from .. import _lazy
-from ..streams import Stream
+from ..streams import Stream, _capture_events
+from .capture import captured_table, note_captured
 from .release import _free, _free_from_finalizer
 
 if TYPE_CHECKING:
@@ -79,16 +80,18 @@ class _Noting:
     The caller holds a pin on each buffer (``_in_use``) and a hold on the stream (``_Hold``), as
     ``_record`` asks: a close() of a buffer by another thread meanwhile still records the use."""
 
-    __slots__ = ("stream", "buffers", "queued")
+    __slots__ = ("stream", "buffers", "queued", "captured")
 
     def __init__(self, stream: Stream, *buffers: "Buffer"):
-        self.stream, self.buffers, self.queued = stream, buffers, False
+        self.stream, self.buffers, self.queued, self.captured = stream, buffers, False, None
 
     def __enter__(self) -> "_Noting":
         if self.stream._foreign:
             # before anything is queued: a destroyed one's handle may name another stream by now
             # (and, recorded, would fail every later free of the memory: see Buffer._record)
             self.stream._check_alive()
+        if _capture_events:
+            self.captured = captured_table(self.stream)     # before anything is queued: it may raise
         return self
 
     def __exit__(self, kind, exc, tb) -> bool:
@@ -97,6 +100,8 @@ class _Noting:
         try:
             for buf in self.buffers:
                 buf._record(self.stream)
+            if self.captured is not None:
+                note_captured(self.captured, self.buffers)
         except BaseException:
             _drain(self.stream)
             raise

@@ -68,8 +68,8 @@ class Graph:
         self._owed = []
 
     # the holder's fields, read-only (the graph's code stores into self._h)
-    _backend, _index, _exec, _graph, _pool, _rng, _allocs, _host, _events, _stream, _capture_id, _discarded = map(
-        _holder_field, _Held.__slots__)
+    (_backend, _index, _exec, _graph, _pool, _rng, _allocs, _host, _events, _buffers, _stream, _capture_id,
+     _discarded) = map(_holder_field, _Held.__slots__)
 
     def _register(self, backend) -> "_Held":
         """Register the holder's release with ``backend`` (once: the entry stays while the graph
@@ -388,6 +388,12 @@ class Graph:
                     h.allocs.replayed(handle)
                 if h.host is not None:
                     h.host.replayed(handle)
+                for ref in h.buffers:
+                    # the replay's stream is where accel's latest work on them is queued: an export
+                    # names it, and a non-owning buffer's release waits for it (r73e)
+                    buf = ref()
+                    if buf is not None and not buf._closed:
+                        buf._used(stream)
         finally:
             # A Ctrl-C as the with statement called kept's or the hold's __exit__ (Python functions:
             # CPython checks for signals as one starts) left all it releases taken: released here
@@ -464,7 +470,7 @@ class Graph:
         moved.rng, moved.allocs, moved.host, moved.events = h.rng, h.allocs, h.host, h.events
         moved.discarded = h.discarded
         h.exec = h.graph = h.pool = h.rng = h.allocs = h.host = h.discarded = None
-        h.events = ()
+        h.events = h.buffers = ()
         _fin.pending.append((_fin.finalize, (_release_held, backend, moved)))   # (tried twice: r67d)
 
     def _release_handles(self) -> None:
@@ -480,7 +486,7 @@ class Graph:
             self._destroy_exec()
         if h.graph is not None:
             self._destroy_graph()
-        h.events = ()
+        h.events = h.buffers = ()
         if h.pool is not None:
             from .. import memory
             allocator = memory.device_allocator(h.index)

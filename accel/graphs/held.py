@@ -29,8 +29,8 @@ class _Held:
     every release takes each field (a plain store of None) just before its release call: a
     thing is released once, by whichever path took it."""
 
-    __slots__ = ("backend", "index", "exec", "graph", "pool", "rng", "allocs", "host", "events", "stream",
-                 "capture_id", "discarded")
+    __slots__ = ("backend", "index", "exec", "graph", "pool", "rng", "allocs", "host", "events", "buffers",
+                 "stream", "capture_id", "discarded")
 
     def __init__(self):
         self.backend = None
@@ -42,6 +42,7 @@ class _Held:
         self.allocs = None        # the allocator's token for the graph's own allocations (cudaMallocAsync)
         self.host = None          # the pinned blocks its captured host copies use (memory._host.CaptureHold)
         self.events = ()          # external events of its event nodes and modules of its kernels, kept for replays
+        self.buffers = ()         # weak references to the Buffers its capture used (replay notes their uses)
         self.stream = None        # capturing Stream while capturing
         self.capture_id = None    # the backend's id of the capture underway
         self.discarded = None     # the graph of a capture discarded at capture_begin, its destroy failed
@@ -50,13 +51,16 @@ class _Held:
 @_signals_deferred
 def _take_capture_table(h, capture_id, keep_events: bool) -> None:
     """Move what an ended capture left in ``streams._capture_events`` to the holder ``h``: the
-    pinned hold (buffer.capture._capture_hold) and, with ``keep_events``, the events recorded in it.  With
+    pinned hold (buffer.capture._capture_hold) and, with ``keep_events``, the events recorded in it
+    and the buffers it used (buffer.capture.note_captured).  With
     signals deferred (r72d: a Ctrl-C as a pop returned left the hold on the stack only, and its
     pinned block parked for good)."""
     events = _capture_events.pop(capture_id, None) or {}
     h.host = events.pop("host", None)
+    buffers = events.pop("buffers", None) or {}
     if keep_events:
         h.events = tuple(events.values())
+        h.buffers = tuple(buffers.values())
 
 
 @_signals_deferred

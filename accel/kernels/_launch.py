@@ -28,6 +28,7 @@ from .. import _lazy, _locks
 from .._device import device
 from .._errors import AcceleratorError
 from ..buffer import Buffer, _begin_use, _end_use
+from ..buffer.capture import note_captured
 from ..streams import Stream, _Hold, _as_stream, _capture_events, _capture_table, current_stream, on_device
 from ._module import Kernel
 
@@ -249,16 +250,17 @@ def _sim_registry() -> dict:
 _registry = None
 
 
-def _launch_here(backend, kernel: Kernel, grid, block, packed, shared_mem: int, stream, lim: dict) -> None:
+def _launch_here(backend, kernel: Kernel, grid, block, packed, shared_mem: int, stream, lim: dict):
     """Queue the checked launch; the kernel's device is current.  Under the module's lock, which
     Module.close takes to drop the handle: a close in another thread cannot unload the module
     between the check and the launch (a function of an unloaded module is undefined behaviour
-    for the driver)."""
+    for the driver).  Returns the table of the accel.Graph capture the stream takes part in
+    (``streams._capture_table``), or None."""
     module = kernel.module
     with module._lock:
         if module._handle is None:
             module._live()          # raises: closed (in another thread since launch checked)
-        _launch_locked(backend, kernel, grid, block, packed, shared_mem, stream, lim)
+        return _launch_locked(backend, kernel, grid, block, packed, shared_mem, stream, lim)
 
 
 def _kernel_bounds(backend, kernel: Kernel) -> Tuple[int, int]:
@@ -297,7 +299,7 @@ _WHY_LIMIT = {"cuda": "its __launch_bounds__ / PTX .maxntid, or the registers it
                      "[[max_total_threads_per_threadgroup]] or resources lower"}
 
 
-def _launch_locked(backend, kernel: Kernel, grid, block, packed, shared_mem: int, stream, lim: dict) -> None:
+def _launch_locked(backend, kernel: Kernel, grid, block, packed, shared_mem: int, stream, lim: dict):
     if kernel.module._functions.get(kernel.name) != kernel.handle:
         kernel._function()      # destroyed by a failed unload: looked up again (or it raises)
     bounds = kernel._bounds
@@ -320,6 +322,7 @@ def _launch_locked(backend, kernel: Kernel, grid, block, packed, shared_mem: int
     backend.launch(kernel.handle, grid, block, packed, shared_mem, stream.handle)
     if keep is not None:
         keep[id(kernel.module)] = kernel.module
+    return keep
 
 
 def launch(kernel: Kernel, grid, block, *args, shared_mem: int = 0, stream=None) -> None:
@@ -423,10 +426,10 @@ def launch(kernel: Kernel, grid, block, *args, shared_mem: int = 0, stream=None)
         # not destroyed, and so not given to the next stream made, while the launch queues on it).
         with _Hold(stream):
             if backend.get_device() == index:         # on_device(backend, index) without its object
-                _launch_here(backend, kernel, grid, block, packed, shared_mem, stream, lim)
+                keep = _launch_here(backend, kernel, grid, block, packed, shared_mem, stream, lim)
             else:
                 with on_device(backend, index):
-                    _launch_here(backend, kernel, grid, block, packed, shared_mem, stream, lim)
+                    keep = _launch_here(backend, kernel, grid, block, packed, shared_mem, stream, lim)
             # _record, not _note: a buffer closed by another thread since is still pinned, so the
             # use is recorded (its free waits for the kernel) instead of raising after the launch
             for a in buffers:
@@ -439,6 +442,8 @@ def launch(kernel: Kernel, grid, block, *args, shared_mem: int = 0, stream=None)
                 note = getattr(a, "_note", None)
                 if note is not None and getattr(a, "device", None) is not None:
                     note(stream)
+            if keep is not None:
+                note_captured(keep, [b for b, _ in pins])    # its replays use them (r73e)
     finally:
         for b, key in pins:
             _end_use(b, key)

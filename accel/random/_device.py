@@ -24,6 +24,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 from .. import _lazy, _locks
 from .._errors import AcceleratorError, CaptureError, KernelImageError
+from ..buffer.capture import captured_table, note_captured
 from . import _fills, philox
 
 _BLOCK = 256
@@ -212,6 +213,8 @@ def _fill_here(backend, index: int, buf, plan: "_fills.Plan", generator, stream)
         raise CaptureError(
             f"random fills of this kind cannot be captured on {backend.name}: it has no {plan.kernel} "
             "kernel, and the host path would bake one set of numbers into the graph")
+    # the table of the accel.Graph capturing the stream (its replays use buf: r73e); first, it may raise
+    captured = captured_table(stream) if capturing else None
     ptr = buf.ptr
     if kernel is None:
         philox._threads()       # a bad ACCEL_RNG_THREADS is refused before the generator's offset moves
@@ -238,6 +241,8 @@ def _fill_here(backend, index: int, buf, plan: "_fills.Plan", generator, stream)
     # the buffer's last-use stream (the allocator skips its own stream); _record, not
     # record_stream: a close() in another thread meanwhile left the memory to fill()'s pin
     buf._record(stream)
+    if captured is not None:
+        note_captured(captured, (buf,))
 
 
 def _copy_to_device(backend, dst: int, values, stream: int, device_index: int) -> None:

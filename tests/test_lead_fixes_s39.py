@@ -1,0 +1,175 @@
+"""Session 39's fix of r73e: a graph's replay notes the buffers its capture used on the replay
+stream (accel.buffer.capture.note_captured; graphs' replay), so an export after a replay on
+another stream names the stream where accel's latest work on the memory is queued.
+
+Every use inside a capture is covered: Buffer copies and fills (buffer.pins._Noting), kernel
+launches (kernels._launch), random fills (random._device).  The graph keeps only weak references:
+bounded by the buffers the capture used, none kept alive.  Device 1 is the data's device while
+device 0 stays current; XPU (Level Zero graphs) as well as CUDA.
+"""
+
+import gc
+import weakref
+
+import numpy as np
+import pytest
+
+import accel
+from accel import Graph
+
+from conftest import SIMS, use_sim
+from torch_port_util import hold
+from test_user_kernels import SAXPY_PTX, saxpy_reference, spirv_module
+
+DEV = 1
+N = 256
+
+
+@pytest.fixture(params=[s for s in ("cuda", "xpu") if s in SIMS])
+def sim(request, monkeypatch):
+    use_sim(monkeypatch, request.param)
+    accel.set_device_index(0)
+    accel._lazy.lazy_init()
+    return request.param
+
+
+def _saxpy(kind):
+    accel.sim.register_kernel("saxpy", saxpy_reference, "f32, ptr, ptr, u64", replace=True)
+    if kind == "cuda":
+        return accel.Module(SAXPY_PTX, device=DEV).function("saxpy")
+    return accel.Module(spirv_module("saxpy"), device=DEV).function("saxpy", "f32, ptr, ptr, u64")
+
+
+def _captured(stream, work):
+    g = Graph()
+    with stream:
+        g.capture_begin()
+        try:
+            work()
+        finally:
+            g.capture_end()
+    return g
+
+
+@pytest.mark.parametrize("use", ["fill_", "copy_from", "launch", "uniform_"])
+def test_replay_on_another_stream_becomes_the_last_use_stream(sim, use):
+    if sim == "xpu" and use == "uniform_":
+        pytest.skip("the Level Zero simulator has no Philox kernels: random fills cannot be captured there")
+    with accel.device_index(DEV):
+        src = accel.Buffer(N * 4).fill_(0)
+        buf = accel.Buffer(N * 4).fill_(0)
+        accel.synchronize()
+        s, r = accel.Stream(), accel.Stream()
+        kernel = _saxpy(sim) if use == "launch" else None
+        work = {"fill_": lambda: buf.fill_(7),
+                "copy_from": lambda: buf.copy_from(src),
+                "launch": lambda: accel.launch(kernel, 1, 64, 2.0, src, buf, N),
+                "uniform_": lambda: accel.random.uniform_(buf)}[use]
+        g = _captured(s, work)
+        assert buf.last_stream == s
+        with r:
+            g.replay()
+        assert buf.last_stream == r, f"{use} captured on {s!r}, replayed on {r!r}: last use {buf.last_stream!r}"
+        if use in ("copy_from", "launch"):
+            assert src.last_stream == r      # a buffer read by the graph is used by its replays too
+        accel.synchronize()
+        if kernel is not None:
+            accel.sim.unregister_kernel("saxpy")
+
+
+def test_dlpack_consumer_orders_after_a_replay_on_another_stream(monkeypatch):
+    """The consumer stream of ``__dlpack__(stream=...)`` orders after the replay on R: the bytes it
+    reads afterwards are the replay's, with R held by a gate until the consumer's read is queued."""
+    if "cuda" not in SIMS:
+        pytest.skip("ACCEL_TEST_SIMS leaves out cuda")
+    use_sim(monkeypatch, "cuda", ACCEL_SIM_DELAY_US=50)
+    accel.set_device_index(0)
+    with accel.device_index(DEV):
+        buf = accel.Buffer(N).fill_(0)
+        out = accel.Buffer(N).fill_(1)
+        accel.synchronize()
+        s, r, consumer = accel.Stream(), accel.Stream(), accel.Stream()
+        g = _captured(s, lambda: buf.fill_(7))
+        buf.fill_(0, stream=s)
+        accel.synchronize()
+        gate = hold(r)
+        try:
+            with r:
+                g.replay()
+            capsule = buf.__dlpack__(stream=consumer.handle)
+            out.copy_from(buf, stream=consumer, non_blocking=True)
+            del capsule
+        finally:
+            gate.set()
+        accel.synchronize()
+        assert set(out.to_numpy().tolist()) == {7}
+
+
+def test_the_graph_keeps_no_buffer_alive_and_notes_each_once(sim):
+    with accel.device_index(DEV):
+        buf = accel.Buffer(N).fill_(0)
+        tmp = accel.Buffer(N).fill_(0)
+        accel.synchronize()
+        s = accel.Stream()
+
+        def work(tmp=tmp):
+            for _ in range(50):
+                buf.fill_(1)
+                tmp.copy_from(buf)
+
+        g = _captured(s, work)
+        assert len(g._buffers) == 2
+        gone = weakref.ref(tmp)
+        del tmp, work
+        gc.collect()
+        assert gone() is None
+        r = accel.Stream()
+        with r:
+            g.replay()      # (the graph still copies into the freed memory: the user's choice, as in torch)
+        accel.synchronize()
+        assert buf.last_stream == r
+        g.reset()
+        assert g._buffers == ()
+
+
+def test_a_closed_buffer_is_not_noted(sim):
+    with accel.device_index(DEV):
+        buf = accel.Buffer(N).fill_(0)
+        other = accel.Buffer(N).fill_(0)
+        accel.synchronize()
+        s = accel.Stream()
+        g = _captured(s, lambda: (buf.fill_(3), other.fill_(4)))
+        accel.synchronize()
+        g.reset()               # the graph is gone first: closing the memory it wrote is then safe
+        other.close()
+        g = _captured(s, lambda: buf.fill_(5))
+        r = accel.Stream()
+        with r:
+            g.replay()
+        accel.synchronize()
+        assert buf.last_stream == r
+        assert np.all(buf.to_numpy() == 5)
+
+
+def test_a_refused_capture_use_notes_nothing(sim):
+    """A fill refused inside a capture (a bad value) leaves no note: the graph's replays do not
+    touch the buffer's last-use stream."""
+    with accel.device_index(DEV):
+        buf = accel.Buffer(N).fill_(0)
+        used = accel.Buffer(N).fill_(0)
+        accel.synchronize()
+        s = accel.Stream()
+
+        def work():
+            used.fill_(1)
+            with pytest.raises((ValueError, TypeError)):
+                buf.fill_(300)
+
+        g = _captured(s, work)
+        last = buf.last_stream
+        r = accel.Stream()
+        with r:
+            g.replay()
+        accel.synchronize()
+        assert buf.last_stream == last and used.last_stream == r
+        assert len(g._buffers) == 1
