@@ -173,3 +173,57 @@ def test_a_refused_capture_use_notes_nothing(sim):
         accel.synchronize()
         assert buf.last_stream == last and used.last_stream == r
         assert len(g._buffers) == 1
+
+
+# == r75e: `with stream:` blocks entered through contextlib.ExitStack ===========================
+def _in_exit_stack(*streams_):
+    import contextlib
+    with contextlib.ExitStack() as es:
+        for s in streams_:
+            es.enter_context(s)
+        yield
+
+
+def test_exit_stack_blocks_closed_on_another_thread_leave_both_devices(sim):
+    """Two blocks (device 1, then device 0) entered through one ExitStack in a generator, closed
+    by gen.close() on another thread: both entries leave this thread's stack, the other thread's
+    streams stay, and this thread's streams are the defaults again."""
+    import threading
+    from accel import streams
+    accel.set_device_index(0)
+    s1, s0 = accel.Stream(1), accel.Stream(0)
+    gen = _in_exit_stack(s1, s0)
+    next(gen)
+    assert accel.current_stream(1) == s1 and accel.current_stream(0) == s0
+    seen = []
+
+    def close():
+        mine = accel.Stream(1)
+        accel.set_stream(mine)
+        gen.close()
+        seen.append(accel.current_stream(1) == mine and accel.current_stream(0) == accel.default_stream(0))
+        mine.close()
+    t = threading.Thread(target=close)
+    t.start()
+    t.join(30)
+    assert seen == [True]
+    assert list(getattr(streams._state._tls, "stack", []) or []) == []
+    assert accel.current_stream(0) == accel.default_stream(0) and accel.current_stream(1) == accel.default_stream(1)
+    s1.close()
+    s0.close()
+
+
+def test_exit_stack_in_one_frame_closed_in_another_on_the_same_thread(sim):
+    import contextlib
+    accel.set_device_index(0)
+    s = accel.Stream(1)
+    es = contextlib.ExitStack()
+
+    def enter():
+        es.enter_context(s)
+    enter()
+    assert accel.current_stream(1) == s
+    es.close()
+    assert accel.current_stream(1) == accel.default_stream(1)
+    assert accel.current_device_index() == 0
+    s.close()

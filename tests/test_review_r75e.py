@@ -105,8 +105,8 @@ def test_a_generator_entered_on_a_thread_that_ended_finishes_on_another(sim_cuda
     s.close()
 
 
-@pytest.mark.xfail(strict=True, reason="r75e: _exit_elsewhere keys the entry by the frame calling __enter__; "
-                   "ExitStack.enter_context's frame is not the one calling __exit__: RuntimeError, entry left")
+# r75e, fixed in session 39: _exit_elsewhere keyed the entry by the frame calling __enter__;
+# ExitStack.enter_context's frame is not the one calling __exit__: RuntimeError, entry left
 def test_exit_stack_generator_closed_on_another_thread(sim_cuda):
     """``ExitStack.enter_context(stream)`` in a generator closed by gen.close() on another thread:
     the entering frame is enter_context's, the exiting one ExitStack.__exit__'s."""
@@ -165,9 +165,9 @@ def test_a_collection_run_by_a_block_exit_can_close_a_generator_of_the_thread(si
     assert bad == []
 
 
-@pytest.mark.xfail(strict=True, reason="r75e (also in torch's StreamContext, and before r75d): Stream.__enter__ "
-                   "reads the current stream before _Entry and the stack lock; a collection between closes a "
-                   "generator's block, and the exit restores the dead generator's stream")
+# r75e (also in torch's StreamContext, and before r75d), fixed in session 39: Stream.__enter__ read
+# the current stream before _Entry and the stack lock; a collection between closed a generator's
+# block, and the exit restored the dead generator's stream
 def test_a_collection_as_a_block_enters_does_not_leave_a_dead_generators_stream(sim_cuda, frozen_heap):
     bad = [r for r in _sweep(range(1, 60)) if not r[1] and not r[3] and r[2]]
     assert bad == []

@@ -37,15 +37,18 @@ class _Stack(list):
     """A thread's open ``with stream:`` blocks, oldest first, with its current-stream table
     (``current``).  ``lock`` is held for each change: another thread's collection may close a
     block of this thread (Stream._exit_elsewhere).  Nothing is allocated while it is held, so
-    no collection (and no finalizer that leaves a block) starts inside it."""
+    no collection (and no finalizer that leaves a block) starts inside it.  ``changes`` counts the
+    entries taken out (Stream.__enter__ reads the saved state again when a collection closed a
+    block meanwhile)."""
 
-    __slots__ = ("lock", "current", "__weakref__")
+    __slots__ = ("lock", "current", "changes", "__weakref__")
 
 
 def _new_stack() -> _Stack:
     stack = _Stack()
     stack.lock = _locks.Lock("entering or leaving a `with stream:` block")
     stack.current = _current_table()
+    stack.changes = 0
     key = id(stack)
     _stacks[key] = weakref.ref(stack, functools.partial(_drop_stack, key=key))
     _state._tls.stack = stack
@@ -77,6 +80,7 @@ def _take_out(stack: _Stack, k: int, index: int) -> tuple:
     block's stream, maybe another device's, lose its place: r4's bug.)  Returns ``(entry, the
     stream it replaced)``, for the caller to drop once the lock is released."""
     entry = stack.pop(k)
+    stack.changes += 1
     if k < len(stack):
         stack[k].device = entry.device
         for j in range(k, len(stack)):

@@ -7,6 +7,7 @@ entered it."""
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import sys
 from typing import Optional, Tuple
@@ -29,6 +30,17 @@ _DEVICE_TYPES = {"cuda": 1, "xpu": 12, "mps": 13}
 #: CO_GENERATOR | CO_COROUTINE | CO_ASYNC_GENERATOR (inspect's values; inspect is not imported
 #: for them, as it costs milliseconds at import).
 _SUSPENDABLE = 0x20 | 0x80 | 0x200
+_CONTEXTLIB = contextlib.__file__
+
+
+def _block_frame():
+    """The frame running the ``with`` statement, for the caller of Stream.__enter__/__exit__: past
+    contextlib's frames, because ExitStack.enter_context calls __enter__ and ExitStack.__exit__
+    calls __exit__ (from the one frame that holds the ExitStack's with statement) (r75e)."""
+    frame = sys._getframe(2)
+    while frame.f_code.co_filename == _CONTEXTLIB and frame.f_back is not None:
+        frame = frame.f_back
+    return frame
 
 
 class on_device:
@@ -417,23 +429,35 @@ class Stream:
         backend = self._backend
         # The frame running the with statement: it calls __exit__ too, on whichever thread
         # closes it (see _exit_elsewhere).  (No allocation once the stack lock is held.)
-        entry = _Entry(backend.get_device(), current_stream(self._index), self, id(sys._getframe(1)))
+        entry = _Entry(None, None, self, id(_block_frame()))
         stack = _state._tls.__dict__.get("stack")
         if stack is None:
             stack = _new_stack()
-        with stack.lock:
-            stack.append(entry)
+        while True:
+            # The saved device and stream are read after every allocation above, and again when a
+            # collection during the reads closed a block of this thread (a generator suspended in
+            # one): that block's exit restored what it saved, which this entry must save in turn,
+            # not the dead block's stream (r75e; torch's StreamContext has the same window)
+            changes = stack.changes
+            device, current = backend.get_device(), current_stream(self._index)
+            with stack.lock:
+                if stack.changes == changes:
+                    entry.device, entry.stream = device, current
+                    stack.append(entry)
+                    break
         try:
             set_stream(self)
         except BaseException:
             with stack.lock:             # __exit__ will not run: leave no entry for another one to pop
                 if entry in stack:       # (by identity: _Entry has no __eq__)
                     stack.remove(entry)
+                    stack.changes += 1
             raise
         return self
 
     def __exit__(self, *exc) -> None:
-        frame = id(sys._getframe(1))
+        caller = _block_frame()
+        frame = id(caller)
         mine = _state._tls.__dict__.get("stack")
         # The block this frame entered on this thread; else one it entered on another thread
         # (_exit_elsewhere); else this thread's newest block of this stream, entered by another
@@ -446,7 +470,7 @@ class Stream:
                 return
             taken = _take_matching(mine, self, None) if mine else None
             if taken is None:
-                if sys._getframe(1).f_code.co_flags & _SUSPENDABLE:
+                if caller.f_code.co_flags & _SUSPENDABLE:
                     # a generator or coroutine entered the block on a thread that has ended since
                     # (no stack holds its entry): that thread's streams went with it, and this
                     # thread's were never changed by the block, so nothing is left to restore
