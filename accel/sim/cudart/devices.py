@@ -19,6 +19,7 @@ from .state import (
 from .common import (
     _cstr, _destroy_stream, _device_captures, _invalidate, _is_null, _put, _unsafe_call, _wait_device,
 )
+from .graph_memory import _graph_mem_exec_destroyed
 from .pools import _pool_access_problem, _pool_memory
 
 
@@ -70,11 +71,14 @@ def cudaDriverGetVersion(driverVersion):
 #: context "is initialized at the first runtime function which requires an active context on
 #: this device".  The device-management queries answer from the driver without one (torch's
 #: test_cuda_primary_ctx.py relies on it); cudaSetDevice/cudaInitDevice mark their own target.
+#: (r79a) So do the driver entry-point look-ups: an address of a driver function (cuGetProcAddress)
+#: needs no context, and callers that want one make it themselves (meta-pytorch/monarch PR 4226:
+#: its DriverAPI::get() called cudaFree(0) "to lazily bind a CUDA context").
 #: Every other call marks the calling thread's current device.
 _NO_CONTEXT = frozenset({
     "cudaGetDeviceCount", "cudaGetDevice", "cudaSetDevice", "cudaInitDevice", "cudaGetDeviceProperties",
     "cudaGetDeviceProperties_v2", "cudaDeviceGetAttribute", "cudaDeviceGetPCIBusId",
-    "cudaDeviceCanAccessPeer",
+    "cudaDeviceCanAccessPeer", "cudaGetDriverEntryPoint", "cudaGetDriverEntryPointByVersion",
 })
 
 
@@ -427,7 +431,8 @@ def cudaDeviceSynchronize(R):
 
 
 def cudaDeviceReset(R):
-    """Wait for the current device, then drop its memory, streams and events."""
+    """Wait for the current device, then drop its memory, streams, events, modules and graph execs, and
+    leave its primary context inactive."""
     d = R.tls.device
     dev = R.devices[d]
     if R.captures:
@@ -471,4 +476,25 @@ def cudaDeviceReset(R):
     for e in [e for e in set(R.events.values()) if e.device == d]:
         Runtime.drop(R.events, e)
         R.free_events.append(e.handle)
+    # (r79a) What lived in the primary context dies with it.  cuModuleLoadData loads a module "into
+    # the current context", so the device's CUmodules are unloaded as cuModuleUnload would (their
+    # handles and CUfunctions refused after); cudaLibrary_t (device None) is context-independent
+    # and stays.  An executable graph of the device (cudaGraphInstantiate: work made in that
+    # context) is dropped with its graph memory; what a later launch of it does the docs do not
+    # say (silent: refused, as an unknown exec).  Its graph holds no context: it may be
+    # instantiated again.
+    from .modules import unload     # modules imports this module
+    for lib in [lib for lib in set(R.libraries.values()) if lib.device == d]:
+        unload(R, lib)
+    for x in [x for x in set(R.execs.values()) if x.device == d]:
+        Runtime.drop(R.execs, x)
+        em = R.gmem.execs.pop(x, None)
+        if em is not None:
+            _graph_mem_exec_destroyed(R, em)
+    # Driver API, cuDevicePrimaryCtxRetain: the primary context is active "until the user releases
+    # it with cuDevicePrimaryCtxRelease() or resets it with cuDevicePrimaryCtxReset()", which is what
+    # cudaDeviceReset calls (a native trace: lupinemachines/lupine issue 844, active=0 afterwards);
+    # the next runtime call on the device makes it again ("Any subsequent API call to this device
+    # will reinitialize the device": the wrapper in __init__.py).
+    dev.context = False
     return R.sticky

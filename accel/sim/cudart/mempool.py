@@ -307,6 +307,12 @@ def cudaMemPoolSetAccess(R, memPool, descList, count):
             return cudaErrorInvalidDevice
         if flags not in (_ACCESS_NONE, _ACCESS_READ, _ACCESS_READ_WRITE):
             return cudaErrorInvalidValue
+        if device in changes:
+            # (r79a) One device named twice in one call: "Each descriptor instructs the access to
+            # enable for a single gpu" (cudaMemPoolSetAccess), not which of two for one gpu wins.
+            # Docs silent: refused (cudaErrorInvalidValue), nothing applied, as cuMemSetAccess
+            # refuses one location twice (r70d); before r79a the last descriptor won.
+            return cudaErrorInvalidValue
         if device == pool.device and flags != _ACCESS_READ_WRITE:
             return cudaErrorNotSupported if flags == _ACCESS_READ else cudaErrorInvalidDevice
         if device != pool.device and flags != _ACCESS_NONE and not core.peer_capable(
