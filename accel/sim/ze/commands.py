@@ -9,7 +9,7 @@ from typing import Optional
 from .. import _memory, _ze_counters, core
 from ..core import ffi
 from .objects import _CmdList, _CmdQueue, _Device, _Runtime
-from .common import _addr, _ready
+from .common import _addr, _flags_unknown, _ready
 from .discovery import _GROUPS, _fill_pattern_max
 from .events import _device_signal, _host_wait, _host_waiting, _scope_problem
 from .virtual_memory import _reservation_ctx, _vmm_range
@@ -45,13 +45,15 @@ def _queue_target(hContext, hDevice, desc, out, expected_stype: str, ordinal_fie
     return 0, rt, dev
 
 
-def _queue_desc_code(C, desc) -> int:
+def _queue_desc_code(rt: _Runtime, call: str, desc) -> int:
     """The checks of a ze_command_queue_desc_t (zeCommandQueueCreate, zeCommandListCreateImmediate):
-    ZE_RESULT_ERROR_INVALID_ENUMERATION for "0x7 < desc->flags", "ZE_COMMAND_QUEUE_MODE_ASYNCHRONOUS <
+    ZE_RESULT_ERROR_INVALID_ENUMERATION for a flag the driver's API version does not define
+    (common._FLAG_MASKS: "0x1 < desc->flags" in v1.4, 0x3 from 1.7), "ZE_COMMAND_QUEUE_MODE_ASYNCHRONOUS <
     desc->mode" and "ZE_COMMAND_QUEUE_PRIORITY_PRIORITY_HIGH < desc->priority" (ze_api.h); ``index``
     "must be zero if ZE_COMMAND_QUEUE_FLAG_EXPLICIT_ONLY is not set", and below the group's queue
     count when it is (ZE_RESULT_ERROR_INVALID_ARGUMENT: the header names no code)."""
-    if (desc.flags > 0x7 or desc.mode > C.ZE_COMMAND_QUEUE_MODE_ASYNCHRONOUS
+    C = rt.C
+    if (_flags_unknown(rt, call, desc.flags) or desc.mode > C.ZE_COMMAND_QUEUE_MODE_ASYNCHRONOUS
             or desc.priority > C.ZE_COMMAND_QUEUE_PRIORITY_PRIORITY_HIGH):
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
     if desc.index and (not desc.flags & C.ZE_COMMAND_QUEUE_FLAG_EXPLICIT_ONLY
@@ -66,12 +68,10 @@ def zeCommandListCreateImmediate(hContext, hDevice, altdesc, phCommandList):
     if rc:
         return rc
     C = rt.C
-    in_order = bool(altdesc.flags & C.ZE_COMMAND_QUEUE_FLAG_IN_ORDER)
-    if in_order and rt.zcfg.api_version < (1, 7):
-        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION   # the flag does not exist before API 1.7
-    rc = _queue_desc_code(C, altdesc)
+    rc = _queue_desc_code(rt, "zeCommandListCreateImmediate", altdesc)    # IN_ORDER from API 1.7
     if rc:
         return rc
+    in_order = bool(altdesc.flags & C.ZE_COMMAND_QUEUE_FLAG_IN_ORDER)
     q = rt.engine.queue(f"xpu{dev.ordinal}-immediate")
     cl = rt._add(_CmdList(rt.get(hContext, "context"), dev, True, q, in_order, altdesc.ordinal))
     if not in_order:
@@ -87,12 +87,11 @@ def zeCommandListCreate(hContext, hDevice, desc, phCommandList):
         return rc
     C = rt.C
     in_order = bool(desc.flags & C.ZE_COMMAND_LIST_FLAG_IN_ORDER)
-    if in_order and rt.zcfg.api_version < (1, 7):
-        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
-    # ze_api.h, zeCommandListCreate: INVALID_ENUMERATION for "0x3f < desc->flags" (0x7 before the
-    # later flags); ZE_COMMAND_LIST_FLAG_IN_ORDER "Cannot be combined with
-    # ZE_COMMAND_LIST_FLAG_RELAXED_ORDERING"
-    if desc.flags > 0x3F or (in_order and desc.flags & C.ZE_COMMAND_LIST_FLAG_RELAXED_ORDERING):
+    # ze_api.h, zeCommandListCreate: INVALID_ENUMERATION for a flag the driver's API version does not
+    # define (common._FLAG_MASKS: "0x7 < desc->flags" in v1.4, IN_ORDER from 1.7, 0x1f in 1.9);
+    # ZE_COMMAND_LIST_FLAG_IN_ORDER "Cannot be combined with ZE_COMMAND_LIST_FLAG_RELAXED_ORDERING"
+    if (_flags_unknown(rt, "zeCommandListCreate", desc.flags)
+            or in_order and desc.flags & C.ZE_COMMAND_LIST_FLAG_RELAXED_ORDERING):
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
     cl = rt._add(_CmdList(rt.get(hContext, "context"), dev, False, None, in_order, desc.commandQueueGroupOrdinal))
     if not in_order:
@@ -752,7 +751,7 @@ def zeCommandQueueCreate(hContext, hDevice, desc, phCommandQueue):
     if rc:
         return rc
     C = rt.C
-    rc = _queue_desc_code(C, desc)
+    rc = _queue_desc_code(rt, "zeCommandQueueCreate", desc)
     if rc:
         return rc
     if desc.flags & C.ZE_COMMAND_QUEUE_FLAG_IN_ORDER:

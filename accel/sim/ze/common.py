@@ -116,3 +116,27 @@ def _sysman(handle):
     if obj.kind in ("device", "memmodule", "tempsensor", "freqdomain", "engine", "power") and rt.sysman_on_core:
         return rt, obj, 0
     return None, None, rt.C.ZE_RESULT_ERROR_UNINITIALIZED
+
+
+# (r79b) The flags each creator accepts, by the driver's API version: each version's ze_api.h lists
+# ZE_RESULT_ERROR_INVALID_ENUMERATION for "`0x7 < desc->flags`" and the like in the function's @returns.
+# v1.4: /usr/include/level_zero/ze_api.h (v1.4-r1.4.8).  Other versions: the headers of the spec
+# releases in github.com/oneapi-src/level-zero include/ze_api.h ("@version v1.1-r1.1.8" ... "v1.3-r1.3.7"
+# as v1.4; v1.5-r1.5.4, v1.6-r1.6.0, v1.7-r1.7.0, v1.8-r1.8.0; v1.9-r1.9.1 and v1.9-r1.9.3 for the
+# simulator's default 1.9; v1.11 to v1.13 as v1.9; v1.14-r1.14.33, v1.15-r1.15.31, v1.17 as v1.15).
+# (first version, mask), newest first.  The bits added: pool 0x8 KERNEL_MAPPED_TIMESTAMP (1.6); list
+# 0x8 IN_ORDER (1.7), 0x10 EXP_CLONEABLE (1.9), 0x20 COPY_OFFLOAD_HINT (1.15); queue desc (also
+# zeCommandListCreateImmediate's altdesc) 0x2 IN_ORDER (1.7), 0x4 COPY_OFFLOAD_HINT (1.14).
+_FLAG_MASKS = {
+    "zeEventPoolCreate": (((1, 6), 0xF), ((1, 0), 0x7)),
+    "zeCommandListCreate": (((1, 15), 0x3F), ((1, 9), 0x1F), ((1, 7), 0xF), ((1, 0), 0x7)),
+    "zeCommandQueueCreate": (((1, 14), 0x7), ((1, 7), 0x3), ((1, 0), 0x1)),
+}
+_FLAG_MASKS["zeCommandListCreateImmediate"] = _FLAG_MASKS["zeCommandQueueCreate"]
+
+
+def _flags_unknown(rt: _Runtime, call: str, flags: int) -> bool:
+    """True when ``flags`` has a bit the header of the driver's API version does not define for ``call``."""
+    table = _FLAG_MASKS[call]
+    mask = next((m for first, m in table if rt.zcfg.api_version >= first), table[-1][1])
+    return flags > mask

@@ -11,7 +11,7 @@ from typing import Optional
 from .. import core
 from ..core import ffi
 from .objects import _UINT64_MAX, _Event, _Pool, _Runtime
-from .common import _ready
+from .common import _flags_unknown, _ready
 
 
 # -- events ------------------------------------------------------------------------------------
@@ -34,7 +34,7 @@ def zeEventPoolCreate(hContext, desc, numDevices, phDevices, phEventPool):
         return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE   # an extension structure (memory.py, _no_extension)
     if desc.count == 0:
         return C.ZE_RESULT_ERROR_INVALID_SIZE
-    if desc.flags & ~0xF:
+    if _flags_unknown(rt, "zeEventPoolCreate", desc.flags):   # "0x7 < desc->flags" in v1.4, 0xf from 1.6
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
     # ze_api.h: ZE_EVENT_POOL_FLAG_KERNEL_TIMESTAMP "cannot be combined with ZE_EVENT_POOL_FLAG_IPC", and
     # ZE_EVENT_POOL_FLAG_KERNEL_MAPPED_TIMESTAMP (0x8) "cannot be combined with

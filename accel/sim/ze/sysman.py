@@ -24,6 +24,14 @@ def zesDeviceGetProperties(hDevice, props):
     if rc:
         return rc
     C = rt.C
+    # (r79b) zes_api.h v1.4, zesDeviceGetProperties: "hDevice [in] Sysman handle of the device"; the
+    # docs are silent on another object's handle (a memory module's, a sensor's): refused, as the
+    # sibling zesDevice* calls refuse it.
+    if dev.kind not in ("card", "device"):
+        return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+    # (r79b) @returns: ZE_RESULT_ERROR_INVALID_NULL_POINTER for "`nullptr == pProperties`"
+    if not props:
+        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
     if props.stype != C.ZES_STRUCTURE_TYPE_DEVICE_PROPERTIES:
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
     if _extension_chain(props):
@@ -47,6 +55,10 @@ def zesDeviceEnumMemoryModules(hDevice, pCount, phMemory):
     rt, dev, rc = _sysman(hDevice)
     if rc:
         return rc
+    # (r79b) zes_api.h v1.4: "hDevice [in] Sysman handle of the device"; the docs are silent on
+    # another object's handle: refused, as zesDeviceGetProperties.
+    if dev.kind not in ("card", "device"):
+        return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
     return _fill(pCount, phMemory, _card_of(dev).modules)
 
 
@@ -57,6 +69,8 @@ def zesMemoryGetProperties(hMemory, props):
     C = rt.C
     if mod.kind != "memmodule":
         return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+    if not props:       # (r79b) zes_api.h @returns: INVALID_NULL_POINTER, "`nullptr == pProperties`"
+        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
     if props.stype != C.ZES_STRUCTURE_TYPE_MEM_PROPERTIES:
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
     if _extension_chain(props):
@@ -78,6 +92,8 @@ def zesMemoryGetState(hMemory, st):
     C = rt.C
     if mod.kind != "memmodule":
         return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+    if not st:          # (r79b) zes_api.h @returns: INVALID_NULL_POINTER, "`nullptr == pState`"
+        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
     if st.stype != C.ZES_STRUCTURE_TYPE_MEM_STATE:
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
     if _extension_chain(st):
