@@ -15,7 +15,7 @@ import struct
 from . import _memory, core, kernels
 from .core import ffi
 from .ze.commands import _Op, _append, _events, _inaccessible
-from .ze.common import _ready
+from .ze.common import _ready, _struct_code
 from .ze.discovery import _GROUPS
 from .ze.objects import _Obj
 from .ze.virtual_memory import _vmm_range
@@ -36,6 +36,18 @@ def _get(rt, handle, kind: str):
     """(object, its fields) for a live handle of ``kind``, or (None, None)."""
     obj = rt.get(handle, kind)
     return (None, None) if obj is None else (obj, obj.f)
+
+
+def _ready_fields(handle, kind: str):
+    """(runtime, object, its fields, 0), or (None, None, None, code): _ready, then _get
+    (ZE_RESULT_ERROR_INVALID_NULL_HANDLE for no live handle of ``kind``)."""
+    rt, rc = _ready()
+    if rc:
+        return None, None, None, rc
+    obj, f = _get(rt, handle, kind)
+    if obj is None:
+        return None, None, None, rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    return rt, obj, f, 0
 
 
 #: ze_device_module_properties_t.spirvVersionSupported of the simulated devices (ze/discovery.py).
@@ -126,12 +138,11 @@ def zeModuleCreate(hContext, hDevice, desc, phModule, phBuildLog):
         return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     if desc == ffi.NULL or phModule == ffi.NULL:
         return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
-    if desc.stype != C.ZE_STRUCTURE_TYPE_MODULE_DESC:
-        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
-    if desc.pNext:
-        # an extension structure (ze/memory.py, _no_extension: ze_module_program_exp_desc_t links
-        # several inputs): not simulated, refused
-        return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE
+    # an extension structure (ze/memory.py, _no_extension: ze_module_program_exp_desc_t links
+    # several inputs): not simulated, refused
+    rc = _struct_code(C, desc, "ZE_STRUCTURE_TYPE_MODULE_DESC")
+    if rc:
+        return rc
     if desc.format > C.ZE_MODULE_FORMAT_NATIVE:
         # (r70h) ze_api.h, zeModuleCreate @returns: ZE_RESULT_ERROR_INVALID_ENUMERATION for
         # "ZE_MODULE_FORMAT_NATIVE < desc->format" (the simulator answered INVALID_NATIVE_BINARY)
@@ -210,12 +221,9 @@ def _bad_build_option(flags) -> str:
 
 
 def zeModuleBuildLogGetString(hModuleBuildLog, pSize, pBuildLog):
-    rt, rc = _ready()
+    rt, obj, f, rc = _ready_fields(hModuleBuildLog, "buildlog")
     if rc:
         return rc
-    obj, f = _get(rt, hModuleBuildLog, "buildlog")
-    if obj is None:
-        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     if pSize == ffi.NULL:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
     raw = f["text"].encode() + b"\0"
@@ -230,23 +238,17 @@ def zeModuleBuildLogGetString(hModuleBuildLog, pSize, pBuildLog):
 
 
 def zeModuleBuildLogDestroy(hModuleBuildLog):
-    rt, rc = _ready()
+    rt, obj, _f, rc = _ready_fields(hModuleBuildLog, "buildlog")
     if rc:
         return rc
-    obj, _f = _get(rt, hModuleBuildLog, "buildlog")
-    if obj is None:
-        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     rt._forget(obj)
     return 0
 
 
 def zeModuleDestroy(hModule):
-    rt, rc = _ready()
+    rt, obj, f, rc = _ready_fields(hModule, "module")
     if rc:
         return rc
-    obj, f = _get(rt, hModule, "module")
-    if obj is None:
-        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     # ze_api.h, zeModuleDestroy: "The application must destroy all kernel handles created from the
     # module before destroying the module itself."
     if f["kernels"]:
@@ -256,19 +258,15 @@ def zeModuleDestroy(hModule):
 
 
 def zeKernelCreate(hModule, desc, phKernel):
-    rt, rc = _ready()
+    rt, mod, f, rc = _ready_fields(hModule, "module")
     if rc:
         return rc
     C = rt.C
-    mod, f = _get(rt, hModule, "module")
-    if mod is None:
-        return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     if desc == ffi.NULL or phKernel == ffi.NULL or desc.pKernelName == ffi.NULL:
         return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
-    if desc.stype != C.ZE_STRUCTURE_TYPE_KERNEL_DESC:
-        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
-    if desc.pNext:
-        return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE   # an extension structure (ze/memory.py, _no_extension)
+    rc = _struct_code(C, desc, "ZE_STRUCTURE_TYPE_KERNEL_DESC")   # an extension structure: ze/memory.py, _no_extension
+    if rc:
+        return rc
     if desc.flags > 0x3:
         # ze_api.h, zeKernelCreate @returns: ZE_RESULT_ERROR_INVALID_ENUMERATION for
         # `0x3 < desc->flags` (ze_kernel_flag_t has FORCE_RESIDENCY 0x1, EXPLICIT_RESIDENCY 0x2)
@@ -284,12 +282,9 @@ def zeKernelCreate(hModule, desc, phKernel):
 
 
 def zeKernelDestroy(hKernel):
-    rt, rc = _ready()
+    rt, obj, f, rc = _ready_fields(hKernel, "kernel")
     if rc:
         return rc
-    obj, f = _get(rt, hKernel, "kernel")
-    if obj is None:
-        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     with rt.lock:
         # ze_api.h, zeKernelDestroy: "The application is responsible for making sure the device is
         # not currently referencing the kernel before it is deleted": a launch submitted and not
@@ -302,12 +297,9 @@ def zeKernelDestroy(hKernel):
 
 
 def zeKernelSetGroupSize(hKernel, groupSizeX, groupSizeY, groupSizeZ):
-    rt, rc = _ready()
+    rt, obj, f, rc = _ready_fields(hKernel, "kernel")
     if rc:
         return rc
-    obj, f = _get(rt, hKernel, "kernel")
-    if obj is None:
-        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     size = (groupSizeX, groupSizeY, groupSizeZ)
     # ze_api.h: ZE_RESULT_ERROR_INVALID_GROUP_SIZE_DIMENSION for a size the device does not
     # support (ze_device_compute_properties_t: maxGroupSize{X,Y,Z}, maxTotalGroupSize; the
@@ -325,12 +317,9 @@ def zeKernelSetGroupSize(hKernel, groupSizeX, groupSizeY, groupSizeZ):
 
 
 def zeKernelSetArgumentValue(hKernel, argIndex, argSize, pArgValue):
-    rt, rc = _ready()
+    rt, obj, f, rc = _ready_fields(hKernel, "kernel")
     if rc:
         return rc
-    obj, f = _get(rt, hKernel, "kernel")
-    if obj is None:
-        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     ref = kernels.lookup(f["name"])
     if ref is not None:
         # ze_api.h, zeKernelSetArgumentValue: ZE_RESULT_ERROR_INVALID_KERNEL_ARGUMENT_INDEX /

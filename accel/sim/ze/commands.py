@@ -9,7 +9,7 @@ from typing import Optional
 from .. import _memory, _ze_counters, core
 from ..core import ffi
 from .objects import _CmdList, _CmdQueue, _Device, _Runtime
-from .common import _addr, _flags_unknown, _ready
+from .common import _addr, _flags_unknown, _ready, _ready_get, _struct_arg_code
 from .discovery import _GROUPS, _fill_pattern_max
 from .events import _device_signal, _host_wait, _host_waiting, _scope_problem
 from .virtual_memory import _reservation_ctx, _vmm_range
@@ -20,27 +20,21 @@ from .virtual_memory import _reservation_ctx, _vmm_range
 def _queue_target(hContext, hDevice, desc, out, expected_stype: str, ordinal_field: str):
     """The checks every creator of a queue or command list makes: ``(rc, rt, dev)``,
     with ``rc`` the result code to return when it is not 0."""
-    rt, rc = _ready()
+    rt, _context, rc = _ready_get(_ready, hContext, "context")
     if rc:
         return rc, rt, None
     C = rt.C
-    if rt.get(hContext, "context") is None:
-        return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE, rt, None
     dev = rt.get(hDevice, "device")
     if dev is None:
         return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE, rt, None
-    if not desc or not out:
-        # (r70h) ze_api.h @returns: "nullptr == desc" (altdesc), "nullptr == phCommandList" /
-        # "nullptr == phCommandQueue" (memory.py, _null_pointers): the list or queue, with its
-        # engine queue, was made and leaked before the write to a NULL out-pointer raised
-        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER, rt, None
-    stype, pnext, ordinal = desc.stype, desc.pNext, getattr(desc, ordinal_field)
-    if stype != getattr(C, expected_stype):
-        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION, rt, None
-    if pnext:
-        # an extension structure (memory.py, _no_extension): not simulated, refused
-        return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE, rt, None
-    if ordinal >= len(_GROUPS):
+    # (r70h) ze_api.h @returns: "nullptr == desc" (altdesc), "nullptr == phCommandList" /
+    # "nullptr == phCommandQueue" (memory.py, _null_pointers): the list or queue, with its
+    # engine queue, was made and leaked before the write to a NULL out-pointer raised.
+    # An extension structure (memory.py, _no_extension): not simulated, refused.
+    rc = _struct_arg_code(C, desc, expected_stype, out)
+    if rc:
+        return rc, rt, None
+    if getattr(desc, ordinal_field) >= len(_GROUPS):
         return C.ZE_RESULT_ERROR_INVALID_ARGUMENT, rt, None
     return 0, rt, dev
 
@@ -109,12 +103,9 @@ def _busy(cl: _CmdList) -> bool:
 
 
 def zeCommandListDestroy(hCommandList):
-    rt, rc = _ready()
+    rt, cl, rc = _ready_get(_ready, hCommandList, "cmdlist")
     if rc:
         return rc
-    cl = rt.get(hCommandList, "cmdlist")
-    if cl is None:
-        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     if _busy(cl):
         return rt.C.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE   # the device still references it
     with rt.lock:
@@ -130,12 +121,9 @@ def zeCommandListDestroy(hCommandList):
 
 
 def zeCommandListClose(hCommandList):
-    rt, rc = _ready()
+    rt, cl, rc = _ready_get(_ready, hCommandList, "cmdlist")
     if rc:
         return rc
-    cl = rt.get(hCommandList, "cmdlist")
-    if cl is None:
-        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     if cl.immediate:
         return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
     if cl.closed:
@@ -150,12 +138,9 @@ def zeCommandListClose(hCommandList):
 
 
 def zeCommandListReset(hCommandList):
-    rt, rc = _ready()
+    rt, cl, rc = _ready_get(_ready, hCommandList, "cmdlist")
     if rc:
         return rc
-    cl = rt.get(hCommandList, "cmdlist")
-    if cl is None:
-        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     if _busy(cl):
         return rt.C.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE
     cl.ops.clear()
@@ -674,12 +659,9 @@ def _vmm_append(rt, hCommandList, sides, work, waits, sig, label, usm, usm_range
 
 
 def zeCommandListAppendSignalEvent(hCommandList, hEvent):
-    rt, rc = _ready()
+    rt, ev, rc = _ready_get(_ready, hEvent, "event")
     if rc:
         return rc
-    ev = rt.get(hEvent, "event")
-    if ev is None:
-        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     return _append(rt, hCommandList, _Op(None, (), ev, work=False, label="signal"))
 
 
@@ -699,12 +681,9 @@ def zeCommandListAppendWaitOnEvents(hCommandList, numEvents, phEvents):
 
 
 def zeCommandListAppendEventReset(hCommandList, hEvent):
-    rt, rc = _ready()
+    rt, ev, rc = _ready_get(_ready, hEvent, "event")
     if rc:
         return rc
-    ev = rt.get(hEvent, "event")
-    if ev is None:
-        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     return _append(rt, hCommandList, _Op(None, (), None, ev, work=False, label="reset"))
 
 
@@ -763,12 +742,9 @@ def zeCommandQueueCreate(hContext, hDevice, desc, phCommandQueue):
 
 
 def zeCommandQueueDestroy(hCommandQueue):
-    rt, rc = _ready()
+    rt, cq, rc = _ready_get(_ready, hCommandQueue, "cmdqueue")
     if rc:
         return rc
-    cq = rt.get(hCommandQueue, "cmdqueue")
-    if cq is None:
-        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     if not cq.queue.idle():
         return rt.C.ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE
     with rt.lock:
@@ -781,13 +757,10 @@ def zeCommandQueueDestroy(hCommandQueue):
 
 
 def zeCommandQueueExecuteCommandLists(hCommandQueue, numCommandLists, phCommandLists, hFence):
-    rt, rc = _ready()
+    rt, cq, rc = _ready_get(_ready, hCommandQueue, "cmdqueue")
     if rc:
         return rc
     C = rt.C
-    cq = rt.get(hCommandQueue, "cmdqueue")
-    if cq is None:
-        return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     if not phCommandLists:
         # ze_api.h, zeCommandQueueExecuteCommandLists @returns: INVALID_NULL_POINTER for
         # `nullptr == phCommandLists` (the simulator dereferenced it: a Python RuntimeError)
@@ -881,12 +854,9 @@ def _unreset_signal(cl, pending: dict) -> bool:
 
 
 def zeCommandQueueSynchronize(hCommandQueue, timeout):
-    rt, rc = _ready()
+    rt, cq, rc = _ready_get(_ready, hCommandQueue, "cmdqueue")
     if rc:
         return rc
-    cq = rt.get(hCommandQueue, "cmdqueue")
-    if cq is None:
-        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     q = cq.queue
     target = q.enqueued
     with _host_waiting(rt, cq):     # (r73c) zeCommandQueueDestroy meanwhile is refused

@@ -103,6 +103,45 @@ def _ready():
     return rt, 0
 
 
+def _ready_get(ready, handle, kind: str):
+    """(runtime, object, 0), or (None, None, code): ``ready()``, then the live handle of ``kind``
+    (ZE_RESULT_ERROR_INVALID_NULL_HANDLE for none).  ``ready`` is the calling module's ``_ready``,
+    looked up there at each call: the tests wrap a module's ``_ready`` to act between two calls."""
+    rt, rc = ready()
+    if rc:
+        return None, None, rc
+    obj = rt.get(handle, kind)
+    if obj is None:
+        return None, None, rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+    return rt, obj, 0
+
+
+# (r72a) pNext of every property structure: "[in,out][optional] must be null or a pointer to an
+# extension-specific structure (i.e. contains sType and pNext)" (ze_api.h).  A chained structure asks
+# the driver to fill an extension's properties too (ze_device_ip_version_ext_t,
+# ze_device_memory_ext_properties_t, ze_device_luid_ext_properties_t, ze_external_memory_export_fd_t
+# on zeMemGetAllocProperties, ...).  The simulator has no extension: it returned success and left the
+# chained structure as the caller wrote it, so a program read its own zeros (or garbage) as the
+# driver's answer.  Refused now, as the creation descriptors' chains are (memory.py, _no_extension):
+# ZE_RESULT_ERROR_UNSUPPORTED_FEATURE, nothing written.
+def _struct_code(C, struct, stype_name: str) -> int:
+    """0, or the code refusing a structure (ze_* or zes_*, in or out) of another stype
+    (ZE_RESULT_ERROR_INVALID_ENUMERATION) or with an extension structure chained to it (r72a)."""
+    if struct.stype != getattr(C, stype_name):
+        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
+    if struct.pNext:
+        return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE
+    return 0
+
+
+def _struct_arg_code(C, struct, stype_name: str, *out_pointers) -> int:
+    """0, or the code refusing a NULL ``struct`` or out-pointer (ZE_RESULT_ERROR_INVALID_NULL_POINTER:
+    "nullptr == desc", "nullptr == pProperties", ... in each function's @returns), then _struct_code."""
+    if not struct or not all(out_pointers):
+        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
+    return _struct_code(C, struct, stype_name)
+
+
 def _sysman(handle):
     """(runtime, Sysman object, 0) or (None, None, code): cards and memory modules after
     zesInit; core devices (and their modules) when ZES_ENABLE_SYSMAN=1 was set at zeInit."""

@@ -9,7 +9,7 @@ import time
 
 from .. import core
 from .objects import _Device, _Runtime, _runtime
-from .common import _fill, _ready, _visible
+from .common import _fill, _ready, _ready_get, _struct_arg_code, _struct_code, _visible
 
 
 # -- initialization and discovery --------------------------------------------------------
@@ -86,11 +86,9 @@ def zeDriverGet(pCount, phDrivers):
 
 
 def zeDriverGetApiVersion(hDriver, version):
-    rt, rc = _ready()
+    rt, _driver, rc = _ready_get(_ready, hDriver, "driver")
     if rc:
         return rc
-    if rt.get(hDriver, "driver") is None:
-        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     if not version:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER    # _NULL_OUT
     major, minor = rt.zcfg.api_version
@@ -98,52 +96,29 @@ def zeDriverGetApiVersion(hDriver, version):
     return 0
 
 
-# (r72a) pNext of every property structure: "[in,out][optional] must be null or a pointer to an
-# extension-specific structure (i.e. contains sType and pNext)" (ze_api.h).  A chained structure asks
-# the driver to fill an extension's properties too (ze_device_ip_version_ext_t,
-# ze_device_memory_ext_properties_t, ze_device_luid_ext_properties_t, ze_external_memory_export_fd_t
-# on zeMemGetAllocProperties, ...).  The simulator has no extension: it returned success and left the
-# chained structure as the caller wrote it, so a program read its own zeros (or garbage) as the
-# driver's answer.  Refused now, as the creation descriptors' chains are (memory.py, _no_extension):
-# ZE_RESULT_ERROR_UNSUPPORTED_FEATURE, nothing written.
-def _extension_chain(props) -> bool:
-    """Whether a property structure (ze_* or zes_*) has an extension structure chained to it."""
-    return bool(props.pNext)
-
-
 def zeDriverGetProperties(hDriver, props):
-    rt, rc = _ready()
+    rt, _driver, rc = _ready_get(_ready, hDriver, "driver")
     if rc:
         return rc
-    if rt.get(hDriver, "driver") is None:
-        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
-    if not props:
-        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER    # _NULL_OUT
-    if props.stype != rt.C.ZE_STRUCTURE_TYPE_DRIVER_PROPERTIES:
-        return rt.C.ZE_RESULT_ERROR_INVALID_ENUMERATION
-    if _extension_chain(props):
-        return rt.C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE     # (r72a) _extension_chain
+    rc = _struct_arg_code(rt.C, props, "ZE_STRUCTURE_TYPE_DRIVER_PROPERTIES")    # _NULL_OUT; (r72a)
+    if rc:
+        return rc
     props.uuid.id = list(b"accel-sim-ze-drv")
     props.driverVersion = 0x01030000 | 29735
     return 0
 
 
 def zeDeviceGet(hDriver, pCount, phDevices):
-    rt, rc = _ready()
+    rt, _driver, rc = _ready_get(_ready, hDriver, "driver")
     if rc:
         return rc
-    if rt.get(hDriver, "driver") is None:
-        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     return _fill(pCount, phDevices, rt.devices)
 
 
 def zeDeviceGetSubDevices(hDevice, pCount, phSubdevices):
-    rt, rc = _ready()
+    rt, dev, rc = _ready_get(_ready, hDevice, "device")
     if rc:
         return rc
-    dev = rt.get(hDevice, "device")
-    if dev is None:
-        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     return _fill(pCount, phSubdevices, dev.subdevices)
 
 
@@ -181,12 +156,9 @@ def _write_core_properties(rt: _Runtime, props, dev_uuid: bytes, is_sub: bool, t
 
 
 def zeDeviceGetProperties(hDevice, props):
-    rt, rc = _ready()
+    rt, dev, rc = _ready_get(_ready, hDevice, "device")
     if rc:
         return rc
-    dev = rt.get(hDevice, "device")
-    if dev is None:
-        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     C = rt.C
     if props:
         if props.stype == C.ZE_STRUCTURE_TYPE_DEVICE_PROPERTIES_1_2 and rt.zcfg.api_version < (1, 2):
@@ -201,8 +173,8 @@ def zeDeviceGetProperties(hDevice, props):
             # now the stype is refused as IN_ORDER flags are before 1.7 (commands.py): INVALID_ENUMERATION.
             return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
         if props.stype in (C.ZE_STRUCTURE_TYPE_DEVICE_PROPERTIES, C.ZE_STRUCTURE_TYPE_DEVICE_PROPERTIES_1_2) \
-                and _extension_chain(props):
-            return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE     # (r72a) _extension_chain
+                and props.pNext:
+            return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE     # (r72a) common._struct_code
     return _write_core_properties(rt, props, dev.uuid, dev.is_sub, dev.tiles[0], len(dev.tiles))
 
 
@@ -227,17 +199,12 @@ def zeDeviceCanAccessPeer(hDevice, hPeerDevice, value):
 
 
 def zeDeviceGetComputeProperties(hDevice, props):
-    rt, rc = _ready()
+    rt, _device, rc = _ready_get(_ready, hDevice, "device")
     if rc:
         return rc
-    if rt.get(hDevice, "device") is None:
-        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
-    if not props:
-        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER    # _NULL_OUT
-    if props.stype != rt.C.ZE_STRUCTURE_TYPE_DEVICE_COMPUTE_PROPERTIES:
-        return rt.C.ZE_RESULT_ERROR_INVALID_ENUMERATION
-    if _extension_chain(props):
-        return rt.C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE     # (r72a) _extension_chain
+    rc = _struct_arg_code(rt.C, props, "ZE_STRUCTURE_TYPE_DEVICE_COMPUTE_PROPERTIES")    # _NULL_OUT; (r72a)
+    if rc:
+        return rc
     props.maxTotalGroupSize = 1024
     props.maxGroupSizeX = props.maxGroupSizeY = props.maxGroupSizeZ = 1024
     props.maxGroupCountX = props.maxGroupCountY = props.maxGroupCountZ = 0xFFFFFFFF
@@ -248,38 +215,29 @@ def zeDeviceGetComputeProperties(hDevice, props):
 
 
 def zeDeviceGetModuleProperties(hDevice, props):
-    rt, rc = _ready()
+    rt, _device, rc = _ready_get(_ready, hDevice, "device")
     if rc:
         return rc
-    if rt.get(hDevice, "device") is None:
-        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
-    if not props:
-        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER    # _NULL_OUT
-    if props.stype != rt.C.ZE_STRUCTURE_TYPE_DEVICE_MODULE_PROPERTIES:
-        return rt.C.ZE_RESULT_ERROR_INVALID_ENUMERATION
-    if _extension_chain(props):
-        return rt.C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE     # (r72a) _extension_chain
+    rc = _struct_arg_code(rt.C, props, "ZE_STRUCTURE_TYPE_DEVICE_MODULE_PROPERTIES")    # _NULL_OUT; (r72a)
+    if rc:
+        return rc
     props.spirvVersionSupported = (1 << 16) | 2
     props.flags = rt.C.ZE_DEVICE_MODULE_FLAG_FP16 | (rt.C.ZE_DEVICE_MODULE_FLAG_FP64 if rt.zcfg.fp64 else 0)
     return 0
 
 
 def zeDeviceGetMemoryProperties(hDevice, pCount, props):
-    rt, rc = _ready()
+    rt, dev, rc = _ready_get(_ready, hDevice, "device")
     if rc:
         return rc
-    dev = rt.get(hDevice, "device")
-    if dev is None:
-        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     if not pCount:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER    # _NULL_OUT
     if pCount[0] == 0 or not props:
         pCount[0] = 1
         return 0
-    if props[0].stype != rt.C.ZE_STRUCTURE_TYPE_DEVICE_MEMORY_PROPERTIES:
-        return rt.C.ZE_RESULT_ERROR_INVALID_ENUMERATION
-    if _extension_chain(props[0]):
-        return rt.C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE     # (r72a) _extension_chain
+    rc = _struct_code(rt.C, props[0], "ZE_STRUCTURE_TYPE_DEVICE_MEMORY_PROPERTIES")     # (r72a)
+    if rc:
+        return rc
     props[0].flags = 0
     props[0].maxClockRate = 3200
     props[0].maxBusWidth = 8192
@@ -300,11 +258,9 @@ def _fill_pattern_max(ordinal: int) -> int:
 
 
 def zeDeviceGetCommandQueueGroupProperties(hDevice, pCount, props):
-    rt, rc = _ready()
+    rt, _device, rc = _ready_get(_ready, hDevice, "device")
     if rc:
         return rc
-    if rt.get(hDevice, "device") is None:
-        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     C = rt.C
     if not pCount:
         return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER       # _NULL_OUT
@@ -314,10 +270,9 @@ def zeDeviceGetCommandQueueGroupProperties(hDevice, pCount, props):
     k = min(pCount[0], len(_GROUPS))
     for i in range(k):
         kind, nq = _GROUPS[i]
-        if props[i].stype != C.ZE_STRUCTURE_TYPE_COMMAND_QUEUE_GROUP_PROPERTIES:
-            return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
-        if _extension_chain(props[i]):
-            return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE    # (r72a) _extension_chain
+        rc = _struct_code(C, props[i], "ZE_STRUCTURE_TYPE_COMMAND_QUEUE_GROUP_PROPERTIES")    # (r72a)
+        if rc:
+            return rc
         flags = C.ZE_COMMAND_QUEUE_GROUP_PROPERTY_FLAG_COPY
         if kind == "compute":
             flags |= C.ZE_COMMAND_QUEUE_GROUP_PROPERTY_FLAG_COMPUTE | C.ZE_COMMAND_QUEUE_GROUP_PROPERTY_FLAG_METRICS
@@ -329,11 +284,9 @@ def zeDeviceGetCommandQueueGroupProperties(hDevice, pCount, props):
 
 
 def zeDeviceGetGlobalTimestamps(hDevice, hostTimestamp, deviceTimestamp):
-    rt, rc = _ready()
+    rt, _device, rc = _ready_get(_ready, hDevice, "device")
     if rc:
         return rc
-    if rt.get(hDevice, "device") is None:
-        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     if not hostTimestamp or not deviceTimestamp:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER    # _NULL_OUT
     hostTimestamp[0] = time.monotonic_ns()

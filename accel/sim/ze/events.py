@@ -11,27 +11,22 @@ from typing import Optional
 from .. import core
 from ..core import ffi
 from .objects import _UINT64_MAX, _Event, _Pool, _Runtime
-from .common import _flags_unknown, _ready
+from .common import _flags_unknown, _ready, _ready_get, _struct_arg_code
 
 
 # -- events ------------------------------------------------------------------------------------
 
 def zeEventPoolCreate(hContext, desc, numDevices, phDevices, phEventPool):
-    rt, rc = _ready()
+    rt, ctx, rc = _ready_get(_ready, hContext, "context")
     if rc:
         return rc
     C = rt.C
-    ctx = rt.get(hContext, "context")
-    if ctx is None:
-        return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
-    if not desc or not phEventPool:
-        # (r70h) "nullptr == desc", "nullptr == phEventPool" (memory.py, _null_pointers): the pool
-        # was made and leaked before the write to a NULL phEventPool raised
-        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
-    if desc.stype != C.ZE_STRUCTURE_TYPE_EVENT_POOL_DESC:
-        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
-    if desc.pNext:
-        return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE   # an extension structure (memory.py, _no_extension)
+    # (r70h) "nullptr == desc", "nullptr == phEventPool" (memory.py, _null_pointers): the pool
+    # was made and leaked before the write to a NULL phEventPool raised.  An extension structure:
+    # memory.py, _no_extension.
+    rc = _struct_arg_code(C, desc, "ZE_STRUCTURE_TYPE_EVENT_POOL_DESC", phEventPool)
+    if rc:
+        return rc
     if desc.count == 0:
         return C.ZE_RESULT_ERROR_INVALID_SIZE
     if _flags_unknown(rt, "zeEventPoolCreate", desc.flags):   # "0x7 < desc->flags" in v1.4, 0xf from 1.6
@@ -57,12 +52,9 @@ def zeEventPoolCreate(hContext, desc, numDevices, phDevices, phEventPool):
 
 
 def zeEventPoolDestroy(hEventPool):
-    rt, rc = _ready()
+    rt, pool, rc = _ready_get(_ready, hEventPool, "eventpool")
     if rc:
         return rc
-    pool = rt.get(hEventPool, "eventpool")
-    if pool is None:
-        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     # ze_api.h, zeEventPoolDestroy: "The application must destroy all event handles created from
     # the pool before destroying the pool itself."
     if pool.events:
@@ -72,21 +64,16 @@ def zeEventPoolDestroy(hEventPool):
 
 
 def zeEventCreate(hEventPool, desc, phEvent):
-    rt, rc = _ready()
+    rt, pool, rc = _ready_get(_ready, hEventPool, "eventpool")
     if rc:
         return rc
     C = rt.C
-    pool = rt.get(hEventPool, "eventpool")
-    if pool is None:
-        return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
-    if not desc or not phEvent:
-        # (r70h) "nullptr == desc", "nullptr == phEvent" (memory.py, _null_pointers): the event was
-        # made, and held its index of the pool for good, before the write to a NULL phEvent raised
-        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
-    if desc.stype != C.ZE_STRUCTURE_TYPE_EVENT_DESC:
-        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
-    if desc.pNext:
-        return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE   # an extension structure (memory.py, _no_extension)
+    # (r70h) "nullptr == desc", "nullptr == phEvent" (memory.py, _null_pointers): the event was
+    # made, and held its index of the pool for good, before the write to a NULL phEvent raised.
+    # An extension structure: memory.py, _no_extension.
+    rc = _struct_arg_code(C, desc, "ZE_STRUCTURE_TYPE_EVENT_DESC", phEvent)
+    if rc:
+        return rc
     if desc.signal > 0x7 or desc.wait > 0x7:
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION    # "0x7 < desc->signal", "0x7 < desc->wait"
     if desc.index >= pool.count:
@@ -101,12 +88,9 @@ def zeEventCreate(hEventPool, desc, phEvent):
 
 
 def zeEventDestroy(hEvent):
-    rt, rc = _ready()
+    rt, ev, rc = _ready_get(_ready, hEvent, "event")
     if rc:
         return rc
-    ev = rt.get(hEvent, "event")
-    if ev is None:
-        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     with rt.lock:
         # ze_api.h, zeEventDestroy: "The application must ensure the device is not currently
         # referencing the event before it is deleted."

@@ -7,17 +7,15 @@ from __future__ import annotations
 from .. import _memory, core
 from ..core import ffi
 from .objects import _Obj
-from .common import _addr, _ready
+from .common import _addr, _ready, _ready_get, _struct_arg_code
 
 
 # -- contexts and memory --------------------------------------------------------------------
 
 def zeContextCreate(hDriver, desc, phContext):
-    rt, rc = _ready()
+    rt, _driver, rc = _ready_get(_ready, hDriver, "driver")
     if rc:
         return rc
-    if rt.get(hDriver, "driver") is None:
-        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     if not desc or not phContext:
         return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER     # _null_pointers
     if desc.stype != rt.C.ZE_STRUCTURE_TYPE_CONTEXT_DESC or desc.flags > 0x1:
@@ -52,12 +50,9 @@ _OWNER = {"cmdlist": "ctx", "cmdqueue": "ctx", "eventpool": "context"}
 
 
 def zeContextDestroy(hContext):
-    rt, rc = _ready()
+    rt, ctx, rc = _ready_get(_ready, hContext, "context")
     if rc:
         return rc
-    ctx = rt.get(hContext, "context")
-    if ctx is None:
-        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     with rt.lock:
         # ze_api.h, zeContextDestroy: "The application must ensure the device is not currently
         # referencing the context before it is deleted" (@returns HANDLE_OBJECT_IN_USE): work
@@ -120,21 +115,17 @@ def _allocate(size, kind, device, alignment):
 
 
 def zeMemAllocDevice(hContext, desc, size, alignment, hDevice, pptr):
-    rt, rc = _ready()
+    rt, _context, rc = _ready_get(_ready, hContext, "context")
     if rc:
         return rc
     C = rt.C
-    if rt.get(hContext, "context") is None:
-        return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     dev = rt.get(hDevice, "device")
     if dev is None:
         return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
-    if not desc or not pptr:
-        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER    # "nullptr == device_desc", "nullptr == pptr"
-    if desc.stype != C.ZE_STRUCTURE_TYPE_DEVICE_MEM_ALLOC_DESC:
-        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
-    if desc.pNext:
-        return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE     # an extension structure: _no_extension
+    # "nullptr == device_desc", "nullptr == pptr"; an extension structure: _no_extension
+    rc = _struct_arg_code(C, desc, "ZE_STRUCTURE_TYPE_DEVICE_MEM_ALLOC_DESC", pptr)
+    if rc:
+        return rc
     rc = _alloc_checks(rt, size, alignment, desc.flags, 0x7)
     if rc:
         return rc
@@ -166,18 +157,14 @@ def zeMemAllocDevice(hContext, desc, size, alignment, hDevice, pptr):
 
 
 def zeMemAllocHost(hContext, desc, size, alignment, pptr):
-    rt, rc = _ready()
+    rt, _context, rc = _ready_get(_ready, hContext, "context")
     if rc:
         return rc
     C = rt.C
-    if rt.get(hContext, "context") is None:
-        return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
-    if not desc or not pptr:
-        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER    # "nullptr == host_desc", "nullptr == pptr"
-    if desc.stype != C.ZE_STRUCTURE_TYPE_HOST_MEM_ALLOC_DESC:
-        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
-    if desc.pNext:
-        return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE     # an extension structure: _no_extension
+    # "nullptr == host_desc", "nullptr == pptr"; an extension structure: _no_extension
+    rc = _struct_arg_code(C, desc, "ZE_STRUCTURE_TYPE_HOST_MEM_ALLOC_DESC", pptr)
+    if rc:
+        return rc
     rc = _alloc_checks(rt, size, alignment, desc.flags, 0xF)
     if rc:
         return rc
@@ -203,12 +190,9 @@ def zeMemAllocHost(hContext, desc, size, alignment, pptr):
 
 
 def zeMemFree(hContext, ptr):
-    rt, rc = _ready()
+    rt, ctx, rc = _ready_get(_ready, hContext, "context")
     if rc:
         return rc
-    ctx = rt.get(hContext, "context")
-    if ctx is None:
-        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
     with rt.lock:
         a = rt.memory.by_key.get(ptr)
         if a is None:
@@ -230,21 +214,17 @@ def zeMemFree(hContext, ptr):
 
 
 def zeMemGetAllocProperties(hContext, ptr, props, phDevice):
-    rt, rc = _ready()
+    rt, _context, rc = _ready_get(_ready, hContext, "context")
     if rc:
         return rc
     C = rt.C
-    if rt.get(hContext, "context") is None:
-        return C.ZE_RESULT_ERROR_INVALID_NULL_HANDLE
-    if not _addr(ptr) or not props:
-        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER      # "nullptr == ptr", "nullptr == pMemAllocProperties"
-    if props.stype != C.ZE_STRUCTURE_TYPE_MEMORY_ALLOCATION_PROPERTIES:
-        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
-    if props.pNext:
-        # (r72a) an extension structure chained to the properties (ze_external_memory_export_fd_t
-        # exports the allocation as a dma-buf fd, ze_memory_sub_allocations_exp_properties_t lists
-        # its sub-allocations): not simulated, refused (discovery.py, _extension_chain)
-        return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE
+    # "nullptr == ptr", "nullptr == pMemAllocProperties".  (r72a) an extension structure chained to
+    # the properties (ze_external_memory_export_fd_t exports the allocation as a dma-buf fd,
+    # ze_memory_sub_allocations_exp_properties_t lists its sub-allocations): not simulated, refused
+    # (common._struct_code)
+    rc = _struct_arg_code(C, props, "ZE_STRUCTURE_TYPE_MEMORY_ALLOCATION_PROPERTIES", _addr(ptr))
+    if rc:
+        return rc
     a = rt.memory.find(_addr(ptr))
     if a is not None and rt.alloc_ctx.get(a.base) is not rt.get(hContext, "context"):
         # "memory allocation unrelated to the context ... type will be ZE_MEMORY_TYPE_UNKNOWN"

@@ -9,8 +9,8 @@ import os
 from .. import _ze_counters, core
 from . import objects
 from .objects import _Card
-from .common import _fill, _sysman
-from .discovery import _extension_chain, _write_core_properties
+from .common import _fill, _struct_code, _sysman
+from .discovery import _write_core_properties
 
 
 # -- Sysman -------------------------------------------------------------------------------------------
@@ -19,23 +19,44 @@ def _card_of(obj) -> _Card:
     return obj if obj.kind == "card" else obj.card
 
 
+#: The kinds of a Sysman device handle: a card (zesDeviceGet) or a core device (ZES_ENABLE_SYSMAN=1).
+_DEVICE = ("card", "device")
+
+
+def _component(handle, kinds):
+    """(runtime, Sysman object, 0) or (None, None, code): _sysman, then ZE_RESULT_ERROR_INVALID_ARGUMENT
+    for an object of another kind than ``kinds``.  (r79b) zes_api.h v1.4, zesDevice*: "hDevice [in]
+    Sysman handle of the device"; the docs are silent on another object's handle (a memory module's,
+    a sensor's): refused, as each component call refuses another component's handle."""
+    rt, obj, rc = _sysman(handle)
+    if rc:
+        return None, None, rc
+    if obj.kind not in kinds:
+        return None, None, rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
+    return rt, obj, 0
+
+
+def _query(handle, kinds, out, stype_name=None):
+    """(runtime, Sysman object, 0) or (None, None, code): _component, then a NULL ``out``
+    (ZE_RESULT_ERROR_INVALID_NULL_POINTER) and, given ``stype_name``, the output structure's stype
+    and extension chain (common._struct_code)."""
+    rt, obj, rc = _component(handle, kinds)
+    if rc:
+        return None, None, rc
+    if not out:
+        return None, None, rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
+    rc = _struct_code(rt.C, out, stype_name) if stype_name else 0
+    if rc:
+        return None, None, rc
+    return rt, obj, 0
+
+
 def zesDeviceGetProperties(hDevice, props):
-    rt, dev, rc = _sysman(hDevice)
+    # (r79b) @returns: ZE_RESULT_ERROR_INVALID_NULL_POINTER for "`nullptr == pProperties`"
+    rt, dev, rc = _query(hDevice, _DEVICE, props, "ZES_STRUCTURE_TYPE_DEVICE_PROPERTIES")
     if rc:
         return rc
     C = rt.C
-    # (r79b) zes_api.h v1.4, zesDeviceGetProperties: "hDevice [in] Sysman handle of the device"; the
-    # docs are silent on another object's handle (a memory module's, a sensor's): refused, as the
-    # sibling zesDevice* calls refuse it.
-    if dev.kind not in ("card", "device"):
-        return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
-    # (r79b) @returns: ZE_RESULT_ERROR_INVALID_NULL_POINTER for "`nullptr == pProperties`"
-    if not props:
-        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
-    if props.stype != C.ZES_STRUCTURE_TYPE_DEVICE_PROPERTIES:
-        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
-    if _extension_chain(props):
-        return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE   # (r72a) discovery._extension_chain
     card = _card_of(dev)
     props.core.stype = C.ZE_STRUCTURE_TYPE_DEVICE_PROPERTIES
     rc = _write_core_properties(rt, props.core, card.uuid, False, 0, card.tiles)
@@ -52,29 +73,18 @@ def zesDeviceGetProperties(hDevice, props):
 
 
 def zesDeviceEnumMemoryModules(hDevice, pCount, phMemory):
-    rt, dev, rc = _sysman(hDevice)
+    rt, dev, rc = _component(hDevice, _DEVICE)
     if rc:
         return rc
-    # (r79b) zes_api.h v1.4: "hDevice [in] Sysman handle of the device"; the docs are silent on
-    # another object's handle: refused, as zesDeviceGetProperties.
-    if dev.kind not in ("card", "device"):
-        return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
     return _fill(pCount, phMemory, _card_of(dev).modules)
 
 
 def zesMemoryGetProperties(hMemory, props):
-    rt, mod, rc = _sysman(hMemory)
+    # (r79b) zes_api.h @returns: INVALID_NULL_POINTER, "`nullptr == pProperties`"
+    rt, mod, rc = _query(hMemory, ("memmodule",), props, "ZES_STRUCTURE_TYPE_MEM_PROPERTIES")
     if rc:
         return rc
     C = rt.C
-    if mod.kind != "memmodule":
-        return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
-    if not props:       # (r79b) zes_api.h @returns: INVALID_NULL_POINTER, "`nullptr == pProperties`"
-        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
-    if props.stype != C.ZES_STRUCTURE_TYPE_MEM_PROPERTIES:
-        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
-    if _extension_chain(props):
-        return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE   # (r72a) discovery._extension_chain
     props.type = C.ZES_MEM_TYPE_HBM if mod.location == C.ZES_MEM_LOC_DEVICE else C.ZES_MEM_TYPE_DDR5
     props.onSubdevice = 1 if mod.tile is not None else 0
     props.subdeviceId = mod.tile or 0
@@ -86,18 +96,11 @@ def zesMemoryGetProperties(hMemory, props):
 
 
 def zesMemoryGetState(hMemory, st):
-    rt, mod, rc = _sysman(hMemory)
+    # (r79b) zes_api.h @returns: INVALID_NULL_POINTER, "`nullptr == pState`"
+    rt, mod, rc = _query(hMemory, ("memmodule",), st, "ZES_STRUCTURE_TYPE_MEM_STATE")
     if rc:
         return rc
     C = rt.C
-    if mod.kind != "memmodule":
-        return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
-    if not st:          # (r79b) zes_api.h @returns: INVALID_NULL_POINTER, "`nullptr == pState`"
-        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
-    if st.stype != C.ZES_STRUCTURE_TYPE_MEM_STATE:
-        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
-    if _extension_chain(st):
-        return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE   # (r72a) discovery._extension_chain
     st.health = C.ZES_MEM_HEALTH_OK
     if mod.location != C.ZES_MEM_LOC_DEVICE:
         st.size, st.free = 64 << 30, 48 << 30
@@ -148,27 +151,17 @@ def card_busy(card: _Card) -> bool:
 
 
 def zesDeviceEnumTemperatureSensors(hDevice, pCount, phTemperature):
-    rt, dev, rc = _sysman(hDevice)
+    rt, dev, rc = _component(hDevice, _DEVICE)
     if rc:
         return rc
-    if dev.kind not in ("card", "device"):
-        return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
     return _fill(pCount, phTemperature, _card_of(dev).sensors)
 
 
 def zesTemperatureGetProperties(hTemperature, pProperties):
-    rt, part, rc = _sysman(hTemperature)
+    rt, part, rc = _query(hTemperature, ("tempsensor",), pProperties, "ZES_STRUCTURE_TYPE_TEMP_PROPERTIES")
     if rc:
         return rc
     C = rt.C
-    if part.kind != "tempsensor":
-        return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
-    if not pProperties:
-        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
-    if pProperties.stype != C.ZES_STRUCTURE_TYPE_TEMP_PROPERTIES:
-        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
-    if _extension_chain(pProperties):
-        return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE   # (r72a) discovery._extension_chain
     pProperties.type = C.ZES_TEMP_SENSORS_GPU
     pProperties.onSubdevice = 0
     pProperties.subdeviceId = 0
@@ -180,39 +173,25 @@ def zesTemperatureGetProperties(hTemperature, pProperties):
 
 
 def zesTemperatureGetState(hTemperature, pTemperature):
-    rt, part, rc = _sysman(hTemperature)
+    rt, part, rc = _query(hTemperature, ("tempsensor",), pTemperature)
     if rc:
         return rc
-    if part.kind != "tempsensor":
-        return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
-    if not pTemperature:
-        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
     pTemperature[0] = _TEMP_BUSY if card_busy(part.card) else _TEMP_IDLE
     return 0
 
 
 def zesDeviceEnumFrequencyDomains(hDevice, pCount, phFrequency):
-    rt, dev, rc = _sysman(hDevice)
+    rt, dev, rc = _component(hDevice, _DEVICE)
     if rc:
         return rc
-    if dev.kind not in ("card", "device"):
-        return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
     return _fill(pCount, phFrequency, _card_of(dev).freqs)
 
 
 def zesFrequencyGetProperties(hFrequency, pProperties):
-    rt, part, rc = _sysman(hFrequency)
+    rt, part, rc = _query(hFrequency, ("freqdomain",), pProperties, "ZES_STRUCTURE_TYPE_FREQ_PROPERTIES")
     if rc:
         return rc
     C = rt.C
-    if part.kind != "freqdomain":
-        return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
-    if not pProperties:
-        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
-    if pProperties.stype != C.ZES_STRUCTURE_TYPE_FREQ_PROPERTIES:
-        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
-    if _extension_chain(pProperties):
-        return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE   # (r72a) discovery._extension_chain
     pProperties.type = C.ZES_FREQ_DOMAIN_GPU
     pProperties.onSubdevice = 0
     pProperties.subdeviceId = 0
@@ -224,18 +203,9 @@ def zesFrequencyGetProperties(hFrequency, pProperties):
 
 
 def zesFrequencyGetState(hFrequency, pState):
-    rt, part, rc = _sysman(hFrequency)
+    rt, part, rc = _query(hFrequency, ("freqdomain",), pState, "ZES_STRUCTURE_TYPE_FREQ_STATE")
     if rc:
         return rc
-    C = rt.C
-    if part.kind != "freqdomain":
-        return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
-    if not pState:
-        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
-    if pState.stype != C.ZES_STRUCTURE_TYPE_FREQ_STATE:
-        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
-    if _extension_chain(pState):
-        return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE   # (r72a) discovery._extension_chain
     actual = _FREQ_MAX if card_busy(part.card) else _FREQ_MIN
     pState.currentVoltage = -1.0      # zes_api.h: negative = not known
     pState.request = actual
@@ -247,14 +217,10 @@ def zesFrequencyGetState(hFrequency, pState):
 
 
 def zesDeviceProcessesGetState(hDevice, pCount, pProcesses):
-    rt, dev, rc = _sysman(hDevice)
+    rt, dev, rc = _query(hDevice, _DEVICE, pCount)
     if rc:
         return rc
     C = rt.C
-    if dev.kind not in ("card", "device"):
-        return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
-    if not pCount:
-        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
     card = _card_of(dev)
     procs = []
     if rt.initialized and any(d.card is card for d in rt.devices):
@@ -269,10 +235,9 @@ def zesDeviceProcessesGetState(hDevice, pCount, pProcesses):
         return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
     for k, (pid, mem) in enumerate(procs[:n]):
         st = pProcesses[k]
-        if st.stype != C.ZES_STRUCTURE_TYPE_PROCESS_STATE:
-            return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
-        if _extension_chain(st):
-            return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE   # (r72a) discovery._extension_chain
+        rc = _struct_code(C, st, "ZES_STRUCTURE_TYPE_PROCESS_STATE")
+        if rc:
+            return rc
         st.processId = pid
         st.memSize = mem
         st.sharedSize = 0
@@ -292,38 +257,18 @@ _ENGINE_GROUP = {"all": "ZES_ENGINE_GROUP_ALL", "compute": "ZES_ENGINE_GROUP_COM
                  "copy": "ZES_ENGINE_GROUP_COPY_ALL"}
 
 
-def _component(handle, kind: str):
-    """(runtime, component, 0) or (None, None, code) for a Sysman component of ``kind``."""
-    rt, obj, rc = _sysman(handle)
-    if rc:
-        return None, None, rc
-    if obj.kind != kind:
-        return None, None, rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
-    return rt, obj, 0
-
-
 def zesDeviceEnumEngineGroups(hDevice, pCount, phEngine):
-    rt, dev, rc = _sysman(hDevice)
+    rt, dev, rc = _component(hDevice, _DEVICE)
     if rc:
         return rc
-    if dev.kind not in ("card", "device"):
-        return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
-    if not pCount:
-        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
     return _fill(pCount, phEngine, _card_of(dev).engines)
 
 
 def zesEngineGetProperties(hEngine, pProperties):
-    rt, eng, rc = _component(hEngine, "engine")
+    rt, eng, rc = _query(hEngine, ("engine",), pProperties, "ZES_STRUCTURE_TYPE_ENGINE_PROPERTIES")
     if rc:
         return rc
     C = rt.C
-    if not pProperties:
-        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
-    if pProperties.stype != C.ZES_STRUCTURE_TYPE_ENGINE_PROPERTIES:
-        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
-    if _extension_chain(pProperties):
-        return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE   # (r72a) discovery._extension_chain
     pProperties.type = getattr(C, _ENGINE_GROUP[eng.group])
     pProperties.onSubdevice = 0 if eng.tile is None else 1
     pProperties.subdeviceId = eng.tile or 0
@@ -331,11 +276,9 @@ def zesEngineGetProperties(hEngine, pProperties):
 
 
 def zesEngineGetActivity(hEngine, pStats):
-    rt, eng, rc = _component(hEngine, "engine")
+    rt, eng, rc = _query(hEngine, ("engine",), pStats)
     if rc:
         return rc
-    if not pStats:
-        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
     with rt.lock:
         meters = eng.meters()
         # zes_engine_stats_t: activeTime, "monotonic counter for time in microseconds that this
@@ -346,12 +289,10 @@ def zesEngineGetActivity(hEngine, pStats):
 
 
 def zesMemoryGetBandwidth(hMemory, pBandwidth):
-    rt, mod, rc = _component(hMemory, "memmodule")
+    rt, mod, rc = _query(hMemory, ("memmodule",), pBandwidth)
     if rc:
         return rc
     C = rt.C
-    if not pBandwidth:
-        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
     if mod.location != C.ZES_MEM_LOC_DEVICE:
         # System memory traffic is not simulated; zes_api.h lists no code for a module without
         # bandwidth counters: the simulator refuses with the generic one.
@@ -366,39 +307,24 @@ def zesMemoryGetBandwidth(hMemory, pBandwidth):
 
 
 def zesDeviceEnumPowerDomains(hDevice, pCount, phPower):
-    rt, dev, rc = _sysman(hDevice)
+    rt, dev, rc = _component(hDevice, _DEVICE)
     if rc:
         return rc
-    if dev.kind not in ("card", "device"):
-        return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
-    if not pCount:
-        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
     return _fill(pCount, phPower, _card_of(dev).powers)
 
 
 def zesDeviceGetCardPowerDomain(hDevice, phPower):
-    rt, dev, rc = _sysman(hDevice)
+    rt, dev, rc = _query(hDevice, _DEVICE, phPower)
     if rc:
         return rc
-    if dev.kind not in ("card", "device"):
-        return rt.C.ZE_RESULT_ERROR_INVALID_ARGUMENT
-    if not phPower:
-        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
     phPower[0] = _card_of(dev).powers[0].key     # "power domain handle for the entire PCIe card"
     return 0
 
 
 def zesPowerGetProperties(hPower, pProperties):
-    rt, pwr, rc = _component(hPower, "power")
+    rt, pwr, rc = _query(hPower, ("power",), pProperties, "ZES_STRUCTURE_TYPE_POWER_PROPERTIES")
     if rc:
         return rc
-    C = rt.C
-    if not pProperties:
-        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
-    if pProperties.stype != C.ZES_STRUCTURE_TYPE_POWER_PROPERTIES:
-        return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
-    if _extension_chain(pProperties):
-        return C.ZE_RESULT_ERROR_UNSUPPORTED_FEATURE   # (r72a) discovery._extension_chain
     pProperties.onSubdevice = 0 if pwr.tile is None else 1
     pProperties.subdeviceId = pwr.tile or 0
     pProperties.canControl = 0
@@ -410,11 +336,9 @@ def zesPowerGetProperties(hPower, pProperties):
 
 
 def zesPowerGetEnergyCounter(hPower, pEnergy):
-    rt, pwr, rc = _component(hPower, "power")
+    rt, pwr, rc = _query(hPower, ("power",), pEnergy)
     if rc:
         return rc
-    if not pEnergy:
-        return rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
     with rt.lock:
         now = _ze_counters.now_us()
         # zes_power_energy_counter_t: energy, "the monotonic energy counter in microjoules"

@@ -42,8 +42,30 @@ def _vmm_ready(hContext):
     return rt, ctx, 0
 
 
+def _vmm_address(hContext, ptr, *out_pointers):
+    """(runtime, context, address, 0) or (None, None, 0, code): _vmm_ready, then
+    ZE_RESULT_ERROR_INVALID_NULL_POINTER for a NULL ``ptr`` or out-pointer."""
+    rt, ctx, rc = _vmm_ready(hContext)
+    if rc:
+        return None, None, 0, rc
+    base = _addr(ptr)
+    if not base or not all(out_pointers):
+        return None, None, 0, rt.C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
+    return rt, ctx, base, 0
+
+
 def _page_aligned(*values) -> bool:
     return all(v % _vmm.GRANULARITY == 0 for v in values)
+
+
+def _extent_code(C, size: int, *addresses) -> int:
+    """0, or the code refusing an empty range (UNSUPPORTED_SIZE: "0 == size") or a size or address
+    that is not page aligned (UNSUPPORTED_ALIGNMENT)."""
+    if size == 0:
+        return C.ZE_RESULT_ERROR_UNSUPPORTED_SIZE
+    if not _page_aligned(size, *addresses):
+        return C.ZE_RESULT_ERROR_UNSUPPORTED_ALIGNMENT
+    return 0
 
 
 def _reservation_ctx(rt, addr: int, ctx) -> bool:
@@ -93,17 +115,13 @@ def zeVirtualMemReserve(hContext, pStart, size, pptr):
 
 
 def zeVirtualMemFree(hContext, ptr, size):
-    rt, ctx, rc = _vmm_ready(hContext)
+    rt, ctx, base, rc = _vmm_address(hContext, ptr)
     if rc:
         return rc
     C = rt.C
-    base = _addr(ptr)
-    if not base:
-        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
-    if size == 0:
-        return C.ZE_RESULT_ERROR_UNSUPPORTED_SIZE
-    if not _page_aligned(base, size):
-        return C.ZE_RESULT_ERROR_UNSUPPORTED_ALIGNMENT
+    rc = _extent_code(C, size, base)
+    if rc:
+        return rc
     # The context entry goes before the range does (and comes back if the free fails): once
     # free, the range may be another thread's next reservation, whose entry must survive.
     with rt.lock:
@@ -139,10 +157,9 @@ def zePhysicalMemCreate(hContext, hDevice, desc, phPhysicalMemory):
     if desc.flags > 0x1:
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
     size = desc.size
-    if size == 0:
-        return C.ZE_RESULT_ERROR_UNSUPPORTED_SIZE
-    if not _page_aligned(size):
-        return C.ZE_RESULT_ERROR_UNSUPPORTED_ALIGNMENT
+    rc = _extent_code(C, size)
+    if rc:
+        return rc
     if core.take_oom():
         return C.ZE_RESULT_ERROR_OUT_OF_DEVICE_MEMORY
     try:
@@ -192,10 +209,9 @@ def zeVirtualMemMap(hContext, ptr, size, hPhysicalMemory, offset, access):
     # aligned").  Mapping over a live mapping is not described: refused (INVALID_ARGUMENT).
     if access > 2:
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
-    if size == 0:
-        return C.ZE_RESULT_ERROR_UNSUPPORTED_SIZE
-    if not _page_aligned(base, size, offset):
-        return C.ZE_RESULT_ERROR_UNSUPPORTED_ALIGNMENT
+    rc = _extent_code(C, size, base, offset)
+    if rc:
+        return rc
     if rt.vmm_handle_ctx.get(h) is not ctx or not _reservation_ctx(rt, base, ctx):
         return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
     try:
@@ -211,13 +227,10 @@ def zeVirtualMemMap(hContext, ptr, size, hPhysicalMemory, offset, access):
 
 
 def zeVirtualMemUnmap(hContext, ptr, size):
-    rt, ctx, rc = _vmm_ready(hContext)
+    rt, ctx, base, rc = _vmm_address(hContext, ptr)
     if rc:
         return rc
     C = rt.C
-    base = _addr(ptr)
-    if not base:
-        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
     if size == 0:
         return C.ZE_RESULT_ERROR_UNSUPPORTED_SIZE
     if not _page_aligned(base):
@@ -238,19 +251,15 @@ def zeVirtualMemUnmap(hContext, ptr, size):
 
 
 def zeVirtualMemSetAccessAttribute(hContext, ptr, size, access):
-    rt, ctx, rc = _vmm_ready(hContext)
+    rt, ctx, base, rc = _vmm_address(hContext, ptr)
     if rc:
         return rc
     C = rt.C
-    base = _addr(ptr)
-    if not base:
-        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
     if access > 2:
         return C.ZE_RESULT_ERROR_INVALID_ENUMERATION
-    if size == 0:
-        return C.ZE_RESULT_ERROR_UNSUPPORTED_SIZE
-    if not _page_aligned(base, size):
-        return C.ZE_RESULT_ERROR_UNSUPPORTED_ALIGNMENT
+    rc = _extent_code(C, size, base)
+    if rc:
+        return rc
     if not _reservation_ctx(rt, base, ctx):
         return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
     try:
@@ -261,17 +270,13 @@ def zeVirtualMemSetAccessAttribute(hContext, ptr, size, access):
 
 
 def zeVirtualMemGetAccessAttribute(hContext, ptr, size, access, outSize):
-    rt, ctx, rc = _vmm_ready(hContext)
+    rt, ctx, base, rc = _vmm_address(hContext, ptr, access, outSize)
     if rc:
         return rc
     C = rt.C
-    base = _addr(ptr)
-    if not base or not access or not outSize:
-        return C.ZE_RESULT_ERROR_INVALID_NULL_POINTER
-    if size == 0:
-        return C.ZE_RESULT_ERROR_UNSUPPORTED_SIZE
-    if not _page_aligned(base, size):
-        return C.ZE_RESULT_ERROR_UNSUPPORTED_ALIGNMENT
+    rc = _extent_code(C, size, base)
+    if rc:
+        return rc
     if not _reservation_ctx(rt, base, ctx):
         return C.ZE_RESULT_ERROR_INVALID_ARGUMENT
     m = rt.vmm.mapping_at(base)
