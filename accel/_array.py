@@ -373,16 +373,18 @@ class ArrayView:
         """A DLPack capsule of the view (zero copy): its dtype, shape and element strides, the data
         pointer at the first element (``byte_offset`` 0).  The arguments and the stream
         handshake are :meth:`accel.Buffer.__dlpack__`'s: the consumer's ``stream`` waits for the
-        buffer's last-use stream; ``max_version >= (1, 0)`` gives a versioned capsule.  The
+        buffer's last-use stream; ``max_version >= (1, 0)`` gives a versioned capsule; a copy
+        (``copy=True``, or a host ``dl_device``) holds the view's elements in C order.  The
         capsule keeps the view (and so the buffer) alive until the consumer's deleter runs."""
         from . import _dlpack
         buffer = self._buffer
         buffer._live()
         versioned = _dlpack.check_max_version(max_version)
         own = self.__dlpack_device__()
-        if _dlpack.check_dl_device(dl_device, own, copy):
-            _dlpack.dl_dtype(self._dtype)    # a dtype DLPack cannot describe fails before the download
-            return _dlpack.export_host_copy(self, buffer, stream, versioned)
+        copying = _dlpack.check_dl_device(dl_device, own, copy)
+        if copying is not None:
+            _dlpack.dl_dtype(self._dtype)    # a dtype DLPack cannot describe fails before the copy
+            return _dlpack.export_copy(copying, self, buffer, stream, versioned)
         _dlpack.check_legacy_read_only(versioned, _readonly(buffer))
         _dlpack.dl_dtype(self._dtype)        # a dtype DLPack cannot describe fails before any sync
         _dlpack.sync_for_consumer(buffer, stream)
@@ -669,10 +671,9 @@ class _source:
         from . import _dlpack
         view, stream = self.view, self.stream
         buffer = view._buffer
-        try:
-            kind, index = (int(v) for v in src.__dlpack_device__())
-        except Exception as exc:
-            raise TypeError(f"copy_from: {type(src).__name__}.__dlpack_device__() failed: {exc}") from None
+        # a pair of ints, as accel.from_dlpack reads it; the producer's own errors propagate (array
+        # API from_dlpack: "must propagate such exceptions") (r80b)
+        kind, index = _dlpack._device_pair(src)
         if kind in _dlpack.HOST_DEVICE_TYPES:
             # host memory is copied from as a host array, never wrapped as device memory
             from .buffer import _numpy_from_dlpack      # (a dtype numpy lacks: a clear TypeError, r71o)

@@ -217,6 +217,8 @@ def test_producer_dl_device_and_copy(dev):
         for copy in (None, False):
             if dl_device[0] in (1, 3) and copy is False:
                 continue
+            if dl_device == (1, 0) and copy is None:
+                continue        # a host copy since session 39 (r80b: the array API's "copy otherwise")
             with pytest.raises(BufferError, match="dl_device"):
                 buf.__dlpack__(max_version=(1, 0), dl_device=dl_device, copy=copy)
     assert _state() == before

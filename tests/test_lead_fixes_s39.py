@@ -227,3 +227,87 @@ def test_exit_stack_in_one_frame_closed_in_another_on_the_same_thread(sim):
     assert accel.current_stream(1) == accel.default_stream(1)
     assert accel.current_device_index() == 0
     s.close()
+
+
+# == r80b: copies on export (array API __dlpack__'s copy and dl_device) =========================
+@pytest.fixture(params=[s for s in ("cuda", "xpu", "mps") if s in SIMS])
+def any_sim(request, monkeypatch):
+    use_sim(monkeypatch, request.param)
+    accel.set_device_index(0)
+    accel._lazy.lazy_init()
+    return request.param
+
+
+def _last_device():
+    return accel.device_count() - 1
+
+
+def test_copy_true_exports_a_device_copy_of_a_strided_view(any_sim):
+    from accel import _dlpack
+    d = _last_device()
+    data = np.arange(64, dtype=np.float32)
+    buf = accel.Buffer(data.nbytes, device=d).copy_from(data)
+    view = buf.as_array(np.float32, (8, 4), strides=(32, 8), offset=4)
+    allocated = accel.memory_allocated(d)
+    capsule = view.__dlpack__(copy=True, max_version=(1, 0))
+    info = _dlpack.parse(capsule)
+    assert (info.device_type, info.device_id) == tuple(view.__dlpack_device__())
+    assert info.flags & _dlpack.FLAG_IS_COPIED and not info.flags & _dlpack.FLAG_READ_ONLY
+    alias = accel.from_dlpack(capsule)      # consumed: the copy's bytes, C order
+    got = alias.as_array(np.float32, (8, 4)).to_numpy()
+    want = np.array([[data[1 + 8 * i + 2 * j] for j in range(4)] for i in range(8)])
+    assert np.array_equal(got, want) and np.array_equal(view.to_numpy(), want)
+    buf.fill_(0)
+    assert np.array_equal(alias.as_array(np.float32, (8, 4)).to_numpy(), got)    # not the view's memory
+    del alias, info, capsule
+    gc.collect()
+    accel.synchronize()
+    assert accel.memory_allocated(d) == allocated
+    assert accel.current_device_index() == 0
+
+
+def test_copy_true_reads_after_the_buffers_queued_work(monkeypatch):
+    """The copy is ordered after a fill still queued on a held side stream."""
+    if "cuda" not in SIMS:
+        pytest.skip("ACCEL_TEST_SIMS leaves out cuda")
+    use_sim(monkeypatch, "cuda", ACCEL_SIM_DELAY_US=50)
+    accel.set_device_index(0)
+    buf = accel.Buffer(N, device=DEV).fill_(1)
+    accel.synchronize(DEV)
+    side = accel.Stream(DEV)
+    gate = hold(side)
+    try:
+        buf.fill_(9, stream=side)
+        capsule = buf.__dlpack__(copy=True, max_version=(1, 0), stream=-1)
+    finally:
+        gate.set()
+    alias = accel.from_dlpack(capsule)
+    accel.synchronize(DEV)
+    assert set(alias.to_numpy().tolist()) == {9}
+    del alias, capsule
+
+
+def test_a_bad_stream_with_copy_true_changes_nothing(any_sim):
+    from accel import _dlpack
+    d = _last_device()
+    buf = accel.Buffer(N, device=d).fill_(2)
+    side = accel.Stream(d)
+    buf.fill_(3, stream=side)
+    stats = accel.memory.memory_stats(d)["allocation.all.allocated"]
+    before = _dlpack.live_exports()
+    for bad, exc in ((0 if any_sim == "cuda" else 5, ValueError), ("1", TypeError), (True, TypeError)):
+        with pytest.raises(exc):
+            buf.__dlpack__(copy=True, stream=bad)
+        assert buf.last_stream == side and _dlpack.live_exports() == before
+        assert accel.memory.memory_stats(d)["allocation.all.allocated"] == stats
+    side.synchronize()
+
+
+def test_numpy_reads_device_memory_through_dl_device_cpu(any_sim):
+    """numpy.from_dlpack(x, device="cpu") asks __dlpack__(dl_device=(kDLCPU, 0), copy=None)."""
+    d = _last_device()
+    buf = accel.Buffer(16, device=d).fill_(7)
+    assert (np.from_dlpack(buf, device="cpu") == 7).all()
+    assert (np.from_dlpack(buf.as_array(np.int32), device="cpu") == 0x07070707).all()
+    with pytest.raises(ValueError, match="copy=False"):
+        np.from_dlpack(buf, device="cpu", copy=False)

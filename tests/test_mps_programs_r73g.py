@@ -329,8 +329,7 @@ def test_numpy_implicit_conversion_of_metal_memory_is_refused_with_the_fix(mps):
     buf = accel.Buffer(64).fill_(1)
     with pytest.raises(TypeError, match=r"to_numpy"):
         np.asarray(buf)
-    with pytest.raises(BufferError, match="to_numpy"):
-        np.from_dlpack(buf, device="cpu")          # copy=None: accel copies only when asked to
+    assert (np.from_dlpack(buf, device="cpu") == 1).all()     # copy=None: a host copy (r80b, session 39)
     assert _exports() == 0
     assert (buf.to_numpy() == 1).all()
 

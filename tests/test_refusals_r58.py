@@ -535,7 +535,6 @@ def _buffer_cases(env):
         Case("Buffer.__dlpack__(stream='x')", lambda: b.__dlpack__(stream="x"), "x"),
         Case("Buffer.__dlpack__(max_version='x')", lambda: b.__dlpack__(max_version="x"), "x"),
         Case("Buffer.__dlpack__(dl_device=(99, 0))", lambda: b.__dlpack__(dl_device=(99, 0)), "99", CLEAR + (BufferError,)),
-        Case("Buffer.__dlpack__(copy=True)", lambda: b.__dlpack__(copy=True), "copy", CLEAR + (BufferError,)),
         Case("closed Buffer.as_array", lambda: env.closed_b.as_array(np.uint8), "closed"),
         Case("closed Buffer.copy_from", lambda: env.closed_b.copy_from(env.b), "closed"),
         Case("closed Buffer.copy_to", lambda: env.closed_b.copy_to(np.zeros(64, np.uint8)), "closed"),

@@ -310,14 +310,17 @@ def test_dlpack__test_no_copy(sim_backend, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_dlpack__test_copy(sim_backend, device):
-    # torch copies for copy=True or a host dl_device; accel's producer copies only for a host
-    # dl_device with copy=True (the array API's one mandated copy), else BufferError
+    # torch copies for copy=True or a host dl_device; so does accel since session 39 (r80b; before,
+    # only for a host dl_device with copy=True)
     _need(device)
     inp = _tensor(_values(np.float32), device)
     cpu = (DLDeviceType.kDLCPU, 0)
-    for dl_device, copy in ((None, True), (inp.__dlpack_device__(), True), (cpu, None)):
-        with pytest.raises(BufferError):
-            inp.__dlpack__(max_version=(1, 0), dl_device=dl_device, copy=copy)
+    own = tuple(inp.__dlpack_device__())
+    for dl_device, copy, where in ((None, True, own), (own, True, own), (cpu, None, cpu)):
+        info = _dlpack.parse(inp.__dlpack__(max_version=(1, 0), dl_device=dl_device, copy=copy))
+        assert (info.device_type, info.device_id) == where and info.flags & _dlpack.FLAG_IS_COPIED
+        assert info.data != inp.ptr
+        del info
     capsule = inp.__dlpack__(max_version=(1, 0), dl_device=cpu, copy=True)
     info = _dlpack.parse(capsule)
     assert (info.device_type, info.flags & _dlpack.FLAG_IS_COPIED) == (DLDeviceType.kDLCPU, _dlpack.FLAG_IS_COPIED)

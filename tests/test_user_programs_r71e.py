@@ -906,8 +906,7 @@ def test_pinned_arrays_kept_by_torch_after_numpy_drops_them(monkeypatch, kind):
     for i, (t, ev) in enumerate(zip(held, events)):
         ev.synchronize()
         assert np.array_equal(t.numpy(), want[i]), i
-    with pytest.raises(BufferError, match="copy"):
-        np.from_dlpack(bufs[0].as_array(np.float32), device="cpu")
+    assert np.from_dlpack(bufs[0].as_array(np.float32), device="cpu").shape == (n,)   # a host copy (r80b)
     del held, other, t, events, ev, bufs, b, s
     gc.collect()
     _check_baseline(base, "pinned torch")

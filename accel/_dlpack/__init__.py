@@ -31,8 +31,8 @@ The package, one module per concern, each with its part of the design in its doc
 * :mod:`.abi`: dlpack.h's enums, structs, flags and dtype codes (:func:`dl_dtype`), the capsule
   names and accel's prototypes of the CPython capsule API;
 * :mod:`.exporting`: the producer, :func:`export`, the live exports and capsules and their
-  deleter and destructor, the checks of ``__dlpack__``'s arguments and
-  :func:`export_host_copy`;
+  deleter and destructor, the checks of ``__dlpack__``'s arguments and the copies made on
+  export (:func:`export_host_copy`, :func:`export_device_copy`);
 * :mod:`.ordering`: the stream ordering between producer and consumer that DLPack and
   ``__cuda_array_interface__`` share (:func:`sync_for_consumer`,
   :func:`order_after_other_uses`, the host waits, :func:`wait_for_producer`,
@@ -65,6 +65,7 @@ export, live_exports, device_of = exporting.export, exporting.live_exports, expo
 _exports, _capsules = exporting._exports, exporting._capsules
 check_max_version, check_dl_device = exporting.check_max_version, exporting.check_dl_device
 check_legacy_read_only, export_host_copy = exporting.check_legacy_read_only, exporting.export_host_copy
+export_copy, export_device_copy = exporting.export_copy, exporting.export_device_copy
 sync_for_consumer, order_after_other_uses = ordering.sync_for_consumer, ordering.order_after_other_uses
 wait_for_closed, wait_for_stream, check_foreign_alive = (ordering.wait_for_closed, ordering.wait_for_stream,
                                                          ordering.check_foreign_alive)
@@ -74,4 +75,5 @@ to_address, _ask, _c_contiguous = importing.to_address, importing._ask, importin
 _device_pair, _check_device_type = importing._device_pair, importing._check_device_type
 
 __all__ = ["DLDeviceType", "export", "parse", "Imported", "DLPACK_VERSION", "sync_for_consumer",
-           "device_of", "from_dlpack", "check_max_version", "check_dl_device", "export_host_copy"]
+           "device_of", "from_dlpack", "check_max_version", "check_dl_device", "export_host_copy",
+           "export_device_copy", "export_copy"]

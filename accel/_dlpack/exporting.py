@@ -6,8 +6,9 @@ The managed tensor, its shape and strides arrays live in ctypes objects held in 
 (``_on_delete``) pops the entry, with no lock; the destructor (``_on_capsule_free``) calls it
 only for a capsule still named ``"dltensor[_versioned]"`` (dropped unconsumed).  Both callbacks
 and the capsule names are immortal.  Also the checks of a consumer's ``__dlpack__`` arguments
-(:func:`check_max_version`, :func:`check_dl_device`, :func:`check_legacy_read_only`), the one
-copy accel makes on export (:func:`export_host_copy`) and :func:`device_of`.  The stream
+(:func:`check_max_version`, :func:`check_dl_device`, :func:`check_legacy_read_only`), the
+copies accel makes on export (:func:`export_host_copy`, :func:`export_device_copy`) and
+:func:`device_of`.  The stream
 handshake is :mod:`.ordering`'s.
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 import ctypes
 import operator
 from ctypes import POINTER, c_int64, c_void_p
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from .. import _lazy
 from ..backends._signals import deferred
@@ -26,7 +27,7 @@ from .abi import (
     DLManagedTensorVersioned, _Py_IncRef, _PyCapsule_IsValid_raw, _PyCapsule_New, _PyErr_Fetch, _PyErr_Restore,
     dl_dtype)
 from .importing import parse
-from .ordering import check_foreign_alive, order_after_other_uses, wait_for_stream
+from .ordering import _consumer_handle, check_foreign_alive, order_after_other_uses, sync_for_consumer, wait_for_stream
 
 #: Live exports: struct address -> (struct, shape array, strides array, owner, error slots).
 _exports: Dict[int, tuple] = {}
@@ -234,12 +235,13 @@ def check_legacy_read_only(versioned: bool, readonly: bool) -> None:
                           "Buffer (Buffer(n, device).copy_from(buf)) and export that")
 
 
-def check_dl_device(dl_device, own: Tuple[int, int], copy) -> bool:
-    """The array API standard's ``dl_device``/``copy`` rules.  True for the one copy accel makes
-    on export, ``dl_device=(kDLCPU, 0)`` with ``copy=True`` (:func:`export_host_copy`); else False
-    when the export is zero-copy.  Another ``copy=True`` and another device raise BufferError; a
-    host device with ``copy=False`` raises ValueError (the standard's wording: a copy would be
-    needed but is forbidden)."""
+def check_dl_device(dl_device, own: Tuple[int, int], copy) -> Optional[str]:
+    """The array API standard's ``dl_device``/``copy`` rules: None when the export is zero-copy,
+    ``"host"`` for a host copy (``dl_device=(kDLCPU, 0)`` with ``copy`` None or True:
+    :func:`export_host_copy`), ``"device"`` for a copy on the buffer's own device (``copy=True``:
+    :func:`export_device_copy`).  Another device raises BufferError; a host device with
+    ``copy=False`` raises ValueError (the standard's wording: a copy would be needed but is
+    forbidden)."""
     if copy is not None and not isinstance(copy, bool):
         raise TypeError(f"copy must be None, True or False, got {copy!r}")
     if dl_device is not None:
@@ -250,26 +252,65 @@ def check_dl_device(dl_device, own: Tuple[int, int], copy) -> bool:
         except (TypeError, ValueError):
             raise TypeError(f"dl_device must be None or a (device_type, device_id) tuple as __dlpack_device__ "
                             f"returns, got {dl_device!r}") from None
-        if (kind, index) == (DLDeviceType.kDLCPU, 0) and copy is True:
+        if (kind, index) == (DLDeviceType.kDLCPU, 0) and copy is not False:
             # array API __dlpack__: "The v2023.12 standard only mandates that a compliant library
             # should offer a way for __dlpack__ to return a capsule referencing an array whose
-            # underlying memory is accessible to the Python interpreter (kDLCPU)", with copy=True
-            # (numpy's from_dlpack(x, device="cpu", copy=True) asks exactly that)
-            return True
+            # underlying memory is accessible to the Python interpreter (kDLCPU)"; copy None: "must
+            # reuse the existing memory buffer if possible and copy otherwise" (numpy's
+            # from_dlpack(x, device="cpu") asks exactly that; torch copies too: r80b)
+            return "host"
         if (kind, index) != tuple(own):
             name = DLDeviceType(kind).name if kind in DLDeviceType._value2member_map_ else str(kind)
             if kind in HOST_DEVICE_TYPES and copy is False:
                 raise ValueError(f"dl_device=({name}, {index}) needs a copy to host memory, but copy=False; "
                                  f"the buffer is device memory on {tuple(own)}")
             raise BufferError(f"cannot export to dl_device=({name}, {index}): the buffer lives on "
-                              f"{(DLDeviceType(own[0]).name, own[1])} and accel does not copy on export; "
-                              f"for host memory use buf.to_numpy(), for another device copy into a "
-                              f"Buffer there (Buffer(n, device).copy_from(buf)) and export that")
-    if copy:
-        raise BufferError("copy=True: accel's __dlpack__ copies only to host memory (dl_device=(kDLCPU, 0)); "
-                          "for a device copy make it explicitly (Buffer(buf.nbytes, buf.device).copy_from(buf)) "
-                          "and export that buffer")
-    return False
+                              f"{(DLDeviceType(own[0]).name, own[1])} and accel copies on export only to "
+                              f"(kDLCPU, 0) or its own device; for another device copy into a Buffer there "
+                              f"(Buffer(n, device).copy_from(buf)) and export that")
+    # array API __dlpack__, copy: "If True, the function must always copy (performed by the
+    # producer)" (torch clones) (r80b)
+    return "device" if copy else None
+
+
+def export_copy(kind: str, obj, buffer, stream_arg, versioned: bool):
+    """The copy :func:`check_dl_device` asked for (``kind``), of ``obj`` (a Buffer or a typed view
+    of ``buffer``), exported."""
+    if kind == "host":
+        return export_host_copy(obj, buffer, stream_arg, versioned)
+    return export_device_copy(obj, buffer, stream_arg, versioned)
+
+
+def _flag_copied(capsule, versioned: bool):
+    # array API __dlpack__: "When a copy happens, the DLPACK_FLAG_BITMASK_IS_COPIED flag must be set"
+    if versioned:
+        DLManagedTensorVersioned.from_address(parse(capsule).address).flags |= FLAG_IS_COPIED
+    return capsule
+
+
+def export_device_copy(obj, buffer, stream_arg, versioned: bool):
+    """``obj.__dlpack__(copy=True)`` on the buffer's own device (``obj`` a Buffer or a typed view of
+    ``buffer``): a new Buffer there holding a copy of the elements (a view's in C order), made
+    on the device's current stream after the buffer's queued work and exported as any Buffer (the
+    consumer's ``stream`` waits for the copy), flagged IS_COPIED when versioned.  Not read-only:
+    the copy is the consumer's alone; the capsule keeps it alive until the deleter runs."""
+    from ..buffer import Buffer
+    from ..streams import current_stream
+    index = buffer._index
+    _consumer_handle(buffer._backend, index, stream_arg)   # a bad stream is refused before anything is made
+    stream = current_stream(index)
+    sync_for_consumer(buffer, stream)      # the copy reads after the buffer's queued work
+    new = Buffer(obj.nbytes, device=index)
+    try:
+        if obj is buffer:
+            out = new.copy_from(buffer, stream=stream, non_blocking=True)
+        else:
+            out = new.as_array(obj.dtype, obj.shape).copy_from(obj, stream=stream)
+        capsule = out.__dlpack__(stream=stream_arg, max_version=DLPACK_VERSION if versioned else None)
+    except BaseException:
+        new.close()
+        raise
+    return _flag_copied(capsule, versioned)
 
 
 def export_host_copy(obj, buffer, stream_arg, versioned: bool):
@@ -289,10 +330,7 @@ def export_host_copy(obj, buffer, stream_arg, versioned: bool):
     wait_for_stream(buffer._backend, last, "the buffer's last-use stream")
     order_after_other_uses(buffer, last, "host")      # (its other streams' work too: r73d)
     host = obj.to_numpy()
-    capsule = host.__dlpack__(max_version=DLPACK_VERSION if versioned else None)
-    if versioned:
-        DLManagedTensorVersioned.from_address(parse(capsule).address).flags |= FLAG_IS_COPIED
-    return capsule
+    return _flag_copied(host.__dlpack__(max_version=DLPACK_VERSION if versioned else None), versioned)
 
 
 def device_of(backend_name: str, index: int) -> Tuple[DLDeviceType, int]:

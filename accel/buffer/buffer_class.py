@@ -802,18 +802,20 @@ class Buffer:
         None and 1 the legacy default stream, 2 the per-thread default stream, another int a
         ``cudaStream_t``, -1 no synchronization (0 is refused); the consumer's stream waits for
         an event recorded on the buffer's last-use stream (see ``accel._dlpack.sync_for_consumer``).
-        ``dl_device=(kDLCPU, 0)`` with ``copy=True`` gives a host copy (a numpy capsule, flagged
-        IS_COPIED when versioned; ``accel._dlpack.export_host_copy``); another ``dl_device`` than
-        :meth:`__dlpack_device__` raises BufferError (ValueError for a host device with
-        ``copy=False``), as does any other ``copy=True``: accel copies on export to the host only.
-        The capsule keeps the buffer alive until the consumer calls its deleter (or the capsule
-        is dropped unconsumed); the memory is freed once, by the buffer."""
+        ``dl_device=(kDLCPU, 0)`` with ``copy`` None or True gives a host copy (a numpy capsule;
+        ``accel._dlpack.export_host_copy``), ``copy=True`` otherwise a copy in a new Buffer on this
+        device (``accel._dlpack.export_device_copy``), each flagged IS_COPIED when versioned;
+        another ``dl_device`` than :meth:`__dlpack_device__` raises BufferError (ValueError for a
+        host device with ``copy=False``).  The capsule keeps the buffer alive until the consumer
+        calls its deleter (or the capsule is dropped unconsumed); the memory is freed once, by the
+        buffer."""
         from .. import _dlpack
         self._live()
         versioned = _dlpack.check_max_version(max_version)
         own = self.__dlpack_device__()
-        if _dlpack.check_dl_device(dl_device, own, copy):
-            return _dlpack.export_host_copy(self, self, stream, versioned)
+        copying = _dlpack.check_dl_device(dl_device, own, copy)
+        if copying is not None:
+            return _dlpack.export_copy(copying, self, self, stream, versioned)
         _dlpack.check_legacy_read_only(versioned, self._readonly)
         _dlpack.sync_for_consumer(self, stream)
         # pinned since before the open check (_in_use): a close() in another thread meanwhile
