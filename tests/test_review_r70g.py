@@ -61,8 +61,9 @@ def _import_closed_then(after, dev_b: int = 0):
     """A DLPack import of an accel Buffer (device 0) is closed by a gc callback while this thread
     is inside another Buffer's free (device ``dev_b``), which holds the capture gate; the callback
     then calls ``after()``.  Returns (fired, callback result, exports right after, exports after
-    two more safe points)."""
+    two more safe points), each counted from the exports live as it starts."""
     be = _lazy.lazy_init()
+    base = _dlpack.live_exports()
     src = accel.Buffer(4 * KiB).fill_(3)
     imp = accel.from_dlpack(src)
     src.close()
@@ -85,7 +86,7 @@ def _import_closed_then(after, dev_b: int = 0):
         later = _dlpack.live_exports()
     finally:
         _finalize.drain()           # (this thread holds no gate: leaves nothing for later tests)
-    return cb.fired, cb.result, right_after, later
+    return cb.fired, cb.result, right_after - base, later - base
 
 
 @pytest.mark.parametrize("kind", ["cuda", "xpu"])
@@ -150,8 +151,10 @@ def _kept_by_a_run_under_b(monkeypatch):
     producer's deleter is kept, with a marker.  A's hold ends (nothing runs it); B gets the gate,
     and B's gc callback reads memory_allocated(1), which drains.  Returns (where each import
     release ran: (thread, gate held, device 0's lock held), callback flags, B's result, unraisable
-    reports, exports and device-0 bytes after more safe points)."""
+    reports, exports (counted from those live as it starts) and device-0 bytes after more safe
+    points)."""
     be = _lazy.lazy_init()
+    base = _dlpack.live_exports()
     gate = be.capture_gate = _GateSpy(be.capture_gate)     # (before any allocator reads it)
     ran = []
     real_release = _dlpack.Imported.release
@@ -218,7 +221,7 @@ def _kept_by_a_run_under_b(monkeypatch):
         sys.unraisablehook = old_hook
     flags = (a_in.is_set(), gate.b_waiting.is_set(), state["b"])
     return ran, flags, state["b_result"], [str(r.exc_value) for r in reports], \
-        _dlpack.live_exports(), accel.memory.memory_allocated(0)
+        _dlpack.live_exports() - base, accel.memory.memory_allocated(0)
 
 
 def test_guard_another_threads_kept_release_reaches_a_drain_under_the_gate(monkeypatch):
