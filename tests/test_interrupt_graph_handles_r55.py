@@ -33,6 +33,10 @@ def _held(kind, be) -> tuple:
     gc.collect()
     _finalize.drain()
     accel.synchronize(accel.device_count() - 1)
+    # settles the allocator's events of completed frees: a buffer of the graph's pool a replay
+    # used on another stream keeps one until then (its free waits for the replay; session 39),
+    # and the tracer of the counted run keeps the capture's temporary alive through the replay
+    accel.memory.empty_cache()
     _finalize.drain()
     st = sim.state()
     if kind == "cuda":

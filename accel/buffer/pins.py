@@ -51,6 +51,36 @@ def _end_use(buf, key) -> None:
             _fin.finalize(call[0], *call[1])
 
 
+def pin_noted(refs) -> list:
+    """The live Buffers among ``refs`` (weak references: a graph's, ``capture.note_captured``),
+    each pinned for a replay: ``[(buffer, key)]``, for :func:`record_noted` and
+    :func:`unpin_noted`.  One closed before its pin (maybe freed already) is left out."""
+    pinned = []
+    for ref in refs:
+        buf = ref()
+        if buf is None or buf._closed:
+            continue
+        key = _begin_use(buf)
+        if buf._closed:
+            _end_use(buf, key)
+            continue
+        pinned.append((buf, key))
+    return pinned
+
+
+def record_noted(pinned, stream: Stream) -> None:
+    """After a replay queued on ``stream``: each pinned buffer's use of it, as a call's
+    (``Buffer._record``: the allocator keeps the block from reuse until the replay ran, and the
+    stream becomes the buffer's last-use stream) (r73e, r80a)."""
+    for buf, _ in pinned:
+        buf._record(stream)
+
+
+def unpin_noted(pinned) -> None:
+    for buf, key in pinned:
+        _end_use(buf, key)
+
+
 def _released(mark) -> None:
     """Release an export mark (``streams._ExportMark``) or nothing; None, for the caller's variable."""
     if mark is not None:

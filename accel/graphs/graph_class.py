@@ -23,6 +23,7 @@ from .. import _finalize as _fin
 from .. import _lazy
 from .._copying import refuse_copies as _refuse_copies
 from .._errors import CaptureError
+from ..buffer.pins import pin_noted, record_noted, unpin_noted
 from ..memory._mempool import check_pool_id as _check_pool
 from ..streams import Stream, _Hold, current_stream, on_device
 from .block import _end_after_error, _end_block_or_discard, _refuse_then_synchronize
@@ -349,6 +350,7 @@ class Graph:
         # graph's external events and modules (_KeptInUse): a close() of one meanwhile waits, or
         # leaves its destroy to the replay's end.  (cudaGraphLaunch: the stream's device current)
         hold, kept = _Hold(stream), _KeptInUse(())
+        pinned = ()
         try:
             # kept.of(h): the graph's kept objects read once the launch lock is held (a reset and a
             # new capture by another thread meanwhile change them: r67f)
@@ -373,6 +375,9 @@ class Graph:
                 if h.rng is not None:
                     from .. import random
                     random._graph_replay(h.rng, stream)
+                # the buffers the capture used, pinned over the launch: the replay uses each on
+                # `stream` as a call would (recorded after the launch: record_noted)
+                pinned = pin_noted(h.buffers) if h.buffers else ()
                 if h.pool is not None:
                     # before the launch: a pool replayed on a stream other than its own is kept
                     # from the general cache once a reset releases it, as torch keeps every
@@ -388,12 +393,8 @@ class Graph:
                     h.allocs.replayed(handle)
                 if h.host is not None:
                     h.host.replayed(handle)
-                for ref in h.buffers:
-                    # the replay's stream is where accel's latest work on them is queued: an export
-                    # names it, and a non-owning buffer's release waits for it (r73e)
-                    buf = ref()
-                    if buf is not None and not buf._closed:
-                        buf._used(stream)
+                if pinned:
+                    record_noted(pinned, stream)
         finally:
             # A Ctrl-C as the with statement called kept's or the hold's __exit__ (Python functions:
             # CPython checks for signals as one starts) left all it releases taken: released here
@@ -403,6 +404,8 @@ class Graph:
                 kept.__exit__(None, None, None)
             if hold._in:
                 hold.__exit__(None, None, None)
+            if pinned:
+                unpin_noted(pinned)
             if self._owed:
                 self._settle_owed()     # a reset a finalizer made meanwhile: now the launch is done
 
