@@ -399,7 +399,8 @@ def launch(kernel: Kernel, grid, block, *args, shared_mem: int = 0, stream=None)
         i = 0
         for kind, a in zip(params, args):
             cls = type(a)
-            if cls is Buffer and kind in _PTR_KINDS and a._index == index and a._backend is backend:
+            if ((cls is Buffer or isinstance(a, Buffer)) and kind in _PTR_KINDS and a._index == index
+                    and a._backend is backend):     # (a subclass too: pinned and noted as a Buffer, r80a)
                 pins.append((a, _begin_use(a)))
                 packed.append(("ptr", a.ptr))
                 buffers.append(a)
@@ -409,7 +410,7 @@ def launch(kernel: Kernel, grid, block, *args, shared_mem: int = 0, stream=None)
                 packed.append((kind, _NUMPY_SAFE[cls, kind](a)))
             else:
                 viewed = getattr(a, "_buffer", None)    # an accel.ArrayView's buffer
-                if type(viewed) is Buffer:
+                if isinstance(viewed, Buffer):
                     pins.append((viewed, _begin_use(viewed)))
                 packed.append(_pack(kernel, i, kind, a))
                 if cls.__module__ == "numpy" and getattr(a, "shape", None) == () and _numpy_scalar_type(cls):
@@ -436,7 +437,7 @@ def launch(kernel: Kernel, grid, block, *args, shared_mem: int = 0, stream=None)
                 a._record(stream)
             for a in others:
                 viewed = getattr(a, "_buffer", None)
-                if type(viewed) is Buffer:
+                if isinstance(viewed, Buffer):
                     viewed._record(stream)
                     continue
                 note = getattr(a, "_note", None)
