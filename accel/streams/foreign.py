@@ -206,8 +206,10 @@ def _foreign_stream(backend: Backend, handle: int, index: Optional[int], what: s
         return default_stream(index) if reuse else Stream._wrap(backend, index, handle, foreign=True)
     own = _live_streams.get(key)
     if own is not None and not own._closed:
-        # accel's own stream: its close() forgets the handle, no anchor needed
-        return own if reuse else Stream._wrap(backend, index, handle, foreign=True)
+        # accel's own stream: its close() forgets the handle; the wrapper holds it as its anchor, so
+        # that the stream's collection (its last other reference gone: a graph that held its
+        # capture's origin, a buffer's last use) does not destroy the handle the wrapper names
+        return own if reuse else Stream._wrap(backend, index, handle, anchor=own)
     with _foreign_lock:
         anchor = _foreign.get(key)
         if anchor is None or anchor.dying:     # (dying: its __del__ runs, see _ForeignAnchor)

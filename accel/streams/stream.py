@@ -33,12 +33,18 @@ _SUSPENDABLE = 0x20 | 0x80 | 0x200
 _CONTEXTLIB = contextlib.__file__
 
 
-def _block_frame():
+_BLOCK_METHODS = ("__enter__", "__exit__")
+
+
+def _block_frame(stream: "Stream"):
     """The frame running the ``with`` statement, for the caller of Stream.__enter__/__exit__: past
     contextlib's frames, because ExitStack.enter_context calls __enter__ and ExitStack.__exit__
-    calls __exit__ (from the one frame that holds the ExitStack's with statement) (r75e)."""
+    calls __exit__ (from the one frame that holds the ExitStack's with statement) (r75e), and
+    past a subclass's own __enter__/__exit__ that call the base class's (r80a)."""
     frame = sys._getframe(2)
-    while frame.f_code.co_filename == _CONTEXTLIB and frame.f_back is not None:
+    while frame.f_back is not None and (
+            frame.f_code.co_filename == _CONTEXTLIB
+            or (frame.f_code.co_name in _BLOCK_METHODS and frame.f_locals.get("self") is stream)):
         frame = frame.f_back
     return frame
 
@@ -139,6 +145,9 @@ class Stream:
         self = super().__new__(cls)
         handle = self._create(backend, index, priority)
         self._priority = priority
+        stale = _live_streams.get((index, handle))
+        if stale is not None:
+            _forget_destroyed(stale)
         _live_streams[(index, handle)] = self
         return self
 
@@ -197,9 +206,10 @@ class Stream:
 
     @classmethod
     def _wrap(cls, backend: Backend, index: int, handle: int, foreign: bool = False,
-              anchor: Optional[_ForeignAnchor] = None) -> "Stream":
+              anchor: Optional[object] = None) -> "Stream":
         """A Stream object for a handle accel does not own: a default stream, or (``foreign``,
-        or with an ``anchor``) one that :meth:`close` only forgets."""
+        or with an ``anchor``: a _ForeignAnchor, or accel's own Stream of the handle, kept alive)
+        one that :meth:`close` only forgets."""
         self = object.__new__(cls)     # not cls.__new__: that creates a stream
         self._init(backend, index, handle, owned=False)
         self._foreign, self._anchor = foreign or anchor is not None, anchor
@@ -429,7 +439,7 @@ class Stream:
         backend = self._backend
         # The frame running the with statement: it calls __exit__ too, on whichever thread
         # closes it (see _exit_elsewhere).  (No allocation once the stack lock is held.)
-        entry = _Entry(None, None, self, id(_block_frame()))
+        entry = _Entry(None, None, self, id(_block_frame(self)))
         stack = _state._tls.__dict__.get("stack")
         if stack is None:
             stack = _new_stack()
@@ -456,7 +466,7 @@ class Stream:
         return self
 
     def __exit__(self, *exc) -> None:
-        caller = _block_frame()
+        caller = _block_frame(self)
         frame = id(caller)
         mine = _state._tls.__dict__.get("stack")
         # The block this frame entered on this thread; else one it entered on another thread
@@ -580,6 +590,16 @@ class Stream:
             _fin.RAISE_AGAIN[_fin.interrupt_key()]    # a Ctrl-C handled in here reaches the program (r62)
 
 
+def _forget_destroyed(stale: Stream) -> None:
+    """``stale``'s handle was destroyed behind accel's back and the runtime has just given it to a
+    new stream (accel's close() forgets a handle before destroying it): a foreign library's
+    cudaDeviceReset "destroys and cleans up all resources associated with the current device"
+    (CUDA Runtime API).  ``stale`` is closed without a destroy, so its close() or collection leaves
+    the new stream alone (r80a)."""
+    _fin.owned.pop(_fin.key_of(getattr(stale, "_own", None)), None)
+    stale._closed = True
+
+
 class _NoScope:
     __slots__ = ()
 
@@ -597,4 +617,4 @@ _NO_SCOPE = _NoScope()
 from .current import (_Entry, _new_stack, _Stack, _take_matching, current_stream, default_stream,  # noqa: E402
                       set_stream)
 from .event import Event  # noqa: E402
-from .foreign import _as_stream, _foreign_stream, _ForeignAnchor, check_handle_bits  # noqa: E402
+from .foreign import _as_stream, _foreign_stream, check_handle_bits  # noqa: E402
