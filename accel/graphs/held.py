@@ -14,6 +14,7 @@ releases through ``Graph._release_handles``, with :func:`_destroy_held` for the 
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional, Tuple
 
 from .. import _finalize as _fin
@@ -147,16 +148,31 @@ def _instantiate(h: _Held) -> None:
     h.exec = h.backend.graph_instantiate(h.graph)
 
 
+#: What a destroy reports for a handle that no longer exists (r80a: a foreign library's
+#: cudaDeviceReset "explicitly destroys and cleans up all resources associated with the current
+#: device", the graphs and executables of accel's graphs among them).
+_HANDLE_GONE = frozenset({"cudaErrorInvalidResourceHandle"})
+
+
 @_signals_deferred
 def _destroy_held(h: _Held, name: str, destroy) -> None:
     """Take the holder's handle ``name`` and destroy it; on a vendor error it is put back (a
-    retry, or reset() again, takes it again)."""
+    retry, or reset() again, takes it again), except when the error says the handle is no
+    longer valid: no retry can succeed, so it is forgotten with a RuntimeWarning (r80a: every
+    reset() raised and the graph could never be captured again), as torch's CUDAGraph::reset
+    warns (C10_CUDA_CHECK_WARN) and forgets it."""
     handle = getattr(h, name)
     if handle is None:
         return
     setattr(h, name, None)
     try:
         destroy(handle)
+    except AcceleratorError as exc:
+        if exc.code_name not in _HANDLE_GONE:
+            setattr(h, name, handle)
+            raise
+        warnings.warn(f"accel.Graph: the {name} handle {handle!r} was already invalid and is forgotten "
+                      f"(another library's cudaDeviceReset may have destroyed it): {exc}", RuntimeWarning)
     except Exception:
         setattr(h, name, handle)
         raise

@@ -112,8 +112,7 @@ class CudaBackend(CudaRuntimeMixin, CudaDevicesMixin, CudaMemoryMixin, CudaStrea
         # threads that may have one (a hint, so the hot get_device skips the thread-local lookup)
         self._deferring = [0]
         self._deferring_lock = threading.Lock()
-        self._ctx_fns = None     # cuDeviceGet + cuDevicePrimaryCtxGetState, or why there are none (str)
-        self._ctx_seen = bytearray()   # [index]: 1 once that device's primary context was seen active
+        self._ctx_fns = None     # has_primary_context's driver functions, or why there are none (str)
         self._rt_module = None   # accel._ffi.cudart_module of the opened runtime's major (checked)
         self._capture_info = (None, ())  # cudaStreamGetCaptureInfo[_v2] and its NULL outputs
         self._choice = None      # libs.Choice: which libcudart, and every candidate's verdict

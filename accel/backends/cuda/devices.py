@@ -162,39 +162,44 @@ class CudaDevicesMixin:
 
     def has_primary_context(self, index: int) -> bool:
         """Whether device ``index``'s primary context is active (cuDevicePrimaryCtxGetState,
-        through the driver entry points; creates nothing).  True when the driver function
-        cannot be reached: then restores stay eager, as before.  The entry points are looked
-        up at the first restore, while the scope's device (which has its context) is current:
-        the simulator counts cudaGetDriverEntryPoint as a call needing the current device's
-        context, the runtime documentation being silent on it."""
-        seen = self._ctx_seen
-        if not seen:
-            seen.extend(bytes(self.count()))    # one entry per device, made at the first question
-        if index < len(seen) and seen[index]:
-            return True             # accel never releases a primary context: once active, active
+        through the driver entry points; creates nothing), asked at each call as torch's
+        _hasPrimaryContext does: another library's cudaDeviceReset deinitializes it (r80a: an
+        "active" cached for good made a scope's exit create it again).  True when the driver
+        function cannot be reached: then restores stay eager, as before.  The entry points are
+        looked up once, at the first restore (a look-up needs no context, and the simulator makes
+        none: accel/sim/cudart/devices.py _NO_CONTEXT); the out-pointers are made once per thread."""
         fns = self._ctx_fns
         if fns is None:
-            from .driver import NoDriverFunction, resolve
-            try:
-                fns = resolve(self.ffi, self.lib, {"cuDeviceGet": "PFN_cuDeviceGet_v2000",
-                                                   "cuDevicePrimaryCtxGetState":
-                                                       "PFN_cuDevicePrimaryCtxGetState_v7000"})[0]
-            except NoDriverFunction as exc:
-                fns = str(exc)
-            self._ctx_fns = fns
+            fns = self._ctx_fns = self._primary_ctx_fns()
         if isinstance(fns, str):
             return True
-        from ..._ffi import _cudadrv
-        d = _cudadrv.ffi
-        dev = d.new("CUdevice_v1 *")
-        flags = d.new("unsigned int *")
-        active = d.new("int *")
-        if fns["cuDeviceGet"](dev, index) or fns["cuDevicePrimaryCtxGetState"](dev[0], flags, active):
-            return True          # unknown: restore eagerly (what cudaSetDevice reports is then checked)
-        if active[0]:
-            if index < len(seen):
-                seen[index] = 1
+        get_state, device_get, devices, dffi = fns
+        try:
+            flags, active, dev_p = self._out.ctx_state
+        except AttributeError:
+            flags, active, dev_p = self._out.ctx_state = (dffi.new("unsigned int *"), dffi.new("int *"),
+                                                          dffi.new("CUdevice_v1 *"))
+        dev = devices.get(index)
+        if dev is None:
+            if device_get(dev_p, index):
+                return True      # unknown: restore eagerly (what cudaSetDevice reports is then checked)
+            dev = devices[index] = dev_p[0]
+        if get_state(dev, flags, active):
+            return True
         return bool(active[0])
+
+    def _primary_ctx_fns(self):
+        """(cuDevicePrimaryCtxGetState, cuDeviceGet, {index: CUdevice} filled as asked, the driver
+        ffi), or why the driver functions cannot be had (str)."""
+        from ..._ffi import _cudadrv
+        from .driver import NoDriverFunction, resolve
+        try:
+            fns = resolve(self.ffi, self.lib, {"cuDeviceGet": "PFN_cuDeviceGet_v2000",
+                                               "cuDevicePrimaryCtxGetState":
+                                                   "PFN_cuDevicePrimaryCtxGetState_v7000"})[0]
+        except NoDriverFunction as exc:
+            return str(exc)
+        return fns["cuDevicePrimaryCtxGetState"], fns["cuDeviceGet"], {}, _cudadrv.ffi
 
     def _bind_get_device(self):
         """get_device as a closure over the library function and a per-thread out-pointer:
