@@ -9,7 +9,7 @@ a blocking copy (it would synchronize the stream), and a capture that another li
 (accel cannot tell when its graph stops using the block).
 
 The Buffers a capture uses are noted in its table too (:func:`note_captured`): each replay of the
-graph makes its stream their last-use stream, where accel's latest work on them is queued.
+graph records its stream as their use, as a call would.
 """
 
 from __future__ import annotations
@@ -86,9 +86,10 @@ def captured_table(stream: Stream):
 
 
 def note_captured(table, buffers) -> None:
-    """Note ``buffers`` as used by the capture of ``table``: each replay of its graph makes the
-    replay stream their last-use stream (``Buffer._used``), so an export names the stream where
-    accel's latest work on the memory is queued (r73e).  Weak references, keyed by id (a
+    """Note ``buffers`` as used by the capture of ``table``: each replay of its graph records its
+    stream as their use, as a call would (``pins.record_noted``: the allocator keeps the memory
+    until the replay ran, and an export names the stream where accel's latest work on the
+    memory is queued) (r73e, r80a).  Weak references, keyed by id (a
     subclass may be unhashable): the graph keeps no buffer alive; an id reused by a new buffer
     replaces a dead one's entry, so the table is bounded by the buffers the capture used."""
     kept = table.get("buffers")
