@@ -31,8 +31,6 @@ _DEVICE_TYPES = {"cuda": 1, "xpu": 12, "mps": 13}
 #: for them, as it costs milliseconds at import).
 _SUSPENDABLE = 0x20 | 0x80 | 0x200
 _CONTEXTLIB = contextlib.__file__
-
-
 _BLOCK_METHODS = ("__enter__", "__exit__")
 
 
