@@ -27,7 +27,8 @@ from .abi import (
     DLManagedTensorVersioned, _Py_IncRef, _PyCapsule_IsValid_raw, _PyCapsule_New, _PyErr_Fetch, _PyErr_Restore,
     dl_dtype)
 from .importing import parse
-from .ordering import _consumer_handle, check_foreign_alive, order_after_other_uses, sync_for_consumer, wait_for_stream
+from .ordering import (_consumer_handle, _refuse_waiting_on_capture, check_foreign_alive, order_after_other_uses,
+                       sync_for_consumer, wait_for_stream)
 
 #: Live exports: struct address -> (struct, shape array, strides array, owner, error slots).
 _exports: Dict[int, tuple] = {}
@@ -296,10 +297,17 @@ def export_device_copy(obj, buffer, stream_arg, versioned: bool):
     the copy is the consumer's alone; the capsule keeps it alive until the deleter runs."""
     from ..buffer import Buffer
     from ..streams import current_stream
-    index = buffer._index
-    _consumer_handle(buffer._backend, index, stream_arg)   # a bad stream is refused before anything is made
+    backend, index = buffer._backend, buffer._index
+    consumer = _consumer_handle(backend, index, stream_arg)   # a bad stream is refused before anything is made
     stream = current_stream(index)
-    sync_for_consumer(buffer, stream)      # the copy reads after the buffer's queued work
+    if backend.captures_underway() and stream._capturing():
+        # the copy is captured, ordered on the capturing stream only, as Buffer.copy_from's (and
+        # torch's clone in a capture); the consumer's handshake with it is checked first, so a
+        # refused one leaves nothing captured (r81a)
+        if consumer is not None:
+            _refuse_waiting_on_capture(backend, stream, consumer)
+    else:
+        sync_for_consumer(buffer, stream)      # the copy reads after the buffer's queued work
     new = Buffer(obj.nbytes, device=index)
     try:
         if obj is buffer:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from .. import _finalize as _fin
 from .. import _lazy
+from ..backends._signals import deferred
 from ..streams import Stream, _capture_events
 from .capture import captured_table, note_captured
 from .release import _free, _free_from_finalizer
@@ -51,11 +52,13 @@ def _end_use(buf, key) -> None:
             _fin.finalize(call[0], *call[1])
 
 
-def pin_noted(refs) -> list:
-    """The live Buffers among ``refs`` (weak references: a graph's, ``capture.note_captured``),
-    each pinned for a replay: ``[(buffer, key)]``, for :func:`record_noted` and
-    :func:`unpin_noted`.  One closed before its pin (maybe freed already) is left out."""
-    pinned = []
+@deferred
+def pin_noted(refs, pinned: list) -> None:
+    """Pin the live Buffers among ``refs`` (weak references: a graph's, ``capture.note_captured``)
+    for a replay, appending ``(buffer, key)`` to the caller's ``pinned`` (for :func:`record_noted`
+    and :func:`unpin_noted`); one closed before its pin (maybe freed already) is left out.  With
+    signals deferred, into the caller's list: a Ctrl-C leaves every pin taken where the caller's
+    ``finally`` finds it (r81a)."""
     for ref in refs:
         buf = ref()
         if buf is None or buf._closed:
@@ -65,7 +68,6 @@ def pin_noted(refs) -> list:
             _end_use(buf, key)
             continue
         pinned.append((buf, key))
-    return pinned
 
 
 def record_noted(pinned, stream: Stream) -> None:
@@ -76,8 +78,11 @@ def record_noted(pinned, stream: Stream) -> None:
         buf._record(stream)
 
 
-def unpin_noted(pinned) -> None:
-    for buf, key in pinned:
+@deferred
+def unpin_noted(pinned: list) -> None:
+    """End the pins :func:`pin_noted` took, emptying ``pinned`` (signals deferred: all of them)."""
+    while pinned:
+        buf, key = pinned.pop()
         _end_use(buf, key)
 
 

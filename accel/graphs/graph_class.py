@@ -349,8 +349,7 @@ class Graph:
         # it), and the RNG prologue's write goes to the same stream as the launch.  So are the
         # graph's external events and modules (_KeptInUse): a close() of one meanwhile waits, or
         # leaves its destroy to the replay's end.  (cudaGraphLaunch: the stream's device current)
-        hold, kept = _Hold(stream), _KeptInUse(())
-        pinned = ()
+        hold, kept, pinned = _Hold(stream), _KeptInUse(()), []
         try:
             # kept.of(h): the graph's kept objects read once the launch lock is held (a reset and a
             # new capture by another thread meanwhile change them: r67f)
@@ -377,7 +376,8 @@ class Graph:
                     random._graph_replay(h.rng, stream)
                 # the buffers the capture used, pinned over the launch: the replay uses each on
                 # `stream` as a call would (recorded after the launch: record_noted)
-                pinned = pin_noted(h.buffers) if h.buffers else ()
+                if h.buffers:
+                    pin_noted(h.buffers, pinned)
                 if h.pool is not None:
                     # before the launch: a pool replayed on a stream other than its own is kept
                     # from the general cache once a reset releases it, as torch keeps every
