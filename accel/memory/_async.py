@@ -104,7 +104,7 @@ class _Alloc:
 
     def __init__(self, size: int, stream: int, graph: Optional["_GraphRecord"] = None, ref=None):
         self.size = size            # bytes asked for (torch's PtrUsage.size)
-        self.stream = stream        # where it is freed (the allocation stream; a graph's: its last replay's)
+        self.stream = stream        # where it is freed: the allocation stream
         self.uses = None            # set of (stream, device) and _Mark, from record_stream/forget_stream
         self.deferred = False       # freed during a capture, cudaFreeAsync not yet queued
         self.retry = False          # deferred because its free failed: the owner may free it again
@@ -851,10 +851,20 @@ class AsyncPoolAllocator:
         self._forget(ptr, alloc)
 
     def _replayed(self, graph: _GraphRecord, stream: int) -> None:
+        # Each allocation of the graph is used by the replay on ``stream``: a use, as a
+        # record_stream's, so its free waits for the replay; it is still freed on its allocation
+        # stream, where work its owner queues later is ordered (r81b: moved to the replay's stream,
+        # the free raced a fill on the Buffer's own stream; CUDA Runtime API, cudaFreeAsync: "The
+        # allocation must not be accessed after stream execution reaches the free")
+        use = (stream, self._index)
         with _guards.probe(self._lock, "a graph replay", self._gate_owned):
             graph.launches += 1
             for alloc in graph.allocs.values():
-                alloc.stream = stream
+                if stream != alloc.stream:
+                    if alloc.uses is None:
+                        alloc.uses = {use}
+                    else:
+                        alloc.uses.add(use)
 
     def _release_record(self, graph: _GraphRecord) -> None:
         """Free the allocations of ``graph`` a launch allocated and no owner holds (each
