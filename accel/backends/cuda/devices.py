@@ -183,13 +183,13 @@ class CudaDevicesMixin:
         if dev is None:
             if device_get(dev_p, index):
                 return True      # unknown: restore eagerly (what cudaSetDevice reports is then checked)
-            dev = devices[index] = dev_p[0]
+            dev = dev_p[0]
         if get_state(dev, flags, active):
             return True
         return bool(active[0])
 
     def _primary_ctx_fns(self):
-        """(cuDevicePrimaryCtxGetState, cuDeviceGet, {index: CUdevice} filled as asked, the driver
+        """(cuDevicePrimaryCtxGetState, cuDeviceGet, {index: CUdevice} of every device, the driver
         ffi), or why the driver functions cannot be had (str)."""
         from ..._ffi import _cudadrv
         from .driver import NoDriverFunction, resolve
@@ -199,7 +199,11 @@ class CudaDevicesMixin:
                                                    "PFN_cuDevicePrimaryCtxGetState_v7000"})[0]
         except NoDriverFunction as exc:
             return str(exc)
-        return fns["cuDevicePrimaryCtxGetState"], fns["cuDeviceGet"], {}, _cudadrv.ffi
+        devices, out = {}, _cudadrv.ffi.new("CUdevice_v1 *")
+        for index in range(self.count()):
+            if not fns["cuDeviceGet"](out, index):
+                devices[index] = out[0]
+        return fns["cuDevicePrimaryCtxGetState"], fns["cuDeviceGet"], devices, _cudadrv.ffi
 
     def _bind_get_device(self):
         """get_device as a closure over the library function and a per-thread out-pointer:
