@@ -115,6 +115,14 @@ class _Alloc:
         self.ref = ref              # a weak reference to the owner (a Buffer), or None (see free)
 
 
+def _add_use(alloc: _Alloc, use: Tuple[int, int]) -> None:
+    """Note the ``(stream, device)`` use on ``alloc``: its free waits for the work queued there."""
+    if alloc.uses is None:
+        alloc.uses = {use}
+    else:
+        alloc.uses.add(use)
+
+
 def _owner_done(alloc: _Alloc) -> bool:
     """Whether the owner of ``alloc`` is freeing it or gone: its weak reference is dead, or the
     Buffer is closed (Buffer.close marks it closed before its free).  Unknown (no reference):
@@ -414,10 +422,7 @@ class AsyncPoolAllocator:
                 raise self._not_allocated(ptr, alloc)
             if stream == alloc.stream and device == self._index:
                 return
-            if alloc.uses is None:
-                alloc.uses = {(stream, device)}
-            else:
-                alloc.uses.add((stream, device))
+            _add_use(alloc, (stream, device))
 
     def stream_uses(self, ptr: int) -> Tuple[List[Tuple[int, int]], List[Tuple[object, int]]]:
         """As :meth:`DeviceCachingAllocator.stream_uses <accel.memory._caching.DeviceCachingAllocator.stream_uses>`."""
@@ -861,10 +866,7 @@ class AsyncPoolAllocator:
             graph.launches += 1
             for alloc in graph.allocs.values():
                 if stream != alloc.stream:
-                    if alloc.uses is None:
-                        alloc.uses = {use}
-                    else:
-                        alloc.uses.add(use)
+                    _add_use(alloc, use)
 
     def _release_record(self, graph: _GraphRecord) -> None:
         """Free the allocations of ``graph`` a launch allocated and no owner holds (each

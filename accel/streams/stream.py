@@ -336,7 +336,7 @@ class Stream:
         """For a foreign wrapper (:meth:`from_handle`): ValueError when the runtime says the
         stream is no longer alive (its owner destroyed it while accel still wraps it)."""
         anchor = self._anchor
-        if anchor.__class__ is not _ForeignAnchor and anchor is not None and anchor._closed:
+        if isinstance(anchor, Stream) and anchor._closed:
             # a wrapper of accel's own stream, closed since: its handle may name a newer stream (r81a)
             raise ValueError(f"{self!r} cannot be used: it wraps {anchor!r}, which was closed (its handle may "
                              f"name another stream by now); nothing was done")
@@ -620,4 +620,4 @@ _NO_SCOPE = _NoScope()
 from .current import (_Entry, _new_stack, _Stack, _take_matching, current_stream, default_stream,  # noqa: E402
                       set_stream)
 from .event import Event  # noqa: E402
-from .foreign import _as_stream, _foreign_stream, _ForeignAnchor, check_handle_bits  # noqa: E402
+from .foreign import _as_stream, _foreign_stream, check_handle_bits  # noqa: E402

@@ -173,24 +173,21 @@ class CudaDevicesMixin:
             fns = self._ctx_fns = self._primary_ctx_fns()
         if isinstance(fns, str):
             return True
-        get_state, device_get, devices, dffi = fns
-        try:
-            flags, active, dev_p = self._out.ctx_state
-        except AttributeError:
-            flags, active, dev_p = self._out.ctx_state = (dffi.new("unsigned int *"), dffi.new("int *"),
-                                                          dffi.new("CUdevice_v1 *"))
+        get_state, devices, dffi = fns
         dev = devices.get(index)
         if dev is None:
-            if device_get(dev_p, index):
-                return True      # unknown: restore eagerly (what cudaSetDevice reports is then checked)
-            dev = dev_p[0]
+            return True          # unknown: restore eagerly (what cudaSetDevice reports is then checked)
+        try:
+            flags, active = self._out.ctx_state
+        except AttributeError:
+            flags, active = self._out.ctx_state = (dffi.new("unsigned int *"), dffi.new("int *"))
         if get_state(dev, flags, active):
             return True
         return bool(active[0])
 
     def _primary_ctx_fns(self):
-        """(cuDevicePrimaryCtxGetState, cuDeviceGet, {index: CUdevice} of every device, the driver
-        ffi), or why the driver functions cannot be had (str)."""
+        """(cuDevicePrimaryCtxGetState, {index: CUdevice} of every device cuDeviceGet answers, the
+        driver ffi), or why the driver functions cannot be had (str)."""
         from ..._ffi import _cudadrv
         from .driver import NoDriverFunction, resolve
         try:
@@ -203,7 +200,7 @@ class CudaDevicesMixin:
         for index in range(self.count()):
             if not fns["cuDeviceGet"](out, index):
                 devices[index] = out[0]
-        return fns["cuDevicePrimaryCtxGetState"], fns["cuDeviceGet"], devices, _cudadrv.ffi
+        return fns["cuDevicePrimaryCtxGetState"], devices, _cudadrv.ffi
 
     def _bind_get_device(self):
         """get_device as a closure over the library function and a per-thread out-pointer:
