@@ -67,7 +67,9 @@ def select() -> Optional[Backend]:
     """The backend this process uses, or None when no runtime reports a device.
 
     With ``ACCEL_BACKEND``/``ACCEL_SIM`` set, that backend is returned even
-    when it has no device, so errors and ``python -m accel`` can say why.
+    when it has no device, so errors and ``python -m accel`` can say why.  A
+    backend found is kept for the process; finding none is not, so the next
+    call counts again.
     """
     global _selected, _selected_done
     if _selected_done:
@@ -85,8 +87,11 @@ def select() -> Optional[Backend]:
             if _safe_count(backend) > 0:
                 chosen = backend
                 break
-    with held(_lock, "backend selection"):
-        _selected, _selected_done = chosen, True
+    if chosen is not None:
+        # Nothing found is not kept: before init a count follows CUDA_VISIBLE_DEVICES and
+        # friends as they are now (r82c: widening the variable after a count of 0 kept 0)
+        with held(_lock, "backend selection"):
+            _selected, _selected_done = chosen, True
     return chosen
 
 

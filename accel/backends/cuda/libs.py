@@ -199,7 +199,9 @@ def choose(cands: Sequence[Candidate], driver_version: Optional[int], driver_not
         too_new = [c for c in loaded if c.version // 1000 in majors]
         # (r70l: the too-new message left out a broken runtime of the driver's own major, and told
         # the user to install what was installed; "no libcudart found" gave no fix)
-        broken = [c for c in cands if not c.version and c.reason not in ("", "not found", "no such file")]
+        # (r82c: dedupe()'s "same file as" entries were listed as broken runtimes too)
+        broken = [c for c in cands if not c.version and c.reason not in ("", "not found", "no such file")
+                  and not c.reason.startswith("same file as ")]
         also = ("; also tried: " + "; ".join(f"{c.resolved or c.path}: {c.reason}" for c in broken)
                 if broken else "")
         if too_new:
@@ -344,10 +346,29 @@ def dedupe(cands: List[Candidate]) -> None:
                 first[c.resolved] = c
 
 
+#: NVML_ERROR_LIBRARY_NOT_FOUND.  nvml.h, nvmlSystemGetCudaDriverVersion_v2: "Returns
+#: NVML_ERROR_LIBRARY_NOT_FOUND if libcuda.so.1 or libcuda.dll is not found".
+NVML_LIBRARY_NOT_FOUND = 12
+#: The note a choice's driver_note starts with when NVML runs but libcuda.so.1 is absent.
+NO_LIBCUDA = "libcuda.so.1 not found"
+
+
 def driver_version_from_nvml(ffi, lib) -> Tuple[Optional[int], str]:
     """The CUDA version an initialized NVML says the driver supports (starts no CUDA)."""
+    from ..._ffi import has_symbol
+    if not has_symbol(lib, "nvmlSystemGetCudaDriverVersion_v2"):
+        # (r82c: it raised ffi.error out of count() and report(); in NVML since CUDA 10.1)
+        return None, "driver version unknown: this NVML has no nvmlSystemGetCudaDriverVersion_v2"
     v = ffi.new("int *")
     rc = lib.nvmlSystemGetCudaDriverVersion_v2(v)
+    if rc == NVML_LIBRARY_NOT_FOUND:
+        # The kernel driver runs (nvmlInit_v2 succeeded) but its CUDA library is not visible: a
+        # container given NVIDIA_DRIVER_CAPABILITIES=utility without compute (r82c: reported as
+        # "no NVIDIA driver is installed")
+        return None, (f"{NO_LIBCUDA}: NVML runs (the NVIDIA driver is loaded) but "
+                      f"nvmlSystemGetCudaDriverVersion_v2 returned NVML_ERROR_LIBRARY_NOT_FOUND ({rc}); "
+                      f"make the driver's libcuda.so.1 visible (in a container: NVIDIA_DRIVER_CAPABILITIES "
+                      f"must include compute)")
     if rc != 0 or v[0] <= 0:
         return None, f"driver version unknown: nvmlSystemGetCudaDriverVersion_v2 returned {rc}"
     return v[0], "NVML nvmlSystemGetCudaDriverVersion_v2"
@@ -389,9 +410,15 @@ def choose_real(driver_version: Optional[int], driver_note: str) -> Choice:
         probe(c)
     if not explicit:
         dedupe(cands)
+    nvml_note = driver_note
     if driver_version is None:
         driver_version, driver_note = driver_version_from_runtime(cands, driver_note)
-    return choose(cands, driver_version, driver_note, CUDART_MAJORS, explicit)
+    choice = choose(cands, driver_version, driver_note, CUDART_MAJORS, explicit)
+    if driver_version is None and nvml_note.startswith(NO_LIBCUDA) and choice.chosen is not None:
+        # NVML sees the driver but no runtime reaches libcuda: every runtime call would answer
+        # cudaErrorInsufficientDriver, so none can run (r82c: counted as available)
+        choice.error = f"libcudart {vtext(choice.chosen.version)} cannot run: {nvml_note}"
+    return choice
 
 
 def read_driver_version() -> Tuple[Optional[int], str]:

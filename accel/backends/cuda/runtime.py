@@ -135,7 +135,13 @@ class CudaRuntimeMixin:
             self._runtime()
             return True
         except AcceleratorError:
-            return False
+            pass
+        # A libcudart that loads but that the driver cannot run (or an ACCEL_CUDART_PATH that
+        # names none) still makes CUDA the accelerator type, so that the first device use raises
+        # libcudart's reason (r82c: Level Zero's loader loaded next, and its "is an Intel GPU
+        # driver installed?" was what the user saw)
+        choice = self.cudart_choice()
+        return choice.explicit or any(c.resolved for c in choice.candidates)
 
     def _bindings(self):
         """The generated module (accel._ffi.cudart_module) whose ffi the runtime was opened
