@@ -80,7 +80,7 @@ def _replay(g, r):
 # unpin_noted leaves a pin behind, close() never frees
 def test_a_ctrl_c_anywhere_in_replays_pinning_leaves_no_pin(cuda):
     bufs, r, g = _replay_setup()
-    with tia._Inject(0, {_PINS}) as counting:
+    with tia._Inject(0, {_PINS, _GRAPH}) as counting:
         _replay(g, r)
     accel.synchronize()
     assert all(not b._pins for b in bufs)
@@ -89,7 +89,7 @@ def test_a_ctrl_c_anywhere_in_replays_pinning_leaves_no_pin(cuda):
     leaked = []
     for n in range(1, total + 1):
         try:
-            with tia._Inject(n, {_PINS}) as inj:
+            with tia._Inject(n, {_PINS, _GRAPH}) as inj:
                 _replay(g, r)
         except KeyboardInterrupt:
             pass

@@ -23,7 +23,8 @@ from .. import _finalize as _fin
 from .. import _lazy
 from .._copying import refuse_copies as _refuse_copies
 from .._errors import CaptureError
-from ..buffer.pins import pin_noted, record_noted, unpin_noted
+from ..backends._signals import deferred
+from ..buffer.pins import _drain, pin_noted, record_noted, unpin_noted
 from ..memory._mempool import check_pool_id as _check_pool
 from ..streams import Stream, _Hold, current_stream, on_device
 from .block import _end_after_error, _end_block_or_discard, _refuse_then_synchronize
@@ -37,6 +38,28 @@ from .pools import _new_private_pool
 def _holder_field(name: str) -> property:
     """The read-only ``Graph._<name>`` of its holder's field (a C getter: no interrupt point)."""
     return property(operator.attrgetter("_h." + name), doc=f"the holder's {name} (see _Held)")
+
+
+@deferred
+def _note_replay(noted: list, h, stream: Stream, handle: int, pinned: list) -> None:
+    """After a launch of ``h``'s graph was queued on ``stream``: the RNG, the allocators and the
+    pinned buffers learn of it (each buffer's use of ``stream``, as a call's).  Signals deferred,
+    so that once begun (``noted[0]`` set first thing) it runs whole; an error drains the stream,
+    whose work then needs no note, and propagates."""
+    noted[0] = True
+    try:
+        if h.rng is not None:
+            from .. import random
+            random._graph_replayed(h.rng, stream)
+        if h.allocs is not None:
+            h.allocs.replayed(handle)
+        if h.host is not None:
+            h.host.replayed(handle)
+        if pinned:
+            record_noted(pinned, stream)
+    except BaseException:
+        _drain(stream)
+        raise
 
 
 @_refuse_copies("capture another Graph (sharing this one's pool: Graph(pool=g.pool()))")
@@ -371,11 +394,15 @@ class Graph:
                                        f"graph cannot be launched inside a capture (the runtime would refuse it and "
                                        f"invalidate the capture); replay it before capture_begin() or after "
                                        f"capture_end(), or on a stream that is not being captured; the capture goes on")
+                if stream._foreign:
+                    # before anything is queued: a wrapper's stream may be gone, its handle another
+                    # stream's by now (r82a: launched there, then refused)
+                    stream._check_alive()
                 if h.rng is not None:
                     from .. import random
                     random._graph_replay(h.rng, stream)
                 # the buffers the capture used, pinned over the launch: the replay uses each on
-                # `stream` as a call would (recorded after the launch: record_noted)
+                # `stream` as a call would (recorded after the launch: _note_replay)
                 if h.buffers:
                     pin_noted(h.buffers, pinned)
                 if h.pool is not None:
@@ -386,15 +413,25 @@ class Graph:
                     # stream had been given)
                     from .. import memory
                     memory.device_allocator(h.index).pool_used_on(h.pool, handle, h.index)
-                backend.graph_launch(h.exec, handle)
-                if h.rng is not None:
-                    random._graph_replayed(h.rng, stream)
-                if h.allocs is not None:
-                    h.allocs.replayed(handle)
-                if h.host is not None:
-                    h.host.replayed(handle)
-                if pinned:
-                    record_noted(pinned, stream)
+                queued, noted, interrupt = True, [False], None
+                try:
+                    backend.graph_launch(h.exec, handle)
+                except Exception:
+                    queued = False      # refused: nothing was queued
+                    raise
+                finally:
+                    # Once the launch may have queued (also when a Ctrl-C lands as it returns), the
+                    # replay's uses are noted to the end: inline, since a signal handler can raise as
+                    # any Python function starts, _note_replay's deferred wrapper included (r82a)
+                    while queued and not noted[0]:
+                        try:
+                            _note_replay(noted, h, stream, handle, pinned)
+                        except BaseException as exc:
+                            if noted[0]:
+                                raise       # its own error (it drained the stream first)
+                            interrupt = exc     # a handler's, before it began: once more
+                if interrupt is not None:
+                    raise interrupt
         finally:
             # A Ctrl-C as the with statement called kept's or the hold's __exit__ (Python functions:
             # CPython checks for signals as one starts) left all it releases taken: released here
@@ -404,10 +441,16 @@ class Graph:
                 kept.__exit__(None, None, None)
             if hold._in:
                 hold.__exit__(None, None, None)
-            if pinned:
-                unpin_noted(pinned)
+            interrupt = None
+            while pinned:       # (r82a: a Ctrl-C as unpin_noted's wrapper started left every pin)
+                try:
+                    unpin_noted(pinned)
+                except BaseException as exc:
+                    interrupt = exc
             if self._owed:
                 self._settle_owed()     # a reset a finalizer made meanwhile: now the launch is done
+            if interrupt is not None:
+                raise interrupt
 
     def reset(self) -> None:
         """Destroy the captured graph and release its memory pool; the graph may then be recaptured."""

@@ -137,6 +137,8 @@ class Event:
             switch = stream._shared
         if stream._closed or stream._pid != _fin.pid:
             stream._live()
+        if stream._foreign:
+            stream._check_alive()   # (r82a: a wrapper of a closed accel stream recorded on its handle's new owner)
         self._check_device(stream, "record")
         mine, theirs = self._busy, stream._busy     # _Use(self, stream), inlined: a hot path
         # each mark taken first thing in its own try (a Ctrl-C as the append returns is undone by
@@ -248,6 +250,8 @@ class Event:
         else:
             stream = _as_stream(stream, "Event.wait(stream)")
         stream._live()
+        if stream._foreign:
+            stream._check_alive()
         if self._handle is None:
             return
         if self._capture is not None and not self.external and self._capture not in _capture_events:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import sys
+import weakref
 from typing import Optional, Tuple
 
 from .. import _finalize as _fin
@@ -31,20 +32,41 @@ _DEVICE_TYPES = {"cuda": 1, "xpu": 12, "mps": 13}
 #: for them, as it costs milliseconds at import).
 _SUSPENDABLE = 0x20 | 0x80 | 0x200
 _CONTEXTLIB = contextlib.__file__
-_BLOCK_METHODS = ("__enter__", "__exit__")
 
 
 def _block_frame(stream: "Stream"):
     """The frame running the ``with`` statement, for the caller of Stream.__enter__/__exit__: past
     contextlib's frames, because ExitStack.enter_context calls __enter__ and ExitStack.__exit__
     calls __exit__ (from the one frame that holds the ExitStack's with statement) (r75e), and
-    past a subclass's own __enter__/__exit__ that call the base class's (r80a)."""
+    past a subclass's own methods on the way from its __enter__/__exit__ to the base class's
+    (r80a; r82a: whatever their first parameter is called, through helpers too).  A generator
+    or coroutine frame is never passed: a ``with`` in one is keyed by that frame."""
     frame = sys._getframe(2)
+    codes = _subclass_codes(type(stream)) if type(stream) is not Stream else ()
     while frame.f_back is not None and (
             frame.f_code.co_filename == _CONTEXTLIB
-            or (frame.f_code.co_name in _BLOCK_METHODS and frame.f_locals.get("self") is stream)):
+            or (frame.f_code in codes and not frame.f_code.co_flags & _SUSPENDABLE)):
         frame = frame.f_back
     return frame
+
+
+_SUBCLASS_CODES: "weakref.WeakKeyDictionary[type, frozenset]" = weakref.WeakKeyDictionary()
+
+
+def _subclass_codes(cls: type) -> frozenset:
+    """The code objects of the functions a Stream subclass (and its mixins) define."""
+    codes = _SUBCLASS_CODES.get(cls)
+    if codes is None:
+        found = set()
+        for klass in cls.__mro__:
+            if klass is Stream or klass is object:
+                continue
+            for value in vars(klass).values():
+                code = getattr(getattr(value, "__func__", value), "__code__", None)
+                if code is not None:
+                    found.add(code)
+        codes = _SUBCLASS_CODES[cls] = frozenset(found)
+    return codes
 
 
 class on_device:
@@ -143,9 +165,13 @@ class Stream:
         self = super().__new__(cls)
         handle = self._create(backend, index, priority)
         self._priority = priority
-        stale = _live_streams.get((index, handle))
-        if stale is not None:
-            _forget_destroyed(stale)
+        # A handle names one live object in the process (a cudaStream_t, a command list): any
+        # device's wrapper of it is stale, its stream destroyed behind accel's back (r82a: a
+        # foreign reset of device 0 let device 1's next stream reuse the handle)
+        for other in range(backend.count()):
+            stale = _live_streams.get((other, handle))
+            if stale is not None:
+                _forget_destroyed(stale)
         _live_streams[(index, handle)] = self
         return self
 
@@ -423,6 +449,8 @@ class Stream:
         """Make work queued on this stream after now wait for all work queued on ``stream`` so far
         (a Stream, or any object with ``__cuda_stream__``)."""
         self._live()
+        if self._foreign:
+            self._check_alive()     # before the record on ``stream``: nothing done when refused
         stream = _as_stream(stream, "Stream.wait_stream(stream)")
         self.wait_event(stream.record_event())
 
