@@ -620,7 +620,7 @@ def test_numpy_dlpack_pipeline_and_user_mistakes(monkeypatch, kind, saxpy):
 
             # -- the mistakes: each refused, nothing changed ---------------------------------
             last, n_exports = buf.last_stream, _dlpack.live_exports()
-            _refused(lambda: buf.__dlpack__(stream="1"), TypeError, "stream must be None, -1 or a stream handle")
+            _refused(lambda: buf.__dlpack__(stream="1"), TypeError, "stream must be None, -1, an accel.Stream")
             _refused(lambda: accel.from_dlpack(buf, stream=1.5), TypeError, "stream must be None")
             _refused(lambda: buf.__dlpack__(stream=0), ValueError, "stream=0")
             _refused(lambda: accel.from_dlpack(x), BufferError, "host memory")

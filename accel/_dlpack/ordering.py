@@ -47,7 +47,9 @@ def _consumer_handle(backend, index: int, stream_arg):
     if stream_arg is None:
         return (index, backend.default_stream(index)) if backend.name == "cuda" else "host"
     if isinstance(stream_arg, bool) or not hasattr(type(stream_arg), "__index__"):
-        raise TypeError(f"stream must be None, -1 or a stream handle (int), got "
+        # (r82b: it offered an int on every backend and left out accel.Stream)
+        handle = ", a cudaStream_t handle (int)" if backend.name == "cuda" else ""
+        raise TypeError(f"stream must be None, -1, an accel.Stream{handle} on {backend.name}, got "
                         f"{type(stream_arg).__name__} {stream_arg!r}")
     value = operator.index(stream_arg)
     if value == -1:
