@@ -5,7 +5,7 @@ Only ``zeInit`` can count there, and ``zeInit`` starts the driver in the
 calling process, after which a forked child cannot use the device.  So:
 
 1. :func:`probe_gpu_drivers` looks for the GPU driver library where the
-   loader would (it ``dlopen``\\ s ``libze_intel_gpu.so.1`` by name): none
+   loader would (it ``dlopen``\\ s :data:`GPU_DRIVER_NAMES` by name): none
    found means no device, without loading anything.
 2. Otherwise :func:`count_in_child` runs ``zeInit``/``zeDeviceGet`` in a
    short-lived child process (:func:`child_main`).  The child's driver
@@ -19,8 +19,10 @@ import os
 import sys
 from typing import List, Optional, Tuple
 
-#: The GPU driver the 1.8 loader loads by name (besides ZE_ENABLE_ALT_DRIVERS).
-GPU_DRIVER_NAMES = ("libze_intel_gpu.so.1",)
+#: The GPU drivers the loader loads by name (besides ZE_ENABLE_ALT_DRIVERS): the Level Zero loader's
+#: knownDriverNames (source/loader/linux/driver_discovery_lin.cpp); 1.8 has libze_intel_gpu.so.1,
+#: 1.18+ also libze_intel_gpu_legacy1.so.1 (commit aa8e38f), the driver for older GPUs.
+GPU_DRIVER_NAMES = ("libze_intel_gpu.so.1", "libze_intel_gpu_legacy1.so.1")
 
 _SEARCH_DIRS = ("/lib", "/usr/lib", "/lib64", "/usr/lib64", "/usr/local/lib",
                 "/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu",

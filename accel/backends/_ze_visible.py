@@ -17,6 +17,9 @@ parseAffinityMask`` and ``setDeviceHierarchyMode``):
   of range or not a number are ignored; duplicates count once; the devices
   keep their physical order, not the order of the mask.  An empty mask or
   ``default`` selects everything.
+* Numbers: the driver reads each mask index with ``std::stoul(s, nullptr, 0)``
+  (:func:`strtoul`) and ``ZES_ENABLE_SYSMAN`` with ``atoll`` (:func:`sysman_env_on`);
+  the simulator (``accel.sim.ze``) reads them with the same two functions.
 """
 
 from __future__ import annotations
@@ -36,11 +39,56 @@ def hierarchy(value: Optional[str]) -> str:
     return FLAT
 
 
-def _index(text: str) -> Optional[int]:
-    text = text.strip()
-    if not (text.isascii() and text.isdigit()):   # str.isdigit alone takes "²" (int() refuses it) and "١"
+_SPACE = " \t\n\v\f\r"     # C isspace()
+_DIGITS = {8: "01234567", 10: "0123456789", 16: "0123456789abcdefABCDEF"}
+
+
+def _digits(text: str, base: int) -> str:
+    """The longest prefix of ``text`` made of ``base``'s digits."""
+    n = 0
+    while n < len(text) and text[n] in _DIGITS[base]:
+        n += 1
+    return text[:n]
+
+
+def strtoul(text: str) -> Optional[int]:
+    """A ZE_AFFINITY_MASK index as Intel's driver reads it: compute-runtime's
+    ``StringHelpers::toUint32t`` is ``static_cast<uint32_t>(std::stoul(s, nullptr, 0))``
+    (shared/source/helpers/string_helpers.h), i.e. C ``strtoul(s, NULL, 0)``: leading white space
+    and a sign, then ``0x`` hexadecimal, ``0`` octal or decimal, up to the first character that is
+    no digit ("1abc" is 1); "-n" wraps modulo 2**64; the result is cut to 32 bits.  None where
+    stoul throws (no digit: invalid_argument; past 64 bits: out_of_range): accel and its simulator
+    ignore the entry (neither the spec nor the driver's docs say what happens then)."""
+    s = text.lstrip(_SPACE)
+    negative = s[:1] == "-"
+    if s[:1] in ("+", "-"):
+        s = s[1:]
+    if s[:2] in ("0x", "0X") and _digits(s[2:3], 16):
+        base, s = 16, s[2:]
+    else:
+        base = 8 if s[:1] == "0" else 10     # ("0x" with no hex digit after it is 0)
+    digits = _digits(s, base)
+    if not digits:
         return None
-    return int(text)
+    value = int(digits, base)
+    if value >> 64:
+        return None
+    if negative:
+        value = -value % (1 << 64)
+    return value & 0xFFFFFFFF
+
+
+def sysman_env_on(value: Optional[str]) -> bool:
+    """Whether a ``ZES_ENABLE_SYSMAN`` value turns legacy Sysman on: compute-runtime reads it with
+    ``EnvironmentVariableReader::getSetting(name, false)``, ``atoll(value) != 0``
+    (shared/source/os_interface/debug_env_reader.cpp), so "2", " 1" and "01" are on as "1" is,
+    and "0", "" and "true" are off."""
+    if value is None:
+        return False
+    s = value.lstrip(_SPACE)
+    if s[:1] in ("+", "-"):
+        s = s[1:]
+    return _digits(s, 10).strip("0") != ""
 
 
 def visible_devices(tiles: Sequence[int], mask: Optional[str] = None,
@@ -67,19 +115,19 @@ def visible_devices(tiles: Sequence[int], mask: Optional[str] = None,
         for parts in entries:
             if len(parts) != 1:
                 continue  # X.Y has no meaning when tiles are devices
-            i = _index(parts[0])
+            i = strtoul(parts[0])
             if i is not None and i < len(flat):
                 chosen.add(i)
         return [flat[i] for i in sorted(chosen)]
     selected = {}  # card -> set of selected tiles (None: all)
     for parts in entries:
-        card = _index(parts[0])
+        card = strtoul(parts[0])
         if card is None or card >= len(tiles):
             continue
         if len(parts) == 1:
             selected[card] = None
         elif len(parts) == 2:
-            tile = _index(parts[1])
+            tile = strtoul(parts[1])
             count = max(tiles[card], 1)
             if tile is None or tile >= count:
                 continue

@@ -67,6 +67,19 @@ class _Device:
         self.used = 0          # bytes this process allocated here (mem_info fallback)
 
 
+def _card_uuids(uuid: bytes, tile: int) -> set:
+    """The uuids tile ``tile``'s card may have, given the tile's: its tile part cleared.
+    compute-runtime (Device::generateUuidFromPciBusInfo, struct DeviceUUID) ends the uuid with
+    subDeviceID, the tile + 1, 0 for the card; without PCI information (Device::generateUuid) a
+    tile has its card's uuid; accel.sim.ze puts a sub-device flag and the tile in bytes 6 and 7."""
+    out = {uuid}
+    if uuid[15] == tile + 1:
+        out.add(uuid[:15] + b"\0")
+    if uuid[6:8] == bytes([1, tile & 0xFF]):
+        out.add(uuid[:6] + b"\0\0" + uuid[8:])
+    return out
+
+
 class DiscoveryMixin:
     """Counting (fork-safe, no core init), init, device properties and the current device.
 
@@ -135,7 +148,7 @@ class DiscoveryMixin:
                 self._count_reason = self._empty_reason(len(self._sysman_cards), key)
             return len(visible)
         if self._zes_legacy_asked:
-            missing = "ZES_ENABLE_SYSMAN=1 asks for legacy Sysman, which a zesInit would break"
+            missing = "ZES_ENABLE_SYSMAN (non-zero) asks for legacy Sysman, which a zesInit would break"
         elif self._zes_error:
             missing = (f"zesInit failed with {self._zes_error}: no driver, or one older than Level Zero "
                        f"API 1.5, which zesInit needs to count without initializing")
@@ -170,8 +183,9 @@ class DiscoveryMixin:
         if ok is None:
             ffi, lib, _ = self._lib
             ok = False
-            if os.environ.get("ZES_ENABLE_SYSMAN") == "1":
-                # The process asked for legacy Sysman (oneCCL and geopm set it): after a zesInit its
+            if _ze_visible.sysman_env_on(os.environ.get("ZES_ENABLE_SYSMAN")):
+                # The process asked for legacy Sysman (oneCCL and geopm set it; any value the driver
+                # reads as a non-zero number, "2" or " 1" as "1": sysman_env_on): after a zesInit its
                 # core handles answer no Sysman call (Intel compute-runtime, "Level Zero Sysman
                 # Initialization": zesInit + legacy mode is not supported), so accel makes none
                 # and counts as a loader without zesInit does (r69g).
@@ -299,12 +313,13 @@ class DiscoveryMixin:
                 if not has_zes and user_sysman is None:
                     os.environ.pop("ZES_ENABLE_SYSMAN", None)
             if rc:
-                self._fail("zeInit", rc, "is an Intel GPU driver (intel-level-zero-gpu) installed?")
+                self._fail("zeInit", rc, self._zeinit_fix())
             if self._init_env is None:
                 # The driver built its device list from these values; a ZE_AFFINITY_MASK or
                 # ZE_FLAT_DEVICE_HIERARCHY set from now on changes nothing in this process.
                 self._init_env = env_key
-            self._sysman_legacy = not has_zes and (user_sysman is None or user_sysman == "1")
+            legacy = user_sysman is None or _ze_visible.sysman_env_on(user_sysman)
+            self._sysman_legacy = not has_zes and legacy
             devices = []
             contexts = self._new_contexts = []     # made by _init_driver, destroyed if init fails
             try:
@@ -339,6 +354,18 @@ class DiscoveryMixin:
                     self._map_sysman()
                 except AcceleratorError:
                     pass
+
+    def _zeinit_fix(self) -> str:
+        """What to check when zeInit fails: the driver is missing, or (a driver library found where
+        the loader looks) the loader could not use it."""
+        found = self._probe
+        if found is None and not self.simulated:
+            found = _ze_count.probe_gpu_drivers()
+        if not found:
+            return "is an Intel GPU driver (intel-level-zero-gpu) installed?"
+        return (f"the Level Zero GPU driver {', '.join(found)} was found but the loader could not use it "
+                f"(a driver and loader of mismatched versions, or a broken install: reinstall "
+                f"intel-level-zero-gpu and the Level Zero loader)")
 
     def _reconcile_count(self, runtime_count: int) -> None:
         """From init on, the count is the initialized driver's (as the CUDA backend's).  The count
@@ -488,21 +515,26 @@ class DiscoveryMixin:
         return sum(m.totalSize for m in memories)
 
     def _map_sysman(self) -> None:
-        """Pair each core device with its Sysman card (and tile) for mem_info.  Only devices of a
-        driver with API 1.5+ (zesInit's version): the loader answers zesInit when any of its
-        drivers has it, and an older driver's devices then have no Sysman card to pair with."""
-        visible = self._sysman_discover()
-        if len(visible) != len(self._devices):
-            return
-        for dev, (card, tile) in zip(self._devices, visible):
+        """Pair each core device with its Sysman card (and tile) for mem_info, by identity: the
+        card whose uuid is the device's (a whole card) or the tile's without its tile part, and
+        skip a device no card (or more than one) matches.  Not by position: zesDeviceGet's order
+        is "NOT affected by the ZE_AFFINITY_MASK, ZE_ENABLE_PCI_ID_DEVICE_ORDER, or
+        ZE_FLAT_DEVICE_HIERARCHY environment variables" (level-zero-spec sysman device.yml, 1.7),
+        zeDeviceGet's is.  Only devices of a driver with API 1.5+ (zesInit's version): the loader
+        answers zesInit when any of its drivers has it, and an older driver's devices then have
+        no Sysman card to pair with."""
+        cards = self._sysman_cards
+        if cards is None:
+            cards = self._sysman_cards = self._sysman_read_cards()
+        for dev in self._devices:
             if dev.api_version < _API_1_5:
                 continue
-            handle, tiles, uuid = self._sysman_cards[card]
-            if tile is None and dev.subdevice_id is None and uuid != dev.uuid:
-                continue   # the orders disagree; do not guess
-            if tile is not None and dev.subdevice_id not in (None, tile):
-                continue
-            dev.sysman, dev.sysman_tile = handle, tile
+            tile = dev.subdevice_id
+            ids = {dev.uuid} if tile is None else _card_uuids(dev.uuid, tile)
+            found = [handle for handle, tiles, uuid in cards
+                     if uuid in ids and (tile is None or tile < max(tiles, 1))]
+            if len(found) == 1:
+                dev.sysman, dev.sysman_tile = found[0], tile
 
     def _device(self, index: int) -> _Device:
         devices = self._devices

@@ -63,6 +63,12 @@ class TelemetryMixin:
             visible = self._sysman_discover()
             if not 0 <= index < len(visible):
                 raise ValueError(f"device index {index} is out of range: {len(visible)} XPU device(s) visible")
+            dev = self._devices[index] if self._devices and index < len(self._devices) else None
+            if dev is not None and dev.sysman is not None:
+                # after init: the card paired with the device by identity (_map_sysman), not by
+                # position (zesDeviceGet's order need not be zeDeviceGet's: r82d)
+                card = next(i for i, c in enumerate(self._sysman_cards) if c[0] == dev.sysman)
+                return ffi, lib, dev.sysman, dev.sysman_tile, card
             card, tile = visible[index]
             return ffi, lib, self._sysman_cards[card][0], tile, card
         if self._sysman_legacy and self._devices:
@@ -84,7 +90,7 @@ class TelemetryMixin:
                 "driver has no zesInit (Level Zero API 1.5+), and readings never initialize the runtime "
                 "themselves (so that a fork afterwards stays safe). Use the device first (any call that "
                 "initializes it, e.g. accel.current_device_index() or a Buffer) with ZES_ENABLE_SYSMAN "
-                "unset or 1, or install a newer loader and driver", library=LIBRARY)
+                "unset or non-zero, or install a newer loader and driver", library=LIBRARY)
         raise AcceleratorError(
             "Level Zero Sysman is not available: the loader or driver has no zesInit (Level Zero API "
             "1.5+), and ZES_ENABLE_SYSMAN=1 was not in effect when the runtime initialized. Use a "

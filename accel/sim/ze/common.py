@@ -5,9 +5,12 @@ visible devices (ZE_AFFINITY_MASK, ZE_FLAT_DEVICE_HIERARCHY) and the Sysman hand
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 from .. import _memory
+# A mask index is a number as compute-runtime's StringHelpers::toUint32t reads it (std::stoul, base 0):
+# "0x2" is 2, "010" is 8, "1abc" is 1 (the docstring of strtoul cites the source).
+from ...backends._ze_visible import strtoul
 from .objects import _Card, _Runtime, _runtime
 
 
@@ -34,13 +37,6 @@ def _fill(pcount, parr, items) -> int:
     return 0
 
 
-def _mask_number(text: str) -> Optional[int]:
-    """A ZE_AFFINITY_MASK index: ASCII decimal digits (the driver's C++ string-to-integer knows no
-    others; Python's int() takes "١"), else None: the entry is ignored."""
-    text = text.strip()
-    return int(text) if text.isascii() and text.isdigit() else None
-
-
 def _visible(rt: _Runtime) -> List[Tuple[_Card, List[int], bool]]:
     """Devices zeDeviceGet returns: (card, tiles, is_sub_device), as the driver builds them."""
     env = os.environ
@@ -58,7 +54,7 @@ def _visible(rt: _Runtime) -> List[Tuple[_Card, List[int], bool]]:
     else:
         for entry in mask.split(","):
             parts = entry.split(".")
-            idx = _mask_number(parts[0])
+            idx = strtoul(parts[0])
             if idx is None:
                 continue
             if expose_tiles:
@@ -73,7 +69,7 @@ def _visible(rt: _Runtime) -> List[Tuple[_Card, List[int], bool]]:
                 if len(parts) == 1:
                     enabled.setdefault(c.index, set()).update(range(c.tiles))
                 elif len(parts) == 2:
-                    sub = _mask_number(parts[1])
+                    sub = strtoul(parts[1])
                     if sub is not None and 0 <= sub < c.tiles:
                         enabled.setdefault(c.index, set()).add(sub)
     out = []

@@ -8,6 +8,7 @@ import os
 import time
 
 from .. import core
+from ...backends._ze_visible import sysman_env_on
 from .objects import _Device, _Runtime, _runtime
 from .common import _fill, _ready, _ready_get, _struct_arg_code, _struct_code, _visible
 
@@ -34,8 +35,9 @@ def zeInit(flags):
             # initialization of sysman is supported for a process"); level-zero-tests SysmanInitTests
             # GivenSysmanInitializedFromZesInitAndCoreInitializedWithSysmanFlag...: after zesInit then
             # zeInit with ZES_ENABLE_SYSMAN=1, every zes call on a core handle returns
-            # ZE_RESULT_ERROR_UNINITIALIZED (r69g).
-            rt.sysman_on_core = (rt.zcfg.sysman_env and os.environ.get("ZES_ENABLE_SYSMAN") == "1"
+            # ZE_RESULT_ERROR_UNINITIALIZED (r69g).  Any value atoll reads as non-zero turns it on
+            # (compute-runtime's getSetting over atoll, debug_env_reader.cpp: sysman_env_on).
+            rt.sysman_on_core = (rt.zcfg.sysman_env and sysman_env_on(os.environ.get("ZES_ENABLE_SYSMAN"))
                                  and not rt.sysman_initialized)
             for ordinal, (card, tiles, is_sub) in enumerate(_visible(rt)):
                 dev = rt._add(_Device(ordinal, card, tiles, is_sub))
