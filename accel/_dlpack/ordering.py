@@ -40,6 +40,8 @@ def _consumer_handle(backend, index: int, stream_arg):
         if stream_arg._backend is not backend:
             raise ValueError(f"stream {stream_arg!r} belongs to {stream_arg._backend.name}, "
                              f"the buffer to {backend.name}")
+        if stream_arg._foreign:
+            stream_arg._check_alive()   # (r83a: a wrapper of a closed stream got the consumer's wait)
         return stream_arg.device_index, stream_arg.handle
     if backend.name == "cuda" and stream_arg is not None and hasattr(stream_arg, "__cuda_stream__"):
         # (0, 0) is a default stream object's (torch, cuda.core): the legacy stream, as _ask maps it

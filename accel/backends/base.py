@@ -34,6 +34,7 @@ Rules every implementation keeps:
 from __future__ import annotations
 
 import abc
+import threading
 from typing import Any, Optional, Sequence, Tuple
 
 from .._errors import AcceleratorError
@@ -41,6 +42,20 @@ from .._errors import AcceleratorError
 def _drop(args) -> None:
     """Nothing: ``args`` dies with the call (:meth:`Backend._run_after_captures`)."""
 
+
+
+class LaunchNote(threading.local):
+    """Whether this thread's last ``graph_launch`` queued the replay: ``Graph.replay`` clears
+    ``queued`` before the call and a backend sets it right after the vendor call that queued the
+    work, with signals deferred in between (accel.backends._signals), so a KeyboardInterrupt
+    around the call leaves it exact.  The replay then tells the allocators of a launch that
+    happened, and of none that did not (r83a: a cudaMallocAsync graph counted a launch that never
+    ran, and its reset freed memory no launch had allocated)."""
+    queued = False
+
+
+#: The process's :class:`LaunchNote`.
+launch_note = LaunchNote()
 
 class DeviceProperties:
     """What :meth:`Backend.properties` returns for one device (immutable).
@@ -528,7 +543,8 @@ class Backend(abc.ABC):
         raise NotImplementedError(self.no_capture_reason)
 
     def graph_launch(self, graph_exec: int, stream: int) -> None:
-        """Replay ``graph_exec`` on ``stream``, whose device must be current."""
+        """Replay ``graph_exec`` on ``stream``, whose device must be current.  Sets
+        ``launch_note.queued`` once the vendor call queued the replay (see :class:`LaunchNote`)."""
         raise NotImplementedError(self.no_capture_reason)
 
     def graph_destroy(self, graph: int) -> None:

@@ -24,6 +24,7 @@ from .. import _lazy
 from .._copying import refuse_copies as _refuse_copies
 from .._errors import CaptureError
 from ..backends._signals import deferred
+from ..backends.base import launch_note
 from ..buffer.pins import _drain, pin_noted, record_noted, unpin_noted
 from ..memory._mempool import check_pool_id as _check_pool
 from ..streams import Stream, _Hold, current_stream, on_device
@@ -413,17 +414,15 @@ class Graph:
                     # stream had been given)
                     from .. import memory
                     memory.device_allocator(h.index).pool_used_on(h.pool, handle, h.index)
-                queued, noted, interrupt = True, [False], None
+                noted, interrupt = [False], None
+                launch_note.queued = False
                 try:
                     backend.graph_launch(h.exec, handle)
-                except Exception:
-                    queued = False      # refused: nothing was queued
-                    raise
                 finally:
-                    # Once the launch may have queued (also when a Ctrl-C lands as it returns), the
+                    # Once the launch queued (also when a Ctrl-C lands as it returns: LaunchNote), the
                     # replay's uses are noted to the end: inline, since a signal handler can raise as
                     # any Python function starts, _note_replay's deferred wrapper included (r82a)
-                    while queued and not noted[0]:
+                    while launch_note.queued and not noted[0]:
                         try:
                             _note_replay(noted, h, stream, handle, pinned)
                         except BaseException as exc:

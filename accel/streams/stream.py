@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import operator
 import sys
-import weakref
 from typing import Optional, Tuple
 
 from .. import _finalize as _fin
@@ -37,10 +36,13 @@ _CONTEXTLIB = contextlib.__file__
 def _block_frame(stream: "Stream"):
     """The frame running the ``with`` statement, for the caller of Stream.__enter__/__exit__: past
     contextlib's frames, because ExitStack.enter_context calls __enter__ and ExitStack.__exit__
-    calls __exit__ (from the one frame that holds the ExitStack's with statement) (r75e), and
-    past a subclass's own methods on the way from its __enter__/__exit__ to the base class's
-    (r80a; r82a: whatever their first parameter is called, through helpers too).  A generator
-    or coroutine frame is never passed: a ``with`` in one is keyed by that frame."""
+    calls __exit__ (from the one frame that holds the ExitStack's with statement) (r75e), and,
+    for a Stream subclass, past its own code on the way from the with statement to the base
+    class's method: methods, helpers, property accessors, decorators' wrappers (r80a, r82a,
+    r83a).  A generator or coroutine frame is never passed: a block left from another thread (a
+    generator closed there) is found by that frame, the with statement's.  (Frames are matched
+    by code, never by reading ``f_locals``: in CPython < 3.13 that keeps a snapshot of the with
+    statement's locals, a deleted Stream among them, alive until the frame returns.)"""
     frame = sys._getframe(2)
     codes = _subclass_codes(type(stream)) if type(stream) is not Stream else ()
     while frame.f_back is not None and (
@@ -50,23 +52,35 @@ def _block_frame(stream: "Stream"):
     return frame
 
 
-_SUBCLASS_CODES: "weakref.WeakKeyDictionary[type, frozenset]" = weakref.WeakKeyDictionary()
-
-
-def _subclass_codes(cls: type) -> frozenset:
-    """The code objects of the functions a Stream subclass (and its mixins) define."""
-    codes = _SUBCLASS_CODES.get(cls)
-    if codes is None:
-        found = set()
-        for klass in cls.__mro__:
-            if klass is Stream or klass is object:
-                continue
+def _subclass_codes(cls: type) -> set:
+    """The code objects a Stream subclass (and its mixins) defines, read now (a method patched
+    after the class's first block counts: r83a): its functions, static and class methods,
+    property accessors, and the functions a decorator's wrapper wraps (``__wrapped__``) or closes
+    over."""
+    codes: set = set()
+    for klass in cls.__mro__:
+        if klass is not Stream and klass is not object:
             for value in vars(klass).values():
-                code = getattr(getattr(value, "__func__", value), "__code__", None)
-                if code is not None:
-                    found.add(code)
-        codes = _SUBCLASS_CODES[cls] = frozenset(found)
+                if isinstance(value, property):
+                    for accessor in (value.fget, value.fset, value.fdel):
+                        _add_codes(accessor, codes)
+                else:
+                    _add_codes(getattr(value, "__func__", value), codes)
     return codes
+
+
+def _add_codes(fn, codes: set, depth: int = 0) -> None:
+    code = getattr(fn, "__code__", None)
+    if code is None or depth > 4:       # (not "code in codes": one decorator's wrapper code wraps many)
+        return
+    codes.add(code)
+    _add_codes(getattr(fn, "__wrapped__", None), codes, depth + 1)
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            inner = cell.cell_contents
+        except ValueError:      # an empty cell
+            continue
+        _add_codes(inner, codes, depth + 1)
 
 
 class on_device:

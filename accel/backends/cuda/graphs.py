@@ -17,6 +17,8 @@ import threading
 from typing import Optional
 
 from ..._errors import CaptureError
+from .._signals import deferred
+from ..base import launch_note
 
 # From driver_types.h (CUDA 13).
 _CAPTURE_MODES = {"global": 0, "thread_local": 1, "relaxed": 2}  # cudaStreamCaptureMode
@@ -196,8 +198,15 @@ class CudaGraphsMixin:
         return self._as_int(p[0])
 
     def graph_launch(self, graph_exec: int, stream: int) -> None:
-        self._check(self.lib.cudaGraphLaunch(self.ffi.cast("cudaGraphExec_t", graph_exec),
+        self._check(self._graph_launch_noted(self.ffi.cast("cudaGraphExec_t", graph_exec),
                                              self._cast("cudaStream_t", stream)), "cudaGraphLaunch")
+
+    @deferred
+    def _graph_launch_noted(self, graph_exec, stream) -> int:
+        rc = self.lib.cudaGraphLaunch(graph_exec, stream)
+        if rc == 0:
+            launch_note.queued = True   # (base.LaunchNote: nothing can interrupt between the two)
+        return rc
 
     def graph_destroy(self, graph: int) -> None:
         """cudaGraphDestroy; while a capture is underway in this process, once the last one ended

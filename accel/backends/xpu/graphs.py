@@ -21,6 +21,7 @@ from typing import List, Optional
 
 from ..._errors import AcceleratorError, CaptureError
 from .._signals import deferred
+from ..base import launch_note
 from ._library import LIBRARY, _UINT64_MAX
 from .events import _Event
 
@@ -262,12 +263,9 @@ class GraphsMixin:
                                  s.list, g.gate.event)
                     s.seq += 1
                     g.deps.append((s, s.seq))
-                    lists = ffi.new("ze_command_list_handle_t[1]", [g.list])
-                    rc = lib.zeCommandQueueExecuteCommandLists(g.queue, 1, lists, ffi.NULL)
+                    rc = self._execute_graph(g)
                     if rc:
                         self._fail("zeCommandQueueExecuteCommandLists", rc)
-                    g.launched = True
-                    g.launches += 1
                     arr = ffi.new("ze_event_handle_t[1]", [g.done.event])
                     self._append(s, "zeCommandListAppendWaitOnEvents", lib.zeCommandListAppendWaitOnEvents,
                                  s.list, 1, arr)
@@ -293,6 +291,20 @@ class GraphsMixin:
                     g.deps = list(latest.items())
             g.last_stream = s
             self._record(g.completion, s)
+
+    @deferred
+    def _execute_graph(self, g: _Graph) -> int:
+        """Submit ``g``'s list and note it (g.launched, base.LaunchNote) with signals deferred: a
+        KeyboardInterrupt as the submission returned left a running list unnoted (the next launch
+        resubmitted it without waiting, which the spec forbids)."""
+        ffi, lib, _ = self._lib
+        lists = ffi.new("ze_command_list_handle_t[1]", [g.list])
+        rc = lib.zeCommandQueueExecuteCommandLists(g.queue, 1, lists, ffi.NULL)
+        if rc == 0:
+            g.launched = True
+            g.launches += 1
+            launch_note.queued = True
+        return rc
 
     def _rearm_graph(self, g: _Graph) -> None:
         """After a launch that failed half way (caller holds ``g.lock``, the list is idle): wait
