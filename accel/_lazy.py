@@ -33,6 +33,8 @@ _initialized_backend: Optional[Backend] = None
 #: The initialized backend while it may be used (not in a bad fork), else None:
 #: one global read for hot paths such as current_stream().
 ready: Optional[Backend] = None
+#: ``ready.get_device`` while ``ready`` is set, else None: current_stream()'s one read.
+ready_get_device: Optional[Callable[[], int]] = None
 _in_bad_fork = False
 _queued: List[Tuple[Callable[[], None], List[str]]] = []
 #: The latest seed=True and seed_all=True calls, in the order of those latest calls (torch's
@@ -93,7 +95,7 @@ def lazy_init() -> Backend:
     AcceleratorError when the vendor runtime refuses, DeferredCallError when
     a queued call fails.
     """
-    global _initialized, _initialized_backend, ready
+    global _initialized, _initialized_backend, ready, ready_get_device
     if ready is not None:
         return ready
     chosen = backend()
@@ -138,6 +140,7 @@ def lazy_init() -> Backend:
             _queued.clear()
             _seeds.clear()
             _initialized_backend = ready = chosen
+            ready_get_device = chosen.get_device
             _initialized = True
         finally:
             _tls.stage = None
@@ -153,14 +156,14 @@ def register_reset_hook(fn: Callable[[], None]) -> None:
 
 def _reset_for_tests() -> None:
     """Forget every piece of process state so a test can switch backend or simulator."""
-    global _initialized, _initialized_backend, _in_bad_fork, ready
+    global _initialized, _initialized_backend, _in_bad_fork, ready, ready_get_device
     with _lock:
         for hook in list(_reset_hooks):
             hook()
         _queued.clear()
         _seeds.clear()
         _initialized = False
-        _initialized_backend = ready = None
+        _initialized_backend = ready = ready_get_device = None
         _in_bad_fork = False
         backends.reset()
 
@@ -298,7 +301,7 @@ def _drop_stale_imports() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _in_bad_fork, _lock, ready
+    global _in_bad_fork, _lock, ready, ready_get_device
     _drop_stale_imports()
     # The parent may have held the lock while forking; the child gets a fresh one.
     _lock = threading.RLock()
@@ -306,7 +309,7 @@ def _after_fork_in_child() -> None:
     # as init does (cudaGetDeviceCount runs cuInit): the child can't use it either.
     if _initialized or backends.started_drivers():
         _in_bad_fork = True
-        ready = None
+        ready = ready_get_device = None
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -125,7 +125,8 @@ def current_stream(device: DeviceLike = None) -> Stream:
     ``torch.cuda.current_stream(device=None)`` and ``torch.accelerator.current_stream``."""
     # Hot path (called for every queued operation): no helper calls beyond get_device.
     if device is None:
-        index = (_lazy.ready or _lazy.lazy_init()).get_device()
+        get_device = _lazy.ready_get_device
+        index = get_device() if get_device is not None else _lazy.lazy_init().get_device()
     elif type(device) is int and device != -1:
         # (an object's own device, say) checked only when neither table below has it: both
         # hold checked indices only, and default_stream checks the rest as _index_for would
