@@ -78,6 +78,20 @@ def strtoul(text: str) -> Optional[int]:
     return value & 0xFFFFFFFF
 
 
+def split(text: str, delimiter: str) -> List[str]:
+    """``text`` split as compute-runtime's ``StringHelpers::split`` does (string_helpers.h): a
+    part is added only while the position is inside the string, so a trailing delimiter adds no
+    empty part ("1." is ["1"], "" is []), unlike ``str.split`` (r84a)."""
+    parts, pos = [], 0
+    while pos < len(text):
+        end = text.find(delimiter, pos)
+        if end < 0:
+            end = len(text)
+        parts.append(text[pos:end])
+        pos = end + 1
+    return parts
+
+
 def sysman_env_on(value: Optional[str]) -> bool:
     """Whether a ``ZES_ENABLE_SYSMAN`` value turns legacy Sysman on: compute-runtime reads it with
     ``EnvironmentVariableReader::getSetting(name, false)``, ``atoll(value) != 0``
@@ -107,9 +121,11 @@ def visible_devices(tiles: Sequence[int], mask: Optional[str] = None,
             flat.extend((card, t) for t in range(n))
         else:
             flat.append((card, None))
-    if mask is None or mask.strip() in ("", "default"):
+    # parseAffinityMask returns early on exactly "default" or "" (no trimming: " " selects nothing)
+    if mask is None or mask in ("", "default"):
         return flat
-    entries = [e.split(".") for e in mask.split(",")]
+    # (an empty entry has no parts: the driver reads subEntries[0] of an empty vector; ignored here)
+    entries = [parts for parts in (split(e, ".") for e in split(mask, ",")) if parts]
     if mode != COMPOSITE:
         chosen = set()
         for parts in entries:

@@ -11,10 +11,10 @@ block (:mod:`.block`).
 
 from __future__ import annotations
 
+import _thread
 import operator
 import os
 import sys
-import threading
 import warnings
 import weakref
 from typing import Optional, Tuple
@@ -89,7 +89,11 @@ class Graph:
         # was unloaded killed the process on an H100).  Never waited for by a finalizer: a reset()
         # in a collection that finds it held leaves a note in _owed, and whoever holds the lock
         # moves the graph's handles to their queued release as it lets go (_settle_owed).
-        self._launch_lock = threading.Lock()
+        # An RLock only to tell its holder (_own_lock_refused): a finalizer or gc callback that
+        # replays this graph inside its own replay hung on a plain Lock (r84a).  Not
+        # accel._locks.Lock, which registers in a WeakSet: its removal callback as a graph is
+        # collected is a place a Ctrl-C would be printed and lost (r54).
+        self._launch_lock = _thread.RLock()
         self._owed = []
 
     # the holder's fields, read-only (the graph's code stores into self._h)
@@ -321,6 +325,7 @@ class Graph:
             raise RuntimeError("instantiate() is intended to be called by the user only when keep_graph=true")
         kept = _KeptInUse(())
         try:
+            self._own_lock_refused("instantiate()")
             with self._launch_lock:     # the executable it replaces may be in a replay's launch
                 if h.graph is None:
                     raise RuntimeError("capture_end() must have been called before calling instantiate: capture "
@@ -377,6 +382,7 @@ class Graph:
         try:
             # kept.of(h): the graph's kept objects read once the launch lock is held (a reset and a
             # new capture by another thread meanwhile change them: r67f)
+            self._own_lock_refused("replay()")
             with self._launch_lock, hold, kept.of(h), on_device(backend, index):
                 if h.exec is None:
                     raise RuntimeError("replay(): the graph was reset (by another thread) as the replay began; "
@@ -415,14 +421,17 @@ class Graph:
                     from .. import memory
                     memory.device_allocator(h.index).pool_used_on(h.pool, handle, h.index)
                 noted, interrupt = [False], None
-                launch_note.queued = False
+                # (saved and put back: a finalizer's replay inside this one's launch must not
+                # change what this one reads: r84a)
+                outer, launch_note.queued = launch_note.queued, False
                 try:
                     backend.graph_launch(h.exec, handle)
                 finally:
+                    queued, launch_note.queued = launch_note.queued, outer
                     # Once the launch queued (also when a Ctrl-C lands as it returns: LaunchNote), the
                     # replay's uses are noted to the end: inline, since a signal handler can raise as
                     # any Python function starts, _note_replay's deferred wrapper included (r82a)
-                    while launch_note.queued and not noted[0]:
+                    while queued and not noted[0]:
                         try:
                             _note_replay(noted, h, stream, handle, pinned)
                         except BaseException as exc:
@@ -473,6 +482,7 @@ class Graph:
         try:
             # (no drain under the launch lock: user code a deferred release runs, a deleter, could
             # need the graph; r70m) then a safe point once the lock is free
+            self._own_lock_refused("reset()")
             with self._launch_lock, _fin.no_drain:
                 self._release_handles()
         finally:
@@ -481,13 +491,22 @@ class Graph:
         if _fin.pending:
             _fin.drain()
 
+    def _own_lock_refused(self, call: str) -> None:
+        """RuntimeError when this thread holds the launch lock: ``call`` runs inside the graph's
+        own replay, reset or instantiate (a finalizer, gc callback or signal handler ran there),
+        and taking the lock would wait for itself."""
+        if self._launch_lock._is_owned():
+            raise RuntimeError(f"{call} on {self!r} inside its own replay, reset or instantiate on this "
+                               f"thread (a __del__, gc callback or signal handler ran there): it would wait "
+                               f"for itself; call it once that returns")
+
     def _settle_owed(self) -> None:
         """Do the resets finalizers asked for (``_owed``) unless the launch lock is held (its
         holder calls this again as it lets go): what the graph holds moves to a holder of its
         own, queued for the next safe point with plain stores and a C append (no point where an
         interrupt drops it), so a replay after it finds nothing to launch."""
         while self._owed:
-            if not self._launch_lock.acquire(blocking=False):
+            if self._launch_lock._is_owned() or not self._launch_lock.acquire(blocking=False):
                 return
             try:
                 taken = False
@@ -601,6 +620,7 @@ class Graph:
             raise FileNotFoundError(f"debug_dump: cannot write {path!r}: the folder {folder!r} does not exist; "
                                     f"create it first or pass a path in an existing folder")
         try:
+            self._own_lock_refused("debug_dump()")
             with self._launch_lock:     # not a graph that a reset() in another thread destroys
                 if self._h.graph is None:
                     raise RuntimeError("debug_dump: no captured graph to dump (it was reset)")

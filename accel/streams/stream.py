@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import sys
+from types import CodeType
 from typing import Optional, Tuple
 
 from .. import _finalize as _fin
@@ -56,31 +57,38 @@ def _subclass_codes(cls: type) -> set:
     """The code objects a Stream subclass (and its mixins) defines, read now (a method patched
     after the class's first block counts: r83a): its functions, static and class methods,
     property accessors, and the functions a decorator's wrapper wraps (``__wrapped__``) or closes
-    over."""
+    over.  An attribute whose reads raise (a lazy proxy) is passed over (r84a)."""
     codes: set = set()
+    seen: set = set()
     for klass in cls.__mro__:
         if klass is not Stream and klass is not object:
-            for value in vars(klass).values():
-                if isinstance(value, property):
-                    for accessor in (value.fget, value.fset, value.fdel):
-                        _add_codes(accessor, codes)
-                else:
-                    _add_codes(getattr(value, "__func__", value), codes)
+            for value in list(vars(klass).values()):
+                try:
+                    if isinstance(value, property):
+                        for accessor in (value.fget, value.fset, value.fdel):
+                            _add_codes(accessor, codes, seen)
+                    else:
+                        _add_codes(getattr(value, "__func__", value), codes, seen)
+                except Exception:       # noqa: BLE001 (see the docstring)
+                    continue
     return codes
 
 
-def _add_codes(fn, codes: set, depth: int = 0) -> None:
+def _add_codes(fn, codes: set, seen: set, depth: int = 0) -> None:
+    """Add ``fn``'s code, then those of what it wraps or closes over, each function once (r84a:
+    functions closing over one another were walked once per path)."""
     code = getattr(fn, "__code__", None)
-    if code is None or depth > 4:       # (not "code in codes": one decorator's wrapper code wraps many)
+    if type(code) is not CodeType or id(fn) in seen or depth > 4:
         return
+    seen.add(id(fn))
     codes.add(code)
-    _add_codes(getattr(fn, "__wrapped__", None), codes, depth + 1)
+    _add_codes(getattr(fn, "__wrapped__", None), codes, seen, depth + 1)
     for cell in getattr(fn, "__closure__", None) or ():
         try:
             inner = cell.cell_contents
         except ValueError:      # an empty cell
             continue
-        _add_codes(inner, codes, depth + 1)
+        _add_codes(inner, codes, seen, depth + 1)
 
 
 class on_device:

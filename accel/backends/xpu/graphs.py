@@ -251,44 +251,57 @@ class GraphsMixin:
             if g.stale is not None:
                 self._rearm_graph(g)
             prev = g.completion
-            with s.lock:
-                if g.last_stream is not None and g.last_stream is not s and prev.slot is not None:
-                    arr = ffi.new("ze_event_handle_t[1]", [prev.slot.event])
-                    self._append(s, "zeCommandListAppendWaitOnEvents", lib.zeCommandListAppendWaitOnEvents,
-                                 s.list, 1, arr)
-                    s.seq += 1
-                    prev.slot.deps.append((s, s.seq))
-                try:
-                    self._append(s, "zeCommandListAppendSignalEvent", lib.zeCommandListAppendSignalEvent,
-                                 s.list, g.gate.event)
-                    s.seq += 1
-                    g.deps.append((s, s.seq))
-                    rc = self._execute_graph(g)
-                    if rc:
-                        self._fail("zeCommandQueueExecuteCommandLists", rc)
-                    arr = ffi.new("ze_event_handle_t[1]", [g.done.event])
-                    self._append(s, "zeCommandListAppendWaitOnEvents", lib.zeCommandListAppendWaitOnEvents,
-                                 s.list, 1, arr)
-                    s.seq += 1
-                    g.deps.append((s, s.seq))
-                    self._append(s, "zeCommandListAppendEventReset", lib.zeCommandListAppendEventReset, s.list,
-                                 g.done.event)
-                    s.seq += 1
-                    g.deps.append((s, s.seq))
-                except BaseException:
-                    # A gate signalled for a list that never ran, or a done event the stream never
-                    # reset: the next launch's waits would take either as their own (_rearm_graph).
-                    g.stale = s
-                    raise
-                if len(g.deps) > 16:
-                    # bounded by the streams whose part may still run: an entry a stream passed
-                    # (a destroyed stream's among them) waits for nothing (r63h: one entry per
-                    # stream the graph was ever replayed on, kept while the graph lived)
-                    latest = {}
-                    for st, n in g.deps:
-                        if st.done < n and latest.get(st, 0) < n:
-                            latest[st] = n
-                    g.deps = list(latest.items())
+            launches = g.launches
+            try:
+                with s.lock:
+                    if g.last_stream is not None and g.last_stream is not s and prev.slot is not None:
+                        arr = ffi.new("ze_event_handle_t[1]", [prev.slot.event])
+                        self._append(s, "zeCommandListAppendWaitOnEvents", lib.zeCommandListAppendWaitOnEvents,
+                                     s.list, 1, arr)
+                        s.seq += 1
+                        prev.slot.deps.append((s, s.seq))
+                    try:
+                        self._append(s, "zeCommandListAppendSignalEvent", lib.zeCommandListAppendSignalEvent,
+                                     s.list, g.gate.event)
+                        s.seq += 1
+                        g.deps.append((s, s.seq))
+                        rc = self._execute_graph(g)
+                        if rc:
+                            self._fail("zeCommandQueueExecuteCommandLists", rc)
+                        arr = ffi.new("ze_event_handle_t[1]", [g.done.event])
+                        self._append(s, "zeCommandListAppendWaitOnEvents", lib.zeCommandListAppendWaitOnEvents,
+                                     s.list, 1, arr)
+                        s.seq += 1
+                        g.deps.append((s, s.seq))
+                        self._append(s, "zeCommandListAppendEventReset", lib.zeCommandListAppendEventReset, s.list,
+                                     g.done.event)
+                        s.seq += 1
+                        g.deps.append((s, s.seq))
+                    except BaseException:
+                        # A gate signalled for a list that never ran, or a done event the stream never
+                        # reset: the next launch's waits would take either as their own (_rearm_graph).
+                        g.stale = s
+                        raise
+                    if len(g.deps) > 16:
+                        # bounded by the streams whose part may still run: an entry a stream passed
+                        # (a destroyed stream's among them) waits for nothing (r63h: one entry per
+                        # stream the graph was ever replayed on, kept while the graph lived)
+                        latest = {}
+                        for st, n in g.deps:
+                            if st.done < n and latest.get(st, 0) < n:
+                                latest[st] = n
+                        g.deps = list(latest.items())
+            except BaseException:
+                if g.launches != launches:
+                    # Submitted, but the stream never came to wait for it (a later append failed):
+                    # the uses a replay records on the stream would free memory the list still
+                    # writes (zeMemFree: "The application must ensure the device is not currently
+                    # referencing the memory before it is freed"): wait for the list first (r84a)
+                    try:
+                        self._sync_graph(g)
+                    except Exception:
+                        pass
+                raise
             g.last_stream = s
             self._record(g.completion, s)
 

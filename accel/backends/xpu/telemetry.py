@@ -64,9 +64,14 @@ class TelemetryMixin:
             if not 0 <= index < len(visible):
                 raise ValueError(f"device index {index} is out of range: {len(visible)} XPU device(s) visible")
             dev = self._devices[index] if self._devices and index < len(self._devices) else None
-            if dev is not None and dev.sysman is not None:
-                # after init: the card paired with the device by identity (_map_sysman), not by
-                # position (zesDeviceGet's order need not be zeDeviceGet's: r82d)
+            if dev is not None:
+                # after init: the card paired with the device by identity (_map_sysman), never by
+                # position (zesDeviceGet's order need not be zeDeviceGet's: r82d, r84a)
+                if dev.sysman is None:
+                    raise AcceleratorError(
+                        f"Level Zero Sysman: XPU device {index} matches no Sysman device by UUID (its "
+                        f"uuid {dev.uuid.hex()} is none of the {len(self._sysman_cards)} zesDeviceGet "
+                        f"lists), so its readings cannot be told from another card's", library=LIBRARY)
                 card = next(i for i, c in enumerate(self._sysman_cards) if c[0] == dev.sysman)
                 return ffi, lib, dev.sysman, dev.sysman_tile, card
             card, tile = visible[index]

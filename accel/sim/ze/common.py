@@ -10,7 +10,7 @@ from typing import Dict, List, Tuple
 from .. import _memory
 # A mask index is a number as compute-runtime's StringHelpers::toUint32t reads it (std::stoul, base 0):
 # "0x2" is 2, "010" is 8, "1abc" is 1 (the docstring of strtoul cites the source).
-from ...backends._ze_visible import strtoul
+from ...backends._ze_visible import split, strtoul
 from .objects import _Card, _Runtime, _runtime
 
 
@@ -48,13 +48,13 @@ def _visible(rt: _Runtime) -> List[Tuple[_Card, List[int], bool]]:
     if expose_tiles:
         index_map = [(c, t) for c in rt.cards for t in range(c.tiles)]
     enabled: Dict[int, set] = {}
-    if mask.strip() in ("", "default"):
+    if mask in ("", "default"):     # exactly, as parseAffinityMask (r84a)
         for c in rt.cards:
             enabled[c.index] = set(range(c.tiles))
     else:
-        for entry in mask.split(","):
-            parts = entry.split(".")
-            idx = strtoul(parts[0])
+        for entry in split(mask, ","):
+            parts = split(entry, ".")
+            idx = strtoul(parts[0]) if parts else None    # (an empty entry: ignored, as accel does)
             if idx is None:
                 continue
             if expose_tiles:
