@@ -11,7 +11,6 @@ block (:mod:`.block`).
 
 from __future__ import annotations
 
-import _thread
 import operator
 import os
 import sys
@@ -21,6 +20,7 @@ from typing import Optional, Tuple
 
 from .. import _finalize as _fin
 from .. import _lazy
+from .. import _locks
 from .._copying import refuse_copies as _refuse_copies
 from .._errors import CaptureError
 from ..backends._signals import deferred
@@ -89,11 +89,11 @@ class Graph:
         # was unloaded killed the process on an H100).  Never waited for by a finalizer: a reset()
         # in a collection that finds it held leaves a note in _owed, and whoever holds the lock
         # moves the graph's handles to their queued release as it lets go (_settle_owed).
-        # An RLock only to tell its holder (_own_lock_refused): a finalizer or gc callback that
+        # A C RLock only to tell its holder (_own_lock_refused): a finalizer or gc callback that
         # replays this graph inside its own replay hung on a plain Lock (r84a).  Not
         # accel._locks.Lock, which registers in a WeakSet: its removal callback as a graph is
         # collected is a place a Ctrl-C would be printed and lost (r54).
-        self._launch_lock = _thread.RLock()
+        self._launch_lock = _locks.OwnedLock()
         self._owed = []
 
     # the holder's fields, read-only (the graph's code stores into self._h)
