@@ -6,16 +6,25 @@ fatbin container (nvcc -fatbin, fatbinary --create) is undocumented; the layout 
 one fatbinary 13.0 writes, checked against its output (tests/test_kernel_paths.py): a 16-byte
 header (magic 0xBA55ED50, version, header size, size of the entries) and entries of (kind 1 =
 PTX / 2 = ELF, header size, payload size, flags, sm) followed by the payload.
+
+Compressed entries: nvcc 13's ``-fatbin`` compresses the PTX by default (``-Xfatbin -compress-all``
+the SASS too): entry flag 0x8000, the payload a zstd frame, its inflated size at byte 56 of the
+entry header (read from fatbinary 13.0's output, tests/test_user_kernels_r83c.py); older
+fatbinary ``--compress`` set 0x2000 with another format.  Python 3.11 has no zstd in its
+standard library: a zstd payload is inflated only where a ``compression.zstd`` (Python 3.14) or
+``zstandard`` module happens to be importable (accel depends on neither); otherwise the entry is
+left out of :func:`fatbin_entries` (the driver still reads it) and reported in ``skipped``.
 """
 
 from __future__ import annotations
 
 import struct
-from typing import List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 FATBIN_MAGIC = 0xBA55ED50
 KIND_PTX, KIND_ELF = 1, 2
-_FLAG_COMPRESSED = 0x2000     # fatbinary --compress: the payload is compressed
+_FLAG_COMPRESSED = 0x2000     # older fatbinary --compress: a compressed payload (not zstd)
+_FLAG_ZSTD = 0x8000           # fatbinary 13 (nvcc -fatbin's default for PTX): a zstd frame
 
 
 class ContainerError(ValueError):
@@ -50,8 +59,30 @@ def elf_entries(elf: bytes) -> List[str]:
         raise ContainerError("truncated ELF image") from None
 
 
-def fatbin_entries(data: bytes) -> List[Tuple[int, int, bytes]]:
-    """[(kind, sm, payload)] of a fatbin."""
+def elf_sections(elf: bytes) -> Dict[str, Tuple[int, int, int]]:
+    """{section name: (sh_type, offset, size)} of an ELF image."""
+    if elf[:4] != b"\x7fELF" or len(elf) < 64:
+        raise ContainerError("not an ELF image")
+    e_shoff, = struct.unpack_from("<Q", elf, 0x28)
+    e_shentsize, e_shnum, e_shstrndx = struct.unpack_from("<HHH", elf, 0x3A)
+    if e_shnum and e_shentsize != 64:
+        raise ContainerError(f"ELF section headers of {e_shentsize} bytes (an Elf64_Shdr is 64)")
+    try:
+        sections = [struct.unpack_from("<IIQQQQIIQQ", elf, e_shoff + i * 64) for i in range(e_shnum)]
+        names = sections[e_shstrndx][4] if sections else 0
+        out = {}
+        for sec in sections:
+            name = elf[names + sec[0]:elf.index(b"\0", names + sec[0])].decode()
+            out[name] = (sec[1], sec[4], sec[5])
+        return out
+    except (struct.error, ValueError, IndexError):
+        raise ContainerError("truncated ELF image") from None
+
+
+def fatbin_entries(data: bytes, skipped: Optional[list] = None) -> List[Tuple[int, int, bytes]]:
+    """[(kind, sm, payload)] of a fatbin's entries accel can read.  A compressed entry is inflated
+    where a zstd module is importable, else left out (never returned compressed): ``skipped``,
+    when a list, receives its (kind, sm)."""
     try:
         magic, _version, hsize, fat_size = struct.unpack_from("<IHHQ", data, 0)
     except struct.error:
@@ -75,10 +106,37 @@ def fatbin_entries(data: bytes) -> List[Tuple[int, int, bytes]]:
             raise ContainerError(f"truncated fatbin entry at offset {pos}: it ends at byte {pos + ehsize + payload}, "
                                  f"past the container's end at byte {end}")
         body = data[pos + ehsize:pos + ehsize + payload]
-        if flags & _FLAG_COMPRESSED:
-            # The real driver inflates these; the compression is not modelled here.
-            raise ContainerError("compressed fatbin entries are not read here "
-                                 "(build with fatbinary --compress=false)")
+        if flags & (_FLAG_COMPRESSED | _FLAG_ZSTD):
+            # (r83c: a 0x8000 entry's zstd frame was returned as the PTX text)
+            body = _inflate(body, data, pos, ehsize) if flags & _FLAG_ZSTD and not flags & _FLAG_COMPRESSED else None
+            if body is None:
+                if skipped is not None:
+                    skipped.append((kind, sm))
+                pos += ehsize + payload
+                continue
         out.append((kind, sm, body))
         pos += ehsize + payload
+    return out
+
+
+def _inflate(body: bytes, data: bytes, pos: int, ehsize: int) -> Optional[bytes]:
+    """The inflated payload of a zstd entry, or None where no zstd module is importable."""
+    try:
+        from compression import zstd    # Python 3.14+
+        unpack = zstd.ZstdDecompressor()
+        error: type = zstd.ZstdError
+    except ImportError:
+        try:
+            import zstandard
+        except ImportError:
+            return None
+        unpack, error = zstandard.ZstdDecompressor().decompressobj(), zstandard.ZstdError
+    try:
+        out = unpack.decompress(body)     # one frame; the payload's padding after it is left
+    except error as exc:
+        raise ContainerError(f"fatbin entry at offset {pos}: its zstd payload does not inflate ({exc})") from None
+    size, = struct.unpack_from("<Q", data, pos + 56) if ehsize >= 64 else (len(out),)
+    if len(out) != size:
+        raise ContainerError(f"fatbin entry at offset {pos}: its zstd payload inflates to {len(out)} bytes, "
+                             f"not the {size} its header gives")
     return out

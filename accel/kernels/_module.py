@@ -110,10 +110,11 @@ def _untyped_param_sizes(data: bytes, kind: str, entries) -> Dict[str, Tuple[Opt
     return {name: sizes[name] for name, params in entries.items() if params is None and name in sizes}
 
 
-def _image_info(data: bytes, kind: str):
+def _image_info(data: bytes, kind: str, skipped: Optional[list] = None):
     """``(entries, required)`` of an image, one walk over it: ``entries`` is {kernel name:
     parameter types, or None when the image does not declare them}, ``required`` {kernel name:
-    required block shape} from PTX ``.reqntid`` or SPIR-V ``OpExecutionMode LocalSize``."""
+    required block shape} from PTX ``.reqntid`` or SPIR-V ``OpExecutionMode LocalSize``.  A
+    fatbin's compressed entries accel cannot read go to ``skipped`` as (kind, sm)."""
     if kind == "ptx":
         return _ptx.ptx_entries(data), _ptx.ptx_required_blocks(data)
     if kind == "msl":
@@ -125,7 +126,7 @@ def _image_info(data: bytes, kind: str):
     try:
         if kind == "cubin":
             return dict.fromkeys(_cuda_containers.elf_entries(data)), {}
-        for k, _sm, body in _cuda_containers.fatbin_entries(data):
+        for k, _sm, body in _cuda_containers.fatbin_entries(data, skipped):
             if k == _cuda_containers.KIND_PTX:
                 entries.update(_ptx.ptx_entries(body))
                 required.update(_ptx.ptx_required_blocks(body))
@@ -190,7 +191,10 @@ class Module:
                                    library=backend.name)
         index = checked_index(device)
         self.kind = _image_kind(data, language)
-        self._entries, self._required_blocks = _image_info(data, self.kind)
+        skipped: list = []
+        self._entries, self._required_blocks = _image_info(data, self.kind, skipped)
+        #: a fatbin whose PTX accel could not read (zstd-compressed: nvcc 13's default)
+        self._compressed_ptx = any(k == _cuda_containers.KIND_PTX for k, _sm in skipped)
         # parameter sizes of the PTX entries accel cannot type, which a signature must match
         self._untyped_sizes = _untyped_param_sizes(data, self.kind, self._entries)
         self._backend, self._index, self._lock = backend, index, threading.Lock()
@@ -282,7 +286,7 @@ class Module:
                            f"it is declared extern \"C\")")
         declared = self._entries.get(name)
         params = _resolve_params(name, declared, signature, self.kind, self._entries,
-                                 self._untyped_sizes.get(name))
+                                 self._untyped_sizes.get(name), self._compressed_ptx)
         if self.kind == "msl" and "f64" in params:
             # Metal Shading Language Specification, 2.1: no double, so no kernel parameter of it.
             raise ValueError(f"Module.function({name!r}): parameter {params.index('f64')} is f64, and Metal has no "
@@ -400,7 +404,8 @@ class Module:
                 f"entries={list(self._entries)}{state}>")
 
 
-def _resolve_params(name, declared, signature, kind, entries, sizes=None) -> Tuple[str, ...]:
+def _resolve_params(name, declared, signature, kind, entries, sizes=None,
+                    compressed_ptx: bool = False) -> Tuple[str, ...]:
     """The kernel's parameter types: ``declared`` (from PTX) or the ``signature`` given, which
     must agree with them, or where PTX declares a type accel cannot name (a struct by value),
     with each parameter's size in bytes (``sizes``): the driver copies as many bytes as the
@@ -428,6 +433,10 @@ def _resolve_params(name, declared, signature, kind, entries, sizes=None) -> Tup
         return declared
     if kind == "ptx" and name in entries:
         why = "a parameter type accel cannot pass (see accel._ptx)"
+    elif compressed_ptx:
+        why = ("the fatbin's PTX is zstd-compressed (nvcc 13's default), which accel cannot read without a "
+               "zstd module, and its SASS does not declare parameter types (build with -Xfatbin "
+               "-compress-mode=none to keep the PTX readable)")
     else:
         why = f"a {kind} image does not declare its parameter types"
     raise ValueError(f"Module.function({name!r}): {why}; pass signature='ptr, u64, f32' (the kernel's "
@@ -440,7 +449,8 @@ class Kernel:
 
     Occupancy (CUDA): :attr:`max_threads_per_block`, :attr:`num_regs`,
     :attr:`shared_size_bytes` and :meth:`max_potential_block_size`, read on the module's device;
-    Metal reports :attr:`max_threads_per_block` only (the others raise NotImplementedError).
+    Metal reports :attr:`max_threads_per_block` and :attr:`shared_size_bytes` (the kernel's
+    threadgroup variables) only (the others raise NotImplementedError).
     """
 
     __slots__ = ("module", "name", "handle", "params", "_backend", "_index", "_packers", "_bounds", "_required",

@@ -21,6 +21,7 @@ INVALID_KERNEL_IMAGE = 200    # cudaErrorInvalidKernelImage / CUDA_ERROR_INVALID
 NO_KERNEL_IMAGE = 209         # cudaErrorNoKernelImageForDevice / CUDA_ERROR_NO_BINARY_FOR_GPU
 INVALID_PTX = 218             # cudaErrorInvalidPtx / CUDA_ERROR_INVALID_PTX
 UNSUPPORTED_PTX_VERSION = 222  # cudaErrorUnsupportedPtxVersion / CUDA_ERROR_UNSUPPORTED_PTX_VERSION
+NOT_SUPPORTED = 801           # cudaErrorNotSupported / CUDA_ERROR_NOT_SUPPORTED
 
 # The newest PTX ISA each CUDA release's JIT compiles (PTX ISA manual, "Release Notes": PTX 6.3 came
 # with CUDA 10.0, 7.0 with 11.0, 8.0 with 12.0, ..., 8.5 with 12.5 (and 12.6), 8.7 with 12.8,
@@ -34,7 +35,7 @@ _PTX_ISA = [
 ]
 
 _VERSION_RE = re.compile(rb"^\s*\.version\s+(\d+)\.(\d+)", re.M)
-_TARGET_RE = re.compile(rb"^\s*\.target\s+sm_(\d+)", re.M)
+_TARGET_RE = re.compile(rb"^\s*\.target\s+sm_(\d+)([af]?)\b", re.M)
 
 
 class ImageError(Exception):
@@ -82,11 +83,37 @@ def _jit(ptx: bytes, cc: Tuple[int, int], driver_version: int, lazy: bool = Fals
                          f"PTX ISA {isa[0]}.{isa[1]} is newer than this driver (CUDA "
                          f"{driver_version // 1000}.{driver_version % 1000 // 10}) can JIT")
     t = _TARGET_RE.search(ptx)
-    if t is not None and int(t.group(1)) > cc[0] * 10 + cc[1]:
-        raise ImageError(INVALID_PTX, f"PTX .target sm_{t.group(1).decode()} is above the device's "
-                                      f"compute capability {cc[0]}.{cc[1]}")
+    if t is not None:
+        why = _target_refusal(int(t.group(1)), t.group(2).decode(), cc)
+        if why:
+            raise ImageError(INVALID_PTX, why)
     ptx_bounds(ptx)     # ptxas refuses .maxntid with .reqntid, and too much static shared memory
     return names
+
+
+def _target_refusal(sm: int, suffix: str, cc: Tuple[int, int]) -> str:
+    """Why PTX of ``.target sm_<sm><suffix>`` does not JIT for compute capability ``cc`` ("": it does).
+
+    CUDA Programming Guide, "PTX Compatibility": PTX "can always be compiled to binary code of
+    greater or equal compute capability".  PTX ISA, "Target ISA notes" (.target): "Target
+    architectures with suffix 'a', such as sm_90a, include architecture-accelerated features that
+    are supported on the specified architecture only, hence such targets do not follow the onion
+    layer model.  Therefore, PTX code generated for such targets cannot be run on later generation
+    devices" (quoted from the PTX manual in LLVM review D155851).  NVIDIA technical blog "NVIDIA
+    Blackwell and NVIDIA CUDA 12.9 Introduce Family-Specific Architecture Features": an 'f' target
+    runs on the later devices of its family only (sm_100f: compute capability 10.0 and 10.3, not
+    12.x).  ptxas 13.0 refuses the same: "Program with .target 'sm_90a' cannot be compiled to
+    future architecture", "... 'sm_100f' cannot be compiled to different SM-family architecture"."""
+    target, have = f"sm_{sm}{suffix}", f"compute capability {cc[0]}.{cc[1]}"
+    if suffix == "a" and (sm // 10, sm % 10) != cc:
+        return (f"PTX .target {target} is architecture-specific: it runs on compute capability "
+                f"{sm // 10}.{sm % 10} only, not {have}")
+    if suffix == "f" and (sm // 10 != cc[0] or sm % 10 > cc[1]):
+        return (f"PTX .target {target} is family-specific: it runs on compute capability {sm // 10}.x "
+                f"from {sm // 10}.{sm % 10} only, not {have}")
+    if sm > cc[0] * 10 + cc[1]:
+        return f"PTX .target {target} is above the device's {have}"
+    return ""
 
 
 # -- per-entry launch bounds and static shared memory (PTX ISA, "Performance-Tuning Directives") --
@@ -268,6 +295,53 @@ def _ptx_bounds(ptx: bytes) -> dict:
     return out
 
 
+# -- a cubin's launch bounds and static shared memory ---------------------------------------------
+#
+# NVIDIA does not document a cubin's per-kernel attributes; they are read as ptxas 13.0 writes them
+# (cubins of /usr/local/cuda/bin/nvcc, tests/test_user_kernels_r83c.py) and as Hayes et al., "Decoding
+# CUDA Binary" (CGO 2019; github.com/decodecudabinary/Decoding-CUDA-Binary, tools/src/elfmanip.hpp) read
+# them.  Section .nv.info.<kernel> is a list of records: format (u8; 1 NVAL, 2 BVAL, 3 HVAL: the value is
+# the u16 that follows the attribute; 4 SVAL: that u16 is the size of the payload after it), attribute
+# (u8), u16.  EIATTR_MAX_THREADS (0x05) is __launch_bounds__ / .maxntid and EIATTR_REQNTID (0x10)
+# .reqntid, each three u32 extents.  The kernel's static shared memory is the size of its NOBITS section
+# .nv.shared.<kernel>; for sm_90 and later ptxas starts that section with the 1 KiB the device reserves
+# per block (the cubin then has a .nv.shared.reserved.N section): a kernel declaring 16 KiB has a
+# section of 17408 bytes, and `ptxas -v` reports "16384 bytes smem", the number given here as the
+# function's sharedSizeBytes (not yet checked against a GPU's cudaFuncGetAttributes).
+_EIATTR_MAX_THREADS, _EIATTR_REQNTID = 0x05, 0x10
+_EIFMT_SVAL = 4
+_RESERVED_SMEM = 1024
+
+
+@functools.lru_cache(maxsize=16)
+def cubin_bounds(elf: bytes) -> dict:
+    """{kernel: :class:`EntryBounds`} of a cubin's kernels, or ImageError (200) for an .nv.info
+    section it cannot read."""
+    try:
+        sections = _containers.elf_sections(elf)
+    except _containers.ContainerError as e:
+        raise ImageError(INVALID_KERNEL_IMAGE, str(e)) from None
+    reserved = _RESERVED_SMEM if any(n.startswith(".nv.shared.reserved.") for n in sections) else 0
+    out = {}
+    for name in elf_entries(elf):
+        found = {}
+        info = sections.get(f".nv.info.{name}")
+        if info is not None:
+            body, pos = elf[info[1]:info[1] + info[2]], 0
+            while pos + 4 <= len(body):
+                fmt, attr, value = struct.unpack_from("<BBH", body, pos)
+                if fmt not in (1, 2, 3, 4) or (fmt == _EIFMT_SVAL and pos + 4 + value > len(body)):
+                    raise ImageError(INVALID_KERNEL_IMAGE, f"kernel {name}: .nv.info record {fmt}/{attr:#x} at "
+                                                           f"byte {pos} is not one the simulator can read")
+                if fmt == _EIFMT_SVAL and attr in (_EIATTR_MAX_THREADS, _EIATTR_REQNTID) and value == 12:
+                    found[attr] = struct.unpack_from("<III", body, pos + 4)
+                pos += 4 + (value if fmt == _EIFMT_SVAL else 0)
+        shared = sections.get(f".nv.shared.{name}")
+        out[name] = EntryBounds(found.get(_EIATTR_MAX_THREADS), found.get(_EIATTR_REQNTID),
+                                max(0, shared[2] - reserved) if shared else 0)
+    return out
+
+
 def elf_entries(elf: bytes) -> List[str]:
     """Kernel names in a cubin (:func:`accel._cuda_containers.elf_entries`), or the driver's refusal."""
     try:
@@ -276,13 +350,27 @@ def elf_entries(elf: bytes) -> List[str]:
         raise ImageError(INVALID_KERNEL_IMAGE, str(e)) from None
 
 
-def fatbin_entries(data: bytes) -> List[Tuple[int, int, bytes]]:
-    """[(kind, sm, payload)] of a fatbin (:func:`accel._cuda_containers.fatbin_entries`), or the
-    driver's refusal."""
+def fatbin_entries(data: bytes, skipped: Optional[list] = None) -> List[Tuple[int, int, bytes]]:
+    """[(kind, sm, payload)] of a fatbin (:func:`accel._cuda_containers.fatbin_entries`: the
+    compressed entries it cannot inflate go to ``skipped``), or the driver's refusal."""
     try:
-        return _containers.fatbin_entries(data)
+        return _containers.fatbin_entries(data, skipped)
     except _containers.ContainerError as e:
         raise ImageError(INVALID_KERNEL_IMAGE, str(e)) from None
+
+
+def _compressed_refusal(kind: int, sm: int) -> ImageError:
+    """The simulator's refusal of a fatbin whose entry for the device is compressed and cannot be
+    read here (:mod:`accel._cuda_containers`).  A real driver inflates it; the simulator, which
+    must read the PTX to JIT it (or the cubin's kernels), cannot: cudaErrorNotSupported, the code
+    it gives for what it does not simulate."""
+    what = f"SASS sm_{sm}" if kind == KIND_ELF else f"compute_{sm} PTX"
+    return ImageError(NOT_SUPPORTED, (
+        f"the fatbin's {what}, which this device would run, is compressed and the simulator cannot "
+        f"inflate it (nvcc 13 compresses a fatbin's PTX by default: zstd, fatbin entry flag 0x8000, which "
+        f"it reads only where a compression.zstd or zstandard module is importable); a real driver reads "
+        f"it.  Build the fatbin with -Xfatbin -compress-mode=none, or load the PTX (nvcc -ptx) or a cubin "
+        f"for this device instead"))
 
 
 def load(data: bytes, cc: Tuple[int, int], driver_version: int, lazy: bool = False) -> Tuple[List[str], bool]:
@@ -292,18 +380,28 @@ def load(data: bytes, cc: Tuple[int, int], driver_version: int, lazy: bool = Fal
     with the codes measured there (PTX without .version or .entry is read as _jit says); the
     other checks and codes are the same at load and at the lookup."""
     if data[:4] == struct.pack("<I", FATBIN_MAGIC):
-        entries = fatbin_entries(data)
+        skipped: list = []
+        entries = fatbin_entries(data, skipped)
         # CUDA Programming Guide, "Binary Compatibility": a cubin for sm_XY runs on devices of
         # compute capability X.Z with Z >= Y; otherwise "PTX code ... can always be compiled to
-        # binary code of greater or equal compute capability" by the driver's JIT.
-        sass = [(sm, body) for kind, sm, body in entries
-                if kind == KIND_ELF and sm // 10 == cc[0] and sm % 10 <= cc[1]]
-        if sass:
-            return elf_entries(max(sass)[1]), False
-        ptx = [(sm, body) for kind, sm, body in entries if kind == KIND_PTX and sm <= cc[0] * 10 + cc[1]]
-        if ptx:
-            return _jit(max(ptx)[1].split(b"\0", 1)[0], cc, driver_version, lazy), True
-        have = ", ".join(f"{'sm' if k == KIND_ELF else 'compute'}_{sm}" for k, sm, _ in entries) or "nothing"
+        # binary code of greater or equal compute capability" by the driver's JIT.  An entry of
+        # those the driver would take that is compressed and unreadable here: refused.
+        def runs(kind, sm):
+            if kind == KIND_ELF:
+                return sm // 10 == cc[0] and sm % 10 <= cc[1]
+            return kind == KIND_PTX and sm <= cc[0] * 10 + cc[1]
+        for kind in (KIND_ELF, KIND_PTX):
+            found = [(sm, body) for k, sm, body in entries if k == kind and runs(k, sm)]
+            if found and kind == KIND_ELF:
+                cubin_bounds(max(found)[1])
+                return elf_entries(max(found)[1]), False
+            if found:
+                return _jit(max(found)[1].split(b"\0", 1)[0], cc, driver_version, lazy), True
+            hidden = [sm for k, sm in skipped if k == kind and runs(k, sm)]
+            if hidden:
+                raise _compressed_refusal(kind, max(hidden))
+        listed = [(k, sm) for k, sm, _ in entries] + skipped
+        have = ", ".join(f"{'sm' if k == KIND_ELF else 'compute'}_{sm}" for k, sm in listed) or "nothing"
         raise ImageError(NO_KERNEL_IMAGE, f"the fatbin holds {have}: no SASS for sm_{cc[0]}{cc[1]} "
                                           "and no PTX it can JIT")
     if data[:4] == b"\x7fELF":
@@ -313,6 +411,7 @@ def load(data: bytes, cc: Tuple[int, int], driver_version: int, lazy: bool = Fal
         if sm // 10 != cc[0] or sm % 10 > cc[1]:
             raise ImageError(NO_KERNEL_IMAGE, f"cubin for sm_{sm} does not run on compute capability "
                                               f"{cc[0]}.{cc[1]}")
+        cubin_bounds(data)      # an .nv.info the simulator cannot read: 200
         return elf_entries(data), False
     return _jit(data.split(b"\0", 1)[0], cc, driver_version, lazy), True
 
@@ -337,7 +436,8 @@ def image_bytes(ffi, code, charp) -> bytes:
 
 def declared_params(data: bytes) -> dict:
     """{entry: accel argument types or None} from the PTX of image ``data`` (PTX text, or the PTX
-    entries of a fatbin); {} for a cubin, whose parameter lists accel does not read."""
+    entries of a fatbin that are readable here); {} for a cubin, whose parameter lists accel does
+    not read."""
     from accel import _ptx
     if data[:4] == struct.pack("<I", FATBIN_MAGIC):
         out: dict = {}
@@ -354,17 +454,22 @@ def declared_params(data: bytes) -> dict:
 
 
 def declared_bounds(data: bytes) -> dict:
-    """{entry: :class:`EntryBounds`} from the PTX of image ``data`` (PTX text, or the PTX entries
-    of a fatbin); {} for a cubin, whose launch bounds and shared sizes accel.sim does not read."""
+    """{entry: :class:`EntryBounds`} of image ``data``: from its PTX (.maxntid, .reqntid, .shared),
+    a cubin's .nv.info and .nv.shared sections (:func:`cubin_bounds`), or a fatbin's readable
+    entries of both (the PTX's taken where both give a kernel)."""
     try:
         if data[:4] == struct.pack("<I", FATBIN_MAGIC):
             out: dict = {}
-            for kind, _sm, body in fatbin_entries(data):
+            entries = fatbin_entries(data)
+            for kind, _sm, body in entries:
+                if kind == KIND_ELF:
+                    out.update(cubin_bounds(body))
+            for kind, _sm, body in entries:
                 if kind == KIND_PTX:
                     out.update(ptx_bounds(body))
             return out
         if data[:4] == b"\x7fELF":
-            return {}
+            return cubin_bounds(data)
         return ptx_bounds(data)
     except ImageError:
-        return {}       # not loadable as PTX: load() said why, or a cubin was used instead
+        return {}       # not loadable: load() said why

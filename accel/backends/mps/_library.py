@@ -71,6 +71,7 @@ M_NEW_LIBRARY = Message("newLibraryWithSource:options:error:", "id", "id", "id",
 M_NEW_FUNCTION = Message("newFunctionWithName:", "id", "id")
 M_NEW_PIPELINE = Message("newComputePipelineStateWithFunction:error:", "id", "id", "id *")
 M_MAX_THREADS = Message("maxTotalThreadsPerThreadgroup", "NSUInteger")
+M_STATIC_THREADGROUP_MEMORY = Message("staticThreadgroupMemoryLength", "NSUInteger")
 M_COMPUTE_ENCODER = Message("computeCommandEncoder", "id")
 M_SET_PIPELINE = Message("setComputePipelineState:", "void", "id")
 M_SET_BUFFER = Message("setBuffer:offset:atIndex:", "void", "id", "NSUInteger", "NSUInteger")

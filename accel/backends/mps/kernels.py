@@ -15,7 +15,7 @@ from .._signals import deferred
 from ..base import KernelArgs
 from ._library import _LIBRARY, M_COMPUTE_ENCODER, M_DISPATCH, M_MAX_THREADS, M_NEW_FUNCTION, M_NEW_LIBRARY, \
     M_NEW_OPTIONS, M_NEW_PIPELINE, M_SET_BUFFER, M_SET_BYTES, M_SET_FAST_MATH, M_SET_PIPELINE, \
-    M_SET_THREADGROUP_MEMORY, _InvalidHandle
+    M_SET_THREADGROUP_MEMORY, M_STATIC_THREADGROUP_MEMORY, _InvalidHandle
 
 _MAX_BUFFER_INDEX = 31  # [[buffer(0..30)]]
 _MAX_GRID = 2 ** 32 - 1            # threadgroups per grid dimension (a uint position in MSL)
@@ -139,6 +139,15 @@ class KernelsMixin:
             if threads > max_threads:
                 raise ValueError(f"block {block} has {threads} threads; this Metal pipeline allows "
                                  f"{max_threads} per threadgroup")
+            static = int(rt.send(pipeline, M_STATIC_THREADGROUP_MEMORY))
+            if static + shared_mem > _MAX_THREADGROUP_MEMORY:
+                # Apple, setThreadgroupMemoryLength(_:index:): "The sum of all threadgroup memory
+                # allocations (whether made using this method or directly in the shader) can't exceed
+                # the device limits for threadgroup memory" (the kernel's own threadgroup variables:
+                # the pipeline's staticThreadgroupMemoryLength).
+                raise ValueError(f"mps: shared_mem {shared_mem} and the kernel's {static} bytes of threadgroup "
+                                 f"variables pass Metal's maxThreadgroupMemoryLength of {_MAX_THREADGROUP_MEMORY} "
+                                 f"bytes; at most {max(0, _MAX_THREADGROUP_MEMORY - static)} bytes fit")
             st = self._stream(stream)
             bindings = []
             for i, (kind, value) in enumerate(args):
@@ -175,15 +184,18 @@ class KernelsMixin:
             self._encoded(st)
 
     def function_attributes(self, function: int) -> dict:
-        """The kernel's ``max_threads_per_block`` only: its pipeline's
-        maxTotalThreadsPerThreadgroup (read at module_function; the kernel's
-        [[max_total_threads_per_threadgroup]] lowers it).  Metal reports no registers per
-        thread, and no occupancy: the keys are absent."""
+        """The kernel's ``max_threads_per_block``: its pipeline's maxTotalThreadsPerThreadgroup
+        (read at module_function; the kernel's [[max_total_threads_per_threadgroup]] lowers it),
+        and ``shared_size_bytes``: its staticThreadgroupMemoryLength (its threadgroup variables,
+        which count against the 32 KiB with the launch's shared_mem).  Metal reports no registers
+        per thread, and no occupancy: the keys are absent."""
+        rt = self._runtime()
         with self._lock:
             entry = self._functions.get(function)
             if entry is None:
                 raise self._missing("kernel", function, "use a handle from module_function")
-            return {"max_threads_per_block": entry[3]}
+            return {"max_threads_per_block": entry[3],
+                    "shared_size_bytes": int(rt.send(entry[0], M_STATIC_THREADGROUP_MEMORY))}
 
     def launch_limits(self, index: int) -> dict:
         # Apple, "Metal Feature Set Tables" (Apple GPU families): 1024 threads per threadgroup

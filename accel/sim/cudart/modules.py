@@ -13,10 +13,9 @@ from typing import Dict, Tuple
 from .. import _cuda_images, kernels
 from ..core import ffi
 from .state import (
-    _CHARP, _NULL, _SHARED_PER_BLOCK, _SHARED_PER_BLOCK_OPTIN, _SHARED_PER_SM, KernelHandle, Library,
-    Runtime, Stream, cudaErrorInvalidDeviceFunction, cudaErrorLaunchOutOfResources,
-    cudaErrorInvalidResourceHandle, cudaErrorInvalidValue, cudaErrorNotSupported, cudaErrorSymbolNotFound,
-    cudaSuccess,
+    _CHARP, _NULL, _SHARED_PER_BLOCK, KernelHandle, Library, Runtime, Stream, cudaErrorInvalidDeviceFunction,
+    cudaErrorLaunchOutOfResources, cudaErrorInvalidResourceHandle, cudaErrorInvalidValue, cudaErrorNotSupported,
+    cudaErrorSymbolNotFound, cudaSuccess, shared_per_block_optin, shared_per_sm, shared_reserved_per_block,
 )
 from .common import (
     _c_string, _enqueue, _freed_ranges, _is_null, _lookup, _put, _put_ptr, _stream, _unmade_pointers, _unsafe_call,
@@ -268,7 +267,7 @@ def cudaFuncSetAttribute(R, func, attr, value):
     if k is None:
         return cudaErrorInvalidDeviceFunction
     if attr == _FUNC_ATTR_MAX_DYNAMIC_SHARED:
-        if not (0 <= value <= _SHARED_PER_BLOCK_OPTIN - bounds_of(k).shared):
+        if not (0 <= value <= shared_per_block_optin(R.cfg.compute_capability) - bounds_of(k).shared):
             return cudaErrorInvalidValue
         k.max_dynamic_shared[R.tls.device] = value
         return cudaSuccess
@@ -285,7 +284,7 @@ def cudaFuncGetAttributes(R, attr, func):
     current device.  CUDA Runtime API, cudaFuncGetAttributes: cudaErrorInvalidDeviceFunction
     for an unknown function.  The struct has the same layout in CUDA 12 and 13; fields are
     set by name.  The simulated kernels use no constant or local memory; the static shared memory
-    and the thread limit are read from the kernel's PTX (:func:`bounds_of`)."""
+    and the thread limit are read from the kernel's PTX or cubin (:func:`bounds_of`)."""
     k = _lookup(R.kernels, func)
     if k is None:
         return cudaErrorInvalidDeviceFunction
@@ -321,8 +320,8 @@ _NO_BOUNDS = _cuda_images.EntryBounds()
 
 
 def bounds_of(k: "KernelHandle") -> "_cuda_images.EntryBounds":
-    """The launch bounds and static shared memory of kernel ``k`` (none where its image has no PTX
-    for it: a cubin's are not read)."""
+    """The launch bounds and static shared memory of kernel ``k``, from its image's PTX or cubin
+    (:func:`accel.sim._cuda_images.declared_bounds`; none where the image says nothing of it)."""
     return k.library.bounds.get(k.name, _NO_BOUNDS)
 
 
@@ -363,7 +362,10 @@ def cudaOccupancyMaxActiveBlocksPerMultiprocessor(R, numBlocks, func, blockSize,
     if dynamicSMemSize > max_dynamic_shared(k, R.tls.device) or blockSize > b.max_threads():
         limits.append(0)        # no block of this size or shared memory can launch (see launch)
     else:
-        limits.append(_SHARED_PER_SM // (b.shared + dynamicSMemSize + 1024))
+        cc = R.cfg.compute_capability
+        need = b.shared + dynamicSMemSize + shared_reserved_per_block(cc)
+        if need:
+            limits.append(shared_per_sm(cc) // need)
     _put(numBlocks, max(0, min(limits)))
     return cudaSuccess
 

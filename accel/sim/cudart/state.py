@@ -74,11 +74,42 @@ _CHARP = ffi.typeof("char *")
 _UINTPTR = ffi.typeof("uintptr_t")
 _NULL = ffi.cast(_VOIDP, 0)
 
-_SM_COUNT = 132
+_SM_COUNT = 132                    # an H100 SXM's (a product's figure, not the compute capability's)
 _SHARED_PER_BLOCK = 48 * 1024
-_SHARED_PER_BLOCK_OPTIN = 227 * 1024
-_SHARED_PER_SM = 228 * 1024
 _L2 = 50 * 1024 * 1024
+
+#: Shared memory per compute capability, KiB: (per SM, per block with the opt-in) --
+#: cudaDevAttrMaxSharedMemoryPerMultiprocessor and cudaDevAttrMaxSharedMemoryPerBlockOptin.  CUDA
+#: Programming Guide, "Compute Capabilities" (docs.nvidia.com/cuda/cuda-programming-guide/05-appendices/
+#: compute-capabilities.html), technical specifications; its 8.x text: "Devices of compute capability
+#: 8.0 allow a single thread block to address up to 163 KB of shared memory, while devices of compute
+#: capabilities 8.6 and 8.9 allow up to 99 KB", and 9.0 up to 227 KB.  The guide's table itself could
+#: not be read through the search tool; the figures are those of NVIDIA's CCCL, libcudacxx
+#: include/cuda/__device/arch_traits.h (max_shared_memory_per_multiprocessor; the opt-in is that less
+#: the 1 KiB reserved per block from 8.0 on; 6.x: 48 KiB), which agree with the sentences above.
+#: Compute capabilities in neither (5.x, 7.2, ...) are not verified: they keep the 9.0 figures the
+#: simulator always gave.
+_SHARED_KIB = {
+    (6, 0): (64, 48), (6, 1): (96, 48), (6, 2): (64, 48), (7, 0): (96, 96), (7, 5): (64, 64),
+    (8, 0): (164, 163), (8, 6): (100, 99), (8, 7): (164, 163), (8, 8): (100, 99), (8, 9): (100, 99),
+    (9, 0): (228, 227), (10, 0): (228, 227), (10, 3): (228, 227), (11, 0): (228, 227),
+    (12, 0): (100, 99), (12, 1): (100, 99),
+}
+
+
+def shared_per_sm(cc) -> int:
+    """cudaDevAttrMaxSharedMemoryPerMultiprocessor of compute capability ``cc`` (bytes)."""
+    return _SHARED_KIB.get(tuple(cc), _SHARED_KIB[9, 0])[0] * 1024
+
+
+def shared_per_block_optin(cc) -> int:
+    """cudaDevAttrMaxSharedMemoryPerBlockOptin of compute capability ``cc`` (bytes)."""
+    return _SHARED_KIB.get(tuple(cc), _SHARED_KIB[9, 0])[1] * 1024
+
+
+def shared_reserved_per_block(cc) -> int:
+    """cudaDevAttrReservedSharedMemoryPerBlock: what each block's shared memory leaves the system."""
+    return shared_per_sm(cc) - shared_per_block_optin(cc) if tuple(cc) >= (7, 0) else 0
 
 
 def context_reserved(memory: int) -> int:

@@ -4,7 +4,8 @@
 simulator needs: comments are blanked (MSL is C++14), ``#error``, ``double`` (MSL has none),
 unbalanced brackets and a kernel defined twice fail the compile with
 ``MTLLibraryErrorCompileFailure``; each ``kernel void NAME(`` is a function of the library,
-with its ``[[max_total_threads_per_threadgroup(N)]]``.
+with its ``[[max_total_threads_per_threadgroup(N)]]`` and the ``threadgroup`` variables its body
+declares (the pipeline's ``staticThreadgroupMemoryLength``).
 ``newComputePipelineStateWithFunction:error:`` binds the function to the numpy reference
 registered under its name in :mod:`accel.sim.kernels` (refused when there is none, or when it
 takes an ``f64``).  Both messages are MTLDevice's, made here by the :class:`_DeviceCompiler`
@@ -51,10 +52,12 @@ class MTLFunction(SimObject):
 class MTLLibrary(SimObject):
     cls_name = "MTLLibrary"
 
-    def __init__(self, rt, names: List[str], thread_limits: Optional[Dict[str, int]] = None):
+    def __init__(self, rt, names: List[str], thread_limits: Optional[Dict[str, int]] = None,
+                 static_tg: Optional[Dict[str, object]] = None):
         super().__init__(rt)
         self.names = names
         self.thread_limits = thread_limits or {}    # [[max_total_threads_per_threadgroup(N)]] per kernel
+        self.static_tg = static_tg or {}    # kernel -> bytes of threadgroup variables, or why unsized
 
     def m_newFunctionWithName_(self, name):
         text = _as(self.rt, name, NSString).text
@@ -85,6 +88,11 @@ class MTLComputePipelineState(SimObject):
     def m_threadExecutionWidth(self):
         return 32
 
+    def m_staticThreadgroupMemoryLength(self):
+        # MTLComputePipelineState.staticThreadgroupMemoryLength: "The length in bytes of threadgroup
+        # memory that is statically allocated" (the kernel's threadgroup variables: _msl_static_tg).
+        return self.function.library.static_tg.get(self.function.name, 0)
+
 
 class _DeviceCompiler:
     """MTLDevice's messages that compile (a mixin of :class:`accel.sim.metal.device.MTLDevice`)."""
@@ -114,7 +122,7 @@ class _DeviceCompiler:
         # Metal Shading Language Specification 1.5 ("Metal and C++14"): comments are C++ comments,
         # so a kernel written inside one is no function of the library (newFunctionWithName: nil).
         names = _MSL_KERNEL.findall(code)
-        return MTLLibrary(self.rt, names, _msl_thread_limits(code))
+        return MTLLibrary(self.rt, names, _msl_thread_limits(code), _msl_static_tg(code))
 
     def m_newComputePipelineStateWithFunction_error_(self, function, error):
         function = _as(self.rt, function, MTLFunction)
@@ -130,6 +138,14 @@ class _DeviceCompiler:
             self.rt.set_error(error, 1, f"the accel simulator's reference for kernel {function.name!r} takes an "
                                         f"f64 argument, and Metal has no double (a Metal kernel cannot declare one); "
                                         f"register it with f32")
+            return None
+        unsized = function.library.static_tg.get(function.name)
+        if isinstance(unsized, str):
+            # The simulator must count a kernel's threadgroup variables against the device's limit
+            # (see MTLComputeCommandEncoder._dispatch); one it cannot size is refused.
+            self.rt.set_error(error, 1, f"the accel simulator cannot size kernel {function.name!r}'s "
+                                        f"threadgroup variable {unsized!r} (it sizes scalars, vectors and "
+                                        f"arrays of them)")
             return None
         return MTLComputePipelineState(self.rt, function, reference)
 
@@ -157,6 +173,61 @@ def _msl_thread_limits(code: str) -> Dict[str, int]:
         if after:
             limits[m.group(1)] = int(after.group(1))
     return limits
+
+
+# Metal Shading Language Specification 2.1 "Scalar Data Types" (sizes) and 2.2 "Vector Data Types":
+# "vec<T,n>" / Tn of n = 2, 3, 4 components, a 3-component vector having the size and alignment of a
+# 4-component one; atomic_int / atomic_uint / atomic_bool / atomic_float (6.15 "Atomic Functions")
+# are 4 bytes.  Threadgroup variables are declared in a kernel function's body (4.4 "threadgroup
+# Address Space"); a pointer or reference to threadgroup memory allocates none.
+_MSL_SCALAR_SIZES = {"bool": 1, "char": 1, "uchar": 1, "int8_t": 1, "uint8_t": 1, "short": 2, "ushort": 2,
+                     "int16_t": 2, "uint16_t": 2, "half": 2, "bfloat": 2, "int": 4, "uint": 4, "int32_t": 4,
+                     "uint32_t": 4, "float": 4, "long": 8, "ulong": 8, "int64_t": 8, "uint64_t": 8,
+                     "atomic_int": 4, "atomic_uint": 4, "atomic_bool": 4, "atomic_float": 4}
+_MSL_TG_DECL = re.compile(r"(?:^|(?<=[;{}]))\s*threadgroup\s+([^;{}]*);")
+_MSL_TG_TYPE = re.compile(r"(?:(?:const|volatile)\s+)*(?:metal::)?([A-Za-z_]\w*?)([234]?)(?:\s+|(?=[*&]))(.*)$", re.S)
+_MSL_TG_VAR = re.compile(r"([A-Za-z_]\w*)\s*((?:\[\s*\d+\s*\])*)\s*$")
+
+
+def _msl_static_tg(code: str) -> Dict[str, object]:
+    """{kernel name: bytes of the threadgroup variables its body declares, laid out in order at
+    their alignments, or the declaration the simulator cannot size (a str)} (comments blanked)."""
+    out: Dict[str, object] = {}
+    for m in _MSL_KERNEL.finditer(code):
+        start = code.find("{", _close_paren(code, m.end() - 1))
+        if start < 0:
+            continue
+        depth, end = 0, start
+        while end < len(code):
+            depth += {"{": 1, "}": -1}.get(code[end], 0)
+            if depth == 0:
+                break
+            end += 1
+        total = 0
+        for d in _MSL_TG_DECL.finditer(code, start + 1, end):
+            t = _MSL_TG_TYPE.match(d.group(1).strip())
+            scalar = _MSL_SCALAR_SIZES.get(t.group(1)) if t else None
+            if scalar is None:
+                total = " ".join(d.group(1).split())
+                break
+            lanes = {"": 1, "2": 2, "3": 4, "4": 4}[t.group(2)]
+            size = scalar * lanes
+            declarators = [v.strip() for v in t.group(3).split(",")]
+            if any(v[:1] in "*&" for v in declarators):
+                continue        # a pointer or reference to threadgroup memory, no allocation
+            for v in declarators:
+                var = _MSL_TG_VAR.match(v)
+                if var is None:
+                    total = " ".join(d.group(1).split())
+                    break
+                count = 1
+                for n in re.findall(r"\d+", var.group(2)):
+                    count *= int(n)
+                total = -(-total // size) * size + size * count
+            if isinstance(total, str):
+                break
+        out[m.group(1)] = total
+    return out
 
 
 def _close_paren(code: str, j: int) -> int:

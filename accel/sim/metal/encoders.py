@@ -179,6 +179,15 @@ class MTLComputeCommandEncoder(_Encoder):
                                        f"(Metal documents no limit; the simulator refuses)")
         if block[0] * block[1] * block[2] > self.pipeline.m_maxTotalThreadsPerThreadgroup():
             raise MetalValidationError(f"threadgroup {block} exceeds maxTotalThreadsPerThreadgroup")
+        static = self.pipeline.m_staticThreadgroupMemoryLength()
+        if static + sum(self.tg_memory.values()) > MAX_THREADGROUP_MEMORY:
+            # setThreadgroupMemoryLength(_:index:): "The sum of all threadgroup memory allocations
+            # (whether made using this method or directly in the shader) can't exceed the device
+            # limits for threadgroup memory.  Check threadgroup memory limits with the
+            # staticThreadgroupMemoryLength property"
+            raise MetalValidationError(f"kernel {self.pipeline.function.name}: {static} bytes of threadgroup "
+                                       f"variables and {self.tg_memory} set by setThreadgroupMemoryLength: sum past "
+                                       f"maxThreadgroupMemoryLength ({MAX_THREADGROUP_MEMORY})")
         argtypes, fn = self.pipeline.reference.argtypes, self.pipeline.reference.fn
         args = []
         for i, kind in enumerate(argtypes):

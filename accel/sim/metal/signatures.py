@@ -71,4 +71,5 @@ DECLARED: Dict[str, Tuple[str, Tuple[str, ...]]] = {
     "newFunctionWithName:": ("id", ("id",)),
     "maxTotalThreadsPerThreadgroup": ("NSUInteger", ()),
     "threadExecutionWidth": ("NSUInteger", ()),
+    "staticThreadgroupMemoryLength": ("NSUInteger", ()),
 }
