@@ -506,20 +506,18 @@ class Graph:
         own, queued for the next safe point with plain stores and a C append (no point where an
         interrupt drops it), so a replay after it finds nothing to launch."""
         while self._owed:
-            if self._launch_lock._is_owned() or not self._launch_lock.acquire(blocking=False):
+            # (run_locked: the lock's holder, this thread inside its replay, is "busy"; the acquire's
+            # result is stored in the C step that takes it, so a Ctrl-C as it returns never leaves
+            # the lock held: r85a)
+            if not _locks.run_locked(self._launch_lock, False, self._settle_now):
                 return
-            try:
-                taken = False
-                while True:
-                    try:
-                        self._owed.pop()
-                    except IndexError:
-                        break
-                    taken = True
-                if taken:
-                    self._move_to_release()
-            finally:
-                self._launch_lock.release()
+
+    def _settle_now(self) -> None:
+        """The owed resets, the launch lock held: the handles move first and the debt is cleared
+        after (r85a: popped first, a Ctrl-C before the move lost the reset)."""
+        if self._owed:
+            self._move_to_release()
+            self._owed.clear()
 
     def _move_to_release(self) -> None:
         """What the graph holds moves to a holder of its own, whose release is queued (the launch

@@ -57,9 +57,9 @@ def _subclass_codes(cls: type) -> set:
     """The code objects a Stream subclass (and its mixins) defines, read now (a method patched
     after the class's first block counts: r83a): its functions, static and class methods,
     property accessors, and the functions a decorator's wrapper wraps (``__wrapped__``) or closes
-    over.  An attribute whose reads raise (a lazy proxy) is passed over (r84a)."""
+    over.  What cannot be read (a lazy proxy whose reads raise) is passed over (r84a, r85a)."""
     codes: set = set()
-    seen: set = set()
+    seen: dict = {}
     for klass in cls.__mro__:
         if klass is not Stream and klass is not object:
             for value in list(vars(klass).values()):
@@ -74,21 +74,29 @@ def _subclass_codes(cls: type) -> set:
     return codes
 
 
-def _add_codes(fn, codes: set, seen: set, depth: int = 0) -> None:
-    """Add ``fn``'s code, then those of what it wraps or closes over, each function once (r84a:
-    functions closing over one another were walked once per path)."""
-    code = getattr(fn, "__code__", None)
-    if type(code) is not CodeType or id(fn) in seen or depth > 4:
+def _add_codes(fn, codes: set, seen: dict, depth: int = 0) -> None:
+    """Add ``fn``'s code, then those of what it wraps or closes over, up to 4 steps from a class
+    attribute; each function walked again only from a shorter path (r84a: functions closing over
+    one another were walked once per path; r85a: one first met at the limit hid what it wraps)."""
+    try:
+        code = getattr(fn, "__code__", None)
+    except Exception:       # noqa: BLE001 (a proxy)
         return
-    seen.add(id(fn))
+    if type(code) is not CodeType or depth > 4 or seen.get(id(fn), 5) <= depth:
+        return
+    seen[id(fn)] = depth
     codes.add(code)
-    _add_codes(getattr(fn, "__wrapped__", None), codes, seen, depth + 1)
+    try:
+        inner = [getattr(fn, "__wrapped__", None)]
+    except Exception:       # noqa: BLE001
+        inner = []
     for cell in getattr(fn, "__closure__", None) or ():
         try:
-            inner = cell.cell_contents
-        except ValueError:      # an empty cell
+            inner.append(cell.cell_contents)
+        except Exception:   # noqa: BLE001 (an empty cell: ValueError)
             continue
-        _add_codes(inner, codes, seen, depth + 1)
+    for item in inner:
+        _add_codes(item, codes, seen, depth + 1)
 
 
 class on_device:

@@ -292,15 +292,23 @@ class GraphsMixin:
                                 latest[st] = n
                         g.deps = list(latest.items())
             except BaseException:
-                if g.launches != launches:
-                    # Submitted, but the stream never came to wait for it (a later append failed):
-                    # the uses a replay records on the stream would free memory the list still
-                    # writes (zeMemFree: "The application must ensure the device is not currently
-                    # referencing the memory before it is freed"): wait for the list first (r84a)
+                # Submitted, but the stream never came to wait for it (a later append failed): the
+                # uses a replay records on the stream would free memory the list still writes
+                # (zeMemFree: "The application must ensure the device is not currently referencing
+                # the memory before it is freed"): wait for the list first (r84a), again when a
+                # Ctrl-C lands as the wait begins (r85a; inline: a handler can raise as any Python
+                # function starts).  A wait the driver refuses leaves the device's state unknown.
+                interrupt = None
+                while g.launches != launches:
                     try:
                         self._sync_graph(g)
-                    except Exception:
-                        pass
+                        break
+                    except Exception:       # noqa: BLE001 (the first error is the one raised)
+                        break
+                    except BaseException as exc:
+                        interrupt = exc
+                if interrupt is not None:
+                    raise interrupt
                 raise
             g.last_stream = s
             self._record(g.completion, s)
