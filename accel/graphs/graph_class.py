@@ -470,12 +470,15 @@ class Graph:
         backend = h.backend
         if backend is None:
             return
-        if _fin.collecting():
+        if _fin.collecting() or self._launch_lock._is_owned():
             # Called from a finalizer during a collection: the allocator's lock may be held
             # by this thread (see accel._finalize), and so may the graph's launch lock (a replay
             # in flight on this thread or another, whose launch passes the executable): nothing
             # waits.  The reset is noted, then done now if the lock is free, else by its holder as
-            # it lets go (_settle_owed: one of the two always sees the other's step).
+            # it lets go (_settle_owed: one of the two always sees the other's step).  The same
+            # inside this thread's own replay, reset or instantiate of the graph (a __del__ run by
+            # a dropped reference, a signal handler): refusing it lost the reset, since Python
+            # prints and drops a __del__'s error (r85a).
             self._owed.append(None)
             self._settle_owed()
             return
