@@ -371,7 +371,8 @@ class ArrayView:
     @_pinning
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
         """A DLPack capsule of the view (zero copy): its dtype, shape and element strides, the data
-        pointer at the first element (``byte_offset`` 0).  The arguments and the stream
+        pointer at the first element (``byte_offset`` 0; on MPS the data is the ``id<MTLBuffer>``
+        and ``byte_offset`` the view's offset into it, as torch's MPS tensors read).  The arguments and the stream
         handshake are :meth:`accel.Buffer.__dlpack__`'s: the consumer's ``stream`` waits for the
         buffer's last-use stream; ``max_version >= (1, 0)`` gives a versioned capsule; a copy
         (``copy=True``, or a host ``dl_device``) holds the view's elements in C order.  The
