@@ -30,6 +30,13 @@ def collect() -> dict:
         result["error"] = str(exc)
         return result
     result["selected"] = chosen.name if chosen is not None else None
+    # the type current_accelerator() names even without a device (the first runtime whose library
+    # loads, as a CUDA build of torch on a machine without a GPU; r85b noticed the report left it out)
+    try:
+        kind = chosen or backends.fallback()
+    except Exception:       # noqa: BLE001 (a report never stops)
+        kind = None
+    result["accelerator_type"] = kind.name if kind is not None else None
     result["backends"] = {}
     for name in backends.NAMES:
         try:
@@ -135,8 +142,14 @@ def render(report: dict) -> str:
     lines = [f"accel {report['accel_version']} (Python {report['python']})"]
     if "error" in report:
         return "\n".join(lines + [f"error: {report['error']}"])
-    selected = report["selected"]
-    lines.append(f"accelerator: {selected or 'none available'}")
+    selected, kind = report["selected"], report.get("accelerator_type")
+    if selected:
+        lines.append(f"accelerator: {selected}")
+    elif kind:
+        lines.append(f"accelerator: none available (current_accelerator() is {kind}: its library loads; "
+                     f"the reason it has no device is below)")
+    else:
+        lines.append("accelerator: none available")
     for key, value in report["env"].items():
         lines.append(f"  {key}={value}")
     for name, info in report["backends"].items():
