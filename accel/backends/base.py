@@ -43,7 +43,6 @@ def _drop(args) -> None:
     """Nothing: ``args`` dies with the call (:meth:`Backend._run_after_captures`)."""
 
 
-
 class LaunchNote(threading.local):
     """Whether this thread's last ``graph_launch`` queued the replay: ``Graph.replay`` clears
     ``queued`` before the call and a backend sets it right after the vendor call that queued the
@@ -56,6 +55,7 @@ class LaunchNote(threading.local):
 
 #: The process's :class:`LaunchNote`.
 launch_note = LaunchNote()
+
 
 class DeviceProperties:
     """What :meth:`Backend.properties` returns for one device (immutable).
