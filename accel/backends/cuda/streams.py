@@ -113,9 +113,11 @@ class CudaStreamsMixin:
                                                           _EVENT_RECORD_EXTERNAL), "cudaEventRecordWithFlags")
             return
         # Hot path: the cached cdata read inline (_cast's lookup), _check only on failure.
+        # (the legacy default stream, 0, is NULL with no _cast call: a record on the current stream)
         handles = self._handles
         rc = self.lib.cudaEventRecord(handles.get(event) or self._cast("cudaEvent_t", event),
-                                      handles.get(stream) or self._cast("cudaStream_t", stream))
+                                      handles.get(stream) or (self._cast("cudaStream_t", stream) if stream
+                                                              else self.ffi.NULL))
         if rc:
             self._check(rc, "cudaEventRecord")
 
