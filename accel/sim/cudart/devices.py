@@ -12,7 +12,8 @@ from ..core import ffi
 from . import state
 from .state import (
     _CHARP, _L2, _PRIORITY_GREATEST, _PRIORITY_LEAST, _SHARED_PER_BLOCK, _SM_COUNT, Runtime, Stream, _addr,
-    cudaErrorInvalidDevice, cudaErrorInvalidValue, shared_per_block_optin, shared_per_sm, shared_reserved_per_block,
+    cudaErrorInvalidDevice, cudaErrorInvalidValue, blocks_per_sm, shared_per_block_optin, shared_per_sm,
+    shared_reserved_per_block, threads_per_sm,
     cudaErrorNotSupported, cudaErrorPeerAccessAlreadyEnabled, cudaErrorPeerAccessNotEnabled,
     cudaErrorPeerAccessUnsupported, cudaErrorStreamCaptureUnsupported, cudaSuccess, _error_name,
 )
@@ -137,10 +138,10 @@ def _attributes(R: Runtime, d: int) -> Dict[int, int]:
             8: _SHARED_PER_BLOCK, 9: 65536, 10: 32, 11: 2 ** 31 - 1, 12: 65536, 13: 1980000,
             14: 512, 15: 1, 16: _SM_COUNT, 17: 0, 18: 0, 19: 1, 20: 0,
             30: 512, 31: 1, 32: 1, 33: core.pci_bus(dev.physical), 34: 0, 35: 0, 36: 2619000,
-            37: 5120, 38: _L2, 39: 2048, 40: 2, 41: 1, 50: 0, 51: 32,
+            37: 5120, 38: _L2, 39: threads_per_sm(cc), 40: 2, 41: 1, 50: 0, 51: 32,
             75: major, 76: minor, 78: 1, 79: 1, 80: 1, 81: shared_per_sm(cc), 82: 65536,
             83: 1, 84: 0, 85: d, 86: 0, 87: 2, 88: 0, 89: 1, 90: 1, 91: 1, 95: 1,
-            97: shared_per_block_optin(cc), 98: 1, 99: 1, 100: 0, 101: 0, 106: 32, 108: _L2 // 2,
+            97: shared_per_block_optin(cc), 98: 1, 99: 1, 100: 0, 101: 0, 106: blocks_per_sm(cc), 108: _L2 // 2,
             109: 134213632, 111: shared_reserved_per_block(cc), 112: 1, 113: 1, 114: 1, 115: 1, 116: 1, 117: 1,
             118: 0,
             119: 9, 120: 1 if major >= 9 else 0, 121: 1, 125: 1, 126: 4, 130: 0, 131: -1, 133: 0,

@@ -15,7 +15,8 @@ from ..core import ffi
 from .state import (
     _CHARP, _NULL, _SHARED_PER_BLOCK, KernelHandle, Library, Runtime, Stream, cudaErrorInvalidDeviceFunction,
     cudaErrorLaunchOutOfResources, cudaErrorInvalidResourceHandle, cudaErrorInvalidValue, cudaErrorNotSupported,
-    cudaErrorSymbolNotFound, cudaSuccess, shared_per_block_optin, shared_per_sm, shared_reserved_per_block,
+    cudaErrorSymbolNotFound, cudaSuccess, blocks_per_sm, shared_per_block_optin, shared_per_sm,
+    shared_reserved_per_block, threads_per_sm,
 )
 from .common import (
     _c_string, _enqueue, _freed_ranges, _is_null, _lookup, _put, _put_ptr, _stream, _unmade_pointers, _unsafe_call,
@@ -336,8 +337,6 @@ def max_dynamic_shared(k: "KernelHandle", device: int) -> int:
     return k.max_dynamic_shared.get(device, _SHARED_PER_BLOCK - bounds_of(k).shared)
 
 
-_MAX_BLOCKS_PER_SM = 32            # cudaDevAttrMaxBlocksPerMultiprocessor (compute capability 9.0)
-_MAX_THREADS_PER_SM = 2048         # cudaDevAttrMaxThreadsPerMultiProcessor
 _REGS_PER_SM = 65536               # cudaDevAttrMaxRegistersPerMultiprocessor
 _SIM_NUM_REGS = 32                 # what cudaFuncGetAttributes reports for a simulated kernel
 
@@ -347,9 +346,9 @@ def cudaOccupancyMaxActiveBlocksPerMultiprocessor(R, numBlocks, func, blockSize,
     resident on one SM at once.  cudaErrorInvalidDeviceFunction for an unknown function,
     cudaErrorInvalidValue for a NULL result or a block size outside 1..maxThreadsPerBlock.
     Computed from the limits the CUDA Programming Guide ("Compute Capabilities", table of
-    technical specifications) gives for compute capability 9.0: 32 blocks, 2048 threads, 64K
-    registers (allocated per warp) and the SM's shared memory, of which each block also
-    reserves 1 KiB for the system ("Shared Memory" in the 9.0 section)."""
+    technical specifications) gives for the device's compute capability (state._SM_RESIDENCY:
+    blocks and threads per SM; 9.0: 32 and 2048), 64K registers (allocated per warp) and the
+    SM's shared memory, of which each block also reserves 1 KiB for the system from 8.0 on."""
     k = _lookup(R.kernels, func)
     if k is None:
         return cudaErrorInvalidDeviceFunction
@@ -357,12 +356,12 @@ def cudaOccupancyMaxActiveBlocksPerMultiprocessor(R, numBlocks, func, blockSize,
         return cudaErrorInvalidValue
     warps = -(-blockSize // 32)
     b = bounds_of(k)
-    limits = [_MAX_BLOCKS_PER_SM, _MAX_THREADS_PER_SM // (warps * 32),
+    cc = R.cfg.compute_capability
+    limits = [blocks_per_sm(cc), threads_per_sm(cc) // (warps * 32),
               _REGS_PER_SM // (warps * 32 * _SIM_NUM_REGS)]
     if dynamicSMemSize > max_dynamic_shared(k, R.tls.device) or blockSize > b.max_threads():
         limits.append(0)        # no block of this size or shared memory can launch (see launch)
     else:
-        cc = R.cfg.compute_capability
         need = b.shared + dynamicSMemSize + shared_reserved_per_block(cc)
         if need:
             limits.append(shared_per_sm(cc) // need)

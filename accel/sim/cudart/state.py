@@ -97,6 +97,29 @@ _SHARED_KIB = {
 }
 
 
+# (threads, blocks) resident per SM by compute capability: cudaDevAttrMaxThreadsPerMultiProcessor
+# and cudaDevAttrMaxBlocksPerMultiprocessor, from NVIDIA's CCCL libcudacxx/include/cuda/__device/
+# arch_traits.h (its copy of the Programming Guide's "Compute Capabilities" table; e.g. sm_86:
+# "max_blocks_per_multiprocessor = 16; max_threads_per_multiprocessor = 1536").  Review r86a: every
+# ACCEL_SIM_CC had 9.0's 2048 and 32.  Others (5.x, 7.2, 8.8): 9.0's, unverified.
+_SM_RESIDENCY = {
+    (6, 0): (2048, 32), (6, 1): (2048, 32), (6, 2): (2048, 32), (7, 0): (2048, 32), (7, 5): (1024, 16),
+    (8, 0): (2048, 32), (8, 6): (1536, 16), (8, 7): (1536, 16), (8, 9): (1536, 24),
+    (9, 0): (2048, 32), (10, 0): (2048, 32), (10, 3): (2048, 32), (11, 0): (1536, 24),
+    (12, 0): (1536, 24), (12, 1): (1536, 24),
+}
+
+
+def threads_per_sm(cc) -> int:
+    """cudaDevAttrMaxThreadsPerMultiProcessor of compute capability ``cc``."""
+    return _SM_RESIDENCY.get(tuple(cc), _SM_RESIDENCY[9, 0])[0]
+
+
+def blocks_per_sm(cc) -> int:
+    """cudaDevAttrMaxBlocksPerMultiprocessor of compute capability ``cc``."""
+    return _SM_RESIDENCY.get(tuple(cc), _SM_RESIDENCY[9, 0])[1]
+
+
 def shared_per_sm(cc) -> int:
     """cudaDevAttrMaxSharedMemoryPerMultiprocessor of compute capability ``cc`` (bytes)."""
     return _SHARED_KIB.get(tuple(cc), _SHARED_KIB[9, 0])[0] * 1024
