@@ -485,7 +485,6 @@ class Graph:
         try:
             # (no drain under the launch lock: user code a deferred release runs, a deleter, could
             # need the graph; r70m) then a safe point once the lock is free
-            self._own_lock_refused("reset()")
             with self._launch_lock, _fin.no_drain:
                 self._release_handles()
         finally:
